@@ -1,0 +1,207 @@
+"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+Parameters are plain arrays in an ``equinox.Module``; the per-layer ones are stacked on a
+leading ``[L]`` axis so a deep model is one ``lax.scan`` (one compile, not one per layer).
+Weights are stored ``[in, out]`` (JAX convention); ``relax.models.hf`` transposes at the
+Hugging Face boundary. The embedding and ``lm_head`` are ``[V, D]`` so a tied head is the
+embedding itself.
+
+Attention is a hook: the layer body computes normalised, rotated ``q, k, v`` and hands them
+to ``attend(q, k, v, layer_input) -> (out, layer_output)``. The plain forward plugs in masked
+causal attention; the sampler plugs in prefix-shared cached attention; the trainer plugs in
+prefix-shared training attention. All of them run this same layer code, so sampler and
+trainer log-probs agree by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from relax.models import attention as attn
+from relax.models.config import ModelConfig
+from relax.models.rope import apply_rope, inverse_frequencies, rope_angles
+
+Attend = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
+
+
+class LayerStack(eqx.Module):
+    """All decoder layers' parameters, each with a leading ``[L]`` axis."""
+
+    attn_norm: Float[Array, "L D"]
+    wq: Float[Array, "L D Hq_hd"]
+    wk: Float[Array, "L D Hk_hd"]
+    wv: Float[Array, "L D Hk_hd"]
+    wo: Float[Array, "L Hq_hd D"]
+    mlp_norm: Float[Array, "L D"]
+    w_gate: Float[Array, "L D F"]
+    w_up: Float[Array, "L D F"]
+    w_down: Float[Array, "L F D"]
+    bq: Float[Array, "L Hq_hd"] | None = None
+    bk: Float[Array, "L Hk_hd"] | None = None
+    bv: Float[Array, "L Hk_hd"] | None = None
+    bo: Float[Array, "L D"] | None = None
+    q_norm: Float[Array, "L hd"] | None = None
+    k_norm: Float[Array, "L hd"] | None = None
+    b_gate: Float[Array, "L F"] | None = None
+    b_up: Float[Array, "L F"] | None = None
+    b_down: Float[Array, "L D"] | None = None
+
+
+class Transformer(eqx.Module):
+    """Decoder-only LM. ``model(input_ids, attention_mask) -> logits [B, T, V]`` (float32)."""
+
+    embed: Float[Array, "V D"]
+    layers: LayerStack
+    norm: Float[Array, " D"]
+    lm_head: Float[Array, "V D"] | None
+    config: ModelConfig = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True, default=jnp.float32)
+
+    @property
+    def head(self) -> Float[Array, "V D"]:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def __call__(self, input_ids: Int[Array, "b t"], attention_mask: Array | None = None) -> Float[Array, "b t v"]:
+        h = hidden_states(self, input_ids, attention_mask)
+        return project(self, h)
+
+
+def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.float32,
+         std: float = 0.02) -> Transformer:
+    """Random weights ``N(0, std)``, unit norm scales; biases ``N(0, std)`` too (so tests see them)."""
+    c = config
+    L, D, F, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
+    qd, kd = c.num_heads * hd, c.num_kv_heads * hd
+    keys = iter(jax.random.split(key, 24))
+
+    def normal(*shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(param_dtype)
+
+    def ones(*shape):
+        return jnp.ones(shape, param_dtype)
+
+    layers = LayerStack(
+        attn_norm=ones(L, D), wq=normal(L, D, qd), wk=normal(L, D, kd), wv=normal(L, D, kd),
+        wo=normal(L, qd, D), mlp_norm=ones(L, D), w_gate=normal(L, D, F), w_up=normal(L, D, F),
+        w_down=normal(L, F, D),
+        bq=normal(L, qd) if c.qkv_bias else None,
+        bk=normal(L, kd) if c.qkv_bias else None,
+        bv=normal(L, kd) if c.qkv_bias else None,
+        bo=normal(L, D) if c.o_bias else None,
+        q_norm=ones(L, hd) if c.qk_norm else None,
+        k_norm=ones(L, hd) if c.qk_norm else None,
+        b_gate=normal(L, F) if c.mlp_bias else None,
+        b_up=normal(L, F) if c.mlp_bias else None,
+        b_down=normal(L, D) if c.mlp_bias else None,
+    )
+    return Transformer(
+        embed=normal(c.vocab_size, D), layers=layers, norm=ones(D),
+        lm_head=None if c.tie_word_embeddings else normal(c.vocab_size, D),
+        config=c, dtype=dtype)
+
+
+def cast(model: Transformer, *, param_dtype=None, dtype=None) -> Transformer:
+    """The same model with parameters and/or compute dtype changed."""
+    if param_dtype is not None:
+        model = jax.tree.map(lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model)
+    if dtype is not None:
+        model = dataclasses.replace(model, dtype=dtype)
+    return model
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """``w * (x / sqrt(mean(x^2) + eps))``, the statistic in float32, the result in ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def positions_from_mask(mask: Array) -> Int[Array, "b t"]:
+    """Position of each token among its row's valid tokens (left padding gets position 0)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _linear(x, w, b, dtype):
+    y = jnp.einsum("...i,io->...o", x, w.astype(dtype))
+    return y if b is None else y + b.astype(dtype)
+
+
+def layer_forward(model: Transformer, p: LayerStack, x: Float[Array, "b t D"], cos, sin,
+                  attend: Attend, layer_input: Any) -> tuple[Array, Any]:
+    """One pre-norm decoder layer on unstacked parameters ``p``."""
+    c, dt = model.config, model.dtype
+    b, t, _ = x.shape
+    h = rms_norm(x, p.attn_norm, c.rms_norm_eps)
+    q = _linear(h, p.wq, p.bq, dt).reshape(b, t, c.num_heads, c.head_dim)
+    k = _linear(h, p.wk, p.bk, dt).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = _linear(h, p.wv, p.bv, dt).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, p.q_norm, c.rms_norm_eps)
+        k = rms_norm(k, p.k_norm, c.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o, layer_output = attend(q, k, v, layer_input)
+    x = x + _linear(o.reshape(b, t, -1).astype(dt), p.wo, p.bo, dt)
+    h = rms_norm(x, p.mlp_norm, c.rms_norm_eps)
+    gate = _linear(h, p.w_gate, p.b_gate, dt)
+    up = _linear(h, p.w_up, p.b_up, dt)
+    x = x + _linear(jax.nn.silu(gate) * up, p.w_down, p.b_down, dt)
+    return x, layer_output
+
+
+def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Array, "b t"],
+               attend: Attend, layer_inputs: Any = None, *, unroll: int | bool = 1,
+               remat: bool = False) -> tuple[Float[Array, "b t D"], Any]:
+    """Embedded inputs through every layer and the final norm.
+
+    ``layer_inputs`` is a pytree with a leading ``[L]`` axis (or None); the per-layer outputs
+    of ``attend`` come back stacked on ``[L]``. ``remat`` recomputes each layer in the backward.
+    """
+    cos, sin = rope_angles(inverse_frequencies(model.config), positions)
+
+    def body(h, xs):
+        p, li = xs
+        return layer_forward(model, p, h, cos, sin, attend, li)
+
+    if remat:
+        body = jax.checkpoint(body)
+    x, outputs = jax.lax.scan(body, x, (model.layers, layer_inputs), unroll=unroll)
+    return rms_norm(x, model.norm, model.config.rms_norm_eps), outputs
+
+
+def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t D"]:
+    return jnp.take(model.embed, input_ids, axis=0).astype(model.dtype)
+
+
+def full_attention(model: Transformer, positions: Array, valid: Array) -> Attend:
+    """Causal (optionally sliding-window) attention over the sequence itself; returns (k, v)."""
+    allowed = attn.causal_mask(positions, positions, valid, model.config.sliding_window)
+
+    def attend(q, k, v, _):
+        return attn.attention(q, k, v, allowed), (k, v)
+
+    return attend
+
+
+def hidden_states(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,
+                  *, remat: bool = False) -> Float[Array, "b t D"]:
+    """Final-norm hidden states; positions come from the mask (left padding works)."""
+    if attention_mask is None:
+        attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+    valid = attention_mask.astype(bool)
+    positions = positions_from_mask(attention_mask)
+    attend = full_attention(model, positions, valid)
+    attend_no_kv = lambda q, k, v, li: (attend(q, k, v, li)[0], None)
+    h, _ = run_layers(model, embed(model, input_ids), positions, attend_no_kv, remat=remat)
+    return h
+
+
+def project(model: Transformer, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
+    """Logits ``h @ head^T`` accumulated in float32."""
+    return jnp.einsum("...d,vd->...v", h, model.head.astype(model.dtype),
+                      preferred_element_type=jnp.float32)
