@@ -1,0 +1,87 @@
+"""An independent NumPy (float64) restatement of the transformer, for tests only."""
+
+import math
+
+import numpy as np
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _inv_freq(cfg):
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.kind == "linear":
+        return inv / s.factor
+    out = []
+    for f in inv:
+        wl = 2 * math.pi / f
+        if wl < s.original_max_position / s.high_freq_factor:
+            out.append(f)
+        elif wl > s.original_max_position / s.low_freq_factor:
+            out.append(f / s.factor)
+        else:
+            sm = (s.original_max_position / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+            out.append((1 - sm) * f / s.factor + sm * f)
+    return np.array(out)
+
+
+def _rope(x, pos, inv):  # x [t, h, d]
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def forward(model, ids, mask=None):
+    """Logits [B, T, V] in float64, one row at a time, loops over heads and layers."""
+    cfg = model.config
+    P = lambda a: None if a is None else np.asarray(a, np.float64)
+    L = model.layers
+    ids = np.asarray(ids)
+    mask = np.ones(ids.shape, int) if mask is None else np.asarray(mask)
+    inv = _inv_freq(cfg)
+    head = P(model.embed if model.lm_head is None else model.lm_head)
+    out = np.zeros(ids.shape + (cfg.vocab_size,))
+    for b in range(ids.shape[0]):
+        valid = np.nonzero(mask[b])[0]
+        x = P(model.embed)[ids[b, valid]]
+        t = len(valid)
+        pos = np.arange(t, dtype=np.float64)
+        for l in range(cfg.num_layers):
+            g = lambda name: None if getattr(L, name) is None else P(getattr(L, name)[l])
+            h = _rms(x, g("attn_norm"), cfg.rms_norm_eps)
+            q = h @ g("wq") + (0 if g("bq") is None else g("bq"))
+            k = h @ g("wk") + (0 if g("bk") is None else g("bk"))
+            v = h @ g("wv") + (0 if g("bv") is None else g("bv"))
+            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = _rms(q, g("q_norm"), cfg.rms_norm_eps), _rms(k, g("k_norm"), cfg.rms_norm_eps)
+            q, k = _rope(q, pos, inv), _rope(k, pos, inv)
+            o = np.zeros_like(q)
+            for hq in range(cfg.num_heads):
+                hk = hq // (cfg.num_heads // cfg.num_kv_heads)
+                s = q[:, hq] @ k[:, hk].T / math.sqrt(cfg.head_dim)
+                allowed = np.tril(np.ones((t, t), bool))
+                if cfg.sliding_window is not None:
+                    allowed &= (pos[:, None] - pos[None, :]) < cfg.sliding_window
+                s = np.where(allowed, s, -np.inf)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                o[:, hq] = (p / p.sum(-1, keepdims=True)) @ v[:, hk]
+            x = x + o.reshape(t, -1) @ g("wo") + (0 if g("bo") is None else g("bo"))
+            h = _rms(x, g("mlp_norm"), cfg.rms_norm_eps)
+            gate = h @ g("w_gate") + (0 if g("b_gate") is None else g("b_gate"))
+            up = h @ g("w_up") + (0 if g("b_up") is None else g("b_up"))
+            act = gate / (1 + np.exp(-gate)) * up
+            x = x + act @ g("w_down") + (0 if g("b_down") is None else g("b_down"))
+        x = _rms(x, P(model.norm), cfg.rms_norm_eps)
+        out[b, valid] = x @ head.T
+    return out
