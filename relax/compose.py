@@ -1,0 +1,145 @@
+"""Stages and their composition: a training step is ``compose(rollout, score, advantage, update)``.
+
+A stage is a pure function ``(state, batch) -> (state, batch)`` over pytrees, marked jittable
+(runs inside ``jax.jit``) or host (plain Python: tokenizers, Python reward functions, logging).
+``compose`` fuses every run of adjacent jittable stages into ONE ``jax.jit`` and runs host stages
+between them, so a step with one host stage in the middle is exactly two compiled programs.
+
+    step = compose(stage(rollout), stage(score, jit=False), stage(advantage), stage(update))
+    state, batch = step(state, batch)        # jit(rollout) -> score on host -> jit(advantage+update)
+
+Donation: a fused program donates its ``state`` argument (``donate_argnums=0``) when every stage in
+it allows it (``donate_state=True``, the default), so the caller must use the RETURNED state and
+must not keep references to the old one (its buffers may be deleted). Arrays shared between
+``state`` and ``batch`` must not be donated: give the stage ``donate_state=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+StageFn = Callable[[Any, Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One unit of execution: a fused jitted program or a single host function."""
+
+    names: tuple[str, ...]
+    jittable: bool
+    run: StageFn
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A step ``(state, batch) -> (state, batch)``; calling it runs its compiled segments.
+
+    ``fn`` is the pure (unjitted) function; for a composed stage it calls its ``parts`` in order.
+    ``parts`` is empty for a leaf stage, else the flattened leaf stages. ``segments`` is the
+    execution plan (built once, so repeated calls reuse the same jitted programs and caches).
+    """
+
+    fn: StageFn
+    jittable: bool = True
+    name: str | None = None
+    donate_state: bool = True
+    parts: tuple[Stage, ...] = ()
+    segments: tuple[Segment, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "segments", _plan(self.parts if self.parts else (self,)))
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        for seg in self.segments:
+            state, batch = seg.run(state, batch)
+        return state, batch
+
+    @property
+    def leaves(self) -> tuple[Stage, ...]:
+        """The leaf stages this stage runs, in order (itself for a leaf)."""
+        return self.parts if self.parts else (self,)
+
+    @property
+    def jitted(self) -> tuple[Any, ...]:
+        """The ``jax.jit`` objects of the jittable segments (e.g. for ``._cache_size()``)."""
+        return tuple(seg.run for seg in self.segments if seg.jittable)
+
+    def cache_sizes(self) -> tuple[int, ...]:
+        """Number of compiled executables cached per jitted segment (one per input signature)."""
+        return tuple(j._cache_size() for j in self.jitted)
+
+
+def stage(
+    fn: StageFn | None = None, *, jit: bool = True, name: str | None = None, donate_state: bool = True
+) -> Stage | Callable[[StageFn], Stage]:
+    """Wrap ``fn(state, batch) -> (state, batch)`` as a ``Stage``; usable as ``@stage(jit=False)``.
+
+    ``jit=False`` marks a host stage (runs as plain Python, may convert to numpy, call tokenizers,
+    have side effects). ``name`` defaults to ``fn.__name__``. ``donate_state`` allows a jitted
+    program containing this stage to donate its input state.
+    """
+    if fn is None:
+        return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state)
+    if isinstance(fn, Stage):
+        raise TypeError("fn is already a Stage; compose it, or wrap its .fn")
+    if not callable(fn):
+        raise TypeError(f"stage fn must be callable, got {type(fn).__name__}")
+    label = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
+    return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state)
+
+
+def compose(*stages: Stage, name: str | None = None) -> Stage:
+    """Sequential composition ``s_k o ... o s_1`` as one ``Stage``.
+
+    Composed stages are flattened into their leaf stages first, so fusion crosses nesting:
+    ``compose(compose(a, b), c)`` with all three jittable is ONE jitted program. The result is
+    jittable iff every part is, and allows donation iff every part does.
+    """
+    if not stages:
+        raise ValueError("compose needs at least one stage")
+    for s in stages:
+        if not isinstance(s, Stage):
+            raise TypeError(f"compose takes Stage objects (wrap functions with stage()), got {type(s).__name__}")
+    leaves = tuple(leaf for s in stages for leaf in s.leaves)
+    return Stage(
+        fn=_chain(leaves),
+        jittable=all(s.jittable for s in leaves),
+        name=name if name is not None else "+".join(s.name for s in leaves),
+        donate_state=all(s.donate_state for s in leaves),
+        parts=leaves,
+    )
+
+
+def _chain(leaves: tuple[Stage, ...]) -> StageFn:
+    fns = tuple(s.fn for s in leaves)
+
+    def chained(state, batch):
+        for f in fns:
+            state, batch = f(state, batch)
+        return state, batch
+
+    return chained
+
+
+def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
+    """Group adjacent jittable leaves into one jitted segment each; host leaves stand alone."""
+    groups: list[list[Stage]] = []
+    for leaf in leaves:
+        if leaf.jittable and groups and groups[-1][-1].jittable:
+            groups[-1].append(leaf)
+        else:
+            groups.append([leaf])
+    segments = []
+    for group in groups:
+        names = tuple(s.name for s in group)
+        if group[0].jittable:
+            donate = (0,) if all(s.donate_state for s in group) else ()
+            run = jax.jit(_chain(tuple(group)), donate_argnums=donate)
+            segments.append(Segment(names=names, jittable=True, run=run))
+        else:
+            segments.append(Segment(names=names, jittable=False, run=group[0].fn))
+    return tuple(segments)
