@@ -1,8 +1,10 @@
 """Grouped-query attention over one or more key/value blocks, merged by log-sum-exp.
 
-Queries are ``[B, T, Hq, D]`` and keys/values ``[B, S, Hkv, D]`` with ``Hq = R * Hkv``; the
-``R`` query heads of a group share one KV head, so scores are computed as
-``[B, Hkv, R, T, S]`` without repeating K and V.
+Keys and values are kept head-major, ``[B, Hkv, S, D]``, so that every score and output
+product is a plain batched matmul over ``(B, Hkv)`` with no transpose of a cache (on CPU a
+``[B, S, H, D]`` cache costs one full copy per layer per decode step). Queries are grouped
+as ``[B, Hkv, M, D]``: the ``M`` rows of one KV head are its ``R = Hq / Hkv`` query heads
+times the query positions (or, in the sampler, times the G completions that share a prompt).
 
 A softmax over the union of several key blocks is assembled exactly from per-block partial
 results (the cascade / Hydragen identity)::
@@ -12,7 +14,7 @@ results (the cascade / Hydragen identity)::
     o = sum_i exp(lse_i - lse) o_i,   lse = logsumexp_i lse_i
 
 which is what the sampler uses to attend to one shared prompt block plus each completion's
-own block, and what the prefix-shared training forward uses too.
+own block. Scores are ``q.k / sqrt(D)``.
 """
 
 from __future__ import annotations
@@ -25,51 +27,42 @@ NEG_INF = -1e30  # finite, so rows with no visible key give zeros, never NaN
 
 
 def partial_attention(
-    q: Float[Array, "b t hk r d"],
-    k: Float[Array, "b s hk d"],
-    v: Float[Array, "b s hk d"],
-    allowed: Bool[Array, "b t s"] | Bool[Array, "b hk r t s"],
-) -> tuple[Float[Array, "b t hk r d"], Float[Array, "b hk r t"]]:
+    q: Float[Array, "b hk m d"],
+    k: Float[Array, "b hk s d"],
+    v: Float[Array, "b hk s d"],
+    allowed: Bool[Array, "b #hk #m s"],
+) -> tuple[Float[Array, "b hk m d"], Float[Array, "b hk m"]]:
     """Softmax attention of grouped queries over one key block.
 
-    Returns the block-normalised output and the per-query log-sum-exp of the scores
-    (float32; ``NEG_INF``-ish where nothing is visible). Scores are ``q.k / sqrt(d)``.
+    Returns the block-normalised output (float32) and the per-query log-sum-exp of the
+    scores (float32; about ``NEG_INF`` where nothing is visible).
     """
     scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("bthrd,bshd->bhrts", q, k, preferred_element_type=jnp.float32) * scale
-    if allowed.ndim == 3:
-        allowed = allowed[:, None, None]
+    scores = jnp.einsum("bhmd,bhsd->bhms", q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(allowed, scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.exp(scores - m)
-    p = jnp.where(allowed, p, 0.0)
+    p = jnp.where(allowed, jnp.exp(scores - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
     safe_l = jnp.where(l > 0, l, 1.0)
-    out = jnp.einsum("bhrts,bshd->bthrd", (p / safe_l).astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum("bhms,bhsd->bhmd", (p / safe_l).astype(v.dtype), v, preferred_element_type=jnp.float32)
     lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(safe_l[..., 0]), NEG_INF)
     return out, lse
 
 
-def merge_partials(
-    outs: list[Float[Array, "b t hk r d"]], lses: list[Float[Array, "b hk r t"]]
-) -> Float[Array, "b t hk r d"]:
+def merge_partials(outs: list[Float[Array, "b hk m d"]], lses: list[Float[Array, "b hk m"]]
+                   ) -> Float[Array, "b hk m d"]:
     """Exact softmax over the union of key blocks from per-block (output, lse) pairs."""
-    stacked = jnp.stack(lses)  # [n, b, hk, r, t]
-    total = jax.nn.logsumexp(stacked, axis=0)
-    weights = jnp.exp(stacked - total)  # [n, b, hk, r, t]
-    weights = jnp.moveaxis(weights, -1, 2)  # [n, b, t, hk, r]
+    stacked = jnp.stack(lses)
+    weights = jnp.exp(stacked - jax.nn.logsumexp(stacked, axis=0))
     return sum(w[..., None] * o for w, o in zip(weights, outs))
 
 
-def group_queries(q: Float[Array, "b t hq d"], num_kv_heads: int) -> Float[Array, "b t hk r d"]:
-    b, t, hq, d = q.shape
-    return q.reshape(b, t, num_kv_heads, hq // num_kv_heads, d)
+def heads_major(x: Float[Array, "b t h d"]) -> Float[Array, "b h t d"]:
+    return jnp.swapaxes(x, 1, 2)
 
 
-def causal_mask(
-    q_positions: Array, k_positions: Array, k_valid: Bool[Array, "b s"], window: int | None
-) -> Bool[Array, "b t s"]:
+def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "b s"],
+                window: int | None) -> Bool[Array, "b t s"]:
     """``k_valid[s] & pos_k[s] <= pos_q[t]`` (and ``pos_q - pos_k < window`` when sliding)."""
     qp = q_positions[:, :, None]
     kp = k_positions[:, None, :]
@@ -79,13 +72,13 @@ def causal_mask(
     return allowed
 
 
-def attention(
-    q: Float[Array, "b t hq d"],
-    k: Float[Array, "b s hk d"],
-    v: Float[Array, "b s hk d"],
-    allowed: Bool[Array, "b t s"],
-) -> Float[Array, "b t hq d"]:
-    """Plain masked grouped-query attention over one block, output in ``q.dtype``."""
+def attention(q: Float[Array, "b t hq d"], k: Float[Array, "b hk s d"], v: Float[Array, "b hk s d"],
+              allowed: Bool[Array, "b t s"]) -> Float[Array, "b t hq d"]:
+    """Masked grouped-query attention of a sequence over one head-major block, in ``q.dtype``."""
     b, t, hq, d = q.shape
-    out, _ = partial_attention(group_queries(q, k.shape[2]), k, v, allowed)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    hk = k.shape[1]
+    r = hq // hk
+    qg = q.reshape(b, t, hk, r, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, r * t, d)
+    mask = jnp.broadcast_to(allowed[:, None, None], (b, 1, r, t, allowed.shape[-1]))
+    out, _ = partial_attention(qg, k, v, mask.reshape(b, 1, r * t, -1))
+    return out.reshape(b, hk, r, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)

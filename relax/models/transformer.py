@@ -154,13 +154,23 @@ def layer_forward(model: Transformer, p: LayerStack, x: Float[Array, "b t D"], c
     return x, layer_output
 
 
+def unstack_layers(model: Transformer) -> list[LayerStack]:
+    """Per-layer parameters, for a Python loop over layers (see ``run_layers``)."""
+    return [jax.tree.map(lambda a: a[i], model.layers) for i in range(model.config.num_layers)]
+
+
 def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Array, "b t"],
-               attend: Attend, layer_inputs: Any = None, *, unroll: int | bool = 1,
+               attend: Attend, layer_inputs: Any = None, *, layers: list[LayerStack] | None = None,
                remat: bool = False) -> tuple[Float[Array, "b t D"], Any]:
     """Embedded inputs through every layer and the final norm.
 
-    ``layer_inputs`` is a pytree with a leading ``[L]`` axis (or None); the per-layer outputs
-    of ``attend`` come back stacked on ``[L]``. ``remat`` recomputes each layer in the backward.
+    By default the stacked ``model.layers`` run as one ``lax.scan`` (compiles once however
+    deep the model); ``layer_inputs`` is then a pytree with a leading ``[L]`` axis (or None)
+    and the per-layer outputs of ``attend`` come back stacked on ``[L]``. With ``layers`` (from
+    ``unstack_layers``) the layers run as a Python loop, ``layer_inputs`` and the outputs are
+    lists: the decode loop uses this so that each layer's cache is its own buffer, updated in
+    place, instead of a slice that ``scan`` copies at every step. ``remat`` recomputes each
+    layer in the backward pass.
     """
     cos, sin = rope_angles(inverse_frequencies(model.config), positions)
 
@@ -170,7 +180,14 @@ def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Arra
 
     if remat:
         body = jax.checkpoint(body)
-    x, outputs = jax.lax.scan(body, x, (model.layers, layer_inputs), unroll=unroll)
+    if layers is None:
+        x, outputs = jax.lax.scan(body, x, (model.layers, layer_inputs))
+    else:
+        inputs = [None] * len(layers) if layer_inputs is None else layer_inputs
+        outputs = []
+        for p, li in zip(layers, inputs):
+            x, out = body(x, (p, li))
+            outputs.append(out)
     return rms_norm(x, model.norm, model.config.rms_norm_eps), outputs
 
 
@@ -179,10 +196,11 @@ def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t
 
 
 def full_attention(model: Transformer, positions: Array, valid: Array) -> Attend:
-    """Causal (optionally sliding-window) attention over the sequence itself; returns (k, v)."""
+    """Causal (optionally sliding-window) attention over the sequence itself; returns head-major (k, v)."""
     allowed = attn.causal_mask(positions, positions, valid, model.config.sliding_window)
 
     def attend(q, k, v, _):
+        k, v = attn.heads_major(k), attn.heads_major(v)
         return attn.attention(q, k, v, allowed), (k, v)
 
     return attend

@@ -1,0 +1,253 @@
+"""Batched G-completion sampling with a prefix-shared KV cache (DESIGN.md §4).
+
+Each prompt is prefilled once; its keys/values are stored ONCE per prompt
+(``prompt_kv [L, P, Hkv, Lp, D]``) while each completion has its own block
+(``completion_kv [L, P*G, Hkv, N, D]``). A decode step attends to two blocks - the shared
+prompt (the G completions folded into the query-head axis, so it is one dense matmul per KV
+head) and the completion's own cache, into which the step's key/value was just written - and merges the partial softmaxes
+exactly through their log-sum-exps (``relax.models.attention.merge_partials``). Prefill
+computes logits only at the last prompt position. Prefill and the whole decode loop are one
+jitted program; the loop is a ``lax.while_loop`` that stops when every sequence has hit a
+stop id or the budget.
+
+The layer code is the model's own (``transformer.run_layers``): the sampler only supplies
+the attention, so its log-probs equal the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from relax.models import attention as attn
+from relax.models.transformer import (Transformer, embed, full_attention, positions_from_mask, project,
+                                      run_layers, unstack_layers)
+from relax.sampling import SamplingConfig, sample, uniforms
+
+DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
+
+
+class Rollout(eqx.Module):
+    """G completions of P prompts. ``mask`` is 1 up to and including the stop token."""
+
+    tokens: Int[Array, "p g n"]
+    mask: Int[Array, "p g n"]
+    logprobs: Float[Array, "p g n"]
+    lengths: Int[Array, "p g"]
+    finished: Bool[Array, "p g"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """What the compiled sampler is specialised on (a new value compiles a new program)."""
+
+    num_generations: int
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+
+    def __post_init__(self):
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
+            raise ValueError(f"prompt_buckets must be increasing and non-empty, got {self.prompt_buckets}")
+
+
+def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= length:
+            return b
+    raise ValueError(f"prompt length {length} is longer than the largest prompt bucket {buckets[-1]}")
+
+
+def validate(model: Transformer, prompt_ids, prompt_mask, cfg: RolloutConfig) -> np.ndarray:
+    """Host-side checks before anything is compiled; returns the prompt lengths."""
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must both be [P, Lp]")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"prompt_ids must be integers, got {ids.dtype}")
+    lengths = mask.astype(bool).sum(axis=1)
+    empty = np.nonzero(lengths == 0)[0]
+    if empty.size:
+        raise ValueError(f"prompt rows {empty.tolist()} are empty (all-zero prompt_mask)")
+    c = model.config
+    bad = np.nonzero((ids < 0) | (ids >= c.vocab_size))
+    if bad[0].size:
+        raise ValueError(f"prompt_ids[{bad[0][0]}, {bad[1][0]}] = {ids[bad][0]} is outside the vocabulary [0, {c.vocab_size})")
+    longest = int(lengths.max())
+    if longest > c.max_position_embeddings:
+        raise ValueError(f"prompt row {int(lengths.argmax())} has {longest} tokens, longer than the "
+                         f"model's context ({c.max_position_embeddings})")
+    bucket_length(ids.shape[1], cfg.prompt_buckets)
+    if longest + cfg.max_new_tokens > c.max_position_embeddings:
+        raise ValueError(f"max_new_tokens={cfg.max_new_tokens} after a {longest}-token prompt overflows the "
+                         f"model's context of {c.max_position_embeddings} positions")
+    for e in cfg.eos_ids:
+        if not 0 <= e < c.vocab_size:
+            raise ValueError(f"stop id {e} is outside the vocabulary [0, {c.vocab_size})")
+    if not 0 <= cfg.pad_id < c.vocab_size:
+        raise ValueError(f"pad_id {cfg.pad_id} is outside the vocabulary [0, {c.vocab_size})")
+    return lengths
+
+
+def _prefill(model: Transformer, ids, mask):
+    """Head-major prompt K/V ``[L, P, Hkv, Lp, D]`` and last-position logits (the only ones needed)."""
+    pos = positions_from_mask(mask)
+    attend = full_attention(model, pos, mask.astype(bool))
+    h, (pk, pv) = run_layers(model, embed(model, ids), pos, attend)
+    return pk, pv, project(model, h[:, -1])
+
+
+def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_valid, t):
+    """Attention of one new token per completion over [shared prompt | own cache incl. itself].
+
+    ``q`` arrives as ``[P*G, 1, Hq, D]``; for the prompt block the G completions of a prompt
+    are folded into the query rows, ``[P, Hkv, G*R, D]``, against the prompt's single copy
+    of its keys ``[P, Hkv, Lp, D]``.
+    """
+    c = model.config
+    window = c.sliding_window
+    hk, r = c.num_kv_heads, c.q_per_kv
+
+    def attend(q, k, v, layer_input):
+        pk, pv, ck, cv = layer_input
+        b, _, hq, d = q.shape
+        p = b // num_gen
+        n = ck.shape[2]
+        qg = q.reshape(b, hk, r, d)  # one query position: rows of a KV head are its R heads
+        qp = qg.reshape(p, num_gen, hk, r, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * r, d)
+        allowed_p = prompt_valid[:, None, None, :]
+        if window is not None:
+            qpos_p = q_pos.reshape(p, num_gen)[:, 0]
+            allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
+        op, lp = attn.partial_attention(qp, pk, pv, allowed_p)
+        op = op.reshape(p, hk, num_gen, r, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r, d)
+        lp = lp.reshape(p, hk, num_gen, r).transpose(0, 2, 1, 3).reshape(b, hk, r)
+        # the completion's own cache, with this step's key/value written first (slot t), so
+        # the buffer is updated in place before it is read
+        ck = jax.lax.dynamic_update_index_in_dim(ck, k.reshape(b, hk, d).astype(ck.dtype), t, axis=2)
+        cv = jax.lax.dynamic_update_index_in_dim(cv, v.reshape(b, hk, d).astype(cv.dtype), t, axis=2)
+        slots = jnp.arange(n)
+        allowed_c = slots <= t
+        if window is not None:
+            allowed_c = allowed_c & (t - slots < window)
+        oc, lc = attn.partial_attention(qg, ck, cv, allowed_c[None, None, None, :])
+        out = attn.merge_partials([op, oc], [lp, lc])
+        return out.reshape(b, 1, hq, d).astype(q.dtype), (ck, cv)
+
+    return attend
+
+
+def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+    c = model.config
+    p, _ = prompt_ids.shape
+    g, n = cfg.num_generations, cfg.max_new_tokens
+    b = p * g
+    dtype = model.dtype
+    pk, pv, logits0 = _prefill(model, prompt_ids, prompt_mask)
+    prompt_pos = positions_from_mask(prompt_mask)
+    prompt_valid = prompt_mask.astype(bool)
+    prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    keys = jax.random.split(key, b)
+    eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
+
+    def draw(logits, step):
+        tok, logp = sample(logits, uniforms(keys, step), cfg.sampling)
+        return tok, logp
+
+    tok0, lp0 = draw(jnp.repeat(logits0, g, axis=0), 0)
+    finished0 = jnp.isin(tok0, eos)
+    tokens = jnp.full((b, n), cfg.pad_id, jnp.int32).at[:, 0].set(tok0)
+    logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
+    mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
+    # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
+    # so nothing is sliced (copied) per step and each cache is updated in place.
+    layers = unstack_layers(model)
+    prompt_kv = [(pk[i], pv[i]) for i in range(c.num_layers)]
+    kv_shape = (b, c.num_kv_heads, n, c.head_dim)
+    ck = [jnp.zeros(kv_shape, dtype) for _ in range(c.num_layers)]
+    cv = [jnp.zeros(kv_shape, dtype) for _ in range(c.num_layers)]
+    q_pos_base = jnp.repeat(prompt_len, g)
+
+    def cond(s):
+        t, *_, finished = s
+        return (t < n - 1) & ~jnp.all(finished)
+
+    def body(s):
+        t, tokens, logps, mask, ck, cv, finished = s
+        cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
+        q_pos = (q_pos_base + t)[:, None]
+        attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t)
+        inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
+        h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers)
+        ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
+        tok, lp = draw(project(model, h[:, 0]), t + 1)
+        alive = ~finished
+        tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
+        logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
+        mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
+        finished = finished | (alive & jnp.isin(tok, eos))
+        return t + 1, tokens, logps, mask, ck, cv, finished
+
+    state = (jnp.int32(0), tokens, logps, mask, ck, cv, finished0)
+    _, tokens, logps, mask, _, _, finished = jax.lax.while_loop(cond, body, state)
+    shape = (p, g, n)
+    return Rollout(tokens=tokens.reshape(shape), mask=mask.reshape(shape), logprobs=logps.reshape(shape),
+                   lengths=jnp.sum(mask, axis=1).reshape(p, g), finished=finished.reshape(p, g))
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_generate(cfg: RolloutConfig):
+    """The jitted sampler for one config (jax caches one executable per input shape)."""
+    return jax.jit(functools.partial(_generate, cfg=cfg))
+
+
+def pad_to_bucket(prompt_ids, prompt_mask, buckets: tuple[int, ...], pad_id: int):
+    """Left-pad the prompt buffers to their length bucket so nearby lengths share a compile."""
+    lp = prompt_ids.shape[1]
+    target = bucket_length(lp, buckets)
+    if target == lp:
+        return jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
+    extra = target - lp
+    ids = jnp.pad(jnp.asarray(prompt_ids, jnp.int32), ((0, 0), (extra, 0)), constant_values=pad_id)
+    mask = jnp.pad(jnp.asarray(prompt_mask, jnp.int32), ((0, 0), (extra, 0)))
+    return ids, mask
+
+
+def generate(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"], *,
+             key: Array, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             eos_ids: tuple[int, ...] | int | None = None, pad_id: int = 0,
+             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> Rollout:
+    """Sample ``num_generations`` completions of each left-padded prompt.
+
+    ``eos_ids=None`` takes the model config's ``eos_token_id`` (none: run to the budget).
+    The same key gives the same tokens; each completion's randomness is its own.
+    """
+    if eos_ids is None:
+        eos_ids = model.config.eos_ids
+    elif isinstance(eos_ids, int):
+        eos_ids = (eos_ids,)
+    cfg = RolloutConfig(
+        num_generations=num_generations, max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+        eos_ids=tuple(int(e) for e in eos_ids), pad_id=pad_id, prompt_buckets=tuple(prompt_buckets))
+    return generate_with(model, prompt_ids, prompt_mask, key, cfg)
+
+
+def generate_with(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+    """``generate`` from a ready ``RolloutConfig``: validate on the host, bucket, run."""
+    validate(model, prompt_ids, prompt_mask, cfg)
+    ids, mask = pad_to_bucket(prompt_ids, prompt_mask, cfg.prompt_buckets, cfg.pad_id)
+    return compiled_generate(cfg)(model, ids, mask, key)
