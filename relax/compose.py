@@ -8,6 +8,9 @@ between them, so a step with one host stage in the middle is exactly two compile
     step = compose(stage(rollout), stage(score, jit=False), stage(advantage), stage(update))
     state, batch = step(state, batch)        # jit(rollout) -> score on host -> jit(advantage+update)
 
+Batches are usually dicts: entries holding host data (prompt strings, dataset fields) are
+passed around the jitted programs and are visible to host stages only.
+
 Donation: a fused program donates its ``state`` argument (``donate_argnums=0``) when every stage in
 it allows it (``donate_state=True``, the default), so the caller must use the RETURNED state and
 must not keep references to the old one (its buffers may be deleted). Arrays shared between
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 StageFn = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -32,6 +36,7 @@ class Segment:
     names: tuple[str, ...]
     jittable: bool
     run: StageFn
+    jitted: Any = None  # the jax.jit object of a jittable segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,7 @@ class Stage:
     @property
     def jitted(self) -> tuple[Any, ...]:
         """The ``jax.jit`` objects of the jittable segments (e.g. for ``._cache_size()``)."""
-        return tuple(seg.run for seg in self.segments if seg.jittable)
+        return tuple(seg.jitted for seg in self.segments if seg.jittable)
 
     def cache_sizes(self) -> tuple[int, ...]:
         """Number of compiled executables cached per jitted segment (one per input signature)."""
@@ -138,8 +143,29 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
         names = tuple(s.name for s in group)
         if group[0].jittable:
             donate = (0,) if all(s.donate_state for s in group) else ()
-            run = jax.jit(_chain(tuple(group)), donate_argnums=donate)
-            segments.append(Segment(names=names, jittable=True, run=run))
+            jitted = jax.jit(_chain(tuple(group)), donate_argnums=donate)
+            segments.append(Segment(names=names, jittable=True, run=_host_passthrough(jitted), jitted=jitted))
         else:
             segments.append(Segment(names=names, jittable=False, run=group[0].fn))
     return tuple(segments)
+
+
+def _is_device_value(value: Any) -> bool:
+    return all(isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float))
+               for leaf in jax.tree.leaves(value))
+
+
+def _host_passthrough(jitted: Callable) -> StageFn:
+    """Run a jitted segment on a dict batch whose host entries (strings, lists of text, other
+    Python objects) bypass the jit: the segment sees only array entries, and the host entries
+    are merged back into its output. Jittable stages cannot use host data anyway."""
+
+    def run(state, batch):
+        if isinstance(batch, dict):
+            host = {k: v for k, v in batch.items() if not _is_device_value(v)}
+            if host:
+                state, out = jitted(state, {k: v for k, v in batch.items() if k not in host})
+                return state, {**host, **out}
+        return jitted(state, batch)
+
+    return run

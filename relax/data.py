@@ -1,0 +1,425 @@
+"""Prompt data: jsonl / parquet records -> a grain pipeline of fixed-shape ``PromptBatch``es.
+
+The GRPO trainer pulls one ``PromptBatch`` per step. Everything here runs on the host.
+
+Loading is eager: at build time every row is read, its prompt formatted (chat template) and
+tokenized, so a missing field, a bad JSON line or an overlong prompt (``overlong="reject"``)
+fails before training starts, with the file, the 1-based row (the line number for jsonl) and
+the field in the message. The grain pipeline then only shuffles, repeats, batches and pads:
+
+    MapDataset.source(examples).shuffle(seed).repeat(num_epochs)
+        .batch(batch_size, drop_remainder=True).map(collate).to_iter_dataset()
+
+- ``shuffle`` draws a new, seed-determined order every epoch; epochs are concatenated and cut
+  into global batches of ``batch_size`` prompts (a batch may straddle two epochs); with a
+  finite ``num_epochs`` the last partial batch is dropped, so every batch has the same shape.
+- Multi-process: ``batch_size`` is the GLOBAL number of prompts per step. Every process builds
+  the same global batch and keeps the contiguous slice ``[i * P/n : (i+1) * P/n]`` for process
+  ``i`` of ``n``; the slices are disjoint and their union, in process order, is the global
+  batch (the layout ``jax.make_array_from_process_local_data`` expects for a data-sharded
+  batch axis). The padded length is chosen from the whole global batch, so every process
+  gets the same ``Lp``.
+- Padding: left, to ``max_prompt_tokens`` or, with ``prompt_buckets``, to the smallest bucket
+  holding the longest prompt of the global batch (``max_prompt_tokens`` is the top bucket).
+- Overlong prompts: ``"truncate"`` keeps the LAST tokens (the end of a prompt holds the
+  question and the generation prompt), after the bos token, which is kept; no row is ever
+  dropped. ``"reject"`` raises naming the file, row and token length.
+- The iterator is a grain ``DatasetIterator``: ``get_state()`` / ``set_state()`` resume
+  exactly where a run left off (checkpoint the state with the train state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar
+
+import grain
+import numpy as np
+
+from relax.tokenizer import Tokenizer
+
+PathLike = str | os.PathLike[str]
+T = TypeVar("T")
+SUFFIXES = (".jsonl", ".parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from and how they are formatted, tokenized and batched.
+
+    ``path``: a ``.jsonl`` / ``.parquet`` file, a directory (its ``*.jsonl`` and ``*.parquet``
+    files, sorted by name) or a sequence of those, read in order. ``answer_field`` /
+    ``data_source_field`` may be None (no answers / no data source). ``chat_template`` wraps a
+    string prompt as one user message; a prompt that is a list of ``{role, content}`` messages
+    always goes through the tokenizer's chat template. ``system_prompt`` (needs
+    ``chat_template=True``) is prepended as a system message unless the messages start with
+    one. ``eval_fraction`` holds that share of the rows out of training, chosen by ``seed``
+    (see ``train_eval_split`` and ``eval_records``).
+    """
+
+    path: PathLike | Sequence[PathLike]
+    batch_size: int
+    max_prompt_tokens: int
+    prompt_field: str = "prompt"
+    answer_field: str | None = "answer"
+    data_source_field: str | None = "data_source"
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = None
+    overlong: Literal["truncate", "reject"] = "truncate"
+    chat_template: bool = False
+    system_prompt: str | None = None
+    add_bos: bool = True
+    prompt_buckets: tuple[int, ...] = ()
+    eval_fraction: float = 0.0
+
+    def __post_init__(self):
+        # Plain strings so the config serialises (checkpoints store it as JSON).
+        single = isinstance(self.path, (str, os.PathLike))
+        path = os.fspath(self.path) if single else tuple(os.fspath(p) for p in self.path)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_prompt_tokens < 1 + int(self.add_bos):
+            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} leaves no room")
+        if self.overlong not in ("truncate", "reject"):
+            raise ValueError(f"overlong must be 'truncate' or 'reject', got {self.overlong!r}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"num_epochs must be None (forever) or >= 1, got {self.num_epochs}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template=True")
+        b = self.prompt_buckets
+        if list(b) != sorted(set(b)) or (b and (b[0] < 1 or b[-1] > self.max_prompt_tokens)):
+            raise ValueError(f"prompt_buckets must increase within [1, max_prompt_tokens], got {b}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """One process's share of a step's prompts (``P`` = batch_size / process_count).
+
+    ``prompts`` are the formatted texts (after the chat template, before any truncation);
+    ``fields`` holds every other column of the rows (None where a row lacks it);
+    ``data_source`` is None when the data has no data-source column.
+    """
+
+    prompt_ids: np.ndarray  # int32 [P, Lp], left-padded
+    prompt_mask: np.ndarray  # int32 [P, Lp], 1 on real tokens
+    prompts: list[str]
+    answers: list[Any]
+    fields: dict[str, list[Any]]
+    data_source: list[str] | None
+
+
+class MissingFieldError(KeyError):
+    """A row lacks a required field; the message names the file, the row and the field."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
+class _Row(NamedTuple):
+    file: str
+    row: int  # 1-based: the line number for jsonl, the row number for parquet
+    record: dict[str, Any]
+
+
+class _Example(NamedTuple):
+    ids: list[int]
+    text: str
+    answer: Any
+    data_source: Any
+    extras: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------- reading
+
+
+def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
+    """The data files ``path`` names: a file, a directory's jsonl/parquet files, or a list."""
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths:
+        raise ValueError("no data path given")
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
+            if not found:
+                raise FileNotFoundError(f"directory {p} holds no .jsonl or .parquet file")
+            files += found
+        elif not p.is_file():
+            raise FileNotFoundError(f"data file not found: {p}")
+        elif p.suffix not in SUFFIXES:
+            raise ValueError(f"{p}: unsupported data file type {p.suffix!r} (.jsonl or .parquet)")
+        else:
+            files.append(p)
+    return files
+
+
+def _read_jsonl(file: Path) -> list[_Row]:
+    rows = []
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                msg = f"{file}: line {lineno}: invalid JSON: {e.msg} (column {e.colno})"
+                raise ValueError(msg) from e
+            if not isinstance(record, dict):
+                kind = type(record).__name__
+                raise ValueError(f"{file}: line {lineno}: expected a JSON object, got {kind}")
+            rows.append(_Row(str(file), lineno, record))
+    return rows
+
+
+def _read_parquet(file: Path) -> list[_Row]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {file} needs pyarrow: pip install pyarrow") from e
+    try:
+        records = pq.read_table(file).to_pylist()
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise ValueError(f"{file}: cannot read parquet: {e}") from e
+    return [_Row(str(file), i, r) for i, r in enumerate(records, start=1)]
+
+
+def _read_rows(path: PathLike | Sequence[PathLike], fields: Sequence[str] = ()) -> list[_Row]:
+    rows = []
+    for file in resolve_files(path):
+        new = _read_jsonl(file) if file.suffix == ".jsonl" else _read_parquet(file)
+        if not new:
+            raise ValueError(f"{file}: data file is empty")
+        for r in new:
+            _require(r, fields)
+        rows += new
+    return rows
+
+
+def _require(r: _Row, fields: Sequence[str]) -> None:
+    for name in fields:
+        if name not in r.record:
+            msg = f"{r.file}: row {r.row}: missing field {name!r} (row has {sorted(r.record)})"
+            raise MissingFieldError(msg)
+
+
+def load_records(path: PathLike | Sequence[PathLike], *, fields: Sequence[str] = ()) -> list[dict]:
+    """Every row of ``path`` (see ``resolve_files``) as a dict, in file order.
+
+    Each name in ``fields`` must be present in every row; a missing one raises
+    ``MissingFieldError`` (a KeyError) naming the file, the 1-based row (jsonl: line number)
+    and the field. Blank jsonl lines are skipped; an empty file raises.
+    """
+    return [r.record for r in _read_rows(path, fields)]
+
+
+def train_eval_split(
+    items: Sequence[T], eval_fraction: float, seed: int
+) -> tuple[list[T], list[T]]:
+    """Deterministic held-out split: ``(train, eval)``, each in the original order.
+
+    ``round(len * eval_fraction)`` items (at least one if the fraction is > 0) chosen by a
+    permutation seeded with ``seed``; the same inputs always give the same split.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    n = len(items)
+    n_eval = max(round(n * eval_fraction), 1) if eval_fraction > 0 else 0
+    if n_eval >= n and n_eval > 0:
+        raise ValueError(f"eval_fraction={eval_fraction} of {n} rows leaves nothing to train on")
+    held = set(np.random.default_rng(seed).permutation(n)[:n_eval].tolist())
+    return [x for i, x in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
+
+
+def _split_rows(cfg: DataConfig, split: Literal["train", "eval"]) -> list[_Row]:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    train, held = train_eval_split(_read_rows(cfg.path), cfg.eval_fraction, cfg.seed)
+    return train if split == "train" else held
+
+
+def eval_records(cfg: DataConfig) -> list[dict]:
+    """The rows ``cfg.eval_fraction`` holds out of training (empty when it is 0)."""
+    return [r.record for r in _split_rows(cfg, "eval")]
+
+
+# ------------------------------------------------------------------------- formatting
+
+
+def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    """The text a prompt value is tokenized from (see ``DataConfig`` on chat templates)."""
+    if isinstance(prompt, str):
+        if not cfg.chat_template:
+            return prompt
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)):
+        messages = list(prompt)
+    else:
+        kind = type(prompt).__name__
+        raise TypeError(f"prompt must be a string or a list of chat messages, got {kind}")
+    if cfg.system_prompt is not None and not (messages and _role(messages[0]) == "system"):
+        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
+
+
+def _prepare(
+    rows: Sequence[_Row], cfg: DataConfig, tokenizer: Tokenizer
+) -> tuple[list[_Example], bool]:
+    """Format, tokenize and length-check every row; errors name the file and row.
+
+    Returns the examples and whether the data has a data-source column (if any row has it,
+    every row must).
+    """
+    used = {cfg.prompt_field, cfg.answer_field, cfg.data_source_field}
+    extra_keys = sorted({k for r in rows for k in r.record} - used)
+    source = cfg.data_source_field
+    has_source = source is not None and any(source in r.record for r in rows)
+    required = [cfg.prompt_field] + ([cfg.answer_field] if cfg.answer_field is not None else [])
+    required += [source] if has_source else []
+    keep = cfg.max_prompt_tokens - int(cfg.add_bos)
+    bos = [tokenizer.bos_id] if cfg.add_bos else []
+    if cfg.add_bos and tokenizer.bos_id is None:
+        raise ValueError(f"add_bos=True but tokenizer {tokenizer.path} has no bos token")
+    examples = []
+    for r in rows:
+        _require(r, required)
+        try:
+            text = format_prompt(r.record[cfg.prompt_field], cfg, tokenizer)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r}: {e}") from e
+        body = tokenizer.encode(text)
+        if not body:
+            raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r} is empty")
+        if len(body) > keep:
+            if cfg.overlong == "reject":
+                raise ValueError(
+                    f"{r.file}: row {r.row}: prompt has {len(body) + len(bos)} tokens > "
+                    f"max_prompt_tokens={cfg.max_prompt_tokens} (overlong='reject')"
+                )
+            body = body[-keep:]
+        examples.append(_Example(
+            ids=bos + body,
+            text=text,
+            answer=r.record[cfg.answer_field] if cfg.answer_field is not None else None,
+            data_source=r.record[source] if has_source else None,
+            extras={k: r.record.get(k) for k in extra_keys},
+        ))
+    return examples, has_source
+
+
+@dataclasses.dataclass(frozen=True)
+class _Collate:
+    """A global batch of examples -> this process's ``PromptBatch`` (a grain map)."""
+
+    cfg: DataConfig
+    pad_id: int
+    process_index: int
+    process_count: int
+    has_source: bool
+
+    def __call__(self, examples: list[_Example]) -> PromptBatch:
+        length = _padded_length(examples, self.cfg)
+        local = len(examples) // self.process_count
+        mine = examples[self.process_index * local : (self.process_index + 1) * local]
+        return _make_batch(mine, length, self.pad_id, self.has_source)
+
+
+def _padded_length(examples: Sequence[_Example], cfg: DataConfig) -> int:
+    """The smallest bucket (``max_prompt_tokens`` the last) that holds every example."""
+    longest = max(len(e.ids) for e in examples)
+    return next(b for b in cfg.prompt_buckets + (cfg.max_prompt_tokens,) if b >= longest)
+
+
+def _make_batch(
+    examples: Sequence[_Example], length: int, pad_id: int, has_source: bool
+) -> PromptBatch:
+    ids = np.full((len(examples), length), pad_id, dtype=np.int32)
+    mask = np.zeros((len(examples), length), dtype=np.int32)
+    for i, e in enumerate(examples):
+        ids[i, length - len(e.ids) :] = e.ids
+        mask[i, length - len(e.ids) :] = 1
+    keys = examples[0].extras.keys() if examples else ()
+    return PromptBatch(
+        prompt_ids=ids,
+        prompt_mask=mask,
+        prompts=[e.text for e in examples],
+        answers=[e.answer for e in examples],
+        fields={k: [e.extras[k] for e in examples] for k in keys},
+        data_source=[e.data_source for e in examples] if has_source else None,
+    )
+
+
+def prompt_batch(records: Sequence[dict], cfg: DataConfig, tokenizer: Tokenizer) -> PromptBatch:
+    """Format, tokenize and pad ``records`` (e.g. ``eval_records(cfg)``) into one batch.
+
+    Same rules as the pipeline (fields, chat template, overlong, buckets), without shuffling
+    or sharding; errors name ``<records>`` and the 1-based index.
+    """
+    if not records:
+        raise ValueError("prompt_batch got no records")
+    rows = [_Row("<records>", i, r) for i, r in enumerate(records, start=1)]
+    examples, has_source = _prepare(rows, cfg, tokenizer)
+    return _make_batch(examples, _padded_length(examples, cfg), tokenizer.pad_id, has_source)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def prompt_dataset(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.IterDataset:
+    """The training pipeline: an ``IterDataset`` of this process's ``PromptBatch``es.
+
+    ``process_index`` / ``process_count`` default to ``jax.process_index()`` /
+    ``jax.process_count()``; ``batch_size`` must divide by ``process_count``. ``iter()`` of the
+    result is a ``grain.DatasetIterator`` with ``get_state()`` / ``set_state()``.
+    """
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+    if cfg.batch_size % process_count:
+        n = process_count
+        raise ValueError(f"batch_size={cfg.batch_size} does not divide over {n} processes")
+    examples, has_source = _prepare(_split_rows(cfg, "train"), cfg, tokenizer)
+    if cfg.num_epochs is not None and len(examples) * cfg.num_epochs < cfg.batch_size:
+        raise ValueError(
+            f"{len(examples)} rows x {cfg.num_epochs} epochs make no full batch of {cfg.batch_size}"
+        )
+    ds = grain.MapDataset.source(examples)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(cfg.num_epochs)
+    ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
+    ds = ds.map(_Collate(cfg, tokenizer.pad_id, process_index, process_count, has_source))
+    # Rows are in memory and collation is cheap: no reader threads (they would only fight
+    # over the GIL), a small prefetch buffer.
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=1))
+
+
+def prompt_iterator(
+    cfg: DataConfig, tokenizer: Tokenizer, **kwargs: Any
+) -> grain.DatasetIterator:
+    """``iter(prompt_dataset(cfg, tokenizer, **kwargs))``."""
+    return iter(prompt_dataset(cfg, tokenizer, **kwargs))

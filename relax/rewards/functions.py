@@ -1,0 +1,349 @@
+"""Reward functions: host-side Python callables (TRL's signature) and jittable token rewards.
+
+Host rewards follow TRL's ``GRPOTrainer`` protocol::
+
+    fn(prompts: list[str], completions: list[str], **fields) -> list[float | None]
+
+``fields`` are the dataset row's other columns, each a list aligned with ``prompts``. With P
+prompts and G completions each, pass N = P*G rows prompt-major (each prompt and its fields repeated
+G times, as TRL does) and reshape the results to ``[P, G]``. ``None`` (or NaN) means "no reward for
+this sample" (missing); ``score`` keeps it as NaN and ``shaping.combine`` skips it::
+
+    total[i] = sum over f with v_f[i] not NaN of  w_f * v_f[i]     (NaN if every v_f[i] is NaN)
+
+Token rewards (``TokenRewardFunction``) are pure JAX functions of the token arrays, scored by
+``score_tokens`` inside ``jax.jit`` with no host round trip.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from relax.rewards.shaping import combine
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR = ("raise", "missing")
+TRUNCATE_CHARS = 200
+
+RewardFn = Callable[..., Sequence[float | None]]
+
+
+class RewardError(RuntimeError):
+    """A reward function raised, timed out, or broke the return contract (named in the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunction:
+    """A host reward function with its name (for metrics) and weight in the combined reward.
+
+    ``name`` defaults to the function's ``__name__`` (``functools.partial`` unwrapped).
+    """
+
+    fn: RewardFn
+    name: str | None = None
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise TypeError(f"reward fn must be callable, got {type(self.fn).__name__}")
+        if self.name is None:
+            object.__setattr__(self, "name", _fn_name(self.fn))
+        if not math.isfinite(float(self.weight)):
+            raise ValueError(f"weight of reward {self.name!r} must be finite, got {self.weight}")
+        object.__setattr__(self, "weight", float(self.weight))
+
+
+def _fn_name(fn: Callable) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def as_reward_functions(fns: Sequence[RewardFunction | RewardFn]) -> tuple[RewardFunction, ...]:
+    """Wrap plain callables as ``RewardFunction`` (weight 1) and check that names are unique."""
+    if callable(fns) or isinstance(fns, RewardFunction):
+        fns = [fns]
+    out = tuple(f if isinstance(f, RewardFunction) else RewardFunction(f) for f in fns)
+    if not out:
+        raise ValueError("need at least one reward function")
+    names = [f.name for f in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"duplicate reward names {dup}; name them with RewardFunction(fn, name=...)")
+    return out
+
+
+def _truncate(s: Any, limit: int = TRUNCATE_CHARS) -> str:
+    s = str(s)
+    return s if len(s) <= limit else f"{s[:limit]}... [{len(s)} chars]"
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | None, name: str) -> Any:
+    """``fn(*args, **kwargs)``, waiting at most ``timeout_s`` seconds (None: call in this thread).
+
+    Python cannot kill a thread: a call that runs past ``timeout_s`` is ABANDONED and its thread
+    keeps running (and holding whatever it holds) until the function returns on its own. The
+    worker is a daemon thread so that a hung call never blocks interpreter exit; a
+    ``ThreadPoolExecutor`` is not used because its workers are joined at exit. For untrusted or
+    hang-prone code (e.g. executing generated programs) enforce limits inside the function
+    (subprocess with its own timeout) and keep this as the last line of defence.
+    """
+    if timeout_s is None:
+        return fn(*args, **kwargs)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            fut.set_exception(exc)
+
+    threading.Thread(target=work, name=f"reward-{name}", daemon=True).start()
+    done, _ = concurrent.futures.wait([fut], timeout=timeout_s)
+    if not done:  # not fut.result(timeout): the function may raise TimeoutError itself
+        raise _TimedOut
+    return fut.result()
+
+
+def _to_array(name: str, out: Any, prompts: list, completions: list) -> np.ndarray:
+    """Check the return contract (N numbers or None) and convert to float32 with NaN for None."""
+    n = len(prompts)
+    try:
+        length = None if isinstance(out, (str, bytes, Mapping)) else len(out)
+    except TypeError:
+        length = None
+    if length is None:
+        raise RewardError(f"reward function {name!r} returned {type(out).__name__}; expected a list of {n} floats")
+    if length != n:
+        raise RewardError(f"reward function {name!r} returned {length} values for {n} samples")
+    vals = np.empty(n, np.float32)
+    for i, v in enumerate(out):
+        if v is None:
+            vals[i] = np.nan
+            continue
+        try:
+            if isinstance(v, (str, bytes)):
+                raise TypeError
+            f = float(v)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward function {name!r} returned non-numeric {_truncate(repr(v), 60)} "
+                f"({type(v).__name__}) at sample {i} (completion={_truncate(completions[i])!r})"
+            ) from None
+        if math.isinf(f):
+            raise RewardError(f"reward function {name!r} returned {f} at sample {i}; use None for missing")
+        vals[i] = f
+    return vals
+
+
+def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, timeout_s) -> RewardError:
+    """Build the error for a raising batch call, re-running single samples to find the culprit.
+
+    Only on the ``on_error="raise"`` path (the run is about to stop): calls ``fn`` on each sample
+    alone until one raises. The index and truncated text of that sample go in the message.
+    """
+
+    def at(i: int, e: BaseException) -> RewardError:
+        return RewardError(
+            f"reward function {rf.name!r} raised {type(e).__name__}: {_truncate(e)} at sample {i} "
+            f"(prompt={_truncate(prompts[i])!r}, completion={_truncate(completions[i])!r})"
+        )
+
+    n = len(prompts)
+    if n == 1:
+        return at(0, exc)
+    head = f"reward function {rf.name!r} raised {type(exc).__name__}: {_truncate(exc)} on a batch of {n}"
+    for i in range(n):
+        row = {k: [v[i]] for k, v in fields.items()}
+        try:
+            _call(rf.fn, ([prompts[i]], [completions[i]]), row, timeout_s, rf.name)
+        except _TimedOut:
+            return RewardError(f"{head} (sample {i} alone timed out; search stopped)")
+        except Exception as sample_exc:  # noqa: BLE001
+            return at(i, sample_exc)
+    return RewardError(f"{head} (no single sample reproduces it)")
+
+
+def score(
+    reward_fns: Sequence[RewardFunction | RewardFn],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    fields: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    all_missing: str = "nan",
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]:
+    """Run each host reward function once on the whole batch and combine them by weight.
+
+    Returns ``(rewards [N] float32, per_function {name: [N] float32, NaN = missing}, info)``;
+    ``rewards`` is ``shaping.combine`` of the per-function values with the functions' weights.
+
+    Failures of one call (it raises, or runs past ``timeout_s`` seconds):
+      - ``on_error="raise"``: ``RewardError`` naming the function; for an exception, also the index
+        and (truncated) prompt/completion of the first sample that raises on its own (single
+        samples are re-run to find it); for a timeout, "timed out after Xs".
+      - ``on_error="missing"``: all N values of that call are NaN, logged (``logging``) and counted.
+    Contract violations (wrong length, non-numeric or infinite value) always raise ``RewardError``:
+    they are bugs in the reward function, not per-sample failures.
+
+    ``info``: ``errors`` / ``timeouts`` (failed calls), ``failed`` (their names), ``missing``
+    (NaN entries over all functions), ``all_missing`` (samples with every function NaN),
+    ``time_s/<name>`` (wall time of each call).
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"unknown on_error {on_error!r}; valid: {', '.join(ON_ERROR)}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+    fns = as_reward_functions(reward_fns)
+    prompts, completions = list(prompts), list(completions)
+    n = len(prompts)
+    if len(completions) != n:
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    fields = {k: list(v) for k, v in (fields or {}).items()}
+    for k, v in fields.items():
+        if k in ("prompts", "completions"):
+            raise ValueError(f"field name {k!r} clashes with the positional arguments")
+        if len(v) != n:
+            raise ValueError(f"field {k!r} has {len(v)} values for {n} samples")
+
+    per: dict[str, np.ndarray] = {}
+    info: dict[str, Any] = {"errors": 0, "timeouts": 0, "failed": ()}
+    for rf in fns:
+        t0 = time.perf_counter()
+        try:
+            out = _call(rf.fn, (prompts, completions), dict(fields), timeout_s, rf.name)
+        except Exception as exc:  # _TimedOut included
+            timed_out = isinstance(exc, _TimedOut)
+            if on_error == "raise" and timed_out:
+                raise RewardError(f"reward function {rf.name!r} timed out after {timeout_s:g}s on {n} samples "
+                                  "(its thread is abandoned)") from None
+            if on_error == "raise":
+                raise _locate(rf, exc, prompts, completions, fields, timeout_s) from exc
+            what = f"timed out after {timeout_s:g}s (thread abandoned)" if timed_out else "raised"
+            logger.warning("reward function %r %s; its %d values count as missing", rf.name, what, n,
+                           exc_info=not timed_out)
+            info["timeouts" if timed_out else "errors"] += 1
+            info["failed"] += (rf.name,)
+            per[rf.name] = np.full(n, np.nan, np.float32)
+        else:
+            per[rf.name] = _to_array(rf.name, out, prompts, completions)
+        info[f"time_s/{rf.name}"] = time.perf_counter() - t0
+
+    total, _ = combine(
+        {k: v[None, :] for k, v in per.items()}, {rf.name: rf.weight for rf in fns}, all_missing=all_missing
+    )
+    stacked = np.stack(list(per.values()))
+    info["missing"] = int(np.isnan(stacked).sum())
+    info["all_missing"] = int(np.isnan(stacked).all(axis=0).sum())
+    return np.asarray(total, np.float32)[0], per, info
+
+
+# ----------------------------------------------------------------------------- token rewards
+
+TokenRewardFn = Callable[
+    [Int[Array, "p lp"], Bool[Array, "p lp"], Int[Array, "p g n"], Bool[Array, "p g n"]], Float[Array, "p g"]
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRewardFunction:
+    """A pure, jittable reward ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [P, G]``.
+
+    Shapes: ``prompt_ids/mask [P, Lp]``, ``completion_ids/mask [P, G, N]``. NaN marks a missing
+    reward. ``fn`` must be hashable (plain functions and closures are): it is a jit static.
+    """
+
+    fn: TokenRewardFn
+    name: str
+    weight: float = 1.0
+
+
+def score_tokens(
+    reward_fns: Sequence[TokenRewardFunction],
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Bool[Array, "p lp"],
+    completion_ids: Int[Array, "p g n"],
+    completion_mask: Bool[Array, "p g n"],
+    *,
+    all_missing: str = "nan",
+) -> tuple[Float[Array, "p g"], dict[str, Float[Array, "p g"]]]:
+    """Run token rewards in one ``jax.jit`` program and ``combine`` them by weight (see module doc).
+
+    Returns ``(total [P, G], per_function {name: [P, G]})``. Callable inside an outer jit as well.
+    """
+    fns = tuple(reward_fns)
+    if not fns:
+        raise ValueError("need at least one token reward function")
+    names = [f.name for f in fns]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate token reward names {names}")
+    shapes = (jnp.shape(prompt_ids), jnp.shape(completion_ids))
+    if len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        raise ValueError(f"need prompt_ids [P, Lp] and completion_ids [P, G, N], got {shapes[0]}, {shapes[1]}")
+    return _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    pg = completion_ids.shape[:2]
+    vals = {}
+    for f in fns:
+        v = jnp.asarray(f.fn(prompt_ids, prompt_mask, completion_ids, completion_mask))
+        if v.shape != pg:
+            raise ValueError(f"token reward {f.name!r} returned shape {v.shape}, expected [P, G] = {pg}")
+        vals[f.name] = v.astype(jnp.promote_types(v.dtype, jnp.float32))
+    return combine(vals, {f.name: f.weight for f in fns}, all_missing=all_missing)
+
+
+def length_reward(*, name: str = "length", weight: float = 1.0, scale: float = 1.0) -> TokenRewardFunction:
+    """Completion length in tokens, scaled: ``r[p, g] = scale * sum_t mask[p, g, t]``.
+
+    With a negative ``weight`` this is a plain length penalty (see ``shaping`` for finer shaping).
+    """
+
+    def fn(prompt_ids, prompt_mask, completion_ids, completion_mask):
+        return scale * jnp.sum(completion_mask.astype(jnp.float32), axis=-1)
+
+    return TokenRewardFunction(fn, name, weight)
+
+
+def token_match_reward(
+    target_ids: Sequence[int], *, name: str = "token_match", weight: float = 1.0
+) -> TokenRewardFunction:
+    """Fraction of a fixed target sequence reproduced position by position at the completion start::
+
+        r[p, g] = (1/T) * sum_{t < min(T, N)} mask[p, g, t] * [ids[p, g, t] == target[t]]
+
+    (T = len(target_ids); positions beyond the completion buffer count as misses). A dense toy
+    reward: the policy earns 1.0 exactly when it emits ``target_ids`` first.
+    """
+    target = tuple(int(t) for t in target_ids)
+    if not target:
+        raise ValueError("target_ids must be non-empty")
+
+    def fn(prompt_ids, prompt_mask, completion_ids, completion_mask):
+        m = min(len(target), completion_ids.shape[-1])
+        hit = (completion_ids[..., :m] == jnp.asarray(target[:m], completion_ids.dtype)) & completion_mask[..., :m]
+        return jnp.sum(hit.astype(jnp.float32), axis=-1) / len(target)
+
+    return TokenRewardFunction(fn, name, weight)

@@ -1,0 +1,227 @@
+"""Tests for relax.data: small jsonl / parquet files in tmp_path and a tiny sentencepiece model."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from relax.data import (
+    DataConfig,
+    eval_records,
+    load_records,
+    prompt_batch,
+    prompt_dataset,
+    prompt_iterator,
+    train_eval_split,
+)
+from relax.tokenizer import Tokenizer, train_sentencepiece
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    texts = [f"question {i}: what is {i} plus {2 * i} ? say the answer" for i in range(300)]
+    texts += ["<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nok"] * 20
+    model = train_sentencepiece(texts, tmp_path_factory.mktemp("spm") / "tiny", vocab_size=100)
+    return Tokenizer.load(model)
+
+
+def _rows(n, **extra):
+    return [{"prompt": f"question {i}: what is {i} plus {2 * i} ?", "answer": str(3 * i), **extra}
+            for i in range(n)]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(path, **kw):
+    kw = {"batch_size": 4, "max_prompt_tokens": 32, **kw}
+    return DataConfig(path, **kw)
+
+
+def _take(it, k):
+    return [next(it) for _ in range(k)]
+
+
+def _iter(cfg, tok, **kw):
+    return prompt_iterator(cfg, tok, process_index=kw.get("pi", 0), process_count=kw.get("pc", 1))
+
+
+def test_shapes_padding_and_fields(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(8, level=1, data_source="math"))
+    b = next(_iter(_cfg(f), tok))
+    assert b.prompt_ids.shape == b.prompt_mask.shape == (4, 32)
+    assert b.prompt_ids.dtype == b.prompt_mask.dtype == np.int32
+    for ids, mask, text in zip(b.prompt_ids, b.prompt_mask, b.prompts):
+        n = int(mask.sum())
+        assert mask[-n:].all() and not mask[:-n].any()  # left padded
+        assert (ids[:-n] == tok.pad_id).all()
+        assert ids[-n] == tok.bos_id and list(ids[-n + 1 :]) == tok.encode(text)
+    assert [int(a) for a in b.answers] == [3 * int(p.split()[1][:-1]) for p in b.prompts]
+    assert b.fields == {"level": [1] * 4} and b.data_source == ["math"] * 4
+
+
+def test_buckets_and_no_bos(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(8))
+    b = next(_iter(_cfg(f, prompt_buckets=(8, 16, 24)), tok))
+    assert b.prompt_ids.shape[1] == 16 and b.prompt_mask[:, 0].sum() < 4
+    b = next(_iter(_cfg(f, add_bos=False, shuffle=False), tok))
+    assert list(b.prompt_ids[0][b.prompt_mask[0] == 1]) == tok.encode(b.prompts[0])
+    with pytest.raises(ValueError, match="prompt_buckets"):
+        _cfg(f, prompt_buckets=(16, 8))
+
+
+def test_shuffle_seed_determinism_and_epochs(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(8))
+    order = lambda **kw: [p for b in _take(_iter(_cfg(f, **kw), tok), 4) for p in b.prompts]
+    a, a2, b = order(seed=1), order(seed=1), order(seed=2)
+    assert a == a2 and a != b
+    assert sorted(a[:8]) == sorted(a[8:]) == sorted(r["prompt"] for r in _rows(8))
+    assert a[:8] != a[8:]  # each epoch has its own order
+    assert order(shuffle=False)[:8] == [r["prompt"] for r in _rows(8)]
+
+
+def test_finite_epochs_drop_partial_batch(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(6))
+    batches = list(_iter(_cfg(f, num_epochs=2), tok))
+    assert len(batches) == 3 and all(len(b.prompts) == 4 for b in batches)
+    with pytest.raises(ValueError, match="no full batch"):
+        _iter(_cfg(f, num_epochs=1, batch_size=8), tok)
+
+
+def test_process_sharding(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(8))  # batches do not straddle epochs: rows distinct
+    cfg = _cfg(f, prompt_buckets=(8, 16, 24))
+    full = _take(_iter(cfg, tok), 5)
+    p0, p1 = _take(_iter(cfg, tok, pi=0, pc=2), 5), _take(_iter(cfg, tok, pi=1, pc=2), 5)
+    for g, a, b in zip(full, p0, p1):
+        assert len(a.prompts) == len(b.prompts) == 2
+        assert not set(a.prompts) & set(b.prompts)
+        assert a.prompts + b.prompts == g.prompts and a.answers + b.answers == g.answers
+        np.testing.assert_array_equal(np.concatenate([a.prompt_ids, b.prompt_ids]), g.prompt_ids)
+        np.testing.assert_array_equal(np.concatenate([a.prompt_mask, b.prompt_mask]), g.prompt_mask)
+    with pytest.raises(ValueError, match="divide"):
+        _iter(_cfg(f, batch_size=3), tok, pi=0, pc=2)
+
+
+def test_missing_field_names_file_row_field(tmp_path, tok):
+    rows = _rows(4)
+    del rows[2]["answer"]
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n")
+    with pytest.raises(KeyError, match=rf"{f}: row 4: missing field 'answer'") as err:
+        _iter(_cfg(f), tok)
+    assert str(err.value).startswith(str(f))  # the message itself, not its repr
+    with pytest.raises(KeyError, match=rf"{f}: row 4: missing field 'answer'"):
+        load_records(f, fields=["prompt", "answer"])
+    assert len(load_records(f, fields=["prompt"])) == 3
+    assert next(_iter(_cfg(f, answer_field=None, batch_size=3), tok)).answers == [None] * 3
+
+
+def test_bad_json_and_empty_file(tmp_path, tok):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", answer}\n')
+    with pytest.raises(ValueError, match=rf"{f}: line 2: invalid JSON"):
+        load_records(f)
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="line 1: expected a JSON object"):
+        load_records(tmp_path / "list.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'empty.jsonl'}: data file is empty"):
+        _iter(_cfg(tmp_path / "empty.jsonl"), tok)
+    with pytest.raises(FileNotFoundError):
+        load_records(tmp_path / "nope.jsonl")
+
+
+def test_overlong_truncate_keeps_end_and_reject_names_row(tmp_path, tok):
+    rows = _rows(4)
+    rows[1]["prompt"] = " ".join(f"question {i}: what is" for i in range(20)) + " 7 plus 14 ?"
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    b = next(_iter(_cfg(f, shuffle=False, max_prompt_tokens=12), tok))
+    assert b.prompt_ids.shape == (4, 12) and b.prompts[1] == rows[1]["prompt"]  # row kept
+    assert b.prompt_mask[1].all()
+    assert list(b.prompt_ids[1]) == [tok.bos_id] + tok.encode(rows[1]["prompt"])[-11:]
+    n = len(tok.encode(rows[1]["prompt"])) + 1
+    with pytest.raises(ValueError, match=rf"{f}: row 2: prompt has {n} tokens > max_prompt_tokens=12"):
+        _iter(_cfg(f, max_prompt_tokens=12, overlong="reject"), tok)
+
+
+def test_chat_messages_and_system_prompt(tmp_path, tok):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rows = [{"prompt": msgs, "answer": "ok"}, {"prompt": "hi", "answer": "ok"}]
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    b = next(_iter(_cfg(f, batch_size=2, shuffle=False), tok))
+    assert b.prompts == [tok.apply_chat_template(msgs), "hi"]
+    b = next(_iter(_cfg(f, batch_size=2, shuffle=False, chat_template=True, system_prompt="sys"), tok))
+    user = [{"role": "user", "content": "hi"}]
+    assert b.prompts == [tok.apply_chat_template(msgs),  # already has a system message
+                         tok.apply_chat_template([{"role": "system", "content": "sys"}] + user)]
+    assert list(b.prompt_ids[1][b.prompt_mask[1] == 1][1:]) == tok.encode(b.prompts[1])
+    _jsonl(f, [{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}])
+    with pytest.raises(ValueError, match=rf"{f}: row 1: field 'prompt': .*unknown role"):
+        _iter(_cfg(f, batch_size=1), tok)
+    with pytest.raises(ValueError, match="chat_template=True"):
+        _cfg(f, system_prompt="sys")
+
+
+def test_data_source_must_be_on_every_row(tmp_path, tok):
+    rows = _rows(4, data_source="gsm8k")
+    del rows[3]["data_source"]
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(KeyError, match=r"row 4: missing field 'data_source'"):
+        _iter(_cfg(f), tok)
+    b = next(_iter(_cfg(f, data_source_field=None), tok))
+    assert b.data_source is None and set(b.fields["data_source"]) <= {"gsm8k", None}
+
+
+def test_parquet_directory_and_file_list(tmp_path, tok):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    msgs = [{"role": "user", "content": "hi"}]
+    msgs2 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rows = [{"prompt": msgs, "answer": "1", "tag": "p"}, {"prompt": msgs2, "answer": "2", "tag": "q"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
+    _jsonl(tmp_path / "a.jsonl", _rows(2))
+    recs = load_records(tmp_path)  # a.jsonl then b.parquet
+    assert [r["answer"] for r in recs] == ["0", "3", "1", "2"] and recs[2]["prompt"] == msgs
+    cfg = _cfg([tmp_path / "b.parquet"], batch_size=2, shuffle=False)
+    assert json.loads(json.dumps(dataclasses.asdict(cfg)))["path"] == [str(tmp_path / "b.parquet")]
+    b = next(prompt_iterator(cfg, tok))  # process index/count from jax
+    assert b.prompts == [tok.apply_chat_template(m) for m in (msgs, msgs2)]
+    assert b.fields == {"tag": ["p", "q"]} and b.answers == ["1", "2"]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "c.parquet")
+    with pytest.raises(KeyError, match=rf"{tmp_path / 'c.parquet'}: row 1: missing field 'answer'"):
+        _iter(_cfg(tmp_path / "c.parquet", batch_size=1), tok)
+
+
+def test_iterator_state_resume_is_exact(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(7))
+    cfg = _cfg(f, seed=3)
+    straight = _take(_iter(cfg, tok), 6)
+    it = _iter(cfg, tok)
+    _take(it, 3)
+    state = json.loads(json.dumps(it.get_state()))  # survives serialisation
+    resumed = _iter(cfg, tok)
+    resumed.set_state(state)
+    for a, b in zip(straight[3:], _take(resumed, 3)):
+        assert a.prompts == b.prompts and a.answers == b.answers
+        np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+
+
+def test_train_eval_split(tmp_path, tok):
+    items = list(range(20))
+    train, held = train_eval_split(items, 0.25, seed=0)
+    assert (train, held) == train_eval_split(items, 0.25, seed=0)
+    assert len(held) == 5 and sorted(train + held) == items and held == sorted(held)
+    assert train_eval_split(items, 0.25, seed=1)[1] != held
+    assert train_eval_split(items, 0.0, seed=0) == (items, [])
+    f = _jsonl(tmp_path / "d.jsonl", _rows(20))
+    cfg = _cfg(f, eval_fraction=0.25, num_epochs=1)
+    held_prompts = {r["prompt"] for r in eval_records(cfg)}
+    seen = {p for b in prompt_dataset(cfg, tok, process_index=0, process_count=1) for p in b.prompts}
+    assert len(held_prompts) == 5 and len(seen) == 12 and not seen & held_prompts
+    b = prompt_batch(eval_records(cfg), cfg, tok)
+    assert b.prompt_ids.shape == (5, 32) and set(b.prompts) == held_prompts
