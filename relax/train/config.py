@@ -1,0 +1,160 @@
+"""GRPO-family configuration: algorithm, optimizer and named presets.
+
+Every field is read by the trainer (``relax.train.grpo``); option names follow TRL's
+``GRPOConfig`` where TRL has the option (``beta``, ``epsilon_low``/``epsilon_high``, ``delta``,
+``loss_type``, ``num_iterations``, ``importance_sampling_level``, ``scale_rewards``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+from relax.advantages import GRPO_SCALES
+from relax.losses.aggregation import resolve_mode
+from relax.losses.kl import KL_ESTIMATORS
+from relax.losses.policy import IMPORTANCE_LEVELS
+from relax.reference import ReferenceConfig
+
+ADVANTAGES = ("grpo", "rloo")
+POLICY_LOSSES = ("ppo", "cispo", "reinforce")
+ZERO_STD = ("zero", "drop")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(valid)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warm-up + schedule (all optax)."""
+
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000  # for the cosine / linear decay
+
+    def __post_init__(self):
+        _choice("schedule", self.schedule, SCHEDULES)
+
+    def learning_rate_schedule(self) -> optax.Schedule:
+        lr = self.learning_rate
+        decay_steps = max(self.total_steps - self.warmup_steps, 1)
+        if self.schedule == "constant":
+            main = optax.constant_schedule(lr)
+        elif self.schedule == "cosine":
+            main = optax.cosine_decay_schedule(lr, decay_steps)
+        else:
+            main = optax.linear_schedule(lr, 0.0, decay_steps)
+        if self.warmup_steps == 0:
+            return main
+        warm = optax.linear_schedule(0.0, lr, self.warmup_steps)
+        return optax.join_schedules([warm, main], [self.warmup_steps])
+
+    def make(self) -> optax.GradientTransformation:
+        """clip -> adamw(schedule); non-finite updates are skipped (``optax.apply_if_finite``)."""
+        parts = [] if self.max_grad_norm is None else [optax.clip_by_global_norm(self.max_grad_norm)]
+        parts.append(optax.adamw(self.learning_rate_schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
+                                 weight_decay=self.weight_decay))
+        return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=1_000_000)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """One GRPO-family algorithm.
+
+    Sampling: ``num_generations`` (G) completions of at most ``max_new_tokens`` per prompt at
+    ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``; the trainer recomputes log-probs at the same
+    ``temperature``.
+    Advantage: ``advantage`` (grpo | rloo), ``scale_rewards`` (group | batch | none; none is
+    Dr.GRPO), ``zero_std_groups`` (zero: all-equal groups get advantage 0; drop: also removed
+    from the loss and its normaliser).
+    Loss: ``policy_loss`` (ppo | cispo | reinforce), ``epsilon_low``/``epsilon_high``, ``delta``,
+    ``clip_ratio_c`` (dual-clip), ``importance_sampling_level`` (token | sequence = GSPO),
+    ``loss_type`` (TRL name or verl aggregation mode), ``beta`` (KL coefficient; 0 = no reference
+    model), ``kl_estimator``, ``kl_in_reward`` (subtract ``beta * KL`` from the per-token reward
+    instead of adding it to the loss), ``entropy_coef``, ``mask_truncated_completions``.
+    Update: ``num_iterations`` epochs over the batch in ``num_minibatches`` optimizer steps each,
+    each minibatch split into ``grad_accum`` micro-batches (same loss and gradient).
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    advantage: str = "grpo"
+    scale_rewards: str = "group"
+    advantage_eps: float = 1e-4
+    zero_std_groups: str = "zero"
+    policy_loss: str = "ppo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    clip_ratio_c: float | None = None
+    importance_sampling_level: str = "token"
+    loss_type: str = "grpo"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    mask_truncated_completions: bool = False
+    num_iterations: int = 1
+    num_minibatches: int = 1
+    grad_accum: int = 1
+    remat: bool = False
+    reference: ReferenceConfig = ReferenceConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+    def __post_init__(self):
+        _choice("advantage", self.advantage, ADVANTAGES)
+        _choice("scale_rewards", self.scale_rewards, GRPO_SCALES)
+        _choice("zero_std_groups", self.zero_std_groups, ZERO_STD)
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        resolve_mode(self.loss_type)
+        for name in ("num_generations", "max_new_tokens", "num_iterations", "num_minibatches", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.kl_in_reward and self.beta == 0:
+            raise ValueError("kl_in_reward=True needs beta > 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+
+PRESETS: dict[str, dict] = {
+    # DeepSeekMath GRPO as TRL runs it: per-sequence token mean, std-scaled group advantages.
+    "grpo": dict(loss_type="grpo", scale_rewards="group", beta=0.04),
+    # Dr.GRPO (Liu et al. 2025): no std scaling, constant length normaliser, no KL.
+    "dr_grpo": dict(loss_type="dr_grpo", scale_rewards="none", beta=0.0),
+    # DAPO (Yu et al. 2025): clip-higher, token-level loss over the batch, drop all-equal groups,
+    # no KL, mask truncated completions (overlong filtering).
+    "dapo": dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0, zero_std_groups="drop",
+                 mask_truncated_completions=True),
+    # GSPO (Zheng et al. 2025): sequence-level importance ratio, tight clipping, sequence mean.
+    "gspo": dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4,
+                 loss_type="seq-mean-token-mean", beta=0.0),
+    # RLOO (Ahmadian et al. 2024): leave-one-out baseline, REINFORCE-style single epoch.
+    "rloo": dict(advantage="rloo", scale_rewards="none", loss_type="grpo", beta=0.0),
+}
+
+
+def preset(name: str, **overrides) -> GRPOConfig:
+    """A named algorithm preset with overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return GRPOConfig(**{**PRESETS[name], **overrides})

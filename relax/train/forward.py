@@ -1,0 +1,109 @@
+"""The training forward with the prompt shared by its G completions (Prefix Grouper).
+
+Each prompt runs through the layers once; at every layer its keys/values (head-major,
+``[P, Hkv, Lp, D]``) are attended by all G completions of the group, with the G completions
+folded into the query rows, and merged exactly with the completions' own causal block::
+
+    o = merge( attn(q_c, K_prompt, V_prompt), attn(q_c, K_c, V_c; causal) )
+
+so prompt compute is done once instead of G times and gradients flow back into the prompt
+positions through ``K_prompt, V_prompt``. Logits exist only where a completion token is
+predicted: from the last prompt position (first completion token) and from completion
+positions ``0..N-2``; they are never materialised beyond a chunk of rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from relax.models import attention as attn
+from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
+from relax.models.rope import inverse_frequencies, rope_angles
+from relax.models.transformer import Transformer, embed, layer_forward, positions_from_mask, rms_norm
+
+
+def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completions ``[P*G, N, D]``."""
+    c = model.config
+    p, lp = prompt_ids.shape
+    _, g, n = completions.shape
+    b = p * g
+    hk, r = c.num_kv_heads, c.q_per_kv
+    window = c.sliding_window
+
+    p_valid = prompt_mask.astype(bool)
+    p_pos = positions_from_mask(prompt_mask)
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    c_pos = jnp.repeat(p_len, g)[:, None] + jnp.arange(n)[None, :]  # [B, N]
+    c_valid = completion_mask.reshape(b, n).astype(bool)
+    inv = inverse_frequencies(c)
+    p_rope = rope_angles(inv, p_pos)
+    c_rope = rope_angles(inv, c_pos)
+    p_allowed = attn.causal_mask(p_pos, p_pos, p_valid, window)
+    c_allowed = attn.causal_mask(c_pos, c_pos, c_valid, window)  # [B, N, N]
+    if window is not None:  # [B, N, Lp]: prompt keys inside each completion query's window
+        pc_allowed = (jnp.repeat(p_valid, g, axis=0)[:, None, :]
+                      & ((c_pos[:, :, None] - jnp.repeat(p_pos, g, axis=0)[:, None, :]) < window))
+
+    def prompt_attend(q, k, v, _):
+        k, v = attn.heads_major(k), attn.heads_major(v)
+        return attn.attention(q, k, v, p_allowed), (k, v)
+
+    def completion_attend(pk, pv):
+        def attend(q, k, v, _):
+            d = q.shape[-1]
+            k, v = attn.heads_major(k), attn.heads_major(v)
+            # rows of KV head h: (r, t) for the own block; (g, r, t) for the shared prompt block
+            q5 = q.reshape(b, n, hk, r, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, R, N, D]
+            qc = q5.reshape(b, hk, r * n, d)
+            own = jnp.broadcast_to(c_allowed[:, None, None], (b, 1, r, n, n)).reshape(b, 1, r * n, n)
+            oc, lc = attn.partial_attention(qc, k, v, own)
+            qp = q5.reshape(p, g, hk, r * n, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, g * r * n, d)
+            if window is None:
+                shared = p_valid[:, None, None, :]
+            else:  # rows ordered (g, r, t) like qp
+                w = pc_allowed.reshape(p, g, 1, n, lp)
+                shared = jnp.broadcast_to(w, (p, g, r, n, lp)).reshape(p, 1, g * r * n, lp)
+            op, lpp = attn.partial_attention(qp, pk, pv, shared)
+            op = op.reshape(p, hk, g, r * n, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r * n, d)
+            lpp = lpp.reshape(p, hk, g, r * n).transpose(0, 2, 1, 3).reshape(b, hk, r * n)
+            out = attn.merge_partials([op, oc], [lpp, lc])
+            out = out.reshape(b, hk, r, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, hk * r, d)
+            return out.astype(q.dtype), None
+        return attend
+
+    def body(carry, layer):
+        xp, xc = carry
+        xp, (pk, pv) = layer_forward(model, layer, xp, *p_rope, prompt_attend, None)
+        xc, _ = layer_forward(model, layer, xc, *c_rope, completion_attend(pk, pv), None)
+        return (xp, xc), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    xc0 = embed(model, completions.reshape(b, n))
+    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), model.layers)
+    eps = c.rms_norm_eps
+    return rms_norm(xp, model.norm, eps), rms_norm(xc, model.norm, eps)
+
+
+def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
+                        completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
+                        temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
+                        chunk_size: int = DEFAULT_CHUNK):
+    """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
+
+    Prompts are left-padded; completions start right after the prompt's last valid token.
+    With ``with_entropy`` also returns the entropy of each predicted distribution.
+    Values at masked completion positions are finite but meaningless.
+    """
+    p, g, n = completions.shape
+    hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat)
+    first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
+    h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
+    targets = completions.reshape(p * g, n)
+    if with_entropy:
+        lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size)
+        return lp.reshape(p, g, n), ent.reshape(p, g, n)
+    return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n)

@@ -1,0 +1,149 @@
+"""The GRPO step as four stages: ``grpo_step = compose(rollout, score, advantage, update)``.
+
+- ``rollout`` (jit): G completions per prompt with the prefix-shared sampler; the sampler's
+  log-probs are the old-policy log-probs; reference log-probs (when ``beta > 0``) are computed
+  here once, with the prefix-shared training forward, and cached in the batch.
+- ``score`` (host): decode completions, run the reward functions (TRL signature), combine.
+- ``advantage`` (jit): group-relative advantages; all-equal groups get 0 (or are dropped).
+- ``update`` (jit): epochs x minibatches of optimizer steps, then the reference rule.
+
+The batch is a dict; its host entries (``prompts``, ``fields``) bypass the jitted stages.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax import advantages as adv_lib
+from relax.compose import Stage, compose, stage
+from relax.losses.kl import kl_estimate
+from relax.reference import make_reference_rule
+from relax.rewards.functions import RewardFunction, as_reward_functions, score as score_rewards
+from relax.rewards.shaping import dynamic_sampling_mask, group_stats
+from relax.rollout import RolloutConfig, _generate
+from relax.sampling import SamplingConfig
+from relax.train.config import GRPOConfig
+from relax.train.forward import completion_logprobs
+from relax.train.state import TrainState
+from relax.train.update import make_update
+
+
+def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
+    return RolloutConfig(
+        num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+        sampling=SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p),
+        eos_ids=eos_ids, pad_id=pad_id)
+
+
+def make_rollout(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> Stage:
+    rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
+
+    def rollout(state: TrainState, batch):
+        key, sub = jax.random.split(state.key)
+        r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], sub, rcfg)
+        out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
+               "lengths": r.lengths, "finished": r.finished}
+        if state.ref is not None:
+            out["ref_logprobs"] = jax.lax.stop_gradient(completion_logprobs(
+                state.ref, batch["prompt_ids"], batch["prompt_mask"], r.tokens, r.mask,
+                temperature=cfg.temperature, remat=cfg.remat))
+        return state.replace(key=key), out
+
+    return stage(rollout, name="rollout")
+
+
+def make_score(reward_fns: Sequence[RewardFunction | Callable], decode: Callable[[np.ndarray, np.ndarray], list[str]],
+               *, on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+    """Host stage: completions are decoded with ``decode(tokens [N, T], mask [N, T])``; each prompt's
+    text and dataset fields are repeated over its G completions (TRL's layout)."""
+    fns = as_reward_functions(reward_fns)
+
+    def score(state, batch):
+        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
+        p, g, n = tokens.shape
+        completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
+        prompts = [t for t in batch["prompts"] for _ in range(g)]
+        fields = {k: [v for v in vals for _ in range(g)] for k, vals in batch.get("fields", {}).items()}
+        total, parts, info = score_rewards(fns, prompts, completions, fields, on_error=on_error, timeout_s=timeout_s)
+        out = {**batch, "rewards": jnp.asarray(np.asarray(total, np.float32).reshape(p, g)),
+               "reward_parts": {k: jnp.asarray(np.asarray(v, np.float32).reshape(p, g)) for k, v in parts.items()},
+               "reward_info": info, "completions": completions}
+        return state, out
+
+    return stage(score, jit=False, name="score")
+
+
+def make_advantage(cfg: GRPOConfig) -> Stage:
+    def advantage(state, batch):
+        rewards = batch["rewards"]
+        if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
+            rewards = rewards - cfg.beta * jnp.sum(jnp.where(batch["mask"] > 0, kl, 0.0), axis=-1)
+        if cfg.advantage == "grpo":
+            a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
+        else:
+            a = adv_lib.rloo(rewards)
+        keep = dynamic_sampling_mask(rewards)  # False for all-equal (zero-signal) groups
+        loss_mask = batch["mask"]
+        if cfg.zero_std_groups == "drop":
+            loss_mask = loss_mask * keep[:, None, None]
+        if cfg.mask_truncated_completions:
+            loss_mask = loss_mask * batch["finished"][..., None]
+        return state, {**batch, "advantages": a, "loss_mask": loss_mask, "group_keep": keep}
+
+    return stage(advantage, name="advantage")
+
+
+def make_update_stage(cfg: GRPOConfig, optimizer) -> Stage:
+    update_fn = make_update(cfg, optimizer)
+    rule = make_reference_rule(cfg.reference)
+    keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
+
+    def update(state: TrainState, batch):
+        data = {k: batch[k] for k in keys}
+        if cfg.beta > 0:
+            data["ref_logprobs"] = batch["ref_logprobs"]
+        key, sub = jax.random.split(state.key)
+        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub)
+        decay = 0.9  # running statistics for KL-target / entropy-floor reference resets
+        running_kl = decay * state.running_kl + (1 - decay) * metrics.get("kl", jnp.float32(0.0))
+        running_entropy = decay * state.running_entropy + (1 - decay) * metrics["entropy"]
+        step = state.step + 1
+        ref = state.ref
+        if ref is not None:
+            ref = rule(ref, policy, step, {"kl": running_kl, "entropy": running_entropy})
+        metrics = {**metrics, **_batch_metrics(batch), "skipped_updates": opt_state.total_notfinite}
+        new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key,
+                            running_kl=running_kl, running_entropy=running_entropy)
+        return new, {**batch, "metrics": metrics}
+
+    return stage(update, name="update")
+
+
+def _batch_metrics(batch) -> dict:
+    rewards = batch["rewards"]
+    stats = group_stats(rewards)
+    lengths = batch["lengths"].astype(jnp.float32)
+    out = {**stats, "completion_length": jnp.mean(lengths),
+           "truncated_frac": jnp.mean(1.0 - batch["finished"].astype(jnp.float32)),
+           "advantage_mean": jnp.mean(batch["advantages"]), "advantage_std": jnp.std(batch["advantages"])}
+    for name, part in batch["reward_parts"].items():
+        out[f"reward/{name}"] = jnp.nanmean(part)
+    return out
+
+
+def make_grpo_step(cfg: GRPOConfig, optimizer, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
+                   on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+    """``grpo_step(state, batch) -> (state, batch)`` with ``batch`` holding ``prompt_ids``,
+    ``prompt_mask`` ``[P, Lp]`` and host entries ``prompts`` (list[str]) and ``fields``."""
+    return compose(
+        make_rollout(cfg, eos_ids=eos_ids, pad_id=pad_id),
+        make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s),
+        make_advantage(cfg),
+        make_update_stage(cfg, optimizer),
+        name="grpo_step",
+    )

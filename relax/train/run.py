@@ -1,0 +1,257 @@
+"""The GRPO run: data -> grpo_step loop -> evaluation, checkpoints, logs, HF export.
+
+``run(cfg)`` is what ``examples/train_grpo.py`` calls after parsing flags into ``RunConfig``.
+With no ``model`` it trains on the built-in offline task (``relax.tasks.reverse``): the base
+model is produced by a short supervised phase and saved as an HF directory in the run dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.checkpoint import Checkpointer
+from relax.data import DataConfig, eval_records, load_records, prompt_batch, prompt_iterator
+from relax.logging import MetricsLogger, ProgressBar, is_main_process, write_summary
+from relax.models.config import DTYPES
+from relax.models.hf import load_pretrained, save_pretrained
+from relax.rewards.builtin import get_reward
+from relax.rewards.functions import RewardFunction
+from relax.tasks import reverse
+from relax.tokenizer import Tokenizer
+from relax.train.config import GRPOConfig, preset
+from relax.train.evaluate import EvalConfig, evaluate
+from relax.train.grpo import make_grpo_step
+from relax.train.state import init_state
+
+BAR_KEYS = (("reward", "reward"), ("kl", "kl"), ("completion_length", "len"), ("tokens_per_s", "tok/s"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A GRPO run. Without ``model`` the built-in offline task (``task``) is used."""
+
+    model: str | None = None
+    """Hugging Face model directory (config.json + safetensors)."""
+    tokenizer: str | None = None
+    """sentencepiece .model file (required with --model)."""
+    data: str | None = None
+    """Training prompts: .jsonl / .parquet file or directory (required with --model)."""
+    eval_data: str | None = None
+    """Held-out prompts; without it ``eval_fraction`` of --data is held out."""
+    eval_fraction: float = 0.0
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    data_source_field: str = "data_source"
+    max_prompt_tokens: int = 512
+    overlong: str = "truncate"
+    chat_template: bool = False
+    system_prompt: str | None = None
+    reward: tuple[str, ...] = ("exact_match",)
+    """Built-in reward functions by name (exact_match, numeric_match, format_reward)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per --reward (empty: all 1)."""
+    reward_timeout_s: float | None = 60.0
+    reward_on_error: str = "raise"
+    """raise: stop naming the function and sample; missing: log, count, treat as missing."""
+    preset: str = "grpo"
+    """Algorithm preset (grpo, dr_grpo, dapo, gspo, rloo): the defaults of --grpo.*"""
+    grpo: GRPOConfig = GRPOConfig()
+    steps: int = 200
+    batch_size: int = 16
+    """Prompts per step (P); each gets --grpo.num-generations completions."""
+    seed: int = 0
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    eval: EvalConfig = EvalConfig()
+    eval_every: int = 0
+    """Evaluate every N steps (0: only before and after training)."""
+    eval_max_prompts: int | None = None
+    run_dir: str = "runs/grpo"
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    resume: bool = False
+    """Continue from the latest checkpoint in --run-dir."""
+    eval_only: bool = False
+    """Evaluate the model (or the latest checkpoint with --resume) and exit."""
+    export_hf: bool = True
+    task: reverse.ReverseTask = reverse.ReverseTask()
+
+    def __post_init__(self):
+        if self.model is not None and (self.tokenizer is None or self.data is None):
+            raise ValueError("--model needs --tokenizer and --data")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise ValueError(f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward")
+        for name in (self.param_dtype, self.compute_dtype):
+            if name not in DTYPES:
+                raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
+            raise ValueError("--steps >= 0, --batch-size >= 1 and --checkpoint-every >= 1 are required")
+
+
+def builtin_defaults() -> RunConfig:
+    """The no-argument run: the reverse task, sized to finish in a few minutes on 2 CPU cores."""
+    grpo = preset("grpo", num_generations=8, max_new_tokens=8, beta=0.04,
+                  optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
+    return RunConfig(grpo=grpo, steps=60, batch_size=16, max_prompt_tokens=16, eval_every=20,
+                     checkpoint_every=20, run_dir="runs/grpo-reverse")
+
+
+def real_defaults(preset_name: str = "grpo") -> RunConfig:
+    return RunConfig(preset=preset_name, grpo=preset(preset_name))
+
+
+def _builtin_setup(cfg: RunConfig, run_dir: Path, log):
+    """Task files, tokenizer and base model of the built-in task (reused when present)."""
+    task = cfg.task
+    task_dir = run_dir / "task"
+    train, held_out = reverse.make_splits(task)
+    reverse.write_jsonl(train, task_dir / "train.jsonl")
+    reverse.write_jsonl(held_out, task_dir / "eval.jsonl")
+    tokenizer = reverse.build_tokenizer(task, task_dir)
+    base_dir = run_dir / "base_model"
+    if (base_dir / "config.json").exists():
+        model = load_pretrained(base_dir)
+        log(f"base model: {base_dir} (reused)")
+    else:
+        log("base model: a supervised phase on a noisy teacher (reverses only "
+            f"{task.reverse_prob:.0%} of the time) ...")
+        model = reverse.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
+        if is_main_process():
+            save_pretrained(model, base_dir)
+    return tokenizer, model, str(task_dir / "train.jsonl"), str(task_dir / "eval.jsonl")
+
+
+def _decoder(tokenizer: Tokenizer):
+    def decode(tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+        return [tokenizer.decode(row[m > 0]).strip() for row, m in zip(tokens, mask)]
+    return decode
+
+
+def _table(before: dict, after: dict) -> str:
+    keys = [k for k in after if "/" not in k or k.startswith("greedy/")]
+    keys = [k for k in keys if k not in ("num_prompts",)]
+    lines = [f"{'metric':<22}{'before':>10}{'after':>10}{'change':>10}"]
+    for k in keys:
+        b, a = before.get(k, float("nan")), after[k]
+        lines.append(f"{k:<22}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}")
+    return "\n".join(lines)
+
+
+def run(cfg: RunConfig) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = print if is_main_process() else (lambda *a, **k: None)
+    log(f"relax GRPO | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
+        f"| run dir {run_dir}")
+    t_start = time.perf_counter()
+    if cfg.model is None:
+        tokenizer, model, data_path, eval_path = _builtin_setup(cfg, run_dir, log)
+    else:
+        tokenizer = Tokenizer(cfg.tokenizer)
+        model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+        data_path, eval_path = cfg.data, cfg.eval_data
+    eos_ids = tuple(sorted({*model.config.eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}))
+    buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens)
+    data_cfg = DataConfig(
+        path=data_path, batch_size=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
+        prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, data_source_field=cfg.data_source_field,
+        seed=cfg.seed, overlong=cfg.overlong, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
+        prompt_buckets=buckets + (cfg.max_prompt_tokens,),
+        eval_fraction=cfg.eval_fraction if eval_path is None else 0.0)
+    if eval_path is not None:
+        held_out = load_records(eval_path, fields=(cfg.prompt_field,))
+    else:
+        held_out = eval_records(data_cfg) if cfg.eval_fraction > 0 else []
+    if cfg.eval_max_prompts is not None:
+        held_out = held_out[:cfg.eval_max_prompts]
+    eval_batch = prompt_batch(held_out, data_cfg, tokenizer) if held_out else None
+
+    weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
+    reward_fns = [RewardFunction(get_reward(n), name=n, weight=w) for n, w in zip(cfg.reward, weights)]
+    decode = _decoder(tokenizer)
+    optimizer = cfg.grpo.optimizer.make()
+    state = init_state(model, optimizer, key=jax.random.key(cfg.seed), with_reference=cfg.grpo.needs_reference)
+    iterator = prompt_iterator(data_cfg, tokenizer)
+    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
+    summary: dict = {}
+    if cfg.resume and ckpt.latest_step() is not None:
+        state, data_state, _ = ckpt.restore(target=state)
+        iterator.set_state(data_state)
+        log(f"resumed from step {int(state.step)} ({ckpt.directory})")
+        if (run_dir / "summary.json").exists():
+            summary = json.loads((run_dir / "summary.json").read_text())
+    start = int(state.step)
+
+    def run_eval(policy, step: int) -> dict:
+        if eval_batch is None:
+            return {}
+        t0 = time.perf_counter()
+        metrics = evaluate(policy, eval_batch, reward_fns=reward_fns, decode=decode, eos_ids=eos_ids,
+                           pad_id=tokenizer.pad_id, max_new_tokens=cfg.grpo.max_new_tokens,
+                           key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
+                           answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s)
+        logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
+        return metrics
+
+    with MetricsLogger(run_dir) as logger:
+        if cfg.eval_only:
+            result = run_eval(state.policy, start)
+            summary = {**summary, "eval_only": result, "step": start}
+            write_summary(run_dir, summary)
+            return summary
+        if "before" not in summary:
+            summary["before"] = run_eval(state.policy, start)
+        step_fn = make_grpo_step(cfg.grpo, optimizer, reward_fns, decode, eos_ids=eos_ids,
+                                 pad_id=tokenizer.pad_id, on_error=cfg.reward_on_error,
+                                 timeout_s=cfg.reward_timeout_s)
+        last_saved = None
+        with ProgressBar(total=cfg.steps, initial=start, keys=BAR_KEYS, desc="grpo") as bar:
+            for step in range(start, cfg.steps):
+                pb = next(iterator)
+                batch = {"prompt_ids": jnp.asarray(pb.prompt_ids), "prompt_mask": jnp.asarray(pb.prompt_mask),
+                         "prompts": pb.prompts, "fields": {cfg.answer_field: pb.answers, **pb.fields}}
+                timings = {}
+                for seg in step_fn.segments:
+                    t0 = time.perf_counter()
+                    state, batch = seg.run(state, batch)
+                    jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
+                    timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
+                metrics = {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
+                metrics.update(timings)
+                step_time = sum(timings.values())
+                metrics["time/step"] = step_time
+                metrics["tokens_per_s"] = float(np.sum(np.asarray(batch["lengths"]))) / step_time
+                metrics["reward_errors"] = float(batch["reward_info"]["errors"] + batch["reward_info"]["timeouts"])
+                logger.log(step + 1, metrics)
+                bar.update(1, metrics)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                    run_eval(state.policy, step + 1)
+                if ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg):
+                    last_saved = step + 1
+        if last_saved != cfg.steps and ckpt.latest_step() != cfg.steps:
+            ckpt.save(cfg.steps, state, data_state=iterator.get_state(), config=cfg, force=True)
+        ckpt.wait()
+        summary["after"] = run_eval(state.policy, cfg.steps)
+    ckpt.close()
+    if cfg.export_hf and is_main_process():
+        export = run_dir / "final_hf"
+        save_pretrained(state.policy, export)
+        shutil.copy(tokenizer.path, export / "tokenizer.model")
+        summary["export"] = str(export)
+    summary.update(steps=cfg.steps, run_time_s=time.perf_counter() - t_start,
+                   skipped_updates=int(state.opt_state.total_notfinite))
+    write_summary(run_dir, summary)
+    if summary.get("before") and summary.get("after"):
+        log("\n" + _table(summary["before"], summary["after"]))
+    return summary

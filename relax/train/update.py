@@ -1,0 +1,121 @@
+"""The policy update: ``num_iterations`` epochs x ``num_minibatches`` optimizer steps, each a
+sum of ``grad_accum`` micro-batch gradients, as nested ``lax.scan``s.
+
+Minibatches are whole prompt groups (so the training forward shares each prompt across its G
+completions). Loss normalisers are computed ONCE from the whole batch and divided by the
+number of minibatches::
+
+    num_tokens = (valid loss tokens in the batch) / num_minibatches
+    num_sequences = (valid sequences in the batch) / num_minibatches
+
+so every token weighs the same in every optimizer step however the tokens fall into
+minibatches, and summing micro-batch losses gives exactly the minibatch loss: gradient
+accumulation does not change what the loss means.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from relax.losses.aggregation import aggregate
+from relax.losses.kl import kl_estimate
+from relax.losses.policy import cispo, ppo_clip, reinforce
+from relax.masked import masked_mean
+from relax.train.config import GRPOConfig
+from relax.train.forward import completion_logprobs
+
+
+def _policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
+    if cfg.policy_loss == "ppo":
+        return ppo_clip(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                        delta=cfg.delta, clip_ratio_c=cfg.clip_ratio_c, importance=cfg.importance_sampling_level)
+    if cfg.policy_loss == "cispo":
+        return cispo(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
+    return reinforce(logp, adv, mask)
+
+
+def make_loss(cfg: GRPOConfig):
+    """``loss(policy, minibatch, norms) -> (scalar, metrics)`` for one (micro-)batch of groups."""
+
+    def loss_fn(policy, mb, norms):
+        p, g, n = mb["tokens"].shape
+        logp, ent = completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
+                                        temperature=cfg.temperature, with_entropy=True, remat=cfg.remat)
+        flat = lambda x: x.reshape(p * g, n)
+        logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
+        adv = mb["advantages"].reshape(p * g)
+        per_token, metrics = _policy_loss(cfg, logp, old, adv, mask)
+        metrics = dict(metrics)
+        if cfg.beta > 0:
+            kl = kl_estimate(logp, flat(mb["ref_logprobs"]), cfg.kl_estimator)
+            metrics["kl"] = masked_mean(kl, mask)
+            if not cfg.kl_in_reward:
+                per_token = per_token + cfg.beta * jnp.where(mask, kl, 0.0)
+        if cfg.entropy_coef != 0.0:
+            per_token = per_token - cfg.entropy_coef * jnp.where(mask, ent, 0.0)
+        metrics["entropy"] = masked_mean(ent, mask)
+        metrics["sampler_logprob_diff"] = jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0))
+        loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=norms["sequences"],
+                         num_tokens=norms["tokens"], max_len=cfg.max_new_tokens)
+        return loss, metrics
+
+    return loss_fn
+
+
+def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
+    """``update(policy, opt_state, data, key) -> (policy, opt_state, metrics)``.
+
+    ``data`` holds per-prompt arrays with a leading ``[P]`` axis: ``prompt_ids``, ``prompt_mask``,
+    ``tokens``/``mask``/``loss_mask``/``old_logprobs`` (and ``ref_logprobs``) ``[P, G, N]``,
+    ``advantages`` ``[P, G]``. Metrics are averaged over optimizer steps; ``loss`` is the mean
+    minibatch loss.
+    """
+    loss_fn = make_loss(cfg)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    m, a = cfg.num_minibatches, cfg.grad_accum
+
+    def update(policy, opt_state, data, key):
+        p = data["prompt_ids"].shape[0]
+        if p % (m * a):
+            raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m} x grad_accum={a}")
+        seq_valid = jnp.any(data["loss_mask"] > 0, axis=-1)
+        norms = {"tokens": jnp.maximum(jnp.sum(data["loss_mask"]), 1) / m,
+                 "sequences": jnp.maximum(jnp.sum(seq_valid), 1) / m}
+
+        def minibatch(carry, mb):
+            policy, opt_state = carry
+
+            def micro(acc, micro_batch):
+                (loss, metrics), grads = grad_fn(policy, micro_batch, norms)
+                return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+            zeros = jax.tree.map(jnp.zeros_like, policy)
+            grads, (losses, metrics) = jax.lax.scan(micro, zeros, mb)
+            updates, opt_state = optimizer.update(grads, opt_state, policy)
+            policy = optax.apply_updates(policy, updates)
+            metrics = jax.tree.map(jnp.mean, metrics)
+            metrics["loss"] = jnp.sum(losses)
+            metrics["grad_norm"] = optax.global_norm(grads)
+            return (policy, opt_state), metrics
+
+        def epoch(carry, epoch_key):
+            perm = jax.random.permutation(epoch_key, p)
+            split = lambda x: x[perm].reshape((m, a, p // (m * a)) + x.shape[1:])
+            return jax.lax.scan(minibatch, carry, jax.tree.map(split, data))
+
+        keys = jax.random.split(key, cfg.num_iterations)
+        (policy, opt_state), metrics = jax.lax.scan(epoch, (policy, opt_state), keys)
+        # the sampler/trainer mismatch is only meaningful before the first optimizer step
+        first_diff = metrics.pop("sampler_logprob_diff")[0, 0]
+        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics["sampler_logprob_diff"] = first_diff
+        return policy, opt_state, metrics
+
+    return update
+
+
+def skipped_updates(opt_state) -> jax.Array:
+    """Total optimizer steps skipped for non-finite gradients (``optax.apply_if_finite``)."""
+    return opt_state.total_notfinite
