@@ -1,0 +1,421 @@
+"""Hugging Face checkpoints (``config.json`` + safetensors) <-> relax :class:`Transformer`.
+
+    model = load_pretrained("path/to/Qwen3-0.6B")          # float32 compute, params as stored
+    save_pretrained(model, "out/", max_shard_bytes=2**30)  # loadable by transformers
+
+Conventions at the boundary:
+
+- Tensor names are transformers' (``model.embed_tokens.weight``,
+  ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``).
+  Torch ``Linear`` weights are ``[out, in]``; relax stores ``[in, out]`` with the layers stacked
+  on a leading ``[L]`` axis, so loading transposes and stacks, saving unstacks and transposes.
+- Safetensors are parsed here (8-byte little-endian header length, JSON header, raw data), not
+  through a framework, so bfloat16 loads as ``ml_dtypes.bfloat16`` and a save -> load round trip
+  is bit-exact. Pickles (``pytorch_model.bin``, ``*.pt``) are never read.
+- ``param_dtype=None`` keeps each tensor's stored dtype (float64 becomes float32).
+- Tied models: ``lm_head.weight`` is not written. On load a stored ``lm_head.weight`` equal to
+  the embedding is ignored; one that differs is kept and the model is untied (with a warning),
+  which is what transformers 5.23 does, so logits match it.
+- ``generation_config.json`` (when present) supplies ``eos_token_id`` (it usually lists every
+  stop token, e.g. Llama 3's ``<|eot_id|>``), and ``bos``/``pad`` where ``config.json`` has none.
+- Saving is atomic: a new directory is staged next to ``path`` and renamed; into an existing
+  directory, ``config.json`` is removed first and written last, so a crash never leaves a
+  directory with a ``config.json`` whose weights are half-written.
+
+Every error about a checkpoint is an :class:`HFFormatError` naming the file and tensor or field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import uuid
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from relax.models.config import ModelConfig
+from relax.models.hf_config import (HFFormatError, config_from_hf, config_to_hf, dtype_name,
+                                    generation_config_to_hf, with_generation_config)
+from relax.models.transformer import LayerStack, Transformer
+
+__all__ = ["HFFormatError", "config_from_hf", "config_to_hf", "load_pretrained", "save_pretrained"]
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+GENERATION = "generation_config.json"
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
+_PICKLE = re.compile(r"^(pytorch_model|model|consolidated).*\.(bin|pt|pth)$|\.bin\.index\.json$")
+
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
+             "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
+             "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+_FLOAT = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+          "BF16": np.dtype(ml_dtypes.bfloat16)}
+_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+# (LayerStack field, name under model.layers.{i}., a torch Linear weight stored [out, in])
+_LAYER = (
+    ("attn_norm", "input_layernorm.weight", False),
+    ("wq", "self_attn.q_proj.weight", True), ("bq", "self_attn.q_proj.bias", False),
+    ("wk", "self_attn.k_proj.weight", True), ("bk", "self_attn.k_proj.bias", False),
+    ("wv", "self_attn.v_proj.weight", True), ("bv", "self_attn.v_proj.bias", False),
+    ("wo", "self_attn.o_proj.weight", True), ("bo", "self_attn.o_proj.bias", False),
+    ("q_norm", "self_attn.q_norm.weight", False), ("k_norm", "self_attn.k_norm.weight", False),
+    ("mlp_norm", "post_attention_layernorm.weight", False),
+    ("w_gate", "mlp.gate_proj.weight", True), ("b_gate", "mlp.gate_proj.bias", False),
+    ("w_up", "mlp.up_proj.weight", True), ("b_up", "mlp.up_proj.bias", False),
+    ("w_down", "mlp.down_proj.weight", True), ("b_down", "mlp.down_proj.bias", False),
+)
+
+
+def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """relax per-layer shapes (no ``[L]`` axis) of the LayerStack fields this config has."""
+    D, F, hd, qd, kd = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    s = dict(attn_norm=(D,), wq=(D, qd), wk=(D, kd), wv=(D, kd), wo=(qd, D), mlp_norm=(D,),
+             w_gate=(D, F), w_up=(D, F), w_down=(F, D))
+    if c.qkv_bias:
+        s.update(bq=(qd,), bk=(kd,), bv=(kd,))
+    if c.o_bias:
+        s.update(bo=(D,))
+    if c.qk_norm:
+        s.update(q_norm=(hd,), k_norm=(hd,))
+    if c.mlp_bias:
+        s.update(b_gate=(F,), b_up=(F,), b_down=(D,))
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    name: str        # Hugging Face tensor name
+    field: str       # Transformer field, or a LayerStack field when layer is not None
+    layer: int | None
+    transpose: bool
+    hf_shape: tuple[int, ...]
+
+
+def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
+    """Every tensor of the checkpoint in transformers' order."""
+    slots = [_Slot("model.embed_tokens.weight", "embed", None, False, (c.vocab_size, c.hidden_size))]
+    shapes = _layer_shapes(c)
+    for i in range(c.num_layers):
+        for field, suffix, t in _LAYER:
+            if field in shapes:
+                shape = shapes[field][::-1] if t else shapes[field]
+                slots.append(_Slot(f"model.layers.{i}.{suffix}", field, i, t, shape))
+    slots.append(_Slot("model.norm.weight", "norm", None, False, (c.hidden_size,)))
+    if with_head:
+        slots.append(_Slot("lm_head.weight", "lm_head", None, False, (c.vocab_size, c.hidden_size)))
+    return slots
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+class _SafetensorsFile:
+    """A parsed, validated safetensors header; tensors are read lazily through a memory map."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise HFFormatError(f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise HFFormatError(f"{path}: corrupt or truncated safetensors file: header length {n} "
+                                    f"goes beyond the end of the file ({size} bytes)")
+            raw = f.read(n)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HFFormatError(f"{path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise HFFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
+        header.pop("__metadata__", None)
+        self.data_start, data_len = 8 + n, size - 8 - n
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            try:
+                code, shape, (b, end) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
+                b, end = int(b), int(end)
+            except (TypeError, KeyError, ValueError):
+                raise HFFormatError(f"{path}: tensor {name!r}: malformed header entry {e!r}") from None
+            if code not in _ITEMSIZE:
+                raise HFFormatError(f"{path}: tensor {name!r} has unknown safetensors dtype {code!r}")
+            nbytes = math.prod(shape) * _ITEMSIZE[code]
+            if not 0 <= b <= end or end - b != nbytes:
+                raise HFFormatError(f"{path}: tensor {name!r}: data_offsets [{b}, {end}] do not hold "
+                                    f"{code} {list(shape)} ({nbytes} bytes)")
+            if end > data_len:
+                raise HFFormatError(f"{path}: corrupt or truncated safetensors file: tensor {name!r} "
+                                    f"data_offsets [{b}, {end}] go beyond the end of the data ({data_len} bytes)")
+            self.entries[name] = (code, shape, b, end)
+        self._map = None
+
+    def read(self, name: str) -> np.ndarray:
+        """A read-only view of the tensor (copy it before keeping it)."""
+        code, shape, b, end = self.entries[name]
+        if self._map is None:
+            self._map = np.memmap(self.path, np.uint8, mode="r")
+        raw = self._map[self.data_start + b:self.data_start + end]
+        return raw.view(_FLOAT[code]).reshape(shape)
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]) -> None:
+    """Write ``(name, shape, dtype, make_array)`` tensors, largest itemsize first (aligned offsets)."""
+    tensors = sorted(tensors, key=lambda t: -t[2].itemsize)  # stable: keeps transformers' order
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dt, _ in tensors:
+        nbytes = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": _CODE[dt.name], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for name, shape, dt, make in tensors:
+            a = np.ascontiguousarray(make())
+            assert a.shape == tuple(shape) and a.dtype == dt, (name, a.shape, a.dtype)
+            f.write(a.reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{path}: not valid JSON ({e})") from None
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _open_weights(root: Path) -> tuple[dict[str, _SafetensorsFile], str]:
+    """Tensor name -> file holding it, and the file to name when a tensor is missing."""
+    single, index = root / WEIGHTS, root / INDEX
+    if single.is_file():
+        f = _SafetensorsFile(single)
+        return dict.fromkeys(f.entries, f), str(single)
+    if index.is_file():
+        wm = _read_json(index)
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise HFFormatError(f"{index}: field 'weight_map' is missing or not an object of tensor -> shard file")
+        files: dict[str, _SafetensorsFile] = {}
+        for shard in sorted(set(wm.values())):
+            if Path(shard).name != shard or shard in ("", ".", ".."):
+                raise HFFormatError(f"{index}: weight_map names shard {shard!r} outside the directory")
+            if not (root / shard).is_file():
+                first = next(n for n, s in wm.items() if s == shard)
+                raise HFFormatError(f"{index}: weight_map points at missing shard {shard!r} "
+                                    f"(for tensor {first!r})")
+            files[shard] = _SafetensorsFile(root / shard)
+        where = {n: f for f in files.values() for n in f.entries}
+        for name, shard in wm.items():
+            if name not in files[shard].entries:
+                raise HFFormatError(f"{root / shard}: tensor {name!r} is not in this shard, "
+                                    f"though {INDEX} maps it there")
+            where[name] = files[shard]
+        return where, str(index)
+    pickles = sorted(p.name for p in root.iterdir() if _PICKLE.search(p.name))
+    if pickles:
+        raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX}, only PyTorch pickle weights {pickles}; "
+                            "relax reads safetensors only (it never unpickles). Convert them first, "
+                            "e.g. transformers' model.save_pretrained(dir, safe_serialization=True)")
+    raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX} (safetensors weights are required)")
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Transformer:
+    """A :class:`Transformer` from a Hugging Face directory (``config.json`` + safetensors).
+
+    ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
+    """
+    root = Path(path)
+    cfg_path = root / CONFIG
+    if not root.is_dir():
+        raise HFFormatError(f"{root}: not a directory (expected a Hugging Face model directory)")
+    if not cfg_path.is_file():
+        raise HFFormatError(f"{cfg_path}: missing config.json (a Hugging Face model directory "
+                            "needs config.json and safetensors weights)")
+    cfg = config_from_hf(_read_json(cfg_path), source=str(cfg_path))
+    if (root / GENERATION).is_file():
+        cfg = with_generation_config(cfg, _read_json(root / GENERATION), source=str(root / GENERATION))
+    where, listing = _open_weights(root)
+
+    has_head = "lm_head.weight" in where
+    slots = _layout(cfg, with_head=has_head or not cfg.tie_word_embeddings)
+    expected = {s.name for s in slots}
+    missing = [s.name for s in slots if s.name not in where]
+    if missing:
+        more = f" and {len(missing) - 1} more, e.g. {missing[1:4]}" if len(missing) > 1 else ""
+        raise HFFormatError(f"{listing}: missing tensor {missing[0]!r}{more} "
+                            f"for a {cfg.family} model with {cfg.num_layers} layers")
+    extra = sorted(n for n in where if n not in expected and not _IGNORED.search(n))
+    if extra:
+        raise HFFormatError(f"{where[extra[0]].path}: unexpected tensor {extra[0]!r} (not part of a "
+                            f"{cfg.family} model with {cfg.num_layers} layers"
+                            f"{f'; {len(extra)} unexpected in all' if len(extra) > 1 else ''})")
+    for s in slots:
+        f = where[s.name]
+        code, shape = f.entries[s.name][:2]
+        if shape != s.hf_shape:
+            raise HFFormatError(f"{f.path}: tensor {s.name!r} has shape {list(shape)}, expected {list(s.hf_shape)}")
+        if code not in _FLOAT:
+            raise HFFormatError(f"{f.path}: tensor {s.name!r} has dtype {code}; relax loads "
+                                f"floating-point weights only ({', '.join(_FLOAT)})")
+
+    target = None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
+
+    views: dict[str, list[np.ndarray]] = {}  # field -> memory-mapped tensors, [in, out]
+    for s in slots:
+        a = where[s.name].read(s.name)
+        views.setdefault(s.field, []).append(a.T if s.transpose else a)
+
+    def host(field: str) -> np.ndarray:
+        """One private C-ordered copy (layers stacked on axis 0) in the target dtype."""
+        vs = views[field]
+        a = np.stack(vs) if field in LayerStack.__dataclass_fields__ else np.array(vs[0], order="C")
+        dt = target if target is not None else (np.dtype(np.float32) if a.dtype == np.float64 else a.dtype)
+        return a.astype(dt, copy=False)
+
+    by_field = {f: host(f) for f in views}
+    if cfg.tie_word_embeddings and has_head:
+        head, emb = by_field["lm_head"], by_field["embed"]
+        if (np.array_equal(head.view(np.uint8), emb.view(np.uint8)) if head.dtype == emb.dtype
+                else np.array_equal(head.astype(np.float32), emb.astype(np.float32))):
+            del by_field["lm_head"]
+        else:
+            warnings.warn(f"{where['lm_head.weight'].path}: tie_word_embeddings is true but 'lm_head.weight' "
+                          "differs from 'model.embed_tokens.weight'; keeping both and untying the model "
+                          "(as transformers does)", stacklevel=2)
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    del views
+    arrays = {f: jnp.asarray(by_field.pop(f)) for f in list(by_field)}
+    layers = LayerStack(**{f: arrays[f] for f in _layer_shapes(cfg)})
+    return Transformer(embed=arrays["embed"], layers=layers, norm=arrays["norm"],
+                       lm_head=arrays.get("lm_head"), config=cfg, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames in ``path`` durable (best effort: not every platform can fsync a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
+                    dtype=None) -> None:
+    """Write ``model`` as a transformers-loadable directory.
+
+    ``config.json``, ``generation_config.json`` (bos/eos/pad) and either
+    ``model.safetensors`` or, when the tensors exceed ``max_shard_bytes``, shards
+    ``model-XXXXX-of-YYYYY.safetensors`` plus ``model.safetensors.index.json``. ``dtype``
+    casts the parameters (None: as they are; a round trip is then bit-exact).
+    """
+    cfg = model.config
+    if (model.lm_head is None) != cfg.tie_word_embeddings:
+        raise ValueError(f"model.lm_head is {'None' if model.lm_head is None else 'set'} but "
+                         f"config.tie_word_embeddings={cfg.tie_word_embeddings}")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    cast = None if dtype is None else np.dtype(jnp.dtype(dtype))
+    arrays: dict[str, np.ndarray] = {}
+
+    def field_array(field: str, stacked: bool) -> np.ndarray:
+        if field not in arrays:
+            a = np.asarray(getattr(model.layers if stacked else model, field))
+            dtype_name(a.dtype)  # raises for a non-float parameter
+            arrays[field] = a if cast is None else a.astype(cast)
+        return arrays[field]
+
+    specs = []
+    for s in _layout(cfg, with_head=not cfg.tie_word_embeddings):
+        a = field_array(s.field, s.layer is not None)
+
+        def make(a=a, s=s):
+            x = a if s.layer is None else a[s.layer]
+            return x.T if s.transpose else x
+
+        specs.append((s.name, s.hf_shape, a.dtype, make))
+    nbytes = lambda spec: math.prod(spec[1]) * spec[2].itemsize
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        if max_shard_bytes is not None and shards[-1] and size + nbytes(spec) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes(spec)
+    n = len(shards)
+    names = [WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    index = None if n == 1 else {
+        "metadata": {"total_size": sum(map(nbytes, specs))},
+        "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
+    hf_config = config_to_hf(cfg, cast if cast is not None else field_array("embed", False).dtype)
+    generation = generation_config_to_hf(cfg)
+
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root}: exists and is not a directory")
+    fresh = not root.exists()
+    if fresh:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    staging = (root.parent if fresh else root) / f".{root.name}.saving-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()  # (not mkdtemp: its 0700 mode would become the saved directory's)
+    try:
+        for name, shard in zip(names, shards):
+            _write_safetensors(staging / name, shard)
+        if index is not None:
+            _write_json(staging / INDEX, index)
+        _write_json(staging / GENERATION, generation)
+        _write_json(staging / CONFIG, hf_config)
+        _fsync_dir(staging)
+        if fresh:
+            os.rename(staging, root)
+            _fsync_dir(root.parent)
+            return
+        # Existing directory: invalidate it first (no config.json), replace the weights, drop
+        # stale ones from an earlier save, and only then put config.json back.
+        (root / CONFIG).unlink(missing_ok=True)
+        _fsync_dir(root)
+        for p in root.iterdir():
+            if p.is_file() and (p.name in (WEIGHTS, INDEX) or _SHARD.match(p.name)) and p.name not in names:
+                p.unlink()
+        for p in sorted(staging.iterdir(), key=lambda p: p.name == CONFIG):
+            os.replace(p, root / p.name)
+        _fsync_dir(root)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

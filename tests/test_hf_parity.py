@@ -1,0 +1,214 @@
+"""relax <-> Hugging Face transformers parity: the same checkpoint gives the same logits.
+
+Tiny random models of every supported family are built with transformers, saved as
+safetensors, loaded by relax (and the reverse), and their float32 logits compared, also on a
+left-padded batch. Norm weights and biases are randomised: unit norms and zero biases hide bugs.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from relax.models import ModelConfig, RopeScaling, init  # noqa: E402
+from relax.models.hf import config_from_hf, load_pretrained, save_pretrained  # noqa: E402
+
+pytestmark = pytest.mark.parity
+
+ATOL = 2e-4
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+
+# name: (config class, overrides, max_shard_size for HF's save or None)
+CASES = {
+    "llama2_mha_untied": ("LlamaConfig", dict(num_key_value_heads=4), None),
+    "llama_bias_gqa_tied": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                                                tie_word_embeddings=True), None),
+    "llama3_gqa_tied": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                            rope_parameters=dict(LLAMA3_ROPE)), None),
+    "llama_linear_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), None),
+    "mistral_gqa_window_sharded": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=5), "40KB"),
+    "qwen2_gqa_tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True), None),
+    "qwen2_all_layers_window": ("Qwen2Config", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                    sliding_window=4, max_window_layers=0), None),
+    "qwen3_gqa_head_dim": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24), None),
+    "qwen3_mha_bias_tied": ("Qwen3Config", dict(num_key_value_heads=4, head_dim=16, attention_bias=True,
+                                                tie_word_embeddings=True), "30KB"),
+}
+
+
+def _randomise(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+    return model.eval()
+
+
+def _hf_model(case):
+    cls_name, overrides, _ = CASES[case]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides})
+    torch.manual_seed(0)
+    return _randomise(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def _batches(vocab):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, (2, 12), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[0, :5] = 0   # left padding
+    mask[1, :1] = 0
+    return ids, mask
+
+
+def _hf_logits(model, ids, mask=None):
+    kw = {}
+    if mask is not None:
+        kw = dict(attention_mask=torch.tensor(mask),
+                  position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0)))
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids), **kw).logits.float().numpy()
+
+
+@jax.jit
+def _relax_forward(model, ids, mask):
+    return model(ids, mask)
+
+
+def _relax_logits(model, ids, mask=None):
+    mask = np.ones_like(ids) if mask is None else mask
+    return np.asarray(_relax_forward(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)))
+
+
+def _assert_same_logits(hf_model, relax_model, vocab):
+    ids, mask = _batches(vocab)
+    np.testing.assert_allclose(_relax_logits(relax_model, ids), _hf_logits(hf_model, ids), atol=ATOL, rtol=0)
+    valid = mask.astype(bool)
+    got, want = _relax_logits(relax_model, ids, mask), _hf_logits(hf_model, ids, mask)
+    np.testing.assert_allclose(got[valid], want[valid], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_checkpoint_loads_with_same_logits(case, tmp_path):
+    hf = _hf_model(case)
+    shard = CASES[case][2]
+    kw = {} if shard is None else dict(max_shard_size=shard)
+    hf.save_pretrained(tmp_path, safe_serialization=True, **kw)
+    if shard is not None:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = load_pretrained(tmp_path)
+    assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert (model.lm_head is None) == hf.config.tie_word_embeddings
+    _assert_same_logits(hf, model, hf.config.vocab_size)
+    # transformers 5.x's own config.json (rope_parameters, dtype) parses to the same config.
+    assert "rope_parameters" in json.loads((tmp_path / "config.json").read_text())
+    assert config_from_hf(hf.config.to_dict(), source="to_dict") == model.config
+
+
+def _random_params(cfg, seed):
+    """init()'s pytree filled from NumPy (no XLA compiles): weights and biases N(0, 0.1), norm
+    scales 1 + N(0, 0.3)."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        noise = rng.standard_normal(leaf.shape).astype(np.float32)
+        name = jax.tree_util.keystr(path)
+        return jnp.asarray(1.0 + 0.3 * noise if "norm" in name else 0.1 * noise)
+
+    return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(lambda: init(cfg, jax.random.key(0))))
+
+
+def _relax_model(case):
+    cls_name, o, _ = CASES[case]
+    family = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2",
+              "Qwen3Config": "qwen3"}[cls_name]
+    rope = o.get("rope_parameters")
+    scaling = None
+    if rope is not None and rope["rope_type"] == "llama3":
+        scaling = RopeScaling("llama3", rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                              rope["original_max_position_embeddings"])
+    elif rope is not None:
+        scaling = RopeScaling("linear", rope["factor"])
+    bias = o.get("attention_bias", False)
+    window = o.get("sliding_window") if family == "mistral" or o.get("use_sliding_window") else None
+    cfg = ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=o["num_key_value_heads"], head_dim=o.get("head_dim", 16), family=family,
+        max_position_embeddings=128, rms_norm_eps=1e-5,
+        rope_theta=rope["rope_theta"] if rope else 10000.0, rope_scaling=scaling,
+        tie_word_embeddings=o.get("tie_word_embeddings", False),
+        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=o.get("mlp_bias", False),
+        qk_norm=family == "qwen3", sliding_window=window, bos_token_id=1, eos_token_id=(2, 3))
+    return _random_params(cfg, 0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_relax_checkpoint_loads_in_transformers(case, tmp_path):
+    model = _relax_model(case)
+    shard = CASES[case][2]
+    save_pretrained(model, tmp_path, max_shard_bytes=None if shard is None else 40_000)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == json.loads((tmp_path / "config.json").read_text())["architectures"][0]
+    assert config_from_hf(hf.config.to_dict(), source="to_dict") == model.config
+    assert hf.generation_config.eos_token_id == [2, 3]
+    _assert_same_logits(hf, model, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("case", ["llama3_gqa_tied", "qwen3_gqa_head_dim"])
+def test_bfloat16_checkpoint_both_ways(case, tmp_path):
+    """relax writes bfloat16 safetensors that torch reads bit for bit, and reads torch's."""
+    model = _relax_model(case)
+    save_pretrained(model, tmp_path / "relax", dtype=jnp.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "relax", dtype=torch.bfloat16)
+    back = load_pretrained(tmp_path / "relax")
+    assert back.embed.dtype == jnp.bfloat16
+    emb = hf.model.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_array_equal(emb, np.asarray(back.embed, np.float32))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    again = load_pretrained(tmp_path / "hf")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(again)):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _assert_same_logits(hf.float(), back, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("case, scaling_key", [("llama3_gqa_tied", "rope_type"), ("llama_linear_rope", "type")])
+def test_transformers_4_layout_means_the_same_to_both(case, scaling_key, tmp_path):
+    """A 4.x config.json (top-level rope_theta, rope_scaling with 'rope_type' or the old 'type',
+    torch_dtype) is read by transformers 5 and by relax as the same model."""
+    _hf_model(case).save_pretrained(tmp_path, safe_serialization=True)
+    d = json.loads((tmp_path / "config.json").read_text())
+    params = d.pop("rope_parameters")
+    d["rope_theta"] = params.pop("rope_theta")
+    params[scaling_key] = params.pop("rope_type")
+    d["rope_scaling"] = params
+    d["torch_dtype"] = d.pop("dtype")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = load_pretrained(tmp_path)
+    assert model.config.rope_scaling is not None
+    _assert_same_logits(hf, model, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_defaults_for_absent_fields_match_transformers(model_type):
+    # 32 heads: Qwen's absent num_key_value_heads is 32, Mistral's 8
+    minimal = dict(model_type=model_type, vocab_size=100, hidden_size=128, intermediate_size=96,
+                   num_hidden_layers=2, num_attention_heads=32)
+    ours = config_from_hf(minimal, source="config.json")
+    theirs = transformers.AutoConfig.for_model(**minimal).to_dict()
+    assert config_from_hf(theirs, source="to_dict") == ours
