@@ -97,7 +97,7 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
             policy = optax.apply_updates(policy, updates)
             metrics = jax.tree.map(jnp.mean, metrics)
             metrics["loss"] = jnp.sum(losses)
-            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics["grad_norm"] = optax.tree.norm(grads)
             return (policy, opt_state), metrics
 
         def epoch(carry, epoch_key):
