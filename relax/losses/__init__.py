@@ -10,3 +10,5 @@ from relax.losses.kl import (
     kl_penalty_reward,
 )
 from relax.losses.policy import IMPORTANCE_LEVELS, cispo, ppo_clip, reinforce, truncated_importance_weight
+from relax.losses.preference import bradley_terry_loss, distillation_loss, dpo_loss, orpo_loss
+from relax.losses.value import clipped_value_loss

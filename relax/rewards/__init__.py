@@ -1,5 +1,15 @@
-"""Rewards: combining reward functions and shaping ``[P, G]`` rewards."""
+"""Rewards: host reward functions (TRL signature), built-ins, token rewards and shaping."""
 
+from relax.rewards.builtin import BUILTIN_REWARDS, exact_match, format_reward, get_reward, numeric_match
+from relax.rewards.functions import (
+    RewardError,
+    RewardFunction,
+    TokenRewardFunction,
+    length_reward,
+    score,
+    score_tokens,
+    token_match_reward,
+)
 from relax.rewards.shaping import (
     combine,
     dynamic_sampling_mask,
@@ -8,4 +18,7 @@ from relax.rewards.shaping import (
     overlong_penalty,
 )
 
-__all__ = ["combine", "dynamic_sampling_mask", "group_stats", "length_shaping", "overlong_penalty"]
+__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFunction", "TokenRewardFunction", "combine",
+           "dynamic_sampling_mask", "exact_match", "format_reward", "get_reward", "group_stats",
+           "length_reward", "length_shaping", "numeric_match", "overlong_penalty", "score", "score_tokens",
+           "token_match_reward"]
