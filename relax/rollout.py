@@ -27,7 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from relax.models import attention as attn
 from relax.models.transformer import (Transformer, embed, full_attention, positions_from_mask, project,
-                                      run_layers, unstack_layers)
+                                      fuse_layers, run_layers)
 from relax.sampling import SamplingConfig, sample, uniforms
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
@@ -124,25 +124,25 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
         pk, pv, ck, cv = layer_input
         b, _, hq, d = q.shape
         p = b // num_gen
-        n = ck.shape[2]
+        n = cv.shape[2]
         qg = q.reshape(b, hk, r, d)  # one query position: rows of a KV head are its R heads
         qp = qg.reshape(p, num_gen, hk, r, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * r, d)
         allowed_p = prompt_valid[:, None, None, :]
         if window is not None:
             qpos_p = q_pos.reshape(p, num_gen)[:, 0]
             allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
-        op, lp = attn.partial_attention(qp, pk, pv, allowed_p)
+        op, lp = attn.partial_attention(qp, pk, pv, allowed_p, k_transposed=True)
         op = op.reshape(p, hk, num_gen, r, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r, d)
         lp = lp.reshape(p, hk, num_gen, r).transpose(0, 2, 1, 3).reshape(b, hk, r)
         # the completion's own cache, with this step's key/value written first (slot t), so
         # the buffer is updated in place before it is read
-        ck = jax.lax.dynamic_update_index_in_dim(ck, k.reshape(b, hk, d).astype(ck.dtype), t, axis=2)
+        ck = jax.lax.dynamic_update_index_in_dim(ck, k.reshape(b, hk, d).astype(ck.dtype), t, axis=3)
         cv = jax.lax.dynamic_update_index_in_dim(cv, v.reshape(b, hk, d).astype(cv.dtype), t, axis=2)
         slots = jnp.arange(n)
         allowed_c = slots <= t
         if window is not None:
             allowed_c = allowed_c & (t - slots < window)
-        oc, lc = attn.partial_attention(qg, ck, cv, allowed_c[None, None, None, :])
+        oc, lc = attn.partial_attention(qg, ck, cv, allowed_c[None, None, None, :], k_transposed=True)
         out = attn.merge_partials([op, oc], [lp, lc])
         return out.reshape(b, 1, hq, d).astype(q.dtype), (ck, cv)
 
@@ -173,11 +173,11 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
-    layers = unstack_layers(model)
-    prompt_kv = [(pk[i], pv[i]) for i in range(c.num_layers)]
-    kv_shape = (b, c.num_kv_heads, n, c.head_dim)
-    ck = [jnp.zeros(kv_shape, dtype) for _ in range(c.num_layers)]
-    cv = [jnp.zeros(kv_shape, dtype) for _ in range(c.num_layers)]
+    layers = fuse_layers(model)
+    # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
+    prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
+    ck = [jnp.zeros((b, c.num_kv_heads, c.head_dim, n), dtype) for _ in range(c.num_layers)]
+    cv = [jnp.zeros((b, c.num_kv_heads, n, c.head_dim), dtype) for _ in range(c.num_layers)]
     q_pos_base = jnp.repeat(prompt_len, g)
 
     def cond(s):

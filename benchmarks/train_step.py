@@ -1,0 +1,106 @@
+"""One GRPO iteration on the rollout issue's small config, split into rollout / score / update.
+
+Config: Llama architecture, vocab 4096, hidden 256, intermediate 688, 4 layers, 8 heads,
+4 KV heads, float32, random weights. 8 prompts x 8 completions, 64-token prompts, 128 new
+tokens (stop tokens unreachable, so every completion is 128 tokens), KL beta 0.04 with a
+reference model (its log-probs computed in the rollout), one epoch, one minibatch.
+
+    python benchmarks/train_step.py [--runs 5] [--preset grpo]
+
+Prints one JSON line: median seconds per iteration and per stage, generated tokens/s, compile
+seconds per stage, and the update's achieved FLOP/s against the matmul peak measured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import emit, peak_flops  # noqa: E402
+
+from relax.models import init, small_config  # noqa: E402
+from relax.train.config import OptimizerConfig, preset  # noqa: E402
+from relax.train.grpo import make_grpo_step  # noqa: E402
+from relax.train.state import init_state  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    runs: int = 5
+    preset: str = "grpo"
+    prompts: int = 8
+    generations: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 128
+    beta: float = 0.04
+
+
+def reward(prompts, completions, **fields):
+    """Cheap deterministic reward: parity of the completion's first token id."""
+    return [float(int(c.split(" ", 1)[0]) % 2) if c else 0.0 for c in completions]
+
+
+def decode(tokens, mask):
+    return [" ".join(map(str, row[m > 0])) for row, m in zip(tokens, mask)]
+
+
+def main(args: Args) -> dict:
+    mcfg = small_config()
+    model = init(mcfg, jax.random.key(0))
+    cfg = preset(args.preset, num_generations=args.generations, max_new_tokens=args.new_tokens, beta=args.beta,
+                 optimizer=OptimizerConfig(learning_rate=1e-6))
+    opt = cfg.optimizer.make()
+    state = init_state(model, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
+    step = make_grpo_step(cfg, opt, [reward], decode, eos_ids=(), pad_id=0)
+    p = args.prompts
+    ids = jax.random.randint(jax.random.key(2), (p, args.prompt_len), 0, mcfg.vocab_size)
+
+    def batch():
+        return {"prompt_ids": ids, "prompt_mask": jnp.ones_like(ids), "prompts": ["x"] * p, "fields": {}}
+
+    def iteration(state):
+        b, times = batch(), {}
+        for seg in step.segments:
+            t0 = time.perf_counter()
+            state, b = seg.run(state, b)
+            jax.block_until_ready((state, {k: v for k, v in b.items() if k in ("tokens", "rewards")}))
+            times["+".join(seg.names)] = time.perf_counter() - t0
+        return state, times
+
+    state, first = iteration(state)  # compiles
+    runs = []
+    for _ in range(args.runs):
+        state, times = iteration(state)
+        runs.append(times)
+    stages = list(first)
+    med = {s: statistics.median(r[s] for r in runs) for s in stages}
+    total = statistics.median(sum(r.values()) for r in runs)
+    tokens = p * args.generations * args.new_tokens
+    # update FLOPs: forward + backward ~ 6 * params * tokens, the prompt counted once per group
+    n_params = mcfg.num_params() - mcfg.vocab_size * mcfg.hidden_size  # embedding lookups are free
+    update_tokens = p * args.prompt_len + tokens
+    update_flops = 6 * n_params * update_tokens
+    peak, peak_source = peak_flops()
+    upd = med["advantage+update"]
+    return emit({
+        "bench": "train_step", "preset": args.preset, "P": p, "G": args.generations, "Lp": args.prompt_len,
+        "N": args.new_tokens, "beta": args.beta, "runs": args.runs,
+        "iteration_s": total, "rollout_s": med["rollout"], "score_s": med["score"], "update_s": upd,
+        "min_iteration_s": min(sum(r.values()) for r in runs), "max_iteration_s": max(sum(r.values()) for r in runs),
+        "tokens_per_s": tokens / total, "rollout_tokens_per_s": tokens / med["rollout"],
+        "compile_s": {s: round(first[s] - med[s], 3) for s in stages},
+        "update_gflops": update_flops / upd / 1e9, "peak_gflops": peak / 1e9, "peak_source": peak_source,
+        "update_frac_of_peak": update_flops / upd / peak,
+    }, table=["bench", "iteration_s", "rollout_s", "score_s", "update_s", "tokens_per_s", "update_frac_of_peak"])
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
