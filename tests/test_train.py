@@ -8,6 +8,7 @@ import pytest
 
 from relax.models import ModelConfig, init
 from relax.models.logprobs import token_logprobs
+from relax.reference import ReferenceConfig
 from relax.train.config import GRPOConfig, OptimizerConfig, preset
 from relax.train.forward import completion_logprobs
 from relax.train.grpo import make_grpo_step
@@ -146,3 +147,33 @@ def test_grpo_learns_and_compiles_once():
     assert int(state.step) == 25
     assert step.cache_sizes() == (1, 1)  # rollout and advantage+update compiled once each
     assert float(out["metrics"]["sampler_logprob_diff"]) < 1e-4  # sampler == trainer
+
+
+def _first_token_is_seven(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    return (completion_ids[..., 0] == 7).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("dapo", {"overlong_buffer": 2, "length_shaping": "punitive", "length_target": 3.0, "length_coef": 0.5}),
+    ("gspo", {"advantage": "reinforce_pp"}),
+    ("rloo", {"beta": 0.04, "kl_in_reward": True, "reference": ReferenceConfig(kind="ema", alpha=0.5)}),
+    ("grpo", {"kl_threshold": 0.01, "policy_loss": "cispo", "epsilon_high": 4.0}),
+])
+def test_every_preset_and_option_runs(name, overrides):
+    from relax.rewards.functions import TokenRewardFunction
+
+    cfg = preset(name, num_generations=4, max_new_tokens=4, **overrides)
+    policy = init(CFG, jax.random.key(0), std=0.3)
+    opt = cfg.optimizer.make()
+    state = init_state(policy, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
+    token_reward = TokenRewardFunction(_first_token_is_seven, name="seven", weight=0.5)
+    step = make_grpo_step(cfg, opt, [fives, token_reward], _decode, eos_ids=(3,), pad_id=0)
+    ids, pm = _prompts(2, 8, [8, 5])
+    state, out = step(state, {"prompt_ids": ids, "prompt_mask": pm, "prompts": ["p"] * 2,
+                              "fields": {"weight": [1.0, 2.0]}})
+    m = out["metrics"]
+    assert set(out["reward_parts"]) == {"fives", "seven"}
+    np.testing.assert_allclose(out["rewards"], out["reward_parts"]["fives"] + 0.5 * out["reward_parts"]["seven"],
+                               rtol=1e-6)
+    assert all(np.isfinite(float(v)) for v in m.values()), m
+    assert int(state.step) == 1

@@ -8,7 +8,10 @@ Every field is read by the trainer (``relax.train.grpo``); option names follow T
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from relax.advantages import GRPO_SCALES
@@ -17,9 +20,10 @@ from relax.losses.kl import KL_ESTIMATORS
 from relax.losses.policy import IMPORTANCE_LEVELS
 from relax.reference import ReferenceConfig
 
-ADVANTAGES = ("grpo", "rloo")
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 POLICY_LOSSES = ("ppo", "cispo", "reinforce")
 ZERO_STD = ("zero", "drop")
+LENGTH_SHAPING = ("linear", "punitive")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -41,6 +45,9 @@ class OptimizerConfig:
     schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int = 1000  # for the cosine / linear decay
+    master_weights: bool = False
+    """Keep float32 master weights in the optimizer state (for bfloat16 params: rollout and
+    forward run on the bf16 policy, updates accumulate in float32; see ``with_master_weights``)."""
 
     def __post_init__(self):
         _choice("schedule", self.schedule, SCHEDULES)
@@ -64,7 +71,41 @@ class OptimizerConfig:
         parts = [] if self.max_grad_norm is None else [optax.clip_by_global_norm(self.max_grad_norm)]
         parts.append(optax.adamw(self.learning_rate_schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
                                  weight_decay=self.weight_decay))
-        return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=1_000_000)
+        inner = optax.chain(*parts)
+        if self.master_weights:
+            inner = with_master_weights(inner)
+        return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
+
+
+class MasterWeightsState(NamedTuple):
+    master: Any  # float32 copy of the parameters (same pytree type, so sharded like them)
+    inner: optax.OptState
+
+
+def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> optax.GradientTransformation:
+    """Run ``inner`` on a float32 master copy of the parameters kept in the optimizer state.
+
+    Gradients (computed on the low-precision params) are cast to float32, ``inner`` updates the
+    master weights (its moments are float32 too), and the returned updates take each param
+    EXACTLY to its master value rounded to the param dtype: ``apply_updates(params, updates) ==
+    master.astype(params.dtype)``. So steps smaller than a bfloat16 ulp are not lost.
+    """
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, dtype)), params)
+        return MasterWeightsState(master, inner.init(master))
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("with_master_weights needs params in update()")
+        grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, state.master)
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        # float32 updates: apply_updates adds them in float32 and rounds once, to the master value
+        out = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype), master, params)
+        return out, MasterWeightsState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +115,18 @@ class GRPOConfig:
     Sampling: ``num_generations`` (G) completions of at most ``max_new_tokens`` per prompt at
     ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``; the trainer recomputes log-probs at the same
     ``temperature``.
-    Advantage: ``advantage`` (grpo | rloo), ``scale_rewards`` (group | batch | none; none is
+    Reward shaping (before the advantage): DAPO's soft overlong penalty when ``overlong_buffer``
+    is set (``max_length = max_new_tokens``, ``overlong_penalty_factor``), and ``length_shaping``
+    (linear | punitive, with ``length_target`` tokens and ``length_coef``).
+    Advantage: ``advantage`` (grpo | rloo | reinforce_pp = REINFORCE++ with a group baseline,
+    token-level, whitened over the batch), ``scale_rewards`` (group | batch | none; none is
     Dr.GRPO), ``zero_std_groups`` (zero: all-equal groups get advantage 0; drop: also removed
     from the loss and its normaliser).
     Loss: ``policy_loss`` (ppo | cispo | reinforce), ``epsilon_low``/``epsilon_high``, ``delta``,
     ``clip_ratio_c`` (dual-clip), ``importance_sampling_level`` (token | sequence = GSPO),
     ``loss_type`` (TRL name or verl aggregation mode), ``beta`` (KL coefficient; 0 = no reference
-    model), ``kl_estimator``, ``kl_in_reward`` (subtract ``beta * KL`` from the per-token reward
+    model), ``kl_estimator``, ``kl_threshold`` (None: linear ``beta * KL``; a number: Signal's
+    conservative ``beta * max(0, KL - threshold)^2`` per token), ``kl_in_reward`` (subtract ``beta * KL`` from the per-token reward
     instead of adding it to the loss), ``entropy_coef``, ``mask_truncated_completions``.
     Update: ``num_iterations`` epochs over the batch in ``num_minibatches`` optimizer steps each,
     each minibatch split into ``grad_accum`` micro-batches (same loss and gradient).
@@ -92,6 +138,11 @@ class GRPOConfig:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    overlong_buffer: int | None = None
+    overlong_penalty_factor: float = 1.0
+    length_shaping: str | None = None
+    length_target: float = 1.0
+    length_coef: float = 0.0
     advantage: str = "grpo"
     scale_rewards: str = "group"
     advantage_eps: float = 1e-4
@@ -105,6 +156,7 @@ class GRPOConfig:
     loss_type: str = "grpo"
     beta: float = 0.0
     kl_estimator: str = "k3"
+    kl_threshold: float | None = None
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     mask_truncated_completions: bool = False
@@ -123,6 +175,12 @@ class GRPOConfig:
         _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         resolve_mode(self.loss_type)
+        if self.length_shaping is not None:
+            _choice("length_shaping", self.length_shaping, LENGTH_SHAPING)
+        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]")
+        if self.kl_threshold is not None and self.kl_in_reward:
+            raise ValueError("kl_threshold (conservative penalty) applies to the loss, not with kl_in_reward")
         for name in ("num_generations", "max_new_tokens", "num_iterations", "num_minibatches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

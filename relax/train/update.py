@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from relax.losses.aggregation import aggregate
-from relax.losses.kl import kl_estimate
+from relax.losses.kl import conservative_penalty, kl_estimate
 from relax.losses.policy import cispo, ppo_clip, reinforce
 from relax.masked import masked_mean
 from relax.train.config import GRPOConfig
@@ -45,13 +45,16 @@ def make_loss(cfg: GRPOConfig):
                                         temperature=cfg.temperature, with_entropy=True, remat=cfg.remat)
         flat = lambda x: x.reshape(p * g, n)
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
-        adv = mb["advantages"].reshape(p * g)
+        adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
         per_token, metrics = _policy_loss(cfg, logp, old, adv, mask)
         metrics = dict(metrics)
         if cfg.beta > 0:
             kl = kl_estimate(logp, flat(mb["ref_logprobs"]), cfg.kl_estimator)
             metrics["kl"] = masked_mean(kl, mask)
-            if not cfg.kl_in_reward:
+            if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
+                per_token = per_token + jnp.where(mask, conservative_penalty(
+                    kl, threshold=cfg.kl_threshold, coef=cfg.beta), 0.0)
+            elif not cfg.kl_in_reward:
                 per_token = per_token + cfg.beta * jnp.where(mask, kl, 0.0)
         if cfg.entropy_coef != 0.0:
             per_token = per_token - cfg.entropy_coef * jnp.where(mask, ent, 0.0)
