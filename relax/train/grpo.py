@@ -1,9 +1,11 @@
-"""The GRPO step as four stages: ``grpo_step = compose(rollout, score, advantage, update)``.
+"""The GRPO step as five stages: ``grpo_step = compose(rollout, score, reference, advantage, update)``.
 
 - ``rollout`` (jit): G completions per prompt with the prefix-shared sampler; the sampler's
-  log-probs are the old-policy log-probs; reference log-probs (when ``beta > 0``) are computed
-  here once, with the prefix-shared training forward, and cached in the batch.
+  log-probs are the old-policy log-probs.
 - ``score`` (host): decode completions, run the reward functions (TRL signature), combine.
+- ``reference`` (jit): reference log-probs (when ``beta > 0``), computed once with the
+  prefix-shared training forward and cached in the batch; it fuses with the two stages after
+  it into one program (it runs after ``score`` so that it lives with the trainer).
 - ``advantage`` (jit): group-relative advantages; all-equal groups get 0 (or are dropped).
 - ``update`` (jit): epochs x minibatches of optimizer steps, then the reference rule.
 
@@ -22,8 +24,9 @@ from relax import advantages as adv_lib
 from relax.compose import Stage, compose, stage
 from relax.losses.kl import kl_estimate
 from relax.reference import make_reference_rule
-from relax.rewards.functions import RewardFunction, as_reward_functions, score as score_rewards
-from relax.rewards.shaping import dynamic_sampling_mask, group_stats
+from relax.rewards.functions import RewardFunction, TokenRewardFunction, as_reward_functions, score_tokens
+from relax.rewards.functions import score as score_rewards
+from relax.rewards.shaping import combine, dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
 from relax.rollout import RolloutConfig, _generate
 from relax.sampling import SamplingConfig
 from relax.train.config import GRPOConfig
@@ -47,53 +50,99 @@ def make_rollout(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> S
         r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], sub, rcfg)
         out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
                "lengths": r.lengths, "finished": r.finished}
-        if state.ref is not None:
-            out["ref_logprobs"] = jax.lax.stop_gradient(completion_logprobs(
-                state.ref, batch["prompt_ids"], batch["prompt_mask"], r.tokens, r.mask,
-                temperature=cfg.temperature, remat=cfg.remat))
         return state.replace(key=key), out
 
     return stage(rollout, name="rollout")
 
 
-def make_score(reward_fns: Sequence[RewardFunction | Callable], decode: Callable[[np.ndarray, np.ndarray], list[str]],
-               *, on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+def make_reference(cfg: GRPOConfig) -> Stage:
+    """Reference log-probs of the sampled completions (when the state has a reference model),
+    cached in the batch as ``ref_logprobs``; a stage of its own so that it can run where the
+    reference lives (the trainer devices, see ``relax.parallel``)."""
+
+    def reference(state: TrainState, batch):
+        if state.ref is None:
+            return state, batch
+        ref_logprobs = jax.lax.stop_gradient(completion_logprobs(
+            state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
+            temperature=cfg.temperature, remat=cfg.remat))
+        return state, {**batch, "ref_logprobs": ref_logprobs}
+
+    return stage(reference, name="reference")
+
+
+def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
+               decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
+               timeout_s: float | None = None) -> Stage:
     """Host stage: completions are decoded with ``decode(tokens [N, T], mask [N, T])``; each prompt's
-    text and dataset fields are repeated over its G completions (TRL's layout)."""
-    fns = as_reward_functions(reward_fns)
+    text and dataset fields are repeated over its G completions (TRL's layout). Python reward
+    functions get ``(prompts, completions, **fields)``; ``TokenRewardFunction``s run jitted on the
+    token arrays. All are combined by weight (a sample is missing, NaN, only when every function
+    is missing for it)."""
+    token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
+    fns = as_reward_functions([f for f in reward_fns if not isinstance(f, TokenRewardFunction)])
+    if not fns and not token_fns:
+        raise ValueError("make_score needs at least one reward function")
 
     def score(state, batch):
         tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
         p, g, n = tokens.shape
-        completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
-        prompts = [t for t in batch["prompts"] for _ in range(g)]
-        fields = {k: [v for v in vals for _ in range(g)] for k, vals in batch.get("fields", {}).items()}
-        total, parts, info = score_rewards(fns, prompts, completions, fields, on_error=on_error, timeout_s=timeout_s)
-        out = {**batch, "rewards": jnp.asarray(np.asarray(total, np.float32).reshape(p, g)),
-               "reward_parts": {k: jnp.asarray(np.asarray(v, np.float32).reshape(p, g)) for k, v in parts.items()},
-               "reward_info": info, "completions": completions}
+        parts: dict[str, np.ndarray] = {}
+        info: dict = {"errors": 0, "timeouts": 0}
+        weights: dict[str, float] = {}
+        out = dict(batch)
+        if fns:
+            completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
+            prompts = [t for t in batch["prompts"] for _ in range(g)]
+            fields = {k: [v for v in vals for _ in range(g)] for k, vals in batch.get("fields", {}).items()}
+            _, per, info = score_rewards(fns, prompts, completions, fields, on_error=on_error, timeout_s=timeout_s)
+            parts.update({k: np.asarray(v, np.float32).reshape(p, g) for k, v in per.items()})
+            weights.update({f.name: f.weight for f in fns})
+            out["completions"] = completions
+        if token_fns:
+            _, per = score_tokens(token_fns, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
+                                  batch["mask"])
+            parts.update({k: np.asarray(v, np.float32) for k, v in per.items()})
+            weights.update({f.name: f.weight for f in token_fns})
+        total, _ = combine(parts, weights)
+        out.update(rewards=jnp.asarray(total, jnp.float32), reward_info=info,
+                   reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
         return state, out
 
     return stage(score, jit=False, name="score")
 
 
+def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> jax.Array:
+    """DAPO overlong penalty and length shaping on ``[P, G]`` rewards, as configured."""
+    if cfg.overlong_buffer is not None:
+        rewards = rewards + overlong_penalty(lengths, max_length=cfg.max_new_tokens, buffer_length=cfg.overlong_buffer,
+                                             penalty_factor=cfg.overlong_penalty_factor)
+    if cfg.length_shaping is not None:
+        rewards = length_shaping(rewards, lengths, mode=cfg.length_shaping, target=cfg.length_target,
+                                 coef=cfg.length_coef)
+    return rewards
+
+
 def make_advantage(cfg: GRPOConfig) -> Stage:
     def advantage(state, batch):
-        rewards = batch["rewards"]
+        rewards = shape_rewards(cfg, batch["rewards"], batch["lengths"])
         if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
             kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
             rewards = rewards - cfg.beta * jnp.sum(jnp.where(batch["mask"] > 0, kl, 0.0), axis=-1)
         if cfg.advantage == "grpo":
             a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
-        else:
+        elif cfg.advantage == "rloo":
             a = adv_lib.rloo(rewards)
+        else:  # token-level [P, G, N]
+            a = adv_lib.reinforce_pp_baseline(rewards, batch["mask"] > 0)
         keep = dynamic_sampling_mask(rewards)  # False for all-equal (zero-signal) groups
         loss_mask = batch["mask"]
         if cfg.zero_std_groups == "drop":
             loss_mask = loss_mask * keep[:, None, None]
         if cfg.mask_truncated_completions:
             loss_mask = loss_mask * batch["finished"][..., None]
-        return state, {**batch, "advantages": a, "loss_mask": loss_mask, "group_keep": keep}
+        return state, {**batch, "shaped_rewards": rewards, "advantages": a, "loss_mask": loss_mask,
+                       "group_keep": keep}
 
     return stage(advantage, name="advantage")
 
@@ -143,6 +192,7 @@ def make_grpo_step(cfg: GRPOConfig, optimizer, reward_fns, decode, *, eos_ids: t
     return compose(
         make_rollout(cfg, eos_ids=eos_ids, pad_id=pad_id),
         make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s),
+        make_reference(cfg),
         make_advantage(cfg),
         make_update_stage(cfg, optimizer),
         name="grpo_step",
