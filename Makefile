@@ -2,30 +2,36 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.relax-installed
+BASE := $(VENV)/.relax-base
+DEV := $(VENV)/.relax-dev
 
 .PHONY: demo test test-all bench install clean
 
 # (Re)create the environment whenever pyproject.toml changes.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(BASE): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(BASE)
+
+# Test tools plus CPU torch + transformers for the parity tests (never used at runtime).
+$(DEV): $(BASE)
 	$(PY) -m pip install --quiet -e '.[dev,parity]'
-	touch $(STAMP)
+	touch $(DEV)
 
-install: $(STAMP)
+install: $(BASE)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(PY) examples/train_grpo.py
 
-test: $(STAMP)
+test: $(DEV)
 	$(PY) -m pytest -q tests
 
 # Includes the tests marked slow.
-test-all: $(STAMP)
+test-all: $(DEV)
 	$(PY) -m pytest -q -m '' tests
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(PY) benchmarks/run_all.py
 
 clean:
