@@ -53,12 +53,15 @@ class RolloutConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    cache_chunk: int = 32  # completion-cache block: a step reads only the blocks filled so far
 
     def __post_init__(self):
         if self.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.cache_chunk < 1:
+            raise ValueError(f"cache_chunk must be >= 1, got {self.cache_chunk}")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"prompt_buckets must be increasing and non-empty, got {self.prompt_buckets}")
 
@@ -109,12 +112,14 @@ def _prefill(model: Transformer, ids, mask):
     return pk, pv, project(model, h[:, -1])
 
 
-def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_valid, t):
+def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_valid, t, seg: int, chunk: int):
     """Attention of one new token per completion over [shared prompt | own cache incl. itself].
 
     ``q`` arrives as ``[P*G, 1, Hq, D]``; for the prompt block the G completions of a prompt
     are folded into the query rows, ``[P, Hkv, G*R, D]``, against the prompt's single copy
-    of its keys ``[P, Hkv, Lp, D]``.
+    of its keys ``[P, Hkv, D, Lp]``. The completion cache is a list of blocks of ``chunk``
+    slots; during segment ``seg`` (steps ``seg*chunk <= t < (seg+1)*chunk``) blocks before
+    ``seg`` are full, block ``seg`` is being filled and later blocks are not read at all.
     """
     c = model.config
     window = c.sliding_window
@@ -124,7 +129,6 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
         pk, pv, ck, cv = layer_input
         b, _, hq, d = q.shape
         p = b // num_gen
-        n = cv.shape[2]
         qg = q.reshape(b, hk, r, d)  # one query position: rows of a KV head are its R heads
         qp = qg.reshape(p, num_gen, hk, r, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * r, d)
         allowed_p = prompt_valid[:, None, None, :]
@@ -132,19 +136,24 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
             qpos_p = q_pos.reshape(p, num_gen)[:, 0]
             allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
         op, lp = attn.partial_attention(qp, pk, pv, allowed_p, k_transposed=True)
-        op = op.reshape(p, hk, num_gen, r, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r, d)
-        lp = lp.reshape(p, hk, num_gen, r).transpose(0, 2, 1, 3).reshape(b, hk, r)
-        # the completion's own cache, with this step's key/value written first (slot t), so
-        # the buffer is updated in place before it is read
-        ck = jax.lax.dynamic_update_index_in_dim(ck, k.reshape(b, hk, d).astype(ck.dtype), t, axis=3)
-        cv = jax.lax.dynamic_update_index_in_dim(cv, v.reshape(b, hk, d).astype(cv.dtype), t, axis=2)
-        slots = jnp.arange(n)
-        allowed_c = slots <= t
-        if window is not None:
-            allowed_c = allowed_c & (t - slots < window)
-        oc, lc = attn.partial_attention(qg, ck, cv, allowed_c[None, None, None, :], k_transposed=True)
-        out = attn.merge_partials([op, oc], [lp, lc])
-        return out.reshape(b, 1, hq, d).astype(q.dtype), (ck, cv)
+        outs = [op.reshape(p, hk, num_gen, r, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r, d)]
+        lses = [lp.reshape(p, hk, num_gen, r).transpose(0, 2, 1, 3).reshape(b, hk, r)]
+        # this step's key/value go into block seg first (in place, before it is read)
+        ck, cv = list(ck), list(cv)
+        ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.reshape(b, hk, d).astype(ck[seg].dtype),
+                                                      t - seg * chunk, axis=3)
+        cv[seg] = jax.lax.dynamic_update_index_in_dim(cv[seg], v.reshape(b, hk, d).astype(cv[seg].dtype),
+                                                      t - seg * chunk, axis=2)
+        for blk in range(seg + 1):
+            slots = blk * chunk + jnp.arange(cv[blk].shape[2])
+            allowed = slots <= t
+            if window is not None:
+                allowed = allowed & (t - slots < window)
+            o, l = attn.partial_attention(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True)
+            outs.append(o)
+            lses.append(l)
+        out = attn.merge_partials(outs, lses)
+        return out.reshape(b, 1, hq, d).astype(q.dtype), (tuple(ck), tuple(cv))
 
     return attend
 
@@ -176,32 +185,44 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     layers = fuse_layers(model)
     # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
     prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
-    ck = [jnp.zeros((b, c.num_kv_heads, c.head_dim, n), dtype) for _ in range(c.num_layers)]
-    cv = [jnp.zeros((b, c.num_kv_heads, n, c.head_dim), dtype) for _ in range(c.num_layers)]
+    # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a
+    # step reads only the blocks filled so far instead of the whole budget.
+    chunk = min(cfg.cache_chunk, n)
+    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    ck = [tuple(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype) for sz in sizes) for _ in range(c.num_layers)]
+    cv = [tuple(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype) for sz in sizes) for _ in range(c.num_layers)]
     q_pos_base = jnp.repeat(prompt_len, g)
 
-    def cond(s):
-        t, *_, finished = s
-        return (t < n - 1) & ~jnp.all(finished)
+    def make_segment(seg: int):
+        end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
 
-    def body(s):
-        t, tokens, logps, mask, ck, cv, finished = s
-        cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
-        q_pos = (q_pos_base + t)[:, None]
-        attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t)
-        inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
-        h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers)
-        ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
-        tok, lp = draw(project(model, h[:, 0]), t + 1)
-        alive = ~finished
-        tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
-        logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
-        mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
-        finished = finished | (alive & jnp.isin(tok, eos))
-        return t + 1, tokens, logps, mask, ck, cv, finished
+        def cond(s):
+            t, *_, finished = s
+            return (t < end) & ~jnp.all(finished)
+
+        def body(s):
+            t, tokens, logps, mask, ck, cv, finished = s
+            cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
+            q_pos = (q_pos_base + t)[:, None]
+            attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
+            inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
+            h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers)
+            ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
+            tok, lp = draw(project(model, h[:, 0]), t + 1)
+            alive = ~finished
+            tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
+            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
+            mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
+            finished = finished | (alive & jnp.isin(tok, eos))
+            return t + 1, tokens, logps, mask, ck, cv, finished
+
+        return cond, body
 
     state = (jnp.int32(0), tokens, logps, mask, ck, cv, finished0)
-    _, tokens, logps, mask, _, _, finished = jax.lax.while_loop(cond, body, state)
+    for seg in range(len(sizes)):
+        if seg * chunk < n - 1:
+            state = jax.lax.while_loop(*make_segment(seg), state)
+    _, tokens, logps, mask, _, _, finished = state
     shape = (p, g, n)
     return Rollout(tokens=tokens.reshape(shape), mask=mask.reshape(shape), logprobs=logps.reshape(shape),
                    lengths=jnp.sum(mask, axis=1).reshape(p, g), finished=finished.reshape(p, g))
