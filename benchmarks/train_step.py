@@ -85,15 +85,18 @@ def main(args: Args) -> dict:
     total = statistics.median(sum(r.values()) for r in runs)
     tokens = p * args.generations * args.new_tokens
     # update FLOPs: forward + backward ~ 6 * params * tokens, the prompt counted once per group
+    # (the reference forward, 2 * params * tokens, runs in the same fused program: not counted)
     n_params = mcfg.num_params() - mcfg.vocab_size * mcfg.hidden_size  # embedding lookups are free
     update_tokens = p * args.prompt_len + tokens
     update_flops = 6 * n_params * update_tokens
     peak, peak_source = peak_flops()
-    upd = med["advantage+update"]
+    upd_name = next(s for s in stages if s.endswith("update"))  # reference+advantage+update, fused
+    upd = med[upd_name]
     return emit({
         "bench": "train_step", "preset": args.preset, "P": p, "G": args.generations, "Lp": args.prompt_len,
         "N": args.new_tokens, "beta": args.beta, "runs": args.runs,
         "iteration_s": total, "rollout_s": med["rollout"], "score_s": med["score"], "update_s": upd,
+        "update_stages": upd_name,
         "min_iteration_s": min(sum(r.values()) for r in runs), "max_iteration_s": max(sum(r.values()) for r in runs),
         "tokens_per_s": tokens / total, "rollout_tokens_per_s": tokens / med["rollout"],
         "compile_s": {s: round(first[s] - med[s], 3) for s in stages},
