@@ -23,7 +23,9 @@ DEFAULT_CHUNK = 1024
 def _chunked(fn, h: Float[Array, "n d"], extra: Array, chunk_size: int) -> Array:
     """Apply ``fn(h_chunk, extra_chunk) -> [c, ...]`` over row chunks with remat."""
     n = h.shape[0]
-    c = min(chunk_size, n)
+    if n <= chunk_size:  # one chunk: no loop, no rematerialisation (it would only add memory)
+        return fn(h, extra)
+    c = chunk_size
     pad = (-n) % c
     h = jnp.pad(h, ((0, pad), (0, 0)))
     extra = jnp.pad(extra, ((0, pad),) + ((0, 0),) * (extra.ndim - 1))
