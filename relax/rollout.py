@@ -1,14 +1,19 @@
 """Batched G-completion sampling with a prefix-shared KV cache (DESIGN.md §4).
 
-Each prompt is prefilled once; its keys/values are stored ONCE per prompt
-(``prompt_kv [L, P, Hkv, Lp, D]``) while each completion has its own block
-(``completion_kv [L, P*G, Hkv, N, D]``). A decode step attends to two blocks - the shared
-prompt (the G completions folded into the query-head axis, so it is one dense matmul per KV
-head) and the completion's own cache, into which the step's key/value was just written - and merges the partial softmaxes
-exactly through their log-sum-exps (``relax.models.attention.merge_partials``). Prefill
-computes logits only at the last prompt position. Prefill and the whole decode loop are one
-jitted program; the loop is a ``lax.while_loop`` that stops when every sequence has hit a
-stop id or the budget.
+Each prompt is prefilled once; its keys/values are stored ONCE per prompt (per layer
+``[P, Hkv, D, Lp]`` keys, ``[P, Hkv, Lp, D]`` values) while each completion has its own cache
+(``[P*G, Hkv, D, N]`` / ``[P*G, Hkv, N, D]``, in blocks of ``cache_chunk`` slots). A decode
+step attends to the shared prompt (the G completions folded into the query rows, so it is one
+dense matmul per KV head) and to the filled blocks of the completion's own cache, into which
+the step's key/value was just written, and merges the partial softmaxes exactly through their
+log-sum-exps (``relax.models.attention.merge_partials``). Keys are stored transposed so the
+score product is a plain matmul. Prefill computes logits only at the last prompt position.
+Prefill and the decode loop are one jitted program: one ``lax.while_loop`` per cache block,
+each stopping early when every sequence has hit a stop id.
+
+Buffers are per layer and the decode loop runs the layers as a Python loop over per-layer
+(fused q/k/v and gate/up) weights: nothing stacked is sliced per step, and every cache is
+updated in place.
 
 The layer code is the model's own (``transformer.run_layers``): the sampler only supplies
 the attention, so its log-probs equal the trainer's.
@@ -26,8 +31,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.models import attention as attn
-from relax.models.transformer import (Transformer, embed, full_attention, positions_from_mask, project,
-                                      fuse_layers, run_layers)
+from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
+                                      project, run_layers)
 from relax.sampling import SamplingConfig, sample, uniforms
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
@@ -250,7 +255,7 @@ def generate(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: In
              key: Array, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
              eos_ids: tuple[int, ...] | int | None = None, pad_id: int = 0,
-             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> Rollout:
+             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS, cache_chunk: int = 32) -> Rollout:
     """Sample ``num_generations`` completions of each left-padded prompt.
 
     ``eos_ids=None`` takes the model config's ``eos_token_id`` (none: run to the budget).
@@ -263,7 +268,8 @@ def generate(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: In
     cfg = RolloutConfig(
         num_generations=num_generations, max_new_tokens=max_new_tokens,
         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
-        eos_ids=tuple(int(e) for e in eos_ids), pad_id=pad_id, prompt_buckets=tuple(prompt_buckets))
+        eos_ids=tuple(int(e) for e in eos_ids), pad_id=pad_id, prompt_buckets=tuple(prompt_buckets),
+        cache_chunk=cache_chunk)
     return generate_with(model, prompt_ids, prompt_mask, key, cfg)
 
 
