@@ -3,6 +3,8 @@
     python examples/train_grpo.py                      # built-in offline task, a few minutes on CPU
     python examples/train_grpo.py --model HF_DIR --tokenizer tok.model --data train.jsonl \\
         --preset dapo --grpo.max-new-tokens 512 --steps 500
+    python examples/train_grpo.py ... --parallel.mesh data=2,fsdp=4   # sharded over 8 devices
+    python examples/train_grpo.py ... --parallel.multihost            # every host of a TPU slice / SLURM job
 
 Every field of ``relax.train.run.RunConfig`` (and the nested ``--grpo.*``, ``--eval.*`` and
 ``--task.*`` options) is a flag; ``--help`` lists them. ``--preset`` picks the algorithm whose

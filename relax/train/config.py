@@ -71,15 +71,19 @@ class OptimizerConfig:
         parts = [] if self.max_grad_norm is None else [optax.clip_by_global_norm(self.max_grad_norm)]
         parts.append(optax.adamw(self.learning_rate_schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
                                  weight_decay=self.weight_decay))
-        inner = optax.chain(*parts)
-        if self.master_weights:
-            inner = with_master_weights(inner)
-        return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
+        opt = optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=1_000_000)
+        # outside apply_if_finite, so that its skip branch sees float32 updates like its update branch
+        return with_master_weights(opt) if self.master_weights else opt
 
 
 class MasterWeightsState(NamedTuple):
     master: Any  # float32 copy of the parameters (same pytree type, so sharded like them)
     inner: optax.OptState
+
+    @property
+    def total_notfinite(self):
+        """The inner ``apply_if_finite`` counter (what ``opt_state.total_notfinite`` reads)."""
+        return self.inner.total_notfinite
 
 
 def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> optax.GradientTransformation:

@@ -7,6 +7,7 @@ model is produced by a short supervised phase and saved as an HF directory in th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -22,6 +23,7 @@ from relax.data import DataConfig, eval_records, load_records, prompt_batch, pro
 from relax.logging import MetricsLogger, ProgressBar, is_main_process, write_summary
 from relax.models.config import DTYPES
 from relax.models.hf import load_pretrained, save_pretrained
+from relax.parallel_step import ParallelConfig, ShardedStep, check_batch
 from relax.rewards.builtin import get_reward
 from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
@@ -83,6 +85,8 @@ class RunConfig:
     """Evaluate the model (or the latest checkpoint with --resume) and exit."""
     export_hf: bool = True
     task: reverse.ReverseTask = reverse.ReverseTask()
+    parallel: ParallelConfig = ParallelConfig()
+    """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
 
     def __post_init__(self):
         if self.model is not None and (self.tokenizer is None or self.data is None):
@@ -145,19 +149,46 @@ def _table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def _on_host(enabled: bool):
+    """Load / initialise the model in host memory when it is going to be sharded anyway (so a
+    model larger than one accelerator never lands whole on device 0)."""
+    if enabled and jax.devices()[0].platform != "cpu":
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+            pass
+    return contextlib.nullcontext()
+
+
+def _host_policy(policy):
+    """The policy as host arrays on every process (gathered from all processes' shards)."""
+    if jax.process_count() == 1:
+        return policy
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(policy, tiled=True)
+
+
 def run(cfg: RunConfig) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    cfg.parallel.initialize()  # multi-host: before anything touches a device
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = print if is_main_process() else (lambda *a, **k: None)
     log(f"relax GRPO | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
         f"| run dir {run_dir}")
     t_start = time.perf_counter()
+    mesh, sampler_mesh = cfg.parallel.meshes()
+    check_batch(cfg.batch_size, mesh)
+    check_batch(cfg.batch_size, sampler_mesh)
+    if mesh is not None:
+        log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
+            + f" | {jax.process_count()} process(es)")
     if cfg.model is None:
         tokenizer, model, data_path, eval_path = _builtin_setup(cfg, run_dir, log)
     else:
         tokenizer = Tokenizer(cfg.tokenizer)
-        model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+        with _on_host(mesh is not None):
+            model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
         data_path, eval_path = cfg.data, cfg.eval_data
     eos_ids = tuple(sorted({*model.config.eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}))
     buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens)
@@ -179,7 +210,16 @@ def run(cfg: RunConfig) -> dict:
     reward_fns = [RewardFunction(get_reward(n), name=n, weight=w) for n, w in zip(cfg.reward, weights)]
     decode = _decoder(tokenizer)
     optimizer = cfg.grpo.optimizer.make()
-    state = init_state(model, optimizer, key=jax.random.key(cfg.seed), with_reference=cfg.grpo.needs_reference)
+    with _on_host(mesh is not None):
+        state = init_state(model, optimizer, key=jax.random.key(cfg.seed), with_reference=cfg.grpo.needs_reference)
+    step_fn = make_grpo_step(cfg.grpo, optimizer, reward_fns, decode, eos_ids=eos_ids,
+                             pad_id=tokenizer.pad_id, on_error=cfg.reward_on_error,
+                             timeout_s=cfg.reward_timeout_s)
+    if mesh is not None:  # every process: the same state, laid out on the (global) mesh
+        step_fn = ShardedStep(step_fn, state, mesh, sampler_mesh=sampler_mesh,
+                              offload_reference=cfg.parallel.offload_reference)
+        state = step_fn.place(state)
+        del model
     iterator = prompt_iterator(data_cfg, tokenizer)
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
     summary: dict = {}
@@ -212,9 +252,6 @@ def run(cfg: RunConfig) -> dict:
             return summary
         if "before" not in summary:
             summary["before"] = run_eval(state.policy, start)
-        step_fn = make_grpo_step(cfg.grpo, optimizer, reward_fns, decode, eos_ids=eos_ids,
-                                 pad_id=tokenizer.pad_id, on_error=cfg.reward_on_error,
-                                 timeout_s=cfg.reward_timeout_s)
         last_saved = None
         with ProgressBar(total=cfg.steps, initial=start, keys=BAR_KEYS, desc="grpo") as bar:
             for step in range(start, cfg.steps):
@@ -231,7 +268,9 @@ def run(cfg: RunConfig) -> dict:
                 metrics.update(timings)
                 step_time = sum(timings.values())
                 metrics["time/step"] = step_time
-                metrics["tokens_per_s"] = float(np.sum(np.asarray(batch["lengths"]))) / step_time
+                # from the global mean: on several processes ``lengths`` is not addressable whole
+                num_tokens = metrics["completion_length"] * cfg.batch_size * cfg.grpo.num_generations
+                metrics["tokens_per_s"] = num_tokens / step_time
                 metrics["reward_errors"] = float(batch["reward_info"]["errors"] + batch["reward_info"]["timeouts"])
                 logger.log(step + 1, metrics)
                 bar.update(1, metrics)
@@ -244,10 +283,12 @@ def run(cfg: RunConfig) -> dict:
         ckpt.wait()
         summary["after"] = run_eval(state.policy, cfg.steps)
     ckpt.close()
-    if cfg.export_hf and is_main_process():
+    if cfg.export_hf:
         export = run_dir / "final_hf"
-        save_pretrained(state.policy, export)
-        shutil.copy(tokenizer.path, export / "tokenizer.model")
+        policy = _host_policy(state.policy)  # collective: every process takes part
+        if is_main_process():
+            save_pretrained(policy, export)
+            shutil.copy(tokenizer.path, export / "tokenizer.model")
         summary["export"] = str(export)
     summary.update(steps=cfg.steps, run_time_s=time.perf_counter() - t_start,
                    skipped_updates=int(state.opt_state.total_notfinite))

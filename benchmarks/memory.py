@@ -1,0 +1,163 @@
+"""Peak memory of the rollout and of the update under each memory option.
+
+Cases (one subprocess per case x phase, so every measurement has its own high-water mark):
+
+    f32          float32 params, no remat (the reference point)
+    remat        GRPOConfig.remat: each layer recomputed in the backward pass
+    bf16         bfloat16 params (and compute), no master weights
+    bf16_master  bfloat16 params + float32 master weights in the optimizer state
+    offload_ref  KL reference in pinned host memory between uses (GPU/TPU; on CPU a no-op)
+
+Phases: ``rollout`` (the sampler segment) and ``update`` (reference + advantage + update, on a
+synthetic batch of the rollout's shapes). Each phase runs twice through
+``relax.parallel.ShardedStep`` on a mesh of all local devices (``fsdp=-1``); the second run is
+measured, so compilation is not counted. Memory: on CPU the resident-set high-water mark above
+the resident size before the measured run (state and batch already resident); on GPU/TPU the
+device allocator's ``peak_bytes_in_use`` (process-wide: includes the resident state). Every line
+also carries ``state_device_bytes`` / ``state_host_bytes``: the train state's arrays by memory
+kind (exact, noise-free: shows what master weights and offloading move).
+
+    python benchmarks/memory.py                         # all cases, small_config, both phases
+    python benchmarks/memory.py --cases f32,remat --phases update --hidden 1024 --layers 8 --heads 16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+from relax import parallel  # noqa: E402
+from relax.models import init, small_config  # noqa: E402
+from relax.train.config import OptimizerConfig, preset  # noqa: E402
+from relax.train.grpo import make_grpo_step  # noqa: E402
+from relax.train.state import init_state  # noqa: E402
+
+CASES = ("f32", "remat", "bf16", "bf16_master", "offload_ref")
+PHASES = ("rollout", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    cases: str = ",".join(CASES)
+    phases: str = ",".join(PHASES)
+    prompts: int = 8
+    generations: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 128
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 4096
+    child: str = ""
+    """internal: ``case:phase`` measured in this process"""
+    timeout_s: float = 600.0
+
+
+def _reward(prompts, completions, **fields):
+    return [float(len(c) % 2) for c in completions]
+
+
+def _decode(tokens, mask):
+    return [" ".join(map(str, row[m > 0])) for row, m in zip(tokens, mask)]
+
+
+def _state_bytes(state) -> tuple[int, int]:
+    dev = host = 0
+    for x in jax.tree.leaves(state):
+        n = x.nbytes if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else 8
+        if getattr(x.sharding, "memory_kind", "device") in ("pinned_host", "unpinned_host"):
+            host += n
+        else:
+            dev += n
+    return dev, host
+
+
+def _synthetic_rollout(args: Args, vocab: int, ids, mask) -> dict:
+    p, g, n = args.prompts, args.generations, args.new_tokens
+    k = jax.random.split(jax.random.key(7), 2)
+    tokens = jax.random.randint(k[0], (p, g, n), 0, vocab)
+    return {"prompt_ids": ids, "prompt_mask": mask, "tokens": tokens, "mask": jnp.ones((p, g, n), jnp.int32),
+            "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
+            "lengths": jnp.full((p, g), n, jnp.int32), "finished": jnp.ones((p, g), bool),
+            "rewards": jax.random.normal(k[0], (p, g)), "reward_parts": {}, "reward_info": {"errors": 0, "timeouts": 0},
+            "prompts": ["x"] * p, "fields": {}}
+
+
+def child(args: Args, case: str, phase: str) -> dict:
+    dtype = jnp.bfloat16 if case.startswith("bf16") else jnp.float32
+    mcfg = small_config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                        intermediate_size=int(args.hidden * 2.6875) // 8 * 8, num_heads=args.heads,
+                        num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads)
+    model = init(mcfg, jax.random.key(0), param_dtype=dtype, dtype=dtype)
+    cfg = preset("grpo", num_generations=args.generations, max_new_tokens=args.new_tokens, beta=0.04,
+                 remat=case == "remat", optimizer=OptimizerConfig(learning_rate=1e-6, master_weights=case == "bf16_master"))
+    opt = cfg.optimizer.make()
+    state = init_state(model, opt, key=jax.random.key(1), with_reference=True)
+    mesh = parallel.make_mesh("fsdp=-1", jax.local_devices())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = parallel.ShardedStep(make_grpo_step(cfg, opt, [_reward], _decode, eos_ids=(), pad_id=0), state, mesh,
+                                    offload_reference=case == "offload_ref")
+    state = step.place(state)
+    ids = jax.random.randint(jax.random.key(2), (args.prompts, args.prompt_len), 0, mcfg.vocab_size)
+    mask = jnp.ones_like(ids)
+    segs = {"+".join(s.names): s for s in step.segments}
+    if phase == "rollout":
+        seg = segs["rollout"]
+        batch = {"prompt_ids": ids, "prompt_mask": mask, "prompts": ["x"] * args.prompts, "fields": {}}
+    else:
+        seg = segs["reference+advantage+update"]
+        batch = _synthetic_rollout(args, mcfg.vocab_size, ids, mask)
+    t0 = time.perf_counter()
+    state, _ = jax.block_until_ready(seg.run(state, dict(batch)))  # compiles
+    first_s = time.perf_counter() - t0
+    dev_bytes, host_bytes = _state_bytes(state)
+    reset = harness.on_cpu() and harness._reset_hwm()
+    base = harness._rss_bytes() if reset else harness._hwm_bytes()
+    t0 = time.perf_counter()
+    state, out = seg.run(state, dict(batch))
+    jax.block_until_ready((state, out))
+    run_s = time.perf_counter() - t0
+    if harness.on_cpu():
+        peak, how = max(harness._hwm_bytes() - base, 0), ("rss high-water above the rss before the run" if reset
+                                                          else "ru_maxrss delta (includes compile)")
+    else:
+        peak, how = harness._device_peak(), "device peak_bytes_in_use (process-wide, includes the state)"
+    note = "; ".join(str(w.message) for w in caught) or None
+    return {"bench": "memory", "case": case, "phase": phase, "peak_mem_mb": peak / 2 ** 20 if peak else None,
+            "peak_mem_how": how, "state_device_mb": dev_bytes / 2 ** 20, "state_host_mb": host_bytes / 2 ** 20,
+            "run_s": run_s, "first_call_s": first_s, "params_m": mcfg.num_params() / 1e6,
+            "P": args.prompts, "G": args.generations, "Lp": args.prompt_len, "N": args.new_tokens,
+            "offloaded": bool(step.offload), "note": note}
+
+
+def main(args: Args) -> None:
+    if args.child:
+        case, phase = args.child.split(":")
+        harness.emit(child(args, case, phase))
+        return
+    table = ["case", "phase", "peak_mem_mb", "state_device_mb", "state_host_mb", "run_s"]
+    argv = [a for a in sys.argv[1:] if not a.startswith("--child")]
+    for case in filter(None, args.cases.split(",")):
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r}; valid: {', '.join(CASES)}")
+        for phase in filter(None, args.phases.split(",")):
+            harness.run_isolated(os.path.abspath(__file__), [*argv, "--child", f"{case}:{phase}"],
+                                 timeout=args.timeout_s, table=table)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main(tyro.cli(Args))

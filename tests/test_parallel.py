@@ -1,0 +1,438 @@
+"""Meshes and sharding rules (relax.parallel): specs, parameter shard shapes, the GRPO step on
+every mesh == on one device, separate sampler/trainer meshes, memory options, bad input.
+
+Multi-device checks need ``--xla_force_host_platform_device_count=8`` before jax starts, so they
+run in ONE subprocess (this file run as a script, ``worker`` mode) whose JSON results the tests
+below read; the in-process tests use one device and ``AbstractMesh``es.
+
+Tolerance (documented in the README): sampled tokens are identical on every mesh (each
+completion has its own key, and logits differ by ~1e-6 only through reduction order); losses
+and metrics agree to ``rtol=2e-5, atol=5e-6`` over two GRPO iterations (the second one after an
+Adam step, with ``eps=1e-2`` so that sign(g) of near-zero gradients cannot amplify round-off).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+MODEL = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, max_position_embeddings=64, qkv_bias=True, qk_norm=True)
+PROMPTS, PROMPT_LEN = 8, 8
+MESHES = ("data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2")
+RTOL, ATOL = 2e-5, 5e-6
+# Cheap XLA:CPU code generation: compiles ~3x faster; every run being compared uses the same flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+# ------------------------------------------------------------------ the shared GRPO case
+
+
+def _decode(tokens, mask):
+    return [" ".join(str(t) for t, m in zip(row, mr) if m) for row, mr in zip(tokens, mask)]
+
+
+def fives(prompts, completions, **fields):
+    """Deterministic reward: share of token 5, scaled by the row's ``weight`` field."""
+    return [w * c.split().count("5") / 6 for c, w in zip(completions, fields["weight"])]
+
+
+def global_batch():
+    rng = np.random.default_rng(0)
+    ids = np.zeros((PROMPTS, PROMPT_LEN), np.int32)
+    mask = np.zeros((PROMPTS, PROMPT_LEN), np.int32)
+    for i, n in enumerate([8, 5, 3, 7, 2, 6, 4, 8]):
+        ids[i, PROMPT_LEN - n:] = rng.integers(1, MODEL["vocab_size"], n)
+        mask[i, PROMPT_LEN - n:] = 1
+    return ids, mask
+
+
+def local_batch(rows: slice = slice(None)):
+    ids, mask = global_batch()
+    weights = [1.0 + i / 8 for i in range(PROMPTS)]
+    return {"prompt_ids": ids[rows], "prompt_mask": mask[rows], "prompts": [f"p{i}" for i in range(PROMPTS)][rows],
+            "fields": {"weight": weights[rows]}}
+
+
+def run_case(mesh=None, *, sampler_devices=0, iterations=2, rows=slice(None), master_weights=False,
+             param_dtype=None, checkpoint_dir=None):
+    """Iterations of the composed GRPO step (sharded when ``mesh``/``sampler_devices``); returns
+    per-iteration metrics and this process's sampled tokens, and the compiles after iteration 1."""
+    import jax
+    import jax.numpy as jnp
+
+    from relax import distributed, parallel
+    from relax.models import ModelConfig, init
+    from relax.train.config import OptimizerConfig, preset
+    from relax.train.grpo import make_grpo_step
+    from relax.train.state import init_state
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    policy = init(ModelConfig(**MODEL), jax.random.key(0), std=0.1)
+    if param_dtype is not None:
+        policy = jax.tree.map(lambda x: x.astype(param_dtype), policy)
+    cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=0.04, num_minibatches=2,
+                 optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, master_weights=master_weights))
+    opt = cfg.optimizer.make()
+    state = init_state(policy, opt, key=jax.random.key(1), with_reference=True)
+    wq0 = np.asarray(policy.layers.wq).astype(np.float32)  # the step donates the state's buffers
+    step = make_grpo_step(cfg, opt, [fives], _decode, eos_ids=(), pad_id=0)
+    segments = [s.names for s in step.segments]
+    if mesh is not None or sampler_devices:
+        trainer, sampler = parallel.ParallelConfig(mesh=mesh, sampler_devices=sampler_devices).meshes()
+        step = parallel.ShardedStep(step, state, trainer, sampler_mesh=sampler)
+        state = step.place(state)
+        segments = [s.names for s in step.segments]
+    out = {"metrics": [], "tokens": [], "segments": segments}
+    for i in range(iterations):
+        before = len(compiles)
+        state, batch = step(state, local_batch(rows))
+        out["metrics"].append({k: float(v) for k, v in batch["metrics"].items()})
+        out["tokens"].append(distributed.to_local(batch["tokens"]).tolist())
+        if i > 0:
+            out["compiles_after_first"] = len(compiles) - before
+    out["policy_dtype"] = str(state.policy.layers.wq.dtype)
+    master = getattr(state.opt_state, "master", None)
+    if master is not None:
+        out["master_dtype"] = str(master.layers.wq.dtype)
+        out["master_moved"] = bool(np.any(np.asarray(master.layers.wq) != wq0))
+    if checkpoint_dir is not None:  # collective save + restore: every process calls both
+        from relax.checkpoint import Checkpointer
+        with Checkpointer(checkpoint_dir, async_save=False) as ck:
+            ck.save(iterations, state, config={"mesh": mesh}, force=True)
+            restored, _, _ = ck.restore(target=state)
+        same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)) if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+                            else True, state, restored)
+        out["checkpoint_roundtrip"] = all(jax.tree.leaves(same))
+        out["restored_sharding"] = str(restored.policy.layers.wq.sharding.spec)
+    return out
+
+
+def _shard_shapes(spec: str) -> dict:
+    import jax
+
+    from relax import parallel
+    from relax.models import ModelConfig, init
+    from relax.train.config import OptimizerConfig
+    from relax.train.state import init_state
+
+    mesh = parallel.make_mesh(spec)
+    policy = init(ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True}), jax.random.key(0))
+    opt = OptimizerConfig(master_weights=True).make()
+    state = init_state(policy, opt, key=jax.random.key(1), with_reference=True)
+    state = jax.device_put(state, parallel.state_shardings(state, mesh))
+    shapes = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        shapes[jax.tree_util.keystr(path)] = [list(x.shape), list(x.addressable_shards[0].data.shape)]
+    return shapes
+
+
+def make_cli_setup(d: Path) -> None:
+    """A tiny HF model directory, sentencepiece tokenizer and jsonl data (as tests/test_run.py)."""
+    import jax
+
+    from relax.models import ModelConfig, init
+    from relax.models.hf import save_pretrained
+    from relax.tokenizer import Tokenizer, train_sentencepiece
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdef"), rng.integers(2, 5))) for _ in range(48)]
+    tok = Tokenizer(train_sentencepiece([w + "=" for w in words], d / "tok", vocab_size=12, model_type="char"))
+    cfg = ModelConfig(**{**MODEL, "qkv_bias": False, "qk_norm": False, "vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id,
+                         "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id})
+    save_pretrained(init(cfg, jax.random.key(0), std=0.1), d / "model")
+    rows = [{"prompt": w + "=", "answer": w[::-1]} for w in words]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
+    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[40:]))
+
+
+def cli_run(d: Path) -> dict:
+    """examples/train_grpo.py on separate sampler (4 devices) and trainer (fsdp=2,tensor=2) meshes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_grpo", ROOT / "examples" / "train_grpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    run_dir = d / "run"
+    summary = example.main([
+        "--model", str(d / "model"), "--tokenizer", str(d / "tok.model"), "--data", str(d / "train.jsonl"),
+        "--eval-data", str(d / "eval.jsonl"), "--run-dir", str(run_dir), "--steps", "2", "--batch-size", "8",
+        "--max-prompt-tokens", "16", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
+        "--grpo.beta", "0.04", "--checkpoint-every", "1", "--eval.num-samples", "1", "--preset", "grpo",
+        "--parallel.mesh", "fsdp=2,tensor=2", "--parallel.sampler-devices", "4"])
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"summary_keys": sorted(summary), "train_keys": sorted({k for x in lines if "loss" in x for k in x}),
+            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()),
+            "exported": (run_dir / "final_hf" / "config.json").exists()}
+
+
+def worker(out_path: str, cli_dir: str) -> None:
+    import jax
+
+    use_compile_cache()
+    assert jax.device_count() == 8, jax.devices()
+    t0 = time.perf_counter()
+    results = {"shards": {spec: _shard_shapes(spec) for spec in ("data=2,fsdp=2,tensor=2", "fsdp=8")},
+               "runs": {"single": run_case(None)}}
+    for spec in MESHES:
+        results["runs"][spec] = run_case(spec)
+    results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
+    results["cli"] = cli_run(Path(cli_dir))
+    results["seconds"] = time.perf_counter() - t0
+    Path(out_path).write_text(json.dumps(results))
+
+
+def worker_env(devices: int = 1) -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
+
+
+def use_compile_cache() -> None:
+    """The persistent compilation cache of the test suite (tests/conftest.py), in a worker."""
+    import tempfile
+
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.environ.get(
+        "RELAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "relax-test-jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: float = 300.0):
+    """Run ``script args`` with ``devices`` simulated CPU devices; raise with its output on failure."""
+    env = worker_env(devices)
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if proc.returncode:
+        raise AssertionError(f"{script.name} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+# ------------------------------------------------------------------ multi-device (subprocess)
+
+if __name__ != "__main__":
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from relax import parallel
+    from relax.models import ModelConfig, init
+    from relax.parallel import MeshSpec, ShardingError
+
+    @pytest.fixture(scope="module")
+    def mesh_results(tmp_path_factory):
+        d = tmp_path_factory.mktemp("mesh")
+        make_cli_setup(d)
+        run_worker(HERE, ["worker", str(d / "results.json"), str(d)])
+        return json.loads((d / "results.json").read_text())
+
+    def _assert_metrics_close(got, want, what):
+        assert set(got) == set(want), what
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}")
+
+    def test_parameter_shards_have_the_expected_shapes(mesh_results):
+        s = mesh_results["shards"]["data=2,fsdp=2,tensor=2"]  # fsdp=2 splits D=32, tensor=2 heads/mlp/vocab
+        expect = {".policy.embed": [8, 16], ".policy.lm_head": [8, 16], ".policy.norm": [16],
+                  ".policy.layers.wq": [2, 16, 16], ".policy.layers.wk": [2, 16, 8], ".policy.layers.wo": [2, 16, 16],
+                  ".policy.layers.w_gate": [2, 16, 32], ".policy.layers.w_down": [2, 32, 16],
+                  ".policy.layers.attn_norm": [2, 16], ".policy.layers.bq": [2, 16], ".policy.layers.bk": [2, 8],
+                  ".policy.layers.bo": [2, 16], ".policy.layers.b_up": [2, 32], ".policy.layers.q_norm": [2, 8],
+                  ".ref.layers.wq": [2, 16, 16], ".step": [], ".key": [2]}
+        for name, shard in expect.items():
+            assert s[name][1] == shard, (name, s[name])
+        # optimizer moments and float32 master weights are sharded exactly like their parameters
+        moments = {k: v for k, v in s.items() if k.startswith(".opt_state") and k.endswith("layers.w_up")}
+        assert len(moments) == 3 and all(v[1] == [2, 16, 32] for v in moments.values()), moments
+        # under pure FSDP over 8 devices every array with a model-width (embed) axis is split 8
+        # ways (parameters, moments, master weights, reference); only the per-layer vectors without
+        # one (biases of the heads / MLP, q/k norms: L x heads) and scalars stay whole
+        small = ("bq", "bk", "bv", "b_gate", "b_up", "q_norm", "k_norm")
+        checked = 0
+        for name, (shape, shard) in mesh_results["shards"]["fsdp=8"].items():
+            if name.endswith(small) or len(shape) == 0 or name == ".key":
+                continue
+            assert np.prod(shard) * 8 == np.prod(shape), (name, shape, shard)
+            checked += 1
+        assert checked == 5 * 14  # policy, ref, master, mu, nu x the 14 parameters with an embed axis
+
+    def test_grpo_iteration_is_the_same_on_every_mesh(mesh_results):
+        runs = mesh_results["runs"]
+        base = runs["single"]
+        for spec in MESHES:
+            for i in range(2):
+                assert runs[spec]["tokens"][i] == base["tokens"][i], (spec, i)
+                _assert_metrics_close(runs[spec]["metrics"][i], base["metrics"][i], f"{spec} iteration {i}")
+
+    def test_separate_sampler_and_trainer_meshes_match(mesh_results):
+        split, base = mesh_results["runs"]["split"], mesh_results["runs"]["single"]
+        assert split["segments"][:2] == [["weight_transfer"], ["rollout"]], split["segments"]
+        for i in range(2):
+            assert split["tokens"][i] == base["tokens"][i], i
+            _assert_metrics_close(split["metrics"][i], base["metrics"][i], f"split iteration {i}")
+
+    def test_cli_runs_on_sampler_and_trainer_meshes(mesh_results):
+        cli = mesh_results["cli"]
+        assert {"before", "after", "export"} <= set(cli["summary_keys"]) and cli["exported"]
+        assert {"time/weight_transfer", "time/rollout", "tokens_per_s", "loss"} <= set(cli["train_keys"])
+        assert cli["checkpoints"] == ["1", "2"]
+
+    def test_second_iteration_compiles_nothing(mesh_results):
+        for name, run in mesh_results["runs"].items():
+            assert run["compiles_after_first"] == 0, name  # explicit shardings: stable layouts
+
+    # ------------------------------------------------------------------ in-process
+
+    def test_mesh_spec_parsing():
+        assert MeshSpec.parse("data=2,fsdp=4,tensor=1").shape == (2, 4, 1)
+        assert MeshSpec.parse(" tensor=2 , data=2").shape == (2, 1, 2)
+        assert MeshSpec.parse("").shape == (1, 1, 1)
+        assert MeshSpec.parse("fsdp=-1,tensor=2").resolve(8).shape == (1, 4, 2)
+        assert str(MeshSpec.parse("fsdp=4")) == "data=1,fsdp=4,tensor=1"
+        for bad, msg in [("data=2,model=2", "'model=2'"), ("data=x", "not an integer"), ("data=2,data=2", "twice"),
+                         ("data=0", "must be >= 1"), ("data=-1,fsdp=-1", "one may be -1"), ("data", "<axis>=<size>")]:
+            with pytest.raises(ShardingError, match=msg):
+                MeshSpec.parse(bad)
+
+    def test_mesh_that_does_not_fit_the_devices_names_spec_and_count():
+        n = jax.device_count()
+        with pytest.raises(ShardingError, match=rf"mesh data=2,fsdp=4,tensor=1 needs 2 x 4 x 1 = 8 devices, but {n} "):
+            parallel.make_mesh("data=2,fsdp=4")
+        with pytest.raises(ShardingError, match="do not divide"):
+            MeshSpec.parse("data=3,fsdp=-1").resolve(8)
+        assert parallel.make_mesh("fsdp=-1").shape == {"data": 1, "fsdp": n, "tensor": 1}
+
+    def _abstract(data=1, fsdp=1, tensor=1):
+        return jax.sharding.AbstractMesh((data, fsdp, tensor), parallel.AXES)
+
+    def test_every_parameter_has_logical_axes_and_default_specs():
+        cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True})
+        model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
+        names = {parallel._path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
+        assert names == set(parallel.LOGICAL_AXES)  # every parameter the model can have
+        mesh = _abstract(2, 2, 2)
+        spec = lambda n: parallel.partition_spec(n, getattr(model.layers, n.split(".")[1]).shape if "." in n
+                                                 else getattr(model, n).shape, mesh, cfg)
+        P = jax.sharding.PartitionSpec
+        assert spec("embed") == P("tensor", "fsdp") and spec("lm_head") == P("tensor", "fsdp")
+        assert spec("layers.wq") == P(None, "fsdp", "tensor") and spec("layers.wo") == P(None, "tensor", "fsdp")
+        assert spec("layers.w_down") == P(None, "tensor", "fsdp") and spec("layers.q_norm") == P(None, None)
+        assert spec("norm") == P("fsdp")
+        assert parallel.partition_spec("layers.wq", (2, 32, 32), _abstract(8), cfg) == P(None, None, None)
+        with pytest.raises(ShardingError, match="layers.extra has no logical axes"):
+            parallel.partition_spec("layers.extra", (2, 3), mesh, cfg)
+
+    @pytest.mark.parametrize("mesh_kw, overrides, match", [
+        (dict(tensor=3), dict(vocab_size=24), r"layers.wq \(2, 32, 32\): dimension 2 \(q_heads, 4 heads x 8\) does not split over mesh axis tensor=3"),
+        (dict(tensor=4), {}, r"layers.wk \(2, 32, 16\): dimension 2 \(kv_heads, 2 heads x 8\) does not split over mesh axis tensor=4"),
+        (dict(fsdp=3), {}, r"embed \(16, 32\): dimension 1 \(embed, size 32\) does not split over mesh axis fsdp=3"),
+        # 16 % 4 == 0 but 2 heads cannot be split 4 ways: the split must fall on head boundaries
+        (dict(tensor=4), dict(num_heads=2, num_kv_heads=2, vocab_size=16), r"layers.wq .*2 heads x 8.*tensor=4"),
+        (dict(tensor=2), dict(vocab_size=15), r"embed \(15, 32\): dimension 0 \(vocab, size 15\).*tensor=2"),
+    ])
+    def test_axis_that_does_not_divide_its_dimension_names_parameter_dim_axis(mesh_kw, overrides, match):
+        cfg = ModelConfig(**{**MODEL, **overrides})
+        model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
+        mesh = _abstract(**mesh_kw)
+        with pytest.raises(ShardingError, match=match):
+            jax.tree_util.tree_map_with_path(
+                lambda p, x: parallel.partition_spec(parallel._path_name(p), x.shape, mesh, cfg), model)
+
+    def test_rules_can_replicate_a_logical_axis():
+        rules = tuple((k, None) if k == "vocab" else (k, v) for k, v in parallel.DEFAULT_RULES)
+        spec = parallel.partition_spec("embed", (15, 32), _abstract(tensor=2, fsdp=2), None, rules)
+        assert spec == jax.sharding.PartitionSpec(None, "fsdp")
+
+    def test_batch_that_does_not_split_over_data_fsdp_is_an_error():
+        from relax.parallel_step import check_batch
+        with pytest.raises(ShardingError, match=r"--batch-size=6 prompts do not split over data x fsdp = 4 x 1"):
+            check_batch(6, _abstract(data=4))
+        check_batch(8, _abstract(data=4, tensor=2))
+
+    def test_offload_reference_is_a_warned_no_op_on_cpu():
+        from relax.train.config import OptimizerConfig
+        from relax.train.grpo import make_grpo_step
+        from relax.train.state import init_state
+        from relax.train.config import preset
+        cfg = preset("grpo", num_generations=2, max_new_tokens=2, beta=0.04)
+        opt = OptimizerConfig().make()
+        state = init_state(init(ModelConfig(**MODEL), jax.random.key(0)), opt, key=jax.random.key(1), with_reference=True)
+        step = make_grpo_step(cfg, opt, [fives], _decode, eos_ids=(), pad_id=0)
+        with pytest.warns(UserWarning, match="offload_reference: cpu devices have no separate pinned_host"):
+            sharded = parallel.ShardedStep(step, state, parallel.make_mesh("fsdp=-1"), offload_reference=True)
+        assert not sharded.offload
+        assert [s.names for s in sharded.segments] == [("rollout",), ("score",), ("reference", "advantage", "update")]
+
+    def test_remat_gives_the_same_loss_and_gradients():
+        from relax.train.config import GRPOConfig
+        from relax.train.update import make_loss
+        model = init(ModelConfig(**MODEL), jax.random.key(3), std=0.2)
+        k = jax.random.split(jax.random.key(4), 3)
+        p, g, n = 2, 3, 4
+        ids, pm = global_batch()
+        mask = jnp.ones((p, g, n), jnp.int32).at[0, 1, 2:].set(0)
+        mb = {"prompt_ids": jnp.asarray(ids[:p]), "prompt_mask": jnp.asarray(pm[:p]),
+              "tokens": jax.random.randint(k[0], (p, g, n), 0, 16), "mask": mask, "loss_mask": mask,
+              "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
+              "advantages": jax.random.normal(k[2], (p, g))}
+        norms = {"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}
+        out = {}
+        for remat in (False, True):
+            loss_fn = make_loss(GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat))
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            jaxpr = str(jax.make_jaxpr(grad_fn)(model, mb, norms))
+            out[f"remats{remat}"] = jaxpr.count("checkpoint[") + jaxpr.count("remat")
+            out[remat] = jax.jit(grad_fn)(model, mb, norms)
+        assert out["rematsTrue"] > out["rematsFalse"]  # cfg.remat reaches the layer scan
+        (l0, _), g0 = out[False]
+        (l1, _), g1 = out[True]
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    def test_master_weights_keep_steps_below_bfloat16_precision():
+        import optax
+        from relax.train.config import OptimizerConfig, with_master_weights
+        params = {"w": jnp.ones((3,), jnp.bfloat16)}
+        grads = {"w": jnp.ones((3,), jnp.bfloat16)}
+        results = {}
+        for master in (False, True):
+            opt = with_master_weights(optax.sgd(1e-4)) if master else optax.sgd(1e-4)
+            p, s = params, opt.init(params)
+            for _ in range(60):
+                u, s = opt.update(grads, s, p)
+                p = optax.apply_updates(p, u)
+            results[master] = (p, s)
+        assert results[False][0]["w"].dtype == jnp.bfloat16 and float(results[False][0]["w"][0]) == 1.0  # lost
+        p, s = results[True]
+        assert p["w"].dtype == jnp.bfloat16 and s.master["w"].dtype == jnp.float32
+        np.testing.assert_allclose(s.master["w"], 1.0 - 60e-4, rtol=1e-5)
+        assert np.all(np.asarray(p["w"]) == np.asarray(s.master["w"].astype(jnp.bfloat16)))  # exact rounding
+        st = OptimizerConfig(master_weights=True).make().init(params)
+        assert st.master["w"].dtype == jnp.float32 and int(st.total_notfinite) == 0
+
+
+    def test_bfloat16_policy_with_float32_master_weights_trains():
+        """The GRPO step end to end: the policy (rollout and forward) stays bfloat16, the optimizer
+        holds float32 master weights, and the update moves them."""
+        out = run_case(None, iterations=1, master_weights=True, param_dtype=jnp.bfloat16)
+        m = out["metrics"][0]
+        assert out["policy_dtype"] == "bfloat16" and np.isfinite(m["loss"]) and m["skipped_updates"] == 0
+        assert m["grad_norm"] > 0 and out["master_dtype"] == "float32" and out["master_moved"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1:]}")
