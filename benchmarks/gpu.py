@@ -1,0 +1,109 @@
+"""Accelerator benchmarks against the hardware limit (run where a GPU/TPU is present).
+
+1. Decode of a 1B-class Llama (Llama-3.2-1B shapes, random weights, bfloat16) as a fraction of
+   the HBM roofline: bytes read per decode step (all weights once + the K/V read by the step)
+   divided by the step time, against the datasheet bandwidth. The step time is the sampler's
+   time for N new tokens minus its time for 1 new token (prefill), divided by N - 1.
+2. The GRPO update step at 1B in bfloat16: model FLOPs (6 * params * trained tokens, prompt
+   counted once per group) per second against the datasheet bf16 peak (MFU).
+
+    python benchmarks/gpu.py [--small]   (--small: a tiny config, to check the script on CPU)
+
+No flags library on purpose: the accelerator image may lack tyro; this script needs only
+jax, equinox, optax and relax.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import datasheet, emit  # noqa: E402
+
+from relax.models import ModelConfig, cast, init  # noqa: E402
+from relax.rollout import RolloutConfig, compiled_generate  # noqa: E402
+from relax.sampling import SamplingConfig  # noqa: E402
+from relax.train.config import GRPOConfig, OptimizerConfig  # noqa: E402
+from relax.train.update import make_update  # noqa: E402
+
+SMALL = "--small" in sys.argv
+LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
+                       tie_word_embeddings=True)
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def timed(fn, *args, runs=3):
+    jax.block_until_ready(fn(*args))  # compile + warm
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def bench_decode(model, p, g, lp, n, peak_bw):
+    c = model.config
+    ids = jax.random.randint(jax.random.key(1), (p, lp), 0, c.vocab_size)
+    mask = jnp.ones_like(ids)
+
+    def gen(new):
+        cfg = RolloutConfig(num_generations=g, max_new_tokens=new, sampling=SamplingConfig(temperature=1.0))
+        f = compiled_generate(cfg)
+        return lambda: f(model, ids, mask, jax.random.key(2))
+
+    t_full, t_prefill = timed(gen(n)), timed(gen(1))
+    step = (t_full - t_prefill) / (n - 1)
+    bytes_el = jnp.dtype(model.dtype).itemsize
+    weight_bytes = (c.num_params() - (0 if c.tie_word_embeddings else 0)) * bytes_el
+    kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * bytes_el
+    kv_bytes = kv_per_slot * (p * lp + p * g * n / 2)  # shared prompt once + completions' mean filled length
+    achieved = (weight_bytes + kv_bytes) / step
+    return emit({"bench": "gpu_decode", "params_b": c.num_params() / 1e9, "dtype": str(jnp.dtype(model.dtype)),
+                 "batch": p * g, "P": p, "G": g, "Lp": lp, "N": n, "step_ms": step * 1e3,
+                 "tokens_per_s": p * g / step, "bytes_per_step_gb": (weight_bytes + kv_bytes) / 1e9,
+                 "achieved_gb_per_s": achieved / 1e9,
+                 "hbm_roofline_frac": None if peak_bw is None else achieved / peak_bw,
+                 "generate_s": t_full, "prefill_s": t_prefill})
+
+
+def bench_update(model, p, g, lp, n, peak_flops, remat):
+    c = model.config
+    cfg = GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat, optimizer=OptimizerConfig(learning_rate=1e-6))
+    opt = cfg.optimizer.make()
+    k = jax.random.split(jax.random.key(3), 4)
+    data = {"prompt_ids": jax.random.randint(k[0], (p, lp), 0, c.vocab_size), "prompt_mask": jnp.ones((p, lp), jnp.int32),
+            "tokens": jax.random.randint(k[1], (p, g, n), 0, c.vocab_size), "mask": jnp.ones((p, g, n), jnp.int32),
+            "loss_mask": jnp.ones((p, g, n), jnp.int32), "old_logprobs": -jnp.abs(jax.random.normal(k[2], (p, g, n))),
+            "advantages": jax.random.normal(k[3], (p, g))}
+    update = jax.jit(make_update(cfg, opt))
+    opt_state = opt.init(model)
+    t = timed(lambda: update(model, opt_state, data, jax.random.key(0)), runs=3)
+    tokens = p * lp + p * g * n
+    flops = 6 * c.num_params() * tokens
+    return emit({"bench": "gpu_update", "params_b": c.num_params() / 1e9, "dtype": str(jnp.dtype(model.dtype)),
+                 "P": p, "G": g, "Lp": lp, "N": n, "remat": remat, "trained_tokens": tokens, "update_s": t,
+                 "tflops": flops / t / 1e12, "mfu": None if peak_flops is None else flops / t / peak_flops})
+
+
+def main():
+    sheet = datasheet() or {}
+    peak_bw, peak_flops = sheet.get("hbm_bytes_per_s"), sheet.get("bf16_flops")
+    cfg = TINY if SMALL else LLAMA_1B
+    model = cast(init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16), dtype=jnp.bfloat16)
+    for p, g in ((8, 8), (16, 16)):
+        bench_decode(model, p, g, 128, 32 if SMALL else 256, peak_bw)
+    bench_update(model, 2 if SMALL else 8, 4 if SMALL else 8, 32 if SMALL else 256, 32 if SMALL else 512,
+                 peak_flops, remat=True)
+
+
+if __name__ == "__main__":
+    main()
