@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from relax import distributed
-from relax.compose import Segment, Stage
+from relax.compose import Segment, Stage, _chain
 from relax.parallel import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_shards, constrain_batch,
                             make_mesh, param_shardings, place_batch, replicated, state_shardings)
 
@@ -102,17 +102,6 @@ def _supports_memory(mesh, kind: str) -> bool:
 def _is_device_entry(value: Any) -> bool:
     # arrays (an empty container too) go into the jitted program; Python values stay on the host
     return all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(value))
-
-
-def _chain(stages):
-    fns = tuple(s.fn for s in stages)
-
-    def chained(state, batch):
-        for f in fns:
-            state, batch = f(state, batch)
-        return state, batch
-
-    return chained
 
 
 class ShardedStep:

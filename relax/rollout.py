@@ -58,7 +58,7 @@ class RolloutConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    cache_chunk: int = 32  # completion-cache block: a step reads only the blocks filled so far
+    cache_chunk: int = 64  # completion-cache block: a step reads only the blocks filled so far
 
     def __post_init__(self):
         if self.num_generations < 1:
@@ -255,7 +255,7 @@ def generate(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: In
              key: Array, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
              eos_ids: tuple[int, ...] | int | None = None, pad_id: int = 0,
-             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS, cache_chunk: int = 32) -> Rollout:
+             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS, cache_chunk: int = 64) -> Rollout:
     """Sample ``num_generations`` completions of each left-padded prompt.
 
     ``eos_ids=None`` takes the model config's ``eos_token_id`` (none: run to the budget).
