@@ -22,14 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-from relax.masked import assert_same_shape, masked_mean, masked_var, masked_whiten
+from relax.masked import assert_same_shape, at_least_float32, masked_mean, masked_var, masked_whiten
 
 GRPO_SCALES = ("group", "batch", "none")
-
-
-def _float(x: Array) -> Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _outcome(rewards: Float[Array, "p g"]) -> tuple[Array, Array, Array, Array]:
@@ -39,7 +34,7 @@ def _outcome(rewards: Float[Array, "p g"]) -> tuple[Array, Array, Array, Array]:
     all identical; every other entry gets advantage exactly 0 (not eps-noise).
     """
     chex.assert_rank(rewards, 2, custom_message=f"rewards must be [P, G], got shape {jnp.shape(rewards)}")
-    r = _float(rewards)
+    r = at_least_float32(rewards)
     valid = ~jnp.isnan(r)
     r0 = jnp.where(valid, r, 0.0)
     n = valid.sum(axis=-1, keepdims=True)
@@ -97,7 +92,7 @@ def broadcast_to_tokens(adv: Float[Array, "*b"], mask: Bool[Array, "*b t"]) -> F
     shapes = f"mask must be adv's shape + [T]: adv={adv.shape}, mask={jnp.shape(mask)}"
     chex.assert_rank(mask, adv.ndim + 1, custom_message=shapes)
     chex.assert_equal_shape_prefix([adv, mask], adv.ndim, custom_message=shapes)
-    return jnp.where(jnp.asarray(mask).astype(bool), _float(adv)[..., None], 0.0)
+    return jnp.where(jnp.asarray(mask).astype(bool), at_least_float32(adv)[..., None], 0.0)
 
 
 def whiten(x: Float[Array, "*s"], mask: Bool[Array, "*s"], shift_mean: bool = True) -> Float[Array, "*s"]:
@@ -121,7 +116,7 @@ def _token_inputs(**arrays: Array) -> tuple[Array, ...]:
     assert_same_shape(**arrays)
     chex.assert_rank(arrays["mask"], 2, custom_message=f"mask must be [N, T], got {jnp.shape(arrays['mask'])}")
     m = jnp.asarray(arrays.pop("mask")).astype(bool)
-    return (*(jnp.where(m, _float(a), 0.0) for a in arrays.values()), m)
+    return (*(jnp.where(m, at_least_float32(a), 0.0) for a in arrays.values()), m)
 
 
 def mc_returns(
@@ -262,4 +257,4 @@ def vineppo_advantages(
         v_t, m_t = x
         return jnp.where(m_t, v_t, next_v), jnp.where(m_t, next_v - v_t, 0.0)
 
-    return _reverse_scan(step, _float(terminal_values).astype(v.dtype), v, m)
+    return _reverse_scan(step, at_least_float32(terminal_values).astype(v.dtype), v, m)

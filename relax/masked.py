@@ -24,7 +24,8 @@ def assert_same_shape(**arrays: ArrayLike) -> None:
     chex.assert_equal_shape(list(arrays.values()), custom_message=f"arrays must share one shape: {named}")
 
 
-def _acc(x: ArrayLike) -> Array:
+def at_least_float32(x: ArrayLike) -> Array:
+    """``x`` as an array in at least float32 (bfloat16 -> float32, float64 stays)."""
     x = jnp.asarray(x)
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
@@ -32,7 +33,7 @@ def _acc(x: ArrayLike) -> Array:
 def _select(x: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:
     """``(x where mask else 0, mask as float)``, both in the accumulation dtype."""
     assert_same_shape(x=x, mask=mask)
-    x = _acc(x)
+    x = at_least_float32(x)
     m = jnp.asarray(mask).astype(bool)
     return jnp.where(m, x, 0.0), m.astype(x.dtype)
 

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, PyTree
 
+from relax.choices import check_choice
+
 Params = PyTree[Array]
 Rule = Callable[[Params, Params, ArrayLike, Mapping[str, ArrayLike]], Params]
 
@@ -158,8 +160,7 @@ def prorl_reset(
     validation; here the trigger is explicit and jittable (``lax.cond`` on a traced predicate).
     At least one threshold must be set; ``alpha`` is read only (and required) by ``mode="mixup"``.
     """
-    if mode not in RESET_MODES:
-        raise ValueError(f"unknown reset mode {mode!r}; valid: {', '.join(RESET_MODES)}")
+    check_choice("reset mode", mode, RESET_MODES)
     if kl_target is None and entropy_floor is None:
         raise ValueError("prorl_reset needs kl_target and/or entropy_floor")
     if mode == "mixup":
@@ -202,8 +203,7 @@ class ReferenceConfig:
     reset_mode: str | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown reference kind {self.kind!r}; valid: {', '.join(KINDS)}")
+        check_choice("reference kind", self.kind, KINDS)
         reads = {
             "static": set(),
             "ema": {"alpha"},

@@ -10,15 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from relax.masked import assert_same_shape
+from relax.masked import assert_same_shape, at_least_float32
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
 _KL_ALIASES = {"kl": "k1", "mse": "k2"}  # verl's other names for k1 and k2
-
-
-def _float(x: Array) -> Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def kl_estimate(
@@ -48,7 +43,7 @@ def kl_estimate(
         raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join([*KL_ESTIMATORS, *_KL_ALIASES])}")
     assert_same_shape(logp=logp, ref_logp=ref_logp, **({} if mask is None else {"mask": mask}))
     m = jnp.ones(jnp.shape(logp), bool) if mask is None else jnp.asarray(mask).astype(bool)
-    d = jnp.where(m, _float(logp), 0.0) - jnp.where(m, _float(ref_logp), 0.0)
+    d = jnp.where(m, at_least_float32(logp), 0.0) - jnp.where(m, at_least_float32(ref_logp), 0.0)
     if kind == "k1":
         kl = d
     elif kind == "k2":
@@ -69,7 +64,7 @@ def entropy_from_logits(logits: Float[Array, "*s v"]) -> Float[Array, "*s"]:
     Computed from ``log p = logits - logsumexp(logits)`` (stable for any scale; bfloat16 logits
     are upcast first). Entries with ``p = 0`` (``-inf`` logits) contribute 0, with finite gradients.
     """
-    x = _float(logits)
+    x = at_least_float32(logits)
     logp = jax.nn.log_softmax(x, axis=-1)
     p = jnp.exp(logp)
     safe = jnp.where(p > 0, logp, 0.0)
@@ -90,7 +85,7 @@ def kl_penalty_reward(
     """
     assert_same_shape(token_rewards=token_rewards, kl=kl, mask=mask)
     m = jnp.asarray(mask).astype(bool)
-    return jnp.where(m, jnp.where(m, _float(token_rewards), 0.0) - beta * jnp.where(m, _float(kl), 0.0), 0.0)
+    return jnp.where(m, jnp.where(m, at_least_float32(token_rewards), 0.0) - beta * jnp.where(m, at_least_float32(kl), 0.0), 0.0)
 
 
 def conservative_penalty(kl: Float[Array, "*s"], *, threshold: float, coef: float) -> Float[Array, "*s"]:
@@ -99,7 +94,7 @@ def conservative_penalty(kl: Float[Array, "*s"], *, threshold: float, coef: floa
     Zero (with zero gradient) while the KL stays under ``threshold``; grows quadratically above it.
     Apply it to a per-token KL (then aggregate) or to an already averaged KL.
     """
-    return coef * jnp.square(jnp.maximum(_float(kl) - threshold, 0.0))
+    return coef * jnp.square(jnp.maximum(at_least_float32(kl) - threshold, 0.0))
 
 
 def entropy_bonus(entropy: Float[Array, "n t"], mask: Bool[Array, "n t"], *, coef: float) -> Float[Array, "n t"]:
@@ -111,4 +106,4 @@ def entropy_bonus(entropy: Float[Array, "n t"], mask: Bool[Array, "n t"], *, coe
     """
     assert_same_shape(entropy=entropy, mask=mask)
     m = jnp.asarray(mask).astype(bool)
-    return jnp.where(m, -coef * jnp.where(m, _float(entropy), 0.0), 0.0)
+    return jnp.where(m, -coef * jnp.where(m, at_least_float32(entropy), 0.0), 0.0)

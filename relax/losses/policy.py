@@ -18,15 +18,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-from relax.masked import assert_same_shape, masked_mean
+from relax.choices import check_choice
+from relax.masked import assert_same_shape, at_least_float32, masked_mean
 
 IMPORTANCE_LEVELS = ("token", "sequence")
 _LOG_RATIO_CLAMP = 20.0
-
-
-def _float(x: Array) -> Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _inputs(mask: Array, advantages: Array | None = None, **arrays: Array) -> tuple[Array, ...]:
@@ -34,7 +30,7 @@ def _inputs(mask: Array, advantages: Array | None = None, **arrays: Array) -> tu
     assert_same_shape(mask=mask, **arrays)
     chex.assert_rank(mask, 2, custom_message=f"mask must be [N, T], got {jnp.shape(mask)}")
     m = jnp.asarray(mask).astype(bool)
-    out = [jnp.where(m, _float(a), 0.0) for a in arrays.values()]
+    out = [jnp.where(m, at_least_float32(a), 0.0) for a in arrays.values()]
     if advantages is not None:
         adv = jnp.asarray(advantages)
         chex.assert_rank(adv, {1, 2}, custom_message=f"advantages must be [N] or [N, T], got {adv.shape}")
@@ -42,14 +38,13 @@ def _inputs(mask: Array, advantages: Array | None = None, **arrays: Array) -> tu
             chex.assert_shape(adv, m.shape[:1], custom_message=f"advantages={adv.shape}, mask={m.shape}")
             adv = jnp.broadcast_to(adv[:, None], m.shape)
         assert_same_shape(advantages=adv, mask=mask)
-        out.append(jnp.where(m, _float(adv), 0.0))
+        out.append(jnp.where(m, at_least_float32(adv), 0.0))
     return (*out, m)
 
 
 def _log_ratio(logp: Array, old_logp: Array, m: Array, importance: str) -> Array:
     """Per-token log importance ratio: token level, or GSPO's sequence level in its token form."""
-    if importance not in IMPORTANCE_LEVELS:
-        raise ValueError(f"unknown importance level {importance!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
+    check_choice("importance level", importance, IMPORTANCE_LEVELS)
     diff = logp - old_logp
     if importance == "sequence":
         seq = masked_mean(diff, m, axis=-1)[:, None]

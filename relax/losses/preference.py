@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from relax.masked import assert_same_shape, masked_mean
+from relax.choices import check_choice
+from relax.masked import assert_same_shape, at_least_float32, masked_mean
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 DISTILLATION_DIRECTIONS = ("forward", "reverse")
@@ -21,12 +22,7 @@ Metrics = dict[str, Array]
 
 
 def _f32(*xs) -> tuple[Array, ...]:
-    return tuple(jnp.asarray(x).astype(jnp.promote_types(jnp.result_type(x), jnp.float32)) for x in xs)
-
-
-def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+    return tuple(at_least_float32(x) for x in xs)
 
 
 def dpo_loss(
@@ -57,7 +53,7 @@ def dpo_loss(
     ``rewards/rejected = beta (pi_r - ref_r)``, ``rewards/margins`` (their difference) and
     ``rewards/accuracies = [chosen > rejected]``.
     """
-    _check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
+    check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     assert_same_shape(
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
@@ -185,7 +181,7 @@ def distillation_loss(
     ``top1_agreement`` (masked fraction where the argmaxes agree). Materialises ``[n, t, v]``
     float32 log-softmaxes: chunk over ``t`` upstream for large vocabularies.
     """
-    _check_choice("direction", direction, DISTILLATION_DIRECTIONS)
+    check_choice("direction", direction, DISTILLATION_DIRECTIONS)
     assert_same_shape(student_logits=student_logits, teacher_logits=teacher_logits)
     msg = f"mask={jnp.shape(mask)} must be student_logits={jnp.shape(student_logits)} without the vocab axis"
     chex.assert_shape(mask, jnp.shape(student_logits)[:-1], custom_message=msg)

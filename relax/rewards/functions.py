@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from relax.choices import check_choice
 from relax.rewards.shaping import combine
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,7 @@ def score(
     (NaN entries over all functions), ``all_missing`` (samples with every function NaN),
     ``time_s/<name>`` (wall time of each call).
     """
-    if on_error not in ON_ERROR:
-        raise ValueError(f"unknown on_error {on_error!r}; valid: {', '.join(ON_ERROR)}")
+    check_choice("on_error", on_error, ON_ERROR)
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
     fns = as_reward_functions(reward_fns)

@@ -11,15 +11,11 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from relax.choices import check_choice
 from relax.masked import assert_same_shape, masked_mean, masked_std
 
 ALL_MISSING = ("nan", "zero")
 LENGTH_SHAPING_MODES = ("linear", "punitive")
-
-
-def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
 
 
 def combine(
@@ -42,7 +38,7 @@ def combine(
     default: it stays visible, and ``dynamic_sampling_mask`` / ``group_stats`` treat it as missing).
     TRL's ``nansum`` gives 0 there (with a warning); ``all_missing="zero"`` reproduces that exactly.
     """
-    _check_choice("all_missing", all_missing, ALL_MISSING)
+    check_choice("all_missing", all_missing, ALL_MISSING)
     if isinstance(values, Mapping):
         if names is not None:
             raise ValueError("names is only for array values; a dict already names its functions")
@@ -133,7 +129,7 @@ def length_shaping(
     wrong or short answers and never makes a long correct answer worse than a wrong one (reward
     stays >= 0), so it cannot teach "answer wrongly but briefly". Missing (NaN) rewards stay NaN.
     """
-    _check_choice("mode", mode, LENGTH_SHAPING_MODES)
+    check_choice("mode", mode, LENGTH_SHAPING_MODES)
     assert_same_shape(rewards=rewards, lengths=lengths)
     if not target > 0:
         raise ValueError(f"target must be > 0, got {target}")

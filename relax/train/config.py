@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from relax.advantages import GRPO_SCALES
+from relax.choices import check_choice
 from relax.losses.aggregation import resolve_mode
 from relax.losses.kl import KL_ESTIMATORS
 from relax.losses.policy import IMPORTANCE_LEVELS
@@ -25,11 +26,6 @@ POLICY_LOSSES = ("ppo", "cispo", "reinforce")
 ZERO_STD = ("zero", "drop")
 LENGTH_SHAPING = ("linear", "punitive")
 SCHEDULES = ("constant", "cosine", "linear")
-
-
-def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(valid)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +46,7 @@ class OptimizerConfig:
     forward run on the bf16 policy, updates accumulate in float32; see ``with_master_weights``)."""
 
     def __post_init__(self):
-        _choice("schedule", self.schedule, SCHEDULES)
+        check_choice("schedule", self.schedule, SCHEDULES)
 
     def learning_rate_schedule(self) -> optax.Schedule:
         lr = self.learning_rate
@@ -172,15 +168,15 @@ class GRPOConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
 
     def __post_init__(self):
-        _choice("advantage", self.advantage, ADVANTAGES)
-        _choice("scale_rewards", self.scale_rewards, GRPO_SCALES)
-        _choice("zero_std_groups", self.zero_std_groups, ZERO_STD)
-        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
-        _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("advantage", self.advantage, ADVANTAGES)
+        check_choice("scale_rewards", self.scale_rewards, GRPO_SCALES)
+        check_choice("zero_std_groups", self.zero_std_groups, ZERO_STD)
+        check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         resolve_mode(self.loss_type)
         if self.length_shaping is not None:
-            _choice("length_shaping", self.length_shaping, LENGTH_SHAPING)
+            check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING)
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]")
         if self.kl_threshold is not None and self.kl_in_reward:
@@ -217,6 +213,5 @@ PRESETS: dict[str, dict] = {
 
 def preset(name: str, **overrides) -> GRPOConfig:
     """A named algorithm preset with overrides."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    check_choice("preset", name, tuple(PRESETS))
     return GRPOConfig(**{**PRESETS[name], **overrides})
