@@ -135,14 +135,12 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
         b, _, hq, d = q.shape
         p = b // num_gen
         qg = q.reshape(b, hk, r, d)  # one query position: rows of a KV head are its R heads
-        qp = qg.reshape(p, num_gen, hk, r, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * r, d)
         allowed_p = prompt_valid[:, None, None, :]
         if window is not None:
             qpos_p = q_pos.reshape(p, num_gen)[:, 0]
             allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
-        op, lp = attn.partial_attention(qp, pk, pv, allowed_p, k_transposed=True)
-        outs = [op.reshape(p, hk, num_gen, r, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r, d)]
-        lses = [lp.reshape(p, hk, num_gen, r).transpose(0, 2, 1, 3).reshape(b, hk, r)]
+        op, lp = attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True)
+        outs, lses = [op], [lp]
         # this step's key/value go into block seg first (in place, before it is read)
         ck, cv = list(ck), list(cv)
         ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.reshape(b, hk, d).astype(ck[seg].dtype),

@@ -87,3 +87,27 @@ def attention(q: Float[Array, "b t hq d"], k: Float[Array, "b hk s d"], v: Float
     mask = jnp.broadcast_to(allowed[:, None, None], (b, 1, r, t, allowed.shape[-1]))
     out, _ = partial_attention(qg, k, v, mask.reshape(b, 1, r * t, -1))
     return out.reshape(b, hk, r, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def shared_prefix_attention(
+    q: Float[Array, "pg hk m d"],
+    k: Float[Array, "p hk s d"] | Float[Array, "p hk d s"],
+    v: Float[Array, "p hk s d"],
+    allowed: Bool[Array, "p #hk #gm s"],
+    num_gen: int,
+    *,
+    k_transposed: bool = False,
+) -> tuple[Float[Array, "pg hk m d"], Float[Array, "pg hk m"]]:
+    """Attention of the G sequences of each group to their group's ONE prefix block.
+
+    Queries ``[P*G, Hkv, M, D]`` are folded to ``[P, Hkv, G*M, D]`` so the prefix keys are read
+    once per group (one dense product per KV head), then unfolded; returns the partial output
+    and log-sum-exp for ``merge_partials``. ``allowed`` is over the folded rows ``(g, m)``.
+    """
+    b, hk, m, d = q.shape
+    p = b // num_gen
+    qp = q.reshape(p, num_gen, hk, m, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * m, d)
+    out, lse = partial_attention(qp, k, v, allowed, k_transposed=k_transposed)
+    out = out.reshape(p, hk, num_gen, m, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, m, d)
+    lse = lse.reshape(p, hk, num_gen, m).transpose(0, 2, 1, 3).reshape(b, hk, m)
+    return out, lse

@@ -60,15 +60,12 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
             qc = q5.reshape(b, hk, r * n, d)
             own = jnp.broadcast_to(c_allowed[:, None, None], (b, 1, r, n, n)).reshape(b, 1, r * n, n)
             oc, lc = attn.partial_attention(qc, k, v, own)
-            qp = q5.reshape(p, g, hk, r * n, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, g * r * n, d)
             if window is None:
                 shared = p_valid[:, None, None, :]
-            else:  # rows ordered (g, r, t) like qp
+            else:  # over the folded rows (g, r, t) of shared_prefix_attention
                 w = pc_allowed.reshape(p, g, 1, n, lp)
                 shared = jnp.broadcast_to(w, (p, g, r, n, lp)).reshape(p, 1, g * r * n, lp)
-            op, lpp = attn.partial_attention(qp, pk, pv, shared)
-            op = op.reshape(p, hk, g, r * n, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, r * n, d)
-            lpp = lpp.reshape(p, hk, g, r * n).transpose(0, 2, 1, 3).reshape(b, hk, r * n)
+            op, lpp = attn.shared_prefix_attention(qc, pk, pv, shared, g)
             out = attn.merge_partials([op, oc], [lpp, lc])
             out = out.reshape(b, hk, r, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, hk * r, d)
             return out.astype(q.dtype), None
