@@ -128,7 +128,8 @@ def positions_from_mask(mask: Array) -> Int[Array, "b t"]:
 
 
 def _linear(x, w, b, dtype):
-    y = jnp.einsum("...i,io->...o", x, w.astype(dtype))
+    # a 2-D matmul: XLA:CPU runs ``[b, t, i] x [i, o]`` as a 3-D dot ~1.5x slower (fwd and bwd)
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), w.astype(dtype)).reshape(*x.shape[:-1], w.shape[-1])
     return y if b is None else y + b.astype(dtype)
 
 

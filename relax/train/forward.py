@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from relax.models import attention as attn
+from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.rope import inverse_frequencies, rope_angles
 from relax.models.transformer import Transformer, embed, layer_forward, positions_from_mask, rms_norm
@@ -42,31 +43,21 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     p_rope = rope_angles(inv, p_pos)
     c_rope = rope_angles(inv, c_pos)
     p_allowed = attn.causal_mask(p_pos, p_pos, p_valid, window)
-    c_allowed = attn.causal_mask(c_pos, c_pos, c_valid, window)  # [B, N, N]
-    if window is not None:  # [B, N, Lp]: prompt keys inside each completion query's window
-        pc_allowed = (jnp.repeat(p_valid, g, axis=0)[:, None, :]
-                      & ((c_pos[:, :, None] - jnp.repeat(p_pos, g, axis=0)[:, None, :]) < window))
 
     def prompt_attend(q, k, v, _):
         k, v = attn.heads_major(k), attn.heads_major(v)
         return attn.attention(q, k, v, p_allowed), (k, v)
 
+    q_pos = jnp.tile(c_pos, (1, r)).reshape(p, g, r * n)  # query rows (r, t) of each KV head
+    k_pos, k_valid = c_pos.reshape(p, g, n), c_valid.reshape(p, g, n)
+
     def completion_attend(pk, pv):
         def attend(q, k, v, _):
             d = q.shape[-1]
-            k, v = attn.heads_major(k), attn.heads_major(v)
-            # rows of KV head h: (r, t) for the own block; (g, r, t) for the shared prompt block
-            q5 = q.reshape(b, n, hk, r, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, R, N, D]
-            qc = q5.reshape(b, hk, r * n, d)
-            own = jnp.broadcast_to(c_allowed[:, None, None], (b, 1, r, n, n)).reshape(b, 1, r * n, n)
-            oc, lc = attn.partial_attention(qc, k, v, own)
-            if window is None:
-                shared = p_valid[:, None, None, :]
-            else:  # over the folded rows (g, r, t) of shared_prefix_attention
-                w = pc_allowed.reshape(p, g, 1, n, lp)
-                shared = jnp.broadcast_to(w, (p, g, r, n, lp)).reshape(p, 1, g * r * n, lp)
-            op, lpp = attn.shared_prefix_attention(qc, pk, pv, shared, g)
-            out = attn.merge_partials([op, oc], [lpp, lc])
+            group = lambda x: attn.heads_major(x).reshape(p, g, hk, n, d)
+            qg = q.reshape(b, n, hk, r, d).transpose(0, 2, 3, 1, 4).reshape(p, g, hk, r * n, d)
+            out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
+                                         window=window)
             out = out.reshape(b, hk, r, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, hk * r, d)
             return out.astype(q.dtype), None
         return attend

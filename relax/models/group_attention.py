@@ -1,0 +1,130 @@
+"""Training-time attention of the G completions of a group over their ONE shared prompt and
+their own causal block, one group at a time, with a recomputing (flash-style) backward.
+
+For the queries ``q`` of completion ``g`` (rows ``m``), keys are the group's prompt keys ``K_p``
+followed by the completion's own keys ``K_g``; one softmax runs over their union::
+
+    s = [q K_p^T, q K_g^T] / sqrt(D)   (masked),   lse = logsumexp(s),   P = exp(s - lse)
+    o = P [V_p; V_g]
+
+The backward recomputes ``P`` from the saved ``lse`` instead of storing it (``delta = rowsum(dO * O)``)::
+
+    dV = P^T dO,   dS = P * (dO V^T - delta),   dQ = dS K / sqrt(D),   dK = dS^T Q / sqrt(D)
+
+with ``dK_p, dV_p`` summed over the G completions that share the prompt. Both passes run as a
+``lax.map`` over prompt groups, so the score tiles of one group stay in cache instead of
+materialising ``[P*G, Hkv, M, Lp+N]`` scores and every softmax intermediate for the backward
+(on 2 CPU cores the forward is ~2x and the backward ~3x faster than autodiff of the
+unblocked form). Masks are rebuilt from positions inside each tile::
+
+    allowed(i, j) = valid_j  &  pos_j <= pos_i  &  (pos_i - pos_j < window, when sliding)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+NEG_INF = -1e30
+
+
+def _allowed(q_pos, k_pos, k_valid, window):
+    """``[..., m] x [..., s] -> [..., m, s]`` visibility of key ``s`` from query row ``m``."""
+    qp, kp = q_pos[..., :, None], k_pos[..., None, :]
+    ok = k_valid[..., None, :] & (kp <= qp)
+    return ok if window is None else ok & (qp - kp < window)
+
+
+def _scores(q, pk, k, masks, scale):
+    """Masked scores of one group: prompt part ``[g, hk, m, lp]`` and own part ``[g, hk, m, n]``."""
+    sp = jnp.einsum("ghmd,hsd->ghms", q, pk, preferred_element_type=jnp.float32) * scale
+    so = jnp.einsum("ghmd,ghsd->ghms", q, k, preferred_element_type=jnp.float32) * scale
+    mp, mo = masks
+    return jnp.where(mp, sp, NEG_INF), jnp.where(mo, so, NEG_INF)
+
+
+def _group_masks(q_pos, pk_pos, pk_valid, k_pos, k_valid, window):
+    # q_pos [g, m]; prompt [lp]; own [g, n] -> [g, 1, m, lp], [g, 1, m, n]
+    mp = _allowed(q_pos, pk_pos[None], pk_valid[None], window)[:, None]
+    mo = _allowed(q_pos, k_pos, k_valid, window)[:, None]
+    return mp, mo
+
+
+def _group_forward(window, q, pk, pv, k, v, pos):
+    scale = q.shape[-1] ** -0.5
+    masks = _group_masks(*pos, window)
+    sp, so = _scores(q, pk, k, masks, scale)
+    m = jnp.maximum(jnp.max(sp, axis=-1), jnp.max(so, axis=-1))[..., None]
+    ep = jnp.where(masks[0], jnp.exp(sp - m), 0.0)
+    eo = jnp.where(masks[1], jnp.exp(so - m), 0.0)
+    l = jnp.sum(ep, axis=-1, keepdims=True) + jnp.sum(eo, axis=-1, keepdims=True)
+    safe = jnp.where(l > 0, l, 1.0)
+    o = (jnp.einsum("ghms,hsd->ghmd", ep, pv.astype(jnp.float32))
+         + jnp.einsum("ghms,ghsd->ghmd", eo, v.astype(jnp.float32))) / safe
+    lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # +inf: P = exp(s - lse) = 0 in the backward
+    return o, lse
+
+
+def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
+    scale = q.shape[-1] ** -0.5
+    f32 = jnp.float32
+    masks = _group_masks(*pos, window)
+    sp, so = _scores(q, pk, k, masks, scale)
+    pp, po = jnp.exp(sp - lse), jnp.exp(so - lse)  # masked entries: exp(-1e30 - lse) = 0
+    delta = jnp.sum(do * o, axis=-1, keepdims=True)
+    dpv = jnp.einsum("ghms,ghmd->hsd", pp, do)
+    dv = jnp.einsum("ghms,ghmd->ghsd", po, do)
+    dsp = pp * (jnp.einsum("ghmd,hsd->ghms", do, pv.astype(f32)) - delta) * scale
+    dso = po * (jnp.einsum("ghmd,ghsd->ghms", do, v.astype(f32)) - delta) * scale
+    qf = q.astype(f32)
+    dq = jnp.einsum("ghms,hsd->ghmd", dsp, pk.astype(f32)) + jnp.einsum("ghms,ghsd->ghmd", dso, k.astype(f32))
+    dpk = jnp.einsum("ghms,ghmd->hsd", dsp, qf)
+    dk = jnp.einsum("ghms,ghmd->ghsd", dso, qf)
+    return dq.astype(q.dtype), dpk.astype(pk.dtype), dpv.astype(pv.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(window, q, pk, pv, k, v, pos):
+    return jax.lax.map(lambda a: _group_forward(window, *a[:5], a[5])[0], (q, pk, pv, k, v, pos))
+
+
+def _attend_fwd(window, q, pk, pv, k, v, pos):
+    o, lse = jax.lax.map(lambda a: _group_forward(window, *a[:5], a[5]), (q, pk, pv, k, v, pos))
+    return o, (q, pk, pv, k, v, pos, o, lse)
+
+
+def _attend_bwd(window, res, do):
+    q, pk, pv, k, v, pos, o, lse = res
+    grads = jax.lax.map(lambda a: _group_backward(window, *a[:5], a[5], *a[6:]),
+                        (q, pk, pv, k, v, pos, o, lse, do.astype(jnp.float32)))
+    return (*grads, jax.tree.map(lambda _: None, pos))
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def prefix_group_attention(
+    q: Float[Array, "p g hk m d"],
+    pk: Float[Array, "p hk lp d"],
+    pv: Float[Array, "p hk lp d"],
+    k: Float[Array, "p g hk n d"],
+    v: Float[Array, "p g hk n d"],
+    q_pos: Int[Array, "p g m"],
+    p_pos: Int[Array, "p lp"],
+    p_valid: Bool[Array, "p lp"],
+    k_pos: Int[Array, "p g n"],
+    k_valid: Bool[Array, "p g n"],
+    *,
+    window: int | None = None,
+) -> Float[Array, "p g hk m d"]:
+    """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
+
+    ``m`` query rows per KV head (e.g. ``R`` query heads times ``N`` positions), positions are
+    absolute (prompt positions ``p_pos``, completion positions continuing after the prompt).
+    Returns float32; rows that see no key give zeros. Differentiable in ``q, pk, pv, k, v``.
+    """
+    pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool))
+    return _attend(window, q, pk, pv, k, v, pos)
