@@ -15,8 +15,8 @@ P, G, HK, M_R, N, LP, D = 2, 3, 2, 2, 5, 4, 8  # M_R query heads per KV head: ro
 def _inputs(seed, window):
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.normal(size=s).astype(np.float32)
-    q, pk, pv = f(P, G, HK, M_R * N, D), f(P, HK, LP, D), f(P, HK, LP, D)
-    k, v = f(P, G, HK, N, D), f(P, G, HK, N, D)
+    q, pk, pv = f(P, HK, G, M_R * N, D), f(P, HK, LP, D), f(P, HK, LP, D)
+    k, v = f(P, HK, G, N, D), f(P, HK, G, N, D)
     p_valid = np.ones((P, LP), bool)
     p_valid[1, :2] = False  # left padding
     p_len = p_valid.sum(1)
@@ -35,44 +35,44 @@ def _numpy_attention(q, pk, pv, k, v, q_pos, p_pos, p_valid, k_pos, k_valid, win
             keys_pos = np.concatenate([p_pos[p], k_pos[p, g]])
             keys_ok = np.concatenate([p_valid[p], k_valid[p, g]])
             for h in range(HK):
-                kk = np.concatenate([pk[p, h], k[p, g, h]]).astype(np.float64)
-                vv = np.concatenate([pv[p, h], v[p, g, h]]).astype(np.float64)
+                kk = np.concatenate([pk[p, h], k[p, h, g]]).astype(np.float64)
+                vv = np.concatenate([pv[p, h], v[p, h, g]]).astype(np.float64)
                 for m in range(q.shape[3]):
                     ok = keys_ok & (keys_pos <= q_pos[p, g, m])
                     if window is not None:
                         ok &= q_pos[p, g, m] - keys_pos < window
-                    s = kk @ q[p, g, h, m] / np.sqrt(D)
+                    s = kk @ q[p, h, g, m] / np.sqrt(D)
                     w = np.where(ok, np.exp(s - s[ok].max()), 0.0)
-                    out[p, g, h, m] = (w / w.sum()) @ vv
+                    out[p, h, g, m] = (w / w.sum()) @ vv
     return out
 
 
 def _plain(q, pk, pv, k, v, q_pos, p_pos, p_valid, k_pos, k_valid, window):
     """Unblocked jnp attention (autodiff backward): keys [prompt; own] per completion."""
-    kk = jnp.concatenate([jnp.broadcast_to(pk[:, None], (P, G) + pk.shape[1:]), k], axis=3)
-    vv = jnp.concatenate([jnp.broadcast_to(pv[:, None], (P, G) + pv.shape[1:]), v], axis=3)
+    kk = jnp.concatenate([jnp.broadcast_to(pk[:, :, None], (P, HK, G, LP, D)), k], axis=3)
+    vv = jnp.concatenate([jnp.broadcast_to(pv[:, :, None], (P, HK, G, LP, D)), v], axis=3)
     kpos = jnp.concatenate([jnp.broadcast_to(p_pos[:, None], (P, G, LP)), k_pos], axis=2)
     kok = jnp.concatenate([jnp.broadcast_to(p_valid[:, None], (P, G, LP)), k_valid], axis=2)
     ok = kok[:, :, None, :] & (kpos[:, :, None, :] <= q_pos[..., None])
     if window is not None:
         ok &= q_pos[..., None] - kpos[:, :, None, :] < window
-    s = jnp.einsum("pghmd,pghsd->pghms", q, kk) / np.sqrt(D)
-    s = jnp.where(ok[:, :, None], s, -jnp.inf)
-    return jnp.einsum("pghms,pghsd->pghmd", jax.nn.softmax(s, axis=-1), vv)
+    s = jnp.einsum("phgmd,phgsd->phgms", q, kk) / np.sqrt(D)
+    s = jnp.where(ok[:, None], s, -jnp.inf)
+    return jnp.einsum("phgms,phgsd->phgmd", jax.nn.softmax(s, axis=-1), vv)
 
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_forward_matches_numpy(window):
     args = _inputs(0, window)
     got = prefix_group_attention(*map(jnp.asarray, args), window=window)
-    chex.assert_shape(got, (P, G, HK, M_R * N, D))
+    chex.assert_shape(got, (P, HK, G, M_R * N, D))
     np.testing.assert_allclose(np.asarray(got), _numpy_attention(*args, window), atol=2e-5)
 
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_backward_matches_autodiff_of_plain_attention(window):
     args = tuple(map(jnp.asarray, _inputs(1, window)))
-    w = jax.random.normal(jax.random.key(0), (P, G, HK, M_R * N, D))
+    w = jax.random.normal(jax.random.key(0), (P, HK, G, M_R * N, D))
     loss = lambda f: (lambda *x: jnp.sum(w * f(*x, *args[5:], window=window)))
     got = jax.grad(loss(prefix_group_attention), argnums=range(5))(*args[:5])
     want = jax.grad(loss(lambda *x, window: _plain(*x, window)), argnums=range(5))(*args[:5])

@@ -39,17 +39,17 @@ def _allowed(q_pos, k_pos, k_valid, window):
 
 
 def _scores(q, pk, k, masks, scale):
-    """Masked scores of one group: prompt part ``[g, hk, m, lp]`` and own part ``[g, hk, m, n]``."""
-    sp = jnp.einsum("ghmd,hsd->ghms", q, pk, preferred_element_type=jnp.float32) * scale
-    so = jnp.einsum("ghmd,ghsd->ghms", q, k, preferred_element_type=jnp.float32) * scale
+    """Masked scores of one group: prompt part ``[hk, g, m, lp]`` and own part ``[hk, g, m, n]``."""
+    sp = jnp.einsum("hgmd,hsd->hgms", q, pk, preferred_element_type=jnp.float32) * scale
+    so = jnp.einsum("hgmd,hgsd->hgms", q, k, preferred_element_type=jnp.float32) * scale
     mp, mo = masks
     return jnp.where(mp, sp, NEG_INF), jnp.where(mo, so, NEG_INF)
 
 
 def _group_masks(q_pos, pk_pos, pk_valid, k_pos, k_valid, window):
-    # q_pos [g, m]; prompt [lp]; own [g, n] -> [g, 1, m, lp], [g, 1, m, n]
-    mp = _allowed(q_pos, pk_pos[None], pk_valid[None], window)[:, None]
-    mo = _allowed(q_pos, k_pos, k_valid, window)[:, None]
+    # q_pos [g, m]; prompt [lp]; own [g, n] -> [1, g, m, lp], [1, g, m, n]
+    mp = _allowed(q_pos, pk_pos[None], pk_valid[None], window)[None]
+    mo = _allowed(q_pos, k_pos, k_valid, window)[None]
     return mp, mo
 
 
@@ -62,8 +62,8 @@ def _group_forward(window, q, pk, pv, k, v, pos):
     eo = jnp.where(masks[1], jnp.exp(so - m), 0.0)
     l = jnp.sum(ep, axis=-1, keepdims=True) + jnp.sum(eo, axis=-1, keepdims=True)
     safe = jnp.where(l > 0, l, 1.0)
-    o = (jnp.einsum("ghms,hsd->ghmd", ep, pv.astype(jnp.float32))
-         + jnp.einsum("ghms,ghsd->ghmd", eo, v.astype(jnp.float32))) / safe
+    o = (jnp.einsum("hgms,hsd->hgmd", ep, pv.astype(jnp.float32))
+         + jnp.einsum("hgms,hgsd->hgmd", eo, v.astype(jnp.float32))) / safe
     lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # +inf: P = exp(s - lse) = 0 in the backward
     return o, lse
 
@@ -75,14 +75,14 @@ def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
     sp, so = _scores(q, pk, k, masks, scale)
     pp, po = jnp.exp(sp - lse), jnp.exp(so - lse)  # masked entries: exp(-1e30 - lse) = 0
     delta = jnp.sum(do * o, axis=-1, keepdims=True)
-    dpv = jnp.einsum("ghms,ghmd->hsd", pp, do)
-    dv = jnp.einsum("ghms,ghmd->ghsd", po, do)
-    dsp = pp * (jnp.einsum("ghmd,hsd->ghms", do, pv.astype(f32)) - delta) * scale
-    dso = po * (jnp.einsum("ghmd,ghsd->ghms", do, v.astype(f32)) - delta) * scale
+    dpv = jnp.einsum("hgms,hgmd->hsd", pp, do)
+    dv = jnp.einsum("hgms,hgmd->hgsd", po, do)
+    dsp = pp * (jnp.einsum("hgmd,hsd->hgms", do, pv.astype(f32)) - delta) * scale
+    dso = po * (jnp.einsum("hgmd,hgsd->hgms", do, v.astype(f32)) - delta) * scale
     qf = q.astype(f32)
-    dq = jnp.einsum("ghms,hsd->ghmd", dsp, pk.astype(f32)) + jnp.einsum("ghms,ghsd->ghmd", dso, k.astype(f32))
-    dpk = jnp.einsum("ghms,ghmd->hsd", dsp, qf)
-    dk = jnp.einsum("ghms,ghmd->ghsd", dso, qf)
+    dq = jnp.einsum("hgms,hsd->hgmd", dsp, pk.astype(f32)) + jnp.einsum("hgms,hgsd->hgmd", dso, k.astype(f32))
+    dpk = jnp.einsum("hgms,hgmd->hsd", dsp, qf)
+    dk = jnp.einsum("hgms,hgmd->hgsd", dso, qf)
     return dq.astype(q.dtype), dpk.astype(pk.dtype), dpv.astype(pv.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -107,11 +107,11 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def prefix_group_attention(
-    q: Float[Array, "p g hk m d"],
+    q: Float[Array, "p hk g m d"],
     pk: Float[Array, "p hk lp d"],
     pv: Float[Array, "p hk lp d"],
-    k: Float[Array, "p g hk n d"],
-    v: Float[Array, "p g hk n d"],
+    k: Float[Array, "p hk g n d"],
+    v: Float[Array, "p hk g n d"],
     q_pos: Int[Array, "p g m"],
     p_pos: Int[Array, "p lp"],
     p_valid: Bool[Array, "p lp"],
@@ -119,9 +119,11 @@ def prefix_group_attention(
     k_valid: Bool[Array, "p g n"],
     *,
     window: int | None = None,
-) -> Float[Array, "p g hk m d"]:
+) -> Float[Array, "p hk g m d"]:
     """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
 
+    Layouts are KV-head-major (``[P, Hkv, G, ...]``) so that the prompt product of a group is one
+    ``[G*M, D] x [D, Lp]`` matmul per head with no transpose of its scores.
     ``m`` query rows per KV head (e.g. ``R`` query heads times ``N`` positions), positions are
     absolute (prompt positions ``p_pos``, completion positions continuing after the prompt).
     Returns float32; rows that see no key give zeros. Differentiable in ``q, pk, pv, k, v``.

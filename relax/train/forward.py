@@ -54,11 +54,11 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     def completion_attend(pk, pv):
         def attend(q, k, v, _):
             d = q.shape[-1]
-            group = lambda x: attn.heads_major(x).reshape(p, g, hk, n, d)
-            qg = q.reshape(b, n, hk, r, d).transpose(0, 2, 3, 1, 4).reshape(p, g, hk, r * n, d)
+            group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
+            qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
             out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
                                          window=window)
-            out = out.reshape(b, hk, r, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, hk * r, d)
+            out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
             return out.astype(q.dtype), None
         return attend
 
