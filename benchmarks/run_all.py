@@ -31,6 +31,7 @@ import harness  # noqa: E402
 # no-cache mode on 1024-token prompts - a ~60 s extrapolation - is left to `rollout.py` alone)
 SUITE = [
     ("attention", ["--runs", "10"]),
+    ("train_attention", ["--runs", "3"]),
     ("rollout", ["--runs", "2", "--budget-s", "15", "--no-nocache-b"]),
     ("logprobs", ["--runs", "2", "--budget-s", "15"]),
     ("train_step", ["--runs", "2"]),
