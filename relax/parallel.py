@@ -231,6 +231,13 @@ def batch_shards(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def ambient_batch_shards() -> int:
+    """Shards of the prompt axis under the mesh being traced with (``jax.set_mesh``, as
+    ``ShardedStep`` does), 1 outside any mesh: lets per-group loops run over local groups."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+
+
 def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
                     reference_memory_kind: str | None = None) -> Any:
     """Shardings for a ``TrainState`` (or any pytree holding models): every ``Transformer`` in it

@@ -213,7 +213,8 @@ class ShardedStep:
             if self.offload:
                 ref_host = state.ref
                 state = state.replace(ref=jax.device_put(ref_host, self._ref_device) if uses_ref else None)
-            state, out = jitted(state, dev)
+            with jax.set_mesh(self.mesh):  # traced under the mesh: see parallel.ambient_batch_shards
+                state, out = jitted(state, dev)
             if self.offload:
                 state = state.replace(ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host)
             return state, {**host, **out}
@@ -227,7 +228,8 @@ class ShardedStep:
             host, dev = self._split(batch)
             dev = place_batch(dev, self.sampler_mesh)
             small = jax.device_put(state.replace(policy=None, opt_state=None, ref=None), replicated(self.sampler_mesh))
-            view, out = jitted(small.replace(policy=self._sampler_policy), dev)
+            with jax.set_mesh(self.sampler_mesh):
+                view, out = jitted(small.replace(policy=self._sampler_policy), dev)
             changed = {f.name: jax.device_put(getattr(view, f.name), replicated(self.mesh))
                        for f in dataclasses.fields(view) if f.name not in ("policy", "opt_state", "ref")}
             return state.replace(**changed), {**host, **out}

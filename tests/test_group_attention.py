@@ -78,3 +78,13 @@ def test_backward_matches_autodiff_of_plain_attention(window):
     want = jax.grad(loss(lambda *x, window: _plain(*x, window)), argnums=range(5))(*args[:5])
     for name, a, b in zip(["q", "pk", "pv", "k", "v"], got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+def test_groups_per_step_does_not_change_values_or_gradients():
+    args = tuple(map(jnp.asarray, _inputs(2, None)))
+    w = jax.random.normal(jax.random.key(1), (P, HK, G, M_R * N, D))
+    f = lambda b: jax.value_and_grad(lambda *x: jnp.sum(w * prefix_group_attention(*x, *args[5:], groups_per_step=b)),
+                                     argnums=range(5))(*args[:5])
+    chex.assert_trees_all_close(f(P), f(1), atol=1e-5, rtol=1e-4)  # only the summation order differs
+    with pytest.raises(ValueError, match="groups_per_step=3 does not divide the 2 prompt groups"):
+        prefix_group_attention(*args, groups_per_step=3)

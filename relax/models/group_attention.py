@@ -86,20 +86,36 @@ def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
     return dq.astype(q.dtype), dpk.astype(pk.dtype), dpv.astype(pv.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(window, q, pk, pv, k, v, pos):
-    return jax.lax.map(lambda a: _group_forward(window, *a[:5], a[5])[0], (q, pk, pv, k, v, pos))
+def _tiles(b, x):
+    """``[P, ...] -> [P/b, b, ...]``: loop step i takes groups ``i, i + P/b, i + 2P/b, ...``, so with
+    the P axis block-sharded over b devices every step works on one local group per device."""
+    return x.reshape((b, x.shape[0] // b) + x.shape[1:]).swapaxes(0, 1)
 
 
-def _attend_fwd(window, q, pk, pv, k, v, pos):
-    o, lse = jax.lax.map(lambda a: _group_forward(window, *a[:5], a[5]), (q, pk, pv, k, v, pos))
+def _untile(x):
+    return x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _over_groups(fn, b, *xs):
+    """``fn`` per group: a ``lax.map`` over P/b steps of ``b`` groups each (vmapped)."""
+    out = jax.lax.map(jax.vmap(lambda a: fn(*a)), jax.tree.map(functools.partial(_tiles, b), xs))
+    return jax.tree.map(_untile, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(window, b, q, pk, pv, k, v, pos):
+    return _over_groups(lambda *a: _group_forward(window, *a)[0], b, q, pk, pv, k, v, pos)
+
+
+def _attend_fwd(window, b, q, pk, pv, k, v, pos):
+    o, lse = _over_groups(functools.partial(_group_forward, window), b, q, pk, pv, k, v, pos)
     return o, (q, pk, pv, k, v, pos, o, lse)
 
 
-def _attend_bwd(window, res, do):
+def _attend_bwd(window, b, res, do):
     q, pk, pv, k, v, pos, o, lse = res
-    grads = jax.lax.map(lambda a: _group_backward(window, *a[:5], a[5], *a[6:]),
-                        (q, pk, pv, k, v, pos, o, lse, do.astype(jnp.float32)))
+    grads = _over_groups(functools.partial(_group_backward, window), b, q, pk, pv, k, v, pos, o, lse,
+                         do.astype(jnp.float32))
     return (*grads, jax.tree.map(lambda _: None, pos))
 
 
@@ -119,6 +135,7 @@ def prefix_group_attention(
     k_valid: Bool[Array, "p g n"],
     *,
     window: int | None = None,
+    groups_per_step: int = 1,
 ) -> Float[Array, "p hk g m d"]:
     """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
 
@@ -127,6 +144,13 @@ def prefix_group_attention(
     ``m`` query rows per KV head (e.g. ``R`` query heads times ``N`` positions), positions are
     absolute (prompt positions ``p_pos``, completion positions continuing after the prompt).
     Returns float32; rows that see no key give zeros. Differentiable in ``q, pk, pv, k, v``.
+
+    ``groups_per_step``: groups computed together per loop step (it must divide P). 1 keeps each
+    tile in cache (CPU); on a mesh pass the number of shards of the P axis, so that each step
+    takes one local group per device (a loop over a sharded axis would gather it); P = no loop.
     """
+    p = q.shape[0]
+    if groups_per_step < 1 or p % groups_per_step:
+        raise ValueError(f"groups_per_step={groups_per_step} does not divide the {p} prompt groups")
     pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool))
-    return _attend(window, q, pk, pv, k, v, pos)
+    return _attend(window, groups_per_step, q, pk, pv, k, v, pos)

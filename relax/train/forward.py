@@ -23,6 +23,7 @@ from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.rope import inverse_frequencies, rope_angles
 from relax.models.transformer import Transformer, embed, layer_forward, positions_from_mask, rms_norm
+from relax.parallel import ambient_batch_shards
 
 
 def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat):
@@ -48,6 +49,10 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
         k, v = attn.heads_major(k), attn.heads_major(v)
         return attn.attention(q, k, v, p_allowed), (k, v)
 
+    # one group per loop step on one device; one local group per device per step on a mesh
+    # (all groups at once when they do not split evenly over the mesh's batch shards)
+    shards = ambient_batch_shards()
+    per_step = 1 if shards == 1 else (shards if p % shards == 0 else p)
     q_pos = jnp.tile(c_pos, (1, r)).reshape(p, g, r * n)  # query rows (r, t) of each KV head
     k_pos, k_valid = c_pos.reshape(p, g, n), c_valid.reshape(p, g, n)
 
@@ -57,7 +62,7 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
             group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
             qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
             out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
-                                         window=window)
+                                         window=window, groups_per_step=per_step)
             out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
             return out.astype(q.dtype), None
         return attend
