@@ -6,6 +6,11 @@
    time for N new tokens minus its time for 1 new token (prefill), divided by N - 1.
 2. The GRPO update step at 1B in bfloat16: model FLOPs (6 * params * trained tokens, prompt
    counted once per group) per second against the datasheet bf16 peak (MFU).
+3. The training attention of one layer at 1B shapes, forward+backward: relax's prefix-group
+   kernel (``relax.models.group_attention``, prompt keys shared by the G completions) against
+   ``jax.nn.dot_product_attention`` with ``implementation="xla"`` and ``"cudnn"`` on the same
+   work laid out as P*G causal sequences [prompt; completion] (the prompt repeated per
+   completion, as a trainer without prefix sharing runs it). Tells where cuDNN wins.
 
     python benchmarks/gpu.py [--small]   (--small: a tiny config, to check the script on CPU)
 
@@ -94,6 +99,37 @@ def bench_update(model, p, g, lp, n, peak_flops, remat):
                  "tflops": flops / t / 1e12, "mfu": None if peak_flops is None else flops / t / peak_flops})
 
 
+def bench_attention(p, g, lp, n, hk, r, d, dtype):
+    from relax.models.group_attention import prefix_group_attention
+    k = jax.random.split(jax.random.key(4), 5)
+    f = lambda i, *shape: jax.random.normal(k[i], shape, dtype)
+    q, ck, cv = f(0, p, hk, g, r * n, d), f(1, p, hk, g, n, d), f(2, p, hk, g, n, d)
+    pk, pv = f(3, p, hk, lp, d), f(4, p, hk, lp, d)
+    c_pos = jnp.broadcast_to(lp + jnp.arange(n), (p, g, n))
+    pos = (jnp.tile(c_pos, (1, 1, r)), jnp.broadcast_to(jnp.arange(lp), (p, lp)), jnp.ones((p, lp), bool),
+           c_pos, jnp.ones((p, g, n), bool))
+    # the same attention as P*G full sequences [prompt; completion], token-major [B, T, H, D]
+    t = lp + n
+    fq = f(0, p * g, t, hk * r, d)
+    fk, fv = f(1, p * g, t, hk, d), f(2, p * g, t, hk, d)
+    grad = lambda fn, n_args: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=range(n_args)))
+    cases = {"relax_group": (grad(lambda *a: prefix_group_attention(*a, *pos), 5), (q, pk, pv, ck, cv))}
+    for impl in ("xla", "cudnn"):
+        fn = lambda a, b_, c_, impl=impl: jax.nn.dot_product_attention(a, b_, c_, is_causal=True, implementation=impl)
+        cases[f"dpa_{impl}_repeated"] = (grad(fn, 3), (fq, fk, fv))
+    # useful attention FLOPs: completion rows only, 4 * rows * visible keys * D per head; forward 1x +
+    # backward 2.5x (the backward recomputes the scores)
+    flops = 3.5 * 4 * p * g * hk * r * n * (lp + n / 2) * d
+    for name, (fn, args) in cases.items():
+        try:
+            sec, err = timed(fn, *args), None
+        except Exception as e:  # cuDNN needs a GPU, a supported dtype/head size and a cuDNN build
+            sec, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+        emit({"bench": "gpu_train_attention", "impl": name, "P": p, "G": g, "Lp": lp, "N": n, "Hkv": hk, "R": r,
+              "D": d, "dtype": str(jnp.dtype(dtype)), "fwd_bwd_ms": None if sec is None else sec * 1e3,
+              "useful_tflops": None if sec is None else flops / sec / 1e12, "error": err})
+
+
 def main():
     sheet = datasheet() or {}
     peak_bw, peak_flops = sheet.get("hbm_bytes_per_s"), sheet.get("bf16_flops")
@@ -103,6 +139,10 @@ def main():
         bench_decode(model, p, g, 128, 32 if SMALL else 256, peak_bw)
     bench_update(model, 2 if SMALL else 8, 4 if SMALL else 8, 32 if SMALL else 256, 32 if SMALL else 512,
                  peak_flops, remat=True)
+    if SMALL:
+        bench_attention(2, 4, 16, 32, 2, 2, 16, jnp.bfloat16)
+    else:
+        bench_attention(8, 8, 256, 512, 8, 4, 64, jnp.bfloat16)
 
 
 if __name__ == "__main__":
