@@ -76,7 +76,7 @@ def test_gradient_accumulation_does_not_change_the_update(loss_type):
     model = init(CFG, jax.random.key(3), std=0.2)
     data = _update_data()
     results = []
-    for accum in (1, 2, 4):
+    for accum in (1, 4):  # 4: one prompt group per micro-batch, the finest split
         cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type=loss_type, grad_accum=accum,
                          # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
                          optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
@@ -94,13 +94,12 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
     model = init(CFG, jax.random.key(4), std=0.2)
     data = _update_data()
     losses = {}
-    for m in (1, 2, 4):
+    for m in (1, 4):
         cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m,
                          optimizer=OptimizerConfig(learning_rate=0.0))
         opt = cfg.optimizer.make()
         _, _, metrics = jax.jit(make_update(cfg, opt))(model, opt.init(model), data, jax.random.key(0))
         losses[m] = float(metrics["loss"])  # mean over the M minibatch steps
-    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
 
 
