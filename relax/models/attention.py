@@ -66,12 +66,12 @@ def heads_major(x: Float[Array, "b t h d"]) -> Float[Array, "b h t d"]:
     return jnp.swapaxes(x, 1, 2)
 
 
-def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "b s"],
-                window: int | None) -> Bool[Array, "b t s"]:
+def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "*b s"],
+                window: int | None) -> Bool[Array, "*b t s"]:
     """``k_valid[s] & pos_k[s] <= pos_q[t]`` (and ``pos_q - pos_k < window`` when sliding)."""
-    qp = q_positions[:, :, None]
-    kp = k_positions[:, None, :]
-    allowed = (kp <= qp) & k_valid[:, None, :]
+    qp = q_positions[..., :, None]
+    kp = k_positions[..., None, :]
+    allowed = (kp <= qp) & k_valid[..., None, :]
     if window is not None:
         allowed = allowed & (qp - kp < window)
     return allowed

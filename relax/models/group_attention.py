@@ -29,14 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-NEG_INF = -1e30
-
-
-def _allowed(q_pos, k_pos, k_valid, window):
-    """``[..., m] x [..., s] -> [..., m, s]`` visibility of key ``s`` from query row ``m``."""
-    qp, kp = q_pos[..., :, None], k_pos[..., None, :]
-    ok = k_valid[..., None, :] & (kp <= qp)
-    return ok if window is None else ok & (qp - kp < window)
+from relax.models.attention import NEG_INF, causal_mask
 
 
 def _scores(q, pk, k, masks, scale):
@@ -49,8 +42,8 @@ def _scores(q, pk, k, masks, scale):
 
 def _group_masks(q_pos, pk_pos, pk_valid, k_pos, k_valid, window):
     # q_pos [g, m]; prompt [lp]; own [g, n] -> [1, g, m, lp], [1, g, m, n]
-    mp = _allowed(q_pos, pk_pos[None], pk_valid[None], window)[None]
-    mo = _allowed(q_pos, k_pos, k_valid, window)[None]
+    mp = causal_mask(q_pos, pk_pos[None], pk_valid[None], window)[None]
+    mo = causal_mask(q_pos, k_pos, k_valid, window)[None]
     return mp, mo
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from relax.models import attention as attn
 from relax.models.group_attention import prefix_group_attention
@@ -29,7 +29,7 @@ from relax.parallel import ambient_batch_shards
 def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completions ``[P*G, N, D]``."""
     c = model.config
-    p, lp = prompt_ids.shape
+    p = prompt_ids.shape[0]
     _, g, n = completions.shape
     b = p * g
     hk, r = c.num_kv_heads, c.q_per_kv
