@@ -175,8 +175,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
 
     def draw(logits, step):
-        tok, logp = sample(logits, uniforms(keys, step), cfg.sampling)
-        return tok, logp
+        return sample(logits, uniforms(keys, step), cfg.sampling)
 
     tok0, lp0 = draw(jnp.repeat(logits0, g, axis=0), 0)
     finished0 = jnp.isin(tok0, eos)
@@ -253,7 +252,7 @@ def generate(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: In
              key: Array, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
              eos_ids: tuple[int, ...] | int | None = None, pad_id: int = 0,
-             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS, cache_chunk: int = 64) -> Rollout:
+             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS, cache_chunk: int = RolloutConfig.cache_chunk) -> Rollout:
     """Sample ``num_generations`` completions of each left-padded prompt.
 
     ``eos_ids=None`` takes the model config's ``eos_token_id`` (none: run to the budget).

@@ -75,7 +75,7 @@ def sample(logits: Float[Array, "b v"], u: Float[Array, " b"], cfg: SamplingConf
     if cfg.greedy:
         tok = jnp.argmax(z, axis=-1)
     elif filters_active(cfg):
-        tok = _invert_cdf(jnp.exp(filter_logits(z, cfg) - zmax), u)
+        tok = _invert_cdf(jnp.where(jnp.isneginf(filter_logits(z, cfg)), 0.0, e), u)  # kept: e, cut: 0
     else:
         tok = _invert_cdf(e, u)
     tok = tok.astype(jnp.int32)

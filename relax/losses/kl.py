@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from relax.choices import check_choice
 from relax.masked import assert_same_shape, at_least_float32
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
@@ -38,9 +39,8 @@ def kl_estimate(
     With ``mask`` the inputs are zeroed at masked positions first (so padding holding ``-inf``
     gives no NaN, in values or gradients) and the result is 0 there.
     """
+    check_choice("KL estimator", kind, (*KL_ESTIMATORS, *_KL_ALIASES))
     kind = _KL_ALIASES.get(kind, kind)
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join([*KL_ESTIMATORS, *_KL_ALIASES])}")
     assert_same_shape(logp=logp, ref_logp=ref_logp, **({} if mask is None else {"mask": mask}))
     m = jnp.ones(jnp.shape(logp), bool) if mask is None else jnp.asarray(mask).astype(bool)
     d = jnp.where(m, at_least_float32(logp), 0.0) - jnp.where(m, at_least_float32(ref_logp), 0.0)

@@ -194,11 +194,6 @@ def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array
     return x, layer_output
 
 
-def unstack_layers(model: Transformer) -> list[LayerStack]:
-    """Per-layer parameters, for a Python loop over layers (see ``run_layers``)."""
-    return [jax.tree.map(lambda a: a[i], model.layers) for i in range(model.config.num_layers)]
-
-
 def fuse_layers(model: Transformer) -> list[FusedLayer]:
     """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout)."""
     L = model.layers
@@ -210,14 +205,14 @@ def fuse_layers(model: Transformer) -> list[FusedLayer]:
 
 
 def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Array, "b t"],
-               attend: Attend, layer_inputs: Any = None, *, layers: list[LayerStack | FusedLayer] | None = None,
+               attend: Attend, layer_inputs: Any = None, *, layers: list[FusedLayer] | None = None,
                remat: bool = False) -> tuple[Float[Array, "b t D"], Any]:
     """Embedded inputs through every layer and the final norm.
 
     By default the stacked ``model.layers`` run as one ``lax.scan`` (compiles once however
     deep the model); ``layer_inputs`` is then a pytree with a leading ``[L]`` axis (or None)
     and the per-layer outputs of ``attend`` come back stacked on ``[L]``. With ``layers`` (from
-    ``unstack_layers``) the layers run as a Python loop, ``layer_inputs`` and the outputs are
+    ``fuse_layers``) the layers run as a Python loop, ``layer_inputs`` and the outputs are
     lists: the decode loop uses this so that each layer's cache is its own buffer, updated in
     place, instead of a slice that ``scan`` copies at every step. ``remat`` recomputes each
     layer in the backward pass.

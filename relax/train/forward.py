@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from relax.models import attention as attn
 from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.rope import inverse_frequencies, rope_angles
-from relax.models.transformer import Transformer, embed, layer_forward, positions_from_mask, rms_norm
+from relax.models.transformer import (Transformer, embed, full_attention, layer_forward, positions_from_mask,
+                                      rms_norm)
 from relax.parallel import ambient_batch_shards
 
 
@@ -43,11 +43,7 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     inv = inverse_frequencies(c)
     p_rope = rope_angles(inv, p_pos)
     c_rope = rope_angles(inv, c_pos)
-    p_allowed = attn.causal_mask(p_pos, p_pos, p_valid, window)
-
-    def prompt_attend(q, k, v, _):
-        k, v = attn.heads_major(k), attn.heads_major(v)
-        return attn.attention(q, k, v, p_allowed), (k, v)
+    prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
 
     # one group per loop step on one device; one local group per device per step on a mesh
     # (all groups at once when they do not split evenly over the mesh's batch shards)
