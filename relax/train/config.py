@@ -20,11 +20,11 @@ from relax.losses.aggregation import resolve_mode
 from relax.losses.kl import KL_ESTIMATORS
 from relax.losses.policy import IMPORTANCE_LEVELS
 from relax.reference import ReferenceConfig
+from relax.rewards.shaping import LENGTH_SHAPING_MODES
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 POLICY_LOSSES = ("ppo", "cispo", "reinforce")
 ZERO_STD = ("zero", "drop")
-LENGTH_SHAPING = ("linear", "punitive")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -176,7 +176,7 @@ class GRPOConfig:
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         resolve_mode(self.loss_type)
         if self.length_shaping is not None:
-            check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING)
+            check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING_MODES)
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]")
         if self.kl_threshold is not None and self.kl_in_reward:

@@ -32,7 +32,7 @@ from relax.sampling import SamplingConfig
 from relax.train.config import GRPOConfig
 from relax.train.forward import completion_logprobs
 from relax.train.state import TrainState
-from relax.train.update import make_update
+from relax.train.update import make_update, skipped_updates
 
 
 def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
@@ -127,8 +127,8 @@ def make_advantage(cfg: GRPOConfig) -> Stage:
     def advantage(state, batch):
         rewards = shape_rewards(cfg, batch["rewards"], batch["lengths"])
         if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
-            rewards = rewards - cfg.beta * jnp.sum(jnp.where(batch["mask"] > 0, kl, 0.0), axis=-1)
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=batch["mask"] > 0)
+            rewards = rewards - cfg.beta * jnp.sum(kl, axis=-1)
         if cfg.advantage == "grpo":
             a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
         elif cfg.advantage == "rloo":
@@ -165,7 +165,7 @@ def make_update_stage(cfg: GRPOConfig, optimizer) -> Stage:
         ref = state.ref
         if ref is not None:
             ref = rule(ref, policy, step, {"kl": running_kl, "entropy": running_entropy})
-        metrics = {**metrics, **_batch_metrics(batch), "skipped_updates": opt_state.total_notfinite}
+        metrics = {**metrics, **_batch_metrics(batch), "skipped_updates": skipped_updates(opt_state)}
         new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key,
                             running_kl=running_kl, running_entropy=running_entropy)
         return new, {**batch, "metrics": metrics}

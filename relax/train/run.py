@@ -32,6 +32,7 @@ from relax.train.config import GRPOConfig, preset
 from relax.train.evaluate import EvalConfig, evaluate
 from relax.train.grpo import make_grpo_step
 from relax.train.state import init_state
+from relax.train.update import skipped_updates
 
 BAR_KEYS = (("reward", "reward"), ("kl", "kl"), ("completion_length", "len"), ("tokens_per_s", "tok/s"))
 
@@ -291,7 +292,7 @@ def run(cfg: RunConfig) -> dict:
             shutil.copy(tokenizer.path, export / "tokenizer.model")
         summary["export"] = str(export)
     summary.update(steps=cfg.steps, run_time_s=time.perf_counter() - t_start,
-                   skipped_updates=int(state.opt_state.total_notfinite))
+                   skipped_updates=int(skipped_updates(state.opt_state)))
     write_summary(run_dir, summary)
     if summary.get("before") and summary.get("after"):
         log("\n" + _table(summary["before"], summary["after"]))

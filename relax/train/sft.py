@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
+from relax.masked import masked_mean
 from relax.models.logprobs import token_logprobs
 from relax.models.transformer import Transformer
 
@@ -22,8 +22,7 @@ def sft_loss(model: Transformer, ids: Int[Array, "b t"], mask: Int[Array, "b t"]
              loss_mask: Int[Array, "b t"]) -> Float[Array, ""]:
     """Token-mean NLL of the tokens where ``loss_mask`` is 1 (a position's own token is scored)."""
     logp = token_logprobs(model, ids, mask)
-    m = loss_mask[:, 1:].astype(jnp.float32)
-    return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return -masked_mean(logp, loss_mask[:, 1:])
 
 
 def make_sft_step(optimizer: optax.GradientTransformation):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from relax.losses.aggregation import aggregate
-from relax.losses.kl import conservative_penalty, kl_estimate
+from relax.losses.kl import conservative_penalty, entropy_bonus, kl_estimate
 from relax.losses.policy import cispo, ppo_clip, reinforce
 from relax.masked import masked_mean
 from relax.train.config import GRPOConfig
@@ -49,15 +49,16 @@ def make_loss(cfg: GRPOConfig):
         per_token, metrics = _policy_loss(cfg, logp, old, adv, mask)
         metrics = dict(metrics)
         if cfg.beta > 0:
-            kl = kl_estimate(logp, flat(mb["ref_logprobs"]), cfg.kl_estimator)
+            # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
+            kl = kl_estimate(logp, flat(mb["ref_logprobs"]), cfg.kl_estimator, mask=mask)
             metrics["kl"] = masked_mean(kl, mask)
             if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
                 per_token = per_token + jnp.where(mask, conservative_penalty(
                     kl, threshold=cfg.kl_threshold, coef=cfg.beta), 0.0)
             elif not cfg.kl_in_reward:
-                per_token = per_token + cfg.beta * jnp.where(mask, kl, 0.0)
+                per_token = per_token + cfg.beta * kl
         if cfg.entropy_coef != 0.0:
-            per_token = per_token - cfg.entropy_coef * jnp.where(mask, ent, 0.0)
+            per_token = per_token + entropy_bonus(ent, mask, coef=cfg.entropy_coef)
         metrics["entropy"] = masked_mean(ent, mask)
         metrics["sampler_logprob_diff"] = jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0))
         loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=norms["sequences"],
