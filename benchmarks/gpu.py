@@ -21,15 +21,13 @@ jax, equinox, optax and relax.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import datasheet, emit  # noqa: E402
+from harness import datasheet, emit, group_attention_inputs, measure  # noqa: E402
 
 from relax.models import ModelConfig, cast, init  # noqa: E402
 from relax.rollout import RolloutConfig, compiled_generate  # noqa: E402
@@ -46,13 +44,8 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_la
 
 
 def timed(fn, *args, runs=3):
-    jax.block_until_ready(fn(*args))  # compile + warm
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    """Median seconds of ``runs`` calls after a compile + warm-up call."""
+    return measure(fn, *args, warmup=1, runs=runs)["median_s"]
 
 
 def bench_decode(model, p, g, lp, n, peak_bw):
@@ -101,13 +94,9 @@ def bench_update(model, p, g, lp, n, peak_flops, remat):
 
 def bench_attention(p, g, lp, n, hk, r, d, dtype):
     from relax.models.group_attention import prefix_group_attention
+    (q, pk, pv, ck, cv), pos = group_attention_inputs(p, g, hk, r, lp, n, d, dtype=dtype, seed=4)
     k = jax.random.split(jax.random.key(4), 5)
     f = lambda i, *shape: jax.random.normal(k[i], shape, dtype)
-    q, ck, cv = f(0, p, hk, g, r * n, d), f(1, p, hk, g, n, d), f(2, p, hk, g, n, d)
-    pk, pv = f(3, p, hk, lp, d), f(4, p, hk, lp, d)
-    c_pos = jnp.broadcast_to(lp + jnp.arange(n), (p, g, n))
-    pos = (jnp.tile(c_pos, (1, 1, r)), jnp.broadcast_to(jnp.arange(lp), (p, lp)), jnp.ones((p, lp), bool),
-           c_pos, jnp.ones((p, g, n), bool))
     # the same attention as P*G full sequences [prompt; completion], token-major [B, T, H, D]
     t = lp + n
     fq = f(0, p * g, t, hk * r, d)

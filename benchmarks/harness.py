@@ -160,6 +160,20 @@ PEAK_ENV = "RELAX_BENCH_PEAK_FLOPS"  # a parent's measured peak, shared with its
 
 
 @functools.lru_cache(maxsize=8)
+def group_attention_inputs(P: int, G: int, H: int, R: int, Lp: int, N: int, D: int, *,
+                           dtype=jnp.float32, seed: int = 0) -> tuple[tuple, tuple]:
+    """Random ``(q, pk, pv, k, v)`` and the position tuple for ``prefix_group_attention``: P full
+    prompts of Lp tokens, G completions of N tokens each, H KV heads with R query heads each."""
+    k = jax.random.split(jax.random.key(seed), 5)
+    f = lambda i, *s: jax.random.normal(k[i], s, dtype)
+    q, ck, cv = f(0, P, H, G, R * N, D), f(1, P, H, G, N, D), f(2, P, H, G, N, D)
+    pk, pv = f(3, P, H, Lp, D), f(4, P, H, Lp, D)
+    c_pos = jnp.broadcast_to(Lp + jnp.arange(N), (P, G, N))
+    pos = (jnp.tile(c_pos, (1, 1, R)), jnp.broadcast_to(jnp.arange(Lp), (P, Lp)), jnp.ones((P, Lp), bool),
+           c_pos, jnp.ones((P, G, N), bool))
+    return (q, pk, pv, ck, cv), pos
+
+
 def matmul_peak_flops(n: int = 1024, dtype=jnp.float32, runs: int = 20) -> float:
     """Measured FLOP/s of an n x n x n matmul here and now (median of ``runs``).
 

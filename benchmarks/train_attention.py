@@ -48,17 +48,6 @@ class Args:
     """timed runs per case (median reported)"""
 
 
-def _inputs(P, G, H, R, Lp, N, D):
-    k = jax.random.split(jax.random.key(0), 5)
-    f = lambda i, *s: jax.random.normal(k[i], s, jnp.float32)
-    q, ck, cv = f(0, P, H, G, R * N, D), f(1, P, H, G, N, D), f(2, P, H, G, N, D)
-    pk, pv = f(3, P, H, Lp, D), f(4, P, H, Lp, D)
-    c_pos = jnp.broadcast_to(Lp + jnp.arange(N), (P, G, N))
-    pos = (jnp.tile(c_pos, (1, 1, R)), jnp.broadcast_to(jnp.arange(Lp), (P, Lp)), jnp.ones((P, Lp), bool),
-           c_pos, jnp.ones((P, G, N), bool))
-    return (q, pk, pv, ck, cv), pos
-
-
 def _unblocked(P, G, H, R, Lp, N, D):
     from relax.models import attention as attn
     B = P * G
@@ -82,7 +71,7 @@ def main(args: Args) -> None:
     H, R, D = args.kv_heads, args.q_per_kv, args.head_dim
     for case in [c for c in args.cases.split(";") if c]:
         P, G, Lp, N = (int(x) for x in case.split(","))
-        xs, pos = _inputs(P, G, H, R, Lp, N, D)
+        xs, pos = harness.group_attention_inputs(P, G, H, R, Lp, N, D)
         w = jax.random.normal(jax.random.key(9), xs[0].shape)
         impls = {"unblocked": _unblocked(P, G, H, R, Lp, N, D),
                  "group": lambda *a: prefix_group_attention(*a, *pos)}

@@ -188,5 +188,6 @@ def to_local(x: Any) -> np.ndarray:
     pieces: dict[int, np.ndarray] = {}
     for shard in x.addressable_shards:
         start = shard.index[0].start or 0
-        pieces.setdefault(start, np.asarray(shard.data))
+        if start not in pieces:  # copy each row block once (other axes hold duplicates of it)
+            pieces[start] = np.asarray(shard.data)
     return np.concatenate([pieces[k] for k in sorted(pieces)], axis=0)

@@ -12,7 +12,7 @@ from relax.models.group_attention import prefix_group_attention
 P, G, HK, M_R, N, LP, D = 2, 3, 2, 2, 5, 4, 8  # M_R query heads per KV head: rows m = (r, t)
 
 
-def _inputs(seed, window):
+def _inputs(seed):
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.normal(size=s).astype(np.float32)
     q, pk, pv = f(P, HK, G, M_R * N, D), f(P, HK, LP, D), f(P, HK, LP, D)
@@ -63,7 +63,7 @@ def _plain(q, pk, pv, k, v, q_pos, p_pos, p_valid, k_pos, k_valid, window):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_forward_matches_numpy(window):
-    args = _inputs(0, window)
+    args = _inputs(0)
     got = prefix_group_attention(*map(jnp.asarray, args), window=window)
     chex.assert_shape(got, (P, HK, G, M_R * N, D))
     np.testing.assert_allclose(np.asarray(got), _numpy_attention(*args, window), atol=2e-5)
@@ -71,7 +71,7 @@ def test_forward_matches_numpy(window):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_backward_matches_autodiff_of_plain_attention(window):
-    args = tuple(map(jnp.asarray, _inputs(1, window)))
+    args = tuple(map(jnp.asarray, _inputs(1)))
     w = jax.random.normal(jax.random.key(0), (P, HK, G, M_R * N, D))
     loss = lambda f: (lambda *x: jnp.sum(w * f(*x, *args[5:], window=window)))
     got = jax.grad(loss(prefix_group_attention), argnums=range(5))(*args[:5])
@@ -81,7 +81,7 @@ def test_backward_matches_autodiff_of_plain_attention(window):
 
 
 def test_groups_per_step_does_not_change_values_or_gradients():
-    args = tuple(map(jnp.asarray, _inputs(2, None)))
+    args = tuple(map(jnp.asarray, _inputs(2)))
     w = jax.random.normal(jax.random.key(1), (P, HK, G, M_R * N, D))
     f = lambda b: jax.value_and_grad(lambda *x: jnp.sum(w * prefix_group_attention(*x, *args[5:], groups_per_step=b)),
                                      argnums=range(5))(*args[:5])

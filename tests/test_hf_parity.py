@@ -15,8 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from relax.models import ModelConfig, RopeScaling, init  # noqa: E402
+from relax.models import ModelConfig, RopeScaling  # noqa: E402
 from relax.models.hf import config_from_hf, load_pretrained, save_pretrained  # noqa: E402
+from test_hf import random_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -119,19 +120,6 @@ def test_hf_checkpoint_loads_with_same_logits(case, tmp_path):
     assert config_from_hf(hf.config.to_dict(), source="to_dict") == model.config
 
 
-def _random_params(cfg, seed):
-    """init()'s pytree filled from NumPy (no XLA compiles): weights and biases N(0, 0.1), norm
-    scales 1 + N(0, 0.3)."""
-    rng = np.random.default_rng(seed)
-
-    def fill(path, leaf):
-        noise = rng.standard_normal(leaf.shape).astype(np.float32)
-        name = jax.tree_util.keystr(path)
-        return jnp.asarray(1.0 + 0.3 * noise if "norm" in name else 0.1 * noise)
-
-    return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(lambda: init(cfg, jax.random.key(0))))
-
-
 def _relax_model(case):
     cls_name, o, _ = CASES[case]
     family = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2",
@@ -153,7 +141,7 @@ def _relax_model(case):
         tie_word_embeddings=o.get("tie_word_embeddings", False),
         qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=o.get("mlp_bias", False),
         qk_norm=family == "qwen3", sliding_window=window, bos_token_id=1, eos_token_id=(2, 3))
-    return _random_params(cfg, 0)
+    return random_model(cfg, 0)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -14,6 +14,7 @@ from relax.train.forward import completion_logprobs
 from relax.train.grpo import make_grpo_step
 from relax.train.state import init_state
 from relax.train.update import make_update
+from test_parallel import _decode, fives
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -117,15 +118,6 @@ def test_non_finite_gradients_skip_the_update():
     policy, opt_state, _ = update(policy, opt_state, _update_data(), jax.random.key(0))
     assert int(opt_state.total_notfinite) == 1
     assert not np.allclose(np.asarray(policy.layers.wq), np.asarray(model.layers.wq))
-
-
-def _decode(tokens, mask):
-    return [" ".join(str(t) for t, m in zip(row, mr) if m) for row, mr in zip(tokens, mask)]
-
-
-def fives(prompts, completions, **fields):
-    """Reward = share of token 5 in the completion, scaled by the row's ``weight`` field."""
-    return [w * c.split().count("5") / 6 for c, w in zip(completions, fields["weight"])]
 
 
 def test_grpo_learns_and_compiles_once():
