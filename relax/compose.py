@@ -151,8 +151,15 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
 
 
 def _is_device_value(value: Any) -> bool:
-    return all(isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float))
-               for leaf in jax.tree.leaves(value))
+    # arrays (an empty container too) go into the jitted program; Python values (text, numbers
+    # from the data rows, ...) stay on the host: as jit arguments they would retrace on change
+    return all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(value))
+
+
+def split_host(batch: dict) -> tuple[dict, dict]:
+    """``(host entries, device entries)`` of a dict batch (see ``_is_device_value``)."""
+    host = {k: v for k, v in batch.items() if not _is_device_value(v)}
+    return host, {k: v for k, v in batch.items() if k not in host}
 
 
 def _host_passthrough(jitted: Callable) -> StageFn:
@@ -162,9 +169,9 @@ def _host_passthrough(jitted: Callable) -> StageFn:
 
     def run(state, batch):
         if isinstance(batch, dict):
-            host = {k: v for k, v in batch.items() if not _is_device_value(v)}
+            host, dev = split_host(batch)
             if host:
-                state, out = jitted(state, {k: v for k, v in batch.items() if k not in host})
+                state, out = jitted(state, dev)
                 return state, {**host, **out}
         return jitted(state, batch)
 

@@ -24,10 +24,9 @@ import warnings
 from typing import Any
 
 import jax
-import numpy as np
 
 from relax import distributed
-from relax.compose import Segment, Stage, _chain
+from relax.compose import Segment, Stage, _chain, split_host
 from relax.parallel import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_shards, constrain_batch,
                             make_mesh, param_shardings, place_batch, replicated, state_shardings)
 
@@ -97,11 +96,6 @@ class ParallelConfig:
 def _supports_memory(mesh, kind: str) -> bool:
     dev = mesh.devices.flat[0]
     return dev.platform != "cpu" and any(m.kind == kind for m in dev.addressable_memories())
-
-
-def _is_device_entry(value: Any) -> bool:
-    # arrays (an empty container too) go into the jitted program; Python values stay on the host
-    return all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(value))
 
 
 class ShardedStep:
@@ -190,8 +184,7 @@ class ShardedStep:
     def _split(batch) -> tuple[dict, dict]:
         if not isinstance(batch, dict) or "prompt_ids" not in batch:
             raise ShardingError("a sharded step needs a dict batch with 'prompt_ids' (the prompt axis)")
-        host = {k: v for k, v in batch.items() if not _is_device_entry(v)}
-        return host, {k: v for k, v in batch.items() if k not in host}
+        return split_host(batch)
 
     @staticmethod
     def _program(fn, mesh, shardings):
