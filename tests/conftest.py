@@ -11,9 +11,15 @@ if os.environ.get("RELAX_TEST_XLA_OPT") != "1":
 
 import jax  # noqa: E402
 
-# Many tests build the same small programs again (a fresh jit per trainer); a persistent
-# compilation cache turns those recompiles into disk reads.
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("RELAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "relax-test-jax-cache")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+def use_compile_cache() -> None:
+    """The suite's persistent compilation cache (also called by the subprocess workers): many
+    tests build the same small programs again (a fresh jit per trainer); the cache turns those
+    recompiles into disk reads."""
+    jax.config.update("jax_compilation_cache_dir", os.environ.get(
+        "RELAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "relax-test-jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+use_compile_cache()

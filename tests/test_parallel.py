@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from conftest import FAST_COMPILE, use_compile_cache  # cheap XLA:CPU codegen; the suite's compile cache
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -29,8 +30,6 @@ MODEL = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, 
 PROMPTS, PROMPT_LEN = 8, 8
 MESHES = ("data=8", "data=2,fsdp=2,tensor=2")  # pure data; all three axes (fsdp=8: the shard-shape test)
 RTOL, ATOL = 2e-5, 5e-6
-# Cheap XLA:CPU code generation: compiles ~3x faster; every run being compared uses the same flags.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 # ------------------------------------------------------------------ the shared GRPO case
@@ -220,17 +219,6 @@ def worker(out_path: str, cli_dir: str) -> None:
 def worker_env(devices: int = 1) -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
-
-
-def use_compile_cache() -> None:
-    """The persistent compilation cache of the test suite (tests/conftest.py), in a worker."""
-    import tempfile
-
-    import jax
-    jax.config.update("jax_compilation_cache_dir", os.environ.get(
-        "RELAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "relax-test-jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: float = 300.0):
