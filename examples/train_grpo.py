@@ -29,13 +29,17 @@ def _preset_from_argv(argv: list[str]) -> str:
     return "grpo"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> RunConfig:
+    """Flags -> config. Defaults depend on the mode (the built-in task is tiny) and on the preset;
+    flags override them."""
     uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
-    # Defaults depend on the mode (the built-in task is tiny) and the preset; flags override them.
-    defaults = real_defaults(_preset_from_argv(argv)) if uses_model else builtin_defaults()
-    cfg = tyro.cli(RunConfig, default=defaults, args=argv, description=__doc__)
-    return run(cfg)
+    name = _preset_from_argv(argv)
+    defaults = real_defaults(name) if uses_model else builtin_defaults(name)
+    return tyro.cli(RunConfig, default=defaults, args=argv, description=__doc__)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -96,6 +96,20 @@ def test_bad_run_config_names_the_flag(setup, capsys):
         example.main(_args(setup, setup / "x", 1)[:-2] + ["--preset", "nope"])
 
 
+def test_preset_flag_sets_algorithm_defaults_in_both_modes(setup):
+    """--preset picks the algorithm with and without --model; explicit --grpo.* flags still win."""
+    example = _load_example()
+    builtin = example.parse_args(["--preset", "dapo"])
+    assert builtin.preset == "dapo"
+    assert (builtin.grpo.loss_type, builtin.grpo.epsilon_high, builtin.grpo.beta) == ("dapo", 0.28, 0.0)
+    assert builtin.grpo.zero_std_groups == "drop" and builtin.grpo.mask_truncated_completions
+    assert builtin.grpo.max_new_tokens == 8  # the built-in task's size stays
+    assert example.parse_args([]).grpo.loss_type == "grpo"
+    real = example.parse_args(_args(setup, setup / "x", 1)[:-2] + ["--preset=gspo", "--grpo.epsilon-high", "5e-4"])
+    assert (real.grpo.importance_sampling_level, real.grpo.epsilon_low, real.grpo.epsilon_high) == (
+        "sequence", 3e-4, 5e-4)
+
+
 def test_missing_data_field_names_file_row_field(setup, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ab=", "answer": "ba"}) + "\n" + json.dumps({"prompt": "cd="}) + "\n")

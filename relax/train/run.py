@@ -28,7 +28,8 @@ from relax.rewards.builtin import get_reward
 from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
 from relax.tokenizer import Tokenizer
-from relax.train.config import GRPOConfig, preset
+from relax.choices import check_choice
+from relax.train.config import PRESETS, GRPOConfig, preset
 from relax.train.evaluate import EvalConfig, evaluate
 from relax.train.grpo import make_grpo_step
 from relax.train.state import init_state
@@ -90,6 +91,7 @@ class RunConfig:
     """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
 
     def __post_init__(self):
+        check_choice("preset", self.preset, tuple(PRESETS))
         if self.model is not None and (self.tokenizer is None or self.data is None):
             raise ValueError("--model needs --tokenizer and --data")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
@@ -101,11 +103,13 @@ class RunConfig:
             raise ValueError("--steps >= 0, --batch-size >= 1 and --checkpoint-every >= 1 are required")
 
 
-def builtin_defaults() -> RunConfig:
-    """The no-argument run: the reverse task, sized to finish in a few minutes on 2 CPU cores."""
-    grpo = preset("grpo", num_generations=8, max_new_tokens=8, beta=0.04,
+def builtin_defaults(preset_name: str = "grpo") -> RunConfig:
+    """The no-argument run: the reverse task, sized to finish in a few minutes on 2 CPU cores.
+
+    Only the sizes and the learning rate are the task's; every algorithm value is the preset's."""
+    grpo = preset(preset_name, num_generations=8, max_new_tokens=8,
                   optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
-    return RunConfig(grpo=grpo, steps=60, batch_size=16, max_prompt_tokens=16, eval_every=20,
+    return RunConfig(preset=preset_name, grpo=grpo, steps=60, batch_size=16, max_prompt_tokens=16, eval_every=20,
                      checkpoint_every=20, run_dir="runs/grpo-reverse")
 
 
