@@ -176,10 +176,12 @@ def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, model_config=N
     used: set[str] = set()
     entries: list[Any] = []
     for dim, (axis, size) in enumerate(zip(logical, shape)):
-        axes = tuple(a for a in _rule_axes(rules, axis) if mesh.shape.get(a, 1) > 1)
-        for a in axes:
+        named = _rule_axes(rules, axis)
+        for a in named:  # a rule naming an axis the mesh lacks is a typo, not "replicate"
             if a not in mesh.shape:
                 raise ShardingError(f"rule {axis!r} -> {a!r}: the mesh has no axis {a!r} ({tuple(mesh.shape)})")
+        axes = tuple(a for a in named if mesh.shape[a] > 1)
+        for a in axes:
             if a in used:
                 raise ShardingError(f"parameter {name}: mesh axis {a!r} would shard two dimensions")
         if not axes:

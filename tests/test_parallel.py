@@ -372,6 +372,11 @@ if __name__ != "__main__":
         spec = parallel.partition_spec("embed", (15, 32), _abstract(tensor=2, fsdp=2), None, rules)
         assert spec == jax.sharding.PartitionSpec(None, "fsdp")
 
+    def test_rule_naming_a_missing_mesh_axis_is_an_error_not_replication():
+        rules = tuple((k, "fdsp") if k == "embed" else (k, v) for k, v in parallel.DEFAULT_RULES)
+        with pytest.raises(ShardingError, match=r"rule 'embed' -> 'fdsp': the mesh has no axis 'fdsp'"):
+            parallel.partition_spec("embed", (16, 32), _abstract(fsdp=2), None, rules)
+
     def test_batch_that_does_not_split_over_data_fsdp_is_an_error():
         from relax.parallel_step import check_batch
         with pytest.raises(ShardingError, match=r"--batch-size=6 prompts do not split over data x fsdp = 4 x 1"):
