@@ -241,16 +241,23 @@ def train_eval_split(
     return [x for i, x in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
 
 
-def _split_rows(cfg: DataConfig, split: Literal["train", "eval"]) -> list[_Row]:
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    train, held = train_eval_split(_read_rows(cfg.path), cfg.eval_fraction, cfg.seed)
-    return train if split == "train" else held
+@dataclasses.dataclass(frozen=True)
+class DataSplits:
+    """The rows of ``cfg.path``, read once and split (``read_splits``): pass it to both
+    ``eval_records`` and ``prompt_dataset`` so that a large dataset is not read twice."""
+
+    train: list[_Row]
+    eval: list[_Row]
 
 
-def eval_records(cfg: DataConfig) -> list[dict]:
+def read_splits(cfg: DataConfig) -> DataSplits:
+    """Read ``cfg.path`` once and split it by ``cfg.eval_fraction`` / ``cfg.seed``."""
+    return DataSplits(*train_eval_split(_read_rows(cfg.path), cfg.eval_fraction, cfg.seed))
+
+
+def eval_records(cfg: DataConfig, splits: DataSplits | None = None) -> list[dict]:
     """The rows ``cfg.eval_fraction`` holds out of training (empty when it is 0)."""
-    return [r.record for r in _split_rows(cfg, "eval")]
+    return [r.record for r in (read_splits(cfg) if splits is None else splits).eval]
 
 
 # ------------------------------------------------------------------------- formatting
@@ -385,12 +392,14 @@ def prompt_dataset(
     *,
     process_index: int | None = None,
     process_count: int | None = None,
+    splits: DataSplits | None = None,
 ) -> grain.IterDataset:
     """The training pipeline: an ``IterDataset`` of this process's ``PromptBatch``es.
 
     ``process_index`` / ``process_count`` default to ``jax.process_index()`` /
     ``jax.process_count()``; ``batch_size`` must divide by ``process_count``. ``iter()`` of the
-    result is a ``grain.DatasetIterator`` with ``get_state()`` / ``set_state()``.
+    result is a ``grain.DatasetIterator`` with ``get_state()`` / ``set_state()``. ``splits``: the
+    rows already read by ``read_splits(cfg)`` (default: read ``cfg.path`` here).
     """
     if process_index is None or process_count is None:
         import jax
@@ -402,7 +411,7 @@ def prompt_dataset(
     if cfg.batch_size % process_count:
         n = process_count
         raise ValueError(f"batch_size={cfg.batch_size} does not divide over {n} processes")
-    examples, has_source = _prepare(_split_rows(cfg, "train"), cfg, tokenizer)
+    examples, has_source = _prepare((read_splits(cfg) if splits is None else splits).train, cfg, tokenizer)
     if cfg.num_epochs is not None and len(examples) * cfg.num_epochs < cfg.batch_size:
         raise ValueError(
             f"{len(examples)} rows x {cfg.num_epochs} epochs make no full batch of {cfg.batch_size}"

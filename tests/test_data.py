@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+import relax.data as data_mod
 from relax.data import (
     DataConfig,
     eval_records,
@@ -13,6 +14,7 @@ from relax.data import (
     prompt_batch,
     prompt_dataset,
     prompt_iterator,
+    read_splits,
     train_eval_split,
 )
 from relax.tokenizer import Tokenizer, train_sentencepiece
@@ -225,3 +227,17 @@ def test_train_eval_split(tmp_path, tok):
     assert len(held_prompts) == 5 and len(seen) == 12 and not seen & held_prompts
     b = prompt_batch(eval_records(cfg), cfg, tok)
     assert b.prompt_ids.shape == (5, 32) and set(b.prompts) == held_prompts
+
+
+def test_read_splits_reads_the_file_once_for_both_splits(tmp_path, tok, monkeypatch):
+    f = _jsonl(tmp_path / "d.jsonl", _rows(20))
+    cfg = _cfg(f, eval_fraction=0.25, num_epochs=1)
+    expected_held = eval_records(cfg)
+    expected = [b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1)]
+    reads = []
+    original = data_mod._read_jsonl
+    monkeypatch.setattr(data_mod, "_read_jsonl", lambda file: reads.append(file) or original(file))
+    splits = read_splits(cfg)
+    assert eval_records(cfg, splits) == expected_held
+    assert [b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1, splits=splits)] == expected
+    assert reads == [f]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.checkpoint import Checkpointer
-from relax.data import DataConfig, eval_records, load_records, prompt_batch, prompt_iterator
+from relax.data import DataConfig, eval_records, load_records, prompt_batch, prompt_iterator, read_splits
 from relax.logging import MetricsLogger, ProgressBar, is_main_process, write_summary
 from relax.models.config import DTYPES
 from relax.models.hf import load_pretrained, save_pretrained
@@ -203,10 +203,11 @@ def run(cfg: RunConfig) -> dict:
         seed=cfg.seed, overlong=cfg.overlong, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
         prompt_buckets=buckets + (cfg.max_prompt_tokens,),
         eval_fraction=cfg.eval_fraction if eval_path is None else 0.0)
+    splits = read_splits(data_cfg)  # the training data is read once, for both splits
     if eval_path is not None:
         held_out = load_records(eval_path, fields=(cfg.prompt_field,))
     else:
-        held_out = eval_records(data_cfg) if cfg.eval_fraction > 0 else []
+        held_out = eval_records(data_cfg, splits)
     if cfg.eval_max_prompts is not None:
         held_out = held_out[:cfg.eval_max_prompts]
     eval_batch = prompt_batch(held_out, data_cfg, tokenizer) if held_out else None
@@ -225,7 +226,7 @@ def run(cfg: RunConfig) -> dict:
                               offload_reference=cfg.parallel.offload_reference)
         state = step_fn.place(state)
         del model
-    iterator = prompt_iterator(data_cfg, tokenizer)
+    iterator = prompt_iterator(data_cfg, tokenizer, splits=splits)
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
     summary: dict = {}
     if cfg.resume and ckpt.latest_step() is not None:
