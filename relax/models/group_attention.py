@@ -62,22 +62,32 @@ def _group_forward(window, q, pk, pv, k, v, pos):
     return o, lse
 
 
+def _with_prompt(pk, k):
+    """``[hk, lp, d]`` prompt rows in front of every completion's ``[hk, g, n, d]`` rows: ``[hk, g, lp+n, d]``."""
+    hk, g = k.shape[:2]
+    return jnp.concatenate([jnp.broadcast_to(pk[:, None], (hk, g) + pk.shape[1:]).astype(k.dtype), k], axis=2)
+
+
 def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
+    # One [lp+n]-wide block per completion (the prompt keys copied G times, a few KB) instead of a
+    # prompt block and an own block: half the matmuls and fusions, ~25% faster on CPU
+    # (benchmarks/train_attention.py); the prompt gradients are the G copies' sum.
     scale = q.shape[-1] ** -0.5
     f32 = jnp.float32
-    masks = _group_masks(*pos, window)
-    sp, so = _scores(q, pk, k, masks, scale)
-    pp, po = jnp.exp(sp - lse), jnp.exp(so - lse)  # masked entries: exp(-1e30 - lse) = 0
+    lp = pk.shape[1]
+    mp, mo = _group_masks(*pos, window)
+    mask = jnp.concatenate([jnp.broadcast_to(mp, mo.shape[:-1] + mp.shape[-1:]), mo], axis=-1)
+    kk, vv, qf = _with_prompt(pk, k).astype(f32), _with_prompt(pv, v).astype(f32), q.astype(f32)
+    s = jnp.where(mask, jnp.einsum("hgmd,hgsd->hgms", qf, kk) * scale, NEG_INF)
+    pr = jnp.exp(s - lse)  # masked entries: exp(-1e30 - lse) = 0
     delta = jnp.sum(do * o, axis=-1, keepdims=True)
-    dpv = jnp.einsum("hgms,hgmd->hsd", pp, do)
-    dv = jnp.einsum("hgms,hgmd->hgsd", po, do)
-    dsp = pp * (jnp.einsum("hgmd,hsd->hgms", do, pv.astype(f32)) - delta) * scale
-    dso = po * (jnp.einsum("hgmd,hgsd->hgms", do, v.astype(f32)) - delta) * scale
-    qf = q.astype(f32)
-    dq = jnp.einsum("hgms,hsd->hgmd", dsp, pk.astype(f32)) + jnp.einsum("hgms,hgsd->hgmd", dso, k.astype(f32))
-    dpk = jnp.einsum("hgms,hgmd->hsd", dsp, qf)
-    dk = jnp.einsum("hgms,hgmd->hgsd", dso, qf)
-    return dq.astype(q.dtype), dpk.astype(pk.dtype), dpv.astype(pv.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dvv = jnp.einsum("hgms,hgmd->hgsd", pr, do)
+    ds = pr * (jnp.einsum("hgmd,hgsd->hgms", do, vv) - delta) * scale
+    dq = jnp.einsum("hgms,hgsd->hgmd", ds, kk)
+    dkk = jnp.einsum("hgms,hgmd->hgsd", ds, qf)
+    return (dq.astype(q.dtype), jnp.sum(dkk[:, :, :lp], axis=1).astype(pk.dtype),
+            jnp.sum(dvv[:, :, :lp], axis=1).astype(pv.dtype), dkk[:, :, lp:].astype(k.dtype),
+            dvv[:, :, lp:].astype(v.dtype))
 
 
 def _tiles(b, x):
