@@ -171,6 +171,32 @@ def test_entropy_equals_direct_values_and_gradients():
     chex.assert_trees_all_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_and_entropy_gradients_match_float64_reference(temperature):
+    """The head's custom backward against the closed form in float64 numpy, with both outputs
+    weighted (the update's loss uses the log-prob, an entropy bonus the entropy)::
+
+        dz = w_lp (onehot(y) - p) - w_ent p (z - E_p[z]),   z = h W^T / tau,   dh = dz W / tau
+    """
+    cfg = tiny()
+    m = init(cfg, jax.random.key(14), std=0.3)
+    h = jax.random.normal(jax.random.key(15), (2, 7, cfg.hidden_size))
+    ids = jax.random.randint(jax.random.key(16), (2, 7), 0, cfg.vocab_size)
+    wl, we = jax.random.normal(jax.random.key(17), (2, 2, 7))
+    f = lambda h, head: jnp.sum(wl * head[0] + we * head[1])
+    gh, gm = jax.grad(lambda h, mm: f(h, lp.logprobs_and_entropy_from_hidden(
+        mm, h, ids, temperature=temperature, chunk_size=3)), argnums=(0, 1))(h, m)
+    H, W = np.asarray(h, np.float64).reshape(14, -1), np.asarray(m.head, np.float64)
+    z = H @ W.T / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    a, b = np.asarray(wl, np.float64).reshape(14, 1), np.asarray(we, np.float64).reshape(14, 1)
+    dz = -a * p - b * p * (z - (p * z).sum(-1, keepdims=True))
+    dz[np.arange(14), np.asarray(ids).reshape(-1)] += a[:, 0]
+    np.testing.assert_allclose(np.asarray(gh).reshape(14, -1), dz @ W / temperature, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(gm.head), dz.T @ H / temperature, atol=2e-5)
+
+
 def test_config_validation_names_field():
     with pytest.raises(ValueError, match="num_kv_heads"):
         tiny(num_heads=4, num_kv_heads=3)

@@ -2,8 +2,9 @@
 
 Rows of hidden states are processed in chunks of ``chunk_size``; each chunk computes its
 logits ``h @ W^T / temperature`` (float32 accumulation), their log-sum-exp and the target's
-logit, and is rematerialised in the backward pass (``jax.checkpoint``), so peak memory is
-``chunk_size * V`` floats instead of ``B * T * V``::
+logit; the backward (a ``custom_vjp``) keeps only the per-row log-sum-exp and recomputes the chunk's
+logits, writing their gradient in one pass, so peak memory is ``chunk_size * V`` floats instead of
+``B * T * V``::
 
     log p(y | h) = z_y - logsumexp(z),          z = h W^T / tau
     H(h)        = logsumexp(z) - sum_v softmax(z)_v z_v
@@ -11,19 +12,21 @@ logit, and is rematerialised in the backward pass (``jax.checkpoint``), so peak 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from relax.models.transformer import Transformer, hidden_states, project
+from relax.models.transformer import Transformer, hidden_states
 
 DEFAULT_CHUNK = 1024
 
 
 def _chunked(fn, h: Float[Array, "n d"], extra: Array, chunk_size: int) -> Array:
-    """Apply ``fn(h_chunk, extra_chunk) -> [c, ...]`` over row chunks with remat."""
+    """Apply ``fn(h_chunk, extra_chunk) -> [c, ...]`` over row chunks (``fn`` keeps O(rows) residuals)."""
     n = h.shape[0]
-    if n <= chunk_size:  # one chunk: no loop, no rematerialisation (it would only add memory)
+    if n <= chunk_size:  # one chunk: no loop
         return fn(h, extra)
     c = chunk_size
     pad = (-n) % c
@@ -31,28 +34,64 @@ def _chunked(fn, h: Float[Array, "n d"], extra: Array, chunk_size: int) -> Array
     extra = jnp.pad(extra, ((0, pad),) + ((0, 0),) * (extra.ndim - 1))
     h = h.reshape(-1, c, h.shape[-1])
     extra = extra.reshape((-1, c) + extra.shape[1:])
-    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), (h, extra))
+    out = jax.lax.map(lambda xs: fn(*xs), (h, extra))
     return out.reshape((-1,) + out.shape[2:])[:n]
 
 
-def _stats(model: Transformer, temperature: float):
-    def logits(h):
-        z = project(model, h)
-        return z if temperature == 1.0 else z / temperature
+def _logits(w, h, temperature):
+    z = jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32)
+    return z if temperature == 1.0 else z / temperature
 
-    return logits
+
+def _head_forward(temperature, with_entropy, w, h, targets):
+    z = _logits(w, h, temperature)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - m)
+    l = jnp.sum(e, axis=-1)
+    lse = m[:, 0] + jnp.log(l)
+    zt = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
+    # H = lse - E_p[z] = log l - E_p[z - max]: shifted logits, no large terms that cancel
+    ent = jnp.log(l) - jnp.sum(e * (z - m), axis=-1) / l if with_entropy else jnp.zeros_like(lse)
+    return (zt - lse, ent), (lse, ent)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _head(temperature, with_entropy, w, h, targets):
+    return _head_forward(temperature, with_entropy, w, h, targets)[0]
+
+
+def _head_fwd(temperature, with_entropy, w, h, targets):
+    out, (lse, ent) = _head_forward(temperature, with_entropy, w, h, targets)
+    return out, (w, h, targets, lse, ent)
+
+
+def _head_bwd(temperature, with_entropy, res, g):
+    """Recompute the chunk's logits and write the logit gradient in one pass::
+
+        d logp_y / dz = onehot(y) - p,    d H / dz = -p (z - E_p[z]) = -p (log p + H),    z = h W^T / tau
+    """
+    w, h, targets, lse, ent = res
+    g_lp, g_ent = g
+    logp = _logits(w, h, temperature) - lse[:, None]
+    p = jnp.exp(logp)
+    coef = g_lp[:, None] + (g_ent[:, None] * (logp + ent[:, None]) if with_entropy else 0.0)
+    hit = jnp.arange(logp.shape[-1])[None, :] == targets[:, None]
+    dz = jnp.where(hit, g_lp[:, None], 0.0) - p * coef
+    if temperature != 1.0:
+        dz = dz / temperature
+    dh = jnp.dot(dz, w.astype(jnp.float32)).astype(h.dtype)
+    dw = jnp.einsum("nv,nd->vd", dz, h.astype(jnp.float32)).astype(w.dtype)
+    return dw, dh, None
+
+
+_head.defvjp(_head_fwd, _head_bwd)
 
 
 def logprobs_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: Int[Array, "*b"],
                          *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "*b"]:
     """``log softmax(h W^T / temperature)[target]`` per row, in float32."""
-    logits = _stats(model, temperature)
-
-    def fn(hc, tc):
-        z = logits(hc)
-        zt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
-        return zt - jax.nn.logsumexp(z, axis=-1)
-
+    w = model.head.astype(model.dtype)
+    fn = lambda hc, tc: _head(temperature, False, w, hc, tc)[0]
     lead = targets.shape
     out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
     return out.reshape(lead)
@@ -62,15 +101,8 @@ def logprobs_and_entropy_from_hidden(model: Transformer, h: Float[Array, "*b d"]
                                      *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK
                                      ) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
     """Target log-prob and entropy of the full distribution, per row, one pass over the logits."""
-    logits = _stats(model, temperature)
-
-    def fn(hc, tc):
-        z = logits(hc)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        zt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
-        ent = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-        return jnp.stack([zt - lse, ent], axis=-1)
-
+    w = model.head.astype(model.dtype)
+    fn = lambda hc, tc: jnp.stack(_head(temperature, True, w, hc, tc), axis=-1)
     lead = targets.shape
     out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
     return out[:, 0].reshape(lead), out[:, 1].reshape(lead)
