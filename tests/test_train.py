@@ -73,20 +73,25 @@ def _update_data(p=4, g=4, n=5, seed=0, adv_scale=1.0):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])  # token-mean: test_aggregation
 def test_gradient_accumulation_does_not_change_the_update(loss_type):
-    """Same loss normalisers whatever the micro-batching: the updated params agree."""
+    """Same loss normalisers whatever the micro-batching: the updated params and every metric
+    (extremes such as ratio_max included) agree."""
     model = init(CFG, jax.random.key(3), std=0.2)
     data = _update_data()
     results = []
-    for accum in (1, 4):  # 4: one prompt group per micro-batch, the finest split
+    # 4: one prompt group per micro-batch, the finest split; None: the default (4 on one CPU device)
+    for accum in (1, 4, None):
         cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type=loss_type, grad_accum=accum,
                          # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
                          optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
         opt = cfg.optimizer.make()
         policy, _, metrics = jax.jit(make_update(cfg, opt))(model, opt.init(model), data, jax.random.key(0))
-        results.append((policy, metrics["loss"]))
-    for policy, loss in results[1:]:
+        results.append((policy, metrics))
+    assert float(results[0][1]["ratio_max"]) > float(results[0][1]["ratio_mean"]) + 0.05  # a real spread
+    for policy, metrics in results[1:]:
         chex.assert_trees_all_close(policy, results[0][0], atol=1e-6)
-        np.testing.assert_allclose(loss, results[0][1], rtol=1e-5)
+        assert metrics.keys() == results[0][1].keys()
+        for name, value in metrics.items():
+            np.testing.assert_allclose(value, results[0][1][name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_minibatch_losses_average_to_the_full_batch_loss():

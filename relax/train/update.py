@@ -1,5 +1,6 @@
 """The policy update: ``num_iterations`` epochs x ``num_minibatches`` optimizer steps, each a
-sum of ``grad_accum`` micro-batch gradients, as nested ``lax.scan``s.
+sum of ``grad_accum`` micro-batch gradients (by default one prompt group per micro-batch on a
+single CPU device), as nested ``lax.scan``s.
 
 Minibatches are whole prompt groups (so the training forward shares each prompt across its G
 completions). Loss normalisers are computed ONCE from the whole batch and divided by the
@@ -23,6 +24,7 @@ from relax.losses.aggregation import aggregate
 from relax.losses.kl import conservative_penalty, entropy_bonus, kl_estimate
 from relax.losses.policy import cispo, ppo_clip, reinforce
 from relax.masked import masked_mean
+from relax.parallel import cache_sized_passes
 from relax.train.config import GRPOConfig
 from relax.train.forward import completion_logprobs
 
@@ -78,10 +80,13 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
     """
     loss_fn = make_loss(cfg)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    m, a = cfg.num_minibatches, cfg.grad_accum
+    m = cfg.num_minibatches
 
     def update(policy, opt_state, data, key):
         p = data["prompt_ids"].shape[0]
+        if p % m:
+            raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m}")
+        a = cfg.grad_accum if cfg.grad_accum is not None else (p // m if cache_sized_passes() else 1)
         if p % (m * a):
             raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m} x grad_accum={a}")
         seq_valid = jnp.any(data["loss_mask"] > 0, axis=-1)
@@ -93,13 +98,13 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
 
             def micro(acc, micro_batch):
                 (loss, metrics), grads = grad_fn(policy, micro_batch, norms)
-                return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+                return jax.tree.map(jnp.add, acc, grads), (loss, metrics, jnp.sum(micro_batch["loss_mask"]))
 
             zeros = jax.tree.map(jnp.zeros_like, policy)
-            grads, (losses, metrics) = jax.lax.scan(micro, zeros, mb)
+            grads, (losses, metrics, tokens) = jax.lax.scan(micro, zeros, mb)
             updates, opt_state = optimizer.update(grads, opt_state, policy)
             policy = optax.apply_updates(policy, updates)
-            metrics = jax.tree.map(jnp.mean, metrics)
+            metrics = reduce_metrics(metrics, weights=tokens)  # the step's metrics, however micro-batched
             metrics["loss"] = jnp.sum(losses)
             metrics["grad_norm"] = optax.tree.norm(grads)
             return (policy, opt_state), metrics
@@ -113,11 +118,32 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
         (policy, opt_state), metrics = jax.lax.scan(epoch, (policy, opt_state), keys)
         # the sampler/trainer mismatch is only meaningful before the first optimizer step
         first_diff = metrics.pop("sampler_logprob_diff")[0, 0]
-        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics = reduce_metrics(metrics)
         metrics["sampler_logprob_diff"] = first_diff
         return policy, opt_state, metrics
 
     return update
+
+
+def reduce_metrics(metrics: dict, weights: jax.Array | None = None) -> dict:
+    """Metrics stacked over micro-batches or steps -> one value each. Extremes stay extremes
+    (``*_max`` and the sampler/trainer difference by max, ``*_min`` by min); the rest are means,
+    weighted by ``weights`` (the micro-batches' loss tokens: a micro-batch's masked mean then
+    counts as its tokens, and the step's metric is the one of the whole minibatch)::
+
+        mean = sum_i w_i x_i / sum_i w_i      (plain mean when every w_i is 0)
+    """
+    def one(name, x):
+        if name.endswith("_max") or name == "sampler_logprob_diff":
+            return jnp.max(x)
+        if name.endswith("_min"):
+            return jnp.min(x)
+        if weights is None:
+            return jnp.mean(x)
+        w = weights.astype(x.dtype).reshape(weights.shape + (1,) * (x.ndim - weights.ndim))
+        total = jnp.sum(w)
+        return jnp.where(total > 0, jnp.sum(w * x) / jnp.where(total > 0, total, 1), jnp.mean(x))
+    return {k: one(k, v) for k, v in metrics.items()}
 
 
 def skipped_updates(opt_state) -> jax.Array:
