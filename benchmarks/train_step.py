@@ -41,6 +41,8 @@ class Args:
     prompt_len: int = 64
     new_tokens: int = 128
     beta: float = 0.04
+    grad_accum: int | None = None
+    """micro-batches (of whole prompt groups) per optimizer step; None: relax's default"""
 
 
 def reward(prompts, completions, **fields):
@@ -56,7 +58,7 @@ def main(args: Args) -> dict:
     mcfg = small_config()
     model = init(mcfg, jax.random.key(0))
     cfg = preset(args.preset, num_generations=args.generations, max_new_tokens=args.new_tokens, beta=args.beta,
-                 optimizer=OptimizerConfig(learning_rate=1e-6))
+                 grad_accum=args.grad_accum, optimizer=OptimizerConfig(learning_rate=1e-6))
     opt = cfg.optimizer.make()
     state = init_state(model, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
     step = make_grpo_step(cfg, opt, [reward], decode, eos_ids=(), pad_id=0)
@@ -94,7 +96,7 @@ def main(args: Args) -> dict:
     upd = med[upd_name]
     return emit({
         "bench": "train_step", "preset": args.preset, "P": p, "G": args.generations, "Lp": args.prompt_len,
-        "N": args.new_tokens, "beta": args.beta, "runs": args.runs,
+        "N": args.new_tokens, "beta": args.beta, "grad_accum": args.grad_accum, "runs": args.runs,
         "iteration_s": total, "rollout_s": med["rollout"], "score_s": med["score"], "update_s": upd,
         "update_stages": upd_name,
         "min_iteration_s": min(sum(r.values()) for r in runs), "max_iteration_s": max(sum(r.values()) for r in runs),

@@ -129,7 +129,9 @@ class GRPOConfig:
     conservative ``beta * max(0, KL - threshold)^2`` per token), ``kl_in_reward`` (subtract ``beta * KL`` from the per-token reward
     instead of adding it to the loss), ``entropy_coef``, ``mask_truncated_completions``.
     Update: ``num_iterations`` epochs over the batch in ``num_minibatches`` optimizer steps each,
-    each minibatch split into ``grad_accum`` micro-batches (same loss and gradient).
+    each minibatch split into ``grad_accum`` micro-batches (same loss and gradient; ``None``: one
+    prompt group per micro-batch on a single CPU device, where that is fastest, else one
+    micro-batch; see ``relax.parallel.cache_sized_passes``).
     """
 
     num_generations: int = 8
@@ -162,7 +164,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     num_iterations: int = 1
     num_minibatches: int = 1
-    grad_accum: int = 1
+    grad_accum: int | None = None
     remat: bool = False
     reference: ReferenceConfig = ReferenceConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -182,7 +184,7 @@ class GRPOConfig:
         if self.kl_threshold is not None and self.kl_in_reward:
             raise ValueError("kl_threshold (conservative penalty) applies to the loss, not with kl_in_reward")
         for name in ("num_generations", "max_new_tokens", "num_iterations", "num_minibatches", "grad_accum"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")

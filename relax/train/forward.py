@@ -80,13 +80,33 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
 def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
                         completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
                         temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
-                        chunk_size: int = DEFAULT_CHUNK):
+                        chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
     With ``with_entropy`` also returns the entropy of each predicted distribution.
     Values at masked completion positions are finite but meaningless.
+    ``groups_per_pass``: run the whole network over that many prompt groups at a time (a
+    ``lax.map``; it must divide P) instead of all at once - for forward-only use, e.g. the
+    reference log-probs on CPU, where a group's activations then stay in cache.
     """
+    p = prompt_ids.shape[0]
+    if groups_per_pass is None or groups_per_pass == p:
+        return _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask,
+                                    temperature=temperature, with_entropy=with_entropy, remat=remat,
+                                    chunk_size=chunk_size)
+    if groups_per_pass < 1 or p % groups_per_pass:
+        raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
+    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
+    out = jax.lax.map(
+        lambda xs: _completion_logprobs(model, *xs, temperature=temperature, with_entropy=with_entropy,
+                                        remat=remat, chunk_size=chunk_size),
+        tuple(map(tiles, (prompt_ids, prompt_mask, completions, completion_mask))))
+    return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
+
+
+def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, *, temperature, with_entropy,
+                         remat, chunk_size):
     p, g, n = completions.shape
     hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0

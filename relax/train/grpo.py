@@ -23,6 +23,7 @@ import numpy as np
 from relax import advantages as adv_lib
 from relax.compose import Stage, compose, stage
 from relax.losses.kl import kl_estimate
+from relax.parallel import cache_sized_passes
 from relax.reference import make_reference_rule
 from relax.rewards.functions import RewardFunction, TokenRewardFunction, as_reward_functions, score_tokens
 from relax.rewards.functions import score as score_rewards
@@ -65,7 +66,7 @@ def make_reference(cfg: GRPOConfig) -> Stage:
             return state, batch
         ref_logprobs = jax.lax.stop_gradient(completion_logprobs(
             state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-            temperature=cfg.temperature, remat=cfg.remat))
+            temperature=cfg.temperature, remat=cfg.remat, groups_per_pass=1 if cache_sized_passes() else None))
         return state, {**batch, "ref_logprobs": ref_logprobs}
 
     return stage(reference, name="reference")
