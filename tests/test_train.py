@@ -53,6 +53,12 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     got, want = shared(model), direct(model)
     chex.assert_shape(got, (p, g, n))
     np.testing.assert_allclose(np.where(cm, got, 0), np.where(cm, want, 0), atol=1e-5)
+    # one prompt group per pass (the CPU reference forward): the same log-probs and entropies
+    per_group = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True, groups_per_pass=1)
+    whole = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True)
+    chex.assert_trees_all_close(per_group, whole, atol=1e-6)
+    with pytest.raises(ValueError, match="groups_per_pass=2 does not divide the 3 prompt groups"):
+        completion_logprobs(model, ids, pm, comp, cm, groups_per_pass=2)
     w = jax.random.normal(jax.random.key(2), (p, g, n)) * cm
     g1 = jax.grad(lambda m: jnp.sum(w * shared(m)))(model)
     g2 = jax.grad(lambda m: jnp.sum(w * direct(m)))(model)
