@@ -33,7 +33,7 @@ from jaxtyping import Array, Bool, Float, Int
 from relax.models import attention as attn
 from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
                                       project, run_layers)
-from relax.sampling import SamplingConfig, sample, uniforms
+from relax.sampling import SamplingConfig, sample, uniform_table
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
 
@@ -174,8 +174,10 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     keys = jax.random.split(key, b)
     eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
 
+    u = uniform_table(keys, n)  # [B, N]: one draw per completion and step, derived up front
+
     def draw(logits, step):
-        return sample(logits, uniforms(keys, step), cfg.sampling)
+        return sample(logits, jax.lax.dynamic_index_in_dim(u, step, axis=1, keepdims=False), cfg.sampling)
 
     tok0, lp0 = draw(jnp.repeat(logits0, g, axis=0), 0)
     finished0 = jnp.isin(tok0, eos)

@@ -121,3 +121,10 @@ def uniforms(keys: Array, step: Array) -> Float[Array, "..."]:
     flat = keys.reshape(-1)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step), ()))(flat)
     return (1.0 - u).reshape(keys.shape)
+
+
+def uniform_table(keys: Array, steps: int) -> Float[Array, "... steps"]:
+    """``uniforms(keys, t)`` for every ``t < steps`` at once, ``[..., steps]`` (bit-identical): the
+    decode loop then indexes a column instead of running the key derivation at every step."""
+    return jax.vmap(lambda t: uniforms(keys, t), out_axes=-1)(jnp.arange(steps))
+

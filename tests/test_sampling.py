@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.sampling import SamplingConfig, sample, uniforms
+from relax.sampling import SamplingConfig, sample, uniform_table, uniforms
 
 V = 12
 # Two distinct logit vectors (no ties, not sorted) so that per-row filtering is exercised:
@@ -195,6 +195,11 @@ def test_uniforms_range_determinism_and_independence():
     # traced step under jit equals the eager value
     jitted = jax.jit(uniforms)(keys, jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(jitted), u1)
+    # the sampler's table of every step's draws holds exactly the per-step values
+    table = jax.jit(uniform_table, static_argnums=1)(keys[:64], 5)
+    assert table.shape == (64, 5)
+    for t in range(5):
+        np.testing.assert_array_equal(np.asarray(table[:, t]), np.asarray(uniforms(keys[:64], t)))
 
 
 @pytest.mark.parametrize("kw, match", [
