@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax.numpy as jnp
@@ -86,17 +87,26 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    def num_params(self) -> int:
-        d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-layer parameter shapes (no ``[L]`` axis) of the ``LayerStack`` fields this config
+        has, in one fixed order: the one definition init, the HF loader and ``num_params`` use."""
+        D, F, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        qd, kd = self.num_heads * hd, self.num_kv_heads * hd
+        s = dict(attn_norm=(D,), wq=(D, qd), wk=(D, kd), wv=(D, kd), wo=(qd, D), mlp_norm=(D,),
+                 w_gate=(D, F), w_up=(D, F), w_down=(F, D))
         if self.qkv_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+            s.update(bq=(qd,), bk=(kd,), bv=(kd,))
         if self.o_bias:
-            attn += d
+            s.update(bo=(D,))
         if self.qk_norm:
-            attn += 2 * hd
-        mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * d
+            s.update(q_norm=(hd,), k_norm=(hd,))
+        if self.mlp_bias:
+            s.update(b_gate=(F,), b_up=(F,), b_down=(D,))
+        return s
+
+    def num_params(self) -> int:
+        d, v = self.hidden_size, self.vocab_size
+        per_layer = sum(math.prod(shape) for shape in self.layer_shapes().values())
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + head
 

@@ -80,22 +80,6 @@ _LAYER = (
 )
 
 
-def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """relax per-layer shapes (no ``[L]`` axis) of the LayerStack fields this config has."""
-    D, F, hd, qd, kd = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    s = dict(attn_norm=(D,), wq=(D, qd), wk=(D, kd), wv=(D, kd), wo=(qd, D), mlp_norm=(D,),
-             w_gate=(D, F), w_up=(D, F), w_down=(F, D))
-    if c.qkv_bias:
-        s.update(bq=(qd,), bk=(kd,), bv=(kd,))
-    if c.o_bias:
-        s.update(bo=(D,))
-    if c.qk_norm:
-        s.update(q_norm=(hd,), k_norm=(hd,))
-    if c.mlp_bias:
-        s.update(b_gate=(F,), b_up=(F,), b_down=(D,))
-    return s
-
-
 @dataclasses.dataclass(frozen=True)
 class _Slot:
     name: str        # Hugging Face tensor name
@@ -108,7 +92,7 @@ class _Slot:
 def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
     """Every tensor of the checkpoint in transformers' order."""
     slots = [_Slot("model.embed_tokens.weight", "embed", None, False, (c.vocab_size, c.hidden_size))]
-    shapes = _layer_shapes(c)
+    shapes = c.layer_shapes()
     for i in range(c.num_layers):
         for field, suffix, t in _LAYER:
             if field in shapes:
@@ -315,7 +299,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
             cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     del views
     arrays = {f: jnp.asarray(by_field.pop(f)) for f in list(by_field)}
-    layers = LayerStack(**{f: arrays[f] for f in _layer_shapes(cfg)})
+    layers = LayerStack(**{f: arrays[f] for f in cfg.layer_shapes()})
     return Transformer(embed=arrays["embed"], layers=layers, norm=arrays["norm"],
                        lm_head=arrays.get("lm_head"), config=cfg, dtype=dtype)
 

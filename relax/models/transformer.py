@@ -76,8 +76,7 @@ def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.
          std: float = 0.02) -> Transformer:
     """Random weights ``N(0, std)``, unit norm scales; biases ``N(0, std)`` too (so tests see them)."""
     c = config
-    L, D, F, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
-    qd, kd = c.num_heads * hd, c.num_kv_heads * hd
+    L, D = c.num_layers, c.hidden_size
     keys = iter(jax.random.split(key, 24))
 
     def normal(*shape):
@@ -86,20 +85,8 @@ def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.
     def ones(*shape):
         return jnp.ones(shape, param_dtype)
 
-    layers = LayerStack(
-        attn_norm=ones(L, D), wq=normal(L, D, qd), wk=normal(L, D, kd), wv=normal(L, D, kd),
-        wo=normal(L, qd, D), mlp_norm=ones(L, D), w_gate=normal(L, D, F), w_up=normal(L, D, F),
-        w_down=normal(L, F, D),
-        bq=normal(L, qd) if c.qkv_bias else None,
-        bk=normal(L, kd) if c.qkv_bias else None,
-        bv=normal(L, kd) if c.qkv_bias else None,
-        bo=normal(L, D) if c.o_bias else None,
-        q_norm=ones(L, hd) if c.qk_norm else None,
-        k_norm=ones(L, hd) if c.qk_norm else None,
-        b_gate=normal(L, F) if c.mlp_bias else None,
-        b_up=normal(L, F) if c.mlp_bias else None,
-        b_down=normal(L, D) if c.mlp_bias else None,
-    )
+    layers = LayerStack(**{name: (ones if name.endswith("norm") else normal)(L, *shape)
+                           for name, shape in c.layer_shapes().items()})
     return Transformer(
         embed=normal(c.vocab_size, D), layers=layers, norm=ones(D),
         lm_head=None if c.tie_word_embeddings else normal(c.vocab_size, D),
