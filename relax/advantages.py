@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-from relax.masked import assert_same_shape, at_least_float32, masked_mean, masked_var, masked_whiten
+from relax.masked import at_least_float32, masked_mean, masked_var, masked_whiten, token_inputs
 
 GRPO_SCALES = ("group", "batch", "none")
 
@@ -111,14 +111,6 @@ def _reverse_scan(step, init, *xs: Array) -> Array:
     return out.T
 
 
-def _token_inputs(**arrays: Array) -> tuple[Array, ...]:
-    """Check ``[N, T]`` shapes, then return the arrays as floats zeroed where ``mask`` is off, and mask."""
-    assert_same_shape(**arrays)
-    chex.assert_rank(arrays["mask"], 2, custom_message=f"mask must be [N, T], got {jnp.shape(arrays['mask'])}")
-    m = jnp.asarray(arrays.pop("mask")).astype(bool)
-    return (*(jnp.where(m, at_least_float32(a), 0.0) for a in arrays.values()), m)
-
-
 def mc_returns(
     token_rewards: Float[Array, "n t"], mask: Bool[Array, "n t"], gamma: float = 1.0
 ) -> Float[Array, "n t"]:
@@ -127,7 +119,7 @@ def mc_returns(
     A reverse ``lax.scan``; ``G`` after the last valid token is 0 and masked tokens are skipped
     (their reward is ignored and the return passes through them undiscounted).
     """
-    r, m = _token_inputs(token_rewards=token_rewards, mask=mask)
+    r, m = token_inputs(mask, token_rewards=token_rewards)
 
     def step(carry, x):
         r_t, m_t = x
@@ -185,7 +177,7 @@ def gae(
     both are 0 after the last valid token, so padding never propagates. Unlike verl the
     advantages are not whitened here (compose with ``whiten``), and masked outputs are 0.
     """
-    r, v, m = _token_inputs(rewards=rewards, values=values, mask=mask)
+    r, v, m = token_inputs(mask, rewards=rewards, values=values)
 
     def step(carry, x):
         next_v, next_a = carry
@@ -219,7 +211,7 @@ def truncated_returns(
     """
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a Python int >= 1, got {k!r}")
-    r, v, m = _token_inputs(token_rewards=token_rewards, values=values, mask=mask)
+    r, v, m = token_inputs(mask, token_rewards=token_rewards, values=values)
     order = jnp.argsort(~m, axis=-1, stable=True)
     rc, vc, mc = _compact(r, order), _compact(v, order), _compact(m, order)
     g = mc_returns(rc, mc, gamma)
@@ -250,7 +242,7 @@ def vineppo_advantages(
     state's value. When values are estimated only at step boundaries, give every token of a step
     the value of its step's first state.
     """
-    v, m = _token_inputs(mc_values=mc_values, mask=mask)
+    v, m = token_inputs(mask, mc_values=mc_values)
     chex.assert_shape(terminal_values, v.shape[:1], custom_message="terminal_values must be [N]")
 
     def step(next_v, x):

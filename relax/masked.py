@@ -30,6 +30,16 @@ def at_least_float32(x: ArrayLike) -> Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def token_inputs(mask: ArrayLike, **arrays: ArrayLike) -> tuple[Array, ...]:
+    """Check that ``mask`` and every named array are ``[N, T]`` of one shape (the message names
+    them), then return the arrays in at least float32 and 0 where ``mask`` is off, and the mask
+    as bool: ``(*arrays, mask)``."""
+    assert_same_shape(mask=mask, **arrays)
+    chex.assert_rank(mask, 2, custom_message=f"mask must be [N, T], got {jnp.shape(mask)}")
+    m = jnp.asarray(mask).astype(bool)
+    return (*(jnp.where(m, at_least_float32(a), 0.0) for a in arrays.values()), m)
+
+
 def _select(x: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:
     """``(x where mask else 0, mask as float)``, both in the accumulation dtype."""
     assert_same_shape(x=x, mask=mask)

@@ -19,7 +19,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float
 
 from relax.choices import check_choice
-from relax.masked import assert_same_shape, at_least_float32, masked_mean
+from relax.masked import assert_same_shape, at_least_float32, masked_mean, token_inputs
 
 IMPORTANCE_LEVELS = ("token", "sequence")
 _LOG_RATIO_CLAMP = 20.0
@@ -27,10 +27,7 @@ _LOG_RATIO_CLAMP = 20.0
 
 def _inputs(mask: Array, advantages: Array | None = None, **arrays: Array) -> tuple[Array, ...]:
     """Check ``[N, T]`` shapes; return the arrays (floats, 0 where masked), advantages ``[N, T]``, mask."""
-    assert_same_shape(mask=mask, **arrays)
-    chex.assert_rank(mask, 2, custom_message=f"mask must be [N, T], got {jnp.shape(mask)}")
-    m = jnp.asarray(mask).astype(bool)
-    out = [jnp.where(m, at_least_float32(a), 0.0) for a in arrays.values()]
+    *out, m = token_inputs(mask, **arrays)
     if advantages is not None:
         adv = jnp.asarray(advantages)
         chex.assert_rank(adv, {1, 2}, custom_message=f"advantages must be [N] or [N, T], got {adv.shape}")
