@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import grain
 import numpy as np
 
-from relax.tokenizer import Tokenizer
+from relax.tokenizer import Tokenizer, pad_left
 
 PathLike = str | os.PathLike[str]
 T = TypeVar("T")
@@ -354,11 +354,7 @@ def _padded_length(examples: Sequence[_Example], cfg: DataConfig) -> int:
 def _make_batch(
     examples: Sequence[_Example], length: int, pad_id: int, has_source: bool
 ) -> PromptBatch:
-    ids = np.full((len(examples), length), pad_id, dtype=np.int32)
-    mask = np.zeros((len(examples), length), dtype=np.int32)
-    for i, e in enumerate(examples):
-        ids[i, length - len(e.ids) :] = e.ids
-        mask[i, length - len(e.ids) :] = 1
+    ids, mask = pad_left([e.ids for e in examples], pad_id=pad_id, length=length)
     keys = examples[0].extras.keys() if examples else ()
     return PromptBatch(
         prompt_ids=ids,
