@@ -28,6 +28,7 @@ from relax.rewards.functions import (
     TokenRewardFunction,
     length_reward,
     score,
+    score_groups,
     score_tokens,
     token_match_reward,
 )
@@ -303,3 +304,24 @@ def test_hung_thread_does_not_block_exit():
 def test_empty_batch():
     total, per, info = score([length_fn], [], [], {"answer": []})
     assert total.shape == (0,) and per["length_fn"].shape == (0,) and info["missing"] == 0
+
+
+def test_score_groups_repeats_prompt_and_fields_over_the_group():
+    """TRL's layout: completion j of prompt i sees prompt i and row i's fields; [P, G] out."""
+    tokens = np.array([[[1, 2, 0], [3, 0, 0]], [[4, 5, 6], [7, 8, 0]], [[9, 0, 0], [1, 1, 1]]])
+    mask = (tokens > 0).astype(np.int32)
+    decode = lambda t, m: [" ".join(str(x) for x, k in zip(row, mk) if k) for row, mk in zip(t, m)]
+    seen = []
+
+    def fn(prompts, completions, answer, **_):
+        seen.extend(zip(prompts, completions, answer))
+        return [float(len(c.split())) + (10.0 if a == "y" else 0.0) for c, a in zip(completions, answer)]
+
+    total, per, _, completions = score_groups([fn], decode, ["a", "b", "c"], {"answer": ["x", "y", "x"]},
+                                              tokens, mask)
+    assert completions == ["1 2", "3", "4 5 6", "7 8", "9", "1 1 1"]
+    assert seen == [("a", "1 2", "x"), ("a", "3", "x"), ("b", "4 5 6", "y"), ("b", "7 8", "y"),
+                    ("c", "9", "x"), ("c", "1 1 1", "x")]
+    np.testing.assert_array_equal(total, [[2, 1], [13, 12], [1, 3]])
+    np.testing.assert_array_equal(per["fn"], total)
+

@@ -258,6 +258,29 @@ def score(
     return np.asarray(total, np.float32)[0], per, info
 
 
+def score_groups(
+    reward_fns: Sequence[RewardFunction | RewardFn],
+    decode: Callable[[np.ndarray, np.ndarray], list[str]],
+    prompts: Sequence[str],
+    fields: Mapping[str, Sequence[Any]],
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    **kwargs: Any,
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any], list[str]]:
+    """``score`` on G completions per prompt, TRL's layout: completions decoded with
+    ``decode(tokens [P*G, N], mask [P*G, N])``, each prompt's text and dataset fields repeated over
+    its G completions. Returns ``(rewards [P, G], per_function {name: [P, G]}, info, completions)``;
+    ``kwargs`` go to ``score``."""
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    p, g, n = tokens.shape
+    completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
+    rep_prompts = [t for t in prompts for _ in range(g)]
+    rep_fields = {k: [v for v in vals for _ in range(g)] for k, vals in fields.items()}
+    total, per, info = score(reward_fns, rep_prompts, completions, rep_fields, **kwargs)
+    per = {k: np.asarray(v, np.float32).reshape(p, g) for k, v in per.items()}
+    return np.asarray(total, np.float32).reshape(p, g), per, info, completions
+
+
 # ----------------------------------------------------------------------------- token rewards
 
 TokenRewardFn = Callable[

@@ -14,7 +14,7 @@ import numpy as np
 
 from relax.data import PromptBatch
 from relax.evaluation import summarize
-from relax.rewards.functions import score
+from relax.rewards.functions import score_groups
 from relax.rollout import RolloutConfig, compiled_generate
 from relax.sampling import SamplingConfig
 
@@ -58,12 +58,7 @@ def evaluate(model, batch: PromptBatch, *, reward_fns, decode, eos_ids: tuple[in
     out: dict[str, float] = {}
 
     def rewards_of(tokens, masks):
-        p, g, n = tokens.shape
-        completions = decode(tokens.reshape(p * g, n), masks.reshape(p * g, n))
-        prompts = [t for t in batch.prompts for _ in range(g)]
-        rep = {k: [v for v in vals for _ in range(g)] for k, vals in fields.items()}
-        total, _, _ = score(reward_fns, prompts, completions, rep, timeout_s=timeout_s)
-        return np.asarray(total, np.float32).reshape(p, g)
+        return score_groups(reward_fns, decode, batch.prompts, fields, tokens, masks, timeout_s=timeout_s)[0]
 
     if cfg.greedy:
         rcfg = RolloutConfig(num_generations=1, max_new_tokens=max_new_tokens,

@@ -25,8 +25,8 @@ from relax.compose import Stage, compose, stage
 from relax.losses.kl import kl_estimate
 from relax.parallel import cache_sized_passes
 from relax.reference import make_reference_rule
-from relax.rewards.functions import RewardFunction, TokenRewardFunction, as_reward_functions, score_tokens
-from relax.rewards.functions import score as score_rewards
+from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, score_groups,
+                                    score_tokens)
 from relax.rewards.shaping import combine, dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
 from relax.rollout import RolloutConfig, _generate
 from relax.sampling import SamplingConfig
@@ -75,8 +75,8 @@ def make_reference(cfg: GRPOConfig) -> Stage:
 def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
                decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
                timeout_s: float | None = None) -> Stage:
-    """Host stage: completions are decoded with ``decode(tokens [N, T], mask [N, T])``; each prompt's
-    text and dataset fields are repeated over its G completions (TRL's layout). Python reward
+    """Host stage: Python reward functions score the decoded completions (``score_groups``: each
+    prompt's text and dataset fields repeated over its G completions, TRL's layout). Python reward
     functions get ``(prompts, completions, **fields)``; ``TokenRewardFunction``s run jitted on the
     token arrays. All are combined by weight (a sample is missing, NaN, only when every function
     is missing for it)."""
@@ -86,20 +86,16 @@ def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Calla
         raise ValueError("make_score needs at least one reward function")
 
     def score(state, batch):
-        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
-        p, g, n = tokens.shape
         parts: dict[str, np.ndarray] = {}
         info: dict = {"errors": 0, "timeouts": 0}
         weights: dict[str, float] = {}
         out = dict(batch)
         if fns:
-            completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
-            prompts = [t for t in batch["prompts"] for _ in range(g)]
-            fields = {k: [v for v in vals for _ in range(g)] for k, vals in batch.get("fields", {}).items()}
-            _, per, info = score_rewards(fns, prompts, completions, fields, on_error=on_error, timeout_s=timeout_s)
-            parts.update({k: np.asarray(v, np.float32).reshape(p, g) for k, v in per.items()})
+            _, per, info, out["completions"] = score_groups(
+                fns, decode, batch["prompts"], batch.get("fields", {}), batch["tokens"], batch["mask"],
+                on_error=on_error, timeout_s=timeout_s)
+            parts.update(per)
             weights.update({f.name: f.weight for f in fns})
-            out["completions"] = completions
         if token_fns:
             _, per = score_tokens(token_fns, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
                                   batch["mask"])
