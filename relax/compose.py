@@ -39,8 +39,28 @@ class Segment:
     jitted: Any = None  # the jax.jit object of a jittable segment
 
 
+class SegmentRunner:
+    """Runs ``self.segments`` in order; shared by ``Stage`` and ``relax.parallel.ShardedStep``."""
+
+    segments: tuple[Segment, ...]
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        for seg in self.segments:
+            state, batch = seg.run(state, batch)
+        return state, batch
+
+    @property
+    def jitted(self) -> tuple[Any, ...]:
+        """The ``jax.jit`` objects of the jittable segments (e.g. for ``._cache_size()``)."""
+        return tuple(seg.jitted for seg in self.segments if seg.jittable)
+
+    def cache_sizes(self) -> tuple[int, ...]:
+        """Number of compiled executables cached per jitted segment (one per input signature)."""
+        return tuple(j._cache_size() for j in self.jitted)
+
+
 @dataclasses.dataclass(frozen=True)
-class Stage:
+class Stage(SegmentRunner):
     """A step ``(state, batch) -> (state, batch)``; calling it runs its compiled segments.
 
     ``fn`` is the pure (unjitted) function; for a composed stage it calls its ``parts`` in order.
@@ -58,24 +78,10 @@ class Stage:
     def __post_init__(self):
         object.__setattr__(self, "segments", _plan(self.parts if self.parts else (self,)))
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        for seg in self.segments:
-            state, batch = seg.run(state, batch)
-        return state, batch
-
     @property
     def leaves(self) -> tuple[Stage, ...]:
         """The leaf stages this stage runs, in order (itself for a leaf)."""
         return self.parts if self.parts else (self,)
-
-    @property
-    def jitted(self) -> tuple[Any, ...]:
-        """The ``jax.jit`` objects of the jittable segments (e.g. for ``._cache_size()``)."""
-        return tuple(seg.jitted for seg in self.segments if seg.jittable)
-
-    def cache_sizes(self) -> tuple[int, ...]:
-        """Number of compiled executables cached per jitted segment (one per input signature)."""
-        return tuple(j._cache_size() for j in self.jitted)
 
 
 def stage(
@@ -130,16 +136,23 @@ def _chain(leaves: tuple[Stage, ...]) -> StageFn:
     return chained
 
 
-def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
-    """Group adjacent jittable leaves into one jitted segment each; host leaves stand alone."""
+def group_leaves(leaves: tuple[Stage, ...], key: Callable[[Stage], Any] = lambda leaf: None) -> list[list[Stage]]:
+    """Adjacent jittable leaves with equal ``key`` form one group (one program); a host leaf is
+    a group of its own."""
     groups: list[list[Stage]] = []
     for leaf in leaves:
-        if leaf.jittable and groups and groups[-1][-1].jittable:
+        last = groups[-1][-1] if groups else None
+        if leaf.jittable and last is not None and last.jittable and key(last) == key(leaf):
             groups[-1].append(leaf)
         else:
             groups.append([leaf])
+    return groups
+
+
+def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
+    """Group adjacent jittable leaves into one jitted segment each; host leaves stand alone."""
     segments = []
-    for group in groups:
+    for group in group_leaves(leaves):
         names = tuple(s.name for s in group)
         if group[0].jittable:
             donate = (0,) if all(s.donate_state for s in group) else ()

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from relax import distributed
-from relax.compose import Segment, Stage, _chain, split_host
+from relax.compose import Segment, SegmentRunner, Stage, _chain, group_leaves, split_host
 from relax.parallel import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_shards, constrain_batch,
                             make_mesh, param_shardings, place_batch, replicated, state_shardings)
 
@@ -98,7 +98,7 @@ def _supports_memory(mesh, kind: str) -> bool:
     return dev.platform != "cpu" and any(m.kind == kind for m in dev.addressable_memories())
 
 
-class ShardedStep:
+class ShardedStep(SegmentRunner):
     """``step`` (a composed ``Stage``, e.g. ``make_grpo_step(...)``) run on ``mesh``.
 
     ``state`` (a ``TrainState``, possibly abstract) fixes the shardings; ``place(state)`` lays a
@@ -137,18 +137,6 @@ class ShardedStep:
         every process must pass the same values)."""
         return distributed.put(state, self.state_shardings)
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        for seg in self.segments:
-            state, batch = seg.run(state, batch)
-        return state, batch
-
-    @property
-    def jitted(self) -> tuple[Any, ...]:
-        return tuple(seg.jitted for seg in self.segments if seg.jittable)
-
-    def cache_sizes(self) -> tuple[int, ...]:
-        return tuple(j._cache_size() for j in self.jitted)
-
     @property
     def sampler_policy(self):
         """The sampler's copy of the policy (None before the first step or without a sampler mesh)."""
@@ -157,17 +145,11 @@ class ShardedStep:
     # ------------------------------------------------------------------ plan
 
     def _plan(self, leaves: tuple[Stage, ...], sampler_stages: tuple[str, ...]) -> tuple[Segment, ...]:
-        groups: list[tuple[tuple[bool, bool], list[Stage]]] = []
-        for leaf in leaves:
-            key = (leaf.jittable, leaf.name in sampler_stages)
-            if leaf.jittable and groups and groups[-1][0] == key:
-                groups[-1][1].append(leaf)
-            else:
-                groups.append((key, [leaf]))
         segments, transferred = [], False
-        for (jittable, on_sampler), group in groups:
+        for group in group_leaves(leaves, key=lambda leaf: leaf.name in sampler_stages):
             names = tuple(s.name for s in group)
-            if not jittable:
+            on_sampler = group[0].name in sampler_stages
+            if not group[0].jittable:
                 segments.append(Segment(names=names, jittable=False, run=self._host(group[0].fn)))
             elif on_sampler:
                 if not transferred:
