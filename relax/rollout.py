@@ -59,16 +59,25 @@ class RolloutConfig:
     pad_id: int = 0
     prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     cache_chunk: int = 64  # completion-cache block: a step reads only the blocks filled so far
+    max_segments: int = 16
+    """At most this many cache blocks (one compiled decode loop each, the s-th reading s blocks, so
+    the program grows with their square): a long budget gets blocks of ``ceil(N / max_segments)``."""
 
     def __post_init__(self):
         if self.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.cache_chunk < 1:
-            raise ValueError(f"cache_chunk must be >= 1, got {self.cache_chunk}")
+        if self.cache_chunk < 1 or self.max_segments < 1:
+            raise ValueError(f"cache_chunk and max_segments must be >= 1, got {self.cache_chunk}, {self.max_segments}")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"prompt_buckets must be increasing and non-empty, got {self.prompt_buckets}")
+
+
+def block_size(cfg: RolloutConfig) -> int:
+    """Completion-cache slots per block: ``cache_chunk``, or more when the budget would otherwise
+    need more than ``max_segments`` blocks."""
+    return max(cfg.cache_chunk, -(-cfg.max_new_tokens // cfg.max_segments))
 
 
 def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
@@ -191,7 +200,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
     # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a
     # step reads only the blocks filled so far instead of the whole budget.
-    chunk = min(cfg.cache_chunk, n)
+    chunk = min(block_size(cfg), n)
     sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
     ck = [tuple(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype) for sz in sizes) for _ in range(c.num_layers)]
     cv = [tuple(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype) for sz in sizes) for _ in range(c.num_layers)]

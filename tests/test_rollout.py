@@ -6,6 +6,8 @@ Few distinct programs are compiled (each distinct RolloutConfig x shape is one c
 the models are tiny, so the file stays fast on a loaded CPU.
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -332,12 +334,23 @@ def test_bad_inputs_raise_before_compiling(model, no_compile):
         _call(model, ids, mask[:, 1:])
 
 
+def test_long_budgets_get_larger_cache_blocks_not_more_loops():
+    """The compiled program grows with the square of the number of cache blocks: at most
+    max_segments of them, larger blocks for long budgets."""
+    assert rollout.block_size(RolloutConfig(num_generations=1, max_new_tokens=128)) == 64
+    assert rollout.block_size(RolloutConfig(num_generations=1, max_new_tokens=4096)) == 256
+    assert rollout.block_size(RolloutConfig(num_generations=1, max_new_tokens=12, cache_chunk=5, max_segments=2)) == 6
+    with pytest.raises(ValueError, match="max_segments must be >= 1"):
+        RolloutConfig(num_generations=1, max_new_tokens=8, max_segments=0)
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window"])
 def test_blocked_completion_cache_matches_single_block(name):
     """Cache blocks of 5 slots (segments 5, 5, 2) decode exactly what one 12-slot block does."""
     ids, mask = ragged_prompts()
     cfg = RolloutConfig(sampling=SamplingConfig(temperature=0.0), eos_ids=(), cache_chunk=5, **GREEDY)
-    got = rollout.generate_with(get_model(name), ids, mask, jax.random.key(1), cfg)
     want = greedy_rollout(name)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0)
+    for c in (cfg, dataclasses.replace(cfg, max_segments=2)):  # blocks of 5 (5, 5, 2) and of 6 (6, 6)
+        got = rollout.generate_with(get_model(name), ids, mask, jax.random.key(1), c)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0)
