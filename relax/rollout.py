@@ -31,6 +31,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.models import attention as attn
+from relax.models.rope import inverse_frequencies, rope_angles
 from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
                                       project, run_layers)
 from relax.sampling import SamplingConfig, sample, uniform_table
@@ -205,6 +206,8 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     ck = [tuple(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype) for sz in sizes) for _ in range(c.num_layers)]
     cv = [tuple(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype) for sz in sizes) for _ in range(c.num_layers)]
     q_pos_base = jnp.repeat(prompt_len, g)
+    # rotary cos/sin of every decode position, [B, N, D] each, derived once before the loop
+    rope_table = rope_angles(inverse_frequencies(c), q_pos_base[:, None] + jnp.arange(n)[None, :])
 
     def make_segment(seg: int):
         end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
@@ -219,7 +222,8 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
             q_pos = (q_pos_base + t)[:, None]
             attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
             inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
-            h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers)
+            rope = tuple(jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1) for x in rope_table)
+            h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers, rope=rope)
             ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
             tok, lp = draw(project(model, h[:, 0]), t + 1)
             alive = ~finished

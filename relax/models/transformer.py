@@ -193,7 +193,7 @@ def fuse_layers(model: Transformer) -> list[FusedLayer]:
 
 def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Array, "b t"],
                attend: Attend, layer_inputs: Any = None, *, layers: list[FusedLayer] | None = None,
-               remat: bool = False) -> tuple[Float[Array, "b t D"], Any]:
+               remat: bool = False, rope: tuple[Array, Array] | None = None) -> tuple[Float[Array, "b t D"], Any]:
     """Embedded inputs through every layer and the final norm.
 
     By default the stacked ``model.layers`` run as one ``lax.scan`` (compiles once however
@@ -202,9 +202,11 @@ def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Arra
     ``fuse_layers``) the layers run as a Python loop, ``layer_inputs`` and the outputs are
     lists: the decode loop uses this so that each layer's cache is its own buffer, updated in
     place, instead of a slice that ``scan`` copies at every step. ``remat`` recomputes each
-    layer in the backward pass.
+    layer in the backward pass. ``rope``: the ``(cos, sin)`` of ``positions`` when the caller has
+    them already (the decode loop reads them from a table built before the loop: computed in the
+    step, XLA recomputes the transcendentals inside every layer's q and k fusions).
     """
-    cos, sin = rope_angles(inverse_frequencies(model.config), positions)
+    cos, sin = rope_angles(inverse_frequencies(model.config), positions) if rope is None else rope
 
     def body(h, xs):
         p, li = xs
