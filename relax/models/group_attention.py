@@ -103,6 +103,8 @@ def _untile(x):
 
 def _over_groups(fn, b, *xs):
     """``fn`` per group: a ``lax.map`` over P/b steps of ``b`` groups each (vmapped)."""
+    if b == 1:  # no tiling: the [P/b, b] reshapes would cost a copy of every input and output
+        return jax.lax.map(lambda a: fn(*a), xs)
     out = jax.lax.map(jax.vmap(lambda a: fn(*a)), jax.tree.map(functools.partial(_tiles, b), xs))
     return jax.tree.map(_untile, out)
 
