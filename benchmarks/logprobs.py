@@ -10,9 +10,9 @@ hidden states and the head weights (what the trainer needs). Hidden size 256; vo
 token count grow. Each case runs in its own subprocess so the resident-set peak is its own;
 ``xla_temp_mb`` is XLA's own count of the program's scratch + output buffers.
 
-FLOPs: 3 matmuls of 2*T*V*D (forward, grad of h, grad of W); the chunked version recomputes
-the forward logits in the backward pass (4 matmuls; 3 when T <= chunk_size: one chunk, no
-remat) - ``matmul_gflop`` counts what ran.
+FLOPs: 3 matmuls of 2*T*V*D (forward, grad of h, grad of W); the chunked version's backward
+recomputes the logits of every chunk, a single one included (4 matmuls) - ``matmul_gflop``
+counts what ran.
 
     .venv/bin/python benchmarks/logprobs.py
     .venv/bin/python benchmarks/logprobs.py --vocabs 32768 --tokens 8192 --runs 5
@@ -73,7 +73,7 @@ def run_one(method: str, V: int, T: int, args: Args) -> dict:
         def loss(h, W):
             m = eqx.tree_at(lambda m: m.lm_head, model, W)
             return jnp.sum(logprobs_from_hidden(m, h, targets, chunk_size=args.chunk_size))
-        matmuls = 4 if T > args.chunk_size else 3  # a single chunk runs without remat
+        matmuls = 4  # the custom backward recomputes the logits
     else:
         def loss(h, W):
             logp = jax.nn.log_softmax(jnp.einsum("td,vd->tv", h, W), axis=-1)
