@@ -229,15 +229,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def batch_shards(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+def batch_shards(mesh: Mesh | jax.sharding.AbstractMesh) -> int:
+    """Shards of the prompt axis: the product of the mesh's ``BATCH_AXES`` (1 for an empty mesh)."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
 
 
 def ambient_batch_shards() -> int:
-    """Shards of the prompt axis under the mesh being traced with (``jax.set_mesh``, as
-    ``ShardedStep`` does), 1 outside any mesh: lets per-group loops run over local groups."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+    """``batch_shards`` of the mesh being traced with (``jax.set_mesh``, as ``ShardedStep`` does),
+    1 outside any mesh: lets per-group loops run over local groups."""
+    return batch_shards(jax.sharding.get_abstract_mesh())
 
 
 def cache_sized_passes() -> bool:

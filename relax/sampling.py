@@ -127,4 +127,3 @@ def uniform_table(keys: Array, steps: int) -> Float[Array, "... steps"]:
     """``uniforms(keys, t)`` for every ``t < steps`` at once, ``[..., steps]`` (bit-identical): the
     decode loop then indexes a column instead of running the key derivation at every step."""
     return jax.vmap(lambda t: uniforms(keys, t), out_axes=-1)(jnp.arange(steps))
-

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.checkpoint import Checkpointer
+from relax.choices import check_choice
 from relax.data import DataConfig, eval_records, load_records, prompt_batch, prompt_iterator, read_splits
 from relax.logging import MetricsLogger, ProgressBar, is_main_process, write_summary
 from relax.models.config import DTYPES
@@ -28,7 +29,6 @@ from relax.rewards.builtin import get_reward
 from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
 from relax.tokenizer import Tokenizer
-from relax.choices import check_choice
 from relax.train.config import PRESETS, GRPOConfig, preset
 from relax.train.evaluate import EvalConfig, evaluate
 from relax.train.grpo import make_grpo_step

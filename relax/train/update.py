@@ -140,7 +140,7 @@ def reduce_metrics(metrics: dict, weights: jax.Array | None = None) -> dict:
             return jnp.min(x)
         if weights is None:
             return jnp.mean(x)
-        w = weights.astype(x.dtype).reshape(weights.shape + (1,) * (x.ndim - weights.ndim))
+        w = weights.astype(x.dtype)  # one scalar metric per micro-batch: x and w are both [a]
         total = jnp.sum(w)
         return jnp.where(total > 0, jnp.sum(w * x) / jnp.where(total > 0, total, 1), jnp.mean(x))
     return {k: one(k, v) for k, v in metrics.items()}
