@@ -7,6 +7,12 @@ DEV := $(VENV)/.relax-dev
 
 .PHONY: demo test test-all bench install clean
 
+# Host memory in 2 MiB pages where the kernel offers them on request (THP mode `madvise`).
+# XLA:CPU allocates each call's temporaries afresh, and glibc maps blocks that large straight from
+# the kernel, so every call faults its scratch in again, 4 KiB at a time: ~0.1 s of a 3.3 s GRPO
+# iteration on 2 cores (benchmarks/RESULTS.md). glibc >= 2.35 reads this; older ones ignore it.
+export GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
+
 # (Re)create the environment whenever pyproject.toml changes.
 $(BASE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

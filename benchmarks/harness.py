@@ -58,7 +58,21 @@ def env_info() -> dict:
     import jaxlib
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": dev.platform,
             "device_kind": dev.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "git_commit": commit, "git_dirty": dirty}
+            "machine": platform.machine(), "git_commit": commit, "git_dirty": dirty,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "thp": _thp_mode()}
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``/``madvise``/``never``), None off Linux.
+
+    Host figures depend on it: with ``madvise`` only ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+    (set by the Makefile) gets XLA's per-call scratch in 2 MiB pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
 
 
 def on_cpu() -> bool:
