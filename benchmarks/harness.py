@@ -168,12 +168,9 @@ def measure(fn, *args, warmup: int = 1, runs: int = 5, budget_s: float | None = 
     return out
 
 
-# ---------------------------------------------------------------------------- hardware peaks
-
-PEAK_ENV = "RELAX_BENCH_PEAK_FLOPS"  # a parent's measured peak, shared with its subprocesses
+# ---------------------------------------------------------------------------- inputs
 
 
-@functools.lru_cache(maxsize=8)
 def group_attention_inputs(P: int, G: int, H: int, R: int, Lp: int, N: int, D: int, *,
                            dtype=jnp.float32, seed: int = 0) -> tuple[tuple, tuple]:
     """Random ``(q, pk, pv, k, v)`` and the position tuple for ``prefix_group_attention``: P full
@@ -188,6 +185,12 @@ def group_attention_inputs(P: int, G: int, H: int, R: int, Lp: int, N: int, D: i
     return (q, pk, pv, ck, cv), pos
 
 
+# ---------------------------------------------------------------------------- hardware peaks
+
+PEAK_ENV = "RELAX_BENCH_PEAK_FLOPS"  # a parent's measured peak, shared with its subprocesses
+
+
+@functools.lru_cache(maxsize=8)
 def matmul_peak_flops(n: int = 1024, dtype=jnp.float32, runs: int = 20) -> float:
     """Measured FLOP/s of an n x n x n matmul here and now (median of ``runs``).
 
