@@ -79,8 +79,11 @@ def _head_bwd(temperature, with_entropy, res, g):
     dz = jnp.where(hit, g_lp[:, None], 0.0) - p * coef
     if temperature != 1.0:
         dz = dz / temperature
-    dh = jnp.dot(dz, w.astype(jnp.float32)).astype(h.dtype)
-    dw = jnp.einsum("nv,nd->vd", dz, h.astype(jnp.float32)).astype(w.dtype)
+    # the two products run in the weights' dtype with float32 accumulation, like the forward's
+    # (a bfloat16 model rounds dz to bfloat16 here, as mixed-precision training does)
+    dz = dz.astype(w.dtype)
+    dh = jnp.dot(dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.einsum("nv,nd->vd", dz, h.astype(w.dtype), preferred_element_type=jnp.float32).astype(w.dtype)
     return dw, dh, None
 
 
