@@ -410,19 +410,23 @@ if __name__ != "__main__":
               "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
               "advantages": jax.random.normal(k[2], (p, g))}
         norms = {"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}
-        out = {}
-        for remat in (False, True):
-            loss_fn = make_loss(GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat))
+        out, jaxprs = {}, {}
+        for remat, policy in ((False, "nothing"), (True, "nothing"), (True, "dots")):
+            loss_fn = make_loss(GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat, remat_policy=policy))
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-            jaxpr = str(jax.make_jaxpr(grad_fn)(model, mb, norms))
+            jaxprs[remat, policy] = jaxpr = str(jax.make_jaxpr(grad_fn)(model, mb, norms))
             out[f"remats{remat}"] = jaxpr.count("checkpoint[") + jaxpr.count("remat")
-            out[remat] = jax.jit(grad_fn)(model, mb, norms)
+            out[remat, policy] = jax.jit(grad_fn)(model, mb, norms)
         assert out["rematsTrue"] > out["rematsFalse"]  # cfg.remat reaches the layer scan
-        (l0, _), g0 = out[False]
-        (l1, _), g1 = out[True]
-        np.testing.assert_allclose(l1, l0, rtol=1e-6)
-        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        # cfg.remat_policy reaches the checkpoint
+        dots = str(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        assert dots in jaxprs[True, "dots"] and dots not in jaxprs[True, "nothing"]
+        (l0, _), g0 = out[False, "nothing"]
+        for key in ((True, "nothing"), (True, "dots")):
+            (l1, _), g1 = out[key]
+            np.testing.assert_allclose(l1, l0, rtol=1e-6)
+            for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(key))
 
     def test_master_weights_keep_steps_below_bfloat16_precision():
         import optax

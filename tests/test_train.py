@@ -56,7 +56,8 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     # one prompt group per pass (the CPU reference forward): the same log-probs and entropies
     per_group = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True, groups_per_pass=1)
     whole = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True)
-    chex.assert_trees_all_close(per_group, whole, atol=1e-6)
+    # the same arithmetic in another reduction order (float32 on a GPU differs by ~2e-6)
+    chex.assert_trees_all_close(per_group, whole, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="groups_per_pass=2 does not divide the 3 prompt groups"):
         completion_logprobs(model, ids, pm, comp, cm, groups_per_pass=2)
     w = jax.random.normal(jax.random.key(2), (p, g, n)) * cm

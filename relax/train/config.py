@@ -17,6 +17,7 @@ import optax
 from relax.advantages import GRPO_SCALES
 from relax.choices import check_choice
 from relax.losses.aggregation import resolve_mode
+from relax.train.forward import REMAT_POLICIES, TRAIN_ATTENTION
 from relax.losses.kl import KL_ESTIMATORS
 from relax.losses.policy import IMPORTANCE_LEVELS
 from relax.reference import ReferenceConfig
@@ -131,7 +132,11 @@ class GRPOConfig:
     Update: ``num_iterations`` epochs over the batch in ``num_minibatches`` optimizer steps each,
     each minibatch split into ``grad_accum`` micro-batches (same loss and gradient; ``None``: one
     prompt group per micro-batch on a single CPU device, where that is fastest, else one
-    micro-batch; see ``relax.parallel.cache_sized_passes``).
+    micro-batch; see ``relax.parallel.cache_sized_passes``), ``remat`` (recompute each layer in
+    the backward) keeping ``remat_policy`` (nothing | dots: the weight matmuls' outputs, less
+    recompute for more memory), ``train_attention`` (auto | group | dense: the completion attention of the
+    training forward, ``relax.train.forward``; auto = a fused cuDNN kernel on GPU, the group
+    kernel elsewhere).
     """
 
     num_generations: int = 8
@@ -166,6 +171,8 @@ class GRPOConfig:
     num_minibatches: int = 1
     grad_accum: int | None = None
     remat: bool = False
+    remat_policy: str = "nothing"
+    train_attention: str = "auto"
     reference: ReferenceConfig = ReferenceConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
 
@@ -176,6 +183,8 @@ class GRPOConfig:
         check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
+        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
         resolve_mode(self.loss_type)
         if self.length_shaping is not None:
             check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING_MODES)

@@ -10,6 +10,13 @@ so prompt compute is done once instead of G times and gradients flow back into t
 positions through ``K_prompt, V_prompt``. Logits exist only where a completion token is
 predicted: from the last prompt position (first completion token) and from completion
 positions ``0..N-2``; they are never materialised beyond a chunk of rows.
+
+The completion attention has two implementations of the same function (``attention``):
+``"group"`` (``relax.models.group_attention``: the prompt part once per group, a loop over
+groups; fastest on CPU) and ``"dense"`` (``relax.models.dense_attention``: one fused causal
+attention per completion over [prompt; completion], cuDNN's flash attention on GPU, 5x the
+group kernel there). ``"auto"`` takes ``"dense"`` where cuDNN can run it (GPU, 16-bit dtype, no
+sliding window) and ``"group"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
 from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.rope import inverse_frequencies, rope_angles
@@ -26,7 +34,27 @@ from relax.models.transformer import (Transformer, embed, full_attention, layer_
 from relax.parallel import ambient_batch_shards
 
 
-def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat):
+TRAIN_ATTENTION = ("auto", "group", "dense")
+# what a rematerialised layer keeps for the backward: nothing (recompute the whole layer) or the
+# outputs of its weight matmuls (recompute only attention and elementwise ops; more memory)
+REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def resolve_attention(choice: str, model: Transformer) -> str:
+    """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window), else ``"group"``."""
+    if choice not in TRAIN_ATTENTION:
+        raise ValueError(f"unknown train attention {choice!r}; valid: {', '.join(TRAIN_ATTENTION)}")
+    window = model.config.sliding_window
+    if choice == "auto":
+        return "dense" if window is None and fused_attention_available(model.dtype) else "group"
+    if choice == "dense" and window is not None:
+        raise ValueError(f"train attention 'dense' has no sliding window (the model's is {window}); use 'group'")
+    return choice
+
+
+def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
+                   remat_policy):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completions ``[P*G, N, D]``."""
     c = model.config
     p = prompt_ids.shape[0]
@@ -53,6 +81,10 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     k_pos, k_valid = c_pos.reshape(p, g, n), c_valid.reshape(p, g, n)
 
     def completion_attend(pk, pv):
+        if attention == "dense":
+            impl = "cudnn" if fused_attention_available(model.dtype) else "xla"
+            return lambda q, k, v, _: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl), None)
+
         def attend(q, k, v, _):
             d = q.shape[-1]
             group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
@@ -70,7 +102,7 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
         return (xp, xc), None
 
     if remat:
-        body = jax.checkpoint(body)
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
     xc0 = embed(model, completions.reshape(b, n))
     (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), model.layers)
     eps = c.rms_norm_eps
@@ -80,7 +112,8 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
 def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
                         completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
                         temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
-                        chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None):
+                        chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
+                        attention: str = "auto", remat_policy: str = "nothing"):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
@@ -89,26 +122,33 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     ``groups_per_pass``: run the whole network over that many prompt groups at a time (a
     ``lax.map``; it must divide P) instead of all at once - for forward-only use, e.g. the
     reference log-probs on CPU, where a group's activations then stay in cache.
+    ``attention``: the completion attention's implementation (module docstring).
+    ``remat_policy`` (with ``remat``): what each recomputed layer keeps, a key of ``REMAT_POLICIES``.
     """
+    attention = resolve_attention(attention, model)
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
     p = prompt_ids.shape[0]
     if groups_per_pass is None or groups_per_pass == p:
         return _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask,
                                     temperature=temperature, with_entropy=with_entropy, remat=remat,
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, attention=attention, remat_policy=remat_policy)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
     out = jax.lax.map(
         lambda xs: _completion_logprobs(model, *xs, temperature=temperature, with_entropy=with_entropy,
-                                        remat=remat, chunk_size=chunk_size),
+                                        remat=remat, chunk_size=chunk_size, attention=attention,
+                                        remat_policy=remat_policy),
         tuple(map(tiles, (prompt_ids, prompt_mask, completions, completion_mask))))
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 
 def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, *, temperature, with_entropy,
-                         remat, chunk_size):
+                         remat, chunk_size, attention, remat_policy):
     p, g, n = completions.shape
-    hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat)
+    hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
+                            remat_policy)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     targets = completions.reshape(p * g, n)
