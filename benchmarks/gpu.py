@@ -5,12 +5,16 @@
    divided by the step time, against the datasheet bandwidth. The step time is the sampler's
    time for N new tokens minus its time for 1 new token (prefill), divided by N - 1.
 2. The GRPO update step at 1B in bfloat16: model FLOPs (6 * params * trained tokens, prompt
-   counted once per group) per second against the datasheet bf16 peak (MFU).
+   counted once per group) per second against the datasheet bf16 peak (MFU). Every layer is
+   rematerialised (the batch does not fit otherwise), keeping nothing or the weight matmuls'
+   outputs (``remat_policy``); the training attention is the trainer's default (cuDNN on GPU).
 3. The training attention of one layer at 1B shapes, forward+backward: relax's prefix-group
    kernel (``relax.models.group_attention``, prompt keys shared by the G completions) against
    ``jax.nn.dot_product_attention`` with ``implementation="xla"`` and ``"cudnn"`` on the same
    work laid out as P*G causal sequences [prompt; completion] (the prompt repeated per
    completion, as a trainer without prefix sharing runs it). Tells where cuDNN wins.
+4. Accuracy of the bfloat16 training log-probs and gradient through either attention path
+   against float32 (``check_dense_accuracy``).
 
     python benchmarks/gpu.py [--small]   (--small: a tiny config, to check the script on CPU)
 
@@ -73,22 +77,29 @@ def bench_decode(model, p, g, lp, n, peak_bw):
                  "generate_s": t_full, "prefill_s": t_prefill})
 
 
-def bench_update(model, p, g, lp, n, peak_flops, remat):
-    c = model.config
-    cfg = GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat, optimizer=OptimizerConfig(learning_rate=1e-6))
-    opt = cfg.optimizer.make()
+def update_inputs(c: ModelConfig, p, g, lp, n) -> dict:
+    """A random update batch: P full-length prompts, G full-length completions each."""
     k = jax.random.split(jax.random.key(3), 4)
-    data = {"prompt_ids": jax.random.randint(k[0], (p, lp), 0, c.vocab_size), "prompt_mask": jnp.ones((p, lp), jnp.int32),
+    return {"prompt_ids": jax.random.randint(k[0], (p, lp), 0, c.vocab_size), "prompt_mask": jnp.ones((p, lp), jnp.int32),
             "tokens": jax.random.randint(k[1], (p, g, n), 0, c.vocab_size), "mask": jnp.ones((p, g, n), jnp.int32),
             "loss_mask": jnp.ones((p, g, n), jnp.int32), "old_logprobs": -jnp.abs(jax.random.normal(k[2], (p, g, n))),
             "advantages": jax.random.normal(k[3], (p, g))}
+
+
+def bench_update(model, p, g, lp, n, peak_flops, remat_policy):
+    c = model.config
+    cfg = GRPOConfig(num_generations=g, max_new_tokens=n, remat=True, remat_policy=remat_policy,
+                     optimizer=OptimizerConfig(learning_rate=1e-6))
+    opt = cfg.optimizer.make()
+    data = update_inputs(c, p, g, lp, n)
     update = jax.jit(make_update(cfg, opt))
     opt_state = opt.init(model)
     t = timed(lambda: update(model, opt_state, data, jax.random.key(0)), runs=3)
     tokens = p * lp + p * g * n
     flops = 6 * c.num_params() * tokens
     return emit({"bench": "gpu_update", "params_b": c.num_params() / 1e9, "dtype": str(jnp.dtype(model.dtype)),
-                 "P": p, "G": g, "Lp": lp, "N": n, "remat": remat, "trained_tokens": tokens, "update_s": t,
+                 "P": p, "G": g, "Lp": lp, "N": n, "remat_policy": remat_policy,
+                 "train_attention": cfg.train_attention, "trained_tokens": tokens, "update_s": t,
                  "tflops": flops / t / 1e12, "mfu": None if peak_flops is None else flops / t / peak_flops})
 
 
@@ -119,6 +130,39 @@ def bench_attention(p, g, lp, n, hk, r, d, dtype):
               "useful_tflops": None if sec is None else flops / sec / 1e12, "error": err})
 
 
+def check_dense_accuracy():
+    """The training log-probs and their gradient in bfloat16 through each attention path (on a GPU:
+    "dense" is cuDNN), against float32 through the group path at the highest matmul precision::
+
+        err = max |log p_bf16 - log p_f32|,   grad_err = |grad_bf16 - grad_f32| / |grad_f32|
+    """
+    import numpy as np
+    from relax.train.forward import completion_logprobs
+    cfg = ModelConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
+                      num_kv_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
+    m32 = init(cfg, jax.random.key(0))
+    p, g, lp, n = 4, 4, 64, 96
+    ids = jax.random.randint(jax.random.key(1), (p, lp), 0, cfg.vocab_size)
+    pm = (jnp.arange(lp)[None, :] >= jnp.array([0, 5, 17, 40])[:, None]).astype(jnp.int32)  # left padding
+    comp = jax.random.randint(jax.random.key(2), (p, g, n), 0, cfg.vocab_size)
+    cm = (jnp.arange(n) < jax.random.randint(jax.random.key(3), (p, g, 1), 1, n + 1)).astype(jnp.int32)  # ragged
+
+    def run(model, attention):
+        f = lambda m: jnp.where(cm > 0, completion_logprobs(m, ids, pm, comp, cm, attention=attention), 0.0)
+        grads = jax.jit(jax.grad(lambda m: jnp.sum(f(m))))(model)
+        return np.asarray(jax.jit(f)(model), np.float64), np.concatenate(
+            [np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(grads)])
+
+    with jax.default_matmul_precision("highest"):
+        ref_lp, ref_g = run(m32, "group")
+    for attention in ("dense", "group"):
+        lp16, g16 = run(cast(m32, dtype=jnp.bfloat16), attention)
+        emit({"bench": "gpu_train_attention_accuracy", "path_bf16": attention,
+              "max_abs_logprob_err": float(np.abs(lp16 - ref_lp).max()),
+              "mean_abs_logprob_err": float(np.abs(lp16 - ref_lp).mean()),
+              "grad_rel_err": float(np.linalg.norm(g16 - ref_g) / np.linalg.norm(ref_g))})
+
+
 def main():
     sheet = datasheet() or {}
     peak_bw, peak_flops = sheet.get("hbm_bytes_per_s"), sheet.get("bf16_flops")
@@ -126,12 +170,14 @@ def main():
     model = cast(init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16), dtype=jnp.bfloat16)
     for p, g in ((8, 8), (16, 16)):
         bench_decode(model, p, g, 128, 32 if SMALL else 256, peak_bw)
-    bench_update(model, 2 if SMALL else 8, 4 if SMALL else 8, 32 if SMALL else 256, 32 if SMALL else 512,
-                 peak_flops, remat=True)
+    for policy in ("dots", "nothing"):
+        bench_update(model, 2 if SMALL else 8, 4 if SMALL else 8, 32 if SMALL else 256, 32 if SMALL else 512,
+                     peak_flops, policy)
     if SMALL:
         bench_attention(2, 4, 16, 32, 2, 2, 16, jnp.bfloat16)
     else:
         bench_attention(8, 8, 256, 512, 8, 4, 64, jnp.bfloat16)
+    check_dense_accuracy()
 
 
 if __name__ == "__main__":
