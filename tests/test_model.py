@@ -197,6 +197,32 @@ def test_logprob_and_entropy_gradients_match_float64_reference(temperature):
     np.testing.assert_allclose(np.asarray(gm.head), dz.T @ H / temperature, atol=2e-5)
 
 
+def test_entropy_as_a_metric_has_no_gradient_and_the_same_values():
+    """``entropy_grad=False``: same log-probs and entropies, the log-prob gradient unchanged (the
+    float64 closed form with w_ent = 0), and no gradient through the entropy."""
+    cfg = tiny()
+    m = init(cfg, jax.random.key(18), std=0.3)
+    h = jax.random.normal(jax.random.key(19), (2, 7, cfg.hidden_size))
+    ids = jax.random.randint(jax.random.key(20), (2, 7), 0, cfg.vocab_size)
+    wl, we = jax.random.normal(jax.random.key(21), (2, 2, 7))
+    head = lambda h, mm, grad: lp.logprobs_and_entropy_from_hidden(mm, h, ids, temperature=0.7, chunk_size=3,
+                                                                   entropy_grad=grad)
+    chex.assert_trees_all_close(head(h, m, False), head(h, m, True), atol=1e-6)
+    gh, gm = jax.grad(lambda h, mm: jnp.sum(wl * head(h, mm, False)[0] + we * head(h, mm, False)[1]),
+                      argnums=(0, 1))(h, m)
+    H, W = np.asarray(h, np.float64).reshape(14, -1), np.asarray(m.head, np.float64)
+    z = H @ W.T / 0.7
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    a = np.asarray(wl, np.float64).reshape(14, 1)
+    dz = -a * p
+    dz[np.arange(14), np.asarray(ids).reshape(-1)] += a[:, 0]
+    np.testing.assert_allclose(np.asarray(gh).reshape(14, -1), dz @ W / 0.7, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(gm.head), dz.T @ H / 0.7, atol=2e-5)
+    g_ent = jax.grad(lambda h: jnp.sum(head(h, m, False)[1]))(h)
+    assert not np.any(np.asarray(g_ent))
+
+
 def test_config_validation_names_field():
     with pytest.raises(ValueError, match="num_kv_heads"):
         tiny(num_heads=4, num_kv_heads=3)

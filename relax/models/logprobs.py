@@ -13,6 +13,7 @@ logits, writing their gradient in one pass, so peak memory is ``chunk_size * V``
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,15 @@ def _logits(w, h, temperature):
     return z if temperature == 1.0 else z / temperature
 
 
-def _head_forward(temperature, with_entropy, w, h, targets):
+class _Mode(NamedTuple):
+    """Static choices of one head call: compute the entropy; let gradients flow through it (else
+    the backward skips its term and the entropy is a stop-gradient metric)."""
+
+    with_entropy: bool
+    entropy_grad: bool
+
+
+def _head_forward(temperature, mode, w, h, targets):
     z = _logits(w, h, temperature)
     m = jnp.max(z, axis=-1, keepdims=True)
     e = jnp.exp(z - m)
@@ -51,21 +60,21 @@ def _head_forward(temperature, with_entropy, w, h, targets):
     lse = m[:, 0] + jnp.log(l)
     zt = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
     # H = lse - E_p[z] = log l - E_p[z - max]: shifted logits, no large terms that cancel
-    ent = jnp.log(l) - jnp.sum(e * (z - m), axis=-1) / l if with_entropy else jnp.zeros_like(lse)
+    ent = jnp.log(l) - jnp.sum(e * (z - m), axis=-1) / l if mode.with_entropy else jnp.zeros_like(lse)
     return (zt - lse, ent), (lse, ent)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _head(temperature, with_entropy, w, h, targets):
-    return _head_forward(temperature, with_entropy, w, h, targets)[0]
+def _head(temperature, mode, w, h, targets):
+    return _head_forward(temperature, mode, w, h, targets)[0]
 
 
-def _head_fwd(temperature, with_entropy, w, h, targets):
-    out, (lse, ent) = _head_forward(temperature, with_entropy, w, h, targets)
+def _head_fwd(temperature, mode, w, h, targets):
+    out, (lse, ent) = _head_forward(temperature, mode, w, h, targets)
     return out, (w, h, targets, lse, ent)
 
 
-def _head_bwd(temperature, with_entropy, res, g):
+def _head_bwd(temperature, mode, res, g):
     """Recompute the chunk's logits and write the logit gradient in one pass::
 
         d logp_y / dz = onehot(y) - p,    d H / dz = -p (z - E_p[z]) = -p (log p + H),    z = h W^T / tau
@@ -74,7 +83,8 @@ def _head_bwd(temperature, with_entropy, res, g):
     g_lp, g_ent = g
     logp = _logits(w, h, temperature) - lse[:, None]
     p = jnp.exp(logp)
-    coef = g_lp[:, None] + (g_ent[:, None] * (logp + ent[:, None]) if with_entropy else 0.0)
+    with_ent = mode.with_entropy and mode.entropy_grad
+    coef = g_lp[:, None] + (g_ent[:, None] * (logp + ent[:, None]) if with_ent else 0.0)
     hit = jnp.arange(logp.shape[-1])[None, :] == targets[:, None]
     dz = jnp.where(hit, g_lp[:, None], 0.0) - p * coef
     if temperature != 1.0:
@@ -94,21 +104,27 @@ def logprobs_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: I
                          *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "*b"]:
     """``log softmax(h W^T / temperature)[target]`` per row, in float32."""
     w = model.head.astype(model.dtype)
-    fn = lambda hc, tc: _head(temperature, False, w, hc, tc)[0]
+    mode = _Mode(with_entropy=False, entropy_grad=False)
+    fn = lambda hc, tc: _head(temperature, mode, w, hc, tc)[0]
     lead = targets.shape
     out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
     return out.reshape(lead)
 
 
 def logprobs_and_entropy_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: Int[Array, "*b"],
-                                     *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK
+                                     *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
+                                     entropy_grad: bool = True
                                      ) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
-    """Target log-prob and entropy of the full distribution, per row, one pass over the logits."""
+    """Target log-prob and entropy of the full distribution, per row, one pass over the logits.
+    ``entropy_grad=False``: the entropy is a metric (a stop-gradient), and the backward skips its
+    term (one fewer pass over the chunk's logits)."""
     w = model.head.astype(model.dtype)
-    fn = lambda hc, tc: jnp.stack(_head(temperature, True, w, hc, tc), axis=-1)
+    mode = _Mode(with_entropy=True, entropy_grad=entropy_grad)
+    fn = lambda hc, tc: jnp.stack(_head(temperature, mode, w, hc, tc), axis=-1)
     lead = targets.shape
     out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
-    return out[:, 0].reshape(lead), out[:, 1].reshape(lead)
+    ent = out[:, 1] if entropy_grad else jax.lax.stop_gradient(out[:, 1])
+    return out[:, 0].reshape(lead), ent.reshape(lead)
 
 
 def token_logprobs(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,

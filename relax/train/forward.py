@@ -113,7 +113,7 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
                         completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
                         temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
                         chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
-                        attention: str = "auto", remat_policy: str = "nothing"):
+                        attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
@@ -124,6 +124,8 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     reference log-probs on CPU, where a group's activations then stay in cache.
     ``attention``: the completion attention's implementation (module docstring).
     ``remat_policy`` (with ``remat``): what each recomputed layer keeps, a key of ``REMAT_POLICIES``.
+    ``entropy_grad=False`` (with ``with_entropy``): the entropy is a stop-gradient metric and the
+    backward skips its term.
     """
     attention = resolve_attention(attention, model)
     if remat_policy not in REMAT_POLICIES:
@@ -132,20 +134,21 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     if groups_per_pass is None or groups_per_pass == p:
         return _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask,
                                     temperature=temperature, with_entropy=with_entropy, remat=remat,
-                                    chunk_size=chunk_size, attention=attention, remat_policy=remat_policy)
+                                    chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
+                                    entropy_grad=entropy_grad)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
     out = jax.lax.map(
         lambda xs: _completion_logprobs(model, *xs, temperature=temperature, with_entropy=with_entropy,
                                         remat=remat, chunk_size=chunk_size, attention=attention,
-                                        remat_policy=remat_policy),
+                                        remat_policy=remat_policy, entropy_grad=entropy_grad),
         tuple(map(tiles, (prompt_ids, prompt_mask, completions, completion_mask))))
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 
 def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, *, temperature, with_entropy,
-                         remat, chunk_size, attention, remat_policy):
+                         remat, chunk_size, attention, remat_policy, entropy_grad):
     p, g, n = completions.shape
     hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
                             remat_policy)
@@ -153,6 +156,7 @@ def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     targets = completions.reshape(p * g, n)
     if with_entropy:
-        lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size)
+        lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,
+                                                   entropy_grad=entropy_grad)
         return lp.reshape(p, g, n), ent.reshape(p, g, n)
     return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n)

@@ -45,7 +45,8 @@ def make_loss(cfg: GRPOConfig):
         p, g, n = mb["tokens"].shape
         logp, ent = completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
                                         temperature=cfg.temperature, with_entropy=True, remat=cfg.remat,
-                                        attention=cfg.train_attention, remat_policy=cfg.remat_policy)
+                                        attention=cfg.train_attention, remat_policy=cfg.remat_policy,
+                                        entropy_grad=cfg.entropy_coef != 0.0)  # else a metric only
         flat = lambda x: x.reshape(p * g, n)
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
         adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
