@@ -17,11 +17,11 @@ import optax
 from relax.advantages import GRPO_SCALES
 from relax.choices import check_choice
 from relax.losses.aggregation import resolve_mode
-from relax.train.forward import REMAT_POLICIES, TRAIN_ATTENTION
 from relax.losses.kl import KL_ESTIMATORS
 from relax.losses.policy import IMPORTANCE_LEVELS
 from relax.reference import ReferenceConfig
 from relax.rewards.shaping import LENGTH_SHAPING_MODES
+from relax.train.forward import REMAT_POLICIES, TRAIN_ATTENTION
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 POLICY_LOSSES = ("ppo", "cispo", "reinforce")
@@ -134,9 +134,9 @@ class GRPOConfig:
     prompt group per micro-batch on a single CPU device, where that is fastest, else one
     micro-batch; see ``relax.parallel.cache_sized_passes``), ``remat`` (recompute each layer in
     the backward) keeping ``remat_policy`` (nothing | dots: the weight matmuls' outputs, less
-    recompute for more memory), ``train_attention`` (auto | group | dense: the completion attention of the
-    training forward, ``relax.train.forward``; auto = a fused cuDNN kernel on GPU, the group
-    kernel elsewhere).
+    recompute for more memory), ``train_attention`` (auto | group | dense: the completion
+    attention of the training forward, ``relax.train.forward``; auto = a fused cuDNN kernel on
+    GPU, the group kernel elsewhere).
     """
 
     num_generations: int = 8
