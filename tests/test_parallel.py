@@ -175,9 +175,10 @@ def cli_run(d: Path) -> dict:
             "exported": (run_dir / "final_hf" / "config.json").exists()}
 
 
-def _attention_all_gathers(per_step_from_mesh: bool) -> int:
+def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -> int:
     """all-gathers in the compiled training forward+backward on a data=8 mesh (batch sharded,
-    params replicated), traced under the mesh as ShardedStep does (or outside it)."""
+    params replicated), traced under the mesh as ShardedStep does (or outside it), with the
+    given training attention (``dense`` is the GPU path, here through XLA's implementation)."""
     import contextlib
     import re
 
@@ -192,7 +193,8 @@ def _attention_all_gathers(per_step_from_mesh: bool) -> int:
     model = jax.device_put(init(ModelConfig(**MODEL), jax.random.key(0)), parallel.replicated(mesh))
     ids = jax.device_put(jnp.ones((8, 4), jnp.int32), parallel.batch_sharding(mesh))
     comp = jax.device_put(jnp.ones((8, 2, 3), jnp.int32), parallel.batch_sharding(mesh))
-    fn = jax.jit(jax.grad(lambda m, i, c: jnp.sum(completion_logprobs(m, i, jnp.ones_like(i), c, jnp.ones_like(c)))))
+    fn = jax.jit(jax.grad(lambda m, i, c: jnp.sum(completion_logprobs(m, i, jnp.ones_like(i), c, jnp.ones_like(c),
+                                                                       attention=attention))))
     with jax.set_mesh(mesh) if per_step_from_mesh else contextlib.nullcontext():
         text = fn.lower(model, ids, comp).compile().as_text()
     return len(re.findall(r"= \S+ all-gather(?:-start)?\(", text))
@@ -211,7 +213,8 @@ def worker(out_path: str, cli_dir: str) -> None:
     results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
     results["cli"] = cli_run(Path(cli_dir))
     results["attention_all_gathers"] = {"under_mesh": _attention_all_gathers(True),
-                                        "no_mesh": _attention_all_gathers(False)}
+                                        "no_mesh": _attention_all_gathers(False),
+                                        "dense_under_mesh": _attention_all_gathers(True, "dense")}
     results["seconds"] = time.perf_counter() - t0
     Path(out_path).write_text(json.dumps(results))
 
@@ -302,9 +305,10 @@ if __name__ != "__main__":
 
     def test_training_attention_loops_over_local_groups_on_a_mesh(mesh_results):
         """Traced under the mesh, the per-group attention loop takes one local group per device:
-        nothing is gathered. Outside it, the loop over the sharded prompt axis gathers."""
+        nothing is gathered. Outside it, the loop over the sharded prompt axis gathers. The dense
+        (GPU) layout is per completion row: nothing is gathered either."""
         got = mesh_results["attention_all_gathers"]
-        assert got["under_mesh"] == 0 and got["no_mesh"] > 0, got
+        assert got["under_mesh"] == 0 and got["no_mesh"] > 0 and got["dense_under_mesh"] == 0, got
 
     def test_second_iteration_compiles_nothing(mesh_results):
         for name, run in mesh_results["runs"].items():
