@@ -21,6 +21,8 @@ sliding window) and ``"group"`` elsewhere.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
@@ -130,20 +132,16 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     attention = resolve_attention(attention, model)
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+    run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
+                            remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
+                            entropy_grad=entropy_grad)
     p = prompt_ids.shape[0]
     if groups_per_pass is None or groups_per_pass == p:
-        return _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask,
-                                    temperature=temperature, with_entropy=with_entropy, remat=remat,
-                                    chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
-                                    entropy_grad=entropy_grad)
+        return run(prompt_ids, prompt_mask, completions, completion_mask)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
-    out = jax.lax.map(
-        lambda xs: _completion_logprobs(model, *xs, temperature=temperature, with_entropy=with_entropy,
-                                        remat=remat, chunk_size=chunk_size, attention=attention,
-                                        remat_policy=remat_policy, entropy_grad=entropy_grad),
-        tuple(map(tiles, (prompt_ids, prompt_mask, completions, completion_mask))))
+    out = jax.lax.map(lambda xs: run(*xs), tuple(map(tiles, (prompt_ids, prompt_mask, completions, completion_mask))))
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 

@@ -66,8 +66,8 @@ def make_reference(cfg: GRPOConfig) -> Stage:
             return state, batch
         ref_logprobs = jax.lax.stop_gradient(completion_logprobs(
             state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-            temperature=cfg.temperature, remat=cfg.remat, groups_per_pass=1 if cache_sized_passes() else None,
-            attention=cfg.train_attention, remat_policy=cfg.remat_policy))
+            temperature=cfg.temperature, groups_per_pass=1 if cache_sized_passes() else None,
+            attention=cfg.train_attention))  # forward only: remat would recompute nothing
         return state, {**batch, "ref_logprobs": ref_logprobs}
 
     return stage(reference, name="reference")
