@@ -7,11 +7,15 @@ followed by the completion's own keys ``K_g``; one softmax runs over their union
     s = [q K_p^T, q K_g^T] / sqrt(D)   (masked),   lse = logsumexp(s),   P = exp(s - lse)
     o = P [V_p; V_g]
 
-The backward recomputes ``P`` from the saved ``lse`` instead of storing it (``delta = rowsum(dO * O)``)::
+The backward (``delta = rowsum(dO * O)``)::
 
     dV = P^T dO,   dS = P * (dO V^T - delta),   dQ = dS K / sqrt(D),   dK = dS^T Q / sqrt(D)
 
-with ``dK_p, dV_p`` summed over the G completions that share the prompt. Both passes run as a
+with ``dK_p, dV_p`` summed over the G completions that share the prompt. ``P`` is recomputed
+from the saved ``lse`` (flash-style: nothing of score size is kept between the passes) or, with
+``save_probabilities``, kept from the forward (``[.., M, Lp+N]`` per layer: one score product and
+one exponential pass fewer, forward+backward 11 -> 7.4 ms per layer and group at the train-step
+shapes on 2 CPU cores; for cache-sized passes, where that tensor is a few MB). Both passes run as a
 ``lax.map`` over prompt groups, so the score tiles of one group stay in cache instead of
 materialising ``[P*G, Hkv, M, Lp+N]`` scores and every softmax intermediate for the backward
 (``benchmarks/train_attention.py``, 2 CPU cores, the train-step shapes: forward 2.6x and
@@ -60,7 +64,13 @@ def _group_forward(window, q, pk, pv, k, v, pos):
     o = (jnp.einsum("hgms,hsd->hgmd", ep, pv.astype(jnp.float32))
          + jnp.einsum("hgms,hgsd->hgmd", eo, v.astype(jnp.float32))) / safe
     lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # +inf: P = exp(s - lse) = 0 in the backward
-    return o, lse
+    return o, lse, (ep, eo, safe)
+
+
+def _group_forward_saving(window, q, pk, pv, k, v, pos):
+    """The forward that also returns ``P`` over ``[prompt; own]`` keys, ``[hk, g, m, lp+n]``."""
+    o, _, (ep, eo, safe) = _group_forward(window, q, pk, pv, k, v, pos)
+    return o, jnp.concatenate([ep, eo], axis=-1) * (1.0 / safe)
 
 
 def _with_prompt(pk, k):
@@ -70,17 +80,24 @@ def _with_prompt(pk, k):
 
 
 def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
+    """The backward with ``P`` recomputed from the saved log-sum-exp."""
+    scale = q.shape[-1] ** -0.5
+    mp, mo = _group_masks(*pos, window)
+    mask = jnp.concatenate([jnp.broadcast_to(mp, mo.shape[:-1] + mp.shape[-1:]), mo], axis=-1)
+    kk = _with_prompt(pk, k).astype(jnp.float32)
+    s = jnp.where(mask, jnp.einsum("hgmd,hgsd->hgms", q.astype(jnp.float32), kk) * scale, NEG_INF)
+    pr = jnp.exp(s - lse)  # masked entries: exp(-1e30 - lse) = 0
+    return _backward_from_probs(q, pk, pv, k, v, o, pr, do)
+
+
+def _backward_from_probs(q, pk, pv, k, v, o, pr, do):
     # One [lp+n]-wide block per completion (the prompt keys copied G times, a few KB) instead of a
     # prompt block and an own block: half the matmuls and fusions, ~25% faster on CPU
     # (benchmarks/train_attention.py); the prompt gradients are the G copies' sum.
     scale = q.shape[-1] ** -0.5
     f32 = jnp.float32
     lp = pk.shape[1]
-    mp, mo = _group_masks(*pos, window)
-    mask = jnp.concatenate([jnp.broadcast_to(mp, mo.shape[:-1] + mp.shape[-1:]), mo], axis=-1)
     kk, vv, qf = _with_prompt(pk, k).astype(f32), _with_prompt(pv, v).astype(f32), q.astype(f32)
-    s = jnp.where(mask, jnp.einsum("hgmd,hgsd->hgms", qf, kk) * scale, NEG_INF)
-    pr = jnp.exp(s - lse)  # masked entries: exp(-1e30 - lse) = 0
     delta = jnp.sum(do * o, axis=-1, keepdims=True)
     dvv = jnp.einsum("hgms,hgmd->hgsd", pr, do)
     ds = pr * (jnp.einsum("hgmd,hgsd->hgms", do, vv) - delta) * scale
@@ -109,20 +126,26 @@ def _over_groups(fn, b, *xs):
     return jax.tree.map(_untile, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(window, b, q, pk, pv, k, v, pos):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(window, b, save, q, pk, pv, k, v, pos):
     return _over_groups(lambda *a: _group_forward(window, *a)[0], b, q, pk, pv, k, v, pos)
 
 
-def _attend_fwd(window, b, q, pk, pv, k, v, pos):
-    o, lse = _over_groups(functools.partial(_group_forward, window), b, q, pk, pv, k, v, pos)
-    return o, (q, pk, pv, k, v, pos, o, lse)
+def _attend_fwd(window, b, save, q, pk, pv, k, v, pos):
+    if save:  # residual: P itself
+        o, kept = _over_groups(functools.partial(_group_forward_saving, window), b, q, pk, pv, k, v, pos)
+    else:  # residual: the log-sum-exp
+        o, kept = _over_groups(lambda *a: _group_forward(window, *a)[:2], b, q, pk, pv, k, v, pos)
+    return o, (q, pk, pv, k, v, pos, o, kept)
 
 
-def _attend_bwd(window, b, res, do):
-    q, pk, pv, k, v, pos, o, lse = res
-    grads = _over_groups(functools.partial(_group_backward, window), b, q, pk, pv, k, v, pos, o, lse,
-                         do.astype(jnp.float32))
+def _attend_bwd(window, b, save, res, do):
+    q, pk, pv, k, v, pos, o, kept = res
+    do = do.astype(jnp.float32)
+    if save:
+        grads = _over_groups(_backward_from_probs, b, q, pk, pv, k, v, o, kept, do)
+    else:
+        grads = _over_groups(functools.partial(_group_backward, window), b, q, pk, pv, k, v, pos, o, kept, do)
     return (*grads, jax.tree.map(lambda _: None, pos))
 
 
@@ -143,6 +166,7 @@ def prefix_group_attention(
     *,
     window: int | None = None,
     groups_per_step: int = 1,
+    save_probabilities: bool = False,
 ) -> Float[Array, "p hk g m d"]:
     """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
 
@@ -155,9 +179,13 @@ def prefix_group_attention(
     ``groups_per_step``: groups computed together per loop step (it must divide P). 1 keeps each
     tile in cache (CPU); on a mesh pass the number of shards of the P axis, so that each step
     takes one local group per device (a loop over a sharded axis would gather it); P = no loop.
+
+    ``save_probabilities``: keep ``P`` (``[P, Hkv, G, M, Lp+N]`` float32) from the forward for the
+    backward instead of recomputing it - faster, at the cost of that memory per layer until the
+    backward; the result and gradients are the same either way.
     """
     p = q.shape[0]
     if groups_per_step < 1 or p % groups_per_step:
         raise ValueError(f"groups_per_step={groups_per_step} does not divide the {p} prompt groups")
     pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool))
-    return _attend(window, groups_per_step, q, pk, pv, k, v, pos)
+    return _attend(window, groups_per_step, bool(save_probabilities), q, pk, pv, k, v, pos)

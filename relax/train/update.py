@@ -43,10 +43,12 @@ def make_loss(cfg: GRPOConfig):
 
     def loss_fn(policy, mb, norms):
         p, g, n = mb["tokens"].shape
+        cache = cache_sized_passes()  # one group per pass on CPU: unrolled layers, attention kept
         logp, ent = completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
                                         temperature=cfg.temperature, with_entropy=True, remat=cfg.remat,
                                         attention=cfg.train_attention, remat_policy=cfg.remat_policy,
-                                        entropy_grad=cfg.entropy_coef != 0.0)  # else a metric only
+                                        entropy_grad=cfg.entropy_coef != 0.0,  # else a metric only
+                                        unroll=cache, save_attention=cache)
         flat = lambda x: x.reshape(p * g, n)
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
         adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
