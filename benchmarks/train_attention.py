@@ -58,9 +58,9 @@ def _unblocked(P, G, H, R, Lp, N, D):
         vb = cv.transpose(0, 2, 1, 3, 4).reshape(B, H, N, D)
         t = jnp.arange(N)
         own = jnp.broadcast_to((t[:, None] >= t[None, :])[None, None, None], (B, 1, R, N, N)).reshape(B, 1, R * N, N)
-        oc, lc = attn.partial_attention(qb, kb, vb, own)
-        op, lp = attn.shared_prefix_attention(qb, pk, pv, jnp.ones((P, 1, 1, Lp), bool), G)
-        out = attn.merge_partials([op, oc], [lp, lc])
+        own_block = attn.block_stats(qb, kb, vb, own)
+        prompt_block = attn.shared_prefix_attention(qb, pk, pv, jnp.ones((P, 1, 1, Lp), bool), G)
+        out = attn.merge_stats([prompt_block, own_block])
         return out.reshape(P, G, H, R * N, D).transpose(0, 2, 1, 3, 4)
     return f
 

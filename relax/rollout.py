@@ -5,8 +5,8 @@ Each prompt is prefilled once; its keys/values are stored ONCE per prompt (per l
 (``[P*G, Hkv, D, N]`` / ``[P*G, Hkv, N, D]``, in blocks of ``cache_chunk`` slots). A decode
 step attends to the shared prompt (the G completions folded into the query rows, so it is one
 dense matmul per KV head) and to the filled blocks of the completion's own cache, into which
-the step's key/value was just written, and merges the partial softmaxes exactly through their
-log-sum-exps (``relax.models.attention.merge_partials``). Keys are stored transposed so the
+the step's key/value was just written, and merges the unnormalised partial softmaxes exactly
+(``relax.models.attention.merge_stats``). Keys are stored transposed so the
 score product is a plain matmul. Prefill computes logits only at the last prompt position.
 Prefill and the decode loop are one jitted program: one ``lax.while_loop`` per cache block,
 each stopping early when every sequence has hit a stop id.
@@ -149,8 +149,7 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
         if window is not None:
             qpos_p = q_pos.reshape(p, num_gen)[:, 0]
             allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
-        op, lp = attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True)
-        outs, lses = [op], [lp]
+        blocks = [attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True)]
         # this step's key/value go into block seg first (in place, before it is read)
         ck, cv = list(ck), list(cv)
         ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.reshape(b, hk, d).astype(ck[seg].dtype),
@@ -162,10 +161,8 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
             allowed = slots <= t
             if window is not None:
                 allowed = allowed & (t - slots < window)
-            o, l = attn.partial_attention(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True)
-            outs.append(o)
-            lses.append(l)
-        out = attn.merge_partials(outs, lses)
+            blocks.append(attn.block_stats(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True))
+        out = attn.merge_stats(blocks)
         return out.reshape(b, 1, hq, d).astype(q.dtype), (tuple(ck), tuple(cv))
 
     return attend

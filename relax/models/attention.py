@@ -7,23 +7,65 @@ as ``[B, Hkv, M, D]``: the ``M`` rows of one KV head are its ``R = Hq / Hkv`` qu
 times the query positions (or, in the sampler, times the G completions that share a prompt).
 
 A softmax over the union of several key blocks is assembled exactly from per-block partial
-results (the cascade / Hydragen identity)::
+results (the cascade / Hydragen identity), kept unnormalised (``block_stats``)::
 
-    m_i = max_s z_is,   l_i = sum_s exp(z_is - m_i),   o_i = sum_s exp(z_is - m_i) v_s / l_i
-    lse_i = m_i + log l_i
-    o = sum_i exp(lse_i - lse) o_i,   lse = logsumexp_i lse_i
+    m_i = max_s z_is,   l_i = sum_s exp(z_is - m_i),   u_i = sum_s exp(z_is - m_i) v_s
+    o = sum_i exp(m_i - M) u_i / sum_i exp(m_i - M) l_i,   M = max_i m_i      (merge_stats)
 
 which is what the sampler uses to attend to one shared prompt block plus each completion's
-own block. Scores are ``q.k / sqrt(D)``.
+own blocks (no per-block division, log or log-sum-exp: fewer small ops per decode step).
+``partial_attention`` gives one block's normalised output and log-sum-exp ``m + log l``.
+Scores are ``q.k / sqrt(D)``.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
+from typing import NamedTuple
+
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 NEG_INF = -1e30  # finite, so rows with no visible key give zeros, never NaN
+
+
+class BlockStats(NamedTuple):
+    """One key block's unnormalised attention: ``u = sum_s exp(z_s - m) v_s``, ``m = max_s z_s``
+    (about ``NEG_INF`` where nothing is visible), ``l = sum_s exp(z_s - m)`` (0 there), float32."""
+
+    u: Float[Array, "b hk m d"]
+    m: Float[Array, "b hk m"]
+    l: Float[Array, "b hk m"]
+
+
+def block_stats(
+    q: Float[Array, "b hk m d"],
+    k: Float[Array, "b hk s d"] | Float[Array, "b hk d s"],
+    v: Float[Array, "b hk s d"],
+    allowed: Bool[Array, "b #hk #m s"],
+    *,
+    k_transposed: bool = False,
+) -> BlockStats:
+    """Grouped queries over one key block, unnormalised (module docstring). ``k_transposed``: keys
+    are stored ``[b, hk, d, s]``, which makes the score product a plain ``[m, d] x [d, s]`` matmul;
+    the decode caches use it (with few query rows, XLA:CPU runs that ~3x faster)."""
+    scale = q.shape[-1] ** -0.5
+    spec = "bhmd,bhds->bhms" if k_transposed else "bhmd,bhsd->bhms"
+    scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(allowed, scores, NEG_INF)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.where(allowed, jnp.exp(scores - m), 0.0)
+    u = jnp.einsum("bhms,bhsd->bhmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return BlockStats(u, m[..., 0], jnp.sum(p, axis=-1))
+
+
+def merge_stats(blocks: list[BlockStats]) -> Float[Array, "b hk m d"]:
+    """Exact softmax attention over the union of the blocks (float32; zeros where no key is visible)."""
+    top = functools.reduce(jnp.maximum, [b.m for b in blocks])
+    w = [jnp.exp(b.m - top) for b in blocks]
+    num = sum(wi[..., None] * b.u for wi, b in zip(w, blocks))
+    den = sum(wi * b.l for wi, b in zip(w, blocks))
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def partial_attention(
@@ -34,32 +76,12 @@ def partial_attention(
     *,
     k_transposed: bool = False,
 ) -> tuple[Float[Array, "b hk m d"], Float[Array, "b hk m"]]:
-    """Softmax attention of grouped queries over one key block.
-
-    Returns the block-normalised output (float32) and the per-query log-sum-exp of the
-    scores (float32; about ``NEG_INF`` where nothing is visible). ``k_transposed``: keys are
-    stored ``[b, hk, d, s]``, which makes the score product a plain ``[m, d] x [d, s]`` matmul;
-    the decode caches use it (with few query rows, XLA:CPU runs that ~3x faster).
-    """
-    scale = q.shape[-1] ** -0.5
-    spec = "bhmd,bhds->bhms" if k_transposed else "bhmd,bhsd->bhms"
-    scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(allowed, scores, NEG_INF)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.where(allowed, jnp.exp(scores - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
+    """Softmax attention of grouped queries over one key block: the block-normalised output
+    (float32) and the per-query log-sum-exp of the scores (float32; about ``NEG_INF`` where
+    nothing is visible). ``k_transposed`` as in ``block_stats``."""
+    u, m, l = block_stats(q, k, v, allowed, k_transposed=k_transposed)
     safe_l = jnp.where(l > 0, l, 1.0)
-    out = jnp.einsum("bhms,bhsd->bhmd", (p / safe_l).astype(v.dtype), v, preferred_element_type=jnp.float32)
-    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(safe_l[..., 0]), NEG_INF)
-    return out, lse
-
-
-def merge_partials(outs: list[Float[Array, "b hk m d"]], lses: list[Float[Array, "b hk m"]]
-                   ) -> Float[Array, "b hk m d"]:
-    """Exact softmax over the union of key blocks from per-block (output, lse) pairs."""
-    stacked = jnp.stack(lses)
-    weights = jnp.exp(stacked - jax.nn.logsumexp(stacked, axis=0))
-    return sum(w[..., None] * o for w, o in zip(weights, outs))
+    return u / safe_l[..., None], jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
 
 
 def heads_major(x: Float[Array, "b t h d"]) -> Float[Array, "b h t d"]:
@@ -97,17 +119,16 @@ def shared_prefix_attention(
     num_gen: int,
     *,
     k_transposed: bool = False,
-) -> tuple[Float[Array, "pg hk m d"], Float[Array, "pg hk m"]]:
+) -> BlockStats:
     """Attention of the G sequences of each group to their group's ONE prefix block.
 
     Queries ``[P*G, Hkv, M, D]`` are folded to ``[P, Hkv, G*M, D]`` so the prefix keys are read
-    once per group (one dense product per KV head), then unfolded; returns the partial output
-    and log-sum-exp for ``merge_partials``. ``allowed`` is over the folded rows ``(g, m)``.
+    once per group (one dense product per KV head), then unfolded; returns the block's
+    ``BlockStats`` for ``merge_stats``. ``allowed`` is over the folded rows ``(g, m)``.
     """
     b, hk, m, d = q.shape
     p = b // num_gen
     qp = q.reshape(p, num_gen, hk, m, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * m, d)
-    out, lse = partial_attention(qp, k, v, allowed, k_transposed=k_transposed)
-    out = out.reshape(p, hk, num_gen, m, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, m, d)
-    lse = lse.reshape(p, hk, num_gen, m).transpose(0, 2, 1, 3).reshape(b, hk, m)
-    return out, lse
+    stats = block_stats(qp, k, v, allowed, k_transposed=k_transposed)
+    unfold = lambda x: x.reshape((p, hk, num_gen, m) + x.shape[3:]).swapaxes(1, 2).reshape((b, hk, m) + x.shape[3:])
+    return BlockStats(*map(unfold, stats))
