@@ -5,7 +5,9 @@ their group's prompt keys and their own causal keys. Two implementations, same m
 
     group      ``relax.models.group_attention.prefix_group_attention``: one prompt group at a
                time (``lax.map``), masks rebuilt from positions in each tile, a custom backward
-               that recomputes the probabilities from the saved log-sum-exp (what relax uses)
+               that recomputes the probabilities from the saved log-sum-exp
+    group_saved  the same with ``save_probabilities=True``: the backward reads the forward's
+               probabilities (what relax's CPU update uses, one group per pass)
     unblocked  the whole batch at once: prompt block and own block as two partial softmaxes
                merged by log-sum-exp, differentiated by autodiff (relax's training forward
                before the group kernel; it keeps every [P*G, Hkv, R*N, Lp+N] intermediate)
@@ -74,9 +76,10 @@ def main(args: Args) -> None:
         xs, pos = harness.group_attention_inputs(P, G, H, R, Lp, N, D)
         w = jax.random.normal(jax.random.key(9), xs[0].shape)
         impls = {"unblocked": _unblocked(P, G, H, R, Lp, N, D),
-                 "group": lambda *a: prefix_group_attention(*a, *pos)}
+                 "group": lambda *a: prefix_group_attention(*a, *pos),
+                 "group_saved": lambda *a: prefix_group_attention(*a, *pos, save_probabilities=True)}
         got = {name: f(*xs) for name, f in impls.items()}
-        err = float(jnp.max(jnp.abs(got["group"] - got["unblocked"])))
+        err = max(float(jnp.max(jnp.abs(got[g] - got["unblocked"]))) for g in ("group", "group_saved"))
         times = {}
         for pass_ in ("forward", "forward+backward"):
             for name, f in impls.items():
