@@ -65,6 +65,11 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     g2 = jax.grad(lambda m: jnp.sum(w * direct(m)))(model)
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g2))
     chex.assert_trees_all_close(g1, g2, atol=1e-5 * scale, rtol=1e-4)
+    # the CPU update's options (unrolled layers, attention probabilities kept for the backward)
+    fast = lambda m: completion_logprobs(m, ids, pm, comp, cm, temperature=0.7, unroll=True, save_attention=True)
+    np.testing.assert_allclose(np.where(cm, fast(model), 0), np.where(cm, want, 0), atol=1e-5)
+    g3 = jax.grad(lambda m: jnp.sum(w * fast(m)))(model)
+    chex.assert_trees_all_close(g3, g2, atol=1e-5 * scale, rtol=1e-4)
 
 
 def _update_data(p=4, g=4, n=5, seed=0, adv_scale=1.0):

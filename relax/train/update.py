@@ -38,17 +38,28 @@ def _policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
     return reinforce(logp, adv, mask)
 
 
+# On cache-sized passes (one CPU device) the policy's forward+backward unrolls its layer loop (the
+# backward then reads each layer's residuals in place instead of stacking them; deeper models keep
+# the scan, whose compile time does not grow with depth) and keeps the group attention's
+# probabilities for the backward when one layer's (float32 [P, Hq, G, N, Lp+N]) fit this budget.
+UNROLL_MAX_LAYERS = 8
+SAVED_PROBS_BYTES = 64 * 2**20
+
+
 def make_loss(cfg: GRPOConfig):
     """``loss(policy, minibatch, norms) -> (scalar, metrics)`` for one (micro-)batch of groups."""
 
     def loss_fn(policy, mb, norms):
         p, g, n = mb["tokens"].shape
-        cache = cache_sized_passes()  # one group per pass on CPU: unrolled layers, attention kept
+        c, lp = policy.config, mb["prompt_ids"].shape[1]
+        cache = cache_sized_passes()  # small passes on one CPU device: see UNROLL_MAX_LAYERS
+        probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
         logp, ent = completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
                                         temperature=cfg.temperature, with_entropy=True, remat=cfg.remat,
                                         attention=cfg.train_attention, remat_policy=cfg.remat_policy,
                                         entropy_grad=cfg.entropy_coef != 0.0,  # else a metric only
-                                        unroll=cache, save_attention=cache)
+                                        unroll=cache and c.num_layers <= UNROLL_MAX_LAYERS,
+                                        save_attention=cache and probs_bytes <= SAVED_PROBS_BYTES)
         flat = lambda x: x.reshape(p * g, n)
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
         adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
