@@ -9,7 +9,7 @@ their group's prompt keys and their own causal keys. Two implementations, same m
     group_saved  the same with ``save_probabilities=True``: the backward reads the forward's
                probabilities (what relax's CPU update uses, one group per pass)
     unblocked  the whole batch at once: prompt block and own block as two partial softmaxes
-               merged by log-sum-exp, differentiated by autodiff (relax's training forward
+               merged exactly (``attention.merge_stats``), differentiated by autodiff (relax's training forward
                before the group kernel; it keeps every [P*G, Hkv, R*N, Lp+N] intermediate)
 
 ``xla_temp_mb`` is XLA's scratch + output allocation for the program (exact, noise-free);

@@ -87,17 +87,19 @@ def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
     kk = _with_prompt(pk, k).astype(jnp.float32)
     s = jnp.where(mask, jnp.einsum("hgmd,hgsd->hgms", q.astype(jnp.float32), kk) * scale, NEG_INF)
     pr = jnp.exp(s - lse)  # masked entries: exp(-1e30 - lse) = 0
-    return _backward_from_probs(q, pk, pv, k, v, o, pr, do)
+    return _backward_from_probs(q, pk, pv, k, v, o, pr, do, kk=kk)
 
 
-def _backward_from_probs(q, pk, pv, k, v, o, pr, do):
+def _backward_from_probs(q, pk, pv, k, v, o, pr, do, kk=None):
     # One [lp+n]-wide block per completion (the prompt keys copied G times, a few KB) instead of a
     # prompt block and an own block: half the matmuls and fusions, ~25% faster on CPU
-    # (benchmarks/train_attention.py); the prompt gradients are the G copies' sum.
+    # (benchmarks/train_attention.py); the prompt gradients are the G copies' sum. ``kk``: the
+    # float32 [prompt; own] keys when the caller has built them already.
     scale = q.shape[-1] ** -0.5
     f32 = jnp.float32
     lp = pk.shape[1]
-    kk, vv, qf = _with_prompt(pk, k).astype(f32), _with_prompt(pv, v).astype(f32), q.astype(f32)
+    kk = _with_prompt(pk, k).astype(f32) if kk is None else kk
+    vv, qf = _with_prompt(pv, v).astype(f32), q.astype(f32)
     delta = jnp.sum(do * o, axis=-1, keepdims=True)
     dvv = jnp.einsum("hgms,hgmd->hgsd", pr, do)
     ds = pr * (jnp.einsum("hgmd,hgsd->hgms", do, vv) - delta) * scale

@@ -82,9 +82,10 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     q_pos = jnp.tile(c_pos, (1, r)).reshape(p, g, r * n)  # query rows (r, t) of each KV head
     k_pos, k_valid = c_pos.reshape(p, g, n), c_valid.reshape(p, g, n)
 
+    impl = "cudnn" if fused_attention_available(model.dtype) else "xla"  # of the "dense" path
+
     def completion_attend(pk, pv):
         if attention == "dense":
-            impl = "cudnn" if fused_attention_available(model.dtype) else "xla"
             return lambda q, k, v, _: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl), None)
 
         def attend(q, k, v, _):
