@@ -22,11 +22,13 @@ sliding window) and ``"group"`` elsewhere.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
+from relax.models.config import ModelConfig
 from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
 from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
@@ -55,8 +57,31 @@ def resolve_attention(choice: str, model: Transformer) -> str:
     return choice
 
 
+class CompletionRope(NamedTuple):
+    """Rotary ``(cos, sin)`` tables of a batch's prompt positions and completion positions."""
+
+    prompt: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]]
+    completion: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]]
+
+
+def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_generations: int,
+                    num_tokens: int) -> CompletionRope:
+    """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
+    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t``.
+
+    Compute them once, outside any loop that calls ``completion_logprobs`` (micro-batches,
+    epochs), and pass them as its ``rope``: XLA:CPU fuses ``cos``/``sin`` into every consumer
+    and, with the layer loop unrolled, recomputes them per head and per layer (rotary fusions
+    ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
+    """
+    inv = inverse_frequencies(config)
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    c_pos = p_len[:, None, None] + jnp.broadcast_to(jnp.arange(num_tokens), (num_generations, num_tokens))
+    return CompletionRope(rope_angles(inv, positions_from_mask(prompt_mask)), rope_angles(inv, c_pos))
+
+
 def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
-                   remat_policy, unroll, save_attention):
+                   remat_policy, unroll, save_attention, rope):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completions ``[P*G, N, D]``."""
     c = model.config
     p = prompt_ids.shape[0]
@@ -70,9 +95,10 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
     c_pos = jnp.repeat(p_len, g)[:, None] + jnp.arange(n)[None, :]  # [B, N]
     c_valid = completion_mask.reshape(b, n).astype(bool)
-    inv = inverse_frequencies(c)
-    p_rope = rope_angles(inv, p_pos)
-    c_rope = rope_angles(inv, c_pos)
+    if rope is None:
+        rope = completion_rope(c, prompt_mask, g, n)
+    p_rope = rope.prompt
+    c_rope = tuple(x.reshape(b, n, x.shape[-1]) for x in rope.completion)
     prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
 
     # one group per loop step on one device; one local group per device per step on a mesh
@@ -118,7 +144,7 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
                         temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
                         chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
                         attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True,
-                        unroll: bool = False, save_attention: bool = False):
+                        unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
@@ -137,6 +163,7 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     ``[L, ...]`` arrays and slicing them back (update -2.5% on 2 CPU cores; a forward alone gets
     slower); ``save_attention`` keeps the group attention's probabilities for the backward
     (``prefix_group_attention(save_probabilities=True)``; no effect on ``"dense"``).
+    ``rope``: the rotary tables (``completion_rope``) when the caller computed them outside its loop.
     """
     attention = resolve_attention(attention, model)
     if remat_policy not in REMAT_POLICIES:
@@ -144,21 +171,24 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
                             remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
                             entropy_grad=entropy_grad, unroll=unroll, save_attention=save_attention)
-    p = prompt_ids.shape[0]
+    p, g, n = completions.shape
     if groups_per_pass is None or groups_per_pass == p:
-        return run(prompt_ids, prompt_mask, completions, completion_mask)
+        return run(prompt_ids, prompt_mask, completions, completion_mask, rope)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
+    if rope is None:  # outside the loop over groups (see completion_rope)
+        rope = completion_rope(model.config, prompt_mask, g, n)
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
-    out = jax.lax.map(lambda xs: run(*xs), tuple(map(tiles, (prompt_ids, prompt_mask, completions, completion_mask))))
+    xs = jax.tree.map(tiles, (prompt_ids, prompt_mask, completions, completion_mask, rope))
+    out = jax.lax.map(lambda xs: run(*xs), xs)
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 
-def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, *, temperature, with_entropy,
-                         remat, chunk_size, attention, remat_policy, entropy_grad, unroll, save_attention):
+def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, rope, *, temperature,
+                         with_entropy, remat, chunk_size, attention, remat_policy, entropy_grad, unroll, save_attention):
     p, g, n = completions.shape
     hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
-                            remat_policy, unroll, save_attention)
+                            remat_policy, unroll, save_attention, rope)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     targets = completions.reshape(p * g, n)

@@ -26,7 +26,7 @@ from relax.losses.policy import cispo, ppo_clip, reinforce
 from relax.masked import masked_mean
 from relax.parallel import cache_sized_passes
 from relax.train.config import GRPOConfig
-from relax.train.forward import completion_logprobs
+from relax.train.forward import completion_logprobs, completion_rope
 
 
 def _policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
@@ -59,7 +59,8 @@ def make_loss(cfg: GRPOConfig):
                                         attention=cfg.train_attention, remat_policy=cfg.remat_policy,
                                         entropy_grad=cfg.entropy_coef != 0.0,  # else a metric only
                                         unroll=cache and c.num_layers <= UNROLL_MAX_LAYERS,
-                                        save_attention=cache and probs_bytes <= SAVED_PROBS_BYTES)
+                                        save_attention=cache and probs_bytes <= SAVED_PROBS_BYTES,
+                                        rope=mb.get("rope"))
         flat = lambda x: x.reshape(p * g, n)
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
         adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
@@ -104,6 +105,9 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
         a = cfg.grad_accum if cfg.grad_accum is not None else (p // m if cache_sized_passes() else 1)
         if p % (m * a):
             raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m} x grad_accum={a}")
+        _, g, n = data["tokens"].shape
+        # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
+        data = {**data, "rope": completion_rope(policy.config, data["prompt_mask"], g, n)}
         seq_valid = jnp.any(data["loss_mask"] > 0, axis=-1)
         norms = {"tokens": jnp.maximum(jnp.sum(data["loss_mask"]), 1) / m,
                  "sequences": jnp.maximum(jnp.sum(seq_valid), 1) / m}
