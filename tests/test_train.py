@@ -10,7 +10,7 @@ from relax.models import ModelConfig, init
 from relax.models.logprobs import token_logprobs
 from relax.reference import ReferenceConfig
 from relax.train.config import GRPOConfig, OptimizerConfig, preset
-from relax.train.forward import completion_logprobs
+from relax.train.forward import completion_logprobs, completion_rope
 from relax.train.grpo import make_grpo_step
 from relax.train.state import init_state
 from relax.train.update import make_update
@@ -70,6 +70,32 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     np.testing.assert_allclose(np.where(cm, fast(model), 0), np.where(cm, want, 0), atol=1e-5)
     g3 = jax.grad(lambda m: jnp.sum(w * fast(m)))(model)
     chex.assert_trees_all_close(g3, g2, atol=1e-5 * scale, rtol=1e-4)
+    # the rotary tables computed once outside (as the update does): the same values
+    rope = completion_rope(cfg, pm, g, n)
+    outside = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, rope=rope, unroll=True)
+    np.testing.assert_allclose(np.where(cm, outside, 0), np.where(cm, want, 0), atol=1e-5)
+
+
+def test_completion_rope_tables_match_numpy():
+    """Left-padded prompt token j of a length-l prompt sits at position j - (Lp - l) (padding at 0);
+    completion token t at l + t; the tables are cos/sin of position * theta^(-2i/d), halves repeated."""
+    p, g, n, lp = 3, 2, 4, 6
+    lengths = [6, 2, 4]
+    _, pm = _prompts(p, lp, lengths)
+    rope = completion_rope(CFG, pm, g, n)
+    d = CFG.head_dim
+    inv = 1.0 / CFG.rope_theta ** (np.arange(0, d, 2) / d)
+    table = lambda pos: (np.cos(np.concatenate([np.outer(pos, inv)] * 2, 1)),
+                         np.sin(np.concatenate([np.outer(pos, inv)] * 2, 1)))
+    chex.assert_shape(rope.prompt, ((p, lp, d),) * 2)
+    chex.assert_shape(rope.completion, ((p, g, n, d),) * 2)
+    for i, length in enumerate(lengths):
+        pos = np.maximum(np.arange(lp) - (lp - length), 0)
+        for got, want in zip(rope.prompt, table(pos)):
+            np.testing.assert_allclose(got[i], want, atol=2e-6)
+        for got, want in zip(rope.completion, table(length + np.arange(n))):
+            for j in range(g):
+                np.testing.assert_allclose(got[i, j], want, atol=2e-6)
 
 
 def _update_data(p=4, g=4, n=5, seed=0, adv_scale=1.0):

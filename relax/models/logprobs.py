@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from relax.models.matmul import weight_grad
 from relax.models.transformer import Transformer, hidden_states
 
 DEFAULT_CHUNK = 1024
@@ -93,8 +94,13 @@ def _head_bwd(temperature, mode, res, g):
     # (a bfloat16 model rounds dz to bfloat16 here, as mixed-precision training does)
     dz = dz.astype(w.dtype)
     dh = jnp.dot(dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.einsum("nv,nd->vd", dz, h.astype(w.dtype), preferred_element_type=jnp.float32).astype(w.dtype)
-    return dw, dh, None
+    # dW = dz^T h, as (h^T dz)^T on CPU (relax.models.matmul: the vocabulary-sized product runs
+    # ~1.5x faster that way); the barrier keeps the output transpose out of the product
+    if jax.default_backend() == "cpu":
+        dw = jax.lax.optimization_barrier(weight_grad(h.astype(w.dtype), dz, out_dtype=jnp.float32)).T
+    else:
+        dw = jnp.einsum("nv,nd->vd", dz, h.astype(w.dtype), preferred_element_type=jnp.float32)
+    return dw.astype(w.dtype), dh, None
 
 
 _head.defvjp(_head_fwd, _head_bwd)

@@ -1,0 +1,47 @@
+"""A 2-D matmul whose weight gradient XLA:CPU computes at its full matmul rate.
+
+Autodiff writes the weight gradient of ``y = x W`` as ``dW = x^T dy`` with both operands
+contracted on their major axis. XLA:CPU runs that form slower than the same product from a
+materialised ``x^T`` (2 CPU cores, float32, one 1024-row micro-batch: ``[1024, 256]^T [1024, 688]``
+2.25 ms against 2.04 ms; the LM head's ``[1024, 4096]^T [1024, 256]`` 19 ms against 12.6 ms). So on
+CPU the weight gradient transposes ``x`` first, behind an ``optimization_barrier`` that keeps XLA
+from folding the transpose back into the product; on other backends it is the plain product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+def weight_grad(x: Float[Array, "n i"], dy: Float[Array, "n o"], *, out_dtype=None) -> Float[Array, "i o"]:
+    """``x^T dy`` (accumulated in ``out_dtype`` when given), from a materialised ``x^T`` on CPU."""
+    if jax.default_backend() != "cpu":
+        return jnp.einsum("ni,no->io", x, dy, preferred_element_type=out_dtype)
+    return jnp.dot(jax.lax.optimization_barrier(x.T), dy, preferred_element_type=out_dtype)
+
+
+@jax.custom_vjp
+def _matmul_cpu(x, w):
+    return jnp.dot(x, w)
+
+
+def _matmul_cpu_fwd(x, w):
+    return jnp.dot(x, w), (x, w)
+
+
+def _matmul_cpu_bwd(res, dy):
+    x, w = res
+    return jnp.dot(dy, w.T), weight_grad(x, dy)
+
+
+_matmul_cpu.defvjp(_matmul_cpu_fwd, _matmul_cpu_bwd)
+
+
+def matmul(x: Float[Array, "n i"], w: Float[Array, "i o"]) -> Float[Array, "n o"]:
+    """``x w``; on CPU a ``custom_vjp`` whose weight gradient is ``weight_grad`` (reverse mode
+    only there: forward-mode autodiff of a CPU trace raises), elsewhere ``jnp.dot``."""
+    if jax.default_backend() != "cpu":
+        return jnp.dot(x, w)
+    return _matmul_cpu(x, w)
