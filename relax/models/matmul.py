@@ -1,11 +1,14 @@
-"""A 2-D matmul whose weight gradient XLA:CPU computes at its full matmul rate.
+"""A 2-D matmul whose weight gradient XLA:CPU computes from a materialised ``x^T``.
 
 Autodiff writes the weight gradient of ``y = x W`` as ``dW = x^T dy`` with both operands
-contracted on their major axis. XLA:CPU runs that form slower than the same product from a
-materialised ``x^T`` (2 CPU cores, float32, one 1024-row micro-batch: ``[1024, 256]^T [1024, 688]``
-2.25 ms against 2.04 ms; the LM head's ``[1024, 4096]^T [1024, 256]`` 19 ms against 12.6 ms). So on
-CPU the weight gradient transposes ``x`` first, behind an ``optimization_barrier`` that keeps XLA
-from folding the transpose back into the product; on other backends it is the plain product.
+contracted on their major axis. XLA:CPU runs that form slower than the product of a transposed
+copy of ``x`` with ``dy`` (2 CPU cores, float32, isolated: the LM head's
+``[1024, 4096]^T [1024, 256]`` 19 ms against 12.6 ms; ``[1024, 256]^T [1024, 688]`` 2.25 ms against
+2.04 ms from a pre-transposed ``x``, a margin the transpose itself can eat when nothing shares it).
+In the GRPO update, where q/k/v and gate/up share their input's transpose, it is faster overall
+(update segment 2.15 -> 2.11 s, ``benchmarks/RESULTS.md``). So on CPU the weight gradient
+transposes ``x`` first, behind an ``optimization_barrier`` that keeps XLA from folding the
+transpose back into the product; on other backends it is the plain product.
 """
 
 from __future__ import annotations
