@@ -75,9 +75,14 @@ def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_ge
     ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
     """
     inv = inverse_frequencies(config)
-    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
-    c_pos = p_len[:, None, None] + jnp.broadcast_to(jnp.arange(num_tokens), (num_generations, num_tokens))
+    c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
     return CompletionRope(rope_angles(inv, positions_from_mask(prompt_mask)), rope_angles(inv, c_pos))
+
+
+def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> Int[Array, "p g n"]:
+    """Completion token ``t`` of every completion of a prompt sits at ``prompt length + t``."""
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    return p_len[:, None, None] + jnp.broadcast_to(jnp.arange(n), (g, n))
 
 
 def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
@@ -93,7 +98,7 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     p_valid = prompt_mask.astype(bool)
     p_pos = positions_from_mask(prompt_mask)
     p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
-    c_pos = jnp.repeat(p_len, g)[:, None] + jnp.arange(n)[None, :]  # [B, N]
+    c_pos = _completion_positions(prompt_mask, g, n).reshape(b, n)
     c_valid = completion_mask.reshape(b, n).astype(bool)
     if rope is None:
         rope = completion_rope(c, prompt_mask, g, n)
