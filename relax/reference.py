@@ -55,6 +55,16 @@ def _update_if(pred: Bool[Array, ""], update: Callable[[Params, Params], Params]
     return jax.lax.cond(pred, update, lambda r, p: r, ref, policy)
 
 
+def params_equal(a: Params, b: Params) -> Bool[Array, ""]:
+    """True iff ``a`` and ``b`` are bitwise the same model: equal structure, dtypes and values
+    (``all_i a_i == b_i`` over every leaf; a dtype or shape mismatch is statically False)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if jax.tree.structure(a) != jax.tree.structure(b) or any(
+            (x.dtype, x.shape) != (y.dtype, y.shape) for x, y in zip(la, lb)):
+        return jnp.bool_(False)
+    return jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(la, lb)]))
+
+
 def _check_alpha(alpha: float) -> None:
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")

@@ -1,8 +1,8 @@
 """Multi-host runs on one machine: two CPU processes (2 devices each) joined by
 ``relax.distributed.initialize`` over a loopback coordinator run one GRPO iteration on the global
 ``fsdp=2,tensor=2`` mesh (parameters sharded ACROSS the processes, gloo collectives), each
-feeding its own half of the prompts; their metrics and tokens must match a single-process run of
-the same global batch. Both processes also save and restore a checkpoint collectively.
+feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
+their metrics and tokens must match a single-process run of the same global batch. Both processes also save and restore a checkpoint collectively.
 Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
 """
@@ -41,14 +41,14 @@ def process_worker(pid: int, n: int, port: int, out: str, ckpt: str) -> None:
     distributed.initialize(f"127.0.0.1:{port}", n, pid, timeout_s=60)
     assert jax.process_count() == n and jax.device_count() == 2 * n and jax.local_device_count() == 2
     rows = tp.PROMPTS // n
-    result = tp.run_case(GLOBAL_MESH, iterations=1, rows=slice(pid * rows, (pid + 1) * rows), checkpoint_dir=ckpt)
+    result = tp.run_case(GLOBAL_MESH, rows=slice(pid * rows, (pid + 1) * rows), checkpoint_dir=ckpt)
     result.update(process_index=jax.process_index(), main=is_main_process())
     Path(out).write_text(json.dumps(result))
 
 
 def single_worker(out: str) -> None:
     tp.use_compile_cache()
-    Path(out).write_text(json.dumps(tp.run_case(None, iterations=1)))
+    Path(out).write_text(json.dumps(tp.run_case(None)))
 
 
 if __name__ != "__main__":
@@ -87,10 +87,13 @@ if __name__ != "__main__":
         single = json.loads((tmp_path / "single.json").read_text())
         assert [p["process_index"] for p in parts] == [0, 1] and [p["main"] for p in parts] == [True, False]
         # each process sampled its own half of the prompts; together they are the global batch
-        assert parts[0]["tokens"][0] + parts[1]["tokens"][0] == single["tokens"][0]
-        for part in parts:  # metrics are global (replicated): the same on both processes
-            for k, want in single["metrics"][0].items():
-                np.testing.assert_allclose(part["metrics"][0][k], want, rtol=tp.RTOL, atol=tp.ATOL, err_msg=k)
+        for i in range(tp.ITERATIONS):
+            assert parts[0]["tokens"][i] + parts[1]["tokens"][i] == single["tokens"][i], i
+            for part in parts:  # metrics are global (replicated): the same on both processes
+                for k, want in single["metrics"][i].items():
+                    np.testing.assert_allclose(part["metrics"][i][k], want, rtol=tp.RTOL, atol=tp.ATOL,
+                                               err_msg=f"iteration {i}: {k}")
+        for part in parts:
             assert part["checkpoint_roundtrip"] and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
 
     def test_unreachable_coordinator_fails_after_the_timeout_naming_it():

@@ -24,7 +24,7 @@ from relax import advantages as adv_lib
 from relax.compose import Stage, compose, stage
 from relax.losses.kl import kl_estimate
 from relax.parallel import cache_sized_passes
-from relax.reference import make_reference_rule
+from relax.reference import make_reference_rule, params_equal
 from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, score_groups,
                                     score_tokens)
 from relax.rewards.shaping import combine, dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
@@ -59,16 +59,26 @@ def make_rollout(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> S
 def make_reference(cfg: GRPOConfig) -> Stage:
     """Reference log-probs of the sampled completions (when the state has a reference model),
     cached in the batch as ``ref_logprobs``; a stage of its own so that it can run where the
-    reference lives (the trainer devices, see ``relax.parallel``)."""
+    reference lives (the trainer devices, see ``relax.parallel``).
+
+    While the reference is bitwise the policy that sampled (``ref_is_policy``, also in the batch
+    for the update), its log-probs are not recomputed: they ARE the policy's, the sampler's here
+    (so a KL in the reward is exactly 0) and the trainer's own in the loss (``relax.train.update``),
+    so the KL term and its gradient are exactly zero whatever the pass layout or mesh."""
 
     def reference(state: TrainState, batch):
         if state.ref is None:
             return state, batch
-        ref_logprobs = jax.lax.stop_gradient(completion_logprobs(
-            state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-            temperature=cfg.temperature, groups_per_pass=1 if cache_sized_passes() else None,
-            attention=cfg.train_attention))  # forward only: remat would recompute nothing
-        return state, {**batch, "ref_logprobs": ref_logprobs}
+        same = params_equal(state.ref, state.policy)
+
+        def recompute():  # forward only: remat would recompute nothing
+            return completion_logprobs(
+                state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
+                temperature=cfg.temperature, groups_per_pass=1 if cache_sized_passes() else None,
+                attention=cfg.train_attention).astype(batch["old_logprobs"].dtype)
+
+        ref_logprobs = jax.lax.stop_gradient(jax.lax.cond(same, lambda: batch["old_logprobs"], recompute))
+        return state, {**batch, "ref_logprobs": ref_logprobs, "ref_is_policy": same}
 
     return stage(reference, name="reference")
 
@@ -155,7 +165,8 @@ def make_update_stage(cfg: GRPOConfig, optimizer) -> Stage:
         if cfg.beta > 0:
             data["ref_logprobs"] = batch["ref_logprobs"]
         key, sub = jax.random.split(state.key)
-        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub)
+        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub,
+                                               batch.get("ref_is_policy", False))
         decay = 0.9  # running statistics for KL-target / entropy-floor reference resets
         running_kl = decay * state.running_kl + (1 - decay) * metrics.get("kl", jnp.float32(0.0))
         running_entropy = decay * state.running_entropy + (1 - decay) * metrics["entropy"]

@@ -12,6 +12,17 @@ number of minibatches::
 so every token weighs the same in every optimizer step however the tokens fall into
 minibatches, and summing micro-batch losses gives exactly the minibatch loss: gradient
 accumulation does not change what the loss means.
+
+While the policy is bitwise the reference (``ref_is_policy``: the first iteration of a static
+reference, or right after a reset), the reference log-probs in the loss are the policy's own
+from this very forward, under a stop-gradient::
+
+    log pi_ref(y_t) := stopgrad(log pi_theta(y_t))    =>   KL_t = 0 and dKL_t/dtheta = 0 (k2, k3)
+
+Recomputed in another pass layout (another mesh, another micro-batch split) they would differ by
+rounding, and Adam's normalisation turns such a ~1e-10 gradient on rows that get no other
+gradient into a learning-rate-sized step that differs per layout. The flag is carried through
+the optimizer steps and cleared by the first step that changes the policy.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from relax.losses.kl import conservative_penalty, entropy_bonus, kl_estimate
 from relax.losses.policy import cispo, ppo_clip, reinforce
 from relax.masked import masked_mean
 from relax.parallel import cache_sized_passes
+from relax.reference import params_equal
 from relax.train.config import GRPOConfig
 from relax.train.forward import completion_logprobs, completion_rope
 
@@ -49,7 +61,7 @@ SAVED_PROBS_BYTES = 64 * 2**20
 def make_loss(cfg: GRPOConfig):
     """``loss(policy, minibatch, norms) -> (scalar, metrics)`` for one (micro-)batch of groups."""
 
-    def loss_fn(policy, mb, norms):
+    def loss_fn(policy, mb, norms, ref_is_policy=False):
         p, g, n = mb["tokens"].shape
         c, lp = policy.config, mb["prompt_ids"].shape[1]
         cache = cache_sized_passes()  # small passes on one CPU device: see UNROLL_MAX_LAYERS
@@ -68,7 +80,8 @@ def make_loss(cfg: GRPOConfig):
         metrics = dict(metrics)
         if cfg.beta > 0:
             # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
-            kl = kl_estimate(logp, flat(mb["ref_logprobs"]), cfg.kl_estimator, mask=mask)
+            ref = jnp.where(ref_is_policy, jax.lax.stop_gradient(logp), flat(mb["ref_logprobs"]))
+            kl = kl_estimate(logp, ref, cfg.kl_estimator, mask=mask)
             metrics["kl"] = masked_mean(kl, mask)
             if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
                 per_token = per_token + jnp.where(mask, conservative_penalty(
@@ -87,18 +100,19 @@ def make_loss(cfg: GRPOConfig):
 
 
 def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
-    """``update(policy, opt_state, data, key) -> (policy, opt_state, metrics)``.
+    """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``.
 
     ``data`` holds per-prompt arrays with a leading ``[P]`` axis: ``prompt_ids``, ``prompt_mask``,
     ``tokens``/``mask``/``loss_mask``/``old_logprobs`` (and ``ref_logprobs``) ``[P, G, N]``,
     ``advantages`` ``[P, G]``. Metrics are averaged over optimizer steps; ``loss`` is the mean
-    minibatch loss.
+    minibatch loss. ``ref_is_policy`` (a bool scalar): the policy is bitwise the reference model
+    (module docstring).
     """
     loss_fn = make_loss(cfg)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     m = cfg.num_minibatches
 
-    def update(policy, opt_state, data, key):
+    def update(policy, opt_state, data, key, ref_is_policy=False):
         p = data["prompt_ids"].shape[0]
         if p % m:
             raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m}")
@@ -113,20 +127,23 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
                  "sequences": jnp.maximum(jnp.sum(seq_valid), 1) / m}
 
         def minibatch(carry, mb):
-            policy, opt_state = carry
+            policy, opt_state, same = carry
 
             def micro(acc, micro_batch):
-                (loss, metrics), grads = grad_fn(policy, micro_batch, norms)
+                (loss, metrics), grads = grad_fn(policy, micro_batch, norms, same)
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics, jnp.sum(micro_batch["loss_mask"]))
 
             zeros = jax.tree.map(jnp.zeros_like, policy)
             grads, (losses, metrics, tokens) = jax.lax.scan(micro, zeros, mb)
             updates, opt_state = optimizer.update(grads, opt_state, policy)
-            policy = optax.apply_updates(policy, updates)
+            new_policy = optax.apply_updates(policy, updates)
+            # still the reference only if this step left every weight as it was (lr 0, a skipped step)
+            same = jax.lax.cond(same, lambda: params_equal(new_policy, policy), lambda: jnp.bool_(False))
+            policy = new_policy
             metrics = reduce_metrics(metrics, weights=tokens)  # the step's metrics, however micro-batched
             metrics["loss"] = jnp.sum(losses)
             metrics["grad_norm"] = optax.tree.norm(grads)
-            return (policy, opt_state), metrics
+            return (policy, opt_state, same), metrics
 
         def epoch(carry, epoch_key):
             perm = jax.random.permutation(epoch_key, p)
@@ -134,7 +151,8 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
             return jax.lax.scan(minibatch, carry, jax.tree.map(split, data))
 
         keys = jax.random.split(key, cfg.num_iterations)
-        (policy, opt_state), metrics = jax.lax.scan(epoch, (policy, opt_state), keys)
+        same = jnp.asarray(ref_is_policy, bool)
+        (policy, opt_state, _), metrics = jax.lax.scan(epoch, (policy, opt_state, same), keys)
         # the sampler/trainer mismatch is only meaningful before the first optimizer step
         first_diff = metrics.pop("sampler_logprob_diff")[0, 0]
         metrics = reduce_metrics(metrics)
