@@ -5,7 +5,9 @@ The GRPO trainer pulls one ``PromptBatch`` per step. Everything here runs on the
 Loading is eager: at build time every row is read, its prompt formatted (chat template) and
 tokenized, so a missing field, a bad JSON line or an overlong prompt (``overlong="reject"``)
 fails before training starts, with the file, the 1-based row (the line number for jsonl) and
-the field in the message. The grain pipeline then only shuffles, repeats, batches and pads:
+the field in the message (rows carry their origin as ``Record``s; reading the files, and the
+rules for jsonl encodings and line endings, are in ``relax.data_files``). The grain pipeline
+then only shuffles, repeats, batches and pads:
 
     MapDataset.source(examples).shuffle(seed).repeat(num_epochs)
         .batch(batch_size, drop_remainder=True).map(collate).to_iter_dataset()
@@ -31,20 +33,27 @@ the field in the message. The grain pipeline then only shuffles, repeats, batche
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import grain
 import numpy as np
 
+from relax.data_files import (  # noqa: F401 - re-exported: relax.data is the public module
+    RECORDS_LABEL,
+    SUFFIXES,
+    MissingFieldError,
+    PathLike,
+    Record,
+    load_records,
+    read_records,
+    require_fields,
+    resolve_files,
+)
 from relax.tokenizer import Tokenizer, pad_left
 
-PathLike = str | os.PathLike[str]
 T = TypeVar("T")
-SUFFIXES = (".jsonl", ".parquet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,108 +128,12 @@ class PromptBatch:
     data_source: list[str] | None
 
 
-class MissingFieldError(KeyError):
-    """A row lacks a required field; the message names the file, the row and the field."""
-
-    def __str__(self) -> str:  # KeyError would print the repr of the message
-        return str(self.args[0])
-
-
-class _Row(NamedTuple):
-    file: str
-    row: int  # 1-based: the line number for jsonl, the row number for parquet
-    record: dict[str, Any]
-
-
 class _Example(NamedTuple):
     ids: list[int]
     text: str
     answer: Any
     data_source: Any
     extras: dict[str, Any]
-
-
-# ------------------------------------------------------------------------------- reading
-
-
-def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
-    """The data files ``path`` names: a file, a directory's jsonl/parquet files, or a list."""
-    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    if not paths:
-        raise ValueError("no data path given")
-    files = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
-            if not found:
-                raise FileNotFoundError(f"directory {p} holds no .jsonl or .parquet file")
-            files += found
-        elif not p.is_file():
-            raise FileNotFoundError(f"data file not found: {p}")
-        elif p.suffix not in SUFFIXES:
-            raise ValueError(f"{p}: unsupported data file type {p.suffix!r} (.jsonl or .parquet)")
-        else:
-            files.append(p)
-    return files
-
-
-def _read_jsonl(file: Path) -> list[_Row]:
-    rows = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                msg = f"{file}: line {lineno}: invalid JSON: {e.msg} (column {e.colno})"
-                raise ValueError(msg) from e
-            if not isinstance(record, dict):
-                kind = type(record).__name__
-                raise ValueError(f"{file}: line {lineno}: expected a JSON object, got {kind}")
-            rows.append(_Row(str(file), lineno, record))
-    return rows
-
-
-def _read_parquet(file: Path) -> list[_Row]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(f"reading {file} needs pyarrow: pip install pyarrow") from e
-    try:
-        records = pq.read_table(file).to_pylist()
-    except Exception as e:  # pyarrow raises several types for corrupt files
-        raise ValueError(f"{file}: cannot read parquet: {e}") from e
-    return [_Row(str(file), i, r) for i, r in enumerate(records, start=1)]
-
-
-def _read_rows(path: PathLike | Sequence[PathLike], fields: Sequence[str] = ()) -> list[_Row]:
-    rows = []
-    for file in resolve_files(path):
-        new = _read_jsonl(file) if file.suffix == ".jsonl" else _read_parquet(file)
-        if not new:
-            raise ValueError(f"{file}: data file is empty")
-        for r in new:
-            _require(r, fields)
-        rows += new
-    return rows
-
-
-def _require(r: _Row, fields: Sequence[str]) -> None:
-    for name in fields:
-        if name not in r.record:
-            msg = f"{r.file}: row {r.row}: missing field {name!r} (row has {sorted(r.record)})"
-            raise MissingFieldError(msg)
-
-
-def load_records(path: PathLike | Sequence[PathLike], *, fields: Sequence[str] = ()) -> list[dict]:
-    """Every row of ``path`` (see ``resolve_files``) as a dict, in file order.
-
-    Each name in ``fields`` must be present in every row; a missing one raises
-    ``MissingFieldError`` (a KeyError) naming the file, the 1-based row (jsonl: line number)
-    and the field. Blank jsonl lines are skipped; an empty file raises.
-    """
-    return [r.record for r in _read_rows(path, fields)]
 
 
 def train_eval_split(
@@ -246,18 +159,19 @@ class DataSplits:
     """The rows of ``cfg.path``, read once and split (``read_splits``): pass it to both
     ``eval_records`` and ``prompt_dataset`` so that a large dataset is not read twice."""
 
-    train: list[_Row]
-    eval: list[_Row]
+    train: list[Record]
+    eval: list[Record]
 
 
 def read_splits(cfg: DataConfig) -> DataSplits:
     """Read ``cfg.path`` once and split it by ``cfg.eval_fraction`` / ``cfg.seed``."""
-    return DataSplits(*train_eval_split(_read_rows(cfg.path), cfg.eval_fraction, cfg.seed))
+    return DataSplits(*train_eval_split(read_records(cfg.path), cfg.eval_fraction, cfg.seed))
 
 
-def eval_records(cfg: DataConfig, splits: DataSplits | None = None) -> list[dict]:
-    """The rows ``cfg.eval_fraction`` holds out of training (empty when it is 0)."""
-    return [r.record for r in (read_splits(cfg) if splits is None else splits).eval]
+def eval_records(cfg: DataConfig, splits: DataSplits | None = None) -> list[Record]:
+    """The rows ``cfg.eval_fraction`` holds out of training (empty when it is 0), as ``Record``s
+    (``.record`` is the row's dict) so that ``prompt_batch`` errors name the file and row."""
+    return list((read_splits(cfg) if splits is None else splits).eval)
 
 
 # ------------------------------------------------------------------------- formatting
@@ -284,7 +198,7 @@ def _role(message: Any) -> Any:
 
 
 def _prepare(
-    rows: Sequence[_Row], cfg: DataConfig, tokenizer: Tokenizer
+    rows: Sequence[Record], cfg: DataConfig, tokenizer: Tokenizer
 ) -> tuple[list[_Example], bool]:
     """Format, tokenize and length-check every row; errors name the file and row.
 
@@ -303,7 +217,7 @@ def _prepare(
         raise ValueError(f"add_bos=True but tokenizer {tokenizer.path} has no bos token")
     examples = []
     for r in rows:
-        _require(r, required)
+        require_fields(r, required)
         try:
             text = format_prompt(r.record[cfg.prompt_field], cfg, tokenizer)
         except (TypeError, ValueError) as e:
@@ -366,17 +280,30 @@ def _make_batch(
     )
 
 
-def prompt_batch(records: Sequence[dict], cfg: DataConfig, tokenizer: Tokenizer) -> PromptBatch:
+def prompt_batch(
+    records: Sequence[Record | Mapping[str, Any]], cfg: DataConfig, tokenizer: Tokenizer
+) -> PromptBatch:
     """Format, tokenize and pad ``records`` (e.g. ``eval_records(cfg)``) into one batch.
 
     Same rules as the pipeline (fields, chat template, overlong, buckets), without shuffling
-    or sharding; errors name ``<records>`` and the 1-based index.
+    or sharding. Errors name the file and row of a ``Record`` (``read_records``,
+    ``eval_records``); a plain dict is named ``<records>`` and its 1-based index in ``records``.
     """
     if not records:
         raise ValueError("prompt_batch got no records")
-    rows = [_Row("<records>", i, r) for i, r in enumerate(records, start=1)]
+    rows = [_as_record(r, i) for i, r in enumerate(records, start=1)]
     examples, has_source = _prepare(rows, cfg, tokenizer)
     return _make_batch(examples, _padded_length(examples, cfg), tokenizer.pad_id, has_source)
+
+
+def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
+    """``r`` itself, or a plain dict labelled ``<records>`` row ``index``."""
+    if isinstance(r, Record):
+        return r
+    if not isinstance(r, Mapping):
+        kind = type(r).__name__
+        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {kind}")
+    return Record(RECORDS_LABEL, index, dict(r))
 
 
 # ----------------------------------------------------------------------------- pipeline

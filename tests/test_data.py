@@ -6,14 +6,16 @@ import json
 import numpy as np
 import pytest
 
-import relax.data as data_mod
+import relax.data_files as data_files
 from relax.data import (
     DataConfig,
+    Record,
     eval_records,
     load_records,
     prompt_batch,
     prompt_dataset,
     prompt_iterator,
+    read_records,
     read_splits,
     train_eval_split,
 )
@@ -222,7 +224,7 @@ def test_train_eval_split(tmp_path, tok):
     assert train_eval_split(items, 0.0, seed=0) == (items, [])
     f = _jsonl(tmp_path / "d.jsonl", _rows(20))
     cfg = _cfg(f, eval_fraction=0.25, num_epochs=1)
-    held_prompts = {r["prompt"] for r in eval_records(cfg)}
+    held_prompts = {r.record["prompt"] for r in eval_records(cfg)}
     seen = {p for b in prompt_dataset(cfg, tok, process_index=0, process_count=1) for p in b.prompts}
     assert len(held_prompts) == 5 and len(seen) == 12 and not seen & held_prompts
     b = prompt_batch(eval_records(cfg), cfg, tok)
@@ -235,9 +237,75 @@ def test_read_splits_reads_the_file_once_for_both_splits(tmp_path, tok, monkeypa
     expected_held = eval_records(cfg)
     expected = [b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1)]
     reads = []
-    original = data_mod._read_jsonl
-    monkeypatch.setattr(data_mod, "_read_jsonl", lambda file: reads.append(file) or original(file))
+    original = data_files._read_jsonl
+    monkeypatch.setattr(data_files, "_read_jsonl", lambda file: reads.append(file) or original(file))
     splits = read_splits(cfg)
     assert eval_records(cfg, splits) == expected_held
     assert [b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1, splits=splits)] == expected
     assert reads == [f]
+
+
+# ------------------------------------------------------------------- encodings, error origins
+
+
+def test_invalid_utf8_names_file_line_column_and_offset(tmp_path):
+    lines = [b'{"prompt": "caf\xc3\xa9", "answer": "1"}\r\n', b"\r\n",
+             b'{"prompt": "ok \xff here", "answer": "2"}\r\n']
+    f = tmp_path / "latin.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b"".join(lines))  # BOM, then the bad byte on line 3
+    offset = 3 + len(lines[0]) + len(lines[1]) + lines[2].index(b"\xff")
+    column = lines[2].index(b"\xff") + 1  # ASCII before it: characters = bytes
+    msg = rf"{f}: line 3: invalid UTF-8 byte 0xff at column {column} \(byte offset {offset} in the file\)"
+    with pytest.raises(ValueError, match=msg):
+        load_records(f)
+    f.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xe2\x82", "answer": "2"}\n')  # cut short
+    with pytest.raises(ValueError, match=rf"{f}: line 2: invalid UTF-8 byte 0xe2 at column 13 "):
+        read_records(f)
+
+
+def test_bom_and_line_endings_read_like_plain_utf8(tmp_path):
+    rows = [{"prompt": "caf\u00e9 \u00fcber", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    body = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode()
+    variants = {"lf": body + b"\n", "crlf": body.replace(b"\n", b"\r\n") + b"\r\n",
+                "cr": body.replace(b"\n", b"\r"), "bom": b"\xef\xbb\xbf" + body,
+                "bom_crlf_blank": b"\xef\xbb\xbf\r\n" + body.replace(b"\n", b"\r\n\r\n")}
+    for name, data in variants.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+        assert load_records(tmp_path / f"{name}.jsonl") == rows, name
+    assert [r.row for r in read_records(tmp_path / "bom_crlf_blank.jsonl")] == [2, 4]
+
+
+def test_prompt_batch_errors_name_the_eval_file_and_row(tmp_path, tok):
+    cfg = _cfg(_jsonl(tmp_path / "train.jsonl", _rows(8)))
+    ev = tmp_path / "eval.jsonl"
+    ev.write_text(json.dumps(_rows(1)[0]) + "\n\n" + json.dumps({"prompt": ""}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{ev}: row 3: field 'prompt' is empty$"):
+        prompt_batch(read_records(ev, fields=("prompt",)), _cfg(ev, answer_field=None), tok)
+    _jsonl(ev, [_rows(1)[0], {"prompt": {"text": "hi"}, "answer": "1"}])
+    with pytest.raises(ValueError, match=rf"^{ev}: row 2: field 'prompt': prompt must be a string .* got dict"):
+        prompt_batch(read_records(ev), cfg, tok)
+    with pytest.raises(ValueError, match=r"^<records>: row 2: field 'prompt'"):  # plain dicts
+        prompt_batch(load_records(ev), cfg, tok)
+    with pytest.raises(TypeError, match=r"<records>: row 1: expected a dict or a Record, got str"):
+        prompt_batch(["hi"], cfg, tok)
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "hi"}, {"prompt": ""}]), tmp_path / "eval.parquet")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'eval.parquet'}: row 2: field 'prompt' is empty"):
+        prompt_batch(read_records(tmp_path / "eval.parquet"), _cfg(ev, answer_field=None), tok)
+
+
+def test_held_out_split_errors_name_the_training_file_and_line(tmp_path, tok):
+    rows = _rows(12)
+    held = train_eval_split(list(range(12)), 0.25, seed=5)[1]
+    rows[held[1]]["prompt"] = 7  # only the held-out split holds the bad row
+    f = tmp_path / "train.jsonl"
+    f.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # line = index + 2
+    cfg = _cfg(f, eval_fraction=0.25, seed=5)
+    records = eval_records(cfg)
+    assert [(r.file, r.row) for r in records] == [(str(f), i + 2) for i in held]
+    assert isinstance(records[0], Record) and records[0].record == rows[held[0]]
+    with pytest.raises(ValueError, match=rf"^{f}: row {held[1] + 2}: field 'prompt': .*got int"):
+        prompt_batch(records, cfg, tok)
+    assert len(next(_iter(cfg, tok)).prompts) == 4  # the training split is fine

@@ -26,6 +26,7 @@ from relax.rewards.functions import (
     RewardError,
     RewardFunction,
     TokenRewardFunction,
+    combine_checked,
     length_reward,
     score,
     score_groups,
@@ -102,6 +103,11 @@ def test_score_input_validation():
         ([1.0, "high", 0.0], r"'bad' returned non-numeric 'high' \(str\) at sample 1"),
         ([1.0, [1, 2], 0.0], r"'bad' returned non-numeric .* at sample 1"),
         ([1.0, float("inf"), 0.0], r"'bad' returned inf at sample 1"),
+        # finite as a Python float, infinite in float32: would turn the loss into NaN
+        ([1.0, 1e39, 0.0], r"'bad' returned 1e\+39 at sample 1 \(beyond float32's \+-3.402823e\+38\).*"
+                           r"\(completion='seven'\)"),
+        ([np.float64(-4e38), 0.0, 0.0], r"'bad' returned -4e\+38 at sample 0 \(beyond float32"),
+        ([0.0, 0.0, 10**400], r"'bad' returned 1000.*\[401 chars\] at sample 2 \(beyond float32.*completion='x'"),
         (3.0, r"'bad' returned float"),
     ],
 )
@@ -110,6 +116,22 @@ def test_score_return_contract(out, match):
     for on_error in ("raise", "missing"):  # contract violations always raise
         with pytest.raises(RewardError, match=match):
             score([bad], PROMPTS, COMPLETIONS, on_error=on_error)
+
+
+def test_weighted_sum_overflow_names_functions_and_sample():
+    big = RewardFunction(lambda p, c, **_: [1.0, 3e38, None], name="big", weight=2.0)
+    with pytest.raises(RewardError, match=r"weighted sum of the rewards overflows float32 at sample 1: "
+                                          r"'big': 2 x 3e\+38 \(completion='seven'\)"):
+        score([big], PROMPTS, COMPLETIONS)
+    also = RewardFunction(lambda p, c, **_: [None, 2e38, 1.0], name="also")
+    more = RewardFunction(lambda p, c, **_: [None, 2e38, 1e38], name="more", weight=1.5)
+    with pytest.raises(RewardError, match=r"at sample 1: 'more': 1.5 x 2e\+38, 'also': 1 x 2e\+38 "):
+        score([more, also], PROMPTS, COMPLETIONS)  # sample 2: 1.5e38 + 1 is fine
+    total = combine_checked({"a": np.full((2, 2), 2e38), "b": np.array([[1.0, NAN], [NAN, NAN]])},
+                            {"a": 1.0, "b": 1.0})
+    np.testing.assert_array_equal(total, np.full((2, 2), 2e38, np.float32))
+    with pytest.raises(RewardError, match=r"at sample 3 \(prompt 1, completion 1\): 'a': -1 x 2e\+38, 'b'"):
+        combine_checked({"a": np.array([[0.0, 0], [0, 2e38]]), "b": np.full((2, 2), -2e38)}, {"a": -1, "b": 1})
 
 
 def test_score_numeric_types():
@@ -286,6 +308,26 @@ def test_score_tokens_jit():
     bad = TokenRewardFunction(lambda pi, pm, ci, cm: jnp.sum(cm, axis=(1, 2)), "bad")
     with pytest.raises(ValueError, match="'bad' returned shape \\(2,\\)"):
         score_tokens([bad], p_ids, p_mask, c_ids, c_mask)
+
+
+def test_score_tokens_infinite_values_raise():
+    p_ids, p_mask = jnp.ones((2, 3), jnp.int32), jnp.ones((2, 3), bool)
+    c_ids, c_mask = jnp.ones((2, 2, 4), jnp.int32), jnp.ones((2, 2, 4), bool)
+
+    def at(value, p=1, g=0):
+        return lambda pi, pm, ci, cm: jnp.zeros(ci.shape[:2]).at[p, g].set(value)
+
+    for value in (jnp.inf, -jnp.inf):
+        fn = TokenRewardFunction(at(value), "blowup")
+        with pytest.raises(RewardError, match=rf"token reward 'blowup' returned {value} at sample 2 "
+                                              r"\(prompt 1, completion 0\)"):
+            score_tokens([length_reward(), fn], p_ids, p_mask, c_ids, c_mask)
+    big = TokenRewardFunction(at(3e38, 0, 1), "big", weight=2.0)
+    with pytest.raises(RewardError, match=r"overflows float32 at sample 1 \(prompt 0, completion 1\): "
+                                          r"'big': 2 x 3e\+38, 'length': 1 x 4"):  # sorted names
+        score_tokens([length_reward(), big], p_ids, p_mask, c_ids, c_mask)
+    total, _ = score_tokens([TokenRewardFunction(at(jnp.nan), "gap")], p_ids, p_mask, c_ids, c_mask)
+    assert np.isnan(total[1, 0]) and np.count_nonzero(np.isnan(total)) == 1  # NaN: missing, no error
 
 
 def test_hung_thread_does_not_block_exit():

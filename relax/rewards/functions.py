@@ -11,6 +11,10 @@ this sample" (missing); ``score`` keeps it as NaN and ``shaping.combine`` skips 
 
     total[i] = sum over f with v_f[i] not NaN of  w_f * v_f[i]     (NaN if every v_f[i] is NaN)
 
+Rewards are float32. A value that is infinite there (inf, or a finite number beyond float32's
+range such as 1e39) and a weighted sum that overflows float32 raise ``RewardError`` naming the
+function(s) and the sample: an inf reward would turn the loss into NaN.
+
 Token rewards (``TokenRewardFunction``) are pure JAX functions of the token arrays, scored by
 ``score_tokens`` inside ``jax.jit`` with no host round trip.
 """
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "missing")
 TRUNCATE_CHARS = 200
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -145,15 +150,93 @@ def _to_array(name: str, out: Any, prompts: list, completions: list) -> np.ndarr
             if isinstance(v, (str, bytes)):
                 raise TypeError
             f = float(v)
+        except OverflowError:  # an int beyond float64
+            raise _not_finite(name, v, i, completions[i]) from None
         except (TypeError, ValueError):
             raise RewardError(
                 f"reward function {name!r} returned non-numeric {_truncate(repr(v), 60)} "
                 f"({type(v).__name__}) at sample {i} (completion={_truncate(completions[i])!r})"
             ) from None
-        if math.isinf(f):
-            raise RewardError(f"reward function {name!r} returned {f} at sample {i}; use None for missing")
-        vals[i] = f
+        with np.errstate(over="ignore"):  # checked just below, after the float32 cast
+            vals[i] = f
+        if np.isinf(vals[i]):
+            raise _not_finite(name, v, i, completions[i])
     return vals
+
+
+def _not_finite(name: str, value: Any, i: int, completion: str) -> RewardError:
+    """The error for a host reward value that is not finite in float32."""
+    is_inf = isinstance(value, float) and math.isinf(value)
+    beyond = "" if is_inf else f" (beyond float32's +-{FLOAT32_MAX:.7g})"
+    return RewardError(
+        f"reward function {name!r} returned {_truncate(value, 60)} at sample {i}{beyond}; rewards must be "
+        f"finite in float32, use None for missing (completion={_truncate(completion)!r})"
+    )
+
+
+def _sample(i: int, shape: tuple[int, ...]) -> str:
+    """``sample i`` (the prompt-major flat index, as ``score`` names it), and the prompt and
+    completion for a ``[P, G]`` array."""
+    if len(shape) != 2:
+        return f"sample {i}"
+    p, g = np.unravel_index(i, shape)
+    return f"sample {i} (prompt {p}, completion {g})"
+
+
+def _check_finite(
+    per: Mapping[str, np.ndarray],
+    total: np.ndarray,
+    weights: Mapping[str, float],
+    *,
+    kind: str = "reward function",
+    completions: Sequence[str] | None = None,
+) -> None:
+    """Raise ``RewardError`` for an infinite float32 value in ``per`` (naming the function) or in
+    the weighted sum ``total`` (naming the functions, their weights and values). NaN is missing."""
+    for name, v in per.items():
+        bad = np.flatnonzero(np.isinf(v))
+        if bad.size:
+            raise RewardError(
+                f"{kind} {name!r} returned {v.flat[bad[0]]} at {_sample(bad[0], v.shape)}; rewards must be "
+                "finite in float32 (NaN marks a missing reward)"
+            )
+    bad = np.flatnonzero(np.isinf(total))
+    if bad.size:
+        i = int(bad[0])
+        terms = ", ".join(
+            f"{name!r}: {weights[name]:g} x {v.flat[i]:g}" for name, v in per.items() if not np.isnan(v.flat[i])
+        )
+        where = "" if completions is None else f" (completion={_truncate(completions[i])!r})"
+        raise RewardError(
+            f"weighted sum of the rewards overflows float32 at {_sample(i, total.shape)}: {terms}{where}"
+        )
+
+
+def combine_checked(
+    per: Mapping[str, Any],
+    weights: Mapping[str, float],
+    *,
+    all_missing: str = "nan",
+    completions: Sequence[str] | None = None,
+) -> np.ndarray:
+    """``shaping.combine(per, weights)`` on the host, as a float32 numpy array, raising
+    ``RewardError`` where a value of ``per`` or the weighted sum is infinite in float32.
+
+    ``per``: ``{name: [P, G] or [N]}``; ``completions`` (flat, prompt-major), if given, go in
+    the overflow message.
+    """
+    with np.errstate(over="ignore"):  # an overflow is reported below, by name
+        per = {k: np.asarray(v, np.float32) for k, v in per.items()}
+    if not per:
+        raise ValueError("need at least one reward function")
+    shapes = {v.shape for v in per.values()}
+    if len(shapes) > 1:
+        raise ValueError(f"reward values differ in shape: { {k: v.shape for k, v in per.items()} }")
+    flat = {k: v.reshape(1, -1) for k, v in per.items()}  # combine wants [P, G]: one row of N
+    total, _ = combine(flat, weights, all_missing=all_missing)
+    total = np.asarray(total, np.float32).reshape(shapes.pop())
+    _check_finite(per, total, weights, completions=completions)
+    return total
 
 
 def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, timeout_s) -> RewardError:
@@ -204,8 +287,10 @@ def score(
         and (truncated) prompt/completion of the first sample that raises on its own (single
         samples are re-run to find it); for a timeout, "timed out after Xs".
       - ``on_error="missing"``: all N values of that call are NaN, logged (``logging``) and counted.
-    Contract violations (wrong length, non-numeric or infinite value) always raise ``RewardError``:
-    they are bugs in the reward function, not per-sample failures.
+    Contract violations (wrong length, non-numeric value, a value infinite in float32 such as
+    ``inf`` or ``1e39``) always raise ``RewardError`` naming the function, the sample and its
+    completion: they are bugs in the reward function, not per-sample failures. So does a weighted
+    sum that overflows float32 (naming the functions, weights and values).
 
     ``info``: ``errors`` / ``timeouts`` (failed calls), ``failed`` (their names), ``missing``
     (NaN entries over all functions), ``all_missing`` (samples with every function NaN),
@@ -249,13 +334,12 @@ def score(
             per[rf.name] = _to_array(rf.name, out, prompts, completions)
         info[f"time_s/{rf.name}"] = time.perf_counter() - t0
 
-    total, _ = combine(
-        {k: v[None, :] for k, v in per.items()}, {rf.name: rf.weight for rf in fns}, all_missing=all_missing
-    )
+    weights = {rf.name: rf.weight for rf in fns}
+    total = combine_checked(per, weights, all_missing=all_missing, completions=completions)
     stacked = np.stack(list(per.values()))
     info["missing"] = int(np.isnan(stacked).sum())
     info["all_missing"] = int(np.isnan(stacked).all(axis=0).sum())
-    return np.asarray(total, np.float32)[0], per, info
+    return total, per, info
 
 
 def score_groups(
@@ -293,7 +377,8 @@ class TokenRewardFunction:
     """A pure, jittable reward ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [P, G]``.
 
     Shapes: ``prompt_ids/mask [P, Lp]``, ``completion_ids/mask [P, G, N]``. NaN marks a missing
-    reward. ``fn`` must be hashable (plain functions and closures are): it is a jit static.
+    reward; +-inf (in float32) is an error (see ``score_tokens``). ``fn`` must be hashable (plain
+    functions and closures are): it is a jit static.
     """
 
     fn: TokenRewardFn
@@ -312,7 +397,11 @@ def score_tokens(
 ) -> tuple[Float[Array, "p g"], dict[str, Float[Array, "p g"]]]:
     """Run token rewards in one ``jax.jit`` program and ``combine`` them by weight (see module doc).
 
-    Returns ``(total [P, G], per_function {name: [P, G]})``. Callable inside an outer jit as well.
+    Returns ``(total [P, G], per_function {name: [P, G]})``. A value that is +-inf in float32
+    raises ``RewardError`` naming the function and sample, and so does a weighted sum that
+    overflows float32 (NaN stays "missing"); this check reads the ``[P, G]`` results on the host.
+    Callable inside an outer jit as well, but there the values are traced and NOT checked: check
+    the results on the host (``combine_checked``).
     """
     fns = tuple(reward_fns)
     if not fns:
@@ -323,7 +412,13 @@ def score_tokens(
     shapes = (jnp.shape(prompt_ids), jnp.shape(completion_ids))
     if len(shapes[0]) != 2 or len(shapes[1]) != 3:
         raise ValueError(f"need prompt_ids [P, Lp] and completion_ids [P, G, N], got {shapes[0]}, {shapes[1]}")
-    return _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    total, per = _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if not isinstance(total, jax.core.Tracer):
+        with np.errstate(over="ignore"):  # float32 is what the trainer uses (make_score)
+            per32 = {k: np.asarray(v, np.float32) for k, v in per.items()}
+            total32 = np.asarray(total, np.float32)
+        _check_finite(per32, total32, {f.name: f.weight for f in fns}, kind="token reward")
+    return total, per
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

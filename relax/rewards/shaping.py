@@ -37,6 +37,10 @@ def combine(
     A sample where EVERY function is missing gets ``total = NaN`` with ``all_missing="nan"`` (the
     default: it stays visible, and ``dynamic_sampling_mask`` / ``group_stats`` treat it as missing).
     TRL's ``nansum`` gives 0 there (with a warning); ``all_missing="zero"`` reproduces that exactly.
+
+    Being jittable, this checks no values: an inf value, or a weighted sum beyond float32's range,
+    gives an inf total. On the host, ``relax.rewards.functions.combine_checked`` raises
+    ``RewardError`` naming the functions and the sample instead.
     """
     check_choice("all_missing", all_missing, ALL_MISSING)
     if isinstance(values, Mapping):

@@ -25,9 +25,9 @@ from relax.compose import Stage, compose, stage
 from relax.losses.kl import kl_estimate
 from relax.parallel import cache_sized_passes
 from relax.reference import make_reference_rule, params_equal
-from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, score_groups,
-                                    score_tokens)
-from relax.rewards.shaping import combine, dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
+from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, combine_checked,
+                                    score_groups, score_tokens)
+from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
 from relax.rollout import RolloutConfig, _generate
 from relax.sampling import SamplingConfig
 from relax.train.config import GRPOConfig
@@ -112,7 +112,7 @@ def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Calla
                                   batch["mask"])
             parts.update({k: np.asarray(v, np.float32) for k, v in per.items()})
             weights.update({f.name: f.weight for f in token_fns})
-        total, _ = combine(parts, weights)
+        total = combine_checked(parts, weights, completions=out.get("completions"))
         out.update(rewards=jnp.asarray(total, jnp.float32), reward_info=info,
                    reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
         return state, out
