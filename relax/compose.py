@@ -15,12 +15,18 @@ Donation: a fused program donates its ``state`` argument (``donate_argnums=0``) 
 it allows it (``donate_state=True``, the default), so the caller must use the RETURNED state and
 must not keep references to the old one (its buffers may be deleted). Arrays shared between
 ``state`` and ``batch`` must not be donated: give the stage ``donate_state=False``.
+
+A stage that reads the state but never changes it (``updates_state=False``, e.g. the rollout)
+returns the state it was given; a program made only of such stages returns the batch alone, and
+its caller gets back the very state object it passed: nothing is donated or copied. So when a
+host stage after it raises (a reward function), the caller's state is intact and the step can
+be retried or the state saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +43,7 @@ class Segment:
     jittable: bool
     run: StageFn
     jitted: Any = None  # the jax.jit object of a jittable segment
+    updates_state: bool = True  # False: the segment returns the state it was given
 
 
 class SegmentRunner:
@@ -72,6 +79,7 @@ class Stage(SegmentRunner):
     jittable: bool = True
     name: str | None = None
     donate_state: bool = True
+    updates_state: bool = True
     parts: tuple[Stage, ...] = ()
     segments: tuple[Segment, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -85,22 +93,24 @@ class Stage(SegmentRunner):
 
 
 def stage(
-    fn: StageFn | None = None, *, jit: bool = True, name: str | None = None, donate_state: bool = True
+    fn: StageFn | None = None, *, jit: bool = True, name: str | None = None, donate_state: bool = True,
+    updates_state: bool = True,
 ) -> Stage | Callable[[StageFn], Stage]:
     """Wrap ``fn(state, batch) -> (state, batch)`` as a ``Stage``; usable as ``@stage(jit=False)``.
 
     ``jit=False`` marks a host stage (runs as plain Python, may convert to numpy, call tokenizers,
     have side effects). ``name`` defaults to ``fn.__name__``. ``donate_state`` allows a jitted
-    program containing this stage to donate its input state.
+    program containing this stage to donate its input state. ``updates_state=False``: ``fn``
+    returns the state it was given, unchanged (checked when traced; module docstring).
     """
     if fn is None:
-        return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state)
+        return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state, updates_state=updates_state)
     if isinstance(fn, Stage):
         raise TypeError("fn is already a Stage; compose it, or wrap its .fn")
     if not callable(fn):
         raise TypeError(f"stage fn must be callable, got {type(fn).__name__}")
     label = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
-    return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state)
+    return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state, updates_state=updates_state)
 
 
 def compose(*stages: Stage, name: str | None = None) -> Stage:
@@ -121,6 +131,7 @@ def compose(*stages: Stage, name: str | None = None) -> Stage:
         jittable=all(s.jittable for s in leaves),
         name=name if name is not None else "+".join(s.name for s in leaves),
         donate_state=all(s.donate_state for s in leaves),
+        updates_state=any(s.updates_state for s in leaves),
         parts=leaves,
     )
 
@@ -149,15 +160,39 @@ def group_leaves(leaves: tuple[Stage, ...], key: Callable[[Stage], Any] = lambda
     return groups
 
 
+def batch_only(group: Sequence[Stage]) -> tuple[StageFn, bool]:
+    """``(fn, updates_state)`` for a jitted program of ``group``: when no stage updates the state,
+    ``fn(state, batch) -> batch`` (``keep_state`` puts the caller's state back), else the chain."""
+    chain = _chain(tuple(group))
+    if any(s.updates_state for s in group):
+        return chain, True
+    names = "+".join(s.name for s in group)
+
+    def fn(state, batch):
+        out_state, out = chain(state, batch)
+        if any(a is not b for a, b in zip(jax.tree.leaves(out_state), jax.tree.leaves(state), strict=True)):
+            raise ValueError(f"stage(s) {names} declared updates_state=False but changed the state")
+        return out
+
+    return fn, False
+
+
+def keep_state(jitted: Callable) -> StageFn:
+    """``(state, batch) -> (state, jitted(state, batch))``: the caller's state object, untouched."""
+    return lambda state, batch: (state, jitted(state, batch))
+
+
 def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
     """Group adjacent jittable leaves into one jitted segment each; host leaves stand alone."""
     segments = []
     for group in group_leaves(leaves):
         names = tuple(s.name for s in group)
         if group[0].jittable:
-            donate = (0,) if all(s.donate_state for s in group) else ()
-            jitted = jax.jit(_chain(tuple(group)), donate_argnums=donate)
-            segments.append(Segment(names=names, jittable=True, run=_host_passthrough(jitted), jitted=jitted))
+            fn, updates = batch_only(group)
+            donate = (0,) if updates and all(s.donate_state for s in group) else ()
+            jitted = jax.jit(fn, donate_argnums=donate)
+            run = _host_passthrough(jitted if updates else keep_state(jitted))
+            segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
         else:
             segments.append(Segment(names=names, jittable=False, run=group[0].fn))
     return tuple(segments)

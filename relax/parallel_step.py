@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from relax import distributed
-from relax.compose import Segment, SegmentRunner, Stage, _chain, group_leaves, split_host
+from relax.compose import Segment, SegmentRunner, Stage, batch_only, group_leaves, keep_state, split_host
 from relax.parallel import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_shards, constrain_batch,
                             make_mesh, param_shardings, place_batch, replicated, state_shardings)
 
@@ -169,18 +169,26 @@ class ShardedStep(SegmentRunner):
         return split_host(batch)
 
     @staticmethod
-    def _program(fn, mesh, shardings):
+    def _program(group: list[Stage], mesh, shardings):
+        """The group's jitted function with its outputs pinned: the state to ``shardings``, batch
+        arrays to the batch rule; ``(fn, updates_state)`` as ``relax.compose.batch_only``."""
+        fn, updates = batch_only(group)
+
         def program(state, batch):
             rows = batch["prompt_ids"].shape[0]
+            if not updates:
+                return constrain_batch(fn(state, batch), mesh, rows)
             state, batch = fn(state, batch)
             return jax.lax.with_sharding_constraint(state, shardings), constrain_batch(batch, mesh, rows)
-        return program
+        return program, updates
 
     def _trainer_segment(self, group: list[Stage]):
         uses_ref = self.offload and any(s.name in self.reference_stages for s in group)
         shardings = self._no_ref if self.offload and not uses_ref else self._with_ref
-        donate = (0,) if all(s.donate_state for s in group) else ()
-        jitted = jax.jit(self._program(_chain(tuple(group)), self.mesh, shardings), donate_argnums=donate)
+        program, updates = self._program(group, self.mesh, shardings)
+        donate = (0,) if updates and all(s.donate_state for s in group) else ()
+        jitted = jax.jit(program, donate_argnums=donate)
+        call = jitted if updates else keep_state(jitted)
 
         def run(state, batch):
             host, dev = self._split(batch)
@@ -189,7 +197,7 @@ class ShardedStep(SegmentRunner):
                 ref_host = state.ref
                 state = state.replace(ref=jax.device_put(ref_host, self._ref_device) if uses_ref else None)
             with jax.set_mesh(self.mesh):  # traced under the mesh: see parallel.ambient_batch_shards
-                state, out = jitted(state, dev)
+                state, out = call(state, dev)
             if self.offload:
                 state = state.replace(ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host)
             return state, {**host, **out}
@@ -197,13 +205,16 @@ class ShardedStep(SegmentRunner):
         return jitted, run
 
     def _sampler_segment(self, group: list[Stage]):
-        jitted = jax.jit(self._program(_chain(tuple(group)), self.sampler_mesh, self._view_shardings))
+        program, updates = self._program(group, self.sampler_mesh, self._view_shardings)
+        jitted = jax.jit(program)
 
         def run(state, batch):
             host, dev = self._split(batch)
             dev = place_batch(dev, self.sampler_mesh)
             small = jax.device_put(state.replace(policy=None, opt_state=None, ref=None), replicated(self.sampler_mesh))
             with jax.set_mesh(self.sampler_mesh):
+                if not updates:  # the state stays as it is (and where it is)
+                    return state, {**host, **jitted(small.replace(policy=self._sampler_policy), dev)}
                 view, out = jitted(small.replace(policy=self._sampler_policy), dev)
             changed = {f.name: jax.device_put(getattr(view, f.name), replicated(self.mesh))
                        for f in dataclasses.fields(view) if f.name not in ("policy", "opt_state", "ref")}

@@ -139,3 +139,33 @@ def test_stage_api_and_errors():
         compose(log, lambda s, b: (s, b))
     with pytest.raises(TypeError, match="already a Stage"):
         stage(log)
+
+
+def test_read_only_stage_returns_the_callers_state_before_a_failing_host_stage():
+    """A program of ``updates_state=False`` stages neither donates nor copies the state: when the
+    host stage after it raises, the caller's state is whole and the step can simply be retried."""
+    _, advantage, update, _ = make_stages([])
+    rollout = stage(lambda s, b: (s, dict(b, y=b["x"] * s["w"])), name="rollout", updates_state=False)
+    fail = {"now": True}
+
+    def score(state, batch):
+        if fail["now"]:
+            raise RuntimeError("reward server down")
+        return state, batch
+
+    step = compose(rollout, stage(score, jit=False), advantage, update)
+    assert [s.updates_state for s in step.segments] == [False, True, True]
+    state, batch = init()
+    with pytest.raises(RuntimeError, match="reward server down"):
+        step(state, batch)
+    assert not state["w"].is_deleted()
+    out_state, batch_out = step.segments[0].run(state, batch)
+    assert out_state is state and np.array_equal(batch_out["y"], batch["x"] * state["w"])
+    fail["now"] = False
+    want, _ = by_hand([rollout.fn, advantage.fn, update.fn], *init())
+    got, _ = step(state, batch)  # the retry, from the same state
+    assert_same(got, want)
+
+    liar = stage(lambda s, b: ({"w": s["w"] + 1, "n": s["n"]}, b), name="liar", updates_state=False)
+    with pytest.raises(ValueError, match="liar declared updates_state=False but changed the state"):
+        liar(*init())

@@ -43,17 +43,22 @@ def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) ->
         eos_ids=eos_ids, pad_id=pad_id)
 
 
+ROLLOUT_STREAM = 0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM); the update splits state.key
+
+
 def make_rollout(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> Stage:
     rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
 
     def rollout(state: TrainState, batch):
-        key, sub = jax.random.split(state.key)
-        r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], sub, rcfg)
+        # the state is read, not changed: the update advances the key once per iteration
+        key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
+        r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], key, rcfg)
         out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
                "lengths": r.lengths, "finished": r.finished}
-        return state.replace(key=key), out
+        return state, out
 
-    return stage(rollout, name="rollout")
+    # the rewards (a host stage) run next: if they raise, the caller's state is untouched
+    return stage(rollout, name="rollout", updates_state=False)
 
 
 def make_reference(cfg: GRPOConfig) -> Stage:
