@@ -1,6 +1,10 @@
-"""relax.checkpoint: bit-exact round trips, retention, save cadence, crash safety, clear errors."""
+"""relax.checkpoint: bit-exact round trips, retention, save cadence, crash safety, clear errors,
+integrity records (corruption caught on restore; the fingerprint itself: tests/test_fingerprint.py),
+fallback to the newest intact checkpoint and quarantine."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -10,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import relax.models as rm
-from relax.checkpoint import Checkpointer
+from relax.checkpoint import Checkpointer, CheckpointCorruptError, UnverifiedCheckpointWarning
 
 CFG = rm.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
                      num_heads=2, num_kv_heads=1, head_dim=8)
@@ -157,6 +162,7 @@ def test_incompatible_target_names_directory_and_step(tmp_path, state):
     target = dict(state, model=jax.eval_shape(lambda: rm.init(bigger, jax.random.key(0))))
     with pytest.raises(ValueError) as err:
         ckpt.restore(target=target)
+    assert not isinstance(err.value, CheckpointCorruptError)  # a config mismatch, not damage
     msg = str(err.value)
     assert str(tmp_path / "run") in msg and "step 7" in msg
     assert "model.embed" in msg and "[32, 16]" in msg and "[32, 24]" in msg
@@ -216,3 +222,201 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     ckpt.wait()
     assert ckpt.latest_step() == 2
     ckpt.close()
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _saved(directory, states: dict[int, dict]) -> Checkpointer:
+    ckpt = Checkpointer(directory, max_to_keep=None)
+    for step, state in states.items():
+        assert ckpt.save(step, state, data_state={"step": step}, config={"step": step})
+    ckpt.wait()
+    return ckpt
+
+
+def _flip_middle_of_largest_chunk(step_dir, nbytes: int = 64) -> None:
+    """XOR ``nbytes`` bytes in the middle of the largest OCDBT data file under ``<step>/state``."""
+    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state"))
+             for f in names if os.path.basename(root) == "d"]
+    path = max(files, key=os.path.getsize)
+    data = bytearray(open(path, "rb").read())
+    middle = len(data) // 2
+    data[middle:middle + nbytes] = bytes(b ^ 0x5A for b in data[middle:middle + nbytes])
+    open(path, "wb").write(bytes(data))
+
+
+def test_flipped_bytes_in_raw_chunk_change_values_and_are_caught(tmp_path):
+    # Random 32-bit words do not compress: zstd stores them as a raw block, so flipped bytes in
+    # the middle decode without any error, to different values (the user's report).
+    w = np.random.default_rng(5).integers(0, 2**32, 16384, dtype=np.uint32).view(np.float32)
+    w = np.where(np.isfinite(w), w, 0).astype(np.float32)
+    state = {"w": jax.device_put(w), "b": jnp.arange(4, dtype=jnp.int32)}
+    ckpt = _saved(tmp_path / "ckpt", {5: state})
+    _flip_middle_of_largest_chunk(tmp_path / "ckpt" / "5")
+
+    with ocp.StandardCheckpointer() as plain:
+        raw = plain.restore(tmp_path / "ckpt" / "5" / "state", state)
+    changed = np.asarray(raw["w"]) != w
+    assert 0 < changed.sum() <= 17  # orbax alone: no error, ~16 weights silently changed
+
+    with pytest.raises(CheckpointCorruptError) as err:
+        ckpt.restore(target=state)
+    msg = str(err.value)
+    assert f"checkpoint {tmp_path / 'ckpt'} step 5 is damaged: item 'state'" in msg
+    assert "1 of 2 array leaves differ from the integrity record" in msg and msg.endswith(": w")
+    assert (err.value.step, err.value.item) == (5, "state")
+    ckpt.close()
+
+
+@pytest.mark.parametrize("values", ["normal", "ramp"])
+def test_flipped_bytes_in_compressed_chunk_are_caught(tmp_path, values):
+    # Compressible arrays: the flip lands in a zstd-coded stream; tensorstore may fail to decode
+    # it or decode garbage. Either way the restore names the damaged checkpoint.
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal(16384) if values == "normal" else np.arange(16384) / 7).astype(np.float32)
+    state = {"w": jax.device_put(w)}
+    ckpt = _saved(tmp_path, {3: state})
+    _flip_middle_of_largest_chunk(tmp_path / "3")
+    with pytest.raises(CheckpointCorruptError, match="step 3 is damaged: item 'state'") as err:
+        ckpt.restore(target=state)
+    assert len(str(err.value)) < 400
+    ckpt.close()
+
+
+def test_verification_compares_values(tmp_path):
+    # Two valid checkpoints, integrity records swapped: every byte on disk is well-formed, only
+    # the values disagree with the record, and only in the leaf whose values differ.
+    a = {"same": jnp.arange(5, dtype=jnp.int32), "moved": jnp.zeros(4), "key": jax.random.key(0)}
+    b = dict(a, moved=jnp.zeros(4).at[2].set(1.0))
+    ckpt = _saved(tmp_path / "ckpt", {1: a, 2: b})
+    ckpt.restore(1, target=a)
+    ckpt.restore(2, target=a)
+    for name in ("1", "2"):
+        shutil.move(tmp_path / "ckpt" / name / "integrity", tmp_path / f"integrity{name}")
+    shutil.move(tmp_path / "integrity1", tmp_path / "ckpt" / "2" / "integrity")
+    shutil.move(tmp_path / "integrity2", tmp_path / "ckpt" / "1" / "integrity")
+    with pytest.raises(CheckpointCorruptError, match=r"step 2 is damaged: item 'state': 1 of 3 array "
+                       r"leaves differ from the integrity record written at save time: moved$"):
+        ckpt.restore(2, target=a)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("item", ["state", "data", "config", "integrity"])
+def test_missing_item_names_step_and_path(tmp_path, item):
+    ckpt = _saved(tmp_path / "ckpt", {4: {"w": np.ones(3, np.float32)}})
+    shutil.rmtree(tmp_path / "ckpt" / "4" / item)
+    with pytest.raises(CheckpointCorruptError) as err:
+        ckpt.restore(target={"w": np.zeros(3, np.float32)})
+    path = tmp_path / "ckpt" / "4" / item
+    assert str(err.value) == (f"checkpoint {tmp_path / 'ckpt'} step 4 is damaged: item '{item}': "
+                              f"{path} does not exist")
+    assert (err.value.directory, err.value.step, err.value.item) == (str(tmp_path / "ckpt"), 4, item)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("damage", ["manifest.ocdbt", "_METADATA", "ocdbt.process_0"])
+def test_damaged_state_metadata_gives_short_error(tmp_path, damage):
+    # (random floats: chunks under 1 KiB compressed are inlined in the OCDBT b-tree)
+    state = {"w": np.random.default_rng(7).standard_normal(4096).astype(np.float32),
+             "key": jax.random.key(0)}
+    ckpt = _saved(tmp_path, {6: state})
+    target = tmp_path / "6" / "state" / damage
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(CheckpointCorruptError) as err:
+        ckpt.restore(target=state)
+    msg = str(err.value)
+    assert msg.startswith(f"checkpoint {tmp_path} step 6 is damaged: item 'state': ")
+    assert len(msg) < 400 and "\n" not in msg and "tensorstore_spec" not in msg
+    if damage != "_METADATA":  # (orbax reads a missing _METADATA as "no metadata", no error)
+        assert err.value.__cause__ is not None  # the full error stays chained
+    ckpt.close()
+
+
+@pytest.mark.parametrize("item", ["data", "config", "integrity"])
+def test_unparsable_json_item(tmp_path, item):
+    ckpt = _saved(tmp_path, {2: {"w": np.ones(3, np.float32)}})
+    (tmp_path / "2" / item / "metadata").write_text('{"kind": "json", "valu')
+    with pytest.raises(CheckpointCorruptError, match=rf"step 2 is damaged: item '{item}': cannot "
+                       r"read it: JSONDecodeError: ") as err:
+        ckpt.restore(target={"w": np.zeros(3, np.float32)})
+    assert isinstance(err.value.__cause__, json.JSONDecodeError)
+    ckpt.close()
+
+
+def test_old_checkpoint_without_record_restores_with_warning(tmp_path):
+    # exactly what relax wrote before the integrity record: three items, no ``integrity``
+    state = {"w": np.arange(3, dtype=np.float32)}
+    with ocp.CheckpointManager(tmp_path, item_names=("state", "data", "config")) as manager:
+        manager.save(8, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave({"config": {"lr": 1}}),
+            data=ocp.args.JsonSave({"kind": "bytes", "value": "AAE="})))
+    with Checkpointer(tmp_path) as ckpt, pytest.warns(UnverifiedCheckpointWarning,
+                                                      match=r"step 8 has no integrity record"):
+        restored, data_state, config = ckpt.restore(target={"w": np.zeros(3, np.float32)})
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert data_state == b"\x00\x01" and config == {"lr": 1}
+
+
+def test_restore_latest_intact_and_quarantine(tmp_path):
+    directory, aside = tmp_path / "ckpt", tmp_path / "quarantine"
+    states = {s: {"w": np.full(3, s, np.float32), "k": jax.random.key(s)} for s in (1, 2, 3)}
+    ckpt, target = _saved(directory, states), states[1]
+    os.remove(directory / "3" / "state" / "manifest.ocdbt")
+    (directory / "2" / "config" / "metadata").write_text("not json")
+
+    with pytest.raises(CheckpointCorruptError, match="step 3 is damaged"):
+        ckpt.restore(target=target)  # by default a damaged latest checkpoint raises
+    with pytest.raises(ValueError, match="does not match the restore target") as err:
+        ckpt.restore_latest_intact(target=dict(target, extra=np.zeros(1)))  # no fallback for this
+    assert not isinstance(err.value, CheckpointCorruptError)
+
+    state, data_state, config, step, damaged = ckpt.restore_latest_intact(target=target)
+    assert step == 1 and data_state == {"step": 1} and config == {"step": 1}
+    np.testing.assert_array_equal(state["w"], states[1]["w"])
+    assert [s for s, _ in damaged] == [3, 2]
+    assert "step 3 is damaged: item 'state'" in damaged[0][1]
+    assert "step 2 is damaged: item 'config'" in damaged[1][1]
+
+    with pytest.raises(ValueError, match="must be outside"):
+        ckpt.quarantine(3, directory / "aside")
+    before = sorted(os.listdir(directory / "3" / "state"))
+    assert ckpt.quarantine(3, aside) == str(aside / "3")
+    assert ckpt.quarantine(2, aside) == str(aside / "2")
+    assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1
+    assert sorted(os.listdir(aside / "3" / "state")) == before  # moved whole, nothing deleted
+    assert ckpt.save(2, states[2], config={"step": 2})  # the step numbers are free again
+    ckpt.wait()
+    assert ckpt.restore(2, target=target)[2] == {"step": 2}
+    ckpt.save(3, states[3], config={}, force=True)
+    ckpt.wait()
+    assert ckpt.quarantine(3, aside) == str(aside / "3.1")  # never overwrites a quarantined step
+
+    shutil.rmtree(directory / "1" / "state")
+    shutil.rmtree(directory / "2" / "data")
+    with pytest.raises(CheckpointCorruptError, match="no intact checkpoint") as err:
+        ckpt.restore_latest_intact(target=target)
+    assert "step 2 is damaged: item 'data'" in str(err.value)
+    assert "step 1 is damaged: item 'state'" in str(err.value)
+    ckpt.close()
+
+
+def test_close_and_wait_are_idempotent_and_safe_after_errors(tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+
+    ckpt = _saved(tmp_path / "a", {1: {"w": np.ones(2, np.float32)}})
+    ckpt.close(), ckpt.close(), ckpt.wait()
+    with pytest.raises(RuntimeError, match="is closed"):
+        ckpt.save(2, {"w": np.ones(2, np.float32)}, config={})
+    with pytest.raises(RuntimeError, match="is closed"):
+        ckpt.restore(target={"w": np.ones(2, np.float32)})
+
+    async def fail(self):
+        raise OSError("disk full")
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
+    ckpt = Checkpointer(tmp_path / "b")
+    ckpt.save(1, {"w": np.ones(2, np.float32)}, config={})  # fails in the background thread
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.close()  # the failed save is reported once ...
+    ckpt.close()  # ... and a second close (e.g. from __exit__) is a no-op
+    ckpt.wait()
