@@ -82,6 +82,11 @@ class MasterWeightsState(NamedTuple):
         """The inner ``apply_if_finite`` counter (what ``opt_state.total_notfinite`` reads)."""
         return self.inner.total_notfinite
 
+    @property
+    def notfinite_count(self):
+        """The inner ``apply_if_finite`` streak of skipped steps."""
+        return self.inner.notfinite_count
+
 
 def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> optax.GradientTransformation:
     """Run ``inner`` on a float32 master copy of the parameters kept in the optimizer state.

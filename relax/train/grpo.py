@@ -33,7 +33,8 @@ from relax.sampling import SamplingConfig
 from relax.train.config import GRPOConfig
 from relax.train.forward import completion_logprobs
 from relax.train.state import TrainState
-from relax.train.update import make_update, skipped_updates
+from relax.train.health import first_nonfinite
+from relax.train.update import consecutive_skipped_updates, make_update, skipped_updates
 
 
 def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
@@ -179,10 +180,13 @@ def make_update_stage(cfg: GRPOConfig, optimizer) -> Stage:
         ref = state.ref
         if ref is not None:
             ref = rule(ref, policy, step, {"kl": running_kl, "entropy": running_entropy})
+        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
+                  "first_nonfinite": first_nonfinite(batch, metrics["loss"]),
+                  "consecutive_skips": consecutive_skipped_updates(opt_state)}
         metrics = {**metrics, **_batch_metrics(batch), "skipped_updates": skipped_updates(opt_state)}
         new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key,
                             running_kl=running_kl, running_entropy=running_entropy)
-        return new, {**batch, "metrics": metrics}
+        return new, {**batch, "metrics": metrics, "health": health}
 
     return stage(update, name="update")
 

@@ -39,6 +39,7 @@ from relax.parallel import cache_sized_passes
 from relax.reference import params_equal
 from relax.train.config import GRPOConfig
 from relax.train.forward import completion_logprobs, completion_rope
+from relax.train.health import first_nonfinite_leaf
 
 
 def _policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
@@ -143,6 +144,7 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
             metrics = reduce_metrics(metrics, weights=tokens)  # the step's metrics, however micro-batched
             metrics["loss"] = jnp.sum(losses)
             metrics["grad_norm"] = optax.tree.norm(grads)
+            metrics["first_nonfinite_grad"] = first_nonfinite_leaf(grads)  # -1: all finite (relax.train.health)
             return (policy, opt_state, same), metrics
 
         def epoch(carry, epoch_key):
@@ -164,13 +166,17 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
 
 def reduce_metrics(metrics: dict, weights: jax.Array | None = None) -> dict:
     """Metrics stacked over micro-batches or steps -> one value each. Extremes stay extremes
-    (``*_max`` and the sampler/trainer difference by max, ``*_min`` by min); the rest are means,
+    (``*_max`` and the sampler/trainer difference by max, ``*_min`` by min), the first non-finite
+    gradient leaf is the first step's that has one; the rest are means,
     weighted by ``weights`` (the micro-batches' loss tokens: a micro-batch's masked mean then
     counts as its tokens, and the step's metric is the one of the whole minibatch)::
 
         mean = sum_i w_i x_i / sum_i w_i      (plain mean when every w_i is 0)
     """
     def one(name, x):
+        if name == "first_nonfinite_grad":  # that of the first step with one, else -1
+            x = x.reshape(-1)
+            return x[jnp.argmax(x >= 0)]
         if name.endswith("_max") or name == "sampler_logprob_diff":
             return jnp.max(x)
         if name.endswith("_min"):
@@ -186,3 +192,8 @@ def reduce_metrics(metrics: dict, weights: jax.Array | None = None) -> dict:
 def skipped_updates(opt_state) -> jax.Array:
     """Total optimizer steps skipped for non-finite gradients (``optax.apply_if_finite``)."""
     return opt_state.total_notfinite
+
+
+def consecutive_skipped_updates(opt_state) -> jax.Array:
+    """Optimizer steps skipped in a row, up to the last one (0 after a step that applied)."""
+    return opt_state.notfinite_count
