@@ -6,17 +6,19 @@
     python examples/train_grpo.py ... --parallel.mesh data=2,fsdp=4   # sharded over 8 devices
     python examples/train_grpo.py ... --parallel.multihost            # every host of a TPU slice / SLURM job
 
-Every field of ``relax.train.run.RunConfig`` (and the nested ``--grpo.*``, ``--eval.*`` and
-``--task.*`` options) is a flag; ``--help`` lists them. ``--preset`` picks the algorithm whose
+Every field of ``relax.train.run.RunConfig`` (and the nested ``--grpo.*``, ``--eval.*``,
+``--health.*`` and ``--task.*`` options) is a flag; ``--help`` lists them. ``--preset`` picks the algorithm whose
 values the ``--grpo.*`` flags then override.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import tyro
 
+from relax.train.preemption import Preempted
 from relax.train.run import RunConfig, builtin_defaults, real_defaults, run
 
 
@@ -43,4 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Preempted as e:  # SIGTERM: a checkpoint was saved; exit as a terminated process would
+        print(e, file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)

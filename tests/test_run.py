@@ -1,17 +1,30 @@
 """The run loop end to end on a tiny "real" setup (HF directory, sentencepiece file, jsonl data):
-CLI flags, exact resume, eval-only, artifacts, and bad-input errors."""
+CLI flags, exact resume (after kill -9, from a damaged checkpoint, after SIGTERM), pending saves
+on a crash, non-finite stops, eval-only, artifacts, and bad-input errors.
+
+Faults that must end the interpreter (kill -9, an exception at top level) run this file as a
+script (``fault`` mode): a reward function counts the training calls and fails at the given one.
+"""
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
 
 from relax.models import ModelConfig, init
 from relax.models.hf import save_pretrained
+from relax.checkpoint import Checkpointer, CheckpointCorruptError
 from relax.rewards.functions import RewardError
+from relax.train.health import NonFiniteError
+from relax.train.preemption import Preempted
 from relax.tokenizer import Tokenizer, train_sentencepiece
 from relax.train.grpo import make_score
 
@@ -48,6 +61,7 @@ def _args(setup, run_dir, steps, *extra):
             "--run-dir", str(run_dir), "--steps", str(steps), "--batch-size", "4", "--max-prompt-tokens", "16",
             "--grpo.num-generations", "4", "--grpo.max-new-tokens", "5", "--grpo.beta", "0.04",
             "--grpo.optimizer.learning-rate", "1e-2", "--checkpoint-every", "2", "--eval.num-samples", "2",
+            "--eval-max-prompts", "3", "--reward", "overlap",
             "--preset", "grpo", *extra]
 
 
@@ -61,27 +75,148 @@ def _train_lines(run_dir):
     return out
 
 
-def test_resume_is_bit_exact_and_artifacts_exist(setup, tmp_path):
-    example = _load_example()
-    straight = tmp_path / "straight"
-    summary = example.main(_args(setup, straight, 4))
-    assert set(summary) >= {"before", "after", "steps", "export"}
-    assert (straight / "summary.json").exists() and (straight / "metrics.jsonl").exists()
-    assert list((straight / "tb").glob("events.out.tfevents.*"))
-    assert (straight / "final_hf" / "config.json").exists() and (straight / "final_hf" / "tokenizer.model").exists()
-    assert sorted(p.name for p in (straight / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
-    assert "pass@1" in summary["after"] and "len2/pass@1" in summary["after"]
+TRAIN_COMPLETIONS = 16  # 4 prompts x 4 completions; evaluation calls score 3 or 6 (--eval-max-prompts 3)
 
-    resumed = tmp_path / "resumed"
-    example.main(_args(setup, resumed, 2))
-    example.main(_args(setup, resumed, 4, "--resume"))
-    a, b = _train_lines(straight), _train_lines(resumed)
+
+def overlap(prompts, completions, answer, **fields):
+    """A dense reward for the untrained model (exact match is always 0 there): the share of the
+    answer's letters that the completion contains."""
+    return [len(set(c) & set(a)) / len(set(a)) for c, a in zip(completions, answer)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def overlap_reward():
+    """``--reward overlap`` for this module's runs."""
+    from relax.rewards import builtin
+    builtin.BUILTIN_REWARDS["overlap"] = overlap
+    yield
+    del builtin.BUILTIN_REWARDS["overlap"]
+
+
+def faulty_reward(fault: str, at: int):
+    """``overlap`` that fails at its ``at``-th training call: ``kill9`` / ``raise`` / ``sigterm``."""
+    calls = []
+
+    def reward(prompts, completions, **fields):
+        if len(completions) == TRAIN_COMPLETIONS:
+            calls.append(1)
+            if len(calls) == at:
+                if fault == "raise":
+                    raise RuntimeError(f"reward broke at training call {at}")
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill9" else signal.SIGTERM)
+        return overlap(prompts, completions, **fields)
+
+    return reward
+
+
+def _run_fault(setup, run_dir, fault: str, at: int, *extra) -> subprocess.CompletedProcess:
+    args = _args(setup, run_dir, 4, *extra)
+    return subprocess.run([sys.executable, __file__, "fault", fault, str(at), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _steps_logged(run_dir) -> list[int]:
+    return [json.loads(l)["step"] for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _flip_bytes(checkpoint_dir: Path) -> None:
+    """Flip 64 bytes in the middle of the largest file of a checkpoint's state item."""
+    f = max((p for p in (checkpoint_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    f.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def straight(setup, tmp_path_factory):
+    """An uninterrupted 4-step run (checkpoints at 2 and 4) and its summary."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    return run_dir, _load_example().main(_args(setup, run_dir, 4))
+
+
+def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tmp_path):
+    run_dir, summary = straight
+    assert set(summary) >= {"before", "after", "steps", "export"}
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "final_hf" / "config.json").exists() and (run_dir / "final_hf" / "tokenizer.model").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert "pass@1" in summary["after"] and any(k.startswith("len") and k.endswith("/pass@1") for k in summary["after"])
+
+    killed = tmp_path / "killed"
+    proc = _run_fault(setup, killed, "kill9", 4)  # dies in step 4: steps 1-3 logged, checkpoint 2 saved
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert _steps_logged(killed) == [0, 1, 2, 3]  # the "before" evaluation, then training lines
+    before = json.loads((killed / "summary.json").read_text())["before"]  # written as soon as it exists
+
+    resumed = _load_example().main(_args(setup, killed, 4, "--resume"))
+    assert _steps_logged(killed) == [0, 1, 2, 3, 4, 4]  # each step once; 4 = its line + the "after" evaluation
+    assert resumed["before"] == before == summary["before"]  # the first run's; nothing evaluated at step 2
+    a, b = _train_lines(run_dir), _train_lines(killed)
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
+    assert all(a[step]["grad_norm"] > 0 for step in a)  # the weights move: the comparison is not vacuous
     for step in (1, 2, 3, 4):
         assert a[step] == b[step], step  # bit for bit: JSON floats round-trip exactly
+    assert resumed["after"] == summary["after"]
 
-    only = example.main(_args(setup, resumed, 4, "--resume", "--eval-only"))
+    only = _load_example().main(_args(setup, killed, 4, "--resume", "--eval-only"))
     assert only["step"] == 4 and "pass@1" in only["eval_only"]
+
+
+def test_crash_completes_the_pending_checkpoint(setup, tmp_path):
+    """A reward that raises at step 3, while step 2's asynchronous save is in flight, ends the
+    interpreter; checkpoint 2 must be whole and verify."""
+    proc = _run_fault(setup, tmp_path, "raise", 3)
+    assert proc.returncode == 1 and "reward broke at training call 3" in proc.stderr, proc.stderr[-3000:]
+    assert "cannot schedule new futures" not in proc.stderr
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["2"], names  # committed, no orbax-checkpoint-tmp left behind
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        assert ckpt.latest_step() == 2
+
+
+def test_damaged_checkpoint_stops_resume_unless_fallback_is_asked(setup, straight, tmp_path):
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight[0], run_dir)
+    _flip_bytes(run_dir / "checkpoints" / "4")
+    with pytest.raises(CheckpointCorruptError, match=r"step 4"):
+        _load_example().main(_args(setup, run_dir, 4, "--resume"))
+    assert (run_dir / "checkpoints" / "4").exists()  # reported, left where it is
+    _load_example().main(_args(setup, run_dir, 4, "--resume", "--resume-fallback"))
+    assert (run_dir / "damaged_checkpoints" / "4").exists()
+    a, b = _train_lines(straight[0]), _train_lines(run_dir)
+    assert all(a[step] == b[step] for step in (1, 2, 3, 4))  # steps 3-4 trained again, identically
+    assert _steps_logged(run_dir).count(3) == 1
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_finishes(setup, straight, tmp_path, monkeypatch):
+    from relax.rewards import builtin
+    monkeypatch.setitem(builtin.BUILTIN_REWARDS, "overlap", faulty_reward("sigterm", 3))
+    with pytest.raises(Preempted, match="saved as checkpoint 3"):
+        _load_example().main(_args(setup, tmp_path, 4))
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is put back
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [2, 3]
+    _load_example().main(_args(setup, tmp_path, 4, "--resume"))
+    a, b = _train_lines(straight[0]), _train_lines(tmp_path)
+    assert all(a[step] == b[step] for step in (1, 2, 3, 4))
+
+
+def test_consecutive_non_finite_steps_stop_the_run(setup, tmp_path):
+    """A model with one NaN weight: every step is skipped; the run stops after the limit, naming
+    the first non-finite quantity, and exports nothing."""
+    import jax.numpy as jnp
+    from relax.models.hf import load_pretrained
+    model = load_pretrained(setup / "model")
+    bad = tmp_path / "nan_model"
+    save_pretrained(eqx.tree_at(lambda m: m.layers.w_up, model, model.layers.w_up.at[1, 3, 5].set(jnp.nan)), bad)
+    args = _args(setup, tmp_path / "run", 6, "--health.max-consecutive-skips", "2")
+    args[args.index("--model") + 1] = str(bad)
+    with pytest.raises(NonFiniteError, match=r"2 optimizer steps in a row were skipped.*iteration 1 with "
+                                             r"non-finite old_logprobs"):
+        _load_example().main(args)
+    assert _steps_logged(tmp_path / "run")[-1] == 2 and not (tmp_path / "run" / "final_hf").exists()
 
 
 def test_bad_run_config_names_the_flag(setup, capsys):
@@ -130,3 +265,11 @@ def test_raising_reward_function_names_function_and_sample():
     batch = {"tokens": tokens, "mask": mask, "prompts": ["q"], "fields": {}}
     with pytest.raises(RewardError, match="broken"):
         stage(None, batch)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] != "fault":
+        raise SystemExit(f"unknown mode {sys.argv[1:]}")
+    from relax.rewards import builtin
+    builtin.BUILTIN_REWARDS["overlap"] = faulty_reward(sys.argv[2], int(sys.argv[3]))
+    _load_example().main(sys.argv[4:])

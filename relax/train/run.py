@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 
 from relax.checkpoint import Checkpointer
 from relax.choices import check_choice
-from relax.data import DataConfig, eval_records, load_records, prompt_batch, prompt_iterator, read_splits
+from relax.data import DataConfig, eval_records, prompt_batch, prompt_iterator, read_records, read_splits
 from relax.logging import MetricsLogger, ProgressBar, is_main_process, write_summary
 from relax.models.config import DTYPES
 from relax.models.hf import load_pretrained, save_pretrained
@@ -32,6 +31,9 @@ from relax.tokenizer import Tokenizer
 from relax.train.config import PRESETS, GRPOConfig, preset
 from relax.train.evaluate import EvalConfig, evaluate
 from relax.train.grpo import make_grpo_step
+from relax.train.health import HealthConfig, HealthMonitor, leaf_names
+from relax.train.preemption import Preempted, PreemptionGuard
+from relax.train.run_dir import load_summary, restore_latest, set_aside_earlier_run
 from relax.train.state import init_state
 from relax.train.update import skipped_updates
 
@@ -82,11 +84,17 @@ class RunConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     resume: bool = False
-    """Continue from the latest checkpoint in --run-dir."""
+    """Continue from the latest checkpoint in --run-dir (verified; a damaged one stops the run).
+    Without it, an earlier run's outputs in --run-dir are moved to <run-dir>/previous/<time>/."""
+    resume_fallback: bool = False
+    """With --resume: if the newest checkpoint is damaged, restore the newest intact one instead
+    (the damaged ones are moved to <run-dir>/damaged_checkpoints/)."""
     eval_only: bool = False
     """Evaluate the model (or the latest checkpoint with --resume) and exit."""
     export_hf: bool = True
     task: reverse.ReverseTask = reverse.ReverseTask()
+    health: HealthConfig = HealthConfig()
+    """When to stop on non-finite values and warn of a collapse (``relax.train.health``)."""
     parallel: ParallelConfig = ParallelConfig()
     """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
 
@@ -99,6 +107,8 @@ class RunConfig:
         for name in (self.param_dtype, self.compute_dtype):
             if name not in DTYPES:
                 raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if self.resume_fallback and not self.resume:
+            raise ValueError("--resume-fallback needs --resume")
         if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
             raise ValueError("--steps >= 0, --batch-size >= 1 and --checkpoint-every >= 1 are required")
 
@@ -173,6 +183,57 @@ def _host_policy(policy):
     return multihost_utils.process_allgather(policy, tiled=True)
 
 
+def _batch(cfg: RunConfig, pb) -> dict:
+    return {"prompt_ids": jnp.asarray(pb.prompt_ids), "prompt_mask": jnp.asarray(pb.prompt_mask),
+            "prompts": pb.prompts, "fields": {cfg.answer_field: pb.answers, **pb.fields}}
+
+
+def _iteration(cfg: RunConfig, step_fn, state, batch) -> tuple[object, dict, dict]:
+    """One GRPO iteration, timed per segment: ``(state, metrics, health)`` as host values."""
+    timings = {}
+    for seg in step_fn.segments:
+        t0 = time.perf_counter()
+        state, batch = seg.run(state, batch)
+        jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
+        timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
+    metrics = {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
+    metrics.update(timings)
+    step_time = sum(timings.values())
+    metrics["time/step"] = step_time
+    # from the global mean: on several processes ``lengths`` is not addressable whole
+    num_tokens = metrics["completion_length"] * cfg.batch_size * cfg.grpo.num_generations
+    metrics["tokens_per_s"] = num_tokens / step_time
+    metrics["reward_errors"] = float(batch["reward_info"]["errors"] + batch["reward_info"]["timeouts"])
+    return state, metrics, {k: int(v) for k, v in jax.device_get(batch["health"]).items()}
+
+
+def _train(cfg: RunConfig, step_fn, state, start: int, iterator, ckpt: Checkpointer, logger: MetricsLogger,
+           monitor: HealthMonitor, run_eval):
+    """Iterations ``start .. cfg.steps``: log, check health, evaluate, checkpoint; on SIGTERM save
+    and raise ``Preempted``. Returns the final state (its last step checkpointed)."""
+    last_saved = None
+    with PreemptionGuard() as guard, ProgressBar(total=cfg.steps, initial=start, keys=BAR_KEYS, desc="grpo") as bar:
+        for step in range(start, cfg.steps):
+            state, metrics, health = _iteration(cfg, step_fn, state, _batch(cfg, next(iterator)))
+            logger.log(step + 1, metrics)
+            bar.update(1, metrics)
+            monitor.check(step + 1, metrics, health)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                run_eval(state.policy, step + 1)
+            if ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg):
+                last_saved = step + 1
+            if guard.requested:
+                if last_saved != step + 1:
+                    ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg, force=True)
+                ckpt.wait()
+                raise Preempted(f"SIGTERM: stopped after step {step + 1}, saved as checkpoint {step + 1} in "
+                                f"{ckpt.directory}; continue with --resume")
+    if last_saved != cfg.steps and ckpt.latest_step() != cfg.steps:
+        ckpt.save(cfg.steps, state, data_state=iterator.get_state(), config=cfg, force=True)
+    ckpt.wait()
+    return state
+
+
 def run(cfg: RunConfig) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
     cfg.parallel.initialize()  # multi-host: before anything touches a device
@@ -205,7 +266,7 @@ def run(cfg: RunConfig) -> dict:
         eval_fraction=cfg.eval_fraction if eval_path is None else 0.0)
     splits = read_splits(data_cfg)  # the training data is read once, for both splits
     if eval_path is not None:
-        held_out = load_records(eval_path, fields=(cfg.prompt_field,))
+        held_out = read_records(eval_path, fields=(cfg.prompt_field,))
     else:
         held_out = eval_records(data_cfg, splits)
     if cfg.eval_max_prompts is not None:
@@ -227,68 +288,52 @@ def run(cfg: RunConfig) -> dict:
         state = step_fn.place(state)
         del model
     iterator = prompt_iterator(data_cfg, tokenizer, splits=splits)
+    if not (cfg.resume or cfg.eval_only):
+        set_aside_earlier_run(run_dir, log)
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
-    summary: dict = {}
-    if cfg.resume and ckpt.latest_step() is not None:
-        state, data_state, _ = ckpt.restore(target=state)
-        iterator.set_state(data_state)
-        log(f"resumed from step {int(state.step)} ({ckpt.directory})")
-        if (run_dir / "summary.json").exists():
-            summary = json.loads((run_dir / "summary.json").read_text())
-    start = int(state.step)
+    try:  # pending checkpoint saves complete whatever happens (success, error, Ctrl-C, SIGTERM)
+        summary: dict = load_summary(run_dir) if cfg.resume else {}
+        restored = restore_latest(ckpt, state, run_dir, fallback=cfg.resume_fallback, log=log) if cfg.resume else None
+        if restored is not None:
+            state, data_state, _ = restored
+            iterator.set_state(data_state)
+            log(f"resumed from step {int(state.step)} ({ckpt.directory})")
+        start = int(state.step)
 
-    def run_eval(policy, step: int) -> dict:
-        if eval_batch is None:
-            return {}
-        t0 = time.perf_counter()
-        metrics = evaluate(policy, eval_batch, reward_fns=reward_fns, decode=decode, eos_ids=eos_ids,
-                           pad_id=tokenizer.pad_id, max_new_tokens=cfg.grpo.max_new_tokens,
-                           key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
-                           answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s)
-        logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
-        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
-        return metrics
+        def run_eval(policy, step: int) -> dict:
+            if eval_batch is None:
+                return {}
+            t0 = time.perf_counter()
+            metrics = evaluate(policy, eval_batch, reward_fns=reward_fns, decode=decode, eos_ids=eos_ids,
+                               pad_id=tokenizer.pad_id, max_new_tokens=cfg.grpo.max_new_tokens,
+                               key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
+                               answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s)
+            logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+            log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
+            return metrics
 
-    with MetricsLogger(run_dir) as logger:
-        if cfg.eval_only:
-            result = run_eval(state.policy, start)
-            summary = {**summary, "eval_only": result, "step": start}
+        with MetricsLogger(run_dir, resume_step=None if cfg.eval_only else start) as logger:
+            if cfg.eval_only:
+                summary = {**summary, "eval_only": run_eval(state.policy, start), "step": start}
+                write_summary(run_dir, summary)
+                return summary
+            dropped = sum(logger.dropped.values())
+            if dropped:
+                log(f"logs cut back to step {start}: {dropped} later record(s) of the interrupted run removed")
+            if "before" not in summary:
+                if start == 0:
+                    summary["before"] = run_eval(state.policy, start)
+                    write_summary(run_dir, summary)
+                else:
+                    log("no 'before' evaluation was recorded for this run; summary.json will have none")
+            monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(state.policy),
+                                    vocab_size=state.policy.config.vocab_size, warn=log)
+            state = _train(cfg, step_fn, state, start, iterator, ckpt, logger, monitor, run_eval)
+            summary["after"] = run_eval(state.policy, cfg.steps)
             write_summary(run_dir, summary)
-            return summary
-        if "before" not in summary:
-            summary["before"] = run_eval(state.policy, start)
-        last_saved = None
-        with ProgressBar(total=cfg.steps, initial=start, keys=BAR_KEYS, desc="grpo") as bar:
-            for step in range(start, cfg.steps):
-                pb = next(iterator)
-                batch = {"prompt_ids": jnp.asarray(pb.prompt_ids), "prompt_mask": jnp.asarray(pb.prompt_mask),
-                         "prompts": pb.prompts, "fields": {cfg.answer_field: pb.answers, **pb.fields}}
-                timings = {}
-                for seg in step_fn.segments:
-                    t0 = time.perf_counter()
-                    state, batch = seg.run(state, batch)
-                    jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
-                    timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
-                metrics = {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
-                metrics.update(timings)
-                step_time = sum(timings.values())
-                metrics["time/step"] = step_time
-                # from the global mean: on several processes ``lengths`` is not addressable whole
-                num_tokens = metrics["completion_length"] * cfg.batch_size * cfg.grpo.num_generations
-                metrics["tokens_per_s"] = num_tokens / step_time
-                metrics["reward_errors"] = float(batch["reward_info"]["errors"] + batch["reward_info"]["timeouts"])
-                logger.log(step + 1, metrics)
-                bar.update(1, metrics)
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                    run_eval(state.policy, step + 1)
-                if ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg):
-                    last_saved = step + 1
-        if last_saved != cfg.steps and ckpt.latest_step() != cfg.steps:
-            ckpt.save(cfg.steps, state, data_state=iterator.get_state(), config=cfg, force=True)
-        ckpt.wait()
-        summary["after"] = run_eval(state.policy, cfg.steps)
-    ckpt.close()
+    finally:
+        ckpt.close()
     if cfg.export_hf:
         export = run_dir / "final_hf"
         policy = _host_policy(state.policy)  # collective: every process takes part

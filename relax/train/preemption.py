@@ -1,0 +1,47 @@
+"""SIGTERM as a request to stop at the next step boundary (a preempted TPU VM or a cloud spot
+instance gets SIGTERM, then some seconds, then SIGKILL).
+
+    with PreemptionGuard() as guard:
+        for step in ...:
+            state = train_step(state)
+            if guard.requested:
+                save(step, state); raise Preempted(...)
+
+Inside the guard SIGTERM only sets ``requested``: the step in flight finishes (its buffers are
+consistent again), the loop saves a final checkpoint and stops. The previous handler comes back
+on exit. A no-op off the main thread, where Python cannot install signal handlers, and on
+several processes, where jax's own preemption notice (orbax's ``PreemptionCheckpointingPolicy``
+in ``relax.checkpoint``) must see the signal on every host.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM after saving a checkpoint."""
+
+
+class PreemptionGuard:
+    """While active, SIGTERM sets ``requested`` instead of ending the process."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        self.active = threading.current_thread() is threading.main_thread() and jax.process_count() == 1
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> PreemptionGuard:
+        if self.active:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            signal.signal(signal.SIGTERM, self._previous)
