@@ -234,29 +234,15 @@ def _train(cfg: RunConfig, step_fn, state, start: int, iterator, ckpt: Checkpoin
     return state
 
 
-def run(cfg: RunConfig) -> dict:
-    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
-    cfg.parallel.initialize()  # multi-host: before anything touches a device
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log = print if is_main_process() else (lambda *a, **k: None)
-    log(f"relax GRPO | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
-        f"| run dir {run_dir}")
-    t_start = time.perf_counter()
-    mesh, sampler_mesh = cfg.parallel.meshes()
-    check_batch(cfg.batch_size, mesh)
-    check_batch(cfg.batch_size, sampler_mesh)
-    if mesh is not None:
-        log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
-            + f" | {jax.process_count()} process(es)")
+def _model_and_data(cfg: RunConfig, run_dir: Path, on_host: bool, log):
+    """``(tokenizer, model, data_cfg, splits, eval_batch)``: the built-in task or --model/--data."""
     if cfg.model is None:
         tokenizer, model, data_path, eval_path = _builtin_setup(cfg, run_dir, log)
     else:
         tokenizer = Tokenizer(cfg.tokenizer)
-        with _on_host(mesh is not None):
+        with _on_host(on_host):
             model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
         data_path, eval_path = cfg.data, cfg.eval_data
-    eos_ids = tuple(sorted({*model.config.eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}))
     buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens)
     data_cfg = DataConfig(
         path=data_path, batch_size=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -272,7 +258,81 @@ def run(cfg: RunConfig) -> dict:
     if cfg.eval_max_prompts is not None:
         held_out = held_out[:cfg.eval_max_prompts]
     eval_batch = prompt_batch(held_out, data_cfg, tokenizer) if held_out else None
+    return tokenizer, model, data_cfg, splits, eval_batch
 
+
+def _evaluator(cfg: RunConfig, eval_batch, reward_fns, decode, eos_ids, pad_id: int, log):
+    """``run_eval(policy, step, logger) -> metrics``: the held-out evaluation, logged at ``step``."""
+
+    def run_eval(policy, step: int, logger: MetricsLogger) -> dict:
+        if eval_batch is None:
+            return {}
+        t0 = time.perf_counter()
+        metrics = evaluate(policy, eval_batch, reward_fns=reward_fns, decode=decode, eos_ids=eos_ids,
+                           pad_id=pad_id, max_new_tokens=cfg.grpo.max_new_tokens,
+                           key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
+                           answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s)
+        logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
+        return metrics
+
+    return run_eval
+
+
+def _resume_and_train(cfg: RunConfig, run_dir: Path, step_fn, state, iterator, run_eval, log) -> tuple[object, dict]:
+    """Restore (``--resume``), evaluate "before", train, evaluate "after": ``(state, summary)``.
+    Pending checkpoint saves complete whatever happens (success, error, Ctrl-C, SIGTERM)."""
+    if not (cfg.resume or cfg.eval_only):
+        set_aside_earlier_run(run_dir, log)
+    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
+    try:
+        summary: dict = load_summary(run_dir) if cfg.resume else {}
+        restored = restore_latest(ckpt, state, run_dir, fallback=cfg.resume_fallback, log=log) if cfg.resume else None
+        if restored is not None:
+            state, data_state, _ = restored
+            iterator.set_state(data_state)
+            log(f"resumed from step {int(state.step)} ({ckpt.directory})")
+        start = int(state.step)
+        with MetricsLogger(run_dir, resume_step=None if cfg.eval_only else start) as logger:
+            if cfg.eval_only:
+                return state, {**summary, "eval_only": run_eval(state.policy, start, logger), "step": start}
+            if sum(logger.dropped.values()):
+                log(f"logs cut back to step {start}: {sum(logger.dropped.values())} later record(s) removed")
+            if "before" not in summary:
+                if start == 0:
+                    summary["before"] = run_eval(state.policy, start, logger)
+                    write_summary(run_dir, summary)
+                else:
+                    log("no 'before' evaluation was recorded for this run; summary.json will have none")
+            monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(state.policy),
+                                    vocab_size=state.policy.config.vocab_size, warn=log)
+            evaluate_at = lambda policy, step: run_eval(policy, step, logger)  # noqa: E731
+            state = _train(cfg, step_fn, state, start, iterator, ckpt, logger, monitor, evaluate_at)
+            summary["after"] = run_eval(state.policy, cfg.steps, logger)
+            write_summary(run_dir, summary)
+    finally:
+        ckpt.close()
+    return state, summary
+
+
+def run(cfg: RunConfig) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    cfg.parallel.initialize()  # multi-host: before anything touches a device
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = print if is_main_process() else (lambda *a, **k: None)
+    log(f"relax GRPO | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
+        f"| run dir {run_dir}")
+    t_start = time.perf_counter()
+    mesh, sampler_mesh = cfg.parallel.meshes()
+    check_batch(cfg.batch_size, mesh)
+    check_batch(cfg.batch_size, sampler_mesh)
+    if mesh is not None:
+        log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
+            + f" | {jax.process_count()} process(es)")
+    tokenizer, model, data_cfg, splits, eval_batch = _model_and_data(cfg, run_dir, mesh is not None, log)
+    eos_ids = tuple(sorted({*model.config.eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}))
     weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
     reward_fns = [RewardFunction(get_reward(n), name=n, weight=w) for n, w in zip(cfg.reward, weights)]
     decode = _decoder(tokenizer)
@@ -287,53 +347,12 @@ def run(cfg: RunConfig) -> dict:
                               offload_reference=cfg.parallel.offload_reference)
         state = step_fn.place(state)
         del model
+    run_eval = _evaluator(cfg, eval_batch, reward_fns, decode, eos_ids, tokenizer.pad_id, log)
     iterator = prompt_iterator(data_cfg, tokenizer, splits=splits)
-    if not (cfg.resume or cfg.eval_only):
-        set_aside_earlier_run(run_dir, log)
-    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
-    try:  # pending checkpoint saves complete whatever happens (success, error, Ctrl-C, SIGTERM)
-        summary: dict = load_summary(run_dir) if cfg.resume else {}
-        restored = restore_latest(ckpt, state, run_dir, fallback=cfg.resume_fallback, log=log) if cfg.resume else None
-        if restored is not None:
-            state, data_state, _ = restored
-            iterator.set_state(data_state)
-            log(f"resumed from step {int(state.step)} ({ckpt.directory})")
-        start = int(state.step)
-
-        def run_eval(policy, step: int) -> dict:
-            if eval_batch is None:
-                return {}
-            t0 = time.perf_counter()
-            metrics = evaluate(policy, eval_batch, reward_fns=reward_fns, decode=decode, eos_ids=eos_ids,
-                               pad_id=tokenizer.pad_id, max_new_tokens=cfg.grpo.max_new_tokens,
-                               key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
-                               answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s)
-            logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
-            log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
-                + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
-            return metrics
-
-        with MetricsLogger(run_dir, resume_step=None if cfg.eval_only else start) as logger:
-            if cfg.eval_only:
-                summary = {**summary, "eval_only": run_eval(state.policy, start), "step": start}
-                write_summary(run_dir, summary)
-                return summary
-            dropped = sum(logger.dropped.values())
-            if dropped:
-                log(f"logs cut back to step {start}: {dropped} later record(s) of the interrupted run removed")
-            if "before" not in summary:
-                if start == 0:
-                    summary["before"] = run_eval(state.policy, start)
-                    write_summary(run_dir, summary)
-                else:
-                    log("no 'before' evaluation was recorded for this run; summary.json will have none")
-            monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(state.policy),
-                                    vocab_size=state.policy.config.vocab_size, warn=log)
-            state = _train(cfg, step_fn, state, start, iterator, ckpt, logger, monitor, run_eval)
-            summary["after"] = run_eval(state.policy, cfg.steps)
-            write_summary(run_dir, summary)
-    finally:
-        ckpt.close()
+    state, summary = _resume_and_train(cfg, run_dir, step_fn, state, iterator, run_eval, log)
+    if cfg.eval_only:
+        write_summary(run_dir, summary)
+        return summary
     if cfg.export_hf:
         export = run_dir / "final_hf"
         policy = _host_policy(state.policy)  # collective: every process takes part
