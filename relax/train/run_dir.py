@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import jax
 
-from relax.checkpoint import Checkpointer
+from relax.checkpoint import CheckpointCorruptError, Checkpointer
 from relax.logging import SUMMARY_FILE, is_main_process
 
 OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf")
@@ -65,7 +65,12 @@ def restore_latest(ckpt: Checkpointer, state: Any, run_dir: Path, *, fallback: b
     if ckpt.latest_step() is None:
         return None
     if not fallback:
-        restored, data_state, _ = ckpt.restore(target=state)
+        try:
+            restored, data_state, _ = ckpt.restore(target=state)
+        except CheckpointCorruptError as e:
+            raise CheckpointCorruptError(f"{e}\n(--resume-fallback restores the newest intact checkpoint "
+                                         "instead and moves the damaged ones aside)", directory=e.directory,
+                                         step=e.step, item=e.item) from e
         return restored, data_state, int(ckpt.latest_step())
     restored, data_state, _, step, damaged = ckpt.restore_latest_intact(target=state)
     for bad, error in damaged:
