@@ -57,12 +57,19 @@ def _update_if(pred: Bool[Array, ""], update: Callable[[Params, Params], Params]
 
 def params_equal(a: Params, b: Params) -> Bool[Array, ""]:
     """True iff ``a`` and ``b`` are bitwise the same model: equal structure, dtypes and values
-    (``all_i a_i == b_i`` over every leaf; a dtype or shape mismatch is statically False)."""
+    (``all_i a_i == b_i`` over every leaf; a dtype or shape mismatch is statically False).
+
+    The smallest leaf is compared first and the rest only if it is equal (a ``lax.cond``): after
+    any update the answer is False at the cost of reading one small leaf, not two models."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     if jax.tree.structure(a) != jax.tree.structure(b) or any(
             (x.dtype, x.shape) != (y.dtype, y.shape) for x, y in zip(la, lb)):
         return jnp.bool_(False)
-    return jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(la, lb)]))
+    if not la:
+        return jnp.bool_(True)
+    first = min(range(len(la)), key=lambda i: la[i].size)
+    every = lambda: jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(la, lb)]))  # noqa: E731
+    return jax.lax.cond(jnp.all(la[first] == lb[first]), every, lambda: jnp.bool_(False))
 
 
 def _check_alpha(alpha: float) -> None:

@@ -136,6 +136,7 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
 
             zeros = jax.tree.map(jnp.zeros_like, policy)
             grads, (losses, metrics, tokens) = jax.lax.scan(micro, zeros, mb)
+            skips = consecutive_skipped_updates(opt_state)
             updates, opt_state = optimizer.update(grads, opt_state, policy)
             new_policy = optax.apply_updates(policy, updates)
             # still the reference only if this step left every weight as it was (lr 0, a skipped step)
@@ -144,7 +145,9 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
             metrics = reduce_metrics(metrics, weights=tokens)  # the step's metrics, however micro-batched
             metrics["loss"] = jnp.sum(losses)
             metrics["grad_norm"] = optax.tree.norm(grads)
-            metrics["first_nonfinite_grad"] = first_nonfinite_leaf(grads)  # -1: all finite (relax.train.health)
+            # -1: all finite (relax.train.health); looked for only when the step was skipped
+            metrics["first_nonfinite_grad"] = jax.lax.cond(consecutive_skipped_updates(opt_state) > skips,
+                                                           lambda: first_nonfinite_leaf(grads), lambda: -1)
             return (policy, opt_state, same), metrics
 
         def epoch(carry, epoch_key):
