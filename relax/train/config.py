@@ -120,7 +120,8 @@ class GRPOConfig:
 
     Sampling: ``num_generations`` (G) completions of at most ``max_new_tokens`` per prompt at
     ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``; the trainer recomputes log-probs at the same
-    ``temperature``.
+    ``temperature``. A completion also ends at its first ``stop_strings`` match (``relax.stop_strings``:
+    the token that completes the string is its last; used in evaluation too).
     Reward shaping (before the advantage): DAPO's soft overlong penalty when ``overlong_buffer``
     is set (``max_length = max_new_tokens``, ``overlong_penalty_factor``), and ``length_shaping``
     (linear | punitive, with ``length_target`` tokens and ``length_coef``).
@@ -150,6 +151,7 @@ class GRPOConfig:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    stop_strings: tuple[str, ...] = ()
     overlong_buffer: int | None = None
     overlong_penalty_factor: float = 1.0
     length_shaping: str | None = None
@@ -193,6 +195,8 @@ class GRPOConfig:
         resolve_mode(self.loss_type)
         if self.length_shaping is not None:
             check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING_MODES)
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]")
         if self.kl_threshold is not None and self.kl_in_reward:

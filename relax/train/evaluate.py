@@ -17,6 +17,7 @@ from relax.evaluation import summarize
 from relax.rewards.functions import score_groups
 from relax.rollout import RolloutConfig, compiled_generate
 from relax.sampling import SamplingConfig
+from relax.stop_strings import truncate_at_stop_strings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +51,16 @@ def _generate_all(model, batch: PromptBatch, rcfg: RolloutConfig, key, chunk: in
 
 def evaluate(model, batch: PromptBatch, *, reward_fns, decode, eos_ids: tuple[int, ...], pad_id: int,
              max_new_tokens: int, key, cfg: EvalConfig, answer_field: str | None = "answer",
-             timeout_s: float | None = None) -> dict[str, float]:
-    """Metrics over every prompt of ``batch`` (keys like ``pass@1``, ``greedy/accuracy``)."""
+             timeout_s: float | None = None, stop_strings: tuple[str, ...] = ()) -> dict[str, float]:
+    """Metrics over every prompt of ``batch`` (keys like ``pass@1``, ``greedy/accuracy``);
+    completions end at their first ``stop_strings`` match as in training."""
     fields = dict(batch.fields)
     if answer_field is not None:
         fields[answer_field] = list(batch.answers)
     out: dict[str, float] = {}
 
     def rewards_of(tokens, masks):
+        masks, _, _ = truncate_at_stop_strings(tokens, masks, np.zeros(tokens.shape[:-1], bool), decode, stop_strings)
         return score_groups(reward_fns, decode, batch.prompts, fields, tokens, masks, timeout_s=timeout_s)[0]
 
     if cfg.greedy:

@@ -30,6 +30,7 @@ from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_rew
 from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
 from relax.rollout import RolloutConfig, _generate
 from relax.sampling import SamplingConfig
+from relax.stop_strings import truncate_at_stop_strings
 from relax.train.config import GRPOConfig
 from relax.train.forward import completion_logprobs
 from relax.train.state import TrainState
@@ -91,12 +92,13 @@ def make_reference(cfg: GRPOConfig) -> Stage:
 
 def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
                decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
-               timeout_s: float | None = None) -> Stage:
+               timeout_s: float | None = None, stop_strings: tuple[str, ...] = ()) -> Stage:
     """Host stage: Python reward functions score the decoded completions (``score_groups``: each
     prompt's text and dataset fields repeated over its G completions, TRL's layout). Python reward
     functions get ``(prompts, completions, **fields)``; ``TokenRewardFunction``s run jitted on the
     token arrays. All are combined by weight (a sample is missing, NaN, only when every function
-    is missing for it)."""
+    is missing for it). First, completions are cut at their first stop string
+    (``relax.stop_strings``: ``mask``, ``lengths`` and ``finished`` replaced)."""
     token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
     fns = as_reward_functions([f for f in reward_fns if not isinstance(f, TokenRewardFunction)])
     if not fns and not token_fns:
@@ -107,6 +109,11 @@ def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Calla
         info: dict = {"errors": 0, "timeouts": 0}
         weights: dict[str, float] = {}
         out = dict(batch)
+        if stop_strings:
+            mask, lengths, finished = truncate_at_stop_strings(batch["tokens"], batch["mask"], batch["finished"],
+                                                               decode, stop_strings)
+            out.update(mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished))
+            batch = out
         if fns:
             _, per, info, out["completions"] = score_groups(
                 fns, decode, batch["prompts"], batch.get("fields", {}), batch["tokens"], batch["mask"],
@@ -209,7 +216,7 @@ def make_grpo_step(cfg: GRPOConfig, optimizer, reward_fns, decode, *, eos_ids: t
     ``prompt_mask`` ``[P, Lp]`` and host entries ``prompts`` (list[str]) and ``fields``."""
     return compose(
         make_rollout(cfg, eos_ids=eos_ids, pad_id=pad_id),
-        make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s),
+        make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s, stop_strings=cfg.stop_strings),
         make_reference(cfg),
         make_advantage(cfg),
         make_update_stage(cfg, optimizer),

@@ -271,7 +271,8 @@ def _evaluator(cfg: RunConfig, eval_batch, reward_fns, decode, eos_ids, pad_id: 
         metrics = evaluate(policy, eval_batch, reward_fns=reward_fns, decode=decode, eos_ids=eos_ids,
                            pad_id=pad_id, max_new_tokens=cfg.grpo.max_new_tokens,
                            key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
-                           answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s)
+                           answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s,
+                           stop_strings=cfg.grpo.stop_strings)
         logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
             + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
