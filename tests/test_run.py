@@ -70,8 +70,8 @@ def _train_lines(run_dir):
     out = {}
     for l in lines:
         if "loss" in l:  # training lines (evaluation lines carry eval/ keys only)
-            out[l["step"]] = {k: v for k, v in l.items() if k != "time" and not k.startswith("time/")
-                              and k != "tokens_per_s"}
+            out[l["step"]] = {k: v for k, v in l.items() if k not in ("time", "tokens_per_s", "compiles")
+                              and not k.startswith("time/")}
     return out
 
 
@@ -155,6 +155,9 @@ def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tm
     a, b = _train_lines(run_dir), _train_lines(killed)
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
     assert all(a[step]["grad_norm"] > 0 for step in a)  # the weights move: the comparison is not vacuous
+    compiles = {l["step"]: l["compiles"] for l in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if "loss" in l}
+    assert compiles[1] > 0 and all(compiles[s] == 0 for s in (2, 3, 4))  # static shapes: no recompiles
     for step in (1, 2, 3, 4):
         assert a[step] == b[step], step  # bit for bit: JSON floats round-trip exactly
     assert resumed["after"] == summary["after"]

@@ -188,16 +188,39 @@ def _batch(cfg: RunConfig, pb) -> dict:
             "prompts": pb.prompts, "fields": {cfg.answer_field: pb.answers, **pb.fields}}
 
 
+class CompileCounter:
+    """Counts XLA compilations while active (``jax.monitoring``'s backend-compile events): the run
+    logs ``compiles`` per iteration, which must be 0 after the first one (static shapes)."""
+
+    EVENT = "backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event: str, duration: float, **kwargs) -> None:
+        if event.endswith(self.EVENT):
+            self.count += 1
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
 def _iteration(cfg: RunConfig, step_fn, state, batch) -> tuple[object, dict, dict]:
-    """One GRPO iteration, timed per segment: ``(state, metrics, health)`` as host values."""
+    """One GRPO iteration, timed per segment: ``(state, metrics, health)`` as host values;
+    ``compiles`` counts the XLA programs it compiled."""
     timings = {}
-    for seg in step_fn.segments:
-        t0 = time.perf_counter()
-        state, batch = seg.run(state, batch)
-        jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
-        timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
+    with CompileCounter() as compiles:
+        for seg in step_fn.segments:
+            t0 = time.perf_counter()
+            state, batch = seg.run(state, batch)
+            jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
+            timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
-    metrics.update(timings)
+    metrics.update(timings, compiles=float(compiles.count))
     step_time = sum(timings.values())
     metrics["time/step"] = step_time
     # from the global mean: on several processes ``lengths`` is not addressable whole
