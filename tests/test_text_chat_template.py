@@ -16,7 +16,7 @@ import pytest
 
 from relax.text import NoChatTemplateError, load_tokenizer, render_chat
 from relax.text.chat_template import select_template
-from test_text_fixtures import (MULTI_TURN, STYLES, TOOL_CALLS, USER_ONLY, WEATHER_TOOL, WITH_SYSTEM,
+from text_fixtures import (MULTI_TURN, STYLES, TOOL_CALLS, USER_ONLY, WEATHER_TOOL, WITH_SYSTEM,
                                 make_model_dir)
 
 DATE = {"date_string": "26 Jul 2024"}

@@ -1,7 +1,7 @@
 """relax.text tokenizers: loading, special ids, encode/decode, saving; parity with transformers.
 
 Model directories in the styles of Qwen2.5 / Qwen3 / Llama 3 / Mistral / Gemma / Hermes are
-built in-test (tests/test_text_fixtures.py). Tests marked ``parity`` compare token for token with
+built in-test (tests/text_fixtures.py). Tests marked ``parity`` compare token for token with
 ``transformers.AutoTokenizer`` and are skipped without it; the others check relax's own rules.
 """
 
@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from relax.text import (HFTokenizer, SentencePieceTokenizer, TokenizerFormatError,
                         load_tokenizer)
 from relax.tokenizer import train_sentencepiece
-from test_text_fixtures import CORPUS, STYLES, USER_ONLY, MULTI_TURN, make_model_dir
+from text_fixtures import CORPUS, STYLES, USER_ONLY, MULTI_TURN, make_model_dir
 
 TEXTS = [
     "Hello world!", "  leading and trailing  ", "tabs\tand\nnewlines\n\n\n", "Ünïcödé café naïve 日本語 😀",
