@@ -23,8 +23,12 @@ then only shuffles, repeats, batches and pads:
   gets the same ``Lp``.
 - Padding: left, to ``max_prompt_tokens`` or, with ``prompt_buckets``, to the smallest bucket
   holding the longest prompt of the global batch (``max_prompt_tokens`` is the top bucket).
+- Tokens: a plain-text prompt is ``tokenizer.encode(text)`` with the special tokens the
+  tokenizer itself adds (a BOS for Llama-style tokenizers, nothing for Qwen's); a chat prompt is
+  the model's own chat template, tokenized as transformers does (``apply_chat_template``: the
+  template writes any BOS, none is added twice).
 - Overlong prompts: ``"truncate"`` keeps the LAST tokens (the end of a prompt holds the
-  question and the generation prompt), after the bos token, which is kept; no row is ever
+  question and the generation prompt), after a leading BOS, which is kept; no row is ever
   dropped. ``"reject"`` raises naming the file, row and token length.
 - The iterator is a grain ``DatasetIterator``: ``get_state()`` / ``set_state()`` resume
   exactly where a run left off (checkpoint the state with the train state).
@@ -51,9 +55,11 @@ from relax.data_files import (  # noqa: F401 - re-exported: relax.data is the pu
     require_fields,
     resolve_files,
 )
-from relax.tokenizer import Tokenizer, pad_left
+from relax.text.base import TextTokenizer
+from relax.tokenizer import pad_left
 
 T = TypeVar("T")
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +68,13 @@ class DataConfig:
 
     ``path``: a ``.jsonl`` / ``.parquet`` file, a directory (its ``*.jsonl`` and ``*.parquet``
     files, sorted by name) or a sequence of those, read in order. ``answer_field`` /
-    ``data_source_field`` may be None (no answers / no data source). ``chat_template`` wraps a
-    string prompt as one user message; a prompt that is a list of ``{role, content}`` messages
-    always goes through the tokenizer's chat template. ``system_prompt`` (needs
-    ``chat_template=True``) is prepended as a system message unless the messages start with
-    one. ``eval_fraction`` holds that share of the rows out of training, chosen by ``seed``
+    ``data_source_field`` may be None (no answers / no data source). ``chat_template``: a prompt
+    that is a list of ``{role, content}`` messages always goes through the tokenizer's chat
+    template; a string prompt is wrapped as one user message and goes through it too with
+    ``"always"``, and with ``"auto"`` when the tokenizer has a template (a chat model), while
+    ``"never"`` tokenizes strings as they are (and refuses message lists). ``system_prompt`` (a
+    chat template must be in use) is prepended as a system message unless the messages start
+    with one. ``eval_fraction`` holds that share of the rows out of training, chosen by ``seed``
     (see ``train_eval_split`` and ``eval_records``).
     """
 
@@ -80,9 +88,8 @@ class DataConfig:
     shuffle: bool = True
     num_epochs: int | None = None
     overlong: Literal["truncate", "reject"] = "truncate"
-    chat_template: bool = False
+    chat_template: Literal["auto", "always", "never"] = "auto"
     system_prompt: str | None = None
-    add_bos: bool = True
     prompt_buckets: tuple[int, ...] = ()
     eval_fraction: float = 0.0
 
@@ -94,7 +101,7 @@ class DataConfig:
         object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_prompt_tokens < 1 + int(self.add_bos):
+        if self.max_prompt_tokens < 2:
             raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} leaves no room")
         if self.overlong not in ("truncate", "reject"):
             raise ValueError(f"overlong must be 'truncate' or 'reject', got {self.overlong!r}")
@@ -102,8 +109,10 @@ class DataConfig:
             raise ValueError(f"num_epochs must be None (forever) or >= 1, got {self.num_epochs}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        if self.system_prompt is not None and not self.chat_template:
-            raise ValueError("system_prompt needs chat_template=True")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
+        if self.system_prompt is not None and self.chat_template == "never":
+            raise ValueError("system_prompt needs a chat template (chat_template='never')")
         b = self.prompt_buckets
         if list(b) != sorted(set(b)) or (b and (b[0] < 1 or b[-1] > self.max_prompt_tokens)):
             raise ValueError(f"prompt_buckets must increase within [1, max_prompt_tokens], got {b}")
@@ -177,28 +186,44 @@ def eval_records(cfg: DataConfig, splits: DataSplits | None = None) -> list[Reco
 # ------------------------------------------------------------------------- formatting
 
 
-def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: Tokenizer) -> str:
-    """The text a prompt value is tokenized from (see ``DataConfig`` on chat templates)."""
+def uses_chat_template(cfg: DataConfig, tokenizer: TextTokenizer) -> bool:
+    """Whether string prompts go through the chat template (``DataConfig.chat_template``)."""
+    return cfg.chat_template == "always" or (cfg.chat_template == "auto" and tokenizer.has_chat_template)
+
+
+def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> tuple[str, list[int]]:
+    """``(text, token ids)`` of one prompt value (see ``DataConfig`` on chat templates)."""
+    if isinstance(prompt, str) and not uses_chat_template(cfg, tokenizer):
+        if cfg.system_prompt is not None:
+            raise ValueError(f"system_prompt needs a chat template; tokenizer {tokenizer.path} has none")
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, str):
-        if not cfg.chat_template:
-            return prompt
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)):
+        if cfg.chat_template == "never":
+            raise ValueError("a list of chat messages needs a chat template (chat_template='never')")
         messages = list(prompt)
     else:
         kind = type(prompt).__name__
         raise TypeError(f"prompt must be a string or a list of chat messages, got {kind}")
     if cfg.system_prompt is not None and not (messages and _role(messages[0]) == "system"):
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
 def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, dict) else None
 
 
+def _truncate(ids: list[int], keep: int, bos: int | None) -> list[int]:
+    """The last tokens of ``ids``, ``keep`` in all, after a leading BOS (kept)."""
+    head = 1 if bos is not None and ids and ids[0] == bos else 0
+    return ids[:head] + ids[len(ids) - (keep - head):]
+
+
 def _prepare(
-    rows: Sequence[Record], cfg: DataConfig, tokenizer: Tokenizer
+    rows: Sequence[Record], cfg: DataConfig, tokenizer: TextTokenizer
 ) -> tuple[list[_Example], bool]:
     """Format, tokenize and length-check every row; errors name the file and row.
 
@@ -211,29 +236,24 @@ def _prepare(
     has_source = source is not None and any(source in r.record for r in rows)
     required = [cfg.prompt_field] + ([cfg.answer_field] if cfg.answer_field is not None else [])
     required += [source] if has_source else []
-    keep = cfg.max_prompt_tokens - int(cfg.add_bos)
-    bos = [tokenizer.bos_id] if cfg.add_bos else []
-    if cfg.add_bos and tokenizer.bos_id is None:
-        raise ValueError(f"add_bos=True but tokenizer {tokenizer.path} has no bos token")
     examples = []
     for r in rows:
         require_fields(r, required)
         try:
-            text = format_prompt(r.record[cfg.prompt_field], cfg, tokenizer)
+            text, ids = format_prompt(r.record[cfg.prompt_field], cfg, tokenizer)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r}: {e}") from e
-        body = tokenizer.encode(text)
-        if not body:
+        if not text:
             raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r} is empty")
-        if len(body) > keep:
+        if len(ids) > cfg.max_prompt_tokens:
             if cfg.overlong == "reject":
                 raise ValueError(
-                    f"{r.file}: row {r.row}: prompt has {len(body) + len(bos)} tokens > "
+                    f"{r.file}: row {r.row}: prompt has {len(ids)} tokens > "
                     f"max_prompt_tokens={cfg.max_prompt_tokens} (overlong='reject')"
                 )
-            body = body[-keep:]
+            ids = _truncate(ids, cfg.max_prompt_tokens, tokenizer.bos_token_id)
         examples.append(_Example(
-            ids=bos + body,
+            ids=ids,
             text=text,
             answer=r.record[cfg.answer_field] if cfg.answer_field is not None else None,
             data_source=r.record[source] if has_source else None,
@@ -281,7 +301,7 @@ def _make_batch(
 
 
 def prompt_batch(
-    records: Sequence[Record | Mapping[str, Any]], cfg: DataConfig, tokenizer: Tokenizer
+    records: Sequence[Record | Mapping[str, Any]], cfg: DataConfig, tokenizer: TextTokenizer
 ) -> PromptBatch:
     """Format, tokenize and pad ``records`` (e.g. ``eval_records(cfg)``) into one batch.
 
@@ -293,7 +313,7 @@ def prompt_batch(
         raise ValueError("prompt_batch got no records")
     rows = [_as_record(r, i) for i, r in enumerate(records, start=1)]
     examples, has_source = _prepare(rows, cfg, tokenizer)
-    return _make_batch(examples, _padded_length(examples, cfg), tokenizer.pad_id, has_source)
+    return _make_batch(examples, _padded_length(examples, cfg), tokenizer.pad_token_id, has_source)
 
 
 def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
@@ -311,7 +331,7 @@ def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
 
 def prompt_dataset(
     cfg: DataConfig,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     *,
     process_index: int | None = None,
     process_count: int | None = None,
@@ -344,14 +364,14 @@ def prompt_dataset(
         ds = ds.shuffle(seed=cfg.seed)
     ds = ds.repeat(cfg.num_epochs)
     ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
-    ds = ds.map(_Collate(cfg, tokenizer.pad_id, process_index, process_count, has_source))
+    ds = ds.map(_Collate(cfg, tokenizer.pad_token_id, process_index, process_count, has_source))
     # Rows are in memory and collation is cheap: no reader threads (they would only fight
     # over the GIL), a small prefetch buffer.
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=1))
 
 
 def prompt_iterator(
-    cfg: DataConfig, tokenizer: Tokenizer, **kwargs: Any
+    cfg: DataConfig, tokenizer: TextTokenizer, **kwargs: Any
 ) -> grain.DatasetIterator:
     """``iter(prompt_dataset(cfg, tokenizer, **kwargs))``."""
     return iter(prompt_dataset(cfg, tokenizer, **kwargs))

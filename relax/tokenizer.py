@@ -1,4 +1,5 @@
-"""Host-side tokenization: a sentencepiece wrapper, left padding into buckets, chat templates.
+"""Host-side tokenization: a sentencepiece wrapper and left padding into buckets (chat templates and
+Hugging Face tokenizers: ``relax.text``).
 
 Tokenizing runs on the host at the edge of the jitted program (DESIGN.md §1). Prompts leave
 here as fixed-shape, left-padded ``int32`` arrays ``[B, L]`` with a mask, ``L`` drawn from a
@@ -8,7 +9,6 @@ small set of bucket sizes so the sampler compiles once per bucket. Nothing is ev
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,45 +18,6 @@ import numpy as np
 import sentencepiece as spm
 
 Truncate = Literal["left", "error"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTemplate:
-    """The strings a conversation is rendered with: ``<role prefix><content><end_of_turn>``."""
-
-    system: str = "<|system|>\n"
-    user: str = "<|user|>\n"
-    assistant: str = "<|assistant|>\n"
-    end_of_turn: str = "\n"
-
-    def prefix(self, role: str) -> str | None:
-        """The prefix for ``role``, or None if the role is unknown."""
-        return {"system": self.system, "user": self.user, "assistant": self.assistant}.get(role)
-
-
-def apply_chat_template(
-    messages: Sequence[dict[str, str]],
-    *,
-    template: ChatTemplate = ChatTemplate(),
-    add_generation_prompt: bool = True,
-) -> str:
-    """Render ``[{"role": ..., "content": ...}, ...]`` as one string.
-
-    With ``add_generation_prompt`` the assistant prefix is appended so a model continues with
-    the assistant's turn. An unknown role raises ValueError naming the role and message index.
-    """
-    parts = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
-            raise ValueError(f"message {i} needs 'role' and 'content', got {message!r}")
-        prefix = template.prefix(message["role"])
-        if prefix is None:
-            role = message["role"]
-            raise ValueError(f"message {i} has unknown role {role!r} (system|user|assistant)")
-        parts.append(f"{prefix}{message['content']}{template.end_of_turn}")
-    if add_generation_prompt:
-        parts.append(template.assistant)
-    return "".join(parts)
 
 
 def _bucket_length(longest: int, bucket_sizes: Sequence[int] | None) -> int:
@@ -133,11 +94,9 @@ class Tokenizer:
         pad_id: int | None = None,
         bos_id: int | None = None,
         eos_id: int | None = None,
-        chat_template: ChatTemplate = ChatTemplate(),
     ) -> None:
         self.path = Path(path)
         self._sp = _load_processor(self.path)
-        self.chat_template = chat_template
         for name, value in {"pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id}.items():
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value} is outside the vocabulary of {self.vocab_size}")
@@ -255,14 +214,6 @@ class Tokenizer:
         """``encode_batch`` then ``pad_left``: ``(ids int32 [B, L], mask int32 [B, L])``."""
         seqs = self.encode_batch(texts, add_bos=add_bos)
         return self.pad_left(seqs, length=length, bucket_sizes=bucket_sizes, truncate=truncate)
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
-    ) -> str:
-        """Module-level ``apply_chat_template`` with this tokenizer's ``chat_template``."""
-        return apply_chat_template(
-            messages, template=self.chat_template, add_generation_prompt=add_generation_prompt
-        )
 
     def _special(self, name: str, wanted: bool) -> list[int]:
         if not wanted:

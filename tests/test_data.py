@@ -19,15 +19,25 @@ from relax.data import (
     read_splits,
     train_eval_split,
 )
-from relax.tokenizer import Tokenizer, train_sentencepiece
+from relax.text import load_tokenizer
+from relax.tokenizer import train_sentencepiece
+from text_fixtures import make_model_dir
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
+    """A sentencepiece tokenizer without a chat template; ``encode`` adds BOS (Llama 2's rule)."""
     texts = [f"question {i}: what is {i} plus {2 * i} ? say the answer" for i in range(300)]
-    texts += ["<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nok"] * 20
     model = train_sentencepiece(texts, tmp_path_factory.mktemp("spm") / "tiny", vocab_size=100)
-    return Tokenizer.load(model)
+    return load_tokenizer(model)
+
+
+@pytest.fixture(scope="module")
+def chat_toks(tmp_path_factory):
+    """tokenizer.json tokenizers with their chat templates: Qwen2.5 (no BOS anywhere) and Llama 3
+    (the template writes the BOS; encode adds one too)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {style: load_tokenizer(make_model_dir(root, style)) for style in ("qwen25", "llama3")}
 
 
 def _rows(n, **extra):
@@ -61,18 +71,22 @@ def test_shapes_padding_and_fields(tmp_path, tok):
     for ids, mask, text in zip(b.prompt_ids, b.prompt_mask, b.prompts):
         n = int(mask.sum())
         assert mask[-n:].all() and not mask[:-n].any()  # left padded
-        assert (ids[:-n] == tok.pad_id).all()
-        assert ids[-n] == tok.bos_id and list(ids[-n + 1 :]) == tok.encode(text)
+        assert (ids[:-n] == tok.pad_token_id).all()
+        assert ids[-n] == tok.bos_token_id and list(ids[-n + 1 :]) == tok.encode(text, add_special_tokens=False)
     assert [int(a) for a in b.answers] == [3 * int(p.split()[1][:-1]) for p in b.prompts]
     assert b.fields == {"level": [1] * 4} and b.data_source == ["math"] * 4
 
 
-def test_buckets_and_no_bos(tmp_path, tok):
+def test_buckets_and_the_tokenizers_own_special_tokens(tmp_path, tok, chat_toks):
     f = _jsonl(tmp_path / "d.jsonl", _rows(8))
     b = next(_iter(_cfg(f, prompt_buckets=(8, 16, 24)), tok))
     assert b.prompt_ids.shape[1] == 16 and b.prompt_mask[:, 0].sum() < 4
-    b = next(_iter(_cfg(f, add_bos=False, shuffle=False), tok))
-    assert list(b.prompt_ids[0][b.prompt_mask[0] == 1]) == tok.encode(b.prompts[0])
+    # a plain prompt gets exactly what the tokenizer adds: Llama 3's BOS, nothing for Qwen2.5
+    for style, bos in (("llama3", True), ("qwen25", False)):
+        b = next(_iter(_cfg(f, shuffle=False, chat_template="never", max_prompt_tokens=64), chat_toks[style]))
+        ids = list(b.prompt_ids[0][b.prompt_mask[0] == 1])
+        body = chat_toks[style].encode(b.prompts[0], add_special_tokens=False)
+        assert ids == ([chat_toks[style].bos_token_id] if bos else []) + body, style
     with pytest.raises(ValueError, match="prompt_buckets"):
         _cfg(f, prompt_buckets=(16, 8))
 
@@ -146,28 +160,34 @@ def test_overlong_truncate_keeps_end_and_reject_names_row(tmp_path, tok):
     b = next(_iter(_cfg(f, shuffle=False, max_prompt_tokens=12), tok))
     assert b.prompt_ids.shape == (4, 12) and b.prompts[1] == rows[1]["prompt"]  # row kept
     assert b.prompt_mask[1].all()
-    assert list(b.prompt_ids[1]) == [tok.bos_id] + tok.encode(rows[1]["prompt"])[-11:]
-    n = len(tok.encode(rows[1]["prompt"])) + 1
+    assert list(b.prompt_ids[1]) == [tok.bos_token_id] + tok.encode(rows[1]["prompt"], add_special_tokens=False)[-11:]
+    n = len(tok.encode(rows[1]["prompt"]))
     with pytest.raises(ValueError, match=rf"{f}: row 2: prompt has {n} tokens > max_prompt_tokens=12"):
         _iter(_cfg(f, max_prompt_tokens=12, overlong="reject"), tok)
 
 
-def test_chat_messages_and_system_prompt(tmp_path, tok):
+def test_chat_prompts_use_the_models_template_with_one_bos(tmp_path, tok, chat_toks):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     rows = [{"prompt": msgs, "answer": "ok"}, {"prompt": "hi", "answer": "ok"}]
     f = _jsonl(tmp_path / "d.jsonl", rows)
-    b = next(_iter(_cfg(f, batch_size=2, shuffle=False), tok))
-    assert b.prompts == [tok.apply_chat_template(msgs), "hi"]
-    b = next(_iter(_cfg(f, batch_size=2, shuffle=False, chat_template=True, system_prompt="sys"), tok))
     user = [{"role": "user", "content": "hi"}]
-    assert b.prompts == [tok.apply_chat_template(msgs),  # already has a system message
-                         tok.apply_chat_template([{"role": "system", "content": "sys"}] + user)]
-    assert list(b.prompt_ids[1][b.prompt_mask[1] == 1][1:]) == tok.encode(b.prompts[1])
-    _jsonl(f, [{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}])
-    with pytest.raises(ValueError, match=rf"{f}: row 1: field 'prompt': .*unknown role"):
-        _iter(_cfg(f, batch_size=1), tok)
-    with pytest.raises(ValueError, match="chat_template=True"):
-        _cfg(f, system_prompt="sys")
+    for style, t in chat_toks.items():  # auto: a chat model's template for string prompts too
+        b = next(_iter(_cfg(f, batch_size=2, shuffle=False, max_prompt_tokens=128), t))
+        render = lambda m, tokenize: t.apply_chat_template(m, add_generation_prompt=True, tokenize=tokenize)  # noqa: E731
+        assert b.prompts == [render(msgs, False), render(user, False)], style
+        for i, m in enumerate((msgs, user)):
+            ids = list(b.prompt_ids[i][b.prompt_mask[i] == 1])
+            assert ids == render(m, True), style
+            assert ids.count(t.bos_token_id) == (1 if style == "llama3" else 0), style  # never a second BOS
+        b = next(_iter(_cfg(f, batch_size=2, shuffle=False, max_prompt_tokens=128, system_prompt="sys"), t))
+        assert b.prompts == [render(msgs, False),  # already has a system message
+                             render([{"role": "system", "content": "sys"}] + user, False)], style
+    with pytest.raises(ValueError, match=rf"{f}: row 1: field 'prompt': .*has no chat template"):
+        _iter(_cfg(f, batch_size=1), tok)  # messages, and a tokenizer without a template
+    with pytest.raises(ValueError, match=rf"{f}: row 1: field 'prompt': a list of chat messages needs a chat template"):
+        _iter(_cfg(f, batch_size=1, chat_template="never"), chat_toks["qwen25"])
+    with pytest.raises(ValueError, match="system_prompt needs a chat template"):
+        _cfg(f, system_prompt="sys", chat_template="never")
 
 
 def test_data_source_must_be_on_every_row(tmp_path, tok):
@@ -180,7 +200,7 @@ def test_data_source_must_be_on_every_row(tmp_path, tok):
     assert b.data_source is None and set(b.fields["data_source"]) <= {"gsm8k", None}
 
 
-def test_parquet_directory_and_file_list(tmp_path, tok):
+def test_parquet_directory_and_file_list(tmp_path, tok, chat_toks):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
@@ -191,10 +211,11 @@ def test_parquet_directory_and_file_list(tmp_path, tok):
     _jsonl(tmp_path / "a.jsonl", _rows(2))
     recs = load_records(tmp_path)  # a.jsonl then b.parquet
     assert [r["answer"] for r in recs] == ["0", "3", "1", "2"] and recs[2]["prompt"] == msgs
-    cfg = _cfg([tmp_path / "b.parquet"], batch_size=2, shuffle=False)
+    cfg = _cfg([tmp_path / "b.parquet"], batch_size=2, shuffle=False, max_prompt_tokens=64)
     assert json.loads(json.dumps(dataclasses.asdict(cfg)))["path"] == [str(tmp_path / "b.parquet")]
-    b = next(prompt_iterator(cfg, tok))  # process index/count from jax
-    assert b.prompts == [tok.apply_chat_template(m) for m in (msgs, msgs2)]
+    chat = chat_toks["qwen25"]
+    b = next(prompt_iterator(cfg, chat))  # process index/count from jax
+    assert b.prompts == [chat.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in (msgs, msgs2)]
     assert b.fields == {"tag": ["p", "q"]} and b.answers == ["1", "2"]
     pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "c.parquet")
     with pytest.raises(KeyError, match=rf"{tmp_path / 'c.parquet'}: row 1: missing field 'answer'"):

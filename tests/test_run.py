@@ -225,8 +225,8 @@ def test_consecutive_non_finite_steps_stop_the_run(setup, tmp_path):
 def test_bad_run_config_names_the_flag(setup, capsys):
     example = _load_example()
     with pytest.raises(SystemExit):  # tyro prints the config's error and exits with status 2
-        example.main(["--model", str(setup / "model")])
-    assert "--model needs --tokenizer and --data" in capsys.readouterr().err
+        example.main(["--model", str(setup / "model")])  # no --data
+    assert "--model needs --data" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         example.main(_args(setup, setup / "x", 1, "--reward", "exact_match", "--reward-weights", "1", "2"))
     assert "reward-weights" in capsys.readouterr().err
@@ -256,6 +256,40 @@ def test_missing_data_field_names_file_row_field(setup, tmp_path):
     args[args.index("--data") + 1] = str(bad)
     with pytest.raises(KeyError, match=r"bad\.jsonl.*row 2.*answer"):
         example.main(args)
+
+
+@pytest.mark.parametrize("style", ["qwen25", "llama3"])
+def test_model_directory_with_tokenizer_json_trains_and_exports_for_transformers(tmp_path, style):
+    """``--model DIR`` alone: the tokenizer.json and chat template come from DIR (Qwen2.5 style:
+    no BOS anywhere; Llama 3 style: the template writes the BOS); chat-message prompts go through
+    the template; the export loads in transformers (tokenizer and model) and round-trips."""
+    transformers = pytest.importorskip("transformers")
+    from relax.text import load_tokenizer
+    from text_fixtures import make_model_dir
+    d = make_model_dir(tmp_path, style)
+    tok = load_tokenizer(d)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=tok.eos_token_ids,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    save_pretrained(init(cfg, jax.random.key(0), std=0.1), d)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    summary = _load_example().main([
+        "--model", str(d), "--data", str(tmp_path / "train.jsonl"), "--run-dir", str(run_dir), "--steps", "1",
+        "--batch-size", "4", "--max-prompt-tokens", "64", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
+        "--reward", "numeric_match", "--eval-fraction", "0.25", "--eval.num-samples", "1"])
+    assert summary["steps"] == 1
+    export = run_dir / "final_hf"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+    ours = load_tokenizer(export)
+    messages = rows[0]["prompt"]
+    want = ours.apply_chat_template(messages, add_generation_prompt=True)
+    assert want == list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    assert want.count(tok.bos_token_id) == (1 if style == "llama3" else 0)  # never a second BOS
+    assert ours.encode("a b c") == hf_tok.encode("a b c") and ours.eos_token_ids == tok.eos_token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert model.config.vocab_size == tok.vocab_size
 
 
 def test_raising_reward_function_names_function_and_sample():

@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 
 from relax.tokenizer import (
-    ChatTemplate,
     Tokenizer,
-    apply_chat_template,
     pad_left,
     train_sentencepiece,
 )
@@ -156,28 +154,6 @@ def test_decode_batch_with_mask_ignores_pad(tok):
     ids[1, -1] = a[0]
     assert tok.decode_batch(jnp.asarray(ids), jnp.asarray(mask)) == ["fox 7", "dog"]
     assert tok.decode_batch(ids[:1]) == ["fox 7"]  # no mask: pads dropped
-
-
-def test_chat_template_exact():
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 2 + 2?"},
-    ]
-    assert apply_chat_template(messages) == (
-        "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 2?\n<|assistant|>\n"
-    )
-    assert apply_chat_template(messages, add_generation_prompt=False) == (
-        "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 2?\n"
-    )
-    custom = ChatTemplate(user="U: ", assistant="A: ", end_of_turn="|")
-    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    assert apply_chat_template(convo, template=custom) == "U: hi|A: yo|A: "
-
-
-def test_chat_template_unknown_role(tok):
-    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]
-    with pytest.raises(ValueError, match=r"message 1 .*'tool'"):
-        tok.apply_chat_template(messages)
 
 
 def test_missing_file_names_file(tmp_path):

@@ -22,7 +22,8 @@ import optax
 
 from relax.models.config import ModelConfig
 from relax.models.transformer import Transformer, init
-from relax.tokenizer import Tokenizer, train_sentencepiece
+from relax.text import TextTokenizer, load_tokenizer
+from relax.tokenizer import train_sentencepiece
 from relax.train.sft import make_sft_step, pack_examples
 
 
@@ -68,18 +69,18 @@ def write_jsonl(records: list[dict], path: Path) -> Path:
     return path
 
 
-def build_tokenizer(task: ReverseTask, directory: Path) -> Tokenizer:
+def build_tokenizer(task: ReverseTask, directory: Path) -> TextTokenizer:
     texts = [task.alphabet + "=", *(c * 3 for c in task.alphabet)]
     path = train_sentencepiece(texts, directory / "tokenizer", vocab_size=len(task.alphabet) + 6, model_type="char")
-    return Tokenizer(path)
+    return load_tokenizer(path)
 
 
-def model_config(task: ReverseTask, tokenizer: Tokenizer) -> ModelConfig:
+def model_config(task: ReverseTask, tokenizer: TextTokenizer) -> ModelConfig:
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=task.hidden_size,
                        intermediate_size=2 * task.hidden_size, num_layers=task.num_layers, num_heads=4,
                        num_kv_heads=2, head_dim=task.hidden_size // 4, max_position_embeddings=64,
-                       rope_theta=10000.0, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
-                       pad_token_id=tokenizer.pad_id)
+                       rope_theta=10000.0, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
 
 
 def teacher_targets(task: ReverseTask, records: list[dict], rng: np.random.Generator) -> list[str]:
@@ -88,12 +89,12 @@ def teacher_targets(task: ReverseTask, records: list[dict], rng: np.random.Gener
     return [r["answer"] if f else r["prompt"][:-1] for r, f in zip(records, flips)]
 
 
-def train_base_model(task: ReverseTask, tokenizer: Tokenizer, train: list[dict], *, key: jax.Array,
+def train_base_model(task: ReverseTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array,
                      log=print) -> Transformer:
     """The short supervised phase: imitate the noisy teacher on the training prompts."""
     rng = np.random.default_rng(task.seed)
     model = init(model_config(task, tokenizer), key, std=0.05)
-    prompts = [tokenizer.encode(r["prompt"], add_bos=True) for r in train]
+    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in train]  # BOS, as the data adds
     length = max(len(p) for p in prompts) + task.max_len + 3
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, task.sft_learning_rate, 20, task.sft_steps),
                             weight_decay=0.0)
@@ -103,9 +104,9 @@ def train_base_model(task: ReverseTask, tokenizer: Tokenizer, train: list[dict],
     for i in range(task.sft_steps):
         idx = rng.choice(len(train), task.sft_batch, replace=False)
         targets = teacher_targets(task, [train[j] for j in idx], rng)
-        responses = [tokenizer.encode(t) + [tokenizer.eos_id] for t in targets]
+        responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in targets]
         ids, mask, loss_mask = pack_examples([prompts[j] for j in idx], responses, length=length,
-                                             pad_id=tokenizer.pad_id)
+                                             pad_id=tokenizer.pad_token_id)
         model, opt_state, loss = step(model, opt_state, ids, mask, loss_mask)
         if (i + 1) % 100 == 0:
             log(f"  supervised step {i + 1}/{task.sft_steps}: loss {float(loss):.3f} "

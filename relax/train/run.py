@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import time
 from pathlib import Path
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from relax.parallel_step import ParallelConfig, ShardedStep, check_batch
 from relax.rewards.builtin import get_reward
 from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
-from relax.tokenizer import Tokenizer
+from relax.text import TextTokenizer, load_tokenizer
 from relax.train.config import PRESETS, GRPOConfig, preset
 from relax.train.evaluate import EvalConfig, evaluate
 from relax.train.grpo import make_grpo_step
@@ -45,9 +45,9 @@ class RunConfig:
     """A GRPO run. Without ``model`` the built-in offline task (``task``) is used."""
 
     model: str | None = None
-    """Hugging Face model directory (config.json + safetensors)."""
+    """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
     tokenizer: str | None = None
-    """sentencepiece .model file (required with --model)."""
+    """Another tokenizer than --model's: a directory, a tokenizer.json or a sentencepiece .model."""
     data: str | None = None
     """Training prompts: .jsonl / .parquet file or directory (required with --model)."""
     eval_data: str | None = None
@@ -58,7 +58,9 @@ class RunConfig:
     data_source_field: str = "data_source"
     max_prompt_tokens: int = 512
     overlong: str = "truncate"
-    chat_template: bool = False
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """auto: string prompts go through the model's chat template when it has one (a chat model);
+    always / never. A prompt that is a list of chat messages always goes through it."""
     system_prompt: str | None = None
     reward: tuple[str, ...] = ("exact_match",)
     """Built-in reward functions by name (exact_match, numeric_match, format_reward)."""
@@ -100,8 +102,8 @@ class RunConfig:
 
     def __post_init__(self):
         check_choice("preset", self.preset, tuple(PRESETS))
-        if self.model is not None and (self.tokenizer is None or self.data is None):
-            raise ValueError("--model needs --tokenizer and --data")
+        if self.model is not None and self.data is None:
+            raise ValueError("--model needs --data")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward")
         for name in (self.param_dtype, self.compute_dtype):
@@ -145,12 +147,13 @@ def _builtin_setup(cfg: RunConfig, run_dir: Path, log):
         model = reverse.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
         if is_main_process():
             save_pretrained(model, base_dir)
+            tokenizer.save_pretrained(base_dir)  # a complete HF directory: transformers loads it
     return tokenizer, model, str(task_dir / "train.jsonl"), str(task_dir / "eval.jsonl")
 
 
-def _decoder(tokenizer: Tokenizer):
+def _decoder(tokenizer: TextTokenizer):
     def decode(tokens: np.ndarray, mask: np.ndarray) -> list[str]:
-        return [tokenizer.decode(row[m > 0]).strip() for row, m in zip(tokens, mask)]
+        return [tokenizer.decode(row[m > 0], skip_special_tokens=True).strip() for row, m in zip(tokens, mask)]
     return decode
 
 
@@ -262,7 +265,7 @@ def _model_and_data(cfg: RunConfig, run_dir: Path, on_host: bool, log):
     if cfg.model is None:
         tokenizer, model, data_path, eval_path = _builtin_setup(cfg, run_dir, log)
     else:
-        tokenizer = Tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
         with _on_host(on_host):
             model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
         data_path, eval_path = cfg.data, cfg.eval_data
@@ -356,7 +359,7 @@ def run(cfg: RunConfig) -> dict:
         log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
             + f" | {jax.process_count()} process(es)")
     tokenizer, model, data_cfg, splits, eval_batch = _model_and_data(cfg, run_dir, mesh is not None, log)
-    eos_ids = tuple(sorted({*model.config.eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}))
+    eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))
     weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
     reward_fns = [RewardFunction(get_reward(n), name=n, weight=w) for n, w in zip(cfg.reward, weights)]
     decode = _decoder(tokenizer)
@@ -364,14 +367,14 @@ def run(cfg: RunConfig) -> dict:
     with _on_host(mesh is not None):
         state = init_state(model, optimizer, key=jax.random.key(cfg.seed), with_reference=cfg.grpo.needs_reference)
     step_fn = make_grpo_step(cfg.grpo, optimizer, reward_fns, decode, eos_ids=eos_ids,
-                             pad_id=tokenizer.pad_id, on_error=cfg.reward_on_error,
+                             pad_id=tokenizer.pad_token_id, on_error=cfg.reward_on_error,
                              timeout_s=cfg.reward_timeout_s)
     if mesh is not None:  # every process: the same state, laid out on the (global) mesh
         step_fn = ShardedStep(step_fn, state, mesh, sampler_mesh=sampler_mesh,
                               offload_reference=cfg.parallel.offload_reference)
         state = step_fn.place(state)
         del model
-    run_eval = _evaluator(cfg, eval_batch, reward_fns, decode, eos_ids, tokenizer.pad_id, log)
+    run_eval = _evaluator(cfg, eval_batch, reward_fns, decode, eos_ids, tokenizer.pad_token_id, log)
     iterator = prompt_iterator(data_cfg, tokenizer, splits=splits)
     state, summary = _resume_and_train(cfg, run_dir, step_fn, state, iterator, run_eval, log)
     if cfg.eval_only:
@@ -382,7 +385,7 @@ def run(cfg: RunConfig) -> dict:
         policy = _host_policy(state.policy)  # collective: every process takes part
         if is_main_process():
             save_pretrained(policy, export)
-            shutil.copy(tokenizer.path, export / "tokenizer.model")
+            tokenizer.save_pretrained(export)
         summary["export"] = str(export)
     summary.update(steps=cfg.steps, run_time_s=time.perf_counter() - t_start,
                    skipped_updates=int(skipped_updates(state.opt_state)))
