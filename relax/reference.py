@@ -55,20 +55,23 @@ def _update_if(pred: Bool[Array, ""], update: Callable[[Params, Params], Params]
     return jax.lax.cond(pred, update, lambda r, p: r, ref, policy)
 
 
-def params_equal(a: Params, b: Params) -> Bool[Array, ""]:
+def params_equal(a: Params, b: Params, *, smallest_first: bool = False) -> Bool[Array, ""]:
     """True iff ``a`` and ``b`` are bitwise the same model: equal structure, dtypes and values
     (``all_i a_i == b_i`` over every leaf; a dtype or shape mismatch is statically False).
 
-    The smallest leaf is compared first and the rest only if it is equal (a ``lax.cond``): after
-    any update the answer is False at the cost of reading one small leaf, not two models."""
+    ``smallest_first``: compare the smallest leaf first and the rest only if it is equal (a
+    ``lax.cond``), so that after any update the answer costs one small leaf, not two models. For
+    one device: on an 8-device CPU mesh XLA's collectives deadlocked on that conditional."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     if jax.tree.structure(a) != jax.tree.structure(b) or any(
             (x.dtype, x.shape) != (y.dtype, y.shape) for x, y in zip(la, lb)):
         return jnp.bool_(False)
     if not la:
         return jnp.bool_(True)
-    first = min(range(len(la)), key=lambda i: la[i].size)
     every = lambda: jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(la, lb)]))  # noqa: E731
+    if not smallest_first:
+        return every()
+    first = min(range(len(la)), key=lambda i: la[i].size)
     return jax.lax.cond(jnp.all(la[first] == lb[first]), every, lambda: jnp.bool_(False))
 
 

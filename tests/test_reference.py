@@ -172,3 +172,16 @@ def test_config_validation():
     with pytest.raises(ValueError, match="only read by mode='mixup'"):
         ReferenceConfig(kind="prorl", kl_target=0.1, alpha=0.5)
     ReferenceConfig(kind="ema", alpha=0.0)  # 0.0 is a valid value
+
+
+@pytest.mark.parametrize("smallest_first", [False, True])
+def test_params_equal_is_bitwise_equality(smallest_first):
+    from relax.reference import params_equal
+    a = {"big": jnp.arange(12.0).reshape(3, 4), "small": jnp.ones(2), "n": jnp.zeros((2, 2), jnp.bfloat16)}
+    b = jax.tree.map(jnp.copy, a)
+    eq = jax.jit(lambda x, y: params_equal(x, y, smallest_first=smallest_first))
+    assert bool(eq(a, b))
+    assert not bool(eq(a, {**b, "big": b["big"].at[2, 3].add(1e-6)}))  # a large leaf differs
+    assert not bool(eq(a, {**b, "small": b["small"].at[0].set(-0.0 + 2.0)}))  # the smallest differs
+    assert not bool(eq(a, {**b, "n": b["n"].astype(jnp.float32)}))  # same values, another dtype
+    assert not bool(eq(a, {**b, "big": jnp.full((3, 4), jnp.nan)}))

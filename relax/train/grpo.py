@@ -76,7 +76,7 @@ def make_reference(cfg: GRPOConfig) -> Stage:
     def reference(state: TrainState, batch):
         if state.ref is None:
             return state, batch
-        same = params_equal(state.ref, state.policy)
+        same = params_equal(state.ref, state.policy, smallest_first=cache_sized_passes())
 
         def recompute():  # forward only: remat would recompute nothing
             return completion_logprobs(

@@ -140,7 +140,8 @@ def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
             updates, opt_state = optimizer.update(grads, opt_state, policy)
             new_policy = optax.apply_updates(policy, updates)
             # still the reference only if this step left every weight as it was (lr 0, a skipped step)
-            same = jax.lax.cond(same, lambda: params_equal(new_policy, policy), lambda: jnp.bool_(False))
+            same = jax.lax.cond(same, lambda: params_equal(new_policy, policy, smallest_first=cache_sized_passes()),
+                                lambda: jnp.bool_(False))
             policy = new_policy
             metrics = reduce_metrics(metrics, weights=tokens)  # the step's metrics, however micro-batched
             metrics["loss"] = jnp.sum(losses)
