@@ -1,7 +1,7 @@
 """GRPO from the command line.
 
     python examples/train_grpo.py                      # built-in offline task, a few minutes on CPU
-    python examples/train_grpo.py --model HF_DIR --tokenizer tok.model --data train.jsonl \\
+    python examples/train_grpo.py --model HF_DIR --data train.jsonl \\
         --preset dapo --grpo.max-new-tokens 512 --steps 500
     python examples/train_grpo.py ... --parallel.mesh data=2,fsdp=4   # sharded over 8 devices
     python examples/train_grpo.py ... --parallel.multihost            # every host of a TPU slice / SLURM job
