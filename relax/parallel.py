@@ -63,6 +63,8 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "norm": ("embed",),
     "layers.attn_norm": ("layers", "embed"),
     "layers.mlp_norm": ("layers", "embed"),
+    "layers.attn_out_norm": ("layers", "embed"),
+    "layers.mlp_out_norm": ("layers", "embed"),
     "layers.wq": ("layers", "embed", "q_heads"),
     "layers.wk": ("layers", "embed", "kv_heads"),
     "layers.wv": ("layers", "embed", "kv_heads"),

@@ -31,7 +31,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.models import attention as attn
-from relax.models.rope import inverse_frequencies, rope_angles
+from relax.models.layer_kinds import layer_window
+from relax.models.rope import rotary
 from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
                                       project, run_layers)
 from relax.sampling import SamplingConfig, sample, uniform_table
@@ -135,12 +136,14 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
     of its keys ``[P, Hkv, D, Lp]``. The completion cache is a list of blocks of ``chunk``
     slots; during segment ``seg`` (steps ``seg*chunk <= t < (seg+1)*chunk``) blocks before
     ``seg`` are full, block ``seg`` is being filled and later blocks are not read at all.
+    Each layer masks by its own window (the decode loop runs the layers with static kinds).
     """
     c = model.config
-    window = c.sliding_window
     hk, r = c.num_kv_heads, c.q_per_kv
+    scale = c.attn_scale
 
-    def attend(q, k, v, layer_input):
+    def attend(q, k, v, layer_input, sliding):
+        window = layer_window(c, sliding)
         pk, pv, ck, cv = layer_input
         b, _, hq, d = q.shape
         p = b // num_gen
@@ -149,7 +152,7 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
         if window is not None:
             qpos_p = q_pos.reshape(p, num_gen)[:, 0]
             allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
-        blocks = [attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True)]
+        blocks = [attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True, scale=scale)]
         # this step's key/value go into block seg first (in place, before it is read)
         ck, cv = list(ck), list(cv)
         ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.reshape(b, hk, d).astype(ck[seg].dtype),
@@ -161,7 +164,8 @@ def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_v
             allowed = slots <= t
             if window is not None:
                 allowed = allowed & (t - slots < window)
-            blocks.append(attn.block_stats(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True))
+            blocks.append(attn.block_stats(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True,
+                                           scale=scale))
         out = attn.merge_stats(blocks)
         return out.reshape(b, 1, hq, d).astype(q.dtype), (tuple(ck), tuple(cv))
 
@@ -203,8 +207,8 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     ck = [tuple(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype) for sz in sizes) for _ in range(c.num_layers)]
     cv = [tuple(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype) for sz in sizes) for _ in range(c.num_layers)]
     q_pos_base = jnp.repeat(prompt_len, g)
-    # rotary cos/sin of every decode position, [B, N, D] each, derived once before the loop
-    rope_table = rope_angles(inverse_frequencies(c), q_pos_base[:, None] + jnp.arange(n)[None, :])
+    # rotary cos/sin of every decode position, [B, N, D] each per RoPE kind, derived once before the loop
+    rope_table = rotary(c, q_pos_base[:, None] + jnp.arange(n)[None, :])
 
     def make_segment(seg: int):
         end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
@@ -219,7 +223,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
             q_pos = (q_pos_base + t)[:, None]
             attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
             inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
-            rope = tuple(jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1) for x in rope_table)
+            rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), rope_table)
             h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers, rope=rope)
             ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
             tok, lp = draw(project(model, h[:, 0]), t + 1)

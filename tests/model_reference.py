@@ -5,14 +5,16 @@ import math
 import numpy as np
 
 
-def _rms(x, w, eps):
-    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+def _rms(x, w, eps, style="w"):
+    scale = 1.0 + w if style == "1+w" else w
+    return scale * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def _inv_freq(cfg):
+def _inv_freq(cfg, local=False):
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2) / d))
-    s = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, d, 2) / d))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv
     if s.kind == "linear":
@@ -39,6 +41,19 @@ def _rope(x, pos, inv):  # x [t, h, d]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def _act(cfg, x):
+    if cfg.activation == "silu":
+        return x / (1 + np.exp(-x))
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _layer_types(cfg):
+    """Per layer: is it a sliding layer (window and, if any, local RoPE)."""
+    if cfg.layer_types is None:
+        return [cfg.sliding_window is not None] * cfg.num_layers
+    return [t == "sliding" for t in cfg.layer_types]
+
+
 def forward(model, ids, mask=None):
     """Logits [B, T, V] in float64, one row at a time, loops over heads and layers."""
     cfg = model.config
@@ -46,17 +61,22 @@ def forward(model, ids, mask=None):
     L = model.layers
     ids = np.asarray(ids)
     mask = np.ones(ids.shape, int) if mask is None else np.asarray(mask)
-    inv = _inv_freq(cfg)
+    sliding = _layer_types(cfg)
+    inv = {False: _inv_freq(cfg), True: _inv_freq(cfg, local=cfg.rope_local_theta is not None)}
     head = P(model.embed if model.lm_head is None else model.lm_head)
+    scale = 1 / math.sqrt(cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar)
+    norm = lambda x, w: _rms(x, w, cfg.rms_norm_eps, cfg.norm_weight)
     out = np.zeros(ids.shape + (cfg.vocab_size,))
     for b in range(ids.shape[0]):
         valid = np.nonzero(mask[b])[0]
         x = P(model.embed)[ids[b, valid]]
+        if cfg.scale_embeddings:
+            x = x * math.sqrt(cfg.hidden_size)
         t = len(valid)
         pos = np.arange(t, dtype=np.float64)
         for l in range(cfg.num_layers):
             g = lambda name: None if getattr(L, name) is None else P(getattr(L, name)[l])
-            h = _rms(x, g("attn_norm"), cfg.rms_norm_eps)
+            h = norm(x, g("attn_norm"))
             q = h @ g("wq") + (0 if g("bq") is None else g("bq"))
             k = h @ g("wk") + (0 if g("bk") is None else g("bk"))
             v = h @ g("wv") + (0 if g("bv") is None else g("bv"))
@@ -64,24 +84,25 @@ def forward(model, ids, mask=None):
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q, k = _rms(q, g("q_norm"), cfg.rms_norm_eps), _rms(k, g("k_norm"), cfg.rms_norm_eps)
-            q, k = _rope(q, pos, inv), _rope(k, pos, inv)
+                q, k = norm(q, g("q_norm")), norm(k, g("k_norm"))
+            q, k = _rope(q, pos, inv[sliding[l]]), _rope(k, pos, inv[sliding[l]])
             o = np.zeros_like(q)
             for hq in range(cfg.num_heads):
                 hk = hq // (cfg.num_heads // cfg.num_kv_heads)
-                s = q[:, hq] @ k[:, hk].T / math.sqrt(cfg.head_dim)
+                s = q[:, hq] @ k[:, hk].T * scale
                 allowed = np.tril(np.ones((t, t), bool))
-                if cfg.sliding_window is not None:
+                if sliding[l] and cfg.sliding_window is not None:
                     allowed &= (pos[:, None] - pos[None, :]) < cfg.sliding_window
                 s = np.where(allowed, s, -np.inf)
                 p = np.exp(s - s.max(-1, keepdims=True))
                 o[:, hq] = (p / p.sum(-1, keepdims=True)) @ v[:, hk]
-            x = x + o.reshape(t, -1) @ g("wo") + (0 if g("bo") is None else g("bo"))
-            h = _rms(x, g("mlp_norm"), cfg.rms_norm_eps)
+            a = o.reshape(t, -1) @ g("wo") + (0 if g("bo") is None else g("bo"))
+            x = x + (norm(a, g("attn_out_norm")) if cfg.sandwich_norms else a)
+            h = norm(x, g("mlp_norm"))
             gate = h @ g("w_gate") + (0 if g("b_gate") is None else g("b_gate"))
             up = h @ g("w_up") + (0 if g("b_up") is None else g("b_up"))
-            act = gate / (1 + np.exp(-gate)) * up
-            x = x + act @ g("w_down") + (0 if g("b_down") is None else g("b_down"))
-        x = _rms(x, P(model.norm), cfg.rms_norm_eps)
+            y = (_act(cfg, gate) * up) @ g("w_down") + (0 if g("b_down") is None else g("b_down"))
+            x = x + (norm(y, g("mlp_out_norm")) if cfg.sandwich_norms else y)
+        x = norm(x, P(model.norm))
         out[b, valid] = x @ head.T
     return out

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from relax.models import ModelConfig, RopeScaling, cast, init
+from relax.models.config import FAMILY_TRAITS
 from relax.models import hf as hf_mod
 from relax.models.hf import HFFormatError, config_from_hf, config_to_hf, load_pretrained, save_pretrained
 
@@ -32,6 +33,9 @@ FAMILIES = {
     "qwen3_gqa_head_dim": dict(family="qwen3", qk_norm=True, head_dim=24, pad_token_id=0),
     "qwen3_mha_bias_tied": dict(family="qwen3", num_kv_heads=4, qk_norm=True, qkv_bias=True, o_bias=True,
                                 tie_word_embeddings=True),
+    "gemma3_mixed_tied": dict(family="gemma3_text", **FAMILY_TRAITS["gemma3_text"], tie_word_embeddings=True,
+                              sliding_window=4, layer_types=("sliding", "full"), rope_theta=1e6,
+                              rope_local_theta=1e4, query_pre_attn_scalar=24.0, pad_token_id=0),
 }
 
 
@@ -41,13 +45,14 @@ def tiny(name: str, **kw) -> ModelConfig:
 
 def random_model(cfg: ModelConfig, seed: int = 0):
     """init()'s pytree filled from NumPy (no XLA compiles): weights and biases N(0, 0.1), norm
-    scales 1 + N(0, 0.3) (unit norms would hide a swapped norm)."""
+    weights identity + N(0, 0.3), identity 1 (0 for "1+w" norms; unit norms would hide a swapped norm)."""
     rng = np.random.default_rng(seed)
+    identity = 0.0 if cfg.norm_weight == "1+w" else 1.0
 
     def fill(path, leaf):
         noise = rng.standard_normal(leaf.shape).astype(np.float32)
         name = jax.tree_util.keystr(path)
-        return jnp.asarray(1.0 + 0.3 * noise if "norm" in name else 0.1 * noise)
+        return jnp.asarray(identity + 0.3 * noise if "norm" in name else 0.1 * noise)
 
     return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(lambda: init(cfg, jax.random.key(0))))
 

@@ -3,6 +3,9 @@
 Tiny random models of every supported family are built with transformers, saved as
 safetensors, loaded by relax (and the reverse), and their float32 logits compared, also on a
 left-padded batch. Norm weights and biases are randomised: unit norms and zero biases hide bugs.
+The Gemma 3 cases mix sliding and full layers (windows shorter than the 12-token batch, local and
+global RoPE bases, linear scaling on the global one) and scale scores by a
+``query_pre_attn_scalar`` other than ``head_dim``.
 """
 
 import json
@@ -15,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from relax.models import ModelConfig, RopeScaling  # noqa: E402
+from relax.models import ModelConfig, RopeScaling, family_config  # noqa: E402
 from relax.models.hf import config_from_hf, load_pretrained, save_pretrained  # noqa: E402
 from test_hf import random_model  # noqa: E402
 
@@ -43,16 +46,26 @@ CASES = {
     "qwen3_gqa_head_dim": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24), None),
     "qwen3_mha_bias_tied": ("Qwen3Config", dict(num_key_value_heads=4, head_dim=16, attention_bias=True,
                                                 tie_word_embeddings=True), "30KB"),
+    # layers sliding, sliding, full, sliding (sliding_window_pattern 3)
+    "gemma3_pattern_tied": ("Gemma3TextConfig", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                                     sliding_window=4, sliding_window_pattern=3,
+                                                     query_pre_attn_scalar=24), None),
+    "gemma3_layer_types_linear_rope_bias_untied": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=16, sliding_window=5, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_bias=True,
+        tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=100.0),
+        "40KB"),
 }
 
 
 def _randomise(model, seed=0):
     g = torch.Generator().manual_seed(seed)
+    identity = 0.0 if model.config.model_type.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
+                p.copy_(identity + 0.3 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
             else:
@@ -120,8 +133,25 @@ def test_hf_checkpoint_loads_with_same_logits(case, tmp_path):
     assert config_from_hf(hf.config.to_dict(), source="to_dict") == model.config
 
 
+def _gemma_config(o) -> ModelConfig:
+    n = o["num_hidden_layers"]
+    types = o.get("layer_types") or ["sliding_attention" if (i + 1) % o["sliding_window_pattern"] else "full_attention"
+                                     for i in range(n)]
+    rs, bias = o.get("rope_scaling"), o.get("attention_bias", False)
+    return family_config(
+        "gemma3_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=n, num_heads=4,
+        num_kv_heads=o["num_key_value_heads"], head_dim=o["head_dim"], max_position_embeddings=128, rms_norm_eps=1e-5,
+        rope_theta=1e6, rope_scaling=None if rs is None else RopeScaling("linear", rs["factor"]),
+        rope_local_theta=o.get("rope_local_base_freq", 1e4), tie_word_embeddings=o.get("tie_word_embeddings", True),
+        qkv_bias=bias, o_bias=bias, sliding_window=o["sliding_window"],
+        layer_types=tuple(t.split("_")[0] for t in types), query_pre_attn_scalar=float(o["query_pre_attn_scalar"]),
+        bos_token_id=1, eos_token_id=(2, 3))
+
+
 def _relax_model(case):
     cls_name, o, _ = CASES[case]
+    if cls_name == "Gemma3TextConfig":
+        return random_model(_gemma_config(o), 0)
     family = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2",
               "Qwen3Config": "qwen3"}[cls_name]
     rope = o.get("rope_parameters")
@@ -192,7 +222,7 @@ def test_transformers_4_layout_means_the_same_to_both(case, scaling_key, tmp_pat
     _assert_same_logits(hf, model, model.config.vocab_size)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
 def test_defaults_for_absent_fields_match_transformers(model_type):
     # 32 heads: Qwen's absent num_key_value_heads is 32, Mistral's 8
     minimal = dict(model_type=model_type, vocab_size=100, hidden_size=128, intermediate_size=96,

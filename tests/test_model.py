@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, RopeScaling, cast, init
+from relax.models.config import FAMILY_TRAITS
 from relax.models import logprobs as lp
 from relax.models.transformer import hidden_states, positions_from_mask
 
@@ -19,6 +20,11 @@ FAMILIES = {
     "mistral_window": dict(family="mistral", num_heads=4, num_kv_heads=1, sliding_window=5),
     "qwen2_bias": dict(family="qwen2", num_heads=4, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=True),
     "qwen3_qknorm": dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=24, qk_norm=True),
+    # one sliding (window 4, local RoPE) and one full layer (linear-scaled RoPE); q.k / sqrt(24)
+    "gemma3_mixed": dict(family="gemma3_text", **FAMILY_TRAITS["gemma3_text"], num_heads=4, num_kv_heads=2,
+                         sliding_window=4, layer_types=("sliding", "full"), rope_theta=1e6, rope_local_theta=1e4,
+                         rope_scaling=RopeScaling("linear", 8.0), query_pre_attn_scalar=24.0,
+                         tie_word_embeddings=True),
 }
 
 
@@ -31,13 +37,11 @@ def tiny(**kw):
 
 def random_norms(model, key):
     """Unit norm scales hide bugs; perturb every norm weight."""
-    k1, k2, k3, k4 = jax.random.split(key, 4)
     L = model.layers
-    L = L.__class__(**{**{f: getattr(L, f) for f in L.__dataclass_fields__},
-                       "attn_norm": L.attn_norm + 0.3 * jax.random.normal(k1, L.attn_norm.shape),
-                       "mlp_norm": L.mlp_norm + 0.3 * jax.random.normal(k2, L.mlp_norm.shape),
-                       "q_norm": None if L.q_norm is None else L.q_norm + 0.3 * jax.random.normal(k3, L.q_norm.shape),
-                       "k_norm": None if L.k_norm is None else L.k_norm + 0.3 * jax.random.normal(k4, L.k_norm.shape)})
+    names = [f for f in L.__dataclass_fields__ if f.endswith("norm") and getattr(L, f) is not None]
+    keys = dict(zip(names, jax.random.split(key, len(names))))
+    L = L.__class__(**{f: getattr(L, f) + 0.3 * jax.random.normal(keys[f], getattr(L, f).shape) if f in keys
+                       else getattr(L, f) for f in L.__dataclass_fields__})
     return model.__class__(model.embed, L, model.norm * 1.1, model.lm_head, model.config, model.dtype)
 
 

@@ -366,7 +366,7 @@ if __name__ != "__main__":
         return jax.sharding.AbstractMesh((data, fsdp, tensor), parallel.AXES)
 
     def test_every_parameter_has_logical_axes_and_default_specs():
-        cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True})
+        cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True, "sandwich_norms": True})
         model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
         names = {parallel._path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
         assert names == set(parallel.LOGICAL_AXES)  # every parameter the model can have

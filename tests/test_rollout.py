@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 
 from relax import rollout, rollout_naive
 from relax.models import ModelConfig, init
+from relax.models.config import FAMILY_TRAITS
 from relax.models.logprobs import token_logprobs
 from relax.rollout import RolloutConfig, generate
 from relax.sampling import SamplingConfig
@@ -34,6 +35,10 @@ MODELS = {
     "llama_gqa": dict(family="llama"),
     "mistral_window": dict(family="mistral", sliding_window=5),
     "qwen3_qknorm": dict(family="qwen3", head_dim=24, qk_norm=True, qkv_bias=False),
+    # a sliding layer (window 3, its own RoPE base) then a full one; q.k / sqrt(24)
+    "gemma3_mixed": dict(family="gemma3_text", **FAMILY_TRAITS["gemma3_text"], sliding_window=3,
+                         layer_types=("sliding", "full"), rope_theta=1e6, rope_local_theta=1e4,
+                         query_pre_attn_scalar=24.0),
 }
 
 

@@ -1,6 +1,8 @@
 """relax's sampler against Hugging Face ``generate``: the same checkpoint, greedy, on a
 left-padded ragged batch, gives the same tokens (finished rows padded with the pad id) and
-the same log-probs as ``compute_transition_scores(..., normalize_logits=True)``."""
+the same log-probs as ``compute_transition_scores(..., normalize_logits=True)``. The Gemma 3 case
+decodes through sliding layers (window 3, their own RoPE base) and a full layer, so the per-layer
+windows of the prefix-shared cache are exercised well past the window."""
 
 import jax
 import numpy as np
@@ -24,6 +26,9 @@ CASES = {
     "llama_gqa": ("LlamaConfig", {}),
     "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "mistral_window": ("MistralConfig", dict(sliding_window=5)),
+    "gemma3_mixed_window": ("Gemma3TextConfig", dict(
+        head_dim=16, sliding_window=3, query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)),
 }
 
 
@@ -33,10 +38,11 @@ def _hf_model(case):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(0)
+    identity = 0.0 if cfg.model_type.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():  # randomise norms and biases too; 0.3 so distributions aren't flat
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.3 * noise if "norm" in name else 0.3 * noise)
+            p.copy_(identity + 0.3 * noise if "norm" in name else 0.3 * noise)
     return model.eval()
 
 

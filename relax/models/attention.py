@@ -15,7 +15,7 @@ results (the cascade / Hydragen identity), kept unnormalised (``block_stats``)::
 which is what the sampler uses to attend to one shared prompt block plus each completion's
 own blocks (no per-block division, log or log-sum-exp: fewer small ops per decode step).
 ``partial_attention`` gives one block's normalised output and log-sum-exp ``m + log l``.
-Scores are ``q.k / sqrt(D)``.
+Scores are ``q.k * scale``, ``scale = D^-1/2`` unless given (Gemma 3: ``query_pre_attn_scalar^-1/2``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 NEG_INF = -1e30  # finite, so rows with no visible key give zeros, never NaN
 
@@ -45,11 +45,13 @@ def block_stats(
     allowed: Bool[Array, "b #hk #m s"],
     *,
     k_transposed: bool = False,
+    scale: float | None = None,
 ) -> BlockStats:
     """Grouped queries over one key block, unnormalised (module docstring). ``k_transposed``: keys
     are stored ``[b, hk, d, s]``, which makes the score product a plain ``[m, d] x [d, s]`` matmul;
-    the decode caches use it (with few query rows, XLA:CPU runs that ~3x faster)."""
-    scale = q.shape[-1] ** -0.5
+    the decode caches use it (with few query rows, XLA:CPU runs that ~3x faster). ``scale``: of
+    the scores (None: ``D^-1/2``)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     spec = "bhmd,bhds->bhms" if k_transposed else "bhmd,bhsd->bhms"
     scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(allowed, scores, NEG_INF)
@@ -75,11 +77,12 @@ def partial_attention(
     allowed: Bool[Array, "b #hk #m s"],
     *,
     k_transposed: bool = False,
+    scale: float | None = None,
 ) -> tuple[Float[Array, "b hk m d"], Float[Array, "b hk m"]]:
     """Softmax attention of grouped queries over one key block: the block-normalised output
     (float32) and the per-query log-sum-exp of the scores (float32; about ``NEG_INF`` where
-    nothing is visible). ``k_transposed`` as in ``block_stats``."""
-    u, m, l = block_stats(q, k, v, allowed, k_transposed=k_transposed)
+    nothing is visible). ``k_transposed`` and ``scale`` as in ``block_stats``."""
+    u, m, l = block_stats(q, k, v, allowed, k_transposed=k_transposed, scale=scale)
     safe_l = jnp.where(l > 0, l, 1.0)
     return u / safe_l[..., None], jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
 
@@ -89,8 +92,9 @@ def heads_major(x: Float[Array, "b t h d"]) -> Float[Array, "b h t d"]:
 
 
 def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "*b s"],
-                window: int | None) -> Bool[Array, "*b t s"]:
-    """``k_valid[s] & pos_k[s] <= pos_q[t]`` (and ``pos_q - pos_k < window`` when sliding)."""
+                window: int | Int[Array, ""] | None) -> Bool[Array, "*b t s"]:
+    """``k_valid[s] & pos_k[s] <= pos_q[t]`` (and ``pos_q - pos_k < window`` when sliding; the
+    window static, or a traced scalar)."""
     qp = q_positions[..., :, None]
     kp = k_positions[..., None, :]
     allowed = (kp <= qp) & k_valid[..., None, :]
@@ -100,14 +104,15 @@ def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "*b
 
 
 def attention(q: Float[Array, "b t hq d"], k: Float[Array, "b hk s d"], v: Float[Array, "b hk s d"],
-              allowed: Bool[Array, "b t s"]) -> Float[Array, "b t hq d"]:
-    """Masked grouped-query attention of a sequence over one head-major block, in ``q.dtype``."""
+              allowed: Bool[Array, "b t s"], *, scale: float | None = None) -> Float[Array, "b t hq d"]:
+    """Masked grouped-query attention of a sequence over one head-major block, in ``q.dtype``
+    (``scale`` as in ``block_stats``)."""
     b, t, hq, d = q.shape
     hk = k.shape[1]
     r = hq // hk
     qg = q.reshape(b, t, hk, r, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, r * t, d)
     mask = jnp.broadcast_to(allowed[:, None, None], (b, 1, r, t, allowed.shape[-1]))
-    out, _ = partial_attention(qg, k, v, mask.reshape(b, 1, r * t, -1))
+    out, _ = partial_attention(qg, k, v, mask.reshape(b, 1, r * t, -1), scale=scale)
     return out.reshape(b, hk, r, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -119,16 +124,18 @@ def shared_prefix_attention(
     num_gen: int,
     *,
     k_transposed: bool = False,
+    scale: float | None = None,
 ) -> BlockStats:
     """Attention of the G sequences of each group to their group's ONE prefix block.
 
     Queries ``[P*G, Hkv, M, D]`` are folded to ``[P, Hkv, G*M, D]`` so the prefix keys are read
     once per group (one dense product per KV head), then unfolded; returns the block's
-    ``BlockStats`` for ``merge_stats``. ``allowed`` is over the folded rows ``(g, m)``.
+    ``BlockStats`` for ``merge_stats``. ``allowed`` is over the folded rows ``(g, m)``;
+    ``scale`` as in ``block_stats``.
     """
     b, hk, m, d = q.shape
     p = b // num_gen
     qp = q.reshape(p, num_gen, hk, m, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * m, d)
-    stats = block_stats(qp, k, v, allowed, k_transposed=k_transposed)
+    stats = block_stats(qp, k, v, allowed, k_transposed=k_transposed, scale=scale)
     unfold = lambda x: x.reshape((p, hk, num_gen, m) + x.shape[3:]).swapaxes(1, 2).reshape((b, hk, m) + x.shape[3:])
     return BlockStats(*map(unfold, stats))

@@ -1,4 +1,25 @@
-"""Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 family."""
+"""Model configuration: one frozen dataclass describing a decoder-only transformer.
+
+Every supported architecture is a point in the same space of traits, and the layer code reads
+the traits, never the family name (``family`` only names the Hugging Face ``model_type``):
+
+=========================  ======  =======  =====  =====  ===========
+trait                      llama   mistral  qwen2  qwen3  gemma3_text
+=========================  ======  =======  =====  =====  ===========
+``norm_weight``            w       w        w      w      1+w
+``sandwich_norms``         no      no       no     no     yes
+``qk_norm``                no      no       no     yes    yes
+``activation`` (default)   silu    silu     silu   silu   gelu_tanh
+``scale_embeddings``       no      no       no     no     yes
+``query_pre_attn_scalar``  -       -        -      -      yes
+sliding window             -       all      all/-  all/-  ``layer_types``
+``rope_local_theta``       -       -        -      -      sliding layers
+=========================  ======  =======  =====  =====  ===========
+
+(``FAMILY_TRAITS`` holds the first five rows; ``family_config`` applies them.) Per-layer
+differences are one static tuple, ``sliding_layers``: a sliding layer attends through
+``sliding_window`` and, when ``rope_local_theta`` is set, rotates with its own RoPE base.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +29,23 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+NormWeight = Literal["w", "1+w"]
+Activation = Literal["silu", "gelu_tanh"]
+LayerType = Literal["full", "sliding"]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+_LLAMA_TRAITS = dict(norm_weight="w", sandwich_norms=False, qk_norm=False, activation="silu",
+                     scale_embeddings=False)
+FAMILY_TRAITS: dict[str, dict] = {
+    "llama": _LLAMA_TRAITS, "mistral": _LLAMA_TRAITS, "qwen2": _LLAMA_TRAITS,
+    "qwen3": {**_LLAMA_TRAITS, "qk_norm": True},
+    "gemma3_text": dict(norm_weight="1+w", sandwich_norms=True, qk_norm=True, activation="gelu_tanh",
+                        scale_embeddings=True),
+}
+"""The traits each family's Hugging Face architecture has (``activation`` is its default: the
+HF config may name another one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +66,31 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer.
+    """Architecture of a decoder-only transformer (module docstring: the traits per family).
 
-    The five supported checkpoints differ only in these fields:
-    Llama 2/3 and Mistral (no biases, no q/k norm; Llama 3 adds ``rope_scaling``,
-    Mistral a ``sliding_window``), Qwen2 (``qkv_bias``), Qwen3 (``qk_norm`` and an explicit
-    ``head_dim``). ``family`` is the Hugging Face ``model_type`` written back on save.
+    Sizes: ``vocab_size``, ``hidden_size`` (D), ``intermediate_size`` (F), ``num_layers`` (L),
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``max_position_embeddings``.
+
+    Layer traits (defaults: Llama):
+
+    - ``norm_weight``: every RMSNorm scales ``x̂ = x / sqrt(mean(x^2) + rms_norm_eps)`` by ``w``
+      (``"w"``) or by ``1 + w`` in float32 (``"1+w"``, Gemma).
+    - ``sandwich_norms``: the attention and MLP outputs are RMS-normalised (``attn_out_norm``,
+      ``mlp_out_norm``) before their residual add (Gemma 2/3).
+    - ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    - ``activation``: the gated MLP's ``act(x Wg) * (x Wu)``: ``"silu"`` (SwiGLU) or
+      ``"gelu_tanh"`` (GeGLU with the tanh approximation).
+    - ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: biases of the projections.
+    - ``scale_embeddings``: embeddings times ``sqrt(D)`` (rounded to the embedding dtype).
+    - ``query_pre_attn_scalar``: scores are ``q.k / sqrt(query_pre_attn_scalar)``; None:
+      ``/ sqrt(head_dim)``.
+
+    Positions and windows: RoPE with base ``rope_theta`` and ``rope_scaling``;
+    ``sliding_window`` W (keys with ``pos_q - pos_k < W``) on the layers ``layer_types`` marks
+    ``"sliding"`` (None: on every layer), and those layers' RoPE base ``rope_local_theta``
+    (unscaled; None: the same RoPE as the full layers).
+
+    ``family`` is the Hugging Face ``model_type`` written back on save.
     """
 
     vocab_size: int
@@ -60,6 +114,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    norm_weight: NormWeight = "w"
+    sandwich_norms: bool = False
+    activation: Activation = "silu"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[LayerType, ...] | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -74,6 +135,16 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
+        for name, valid in (("norm_weight", ("w", "1+w")), ("activation", ("silu", "gelu_tanh"))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {valid}")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"ModelConfig.query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}")
+        if self.layer_types is not None and (
+                not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers
+                or any(t not in ("full", "sliding") for t in self.layer_types)):
+            raise ValueError(f"ModelConfig.layer_types must be a tuple of 'full'/'sliding' for each of the "
+                             f"{self.num_layers} layers, got {self.layer_types!r}")
 
     @property
     def q_per_kv(self) -> int:
@@ -86,6 +157,25 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a sliding layer: its ``layer_types`` entry, or, without
+        ``layer_types``, whether the model has a ``sliding_window`` at all."""
+        if self.layer_types is None:
+            return (self.sliding_window is not None,) * self.num_layers
+        return tuple(t == "sliding" for t in self.layer_types)
+
+    @property
+    def has_window(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return self.sliding_window is not None and any(self.sliding_layers)
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The score scale ``query_pre_attn_scalar^-1/2``; None for the kernels' ``head_dim^-1/2``."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else q ** -0.5
 
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-layer parameter shapes (no ``[L]`` axis) of the ``LayerStack`` fields this config
@@ -102,6 +192,8 @@ class ModelConfig:
             s.update(q_norm=(hd,), k_norm=(hd,))
         if self.mlp_bias:
             s.update(b_gate=(F,), b_up=(F,), b_down=(D,))
+        if self.sandwich_norms:
+            s.update(attn_out_norm=(D,), mlp_out_norm=(D,))
         return s
 
     def num_params(self) -> int:
@@ -109,6 +201,14 @@ class ModelConfig:
         per_layer = sum(math.prod(shape) for shape in self.layer_shapes().values())
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + head
+
+
+def family_config(family: str, **fields) -> ModelConfig:
+    """A :class:`ModelConfig` of ``family`` with that family's traits (``FAMILY_TRAITS``); ``fields``
+    give the sizes and may override any trait."""
+    if family not in FAMILY_TRAITS:
+        raise ValueError(f"family={family!r}; valid: {FAMILIES}")
+    return ModelConfig(family=family, **{**FAMILY_TRAITS[family], **fields})
 
 
 def small_config(**overrides) -> ModelConfig:

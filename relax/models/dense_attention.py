@@ -5,7 +5,9 @@ The same function as ``relax.models.group_attention.prefix_group_attention`` in 
 each completion's keys are its prompt's (computed once per prompt, broadcast over the G
 completions) followed by its own, ``[K_prompt; K_g]``, and one causal softmax runs over them::
 
-    o_t = softmax( q_t [K_prompt; K_g]^T / sqrt(D)  masked to  pos_j <= pos_t, j valid ) [V_prompt; V_g]
+    o_t = softmax( q_t [K_prompt; K_g]^T * scale  masked to  pos_j <= pos_t, j valid ) [V_prompt; V_g]
+
+(``scale = D^-1/2`` unless given).
 
 Prompts are left-padded, which a fused kernel's length masks cannot express (they pad on the
 right), so each row ``[pad, prompt, completion]`` is rotated left by its pad count to
@@ -42,11 +44,13 @@ def prefix_dense_attention(
     prompt_len: Int[Array, " p"],
     *,
     implementation: str | None = None,
+    scale: float | None = None,
 ) -> Float[Array, "b n hq d"]:
     """Completion rows ``q`` (token-major, ``B = P*G`` rows, completion g of prompt p at row
     ``p*G + g``) over [their prompt's keys ``pk`` (head-major, left-padded to ``Lp``, the last
     ``prompt_len`` valid); their own causal keys ``k``]. ``implementation``: as
-    ``jax.nn.dot_product_attention`` (``"cudnn"``, ``"xla"`` or ``None``). Returns ``q.dtype``."""
+    ``jax.nn.dot_product_attention`` (``"cudnn"``, ``"xla"`` or ``None``); ``scale``: of the
+    scores (None: ``D^-1/2``). Returns ``q.dtype``."""
     b, n, hq, d = q.shape
     p, hk, lp, _ = pk.shape
     g = b // p
@@ -62,7 +66,8 @@ def prefix_dense_attention(
     rotate = lambda x: jnp.take_along_axis(x, src[:, :, None, None], axis=1)
     seq = length + n
     out = jax.nn.dot_product_attention(rotate(qf), rotate(kf), rotate(vf), is_causal=True, query_seq_lengths=seq,
-                                       key_value_seq_lengths=seq, implementation=implementation)
+                                       key_value_seq_lengths=seq, implementation=implementation,
+                                       scale=scale)
     # completion token i sits at rotated row prompt_len + i
     rows = length[:, None] + jnp.arange(n)[None, :]
     return jnp.take_along_axis(out, rows[:, :, None, None], axis=1).astype(q.dtype)

@@ -4,12 +4,14 @@ their own causal block, one group at a time, with a recomputing (flash-style) ba
 For the queries ``q`` of completion ``g`` (rows ``m``), keys are the group's prompt keys ``K_p``
 followed by the completion's own keys ``K_g``; one softmax runs over their union::
 
-    s = [q K_p^T, q K_g^T] / sqrt(D)   (masked),   lse = logsumexp(s),   P = exp(s - lse)
+    s = [q K_p^T, q K_g^T] * scale   (masked),   lse = logsumexp(s),   P = exp(s - lse)
     o = P [V_p; V_g]
+
+with ``scale = D^-1/2`` unless given (Gemma 3: ``query_pre_attn_scalar^-1/2``).
 
 The backward (``delta = rowsum(dO * O)``)::
 
-    dV = P^T dO,   dS = P * (dO V^T - delta),   dQ = dS K / sqrt(D),   dK = dS^T Q / sqrt(D)
+    dV = P^T dO,   dS = P * (dO V^T - delta),   dQ = dS K * scale,   dK = dS^T Q * scale
 
 with ``dK_p, dV_p`` summed over the G completions that share the prompt. ``P`` is recomputed
 from the saved ``lse`` (flash-style: nothing of score size is kept between the passes) or, with
@@ -24,11 +26,15 @@ The backward concatenates each completion's keys behind a copy of its prompt's, 
 Masks are rebuilt from positions inside each tile::
 
     allowed(i, j) = valid_j  &  pos_j <= pos_i  &  (pos_i - pos_j < window, when sliding)
+
+The window is static (one for every layer) or a traced scalar (layers of both kinds scanned
+together, ``relax.models.layer_kinds``): then it rides with the positions, one per group.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +51,31 @@ def _scores(q, pk, k, masks, scale):
     return jnp.where(mp, sp, NEG_INF), jnp.where(mo, so, NEG_INF)
 
 
-def _group_masks(q_pos, pk_pos, pk_valid, k_pos, k_valid, window):
+class _Static(NamedTuple):
+    """The kernel's static choices: a static ``window`` (None: none, or the traced one in ``pos``),
+    the score ``scale`` (None: ``D^-1/2``), groups per loop step, keep ``P`` for the backward."""
+
+    window: int | None
+    scale: float | None
+    groups_per_step: int
+    save: bool
+
+
+def _scale(st: _Static, q) -> float:
+    return q.shape[-1] ** -0.5 if st.scale is None else st.scale
+
+
+def _group_masks(st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window):
     # q_pos [g, m]; prompt [lp]; own [g, n] -> [1, g, m, lp], [1, g, m, n]
+    window = st.window if traced_window is None else traced_window
     mp = causal_mask(q_pos, pk_pos[None], pk_valid[None], window)[None]
     mo = causal_mask(q_pos, k_pos, k_valid, window)[None]
     return mp, mo
 
 
-def _group_forward(window, q, pk, pv, k, v, pos):
-    scale = q.shape[-1] ** -0.5
-    masks = _group_masks(*pos, window)
+def _group_forward(st, q, pk, pv, k, v, pos):
+    scale = _scale(st, q)
+    masks = _group_masks(st, *pos)
     sp, so = _scores(q, pk, k, masks, scale)
     m = jnp.maximum(jnp.max(sp, axis=-1), jnp.max(so, axis=-1))[..., None]
     ep = jnp.where(masks[0], jnp.exp(sp - m), 0.0)
@@ -67,9 +88,9 @@ def _group_forward(window, q, pk, pv, k, v, pos):
     return o, lse, (ep, eo, safe)
 
 
-def _group_forward_saving(window, q, pk, pv, k, v, pos):
+def _group_forward_saving(st, q, pk, pv, k, v, pos):
     """The forward that also returns ``P`` over ``[prompt; own]`` keys, ``[hk, g, m, lp+n]``."""
-    o, _, (ep, eo, safe) = _group_forward(window, q, pk, pv, k, v, pos)
+    o, _, (ep, eo, safe) = _group_forward(st, q, pk, pv, k, v, pos)
     return o, jnp.concatenate([ep, eo], axis=-1) * (1.0 / safe)
 
 
@@ -79,23 +100,23 @@ def _with_prompt(pk, k):
     return jnp.concatenate([jnp.broadcast_to(pk[:, None], (hk, g) + pk.shape[1:]).astype(k.dtype), k], axis=2)
 
 
-def _group_backward(window, q, pk, pv, k, v, pos, o, lse, do):
+def _group_backward(st, q, pk, pv, k, v, pos, o, lse, do):
     """The backward with ``P`` recomputed from the saved log-sum-exp."""
-    scale = q.shape[-1] ** -0.5
-    mp, mo = _group_masks(*pos, window)
+    scale = _scale(st, q)
+    mp, mo = _group_masks(st, *pos)
     mask = jnp.concatenate([jnp.broadcast_to(mp, mo.shape[:-1] + mp.shape[-1:]), mo], axis=-1)
     kk = _with_prompt(pk, k).astype(jnp.float32)
     s = jnp.where(mask, jnp.einsum("hgmd,hgsd->hgms", q.astype(jnp.float32), kk) * scale, NEG_INF)
     pr = jnp.exp(s - lse)  # masked entries: exp(-1e30 - lse) = 0
-    return _backward_from_probs(q, pk, pv, k, v, o, pr, do, kk=kk)
+    return _backward_from_probs(st, q, pk, pv, k, v, o, pr, do, kk=kk)
 
 
-def _backward_from_probs(q, pk, pv, k, v, o, pr, do, kk=None):
+def _backward_from_probs(st, q, pk, pv, k, v, o, pr, do, kk=None):
     # One [lp+n]-wide block per completion (the prompt keys copied G times, a few KB) instead of a
     # prompt block and an own block: half the matmuls and fusions, ~25% faster on CPU
     # (benchmarks/train_attention.py); the prompt gradients are the G copies' sum. ``kk``: the
     # float32 [prompt; own] keys when the caller has built them already.
-    scale = q.shape[-1] ** -0.5
+    scale = _scale(st, q)
     f32 = jnp.float32
     lp = pk.shape[1]
     kk = _with_prompt(pk, k).astype(f32) if kk is None else kk
@@ -128,26 +149,28 @@ def _over_groups(fn, b, *xs):
     return jax.tree.map(_untile, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(window, b, save, q, pk, pv, k, v, pos):
-    return _over_groups(lambda *a: _group_forward(window, *a)[0], b, q, pk, pv, k, v, pos)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st, q, pk, pv, k, v, pos):
+    return _over_groups(lambda *a: _group_forward(st, *a)[0], st.groups_per_step, q, pk, pv, k, v, pos)
 
 
-def _attend_fwd(window, b, save, q, pk, pv, k, v, pos):
-    if save:  # residual: P itself
-        o, kept = _over_groups(functools.partial(_group_forward_saving, window), b, q, pk, pv, k, v, pos)
+def _attend_fwd(st, q, pk, pv, k, v, pos):
+    b = st.groups_per_step
+    if st.save:  # residual: P itself
+        o, kept = _over_groups(functools.partial(_group_forward_saving, st), b, q, pk, pv, k, v, pos)
     else:  # residual: the log-sum-exp
-        o, kept = _over_groups(lambda *a: _group_forward(window, *a)[:2], b, q, pk, pv, k, v, pos)
+        o, kept = _over_groups(lambda *a: _group_forward(st, *a)[:2], b, q, pk, pv, k, v, pos)
     return o, (q, pk, pv, k, v, pos, o, kept)
 
 
-def _attend_bwd(window, b, save, res, do):
+def _attend_bwd(st, res, do):
     q, pk, pv, k, v, pos, o, kept = res
     do = do.astype(jnp.float32)
-    if save:
-        grads = _over_groups(_backward_from_probs, b, q, pk, pv, k, v, o, kept, do)
+    b = st.groups_per_step
+    if st.save:
+        grads = _over_groups(functools.partial(_backward_from_probs, st), b, q, pk, pv, k, v, o, kept, do)
     else:
-        grads = _over_groups(functools.partial(_group_backward, window), b, q, pk, pv, k, v, pos, o, kept, do)
+        grads = _over_groups(functools.partial(_group_backward, st), b, q, pk, pv, k, v, pos, o, kept, do)
     return (*grads, jax.tree.map(lambda _: None, pos))
 
 
@@ -166,7 +189,8 @@ def prefix_group_attention(
     k_pos: Int[Array, "p g n"],
     k_valid: Bool[Array, "p g n"],
     *,
-    window: int | None = None,
+    window: int | Int[Array, ""] | None = None,
+    scale: float | None = None,
     groups_per_step: int = 1,
     save_probabilities: bool = False,
 ) -> Float[Array, "p hk g m d"]:
@@ -177,6 +201,8 @@ def prefix_group_attention(
     ``m`` query rows per KV head (e.g. ``R`` query heads times ``N`` positions), positions are
     absolute (prompt positions ``p_pos``, completion positions continuing after the prompt).
     Returns float32; rows that see no key give zeros. Differentiable in ``q, pk, pv, k, v``.
+    ``window``: static, or a traced int32 scalar (module docstring); ``scale``: of the scores
+    (None: ``D^-1/2``).
 
     ``groups_per_step``: groups computed together per loop step (it must divide P). 1 keeps each
     tile in cache (CPU); on a mesh pass the number of shards of the P axis, so that each step
@@ -189,5 +215,8 @@ def prefix_group_attention(
     p = q.shape[0]
     if groups_per_step < 1 or p % groups_per_step:
         raise ValueError(f"groups_per_step={groups_per_step} does not divide the {p} prompt groups")
-    pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool))
-    return _attend(window, groups_per_step, bool(save_probabilities), q, pk, pv, k, v, pos)
+    traced = window is not None and not isinstance(window, int)
+    per_group = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (p,)) if traced else None
+    pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool), per_group)
+    st = _Static(None if traced else window, scale, groups_per_step, bool(save_probabilities))
+    return _attend(st, q, pk, pv, k, v, pos)

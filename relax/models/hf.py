@@ -65,7 +65,8 @@ _FLOAT = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2")
           "BF16": np.dtype(ml_dtypes.bfloat16)}
 _CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
-# (LayerStack field, name under model.layers.{i}., a torch Linear weight stored [out, in])
+# (LayerStack field, name under model.layers.{i}., a torch Linear weight stored [out, in]); the norm
+# around the MLP is "post_attention_layernorm" in a model without sandwich norms (``_NORMS``)
 _LAYER = (
     ("attn_norm", "input_layernorm.weight", False),
     ("wq", "self_attn.q_proj.weight", True), ("bq", "self_attn.q_proj.bias", False),
@@ -73,11 +74,14 @@ _LAYER = (
     ("wv", "self_attn.v_proj.weight", True), ("bv", "self_attn.v_proj.bias", False),
     ("wo", "self_attn.o_proj.weight", True), ("bo", "self_attn.o_proj.bias", False),
     ("q_norm", "self_attn.q_norm.weight", False), ("k_norm", "self_attn.k_norm.weight", False),
-    ("mlp_norm", "post_attention_layernorm.weight", False),
+    ("attn_out_norm", "post_attention_layernorm.weight", False),
+    ("mlp_norm", "{mlp_norm}.weight", False),
     ("w_gate", "mlp.gate_proj.weight", True), ("b_gate", "mlp.gate_proj.bias", False),
     ("w_up", "mlp.up_proj.weight", True), ("b_up", "mlp.up_proj.bias", False),
     ("w_down", "mlp.down_proj.weight", True), ("b_down", "mlp.down_proj.bias", False),
+    ("mlp_out_norm", "post_feedforward_layernorm.weight", False),
 )
+_NORMS = {False: "post_attention_layernorm", True: "pre_feedforward_layernorm"}  # by sandwich_norms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +97,12 @@ def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
     """Every tensor of the checkpoint in transformers' order."""
     slots = [_Slot("model.embed_tokens.weight", "embed", None, False, (c.vocab_size, c.hidden_size))]
     shapes = c.layer_shapes()
+    mlp_norm = _NORMS[c.sandwich_norms]
     for i in range(c.num_layers):
         for field, suffix, t in _LAYER:
             if field in shapes:
                 shape = shapes[field][::-1] if t else shapes[field]
-                slots.append(_Slot(f"model.layers.{i}.{suffix}", field, i, t, shape))
+                slots.append(_Slot(f"model.layers.{i}.{suffix.format(mlp_norm=mlp_norm)}", field, i, t, shape))
     slots.append(_Slot("model.norm.weight", "norm", None, False, (c.hidden_size,)))
     if with_head:
         slots.append(_Slot("lm_head.weight", "lm_head", None, False, (c.vocab_size, c.hidden_size)))

@@ -1,11 +1,15 @@
 """Hugging Face ``config.json`` <-> :class:`ModelConfig`.
 
+A family's fixed traits (``relax.models.config.FAMILY_TRAITS``: norm style, sandwich and q/k
+norms, embedding scale) come from its ``model_type``; everything else from the file's fields.
+
 Reads both layouts found on the hub (DESIGN.md §4b): transformers 4.x (top-level
 ``rope_theta``, ``rope_scaling`` with ``rope_type`` or the older ``type``, ``torch_dtype``) and
 5.x (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the scaling fields, ``dtype``).
 A field a file leaves out takes the default transformers 5.23 gives it for that family, so
 relax builds the model transformers would build (e.g. an absent ``num_key_value_heads`` is 8 for
-Mistral and 32 for Qwen2/Qwen3; an absent ``head_dim`` is 128 for Qwen3). An explicit
+Mistral and 32 for Qwen2/Qwen3; an absent ``head_dim`` is 128 for Qwen3 and 256 for Gemma 3,
+whose absent ``layer_types`` follow ``sliding_window_pattern``, default 6). An explicit
 ``null`` ``head_dim`` / ``num_key_value_heads`` means ``hidden/heads`` / ``num_attention_heads``.
 
 Every error is an :class:`HFFormatError` naming the file and the field.
@@ -18,7 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from relax.models.config import FAMILIES, ModelConfig, RopeScaling
+from relax.models.config import FAMILIES, FAMILY_TRAITS, ModelConfig, RopeScaling
 
 
 class HFFormatError(ValueError):
@@ -26,10 +30,14 @@ class HFFormatError(ValueError):
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _ARCH_FAMILY = {a: f for f, a in ARCHITECTURES.items()}
 ROPE_TYPES = ("default", "linear", "llama3")
-_ACTIVATIONS = ("silu", "swish")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> relax
+_HF_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+_ACTIVATION_FIELD = {"gemma3_text": "hidden_activation"}  # else "hidden_act"
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+_FIXED_TRAITS = ("norm_weight", "sandwich_norms", "qk_norm", "scale_embeddings")  # by model_type
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _ABSENT = object()
 
@@ -44,6 +52,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   bos_token_id=None, eos_token_id=None),
     "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
                   bos_token_id=None, eos_token_id=None),
+    "gemma3_text": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+                        hidden_act="gelu_pytorch_tanh", sliding_window=4096, query_pre_attn_scalar=256,
+                        rope_theta=1_000_000.0, rope_local_theta=10_000.0),
 }
 _COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                         pad_token_id=None, hidden_act="silu")
@@ -135,12 +147,19 @@ def _rope(r: _Reader, max_pos: int) -> tuple[float, RopeScaling | None]:
         if any(v != values[0] for v in values):
             raise r.fail(field, f"has different RoPE parameters per layer type ({nested}); unsupported")
         p, field = values[0], f"{field}.{nested[0]}"
+    return _rope_params(r, p, field, _COMMON_DEFAULTS["rope_theta"], max_pos)
+
+
+def _rope_params(r: _Reader, p: dict, field: str, default_theta: float, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) of one RoPE parameter object ``p`` (named ``field`` in errors); a
+    theta it lacks is the top-level ``rope_theta``, else ``default_theta``."""
+    d = r.d
     if "rope_theta" in p:
         theta = r.float_("rope_theta", d=p, prefix=field + ".")
     elif d.get("rope_theta") is not None:
         theta = r.float_("rope_theta")
     else:
-        theta = _COMMON_DEFAULTS["rope_theta"]
+        theta = default_theta
     prf = p.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if prf is not None and prf != 1.0:
         raise r.fail("partial_rotary_factor", f"= {prf!r} is not supported (only 1.0)")
@@ -158,6 +177,53 @@ def _rope(r: _Reader, max_pos: int) -> tuple[float, RopeScaling | None]:
             orig = r.int_("original_max_position_embeddings", max_pos, d=p, prefix=field + ".")
         return theta, RopeScaling("llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig)
     raise r.fail(kind_field, f"= {kind!r}: RoPE scaling type not supported; supported: {list(ROPE_TYPES)}")
+
+
+def _gemma_rope(r: _Reader, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, scaling, rope_local_theta) as ``Gemma3TextConfig`` builds them: the
+    ``rope_parameters`` entries ``full_attention`` / ``sliding_attention`` (5.x), the first
+    updated by a top-level ``rope_scaling`` (4.x); a theta they lack is the top-level
+    ``rope_theta`` / ``rope_local_base_freq``, else 1e6 / 1e4. The sliding layers' RoPE is unscaled."""
+    rp = r.get("rope_parameters", None) or {}
+    if not isinstance(rp, dict) or any(k not in ("full_attention", "sliding_attention") for k in rp):
+        raise r.fail("rope_parameters", "must be null or an object of 'full_attention' / 'sliding_attention' "
+                     f"RoPE parameters, got {rp!r}")
+    full, field = dict(rp.get("full_attention") or {}), "rope_parameters.full_attention"
+    scaling = r.get("rope_scaling", None)
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise r.fail("rope_scaling", f"must be an object or null, got {scaling!r}")
+        full, field = {**full, **scaling}, "rope_scaling"
+    theta, scaling = _rope_params(r, full, field, fd["rope_theta"], max_pos)
+    local = rp.get("sliding_attention") or {}
+    local_kind = local.get("rope_type", local.get("type", "default"))
+    if local_kind != "default":
+        raise r.fail("rope_parameters.sliding_attention.rope_type",
+                     f"= {local_kind!r}: the sliding layers' RoPE must be 'default' (unscaled)")
+    if "rope_theta" in local:
+        return theta, scaling, r.float_("rope_theta", d=local, prefix="rope_parameters.sliding_attention.")
+    return theta, scaling, r.float_("rope_local_base_freq", fd["rope_local_theta"])
+
+
+def _gemma_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
+    """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full (default 6)."""
+    layer_types = r.get("layer_types", None)
+    if layer_types is None:
+        n = r.int_("sliding_window_pattern", 6)
+        layer_types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)]
+    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+            or any(t not in _LAYER_TYPES for t in layer_types)):
+        raise r.fail("layer_types", f"must list 'full_attention'/'sliding_attention' for each of "
+                                    f"{num_layers} layers, got {layer_types!r}")
+    return tuple(_LAYER_TYPES[t] for t in layer_types)
+
+
+def _gemma_unsupported(r: _Reader) -> None:
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if r.get(field, None) is not None:
+            raise r.fail(field, f"= {r.d[field]!r}: logit softcapping is not supported (Gemma 3 has none: null)")
+    if r.get("use_bidirectional_attention", None) not in (None, False):
+        raise r.fail("use_bidirectional_attention", "= true is not supported (causal attention only)")
 
 
 def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
@@ -185,6 +251,40 @@ def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
                  "attention layers are not supported")
 
 
+def _activation(r: _Reader, family: str, fd: dict) -> str:
+    field = _ACTIVATION_FIELD.get(family, "hidden_act")
+    act = r.get(field, fd["hidden_act"])
+    if act not in _ACTIVATIONS:
+        raise r.fail(field, f"= {act!r} is not supported; supported: {list(_ACTIVATIONS)}")
+    return _ACTIVATIONS[act]
+
+
+def _family_fields(r: _Reader, family: str, layers: int, max_pos: int, fd: dict) -> dict[str, Any]:
+    """The ModelConfig fields whose HF spelling differs by family: biases, windows, RoPE, and Gemma's."""
+    f: dict[str, Any] = dict(qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None)
+    if family != "gemma3_text":
+        f["rope_theta"], f["rope_scaling"] = _rope(r, max_pos)
+    if family == "llama":
+        f.update(qkv_bias=r.bool_("attention_bias", False), o_bias=r.bool_("attention_bias", False),
+                 mlp_bias=r.bool_("mlp_bias", False))
+    elif family == "mistral":
+        f["sliding_window"] = r.int_("sliding_window", fd["sliding_window"], nullable=True)
+    elif family == "qwen2":
+        f.update(qkv_bias=True, sliding_window=_qwen_window(r, layers, max_pos))
+    elif family == "qwen3":
+        bias = r.bool_("attention_bias", False)
+        f.update(qkv_bias=bias, o_bias=bias, sliding_window=_qwen_window(r, layers, max_pos))
+    else:  # gemma3_text
+        _gemma_unsupported(r)
+        bias = r.bool_("attention_bias", False)
+        theta, scaling, local = _gemma_rope(r, max_pos, fd)
+        f.update(qkv_bias=bias, o_bias=bias, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local,
+                 sliding_window=r.int_("sliding_window", fd["sliding_window"], nullable=True),
+                 layer_types=_gemma_layer_types(r, layers),
+                 query_pre_attn_scalar=r.float_("query_pre_attn_scalar", fd["query_pre_attn_scalar"]))
+    return f
+
+
 def config_from_hf(d: dict, *, source: str) -> ModelConfig:
     """:class:`ModelConfig` from a parsed Hugging Face ``config.json``; ``source`` names it in errors."""
     r = _Reader(d, source)
@@ -192,9 +292,7 @@ def config_from_hf(d: dict, *, source: str) -> ModelConfig:
     fd = {**_COMMON_DEFAULTS, **_FAMILY_DEFAULTS[family]}
     if r.d.get("quantization_config") is not None:
         raise r.fail("quantization_config", "is set: quantized checkpoints are not supported")
-    act = r.get("hidden_act", fd["hidden_act"])
-    if act not in _ACTIVATIONS:
-        raise r.fail("hidden_act", f"= {act!r} is not supported; supported: {list(_ACTIVATIONS)}")
+    act = _activation(r, family, fd)
     vocab, hidden, inter, layers, heads = (r.int_(k) for k in _REQUIRED)
     if heads < 1:
         raise r.fail("num_attention_heads", f"must be >= 1, got {heads}")
@@ -206,32 +304,17 @@ def config_from_hf(d: dict, *, source: str) -> ModelConfig:
     head_dim = r.int_("head_dim", fd["head_dim"], nullable=True)
     head_dim = hidden // heads if head_dim is None else head_dim
     max_pos = r.int_("max_position_embeddings", fd["max_position_embeddings"])
-    theta, scaling = _rope(r, max_pos)
-    qkv_bias = o_bias = mlp_bias = qk_norm = False
-    window = None
-    if family == "llama":
-        qkv_bias = o_bias = r.bool_("attention_bias", False)
-        mlp_bias = r.bool_("mlp_bias", False)
-    elif family == "mistral":
-        window = r.int_("sliding_window", fd["sliding_window"], nullable=True)
-    elif family == "qwen2":
-        qkv_bias = True
-        window = _qwen_window(r, layers, max_pos)
-    else:  # qwen3
-        qkv_bias = o_bias = r.bool_("attention_bias", False)
-        qk_norm = True
-        window = _qwen_window(r, layers, max_pos)
+    traits = {k: FAMILY_TRAITS[family][k] for k in _FIXED_TRAITS}
     try:
         return ModelConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim, family=family,
             max_position_embeddings=max_pos, rms_norm_eps=r.float_("rms_norm_eps", fd["rms_norm_eps"]),
-            rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=r.bool_("tie_word_embeddings", fd["tie_word_embeddings"]),
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm, sliding_window=window,
             bos_token_id=r.token_ids("bos_token_id", fd["bos_token_id"]),
             eos_token_id=r.token_ids("eos_token_id", fd["eos_token_id"]),
-            pad_token_id=r.token_ids("pad_token_id", fd["pad_token_id"]))
+            pad_token_id=r.token_ids("pad_token_id", fd["pad_token_id"]),
+            activation=act, **traits, **_family_fields(r, family, layers, max_pos, fd))
     except HFFormatError:
         raise
     except ValueError as e:  # ModelConfig's own validation, e.g. heads not a multiple of kv heads
@@ -267,8 +350,9 @@ def dtype_name(dtype) -> str:
 
 def _check_expressible(cfg: ModelConfig) -> None:
     fam = cfg.family
-    bad = []
-    if fam in ("llama", "qwen3") and cfg.qkv_bias != cfg.o_bias:
+    bad = [f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})" for k, v in FAMILY_TRAITS[fam].items()
+           if k in _FIXED_TRAITS and getattr(cfg, k) != v]
+    if fam in ("llama", "qwen3", "gemma3_text") and cfg.qkv_bias != cfg.o_bias:
         bad.append(f"qkv_bias={cfg.qkv_bias} with o_bias={cfg.o_bias} ({fam} has one attention_bias)")
     if fam != "llama" and cfg.mlp_bias:
         bad.append("mlp_bias=True")
@@ -278,11 +362,48 @@ def _check_expressible(cfg: ModelConfig) -> None:
         bad.append("attention biases")
     if fam == "qwen2" and (not cfg.qkv_bias or cfg.o_bias):
         bad.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} (qwen2 is always True, False)")
-    if (fam == "qwen3") != cfg.qk_norm:
-        bad.append(f"qk_norm={cfg.qk_norm}")
+    gemma = fam == "gemma3_text"
+    for field in ("layer_types", "rope_local_theta", "query_pre_attn_scalar"):
+        if (getattr(cfg, field) is None) == gemma:
+            bad.append(f"{field}={getattr(cfg, field)!r} ({'required' if gemma else 'gemma3_text only'})")
     if bad:
         raise ValueError(f"ModelConfig(family={fam!r}) cannot be written as a Hugging Face "
                          f"{ARCHITECTURES[fam]}: {'; '.join(bad)}")
+
+
+def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]:
+    """(4.x ``rope_scaling``, 5.x ``rope_parameters``) of one RoPE."""
+    if s is None:
+        return None, {"rope_type": "default", "rope_theta": theta}
+    if s.kind == "linear":
+        scaling = {"rope_type": "linear", "factor": s.factor}
+    else:
+        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                   "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+    return scaling, {**scaling, "rope_theta": theta}
+
+
+def _family_to_hf(cfg: ModelConfig, params: dict) -> dict[str, Any]:
+    """The fields whose HF spelling differs by family (``_family_fields`` read back)."""
+    w = cfg.sliding_window
+    if cfg.family == "llama":
+        return dict(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+    if cfg.family == "mistral":
+        return dict(sliding_window=w)
+    if cfg.family in ("qwen2", "qwen3"):
+        d = dict(use_sliding_window=w is not None, sliding_window=w,
+                 max_window_layers=0 if w is not None else cfg.num_layers,
+                 layer_types=["sliding_attention" if w is not None else "full_attention"] * cfg.num_layers)
+        return {**d, "attention_bias": cfg.qkv_bias} if cfg.family == "qwen3" else d
+    hf_types = {v: k for k, v in _LAYER_TYPES.items()}
+    qpas = cfg.query_pre_attn_scalar
+    return dict(  # gemma3_text
+        attention_bias=cfg.qkv_bias, sliding_window=w, layer_types=[hf_types[t] for t in cfg.layer_types],
+        query_pre_attn_scalar=int(qpas) if float(qpas).is_integer() else qpas,
+        rope_local_base_freq=cfg.rope_local_theta,
+        rope_parameters={"full_attention": params,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+        attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False)
 
 
 def config_to_hf(cfg: ModelConfig, dtype) -> dict:
@@ -290,42 +411,23 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
 
     Writes the 4.x fields (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the 5.x ones
     (``rope_parameters``, ``dtype``) with the same values. ``dtype`` is the parameters' dtype.
+    Gemma 3's per-layer kinds are written as ``layer_types`` (transformers >= 4.53).
     """
     _check_expressible(cfg)
     name = dtype_name(dtype)
-    s = cfg.rope_scaling
-    if s is None:
-        scaling, params = None, {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    elif s.kind == "linear":
-        scaling = {"rope_type": "linear", "factor": s.factor}
-        params = {**scaling, "rope_theta": cfg.rope_theta}
-    else:
-        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                   "high_freq_factor": s.high_freq_factor,
-                   "original_max_position_embeddings": s.original_max_position}
-        params = {**scaling, "rope_theta": cfg.rope_theta}
+    scaling, params = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "head_dim": cfg.head_dim, _ACTIVATION_FIELD.get(cfg.family, "hidden_act"): _HF_ACTIVATION[cfg.activation],
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params,
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos, "pad_token_id": cfg.pad_token_id, "torch_dtype": name, "dtype": name,
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
     }
-    if cfg.family == "llama":
-        d.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
-    elif cfg.family == "mistral":
-        d.update(sliding_window=cfg.sliding_window)
-    else:
-        w = cfg.sliding_window
-        d.update(use_sliding_window=w is not None, sliding_window=w,
-                 max_window_layers=0 if w is not None else cfg.num_layers,
-                 layer_types=["sliding_attention" if w is not None else "full_attention"] * cfg.num_layers)
-        if cfg.family == "qwen3":
-            d.update(attention_bias=cfg.qkv_bias)
+    d.update(_family_to_hf(cfg, params))
     return d

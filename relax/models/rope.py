@@ -1,18 +1,34 @@
-"""Rotary position embeddings (the Hugging Face "rotate half" layout)."""
+"""Rotary position embeddings (the Hugging Face "rotate half" layout), one table per RoPE kind.
+
+A model's layers use one RoPE, or two (Gemma 3): the full-attention layers' (``rope_theta``,
+``rope_scaling``) and the sliding layers' own (``rope_local_theta``, unscaled). ``rotary``
+computes the cos/sin tables of some positions for each kind once; every layer then reads its
+kind's (``layer_rotary``), a select when the layer's kind is a traced scanned flag.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax.models.config import ModelConfig
+from relax.models.layer_kinds import Kind, select
+
+CosSin = tuple[Float[Array, "*b t d"], Float[Array, "*b t d"]]
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """``inv_freq[i] = theta^(-2i/d)`` for ``i < d/2``, then the configured scaling.
+def has_local_rope(config: ModelConfig) -> bool:
+    """Whether the sliding layers rotate with their own RoPE base (and some layer is sliding)."""
+    return config.rope_local_theta is not None and any(config.sliding_layers)
+
+
+def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarray:
+    """``inv_freq[i] = theta^(-2i/d)`` for ``i < d/2``, then the configured scaling. ``local``:
+    the sliding layers' RoPE (``theta = rope_local_theta``, no scaling).
 
     Llama 3 scaling (wavelength ``w = 2*pi/inv_freq``, original context ``C``)::
 
@@ -23,8 +39,9 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     Computed in float32 on the host, as transformers does, so that angles match bit for bit.
     """
     d = config.head_dim
-    inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))).astype(np.float32)
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))).astype(np.float32)
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv
     if scaling.kind == "linear":
@@ -41,11 +58,33 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_angles(inv_freq: np.ndarray, positions: Int[Array, "*b t"]) -> tuple[Float[Array, "*b t d"], Float[Array, "*b t d"]]:
+def rope_angles(inv_freq: np.ndarray, positions: Int[Array, "*b t"]) -> CosSin:
     """cos and sin of ``position * inv_freq``, duplicated to the full head dim (float32)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
+
+
+class Rotary(NamedTuple):
+    """cos/sin tables of the same positions per RoPE kind: ``full`` (every layer of a model with
+    one RoPE) and ``local`` (the sliding layers' own; None when they have none)."""
+
+    full: CosSin
+    local: CosSin | None = None
+
+
+def rotary(config: ModelConfig, positions: Int[Array, "*b t"]) -> Rotary:
+    """The tables of ``positions`` for every RoPE kind the model's layers use."""
+    full = rope_angles(inverse_frequencies(config), positions)
+    if not has_local_rope(config):
+        return Rotary(full)
+    return Rotary(full, rope_angles(inverse_frequencies(config, local=True), positions))
+
+
+def layer_rotary(tables: Rotary, sliding: Kind) -> CosSin:
+    """The tables of a layer of kind ``sliding`` (a Python bool, or a traced flag scanned with
+    the layers: then a select of the two tables)."""
+    return tables.full if tables.local is None else select(sliding, tables.local, tables.full)
 
 
 def apply_rope(x: Float[Array, "*b t h d"], cos: Float[Array, "*b t d"], sin: Float[Array, "*b t d"]) -> Float[Array, "*b t h d"]:

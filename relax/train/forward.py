@@ -17,6 +17,10 @@ groups; fastest on CPU) and ``"dense"`` (``relax.models.dense_attention``: one f
 attention per completion over [prompt; completion], cuDNN's flash attention on GPU, 5x the
 group kernel there). ``"auto"`` takes ``"dense"`` where cuDNN can run it (GPU, 16-bit dtype, no
 sliding window) and ``"group"`` elsewhere.
+
+The layers run as one ``lax.scan``; where their kinds differ (Gemma 3's sliding and full layers)
+the kinds are scanned with them and each layer picks its window and RoPE tables
+(``relax.models.layer_kinds``).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from relax.models.config import ModelConfig
 from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
 from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
-from relax.models.rope import inverse_frequencies, rope_angles
-from relax.models.transformer import (Transformer, embed, full_attention, layer_forward, positions_from_mask,
-                                      rms_norm)
+from relax.models.layer_kinds import layer_kind, layer_window, scanned_kinds
+from relax.models.rope import Rotary, rotary
+from relax.models.transformer import (Transformer, embed, final_norm, full_attention, layer_forward,
+                                      positions_from_mask)
 from relax.parallel import ambient_batch_shards
 
 
@@ -49,19 +54,23 @@ def resolve_attention(choice: str, model: Transformer) -> str:
     """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window), else ``"group"``."""
     if choice not in TRAIN_ATTENTION:
         raise ValueError(f"unknown train attention {choice!r}; valid: {', '.join(TRAIN_ATTENTION)}")
-    window = model.config.sliding_window
+    c = model.config
     if choice == "auto":
-        return "dense" if window is None and fused_attention_available(model.dtype) else "group"
-    if choice == "dense" and window is not None:
-        raise ValueError(f"train attention 'dense' has no sliding window (the model's is {window}); use 'group'")
+        return "dense" if not c.has_window and fused_attention_available(model.dtype) else "group"
+    if choice == "dense" and c.has_window:
+        raise ValueError(f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
+                         "use 'group'")
     return choice
 
 
 class CompletionRope(NamedTuple):
-    """Rotary ``(cos, sin)`` tables of a batch's prompt positions and completion positions."""
+    """Rotary ``(cos, sin)`` tables of a batch's prompt positions and completion positions; the
+    ``*_local`` ones are the sliding layers' own RoPE (None for a model with one RoPE)."""
 
     prompt: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]]
     completion: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]]
+    prompt_local: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]] | None = None
+    completion_local: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]] | None = None
 
 
 def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_generations: int,
@@ -74,9 +83,9 @@ def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_ge
     and, with the layer loop unrolled, recomputes them per head and per layer (rotary fusions
     ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
     """
-    inv = inverse_frequencies(config)
     c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
-    return CompletionRope(rope_angles(inv, positions_from_mask(prompt_mask)), rope_angles(inv, c_pos))
+    prompt, completion = rotary(config, positions_from_mask(prompt_mask)), rotary(config, c_pos)
+    return CompletionRope(prompt.full, completion.full, prompt.local, completion.local)
 
 
 def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> Int[Array, "p g n"]:
@@ -93,7 +102,6 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     _, g, n = completions.shape
     b = p * g
     hk, r = c.num_kv_heads, c.q_per_kv
-    window = c.sliding_window
 
     p_valid = prompt_mask.astype(bool)
     p_pos = positions_from_mask(prompt_mask)
@@ -102,8 +110,8 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     c_valid = completion_mask.reshape(b, n).astype(bool)
     if rope is None:
         rope = completion_rope(c, prompt_mask, g, n)
-    p_rope = rope.prompt
-    c_rope = tuple(x.reshape(b, n, x.shape[-1]) for x in rope.completion)
+    p_rope = Rotary(rope.prompt, rope.prompt_local)
+    c_rope = jax.tree.map(lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local))
     prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
 
     # one group per loop step on one device; one local group per device per step on a mesh
@@ -117,31 +125,34 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
 
     def completion_attend(pk, pv):
         if attention == "dense":
-            return lambda q, k, v, _: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl), None)
+            return lambda q, k, v, _, __: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl,
+                                                                  scale=c.attn_scale), None)
 
-        def attend(q, k, v, _):
+        def attend(q, k, v, _, sliding):
             d = q.shape[-1]
             group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
             qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
             out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
-                                         window=window, groups_per_step=per_step,
+                                         window=layer_window(c, sliding), scale=c.attn_scale,
+                                         groups_per_step=per_step,
                                          save_probabilities=save_attention)
             out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
             return out.astype(q.dtype), None
         return attend
 
-    def body(carry, layer):
+    def body(carry, xs):
         xp, xc = carry
-        xp, (pk, pv) = layer_forward(model, layer, xp, *p_rope, prompt_attend, None)
-        xc, _ = layer_forward(model, layer, xc, *c_rope, completion_attend(pk, pv), None)
+        layer, sliding = xs[0], layer_kind(c, xs[1])
+        xp, (pk, pv) = layer_forward(model, layer, xp, p_rope, prompt_attend, None, sliding)
+        xc, _ = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding)
         return (xp, xc), None
 
     if remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
     xc0 = embed(model, completions.reshape(b, n))
-    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), model.layers, unroll=unroll)
-    eps = c.rms_norm_eps
-    return rms_norm(xp, model.norm, eps), rms_norm(xc, model.norm, eps)
+    xs = (model.layers, scanned_kinds(c))
+    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), xs, unroll=unroll)
+    return final_norm(model, xp), final_norm(model, xc)
 
 
 def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
