@@ -278,8 +278,9 @@ def test_model_directory_with_tokenizer_json_trains_and_exports_for_transformers
     summary = _load_example().main([
         "--model", str(d), "--data", str(tmp_path / "train.jsonl"), "--run-dir", str(run_dir), "--steps", "1",
         "--batch-size", "4", "--max-prompt-tokens", "64", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
-        "--reward", "numeric_match", "--eval-fraction", "0.25", "--eval.num-samples", "1"])
+        "--reward", "numeric_match", "--eval-fraction", "0.25", "--eval.num-samples", "1", "--export-every", "1"])
     assert summary["steps"] == 1
+    assert load_tokenizer(run_dir / "hf" / "step-1").encode("a b") == tok.encode("a b")  # exported on request
     export = run_dir / "final_hf"
     hf_tok = transformers.AutoTokenizer.from_pretrained(export)
     ours = load_tokenizer(export)

@@ -94,6 +94,9 @@ class RunConfig:
     eval_only: bool = False
     """Evaluate the model (or the latest checkpoint with --resume) and exit."""
     export_hf: bool = True
+    """Export the final policy as a Hugging Face directory (run_dir/final_hf)."""
+    export_every: int = 0
+    """Also export the policy every N steps to run_dir/hf/step-N (0: never)."""
     task: reverse.ReverseTask = reverse.ReverseTask()
     health: HealthConfig = HealthConfig()
     """When to stop on non-finite values and warn of a collapse (``relax.train.health``)."""
@@ -111,6 +114,8 @@ class RunConfig:
                 raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
         if self.resume_fallback and not self.resume:
             raise ValueError("--resume-fallback needs --resume")
+        if self.export_every < 0:
+            raise ValueError(f"--export-every must be >= 0, got {self.export_every}")
         if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
             raise ValueError("--steps >= 0, --batch-size >= 1 and --checkpoint-every >= 1 are required")
 
@@ -178,6 +183,20 @@ def _on_host(enabled: bool):
     return contextlib.nullcontext()
 
 
+def _exporter(tokenizer: TextTokenizer):
+    """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
+    files and chat template, a directory ``transformers`` loads (collective: every process calls it)."""
+
+    def export(policy, directory: Path) -> Path:
+        policy = _host_policy(policy)
+        if is_main_process():
+            save_pretrained(policy, directory)
+            tokenizer.save_pretrained(directory)
+        return directory
+
+    return export
+
+
 def _host_policy(policy):
     """The policy as host arrays on every process (gathered from all processes' shards)."""
     if jax.process_count() == 1:
@@ -234,9 +253,10 @@ def _iteration(cfg: RunConfig, step_fn, state, batch) -> tuple[object, dict, dic
 
 
 def _train(cfg: RunConfig, step_fn, state, start: int, iterator, ckpt: Checkpointer, logger: MetricsLogger,
-           monitor: HealthMonitor, run_eval):
-    """Iterations ``start .. cfg.steps``: log, check health, evaluate, checkpoint; on SIGTERM save
-    and raise ``Preempted``. Returns the final state (its last step checkpointed)."""
+           monitor: HealthMonitor, run_eval, export):
+    """Iterations ``start .. cfg.steps``: log, check health, evaluate, checkpoint, export (every
+    ``cfg.export_every``); on SIGTERM save and raise ``Preempted``. Returns the final state (its
+    last step checkpointed)."""
     last_saved = None
     with PreemptionGuard() as guard, ProgressBar(total=cfg.steps, initial=start, keys=BAR_KEYS, desc="grpo") as bar:
         for step in range(start, cfg.steps):
@@ -248,6 +268,8 @@ def _train(cfg: RunConfig, step_fn, state, start: int, iterator, ckpt: Checkpoin
                 run_eval(state.policy, step + 1)
             if ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg):
                 last_saved = step + 1
+            if cfg.export_every and (step + 1) % cfg.export_every == 0:
+                export(state.policy, Path(cfg.run_dir) / "hf" / f"step-{step + 1}")
             if guard.requested:
                 if last_saved != step + 1:
                     ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg, force=True)
@@ -307,7 +329,8 @@ def _evaluator(cfg: RunConfig, eval_batch, reward_fns, decode, eos_ids, pad_id: 
     return run_eval
 
 
-def _resume_and_train(cfg: RunConfig, run_dir: Path, step_fn, state, iterator, run_eval, log) -> tuple[object, dict]:
+def _resume_and_train(cfg: RunConfig, run_dir: Path, step_fn, state, iterator, run_eval, export,
+                      log) -> tuple[object, dict]:
     """Restore (``--resume``), evaluate "before", train, evaluate "after": ``(state, summary)``.
     Pending checkpoint saves complete whatever happens (success, error, Ctrl-C, SIGTERM)."""
     if not (cfg.resume or cfg.eval_only):
@@ -335,7 +358,7 @@ def _resume_and_train(cfg: RunConfig, run_dir: Path, step_fn, state, iterator, r
             monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(state.policy),
                                     vocab_size=state.policy.config.vocab_size, warn=log)
             evaluate_at = lambda policy, step: run_eval(policy, step, logger)  # noqa: E731
-            state = _train(cfg, step_fn, state, start, iterator, ckpt, logger, monitor, evaluate_at)
+            state = _train(cfg, step_fn, state, start, iterator, ckpt, logger, monitor, evaluate_at, export)
             summary["after"] = run_eval(state.policy, cfg.steps, logger)
             write_summary(run_dir, summary)
     finally:
@@ -376,17 +399,13 @@ def run(cfg: RunConfig) -> dict:
         del model
     run_eval = _evaluator(cfg, eval_batch, reward_fns, decode, eos_ids, tokenizer.pad_token_id, log)
     iterator = prompt_iterator(data_cfg, tokenizer, splits=splits)
-    state, summary = _resume_and_train(cfg, run_dir, step_fn, state, iterator, run_eval, log)
+    export = _exporter(tokenizer)
+    state, summary = _resume_and_train(cfg, run_dir, step_fn, state, iterator, run_eval, export, log)
     if cfg.eval_only:
         write_summary(run_dir, summary)
         return summary
     if cfg.export_hf:
-        export = run_dir / "final_hf"
-        policy = _host_policy(state.policy)  # collective: every process takes part
-        if is_main_process():
-            save_pretrained(policy, export)
-            tokenizer.save_pretrained(export)
-        summary["export"] = str(export)
+        summary["export"] = str(export(state.policy, run_dir / "final_hf"))
     summary.update(steps=cfg.steps, run_time_s=time.perf_counter() - t_start,
                    skipped_updates=int(skipped_updates(state.opt_state)))
     write_summary(run_dir, summary)

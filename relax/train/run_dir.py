@@ -26,7 +26,7 @@ import jax
 from relax.checkpoint import CheckpointCorruptError, Checkpointer
 from relax.logging import SUMMARY_FILE, is_main_process
 
-OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf")
+OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf", "hf")
 CHECKPOINTS = "checkpoints"
 DAMAGED = "damaged_checkpoints"
 
