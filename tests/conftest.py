@@ -1,3 +1,4 @@
+import functools
 import os
 import tempfile
 
@@ -10,6 +11,7 @@ if os.environ.get("RELAX_TEST_XLA_OPT") != "1":
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def use_compile_cache() -> None:
@@ -23,3 +25,19 @@ def use_compile_cache() -> None:
 
 
 use_compile_cache()
+
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Tokenizer directories in the styles of the major model families (``text_fixtures``)."""
+    from text_fixtures import STYLES, make_model_dir
+    root = tmp_path_factory.mktemp("models")
+    return {style: make_model_dir(root, style) for style in STYLES}
+
+
+@pytest.fixture(scope="module")
+def auto():
+    """``auto(directory)``: transformers' AutoTokenizer for it (cached); skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    return functools.lru_cache(maxsize=None)(lambda d: transformers.AutoTokenizer.from_pretrained(d))

@@ -7,7 +7,6 @@ chat_template.jinja) and Hermes-2-Pro (named templates, "tool_use" picked when t
 """
 
 import dataclasses
-import functools
 from datetime import datetime
 
 import jinja2
@@ -16,23 +15,10 @@ import pytest
 
 from relax.text import NoChatTemplateError, load_tokenizer, render_chat
 from relax.text.chat_template import select_template
-from text_fixtures import (MULTI_TURN, STYLES, TOOL_CALLS, USER_ONLY, WEATHER_TOOL, WITH_SYSTEM,
-                                make_model_dir)
+from text_fixtures import MULTI_TURN, STYLES, TOOL_CALLS, USER_ONLY, WEATHER_TOOL, WITH_SYSTEM
 
 DATE = {"date_string": "26 Jul 2024"}
 NO_SYSTEM = ("mistral", "gemma")  # their templates raise on a system message and ignore tools
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {style: make_model_dir(root, style) for style in STYLES}
-
-
-@pytest.fixture(scope="module")
-def auto():
-    transformers = pytest.importorskip("transformers")
-    return functools.lru_cache(maxsize=None)(lambda d: transformers.AutoTokenizer.from_pretrained(d))
 
 
 def _cases(style):

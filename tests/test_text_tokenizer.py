@@ -5,7 +5,6 @@ built in-test (tests/text_fixtures.py). Tests marked ``parity`` compare token fo
 ``transformers.AutoTokenizer`` and are skipped without it; the others check relax's own rules.
 """
 
-import functools
 import json
 import pickle
 
@@ -15,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from relax.text import (HFTokenizer, SentencePieceTokenizer, TokenizerFormatError,
                         load_tokenizer)
 from relax.tokenizer import train_sentencepiece
-from text_fixtures import CORPUS, STYLES, USER_ONLY, MULTI_TURN, make_model_dir
+from text_fixtures import CORPUS, MULTI_TURN, STYLES, USER_ONLY
 
 TEXTS = [
     "Hello world!", "  leading and trailing  ", "tabs\tand\nnewlines\n\n\n", "Ünïcödé café naïve 日本語 😀",
@@ -23,19 +22,6 @@ TEXTS = [
     "a <|eot_id|>b<|begin_of_text|> c", "<bos><start_of_turn>model\n<mask> x<start_of_image>", "xyzq ~~ QQQ ''s n't",
     "<think>\nhmm\n</think>\n\n", "<|image_pad|><|endoftext|>",
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {style: make_model_dir(root, style) for style in STYLES}
-
-
-@pytest.fixture(scope="module")
-def auto():
-    """``auto(directory)``: transformers' AutoTokenizer for it (cached); skips without transformers."""
-    transformers = pytest.importorskip("transformers")
-    return functools.lru_cache(maxsize=None)(lambda d: transformers.AutoTokenizer.from_pretrained(d))
 
 
 @pytest.fixture(scope="module")
