@@ -140,6 +140,13 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (a no-op on one process)."""
+    if multi_process():
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 def is_global(x: Any) -> bool:
     """True for a jax.Array laid out over the run's devices (on several processes, one that is not
     fully addressable); host values and single-process arrays are "local"."""

@@ -52,10 +52,15 @@ class HealthConfig:
             raise ValueError(f"collapse_tolerance must be in [0, 1), got {self.collapse_tolerance}")
 
 
+def _first(bad: list[Array]) -> Int[Array, ""]:
+    """Index of the first True of ``bad`` (bool scalars); -1 if none."""
+    bad = jnp.stack(bad)
+    return jnp.where(jnp.any(bad), jnp.argmax(bad), -1)
+
+
 def first_nonfinite_leaf(tree) -> Int[Array, ""]:
     """Index of the first leaf (``jax.tree.leaves`` order) holding a non-finite value; -1 if none."""
-    bad = jnp.stack([~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
-    return jnp.where(jnp.any(bad), jnp.argmax(bad), -1)
+    return _first([~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
 
 
 def first_nonfinite(batch: Mapping[str, Array], loss: Array) -> Int[Array, ""]:
@@ -71,8 +76,7 @@ def first_nonfinite(batch: Mapping[str, Array], loss: Array) -> Int[Array, ""]:
                          else jnp.bool_(True)),
         "loss": jnp.isfinite(loss),
     }
-    bad = ~jnp.stack([checks[q] for q in QUANTITIES])
-    return jnp.where(jnp.any(bad), jnp.argmax(bad), -1)
+    return _first([~checks[q] for q in QUANTITIES])
 
 
 def leaf_names(tree) -> list[str]:

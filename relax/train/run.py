@@ -258,6 +258,16 @@ def _train(cfg: RunConfig, step_fn, state, start: int, iterator, ckpt: Checkpoin
     ``cfg.export_every``); on SIGTERM save and raise ``Preempted``. Returns the final state (its
     last step checkpointed)."""
     last_saved = None
+
+    def save(step: int, force: bool = False) -> bool:
+        return ckpt.save(step, state, data_state=iterator.get_state(), config=cfg, force=force)
+
+    def saved_and_written(step: int) -> None:
+        """``step`` checkpointed (forced unless it already is) and the save committed."""
+        if last_saved != step and ckpt.latest_step() != step:
+            save(step, force=True)
+        ckpt.wait()
+
     with PreemptionGuard() as guard, ProgressBar(total=cfg.steps, initial=start, keys=BAR_KEYS, desc="grpo") as bar:
         for step in range(start, cfg.steps):
             state, metrics, health = _iteration(cfg, step_fn, state, _batch(cfg, next(iterator)))
@@ -266,19 +276,15 @@ def _train(cfg: RunConfig, step_fn, state, start: int, iterator, ckpt: Checkpoin
             monitor.check(step + 1, metrics, health)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 run_eval(state.policy, step + 1)
-            if ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg):
+            if save(step + 1):
                 last_saved = step + 1
             if cfg.export_every and (step + 1) % cfg.export_every == 0:
                 export(state.policy, Path(cfg.run_dir) / "hf" / f"step-{step + 1}")
             if guard.requested:
-                if last_saved != step + 1:
-                    ckpt.save(step + 1, state, data_state=iterator.get_state(), config=cfg, force=True)
-                ckpt.wait()
+                saved_and_written(step + 1)
                 raise Preempted(f"SIGTERM: stopped after step {step + 1}, saved as checkpoint {step + 1} in "
                                 f"{ckpt.directory}; continue with --resume")
-    if last_saved != cfg.steps and ckpt.latest_step() != cfg.steps:
-        ckpt.save(cfg.steps, state, data_state=iterator.get_state(), config=cfg, force=True)
-    ckpt.wait()
+    saved_and_written(cfg.steps)
     return state
 
 

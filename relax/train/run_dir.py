@@ -21,20 +21,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
-
+from relax import distributed
 from relax.checkpoint import CheckpointCorruptError, Checkpointer
 from relax.logging import SUMMARY_FILE, is_main_process
 
 OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf", "hf")
 CHECKPOINTS = "checkpoints"
 DAMAGED = "damaged_checkpoints"
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
 
 
 def set_aside_earlier_run(run_dir: Path, log: Callable[[str], None]) -> Path | None:
@@ -52,7 +45,7 @@ def set_aside_earlier_run(run_dir: Path, log: Callable[[str], None]) -> Path | N
             shutil.move(str(run_dir / name), str(dest / name))
         log(f"{run_dir} held an earlier run ({', '.join(present)}): moved to {dest} "
             "(pass --resume to continue a run instead)")
-    _barrier("relax-set-aside-earlier-run")
+    distributed.barrier("relax-set-aside-earlier-run")
     return dest
 
 
