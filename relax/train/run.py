@@ -158,7 +158,7 @@ def _builtin_setup(cfg: RunConfig, run_dir: Path, log):
 
 def _decoder(tokenizer: TextTokenizer):
     def decode(tokens: np.ndarray, mask: np.ndarray) -> list[str]:
-        return [tokenizer.decode(row[m > 0], skip_special_tokens=True).strip() for row, m in zip(tokens, mask)]
+        return [text.strip() for text in tokenizer.decode_batch(tokens, mask, skip_special_tokens=True)]
     return decode
 
 
