@@ -34,10 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import datasheet, emit, group_attention_inputs, measure  # noqa: E402
 
 from relax.models import ModelConfig, cast, init  # noqa: E402
-from relax.rollout import RolloutConfig, compiled_generate  # noqa: E402
-from relax.sampling import SamplingConfig  # noqa: E402
-from relax.train.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from relax.train.update import make_update  # noqa: E402
+from relax.rollout.sampler import RolloutConfig, compiled_generate  # noqa: E402
+from relax.rollout.sampling import SamplingConfig  # noqa: E402
+from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
+from relax.train.optimizer import OptimizerConfig  # noqa: E402
+from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
+from relax.passes import choose_passes  # noqa: E402
 
 SMALL = "--small" in sys.argv
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
@@ -92,7 +94,7 @@ def bench_update(model, p, g, lp, n, peak_flops, remat_policy):
                      optimizer=OptimizerConfig(learning_rate=1e-6))
     opt = cfg.optimizer.make()
     data = update_inputs(c, p, g, lp, n)
-    update = jax.jit(make_update(cfg, opt))
+    update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
     opt_state = opt.init(model)
     t = timed(lambda: update(model, opt_state, data, jax.random.key(0)), runs=3)
     tokens = p * lp + p * g * n
@@ -137,7 +139,7 @@ def check_dense_accuracy():
         err = max |log p_bf16 - log p_f32|,   grad_err = |grad_bf16 - grad_f32| / |grad_f32|
     """
     import numpy as np
-    from relax.train.forward import completion_logprobs
+    from relax.models.prefix_shared import completion_logprobs
     cfg = ModelConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
                       num_kv_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
     m32 = init(cfg, jax.random.key(0))

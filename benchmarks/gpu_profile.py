@@ -29,10 +29,12 @@ from gpu import LLAMA_1B, TINY, update_inputs  # noqa: E402
 from harness import emit  # noqa: E402
 
 from relax.models import cast, init  # noqa: E402
-from relax.rollout import RolloutConfig, compiled_generate  # noqa: E402
-from relax.sampling import SamplingConfig  # noqa: E402
-from relax.train.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from relax.train.update import make_update  # noqa: E402
+from relax.rollout.sampler import RolloutConfig, compiled_generate  # noqa: E402
+from relax.rollout.sampling import SamplingConfig  # noqa: E402
+from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
+from relax.train.optimizer import OptimizerConfig  # noqa: E402
+from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
+from relax.passes import choose_passes  # noqa: E402
 
 
 def category(kernel: str) -> str:
@@ -96,7 +98,7 @@ def main():
         gcfg = GRPOConfig(num_generations=g, max_new_tokens=n, remat=True, remat_policy=policy,
                           optimizer=OptimizerConfig(learning_rate=1e-6))
         opt = gcfg.optimizer.make()
-        update, opt_state, data = jax.jit(make_update(gcfg, opt)), opt.init(model), update_inputs(cfg, p, g, lp, n)
+        update, opt_state, data = jax.jit(make_grpo_update(gcfg, opt, choose_passes())), opt.init(model), update_inputs(cfg, p, g, lp, n)
         profile(f"update_remat_{policy}", lambda: update(model, opt_state, data, jax.random.key(0)))
     if "decode" in what:
         ids = jax.random.randint(jax.random.key(1), (8, 128), 0, cfg.vocab_size)

@@ -39,8 +39,10 @@ import harness  # noqa: E402
 
 from relax import parallel  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
-from relax.train.config import OptimizerConfig, preset  # noqa: E402
-from relax.train.grpo import make_grpo_step  # noqa: E402
+from relax.algorithms.grpo.config import preset  # noqa: E402
+from relax.train.optimizer import OptimizerConfig  # noqa: E402
+from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
+from relax.passes import choose_passes  # noqa: E402
 from relax.train.state import init_state  # noqa: E402
 
 CASES = ("f32", "remat", "bf16", "bf16_master", "offload_ref")
@@ -108,7 +110,8 @@ def child(args: Args, case: str, phase: str) -> dict:
     mesh = parallel.make_mesh("fsdp=-1", jax.local_devices())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = parallel.ShardedStep(make_grpo_step(cfg, opt, [_reward], _decode, eos_ids=(), pad_id=0), state, mesh,
+        passes = choose_passes(batch_shards=parallel.batch_shards(mesh))
+        step = parallel.ShardedStep(make_grpo_step(cfg, [_reward], _decode, eos_ids=(), pad_id=0, passes=passes), state, mesh,
                                     offload_reference=case == "offload_ref")
     state = step.place(state)
     ids = jax.random.randint(jax.random.key(2), (args.prompts, args.prompt_len), 0, mcfg.vocab_size)

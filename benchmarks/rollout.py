@@ -9,10 +9,10 @@ runs the whole budget):
 
 Modes:
 
-  prefix   ``relax.rollout.compiled_generate(RolloutConfig(num_generations=G, ...))``: each
+  prefix   ``relax.rollout.sampler.compiled_generate(RolloutConfig(num_generations=G, ...))``: each
            prompt prefilled once, its KV stored once and shared by its G completions
   repeat   the same sampler on the prompts repeated G times with ``num_generations=1``
-  nocache  ``relax.rollout_naive``: a full forward over the whole buffer per new token. It is
+  nocache  ``relax.rollout.naive``: a full forward over the whole buffer per new token. It is
            quadratic, so it runs ``--nocache-tokens`` new tokens and the time is scaled to N
            by the ratio of executed weight-matmul FLOPs (``extrapolated_from_new_tokens``).
 
@@ -83,7 +83,9 @@ def matmul_flops(cfg, mode: str, P: int, G: int, Lp: int, N: int) -> float:
 
 
 def run_one(case: str, mode: str, args: Args) -> dict:
-    from relax import models, rollout, rollout_naive
+    from relax import models
+    from relax.rollout import sampler as rollout
+    from relax.rollout import naive as rollout_naive
 
     c = CASES[case]
     P, Lp, G, N = c["P"], c["Lp"], c["G"], c["N"]

@@ -54,7 +54,8 @@ class Args:
 
 
 def main(args: Args) -> None:
-    from relax import models, rollout
+    from relax import models
+    from relax.rollout import sampler as rollout
 
     cfg = models.small_config()
     model = models.init(cfg, jax.random.key(0))

@@ -6,7 +6,7 @@
     python examples/train_grpo.py ... --parallel.mesh data=2,fsdp=4   # sharded over 8 devices
     python examples/train_grpo.py ... --parallel.multihost            # every host of a TPU slice / SLURM job
 
-Every field of ``relax.train.run.RunConfig`` (and the nested ``--grpo.*``, ``--eval.*``,
+Every field of ``relax.algorithms.grpo.run.GRPORunConfig`` (and the nested ``--grpo.*``, ``--eval.*``,
 ``--health.*`` and ``--task.*`` options) is a flag; ``--help`` lists them. ``--preset`` picks the algorithm whose
 values the ``--grpo.*`` flags then override.
 """
@@ -19,7 +19,7 @@ import sys
 import tyro
 
 from relax.train.preemption import Preempted
-from relax.train.run import RunConfig, builtin_defaults, real_defaults, run
+from relax.algorithms.grpo.run import GRPORunConfig, builtin_defaults, real_defaults, run
 
 
 def _preset_from_argv(argv: list[str]) -> str:
@@ -31,13 +31,13 @@ def _preset_from_argv(argv: list[str]) -> str:
     return "grpo"
 
 
-def parse_args(argv: list[str]) -> RunConfig:
+def parse_args(argv: list[str]) -> GRPORunConfig:
     """Flags -> config. Defaults depend on the mode (the built-in task is tiny) and on the preset;
     flags override them."""
     uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
     name = _preset_from_argv(argv)
     defaults = real_defaults(name) if uses_model else builtin_defaults(name)
-    return tyro.cli(RunConfig, default=defaults, args=argv, description=__doc__)
+    return tyro.cli(GRPORunConfig, default=defaults, args=argv, description=__doc__)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -3,9 +3,9 @@
 from relax.compose import Stage, compose, stage
 from relax.models import ModelConfig, Transformer
 from relax.models.hf import load_pretrained, save_pretrained
-from relax.rollout import Rollout, generate
+from relax.rollout.sampler import Rollout, generate
 from relax.text import load_tokenizer
-from relax.tokenizer import Tokenizer
+from relax.text.sentencepiece_model import Tokenizer
 
 __version__ = "0.1.0"
 

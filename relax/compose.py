@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 StageFn = Callable[[Any, Any], tuple[Any, Any]]
+PLACEMENTS = ("trainer", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,14 @@ class Stage(SegmentRunner):
     name: str | None = None
     donate_state: bool = True
     updates_state: bool = True
+    placement: str = "trainer"
+    reads_reference: bool = False
     parts: tuple[Stage, ...] = ()
     segments: tuple[Segment, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"stage {self.name}: placement {self.placement!r} is not one of {PLACEMENTS}")
         object.__setattr__(self, "segments", _plan(self.parts if self.parts else (self,)))
 
     @property
@@ -94,7 +99,7 @@ class Stage(SegmentRunner):
 
 def stage(
     fn: StageFn | None = None, *, jit: bool = True, name: str | None = None, donate_state: bool = True,
-    updates_state: bool = True,
+    updates_state: bool = True, placement: str = "trainer", reads_reference: bool = False,
 ) -> Stage | Callable[[StageFn], Stage]:
     """Wrap ``fn(state, batch) -> (state, batch)`` as a ``Stage``; usable as ``@stage(jit=False)``.
 
@@ -102,15 +107,20 @@ def stage(
     have side effects). ``name`` defaults to ``fn.__name__``. ``donate_state`` allows a jitted
     program containing this stage to donate its input state. ``updates_state=False``: ``fn``
     returns the state it was given, unchanged (checked when traced; module docstring).
+    Where a runner with several meshes puts it (``relax.parallel.ShardedStep``): ``placement``
+    ("sampler": the rollout's devices, "trainer": the rest) and ``reads_reference`` (it reads
+    ``state.ref``, which an offloading runner brings onto the devices for it).
     """
     if fn is None:
-        return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state, updates_state=updates_state)
+        return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state, updates_state=updates_state,
+                               placement=placement, reads_reference=reads_reference)
     if isinstance(fn, Stage):
         raise TypeError("fn is already a Stage; compose it, or wrap its .fn")
     if not callable(fn):
         raise TypeError(f"stage fn must be callable, got {type(fn).__name__}")
     label = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
-    return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state, updates_state=updates_state)
+    return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state, updates_state=updates_state,
+                 placement=placement, reads_reference=reads_reference)
 
 
 def compose(*stages: Stage, name: str | None = None) -> Stage:
@@ -132,6 +142,7 @@ def compose(*stages: Stage, name: str | None = None) -> Stage:
         name=name if name is not None else "+".join(s.name for s in leaves),
         donate_state=all(s.donate_state for s in leaves),
         updates_state=any(s.updates_state for s in leaves),
+        reads_reference=any(s.reads_reference for s in leaves),
         parts=leaves,
     )
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax import advantages as A
+from relax.objectives import advantages as A
 
 # Everything runs jitted (one compile per function and shape; eager op-by-op dispatch is slower here).
 class adv:

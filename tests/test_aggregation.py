@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.losses import aggregation as agg
+from relax.objectives import aggregation as agg
 
 aggregate = jax.jit(agg.aggregate, static_argnames="mode")
 N, T = 8, 6

@@ -1,4 +1,4 @@
-"""relax.checkpoint: bit-exact round trips, retention, save cadence, crash safety, clear errors,
+"""relax.train.checkpoint: bit-exact round trips, retention, save cadence, crash safety, clear errors,
 integrity records (corruption caught on restore; the fingerprint itself: tests/test_fingerprint.py),
 fallback to the newest intact checkpoint and quarantine."""
 
@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import relax.models as rm
-from relax.checkpoint import Checkpointer, CheckpointCorruptError, UnverifiedCheckpointWarning
+from relax.train.checkpoint import Checkpointer, CheckpointCorruptError, UnverifiedCheckpointWarning
 
 CFG = rm.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
                      num_heads=2, num_kv_heads=1, head_dim=8)
@@ -179,7 +179,7 @@ _CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
     import jax, numpy as np
     from orbax.checkpoint._src.path import atomicity
-    from relax.checkpoint import Checkpointer
+    from relax.train.checkpoint import Checkpointer
 
     directory = sys.argv[1]
     ckpt = Checkpointer(directory)

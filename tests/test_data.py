@@ -1,4 +1,4 @@
-"""Tests for relax.data: small jsonl / parquet files in tmp_path and a tiny sentencepiece model."""
+"""Tests for relax.data.prompts: small jsonl / parquet files in tmp_path and a tiny sentencepiece model."""
 
 import dataclasses
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-import relax.data_files as data_files
-from relax.data import (
+import relax.data.files as data_files
+from relax.data.prompts import (
     DataConfig,
     Record,
     eval_records,
@@ -20,7 +20,7 @@ from relax.data import (
     train_eval_split,
 )
 from relax.text import load_tokenizer
-from relax.tokenizer import train_sentencepiece
+from relax.text.sentencepiece_model import train_sentencepiece
 from text_fixtures import make_model_dir
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from relax.models import ModelConfig, cast, init
 from relax.models.dense_attention import prefix_dense_attention
-from relax.train.forward import completion_logprobs
+from relax.models.prefix_shared import completion_logprobs
 from tests.test_group_attention import D, G, HK, M_R, N, P, _inputs, _numpy_attention, _plain
 
 B = P * G
@@ -87,8 +87,8 @@ def test_trainer_logprobs_and_gradients_agree_between_implementations():
 
 
 def test_auto_takes_the_fused_kernel_only_where_it_runs():
-    from relax.train.config import GRPOConfig
-    from relax.train.forward import resolve_attention
+    from relax.algorithms.grpo.config import GRPOConfig
+    from relax.models.prefix_shared import resolve_attention
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                 head_dim=8, max_position_embeddings=64)
     windowed = init(ModelConfig(**base, sliding_window=4), jax.random.key(0))

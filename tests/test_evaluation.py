@@ -4,7 +4,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from relax.evaluation import default_ks, pass_at_k, summarize
+from relax.eval.passk import default_ks, pass_at_k, summarize
 
 NAN = np.nan
 

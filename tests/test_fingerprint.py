@@ -1,4 +1,4 @@
-"""relax.fingerprint: the per-leaf checksum against an independent numpy computation, the same
+"""relax.train.fingerprint: the per-leaf checksum against an independent numpy computation, the same
 on any sharding, computed without retracing on every checkpoint save."""
 
 import json
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.checkpoint import Checkpointer
-from relax.fingerprint import fingerprint
+from relax.train.checkpoint import Checkpointer
+from relax.train.fingerprint import fingerprint
 
 
 def _np_fingerprint(words: np.ndarray) -> list[int]:
@@ -67,7 +67,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from relax.fingerprint import fingerprint
+    from relax.train.fingerprint import fingerprint
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     rng = np.random.default_rng(1)
     tree = {"w": rng.standard_normal((8, 6)).astype(np.float32),
@@ -93,7 +93,7 @@ def test_fingerprint_is_independent_of_sharding():
 
 
 def test_save_does_not_retrace_the_fingerprint(tmp_path):
-    from relax.fingerprint import _fingerprints
+    from relax.train.fingerprint import _fingerprints
     state = {"w": jnp.ones((3, 2)), "k": jax.random.key(1)}
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state, config={})

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax import rollout
+from relax.rollout import sampler as rollout
 from relax.models import ModelConfig, RopeScaling, family_config, init, token_logprobs
 from relax.models.config import FAMILIES, FAMILY_TRAITS
 from relax.models.hf_config import HFFormatError, config_from_hf, config_to_hf
 from relax.models.transformer import embed
-from relax.train.forward import completion_logprobs, completion_rope, resolve_attention
+from relax.models.prefix_shared import completion_logprobs, completion_rope, resolve_attention
 
 from model_reference import forward as np_forward
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.losses import kl as K
+from relax.objectives import kl as K
 
 kl_estimate = jax.jit(K.kl_estimate, static_argnames="kind")
 entropy_from_logits = jax.jit(K.entropy_from_logits)

@@ -1,4 +1,4 @@
-"""relax.logging: metrics.jsonl, TensorBoard events, summary.json, progress bar, disabled loggers."""
+"""relax.train.logs: metrics.jsonl, TensorBoard events, summary.json, progress bar, disabled loggers."""
 
 import glob
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from relax.logging import MetricsLogger, ProgressBar, is_main_process, write_summary
+from relax.train.logs import MetricsLogger, ProgressBar, is_main_process, write_summary
 
 
 def _read_events(path):

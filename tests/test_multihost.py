@@ -1,5 +1,5 @@
 """Multi-host runs on one machine: two CPU processes (2 devices each) joined by
-``relax.distributed.initialize`` over a loopback coordinator run one GRPO iteration on the global
+``relax.parallel.distributed.initialize`` over a loopback coordinator run one GRPO iteration on the global
 ``fsdp=2,tensor=2`` mesh (parameters sharded ACROSS the processes, gloo collectives), each
 feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
 their metrics and tokens must match a single-process run of the same global batch. Both processes also save and restore a checkpoint collectively.
@@ -35,8 +35,8 @@ def process_worker(pid: int, n: int, port: int, out: str, ckpt: str) -> None:
 
     jax.config.update("jax_num_cpu_devices", 2)
     tp.use_compile_cache()
-    from relax import distributed
-    from relax.logging import is_main_process
+    from relax.parallel import distributed
+    from relax.train.logs import is_main_process
 
     distributed.initialize(f"127.0.0.1:{port}", n, pid, timeout_s=60)
     assert jax.process_count() == n and jax.device_count() == 2 * n and jax.local_device_count() == 2
@@ -55,7 +55,7 @@ if __name__ != "__main__":
     import numpy as np
     import pytest
 
-    from relax import distributed
+    from relax.parallel import distributed
 
     def _spawn(args, devices=1):
         env = tp.worker_env(devices)
@@ -137,7 +137,7 @@ if __name__ == "__main__":
     elif mode == "single":
         single_worker(args[0])
     elif mode == "alone":  # process 0 of 2 whose peer never comes
-        from relax import distributed as d
+        from relax.parallel import distributed as d
         d.initialize(f"127.0.0.1:{args[0]}", 2, 0, timeout_s=3)
         print("initialised without its peer?!")
     else:

@@ -75,10 +75,13 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     import jax
     import jax.numpy as jnp
 
-    from relax import distributed, parallel
+    from relax.parallel import distributed
+    from relax import parallel
     from relax.models import ModelConfig, init
-    from relax.train.config import OptimizerConfig, preset
-    from relax.train.grpo import make_grpo_step
+    from relax.algorithms.grpo.config import preset
+    from relax.train.optimizer import OptimizerConfig
+    from relax.algorithms.grpo.step import make_grpo_step
+    from relax.passes import choose_passes
     from relax.train.state import init_state
 
     compiles = []
@@ -92,10 +95,11 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=beta > 0)
     wq0 = np.asarray(policy.layers.wq).astype(np.float32)  # the step donates the state's buffers
-    step = make_grpo_step(cfg, opt, [fives], _decode, eos_ids=(), pad_id=0)
+    trainer, sampler = parallel.ParallelConfig(mesh=mesh, sampler_devices=sampler_devices).meshes()
+    passes = choose_passes(batch_shards=1 if trainer is None else parallel.batch_shards(trainer))
+    step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0, passes=passes)
     segments = [s.names for s in step.segments]
-    if mesh is not None or sampler_devices:
-        trainer, sampler = parallel.ParallelConfig(mesh=mesh, sampler_devices=sampler_devices).meshes()
+    if trainer is not None:
         step = parallel.ShardedStep(step, state, trainer, sampler_mesh=sampler)
         state = step.place(state)
         segments = [s.names for s in step.segments]
@@ -116,7 +120,7 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
         out["master_dtype"] = str(master.layers.wq.dtype)
         out["master_moved"] = bool(np.any(np.asarray(master.layers.wq) != wq0))
     if checkpoint_dir is not None:  # collective save + restore: every process calls both
-        from relax.checkpoint import Checkpointer
+        from relax.train.checkpoint import Checkpointer
         with Checkpointer(checkpoint_dir, async_save=False) as ck:
             ck.save(iterations, state, config={"mesh": mesh}, force=True)
             restored, _, _ = ck.restore(target=state)
@@ -132,7 +136,7 @@ def _shard_shapes(spec: str) -> dict:
 
     from relax import parallel
     from relax.models import ModelConfig, init
-    from relax.train.config import OptimizerConfig
+    from relax.train.optimizer import OptimizerConfig
     from relax.train.state import init_state
 
     mesh = parallel.make_mesh(spec)
@@ -154,7 +158,7 @@ def make_cli_setup(d: Path) -> None:
 
     from relax.models import ModelConfig, init
     from relax.models.hf import save_pretrained
-    from relax.tokenizer import Tokenizer, train_sentencepiece
+    from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdef"), rng.integers(2, 5))) for _ in range(48)]
     tok = Tokenizer(train_sentencepiece([w + "=" for w in words], d / "tok", vocab_size=12, model_type="char"))
@@ -197,7 +201,7 @@ def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -
 
     from relax import parallel
     from relax.models import ModelConfig, init
-    from relax.train.forward import completion_logprobs
+    from relax.models.prefix_shared import completion_logprobs
 
     mesh = parallel.make_mesh("data=8")
     model = jax.device_put(init(ModelConfig(**MODEL), jax.random.key(0)), parallel.replicated(mesh))
@@ -254,7 +258,7 @@ if __name__ != "__main__":
 
     from relax import parallel
     from relax.models import ModelConfig, init
-    from relax.parallel import MeshSpec, ShardingError
+    from relax.parallel.mesh import MeshSpec, ShardingError
 
     @pytest.fixture(scope="module")
     def mesh_results(tmp_path_factory):
@@ -368,8 +372,10 @@ if __name__ != "__main__":
     def test_every_parameter_has_logical_axes_and_default_specs():
         cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True, "sandwich_norms": True})
         model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
-        names = {parallel._path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
-        assert names == set(parallel.LOGICAL_AXES)  # every parameter the model can have
+        from relax.models.sharding import LOGICAL_AXES
+        from relax.parallel.mesh import _path_name
+        names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
+        assert names == set(LOGICAL_AXES)  # every parameter the model can have
         mesh = _abstract(2, 2, 2)
         spec = lambda n: parallel.partition_spec(n, getattr(model.layers, n.split(".")[1]).shape if "." in n
                                                  else getattr(model, n).shape, mesh, cfg)
@@ -391,12 +397,13 @@ if __name__ != "__main__":
         (dict(tensor=2), dict(vocab_size=15), r"embed \(15, 32\): dimension 0 \(vocab, size 15\).*tensor=2"),
     ])
     def test_axis_that_does_not_divide_its_dimension_names_parameter_dim_axis(mesh_kw, overrides, match):
+        from relax.parallel.mesh import _path_name
         cfg = ModelConfig(**{**MODEL, **overrides})
         model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
         mesh = _abstract(**mesh_kw)
         with pytest.raises(ShardingError, match=match):
             jax.tree_util.tree_map_with_path(
-                lambda p, x: parallel.partition_spec(parallel._path_name(p), x.shape, mesh, cfg), model)
+                lambda p, x: parallel.partition_spec(_path_name(p), x.shape, mesh, cfg), model)
 
     def test_rules_can_replicate_a_logical_axis():
         rules = tuple((k, None) if k == "vocab" else (k, v) for k, v in parallel.DEFAULT_RULES)
@@ -409,28 +416,32 @@ if __name__ != "__main__":
             parallel.partition_spec("embed", (16, 32), _abstract(fsdp=2), None, rules)
 
     def test_batch_that_does_not_split_over_data_fsdp_is_an_error():
-        from relax.parallel_step import check_batch
+        from relax.parallel.step import check_batch
         with pytest.raises(ShardingError, match=r"--batch-size=6 prompts do not split over data x fsdp = 4 x 1"):
             check_batch(6, _abstract(data=4))
         check_batch(8, _abstract(data=4, tensor=2))
 
     def test_offload_reference_is_a_warned_no_op_on_cpu():
-        from relax.train.config import OptimizerConfig
-        from relax.train.grpo import make_grpo_step
+        from relax.train.optimizer import OptimizerConfig
+        from relax.algorithms.grpo.config import preset
+        from relax.algorithms.grpo.step import make_grpo_step
+        from relax.passes import choose_passes
         from relax.train.state import init_state
-        from relax.train.config import preset
         cfg = preset("grpo", num_generations=2, max_new_tokens=2, beta=0.04)
         opt = OptimizerConfig().make()
         state = init_state(init(ModelConfig(**MODEL), jax.random.key(0)), opt, key=jax.random.key(1), with_reference=True)
-        step = make_grpo_step(cfg, opt, [fives], _decode, eos_ids=(), pad_id=0)
+        mesh = parallel.make_mesh("fsdp=-1")
+        step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0,
+                              passes=choose_passes(batch_shards=parallel.batch_shards(mesh)))
         with pytest.warns(UserWarning, match="offload_reference: cpu devices have no separate pinned_host"):
-            sharded = parallel.ShardedStep(step, state, parallel.make_mesh("fsdp=-1"), offload_reference=True)
+            sharded = parallel.ShardedStep(step, state, mesh, offload_reference=True)
         assert not sharded.offload
         assert [s.names for s in sharded.segments] == [("rollout",), ("score",), ("reference", "advantage", "update")]
 
     def test_remat_gives_the_same_loss_and_gradients():
-        from relax.train.config import GRPOConfig
-        from relax.train.update import make_loss
+        from relax.algorithms.grpo.config import GRPOConfig
+        from relax.algorithms.grpo.loss import make_loss
+        from relax.train.update import LossContext
         model = init(ModelConfig(**MODEL), jax.random.key(3), std=0.2)
         k = jax.random.split(jax.random.key(4), 3)
         p, g, n = 2, 3, 4
@@ -440,7 +451,7 @@ if __name__ != "__main__":
               "tokens": jax.random.randint(k[0], (p, g, n), 0, 16), "mask": mask, "loss_mask": mask,
               "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
               "advantages": jax.random.normal(k[2], (p, g))}
-        norms = {"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}
+        norms = LossContext({"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}, jnp.bool_(False))
         out, jaxprs = {}, {}
         for remat, policy in ((False, "nothing"), (True, "nothing"), (True, "dots")):
             loss_fn = make_loss(GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat, remat_policy=policy))
@@ -461,7 +472,7 @@ if __name__ != "__main__":
 
     def test_master_weights_keep_steps_below_bfloat16_precision():
         import optax
-        from relax.train.config import OptimizerConfig, with_master_weights
+        from relax.train.optimizer import OptimizerConfig, with_master_weights
         params = {"w": jnp.ones((3,), jnp.bfloat16)}
         grads = {"w": jnp.ones((3,), jnp.bfloat16)}
         results = {}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.losses import policy as P
+from relax.objectives import policy as P
 
 ppo_clip = jax.jit(P.ppo_clip, static_argnames="importance")
 cispo = jax.jit(P.cispo)

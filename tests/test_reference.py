@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.reference import (
+from relax.objectives.reference import (
     ReferenceConfig,
     ema,
     make_reference_rule,
@@ -176,7 +176,7 @@ def test_config_validation():
 
 @pytest.mark.parametrize("smallest_first", [False, True])
 def test_params_equal_is_bitwise_equality(smallest_first):
-    from relax.reference import params_equal
+    from relax.objectives.reference import params_equal
     a = {"big": jnp.arange(12.0).reshape(3, 4), "small": jnp.ones(2), "n": jnp.zeros((2, 2), jnp.bfloat16)}
     b = jax.tree.map(jnp.copy, a)
     eq = jax.jit(lambda x, y: params_equal(x, y, smallest_first=smallest_first))

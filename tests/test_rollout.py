@@ -1,4 +1,4 @@
-"""The prefix-shared KV-cache sampler (``relax.rollout``) against the no-cache oracle, the
+"""The prefix-shared KV-cache sampler (``relax.rollout.sampler``) against the no-cache oracle, the
 trainer's log-probs, and its contract: shapes, stop ids, determinism, batch independence,
 prompt sharing, bucketing and input validation.
 
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from jax.extend import core as jex_core
 
-from relax import rollout, rollout_naive
+from relax.rollout import sampler as rollout
+from relax.rollout import naive as rollout_naive
 from relax.models import ModelConfig, init
 from relax.models.config import FAMILY_TRAITS
 from relax.models.logprobs import token_logprobs
-from relax.rollout import RolloutConfig, generate
-from relax.sampling import SamplingConfig
+from relax.rollout.sampler import RolloutConfig, generate
+from relax.rollout.sampling import SamplingConfig
 
 from model_reference import forward as np_forward
 

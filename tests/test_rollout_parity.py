@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from relax import rollout  # noqa: E402
+from relax.rollout import sampler as rollout  # noqa: E402
 from relax.models.hf import load_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.parity

@@ -21,12 +21,12 @@ import pytest
 
 from relax.models import ModelConfig, init
 from relax.models.hf import save_pretrained
-from relax.checkpoint import Checkpointer, CheckpointCorruptError
+from relax.train.checkpoint import Checkpointer, CheckpointCorruptError
 from relax.rewards.functions import RewardError
 from relax.train.health import NonFiniteError
 from relax.train.preemption import Preempted
-from relax.tokenizer import Tokenizer, train_sentencepiece
-from relax.train.grpo import make_score
+from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
+from relax.algorithms.stages import make_score
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,11 +1,11 @@
-"""relax.stop_strings: completions cut at the token that completes a stop string, against a
+"""relax.text.stop_strings: completions cut at the token that completes a stop string, against a
 brute-force reference that decodes every prefix; the GRPO score stage and evaluation use it."""
 
 import numpy as np
 import pytest
 
-from relax.stop_strings import truncate_at_stop_strings
-from relax.train.grpo import make_score
+from relax.text.stop_strings import truncate_at_stop_strings
+from relax.algorithms.stages import make_score
 
 # a toy vocabulary whose tokens are multi-character, so stop strings fall across token boundaries
 VOCAB = ["<pad>", "a", "b", "</", "ans", "wer>", "\n", "\nQ", "uestion:", "xy"]

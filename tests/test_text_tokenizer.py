@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from relax.text import (HFTokenizer, SentencePieceTokenizer, TokenizerFormatError,
                         load_tokenizer)
-from relax.tokenizer import train_sentencepiece
+from relax.text.sentencepiece_model import train_sentencepiece
 from text_fixtures import CORPUS, MULTI_TURN, STYLES, USER_ONLY
 
 TEXTS = [

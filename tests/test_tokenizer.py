@@ -1,4 +1,4 @@
-"""Tests for relax.tokenizer: a tiny sentencepiece model is trained once from generated text."""
+"""Tests for relax.text.sentencepiece_model: a tiny sentencepiece model is trained once from generated text."""
 
 import pickle
 import random
@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from relax.tokenizer import (
+from relax.text.sentencepiece_model import (
     Tokenizer,
     pad_left,
     train_sentencepiece,

@@ -8,12 +8,14 @@ import pytest
 
 from relax.models import ModelConfig, init
 from relax.models.logprobs import token_logprobs
-from relax.reference import ReferenceConfig
-from relax.train.config import GRPOConfig, OptimizerConfig, preset
-from relax.train.forward import completion_logprobs, completion_rope
-from relax.train.grpo import make_grpo_step
+from relax.objectives.reference import ReferenceConfig
+from relax.algorithms.grpo.config import GRPOConfig, preset
+from relax.train.optimizer import OptimizerConfig
+from relax.models.prefix_shared import completion_logprobs, completion_rope
+from relax.algorithms.grpo.step import make_grpo_step
 from relax.train.state import init_state
-from relax.train.update import make_update
+from relax.algorithms.grpo.loss import make_grpo_update
+from relax.passes import choose_passes
 from test_parallel import _decode, fives
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -122,7 +124,7 @@ def test_gradient_accumulation_does_not_change_the_update(loss_type):
                          # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
                          optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
         opt = cfg.optimizer.make()
-        policy, _, metrics = jax.jit(make_update(cfg, opt))(model, opt.init(model), data, jax.random.key(0))
+        policy, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
         results.append((policy, metrics))
     assert float(results[0][1]["ratio_max"]) > float(results[0][1]["ratio_mean"]) + 0.05  # a real spread
     for policy, metrics in results[1:]:
@@ -142,7 +144,7 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
         cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m,
                          optimizer=OptimizerConfig(learning_rate=0.0))
         opt = cfg.optimizer.make()
-        _, _, metrics = jax.jit(make_update(cfg, opt))(model, opt.init(model), data, jax.random.key(0))
+        _, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
         losses[m] = float(metrics["loss"])  # mean over the M minibatch steps
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
 
@@ -151,7 +153,7 @@ def test_non_finite_gradients_skip_the_update():
     model = init(CFG, jax.random.key(5), std=0.2)
     cfg = GRPOConfig(num_generations=4, max_new_tokens=5, optimizer=OptimizerConfig(learning_rate=1e-2))
     opt = cfg.optimizer.make()
-    update = jax.jit(make_update(cfg, opt))
+    update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
     bad = _update_data()
     bad["advantages"] = bad["advantages"].at[0, 0].set(jnp.nan)
     policy, opt_state, metrics = update(model, opt.init(model), bad, jax.random.key(0))
@@ -169,7 +171,7 @@ def test_grpo_learns_and_compiles_once():
                  optimizer=OptimizerConfig(learning_rate=3e-2))
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=True)
-    step = make_grpo_step(cfg, opt, [fives], _decode, eos_ids=(), pad_id=0)
+    step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
     ids, pm = _prompts(4, 8, [8, 5, 3, 7])
     rewards = []
     for _ in range(25):
@@ -203,7 +205,7 @@ def test_every_preset_and_option_runs(name, overrides):
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
     token_reward = TokenRewardFunction(_first_token_is_seven, name="seven", weight=0.5)
-    step = make_grpo_step(cfg, opt, [fives, token_reward], _decode, eos_ids=(3,), pad_id=0)
+    step = make_grpo_step(cfg, [fives, token_reward], _decode, eos_ids=(3,), pad_id=0)
     ids, pm = _prompts(2, 8, [8, 5])
     state, out = step(state, {"prompt_ids": ids, "prompt_mask": pm, "prompts": ["p"] * 2,
                               "fields": {"weight": [1.0, 2.0]}})

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.losses.preference import bradley_terry_loss, distillation_loss, dpo_loss, orpo_loss
-from relax.losses.value import clipped_value_loss
+from relax.objectives.preference import bradley_terry_loss, distillation_loss, dpo_loss, orpo_loss
+from relax.objectives.value import clipped_value_loss
 
 RNG = np.random.default_rng(0)
 

@@ -244,17 +244,31 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
     """
     root = Path(path)
+    cfg = _read_config(root)
+    where, listing = _open_weights(root)
+    return _build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
+
+
+def _read_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a model directory (``config.json``, then ``generation_config.json``);
+    ``adapt(parsed config.json, its path)`` may rewrite the parsed dict first."""
     cfg_path = root / CONFIG
     if not root.is_dir():
         raise HFFormatError(f"{root}: not a directory (expected a Hugging Face model directory)")
     if not cfg_path.is_file():
         raise HFFormatError(f"{cfg_path}: missing config.json (a Hugging Face model directory "
                             "needs config.json and safetensors weights)")
-    cfg = config_from_hf(_read_json(cfg_path), source=str(cfg_path))
+    d = _read_json(cfg_path)
+    cfg = config_from_hf(d if adapt is None else adapt(d, str(cfg_path)), source=str(cfg_path))
     if (root / GENERATION).is_file():
         cfg = with_generation_config(cfg, _read_json(root / GENERATION), source=str(root / GENERATION))
-    where, listing = _open_weights(root)
+    return cfg
 
+
+def _build_transformer(cfg: ModelConfig, where: dict[str, _SafetensorsFile], listing: str, *, dtype,
+                       param_dtype) -> Transformer:
+    """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``_open_weights``), every one of
+    which must belong to it; ``listing`` is the file named when one is missing."""
     has_head = "lm_head.weight" in where
     slots = _layout(cfg, with_head=has_head or not cfg.tie_word_embeddings)
     expected = {s.name for s in slots}
@@ -300,7 +314,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         else:
             warnings.warn(f"{where['lm_head.weight'].path}: tie_word_embeddings is true but 'lm_head.weight' "
                           "differs from 'model.embed_tokens.weight'; keeping both and untying the model "
-                          "(as transformers does)", stacklevel=2)
+                          "(as transformers does)", stacklevel=3)
             cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     del views
     arrays = {f: jnp.asarray(by_field.pop(f)) for f in list(by_field)}
@@ -333,6 +347,13 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     ``model-XXXXX-of-YYYYY.safetensors`` plus ``model.safetensors.index.json``. ``dtype``
     casts the parameters (None: as they are; a round trip is then bit-exact).
     """
+    _save_directory(model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+def _save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None, dtype=None,
+                    extra: dict[str, np.ndarray] | None = None, hf_fields: dict | None = None) -> None:
+    """``save_pretrained`` plus ``extra`` tensors (Hugging Face name -> array, written after the
+    model's, cast like them) and ``hf_fields`` set in ``config.json`` (e.g. another architecture)."""
     cfg = model.config
     if (model.lm_head is None) != cfg.tie_word_embeddings:
         raise ValueError(f"model.lm_head is {'None' if model.lm_head is None else 'set'} but "
@@ -358,6 +379,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
             return x.T if s.transpose else x
 
         specs.append((s.name, s.hf_shape, a.dtype, make))
+    for name, a in (extra or {}).items():
+        dtype_name(a.dtype)  # raises for a non-float tensor
+        a = a if cast is None else a.astype(cast)
+        specs.append((name, a.shape, a.dtype, lambda a=a: a))
     nbytes = lambda spec: math.prod(spec[1]) * spec[2].itemsize
     shards: list[list] = [[]]
     size = 0
@@ -373,6 +398,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
         "metadata": {"total_size": sum(map(nbytes, specs))},
         "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
     hf_config = config_to_hf(cfg, cast if cast is not None else field_array("embed", False).dtype)
+    hf_config.update(hf_fields or {})
     generation = generation_config_to_hf(cfg)
 
     root = Path(path)

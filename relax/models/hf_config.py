@@ -3,7 +3,7 @@
 A family's fixed traits (``relax.models.config.FAMILY_TRAITS``: norm style, sandwich and q/k
 norms, embedding scale) come from its ``model_type``; everything else from the file's fields.
 
-Reads both layouts found on the hub (DESIGN.md §4b): transformers 4.x (top-level
+Reads both layouts found on the hub: transformers 4.x (top-level
 ``rope_theta``, ``rope_scaling`` with ``rope_type`` or the older ``type``, ``torch_dtype``) and
 5.x (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the scaling fields, ``dtype``).
 A field a file leaves out takes the default transformers 5.23 gives it for that family, so

@@ -16,15 +16,20 @@ import random
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
 
+from relax.data.supervised import pad_examples
+from relax.masked import masked_mean
 from relax.models.config import ModelConfig
+from relax.models.logprobs import token_logprobs
 from relax.models.transformer import Transformer, init
 from relax.text import TextTokenizer, load_tokenizer
-from relax.tokenizer import train_sentencepiece
-from relax.train.sft import make_sft_step, pack_examples
+from relax.text.sentencepiece_model import train_sentencepiece
+from relax.train.primitives import forward_backward, optim_step
+from relax.train.state import init_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,17 +103,31 @@ def train_base_model(task: ReverseTask, tokenizer: TextTokenizer, train: list[di
     length = max(len(p) for p in prompts) + task.max_len + 3
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, task.sft_learning_rate, 20, task.sft_steps),
                             weight_decay=0.0)
-    opt_state = optimizer.init(model)
-    step = make_sft_step(optimizer)
+    state = init_state(model, optimizer, key=key)
     t0 = time.perf_counter()
     for i in range(task.sft_steps):
         idx = rng.choice(len(train), task.sft_batch, replace=False)
         targets = teacher_targets(task, [train[j] for j in idx], rng)
         responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in targets]
-        ids, mask, loss_mask = pack_examples([prompts[j] for j in idx], responses, length=length,
-                                             pad_id=tokenizer.pad_token_id)
-        model, opt_state, loss = step(model, opt_state, ids, mask, loss_mask)
+        ids, mask, loss_mask = pad_examples([prompts[j] for j in idx], responses, length=length,
+                                            pad_id=tokenizer.pad_token_id)
+        state, metrics = _supervised_step(state, (ids, mask, loss_mask))
         if (i + 1) % 100 == 0:
-            log(f"  supervised step {i + 1}/{task.sft_steps}: loss {float(loss):.3f} "
+            log(f"  supervised step {i + 1}/{task.sft_steps}: loss {float(metrics['loss']):.3f} "
                 f"({time.perf_counter() - t0:.0f}s)")
-    return model
+    return state.policy
+
+
+def nll(model: Transformer, rows) -> tuple[jax.Array, dict]:
+    """Token-mean negative log-likelihood of the response tokens::
+
+        loss = - sum_t m_t log p(x_{t+1} | x_{<=t}) / sum_t m_t      (m: the loss mask, shifted)
+    """
+    ids, mask, loss_mask = rows
+    return -masked_mean(token_logprobs(model, ids, mask), loss_mask[:, 1:]), {}
+
+
+@eqx.filter_jit(donate="all")
+def _supervised_step(state, rows):
+    grads, metrics = forward_backward(state, rows, nll)
+    return optim_step(state, grads), metrics

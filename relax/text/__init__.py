@@ -9,7 +9,7 @@
 
 Modules: ``loader`` (``load_tokenizer``), ``base`` (the common interface), ``hf``
 (``tokenizer.json`` via the ``tokenizers`` library), ``sentencepiece`` (``.model`` files via
-``relax.tokenizer``), ``chat_template`` (Jinja rendering as transformers does it), ``files``
+``relax.text.sentencepiece_model``), ``chat_template`` (Jinja rendering as transformers does it), ``files``
 (reading the sidecar files), ``saving`` (writing them).
 """
 

@@ -1,6 +1,6 @@
 """Sentencepiece ``.model`` tokenizers behind the common interface.
 
-Wraps :class:`relax.tokenizer.Tokenizer` (which stays the sentencepiece reader). Conventions:
+Wraps :class:`relax.text.sentencepiece_model.Tokenizer` (which stays the sentencepiece reader). Conventions:
 
 - Special tokens: those of a ``tokenizer_config.json`` next to the model when it sets them,
   else the model's own ``bos``/``eos``/``unk``/``pad`` pieces. Every configured special or added
@@ -37,7 +37,7 @@ import sentencepiece as spm
 from relax.text.base import TextTokenizer, ids_list
 from relax.text.files import SENTENCEPIECE_MODEL, Sidecars, TokenizerFormatError, read_sidecars
 from relax.text.saving import copy_file, save_sidecars
-from relax.tokenizer import Tokenizer
+from relax.text.sentencepiece_model import Tokenizer
 
 _PATTERNS = {(True, False): "bos", (False, True): "eos", (True, True): "bos_eos", (False, False): "none"}
 
@@ -90,7 +90,7 @@ class SentencePieceTokenizer(TextTokenizer):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """The wrapped :class:`relax.tokenizer.Tokenizer`."""
+        """The wrapped :class:`relax.text.sentencepiece_model.Tokenizer`."""
         return self._tok
 
     @property
@@ -135,5 +135,5 @@ class SentencePieceTokenizer(TextTokenizer):
 
 
 def _processor(tok: Tokenizer) -> spm.SentencePieceProcessor:
-    """The processor inside ``relax.tokenizer.Tokenizer`` (for piece lookups it does not expose)."""
+    """The processor inside ``relax.text.sentencepiece_model.Tokenizer`` (for piece lookups it does not expose)."""
     return tok._sp

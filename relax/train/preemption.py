@@ -11,7 +11,7 @@ Inside the guard SIGTERM only sets ``requested``: the step in flight finishes (i
 consistent again), the loop saves a final checkpoint and stops. The previous handler comes back
 on exit. A no-op off the main thread, where Python cannot install signal handlers, and on
 several processes, where jax's own preemption notice (orbax's ``PreemptionCheckpointingPolicy``
-in ``relax.checkpoint``) must see the signal on every host.
+in ``relax.train.checkpoint``) must see the signal on every host.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ continues exactly where its checkpoint left it.
   ``<run_dir>/previous/<time>/`` (nothing is deleted); caches of the built-in task (``task/``,
   ``base_model/``) stay.
 - ``--resume`` restores the newest checkpoint, verified against its integrity record
-  (``relax.checkpoint``). A damaged one stops the run with its step and path, unless
+  (``relax.train.checkpoint``). A damaged one stops the run with its step and path, unless
   ``--resume-fallback`` is given: then the newest intact one is restored and each damaged newer
   one is moved to ``<run_dir>/damaged_checkpoints/`` (reported, never deleted).
 - ``summary.json`` is written as soon as the "before" evaluation exists, so a resumed run keeps
   the first run's "before" and evaluates nothing extra; the logs are cut back to the restored
-  step by ``relax.logging.MetricsLogger(resume_step=...)``.
+  step by ``relax.train.logs.MetricsLogger(resume_step=...)``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from relax import distributed
-from relax.checkpoint import CheckpointCorruptError, Checkpointer
-from relax.logging import SUMMARY_FILE, is_main_process
+from relax.parallel import distributed
+from relax.train.checkpoint import CheckpointCorruptError, Checkpointer
+from relax.train.logs import SUMMARY_FILE, is_main_process
 
 OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf", "hf")
 CHECKPOINTS = "checkpoints"

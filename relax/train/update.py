@@ -1,203 +1,142 @@
-"""The policy update: ``num_iterations`` epochs x ``num_minibatches`` optimizer steps, each a
-sum of ``grad_accum`` micro-batch gradients (by default one prompt group per micro-batch on a
-single CPU device), as nested ``lax.scan``s.
+"""The generic update every trainer runs: ``epochs`` x ``minibatches`` optimizer steps, each the
+sum of ``grad_accum`` micro-batch gradients, as nested ``lax.scan``s (docs/architecture.md,
+"The update").
 
-Minibatches are whole prompt groups (so the training forward shares each prompt across its G
-completions). Loss normalisers are computed ONCE from the whole batch and divided by the
-number of minibatches::
+An algorithm brings a loss ``loss_fn(params, micro_batch, ctx) -> (scalar, metrics)``. The batch
+is a pytree whose leaves share a leading ROW axis (prompt groups for RL, examples or pairs
+offline); each epoch permutes the rows and reshapes them into ``[minibatches, grad_accum,
+rows_per_micro, ...]``. Loss normalisers are computed ONCE from the whole batch
+(``normalizers(batch)``, e.g. its loss tokens and sequences) and divided by the number of
+minibatches::
 
-    num_tokens = (valid loss tokens in the batch) / num_minibatches
-    num_sequences = (valid sequences in the batch) / num_minibatches
+    ctx.norms[k] = normalizers(batch)[k] / minibatches
 
-so every token weighs the same in every optimizer step however the tokens fall into
-minibatches, and summing micro-batch losses gives exactly the minibatch loss: gradient
-accumulation does not change what the loss means.
+so every token weighs the same in every optimizer step however the rows fall into
+minibatches, and the micro-batch losses of a step sum to exactly the minibatch loss: gradient
+accumulation does not change what the loss means (the loss must divide by ``ctx.norms``, not
+by counts of its own micro-batch).
 
-While the policy is bitwise the reference (``ref_is_policy``: the first iteration of a static
-reference, or right after a reset), the reference log-probs in the loss are the policy's own
-from this very forward, under a stop-gradient::
+Metrics are reduced as each declares (``relax.metrics``); every step adds ``loss`` (the sum of
+its micro-batch losses), ``grad_norm`` and ``first_nonfinite_grad`` (the index of the first
+non-finite gradient leaf of a step the optimizer's non-finite guard skipped, else -1). Gradient
+clipping and the guard itself are optax transformations of the optimizer
+(``relax.train.optimizer``).
 
-    log pi_ref(y_t) := stopgrad(log pi_theta(y_t))    =>   KL_t = 0 and dKL_t/dtheta = 0 (k2, k3)
-
-Recomputed in another pass layout (another mesh, another micro-batch split) they would differ by
-rounding, and Adam's normalisation turns such a ~1e-10 gradient on rows that get no other
-gradient into a learning-rate-sized step that differs per layout. The flag is carried through
-the optimizer steps and cleared by the first step that changes the policy.
+``track_reference``: while the params are bitwise the KL reference (``ctx.ref_is_policy``: the
+first iteration of a static reference, or right after a reset), a loss takes the reference
+log-probs to be its own under a stop-gradient, so the KL term and its gradient are exactly 0
+whatever the pass layout; the flag is carried through the steps and cleared by the first step
+that changes a weight (``relax.objectives.reference.params_equal``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import Array, Bool
 
-from relax.losses.aggregation import aggregate
-from relax.losses.kl import conservative_penalty, entropy_bonus, kl_estimate
-from relax.losses.policy import cispo, ppo_clip, reinforce
-from relax.masked import masked_mean
-from relax.parallel import cache_sized_passes
-from relax.reference import params_equal
-from relax.train.config import GRPOConfig
-from relax.train.forward import completion_logprobs, completion_rope
+from relax import metrics as M
+from relax.objectives.reference import params_equal
+from relax.passes import Passes
 from relax.train.health import first_nonfinite_leaf
+from relax.train.optimizer import skip_counts
 
 
-def _policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
-    if cfg.policy_loss == "ppo":
-        return ppo_clip(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                        delta=cfg.delta, clip_ratio_c=cfg.clip_ratio_c, importance=cfg.importance_sampling_level)
-    if cfg.policy_loss == "cispo":
-        return cispo(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
-    return reinforce(logp, adv, mask)
+@dataclasses.dataclass(frozen=True)
+class LossContext:
+    """What a loss gets besides its params and micro-batch: the batch-wide normalisers and
+    whether the params are bitwise the reference model. A pytree (both fields are arrays)."""
+
+    norms: Mapping[str, Array]
+    ref_is_policy: Bool[Array, ""]
 
 
-# On cache-sized passes (one CPU device) the policy's forward+backward unrolls its layer loop (the
-# backward then reads each layer's residuals in place instead of stacking them; deeper models keep
-# the scan, whose compile time does not grow with depth) and keeps the group attention's
-# probabilities for the backward when one layer's (float32 [P, Hq, G, N, Lp+N]) fit this budget.
-UNROLL_MAX_LAYERS = 8
-SAVED_PROBS_BYTES = 64 * 2**20
+jax.tree_util.register_dataclass(LossContext, data_fields=["norms", "ref_is_policy"], meta_fields=[])
+
+LossFn = Callable[[Any, Any, LossContext], "tuple[Array, Mapping[str, Array | M.Metric]]"]
 
 
-def make_loss(cfg: GRPOConfig):
-    """``loss(policy, minibatch, norms) -> (scalar, metrics)`` for one (micro-)batch of groups."""
-
-    def loss_fn(policy, mb, norms, ref_is_policy=False):
-        p, g, n = mb["tokens"].shape
-        c, lp = policy.config, mb["prompt_ids"].shape[1]
-        cache = cache_sized_passes()  # small passes on one CPU device: see UNROLL_MAX_LAYERS
-        probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-        logp, ent = completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
-                                        temperature=cfg.temperature, with_entropy=True, remat=cfg.remat,
-                                        attention=cfg.train_attention, remat_policy=cfg.remat_policy,
-                                        entropy_grad=cfg.entropy_coef != 0.0,  # else a metric only
-                                        unroll=cache and c.num_layers <= UNROLL_MAX_LAYERS,
-                                        save_attention=cache and probs_bytes <= SAVED_PROBS_BYTES,
-                                        rope=mb.get("rope"))
-        flat = lambda x: x.reshape(p * g, n)
-        logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
-        adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
-        per_token, metrics = _policy_loss(cfg, logp, old, adv, mask)
-        metrics = dict(metrics)
-        if cfg.beta > 0:
-            # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
-            ref = jnp.where(ref_is_policy, jax.lax.stop_gradient(logp), flat(mb["ref_logprobs"]))
-            kl = kl_estimate(logp, ref, cfg.kl_estimator, mask=mask)
-            metrics["kl"] = masked_mean(kl, mask)
-            if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
-                per_token = per_token + jnp.where(mask, conservative_penalty(
-                    kl, threshold=cfg.kl_threshold, coef=cfg.beta), 0.0)
-            elif not cfg.kl_in_reward:
-                per_token = per_token + cfg.beta * kl
-        if cfg.entropy_coef != 0.0:
-            per_token = per_token + entropy_bonus(ent, mask, coef=cfg.entropy_coef)
-        metrics["entropy"] = masked_mean(ent, mask)
-        metrics["sampler_logprob_diff"] = jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0))
-        loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=norms["sequences"],
-                         num_tokens=norms["tokens"], max_len=cfg.max_new_tokens)
-        return loss, metrics
-
-    return loss_fn
+def token_normalizers(batch) -> dict[str, Array]:
+    """The default normalisers: valid loss tokens and sequences with at least one of them, from
+    the batch's ``loss_mask`` (``[rows, ..., T]``), each at least 1."""
+    seq_valid = jnp.any(batch["loss_mask"] > 0, axis=-1)
+    return {"tokens": jnp.maximum(jnp.sum(batch["loss_mask"]), 1).astype(jnp.float32),
+            "sequences": jnp.maximum(jnp.sum(seq_valid), 1).astype(jnp.float32)}
 
 
-def make_update(cfg: GRPOConfig, optimizer: optax.GradientTransformation):
-    """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``.
+def micro_batch_split(rows: int, minibatches: int, grad_accum: int | None, passes: Passes) -> int:
+    """The micro-batches per minibatch (``grad_accum``, or the passes' choice when None), checked."""
+    if rows % minibatches:
+        raise ValueError(f"{rows} rows per batch do not split into minibatches={minibatches}")
+    a = passes.micro_batches(rows // minibatches) if grad_accum is None else grad_accum
+    if a < 1 or rows % (minibatches * a):
+        raise ValueError(f"{rows} rows per batch do not split into minibatches={minibatches} x grad_accum={a}")
+    return a
 
-    ``data`` holds per-prompt arrays with a leading ``[P]`` axis: ``prompt_ids``, ``prompt_mask``,
-    ``tokens``/``mask``/``loss_mask``/``old_logprobs`` (and ``ref_logprobs``) ``[P, G, N]``,
-    ``advantages`` ``[P, G]``. Metrics are averaged over optimizer steps; ``loss`` is the mean
-    minibatch loss. ``ref_is_policy`` (a bool scalar): the policy is bitwise the reference model
-    (module docstring).
+
+def make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epochs: int = 1,
+                minibatches: int = 1, grad_accum: int | None = None, passes: Passes = Passes(),
+                normalizers: Callable[[Any], Mapping[str, Array]] = token_normalizers,
+                track_reference: bool = False):
+    """``update(params, opt_state, batch, key, ref_is_policy=False) -> (params, opt_state, metrics)``.
+
+    ``grad_accum=None`` leaves the micro-batching to ``passes`` (one row per micro-batch on
+    cache-sized passes). Metrics come back reduced, as plain arrays.
     """
-    loss_fn = make_loss(cfg)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    m = cfg.num_minibatches
+    if epochs < 1 or minibatches < 1:
+        raise ValueError(f"epochs={epochs} and minibatches={minibatches} must be >= 1")
+    grad_fn = jax.value_and_grad(lambda params, mb, ctx: _declared(loss_fn(params, mb, ctx)), has_aux=True)
 
-    def update(policy, opt_state, data, key, ref_is_policy=False):
-        p = data["prompt_ids"].shape[0]
-        if p % m:
-            raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m}")
-        a = cfg.grad_accum if cfg.grad_accum is not None else (p // m if cache_sized_passes() else 1)
-        if p % (m * a):
-            raise ValueError(f"{p} prompts per batch do not split into num_minibatches={m} x grad_accum={a}")
-        _, g, n = data["tokens"].shape
-        # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        data = {**data, "rope": completion_rope(policy.config, data["prompt_mask"], g, n)}
-        seq_valid = jnp.any(data["loss_mask"] > 0, axis=-1)
-        norms = {"tokens": jnp.maximum(jnp.sum(data["loss_mask"]), 1) / m,
-                 "sequences": jnp.maximum(jnp.sum(seq_valid), 1) / m}
+    def update(params, opt_state, batch, key, ref_is_policy=False):
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        a, m = micro_batch_split(rows, minibatches, grad_accum, passes), minibatches
+        norms = {k: v / m for k, v in normalizers(batch).items()}
 
-        def minibatch(carry, mb):
-            policy, opt_state, same = carry
+        def step(carry, mb):
+            params, opt_state, same = carry
+            ctx = LossContext(norms, same)
 
             def micro(acc, micro_batch):
-                (loss, metrics), grads = grad_fn(policy, micro_batch, norms, same)
-                return jax.tree.map(jnp.add, acc, grads), (loss, metrics, jnp.sum(micro_batch["loss_mask"]))
+                (loss, metrics), grads = grad_fn(params, micro_batch, ctx)
+                return jax.tree.map(jnp.add, acc, grads), (loss, metrics, _weight(micro_batch))
 
-            zeros = jax.tree.map(jnp.zeros_like, policy)
-            grads, (losses, metrics, tokens) = jax.lax.scan(micro, zeros, mb)
-            skips = consecutive_skipped_updates(opt_state)
-            updates, opt_state = optimizer.update(grads, opt_state, policy)
-            new_policy = optax.apply_updates(policy, updates)
-            # still the reference only if this step left every weight as it was (lr 0, a skipped step)
-            same = jax.lax.cond(same, lambda: params_equal(new_policy, policy, smallest_first=cache_sized_passes()),
-                                lambda: jnp.bool_(False))
-            policy = new_policy
-            metrics = reduce_metrics(metrics, weights=tokens)  # the step's metrics, however micro-batched
-            metrics["loss"] = jnp.sum(losses)
-            metrics["grad_norm"] = optax.tree.norm(grads)
-            # -1: all finite (relax.train.health); looked for only when the step was skipped
-            metrics["first_nonfinite_grad"] = jax.lax.cond(consecutive_skipped_updates(opt_state) > skips,
-                                                           lambda: first_nonfinite_leaf(grads), lambda: -1)
-            return (policy, opt_state, same), metrics
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, (losses, metrics, weights) = jax.lax.scan(micro, zeros, mb)
+            skipped_before = skip_counts(opt_state)[1]
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if track_reference:  # still the reference only if no weight changed (lr 0, a skipped step)
+                same = jax.lax.cond(same, lambda: params_equal(new_params, params,
+                                                               smallest_first=passes.cache_sized),
+                                    lambda: jnp.bool_(False))
+            skipped = skip_counts(opt_state)[1] > skipped_before
+            metrics = {**M.reduce_micro(metrics, weights), "loss": M.Metric(jnp.sum(losses), "mean"),
+                       "grad_norm": M.Metric(optax.tree.norm(grads), "mean"),
+                       "first_nonfinite_grad": M.Metric(jax.lax.cond(
+                           skipped, lambda: first_nonfinite_leaf(grads), lambda: -1), "first_found")}
+            return (new_params, opt_state, same), metrics
 
         def epoch(carry, epoch_key):
-            perm = jax.random.permutation(epoch_key, p)
-            split = lambda x: x[perm].reshape((m, a, p // (m * a)) + x.shape[1:])
-            return jax.lax.scan(minibatch, carry, jax.tree.map(split, data))
+            perm = jax.random.permutation(epoch_key, rows)
+            split = lambda x: x[perm].reshape((m, a, rows // (m * a)) + x.shape[1:])  # noqa: E731
+            return jax.lax.scan(step, carry, jax.tree.map(split, batch))
 
-        keys = jax.random.split(key, cfg.num_iterations)
-        same = jnp.asarray(ref_is_policy, bool)
-        (policy, opt_state, _), metrics = jax.lax.scan(epoch, (policy, opt_state, same), keys)
-        # the sampler/trainer mismatch is only meaningful before the first optimizer step
-        first_diff = metrics.pop("sampler_logprob_diff")[0, 0]
-        metrics = reduce_metrics(metrics)
-        metrics["sampler_logprob_diff"] = first_diff
-        return policy, opt_state, metrics
+        carry = (params, opt_state, jnp.asarray(ref_is_policy, bool))
+        (params, opt_state, _), metrics = jax.lax.scan(epoch, carry, jax.random.split(key, epochs))
+        return params, opt_state, M.values(M.reduce_steps(metrics))
 
     return update
 
 
-def reduce_metrics(metrics: dict, weights: jax.Array | None = None) -> dict:
-    """Metrics stacked over micro-batches or steps -> one value each. Extremes stay extremes
-    (``*_max`` and the sampler/trainer difference by max, ``*_min`` by min), the first non-finite
-    gradient leaf is the first step's that has one; the rest are means,
-    weighted by ``weights`` (the micro-batches' loss tokens: a micro-batch's masked mean then
-    counts as its tokens, and the step's metric is the one of the whole minibatch)::
-
-        mean = sum_i w_i x_i / sum_i w_i      (plain mean when every w_i is 0)
-    """
-    def one(name, x):
-        if name == "first_nonfinite_grad":  # that of the first step with one, else -1
-            x = x.reshape(-1)
-            return x[jnp.argmax(x >= 0)]
-        if name.endswith("_max") or name == "sampler_logprob_diff":
-            return jnp.max(x)
-        if name.endswith("_min"):
-            return jnp.min(x)
-        if weights is None:
-            return jnp.mean(x)
-        w = weights.astype(x.dtype)  # one scalar metric per micro-batch: x and w are both [a]
-        total = jnp.sum(w)
-        return jnp.where(total > 0, jnp.sum(w * x) / jnp.where(total > 0, total, 1), jnp.mean(x))
-    return {k: one(k, v) for k, v in metrics.items()}
+def _declared(out):
+    loss, metrics = out
+    return loss, {k: M.as_metric(v) for k, v in metrics.items()}
 
 
-def skipped_updates(opt_state) -> jax.Array:
-    """Total optimizer steps skipped for non-finite gradients (``optax.apply_if_finite``)."""
-    return opt_state.total_notfinite
-
-
-def consecutive_skipped_updates(opt_state) -> jax.Array:
-    """Optimizer steps skipped in a row, up to the last one (0 after a step that applied)."""
-    return opt_state.notfinite_count
+def _weight(micro_batch) -> Array:
+    """A micro-batch's weight in token-weighted metric means: its loss tokens."""
+    return jnp.sum(micro_batch["loss_mask"]).astype(jnp.float32)

@@ -1,0 +1,1 @@
+"""Training algorithms, one package each, on the shared core of ``relax.train``."""

@@ -1,0 +1,1 @@
+"""GRPO and its family (Dr. GRPO, DAPO, GSPO, RLOO, CISPO presets)."""

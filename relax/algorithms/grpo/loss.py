@@ -1,0 +1,94 @@
+"""The GRPO-family loss on one micro-batch of prompt groups, for ``relax.train.update``.
+
+Per valid completion token: the policy loss ``cfg.policy_loss`` against the old (sampling)
+policy, plus ``beta * KL`` to the reference (or Signal's conservative penalty, or nothing here
+when the KL is in the reward), minus ``entropy_coef * H``; aggregated by ``cfg.loss_type``
+with the batch-wide normalisers of ``ctx.norms``::
+
+    loss = aggregate(pg_t + beta * KL_t - c_H * H_t;  tokens = ctx.norms["tokens"],
+                     sequences = ctx.norms["sequences"])
+
+While the policy is bitwise the reference (``ctx.ref_is_policy``) the reference log-probs are
+the policy's own under a stop-gradient: ``KL_t = 0`` and its gradient is 0 (``relax.train.update``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from relax.masked import masked_mean
+from relax.metrics import Metric
+from relax.models.prefix_shared import completion_rope
+from relax.objectives.aggregation import aggregate
+from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
+from relax.objectives.policy import cispo, ppo_clip, reinforce
+from relax.passes import Passes
+from relax.train.update import LossContext, make_update
+
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.stages import train_logprobs
+
+
+def policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
+    """``(per_token [N, T], metrics)`` of ``cfg.policy_loss`` with the config's clipping."""
+    if cfg.policy_loss == "ppo":
+        return ppo_clip(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                        delta=cfg.delta, clip_ratio_c=cfg.clip_ratio_c, importance=cfg.importance_sampling_level)
+    if cfg.policy_loss == "cispo":
+        return cispo(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
+    return reinforce(logp, adv, mask)
+
+
+def make_loss(cfg: GRPOConfig, passes: Passes = Passes()):
+    """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups."""
+
+    def loss_fn(policy, mb, ctx: LossContext):
+        p, g, n = mb["tokens"].shape
+        logp, ent = train_logprobs(policy, mb, passes, temperature=cfg.temperature, attention=cfg.train_attention,
+                                   remat=cfg.remat, remat_policy=cfg.remat_policy,
+                                   entropy_grad=cfg.entropy_coef != 0.0)
+        flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+        logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
+        adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
+        per_token, metrics = policy_loss(cfg, logp, old, adv, mask)
+        metrics = dict(metrics)
+        if cfg.beta > 0:
+            # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
+            ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logp), flat(mb["ref_logprobs"]))
+            kl = kl_estimate(logp, ref, cfg.kl_estimator, mask=mask)
+            metrics["kl"] = masked_mean(kl, mask)
+            if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
+                per_token = per_token + jnp.where(mask, conservative_penalty(
+                    kl, threshold=cfg.kl_threshold, coef=cfg.beta), 0.0)
+            elif not cfg.kl_in_reward:
+                per_token = per_token + cfg.beta * kl
+        if cfg.entropy_coef != 0.0:
+            per_token = per_token + entropy_bonus(ent, mask, coef=cfg.entropy_coef)
+        metrics["entropy"] = masked_mean(ent, mask)
+        # meaningful before the first optimizer step only: max over its micro-batches
+        metrics["sampler_logprob_diff"] = Metric(jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0)), "first_step")
+        loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
+                         num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+        return loss, metrics
+
+    return loss_fn
+
+
+def make_grpo_update(cfg: GRPOConfig, optimizer, passes: Passes = Passes()):
+    """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``:
+    the generic update (``relax.train.update``) of ``make_loss(cfg)`` with the config's epochs,
+    minibatches and micro-batches. ``data``: per-prompt arrays with a leading ``[P]`` axis
+    (``prompt_ids``, ``prompt_mask``; ``tokens``/``mask``/``loss_mask``/``old_logprobs``/
+    ``ref_logprobs`` ``[P, G, N]``; ``advantages`` ``[P, G]`` or ``[P, G, N]``)."""
+    update = make_update(make_loss(cfg, passes), optimizer, epochs=cfg.num_iterations,
+                         minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes,
+                         track_reference=cfg.beta > 0)
+
+    def grpo_update(policy, opt_state, data, key, ref_is_policy=False):
+        _, g, n = data["tokens"].shape
+        # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
+        data = {**data, "rope": completion_rope(policy.config, data["prompt_mask"], g, n)}
+        return update(policy, opt_state, data, key, ref_is_policy)
+
+    return grpo_update

@@ -1,0 +1,133 @@
+"""The GRPO step as five stages: ``grpo_step = compose(rollout, score, reference, advantage, update)``.
+
+- ``rollout`` (jit): G completions per prompt with the prefix-shared sampler; the sampler's
+  log-probs are the old-policy log-probs.
+- ``score`` (host): decode completions, run the reward functions (TRL signature), combine.
+- ``reference`` (jit): reference log-probs (when ``beta > 0``), computed once with the
+  prefix-shared training forward and cached in the batch; it fuses with the two stages after
+  it into one program (it runs after ``score`` so that it lives with the trainer).
+- ``advantage`` (jit): group-relative advantages; all-equal groups get 0 (or are dropped).
+- ``update`` (jit): epochs x minibatches of optimizer steps, then the reference rule.
+
+The batch is a dict; its host entries (``prompts``, ``fields``) bypass the jitted stages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from relax.compose import Stage, compose, stage
+from relax.objectives import advantages as adv_lib
+from relax.objectives.kl import kl_estimate
+from relax.objectives.reference import make_reference_rule
+from relax.passes import Passes, choose_passes
+from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
+from relax.rollout.sampler import RolloutConfig
+from relax.rollout.sampling import SamplingConfig
+from relax.train.health import first_nonfinite
+from relax.train.optimizer import skip_counts
+from relax.train.state import TrainState
+
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo.loss import make_grpo_update
+from relax.algorithms.stages import make_reference, make_rollout, make_score
+
+
+def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
+    return RolloutConfig(
+        num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+        sampling=SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p),
+        eos_ids=eos_ids, pad_id=pad_id)
+
+
+def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> jax.Array:
+    """DAPO overlong penalty and length shaping on ``[P, G]`` rewards, as configured."""
+    if cfg.overlong_buffer is not None:
+        rewards = rewards + overlong_penalty(lengths, max_length=cfg.max_new_tokens, buffer_length=cfg.overlong_buffer,
+                                             penalty_factor=cfg.overlong_penalty_factor)
+    if cfg.length_shaping is not None:
+        rewards = length_shaping(rewards, lengths, mode=cfg.length_shaping, target=cfg.length_target,
+                                 coef=cfg.length_coef)
+    return rewards
+
+
+def make_advantage(cfg: GRPOConfig) -> Stage:
+    def advantage(state, batch):
+        rewards = shape_rewards(cfg, batch["rewards"], batch["lengths"])
+        if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=batch["mask"] > 0)
+            rewards = rewards - cfg.beta * jnp.sum(kl, axis=-1)
+        if cfg.advantage == "grpo":
+            a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
+        elif cfg.advantage == "rloo":
+            a = adv_lib.rloo(rewards)
+        else:  # token-level [P, G, N]
+            a = adv_lib.reinforce_pp_baseline(rewards, batch["mask"] > 0)
+        keep = dynamic_sampling_mask(rewards)  # False for all-equal (zero-signal) groups
+        loss_mask = batch["mask"]
+        if cfg.zero_std_groups == "drop":
+            loss_mask = loss_mask * keep[:, None, None]
+        if cfg.mask_truncated_completions:
+            loss_mask = loss_mask * batch["finished"][..., None]
+        return state, {**batch, "shaped_rewards": rewards, "advantages": a, "loss_mask": loss_mask,
+                       "group_keep": keep}
+
+    return stage(advantage, name="advantage")
+
+
+def make_update_stage(cfg: GRPOConfig, passes: Passes) -> Stage:
+    """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule."""
+    rule = make_reference_rule(cfg.reference)
+    keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
+
+    def update(state: TrainState, batch):
+        update_fn = make_grpo_update(cfg, state.optimizer, passes)
+        data = {k: batch[k] for k in keys}
+        if cfg.beta > 0:
+            data["ref_logprobs"] = batch["ref_logprobs"]
+        key, sub = jax.random.split(state.key)
+        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub,
+                                               batch.get("ref_is_policy", False))
+        step, ref, ref_stats = state.step + 1, state.ref, state.ref_stats
+        if ref_stats is not None:  # for KL-target / entropy-floor reference resets
+            ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])
+        if ref is not None:
+            ref = rule(ref, policy, step, {} if ref_stats is None else ref_stats.as_dict())
+        total_skips, streak = skip_counts(opt_state)
+        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
+                  "first_nonfinite": first_nonfinite(batch, metrics["loss"]), "consecutive_skips": streak}
+        metrics = {**metrics, **_batch_metrics(batch), "skipped_updates": total_skips}
+        new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key, ref_stats=ref_stats)
+        return new, {**batch, "metrics": metrics, "health": health}
+
+    return stage(update, name="update", reads_reference=True)
+
+
+def _batch_metrics(batch) -> dict:
+    rewards = batch["rewards"]
+    stats = group_stats(rewards)
+    lengths = batch["lengths"].astype(jnp.float32)
+    out = {**stats, "completion_length": jnp.mean(lengths),
+           "truncated_frac": jnp.mean(1.0 - batch["finished"].astype(jnp.float32)),
+           "advantage_mean": jnp.mean(batch["advantages"]), "advantage_std": jnp.std(batch["advantages"])}
+    for name, part in batch["reward_parts"].items():
+        out[f"reward/{name}"] = jnp.nanmean(part)
+    return out
+
+
+def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
+                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+    """``grpo_step(state, batch) -> (state, batch)`` with ``batch`` holding ``prompt_ids``,
+    ``prompt_mask`` ``[P, Lp]`` and host entries ``prompts`` (list[str]) and ``fields``; the
+    optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
+    ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``)."""
+    passes = choose_passes() if passes is None else passes
+    return compose(
+        make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
+        make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s, stop_strings=cfg.stop_strings),
+        make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),
+        make_advantage(cfg),
+        make_update_stage(cfg, passes),
+        name="grpo_step",
+    )

@@ -1,0 +1,271 @@
+"""Online RL runs on prompts, shared by GRPO and PPO: model, tokenizer and data (the built-in
+task or ``--model``/``--data``), reward functions, held-out evaluation, HF export, meshes; the
+loop itself is ``relax.train.run.run_loop``.
+
+An algorithm supplies an ``OnlineAlgorithm``: its name, how to build its state from the loaded
+model, how to build its step, and the sampling sizes evaluation needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.data.prompts import DataConfig, eval_records, prompt_batch, prompt_iterator, read_records, read_splits
+from relax.eval.evaluate import EvalConfig, evaluate
+from relax.models.config import DTYPES
+from relax.models.hf import load_pretrained, save_pretrained
+from relax.parallel import ParallelConfig, ShardedStep, batch_shards, check_batch
+from relax.passes import Passes, choose_passes
+from relax.rewards.builtin import get_reward
+from relax.rewards.functions import RewardFunction
+from relax.tasks import reverse
+from relax.text import TextTokenizer, load_tokenizer
+from relax.train.logs import MetricsLogger, is_main_process
+from relax.train.run import RunConfig, Trainer, run_loop
+
+BAR_KEYS = (("reward", "reward"), ("kl", "kl"), ("completion_length", "len"), ("tokens_per_s", "tok/s"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineRunConfig(RunConfig):
+    """An online RL run on prompts. Without ``model`` the built-in offline task (``task``) is used."""
+
+    model: str | None = None
+    """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
+    tokenizer: str | None = None
+    """Another tokenizer than --model's: a directory, a tokenizer.json or a sentencepiece .model."""
+    data: str | None = None
+    """Training prompts: .jsonl / .parquet file or directory (required with --model)."""
+    eval_data: str | None = None
+    """Held-out prompts; without it ``eval_fraction`` of --data is held out."""
+    eval_fraction: float = 0.0
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    data_source_field: str = "data_source"
+    max_prompt_tokens: int = 512
+    overlong: str = "truncate"
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """auto: string prompts go through the model's chat template when it has one (a chat model);
+    always / never. A prompt that is a list of chat messages always goes through it."""
+    system_prompt: str | None = None
+    reward: tuple[str, ...] = ("exact_match",)
+    """Built-in reward functions by name (exact_match, numeric_match, format_reward)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per --reward (empty: all 1)."""
+    reward_timeout_s: float | None = 60.0
+    reward_on_error: str = "raise"
+    """raise: stop naming the function and sample; missing: log, count, treat as missing."""
+    batch_size: int = 16
+    """Prompts per step (P); each gets G completions."""
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    eval: EvalConfig = EvalConfig()
+    eval_max_prompts: int | None = None
+    task: reverse.ReverseTask = reverse.ReverseTask()
+    parallel: ParallelConfig = ParallelConfig()
+    """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model is not None and self.data is None:
+            raise ValueError("--model needs --data")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise ValueError(f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward")
+        for name in (self.param_dtype, self.compute_dtype):
+            if name not in DTYPES:
+                raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size >= 1 is required")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What an algorithm's step is built from: rewards, the completion decoder, stop tokens, passes."""
+
+    reward_fns: list
+    decode: Callable[[np.ndarray, np.ndarray], list[str]]
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    passes: Passes
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineAlgorithm:
+    """``make_state(model, key)`` -> the algorithm's ``TrainState``; ``make_step(parts)`` -> its
+    composed step; G, the completion budget and stop strings (for evaluation and tokens/s)."""
+
+    name: str
+    make_state: Callable[[Any, jax.Array], Any]
+    make_step: Callable[[StepParts], Any]
+    num_generations: int
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+
+
+def builtin_setup(cfg: OnlineRunConfig, run_dir: Path, log):
+    """Task files, tokenizer and base model of the built-in task (reused when present)."""
+    task = cfg.task
+    task_dir = run_dir / "task"
+    train, held_out = reverse.make_splits(task)
+    reverse.write_jsonl(train, task_dir / "train.jsonl")
+    reverse.write_jsonl(held_out, task_dir / "eval.jsonl")
+    tokenizer = reverse.build_tokenizer(task, task_dir)
+    base_dir = run_dir / "base_model"
+    if (base_dir / "config.json").exists():
+        model = load_pretrained(base_dir)
+        log(f"base model: {base_dir} (reused)")
+    else:
+        log("base model: a supervised phase on a noisy teacher (reverses only "
+            f"{task.reverse_prob:.0%} of the time) ...")
+        model = reverse.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
+        if is_main_process():
+            save_pretrained(model, base_dir)
+            tokenizer.save_pretrained(base_dir)  # a complete HF directory: transformers loads it
+    return tokenizer, model, str(task_dir / "train.jsonl"), str(task_dir / "eval.jsonl")
+
+
+def _decoder(tokenizer: TextTokenizer):
+    def decode(tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+        return [text.strip() for text in tokenizer.decode_batch(tokens, mask, skip_special_tokens=True)]
+    return decode
+
+
+def _on_host(enabled: bool):
+    """Load / initialise the model in host memory when it is going to be sharded anyway (so a
+    model larger than one accelerator never lands whole on device 0)."""
+    if enabled and jax.devices()[0].platform != "cpu":
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+            pass
+    return contextlib.nullcontext()
+
+
+def _exporter(tokenizer: TextTokenizer):
+    """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
+    files and chat template, a directory ``transformers`` loads (collective: every process calls it)."""
+
+    def export(policy, directory: Path) -> Path:
+        policy = _host_policy(policy)
+        if is_main_process():
+            save_pretrained(policy, directory)
+            tokenizer.save_pretrained(directory)
+        return directory
+
+    return export
+
+
+def _host_policy(policy):
+    """The policy as host arrays on every process (gathered from all processes' shards)."""
+    if jax.process_count() == 1:
+        return policy
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(policy, tiled=True)
+
+
+def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log):
+    """``(tokenizer, model, data_cfg, splits, eval_batch)``: the built-in task or --model/--data."""
+    if cfg.model is None:
+        tokenizer, model, data_path, eval_path = builtin_setup(cfg, run_dir, log)
+    else:
+        tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
+        with _on_host(on_host):
+            model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+        data_path, eval_path = cfg.data, cfg.eval_data
+    buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens)
+    data_cfg = DataConfig(
+        path=data_path, batch_size=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
+        prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, data_source_field=cfg.data_source_field,
+        seed=cfg.seed, overlong=cfg.overlong, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
+        prompt_buckets=buckets + (cfg.max_prompt_tokens,),
+        eval_fraction=cfg.eval_fraction if eval_path is None else 0.0)
+    splits = read_splits(data_cfg)  # the training data is read once, for both splits
+    if eval_path is not None:
+        held_out = read_records(eval_path, fields=(cfg.prompt_field,))
+    else:
+        held_out = eval_records(data_cfg, splits)
+    if cfg.eval_max_prompts is not None:
+        held_out = held_out[:cfg.eval_max_prompts]
+    eval_batch = prompt_batch(held_out, data_cfg, tokenizer) if held_out else None
+    return tokenizer, model, data_cfg, splits, eval_batch
+
+
+def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: StepParts, log):
+    """``run_eval(policy, step, logger) -> metrics``: the held-out evaluation, logged at ``step``."""
+
+    def run_eval(policy, step: int, logger: MetricsLogger) -> dict:
+        if eval_batch is None:
+            return {}
+        t0 = time.perf_counter()
+        metrics = evaluate(policy, eval_batch, reward_fns=parts.reward_fns, decode=parts.decode,
+                           eos_ids=parts.eos_ids, pad_id=parts.pad_id, max_new_tokens=algo.max_new_tokens,
+                           key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
+                           answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s,
+                           stop_strings=algo.stop_strings)
+        logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
+        return metrics
+
+    return run_eval
+
+
+def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm):
+    def host_metrics(batch: dict, metrics: dict) -> dict:
+        # from the global mean: on several processes ``lengths`` is not addressable whole
+        num_tokens = metrics["completion_length"] * cfg.batch_size * algo.num_generations
+        return {"tokens_per_s": num_tokens / metrics["time/step"],
+                "reward_errors": float(batch["reward_info"]["errors"] + batch["reward_info"]["timeouts"])}
+    return host_metrics
+
+
+def _make_batch(cfg: OnlineRunConfig):
+    def make_batch(pb) -> dict:
+        return {"prompt_ids": jnp.asarray(pb.prompt_ids), "prompt_mask": jnp.asarray(pb.prompt_mask),
+                "prompts": pb.prompts, "fields": {cfg.answer_field: pb.answers, **pb.fields}}
+    return make_batch
+
+
+def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    cfg.parallel.initialize()  # multi-host: before anything touches a device
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = print if is_main_process() else (lambda *a, **k: None)
+    log(f"relax {algo.name.upper()} | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
+        f"| run dir {run_dir}")
+    t_start = time.perf_counter()
+    mesh, sampler_mesh = cfg.parallel.meshes()
+    check_batch(cfg.batch_size, mesh)
+    check_batch(cfg.batch_size, sampler_mesh)
+    if mesh is not None:
+        log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
+            + f" | {jax.process_count()} process(es)")
+    tokenizer, model, data_cfg, splits, eval_batch = _model_and_data(cfg, run_dir, mesh is not None, log)
+    weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
+    parts = StepParts(
+        reward_fns=[RewardFunction(get_reward(n), name=n, weight=w) for n, w in zip(cfg.reward, weights)],
+        decode=_decoder(tokenizer), eos_ids=tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids})),
+        pad_id=tokenizer.pad_token_id, passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)))
+    with _on_host(mesh is not None):
+        state = algo.make_state(model, jax.random.key(cfg.seed))
+    step_fn = algo.make_step(parts)
+    if mesh is not None:  # every process: the same state, laid out on the (global) mesh
+        step_fn = ShardedStep(step_fn, state, mesh, sampler_mesh=sampler_mesh,
+                              offload_reference=cfg.parallel.offload_reference)
+        state = step_fn.place(state)
+        del model
+    trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
+                      make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
+                      evaluate=_evaluator(cfg, algo, eval_batch, parts, log), export=_exporter(tokenizer),
+                      bar_keys=BAR_KEYS)
+    _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
+    return summary

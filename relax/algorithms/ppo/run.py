@@ -1,0 +1,66 @@
+"""The PPO run: ``run(cfg)`` is what ``examples/train_ppo.py`` calls. Everything but the
+algorithm (model and data, the built-in task, evaluation, checkpoints, logs, export) is
+``relax.algorithms.online``, as for GRPO; the run directory has the same layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax.models.config import DTYPES
+from relax.models.critic import init_critic, load_critic
+from relax.train.state import init_state
+
+from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, run_online
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.step import make_ppo_step
+
+
+@dataclasses.dataclass(frozen=True)
+class PPORunConfig(OnlineRunConfig):
+    """A PPO run (every ``OnlineRunConfig`` flag, plus ``--ppo.*``)."""
+
+    ppo: PPOConfig = PPOConfig()
+    run_dir: str = "runs/ppo"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ppo.advantage == "vineppo" and self.parallel.enabled:
+            raise ValueError("--ppo.advantage vineppo samples its branches on the host's device: "
+                             "it runs without --parallel.mesh / --parallel.sampler-devices")
+
+
+def builtin_defaults() -> PPORunConfig:
+    """The no-argument run: the reverse task, sized to finish in a few minutes on 2 CPU cores."""
+    ppo = PPOConfig(num_generations=4, max_new_tokens=8,
+                    optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
+                    critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
+    return PPORunConfig(ppo=ppo, steps=60, batch_size=16, max_prompt_tokens=16, eval_every=20, checkpoint_every=20,
+                        run_dir="runs/ppo-reverse")
+
+
+def real_defaults() -> PPORunConfig:
+    return PPORunConfig()
+
+
+def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
+    p = cfg.ppo
+
+    def make_state(model, key):
+        critic = None
+        if p.needs_critic:
+            critic = (init_critic(model) if p.critic_model is None else
+                      load_critic(p.critic_model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]))
+        return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,
+                          critic_optimizer=None if critic is None else p.critic_optimizer.make())
+
+    def make_step(parts: StepParts):
+        return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
+                             passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s)
+
+    return OnlineAlgorithm(name="ppo", make_state=make_state, make_step=make_step, num_generations=p.num_generations,
+                           max_new_tokens=p.max_new_tokens, stop_strings=p.stop_strings)
+
+
+def run(cfg: PPORunConfig) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    return run_online(cfg, algorithm(cfg))

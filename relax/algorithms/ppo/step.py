@@ -1,0 +1,193 @@
+"""The PPO step: ``compose(rollout, score, reference, [mc_values], advantage, update)``.
+
+- ``rollout``, ``score``, ``reference``: as GRPO's (``relax.algorithms.stages``).
+- ``mc_values`` (host, VinePPO only): Monte-Carlo state values from branched rollouts
+  (``relax.algorithms.ppo.vine``).
+- ``advantage`` (jit): per-token rewards with the KL penalty in them, the critic's values of the
+  sampled states, GAE (or VinePPO's ``V(s_{t+1}) - V(s_t)``), whitening::
+
+      r_t = score * [t = last valid] - kl_coef * KL_t(old || ref)
+      delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t
+
+- ``update`` (jit): the policy loss (``relax.objectives.registry``) and the critic's clipped
+  value loss, each through ``relax.train.update`` on the same minibatch split; the reference rule.
+
+A completion whose score is missing (NaN: every reward function failed for it) is left out of
+both losses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from relax.compose import Stage, compose, stage
+from relax.masked import masked_mean
+from relax.models.critic import completion_values
+from relax.models.prefix_shared import completion_rope
+from relax.objectives.advantages import gae, vineppo_advantages, whiten
+from relax.objectives.aggregation import aggregate
+from relax.objectives.kl import entropy_bonus, kl_estimate
+from relax.objectives.reference import make_reference_rule
+from relax.objectives.value import clipped_value_loss, explained_variance
+from relax.passes import Passes, choose_passes
+from relax.rollout.sampler import RolloutConfig
+from relax.rollout.sampling import SamplingConfig
+from relax.train.health import first_nonfinite
+from relax.train.optimizer import skip_counts
+from relax.train.state import TrainState
+from relax.train.update import LossContext, make_update
+
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.vine import make_mc_values
+from relax.algorithms.stages import make_reference, make_rollout, make_score, train_logprobs
+
+ACTOR_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages", "rope")
+CRITIC_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_values", "returns", "critic_rope")
+
+
+def rollout_config(cfg: PPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
+    return RolloutConfig(num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+                         sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=eos_ids, pad_id=pad_id)
+
+
+def token_rewards(score, mask, kl, kl_coef: float):
+    """``r_t = score * [t = last valid token] - kl_coef * KL_t`` on valid tokens, ``[..., N]``."""
+    m = mask > 0
+    n = m.shape[-1]
+    last = jnp.where(jnp.any(m, -1), n - 1 - jnp.argmax(m[..., ::-1], axis=-1), -1)
+    at_end = jnp.arange(n) == last[..., None]
+    return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
+
+
+def make_advantage(cfg: PPOConfig, passes: Passes) -> Stage:
+    def advantage(state: TrainState, batch):
+        p, g, n = batch["tokens"].shape
+        score_ok = jnp.isfinite(batch["rewards"])
+        score = jnp.where(score_ok, batch["rewards"], 0.0)
+        loss_mask = batch["mask"] * score_ok[..., None]
+        m = loss_mask > 0
+        kl = (kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=m)
+              if cfg.kl_coef > 0 else jnp.zeros(m.shape, jnp.float32))
+        r = token_rewards(score, loss_mask, kl, cfg.kl_coef)
+        flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+        out = {**batch, "loss_mask": loss_mask, "token_rewards": r, "kl_to_ref": kl}
+        if cfg.advantage == "gae":
+            rope = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
+            values = jax.lax.stop_gradient(completion_values(
+                state.critic, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
+                attention=cfg.train_attention, rope=rope))
+            adv, returns = gae(flat(r), flat(values), flat(m), gamma=cfg.gamma, lam=cfg.lam)
+            out.update(old_values=values, returns=returns.reshape(p, g, n),
+                       explained_variance=explained_variance(flat(values), returns, flat(m)))
+        else:  # VinePPO: V(s_t) from branched rollouts; the terminal value is the KL-shaped score
+            adv = vineppo_advantages(flat(batch["mc_values"]), flat(m), terminal_values=score.reshape(-1))
+            adv = adv - cfg.kl_coef * flat(kl)
+        if cfg.whiten_advantages:
+            adv = whiten(adv, flat(m))
+        return state, {**out, "advantages": adv.reshape(p, g, n)}
+
+    return stage(advantage, name="advantage")
+
+
+def make_actor_loss(cfg: PPOConfig, passes: Passes):
+    """``loss(policy, micro_batch, ctx)``: the registry's policy loss (+ entropy bonus), aggregated."""
+    policy_loss = cfg.loss()
+
+    def loss_fn(policy, mb, ctx: LossContext):
+        p, g, n = mb["tokens"].shape
+        logp, ent = train_logprobs(policy, mb, passes, temperature=cfg.temperature, attention=cfg.train_attention,
+                                   entropy_grad=cfg.entropy_coef != 0.0)
+        flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+        mask = flat(mb["loss_mask"]) > 0
+        per_token, metrics = policy_loss(flat(logp), flat(mb["old_logprobs"]), flat(mb["advantages"]), mask)
+        if cfg.entropy_coef != 0.0:
+            per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
+        loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
+                         num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+        return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": loss}
+
+    return loss_fn
+
+
+def make_critic_loss(cfg: PPOConfig, passes: Passes):
+    """``loss(critic, micro_batch, ctx) = vf_coef * aggregate(0.5 max((V - R)^2, (V_clip - R)^2))``."""
+
+    def loss_fn(critic, mb, ctx: LossContext):
+        p, g, n = mb["tokens"].shape
+        values = completion_values(critic, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
+                                   attention=cfg.train_attention, unroll=passes.unroll(critic.backbone.config.num_layers),
+                                   rope=mb["critic_rope"])
+        flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+        mask = flat(mb["loss_mask"]) > 0
+        per_token, metrics = clipped_value_loss(flat(values), flat(mb["old_values"]), flat(mb["returns"]), mask,
+                                                clip_range=cfg.cliprange_value)
+        loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
+                                       num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+        return loss, {**metrics, "vpred": masked_mean(flat(values), mask)}
+
+    return loss_fn
+
+
+def make_update_stage(cfg: PPOConfig, passes: Passes) -> Stage:
+    """The actor's and the critic's updates on the same minibatch split, then the reference rule."""
+    rule = make_reference_rule(cfg.reference)
+    split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes)
+
+    def update(state: TrainState, batch):
+        _, g, n = batch["tokens"].shape
+        batch = {**batch, "rope": completion_rope(state.policy.config, batch["prompt_mask"], g, n)}
+        if cfg.needs_critic:  # the critic's own tables: it may be another model than the policy
+            batch["critic_rope"] = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
+        key, k_actor, k_critic = jax.random.split(state.key, 3)
+        actor = make_update(make_actor_loss(cfg, passes), state.optimizer, **split)
+        policy, opt_state, metrics = actor(state.policy, state.opt_state, {k: batch[k] for k in ACTOR_KEYS}, k_actor)
+        critic, critic_opt_state = state.critic, state.critic_opt_state
+        if cfg.needs_critic:
+            critic_update = make_update(make_critic_loss(cfg, passes), state.critic_optimizer, **split)
+            critic, critic_opt_state, critic_metrics = critic_update(
+                critic, critic_opt_state, {k: batch[k] for k in CRITIC_KEYS}, k_critic)
+            metrics = {**metrics, **{f"critic/{k}": v for k, v in critic_metrics.items()
+                                     if k != "first_nonfinite_grad"}}
+        step = state.step + 1
+        ref = state.ref if state.ref is None else rule(state.ref, policy, step, {})
+        total_skips, streak = skip_counts(opt_state)
+        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
+                  "first_nonfinite": first_nonfinite(batch, metrics["loss"]), "consecutive_skips": streak}
+        metrics = {**metrics, **_batch_metrics(cfg, batch), "skipped_updates": total_skips}
+        new = state.replace(policy=policy, opt_state=opt_state, critic=critic, critic_opt_state=critic_opt_state,
+                            ref=ref, step=step, key=key)
+        return new, {**batch, "metrics": metrics, "health": health}
+
+    return stage(update, name="update", reads_reference=True)
+
+
+def _batch_metrics(cfg: PPOConfig, batch) -> dict:
+    m = batch["loss_mask"] > 0
+    kl_sum = jnp.sum(jnp.where(m, batch["kl_to_ref"], 0.0), -1)
+    out = {"reward": jnp.nanmean(batch["rewards"]), "kl": masked_mean(batch["kl_to_ref"], m),
+           "non_score_reward": -cfg.kl_coef * jnp.mean(kl_sum),
+           "completion_length": jnp.mean(batch["lengths"].astype(jnp.float32)),
+           "truncated_frac": jnp.mean(1.0 - batch["finished"].astype(jnp.float32)),
+           "advantage_mean": masked_mean(batch["advantages"], m)}
+    if cfg.needs_critic:
+        out.update(returns_mean=masked_mean(batch["returns"], m), values_mean=masked_mean(batch["old_values"], m),
+                   explained_variance=batch["explained_variance"])
+    for name, part in batch["reward_parts"].items():
+        out[f"reward/{name}"] = jnp.nanmean(part)
+    return out
+
+
+def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
+                  passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+    """``ppo_step(state, batch) -> (state, batch)``; ``batch`` as GRPO's. The state holds the
+    critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``)."""
+    passes = choose_passes() if passes is None else passes
+    rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
+    stages = [make_rollout(rcfg),
+              make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s, stop_strings=cfg.stop_strings)]
+    if cfg.needs_reference:
+        stages.append(make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention))
+    if cfg.advantage == "vineppo":
+        stages.append(make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s))
+    return compose(*stages, make_advantage(cfg, passes), make_update_stage(cfg, passes), name="ppo_step")

@@ -1,0 +1,101 @@
+"""VinePPO's Monte-Carlo state values (Kazemnejad et al. 2024): no critic; the value of the
+state before completion token ``t`` is the mean score of ``K`` completions re-sampled from it.
+
+For every sampled completion and every branch point ``t_j = j * vine_every < length``, the
+prefix ``prompt + tokens[:t_j]`` becomes a new prompt; the prefix-shared sampler decodes its
+``K = vine_rollouts`` branches from ONE prefill of it (the K branches share its KV cache, as
+G completions share a prompt's), each branch cut to the original budget ``N - t_j``, and the
+reward functions score ``tokens[:t_j] + branch``::
+
+    V(s_{t_j}) = mean_k score(prompt, tokens[:t_j] + branch_k)
+    mc_values[t] = V(s_{t_j})   for t_j <= t < t_{j+1}
+
+Cost per iteration: ``P * G * ceil(N / vine_every)`` extra prefills of at most ``Lp + N`` tokens
+and ``K`` times as many decodes of ``N`` tokens, all scored on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.compose import Stage, stage
+from relax.rewards.functions import as_reward_functions, score_groups
+from relax.rollout.sampler import RolloutConfig, generate_with
+
+VINE_STREAM = 0x7105  # the branches' key: fold_in(state.key, VINE_STREAM)
+
+
+def branch_prompts(prompt_ids: np.ndarray, prompt_mask: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
+                   every: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Left-padded prefixes ``prompt + tokens[:t_j]`` ``[P*G*J, Lp + N]`` (with their mask) and the
+    branch points ``t_j`` ``[J]``; rows are ordered (p, g, j)."""
+    p, g, n = tokens.shape
+    points = np.arange(0, n, every)
+    width = prompt_ids.shape[1] + n
+    ids = np.zeros((p, g, len(points), width), np.int32)
+    mask = np.zeros_like(ids)
+    for i in range(p):
+        prompt = prompt_ids[i][prompt_mask[i] > 0]
+        for k in range(g):
+            for j, t in enumerate(points):
+                row = np.concatenate([prompt, tokens[i, k, :min(t, lengths[i, k])]])
+                ids[i, k, j, width - len(row):] = row
+                mask[i, k, j, width - len(row):] = 1
+    return ids.reshape(-1, width), mask.reshape(-1, width), points
+
+
+def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: str = "raise",
+                   timeout_s: float | None = None) -> Stage:
+    """Host stage adding ``mc_values`` ``[P, G, N]`` (module docstring) to the batch."""
+    fns = as_reward_functions(reward_fns)
+    branch_cfg = RolloutConfig(num_generations=cfg.vine_rollouts, max_new_tokens=rcfg.max_new_tokens,
+                               sampling=rcfg.sampling, eos_ids=rcfg.eos_ids, pad_id=rcfg.pad_id,
+                               prompt_buckets=rcfg.prompt_buckets)
+
+    def mc_values(state, batch):
+        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
+        lengths = np.asarray(batch["lengths"])
+        p, g, n = tokens.shape
+        ids, pmask, points = branch_prompts(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]),
+                                            tokens, lengths, cfg.vine_every)
+        key = jax.random.fold_in(state.key, VINE_STREAM)
+        branches = generate_with(state.policy, ids, pmask, key, branch_cfg)
+        j, k = len(points), cfg.vine_rollouts
+        done = np.minimum(points[None, None, :], lengths[..., None])  # tokens already in each prefix
+        full, full_mask = _joined(tokens, mask, done, np.asarray(branches.tokens).reshape(p, g, j, k, n),
+                                  np.asarray(branches.mask).reshape(p, g, j, k, n))
+        prompts = [t for t in batch["prompts"] for _ in range(g * j)]
+        fields = {name: [v for v in vals for _ in range(g * j)] for name, vals in batch.get("fields", {}).items()}
+        total, _, _, _ = score_groups(fns, decode, prompts, fields, full.reshape(p * g * j, k, n),
+                                      full_mask.reshape(p * g * j, k, n), on_error=on_error, timeout_s=timeout_s)
+        values = np.nanmean(np.where(np.isfinite(total), total, np.nan), axis=-1) if total.size else total
+        values = np.nan_to_num(values.reshape(p, g, j), nan=0.0)
+        per_token = np.repeat(values, np.diff(np.append(points, n)), axis=-1)[..., :n]
+        return state, {**batch, "mc_values": jnp.asarray(per_token, jnp.float32)}
+
+    return stage(mc_values, jit=False, name="mc_values")
+
+
+def _joined(tokens, mask, done, branch_tokens, branch_mask):
+    """``tokens[:t_j] + branch[:N - t_j]`` per (p, g, j, k), right-padded to ``N``."""
+    p, g, n = tokens.shape
+    j, k = branch_tokens.shape[2:4]
+    out = np.zeros((p, g, j, k, n), np.int32)
+    out_mask = np.zeros_like(out)
+    for idx in np.ndindex(p, g, j):
+        d = int(done[idx])
+        out[idx][:, :d] = tokens[idx[:2]][:d]
+        out_mask[idx][:, :d] = mask[idx[:2]][:d]
+        out[idx][:, d:] = branch_tokens[idx][:, :n - d]
+        out_mask[idx][:, d:] = branch_mask[idx][:, :n - d]
+    return out, out_mask
+
+
+def branch_cost(p: int, g: int, n: int, every: int, rollouts: int) -> dict[str, int]:
+    """Extra prefills and decoded sequences VinePPO adds per iteration (for the docs and metrics)."""
+    points = math.ceil(n / every)
+    return {"prefills": p * g * points, "decoded_sequences": p * g * points * rollouts}

@@ -1,0 +1,122 @@
+"""Stages every online algorithm shares: ``rollout`` (the prefix-shared sampler), ``score``
+(reward functions on the host) and ``reference`` (cached reference log-probs); and the
+trainer's log-probs of a micro-batch of prompt groups (``train_logprobs``)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.compose import Stage, stage
+from relax.models.prefix_shared import completion_logprobs
+from relax.objectives.reference import params_equal
+from relax.passes import Passes
+from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, combine_checked,
+                                    score_groups, score_tokens)
+from relax.rollout.sampler import RolloutConfig, _generate
+from relax.text.stop_strings import truncate_at_stop_strings
+from relax.train.state import TrainState
+
+ROLLOUT_STREAM = 0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM); the update splits state.key
+
+
+def make_rollout(rcfg: RolloutConfig) -> Stage:
+    """G completions per prompt with the prefix-shared sampler; its log-probs are the old policy's."""
+
+    def rollout(state: TrainState, batch):
+        # the state is read, not changed: the update advances the key once per iteration
+        key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
+        r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], key, rcfg)
+        out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
+               "lengths": r.lengths, "finished": r.finished}
+        return state, out
+
+    # the rewards (a host stage) run next: if they raise, the caller's state is untouched
+    return stage(rollout, name="rollout", updates_state=False, placement="sampler")
+
+
+def make_reference(passes: Passes, *, temperature: float, attention: str) -> Stage:
+    """Reference log-probs of the sampled completions (when the state has a reference model),
+    cached in the batch as ``ref_logprobs``; a stage of its own so that it can run where the
+    reference lives (the trainer devices, see ``relax.parallel``).
+
+    While the reference is bitwise the policy that sampled (``ref_is_policy``, also in the batch
+    for the update), its log-probs are not recomputed: they ARE the policy's, the sampler's here
+    (so a KL in the reward is exactly 0) and the trainer's own in the loss (``relax.train.update``),
+    so the KL term and its gradient are exactly zero whatever the pass layout or mesh."""
+
+    def reference(state: TrainState, batch):
+        if state.ref is None:
+            return state, batch
+        same = params_equal(state.ref, state.policy, smallest_first=passes.cache_sized)
+
+        def recompute():  # forward only: remat would recompute nothing
+            return completion_logprobs(
+                state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
+                temperature=temperature, groups_per_pass=passes.groups_per_pass(),
+                attention=attention).astype(batch["old_logprobs"].dtype)
+
+        ref_logprobs = jax.lax.stop_gradient(jax.lax.cond(same, lambda: batch["old_logprobs"], recompute))
+        return state, {**batch, "ref_logprobs": ref_logprobs, "ref_is_policy": same}
+
+    return stage(reference, name="reference", reads_reference=True)
+
+
+def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
+               decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
+               timeout_s: float | None = None, stop_strings: tuple[str, ...] = ()) -> Stage:
+    """Host stage: Python reward functions score the decoded completions (``score_groups``: each
+    prompt's text and dataset fields repeated over its G completions, TRL's layout). Python reward
+    functions get ``(prompts, completions, **fields)``; ``TokenRewardFunction``s run jitted on the
+    token arrays. All are combined by weight (a sample is missing, NaN, only when every function
+    is missing for it). First, completions are cut at their first stop string
+    (``relax.text.stop_strings``: ``mask``, ``lengths`` and ``finished`` replaced)."""
+    token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
+    fns = as_reward_functions([f for f in reward_fns if not isinstance(f, TokenRewardFunction)])
+    if not fns and not token_fns:
+        raise ValueError("make_score needs at least one reward function")
+
+    def score(state, batch):
+        parts: dict[str, np.ndarray] = {}
+        info: dict = {"errors": 0, "timeouts": 0}
+        weights: dict[str, float] = {}
+        out = dict(batch)
+        if stop_strings:
+            mask, lengths, finished = truncate_at_stop_strings(batch["tokens"], batch["mask"], batch["finished"],
+                                                               decode, stop_strings)
+            out.update(mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished))
+            batch = out
+        if fns:
+            _, per, info, out["completions"] = score_groups(
+                fns, decode, batch["prompts"], batch.get("fields", {}), batch["tokens"], batch["mask"],
+                on_error=on_error, timeout_s=timeout_s)
+            parts.update(per)
+            weights.update({f.name: f.weight for f in fns})
+        if token_fns:
+            _, per = score_tokens(token_fns, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
+                                  batch["mask"])
+            parts.update({k: np.asarray(v, np.float32) for k, v in per.items()})
+            weights.update({f.name: f.weight for f in token_fns})
+        total = combine_checked(parts, weights, completions=out.get("completions"))
+        out.update(rewards=jnp.asarray(total, jnp.float32), reward_info=info,
+                   reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
+        return state, out
+
+    return stage(score, jit=False, name="score")
+
+
+def train_logprobs(policy, mb, passes: Passes, *, temperature: float, attention: str, remat: bool = False,
+                   remat_policy: str = "nothing", entropy_grad: bool = True):
+    """Trainer log-probs and entropies ``[P, G, N]`` of a micro-batch's completions (the
+    prefix-shared forward, laid out as ``passes`` say; ``mb["rope"]`` when precomputed)."""
+    p, g, n = mb["tokens"].shape
+    c, lp = policy.config, mb["prompt_ids"].shape[1]
+    probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
+    return completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
+                               temperature=temperature, with_entropy=True, remat=remat, attention=attention,
+                               remat_policy=remat_policy, entropy_grad=entropy_grad,
+                               unroll=passes.unroll(c.num_layers), save_attention=passes.save_attention(probs_bytes),
+                               rope=mb.get("rope"))

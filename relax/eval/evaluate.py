@@ -1,0 +1,76 @@
+"""Held-out evaluation of a policy: greedy accuracy, mean reward, pass@1 and pass@k.
+
+``correct`` means reward >= ``correct_threshold`` (1.0 for exact / numeric match). pass@k uses
+the unbiased estimator over ``n`` samples per prompt (``relax.eval.passk.pass_at_k``), grouped
+by data source when the data has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from relax.data.prompts import PromptBatch
+from relax.eval.passk import summarize
+from relax.rewards.functions import score_groups
+from relax.rollout.sampler import RolloutConfig, compiled_generate
+from relax.rollout.sampling import SamplingConfig
+from relax.text.stop_strings import truncate_at_stop_strings
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """``num_samples`` completions per prompt at ``temperature`` for pass@k (``ks``; empty =
+    1, 2, 4, ... n), plus one greedy completion; prompts go through the sampler
+    ``batch_prompts`` at a time (the last chunk is padded, so one compile serves all)."""
+
+    num_samples: int = 4
+    temperature: float = 1.0
+    ks: tuple[int, ...] = ()
+    correct_threshold: float = 1.0
+    batch_prompts: int = 64
+    greedy: bool = True
+
+
+def _generate_all(model, batch: PromptBatch, rcfg: RolloutConfig, key, chunk: int):
+    """Tokens and masks ``[P, G, N]`` for all prompts, ``chunk`` prompts per sampler call."""
+    p = batch.prompt_ids.shape[0]
+    chunk = min(chunk, p)
+    fn = compiled_generate(rcfg)
+    toks, masks = [], []
+    for start in range(0, p, chunk):
+        idx = np.arange(start, start + chunk) % p  # pad the last chunk by wrapping around
+        r = fn(model, batch.prompt_ids[idx], batch.prompt_mask[idx], jax.random.fold_in(key, start))
+        n_real = min(chunk, p - start)
+        toks.append(np.asarray(r.tokens)[:n_real])
+        masks.append(np.asarray(r.mask)[:n_real])
+    return np.concatenate(toks), np.concatenate(masks)
+
+
+def evaluate(model, batch: PromptBatch, *, reward_fns, decode, eos_ids: tuple[int, ...], pad_id: int,
+             max_new_tokens: int, key, cfg: EvalConfig, answer_field: str | None = "answer",
+             timeout_s: float | None = None, stop_strings: tuple[str, ...] = ()) -> dict[str, float]:
+    """Metrics over every prompt of ``batch`` (keys like ``pass@1``, ``greedy/accuracy``);
+    completions end at their first ``stop_strings`` match as in training."""
+    fields = dict(batch.fields)
+    if answer_field is not None:
+        fields[answer_field] = list(batch.answers)
+    out: dict[str, float] = {}
+
+    def rewards_of(tokens, masks):
+        masks, _, _ = truncate_at_stop_strings(tokens, masks, np.zeros(tokens.shape[:-1], bool), decode, stop_strings)
+        return score_groups(reward_fns, decode, batch.prompts, fields, tokens, masks, timeout_s=timeout_s)[0]
+
+    if cfg.greedy:
+        rcfg = RolloutConfig(num_generations=1, max_new_tokens=max_new_tokens,
+                             sampling=SamplingConfig(temperature=0.0), eos_ids=eos_ids, pad_id=pad_id)
+        r = rewards_of(*_generate_all(model, batch, rcfg, key, cfg.batch_prompts))
+        out["greedy/accuracy"] = float(np.mean(r >= cfg.correct_threshold))
+        out["greedy/reward"] = float(np.nanmean(r))
+    rcfg = RolloutConfig(num_generations=cfg.num_samples, max_new_tokens=max_new_tokens,
+                         sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=eos_ids, pad_id=pad_id)
+    r = rewards_of(*_generate_all(model, batch, rcfg, jax.random.fold_in(key, 1), cfg.batch_prompts))
+    out.update(summarize(r, r >= cfg.correct_threshold, ks=cfg.ks or None, data_source=batch.data_source))
+    return out

@@ -1,0 +1,243 @@
+"""The training forward with the prompt shared by its G completions (Prefix Grouper).
+
+Each prompt runs through the layers once; at every layer its keys/values (head-major,
+``[P, Hkv, Lp, D]``) are attended by all G completions of the group, with the G completions
+folded into the query rows, and merged exactly with the completions' own causal block::
+
+    o = merge( attn(q_c, K_prompt, V_prompt), attn(q_c, K_c, V_c; causal) )
+
+so prompt compute is done once instead of G times and gradients flow back into the prompt
+positions through ``K_prompt, V_prompt``. Logits exist only where a completion token is
+predicted: from the last prompt position (first completion token) and from completion
+positions ``0..N-2``; they are never materialised beyond a chunk of rows.
+
+The completion attention has two implementations of the same function (``attention``):
+``"group"`` (``relax.models.group_attention``: the prompt part once per group, a loop over
+groups; fastest on CPU) and ``"dense"`` (``relax.models.dense_attention``: one fused causal
+attention per completion over [prompt; completion], cuDNN's flash attention on GPU, 5x the
+group kernel there). ``"auto"`` takes ``"dense"`` where cuDNN can run it (GPU, 16-bit dtype, no
+sliding window) and ``"group"`` elsewhere.
+
+The layers run as one ``lax.scan``; where their kinds differ (Gemma 3's sliding and full layers)
+the kinds are scanned with them and each layer picks its window and RoPE tables
+(``relax.models.layer_kinds``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from relax.models.config import ModelConfig
+from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
+from relax.models.group_attention import prefix_group_attention
+from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
+from relax.models.layer_kinds import layer_kind, layer_window, scanned_kinds
+from relax.models.rope import Rotary, rotary
+from relax.models.transformer import (Transformer, embed, final_norm, full_attention, layer_forward,
+                                      positions_from_mask)
+from relax.models.sharding import ambient_batch_shards
+
+
+TRAIN_ATTENTION = ("auto", "group", "dense")
+# what a rematerialised layer keeps for the backward: nothing (recompute the whole layer) or the
+# outputs of its weight matmuls (recompute only attention and elementwise ops; more memory)
+REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def resolve_attention(choice: str, model: Transformer) -> str:
+    """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window), else ``"group"``."""
+    if choice not in TRAIN_ATTENTION:
+        raise ValueError(f"unknown train attention {choice!r}; valid: {', '.join(TRAIN_ATTENTION)}")
+    c = model.config
+    if choice == "auto":
+        return "dense" if not c.has_window and fused_attention_available(model.dtype) else "group"
+    if choice == "dense" and c.has_window:
+        raise ValueError(f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
+                         "use 'group'")
+    return choice
+
+
+class CompletionRope(NamedTuple):
+    """Rotary ``(cos, sin)`` tables of a batch's prompt positions and completion positions; the
+    ``*_local`` ones are the sliding layers' own RoPE (None for a model with one RoPE)."""
+
+    prompt: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]]
+    completion: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]]
+    prompt_local: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]] | None = None
+    completion_local: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]] | None = None
+
+
+def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_generations: int,
+                    num_tokens: int) -> CompletionRope:
+    """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
+    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t``.
+
+    Compute them once, outside any loop that calls ``completion_logprobs`` (micro-batches,
+    epochs), and pass them as its ``rope``: XLA:CPU fuses ``cos``/``sin`` into every consumer
+    and, with the layer loop unrolled, recomputes them per head and per layer (rotary fusions
+    ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
+    """
+    c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
+    prompt, completion = rotary(config, positions_from_mask(prompt_mask)), rotary(config, c_pos)
+    return CompletionRope(prompt.full, completion.full, prompt.local, completion.local)
+
+
+def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> Int[Array, "p g n"]:
+    """Completion token ``t`` of every completion of a prompt sits at ``prompt length + t``."""
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    return p_len[:, None, None] + jnp.broadcast_to(jnp.arange(n), (g, n))
+
+
+def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
+                   remat_policy, unroll, save_attention, rope):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completions ``[P*G, N, D]``."""
+    c = model.config
+    p = prompt_ids.shape[0]
+    _, g, n = completions.shape
+    b = p * g
+    hk, r = c.num_kv_heads, c.q_per_kv
+
+    p_valid = prompt_mask.astype(bool)
+    p_pos = positions_from_mask(prompt_mask)
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    c_pos = _completion_positions(prompt_mask, g, n).reshape(b, n)
+    c_valid = completion_mask.reshape(b, n).astype(bool)
+    if rope is None:
+        rope = completion_rope(c, prompt_mask, g, n)
+    p_rope = Rotary(rope.prompt, rope.prompt_local)
+    c_rope = jax.tree.map(lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local))
+    prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
+
+    # one group per loop step on one device; one local group per device per step on a mesh
+    # (all groups at once when they do not split evenly over the mesh's batch shards)
+    shards = ambient_batch_shards()
+    per_step = 1 if shards == 1 else (shards if p % shards == 0 else p)
+    q_pos = jnp.tile(c_pos, (1, r)).reshape(p, g, r * n)  # query rows (r, t) of each KV head
+    k_pos, k_valid = c_pos.reshape(p, g, n), c_valid.reshape(p, g, n)
+
+    impl = "cudnn" if fused_attention_available(model.dtype) else "xla"  # of the "dense" path
+
+    def completion_attend(pk, pv):
+        if attention == "dense":
+            return lambda q, k, v, _, __: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl,
+                                                                  scale=c.attn_scale), None)
+
+        def attend(q, k, v, _, sliding):
+            d = q.shape[-1]
+            group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
+            qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
+            out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
+                                         window=layer_window(c, sliding), scale=c.attn_scale,
+                                         groups_per_step=per_step,
+                                         save_probabilities=save_attention)
+            out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
+            return out.astype(q.dtype), None
+        return attend
+
+    def body(carry, xs):
+        xp, xc = carry
+        layer, sliding = xs[0], layer_kind(c, xs[1])
+        xp, (pk, pv) = layer_forward(model, layer, xp, p_rope, prompt_attend, None, sliding)
+        xc, _ = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding)
+        return (xp, xc), None
+
+    if remat:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
+    xc0 = embed(model, completions.reshape(b, n))
+    xs = (model.layers, scanned_kinds(c))
+    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), xs, unroll=unroll)
+    return final_norm(model, xp), final_norm(model, xc)
+
+
+def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
+                        completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
+                        temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
+                        chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
+                        attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True,
+                        unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None):
+    """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
+
+    Prompts are left-padded; completions start right after the prompt's last valid token.
+    With ``with_entropy`` also returns the entropy of each predicted distribution.
+    Values at masked completion positions are finite but meaningless.
+    ``groups_per_pass``: run the whole network over that many prompt groups at a time (a
+    ``lax.map``; it must divide P) instead of all at once - for forward-only use, e.g. the
+    reference log-probs on CPU, where a group's activations then stay in cache.
+    ``attention``: the completion attention's implementation (module docstring).
+    ``remat_policy`` (with ``remat``): what each recomputed layer keeps, a key of ``REMAT_POLICIES``.
+    ``entropy_grad=False`` (with ``with_entropy``): the entropy is a stop-gradient metric and the
+    backward skips its term.
+    Two options for a differentiated call on cache-sized passes (``relax.passes.Passes``),
+    same values and gradients: ``unroll`` runs the layers unrolled instead of as a ``lax.scan``,
+    so the backward reads each layer's residuals from its own buffers instead of stacking them into
+    ``[L, ...]`` arrays and slicing them back (update -2.5% on 2 CPU cores; a forward alone gets
+    slower); ``save_attention`` keeps the group attention's probabilities for the backward
+    (``prefix_group_attention(save_probabilities=True)``; no effect on ``"dense"``).
+    ``rope``: the rotary tables (``completion_rope``) when the caller computed them outside its loop.
+    """
+    attention = resolve_attention(attention, model)
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+    run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
+                            remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
+                            entropy_grad=entropy_grad, unroll=unroll, save_attention=save_attention)
+    p, g, n = completions.shape
+    if groups_per_pass is None or groups_per_pass == p:
+        return run(prompt_ids, prompt_mask, completions, completion_mask, rope)
+    if groups_per_pass < 1 or p % groups_per_pass:
+        raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
+    if rope is None:  # outside the loop over groups (see completion_rope)
+        rope = completion_rope(model.config, prompt_mask, g, n)
+    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
+    xs = jax.tree.map(tiles, (prompt_ids, prompt_mask, completions, completion_mask, rope))
+    out = jax.lax.map(lambda xs: run(*xs), xs)
+    return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
+
+
+def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
+                      completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *, remat: bool = False,
+                      attention: str = "auto", remat_policy: str = "nothing", unroll: bool = False,
+                      save_attention: bool = False, rope: CompletionRope | None = None) -> Float[Array, "p g n d"]:
+    """The final-norm hidden state that predicts each completion token, ``[P, G, N, D]``::
+
+        h[p, g, 0] = hidden(prompt p)[-1]            (its last position: prompts are left-padded)
+        h[p, g, t] = hidden(completion g)[t - 1]     (t > 0)
+
+    the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
+    state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
+    """
+    attention = resolve_attention(attention, model)
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+    h = _predicting_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, rope, remat=remat,
+                           attention=attention, remat_policy=remat_policy, unroll=unroll, save_attention=save_attention)
+    return h.reshape(completions.shape + h.shape[-1:])
+
+
+def _predicting_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, rope, *, remat, attention,
+                       remat_policy, unroll, save_attention):
+    """``completion_hidden`` as ``[P*G, N, D]`` (``attention`` already resolved)."""
+    g = completions.shape[1]
+    hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
+                            remat_policy, unroll, save_attention, rope)
+    first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
+    return jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
+
+
+def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, rope, *, temperature,
+                         with_entropy, remat, chunk_size, attention, remat_policy, entropy_grad, unroll, save_attention):
+    p, g, n = completions.shape
+    h = _predicting_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, rope, remat=remat,
+                           attention=attention, remat_policy=remat_policy, unroll=unroll, save_attention=save_attention)
+    targets = completions.reshape(p * g, n)
+    if with_entropy:
+        lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,
+                                                   entropy_grad=entropy_grad)
+        return lp.reshape(p, g, n), ent.reshape(p, g, n)
+    return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n)

@@ -1,0 +1,288 @@
+"""Named policy losses: a frozen config per name and one calling convention for all of them.
+
+    loss = policy_loss("dapo", epsilon_high=0.3)          # PolicyLoss(name, config)
+    per_token, metrics = loss(logp, old_logp, advantages, mask)
+    scalar = aggregate(per_token, mask, "token-mean")     # relax.objectives.aggregation
+
+Every loss takes ``logp`` / ``old_logp`` / ``mask`` ``[N, T]`` and advantages ``[N]`` or
+``[N, T]`` and returns ``(per_token [N, T], metrics)`` like the functions of
+``relax.objectives.policy`` it is built on: exactly 0 at masked tokens, ``ratio_min`` /
+``ratio_max`` declared ``relax.metrics.Metric`` reductions. Ratios are
+``r_t = exp(clamp(logp_t - old_logp_t, -20, 20))`` against the OLD (sampling) policy, never the
+reference model; ``sg`` is stop-gradient, ``A_t`` the advantage. The losses, per valid token:
+
+=====================  =====================================================================
+``ppo``                ``max(-A r, -A clip(r, 1-eps, 1+eps))``; with ``clip_ratio_c`` and
+                       ``A < 0`` then ``min(., -A c)`` (dual-clip)
+``grpo``               ``max(-A min(r, delta), -A clip(r, 1-eps, 1+eps))`` (TRL's GRPO;
+                       ``delta=None``: no cap)
+``dapo``               ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`` (clip-higher)
+``gspo``               ``ppo`` with every token of sequence i at ratio
+                       ``s_i = exp(mean_{valid t}(logp - old_logp))``, gradient through each
+                       token's own ``logp`` (GSPO's token form, ``importance="sequence"``)
+``cispo``              ``-sg(clip(r, 1-eps_low, 1+eps_high)) A logp``
+``reinforce``          ``-A logp`` (``old_logp`` unused)
+``importance_sampling``  ``-min(r, cap) A``: Tinker's importance-sampling loss ``-r A`` with
+                       the ratio truncated at ``cap``; the gradient ``-r A grad logp`` flows
+                       where ``r < cap`` and is 0 where ``r > cap`` (``cap=None``: Tinker's loss
+                       itself)
+``conservative_ppo``   ``ppo`` (no dual-clip) ``+ coef max(0, KL_t - kl_threshold)^2`` with
+                       ``KL_t = kl_estimate(logp, old_logp, kl_estimator)`` (per-token KL to the
+                       OLD policy; ``k3``: ``exp(-d) + d - 1``, ``d = logp - old_logp``)
+=====================  =====================================================================
+
+``conservative_ppo``'s penalty is the restoring force PPO's clip lacks: a clipped token has no
+surrogate gradient at all, so nothing stops it from drifting further; the one-sided quadratic
+(``relax.objectives.kl.conservative_penalty``) is 0 inside the trust region and pulls the token
+back once its KL to the sampling policy passes the threshold. Its defaults (threshold 0.02,
+about the ``k3`` of a ratio at the clip edges 0.8 / 1.2; coef 10) are this library's choice, not
+a published recipe.
+
+The configs are frozen dataclasses and ``PolicyLoss`` is too: hashable, so a loss can be closed
+over by a jitted function or passed as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from relax.choices import check_choice
+from relax.masked import masked_mean
+from relax.metrics import Metric
+from relax.objectives.kl import _KL_ALIASES, KL_ESTIMATORS, conservative_penalty, kl_estimate
+from relax.objectives.policy import _fraction, _inputs, _log_ratio, _ratio_metrics, cispo, ppo_clip, reinforce
+
+__all__ = ["POLICY_LOSSES", "LOSS_FUNCTIONS", "PolicyLoss", "policy_loss", "PPOLossConfig", "GRPOLossConfig",
+           "DAPOLossConfig", "GSPOLossConfig", "CISPOLossConfig", "ReinforceLossConfig",
+           "ImportanceSamplingLossConfig", "ConservativePPOLossConfig"]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_clip(low: float, high: float, low_name: str, high_name: str) -> None:
+    _check(0.0 <= low <= 1.0, f"{low_name} must be in [0, 1] (the lower clip 1 - {low_name} >= 0), got {low}")
+    _check(high >= 0.0, f"{high_name} must be >= 0, got {high}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOLossConfig:
+    """PPO's clipped surrogate: symmetric ``epsilon``; ``clip_ratio_c`` (> 1) turns on dual-clip."""
+
+    epsilon: float = 0.2
+    clip_ratio_c: float | None = None
+
+    def __post_init__(self):
+        _check_clip(self.epsilon, self.epsilon, "epsilon", "epsilon")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+               f"clip_ratio_c must be > 1 for dual-clip PPO (or None), got {self.clip_ratio_c}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLossConfig:
+    """TRL's GRPO defaults: ``epsilon = 0.2`` both sides; ``delta`` (> 1) caps the unclipped
+    ratio (TRL's two-sided GRPO; None: off)."""
+
+    epsilon: float = 0.2
+    delta: float | None = None
+
+    def __post_init__(self):
+        _check_clip(self.epsilon, self.epsilon, "epsilon", "epsilon")
+        _check(self.delta is None or self.delta > 1.0, f"delta must be > 1 (or None), got {self.delta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DAPOLossConfig:
+    """DAPO's clip-higher (Yu et al. 2025): ``epsilon_low = 0.2``, ``epsilon_high = 0.28``."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+
+    def __post_init__(self):
+        _check_clip(self.epsilon_low, self.epsilon_high, "epsilon_low", "epsilon_high")
+
+
+@dataclasses.dataclass(frozen=True)
+class GSPOLossConfig:
+    """GSPO (Zheng et al. 2025): sequence-level ratios, clipped at ``1 - 3e-4`` / ``1 + 4e-4``."""
+
+    epsilon_low: float = 3e-4
+    epsilon_high: float = 4e-4
+
+    def __post_init__(self):
+        _check_clip(self.epsilon_low, self.epsilon_high, "epsilon_low", "epsilon_high")
+
+
+@dataclasses.dataclass(frozen=True)
+class CISPOLossConfig:
+    """CISPO (MiniMax-M1): the detached IS weight clipped to ``[1 - epsilon_low, 1 + epsilon_high]``.
+
+    Defaults: no lower bound (``epsilon_low = 1``: the weight is >= 0 anyway) and a cap of 5
+    (TRL's recommended ``epsilon_high = 5.0``, which TRL uses as the absolute cap)."""
+
+    epsilon_low: float = 1.0
+    epsilon_high: float = 4.0
+
+    def __post_init__(self):
+        _check_clip(self.epsilon_low, self.epsilon_high, "epsilon_low", "epsilon_high")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReinforceLossConfig:
+    """REINFORCE has nothing to configure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportanceSamplingLossConfig:
+    """Truncated importance sampling ``-min(r, cap) A``; ``cap = 2`` (TIS's usual cap; None: no cap)."""
+
+    cap: float | None = 2.0
+
+    def __post_init__(self):
+        _check(self.cap is None or self.cap > 0.0, f"cap must be > 0 (or None), got {self.cap}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConservativePPOLossConfig:
+    """PPO's clip (symmetric ``epsilon``) plus ``coef * max(0, KL_t - kl_threshold)^2``, ``KL_t``
+    the ``kl_estimator`` (``relax.objectives.kl.KL_ESTIMATORS``) of the per-token KL to the old policy."""
+
+    epsilon: float = 0.2
+    kl_threshold: float = 0.02
+    coef: float = 10.0
+    kl_estimator: str = "k3"
+
+    def __post_init__(self):
+        _check_clip(self.epsilon, self.epsilon, "epsilon", "epsilon")
+        _check(self.kl_threshold >= 0.0, f"kl_threshold must be >= 0, got {self.kl_threshold}")
+        _check(self.coef >= 0.0, f"coef must be >= 0, got {self.coef}")
+        check_choice("KL estimator", self.kl_estimator, (*KL_ESTIMATORS, *_KL_ALIASES))
+
+
+Out = tuple[Array, dict[str, Any]]
+
+
+def ppo_loss(logp, old_logp, advantages, mask, config: PPOLossConfig) -> Out:
+    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon, epsilon_high=config.epsilon,
+                    clip_ratio_c=config.clip_ratio_c)
+
+
+def grpo_loss(logp, old_logp, advantages, mask, config: GRPOLossConfig) -> Out:
+    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon, epsilon_high=config.epsilon,
+                    delta=config.delta)
+
+
+def dapo_loss(logp, old_logp, advantages, mask, config: DAPOLossConfig) -> Out:
+    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low,
+                    epsilon_high=config.epsilon_high)
+
+
+def gspo_loss(logp, old_logp, advantages, mask, config: GSPOLossConfig) -> Out:
+    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low,
+                    epsilon_high=config.epsilon_high, importance="sequence")
+
+
+def cispo_loss(logp, old_logp, advantages, mask, config: CISPOLossConfig) -> Out:
+    return cispo(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high)
+
+
+def reinforce_loss(logp, old_logp, advantages, mask, config: ReinforceLossConfig) -> Out:
+    del old_logp, config  # on-policy: no ratio
+    return reinforce(logp, advantages, mask)
+
+
+def importance_sampling_loss(logp, old_logp, advantages, mask, config: ImportanceSamplingLossConfig) -> Out:
+    """``-min(r, cap) A`` per valid token; metrics: ``clip_frac`` (valid tokens with ``r > cap``)
+    and ``ppo_clip``'s ratio / KL metrics."""
+    lp, old, adv, m = _inputs(mask, advantages, logp=logp, old_logp=old_logp)
+    ratio = jnp.exp(_log_ratio(lp, old, m, "token"))
+    weight = ratio if config.cap is None else jnp.minimum(ratio, config.cap)
+    capped = jnp.zeros_like(m) if config.cap is None else ratio > config.cap
+    metrics = {"clip_frac": _fraction(capped, m), **_ratio_metrics(ratio, lp, old, m)}
+    return jnp.where(m, -weight * adv, 0.0), metrics
+
+
+def conservative_ppo_loss(logp, old_logp, advantages, mask, config: ConservativePPOLossConfig) -> Out:
+    """``ppo_clip`` + ``conservative_penalty(kl_estimate(logp, old_logp))`` per valid token.
+
+    Metrics besides ``ppo_clip``'s: ``kl_old`` (mean per-token KL estimate to the old policy),
+    ``kl_old_max`` (declared ``max``), ``kl_over_threshold`` (fraction of valid tokens past the
+    threshold) and ``kl_penalty`` (mean per-token penalty)."""
+    per_token, metrics = ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon,
+                                  epsilon_high=config.epsilon)
+    m = jnp.asarray(mask).astype(bool)
+    kl = kl_estimate(logp, old_logp, config.kl_estimator, mask=m)
+    penalty = jnp.where(m, conservative_penalty(kl, threshold=config.kl_threshold, coef=config.coef), 0.0)
+    metrics = {
+        **metrics,
+        "kl_old": masked_mean(kl, m),
+        "kl_old_max": Metric(jnp.where(m.any(), jnp.max(jnp.where(m, kl, -jnp.inf)), 0.0), "max"),
+        "kl_over_threshold": _fraction(kl > config.kl_threshold, m),
+        "kl_penalty": masked_mean(penalty, m),
+    }
+    return per_token + penalty, metrics
+
+
+POLICY_LOSSES: dict[str, type] = {
+    "ppo": PPOLossConfig,
+    "grpo": GRPOLossConfig,
+    "dapo": DAPOLossConfig,
+    "gspo": GSPOLossConfig,
+    "cispo": CISPOLossConfig,
+    "reinforce": ReinforceLossConfig,
+    "importance_sampling": ImportanceSamplingLossConfig,
+    "conservative_ppo": ConservativePPOLossConfig,
+}
+
+LOSS_FUNCTIONS: dict[str, Callable[..., Out]] = {
+    "ppo": ppo_loss,
+    "grpo": grpo_loss,
+    "dapo": dapo_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+    "reinforce": reinforce_loss,
+    "importance_sampling": importance_sampling_loss,
+    "conservative_ppo": conservative_ppo_loss,
+}
+
+
+def _check_name(name: str) -> None:
+    check_choice("policy loss", name, tuple(POLICY_LOSSES))
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """A named policy loss and its config: ``loss(logp, old_logp, advantages, mask) -> (per_token, metrics)``."""
+
+    name: str
+    config: Any
+
+    def __post_init__(self):
+        _check_name(self.name)
+        cls = POLICY_LOSSES[self.name]
+        if not isinstance(self.config, cls):
+            raise TypeError(f"policy loss {self.name!r} takes a {cls.__name__}, got {type(self.config).__name__}")
+
+    def __call__(self, logp, old_logp, advantages, mask) -> Out:
+        return LOSS_FUNCTIONS[self.name](logp, old_logp, advantages, mask, self.config)
+
+
+def policy_loss(name: str, **overrides) -> PolicyLoss:
+    """The loss ``name`` (a key of ``POLICY_LOSSES``) with its default config, ``overrides`` replacing fields.
+
+    An unknown name, or a field the loss's config does not have, is a ``ValueError`` listing the
+    valid ones."""
+    _check_name(name)
+    cls = POLICY_LOSSES[name]
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        valid = ", ".join(fields) if fields else "none (it takes no options)"
+        raise ValueError(f"policy loss {name!r} has no option {', '.join(map(repr, unknown))}; valid: {valid}")
+    return PolicyLoss(name, cls(**overrides))

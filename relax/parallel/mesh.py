@@ -1,0 +1,261 @@
+"""Meshes and logical-axis sharding rules; the step on a mesh is ``relax.parallel.step`` (docs/architecture.md, "Scale").
+
+Mesh: three named axes, always all present (size 1 when unused)::
+
+    data    pure data parallelism: the batch is split, parameters are replicated
+    fsdp    the batch is split AND parameters / optimizer state are sharded (ZeRO-3 style)
+    tensor  tensor parallelism: attention heads, MLP width and the vocabulary are split
+
+``MeshSpec.parse("data=2,fsdp=4")`` (missing axes are 1; one axis may be ``-1``: all the
+remaining devices) and ``make_mesh(spec)``.
+
+Parameters carry LOGICAL axis names (``relax.models.sharding.LOGICAL_AXES``: every parameter of
+``relax.models.Transformer``); ``rules`` map them to mesh axes. ``DEFAULT_RULES``:
+
+    logical axis  mesh axis  what it shards
+    vocab         tensor     embedding / lm_head rows (vocabulary-parallel embedding and head)
+    embed         fsdp       the model width D of every matrix and norm (FSDP)
+    q_heads       tensor     query heads (Hq * head_dim, split at head boundaries)
+    kv_heads      tensor     key/value heads (Hkv * head_dim, split at head boundaries)
+    mlp           tensor     the MLP width F
+    layers        -          the stacked layer axis is never sharded (it is scanned over)
+    head_dim      -          q_norm / k_norm scales
+
+A mesh axis of size 1 shards nothing. A dimension that does not split evenly over its mesh
+axes is an ERROR (``ShardingError`` naming the parameter, the dimension and the mesh axis),
+never a silent replication: pick another mesh or pass rules mapping that logical axis to
+``None``. Head dimensions must split at head boundaries (``num_heads % tensor == 0``).
+
+The batch (``batch_sharding``): leading axis (prompts) over ``("data", "fsdp")``, the rest
+replicated; everything else in the train state (step, PRNG key, running statistics, optimizer
+counters) is replicated; optimizer moments (and float32 master weights) are sharded like their
+parameters.
+
+The step on a mesh (``ShardedStep``): the composed GRPO stage's leaves are regrouped into
+segments like ``relax.compose`` does (adjacent jittable stages fuse into one ``jax.jit``), and
+the shardings are EXPLICIT at every segment boundary: inputs are placed before each call
+(``jax.device_put`` / ``jax.make_array_from_process_local_data``) and every output is pinned
+with ``jax.lax.with_sharding_constraint`` (the state to its shardings, so the next call sees the
+same layout and nothing recompiles; batch arrays to the batch sharding). Inside a segment the
+partitioner propagates from those. Host stages (reward functions) see this process's rows.
+With a sampler mesh (``sampler_devices``), the rollout runs on its own devices with its own
+copy of the policy, refreshed from the trainer's after every update (``time/weight_transfer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from relax.parallel import distributed
+from relax.models.sharding import BATCH_AXES, LOGICAL_AXES, batch_shards
+from relax.models.transformer import Transformer
+
+AXES = ("data", "fsdp", "tensor")
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+DEFAULT_RULES: Rules = (("vocab", "tensor"), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
+                        ("mlp", "tensor"), ("layers", None), ("head_dim", None))
+
+
+class ShardingError(ValueError):
+    """A mesh that does not fit the devices, the model or the batch; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the (data, fsdp, tensor) mesh axes; ``-1`` (at most one) takes the remaining devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.shape
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            raise ShardingError(f"mesh {self}: axis sizes must be >= 1 (one may be -1), got {sizes}")
+
+    @classmethod
+    def parse(cls, text: str | MeshSpec) -> MeshSpec:
+        """``"data=2,fsdp=4,tensor=1"`` (any order, missing axes are 1, ``""`` is one device)."""
+        if isinstance(text, MeshSpec):
+            return text
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in str(text).split(","))):
+            name, sep, value = (s.strip() for s in part.partition("="))
+            if not sep or name not in AXES:
+                raise ShardingError(f"mesh spec {text!r}: {part!r} is not <axis>=<size> with axis one of {AXES}")
+            if name in sizes:
+                raise ShardingError(f"mesh spec {text!r} gives axis {name!r} twice")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ShardingError(f"mesh spec {text!r}: size of {name!r} is not an integer: {value!r}") from None
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    def resolve(self, num_devices: int) -> MeshSpec:
+        """The spec with ``-1`` filled in; ``ShardingError`` if it does not use exactly ``num_devices``."""
+        known = math.prod(s for s in self.shape if s != -1)
+        shape = self.shape
+        if -1 in shape:
+            if num_devices % known:
+                raise ShardingError(f"mesh {self}: {num_devices} devices do not divide by the other axes ({known})")
+            shape = tuple(num_devices // known if s == -1 else s for s in shape)
+        if math.prod(shape) != num_devices:
+            raise ShardingError(f"mesh {self} needs {' x '.join(map(str, shape))} = {math.prod(shape)} devices, "
+                                f"but {num_devices} device(s) are given")
+        return MeshSpec(*shape)
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in zip(AXES, self.shape))
+
+
+def make_mesh(spec: str | MeshSpec, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``Mesh`` with axes (data, fsdp, tensor) over ``devices`` (default: every device of every
+    process, arranged for the physical topology by ``jax.make_mesh``)."""
+    spec = MeshSpec.parse(spec)
+    pool = list(jax.devices() if devices is None else devices)
+    shape = spec.resolve(len(pool)).shape
+    if devices is None:
+        return jax.make_mesh(shape, AXES, (jax.sharding.AxisType.Auto,) * 3)
+    return Mesh(np.asarray(pool, dtype=object).reshape(shape), AXES)
+
+
+# ------------------------------------------------------------------------------ parameters
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+def _rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
+    for name, target in rules:
+        if name == logical:
+            return () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+    return ()
+
+
+def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, model_config=None, rules: Rules = DEFAULT_RULES) -> P:
+    """The ``PartitionSpec`` of parameter ``name`` (a ``LOGICAL_AXES`` key) of ``shape``."""
+    if name not in LOGICAL_AXES:
+        raise ShardingError(f"parameter {name} has no logical axes (add it to relax.models.sharding.LOGICAL_AXES)")
+    logical = LOGICAL_AXES[name]
+    if len(logical) != len(shape):
+        raise ShardingError(f"parameter {name} has shape {shape} but logical axes {logical}")
+    used: set[str] = set()
+    entries: list[Any] = []
+    for dim, (axis, size) in enumerate(zip(logical, shape)):
+        named = _rule_axes(rules, axis)
+        for a in named:  # a rule naming an axis the mesh lacks is a typo, not "replicate"
+            if a not in mesh.shape:
+                raise ShardingError(f"rule {axis!r} -> {a!r}: the mesh has no axis {a!r} ({tuple(mesh.shape)})")
+        axes = tuple(a for a in named if mesh.shape[a] > 1)
+        for a in axes:
+            if a in used:
+                raise ShardingError(f"parameter {name}: mesh axis {a!r} would shard two dimensions")
+        if not axes:
+            entries.append(None)
+            continue
+        n = math.prod(mesh.shape[a] for a in axes)
+        units, what = size, f"size {size}"
+        if axis in ("q_heads", "kv_heads") and model_config is not None:
+            heads = model_config.num_heads if axis == "q_heads" else model_config.num_kv_heads
+            units, what = heads, f"{heads} heads x {model_config.head_dim}"
+        if units % n:
+            where = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise ShardingError(
+                f"parameter {name} {tuple(shape)}: dimension {dim} ({axis}, {what}) does not split over "
+                f"mesh axis {where}; use a mesh whose {'/'.join(axes)} size divides {units}, or rules "
+                f"mapping {axis!r} to None")
+        used.update(axes)
+        entries.append(axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+def param_shardings(model: Transformer, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+                    memory_kind: str | None = None) -> Transformer:
+    """A pytree like ``model`` whose leaves are the ``NamedSharding`` of each parameter."""
+    cfg = model.config
+
+    def leaf(path, x):
+        return NamedSharding(mesh, partition_spec(_path_name(path), tuple(x.shape), mesh, cfg, rules),
+                             memory_kind=memory_kind)
+
+    return jax.tree_util.tree_map_with_path(leaf, model)
+
+
+def shard_model(model: Transformer, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Transformer:
+    """``model`` laid out on ``mesh`` by ``rules``."""
+    return jax.device_put(model, param_shardings(model, mesh, rules))
+
+
+def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(mesh, P(), memory_kind=memory_kind)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (prompt) axis over ``("data", "fsdp")``, the other axes replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+
+
+
+
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+                    reference_memory_kind: str | None = None) -> Any:
+    """Shardings for a ``TrainState`` (or any pytree holding models): every ``Transformer`` in it
+    (the policy, the reference, optimizer moments and master weights, which optax keeps in the
+    parameters' own pytree type) is sharded by ``rules``; every other leaf (step, PRNG key,
+    running statistics, optimizer counts) is replicated. ``reference_memory_kind`` places the
+    reference model (``state.ref``) in that memory (e.g. ``"pinned_host"``)."""
+
+    def shard(tree, memory_kind=None):
+        return jax.tree.map(
+            lambda x: param_shardings(x, mesh, rules, memory_kind=memory_kind) if isinstance(x, Transformer)
+            else replicated(mesh), tree, is_leaf=lambda x: isinstance(x, Transformer))
+
+    if reference_memory_kind is not None and state.ref is not None:
+        return dataclasses.replace(shard(state.replace(ref=None)),
+                                   ref=shard(state.ref, reference_memory_kind))
+    return shard(state)
+
+
+def batch_leaf_sharding(x: Any, mesh: Mesh, rows: int) -> NamedSharding:
+    """Batch sharding for an array whose leading axis has ``rows`` (the prompt count), else replicated."""
+    return batch_sharding(mesh) if np.ndim(x) >= 1 and np.shape(x)[0] == rows else replicated(mesh)
+
+
+def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
+    """Device entries of ``batch`` as global arrays on ``mesh``: arrays with the prompt axis
+    (``prompt_ids``' leading size) split over ``("data", "fsdp")``, others replicated. Host-local
+    arrays (numpy, or this process's rows) are assembled with
+    ``jax.make_array_from_process_local_data``; arrays on another mesh are moved."""
+    ids = batch["prompt_ids"]
+    global_rows = ids.shape[0] if distributed.is_global(ids) else ids.shape[0] * jax.process_count()
+    if global_rows % batch_shards(mesh):
+        raise ShardingError(f"{global_rows} prompts per step do not split over data x fsdp = "
+                            f"{mesh.shape['data']} x {mesh.shape['fsdp']}; use a batch size divisible by "
+                            f"{batch_shards(mesh)}")
+
+    def leaf(x):
+        rows = global_rows if distributed.is_global(x) else global_rows // jax.process_count()
+        return distributed.to_global(x, batch_leaf_sharding(x, mesh, rows))
+
+    return jax.tree.map(leaf, dict(batch))
+
+
+def constrain_batch(batch: Mapping[str, Any], mesh: Mesh, rows: int) -> dict:
+    """``with_sharding_constraint`` of every array in ``batch`` (inside jit) to the batch rule."""
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_leaf_sharding(x, mesh, rows)), dict(batch))
+

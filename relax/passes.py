@@ -1,0 +1,52 @@
+"""How a training program lays out its passes on this backend: the one place where relax makes
+performance choices that depend on the hardware (docs/architecture.md, "Passes").
+
+On one CPU device a prompt group's activations fit in cache, so a program that goes one group
+at a time is faster than one pass over the whole batch (a GRPO update on the benchmark batch,
+8 groups of 8 x 128 tokens: 3.2 s as one pass, 2.6 s one group at a time); accelerators and
+meshes want the whole batch per pass. ``choose_passes`` decides; trainers, losses and the
+reference stage receive the resulting ``Passes`` and never look at the backend themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """``cache_sized``: split work into one-prompt-group passes (forward-only reference log-probs
+    one group at a time, one group per micro-batch when a trainer's ``grad_accum`` is left to
+    the backend, parameter comparisons that look at the smallest leaves first).
+    ``unroll_max_layers``: on cache-sized passes, a differentiated forward of a model with at most
+    this many layers unrolls its layer loop (its backward then reads each layer's residuals in
+    place; deeper models keep the scan, whose compile time does not grow with depth).
+    ``saved_probs_bytes``: on cache-sized passes, the group attention keeps its probabilities for
+    the backward when one layer's fit this budget."""
+
+    cache_sized: bool = False
+    unroll_max_layers: int = 8
+    saved_probs_bytes: int = 64 * 2**20
+
+    def unroll(self, num_layers: int) -> bool:
+        return self.cache_sized and num_layers <= self.unroll_max_layers
+
+    def save_attention(self, probs_bytes: int) -> bool:
+        return self.cache_sized and probs_bytes <= self.saved_probs_bytes
+
+    def groups_per_pass(self) -> int | None:
+        """Prompt groups per forward-only pass: 1 on cache-sized passes, else all (None)."""
+        return 1 if self.cache_sized else None
+
+    def micro_batches(self, groups: int) -> int:
+        """Micro-batches a minibatch of ``groups`` prompt groups is split into by default."""
+        return groups if self.cache_sized else 1
+
+
+def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passes:
+    """The passes for ``backend`` (default: jax's) with the batch split ``batch_shards`` ways
+    (``relax.parallel.batch_shards(mesh)`` on a mesh): cache-sized on one CPU device only."""
+    backend = jax.default_backend() if backend is None else backend
+    return Passes(cache_sized=backend == "cpu" and batch_shards == 1)

@@ -1,0 +1,293 @@
+"""Batched G-completion sampling with a prefix-shared KV cache (docs/architecture.md, "The sampler").
+
+Each prompt is prefilled once; its keys/values are stored ONCE per prompt (per layer
+``[P, Hkv, D, Lp]`` keys, ``[P, Hkv, Lp, D]`` values) while each completion has its own cache
+(``[P*G, Hkv, D, N]`` / ``[P*G, Hkv, N, D]``, in blocks of ``cache_chunk`` slots). A decode
+step attends to the shared prompt (the G completions folded into the query rows, so it is one
+dense matmul per KV head) and to the filled blocks of the completion's own cache, into which
+the step's key/value was just written, and merges the unnormalised partial softmaxes exactly
+(``relax.models.attention.merge_stats``). Keys are stored transposed so the
+score product is a plain matmul. Prefill computes logits only at the last prompt position.
+Prefill and the decode loop are one jitted program: one ``lax.while_loop`` per cache block,
+each stopping early when every sequence has hit a stop id.
+
+Buffers are per layer and the decode loop runs the layers as a Python loop over per-layer
+(fused q/k/v and gate/up) weights: nothing stacked is sliced per step, and every cache is
+updated in place.
+
+The layer code is the model's own (``transformer.run_layers``): the sampler only supplies
+the attention, so its log-probs equal the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from relax.models import attention as attn
+from relax.models.layer_kinds import layer_window
+from relax.models.rope import rotary
+from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
+                                      project, run_layers)
+from relax.rollout.sampling import SamplingConfig, sample, uniform_table
+
+DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
+
+
+class Rollout(eqx.Module):
+    """G completions of P prompts. ``mask`` is 1 up to and including the stop token."""
+
+    tokens: Int[Array, "p g n"]
+    mask: Int[Array, "p g n"]
+    logprobs: Float[Array, "p g n"]
+    lengths: Int[Array, "p g"]
+    finished: Bool[Array, "p g"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """What the compiled sampler is specialised on (a new value compiles a new program)."""
+
+    num_generations: int
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    cache_chunk: int = 64  # completion-cache block: a step reads only the blocks filled so far
+    max_segments: int = 16
+    """At most this many cache blocks (one compiled decode loop each, the s-th reading s blocks, so
+    the program grows with their square): a long budget gets blocks of ``ceil(N / max_segments)``."""
+
+    def __post_init__(self):
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.cache_chunk < 1 or self.max_segments < 1:
+            raise ValueError(f"cache_chunk and max_segments must be >= 1, got {self.cache_chunk}, {self.max_segments}")
+        if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
+            raise ValueError(f"prompt_buckets must be increasing and non-empty, got {self.prompt_buckets}")
+
+
+def block_size(cfg: RolloutConfig) -> int:
+    """Completion-cache slots per block: ``cache_chunk``, or more when the budget would otherwise
+    need more than ``max_segments`` blocks."""
+    return max(cfg.cache_chunk, -(-cfg.max_new_tokens // cfg.max_segments))
+
+
+def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= length:
+            return b
+    raise ValueError(f"prompt length {length} is longer than the largest prompt bucket {buckets[-1]}")
+
+
+def validate(model: Transformer, prompt_ids, prompt_mask, cfg: RolloutConfig) -> np.ndarray:
+    """Host-side checks before anything is compiled; returns the prompt lengths."""
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must both be [P, Lp]")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"prompt_ids must be integers, got {ids.dtype}")
+    lengths = mask.astype(bool).sum(axis=1)
+    empty = np.nonzero(lengths == 0)[0]
+    if empty.size:
+        raise ValueError(f"prompt rows {empty.tolist()} are empty (all-zero prompt_mask)")
+    c = model.config
+    bad = np.nonzero((ids < 0) | (ids >= c.vocab_size))
+    if bad[0].size:
+        raise ValueError(f"prompt_ids[{bad[0][0]}, {bad[1][0]}] = {ids[bad][0]} is outside the vocabulary [0, {c.vocab_size})")
+    longest = int(lengths.max())
+    if longest > c.max_position_embeddings:
+        raise ValueError(f"prompt row {int(lengths.argmax())} has {longest} tokens, longer than the "
+                         f"model's context ({c.max_position_embeddings})")
+    bucket_length(ids.shape[1], cfg.prompt_buckets)
+    if longest + cfg.max_new_tokens > c.max_position_embeddings:
+        raise ValueError(f"max_new_tokens={cfg.max_new_tokens} after a {longest}-token prompt overflows the "
+                         f"model's context of {c.max_position_embeddings} positions")
+    for e in cfg.eos_ids:
+        if not 0 <= e < c.vocab_size:
+            raise ValueError(f"stop id {e} is outside the vocabulary [0, {c.vocab_size})")
+    if not 0 <= cfg.pad_id < c.vocab_size:
+        raise ValueError(f"pad_id {cfg.pad_id} is outside the vocabulary [0, {c.vocab_size})")
+    return lengths
+
+
+def _prefill(model: Transformer, ids, mask):
+    """Head-major prompt K/V ``[L, P, Hkv, Lp, D]`` and last-position logits (the only ones needed)."""
+    pos = positions_from_mask(mask)
+    attend = full_attention(model, pos, mask.astype(bool))
+    h, (pk, pv) = run_layers(model, embed(model, ids), pos, attend)
+    return pk, pv, project(model, h[:, -1])
+
+
+def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_valid, t, seg: int, chunk: int):
+    """Attention of one new token per completion over [shared prompt | own cache incl. itself].
+
+    ``q`` arrives as ``[P*G, 1, Hq, D]``; for the prompt block the G completions of a prompt
+    are folded into the query rows, ``[P, Hkv, G*R, D]``, against the prompt's single copy
+    of its keys ``[P, Hkv, D, Lp]``. The completion cache is a list of blocks of ``chunk``
+    slots; during segment ``seg`` (steps ``seg*chunk <= t < (seg+1)*chunk``) blocks before
+    ``seg`` are full, block ``seg`` is being filled and later blocks are not read at all.
+    Each layer masks by its own window (the decode loop runs the layers with static kinds).
+    """
+    c = model.config
+    hk, r = c.num_kv_heads, c.q_per_kv
+    scale = c.attn_scale
+
+    def attend(q, k, v, layer_input, sliding):
+        window = layer_window(c, sliding)
+        pk, pv, ck, cv = layer_input
+        b, _, hq, d = q.shape
+        p = b // num_gen
+        qg = q.reshape(b, hk, r, d)  # one query position: rows of a KV head are its R heads
+        allowed_p = prompt_valid[:, None, None, :]
+        if window is not None:
+            qpos_p = q_pos.reshape(p, num_gen)[:, 0]
+            allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
+        blocks = [attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True, scale=scale)]
+        # this step's key/value go into block seg first (in place, before it is read)
+        ck, cv = list(ck), list(cv)
+        ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.reshape(b, hk, d).astype(ck[seg].dtype),
+                                                      t - seg * chunk, axis=3)
+        cv[seg] = jax.lax.dynamic_update_index_in_dim(cv[seg], v.reshape(b, hk, d).astype(cv[seg].dtype),
+                                                      t - seg * chunk, axis=2)
+        for blk in range(seg + 1):
+            slots = blk * chunk + jnp.arange(cv[blk].shape[2])
+            allowed = slots <= t
+            if window is not None:
+                allowed = allowed & (t - slots < window)
+            blocks.append(attn.block_stats(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True,
+                                           scale=scale))
+        out = attn.merge_stats(blocks)
+        return out.reshape(b, 1, hq, d).astype(q.dtype), (tuple(ck), tuple(cv))
+
+    return attend
+
+
+def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+    c = model.config
+    p, _ = prompt_ids.shape
+    g, n = cfg.num_generations, cfg.max_new_tokens
+    b = p * g
+    dtype = model.dtype
+    pk, pv, logits0 = _prefill(model, prompt_ids, prompt_mask)
+    prompt_pos = positions_from_mask(prompt_mask)
+    prompt_valid = prompt_mask.astype(bool)
+    prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    keys = jax.random.split(key, b)
+    eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
+
+    u = uniform_table(keys, n)  # [B, N]: one draw per completion and step, derived up front
+
+    def draw(logits, step):
+        return sample(logits, jax.lax.dynamic_index_in_dim(u, step, axis=1, keepdims=False), cfg.sampling)
+
+    tok0, lp0 = draw(jnp.repeat(logits0, g, axis=0), 0)
+    finished0 = jnp.isin(tok0, eos)
+    tokens = jnp.full((b, n), cfg.pad_id, jnp.int32).at[:, 0].set(tok0)
+    logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
+    mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
+    # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
+    # so nothing is sliced (copied) per step and each cache is updated in place.
+    layers = fuse_layers(model)
+    # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
+    prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
+    # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a
+    # step reads only the blocks filled so far instead of the whole budget.
+    chunk = min(block_size(cfg), n)
+    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    ck = [tuple(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype) for sz in sizes) for _ in range(c.num_layers)]
+    cv = [tuple(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype) for sz in sizes) for _ in range(c.num_layers)]
+    q_pos_base = jnp.repeat(prompt_len, g)
+    # rotary cos/sin of every decode position, [B, N, D] each per RoPE kind, derived once before the loop
+    rope_table = rotary(c, q_pos_base[:, None] + jnp.arange(n)[None, :])
+
+    def make_segment(seg: int):
+        end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
+
+        def cond(s):
+            t, *_, finished = s
+            return (t < end) & ~jnp.all(finished)
+
+        def body(s):
+            t, tokens, logps, mask, ck, cv, finished = s
+            cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
+            q_pos = (q_pos_base + t)[:, None]
+            attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
+            inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
+            rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), rope_table)
+            h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers, rope=rope)
+            ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
+            tok, lp = draw(project(model, h[:, 0]), t + 1)
+            alive = ~finished
+            tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
+            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
+            mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
+            finished = finished | (alive & jnp.isin(tok, eos))
+            return t + 1, tokens, logps, mask, ck, cv, finished
+
+        return cond, body
+
+    state = (jnp.int32(0), tokens, logps, mask, ck, cv, finished0)
+    for seg in range(len(sizes)):
+        if seg * chunk < n - 1:
+            state = jax.lax.while_loop(*make_segment(seg), state)
+    _, tokens, logps, mask, _, _, finished = state
+    shape = (p, g, n)
+    return Rollout(tokens=tokens.reshape(shape), mask=mask.reshape(shape), logprobs=logps.reshape(shape),
+                   lengths=jnp.sum(mask, axis=1).reshape(p, g), finished=finished.reshape(p, g))
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_generate(cfg: RolloutConfig):
+    """The jitted sampler for one config (jax caches one executable per input shape)."""
+    return jax.jit(functools.partial(_generate, cfg=cfg))
+
+
+def pad_to_bucket(prompt_ids, prompt_mask, buckets: tuple[int, ...], pad_id: int):
+    """Left-pad the prompt buffers to their length bucket so nearby lengths share a compile."""
+    lp = prompt_ids.shape[1]
+    target = bucket_length(lp, buckets)
+    if target == lp:
+        return jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
+    extra = target - lp
+    ids = jnp.pad(jnp.asarray(prompt_ids, jnp.int32), ((0, 0), (extra, 0)), constant_values=pad_id)
+    mask = jnp.pad(jnp.asarray(prompt_mask, jnp.int32), ((0, 0), (extra, 0)))
+    return ids, mask
+
+
+def generate(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"], *,
+             key: Array, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             eos_ids: tuple[int, ...] | int | None = None, pad_id: int = 0,
+             prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS, cache_chunk: int = RolloutConfig.cache_chunk) -> Rollout:
+    """Sample ``num_generations`` completions of each left-padded prompt.
+
+    ``eos_ids=None`` takes the model config's ``eos_token_id`` (none: run to the budget).
+    The same key gives the same tokens; each completion's randomness is its own.
+    """
+    if eos_ids is None:
+        eos_ids = model.config.eos_ids
+    elif isinstance(eos_ids, int):
+        eos_ids = (eos_ids,)
+    cfg = RolloutConfig(
+        num_generations=num_generations, max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+        eos_ids=tuple(int(e) for e in eos_ids), pad_id=pad_id, prompt_buckets=tuple(prompt_buckets),
+        cache_chunk=cache_chunk)
+    return generate_with(model, prompt_ids, prompt_mask, key, cfg)
+
+
+def generate_with(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+    """``generate`` from a ready ``RolloutConfig``: validate on the host, bucket, run."""
+    validate(model, prompt_ids, prompt_mask, cfg)
+    ids, mask = pad_to_bucket(prompt_ids, prompt_mask, cfg.prompt_buckets, cfg.pad_id)
+    return compiled_generate(cfg)(model, ids, mask, key)

@@ -1,0 +1,419 @@
+"""Checkpoints: train state + data-iterator state + config, through one orbax ``CheckpointManager``.
+
+    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=3, save_every=100)
+    for step in ...:
+        state = train_step(state, batch)
+        ckpt.save(step, state, data_state=it.get_state(), config=dataclasses.asdict(cfg))
+    ckpt.close()
+
+    # resume: the target gives the structure (``jax.eval_shape(make_state)`` or a fresh state)
+    state, data_state, config = Checkpointer(run_dir / "checkpoints").restore(target=state0)
+
+Layout: ``<directory>/<step>/{state,data,config,integrity}``. ``state`` is an orbax standard
+pytree (arrays in tensorstore/OCDBT; equinox Modules, optax states and dicts are saved by their
+key paths). Typed PRNG keys (``jax.random.key``) are stored as their ``key_data`` (uint32) and
+rewrapped with the target's key implementation on restore. The other items are JSON.
+
+Integrity: every save also writes ``integrity``, the state's :func:`fingerprint` (two wrapping
+uint32 sums per array leaf, one jitted reduction on device), in the same orbax save: committed
+atomically with the arrays. ``restore`` recomputes it from the restored arrays and raises
+:class:`CheckpointCorruptError` naming the leaves that differ (orbax's zstd chunks carry no
+checksum: flipped bytes in a data file can decode to other values without any error). A
+checkpoint saved before the record existed restores with an :class:`UnverifiedCheckpointWarning`.
+
+Errors: a damaged checkpoint (an item missing, unreadable orbax/tensorstore metadata or arrays,
+unparsable JSON, values that differ from the record) raises ``CheckpointCorruptError`` (a
+``ValueError``) naming the directory, step and item, with the underlying error's first line (the
+full exception is chained). An intact checkpoint that does not fit the restore target (tree,
+shapes, dtypes) raises a plain ``ValueError``: a config mismatch, not damage.
+``restore_latest_intact`` falls back to the newest step that restores and verifies;
+``quarantine`` moves a damaged step out of the directory, deleting nothing.
+
+Saves are asynchronous: ``save`` returns once the arrays are copied to host, the write
+continues in a background thread (``wait()`` blocks on it). Orbax writes a step into
+``<step>.orbax-checkpoint-tmp-<timestamp>`` and renames it to ``<step>`` only when every item
+is written, so a process killed mid-save leaves the previous checkpoint as the latest one;
+leftover tmp directories are removed when the next ``Checkpointer`` opens the directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from relax.train.fingerprint import fingerprint
+
+PyTree = Any
+_STATE, _DATA, _CONFIG, _INTEGRITY = "state", "data", "config", "integrity"
+_RECORD_FORMAT = "relax-fingerprint-v1"
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint on disk that cannot be read back as saved. ``directory``, ``step`` and ``item``
+    (``"state"``, ``"data"``, ``"config"``, ``"integrity"``) say where; the cause is chained."""
+
+    def __init__(self, message: str, *, directory: str | None = None, step: int | None = None,
+                 item: str | None = None):
+        super().__init__(message)
+        self.directory, self.step, self.item = directory, step, item
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint without an integrity record (written before relax saved one)."""
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _encode_state(tree: PyTree) -> PyTree:
+    """Typed PRNG keys -> their uint32 key data (orbax cannot store key dtypes)."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _abstract_leaf(x):
+    """Restore target for one leaf: shape/dtype(/sharding) only; Python scalars stay as they are."""
+    if _is_key(x):
+        return jax.eval_shape(jax.random.key_data, x)
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return x  # numpy arrays restore as numpy arrays, Python scalars as Python scalars
+
+
+def _decode_leaf(target, restored):
+    if _is_key(target):
+        impl = jax.random.key_impl(target if isinstance(target, jax.Array)
+                                   else jnp.zeros((), target.dtype))
+        return jax.random.wrap_key_data(restored, impl=impl)
+    return restored
+
+
+def _encode_data(data_state: dict | bytes | None) -> dict:
+    if data_state is None:
+        return {"kind": "none", "value": None}
+    if isinstance(data_state, (bytes, bytearray)):
+        return {"kind": "bytes", "value": base64.b64encode(bytes(data_state)).decode("ascii")}
+    if isinstance(data_state, Mapping):
+        return {"kind": "json", "value": _to_json(data_state)}
+    raise TypeError(f"data_state must be a dict, bytes or None, got {type(data_state).__name__}")
+
+
+def _decode_data(stored: dict) -> dict | bytes | None:
+    kind = stored["kind"]
+    if kind == "none":
+        return None
+    if kind == "bytes":
+        return base64.b64decode(stored["value"], validate=True)
+    if kind == "json":
+        return stored["value"]
+    raise ValueError(f"unknown data_state kind {kind!r}")
+
+
+def _decode_record(stored: Any) -> dict[str, list[int]]:
+    fmt = stored.get("format") if isinstance(stored, dict) else type(stored).__name__
+    if fmt != _RECORD_FORMAT or not all(len(v) == 2 for v in stored["leaves"].values()):
+        raise ValueError(f"not a {_RECORD_FORMAT} record (format {fmt!r})")
+    return stored["leaves"]
+
+
+def _to_json(obj: Any) -> Any:
+    """A JSON round-trippable copy: dataclasses -> dicts, tuples -> lists, others via ``str``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line`` of an exception, without tensorstore's spec dump, at most ``limit``."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].split(" [tensorstore_spec=", 1)[0] if lines else ""
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------- Checkpointer
+
+
+class Checkpointer:
+    """Save / restore ``(train_state, data_state, config)`` every ``save_every`` steps.
+
+    Call ``save`` / ``restore`` / ``quarantine`` on every process (orbax coordinates multi-host
+    writes, the fingerprint is a collective computation; the JSON items are written by the
+    primary process, so ``data_state`` should be the same on every process or be process 0's).
+    """
+
+    _barriers = itertools.count()  # unique multi-host barrier names (calls are collective)
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
+                 save_every: int = 1, async_save: bool = True):
+        if save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {save_every}")
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        # Orbax's default policy also saves the first step of a run whatever its number
+        # (InitialSavePolicy); relax saves exactly at multiples of save_every (and when a
+        # multi-host preemption notice arrives).
+        policy = ocp.checkpoint_managers.AnySavePolicy([
+            ocp.checkpoint_managers.FixedIntervalPolicy(save_every),
+            ocp.checkpoint_managers.PreemptionCheckpointingPolicy()])
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, save_decision_policy=policy, create=True,
+            cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+        self._closed = False
+        self._manager = self._make_manager()
+
+    def _make_manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
+            self.directory, options=self._options,
+            item_names=(_STATE, _DATA, _CONFIG, _INTEGRITY),
+            item_handlers={_STATE: ocp.StandardCheckpointHandler(),
+                           _DATA: ocp.JsonCheckpointHandler(),
+                           _CONFIG: ocp.JsonCheckpointHandler(),
+                           _INTEGRITY: ocp.JsonCheckpointHandler()})
+
+    def save(self, step: int, train_state: PyTree, *, data_state: dict | bytes | None = None,
+             config: Mapping | Any, force: bool = False) -> bool:
+        """Start saving ``step`` if ``step % save_every == 0`` (or ``force``); True if it did.
+
+        A step at or below the latest saved one is skipped (``force`` raises instead: orbax
+        never overwrites a step). ``config`` is a dict or dataclass, stored as JSON. The state's
+        :func:`fingerprint` is saved with it (one jitted reduction, a few ints to host).
+        """
+        self._check_open()
+        step = int(step)
+        if not force and not self._manager.should_save(step):
+            return False
+        record = {"format": _RECORD_FORMAT, "leaves": fingerprint(train_state)}
+        args = ocp.args.Composite(**{
+            _STATE: ocp.args.StandardSave(_encode_state(train_state)),
+            _DATA: ocp.args.JsonSave(_encode_data(data_state)),
+            _CONFIG: ocp.args.JsonSave({"config": _to_json(config)}),
+            _INTEGRITY: ocp.args.JsonSave(record),
+        })
+        return bool(self._manager.save(step, args=args, force=force))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (in-flight and interrupted saves do not count)."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore(self, step: int | None = None, *, target: PyTree) -> tuple[PyTree, Any, Any]:
+        """``(train_state, data_state, config)`` of ``step`` (default: the latest), verified.
+
+        ``target`` fixes the structure, shapes and dtypes: a fresh train state or its
+        ``jax.eval_shape``. Arrays come back bit-identical, checked against the integrity record.
+        Raises ``FileNotFoundError`` (no such step), ``CheckpointCorruptError`` (the step is
+        damaged) or ``ValueError`` (its tree, shapes or dtypes differ from the target's), each
+        naming the directory and step.
+        """
+        self._check_open()
+        self.wait()
+        step = self._resolve_step(step)
+        where = f"checkpoint {self.directory} step {step}"
+        for item in (_STATE, _DATA, _CONFIG):
+            if not os.path.isdir(path := self._path(step, item)):
+                raise self._corrupt(step, item, f"{path} does not exist")
+        verified = self._has_record(step)
+        abstract = jax.tree.map(_abstract_leaf, target)
+        meta = self._read(step, _STATE, "cannot read its metadata",
+                          lambda: self._manager.item_metadata(step)[_STATE])
+        if meta is None:
+            raise self._corrupt(step, _STATE, "its metadata (_METADATA) is missing or unreadable")
+        self._check_compatible(meta, abstract, where)
+        restore_args = ocp.args.StandardRestore(abstract)
+        encoded = self._read(step, _STATE, "cannot read its arrays",
+                             lambda: self._restore_item(step, _STATE, restore_args))
+        data_state = self._read(step, _DATA, "cannot read it",
+                                lambda: _decode_data(self._restore_item(step, _DATA)))
+        config = self._read(step, _CONFIG, "cannot read it",
+                            lambda: self._restore_item(step, _CONFIG)["config"])
+        if verified:
+            record = self._read(step, _INTEGRITY, "cannot read it",
+                                lambda: _decode_record(self._restore_item(step, _INTEGRITY)))
+            self._verify(step, encoded, record)
+        else:
+            warnings.warn(f"{where} has no integrity record (saved before relax wrote one): "
+                          "its values cannot be verified", UnverifiedCheckpointWarning, stacklevel=2)
+        return jax.tree.map(_decode_leaf, target, encoded), data_state, config
+
+    def restore_latest_intact(self, *, target: PyTree
+                              ) -> tuple[PyTree, Any, Any, int, list[tuple[int, str]]]:
+        """``(train_state, data_state, config, step, damaged)`` of the newest step that restores
+        and verifies; ``damaged`` lists ``(step, error message)`` of the newer ones it skipped.
+
+        Only :class:`CheckpointCorruptError` makes it fall back: a target mismatch still raises.
+        Raises ``FileNotFoundError`` if there is no checkpoint, ``CheckpointCorruptError`` if
+        every step is damaged. ``quarantine`` the damaged steps before saving again: a save at or
+        below the latest step is skipped.
+        """
+        damaged: list[tuple[int, str]] = []
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        for step in reversed(steps):
+            try:
+                state, data_state, config = self.restore(step, target=target)
+            except CheckpointCorruptError as e:
+                damaged.append((step, str(e)))
+                continue
+            return state, data_state, config, step, damaged
+        raise CheckpointCorruptError(
+            f"no intact checkpoint in {self.directory}: every step is damaged:\n  "
+            + "\n  ".join(message for _, message in damaged), directory=self.directory)
+
+    def quarantine(self, step: int, dest_dir: str | os.PathLike) -> str:
+        """Move step ``step``'s directory into ``dest_dir`` (outside this checkpoint directory)
+        and forget it; nothing is deleted. Returns the new path (``<dest_dir>/<step>``, or
+        ``<step>.<n>`` if that exists). Later saves of that step number work again.
+        """
+        self._check_open()
+        self.wait()
+        step = int(step)
+        source = self._path(step)
+        if not os.path.isdir(source):
+            raise FileNotFoundError(f"no checkpoint directory {source} to quarantine")
+        dest_root = os.path.abspath(os.fspath(dest_dir))
+        if os.path.commonpath([dest_root, self.directory]) == self.directory:
+            raise ValueError(f"quarantine directory {dest_root} must be outside {self.directory}")
+        dest, n = os.path.join(dest_root, str(step)), 0
+        while os.path.exists(dest):  # never overwrite an earlier quarantined copy
+            n += 1
+            dest = os.path.join(dest_root, f"{step}.{n}")
+        self._sync("quarantine_planned")
+        if jax.process_index() == 0:
+            os.makedirs(dest_root, exist_ok=True)
+            shutil.move(source, dest)
+        self._sync("quarantine_moved")
+        self._manager.close()
+        self._manager = self._make_manager()
+        return dest
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; re-raises its error once."""
+        if not self._closed:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager's threads. Safe to call again (a
+        no-op) and after an error; a failed background save is raised by the first call."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._manager.wait_until_finished()
+        finally:  # runs even if the save failed: its error is raised once, threads are released
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Checkpointer for {self.directory} is closed")
+
+    def _path(self, step: int, *item: str) -> str:
+        return os.path.join(self.directory, str(step), *item)
+
+    def _sync(self, name: str) -> None:
+        ocp.multihost.sync_global_processes(f"relax_checkpoint_{name}_{next(self._barriers)}")
+
+    def _resolve_step(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        step = int(step)
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+        return step
+
+    def _corrupt(self, step: int, item: str, detail: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"checkpoint {self.directory} step {step} is damaged: item '{item}': {detail}",
+            directory=self.directory, step=step, item=item)
+
+    def _read(self, step: int, item: str, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``; any error from orbax/tensorstore/JSON -> ``CheckpointCorruptError``."""
+        try:
+            return fn()
+        except Exception as e:
+            raise self._corrupt(step, item, f"{what}: {_first_line(e)}") from e
+
+    def _restore_item(self, step: int, item: str, args=None) -> Any:
+        args = ocp.args.Composite(**{item: ocp.args.JsonRestore() if args is None else args})
+        return self._manager.restore(step, args=args)[item]
+
+    def _has_record(self, step: int) -> bool:
+        """Whether the step has an integrity record; a record its metadata lists but that is
+        missing on disk is damage, a step saved without one (older relax) is not."""
+        if os.path.isdir(self._path(step, _INTEGRITY)):
+            return True
+        try:
+            saved_items = self._manager.metadata(step).item_handlers or {}
+        except Exception:  # unreadable step metadata: the items on disk decide
+            saved_items = {}
+        if _INTEGRITY in saved_items:
+            raise self._corrupt(step, _INTEGRITY, f"{self._path(step, _INTEGRITY)} does not exist")
+        return False
+
+    def _verify(self, step: int, encoded: PyTree, record: dict[str, list[int]]) -> None:
+        """Recompute the fingerprint of the restored state and compare it with ``record``."""
+        got = fingerprint(encoded)
+        bad = [path for path in sorted(record) if got.get(path) != list(record[path])]
+        if bad:
+            raise self._corrupt(step, _STATE, (
+                f"{len(bad)} of {len(record)} array leaves differ from the integrity record "
+                f"written at save time: {_paths([(p,) for p in bad], limit=5)}"))
+
+    def _check_compatible(self, meta, abstract: PyTree, where: str) -> None:
+        stored = ocp.tree.to_flat_dict(getattr(meta, "tree", meta))
+        wanted = ocp.tree.to_flat_dict(abstract)
+        problems = []
+        missing = sorted(set(wanted) - set(stored))
+        extra = sorted(set(stored) - set(wanted))
+        if missing:
+            problems.append(f"target leaves missing from the checkpoint: {_paths(missing)}")
+        if extra:
+            problems.append(f"checkpoint leaves absent from the target: {_paths(extra)}")
+        for path in sorted(set(wanted) & set(stored)):
+            want = wanted[path]
+            if not hasattr(want, "dtype"):  # Python scalar: orbax restores its stored value
+                continue
+            have_shape, want_shape = tuple(getattr(stored[path], "shape", ())), tuple(want.shape)
+            have_dtype = getattr(stored[path], "dtype", None)
+            if isinstance(stored[path], ocp.metadata.ScalarMetadata):
+                have_dtype = None  # a saved Python scalar restores into any scalar dtype
+            if have_shape != want_shape or (have_dtype is not None
+                                            and np.dtype(have_dtype) != np.dtype(want.dtype)):
+                problems.append(f"{'.'.join(path)}: checkpoint {have_dtype}{list(have_shape)} "
+                                f"vs target {want.dtype}{list(want_shape)}")
+        if problems:
+            shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+            raise ValueError(f"{where} does not match the restore target:\n  " + "\n  ".join(shown))
+
+
+def _paths(paths: list[tuple[str, ...]], limit: int = 8) -> str:
+    shown = [".".join(p) for p in paths[:limit]]
+    return ", ".join(shown) + (f" (+{len(paths) - limit} more)" if len(paths) > limit else "")

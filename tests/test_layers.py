@@ -1,0 +1,389 @@
+"""The import graph of ``relax`` follows its layer order (docs/architecture.md, "Layers").
+
+Every ``.py`` file under ``relax/`` is parsed with ``ast`` (nothing is imported), and every import
+in it, at module level or inside a function, absolute or relative, ``import relax.x`` or
+``from relax import x``, is mapped to the relax module it loads. Three rules are checked:
+
+* every relax module belongs to a layer of ``LAYERS`` (a new top-level module or package is
+  added to the table on purpose);
+* an import points to the importer's own layer or a layer below it, never above;
+* the modules do not import each other in a cycle.
+
+Importing a package means running its ``__init__``: ``from relax.models import Transformer`` is
+an edge to ``relax.models``, and ``from relax.models.config import ModelConfig`` loads
+``relax.models`` too (an implicit edge), except from inside ``relax.models`` itself, where
+Python has already started the package. Imports under ``if TYPE_CHECKING:`` never run: they
+count for the layer rule (a type from a higher layer is still an upward dependency) but not for
+cycles (that is the usual way to name a type without a runtime cycle).
+
+A last test imports ``relax`` in a fresh interpreter: the top level exposes the models, the
+sampler, the tokenizers and ``compose``, and stays light (no training, tasks or algorithms).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "relax"
+
+# Bottom first. A module may import from its own layer and the layers below it. Entries are
+# either top-level modules (core) or packages (the package and everything under it).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("relax.compose", "relax.masked", "relax.choices", "relax.metrics", "relax.passes")),
+    ("models", ("relax.models",)),
+    ("text", ("relax.text",)),
+    ("data", ("relax.data",)),
+    ("rollout", ("relax.rollout",)),
+    ("rewards", ("relax.rewards",)),
+    ("objectives", ("relax.objectives",)),
+    ("eval", ("relax.eval",)),
+    ("parallel", ("relax.parallel",)),
+    ("train", ("relax.train",)),
+    ("tasks", ("relax.tasks",)),
+    ("algorithms", ("relax.algorithms",)),
+    ("top", ("relax",)),  # relax/__init__.py only: it may import anything
+]
+LAYER_NAMES = [name for name, _ in LAYERS]
+
+# What ``import relax`` may load: the top level exposes these layers' packages (models, rollout,
+# text and compose from core) and nothing of training, tasks or algorithms.
+TOP_LEVEL_LAYERS = {"core", "models", "text", "rollout"}
+HEAVY_PACKAGES = ("relax.train", "relax.tasks", "relax.algorithms")
+# Third-party libraries that only the data and training layers need.
+HEAVY_THIRD_PARTY = ("orbax", "grain", "optax", "tensorboardX")
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of ``module`` (None: in no layer)."""
+    if module == "relax":
+        return len(LAYERS) - 1
+    for index, (_, entries) in enumerate(LAYERS[:-1]):
+        for entry in entries:
+            if module == entry or module.startswith(entry + "."):
+                return index
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The modules under relax/ and their imports.
+
+
+def discover() -> tuple[dict[str, Path], set[str]]:
+    """``({module: file}, packages)`` for every ``.py`` file under ``relax/``. Folders holding
+    Python files without an ``__init__.py`` are namespace packages: modules with no source."""
+    files: dict[str, Path] = {}
+    packages: set[str] = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if "__pycache__" in parts:
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            packages.add(".".join(parts))
+        files[".".join(parts)] = path
+        for i in range(1, len(parts)):  # every folder on the way is a package
+            packages.add(".".join(parts[:i]))
+    return files, packages
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    importer: str
+    imported: str
+    line: int
+    type_only: bool  # under `if TYPE_CHECKING:`: never runs
+    implicit: bool  # a parent package loaded on the way to the named module
+
+    def where(self, files: dict[str, Path]) -> str:
+        path = files.get(self.importer)
+        return f"{path.relative_to(ROOT) if path else self.importer}:{self.line}"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module):
+    """``(node, type_only)`` for every import statement and every ``importlib.import_module`` /
+    ``__import__`` call with a literal name, anywhere in the tree."""
+    def visit(node: ast.AST, type_only: bool):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, type_only
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and (
+                    (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                    or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))):
+            yield node, type_only
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from visit(child, True)
+            for child in node.orelse:
+                yield from visit(child, type_only)
+            return
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, type_only)
+    yield from visit(tree, False)
+
+
+def _resolve_relative(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@dataclasses.dataclass
+class Graph:
+    files: dict[str, Path]
+    packages: set[str]
+    edges: list[Edge]
+    unresolved: list[str]  # "file:line imports X" where X is no module under relax/
+
+
+def build_graph() -> Graph:
+    files, packages = discover()
+    known = set(files) | packages
+    edges: list[Edge] = []
+    unresolved: list[str] = []
+
+    for importer, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        own_ancestors = set(_ancestors(importer)) | ({importer} if is_package else set())
+
+        def add(target: str, line: int, type_only: bool, where: str) -> None:
+            if target != "relax" and not target.startswith("relax."):
+                return
+            if target not in known:
+                unresolved.append(f"{where}:{line} imports {target}, which is no module under relax/")
+                return
+            edges.append(Edge(importer, target, line, type_only, implicit=False))
+            for parent in _ancestors(target):  # packages Python runs on the way
+                if parent != "relax" and parent not in own_ancestors:
+                    edges.append(Edge(importer, parent, line, type_only, implicit=True))
+
+        where = str(path.relative_to(ROOT))
+        for node, type_only in _imports(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name, node.lineno, type_only, where)
+            elif isinstance(node, ast.Call):
+                add(node.args[0].value, node.lineno, type_only, where)
+            else:  # ImportFrom
+                base = node.module or ""
+                if node.level:
+                    base = _resolve_relative(importer, is_package, node.level, node.module)
+                if base != "relax" and not base.startswith("relax."):
+                    continue
+                names_a_module = [f"{base}.{alias.name}" for alias in node.names
+                                  if f"{base}.{alias.name}" in known]
+                names_other = [alias.name for alias in node.names if f"{base}.{alias.name}" not in known]
+                for sub in names_a_module:  # its package's __init__ comes with it (implicit edge)
+                    add(sub, node.lineno, type_only, where)
+                if names_other:
+                    # Names defined by the package's __init__ (or the module's own names).
+                    if base == "relax" and importer != "relax":
+                        # `from relax import x` with x no module: x comes from the top level.
+                        edges.append(Edge(importer, "relax", node.lineno, type_only, implicit=False))
+                    else:
+                        add(base, node.lineno, type_only, where)
+    return Graph(files, packages, edges, unresolved)
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return build_graph()
+
+
+# --------------------------------------------------------------------------------------------
+# The rules.
+
+
+def test_the_graph_sees_the_package(graph):
+    """A guard on the parser itself: the known modules are found and known imports are seen."""
+    assert {"relax", "relax.compose", "relax.models.transformer", "relax.rollout.sampler"} <= set(graph.files)
+    pairs = {(e.importer, e.imported) for e in graph.edges}
+    assert ("relax.rollout.sampler", "relax.models.transformer") in pairs
+    assert ("relax", "relax.compose") in pairs
+
+
+def test_every_module_belongs_to_a_layer(graph):
+    modules = sorted(set(graph.files) | graph.packages)
+    missing = [m for m in modules if layer_of(m) is None]
+    assert not missing, (
+        "these relax modules belong to no layer; add each to LAYERS in tests/test_layers.py on purpose "
+        "(and to docs/architecture.md, \"Layers\"):\n  " + "\n  ".join(missing))
+
+
+def test_every_relax_import_names_a_module(graph):
+    """An import of a relax module that does not exist (left behind by a move) fails here
+    rather than at import time in some later test."""
+    unresolved = sorted(graph.unresolved)
+    assert not unresolved, "imports of missing relax modules:\n  " + "\n  ".join(unresolved)
+
+
+def test_imports_point_down_the_layers(graph):
+    offending: dict[tuple[str, str], list[str]] = {}
+    for edge in graph.edges:
+        if edge.importer == "relax":  # the top-level package may import anything
+            continue
+        low, high = layer_of(edge.importer), layer_of(edge.imported)
+        if low is None or high is None:
+            continue  # reported by test_every_module_belongs_to_a_layer
+        if high > low:
+            note = edge.where(graph.files) + (" (type only)" if edge.type_only else "") + (
+                " (package __init__ loaded on the way)" if edge.implicit else "")
+            offending.setdefault((edge.importer, edge.imported), []).append(note)
+    # A package loaded on the way to an offending submodule adds nothing to that pair's line.
+    offending = {(a, b): where for (a, b), where in offending.items()
+                 if not (all("on the way" in w for w in where)
+                         and any(a2 == a and b2.startswith(b + ".") for a2, b2 in offending))}
+    lines = [f"{a} -> {b}   [{LAYER_NAMES[layer_of(a)]} imports {LAYER_NAMES[layer_of(b)]}]   "
+             + ", ".join(sorted(set(where))) for (a, b), where in sorted(offending.items())]
+    assert not offending, (
+        f"{len(offending)} import(s) point up the layer order "
+        f"({' < '.join(LAYER_NAMES)}):\n  " + "\n  ".join(lines))
+
+
+def _cycles(nodes: set[str], succ: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with a cycle (Tarjan, iterative), each as one cycle path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = 0
+    for root in sorted(nodes):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(succ.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            advanced = False
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(succ.get(child, ())))))
+                    advanced = True
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in succ.get(node, ()):
+                    components.append(sorted(component))
+
+    def one_cycle(component: list[str]) -> list[str]:
+        # Breadth-first from the component's first module back to itself, inside the component.
+        members, start = set(component), component[0]
+        previous: dict[str, str] = {}
+        frontier = [start]
+        while frontier:
+            following = []
+            for node in frontier:
+                for child in sorted(succ.get(node, ())):
+                    if child not in members:
+                        continue
+                    if child == start:
+                        path = [node]
+                        while path[-1] != start:
+                            path.append(previous[path[-1]])
+                        return list(reversed(path)) + [start]
+                    if child not in previous:
+                        previous[child] = node
+                        following.append(child)
+            frontier = following
+        return component
+
+    return [(one_cycle(c), c) for c in components]
+
+
+def test_no_import_cycles(graph):
+    succ: dict[str, set[str]] = {}
+    for edge in graph.edges:
+        if not edge.type_only and edge.importer != edge.imported:
+            succ.setdefault(edge.importer, set()).add(edge.imported)
+    cycles = _cycles(set(graph.files) | graph.packages, succ)
+    lines = [" -> ".join(cycle) + (f"   (one of a tangle of {len(members)}: {', '.join(members)})"
+                                   if len(members) > len(cycle) - 1 else "") for cycle, members in cycles]
+    assert not cycles, "import cycles among relax modules:\n  " + "\n  ".join(lines)
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The cycle finder on a small graph of its own (a cycle is not reported as none)."""
+    succ = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycles(set(succ), succ) == [(["a", "b", "c", "a"], ["a", "b", "c"]), (["e", "e"], ["e"])]
+
+
+# --------------------------------------------------------------------------------------------
+# The top-level import.
+
+PROBE = """
+import json, sys
+import relax
+print(json.dumps({
+    "modules": sorted(m for m in sys.modules if m == "relax" or m.startswith("relax.")),
+    "third_party": sorted(m for m in %r if m in sys.modules),
+    "exposed": {name: hasattr(relax, name) for name in
+                ("compose", "stage", "Stage", "Transformer", "ModelConfig", "generate", "Rollout",
+                 "load_tokenizer", "load_pretrained", "save_pretrained")},
+}))
+""" % (HEAVY_THIRD_PARTY,)
+
+
+def test_import_relax_is_light():
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, f"`python -c 'import relax'` failed:\n{result.stderr[-4000:]}"
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    modules = report["modules"]
+
+    heavy = [m for m in modules if any(m == p or m.startswith(p + ".") for p in HEAVY_PACKAGES)]
+    assert not heavy, f"`import relax` loads {heavy}: keep the top level free of training, tasks and algorithms"
+
+    beyond = [m for m in modules if m != "relax" and (layer_of(m) is None
+                                                      or LAYER_NAMES[layer_of(m)] not in TOP_LEVEL_LAYERS)]
+    assert not beyond, (f"`import relax` loads {beyond}, outside the layers the top level exposes "
+                        f"({sorted(TOP_LEVEL_LAYERS)})")
+
+    assert not report["third_party"], f"`import relax` loads {report['third_party']} (data/training libraries)"
+
+    for exposed in ("relax.compose", "relax.models", "relax.rollout", "relax.text"):
+        assert exposed in modules, f"`import relax` should expose {exposed}"
+    missing = [name for name, present in report["exposed"].items() if not present]
+    assert not missing, f"relax no longer exposes {missing} at the top level"

@@ -1,0 +1,151 @@
+"""PPO with a critic: token rewards, explained variance, VinePPO values, the step, learning, exact resume."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file
+
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.step import make_ppo_step, token_rewards
+from relax.algorithms.ppo.vine import branch_prompts
+from relax.models import ModelConfig, init
+from relax.models.critic import init_critic
+from relax.objectives.value import explained_variance
+from relax.train.optimizer import OptimizerConfig
+from relax.train.state import init_state
+from test_parallel import _decode, fives
+from test_run import overlap_reward, setup  # noqa: F401 - the model directory, --reward overlap
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def test_token_rewards_put_the_score_on_the_last_valid_token():
+    mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    kl = jnp.full((3, 4), 0.5)
+    r = token_rewards(jnp.array([2.0, -1.0, 3.0]), mask, kl, 0.1)
+    np.testing.assert_allclose(r, [[-0.05, -0.05, 1.95, 0.0], [-1.05, 0, 0, 0], [0, 0, 0, 0]], atol=1e-7)
+
+
+def test_explained_variance_hand_values():
+    returns = jnp.array([[1.0, 2.0, 3.0, 9.0]])
+    mask = jnp.array([[1, 1, 1, 0]], bool)
+    # Var(R) = 2/3 over valid tokens; V = R - [0, 1, 0]: Var(R - V) = 2/9 -> 1 - (2/9)/(2/3) = 2/3
+    values = returns - jnp.array([[0.0, 1.0, 0.0, 5.0]])
+    np.testing.assert_allclose(explained_variance(values, returns, mask), 2 / 3, rtol=1e-6)
+    np.testing.assert_allclose(explained_variance(returns, returns, mask), 1.0)
+    np.testing.assert_allclose(explained_variance(jnp.zeros((1, 4)), jnp.ones((1, 4)), mask), 0.0)  # Var(R) = 0
+
+
+def test_branch_prompts_are_prompt_plus_completion_prefixes():
+    prompt_ids = np.array([[0, 7, 8]])
+    prompt_mask = np.array([[0, 1, 1]])
+    tokens = np.array([[[1, 2, 3, 4], [5, 6, 0, 0]]])
+    ids, mask, points = branch_prompts(prompt_ids, prompt_mask, tokens, np.array([[4, 2]]), every=2)
+    assert points.tolist() == [0, 2]
+    rows = [row[m > 0].tolist() for row, m in zip(ids, mask)]
+    assert rows == [[7, 8], [7, 8, 1, 2], [7, 8], [7, 8, 5, 6]]
+
+
+def _batch(p=4, lp=3):
+    ids = jax.random.randint(jax.random.key(9), (p, lp), 1, CFG.vocab_size)
+    return {"prompt_ids": ids, "prompt_mask": jnp.ones_like(ids), "prompts": ["x"] * p, "fields": {"weight": [1.0] * p}}
+
+
+def _state(cfg: PPOConfig, seed=0):
+    policy = init(CFG, jax.random.key(seed), std=0.2)
+    critic = init_critic(policy) if cfg.needs_critic else None
+    return init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=cfg.needs_reference,
+                      critic=critic, critic_optimizer=None if critic is None else cfg.critic_optimizer.make())
+
+
+def test_ppo_step_trains_policy_and_critic():
+    cfg = PPOConfig(num_generations=4, max_new_tokens=5, kl_coef=0.05, num_minibatches=2,
+                    optimizer=OptimizerConfig(learning_rate=1e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
+    state = _state(cfg)
+    head0, wq0 = np.asarray(state.critic.head), np.asarray(state.policy.layers.wq)
+    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
+    state, batch = step(state, _batch())
+    m = {k: float(v) for k, v in batch["metrics"].items()}
+    assert all(np.isfinite(v) for v in m.values()), m
+    assert {"critic/vf_clipfrac", "critic/vf_mse", "critic/loss", "explained_variance", "clip_frac_low", "approx_kl",
+            "kl", "non_score_reward", "returns_mean"} <= set(m)
+    assert m["kl"] == 0.0  # the first iteration samples with the reference itself
+    assert not np.array_equal(np.asarray(state.critic.head), head0)  # the critic learned
+    assert not np.array_equal(np.asarray(state.policy.layers.wq), wq0)
+    assert int(state.step) == 1 and state.ref is not None
+    # with V = 0 before the update, GAE(gamma=1, lam) returns are the rewards to go: the score at the end
+    np.testing.assert_allclose(np.asarray(batch["old_values"]), 0.0)
+    state, batch = step(state, _batch())
+    assert float(batch["metrics"]["kl"]) > 0.0 and np.any(np.asarray(batch["old_values"]) != 0.0)
+
+
+def test_vineppo_values_are_exact_once_the_outcome_is_decided():
+    """Reward: the first completion token is a five. From every state after the first token the
+    outcome is decided, so each Monte-Carlo value equals the completion's own score exactly."""
+    def first_is_five(prompts, completions, **kw):
+        return [float(c.split(" ")[0] == "5") if c else 0.0 for c in completions]
+
+    cfg = PPOConfig(num_generations=2, max_new_tokens=4, advantage="vineppo", vine_every=1, vine_rollouts=3,
+                    kl_coef=0.0, optimizer=OptimizerConfig(learning_rate=1e-3))
+    state = _state(cfg)
+    assert state.critic is None and state.ref is None
+    step = make_ppo_step(cfg, [first_is_five], _decode, eos_ids=(), pad_id=0)
+    _, batch = step(state, _batch())
+    mc, rewards, mask = (np.asarray(batch[k]) for k in ("mc_values", "rewards", "mask"))
+    later = (mask > 0) & (np.arange(4) >= 1)
+    np.testing.assert_array_equal(np.where(later, mc, 0), np.where(later, rewards[..., None], 0))
+    assert np.all((mc[..., 0] >= 0) & (mc[..., 0] <= 1))  # V(s_0): a fraction of 3 branches
+    assert np.all(np.isfinite(np.asarray(batch["advantages"])))
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_ppo", ROOT / "examples" / "train_ppo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _args(setup, run_dir, steps, *extra):  # noqa: F811
+    return ["--model", str(setup / "model"), "--tokenizer", str(setup / "tok.model"),
+            "--data", str(setup / "train.jsonl"), "--eval-data", str(setup / "eval.jsonl"),
+            "--run-dir", str(run_dir), "--steps", str(steps), "--batch-size", "4", "--max-prompt-tokens", "16",
+            "--ppo.num-generations", "2", "--ppo.max-new-tokens", "5", "--ppo.optimizer.learning-rate", "1e-2",
+            "--ppo.critic-optimizer.learning-rate", "1e-2", "--checkpoint-every", "2", "--eval.num-samples", "1",
+            "--eval-max-prompts", "2", "--reward", "overlap", *extra]
+
+
+def _train_lines(run_dir):
+    lines = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    return {l["step"]: {k: v for k, v in l.items() if k not in ("time", "tokens_per_s", "compiles")
+                        and not k.startswith("time/")} for l in lines if "loss" in l}
+
+
+def test_ppo_resume_is_bit_exact(setup, tmp_path):  # noqa: F811
+    """4 steps straight against 2 steps, then --resume to 4: the same logged metrics bit for bit
+    (policy, critic, optimizer states, data position and PRNG key all restored) and the same export."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _example().main(_args(setup, straight, 4))
+    _example().main(_args(setup, resumed, 2))
+    _example().main(_args(setup, resumed, 4, "--resume"))
+    a, b = _train_lines(straight), _train_lines(resumed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert all(a[s]["critic/grad_norm"] > 0 for s in a)  # the critic trains: the comparison is not vacuous
+    for s in a:
+        assert a[s] == b[s], s
+    wa, wb = (load_file(str(d / "final_hf" / "model.safetensors")) for d in (straight, resumed))
+    for name in wa:
+        np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
+
+
+def test_ppo_learns_the_builtin_task(tmp_path):
+    """The no-argument PPO run, shortened: held-out greedy accuracy rises by more than 20 points."""
+    summary = _example().main(["--run-dir", str(tmp_path), "--steps", "30", "--eval-every", "0",
+                               "--task.sft-steps", "250", "--eval-max-prompts", "100"])
+    gain = summary["after"]["greedy/accuracy"] - summary["before"]["greedy/accuracy"]
+    assert gain > 0.2, summary
