@@ -170,18 +170,20 @@ def make_cli_setup(d: Path) -> None:
     (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[40:]))
 
 
-def cli_run(d: Path) -> dict:
-    """examples/train_grpo.py on separate sampler (4 devices) and trainer (fsdp=2,tensor=2) meshes."""
+def cli_run(d: Path, algorithm: str = "grpo") -> dict:
+    """examples/train_<algorithm>.py on separate sampler (4 devices) and trainer (fsdp=2,tensor=2) meshes."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("train_grpo", ROOT / "examples" / "train_grpo.py")
+    spec = importlib.util.spec_from_file_location(f"train_{algorithm}", ROOT / "examples" / f"train_{algorithm}.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    run_dir = d / "run"
+    run_dir = d / f"run-{algorithm}"
+    flags = {"grpo": ["--grpo.num-generations", "2", "--grpo.max-new-tokens", "4", "--grpo.beta", "0.04",
+                      "--preset", "grpo"],
+             "ppo": ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "4", "--ppo.kl-coef", "0.05"]}[algorithm]
     summary = example.main([
         "--model", str(d / "model"), "--tokenizer", str(d / "tok.model"), "--data", str(d / "train.jsonl"),
         "--eval-data", str(d / "eval.jsonl"), "--run-dir", str(run_dir), "--steps", "2", "--batch-size", "8",
-        "--max-prompt-tokens", "16", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
-        "--grpo.beta", "0.04", "--checkpoint-every", "1", "--eval.num-samples", "1", "--preset", "grpo",
+        "--max-prompt-tokens", "16", "--checkpoint-every", "1", "--eval.num-samples", "1", *flags,
         "--parallel.mesh", "fsdp=2,tensor=2", "--parallel.sampler-devices", "4"])
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"summary_keys": sorted(summary), "train_keys": sorted({k for x in lines if "loss" in x for k in x}),
@@ -227,6 +229,7 @@ def worker(out_path: str, cli_dir: str) -> None:
     results["runs"]["no_kl"] = run_case(MESHES[-1], iterations=1, beta=0.0)
     results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
     results["cli"] = cli_run(Path(cli_dir))
+    results["ppo_cli"] = cli_run(Path(cli_dir), "ppo")
     results["attention_all_gathers"] = {"under_mesh": _attention_all_gathers(True),
                                         "no_mesh": _attention_all_gathers(False),
                                         "dense_under_mesh": _attention_all_gathers(True, "dense")}
@@ -331,6 +334,13 @@ if __name__ != "__main__":
         assert {"before", "after", "export"} <= set(cli["summary_keys"]) and cli["exported"]
         assert {"time/weight_transfer", "time/rollout", "tokens_per_s", "loss"} <= set(cli["train_keys"])
         assert cli["checkpoints"] == ["1", "2"]
+
+    def test_ppo_cli_runs_on_sampler_and_trainer_meshes(mesh_results):
+        """PPO's step (critic and reference sharded like the policy) runs on a mesh: it trains,
+        checkpoints and exports, and logs its critic metrics."""
+        cli = mesh_results["ppo_cli"]
+        assert cli["checkpoints"] == ["1", "2"] and cli["exported"]
+        assert {"critic/vf_mse", "critic/grad_norm", "explained_variance", "time/weight_transfer"} <= set(cli["train_keys"])
 
     def test_training_attention_loops_over_local_groups_on_a_mesh(mesh_results):
         """Traced under the mesh, the per-group attention loop takes one local group per device:

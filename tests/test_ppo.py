@@ -4,19 +4,24 @@ import importlib.util
 import json
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
 from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.step import make_ppo_step, token_rewards
+from relax.algorithms.ppo.step import (_value_terms, make_actor_loss, make_joint_loss, make_ppo_step,
+                                      token_rewards)
 from relax.algorithms.ppo.vine import branch_prompts
 from relax.models import ModelConfig, init
-from relax.models.critic import init_critic
+from relax.models.critic import init_critic, init_value_head, values_from_hidden
+from relax.models.prefix_shared import completion_hidden
 from relax.objectives.value import explained_variance
+from relax.passes import Passes
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state
+from relax.train.update import LossContext
 from test_parallel import _decode, fives
 from test_run import overlap_reward, setup  # noqa: F401 - the model directory, --reward overlap
 
@@ -59,7 +64,9 @@ def _batch(p=4, lp=3):
 
 def _state(cfg: PPOConfig, seed=0):
     policy = init(CFG, jax.random.key(seed), std=0.2)
-    critic = init_critic(policy) if cfg.needs_critic else None
+    critic = None
+    if cfg.needs_critic:
+        critic = init_value_head(CFG) if cfg.shared_critic else init_critic(policy)
     return init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=cfg.needs_reference,
                       critic=critic, critic_optimizer=None if critic is None else cfg.critic_optimizer.make())
 
@@ -83,6 +90,32 @@ def test_ppo_step_trains_policy_and_critic():
     np.testing.assert_allclose(np.asarray(batch["old_values"]), 0.0)
     state, batch = step(state, _batch())
     assert float(batch["metrics"]["kl"]) > 0.0 and np.any(np.asarray(batch["old_values"]) != 0.0)
+
+
+def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
+    """critic='shared': the value head reads the policy's hidden states; its loss trains the head
+    and reaches the backbone (the joint gradient is the sum of the two terms' gradients)."""
+    cfg = PPOConfig(num_generations=4, max_new_tokens=5, kl_coef=0.0, critic="shared", vf_coef=0.5,
+                    optimizer=OptimizerConfig(learning_rate=1e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
+    state = _state(cfg)
+    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
+    state, batch = step(state, _batch())
+    state, batch = step(state, _batch())  # the head is no longer 0: values and their loss are not trivial
+    m = {k: float(v) for k, v in batch["metrics"].items()}
+    assert all(np.isfinite(v) for v in m.values()) and m["critic/vf_mse"] > 0, m
+    assert np.any(np.asarray(state.critic.head) != 0) and state.critic_opt_state is not None
+    mb = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs",
+                                "advantages", "old_values", "returns", "rope")}
+    ctx = LossContext({"tokens": jnp.float32(20.0), "sequences": jnp.float32(16.0)}, jnp.bool_(False))
+    params = (state.policy, state.critic)
+    joint = jax.grad(lambda q: make_joint_loss(cfg, Passes())(q, mb, ctx)[0])(params)
+    actor = jax.grad(lambda pol: make_actor_loss(cfg, Passes())(pol, mb, ctx)[0])(state.policy)
+    value = jax.grad(lambda q: _value_terms(cfg, values_from_hidden(
+        completion_hidden(q[0], *(mb[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask")), rope=mb["rope"]),
+        q[1].head, q[1].bias), mb, ctx)[0])(params)
+    chex.assert_trees_all_close(joint[0], jax.tree.map(jnp.add, actor, value[0]), atol=1e-6, rtol=1e-4)
+    chex.assert_trees_all_close(joint[1], value[1], atol=1e-7, rtol=1e-5)
+    assert float(jnp.max(jnp.abs(value[0].layers.wq))) > 0  # the value loss reaches the backbone
 
 
 def test_vineppo_values_are_exact_once_the_outcome_is_decided():

@@ -4,6 +4,7 @@ steps skipped (``optax.apply_if_finite``), optional float32 master weights (all 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -102,8 +103,26 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
 
 def skip_counts(opt_state) -> tuple[jax.Array, jax.Array]:
     """``(total, consecutive)`` optimizer steps skipped for non-finite gradients, read from the
-    ``optax.apply_if_finite`` state inside ``opt_state`` (zeros for an optimizer without one)."""
-    total = optax.tree_utils.tree_get(opt_state, "total_notfinite", default=None)
-    streak = optax.tree_utils.tree_get(opt_state, "notfinite_count", default=None)
-    zero = jnp.int32(0)
-    return (zero if total is None else total), (zero if streak is None else streak)
+    ``optax.apply_if_finite`` states inside ``opt_state`` (the largest where there are several,
+    e.g. ``paired``; zeros for an optimizer without one)."""
+    def largest(name):
+        found = [x for _, x in optax.tree_utils.tree_get_all_with_path(opt_state, name)]
+        return functools.reduce(jnp.maximum, found) if found else jnp.int32(0)
+    return largest("total_notfinite"), largest("notfinite_count")
+
+
+def paired(first: optax.GradientTransformation, second: optax.GradientTransformation) -> optax.GradientTransformation:
+    """One optimizer for a pair of parameter trees ``(a, b)``: ``first`` updates ``a``, ``second``
+    updates ``b``, each with its own state (the pair of states), e.g. a policy and the value
+    head on its backbone trained by one joint loss with their own learning rates."""
+
+    def init(params):
+        return first.init(params[0]), second.init(params[1])
+
+    def update(grads, state, params=None):
+        pa, pb = (None, None) if params is None else params
+        ua, sa = first.update(grads[0], state[0], pa)
+        ub, sb = second.update(grads[1], state[1], pb)
+        return (ua, ub), (sa, sb)
+
+    return optax.GradientTransformation(init, update)

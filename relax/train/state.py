@@ -4,9 +4,10 @@ Every trainer's state has a ``policy`` (what samples, is evaluated and exported)
 state, the number of completed iterations and the PRNG key. The other parts are there only
 when the algorithm uses them (None is an empty pytree: nothing is stored or checkpointed):
 
-- ``ref``: the KL reference model (GRPO / PPO with ``beta > 0``, DPO);
+- ``ref``: the KL reference model (GRPO with ``beta > 0``, PPO with ``kl_coef > 0``);
 - ``ref_stats``: running statistics the ProRL reference resets read;
-- ``critic`` and ``critic_opt_state``: PPO's value model when it is a separate network.
+- ``critic`` and ``critic_opt_state``: PPO's value model (a ``Critic`` with its own backbone, or a
+  ``ValueHead`` on the policy's backbone) and its optimizer state.
 
 The optimizers are static fields (``optimizer``, ``critic_optimizer``): ``optim_step`` needs no
 other argument, and jit specialises on them like on any static configuration.

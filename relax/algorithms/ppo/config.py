@@ -14,6 +14,7 @@ from relax.objectives.registry import policy_loss
 from relax.train.optimizer import OptimizerConfig
 
 ADVANTAGES = ("gae", "vineppo")
+CRITICS = ("separate", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +33,12 @@ class PPOConfig:
     cispo, reinforce, importance_sampling, conservative_ppo) with ``policy_loss_args``
     (``"field=value"`` overrides of that loss's config), aggregated by ``loss_type``;
     ``entropy_coef``.
-    Critic: a separate value model (``critic_model``: an HF directory with a scalar score head,
-    else a copy of the policy with a zero head), trained by ``critic_optimizer`` on the clipped
-    value loss (``cliprange_value``; None: unclipped) scaled by ``vf_coef``.
+    Critic (``critic``): ``separate``, a value model of its own (``critic_model``: an HF directory
+    with a scalar score head, else a copy of the policy with a zero head); or ``shared``, a value
+    head on the policy's backbone, one forward for log-probs and values and one joint loss
+    ``policy_loss + vf_coef * value_loss`` (the backbone learns from both). Either way the value
+    parameters have their own optimizer (``critic_optimizer``) and the value loss is the clipped
+    one (``cliprange_value``; None: unclipped) scaled by ``vf_coef``.
     Update: ``num_iterations`` epochs x ``num_minibatches`` optimizer steps x ``grad_accum``
     micro-batches (None: the backend's choice, ``relax.passes``), the same split for the critic.
     """
@@ -56,6 +60,7 @@ class PPOConfig:
     policy_loss_args: tuple[str, ...] = ()
     loss_type: str = "token-mean"
     entropy_coef: float = 0.0
+    critic: str = "separate"
     critic_model: str | None = None
     cliprange_value: float | None = 0.2
     vf_coef: float = 1.0
@@ -68,6 +73,9 @@ class PPOConfig:
 
     def __post_init__(self):
         check_choice("advantage", self.advantage, ADVANTAGES)
+        check_choice("critic", self.critic, CRITICS)
+        if self.critic == "shared" and self.critic_model is not None:
+            raise ValueError("critic='shared' is a value head on the policy: drop critic_model")
         check_choice("kl estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("train attention", self.train_attention, TRAIN_ATTENTION)
         resolve_mode(self.loss_type)
@@ -92,6 +100,10 @@ class PPOConfig:
     @property
     def needs_critic(self) -> bool:
         return self.advantage == "gae"
+
+    @property
+    def shared_critic(self) -> bool:
+        return self.needs_critic and self.critic == "shared"
 
     def loss(self):
         """The policy loss from the registry, its config overridden by ``policy_loss_args``."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.models.config import DTYPES
-from relax.models.critic import init_critic, load_critic
+from relax.models.critic import init_critic, init_value_head, load_critic
 from relax.train.state import init_state
 
 from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, run_online
@@ -47,7 +47,9 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
 
     def make_state(model, key):
         critic = None
-        if p.needs_critic:
+        if p.shared_critic:
+            critic = init_value_head(model.config)
+        elif p.needs_critic:
             critic = (init_critic(model) if p.critic_model is None else
                       load_critic(p.critic_model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]))
         return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,

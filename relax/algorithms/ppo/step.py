@@ -10,7 +10,8 @@
       delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t
 
 - ``update`` (jit): the policy loss (``relax.objectives.registry``) and the critic's clipped
-  value loss, each through ``relax.train.update`` on the same minibatch split; the reference rule.
+  value loss, each through ``relax.train.update`` on the same minibatch split (a value head on
+  the policy's backbone: one joint loss, one forward); the reference rule.
 
 A completion whose score is missing (NaN: every reward function failed for it) is left out of
 both losses.
@@ -23,8 +24,8 @@ import jax.numpy as jnp
 
 from relax.compose import Stage, compose, stage
 from relax.masked import masked_mean
-from relax.models.critic import completion_values
-from relax.models.prefix_shared import completion_rope
+from relax.models.critic import (completion_logprobs_and_values, completion_values, values_from_hidden)
+from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.objectives.advantages import gae, vineppo_advantages, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
@@ -34,7 +35,7 @@ from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig
 from relax.rollout.sampling import SamplingConfig
 from relax.train.health import first_nonfinite
-from relax.train.optimizer import skip_counts
+from relax.train.optimizer import paired, skip_counts
 from relax.train.state import TrainState
 from relax.train.update import LossContext, make_update
 
@@ -73,10 +74,7 @@ def make_advantage(cfg: PPOConfig, passes: Passes) -> Stage:
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
         out = {**batch, "loss_mask": loss_mask, "token_rewards": r, "kl_to_ref": kl}
         if cfg.advantage == "gae":
-            rope = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
-            values = jax.lax.stop_gradient(completion_values(
-                state.critic, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-                attention=cfg.train_attention, rope=rope))
+            values = state_values(cfg, state, batch)
             adv, returns = gae(flat(r), flat(values), flat(m), gamma=cfg.gamma, lam=cfg.lam)
             out.update(old_values=values, returns=returns.reshape(p, g, n),
                        explained_variance=explained_variance(flat(values), returns, flat(m)))
@@ -90,43 +88,85 @@ def make_advantage(cfg: PPOConfig, passes: Passes) -> Stage:
     return stage(advantage, name="advantage")
 
 
+def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext):
+    """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated."""
+    p, g, n = mb["tokens"].shape
+    flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+    mask = flat(mb["loss_mask"]) > 0
+    per_token, metrics = policy_loss(flat(logp), flat(mb["old_logprobs"]), flat(mb["advantages"]), mask)
+    if cfg.entropy_coef != 0.0:
+        per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
+    loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
+                     num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+    return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": loss}
+
+
+def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
+    """``vf_coef * aggregate(0.5 max((V - R)^2, (V_clip - R)^2))`` on ``[P, G, N]`` values."""
+    p, g, n = mb["tokens"].shape
+    flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+    mask = flat(mb["loss_mask"]) > 0
+    per_token, metrics = clipped_value_loss(flat(values), flat(mb["old_values"]), flat(mb["returns"]), mask,
+                                            clip_range=cfg.cliprange_value)
+    loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
+                                   num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+    return loss, {**metrics, "vf_loss": loss, "vpred": masked_mean(flat(values), mask)}
+
+
 def make_actor_loss(cfg: PPOConfig, passes: Passes):
-    """``loss(policy, micro_batch, ctx)``: the registry's policy loss (+ entropy bonus), aggregated."""
+    """``loss(policy, micro_batch, ctx)``: the policy terms."""
     policy_loss = cfg.loss()
 
     def loss_fn(policy, mb, ctx: LossContext):
-        p, g, n = mb["tokens"].shape
         logp, ent = train_logprobs(policy, mb, passes, temperature=cfg.temperature, attention=cfg.train_attention,
                                    entropy_grad=cfg.entropy_coef != 0.0)
-        flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-        mask = flat(mb["loss_mask"]) > 0
-        per_token, metrics = policy_loss(flat(logp), flat(mb["old_logprobs"]), flat(mb["advantages"]), mask)
-        if cfg.entropy_coef != 0.0:
-            per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
-        loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                         num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
-        return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": loss}
+        return _policy_terms(cfg, policy_loss, logp, ent, mb, ctx)
 
     return loss_fn
 
 
 def make_critic_loss(cfg: PPOConfig, passes: Passes):
-    """``loss(critic, micro_batch, ctx) = vf_coef * aggregate(0.5 max((V - R)^2, (V_clip - R)^2))``."""
+    """``loss(critic, micro_batch, ctx)``: the value terms of a separate critic."""
 
     def loss_fn(critic, mb, ctx: LossContext):
-        p, g, n = mb["tokens"].shape
         values = completion_values(critic, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
                                    attention=cfg.train_attention, unroll=passes.unroll(critic.backbone.config.num_layers),
                                    rope=mb["critic_rope"])
-        flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-        mask = flat(mb["loss_mask"]) > 0
-        per_token, metrics = clipped_value_loss(flat(values), flat(mb["old_values"]), flat(mb["returns"]), mask,
-                                                clip_range=cfg.cliprange_value)
-        loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                                       num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
-        return loss, {**metrics, "vpred": masked_mean(flat(values), mask)}
+        return _value_terms(cfg, values, mb, ctx)
 
     return loss_fn
+
+
+def make_joint_loss(cfg: PPOConfig, passes: Passes):
+    """``loss((policy, head), micro_batch, ctx) = policy terms + value terms`` from ONE forward of
+    the policy (a value head on its backbone: both terms train the backbone)."""
+    policy_loss = cfg.loss()
+
+    def loss_fn(params, mb, ctx: LossContext):
+        policy, head = params
+        logp, ent, values = completion_logprobs_and_values(
+            policy, head, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"], temperature=cfg.temperature,
+            attention=cfg.train_attention, entropy_grad=cfg.entropy_coef != 0.0,
+            unroll=passes.unroll(policy.config.num_layers), rope=mb["rope"])
+        pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx)
+        vf, vf_metrics = _value_terms(cfg, values, mb, ctx)
+        return pg + vf, {**metrics, **{f"critic/{k}": v for k, v in vf_metrics.items()}}
+
+    return loss_fn
+
+
+def state_values(cfg: PPOConfig, state: TrainState, batch):
+    """The critic's values ``[P, G, N]`` of the sampled states (no gradient)."""
+    _, g, n = batch["tokens"].shape
+    args = (batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"])
+    if cfg.shared_critic:
+        rope = completion_rope(state.policy.config, batch["prompt_mask"], g, n)
+        h = completion_hidden(state.policy, *args, attention=cfg.train_attention, rope=rope)
+        values = values_from_hidden(h, state.critic.head, state.critic.bias)
+    else:
+        rope = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
+        values = completion_values(state.critic, *args, attention=cfg.train_attention, rope=rope)
+    return jax.lax.stop_gradient(values)
 
 
 def make_update_stage(cfg: PPOConfig, passes: Passes) -> Stage:
@@ -137,13 +177,20 @@ def make_update_stage(cfg: PPOConfig, passes: Passes) -> Stage:
     def update(state: TrainState, batch):
         _, g, n = batch["tokens"].shape
         batch = {**batch, "rope": completion_rope(state.policy.config, batch["prompt_mask"], g, n)}
-        if cfg.needs_critic:  # the critic's own tables: it may be another model than the policy
+        if cfg.needs_critic and not cfg.shared_critic:  # the critic's own tables: it may be another model
             batch["critic_rope"] = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
         key, k_actor, k_critic = jax.random.split(state.key, 3)
-        actor = make_update(make_actor_loss(cfg, passes), state.optimizer, **split)
-        policy, opt_state, metrics = actor(state.policy, state.opt_state, {k: batch[k] for k in ACTOR_KEYS}, k_actor)
         critic, critic_opt_state = state.critic, state.critic_opt_state
-        if cfg.needs_critic:
+        if cfg.shared_critic:  # one joint update of (policy, head), each part with its own optimizer
+            joint = make_update(make_joint_loss(cfg, passes), paired(state.optimizer, state.critic_optimizer), **split)
+            (policy, critic), (opt_state, critic_opt_state), metrics = joint(
+                (state.policy, critic), (state.opt_state, critic_opt_state),
+                {k: batch[k] for k in (*ACTOR_KEYS, "old_values", "returns")}, k_actor)
+        else:
+            actor = make_update(make_actor_loss(cfg, passes), state.optimizer, **split)
+            policy, opt_state, metrics = actor(state.policy, state.opt_state, {k: batch[k] for k in ACTOR_KEYS},
+                                               k_actor)
+        if cfg.needs_critic and not cfg.shared_critic:
             critic_update = make_update(make_critic_loss(cfg, passes), state.critic_optimizer, **split)
             critic, critic_opt_state, critic_metrics = critic_update(
                 critic, critic_opt_state, {k: batch[k] for k in CRITIC_KEYS}, k_critic)
