@@ -78,7 +78,7 @@ def main(args: Args) -> dict:
                  grad_accum=args.grad_accum, optimizer=OptimizerConfig(learning_rate=1e-6))
     opt = cfg.optimizer.make()
     state = init_state(model, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
-    step = make_grpo_step(cfg, opt, [reward], decode, eos_ids=(), pad_id=0)
+    step = make_grpo_step(cfg, [reward], decode, eos_ids=(), pad_id=0)
     p = args.prompts
     ids = jax.random.randint(jax.random.key(2), (p, args.prompt_len), 0, mcfg.vocab_size)
 

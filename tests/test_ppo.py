@@ -13,10 +13,11 @@ from safetensors.numpy import load_file
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import (_value_terms, make_actor_loss, make_joint_loss, make_ppo_step,
                                       token_rewards)
-from relax.algorithms.ppo.vine import branch_prompts
+from relax.algorithms.ppo.vine import branch_prompts, step_advantages
 from relax.models import ModelConfig, init
 from relax.models.critic import init_critic, init_value_head, values_from_hidden
 from relax.models.prefix_shared import completion_hidden
+from relax.objectives.advantages import vineppo_advantages
 from relax.objectives.value import explained_variance
 from relax.passes import Passes
 from relax.train.optimizer import OptimizerConfig
@@ -55,6 +56,20 @@ def test_branch_prompts_are_prompt_plus_completion_prefixes():
     assert points.tolist() == [0, 2]
     rows = [row[m > 0].tolist() for row, m in zip(ids, mask)]
     assert rows == [[7, 8], [7, 8, 1, 2], [7, 8], [7, 8, 5, 6]]
+
+
+def test_vineppo_step_advantages_hand_values():
+    """Steps of 2 tokens; completion lengths 5 and 2: A_t = V(next step's state) - V(this step's),
+    the state after the last step terminal (the score)."""
+    values = jnp.array([[[0.2, 0.5, 0.9], [0.4, 0.7, 0.1]]])  # [P=1, G=2, J=3]
+    adv = step_advantages(values, jnp.array([[5, 2]]), jnp.array([[1.0, 0.0]]), every=2, n=6)
+    np.testing.assert_allclose(adv, [[[0.3, 0.3, 0.4, 0.4, 0.1, 0.0], [-0.4, -0.4, 0, 0, 0, 0]]], atol=1e-6)
+    # every = 1: the token-level estimator of relax.objectives.advantages
+    v = jax.random.uniform(jax.random.key(0), (1, 2, 4))
+    lengths, score = jnp.array([[4, 3]]), jnp.array([[1.0, 0.5]])
+    mask = jnp.arange(4) < lengths[..., None]
+    want = vineppo_advantages(v.reshape(2, 4), mask.reshape(2, 4), terminal_values=score.reshape(2))
+    np.testing.assert_allclose(step_advantages(v, lengths, score, every=1, n=4).reshape(2, 4), want, atol=1e-6)
 
 
 def _batch(p=4, lp=3):

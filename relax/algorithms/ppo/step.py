@@ -26,7 +26,7 @@ from relax.compose import Stage, compose, stage
 from relax.masked import masked_mean
 from relax.models.critic import (completion_logprobs_and_values, completion_values, values_from_hidden)
 from relax.models.prefix_shared import completion_hidden, completion_rope
-from relax.objectives.advantages import gae, vineppo_advantages, whiten
+from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
 from relax.objectives.reference import make_reference_rule
@@ -40,7 +40,7 @@ from relax.train.state import TrainState
 from relax.train.update import LossContext, make_update
 
 from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.vine import make_mc_values
+from relax.algorithms.ppo.vine import make_mc_values, step_advantages
 from relax.algorithms.stages import make_reference, make_rollout, make_score, train_logprobs
 
 ACTOR_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages", "rope")
@@ -78,9 +78,9 @@ def make_advantage(cfg: PPOConfig, passes: Passes) -> Stage:
             adv, returns = gae(flat(r), flat(values), flat(m), gamma=cfg.gamma, lam=cfg.lam)
             out.update(old_values=values, returns=returns.reshape(p, g, n),
                        explained_variance=explained_variance(flat(values), returns, flat(m)))
-        else:  # VinePPO: V(s_t) from branched rollouts; the terminal value is the KL-shaped score
-            adv = vineppo_advantages(flat(batch["mc_values"]), flat(m), terminal_values=score.reshape(-1))
-            adv = adv - cfg.kl_coef * flat(kl)
+        else:  # VinePPO: V(s_t) from branched rollouts; the terminal value is the score
+            adv = step_advantages(batch["mc_values"], batch["lengths"], score, every=cfg.vine_every, n=n)
+            adv = flat(jnp.where(m, adv, 0.0)) - cfg.kl_coef * flat(kl)
         if cfg.whiten_advantages:
             adv = whiten(adv, flat(m))
         return state, {**out, "advantages": adv.reshape(p, g, n)}

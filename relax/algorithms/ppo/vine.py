@@ -7,8 +7,12 @@ prefix ``prompt + tokens[:t_j]`` becomes a new prompt; the prefix-shared sampler
 G completions share a prompt's), each branch cut to the original budget ``N - t_j``, and the
 reward functions score ``tokens[:t_j] + branch``::
 
-    V(s_{t_j}) = mean_k score(prompt, tokens[:t_j] + branch_k)
-    mc_values[t] = V(s_{t_j})   for t_j <= t < t_{j+1}
+    V(s_{t_j}) = mean_k score(prompt, tokens[:t_j] + branch_k)          (``mc_values`` [P, G, J])
+    A_t = V(s_{t_{j+1}}) - V(s_{t_j})   for every t_j <= t < t_{j+1}      (``step_advantages``)
+
+where the state after the completion's last step is terminal, its value the completion's own
+score: every token of a step gets the step's advantage (VinePPO's credit assignment; with
+``vine_every = 1`` it is ``relax.objectives.advantages.vineppo_advantages``).
 
 Cost per iteration: ``P * G * ceil(N / vine_every)`` extra prefills of at most ``Lp + N`` tokens
 and ``K`` times as many decodes of ``N`` tokens, all scored on the host.
@@ -21,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
 from relax.compose import Stage, stage
 from relax.rewards.functions import as_reward_functions, score_groups
@@ -50,7 +55,7 @@ def branch_prompts(prompt_ids: np.ndarray, prompt_mask: np.ndarray, tokens: np.n
 
 def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: str = "raise",
                    timeout_s: float | None = None) -> Stage:
-    """Host stage adding ``mc_values`` ``[P, G, N]`` (module docstring) to the batch."""
+    """Host stage adding ``mc_values`` ``[P, G, J]`` (module docstring) to the batch."""
     fns = as_reward_functions(reward_fns)
     branch_cfg = RolloutConfig(num_generations=cfg.vine_rollouts, max_new_tokens=rcfg.max_new_tokens,
                                sampling=rcfg.sampling, eos_ids=rcfg.eos_ids, pad_id=rcfg.pad_id,
@@ -74,8 +79,7 @@ def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: st
                                       full_mask.reshape(p * g * j, k, n), on_error=on_error, timeout_s=timeout_s)
         values = np.nanmean(np.where(np.isfinite(total), total, np.nan), axis=-1) if total.size else total
         values = np.nan_to_num(values.reshape(p, g, j), nan=0.0)
-        per_token = np.repeat(values, np.diff(np.append(points, n)), axis=-1)[..., :n]
-        return state, {**batch, "mc_values": jnp.asarray(per_token, jnp.float32)}
+        return state, {**batch, "mc_values": jnp.asarray(values, jnp.float32)}
 
     return stage(mc_values, jit=False, name="mc_values")
 
@@ -93,6 +97,18 @@ def _joined(tokens, mask, done, branch_tokens, branch_mask):
         out[idx][:, d:] = branch_tokens[idx][:, :n - d]
         out_mask[idx][:, d:] = branch_mask[idx][:, :n - d]
     return out, out_mask
+
+
+def step_advantages(values: Float[Array, "p g j"], lengths: Int[Array, "p g"], terminal: Float[Array, "p g"], *,
+                    every: int, n: int) -> Float[Array, "p g n"]:
+    """``A_t = V(s_{t_{j+1}}) - V(s_{t_j})`` for the tokens of step ``j`` (``t_j = j * every``), the
+    value after the last step (``t_{j+1} >= length``) being ``terminal``; 0 past ``length``."""
+    starts = jnp.arange(values.shape[-1]) * every
+    inside = (starts[1:] < lengths[..., None])  # [P, G, J-1]: the next step starts inside the completion
+    after = jnp.where(inside, values[..., 1:], terminal[..., None])
+    after = jnp.concatenate([after, terminal[..., None]], axis=-1)
+    adv = (after - values)[..., jnp.arange(n) // every]
+    return jnp.where(jnp.arange(n) < lengths[..., None], adv, 0.0)
 
 
 def branch_cost(p: int, g: int, n: int, every: int, rollouts: int) -> dict[str, int]:
