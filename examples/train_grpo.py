@@ -13,12 +13,11 @@ values the ``--grpo.*`` flags then override.
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import tyro
 
-from relax.train.preemption import Preempted
+from relax.train.preemption import exit_as_terminated
 from relax.algorithms.grpo.run import GRPORunConfig, builtin_defaults, real_defaults, run
 
 
@@ -45,8 +44,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Preempted as e:  # SIGTERM: a checkpoint was saved; exit as a terminated process would
-        print(e, file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
+    exit_as_terminated(main)  # SIGTERM: a checkpoint was saved; exit status 143

@@ -12,13 +12,12 @@ Every field of ``relax.algorithms.ppo.run.PPORunConfig`` (and the nested ``--ppo
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import tyro
 
 from relax.algorithms.ppo.run import PPORunConfig, builtin_defaults, real_defaults, run
-from relax.train.preemption import Preempted
+from relax.train.preemption import exit_as_terminated
 
 
 def parse_args(argv: list[str]) -> PPORunConfig:
@@ -33,8 +32,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Preempted as e:  # SIGTERM: a checkpoint was saved; exit as a terminated process would
-        print(e, file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
+    exit_as_terminated(main)  # SIGTERM: a checkpoint was saved; exit status 143

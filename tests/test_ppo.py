@@ -191,6 +191,20 @@ def test_ppo_resume_is_bit_exact(setup, tmp_path):  # noqa: F811
         np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
 
 
+def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noqa: F811
+    """--ppo.critic-model: a critic saved with a score head (transformers' layout) is loaded,
+    trained, and its value head starts where the directory left it."""
+    from relax.models.hf import load_pretrained
+    from relax.models.critic import save_critic
+    policy = load_pretrained(setup / "model")
+    critic = init_critic(policy, key=jax.random.key(3), head_std=0.5)
+    save_critic(critic, tmp_path / "critic", layout="sequence")
+    run_dir = tmp_path / "run"
+    _example().main(_args(setup, run_dir, 1, "--ppo.critic-model", str(tmp_path / "critic")))
+    line = _train_lines(run_dir)[1]
+    assert line["critic/grad_norm"] > 0 and line["values_mean"] != 0.0  # a nonzero head from the file
+
+
 def test_ppo_learns_the_builtin_task(tmp_path):
     """The no-argument PPO run, shortened: held-out greedy accuracy rises by more than 20 points."""
     summary = _example().main(["--run-dir", str(tmp_path), "--steps", "30", "--eval-every", "0",

@@ -14,7 +14,7 @@ from relax.choices import check_choice
 from relax.masked import assert_same_shape, at_least_float32
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
-_KL_ALIASES = {"kl": "k1", "mse": "k2"}  # verl's other names for k1 and k2
+KL_ALIASES = {"kl": "k1", "mse": "k2"}  # verl's other names for k1 and k2
 
 
 def kl_estimate(
@@ -39,8 +39,8 @@ def kl_estimate(
     With ``mask`` the inputs are zeroed at masked positions first (so padding holding ``-inf``
     gives no NaN, in values or gradients) and the result is 0 there.
     """
-    check_choice("KL estimator", kind, (*KL_ESTIMATORS, *_KL_ALIASES))
-    kind = _KL_ALIASES.get(kind, kind)
+    check_choice("KL estimator", kind, (*KL_ESTIMATORS, *KL_ALIASES))
+    kind = KL_ALIASES.get(kind, kind)
     assert_same_shape(logp=logp, ref_logp=ref_logp, **({} if mask is None else {"mask": mask}))
     m = jnp.ones(jnp.shape(logp), bool) if mask is None else jnp.asarray(mask).astype(bool)
     d = jnp.where(m, at_least_float32(logp), 0.0) - jnp.where(m, at_least_float32(ref_logp), 0.0)

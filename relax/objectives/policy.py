@@ -171,6 +171,28 @@ def reinforce(
     return jnp.where(m, -adv * lp, 0.0), {}
 
 
+def truncated_importance_sampling(
+    logp: Float[Array, "n t"],
+    old_logp: Float[Array, "n t"],
+    advantages: Float[Array, "n t"] | Float[Array, " n"],
+    mask: Bool[Array, "n t"],
+    *,
+    cap: float | None,
+) -> tuple[Float[Array, "n t"], dict[str, Float[Array, ""]]]:
+    """Importance-sampling loss with the ratio truncated at ``cap``: ``loss = -min(r, cap) * A``.
+
+    Tinker's ``importance_sampling`` loss is ``-r A`` (``cap=None``); truncated, the gradient
+    ``-r A grad logp`` flows where ``r < cap`` and is 0 where ``r > cap``. Metrics: ``clip_frac``
+    (valid tokens with ``r > cap``) and the ratio / KL metrics of ``ppo_clip``.
+    """
+    lp, old, adv, m = _inputs(mask, advantages, logp=logp, old_logp=old_logp)
+    ratio = jnp.exp(_log_ratio(lp, old, m, "token"))
+    weight = ratio if cap is None else jnp.minimum(ratio, cap)
+    capped = jnp.zeros_like(m) if cap is None else ratio > cap
+    metrics = {"clip_frac": _fraction(capped, m), **_ratio_metrics(ratio, lp, old, m)}
+    return jnp.where(m, -weight * adv, 0.0), metrics
+
+
 def truncated_importance_weight(
     old_logp_trainer: Float[Array, "n t"],
     sampler_logp: Float[Array, "n t"],

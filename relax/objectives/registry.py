@@ -53,8 +53,8 @@ from jaxtyping import Array
 from relax.choices import check_choice
 from relax.masked import masked_mean
 from relax.metrics import Metric
-from relax.objectives.kl import _KL_ALIASES, KL_ESTIMATORS, conservative_penalty, kl_estimate
-from relax.objectives.policy import _fraction, _inputs, _log_ratio, _ratio_metrics, cispo, ppo_clip, reinforce
+from relax.objectives.kl import KL_ALIASES, KL_ESTIMATORS, conservative_penalty, kl_estimate
+from relax.objectives.policy import cispo, ppo_clip, reinforce, truncated_importance_sampling
 
 __all__ = ["POLICY_LOSSES", "LOSS_FUNCTIONS", "PolicyLoss", "policy_loss", "PPOLossConfig", "GRPOLossConfig",
            "DAPOLossConfig", "GSPOLossConfig", "CISPOLossConfig", "ReinforceLossConfig",
@@ -162,7 +162,7 @@ class ConservativePPOLossConfig:
         _check_clip(self.epsilon, self.epsilon, "epsilon", "epsilon")
         _check(self.kl_threshold >= 0.0, f"kl_threshold must be >= 0, got {self.kl_threshold}")
         _check(self.coef >= 0.0, f"coef must be >= 0, got {self.coef}")
-        check_choice("KL estimator", self.kl_estimator, (*KL_ESTIMATORS, *_KL_ALIASES))
+        check_choice("KL estimator", self.kl_estimator, (*KL_ESTIMATORS, *KL_ALIASES))
 
 
 Out = tuple[Array, dict[str, Any]]
@@ -198,14 +198,7 @@ def reinforce_loss(logp, old_logp, advantages, mask, config: ReinforceLossConfig
 
 
 def importance_sampling_loss(logp, old_logp, advantages, mask, config: ImportanceSamplingLossConfig) -> Out:
-    """``-min(r, cap) A`` per valid token; metrics: ``clip_frac`` (valid tokens with ``r > cap``)
-    and ``ppo_clip``'s ratio / KL metrics."""
-    lp, old, adv, m = _inputs(mask, advantages, logp=logp, old_logp=old_logp)
-    ratio = jnp.exp(_log_ratio(lp, old, m, "token"))
-    weight = ratio if config.cap is None else jnp.minimum(ratio, config.cap)
-    capped = jnp.zeros_like(m) if config.cap is None else ratio > config.cap
-    metrics = {"clip_frac": _fraction(capped, m), **_ratio_metrics(ratio, lp, old, m)}
-    return jnp.where(m, -weight * adv, 0.0), metrics
+    return truncated_importance_sampling(logp, old_logp, advantages, mask, cap=config.cap)
 
 
 def conservative_ppo_loss(logp, old_logp, advantages, mask, config: ConservativePPOLossConfig) -> Out:
@@ -223,7 +216,7 @@ def conservative_ppo_loss(logp, old_logp, advantages, mask, config: Conservative
         **metrics,
         "kl_old": masked_mean(kl, m),
         "kl_old_max": Metric(jnp.where(m.any(), jnp.max(jnp.where(m, kl, -jnp.inf)), 0.0), "max"),
-        "kl_over_threshold": _fraction(kl > config.kl_threshold, m),
+        "kl_over_threshold": masked_mean((kl > config.kl_threshold).astype(jnp.float32), m),
         "kl_penalty": masked_mean(penalty, m),
     }
     return per_token + penalty, metrics

@@ -17,7 +17,9 @@ in ``relax.train.checkpoint``) must see the signal on every host.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+from typing import Callable
 
 import jax
 
@@ -45,3 +47,13 @@ class PreemptionGuard:
     def __exit__(self, *exc) -> None:
         if self.active:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+def exit_as_terminated(main: Callable[[], object]) -> None:
+    """Run a command-line ``main``; on ``Preempted`` (a checkpoint was saved) print why and exit
+    with status 128 + SIGTERM, as a terminated process would."""
+    try:
+        main()
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
