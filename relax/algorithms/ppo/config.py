@@ -89,6 +89,9 @@ class PPOConfig:
             raise ValueError("kl_coef >= 0, vf_coef > 0 and temperature > 0 are required")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.reference.needs_stats:
+            raise ValueError("reference kind 'prorl' resets on running KL / entropy statistics, which the PPO "
+                             "trainer does not keep: use static, ema, periodic or mixup")
         if self.advantage == "vineppo" and self.critic_model is not None:
             raise ValueError("advantage='vineppo' uses Monte-Carlo values, not a critic: drop critic_model")
         self.loss()  # the loss name and its arguments are valid

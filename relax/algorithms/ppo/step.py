@@ -61,7 +61,7 @@ def token_rewards(score, mask, kl, kl_coef: float):
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
 
 
-def make_advantage(cfg: PPOConfig, passes: Passes) -> Stage:
+def make_advantage(cfg: PPOConfig) -> Stage:
     def advantage(state: TrainState, batch):
         p, g, n = batch["tokens"].shape
         score_ok = jnp.isfinite(batch["rewards"])
@@ -237,4 +237,4 @@ def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...
         stages.append(make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention))
     if cfg.advantage == "vineppo":
         stages.append(make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s))
-    return compose(*stages, make_advantage(cfg, passes), make_update_stage(cfg, passes), name="ppo_step")
+    return compose(*stages, make_advantage(cfg), make_update_stage(cfg, passes), name="ppo_step")
