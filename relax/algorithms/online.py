@@ -149,7 +149,7 @@ def _on_host(enabled: bool):
     return contextlib.nullcontext()
 
 
-def _exporter(tokenizer: TextTokenizer):
+def exporter(tokenizer: TextTokenizer):
     """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
     files and chat template, a directory ``transformers`` loads (collective: every process calls it)."""
 
@@ -199,13 +199,13 @@ def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log):
 
 
 def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: StepParts, log):
-    """``run_eval(policy, step, logger) -> metrics``: the held-out evaluation, logged at ``step``."""
+    """``run_eval(state, step, logger) -> metrics``: the policy's held-out evaluation, logged at ``step``."""
 
-    def run_eval(policy, step: int, logger: MetricsLogger) -> dict:
+    def run_eval(state, step: int, logger: MetricsLogger) -> dict:
         if eval_batch is None:
             return {}
         t0 = time.perf_counter()
-        metrics = evaluate(policy, eval_batch, reward_fns=parts.reward_fns, decode=parts.decode,
+        metrics = evaluate(state.policy, eval_batch, reward_fns=parts.reward_fns, decode=parts.decode,
                            eos_ids=parts.eos_ids, pad_id=parts.pad_id, max_new_tokens=algo.max_new_tokens,
                            key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
                            answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s,
@@ -265,7 +265,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         del model
     trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
                       make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
-                      evaluate=_evaluator(cfg, algo, eval_batch, parts, log), export=_exporter(tokenizer),
+                      evaluate=_evaluator(cfg, algo, eval_batch, parts, log), export=exporter(tokenizer),
                       bar_keys=BAR_KEYS)
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

@@ -75,7 +75,8 @@ def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Calla
     is missing for it). First, completions are cut at their first stop string
     (``relax.text.stop_strings``: ``mask``, ``lengths`` and ``finished`` replaced)."""
     token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
-    fns = as_reward_functions([f for f in reward_fns if not isinstance(f, TokenRewardFunction)])
+    host = [f for f in reward_fns if not isinstance(f, TokenRewardFunction)]
+    fns = as_reward_functions(host) if host else ()  # token rewards alone (e.g. a reward model) are enough
     if not fns and not token_fns:
         raise ValueError("make_score needs at least one reward function")
 

@@ -1,8 +1,64 @@
-"""Supervised rows: a prompt and its response, right-padded, the loss on the response only."""
+"""Supervised rows: records -> token examples with a loss mask -> padded or packed batches.
+
+**Examples** (``encode_sft``): each ``relax.data.files.Record`` is one of three kinds, told
+apart by its columns (names configurable):
+
+- ``messages``: a chat, a list of ``{role, content}`` messages, rendered with the tokenizer's
+  own chat template (``tokenizer.apply_chat_template``). The loss is on the assistant turns
+  only, found by rendering prefixes (as TRL's ``assistant_only_loss`` without generation tags):
+  assistant turn ``i`` is the tokens between the render of ``messages[:i]`` with the
+  generation prompt and the render of ``messages[:i+1]``, so the turn's header is not a target
+  and its content and end-of-turn tokens are. A template that does not render prefixes as
+  token prefixes of the whole chat is an error (the turns cannot be located).
+- ``prompt`` + ``completion``: the loss is on the completion only. A string prompt is encoded as
+  plain text with the tokenizer's special tokens (a BOS where it adds one), the completion without
+  them, and the EOS is appended to the completion. A prompt that is a message list goes through
+  the chat template (with the generation prompt) and the completion (a string: one assistant
+  message; or a message list) is the rest of the rendered chat, ended as the template ends a turn.
+- ``text``: plain text, the loss on every token (but the first, which nothing predicts), EOS appended.
+
+``SFTExample.loss_mask`` is aligned with ``ids``: 1 where the token at ``t`` is a target, i.e.
+predicted from ``t - 1``; it is always 0 at ``t = 0``.
+
+**Errors** name the file, the 1-based row and the field: a missing column (``MissingFieldError``),
+an empty completion / text / chat, a chat without an assistant turn, a value of the wrong type.
+
+**Truncation policy**: an example longer than ``max_length`` tokens is an error naming the file,
+row, field and length, unless ``truncate=True``: then it is cut from the END to ``max_length``
+tokens (the prompt and the start of the answer are kept), and it is still an error if the cut
+leaves no loss token.
+
+**Batches**: ``pack(examples, row_length)`` places whole examples into rows of ``row_length``
+tokens, by **first-fit-decreasing** (default: longest first, each into the first row with room;
+fewest rows in practice, the examples' order is not kept) or ``method="greedy"`` (next fit in the
+given order: a new row whenever the next example does not fit the current one). It returns
+``ids``, ``segment_ids`` (0 = padding, 1.. = the example's index in its row) and ``loss_mask``,
+int32 ``[rows, row_length]``, for ``relax.models.packed``. ``pad_rows`` is the unpacked
+alternative: one example per row, right-padded, the same three arrays. ``num_rows`` fixes the
+number of rows (empty rows are added; too few rows is an error) so every batch has one shape.
+For a loader that batches rows, ``pack_rows`` packs a whole dataset once into rows of one shape
+(as TRL packs a dataset) and ``stack_rows`` stacks a batch of them. ``padding_fraction(batch)``:
+the share of positions that hold no token.
+
+``pad_examples`` (prompt + response rows with an attention mask) serves the built-in reverse task.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import numpy as np
+
+from relax.choices import check_choice
+from relax.data.files import RECORDS_LABEL, MissingFieldError, Record, require_fields
+from relax.text.base import TextTokenizer
+
+__all__ = ["PACK_METHODS", "SFTExample", "encode_sft", "encode_sft_record", "loss_tokens", "pack", "pack_plan",
+           "pack_rows", "pad_examples", "pad_rows", "padding_fraction", "stack_rows"]
+
+PACK_METHODS = ("ffd", "greedy")
 
 
 def pad_examples(prompts: list[list[int]], responses: list[list[int]], *, length: int, pad_id: int
@@ -20,3 +76,298 @@ def pad_examples(prompts: list[list[int]], responses: list[list[int]], *, length
         mask[i, :len(p) + len(r)] = 1
         loss_mask[i, len(p):len(p) + len(r)] = 1
     return ids, mask, loss_mask
+
+
+# ------------------------------------------------------------------------------ examples
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SFTExample:
+    """One tokenized example: ``ids`` and ``loss_mask`` int32 ``[n]`` (1 where ``ids[t]`` is a
+    target, predicted from ``t - 1``; 0 at ``t = 0``); ``origin`` names its file and row, for errors."""
+
+    ids: np.ndarray
+    loss_mask: np.ndarray
+    origin: str = ""
+
+    def __post_init__(self):
+        ids, mask = np.asarray(self.ids, np.int32), np.asarray(self.loss_mask, np.int32)
+        where = f"{self.origin}: " if self.origin else ""
+        if ids.ndim != 1 or mask.shape != ids.shape or ids.size == 0:
+            raise ValueError(f"{where}an SFTExample needs ids and loss_mask of one non-empty length, got "
+                             f"{ids.shape} and {mask.shape}")
+        if mask[0]:
+            raise ValueError(f"{where}the first token of an example cannot be a target (loss_mask[0] must be 0)")
+        object.__setattr__(self, "ids", ids)
+        object.__setattr__(self, "loss_mask", mask)
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+
+def encode_sft(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer, *, max_length: int,
+               truncate: bool = False, messages_field: str = "messages", prompt_field: str = "prompt",
+               completion_field: str = "completion", text_field: str = "text") -> list[SFTExample]:
+    """Every record as an ``SFTExample`` (module docstring: kinds, masks, truncation, errors).
+    Plain dicts are named ``<records>`` and their 1-based index in errors."""
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length} leaves no room for a target (at least 2)")
+    rows = [_as_record(r, i) for i, r in enumerate(records, start=1)]
+    return [encode_sft_record(r, tokenizer, max_length=max_length, truncate=truncate,
+                              messages_field=messages_field, prompt_field=prompt_field,
+                              completion_field=completion_field, text_field=text_field) for r in rows]
+
+
+def encode_sft_record(r: Record, tokenizer: TextTokenizer, *, max_length: int, truncate: bool = False,
+                      messages_field: str = "messages", prompt_field: str = "prompt",
+                      completion_field: str = "completion", text_field: str = "text") -> SFTExample:
+    """One record as an ``SFTExample`` (see ``encode_sft``)."""
+    cols = r.record
+    if messages_field in cols:
+        ids, mask, field = _encode_chat(r, messages_field, tokenizer) + (messages_field,)
+    elif prompt_field in cols or completion_field in cols:
+        require_fields(r, [prompt_field, completion_field])
+        ids, mask, field = _encode_prompt_completion(r, prompt_field, completion_field, tokenizer, max_length)
+    elif text_field in cols:
+        ids, mask, field = _encode_text(r, text_field, tokenizer) + (text_field,)
+    else:
+        raise MissingFieldError(
+            f"{r.file}: row {r.row}: missing field: a supervised row needs {messages_field!r}, "
+            f"{prompt_field!r} + {completion_field!r}, or {text_field!r} (row has {sorted(cols)})")
+    where = f"{r.file}: row {r.row}"
+    if len(ids) > max_length:
+        if not truncate:
+            raise ValueError(f"{where}: field {field!r}: the example has {len(ids)} tokens > max_length="
+                             f"{max_length} (pass truncate=True to cut it from the end)")
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            raise ValueError(f"{where}: field {field!r}: cut to max_length={max_length} tokens, the example "
+                             "keeps no loss token (its targets all lie past the cut)")
+    return SFTExample(np.asarray(ids, np.int32), np.asarray(mask, np.int32), origin=where)
+
+
+def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
+    if isinstance(r, Record):
+        return r
+    if not isinstance(r, Mapping):
+        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {type(r).__name__}")
+    return Record(RECORDS_LABEL, index, dict(r))
+
+
+def _fail(r: Record, field: str, msg: str) -> ValueError:
+    return ValueError(f"{r.file}: row {r.row}: field {field!r}: {msg}")
+
+
+def _eos(r: Record, field: str, tokenizer: TextTokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise _fail(r, field, f"tokenizer {tokenizer.path} has no EOS token to end the example with")
+    return tokenizer.eos_token_id
+
+
+def _with_eos(ids: list[int], eos: int) -> list[int]:
+    return ids if ids and ids[-1] == eos else ids + [eos]
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0)
+
+
+def _encode_text(r: Record, field: str, tokenizer: TextTokenizer) -> tuple[list[int], list[int]]:
+    text = r.record[field]
+    if not isinstance(text, str):
+        raise _fail(r, field, f"expected a string, got {type(text).__name__}")
+    if not text:
+        raise _fail(r, field, "is empty")
+    ids = _with_eos(tokenizer.encode(text, add_special_tokens=True), _eos(r, field, tokenizer))
+    return ids, [0] + [1] * (len(ids) - 1)
+
+
+def _messages(r: Record, field: str, value: Any) -> list[Mapping[str, Any]]:
+    if not isinstance(value, (list, tuple)):
+        raise _fail(r, field, f"expected a list of chat messages, got {type(value).__name__}")
+    if not value:
+        raise _fail(r, field, "is empty")
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise _fail(r, field, f"message {i} is not a {{role, content}} mapping: {m!r}")
+    return list(value)
+
+
+def _render(r: Record, field: str, tokenizer: TextTokenizer, messages, generation_prompt: bool) -> list[int]:
+    if not tokenizer.has_chat_template:
+        raise _fail(r, field, f"chat messages need a chat template; tokenizer {tokenizer.path} has none")
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True))
+    except Exception as e:  # template errors (raise_exception, undefined names) of any type
+        raise _fail(r, field, f"the chat template failed: {e}") from e
+
+
+def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
+    return len(prefix) <= len(ids) and ids[:len(prefix)] == prefix
+
+
+def _encode_chat(r: Record, field: str, tokenizer: TextTokenizer) -> tuple[list[int], list[int]]:
+    """The whole chat; the loss on each assistant turn (found by rendering prefixes)."""
+    messages = _messages(r, field, r.record[field])
+    ids = _render(r, field, tokenizer, messages, False)
+    mask = [0] * len(ids)
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not turns:
+        raise _fail(r, field, "has no assistant message: nothing to train on")
+    for i in turns:
+        m = messages[i]
+        if _empty(m.get("content")) and not m.get("tool_calls"):
+            raise _fail(r, field, f"assistant message {i} is empty")
+        start = _render(r, field, tokenizer, messages[:i], True) if i else []
+        end = _render(r, field, tokenizer, messages[:i + 1], False)
+        if not (_is_prefix(start, end) and _is_prefix(end, ids)) or len(end) == len(start):
+            raise _fail(r, field, f"the chat template does not render the chat up to message {i} as a prefix "
+                                  "of the whole chat, so the assistant tokens cannot be located")
+        mask[max(len(start), 1):len(end)] = [1] * (len(end) - max(len(start), 1))
+    return ids, mask
+
+
+def _encode_prompt_completion(r: Record, prompt_field: str, completion_field: str, tokenizer: TextTokenizer,
+                              max_length: int) -> tuple[list[int], list[int], str]:
+    """``[prompt | completion]``, the loss on the completion; the third value is the field to
+    blame when the example is too long (the prompt when it alone fills ``max_length``)."""
+    prompt, completion = r.record[prompt_field], r.record[completion_field]
+    if _empty(completion):
+        raise _fail(r, completion_field, "is empty")
+    if isinstance(prompt, str):
+        if not isinstance(completion, str):
+            kind = type(completion).__name__
+            raise _fail(r, completion_field, f"expected a string after a string prompt, got {kind}")
+        p = tokenizer.encode(prompt, add_special_tokens=True)
+        c = _with_eos(tokenizer.encode(completion, add_special_tokens=False), _eos(r, completion_field, tokenizer))
+    elif isinstance(prompt, (list, tuple)):
+        p_msgs = _messages(r, prompt_field, prompt)
+        c_msgs = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                  else _messages(r, completion_field, completion))
+        p = _render(r, prompt_field, tokenizer, p_msgs, True)
+        full = _render(r, completion_field, tokenizer, p_msgs + c_msgs, False)
+        if not _is_prefix(p, full) or len(full) == len(p):
+            raise _fail(r, completion_field, "the chat template does not render the prompt as a prefix of the "
+                                             "prompt + completion chat, so the completion cannot be located")
+        c = full[len(p):]
+    else:
+        raise _fail(r, prompt_field, f"expected a string or a list of chat messages, got {type(prompt).__name__}")
+    ids = p + c
+    mask = [0] * len(p) + [1] * len(c)
+    mask[0] = 0  # with an empty prompt (and no BOS) the first completion token has nothing before it
+    return ids, mask, prompt_field if len(p) >= max_length else completion_field
+
+
+# ------------------------------------------------------------------------------ batches
+
+
+def pack_plan(lengths: Sequence[int], row_length: int, *, method: str = "ffd",
+              origins: Sequence[str] | None = None) -> list[list[int]]:
+    """Which examples (indices into ``lengths``) go into each row, in row order (module docstring:
+    ``"ffd"`` first-fit-decreasing, ``"greedy"`` next fit in order). An example longer than
+    ``row_length`` is an error naming it (``origins[i]``, else its index)."""
+    check_choice("pack method", method, PACK_METHODS)
+    for i, n in enumerate(lengths):
+        if n > row_length:
+            name = origins[i] if origins is not None and origins[i] else f"example {i}"
+            raise ValueError(f"{name}: {n} tokens do not fit a row of {row_length}")
+    if method == "greedy":
+        rows: list[list[int]] = []
+        room = 0
+        for i, n in enumerate(lengths):
+            if not rows or room < n:
+                rows.append([])
+                room = row_length
+            rows[-1].append(i)
+            room -= n
+        return rows
+    return _first_fit_decreasing(lengths, row_length)
+
+
+def _first_fit_decreasing(lengths: Sequence[int], row_length: int) -> list[list[int]]:
+    """Longest first (ties in their order), each into the first row with room: a max-tree over
+    the rooms of ``len(lengths)`` rows (the unopened ones full) finds that row in O(log n)."""
+    size = 1 << max(len(lengths) - 1, 0).bit_length()
+    tree = [-1] * (2 * size)  # tree[node] = the largest room under node; leaves size..2*size-1
+    tree[size:size + len(lengths)] = [row_length] * len(lengths)
+    for node in range(size - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    rows: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        n, node = lengths[i], 1
+        while node < size:  # the leftmost leaf with room >= n
+            node = 2 * node if tree[2 * node] >= n else 2 * node + 1
+        r = node - size
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(i)
+        tree[node] -= n
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return rows
+
+
+def _rows(plan: list[list[int]], examples: Sequence[SFTExample], row_length: int, pad_id: int,
+          num_rows: int | None) -> dict[str, np.ndarray]:
+    n = len(plan) if num_rows is None else num_rows
+    if len(plan) > n:
+        raise ValueError(f"the examples need {len(plan)} rows of {row_length} tokens, more than num_rows={n}")
+    ids = np.full((n, row_length), pad_id, np.int32)
+    seg = np.zeros((n, row_length), np.int32)
+    loss = np.zeros((n, row_length), np.int32)
+    for r, members in enumerate(plan):
+        t = 0
+        for s, i in enumerate(members, start=1):
+            e = examples[i]
+            ids[r, t:t + len(e)] = e.ids
+            seg[r, t:t + len(e)] = s
+            loss[r, t:t + len(e)] = e.loss_mask
+            t += len(e)
+    return {"ids": ids, "segment_ids": seg, "loss_mask": loss}
+
+
+def pack(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, method: str = "ffd",
+         num_rows: int | None = None) -> dict[str, np.ndarray]:
+    """Whole examples packed into rows: ``ids``, ``segment_ids``, ``loss_mask`` int32
+    ``[rows, row_length]`` (module docstring); ``num_rows`` pads with empty rows to that many."""
+    plan = pack_plan([len(e) for e in examples], row_length, method=method, origins=[e.origin for e in examples])
+    return _rows(plan, examples, row_length, pad_id, num_rows)
+
+
+def pad_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0,
+             num_rows: int | None = None) -> dict[str, np.ndarray]:
+    """One example per row, right-padded: the arrays of ``pack`` (``segment_ids`` 1 on tokens)."""
+    for i, e in enumerate(examples):
+        if len(e) > row_length:
+            raise ValueError(f"{e.origin or f'example {i}'}: {len(e)} tokens do not fit a row of {row_length}")
+    return _rows([[i] for i in range(len(examples))], examples, row_length, pad_id, num_rows)
+
+
+def pack_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, method: str = "ffd",
+              packing: bool = True) -> list[dict[str, np.ndarray]]:
+    """A whole dataset as rows, for a loader that batches rows (``stack_rows``): each row a dict
+    of int32 ``[row_length]`` arrays ``ids``, ``segment_ids``, ``loss_mask``; the examples packed
+    (``pack``, by ``method``) or, without ``packing``, one per row (``pad_rows``)."""
+    if not examples:
+        return []
+    batch = (pack(examples, row_length, pad_id=pad_id, method=method) if packing
+             else pad_rows(examples, row_length, pad_id=pad_id))
+    return [{k: v[i] for k, v in batch.items()} for i in range(batch["ids"].shape[0])]
+
+
+def stack_rows(rows: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Rows of ``pack_rows`` as one batch: each entry ``[len(rows), row_length]``."""
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def padding_fraction(batch: Mapping[str, Any]) -> float:
+    """The share of the batch's positions that hold no token (``segment_ids == 0``)."""
+    seg = np.asarray(batch["segment_ids"])
+    return float(np.mean(seg == 0)) if seg.size else 0.0
+
+
+def loss_tokens(batch: Mapping[str, Any]) -> int:
+    """The batch's target tokens (``loss_mask`` sum)."""
+    return int(np.sum(np.asarray(batch["loss_mask"])))

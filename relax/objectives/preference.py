@@ -1,4 +1,4 @@
-"""Offline preference and distillation losses: DPO family, ORPO, Bradley-Terry, token-level KD.
+"""Offline preference and distillation losses: DPO family, SimPO, ORPO, KTO, Bradley-Terry, token-level KD.
 
 Each loss returns per-example (or per-token) values plus a dict of per-example metrics; the caller
 reduces them (the mean over real pairs reproduces what TRL logs). Everything is computed in at
@@ -129,6 +129,94 @@ def orpo_loss(
     metrics = _reward_metrics(sg(beta * c), sg(beta * r))
     metrics |= {"log_odds_ratio": sg(ratio), "log_odds_chosen": sg(log_odds), "nll_loss": sg(nll)}
     return losses, metrics
+
+
+def simpo_loss(
+    chosen_logps_mean: Float[Array, " b"],
+    rejected_logps_mean: Float[Array, " b"],
+    *,
+    beta: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+) -> tuple[Float[Array, " b"], Metrics]:
+    """Per-pair SimPO loss (Meng et al. 2024; TRL ``CPOTrainer(loss_type="simpo")`` with ``cpo_alpha=0``),
+    reference-free, on LENGTH-NORMALISED log-probs ``c``, ``r`` (mean over completion tokens)::
+
+        z    = beta (c - r) - gamma
+        loss = -(1 - e) log s(z) - e log s(-z)                  e = label_smoothing in [0, 0.5]
+
+    ``gamma`` is the target reward margin (TRL's ``simpo_gamma``; TRL writes it as
+    ``beta (c - r - gamma / beta)``, the same). Metrics (per pair, no gradient; TRL's CPO names):
+    ``rewards/chosen = beta c``, ``rewards/rejected = beta r``, ``rewards/margins``,
+    ``rewards/accuracies``.
+    """
+    assert_same_shape(chosen_logps_mean=chosen_logps_mean, rejected_logps_mean=rejected_logps_mean)
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0 <= label_smoothing <= 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
+    c, r = _f32(chosen_logps_mean, rejected_logps_mean)
+    e = label_smoothing
+    z = beta * (c - r) - gamma
+    losses = -(1 - e) * jax.nn.log_sigmoid(z) - e * jax.nn.log_sigmoid(-z)
+    sg = jax.lax.stop_gradient
+    return losses, _reward_metrics(sg(beta * c), sg(beta * r))
+
+
+def kto_reference_point(
+    policy_kl_logps: Float[Array, " b"],
+    ref_kl_logps: Float[Array, " b"],
+    mask: Bool[Array, " b"] | None = None,
+) -> Float[Array, ""]:
+    """KTO's reference point ``z0`` (TRL ``KTOTrainer``), a stop-gradient scalar::
+
+        z0 = max(0, mean_i (pi(y'_i | x_i) - ref(y'_i | x_i)))
+
+    over MISMATCHED pairs ``(x_i, y'_i)`` (a prompt with another example's completion; sequence
+    log-probs), the examples where ``mask`` is True (all when None): a batch estimate of
+    ``KL(pi || ref)``, clamped at 0 and detached, as in TRL.
+    """
+    assert_same_shape(policy_kl_logps=policy_kl_logps, ref_kl_logps=ref_kl_logps)
+    p, r = _f32(policy_kl_logps, ref_kl_logps)
+    m = jnp.ones(p.shape, bool) if mask is None else jnp.asarray(mask).astype(bool)
+    return jax.lax.stop_gradient(jnp.maximum(masked_mean(p - r, m), 0.0))
+
+
+def kto_loss(
+    policy_logps: Float[Array, " b"],
+    ref_logps: Float[Array, " b"],
+    desirable: Bool[Array, " b"],
+    kl: Float[Array, ""] | Float[Array, " b"],
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[Float[Array, " b"], Metrics]:
+    """Per-example KTO loss (Ethayarajh et al. 2024; TRL ``KTOTrainer``, ``loss_type="kto"``).
+
+    With ``rho = pi(y | x) - ref(y | x)`` (sequence log-probs) and ``z0 = kl`` (the reference point
+    of ``kto_reference_point``, taken under a stop-gradient here too)::
+
+        desirable:    w_d (1 - s(beta (rho - z0)))
+        undesirable:  w_u (1 - s(beta (z0 - rho)))
+
+    TRL's loss is the mean over all examples of the batch. Metrics (per example, no gradient):
+    ``rewards = beta rho``; TRL logs ``rewards/chosen`` / ``rewards/rejected`` as its means over
+    the desirable / undesirable examples.
+    """
+    assert_same_shape(policy_logps=policy_logps, ref_logps=ref_logps, desirable=desirable)
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not (desirable_weight >= 0 and undesirable_weight >= 0):
+        raise ValueError(f"desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} "
+                         "must be >= 0")
+    p, r = _f32(policy_logps, ref_logps)
+    z0 = jax.lax.stop_gradient(at_least_float32(kl))
+    rho = p - r
+    d = jnp.asarray(desirable).astype(bool)
+    losses = jnp.where(d, desirable_weight * (1 - jax.nn.sigmoid(beta * (rho - z0))),
+                       undesirable_weight * (1 - jax.nn.sigmoid(beta * (z0 - rho))))
+    return losses, {"rewards": jax.lax.stop_gradient(beta * rho)}
 
 
 def bradley_terry_loss(

@@ -131,3 +131,39 @@ def nll(model: Transformer, rows) -> tuple[jax.Array, dict]:
 def _supervised_step(state, rows):
     grads, metrics = forward_backward(state, rows, nll)
     return optim_step(state, grads), metrics
+
+
+# ----------------------------------------------------------------------------- offline datasets
+# The same task as data for the offline trainers: the right behaviour (reverse) against the base
+# model's preferred wrong one (copy). Rows use TRL's column names.
+
+def copy_of(record: dict) -> str:
+    """The wrong answer the base model prefers: the string copied."""
+    return record["prompt"][:-1]
+
+
+def sft_rows(records: list[dict]) -> list[dict]:
+    """``{"prompt", "completion", "answer"}``: the right answer as the completion."""
+    return [{"prompt": r["prompt"], "completion": r["answer"], "answer": r["answer"]} for r in records]
+
+
+def preference_rows(records: list[dict]) -> list[dict]:
+    """``{"prompt", "chosen", "rejected", "answer"}``: reverse preferred to copy."""
+    return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": copy_of(r), "answer": r["answer"]}
+            for r in records]
+
+
+def unpaired_rows(records: list[dict], seed: int) -> list[dict]:
+    """``{"prompt", "completion", "label", "answer"}`` (KTO): each prompt with either its right
+    answer (label true) or the copy (label false), at random."""
+    rng = np.random.default_rng(seed)
+    good = rng.random(len(records)) < 0.5
+    return [{"prompt": r["prompt"], "completion": r["answer"] if g else copy_of(r), "label": bool(g),
+             "answer": r["answer"]} for r, g in zip(records, good)]
+
+
+def write_task_data(task: ReverseTask, directory: Path, rows_of) -> tuple[str, str]:
+    """``rows_of(records)`` for the train and held-out splits, written as jsonl: their paths."""
+    train, held_out = make_splits(task)
+    return (str(write_jsonl(rows_of(train), directory / "train.jsonl")),
+            str(write_jsonl(rows_of(held_out), directory / "eval.jsonl")))

@@ -73,8 +73,9 @@ class Trainer:
     ``name``: for the progress bar. ``step``: ``(state, batch) -> (state, batch)`` with
     ``segments`` (timed one by one). ``batches``: the data iterator. ``make_batch(item)``: the
     step's input. ``host_metrics(batch, metrics)``: extra host-side metrics of an iteration
-    (e.g. tokens/s). ``evaluate(policy, step, logger) -> metrics`` and ``export(policy,
-    directory) -> directory`` (collective: every process calls them). ``bar_keys``: metrics shown
+    (e.g. tokens/s). ``evaluate(state, step, logger) -> metrics`` (the whole state: a
+    distillation evaluation reads its teacher) and ``export(policy, directory) -> directory``
+    (collective: every process calls them). ``bar_keys``: metrics shown
     on the progress bar as ``(name, label)``."""
 
     name: str
@@ -150,7 +151,7 @@ def _train(cfg: RunConfig, trainer: Trainer, state, start: int, ckpt: Checkpoint
             bar.update(1, metrics)
             monitor.check(step + 1, metrics, health)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                trainer.evaluate(state.policy, step + 1, logger)
+                trainer.evaluate(state, step + 1, logger)
             if save(step + 1):
                 last_saved = step + 1
             if cfg.export_every and (step + 1) % cfg.export_every == 0:
@@ -180,19 +181,19 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
         start = int(state.step)
         with MetricsLogger(run_dir, resume_step=None if cfg.eval_only else start) as logger:
             if cfg.eval_only:
-                return state, {**summary, "eval_only": trainer.evaluate(state.policy, start, logger), "step": start}
+                return state, {**summary, "eval_only": trainer.evaluate(state, start, logger), "step": start}
             if sum(logger.dropped.values()):
                 log(f"logs cut back to step {start}: {sum(logger.dropped.values())} later record(s) removed")
             if "before" not in summary:
                 if start == 0:
-                    summary["before"] = trainer.evaluate(state.policy, start, logger)
+                    summary["before"] = trainer.evaluate(state, start, logger)
                     write_summary(run_dir, summary)
                 else:
                     log("no 'before' evaluation was recorded for this run; summary.json will have none")
             monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(state.policy),
                                     vocab_size=state.policy.config.vocab_size, warn=log)
             state = _train(cfg, trainer, state, start, ckpt, logger, monitor)
-            summary["after"] = trainer.evaluate(state.policy, cfg.steps, logger)
+            summary["after"] = trainer.evaluate(state, cfg.steps, logger)
             write_summary(run_dir, summary)
     finally:
         ckpt.close()

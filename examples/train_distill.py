@@ -1,0 +1,29 @@
+"""Knowledge distillation from the command line.
+
+    python examples/train_distill.py            # built-in task: a fresh small student learns the base model
+    python examples/train_distill.py --model STUDENT_DIR --teacher TEACHER_DIR --data rows.jsonl --steps 1000
+        # rows: prompt / completion; --distill.divergence forward|reverse|jsd, --distill.mode on_policy (GKD)
+
+Every field of
+``relax.algorithms.distill.run.DistillRunConfig`` is a flag; ``--help`` lists them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import tyro
+
+from relax.algorithms.distill.run import DistillRunConfig, builtin_defaults, run
+from relax.train.preemption import exit_as_terminated
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
+    default = DistillRunConfig() if uses_model else builtin_defaults()
+    return run(tyro.cli(DistillRunConfig, default=default, args=argv, description=__doc__))
+
+
+if __name__ == "__main__":
+    exit_as_terminated(main)

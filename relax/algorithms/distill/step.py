@@ -1,0 +1,166 @@
+"""The distillation step: ``distill_step = compose([sample], teacher, update)``.
+
+- ``sample`` (jit, on-policy and mixed modes only): ``num_generations`` completions per prompt from
+  the student (``state.policy``) with the prefix-shared sampler, key
+  ``fold_in(state.key, ROLLOUT_STREAM)`` (GRPO's rollout key); in mixed mode only on a step whose
+  coin (``fold_in(state.key, MIX_STREAM)``, probability ``lmbda``) says so, else the batch's own
+  completions. Adds ``tokens``, ``mask``, ``loss_mask`` ``[P, G, N]``, ``lengths``, ``finished``
+  ``[P, G]`` and ``on_policy`` (a bool scalar).
+- ``teacher`` (jit, reads the reference): the teacher's (``state.ref``) final-norm hidden states
+  predicting every completion token, ``teacher_hidden`` ``[P, G, N, D_teacher]``, forward only, one
+  prompt group per pass where the passes say so; ``loss_mask`` defaults to ``mask``.
+- ``update`` (jit): one optimizer step of the distillation loss through the generic update, then
+  ``step + 1`` and a new key; the batch gets ``metrics`` and ``health``.
+
+The last two fuse into one program (the first too: the whole step is one ``jax.jit``). The batch:
+``prompt_ids``/``prompt_mask`` ``[P, Lp]`` (left-padded) and, off-policy, ``tokens``/``mask``
+``[P, G, N]`` (the completions, right after their prompt) with an optional ``loss_mask``; host
+entries (prompt texts, dataset fields) bypass the program.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from relax.compose import Stage, compose, stage
+from relax.models.distill import check_same_vocabulary
+from relax.models.hf import load_pretrained
+from relax.models.prefix_shared import completion_hidden, completion_rope
+from relax.models.transformer import Transformer
+from relax.passes import Passes, choose_passes
+from relax.rollout.sampler import RolloutConfig, compiled_generate
+from relax.rollout.sampling import SamplingConfig
+from relax.train.health import QUANTITIES
+from relax.train.optimizer import skip_counts
+from relax.train.state import TrainState, init_state
+
+from relax.algorithms.distill.config import DistillConfig
+from relax.algorithms.distill.loss import make_distill_update
+from relax.algorithms.stages import ROLLOUT_STREAM
+
+MIX_STREAM = 0x4D1C  # mixed mode's per-step coin: fold_in(state.key, MIX_STREAM)
+
+
+def rollout_config(cfg: DistillConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
+    """The student's sampler: full distribution at ``cfg.temperature`` (TRL's GKD samples with
+    ``top_k=0`` at its temperature)."""
+    return RolloutConfig(num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+                         sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=tuple(eos_ids),
+                         pad_id=pad_id)
+
+
+def make_sample(cfg: DistillConfig, rcfg: RolloutConfig) -> Stage:
+    """Completions sampled from the student (on-policy), or in mixed mode with probability ``lmbda``."""
+    if not cfg.samples:
+        raise ValueError(f"mode={cfg.mode!r} samples nothing")
+    generate = compiled_generate(rcfg)
+
+    def sample(state: TrainState, batch):
+        def on_policy():
+            r = generate(state.policy, batch["prompt_ids"], batch["prompt_mask"],
+                         jax.random.fold_in(state.key, ROLLOUT_STREAM))
+            return {"tokens": r.tokens, "mask": r.mask, "loss_mask": r.mask, "lengths": r.lengths,
+                    "finished": r.finished}
+
+        if cfg.mode == "on_policy":
+            return state, {**batch, **on_policy(), "on_policy": jnp.bool_(True)}
+
+        p = batch["prompt_ids"].shape[0]
+        want = (p, cfg.num_generations, cfg.max_new_tokens)
+        if "tokens" not in batch or batch["tokens"].shape != want:
+            got = batch["tokens"].shape if "tokens" in batch else "none"
+            raise ValueError(f"mixed mode swaps the batch's completions for sampled ones, so they must be "
+                             f"[P, num_generations, max_new_tokens] = {want}; got {got}")
+
+        def off_policy():
+            mask = batch["mask"].astype(jnp.int32)
+            return {"tokens": batch["tokens"].astype(jnp.int32), "mask": mask,
+                    "loss_mask": batch.get("loss_mask", mask).astype(jnp.int32),
+                    "lengths": jnp.sum(mask, axis=-1), "finished": jnp.ones(want[:2], bool)}
+
+        coin = jax.random.bernoulli(jax.random.fold_in(state.key, MIX_STREAM), cfg.lmbda)
+        return state, {**batch, **jax.lax.cond(coin, on_policy, off_policy), "on_policy": coin}
+
+    return stage(sample, name="sample", updates_state=False, placement="sampler")
+
+
+def teacher_hidden(teacher: Transformer, batch, passes: Passes, *, attention: str):
+    """The teacher's hidden states ``[P, G, N, D]`` predicting the batch's completion tokens, no
+    gradient, ``passes.groups_per_pass()`` prompt groups per pass."""
+    ids, pm, tokens, mask = batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"]
+    p, g, n = tokens.shape
+    rope = completion_rope(teacher.config, pm, g, n)  # outside the loop over groups
+    run = lambda xs: completion_hidden(teacher, *xs[:4], attention=attention, rope=xs[4])  # noqa: E731
+    xs = (ids, pm, tokens, mask, rope)
+    per = passes.groups_per_pass()
+    if per is None or per >= p or p % per:
+        return jax.lax.stop_gradient(run(xs))
+    tiles = jax.tree.map(lambda x: x.reshape((p // per, per) + x.shape[1:]), xs)
+    h = jax.lax.map(run, tiles)
+    return jax.lax.stop_gradient(h.reshape((p,) + h.shape[2:]))
+
+
+def make_teacher(cfg: DistillConfig, passes: Passes) -> Stage:
+    """``teacher_hidden`` of the batch's completions from ``state.ref`` (and ``loss_mask``)."""
+
+    def teacher(state: TrainState, batch):
+        if state.ref is None:
+            raise ValueError("distillation reads the teacher from TrainState.ref, which is None "
+                             "(init_state(student, ..., with_reference=True) then state.replace(ref=teacher))")
+        check_same_vocabulary(state.policy, state.ref)
+        out = {**batch, "teacher_hidden": teacher_hidden(state.ref, batch, passes, attention=cfg.train_attention)}
+        if "loss_mask" not in batch:
+            out["loss_mask"] = batch["mask"]
+        return state, out
+
+    return stage(teacher, name="teacher", updates_state=False, reads_reference=True)
+
+
+def make_update_stage(cfg: DistillConfig, passes: Passes) -> Stage:
+    """One optimizer step of the distillation loss (``relax.train.update``); ``metrics``, ``health``."""
+
+    def update(state: TrainState, batch):
+        update_fn = make_distill_update(cfg, state.optimizer, state.ref, passes)
+        key, sub = jax.random.split(state.key)
+        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, batch, sub)
+        total_skips, streak = skip_counts(opt_state)
+        # the loss is the only quantity of relax.train.health's list that distillation has
+        bad_loss = jnp.where(jnp.isfinite(metrics["loss"]), -1, QUANTITIES.index("loss"))
+        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"), "first_nonfinite": bad_loss,
+                  "consecutive_skips": streak}
+        lengths = jnp.sum(batch["mask"] > 0, axis=-1).astype(jnp.float32)
+        metrics = {**metrics, "completion_length": jnp.mean(lengths), "skipped_updates": total_skips}
+        if cfg.samples:
+            metrics["on_policy"] = batch["on_policy"].astype(jnp.float32)
+        new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
+        return new, {**batch, "metrics": metrics, "health": health}
+
+    return stage(update, name="update", reads_reference=True)
+
+
+def make_distill_step(cfg: DistillConfig, passes: Passes | None = None, *, eos_ids: tuple[int, ...],
+                      pad_id: int) -> Stage:
+    """``distill_step(state, batch) -> (state, batch)``: the student is ``state.policy``, the teacher
+    ``state.ref`` (a ``Transformer`` of any size with the student's vocabulary), the optimizer the
+    state's (``cfg.optimizer.make()``). ``eos_ids`` / ``pad_id``: the sampler's (on-policy and mixed
+    modes). ``passes``: the backend's pass layout (default ``choose_passes()``)."""
+    passes = choose_passes() if passes is None else passes
+    sample = [make_sample(cfg, rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id))] if cfg.samples else []
+    return compose(*sample, make_teacher(cfg, passes), make_update_stage(cfg, passes), name="distill_step")
+
+
+def load_teacher(path, student: Transformer, *, dtype=None, param_dtype=None) -> Transformer:
+    """The teacher from a Hugging Face directory (``relax.models.hf.load_pretrained``), in the
+    student's compute dtype unless ``dtype`` says otherwise; its vocabulary checked against the
+    student's (``ValueError`` naming both sizes)."""
+    teacher = load_pretrained(path, dtype=student.dtype if dtype is None else dtype, param_dtype=param_dtype)
+    check_same_vocabulary(student, teacher)
+    return teacher
+
+
+def init_distill_state(student: Transformer, teacher: Transformer, optimizer, *, key) -> TrainState:
+    """A fresh state: the student is the policy (what samples, trains and is exported), the teacher
+    the reference (checked for the same vocabulary; never updated)."""
+    check_same_vocabulary(student, teacher)
+    return init_state(student, optimizer, key=key).replace(ref=teacher)

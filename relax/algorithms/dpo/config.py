@@ -1,0 +1,86 @@
+"""DPO-family configuration: one config for the pairwise preference losses.
+
+Option names follow TRL where TRL has the option (``DPOConfig.beta``, ``loss_type``,
+``label_smoothing``, ``CPOConfig.simpo_gamma``, ``precompute_ref_log_probs``); ORPO's weight of
+the odds-ratio term, TRL's ``ORPOConfig.beta``, is ``orpo_lambda`` here (the paper's lambda).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax.choices import check_choice
+from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
+from relax.objectives.preference import DPO_LOSS_TYPES
+from relax.train.optimizer import OptimizerConfig
+
+LOSS_TYPES = DPO_LOSS_TYPES + ("simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """One pairwise preference algorithm (every field is read by ``relax.algorithms.dpo``).
+
+    Loss (``loss_type``; formulas in ``relax.algorithms.dpo.loss``): ``sigmoid`` (DPO), ``ipo``,
+    ``hinge`` (SLiC), ``robust`` (rDPO) against a reference model, with ``beta`` and
+    ``label_smoothing`` (sigmoid: conservative DPO, in [0, 0.5]; robust: in [0, 0.5); the others: 0);
+    ``simpo`` (reference-free, length-normalised, margin ``simpo_gamma``; ``label_smoothing`` in
+    [0, 0.5]) and ``orpo`` (reference-free: NLL on the chosen completion plus ``orpo_lambda`` times
+    the odds-ratio term; does not read ``beta``).
+    Data: ``max_prompt_tokens`` / ``max_completion_tokens`` are the batch's ``Lp`` / ``N``; a longer
+    prompt is an error unless ``truncate_prompt`` (keep its last tokens), a longer completion always
+    is (``relax.data.pairs``).
+    Update: one optimizer step per batch, summing ``grad_accum`` micro-batches of pairs (the same
+    loss and gradient; ``None``: the passes' choice, one pair per micro-batch on a single CPU),
+    ``remat`` / ``remat_policy`` and ``train_attention`` as in ``GRPOConfig``.
+    Reference: with ``precompute_reference`` the reference log-probs are read from the batch
+    (``ref_chosen_logps`` / ``ref_rejected_logps``, from ``relax.algorithms.dpo.reference_cache``)
+    and the state holds no reference model; otherwise ``state.ref`` runs once per batch.
+    """
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    orpo_lambda: float = 0.1
+    max_prompt_tokens: int = 512
+    max_completion_tokens: int = 512
+    truncate_prompt: bool = False
+    grad_accum: int | None = None
+    remat: bool = False
+    remat_policy: str = "nothing"
+    train_attention: str = "auto"
+    precompute_reference: bool = False
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+    def __post_init__(self):
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
+        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        e, kind = self.label_smoothing, self.loss_type
+        if kind in ("sigmoid", "simpo") and not 0 <= e <= 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5] for {kind}, got {e}")
+        if kind == "robust" and not 0 <= e < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5) for robust, got {e}")
+        if kind in ("hinge", "ipo", "orpo") and e != 0:
+            raise ValueError(f"label_smoothing is not used by loss_type={kind!r}; got {e}")
+        if self.orpo_lambda < 0:
+            raise ValueError(f"orpo_lambda must be >= 0, got {self.orpo_lambda}")
+        for name in ("max_prompt_tokens", "max_completion_tokens", "grad_accum"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precompute_reference and kind in REFERENCE_FREE:
+            raise ValueError(f"precompute_reference=True but loss_type={kind!r} uses no reference model")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss compares with reference log-probs (every loss but simpo and orpo)."""
+        return self.loss_type not in REFERENCE_FREE
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the state needs a reference model (``init_state(with_reference=...)``)."""
+        return self.uses_reference and not self.precompute_reference

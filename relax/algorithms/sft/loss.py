@@ -1,0 +1,53 @@
+"""The supervised (SFT) loss on one micro-batch of packed or padded rows, for ``relax.train.update``.
+
+The batch holds ``ids``, ``segment_ids`` (0 = padding, 1.. = the example in its row) and
+``loss_mask`` int32 ``[rows, T]``, ``loss_mask`` aligned with ``ids``: 1 where the token at ``t``
+is a target, predicted from ``t - 1`` (``relax.data.supervised``). Log-probs come from the
+packed forward (``relax.models.packed``: examples never see each other and restart their
+positions), so packing changes neither the loss nor its gradient. The loss is the token-sum
+negative log-likelihood over the batch-wide normaliser::
+
+    loss = -sum_{t in targets} log p(ids[t] | ids[<t] of its example) / ctx.norms["tokens"]
+
+so gradient accumulation and the split into micro-batches change nothing (``relax.train.update``).
+A target must continue the example of the token before it (``segment_ids[t] == segment_ids[t-1]
+> 0``); a ``loss_mask`` entry anywhere else is ignored. Metrics (plain means over the
+micro-batch's targets, weighted by targets across micro-batches): ``nll`` (nats per target) and
+``accuracy`` (the share of targets that are the argmax of the logits).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from relax.masked import masked_mean
+from relax.models.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
+from relax.models.packed import greedy_hits, packed_hidden
+from relax.train.update import LossContext
+
+BATCH_KEYS = ("ids", "segment_ids", "loss_mask")
+
+
+def target_mask(micro_batch) -> jnp.ndarray:
+    """``[rows, T-1]`` bool: position ``t`` predicts a target ``ids[t+1]`` of its own example."""
+    seg, loss_mask = micro_batch["segment_ids"], micro_batch["loss_mask"]
+    return (loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+
+
+def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK):
+    """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the summed target NLL over
+    ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
+    pass; ``chunk_size``: rows of logits at a time (``relax.models.logprobs``)."""
+
+    def loss_fn(policy, mb, ctx: LossContext):
+        ids = mb["ids"]
+        h = packed_hidden(policy, ids, mb["segment_ids"], remat=remat)[:, :-1]
+        targets = ids[:, 1:]
+        logp = logprobs_from_hidden(policy, h, targets, chunk_size=chunk_size)
+        mask = target_mask(mb)
+        nll = -jnp.where(mask, logp, 0.0)
+        loss = jnp.sum(nll) / ctx.norms["tokens"]
+        hits = greedy_hits(policy, h, targets, chunk_size=chunk_size)
+        return loss, {"nll": masked_mean(nll, mask), "accuracy": masked_mean(hits.astype(jnp.float32), mask)}
+
+    return loss_fn

@@ -1,0 +1,148 @@
+"""The SFT step: one stage, ``update``, over a batch of packed (or padded) supervised rows.
+
+    sft_step = compose(update)        # jit: the generic update of the SFT loss, then step + 1
+
+The batch is a dict of int32 ``[rows, T]`` arrays ``ids``, ``segment_ids``, ``loss_mask``
+(``relax.data.supervised``): a batch of examples packed or padded (``sft_batch``, by
+``SFTConfig.packing``), or ``stack_rows`` of rows of a dataset packed once (``sft_rows``).
+The update is ``relax.train.update.make_update`` with one epoch, one minibatch and
+``grad_accum`` micro-batches; the rows are padded with empty rows up to a multiple of
+``grad_accum`` (empty rows add nothing to the loss or its gradient). The returned batch gains
+``metrics`` (the update's ``loss``, ``nll``, ``accuracy``, ``grad_norm``, plus ``tokens``: the
+tokens of the batch, ``loss_tokens``: its targets, ``padding_fraction``: the share of processed
+positions holding no token, ``skipped_updates``) and ``health`` (the keys of GRPO's:
+``first_nonfinite_grad``, ``first_nonfinite``, ``consecutive_skips``; see ``relax.train.health``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.choices import check_choice
+from relax.compose import Stage, compose, stage
+from relax.data.files import Record
+from relax.data.supervised import PACK_METHODS, SFTExample, encode_sft, pack, pack_rows, pad_rows
+from relax.passes import Passes, choose_passes
+from relax.text.base import TextTokenizer
+from relax.train.health import QUANTITIES
+from relax.train.optimizer import OptimizerConfig, skip_counts
+from relax.train.state import TrainState, init_state
+from relax.train.update import make_update
+
+from relax.algorithms.sft.loss import BATCH_KEYS, make_sft_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning.
+
+    Data: examples of at most ``max_length`` tokens (longer ones are an error unless
+    ``truncate``: then cut from the end, ``relax.data.supervised``), read from the columns
+    ``messages_field`` (a chat: loss on the assistant turns), ``prompt_field`` +
+    ``completion_field`` (loss on the completion) or ``text_field`` (loss on every token).
+    Batches: with ``packing``, whole examples share rows of ``max_length`` tokens
+    (``pack_method``: ``"ffd"`` first-fit-decreasing or ``"greedy"`` in order), attention kept
+    within each example; without, one example per row, right-padded to ``max_length``.
+    Update: ``grad_accum`` micro-batches per optimizer step (the loss does not depend on it),
+    ``remat`` recomputes each layer in the backward pass, ``optimizer`` builds the state's optimizer.
+    """
+
+    max_length: int = 1024
+    packing: bool = True
+    pack_method: str = "ffd"
+    truncate: bool = False
+    grad_accum: int = 1
+    remat: bool = False
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5)
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    text_field: str = "text"
+
+    def __post_init__(self):
+        check_choice("pack_method", self.pack_method, PACK_METHODS)
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+
+
+def sft_examples(cfg: SFTConfig, records: Sequence[Record | Mapping[str, Any]],
+                 tokenizer: TextTokenizer) -> list[SFTExample]:
+    """The records as ``SFTExample``s under the config's columns, ``max_length`` and ``truncate``."""
+    return encode_sft(records, tokenizer, max_length=cfg.max_length, truncate=cfg.truncate,
+                      messages_field=cfg.messages_field, prompt_field=cfg.prompt_field,
+                      completion_field=cfg.completion_field, text_field=cfg.text_field)
+
+
+def sft_batch(cfg: SFTConfig, examples: Sequence[SFTExample], *, pad_id: int,
+              num_rows: int | None = None) -> dict[str, np.ndarray]:
+    """One batch of rows of ``max_length`` tokens: packed (``cfg.packing``, by ``cfg.pack_method``)
+    or one example per row; ``num_rows`` fixes the row count (``relax.data.supervised``)."""
+    if cfg.packing:
+        return pack(examples, cfg.max_length, pad_id=pad_id, method=cfg.pack_method, num_rows=num_rows)
+    return pad_rows(examples, cfg.max_length, pad_id=pad_id, num_rows=num_rows)
+
+
+def sft_rows(cfg: SFTConfig, examples: Sequence[SFTExample], *, pad_id: int) -> list[dict[str, np.ndarray]]:
+    """A whole dataset as rows of ``max_length`` tokens, packed (``cfg.packing``, by
+    ``cfg.pack_method``) or one example per row; a batch is ``stack_rows`` of ``batch_size`` of them."""
+    return pack_rows(examples, cfg.max_length, pad_id=pad_id, method=cfg.pack_method, packing=cfg.packing)
+
+
+def init_sft_state(cfg: SFTConfig, policy, *, key: jax.Array) -> TrainState:
+    """A ``TrainState`` for SFT: the policy and ``cfg.optimizer``; no reference model."""
+    return init_state(policy, cfg.optimizer.make(), key=key)
+
+
+def first_nonfinite_loss(loss: jax.Array) -> jax.Array:
+    """``relax.train.health``'s ``first_nonfinite`` for SFT, whose only checked quantity is the
+    loss: its index in ``QUANTITIES`` when it is not finite, else -1."""
+    return jnp.where(jnp.isfinite(loss), -1, QUANTITIES.index("loss")).astype(jnp.int32)
+
+
+def _pad_to_multiple(data: dict, rows: int, multiple: int) -> dict:
+    extra = (-rows) % multiple
+    if not extra:
+        return data
+    return {k: jnp.pad(v, ((0, extra),) + ((0, 0),) * (v.ndim - 1)) for k, v in data.items()}
+
+
+def make_update_stage(cfg: SFTConfig, passes: Passes) -> Stage:
+    """The generic update of the SFT loss on ``state.policy``, then ``step + 1`` and a new key."""
+    loss = make_sft_loss(remat=cfg.remat)
+
+    def update(state: TrainState, batch):
+        data = {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
+        rows, width = data["ids"].shape
+        if width > cfg.max_length:
+            raise ValueError(f"SFT rows of {width} tokens exceed max_length={cfg.max_length}")
+        data = _pad_to_multiple(data, rows, cfg.grad_accum)
+        update_fn = make_update(loss, state.optimizer, epochs=1, minibatches=1, grad_accum=cfg.grad_accum,
+                                passes=passes)
+        key, sub = jax.random.split(state.key)
+        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub)
+        total_skips, streak = skip_counts(opt_state)
+        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
+                  "first_nonfinite": first_nonfinite_loss(metrics["loss"]), "consecutive_skips": streak}
+        seg = data["segment_ids"]
+        metrics = {**metrics, "tokens": jnp.sum(seg > 0).astype(jnp.int32),
+                   "loss_tokens": jnp.sum(data["loss_mask"] > 0).astype(jnp.int32),
+                   "padding_fraction": jnp.mean((seg == 0).astype(jnp.float32)), "skipped_updates": total_skips}
+        new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
+        return new, {**batch, "metrics": metrics, "health": health}
+
+    return stage(update, name="update")
+
+
+def make_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
+    """``sft_step(state, batch) -> (state, batch)`` (module docstring); the optimizer is the
+    state's (``init_sft_state``). ``passes``: the backend's pass layout (default ``choose_passes()``)."""
+    passes = choose_passes() if passes is None else passes
+    return compose(make_update_stage(cfg, passes), name="sft_step")
