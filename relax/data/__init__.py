@@ -1,10 +1,13 @@
-"""Data: dataset files (``files``), prompt batches for rollouts (``prompts``, grain), supervised
-rows (``supervised``). See docs/architecture.md, "Layers"."""
+"""Data: dataset files (``files``), prompt batches for rollouts (``prompts``, grain), SFT
+examples and packing (``supervised``), preference pairs and unpaired rows (``pairs``). See
+docs/architecture.md, "Layers"."""
 
 from relax.data.files import Record, read_records
 from relax.data.prompts import (DataConfig, DataSplits, PromptBatch, eval_records, prompt_batch, prompt_dataset,
                                 prompt_iterator, read_splits)
-from relax.data.supervised import pad_examples
+from relax.data.pairs import Pair, Unpaired, collate_pairs, collate_unpaired, encode_pairs, encode_unpaired
+from relax.data.supervised import SFTExample, encode_sft, pack, pad_examples, pad_rows
 
-__all__ = ["DataConfig", "DataSplits", "PromptBatch", "Record", "eval_records", "pad_examples", "prompt_batch",
-           "prompt_dataset", "prompt_iterator", "read_records", "read_splits"]
+__all__ = ["DataConfig", "DataSplits", "Pair", "PromptBatch", "Record", "SFTExample", "Unpaired", "collate_pairs",
+           "collate_unpaired", "encode_pairs", "encode_sft", "encode_unpaired", "eval_records", "pack", "pad_examples",
+           "pad_rows", "prompt_batch", "prompt_dataset", "prompt_iterator", "read_records", "read_splits"]
