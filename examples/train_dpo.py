@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import sys
 
-import tyro
-
-from relax.algorithms.dpo.run import DPORunConfig, builtin_defaults, run
+from relax.algorithms.dpo.run import main as dpo_main
 from relax.train.preemption import exit_as_terminated
-
-LOSS_TYPE = "sigmoid"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = builtin_defaults(LOSS_TYPE)
-    if uses_model:
-        default = DPORunConfig(dpo=type(default.dpo)(loss_type=LOSS_TYPE))
-    return run(tyro.cli(DPORunConfig, default=default, args=argv, description=__doc__))
+    return dpo_main(sys.argv[1:] if argv is None else argv, loss_type="sigmoid", description=__doc__)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import grain
 import jax
@@ -33,44 +33,20 @@ from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger, is_main_process
-from relax.train.run import RunConfig, Trainer, run_loop
+from relax.train.run import Trainer, run_loop
 
-from relax.algorithms.online import builtin_setup, exporter
+from relax.algorithms.online import ModelRunConfig, builtin_setup, exporter
 
 MAX_EVAL_PROMPT = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class OfflineRunConfig(RunConfig):
-    """An offline run on a dataset. Without ``model`` the built-in task (``task``) is used."""
+class OfflineRunConfig(ModelRunConfig):
+    """An offline run on a dataset (every ``ModelRunConfig`` flag, plus how many held-out rows
+    are evaluated)."""
 
-    model: str | None = None
-    """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
-    tokenizer: str | None = None
-    """Another tokenizer than --model's: a directory, a tokenizer.json or a sentencepiece .model."""
-    data: str | None = None
-    """Training rows: .jsonl / .parquet file or directory (required with --model)."""
-    eval_data: str | None = None
-    """Held-out rows; without it ``eval_fraction`` of --data is held out."""
     eval_fraction: float = 0.05
     eval_max_examples: int | None = 200
-    chat_template: Literal["auto", "always", "never"] = "auto"
-    """auto: text prompts go through the model's chat template when it has one; always / never."""
-    batch_size: int = 16
-    """Rows per optimizer step (examples, packed rows or pairs, as the algorithm defines them)."""
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    task: reverse.ReverseTask = reverse.ReverseTask()
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.model is not None and self.data is None:
-            raise ValueError("--model needs --data")
-        for name in (self.param_dtype, self.compute_dtype):
-            if name not in DTYPES:
-                raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-        if self.batch_size < 1:
-            raise ValueError("--batch-size >= 1 is required")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,26 +35,50 @@ BAR_KEYS = (("reward", "reward"), ("kl", "kl"), ("completion_length", "len"), ("
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineRunConfig(RunConfig):
-    """An online RL run on prompts. Without ``model`` the built-in offline task (``task``) is used."""
+class ModelRunConfig(RunConfig):
+    """What every run on a model and a dataset has (online and offline): the model, its tokenizer,
+    the data and its held-out part, dtypes, the batch size. Without ``model`` the built-in offline
+    task (``task``) is used."""
 
     model: str | None = None
     """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
     tokenizer: str | None = None
     """Another tokenizer than --model's: a directory, a tokenizer.json or a sentencepiece .model."""
     data: str | None = None
-    """Training prompts: .jsonl / .parquet file or directory (required with --model)."""
+    """Training rows: .jsonl / .parquet file or directory (required with --model)."""
     eval_data: str | None = None
-    """Held-out prompts; without it ``eval_fraction`` of --data is held out."""
+    """Held-out rows; without it ``eval_fraction`` of --data is held out."""
     eval_fraction: float = 0.0
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """auto: string prompts go through the model's chat template when it has one (a chat model);
+    always / never. A prompt that is a list of chat messages always goes through it."""
+    batch_size: int = 16
+    """Rows per step: prompts (each gets G completions), examples, packed rows or pairs."""
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    task: reverse.ReverseTask = reverse.ReverseTask()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model is not None and self.data is None:
+            raise ValueError("--model needs --data")
+        for name in (self.param_dtype, self.compute_dtype):
+            if name not in DTYPES:
+                raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size >= 1 is required")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineRunConfig(ModelRunConfig):
+    """An online RL run on prompts (every ``ModelRunConfig`` flag, plus prompts, rewards,
+    evaluation sampling and meshes)."""
+
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     data_source_field: str = "data_source"
     max_prompt_tokens: int = 512
     overlong: str = "truncate"
-    chat_template: Literal["auto", "always", "never"] = "auto"
-    """auto: string prompts go through the model's chat template when it has one (a chat model);
-    always / never. A prompt that is a list of chat messages always goes through it."""
     system_prompt: str | None = None
     reward: tuple[str, ...] = ("exact_match",)
     """Built-in reward functions by name (exact_match, numeric_match, format_reward)."""
@@ -63,27 +87,15 @@ class OnlineRunConfig(RunConfig):
     reward_timeout_s: float | None = 60.0
     reward_on_error: str = "raise"
     """raise: stop naming the function and sample; missing: log, count, treat as missing."""
-    batch_size: int = 16
-    """Prompts per step (P); each gets G completions."""
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
     eval: EvalConfig = EvalConfig()
     eval_max_prompts: int | None = None
-    task: reverse.ReverseTask = reverse.ReverseTask()
     parallel: ParallelConfig = ParallelConfig()
     """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.model is not None and self.data is None:
-            raise ValueError("--model needs --data")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward")
-        for name in (self.param_dtype, self.compute_dtype):
-            if name not in DTYPES:
-                raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-        if self.batch_size < 1:
-            raise ValueError("--batch-size >= 1 is required")
 
 
 @dataclasses.dataclass(frozen=True)

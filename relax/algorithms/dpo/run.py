@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import tyro
+
 from relax.data.pairs import with_reference
 from relax.tasks import reverse
 
@@ -80,3 +82,11 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
 
 def run(cfg: DPORunConfig) -> dict:
     return run_offline(cfg, algorithm(cfg))
+
+
+def main(argv: list[str], *, loss_type: str, description: str) -> dict:
+    """The command line of ``examples/train_dpo.py`` / ``train_orpo.py``: flags -> run. Defaults:
+    the built-in task's without ``--model``, else ``DPORunConfig``'s with ``loss_type``."""
+    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
+    default = DPORunConfig(dpo=DPOConfig(loss_type=loss_type)) if uses_model else builtin_defaults(loss_type)
+    return run(tyro.cli(DPORunConfig, default=default, args=argv, description=description))
