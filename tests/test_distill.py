@@ -253,6 +253,7 @@ def test_student_equal_to_teacher_through_the_step():
     assert float(out["metrics"]["top1_agreement"]) == 1.0
 
 
+@pytest.mark.slow  # the command line's learning test (tests/test_offline.py) is the fast one
 def test_off_policy_distillation_reduces_held_out_kl():
     """Eight steps on fresh dataset batches (random completions) bring the student's forward KL to
     a sharpened random teacher down on held-out sequences."""

@@ -313,7 +313,7 @@ def test_step_loss_against_numpy_on_full_sequence_logps(cfg):
         np.testing.assert_allclose(m["nll"], -pol[:, 0].sum() / lengths[:, 0].sum(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", pytest.param("orpo", marks=pytest.mark.slow)])
 def test_grad_accumulation_changes_nothing(loss_type):
     """The loss divides by the whole batch's pairs (and, for ORPO's NLL, chosen tokens): the summed
     micro-batch gradients are the batch gradient. SGD, so the update IS the gradient."""

@@ -108,7 +108,8 @@ def train_lines(run_dir: Path) -> dict:
                         and not k.startswith("time/")} for l in lines if "loss" in l}
 
 
-@pytest.mark.parametrize("name, loss_type, lr", [("dpo", "sigmoid", "5e-5"), ("orpo", "orpo", "3e-4")])
+@pytest.mark.parametrize("name, loss_type, lr", [("dpo", "sigmoid", "5e-5"),
+                                                  pytest.param("orpo", "orpo", "3e-4", marks=pytest.mark.slow)])
 def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, loss_type, lr):
     """DPO and ORPO on pairs (reverse chosen, copy rejected): held-out preference accuracy and the
     win rate of the chosen behaviour (greedy completion == chosen) both rise."""
@@ -142,3 +143,11 @@ def test_kto_learns_from_unpaired_feedback(base, tmp_path):
         "--eval-max-examples", "64", "--kto.optimizer.learning-rate", "5e-5"])
     assert summary["after"]["rewards/margins"] > summary["before"]["rewards/margins"] + 0.2, summary
     assert summary["after"]["win_rate"] > summary["before"]["win_rate"] + 0.2, summary
+
+
+def test_a_run_without_held_out_rows_trains_and_evaluates_nothing(base, tmp_path):
+    train, _ = reverse.write_task_data(TASK, base / "no-eval", reverse.preference_rows)
+    summary = example("dpo").main(["--model", str(base / "model"), "--data", train, "--eval-fraction", "0",
+                                   "--run-dir", str(tmp_path), "--steps", "2", "--dpo.max-prompt-tokens", "16",
+                                   "--dpo.max-completion-tokens", "8"])
+    assert summary["before"] == {} and summary["after"] == {} and summary["steps"] == 2

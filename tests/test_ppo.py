@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from relax.algorithms.ppo.config import PPOConfig
@@ -205,6 +206,7 @@ def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noq
     assert line["critic/grad_norm"] > 0 and line["values_mean"] != 0.0  # a nonzero head from the file
 
 
+@pytest.mark.slow  # `make test-all`; the fast PPO tests check the step, the critic, resume and VinePPO
 def test_ppo_learns_the_builtin_task(tmp_path):
     """The no-argument PPO run, shortened: held-out greedy accuracy rises by more than 20 points."""
     summary = _example().main(["--run-dir", str(tmp_path), "--steps", "30", "--eval-every", "0",

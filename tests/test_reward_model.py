@@ -72,7 +72,8 @@ def _sequences(batch, *, left: bool):
     return ids, att
 
 
-@pytest.mark.parametrize("name", ["qwen3_gqa_head_dim", "gemma3_mixed_tied", "llama3_gqa_tied"])
+@pytest.mark.parametrize("name", ["qwen3_gqa_head_dim", pytest.param("gemma3_mixed_tied", marks=pytest.mark.slow),
+                                  pytest.param("llama3_gqa_tied", marks=pytest.mark.slow)])
 def test_saved_reward_model_scores_like_transformers(name, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -178,6 +179,7 @@ def _pairs(rng, n, vocab=97, lp=4, n_tok=4):
             "mask": mask}
 
 
+@pytest.mark.slow  # the command line's learning test (tests/test_offline.py) is the fast one
 def test_bradley_terry_training_raises_held_out_accuracy():
     rng = np.random.default_rng(0)
     cfg = RewardModelConfig(grad_accum=1, optimizer=OptimizerConfig(learning_rate=3e-3))

@@ -106,9 +106,12 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
     return tokenizer, model, train, held_out, [str(d) for d in (data, eval_data) if d is not None]
 
 
-def _evaluator(algo: OfflineAlgorithm, held_out: list, tokenizer: TextTokenizer, log):
+def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextTokenizer, log):
+    """``run_eval(state, step, logger)``: ``algo.evaluate`` on the encoded held-out data (nothing
+    when there are no held-out ``rows``), logged at ``step``."""
+
     def run_eval(state, step: int, logger: MetricsLogger) -> dict:
-        if not held_out:
+        if not rows:
             return {}
         t0 = time.perf_counter()
         metrics = {k: float(v) for k, v in algo.evaluate(state, held_out, tokenizer).items()}
@@ -129,7 +132,8 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     t_start = time.perf_counter()
     tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(cfg, algo, run_dir, log)
     train = algo.encode(train_rows, tokenizer)
-    held_out = (algo.encode if algo.encode_eval is None else algo.encode_eval)(held_out_rows, tokenizer)
+    encode_eval = algo.encode if algo.encode_eval is None else algo.encode_eval
+    held_out = encode_eval(held_out_rows, tokenizer) if held_out_rows else None  # None: nothing held out
     if algo.prepare is not None:
         train, held_out = algo.prepare(model, train, held_out, paths, tokenizer)
     log(f"data: {len(train_rows)} training rows ({len(train)} batch items) and {len(held_out_rows)} held-out rows")
@@ -139,7 +143,7 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
                       batches=batch_iterator(train, cfg.batch_size, cfg.seed,
                                              functools.partial(algo.collate, pad_id=tokenizer.pad_token_id)),
                       make_batch=lambda b: jax.tree.map(jnp.asarray, b), host_metrics=algo.host_metrics,
-                      evaluate=_evaluator(algo, held_out, tokenizer, log), export=export, bar_keys=algo.bar_keys)
+                      evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log), export=export, bar_keys=algo.bar_keys)
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary
 

@@ -57,6 +57,8 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
     def prepare(model, train, held_out, paths, tokenizer):
         if not d.precompute_reference:
             return train, held_out
+        if held_out is None:
+            return precompute(d, model, train, paths, tokenizer), None
         records, pairs = held_out
         both = precompute(d, model, train + pairs, paths, tokenizer)
         return both[:len(train)], (records, both[len(train):])

@@ -43,6 +43,8 @@ def algorithm(cfg: KTORunConfig) -> OfflineAlgorithm:
     def prepare(model, train, held_out, paths, tokenizer):
         if not k.precompute_reference:
             return train, held_out
+        if held_out is None:
+            return precompute(k, model, train, paths, tokenizer), None
         records, examples = held_out
         both = precompute(k, model, train + examples, paths, tokenizer)
         return both[:len(train)], (records, both[len(train):])
