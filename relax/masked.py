@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import chex
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 Axis = int | tuple[int, ...] | None
 
@@ -38,6 +38,12 @@ def token_inputs(mask: ArrayLike, **arrays: ArrayLike) -> tuple[Array, ...]:
     chex.assert_rank(mask, 2, custom_message=f"mask must be [N, T], got {jnp.shape(mask)}")
     m = jnp.asarray(mask).astype(bool)
     return (*(jnp.where(m, at_least_float32(a), 0.0) for a in arrays.values()), m)
+
+
+def last_valid_index(mask: Bool[Array, "*b t"]) -> Int[Array, "*b"]:
+    """Index of the last True along the last axis; -1 where there is none."""
+    n = jnp.shape(mask)[-1]
+    return jnp.max(jnp.where(jnp.asarray(mask).astype(bool), jnp.arange(n, dtype=jnp.int32), -1), axis=-1)
 
 
 def _select(x: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,16 @@ def read_records(path: PathLike | Sequence[PathLike], *, fields: Sequence[str] =
             require_fields(r, fields)
         rows += new
     return rows
+
+
+def as_record(r: Record | Mapping[str, Any], index: int) -> Record:
+    """``r`` itself, or a plain dict labelled ``<records>`` row ``index`` (1-based), so that
+    errors about rows given as dicts name them too."""
+    if isinstance(r, Record):
+        return r
+    if not isinstance(r, Mapping):
+        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {type(r).__name__}")
+    return Record(RECORDS_LABEL, index, dict(r))
 
 
 def require_fields(r: Record, fields: Sequence[str]) -> None:

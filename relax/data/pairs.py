@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from relax.data.files import RECORDS_LABEL, MissingFieldError, Record, require_fields
+from relax.data.files import MissingFieldError, Record, as_record, require_fields
 from relax.text.base import TextTokenizer
 from relax.text.sentencepiece_model import pad_left
 
@@ -96,13 +96,6 @@ class _Budget:
             raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} and max_completion_tokens="
                              f"{self.max_completion_tokens} must be >= 1")
 
-
-def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
-    if isinstance(r, Record):
-        return r
-    if not isinstance(r, Mapping):
-        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {type(r).__name__}")
-    return Record(RECORDS_LABEL, index, dict(r))
 
 
 class _Row:
@@ -242,7 +235,7 @@ def encode_pairs(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextT
     enc = _Encoder(tokenizer, _Budget(max_prompt_tokens, max_completion_tokens, truncate_prompt))
     pairs = []
     for i, rec in enumerate(records, start=1):
-        r = _as_record(rec, i)
+        r = as_record(rec, i)
         row = _Row(r)
         require_fields(r, ("chosen", "rejected"))
         chosen, rejected = r.record["chosen"], r.record["rejected"]
@@ -274,7 +267,7 @@ def encode_unpaired(records: Sequence[Record | Mapping[str, Any]], tokenizer: Te
     enc = _Encoder(tokenizer, _Budget(max_prompt_tokens, max_completion_tokens, truncate_prompt))
     rows = []
     for i, rec in enumerate(records, start=1):
-        r = _as_record(rec, i)
+        r = as_record(rec, i)
         row = _Row(r)
         require_fields(r, UNPAIRED_FIELDS)
         prompt, completion, label = (r.record[k] for k in UNPAIRED_FIELDS)

@@ -50,6 +50,7 @@ from relax.data.files import (  # noqa: F401 - re-exported: relax.data.prompts i
     MissingFieldError,
     PathLike,
     Record,
+    as_record,
     load_records,
     read_records,
     require_fields,
@@ -311,19 +312,10 @@ def prompt_batch(
     """
     if not records:
         raise ValueError("prompt_batch got no records")
-    rows = [_as_record(r, i) for i, r in enumerate(records, start=1)]
+    rows = [as_record(r, i) for i, r in enumerate(records, start=1)]
     examples, has_source = _prepare(rows, cfg, tokenizer)
     return _make_batch(examples, _padded_length(examples, cfg), tokenizer.pad_token_id, has_source)
 
-
-def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
-    """``r`` itself, or a plain dict labelled ``<records>`` row ``index``."""
-    if isinstance(r, Record):
-        return r
-    if not isinstance(r, Mapping):
-        kind = type(r).__name__
-        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {kind}")
-    return Record(RECORDS_LABEL, index, dict(r))
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from relax.choices import check_choice
-from relax.data.files import RECORDS_LABEL, MissingFieldError, Record, require_fields
+from relax.data.files import MissingFieldError, Record, as_record, require_fields
 from relax.text.base import TextTokenizer
 
 __all__ = ["PACK_METHODS", "SFTExample", "encode_sft", "encode_sft_record", "loss_tokens", "pack", "pack_plan",
@@ -112,7 +112,7 @@ def encode_sft(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTok
     Plain dicts are named ``<records>`` and their 1-based index in errors."""
     if max_length < 2:
         raise ValueError(f"max_length={max_length} leaves no room for a target (at least 2)")
-    rows = [_as_record(r, i) for i, r in enumerate(records, start=1)]
+    rows = [as_record(r, i) for i, r in enumerate(records, start=1)]
     return [encode_sft_record(r, tokenizer, max_length=max_length, truncate=truncate,
                               messages_field=messages_field, prompt_field=prompt_field,
                               completion_field=completion_field, text_field=text_field) for r in rows]
@@ -145,13 +145,6 @@ def encode_sft_record(r: Record, tokenizer: TextTokenizer, *, max_length: int, t
                              "keeps no loss token (its targets all lie past the cut)")
     return SFTExample(np.asarray(ids, np.int32), np.asarray(mask, np.int32), origin=where)
 
-
-def _as_record(r: Record | Mapping[str, Any], index: int) -> Record:
-    if isinstance(r, Record):
-        return r
-    if not isinstance(r, Mapping):
-        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {type(r).__name__}")
-    return Record(RECORDS_LABEL, index, dict(r))
 
 
 def _fail(r: Record, field: str, msg: str) -> ValueError:

@@ -187,14 +187,23 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
                             remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
                             entropy_grad=entropy_grad, unroll=unroll, save_attention=save_attention)
+    return over_groups(run, model.config, prompt_ids, prompt_mask, completions, completion_mask, rope,
+                       groups_per_pass=groups_per_pass)
+
+
+def over_groups(run, config: ModelConfig, prompt_ids, prompt_mask, completions, completion_mask,
+                rope: CompletionRope | None, *, groups_per_pass: int | None):
+    """``run(prompt_ids, prompt_mask, completions, completion_mask, rope)`` over all P prompt groups
+    at once (``groups_per_pass`` None or P), or ``groups_per_pass`` groups at a time (a ``lax.map``;
+    it must divide P), the outputs' leading ``[P]`` axes put back together."""
     p, g, n = completions.shape
     if groups_per_pass is None or groups_per_pass == p:
         return run(prompt_ids, prompt_mask, completions, completion_mask, rope)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
     if rope is None:  # outside the loop over groups (see completion_rope)
-        rope = completion_rope(model.config, prompt_mask, g, n)
-    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])
+        rope = completion_rope(config, prompt_mask, g, n)
+    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
     xs = jax.tree.map(tiles, (prompt_ids, prompt_mask, completions, completion_mask, rope))
     out = jax.lax.map(lambda xs: run(*xs), xs)
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)

@@ -33,16 +33,15 @@ import os
 from pathlib import Path
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from relax.masked import last_valid_index
 from relax.models.config import ModelConfig
 from relax.models.critic import (SEQUENCE_ARCHITECTURES, TOKEN_ARCHITECTURES, Critic, init_critic, load_critic,
                                  save_critic, values_from_hidden)
 from relax.models.hf_config import HFFormatError
-from relax.models.prefix_shared import (REMAT_POLICIES, CompletionRope, _shared_hidden, completion_rope,
-                                        resolve_attention)
+from relax.models.prefix_shared import REMAT_POLICIES, CompletionRope, _shared_hidden, over_groups, resolve_attention
 from relax.models.transformer import Transformer
 
 __all__ = ["RewardModel", "init_reward_model", "load_reward_model", "save_reward_model", "sequence_rewards"]
@@ -80,12 +79,6 @@ def init_reward_model(model: Transformer, key: Array | None = None, *, head_std:
     return RewardModel(backbone, critic.head)
 
 
-def _last_valid(valid: jax.Array) -> jax.Array:
-    """Index of the rightmost True along the last axis; -1 where there is none."""
-    n = valid.shape[-1]
-    return jnp.max(jnp.where(valid, jnp.arange(n, dtype=jnp.int32), -1), axis=-1)
-
-
 def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
                      tokens: Int[Array, "p g n"], mask: Int[Array, "p g n"], *, ignore_pad_tokens: bool = True,
                      remat: bool = False, attention: str = "auto", remat_policy: str = "nothing",
@@ -106,7 +99,6 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
         raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
     if prompt_ids.ndim != 2 or tokens.ndim != 3:
         raise ValueError(f"need prompt_ids [P, Lp] and tokens [P, G, N], got {prompt_ids.shape}, {tokens.shape}")
-    p, g, n = tokens.shape
     pad = backbone.config.pad_token_id if ignore_pad_tokens else None
 
     def run(prompt_ids, prompt_mask, tokens, mask, rope):
@@ -115,23 +107,16 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
         pv, cv = prompt_mask.astype(bool), mask.astype(bool)
         if pad is not None:
             pv, cv = pv & (prompt_ids != pad), cv & (tokens != pad)
-        p_last, c_last = jnp.maximum(_last_valid(pv), 0), _last_valid(cv)  # [p], [p, g]
-        rows = hp.shape[0]
+        p_last, c_last = jnp.maximum(last_valid_index(pv), 0), last_valid_index(cv)  # [p], [p, g]
+        rows, g, n = tokens.shape
         h_prompt = jnp.take_along_axis(hp, p_last[:, None, None], axis=1)[:, 0]  # [p, D]
         hc = hc.reshape(rows, g, n, hc.shape[-1])
         h_completion = jnp.take_along_axis(hc, jnp.maximum(c_last, 0)[:, :, None, None], axis=2)[:, :, 0]
         h = jnp.where((c_last >= 0)[..., None], h_completion, h_prompt[:, None])  # [p, g, D]
         return values_from_hidden(h, model.head, jnp.zeros((), jnp.float32))
 
-    if groups_per_pass is None or groups_per_pass == p:
-        return run(prompt_ids, prompt_mask, tokens, mask, rope)
-    if groups_per_pass < 1 or p % groups_per_pass:
-        raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
-    if rope is None:  # outside the loop over groups (see completion_rope)
-        rope = completion_rope(backbone.config, prompt_mask, g, n)
-    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
-    out = jax.lax.map(lambda xs: run(*xs), jax.tree.map(tiles, (prompt_ids, prompt_mask, tokens, mask, rope)))
-    return out.reshape(p, g)
+    return over_groups(run, backbone.config, prompt_ids, prompt_mask, tokens, mask, rope,
+                       groups_per_pass=groups_per_pass)
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from relax.train.optimizer import skip_counts
+
 QUANTITIES = ("rewards", "advantages", "old_logprobs", "ref_logprobs", "loss")
 
 
@@ -66,17 +68,30 @@ def first_nonfinite_leaf(tree) -> Int[Array, ""]:
 def first_nonfinite(batch: Mapping[str, Array], loss: Array) -> Int[Array, ""]:
     """Index in ``QUANTITIES`` of the first non-finite one in ``batch`` / ``loss``; -1 if none.
 
-    Absent entries (``ref_logprobs`` without a KL term) count as finite."""
-    mask = batch["mask"] > 0
-    checks = {
-        "rewards": ~jnp.any(jnp.isinf(batch["rewards"])),
-        "advantages": jnp.all(jnp.isfinite(batch["advantages"])),
-        "old_logprobs": jnp.all(jnp.isfinite(batch["old_logprobs"]) | ~mask),
-        "ref_logprobs": (jnp.all(jnp.isfinite(batch["ref_logprobs"]) | ~mask) if "ref_logprobs" in batch
-                         else jnp.bool_(True)),
-        "loss": jnp.isfinite(loss),
-    }
-    return _first([~checks[q] for q in QUANTITIES])
+    Absent entries count as finite (``ref_logprobs`` without a KL term; everything but the loss
+    for a trainer without rollouts, e.g. SFT); log-probs count only where ``batch["mask"]`` is on."""
+    present = {q: q in batch for q in QUANTITIES[:-1]}
+    checks = {"loss": jnp.isfinite(loss)}
+    if present["rewards"]:
+        checks["rewards"] = ~jnp.any(jnp.isinf(batch["rewards"]))
+    if present["advantages"]:
+        checks["advantages"] = jnp.all(jnp.isfinite(batch["advantages"]))
+    for q in ("old_logprobs", "ref_logprobs"):
+        if present[q]:
+            checks[q] = jnp.all(jnp.isfinite(batch[q]) | ~(batch["mask"] > 0))
+    return _first([~checks.get(q, jnp.bool_(True)) for q in QUANTITIES])
+
+
+def step_health(metrics: Mapping[str, Array], opt_state, first_nonfinite_index: Array) -> tuple[dict, dict]:
+    """An update's ``(metrics, health)``: the metrics without ``first_nonfinite_grad`` and with
+    ``skipped_updates`` (all skipped optimizer steps so far), and the record ``HealthMonitor``
+    checks: ``first_nonfinite_grad``, ``first_nonfinite`` (``first_nonfinite_index``, e.g.
+    ``first_nonfinite(batch, loss)``) and ``consecutive_skips``."""
+    total, streak = skip_counts(opt_state)
+    metrics = dict(metrics)
+    health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
+              "first_nonfinite": jnp.asarray(first_nonfinite_index, jnp.int32), "consecutive_skips": streak}
+    return {**metrics, "skipped_updates": total}, health
 
 
 def leaf_names(tree) -> list[str]:

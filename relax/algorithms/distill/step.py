@@ -31,8 +31,7 @@ from relax.models.transformer import Transformer
 from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig, compiled_generate
 from relax.rollout.sampling import SamplingConfig
-from relax.train.health import QUANTITIES
-from relax.train.optimizer import skip_counts
+from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 
 from relax.algorithms.distill.config import DistillConfig
@@ -124,13 +123,10 @@ def make_update_stage(cfg: DistillConfig, passes: Passes) -> Stage:
         update_fn = make_distill_update(cfg, state.optimizer, state.ref, passes)
         key, sub = jax.random.split(state.key)
         policy, opt_state, metrics = update_fn(state.policy, state.opt_state, batch, sub)
-        total_skips, streak = skip_counts(opt_state)
         # the loss is the only quantity of relax.train.health's list that distillation has
-        bad_loss = jnp.where(jnp.isfinite(metrics["loss"]), -1, QUANTITIES.index("loss"))
-        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"), "first_nonfinite": bad_loss,
-                  "consecutive_skips": streak}
+        metrics, health = step_health(metrics, opt_state, first_nonfinite({}, metrics["loss"]))
         lengths = jnp.sum(batch["mask"] > 0, axis=-1).astype(jnp.float32)
-        metrics = {**metrics, "completion_length": jnp.mean(lengths), "skipped_updates": total_skips}
+        metrics = {**metrics, "completion_length": jnp.mean(lengths)}
         if cfg.samples:
             metrics["on_policy"] = batch["on_policy"].astype(jnp.float32)
         new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)

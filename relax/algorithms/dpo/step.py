@@ -34,8 +34,7 @@ from relax.models.prefix_shared import completion_rope
 from relax.objectives.reference import params_equal
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
-from relax.train.health import QUANTITIES
-from relax.train.optimizer import skip_counts
+from relax.train.health import QUANTITIES, first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import LossContext, make_update
 
@@ -139,16 +138,12 @@ def nonfinite_quantity(data, ref_is_policy, loss, ref_keys: Sequence[str]) -> ja
     for k in ref_keys:
         ref_bad = ref_bad | jnp.any(real & ~jnp.isfinite(data[k]))
     ref_bad = ref_bad & ~jnp.asarray(ref_is_policy, bool)
-    return jnp.where(ref_bad, QUANTITIES.index("ref_logprobs"),
-                     jnp.where(jnp.isfinite(loss), -1, QUANTITIES.index("loss"))).astype(jnp.int32)
+    return jnp.where(ref_bad, QUANTITIES.index("ref_logprobs"), first_nonfinite({}, loss)).astype(jnp.int32)
 
 
 def finish_update(state: TrainState, batch, policy, opt_state, key, metrics, first_bad) -> tuple[TrainState, dict]:
     """``step + 1``, the new key, and the batch's ``metrics`` / ``health`` (as GRPO's update)."""
-    total_skips, streak = skip_counts(opt_state)
-    health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"), "first_nonfinite": first_bad,
-              "consecutive_skips": streak}
-    metrics = {**metrics, "skipped_updates": total_skips}
+    metrics, health = step_health(metrics, opt_state, first_bad)
     new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
     return new, {**batch, "metrics": metrics, "health": health}
 

@@ -25,8 +25,7 @@ from relax.passes import Passes, choose_passes
 from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
 from relax.rollout.sampler import RolloutConfig
 from relax.rollout.sampling import SamplingConfig
-from relax.train.health import first_nonfinite
-from relax.train.optimizer import skip_counts
+from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
 
 from relax.algorithms.grpo.config import GRPOConfig
@@ -94,10 +93,8 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes) -> Stage:
             ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])
         if ref is not None:
             ref = rule(ref, policy, step, {} if ref_stats is None else ref_stats.as_dict())
-        total_skips, streak = skip_counts(opt_state)
-        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
-                  "first_nonfinite": first_nonfinite(batch, metrics["loss"]), "consecutive_skips": streak}
-        metrics = {**metrics, **_batch_metrics(batch), "skipped_updates": total_skips}
+        metrics, health = step_health(metrics, opt_state, first_nonfinite(batch, metrics["loss"]))
+        metrics = {**metrics, **_batch_metrics(batch)}
         new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key, ref_stats=ref_stats)
         return new, {**batch, "metrics": metrics, "health": health}
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from relax.compose import Stage, compose, stage
-from relax.masked import masked_mean
+from relax.masked import last_valid_index, masked_mean
 from relax.models.critic import (completion_logprobs_and_values, completion_values, values_from_hidden)
 from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.objectives.advantages import gae, whiten
@@ -34,8 +34,8 @@ from relax.objectives.value import clipped_value_loss, explained_variance
 from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig
 from relax.rollout.sampling import SamplingConfig
-from relax.train.health import first_nonfinite
-from relax.train.optimizer import paired, skip_counts
+from relax.train.health import first_nonfinite, step_health
+from relax.train.optimizer import paired
 from relax.train.state import TrainState
 from relax.train.update import LossContext, make_update
 
@@ -55,9 +55,7 @@ def rollout_config(cfg: PPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> 
 def token_rewards(score, mask, kl, kl_coef: float):
     """``r_t = score * [t = last valid token] - kl_coef * KL_t`` on valid tokens, ``[..., N]``."""
     m = mask > 0
-    n = m.shape[-1]
-    last = jnp.where(jnp.any(m, -1), n - 1 - jnp.argmax(m[..., ::-1], axis=-1), -1)
-    at_end = jnp.arange(n) == last[..., None]
+    at_end = jnp.arange(m.shape[-1]) == last_valid_index(m)[..., None]
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
 
 
@@ -198,10 +196,8 @@ def make_update_stage(cfg: PPOConfig, passes: Passes) -> Stage:
                                      if k != "first_nonfinite_grad"}}
         step = state.step + 1
         ref = state.ref if state.ref is None else rule(state.ref, policy, step, {})
-        total_skips, streak = skip_counts(opt_state)
-        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
-                  "first_nonfinite": first_nonfinite(batch, metrics["loss"]), "consecutive_skips": streak}
-        metrics = {**metrics, **_batch_metrics(cfg, batch), "skipped_updates": total_skips}
+        metrics, health = step_health(metrics, opt_state, first_nonfinite(batch, metrics["loss"]))
+        metrics = {**metrics, **_batch_metrics(cfg, batch)}
         new = state.replace(policy=policy, opt_state=opt_state, critic=critic, critic_opt_state=critic_opt_state,
                             ref=ref, step=step, key=key)
         return new, {**batch, "metrics": metrics, "health": health}

@@ -22,8 +22,7 @@ from relax.compose import Stage, stage
 from relax.models.prefix_shared import completion_rope
 from relax.models.reward_model import RewardModel, init_reward_model
 from relax.passes import Passes, choose_passes
-from relax.train.health import QUANTITIES
-from relax.train.optimizer import skip_counts
+from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import make_update
 
@@ -71,11 +70,7 @@ def make_reward_model_step(cfg: RewardModelConfig, passes: Passes | None = None)
                                 passes=passes, normalizers=pair_normalizers)
         key, sub = jax.random.split(state.key)
         model, opt_state, metrics = update_fn(state.policy, state.opt_state, pair_data(batch, state.policy.config), sub)
-        total_skips, streak = skip_counts(opt_state)
-        loss_bad = jnp.where(jnp.isfinite(metrics["loss"]), -1, QUANTITIES.index("loss")).astype(jnp.int32)
-        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"), "first_nonfinite": loss_bad,
-                  "consecutive_skips": streak}
-        metrics = {**metrics, "skipped_updates": total_skips}
+        metrics, health = step_health(metrics, opt_state, first_nonfinite({}, metrics["loss"]))
         new = state.replace(policy=model, opt_state=opt_state, step=state.step + 1, key=key)
         return new, {**batch, "metrics": metrics, "health": health}
 

@@ -30,8 +30,8 @@ from relax.data.files import Record
 from relax.data.supervised import PACK_METHODS, SFTExample, encode_sft, pack, pack_rows, pad_rows
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
-from relax.train.health import QUANTITIES
-from relax.train.optimizer import OptimizerConfig, skip_counts
+from relax.train.optimizer import OptimizerConfig
+from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import make_update
 
@@ -101,12 +101,6 @@ def init_sft_state(cfg: SFTConfig, policy, *, key: jax.Array) -> TrainState:
     return init_state(policy, cfg.optimizer.make(), key=key)
 
 
-def first_nonfinite_loss(loss: jax.Array) -> jax.Array:
-    """``relax.train.health``'s ``first_nonfinite`` for SFT, whose only checked quantity is the
-    loss: its index in ``QUANTITIES`` when it is not finite, else -1."""
-    return jnp.where(jnp.isfinite(loss), -1, QUANTITIES.index("loss")).astype(jnp.int32)
-
-
 def _pad_to_multiple(data: dict, rows: int, multiple: int) -> dict:
     extra = (-rows) % multiple
     if not extra:
@@ -128,13 +122,11 @@ def make_update_stage(cfg: SFTConfig, passes: Passes) -> Stage:
                                 passes=passes)
         key, sub = jax.random.split(state.key)
         policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub)
-        total_skips, streak = skip_counts(opt_state)
-        health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
-                  "first_nonfinite": first_nonfinite_loss(metrics["loss"]), "consecutive_skips": streak}
+        metrics, health = step_health(metrics, opt_state, first_nonfinite({}, metrics["loss"]))
         seg = data["segment_ids"]
         metrics = {**metrics, "tokens": jnp.sum(seg > 0).astype(jnp.int32),
                    "loss_tokens": jnp.sum(data["loss_mask"] > 0).astype(jnp.int32),
-                   "padding_fraction": jnp.mean((seg == 0).astype(jnp.float32)), "skipped_updates": total_skips}
+                   "padding_fraction": jnp.mean((seg == 0).astype(jnp.float32))}
         new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
         return new, {**batch, "metrics": metrics, "health": health}
 
