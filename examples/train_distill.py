@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import sys
 
-import tyro
-
+from relax.algorithms.cli import parse_flags
 from relax.algorithms.distill.run import DistillRunConfig, builtin_defaults, run
 from relax.train.preemption import exit_as_terminated
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = DistillRunConfig() if uses_model else builtin_defaults()
-    return run(tyro.cli(DistillRunConfig, default=default, args=argv, description=__doc__))
+    return run(parse_flags(DistillRunConfig, argv, builtin=builtin_defaults, real=DistillRunConfig, description=__doc__))
 
 
 if __name__ == "__main__":

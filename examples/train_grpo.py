@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import sys
 
-import tyro
-
+from relax.algorithms.cli import parse_flags
 from relax.train.preemption import exit_as_terminated
 from relax.algorithms.grpo.run import GRPORunConfig, builtin_defaults, real_defaults, run
 
@@ -33,10 +32,9 @@ def _preset_from_argv(argv: list[str]) -> str:
 def parse_args(argv: list[str]) -> GRPORunConfig:
     """Flags -> config. Defaults depend on the mode (the built-in task is tiny) and on the preset;
     flags override them."""
-    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
     name = _preset_from_argv(argv)
-    defaults = real_defaults(name) if uses_model else builtin_defaults(name)
-    return tyro.cli(GRPORunConfig, default=defaults, args=argv, description=__doc__)
+    return parse_flags(GRPORunConfig, argv, builtin=lambda: builtin_defaults(name), real=lambda: real_defaults(name),
+                       description=__doc__)
 
 
 def main(argv: list[str] | None = None) -> dict:

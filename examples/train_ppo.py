@@ -14,21 +14,14 @@ from __future__ import annotations
 
 import sys
 
-import tyro
-
+from relax.algorithms.cli import parse_flags
 from relax.algorithms.ppo.run import PPORunConfig, builtin_defaults, real_defaults, run
 from relax.train.preemption import exit_as_terminated
 
 
-def parse_args(argv: list[str]) -> PPORunConfig:
-    """Flags -> config; the defaults depend on the mode (the built-in task is tiny)."""
-    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
-    defaults = real_defaults() if uses_model else builtin_defaults()
-    return tyro.cli(PPORunConfig, default=defaults, args=argv, description=__doc__)
-
-
 def main(argv: list[str] | None = None) -> dict:
-    return run(parse_args(sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parse_flags(PPORunConfig, argv, builtin=builtin_defaults, real=real_defaults, description=__doc__))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,18 @@ def use_compile_cache() -> None:
 use_compile_cache()
 
 
+def load_example(name: str):
+    """``examples/train_<name>.py`` as a module (its ``main(argv)`` runs the command line in-process)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"train_{name}.py"
+    spec = importlib.util.spec_from_file_location(f"train_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):

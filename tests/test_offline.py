@@ -2,7 +2,6 @@
 the real ``--model/--data`` path: each learns (its before/after figure moves the right way),
 leaves a run directory like GRPO's, and resumes exactly."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,16 +11,10 @@ import pytest
 from relax.algorithms.offline import batch_iterator
 from relax.models.hf import save_pretrained
 from relax.tasks import reverse
+from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = reverse.ReverseTask(num_train=1000, num_eval=64)
-
-
-def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"train_{name}", ROOT / "examples" / f"train_{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def test_batch_iterator_resumes_exactly():
 
 def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
     run_dir = tmp_path / "run"
-    summary = example("reward_model").main([
+    summary = load_example("reward_model").main([
         *data(base, reverse.preference_rows, "pairs"), "--run-dir", str(run_dir), "--steps", "30",
         "--batch-size", "16", "--max-prompt-tokens", "16", "--max-completion-tokens", "8",
         "--reward-model.optimizer.learning-rate", "1e-3", "--checkpoint-every", "15"])
@@ -70,13 +63,13 @@ def test_sft_learns_and_resumes_exactly(base, tmp_path):
     2 steps + --resume to 4 bit for bit (data position included)."""
     args = [*data(base, reverse.sft_rows, "sft"), "--sft.max-length", "32", "--batch-size", "8",
             "--sft.optimizer.learning-rate", "1e-3", "--checkpoint-every", "2", "--eval-max-examples", "64"]
-    summary = example("sft").main([*args, "--run-dir", str(tmp_path / "long"), "--steps", "30"])
+    summary = load_example("sft").main([*args, "--run-dir", str(tmp_path / "long"), "--steps", "30"])
     assert summary["after"]["greedy/accuracy"] > summary["before"]["greedy/accuracy"] + 0.2, summary
     assert summary["after"]["nll"] < summary["before"]["nll"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    example("sft").main([*args, "--run-dir", str(straight), "--steps", "4"])
-    example("sft").main([*args, "--run-dir", str(resumed), "--steps", "2"])
-    example("sft").main([*args, "--run-dir", str(resumed), "--steps", "4", "--resume"])
+    load_example("sft").main([*args, "--run-dir", str(straight), "--steps", "4"])
+    load_example("sft").main([*args, "--run-dir", str(resumed), "--steps", "2"])
+    load_example("sft").main([*args, "--run-dir", str(resumed), "--steps", "4", "--resume"])
     a, b = train_lines(straight), train_lines(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(a[s] == b[s] for s in a)
 
@@ -95,7 +88,7 @@ def test_distillation_brings_a_fresh_student_to_its_teacher(base, tmp_path):
     args = data(base, lambda rs: [{k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_rows(rs, 0)],
                 "distill")
     args[1] = str(base / "student")
-    summary = example("distill").main([*args, "--teacher", str(base / "model"), "--run-dir", str(tmp_path),
+    summary = load_example("distill").main([*args, "--teacher", str(base / "model"), "--run-dir", str(tmp_path),
                                        "--steps", "40", "--max-prompt-tokens", "16", "--max-completion-tokens", "8",
                                        "--distill.optimizer.learning-rate", "3e-3"])
     assert summary["after"]["kl_to_teacher"] < 0.6 * summary["before"]["kl_to_teacher"], summary
@@ -113,7 +106,7 @@ def train_lines(run_dir: Path) -> dict:
 def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, loss_type, lr):
     """DPO and ORPO on pairs (reverse chosen, copy rejected): held-out preference accuracy and the
     win rate of the chosen behaviour (greedy completion == chosen) both rise."""
-    summary = example(name).main([
+    summary = load_example(name).main([
         *data(base, reverse.preference_rows, "pairs"), "--run-dir", str(tmp_path), "--steps", "60",
         "--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "8", "--eval-max-examples", "64",
         "--dpo.optimizer.learning-rate", lr])
@@ -127,8 +120,8 @@ def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_
     second run loads them), and the run logs the same metrics as with the reference model."""
     args = [*data(base, reverse.preference_rows, "pairs-cached"), "--steps", "3", "--dpo.max-prompt-tokens", "16",
             "--dpo.max-completion-tokens", "8", "--eval-max-examples", "16", "--dpo.optimizer.learning-rate", "5e-5"]
-    example("dpo").main([*args, "--run-dir", str(tmp_path / "model")])
-    example("dpo").main([*args, "--run-dir", str(tmp_path / "cached"), "--dpo.precompute-reference"])
+    load_example("dpo").main([*args, "--run-dir", str(tmp_path / "model")])
+    load_example("dpo").main([*args, "--run-dir", str(tmp_path / "cached"), "--dpo.precompute-reference"])
     assert list((base / "pairs-cached").glob("*.safetensors"))  # the cache beside the data
     a, b = train_lines(tmp_path / "model"), train_lines(tmp_path / "cached")
     for s in (1, 2, 3):
@@ -137,7 +130,7 @@ def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_
 
 
 def test_kto_learns_from_unpaired_feedback(base, tmp_path):
-    summary = example("kto").main([
+    summary = load_example("kto").main([
         *data(base, lambda rs: reverse.unpaired_rows(rs, 0), "unpaired"), "--run-dir", str(tmp_path),
         "--steps", "30", "--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "8",
         "--eval-max-examples", "64", "--kto.optimizer.learning-rate", "5e-5"])
@@ -147,7 +140,7 @@ def test_kto_learns_from_unpaired_feedback(base, tmp_path):
 
 def test_a_run_without_held_out_rows_trains_and_evaluates_nothing(base, tmp_path):
     train, _ = reverse.write_task_data(TASK, base / "no-eval", reverse.preference_rows)
-    summary = example("dpo").main(["--model", str(base / "model"), "--data", train, "--eval-fraction", "0",
+    summary = load_example("dpo").main(["--model", str(base / "model"), "--data", train, "--eval-fraction", "0",
                                    "--run-dir", str(tmp_path), "--steps", "2", "--dpo.max-prompt-tokens", "16",
                                    "--dpo.max-completion-tokens", "8"])
     assert summary["before"] == {} and summary["after"] == {} and summary["steps"] == 2

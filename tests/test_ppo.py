@@ -1,6 +1,5 @@
 """PPO with a critic: token rewards, explained variance, VinePPO values, the step, learning, exact resume."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from relax.train.state import init_state
 from relax.train.update import LossContext
 from test_parallel import _decode, fives
 from test_run import overlap_reward, setup  # noqa: F401 - the model directory, --reward overlap
+from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -153,13 +153,6 @@ def test_vineppo_values_are_exact_once_the_outcome_is_decided():
     assert np.all(np.isfinite(np.asarray(batch["advantages"])))
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("train_ppo", ROOT / "examples" / "train_ppo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _args(setup, run_dir, steps, *extra):  # noqa: F811
     return ["--model", str(setup / "model"), "--tokenizer", str(setup / "tok.model"),
             "--data", str(setup / "train.jsonl"), "--eval-data", str(setup / "eval.jsonl"),
@@ -179,9 +172,9 @@ def test_ppo_resume_is_bit_exact(setup, tmp_path):  # noqa: F811
     """4 steps straight against 2 steps, then --resume to 4: the same logged metrics bit for bit
     (policy, critic, optimizer states, data position and PRNG key all restored) and the same export."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _example().main(_args(setup, straight, 4))
-    _example().main(_args(setup, resumed, 2))
-    _example().main(_args(setup, resumed, 4, "--resume"))
+    load_example("ppo").main(_args(setup, straight, 4))
+    load_example("ppo").main(_args(setup, resumed, 2))
+    load_example("ppo").main(_args(setup, resumed, 4, "--resume"))
     a, b = _train_lines(straight), _train_lines(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert all(a[s]["critic/grad_norm"] > 0 for s in a)  # the critic trains: the comparison is not vacuous
@@ -201,7 +194,7 @@ def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noq
     critic = init_critic(policy, key=jax.random.key(3), head_std=0.5)
     save_critic(critic, tmp_path / "critic", layout="sequence")
     run_dir = tmp_path / "run"
-    _example().main(_args(setup, run_dir, 1, "--ppo.critic-model", str(tmp_path / "critic")))
+    load_example("ppo").main(_args(setup, run_dir, 1, "--ppo.critic-model", str(tmp_path / "critic")))
     line = _train_lines(run_dir)[1]
     assert line["critic/grad_norm"] > 0 and line["values_mean"] != 0.0  # a nonzero head from the file
 
@@ -209,7 +202,7 @@ def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noq
 @pytest.mark.slow  # `make test-all`; the fast PPO tests check the step, the critic, resume and VinePPO
 def test_ppo_learns_the_builtin_task(tmp_path):
     """The no-argument PPO run, shortened: held-out greedy accuracy rises by more than 20 points."""
-    summary = _example().main(["--run-dir", str(tmp_path), "--steps", "30", "--eval-every", "0",
+    summary = load_example("ppo").main(["--run-dir", str(tmp_path), "--steps", "30", "--eval-every", "0",
                                "--task.sft-steps", "250", "--eval-max-prompts", "100"])
     gain = summary["after"]["greedy/accuracy"] - summary["before"]["greedy/accuracy"]
     assert gain > 0.2, summary

@@ -6,7 +6,6 @@ Faults that must end the interpreter (kill -9, an exception at top level) run th
 script (``fault`` mode): a reward function counts the training calls and fails at the given one.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -27,15 +26,9 @@ from relax.train.health import NonFiniteError
 from relax.train.preemption import Preempted
 from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
 from relax.algorithms.stages import make_score
+from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("train_grpo", ROOT / "examples" / "train_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +125,7 @@ def _flip_bytes(checkpoint_dir: Path) -> None:
 def straight(setup, tmp_path_factory):
     """An uninterrupted 4-step run (checkpoints at 2 and 4) and its summary."""
     run_dir = tmp_path_factory.mktemp("straight")
-    return run_dir, _load_example().main(_args(setup, run_dir, 4))
+    return run_dir, load_example("grpo").main(_args(setup, run_dir, 4))
 
 
 def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tmp_path):
@@ -149,7 +142,7 @@ def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tm
     assert _steps_logged(killed) == [0, 1, 2, 3]  # the "before" evaluation, then training lines
     before = json.loads((killed / "summary.json").read_text())["before"]  # written as soon as it exists
 
-    resumed = _load_example().main(_args(setup, killed, 4, "--resume"))
+    resumed = load_example("grpo").main(_args(setup, killed, 4, "--resume"))
     assert _steps_logged(killed) == [0, 1, 2, 3, 4, 4]  # each step once; 4 = its line + the "after" evaluation
     assert resumed["before"] == before == summary["before"]  # the first run's; nothing evaluated at step 2
     a, b = _train_lines(run_dir), _train_lines(killed)
@@ -162,7 +155,7 @@ def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tm
         assert a[step] == b[step], step  # bit for bit: JSON floats round-trip exactly
     assert resumed["after"] == summary["after"]
 
-    only = _load_example().main(_args(setup, killed, 4, "--resume", "--eval-only"))
+    only = load_example("grpo").main(_args(setup, killed, 4, "--resume", "--eval-only"))
     assert only["step"] == 4 and "pass@1" in only["eval_only"]
 
 
@@ -184,9 +177,9 @@ def test_damaged_checkpoint_stops_resume_unless_fallback_is_asked(setup, straigh
     shutil.copytree(straight[0], run_dir)
     _flip_bytes(run_dir / "checkpoints" / "4")
     with pytest.raises(CheckpointCorruptError, match=r"step 4"):
-        _load_example().main(_args(setup, run_dir, 4, "--resume"))
+        load_example("grpo").main(_args(setup, run_dir, 4, "--resume"))
     assert (run_dir / "checkpoints" / "4").exists()  # reported, left where it is
-    _load_example().main(_args(setup, run_dir, 4, "--resume", "--resume-fallback"))
+    load_example("grpo").main(_args(setup, run_dir, 4, "--resume", "--resume-fallback"))
     assert (run_dir / "damaged_checkpoints" / "4").exists()
     a, b = _train_lines(straight[0]), _train_lines(run_dir)
     assert all(a[step] == b[step] for step in (1, 2, 3, 4))  # steps 3-4 trained again, identically
@@ -197,11 +190,11 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(setup, straight, tmp_pat
     from relax.rewards import builtin
     monkeypatch.setitem(builtin.BUILTIN_REWARDS, "overlap", faulty_reward("sigterm", 3))
     with pytest.raises(Preempted, match="saved as checkpoint 3"):
-        _load_example().main(_args(setup, tmp_path, 4))
+        load_example("grpo").main(_args(setup, tmp_path, 4))
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is put back
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
         assert ckpt.all_steps() == [2, 3]
-    _load_example().main(_args(setup, tmp_path, 4, "--resume"))
+    load_example("grpo").main(_args(setup, tmp_path, 4, "--resume"))
     a, b = _train_lines(straight[0]), _train_lines(tmp_path)
     assert all(a[step] == b[step] for step in (1, 2, 3, 4))
 
@@ -218,12 +211,12 @@ def test_consecutive_non_finite_steps_stop_the_run(setup, tmp_path):
     args[args.index("--model") + 1] = str(bad)
     with pytest.raises(NonFiniteError, match=r"2 optimizer steps in a row were skipped.*iteration 1 with "
                                              r"non-finite old_logprobs"):
-        _load_example().main(args)
+        load_example("grpo").main(args)
     assert _steps_logged(tmp_path / "run")[-1] == 2 and not (tmp_path / "run" / "final_hf").exists()
 
 
 def test_bad_run_config_names_the_flag(setup, capsys):
-    example = _load_example()
+    example = load_example("grpo")
     with pytest.raises(SystemExit):  # tyro prints the config's error and exits with status 2
         example.main(["--model", str(setup / "model")])  # no --data
     assert "--model needs --data" in capsys.readouterr().err
@@ -236,7 +229,7 @@ def test_bad_run_config_names_the_flag(setup, capsys):
 
 def test_preset_flag_sets_algorithm_defaults_in_both_modes(setup):
     """--preset picks the algorithm with and without --model; explicit --grpo.* flags still win."""
-    example = _load_example()
+    example = load_example("grpo")
     builtin = example.parse_args(["--preset", "dapo"])
     assert builtin.preset == "dapo"
     assert (builtin.grpo.loss_type, builtin.grpo.epsilon_high, builtin.grpo.beta) == ("dapo", 0.28, 0.0)
@@ -251,7 +244,7 @@ def test_preset_flag_sets_algorithm_defaults_in_both_modes(setup):
 def test_missing_data_field_names_file_row_field(setup, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ab=", "answer": "ba"}) + "\n" + json.dumps({"prompt": "cd="}) + "\n")
-    example = _load_example()
+    example = load_example("grpo")
     args = _args(setup, tmp_path / "r", 1)
     args[args.index("--data") + 1] = str(bad)
     with pytest.raises(KeyError, match=r"bad\.jsonl.*row 2.*answer"):
@@ -275,7 +268,7 @@ def test_model_directory_with_tokenizer_json_trains_and_exports_for_transformers
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(8)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
-    summary = _load_example().main([
+    summary = load_example("grpo").main([
         "--model", str(d), "--data", str(tmp_path / "train.jsonl"), "--run-dir", str(run_dir), "--steps", "1",
         "--batch-size", "4", "--max-prompt-tokens", "64", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
         "--reward", "numeric_match", "--eval-fraction", "0.25", "--eval.num-samples", "1", "--export-every", "1"])
@@ -310,4 +303,4 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown mode {sys.argv[1:]}")
     from relax.rewards import builtin
     builtin.BUILTIN_REWARDS["overlap"] = faulty_reward(sys.argv[2], int(sys.argv[3]))
-    _load_example().main(sys.argv[4:])
+    load_example("grpo").main(sys.argv[4:])

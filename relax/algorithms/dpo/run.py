@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import tyro
-
 from relax.data.pairs import with_reference
 from relax.tasks import reverse
 
+from relax.algorithms.cli import parse_flags
 from relax.algorithms.dpo import step as dpo
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.dpo.reference_cache import cached_reference_logps
@@ -48,20 +47,28 @@ def precompute(cfg, model, examples: list, data_paths: list[str], tokenizer, log
     return with_reference(examples, logps)
 
 
+def reference_preparer(cfg):
+    """``OfflineAlgorithm.prepare`` for a DPO or KTO config: with ``precompute_reference``, the
+    reference log-probs of the training and held-out examples computed together, once, and
+    cached beside the data (held-out data as ``(records, examples)``); else nothing to do."""
+
+    def prepare(model, train, held_out, paths, tokenizer):
+        if not cfg.precompute_reference:
+            return train, held_out
+        if held_out is None:
+            return precompute(cfg, model, train, paths, tokenizer), None
+        records, examples = held_out
+        both = precompute(cfg, model, train + examples, paths, tokenizer)
+        return both[:len(train)], (records, both[len(train):])
+
+    return prepare
+
+
 def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
     d = cfg.dpo
 
     def encode_eval(records, tokenizer):
         return records, dpo.encode(d, records, tokenizer)
-
-    def prepare(model, train, held_out, paths, tokenizer):
-        if not d.precompute_reference:
-            return train, held_out
-        if held_out is None:
-            return precompute(d, model, train, paths, tokenizer), None
-        records, pairs = held_out
-        both = precompute(d, model, train + pairs, paths, tokenizer)
-        return both[:len(train)], (records, both[len(train):])
 
     def evaluate(state, held_out, tokenizer):
         records, pairs = held_out
@@ -77,7 +84,7 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
         name="orpo" if d.loss_type == "orpo" else "dpo", make_state=functools.partial(dpo.make_state, d),
         make_step=lambda passes, tokenizer: dpo.make_dpo_step(d, passes),
         encode=functools.partial(dpo.encode, d), collate=functools.partial(dpo.collate, d), evaluate=evaluate,
-        encode_eval=encode_eval, prepare=prepare,
+        encode_eval=encode_eval, prepare=reference_preparer(d),
         builtin_data=lambda task, directory, tokenizer: reverse.write_task_data(task, directory, reverse.preference_rows),
         bar_keys=(("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")))
 
@@ -89,6 +96,5 @@ def run(cfg: DPORunConfig) -> dict:
 def main(argv: list[str], *, loss_type: str, description: str) -> dict:
     """The command line of ``examples/train_dpo.py`` / ``train_orpo.py``: flags -> run. Defaults:
     the built-in task's without ``--model``, else ``DPORunConfig``'s with ``loss_type``."""
-    uses_model = any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = DPORunConfig(dpo=DPOConfig(loss_type=loss_type)) if uses_model else builtin_defaults(loss_type)
-    return run(tyro.cli(DPORunConfig, default=default, args=argv, description=description))
+    return run(parse_flags(DPORunConfig, argv, builtin=lambda: builtin_defaults(loss_type),
+                           real=lambda: DPORunConfig(dpo=DPOConfig(loss_type=loss_type)), description=description))

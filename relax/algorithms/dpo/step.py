@@ -20,6 +20,7 @@ The batch (``collate``): ``prompt_ids``/``prompt_mask`` int32 ``[P, Lp]`` left-p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,9 +58,10 @@ def collate(cfg: DPOConfig, pairs: Sequence[Pair], pad_id: int) -> dict:
                          completion_length=cfg.max_completion_tokens)
 
 
-def make_state(cfg: DPOConfig, policy, key: jax.Array) -> TrainState:
+def make_state(cfg, policy, key: jax.Array) -> TrainState:
     """A fresh state with the config's optimizer, and a reference model (a copy of ``policy``)
-    when the loss reads one and it is not precomputed (``cfg.needs_reference``)."""
+    when the loss reads one and it is not precomputed (``cfg.needs_reference``). ``cfg``: a
+    ``DPOConfig`` or a ``KTOConfig`` (the same rule)."""
     return init_state(policy, cfg.optimizer.make(), key=key, with_reference=cfg.needs_reference)
 
 
@@ -94,7 +96,8 @@ def evaluate(cfg: DPOConfig, state: TrainState, pairs: Sequence[Pair], *, pad_id
     return {k: v / len(pairs) for k, v in totals.items()}
 
 
-def _with_loss_mask(batch) -> dict:
+def with_loss_mask(batch) -> dict:
+    """The batch with ``loss_mask`` ``[P]`` (all ones: every row real) when it has none."""
     if "loss_mask" in batch:
         return batch
     return {**batch, "loss_mask": jnp.ones(batch["prompt_ids"].shape[:1], jnp.int32)}
@@ -154,7 +157,7 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
     ref_keys = REF_KEYS if cfg.uses_reference else ()
 
     def update(state: TrainState, batch):
-        batch = _with_loss_mask(batch)
+        batch = with_loss_mask(batch)
         update_fn = make_update(loss_fn, state.optimizer, grad_accum=cfg.grad_accum, passes=passes,
                                 normalizers=pair_normalizers, track_reference=cfg.needs_reference)
         data = {k: batch[k] for k in BATCH_KEYS + ref_keys}
@@ -179,15 +182,17 @@ def make_dpo_step(cfg: DPOConfig, passes: Passes | None = None, *, forward: Forw
     return compose(make_reference(cfg, passes, forward), make_update_stage(cfg, passes, forward), name="dpo_step")
 
 
+@functools.lru_cache(maxsize=8)
 def make_dpo_eval(cfg: DPOConfig, passes: Passes | None = None) -> Stage:
     """``(state, batch) -> (state, batch + metrics)`` without an update: the loss (``loss``) and the
-    training metrics of a held-out batch under the current policy, one forward, no gradient."""
+    training metrics of a held-out batch under the current policy, one forward, no gradient.
+    Cached per ``(cfg, passes)``: every evaluation of a run reuses one compiled program."""
     passes = choose_passes() if passes is None else passes
     forward = shared_forward(passes, attention=cfg.train_attention)
     reference = make_reference(cfg, passes, forward)
 
     def evaluate(state: TrainState, batch):
-        state, batch = reference.fn(state, _with_loss_mask(batch))
+        state, batch = reference.fn(state, with_loss_mask(batch))
         loss_fn = make_dpo_loss(cfg, passes, lambda m, mb, train: forward(m, mb, False))
         ctx = LossContext(pair_normalizers(batch), jnp.asarray(batch.get("ref_is_policy", False), bool))
         loss, metrics = loss_fn(state.policy, batch, ctx)

@@ -10,7 +10,8 @@ import functools
 
 from relax.tasks import reverse
 
-from relax.algorithms.dpo.run import precompute
+from relax.algorithms.dpo.run import reference_preparer
+from relax.algorithms.dpo.step import make_state
 from relax.algorithms.kto import step as kto
 from relax.algorithms.kto.config import KTOConfig
 from relax.algorithms.offline import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
@@ -40,15 +41,6 @@ def algorithm(cfg: KTORunConfig) -> OfflineAlgorithm:
     def encode_eval(records, tokenizer):
         return records, kto.encode(k, records, tokenizer)
 
-    def prepare(model, train, held_out, paths, tokenizer):
-        if not k.precompute_reference:
-            return train, held_out
-        if held_out is None:
-            return precompute(k, model, train, paths, tokenizer), None
-        records, examples = held_out
-        both = precompute(k, model, train + examples, paths, tokenizer)
-        return both[:len(train)], (records, both[len(train):])
-
     def evaluate(state, held_out, tokenizer):
         records, examples = held_out
         out = kto.evaluate(k, state, examples, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size)
@@ -58,10 +50,10 @@ def algorithm(cfg: KTORunConfig) -> OfflineAlgorithm:
         return out
 
     return OfflineAlgorithm(
-        name="kto", make_state=functools.partial(kto.make_state, k),
+        name="kto", make_state=functools.partial(make_state, k),
         make_step=lambda passes, tokenizer: kto.make_kto_step(k, passes),
         encode=functools.partial(kto.encode, k), collate=functools.partial(kto.collate, k), evaluate=evaluate,
-        encode_eval=encode_eval, prepare=prepare,
+        encode_eval=encode_eval, prepare=reference_preparer(k),
         builtin_data=lambda task, d, tokenizer: reverse.write_task_data(
             task, d, functools.partial(reverse.unpaired_rows, seed=task.seed)),
         bar_keys=(("loss", "loss"), ("kl", "kl"), ("rewards/margins", "margin")))

@@ -20,6 +20,7 @@ precomputed reference ``ref_logps``/``ref_kl_logps`` ``[P]``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,11 +36,11 @@ from relax.objectives.preference import kto_reference_point
 from relax.objectives.reference import params_equal
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
-from relax.train.state import TrainState, init_state
+from relax.train.state import TrainState
 from relax.train.update import LossContext, make_update
 
 from relax.algorithms.dpo.loss import Forward, sequence_logps, shared_forward
-from relax.algorithms.dpo.step import eval_batches, finish_update, nonfinite_quantity
+from relax.algorithms.dpo.step import eval_batches, finish_update, nonfinite_quantity, with_loss_mask
 from relax.algorithms.kto.config import KTOConfig
 from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
 
@@ -56,12 +57,6 @@ def collate(cfg: KTOConfig, examples: Sequence[Unpaired], pad_id: int) -> dict:
     """A batch of fixed shape ``Lp = max_prompt_tokens``, ``N = max_completion_tokens``."""
     return collate_unpaired(examples, pad_id=pad_id, prompt_length=cfg.max_prompt_tokens,
                             completion_length=cfg.max_completion_tokens)
-
-
-def make_state(cfg: KTOConfig, policy, key: jax.Array) -> TrainState:
-    """A fresh state with the config's optimizer and, unless precomputed, a reference model (a
-    copy of ``policy``)."""
-    return init_state(policy, cfg.optimizer.make(), key=key, with_reference=cfg.needs_reference)
 
 
 def evaluate(cfg: KTOConfig, state: TrainState, examples: Sequence[Unpaired], *, pad_id: int, batch_size: int = 8,
@@ -86,12 +81,6 @@ def evaluate(cfg: KTOConfig, state: TrainState, examples: Sequence[Unpaired], *,
     if "rewards/chosen" in out and "rewards/rejected" in out:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     return out
-
-
-def _with_loss_mask(batch) -> dict:
-    if "loss_mask" in batch:
-        return batch
-    return {**batch, "loss_mask": jnp.ones(batch["prompt_ids"].shape[:1], jnp.int32)}
 
 
 def _own(batch, which: slice) -> dict:
@@ -124,7 +113,7 @@ def make_reference(cfg: KTOConfig, passes: Passes, forward: Forward) -> Stage:
 
 def make_reference_point(passes: Passes, forward: Forward) -> Stage:
     def reference_point(state: TrainState, batch):
-        batch = _with_loss_mask(batch)
+        batch = with_loss_mask(batch)
         same = jnp.asarray(batch.get("ref_is_policy", False), bool)
 
         def z0():
@@ -142,7 +131,7 @@ def make_update_stage(cfg: KTOConfig, passes: Passes, forward: Forward | None = 
     loss_fn = make_kto_loss(cfg, passes, forward)
 
     def update(state: TrainState, batch):
-        batch = _with_loss_mask(batch)
+        batch = with_loss_mask(batch)
         update_fn = make_update(loss_fn, state.optimizer, grad_accum=cfg.grad_accum, passes=passes,
                                 normalizers=kto_normalizers, track_reference=cfg.needs_reference)
         own = _own(batch, slice(0, 1))
@@ -168,15 +157,17 @@ def make_kto_step(cfg: KTOConfig, passes: Passes | None = None, *, forward: Forw
                    make_update_stage(cfg, passes, forward), name="kto_step")
 
 
+@functools.lru_cache(maxsize=8)
 def make_kto_eval(cfg: KTOConfig, passes: Passes | None = None) -> Stage:
     """``(state, batch) -> (state, batch + metrics)`` without an update: the KTO loss and metrics of a
-    held-out batch under the current policy (forward only)."""
+    held-out batch under the current policy (forward only). Cached per ``(cfg, passes)``: every
+    evaluation of a run reuses one compiled program."""
     passes = choose_passes() if passes is None else passes
     forward = shared_forward(passes, attention=cfg.train_attention)
     reference, point = make_reference(cfg, passes, forward), make_reference_point(passes, forward)
 
     def evaluate(state: TrainState, batch):
-        state, batch = reference.fn(state, _with_loss_mask(batch))
+        state, batch = reference.fn(state, with_loss_mask(batch))
         state, batch = point.fn(state, batch)
         own = _own(batch, slice(0, 1))
         own["kl"] = jnp.broadcast_to(batch["kl"], own["label"].shape)
