@@ -20,7 +20,6 @@ from typing import Any, Callable, Sequence
 import grain
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from relax.data.files import Record, read_records
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
@@ -32,10 +31,10 @@ from relax.rewards.builtin import exact_match
 from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
 from relax.text import TextTokenizer, load_tokenizer
-from relax.train.logs import MetricsLogger, is_main_process
+from relax.train.logs import MetricsLogger
 from relax.train.run import Trainer, run_loop
 
-from relax.algorithms.online import ModelRunConfig, builtin_setup, exporter
+from relax.algorithms.online import ModelRunConfig, builtin_setup, exporter, start_run
 
 MAX_EVAL_PROMPT = 512
 
@@ -124,11 +123,7 @@ def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextToken
 
 def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log = print if is_main_process() else (lambda *a, **k: None)
-    log(f"relax {algo.name.upper()} | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} "
-        f"device(s) | run dir {run_dir}")
+    run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
     tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(cfg, algo, run_dir, log)
     train = algo.encode(train_rows, tokenizer)
@@ -147,17 +142,6 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary
 
-
-def padded(rows: Sequence[Sequence[int]], length: int, pad_id: int, *, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids, mask)`` ``[len(rows), length]`` int32, each row padded on the right (or left)."""
-    ids = np.full((len(rows), length), pad_id, np.int32)
-    mask = np.zeros((len(rows), length), np.int32)
-    for i, r in enumerate(rows):
-        if len(r) > length:
-            raise ValueError(f"row {i} has {len(r)} tokens, more than {length}")
-        sl = slice(length - len(r), length) if left else slice(0, len(r))
-        ids[i, sl], mask[i, sl] = r, 1
-    return ids, mask
 
 
 def greedy_accuracy(policy, tokenizer: TextTokenizer, records: Sequence[Record], *, max_new_tokens: int,

@@ -246,14 +246,21 @@ def _make_batch(cfg: OnlineRunConfig):
     return make_batch
 
 
-def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
-    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
-    cfg.parallel.initialize()  # multi-host: before anything touches a device
+def start_run(cfg: RunConfig, name: str):
+    """``(run_dir, log)``: the run directory (created) and a logger that prints on process 0 only;
+    the run's first line names the algorithm, jax and the devices."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = print if is_main_process() else (lambda *a, **k: None)
-    log(f"relax {algo.name.upper()} | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
+    log(f"relax {name.upper()} | jax {jax.__version__} | {jax.device_count()} {jax.devices()[0].platform} device(s) "
         f"| run dir {run_dir}")
+    return run_dir, log
+
+
+def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    cfg.parallel.initialize()  # multi-host: before anything touches a device
+    run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
     mesh, sampler_mesh = cfg.parallel.meshes()
     check_batch(cfg.batch_size, mesh)

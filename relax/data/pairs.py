@@ -290,7 +290,8 @@ def with_reference(examples: Sequence[Pair | Unpaired], logps: np.ndarray) -> li
     return [dataclasses.replace(e, ref=(float(a), float(b))) for e, (a, b) in zip(examples, logps)]
 
 
-def _right_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def right_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)`` ``[len(seqs), length]`` int32, each row right-padded (a longer one is an error)."""
     ids = np.full((len(seqs), length), pad_id, np.int32)
     mask = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
@@ -307,8 +308,8 @@ def _collate(prompts, first, second, refs, *, pad_id, prompt_length, completion_
     if longest > prompt_length:
         raise ValueError(f"a prompt has {longest} tokens > the batch's prompt length {prompt_length}")
     prompt_ids, prompt_mask = pad_left(prompts, pad_id=pad_id, length=prompt_length)
-    a, am = _right_pad(first, completion_length, pad_id)
-    b, bm = _right_pad(second, completion_length, pad_id)
+    a, am = right_pad(first, completion_length, pad_id)
+    b, bm = right_pad(second, completion_length, pad_id)
     out = {"prompt_ids": np.asarray(prompt_ids, np.int32), "prompt_mask": np.asarray(prompt_mask, np.int32),
            "tokens": np.stack([a, b], axis=1), "mask": np.stack([am, bm], axis=1),
            "loss_mask": np.ones(len(prompts), np.int32)}

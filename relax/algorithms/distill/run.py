@@ -13,15 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.distill.config import DistillConfig
-from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
-from relax.algorithms.offline import OfflineAlgorithm, PairRunConfig, padded, run_offline
-from relax.algorithms.sft.step import SFTConfig, sft_examples
+from relax.data.pairs import right_pad
 from relax.masked import masked_mean
 from relax.models.distill import divergence_from_hidden
 from relax.models.prefix_shared import completion_hidden
 from relax.models.transformer import init
 from relax.tasks import reverse
+from relax.text.sentencepiece_model import pad_left
+
+from relax.algorithms.distill.config import DistillConfig
+from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
+from relax.algorithms.offline import OfflineAlgorithm, PairRunConfig, run_offline
+from relax.algorithms.sft.step import SFTConfig, sft_examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +87,8 @@ def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
         return out
 
     def collate(examples, pad_id):
-        prompt_ids, prompt_mask = padded([p for p, _ in examples], cfg.max_prompt_tokens, pad_id, left=True)
-        tokens, mask = padded([c for _, c in examples], cfg.max_completion_tokens, pad_id)
+        prompt_ids, prompt_mask = pad_left([p for p, _ in examples], pad_id=pad_id, length=cfg.max_prompt_tokens)
+        tokens, mask = right_pad([c for _, c in examples], cfg.max_completion_tokens, pad_id)
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "tokens": tokens[:, None], "mask": mask[:, None]}
 
     def evaluate(state, examples, tokenizer):

@@ -158,8 +158,8 @@ def reference_logps(model, examples: Sequence[Pair | Unpaired], *, batch_size: i
         chunk += [chunk[0]] * (p - real)
         b = collate(chunk, pad_id=pad_id, prompt_length=prompt_length, completion_length=completion_length)
         arrays = {k: jnp.asarray(b[k]) for k in ("prompt_ids", "prompt_mask", "tokens", "mask")}
-        out.append(np.asarray(forward(model, arrays))[:real])
-    return np.concatenate(out).astype(np.float32)
+        out.append(forward(model, arrays)[:real])  # device arrays: the next batch is collated meanwhile
+    return np.concatenate([np.asarray(x) for x in out]).astype(np.float32)
 
 
 def cached_reference_logps(model, examples: Sequence[Pair | Unpaired], data_path: PathLike | Sequence[PathLike], *,

@@ -70,9 +70,9 @@ def make_advantage(cfg: PPOConfig) -> Stage:
               if cfg.kl_coef > 0 else jnp.zeros(m.shape, jnp.float32))
         r = token_rewards(score, loss_mask, kl, cfg.kl_coef)
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-        out = {**batch, "loss_mask": loss_mask, "token_rewards": r, "kl_to_ref": kl}
+        out = {**batch, **rope_tables(cfg, state, batch), "loss_mask": loss_mask, "token_rewards": r, "kl_to_ref": kl}
         if cfg.advantage == "gae":
-            values = state_values(cfg, state, batch)
+            values = state_values(cfg, state, out)
             adv, returns = gae(flat(r), flat(values), flat(m), gamma=cfg.gamma, lam=cfg.lam)
             out.update(old_values=values, returns=returns.reshape(p, g, n),
                        explained_variance=explained_variance(flat(values), returns, flat(m)))
@@ -153,17 +153,26 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes):
     return loss_fn
 
 
-def state_values(cfg: PPOConfig, state: TrainState, batch):
-    """The critic's values ``[P, G, N]`` of the sampled states (no gradient)."""
+def rope_tables(cfg: PPOConfig, state: TrainState, batch) -> dict:
+    """The rotary tables of the batch's completions, computed once for the values and both
+    updates: ``rope`` (the policy's) and ``critic_rope`` (a separate critic's own: it may be
+    another model than the policy)."""
     _, g, n = batch["tokens"].shape
+    out = {"rope": completion_rope(state.policy.config, batch["prompt_mask"], g, n)}
+    if cfg.needs_critic and not cfg.shared_critic:
+        out["critic_rope"] = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
+    return out
+
+
+def state_values(cfg: PPOConfig, state: TrainState, batch):
+    """The critic's values ``[P, G, N]`` of the sampled states (no gradient); the batch holds
+    ``rope_tables``."""
     args = (batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"])
     if cfg.shared_critic:
-        rope = completion_rope(state.policy.config, batch["prompt_mask"], g, n)
-        h = completion_hidden(state.policy, *args, attention=cfg.train_attention, rope=rope)
+        h = completion_hidden(state.policy, *args, attention=cfg.train_attention, rope=batch["rope"])
         values = values_from_hidden(h, state.critic.head, state.critic.bias)
     else:
-        rope = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
-        values = completion_values(state.critic, *args, attention=cfg.train_attention, rope=rope)
+        values = completion_values(state.critic, *args, attention=cfg.train_attention, rope=batch["critic_rope"])
     return jax.lax.stop_gradient(values)
 
 
@@ -172,11 +181,7 @@ def make_update_stage(cfg: PPOConfig, passes: Passes) -> Stage:
     rule = make_reference_rule(cfg.reference)
     split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes)
 
-    def update(state: TrainState, batch):
-        _, g, n = batch["tokens"].shape
-        batch = {**batch, "rope": completion_rope(state.policy.config, batch["prompt_mask"], g, n)}
-        if cfg.needs_critic and not cfg.shared_critic:  # the critic's own tables: it may be another model
-            batch["critic_rope"] = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
+    def update(state: TrainState, batch):  # the batch holds rope_tables (the advantage stage's)
         key, k_actor, k_critic = jax.random.split(state.key, 3)
         critic, critic_opt_state = state.critic, state.critic_opt_state
         if cfg.shared_critic:  # one joint update of (policy, head), each part with its own optimizer
