@@ -53,3 +53,12 @@ def auto():
     """``auto(directory)``: transformers' AutoTokenizer for it (cached); skips without transformers."""
     transformers = pytest.importorskip("transformers")
     return functools.lru_cache(maxsize=None)(lambda d: transformers.AutoTokenizer.from_pretrained(d))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. Each XLA:CPU executable holds memory
+    maps of its code; kept alive for the whole suite they approach the kernel's per-process limit
+    (``vm.max_map_count``, 65530 here), where a later compile or cache write dies in a segfault."""
+    yield
+    jax.clear_caches()
