@@ -7,6 +7,11 @@ Cases (one subprocess per case x phase, so every measurement has its own high-wa
     bf16         bfloat16 params (and compute), no master weights
     bf16_master  bfloat16 params + float32 master weights in the optimizer state
     offload_ref  KL reference in pinned host memory between uses (GPU/TPU; on CPU a no-op)
+    lora         float32 base + rank-``lora_rank`` adapters on every linear layer (the reference is
+                 the base: no copy); ``opt_state_mb`` shows the optimizer state of the adapters only
+    many_vmap    K = ``adapters`` LoRA adapters on one base, one update of all of them (jax.vmap;
+                 an SFT loss on a ``prompts x (prompt_len + new_tokens)`` token batch); phase update only
+    many_seq     the same K adapters updated one after the other (one compiled update, K calls)
 
 Phases: ``rollout`` (the sampler segment) and ``update`` (reference + advantage + update, on a
 synthetic batch of the rollout's shapes). Each phase runs twice through
@@ -39,13 +44,17 @@ import harness  # noqa: E402
 
 from relax import parallel  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
+from relax.models.adapters import add_lora, split_trainable  # noqa: E402
+from relax.models.lora import LoRAConfig  # noqa: E402
+from relax.train import many  # noqa: E402
+from relax.train.update import make_update  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.state import init_state  # noqa: E402
 
-CASES = ("f32", "remat", "bf16", "bf16_master", "offload_ref")
+CASES = ("f32", "remat", "bf16", "bf16_master", "offload_ref", "lora", "many_vmap", "many_seq")
 PHASES = ("rollout", "update")
 
 
@@ -62,6 +71,9 @@ class Args:
     heads: int = 8
     kv_heads: int = 4
     vocab: int = 4096
+    lora_rank: int = 8
+    adapters: int = 4
+    """K, for the many_* cases"""
     child: str = ""
     """internal: ``case:phase`` measured in this process"""
     timeout_s: float = 600.0
@@ -97,12 +109,73 @@ def _synthetic_rollout(args: Args, vocab: int, ids, mask) -> dict:
             "prompts": ["x"] * p, "fields": {}}
 
 
-def child(args: Args, case: str, phase: str) -> dict:
-    dtype = jnp.bfloat16 if case.startswith("bf16") else jnp.float32
-    mcfg = small_config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+def _model_config(args: Args):
+    return small_config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                         intermediate_size=int(args.hidden * 2.6875) // 8 * 8, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads)
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def _peak(fn) -> tuple[float, int | None, str]:
+    """``(seconds, peak bytes, how)`` of one call of ``fn`` after a compiling call."""
+    jax.block_until_ready(fn())
+    reset = harness.on_cpu() and harness._reset_hwm()
+    base = harness._rss_bytes() if reset else harness._hwm_bytes()
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    run_s = time.perf_counter() - t0
+    if harness.on_cpu():
+        return run_s, max(harness._hwm_bytes() - base, 0), "rss high-water above the rss before the run"
+    return run_s, harness._device_peak(), "device peak_bytes_in_use (process-wide, includes the state)"
+
+
+def many_child(args: Args, case: str) -> dict:
+    """K adapters updated at once (vmap) or one after the other, on one SFT batch."""
+    mcfg, k = _model_config(args), args.adapters
+    base = init(mcfg, jax.random.key(0))
+    lora = LoRAConfig(rank=args.lora_rank)
+    models = [add_lora(base, lora, jax.random.key(i)) for i in range(k)]
+    opt = many.with_learning_rate_scale(OptimizerConfig(learning_rate=1e-4).make())
+    t = args.prompt_len + args.new_tokens
+    ids = jax.random.randint(jax.random.key(2), (args.prompts, t), 0, mcfg.vocab_size)
+    batch = {"ids": ids, "loss_mask": jnp.ones_like(ids)}
+
+    def loss_fn(model, mb, ctx):
+        logp = jax.nn.log_softmax(model(mb["ids"][:, :-1]))
+        nll = -jnp.take_along_axis(logp, mb["ids"][:, 1:, None], -1)[..., 0]
+        return jnp.sum(nll * mb["loss_mask"][:, 1:]) / ctx.norms["tokens"], {}
+
+    update = make_update(loss_fn, opt)
+    keys = jax.random.split(jax.random.key(3), k)
+    if case == "many_vmap":
+        stacked = many.stack_adapters(models)
+        states = many.init_many(opt, stacked, [1.0] * k)
+        step = jax.jit(many.vmap_over_adapters(update, stacked))
+        fn = lambda: step(stacked, states, batch, keys)  # noqa: E731
+        opt_bytes = _bytes(states)
+    else:
+        step = jax.jit(update)
+        states = [opt.init(split_trainable(m)[0]) for m in models]
+        fn = lambda: [step(m, s, batch, key) for m, s, key in zip(models, states, keys)]  # noqa: E731
+        opt_bytes = _bytes(states)
+    run_s, peak, how = _peak(fn)
+    return {"bench": "memory", "case": case, "phase": "update", "K": k, "rank": args.lora_rank,
+            "peak_mem_mb": peak / 2 ** 20 if peak else None, "peak_mem_how": how, "run_s": run_s,
+            "opt_state_mb": opt_bytes / 2 ** 20, "params_m": mcfg.num_params() / 1e6,
+            "rows": args.prompts, "T": t}
+
+
+def child(args: Args, case: str, phase: str) -> dict:
+    if case.startswith("many_"):
+        return many_child(args, case)
+    dtype = jnp.bfloat16 if case.startswith("bf16") else jnp.float32
+    mcfg = _model_config(args)
     model = init(mcfg, jax.random.key(0), param_dtype=dtype, dtype=dtype)
+    if case == "lora":
+        model = add_lora(model, LoRAConfig(rank=args.lora_rank), jax.random.key(5))
     cfg = preset("grpo", num_generations=args.generations, max_new_tokens=args.new_tokens, beta=0.04,
                  remat=case == "remat", optimizer=OptimizerConfig(learning_rate=1e-6, master_weights=case == "bf16_master"))
     opt = cfg.optimizer.make()
@@ -142,6 +215,7 @@ def child(args: Args, case: str, phase: str) -> dict:
     return {"bench": "memory", "case": case, "phase": phase, "peak_mem_mb": peak / 2 ** 20 if peak else None,
             "peak_mem_how": how, "state_device_mb": dev_bytes / 2 ** 20, "state_host_mb": host_bytes / 2 ** 20,
             "run_s": run_s, "first_call_s": first_s, "params_m": mcfg.num_params() / 1e6,
+            "opt_state_mb": _bytes(state.opt_state) / 2 ** 20,
             "P": args.prompts, "G": args.generations, "Lp": args.prompt_len, "N": args.new_tokens,
             "offloaded": bool(step.offload), "note": note}
 
@@ -151,12 +225,14 @@ def main(args: Args) -> None:
         case, phase = args.child.split(":")
         harness.emit(child(args, case, phase))
         return
-    table = ["case", "phase", "peak_mem_mb", "state_device_mb", "state_host_mb", "run_s"]
+    table = ["case", "phase", "peak_mem_mb", "state_device_mb", "opt_state_mb", "run_s"]
     argv = [a for a in sys.argv[1:] if not a.startswith("--child")]
     for case in filter(None, args.cases.split(",")):
         if case not in CASES:
             raise SystemExit(f"unknown case {case!r}; valid: {', '.join(CASES)}")
         for phase in filter(None, args.phases.split(",")):
+            if case.startswith("many_") and phase != "update":
+                continue
             harness.run_isolated(os.path.abspath(__file__), [*argv, "--child", f"{case}:{phase}"],
                                  timeout=args.timeout_s, table=table)
 

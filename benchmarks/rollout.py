@@ -15,6 +15,10 @@ Modes:
   nocache  ``relax.rollout.naive``: a full forward over the whole buffer per new token. It is
            quadratic, so it runs ``--nocache-tokens`` new tokens and the time is scaled to N
            by the ratio of executed weight-matmul FLOPs (``extrapolated_from_new_tokens``).
+  lora     prefix, on a policy with rank ``--lora-rank`` adapters on every linear layer, run
+           beside the fused weights (the default)
+  lora_merged  the same, ``RolloutConfig(merge_adapters=True)``: ``W + s A B`` folded into the
+           per-rollout fused weights (FLOPs for both count the base weights only)
 
 Each (case, mode) runs in its own subprocess so its peak memory is its own.
 
@@ -44,7 +48,7 @@ import harness  # noqa: E402
 CASES = {"a": dict(P=8, Lp=64, G=8, N=128), "b": dict(P=4, Lp=1024, G=16, N=128)}
 NOCACHE_TOKENS = {"a": 16, "b": 2}  # new tokens the quadratic no-cache sampler really generates
 HEAVY = {("b", "repeat"), ("b", "nocache"), ("a", "nocache")}  # many seconds a call: no warmup run
-MODES = ("prefix", "repeat", "nocache")
+MODES = ("prefix", "repeat", "nocache", "lora", "lora_merged")
 TABLE = ["case", "mode", "P", "G", "Lp", "N", "tokens_per_s", "median_s", "spread", "compile_s", "peak_mem_mb", "xla_temp_mb",
          "achieved_gflops", "frac_of_peak", "extrapolated_from_new_tokens", "skipped"]
 
@@ -59,6 +63,8 @@ class Args:
     """timed runs per (case, mode); the median is reported"""
     nocache_tokens: int = 0
     """new tokens the no-cache sampler really generates, time scaled to N (0: a=16, b=2)"""
+    lora_rank: int = 16
+    """adapter rank of the lora modes"""
     nocache_b: bool = True
     """run nocache on case b too (~40 s, ~4 GB: [64, 8, 1026, 1026] float32 scores per layer)"""
     budget_s: float = 50.0
@@ -78,8 +84,20 @@ def matmul_flops(cfg, mode: str, P: int, G: int, Lp: int, N: int) -> float:
     layers, head = param_counts(cfg)
     if mode == "nocache":  # step t: full forward (all positions, logits everywhere) over Lp + N
         return 2.0 * (layers + head) * P * G * (Lp + N) * N
-    prefill_rows = P if mode == "prefix" else P * G
+    prefill_rows = P * G if mode == "repeat" else P
     return 2.0 * layers * prefill_rows * Lp + 2.0 * head * prefill_rows + 2.0 * (layers + head) * P * G * (N - 1)
+
+
+def _with_adapters(model, rank: int):
+    """``model`` with rank-``rank`` adapters whose B is random too (a trained adapter)."""
+    import dataclasses
+
+    from relax.models.adapters import add_lora, with_adapters
+    from relax.models.lora import LoRAConfig, LoRAWeights
+    ad = add_lora(model, LoRAConfig(rank=rank), jax.random.key(3)).layers.lora
+    ws = {f: LoRAWeights(w.a, 0.01 * jax.random.normal(jax.random.key(i), w.b.shape)) for i, (f, w) in
+          enumerate(ad.weights().items())}
+    return with_adapters(model, dataclasses.replace(ad, **ws))
 
 
 def run_one(case: str, mode: str, args: Args) -> dict:
@@ -95,8 +113,11 @@ def run_one(case: str, mode: str, args: Args) -> dict:
     mask = jnp.ones((P, Lp), jnp.int32)
     key = jax.random.key(2)
     n_run = N
-    if mode == "prefix":
-        fn = rollout.compiled_generate(rollout.RolloutConfig(num_generations=G, max_new_tokens=N, eos_ids=()))
+    if mode in ("prefix", "lora", "lora_merged"):
+        if mode != "prefix":
+            model = _with_adapters(model, args.lora_rank)
+        fn = rollout.compiled_generate(rollout.RolloutConfig(num_generations=G, max_new_tokens=N, eos_ids=(),
+                                                             merge_adapters=mode == "lora_merged"))
     elif mode == "repeat":
         ids, mask = jnp.repeat(ids, G, axis=0), jnp.repeat(mask, G, axis=0)
         fn = rollout.compiled_generate(rollout.RolloutConfig(num_generations=1, max_new_tokens=N, eos_ids=()))
@@ -146,6 +167,7 @@ def main(args: Args) -> None:
                               "skipped": "nocache on 1024-token prompts is quadratic; --nocache-b to run it"}, TABLE)
                 continue
             argv = ["--single", f"{c}:{m}", "--runs", str(args.runs), "--nocache-tokens", str(args.nocache_tokens),
+                    "--lora-rank", str(args.lora_rank),
                     "--budget-s", str(args.budget_s)]
             harness.run_isolated(os.path.abspath(__file__), argv, table=TABLE)
 

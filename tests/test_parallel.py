@@ -69,7 +69,7 @@ def local_batch(rows: slice = slice(None)):
 
 
 def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(None), master_weights=False,
-             param_dtype=None, checkpoint_dir=None, beta=0.04):
+             param_dtype=None, checkpoint_dir=None, beta=0.04, lora_rank=0):
     """Iterations of the composed GRPO step (sharded when ``mesh``/``sampler_devices``); returns
     per-iteration metrics and this process's sampled tokens, and the compiles after iteration 1."""
     import jax
@@ -90,6 +90,10 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     policy = init(ModelConfig(**MODEL), jax.random.key(0), std=0.1)
     if param_dtype is not None:
         policy = jax.tree.map(lambda x: x.astype(param_dtype), policy)
+    if lora_rank:
+        from relax.models.adapters import add_lora
+        from relax.models.lora import LoRAConfig
+        policy = add_lora(policy, LoRAConfig(rank=lora_rank), jax.random.key(3))
     cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=beta,
                  optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, master_weights=master_weights))
     opt = cfg.optimizer.make()
@@ -131,7 +135,7 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     return out
 
 
-def _shard_shapes(spec: str) -> dict:
+def _shard_shapes(spec: str, lora: bool = False) -> dict:
     import jax
 
     from relax import parallel
@@ -140,7 +144,11 @@ def _shard_shapes(spec: str) -> dict:
     from relax.train.state import init_state
 
     mesh = parallel.make_mesh(spec)
+    from relax.models.adapters import add_lora
+    from relax.models.lora import LoRAConfig
     policy = init(ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True}), jax.random.key(0))
+    if lora:
+        policy = add_lora(policy, LoRAConfig(rank=4), jax.random.key(1))
     opt = OptimizerConfig(master_weights=True).make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=True)
     state = jax.device_put(state, parallel.state_shardings(state, mesh))
@@ -228,6 +236,9 @@ def worker(out_path: str, cli_dir: str) -> None:
         results["runs"][spec] = run_case(spec)
     results["runs"]["no_kl"] = run_case(MESHES[-1], iterations=1, beta=0.0)
     results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
+    results["runs"]["lora_single"] = run_case(None, iterations=2, lora_rank=4)
+    results["runs"]["lora_mesh"] = run_case(MESHES[-1], iterations=2, lora_rank=4)
+    results["lora_shards"] = _shard_shapes("data=2,fsdp=2,tensor=2", lora=True)
     results["cli"] = cli_run(Path(cli_dir))
     results["ppo_cli"] = cli_run(Path(cli_dir), "ppo")
     results["attention_all_gathers"] = {"under_mesh": _attention_all_gathers(True),
@@ -314,6 +325,20 @@ if __name__ != "__main__":
         for spec in MESHES:
             _assert_same_run(runs[spec], runs["single"], spec)
 
+    def test_lora_on_a_mesh_matches_one_device_and_shards_like_its_weights(mesh_results):
+        runs = mesh_results["runs"]
+        for i, want in enumerate(runs["lora_single"]["metrics"]):
+            _assert_metrics_close(runs["lora_mesh"]["metrics"][i], want, f"lora iteration {i}")
+        assert runs["lora_single"]["metrics"][0]["kl"] == 0.0  # B = 0: the policy is its base
+        assert runs["lora_single"]["metrics"][1]["kl"] > 0.0
+        np.testing.assert_array_equal(runs["lora_mesh"]["weights"][-1]["wq"], runs["lora_mesh"]["weights"][0]["wq"])
+        s = mesh_results["lora_shards"]  # A [L, D=32, r=4] splits D over fsdp; B [L, r, out] its out over tensor
+        assert s[".policy.layers.lora.wq.a"] == [[2, 32, 4], [2, 16, 4]]
+        assert s[".policy.layers.lora.wq.b"] == [[2, 4, 32], [2, 4, 16]]
+        assert s[".policy.layers.lora.w_down.a"] == [[2, 64, 4], [2, 32, 4]]
+        assert s[".policy.layers.lora.w_down.b"] == [[2, 4, 32], [2, 4, 16]]
+        assert ".ref.layers.wq" not in s and not any(k.startswith(".opt_state") and k.endswith("layers.wq") for k in s)
+
     def test_kl_term_is_exactly_zero_while_the_policy_is_the_reference(mesh_results):
         """At the first iteration the policy is the reference: the KL term must add exactly
         nothing, so the weights after the step are bitwise those of a run without it. (Before,
@@ -381,11 +406,13 @@ if __name__ != "__main__":
 
     def test_every_parameter_has_logical_axes_and_default_specs():
         cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True, "sandwich_norms": True})
-        model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
+        from relax.models.adapters import add_lora
+        from relax.models.lora import LoRAConfig
+        model = jax.eval_shape(lambda: add_lora(init(cfg, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1)))
         from relax.models.sharding import LOGICAL_AXES
         from relax.parallel.mesh import _path_name
         names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
-        assert names == set(LOGICAL_AXES)  # every parameter the model can have
+        assert names == set(LOGICAL_AXES)  # every parameter the model can have, LoRA factors included
         mesh = _abstract(2, 2, 2)
         spec = lambda n: parallel.partition_spec(n, getattr(model.layers, n.split(".")[1]).shape if "." in n
                                                  else getattr(model, n).shape, mesh, cfg)

@@ -34,7 +34,7 @@ from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger
 from relax.train.run import Trainer, run_loop
 
-from relax.algorithms.online import ModelRunConfig, builtin_setup, exporter, start_run
+from relax.algorithms.online import ModelRunConfig, base_path, builtin_setup, exporter, start_run, with_lora
 
 MAX_EVAL_PROMPT = 512
 
@@ -95,6 +95,7 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
         model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
         data, eval_data = cfg.data, cfg.eval_data
+    model = with_lora(cfg, model)
     rows = read_records(data)
     if eval_data is None:
         train, held_out = train_eval_split(rows, cfg.eval_fraction, cfg.seed)
@@ -133,7 +134,7 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
         train, held_out = algo.prepare(model, train, held_out, paths, tokenizer)
     log(f"data: {len(train_rows)} training rows ({len(train)} batch items) and {len(held_out_rows)} held-out rows")
     state = algo.make_state(model, jax.random.key(cfg.seed))
-    export = exporter(tokenizer) if algo.export is None else (lambda policy, d: algo.export(policy, d, tokenizer))
+    export = exporter(tokenizer, base_path(cfg, run_dir)) if algo.export is None else (lambda policy, d: algo.export(policy, d, tokenizer))
     trainer = Trainer(name=algo.name, step=algo.make_step(choose_passes(), tokenizer),
                       batches=batch_iterator(train, cfg.batch_size, cfg.seed,
                                              functools.partial(algo.collate, pad_id=tokenizer.pad_token_id)),

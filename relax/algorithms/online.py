@@ -21,7 +21,11 @@ import numpy as np
 from relax.data.prompts import DataConfig, eval_records, prompt_batch, prompt_iterator, read_records, read_splits
 from relax.eval.evaluate import EvalConfig, evaluate
 from relax.models.config import DTYPES
+from relax.models.adapters import add_lora, has_lora, merge_lora
 from relax.models.hf import load_pretrained, save_pretrained
+from relax.models.lora import LoRAConfig
+from relax.models.peft import save_adapter
+from relax.objectives.reference import ReferenceConfig
 from relax.parallel import ParallelConfig, ShardedStep, batch_shards, check_batch
 from relax.passes import Passes, choose_passes
 from relax.rewards.builtin import get_reward
@@ -56,6 +60,9 @@ class ModelRunConfig(RunConfig):
     """Rows per step: prompts (each gets G completions), examples, packed rows or pairs."""
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters (``--lora.rank 8``): only they train, the KL reference is the base model and
+    checkpoints hold only the adapters; rank 0 (the default): the whole model trains."""
     task: reverse.ReverseTask = reverse.ReverseTask()
 
     def __post_init__(self):
@@ -161,18 +168,47 @@ def _on_host(enabled: bool):
     return contextlib.nullcontext()
 
 
-def exporter(tokenizer: TextTokenizer):
+def exporter(tokenizer: TextTokenizer, base: str | None = None):
     """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
-    files and chat template, a directory ``transformers`` loads (collective: every process calls it)."""
+    files and chat template, a directory ``transformers`` loads (collective: every process calls it).
+    A LoRA policy is exported merged (``W + s A B``), and its adapters alone in PEFT's format under
+    ``directory/adapter`` (``base``: the base model's path, recorded in the adapter config)."""
 
     def export(policy, directory: Path) -> Path:
         policy = _host_policy(policy)
         if is_main_process():
-            save_pretrained(policy, directory)
+            save_pretrained(merge_lora(policy), directory)
             tokenizer.save_pretrained(directory)
+            if has_lora(policy):
+                save_adapter(policy, Path(directory) / "adapter", base_model_name_or_path=base)
         return directory
 
     return export
+
+
+LORA_STREAM = 7  # the adapters' init key: fold_in(key(seed), LORA_STREAM)
+
+
+def with_lora(cfg: ModelRunConfig, model):
+    """``model`` with fresh adapters when ``cfg.lora.rank > 0``, else as is."""
+    if not cfg.lora.enabled:
+        return model
+    return add_lora(model, cfg.lora, jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM))
+
+
+def check_lora_reference(model, reference: ReferenceConfig, needs_reference: bool) -> None:
+    """With LoRA the KL reference is the base model, the policy with its adapters off: a static
+    reference that costs nothing. The rules that move the reference (ema, periodic, mixup, prorl)
+    would need a second set of adapters, and ema / mixup of the factors A and B are not the ema of
+    the weights ``s A B`` (a product): they are refused."""
+    if needs_reference and has_lora(model) and reference.kind != "static":
+        raise ValueError(f"with LoRA the KL reference is the base model (kind 'static'); reference kind "
+                         f"{reference.kind!r} is not supported with adapters")
+
+
+def base_path(cfg: ModelRunConfig, run_dir: Path) -> str:
+    """Where the run's base model lives: ``--model`` or the built-in task's ``run_dir/base_model``."""
+    return str(run_dir / "base_model") if cfg.model is None else cfg.model
 
 
 def _host_policy(policy):
@@ -192,6 +228,7 @@ def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log):
         with _on_host(on_host):
             model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
         data_path, eval_path = cfg.data, cfg.eval_data
+    model = with_lora(cfg, model)
     buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens)
     data_cfg = DataConfig(
         path=data_path, batch_size=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -284,7 +321,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         del model
     trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
                       make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
-                      evaluate=_evaluator(cfg, algo, eval_batch, parts, log), export=exporter(tokenizer),
+                      evaluate=_evaluator(cfg, algo, eval_batch, parts, log), export=exporter(tokenizer, base_path(cfg, run_dir)),
                       bar_keys=BAR_KEYS)
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

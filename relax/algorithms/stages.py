@@ -12,13 +12,12 @@ import numpy as np
 
 from relax.compose import Stage, stage
 from relax.models.prefix_shared import completion_logprobs
-from relax.objectives.reference import params_equal
 from relax.passes import Passes
 from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, combine_checked,
                                     score_groups, score_tokens)
 from relax.rollout.sampler import RolloutConfig, _generate
 from relax.text.stop_strings import truncate_at_stop_strings
-from relax.train.state import TrainState
+from relax.train.state import TrainState, reference_is_policy, reference_model
 
 ROLLOUT_STREAM = 0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM); the update splits state.key
 
@@ -49,13 +48,14 @@ def make_reference(passes: Passes, *, temperature: float, attention: str) -> Sta
     so the KL term and its gradient are exactly zero whatever the pass layout or mesh."""
 
     def reference(state: TrainState, batch):
-        if state.ref is None:
+        ref_model = reference_model(state)
+        if ref_model is None:
             return state, batch
-        same = params_equal(state.ref, state.policy, smallest_first=passes.cache_sized)
+        same = reference_is_policy(state, smallest_first=passes.cache_sized)
 
         def recompute():  # forward only: remat would recompute nothing
             return completion_logprobs(
-                state.ref, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
+                ref_model, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
                 temperature=temperature, groups_per_pass=passes.groups_per_pass(),
                 attention=attention).astype(batch["old_logprobs"].dtype)
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from relax.models.adapters import merge_lora
 from relax.models.config import ModelConfig
 from relax.models.hf import _FLOAT, _build_transformer, _open_weights, _read_config, _save_directory
 from relax.models.hf_config import ARCHITECTURES, HFFormatError
@@ -156,7 +157,7 @@ def save_critic(critic: Critic, directory: str | os.PathLike, *, layout: str = "
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown critic layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-    backbone = _headless(critic.backbone)
+    backbone = _headless(merge_lora(critic.backbone))  # a LoRA backbone is written merged
     family, bias = backbone.config.family, np.asarray(critic.bias)
     if layout == "auto":
         layout = "sequence" if float(bias) == 0.0 else "token"

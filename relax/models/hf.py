@@ -355,6 +355,9 @@ def _save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_by
     """``save_pretrained`` plus ``extra`` tensors (Hugging Face name -> array, written after the
     model's, cast like them) and ``hf_fields`` set in ``config.json`` (e.g. another architecture)."""
     cfg = model.config
+    if model.layers.lora is not None:
+        raise ValueError("the model has LoRA adapters: save merge_lora(model) (relax.models.adapters) for full "
+                         "weights, or its adapters with relax.models.peft.save_adapter")
     if (model.lm_head is None) != cfg.tie_word_embeddings:
         raise ValueError(f"model.lm_head is {'None' if model.lm_head is None else 'set'} but "
                          f"config.tie_word_embeddings={cfg.tie_word_embeddings}")

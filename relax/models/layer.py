@@ -22,6 +22,7 @@ from jaxtyping import Array, Float
 
 from relax.models.config import ModelConfig
 from relax.models.layer_kinds import Kind
+from relax.models.lora import Adapters, adapted, merged_weight
 from relax.models.matmul import matmul
 from relax.models.rope import Rotary, apply_rope, layer_rotary
 
@@ -54,6 +55,7 @@ class LayerStack(eqx.Module):
     b_down: Float[Array, "L D"] | None = None
     attn_out_norm: Float[Array, "L D"] | None = None
     mlp_out_norm: Float[Array, "L D"] | None = None
+    lora: Adapters | None = None  # low-rank adapters (relax.models.lora), stacked on [L] too
 
 
 class FusedLayer(eqx.Module):
@@ -74,6 +76,7 @@ class FusedLayer(eqx.Module):
     b_down: Float[Array, " D"] | None = None
     attn_out_norm: Float[Array, " D"] | None = None
     mlp_out_norm: Float[Array, " D"] | None = None
+    lora: Adapters | None = None  # this layer's adapters, unmerged (``fuse_layers(merge=False)``)
 
 
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float, style: str = "w") -> Float[Array, "... d"]:
@@ -109,16 +112,20 @@ def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig):
     if isinstance(p, FusedLayer):
         qkv = linear(h, p.wqkv, p.bqkv, dt)
         qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
-    return linear(h, p.wq, p.bq, dt), linear(h, p.wk, p.bk, dt), linear(h, p.wv, p.bv, dt)
+        q, k, v = qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
+    else:
+        q, k, v = linear(h, p.wq, p.bq, dt), linear(h, p.wk, p.bk, dt), linear(h, p.wv, p.bv, dt)
+    return adapted(p.lora, "wq", h, q, dt), adapted(p.lora, "wk", h, k, dt), adapted(p.lora, "wv", h, v, dt)
 
 
 def _gate_up(p: LayerStack | FusedLayer, h, dt):
     if isinstance(p, FusedLayer):
         gu = linear(h, p.w_gate_up, p.b_gate_up, dt)
         f = gu.shape[-1] // 2
-        return gu[..., :f], gu[..., f:]
-    return linear(h, p.w_gate, p.b_gate, dt), linear(h, p.w_up, p.b_up, dt)
+        gate, up = gu[..., :f], gu[..., f:]
+    else:
+        gate, up = linear(h, p.w_gate, p.b_gate, dt), linear(h, p.w_up, p.b_up, dt)
+    return adapted(p.lora, "w_gate", h, gate, dt), adapted(p.lora, "w_up", h, up, dt)
 
 
 def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "b t D"], rope: Rotary,
@@ -132,6 +139,7 @@ def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array
         x = x + (N_mo(y) if sandwich_norms else y)
 
     with ``N`` the model's RMSNorm (``attn_norm``, then ``mlp_norm``) and ``act`` its activation.
+    Each product with a weight that has an adapter adds ``s drop(x) A B`` (``relax.models.lora``).
     """
     c, dt = model.config, model.dtype
     b, t, _ = x.shape
@@ -145,21 +153,31 @@ def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array
     cos, sin = layer_rotary(rope, sliding)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, layer_output = attend(q, k, v, layer_input, sliding)
-    a = linear(o.reshape(b, t, -1).astype(dt), p.wo, p.bo, dt)
+    o = o.reshape(b, t, -1).astype(dt)
+    a = adapted(p.lora, "wo", o, linear(o, p.wo, p.bo, dt), dt)
     x = x + (norm(c, a, p.attn_out_norm) if c.sandwich_norms else a)
     h = norm(c, x, p.mlp_norm)
     gate, up = _gate_up(p, h, dt)
-    y = linear(activation(c, gate) * up, p.w_down, p.b_down, dt)
+    m = activation(c, gate) * up
+    y = adapted(p.lora, "w_down", m, linear(m, p.w_down, p.b_down, dt), dt)
     x = x + (norm(c, y, p.mlp_out_norm) if c.sandwich_norms else y)
     return x, layer_output
 
 
-def fuse_layers(model: Transformer) -> list[FusedLayer]:
-    """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout)."""
-    L = model.layers
+def fuse_layers(model: Transformer, *, merge_adapters: bool = False) -> list[FusedLayer]:
+    """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout).
+
+    Adapters (``relax.models.lora``) stay unmerged, run beside the fused weights, or with
+    ``merge_adapters`` are folded into the fused copy (``W + s A B``; the copy is made anyway, so
+    merging costs no memory, only the rounding of the merged weight)."""
+    L, ad = model.layers, model.layers.lora
+    w = {f: getattr(L, f) for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    if merge_adapters and ad is not None:
+        w.update({f: merged_weight(w[f], lw, ad.scale) for f, lw in ad.weights().items()})
+        ad = None
     cat = lambda *xs: None if xs[0] is None else jnp.concatenate(xs, axis=-1)
-    fused = FusedLayer(attn_norm=L.attn_norm, wqkv=cat(L.wq, L.wk, L.wv), wo=L.wo, mlp_norm=L.mlp_norm,
-                       w_gate_up=cat(L.w_gate, L.w_up), w_down=L.w_down, bqkv=cat(L.bq, L.bk, L.bv), bo=L.bo,
-                       q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=cat(L.b_gate, L.b_up), b_down=L.b_down,
-                       attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm)
+    fused = FusedLayer(attn_norm=L.attn_norm, wqkv=cat(w["wq"], w["wk"], w["wv"]), wo=w["wo"], mlp_norm=L.mlp_norm,
+                       w_gate_up=cat(w["w_gate"], w["w_up"]), w_down=w["w_down"], bqkv=cat(L.bq, L.bk, L.bv),
+                       bo=L.bo, q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=cat(L.b_gate, L.b_up),
+                       b_down=L.b_down, attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm, lora=ad)
     return [jax.tree.map(lambda a: a[i], fused) for i in range(model.config.num_layers)]

@@ -37,6 +37,12 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "layers.b_up": ("layers", "mlp"),
     "layers.b_down": ("layers", "embed"),
 }
+# LoRA factors (relax.models.lora): A [L, in, r] shares its weight's input axis, B [L, r, out] its
+# output axis; the rank axis is never sharded (no rule names it).
+_WEIGHT_AXES = {f: LOGICAL_AXES[f"layers.{f}"] for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+for _f, (_, _in, _out) in _WEIGHT_AXES.items():
+    LOGICAL_AXES[f"layers.lora.{_f}.a"] = ("layers", _in, "lora_rank")
+    LOGICAL_AXES[f"layers.lora.{_f}.b"] = ("layers", "lora_rank", _out)
 
 
 def batch_shards(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> int:

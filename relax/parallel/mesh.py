@@ -20,6 +20,7 @@ Parameters carry LOGICAL axis names (``relax.models.sharding.LOGICAL_AXES``: eve
     mlp           tensor     the MLP width F
     layers        -          the stacked layer axis is never sharded (it is scanned over)
     head_dim      -          q_norm / k_norm scales
+    lora_rank     -          the rank of LoRA factors (A and B shard like their weight otherwise)
 
 A mesh axis of size 1 shards nothing. A dimension that does not split evenly over its mesh
 axes is an ERROR (``ShardingError`` naming the parameter, the dimension and the mesh axis),

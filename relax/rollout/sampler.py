@@ -64,6 +64,9 @@ class RolloutConfig:
     max_segments: int = 16
     """At most this many cache blocks (one compiled decode loop each, the s-th reading s blocks, so
     the program grows with their square): a long budget gets blocks of ``ceil(N / max_segments)``."""
+    merge_adapters: bool = False
+    """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights instead of
+    running the adapters beside them (``relax.models.layer.fuse_layers``; RESULTS.md compares)."""
 
     def __post_init__(self):
         if self.num_generations < 1:
@@ -197,7 +200,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
-    layers = fuse_layers(model)
+    layers = fuse_layers(model, merge_adapters=cfg.merge_adapters)
     # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
     prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
     # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a

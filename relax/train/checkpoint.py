@@ -14,6 +14,11 @@ pytree (arrays in tensorstore/OCDBT; equinox Modules, optax states and dicts are
 key paths). Typed PRNG keys (``jax.random.key``) are stored as their ``key_data`` (uint32) and
 rewrapped with the target's key implementation on restore. The other items are JSON.
 
+LoRA: a model with adapters (``relax.models.adapters``) is stored as its adapters only; the
+base weights are not written. Their fingerprint is (the pointer to the base, besides the run
+config's ``model``), and ``restore`` puts the restored adapters on the target's base after
+checking that it is the same base, bit for bit (a different one raises ``ValueError``).
+
 Integrity: every save also writes ``integrity``, the state's :func:`fingerprint` (two wrapping
 uint32 sums per array leaf, one jitted reduction on device), in the same orbax save: committed
 atomically with the arrays. ``restore`` recomputes it from the restored arrays and raises
@@ -48,11 +53,13 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from relax.models.adapters import base_weights, without_base
 from relax.train.fingerprint import fingerprint
 
 PyTree = Any
@@ -197,9 +204,13 @@ class Checkpointer:
         step = int(step)
         if not force and not self._manager.should_save(step):
             return False
-        record = {"format": _RECORD_FORMAT, "leaves": fingerprint(train_state)}
+        stored = without_base(train_state)
+        record = {"format": _RECORD_FORMAT, "leaves": fingerprint(stored)}
+        base = base_weights(train_state)
+        if jax.tree.leaves(base):
+            record["lora_base"] = fingerprint(base)
         args = ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(_encode_state(train_state)),
+            _STATE: ocp.args.StandardSave(_encode_state(stored)),
             _DATA: ocp.args.JsonSave(_encode_data(data_state)),
             _CONFIG: ocp.args.JsonSave({"config": _to_json(config)}),
             _INTEGRITY: ocp.args.JsonSave(record),
@@ -230,6 +241,7 @@ class Checkpointer:
             if not os.path.isdir(path := self._path(step, item)):
                 raise self._corrupt(step, item, f"{path} does not exist")
         verified = self._has_record(step)
+        full_target, target = target, without_base(target)
         abstract = jax.tree.map(_abstract_leaf, target)
         meta = self._read(step, _STATE, "cannot read its metadata",
                           lambda: self._manager.item_metadata(step)[_STATE])
@@ -247,10 +259,12 @@ class Checkpointer:
             record = self._read(step, _INTEGRITY, "cannot read it",
                                 lambda: _decode_record(self._restore_item(step, _INTEGRITY)))
             self._verify(step, encoded, record)
+            self._check_base(step, full_target)
         else:
             warnings.warn(f"{where} has no integrity record (saved before relax wrote one): "
                           "its values cannot be verified", UnverifiedCheckpointWarning, stacklevel=2)
-        return jax.tree.map(_decode_leaf, target, encoded), data_state, config
+        restored = eqx.combine(jax.tree.map(_decode_leaf, target, encoded), full_target)
+        return restored, data_state, config
 
     def restore_latest_intact(self, *, target: PyTree
                               ) -> tuple[PyTree, Any, Any, int, list[tuple[int, str]]]:
@@ -386,6 +400,22 @@ class Checkpointer:
             raise self._corrupt(step, _STATE, (
                 f"{len(bad)} of {len(record)} array leaves differ from the integrity record "
                 f"written at save time: {_paths([(p,) for p in bad], limit=5)}"))
+
+    def _check_base(self, step: int, target: PyTree) -> None:
+        """A LoRA checkpoint restores only onto the base weights its adapters were trained on."""
+        record = self._restore_item(step, _INTEGRITY).get("lora_base")
+        base = base_weights(target)
+        if record is None and not jax.tree.leaves(base):
+            return
+        if record is None or not jax.tree.leaves(base):
+            have = "adapters" if record is not None else "full weights"
+            raise ValueError(f"checkpoint {self.directory} step {step} holds {have}, the restore target "
+                             f"{'does not' if record is not None else 'does'} have LoRA adapters")
+        got = fingerprint(base)
+        bad = sorted(p for p in record if got.get(p) != list(record[p]))
+        if bad:
+            raise ValueError(f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
+                             f"weights than the target's ({_paths([(p,) for p in bad], limit=5)} differ)")
 
     def _check_compatible(self, meta, abstract: PyTree, where: str) -> None:
         stored = ocp.tree.to_flat_dict(getattr(meta, "tree", meta))

@@ -15,30 +15,33 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import equinox as eqx
 import jax
-import optax
 from jaxtyping import Array, Float
 
+from relax.models.adapters import split_trainable
 from relax.models.prefix_shared import completion_logprobs
 from relax.rollout.sampler import Rollout, RolloutConfig, compiled_generate
-from relax.train.state import TrainState
+from relax.train.state import TrainState, apply_updates
 
 LossFn = Callable[[Any, Any], "tuple[Array, Mapping[str, Array]]"]
 
 
 def forward_backward(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[Any, dict[str, Array]]:
     """``(grads, metrics)``: the gradient of ``loss_fn(state.policy, batch)`` with respect to the
-    policy (same pytree as the policy), and its metrics with ``loss`` added."""
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.policy, batch)
+    policy's trainable leaves (the policy's pytree, None at frozen leaves: a LoRA policy's base),
+    and its metrics with ``loss`` added."""
+    trained, frozen = split_trainable(state.policy)
+    loss_of = lambda t: loss_fn(eqx.combine(t, frozen), batch)  # noqa: E731
+    (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trained)
     return grads, {**metrics, "loss": loss}
 
 
 def optim_step(state: TrainState, grads: Any) -> TrainState:
     """One step of the state's optimizer (clipping and the non-finite guard included when it has
     them, see ``relax.train.optimizer``); ``state.step`` counts it."""
-    updates, opt_state = state.optimizer.update(grads, state.opt_state, state.policy)
-    return state.replace(policy=optax.apply_updates(state.policy, updates), opt_state=opt_state,
-                         step=state.step + 1)
+    updates, opt_state = state.optimizer.update(grads, state.opt_state, split_trainable(state.policy)[0])
+    return state.replace(policy=apply_updates(state.policy, updates), opt_state=opt_state, step=state.step + 1)
 
 
 def sample(state: TrainState, prompt_ids, prompt_mask, cfg: RolloutConfig, key: jax.Array | None = None) -> Rollout:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 
 from relax.compose import SegmentRunner
+from relax.models.adapters import split_trainable
 from relax.train.checkpoint import Checkpointer
 from relax.train.health import HealthConfig, HealthMonitor, leaf_names
 from relax.train.logs import MetricsLogger, ProgressBar, write_summary
@@ -190,7 +191,7 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
                     write_summary(run_dir, summary)
                 else:
                     log("no 'before' evaluation was recorded for this run; summary.json will have none")
-            monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(state.policy),
+            monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(split_trainable(state.policy)[0]),
                                     vocab_size=state.policy.config.vocab_size, warn=log)
             state = _train(cfg, trainer, state, start, ckpt, logger, monitor)
             summary["after"] = trainer.evaluate(state, cfg.steps, logger)

@@ -4,12 +4,16 @@ Every trainer's state has a ``policy`` (what samples, is evaluated and exported)
 state, the number of completed iterations and the PRNG key. The other parts are there only
 when the algorithm uses them (None is an empty pytree: nothing is stored or checkpointed):
 
-- ``ref``: the KL reference model (GRPO with ``beta > 0``, PPO with ``kl_coef > 0``);
+- ``ref``: the KL reference model (GRPO with ``beta > 0``, PPO with ``kl_coef > 0``). A policy
+  with LoRA adapters has none: its reference is its base, the policy with the adapters off
+  (``ref_is_base``; ``reference_model`` gives either);
 - ``ref_stats``: running statistics the ProRL reference resets read;
 - ``critic`` and ``critic_opt_state``: PPO's value model (a ``Critic`` with its own backbone, or a
   ``ValueHead`` on the policy's backbone) and its optimizer state.
 
-The optimizers are static fields (``optimizer``, ``critic_optimizer``): ``optim_step`` needs no
+An optimizer sees only the trainable leaves (``relax.models.adapters.trainable``: the adapters
+of a LoRA policy, every weight otherwise), so a LoRA policy's optimizer state holds adapter
+moments only. The optimizers are static fields (``optimizer``, ``critic_optimizer``): ``optim_step`` needs no
 other argument, and jit specialises on them like on any static configuration.
 """
 
@@ -21,9 +25,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
-from relax.objectives.reference import RunningStats
+from relax.models.adapters import adapters_zero, has_lora, lora_off, split_trainable
+from relax.objectives.reference import RunningStats, params_equal
 
 
 class TrainState(eqx.Module):
@@ -37,6 +42,7 @@ class TrainState(eqx.Module):
     critic: eqx.Module | None = None
     critic_opt_state: optax.OptState | None = None
     critic_optimizer: optax.GradientTransformation | None = eqx.field(static=True, default=None)
+    ref_is_base: bool = eqx.field(static=True, default=False)
 
     def replace(self, **changes) -> "TrainState":
         return dataclasses.replace(self, **changes)
@@ -45,12 +51,32 @@ class TrainState(eqx.Module):
 def init_state(policy: eqx.Module, optimizer: optax.GradientTransformation, *, key: Array,
                with_reference: bool = False, with_ref_stats: bool = False, critic: eqx.Module | None = None,
                critic_optimizer: optax.GradientTransformation | None = None) -> TrainState:
-    """A fresh state; the reference starts as a copy of the policy when one is needed."""
+    """A fresh state; when a reference is needed it starts as a copy of the policy, or for a
+    policy with LoRA adapters is the policy's own base (no copy, ``ref_is_base``)."""
     if (critic is None) != (critic_optimizer is None):
         raise ValueError("a critic needs a critic_optimizer and the other way round")
+    base_ref = with_reference and has_lora(policy)
     return TrainState(
-        policy=policy, opt_state=optimizer.init(policy), step=jnp.int32(0), key=key, optimizer=optimizer,
-        ref=jax.tree.map(jnp.copy, policy) if with_reference else None,
-        ref_stats=RunningStats.zeros() if with_ref_stats else None,
-        critic=critic, critic_opt_state=None if critic is None else critic_optimizer.init(critic),
-        critic_optimizer=critic_optimizer)
+        policy=policy, opt_state=optimizer.init(split_trainable(policy)[0]), step=jnp.int32(0), key=key,
+        optimizer=optimizer, ref=jax.tree.map(jnp.copy, policy) if with_reference and not base_ref else None,
+        ref_stats=RunningStats.zeros() if with_ref_stats else None, critic=critic,
+        critic_opt_state=None if critic is None else critic_optimizer.init(split_trainable(critic)[0]),
+        critic_optimizer=critic_optimizer, ref_is_base=base_ref)
+
+
+def reference_model(state: TrainState) -> eqx.Module | None:
+    """The reference model: ``state.ref``, or the policy with its adapters off (``ref_is_base``)."""
+    return lora_off(state.policy) if state.ref is None and state.ref_is_base else state.ref
+
+
+def reference_is_policy(state: TrainState, *, smallest_first: bool = False) -> Bool[Array, ""]:
+    """Whether the policy is bitwise its reference: equal parameters, or adapters all at ``B = 0``."""
+    if state.ref is None and state.ref_is_base:
+        return adapters_zero(state.policy)
+    return params_equal(state.ref, state.policy, smallest_first=smallest_first)
+
+
+def apply_updates(params, updates):
+    """``params`` with optimizer ``updates`` of their trainable part applied (the rest as is)."""
+    trained, frozen = split_trainable(params)
+    return eqx.combine(optax.apply_updates(trained, updates), frozen)

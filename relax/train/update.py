@@ -27,6 +27,10 @@ first iteration of a static reference, or right after a reset), a loss takes the
 log-probs to be its own under a stop-gradient, so the KL term and its gradient are exactly 0
 whatever the pass layout; the flag is carried through the steps and cleared by the first step
 that changes a weight (``relax.objectives.reference.params_equal``).
+
+Only the trainable leaves are differentiated and updated (``relax.models.adapters.trainable``):
+with LoRA the adapters, the base weights being constants of the loss. When an adapter has
+dropout, each micro-batch's forward gets its own dropout key.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool
 
 from relax import metrics as M
+from relax.models.adapters import split_trainable, uses_dropout, with_dropout_key
 from relax.objectives.reference import params_equal
 from relax.passes import Passes
 from relax.train.health import first_nonfinite_leaf
@@ -89,28 +95,37 @@ def make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epo
     """
     if epochs < 1 or minibatches < 1:
         raise ValueError(f"epochs={epochs} and minibatches={minibatches} must be >= 1")
-    grad_fn = jax.value_and_grad(lambda params, mb, ctx: _declared(loss_fn(params, mb, ctx)), has_aux=True)
+    def loss_of_trained(trained, frozen, mb, ctx, key):
+        params = eqx.combine(trained, frozen)
+        params = params if key is None else with_dropout_key(params, key)
+        return _declared(loss_fn(params, mb, ctx))
+
+    grad_fn = jax.value_and_grad(loss_of_trained, has_aux=True)
 
     def update(params, opt_state, batch, key, ref_is_policy=False):
         rows = jax.tree.leaves(batch)[0].shape[0]
         a, m = micro_batch_split(rows, minibatches, grad_accum, passes), minibatches
         norms = {k: v / m for k, v in normalizers(batch).items()}
+        dropout = uses_dropout(params)
+        trained, frozen = split_trainable(params)
 
-        def step(carry, mb):
-            params, opt_state, same = carry
+        def step(carry, xs):
+            trained, opt_state, same = carry
+            mb, keys = xs
             ctx = LossContext(norms, same)
 
-            def micro(acc, micro_batch):
-                (loss, metrics), grads = grad_fn(params, micro_batch, ctx)
+            def micro(acc, xs):
+                micro_batch, k = xs
+                (loss, metrics), grads = grad_fn(trained, frozen, micro_batch, ctx, k)
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics, _weight(micro_batch))
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, (losses, metrics, weights) = jax.lax.scan(micro, zeros, mb)
+            zeros = jax.tree.map(jnp.zeros_like, trained)
+            grads, (losses, metrics, weights) = jax.lax.scan(micro, zeros, (mb, keys))
             skipped_before = skip_counts(opt_state)[1]
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
+            updates, opt_state = optimizer.update(grads, opt_state, trained)
+            new_trained = optax.apply_updates(trained, updates)
             if track_reference:  # still the reference only if no weight changed (lr 0, a skipped step)
-                same = jax.lax.cond(same, lambda: params_equal(new_params, params,
+                same = jax.lax.cond(same, lambda: params_equal(new_trained, trained,
                                                                smallest_first=passes.cache_sized),
                                     lambda: jnp.bool_(False))
             skipped = skip_counts(opt_state)[1] > skipped_before
@@ -118,16 +133,17 @@ def make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epo
                        "grad_norm": M.Metric(optax.tree.norm(grads), "mean"),
                        "first_nonfinite_grad": M.Metric(jax.lax.cond(
                            skipped, lambda: first_nonfinite_leaf(grads), lambda: -1), "first_found")}
-            return (new_params, opt_state, same), metrics
+            return (new_trained, opt_state, same), metrics
 
         def epoch(carry, epoch_key):
             perm = jax.random.permutation(epoch_key, rows)
             split = lambda x: x[perm].reshape((m, a, rows // (m * a)) + x.shape[1:])  # noqa: E731
-            return jax.lax.scan(step, carry, jax.tree.map(split, batch))
+            keys = jax.random.split(jax.random.fold_in(epoch_key, 1), (m, a)) if dropout else None
+            return jax.lax.scan(step, carry, (jax.tree.map(split, batch), keys))
 
-        carry = (params, opt_state, jnp.asarray(ref_is_policy, bool))
-        (params, opt_state, _), metrics = jax.lax.scan(epoch, carry, jax.random.split(key, epochs))
-        return params, opt_state, M.values(M.reduce_steps(metrics))
+        carry = (trained, opt_state, jnp.asarray(ref_is_policy, bool))
+        (trained, opt_state, _), metrics = jax.lax.scan(epoch, carry, jax.random.split(key, epochs))
+        return eqx.combine(trained, frozen), opt_state, M.values(M.reduce_steps(metrics))
 
     return update
 

@@ -32,11 +32,10 @@ from relax.compose import Stage, compose, stage
 from relax.data.files import Record
 from relax.data.pairs import Pair, collate_pairs, encode_pairs
 from relax.models.prefix_shared import completion_rope
-from relax.objectives.reference import params_equal
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
 from relax.train.health import QUANTITIES, first_nonfinite, step_health
-from relax.train.state import TrainState, init_state
+from relax.train.state import TrainState, init_state, reference_is_policy, reference_model
 from relax.train.update import LossContext, make_update
 
 from relax.algorithms.dpo.config import DPOConfig
@@ -121,13 +120,14 @@ def make_reference(cfg: DPOConfig, passes: Passes, forward: Forward) -> Stage:
                 raise KeyError(f"precompute_reference=True but the batch has no {', '.join(missing)}: attach the "
                                "cached reference log-probs (relax.algorithms.dpo.reference_cache)")
             return state, {**batch, "ref_is_policy": jnp.bool_(False)}
-        if state.ref is None:
+        ref_model = reference_model(state)
+        if ref_model is None:
             raise ValueError(f"loss_type={cfg.loss_type!r} needs a reference model, and state.ref is None "
                              "(init_state(..., with_reference=cfg.needs_reference), or precompute_reference)")
-        same = params_equal(state.ref, state.policy, smallest_first=passes.cache_sized)
+        same = reference_is_policy(state, smallest_first=passes.cache_sized)
         p = batch["prompt_ids"].shape[0]
         ref = jax.lax.cond(same, lambda: jnp.zeros((p, 2), jnp.float32),
-                           lambda: reference_logps(state.ref, batch, forward).astype(jnp.float32))
+                           lambda: reference_logps(ref_model, batch, forward).astype(jnp.float32))
         return state, {**batch, REF_KEYS[0]: ref[:, 0], REF_KEYS[1]: ref[:, 1], "ref_is_policy": same}
 
     return stage(reference, name="reference", updates_state=False, reads_reference=cfg.needs_reference)

@@ -13,7 +13,7 @@ from relax.train.state import init_state
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
 from relax.algorithms.grpo.step import make_grpo_step
-from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, run_online
+from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,7 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     g = cfg.grpo
 
     def make_state(model, key):
+        check_lora_reference(model, g.reference, g.needs_reference)
         return init_state(model, g.optimizer.make(), key=key, with_reference=g.needs_reference,
                           with_ref_stats=g.needs_reference and g.reference.needs_stats)
 

@@ -33,10 +33,9 @@ from relax.data.files import Record
 from relax.data.pairs import Unpaired, collate_unpaired, encode_unpaired
 from relax.models.prefix_shared import completion_rope
 from relax.objectives.preference import kto_reference_point
-from relax.objectives.reference import params_equal
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
-from relax.train.state import TrainState
+from relax.train.state import TrainState, reference_is_policy, reference_model
 from relax.train.update import LossContext, make_update
 
 from relax.algorithms.dpo.loss import Forward, sequence_logps, shared_forward
@@ -96,14 +95,15 @@ def make_reference(cfg: KTOConfig, passes: Passes, forward: Forward) -> Stage:
                 raise KeyError(f"precompute_reference=True but the batch has no {', '.join(missing)}: attach the "
                                "cached reference log-probs (relax.algorithms.kto.reference_cache)")
             return state, {**batch, "ref_is_policy": jnp.bool_(False)}
-        if state.ref is None:
+        ref_model = reference_model(state)
+        if ref_model is None:
             raise ValueError("KTO needs a reference model, and state.ref is None "
                              "(init_state(..., with_reference=cfg.needs_reference), or precompute_reference)")
-        same = params_equal(state.ref, state.policy, smallest_first=passes.cache_sized)
+        same = reference_is_policy(state, smallest_first=passes.cache_sized)
         p = batch["prompt_ids"].shape[0]
 
         def recompute():
-            return jax.lax.stop_gradient(sequence_logps(forward(state.ref, batch, False), batch["mask"])[0])
+            return jax.lax.stop_gradient(sequence_logps(forward(ref_model, batch, False), batch["mask"])[0])
 
         ref = jax.lax.cond(same, lambda: jnp.zeros((p, 2), jnp.float32), lambda: recompute().astype(jnp.float32))
         return state, {**batch, REF_KEYS[0]: ref[:, 0], REF_KEYS[1]: ref[:, 1], "ref_is_policy": same}

@@ -10,7 +10,7 @@ from relax.models.config import DTYPES
 from relax.models.critic import init_critic, init_value_head, load_critic
 from relax.train.state import init_state
 
-from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, run_online
+from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 
@@ -46,6 +46,7 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     p = cfg.ppo
 
     def make_state(model, key):
+        check_lora_reference(model, p.reference, p.needs_reference)
         critic = None
         if p.shared_critic:
             critic = init_value_head(model.config)

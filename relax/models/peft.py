@@ -1,0 +1,129 @@
+"""LoRA adapters in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+    save_adapter(policy, "out/adapter", base_model_name_or_path="Qwen/Qwen3-0.6B")
+    policy = load_adapter(base, "out/adapter")      # base + the adapters, ready to train or sample
+
+Tensor names are the ones ``peft`` writes for a causal LM (the adapter name dropped):
+``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and
+``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[i].T`` and ``b[i].T``. The config holds what
+``peft.LoraConfig`` reads (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
+``use_rslora``, ``init_lora_weights``, ``bias``...). Adapters with features relax does not
+run (DoRA, per-module rank or alpha patterns, extra trained modules, biases, a subset of layers)
+are refused with an ``HFFormatError`` naming the file and field, never half-loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from relax.models.adapters import with_adapters
+from relax.models.hf import _SafetensorsFile, _read_json, _write_json, _write_safetensors
+from relax.models.hf_config import HFFormatError
+from relax.models.lora import TARGETS, Adapters, LoRAConfig, LoRAWeights
+from relax.models.transformer import Transformer
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+           "down_proj": "mlp.down_proj"}
+_FIELD_MODULE = {f: m for m, f in TARGETS.items()}
+_UNSUPPORTED = {"use_dora": (False, None), "modules_to_save": (None, []), "layers_to_transform": (None, []),
+                "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "bias": ("none", None),
+                "fan_in_fan_out": (False, None), "layer_replication": (None, [])}
+
+
+def _name(i: int, module: str, factor: str) -> str:
+    return f"base_model.model.model.layers.{i}.{_MODULE[module]}.lora_{factor}.weight"
+
+
+def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                 lora_dropout: float | None = None) -> Path:
+    """Write the model's adapters to ``path`` in PEFT's format (``peft.PeftModel.from_pretrained``
+    loads them onto the base). ``lora_dropout``: recorded in the config (default: the adapters')."""
+    ad = model.layers.lora
+    if ad is None:
+        raise ValueError("the model has no LoRA adapters to save")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    weights = ad.weights()
+    tensors = []
+    for field, w in weights.items():
+        module = _FIELD_MODULE[field]
+        for i in range(model.config.num_layers):
+            for factor, arr in (("A", w.a), ("B", w.b)):
+                make = lambda arr=arr, i=i: np.asarray(arr[i]).T  # noqa: E731
+                shape = tuple(arr.shape[1:][::-1])
+                tensors.append((_name(i, module, factor), shape, np.dtype(arr.dtype), make))
+    _write_safetensors(root / WEIGHTS, tensors)
+    _write_json(root / CONFIG, {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": ad.alpha,
+        "lora_dropout": ad.dropout if lora_dropout is None else lora_dropout,
+        "target_modules": sorted(_FIELD_MODULE[f] for f in weights), "bias": "none",
+        "use_rslora": ad.use_rslora, "use_dora": False, "fan_in_fan_out": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+        "base_model_name_or_path": base_model_name_or_path, "revision": None})
+    return root
+
+
+def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
+    """The ``LoRAConfig`` of a PEFT adapter directory (checked: relax runs everything it says)."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise HFFormatError(f"{file}: no such file (a PEFT adapter directory has {CONFIG} and {WEIGHTS})")
+    c = _read_json(file)
+    if c.get("peft_type", "LORA") != "LORA":
+        raise HFFormatError(f"{file}: peft_type {c['peft_type']!r} is not LORA")
+    for field, allowed in _UNSUPPORTED.items():
+        if field in c and c[field] not in allowed:
+            raise HFFormatError(f"{file}: {field}={c[field]!r} is not supported (relax runs plain LoRA)")
+    for field in ("r", "lora_alpha", "target_modules"):
+        if field not in c:
+            raise HFFormatError(f"{file}: field {field!r} is missing")
+    targets = c["target_modules"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    try:
+        return LoRAConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
+                          target_modules=tuple(targets), use_rslora=bool(c.get("use_rslora", False)))
+    except ValueError as e:
+        raise HFFormatError(f"{file}: {e}") from None
+
+
+def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> Transformer:
+    """``base`` with the PEFT adapter at ``path`` (``dtype``: the adapters' dtype; default as stored)."""
+    cfg = read_adapter_config(path)
+    file = Path(path) / WEIGHTS
+    if not file.is_file():
+        raise HFFormatError(f"{file}: no such file")
+    st = _SafetensorsFile(file)
+    names = {n.replace(".default.weight", ".weight"): n for n in st.entries}
+    shapes, L = base.config.layer_shapes(), base.config.num_layers
+    weights, used = {}, set()
+    for field in cfg.fields():
+        module, (fan_in, fan_out) = _FIELD_MODULE[field], shapes[field]
+        stacks = {}
+        for factor, want in (("A", (cfg.rank, fan_in)), ("B", (fan_out, cfg.rank))):
+            layers = []
+            for i in range(L):
+                name = _name(i, module, factor)
+                if name not in names:
+                    raise HFFormatError(f"{file}: tensor {name!r} is missing")
+                arr = st.read(names[name])
+                if arr.shape != want:
+                    raise HFFormatError(f"{file}: tensor {name!r} has shape {list(arr.shape)}, "
+                                        f"the base model needs {list(want)}")
+                layers.append(np.array(arr.T))
+                used.add(names[name])
+            stacks[factor] = np.stack(layers)
+        cast = (lambda x: jnp.asarray(x)) if dtype is None else (lambda x: jnp.asarray(x, dtype))
+        weights[field] = LoRAWeights(cast(stacks["A"]), cast(stacks["B"]))
+    extra = sorted(set(st.entries) - used)
+    if extra:
+        raise HFFormatError(f"{file}: tensors for modules relax does not adapt: {extra[:5]}")
+    ad = Adapters(**weights, alpha=cfg.alpha, use_rslora=cfg.use_rslora, dropout=cfg.dropout)
+    return with_adapters(base, ad)
