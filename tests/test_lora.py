@@ -290,3 +290,26 @@ def test_k_adapters_in_one_program_equal_k_separate_runs(base):
         chex.assert_trees_all_close(adapter(stacked, k).layers.lora, m.layers.lora, atol=1e-6, rtol=1e-5)
         np.testing.assert_allclose(float(metrics["loss"][k]), float(met["loss"]), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(stacked.layers.wq), np.asarray(base.layers.wq))
+
+
+def test_float32_adapters_over_a_bfloat16_base_keep_small_updates(base):
+    from relax.models.transformer import cast
+    low = cast(base, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    f32 = add_lora(low, LoRAConfig(rank=2), jax.random.key(0))
+    same = add_lora(low, LoRAConfig(rank=2, dtype="base"), jax.random.key(0))
+    assert f32.layers.lora.wq.a.dtype == jnp.float32 and same.layers.lora.wq.a.dtype == jnp.bfloat16
+    assert f32(IDS).dtype == jnp.float32  # logits accumulate in float32 either way
+
+    def step(model):
+        state = init_state(model, OptimizerConfig(learning_rate=1e-5).make(), key=jax.random.key(0))
+        for _ in range(2):
+            grads, _ = forward_backward(state, IDS, lambda m, b: (jnp.mean(m(b)[..., 1]), {}))
+            state = optim_step(state, grads)
+        return state.policy.layers.lora.wq
+
+    # step 1 moves only B (A's gradient is 0 while B = 0); step 2 moves A by ~2e-5, under half a
+    # bfloat16 ulp for entries above 2^-7 (A is U(-0.18, 0.18)): lost in bfloat16, kept in float32
+    w32, w16 = step(f32), step(same)
+    moved = lambda w, a0: float(jnp.mean(w.a != a0))  # noqa: E731
+    assert moved(w32, f32.layers.lora.wq.a) > 0.9
+    assert moved(w16, same.layers.lora.wq.a) < 0.2
