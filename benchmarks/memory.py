@@ -49,6 +49,7 @@ from relax.models.lora import LoRAConfig  # noqa: E402
 from relax.train import many  # noqa: E402
 from relax.train.update import make_update  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
+from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
@@ -119,6 +120,25 @@ def _bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
 
 
+def _xla_mb(jitted, *args) -> dict:
+    """XLA's buffer assignment for ``jitted(*args)``: arguments, outputs and temporaries (MB),
+    deterministic where the RSS high-water mark is noisy."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    mb = lambda b: int(b) / 2 ** 20  # noqa: E731
+    return {"xla_args_mb": mb(m.argument_size_in_bytes), "xla_out_mb": mb(m.output_size_in_bytes),
+            "xla_temp_mb": mb(m.temp_size_in_bytes),
+            "xla_total_mb": mb(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                               - m.alias_size_in_bytes)}
+
+
+def _grpo_update_xla(cfg, opt, model, batch: dict, passes) -> dict:
+    """``_xla_mb`` of the GRPO update alone (``make_grpo_update``) on the synthetic rollout."""
+    data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask", "old_logprobs")}
+    data.update(loss_mask=batch["mask"], ref_logprobs=batch["old_logprobs"], advantages=batch["rewards"])
+    update = jax.jit(make_grpo_update(cfg, opt, passes))
+    return _xla_mb(update, model, opt.init(split_trainable(model)[0]), data, jax.random.key(0))
+
+
 def _peak(fn) -> tuple[float, int | None, str]:
     """``(seconds, peak bytes, how)`` of one call of ``fn`` after a compiling call."""
     jax.block_until_ready(fn())
@@ -155,17 +175,18 @@ def many_child(args: Args, case: str) -> dict:
         states = many.init_many(opt, stacked, [1.0] * k)
         step = jax.jit(many.vmap_over_adapters(update, stacked))
         fn = lambda: step(stacked, states, batch, keys)  # noqa: E731
-        opt_bytes = _bytes(states)
+        opt_bytes, xla = _bytes(states), _xla_mb(step, stacked, states, batch, keys)
     else:
         step = jax.jit(update)
         states = [opt.init(split_trainable(m)[0]) for m in models]
         fn = lambda: [step(m, s, batch, key) for m, s, key in zip(models, states, keys)]  # noqa: E731
-        opt_bytes = _bytes(states)
+        opt_bytes, xla = _bytes(states), _xla_mb(step, models[0], states[0], batch, keys[0])
+        xla["xla_note"] = "one of the K calls (they run one at a time)"
     run_s, peak, how = _peak(fn)
     return {"bench": "memory", "case": case, "phase": "update", "K": k, "rank": args.lora_rank,
             "peak_mem_mb": peak / 2 ** 20 if peak else None, "peak_mem_how": how, "run_s": run_s,
             "opt_state_mb": opt_bytes / 2 ** 20, "params_m": mcfg.num_params() / 1e6,
-            "rows": args.prompts, "T": t}
+            "rows": args.prompts, "T": t, **xla}
 
 
 def child(args: Args, case: str, phase: str) -> dict:
@@ -196,6 +217,7 @@ def child(args: Args, case: str, phase: str) -> dict:
     else:
         seg = segs["reference+advantage+update"]
         batch = _synthetic_rollout(args, mcfg.vocab_size, ids, mask)
+        xla = _grpo_update_xla(cfg, opt, model, batch, passes)
     t0 = time.perf_counter()
     state, _ = jax.block_until_ready(seg.run(state, dict(batch)))  # compiles
     first_s = time.perf_counter() - t0
@@ -215,7 +237,7 @@ def child(args: Args, case: str, phase: str) -> dict:
     return {"bench": "memory", "case": case, "phase": phase, "peak_mem_mb": peak / 2 ** 20 if peak else None,
             "peak_mem_how": how, "state_device_mb": dev_bytes / 2 ** 20, "state_host_mb": host_bytes / 2 ** 20,
             "run_s": run_s, "first_call_s": first_s, "params_m": mcfg.num_params() / 1e6,
-            "opt_state_mb": _bytes(state.opt_state) / 2 ** 20,
+            "opt_state_mb": _bytes(state.opt_state) / 2 ** 20, **(xla if phase == "update" else {}),
             "P": args.prompts, "G": args.generations, "Lp": args.prompt_len, "N": args.new_tokens,
             "offloaded": bool(step.offload), "note": note}
 
@@ -225,7 +247,7 @@ def main(args: Args) -> None:
         case, phase = args.child.split(":")
         harness.emit(child(args, case, phase))
         return
-    table = ["case", "phase", "peak_mem_mb", "state_device_mb", "opt_state_mb", "run_s"]
+    table = ["case", "phase", "peak_mem_mb", "xla_temp_mb", "xla_total_mb", "state_device_mb", "opt_state_mb", "run_s"]
     argv = [a for a in sys.argv[1:] if not a.startswith("--child")]
     for case in filter(None, args.cases.split(",")):
         if case not in CASES:

@@ -16,8 +16,8 @@ Modes:
            quadratic, so it runs ``--nocache-tokens`` new tokens and the time is scaled to N
            by the ratio of executed weight-matmul FLOPs (``extrapolated_from_new_tokens``).
   lora     prefix, on a policy with rank ``--lora-rank`` adapters on every linear layer, run
-           beside the fused weights (the default)
-  lora_merged  the same, ``RolloutConfig(merge_adapters=True)``: ``W + s A B`` folded into the
+           beside the fused weights (``RolloutConfig(merge_adapters=False)``)
+  lora_merged  the same with ``merge_adapters=True`` (the default): ``W + s A B`` folded into the
            per-rollout fused weights (FLOPs for both count the base weights only)
 
 Each (case, mode) runs in its own subprocess so its peak memory is its own.

@@ -64,9 +64,10 @@ class RolloutConfig:
     max_segments: int = 16
     """At most this many cache blocks (one compiled decode loop each, the s-th reading s blocks, so
     the program grows with their square): a long budget gets blocks of ``ceil(N / max_segments)``."""
-    merge_adapters: bool = False
-    """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights instead of
-    running the adapters beside them (``relax.models.layer.fuse_layers``; RESULTS.md compares)."""
+    merge_adapters: bool = True
+    """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights (a copy made
+    anyway, so no extra memory), not the adapters run beside them: fewer, wider matmuls
+    (``relax.models.layer.fuse_layers``; RESULTS.md compares the two)."""
 
     def __post_init__(self):
         if self.num_generations < 1:
