@@ -95,6 +95,7 @@ def make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epo
     """
     if epochs < 1 or minibatches < 1:
         raise ValueError(f"epochs={epochs} and minibatches={minibatches} must be >= 1")
+
     def loss_of_trained(trained, frozen, mb, ctx, key):
         params = eqx.combine(trained, frozen)
         params = params if key is None else with_dropout_key(params, key)
