@@ -15,6 +15,7 @@ import numpy as np
 
 from relax.data.pairs import right_pad
 from relax.masked import masked_mean
+from relax.models.adapters import lora_off
 from relax.models.distill import divergence_from_hidden
 from relax.models.prefix_shared import completion_hidden
 from relax.models.transformer import init
@@ -24,6 +25,7 @@ from relax.text.sentencepiece_model import pad_left
 from relax.algorithms.distill.config import DistillConfig
 from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
 from relax.algorithms.offline import OfflineAlgorithm, PairRunConfig, run_offline
+from relax.algorithms.online import with_lora
 from relax.algorithms.sft.step import SFTConfig, sft_examples
 
 
@@ -70,7 +72,8 @@ def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
             width = cfg.builtin_student_hidden_size
             student = init(dataclasses.replace(model.config, hidden_size=width, intermediate_size=2 * width,
                                                head_dim=width // model.config.num_heads), k_init, std=0.05)
-            return init_distill_state(student, model, d.optimizer.make(), key=key)
+            # --lora applies to the student; the teacher is the base model as loaded
+            return init_distill_state(with_lora(cfg, student), lora_off(model), d.optimizer.make(), key=key)
         return init_distill_state(model, load_teacher(cfg.teacher, model), d.optimizer.make(), key=key)
 
     def encode(records, tokenizer):
