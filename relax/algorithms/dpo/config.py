@@ -19,7 +19,32 @@ REFERENCE_FREE = ("simpo", "orpo")
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig:
+class PreferenceTrainConfig:
+    """What the DPO family and KTO train with alike (each subclass documents the fields): the
+    batch's ``Lp`` / ``N`` (``max_prompt_tokens`` / ``max_completion_tokens``), ``truncate_prompt``,
+    ``grad_accum``, ``remat`` / ``remat_policy``, ``train_attention``, ``precompute_reference``
+    and the optimizer."""
+
+    max_prompt_tokens: int = 512
+    max_completion_tokens: int = 512
+    truncate_prompt: bool = False
+    grad_accum: int | None = None
+    remat: bool = False
+    remat_policy: str = "nothing"
+    train_attention: str = "auto"
+    precompute_reference: bool = False
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+    def __post_init__(self):
+        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
+        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        for name in ("max_prompt_tokens", "max_completion_tokens", "grad_accum"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(PreferenceTrainConfig):
     """One pairwise preference algorithm (every field is read by ``relax.algorithms.dpo``).
 
     Loss (``loss_type``; formulas in ``relax.algorithms.dpo.loss``): ``sigmoid`` (DPO), ``ipo``,
@@ -44,20 +69,10 @@ class DPOConfig:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     orpo_lambda: float = 0.1
-    max_prompt_tokens: int = 512
-    max_completion_tokens: int = 512
-    truncate_prompt: bool = False
-    grad_accum: int | None = None
-    remat: bool = False
-    remat_policy: str = "nothing"
-    train_attention: str = "auto"
-    precompute_reference: bool = False
-    optimizer: OptimizerConfig = OptimizerConfig()
 
     def __post_init__(self):
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
-        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        super().__post_init__()
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         e, kind = self.label_smoothing, self.loss_type
@@ -69,9 +84,6 @@ class DPOConfig:
             raise ValueError(f"label_smoothing is not used by loss_type={kind!r}; got {e}")
         if self.orpo_lambda < 0:
             raise ValueError(f"orpo_lambda must be >= 0, got {self.orpo_lambda}")
-        for name in ("max_prompt_tokens", "max_completion_tokens", "grad_accum"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.precompute_reference and kind in REFERENCE_FREE:
             raise ValueError(f"precompute_reference=True but loss_type={kind!r} uses no reference model")
 

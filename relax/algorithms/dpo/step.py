@@ -110,27 +110,39 @@ def reference_logps(model, batch, forward: Forward) -> jax.Array:
 
 def make_reference(cfg: DPOConfig, passes: Passes, forward: Forward) -> Stage:
     """The reference stage (module docstring)."""
+    return make_pair_reference(passes, forward, REF_KEYS, enabled=cfg.uses_reference,
+                               precompute=cfg.precompute_reference, reads_reference=cfg.needs_reference,
+                               what=f"loss_type={cfg.loss_type!r}", cache="relax.algorithms.dpo.reference_cache")
+
+
+def make_pair_reference(passes: Passes, forward: Forward, ref_keys: tuple[str, str], *, enabled: bool,
+                        precompute: bool, reads_reference: bool, what: str, cache: str) -> Stage:
+    """The reference log-probs of a batch's two completions per row (DPO: chosen / rejected; KTO:
+    the completion / its KL completion) as ``ref_keys`` ``[P]`` each, and ``ref_is_policy``: read
+    from the batch when ``precompute`` (attached by ``cache``), else one forward of the reference
+    model, skipped (0 placeholders) while it is bitwise the policy. ``enabled=False``: the batch
+    passes through (a reference-free loss)."""
 
     def reference(state: TrainState, batch):
-        if not cfg.uses_reference:
+        if not enabled:
             return state, batch
-        if cfg.precompute_reference:
-            missing = [k for k in REF_KEYS if k not in batch]
+        if precompute:
+            missing = [k for k in ref_keys if k not in batch]
             if missing:
                 raise KeyError(f"precompute_reference=True but the batch has no {', '.join(missing)}: attach the "
-                               "cached reference log-probs (relax.algorithms.dpo.reference_cache)")
+                               f"cached reference log-probs ({cache})")
             return state, {**batch, "ref_is_policy": jnp.bool_(False)}
         ref_model = reference_model(state)
         if ref_model is None:
-            raise ValueError(f"loss_type={cfg.loss_type!r} needs a reference model, and state.ref is None "
+            raise ValueError(f"{what} needs a reference model, and state.ref is None "
                              "(init_state(..., with_reference=cfg.needs_reference), or precompute_reference)")
         same = reference_is_policy(state, smallest_first=passes.cache_sized)
         p = batch["prompt_ids"].shape[0]
         ref = jax.lax.cond(same, lambda: jnp.zeros((p, 2), jnp.float32),
                            lambda: reference_logps(ref_model, batch, forward).astype(jnp.float32))
-        return state, {**batch, REF_KEYS[0]: ref[:, 0], REF_KEYS[1]: ref[:, 1], "ref_is_policy": same}
+        return state, {**batch, ref_keys[0]: ref[:, 0], ref_keys[1]: ref[:, 1], "ref_is_policy": same}
 
-    return stage(reference, name="reference", updates_state=False, reads_reference=cfg.needs_reference)
+    return stage(reference, name="reference", updates_state=False, reads_reference=reads_reference)
 
 
 def nonfinite_quantity(data, ref_is_policy, loss, ref_keys: Sequence[str]) -> jax.Array:
@@ -144,8 +156,14 @@ def nonfinite_quantity(data, ref_is_policy, loss, ref_keys: Sequence[str]) -> ja
     return jnp.where(ref_bad, QUANTITIES.index("ref_logprobs"), first_nonfinite({}, loss)).astype(jnp.int32)
 
 
-def finish_update(state: TrainState, batch, policy, opt_state, key, metrics, first_bad) -> tuple[TrainState, dict]:
-    """``step + 1``, the new key, and the batch's ``metrics`` / ``health`` (as GRPO's update)."""
+def run_update(state: TrainState, batch, update_fn, data, *, checked, ref_keys: Sequence[str]) -> tuple[TrainState, dict]:
+    """One ``update_fn`` on ``data`` (``relax.train.update``), then ``step + 1``, the new key and the
+    batch's ``metrics`` / ``health`` (as GRPO's update); ``checked``: where the health check reads
+    the reference log-probs ``ref_keys`` and ``loss_mask``."""
+    ref_is_policy = batch.get("ref_is_policy", False)
+    key, sub = jax.random.split(state.key)
+    policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub, ref_is_policy)
+    first_bad = nonfinite_quantity(checked, ref_is_policy, metrics["loss"], ref_keys)
     metrics, health = step_health(metrics, opt_state, first_bad)
     new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
     return new, {**batch, "metrics": metrics, "health": health}
@@ -163,11 +181,7 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
         data = {k: batch[k] for k in BATCH_KEYS + ref_keys}
         _, g, n = data["tokens"].shape  # rotary tables once, outside the micro-batch loop (completion_rope)
         data["rope"] = completion_rope(state.policy.config, data["prompt_mask"], g, n)
-        ref_is_policy = batch.get("ref_is_policy", False)
-        key, sub = jax.random.split(state.key)
-        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub, ref_is_policy)
-        bad = nonfinite_quantity(data, ref_is_policy, metrics["loss"], ref_keys)
-        return finish_update(state, batch, policy, opt_state, key, metrics, bad)
+        return run_update(state, batch, update_fn, data, checked=data, ref_keys=ref_keys)
 
     return stage(update, name="update")
 

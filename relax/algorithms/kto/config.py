@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from relax.choices import check_choice
-from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
-from relax.train.optimizer import OptimizerConfig
+from relax.algorithms.dpo.config import PreferenceTrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class KTOConfig:
+class KTOConfig(PreferenceTrainConfig):
     """KTO on unpaired rows (every field is read by ``relax.algorithms.kto``).
 
     Loss (``relax.objectives.preference.kto_loss``): ``beta``, and the weights of desirable /
@@ -26,27 +24,14 @@ class KTOConfig:
     beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
-    max_prompt_tokens: int = 512
-    max_completion_tokens: int = 512
-    truncate_prompt: bool = False
-    grad_accum: int | None = None
-    remat: bool = False
-    remat_policy: str = "nothing"
-    train_attention: str = "auto"
-    precompute_reference: bool = False
-    optimizer: OptimizerConfig = OptimizerConfig()
 
     def __post_init__(self):
-        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
-        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        super().__post_init__()
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             raise ValueError(f"desirable_weight={self.desirable_weight} and undesirable_weight="
                              f"{self.undesirable_weight} must be >= 0")
-        for name in ("max_prompt_tokens", "max_completion_tokens", "grad_accum"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def needs_reference(self) -> bool:

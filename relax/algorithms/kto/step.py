@@ -35,11 +35,11 @@ from relax.models.prefix_shared import completion_rope
 from relax.objectives.preference import kto_reference_point
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
-from relax.train.state import TrainState, reference_is_policy, reference_model
+from relax.train.state import TrainState
 from relax.train.update import LossContext, make_update
 
 from relax.algorithms.dpo.loss import Forward, sequence_logps, shared_forward
-from relax.algorithms.dpo.step import eval_batches, finish_update, nonfinite_quantity, with_loss_mask
+from relax.algorithms.dpo.step import eval_batches, make_pair_reference, run_update, with_loss_mask
 from relax.algorithms.kto.config import KTOConfig
 from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
 
@@ -88,27 +88,9 @@ def _own(batch, which: slice) -> dict:
 
 
 def make_reference(cfg: KTOConfig, passes: Passes, forward: Forward) -> Stage:
-    def reference(state: TrainState, batch):
-        if cfg.precompute_reference:
-            missing = [k for k in REF_KEYS if k not in batch]
-            if missing:
-                raise KeyError(f"precompute_reference=True but the batch has no {', '.join(missing)}: attach the "
-                               "cached reference log-probs (relax.algorithms.kto.reference_cache)")
-            return state, {**batch, "ref_is_policy": jnp.bool_(False)}
-        ref_model = reference_model(state)
-        if ref_model is None:
-            raise ValueError("KTO needs a reference model, and state.ref is None "
-                             "(init_state(..., with_reference=cfg.needs_reference), or precompute_reference)")
-        same = reference_is_policy(state, smallest_first=passes.cache_sized)
-        p = batch["prompt_ids"].shape[0]
-
-        def recompute():
-            return jax.lax.stop_gradient(sequence_logps(forward(ref_model, batch, False), batch["mask"])[0])
-
-        ref = jax.lax.cond(same, lambda: jnp.zeros((p, 2), jnp.float32), lambda: recompute().astype(jnp.float32))
-        return state, {**batch, REF_KEYS[0]: ref[:, 0], REF_KEYS[1]: ref[:, 1], "ref_is_policy": same}
-
-    return stage(reference, name="reference", updates_state=False, reads_reference=cfg.needs_reference)
+    return make_pair_reference(passes, forward, REF_KEYS, enabled=True, precompute=cfg.precompute_reference,
+                               reads_reference=cfg.needs_reference, what="KTO",
+                               cache="relax.algorithms.kto.reference_cache")
 
 
 def make_reference_point(passes: Passes, forward: Forward) -> Stage:
@@ -139,11 +121,7 @@ def make_update_stage(cfg: KTOConfig, passes: Passes, forward: Forward | None = 
         data = {k: own[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "label", "ref_logps")}
         data["kl"] = jnp.broadcast_to(batch["kl"], (p,))
         data["rope"] = completion_rope(state.policy.config, data["prompt_mask"], g, n)
-        ref_is_policy = batch.get("ref_is_policy", False)
-        key, sub = jax.random.split(state.key)
-        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub, ref_is_policy)
-        bad = nonfinite_quantity(batch, ref_is_policy, metrics["loss"], REF_KEYS)
-        return finish_update(state, batch, policy, opt_state, key, metrics, bad)
+        return run_update(state, batch, update_fn, data, checked=batch, ref_keys=REF_KEYS)
 
     return stage(update, name="update")
 
