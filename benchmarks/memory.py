@@ -117,7 +117,7 @@ def _model_config(args: Args):
 
 
 def _bytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+    return sum(_state_bytes(tree))
 
 
 def _xla_mb(jitted, *args) -> dict:

@@ -23,6 +23,10 @@ from relax.models.lora import Adapters, LoRAConfig, init_adapters, merged_weight
 from relax.models.transformer import Transformer
 
 
+def _is_model(x) -> bool:
+    return isinstance(x, Transformer)
+
+
 def has_lora(model) -> bool:
     return isinstance(model, Transformer) and model.layers.lora is not None
 
@@ -65,24 +69,22 @@ def with_dropout_key(tree, key: Array):
             return m
         keys = jax.random.split(key, m.config.num_layers)
         return with_adapters(m, dataclasses.replace(m.layers.lora, dropout_key=keys))
-    return jax.tree.map(set_key, tree, is_leaf=lambda x: isinstance(x, Transformer))
+    return jax.tree.map(set_key, tree, is_leaf=_is_model)
 
 
 def uses_dropout(tree) -> bool:
-    models = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Transformer))
+    models = jax.tree.leaves(tree, is_leaf=_is_model)
     return any(has_lora(m) and m.layers.lora.dropout > 0.0 for m in models)
 
 
 def trainable(tree):
     """A filter pytree for ``eqx.partition``: True at the leaves an optimizer trains."""
     def mark(x):
-        if not isinstance(x, Transformer):
+        if not has_lora(x):
             return jax.tree.map(eqx.is_inexact_array, x)
-        marks = jax.tree.map(lambda _: False, x)
-        if x.layers.lora is None:
-            return jax.tree.map(eqx.is_inexact_array, x)
-        return eqx.tree_at(lambda m: m.layers.lora, marks, jax.tree.map(eqx.is_inexact_array, x.layers.lora))
-    return jax.tree.map(mark, tree, is_leaf=lambda x: isinstance(x, Transformer))
+        frozen = jax.tree.map(lambda _: False, x)
+        return eqx.tree_at(lambda m: m.layers.lora, frozen, jax.tree.map(eqx.is_inexact_array, x.layers.lora))
+    return jax.tree.map(mark, tree, is_leaf=_is_model)
 
 
 def split_trainable(tree):
@@ -90,20 +92,10 @@ def split_trainable(tree):
     return eqx.partition(tree, trainable(tree))
 
 
-def adapter_bytes(model: Transformer) -> int:
-    """Bytes of the adapters' parameters (0 without any)."""
-    ad = model.layers.lora
-    return 0 if ad is None else sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(ad.weights()))
-
-
 def adapters_zero(model: Transformer) -> jax.Array:
     """Whether every adapter's ``B`` is exactly zero: the model is then bitwise its base."""
     ws = model.layers.lora.weights().values()
     return jnp.all(jnp.stack([jnp.all(w.b == 0) for w in ws]))
-
-
-def _is_model(x) -> bool:
-    return isinstance(x, Transformer)
 
 
 def without_base(tree):

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float
 
 from relax.models.config import ModelConfig
 from relax.models.layer_kinds import Kind
-from relax.models.lora import Adapters, adapted, merged_weight
+from relax.models.lora import Adapters, adapted
 from relax.models.matmul import matmul
 from relax.models.rope import Rotary, apply_rope, layer_rotary
 
@@ -164,20 +164,14 @@ def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array
     return x, layer_output
 
 
-def fuse_layers(model: Transformer, *, merge_adapters: bool = False) -> list[FusedLayer]:
-    """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout).
-
-    Adapters (``relax.models.lora``) stay unmerged, run beside the fused weights, or with
-    ``merge_adapters`` are folded into the fused copy (``W + s A B``; the copy is made anyway, so
-    merging costs no memory, only the rounding of the merged weight)."""
-    L, ad = model.layers, model.layers.lora
-    w = {f: getattr(L, f) for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
-    if merge_adapters and ad is not None:
-        w.update({f: merged_weight(w[f], lw, ad.scale) for f, lw in ad.weights().items()})
-        ad = None
+def fuse_layers(model: Transformer) -> list[FusedLayer]:
+    """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout);
+    adapters (``relax.models.lora``) stay unmerged and run beside the fused weights (the sampler
+    merges them first when ``RolloutConfig.merge_adapters``)."""
+    L = model.layers
     cat = lambda *xs: None if xs[0] is None else jnp.concatenate(xs, axis=-1)
-    fused = FusedLayer(attn_norm=L.attn_norm, wqkv=cat(w["wq"], w["wk"], w["wv"]), wo=w["wo"], mlp_norm=L.mlp_norm,
-                       w_gate_up=cat(w["w_gate"], w["w_up"]), w_down=w["w_down"], bqkv=cat(L.bq, L.bk, L.bv),
-                       bo=L.bo, q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=cat(L.b_gate, L.b_up),
-                       b_down=L.b_down, attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm, lora=ad)
+    fused = FusedLayer(attn_norm=L.attn_norm, wqkv=cat(L.wq, L.wk, L.wv), wo=L.wo, mlp_norm=L.mlp_norm,
+                       w_gate_up=cat(L.w_gate, L.w_up), w_down=L.w_down, bqkv=cat(L.bq, L.bk, L.bv), bo=L.bo,
+                       q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=cat(L.b_gate, L.b_up), b_down=L.b_down,
+                       attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm, lora=L.lora)
     return [jax.tree.map(lambda a: a[i], fused) for i in range(model.config.num_layers)]

@@ -41,10 +41,9 @@ def _name(i: int, module: str, factor: str) -> str:
     return f"base_model.model.model.layers.{i}.{_MODULE[module]}.lora_{factor}.weight"
 
 
-def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None,
-                 lora_dropout: float | None = None) -> Path:
+def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> Path:
     """Write the model's adapters to ``path`` in PEFT's format (``peft.PeftModel.from_pretrained``
-    loads them onto the base). ``lora_dropout``: recorded in the config (default: the adapters')."""
+    loads them onto the base)."""
     ad = model.layers.lora
     if ad is None:
         raise ValueError("the model has no LoRA adapters to save")
@@ -53,16 +52,14 @@ def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name
     weights = ad.weights()
     tensors = []
     for field, w in weights.items():
-        module = _FIELD_MODULE[field]
-        for i in range(model.config.num_layers):
-            for factor, arr in (("A", w.a), ("B", w.b)):
-                make = lambda arr=arr, i=i: np.asarray(arr[i]).T  # noqa: E731
-                shape = tuple(arr.shape[1:][::-1])
-                tensors.append((_name(i, module, factor), shape, np.dtype(arr.dtype), make))
+        for factor, arr in (("A", np.asarray(w.a)), ("B", np.asarray(w.b))):  # to host once, [L, ...]
+            for i in range(model.config.num_layers):
+                make = lambda arr=arr, i=i: arr[i].T  # noqa: E731
+                tensors.append((_name(i, _FIELD_MODULE[field], factor), arr.shape[1:][::-1], arr.dtype, make))
     _write_safetensors(root / WEIGHTS, tensors)
     _write_json(root / CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": ad.alpha,
-        "lora_dropout": ad.dropout if lora_dropout is None else lora_dropout,
+        "lora_dropout": ad.dropout,
         "target_modules": sorted(_FIELD_MODULE[f] for f in weights), "bias": "none",
         "use_rslora": ad.use_rslora, "use_dora": False, "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
@@ -94,6 +91,22 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
         raise HFFormatError(f"{file}: {e}") from None
 
 
+def _stacked_factor(st: _SafetensorsFile, names: dict[str, str], module: str, factor: str,
+                    want: tuple[int, int], num_layers: int) -> np.ndarray:
+    """``lora_{factor}`` of ``module`` for every layer, transposed to relax's layout and stacked."""
+    layers = []
+    for i in range(num_layers):
+        name = _name(i, module, factor)
+        if name not in names:
+            raise HFFormatError(f"{st.path}: tensor {name!r} is missing")
+        arr = st.read(names[name])
+        if arr.shape != want:
+            raise HFFormatError(f"{st.path}: tensor {name!r} has shape {list(arr.shape)}, "
+                                f"the base model needs {list(want)}")
+        layers.append(np.array(arr.T))
+    return np.stack(layers)
+
+
 def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> Transformer:
     """``base`` with the PEFT adapter at ``path`` (``dtype``: the adapters' dtype; default as stored)."""
     cfg = read_adapter_config(path)
@@ -101,27 +114,16 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
     if not file.is_file():
         raise HFFormatError(f"{file}: no such file")
     st = _SafetensorsFile(file)
-    names = {n.replace(".default.weight", ".weight"): n for n in st.entries}
+    names = {n.replace(".default.weight", ".weight"): n for n in st.entries}  # PEFT's adapter-name infix
     shapes, L = base.config.layer_shapes(), base.config.num_layers
-    weights, used = {}, set()
+    cast = jnp.asarray if dtype is None else (lambda x: jnp.asarray(x, dtype))
+    weights = {}
     for field in cfg.fields():
         module, (fan_in, fan_out) = _FIELD_MODULE[field], shapes[field]
-        stacks = {}
-        for factor, want in (("A", (cfg.rank, fan_in)), ("B", (fan_out, cfg.rank))):
-            layers = []
-            for i in range(L):
-                name = _name(i, module, factor)
-                if name not in names:
-                    raise HFFormatError(f"{file}: tensor {name!r} is missing")
-                arr = st.read(names[name])
-                if arr.shape != want:
-                    raise HFFormatError(f"{file}: tensor {name!r} has shape {list(arr.shape)}, "
-                                        f"the base model needs {list(want)}")
-                layers.append(np.array(arr.T))
-                used.add(names[name])
-            stacks[factor] = np.stack(layers)
-        cast = (lambda x: jnp.asarray(x)) if dtype is None else (lambda x: jnp.asarray(x, dtype))
-        weights[field] = LoRAWeights(cast(stacks["A"]), cast(stacks["B"]))
+        a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), L)
+        b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), L)
+        weights[field] = LoRAWeights(cast(a), cast(b))
+    used = {names[_name(i, _FIELD_MODULE[f], x)] for f in weights for i in range(L) for x in "AB"}
     extra = sorted(set(st.entries) - used)
     if extra:
         raise HFFormatError(f"{file}: tensors for modules relax does not adapt: {extra[:5]}")

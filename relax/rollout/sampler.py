@@ -31,6 +31,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.models import attention as attn
+from relax.models.adapters import merge_lora
 from relax.models.layer_kinds import layer_window
 from relax.models.rope import rotary
 from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
@@ -67,7 +68,7 @@ class RolloutConfig:
     merge_adapters: bool = True
     """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights (a copy made
     anyway, so no extra memory), not the adapters run beside them: fewer, wider matmuls
-    (``relax.models.layer.fuse_layers``; RESULTS.md compares the two)."""
+    (RESULTS.md compares the two)."""
 
     def __post_init__(self):
         if self.num_generations < 1:
@@ -201,7 +202,8 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
-    layers = fuse_layers(model, merge_adapters=cfg.merge_adapters)
+    # with LoRA: W + s A B merged into the fused copy made here anyway (no extra memory)
+    layers = fuse_layers(merge_lora(model) if cfg.merge_adapters else model)
     # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
     prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
     # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a

@@ -256,10 +256,9 @@ class Checkpointer:
         config = self._read(step, _CONFIG, "cannot read it",
                             lambda: self._restore_item(step, _CONFIG)["config"])
         if verified:
-            record = self._read(step, _INTEGRITY, "cannot read it",
-                                lambda: _decode_record(self._restore_item(step, _INTEGRITY)))
-            self._verify(step, encoded, record)
-            self._check_base(step, full_target)
+            stored = self._read(step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY))
+            self._verify(step, encoded, self._read(step, _INTEGRITY, "cannot read it", lambda: _decode_record(stored)))
+            self._check_base(step, full_target, stored.get("lora_base"))
         else:
             warnings.warn(f"{where} has no integrity record (saved before relax wrote one): "
                           "its values cannot be verified", UnverifiedCheckpointWarning, stacklevel=2)
@@ -401,9 +400,9 @@ class Checkpointer:
                 f"{len(bad)} of {len(record)} array leaves differ from the integrity record "
                 f"written at save time: {_paths([(p,) for p in bad], limit=5)}"))
 
-    def _check_base(self, step: int, target: PyTree) -> None:
-        """A LoRA checkpoint restores only onto the base weights its adapters were trained on."""
-        record = self._restore_item(step, _INTEGRITY).get("lora_base")
+    def _check_base(self, step: int, target: PyTree, record: dict | None) -> None:
+        """A LoRA checkpoint (``record``: its base weights' fingerprint) restores only onto the base
+        weights its adapters were trained on."""
         base = base_weights(target)
         if record is None and not jax.tree.leaves(base):
             return
