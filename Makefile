@@ -20,9 +20,9 @@ $(BASE): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(BASE)
 
-# Test tools plus CPU torch + transformers for the parity tests (never used at runtime).
+# Test tools, math-verify, and CPU torch + transformers for the parity tests (never used at runtime).
 $(DEV): $(BASE)
-	$(PY) -m pip install --quiet -e '.[dev,parity]'
+	$(PY) -m pip install --quiet -e '.[dev,parity,math]'
 	touch $(DEV)
 
 install: $(BASE)

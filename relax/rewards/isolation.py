@@ -1,0 +1,126 @@
+"""How the sandbox isolates a program: the command prefix of each mechanism, and which one runs.
+
+Three mechanisms, strongest first (``relax.rewards.sandbox`` picks with ``isolation="auto"``):
+
+``bwrap``    bubblewrap (the sandbox of Flatpak): new user, PID, network, IPC, UTS and cgroup
+             namespaces; a fresh root file system holding only ``/usr`` (read-only), the
+             interpreter's prefix (read-only), the program (read-only, ``/sandbox/src``) and
+             size-capped private tmpfs at ``/sandbox`` (the working directory), ``/tmp`` and
+             ``/dev/shm``; no home, no ``/etc``, no ``/work``; every capability dropped; no
+             nested user namespaces; a new session (no terminal).
+``unshare``  util-linux ``unshare``: new user, PID (with its own ``/proc``), network, IPC and UTS
+             namespaces. The file system is the host's: what the program can read and write is
+             what its user may (run as root, relax drops to ``nobody`` first: home directories of
+             mode 0700 are closed, world-writable ``/tmp`` is not).
+``none``     no namespace: rlimits, a clean environment and the process-group kill only. The
+             program can reach the network and the file system of its user; refused unless the
+             caller opts out explicitly (``SandboxConfig.allow_unisolated``).
+
+In every mode relax runs the program as an unprivileged user: started as root, it switches to
+``SandboxConfig.uid`` (``nobody``) with util-linux ``setpriv`` before anything else, because the
+kernel never applies ``RLIMIT_NPROC`` (the fork-bomb limit) to root.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ISOLATIONS = ("auto", "bwrap", "unshare", "none")
+SANDBOX_DIR = "/sandbox"  # the working directory inside bwrap; the program is under SANDBOX_DIR/src
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot run on this machine (the message says what is missing)."""
+
+
+def drop_privileges(uid: int, gid: int) -> list[str]:
+    """``setpriv`` to ``uid``/``gid`` with no supplementary groups when running as root, else nothing."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise SandboxUnavailable("running as root needs util-linux `setpriv` to drop to an unprivileged user "
+                                 "(the kernel does not limit root's processes)")
+    return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+
+
+def bwrap_prefix(bwrap: str, src: Path, interpreter_prefix: str, tmpfs_bytes: int) -> list[str]:
+    """bubblewrap's arguments: namespaces, the minimal root file system, capped tmpfs (module doc)."""
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "lib", "lib32", "lib64", "sbin"):
+        if Path(f"/{name}").is_symlink():  # merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]
+        elif Path(f"/{name}").is_dir():
+            args += ["--ro-bind", f"/{name}", f"/{name}"]
+    if not interpreter_prefix.startswith("/usr/"):
+        args += ["--ro-bind", interpreter_prefix, interpreter_prefix]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    for mount in ("/tmp", "/dev/shm", SANDBOX_DIR):
+        args += ["--size", str(tmpfs_bytes), "--tmpfs", mount]
+    return args + ["--ro-bind", str(src), f"{SANDBOX_DIR}/src", "--chdir", SANDBOX_DIR, "--"]
+
+
+def unshare_prefix(unshare: str) -> list[str]:
+    """util-linux ``unshare``'s arguments: user, PID (own /proc), network, IPC and UTS namespaces;
+    the namespace's first process is killed when ``unshare`` dies, and the namespace with it."""
+    return [unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc",
+            "--ipc", "--uts", "--"]
+
+
+def interpreter_prefix(python: str) -> str:
+    """The installation prefix that holds ``python`` (bound read-only into a bwrap sandbox)."""
+    real = Path(python).resolve()
+    return str(real.parent.parent)
+
+
+@functools.lru_cache(maxsize=None)
+def works(mechanism: str, uid: int, gid: int) -> str | None:
+    """None when ``mechanism`` (bwrap | unshare) can start a process here, else why not.
+
+    Tried once per process with ``true`` (cached): user namespaces may be disabled by the kernel
+    (``user.max_user_namespaces = 0``, Debian's ``kernel.unprivileged_userns_clone = 0``), by
+    AppArmor (Ubuntu 24.04) or by a container's seccomp profile."""
+    exe = shutil.which(mechanism)
+    if exe is None:
+        return f"`{mechanism}` is not installed"
+    true = shutil.which("true") or "/bin/true"
+    if mechanism == "bwrap":
+        cmd = [exe, "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", true]
+    else:
+        cmd = unshare_prefix(exe) + [true]
+    try:
+        cmd = drop_privileges(uid, gid) + cmd
+        done = subprocess.run(cmd, capture_output=True, timeout=30, env={}, cwd="/")
+    except (OSError, subprocess.TimeoutExpired, SandboxUnavailable) as exc:
+        return f"`{mechanism}` failed to start: {exc}"
+    if done.returncode != 0:
+        return f"`{mechanism}` failed: {done.stderr.decode(errors='replace').strip()[:300]}"
+    return None
+
+
+def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool) -> str:
+    """The mechanism to use: ``isolation`` itself if it works, or for ``auto`` the strongest that
+    works; ``SandboxUnavailable`` naming what failed otherwise (``none`` needs ``allow_unisolated``)."""
+    if isolation == "none" or (isolation == "auto" and sys.platform != "linux"):
+        if not allow_unisolated:
+            raise SandboxUnavailable(
+                "no namespace isolation: generated code would reach the network and the files of its user. "
+                "Set allow_unisolated=True (--sandbox.allow-unisolated) to run it anyway")
+        return "none"
+    tried = ("bwrap", "unshare") if isolation == "auto" else (isolation,)
+    why = {m: works(m, uid, gid) for m in tried}
+    for mechanism in tried:
+        if why[mechanism] is None:
+            return mechanism
+    if allow_unisolated and isolation == "auto":
+        return "none"
+    reasons = "; ".join(f"{m}: {r}" for m, r in why.items())
+    raise SandboxUnavailable(
+        f"cannot isolate generated code ({reasons}). Install bubblewrap (`apt-get install bubblewrap`) or allow "
+        "user namespaces; or set allow_unisolated=True to run without a network namespace (unsafe)")

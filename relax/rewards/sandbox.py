@@ -1,0 +1,266 @@
+"""Run generated code in a sandbox: a separate, isolated, resource-limited process.
+
+    sandbox = Sandbox(SandboxConfig(wall_s=10))
+    result = sandbox.run({"main.py": code}, ["{python}", "-I", "src/main.py"], stdin="1 2\\n")
+    result.stdout, result.returncode, result.timed_out
+
+Every run gets, whatever the isolation mechanism (``relax.rewards.isolation``: bwrap, unshare or,
+only when opted into, none):
+
+- its own temporary directory (removed afterwards); the files are under ``src/`` of the working
+  directory, read-only under bwrap;
+- a clean environment: ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and nothing of the trainer's;
+- an unprivileged user (root drops to ``uid``/``gid``, ``nobody``) and these rlimits, set by a
+  launcher inside the sandbox just before the program starts::
+
+      RLIMIT_CPU    cpu_s (SIGXCPU), cpu_s + 1 (SIGKILL)   RLIMIT_AS     memory_mb
+      RLIMIT_NPROC  max_processes                          RLIMIT_NOFILE max_open_files
+      RLIMIT_FSIZE  max_file_mb (each file written)        RLIMIT_CORE   0
+
+- a wall-clock deadline ``wall_s``, after which its process group is killed with SIGKILL (under
+  bwrap and unshare, killing the group's leader ends the PID namespace, so a process that left
+  the group with ``setsid`` dies too);
+- output caps: at most ``max_output_bytes`` of stdout and of stderr are kept; a program that
+  writes more is killed (``output_truncated``).
+
+The sandbox bounds what a program can do, not what it claims: a harness that reports results
+from inside the sandbox (``relax.rewards.code_exec``) can be fooled by code that inspects it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from relax.choices import check_choice
+from relax.rewards import isolation as iso
+
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+NOBODY = 65534
+
+# Runs inside the sandbox with the sandbox's interpreter (-I -S: no site, no user paths): set the
+# limits, then become the program.
+_LAUNCHER = (
+    "import json, os, resource, sys\n"
+    "for name, (soft, hard) in json.loads(sys.argv[1]).items():\n"
+    "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """Isolation and limits of one sandboxed run (module docstring).
+
+    ``isolation``: auto (bwrap, else unshare) | bwrap | unshare | none; ``allow_unisolated``: run
+    anyway where no namespace can be made (the program can then use the network: unsafe).
+    ``python``: the interpreter, looked up on ``/usr/local/bin:/usr/bin:/bin`` unless a path
+    (it must be executable by ``uid``: root's pyenv under ``/root`` is not).
+    ``tmpfs_mb``: size of each private tmpfs under bwrap (``/sandbox``, ``/tmp``, ``/dev/shm``).
+    """
+
+    isolation: str = "auto"
+    allow_unisolated: bool = False
+    python: str = "python3"
+    cpu_s: int = 10
+    wall_s: float = 20.0
+    memory_mb: int = 1024
+    max_processes: int = 32
+    max_open_files: int = 64
+    max_file_mb: int = 16
+    max_output_bytes: int = 1 << 20
+    tmpfs_mb: int = 64
+    uid: int = NOBODY
+    gid: int = NOBODY
+
+    def __post_init__(self):
+        check_choice("isolation", self.isolation, iso.ISOLATIONS)
+        for name in ("cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb", "max_output_bytes",
+                     "tmpfs_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.wall_s > 0:
+            raise ValueError(f"SandboxConfig.wall_s must be > 0, got {self.wall_s}")
+
+    def rlimits(self) -> dict[str, tuple[int, int]]:
+        mb = 1 << 20
+        return {"RLIMIT_CPU": (self.cpu_s, self.cpu_s + 1), "RLIMIT_AS": (self.memory_mb * mb,) * 2,
+                "RLIMIT_NPROC": (self.max_processes,) * 2, "RLIMIT_NOFILE": (self.max_open_files,) * 2,
+                "RLIMIT_FSIZE": (self.max_file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """What a run did. ``returncode``: the program's exit status, negative for a signal (``-9``
+    after a kill; bwrap's 128 + N reads as -N; unshare reports a signal as 1); ``timed_out``: killed at the wall-clock deadline; ``output_truncated``: killed
+    for writing more than ``max_output_bytes``."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    output_truncated: bool
+    wall_s: float
+    isolation: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and not self.output_truncated
+
+
+class Sandbox:
+    """Runs programs as ``SandboxConfig`` says; the isolation is chosen (and tried) on creation,
+    so a machine that cannot isolate fails at start-up, not at the first reward."""
+
+    def __init__(self, cfg: SandboxConfig = SandboxConfig()):
+        self.cfg = cfg
+        self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
+        self.python = _resolve_python(cfg.python)
+        probe = self.run({"probe.py": "print(6 * 7)"}, ["{python}", "-I", "src/probe.py"])
+        if probe.stdout.strip() != "42":
+            raise iso.SandboxUnavailable(
+                f"the sandbox ({self.isolation}) could not run {self.python}: exit {probe.returncode}, "
+                f"stderr {probe.stderr.strip()[:300]!r}")
+
+    def run(self, files: Mapping[str, str], argv: Sequence[str], stdin: str = "") -> SandboxResult:
+        """Write ``files`` under ``src/``, run ``argv`` (``{python}`` is replaced by the interpreter)
+        in the sandbox with ``stdin``, and return what it did (limits in the module docstring)."""
+        with tempfile.TemporaryDirectory(prefix="relax-sandbox-") as work:
+            work = Path(work)
+            _write_files(work / "src", files)
+            if os.geteuid() == 0 and self.isolation != "bwrap":  # the program writes its working directory
+                os.chown(work, self.cfg.uid, self.cfg.gid)
+            os.chmod(work, 0o755 if self.isolation == "bwrap" else 0o700)
+            t0 = time.perf_counter()
+            env = _clean_env(work, self.isolation)
+            out, err, code, timed_out, truncated = _execute(self._command(work, argv), work, env, stdin, self.cfg)
+            wall = time.perf_counter() - t0
+        if self.isolation == "bwrap" and code > 128:  # bwrap reports a signal as 128 + its number
+            code = 128 - code
+        return SandboxResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, truncated,
+                             wall, self.isolation)
+
+    def _command(self, work: Path, argv: Sequence[str]) -> list[str]:
+        cfg = self.cfg
+        program = [self.python if a == "{python}" else a for a in argv]
+        launch = [self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg.rlimits()), *program]
+        prefix = iso.drop_privileges(cfg.uid, cfg.gid)
+        if self.isolation == "bwrap":
+            prefix += iso.bwrap_prefix(shutil.which("bwrap"), work / "src", iso.interpreter_prefix(self.python),
+                                       cfg.tmpfs_mb << 20)
+        elif self.isolation == "unshare":
+            prefix += iso.unshare_prefix(shutil.which("unshare"))
+        return prefix + launch
+
+
+@functools.lru_cache(maxsize=8)
+def sandbox_for(cfg: SandboxConfig) -> Sandbox:
+    """One ``Sandbox`` per config per process (reward workers build theirs on first use)."""
+    return Sandbox(cfg)
+
+
+def _resolve_python(python: str) -> str:
+    found = python if os.path.isabs(python) else shutil.which(python, path=SAFE_PATH)
+    if found is None or not os.access(found, os.X_OK):
+        raise iso.SandboxUnavailable(f"sandbox interpreter {python!r} not found on {SAFE_PATH}; set "
+                                     "SandboxConfig.python to a path the sandbox user can execute")
+    return found
+
+
+def _write_files(src: Path, files: Mapping[str, str]) -> None:
+    src.mkdir(mode=0o755)
+    for name, text in files.items():
+        path = (src / name).resolve()
+        if src.resolve() not in path.parents:
+            raise ValueError(f"sandbox file name {name!r} leaves the sandbox directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(0o644)
+
+
+def _clean_env(work: Path, isolation: str) -> dict[str, str]:
+    home = iso.SANDBOX_DIR if isolation == "bwrap" else str(work)
+    return {"PATH": SAFE_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _execute(cmd: list[str], work: Path, env: dict[str, str], stdin: str, cfg: SandboxConfig):
+    """Run ``cmd`` in a new session; ``(stdout, stderr, returncode, timed_out, truncated)``. The
+    process group is SIGKILLed at the deadline, past the output cap, and always at the end."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=work, env=env, start_new_session=True)
+    try:
+        out, err, timed_out, truncated = _pump(proc, stdin.encode(), time.monotonic() + cfg.wall_s,
+                                               cfg.max_output_bytes)
+    finally:
+        _kill_group(proc.pid)
+        code = proc.wait()
+    return out, err, code, timed_out, truncated
+
+
+def _pump(proc: subprocess.Popen, data: bytes, deadline: float, cap: int):
+    """Feed stdin and collect stdout / stderr until both close, the deadline, or the cap."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    for f in bufs:
+        os.set_blocking(f.fileno(), False)
+        sel.register(f, selectors.EVENT_READ)
+    if data:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    view, open_outputs = memoryview(data), 2
+    try:
+        while open_outputs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), True, False
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                f = key.fileobj
+                if f is proc.stdin:
+                    view = _feed(sel, proc.stdin, view)
+                    continue
+                chunk = os.read(f.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(f)
+                    open_outputs -= 1
+                    continue
+                bufs[f] += chunk
+                if len(bufs[f]) > cap:
+                    del bufs[f][cap:]
+                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, True
+        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, False
+    finally:
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+
+
+def _feed(sel: selectors.BaseSelector, stdin, view: memoryview) -> memoryview:
+    try:
+        view = view[os.write(stdin.fileno(), view[:65536]):]
+    except (BrokenPipeError, OSError):  # the program closed its stdin
+        view = view[:0]
+    if not view:
+        sel.unregister(stdin)
+        stdin.close()
+    return view
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
