@@ -1,0 +1,83 @@
+"""code_exec: the completion's code against the row's tests, in the sandbox, scored as documented."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from relax.rewards.code_exec import CodeExec, last_code_block, parse_tests, same_output
+from relax.rewards.sandbox import SandboxConfig
+
+SANDBOX = SandboxConfig(cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16)
+ASSERTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
+STDIO = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}, {"input": "0 -4\n", "output": "-4"}]
+
+
+def fenced(code: str, tag: str = "python") -> str:
+    return f"Here is my solution.\n```{tag}\n{code}\n```\nDone."
+
+
+def score(completions, tests, **kw):
+    reward = CodeExec(sandbox=SANDBOX, test_timeout_s=0.5, **kw)
+    return reward(["p"] * len(completions), completions, tests=[tests] * len(completions))
+
+
+def test_assert_tests_pass_fail_timeout_crash():
+    right = fenced("def add(a, b):\n    return a + b")
+    wrong = fenced("def add(a, b):\n    return a * b")  # right on (0, 0) and (2, 2): 2 of 4
+    hangs = fenced("def add(a, b):\n    if a < 0:\n        while True:\n            pass\n    return a + b")
+    crashes = fenced("import ctypes\nctypes.string_at(0)")  # segfault while loading: nothing passes
+    raises = fenced("raise RuntimeError('bad')\ndef add(a, b):\n    return a + b")
+    assert score([right, wrong, hangs, crashes, raises], ASSERTS) == [1.0, 0.5, 0.75, 0.0, 0.0]
+    assert score([right, wrong, hangs], ASSERTS, scoring="all") == [1.0, 0.0, 0.0]
+
+
+def test_forged_verdicts_and_early_exit_fail():
+    tricks = [
+        fenced("print('\\n0 0 1\\n1 1 1\\n2 1 1\\n3 1 1')\ndef add(a, b):\n    return 0"),  # fake verdict lines
+        fenced("import sys\nsys.exit(0)"),
+        fenced("import os\nos._exit(0)"),
+        fenced("def add(a, b):\n    import os\n    os._exit(0)"),
+    ]
+    assert score(tricks, ASSERTS) == [0.5, 0.0, 0.0, 0.0]  # the first is right on (0, 0) and (-1, 1) only
+
+
+def test_stdio_tests():
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    trailing = fenced("a, b = map(int, input().split())\nprint(a + b, '   ')\nprint()")
+    wrong = fenced("a, b = map(int, input().split())\nprint(a - b)")
+    exits_1 = fenced("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(1)")
+    assert score([right, trailing, wrong, exits_1], STDIO) == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    bash = fenced("read a b\necho $((a + b))", tag="bash")
+    assert score([bash], STDIO, language="bash") == [1.0]
+
+
+def test_missing_and_malformed_tests():
+    reward = CodeExec(sandbox=SANDBOX)
+    code = fenced("def add(a, b):\n    return a + b")
+    assert reward(["p", "p", "p"], [code] * 3, tests=[None, [], json.dumps(ASSERTS[:1])]) == [None, None, 1.0]
+    with pytest.raises(ValueError, match=r"column 'tests', row 1: each test"):
+        reward(["p", "p"], [code] * 2, tests=[ASSERTS, [1, 2]])
+    with pytest.raises(ValueError, match="row 0: tests are not a list"):
+        reward(["p"], [code], tests=["assert True"])
+    with pytest.raises(KeyError, match="needs the dataset column 'cases'"):
+        CodeExec(tests_field="cases", sandbox=SANDBOX)(["p"], [code], tests=[ASSERTS])
+    with pytest.raises(ValueError, match="need language 'python'"):
+        CodeExec(language="bash", sandbox=SANDBOX)(["p"], [fenced("echo", "bash")], tests=[ASSERTS])
+
+
+def test_code_block_extraction():
+    text = "```python\nfirst\n```\ntext\n```\nsecond\n```\n```js\nthird\n```"
+    assert last_code_block(text, ("python", "")) == "second\n"
+    assert last_code_block("no code here", ("python", "")) is None
+    assert score(["def add(a, b): return a + b"], ASSERTS) == [0.0]  # no fenced block
+    assert parse_tests(STDIO, "tests", 0) == STDIO
+    assert same_output("1  \n2\n\n", "1\n2") and not same_output("1 2", "12")
+
+
+def test_pickles():
+    reward = CodeExec(sandbox=SANDBOX, scoring="all")
+    clone = pickle.loads(pickle.dumps(reward))
+    assert clone == reward and clone.__name__ == "code_exec"
