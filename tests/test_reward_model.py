@@ -274,3 +274,32 @@ def test_token_reward_matches_sequence_rewards():
     np.testing.assert_allclose(np.asarray(out["rewards"]), 2 * want + 1, atol=1e-4)
     with pytest.raises(TypeError, match="RewardModel"):
         reward_model_reward(rm.backbone)
+
+
+def test_text_reward_model_with_its_own_tokenizer(tmp_path):
+    """A reward model with another tokenizer than the policy's scores the decoded texts: each
+    sample equals ``sequence_rewards`` on that sample encoded by hand (BOS + prompt, completion +
+    EOS), alone; batching, padding, buckets and truncation change nothing else."""
+    from relax.rewards.model import TextRewardModel
+    from relax.text import load_tokenizer
+    from text_fixtures import make_model_dir
+
+    tok = load_tokenizer(make_model_dir(tmp_path, "llama3"))
+    backbone = random_model(tiny("llama3_gqa_tied", vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id), 0)
+    head = np.random.default_rng(1).standard_normal(backbone.config.hidden_size).astype(np.float32)
+    rm = RewardModel(backbone, jnp.asarray(0.5 * head))
+    prompts = ["What is two plus two?", "Name a colour.", "What is two plus two?"]
+    completions = ["Four.", "", "It is 4, since two and two make four; " * 3]
+    reward = TextRewardModel(rm, tok, batch_size=2, max_completion_tokens=12)
+    got = reward(prompts, completions)
+    assert reward.__name__ == "reward_model" and len(got) == 3
+    for p, c, value in zip(prompts, completions, got):
+        ids = tok.encode(p, add_special_tokens=True)
+        body = tok.encode(c, add_special_tokens=False)[:11] + [tok.eos_token_id]
+        assert ids[0] == tok.bos_token_id
+        want = _rewards(rm, jnp.asarray([ids]), jnp.ones((1, len(ids)), jnp.int32), jnp.asarray([[body]]),
+                        jnp.ones((1, 1, len(body)), jnp.int32))
+        np.testing.assert_allclose(value, float(want[0, 0]), atol=1e-4)
+    assert got[0] != got[2]
+    with pytest.raises(ValueError, match="batch_size"):
+        TextRewardModel(rm, tok, batch_size=0)

@@ -21,13 +21,20 @@ would carry its weights, and arrays sharded over several hosts cannot be closed 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
+import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 
 from relax.models.reward_model import RewardModel, sequence_rewards
 from relax.models.prefix_shared import TRAIN_ATTENTION
+from relax.data.pairs import right_pad
 from relax.rewards.functions import TokenRewardFunction
+from relax.text.sentencepiece_model import pad_left
 
-__all__ = ["RewardModelScorer", "reward_model_reward"]
+__all__ = ["RewardModelScorer", "TextRewardModel", "reward_model_reward"]
 
 
 class RewardModelScorer:
@@ -75,3 +82,67 @@ def reward_model_reward(model: RewardModel, *, name: str = "reward_model", weigh
     """
     return TokenRewardFunction(RewardModelScorer(model, groups_per_pass=groups_per_pass, attention=attention,
                                                  ignore_pad_tokens=ignore_pad_tokens), name, weight)
+
+
+class TextRewardModel:
+    """A host reward (TRL's signature) that scores ``prompt + completion`` TEXTS with a reward model
+    and its own tokenizer, for a reward model whose tokenizer is not the policy's.
+
+    Each sample is encoded as the reward-model trainer encodes a string row (``relax.data.pairs``):
+    the prompt with the tokenizer's special tokens (through its chat template as one user message
+    when ``chat`` is True), the completion without them and one EOS after it; the prompt keeps its
+    last ``max_prompt_tokens`` tokens, the completion its first ``max_completion_tokens`` (EOS
+    included). Samples go through the model ``batch_size`` at a time (the last batch padded), one
+    compiled program per (prompt, completion) length bucket; the weights are an argument of that
+    program, not constants in it. Runs in the trainer process (it holds device arrays): give it
+    to ``make_score`` directly, never to a worker pool.
+    """
+
+    __name__ = "reward_model"
+
+    def __init__(self, model: RewardModel, tokenizer, *, batch_size: int = 32, max_prompt_tokens: int = 1024,
+                 max_completion_tokens: int = 1024, chat: bool = False, attention: str = "auto"):
+        if not isinstance(model, RewardModel):
+            raise TypeError(f"need a relax.models.reward_model.RewardModel, got {type(model).__name__}")
+        if chat and not tokenizer.has_chat_template:
+            raise ValueError(f"chat=True needs a chat template; tokenizer {tokenizer.path} has none")
+        for name, value in (("batch_size", batch_size), ("max_prompt_tokens", max_prompt_tokens),
+                            ("max_completion_tokens", max_completion_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.model, self.tokenizer, self.batch_size, self.chat = model, tokenizer, batch_size, chat
+        self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
+        self._score = eqx.filter_jit(functools.partial(_text_scores, attention=attention))
+
+    def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+        tok = self.tokenizer
+        if self.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           tokenize=False)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(prompt, add_special_tokens=True)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.eos_token_ids[0]
+        body = tok.encode(completion, add_special_tokens=False)[:self.max_completion_tokens - 1] + [eos]
+        return ids[-self.max_prompt_tokens:], body
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float]:
+        rows = [self.encode(p, c) for p, c in zip(prompts, completions)]
+        out: list[float] = []
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else rows[0][1][-1]  # masked
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start:start + self.batch_size]
+            chunk = chunk + [chunk[-1]] * (self.batch_size - len(chunk))  # a fixed batch shape
+            prompt_ids, prompt_mask = pad_left([r[0] for r in chunk], pad_id=pad, bucket_sizes=BUCKETS)
+            n = next(b for b in BUCKETS if b >= max(len(r[1]) for r in chunk))
+            tokens, mask = right_pad([r[1] for r in chunk], n, pad)
+            scores = self._score(self.model, prompt_ids, prompt_mask, tokens[:, None], mask[:, None])
+            out += [float(s) for s in np.asarray(scores)[:min(self.batch_size, len(rows) - start), 0]]
+        return out
+
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _text_scores(model, prompt_ids, prompt_mask, tokens, mask, *, attention):
+    return sequence_rewards(model, prompt_ids, prompt_mask, tokens, mask, attention=attention)
