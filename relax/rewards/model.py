@@ -129,6 +129,8 @@ class TextRewardModel:
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float]:
         rows = [self.encode(p, c) for p, c in zip(prompts, completions)]
         out: list[float] = []
+        if not rows:
+            return out
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else rows[0][1][-1]  # masked
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start:start + self.batch_size]
