@@ -273,13 +273,13 @@ def test_format_reward():
 
 def test_builtins_registry_through_score():
     assert get_reward("numeric_match") is numeric_match
-    with pytest.raises(ValueError, match="unknown reward 'accuracy'; valid: exact_match, format_reward, numeric_match"):
+    with pytest.raises(ValueError, match="unknown reward 'accuracy'; valid: code_exec, exact_match, format_reward, math_verify, numeric_match"):
         get_reward("accuracy")
     fns = [RewardFunction(get_reward(n), weight=w) for n, w in (("numeric_match", 1.0), ("format_reward", 0.1))]
     completions = ["<think>2+2</think> <answer>\\boxed{4}</answer>", "5", "<think></think><answer>x</answer>"]
     total, per, _ = score(fns, PROMPTS, completions, {"answer": ["4", "4", None]})
     np.testing.assert_allclose(total, [1.1, 0.0, 0.1], rtol=1e-6)
-    assert set(per) == set(BUILTIN_REWARDS) - {"exact_match"}
+    assert set(per) == {"numeric_match", "format_reward"}
     with pytest.raises(RewardError, match="'exact_match' raised KeyError.*at sample 0"):
         score([exact_match], PROMPTS, COMPLETIONS)
 

@@ -10,6 +10,9 @@ from relax.rewards.functions import (
     score_tokens,
     token_match_reward,
 )
+from relax.rewards.code_exec import CodeExec
+from relax.rewards.math_answers import MathVerify
+from relax.rewards.sandbox import Sandbox, SandboxConfig
 from relax.rewards.shaping import (
     combine,
     dynamic_sampling_mask,
@@ -18,7 +21,7 @@ from relax.rewards.shaping import (
     overlong_penalty,
 )
 
-__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFunction", "TokenRewardFunction", "combine",
+__all__ = ["BUILTIN_REWARDS", "CodeExec", "MathVerify", "Sandbox", "SandboxConfig", "RewardError", "RewardFunction", "TokenRewardFunction", "combine",
            "dynamic_sampling_mask", "exact_match", "format_reward", "get_reward", "group_stats",
            "length_reward", "length_shaping", "numeric_match", "overlong_penalty", "score", "score_tokens",
            "token_match_reward"]

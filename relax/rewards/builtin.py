@@ -2,18 +2,26 @@
 
 Select by name with ``get_reward(name)`` (``BUILTIN_REWARDS``), or build a configured variant
 with its factory (``make_exact_match(answer_field=...)``, ``make_numeric_match(rel_tol=...)``,
-``make_format_reward(pattern)``). Each returns one value per completion::
+``make_format_reward(pattern)``, ``make_math_verify(timeout_s=...)``). Each returns one value per
+completion::
 
     exact_match     1.0 if completion.strip() == str(answer).strip() else 0.0
     numeric_match   1.0 if |x - a| <= rel_tol * max(|x|, |a|) else 0.0
                     x = last number of the completion's final-answer region, a = the answer
     format_reward   1.0 if re.match(pattern, completion) else 0.0
+    math_verify     1.0 if verify(parse(answer), parse(completion)) else 0.0       (math-verify)
+                    completion: \\boxed{} first; answer: bare LaTeX read as \\boxed{answer}
+    code_exec       fraction of the row's ``tests`` the completion's code passes, in the sandbox
 
-and ``None`` (missing) where the row's answer is None, or not a number for ``numeric_match``.
+and ``None`` (missing) where the row's answer is None, or not a number for ``numeric_match``, or
+not parseable for ``math_verify``. ``math_verify`` needs ``pip install 'relax[math]'``; its entry
+is a ``LazyReward``: the library is imported when ``get_reward`` builds it
+(``relax.rewards.math_answers.MathVerify``, configurable there), not when this module is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import re
@@ -158,15 +166,54 @@ exact_match = make_exact_match()
 numeric_match = make_numeric_match()
 format_reward = make_format_reward()
 
+
+@dataclasses.dataclass(frozen=True)
+class LazyReward:
+    """A registry entry built on first use, ``factory()``, so that an optional dependency is
+    imported (or its ``ImportError`` raised) only then. Callable like the reward it builds."""
+
+    name: str
+    factory: Callable[[], Callable[..., list[float | None]]]
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def build(self) -> Callable[..., list[float | None]]:
+        return self.factory()
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+        return self.build()(prompts, completions, **fields)
+
+
+def make_math_verify(**config) -> Callable[..., list[float | None]]:
+    """``MathVerify(**config)`` (relax.rewards.math_answers); ``ImportError`` without ``relax[math]``."""
+    from relax.rewards.math_answers import MathVerify
+
+    return MathVerify(**config)
+
+
+def make_code_exec(**config) -> Callable[..., list[float | None]]:
+    """``CodeExec(**config)`` (relax.rewards.code_exec): the completion's code against the row's
+    tests, in the sandbox."""
+    from relax.rewards.code_exec import CodeExec
+
+    return CodeExec(**config)
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "format_reward": format_reward,
+    "math_verify": LazyReward("math_verify", make_math_verify),
+    "code_exec": LazyReward("code_exec", make_code_exec),
 }
 
 
 def get_reward(name: str) -> Callable[..., list[float | None]]:
-    """The built-in reward function called ``name``; unknown names raise ``ValueError`` listing them."""
+    """The built-in reward function called ``name`` (a ``LazyReward`` entry is built here); unknown
+    names raise ``ValueError`` listing them."""
     if name not in BUILTIN_REWARDS:
         raise ValueError(f"unknown reward {name!r}; valid: {', '.join(sorted(BUILTIN_REWARDS))}")
-    return BUILTIN_REWARDS[name]
+    entry = BUILTIN_REWARDS[name]
+    return entry.build() if isinstance(entry, LazyReward) else entry
