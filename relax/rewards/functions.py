@@ -15,6 +15,9 @@ Rewards are float32. A value that is infinite there (inf, or a finite number bey
 range such as 1e39) and a weighted sum that overflows float32 raise ``RewardError`` naming the
 function(s) and the sample: an inf reward would turn the loss into NaN.
 
+``score(..., pool=RewardPool(...))`` runs the host rewards in worker processes instead, with
+per-call timeouts and crash isolation (``relax.rewards.pool``).
+
 Token rewards (``TokenRewardFunction``) are pure JAX functions of the token arrays, scored by
 ``score_tokens`` inside ``jax.jit`` with no host round trip.
 """
@@ -29,7 +32,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +41,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from relax.choices import check_choice
 from relax.rewards.shaping import combine
+
+if TYPE_CHECKING:
+    from relax.rewards.pool import RewardPool
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +136,11 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | None, name
     return fut.result()
 
 
-def _to_array(name: str, out: Any, prompts: list, completions: list) -> np.ndarray:
-    """Check the return contract (N numbers or None) and convert to float32 with NaN for None."""
+def _to_array(name: str, out: Any, prompts: list, completions: list, *, offset: int = 0) -> np.ndarray:
+    """Check the return contract (N numbers or None) and convert to float32 with NaN for None.
+
+    ``offset``: the batch index of ``prompts[0]`` (a chunk scored by ``relax.rewards.pool``), so
+    that messages name samples as ``score`` does."""
     n = len(prompts)
     try:
         length = None if isinstance(out, (str, bytes, Mapping)) else len(out)
@@ -151,16 +160,16 @@ def _to_array(name: str, out: Any, prompts: list, completions: list) -> np.ndarr
                 raise TypeError
             f = float(v)
         except OverflowError:  # an int beyond float64
-            raise _not_finite(name, v, i, completions[i]) from None
+            raise _not_finite(name, v, i + offset, completions[i]) from None
         except (TypeError, ValueError):
             raise RewardError(
                 f"reward function {name!r} returned non-numeric {_truncate(repr(v), 60)} "
-                f"({type(v).__name__}) at sample {i} (completion={_truncate(completions[i])!r})"
+                f"({type(v).__name__}) at sample {i + offset} (completion={_truncate(completions[i])!r})"
             ) from None
         with np.errstate(over="ignore"):  # checked just below, after the float32 cast
             vals[i] = f
         if np.isinf(vals[i]):
-            raise _not_finite(name, v, i, completions[i])
+            raise _not_finite(name, v, i + offset, completions[i])
     return vals
 
 
@@ -239,6 +248,12 @@ def combine_checked(
     return total
 
 
+def _raised_at(name: str, exc: str, i: int, prompt: str, completion: str) -> RewardError:
+    """The error for reward function ``name`` raising ``exc`` ("Type: message") on sample ``i``."""
+    return RewardError(f"reward function {name!r} raised {exc} at sample {i} "
+                       f"(prompt={_truncate(prompt)!r}, completion={_truncate(completion)!r})")
+
+
 def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, timeout_s) -> RewardError:
     """Build the error for a raising batch call, re-running single samples to find the culprit.
 
@@ -247,10 +262,7 @@ def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, ti
     """
 
     def at(i: int, e: BaseException) -> RewardError:
-        return RewardError(
-            f"reward function {rf.name!r} raised {type(e).__name__}: {_truncate(e)} at sample {i} "
-            f"(prompt={_truncate(prompts[i])!r}, completion={_truncate(completions[i])!r})"
-        )
+        return _raised_at(rf.name, f"{type(e).__name__}: {_truncate(e)}", i, prompts[i], completions[i])
 
     n = len(prompts)
     if n == 1:
@@ -276,6 +288,7 @@ def score(
     on_error: str = "raise",
     timeout_s: float | None = None,
     all_missing: str = "nan",
+    pool: RewardPool | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]:
     """Run each host reward function once on the whole batch and combine them by weight.
 
@@ -295,11 +308,37 @@ def score(
     ``info``: ``errors`` / ``timeouts`` (failed calls), ``failed`` (their names), ``missing``
     (NaN entries over all functions), ``all_missing`` (samples with every function NaN),
     ``time_s/<name>`` (wall time of each call).
+
+    ``pool``: a ``relax.rewards.pool.RewardPool`` hosting ``reward_fns`` (same objects and order) runs
+    them in its workers, chunk by chunk, with its timeout (``timeout_s``: None or the same); a failure
+    costs only its chunk's samples, and ``info`` also counts ``crashes`` (``PendingScores.result``).
     """
+    wait, _ = _start(reward_fns, prompts, completions, fields, on_error, timeout_s, all_missing, pool)
+    return wait()
+
+
+def _start(reward_fns, prompts, completions, fields, on_error, timeout_s, all_missing, pool) -> tuple[
+        Callable[[], tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]], Callable[[], bool]]:
+    """``score`` as ``(wait, done)``: with a pool, every chunk is submitted and ``wait()`` collects
+    and combines; without, ``wait()`` returns what was scored here and now."""
+    fns, prompts, completions, fields = _prepare(reward_fns, prompts, completions, fields, on_error, timeout_s, pool)
+    if pool is None:
+        out = _finish(fns, *_score_here(fns, prompts, completions, fields, on_error, timeout_s), completions,
+                      all_missing)
+        return (lambda: out), (lambda: True)
+    pending = pool.submit(prompts, completions, fields)
+    return (lambda: _finish(fns, *pending.result(on_error=on_error), completions, all_missing)), pending.done
+
+
+def _prepare(reward_fns, prompts, completions, fields, on_error: str, timeout_s: float | None,
+             pool: RewardPool | None) -> tuple[tuple[RewardFunction, ...], list, list, dict[str, list]]:
+    """Check ``score``'s arguments; return the functions and the inputs as lists."""
     check_choice("on_error", on_error, ON_ERROR)
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
     fns = as_reward_functions(reward_fns)
+    if pool is not None:
+        pool.check(fns, timeout_s)
     prompts, completions = list(prompts), list(completions)
     n = len(prompts)
     if len(completions) != n:
@@ -310,7 +349,13 @@ def score(
             raise ValueError(f"field name {k!r} clashes with the positional arguments")
         if len(v) != n:
             raise ValueError(f"field {k!r} has {len(v)} values for {n} samples")
+    return fns, prompts, completions, fields
 
+
+def _score_here(fns: Sequence[RewardFunction], prompts: list, completions: list, fields: dict[str, list],
+                on_error: str, timeout_s: float | None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``score`` without a pool: each function called once on the whole batch, in this process."""
+    n = len(prompts)
     per: dict[str, np.ndarray] = {}
     info: dict[str, Any] = {"errors": 0, "timeouts": 0, "failed": ()}
     for rf in fns:
@@ -333,7 +378,12 @@ def score(
         else:
             per[rf.name] = _to_array(rf.name, out, prompts, completions)
         info[f"time_s/{rf.name}"] = time.perf_counter() - t0
+    return per, info
 
+
+def _finish(fns: Sequence[RewardFunction], per: dict[str, np.ndarray], info: dict[str, Any],
+            completions: list, all_missing: str) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]:
+    """Combine the per-function values by weight (checked) and count the missing ones in ``info``."""
     weights = {rf.name: rf.weight for rf in fns}
     total = combine_checked(per, weights, all_missing=all_missing, completions=completions)
     stacked = np.stack(list(per.values()))
@@ -354,15 +404,41 @@ def score_groups(
     """``score`` on G completions per prompt, TRL's layout: completions decoded with
     ``decode(tokens [P*G, N], mask [P*G, N])``, each prompt's text and dataset fields repeated over
     its G completions. Returns ``(rewards [P, G], per_function {name: [P, G]}, info, completions)``;
-    ``kwargs`` go to ``score``."""
+    ``kwargs`` go to ``score`` (``pool=`` included)."""
+    return start_score_groups(reward_fns, decode, prompts, fields, tokens, mask, **{"pool": None, **kwargs}).result()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreHandle:
+    """A ``start_score_groups`` in flight: ``result()`` waits and returns what ``score_groups``
+    returns (each call waits and combines again: call it once); ``done()`` does not wait."""
+
+    result: Callable[[], tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any], list[str]]]
+    done: Callable[[], bool]
+
+
+def start_score_groups(reward_fns: Sequence[RewardFunction | RewardFn],
+                       decode: Callable[[np.ndarray, np.ndarray], list[str]], prompts: Sequence[str],
+                       fields: Mapping[str, Sequence[Any]], tokens: np.ndarray, mask: np.ndarray, *,
+                       pool: RewardPool | None, on_error: str = "raise", timeout_s: float | None = None,
+                       all_missing: str = "nan") -> ScoreHandle:
+    """``score_groups`` without waiting for the reward functions: decodes, hands every chunk to
+    ``pool`` and returns at once, so the trainer can dispatch device work meanwhile; the handle's
+    ``result()`` waits and combines. Without a pool, scores here and now (a done handle). Argument
+    errors and ``pool``/``reward_fns`` mismatches raise here; reward failures raise in ``result()``."""
     tokens, mask = np.asarray(tokens), np.asarray(mask)
     p, g, n = tokens.shape
     completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
     rep_prompts = [t for t in prompts for _ in range(g)]
     rep_fields = {k: [v for v in vals for _ in range(g)] for k, vals in fields.items()}
-    total, per, info = score(reward_fns, rep_prompts, completions, rep_fields, **kwargs)
-    per = {k: np.asarray(v, np.float32).reshape(p, g) for k, v in per.items()}
-    return np.asarray(total, np.float32).reshape(p, g), per, info, completions
+    wait, done = _start(reward_fns, rep_prompts, completions, rep_fields, on_error, timeout_s, all_missing, pool)
+
+    def result():
+        total, per, info = wait()
+        per = {k: np.asarray(v, np.float32).reshape(p, g) for k, v in per.items()}
+        return np.asarray(total, np.float32).reshape(p, g), per, info, completions
+
+    return ScoreHandle(result, done)
 
 
 # ----------------------------------------------------------------------------- token rewards
