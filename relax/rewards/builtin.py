@@ -28,7 +28,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-DEFAULT_ANSWER_FIELD = "answer"
+from relax.rewards.columns import DEFAULT_ANSWER_FIELD, column
+
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 
 # One number: optional sign (ASCII or Unicode minus; not after a word character or ")", so
@@ -104,12 +105,6 @@ def parse_answer_number(answer: Any) -> float | None:
     return _match_value(m) if m else None
 
 
-def _field(fields: dict[str, list], name: str, fn_name: str) -> list:
-    if name not in fields:
-        raise KeyError(f"{fn_name} needs the dataset column {name!r}; got columns {sorted(fields)}")
-    return fields[name]
-
-
 def make_exact_match(answer_field: str = DEFAULT_ANSWER_FIELD) -> Callable[..., list[float | None]]:
     """``exact_match`` reading the reference from column ``answer_field``::
 
@@ -117,7 +112,7 @@ def make_exact_match(answer_field: str = DEFAULT_ANSWER_FIELD) -> Callable[..., 
     """
 
     def exact_match(prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
-        answers = _field(fields, answer_field, "exact_match")
+        answers = column(fields, answer_field, "exact_match")
         return [None if a is None else float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
     return exact_match
@@ -138,7 +133,7 @@ def make_numeric_match(
 
     def numeric_match(prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
         out: list[float | None] = []
-        for c, a in zip(completions, _field(fields, answer_field, "numeric_match")):
+        for c, a in zip(completions, column(fields, answer_field, "numeric_match")):
             target = parse_answer_number(a)
             x = None if target is None else extract_number(c)
             out.append(None if target is None else float(x is not None and math.isclose(x, target, rel_tol=rel_tol)))

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from relax.choices import check_choice
+from relax.rewards.columns import column
 from relax.rewards.sandbox import SandboxConfig, SandboxResult, sandbox_for
 
 SCORING = ("fraction", "all")
@@ -133,9 +134,7 @@ class CodeExec:
         return "code_exec"
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
-        if self.tests_field not in fields:
-            raise KeyError(f"code_exec needs the dataset column {self.tests_field!r}; got columns {sorted(fields)}")
-        tests = [parse_tests(t, self.tests_field, i) for i, t in enumerate(fields[self.tests_field])]
+        tests = [parse_tests(t, self.tests_field, i) for i, t in enumerate(column(fields, self.tests_field, "code_exec"))]
         return [None if t is None else self.score(c, t) for c, t in zip(completions, tests)]
 
     def score(self, completion: str, tests: list) -> float:

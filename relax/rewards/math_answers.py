@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from relax.rewards.builtin import DEFAULT_ANSWER_FIELD, _field
+from relax.rewards.columns import DEFAULT_ANSWER_FIELD, column
 
 INSTALL_HINT = "pip install 'relax[math]'"
 RETRY_S = 0.05  # a timeout that was swallowed is raised again this often until the check ends
@@ -197,7 +197,7 @@ class MathVerify:
             return 0.0
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
-        answers = _field(fields, self.answer_field, "math_verify")
+        answers = column(fields, self.answer_field, "math_verify")
         golds: dict[str, list] = {}
         out: list[float | None] = []
         for completion, answer in zip(completions, answers):
