@@ -105,18 +105,20 @@ def main(args: Args) -> dict:
     total = statistics.median(sum(r.values()) for r in runs)
     tokens = p * args.generations * args.new_tokens
     # update FLOPs: forward + backward ~ 6 * params * tokens, the prompt counted once per group
-    # (the reference forward, 2 * params * tokens, runs in the same fused program: not counted)
+    # (the reference forward, 2 * params * tokens, is a program of its own since the score was
+    # split around it: not counted)
     # embedding lookups are free (a tied head's matmul is counted: num_params counts it once)
     n_params = mcfg.num_params() - (0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size)
     update_tokens = p * args.prompt_len + tokens
     update_flops = 6 * n_params * update_tokens
     peak, peak_source = peak_flops()
-    upd_name = next(s for s in stages if s.endswith("update"))  # reference+advantage+update, fused
+    upd_name = next(s for s in stages if s.endswith("update"))  # advantage+update, fused
     upd = med[upd_name]
     return emit({
         "bench": "train_step", "model_shape": args.model_shape, "params": mcfg.num_params(), "preset": args.preset, "P": p, "G": args.generations, "Lp": args.prompt_len,
         "N": args.new_tokens, "beta": args.beta, "grad_accum": args.grad_accum, "runs": args.runs,
-        "iteration_s": total, "rollout_s": med["rollout"], "score_s": med["score"], "update_s": upd,
+        "iteration_s": total, "rollout_s": med["rollout"],
+        "score_s": med["score_start"] + med["score_finish"], "reference_s": med.get("reference", 0.0), "update_s": upd,
         "update_stages": upd_name,
         "min_iteration_s": min(sum(r.values()) for r in runs), "max_iteration_s": max(sum(r.values()) for r in runs),
         "tokens_per_s": tokens / total, "rollout_tokens_per_s": tokens / med["rollout"],

@@ -7,21 +7,23 @@
     python examples/train_ppo.py ... --ppo.policy-loss conservative_ppo --ppo.policy-loss-args kl_threshold=0.02
 
 Every field of ``relax.algorithms.ppo.run.PPORunConfig`` (and the nested ``--ppo.*``, ``--eval.*``,
-``--health.*``, ``--task.*`` and ``--parallel.*`` options) is a flag; ``--help`` lists them.
+``--health.*``, ``--reverse.*`` and ``--parallel.*`` options) is a flag; ``--help`` lists them.
 """
 
 from __future__ import annotations
 
 import sys
 
-from relax.algorithms.cli import parse_flags
+from relax.algorithms.cli import flag_value, parse_flags
 from relax.algorithms.ppo.run import PPORunConfig, builtin_defaults, real_defaults, run
 from relax.train.preemption import exit_as_terminated
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run(parse_flags(PPORunConfig, argv, builtin=builtin_defaults, real=real_defaults, description=__doc__))
+    task = flag_value(argv, "--task", "reverse")
+    return run(parse_flags(PPORunConfig, argv, builtin=lambda: builtin_defaults(task), real=real_defaults,
+                           description=__doc__))
 
 
 if __name__ == "__main__":

@@ -203,6 +203,6 @@ def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noq
 def test_ppo_learns_the_builtin_task(tmp_path):
     """The no-argument PPO run, shortened: held-out greedy accuracy rises by more than 20 points."""
     summary = load_example("ppo").main(["--run-dir", str(tmp_path), "--steps", "30", "--eval-every", "0",
-                               "--task.sft-steps", "250", "--eval-max-prompts", "100"])
+                               "--reverse.sft-steps", "250", "--eval-max-prompts", "100"])
     gain = summary["after"]["greedy/accuracy"] - summary["before"]["greedy/accuracy"]
     assert gain > 0.2, summary

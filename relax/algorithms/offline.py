@@ -47,6 +47,12 @@ class OfflineRunConfig(ModelRunConfig):
     eval_fraction: float = 0.05
     eval_max_examples: int | None = 200
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model is None and self.task != "reverse":
+            raise ValueError(f"--task {self.task}: the offline trainers' built-in task is reverse "
+                             "(code and math are for GRPO and PPO)")
+
 
 @dataclasses.dataclass(frozen=True)
 class OfflineAlgorithm:
@@ -90,7 +96,7 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
     """``(tokenizer, model, train rows, held-out rows, data paths)``: the built-in task or --model/--data."""
     if cfg.model is None:
         tokenizer, model, _, _ = builtin_setup(cfg, run_dir, log)
-        data, eval_data = algo.builtin_data(cfg.task, run_dir / "task", tokenizer)
+        data, eval_data = algo.builtin_data(cfg.reverse, run_dir / "task", tokenizer)
     else:
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
         model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])

@@ -28,9 +28,18 @@ from relax.models.peft import save_adapter
 from relax.objectives.reference import ReferenceConfig
 from relax.parallel import ParallelConfig, ShardedStep, batch_shards, check_batch
 from relax.passes import Passes, choose_passes
-from relax.rewards.builtin import get_reward
+from relax.models.reward_model import load_reward_model
+from relax.rewards.builtin import get_reward, make_exact_match, make_numeric_match
+from relax.rewards.code_exec import CodeExec
+from relax.rewards.math_answers import MathVerify
+from relax.rewards.model import TextRewardModel
+from relax.rewards.pool import PoolConfig, RewardPool
+from relax.rewards.sandbox import SandboxConfig
 from relax.rewards.functions import RewardFunction
-from relax.tasks import reverse
+from relax.tasks.base import write_jsonl
+from relax.tasks import TASKS, reverse
+from relax.tasks import code as code_task
+from relax.tasks import math as math_task
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger, is_main_process
 from relax.train.run import RunConfig, Trainer, run_loop
@@ -63,7 +72,16 @@ class ModelRunConfig(RunConfig):
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (``--lora.rank 8``): only they train, the KL reference is the base model and
     checkpoints hold only the adapters; rank 0 (the default): the whole model trains."""
-    task: reverse.ReverseTask = reverse.ReverseTask()
+    task: Literal["reverse", "code", "math"] = "reverse"
+    """The built-in task without --model: reverse, or (GRPO / PPO) code or math."""
+    reverse: reverse.ReverseTask = reverse.ReverseTask()
+    code: code_task.CodeTask = code_task.CodeTask()
+    math: math_task.MathTask = math_task.MathTask()
+
+    @property
+    def task_config(self):
+        """The options of the built-in task ``task``."""
+        return {"reverse": self.reverse, "code": self.code, "math": self.math}[self.task]
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,12 +106,26 @@ class OnlineRunConfig(ModelRunConfig):
     overlong: str = "truncate"
     system_prompt: str | None = None
     reward: tuple[str, ...] = ("exact_match",)
-    """Built-in reward functions by name (exact_match, numeric_match, format_reward)."""
+    """Built-in reward functions by name (exact_match, numeric_match, format_reward, math_verify, code_exec)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per --reward (empty: all 1)."""
     reward_timeout_s: float | None = 60.0
     reward_on_error: str = "raise"
     """raise: stop naming the function and sample; missing: log, count, treat as missing."""
+    reward_workers: int = 4
+    """Host reward functions run in this many worker processes (``relax.rewards.pool``: a
+    timeout per chunk, a crashed worker replaced, its samples missing or an error per
+    --reward-on-error), overlapping the reference forward; 0: in the trainer process."""
+    reward_chunk_size: int = 8
+    """Samples per task sent to a reward worker."""
+    tests_field: str = "tests"
+    """code_exec: the column of each row's tests (asserts, or stdin/stdout pairs)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """code_exec: isolation and limits of each sandboxed run (``relax.rewards.sandbox``)."""
+    reward_model: str | None = None
+    """A reward-model directory (``<Family>ForSequenceClassification``): its score of each
+    completion, with its own tokenizer, is the reward ``reward_model``."""
+    reward_model_weight: float = 1.0
     eval: EvalConfig = EvalConfig()
     eval_max_prompts: int | None = None
     parallel: ParallelConfig = ParallelConfig()
@@ -101,6 +133,8 @@ class OnlineRunConfig(ModelRunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.reward_workers < 0:
+            raise ValueError(f"--reward-workers must be >= 0, got {self.reward_workers}")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward")
 
@@ -114,6 +148,7 @@ class StepParts:
     eos_ids: tuple[int, ...]
     pad_id: int
     passes: Passes
+    pool: RewardPool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,26 +164,58 @@ class OnlineAlgorithm:
     stop_strings: tuple[str, ...] = ()
 
 
-def builtin_setup(cfg: OnlineRunConfig, run_dir: Path, log):
-    """Task files, tokenizer and base model of the built-in task (reused when present)."""
-    task = cfg.task
+def builtin_setup(cfg: ModelRunConfig, run_dir: Path, log):
+    """Task files, tokenizer and base model of the built-in task ``cfg.task`` (reused when present)."""
+    module, task = TASKS[cfg.task], cfg.task_config
     task_dir = run_dir / "task"
-    train, held_out = reverse.make_splits(task)
-    reverse.write_jsonl(train, task_dir / "train.jsonl")
-    reverse.write_jsonl(held_out, task_dir / "eval.jsonl")
-    tokenizer = reverse.build_tokenizer(task, task_dir)
+    train, held_out = module.make_splits(task)
+    write_jsonl(train, task_dir / "train.jsonl")
+    write_jsonl(held_out, task_dir / "eval.jsonl")
+    tokenizer = module.build_tokenizer(task, task_dir)
     base_dir = run_dir / "base_model"
     if (base_dir / "config.json").exists():
         model = load_pretrained(base_dir)
         log(f"base model: {base_dir} (reused)")
     else:
-        log("base model: a supervised phase on a noisy teacher (reverses only "
-            f"{task.reverse_prob:.0%} of the time) ...")
-        model = reverse.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
+        log(f"base model: a supervised phase on a noisy teacher of the {cfg.task} task ...")
+        model = module.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
         if is_main_process():
             save_pretrained(model, base_dir)
             tokenizer.save_pretrained(base_dir)  # a complete HF directory: transformers loads it
     return tokenizer, model, str(task_dir / "train.jsonl"), str(task_dir / "eval.jsonl")
+
+
+def reward_function(cfg: OnlineRunConfig, name: str):
+    """The built-in reward ``name`` configured by the run's flags (answer / tests columns, sandbox)."""
+    if name == "code_exec":
+        return CodeExec(tests_field=cfg.tests_field, sandbox=cfg.sandbox)
+    if name == "math_verify":
+        return MathVerify(answer_field=cfg.answer_field)
+    if name == "exact_match":
+        return make_exact_match(cfg.answer_field)
+    if name == "numeric_match":
+        return make_numeric_match(cfg.answer_field)
+    return get_reward(name)
+
+
+def reward_pool(cfg: OnlineRunConfig, reward_fns: list[RewardFunction]) -> RewardPool | None:
+    """The worker pool of the run's host reward functions (``--reward-workers``; None for 0). A
+    reward model scoring texts stays in the trainer process: it holds device arrays."""
+    pooled = [f for f in reward_fns if not isinstance(f.fn, TextRewardModel)]
+    if cfg.reward_workers == 0 or not pooled:
+        return None
+    return RewardPool(pooled, PoolConfig(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
+                                         chunk_size=cfg.reward_chunk_size))
+
+
+def reward_functions(cfg: OnlineRunConfig) -> list[RewardFunction]:
+    """``--reward`` (with ``--reward-weights``) and ``--reward-model`` as weighted reward functions."""
+    weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
+    fns = [RewardFunction(reward_function(cfg, n), name=n, weight=w) for n, w in zip(cfg.reward, weights)]
+    if cfg.reward_model is not None:
+        rm = TextRewardModel(load_reward_model(cfg.reward_model), load_tokenizer(cfg.reward_model))
+        fns.append(RewardFunction(rm, name="reward_model", weight=cfg.reward_model_weight))
+    return fns
 
 
 def _decoder(tokenizer: TextTokenizer):
@@ -272,7 +339,7 @@ def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm):
         # from the global mean: on several processes ``lengths`` is not addressable whole
         num_tokens = metrics["completion_length"] * cfg.batch_size * algo.num_generations
         return {"tokens_per_s": num_tokens / metrics["time/step"],
-                "reward_errors": float(batch["reward_info"]["errors"] + batch["reward_info"]["timeouts"])}
+                "reward_errors": float(sum(batch["reward_info"].get(k, 0) for k in ("errors", "timeouts", "crashes")))}
     return host_metrics
 
 
@@ -306,22 +373,24 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
             + f" | {jax.process_count()} process(es)")
     tokenizer, model, data_cfg, splits, eval_batch = _model_and_data(cfg, run_dir, mesh is not None, log)
-    weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
-    parts = StepParts(
-        reward_fns=[RewardFunction(get_reward(n), name=n, weight=w) for n, w in zip(cfg.reward, weights)],
-        decode=_decoder(tokenizer), eos_ids=tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids})),
-        pad_id=tokenizer.pad_token_id, passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)))
-    with _on_host(mesh is not None):
-        state = algo.make_state(model, jax.random.key(cfg.seed))
-    step_fn = algo.make_step(parts)
-    if mesh is not None:  # every process: the same state, laid out on the (global) mesh
-        step_fn = ShardedStep(step_fn, state, mesh, sampler_mesh=sampler_mesh,
-                              offload_reference=cfg.parallel.offload_reference)
-        state = step_fn.place(state)
-        del model
-    trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
-                      make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
-                      evaluate=_evaluator(cfg, algo, eval_batch, parts, log), export=exporter(tokenizer, base_path(cfg, run_dir)),
-                      bar_keys=BAR_KEYS)
-    _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
+    reward_fns = reward_functions(cfg)
+    pool = reward_pool(cfg, reward_fns)
+    with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
+        parts = StepParts(
+            reward_fns=reward_fns, decode=_decoder(tokenizer),
+            eos_ids=tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids})), pad_id=tokenizer.pad_token_id,
+            passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), pool=pool)
+        with _on_host(mesh is not None):
+            state = algo.make_state(model, jax.random.key(cfg.seed))
+        step_fn = algo.make_step(parts)
+        if mesh is not None:  # every process: the same state, laid out on the (global) mesh
+            step_fn = ShardedStep(step_fn, state, mesh, sampler_mesh=sampler_mesh,
+                                  offload_reference=cfg.parallel.offload_reference)
+            state = step_fn.place(state)
+            del model
+        trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
+                          make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
+                          evaluate=_evaluator(cfg, algo, eval_batch, parts, log),
+                          export=exporter(tokenizer, base_path(cfg, run_dir)), bar_keys=BAR_KEYS)
+        _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.compose import Stage, stage
+from relax.compose import Stage, compose, stage
 from relax.models.prefix_shared import completion_logprobs
 from relax.passes import Passes
 from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, combine_checked,
-                                    score_groups, score_tokens)
+                                    score_groups, score_tokens, start_score_groups)
+from relax.rewards.pool import RewardPool
 from relax.rollout.sampler import RolloutConfig, _generate
 from relax.text.stop_strings import truncate_at_stop_strings
 from relax.train.state import TrainState, reference_is_policy, reference_model
@@ -62,51 +63,98 @@ def make_reference(passes: Passes, *, temperature: float, attention: str) -> Sta
         ref_logprobs = jax.lax.stop_gradient(jax.lax.cond(same, lambda: batch["old_logprobs"], recompute))
         return state, {**batch, "ref_logprobs": ref_logprobs, "ref_is_policy": same}
 
-    return stage(reference, name="reference", reads_reference=True)
+    # it changes no state: its program returns the batch alone, and the step does not wait for it
+    # before the host stage after it (the reward pool's scoring overlaps it)
+    return stage(reference, name="reference", updates_state=False, reads_reference=True)
 
 
 def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
                decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
-               timeout_s: float | None = None, stop_strings: tuple[str, ...] = ()) -> Stage:
-    """Host stage: Python reward functions score the decoded completions (``score_groups``: each
-    prompt's text and dataset fields repeated over its G completions, TRL's layout). Python reward
-    functions get ``(prompts, completions, **fields)``; ``TokenRewardFunction``s run jitted on the
-    token arrays. All are combined by weight (a sample is missing, NaN, only when every function
-    is missing for it). First, completions are cut at their first stop string
-    (``relax.text.stop_strings``: ``mask``, ``lengths`` and ``finished`` replaced)."""
+               timeout_s: float | None = None, stop_strings: tuple[str, ...] = (),
+               pool: RewardPool | None = None) -> Stage:
+    """The score as one host stage: ``make_score_stages``'s two halves back to back."""
+    start, finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
+                                      stop_strings=stop_strings, pool=pool)
+    return compose(start, finish, name="score")
+
+
+def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
+                      decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
+                      timeout_s: float | None = None, stop_strings: tuple[str, ...] = (),
+                      pool: RewardPool | None = None) -> tuple[Stage, Stage]:
+    """Host stages ``(score_start, score_finish)``: reward functions score the decoded completions
+    (``score_groups``: each prompt's text and dataset fields repeated over its G completions, TRL's
+    layout), ``TokenRewardFunction``s run jitted on the token arrays, and all are combined by weight
+    (a sample is missing, NaN, only when every function is missing for it).
+
+    ``score_start`` first cuts completions at their first stop string (``relax.text.stop_strings``:
+    ``mask``, ``lengths`` and ``finished`` replaced), decodes them, and hands the functions that
+    ``pool`` hosts to its workers without waiting; ``score_finish`` runs the others here (in the
+    trainer process: e.g. a ``TextRewardModel``, which holds device arrays), then waits for the
+    pool and combines. A step that puts device work between the two (the reference log-probs)
+    overlaps it with the pool's scoring: JAX dispatches it and returns at once."""
     token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
     host = [f for f in reward_fns if not isinstance(f, TokenRewardFunction)]
     fns = as_reward_functions(host) if host else ()  # token rewards alone (e.g. a reward model) are enough
     if not fns and not token_fns:
         raise ValueError("make_score needs at least one reward function")
+    pooled = tuple(f for f in fns if pool is not None and f in pool.reward_fns)
+    local = tuple(f for f in fns if f not in pooled)
 
-    def score(state, batch):
-        parts: dict[str, np.ndarray] = {}
-        info: dict = {"errors": 0, "timeouts": 0}
-        weights: dict[str, float] = {}
+    def score_start(state, batch):
         out = dict(batch)
         if stop_strings:
             mask, lengths, finished = truncate_at_stop_strings(batch["tokens"], batch["mask"], batch["finished"],
                                                                decode, stop_strings)
             out.update(mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished))
-            batch = out
-        if fns:
-            _, per, info, out["completions"] = score_groups(
-                fns, decode, batch["prompts"], batch.get("fields", {}), batch["tokens"], batch["mask"],
-                on_error=on_error, timeout_s=timeout_s)
+        tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
+        p, g, n = tokens.shape
+        completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
+        out["completions"] = completions
+        if pooled:
+            out["pending_scores"] = start_score_groups(pooled, lambda *_: completions, batch["prompts"],
+                                                       batch.get("fields", {}), tokens, mask, pool=pool,
+                                                       on_error=on_error, timeout_s=timeout_s)
+        return state, out
+
+    def score_finish(state, batch):
+        out = dict(batch)
+        parts: dict[str, np.ndarray] = {}
+        info: dict = {"errors": 0, "timeouts": 0, "crashes": 0}
+        runs = []
+        if local:
+            runs.append(score_groups(local, lambda *_: batch["completions"], batch["prompts"],
+                                     batch.get("fields", {}), batch["tokens"], batch["mask"], on_error=on_error,
+                                     timeout_s=timeout_s))
+        if pooled:
+            runs.append(out.pop("pending_scores").result())
+        for _, per, run_info, _ in runs:
             parts.update(per)
-            weights.update({f.name: f.weight for f in fns})
+            info = _merge_info(info, run_info)
         if token_fns:
             _, per = score_tokens(token_fns, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
                                   batch["mask"])
             parts.update({k: np.asarray(v, np.float32) for k, v in per.items()})
-            weights.update({f.name: f.weight for f in token_fns})
-        total = combine_checked(parts, weights, completions=out.get("completions"))
+        weights = {f.name: f.weight for f in (*fns, *token_fns)}
+        total = combine_checked(parts, weights, completions=batch["completions"])
         out.update(rewards=jnp.asarray(total, jnp.float32), reward_info=info,
                    reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
         return state, out
 
-    return stage(score, jit=False, name="score")
+    return stage(score_start, jit=False, name="score_start"), stage(score_finish, jit=False, name="score_finish")
+
+
+def _merge_info(a: dict, b: dict) -> dict:
+    """Two ``score`` infos as one: counts added, failed names joined, timings kept."""
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, tuple):
+            out[k] = tuple(out.get(k, ())) + v
+        elif isinstance(v, int) and not k.startswith("time_s/"):
+            out[k] = out.get(k, 0) + v
+        else:
+            out[k] = v
+    return out
 
 
 def train_logprobs(policy, mb, passes: Passes, *, temperature: float, attention: str, remat: bool = False,

@@ -11,25 +11,17 @@ Everything (data, tokenizer, model) is generated on the spot; nothing is downloa
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
-import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
-import optax
 
-from relax.data.supervised import pad_examples
-from relax.masked import masked_mean
 from relax.models.config import ModelConfig
-from relax.models.logprobs import token_logprobs
-from relax.models.transformer import Transformer, init
+from relax.models.transformer import Transformer
+from relax.tasks.base import supervised_phase, write_jsonl
 from relax.text import TextTokenizer, load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece
-from relax.train.primitives import forward_backward, optim_step
-from relax.train.state import init_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +60,6 @@ def make_splits(task: ReverseTask) -> tuple[list[dict], list[dict]]:
     return out[:task.num_train], out[task.num_train:]
 
 
-def write_jsonl(records: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 def build_tokenizer(task: ReverseTask, directory: Path) -> TextTokenizer:
     texts = [task.alphabet + "=", *(c * 3 for c in task.alphabet)]
     path = train_sentencepiece(texts, directory / "tokenizer", vocab_size=len(task.alphabet) + 6, model_type="char")
@@ -97,40 +83,10 @@ def teacher_targets(task: ReverseTask, records: list[dict], rng: np.random.Gener
 def train_base_model(task: ReverseTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array,
                      log=print) -> Transformer:
     """The short supervised phase: imitate the noisy teacher on the training prompts."""
-    rng = np.random.default_rng(task.seed)
-    model = init(model_config(task, tokenizer), key, std=0.05)
-    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in train]  # BOS, as the data adds
-    length = max(len(p) for p in prompts) + task.max_len + 3
-    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, task.sft_learning_rate, 20, task.sft_steps),
-                            weight_decay=0.0)
-    state = init_state(model, optimizer, key=key)
-    t0 = time.perf_counter()
-    for i in range(task.sft_steps):
-        idx = rng.choice(len(train), task.sft_batch, replace=False)
-        targets = teacher_targets(task, [train[j] for j in idx], rng)
-        responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in targets]
-        ids, mask, loss_mask = pad_examples([prompts[j] for j in idx], responses, length=length,
-                                            pad_id=tokenizer.pad_token_id)
-        state, metrics = _supervised_step(state, (ids, mask, loss_mask))
-        if (i + 1) % 100 == 0:
-            log(f"  supervised step {i + 1}/{task.sft_steps}: loss {float(metrics['loss']):.3f} "
-                f"({time.perf_counter() - t0:.0f}s)")
-    return state.policy
-
-
-def nll(model: Transformer, rows) -> tuple[jax.Array, dict]:
-    """Token-mean negative log-likelihood of the response tokens::
-
-        loss = - sum_t m_t log p(x_{t+1} | x_{<=t}) / sum_t m_t      (m: the loss mask, shifted)
-    """
-    ids, mask, loss_mask = rows
-    return -masked_mean(token_logprobs(model, ids, mask), loss_mask[:, 1:]), {}
-
-
-@eqx.filter_jit(donate="all")
-def _supervised_step(state, rows):
-    grads, metrics = forward_backward(state, rows, nll)
-    return optim_step(state, grads), metrics
+    return supervised_phase(model_config(task, tokenizer), tokenizer, train,
+                            lambda records, rng: teacher_targets(task, records, rng), steps=task.sft_steps,
+                            batch=task.sft_batch, learning_rate=task.sft_learning_rate, seed=task.seed, key=key,
+                            log=log)
 
 
 # ----------------------------------------------------------------------------- offline datasets

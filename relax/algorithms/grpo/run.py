@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.choices import check_choice
+from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import init_state
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
@@ -30,14 +31,16 @@ class GRPORunConfig(OnlineRunConfig):
         check_choice("preset", self.preset, tuple(PRESETS))
 
 
-def builtin_defaults(preset_name: str = "grpo") -> GRPORunConfig:
-    """The no-argument run: the reverse task, sized to finish in a few minutes on 2 CPU cores.
+def builtin_defaults(preset_name: str = "grpo", task: str = "reverse") -> GRPORunConfig:
+    """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math``),
+    sized to finish in a few minutes on 2 CPU cores.
 
-    Only the sizes and the learning rate are the task's; every algorithm value is the preset's."""
-    grpo = preset(preset_name, num_generations=8, max_new_tokens=8,
+    Only the sizes, the rewards and the learning rate are the task's; every algorithm value is the preset's."""
+    grpo = preset(preset_name, num_generations=8, max_new_tokens=TASK_MAX_NEW_TOKENS[task],
                   optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
-    return GRPORunConfig(preset=preset_name, grpo=grpo, steps=60, batch_size=16, max_prompt_tokens=16, eval_every=20,
-                         checkpoint_every=20, run_dir="runs/grpo-reverse")
+    return GRPORunConfig(preset=preset_name, grpo=grpo, task=task, reward=TASK_REWARDS[task], steps=60,
+                         batch_size=16, max_prompt_tokens=TASK_PROMPT_TOKENS[task], eval_every=20, checkpoint_every=20,
+                         run_dir=f"runs/grpo-{task}", reward_workers=TASK_REWARD_WORKERS[task])
 
 
 def real_defaults(preset_name: str = "grpo") -> GRPORunConfig:
@@ -54,7 +57,8 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
 
     def make_step(parts: StepParts):
         return make_grpo_step(g, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
-                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s)
+                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
+                              pool=parts.pool)
 
     return OnlineAlgorithm(name="grpo", make_state=make_state, make_step=make_step, num_generations=g.num_generations,
                            max_new_tokens=g.max_new_tokens, stop_strings=g.stop_strings)

@@ -2,10 +2,11 @@
 
 - ``rollout`` (jit): G completions per prompt with the prefix-shared sampler; the sampler's
   log-probs are the old-policy log-probs.
-- ``score`` (host): decode completions, run the reward functions (TRL signature), combine.
-- ``reference`` (jit): reference log-probs (when ``beta > 0``), computed once with the
-  prefix-shared training forward and cached in the batch; it fuses with the two stages after
-  it into one program (it runs after ``score`` so that it lives with the trainer).
+- ``score`` (host, two halves): decode completions and hand the reward functions to the
+  reward pool (``score_start``), then run the trainer-side ones, wait and combine (``score_finish``).
+- ``reference`` (jit, between the two halves): reference log-probs (when ``beta > 0``), computed
+  once with the prefix-shared training forward and cached in the batch, on the device while the
+  pool scores on the host.
 - ``advantage`` (jit): group-relative advantages; all-equal groups get 0 (or are dropped).
 - ``update`` (jit): epochs x minibatches of optimizer steps, then the reference rule.
 
@@ -22,6 +23,7 @@ from relax.objectives import advantages as adv_lib
 from relax.objectives.kl import kl_estimate
 from relax.objectives.reference import make_reference_rule
 from relax.passes import Passes, choose_passes
+from relax.rewards.pool import RewardPool
 from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
 from relax.rollout.sampler import RolloutConfig
 from relax.rollout.sampling import SamplingConfig
@@ -30,7 +32,7 @@ from relax.train.state import TrainState
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.stages import make_reference, make_rollout, make_score
+from relax.algorithms.stages import make_reference, make_rollout, make_score_stages
 
 
 def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
@@ -114,16 +116,23 @@ def _batch_metrics(batch) -> dict:
 
 
 def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
-                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
+                   pool: RewardPool | None = None) -> Stage:
     """``grpo_step(state, batch) -> (state, batch)`` with ``batch`` holding ``prompt_ids``,
     ``prompt_mask`` ``[P, Lp]`` and host entries ``prompts`` (list[str]) and ``fields``; the
     optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
-    ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``)."""
+    ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``).
+    ``pool``: the reward functions it hosts run in its workers while the device computes the
+    reference log-probs (``make_score_stages``)."""
     passes = choose_passes() if passes is None else passes
+    score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
+                                                  stop_strings=cfg.stop_strings, pool=pool)
+    reference = [make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention)]
     return compose(
         make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
-        make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s, stop_strings=cfg.stop_strings),
-        make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),
+        score_start,
+        *(reference if cfg.needs_reference else ()),
+        score_finish,
         make_advantage(cfg),
         make_update_stage(cfg, passes),
         name="grpo_step",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.models.config import DTYPES
+from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.models.critic import init_critic, init_value_head, load_critic
 from relax.train.state import init_state
 
@@ -29,13 +30,15 @@ class PPORunConfig(OnlineRunConfig):
                              "it runs without --parallel.mesh / --parallel.sampler-devices")
 
 
-def builtin_defaults() -> PPORunConfig:
-    """The no-argument run: the reverse task, sized to finish in a few minutes on 2 CPU cores."""
-    ppo = PPOConfig(num_generations=4, max_new_tokens=8,
+def builtin_defaults(task: str = "reverse") -> PPORunConfig:
+    """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math``),
+    sized to finish in a few minutes on 2 CPU cores."""
+    ppo = PPOConfig(num_generations=4, max_new_tokens=TASK_MAX_NEW_TOKENS[task],
                     optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
                     critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
-    return PPORunConfig(ppo=ppo, steps=60, batch_size=16, max_prompt_tokens=16, eval_every=20, checkpoint_every=20,
-                        run_dir="runs/ppo-reverse")
+    return PPORunConfig(ppo=ppo, task=task, reward=TASK_REWARDS[task], steps=60, batch_size=16,
+                        max_prompt_tokens=TASK_PROMPT_TOKENS[task], eval_every=20, checkpoint_every=20,
+                        run_dir=f"runs/ppo-{task}", reward_workers=TASK_REWARD_WORKERS[task])
 
 
 def real_defaults() -> PPORunConfig:
@@ -58,7 +61,8 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
 
     def make_step(parts: StepParts):
         return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
-                             passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s)
+                             passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
+                             pool=parts.pool)
 
     return OnlineAlgorithm(name="ppo", make_state=make_state, make_step=make_step, num_generations=p.num_generations,
                            max_new_tokens=p.max_new_tokens, stop_strings=p.stop_strings)

@@ -32,6 +32,7 @@ from relax.objectives.kl import entropy_bonus, kl_estimate
 from relax.objectives.reference import make_reference_rule
 from relax.objectives.value import clipped_value_loss, explained_variance
 from relax.passes import Passes, choose_passes
+from relax.rewards.pool import RewardPool
 from relax.rollout.sampler import RolloutConfig
 from relax.rollout.sampling import SamplingConfig
 from relax.train.health import first_nonfinite, step_health
@@ -41,7 +42,7 @@ from relax.train.update import LossContext, make_update
 
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
-from relax.algorithms.stages import make_reference, make_rollout, make_score, train_logprobs
+from relax.algorithms.stages import make_reference, make_rollout, make_score_stages, train_logprobs
 
 ACTOR_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages", "rope")
 CRITIC_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_values", "returns", "critic_rope")
@@ -227,15 +228,19 @@ def _batch_metrics(cfg: PPOConfig, batch) -> dict:
 
 
 def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
-                  passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None) -> Stage:
+                  passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
+                  pool: RewardPool | None = None) -> Stage:
     """``ppo_step(state, batch) -> (state, batch)``; ``batch`` as GRPO's. The state holds the
-    critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``)."""
+    critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as GRPO's:
+    the reference log-probs are computed while it scores."""
     passes = choose_passes() if passes is None else passes
     rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
-    stages = [make_rollout(rcfg),
-              make_score(reward_fns, decode, on_error=on_error, timeout_s=timeout_s, stop_strings=cfg.stop_strings)]
+    score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
+                                                  stop_strings=cfg.stop_strings, pool=pool)
+    stages = [make_rollout(rcfg), score_start]
     if cfg.needs_reference:
         stages.append(make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention))
+    stages.append(score_finish)
     if cfg.advantage == "vineppo":
         stages.append(make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s))
     return compose(*stages, make_advantage(cfg), make_update_stage(cfg, passes), name="ppo_step")

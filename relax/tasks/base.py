@@ -1,0 +1,86 @@
+"""What every built-in task shares: a tiny Llama, its sentencepiece tokenizer trained on the task's
+text, and a short supervised phase that imitates a (noisy) teacher to make the base model."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+from relax.data.supervised import pad_examples
+from relax.masked import masked_mean
+from relax.models.config import ModelConfig
+from relax.models.logprobs import token_logprobs
+from relax.models.transformer import Transformer, init
+from relax.text import TextTokenizer, load_tokenizer
+from relax.text.sentencepiece_model import train_sentencepiece
+from relax.train.primitives import forward_backward, optim_step
+from relax.train.state import init_state
+
+Teacher = Callable[[list[dict], np.random.Generator], list[str]]  # records -> target completions
+
+
+def write_jsonl(records: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def task_tokenizer(texts: list[str], directory: Path, *, vocab_size: int, model_type: str = "bpe") -> TextTokenizer:
+    """A sentencepiece tokenizer trained on the task's own text (nothing is downloaded)."""
+    return load_tokenizer(train_sentencepiece(texts, directory / "tokenizer", vocab_size=vocab_size,
+                                              model_type=model_type))
+
+
+def tiny_llama(tokenizer: TextTokenizer, *, hidden_size: int, num_layers: int, max_positions: int) -> ModelConfig:
+    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=hidden_size // 4,
+                       max_position_embeddings=max_positions, rope_theta=10000.0,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+
+
+def supervised_phase(config: ModelConfig, tokenizer: TextTokenizer, train: list[dict], teacher: Teacher, *,
+                     steps: int, batch: int, learning_rate: float, seed: int, key: jax.Array,
+                     log=print) -> Transformer:
+    """A fresh model trained for ``steps`` on ``teacher``'s completions of random training prompts
+    (the token-mean NLL of the completion, ``nll``); the teacher is asked anew every step."""
+    rng = np.random.default_rng(seed)
+    model = init(config, key, std=0.05)
+    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in train]  # BOS, as the data adds
+    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, 20, steps), weight_decay=0.0)
+    state = init_state(model, optimizer, key=key)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        idx = rng.choice(len(train), batch, replace=False)
+        targets = teacher([train[j] for j in idx], rng)
+        responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in targets]
+        length = max(len(prompts[j]) + len(r) for j, r in zip(idx, responses))
+        ids, mask, loss_mask = pad_examples([prompts[j] for j in idx], responses, length=-(-length // 16) * 16,
+                                            pad_id=tokenizer.pad_token_id)
+        state, metrics = _supervised_step(state, (ids, mask, loss_mask))
+        if (i + 1) % 100 == 0:
+            log(f"  supervised step {i + 1}/{steps}: loss {float(metrics['loss']):.3f} "
+                f"({time.perf_counter() - t0:.0f}s)")
+    return state.policy
+
+
+def nll(model: Transformer, rows) -> tuple[jax.Array, dict]:
+    """Token-mean negative log-likelihood of the response tokens::
+
+        loss = - sum_t m_t log p(x_{t+1} | x_{<=t}) / sum_t m_t      (m: the loss mask, shifted)
+    """
+    ids, mask, loss_mask = rows
+    return -masked_mean(token_logprobs(model, ids, mask), loss_mask[:, 1:]), {}
+
+
+@eqx.filter_jit(donate="all")
+def _supervised_step(state, rows):
+    grads, metrics = forward_backward(state, rows, nll)
+    return optim_step(state, grads), metrics
