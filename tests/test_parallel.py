@@ -473,7 +473,8 @@ if __name__ != "__main__":
         with pytest.warns(UserWarning, match="offload_reference: cpu devices have no separate pinned_host"):
             sharded = parallel.ShardedStep(step, state, mesh, offload_reference=True)
         assert not sharded.offload
-        assert [s.names for s in sharded.segments] == [("rollout",), ("score",), ("reference", "advantage", "update")]
+        assert [s.names for s in sharded.segments] == [("rollout",), ("score_start",), ("reference",), ("score_finish",),
+                                                      ("advantage", "update")]
 
     def test_remat_gives_the_same_loss_and_gradients():
         from relax.algorithms.grpo.config import GRPOConfig

@@ -188,7 +188,7 @@ def test_network(box):  # a network namespace with no interface up
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    server.settimeout(3)
+    server.settimeout(1)
     port = server.getsockname()[1]
     hits = []
     thread = threading.Thread(target=lambda: hits.append(_accept(server)), daemon=True)

@@ -181,7 +181,7 @@ def test_grpo_learns_and_compiles_once():
         assert np.isfinite(float(out["metrics"]["loss"]))
     assert np.mean(rewards[-5:]) > np.mean(rewards[:3]) + 0.3, rewards
     assert int(state.step) == 25
-    assert step.cache_sizes() == (1, 1)  # rollout and advantage+update compiled once each
+    assert step.cache_sizes() == (1, 1, 1)  # rollout, reference and advantage+update compiled once each
     assert float(out["metrics"]["sampler_logprob_diff"]) < 1e-4  # sampler == trainer
 
 

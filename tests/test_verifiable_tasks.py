@@ -88,3 +88,25 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
     np.testing.assert_array_equal(np.asarray(outs[0]["rewards"]), np.asarray(outs[1]["rewards"]))
     np.testing.assert_allclose(float(outs[0]["metrics"]["loss"]), float(outs[1]["metrics"]["loss"]), rtol=1e-6)
     assert "pending_scores" not in outs[1]
+
+
+def test_grpo_with_a_reward_model_directory(tmp_path):
+    """``--reward-model DIR``: a saved reward model (here with another tokenizer than the
+    policy's: a byte-level BPE) scores the decoded completions; its mean is the logged reward."""
+    from relax.models.reward_model import init_reward_model, save_reward_model
+    from relax.models.transformer import init as init_model
+    from relax.tasks.base import tiny_llama
+    from relax.text import load_tokenizer
+    from text_fixtures import make_model_dir
+
+    tok = load_tokenizer(make_model_dir(tmp_path / "tok", "llama3"))
+    backbone = init_model(tiny_llama(tok, hidden_size=32, num_layers=1, max_positions=256), jax.random.key(3))
+    rm_dir = save_reward_model(init_reward_model(backbone, jax.random.key(4), head_std=1.0,
+                                                 pad_token_id=tok.pad_token_id), tmp_path / "rm", tokenizer=tok)
+    run = tmp_path / "run"
+    load_example("grpo").main(["--run-dir", str(run), "--steps", "1", "--reverse.sft-steps", "20",
+                               "--reward-model", str(rm_dir), "--reward-weights", "0.0", "--eval-every", "0",
+                               "--eval-max-prompts", "4", "--batch-size", "4", "--checkpoint-every", "1"])
+    line = next(line for line in _lines(run) if "time/step" in line)
+    assert line["reward/exact_match"] >= 0.0 and line["reward/reward_model"] != 0.0
+    np.testing.assert_allclose(line["reward"], line["reward/reward_model"], rtol=1e-5)

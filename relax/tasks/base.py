@@ -54,7 +54,8 @@ def supervised_phase(config: ModelConfig, tokenizer: TextTokenizer, train: list[
     rng = np.random.default_rng(seed)
     model = init(config, key, std=0.05)
     prompts = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in train]  # BOS, as the data adds
-    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, 20, steps), weight_decay=0.0)
+    warmup = min(20, steps // 2)  # 20 unless the phase is shorter than 40 steps
+    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps), weight_decay=0.0)
     state = init_state(model, optimizer, key=key)
     t0 = time.perf_counter()
     for i in range(steps):

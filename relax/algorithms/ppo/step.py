@@ -1,6 +1,6 @@
-"""The PPO step: ``compose(rollout, score, reference, [mc_values], advantage, update)``.
+"""The PPO step: ``compose(rollout, score_start, [reference], score_finish, [mc_values], advantage, update)``.
 
-- ``rollout``, ``score``, ``reference``: as GRPO's (``relax.algorithms.stages``).
+- ``rollout``, ``score_start`` / ``score_finish``, ``reference``: as GRPO's (``relax.algorithms.stages``; the reward pool scores while the reference forward runs).
 - ``mc_values`` (host, VinePPO only): Monte-Carlo state values from branched rollouts
   (``relax.algorithms.ppo.vine``).
 - ``advantage`` (jit): per-token rewards with the KL penalty in them, the critic's values of the
