@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("relax.data",)),
     ("rollout", ("relax.rollout",)),
     ("rewards", ("relax.rewards",)),
+    ("environments", ("relax.environments",)),
     ("objectives", ("relax.objectives",)),
     ("eval", ("relax.eval",)),
     ("parallel", ("relax.parallel",)),
