@@ -22,17 +22,8 @@ from relax.rewards.builtin import (
     numeric_match,
     parse_answer_number,
 )
-from relax.rewards.functions import (
-    RewardError,
-    RewardFunction,
-    TokenRewardFunction,
-    combine_checked,
-    length_reward,
-    score,
-    score_groups,
-    score_tokens,
-    token_match_reward,
-)
+from relax.rewards.functions import RewardError, RewardFunction, combine_checked, score, score_groups
+from relax.rewards.token_rewards import TokenRewardFunction, length_reward, score_tokens, token_match_reward
 
 NAN = np.nan
 PROMPTS = ["p0", "p1", "p2"]

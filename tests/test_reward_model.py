@@ -21,7 +21,8 @@ from relax.models.hf import HFFormatError, save_pretrained
 from relax.models.reward_model import (RewardModel, init_reward_model, load_reward_model, save_reward_model,
                                        sequence_rewards)
 from relax.passes import Passes
-from relax.rewards.functions import RewardFunction, TokenRewardFunction, score_tokens
+from relax.rewards.functions import RewardFunction
+from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.rewards.model import RewardModelScorer, reward_model_reward
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state

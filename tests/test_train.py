@@ -198,7 +198,7 @@ def _first_token_is_seven(prompt_ids, prompt_mask, completion_ids, completion_ma
               "kl_in_reward": True, "reference": ReferenceConfig(kind="ema", alpha=0.5)}),
 ])
 def test_every_preset_and_option_runs(name, overrides):
-    from relax.rewards.functions import TokenRewardFunction
+    from relax.rewards.token_rewards import TokenRewardFunction
 
     cfg = preset(name, num_generations=4, max_new_tokens=4, **overrides)
     policy = init(CFG, jax.random.key(0), std=0.3)

@@ -13,8 +13,9 @@ import numpy as np
 from relax.compose import Stage, compose, stage
 from relax.models.prefix_shared import completion_logprobs
 from relax.passes import Passes
-from relax.rewards.functions import (RewardFunction, TokenRewardFunction, as_reward_functions, combine_checked,
-                                    score_groups, score_tokens, start_score_groups)
+from relax.rewards.functions import (RewardFunction, as_reward_functions, combine_checked, score_groups,
+                                    start_score_groups)
+from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.rewards.pool import RewardPool
 from relax.rollout.sampler import RolloutConfig, _generate
 from relax.text.stop_strings import truncate_at_stop_strings

@@ -1,15 +1,8 @@
 """Rewards: host reward functions (TRL signature), built-ins, token rewards and shaping."""
 
 from relax.rewards.builtin import BUILTIN_REWARDS, exact_match, format_reward, get_reward, numeric_match
-from relax.rewards.functions import (
-    RewardError,
-    RewardFunction,
-    TokenRewardFunction,
-    length_reward,
-    score,
-    score_tokens,
-    token_match_reward,
-)
+from relax.rewards.functions import RewardError, RewardFunction, score
+from relax.rewards.token_rewards import TokenRewardFunction, length_reward, score_tokens, token_match_reward
 from relax.rewards.code_exec import CodeExec
 from relax.rewards.math_answers import MathVerify
 from relax.rewards.sandbox import Sandbox, SandboxConfig

@@ -2,8 +2,8 @@
 
 Select by name with ``get_reward(name)`` (``BUILTIN_REWARDS``), or build a configured variant
 with its factory (``make_exact_match(answer_field=...)``, ``make_numeric_match(rel_tol=...)``,
-``make_format_reward(pattern)``, ``make_math_verify(timeout_s=...)``). Each returns one value per
-completion::
+``make_format_reward(pattern)``, ``MathVerify(timeout_s=...)``, ``CodeExec(scoring=...)``). Each
+returns one value per completion::
 
     exact_match     1.0 if completion.strip() == str(answer).strip() else 0.0
     numeric_match   1.0 if |x - a| <= rel_tol * max(|x|, |a|) else 0.0
@@ -28,7 +28,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from relax.rewards.code_exec import code_exec
 from relax.rewards.columns import DEFAULT_ANSWER_FIELD, column
+from relax.rewards.math_answers import MathVerify
 
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 
@@ -181,27 +183,12 @@ class LazyReward:
         return self.build()(prompts, completions, **fields)
 
 
-def make_math_verify(**config) -> Callable[..., list[float | None]]:
-    """``MathVerify(**config)`` (relax.rewards.math_answers); ``ImportError`` without ``relax[math]``."""
-    from relax.rewards.math_answers import MathVerify
-
-    return MathVerify(**config)
-
-
-def make_code_exec(**config) -> Callable[..., list[float | None]]:
-    """``CodeExec(**config)`` (relax.rewards.code_exec): the completion's code against the row's
-    tests, in the sandbox."""
-    from relax.rewards.code_exec import CodeExec
-
-    return CodeExec(**config)
-
-
 BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "format_reward": format_reward,
-    "math_verify": LazyReward("math_verify", make_math_verify),
-    "code_exec": LazyReward("code_exec", make_code_exec),
+    "math_verify": LazyReward("math_verify", MathVerify),  # MathVerify() imports math-verify
+    "code_exec": code_exec,
 }
 
 

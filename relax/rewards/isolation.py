@@ -49,8 +49,9 @@ def drop_privileges(uid: int, gid: int) -> list[str]:
     return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
 
 
-def bwrap_prefix(bwrap: str, src: Path, interpreter_prefix: str, tmpfs_bytes: int) -> list[str]:
-    """bubblewrap's arguments: namespaces, the minimal root file system, capped tmpfs (module doc)."""
+def bwrap_prefix(bwrap: str, interpreter_prefix: str, tmpfs_bytes: int) -> list[str]:
+    """bubblewrap's arguments: namespaces, the minimal root file system, capped tmpfs (module doc);
+    a run adds the binding of its program (``bwrap_program``)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "lib", "lib32", "lib64", "sbin"):
@@ -63,7 +64,12 @@ def bwrap_prefix(bwrap: str, src: Path, interpreter_prefix: str, tmpfs_bytes: in
     args += ["--proc", "/proc", "--dev", "/dev"]
     for mount in ("/tmp", "/dev/shm", SANDBOX_DIR):
         args += ["--size", str(tmpfs_bytes), "--tmpfs", mount]
-    return args + ["--ro-bind", str(src), f"{SANDBOX_DIR}/src", "--chdir", SANDBOX_DIR, "--"]
+    return args
+
+
+def bwrap_program(src: Path) -> list[str]:
+    """One run's program directory, read-only at ``SANDBOX_DIR/src``, and the working directory."""
+    return ["--ro-bind", str(src), f"{SANDBOX_DIR}/src", "--chdir", SANDBOX_DIR, "--"]
 
 
 def unshare_prefix(unshare: str) -> list[str]:

@@ -31,7 +31,7 @@ import numpy as np
 from relax.models.reward_model import RewardModel, sequence_rewards
 from relax.models.prefix_shared import TRAIN_ATTENTION
 from relax.data.pairs import right_pad
-from relax.rewards.functions import TokenRewardFunction
+from relax.rewards.token_rewards import TokenRewardFunction
 from relax.text.sentencepiece_model import pad_left
 
 __all__ = ["RewardModelScorer", "TextRewardModel", "reward_model_reward"]

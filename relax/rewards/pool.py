@@ -106,6 +106,9 @@ def _init_worker(payloads: tuple[bytes, ...]) -> None:
 
 
 def _load(payload: bytes) -> RewardFn | str:
+    """A reward function from the bytes ``_dumps`` made of it in the trainer process, handed over
+    in memory through the pool's start-up pipe: the only unpickling in relax, of our own process's
+    objects, never of a file or of anything from the network or a model."""
     try:
         return cloudpickle.loads(payload)
     except Exception as exc:  # noqa: BLE001 - reported by name through _ping

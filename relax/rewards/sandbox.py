@@ -126,6 +126,13 @@ class Sandbox:
         self.cfg = cfg
         self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
         self.python = _resolve_python(cfg.python)
+        self._prefix = iso.drop_privileges(cfg.uid, cfg.gid)  # what every run starts with, found once
+        if self.isolation == "bwrap":
+            self._prefix += iso.bwrap_prefix(shutil.which("bwrap"), iso.interpreter_prefix(self.python),
+                                             cfg.tmpfs_mb << 20)
+        elif self.isolation == "unshare":
+            self._prefix += iso.unshare_prefix(shutil.which("unshare"))
+        self._launch = [self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg.rlimits())]
         probe = self.run({"probe.py": "print(6 * 7)"}, ["{python}", "-I", "src/probe.py"])
         if probe.stdout.strip() != "42":
             raise iso.SandboxUnavailable(
@@ -151,16 +158,9 @@ class Sandbox:
                              wall, self.isolation)
 
     def _command(self, work: Path, argv: Sequence[str]) -> list[str]:
-        cfg = self.cfg
         program = [self.python if a == "{python}" else a for a in argv]
-        launch = [self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg.rlimits()), *program]
-        prefix = iso.drop_privileges(cfg.uid, cfg.gid)
-        if self.isolation == "bwrap":
-            prefix += iso.bwrap_prefix(shutil.which("bwrap"), work / "src", iso.interpreter_prefix(self.python),
-                                       cfg.tmpfs_mb << 20)
-        elif self.isolation == "unshare":
-            prefix += iso.unshare_prefix(shutil.which("unshare"))
-        return prefix + launch
+        per_run = iso.bwrap_program(work / "src") if self.isolation == "bwrap" else []
+        return self._prefix + per_run + self._launch + program
 
 
 @functools.lru_cache(maxsize=8)

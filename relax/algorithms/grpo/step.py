@@ -127,11 +127,12 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     passes = choose_passes() if passes is None else passes
     score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
                                                   stop_strings=cfg.stop_strings, pool=pool)
-    reference = [make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention)]
+    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+                 if cfg.needs_reference else ())
     return compose(
         make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
         score_start,
-        *(reference if cfg.needs_reference else ()),
+        *reference,
         score_finish,
         make_advantage(cfg),
         make_update_stage(cfg, passes),
