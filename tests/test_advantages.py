@@ -328,3 +328,33 @@ def test_token_shape_errors_name_arrays():
         adv.mc_returns(jnp.zeros((2, 4)), jnp.ones((2, 3), bool))
     with pytest.raises(AssertionError, match="terminal_values"):
         adv.vineppo_advantages(jnp.zeros((2, 4)), jnp.ones((2, 4), bool), terminal_values=jnp.zeros(3))
+
+
+def test_turn_grpo_matches_numpy_reward_to_go():
+    rng = np.random.default_rng(0)
+    p, g, k, t = 3, 4, 3, 12
+    turn_rewards = rng.normal(size=(p, g, k)).astype(np.float32)
+    turn_rewards[1] = 0.5  # an all-equal group: advantage 0
+    turn_rewards[2, 1, 1] = np.nan  # a failed environment: that trajectory gets 0
+    turn_index = np.sort(rng.integers(-1, k, size=(p, g, t)), axis=-1)
+    mask = rng.random((p, g, t)) < 0.7
+    got = np.asarray(A.turn_grpo(jnp.asarray(turn_rewards), jnp.asarray(turn_index), jnp.asarray(mask), eps=1e-4))
+    want = np.zeros((p, g, t), np.float32)
+    for i in range(p):
+        ok = ~np.isnan(turn_rewards[i]).any(-1)
+        totals = turn_rewards[i].sum(-1)
+        if ok.sum() < 2 or np.ptp(totals[ok]) == 0:
+            continue
+        mean, std = totals[ok].mean(), totals[ok].std(ddof=1)
+        for j in np.nonzero(ok)[0]:
+            for s in range(t):
+                turn = turn_index[i, j, s]
+                if mask[i, j, s] and turn >= 0:
+                    want[i, j, s] = (turn_rewards[i, j, turn:].sum() - mean) / (std + 1e-4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # reward on the last turn only: every token gets its trajectory's GRPO advantage
+    last = np.zeros((1, 4, 2), np.float32)
+    last[0, :, 1] = [1.0, 0.0, 0.0, 1.0]
+    index = np.asarray([[[0, 0, 1, 1]] * 4])
+    adv = np.asarray(A.turn_grpo(jnp.asarray(last), jnp.asarray(index), jnp.ones((1, 4, 4), bool)))
+    np.testing.assert_allclose(adv[0, :, 0], np.asarray(A.grpo(jnp.asarray([[1.0, 0.0, 0.0, 1.0]])))[0], rtol=1e-6)

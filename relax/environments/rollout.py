@@ -203,7 +203,7 @@ def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRollo
             continue
         if isinstance(res, BaseException):
             rec.errors[t] = f"{type(res).__name__}: {res}"
-            running[t] = False
+            rec.turn_rewards[t, turn], running[t] = np.nan, False
             continue
         rec.turn_rewards[t, turn] = 0.0 if res.reward is None else float(res.reward)
         rec.add_info(t, res.info, len(actions))
@@ -246,8 +246,7 @@ def _trajectories(rec: _Record, prompt_ids, prompt_mask, p: int, g: int, clock) 
     n = rec.tokens.shape[1]
     shape = lambda x: x.reshape((p, g) + x.shape[1:])  # noqa: E731
     mask = np.arange(n)[None, :] < rec.length[:, None]
-    rewards = rec.turn_rewards.sum(axis=1)
-    rewards[[e is not None for e in rec.errors]] = np.nan
+    rewards = rec.turn_rewards.sum(axis=1)  # NaN where an environment raised
     rec.turn_index[~mask] = -1
     return Trajectories(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=shape(rec.tokens), mask=shape(mask.astype(np.int32)),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import chex
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from relax.masked import at_least_float32, masked_mean, masked_var, masked_whiten, token_inputs
 
@@ -70,6 +70,30 @@ def grpo(rewards: Float[Array, "p g"], *, scale: str = "group", eps: float = 1e-
     else:
         std = jnp.sqrt(masked_var(r0, valid))
     return jnp.where(informative, centred / jnp.where(informative, std + eps, 1.0), 0.0)
+
+
+def turn_grpo(turn_rewards: Float[Array, "p g k"], turn_index: Int[Array, "p g t"], mask: Bool[Array, "p g t"], *,
+              eps: float = 1e-4) -> Float[Array, "p g t"]:
+    """Per-turn GRPO advantages of multi-turn trajectories: each token of turn ``k`` gets its turn's
+    reward-to-go against the group's baseline of whole-trajectory returns::
+
+        R_k = sum_{j >= k} r_j,    A_t = (R_{turn(t)} - mean_g R_0) / (std_g R_0 + eps)
+
+    so a turn is credited with the rewards that follow it, not those before it; with a reward on
+    the last turn only it is ``grpo`` broadcast to the tokens. A trajectory whose return is NaN
+    (a failed environment) and an all-equal group get 0, as in ``grpo``; so do masked tokens.
+    """
+    chex.assert_rank([turn_rewards, turn_index, mask], 3)
+    r = at_least_float32(turn_rewards)
+    to_go = jnp.flip(jnp.cumsum(jnp.flip(jnp.where(jnp.isnan(r), 0.0, r), -1), -1), -1)  # [P, G, K]
+    total = jnp.where(jnp.any(jnp.isnan(r), -1), jnp.nan, to_go[..., 0])
+    r0, valid, _, informative = _outcome(total)
+    mean = masked_mean(r0, valid, axis=-1)[:, None]
+    std = jnp.sqrt(masked_var(r0, valid, axis=-1))[:, None]
+    adv = (to_go - mean[..., None]) / jnp.where(informative, std + eps, 1.0)[..., None]
+    per_token = jnp.take_along_axis(adv, jnp.clip(turn_index, 0, r.shape[-1] - 1), axis=-1)
+    keep = jnp.asarray(mask).astype(bool) & (turn_index >= 0) & informative[..., None]
+    return jnp.where(keep, per_token, 0.0)
 
 
 def rloo(rewards: Float[Array, "p g"]) -> Float[Array, "p g"]:

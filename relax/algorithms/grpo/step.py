@@ -53,20 +53,29 @@ def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> ja
     return rewards
 
 
-def make_advantage(cfg: GRPOConfig) -> Stage:
+def make_advantage(cfg: GRPOConfig, *, policy_tokens: str = "mask", per_turn: bool = False) -> Stage:
+    """Advantages and the loss mask. ``policy_tokens``: the batch's mask of the tokens the policy
+    sampled (``"sampled_mask"`` for multi-turn trajectories, whose ``mask`` also holds the
+    observations); ``per_turn``: per-turn advantages from ``turn_rewards`` (``advantages.turn_grpo``)."""
+    if per_turn and cfg.advantage != "grpo":
+        raise ValueError(f"per-turn advantages are GRPO's; the config's advantage is {cfg.advantage!r}")
+
     def advantage(state, batch):
+        policy_mask = batch[policy_tokens]
         rewards = shape_rewards(cfg, batch["rewards"], batch["lengths"])
         if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=batch["mask"] > 0)
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=policy_mask > 0)
             rewards = rewards - cfg.beta * jnp.sum(kl, axis=-1)
-        if cfg.advantage == "grpo":
+        if per_turn:
+            a = adv_lib.turn_grpo(batch["turn_rewards"], batch["turn_index"], policy_mask > 0, eps=cfg.advantage_eps)
+        elif cfg.advantage == "grpo":
             a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
         elif cfg.advantage == "rloo":
             a = adv_lib.rloo(rewards)
         else:  # token-level [P, G, N]
-            a = adv_lib.reinforce_pp_baseline(rewards, batch["mask"] > 0)
+            a = adv_lib.reinforce_pp_baseline(rewards, policy_mask > 0)
         keep = dynamic_sampling_mask(rewards)  # False for all-equal (zero-signal) groups
-        loss_mask = batch["mask"]
+        loss_mask = policy_mask
         if cfg.zero_std_groups == "drop":
             loss_mask = loss_mask * keep[:, None, None]
         if cfg.mask_truncated_completions:

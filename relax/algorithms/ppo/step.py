@@ -60,12 +60,16 @@ def token_rewards(score, mask, kl, kl_coef: float):
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
 
 
-def make_advantage(cfg: PPOConfig) -> Stage:
+def make_advantage(cfg: PPOConfig, *, policy_tokens: str = "mask") -> Stage:
+    """Token rewards, values, advantages and the loss mask. ``policy_tokens``: the batch's mask of
+    the tokens the policy sampled (``"sampled_mask"`` for multi-turn trajectories: GAE then steps
+    over the observation tokens, which the values and the critic still read)."""
+
     def advantage(state: TrainState, batch):
         p, g, n = batch["tokens"].shape
         score_ok = jnp.isfinite(batch["rewards"])
         score = jnp.where(score_ok, batch["rewards"], 0.0)
-        loss_mask = batch["mask"] * score_ok[..., None]
+        loss_mask = batch[policy_tokens] * score_ok[..., None]
         m = loss_mask > 0
         kl = (kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=m)
               if cfg.kl_coef > 0 else jnp.zeros(m.shape, jnp.float32))

@@ -1,0 +1,1 @@
+"""Multi-turn tool-use RL: GRPO / PPO on trajectories of environments (``relax.algorithms.agent.step``)."""

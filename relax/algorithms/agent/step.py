@@ -1,0 +1,133 @@
+"""GRPO and PPO on multi-turn trajectories: ``compose(rollout, [reference], advantage, update)``.
+
+- ``rollout`` (host): ``relax.environments.rollout`` steps P x G environments over the
+  cache-carrying sampler. Its trajectories enter the batch as ``tokens`` (sampled and observation
+  tokens in order), ``mask`` (every filled slot: what the trainer's forward attends),
+  ``sampled_mask`` (the policy's tokens: the loss, the KL and the advantages), ``old_logprobs``
+  (the sampler's, at sampled tokens), ``rewards`` (the environments' sum per trajectory; NaN
+  where one raised), ``turn_rewards`` / ``turn_index`` (per-turn credit), ``lengths`` (sampled
+  tokens), ``finished`` (not truncated), and the host metrics ``agent``.
+- ``reference``, ``advantage`` and ``update``: GRPO's or PPO's own stages, told that the policy's
+  tokens are ``sampled_mask``: observation tokens are read by every forward and scored by none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.compose import Stage, compose, stage
+from relax.environments.chat import ChatFormat
+from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
+from relax.passes import Passes, choose_passes
+from relax.rollout.sampling import SamplingConfig
+from relax.rollout.turns import TurnConfig
+
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo import step as grpo
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo import step as ppo
+from relax.algorithms.stages import ROLLOUT_STREAM, make_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """The multi-turn part of a run: ``max_turns`` policy turns of at most ``max_turn_tokens``
+    sampled tokens each (the whole trajectory, observations included, in the algorithm's
+    ``max_new_tokens``); ``per_turn``: per-turn advantages (GRPO, ``advantages.turn_grpo``);
+    ``compact_below``: as ``AgentRolloutConfig``."""
+
+    max_turns: int = 3
+    max_turn_tokens: int = 32
+    per_turn: bool = False
+    compact_below: float = 0.5
+
+
+def rollout_config(agent: AgentConfig, *, num_generations: int, max_new_tokens: int, sampling: SamplingConfig,
+                   eos_ids: tuple[int, ...], pad_id: int) -> AgentRolloutConfig:
+    turns = TurnConfig(num_generations=num_generations, max_tokens=max_new_tokens,
+                       max_turn_tokens=agent.max_turn_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    return AgentRolloutConfig(turns=turns, max_turns=agent.max_turns, compact_below=agent.compact_below)
+
+
+def trajectory_metrics(t: Trajectories) -> dict[str, float]:
+    """Host metrics of a batch: turns per trajectory, tool calls and their success rate, sampled
+    vs observation (masked) tokens, truncations, environment errors, time on device vs environments."""
+    sampled, filled = t.sampled_mask.sum(-1), t.mask.sum(-1)
+    calls, errors = t.info.get("tool_calls"), t.info.get("tool_errors")
+    out = {"turns": float(t.turns.mean()), "sampled_tokens": float(sampled.mean()),
+           "observation_tokens": float((filled - sampled).mean()), "truncated": float(t.truncated.mean()),
+           "env_errors": float(sum(e is not None for e in t.env_errors)),
+           "time/env_s": t.timings["env_s"], "time/device_s": t.timings["device_s"]}
+    if calls is not None:
+        out["tool_calls"] = float(calls.mean())
+        out["tool_call_success"] = float(1.0 - errors.sum() / calls.sum()) if calls.sum() else float("nan")
+    return out
+
+
+def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatFormat) -> Stage:
+    """The host stage: ``batch["rows"]`` (P dataset rows) -> P x G trajectories in the batch."""
+
+    def rollout(state, batch):
+        key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
+        t = rollout_trajectories(state.policy, batch["rows"], make_env, chat, key=key, cfg=rcfg)
+        rewards = jnp.asarray(t.rewards, jnp.float32)
+        out = {**batch, "prompt_ids": jnp.asarray(t.prompt_ids), "prompt_mask": jnp.asarray(t.prompt_mask),
+               "tokens": jnp.asarray(t.tokens), "mask": jnp.asarray(t.mask), "sampled_mask": jnp.asarray(t.sampled_mask),
+               "old_logprobs": jnp.asarray(t.logprobs), "turn_rewards": jnp.asarray(t.turn_rewards),
+               "turn_index": jnp.asarray(t.turn_index), "rewards": rewards,
+               "lengths": jnp.asarray(t.sampled_mask.sum(-1), jnp.int32), "finished": jnp.asarray(~t.truncated),
+               "reward_parts": {"env": rewards}, "reward_info": {}, "agent": trajectory_metrics(t)}
+        return state, out
+
+    return stage(rollout, jit=False, name="rollout", updates_state=False)
+
+
+def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
+                         pad_id: int, passes: Passes | None = None) -> Stage:
+    """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``."""
+    passes = choose_passes() if passes is None else passes
+    sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+    rcfg = rollout_config(agent, num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+                          sampling=sampling, eos_ids=chat.stop_ids, pad_id=pad_id)
+    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+                 if cfg.needs_reference else ())
+    return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
+                   grpo.make_advantage(cfg, policy_tokens="sampled_mask", per_turn=agent.per_turn),
+                   grpo.make_update_stage(cfg, passes), name="agent_grpo_step")
+
+
+def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
+                        pad_id: int, passes: Passes | None = None) -> Stage:
+    """PPO (GAE with the critic) on trajectories; the score sits on each trajectory's last sampled token."""
+    if cfg.advantage != "gae":
+        raise ValueError(f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported")
+    if agent.per_turn:
+        raise ValueError("per-turn advantages are GRPO's; PPO's critic assigns credit per token")
+    passes = choose_passes() if passes is None else passes
+    rcfg = rollout_config(agent, num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+                          sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=chat.stop_ids, pad_id=pad_id)
+    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+                 if cfg.needs_reference else ())
+    return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
+                   ppo.make_advantage(cfg, policy_tokens="sampled_mask"), ppo.make_update_stage(cfg, passes),
+                   name="agent_ppo_step")
+
+
+def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float]:
+    """Held-out metrics: success rate (a trajectory's reward is ``success``), and split by whether
+    the trajectory called a tool: the success rate with and without the tool, and how often it
+    was called."""
+    won = (t.rewards == success).reshape(-1)
+    out = {"success": float(won.mean()), "reward": float(np.nanmean(t.rewards)), "turns": float(t.turns.mean())}
+    calls = t.info.get("tool_calls")
+    if calls is not None:
+        used = (calls > 0).reshape(-1)
+        out["tool_use"] = float(used.mean())
+        out["success_with_tool"] = float(won[used].mean()) if used.any() else float("nan")
+        out["success_without_tool"] = float(won[~used].mean()) if (~used).any() else float("nan")
+    return out

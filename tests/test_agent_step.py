@@ -1,0 +1,95 @@
+"""GRPO and PPO on multi-turn trajectories (``relax.algorithms.agent.step``): the loss covers the
+sampled tokens only, the trainer's log-probs equal the sampler's on the whole trajectory, and
+both steps train."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from relax.algorithms.agent.step import AgentConfig, make_agent_grpo_step, make_agent_ppo_step
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.ppo.config import PPOConfig
+from relax.environments import StepResult
+from relax.environments.chat import ChatFormat
+from relax.models.critic import init_value_head
+from relax.train.state import init_state
+
+from test_agent_rollout import stopping_model, tokenizer  # noqa: F401 - the fixture
+
+
+class Counting:
+    """Turn 1 is answered with a short user message; turn 2 ends the trajectory with reward 1 if
+    the policy's two turns together sampled an even number of tokens, else 0."""
+
+    def reset(self, row):
+        self.sampled = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        self.sampled += len(action.token_ids)
+        if self.sampled == len(action.token_ids):
+            return StepResult([{"role": "user", "content": "and then?"}], 0.25, False, {"tool_calls": 1,
+                                                                                        "tool_errors": 0})
+        return StepResult((), float(self.sampled % 2 == 0), True, {"tool_calls": 0, "tool_errors": 0})
+
+
+ROWS = [{"prompt": "one"}, {"prompt": "two words"}]
+
+
+def run_step(step, state):
+    state, batch = step(state, {"rows": ROWS})
+    return state, batch, {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
+
+
+@pytest.mark.parametrize("per_turn", [False, True])
+def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
+    model = stopping_model(tokenizer)
+    cfg = GRPOConfig(num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0,
+                     optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
+    step = make_agent_grpo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16, per_turn=per_turn), Counting,
+                                ChatFormat(tokenizer), pad_id=0)
+    state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=True)
+    state, batch, metrics = run_step(step, state)
+    sampled, filled = np.asarray(batch["sampled_mask"]) > 0, np.asarray(batch["mask"]) > 0
+    observations = filled & ~sampled
+    assert observations.any() and not (np.asarray(batch["loss_mask"]) > 0)[observations].any()
+    assert np.all((np.asarray(batch["loss_mask"]) > 0) <= sampled)
+    # the trainer's forward over [prompt | turns and observations] scores what the sampler sampled
+    assert metrics["sampler_logprob_diff"] < 1e-4
+    adv = np.asarray(batch["advantages"])
+    if per_turn:  # turn 0 is credited with its 0.25 and what followed, turn 1 with what followed only
+        index, rewards = np.asarray(batch["turn_index"]), np.asarray(batch["rewards"])
+        assert adv.ndim == 3 and not adv[observations].any()
+        checked = 0
+        for p, g in zip(*np.nonzero(rewards > 1.0)):  # two turns: 0.25 then 1
+            if np.ptp(rewards[p]) == 0:
+                continue
+            a0, a1 = adv[p, g][(index[p, g] == 0) & sampled[p, g]], adv[p, g][(index[p, g] == 1) & sampled[p, g]]
+            np.testing.assert_allclose(a0 - a1[0], 0.25 / (rewards[p].std(ddof=1) + cfg.advantage_eps), rtol=1e-4)
+            checked += 1
+        assert checked
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert batch["agent"]["turns"] > 1 and batch["agent"]["observation_tokens"] > 0
+    assert batch["agent"]["tool_call_success"] == 1.0
+    before = np.asarray(state.policy.embed).copy()  # the step donates the state
+    state, _, metrics = run_step(step, state)
+    assert np.isfinite(metrics["loss"]) and not np.array_equal(before, np.asarray(state.policy.embed))
+
+
+def test_agent_ppo_step(tokenizer):  # noqa: F811
+    model = stopping_model(tokenizer)
+    cfg = PPOConfig(num_generations=2, max_new_tokens=64, critic="shared", kl_coef=0.0,
+                    optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3))
+    step = make_agent_ppo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Counting, ChatFormat(tokenizer),
+                               pad_id=0)
+    state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=cfg.needs_reference,
+                       critic=init_value_head(model.config), critic_optimizer=cfg.critic_optimizer.make())
+    state, batch, metrics = run_step(step, state)
+    sampled, filled = np.asarray(batch["sampled_mask"]) > 0, np.asarray(batch["mask"]) > 0
+    adv, returns = np.asarray(batch["advantages"]), np.asarray(batch["returns"])
+    assert not adv[filled & ~sampled].any() and not returns[filled & ~sampled].any()
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["explained_variance"])
+    with pytest.raises(ValueError, match="per-turn advantages are GRPO's"):
+        make_agent_ppo_step(cfg, AgentConfig(per_turn=True), Counting, ChatFormat(tokenizer), pad_id=0)
