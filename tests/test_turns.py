@@ -24,9 +24,9 @@ LOGP_ATOL = 2e-5  # as test_rollout.LOGP_ATOL
 
 def conversation(state, prompt_ids, prompt_mask, rows):
     """Each row's whole conversation so far (prompt + filled slots), left-padded, and its mask."""
-    tokens, length, g = np.asarray(state.tokens), np.asarray(state.length), len(rows) and None
+    tokens, length = np.asarray(state.tokens), np.asarray(state.length)
     seqs = []
-    for i, (row, prompt) in enumerate(rows):
+    for i, (_, prompt) in enumerate(rows):
         p = np.asarray(prompt_ids)[prompt][np.asarray(prompt_mask)[prompt] > 0]
         seqs.append(np.concatenate([p, tokens[i, :length[i]]]))
     width = max(map(len, seqs))

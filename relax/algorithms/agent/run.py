@@ -1,0 +1,154 @@
+"""The agent run: ``run(cfg)`` is what ``examples/train_agent.py`` calls. It trains GRPO (or PPO
+with a critic) on multi-turn trajectories of the built-in tool task (``relax.tasks.agent``:
+multiply two numbers, with a calculator tool), and evaluates held-out rows greedily before,
+during and after: the success rate, how often the tool is called, and the success rate with
+and without it. Checkpoints, logs, resume and the HF export are ``relax.train.run``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Literal
+
+import jax
+import numpy as np
+
+from relax.environments.chat import ChatFormat
+from relax.environments.rollout import rollout_trajectories
+from relax.models.critic import init_critic, init_value_head
+from relax.models.hf import load_pretrained, save_pretrained
+from relax.rollout.sampling import SamplingConfig
+from relax.tasks import agent as agent_task
+from relax.tasks.base import write_jsonl
+from relax.train.logs import MetricsLogger
+from relax.train.run import RunConfig, Trainer, run_loop
+from relax.train.state import init_state
+
+from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make_agent_ppo_step, rollout_config,
+                                         success_metrics)
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.online import exporter, start_run
+from relax.algorithms.ppo.config import PPOConfig
+from relax.passes import choose_passes
+
+BAR_KEYS = (("reward", "reward"), ("tool_calls", "calls"), ("turns", "turns"))
+EVAL_STREAM = 1_000_003
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentRunConfig(RunConfig):
+    """A multi-turn tool-use run on the built-in task (``--task.*``): ``--algorithm grpo|ppo``
+    with its ``--grpo.*`` / ``--ppo.*`` values (``max_new_tokens``: a trajectory's slots after the
+    prompt, observations included), ``--agent.*`` (turns, per-turn budget, per-turn advantages)."""
+
+    task: agent_task.AgentTask = agent_task.AgentTask()
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    grpo: GRPOConfig = GRPOConfig()
+    ppo: PPOConfig = PPOConfig()
+    agent: AgentConfig = AgentConfig()
+    batch_size: int = 8
+    """Rows per step (each gets G trajectories)."""
+    run_dir: str = "runs/agent"
+
+
+class RowIterator:
+    """Training rows ``batch_size`` at a time, reshuffled every epoch (seeded); its position is
+    checkpointed (``get_state`` / ``set_state``), so a resumed run sees the rows it would have."""
+
+    def __init__(self, rows: list[dict], batch_size: int, seed: int):
+        if batch_size > len(rows):
+            raise ValueError(f"--batch-size {batch_size} is more than the {len(rows)} training rows")
+        self.rows, self.batch_size, self.seed, self.position = rows, batch_size, seed, 0
+
+    def __next__(self) -> list[dict]:
+        per_epoch = len(self.rows) // self.batch_size
+        epoch, i = divmod(self.position, per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        self.position += 1
+        return [self.rows[j] for j in order[i * self.batch_size:(i + 1) * self.batch_size]]
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def builtin_defaults() -> AgentRunConfig:
+    """The no-argument run, sized to show learning in a few minutes on 2 CPU cores."""
+    grpo = GRPOConfig(num_generations=8, max_new_tokens=64, beta=0.0,
+                      optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4))
+    return AgentRunConfig(grpo=grpo, agent=AgentConfig(max_turns=3, max_turn_tokens=16), steps=30, eval_every=10,
+                          checkpoint_every=10)
+
+
+def _setup(cfg: AgentRunConfig, run_dir: Path, log):
+    """Task files, tokenizer and base model (reused from the run directory when present)."""
+    task, task_dir = cfg.task, run_dir / "task"
+    train, held_out = agent_task.make_splits(task)
+    write_jsonl(train, task_dir / "train.jsonl")
+    write_jsonl(held_out, task_dir / "eval.jsonl")
+    tokenizer = agent_task.build_tokenizer(task, task_dir)
+    base_dir = run_dir / "base_model"
+    if (base_dir / "config.json").exists():
+        log(f"base model: {base_dir} (reused)")
+        return tokenizer, load_pretrained(base_dir), train, held_out
+    log("base model: a supervised phase on a teacher that calls the calculator on some prompts ...")
+    model = agent_task.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
+    save_pretrained(model, base_dir)
+    tokenizer.save_pretrained(base_dir)
+    return tokenizer, model, train, held_out
+
+
+def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_id: int, log):
+    """Greedy trajectories of every held-out row: ``success_metrics``."""
+    alg = cfg.grpo if cfg.algorithm == "grpo" else cfg.ppo
+    rcfg = rollout_config(cfg.agent, num_generations=1, max_new_tokens=alg.max_new_tokens,
+                          sampling=SamplingConfig(temperature=0.0), eos_ids=chat.stop_ids, pad_id=pad_id)
+
+    def evaluate(state, step: int, logger: MetricsLogger) -> dict:
+        t0 = time.perf_counter()
+        t = rollout_trajectories(state.policy, held_out, lambda: agent_task.make_environment(cfg.task), chat,
+                                 key=jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM), cfg=rcfg)
+        metrics = success_metrics(t)
+        logger.log(step, {f"eval/{k}": v for k, v in metrics.items() if np.isfinite(v)})  # NaN: no such trajectory
+        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): " + ", ".join(f"{k} {v:.3f}"
+                                                                              for k, v in metrics.items()))
+        return metrics
+
+    return evaluate
+
+
+def _make_state(cfg: AgentRunConfig, model, key):
+    if cfg.algorithm == "grpo":
+        g = cfg.grpo
+        return init_state(model, g.optimizer.make(), key=key, with_reference=g.needs_reference,
+                          with_ref_stats=g.needs_reference and g.reference.needs_stats)
+    p = cfg.ppo
+    critic = init_value_head(model.config) if p.shared_critic else init_critic(model)
+    return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,
+                      critic_optimizer=p.critic_optimizer.make())
+
+
+def run(cfg: AgentRunConfig) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    run_dir, log = start_run(cfg, f"agent-{cfg.algorithm}")
+    t_start = time.perf_counter()
+    tokenizer, model, train, held_out = _setup(cfg, run_dir, log)
+    env_tools = [t.schema() for t in agent_task.tools(cfg.task)]
+    chat = ChatFormat(tokenizer, tools=env_tools)
+    make_env = lambda: agent_task.make_environment(cfg.task)  # noqa: E731 - a fresh environment per trajectory
+    pad_id, passes = tokenizer.pad_token_id, choose_passes()
+    if cfg.algorithm == "grpo":
+        step = make_agent_grpo_step(cfg.grpo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
+    else:
+        step = make_agent_ppo_step(cfg.ppo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
+    state = _make_state(cfg, model, jax.random.key(cfg.seed))
+    trainer = Trainer(name=f"agent-{cfg.algorithm}", step=step, batches=RowIterator(train, cfg.batch_size, cfg.seed),
+                      make_batch=lambda rows: {"rows": rows},
+                      host_metrics=lambda batch, metrics: {k: v for k, v in batch["agent"].items() if np.isfinite(v)},
+                      evaluate=_evaluator(cfg, chat, held_out, pad_id, log), export=exporter(tokenizer),
+                      bar_keys=BAR_KEYS)
+    _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
+    return summary
