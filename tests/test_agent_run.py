@@ -15,7 +15,7 @@ FAST = ["--task.sft-steps", "20", "--task.sft-batch", "8", "--task.num-train", "
         "--checkpoint-every", "2", "--no-export-hf"]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])  # PPO: test_agent_step
 def test_train_agent_runs(tmp_path, algorithm):
     extra = ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "64", "--ppo.critic", "shared"] \
         if algorithm == "ppo" else []

@@ -43,7 +43,7 @@ def run_step(step, state):
     return state, batch, {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
 
 
-@pytest.mark.parametrize("per_turn", [False, True])
+@pytest.mark.parametrize("per_turn", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
     model = stopping_model(tokenizer)
     cfg = GRPOConfig(num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0,

@@ -30,7 +30,8 @@ def _lines(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("task", ["code", "math"])
+# the math run is slow-only (make test-all): math_verify and the math task's answers have fast tests of their own
+@pytest.mark.parametrize("task", ["code", pytest.param("math", marks=pytest.mark.slow)])
 def test_grpo_runs_the_builtin_task(task, tmp_path):
     if task == "math":
         pytest.importorskip("math_verify")

@@ -39,6 +39,7 @@ from relax.environments.chat import ChatFormat
 from relax.environments.protocol import Action, Environment, AsyncEnvironment, as_async
 from relax.models.transformer import Transformer
 from relax.rollout import turns as T
+from relax.rollout.sampler import bucket_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _pad_prompts(prompts: list[list[int]], cfg: T.TurnConfig, context: int) -> t
     if longest + cfg.max_tokens > context:
         raise ValueError(f"a {longest}-token prompt and max_tokens={cfg.max_tokens} overflow the model's context "
                          f"of {context} positions")
-    width = T.bucket(longest, cfg.prompt_buckets)
+    width = bucket_length(longest, cfg.prompt_buckets)
     ids = np.full((len(prompts), width), cfg.pad_id, np.int32)
     mask = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
@@ -221,7 +222,7 @@ def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRollo
 
 def _append(model, state, observations: dict[int, list[int]], where, rec: _Record, turn: int, tc: T.TurnConfig):
     rows = len(where)
-    width = T.bucket(max(map(len, observations.values())), tc.observation_buckets)
+    width = bucket_length(max(map(len, observations.values())), tc.observation_buckets)
     ids = np.full((rows, width), tc.pad_id, np.int32)
     count = np.zeros(rows, np.int32)
     length = np.asarray(state.length)

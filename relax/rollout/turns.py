@@ -21,7 +21,6 @@ finished stops costing compute.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import equinox as eqx
 import jax
@@ -218,12 +217,3 @@ compact = jax.jit(_compact)
 def next_logits(model: Transformer, s: TurnState) -> Float[Array, "b v"]:
     """The logits each row draws its next token from (tests compare them with a full forward)."""
     return project(model, s.last_h)
-
-
-@functools.lru_cache(maxsize=None)
-def bucket(length: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket holding ``length`` (so nearby lengths share a compiled program)."""
-    for b in buckets:
-        if b >= length:
-            return b
-    raise ValueError(f"{length} tokens is more than the largest bucket {buckets[-1]}")

@@ -51,6 +51,12 @@ class AgentRunConfig(RunConfig):
     """Rows per step (each gets G trajectories)."""
     run_dir: str = "runs/agent"
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.task.max_turns != self.agent.max_turns:
+            raise ValueError(f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
+                             "must agree: the environment ends a trajectory after the first, the rollout after the second")
+
 
 class RowIterator:
     """Training rows ``batch_size`` at a time, reshuffled every epoch (seeded); its position is
@@ -79,8 +85,9 @@ def builtin_defaults() -> AgentRunConfig:
     """The no-argument run, sized to show learning in a few minutes on 2 CPU cores."""
     grpo = GRPOConfig(num_generations=8, max_new_tokens=64, beta=0.0,
                       optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4))
-    return AgentRunConfig(grpo=grpo, agent=AgentConfig(max_turns=3, max_turn_tokens=16), steps=30, eval_every=10,
-                          checkpoint_every=10)
+    task = agent_task.AgentTask()
+    return AgentRunConfig(task=task, grpo=grpo, agent=AgentConfig(max_turns=task.max_turns, max_turn_tokens=16),
+                          steps=30, eval_every=10, checkpoint_every=10)
 
 
 def _setup(cfg: AgentRunConfig, run_dir: Path, log):
