@@ -182,7 +182,7 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
         clock["env_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         if observations:
-            state = _append(model, state, observations, where, rec, turn, tc)
+            state = _append(model, state, observations, before + count, where, rec, turn, tc)
         live = np.nonzero((where >= 0) & running[np.maximum(where, 0)])[0]
         if live.size == 0:
             break
@@ -220,12 +220,13 @@ def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRollo
     return out
 
 
-def _append(model, state, observations: dict[int, list[int]], where, rec: _Record, turn: int, tc: T.TurnConfig):
+def _append(model, state, observations: dict[int, list[int]], length, where, rec: _Record, turn: int,
+            tc: T.TurnConfig):
+    """Prefill the observations onto their rows' caches; ``length``: the rows' filled slots (host)."""
     rows = len(where)
     width = bucket_length(max(map(len, observations.values())), tc.observation_buckets)
     ids = np.full((rows, width), tc.pad_id, np.int32)
     count = np.zeros(rows, np.int32)
-    length = np.asarray(state.length)
     for i, obs in observations.items():
         ids[i, :len(obs)], count[i] = obs, len(obs)
         rec.turn_index[where[i], length[i]:length[i] + len(obs)] = turn
