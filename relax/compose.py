@@ -205,7 +205,8 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
             run = _host_passthrough(jitted if updates else keep_state(jitted))
             segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
         else:
-            segments.append(Segment(names=names, jittable=False, run=group[0].fn))
+            segments.append(Segment(names=names, jittable=False, run=group[0].fn,
+                                    updates_state=group[0].updates_state))
     return tuple(segments)
 
 

@@ -160,6 +160,32 @@ def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tm
     assert only["step"] == 4 and "pass@1" in only["eval_only"]
 
 
+PIPELINED = ("--async.staleness", "1", "--async.correction.kind", "tis")
+
+
+def test_pipelined_run_resumes_after_kill_9_bit_for_bit(setup, straight, tmp_path):
+    """``--async.staleness 1``: killed while batch 7 is scored (update 6 in flight), resumed from
+    the newest checkpoint, whose sampler copy of the version before it re-samples the batch in
+    flight as the first run did."""
+    run_dir = tmp_path / "straight"
+    load_example("grpo").main(_args(setup, run_dir, 8, *PIPELINED))
+    killed = tmp_path / "killed"
+    proc = _run_fault(setup, killed, "kill9", 7, *PIPELINED, "--steps", "8")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert _steps_logged(killed) == [0, 1, 2, 3, 4, 5]
+    saved = [p.name for p in (killed / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and set(saved) <= {"2", "4"}  # the save of 4 may still have been under way
+    load_example("grpo").main(_args(setup, killed, 8, "--resume", *PIPELINED))
+    a, b = _train_lines(run_dir), _train_lines(killed)
+    assert [a[step]["staleness"] for step in sorted(a)] == [0] + [1] * 7  # batch 1 on-policy, then one behind
+    assert all(a[step]["is_weight_max"] > 1 for step in range(2, 9))  # the weights moved: stale samples
+    for step in range(1, 9):
+        assert a[step] == b[step], step
+    sync = _train_lines(straight[0])
+    assert sync[1]["reward"] == a[1]["reward"]  # batch 1: the same weights, key and samples
+    assert any(sync[step]["reward"] != a[step]["reward"] for step in (2, 3, 4))  # then: older weights
+
+
 def test_crash_completes_the_pending_checkpoint(setup, tmp_path):
     """A reward that raises at step 3, while step 2's asynchronous save is in flight, ends the
     interpreter; checkpoint 2 must be whole and verify."""

@@ -12,11 +12,12 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
 
 from relax.data.prompts import DataConfig, eval_records, prompt_batch, prompt_iterator, read_records, read_splits
 from relax.eval.evaluate import EvalConfig, evaluate
@@ -42,6 +43,7 @@ from relax.tasks import code as code_task
 from relax.tasks import math as math_task
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger, is_main_process
+from relax.train.pipeline import AsyncConfig
 from relax.train.run import RunConfig, Trainer, run_loop
 
 BAR_KEYS = (("reward", "reward"), ("kl", "kl"), ("completion_length", "len"), ("tokens_per_s", "tok/s"))
@@ -130,6 +132,9 @@ class OnlineRunConfig(ModelRunConfig):
     eval_max_prompts: int | None = None
     parallel: ParallelConfig = ParallelConfig()
     """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
+    async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
+    """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` samples the next batch
+    while the update runs, with an off-policy correction (``--async.correction.kind``)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -391,6 +396,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
                           make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
                           evaluate=_evaluator(cfg, algo, eval_batch, parts, log),
-                          export=exporter(tokenizer, base_path(cfg, run_dir)), bar_keys=BAR_KEYS)
+                          export=exporter(tokenizer, base_path(cfg, run_dir)), bar_keys=BAR_KEYS,
+                          asynchronous=cfg.async_)
         _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

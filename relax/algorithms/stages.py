@@ -1,6 +1,11 @@
 """Stages every online algorithm shares: ``rollout`` (the prefix-shared sampler), ``score``
-(reward functions on the host) and ``reference`` (cached reference log-probs); and the
-trainer's log-probs of a micro-batch of prompt groups (``train_logprobs``)."""
+(reward functions on the host), ``reference`` (cached reference log-probs) and ``proximal``
+(the trainer's log-probs before the update, for off-policy corrections); and the trainer's
+log-probs of a micro-batch of prompt groups (``train_logprobs``).
+
+Every sample carries ``policy_version``: the ``state.step`` of the weights that sampled it. A
+synchronous step samples and updates at one version; the pipeline (``relax.train.pipeline``)
+updates on samples up to its staleness bound older."""
 
 from __future__ import annotations
 
@@ -32,11 +37,21 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
         r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], key, rcfg)
         out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
-               "lengths": r.lengths, "finished": r.finished}
+               "lengths": r.lengths, "finished": r.finished, "policy_version": sample_versions(state, r.lengths)}
         return state, out
 
     # the rewards (a host stage) run next: if they raise, the caller's state is untouched
     return stage(rollout, name="rollout", updates_state=False, placement="sampler")
+
+
+def sample_versions(state: TrainState, like: jax.Array) -> jax.Array:
+    """``state.step`` for every sample (``like``'s shape, e.g. ``[P, G]``): the policy version."""
+    return jnp.full(like.shape, state.step, jnp.int32)
+
+
+def on_policy(state: TrainState, batch) -> jax.Array:
+    """Whether every sample of ``batch`` was drawn by the state's own policy (its version)."""
+    return jnp.all(batch["policy_version"] == state.step)
 
 
 def make_reference(passes: Passes, *, temperature: float, attention: str) -> Stage:
@@ -47,13 +62,15 @@ def make_reference(passes: Passes, *, temperature: float, attention: str) -> Sta
     While the reference is bitwise the policy that sampled (``ref_is_policy``, also in the batch
     for the update), its log-probs are not recomputed: they ARE the policy's, the sampler's here
     (so a KL in the reward is exactly 0) and the trainer's own in the loss (``relax.train.update``),
-    so the KL term and its gradient are exactly zero whatever the pass layout or mesh."""
+    so the KL term and its gradient are exactly zero whatever the pass layout or mesh. A stale
+    batch (sampled by an older version, ``relax.train.pipeline``) is never the policy's own: its
+    reference log-probs are recomputed."""
 
     def reference(state: TrainState, batch):
         ref_model = reference_model(state)
         if ref_model is None:
             return state, batch
-        same = reference_is_policy(state, smallest_first=passes.cache_sized)
+        same = reference_is_policy(state, smallest_first=passes.cache_sized) & on_policy(state, batch)
 
         def recompute():  # forward only: remat would recompute nothing
             return completion_logprobs(
@@ -67,6 +84,20 @@ def make_reference(passes: Passes, *, temperature: float, attention: str) -> Sta
     # it changes no state: its program returns the batch alone, and the step does not wait for it
     # before the host stage after it (the reward pool's scoring overlaps it)
     return stage(reference, name="reference", updates_state=False, reads_reference=True)
+
+
+def make_proximal(passes: Passes, *, temperature: float, attention: str) -> Stage:
+    """The trainer's log-probs of the sampled completions under the state's policy before the
+    update, ``prox_logprobs``: the proximal policy of a decoupled off-policy correction
+    (``relax.objectives.off_policy``) when the update takes several optimizer steps."""
+
+    def proximal(state: TrainState, batch):
+        prox = completion_logprobs(state.policy, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
+                                   batch["mask"], temperature=temperature, groups_per_pass=passes.groups_per_pass(),
+                                   attention=attention)
+        return state, {**batch, "prox_logprobs": jax.lax.stop_gradient(prox.astype(batch["old_logprobs"].dtype))}
+
+    return stage(proximal, name="proximal", updates_state=False)
 
 
 def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
@@ -142,7 +173,8 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
                    reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
         return state, out
 
-    return stage(score_start, jit=False, name="score_start"), stage(score_finish, jit=False, name="score_finish")
+    return (stage(score_start, jit=False, name="score_start", updates_state=False),
+            stage(score_finish, jit=False, name="score_finish", updates_state=False))
 
 
 def _merge_info(a: dict, b: dict) -> dict:

@@ -154,17 +154,19 @@ class ShardedStep(SegmentRunner):
         for group in group_leaves(leaves, key=self._on_sampler):
             names = tuple(s.name for s in group)
             on_sampler = self._on_sampler(group[0])
+            updates = any(s.updates_state for s in group)
             if not group[0].jittable:
-                segments.append(Segment(names=names, jittable=False, run=self._host(group[0].fn)))
+                segments.append(Segment(names=names, jittable=False, run=self._host(group[0].fn), updates_state=updates))
             elif on_sampler:
                 if not transferred:
-                    segments.append(Segment(names=("weight_transfer",), jittable=False, run=self._transfer))
+                    segments.append(Segment(names=("weight_transfer",), jittable=False, run=self._transfer,
+                                            updates_state=False))
                     transferred = True
                 jitted, run = self._sampler_segment(group)
-                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted))
+                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
             else:
                 jitted, run = self._trainer_segment(group)
-                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted))
+                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
         return tuple(segments)
 
     @staticmethod

@@ -27,6 +27,7 @@ from relax.train.checkpoint import Checkpointer
 from relax.train.health import HealthConfig, HealthMonitor, leaf_names
 from relax.train.logs import MetricsLogger, ProgressBar, write_summary
 from relax.train.optimizer import skip_counts
+from relax.train.pipeline import AsyncConfig, Pipeline
 from relax.train.preemption import Preempted, PreemptionGuard
 from relax.train.run_dir import load_summary, restore_latest, set_aside_earlier_run
 
@@ -87,6 +88,7 @@ class Trainer:
     evaluate: Callable[[Any, int, MetricsLogger], dict]
     export: Callable[[Any, Path], Path]
     bar_keys: Sequence[tuple[str, str]] = ()
+    asynchronous: AsyncConfig = AsyncConfig()
 
 
 class CompileCounter:
@@ -120,22 +122,88 @@ def iteration(trainer: Trainer, state, batch) -> tuple[Any, dict, dict]:
             state, batch = seg.run(state, batch)
             jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
             timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
+    timings["time/step"] = sum(timings.values())
+    return (state, *_host_values(trainer, batch, timings, compiles.count))
+
+
+def _host_values(trainer: Trainer, batch: dict, timings: dict, compiles: int) -> tuple[dict, dict]:
     metrics = {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
-    metrics.update(timings, compiles=float(compiles.count))
-    metrics["time/step"] = sum(timings.values())
+    metrics.update(timings, compiles=float(compiles))
     metrics.update(trainer.host_metrics(batch, metrics))
-    return state, metrics, {k: int(v) for k, v in jax.device_get(batch["health"]).items()}
+    return metrics, {k: int(v) for k, v in jax.device_get(batch["health"]).items()}
 
 
-def _train(cfg: RunConfig, trainer: Trainer, state, start: int, ckpt: Checkpointer, logger: MetricsLogger,
-           monitor: HealthMonitor):
+class Synchronous:
+    """Each iteration samples, scores and updates on the live state (``iteration``); a
+    checkpoint is the state and the data position."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def target(self, state):
+        return state
+
+    def restored(self, tree):
+        return tree
+
+    def saved(self, state, step: int, steps: int):
+        return state, self.trainer.batches.get_state()
+
+    def updates(self, state, start: int, steps: int) -> Iterator[tuple[Any, dict, dict]]:
+        for _ in range(start, steps):
+            state, metrics, health = iteration(self.trainer, state, self.trainer.make_batch(next(self.trainer.batches)))
+            yield state, metrics, health
+
+
+class Pipelined(Synchronous):
+    """``relax.train.pipeline``'s schedule; a checkpoint also holds the sampler's copies of the
+    versions that batches in flight use, and the data position of the next batch to update on."""
+
+    def __init__(self, trainer: Trainer, steps: int):
+        super().__init__(trainer)
+        self.cfg, self.steps, self.views = trainer.asynchronous, steps, {}
+        self.pipeline: Pipeline | None = None
+
+    def target(self, state):
+        pad = state.replace(opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None)
+        return {"train": state, "sampler": (pad,) * self.cfg.slots}
+
+    def restored(self, tree):
+        state = tree["train"]
+        live = self.cfg.live_versions(int(state.step), self.steps)
+        self.views = dict(zip(live, tree["sampler"]))
+        for v, view in self.views.items():
+            if int(view.step) != v:
+                raise ValueError(f"the checkpoint's sampler copy of version {v} holds version {int(view.step)}")
+        return state
+
+    def saved(self, state, step: int, steps: int):
+        return ({"train": state, "sampler": self.pipeline.saved_views(state, step, steps)},
+                self.pipeline.data_state(step))
+
+    def updates(self, state, start: int, steps: int) -> Iterator[tuple[Any, dict, dict]]:
+        t = self.trainer
+        self.pipeline = Pipeline(t.step.segments, self.cfg, t.batches, t.make_batch, views=self.views)
+        run = self.pipeline.run(state, start, steps)
+        while True:
+            with CompileCounter() as compiles:
+                item = next(run, None)
+            if item is None:
+                return
+            state, batch, timings = item
+            yield (state, *_host_values(t, batch, timings, compiles.count))
+
+
+def _train(cfg: RunConfig, trainer: Trainer, schedule: Synchronous, state, start: int, ckpt: Checkpointer,
+           logger: MetricsLogger, monitor: HealthMonitor):
     """Iterations ``start .. cfg.steps``: log, check health, evaluate, checkpoint, export (every
     ``cfg.export_every``); on SIGTERM save and raise ``Preempted``. Returns the final state (its
     last step checkpointed)."""
     last_saved = None
 
     def save(step: int, force: bool = False) -> bool:
-        return ckpt.save(step, state, data_state=trainer.batches.get_state(), config=cfg, force=force)
+        tree, data_state = schedule.saved(state, step, cfg.steps)
+        return ckpt.save(step, tree, data_state=data_state, config=cfg, force=force)
 
     def saved_and_written(step: int) -> None:
         """``step`` checkpointed (forced unless it already is) and the save committed."""
@@ -145,9 +213,7 @@ def _train(cfg: RunConfig, trainer: Trainer, state, start: int, ckpt: Checkpoint
 
     bar = ProgressBar(total=cfg.steps, initial=start, keys=trainer.bar_keys, desc=trainer.name)
     with PreemptionGuard() as guard, bar:
-        for step in range(start, cfg.steps):
-            batch = trainer.make_batch(next(trainer.batches))
-            state, metrics, health = iteration(trainer, state, batch)
+        for step, (state, metrics, health) in enumerate(schedule.updates(state, start, cfg.steps), start):
             logger.log(step + 1, metrics)
             bar.update(1, metrics)
             monitor.check(step + 1, metrics, health)
@@ -174,9 +240,12 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
     try:
         summary: dict = load_summary(run_dir) if cfg.resume else {}
-        restored = restore_latest(ckpt, state, run_dir, fallback=cfg.resume_fallback, log=log) if cfg.resume else None
+        schedule = Synchronous(trainer) if trainer.asynchronous.staleness == 0 else Pipelined(trainer, cfg.steps)
+        restored = (restore_latest(ckpt, schedule.target(state), run_dir, fallback=cfg.resume_fallback, log=log)
+                    if cfg.resume else None)
         if restored is not None:
-            state, data_state, _ = restored
+            tree, data_state, _ = restored
+            state = schedule.restored(tree)
             trainer.batches.set_state(data_state)
             log(f"resumed from step {int(state.step)} ({ckpt.directory})")
         start = int(state.step)
@@ -193,7 +262,7 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
                     log("no 'before' evaluation was recorded for this run; summary.json will have none")
             monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(split_trainable(state.policy)[0]),
                                     vocab_size=state.policy.config.vocab_size, warn=log)
-            state = _train(cfg, trainer, state, start, ckpt, logger, monitor)
+            state = _train(cfg, trainer, schedule, state, start, ckpt, logger, monitor)
             summary["after"] = trainer.evaluate(state, cfg.steps, logger)
             write_summary(run_dir, summary)
     finally:

@@ -31,7 +31,7 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo import step as grpo
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo import step as ppo
-from relax.algorithms.stages import ROLLOUT_STREAM, make_reference
+from relax.algorithms.stages import sample_versions, ROLLOUT_STREAM, make_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,7 @@ def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatF
                "old_logprobs": jnp.asarray(t.logprobs), "turn_rewards": jnp.asarray(t.turn_rewards),
                "turn_index": jnp.asarray(t.turn_index), "rewards": rewards,
                "lengths": jnp.asarray(t.sampled_mask.sum(-1), jnp.int32), "finished": jnp.asarray(~t.truncated),
+               "policy_version": sample_versions(state, rewards),
                "reward_parts": {"env": rewards}, "reward_info": {}, "agent": trajectory_metrics(t)}
         return state, out
 

@@ -10,6 +10,15 @@ with the batch-wide normalisers of ``ctx.norms``::
 
 While the policy is bitwise the reference (``ctx.ref_is_policy``) the reference log-probs are
 the policy's own under a stop-gradient: ``KL_t = 0`` and its gradient is 0 (``relax.train.update``).
+
+On a stale batch (``off_policy``, ``relax.objectives.off_policy``) the policy loss clips against
+the proximal policy, the trainer's weights when the update starts, and is weighted by the
+detached behaviour weight ``w_t`` of the sampler's log-probs::
+
+    pg_t = w_t * policy_loss(logp_t, prox_t, A_t)
+
+``prox_t`` is ``sg(logp_t)`` when the update is one optimizer step (the weights the loss sees ARE
+the proximal policy), else the batch's ``prox_logprobs`` (``relax.algorithms.stages.make_proximal``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from relax.metrics import Metric
 from relax.models.prefix_shared import completion_rope
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
+from relax.objectives.off_policy import OffPolicyConfig, behaviour_weights
 from relax.objectives.policy import cispo, ppo_clip, reinforce
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update
@@ -40,8 +50,16 @@ def policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
     return reinforce(logp, adv, mask)
 
 
-def make_loss(cfg: GRPOConfig, passes: Passes = Passes()):
-    """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups."""
+def needs_proximal_pass(cfg: GRPOConfig, off_policy: OffPolicyConfig | None) -> bool:
+    """Whether the proximal log-probs need a forward of their own: a correction and an update of
+    several optimizer steps (after the first one the loss no longer sees the proximal weights)."""
+    return off_policy is not None and cfg.num_iterations * cfg.num_minibatches > 1
+
+
+def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
+    """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups;
+    ``off_policy``: the behaviour correction of stale batches (None: the batch is on-policy)."""
+    proximal_pass = needs_proximal_pass(cfg, off_policy)
 
     def loss_fn(policy, mb, ctx: LossContext):
         p, g, n = mb["tokens"].shape
@@ -51,8 +69,14 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes()):
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
         adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
-        per_token, metrics = policy_loss(cfg, logp, old, adv, mask)
-        metrics = dict(metrics)
+        if off_policy is None:
+            per_token, metrics = policy_loss(cfg, logp, old, adv, mask)
+            metrics = dict(metrics)
+        else:
+            prox = flat(mb["prox_logprobs"]) if proximal_pass else jax.lax.stop_gradient(logp)
+            w, w_metrics = behaviour_weights(prox, old, mask, off_policy)
+            per_token, metrics = policy_loss(cfg, logp, prox, adv, mask)
+            per_token, metrics = w * per_token, {**metrics, **w_metrics}
         if cfg.beta > 0:
             # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
             ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logp), flat(mb["ref_logprobs"]))
@@ -75,13 +99,13 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes()):
     return loss_fn
 
 
-def make_grpo_update(cfg: GRPOConfig, optimizer, passes: Passes = Passes()):
+def make_grpo_update(cfg: GRPOConfig, optimizer, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
     """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``:
     the generic update (``relax.train.update``) of ``make_loss(cfg)`` with the config's epochs,
     minibatches and micro-batches. ``data``: per-prompt arrays with a leading ``[P]`` axis
     (``prompt_ids``, ``prompt_mask``; ``tokens``/``mask``/``loss_mask``/``old_logprobs``/
-    ``ref_logprobs`` ``[P, G, N]``; ``advantages`` ``[P, G]`` or ``[P, G, N]``)."""
-    update = make_update(make_loss(cfg, passes), optimizer, epochs=cfg.num_iterations,
+    ``ref_logprobs`` / ``prox_logprobs`` ``[P, G, N]``; ``advantages`` ``[P, G]`` or ``[P, G, N]``)."""
+    update = make_update(make_loss(cfg, passes, off_policy), optimizer, epochs=cfg.num_iterations,
                          minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes,
                          track_reference=cfg.beta > 0)
 

@@ -58,7 +58,7 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     def make_step(parts: StepParts):
         return make_grpo_step(g, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                               passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
-                              pool=parts.pool)
+                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
     return OnlineAlgorithm(name="grpo", make_state=make_state, make_step=make_step, num_generations=g.num_generations,
                            max_new_tokens=g.max_new_tokens, stop_strings=g.stop_strings)

@@ -10,6 +10,12 @@
 - ``advantage`` (jit): group-relative advantages; all-equal groups get 0 (or are dropped).
 - ``update`` (jit): epochs x minibatches of optimizer steps, then the reference rule.
 
+Run by the pipeline (``pipelined=True``, ``relax.train.pipeline``) the step is
+``compose(rollout, score, reference, [proximal], advantage, update)``: what runs on the sampler's
+weights (rollout, rewards) comes first, and the reference forward runs with the update, on the
+trainer's current reference; with an ``off_policy`` correction the loss clips against the
+proximal policy (``relax.algorithms.grpo.loss``).
+
 The batch is a dict; its host entries (``prompts``, ``fields``) bypass the jitted stages.
 """
 
@@ -31,8 +37,9 @@ from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
 
 from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.stages import make_reference, make_rollout, make_score_stages
+from relax.algorithms.grpo.loss import make_grpo_update, needs_proximal_pass
+from relax.algorithms.stages import make_proximal, make_reference, make_rollout, make_score_stages
+from relax.objectives.off_policy import OffPolicyConfig
 
 
 def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
@@ -86,13 +93,14 @@ def make_advantage(cfg: GRPOConfig, *, policy_tokens: str = "mask", per_turn: bo
     return stage(advantage, name="advantage")
 
 
-def make_update_stage(cfg: GRPOConfig, passes: Passes) -> Stage:
+def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
     """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule."""
     rule = make_reference_rule(cfg.reference)
     keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
+    keys += ("prox_logprobs",) if needs_proximal_pass(cfg, off_policy) else ()
 
     def update(state: TrainState, batch):
-        update_fn = make_grpo_update(cfg, state.optimizer, passes)
+        update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
         data = {k: batch[k] for k in keys}
         if cfg.beta > 0:
             data["ref_logprobs"] = batch["ref_logprobs"]
@@ -126,24 +134,28 @@ def _batch_metrics(batch) -> dict:
 
 def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
                    passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
-                   pool: RewardPool | None = None) -> Stage:
+                   pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
+                   pipelined: bool = False) -> Stage:
     """``grpo_step(state, batch) -> (state, batch)`` with ``batch`` holding ``prompt_ids``,
     ``prompt_mask`` ``[P, Lp]`` and host entries ``prompts`` (list[str]) and ``fields``; the
     optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
     ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``).
     ``pool``: the reward functions it hosts run in its workers while the device computes the
-    reference log-probs (``make_score_stages``)."""
+    reference log-probs (``make_score_stages``). ``off_policy``: the correction of stale batches;
+    ``pipelined``: the order the pipeline runs (module docstring)."""
     passes = choose_passes() if passes is None else passes
     score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
                                                   stop_strings=cfg.stop_strings, pool=pool)
     reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
                  if cfg.needs_reference else ())
+    proximal = ((make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+                if needs_proximal_pass(cfg, off_policy) else ())
+    scored = (score_start, score_finish, *reference) if pipelined else (score_start, *reference, score_finish)
     return compose(
         make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
-        score_start,
-        *reference,
-        score_finish,
+        *scored,
+        *proximal,
         make_advantage(cfg),
-        make_update_stage(cfg, passes),
+        make_update_stage(cfg, passes, off_policy),
         name="grpo_step",
     )

@@ -28,6 +28,9 @@ class PPORunConfig(OnlineRunConfig):
         if self.ppo.advantage == "vineppo" and self.parallel.enabled:
             raise ValueError("--ppo.advantage vineppo samples its branches on the host's device: "
                              "it runs without --parallel.mesh / --parallel.sampler-devices")
+        if self.async_.staleness > 0:
+            raise ValueError("--async.staleness > 0 is GRPO's: PPO's step (its values, GAE and critic) is not "
+                             "pipelined yet; run PPO with --async.staleness 0")
 
 
 def builtin_defaults(task: str = "reverse") -> PPORunConfig:

@@ -81,7 +81,7 @@ def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: st
         values = np.nan_to_num(values.reshape(p, g, j), nan=0.0)
         return state, {**batch, "mc_values": jnp.asarray(values, jnp.float32)}
 
-    return stage(mc_values, jit=False, name="mc_values")
+    return stage(mc_values, jit=False, name="mc_values", updates_state=False)
 
 
 def _joined(tokens, mask, done, branch_tokens, branch_mask):

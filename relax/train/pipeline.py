@@ -1,0 +1,222 @@
+"""Asynchronous RL as a schedule: rollouts overlap updates with bounded staleness.
+
+A step's segments split in two (``split_segments``): the producer, its leading segments that
+leave the state as it is (rollout, rewards, environments: what runs on the sampler's weights),
+and the consumer, the rest (advantage, update). Version ``v`` is the state after ``v`` updates
+(``state.step``). With maximum staleness ``s`` and the weights pushed to the sampler every ``n``
+updates (``1 <= n <= s + 1``), batch ``i`` is produced ``d = s + 1 - n`` iterations before its
+update, on the weights of version::
+
+    v(i) = n * floor(max(0, i - d) / n),        so that   i - v(i) <= s
+
+when its update runs. The schedule, not thread timing, decides what every batch sees: a
+pipelined run is reproducible bit for bit, and ``s = 0`` (``d = 0``, ``n = 1``) is the synchronous
+loop itself, each batch produced on the live state and consumed at once.
+
+Overlap (``d >= 1``), iteration ``j``: (1) the producer's device work of batch ``j + d`` is
+dispatched (the rollout, on the sampler's copy of version ``v(j + d)``); (2) the update of batch
+``j`` is dispatched (JAX returns at once); (3) the producer's host work of batch ``j + d``
+(decoding, reward functions, environments) runs while the device updates; (4) the update's
+metrics are fetched. On separate sampler and trainer devices (``relax.parallel``) the rollout
+runs on the sampler's devices meanwhile. The sampler's copy of a version (``sampler_view``: the
+policy, its step and key) is taken before the update that would overwrite it; the batch of lag
+``i - v(i) > 0`` samples with ``fold_in(key_v, lag)``.
+
+Resume: a checkpoint after update ``j`` holds the state, the sampler's copies of the older
+versions that batches still in flight use (``AsyncConfig.live_versions``; a fixed number of slots,
+``AsyncConfig.slots``) and the data position of batch ``j + 1``; resuming re-produces those
+batches exactly as the uninterrupted run did (rewards deterministic, as any resume needs).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.compose import Segment
+from relax.objectives.off_policy import OffPolicyConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """The pipeline (``--async.*``): ``staleness`` s (0: synchronous), ``push_every`` n (the
+    sampler's weights refreshed every n updates, ``n <= s + 1``) and the ``correction`` of stale
+    batches (``relax.objectives.off_policy``; applied when ``s > 0``)."""
+
+    staleness: int = 0
+    """Most policy versions a batch may lag behind the update that consumes it."""
+    push_every: int = 1
+    """Push the trainer's weights to the sampler every N updates (N <= staleness + 1)."""
+    correction: OffPolicyConfig = OffPolicyConfig()
+
+    def __post_init__(self):
+        if self.staleness < 0:
+            raise ValueError(f"--async.staleness must be >= 0, got {self.staleness}")
+        if not 1 <= self.push_every <= self.staleness + 1:
+            raise ValueError(f"--async.push-every must be in [1, staleness + 1 = {self.staleness + 1}] so that "
+                             f"no batch is more than --async.staleness versions old, got {self.push_every}")
+
+    @property
+    def depth(self) -> int:
+        """How many iterations ahead of its update a batch is produced: ``s + 1 - n``."""
+        return self.staleness + 1 - self.push_every
+
+    @property
+    def off_policy(self) -> OffPolicyConfig | None:
+        """The loss's correction: None when every batch is on-policy (``s = 0``) or it is "none"."""
+        return self.correction if self.staleness > 0 and self.correction.kind != "none" else None
+
+    def version(self, i: int) -> int:
+        """``v(i)``: the policy version batch ``i`` is sampled with."""
+        return self.push_every * (max(0, i - self.depth) // self.push_every)
+
+    def live_versions(self, step: int, steps: int) -> tuple[int, ...]:
+        """Versions older than ``step`` that batches ``step .. step + d`` (in flight, or next to be
+        produced) are sampled with: the sampler copies a checkpoint at ``step`` must hold."""
+        return tuple(sorted({self.version(i) for i in range(step, min(step + self.depth + 1, steps))} - {step}))
+
+    @property
+    def slots(self) -> int:
+        """The most sampler copies any checkpoint holds (the schedule is periodic in n)."""
+        horizon = 2 * (self.depth + self.push_every) + 2
+        return max(len(self.live_versions(step, 10 * horizon)) for step in range(horizon))
+
+
+def split_segments(segments: tuple[Segment, ...]) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+    """``(producer, consumer)``: the leading segments that do not update the state, and the rest."""
+    first = next((k for k, seg in enumerate(segments) if seg.updates_state), None)
+    if first is None or first == 0:
+        raise ValueError("a pipelined step needs leading stages that leave the state as it is (the rollout) "
+                         f"and a later one that updates it; its segments are {[seg.names for seg in segments]}")
+    return segments[:first], segments[first:]
+
+
+def sampler_view(state):
+    """What the producer reads, copied out of the state before an update overwrites it (the
+    update donates its state): the policy, the step (its version) and the key."""
+    policy, step, key = jax.block_until_ready(jax.tree.map(jnp.copy, (state.policy, state.step, state.key)))
+    return state.replace(policy=policy, step=step, key=key, opt_state=None, ref=None, ref_stats=None, critic=None,
+                         critic_opt_state=None)
+
+
+@dataclasses.dataclass
+class Produced:
+    """A batch on its way: its index, the view it is sampled on, its batch, and the producer
+    segments still to run."""
+
+    index: int
+    view: Any
+    batch: dict
+    todo: collections.deque
+    time_s: float = 0.0
+
+
+class Pipeline:
+    """Runs a step's producer and consumer as ``cfg``'s schedule (module docstring).
+
+    ``views``: the sampler copies restored from a checkpoint (version -> view). ``batches`` is
+    the data iterator (``get_state``/``set_state``), ``make_batch(item)`` the step's input."""
+
+    def __init__(self, segments: tuple[Segment, ...], cfg: AsyncConfig, batches, make_batch,
+                 views: dict[int, Any] | None = None):
+        self.producer, self.consumer = split_segments(segments)
+        self.cfg, self.batches, self.make_batch = cfg, batches, make_batch
+        self.views: dict[int, Any] = dict(views or {})
+        self.data_states: dict[int, Any] = {}
+        self.in_flight: collections.deque[Produced] = collections.deque()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def data_state(self, step: int):
+        """The data position of batch ``step`` (the next one to update on)."""
+        return self.data_states[step]
+
+    def saved_views(self, state, step: int, steps: int) -> tuple:
+        """``cfg.slots`` sampler copies for a checkpoint at ``step``: the live versions', padded
+        with the state's own view (same structure, never read back)."""
+        live = [self.views[v] for v in self.cfg.live_versions(step, steps)]
+        pad = state.replace(opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None)
+        return tuple(live + [pad] * (self.cfg.slots - len(live)))
+
+    # ------------------------------------------------------------------ producing
+
+    def _view(self, state, i: int):
+        """The state batch ``i`` is sampled on, its key folded with its lag (unchanged at lag 0)."""
+        v = self.cfg.version(i)
+        if v == int(state.step) and self.cfg.staleness == 0:
+            return state  # synchronous: the live state, produced and consumed before it changes
+        if v not in self.views:
+            if v != int(state.step):
+                raise RuntimeError(f"batch {i} needs the weights of version {v}, which are gone (state at "
+                                   f"{int(state.step)}): the pipeline's schedule is broken")
+            self.views[v] = sampler_view(state)
+        view, lag = self.views[v], i - v
+        return view if lag == 0 else view.replace(key=jax.random.fold_in(view.key, lag))
+
+    def _start(self, state, i: int) -> Produced:
+        self.data_states[i] = self.batches.get_state()
+        batch = self.make_batch(next(self.batches))
+        self.data_states[i + 1] = self.batches.get_state()
+        return Produced(index=i, view=self._view(state, i), batch=batch, todo=collections.deque(self.producer))
+
+    def _advance(self, p: Produced, *, until_device: bool) -> Produced:
+        """Run ``p``'s producer segments; with ``until_device`` stop after the first jitted one
+        (dispatched, not awaited)."""
+        t0 = time.perf_counter()
+        while p.todo:
+            seg = p.todo.popleft()
+            view, p.batch = seg.run(p.view, p.batch)
+            if view is not p.view:
+                raise ValueError(f"stage(s) {'+'.join(seg.names)} changed the state: a pipelined step's "
+                                 "stages before the update must leave it as it is")
+            if until_device and seg.jittable:
+                break
+        p.time_s += time.perf_counter() - t0
+        return p
+
+    def _prune(self, step: int, steps: int) -> None:
+        keep = set(self.cfg.live_versions(step, steps))
+        for v in [v for v in self.views if v not in keep and v != step]:
+            del self.views[v]
+        for i in [i for i in self.data_states if i < step]:
+            del self.data_states[i]
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, state, start: int, steps: int) -> Iterator[tuple[Any, dict, dict]]:
+        """Updates ``start .. steps - 1``: yields ``(state, batch, timings)`` after each, the batch
+        the update returned (``metrics``, ``health``: awaited) and the iteration's host timings."""
+        d = self.cfg.depth
+        while len(self.in_flight) < d and start + len(self.in_flight) < steps:  # the prologue
+            self.in_flight.append(self._advance(self._start(state, start + len(self.in_flight)),
+                                                until_device=False))
+        for j in range(start, steps):
+            t0 = time.perf_counter()
+            ahead = self._advance(self._start(state, j + d), until_device=d > 0) if j + d < steps else None
+            if d == 0:
+                current = ahead
+            else:
+                current = self.in_flight.popleft()
+                if ahead is not None:
+                    self.in_flight.append(ahead)
+            batch = current.batch
+            lag = j - int(np.min(jax.device_get(batch["policy_version"])))  # as the samples recorded it
+            if not 0 <= lag <= self.cfg.staleness:
+                raise RuntimeError(f"batch {j} is {lag} versions old; the bound is {self.cfg.staleness}")
+            for seg in self.consumer:  # dispatched: the device updates while the host goes on
+                state, batch = seg.run(state, batch)
+            if ahead is not None and d > 0:
+                self._advance(ahead, until_device=False)
+            t_produced = time.perf_counter()
+            jax.block_until_ready((batch["metrics"], batch["health"]))
+            t1 = time.perf_counter()
+            self._prune(j + 1, steps)
+            timings = {"time/step": t1 - t0, "time/wait_update": t1 - t_produced,
+                       "time/produce": 0.0 if ahead is None else ahead.time_s, "staleness": float(lag)}
+            yield state, batch, timings
