@@ -45,6 +45,7 @@ class Segment:
     run: StageFn
     jitted: Any = None  # the jax.jit object of a jittable segment
     updates_state: bool = True  # False: the segment returns the state it was given
+    waits: bool = False  # a host segment that collects work started earlier (``stage(waits=...)``)
 
 
 class SegmentRunner:
@@ -83,6 +84,7 @@ class Stage(SegmentRunner):
     updates_state: bool = True
     placement: str = "trainer"
     reads_reference: bool = False
+    waits: bool = False
     parts: tuple[Stage, ...] = ()
     segments: tuple[Segment, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -99,7 +101,7 @@ class Stage(SegmentRunner):
 
 def stage(
     fn: StageFn | None = None, *, jit: bool = True, name: str | None = None, donate_state: bool = True,
-    updates_state: bool = True, placement: str = "trainer", reads_reference: bool = False,
+    updates_state: bool = True, placement: str = "trainer", reads_reference: bool = False, waits: bool = False,
 ) -> Stage | Callable[[StageFn], Stage]:
     """Wrap ``fn(state, batch) -> (state, batch)`` as a ``Stage``; usable as ``@stage(jit=False)``.
 
@@ -109,18 +111,20 @@ def stage(
     returns the state it was given, unchanged (checked when traced; module docstring).
     Where a runner with several meshes puts it (``relax.parallel.ShardedStep``): ``placement``
     ("sampler": the rollout's devices, "trainer": the rest) and ``reads_reference`` (it reads
-    ``state.ref``, which an offloading runner brings onto the devices for it).
+    ``state.ref``, which an offloading runner brings onto the devices for it). ``waits`` (host
+    stages): it collects work an earlier stage started (the reward pool's scores), so a pipeline
+    (``relax.train.pipeline``) runs it as late as it can, when its batch is about to be consumed.
     """
     if fn is None:
         return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state, updates_state=updates_state,
-                               placement=placement, reads_reference=reads_reference)
+                               placement=placement, reads_reference=reads_reference, waits=waits)
     if isinstance(fn, Stage):
         raise TypeError("fn is already a Stage; compose it, or wrap its .fn")
     if not callable(fn):
         raise TypeError(f"stage fn must be callable, got {type(fn).__name__}")
     label = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
     return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state, updates_state=updates_state,
-                 placement=placement, reads_reference=reads_reference)
+                 placement=placement, reads_reference=reads_reference, waits=waits)
 
 
 def compose(*stages: Stage, name: str | None = None) -> Stage:
@@ -206,7 +210,7 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
             segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
         else:
             segments.append(Segment(names=names, jittable=False, run=group[0].fn,
-                                    updates_state=group[0].updates_state))
+                                    updates_state=group[0].updates_state, waits=group[0].waits))
     return tuple(segments)
 
 

@@ -179,14 +179,16 @@ def make_cli_setup(d: Path) -> None:
 
 
 def cli_run(d: Path, algorithm: str = "grpo") -> dict:
-    """examples/train_<algorithm>.py on separate sampler (4 devices) and trainer (fsdp=2,tensor=2) meshes."""
+    """examples/train_<algorithm>.py on separate sampler (4 devices) and trainer (fsdp=2,tensor=2)
+    meshes; GRPO pipelined (``--async.staleness 1``: the rollout of batch 2 on the sampler's
+    devices while update 1 runs, checkpoints with the sampler's copy of version 0)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(f"train_{algorithm}", ROOT / "examples" / f"train_{algorithm}.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     run_dir = d / f"run-{algorithm}"
     flags = {"grpo": ["--grpo.num-generations", "2", "--grpo.max-new-tokens", "4", "--grpo.beta", "0.04",
-                      "--preset", "grpo"],
+                      "--preset", "grpo", "--async.staleness", "1"],
              "ppo": ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "4", "--ppo.kl-coef", "0.05"]}[algorithm]
     summary = example.main([
         "--model", str(d / "model"), "--tokenizer", str(d / "tok.model"), "--data", str(d / "train.jsonl"),
@@ -357,7 +359,8 @@ if __name__ != "__main__":
     def test_cli_runs_on_sampler_and_trainer_meshes(mesh_results):
         cli = mesh_results["cli"]
         assert {"before", "after", "export"} <= set(cli["summary_keys"]) and cli["exported"]
-        assert {"time/weight_transfer", "time/rollout", "tokens_per_s", "loss"} <= set(cli["train_keys"])
+        assert {"time/produce", "time/collect", "staleness", "is_weight_mean", "tokens_per_s", "loss"} <= set(
+            cli["train_keys"])
         assert cli["checkpoints"] == ["1", "2"]
 
     def test_ppo_cli_runs_on_sampler_and_trainer_meshes(mesh_results):

@@ -164,11 +164,12 @@ PIPELINED = ("--async.staleness", "1", "--async.correction.kind", "tis")
 
 
 def test_pipelined_run_resumes_after_kill_9_bit_for_bit(setup, straight, tmp_path):
-    """``--async.staleness 1``: killed while batch 7 is scored (update 6 in flight), resumed from
-    the newest checkpoint, whose sampler copy of the version before it re-samples the batch in
-    flight as the first run did."""
+    """``--async.staleness 1``: killed while batch 7 is scored (update 6 dispatched), resumed
+    from the newest checkpoint, whose sampler copy of the version before it re-samples the batch
+    in flight as the first run did."""
     run_dir = tmp_path / "straight"
-    load_example("grpo").main(_args(setup, run_dir, 8, *PIPELINED))
+    summary = load_example("grpo").main(_args(setup, run_dir, 8, *PIPELINED))
+    assert summary["staleness_histogram"] == {"0": 1, "1": 7}
     killed = tmp_path / "killed"
     proc = _run_fault(setup, killed, "kill9", 7, *PIPELINED, "--steps", "8")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

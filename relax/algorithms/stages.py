@@ -113,7 +113,7 @@ def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Calla
 def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
                       decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
                       timeout_s: float | None = None, stop_strings: tuple[str, ...] = (),
-                      pool: RewardPool | None = None) -> tuple[Stage, Stage]:
+                      pool: RewardPool | None = None, local_first: bool = False) -> tuple[Stage, Stage]:
     """Host stages ``(score_start, score_finish)``: reward functions score the decoded completions
     (``score_groups``: each prompt's text and dataset fields repeated over its G completions, TRL's
     layout), ``TokenRewardFunction``s run jitted on the token arrays, and all are combined by weight
@@ -124,7 +124,10 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
     ``pool`` hosts to its workers without waiting; ``score_finish`` runs the others here (in the
     trainer process: e.g. a ``TextRewardModel``, which holds device arrays), then waits for the
     pool and combines. A step that puts device work between the two (the reference log-probs)
-    overlaps it with the pool's scoring: JAX dispatches it and returns at once."""
+    overlaps it with the pool's scoring: JAX dispatches it and returns at once. ``local_first``:
+    ``score_start`` also runs the in-process functions, and ``score_finish`` only collects (the
+    pipeline runs ``score_start`` while the device updates, and ``score_finish``, which
+    ``waits``, later: ``relax.train.pipeline``)."""
     token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
     host = [f for f in reward_fns if not isinstance(f, TokenRewardFunction)]
     fns = as_reward_functions(host) if host else ()  # token rewards alone (e.g. a reward model) are enough
@@ -147,7 +150,13 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
             out["pending_scores"] = start_score_groups(pooled, lambda *_: completions, batch["prompts"],
                                                        batch.get("fields", {}), tokens, mask, pool=pool,
                                                        on_error=on_error, timeout_s=timeout_s)
+        if local and local_first:
+            out["local_scores"] = score_local(out)
         return state, out
+
+    def score_local(batch):
+        return score_groups(local, lambda *_: batch["completions"], batch["prompts"], batch.get("fields", {}),
+                            batch["tokens"], batch["mask"], on_error=on_error, timeout_s=timeout_s)
 
     def score_finish(state, batch):
         out = dict(batch)
@@ -155,9 +164,7 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
         info: dict = {"errors": 0, "timeouts": 0, "crashes": 0}
         runs = []
         if local:
-            runs.append(score_groups(local, lambda *_: batch["completions"], batch["prompts"],
-                                     batch.get("fields", {}), batch["tokens"], batch["mask"], on_error=on_error,
-                                     timeout_s=timeout_s))
+            runs.append(out.pop("local_scores") if local_first else score_local(batch))
         if pooled:
             runs.append(out.pop("pending_scores").result())
         for _, per, run_info, _ in runs:
@@ -174,7 +181,7 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
         return state, out
 
     return (stage(score_start, jit=False, name="score_start", updates_state=False),
-            stage(score_finish, jit=False, name="score_finish", updates_state=False))
+            stage(score_finish, jit=False, name="score_finish", updates_state=False, waits=True))
 
 
 def _merge_info(a: dict, b: dict) -> dict:

@@ -156,7 +156,8 @@ class ShardedStep(SegmentRunner):
             on_sampler = self._on_sampler(group[0])
             updates = any(s.updates_state for s in group)
             if not group[0].jittable:
-                segments.append(Segment(names=names, jittable=False, run=self._host(group[0].fn), updates_state=updates))
+                segments.append(Segment(names=names, jittable=False, run=self._host(group[0].fn), updates_state=updates,
+                                        waits=group[0].waits))
             elif on_sampler:
                 if not transferred:
                     segments.append(Segment(names=("weight_transfer",), jittable=False, run=self._transfer,

@@ -14,10 +14,12 @@ pipelined run is reproducible bit for bit, and ``s = 0`` (``d = 0``, ``n = 1``) 
 loop itself, each batch produced on the live state and consumed at once.
 
 Overlap (``d >= 1``), iteration ``j``: (1) the producer's device work of batch ``j + d`` is
-dispatched (the rollout, on the sampler's copy of version ``v(j + d)``); (2) the update of batch
-``j`` is dispatched (JAX returns at once); (3) the producer's host work of batch ``j + d``
-(decoding, reward functions, environments) runs while the device updates; (4) the update's
-metrics are fetched. On separate sampler and trainer devices (``relax.parallel``) the rollout
+dispatched (the rollout, on the sampler's copy of version ``v(j + d)``); (2) batch ``j``'s last
+producer stage that ``waits`` (``score_finish``, collecting the reward pool's scores) runs; (3)
+the update of batch ``j`` is dispatched (JAX returns at once); (4) the producer's host work of
+batch ``j + d`` up to its waiting stage (decoding, handing the completions to the reward pool,
+environments) runs while the device updates; (5) the update's metrics are fetched. So the pool
+scores batch ``j + d`` while the device runs the next rollout and update. On separate sampler and trainer devices (``relax.parallel``) the rollout
 runs on the sampler's devices meanwhile. The sampler's copy of a version (``sampler_view``: the
 policy, its step and key) is taken before the update that would overwrite it; the batch of lag
 ``i - v(i) > 0`` samples with ``fold_in(key_v, lag)``.
@@ -81,6 +83,11 @@ class AsyncConfig:
         produced) are sampled with: the sampler copies a checkpoint at ``step`` must hold."""
         return tuple(sorted({self.version(i) for i in range(step, min(step + self.depth + 1, steps))} - {step}))
 
+    def histogram(self, steps: int) -> dict[int, int]:
+        """How many of ``steps`` updates consume a batch of each lag (the pipeline checks every
+        batch's recorded version against the schedule)."""
+        return dict(sorted(collections.Counter(i - self.version(i) for i in range(steps)).items()))
+
     @property
     def slots(self) -> int:
         """The most sampler copies any checkpoint holds (the schedule is periodic in n)."""
@@ -97,20 +104,23 @@ def split_segments(segments: tuple[Segment, ...]) -> tuple[tuple[Segment, ...], 
     return segments[:first], segments[first:]
 
 
+def producer_part(state):
+    """The part of a train state the producer reads: its policy, step (the version) and key."""
+    return state.replace(opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None)
+
+
 def sampler_view(state):
-    """What the producer reads, copied out of the state before an update overwrites it (the
-    update donates its state): the policy, the step (its version) and the key."""
+    """``producer_part(state)`` copied out of the state before an update overwrites it (the
+    update donates its state)."""
     policy, step, key = jax.block_until_ready(jax.tree.map(jnp.copy, (state.policy, state.step, state.key)))
-    return state.replace(policy=policy, step=step, key=key, opt_state=None, ref=None, ref_stats=None, critic=None,
-                         critic_opt_state=None)
+    return producer_part(state).replace(policy=policy, step=step, key=key)
 
 
 @dataclasses.dataclass
 class Produced:
-    """A batch on its way: its index, the view it is sampled on, its batch, and the producer
-    segments still to run."""
+    """A batch on its way: the view it is sampled on, its batch, the producer segments still to
+    run and the host time spent on it so far."""
 
-    index: int
     view: Any
     batch: dict
     todo: collections.deque
@@ -141,8 +151,7 @@ class Pipeline:
         """``cfg.slots`` sampler copies for a checkpoint at ``step``: the live versions', padded
         with the state's own view (same structure, never read back)."""
         live = [self.views[v] for v in self.cfg.live_versions(step, steps)]
-        pad = state.replace(opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None)
-        return tuple(live + [pad] * (self.cfg.slots - len(live)))
+        return tuple(live + [producer_part(state)] * (self.cfg.slots - len(live)))
 
     # ------------------------------------------------------------------ producing
 
@@ -163,13 +172,13 @@ class Pipeline:
         self.data_states[i] = self.batches.get_state()
         batch = self.make_batch(next(self.batches))
         self.data_states[i + 1] = self.batches.get_state()
-        return Produced(index=i, view=self._view(state, i), batch=batch, todo=collections.deque(self.producer))
+        return Produced(view=self._view(state, i), batch=batch, todo=collections.deque(self.producer))
 
-    def _advance(self, p: Produced, *, until_device: bool) -> Produced:
+    def _advance(self, p: Produced, *, until_device: bool = False, until_wait: bool = False) -> Produced:
         """Run ``p``'s producer segments; with ``until_device`` stop after the first jitted one
-        (dispatched, not awaited)."""
+        (dispatched, not awaited), with ``until_wait`` before one that ``waits``."""
         t0 = time.perf_counter()
-        while p.todo:
+        while p.todo and not (until_wait and p.todo[0].waits):
             seg = p.todo.popleft()
             view, p.batch = seg.run(p.view, p.batch)
             if view is not p.view:
@@ -193,11 +202,11 @@ class Pipeline:
         """Updates ``start .. steps - 1``: yields ``(state, batch, timings)`` after each, the batch
         the update returned (``metrics``, ``health``: awaited) and the iteration's host timings."""
         d = self.cfg.depth
-        while len(self.in_flight) < d and start + len(self.in_flight) < steps:  # the prologue
-            self.in_flight.append(self._advance(self._start(state, start + len(self.in_flight)),
-                                                until_device=False))
+        t_prologue = time.perf_counter()  # its time counts as the first iteration's
+        while len(self.in_flight) < d and start + len(self.in_flight) < steps:
+            self.in_flight.append(self._advance(self._start(state, start + len(self.in_flight)), until_wait=True))
         for j in range(start, steps):
-            t0 = time.perf_counter()
+            t0 = t_prologue if j == start else time.perf_counter()
             ahead = self._advance(self._start(state, j + d), until_device=d > 0) if j + d < steps else None
             if d == 0:
                 current = ahead
@@ -205,18 +214,23 @@ class Pipeline:
                 current = self.in_flight.popleft()
                 if ahead is not None:
                     self.in_flight.append(ahead)
-            batch = current.batch
-            lag = j - int(np.min(jax.device_get(batch["policy_version"])))  # as the samples recorded it
-            if not 0 <= lag <= self.cfg.staleness:
-                raise RuntimeError(f"batch {j} is {lag} versions old; the bound is {self.cfg.staleness}")
+            t_collect = time.perf_counter()
+            batch = self._advance(current).batch  # what it waits for (the reward pool's scores)
+            t_collect = time.perf_counter() - t_collect
+            versions = np.unique(jax.device_get(batch["policy_version"]))  # as the samples recorded it
+            lag = j - int(versions[0])
+            if versions.tolist() != [self.cfg.version(j)] or not 0 <= lag <= self.cfg.staleness:
+                raise RuntimeError(f"batch {j} was sampled by version(s) {versions.tolist()}, the schedule says "
+                                   f"{self.cfg.version(j)} (staleness bound {self.cfg.staleness})")
             for seg in self.consumer:  # dispatched: the device updates while the host goes on
                 state, batch = seg.run(state, batch)
             if ahead is not None and d > 0:
-                self._advance(ahead, until_device=False)
+                self._advance(ahead, until_wait=True)  # its host work, while the device updates
             t_produced = time.perf_counter()
             jax.block_until_ready((batch["metrics"], batch["health"]))
             t1 = time.perf_counter()
             self._prune(j + 1, steps)
             timings = {"time/step": t1 - t0, "time/wait_update": t1 - t_produced,
-                       "time/produce": 0.0 if ahead is None else ahead.time_s, "staleness": float(lag)}
+                       "time/produce": 0.0 if ahead is None else ahead.time_s, "time/collect": t_collect,
+                       "staleness": float(lag)}
             yield state, batch, timings

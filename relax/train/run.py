@@ -27,7 +27,7 @@ from relax.train.checkpoint import Checkpointer
 from relax.train.health import HealthConfig, HealthMonitor, leaf_names
 from relax.train.logs import MetricsLogger, ProgressBar, write_summary
 from relax.train.optimizer import skip_counts
-from relax.train.pipeline import AsyncConfig, Pipeline
+from relax.train.pipeline import AsyncConfig, Pipeline, producer_part
 from relax.train.preemption import Preempted, PreemptionGuard
 from relax.train.run_dir import load_summary, restore_latest, set_aside_earlier_run
 
@@ -149,6 +149,9 @@ class Synchronous:
     def saved(self, state, step: int, steps: int):
         return state, self.trainer.batches.get_state()
 
+    def summary(self, steps: int) -> dict:
+        return {}
+
     def updates(self, state, start: int, steps: int) -> Iterator[tuple[Any, dict, dict]]:
         for _ in range(start, steps):
             state, metrics, health = iteration(self.trainer, state, self.trainer.make_batch(next(self.trainer.batches)))
@@ -165,8 +168,7 @@ class Pipelined(Synchronous):
         self.pipeline: Pipeline | None = None
 
     def target(self, state):
-        pad = state.replace(opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None)
-        return {"train": state, "sampler": (pad,) * self.cfg.slots}
+        return {"train": state, "sampler": (producer_part(state),) * self.cfg.slots}
 
     def restored(self, tree):
         state = tree["train"]
@@ -176,6 +178,9 @@ class Pipelined(Synchronous):
             if int(view.step) != v:
                 raise ValueError(f"the checkpoint's sampler copy of version {v} holds version {int(view.step)}")
         return state
+
+    def summary(self, steps: int) -> dict:
+        return {"staleness_histogram": {str(lag): n for lag, n in self.cfg.histogram(steps).items()}}
 
     def saved(self, state, step: int, steps: int):
         return ({"train": state, "sampler": self.pipeline.saved_views(state, step, steps)},
@@ -263,6 +268,7 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
             monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(split_trainable(state.policy)[0]),
                                     vocab_size=state.policy.config.vocab_size, warn=log)
             state = _train(cfg, trainer, schedule, state, start, ckpt, logger, monitor)
+            summary.update(schedule.summary(cfg.steps))
             summary["after"] = trainer.evaluate(state, cfg.steps, logger)
             write_summary(run_dir, summary)
     finally:

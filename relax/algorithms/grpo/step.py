@@ -145,7 +145,7 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     ``pipelined``: the order the pipeline runs (module docstring)."""
     passes = choose_passes() if passes is None else passes
     score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
-                                                  stop_strings=cfg.stop_strings, pool=pool)
+                                                  stop_strings=cfg.stop_strings, pool=pool, local_first=pipelined)
     reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
                  if cfg.needs_reference else ())
     proximal = ((make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
