@@ -4,8 +4,9 @@ Runs the built-in demo (``examples/train_grpo.py`` with no model: the reverse ta
 ``--async.staleness 0`` and once with ``--async.staleness S`` from the same base model (trained
 once, copied), optionally with a host reward delay per sample (``--reward-ms``: the demo's
 exact-match reward then sleeps, as an LLM judge or a sandbox would take). Training time is the
-sum of the iterations' ``time/step`` (compiles included: the first iteration's, and the
-pipeline's prologue); evaluations are not counted; ``median_step_s`` leaves out the first two. Prints one JSON line per
+sum of the iterations' ``time/step``, leaving out those that compiled (the first one, whose
+time also holds the pipeline's prologue) and evaluations; ``median_step_s`` leaves out the first
+two. ``--from-runs`` re-reads the run directories instead of training. Prints one JSON line per
 staleness (the held-out greedy accuracy before/after, steps, seconds, the curve) and writes
 ``--plot`` (training reward and held-out accuracy against seconds).
 
@@ -41,6 +42,7 @@ class Args:
     """Host delay per sample added to the demo's reward (0: the demo as it is)."""
     run_dir: str = "runs/async-curve"
     plot: str | None = None
+    from_runs: bool = False
 
 
 def delayed(seconds: float):
@@ -59,7 +61,7 @@ def curve(run_dir: Path) -> dict:
     train = [line for line in lines if "loss" in line]
     seconds, total = [], 0.0
     for line in train:
-        total += line["time/step"]
+        total += 0.0 if line["compiles"] else line["time/step"]  # compiling iterations left out
         seconds.append(total)
     at = dict(zip((line["step"] for line in train), seconds))
     evals = [(at.get(line["step"], 0.0), line["eval/greedy/accuracy"]) for line in lines
@@ -82,7 +84,7 @@ def main(a: Args):
         cfg = dataclasses.replace(builtin_defaults(), steps=a.steps, run_dir=str(run_dir), export_hf=False,
                                   async_=AsyncConfig(staleness=s), reward_workers=0,
                                   **({"reward": ("delayed",)} if a.reward_ms else {}))
-        summary = run(cfg)
+        summary = json.loads((run_dir / "summary.json").read_text()) if a.from_runs else run(cfg)
         c = curve(run_dir)
         results[s] = c
         emit({"bench": "async_curve", "staleness": s, "steps": a.steps, "reward_ms": a.reward_ms,
