@@ -279,7 +279,7 @@ def test_missing_data_field_names_file_row_field(setup, tmp_path):
         example.main(args)
 
 
-@pytest.mark.parametrize("style", ["qwen25", "llama3"])
+@pytest.mark.parametrize("style", ["qwen25", pytest.param("llama3", marks=pytest.mark.slow)])  # templates: test_text_*
 def test_model_directory_with_tokenizer_json_trains_and_exports_for_transformers(tmp_path, style):
     """``--model DIR`` alone: the tokenizer.json and chat template come from DIR (Qwen2.5 style:
     no BOS anywhere; Llama 3 style: the template writes the BOS); chat-message prompts go through

@@ -30,8 +30,9 @@ def _lines(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-# the math run is slow-only (make test-all): math_verify and the math task's answers have fast tests of their own
-@pytest.mark.parametrize("task", ["code", pytest.param("math", marks=pytest.mark.slow)])
+# the task runs are slow-only (make test-all): code_exec, math_verify and the tasks' answers have fast tests of
+# their own, and the GRPO run on rows with a reward by name is test_run.py's
+@pytest.mark.parametrize("task", [pytest.param("code", marks=pytest.mark.slow), pytest.param("math", marks=pytest.mark.slow)])
 def test_grpo_runs_the_builtin_task(task, tmp_path):
     if task == "math":
         pytest.importorskip("math_verify")
@@ -80,7 +81,8 @@ def _length_reward(prompts, completions, **fields):
 
 def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
     cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=0.04, optimizer=OptimizerConfig(learning_rate=1e-3))
-    mcfg = small_config()
+    mcfg = small_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16)
     ids = jax.random.randint(jax.random.key(2), (4, 8), 0, mcfg.vocab_size)
     batch = {"prompt_ids": ids, "prompt_mask": jnp.ones_like(ids), "prompts": ["x"] * 4, "fields": {}}
     decode = lambda tokens, mask: [" ".join(map(str, r[m > 0])) for r, m in zip(tokens, mask)]  # noqa: E731
