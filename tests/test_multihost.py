@@ -104,6 +104,7 @@ if __name__ != "__main__":
             distributed.initialize(f"127.0.0.1:{port}", 2, 1, timeout_s=2)
         assert time.monotonic() - t0 < 10
 
+    @pytest.mark.slow  # the timeout path is tested fast by the unreachable-coordinator case
     def test_missing_peer_ends_the_coordinator_process_instead_of_hanging(tmp_path):
         proc = _spawn(["alone", str(free_port())])
         t0 = time.monotonic()

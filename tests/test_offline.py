@@ -146,6 +146,7 @@ def test_a_run_without_held_out_rows_trains_and_evaluates_nothing(base, tmp_path
     assert summary["before"] == {} and summary["after"] == {} and summary["steps"] == 2
 
 
+@pytest.mark.slow  # LoRA's pieces (adapters-only training and checkpoints, the base as reference) have fast tests in test_lora.py
 def test_lora_dpo_learns_against_the_base_and_resumes_exactly(base, tmp_path):
     """DPO with --lora.rank: only adapters train (the reference is the base, no copy); the export
     is the merged model plus a PEFT adapter that gives the same logits on the base; 4 steps

@@ -185,6 +185,7 @@ def test_ppo_resume_is_bit_exact(setup, tmp_path):  # noqa: F811
         np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
 
 
+@pytest.mark.slow  # save_critic / load_critic have fast tests (test_critic.py); this is the --ppo.critic-model wiring
 def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noqa: F811
     """--ppo.critic-model: a critic saved with a score head (transformers' layout) is loaded,
     trained, and its value head starts where the directory left it."""

@@ -101,6 +101,7 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
     assert "pending_scores" not in outs[1]
 
 
+@pytest.mark.slow  # TextRewardModel has fast tests (test_reward_model.py); this is the --reward-model wiring
 def test_grpo_with_a_reward_model_directory(tmp_path):
     """``--reward-model DIR``: a saved reward model (here with another tokenizer than the
     policy's: a byte-level BPE) scores the decoded completions; its mean is the logged reward."""
