@@ -11,6 +11,9 @@ import pytest
 
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.step import make_ppo_step
+from relax.models.critic import init_critic
 from relax.models import init
 from relax.models.prefix_shared import completion_logprobs
 from relax.objectives.off_policy import OffPolicyConfig
@@ -75,9 +78,9 @@ def _setup(async_cfg: AsyncConfig, **overrides):
     return cfg, state, step
 
 
-def _pipelined(async_cfg: AsyncConfig, steps: int, **overrides):
+def _pipelined(async_cfg: AsyncConfig, steps: int, setup=None, **overrides):
     """(states after each update (copies), batches each update consumed) of a pipelined run."""
-    _, state, step = _setup(async_cfg, **overrides)
+    _, state, step = (_setup if setup is None else setup)(async_cfg, **overrides)
     pipeline = Pipeline(step.segments, async_cfg, Batches(), lambda b: b)
     states, batches = [jax.tree.map(jnp.copy, state)], []
     for state, batch, timings in pipeline.run(state, 0, steps):
@@ -104,8 +107,31 @@ def test_staleness_zero_is_the_synchronous_step_bit_for_bit():
 
 
 def test_staleness_one_samples_ahead_and_weights_by_the_stored_log_prob_difference():
-    async_cfg = AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled"))
-    states, batches = _pipelined(async_cfg, 3)
+    states, batches = _pipelined(AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3)
+    _check_versions_and_weights(states, batches)
+
+
+def _ppo_setup(async_cfg: AsyncConfig, **overrides):
+    cfg = PPOConfig(num_generations=4, max_new_tokens=5, kl_coef=0.05, num_iterations=2,
+                    optimizer=OptimizerConfig(learning_rate=3e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
+    policy = init(CFG, jax.random.key(0), std=0.3)
+    state = init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True,
+                       critic=init_critic(policy), critic_optimizer=cfg.critic_optimizer.make())
+    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(3,), pad_id=0, off_policy=async_cfg.off_policy,
+                         pipelined=async_cfg.staleness > 0)
+    return cfg, state, step
+
+
+def test_ppo_pipelined_with_a_proximal_pass():
+    """PPO (critic, reference, two epochs: the proximal log-probs are a forward of their own)."""
+    states, batches = _pipelined(AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3,
+                                 setup=_ppo_setup)
+    _check_versions_and_weights(states, batches)
+    # the KL in the reward is the behaviour policy's: batch 1 was sampled by version 0, the reference itself
+    assert float(batches[1]["metrics"]["kl"]) < 1e-6 < float(batches[2]["metrics"]["kl"])
+
+
+def _check_versions_and_weights(states, batches):
     assert [int(np.max(b["policy_version"])) for b in batches] == [0, 0, 1]  # v(i) = max(0, i - 1)
     for k, batch in enumerate(batches):
         version = int(batch["policy_version"][0, 0])

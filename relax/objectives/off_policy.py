@@ -22,6 +22,7 @@ depend on the weights (verl's rejection sampling removes it from the normaliser 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -98,3 +99,28 @@ def behaviour_weights(
         "behaviour_kl": masked_mean(behaviour - prox, m),
     }
     return jnp.where(m, w, 0.0), metrics
+
+
+def needs_proximal_pass(cfg: OffPolicyConfig | None, optimizer_steps: int) -> bool:
+    """Whether the proximal log-probs need a forward of their own before the update: a correction
+    and an update of several optimizer steps (after the first the loss no longer sees the
+    proximal weights; with one, they are the loss's own log-probs under a stop-gradient)."""
+    return cfg is not None and optimizer_steps > 1
+
+
+def corrected_loss(
+    loss_fn: Callable,
+    logp: Float[Array, "n t"],
+    behaviour_logp: Float[Array, "n t"],
+    advantages: Array,
+    mask: Bool[Array, "n t"],
+    cfg: OffPolicyConfig,
+    prox_logp: Float[Array, "n t"] | None = None,
+) -> tuple[Float[Array, "n t"], dict]:
+    """``w_t * loss_fn(logp, prox, A, mask)`` per token (the module docstring's decoupled loss),
+    with ``loss_fn(logp, old_logp, advantages, mask) -> (per_token, metrics)`` a policy loss
+    (``relax.objectives.policy``) and ``prox = prox_logp``, or ``sg(logp)`` when None."""
+    prox = lax.stop_gradient(logp) if prox_logp is None else prox_logp
+    w, w_metrics = behaviour_weights(prox, behaviour_logp, mask, cfg)
+    per_token, metrics = loss_fn(logp, prox, advantages, mask)
+    return w * per_token, {**metrics, **w_metrics}

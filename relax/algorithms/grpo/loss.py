@@ -23,6 +23,8 @@ the proximal policy), else the batch's ``prox_logprobs`` (``relax.algorithms.sta
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -31,7 +33,7 @@ from relax.metrics import Metric
 from relax.models.prefix_shared import completion_rope
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
-from relax.objectives.off_policy import OffPolicyConfig, behaviour_weights
+from relax.objectives.off_policy import OffPolicyConfig, corrected_loss, needs_proximal_pass
 from relax.objectives.policy import cispo, ppo_clip, reinforce
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update
@@ -50,16 +52,10 @@ def policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
     return reinforce(logp, adv, mask)
 
 
-def needs_proximal_pass(cfg: GRPOConfig, off_policy: OffPolicyConfig | None) -> bool:
-    """Whether the proximal log-probs need a forward of their own: a correction and an update of
-    several optimizer steps (after the first one the loss no longer sees the proximal weights)."""
-    return off_policy is not None and cfg.num_iterations * cfg.num_minibatches > 1
-
-
 def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups;
     ``off_policy``: the behaviour correction of stale batches (None: the batch is on-policy)."""
-    proximal_pass = needs_proximal_pass(cfg, off_policy)
+    proximal_pass = needs_proximal_pass(off_policy, cfg.num_iterations * cfg.num_minibatches)
 
     def loss_fn(policy, mb, ctx: LossContext):
         p, g, n = mb["tokens"].shape
@@ -73,10 +69,8 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyC
             per_token, metrics = policy_loss(cfg, logp, old, adv, mask)
             metrics = dict(metrics)
         else:
-            prox = flat(mb["prox_logprobs"]) if proximal_pass else jax.lax.stop_gradient(logp)
-            w, w_metrics = behaviour_weights(prox, old, mask, off_policy)
-            per_token, metrics = policy_loss(cfg, logp, prox, adv, mask)
-            per_token, metrics = w * per_token, {**metrics, **w_metrics}
+            per_token, metrics = corrected_loss(functools.partial(policy_loss, cfg), logp, old, adv, mask, off_policy,
+                                                flat(mb["prox_logprobs"]) if proximal_pass else None)
         if cfg.beta > 0:
             # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
             ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logp), flat(mb["ref_logprobs"]))

@@ -37,9 +37,9 @@ from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
 
 from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.grpo.loss import make_grpo_update, needs_proximal_pass
+from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.stages import make_proximal, make_reference, make_rollout, make_score_stages
-from relax.objectives.off_policy import OffPolicyConfig
+from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
 
 
 def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
@@ -97,7 +97,7 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConf
     """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule."""
     rule = make_reference_rule(cfg.reference)
     keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
-    keys += ("prox_logprobs",) if needs_proximal_pass(cfg, off_policy) else ()
+    keys += ("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.num_iterations * cfg.num_minibatches) else ()
 
     def update(state: TrainState, batch):
         update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
@@ -149,7 +149,7 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
                  if cfg.needs_reference else ())
     proximal = ((make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-                if needs_proximal_pass(cfg, off_policy) else ())
+                if needs_proximal_pass(off_policy, cfg.num_iterations * cfg.num_minibatches) else ())
     scored = (score_start, score_finish, *reference) if pipelined else (score_start, *reference, score_finish)
     return compose(
         make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),

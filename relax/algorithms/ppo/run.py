@@ -28,9 +28,6 @@ class PPORunConfig(OnlineRunConfig):
         if self.ppo.advantage == "vineppo" and self.parallel.enabled:
             raise ValueError("--ppo.advantage vineppo samples its branches on the host's device: "
                              "it runs without --parallel.mesh / --parallel.sampler-devices")
-        if self.async_.staleness > 0:
-            raise ValueError("--async.staleness > 0 is GRPO's: PPO's step (its values, GAE and critic) is not "
-                             "pipelined yet; run PPO with --async.staleness 0")
 
 
 def builtin_defaults(task: str = "reverse") -> PPORunConfig:
@@ -65,7 +62,7 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     def make_step(parts: StepParts):
         return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
-                             pool=parts.pool)
+                             pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
     return OnlineAlgorithm(name="ppo", make_state=make_state, make_step=make_step, num_generations=p.num_generations,
                            max_new_tokens=p.max_new_tokens, stop_strings=p.stop_strings)

@@ -29,6 +29,7 @@ from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
+from relax.objectives.off_policy import OffPolicyConfig, corrected_loss, needs_proximal_pass
 from relax.objectives.reference import make_reference_rule
 from relax.objectives.value import clipped_value_loss, explained_variance
 from relax.passes import Passes, choose_passes
@@ -42,7 +43,7 @@ from relax.train.update import LossContext, make_update
 
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
-from relax.algorithms.stages import make_reference, make_rollout, make_score_stages, train_logprobs
+from relax.algorithms.stages import make_proximal, make_reference, make_rollout, make_score_stages, train_logprobs
 
 ACTOR_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages", "rope")
 CRITIC_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_values", "returns", "critic_rope")
@@ -91,12 +92,20 @@ def make_advantage(cfg: PPOConfig, *, policy_tokens: str = "mask") -> Stage:
     return stage(advantage, name="advantage")
 
 
-def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext):
-    """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated."""
+def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext,
+                  off_policy: OffPolicyConfig | None = None):
+    """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated; on a
+    stale batch (``off_policy``) clipped against the proximal policy and weighted
+    (``relax.objectives.off_policy.corrected_loss``)."""
     p, g, n = mb["tokens"].shape
     flat = lambda x: x.reshape(p * g, n)  # noqa: E731
     mask = flat(mb["loss_mask"]) > 0
-    per_token, metrics = policy_loss(flat(logp), flat(mb["old_logprobs"]), flat(mb["advantages"]), mask)
+    args = (flat(logp), flat(mb["old_logprobs"]), flat(mb["advantages"]), mask)
+    if off_policy is None:
+        per_token, metrics = policy_loss(*args)
+    else:
+        prox = flat(mb["prox_logprobs"]) if needs_proximal_pass(off_policy, optimizer_steps(cfg)) else None
+        per_token, metrics = corrected_loss(policy_loss, *args, off_policy, prox)
     if cfg.entropy_coef != 0.0:
         per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
     loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
@@ -116,14 +125,18 @@ def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
     return loss, {**metrics, "vf_loss": loss, "vpred": masked_mean(flat(values), mask)}
 
 
-def make_actor_loss(cfg: PPOConfig, passes: Passes):
+def optimizer_steps(cfg: PPOConfig) -> int:
+    return cfg.num_iterations * cfg.num_minibatches
+
+
+def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
     """``loss(policy, micro_batch, ctx)``: the policy terms."""
     policy_loss = cfg.loss()
 
     def loss_fn(policy, mb, ctx: LossContext):
         logp, ent = train_logprobs(policy, mb, passes, temperature=cfg.temperature, attention=cfg.train_attention,
                                    entropy_grad=cfg.entropy_coef != 0.0)
-        return _policy_terms(cfg, policy_loss, logp, ent, mb, ctx)
+        return _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
 
     return loss_fn
 
@@ -140,7 +153,7 @@ def make_critic_loss(cfg: PPOConfig, passes: Passes):
     return loss_fn
 
 
-def make_joint_loss(cfg: PPOConfig, passes: Passes):
+def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
     """``loss((policy, head), micro_batch, ctx) = policy terms + value terms`` from ONE forward of
     the policy (a value head on its backbone: both terms train the backbone)."""
     policy_loss = cfg.loss()
@@ -151,7 +164,7 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes):
             policy, head, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"], temperature=cfg.temperature,
             attention=cfg.train_attention, entropy_grad=cfg.entropy_coef != 0.0,
             unroll=passes.unroll(policy.config.num_layers), rope=mb["rope"])
-        pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx)
+        pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
         vf, vf_metrics = _value_terms(cfg, values, mb, ctx)
         return pg + vf, {**metrics, **{f"critic/{k}": v for k, v in vf_metrics.items()}}
 
@@ -181,22 +194,24 @@ def state_values(cfg: PPOConfig, state: TrainState, batch):
     return jax.lax.stop_gradient(values)
 
 
-def make_update_stage(cfg: PPOConfig, passes: Passes) -> Stage:
+def make_update_stage(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
     """The actor's and the critic's updates on the same minibatch split, then the reference rule."""
     rule = make_reference_rule(cfg.reference)
+    actor_keys = ACTOR_KEYS + (("prox_logprobs",) if needs_proximal_pass(off_policy, optimizer_steps(cfg)) else ())
     split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes)
 
     def update(state: TrainState, batch):  # the batch holds rope_tables (the advantage stage's)
         key, k_actor, k_critic = jax.random.split(state.key, 3)
         critic, critic_opt_state = state.critic, state.critic_opt_state
         if cfg.shared_critic:  # one joint update of (policy, head), each part with its own optimizer
-            joint = make_update(make_joint_loss(cfg, passes), paired(state.optimizer, state.critic_optimizer), **split)
+            joint = make_update(make_joint_loss(cfg, passes, off_policy), paired(state.optimizer, state.critic_optimizer),
+                                **split)
             (policy, critic), (opt_state, critic_opt_state), metrics = joint(
                 (state.policy, critic), (state.opt_state, critic_opt_state),
-                {k: batch[k] for k in (*ACTOR_KEYS, "old_values", "returns")}, k_actor)
+                {k: batch[k] for k in (*actor_keys, "old_values", "returns")}, k_actor)
         else:
-            actor = make_update(make_actor_loss(cfg, passes), state.optimizer, **split)
-            policy, opt_state, metrics = actor(state.policy, state.opt_state, {k: batch[k] for k in ACTOR_KEYS},
+            actor = make_update(make_actor_loss(cfg, passes, off_policy), state.optimizer, **split)
+            policy, opt_state, metrics = actor(state.policy, state.opt_state, {k: batch[k] for k in actor_keys},
                                                k_actor)
         if cfg.needs_critic and not cfg.shared_critic:
             critic_update = make_update(make_critic_loss(cfg, passes), state.critic_optimizer, **split)
@@ -233,18 +248,24 @@ def _batch_metrics(cfg: PPOConfig, batch) -> dict:
 
 def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
-                  pool: RewardPool | None = None) -> Stage:
+                  pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
+                  pipelined: bool = False) -> Stage:
     """``ppo_step(state, batch) -> (state, batch)``; ``batch`` as GRPO's. The state holds the
     critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as GRPO's:
-    the reference log-probs are computed while it scores."""
+    the reference log-probs are computed while it scores. ``off_policy`` / ``pipelined`` as
+    GRPO's (``relax.algorithms.grpo.step``): run by the pipeline, the reference forward, the
+    critic's values and GAE run with the update, on the models as they are then."""
     passes = choose_passes() if passes is None else passes
     rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
     score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
-                                                  stop_strings=cfg.stop_strings, pool=pool)
-    stages = [make_rollout(rcfg), score_start]
-    if cfg.needs_reference:
-        stages.append(make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention))
-    stages.append(score_finish)
-    if cfg.advantage == "vineppo":
-        stages.append(make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s))
-    return compose(*stages, make_advantage(cfg), make_update_stage(cfg, passes), name="ppo_step")
+                                                  stop_strings=cfg.stop_strings, pool=pool, local_first=pipelined)
+    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+                 if cfg.needs_reference else ())
+    mc_values = ((make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s),)
+                 if cfg.advantage == "vineppo" else ())
+    # pipelined: what reads the sampler's weights first, then what reads the trainer's models
+    stages = [make_rollout(rcfg), *((score_start, score_finish, *mc_values, *reference) if pipelined
+                                    else (score_start, *reference, score_finish, *mc_values))]
+    if needs_proximal_pass(off_policy, optimizer_steps(cfg)):
+        stages.append(make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention))
+    return compose(*stages, make_advantage(cfg), make_update_stage(cfg, passes, off_policy), name="ppo_step")
