@@ -37,7 +37,7 @@ from relax.rewards.model import TextRewardModel
 from relax.rewards.pool import PoolConfig, RewardPool
 from relax.rewards.sandbox import SandboxConfig
 from relax.rewards.functions import RewardFunction
-from relax.tasks.base import write_jsonl
+from relax.tasks.base import prepare
 from relax.tasks import TASKS, reverse
 from relax.tasks import code as code_task
 from relax.tasks import math as math_task
@@ -170,24 +170,11 @@ class OnlineAlgorithm:
 
 
 def builtin_setup(cfg: ModelRunConfig, run_dir: Path, log):
-    """Task files, tokenizer and base model of the built-in task ``cfg.task`` (reused when present)."""
-    module, task = TASKS[cfg.task], cfg.task_config
-    task_dir = run_dir / "task"
-    train, held_out = module.make_splits(task)
-    write_jsonl(train, task_dir / "train.jsonl")
-    write_jsonl(held_out, task_dir / "eval.jsonl")
-    tokenizer = module.build_tokenizer(task, task_dir)
-    base_dir = run_dir / "base_model"
-    if (base_dir / "config.json").exists():
-        model = load_pretrained(base_dir)
-        log(f"base model: {base_dir} (reused)")
-    else:
-        log(f"base model: a supervised phase on a noisy teacher of the {cfg.task} task ...")
-        model = module.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
-        if is_main_process():
-            save_pretrained(model, base_dir)
-            tokenizer.save_pretrained(base_dir)  # a complete HF directory: transformers loads it
-    return tokenizer, model, str(task_dir / "train.jsonl"), str(task_dir / "eval.jsonl")
+    """Task files, tokenizer and base model of the built-in task ``cfg.task`` (reused when present):
+    ``(tokenizer, model, train path, held-out path)``."""
+    tokenizer, model, _, _ = prepare(TASKS[cfg.task], cfg.task_config, run_dir, seed=cfg.seed,
+                                     teacher=f"a noisy teacher of the {cfg.task} task", log=log)
+    return tokenizer, model, str(run_dir / "task" / "train.jsonl"), str(run_dir / "task" / "eval.jsonl")
 
 
 def reward_function(cfg: OnlineRunConfig, name: str):

@@ -17,6 +17,7 @@ import numpy as np
 
 from relax.compose import Stage, compose, stage
 from relax.models.prefix_shared import completion_logprobs
+from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
 from relax.passes import Passes
 from relax.rewards.functions import (RewardFunction, as_reward_functions, combine_checked, score_groups,
                                     start_score_groups)
@@ -72,18 +73,35 @@ def make_reference(passes: Passes, *, temperature: float, attention: str) -> Sta
             return state, batch
         same = reference_is_policy(state, smallest_first=passes.cache_sized) & on_policy(state, batch)
 
-        def recompute():  # forward only: remat would recompute nothing
-            return completion_logprobs(
-                ref_model, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-                temperature=temperature, groups_per_pass=passes.groups_per_pass(),
-                attention=attention).astype(batch["old_logprobs"].dtype)
-
-        ref_logprobs = jax.lax.stop_gradient(jax.lax.cond(same, lambda: batch["old_logprobs"], recompute))
+        recompute = lambda: forward_logprobs(ref_model, batch, passes, temperature=temperature,  # noqa: E731
+                                             attention=attention)
+        ref_logprobs = jax.lax.cond(same, lambda: batch["old_logprobs"], recompute)
         return state, {**batch, "ref_logprobs": ref_logprobs, "ref_is_policy": same}
 
     # it changes no state: its program returns the batch alone, and the step does not wait for it
     # before the host stage after it (the reward pool's scoring overlaps it)
     return stage(reference, name="reference", updates_state=False, reads_reference=True)
+
+
+def reference_stages(cfg, passes: Passes) -> tuple[Stage, ...]:
+    """``(reference,)`` when the algorithm's config (GRPO's, PPO's) needs a reference, else ``()``."""
+    return ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+            if cfg.needs_reference else ())
+
+
+def proximal_stages(cfg, passes: Passes, off_policy: OffPolicyConfig | None) -> tuple[Stage, ...]:
+    """``(proximal,)`` when ``off_policy`` needs the proximal log-probs before an update of the
+    config's ``optimizer_steps`` (``needs_proximal_pass``), else ``()``."""
+    return ((make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
+            if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ())
+
+
+def forward_logprobs(model, batch, passes: Passes, *, temperature: float, attention: str) -> jax.Array:
+    """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
+    (remat would recompute nothing), in the sampler's log-prob dtype."""
+    logp = completion_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
+                               temperature=temperature, groups_per_pass=passes.groups_per_pass(), attention=attention)
+    return jax.lax.stop_gradient(logp.astype(batch["old_logprobs"].dtype))
 
 
 def make_proximal(passes: Passes, *, temperature: float, attention: str) -> Stage:
@@ -92,10 +110,8 @@ def make_proximal(passes: Passes, *, temperature: float, attention: str) -> Stag
     (``relax.objectives.off_policy``) when the update takes several optimizer steps."""
 
     def proximal(state: TrainState, batch):
-        prox = completion_logprobs(state.policy, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
-                                   batch["mask"], temperature=temperature, groups_per_pass=passes.groups_per_pass(),
-                                   attention=attention)
-        return state, {**batch, "prox_logprobs": jax.lax.stop_gradient(prox.astype(batch["old_logprobs"].dtype))}
+        prox = forward_logprobs(state.policy, batch, passes, temperature=temperature, attention=attention)
+        return state, {**batch, "prox_logprobs": prox}
 
     return stage(proximal, name="proximal", updates_state=False)
 
@@ -182,6 +198,19 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
 
     return (stage(score_start, jit=False, name="score_start", updates_state=False),
             stage(score_finish, jit=False, name="score_finish", updates_state=False, waits=True))
+
+
+def make_scoring(reward_fns, decode, *, reference: tuple[Stage, ...], pipelined: bool,
+                 host_after: tuple[Stage, ...] = (), **score_kwargs) -> tuple[Stage, ...]:
+    """The stages between the rollout and the advantage: ``score_start, reference, score_finish,
+    host_after`` (the reference forward overlaps the reward pool's scoring). ``pipelined``
+    (``relax.train.pipeline``): what reads the sampler's weights first, ``score_start`` (with the
+    in-process reward functions), ``score_finish``, ``host_after``; then the ``reference``, which
+    runs with the update, on the models as they are then. ``score_kwargs``: ``make_score_stages``'s."""
+    start, finish = make_score_stages(reward_fns, decode, local_first=pipelined, **score_kwargs)
+    if pipelined:
+        return (start, finish, *host_after, *reference)
+    return (start, *reference, finish, *host_after)
 
 
 def _merge_info(a: dict, b: dict) -> dict:

@@ -21,22 +21,19 @@ import functools
 import json
 import random
 import re
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from relax.environments import Action, Tool, ToolEnvironment
 from relax.environments.chat import ChatFormat
 from relax.models.config import ModelConfig
-from relax.models.transformer import Transformer, init
-from relax.tasks.base import _supervised_step, tiny_llama
+from relax.models.transformer import Transformer
+from relax.tasks.base import supervised_loop, tiny_llama
 from relax.text import TextTokenizer, load_tokenizer, render_chat
-from relax.train.state import init_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,22 +214,14 @@ def train_base_model(task: AgentTask, tokenizer: TextTokenizer, train: list[dict
                      log=print) -> Transformer:
     """The supervised phase: imitate the noisy teacher's transcripts (``encode_transcript``; the
     token-mean NLL of the assistant turns), a fresh coin per row and step for calling the tool."""
-    rng = np.random.default_rng(task.seed)
     chat = chat_format(task, tokenizer)
     transcript = functools.cache(lambda i, use_tool: encode_transcript(task, chat, train[i],
                                                                        teacher_turns(train[i], use_tool)))
-    steps = task.sft_steps
-    warmup = min(20, steps // 2)
-    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, task.sft_learning_rate, warmup, steps),
-                            weight_decay=0.0)
-    state = init_state(init(model_config(task, tokenizer), key, std=0.05), optimizer, key=key)
-    t0 = time.perf_counter()
-    for i in range(steps):
+
+    def sample(rng: np.random.Generator):
         idx = rng.choice(len(train), task.sft_batch, replace=False)
         flips = rng.random(task.sft_batch) < task.tool_rate
-        rows = [transcript(int(j), bool(f)) for j, f in zip(idx, flips)]
-        state, metrics = _supervised_step(state, pad_transcripts(rows, tokenizer.pad_token_id))
-        if (i + 1) % 100 == 0:
-            log(f"  supervised step {i + 1}/{steps}: loss {float(metrics['loss']):.3f} "
-                f"({time.perf_counter() - t0:.0f}s)")
-    return state.policy
+        return pad_transcripts([transcript(int(j), bool(f)) for j, f in zip(idx, flips)], tokenizer.pad_token_id)
+
+    return supervised_loop(model_config(task, tokenizer), sample, steps=task.sft_steps,
+                           learning_rate=task.sft_learning_rate, seed=task.seed, key=key, log=log)

@@ -16,10 +16,12 @@ import optax
 from relax.data.supervised import pad_examples
 from relax.masked import masked_mean
 from relax.models.config import ModelConfig
+from relax.models.hf import load_pretrained, save_pretrained
 from relax.models.logprobs import token_logprobs
 from relax.models.transformer import Transformer, init
 from relax.text import TextTokenizer, load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece
+from relax.train.logs import is_main_process
 from relax.train.primitives import forward_backward, optim_step
 from relax.train.state import init_state
 
@@ -30,6 +32,28 @@ def write_jsonl(records: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def prepare(module, task, run_dir: Path, *, seed: int, teacher: str, log=print):
+    """A built-in task in ``run_dir``: ``(tokenizer, base model, train rows, held-out rows)``. The
+    rows are written to ``task/train.jsonl`` and ``task/eval.jsonl``; the base model is
+    ``base_model`` (an HF directory with its tokenizer) when present, else ``module``'s supervised
+    phase on its teacher (``teacher``: what the log says of it), saved there by the main process.
+    ``module`` is the task's module (``make_splits``, ``build_tokenizer``, ``train_base_model``)."""
+    task_dir, base_dir = run_dir / "task", run_dir / "base_model"
+    train, held_out = module.make_splits(task)
+    write_jsonl(train, task_dir / "train.jsonl")
+    write_jsonl(held_out, task_dir / "eval.jsonl")
+    tokenizer = module.build_tokenizer(task, task_dir)
+    if (base_dir / "config.json").exists():
+        log(f"base model: {base_dir} (reused)")
+        return tokenizer, load_pretrained(base_dir), train, held_out
+    log(f"base model: a supervised phase on {teacher} ...")
+    model = module.train_base_model(task, tokenizer, train, key=jax.random.key(seed), log=log)
+    if is_main_process():
+        save_pretrained(model, base_dir)
+        tokenizer.save_pretrained(base_dir)  # a complete HF directory: transformers loads it
+    return tokenizer, model, train, held_out
 
 
 def task_tokenizer(texts: list[str], directory: Path, *, vocab_size: int, model_type: str = "bpe") -> TextTokenizer:
@@ -51,21 +75,31 @@ def supervised_phase(config: ModelConfig, tokenizer: TextTokenizer, train: list[
                      log=print) -> Transformer:
     """A fresh model trained for ``steps`` on ``teacher``'s completions of random training prompts
     (the token-mean NLL of the completion, ``nll``); the teacher is asked anew every step."""
+    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in train]  # BOS, as the data adds
+
+    def sample(rng: np.random.Generator):
+        idx = rng.choice(len(train), batch, replace=False)
+        targets = teacher([train[j] for j in idx], rng)
+        responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in targets]
+        length = max(len(prompts[j]) + len(r) for j, r in zip(idx, responses))
+        return pad_examples([prompts[j] for j in idx], responses, length=-(-length // 16) * 16,
+                            pad_id=tokenizer.pad_token_id)
+
+    return supervised_loop(config, sample, steps=steps, learning_rate=learning_rate, seed=seed, key=key, log=log)
+
+
+def supervised_loop(config: ModelConfig, sample: Callable[[np.random.Generator], tuple], *, steps: int,
+                    learning_rate: float, seed: int, key: jax.Array, log=print) -> Transformer:
+    """A fresh model (``init(config, key)``) trained for ``steps`` AdamW steps (warm-up, cosine decay)
+    on ``nll`` of ``sample(rng) -> (ids, mask, loss_mask)``, a new batch every step."""
     rng = np.random.default_rng(seed)
     model = init(config, key, std=0.05)
-    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in train]  # BOS, as the data adds
     warmup = min(20, steps // 2)  # 20 unless the phase is shorter than 40 steps
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps), weight_decay=0.0)
     state = init_state(model, optimizer, key=key)
     t0 = time.perf_counter()
     for i in range(steps):
-        idx = rng.choice(len(train), batch, replace=False)
-        targets = teacher([train[j] for j in idx], rng)
-        responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in targets]
-        length = max(len(prompts[j]) + len(r) for j, r in zip(idx, responses))
-        ids, mask, loss_mask = pad_examples([prompts[j] for j in idx], responses, length=-(-length // 16) * 16,
-                                            pad_id=tokenizer.pad_token_id)
-        state, metrics = _supervised_step(state, (ids, mask, loss_mask))
+        state, metrics = _supervised_step(state, sample(rng))
         if (i + 1) % 100 == 0:
             log(f"  supervised step {i + 1}/{steps}: loss {float(metrics['loss']):.3f} "
                 f"({time.perf_counter() - t0:.0f}s)")

@@ -19,7 +19,7 @@ import numpy as np
 
 from relax.models.config import ModelConfig
 from relax.models.transformer import Transformer
-from relax.tasks.base import supervised_phase, write_jsonl
+from relax.tasks.base import supervised_phase, tiny_llama, write_jsonl
 from relax.text import TextTokenizer, load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece
 
@@ -67,11 +67,7 @@ def build_tokenizer(task: ReverseTask, directory: Path) -> TextTokenizer:
 
 
 def model_config(task: ReverseTask, tokenizer: TextTokenizer) -> ModelConfig:
-    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=task.hidden_size,
-                       intermediate_size=2 * task.hidden_size, num_layers=task.num_layers, num_heads=4,
-                       num_kv_heads=2, head_dim=task.hidden_size // 4, max_position_embeddings=64,
-                       rope_theta=10000.0, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
+    return tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=64)
 
 
 def teacher_targets(task: ReverseTask, records: list[dict], rng: np.random.Generator) -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Literal
 
 import jax
@@ -16,20 +15,19 @@ import numpy as np
 
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
-from relax.models.critic import init_critic, init_value_head
-from relax.models.hf import load_pretrained, save_pretrained
 from relax.rollout.sampling import SamplingConfig
 from relax.tasks import agent as agent_task
-from relax.tasks.base import write_jsonl
+from relax.tasks.base import prepare
 from relax.train.logs import MetricsLogger
 from relax.train.run import RunConfig, Trainer, run_loop
-from relax.train.state import init_state
 
 from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make_agent_ppo_step, rollout_config,
                                          success_metrics)
 from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo.run import make_state as grpo_state
 from relax.algorithms.online import exporter, start_run
 from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.passes import choose_passes
 
 BAR_KEYS = (("reward", "reward"), ("tool_calls", "calls"), ("turns", "turns"))
@@ -50,6 +48,10 @@ class AgentRunConfig(RunConfig):
     batch_size: int = 8
     """Rows per step (each gets G trajectories)."""
     run_dir: str = "runs/agent"
+
+    @property
+    def algorithm_config(self) -> GRPOConfig | PPOConfig:
+        return self.grpo if self.algorithm == "grpo" else self.ppo
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,28 +92,9 @@ def builtin_defaults() -> AgentRunConfig:
                           steps=30, eval_every=10, checkpoint_every=10)
 
 
-def _setup(cfg: AgentRunConfig, run_dir: Path, log):
-    """Task files, tokenizer and base model (reused from the run directory when present)."""
-    task, task_dir = cfg.task, run_dir / "task"
-    train, held_out = agent_task.make_splits(task)
-    write_jsonl(train, task_dir / "train.jsonl")
-    write_jsonl(held_out, task_dir / "eval.jsonl")
-    tokenizer = agent_task.build_tokenizer(task, task_dir)
-    base_dir = run_dir / "base_model"
-    if (base_dir / "config.json").exists():
-        log(f"base model: {base_dir} (reused)")
-        return tokenizer, load_pretrained(base_dir), train, held_out
-    log("base model: a supervised phase on a teacher that calls the calculator on some prompts ...")
-    model = agent_task.train_base_model(task, tokenizer, train, key=jax.random.key(cfg.seed), log=log)
-    save_pretrained(model, base_dir)
-    tokenizer.save_pretrained(base_dir)
-    return tokenizer, model, train, held_out
-
-
 def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_id: int, log):
     """Greedy trajectories of every held-out row: ``success_metrics``."""
-    alg = cfg.grpo if cfg.algorithm == "grpo" else cfg.ppo
-    rcfg = rollout_config(cfg.agent, num_generations=1, max_new_tokens=alg.max_new_tokens,
+    rcfg = rollout_config(cfg.agent, num_generations=1, max_new_tokens=cfg.algorithm_config.max_new_tokens,
                           sampling=SamplingConfig(temperature=0.0), eos_ids=chat.stop_ids, pad_id=pad_id)
 
     def evaluate(state, step: int, logger: MetricsLogger) -> dict:
@@ -127,22 +110,12 @@ def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_
     return evaluate
 
 
-def _make_state(cfg: AgentRunConfig, model, key):
-    if cfg.algorithm == "grpo":
-        g = cfg.grpo
-        return init_state(model, g.optimizer.make(), key=key, with_reference=g.needs_reference,
-                          with_ref_stats=g.needs_reference and g.reference.needs_stats)
-    p = cfg.ppo
-    critic = init_value_head(model.config) if p.shared_critic else init_critic(model)
-    return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,
-                      critic_optimizer=p.critic_optimizer.make())
-
-
 def run(cfg: AgentRunConfig) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
     run_dir, log = start_run(cfg, f"agent-{cfg.algorithm}")
     t_start = time.perf_counter()
-    tokenizer, model, train, held_out = _setup(cfg, run_dir, log)
+    tokenizer, model, train, held_out = prepare(agent_task, cfg.task, run_dir, seed=cfg.seed, log=log,
+                                                teacher="a teacher that calls the calculator on some prompts")
     env_tools = [t.schema() for t in agent_task.tools(cfg.task)]
     chat = ChatFormat(tokenizer, tools=env_tools)
     make_env = lambda: agent_task.make_environment(cfg.task)  # noqa: E731 - a fresh environment per trajectory
@@ -151,7 +124,8 @@ def run(cfg: AgentRunConfig) -> dict:
         step = make_agent_grpo_step(cfg.grpo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
     else:
         step = make_agent_ppo_step(cfg.ppo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
-    state = _make_state(cfg, model, jax.random.key(cfg.seed))
+    make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
+    state = make_state(cfg.algorithm_config, model, jax.random.key(cfg.seed))
     trainer = Trainer(name=f"agent-{cfg.algorithm}", step=step, batches=RowIterator(train, cfg.batch_size, cfg.seed),
                       make_batch=lambda rows: {"rows": rows},
                       host_metrics=lambda batch, metrics: {k: v for k, v in batch["agent"].items() if np.isfinite(v)},

@@ -31,7 +31,7 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo import step as grpo
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo import step as ppo
-from relax.algorithms.stages import sample_versions, ROLLOUT_STREAM, make_reference
+from relax.algorithms.stages import ROLLOUT_STREAM, reference_stages, sample_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +95,7 @@ def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     rcfg = rollout_config(agent, num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
                           sampling=sampling, eos_ids=chat.stop_ids, pad_id=pad_id)
-    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-                 if cfg.needs_reference else ())
+    reference = reference_stages(cfg, passes)
     return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
                    grpo.make_advantage(cfg, policy_tokens="sampled_mask", per_turn=agent.per_turn),
                    grpo.make_update_stage(cfg, passes), name="agent_grpo_step")
@@ -112,8 +111,7 @@ def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, 
     passes = choose_passes() if passes is None else passes
     rcfg = rollout_config(agent, num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
                           sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=chat.stop_ids, pad_id=pad_id)
-    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-                 if cfg.needs_reference else ())
+    reference = reference_stages(cfg, passes)
     return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
                    ppo.make_advantage(cfg, policy_tokens="sampled_mask"), ppo.make_update_stage(cfg, passes),
                    name="agent_ppo_step")

@@ -120,6 +120,11 @@ class GRPOConfig:
             raise ValueError("kl_in_reward=True needs beta > 0")
 
     @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per update: ``num_iterations`` epochs x ``num_minibatches``."""
+        return self.num_iterations * self.num_minibatches
+
+    @property
     def needs_reference(self) -> bool:
         return self.beta > 0
 

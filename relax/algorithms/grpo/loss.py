@@ -55,7 +55,7 @@ def policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
 def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups;
     ``off_policy``: the behaviour correction of stale batches (None: the batch is on-policy)."""
-    proximal_pass = needs_proximal_pass(off_policy, cfg.num_iterations * cfg.num_minibatches)
+    proximal_pass = needs_proximal_pass(off_policy, cfg.optimizer_steps)
 
     def loss_fn(policy, mb, ctx: LossContext):
         p, g, n = mb["tokens"].shape

@@ -7,10 +7,11 @@ an HF directory in the run dir. Everything but the algorithm is ``relax.algorith
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from relax.choices import check_choice
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
-from relax.train.state import init_state
+from relax.train.state import TrainState, init_state
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
 from relax.algorithms.grpo.step import make_grpo_step
@@ -47,20 +48,22 @@ def real_defaults(preset_name: str = "grpo") -> GRPORunConfig:
     return GRPORunConfig(preset=preset_name, grpo=preset(preset_name))
 
 
+def make_state(g: GRPOConfig, model, key) -> TrainState:
+    """GRPO's state for ``model``: its optimizer, and a reference (with its statistics) when ``beta > 0``."""
+    check_lora_reference(model, g.reference, g.needs_reference)
+    return init_state(model, g.optimizer.make(), key=key, with_reference=g.needs_reference,
+                      with_ref_stats=g.needs_reference and g.reference.needs_stats)
+
+
 def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     g = cfg.grpo
-
-    def make_state(model, key):
-        check_lora_reference(model, g.reference, g.needs_reference)
-        return init_state(model, g.optimizer.make(), key=key, with_reference=g.needs_reference,
-                          with_ref_stats=g.needs_reference and g.reference.needs_stats)
 
     def make_step(parts: StepParts):
         return make_grpo_step(g, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                               passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
                               pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
-    return OnlineAlgorithm(name="grpo", make_state=make_state, make_step=make_step, num_generations=g.num_generations,
+    return OnlineAlgorithm(name="grpo", make_state=functools.partial(make_state, g), make_step=make_step, num_generations=g.num_generations,
                            max_new_tokens=g.max_new_tokens, stop_strings=g.stop_strings)
 
 

@@ -38,7 +38,7 @@ from relax.train.state import TrainState
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.stages import make_proximal, make_reference, make_rollout, make_score_stages
+from relax.algorithms.stages import make_rollout, make_scoring, proximal_stages, reference_stages
 from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
 
 
@@ -97,7 +97,7 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConf
     """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule."""
     rule = make_reference_rule(cfg.reference)
     keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
-    keys += ("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.num_iterations * cfg.num_minibatches) else ()
+    keys += ("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ()
 
     def update(state: TrainState, batch):
         update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
@@ -144,17 +144,12 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     reference log-probs (``make_score_stages``). ``off_policy``: the correction of stale batches;
     ``pipelined``: the order the pipeline runs (module docstring)."""
     passes = choose_passes() if passes is None else passes
-    score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
-                                                  stop_strings=cfg.stop_strings, pool=pool, local_first=pipelined)
-    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-                 if cfg.needs_reference else ())
-    proximal = ((make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-                if needs_proximal_pass(off_policy, cfg.num_iterations * cfg.num_minibatches) else ())
-    scored = (score_start, score_finish, *reference) if pipelined else (score_start, *reference, score_finish)
+    reference = reference_stages(cfg, passes)
     return compose(
         make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
-        *scored,
-        *proximal,
+        *make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, on_error=on_error,
+                      timeout_s=timeout_s, stop_strings=cfg.stop_strings, pool=pool),
+        *proximal_stages(cfg, passes, off_policy),
         make_advantage(cfg),
         make_update_stage(cfg, passes, off_policy),
         name="grpo_step",

@@ -97,6 +97,11 @@ class PPOConfig:
         self.loss()  # the loss name and its arguments are valid
 
     @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per update: ``num_iterations`` epochs x ``num_minibatches``."""
+        return self.num_iterations * self.num_minibatches
+
+    @property
     def needs_reference(self) -> bool:
         return self.kl_coef > 0
 

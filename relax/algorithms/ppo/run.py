@@ -5,11 +5,14 @@ algorithm (model and data, the built-in task, evaluation, checkpoints, logs, exp
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax.numpy as jnp
 
 from relax.models.config import DTYPES
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.models.critic import init_critic, init_value_head, load_critic
-from relax.train.state import init_state
+from relax.train.state import TrainState, init_state
 
 from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 from relax.algorithms.ppo.config import PPOConfig
@@ -45,26 +48,30 @@ def real_defaults() -> PPORunConfig:
     return PPORunConfig()
 
 
+def make_state(p: PPOConfig, model, key, *, dtype=jnp.float32, param_dtype=jnp.float32) -> TrainState:
+    """PPO's state for ``model``: its optimizer, the critic (a value head, a copy of the policy, or
+    ``p.critic_model`` loaded in ``dtype`` / ``param_dtype``) with its own, and the reference."""
+    check_lora_reference(model, p.reference, p.needs_reference)
+    critic = None
+    if p.shared_critic:
+        critic = init_value_head(model.config)
+    elif p.needs_critic:
+        critic = (init_critic(model) if p.critic_model is None else
+                  load_critic(p.critic_model, dtype=dtype, param_dtype=param_dtype))
+    return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,
+                      critic_optimizer=None if critic is None else p.critic_optimizer.make())
+
+
 def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     p = cfg.ppo
-
-    def make_state(model, key):
-        check_lora_reference(model, p.reference, p.needs_reference)
-        critic = None
-        if p.shared_critic:
-            critic = init_value_head(model.config)
-        elif p.needs_critic:
-            critic = (init_critic(model) if p.critic_model is None else
-                      load_critic(p.critic_model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]))
-        return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,
-                          critic_optimizer=None if critic is None else p.critic_optimizer.make())
+    state = functools.partial(make_state, p, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
 
     def make_step(parts: StepParts):
         return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
-    return OnlineAlgorithm(name="ppo", make_state=make_state, make_step=make_step, num_generations=p.num_generations,
+    return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, num_generations=p.num_generations,
                            max_new_tokens=p.max_new_tokens, stop_strings=p.stop_strings)
 
 

@@ -43,7 +43,8 @@ from relax.train.update import LossContext, make_update
 
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
-from relax.algorithms.stages import make_proximal, make_reference, make_rollout, make_score_stages, train_logprobs
+from relax.algorithms.stages import (make_rollout, make_scoring, proximal_stages, reference_stages,
+                                     train_logprobs)
 
 ACTOR_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages", "rope")
 CRITIC_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_values", "returns", "critic_rope")
@@ -104,7 +105,7 @@ def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext,
     if off_policy is None:
         per_token, metrics = policy_loss(*args)
     else:
-        prox = flat(mb["prox_logprobs"]) if needs_proximal_pass(off_policy, optimizer_steps(cfg)) else None
+        prox = flat(mb["prox_logprobs"]) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else None
         per_token, metrics = corrected_loss(policy_loss, *args, off_policy, prox)
     if cfg.entropy_coef != 0.0:
         per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
@@ -123,10 +124,6 @@ def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
     loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
                                    num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
     return loss, {**metrics, "vf_loss": loss, "vpred": masked_mean(flat(values), mask)}
-
-
-def optimizer_steps(cfg: PPOConfig) -> int:
-    return cfg.num_iterations * cfg.num_minibatches
 
 
 def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
@@ -197,7 +194,7 @@ def state_values(cfg: PPOConfig, state: TrainState, batch):
 def make_update_stage(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
     """The actor's and the critic's updates on the same minibatch split, then the reference rule."""
     rule = make_reference_rule(cfg.reference)
-    actor_keys = ACTOR_KEYS + (("prox_logprobs",) if needs_proximal_pass(off_policy, optimizer_steps(cfg)) else ())
+    actor_keys = ACTOR_KEYS + (("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ())
     split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes)
 
     def update(state: TrainState, batch):  # the batch holds rope_tables (the advantage stage's)
@@ -257,15 +254,11 @@ def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...
     critic's values and GAE run with the update, on the models as they are then."""
     passes = choose_passes() if passes is None else passes
     rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
-    score_start, score_finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
-                                                  stop_strings=cfg.stop_strings, pool=pool, local_first=pipelined)
-    reference = ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-                 if cfg.needs_reference else ())
+    reference = reference_stages(cfg, passes)
     mc_values = ((make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s),)
                  if cfg.advantage == "vineppo" else ())
-    # pipelined: what reads the sampler's weights first, then what reads the trainer's models
-    stages = [make_rollout(rcfg), *((score_start, score_finish, *mc_values, *reference) if pipelined
-                                    else (score_start, *reference, score_finish, *mc_values))]
-    if needs_proximal_pass(off_policy, optimizer_steps(cfg)):
-        stages.append(make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention))
-    return compose(*stages, make_advantage(cfg), make_update_stage(cfg, passes, off_policy), name="ppo_step")
+    stages = [make_rollout(rcfg), *make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined,
+                                                host_after=mc_values, on_error=on_error, timeout_s=timeout_s,
+                                                stop_strings=cfg.stop_strings, pool=pool)]
+    return compose(*stages, *proximal_stages(cfg, passes, off_policy), make_advantage(cfg),
+                   make_update_stage(cfg, passes, off_policy), name="ppo_step")
