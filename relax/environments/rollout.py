@@ -157,6 +157,7 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
     prompt_ids, prompt_mask = _pad_prompts(await _reset(envs, rows, g, chat), tc, model.config.max_position_embeddings)
     clock["env_s"] += time.perf_counter() - t0
     state = T.start(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, cfg=tc)
+    layers = T.fused_layers(model, cfg=tc)  # once: every turn's decode and append read them
     rec = _Record(b, n, cfg.max_turns, tc.pad_id)
     where = np.arange(b)  # device row -> trajectory (-1: a padding row)
     running = np.ones(b, bool)
@@ -164,7 +165,7 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
         t0 = time.perf_counter()
         active = (where >= 0) & running[np.maximum(where, 0)]
         before = np.asarray(state.length)
-        state, stopped, count = T.decode_turn(model, state, jnp.asarray(active), cfg=tc)
+        state, stopped, count = T.decode_turn(model, state, jnp.asarray(active), cfg=tc, layers=layers)
         tokens, stopped, count = jax.device_get((state.tokens, stopped, count))
         clock["device_s"] += time.perf_counter() - t0
         actions: list[Action | None] = [None] * b
@@ -182,7 +183,7 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
         clock["env_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         if observations:
-            state = _append(model, state, observations, before + count, where, rec, turn, tc)
+            state = _append(model, layers, state, observations, before + count, where, rec, turn, tc)
         live = np.nonzero((where >= 0) & running[np.maximum(where, 0)])[0]
         if live.size == 0:
             break
@@ -220,7 +221,7 @@ def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRollo
     return out
 
 
-def _append(model, state, observations: dict[int, list[int]], length, where, rec: _Record, turn: int,
+def _append(model, layers, state, observations: dict[int, list[int]], length, where, rec: _Record, turn: int,
             tc: T.TurnConfig):
     """Prefill the observations onto their rows' caches; ``length``: the rows' filled slots (host)."""
     rows = len(where)
@@ -230,7 +231,7 @@ def _append(model, state, observations: dict[int, list[int]], length, where, rec
     for i, obs in observations.items():
         ids[i, :len(obs)], count[i] = obs, len(obs)
         rec.turn_index[where[i], length[i]:length[i] + len(obs)] = turn
-    return T.append(model, state, jnp.asarray(ids), jnp.asarray(count), cfg=tc)
+    return T.append(model, state, jnp.asarray(ids), jnp.asarray(count), cfg=tc, layers=layers)
 
 
 def _compact(state, where, live: np.ndarray, rec: _Record):

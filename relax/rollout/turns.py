@@ -154,10 +154,11 @@ def _layers(model: Transformer, cfg: TurnConfig):
     return fuse_layers(merge_lora(model) if cfg.merge_adapters else model)
 
 
-def _decode_turn(model: Transformer, s: TurnState, active: Bool[Array, " b"], cfg: TurnConfig):
+def _decode_turn(model: Transformer, s: TurnState, active: Bool[Array, " b"], cfg: TurnConfig, layers=None):
     """One turn of each ``active`` row: ``(state, stopped [B], sampled [B])``. A row samples until a
-    stop token (``stopped``), ``max_turn_tokens`` or a full cache; every token is fed."""
-    layers, n = _layers(model, cfg), s.tokens.shape[1]
+    stop token (``stopped``), ``max_turn_tokens`` or a full cache; every token is fed. ``layers``:
+    ``fused_layers(model, cfg)`` computed once for a whole rollout (None: fused here, per call)."""
+    layers, n = _layers(model, cfg) if layers is None else layers, s.tokens.shape[1]
     eos = jnp.asarray(cfg.eos_ids, jnp.int32)
     rows = jnp.arange(s.tokens.shape[0])
 
@@ -185,9 +186,11 @@ def _decode_turn(model: Transformer, s: TurnState, active: Bool[Array, " b"], cf
     return s, stopped, count
 
 
-def _append(model: Transformer, s: TurnState, ids: Int[Array, "b m"], count: Int[Array, " b"], cfg: TurnConfig):
-    """Prefill ``ids[b, :count[b]]`` (an observation, not sampled) onto each row's cache."""
-    h, ck, cv, writes = _extend(model, _layers(model, cfg), s, ids, count)
+def _append(model: Transformer, s: TurnState, ids: Int[Array, "b m"], count: Int[Array, " b"], cfg: TurnConfig,
+            layers=None):
+    """Prefill ``ids[b, :count[b]]`` (an observation, not sampled) onto each row's cache; ``layers``
+    as ``decode_turn``'s."""
+    h, ck, cv, writes = _extend(model, _layers(model, cfg) if layers is None else layers, s, ids, count)
     rows = jnp.arange(ids.shape[0])[:, None]
     last = h[rows[:, 0], jnp.maximum(count - 1, 0)]
     return dataclasses.replace(
@@ -209,6 +212,7 @@ def _compact(s: TurnState, rows: Int[Array, " k"]) -> TurnState:
 
 
 start = jax.jit(_start, static_argnames="cfg")
+fused_layers = jax.jit(_layers, static_argnames="cfg")  # the weights decode_turn / append read, once per rollout
 decode_turn = jax.jit(_decode_turn, static_argnames="cfg", donate_argnums=1)
 append = jax.jit(_append, static_argnames="cfg", donate_argnums=1)
 compact = jax.jit(_compact)
