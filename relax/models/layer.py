@@ -59,8 +59,15 @@ class LayerStack(eqx.Module):
 
 
 class FusedLayer(eqx.Module):
-    """One layer's parameters with q/k/v and gate/up concatenated along the output axis, so a
-    decode step issues two wide matmuls instead of five narrow ones (``fuse_layers``)."""
+    """One layer's parameters with q/k/v and gate/up fused along the output axis, so a decode
+    step issues two wide matmuls instead of five narrow ones (``fuse_layers``).
+
+    The fused columns come in ``qkv_groups`` / ``mlp_groups`` equal blocks, each holding whole
+    heads or MLP units, so that a tensor-parallel shard holds one block (1: plain concatenation)::
+
+        wqkv:      [D, n, (Hq + 2 Hkv) hd / n]: block i = [q heads | k heads | v heads] of shard i
+        w_gate_up: [D, n, 2 F / n]:             block i = [gate units | up units] of shard i
+    """
 
     attn_norm: Float[Array, " D"]
     wqkv: Float[Array, "D QKV"]
@@ -77,6 +84,8 @@ class FusedLayer(eqx.Module):
     attn_out_norm: Float[Array, " D"] | None = None
     mlp_out_norm: Float[Array, " D"] | None = None
     lora: Adapters | None = None  # this layer's adapters, unmerged (``fuse_layers(merge=False)``)
+    qkv_groups: int = eqx.field(static=True, default=1)
+    mlp_groups: int = eqx.field(static=True, default=1)
 
 
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float, style: str = "w") -> Float[Array, "... d"]:
@@ -110,9 +119,10 @@ def linear(x, w, b, dtype):
 
 def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig):
     if isinstance(p, FusedLayer):
-        qkv = linear(h, p.wqkv, p.bqkv, dt)
-        qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
+        lead, n = h.shape[:-1], p.qkv_groups
+        qkv = linear(h, p.wqkv, p.bqkv, dt).reshape(*lead, n, -1)
+        qd, kd = c.num_heads * c.head_dim // n, c.num_kv_heads * c.head_dim // n
+        q, k, v = (x.reshape(*lead, -1) for x in (qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]))
     else:
         q, k, v = linear(h, p.wq, p.bq, dt), linear(h, p.wk, p.bk, dt), linear(h, p.wv, p.bv, dt)
     return adapted(p.lora, "wq", h, q, dt), adapted(p.lora, "wk", h, k, dt), adapted(p.lora, "wv", h, v, dt)
@@ -120,9 +130,9 @@ def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig):
 
 def _gate_up(p: LayerStack | FusedLayer, h, dt):
     if isinstance(p, FusedLayer):
-        gu = linear(h, p.w_gate_up, p.b_gate_up, dt)
+        gu = linear(h, p.w_gate_up, p.b_gate_up, dt).reshape(*h.shape[:-1], p.mlp_groups, -1)
         f = gu.shape[-1] // 2
-        gate, up = gu[..., :f], gu[..., f:]
+        gate, up = gu[..., :f].reshape(*h.shape[:-1], -1), gu[..., f:].reshape(*h.shape[:-1], -1)
     else:
         gate, up = linear(h, p.w_gate, p.b_gate, dt), linear(h, p.w_up, p.b_up, dt)
     return adapted(p.lora, "w_gate", h, gate, dt), adapted(p.lora, "w_up", h, up, dt)
@@ -164,14 +174,27 @@ def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array
     return x, layer_output
 
 
-def fuse_layers(model: Transformer) -> list[FusedLayer]:
-    """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout);
+def fuse_layers(model: Transformer, *, qkv_groups: int = 1, mlp_groups: int = 1) -> list[FusedLayer]:
+    """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout),
+    their columns in ``qkv_groups`` / ``mlp_groups`` blocks (``FusedLayer``: one per tensor shard);
     adapters (``relax.models.lora``) stay unmerged and run beside the fused weights (the sampler
     merges them first when ``RolloutConfig.merge_adapters``)."""
     L = model.layers
-    cat = lambda *xs: None if xs[0] is None else jnp.concatenate(xs, axis=-1)
-    fused = FusedLayer(attn_norm=L.attn_norm, wqkv=cat(L.wq, L.wk, L.wv), wo=L.wo, mlp_norm=L.mlp_norm,
-                       w_gate_up=cat(L.w_gate, L.w_up), w_down=L.w_down, bqkv=cat(L.bq, L.bk, L.bv), bo=L.bo,
-                       q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=cat(L.b_gate, L.b_up), b_down=L.b_down,
-                       attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm, lora=L.lora)
+    qkv = lambda q, k, v: None if q is None else blocks((q, k, v), qkv_groups)
+    gate_up = lambda g, u: None if g is None else blocks((g, u), mlp_groups)
+    fused = FusedLayer(attn_norm=L.attn_norm, wqkv=qkv(L.wq, L.wk, L.wv), wo=L.wo, mlp_norm=L.mlp_norm,
+                       w_gate_up=gate_up(L.w_gate, L.w_up), w_down=L.w_down, bqkv=qkv(L.bq, L.bk, L.bv), bo=L.bo,
+                       q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=gate_up(L.b_gate, L.b_up), b_down=L.b_down,
+                       attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm, lora=L.lora,
+                       qkv_groups=qkv_groups, mlp_groups=mlp_groups)
     return [jax.tree.map(lambda a: a[i], fused) for i in range(model.config.num_layers)]
+
+
+def blocks(parts: tuple[Array, ...], n: int) -> Array:
+    """Concatenate ``parts`` along the last axis in ``n`` blocks, block i = [part_j's i-th n-th, ...]::
+
+        [..., a], [..., b] -> [..., n, a/n + b/n] flattened   (n = 1: plain concatenation)
+    """
+    lead = parts[0].shape[:-1]
+    split = [x.reshape(*lead, n, x.shape[-1] // n) for x in parts]
+    return jnp.concatenate(split, axis=-1).reshape(*lead, -1)

@@ -7,9 +7,11 @@ names (they are facts about its arrays); the mapping is the parallel layer's bus
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")  # the mesh axes that split the prompt batch
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -54,3 +56,55 @@ def ambient_batch_shards() -> int:
     """``batch_shards`` of the mesh being traced with (``jax.set_mesh``, as ``ShardedStep`` does),
     1 outside any mesh: lets per-group loops run over local groups."""
     return batch_shards(jax.sharding.get_abstract_mesh())
+
+
+# The decode loop's arrays, by the meaning of the mesh axes (relax.parallel.mesh): rows over the
+# batch axes, heads / MLP units / vocabulary over ``tensor``, the model width never split.
+TENSOR_AXIS = "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayout:
+    """Where a decode step's arrays live: the mesh axes of its rows (``batch``) and of its heads,
+    MLP units and vocabulary (each None when unsplit). Outside a mesh every field is empty and
+    ``constrain`` returns its input; on a mesh every array the loop carries or produces is pinned,
+    so the compiled step has only the collectives the layout implies (per layer, with ``tensor``:
+    one all-reduce after the attention output and one after the MLP down-projection; per step:
+    the embedding lookup's all-reduce and the logits' all-gather, and the stop check's
+    all-reduce over rows)."""
+
+    batch: tuple[str, ...] = ()
+    heads: str | None = None
+    mlp: str | None = None
+    vocab: str | None = None
+    tensor_size: int = 1  # shards of what ``tensor`` splits (the fused weights' column blocks)
+
+    def groups(self, dim: str) -> int:
+        """Column blocks of a fused weight whose output is ``dim`` ("heads" or "mlp"): one per shard."""
+        return self.tensor_size if getattr(self, dim) is not None else 1
+
+    def spec(self, *dims: str | None) -> P:
+        """``PartitionSpec`` from logical dims ("batch", "heads", "mlp", "vocab" or None)."""
+        axes = {"batch": self.batch or None, "heads": self.heads, "mlp": self.mlp, "vocab": self.vocab, None: None}
+        return P(*(axes[d] for d in dims))
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.batch) or any(a is not None for a in (self.heads, self.mlp, self.vocab))
+
+    def constrain(self, x: jax.Array, *dims: str | None) -> jax.Array:
+        """``x`` pinned to ``spec(*dims)`` on the ambient mesh (unchanged when nothing is sharded)."""
+        return jax.lax.with_sharding_constraint(x, self.spec(*dims)) if self.sharded else x
+
+
+def decode_layout(config) -> DecodeLayout:
+    """The ``DecodeLayout`` on the mesh being traced with (``jax.set_mesh``; none: unsharded) for a
+    model of ``config``: a ``tensor`` axis splits what it divides (whole KV heads and their query
+    heads, MLP units, vocabulary rows), as the parameter rules do."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = getattr(mesh, "axis_names", ())
+    batch = tuple(a for a in BATCH_AXES if a in names and mesh.shape[a] > 1)
+    t = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in names else 1
+    split = lambda n: TENSOR_AXIS if t > 1 and n % t == 0 else None
+    return DecodeLayout(batch=batch, heads=split(config.num_kv_heads), mlp=split(config.intermediate_size),
+                        vocab=split(config.vocab_size), tensor_size=t)

@@ -15,6 +15,13 @@ Buffers are per layer and the decode loop runs the layers as a Python loop over 
 (fused q/k/v and gate/up) weights: nothing stacked is sliced per step, and every cache is
 updated in place.
 
+On a mesh (traced under ``jax.set_mesh``) the layout is explicit (``relax.models.sharding.
+DecodeLayout``): before the loop the fused weights and the embedding are laid out once, whole
+along the model width (an FSDP-sharded width is gathered there, not at every step) and split
+over ``tensor`` by heads, MLP units and vocabulary; inside the loop every cache, activation and
+loop buffer is pinned to rows over the batch axes and heads over ``tensor``, so the step has no
+collective beyond those the layout implies.
+
 The layer code is the model's own (``transformer.run_layers``): the sampler only supplies
 the attention, so its log-probs equal the trainer's.
 """
@@ -30,15 +37,18 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models import attention as attn
 from relax.models.adapters import merge_lora
+from relax.models.decode_attention import pallas_available, pallas_decode_attention, reference_decode_attention
+from relax.models.layer import FusedLayer
 from relax.models.layer_kinds import layer_window
 from relax.models.rope import rotary
+from relax.models.sharding import DecodeLayout, decode_layout
 from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
                                       project, run_layers)
 from relax.rollout.sampling import SamplingConfig, sample, uniform_table
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
+DECODE_ATTENTION = ("xla", "pallas", "pallas_interpret")
 
 
 class Rollout(eqx.Module):
@@ -65,6 +75,11 @@ class RolloutConfig:
     max_segments: int = 16
     """At most this many cache blocks (one compiled decode loop each, the s-th reading s blocks, so
     the program grows with their square): a long budget gets blocks of ``ceil(N / max_segments)``."""
+    decode_attention: str = "xla"
+    """The decode step's attention: "xla" (XLA's fusions, the default everywhere), "pallas" (one
+    Pallas Triton kernel per step and layer, ``relax.models.decode_attention``; GPU only, opt-in
+    until measured) or "pallas_interpret" (the same kernel run by Pallas' interpreter: any
+    backend, for tests)."""
     merge_adapters: bool = True
     """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights (a copy made
     anyway, so no extra memory), not the adapters run beside them: fewer, wider matmuls
@@ -77,6 +92,8 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.cache_chunk < 1 or self.max_segments < 1:
             raise ValueError(f"cache_chunk and max_segments must be >= 1, got {self.cache_chunk}, {self.max_segments}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"prompt_buckets must be increasing and non-empty, got {self.prompt_buckets}")
 
@@ -133,45 +150,80 @@ def _prefill(model: Transformer, ids, mask):
     return pk, pv, project(model, h[:, -1])
 
 
-def _decode_attend(model: Transformer, num_gen: int, q_pos, prompt_pos, prompt_valid, t, seg: int, chunk: int):
+# logical dims of the fused weights on a mesh (the rest, norms and output biases, replicated)
+_FUSED_DIMS = {"wqkv": (None, "heads"), "bqkv": ("heads",), "wo": ("heads", None), "w_gate_up": (None, "mlp"),
+               "b_gate_up": ("mlp",), "w_down": ("mlp", None)}
+
+
+def _place_layer(layout: DecodeLayout, p: FusedLayer) -> FusedLayer:
+    """One fused layer in the decode layout (adapters left where they are)."""
+    def place(name):
+        x = getattr(p, name)
+        if name == "lora" or not eqx.is_array(x):  # adapters, absent biases, the static group counts
+            return x
+        return layout.constrain(x, *_FUSED_DIMS.get(name, (None,) * x.ndim))
+    return FusedLayer(**{f.name: place(f.name) for f in dataclasses.fields(p)})
+
+
+def _place_model(layout: DecodeLayout, model: Transformer) -> Transformer:
+    """The embedding (and untied head) whole along the width, rows over the vocabulary axis."""
+    head = lambda x: None if x is None else layout.constrain(x, "vocab", None)
+    return dataclasses.replace(model, embed=head(model.embed), lm_head=head(model.lm_head))
+
+
+def _attention_kernel(kind: str, layout: DecodeLayout, num_gen: int, scale: float | None):
+    """``fn(q, pk, pv, prompt_allowed, own_k, own_v, own_allowed)`` of ``RolloutConfig.decode_attention``;
+    on a mesh the Pallas kernel runs per shard (rows over the batch axes, KV heads over tensor)."""
+    if kind == "xla":
+        return functools.partial(reference_decode_attention, num_gen=num_gen, scale=scale)
+    if kind == "pallas" and not pallas_available(jax.default_backend()):
+        raise ValueError(f"decode_attention='pallas' needs a CUDA GPU (backend: {jax.default_backend()}); "
+                         "use 'xla', or 'pallas_interpret' to run the kernel in Pallas' interpreter")
+    kernel = functools.partial(pallas_decode_attention, num_gen=num_gen, scale=scale,
+                               interpret=kind == "pallas_interpret")
+    if not layout.sharded:
+        return kernel
+    heads = layout.spec("batch", "heads")
+    in_specs = (heads, heads, heads, layout.spec("batch"), heads, heads, layout.spec())
+    return jax.shard_map(kernel, in_specs=in_specs, out_specs=heads, check_vma=False)
+
+
+def _decode_attend(model: Transformer, layout: DecodeLayout, kernel, num_gen: int, q_pos, prompt_pos,
+                   prompt_valid, t, seg: int, chunk: int):
     """Attention of one new token per completion over [shared prompt | own cache incl. itself].
 
-    ``q`` arrives as ``[P*G, 1, Hq, D]``; for the prompt block the G completions of a prompt
-    are folded into the query rows, ``[P, Hkv, G*R, D]``, against the prompt's single copy
-    of its keys ``[P, Hkv, D, Lp]``. The completion cache is a list of blocks of ``chunk``
-    slots; during segment ``seg`` (steps ``seg*chunk <= t < (seg+1)*chunk``) blocks before
-    ``seg`` are full, block ``seg`` is being filled and later blocks are not read at all.
+    ``q`` arrives as ``[P*G, 1, Hq, D]`` and is grouped ``[P*G, Hkv, R, D]``; ``kernel``
+    (``_attention_kernel``) folds the G completions of a prompt into the query rows against the
+    prompt's single copy of its keys ``[P, Hkv, D, Lp]``. The completion cache is a list of blocks
+    of ``chunk`` slots; during segment ``seg`` (steps ``seg*chunk <= t < (seg+1)*chunk``) blocks
+    before ``seg`` are full, block ``seg`` is being filled and later blocks are not read at all.
     Each layer masks by its own window (the decode loop runs the layers with static kinds).
     """
     c = model.config
     hk, r = c.num_kv_heads, c.q_per_kv
-    scale = c.attn_scale
 
     def attend(q, k, v, layer_input, sliding):
         window = layer_window(c, sliding)
         pk, pv, ck, cv = layer_input
         b, _, hq, d = q.shape
         p = b // num_gen
-        qg = q.reshape(b, hk, r, d)  # one query position: rows of a KV head are its R heads
-        allowed_p = prompt_valid[:, None, None, :]
+        qg = layout.constrain(q.reshape(b, hk, r, d), "batch", "heads", None, None)  # rows of a KV head: its R heads
+        k, v = (layout.constrain(x.reshape(b, hk, d), "batch", "heads", None) for x in (k, v))
+        allowed_p = prompt_valid
         if window is not None:
             qpos_p = q_pos.reshape(p, num_gen)[:, 0]
-            allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)[:, None, None, :]
-        blocks = [attn.shared_prefix_attention(qg, pk, pv, allowed_p, num_gen, k_transposed=True, scale=scale)]
+            allowed_p = allowed_p & ((qpos_p[:, None] - prompt_pos) < window)
         # this step's key/value go into block seg first (in place, before it is read)
         ck, cv = list(ck), list(cv)
-        ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.reshape(b, hk, d).astype(ck[seg].dtype),
-                                                      t - seg * chunk, axis=3)
-        cv[seg] = jax.lax.dynamic_update_index_in_dim(cv[seg], v.reshape(b, hk, d).astype(cv[seg].dtype),
-                                                      t - seg * chunk, axis=2)
+        ck[seg] = jax.lax.dynamic_update_index_in_dim(ck[seg], k.astype(ck[seg].dtype), t - seg * chunk, axis=3)
+        cv[seg] = jax.lax.dynamic_update_index_in_dim(cv[seg], v.astype(cv[seg].dtype), t - seg * chunk, axis=2)
+        ck, cv = ([layout.constrain(x, "batch", "heads", None, None) for x in xs] for xs in (ck, cv))
+        own_allowed = []
         for blk in range(seg + 1):
             slots = blk * chunk + jnp.arange(cv[blk].shape[2])
             allowed = slots <= t
-            if window is not None:
-                allowed = allowed & (t - slots < window)
-            blocks.append(attn.block_stats(qg, ck[blk], cv[blk], allowed[None, None, None, :], k_transposed=True,
-                                           scale=scale))
-        out = attn.merge_stats(blocks)
+            own_allowed.append(allowed if window is None else allowed & (t - slots < window))
+        out = kernel(qg, pk, pv, allowed_p, tuple(ck[:seg + 1]), tuple(cv[:seg + 1]), tuple(own_allowed))
         return out.reshape(b, 1, hq, d).astype(q.dtype), (tuple(ck), tuple(cv))
 
     return attend
@@ -183,6 +235,9 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     g, n = cfg.num_generations, cfg.max_new_tokens
     b = p * g
     dtype = model.dtype
+    layout = decode_layout(c)
+    kernel = _attention_kernel(cfg.decode_attention, layout, g, c.attn_scale)
+    rows = lambda x: layout.constrain(x, "batch", *(None,) * (x.ndim - 1))  # a loop buffer: rows split
     pk, pv, logits0 = _prefill(model, prompt_ids, prompt_mask)
     prompt_pos = positions_from_mask(prompt_mask)
     prompt_valid = prompt_mask.astype(bool)
@@ -195,7 +250,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     def draw(logits, step):
         return sample(logits, jax.lax.dynamic_index_in_dim(u, step, axis=1, keepdims=False), cfg.sampling)
 
-    tok0, lp0 = draw(jnp.repeat(logits0, g, axis=0), 0)
+    tok0, lp0 = draw(rows(jnp.repeat(logits0, g, axis=0)), 0)
     finished0 = jnp.isin(tok0, eos)
     tokens = jnp.full((b, n), cfg.pad_id, jnp.int32).at[:, 0].set(tok0)
     logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
@@ -203,15 +258,21 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
     # with LoRA: W + s A B merged into the fused copy made here anyway (no extra memory)
-    layers = fuse_layers(merge_lora(model) if cfg.merge_adapters else model)
+    fused = fuse_layers(merge_lora(model) if cfg.merge_adapters else model, qkv_groups=layout.groups("heads"),
+                        mlp_groups=layout.groups("mlp"))
+    layers = [_place_layer(layout, p) for p in fused]
+    model = _place_model(layout, model)
+    heads = lambda x: layout.constrain(x, "batch", "heads", None, None)
     # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
-    prompt_kv = [(jnp.swapaxes(pk[i], -1, -2), pv[i]) for i in range(c.num_layers)]
+    prompt_kv = [(heads(jnp.swapaxes(pk[i], -1, -2)), heads(pv[i])) for i in range(c.num_layers)]
     # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a
     # step reads only the blocks filled so far instead of the whole budget.
     chunk = min(block_size(cfg), n)
     sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
-    ck = [tuple(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype) for sz in sizes) for _ in range(c.num_layers)]
-    cv = [tuple(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype) for sz in sizes) for _ in range(c.num_layers)]
+    ck = [tuple(heads(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype)) for sz in sizes)
+          for _ in range(c.num_layers)]
+    cv = [tuple(heads(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype)) for sz in sizes)
+          for _ in range(c.num_layers)]
     q_pos_base = jnp.repeat(prompt_len, g)
     # rotary cos/sin of every decode position, [B, N, D] each per RoPE kind, derived once before the loop
     rope_table = rotary(c, q_pos_base[:, None] + jnp.arange(n)[None, :])
@@ -227,22 +288,23 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
             t, tokens, logps, mask, ck, cv, finished = s
             cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
             q_pos = (q_pos_base + t)[:, None]
-            attend = _decode_attend(model, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
+            attend = _decode_attend(model, layout, kernel, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
             inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
             rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), rope_table)
-            h, new_kv = run_layers(model, embed(model, cur), q_pos, attend, inputs, layers=layers, rope=rope)
+            h, new_kv = run_layers(model, rows(embed(model, cur)), q_pos, attend, inputs, layers=layers, rope=rope)
             ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
-            tok, lp = draw(project(model, h[:, 0]), t + 1)
+            logits = layout.constrain(project(model, rows(h[:, 0])), "batch", "vocab")  # the head split by rows
+            tok, lp = draw(rows(logits), t + 1)  # gathered whole for the draw
             alive = ~finished
             tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
             logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
             mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
             finished = finished | (alive & jnp.isin(tok, eos))
-            return t + 1, tokens, logps, mask, ck, cv, finished
+            return t + 1, rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished)
 
         return cond, body
 
-    state = (jnp.int32(0), tokens, logps, mask, ck, cv, finished0)
+    state = (jnp.int32(0), rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished0))
     for seg in range(len(sizes)):
         if seg * chunk < n - 1:
             state = jax.lax.while_loop(*make_segment(seg), state)
