@@ -15,8 +15,15 @@
    completion, as a trainer without prefix sharing runs it). Tells where cuDNN wins.
 4. Accuracy of the bfloat16 training log-probs and gradient through either attention path
    against float32 (``check_dense_accuracy``).
+5. The long-prompt case (Lp = 1024, G = 16): the prefix-shared sampler against the repeated-prompt
+   mode (each prompt repeated G times, ``num_generations=1``), tokens/s = P*G*N / time of the
+   whole generate call (prefill included), and their ratio (acceptance: >= 5x).
 
-    python benchmarks/gpu.py [--small]   (--small: a tiny config, to check the script on CPU)
+    python benchmarks/gpu.py [--small] [--only decode,long_prompt,update,attention,accuracy]
+                             [--decode-attention xla|pallas] [--cache-chunk N]
+
+``--small``: a tiny config, to check the script on CPU. ``--only``: run just these parts (a
+session with little device time); without it every part runs.
 
 No flags library on purpose: the accelerator image may lack tyro; this script needs only
 jax, equinox, optax and relax.
@@ -42,6 +49,19 @@ from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 
 SMALL = "--small" in sys.argv
+
+
+def flag(name: str, default: str) -> str:
+    """The value after ``--name`` on the command line, or ``default``."""
+    argv = sys.argv[1:]
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else default
+
+
+# The sampler's decode levers (benchmarks/gpu_levers.py sweeps them): the attention kernel and the
+# completion-cache block size; every rollout config of this script and gpu_profile.py takes them.
+DECODE_LEVERS = dict(decode_attention=flag("--decode-attention", "xla"),
+                     cache_chunk=int(flag("--cache-chunk", str(RolloutConfig.cache_chunk))))
+PARTS = ("decode", "long_prompt", "update", "attention", "accuracy")
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                        num_kv_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
                        tie_word_embeddings=True)
@@ -54,29 +74,74 @@ def timed(fn, *args, runs=3):
     return measure(fn, *args, warmup=1, runs=runs)["median_s"]
 
 
+def decode_ideal_bytes(c: ModelConfig, dtype, p, g, lp, n) -> tuple[float, float]:
+    """(weight bytes, K/V bytes) one decode step must read at least, on average over N steps::
+
+        weights = params * itemsize                    (every weight once; tied head counted once)
+        kv      = 2 * L * Hkv * D * itemsize * (P * Lp + P * G * N / 2)
+
+    the shared prompt's keys/values once per prompt, each completion's own cache at its mean
+    filled length N / 2.
+    """
+    bytes_el = jnp.dtype(dtype).itemsize
+    kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * bytes_el
+    return c.num_params() * bytes_el, kv_per_slot * (p * lp + p * g * n / 2)
+
+
 def bench_decode(model, p, g, lp, n, peak_bw):
+    """Step = (time for N new tokens - time for 1) / (N - 1); achieved = ideal bytes / step."""
     c = model.config
     ids = jax.random.randint(jax.random.key(1), (p, lp), 0, c.vocab_size)
     mask = jnp.ones_like(ids)
 
     def gen(new):
-        cfg = RolloutConfig(num_generations=g, max_new_tokens=new, sampling=SamplingConfig(temperature=1.0))
+        cfg = RolloutConfig(num_generations=g, max_new_tokens=new, sampling=SamplingConfig(temperature=1.0),
+                            **DECODE_LEVERS)
         f = compiled_generate(cfg)
         return lambda: f(model, ids, mask, jax.random.key(2))
 
     t_full, t_prefill = timed(gen(n)), timed(gen(1))
     step = (t_full - t_prefill) / (n - 1)
-    bytes_el = jnp.dtype(model.dtype).itemsize
-    weight_bytes = (c.num_params() - (0 if c.tie_word_embeddings else 0)) * bytes_el
-    kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * bytes_el
-    kv_bytes = kv_per_slot * (p * lp + p * g * n / 2)  # shared prompt once + completions' mean filled length
+    weight_bytes, kv_bytes = decode_ideal_bytes(c, model.dtype, p, g, lp, n)
     achieved = (weight_bytes + kv_bytes) / step
-    return emit({"bench": "gpu_decode", "params_b": c.num_params() / 1e9, "dtype": str(jnp.dtype(model.dtype)),
+    return emit({"bench": "gpu_decode", **DECODE_LEVERS, "params_b": c.num_params() / 1e9,
+                 "dtype": str(jnp.dtype(model.dtype)),
                  "batch": p * g, "P": p, "G": g, "Lp": lp, "N": n, "step_ms": step * 1e3,
                  "tokens_per_s": p * g / step, "bytes_per_step_gb": (weight_bytes + kv_bytes) / 1e9,
                  "achieved_gb_per_s": achieved / 1e9,
                  "hbm_roofline_frac": None if peak_bw is None else achieved / peak_bw,
                  "generate_s": t_full, "prefill_s": t_prefill})
+
+
+def bench_long_prompt(model, p, g, lp, n):
+    """Long prompts: the prefix-shared sampler (P prompts, ``num_generations=G``) against the
+    repeated-prompt mode (the P*G rows ``jnp.repeat(ids, G)``, ``num_generations=1``, as
+    ``benchmarks/rollout.py``'s ``repeat`` mode), no stop ids::
+
+        tokens/s = P * G * N / median seconds of the whole generate call (prefill included)
+        speedup  = tokens/s shared / tokens/s repeated
+
+    Memory at the 1B defaults (P=4, G=16, Lp=1024, N=256): K/V is 2 * 16 layers * 8 heads * 64
+    * 2 B = 32 KiB a slot; the repeated mode caches P*G*(Lp+N) = 81,920 slots = 2.7 GB, its
+    prefill runs 65,536 tokens whose per-layer float32 scores are 64 * 32 heads * 1024^2 * 4 B =
+    8.6 GB, weights 2.5 GB. XLA's buffer assignment of the repeated program (compiled for CPU,
+    which also keeps float32 copies of the weights): 29.4 GB of temporaries (shared: 10.8 GB),
+    so it fits 80 GB.
+    """
+    c = model.config
+    ids = jax.random.randint(jax.random.key(5), (p, lp), 0, c.vocab_size)
+    mask = jnp.ones_like(ids)
+    rep_ids, rep_mask = jnp.repeat(ids, g, axis=0), jnp.repeat(mask, g, axis=0)
+    sampling = SamplingConfig(temperature=1.0)
+    shared = compiled_generate(RolloutConfig(num_generations=g, max_new_tokens=n, sampling=sampling, **DECODE_LEVERS))
+    repeat = compiled_generate(RolloutConfig(num_generations=1, max_new_tokens=n, sampling=sampling, **DECODE_LEVERS))
+    t_shared = timed(lambda: shared(model, ids, mask, jax.random.key(2)))
+    t_repeat = timed(lambda: repeat(model, rep_ids, rep_mask, jax.random.key(2)))
+    tokens = p * g * n
+    return emit({"bench": "gpu_long_prompt", **DECODE_LEVERS, "params_b": c.num_params() / 1e9, "dtype": str(jnp.dtype(model.dtype)),
+                 "P": p, "G": g, "Lp": lp, "N": n, "shared_s": t_shared, "repeat_s": t_repeat,
+                 "shared_tokens_per_s": tokens / t_shared, "repeat_tokens_per_s": tokens / t_repeat,
+                 "speedup": t_repeat / t_shared, "target_speedup": 5.0})
 
 
 def update_inputs(c: ModelConfig, p, g, lp, n) -> dict:
@@ -165,21 +230,40 @@ def check_dense_accuracy():
               "grad_rel_err": float(np.linalg.norm(g16 - ref_g) / np.linalg.norm(ref_g))})
 
 
+def parts(argv: list[str]) -> list[str]:
+    """The parts ``--only a,b`` names (all of ``PARTS`` without it)."""
+    if "--only" not in argv:
+        return list(PARTS)
+    i = argv.index("--only")
+    names = argv[i + 1].split(",") if i + 1 < len(argv) else []
+    bad = [x for x in names if x not in PARTS] or ([] if names else ["(none)"])
+    if bad:
+        raise SystemExit(f"--only {','.join(names)}: unknown {bad}; choose from {','.join(PARTS)}")
+    return names
+
+
 def main():
+    only = parts(sys.argv[1:])
     sheet = datasheet() or {}
     peak_bw, peak_flops = sheet.get("hbm_bytes_per_s"), sheet.get("bf16_flops")
     cfg = TINY if SMALL else LLAMA_1B
     model = cast(init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16), dtype=jnp.bfloat16)
-    for p, g in ((8, 8), (16, 16)):
-        bench_decode(model, p, g, 128, 32 if SMALL else 256, peak_bw)
-    for policy in ("dots", "nothing"):
-        bench_update(model, 2 if SMALL else 8, 4 if SMALL else 8, 32 if SMALL else 256, 32 if SMALL else 512,
-                     peak_flops, policy)
-    if SMALL:
-        bench_attention(2, 4, 16, 32, 2, 2, 16, jnp.bfloat16)
-    else:
-        bench_attention(8, 8, 256, 512, 8, 4, 64, jnp.bfloat16)
-    check_dense_accuracy()
+    if "decode" in only:
+        for p, g in ((8, 8), (16, 16)):
+            bench_decode(model, p, g, 128, 32 if SMALL else 256, peak_bw)
+    if "long_prompt" in only:
+        bench_long_prompt(model, *((2, 4, 64, 16) if SMALL else (4, 16, 1024, 256)))
+    if "update" in only:
+        for policy in ("dots", "nothing"):
+            bench_update(model, 2 if SMALL else 8, 4 if SMALL else 8, 32 if SMALL else 256, 32 if SMALL else 512,
+                         peak_flops, policy)
+    if "attention" in only:
+        if SMALL:
+            bench_attention(2, 4, 16, 32, 2, 2, 16, jnp.bfloat16)
+        else:
+            bench_attention(8, 8, 256, 512, 8, 4, 64, jnp.bfloat16)
+    if "accuracy" in only:
+        check_dense_accuracy()
 
 
 if __name__ == "__main__":
