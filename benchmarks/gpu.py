@@ -230,12 +230,9 @@ def check_dense_accuracy():
               "grad_rel_err": float(np.linalg.norm(g16 - ref_g) / np.linalg.norm(ref_g))})
 
 
-def parts(argv: list[str]) -> list[str]:
+def parts() -> list[str]:
     """The parts ``--only a,b`` names (all of ``PARTS`` without it)."""
-    if "--only" not in argv:
-        return list(PARTS)
-    i = argv.index("--only")
-    names = argv[i + 1].split(",") if i + 1 < len(argv) else []
+    names = [x for x in flag("--only", ",".join(PARTS)).split(",") if x]
     bad = [x for x in names if x not in PARTS] or ([] if names else ["(none)"])
     if bad:
         raise SystemExit(f"--only {','.join(names)}: unknown {bad}; choose from {','.join(PARTS)}")
@@ -243,7 +240,7 @@ def parts(argv: list[str]) -> list[str]:
 
 
 def main():
-    only = parts(sys.argv[1:])
+    only = parts()
     sheet = datasheet() or {}
     peak_bw, peak_flops = sheet.get("hbm_bytes_per_s"), sheet.get("bf16_flops")
     cfg = TINY if SMALL else LLAMA_1B

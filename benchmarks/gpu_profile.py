@@ -41,11 +41,12 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu import DECODE_LEVERS, LLAMA_1B, TINY, decode_ideal_bytes, update_inputs  # noqa: E402
+from gpu import DECODE_LEVERS, LLAMA_1B, TINY, decode_ideal_bytes, flag, update_inputs  # noqa: E402
 from harness import emit  # noqa: E402
 
 from relax.models import cast, init  # noqa: E402
 from relax.parallel.hlo import CONTROL, FREE, SLICES, Instr, arrays, launching, nbytes, parse_hlo  # noqa: E402
+from relax.parallel.hlo import loops as while_loops  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, block_size, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
@@ -233,8 +234,7 @@ def decode_ops(text: str, tags: dict, cfg: RolloutConfig, b: int) -> tuple[dict,
     not in place (count, bytes per step, how many have a cache's shape)."""
     comps, entry = parse_hlo(text)
     n = cfg.max_new_tokens
-    loops = sorted((i for cn in launching(comps, entry) for i in comps[cn]
-                    if i.op == "while" and f"s32[{b},{n}]" in i.shape), key=lambda i: i.pos)
+    loops = [i for i in while_loops(comps, entry) if f"s32[{b},{n}]" in i.shape]
     steps = segment_steps(cfg)
     if len(steps) != len(loops):  # not the sampler's segment structure: share the steps evenly
         steps = [(n - 1) / max(len(loops), 1)] * len(loops)
@@ -357,7 +357,7 @@ def print_table(ops: dict, per_op: dict | None, top: int):
 def main():
     args = sys.argv[1:]
     small = "--small" in args
-    policy = args[args.index("--policy") + 1] if "--policy" in args else "dots"
+    policy = flag("--policy", "dots")
     what = [a for a in args if a in ("update", "decode")] or ["update", "decode"]
     cfg = TINY if small else LLAMA_1B
     model = cast(init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16), dtype=jnp.bfloat16)

@@ -79,9 +79,15 @@ class DecodeLayout:
     vocab: str | None = None
     tensor_size: int = 1  # shards of what ``tensor`` splits (the fused weights' column blocks)
 
-    def groups(self, dim: str) -> int:
-        """Column blocks of a fused weight whose output is ``dim`` ("heads" or "mlp"): one per shard."""
-        return self.tensor_size if getattr(self, dim) is not None else 1
+    @property
+    def qkv_groups(self) -> int:
+        """Column blocks of the fused q/k/v weight (``fuse_layers``): one per head shard."""
+        return 1 if self.heads is None else self.tensor_size
+
+    @property
+    def mlp_groups(self) -> int:
+        """Column blocks of the fused gate/up weight: one per MLP-unit shard."""
+        return 1 if self.mlp is None else self.tensor_size
 
     def spec(self, *dims: str | None) -> P:
         """``PartitionSpec`` from logical dims ("batch", "heads", "mlp", "vocab" or None)."""

@@ -258,8 +258,8 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
     # with LoRA: W + s A B merged into the fused copy made here anyway (no extra memory)
-    fused = fuse_layers(merge_lora(model) if cfg.merge_adapters else model, qkv_groups=layout.groups("heads"),
-                        mlp_groups=layout.groups("mlp"))
+    fused = fuse_layers(merge_lora(model) if cfg.merge_adapters else model, qkv_groups=layout.qkv_groups,
+                        mlp_groups=layout.mlp_groups)
     layers = [_place_layer(layout, p) for p in fused]
     model = _place_model(layout, model)
     heads = lambda x: layout.constrain(x, "batch", "heads", None, None)
