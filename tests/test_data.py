@@ -12,6 +12,7 @@ from relax.data.prompts import (
     Record,
     eval_records,
     load_records,
+    prepare_prompts,
     prompt_batch,
     prompt_dataset,
     prompt_iterator,
@@ -153,17 +154,83 @@ def test_bad_json_and_empty_file(tmp_path, tok):
         load_records(tmp_path / "nope.jsonl")
 
 
+def test_overlong_prompts_are_dropped_by_default_and_counted(tmp_path, tok):
+    rows = _rows(6)
+    long_a = " ".join(f"question {i}: what is" for i in range(20)) + " 7 plus 14 ?"
+    rows[1]["prompt"], rows[4]["prompt"] = long_a, long_a + " and more and more"
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    cfg = _cfg(f, shuffle=False, max_prompt_tokens=12)
+    prepared = prepare_prompts(read_records(f), cfg, tok)
+    lengths = [len(tok.encode(r["prompt"])) for r in rows]  # the independent count
+    s = prepared.stats
+    assert s.action == "drop" and s.rows == 6 and s.kept == 4 and s.dropped == 2
+    assert [(o.row, o.tokens) for o in s.over_budget] == [(5, lengths[4]), (2, lengths[1])]  # longest first
+    assert s.percentiles() == {f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99)} | {
+        "max": max(lengths)}
+    assert [e.text for e in prepared.examples] == [rows[i]["prompt"] for i in (0, 2, 3, 5)]
+    message = s.over_budget_message("training")
+    assert f"2 of 6 training prompts are over --max-prompt-tokens 12: {f} row 5 ({lengths[4]} tokens)" in message
+    assert "dropped" in message
+    b = next(_iter(cfg, tok))
+    assert long_a not in b.prompts and b.prompt_ids.shape == (4, 12)
+    with pytest.warns(UserWarning, match="2 of 6 held-out prompts are over"):
+        assert prompt_batch(read_records(f), cfg, tok).prompt_ids.shape[0] == 4
+
+
 def test_overlong_truncate_keeps_end_and_reject_names_row(tmp_path, tok):
     rows = _rows(4)
     rows[1]["prompt"] = " ".join(f"question {i}: what is" for i in range(20)) + " 7 plus 14 ?"
     f = _jsonl(tmp_path / "d.jsonl", rows)
-    b = next(_iter(_cfg(f, shuffle=False, max_prompt_tokens=12), tok))
+    b = next(_iter(_cfg(f, shuffle=False, max_prompt_tokens=12, overlong="truncate"), tok))
     assert b.prompt_ids.shape == (4, 12) and b.prompts[1] == rows[1]["prompt"]  # row kept
     assert b.prompt_mask[1].all()
     assert list(b.prompt_ids[1]) == [tok.bos_token_id] + tok.encode(rows[1]["prompt"], add_special_tokens=False)[-11:]
     n = len(tok.encode(rows[1]["prompt"]))
     with pytest.raises(ValueError, match=rf"{f}: row 2: prompt has {n} tokens > max_prompt_tokens=12"):
         _iter(_cfg(f, max_prompt_tokens=12, overlong="reject"), tok)
+    with pytest.raises(ValueError, match="no training prompt is within max_prompt_tokens=2"):
+        _iter(_cfg(f, max_prompt_tokens=2), tok)
+
+
+def test_truncated_chat_prompt_keeps_header_and_system_prompt(tmp_path, chat_toks):
+    question = "Compute the sum. " + " ".join(f"item {i} costs {i} coins." for i in range(40)) + " What is the total?"
+    msgs = [{"role": "system", "content": "You are a careful accountant."}, {"role": "user", "content": question}]
+    f = _jsonl(tmp_path / "d.jsonl", [{"prompt": msgs, "answer": "780"}, {"prompt": "short", "answer": "1"}])
+    for style, t in chat_toks.items():
+        full = t.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        budget = len(full) // 2
+        cfg = _cfg(f, batch_size=1, shuffle=False, max_prompt_tokens=budget, overlong="truncate")
+        prepared = prepare_prompts(read_records(f), cfg, t)
+        cut = prepared.examples[0]
+        assert len(cut.ids) <= budget and prepared.stats.kept == 2 and len(prepared.stats.over_budget) == 1
+        assert "You are a careful accountant." in cut.text and "What is the total?" in cut.text
+        assert "item 0 costs" not in cut.text
+        # the fewest tokens cut: one more content token would not fit
+        content = t.encode(question, add_special_tokens=False)
+        kept = next(k for k in range(len(content), -1, -1)
+                    if len(t.apply_chat_template([msgs[0], {"role": "user", "content": t.decode(content[len(content) - k:])}],
+                                                 add_generation_prompt=True, tokenize=True)) <= budget)
+        assert cut.text == t.apply_chat_template([msgs[0], {"role": "user", "content": t.decode(content[len(content) - kept:])}],
+                                                 add_generation_prompt=True, tokenize=False), style
+        fixed = len(t.apply_chat_template([msgs[0], {"role": "user", "content": ""}], add_generation_prompt=True))
+        tiny = prepare_prompts(read_records(f), _cfg(f, batch_size=1, max_prompt_tokens=fixed - 1, overlong="truncate"), t)
+        # the system prompt and the template are never cut: a prompt they alone put over is dropped
+        assert 1 in [o.row for o in tiny.stats.over_budget], style
+        assert tiny.stats.uncuttable == len(tiny.stats.over_budget) == tiny.stats.dropped, style
+
+
+def test_batches_pad_to_the_datas_longest_bucket_by_default(tmp_path, tok):
+    rows = _rows(8)
+    rows[5]["prompt"] = " ".join(f"question {i}: what is" for i in range(4)) + " 7 plus 14 ?"
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    longest = max(len(tok.encode(r["prompt"])) for r in rows)
+    buckets = (8, 16, 24, 32)
+    want = next(b for b in buckets if b >= longest)
+    shapes = {b.prompt_ids.shape[1] for b in _take(_iter(_cfg(f, prompt_buckets=buckets, batch_size=2), tok), 8)}
+    assert shapes == {want}
+    shapes = {b.prompt_ids.shape[1] for b in _take(_iter(_cfg(f, prompt_buckets=buckets, batch_size=2, pad_to="batch"),
+                                                         tok), 8)}
+    assert len(shapes) > 1 and max(shapes) == want
 
 
 def test_chat_prompts_use_the_models_template_with_one_bos(tmp_path, tok, chat_toks):

@@ -34,6 +34,7 @@ from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger
 from relax.train.run import Trainer, run_loop
 
+from relax.algorithms.report import first_row_lines, run_report
 from relax.algorithms.online import ModelRunConfig, base_path, builtin_setup, exporter, start_run, with_lora
 
 MAX_EVAL_PROMPT = 512
@@ -138,14 +139,21 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     held_out = encode_eval(held_out_rows, tokenizer) if held_out_rows else None  # None: nothing held out
     if algo.prepare is not None:
         train, held_out = algo.prepare(model, train, held_out, paths, tokenizer)
-    log(f"data: {len(train_rows)} training rows ({len(train)} batch items) and {len(held_out_rows)} held-out rows")
+    report = run_report(cfg, model, [f"{len(train_rows)} training rows ({len(train)} batch items) from "
+                                     f"{paths[0]}, {len(held_out_rows)} held out",
+                                     f"{cfg.batch_size} batch items per step"],
+                        extra=[("first training row", first_row_lines(train_rows[0].record if train_rows else None))])
+    log(report.text())
     state = algo.make_state(model, jax.random.key(cfg.seed))
     export = exporter(tokenizer, base_path(cfg, run_dir)) if algo.export is None else (lambda policy, d: algo.export(policy, d, tokenizer))
     trainer = Trainer(name=algo.name, step=algo.make_step(choose_passes(), tokenizer),
                       batches=batch_iterator(train, cfg.batch_size, cfg.seed,
                                              functools.partial(algo.collate, pad_id=tokenizer.pad_token_id)),
                       make_batch=lambda b: jax.tree.map(jnp.asarray, b), host_metrics=algo.host_metrics,
-                      evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log), export=export, bar_keys=algo.bar_keys)
+                      evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log), export=export,
+                      bar_keys=algo.bar_keys, on_start=report.write,
+                      info={"data": {"train_rows": len(train_rows), "batch_items": len(train),
+                                     "held_out_rows": len(held_out_rows)}})
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary
 

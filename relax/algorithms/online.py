@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from relax.data.prompts import DataConfig, eval_records, prompt_batch, prompt_iterator, read_records, read_splits
+from relax.algorithms.report import StartupReport, first_prompt_lines, prompt_lines, run_report, token_lines
+from relax.data.prompts import (DataConfig, PreparedPrompts, batch_of, eval_records, padded_length, prepare_prompts,
+                                prompt_iterator, read_records, read_splits)
 from relax.eval.evaluate import EvalConfig, evaluate
 from relax.models.config import DTYPES
 from relax.models.adapters import add_lora, has_lora, merge_lora
@@ -105,7 +107,12 @@ class OnlineRunConfig(ModelRunConfig):
     answer_field: str = "answer"
     data_source_field: str = "data_source"
     max_prompt_tokens: int = 512
-    overlong: str = "truncate"
+    overlong: Literal["drop", "reject", "truncate"] = "drop"
+    """A prompt over --max-prompt-tokens (counted, and named at start-up) is dropped, refused with an
+    error naming its row, or cut to fit (a chat prompt keeps its header and system prompt whole)."""
+    pad_to: Literal["data", "batch"] = "data"
+    """Pad every batch to the bucket of the data's longest prompt (one compile), or each batch to
+    its own (fewer pad tokens; one compile of the step per bucket met)."""
     system_prompt: str | None = None
     reward: tuple[str, ...] = ("exact_match",)
     """Built-in reward functions by name (exact_match, numeric_match, format_reward, math_verify, code_exec)."""
@@ -278,8 +285,25 @@ def _host_policy(policy):
     return multihost_utils.process_allgather(policy, tiled=True)
 
 
-def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log):
-    """``(tokenizer, model, data_cfg, splits, eval_batch)``: the built-in task or --model/--data."""
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """An online run's tokenizer, model and prompts: the training rows prepared (formatted,
+    tokenized, budget-checked) and the held-out ones as one batch (None: nothing held out)."""
+
+    tokenizer: TextTokenizer
+    model: Any
+    data_cfg: DataConfig
+    train: PreparedPrompts
+    held_out: PreparedPrompts | None
+
+    @property
+    def eval_batch(self):
+        return None if self.held_out is None or not self.held_out.examples else \
+            batch_of(self.held_out, self.data_cfg, self.tokenizer.pad_token_id)
+
+
+def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> RunData:
+    """The built-in task or --model/--data, loaded and prepared."""
     if cfg.model is None:
         tokenizer, model, data_path, eval_path = builtin_setup(cfg, run_dir, log)
     else:
@@ -293,7 +317,7 @@ def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log):
         path=data_path, batch_size=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
         prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, data_source_field=cfg.data_source_field,
         seed=cfg.seed, overlong=cfg.overlong, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
-        prompt_buckets=buckets + (cfg.max_prompt_tokens,),
+        prompt_buckets=buckets + (cfg.max_prompt_tokens,), pad_to=cfg.pad_to,
         eval_fraction=cfg.eval_fraction if eval_path is None else 0.0)
     splits = read_splits(data_cfg)  # the training data is read once, for both splits
     if eval_path is not None:
@@ -302,8 +326,24 @@ def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log):
         held_out = eval_records(data_cfg, splits)
     if cfg.eval_max_prompts is not None:
         held_out = held_out[:cfg.eval_max_prompts]
-    eval_batch = prompt_batch(held_out, data_cfg, tokenizer) if held_out else None
-    return tokenizer, model, data_cfg, splits, eval_batch
+    return RunData(tokenizer, model, data_cfg, prepare_prompts(splits.train, data_cfg, tokenizer),
+                   prepare_prompts(held_out, data_cfg, tokenizer) if held_out else None)
+
+
+def _report(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts: StepParts, mesh) -> StartupReport:
+    """The start-up report of an online run (``relax.algorithms.report``)."""
+    train = data.train.stats
+    pad = padded_length(data.train, data.data_cfg)
+    longest = max((len(e.ids) for e in data.train.examples), default=0)
+    padding = (f"every batch padded to {pad} prompt tokens (the bucket of the longest kept prompt, {longest}): "
+               "one compiled step" if pad is not None else
+               "each batch padded to its own bucket (--pad-to batch): one compile per bucket met")
+    held_out = prompt_lines(data.held_out.stats, "held-out") if data.held_out is not None else ("nothing held out",)
+    lines = [*prompt_lines(train, "training"), *held_out, padding,
+             f"{cfg.batch_size} prompts x {algo.num_generations} completions per step"]
+    return run_report(cfg, data.model, lines, mesh=mesh, extra=[
+        ("tokens", token_lines(data.tokenizer, parts.eos_ids, algo.stop_strings, algo.max_new_tokens)),
+        ("first prompt", first_prompt_lines(train.first_prompt))])
 
 
 def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: StepParts, log):
@@ -326,11 +366,11 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: S
     return run_eval
 
 
-def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm):
+def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int):
     def host_metrics(batch: dict, metrics: dict) -> dict:
         # from the global mean: on several processes ``lengths`` is not addressable whole
         num_tokens = metrics["completion_length"] * cfg.batch_size * algo.num_generations
-        return {"tokens_per_s": num_tokens / metrics["time/step"],
+        return {"tokens_per_s": num_tokens / metrics["time/step"], "prompts_over_budget": float(over_budget),
                 "reward_errors": float(sum(batch["reward_info"].get(k, 0) for k in ("errors", "timeouts", "crashes")))}
     return host_metrics
 
@@ -364,7 +404,8 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     if mesh is not None:
         log(f"mesh {dict(mesh.shape)}" + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
             + f" | {jax.process_count()} process(es)")
-    tokenizer, model, data_cfg, splits, eval_batch = _model_and_data(cfg, run_dir, mesh is not None, log)
+    data = _model_and_data(cfg, run_dir, mesh is not None, log)
+    tokenizer, model = data.tokenizer, data.model
     reward_fns = reward_functions(cfg)
     pool = reward_pool(cfg, reward_fns)
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
@@ -372,6 +413,8 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             reward_fns=reward_fns, decode=_decoder(tokenizer),
             eos_ids=tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids})), pad_id=tokenizer.pad_token_id,
             passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), pool=pool)
+        report = _report(cfg, algo, data, parts, mesh)
+        log(report.text())
         with _on_host(mesh is not None):
             state = algo.make_state(model, jax.random.key(cfg.seed))
         step_fn = algo.make_step(parts)
@@ -380,10 +423,15 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
                                   offload_reference=cfg.parallel.offload_reference)
             state = step_fn.place(state)
             del model
-        trainer = Trainer(name=algo.name, step=step_fn, batches=prompt_iterator(data_cfg, tokenizer, splits=splits),
-                          make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo),
-                          evaluate=_evaluator(cfg, algo, eval_batch, parts, log),
+        over_budget = len(data.train.stats.over_budget)
+        trainer = Trainer(name=algo.name, step=step_fn,
+                          batches=prompt_iterator(data.data_cfg, tokenizer, prepared=data.train),
+                          make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo, over_budget),
+                          evaluate=_evaluator(cfg, algo, data.eval_batch, parts, log),
                           export=exporter(tokenizer, base_path(cfg, run_dir)), bar_keys=BAR_KEYS,
-                          asynchronous=cfg.async_)
+                          asynchronous=cfg.async_, on_start=report.write,
+                          info={"data": {"train": data.train.stats.summary(),
+                                         "held_out": None if data.held_out is None else data.held_out.stats.summary()},
+                                "prompts_over_budget": over_budget})
         _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

@@ -22,14 +22,17 @@ then only shuffles, repeats, batches and pads:
   batch axis). The padded length is chosen from the whole global batch, so every process
   gets the same ``Lp``.
 - Padding: left, to ``max_prompt_tokens`` or, with ``prompt_buckets``, to the smallest bucket
-  holding the longest prompt of the global batch (``max_prompt_tokens`` is the top bucket).
+  (``max_prompt_tokens`` the top one) holding the longest prompt of the whole training data
+  (``pad_to="data"``, the default: every batch has one shape, so the step compiles once) or of
+  the global batch (``pad_to="batch"``: fewer pad tokens, one compile per bucket met).
 - Tokens: a plain-text prompt is ``tokenizer.encode(text)`` with the special tokens the
   tokenizer itself adds (a BOS for Llama-style tokenizers, nothing for Qwen's); a chat prompt is
   the model's own chat template, tokenized as transformers does (``apply_chat_template``: the
   template writes any BOS, none is added twice).
-- Overlong prompts: ``"truncate"`` keeps the LAST tokens (the end of a prompt holds the
-  question and the generation prompt), after a leading BOS, which is kept; no row is ever
-  dropped. ``"reject"`` raises naming the file, row and token length.
+- Prompts over ``max_prompt_tokens`` are counted and named (``PromptStats``), then dropped
+  (``overlong="drop"``, the default), refused (``"reject"``: an error naming the file, row and
+  token length) or cut (``"truncate"``, keeping a chat prompt's header and system prompt whole):
+  ``relax.data.prompt_budget``.
 - The iterator is a grain ``DatasetIterator``: ``get_state()`` / ``set_state()`` resume
   exactly where a run left off (checkpoint the state with the train state).
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
@@ -56,11 +60,13 @@ from relax.data.files import (  # noqa: F401 - re-exported: relax.data.prompts i
     require_fields,
     resolve_files,
 )
+from relax.data.prompt_budget import OVERLONG, OverBudget, PromptStats, cut_chat, cut_plain
 from relax.text.base import TextTokenizer
 from relax.text.sentencepiece_model import pad_left
 
 T = TypeVar("T")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+PAD_TO = ("data", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,9 @@ class DataConfig:
     ``"never"`` tokenizes strings as they are (and refuses message lists). ``system_prompt`` (a
     chat template must be in use) is prepended as a system message unless the messages start
     with one. ``eval_fraction`` holds that share of the rows out of training, chosen by ``seed``
-    (see ``train_eval_split`` and ``eval_records``).
+    (see ``train_eval_split`` and ``eval_records``). ``overlong``: what happens to a prompt over
+    ``max_prompt_tokens`` (``relax.data.prompt_budget``). ``pad_to``: the length batches are
+    padded to, the bucket of the longest prompt of the ``"data"`` (one shape) or of each ``"batch"``.
     """
 
     path: PathLike | Sequence[PathLike]
@@ -88,11 +96,12 @@ class DataConfig:
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = None
-    overlong: Literal["truncate", "reject"] = "truncate"
+    overlong: Literal["drop", "reject", "truncate"] = "drop"
     chat_template: Literal["auto", "always", "never"] = "auto"
     system_prompt: str | None = None
     prompt_buckets: tuple[int, ...] = ()
     eval_fraction: float = 0.0
+    pad_to: Literal["data", "batch"] = "data"
 
     def __post_init__(self):
         # Plain strings so the config serialises (checkpoints store it as JSON).
@@ -104,8 +113,10 @@ class DataConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_prompt_tokens < 2:
             raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} leaves no room")
-        if self.overlong not in ("truncate", "reject"):
-            raise ValueError(f"overlong must be 'truncate' or 'reject', got {self.overlong!r}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {OVERLONG}, got {self.overlong!r}")
+        if self.pad_to not in PAD_TO:
+            raise ValueError(f"pad_to must be one of {PAD_TO}, got {self.pad_to!r}")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"num_epochs must be None (forever) or >= 1, got {self.num_epochs}")
         if not 0 <= self.seed < 2**32:
@@ -125,7 +136,8 @@ class DataConfig:
 class PromptBatch:
     """One process's share of a step's prompts (``P`` = batch_size / process_count).
 
-    ``prompts`` are the formatted texts (after the chat template, before any truncation);
+    ``prompts`` are the formatted texts (after the chat template; a chat prompt cut to the budget
+    is the cut one, a cut plain-text prompt its whole text);
     ``fields`` holds every other column of the rows (None where a row lacks it);
     ``data_source`` is None when the data has no data-source column.
     """
@@ -192,12 +204,13 @@ def uses_chat_template(cfg: DataConfig, tokenizer: TextTokenizer) -> bool:
     return cfg.chat_template == "always" or (cfg.chat_template == "auto" and tokenizer.has_chat_template)
 
 
-def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> tuple[str, list[int]]:
-    """``(text, token ids)`` of one prompt value (see ``DataConfig`` on chat templates)."""
+def chat_messages(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> list[dict] | None:
+    """The chat messages ``prompt`` becomes (system prompt prepended), or None for a plain-text
+    prompt tokenized as it is (see ``DataConfig`` on chat templates)."""
     if isinstance(prompt, str) and not uses_chat_template(cfg, tokenizer):
         if cfg.system_prompt is not None:
             raise ValueError(f"system_prompt needs a chat template; tokenizer {tokenizer.path} has none")
-        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+        return None
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)):
@@ -209,50 +222,86 @@ def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> tup
         raise TypeError(f"prompt must be a string or a list of chat messages, got {kind}")
     if cfg.system_prompt is not None and not (messages and _role(messages[0]) == "system"):
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    return messages
+
+
+def render(messages: list[dict], tokenizer: TextTokenizer) -> tuple[str, list[int]]:
+    """``(text, ids)`` of chat ``messages`` with the generation prompt, as transformers renders them."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> tuple[str, list[int]]:
+    """``(text, token ids)`` of one prompt value (see ``DataConfig`` on chat templates)."""
+    messages = chat_messages(prompt, cfg, tokenizer)
+    if messages is None:
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    return render(messages, tokenizer)
 
 
 def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, dict) else None
 
 
-def _truncate(ids: list[int], keep: int, bos: int | None) -> list[int]:
-    """The last tokens of ``ids``, ``keep`` in all, after a leading BOS (kept)."""
-    head = 1 if bos is not None and ids and ids[0] == bos else 0
-    return ids[:head] + ids[len(ids) - (keep - head):]
+def cut_to_budget(prompt: Any, ids: list[int], cfg: DataConfig, tokenizer: TextTokenizer
+                  ) -> tuple[str, list[int]] | None:
+    """``(text, ids)`` of an over-budget prompt cut to ``max_prompt_tokens`` as
+    ``relax.data.prompt_budget`` says (plain text: its last tokens, the text left whole; chat: the
+    last user message's content from its start, rendered again), or None when it cannot be cut so."""
+    budget = cfg.max_prompt_tokens
+    messages = chat_messages(prompt, cfg, tokenizer)
+    if messages is None:
+        return prompt, cut_plain(ids, budget, tokenizer.bos_token_id)
+    cut = cut_chat(messages, budget, render=lambda m: render(m, tokenizer)[1],
+                   encode=lambda t: tokenizer.encode(t, add_special_tokens=False), decode=tokenizer.decode)
+    return None if cut is None else render(cut, tokenizer)
 
 
-def _prepare(
-    rows: Sequence[Record], cfg: DataConfig, tokenizer: TextTokenizer
-) -> tuple[list[_Example], bool]:
-    """Format, tokenize and length-check every row; errors name the file and row.
+@dataclasses.dataclass(frozen=True)
+class PreparedPrompts:
+    """Rows formatted, tokenized and checked against the budget (``prepare_prompts``):
+    ``examples`` (the rows kept, in order), whether the data has a data-source column, and
+    ``stats`` (lengths, rows over budget, the first prompt) for the start-up report."""
 
-    Returns the examples and whether the data has a data-source column (if any row has it,
-    every row must).
-    """
+    examples: list[_Example]
+    has_source: bool
+    stats: PromptStats
+
+
+def prepare_prompts(rows: Sequence[Record], cfg: DataConfig, tokenizer: TextTokenizer) -> PreparedPrompts:
+    """Format, tokenize and budget-check every row; errors name the file, row and field.
+
+    If any row has a data-source column, every row must. Over-budget rows are handled per
+    ``cfg.overlong`` and counted in ``stats``."""
     used = {cfg.prompt_field, cfg.answer_field, cfg.data_source_field}
     extra_keys = sorted({k for r in rows for k in r.record} - used)
     source = cfg.data_source_field
     has_source = source is not None and any(source in r.record for r in rows)
     required = [cfg.prompt_field] + ([cfg.answer_field] if cfg.answer_field is not None else [])
     required += [source] if has_source else []
-    examples = []
+    examples, lengths, over, uncuttable = [], [], [], 0
     for r in rows:
         require_fields(r, required)
+        prompt = r.record[cfg.prompt_field]
         try:
-            text, ids = format_prompt(r.record[cfg.prompt_field], cfg, tokenizer)
+            text, ids = format_prompt(prompt, cfg, tokenizer)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r}: {e}") from e
         if not text:
             raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r} is empty")
+        lengths.append(len(ids))
         if len(ids) > cfg.max_prompt_tokens:
+            over.append(OverBudget(str(r.file), r.row, len(ids)))
             if cfg.overlong == "reject":
                 raise ValueError(
                     f"{r.file}: row {r.row}: prompt has {len(ids)} tokens > "
                     f"max_prompt_tokens={cfg.max_prompt_tokens} (overlong='reject')"
                 )
-            ids = _truncate(ids, cfg.max_prompt_tokens, tokenizer.bos_token_id)
+            cut = cut_to_budget(prompt, ids, cfg, tokenizer) if cfg.overlong == "truncate" else None
+            uncuttable += cfg.overlong == "truncate" and cut is None
+            if cut is None:
+                continue
+            text, ids = cut
         examples.append(_Example(
             ids=ids,
             text=text,
@@ -260,7 +309,10 @@ def _prepare(
             data_source=r.record[source] if has_source else None,
             extras={k: r.record.get(k) for k in extra_keys},
         ))
-    return examples, has_source
+    stats = PromptStats(lengths=np.asarray(lengths, dtype=np.int64), budget=cfg.max_prompt_tokens,
+                        over_budget=tuple(sorted(over, key=lambda o: -o.tokens)), action=cfg.overlong,
+                        kept=len(examples), uncuttable=uncuttable, first_prompt=examples[0].text if examples else "")
+    return PreparedPrompts(examples, has_source, stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,9 +324,10 @@ class _Collate:
     process_index: int
     process_count: int
     has_source: bool
+    length: int | None = None  # every batch's (pad_to="data"); None: each batch's own bucket
 
     def __call__(self, examples: list[_Example]) -> PromptBatch:
-        length = _padded_length(examples, self.cfg)
+        length = _padded_length(examples, self.cfg) if self.length is None else self.length
         local = len(examples) // self.process_count
         mine = examples[self.process_index * local : (self.process_index + 1) * local]
         return _make_batch(mine, length, self.pad_id, self.has_source)
@@ -282,6 +335,8 @@ class _Collate:
 
 def _padded_length(examples: Sequence[_Example], cfg: DataConfig) -> int:
     """The smallest bucket (``max_prompt_tokens`` the last) that holds every example."""
+    if not examples:
+        raise ValueError("no prompt is within the budget: nothing to pad")
     longest = max(len(e.ids) for e in examples)
     return next(b for b in cfg.prompt_buckets + (cfg.max_prompt_tokens,) if b >= longest)
 
@@ -313,8 +368,22 @@ def prompt_batch(
     if not records:
         raise ValueError("prompt_batch got no records")
     rows = [as_record(r, i) for i, r in enumerate(records, start=1)]
-    examples, has_source = _prepare(rows, cfg, tokenizer)
-    return _make_batch(examples, _padded_length(examples, cfg), tokenizer.pad_token_id, has_source)
+    prepared = prepare_prompts(rows, cfg, tokenizer)
+    message = prepared.stats.over_budget_message("held-out")
+    if message is not None:
+        warnings.warn(message, stacklevel=2)
+    return batch_of(prepared, cfg, tokenizer.pad_token_id)
+
+
+def batch_of(prepared: PreparedPrompts, cfg: DataConfig, pad_id: int) -> PromptBatch:
+    """All of ``prepared``'s examples as one batch, padded to the bucket of the longest."""
+    return _make_batch(prepared.examples, _padded_length(prepared.examples, cfg), pad_id, prepared.has_source)
+
+
+def padded_length(prepared: PreparedPrompts, cfg: DataConfig) -> int | None:
+    """The length every training batch is padded to (``pad_to="data"``), or None when each batch
+    picks its own bucket (``pad_to="batch"``)."""
+    return _padded_length(prepared.examples, cfg) if cfg.pad_to == "data" else None
 
 
 
@@ -328,13 +397,15 @@ def prompt_dataset(
     process_index: int | None = None,
     process_count: int | None = None,
     splits: DataSplits | None = None,
+    prepared: PreparedPrompts | None = None,
 ) -> grain.IterDataset:
     """The training pipeline: an ``IterDataset`` of this process's ``PromptBatch``es.
 
     ``process_index`` / ``process_count`` default to ``jax.process_index()`` /
     ``jax.process_count()``; ``batch_size`` must divide by ``process_count``. ``iter()`` of the
     result is a ``grain.DatasetIterator`` with ``get_state()`` / ``set_state()``. ``splits``: the
-    rows already read by ``read_splits(cfg)`` (default: read ``cfg.path`` here).
+    rows already read by ``read_splits(cfg)`` (default: read ``cfg.path`` here); ``prepared``: the
+    training rows already prepared by ``prepare_prompts`` (then ``splits`` is not read).
     """
     if process_index is None or process_count is None:
         import jax
@@ -346,7 +417,12 @@ def prompt_dataset(
     if cfg.batch_size % process_count:
         n = process_count
         raise ValueError(f"batch_size={cfg.batch_size} does not divide over {n} processes")
-    examples, has_source = _prepare((read_splits(cfg) if splits is None else splits).train, cfg, tokenizer)
+    if prepared is None:
+        prepared = prepare_prompts((read_splits(cfg) if splits is None else splits).train, cfg, tokenizer)
+    examples, has_source = prepared.examples, prepared.has_source
+    if not examples:
+        raise ValueError(f"no training prompt is within max_prompt_tokens={cfg.max_prompt_tokens} "
+                         f"({len(prepared.stats.over_budget)} over it, overlong={cfg.overlong!r})")
     if cfg.num_epochs is not None and len(examples) * cfg.num_epochs < cfg.batch_size:
         raise ValueError(
             f"{len(examples)} rows x {cfg.num_epochs} epochs make no full batch of {cfg.batch_size}"
@@ -356,7 +432,8 @@ def prompt_dataset(
         ds = ds.shuffle(seed=cfg.seed)
     ds = ds.repeat(cfg.num_epochs)
     ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
-    ds = ds.map(_Collate(cfg, tokenizer.pad_token_id, process_index, process_count, has_source))
+    ds = ds.map(_Collate(cfg, tokenizer.pad_token_id, process_index, process_count, has_source,
+                         length=padded_length(prepared, cfg)))
     # Rows are in memory and collation is cheap: no reader threads (they would only fight
     # over the GIL), a small prefetch buffer.
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=1))

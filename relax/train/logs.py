@@ -61,6 +61,7 @@ __all__ = ["MetricsLogger", "ProgressBar", "is_main_process", "truncate_jsonl", 
 METRICS_FILE = "metrics.jsonl"
 TEXT_FILE = "text.jsonl"
 SUMMARY_FILE = "summary.json"
+STARTUP_FILE, CONFIG_FILE = "startup.txt", "config.json"  # the start-up report and the effective config
 TB_DIR = "tb"
 _RESERVED = ("step", "time")
 

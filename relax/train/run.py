@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 
@@ -25,7 +25,7 @@ from relax.compose import SegmentRunner
 from relax.models.adapters import split_trainable
 from relax.train.checkpoint import Checkpointer
 from relax.train.health import HealthConfig, HealthMonitor, leaf_names
-from relax.train.logs import MetricsLogger, ProgressBar, write_summary
+from relax.train.logs import MetricsLogger, ProgressBar, is_main_process, write_summary
 from relax.train.optimizer import skip_counts
 from relax.train.pipeline import AsyncConfig, Pipeline, producer_part
 from relax.train.preemption import Preempted, PreemptionGuard
@@ -78,7 +78,9 @@ class Trainer:
     (e.g. tokens/s). ``evaluate(state, step, logger) -> metrics`` (the whole state: a
     distillation evaluation reads its teacher) and ``export(policy, directory) -> directory``
     (collective: every process calls them). ``bar_keys``: metrics shown
-    on the progress bar as ``(name, label)``."""
+    on the progress bar as ``(name, label)``. ``on_start(run_dir)``: called on the main process
+    once the run directory is ready (an earlier run set aside), e.g. to write the start-up report.
+    ``info``: what ``summary.json`` records of the run besides its evaluations (its data, say)."""
 
     name: str
     step: SegmentRunner
@@ -89,6 +91,8 @@ class Trainer:
     export: Callable[[Any, Path], Path]
     bar_keys: Sequence[tuple[str, str]] = ()
     asynchronous: AsyncConfig = AsyncConfig()
+    on_start: Callable[[Path], None] = lambda run_dir: None
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class CompileCounter:
@@ -242,9 +246,11 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
     run_dir = Path(cfg.run_dir)
     if not (cfg.resume or cfg.eval_only):
         set_aside_earlier_run(run_dir, log)
+    if is_main_process():
+        trainer.on_start(run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
     try:
-        summary: dict = load_summary(run_dir) if cfg.resume else {}
+        summary: dict = {**(load_summary(run_dir) if cfg.resume else {}), **trainer.info}
         schedule = Synchronous(trainer) if trainer.asynchronous.staleness == 0 else Pipelined(trainer, cfg.steps)
         restored = (restore_latest(ckpt, schedule.target(state), run_dir, fallback=cfg.resume_fallback, log=log)
                     if cfg.resume else None)

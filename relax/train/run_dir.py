@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 from relax.parallel import distributed
 from relax.train.checkpoint import CheckpointCorruptError, Checkpointer
-from relax.train.logs import SUMMARY_FILE, is_main_process
+from relax.train.logs import CONFIG_FILE, STARTUP_FILE, SUMMARY_FILE, is_main_process
 
-OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf", "hf")
+OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf", "hf",
+           STARTUP_FILE, CONFIG_FILE)
 CHECKPOINTS = "checkpoints"
 DAMAGED = "damaged_checkpoints"
 

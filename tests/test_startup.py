@@ -1,0 +1,105 @@
+"""What a run says and does before it trains, on ragged data: prompts over the budget counted and
+dropped (never cut in silence), one compiled step whatever bucket a batch's prompts need, and the
+start-up report (printed, ``startup.txt``, ``config.json``) naming the longest rows."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from relax.models import ModelConfig, init
+from relax.models.hf import save_pretrained
+from relax.text import load_tokenizer
+from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
+from conftest import load_example
+
+BUDGET = 40  # buckets 16, 32, 40
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory):
+    """A tiny model, a character tokenizer, and prompts of 3 to 38 tokens plus two over the budget."""
+    d = tmp_path_factory.mktemp("ragged")
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdef"), n)) for n in rng.integers(2, 37, size=40)]
+    tok_path = train_sentencepiece([w + "=" for w in words], d / "tok", vocab_size=12, model_type="char")
+    tok = Tokenizer(tok_path)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=tok.eos_id,
+                      bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
+    save_pretrained(init(cfg, jax.random.key(0), std=0.1), d / "model")
+    words[7], words[19] = "abc" * 20, "fed" * 16  # over the budget
+    rows = [{"prompt": w + "=", "answer": w[::-1]} for w in words]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    run_tok = load_tokenizer(tok_path)  # what --tokenizer loads
+    lengths = [len(run_tok.encode(r["prompt"], add_special_tokens=True)) for r in rows]  # the tokenizer's own count
+    return d, lengths
+
+
+def _run(ragged, run_dir, *extra):
+    d, _ = ragged
+    return load_example("grpo").main([
+        "--model", str(d / "model"), "--tokenizer", str(d / "tok.model"), "--data", str(d / "train.jsonl"),
+        "--eval-data", str(d / "eval.jsonl"), "--run-dir", str(run_dir), "--steps", "4", "--batch-size", "4",
+        "--max-prompt-tokens", str(BUDGET), "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
+        "--eval.num-samples", "1", "--reward-workers", "0", "--reward", "exact_match", "--checkpoint-every", "4",
+        "--no-export-hf", *extra])
+
+
+def _train_lines(run_dir):
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "loss" in line]
+
+
+def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(ragged, tmp_path, capsys):
+    d, lengths = ragged
+    over = sorted(((n, i + 1) for i, n in enumerate(lengths) if n > BUDGET), reverse=True)
+    kept = [n for n in lengths if n <= BUDGET]
+    assert len(over) == 2 and min(kept) < 16 < 32 < max(kept)  # the data spans every bucket
+    summary = _run(ragged, tmp_path / "run")
+    lines = _train_lines(tmp_path / "run")
+    assert [line["compiles"] for line in lines[1:]] == [0, 0, 0]  # compiled at step 1 only
+    assert all(line["prompts_over_budget"] == 2 for line in lines)
+    assert summary["prompts_over_budget"] == 2
+    assert summary["data"]["train"] | {"prompt_tokens": None} == {
+        "rows": 40, "kept": 38, "prompts_over_budget": 2, "dropped": 2, "overlong": "drop",
+        "max_prompt_tokens": BUDGET, "prompt_tokens": None}
+    assert summary["data"]["train"]["prompt_tokens"]["p50"] == int(np.percentile(lengths, 50, method="higher"))
+    report = (tmp_path / "run" / "startup.txt").read_text()
+    (n0, row0), (n1, row1) = over
+    assert f"2 of 40 training prompts are over --max-prompt-tokens {BUDGET}: {d / 'train.jsonl'} row {row0} " \
+           f"({n0} tokens), {d / 'train.jsonl'} row {row1} ({n1} tokens); dropped" in report
+    assert f"every batch padded to {BUDGET} prompt tokens" in report
+    assert "--max-prompt-tokens 40 (default 512)" in report and "stop tokens: " in report
+    assert report.splitlines()[0] in capsys.readouterr().out  # printed too
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["max_prompt_tokens"] == BUDGET and config["overlong"] == "drop"
+
+
+def test_padding_each_batch_to_its_own_bucket_compiles_again(ragged, tmp_path):
+    """The contrast that makes the test above mean something: per-batch buckets recompile."""
+    _run(ragged, tmp_path / "run", "--pad-to", "batch", "--overlong", "truncate")
+    lines = _train_lines(tmp_path / "run")
+    assert sum(line["compiles"] for line in lines[1:]) > 0
+    assert "cut to fit (--overlong truncate)" in (tmp_path / "run" / "startup.txt").read_text()
+
+
+def test_overlong_reject_refuses_before_any_compute(ragged, tmp_path):
+    d, lengths = ragged
+    first = next(i + 1 for i, n in enumerate(lengths) if n > BUDGET)
+    with pytest.raises(ValueError, match=rf"train\.jsonl: row {first}: prompt has {lengths[first - 1]} tokens"):
+        _run(ragged, tmp_path / "run", "--overlong", "reject")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_help_shows_both_sets_of_defaults(capsys):
+    example = load_example("grpo")
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "The defaults below are those of the built-in task (no --model)" in out
+    assert "--grpo.optimizer.learning-rate: 0.001 -> 1e-06" in out
+    assert "--grpo.max-new-tokens: 8 -> 128" in out
