@@ -94,3 +94,16 @@ def test_collapse_warnings_once_per_streak():
     for step in range(9, 12):
         m.check(step, {"entropy": 1.0, "grad_norm": 0.0}, OK)
     assert len(warnings) == 2 and "gradient norm is exactly 0" in warnings[1]
+
+
+def test_restored_weights_with_a_nan_are_refused_naming_the_leaf():
+    import equinox as eqx
+    import jax
+    from relax.models import init, small_config
+    from relax.train.health import check_finite_weights
+    model = init(small_config(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                              num_kv_heads=1, head_dim=8), jax.random.key(0))
+    check_finite_weights(model, "fine")  # nothing raised
+    bad = eqx.tree_at(lambda m: m.layers.wo, model, model.layers.wo.at[1, 0, 0].set(jnp.inf))
+    with pytest.raises(NonFiniteError, match=r"the checkpoint: weight 'layers\.wo' holds NaN or infinite values"):
+        check_finite_weights(bad, "the checkpoint")

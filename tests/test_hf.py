@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import os
 import struct
 import warnings
@@ -387,6 +388,20 @@ def test_integer_tensor(saved):
     d, _ = saved
     _edit(d / "model.safetensors", lambda t: t.update({"model.norm.weight": np.ones(64, np.int32)}))
     with pytest.raises(HFFormatError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has dtype I32"):
+        load_pretrained(d)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weight_is_refused_naming_the_tensor(saved, value):
+    d, _ = saved
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name][3, 5] = value
+    _edit(d / "model.safetensors", poison)
+    with pytest.raises(HFFormatError, match=rf"model\.safetensors: tensor '{re.escape(name)}' holds 1 non-finite "
+                                            r"value\(s\) \(the first at index \[3, 5\]"):
         load_pretrained(d)
 
 

@@ -229,13 +229,18 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(setup, straight, tmp_pat
 
 
 def test_consecutive_non_finite_steps_stop_the_run(setup, tmp_path):
-    """A model with one NaN weight: every step is skipped; the run stops after the limit, naming
-    the first non-finite quantity, and exports nothing."""
+    """A model whose finite weights overflow in its forward: every step is skipped; the run stops
+    after the limit, naming the first non-finite quantity, and exports nothing. A model with a NaN
+    weight does not even load (the file and tensor named)."""
     import jax.numpy as jnp
-    from relax.models.hf import load_pretrained
+    from relax.models.hf import HFFormatError, load_pretrained
     model = load_pretrained(setup / "model")
-    bad = tmp_path / "nan_model"
-    save_pretrained(eqx.tree_at(lambda m: m.layers.w_up, model, model.layers.w_up.at[1, 3, 5].set(jnp.nan)), bad)
+    nan = tmp_path / "nan_model"
+    save_pretrained(eqx.tree_at(lambda m: m.layers.w_up, model, model.layers.w_up.at[1, 3, 5].set(jnp.nan)), nan)
+    with pytest.raises(HFFormatError, match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 non-finite"):
+        load_pretrained(nan)
+    bad = tmp_path / "overflowing_model"
+    save_pretrained(eqx.tree_at(lambda m: m.layers.w_up, model, model.layers.w_up.at[1].set(3e38)), bad)
     args = _args(setup, tmp_path / "run", 6, "--health.max-consecutive-skips", "2")
     args[args.index("--model") + 1] = str(bad)
     with pytest.raises(NonFiniteError, match=r"2 optimizer steps in a row were skipped.*iteration 1 with "

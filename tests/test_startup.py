@@ -103,3 +103,20 @@ def test_help_shows_both_sets_of_defaults(capsys):
     assert "The defaults below are those of the built-in task (no --model)" in out
     assert "--grpo.optimizer.learning-rate: 0.001 -> 1e-06" in out
     assert "--grpo.max-new-tokens: 8 -> 128" in out
+
+
+def test_steps_0_and_one_generation_are_not_silent(ragged, tmp_path, capsys):
+    example = load_example("grpo")
+    with pytest.raises(SystemExit):
+        example.parse_args(["--steps", "0"])
+    assert "--steps 0 trains nothing" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert example.parse_args(["--steps", "0", "--eval-only"]).steps == 0
+    with pytest.warns(UserWarning, match="num_generations=1: the 'grpo' advantage is relative"):
+        example.parse_args(["--grpo.num-generations", "1"])
+
+
+def test_missing_reward_column_is_found_before_any_compute(ragged, tmp_path):
+    """code_exec reads each row's tests: a row without them stops the run at load, naming it."""
+    with pytest.raises(KeyError, match=r"train\.jsonl.*row 1.*'tests'"):
+        _run(ragged, tmp_path / "run", "--reward", "code_exec")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from relax.models import ModelConfig, init
@@ -141,9 +142,8 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
     data = _update_data()
     losses = {}
     for m in (1, 4):
-        cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m,
-                         optimizer=OptimizerConfig(learning_rate=0.0))
-        opt = cfg.optimizer.make()
+        cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m)
+        opt = optax.set_to_zero()  # nothing moves (a zero learning rate is refused by OptimizerConfig)
         _, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
         losses[m] = float(metrics["loss"])  # mean over the M minibatch steps
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
@@ -215,3 +215,19 @@ def test_every_preset_and_option_runs(name, overrides):
                                rtol=1e-6)
     assert all(np.isfinite(float(v)) for v in m.values()), m
     assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("field,value", [("learning_rate", float("nan")), ("learning_rate", -1e-6),
+                                         ("learning_rate", 0.0), ("learning_rate", float("inf")),
+                                         ("weight_decay", -0.1), ("eps", 0.0), ("b2", 1.0), ("max_grad_norm", 0.0)])
+def test_optimizer_refuses_values_that_poison_or_reverse_training(field, value):
+    with pytest.raises(ValueError, match=field):
+        OptimizerConfig(**{field: value})
+
+
+def test_nan_learning_rate_flag_is_refused_before_anything_runs(capsys):
+    from conftest import load_example
+    with pytest.raises(SystemExit):
+        load_example("grpo").parse_args(["--grpo.optimizer.learning-rate", "nan"])
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, wrapped
+    assert "learning_rate must be finite and > 0, got nan" in err

@@ -197,6 +197,12 @@ def reward_function(cfg: OnlineRunConfig, name: str):
     return get_reward(name)
 
 
+def reward_columns(cfg: OnlineRunConfig) -> tuple[str, ...]:
+    """The columns the built-in rewards read besides the prompt and the answer (which the data
+    checks): ``code_exec``'s tests. Every row must have them, checked before any compute."""
+    return (cfg.tests_field,) if "code_exec" in cfg.reward else ()
+
+
 def reward_pool(cfg: OnlineRunConfig, reward_fns: list[RewardFunction]) -> RewardPool | None:
     """The worker pool of the run's host reward functions (``--reward-workers``; None for 0). A
     reward model scoring texts stays in the trainer process: it holds device arrays."""
@@ -317,7 +323,7 @@ def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> 
         path=data_path, batch_size=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
         prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, data_source_field=cfg.data_source_field,
         seed=cfg.seed, overlong=cfg.overlong, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
-        prompt_buckets=buckets + (cfg.max_prompt_tokens,), pad_to=cfg.pad_to,
+        prompt_buckets=buckets + (cfg.max_prompt_tokens,), pad_to=cfg.pad_to, required_fields=reward_columns(cfg),
         eval_fraction=cfg.eval_fraction if eval_path is None else 0.0)
     splits = read_splits(data_cfg)  # the training data is read once, for both splits
     if eval_path is not None:

@@ -85,6 +85,8 @@ class DataConfig:
     (see ``train_eval_split`` and ``eval_records``). ``overlong``: what happens to a prompt over
     ``max_prompt_tokens`` (``relax.data.prompt_budget``). ``pad_to``: the length batches are
     padded to, the bucket of the longest prompt of the ``"data"`` (one shape) or of each ``"batch"``.
+    ``required_fields``: other columns every row must have (e.g. the tests a reward runs), checked
+    when the rows are prepared, before any compute.
     """
 
     path: PathLike | Sequence[PathLike]
@@ -102,6 +104,7 @@ class DataConfig:
     prompt_buckets: tuple[int, ...] = ()
     eval_fraction: float = 0.0
     pad_to: Literal["data", "batch"] = "data"
+    required_fields: tuple[str, ...] = ()
 
     def __post_init__(self):
         # Plain strings so the config serialises (checkpoints store it as JSON).
@@ -109,6 +112,7 @@ class DataConfig:
         path = os.fspath(self.path) if single else tuple(os.fspath(p) for p in self.path)
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
+        object.__setattr__(self, "required_fields", tuple(self.required_fields))
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_prompt_tokens < 2:
@@ -279,6 +283,7 @@ def prepare_prompts(rows: Sequence[Record], cfg: DataConfig, tokenizer: TextToke
     has_source = source is not None and any(source in r.record for r in rows)
     required = [cfg.prompt_field] + ([cfg.answer_field] if cfg.answer_field is not None else [])
     required += [source] if has_source else []
+    required += list(cfg.required_fields)
     examples, lengths, over, uncuttable = [], [], [], 0
     for r in rows:
         require_fields(r, required)

@@ -265,6 +265,16 @@ def _read_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) -
     return cfg
 
 
+def _check_finite(a: np.ndarray, name: str, path) -> None:
+    """Raise ``HFFormatError`` naming the file and tensor when ``a`` holds a NaN or an infinity
+    (such weights would load, train and export NaN)."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise HFFormatError(f"{path}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) "
+                            f"(the first at index {list(first)}: {a[first]})")
+
+
 def _build_transformer(cfg: ModelConfig, where: dict[str, _SafetensorsFile], listing: str, *, dtype,
                        param_dtype) -> Transformer:
     """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``_open_weights``), every one of
@@ -296,6 +306,7 @@ def _build_transformer(cfg: ModelConfig, where: dict[str, _SafetensorsFile], lis
     views: dict[str, list[np.ndarray]] = {}  # field -> memory-mapped tensors, [in, out]
     for s in slots:
         a = where[s.name].read(s.name)
+        _check_finite(a, s.name, where[s.name].path)
         views.setdefault(s.field, []).append(a.T if s.transpose else a)
 
     def host(field: str) -> np.ndarray:

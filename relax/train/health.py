@@ -37,6 +37,19 @@ class NonFiniteError(RuntimeError):
     """The run stopped: too many optimizer steps in a row were skipped for non-finite values."""
 
 
+def check_finite_weights(tree, what: str) -> None:
+    """Raise ``NonFiniteError`` naming the first leaf of ``tree`` (a model) that holds a NaN or an
+    infinity: weights restored that way would train NaN."""
+    names = leaf_names(tree)
+    leaves = jax.tree.leaves(tree)
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+    finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([leaves[i] for i in floats]))
+    bad = [names[i] for i, ok in zip(floats, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise NonFiniteError(f"{what}: weight {bad[0]!r}{more} holds NaN or infinite values")
+
+
 @dataclasses.dataclass(frozen=True)
 class HealthConfig:
     """``max_consecutive_skips``: stop after this many optimizer steps in a row were skipped for

@@ -4,6 +4,7 @@ steps skipped (``optax.apply_if_finite``), optional float32 master weights (all 
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 from typing import Any, NamedTuple
 
@@ -35,6 +36,20 @@ class OptimizerConfig:
 
     def __post_init__(self):
         check_choice("schedule", self.schedule, SCHEDULES)
+        # a NaN rate poisons every weight at the first step (apply_if_finite checks the gradients,
+        # not the step), a negative one trains the wrong way, zero trains nothing
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"the optimizer's learning_rate must be finite and > 0, got {self.learning_rate}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"the optimizer's weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0):
+            raise ValueError(f"the optimizer needs 0 <= b1, b2 < 1 and eps > 0, got b1={self.b1}, b2={self.b2}, "
+                             f"eps={self.eps}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"the optimizer's max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError(f"warmup_steps >= 0 and total_steps >= 1 are required, got {self.warmup_steps}, "
+                             f"{self.total_steps}")
 
     def learning_rate_schedule(self) -> optax.Schedule:
         lr = self.learning_rate

@@ -24,7 +24,7 @@ import jax
 from relax.compose import SegmentRunner
 from relax.models.adapters import split_trainable
 from relax.train.checkpoint import Checkpointer
-from relax.train.health import HealthConfig, HealthMonitor, leaf_names
+from relax.train.health import HealthConfig, HealthMonitor, check_finite_weights, leaf_names
 from relax.train.logs import MetricsLogger, ProgressBar, is_main_process, write_summary
 from relax.train.optimizer import skip_counts
 from relax.train.pipeline import AsyncConfig, Pipeline, producer_part
@@ -66,6 +66,8 @@ class RunConfig:
             raise ValueError(f"--export-every must be >= 0, got {self.export_every}")
         if self.steps < 0 or self.checkpoint_every < 1:
             raise ValueError("--steps >= 0 and --checkpoint-every >= 1 are required")
+        if self.steps == 0 and not self.eval_only:
+            raise ValueError("--steps 0 trains nothing: pass --eval-only to evaluate the model, or --steps N >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +259,7 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
         if restored is not None:
             tree, data_state, _ = restored
             state = schedule.restored(tree)
+            check_finite_weights(state.policy, f"the checkpoint of step {int(state.step)} in {ckpt.directory}")
             trainer.batches.set_state(data_state)
             log(f"resumed from step {int(state.step)} ({ckpt.directory})")
         start = int(state.step)

@@ -8,6 +8,7 @@ Every field is read by the trainer (``relax.algorithms.grpo.step``); option name
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from relax.objectives.advantages import GRPO_SCALES
 from relax.choices import check_choice
@@ -116,6 +117,10 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.num_generations < 2:
+            warnings.warn(f"num_generations={self.num_generations}: the {self.advantage!r} advantage is relative to "
+                          "the prompt's group, so with one completion per prompt every advantage is 0 and only the KL "
+                          "term (beta) trains; use --grpo.num-generations >= 2", stacklevel=2)
         if self.kl_in_reward and self.beta == 0:
             raise ValueError("kl_in_reward=True needs beta > 0")
 
