@@ -1,0 +1,156 @@
+"""relax.rewards.judge: tests split so that the expected values and the comparing stay in the
+trainer. The reference is Python itself: each assert, run the ordinary way against the same
+solution, passes exactly when the split one is judged to pass."""
+
+import json
+import math
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from relax.rewards.judge import (JudgeError, call_tests, decode, harness, judge, passed, plain_json, plan_test,
+                                 read_results)
+
+SOLUTION = """
+def add(a, b):
+    return a + b
+def pair(x):
+    return (x, -x)
+def evens(n):
+    return [i for i in range(n) if i % 2 == 0]
+def ratio(a, b):
+    return a / b
+def table(n):
+    return {i: str(i) for i in range(n)}
+def nothing():
+    return None
+class Solution:
+    def twice(self, x):
+        return 2 * x
+"""
+
+ASSERTS = [
+    "assert add(1, 2) == 3",
+    "assert add(1, 2) == 4",
+    "assert 3 == add(1, 2)",
+    "assert add(2, 2) != 5",
+    "assert pair(3) == (3, -3)",
+    "assert pair(3) == [3, -3]",  # a tuple is not a list, in Python as here
+    "assert evens(7) == [0, 2, 4, 6]",
+    "assert len(evens(7)) == 4 and 6 in evens(7)",
+    "assert sorted(evens(5), reverse=True) == [4, 2, 0]",
+    "assert math.isclose(ratio(1, 3), 0.3333333, rel_tol=1e-6)",
+    "assert math.isclose(ratio(1, 3), 0.3333, rel_tol=1e-6)",
+    "assert abs(ratio(22, 7) - math.pi) < 1e-2",
+    "assert table(2) == {0: '0', 1: '1'}",
+    "assert table(2)[1] == '1'",
+    "assert nothing() is None",
+    "assert not evens(0)",
+    "assert evens(3)",
+    "x = add(2, 3)\nassert x == 5",
+    "assert ratio(1, 0) == 0",  # raises: fails
+    "assert set(evens(6)) == {0, 2, 4}",
+    "assert -add(1, 1) == -2",
+    "assert evens(10)[1:3] == [2, 4]",
+]
+
+
+def _python_verdict(test: str) -> bool:
+    scope = {"math": math}
+    exec(SOLUTION, scope)
+    try:
+        exec(test, scope)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _run_harness(tmp_path, code: str, plans, timeout=5.0):
+    """The sandbox side, run as a plain subprocess (the sandbox itself: tests/test_code_exec.py)."""
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "solution.py").write_text(code)
+    (src / "steps.json").write_text(json.dumps([p.sandbox_steps() for p in plans]))
+    (src / "harness.py").write_text(harness(timeout))
+    nonce = secrets.token_hex(8)
+    out = subprocess.run([sys.executable, "-I", "src/harness.py"], input=nonce + "\n", cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60).stdout
+    return [passed(p, r) for p, r in zip(plans, read_results(out, nonce, plans))]
+
+
+def test_split_asserts_judge_as_python_does(tmp_path):
+    plans = [plan_test(t) for t in ASSERTS]
+    got = _run_harness(tmp_path, "import math\n" + SOLUTION, plans)
+    assert got == [_python_verdict(t) for t in ASSERTS]
+    assert got.count(True) >= 15 and got.count(False) >= 4  # both verdicts exercised
+
+
+def test_expected_values_never_reach_the_sandbox():
+    plan = plan_test("assert add(1, 2) == 31337 and math.isclose(ratio(1, 3), 0.271828)")
+    assert plan.probes == ["add(1, 2)", "ratio(1, 3)"]
+    text = json.dumps([plan.sandbox_steps()])
+    assert "31337" not in text and "271828" not in text and "isclose" not in text
+
+
+def test_wrong_solutions_that_attack_the_judge_score_nothing(tmp_path):
+    """What a reward-hacking policy writes, with a wrong add(): none of it passes."""
+    tests = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert math.isclose(ratio(1, 4), 0.25)"]
+    plans = [plan_test(t) for t in tests]
+    attacks = {
+        "always-equal object": "class E:\n def __eq__(s, o): return True\n def __sub__(s, o): return 0\n"
+                               "def add(a, b): return E()\ndef ratio(a, b): return E()",
+        "int subclass": "class I(int):\n def __eq__(s, o): return True\ndef add(a, b): return I(999)\n"
+                        "def ratio(a, b): return I(9)",
+        "exit early": "import sys, atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b): sys.exit(0)",
+        # the harness's own line format and nonce, with what a program can claim without computing
+        # the answer (a line with the right value is worth what returning that value is)
+        "forged lines": "import sys, __main__\ndef add(a, b):\n n = __main__.nonce\n"
+                        " for v in ('{\"ok\": true}', '{\"ok\": true, \"values\": [true]}'):\n"
+                        "  sys.__stdout__.write(f'\\n{n} 0 0 {v}\\n{n} 1 0 {v}\\n')\n return 999",
+        "rewrite the steps": "import gc\nfor o in gc.get_objects():\n if isinstance(o, list):\n  o.clear()\n"
+                             "def add(a, b): return 999",
+        "patched builtins": "import builtins\nbuiltins.compile = lambda *a, **k: compile('True', 'x', 'eval')\n"
+                            "def add(a, b): return 999",
+        "read the tests": "import json\nsteps = json.load(open('src/steps.json'))\n"
+                          "def add(a, b): return {'l': steps}",
+    }
+    for name, code in attacks.items():
+        got = _run_harness(tmp_path, code, plans)
+        assert got[:2] == [False, False], name
+    honest = "def add(a, b): return a + b\ndef ratio(a, b): return a / b"
+    assert _run_harness(tmp_path, honest, plans) == [True, True, True]
+
+
+def test_call_based_tests_are_judged_outside(tmp_path):
+    plans = call_tests({"fn_name": "twice", "inputs": [[2], [5], [0]], "outputs": [4, [10], 1]}, "row 1")
+    assert _run_harness(tmp_path, SOLUTION, plans) == [True, True, False]  # [10]: APPS's one-element list
+    assert "10" not in json.dumps([p.sandbox_steps() for p in plans][1])
+    with pytest.raises(JudgeError, match="row 3: fn_name"):
+        call_tests({"fn_name": "os.system", "inputs": [[1]], "outputs": [1]}, "row 3")
+
+
+def test_plain_data_round_trips_and_nothing_else_decodes():
+    for value in [None, True, 3, -2.5, math.inf, "s", [1, (2, 3)], {1: {"a"}}, frozenset({1}), {"k": [None]}]:
+        assert decode(json.loads(plain_json(value))) == value
+    assert math.isnan(decode(json.loads(plain_json(math.nan))))
+    for bad in [{"q": []}, {"l": [1], "t": [2]}, [1, 2], {"d": [[[1], 2]]}]:
+        with pytest.raises((ValueError, TypeError)):
+            decode(bad)
+
+
+def test_judge_refuses_what_would_exhaust_the_trainer():
+    plan = plan_test("assert 'a' * n(1) == 'aa'")
+    assert passed(plan, [{"ok": True, "values": [10 ** 12]}]) is False
+    plan = plan_test("assert 2 ** n(1) > 0")
+    assert passed(plan, [{"ok": True, "values": [10 ** 12]}]) is False
+    assert passed(plan, [{"ok": True, "values": [10]}]) is True
+
+
+def test_tests_without_an_assert_are_refused():
+    with pytest.raises(JudgeError, match="no assert"):
+        plan_test("print(add(1, 2))")
+    with pytest.raises(JudgeError, match="does not parse"):
+        plan_test("assert add(1, 2) ==")
+    assert judge(plan_test("assert f() is None").steps[0].judge, [None]) is True
