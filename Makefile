@@ -30,6 +30,7 @@ install: $(BASE)
 demo: $(BASE)
 	$(PY) examples/train_grpo.py
 
+# The tests not marked slow (pyproject.toml's addopts: -m 'not slow').
 test: $(DEV)
 	$(PY) -m pytest -q tests
 

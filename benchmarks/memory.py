@@ -13,8 +13,8 @@ Cases (one subprocess per case x phase, so every measurement has its own high-wa
                  an SFT loss on a ``prompts x (prompt_len + new_tokens)`` token batch); phase update only
     many_seq     the same K adapters updated one after the other (one compiled update, K calls)
 
-Phases: ``rollout`` (the sampler segment) and ``update`` (reference + advantage + update, on a
-synthetic batch of the rollout's shapes). Each phase runs twice through
+Phases: ``rollout`` (the sampler segment) and ``update`` (the reference segment, then the
+advantage + update segment, on a synthetic batch of the rollout's shapes). Each phase runs twice through
 ``relax.parallel.ShardedStep`` on a mesh of all local devices (``fsdp=-1``); the second run is
 measured, so compilation is not counted. Memory: on CPU the resident-set high-water mark above
 the resident size before the measured run (state and batch already resident); on GPU/TPU the
@@ -52,6 +52,7 @@ from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
+from relax.algorithms.stages import sample_versions  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.state import init_state  # noqa: E402
 
@@ -107,6 +108,7 @@ def _synthetic_rollout(args: Args, vocab: int, ids, mask) -> dict:
             "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
             "lengths": jnp.full((p, g), n, jnp.int32), "finished": jnp.ones((p, g), bool),
             "rewards": jax.random.normal(k[0], (p, g)), "reward_parts": {}, "reward_info": {"errors": 0, "timeouts": 0},
+            "policy_version": jnp.zeros((p, g), jnp.int32),  # set to the state's step by _run
             "prompts": ["x"] * p, "fields": {}}
 
 
@@ -189,6 +191,26 @@ def many_child(args: Args, case: str) -> dict:
             "rows": args.prompts, "T": t, **xla}
 
 
+def _segments(step, names: tuple[str, ...]) -> list:
+    """The step's segments called ``names`` (a fused segment's name joins its stages with "+"), in
+    that order; a ``KeyError`` lists the segments there are."""
+    segs = {"+".join(s.names): s for s in step.segments}
+    missing = [n for n in names if n not in segs]
+    if missing:
+        raise KeyError(f"segments {missing} not in the GRPO step's {list(segs)}")
+    return [segs[n] for n in names]
+
+
+def _run(segs: list, state, batch: dict):
+    """Run ``segs`` one after the other on a copy of ``batch``: ``(state, batch)``."""
+    batch = dict(batch)
+    if "policy_version" in batch:  # the synthetic rollout: drawn by the state's own policy, as a real one
+        batch["policy_version"] = sample_versions(state, batch["policy_version"])
+    for seg in segs:
+        state, batch = seg.run(state, batch)
+    return state, batch
+
+
 def child(args: Args, case: str, phase: str) -> dict:
     if case.startswith("many_"):
         return many_child(args, case)
@@ -210,22 +232,21 @@ def child(args: Args, case: str, phase: str) -> dict:
     state = step.place(state)
     ids = jax.random.randint(jax.random.key(2), (args.prompts, args.prompt_len), 0, mcfg.vocab_size)
     mask = jnp.ones_like(ids)
-    segs = {"+".join(s.names): s for s in step.segments}
     if phase == "rollout":
-        seg = segs["rollout"]
+        segs = _segments(step, ("rollout",))
         batch = {"prompt_ids": ids, "prompt_mask": mask, "prompts": ["x"] * args.prompts, "fields": {}}
     else:
-        seg = segs["reference+advantage+update"]
+        segs = _segments(step, ("reference", "advantage+update"))
         batch = _synthetic_rollout(args, mcfg.vocab_size, ids, mask)
         xla = _grpo_update_xla(cfg, opt, model, batch, passes)
     t0 = time.perf_counter()
-    state, _ = jax.block_until_ready(seg.run(state, dict(batch)))  # compiles
+    state, _ = jax.block_until_ready(_run(segs, state, batch))  # compiles
     first_s = time.perf_counter() - t0
     dev_bytes, host_bytes = _state_bytes(state)
     reset = harness.on_cpu() and harness._reset_hwm()
     base = harness._rss_bytes() if reset else harness._hwm_bytes()
     t0 = time.perf_counter()
-    state, out = seg.run(state, dict(batch))
+    state, out = _run(segs, state, batch)
     jax.block_until_ready((state, out))
     run_s = time.perf_counter() - t0
     if harness.on_cpu():

@@ -33,3 +33,31 @@ def test_train_agent_learns_to_use_the_tool(tmp_path):
     before, after = summary["before"], summary["after"]
     assert after["success"] >= before["success"] + 0.3 and after["tool_use"] > before["tool_use"]
     assert summary["run_time_s"] < 600
+
+
+
+def _parse(argv):
+    return train_agent.tyro.cli(train_agent.AgentRunConfig, default=train_agent.builtin_defaults(), args=argv)
+
+
+def test_builtin_budgets_fit_the_model_and_an_overflow_names_the_flag():
+    from relax.algorithms.agent.run import AgentRunConfig
+    from relax.algorithms.ppo.config import PPOConfig
+    from relax.tasks.agent import max_positions
+    for algorithm in ("grpo", "ppo"):  # the README's `--algorithm ppo --ppo.critic shared` among them
+        cfg = _parse(["--algorithm", algorithm, "--ppo.critic", "shared"])
+        assert cfg.algorithm_config.max_new_tokens == 64 < max_positions(cfg.task)
+    with pytest.raises(ValueError, match=r"--ppo.max-new-tokens 256 leaves no room for the prompt: .* 256 positions"):
+        AgentRunConfig(algorithm="ppo", ppo=PPOConfig(max_new_tokens=256))
+    assert _parse(["--lora.rank", "4", "--lora.alpha", "8"]).lora.rank == 4  # every trainer takes --lora.*
+
+
+@pytest.mark.slow
+def test_train_agent_trains_lora_adapters(tmp_path):
+    fast = [a for a in FAST if a != "--no-export-hf"]
+    summary = train_agent.main(fast + ["--lora.rank", "4", "--lora.alpha", "8", "--run-dir", str(tmp_path / "run")])
+    assert summary["steps"] == 2
+    final = tmp_path / "run" / "final_hf"
+    assert (final / "config.json").exists()  # the merged model
+    config = json.loads((final / "adapter" / "adapter_config.json").read_text())  # the adapters, PEFT's format
+    assert config["r"] == 4 and config["lora_alpha"] == 8

@@ -93,3 +93,47 @@ def test_agent_ppo_step(tokenizer):  # noqa: F811
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["explained_variance"])
     with pytest.raises(ValueError, match="per-turn advantages are GRPO's"):
         make_agent_ppo_step(cfg, AgentConfig(per_turn=True), Counting, ChatFormat(tokenizer), pad_id=0)
+
+
+class Flaky(Counting):
+    """``Counting``, but the environment raises at the first turn when the policy sampled a number
+    of tokens divisible by 3 (a mix of errored and healthy trajectories, in the same groups)."""
+
+    def step(self, action):
+        if self.sampled == 0 and len(action.token_ids) % 3 == 0:
+            raise RuntimeError("the environment broke")
+        return super().step(action)
+
+
+def _errored_tokens_are_out_of_the_loss(batch):
+    rewards, sampled = np.asarray(batch["rewards"]), np.asarray(batch["sampled_mask"]) > 0
+    errored = np.isnan(rewards)
+    assert errored.any() and (~errored).any(), rewards  # the check is not vacuous either way
+    assert batch["agent"]["env_errors"] == errored.sum()
+    loss_mask = np.asarray(batch["loss_mask"]) > 0
+    assert sampled[errored].any()  # errored trajectories did sample tokens ...
+    assert not loss_mask[errored].any()  # ... none of which is in the loss (policy term, KL, entropy, normalisers)
+    np.testing.assert_array_equal(loss_mask[~errored], sampled[~errored])
+
+
+def test_agent_grpo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):  # noqa: F811
+    model = stopping_model(tokenizer)
+    cfg = GRPOConfig(num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0, entropy_coef=0.01)
+    step = make_agent_grpo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Flaky, ChatFormat(tokenizer),
+                                pad_id=0)
+    state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=True)
+    _, batch, metrics = run_step(step, state)
+    _errored_tokens_are_out_of_the_loss(batch)
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["kl"]) and np.isfinite(metrics["entropy"])
+
+
+def test_agent_ppo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):  # noqa: F811
+    model = stopping_model(tokenizer)
+    cfg = PPOConfig(num_generations=4, max_new_tokens=64, critic="shared", kl_coef=0.0)
+    step = make_agent_ppo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Flaky, ChatFormat(tokenizer),
+                               pad_id=0)
+    state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=cfg.needs_reference,
+                       critic=init_value_head(model.config), critic_optimizer=cfg.critic_optimizer.make())
+    _, batch, metrics = run_step(step, state)
+    _errored_tokens_are_out_of_the_loss(batch)
+    assert np.isfinite(metrics["loss"])

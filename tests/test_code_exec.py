@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 
+import numpy as np
 import pytest
 
 from relax.rewards.code_exec import CodeExec, last_code_block, parse_tests, same_output
@@ -86,3 +87,30 @@ def test_pickles():
     reward = CodeExec(sandbox=SANDBOX, scoring="all")
     clone = pickle.loads(pickle.dumps(reward))
     assert clone == reward and clone.__name__ == "code_exec"
+
+
+def test_time_bound_counts_the_sandboxed_runs():
+    reward = CodeExec(sandbox=SandboxConfig(wall_s=4.0))
+    rows = [ASSERTS, STDIO, None, json.dumps(STDIO), [], "not json"]  # 1 + 3 + 0 + 3 + 0 + 1 (it raises) runs
+    assert reward.time_bound_s({"tests": rows}) == (8 + 1) * (4.0 + 1.0)  # + the start-up probe; 1 s overhead each
+    assert reward.time_bound_s({"other": rows}) is None  # the call raises, naming the column
+
+
+SLOW_ADD = "import time\ntime.sleep(0.7)\ndef add(a, b):\n    return a + b"
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_slow_but_legitimate_samples_outlast_the_reward_timeout(pooled):
+    """Three samples of ~0.7 s each in one chunk, each within the sandbox's wall_s, with a 1 s
+    --reward-timeout-s: the chunk's timeout is raised to their worst case, and they score."""
+    from relax.rewards.functions import RewardFunction, score as score_batch
+    from relax.rewards.pool import PoolConfig, RewardPool
+    reward = RewardFunction(CodeExec(sandbox=SandboxConfig(cpu_s=2, wall_s=3.0, memory_mb=256, max_processes=16)))
+    args = (["p"] * 3, [fenced(SLOW_ADD)] * 3, {"tests": [ASSERTS] * 3})
+    if pooled:
+        with RewardPool([reward], PoolConfig(num_workers=1, timeout_s=1.0, chunk_size=3)) as pool:
+            _, per, info = score_batch([reward], *args, pool=pool)
+    else:
+        _, per, info = score_batch([reward], *args, timeout_s=1.0)
+    assert info["timeouts"] == 0 and info["time_s/code_exec"] > 1.0  # past --reward-timeout-s, not cut
+    np.testing.assert_array_equal(per["code_exec"], [1.0, 1.0, 1.0])

@@ -461,6 +461,12 @@ if __name__ != "__main__":
             check_batch(6, _abstract(data=4))
         check_batch(8, _abstract(data=4, tensor=2))
 
+    def test_offload_reference_without_a_mesh_is_an_error_naming_the_flag():
+        with pytest.raises(ValueError, match=r"--parallel.offload-reference needs a mesh.*--parallel.mesh"):
+            parallel.ParallelConfig(offload_reference=True)
+        for ok in (dict(mesh="fsdp=-1"), dict(sampler_devices=1)):  # a mesh: accepted (the step decides further)
+            assert parallel.ParallelConfig(offload_reference=True, **ok).offload_reference
+
     def test_offload_reference_is_a_warned_no_op_on_cpu():
         from relax.train.optimizer import OptimizerConfig
         from relax.algorithms.grpo.config import preset

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from relax.rewards.isolation import SandboxUnavailable, choose, drop_privileges, works
+from relax.rewards.isolation import SandboxUnavailable, choose, drop_privileges, runs_as_trainer, works
 from relax.rewards.sandbox import NOBODY, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX only")
@@ -45,6 +45,9 @@ PREFERRED = _preferred()
 def box(request) -> Sandbox:
     if not _available(request.param):
         pytest.skip(f"{request.param}: {works(request.param, NOBODY, NOBODY)}")
+    if runs_as_trainer(request.param):
+        pytest.skip(f"{request.param} as a non-root trainer runs code as the trainer's uid: refused by default "
+                    "(test_trainer_uid_is_refused_unless_accepted)")
     return Sandbox(SandboxConfig(isolation=request.param, **LIMITS))
 
 
@@ -272,6 +275,24 @@ def test_kill_every_process(box):  # the PID namespace: kill(-1) reaches only th
 def test_unisolated_is_refused_without_opt_in():
     with pytest.raises(SandboxUnavailable, match="allow_unisolated"):
         Sandbox(SandboxConfig(isolation="none"))
+
+
+def test_trainer_uid_is_refused_unless_accepted(monkeypatch):
+    """A trainer that is not root cannot drop to ``nobody``: under unshare or none the code would run
+    as the trainer, its files in reach. Simulated (this machine may run as root) by the euid."""
+    assert not runs_as_trainer("unshare") or os.geteuid() != 0
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert runs_as_trainer("unshare") and runs_as_trainer("none") and not runs_as_trainer("bwrap")
+    assert drop_privileges(NOBODY, NOBODY) == []  # nobody to switch to: the program keeps the trainer's uid
+    mechanisms = [("none", dict(allow_unisolated=True))] + [("unshare", {})] * _available("unshare")
+    for isolation, extra in mechanisms:
+        cfg = SandboxConfig(isolation=isolation, **extra, **LIMITS)
+        with pytest.raises(SandboxUnavailable, match=rf"\({isolation}\) would run generated code as the trainer's "
+                                                     r"own user \(uid 1000.*--sandbox\.allow-trainer-uid"):
+            Sandbox(cfg)
+        box = Sandbox(SandboxConfig(isolation=isolation, allow_trainer_uid=True, **extra, **LIMITS))
+        r = box.run({"main.py": "print(6 * 7)"}, ["{python}", "-I", "src/main.py"])
+        assert r.ok and r.stdout.strip() == "42" and r.isolation == isolation
 
 
 def test_file_names_stay_inside():

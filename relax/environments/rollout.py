@@ -18,7 +18,8 @@ template and prefilled once (``relax.rollout.turns``). Then, turn by turn:
 A trajectory ends when its environment says ``done``; it is **truncated** (flagged, its rewards so
 far kept) when a turn hits ``max_turn_tokens`` without a stop token, when the next observation
 would not fit in ``max_tokens``, or after ``max_turns`` turns; an environment that raises ends
-its trajectory with reward NaN (left out of the loss) and the error recorded. The sampled ids
+its trajectory with reward NaN and the error recorded (the agent trainers leave its tokens out of
+the loss mask: ``relax.algorithms.agent.step``). The sampled ids
 are never decoded and re-encoded: ``tokens`` holds them as sampled, ``sampled_mask`` marks them,
 and observation tokens are in ``mask`` (attended) but never in ``sampled_mask`` (the loss).
 """

@@ -46,7 +46,8 @@ class ParallelConfig:
     devices run the rollout on their own mesh (``sampler_mesh``, default: data-parallel over
     them), the remaining ones train (``mesh``, default ``fsdp=-1``); single-process only.
     ``offload_reference``: keep the KL reference in host memory between its uses (GPU/TPU; a
-    no-op with a warning on CPU, where device memory IS host memory).
+    no-op with a warning on CPU, where device memory IS host memory); it needs a mesh (``mesh``
+    or ``sampler_devices``): without one it is an error, not ignored.
     Multi-host: ``coordinator`` (host:port of process 0), ``num_processes``, ``process_id``
     (else ``RELAX_COORDINATOR`` / ``RELAX_NUM_PROCESSES`` / ``RELAX_PROCESS_ID``), or
     ``multihost=True`` to let jax detect the cluster (TPU VM, SLURM); ``init_timeout_s`` bounds
@@ -71,6 +72,10 @@ class ParallelConfig:
             raise ValueError(f"sampler_devices must be >= 0, got {self.sampler_devices}")
         if self.init_timeout_s <= 0:
             raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
+        if self.offload_reference and not self.enabled:
+            raise ValueError("--parallel.offload-reference needs a mesh: the single-device path keeps the reference "
+                             "where it is. Add --parallel.mesh (e.g. fsdp=-1, all devices) or "
+                             "--parallel.sampler-devices, or drop --parallel.offload-reference")
 
     @property
     def enabled(self) -> bool:

@@ -20,6 +20,12 @@ Score of a completion with T tests of which k pass::
 
     scoring="fraction":  r = k / T            scoring="all":  r = 1.0 if k == T else 0.0
 
+Time: a row costs at most one sandboxed run (asserts) or one per pair (stdin/stdout), each killed
+at ``sandbox.wall_s``; ``time_bound_s(fields)`` adds them up (plus ``RUN_OVERHEAD_S`` per run and
+one run for the sandbox's start-up probe), and the reward pool and ``score`` wait at least that
+long for a chunk (``relax.rewards.functions.call_timeout_s``), so slow but legitimate samples
+are not cut by ``--reward-timeout-s``.
+
 A timeout or crash fails the tests it did not complete; rows whose tests are None or empty are
 missing (None). Rows with malformed tests raise ``ValueError`` naming the column, the row and the
 problem. The verdicts come from inside the sandbox: code that inspects the harness (its frames,
@@ -32,7 +38,7 @@ import dataclasses
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relax.choices import check_choice
@@ -44,6 +50,7 @@ LANGUAGES = {  # name -> (fence tags, file name, command)
     "python": (("python", "py", "python3", ""), "solution.py", ("{python}", "-I", "src/solution.py")),
     "bash": (("bash", "sh", "shell", ""), "solution.sh", ("bash", "src/solution.sh")),
 }
+RUN_OVERHEAD_S = 1.0  # a sandboxed run's start (namespaces, interpreter) and teardown beyond its wall_s
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 _HARNESS = """\
@@ -137,6 +144,15 @@ class CodeExec:
         tests = [parse_tests(t, self.tests_field, i) for i, t in enumerate(column(fields, self.tests_field, "code_exec"))]
         return [None if t is None else self.score(c, t) for c, t in zip(completions, tests)]
 
+    def time_bound_s(self, fields: Mapping[str, Sequence[Any]]) -> float | None:
+        """The most seconds scoring these rows can take in one process: every sandboxed run at
+        ``sandbox.wall_s`` + ``RUN_OVERHEAD_S``, one more for the sandbox's start-up probe. None
+        without the tests column (the call itself then raises, naming it)."""
+        if self.tests_field not in fields:
+            return None
+        runs = sum(_runs(raw, self.tests_field, i) for i, raw in enumerate(fields[self.tests_field]))
+        return (runs + 1) * (self.sandbox.wall_s + RUN_OVERHEAD_S)
+
     def score(self, completion: str, tests: list) -> float:
         """The completion's score on its (parsed, non-empty) tests."""
         tags, _, _ = LANGUAGES[self.language]
@@ -161,6 +177,18 @@ class CodeExec:
         box = sandbox_for(self.sandbox)
         runs = (box.run({name: code}, argv, stdin=t["input"]) for t in tests)
         return [r.ok and same_output(r.stdout, t["output"]) for r, t in zip(runs, tests)]
+
+
+def _runs(raw: Any, field: str, row: int) -> int:
+    """Sandboxed runs a row's tests take at most: 1 for asserts, one per stdin/stdout pair, 0 for
+    none; 1 for malformed tests (scoring raises on them)."""
+    try:
+        tests = parse_tests(raw, field, row)
+    except ValueError:
+        return 1
+    if not tests:
+        return 0
+    return 1 if isinstance(tests[0], str) else len(tests)
 
 
 def verdicts(result: SandboxResult, nonce: str, n: int) -> list[bool]:

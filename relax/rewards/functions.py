@@ -133,6 +133,18 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | None, name
     return fut.result()
 
 
+def call_timeout_s(fn: Callable, timeout_s: float | None, fields: Mapping[str, Sequence[Any]]) -> float | None:
+    """The timeout of one call of ``fn`` on the rows ``fields``: ``timeout_s``, raised to the
+    worst-case time the function declares for those rows when it declares one
+    (``fn.time_bound_s(fields)``: e.g. ``code_exec``, every sandboxed run at its wall-clock limit),
+    so that slow but legitimate work within the function's own limits is not cut. None: no limit."""
+    bound = getattr(fn, "time_bound_s", None)
+    if timeout_s is None or bound is None:
+        return timeout_s
+    need = bound(fields)
+    return timeout_s if need is None else max(timeout_s, float(need))
+
+
 def _to_array(name: str, out: Any, prompts: list, completions: list, *, offset: int = 0) -> np.ndarray:
     """Check the return contract (N numbers or None) and convert to float32 with NaN for None.
 
@@ -268,7 +280,7 @@ def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, ti
     for i in range(n):
         row = {k: [v[i]] for k, v in fields.items()}
         try:
-            _call(rf.fn, ([prompts[i]], [completions[i]]), row, timeout_s, rf.name)
+            _call(rf.fn, ([prompts[i]], [completions[i]]), row, call_timeout_s(rf.fn, timeout_s, row), rf.name)
         except _TimedOut:
             return RewardError(f"{head} (sample {i} alone timed out; search stopped)")
         except Exception as sample_exc:  # noqa: BLE001
@@ -292,7 +304,8 @@ def score(
     Returns ``(rewards [N] float32, per_function {name: [N] float32, NaN = missing}, info)``;
     ``rewards`` is ``shaping.combine`` of the per-function values with the functions' weights.
 
-    Failures of one call (it raises, or runs past ``timeout_s`` seconds):
+    Failures of one call (it raises, or runs past ``timeout_s`` seconds, or past the longer
+    worst-case time a function declares for its rows, ``call_timeout_s``):
       - ``on_error="raise"``: ``RewardError`` naming the function; for an exception, also the index
         and (truncated) prompt/completion of the first sample that raises on its own (single
         samples are re-run to find it); for a timeout, "timed out after Xs".
@@ -357,16 +370,17 @@ def _score_here(fns: Sequence[RewardFunction], prompts: list, completions: list,
     info: dict[str, Any] = {"errors": 0, "timeouts": 0, "failed": ()}
     for rf in fns:
         t0 = time.perf_counter()
+        limit = call_timeout_s(rf.fn, timeout_s, fields)
         try:
-            out = _call(rf.fn, (prompts, completions), dict(fields), timeout_s, rf.name)
+            out = _call(rf.fn, (prompts, completions), dict(fields), limit, rf.name)
         except Exception as exc:  # _TimedOut included
             timed_out = isinstance(exc, _TimedOut)
             if on_error == "raise" and timed_out:
-                raise RewardError(f"reward function {rf.name!r} timed out after {timeout_s:g}s on {n} samples "
+                raise RewardError(f"reward function {rf.name!r} timed out after {limit:g}s on {n} samples "
                                   "(its thread is abandoned)") from None
             if on_error == "raise":
                 raise _locate(rf, exc, prompts, completions, fields, timeout_s) from exc
-            what = f"timed out after {timeout_s:g}s (thread abandoned)" if timed_out else "raised"
+            what = f"timed out after {limit:g}s (thread abandoned)" if timed_out else "raised"
             logger.warning("reward function %r %s; its %d values count as missing", rf.name, what, n,
                            exc_info=not timed_out)
             info["timeouts" if timed_out else "errors"] += 1

@@ -16,9 +16,13 @@ Three mechanisms, strongest first (``relax.rewards.sandbox`` picks with ``isolat
              program can reach the network and the file system of its user; refused unless the
              caller opts out explicitly (``SandboxConfig.allow_unisolated``).
 
-In every mode relax runs the program as an unprivileged user: started as root, it switches to
-``SandboxConfig.uid`` (``nobody``) with util-linux ``setpriv`` before anything else, because the
-kernel never applies ``RLIMIT_NPROC`` (the fork-bomb limit) to root.
+The user: a trainer started as root runs the program as ``SandboxConfig.uid`` (``nobody``),
+switching with util-linux ``setpriv`` before anything else (the kernel never applies
+``RLIMIT_NPROC``, the fork-bomb limit, to root). A trainer that is not root cannot switch users:
+the program keeps the trainer's uid. Under ``bwrap`` it then sees none of the trainer's files (they
+are not mounted); under ``unshare`` and ``none`` it would read, write and delete whatever the
+trainer can ($HOME, the repository, the run directory), so ``check_user`` refuses that unless
+``SandboxConfig.allow_trainer_uid`` accepts it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,25 @@ def drop_privileges(uid: int, gid: int) -> list[str]:
         raise SandboxUnavailable("running as root needs util-linux `setpriv` to drop to an unprivileged user "
                                  "(the kernel does not limit root's processes)")
     return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+
+
+def runs_as_trainer(mechanism: str) -> bool:
+    """Whether ``mechanism`` would run the program as the trainer's own user with the trainer's
+    files in reach: the trainer is not root (no user to drop to) and the host file system is
+    visible (``unshare``, ``none``; bwrap mounts none of it)."""
+    return os.geteuid() != 0 and mechanism != "bwrap"
+
+
+def check_user(mechanism: str, allow_trainer_uid: bool) -> None:
+    """Raise ``SandboxUnavailable`` when ``runs_as_trainer(mechanism)`` and it is not accepted."""
+    if runs_as_trainer(mechanism) and not allow_trainer_uid:
+        raise SandboxUnavailable(
+            f"the sandbox ({mechanism}) would run generated code as the trainer's own user (uid {os.geteuid()}: "
+            "not root, so there is no unprivileged user to switch to) with the host's file system in reach: it "
+            "could read, write and delete whatever this user can ($HOME, the repository, the run directory). "
+            "Install bubblewrap (`apt-get install bubblewrap`: the code then sees none of these files), run the "
+            "trainer as root (the code then runs as `nobody`), or accept it with allow_trainer_uid=True "
+            "(--sandbox.allow-trainer-uid)")
 
 
 def bwrap_prefix(bwrap: str, interpreter_prefix: str, tmpfs_bytes: int) -> list[str]:

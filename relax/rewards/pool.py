@@ -5,7 +5,9 @@
 functions go to each worker ONCE, as ``cloudpickle`` bytes in the pool initializer (closures and
 lambdas work); a task names a function by index and carries one chunk of ``chunk_size`` samples.
 
-What is isolated: a crash or hang of reward code. A chunk that runs past ``timeout_s`` has its
+What is isolated: a crash or hang of reward code. A chunk that runs past its timeout (``timeout_s``,
+or the longer worst-case time its function declares for the chunk's rows: ``code_exec``'s
+sandboxed runs at their wall-clock limit, ``relax.rewards.functions.call_timeout_s``) has its
 worker killed and replaced; a worker that dies (segfault, ``os._exit``, SIGKILL, the OOM killer)
 is replaced; either way only that chunk's samples are lost (NaN with ``on_error="missing"``).
 What is not: reward functions are TRUSTED code. The pool is not a sandbox: a worker runs with
@@ -40,7 +42,7 @@ import pebble
 
 from relax.choices import check_choice
 from relax.rewards.functions import (ON_ERROR, RewardError, RewardFn, RewardFunction, _raised_at, _to_array,
-                                     _truncate, as_reward_functions)
+                                     _truncate, as_reward_functions, call_timeout_s)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,8 @@ class PoolConfig:
     """How ``RewardPool`` runs the reward functions.
 
     ``num_workers`` processes; ``timeout_s`` per task (None: no limit; a late task's worker is
-    killed and replaced); ``chunk_size`` samples per task (a batch of N is ceil(N / chunk_size)
+    killed and replaced; a function that declares a longer worst case for a chunk's rows gets
+    that, ``call_timeout_s``); ``chunk_size`` samples per task (a batch of N is ceil(N / chunk_size)
     tasks per function; a failure costs only its chunk); ``max_tasks_per_worker`` tasks before a
     worker is replaced by a fresh one (None: never); ``context``: multiprocessing start method
     ("forkserver": workers fork from a server process that outlives the pool, one per trainer);
@@ -142,12 +145,14 @@ def _run_chunk(index: int, name: str, offset: int, prompts: list, completions: l
 
 @dataclasses.dataclass
 class _Chunk:
-    """One task: function ``index`` on samples ``[start, stop)``; ``done_at`` set on completion."""
+    """One task: function ``index`` on samples ``[start, stop)`` with ``timeout_s``; ``done_at`` set
+    on completion."""
 
     index: int
     start: int
     stop: int
     future: Future
+    timeout_s: float | None = None
     done_at: float = math.nan
 
 
@@ -165,6 +170,7 @@ class RewardPool:
         self._payloads = tuple(_dumps(rf) for rf in self.reward_fns)
         self._lock = threading.Lock()
         self._live: set[Future] = set()
+        self._extended: set[str] = set()  # functions whose longer declared worst case was logged
         self._pool: pebble.ProcessPool | None = self._start()
 
     def _start(self) -> pebble.ProcessPool:
@@ -221,8 +227,15 @@ class RewardPool:
         if self._pool is None:
             raise RuntimeError("RewardPool is closed")
         rows = {k: v[start:stop] for k, v in fields.items()}
-        args = (index, self.reward_fns[index].name, start, prompts[start:stop], completions[start:stop], rows)
-        chunk = _Chunk(index, start, stop, self._pool.schedule(_run_chunk, args=args, timeout=self.cfg.timeout_s))
+        rf = self.reward_fns[index]
+        timeout = call_timeout_s(rf.fn, self.cfg.timeout_s, rows)
+        if timeout != self.cfg.timeout_s and rf.name not in self._extended:
+            self._extended.add(rf.name)
+            logger.info("reward function %r: a chunk's timeout is %gs, not PoolConfig.timeout_s=%g: the worst case "
+                        "it declares for the chunk's rows (e.g. each sandboxed run at its wall-clock limit)",
+                        rf.name, timeout, self.cfg.timeout_s)
+        args = (index, rf.name, start, prompts[start:stop], completions[start:stop], rows)
+        chunk = _Chunk(index, start, stop, self._pool.schedule(_run_chunk, args=args, timeout=timeout), timeout)
         with self._lock:
             self._live.add(chunk.future)
         chunk.future.add_done_callback(lambda fut: self._done(chunk, fut))
@@ -312,7 +325,7 @@ class PendingScores:
                     info[KIND_KEYS[out[0]]] += 1
             if failed:
                 info["failed"] += (rf.name,)
-                _log_missing(rf.name, failed, self._pool.cfg.timeout_s)
+                _log_missing(rf.name, failed)
             per[rf.name] = vals
             info[f"time_s/{rf.name}"] = max((c.done_at - self._t0 for c in chunks), default=0.0)
         return per, info
@@ -338,7 +351,7 @@ class PendingScores:
     def _error(self, rf: RewardFunction, chunk: _Chunk, out: tuple) -> RewardError:
         """The ``on_error="raise"`` error for a failed chunk."""
         if out[0] != "error":
-            return RewardError(f"reward function {rf.name!r} {_what(out, self._pool.cfg.timeout_s)} on "
+            return RewardError(f"reward function {rf.name!r} {_what(out, chunk.timeout_s)} on "
                                f"{_span(chunk.start, chunk.stop)} (first: sample {chunk.start}, "
                                f"completion={_truncate(self._completions[chunk.start])!r})")
         err = self._locate(rf, chunk, out[1])
@@ -375,7 +388,7 @@ def _what(out: tuple, timeout_s: float | None) -> str:
     return f"crashed its worker process (exit code {out[1]}; replaced)"
 
 
-def _log_missing(name: str, failed: list[tuple[_Chunk, tuple]], timeout_s: float | None) -> None:
+def _log_missing(name: str, failed: list[tuple[_Chunk, tuple]]) -> None:
     """One warning per failure kind of a function in a batch, naming the samples it cost."""
     for kind in KIND_KEYS:
         these = [(c, out) for c, out in failed if out[0] == kind]
@@ -384,4 +397,4 @@ def _log_missing(name: str, failed: list[tuple[_Chunk, tuple]], timeout_s: float
             out = these[0][1]
             tb = f"\nworker traceback (first):\n{out[2]}" if kind == "error" else ""
             logger.warning("reward function %r %s in %d chunk(s): %s; their values count as missing%s", name,
-                           _what(out, timeout_s), len(these), spans, tb)
+                           _what(out, these[0][0].timeout_s), len(these), spans, tb)

@@ -10,8 +10,10 @@ only when opted into, none):
 - its own temporary directory (removed afterwards); the files are under ``src/`` of the working
   directory, read-only under bwrap;
 - a clean environment: ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and nothing of the trainer's;
-- an unprivileged user (root drops to ``uid``/``gid``, ``nobody``) and these rlimits, set by a
-  launcher inside the sandbox just before the program starts::
+- a user: a root trainer's program runs as ``uid``/``gid`` (``nobody``); a non-root trainer's
+  keeps its uid, which is refused under unshare and none (the trainer's files would be in
+  reach) unless ``allow_trainer_uid`` (``relax.rewards.isolation``, "The user");
+- these rlimits, set by a launcher inside the sandbox just before the program starts::
 
       RLIMIT_CPU    cpu_s (SIGXCPU), cpu_s + 1 (SIGKILL)   RLIMIT_AS     memory_mb
       RLIMIT_NPROC  max_processes                          RLIMIT_NOFILE max_open_files
@@ -63,7 +65,9 @@ class SandboxConfig:
     """Isolation and limits of one sandboxed run (module docstring).
 
     ``isolation``: auto (bwrap, else unshare) | bwrap | unshare | none; ``allow_unisolated``: run
-    anyway where no namespace can be made (the program can then use the network: unsafe).
+    anyway where no namespace can be made (the program can then use the network: unsafe);
+    ``allow_trainer_uid``: run under unshare or none although the trainer is not root, so the
+    program runs as the trainer's own user and can write and delete its files (unsafe).
     ``python``: the interpreter, looked up on ``/usr/local/bin:/usr/bin:/bin`` unless a path
     (it must be executable by ``uid``: root's pyenv under ``/root`` is not).
     ``tmpfs_mb``: size of each private tmpfs under bwrap (``/sandbox``, ``/tmp``, ``/dev/shm``).
@@ -71,6 +75,7 @@ class SandboxConfig:
 
     isolation: str = "auto"
     allow_unisolated: bool = False
+    allow_trainer_uid: bool = False
     python: str = "python3"
     cpu_s: int = 10
     wall_s: float = 20.0
@@ -125,6 +130,7 @@ class Sandbox:
     def __init__(self, cfg: SandboxConfig = SandboxConfig()):
         self.cfg = cfg
         self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
+        iso.check_user(self.isolation, cfg.allow_trainer_uid)
         self.python = _resolve_python(cfg.python)
         self._prefix = iso.drop_privileges(cfg.uid, cfg.gid)  # what every run starts with, found once
         if self.isolation == "bwrap":

@@ -193,10 +193,15 @@ def build_tokenizer(task: AgentTask, directory: Path) -> TextTokenizer:
     return load_tokenizer(out)
 
 
+def max_positions(task: AgentTask) -> int:
+    """The base model's positions, prompt and trajectory together: 256, or 64 per turn if more."""
+    return max(256, 64 * task.max_turns)
+
+
 def model_config(task: AgentTask, tokenizer: TextTokenizer) -> ModelConfig:
     """The tiny Llama; 256 positions hold a ``max_turns``-turn conversation with room to spare."""
     return tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers,
-                      max_positions=max(256, 64 * task.max_turns))
+                      max_positions=max_positions(task))
 
 
 def pad_transcripts(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[np.ndarray, ...]:

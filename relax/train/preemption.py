@@ -10,8 +10,11 @@ instance gets SIGTERM, then some seconds, then SIGKILL).
 Inside the guard SIGTERM only sets ``requested``: the step in flight finishes (its buffers are
 consistent again), the loop saves a final checkpoint and stops. The previous handler comes back
 on exit. A no-op off the main thread, where Python cannot install signal handlers, and on
-several processes, where jax's own preemption notice (orbax's ``PreemptionCheckpointingPolicy``
-in ``relax.train.checkpoint``) must see the signal on every host.
+several processes, where jax's preemption service (started by ``jax.distributed.initialize``)
+takes SIGTERM on every host: orbax's ``PreemptionCheckpointingPolicy`` (``relax.train.checkpoint``)
+then saves a checkpoint at the next step all hosts reach, and the loop goes on (to the end of the
+run or the platform's SIGKILL): ``requested`` stays False, nothing raises ``Preempted``, and the
+process does not exit with status 143.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import numpy as np
 
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
+from relax.models.lora import LoRAConfig
 from relax.rollout.sampling import SamplingConfig
 from relax.tasks import agent as agent_task
 from relax.tasks.base import prepare
@@ -25,26 +26,31 @@ from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make
                                          success_metrics)
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import make_state as grpo_state
-from relax.algorithms.online import exporter, start_run
+from relax.algorithms.online import exporter, start_run, with_lora
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.passes import choose_passes
 
 BAR_KEYS = (("reward", "reward"), ("tool_calls", "calls"), ("turns", "turns"))
 EVAL_STREAM = 1_000_003
+BUILTIN_MAX_NEW_TOKENS = 64  # a trajectory's slots after the prompt: 3 turns of <= 16 tokens and their observations
 
 
 @dataclasses.dataclass(frozen=True)
 class AgentRunConfig(RunConfig):
     """A multi-turn tool-use run on the built-in task (``--task.*``): ``--algorithm grpo|ppo``
     with its ``--grpo.*`` / ``--ppo.*`` values (``max_new_tokens``: a trajectory's slots after the
-    prompt, observations included), ``--agent.*`` (turns, per-turn budget, per-turn advantages)."""
+    prompt, observations included), ``--agent.*`` (turns, per-turn budget, per-turn advantages),
+    ``--lora.*`` (adapters)."""
 
     task: agent_task.AgentTask = agent_task.AgentTask()
     algorithm: Literal["grpo", "ppo"] = "grpo"
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
     agent: AgentConfig = AgentConfig()
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters (``--lora.rank 8``), as in the other trainers: only they train, the KL
+    reference is the base model, the export is merged with the adapters under ``final_hf/adapter``."""
     batch_size: int = 8
     """Rows per step (each gets G trajectories)."""
     run_dir: str = "runs/agent"
@@ -58,6 +64,17 @@ class AgentRunConfig(RunConfig):
         if self.task.max_turns != self.agent.max_turns:
             raise ValueError(f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
                              "must agree: the environment ends a trajectory after the first, the rollout after the second")
+        check_budget(self)
+
+
+def check_budget(cfg: AgentRunConfig) -> None:
+    """Raise ``ValueError`` naming the flag when the algorithm's ``max_new_tokens`` (a trajectory's
+    slots after the prompt) leaves no room for a prompt in the built-in model's positions."""
+    positions, n = agent_task.max_positions(cfg.task), cfg.algorithm_config.max_new_tokens
+    if n >= positions:
+        raise ValueError(f"--{cfg.algorithm}.max-new-tokens {n} leaves no room for the prompt: the built-in agent "
+                         f"model has {positions} positions (max(256, 64 x --task.max-turns)) for the prompt and the "
+                         f"trajectory together (the built-in run's default: {BUILTIN_MAX_NEW_TOKENS})")
 
 
 class RowIterator:
@@ -84,11 +101,15 @@ class RowIterator:
 
 
 def builtin_defaults() -> AgentRunConfig:
-    """The no-argument run, sized to show learning in a few minutes on 2 CPU cores."""
-    grpo = GRPOConfig(num_generations=8, max_new_tokens=64, beta=0.0,
+    """The no-argument run, sized to show learning in a few minutes on 2 CPU cores; ``--algorithm
+    ppo`` gets the same trajectory budget and learning rate (and the PPO demo's critic rate)."""
+    grpo = GRPOConfig(num_generations=8, max_new_tokens=BUILTIN_MAX_NEW_TOKENS, beta=0.0,
                       optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4))
+    ppo = PPOConfig(max_new_tokens=grpo.max_new_tokens, optimizer=grpo.optimizer,
+                    critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
     task = agent_task.AgentTask()
-    return AgentRunConfig(task=task, grpo=grpo, agent=AgentConfig(max_turns=task.max_turns, max_turn_tokens=16),
+    return AgentRunConfig(task=task, grpo=grpo, ppo=ppo,
+                          agent=AgentConfig(max_turns=task.max_turns, max_turn_tokens=16),
                           steps=30, eval_every=10, checkpoint_every=10)
 
 
@@ -116,6 +137,7 @@ def run(cfg: AgentRunConfig) -> dict:
     t_start = time.perf_counter()
     tokenizer, model, train, held_out = prepare(agent_task, cfg.task, run_dir, seed=cfg.seed, log=log,
                                                 teacher="a teacher that calls the calculator on some prompts")
+    model = with_lora(cfg, model)
     env_tools = [t.schema() for t in agent_task.tools(cfg.task)]
     chat = ChatFormat(tokenizer, tools=env_tools)
     make_env = lambda: agent_task.make_environment(cfg.task)  # noqa: E731 - a fresh environment per trajectory
@@ -129,7 +151,8 @@ def run(cfg: AgentRunConfig) -> dict:
     trainer = Trainer(name=f"agent-{cfg.algorithm}", step=step, batches=RowIterator(train, cfg.batch_size, cfg.seed),
                       make_batch=lambda rows: {"rows": rows},
                       host_metrics=lambda batch, metrics: {k: v for k, v in batch["agent"].items() if np.isfinite(v)},
-                      evaluate=_evaluator(cfg, chat, held_out, pad_id, log), export=exporter(tokenizer),
+                      evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
+                      export=exporter(tokenizer, str(run_dir / "base_model")),
                       bar_keys=BAR_KEYS)
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

@@ -9,6 +9,9 @@
   tokens), ``finished`` (not truncated), and the host metrics ``agent``.
 - ``reference``, ``advantage`` and ``update``: GRPO's or PPO's own stages, told that the policy's
   tokens are ``sampled_mask``: observation tokens are read by every forward and scored by none.
+- A trajectory whose reward is NaN (its environment raised) is out of ``loss_mask``: no policy,
+  KL or entropy term and not counted in the loss's normalisers (GRPO: ``drop_errored``, after
+  the advantage; PPO's advantage stage leaves out non-finite scores itself).
 """
 
 from __future__ import annotations
@@ -88,6 +91,14 @@ def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatF
     return stage(rollout, jit=False, name="rollout", updates_state=False)
 
 
+def drop_errored(state, batch):
+    """``loss_mask`` without the trajectories whose reward is NaN (an environment raised): GRPO's
+    advantage gives them 0, and this takes their tokens out of the KL, the entropy and the
+    normalisers too."""
+    ok = jnp.isfinite(batch["rewards"])[..., None]
+    return state, {**batch, "loss_mask": batch["loss_mask"] * ok.astype(batch["loss_mask"].dtype)}
+
+
 def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
                          pad_id: int, passes: Passes | None = None) -> Stage:
     """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``."""
@@ -98,7 +109,8 @@ def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable
     reference = reference_stages(cfg, passes)
     return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
                    grpo.make_advantage(cfg, policy_tokens="sampled_mask", per_turn=agent.per_turn),
-                   grpo.make_update_stage(cfg, passes), name="agent_grpo_step")
+                   stage(drop_errored, name="drop_errored"), grpo.make_update_stage(cfg, passes),
+                   name="agent_grpo_step")
 
 
 def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
