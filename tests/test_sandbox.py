@@ -31,7 +31,7 @@ def _available(mechanism: str) -> bool:
 
 def _preferred() -> str | None:
     try:
-        return choose("auto", NOBODY, NOBODY, allow_unisolated=False)
+        return choose("auto", NOBODY, NOBODY, allow_unisolated=False, allow_weak=True)
     except SandboxUnavailable:
         return None
 
@@ -48,7 +48,7 @@ def box(request) -> Sandbox:
     if runs_as_trainer(request.param):
         pytest.skip(f"{request.param} as a non-root trainer runs code as the trainer's uid: refused by default "
                     "(test_trainer_uid_is_refused_unless_accepted)")
-    return Sandbox(SandboxConfig(isolation=request.param, **LIMITS))
+    return Sandbox(SandboxConfig(isolation=request.param, allow_weak_isolation=request.param == "unshare", **LIMITS))
 
 
 def run(box: Sandbox, code: str, stdin: str = ""):
@@ -284,7 +284,8 @@ def test_trainer_uid_is_refused_unless_accepted(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert runs_as_trainer("unshare") and runs_as_trainer("none") and not runs_as_trainer("bwrap")
     assert drop_privileges(NOBODY, NOBODY) == []  # nobody to switch to: the program keeps the trainer's uid
-    mechanisms = [("none", dict(allow_unisolated=True))] + [("unshare", {})] * _available("unshare")
+    mechanisms = [("none", dict(allow_unisolated=True))] + [("unshare", dict(allow_weak_isolation=True))] * \
+        _available("unshare")
     for isolation, extra in mechanisms:
         cfg = SandboxConfig(isolation=isolation, **extra, **LIMITS)
         with pytest.raises(SandboxUnavailable, match=rf"\({isolation}\) would run generated code as the trainer's "
@@ -301,3 +302,88 @@ def test_file_names_stay_inside():
         box.run({"../escape.py": "print(1)"}, ["{python}", "-I", "src/escape.py"])
     r = box.run({"main.py": "print(7)"}, ["{python}", "-I", "src/main.py"])
     assert r.ok and r.stdout.strip() == "7" and r.isolation == "none"
+
+
+# ---------------------------------------------------------------- issue 33: what the program may not do
+
+
+def test_outliving_the_run_as_the_namespace_init(box):
+    """The program clears its parent-death signal, starts a new session and forks a sleeper that
+    does the same: it is all gone once the run returns (the namespace's init is killed from outside)."""
+    marker = f"outlive-{secrets.token_hex(4)}"
+    r = run(box, f"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None)
+libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
+os.setsid()
+if os.fork() == 0:
+    libc.prctl(1, 0, 0, 0, 0)
+    os.setsid()
+    for fd in (0, 1, 2):
+        os.close(fd)
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", {marker!r}])
+print("parent done", os.getpid(), flush=True)
+os.close(1); os.close(2)
+time.sleep(60)
+""")
+    assert "parent done" in r.stdout
+    assert_no_survivors(marker)
+    still_works(box)
+
+
+SYSCALLS = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+def err(ret):
+    return "ok" if ret == 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+print("ptrace", err(libc.ptrace(16, 1, 0, 0)))  # PTRACE_ATTACH to the namespace's init
+print("unshare", err(libc.unshare(0x10000000)))  # CLONE_NEWUSER
+print("mount", err(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)))
+print("keyctl", "ok" if libc.syscall(KEYCTL, 0, -3, 0) >= 0 else errno.errorcode[ctypes.get_errno()])
+print("setns", err(libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0)))
+"""
+
+
+def test_namespace_ptrace_and_keyring_calls_are_refused(box):
+    from relax.rewards.seccomp import keyctl_number
+    r = run(box, SYSCALLS.replace("KEYCTL", str(keyctl_number())))
+    assert r.ok, r.stderr
+    got = dict(line.split() for line in r.stdout.splitlines())
+    assert got == {"ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "keyctl": "EPERM", "setns": "EPERM"}
+
+
+def test_the_trainers_session_keyring_is_out_of_reach(box):
+    """A key in the trainer's session keyring: the program neither finds it (/proc/keys) nor reads it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"relax-redteam-{secrets.token_hex(4)}".encode()
+    key = libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", name, b"s3cret", 6, -3)  # add_key
+    if key < 0:
+        pytest.skip(f"add_key failed here (errno {ctypes.get_errno()})")
+    r = run(box, "print(open('/proc/keys').read())")
+    assert name.decode() not in r.stdout and "s3cret" not in r.stdout
+
+
+def test_runs_cannot_see_or_touch_each_other(box):
+    """Two runs at once: one looks for the other's files and rewrites them; the victim is untouched."""
+    victim_code = "import time; time.sleep(1.2); print(open('src/main.py').read().count('VICTIM'))  # VICTIM"
+    attacker = """
+import glob, os
+hits = []
+for pattern in ("/tmp/relax-sandbox-*/*/src", "/tmp/relax-sandbox-*/src", "/tmp/*/src", "/proc/*/cwd/src"):
+    for d in glob.glob(pattern):
+        try:
+            open(os.path.join(d, "main.py"), "w").write("print('pwned')")
+            hits.append(d)
+        except OSError:
+            pass
+print("hits", len(hits))
+"""
+    results = {}
+    victim = threading.Thread(target=lambda: results.setdefault("victim", run(box, victim_code)))
+    victim.start()
+    time.sleep(0.4)
+    results["attacker"] = run(box, attacker)
+    victim.join()
+    assert results["attacker"].stdout.strip() == "hits 0"
+    assert results["victim"].ok and results["victim"].stdout.strip() == "2"

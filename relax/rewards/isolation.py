@@ -11,10 +11,21 @@ Three mechanisms, strongest first (``relax.rewards.sandbox`` picks with ``isolat
 ``unshare``  util-linux ``unshare``: new user, PID (with its own ``/proc``), network, IPC and UTS
              namespaces. The file system is the host's: what the program can read and write is
              what its user may (run as root, relax drops to ``nobody`` first: home directories of
-             mode 0700 are closed, world-writable ``/tmp`` is not).
+             mode 0700 are closed; every world-readable file, the dataset included, is open, and
+             so are the world-writable ``/tmp``, ``/var/tmp`` and ``/dev/shm``). Weaker than
+             bwrap, so it is refused unless accepted (``SandboxConfig.allow_weak_isolation``,
+             ``--sandbox.allow-weak-isolation``; ``auto`` falls back to it only then). Each run's
+             directory sits in a trainer-owned directory of mode 0711 under a random name, so a
+             program cannot find another run's files by listing.
 ``none``     no namespace: rlimits, a clean environment and the process-group kill only. The
              program can reach the network and the file system of its user; refused unless the
              caller opts out explicitly (``SandboxConfig.allow_unisolated``).
+
+Under both namespace mechanisms the launcher joins a fresh session keyring and installs
+``relax.rewards.seccomp``'s filter (no ptrace, keyrings, mounts, namespace calls) before it
+becomes the program, and at the end of a run the sandbox SIGKILLs every process below the one it
+started, the PID namespace's first process among them: the kernel then ends every process in the
+namespace, whatever it did to its session, process group or parent-death signal.
 
 The user: a trainer started as root runs the program as ``SandboxConfig.uid`` (``nobody``),
 switching with util-linux ``setpriv`` before anything else (the kernel never applies
@@ -133,16 +144,25 @@ def works(mechanism: str, uid: int, gid: int) -> str | None:
     return None
 
 
-def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool) -> str:
+WEAK = ("`unshare` keeps the host's file system in the program's view: it can read every world-readable "
+        "file (the dataset with its expected outputs) and write world-writable directories (/tmp, /dev/shm, "
+        "/var/tmp), where other samples' runs live")
+
+
+def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool, allow_weak: bool = False) -> str:
     """The mechanism to use: ``isolation`` itself if it works, or for ``auto`` the strongest that
-    works; ``SandboxUnavailable`` naming what failed otherwise (``none`` needs ``allow_unisolated``)."""
+    works; ``SandboxUnavailable`` naming what failed otherwise. ``unshare`` needs ``allow_weak``
+    (``WEAK`` says why) and ``none`` needs ``allow_unisolated``."""
     if isolation == "none" or (isolation == "auto" and sys.platform != "linux"):
         if not allow_unisolated:
             raise SandboxUnavailable(
                 "no namespace isolation: generated code would reach the network and the files of its user. "
                 "Set allow_unisolated=True (--sandbox.allow-unisolated) to run it anyway")
         return "none"
-    tried = ("bwrap", "unshare") if isolation == "auto" else (isolation,)
+    if isolation == "unshare" and not allow_weak:
+        raise SandboxUnavailable(f"isolation 'unshare' is weaker than bubblewrap: {WEAK}. Accept it with "
+                                 "allow_weak_isolation=True (--sandbox.allow-weak-isolation), or install bubblewrap")
+    tried = (("bwrap", "unshare") if allow_weak else ("bwrap",)) if isolation == "auto" else (isolation,)
     why = {m: works(m, uid, gid) for m in tried}
     for mechanism in tried:
         if why[mechanism] is None:
@@ -150,6 +170,8 @@ def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool) -> str:
     if allow_unisolated and isolation == "auto":
         return "none"
     reasons = "; ".join(f"{m}: {r}" for m, r in why.items())
+    weak = "" if allow_weak or isolation != "auto" else (
+        f". The fallback, util-linux unshare, is not used unless accepted with --sandbox.allow-weak-isolation: {WEAK}")
     raise SandboxUnavailable(
-        f"cannot isolate generated code ({reasons}). Install bubblewrap (`apt-get install bubblewrap`) or allow "
-        "user namespaces; or set allow_unisolated=True to run without a network namespace (unsafe)")
+        f"cannot isolate generated code ({reasons}){weak}. Install bubblewrap (`apt-get install bubblewrap`) and "
+        "allow user namespaces")

@@ -3,6 +3,10 @@
 Needs the optional extra ``pip install 'relax[math]'`` (``math-verify[antlr4_13_2]``). Importing
 this module does not import the library; constructing ``MathVerify()`` does, and raises
 ``ImportError`` naming the extra when it is missing.
+
+Plain numbers are read here, not by the library, which takes the ``e`` of e-notation for Euler's
+number (``1e-7`` as ``e - 7``, ``2e3`` as ``6e``): ``plain_number`` reads one, ``number_text``
+writes it out positionally, and ``normalise_numbers`` does so for both sides of a check.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import contextlib
 import dataclasses
 import decimal
 import functools
+import logging
 import gc
 import math
 import numbers
@@ -27,6 +32,15 @@ INSTALL_HINT = "pip install 'relax[math]'"
 RETRY_S = 0.05  # a timeout that was swallowed is raised again this often until the check ends
 # A reference that already marks its math ($...$, \(...\), \[...\], \boxed{...}) is parsed as written.
 _DELIMITED_RE = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")
+MAX_EXPONENT = 1000  # plain numbers beyond 10^+-1000 are not read (their digits are not written out)
+# One plain number: sign, digits (grouped in threes by "," or not), decimals, e-notation; or ".5".
+PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+# LaTeX thousands separators between two digits: {,}  ,\!  \,  "\ "  " "  (read as ",")
+_SEPARATOR_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,|\\ | )(?=\d)")
+# An e-notation number standing alone in a text (not "x1e5", "1e5x", "1.2.3e4"); its sign stays as written.
+_E_NOTATION_RE = re.compile(r"(?<![\w.\\])(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d+(?!\w|\.\d)")
+_BOX_OPEN_RE = re.compile(r"\\boxed\s*\{")
+_JOIN_RE = re.compile(r"\s*\$?\s*(?:,?\s*(?:and|or)|,)\s*\$?\s*")  # between two boxes of one answer
 
 
 class CheckTimeout(BaseException):
@@ -40,6 +54,9 @@ def _library():
         import math_verify
     except ImportError as e:
         raise ImportError(f"the math_verify reward needs the math-verify library: {INSTALL_HINT}") from e
+    # its "Timeout is disabled" warning, at every call: relax bounds each check itself (``deadline``)
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     return math_verify
 
 
@@ -53,20 +70,112 @@ def _extraction_configs() -> tuple[tuple, tuple]:
     return gold, pred
 
 
+def plain_number(text: str) -> decimal.Decimal | None:
+    """The value of a text that is wholly one plain number, else None. Read as::
+
+        strip whitespace, enclosing $...$, one trailing "." and a leading currency \\$; "\u2212" -> "-"
+        {,}  ,\\!  \\,  "\\ "  " "  between two digits -> ","
+        [+-] (digits | d{1,3}(,ddd)+) [.digits] [(e|E)[+-]digits]   or   [+-] .digits [(e|E)...]
+
+    ("1e-7", "1E-7", "2.5e3", "-3.", ".5", "+4", "1,000", "1{,}000", "$2.50$"), the commas dropped;
+    None beyond 10^+-``MAX_EXPONENT``. Not numbers: "1,5" (not grouped in threes: a list),
+    "e - 7", "10^2", "1/2", "5 apples"."""
+    t = text.strip()
+    t = t[:-1] if t.endswith(".") else t  # a sentence's period, outside or inside the $...$
+    t = t.strip().strip("$").strip()
+    t = t[:-1] if t.endswith(".") else t
+    t = t[2:] if t.startswith("\\$") else t
+    t = _SEPARATOR_RE.sub(",", t.strip().replace("\u2212", "-"))
+    if not PLAIN_NUMBER_RE.fullmatch(t):
+        return None
+    value = decimal.Decimal(t.replace(",", ""))
+    return value if abs(value.adjusted()) <= MAX_EXPONENT else None
+
+
+def number_text(value: decimal.Decimal) -> str:
+    """A plain number as math-verify reads it exactly: an integer's digits ("2e3" -> "2000",
+    "-3." -> "-3", "-0" -> "0"), else a positional decimal with no exponent ("1e-7" ->
+    "0.0000001", "2.50" -> "2.50")."""
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value, "f")
+
+
+def _boxes(text: str) -> list[tuple[int, int, int]]:
+    """(start of ``\\boxed``, start of content, end of content) of each ``\\boxed{...}``, nested
+    braces matched, in the order they close; unclosed ones left out. One pass over the text."""
+    opens = {m.end() - 1: m.start() for m in _BOX_OPEN_RE.finditer(text)}  # each box's "{" -> "\\boxed"
+    spans, boxes, depth = [], [], 0  # boxes: (start, content start, depth inside) of each open box
+    for i, ch in enumerate(text):
+        if ch == "{":
+            depth += 1
+            if i in opens:
+                boxes.append((opens[i], i + 1, depth))
+        elif ch == "}":
+            if boxes and boxes[-1][2] == depth:
+                start, content, _ = boxes.pop()
+                spans.append((start, content, i))
+            depth -= 1
+    return spans
+
+
+def final_boxes(text: str) -> str | None:
+    """The completion's boxed answer: its last ``\\boxed{}`` (not inside another), with the boxes
+    just before it that "and", "or" or "," join to it, as ``\\boxed{a}, \\boxed{b}`` (math-verify
+    reads that as the set {a, b}); None without a closed box. Earlier boxes do not count, so
+    ``\\boxed{2} ... on reflection \\boxed{3}`` answers 3, not {2, 3}."""
+    top = []  # boxes not inside another, in text order
+    for box in sorted(_boxes(text)):
+        if not top or box[0] > top[-1][2]:
+            top.append(box)
+    if not top:
+        return None
+    group = [top.pop()]
+    while top and _JOIN_RE.fullmatch(text[top[-1][2] + 1:group[0][0]]):
+        group.insert(0, top.pop())
+    return ", ".join(text[start:end + 1] for start, _, end in group)
+
+
+def normalise_numbers(text: str) -> str | None:
+    """``text`` with its plain numbers written as ``number_text``, so that math-verify reads them::
+
+        the whole text, if it is one plain_number         "1e-7" -> "0.0000001", "-3." -> "-3"
+        else each \\boxed{} content that is one            "\\boxed{1\\,000}" -> "\\boxed{1000}"
+        and each e-notation number left in the text       "is 2.5e3." -> "is 2500."
+
+    None if one is beyond 10^+-``MAX_EXPONENT`` (too long to write out: no answer). Everything
+    else is left as written, ``e`` alone included (``e - 7``, ``6e``: Euler's number)."""
+    whole = plain_number(text)
+    if whole is not None:
+        return number_text(whole)
+    pieces, done = [], 0
+    for _, start, end in sorted(_boxes(text), key=lambda box: box[1]):
+        value = plain_number(text[start:end])
+        if value is not None:  # a number's box holds no other box: the spans replaced do not nest
+            pieces += [text[done:start], number_text(value)]
+            done = end
+    text = "".join(pieces) + text[done:]
+    values = [decimal.Decimal(m.group()) for m in _E_NOTATION_RE.finditer(text)]
+    if any(abs(v.adjusted()) > MAX_EXPONENT for v in values):
+        return None
+    return _E_NOTATION_RE.sub(lambda m: number_text(decimal.Decimal(m.group())), text)
+
+
 def gold_text(answer: Any) -> str | None:
     """The reference as text for ``parse``: None if missing (None, bool, NaN/inf, empty or not a
-    string); a number written positionally (``1e-07`` -> ``"0.0000001"``); a string that already
-    delimits its math as is; any other string wrapped as ``\\boxed{answer}`` (bare LaTeX such as
-    ``x \\in [1, 2)`` is otherwise not extracted)."""
+    string) or beyond 10^+-``MAX_EXPONENT``; a number as ``number_text`` (``1e-07`` ->
+    ``"0.0000001"``, ``2.0`` -> ``"2"``); a string through ``normalise_numbers`` (``"1e-7"`` ->
+    ``"0.0000001"``), then as is if it delimits its math, else wrapped as ``\\boxed{answer}``
+    (bare LaTeX such as ``x \\in [1, 2)`` is otherwise not extracted)."""
     if isinstance(answer, bool) or answer is None:
         return None
     if isinstance(answer, numbers.Real):
         if not math.isfinite(float(answer)):
             return None
-        exact = answer if isinstance(answer, numbers.Integral) else decimal.Decimal(repr(float(answer)))
-        text = format(exact, "d" if isinstance(exact, numbers.Integral) else "f")
+        exact = decimal.Decimal(int(answer) if isinstance(answer, numbers.Integral) else repr(float(answer)))
+        text = number_text(exact) if abs(exact.adjusted()) <= MAX_EXPONENT else None
     elif isinstance(answer, str):
-        text = answer.strip()
+        text = normalise_numbers(answer.strip())
     else:
         return None
     if not text:
@@ -133,17 +242,23 @@ class MathVerify:
     """``math_verify`` reading the reference from column ``answer_field``::
 
         g = parse(gold_text(answer[i]))                 LaTeX, then plain expressions
-        p = parse(completions[i])                       \\boxed{} first, else "final answer is",
+        c = normalise_numbers(completions[i])           plain numbers written out: 1e-7 -> 0.0000001
+        p = parse(final_boxes(c) or c)                  the last \\boxed{} (with those joined to it by
+                                                        "and", "or", ","), else "final answer is",
                                                         "answer:", the last LaTeX or number
         r_i = None   if g == [] (reference missing or unparseable, or its parse timed out)
               0.0    if p == [] (no parseable answer) or the check ran past timeout_s
               1.0 if verify(g, p, float_rounding, strict) else 0.0
 
-    ``gold_text`` wraps a bare reference as ``\\boxed{answer}``. ``verify`` compares numbers
+    ``gold_text`` writes a plain-number reference out the same way and wraps a bare reference as
+    ``\\boxed{answer}``. So ``1e-7`` is 10^-7 on both sides, never ``e - 7`` (a lone ``e`` stays
+    Euler's number), and ``\\boxed{1 000}`` is 1000. ``verify`` compares numbers
     rounded to ``float_rounding`` decimals when one side is a float (``0.333333 == 1/3`` but
     ``0.333 != 1/3`` at 6), else symbolically (``2\\sqrt{2} == \\sqrt{8}``); ``strict=False`` lets
     variable names differ and a set match a tuple. A percentage ``50\\%`` equals both ``50`` and
-    ``0.5`` (the library's rule). The reference is parsed once per distinct value in a call.
+    ``0.5`` (the library's rule). The rounding is absolute: at 6 decimals every float of size
+    below 5e-7 rounds to 0 (``0.0000002 == 1e-7``); raise ``float_rounding`` for answers that
+    small. The reference is parsed once per distinct value in a call.
 
     Timeouts: the library's own ``signal.alarm`` timeouts are turned off (they raise
     ``ValueError`` outside the main thread). In the main thread (a reward-pool worker) parsing the
@@ -185,9 +300,15 @@ class MathVerify:
             return []
 
     def check(self, completion: str, gold: list) -> float:
-        """1.0 if the completion's answer verifies against the parsed reference ``gold``, else 0.0
-        (no parseable answer, or parse + verify past ``timeout_s``)."""
+        """1.0 if the completion's answer (its ``final_boxes`` if it has a box, else the text), its
+        plain numbers written out (``normalise_numbers``), verifies against the parsed reference
+        ``gold``; else 0.0 (no parseable answer, a number beyond 10^+-``MAX_EXPONENT``, or parse +
+        verify past ``timeout_s``)."""
         mv = _library()
+        completion = normalise_numbers(completion)
+        if completion is None:
+            return 0.0
+        completion = final_boxes(completion) or completion
         try:
             with deadline(self.timeout_s):
                 pred = mv.parse(completion, _extraction_configs()[1], parsing_timeout=None)

@@ -7,8 +7,9 @@
 Every run gets, whatever the isolation mechanism (``relax.rewards.isolation``: bwrap, unshare or,
 only when opted into, none):
 
-- its own temporary directory (removed afterwards); the files are under ``src/`` of the working
-  directory, read-only under bwrap;
+- its own temporary directory (removed afterwards), under a random name in a directory of mode
+  0711 that only the trainer can list; the files are under ``src/`` of the working directory,
+  read-only under bwrap;
 - a clean environment: ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and nothing of the trainer's;
 - a user: a root trainer's program runs as ``uid``/``gid`` (``nobody``); a non-root trainer's
   keeps its uid, which is refused under unshare and none (the trainer's files would be in
@@ -19,18 +20,22 @@ only when opted into, none):
       RLIMIT_NPROC  max_processes                          RLIMIT_NOFILE max_open_files
       RLIMIT_FSIZE  max_file_mb (each file written)        RLIMIT_CORE   0
 
-- a wall-clock deadline ``wall_s``, after which its process group is killed with SIGKILL (under
-  bwrap and unshare, killing the group's leader ends the PID namespace, so a process that left
-  the group with ``setsid`` dies too);
+- a fresh session keyring and a seccomp filter (``relax.rewards.seccomp``: no ``ptrace``, no
+  keyrings, no mounts or namespace calls), installed by the launcher before the program starts;
+- a wall-clock deadline ``wall_s``; at the deadline, past the output cap and always at the end,
+  every process below the sandbox's first one is SIGKILLed, the PID namespace's init among them
+  (under bwrap and unshare its death ends every process in the namespace, whatever they did to
+  their session, process group or parent-death signal), then the process group;
 - output caps: at most ``max_output_bytes`` of stdout and of stderr are kept; a program that
   writes more is killed (``output_truncated``).
 
-The sandbox bounds what a program can do, not what it claims: a harness that reports results
-from inside the sandbox (``relax.rewards.code_exec``) can be fooled by code that inspects it.
+The sandbox bounds what a program can do, not what it claims: whatever a program reports is data,
+judged outside it (``relax.rewards.judge``).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
@@ -46,17 +51,19 @@ from pathlib import Path
 
 from relax.choices import check_choice
 from relax.rewards import isolation as iso
+from relax.rewards import seccomp
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 NOBODY = 65534
 
 # Runs inside the sandbox with the sandbox's interpreter (-I -S: no site, no user paths): set the
-# limits, then become the program.
-_LAUNCHER = (
+# limits, join a fresh session keyring and install the seccomp filter, then become the program.
+_LAUNCHER = seccomp.INSTALL + (
     "import json, os, resource, sys\n"
     "for name, (soft, hard) in json.loads(sys.argv[1]).items():\n"
     "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "install_seccomp(sys.argv[2], int(sys.argv[3]))\n"
+    "os.execvp(sys.argv[4], sys.argv[4:])\n"
 )
 
 
@@ -66,6 +73,9 @@ class SandboxConfig:
 
     ``isolation``: auto (bwrap, else unshare) | bwrap | unshare | none; ``allow_unisolated``: run
     anyway where no namespace can be made (the program can then use the network: unsafe);
+    ``allow_weak_isolation``: accept util-linux ``unshare`` (``auto`` falls back to it where
+    bubblewrap cannot run): the host's file system stays in the program's view (module
+    docstring of ``relax.rewards.isolation``).
     ``allow_trainer_uid``: run under unshare or none although the trainer is not root, so the
     program runs as the trainer's own user and can write and delete its files (unsafe).
     ``python``: the interpreter, looked up on ``/usr/local/bin:/usr/bin:/bin`` unless a path
@@ -76,6 +86,7 @@ class SandboxConfig:
     isolation: str = "auto"
     allow_unisolated: bool = False
     allow_trainer_uid: bool = False
+    allow_weak_isolation: bool = False
     python: str = "python3"
     cpu_s: int = 10
     wall_s: float = 20.0
@@ -129,7 +140,7 @@ class Sandbox:
 
     def __init__(self, cfg: SandboxConfig = SandboxConfig()):
         self.cfg = cfg
-        self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
+        self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated, cfg.allow_weak_isolation)
         iso.check_user(self.isolation, cfg.allow_trainer_uid)
         self.python = _resolve_python(cfg.python)
         self._prefix = iso.drop_privileges(cfg.uid, cfg.gid)  # what every run starts with, found once
@@ -138,7 +149,12 @@ class Sandbox:
                                              cfg.tmpfs_mb << 20)
         elif self.isolation == "unshare":
             self._prefix += iso.unshare_prefix(shutil.which("unshare"))
-        self._launch = [self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg.rlimits())]
+        if not seccomp.supported():
+            raise iso.SandboxUnavailable(f"no seccomp filter for this machine's architecture; the sandbox "
+                                         f"supports {', '.join(seccomp.SYSCALLS)}")
+        self._launch = [self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg.rlimits()),
+                        seccomp.filter_program().hex(), str(seccomp.keyctl_number())]
+        self._runs = _private_parent()
         probe = self.run({"probe.py": "print(6 * 7)"}, ["{python}", "-I", "src/probe.py"])
         if probe.stdout.strip() != "42":
             raise iso.SandboxUnavailable(
@@ -148,7 +164,7 @@ class Sandbox:
     def run(self, files: Mapping[str, str], argv: Sequence[str], stdin: str = "") -> SandboxResult:
         """Write ``files`` under ``src/``, run ``argv`` (``{python}`` is replaced by the interpreter)
         in the sandbox with ``stdin``, and return what it did (limits in the module docstring)."""
-        with tempfile.TemporaryDirectory(prefix="relax-sandbox-") as work:
+        with tempfile.TemporaryDirectory(prefix="run-", dir=self._runs) as work:
             work = Path(work)
             _write_files(work / "src", files)
             if os.geteuid() == 0 and self.isolation != "bwrap":  # the program writes its working directory
@@ -208,6 +224,7 @@ def _execute(cmd: list[str], work: Path, env: dict[str, str], stdin: str, cfg: S
         out, err, timed_out, truncated = _pump(proc, stdin.encode(), time.monotonic() + cfg.wall_s,
                                                cfg.max_output_bytes)
     finally:
+        _kill_tree(proc.pid)
         _kill_group(proc.pid)
         code = proc.wait()
     return out, err, code, timed_out, truncated
@@ -261,6 +278,47 @@ def _feed(sel: selectors.BaseSelector, stdin, view: memoryview) -> memoryview:
         sel.unregister(stdin)
         stdin.close()
     return view
+
+
+def _private_parent() -> str:
+    """The directory that holds every run's working directory: the trainer's own, mode 0711, so
+    that a program can enter its own run (whose random name it is given) but list no other."""
+    parent = tempfile.mkdtemp(prefix="relax-sandbox-")
+    os.chmod(parent, 0o711)
+    atexit.register(shutil.rmtree, parent, ignore_errors=True)
+    return parent
+
+
+def _children() -> dict[int, list[int]]:
+    """``{ppid: [pid, ...]}`` of every process, read from ``/proc/*/stat``."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL every process below ``pid``. Under bwrap and unshare that includes the PID
+    namespace's first process, whose death ends every process in the namespace, whatever they did
+    to their session, process group or parent-death signal."""
+    kids, todo, found = _children(), [pid], []
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    for child in found:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kill_group(pgid: int) -> None:
