@@ -25,6 +25,9 @@ def test_train_agent_runs(tmp_path, algorithm):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [x for x in lines if "turns" in x]
     assert len(trained) == 2 and all(x["sampled_tokens"] > 0 for x in trained)
+    report = (tmp_path / "run" / "startup.txt").read_text()  # the start-up report, as every trainer writes it
+    assert "== tools" in report and "multiply: Multiply two integers." in report and "--steps 2" in report
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["algorithm"] == algorithm
 
 
 @pytest.mark.slow

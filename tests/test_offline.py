@@ -54,6 +54,9 @@ def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
         "--reward-model.optimizer.learning-rate", "1e-3", "--checkpoint-every", "15"])
     assert summary["after"]["pair_accuracy"] > summary["before"]["pair_accuracy"] + 0.2, summary
     assert json.loads((run_dir / "summary.json").read_text())["after"] == summary["after"]
+    report = (run_dir / "startup.txt").read_text()  # the start-up report, as every trainer writes it
+    assert "--max-completion-tokens 8 (default 256)" in report and "== first training row" in report
+    assert json.loads((run_dir / "config.json").read_text())["steps"] == 30
     config = json.loads((run_dir / "final_hf" / "config.json").read_text())
     assert config["architectures"][0].endswith("ForSequenceClassification")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from relax.algorithms.cli import flag_values
@@ -60,16 +61,18 @@ def _size(tree) -> int:
 
 
 def model_lines(model, cfg: Any, mesh=None) -> tuple[str, ...]:
-    """Family, shape, parameters (trainable ones), dtypes, devices and mesh."""
+    """Family, shape, parameters (trainable ones), dtypes (as loaded), devices and mesh."""
     c = model.config
     total, trainable = _size(model), _size(split_trainable(model)[0])
     devices = jax.devices()
+    lora = getattr(cfg, "lora", None)
     return (
         f"{getattr(cfg, 'model', None) or 'built-in task model'}: {c.family}, {c.num_layers} layers, width "
         f"{c.hidden_size}, {c.num_heads} heads ({c.num_kv_heads} KV), vocab {c.vocab_size}, "
         f"{c.max_position_embeddings} positions",
-        f"parameters {total:,} ({trainable:,} trainable), param dtype {cfg.param_dtype}, compute dtype "
-        f"{cfg.compute_dtype}" + (f", LoRA rank {cfg.lora.rank}" if cfg.lora.enabled else ""),
+        f"parameters {total:,} ({trainable:,} trainable), param dtype {jnp.dtype(model.embed.dtype).name}, compute "
+        f"dtype {jnp.dtype(model.dtype).name}"
+        + (f", LoRA rank {lora.rank}" if lora is not None and lora.enabled else ""),
         f"{len(devices)} {devices[0].platform} device(s), {jax.process_count()} process(es)"
         + ("" if mesh is None else f", mesh {dict(mesh.shape)}"),
     )

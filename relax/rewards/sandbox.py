@@ -118,8 +118,9 @@ class SandboxConfig:
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
     """What a run did. ``returncode``: the program's exit status, negative for a signal (``-9``
-    after a kill; bwrap's 128 + N reads as -N; unshare reports a signal as 1); ``timed_out``: killed at the wall-clock deadline; ``output_truncated``: killed
-    for writing more than ``max_output_bytes``."""
+    after a kill; bwrap's 128 + N reads as -N; unshare reports a signal as 1); ``timed_out``:
+    killed at the wall-clock deadline; ``output_truncated``: killed for writing more than
+    ``max_output_bytes``."""
 
     returncode: int
     stdout: str

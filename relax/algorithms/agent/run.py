@@ -26,6 +26,7 @@ from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make
                                          success_metrics)
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import make_state as grpo_state
+from relax.algorithms.report import first_row_lines, run_report
 from relax.algorithms.online import exporter, start_run, with_lora
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
@@ -146,6 +147,14 @@ def run(cfg: AgentRunConfig) -> dict:
         step = make_agent_grpo_step(cfg.grpo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
     else:
         step = make_agent_ppo_step(cfg.ppo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
+    algo = cfg.algorithm_config
+    report = run_report(cfg, model, [f"{len(train)} training rows, {len(held_out)} held out (the built-in task)",
+                                     f"{cfg.batch_size} rows x {algo.num_generations} trajectories per step, at most "
+                                     f"{cfg.agent.max_turns} turns and {algo.max_new_tokens} tokens after the prompt"],
+                        extra=[("tools", tuple(f"{t['function']['name']}: {t['function'].get('description', '')}"
+                                               for t in env_tools)),
+                               ("first training row", first_row_lines(train[0] if train else None))])
+    log(report.text())
     make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
     state = make_state(cfg.algorithm_config, model, jax.random.key(cfg.seed))
     trainer = Trainer(name=f"agent-{cfg.algorithm}", step=step, batches=RowIterator(train, cfg.batch_size, cfg.seed),
@@ -153,6 +162,7 @@ def run(cfg: AgentRunConfig) -> dict:
                       host_metrics=lambda batch, metrics: {k: v for k, v in batch["agent"].items() if np.isfinite(v)},
                       evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
                       export=exporter(tokenizer, str(run_dir / "base_model")),
-                      bar_keys=BAR_KEYS)
+                      bar_keys=BAR_KEYS, on_start=report.write,
+                      info={"data": {"train_rows": len(train), "held_out_rows": len(held_out)}})
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary
