@@ -154,3 +154,54 @@ def test_tests_without_an_assert_are_refused():
     with pytest.raises(JudgeError, match="does not parse"):
         plan_test("assert add(1, 2) ==")
     assert judge(plan_test("assert f() is None").steps[0].judge, [None]) is True
+
+
+def test_results_from_any_stdout_never_raise():
+    """The program writes the stdout read_results reads: nothing in it may make the reward raise."""
+    plans = [plan_test("assert f(1) == 3")]
+    hostile = ["n 0 0 {\"ok\": true, \"values\": [" + "9" * 5000 + "]}",  # over Python's int-digit limit
+               "n ² 0 {}", "n ٣ 0 {}", "n 0 0 " + "[" * 100000, "n 99999999999999999999 0 {}", "n 0 0 NaN",
+               "n 0", "n -1 0 {}", "\x00" * 10]
+    for line in hostile:
+        assert not passed(plans[0], read_results(line, "n", plans)[0]), line
+    ok = read_results('noise\nn 0 0 {"ok": true, "values": [3]}\nn 0 0 {"ok": true, "values": [4]}', "n", plans)
+    assert passed(plans[0], ok[0])  # the first line for a step counts
+
+
+def test_forms_the_judge_cannot_evaluate_go_to_the_sandbox_whole(tmp_path):
+    """``**mapping`` in a judged call, a starred item in a display: probed as a whole, and judged as
+    Python judges them (they failed for a right solution before)."""
+    tests = ["assert sorted(evens(5), **{'reverse': True}) == [4, 2, 0]", "assert [*evens(5)] == [0, 2, 4]",
+             "assert (*evens(3), 9) == (0, 2, 9)", "assert [*evens(5)] == [0, 2]"]
+    plans = [plan_test(t) for t in tests]
+    assert plans[0].probes == ["sorted(evens(5), **{'reverse': True})"] and plans[1].probes == ["[*evens(5)]"]
+    assert _run_harness(tmp_path, SOLUTION, plans) == [_python_verdict(t) for t in tests] == [True, True, True, False]
+
+
+def test_judged_work_that_would_exhaust_the_trainer_fails_fast():
+    """A probe value chosen to make a judged operation huge: refused (a failed test) in well under
+    a second, where Python would take minutes or all the memory."""
+    import time
+    cases = [("assert f(1) ** f(2) > 0", [int("7" * 4000), 4096]),  # 17 s of CPU before
+             ("assert f(1) % 3 == 'x'", ["%0999999999d"]), ("assert f(1) % (5, 1) == 'x'", ["%*d"]),
+             ("assert round(f(1), f(2)) == 0", [10 ** 4000, -10 ** 9]),
+             ("assert sum(f(1), []) == []", [[[1]] * 100000])]
+    for test, values in cases:
+        plan = plan_test(test)
+        assert passed(plan, [{"ok": True, "values": [json.loads(plain_json(v)) for v in values]}]) is False
+        t0 = time.perf_counter()
+        with pytest.raises(JudgeError):
+            judge(plan.steps[0].judge, values)
+        assert time.perf_counter() - t0 < 1.0, test
+    fine = [("assert f(1) ** 3 == 27", [3]), ("assert '%5.1f' % f(1) == '  2.5'", [2.5]),
+            ("assert round(f(1), 2) == 0.33", [1 / 3]), ("assert sum(f(1)) == 6", [[1, 2, 3]])]
+    for test, values in fine:
+        assert passed(plan_test(test), [{"ok": True, "values": [json.loads(plain_json(v)) for v in values]}]), test
+
+
+def test_call_based_inputs_that_are_not_plain_data_name_the_row_and_input():
+    with pytest.raises(JudgeError, match=r"row 2: input 1 is not plain data"):
+        call_tests({"fn_name": "f", "inputs": [[1], [object()]], "outputs": [1, 2]}, "row 2")
+    for bad in ({"l": "abc"}, {"d": 5}):
+        with pytest.raises(ValueError, match="not a list"):
+            decode(bad)

@@ -7,16 +7,13 @@ Three mechanisms, strongest first (``relax.rewards.sandbox`` picks with ``isolat
              interpreter's prefix (read-only), the program (read-only, ``/sandbox/src``) and
              size-capped private tmpfs at ``/sandbox`` (the working directory), ``/tmp`` and
              ``/dev/shm``; no home, no ``/etc``, no ``/work``; every capability dropped; no
-             nested user namespaces; a new session (no terminal).
-``unshare``  util-linux ``unshare``: new user, PID (with its own ``/proc``), network, IPC and UTS
-             namespaces. The file system is the host's: what the program can read and write is
-             what its user may (run as root, relax drops to ``nobody`` first: home directories of
-             mode 0700 are closed; every world-readable file, the dataset included, is open, and
-             so are the world-writable ``/tmp``, ``/var/tmp`` and ``/dev/shm``). Weaker than
-             bwrap, so it is refused unless accepted (``SandboxConfig.allow_weak_isolation``,
-             ``--sandbox.allow-weak-isolation``; ``auto`` falls back to it only then). Each run's
-             directory sits in a trainer-owned directory of mode 0711 under a random name, so a
-             program cannot find another run's files by listing.
+             nested user namespaces; a new session (no terminal); the program is the PID
+             namespace's first process (``--as-pid-1``: no bwrap process in there to steer).
+``unshare``  util-linux ``unshare``: new user, mount, PID, network, IPC and UTS namespaces, in
+             which the launcher builds the same root as bwrap's (``relax.rewards.fresh_root``:
+             ``/usr`` and the interpreter read-only, the program read-only, private size-capped
+             tmpfs at ``/sandbox``, ``/tmp``, ``/dev/shm``, a fresh ``/proc``, five ``/dev`` nodes),
+             ``chroot``s into it and drops every capability. For machines without bubblewrap.
 ``none``     no namespace: rlimits, a clean environment and the process-group kill only. The
              program can reach the network and the file system of its user; refused unless the
              caller opts out explicitly (``SandboxConfig.allow_unisolated``).
@@ -30,9 +27,10 @@ namespace, whatever it did to its session, process group or parent-death signal.
 The user: a trainer started as root runs the program as ``SandboxConfig.uid`` (``nobody``),
 switching with util-linux ``setpriv`` before anything else (the kernel never applies
 ``RLIMIT_NPROC``, the fork-bomb limit, to root). A trainer that is not root cannot switch users:
-the program keeps the trainer's uid. Under ``bwrap`` it then sees none of the trainer's files (they
-are not mounted); under ``unshare`` and ``none`` it would read, write and delete whatever the
-trainer can ($HOME, the repository, the run directory), so ``check_user`` refuses that unless
+the program keeps the trainer's uid outside its user namespace. Under ``bwrap`` and ``unshare``
+it then reaches none of the trainer's files (they are not mounted) nor processes (PID namespace,
+seccomp); under ``none`` it would read, write and delete whatever the trainer can ($HOME, the
+repository, the run directory), so ``check_user`` refuses that unless
 ``SandboxConfig.allow_trainer_uid`` accepts it.
 """
 
@@ -67,8 +65,8 @@ def drop_privileges(uid: int, gid: int) -> list[str]:
 def runs_as_trainer(mechanism: str) -> bool:
     """Whether ``mechanism`` would run the program as the trainer's own user with the trainer's
     files in reach: the trainer is not root (no user to drop to) and the host file system is
-    visible (``unshare``, ``none``; bwrap mounts none of it)."""
-    return os.geteuid() != 0 and mechanism != "bwrap"
+    visible (``none``; bwrap and unshare mount none of it)."""
+    return os.geteuid() != 0 and mechanism == "none"
 
 
 def check_user(mechanism: str, allow_trainer_uid: bool) -> None:
@@ -78,7 +76,7 @@ def check_user(mechanism: str, allow_trainer_uid: bool) -> None:
             f"the sandbox ({mechanism}) would run generated code as the trainer's own user (uid {os.geteuid()}: "
             "not root, so there is no unprivileged user to switch to) with the host's file system in reach: it "
             "could read, write and delete whatever this user can ($HOME, the repository, the run directory). "
-            "Install bubblewrap (`apt-get install bubblewrap`: the code then sees none of these files), run the "
+            "Use bubblewrap or unshare (the code then sees none of these files), run the "
             "trainer as root (the code then runs as `nobody`), or accept it with allow_trainer_uid=True "
             "(--sandbox.allow-trainer-uid)")
 
@@ -87,7 +85,7 @@ def bwrap_prefix(bwrap: str, interpreter_prefix: str, tmpfs_bytes: int) -> list[
     """bubblewrap's arguments: namespaces, the minimal root file system, capped tmpfs (module doc);
     a run adds the binding of its program (``bwrap_program``)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+            "--as-pid-1", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "lib", "lib32", "lib64", "sbin"):
         if Path(f"/{name}").is_symlink():  # merged /usr: /bin -> usr/bin
             args += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]
@@ -107,9 +105,10 @@ def bwrap_program(src: Path) -> list[str]:
 
 
 def unshare_prefix(unshare: str) -> list[str]:
-    """util-linux ``unshare``'s arguments: user, PID (own /proc), network, IPC and UTS namespaces;
-    the namespace's first process is killed when ``unshare`` dies, and the namespace with it."""
-    return [unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc",
+    """util-linux ``unshare``'s arguments: user, mount, PID, network, IPC and UTS namespaces (the
+    launcher then builds the root, ``relax.rewards.fresh_root``); the namespace's first process is
+    killed when ``unshare`` dies, and the namespace with it."""
+    return [unshare, "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
             "--ipc", "--uts", "--"]
 
 
@@ -144,25 +143,16 @@ def works(mechanism: str, uid: int, gid: int) -> str | None:
     return None
 
 
-WEAK = ("`unshare` keeps the host's file system in the program's view: it can read every world-readable "
-        "file (the dataset with its expected outputs) and write world-writable directories (/tmp, /dev/shm, "
-        "/var/tmp), where other samples' runs live")
-
-
-def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool, allow_weak: bool = False) -> str:
+def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool) -> str:
     """The mechanism to use: ``isolation`` itself if it works, or for ``auto`` the strongest that
-    works; ``SandboxUnavailable`` naming what failed otherwise. ``unshare`` needs ``allow_weak``
-    (``WEAK`` says why) and ``none`` needs ``allow_unisolated``."""
+    works; ``SandboxUnavailable`` naming what failed otherwise (``none`` needs ``allow_unisolated``)."""
     if isolation == "none" or (isolation == "auto" and sys.platform != "linux"):
         if not allow_unisolated:
             raise SandboxUnavailable(
                 "no namespace isolation: generated code would reach the network and the files of its user. "
                 "Set allow_unisolated=True (--sandbox.allow-unisolated) to run it anyway")
         return "none"
-    if isolation == "unshare" and not allow_weak:
-        raise SandboxUnavailable(f"isolation 'unshare' is weaker than bubblewrap: {WEAK}. Accept it with "
-                                 "allow_weak_isolation=True (--sandbox.allow-weak-isolation), or install bubblewrap")
-    tried = (("bwrap", "unshare") if allow_weak else ("bwrap",)) if isolation == "auto" else (isolation,)
+    tried = ("bwrap", "unshare") if isolation == "auto" else (isolation,)
     why = {m: works(m, uid, gid) for m in tried}
     for mechanism in tried:
         if why[mechanism] is None:
@@ -170,8 +160,6 @@ def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool, allow_wea
     if allow_unisolated and isolation == "auto":
         return "none"
     reasons = "; ".join(f"{m}: {r}" for m, r in why.items())
-    weak = "" if allow_weak or isolation != "auto" else (
-        f". The fallback, util-linux unshare, is not used unless accepted with --sandbox.allow-weak-isolation: {WEAK}")
     raise SandboxUnavailable(
-        f"cannot isolate generated code ({reasons}){weak}. Install bubblewrap (`apt-get install bubblewrap`) and "
-        "allow user namespaces")
+        f"cannot isolate generated code ({reasons}). Install bubblewrap (`apt-get install bubblewrap`) or allow "
+        "user namespaces; or set allow_unisolated=True to run without a network namespace (unsafe)")

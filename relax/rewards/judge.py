@@ -34,14 +34,36 @@ import dataclasses
 import json
 import math
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
 MAX_DEPTH = 64  # nesting of decoded data and of judged expressions
 
+
+class JudgeError(ValueError):
+    """A test cannot be judged outside the program (the message says which part and why)."""
+
+
+def _round(number: Any, ndigits: Any = None) -> Any:
+    """``round``, refused for an ``ndigits`` past 4096 either way (``round(n, -10**9)`` computes
+    ``10**10**9``)."""
+    if type(ndigits) is int and abs(ndigits) > 4096:
+        raise JudgeError("a judged round() to over 4096 digits")
+    return round(number, ndigits)
+
+
+def _sum(items: Any, start: Any = 0) -> Any:
+    """``sum`` of numbers only (a sum of sequences is quadratic in their number)."""
+    items = list(items)
+    if not all(type(x) in (int, float, bool) for x in [*items, start]):
+        raise JudgeError("sum() is judged over numbers only")
+    return sum(items, start)
+
+
 JUDGE_CALLS = {
-    "abs": abs, "len": len, "round": round, "sorted": sorted, "set": set, "frozenset": frozenset,
-    "tuple": tuple, "list": list, "min": min, "max": max, "sum": sum, "all": all, "any": any,
+    "abs": abs, "len": len, "round": _round, "sorted": sorted, "set": set, "frozenset": frozenset,
+    "tuple": tuple, "list": list, "min": min, "max": max, "sum": _sum, "all": all, "any": any,
     "bool": bool, "int": int, "float": float, "str": str, "isclose": math.isclose, "math.isclose": math.isclose,
 }
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
@@ -52,12 +74,11 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 JUDGE_NAMES = {"math.pi": math.pi, "math.e": math.e, "math.tau": math.tau, "math.inf": math.inf,
                "math.nan": math.nan}
 _SINGLETONS = (None, True, False)
-MAX_SIZE = 1 << 20  # the most items a judged * or ** may make (an adversarial probe value must not
-# exhaust the trainer: "a" * 10**12, 2 ** 10**12)
-
-
-class JudgeError(ValueError):
-    """A test cannot be judged outside the program (the message says which part and why)."""
+MAX_SIZE = 1 << 20  # the most items a judged * may make, bits a judged ** may make, digits a judged
+# % may pad to (an adversarial probe value must not exhaust the trainer: "a" * 10**12, 2 ** 10**12)
+_RESULT_LINE = re.compile(r"([0-9]{1,9}) ([0-9]{1,9}) (.*)")
+_WIDE_FORMAT = re.compile(r"%(\([^)]*\))?[-#0 +]*(\*|[0-9]{7}|[0-9]*\.(\*|[0-9]{7}))")  # width from the
+# data, or of a million characters or more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +140,10 @@ def plan_test(source: str) -> TestPlan:
 
 
 def _is_judge_call(node: ast.Call) -> bool:
+    """A call of a ``JUDGE_CALLS`` function whose keyword arguments are all ``name=constant`` (no
+    ``**mapping``): the judge evaluates it; any other call is a probe."""
     name = ast.unparse(node.func)
-    return name in JUDGE_CALLS and all(isinstance(k.value, ast.Constant) for k in node.keywords if k.arg)
+    return name in JUDGE_CALLS and all(k.arg is not None and isinstance(k.value, ast.Constant) for k in node.keywords)
 
 
 def _cut(node: ast.AST, source: str, probes: list[str], depth: int) -> ast.AST:
@@ -138,6 +161,8 @@ def _cut(node: ast.AST, source: str, probes: list[str], depth: int) -> ast.AST:
             return _probe(node, source, probes)
         if isinstance(node, ast.Dict) and None in node.keys:
             return _probe(node, source, probes)
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and any(isinstance(e, ast.Starred) for e in node.elts):
+            return _probe(node, source, probes)  # ``[*f(x)]``: a starred item alone is no expression
         fields = {}
         for name, value in ast.iter_fields(node):
             if name == "func" or name == "ctx" or name == "op" or name == "ops":
@@ -217,8 +242,11 @@ def _binary(op: ast.operator, a: Any, b: Any) -> Any:
         n, seq = (a, b) if type(a) is int else (b, a)
         if type(n) is int and isinstance(seq, (str, list, tuple)) and n * len(seq) > MAX_SIZE:
             raise JudgeError("a judged repetition over MAX_SIZE items")
-    if isinstance(op, ast.Pow) and type(b) is int and abs(b) > 4096 and type(a) is int and abs(a) > 1:
-        raise JudgeError("a judged power over 4096")
+    if isinstance(op, ast.Pow) and type(b) is int and type(a) is int and abs(a) > 1 \
+            and abs(b) * a.bit_length() > MAX_SIZE:
+        raise JudgeError("a judged power over MAX_SIZE bits")
+    if isinstance(op, ast.Mod) and isinstance(a, str) and _WIDE_FORMAT.search(a):
+        raise JudgeError("a judged %-format with a width or precision over MAX_SIZE")
     return _BINARY[type(op)](a, b)
 
 
@@ -257,6 +285,8 @@ def decode(obj: Any, depth: int = 0) -> Any:
     (tag, body), = obj.items()
     if tag == "x":
         return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[body]
+    if not isinstance(body, list):
+        raise ValueError(f"plain-data tag {tag!r} holds a {type(body).__name__}, not a list")
     items = [decode(v, depth + 1) for v in body] if tag != "d" else None
     if tag == "l":
         return items
@@ -303,7 +333,10 @@ def call_tests(raw: dict, where: str) -> list[TestPlan]:
     plans = []
     for i, (args, out) in enumerate(zip(inputs, outputs)):
         args = args if isinstance(args, list) else [args]
-        call = f"__call__({name!r}, __decode__({plain_json(args)!r}))"
+        try:
+            call = f"__call__({name!r}, __decode__({plain_json(args)!r}))"
+        except ValueError as exc:
+            raise JudgeError(f"{where}: input {i} is not plain data ({exc})") from None
         expected = ast.parse(repr(out), mode="eval").body if _literal(out) else None
         if expected is None:
             raise JudgeError(f"{where}: output {i} is not plain data")
@@ -400,17 +433,19 @@ def harness(timeout_s: float) -> str:
 
 
 def read_results(stdout: str, nonce: str, plans: Sequence[TestPlan]) -> list[list[dict | None]]:
-    """Per test, per step, the sandbox's JSON line (None where absent or unreadable); the first
-    line for a step counts."""
+    """Per test, per step, the sandbox's JSON line (None where absent; ``{"ok": False}`` where its
+    JSON does not load); the first line for a step counts. Never raises on any ``stdout``: the
+    program writes it too."""
     results: list[list[dict | None]] = [[None] * len(p.steps) for p in plans]
+    prefix = nonce + " "
     for line in stdout.splitlines():
-        parts = line.split(" ", 3)
-        if len(parts) != 4 or parts[0] != nonce or not (parts[1].isdigit() and parts[2].isdigit()):
+        found = _RESULT_LINE.fullmatch(line[len(prefix):]) if line.startswith(prefix) else None
+        if found is None:
             continue
-        t, k = int(parts[1]), int(parts[2])
+        t, k = int(found[1]), int(found[2])
         if t < len(plans) and k < len(plans[t].steps) and results[t][k] is None:
             try:
-                results[t][k] = json.loads(parts[3])
-            except (json.JSONDecodeError, RecursionError):
+                results[t][k] = json.loads(found[3])
+            except (ValueError, RecursionError):  # JSONDecodeError, or an int over Python's 4300 digits
                 results[t][k] = {"ok": False}
     return results

@@ -12,8 +12,8 @@ only when opted into, none):
   read-only under bwrap;
 - a clean environment: ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and nothing of the trainer's;
 - a user: a root trainer's program runs as ``uid``/``gid`` (``nobody``); a non-root trainer's
-  keeps its uid, which is refused under unshare and none (the trainer's files would be in
-  reach) unless ``allow_trainer_uid`` (``relax.rewards.isolation``, "The user");
+  keeps its uid (outside its user namespace), which is refused under none (the trainer's files
+  would be in reach) unless ``allow_trainer_uid`` (``relax.rewards.isolation``, "The user");
 - these rlimits, set by a launcher inside the sandbox just before the program starts::
 
       RLIMIT_CPU    cpu_s (SIGXCPU), cpu_s + 1 (SIGKILL)   RLIMIT_AS     memory_mb
@@ -51,19 +51,21 @@ from pathlib import Path
 
 from relax.choices import check_choice
 from relax.rewards import isolation as iso
-from relax.rewards import seccomp
+from relax.rewards import fresh_root, seccomp
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 NOBODY = 65534
 
 # Runs inside the sandbox with the sandbox's interpreter (-I -S: no site, no user paths): set the
 # limits, join a fresh session keyring and install the seccomp filter, then become the program.
-_LAUNCHER = seccomp.INSTALL + (
+_LAUNCHER = seccomp.INSTALL + fresh_root.SETUP + (
     "import json, os, resource, sys\n"
+    "if sys.argv[4]:\n"
+    "    fresh_root(sys.argv[4])\n"
     "for name, (soft, hard) in json.loads(sys.argv[1]).items():\n"
     "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
     "install_seccomp(sys.argv[2], int(sys.argv[3]))\n"
-    "os.execvp(sys.argv[4], sys.argv[4:])\n"
+    "os.execvp(sys.argv[5], sys.argv[5:])\n"
 )
 
 
@@ -73,20 +75,16 @@ class SandboxConfig:
 
     ``isolation``: auto (bwrap, else unshare) | bwrap | unshare | none; ``allow_unisolated``: run
     anyway where no namespace can be made (the program can then use the network: unsafe);
-    ``allow_weak_isolation``: accept util-linux ``unshare`` (``auto`` falls back to it where
-    bubblewrap cannot run): the host's file system stays in the program's view (module
-    docstring of ``relax.rewards.isolation``).
-    ``allow_trainer_uid``: run under unshare or none although the trainer is not root, so the
+    ``allow_trainer_uid``: run under none although the trainer is not root, so the
     program runs as the trainer's own user and can write and delete its files (unsafe).
     ``python``: the interpreter, looked up on ``/usr/local/bin:/usr/bin:/bin`` unless a path
     (it must be executable by ``uid``: root's pyenv under ``/root`` is not).
-    ``tmpfs_mb``: size of each private tmpfs under bwrap (``/sandbox``, ``/tmp``, ``/dev/shm``).
+    ``tmpfs_mb``: size of each private tmpfs (the root under unshare, ``/sandbox``, ``/tmp``, ``/dev/shm``).
     """
 
     isolation: str = "auto"
     allow_unisolated: bool = False
     allow_trainer_uid: bool = False
-    allow_weak_isolation: bool = False
     python: str = "python3"
     cpu_s: int = 10
     wall_s: float = 20.0
@@ -141,7 +139,7 @@ class Sandbox:
 
     def __init__(self, cfg: SandboxConfig = SandboxConfig()):
         self.cfg = cfg
-        self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated, cfg.allow_weak_isolation)
+        self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
         iso.check_user(self.isolation, cfg.allow_trainer_uid)
         self.python = _resolve_python(cfg.python)
         self._prefix = iso.drop_privileges(cfg.uid, cfg.gid)  # what every run starts with, found once
@@ -183,7 +181,9 @@ class Sandbox:
     def _command(self, work: Path, argv: Sequence[str]) -> list[str]:
         program = [self.python if a == "{python}" else a for a in argv]
         per_run = iso.bwrap_program(work / "src") if self.isolation == "bwrap" else []
-        return self._prefix + per_run + self._launch + program
+        root = fresh_root.plan(work, iso.interpreter_prefix(self.python), self.cfg.tmpfs_mb << 20, iso.SANDBOX_DIR) \
+            if self.isolation == "unshare" else ""
+        return self._prefix + per_run + self._launch + [root] + program
 
 
 @functools.lru_cache(maxsize=8)
@@ -212,7 +212,7 @@ def _write_files(src: Path, files: Mapping[str, str]) -> None:
 
 
 def _clean_env(work: Path, isolation: str) -> dict[str, str]:
-    home = iso.SANDBOX_DIR if isolation == "bwrap" else str(work)
+    home = str(work) if isolation == "none" else iso.SANDBOX_DIR
     return {"PATH": SAFE_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
 

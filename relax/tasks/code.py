@@ -6,7 +6,7 @@ Prompt (a signature and docstring)::
         \"\"\"Return x plus 7.\"\"\"
 
 Completion: a fenced Python block defining the function; reward: ``code_exec`` (the row's
-``tests`` are asserts, run in the sandbox). Six families (plus, times, minus, divisible by,
+``tests`` are asserts: the function's calls run in the sandbox, the comparisons in the trainer). Six families (plus, times, minus, divisible by,
 smaller of, larger of) with constants 1..``max_constant``; held-out rows are (family, constant)
 pairs never seen in training. The base model imitates a noisy teacher that writes the right
 constant with probability ``teacher_accuracy`` and another one otherwise, so GRPO has something
