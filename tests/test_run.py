@@ -304,7 +304,7 @@ def test_model_directory_with_tokenizer_json_trains_and_exports_for_transformers
     run_dir = tmp_path / "run"
     summary = load_example("grpo").main([
         "--model", str(d), "--data", str(tmp_path / "train.jsonl"), "--run-dir", str(run_dir), "--steps", "1",
-        "--batch-size", "4", "--max-prompt-tokens", "64", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
+        "--batch-size", "4", "--max-prompt-tokens", "128", "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
         "--reward", "numeric_match", "--eval-fraction", "0.25", "--eval.num-samples", "1", "--export-every", "1"])
     assert summary["steps"] == 1
     assert load_tokenizer(run_dir / "hf" / "step-1").encode("a b") == tok.encode("a b")  # exported on request

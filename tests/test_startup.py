@@ -120,3 +120,10 @@ def test_missing_reward_column_is_found_before_any_compute(ragged, tmp_path):
     with pytest.raises(KeyError, match=r"train\.jsonl.*row 1.*'tests'"):
         _run(ragged, tmp_path / "run", "--reward", "code_exec")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_data_with_no_prompt_within_the_budget_is_refused_naming_the_rows(ragged, tmp_path):
+    d, lengths = ragged
+    with pytest.raises(ValueError, match=r"no training prompt is within --max-prompt-tokens 2: WARNING: 40 of 40 "
+                                         r"training prompts are over --max-prompt-tokens 2: .*train\.jsonl row"):
+        _run(ragged, tmp_path / "run", "--max-prompt-tokens", "2")

@@ -332,7 +332,11 @@ def _model_and_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> 
         held_out = eval_records(data_cfg, splits)
     if cfg.eval_max_prompts is not None:
         held_out = held_out[:cfg.eval_max_prompts]
-    return RunData(tokenizer, model, data_cfg, prepare_prompts(splits.train, data_cfg, tokenizer),
+    train = prepare_prompts(splits.train, data_cfg, tokenizer)
+    if not train.examples:
+        raise ValueError(f"no training prompt is within --max-prompt-tokens {cfg.max_prompt_tokens}: "
+                         + (train.stats.over_budget_message("training") or "the data has no rows"))
+    return RunData(tokenizer, model, data_cfg, train,
                    prepare_prompts(held_out, data_cfg, tokenizer) if held_out else None)
 
 
