@@ -174,7 +174,9 @@ def test_submit_returns_at_once_and_workers_overlap(pool):
     assert isinstance(pending, PendingScores) and not pending.done()
     per, info = pending.result()
     elapsed = time.perf_counter() - t0
-    assert t_submit < SLOW_S / 2 and pending.done()
+    # submit hands the chunks over and returns: a small part of the scoring time (a ratio, so that
+    # a loaded machine, which slows both, does not fail it)
+    assert t_submit < 0.25 * elapsed and pending.done(), (t_submit, elapsed)
     np.testing.assert_array_equal(per["behave"], np.ones(n))
     serial = n * SLOW_S
     assert serial / 2 <= elapsed < 0.75 * serial, (t_submit, elapsed)
