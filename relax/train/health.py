@@ -39,15 +39,10 @@ class NonFiniteError(RuntimeError):
 
 def check_finite_weights(tree, what: str) -> None:
     """Raise ``NonFiniteError`` naming the first leaf of ``tree`` (a model) that holds a NaN or an
-    infinity: weights restored that way would train NaN."""
-    names = leaf_names(tree)
-    leaves = jax.tree.leaves(tree)
-    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
-    finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([leaves[i] for i in floats]))
-    bad = [names[i] for i, ok in zip(floats, finite) if not ok]
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise NonFiniteError(f"{what}: weight {bad[0]!r}{more} holds NaN or infinite values")
+    infinity (``first_nonfinite_leaf``): weights restored that way would train NaN."""
+    first = int(jax.jit(first_nonfinite_leaf)(tree))
+    if first >= 0:
+        raise NonFiniteError(f"{what}: weight {leaf_names(tree)[first]!r} holds NaN or infinite values")
 
 
 @dataclasses.dataclass(frozen=True)
