@@ -69,7 +69,7 @@ def local_batch(rows: slice = slice(None)):
 
 
 def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(None), master_weights=False,
-             param_dtype=None, checkpoint_dir=None, beta=0.04, lora_rank=0):
+             param_dtype=None, checkpoint_dir=None, beta=0.04, lora_rank=0, eos_ids=(), packing="auto"):
     """Iterations of the composed GRPO step (sharded when ``mesh``/``sampler_devices``); returns
     per-iteration metrics and this process's sampled tokens, and the compiles after iteration 1."""
     import jax
@@ -79,6 +79,7 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     from relax import parallel
     from relax.models import ModelConfig, init
     from relax.algorithms.grpo.config import preset
+    from relax.models.completion_packing import PackingConfig
     from relax.train.optimizer import OptimizerConfig
     from relax.algorithms.grpo.step import make_grpo_step
     from relax.passes import choose_passes
@@ -94,14 +95,14 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
         from relax.models.adapters import add_lora
         from relax.models.lora import LoRAConfig
         policy = add_lora(policy, LoRAConfig(rank=lora_rank), jax.random.key(3))
-    cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=beta,
+    cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=beta, packing=PackingConfig(packing, row_tokens=12),
                  optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, master_weights=master_weights))
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=beta > 0)
     wq0 = np.asarray(policy.layers.wq).astype(np.float32)  # the step donates the state's buffers
     trainer, sampler = parallel.ParallelConfig(mesh=mesh, sampler_devices=sampler_devices).meshes()
     passes = choose_passes(batch_shards=1 if trainer is None else parallel.batch_shards(trainer))
-    step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0, passes=passes)
+    step = make_grpo_step(cfg, [fives], _decode, eos_ids=eos_ids, pad_id=0, passes=passes)
     segments = [s.names for s in step.segments]
     if trainer is not None:
         step = parallel.ShardedStep(step, state, trainer, sampler_mesh=sampler)
@@ -238,6 +239,8 @@ def worker(out_path: str, cli_dir: str) -> None:
         results["runs"][spec] = run_case(spec)
     results["runs"]["no_kl"] = run_case(MESHES[-1], iterations=1, beta=0.0)
     results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
+    for packing in ("on", "off"):  # completions that end at token 3: ragged lengths
+        results["runs"][f"ragged_{packing}"] = run_case(MESHES[-1], iterations=2, eos_ids=(3,), packing=packing)
     results["runs"]["lora_single"] = run_case(None, iterations=2, lora_rank=4)
     results["runs"]["lora_mesh"] = run_case(MESHES[-1], iterations=2, lora_rank=4)
     results["lora_shards"] = _shard_shapes("data=2,fsdp=2,tensor=2", lora=True)
@@ -350,6 +353,17 @@ if __name__ != "__main__":
         assert with_kl["metrics"][0]["kl"] == 0.0
         for name, w in without["weights"][0].items():
             assert np.array_equal(np.asarray(with_kl["weights"][0][name]), np.asarray(w)), name
+
+    def test_packed_update_on_a_mesh_equals_the_padded_one(mesh_results):
+        """Completions packed by token count (relax.models.completion_packing) on the 3-axis mesh:
+        the same samples and metrics as padded, over two iterations."""
+        on, off = mesh_results["runs"]["ragged_on"], mesh_results["runs"]["ragged_off"]
+        assert on["tokens"] == off["tokens"]
+        assert on["metrics"][0]["pack_rows"] < 4 and on["metrics"][0]["pack_fill"] > 0.5  # several to a row
+        for i, (got, want) in enumerate(zip(on["metrics"], off["metrics"])):
+            _assert_metrics_close({k: v for k, v in got.items() if not k.startswith("pack_")}, want, f"ragged {i}")
+        for name, w in off["weights"][-1].items():
+            np.testing.assert_allclose(on["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
 
     def test_separate_sampler_and_trainer_meshes_match(mesh_results):
         split, base = mesh_results["runs"]["split"], mesh_results["runs"]["single"]
@@ -482,7 +496,7 @@ if __name__ != "__main__":
         with pytest.warns(UserWarning, match="offload_reference: cpu devices have no separate pinned_host"):
             sharded = parallel.ShardedStep(step, state, mesh, offload_reference=True)
         assert not sharded.offload
-        assert [s.names for s in sharded.segments] == [("rollout",), ("score_start",), ("reference",), ("score_finish",),
+        assert [s.names for s in sharded.segments] == [("rollout",), ("score_start",), ("pack",), ("reference",), ("score_finish",),
                                                       ("advantage", "update")]
 
     def test_remat_gives_the_same_loss_and_gradients():

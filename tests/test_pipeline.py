@@ -167,7 +167,7 @@ def test_pipelined_runs_are_reproducible_bit_for_bit():
 def test_split_needs_a_producer_and_a_consumer():
     _, _, step = _setup(AsyncConfig(staleness=1))
     producer, consumer = split_segments(step.segments)
-    assert [s.names for s in producer] == [("rollout",), ("score_start",), ("score_finish",)]
+    assert [s.names for s in producer] == [("rollout",), ("score_start",), ("score_finish",), ("pack",)]
     assert consumer[0].names[:2] == ("reference", "advantage")
     with pytest.raises(ValueError, match="leading stages"):
         split_segments(consumer)

@@ -174,6 +174,7 @@ class OnlineAlgorithm:
     num_generations: int
     max_new_tokens: int
     stop_strings: tuple[str, ...] = ()
+    describe_update: Callable[[Any], str] | None = None  # model -> a start-up report line (its layout)
 
 
 def builtin_setup(cfg: ModelRunConfig, run_dir: Path, log):
@@ -351,6 +352,8 @@ def _report(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts: S
     held_out = prompt_lines(data.held_out.stats, "held-out") if data.held_out is not None else ("nothing held out",)
     lines = [*prompt_lines(train, "training"), *held_out, padding,
              f"{cfg.batch_size} prompts x {algo.num_generations} completions per step"]
+    if algo.describe_update is not None:
+        lines.append(algo.describe_update(data.model))
     return run_report(cfg, data.model, lines, mesh=mesh, extra=[
         ("tokens", token_lines(data.tokenizer, parts.eos_ids, algo.stop_strings, algo.max_new_tokens)),
         ("first prompt", first_prompt_lines(train.first_prompt))])

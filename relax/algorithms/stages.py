@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.compose import Stage, compose, stage
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.completion_packing import PackingConfig
+from relax.models.prefix_shared import completion_logprobs, resolve_attention
 from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
+from relax.parallel.distributed import max_over_processes
 from relax.passes import Passes
 from relax.rewards.functions import (RewardFunction, as_reward_functions, combine_checked, score_groups,
                                     start_score_groups)
@@ -100,7 +102,8 @@ def forward_logprobs(model, batch, passes: Passes, *, temperature: float, attent
     """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
     (remat would recompute nothing), in the sampler's log-prob dtype."""
     logp = completion_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-                               temperature=temperature, groups_per_pass=passes.groups_per_pass(), attention=attention)
+                               temperature=temperature, groups_per_pass=passes.groups_per_pass(), attention=attention,
+                               packed=batch.get("packed"))
     return jax.lax.stop_gradient(logp.astype(batch["old_logprobs"].dtype))
 
 
@@ -200,17 +203,34 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
             stage(score_finish, jit=False, name="score_finish", updates_state=False, waits=True))
 
 
+def make_packing(packing: PackingConfig, *, train_attention: str) -> Stage:
+    """A host stage that packs the batch's completions by token count for the training forwards
+    (``relax.models.completion_packing``): ``batch["packed"]``, read by the reference, proximal
+    and update stages, when ``packing`` applies to the policy's resolved ``train_attention``."""
+
+    def pack(state: TrainState, batch):
+        if not packing.applies(resolve_attention(train_attention, state.policy)):
+            return state, batch
+        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
+        rows = max_over_processes(packing.rows(mask))  # this process's rows: one layout for all
+        return state, {**batch, "packed": jax.tree.map(jnp.asarray, packing.pack(tokens, mask, rows))}
+
+    return stage(pack, jit=False, name="pack", updates_state=False)
+
+
 def make_scoring(reward_fns, decode, *, reference: tuple[Stage, ...], pipelined: bool,
-                 host_after: tuple[Stage, ...] = (), **score_kwargs) -> tuple[Stage, ...]:
-    """The stages between the rollout and the advantage: ``score_start, reference, score_finish,
-    host_after`` (the reference forward overlaps the reward pool's scoring). ``pipelined``
-    (``relax.train.pipeline``): what reads the sampler's weights first, ``score_start`` (with the
-    in-process reward functions), ``score_finish``, ``host_after``; then the ``reference``, which
-    runs with the update, on the models as they are then. ``score_kwargs``: ``make_score_stages``'s."""
+                 host_after: tuple[Stage, ...] = (), pack: tuple[Stage, ...] = (),
+                 **score_kwargs) -> tuple[Stage, ...]:
+    """The stages between the rollout and the advantage: ``score_start, pack, reference,
+    score_finish, host_after`` (the reference forward overlaps the reward pool's scoring; ``pack``
+    after the stop strings have cut the completions). ``pipelined`` (``relax.train.pipeline``):
+    what reads the sampler's weights first, ``score_start`` (with the in-process reward
+    functions), ``score_finish``, ``host_after``; then ``pack`` and the ``reference``, which runs
+    with the update, on the models as they are then. ``score_kwargs``: ``make_score_stages``'s."""
     start, finish = make_score_stages(reward_fns, decode, local_first=pipelined, **score_kwargs)
     if pipelined:
-        return (start, finish, *host_after, *reference)
-    return (start, *reference, finish, *host_after)
+        return (start, finish, *host_after, *pack, *reference)
+    return (start, *pack, *reference, finish, *host_after)
 
 
 def _merge_info(a: dict, b: dict) -> dict:
@@ -229,12 +249,13 @@ def _merge_info(a: dict, b: dict) -> dict:
 def train_logprobs(policy, mb, passes: Passes, *, temperature: float, attention: str, remat: bool = False,
                    remat_policy: str = "nothing", entropy_grad: bool = True):
     """Trainer log-probs and entropies ``[P, G, N]`` of a micro-batch's completions (the
-    prefix-shared forward, laid out as ``passes`` say; ``mb["rope"]`` when precomputed)."""
-    p, g, n = mb["tokens"].shape
+    prefix-shared forward, laid out as ``passes`` say; ``mb["rope"]`` when precomputed; over
+    ``mb["packed"]``'s rows when the batch was packed, ``make_packing``)."""
+    p, g, n = (mb["packed"].tokens if "packed" in mb else mb["tokens"]).shape
     c, lp = policy.config, mb["prompt_ids"].shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
     return completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
                                temperature=temperature, with_entropy=True, remat=remat, attention=attention,
                                remat_policy=remat_policy, entropy_grad=entropy_grad,
                                unroll=passes.unroll(c.num_layers), save_attention=passes.save_attention(probs_bytes),
-                               rope=mb.get("rope"))
+                               rope=mb.get("rope"), packed=mb.get("packed"))

@@ -26,6 +26,11 @@ The backward concatenates each completion's keys behind a copy of its prompt's, 
 Masks are rebuilt from positions inside each tile::
 
     allowed(i, j) = valid_j  &  pos_j <= pos_i  &  (pos_i - pos_j < window, when sliding)
+                    (&  seg_i == seg_j  for the own keys of packed rows)
+
+A packed row (``relax.models.completion_packing``) holds several completions of the group one
+after the other, each with its own segment id and positions restarting after the prompt: its
+own-key mask adds the segment test, so each completion sees the prompt and itself only.
 
 The window is static (one for every layer) or a traced scalar (layers of both kinds scanned
 together, ``relax.models.layer_kinds``): then it rides with the positions, one per group.
@@ -65,12 +70,14 @@ def _scale(st: _Static, q) -> float:
     return q.shape[-1] ** -0.5 if st.scale is None else st.scale
 
 
-def _group_masks(st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window):
+def _group_masks(st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window, q_seg=None, k_seg=None):
     # q_pos [g, m]; prompt [lp]; own [g, n] -> [1, g, m, lp], [1, g, m, n]
     window = st.window if traced_window is None else traced_window
     mp = causal_mask(q_pos, pk_pos[None], pk_valid[None], window)[None]
-    mo = causal_mask(q_pos, k_pos, k_valid, window)[None]
-    return mp, mo
+    mo = causal_mask(q_pos, k_pos, k_valid, window)
+    if q_seg is not None:  # packed rows: a completion's own keys only
+        mo = mo & (q_seg[..., :, None] == k_seg[..., None, :])
+    return mp, mo[None]
 
 
 def _group_forward(st, q, pk, pv, k, v, pos):
@@ -193,6 +200,8 @@ def prefix_group_attention(
     scale: float | None = None,
     groups_per_step: int = 1,
     save_probabilities: bool = False,
+    q_segments: Int[Array, "p g m"] | None = None,
+    k_segments: Int[Array, "p g n"] | None = None,
 ) -> Float[Array, "p hk g m d"]:
     """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
 
@@ -211,12 +220,17 @@ def prefix_group_attention(
     ``save_probabilities``: keep ``P`` (``[P, Hkv, G, M, Lp+N]`` float32) from the forward for the
     backward instead of recomputing it - faster, at the cost of that memory per layer until the
     backward; the result and gradients are the same either way.
+
+    ``q_segments`` / ``k_segments`` (both or neither): segment ids of packed rows; a query row sees
+    an own key only when their segments are equal (module docstring).
     """
     p = q.shape[0]
     if groups_per_step < 1 or p % groups_per_step:
         raise ValueError(f"groups_per_step={groups_per_step} does not divide the {p} prompt groups")
     traced = window is not None and not isinstance(window, int)
     per_group = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (p,)) if traced else None
-    pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool), per_group)
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("prefix_group_attention: give both q_segments and k_segments, or neither")
+    pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool), per_group, q_segments, k_segments)
     st = _Static(None if traced else window, scale, groups_per_step, bool(save_probabilities))
     return _attend(st, q, pk, pv, k, v, pos)

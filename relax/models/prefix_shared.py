@@ -30,8 +30,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from relax.models.completion_packing import PackedCompletions, unpack
 from relax.models.config import ModelConfig
 from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
 from relax.models.group_attention import prefix_group_attention
@@ -73,17 +74,52 @@ class CompletionRope(NamedTuple):
     completion_local: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]] | None = None
 
 
+class CompletionRows(NamedTuple):
+    """The completion rows the layers run over, ``[P, G, N]`` padded (``segments``, ``offsets``
+    None) or ``[P, R, C]`` packed (``relax.models.completion_packing``): tokens, absolute
+    positions (prompt length + index in the completion), which slots hold a token, and for packed
+    rows each slot's completion (segment) and index in it."""
+
+    tokens: Int[Array, "p g n"]
+    positions: Int[Array, "p g n"]
+    valid: Bool[Array, "p g n"]
+    segments: Int[Array, "p g n"] | None = None
+    offsets: Int[Array, "p g n"] | None = None
+
+
+def padded_rows(prompt_mask: Int[Array, "p lp"], completions: Int[Array, "p g n"],
+                completion_mask: Int[Array, "p g n"]) -> CompletionRows:
+    """The rows of completions padded to the budget: token ``t`` at ``prompt length + t``."""
+    _, g, n = completions.shape
+    return CompletionRows(completions, _completion_positions(prompt_mask, g, n), completion_mask.astype(bool))
+
+
+def packed_rows(prompt_mask: Int[Array, "p lp"], packed: PackedCompletions) -> CompletionRows:
+    """The rows of packed completions: each token at ``prompt length + its index in its completion``."""
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    return CompletionRows(packed.tokens, p_len[:, None, None] + packed.offsets, packed.segments > 0,
+                          packed.segments, packed.offsets)
+
+
 def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_generations: int,
-                    num_tokens: int) -> CompletionRope:
+                    num_tokens: int, *, packed: PackedCompletions | None = None) -> CompletionRope:
     """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
-    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t``.
+    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``,
+    or the packed rows' ``[P, R, C]`` with ``packed``).
 
     Compute them once, outside any loop that calls ``completion_logprobs`` (micro-batches,
     epochs), and pass them as its ``rope``: XLA:CPU fuses ``cos``/``sin`` into every consumer
     and, with the layer loop unrolled, recomputes them per head and per layer (rotary fusions
     ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
     """
-    c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
+    if packed is None:
+        c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
+    else:
+        c_pos = packed_rows(prompt_mask, packed).positions
+    return _rope_at(config, prompt_mask, c_pos)
+
+
+def _rope_at(config: ModelConfig, prompt_mask, c_pos) -> CompletionRope:
     prompt, completion = rotary(config, positions_from_mask(prompt_mask)), rotary(config, c_pos)
     return CompletionRope(prompt.full, completion.full, prompt.local, completion.local)
 
@@ -94,22 +130,29 @@ def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> In
     return p_len[:, None, None] + jnp.broadcast_to(jnp.arange(n), (g, n))
 
 
-def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
-                   remat_policy, unroll, save_attention, rope):
-    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completions ``[P*G, N, D]``."""
+def shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
+                  remat_policy, unroll, save_attention, rope):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``."""
+    return rows_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
+                       remat, attention, remat_policy, unroll, save_attention, rope)
+
+
+def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRows, remat, attention,
+                remat_policy, unroll, save_attention, rope):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``."""
     c = model.config
     p = prompt_ids.shape[0]
-    _, g, n = completions.shape
+    _, g, n = rows.tokens.shape
     b = p * g
     hk, r = c.num_kv_heads, c.q_per_kv
+    if attention == "dense" and rows.segments is not None:
+        raise ValueError("packed completions need the 'group' train attention (the 'dense' one has no segments)")
 
     p_valid = prompt_mask.astype(bool)
     p_pos = positions_from_mask(prompt_mask)
     p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
-    c_pos = _completion_positions(prompt_mask, g, n).reshape(b, n)
-    c_valid = completion_mask.reshape(b, n).astype(bool)
     if rope is None:
-        rope = completion_rope(c, prompt_mask, g, n)
+        rope = _rope_at(c, prompt_mask, rows.positions)
     p_rope = Rotary(rope.prompt, rope.prompt_local)
     c_rope = jax.tree.map(lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local))
     prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
@@ -118,8 +161,9 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
     # (all groups at once when they do not split evenly over the mesh's batch shards)
     shards = ambient_batch_shards()
     per_step = 1 if shards == 1 else (shards if p % shards == 0 else p)
-    q_pos = jnp.tile(c_pos, (1, r)).reshape(p, g, r * n)  # query rows (r, t) of each KV head
-    k_pos, k_valid = c_pos.reshape(p, g, n), c_valid.reshape(p, g, n)
+    query_rows = lambda x: jnp.tile(x.reshape(b, n), (1, r)).reshape(p, g, r * n)  # noqa: E731  rows (r, t) per KV head
+    q_pos, k_pos, k_valid = query_rows(rows.positions), rows.positions, rows.valid
+    q_seg = None if rows.segments is None else query_rows(rows.segments)
 
     impl = "cudnn" if fused_attention_available(model.dtype) else "xla"  # of the "dense" path
 
@@ -134,8 +178,8 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
             qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
             out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
                                          window=layer_window(c, sliding), scale=c.attn_scale,
-                                         groups_per_step=per_step,
-                                         save_probabilities=save_attention)
+                                         groups_per_step=per_step, save_probabilities=save_attention,
+                                         q_segments=q_seg, k_segments=rows.segments)
             out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
             return out.astype(q.dtype), None
         return attend
@@ -149,7 +193,7 @@ def _shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, com
 
     if remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
-    xc0 = embed(model, completions.reshape(b, n))
+    xc0 = embed(model, rows.tokens.reshape(b, n))
     xs = (model.layers, scanned_kinds(c))
     (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), xs, unroll=unroll)
     return final_norm(model, xp), final_norm(model, xc)
@@ -160,7 +204,8 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
                         temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
                         chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
                         attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True,
-                        unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None):
+                        unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None,
+                        packed: PackedCompletions | None = None):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
@@ -179,33 +224,47 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     ``[L, ...]`` arrays and slicing them back (update -2.5% on 2 CPU cores; a forward alone gets
     slower); ``save_attention`` keeps the group attention's probabilities for the backward
     (``prefix_group_attention(save_probabilities=True)``; no effect on ``"dense"``).
-    ``rope``: the rotary tables (``completion_rope``) when the caller computed them outside its loop.
+    ``rope``: the rotary tables (``completion_rope``, with the same ``packed``) when the caller
+    computed them outside its loop.
+    ``packed``: the same completions packed by token count (``relax.models.completion_packing``):
+    the layers run over the packed rows only (padding-free; the ``"group"`` attention) and the
+    values come back in the padded ``[P, G, N]`` layout, equal to the padded forward's up to float
+    summation order.
     """
-    attention = resolve_attention(attention, model)
+    attention = resolve_attention("group" if packed is not None and attention == "auto" else attention, model)
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
     run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
                             remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
                             entropy_grad=entropy_grad, unroll=unroll, save_attention=save_attention)
-    return over_groups(run, model.config, prompt_ids, prompt_mask, completions, completion_mask, rope,
-                       groups_per_pass=groups_per_pass)
+    if packed is None:
+        rows = lambda pm, c, cm: padded_rows(pm, c, cm)  # noqa: E731
+        xs = (prompt_ids, prompt_mask, completions, completion_mask)
+    else:
+        rows = lambda pm, pk: packed_rows(pm, pk)  # noqa: E731
+        xs = (prompt_ids, prompt_mask, packed)
+    tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
+    if rope is None and tiled:  # outside the loop over groups (see completion_rope)
+        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
+    out = over_groups(lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-1]), rest[-1]), (*xs, rope),
+                      groups_per_pass=groups_per_pass)
+    if packed is None:
+        return out
+    return tuple(unpack(x, packed.source) for x in out) if with_entropy else unpack(out, packed.source)
 
 
-def over_groups(run, config: ModelConfig, prompt_ids, prompt_mask, completions, completion_mask,
-                rope: CompletionRope | None, *, groups_per_pass: int | None):
-    """``run(prompt_ids, prompt_mask, completions, completion_mask, rope)`` over all P prompt groups
-    at once (``groups_per_pass`` None or P), or ``groups_per_pass`` groups at a time (a ``lax.map``;
-    it must divide P), the outputs' leading ``[P]`` axes put back together."""
-    p, g, n = completions.shape
+def over_groups(run, xs: tuple, *, groups_per_pass: int | None):
+    """``run(*xs)`` over all P prompt groups at once (``groups_per_pass`` None or P), or
+    ``groups_per_pass`` groups at a time (a ``lax.map``; it must divide P), the outputs' leading
+    ``[P]`` axes put back together. Every leaf of ``xs`` leads with ``[P]`` (None leaves allowed:
+    e.g. rotary tables left to ``run``)."""
+    p = jax.tree.leaves(xs)[0].shape[0]
     if groups_per_pass is None or groups_per_pass == p:
-        return run(prompt_ids, prompt_mask, completions, completion_mask, rope)
+        return run(*xs)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
-    if rope is None:  # outside the loop over groups (see completion_rope)
-        rope = completion_rope(config, prompt_mask, g, n)
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
-    xs = jax.tree.map(tiles, (prompt_ids, prompt_mask, completions, completion_mask, rope))
-    out = jax.lax.map(lambda xs: run(*xs), xs)
+    out = jax.lax.map(lambda xs: run(*xs), jax.tree.map(tiles, xs))
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 
@@ -224,27 +283,33 @@ def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt
     attention = resolve_attention(attention, model)
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
-    h = _predicting_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, rope, remat=remat,
-                           attention=attention, remat_policy=remat_policy, unroll=unroll, save_attention=save_attention)
+    h = _predicting_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
+                           rope, remat=remat, attention=attention, remat_policy=remat_policy, unroll=unroll,
+                           save_attention=save_attention)
     return h.reshape(completions.shape + h.shape[-1:])
 
 
-def _predicting_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, rope, *, remat, attention,
+def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, *, remat, attention,
                        remat_policy, unroll, save_attention):
-    """``completion_hidden`` as ``[P*G, N, D]`` (``attention`` already resolved)."""
-    g = completions.shape[1]
-    hp, hc = _shared_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
-                            remat_policy, unroll, save_attention, rope)
+    """The hidden states that predict each row slot's token, ``[P*G, N, D]`` (``attention``
+    already resolved): the prompt's last for a completion's first token, else the slot before."""
+    g = rows.tokens.shape[1]
+    hp, hc = rows_hidden(model, prompt_ids, prompt_mask, rows, remat, attention, remat_policy, unroll,
+                         save_attention, rope)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
-    return jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
+    h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
+    if rows.offsets is None:
+        return h
+    starts = (rows.offsets == 0).reshape(h.shape[:2] + (1,))  # packed: every completion's first slot
+    return jnp.where(starts, first, h)
 
 
-def _completion_logprobs(model, prompt_ids, prompt_mask, completions, completion_mask, rope, *, temperature,
+def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, *, temperature,
                          with_entropy, remat, chunk_size, attention, remat_policy, entropy_grad, unroll, save_attention):
-    p, g, n = completions.shape
-    h = _predicting_hidden(model, prompt_ids, prompt_mask, completions, completion_mask, rope, remat=remat,
-                           attention=attention, remat_policy=remat_policy, unroll=unroll, save_attention=save_attention)
-    targets = completions.reshape(p * g, n)
+    p, g, n = rows.tokens.shape
+    h = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, remat=remat, attention=attention,
+                           remat_policy=remat_policy, unroll=unroll, save_attention=save_attention)
+    targets = rows.tokens.reshape(p * g, n)
     if with_entropy:
         lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,
                                                    entropy_grad=entropy_grad)

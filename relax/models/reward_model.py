@@ -41,7 +41,8 @@ from relax.models.config import ModelConfig
 from relax.models.critic import (SEQUENCE_ARCHITECTURES, TOKEN_ARCHITECTURES, Critic, init_critic, load_critic,
                                  save_critic, values_from_hidden)
 from relax.models.hf_config import HFFormatError
-from relax.models.prefix_shared import REMAT_POLICIES, CompletionRope, _shared_hidden, over_groups, resolve_attention
+from relax.models.prefix_shared import (REMAT_POLICIES, CompletionRope, completion_rope, over_groups, resolve_attention,
+                                       shared_hidden)
 from relax.models.transformer import Transformer
 
 __all__ = ["RewardModel", "init_reward_model", "load_reward_model", "save_reward_model", "sequence_rewards"]
@@ -102,7 +103,7 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
     pad = backbone.config.pad_token_id if ignore_pad_tokens else None
 
     def run(prompt_ids, prompt_mask, tokens, mask, rope):
-        hp, hc = _shared_hidden(backbone, prompt_ids, prompt_mask, tokens, mask, remat, attention, remat_policy,
+        hp, hc = shared_hidden(backbone, prompt_ids, prompt_mask, tokens, mask, remat, attention, remat_policy,
                                 unroll, save_attention, rope)  # [p, Lp, D], [p*g, N, D]
         pv, cv = prompt_mask.astype(bool), mask.astype(bool)
         if pad is not None:
@@ -115,8 +116,9 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
         h = jnp.where((c_last >= 0)[..., None], h_completion, h_prompt[:, None])  # [p, g, D]
         return values_from_hidden(h, model.head, jnp.zeros((), jnp.float32))
 
-    return over_groups(run, backbone.config, prompt_ids, prompt_mask, tokens, mask, rope,
-                       groups_per_pass=groups_per_pass)
+    if rope is None and groups_per_pass not in (None, prompt_ids.shape[0]):  # outside the loop over groups
+        rope = completion_rope(backbone.config, prompt_mask, tokens.shape[1], tokens.shape[2])
+    return over_groups(run, (prompt_ids, prompt_mask, tokens, mask, rope), groups_per_pass=groups_per_pass)
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories

@@ -140,6 +140,14 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
+def max_over_processes(value: int) -> int:
+    """The largest of every process's ``value`` (this process's own with one process)."""
+    if not multi_process():
+        return int(value)
+    from jax.experimental import multihost_utils
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (a no-op on one process)."""
     if multi_process():

@@ -18,6 +18,7 @@ from relax.objectives.kl import KL_ESTIMATORS
 from relax.objectives.policy import IMPORTANCE_LEVELS
 from relax.objectives.reference import ReferenceConfig
 from relax.rewards.shaping import LENGTH_SHAPING_MODES
+from relax.models.completion_packing import PackingConfig
 from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
@@ -53,7 +54,9 @@ class GRPOConfig:
     the backward) keeping ``remat_policy`` (nothing | dots: the weight matmuls' outputs, less
     recompute for more memory), ``train_attention`` (auto | group | dense: the completion
     attention of the training forward, ``relax.models.prefix_shared``; auto = a fused cuDNN kernel on
-    GPU, the group kernel elsewhere).
+    GPU, the group kernel elsewhere), ``packing`` (the completions of the update and of the
+    reference / proximal forwards packed by token count instead of padded to the budget:
+    ``relax.models.completion_packing``; the same loss and metrics).
     """
 
     num_generations: int = 8
@@ -91,6 +94,7 @@ class GRPOConfig:
     remat: bool = False
     remat_policy: str = "nothing"
     train_attention: str = "auto"
+    packing: PackingConfig = PackingConfig()
     reference: ReferenceConfig = ReferenceConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
 

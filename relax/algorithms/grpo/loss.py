@@ -106,7 +106,7 @@ def make_grpo_update(cfg: GRPOConfig, optimizer, passes: Passes = Passes(), off_
     def grpo_update(policy, opt_state, data, key, ref_is_policy=False):
         _, g, n = data["tokens"].shape
         # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        data = {**data, "rope": completion_rope(policy.config, data["prompt_mask"], g, n)}
+        data = {**data, "rope": completion_rope(policy.config, data["prompt_mask"], g, n, packed=data.get("packed"))}
         return update(policy, opt_state, data, key, ref_is_policy)
 
     return grpo_update

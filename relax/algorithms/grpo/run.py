@@ -14,6 +14,7 @@ from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WOR
 from relax.train.state import TrainState, init_state
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
+from relax.models.prefix_shared import resolve_attention
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 
@@ -63,8 +64,12 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
                               passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
                               pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
-    return OnlineAlgorithm(name="grpo", make_state=functools.partial(make_state, g), make_step=make_step, num_generations=g.num_generations,
-                           max_new_tokens=g.max_new_tokens, stop_strings=g.stop_strings)
+    def describe_update(model) -> str:
+        return g.packing.describe(resolve_attention(g.train_attention, model), g.num_generations, g.max_new_tokens)
+
+    return OnlineAlgorithm(name="grpo", make_state=functools.partial(make_state, g), make_step=make_step,
+                           num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
+                           stop_strings=g.stop_strings, describe_update=describe_update)
 
 
 def run(cfg: GRPORunConfig) -> dict:

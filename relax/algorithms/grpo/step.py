@@ -4,6 +4,8 @@
   log-probs are the old-policy log-probs.
 - ``score`` (host, two halves): decode completions and hand the reward functions to the
   reward pool (``score_start``), then run the trainer-side ones, wait and combine (``score_finish``).
+- ``pack`` (host, after ``score_start``): the completions packed by token count for the
+  training forwards (``relax.models.completion_packing``; ``cfg.packing``).
 - ``reference`` (jit, between the two halves): reference log-probs (when ``beta > 0``), computed
   once with the prefix-shared training forward and cached in the batch, on the device while the
   pool scores on the host.
@@ -38,7 +40,7 @@ from relax.train.state import TrainState
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.stages import make_rollout, make_scoring, proximal_stages, reference_stages
+from relax.algorithms.stages import make_packing, make_rollout, make_scoring, proximal_stages, reference_stages
 from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
 
 
@@ -98,10 +100,11 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConf
     rule = make_reference_rule(cfg.reference)
     keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
     keys += ("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ()
+    keys += ("packed",)  # when the batch was packed (make_packing)
 
     def update(state: TrainState, batch):
         update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
-        data = {k: batch[k] for k in keys}
+        data = {k: batch[k] for k in keys if k in batch or k != "packed"}
         if cfg.beta > 0:
             data["ref_logprobs"] = batch["ref_logprobs"]
         key, sub = jax.random.split(state.key)
@@ -129,6 +132,9 @@ def _batch_metrics(batch) -> dict:
            "advantage_mean": jnp.mean(batch["advantages"]), "advantage_std": jnp.std(batch["advantages"])}
     for name, part in batch["reward_parts"].items():
         out[f"reward/{name}"] = jnp.nanmean(part)
+    if "packed" in batch:  # real completion tokens per slot of the packed rows, and rows per group
+        out["pack_fill"] = jnp.mean((batch["packed"].segments > 0).astype(jnp.float32))
+        out["pack_rows"] = jnp.float32(batch["packed"].segments.shape[1])
     return out
 
 
@@ -148,6 +154,7 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     return compose(
         make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
         *make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, on_error=on_error,
+                      pack=(make_packing(cfg.packing, train_attention=cfg.train_attention),),
                       timeout_s=timeout_s, stop_strings=cfg.stop_strings, pool=pool),
         *proximal_stages(cfg, passes, off_policy),
         make_advantage(cfg),

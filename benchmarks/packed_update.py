@@ -1,0 +1,164 @@
+"""The GRPO update and reference forward padded vs packed (``relax.models.completion_packing``)
+on completion lengths with a long tail, against the padding-free ideal.
+
+A model shape with random weights (``--model-shape small`` default, or ``smollm-135m``: see
+``train_step.py``), float32, P prompts (default 4) x G completions (default 8), 64-token prompts,
+a completion budget N (default 1024). Completion lengths are log-normal (seeded numpy) with mean
+about N/4 and ``--sigma`` (default 1.0), clipped to [1, N]; tokens are random, each mask a prefix.
+Timed (medians over ``--runs`` after one warm-up call each, the variants alternating per run):
+
+    update_padded      make_grpo_update on the [P, G, N] padded batch
+    update_packed      the same with data["packed"] (packed on the host, untimed; pack_s apart)
+    update_no_padding  the padded update on [P, G, L], L = round(mean length), mask all ones:
+                       the same real tokens with no padding, what packing should approach
+    ref_padded / ref_packed   the reference forward (stages.forward_logprobs), padded / packed
+
+    python benchmarks/packed_update.py [--runs 3] [--model-shape small]
+    python benchmarks/packed_update.py --new-tokens 256 --prompts 2 --runs 1   # quick
+    python benchmarks/packed_update.py --model-shape smollm-135m --sigma 1.5 --row-tokens 2048
+
+Prints one JSON line: length statistics, real / padded / packed token slots, rows per group and
+fill of the packed rows, each variant's median seconds, packed_over_no_padding
+(update_packed / update_no_padding) and packed_speedup (update_padded / update_packed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import emit  # noqa: E402
+from train_step import SHAPES  # noqa: E402
+
+from relax.models import init  # noqa: E402
+from relax.models.completion_packing import PackingConfig  # noqa: E402
+from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
+from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
+from relax.algorithms.stages import forward_logprobs  # noqa: E402
+from relax.passes import choose_passes  # noqa: E402
+from relax.train.optimizer import OptimizerConfig  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    runs: int = 3
+    model_shape: str = "small"
+    """small | smollm-135m"""
+    prompts: int = 4
+    generations: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 1024
+    """the completion budget N"""
+    sigma: float = 1.0
+    """log-normal sigma of the completion lengths (their mean stays about N/4)"""
+    row_tokens: int | None = None
+    """tokens per packed row (None: the packing default, the budget N)"""
+    seed: int = 0
+
+
+def lengths(args: Args) -> np.ndarray:
+    """``[P, G]`` completion lengths: log-normal with mean N/4, clipped to [1, N]."""
+    n = args.new_tokens
+    mu = np.log(n / 4) - args.sigma ** 2 / 2  # E[exp(X)] = exp(mu + sigma^2 / 2) = N / 4
+    x = np.random.default_rng(args.seed).lognormal(mu, args.sigma, (args.prompts, args.generations))
+    return np.clip(np.rint(x), 1, n).astype(np.int64)
+
+
+def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> dict:
+    """The update's data dict (tests/test_train.py ``_update_data``) with prefix masks of ``lens``."""
+    p, g = lens.shape
+    rng = np.random.default_rng(args.seed + 1)
+    mask = (np.arange(n)[None, None, :] < lens[..., None]).astype(np.int32)
+    ids = rng.integers(0, vocab, (p, args.prompt_len), dtype=np.int32)
+    tokens = rng.integers(0, vocab, (p, g, n), dtype=np.int32)
+    logp = lambda: (-2.0 + 0.1 * rng.standard_normal((p, g, n))).astype(np.float32)  # noqa: E731
+    data = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "tokens": tokens, "mask": mask, "loss_mask": mask,
+            "old_logprobs": logp(), "ref_logprobs": logp(),
+            "advantages": rng.standard_normal((p, g)).astype(np.float32)}
+    return {k: jnp.asarray(v) for k, v in data.items()}
+
+
+def main(args: Args) -> dict:
+    if args.model_shape not in SHAPES:
+        raise SystemExit(f"--model-shape {args.model_shape!r}: one of {', '.join(SHAPES)}")
+    mcfg = SHAPES[args.model_shape]()
+    model = init(mcfg, jax.random.key(0))
+    p, g, n = args.prompts, args.generations, args.new_tokens
+    passes = choose_passes()
+    packing = PackingConfig(row_tokens=args.row_tokens)
+
+    def config(budget):
+        return GRPOConfig(num_generations=g, max_new_tokens=budget, beta=0.04, packing=packing,
+                          optimizer=OptimizerConfig(learning_rate=1e-6))
+
+    cfg = config(n)
+    opt = cfg.optimizer.make()
+    opt_state = opt.init(model)
+    key = jax.random.key(0)
+
+    lens = lengths(args)
+    padded = update_data(args, mcfg.vocab_size, lens, n)
+    host_tokens, host_mask = np.asarray(padded["tokens"]), np.asarray(padded["mask"])
+    pack_times = []
+    for _ in range(max(args.runs, 3)):
+        t0 = time.perf_counter()
+        pk = cfg.packing.pack(host_tokens, host_mask)
+        pack_times.append(time.perf_counter() - t0)
+    packed = {**padded, "packed": jax.tree.map(jnp.asarray, pk)}
+    mean_len = float(lens.mean())
+    flat_len = max(1, int(round(mean_len)))
+    full = update_data(args, mcfg.vocab_size, np.full((p, g), flat_len), flat_len)
+
+    update = jax.jit(make_grpo_update(cfg, opt, passes))
+    update_flat = jax.jit(make_grpo_update(config(flat_len), opt, passes))
+    ref = jax.jit(lambda m, b: forward_logprobs(m, b, passes, temperature=1.0, attention="auto"))
+    variants = {
+        "update_padded": lambda: update(model, opt_state, padded, key),
+        "update_packed": lambda: update(model, opt_state, packed, key),
+        "update_no_padding": lambda: update_flat(model, opt_state, full, key),
+        "ref_padded": lambda: ref(model, padded),
+        "ref_packed": lambda: ref(model, packed),
+    }
+    first = {}
+    for name, fn in variants.items():  # warm-up: compiles
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        first[name] = time.perf_counter() - t0
+    times = {name: [] for name in variants}
+    for _ in range(args.runs):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+
+    _, r, c = pk.tokens.shape
+    return emit({
+        "bench": "packed_update", "model_shape": args.model_shape, "params": mcfg.num_params(), "P": p, "G": g,
+        "Lp": args.prompt_len, "N": n, "sigma": args.sigma, "seed": args.seed, "runs": args.runs,
+        "row_tokens": c, "row_multiple": packing.row_multiple or -(-g // 4),  # the pack() default
+        "mean_len": mean_len, "max_len": int(lens.max()), "p50_len": float(np.median(lens)),
+        "no_padding_len": flat_len,
+        "real_tokens": int(lens.sum()), "padded_slots": p * g * n, "packed_slots": p * r * c,
+        "pack_rows": r, "pack_fill": float((pk.segments > 0).mean()),
+        "pack_s": statistics.median(pack_times), **med,
+        "first_call_s": {k: round(v, 3) for k, v in first.items()},
+        "packed_over_no_padding": med["update_packed"] / med["update_no_padding"],
+        "packed_speedup": med["update_padded"] / med["update_packed"],
+        "ref_packed_speedup": med["ref_padded"] / med["ref_packed"],
+        "passes_cache_sized": passes.cache_sized,
+    }, table=["bench", "N", "mean_len", "pack_rows", "pack_fill", "update_padded", "update_packed",
+              "update_no_padding", "ref_padded", "ref_packed", "packed_speedup", "packed_over_no_padding"])
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
