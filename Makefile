@@ -30,13 +30,14 @@ install: $(BASE)
 demo: $(BASE)
 	$(PY) examples/train_grpo.py
 
-# The tests not marked slow (pyproject.toml's addopts: -m 'not slow').
+# The tests not marked slow (pyproject.toml's addopts: -m 'not slow'), one worker per core, each
+# test file on one worker (its module fixtures built once).
 test: $(DEV)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 # Includes the tests marked slow.
 test-all: $(DEV)
-	$(PY) -m pytest -q -m '' tests
+	$(PY) -m pytest -q -n auto --dist loadfile -m '' tests
 
 bench: $(DEV)
 	$(PY) benchmarks/run_all.py

@@ -46,6 +46,7 @@ def test_batch_iterator_resumes_exactly():
         batch_iterator([1, 2, 3], 4, 0, collate=list)
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
     run_dir = tmp_path / "run"
     summary = load_example("reward_model").main([
@@ -77,6 +78,7 @@ def test_sft_learns_and_resumes_exactly(base, tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(a[s] == b[s] for s in a)
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_distillation_brings_a_fresh_student_to_its_teacher(base, tmp_path):
     """Built-in style: a fresh 32-wide student learns the base model (teacher) off-policy."""
     from relax.models import ModelConfig, init
@@ -118,6 +120,7 @@ def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, lo
     assert after["win_rate"] > before["win_rate"] + 0.2, summary
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_path):
     """--dpo.precompute-reference: reference log-probs computed once, cached beside the data (the
     second run loads them), and the run logs the same metrics as with the reference model."""
@@ -132,6 +135,7 @@ def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_
             assert a[s][k] == pytest.approx(b[s][k], rel=1e-4, abs=1e-6), (s, k)
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_kto_learns_from_unpaired_feedback(base, tmp_path):
     summary = load_example("kto").main([
         *data(base, lambda rs: reverse.unpaired_rows(rs, 0), "unpaired"), "--run-dir", str(tmp_path),

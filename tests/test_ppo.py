@@ -168,6 +168,7 @@ def _train_lines(run_dir):
                         and not k.startswith("time/")} for l in lines if "loss" in l}
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_ppo_resume_is_bit_exact(setup, tmp_path):  # noqa: F811
     """3 steps straight against 1 step, then --resume to 3: the same logged metrics bit for bit
     (policy, critic, optimizer states, data position and PRNG key all restored) and the same export."""

@@ -163,6 +163,7 @@ def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tm
 PIPELINED = ("--async.staleness", "1", "--async.correction.kind", "tis")
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_pipelined_run_resumes_after_kill_9_bit_for_bit(setup, straight, tmp_path):
     """``--async.staleness 1``: killed while batch 5 is scored (update 4 dispatched), resumed
     from the newest checkpoint, whose sampler copy of the version before it re-samples the batch

@@ -79,6 +79,7 @@ def _length_reward(prompts, completions, **fields):
     return [float(len(c) % 5) for c in completions]
 
 
+@pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
     cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=0.04, optimizer=OptimizerConfig(learning_rate=1e-3))
     mcfg = small_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
