@@ -61,7 +61,7 @@ class Args:
     sigma: float = 1.0
     """log-normal sigma of the completion lengths (their mean stays about N/4)"""
     row_tokens: int | None = None
-    """tokens per packed row (None: the packing default, the budget N)"""
+    """tokens per packed row (None: the packing default, the budget quarter with the fewest slots)"""
     seed: int = 0
 
 

@@ -63,13 +63,29 @@ def test_rows_per_group_are_the_most_any_group_needs_rounded_up():
     assert PackingConfig().pack(np.zeros_like(mask), mask).tokens.shape == (2, 4, 4)  # default multiple ceil(8/4)
 
 
+def test_row_length_is_the_budget_quarter_with_the_fewest_slots():
+    # budget 64: widths 16 | 32 | 48 | 64; the longest completion (20) rules out 16. Rows of 32:
+    # 20+10, 10+5 -> 2 rows, 64 slots; rows of 48: 20+10+10+5 -> 1 row, 48 slots; rows of 64: 64 slots
+    mask = (np.arange(64) < np.array([[20, 10, 10, 5]])[..., None]).astype(np.int32)
+    cfg = PackingConfig()
+    assert cfg.widths(64) == (16, 32, 48, 64) and cfg.widths(100) == (32, 56, 80, 100)
+    assert cfg.choose(mask) == (1, 48) and cfg.choose(mask, row_tokens=32) == (2, 32)
+    assert cfg.pack(np.zeros_like(mask), mask).tokens.shape == (1, 1, 48)
+    assert PackingConfig(row_tokens=64).choose(mask) == (1, 64)
+    assert "rows of 16 | 32 | 48 | 64 tokens" in cfg.describe("group", 4, 64)
+    assert cfg.saves((1, 48), mask.shape) and not cfg.saves((4, 64), mask.shape)  # auto: fewer slots only
+    assert PackingConfig(mode="on").saves((4, 64), mask.shape)
+
+
 def test_a_mask_that_is_not_a_prefix_and_short_rows_are_refused_by_name():
     mask = np.ones((2, 3, 4), np.int32)
     mask[1, 2, 1] = 0
     with pytest.raises(ValueError, match="completion 2 of prompt 1 is not a prefix"):
         pack_completions(np.zeros_like(mask), mask, row_tokens=4)
-    with pytest.raises(ValueError, match="row_tokens=3 is shorter than the completion budget 4"):
+    with pytest.raises(ValueError, match="a completion of 4 tokens does not fit rows of 3"):
         pack_completions(np.zeros_like(mask), np.ones_like(mask), row_tokens=3)
+    with pytest.raises(ValueError, match="row_tokens=3 is shorter than the completion budget 4"):
+        PackingConfig(row_tokens=3).pack(np.zeros_like(mask), np.ones_like(mask))
     with pytest.raises(ValueError, match="needs the 'group' train attention"):
         PackingConfig(mode="on").applies("dense")
     assert not PackingConfig().applies("dense") and PackingConfig().applies("group")

@@ -206,14 +206,19 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
 def make_packing(packing: PackingConfig, *, train_attention: str) -> Stage:
     """A host stage that packs the batch's completions by token count for the training forwards
     (``relax.models.completion_packing``): ``batch["packed"]``, read by the reference, proximal
-    and update stages, when ``packing`` applies to the policy's resolved ``train_attention``."""
+    and update stages, when ``packing`` applies to the policy's resolved ``train_attention`` and
+    saves slots (``PackingConfig.saves``; else the batch stays padded)."""
 
     def pack(state: TrainState, batch):
         if not packing.applies(resolve_attention(train_attention, state.policy)):
             return state, batch
         tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
-        rows = max_over_processes(packing.rows(mask))  # this process's rows: one layout for all
-        return state, {**batch, "packed": jax.tree.map(jnp.asarray, packing.pack(tokens, mask, rows))}
+        # this process's rows (multi-host): the widest width and the most rows, one layout for all
+        width = max_over_processes(packing.choose(mask)[1])
+        rows = max_over_processes(packing.choose(mask, row_tokens=width)[0])
+        if not packing.saves((rows, width), mask.shape):
+            return state, batch
+        return state, {**batch, "packed": jax.tree.map(jnp.asarray, packing.pack(tokens, mask, (rows, width)))}
 
     return stage(pack, jit=False, name="pack", updates_state=False)
 

@@ -2,9 +2,9 @@
 
 A rollout returns each prompt's G completions padded to the budget, ``[P, G, N]``; with ragged
 lengths most of that is padding, and a forward over it pays for every padded position. Packed,
-each group's completions lie one after the other in ``R`` rows of ``C >= N`` tokens
-(first-fit decreasing: longest first, each into the first row with room), so a group costs
-about its real tokens::
+each group's completions lie one after the other in ``R`` rows of ``C`` tokens, ``C`` at least
+the batch's longest completion (first-fit decreasing: longest first, each into the first row
+with room), so a group costs about its real tokens::
 
     tokens[p, r, c]    the token at slot c of row r          (0 in padding)
     segments[p, r, c]  k > 0: the row's k-th completion;  0: padding
@@ -17,9 +17,10 @@ positions it has padded (prompt length + t), so its log-probs are the padded for
 ``unpack`` gathers them back into ``[P, G, N]`` where the loss, its normalisers and metrics read
 them unchanged.
 
-``R`` is the same for every group of a batch (the most any group needs, rounded up to a
-multiple of ``row_multiple`` and at most G): each distinct R is one more compile of the
-programs that read the layout, so the multiple bounds them (G / row_multiple shapes at most).
+``R`` and ``C`` are the same for every group of a batch (``R`` the most any group needs,
+rounded up to a multiple of ``row_multiple`` and at most G; ``C`` one of a few widths,
+``PackingConfig``): each distinct layout is one more compile of the programs that read it, so
+the choices are few.
 Packing is computed on the host (numpy) from the completion mask, which must be a prefix of
 each row (1 up to and including the stop token: every rollout's).
 """
@@ -42,14 +43,20 @@ PACKING_MODES = ("auto", "on", "off")
 class PackingConfig:
     """How the training forwards (update, reference, proximal) lay out a batch's completions.
 
-    ``mode``: ``"on"`` packs them by token count (module docstring), ``"off"`` keeps them padded
-    to the budget, ``"auto"`` packs where the train attention is the group kernel (CPU, and any
-    float32 model) and keeps the padded layout where the fused dense kernel runs it (GPU in
-    16 bits: cuDNN's attention has no segments, and it is 5x the group kernel there).
-    ``row_tokens``: tokens per packed row, at least the completion budget (None: the budget); a
-    longer row packs more completions per row at a quadratic cost in its own attention.
+    ``mode``: ``"on"`` packs every batch by token count (module docstring), ``"off"`` keeps them
+    padded to the budget, ``"auto"`` packs where the train attention is the group kernel (CPU,
+    and any float32 model; not where the fused dense kernel runs it, GPU in 16 bits: cuDNN's
+    attention has no segments, and it is 5x the group kernel there) and the packed rows have
+    fewer slots than the padded ``[G, N]`` (a batch of long completions stays padded: packed rows
+    as many as the padded ones cost ~15% more, their segment masks and gathers; see RESULTS.md).
+    ``row_tokens``: tokens per packed row. None (the default) chooses per batch among the
+    quarters of the budget N (``N/4, N/2, 3N/4, N``, each rounded up to a multiple of 8) that hold
+    the batch's longest completion, the one with the fewest slots (rows x length): short batches
+    get short rows, whose own attention (``C x C`` per row) costs less too. A number fixes it (at
+    least N); a longer row packs more completions per row at a quadratic cost in its attention.
     ``row_multiple``: rows per group are rounded up to a multiple of it (None: a quarter of G,
-    rounded up), so a run meets at most G / row_multiple layouts, each one compile.
+    rounded up). A run meets at most ``4 x G / row_multiple`` layouts (one with a fixed
+    ``row_tokens``), each one compile of the programs that read it.
     """
 
     mode: str = "auto"
@@ -70,32 +77,49 @@ class PackingConfig:
                              "set --grpo.train-attention group or --grpo.packing.mode auto")
         return self.mode == "on" or (self.mode == "auto" and train_attention == "group")
 
-    def layout(self, mask: np.ndarray) -> tuple[int, int]:
-        """``(row_tokens, row_multiple)`` for a ``[P, G, N]`` batch (the defaults filled in)."""
-        _, g, n = np.shape(mask)
-        return (n if self.row_tokens is None else self.row_tokens,
-                -(-g // 4) if self.row_multiple is None else self.row_multiple)
+    def saves(self, layout: tuple[int, int], shape: tuple[int, int, int]) -> bool:
+        """Whether to pack a ``[P, G, N]`` batch in ``layout`` ``(rows, row_tokens)``: always with
+        ``mode="on"``, else only when its rows have fewer slots than ``G x N``."""
+        rows, width = layout
+        return self.mode == "on" or rows * width < shape[1] * shape[2]
 
-    def rows(self, mask: np.ndarray) -> int:
-        """The rows per group this config packs ``mask [P, G, N]`` into."""
-        row_tokens, multiple = self.layout(mask)
-        return rows_needed(mask, row_tokens=row_tokens, row_multiple=multiple)
+    def multiple(self, num_generations: int) -> int:
+        return -(-num_generations // 4) if self.row_multiple is None else self.row_multiple
+
+    def widths(self, budget: int) -> tuple[int, ...]:
+        """The row lengths this config chooses from for a completion budget (module docstring)."""
+        if self.row_tokens is not None:
+            if self.row_tokens < budget:
+                raise ValueError(f"packing row_tokens={self.row_tokens} is shorter than the completion budget {budget}")
+            return (self.row_tokens,)
+        return tuple(sorted({min(budget, -(-budget * k // 4 // 8) * 8) for k in (1, 2, 3, 4)}))
+
+    def choose(self, mask: np.ndarray, row_tokens: int | None = None) -> tuple[int, int]:
+        """``(rows, row_tokens)`` of the packing of ``mask [P, G, N]``: at ``row_tokens`` when
+        given (at least the longest completion), else the width with the fewest slots."""
+        _, g, n = np.shape(mask)
+        longest = int(_lengths(mask).max(initial=0))
+        options = (row_tokens,) if row_tokens is not None else [w for w in self.widths(n) if w >= longest]
+        layouts = [(rows_needed(mask, row_tokens=w, row_multiple=self.multiple(g)), w) for w in options]
+        return min(layouts, key=lambda rw: (rw[0] * rw[1], -rw[1]))
 
     def describe(self, train_attention: str, num_generations: int, max_new_tokens: int) -> str:
         """One line for a start-up report: the layout the training forwards will use."""
         if not self.applies(train_attention):
             return (f"completions padded to {max_new_tokens} tokens in the update (packing {self.mode}, "
                     f"{train_attention} train attention)")
-        c = max_new_tokens if self.row_tokens is None else self.row_tokens
-        multiple = -(-num_generations // 4) if self.row_multiple is None else self.row_multiple
-        layouts = -(-num_generations // multiple)
-        return (f"completions packed by token count in the update and reference: rows of {c} tokens, rows per group "
-                f"a multiple of {multiple} (at most {layouts} layouts, each compiled when first met)")
+        widths = self.widths(max_new_tokens)
+        multiple = self.multiple(num_generations)
+        layouts = len(widths) * -(-num_generations // multiple)
+        return (f"completions packed by token count in the update and reference: rows of "
+                f"{' | '.join(map(str, widths))} tokens, rows per group a multiple of {multiple} "
+                f"(at most {layouts} layouts, each compiled when first met)")
 
-    def pack(self, tokens: np.ndarray, mask: np.ndarray, rows: int | None = None) -> PackedCompletions:
-        """``pack_completions`` of a ``[P, G, N]`` batch with this config's rows (or ``rows``)."""
-        row_tokens, multiple = self.layout(mask)
-        return pack_completions(tokens, mask, row_tokens=row_tokens, row_multiple=multiple, rows=rows)
+    def pack(self, tokens: np.ndarray, mask: np.ndarray, layout: tuple[int, int] | None = None) -> PackedCompletions:
+        """``pack_completions`` of a ``[P, G, N]`` batch in ``layout`` ``(rows, row_tokens)``
+        (default: ``choose(mask)``)."""
+        rows, row_tokens = self.choose(mask) if layout is None else layout
+        return pack_completions(tokens, mask, row_tokens=row_tokens, rows=rows)
 
 
 class PackedCompletions(NamedTuple):
@@ -127,24 +151,25 @@ def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]
 
 
 def rows_needed(mask: np.ndarray, *, row_tokens: int, row_multiple: int = 1) -> int:
-    """The rows per group ``R`` a packing of ``mask [P, G, N]`` takes (module docstring)."""
+    """The rows per group ``R`` a packing of ``mask [P, G, N]`` into rows of ``row_tokens`` (at
+    least its longest completion) takes (module docstring)."""
     lengths = _lengths(mask)
     g = mask.shape[1]
     need = max(len(_first_fit_decreasing(row, row_tokens)) for row in lengths)
-    return min(-(-need // row_multiple) * row_multiple, g)  # need <= G: a completion fits a row
+    return min(-(-need // row_multiple) * row_multiple, g)  # need <= G: every completion fits a row
 
 
 def pack_completions(tokens: np.ndarray, mask: np.ndarray, *, row_tokens: int, row_multiple: int = 1,
                      rows: int | None = None) -> PackedCompletions:
-    """Pack ``tokens``/``mask [P, G, N]`` into rows of ``row_tokens`` (>= N) per group, as numpy
-    arrays (module docstring); ``rows``: this many rows per group instead of ``rows_needed``'s
-    (at least that: e.g. the most any process of a multi-host run needs). Raises if a mask row is
-    not a prefix or ``row_tokens < N``."""
+    """Pack ``tokens``/``mask [P, G, N]`` into rows of ``row_tokens`` per group, as numpy arrays
+    (module docstring); ``rows``: this many rows per group instead of ``rows_needed``'s (at least
+    that: e.g. the most any process of a multi-host run needs). Raises if a mask row is not a
+    prefix or a completion is longer than ``row_tokens``."""
     tokens, mask = np.asarray(tokens), np.asarray(mask)
     p, g, n = tokens.shape
-    if row_tokens < n:
-        raise ValueError(f"pack_completions: row_tokens={row_tokens} is shorter than the completion budget {n}")
     lengths = _lengths(mask)
+    if lengths.max(initial=0) > row_tokens:
+        raise ValueError(f"pack_completions: a completion of {lengths.max()} tokens does not fit rows of {row_tokens}")
     r = rows_needed(mask, row_tokens=row_tokens, row_multiple=row_multiple)
     if rows is not None:
         if rows < r:
