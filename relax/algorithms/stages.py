@@ -213,7 +213,7 @@ def make_packing(packing: PackingConfig, *, train_attention: str) -> Stage:
         if not packing.applies(resolve_attention(train_attention, state.policy)):
             return state, batch
         tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
-        # this process's rows (multi-host): the widest width and the most rows, one layout for all
+        # one layout for every process of a multi-host run: the widest row any chose, then the most rows
         width = max_over_processes(packing.choose(mask)[1])
         rows = max_over_processes(packing.choose(mask, row_tokens=width)[0])
         if not packing.saves((rows, width), mask.shape):

@@ -100,11 +100,12 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConf
     rule = make_reference_rule(cfg.reference)
     keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
     keys += ("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ()
-    keys += ("packed",)  # when the batch was packed (make_packing)
 
     def update(state: TrainState, batch):
         update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
-        data = {k: batch[k] for k in keys if k in batch or k != "packed"}
+        data = {k: batch[k] for k in keys}
+        if "packed" in batch:  # the completions packed by token count (make_packing)
+            data["packed"] = batch["packed"]
         if cfg.beta > 0:
             data["ref_logprobs"] = batch["ref_logprobs"]
         key, sub = jax.random.split(state.key)
