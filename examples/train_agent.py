@@ -12,7 +12,7 @@ success rate with and without the tool are evaluated before and after (``summary
 
 Every field of ``relax.algorithms.agent.run.AgentRunConfig`` (and the nested ``--task.*``,
 ``--grpo.*``, ``--ppo.*`` and ``--agent.*`` options) is a flag; ``--help`` lists them. Your own
-environments: ``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat)``.
+environments: ``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat, pad_id=...)``.
 """
 
 from __future__ import annotations

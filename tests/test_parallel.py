@@ -498,6 +498,9 @@ if __name__ != "__main__":
         assert not sharded.offload
         assert [s.names for s in sharded.segments] == [("rollout",), ("score_start",), ("pack",), ("reference",), ("score_finish",),
                                                       ("advantage", "update")]
+        no_ref = init_state(init(ModelConfig(**MODEL), jax.random.key(0)), opt, key=jax.random.key(1))
+        with pytest.warns(UserWarning, match="offload_reference: the state has no reference model"):
+            assert not parallel.ShardedStep(step, no_ref, mesh, offload_reference=True).offload
 
     def test_remat_gives_the_same_loss_and_gradients():
         from relax.algorithms.grpo.config import GRPOConfig

@@ -123,6 +123,9 @@ class ShardedStep(SegmentRunner):
             warnings.warn(f"offload_reference: {mesh.devices.flat[0].platform} devices have no separate "
                           f"{HOST_MEMORY} memory; the reference stays where it is", stacklevel=2)
             offload_reference = False
+        if offload_reference and state.ref is None:
+            warnings.warn("offload_reference: the state has no reference model (e.g. beta = 0), so there is "
+                          "nothing to offload", stacklevel=2)
         self.offload = offload_reference and state.ref is not None
         self._with_ref = state_shardings(state, mesh, rules)
         self.state_shardings = (state_shardings(state, mesh, rules, reference_memory_kind=HOST_MEMORY)
