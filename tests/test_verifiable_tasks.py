@@ -95,7 +95,7 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
                                with_reference=True)
             step = make_grpo_step(cfg, [rf], decode, eos_ids=(), pad_id=0, pool=p, timeout_s=30.0)
             names = [seg.names for seg in step.segments]
-            assert names[1:4] == [("score_start",), ("reference",), ("score_finish",)], names
+            assert names[1:5] == [("score_start",), ("pack",), ("reference",), ("score_finish",)], names
             outs.append(step(state, dict(batch))[1])
     np.testing.assert_array_equal(np.asarray(outs[0]["rewards"]), np.asarray(outs[1]["rewards"]))
     np.testing.assert_allclose(float(outs[0]["metrics"]["loss"]), float(outs[1]["metrics"]["loss"]), rtol=1e-6)
