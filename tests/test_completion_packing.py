@@ -189,3 +189,20 @@ def test_grpo_step_with_packing_equals_it_without():
                 np.testing.assert_allclose(m_on[name], value, rtol=2e-5, atol=5e-6, err_msg=name)
     # Adam's round-off on gradient components within float noise of 0 (tests/test_parallel.py's WEIGHT_ATOL)
     chex.assert_trees_all_close(policy_on, policy_off, atol=5e-3 * 1e-2)
+
+
+def test_auto_packs_a_batch_only_when_that_saves_slots():
+    """The pack stage with the default config: completions that fill the budget stay padded (as
+    many rows would cost more), short ones are packed; 'off' never packs."""
+    from relax.algorithms.stages import make_packing
+    from relax.train.state import init_state
+
+    state = init_state(init(CFG, jax.random.key(0)), OptimizerConfig().make(), key=jax.random.key(1))
+    tokens = np.ones((2, 4, 8), np.int32)
+    full, short = np.ones_like(tokens), (np.arange(8) < 2).astype(np.int32) * np.ones_like(tokens)
+    pack = make_packing(PackingConfig(), train_attention="auto")
+    assert "packed" not in pack(state, {"tokens": tokens, "mask": full})[1]
+    packed = pack(state, {"tokens": tokens, "mask": short})[1]["packed"]
+    assert packed.tokens.shape == (2, 1, 8)  # four 2-token completions in one row of 8
+    assert "packed" not in make_packing(PackingConfig(mode="off"), train_attention="auto")(
+        state, {"tokens": tokens, "mask": short})[1]
