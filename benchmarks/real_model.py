@@ -1,7 +1,7 @@
 """GRPO on a real checkpoint, measured: relax (and, with ``--peer trl``, TRL's GRPOTrainer on the
 same rows, prompts, reward and hyper-parameters), learning curves, held-out accuracy, seconds per step.
 
-The task (generated here, deterministic by ``--seed``; not one of relax's built-in tasks):
+The task (``benchmarks/arithmetic_task.py``, deterministic by ``--seed``; not one of relax's built-in tasks):
 short arithmetic word problems of five kinds (``data_source``: add_sub, multiply, change,
 rate_plus, two_step), each answered with a number and rewarded by relax's built-in
 ``numeric_match`` (1 when the completion's final number equals the answer; how it reads the final
@@ -25,7 +25,8 @@ Records, under ``--out``:
 
 Setup (dev-only; the checkpoint: ``benchmarks/make_smollm2.py``). TRL is kept out of relax's
 environment (it would add datasets, pandas, ... to it): it runs in a separate interpreter
-(``--trl-python``) with the same torch / transformers versions. That interpreter scores with
+(``--trl-python``, running ``benchmarks/real_model_trl.py``) with the same torch / transformers
+versions. That interpreter scores with
 relax's own ``numeric_match``, loaded from a copy of ``relax/rewards`` taken when this script
 starts (``OUT/reward_src``; no jax needed), so it needs ``math-verify`` at relax's version too::
 
@@ -56,69 +57,17 @@ import argparse
 import importlib.util
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arithmetic_task import make_rows  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
-
-# ----------------------------------------------------------------------------- the task
-
-NAMES = ("Ava", "Ben", "Chloe", "Dan", "Ella", "Finn", "Grace", "Hugo", "Iris", "Jack", "Kim", "Leo",
-         "Maya", "Noah", "Olivia", "Paul", "Rosa", "Sam", "Tara", "Omar")
-ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "cards", "shells", "coins", "stamps")
-
-
-def _problem(rng: random.Random) -> tuple[str, int, str]:
-    """One word problem: ``(question, answer, kind)``; every answer is a non-negative integer."""
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    kind = rng.choice(("add_sub", "multiply", "change", "rate_plus", "two_step"))
-    if kind == "add_sub":
-        a, b = rng.randint(5, 40), rng.randint(3, 30)
-        c = rng.randint(1, a + b - 1)
-        q = f"{name} has {a} {item}. {name} gets {b} more and then gives away {c}. How many {item} does {name} have now?"
-        ans = a + b - c
-    elif kind == "multiply":
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
-        q = f"{name} buys {a} boxes of {item}. Each box holds {b} {item}. How many {item} does {name} have in total?"
-        ans = a * b
-    elif kind == "change":
-        price, n = rng.randint(2, 9), rng.randint(2, 6)
-        bill = next(x for x in (10, 20, 50, 100) if x > price * n)
-        q = (f"One pack of {item} costs {price} dollars. {name} buys {n} packs and pays with a {bill} dollar bill. "
-             f"How many dollars of change does {name} get?")
-        ans = bill - price * n
-    elif kind == "rate_plus":
-        a, d, extra = rng.randint(3, 15), rng.randint(2, 7), rng.randint(1, 20)
-        q = (f"{name} collects {a} {item} every day for {d} days, and then finds {extra} more. "
-             f"How many {item} does {name} have?")
-        ans = a * d + extra
-    else:  # two_step: share equally after adding
-        per, k = rng.randint(2, 9), rng.randint(2, 6)
-        total = per * k
-        a = rng.randint(1, total - 1)
-        q = (f"{name} has {a} {item} and gets {total - a} more. {name} shares all of them equally among {k} friends. "
-             f"How many {item} does each friend get?")
-        ans = per
-    return q + " Give the final answer as a number.", ans, kind
-
-
-def make_rows(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Disjoint train / held-out rows ``{"prompt", "answer", "data_source"}``, deterministic by seed."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    rows: list[dict] = []
-    while len(rows) < n_train + n_eval:
-        q, ans, kind = _problem(rng)
-        if q not in seen:
-            seen.add(q)
-            rows.append({"prompt": q, "answer": str(ans), "data_source": kind})
-    return rows[n_eval:], rows[:n_eval]
-
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -298,103 +247,6 @@ def snapshot_rewards(dest: Path) -> dict[str, str]:
     return hashes
 
 
-def _load_numeric_match(src: Path):
-    """relax's ``numeric_match`` from the snapshot ``src`` without importing ``relax/__init__``
-    (and so jax): ``relax`` and ``relax.rewards`` are registered as bare namespaces over its folders."""
-    import types
-    for name in ("relax", "relax.rewards"):
-        m = types.ModuleType(name)
-        m.__path__ = [str(src / name.replace(".", "/"))]
-        sys.modules[name] = m
-    from relax.rewards.builtin import numeric_match
-    return numeric_match
-
-
-def trl_worker(args) -> None:
-    """Runs in the TRL interpreter: trains, logs each step, saves the final model."""
-    import torch
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    h = json.loads((out / "hparams.json").read_text())
-    rows = read_jsonl(Path(args.train_jsonl))
-    numeric_match = _load_numeric_match(out.parent / "reward_src")
-
-    def numeric_match_reward(prompts, completions, answer, **kw):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return numeric_match(prompts, texts, answer=answer)
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    # the same prompt token ids as relax's (its chat-template rendering, written by the parent)
-    expected = json.loads((out / "relax_prompt_ids.json").read_text())
-    got = [list(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)) for r in rows[:len(expected)]]
-    ids_equal = got == expected
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                            for r in rows])
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    cfg = GRPOConfig(output_dir=str(out / "trl-output"), max_steps=args.steps, logging_steps=1, save_strategy="no",
-                     report_to=[], use_cpu=True, bf16=False, fp16=False, disable_dropout=True,
-                     gradient_checkpointing=False,  # TRL 1.x defaults to True; relax does not remat by default
-                     log_completions=False, **trl_kwargs(h))
-    steps_file = open(out / "steps.jsonl", "w")
-    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                "torch_threads": torch.get_num_threads()}
-    (out / "trl_info.json").write_text(json.dumps({"versions": versions, "prompt_ids_equal": ids_equal,
-                                                   "prompt_ids_checked": len(expected)}, indent=1))
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.t0 = self.t_first = None
-            self.logs: dict = {}
-
-        def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
-            self.cpu0 = time.process_time()
-            if self.t_first is None:
-                self.t_first = self.t0
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            self.logs.update({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
-
-        def on_step_end(self, a, state, control, **kw):
-            t1 = time.perf_counter()
-            self.last = {"step": state.global_step, "step_s": round(t1 - self.t0, 4),
-                         "process_cpu_s": round(time.process_time() - self.cpu0, 3),
-                         "wall_s": round(t1 - self.t_first, 3), "loadavg1": os.getloadavg()[0]}
-
-        def on_substep_end(self, *a, **kw):
-            pass
-
-    timer = Timer()
-
-    class Flush(TrainerCallback):  # logs arrive after on_step_end: write the step once they have
-        def on_log(self, a, state, control, logs=None, **kw):
-            if getattr(timer, "last", None) and timer.last["step"] == state.global_step and "loss" in (logs or {}):
-                steps_file.write(json.dumps({**timer.last, **timer.logs}) + "\n")
-                steps_file.flush()
-                timer.logs = {}
-
-    trainer = GRPOTrainer(model=model, reward_funcs=numeric_match_reward, args=cfg, train_dataset=ds,
-                          processing_class=tok, callbacks=[timer, Flush()])
-    t0 = time.time()
-    trainer.train()
-    wall = time.time() - t0
-    steps_file.close()
-    trainer.model.save_pretrained(str(out / "final_hf"))
-    tok.save_pretrained(str(out / "final_hf"))
-    effective = {k: getattr(trainer.args, k) for k in trl_kwargs(h)}
-    effective["lr_scheduler_type"] = str(effective["lr_scheduler_type"])
-    json.dump({"versions": versions, "prompt_ids_equal": ids_equal, "prompt_ids_checked": len(expected), "train_wall_s": wall,
-               "grpo_config": effective, "attn_implementation": model.config._attn_implementation},
-              open(out / "trl_info.json", "w"), indent=1)
-
-
 def run_trl(args, h: dict, out: Path, data: dict[str, Path]) -> dict:
     trl_dir = out / "trl"
     trl_dir.mkdir(parents=True, exist_ok=True)
@@ -410,7 +262,7 @@ def run_trl(args, h: dict, out: Path, data: dict[str, Path]) -> dict:
     print("hyper-parameter mapping (relax <-> TRL GRPOConfig):")
     for k, v in MAPPING_NOTES.items():
         print(f"  {k:<18} {v}")
-    cmd = [args.trl_python, str(Path(__file__).resolve()), "--trl-worker", "--model", args.model,
+    cmd = [args.trl_python, str(Path(__file__).resolve().with_name("real_model_trl.py")), "--model", args.model,
            "--steps", str(args.trl_steps or args.steps), "--seed", str(args.seed), "--out", str(trl_dir),
            "--train-jsonl", str(data["train"])]
     print("trl:", " ".join(cmd), flush=True)
@@ -549,16 +401,11 @@ def parse_args(argv=None):
                          "(with --peer trl: also a TRL worker that stopped early, from its logged steps)")
     ap.add_argument("--relax-extra", nargs=argparse.REMAINDER, default=[],
                     help="further examples/train_grpo.py flags (last on the command line)")
-    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--train-jsonl", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.trl_worker:
-        trl_worker(args)
-        return {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = make_rows(args.num_train, args.num_eval, args.seed)
