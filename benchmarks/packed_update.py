@@ -40,7 +40,7 @@ from harness import emit  # noqa: E402
 from train_step import SHAPES  # noqa: E402
 
 from relax.models import init  # noqa: E402
-from relax.models.completion_packing import PackingConfig  # noqa: E402
+from relax.data.completion_layout import PackingConfig  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.algorithms.stages import forward_logprobs  # noqa: E402

@@ -15,7 +15,8 @@ import pytest
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.models import ModelConfig, init
-from relax.models.completion_packing import PackingConfig, pack_completions, rows_needed, unpack
+from relax.data.completion_layout import PackingConfig, pack_completions, rows_needed
+from relax.models.completion_packing import unpack
 from relax.models.logprobs import token_logprobs
 from relax.models.prefix_shared import completion_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES

@@ -79,7 +79,7 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     from relax import parallel
     from relax.models import ModelConfig, init
     from relax.algorithms.grpo.config import preset
-    from relax.models.completion_packing import PackingConfig
+    from relax.data.completion_layout import PackingConfig
     from relax.train.optimizer import OptimizerConfig
     from relax.algorithms.grpo.step import make_grpo_step
     from relax.passes import choose_passes

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.compose import Stage, compose, stage
-from relax.models.completion_packing import PackingConfig
+from relax.data.completion_layout import PackingConfig
 from relax.models.prefix_shared import completion_logprobs, resolve_attention
 from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
 from relax.parallel.distributed import max_over_processes
@@ -213,9 +213,11 @@ def make_packing(packing: PackingConfig, *, train_attention: str) -> Stage:
         if not packing.applies(resolve_attention(train_attention, state.policy)):
             return state, batch
         tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
+        rows, width = packing.choose(mask)
         # one layout for every process of a multi-host run: the widest row any chose, then the most rows
-        width = max_over_processes(packing.choose(mask)[1])
-        rows = max_over_processes(packing.choose(mask, row_tokens=width)[0])
+        wide = max_over_processes(width)
+        rows = max_over_processes(rows if wide == width else packing.choose(mask, row_tokens=wide)[0])
+        width = wide
         if not packing.saves((rows, width), mask.shape):
             return state, batch
         return state, {**batch, "packed": jax.tree.map(jnp.asarray, packing.pack(tokens, mask, (rows, width)))}

@@ -237,12 +237,8 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
                             remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
                             entropy_grad=entropy_grad, unroll=unroll, save_attention=save_attention)
-    if packed is None:
-        rows = lambda pm, c, cm: padded_rows(pm, c, cm)  # noqa: E731
-        xs = (prompt_ids, prompt_mask, completions, completion_mask)
-    else:
-        rows = lambda pm, pk: packed_rows(pm, pk)  # noqa: E731
-        xs = (prompt_ids, prompt_mask, packed)
+    rows, xs = ((padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)) if packed is None else
+                (packed_rows, (prompt_ids, prompt_mask, packed)))
     tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
         rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)

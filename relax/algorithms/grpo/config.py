@@ -18,7 +18,7 @@ from relax.objectives.kl import KL_ESTIMATORS
 from relax.objectives.policy import IMPORTANCE_LEVELS
 from relax.objectives.reference import ReferenceConfig
 from relax.rewards.shaping import LENGTH_SHAPING_MODES
-from relax.models.completion_packing import PackingConfig
+from relax.data.completion_layout import PackingConfig
 from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
