@@ -20,9 +20,10 @@ $(BASE): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(BASE)
 
-# Test tools, math-verify, and CPU torch + transformers for the parity tests (never used at runtime).
+# Test tools, math-verify, CPU torch + transformers for the parity tests (never used at runtime),
+# and libtpu, whose compile-only client the planner's tests compile TPU programs with (no TPU).
 $(DEV): $(BASE)
-	$(PY) -m pip install --quiet -e '.[dev,parity,math]'
+	$(PY) -m pip install --quiet -e '.[dev,parity,math,tpu]'
 	touch $(DEV)
 
 install: $(BASE)

@@ -46,6 +46,10 @@ class Segment:
     jitted: Any = None  # the jax.jit object of a jittable segment
     updates_state: bool = True  # False: the segment returns the state it was given
     waits: bool = False  # a host segment that collects work started earlier (``stage(waits=...)``)
+    # A jitted segment's call arguments as ``jax.ShapeDtypeStruct`` s (with the shardings a runner
+    # on a mesh gives them), from an abstract ``(state, batch)``: ``jitted.lower(*abstract(s, b))``
+    # compiles the very program the run would, without arrays (``relax.plan``).
+    abstract: StageFn | None = None
 
 
 class SegmentRunner:
@@ -216,8 +220,9 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
 
 def _is_device_value(value: Any) -> bool:
     # arrays (an empty container too) go into the jitted program; Python values (text, numbers
-    # from the data rows, ...) stay on the host: as jit arguments they would retrace on change
-    return all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(value))
+    # from the data rows, ...) stay on the host: as jit arguments they would retrace on change.
+    # A ``jax.ShapeDtypeStruct`` stands for an array (a batch being planned, ``relax.plan``).
+    return all(isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for leaf in jax.tree.leaves(value))
 
 
 def split_host(batch: dict) -> tuple[dict, dict]:

@@ -6,13 +6,41 @@ at a time is faster than one pass over the whole batch (a GRPO update on the ben
 8 groups of 8 x 128 tokens: 3.2 s as one pass, 2.6 s one group at a time); accelerators and
 meshes want the whole batch per pass. ``choose_passes`` decides; trainers, losses and the
 reference stage receive the resulting ``Passes`` and never look at the backend themselves.
+
+``current_backend()`` is the backend those choices (and the few kernels that differ per backend: the CPU
+matmul's weight gradient, the fused GPU attention) are made for: jax's default backend, or the
+target of ``target_backend("tpu")`` while a program is traced for another machine than this one
+(``relax.plan`` compiles for TPU and GPU targets from a CPU host).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 
 import jax
+
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("relax_target_backend", default=None)
+
+
+def current_backend() -> str:
+    """The backend programs are traced for: ``target_backend``'s while one is set, else jax's default."""
+    target = _TARGET.get()
+    return jax.default_backend() if target is None else target
+
+
+@contextlib.contextmanager
+def target_backend(name: str) -> Iterator[None]:
+    """Trace for backend ``name`` ("cpu", "gpu", "tpu") inside the block, whatever this host runs."""
+    if name not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"target backend must be cpu, gpu or tpu, got {name!r}")
+    token = _TARGET.set(name)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +74,7 @@ class Passes:
 
 
 def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passes:
-    """The passes for ``backend`` (default: jax's) with the batch split ``batch_shards`` ways
+    """The passes for ``backend`` (default: ``current_backend()``) with the batch split ``batch_shards`` ways
     (``relax.parallel.batch_shards(mesh)`` on a mesh): cache-sized on one CPU device only."""
-    backend = jax.default_backend() if backend is None else backend
+    backend = current_backend() if backend is None else backend
     return Passes(cache_sized=backend == "cpu" and batch_shards == 1)

@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("relax.train",)),
     ("tasks", ("relax.tasks",)),
     ("algorithms", ("relax.algorithms",)),
+    ("plan", ("relax.plan",)),  # compiles the algorithms' runs for TPU / GPU targets
     ("top", ("relax",)),  # relax/__init__.py only: it may import anything
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]

@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from relax.passes import current_backend
+
 
 def fused_attention_available(dtype) -> bool:
     """Whether ``"cudnn"`` can run here: a GPU backend and a 16-bit dtype."""
-    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return current_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def prefix_dense_attention(

@@ -249,6 +249,20 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     return _build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
 
 
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` of a model directory, or of a ``config.json`` file alone (with the
+    ``generation_config.json`` beside it when there is one): no weights are read."""
+    path = Path(path)
+    if path.is_dir():
+        return _read_config(path)
+    if not path.is_file():
+        raise HFFormatError(f"{path}: neither a model directory nor a config.json file")
+    cfg = config_from_hf(_read_json(path), source=str(path))
+    if (path.parent / GENERATION).is_file():
+        cfg = with_generation_config(cfg, _read_json(path.parent / GENERATION), source=str(path.parent / GENERATION))
+    return cfg
+
+
 def _read_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a model directory (``config.json``, then ``generation_config.json``);
     ``adapt(parsed config.json, its path)`` may rewrite the parsed dict first."""

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from relax.passes import current_backend
+
 
 def weight_grad(x: Float[Array, "n i"], dy: Float[Array, "n o"], *, out_dtype=None,
                 transpose: bool = False) -> Float[Array, "i o"] | Float[Array, "o i"]:
@@ -24,7 +26,7 @@ def weight_grad(x: Float[Array, "n i"], dy: Float[Array, "n o"], *, out_dtype=No
     ``transpose``: return ``dy^T x`` instead, on CPU as ``(x^T dy)^T`` with the product kept behind
     a barrier too (the LM head's ``dW = dz^T h`` with ``x = h``: a transposed copy of ``dz``, the
     vocabulary-sized operand, would cost more than the product saves)."""
-    if jax.default_backend() != "cpu":
+    if current_backend() != "cpu":
         return jnp.einsum("ni,no->oi" if transpose else "ni,no->io", x, dy, preferred_element_type=out_dtype)
     barrier = jax.lax.optimization_barrier
     out = jnp.dot(barrier(x.T), dy, preferred_element_type=out_dtype)
@@ -51,6 +53,6 @@ _matmul_cpu.defvjp(_matmul_cpu_fwd, _matmul_cpu_bwd)
 def matmul(x: Float[Array, "n i"], w: Float[Array, "i o"]) -> Float[Array, "n o"]:
     """``x w``; on CPU a ``custom_vjp`` whose weight gradient is ``weight_grad`` (reverse mode
     only there: forward-mode autodiff of a CPU trace raises), elsewhere ``jnp.dot``."""
-    if jax.default_backend() != "cpu":
+    if current_backend() != "cpu":
         return jnp.dot(x, w)
     return _matmul_cpu(x, w)

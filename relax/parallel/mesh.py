@@ -121,12 +121,19 @@ class MeshSpec:
 
 def make_mesh(spec: str | MeshSpec, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``Mesh`` with axes (data, fsdp, tensor) over ``devices`` (default: every device of every
-    process, arranged for the physical topology by ``jax.make_mesh``)."""
+    process, arranged for the physical topology by ``jax.make_mesh``; given TPU chips are arranged
+    so too where they form a slice)."""
     spec = MeshSpec.parse(spec)
     pool = list(jax.devices() if devices is None else devices)
     shape = spec.resolve(len(pool)).shape
+    auto = (jax.sharding.AxisType.Auto,) * 3
     if devices is None:
-        return jax.make_mesh(shape, AXES, (jax.sharding.AxisType.Auto,) * 3)
+        return jax.make_mesh(shape, AXES, auto)
+    if pool[0].platform == "tpu":  # e.g. relax.plan's compile-only chips: laid out for the torus
+        try:
+            return jax.make_mesh(shape, AXES, auto, devices=pool)
+        except (ValueError, NotImplementedError, AssertionError):  # a part of a slice: in the given order
+            pass
     return Mesh(np.asarray(pool, dtype=object).reshape(shape), AXES)
 
 

@@ -27,8 +27,8 @@ import jax
 
 from relax.parallel import distributed
 from relax.compose import Segment, SegmentRunner, Stage, batch_only, group_leaves, keep_state, split_host
-from relax.parallel.mesh import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_shards, constrain_batch,
-                            make_mesh, param_shardings, place_batch, replicated, state_shardings)
+from relax.parallel.mesh import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_leaf_sharding, batch_shards,
+                            constrain_batch, make_mesh, param_shardings, place_batch, replicated, state_shardings)
 
 HOST_MEMORY = "pinned_host"
 # The state a sharded step runs on is a dataclass (``relax.train.TrainState``) with a ``replace``
@@ -171,11 +171,13 @@ class ShardedStep(SegmentRunner):
                     segments.append(Segment(names=("weight_transfer",), jittable=False, run=self._transfer,
                                             updates_state=False))
                     transferred = True
-                jitted, run = self._sampler_segment(group)
-                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
+                jitted, run, abstract = self._sampler_segment(group)
+                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates,
+                                        abstract=abstract))
             else:
-                jitted, run = self._trainer_segment(group)
-                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
+                jitted, run, abstract = self._trainer_segment(group)
+                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates,
+                                        abstract=abstract))
         return tuple(segments)
 
     @staticmethod
@@ -218,7 +220,13 @@ class ShardedStep(SegmentRunner):
                 state = state.replace(ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host)
             return state, {**host, **out}
 
-        return jitted, run
+        def abstract(state, batch):
+            _, dev = self._split(batch)
+            if self.offload:  # the reference is on the devices only for the segments that read it
+                state = state.replace(ref=state.ref if uses_ref else None)
+            return _typed(state, shardings), _typed_batch(dev, self.mesh)
+
+        return jitted, run, abstract
 
     def _sampler_segment(self, group: list[Stage]):
         program, updates = self._program(group, self.sampler_mesh, self._view_shardings)
@@ -236,7 +244,13 @@ class ShardedStep(SegmentRunner):
                        for f in dataclasses.fields(view) if f.name not in MODEL_FIELDS}
             return state.replace(**changed), {**host, **out}
 
-        return jitted, run
+        def abstract(state, batch):
+            _, dev = self._split(batch)
+            view = state.replace(**dict.fromkeys(MODEL_FIELDS))
+            shardings = jax.tree.map(lambda _: replicated(self.sampler_mesh), view).replace(policy=self._sampler_params)
+            return _typed(view.replace(policy=state.policy), shardings), _typed_batch(dev, self.sampler_mesh)
+
+        return jitted, run, abstract
 
     def _transfer(self, state, batch):
         """Reshard the trainer's policy into the sampler's layout (the old copy is freed first)."""
@@ -268,6 +282,18 @@ class ShardedStep(SegmentRunner):
             return state, jax.tree.map(lambda x: originals.get(id(x), x), out)
 
         return run
+
+
+def _typed(tree: Any, shardings: Any) -> Any:
+    """``tree``'s arrays (or ``ShapeDtypeStruct`` s) as ``ShapeDtypeStruct`` s with ``shardings``."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _typed_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+    """A (global) batch's arrays as ``ShapeDtypeStruct`` s with the batch rule's shardings."""
+    rows = batch["prompt_ids"].shape[0]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_leaf_sharding(x, mesh, rows)),
+                        batch)
 
 
 def check_batch(batch_size: int, mesh: jax.sharding.Mesh | None, what: str = "--batch-size") -> None:

@@ -104,6 +104,14 @@ def block_size(cfg: RolloutConfig) -> int:
     return max(cfg.cache_chunk, -(-cfg.max_new_tokens // cfg.max_segments))
 
 
+def cache_bytes(config, prompts: int, prompt_len: int, cfg: RolloutConfig, dtype) -> int:
+    """Bytes of the KV caches ``_generate`` keeps over the whole batch: per layer, keys and values
+    of each prompt once (``[P, Hkv, Lp, D]``) and of each of its G completions
+    (``[P*G, Hkv, N, D]``), in the model's compute ``dtype``."""
+    slots = prompts * prompt_len + prompts * cfg.num_generations * cfg.max_new_tokens
+    return 2 * config.num_layers * slots * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
 def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if b >= length:

@@ -1,0 +1,81 @@
+"""``relax plan``: will this run fit that machine? Compiled for it, without it.
+
+    relax plan grpo --target v5p:2x2x2 --model llama-3.1-8b/config.json \\
+        --batch-size 64 --grpo.num-generations 16 --grpo.max-new-tokens 2048 --parallel.mesh fsdp=8
+
+The first word is the algorithm (grpo, ppo); ``--target`` the machine (``relax.plan.targets``);
+every other flag is the run's own (``examples/train_<algorithm>.py --help``). Prints per chip and
+per program what the memory holds, the peak against the chip's HBM and the step's traffic; when
+the run does not fit, the flags that make it fit (``relax.plan.suggest``, ``--no-suggest`` to
+skip). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3: does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from relax.algorithms.cli import flag_value
+
+USAGE = "usage: relax plan <grpo|ppo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|...> --model <dir|config.json> [run flags]"
+
+
+def _pop(argv: list[str], flag: str, takes_value: bool = True) -> tuple[list[str], str | None]:
+    """``argv`` without ``flag`` (and its value), and the value (or "" for a bare flag; None: absent)."""
+    value = flag_value(argv, flag, None) if takes_value else ("" if flag in argv else None)
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = takes_value
+            continue
+        if takes_value and a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out, value
+
+
+def summary(p) -> dict:
+    """The plan's figures as JSON-able values."""
+    return {"algorithm": p.algorithm, "target": str(p.target), "fits": p.fits, "peak": p.peak.name,
+            "compile_s": round(p.compile_s, 1),
+            "programs": [dataclasses.asdict(m) | {"fits": m.fits} for m in p.programs],
+            "traffic": [None if t is None else dataclasses.asdict(t) for t in p.traffic]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax.plan.plan import plan
+    from relax.plan.suggest import suggest
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] != "plan" or len(argv) < 2 or argv[1].startswith("-"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    algorithm, rest = argv[1], argv[2:]
+    rest, target = _pop(rest, "--target")
+    rest, out = _pop(rest, "--json")
+    rest, no_suggest = _pop(rest, "--no-suggest", takes_value=False)
+    if target is None:
+        print(USAGE + "\n--target is required", file=sys.stderr)
+        return 2
+    p = plan(algorithm, rest, target)
+    print(p.table(), flush=True)
+    record = summary(p)
+    if not p.fits and no_suggest is None:
+        print("\n  does not fit; trying flags that would make it fit (each compiled again):", flush=True)
+        attempts = suggest(p, rest, log=lambda line: print(line, flush=True))
+        record["suggestions"] = [dataclasses.asdict(a) for a in attempts]
+        kept = [f for a in attempts if a.kept for f in a.flags]
+        fits = bool(attempts) and attempts[-1].fits
+        print(f"\n  {'fits with' if fits else 'still does not fit with'}: {' '.join(kept) or '(no change helped)'}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0 if p.fits else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

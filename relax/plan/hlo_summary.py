@@ -1,0 +1,133 @@
+"""What a compiled program does per chip, read from its optimized HLO (``relax.parallel.hlo``).
+
+Every kernel the program launches (a fusion, a dot, a collective, a copy, ...) is counted as
+many times as it runs: a ``lax.scan`` body times its known trip count, a decode loop
+(``lax.while_loop``, trip count unknown to XLA) per decode step. For each kernel:
+
+    flops  = 2 * prod(result dims) * prod(contracted dims)     of each dot inside it
+    bytes  = its operands' bytes + its result's bytes          (what it reads and writes in HBM)
+    time  >= max(flops / peak FLOP/s, bytes / HBM bandwidth)   (the roofline of that kernel)
+
+and the program's estimated time is the sum of its kernels' (a lower bound: no overlap of
+kernels, no launch or collective latency; ICI/NVLink time is not modelled). The bytes of a
+fusion whose operand is only sliced are over-counted (the whole operand is charged).
+Collectives are listed by kind with their bytes (the result's), per run and per decode step;
+``cache_copies`` counts copies inside decode loops of arrays shaped like a KV cache block.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+from relax.parallel.hlo import COLLECTIVES, CONTROL, FREE, Instr, arrays, nbytes, parse_hlo
+
+_TRIP = re.compile(r'known_trip_count[^0-9]*(\d+)')
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")  # a TPU matmul is a convolution: "bf_io->bf"
+_WINDOW = re.compile(r"window=\{size=([\dx]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTraffic:
+    """Per chip: ``flops``, HBM ``bytes`` and the roofline ``seconds`` of one run; collectives
+    ``{kind: (count, bytes)}`` outside decode loops per run, inside them per decode step; per
+    decode step too: ``decode_step_seconds`` and ``cache_copies``."""
+
+    name: str
+    flops: float
+    bytes: float
+    seconds: float
+    collectives: dict[str, tuple[int, int]]
+    decode_collectives: dict[str, tuple[int, int]]
+    decode_step_seconds: float
+    cache_copies: int
+
+
+def _dot_flops(ins: Instr, local: dict[str, Instr]) -> float:
+    if ins.op not in ("dot", "convolution") or not ins.operands or ins.operands[0] not in local:
+        return 0.0
+    out = arrays(ins.shape)
+    lhs = arrays(local[ins.operands[0]].shape)
+    if not out or not lhs:
+        return 0.0
+    dims = lhs[0][1]
+    if ins.op == "dot":
+        m = _CONTRACT.search(ins.attrs)
+        contracted = math.prod(dims[int(d)] for d in m.group(1).split(",") if d) if m else 0
+    else:  # the lhs's feature dimension ("f"), times the window of any spatial one
+        m, w = _LABELS.search(ins.attrs), _WINDOW.search(ins.attrs)
+        contracted = dims[m.group(1).index("f")] if m and "f" in m.group(1) and len(m.group(1)) == len(dims) else 0
+        contracted *= math.prod(int(x) for x in w.group(1).split("x")) if w else 1
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _kernel(ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]) -> tuple[float, float]:
+    """``(flops, bytes)`` of one launched instruction (a fusion: the dots inside it)."""
+    flops = _dot_flops(ins, local)
+    if ins.op == "fusion":
+        for c in ins.called():
+            inner = {i.name: i for i in comps.get(c, [])}
+            flops += sum(_dot_flops(i, inner) for i in comps.get(c, []))
+    moved = nbytes(ins.shape) + sum(nbytes(local[o].shape) for o in ins.operands if o in local)
+    return flops, float(moved)
+
+
+def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: int | None,
+          cache_dims: frozenset) -> None:
+    local = {i.name: i for i in comps.get(name, [])}
+    for ins in comps.get(name, []):
+        if ins.op == "while":
+            trip = _TRIP.search(ins.attrs)
+            body = re.search(r"body=%([\w.\-]+)", ins.attrs).group(1)
+            cond = re.search(r"condition=%([\w.\-]+)", ins.attrs).group(1)
+            if trip:
+                inner_times, inner_decode = times * int(trip.group(1)), decode
+            elif decode_trip is None:  # a loop of unknown length outside a sampler: counted once
+                inner_times, inner_decode = times, decode
+            else:  # a decode loop: decode_trip steps (one cache block)
+                inner_times, inner_decode = times * decode_trip, True
+                out["decode_steps"] += decode_trip
+            for c in (body, cond):
+                _walk(comps, c, inner_times, inner_decode, out, decode_trip, cache_dims)
+            continue
+        if ins.op in CONTROL:
+            for c in ins.called():
+                _walk(comps, c, times, decode, out, decode_trip, cache_dims)
+            continue
+        if ins.op in FREE or ins.op.endswith("-done"):
+            continue
+        kind = ins.op[:-6] if ins.op.endswith("-start") else ins.op
+        key = "decode" if decode else "run"
+        flops, moved = _kernel(ins, comps, local)
+        out[key + "_kernels"].append((flops * times, moved * times))
+        if kind in COLLECTIVES:
+            size = max((nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", ins.shape)), default=0)
+            n, b = out[key + "_coll"][kind]
+            out[key + "_coll"][kind] = (n + int(times), b + int(size * times))
+        if decode and kind == "copy" and any(dims in cache_dims for _, dims in arrays(ins.shape)):
+            out["cache_copies"] += int(times)
+
+
+def traffic(name: str, compiled: Any, chip: Any, decode_trip: int | None = None,
+            cache_dims: frozenset = frozenset()) -> ProgramTraffic:
+    """The traffic of ``compiled`` on ``chip`` (``relax.plan.targets.Chip``). A sampler's decode
+    loops (``lax.while_loop`` s) run ``decode_trip`` steps each (one cache block); ``cache_dims``:
+    the per-chip shapes of its cache blocks, whose copies in the loops are counted. Elsewhere
+    (``decode_trip`` None) a loop of unknown length is counted once."""
+    comps, entry = parse_hlo(compiled.as_text())
+    out: dict = {"run_kernels": [], "decode_kernels": [], "cache_copies": 0, "decode_steps": 0,
+                 "run_coll": collections.defaultdict(lambda: (0, 0)), "decode_coll": collections.defaultdict(lambda: (0, 0))}
+    _walk(comps, entry, 1.0, False, out, decode_trip, cache_dims)
+    roof = lambda ks: sum(max(f / chip.flops, b / chip.hbm_bandwidth) for f, b in ks)
+    steps = max(out["decode_steps"], 1)
+    kernels = out["run_kernels"] + out["decode_kernels"]
+    per_step = {k: (round(n / steps), int(b / steps)) for k, (n, b) in out["decode_coll"].items()}
+    return ProgramTraffic(
+        name=name, flops=sum(f for f, _ in kernels), bytes=sum(b for _, b in kernels), seconds=roof(kernels),
+        collectives=dict(out["run_coll"]), decode_collectives=per_step,
+        decode_step_seconds=roof(out["decode_kernels"]) / steps if out["decode_steps"] else 0.0,
+        cache_copies=round(out["cache_copies"] / steps))

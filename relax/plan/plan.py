@@ -1,0 +1,151 @@
+"""``plan``: whether a run fits a target, per chip and per program, before anyone pays for it.
+
+    from relax.plan import plan
+    p = plan("grpo", ["--model", "llama-3.1-8b/config.json", "--batch-size", "64",
+                      "--grpo.max-new-tokens", "2048", "--parallel.mesh", "fsdp=8"], "v5p:2x2x2")
+    print(p.table())
+
+The flags are the run's own (``examples/train_grpo.py``'s, parsed the same way); ``--model`` may
+be a directory or just its ``config.json`` (no weights are read) and ``--data`` is not needed.
+Without ``--parallel.mesh`` the plan uses ``fsdp=-1`` (every chip). Every program of one step is
+compiled by the target's compiler (``relax.plan.programs``) and measured (``relax.plan.memory``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from relax.algorithms.cli import parse_flags
+from relax.algorithms.grpo import run as grpo_run
+from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig
+from relax.algorithms.ppo import run as ppo_run
+from relax.models.config import DTYPES, ModelConfig
+from relax.models.hf import read_config
+from relax.models.sharding import batch_shards
+from relax.plan import targets as targets_lib
+from relax.plan.hlo_summary import ProgramTraffic, traffic
+from relax.plan.memory import ProgramMemory, kv_cache_per_chip, program_memory
+from relax.plan.programs import online_programs
+from relax.rollout.sampler import RolloutConfig, block_size, cache_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEntry:
+    """How to parse an online algorithm's flags and build it; ``field``: its config's flag group."""
+
+    config: type
+    builtin: Callable[[], OnlineRunConfig]
+    real: Callable[[], OnlineRunConfig]
+    algorithm: Callable[[Any], OnlineAlgorithm]
+    field: str
+
+
+ALGORITHMS = {
+    "grpo": AlgorithmEntry(grpo_run.GRPORunConfig, grpo_run.builtin_defaults, grpo_run.real_defaults,
+                           grpo_run.algorithm, "grpo"),
+    "ppo": AlgorithmEntry(ppo_run.PPORunConfig, ppo_run.builtin_defaults, ppo_run.real_defaults,
+                          ppo_run.algorithm, "ppo"),
+}
+
+
+def parse_run(algorithm: str, argv: list[str]) -> OnlineRunConfig:
+    """The run config ``argv`` gives ``algorithm`` (``--data`` and a mesh are filled in if absent)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"relax plan knows {', '.join(ALGORITHMS)}; got {algorithm!r}")
+    entry = ALGORITHMS[algorithm]
+    argv = list(argv)
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        raise ValueError("relax plan needs --model (a model directory or its config.json)")
+    if not any(a == "--data" or a.startswith("--data=") for a in argv):
+        argv += ["--data", "(not read by a plan)"]
+    cfg = parse_flags(entry.config, argv, builtin=entry.builtin, real=entry.real)
+    if not cfg.parallel.enabled:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="fsdp=-1"))
+    return worst_case(cfg)
+
+
+def worst_case(cfg: OnlineRunConfig) -> OnlineRunConfig:
+    """The run with completions padded to the budget (packing only ever lowers the update's need,
+    and what it packs depends on lengths a plan does not know)."""
+    grpo = getattr(cfg, "grpo", None)
+    if grpo is not None and grpo.packing.mode != "off":
+        cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(grpo, packing=dataclasses.replace(grpo.packing,
+                                                                                                  mode="off")))
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One step of a run compiled for ``target``: each program's memory and traffic per chip."""
+
+    algorithm: str
+    target: targets_lib.Target
+    run: OnlineRunConfig
+    model: ModelConfig
+    programs: tuple[ProgramMemory, ...]
+    traffic: tuple[ProgramTraffic | None, ...]
+    compile_s: float
+
+    @property
+    def peak(self) -> ProgramMemory:
+        return max(self.programs, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.programs)
+
+    def table(self) -> str:
+        from relax.plan.report import plan_table
+        return plan_table(self)
+
+
+def _compile(lowered) -> tuple[Any, str | None, float]:
+    """``lowered.compile()``; an out-of-memory refusal is returned as its message, not raised."""
+    t0 = time.perf_counter()
+    try:
+        return lowered.compile(), None, time.perf_counter() - t0
+    except Exception as e:  # the compile-only clients raise JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        return None, str(e).splitlines()[0], time.perf_counter() - t0
+
+
+def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, mesh) -> frozenset:
+    """Per-chip shapes of the sampler's completion-cache blocks (keys ``[rows, Hkv, D, S]``,
+    values ``[rows, Hkv, S, D]``): rows over the batch axes, KV heads over ``tensor`` where they divide."""
+    tensor = mesh.shape.get("tensor", 1)
+    rows = prompts * rollout.num_generations // batch_shards(mesh)
+    heads = model.num_kv_heads // tensor if model.num_kv_heads % tensor == 0 else model.num_kv_heads
+    chunk, n = min(block_size(rollout), rollout.max_new_tokens), rollout.max_new_tokens
+    sizes = {min(chunk, n - i) for i in range(0, n, chunk)}
+    return frozenset(d for s in sizes for d in ((rows, heads, model.head_dim, s), (rows, heads, s, model.head_dim)))
+
+
+def plan_run(algorithm: str, run: OnlineRunConfig, model: ModelConfig, target: targets_lib.Target) -> Plan:
+    """Compile one step of ``run`` for ``target`` and measure each program."""
+    algo = ALGORITHMS[algorithm].algorithm(run)
+    devices = targets_lib.devices(target)
+    t0 = time.perf_counter()
+    programs = online_programs(run, algo, model, devices, compile_fn=_compile)
+    rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
+    kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
+    limit = target.chip.hbm_bytes
+    memory, flows = [], []
+    for p in programs:
+        kv = kv_cache_per_chip(kv_total, p.mesh, model.num_kv_heads) if "rollout" in p.name else 0
+        memory.append(program_memory(p.name, p.compiled, p.args, limit=limit, kv_cache=kv, error=p.error,
+                                     compile_s=p.compile_s))
+        sampler = "rollout" in p.name
+        flows.append(None if p.compiled is None else traffic(
+            p.name, p.compiled, target.chip, min(block_size(rollout), rollout.max_new_tokens) if sampler else None,
+            cache_block_dims(model, rollout, run.batch_size, p.mesh) if sampler else frozenset()))
+    return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0)
+
+
+def plan(algorithm: str, argv: list[str], target: str | targets_lib.Target) -> Plan:
+    """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``)."""
+    run = parse_run(algorithm, argv)
+    target = target if isinstance(target, targets_lib.Target) else targets_lib.Target.parse(target)
+    return plan_run(algorithm, run, read_config(run.model), target)

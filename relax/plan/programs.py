@@ -1,0 +1,119 @@
+"""A run's compiled programs, built from abstract arrays for a target's devices.
+
+``online_programs(run_cfg, algorithm, model_config, devices)`` builds exactly what
+``relax.algorithms.online.run_online`` would run (the algorithm's state and composed step, laid
+out by ``relax.parallel.ShardedStep`` on the meshes of ``--parallel.*``) with nothing allocated:
+
+- the model and the state are ``jax.eval_shape`` s of their initialisers (a ``config.json`` is
+  all it takes);
+- each jitted segment (the sampler, the reference forward, the update, ...) is lowered with its
+  call arguments as ``ShapeDtypeStruct`` s carrying the run's shardings (``Segment.abstract``)
+  and compiled by the target's compiler;
+- a host segment (reward functions, packing) runs for real on a batch of zeros (its arrays are
+  small next to the model), so the next program sees the batch the run would give it.
+
+Every program is traced under ``relax.passes.target_backend``: the backend-dependent choices
+(passes, kernels) are the target's, not this host's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, with_lora
+from relax.models.config import DTYPES, ModelConfig
+from relax.models.transformer import init as init_model
+from relax.parallel import ShardedStep, batch_shards
+from relax.passes import choose_passes, target_backend
+from relax.rewards.functions import RewardFunction
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the run: its segment's stage names, where it runs, its call
+    arguments (abstract, sharded) and the target compiler's executable (None with ``error``)."""
+
+    name: str
+    mesh: jax.sharding.Mesh
+    args: tuple[Any, Any]
+    compiled: Any = None
+    error: str | None = None
+    compile_s: float = 0.0
+
+
+def abstract_model(run: OnlineRunConfig, config: ModelConfig):
+    """The policy (with ``--lora.*`` adapters) as ``ShapeDtypeStruct`` s in the run's dtypes."""
+    init = lambda key: with_lora(run, init_model(config, key, param_dtype=DTYPES[run.param_dtype],
+                                                 dtype=DTYPES[run.compute_dtype]))
+    return jax.eval_shape(init, jax.random.key(0))
+
+
+def _zero_reward(prompts, completions, **_) -> list[float]:
+    return [0.0] * len(completions)
+
+
+def _parts(config: ModelConfig, passes) -> StepParts:
+    """Step parts that stand in for the run's: one reward function returning 0 and a decoder
+    returning empty texts (what they compute does not change the programs' shapes)."""
+    decode = lambda tokens, mask: [""] * int(np.prod(np.shape(tokens)[:-1]))
+    return StepParts(reward_fns=[RewardFunction(_zero_reward, name="reward")], decode=decode,
+                     eos_ids=tuple(config.eos_ids) or (0,), pad_id=0, passes=passes)
+
+
+def first_batch(run: OnlineRunConfig) -> dict:
+    """A batch of ``--batch-size`` prompts padded to ``--max-prompt-tokens`` (the longest bucket)."""
+    rows, length = run.batch_size, run.max_prompt_tokens
+    ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+    return {"prompt_ids": ids, "prompt_mask": ids, "prompts": [""] * rows,
+            "fields": {run.answer_field: [""] * rows}}
+
+
+def _concrete(tree: Any) -> Any:
+    """Zeros for every ``ShapeDtypeStruct`` (what a host segment reads)."""
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, tree)
+
+
+def _shapes(tree: Any) -> Any:
+    """Arrays as ``ShapeDtypeStruct`` s (what the next jitted segment is lowered with)."""
+    is_array = lambda x: isinstance(x, (np.ndarray, jax.Array, np.generic))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_array(x) else x, tree)
+
+
+def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: ModelConfig,
+                    devices: Sequence[jax.Device], *, compile_fn: Callable[[Any, tuple], Any]) -> list[Program]:
+    """The jitted programs of one step of ``run`` on ``devices`` (a target's), in the order the
+    step runs them; ``compile_fn(jitted, args) -> (compiled | None, error | None, seconds)``."""
+    platform = devices[0].platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if not run.parallel.enabled:
+        raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
+    trainer_mesh, sampler_mesh = run.parallel.meshes(devices)
+    with target_backend(platform):
+        model = abstract_model(run, config)
+        state = jax.eval_shape(algorithm.make_state, model, jax.random.key(run.seed))
+        step = algorithm.make_step(_parts(config, choose_passes(batch_shards=batch_shards(trainer_mesh))))
+        sharded = ShardedStep(step, state, trainer_mesh, sampler_mesh=sampler_mesh,
+                              offload_reference=run.parallel.offload_reference)
+        batch, programs = first_batch(run), []
+        for seg in sharded.segments:
+            if not seg.jittable:
+                if seg.names != ("weight_transfer",):  # a copy between meshes: nothing to compile
+                    _, batch = seg.run(state, _concrete(batch))
+                    batch = _shapes(batch)
+                continue
+            args = seg.abstract(state, batch)
+            mesh = args[1]["prompt_ids"].sharding.mesh  # the sampler's or the trainer's
+            with jax.set_mesh(mesh):
+                lowered = seg.jitted.lower(*args)
+                compiled, error, seconds = compile_fn(lowered)
+                out = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), lowered.out_info)
+            programs.append(Program("+".join(seg.names), mesh, args, compiled, error, seconds))
+            host = {k: v for k, v in batch.items() if k not in args[1]}
+            batch = {**host, **(out[1] if seg.updates_state else out)}
+    return programs
+

@@ -1,0 +1,70 @@
+"""Flags that would make a run fit, each checked by compiling the run again with it.
+
+When a plan does not fit, ``suggest`` tries these changes in order, cheapest first, keeping each
+one that lowers the peak, until the run fits or none is left::
+
+    --<algo>.remat                          recompute each layer in the backward (update, reference)
+    --<algo>.grad-accum 2, 4, 8             smaller micro-batches (same loss and gradient)
+    --parallel.offload-reference            the KL reference in host memory between its uses
+    --param-dtype bfloat16 --compute-dtype bfloat16 --<algo>.optimizer.master-weights
+                                            16-bit weights, float32 master copy in the optimizer
+    --parallel.mesh fsdp=<chips>            weights and optimizer state sharded over every chip
+    --lora.rank 16                          adapters train, the base model is frozen (one copy)
+
+A sampler/trainer split (``--parallel.sampler-devices``) gives each side fewer chips, so it never
+lowers the per-chip peak; it is not tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax.plan.plan import Plan, parse_run, plan_run
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One change tried: its flags, the peak per chip after it, whether the run then fits and
+    whether the change was kept (it lowered the peak)."""
+
+    flags: tuple[str, ...]
+    peak_bytes: int
+    fits: bool
+    kept: bool
+
+
+def candidates(p: Plan) -> list[tuple[str, ...]]:
+    """The changes worth trying on ``p``'s run, in order."""
+    run, field = p.run, p.algorithm
+    algo = getattr(run, field)
+    out: list[tuple[str, ...]] = []
+    if hasattr(algo, "remat") and not algo.remat:
+        out.append((f"--{field}.remat",))
+    out += [(f"--{field}.grad-accum", str(k)) for k in (2, 4, 8) if (algo.grad_accum or 1) < k]
+    if getattr(algo, "beta", 0) > 0 and not run.lora.enabled and not run.parallel.offload_reference:
+        out.append(("--parallel.offload-reference",))
+    if run.param_dtype == "float32":
+        out.append(("--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", f"--{field}.optimizer.master-weights"))
+    if run.parallel.mesh != f"fsdp={p.target.chips}":
+        out.append(("--parallel.mesh", f"fsdp={p.target.chips}"))
+    if not run.lora.enabled:
+        out.append(("--lora.rank", "16"))
+    return out
+
+
+def suggest(p: Plan, argv: list[str], log=lambda line: None) -> list[Attempt]:
+    """Greedy: each candidate on top of the kept ones, compiled again; stop once the run fits."""
+    kept: list[str] = []
+    best, attempts = p.peak.total if p.peak.total else float("inf"), []
+    for flags in candidates(p):
+        trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target)
+        lower = trial.peak.total < best or (trial.fits and not p.fits)
+        attempts.append(Attempt(flags, trial.peak.total, trial.fits, lower))
+        log(f"  tried {' '.join(flags)}: peak {trial.peak.total / 2**30:.2f} GiB"
+            + (" (fits)" if trial.fits else "") + (" -> kept" if lower else ""))
+        if lower:
+            kept += list(flags)
+            best = trial.peak.total
+        if trial.fits:
+            break
+    return attempts

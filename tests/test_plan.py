@@ -1,0 +1,136 @@
+"""relax.plan: a run compiled for a TPU target with libtpu's compile-only client (no TPU), its
+memory per chip against a hand count, a run too large for the chips reported as not fitting,
+the decode loop's cache copies, and the HLO roofline's FLOP count against a hand count.
+
+The compile-only tests need libtpu (``relax[tpu]``, which ``make test`` installs); without it they
+are skipped. Target parsing and the out-of-memory message parser need nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relax.plan import targets
+from relax.plan.memory import oom_bytes
+
+needs_tpu = pytest.mark.skipif(not targets.tpu_available(), reason="libtpu (relax[tpu]) is not installed")
+
+L, D, F, V, HQ, HKV, HD = 2, 256, 512, 1024, 4, 2, 64
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": D,
+        "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": HQ, "num_key_value_heads": HKV,
+        "head_dim": HD, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+RUN = ["--batch-size", "8", "--grpo.num-generations", "4", "--grpo.max-new-tokens", "32", "--max-prompt-tokens", "16"]
+
+
+def hand_count_params() -> int:
+    """Parameters of the tiny Llama: embedding and head, per layer q/k/v/o, gate/up/down and two norms, final norm."""
+    per_layer = D * HQ * HD + 2 * D * HKV * HD + HQ * HD * D + 3 * D * F + 2 * D
+    return 2 * V * D + L * per_layer + D
+
+
+def test_targets_parse():
+    t = targets.Target.parse("v5p:2x2x2")
+    assert (t.chips, t.platform, t.chip.name) == (8, "tpu", "v5p")
+    assert targets.Target.parse("v6e:4x4").chips == 16
+    g = targets.Target.parse("h100x8")
+    assert (g.chips, g.platform, g.topology) == (8, "gpu", "1x1x8")
+    for bad in ("v5p:2x2", "v5e:2x2x2", "a100x8", "v5e"):
+        with pytest.raises(ValueError, match="target"):
+            targets.Target.parse(bad)
+
+
+def test_oom_message_parsed():
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(19.53G) exceeds available HBM (15.75G).")
+    needed, available = oom_bytes(msg)
+    assert needed == int(19.53 * 2**30) and available == int(15.75 * 2**30)
+    assert oom_bytes("something else") == (None, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tiny_config):
+    from relax.plan import plan
+    return plan("grpo", ["--model", tiny_config, *RUN, "--parallel.mesh", "fsdp=4"], "v5e:2x2")
+
+
+@needs_tpu
+def test_plan_counts_weights_and_optimizer_by_hand(tiny_plan):
+    chips = 4
+    weights = hand_count_params() * 4 // chips  # float32, every parameter split over fsdp=4
+    names = [m.name for m in tiny_plan.programs]
+    assert names[0].startswith("rollout") and any("reference" in n for n in names) and "update" in names[-1]
+    for m in tiny_plan.programs:
+        assert m.weights == weights, m
+        assert m.reference == weights  # beta > 0 (the grpo preset): a full copy, sharded alike
+        assert 2 * weights <= m.optimizer <= 2 * weights + 4096  # Adam's two moments, plus step counters
+        assert m.error is None and m.fits and m.limit == 16 * 2**30
+        assert m.total >= m.weights + m.optimizer + m.reference
+    rollout = tiny_plan.programs[0]
+    kv = 2 * L * (8 * 16 + 8 * 4 * 32) * HKV * HD * 4 // chips  # prompt once per group + each completion
+    assert rollout.kv_cache == kv
+    assert "fits" in tiny_plan.table() and "v5e:2x2" in tiny_plan.table()
+
+
+@needs_tpu
+def test_decode_loop_copies_no_cache_on_tpu(tiny_plan):
+    rollout = tiny_plan.traffic[0]
+    assert rollout.decode_step_seconds > 0  # a decode loop was found and costed
+    assert rollout.cache_copies == 0
+    # rows split over fsdp: the FSDP weights are gathered once before the loop, never per step, and
+    # no collective runs per layer (TPU all-reduces a few row-sized values per step: RESULTS.md)
+    weights = tiny_plan.programs[0].weights
+    gathered = rollout.decode_collectives.get("all-gather", (0, 0))[1]
+    assert gathered < weights / 10, rollout.decode_collectives
+    assert sum(n for n, _ in rollout.decode_collectives.values()) <= 3, rollout.decode_collectives
+
+
+@needs_tpu
+def test_a_run_too_large_is_reported_not_fitting(tmp_path, capsys):
+    from relax.plan.cli import main
+
+    big = {**TINY, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "head_dim": 128,
+           "num_key_value_heads": 8, "num_hidden_layers": 4, "vocab_size": 128256}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(big))
+    out = tmp_path / "plan.json"
+    status = main(["plan", "grpo", "--target", "v5e:2x2", "--model", str(path), "--batch-size", "4",
+                   "--grpo.num-generations", "2", "--grpo.max-new-tokens", "8", "--max-prompt-tokens", "16",
+                   "--no-suggest", "--json", str(out)])
+    assert status == 3
+    text = capsys.readouterr().out
+    assert "does NOT fit" in text
+    record = json.loads(out.read_text())
+    assert record["fits"] is False
+    # ~5.5e9 float32 parameters with Adam: > 80 GB over 4 chips of 16 GiB
+    assert all(not p["fits"] for p in record["programs"])
+    assert max(p["weights"] + p["optimizer"] + p["reference"] for p in record["programs"]) > 16 * 2**30
+
+
+@needs_tpu
+def test_roofline_counts_matmul_flops_by_hand():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from relax.plan.hlo_summary import traffic
+
+    t = targets.Target.parse("v5e:2x2")
+    mesh = jax.make_mesh((4,), ("data",), devices=targets.devices(t))
+    m, k, n = 1024, 512, 256
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    compiled = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(x, w).compile()
+    f = traffic("matmul", compiled, t.chip)
+    assert f.flops == 2 * (m // 4) * k * n
+    # reads x's and w's shards and writes the result at least once: bf16
+    assert f.bytes >= 2 * ((m // 4) * k + k * n + (m // 4) * n)
+    assert f.seconds >= f.flops / t.chip.flops
