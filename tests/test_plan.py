@@ -134,3 +134,62 @@ def test_roofline_counts_matmul_flops_by_hand():
     # reads x's and w's shards and writes the result at least once: bf16
     assert f.bytes >= 2 * ((m // 4) * k + k * n + (m // 4) * n)
     assert f.seconds >= f.flops / t.chip.flops
+
+
+def adapter_params_per_chip(rank: int, fsdp: int) -> int:
+    """LoRA factors A [in, r] and B [r, out] on q, k, v, o, gate, up, down, on a mesh without tensor
+    parallelism: a factor is split over fsdp where its weight's dimension is the model width D
+    (the inputs of q/k/v/gate/up, the outputs of o/down), replicated otherwise."""
+    a_split, a_whole = 5 * D, HQ * HD + F  # inputs: D for q, k, v, gate, up; o's and down's are not D
+    b_split, b_whole = 2 * D, HQ * HD + 2 * HKV * HD + 2 * F  # outputs: D for o and down
+    return L * rank * ((a_split + b_split) // fsdp + a_whole + b_whole)
+
+
+@needs_tpu
+@pytest.mark.parametrize("algorithm,flags,mesh", [
+    ("ppo", ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "16"], "fsdp=2,tensor=2"),
+    ("grpo", ["--lora.rank", "8", "--grpo.max-new-tokens", "16"], "data=2,fsdp=2"),
+    ("sft", ["--sft.max-length", "64"], None),
+    ("dpo", ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"], None),
+])
+def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
+    from relax.plan import plan
+
+    argv = ["--model", tiny_config, "--batch-size", "4", *flags] + (["--parallel.mesh", mesh] if mesh else [])
+    if algorithm in ("ppo", "grpo"):
+        argv += ["--max-prompt-tokens", "16"]
+    p = plan(algorithm, argv, "v5e:2x2")
+    assert p.programs and all(m.error is None and m.fits for m in p.programs), p.table()
+    # parameters split over fsdp x tensor; norms [D] over fsdp only (tensor splits heads, MLP width
+    # and vocabulary); data replicates. The offline trainers run on one device.
+    fsdp, tensor = {"fsdp=2,tensor=2": (2, 2), "data=2,fsdp=2": (2, 1), None: (1, 1)}[mesh]
+    norms = (2 * L + 1) * D
+    full = (hand_count_params() - norms) * 4 // (fsdp * tensor) + norms * 4 // fsdp
+    for m in p.programs:
+        if "--lora.rank" in flags:
+            # base weights plus adapters; Adam's moments of the adapters only (the base is frozen)
+            adapters = adapter_params_per_chip(8, fsdp) * 4
+            assert m.weights == full + adapters, m
+            assert 2 * adapters <= m.optimizer <= 2 * adapters + 4096
+        else:
+            assert m.weights == full, m
+    if algorithm == "ppo":
+        assert p.programs[0].critic > 0  # the critic and its optimizer are resident too
+
+
+@needs_tpu
+def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
+    from relax.algorithms.online import ModelRunConfig
+    from relax.models.hf import read_config
+    from relax.plan.plan import compile_program
+    from relax.plan.programs import multi_turn_programs
+    from relax.rollout.turns import TurnConfig
+
+    cfg = TurnConfig(num_generations=2, max_tokens=64, max_turn_tokens=16, eos_ids=(2,))
+    run = ModelRunConfig(model=tiny_config, data="-")
+    programs = multi_turn_programs(run, read_config(tiny_config), cfg, 4, 16, 8,
+                                   targets.devices(targets.Target.parse("v5e:2x2")), compile_fn=compile_program)
+    assert [p.name for p in programs] == ["start", "fused_layers", "decode_turn", "append"]
+    for p in programs:
+        assert p.error is None and p.compiled.memory_analysis().temp_size_in_bytes >= 0
+        assert p.compiled.as_text()  # the TPU program's HLO

@@ -67,7 +67,9 @@ class OfflineAlgorithm:
     distillation reads its teacher, ``state.ref``). ``builtin_data(task,
     directory, tokenizer)``: the built-in task's ``(train, eval)`` jsonl paths.
     ``host_metrics(batch, metrics)``: extra host-side metrics (e.g. tokens/s). ``export(policy,
-    directory, tokenizer)``: an HF directory (default: the policy as a causal LM)."""
+    directory, tokenizer)``: an HF directory (default: the policy as a causal LM).
+    ``longest(n)``: a collated batch of ``n`` items of the largest shape the config admits (what
+    ``relax.plan`` compiles the step with, no data or tokenizer needed; None: not plannable yet)."""
 
     name: str
     make_state: Callable[[Any, jax.Array], Any]
@@ -81,6 +83,7 @@ class OfflineAlgorithm:
     host_metrics: Callable[[dict, dict], dict] = lambda batch, metrics: {}
     export: Callable[[Any, Path, TextTokenizer], Path] | None = None
     bar_keys: Sequence[tuple[str, str]] = (("loss", "loss"),)
+    longest: Callable[[int], dict] | None = None
 
 
 def batch_iterator(examples: list, batch_size: int, seed: int, collate: Callable[[list], dict]) -> grain.DatasetIterator:

@@ -7,7 +7,8 @@
 
 The flags are the run's own (``examples/train_grpo.py``'s, parsed the same way); ``--model`` may
 be a directory or just its ``config.json`` (no weights are read) and ``--data`` is not needed.
-Without ``--parallel.mesh`` the plan uses ``fsdp=-1`` (every chip). Every program of one step is
+Without ``--parallel.mesh`` the plan uses ``fsdp=-1`` (every chip). The offline trainers (sft,
+dpo, orpo) run on one device, so their plan is for one chip of the target. Every program of one step is
 compiled by the target's compiler (``relax.plan.programs``) and measured (``relax.plan.memory``).
 """
 
@@ -19,15 +20,18 @@ from typing import Any, Callable
 
 from relax.algorithms.cli import parse_flags
 from relax.algorithms.grpo import run as grpo_run
-from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig
+from relax.algorithms.online import OnlineRunConfig
+from relax.algorithms.dpo import run as dpo_run
+from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.ppo import run as ppo_run
+from relax.algorithms.sft import run as sft_run
 from relax.models.config import DTYPES, ModelConfig
 from relax.models.hf import read_config
 from relax.models.sharding import batch_shards
 from relax.plan import targets as targets_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic
 from relax.plan.memory import ProgramMemory, kv_cache_per_chip, program_memory
-from relax.plan.programs import online_programs
+from relax.plan.programs import offline_programs, online_programs
 from relax.rollout.sampler import RolloutConfig, block_size, cache_bytes
 
 
@@ -38,8 +42,12 @@ class AlgorithmEntry:
     config: type
     builtin: Callable[[], OnlineRunConfig]
     real: Callable[[], OnlineRunConfig]
-    algorithm: Callable[[Any], OnlineAlgorithm]
+    algorithm: Callable[[Any], Any]  # run config -> OnlineAlgorithm | OfflineAlgorithm
     field: str
+
+    @property
+    def online(self) -> bool:
+        return issubclass(self.config, OnlineRunConfig)
 
 
 ALGORITHMS = {
@@ -47,6 +55,10 @@ ALGORITHMS = {
                            grpo_run.algorithm, "grpo"),
     "ppo": AlgorithmEntry(ppo_run.PPORunConfig, ppo_run.builtin_defaults, ppo_run.real_defaults,
                           ppo_run.algorithm, "ppo"),
+    "sft": AlgorithmEntry(sft_run.SFTRunConfig, sft_run.builtin_defaults, sft_run.SFTRunConfig, sft_run.algorithm, "sft"),
+    "dpo": AlgorithmEntry(dpo_run.DPORunConfig, dpo_run.builtin_defaults, dpo_run.DPORunConfig, dpo_run.algorithm, "dpo"),
+    "orpo": AlgorithmEntry(dpo_run.DPORunConfig, lambda: dpo_run.builtin_defaults("orpo"),
+                           lambda: dpo_run.DPORunConfig(dpo=DPOConfig(loss_type="orpo")), dpo_run.algorithm, "dpo"),
 }
 
 
@@ -61,7 +73,7 @@ def parse_run(algorithm: str, argv: list[str]) -> OnlineRunConfig:
     if not any(a == "--data" or a.startswith("--data=") for a in argv):
         argv += ["--data", "(not read by a plan)"]
     cfg = parse_flags(entry.config, argv, builtin=entry.builtin, real=entry.real)
-    if not cfg.parallel.enabled:
+    if entry.online and not cfg.parallel.enabled:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="fsdp=-1"))
     return worst_case(cfg)
 
@@ -101,7 +113,7 @@ class Plan:
         return plan_table(self)
 
 
-def _compile(lowered) -> tuple[Any, str | None, float]:
+def compile_program(lowered) -> tuple[Any, str | None, float]:
     """``lowered.compile()``; an out-of-memory refusal is returned as its message, not raised."""
     t0 = time.perf_counter()
     try:
@@ -125,10 +137,17 @@ def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, m
 
 def plan_run(algorithm: str, run: OnlineRunConfig, model: ModelConfig, target: targets_lib.Target) -> Plan:
     """Compile one step of ``run`` for ``target`` and measure each program."""
-    algo = ALGORITHMS[algorithm].algorithm(run)
+    entry = ALGORITHMS[algorithm]
+    algo = entry.algorithm(run)
     devices = targets_lib.devices(target)
     t0 = time.perf_counter()
-    programs = online_programs(run, algo, model, devices, compile_fn=_compile)
+    if not entry.online:  # one chip: the offline trainers run on one device
+        programs = offline_programs(run, algo, model, devices, compile_fn=compile_program)
+        memory = [program_memory(p.name, p.compiled, p.args, limit=target.chip.hbm_bytes, error=p.error,
+                                 compile_s=p.compile_s) for p in programs]
+        flows = [None if p.compiled is None else traffic(p.name, p.compiled, target.chip) for p in programs]
+        return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0)
+    programs = online_programs(run, algo, model, devices, compile_fn=compile_program)
     rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
     kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
     limit = target.chip.hbm_bytes

@@ -12,6 +12,10 @@ out by ``relax.parallel.ShardedStep`` on the meshes of ``--parallel.*``) with no
 - a host segment (reward functions, packing) runs for real on a batch of zeros (its arrays are
   small next to the model), so the next program sees the batch the run would give it.
 
+``offline_programs`` does the same for an offline trainer (SFT, DPO), which runs on one device:
+its step on one chip of the target, with a batch of the longest items its config admits
+(``OfflineAlgorithm.longest``).
+
 Every program is traced under ``relax.passes.target_backend``: the backend-dependent choices
 (passes, kernels) are the target's, not this host's.
 """
@@ -19,18 +23,23 @@ Every program is traced under ``relax.passes.target_backend``: the backend-depen
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, with_lora
+from relax.algorithms.offline import OfflineAlgorithm
+from relax.algorithms.online import ModelRunConfig, OnlineAlgorithm, OnlineRunConfig, StepParts, with_lora
 from relax.models.config import DTYPES, ModelConfig
 from relax.models.transformer import init as init_model
+from relax.compose import split_host
 from relax.parallel import ShardedStep, batch_shards
 from relax.passes import choose_passes, target_backend
 from relax.rewards.functions import RewardFunction
+from relax.rollout import turns
+from relax.rollout.turns import TurnConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +55,7 @@ class Program:
     compile_s: float = 0.0
 
 
-def abstract_model(run: OnlineRunConfig, config: ModelConfig):
+def abstract_model(run: ModelRunConfig, config: ModelConfig):
     """The policy (with ``--lora.*`` adapters) as ``ShapeDtypeStruct`` s in the run's dtypes."""
     init = lambda key: with_lora(run, init_model(config, key, param_dtype=DTYPES[run.param_dtype],
                                                  dtype=DTYPES[run.compute_dtype]))
@@ -88,8 +97,7 @@ def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: Mo
                     devices: Sequence[jax.Device], *, compile_fn: Callable[[Any, tuple], Any]) -> list[Program]:
     """The jitted programs of one step of ``run`` on ``devices`` (a target's), in the order the
     step runs them; ``compile_fn(jitted, args) -> (compiled | None, error | None, seconds)``."""
-    platform = devices[0].platform
-    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    platform = _platform(devices[0])
     if not run.parallel.enabled:
         raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
     trainer_mesh, sampler_mesh = run.parallel.meshes(devices)
@@ -117,3 +125,63 @@ def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: Mo
             batch = {**host, **(out[1] if seg.updates_state else out)}
     return programs
 
+
+
+def offline_programs(run: ModelRunConfig, algorithm: OfflineAlgorithm, config: ModelConfig,
+                     devices: Sequence[jax.Device], *, compile_fn: Callable[[Any], tuple]) -> list[Program]:
+    """The jitted programs of one step of an offline trainer, on one chip (``devices[0]``)."""
+    if algorithm.longest is None:
+        raise ValueError(f"relax plan cannot plan {algorithm.name} runs yet: its algorithm gives no longest batch")
+    device = devices[0]
+    mesh = jax.sharding.Mesh(np.asarray([device]), ("data",))
+    one = jax.sharding.SingleDeviceSharding(device)
+    typed = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+    with target_backend(_platform(device)):
+        state = jax.eval_shape(algorithm.make_state, abstract_model(run, config), jax.random.key(run.seed))
+        step = algorithm.make_step(choose_passes(), None)
+        batch, programs = _shapes(algorithm.longest(run.batch_size)), []
+        for seg in step.segments:
+            if not seg.jittable:
+                _, batch = seg.run(state, _concrete(batch))
+                batch = _shapes(batch)
+                continue
+            host, dev = split_host(batch)
+            args = (typed(state), typed(dev))
+            lowered = seg.jitted.lower(*args)
+            compiled, error, seconds = compile_fn(lowered)
+            out = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), lowered.out_info)
+            programs.append(Program("+".join(seg.names), mesh, args, compiled, error, seconds))
+            batch = {**host, **(out[1] if seg.updates_state else out)}
+    return programs
+
+
+def _platform(device: jax.Device) -> str:
+    return "gpu" if device.platform in ("cuda", "rocm", "gpu") else device.platform
+
+
+def multi_turn_programs(run: ModelRunConfig, config: ModelConfig, cfg: TurnConfig, prompts: int, prompt_len: int,
+                        observation_len: int, devices: Sequence[jax.Device], *,
+                        compile_fn: Callable[[Any], tuple]) -> list[Program]:
+    """The multi-turn decoder's programs (``relax.rollout.turns``: start, the fused weights,
+    decode_turn, append) for ``prompts`` prompts of ``prompt_len`` tokens, on one chip."""
+    device = devices[0]
+    mesh = jax.sharding.Mesh(np.asarray([device]), ("data",))
+    one = jax.sharding.SingleDeviceSharding(device)
+    typed = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+    ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
+    rows = prompts * cfg.num_generations
+    obs, count = jax.ShapeDtypeStruct((rows, observation_len), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)
+    active = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+    programs = []
+    with target_backend(_platform(device)):
+        model = typed(abstract_model(run, config))
+        state = typed(jax.eval_shape(functools.partial(turns._start, cfg=cfg), model, ids, ids, jax.random.key(0)))
+        layers = typed(jax.eval_shape(functools.partial(turns._layers, cfg=cfg), model))
+        calls = (("start", turns.start, (model, typed(ids), typed(ids), typed(jax.random.key(0))), {}),
+                 ("fused_layers", turns.fused_layers, (model,), {}),
+                 ("decode_turn", turns.decode_turn, (model, state, typed(active)), {"layers": layers}),
+                 ("append", turns.append, (model, state, typed(obs), typed(count)), {"layers": layers}))
+        for name, fn, args, kwargs in calls:
+            compiled, error, seconds = compile_fn(fn.lower(*args, cfg=cfg, **kwargs))
+            programs.append(Program(name, mesh, (None, args), compiled, error, seconds))
+    return programs

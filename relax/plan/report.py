@@ -14,14 +14,20 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def _layout(run) -> str:
+    parallel = getattr(run, "parallel", None)
+    if parallel is None:
+        return "one chip (the offline trainers run on one device)"
+    return f"mesh {parallel.mesh}" + (f", sampler {parallel.sampler_devices} chips ({parallel.sampler_mesh})"
+                                      if parallel.sampler_devices else "")
+
+
 def plan_table(p: Plan) -> str:
     """Memory per chip (GiB) of each program, the peak, whether it fits; then the traffic."""
     run, t = p.run, p.target
     lines = [f"relax plan: {p.algorithm} on {t} ({t.chips} x {t.chip.name}, {gib(t.chip.hbm_bytes)} GiB HBM per chip)",
              f"  model {p.model.family}: {p.model.num_layers} layers, width {p.model.hidden_size}, "
-             f"vocab {p.model.vocab_size}; mesh {run.parallel.mesh}"
-             + (f", sampler {run.parallel.sampler_devices} chips ({run.parallel.sampler_mesh})"
-                if run.parallel.sampler_devices else "")
+             f"vocab {p.model.vocab_size}; " + _layout(run)
              + f"; params {run.param_dtype}, compute {run.compute_dtype}"
              + (f"; LoRA rank {run.lora.rank}" if run.lora.enabled else ""),
              f"  compiled {len(p.programs)} programs in {p.compile_s:.0f} s", "",

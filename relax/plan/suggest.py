@@ -40,12 +40,14 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     if hasattr(algo, "remat") and not algo.remat:
         out.append((f"--{field}.remat",))
-    out += [(f"--{field}.grad-accum", str(k)) for k in (2, 4, 8) if (algo.grad_accum or 1) < k]
-    if getattr(algo, "beta", 0) > 0 and not run.lora.enabled and not run.parallel.offload_reference:
+    if hasattr(algo, "grad_accum"):
+        out += [(f"--{field}.grad-accum", str(k)) for k in (2, 4, 8) if (algo.grad_accum or 1) < k]
+    parallel = getattr(run, "parallel", None)
+    if getattr(algo, "beta", 0) > 0 and not run.lora.enabled and parallel and not parallel.offload_reference:
         out.append(("--parallel.offload-reference",))
     if run.param_dtype == "float32":
         out.append(("--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", f"--{field}.optimizer.master-weights"))
-    if run.parallel.mesh != f"fsdp={p.target.chips}":
+    if parallel and parallel.mesh != f"fsdp={p.target.chips}":
         out.append(("--parallel.mesh", f"fsdp={p.target.chips}"))
     if not run.lora.enabled:
         out.append(("--lora.rank", "16"))

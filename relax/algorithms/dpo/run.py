@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from relax.data.pairs import with_reference
+from relax.data.pairs import Pair, with_reference
 from relax.tasks import reverse
 
 from relax.algorithms.cli import parse_flags
@@ -86,7 +86,10 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
         encode=functools.partial(dpo.encode, d), collate=functools.partial(dpo.collate, d), evaluate=evaluate,
         encode_eval=encode_eval, prepare=reference_preparer(d),
         builtin_data=lambda task, directory, tokenizer: reverse.write_task_data(task, directory, reverse.preference_rows),
-        bar_keys=(("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")))
+        bar_keys=(("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")),
+        longest=lambda n: dpo.collate(d, [Pair(prompt=[1] * d.max_prompt_tokens, chosen=[1] * d.max_completion_tokens,
+                                               rejected=[1] * d.max_completion_tokens, file="plan", row=i)
+                                          for i in range(n)], 0))
 
 
 def run(cfg: DPORunConfig) -> dict:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-from relax.data.supervised import stack_rows
+from relax.data.supervised import SFTExample, stack_rows
 from relax.models.packed import packed_logprobs
 from relax.tasks import reverse
 
@@ -83,7 +83,14 @@ def algorithm(cfg: SFTRunConfig) -> OfflineAlgorithm:
         make_step=lambda passes, tokenizer: make_sft_step(cfg.sft, passes), encode=encode,
         collate=lambda rows, pad_id: stack_rows(rows), evaluate=evaluate, encode_eval=encode_eval,
         builtin_data=lambda task, d, tokenizer: reverse.write_task_data(task, d, reverse.sft_rows),
-        host_metrics=host_metrics, bar_keys=(("loss", "loss"), ("accuracy", "acc"), ("tokens_per_s", "tok/s")))
+        host_metrics=host_metrics, bar_keys=(("loss", "loss"), ("accuracy", "acc"), ("tokens_per_s", "tok/s")),
+        longest=lambda n: stack_rows(sft_rows(cfg.sft, [full_example(cfg.sft.max_length)] * n, pad_id=0)))
+
+
+def full_example(length: int) -> SFTExample:
+    """An example filling a row of ``length`` tokens, every token but the first a target."""
+    return SFTExample(ids=np.ones(length, np.int32), loss_mask=np.r_[0, np.ones(length - 1)].astype(np.int32),
+                      origin="plan")
 
 
 def run(cfg: SFTRunConfig) -> dict:

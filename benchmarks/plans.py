@@ -1,0 +1,51 @@
+"""Plans for the models people post-train (``relax plan``; no weights, no accelerator): one JSON
+line per case with each program's need per chip, the peak and whether the run fits.
+
+    JAX_PLATFORMS=cpu python benchmarks/plans.py                 # every case (long: see RESULTS.md)
+    JAX_PLATFORMS=cpu python benchmarks/plans.py qwen0.5b-v5e-full llama8b-v5p
+
+The configs in ``benchmarks/configs`` are written from the published model shapes. GPU targets
+need the CUDA plugin (``relax.plan.gpu_target``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from relax.plan import plan
+
+CONFIGS = Path(__file__).parent / "configs"
+BF16 = ["--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", "--grpo.optimizer.master-weights"]
+GRPO = ["--grpo.num-generations", "8", "--grpo.max-new-tokens", "1024", "--max-prompt-tokens", "512"]
+
+CASES: dict[str, tuple[str, str, list[str]]] = {
+    "qwen0.5b-v5e-full": ("qwen2.5-0.5b", "v5e:2x2", [*GRPO, *BF16, "--batch-size", "8", "--parallel.mesh", "fsdp=4"]),
+    "qwen0.5b-v5e-full-remat": ("qwen2.5-0.5b", "v5e:2x2", [*GRPO, *BF16, "--batch-size", "8", "--parallel.mesh",
+                                                             "fsdp=4", "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "qwen0.5b-v5e-lora": ("qwen2.5-0.5b", "v5e:2x2", [*GRPO, "--param-dtype", "bfloat16", "--compute-dtype",
+                                                       "bfloat16", "--lora.rank", "16", "--batch-size", "8",
+                                                       "--parallel.mesh", "fsdp=4", "--grpo.remat"]),
+    "llama8b-v5p": ("llama-3.1-8b", "v5p:2x2x2", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh", "fsdp=8",
+                                                  "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "qwen7b-h100x8": ("qwen2.5-7b", "h100x8", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh", "fsdp=8",
+                                               "--grpo.remat", "--grpo.grad-accum", "4"]),
+}
+
+
+def main(names: list[str]) -> None:
+    for name in names or list(CASES):
+        model, target, flags = CASES[name]
+        t0 = time.perf_counter()
+        p = plan("grpo", ["--model", str(CONFIGS / f"{model}.json"), *flags], target)
+        print(p.table(), file=sys.stderr, flush=True)
+        print(json.dumps({"case": name, "model": model, "target": target, "flags": " ".join(flags), "fits": p.fits,
+                          "peak": p.peak.name, "peak_gib": round(p.peak.total / 2**30, 2),
+                          "limit_gib": round(p.peak.limit / 2**30, 2), "seconds": round(time.perf_counter() - t0),
+                          "programs": {m.name: round(m.total / 2**30, 2) for m in p.programs}}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
