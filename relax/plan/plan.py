@@ -147,7 +147,13 @@ def plan_run(algorithm: str, run: OnlineRunConfig, model: ModelConfig, target: t
                                  compile_s=p.compile_s) for p in programs]
         flows = [None if p.compiled is None else traffic(p.name, p.compiled, target.chip) for p in programs]
         return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0)
-    programs = online_programs(run, algo, model, devices, compile_fn=compile_program)
+    try:
+        programs = online_programs(run, algo, model, devices, compile_fn=compile_program)
+    except RuntimeError as e:
+        if "cuDNN" not in str(e):
+            raise
+        raise RuntimeError(f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs cuDNN "
+                           f"to compile; plan with --{entry.field}.train-attention group") from e
     rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
     kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
     limit = target.chip.hbm_bytes
