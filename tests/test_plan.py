@@ -193,3 +193,18 @@ def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
     for p in programs:
         assert p.error is None and p.compiled.memory_analysis().temp_size_in_bytes >= 0
         assert p.compiled.as_text()  # the TPU program's HLO
+
+
+def test_cli_usage_errors(capsys):
+    from relax.plan.cli import main
+    from relax.plan.plan import parse_run
+
+    assert main([]) == 2 and main(["plan"]) == 2 and main(["plan", "--target", "v5e:2x2"]) == 2
+    assert main(["plan", "grpo", "--model", "config.json"]) == 2  # no --target
+    assert "--target" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--model"):
+        parse_run("grpo", ["--batch-size", "8"])
+    with pytest.raises(ValueError, match="knows"):
+        parse_run("a2c", ["--model", "x"])
+    run = parse_run("grpo", ["--model", "config.json", "--grpo.packing.mode", "on"])
+    assert run.parallel.mesh == "fsdp=-1" and run.grpo.packing.mode == "off"  # every chip; planned padded
