@@ -208,3 +208,18 @@ def test_cli_usage_errors(capsys):
         parse_run("a2c", ["--model", "x"])
     run = parse_run("grpo", ["--model", "config.json", "--grpo.packing.mode", "on"])
     assert run.parallel.mesh == "fsdp=-1" and run.grpo.packing.mode == "off"  # every chip; planned padded
+
+
+@needs_tpu
+def test_sampler_split_and_offloaded_reference(tiny_config):
+    from relax.plan import plan
+
+    p = plan("grpo", ["--model", tiny_config, *RUN, "--parallel.mesh", "fsdp=2", "--parallel.sampler-devices", "2",
+                      "--parallel.offload-reference"], "v5e:2x2")
+    full = hand_count_params() * 4
+    rollout, *trainer = p.programs
+    # the sampler's 2 chips (data=2) hold their own whole copy of the policy, nothing else
+    assert (rollout.weights, rollout.optimizer, rollout.reference) == (full, 0, 0), rollout
+    for m in trainer:  # the trainer's 2 chips: fsdp=2; the reference on the device only for its readers
+        assert m.weights == full // 2 and m.fits, m
+    assert all(m.reference == full // 2 for m in trainer)  # the reference forward and the update read it
