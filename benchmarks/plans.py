@@ -35,6 +35,17 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
     "qwen7b-h100x8": ("qwen2.5-7b", "h100x8", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh", "fsdp=8",
                                                "--grpo.train-attention", "group",
                                                "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "qwen1.5b-v6e": ("qwen2.5-1.5b", "v6e:2x2", [*GRPO, *BF16, "--batch-size", "8", "--parallel.mesh", "fsdp=4",
+                                                  "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "qwen32b-v5p": ("qwen2.5-32b", "v5p:2x2x2", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh", "fsdp=8",
+                                                 "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "llama8b-h100x8-lora": ("llama-3.1-8b", "h100x8", [*GRPO, "--param-dtype", "bfloat16", "--compute-dtype",
+                                                       "bfloat16", "--lora.rank", "16", "--batch-size", "16",
+                                                       "--parallel.mesh", "fsdp=8", "--grpo.train-attention", "group",
+                                                       "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "qwen1.5b-h100x1": ("qwen2.5-1.5b", "h100x1", [*GRPO, *BF16, "--batch-size", "4", "--parallel.mesh", "fsdp=1",
+                                                   "--grpo.train-attention", "group", "--grpo.remat",
+                                                   "--grpo.grad-accum", "4"]),
 }
 
 

@@ -223,3 +223,31 @@ def test_sampler_split_and_offloaded_reference(tiny_config):
     for m in trainer:  # the trainer's 2 chips: fsdp=2; the reference on the device only for its readers
         assert m.weights == full // 2 and m.fits, m
     assert all(m.reference == full // 2 for m in trainer)  # the reference forward and the update read it
+
+
+def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_config):
+    """The greedy search over candidate flags, with the compiles stood in for by a peak that each
+    flag lowers by a known amount (a real run of it is in RESULTS.md)."""
+    from relax.plan import suggest as suggest_lib
+    from relax.plan.memory import ProgramMemory
+    from relax.plan.plan import Plan, parse_run
+
+    gib = 2**30  # remat lowers the peak by 6 GiB, offloading the reference by 3, micro-batches by nothing
+
+    def fake_plan(peak: float, run) -> Plan:
+        m = ProgramMemory("update", 0, 0, 0, 0, 0, 0, 0, 0, int(peak), 16 * gib)
+        return Plan("grpo", targets.Target.parse("v5e:2x2"), run, None, (m,), (None,), 0.0)
+
+    def fake_plan_run(algorithm, run, model, target):
+        peak = 24 * gib - (6 * gib if run.grpo.remat else 0) - (3 * gib if run.parallel.offload_reference else 0)
+        return fake_plan(peak, run)
+
+    monkeypatch.setattr(suggest_lib, "plan_run", fake_plan_run)
+    argv = ["--model", tiny_config, "--parallel.mesh", "fsdp=4"]
+    start = fake_plan(24 * gib, parse_run("grpo", argv))
+    names = [c[0] for c in suggest_lib.candidates(start)]
+    assert names[:2] == ["--grpo.remat", "--grpo.grad-accum"] and "--lora.rank" in names
+    attempts = suggest_lib.suggest(start, argv)
+    assert attempts[0].flags == ("--grpo.remat",) and attempts[0].kept and not attempts[0].fits
+    assert not any(a.kept for a in attempts if a.flags[0] == "--grpo.grad-accum")  # changed nothing: dropped
+    assert attempts[-1].flags == ("--parallel.offload-reference",) and attempts[-1].fits  # 15 GiB: stop here
