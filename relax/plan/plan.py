@@ -72,10 +72,10 @@ def parse_run(algorithm: str, argv: list[str]) -> OnlineRunConfig:
         raise ValueError("relax plan needs --model (a model directory or its config.json)")
     if not any(a == "--data" or a.startswith("--data=") for a in argv):
         argv += ["--data", "(not read by a plan)"]
-    cfg = parse_flags(entry.config, argv, builtin=entry.builtin, real=entry.real)
-    if entry.online and not cfg.parallel.enabled:
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="fsdp=-1"))
-    return worst_case(cfg)
+    named = lambda flag: any(a == flag or a.startswith(flag + "=") for a in argv)
+    if entry.online and not named("--parallel.mesh") and not named("--parallel.sampler-devices"):
+        argv += ["--parallel.mesh", "fsdp=-1"]  # every chip (before parsing: other flags may need a mesh)
+    return worst_case(parse_flags(entry.config, argv, builtin=entry.builtin, real=entry.real))
 
 
 def worst_case(cfg: OnlineRunConfig) -> OnlineRunConfig:

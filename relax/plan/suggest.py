@@ -8,7 +8,8 @@ one that lowers the peak, until the run fits or none is left::
     --parallel.offload-reference            the KL reference in host memory between its uses
     --param-dtype bfloat16 --compute-dtype bfloat16 --<algo>.optimizer.master-weights
                                             16-bit weights, float32 master copy in the optimizer
-    --parallel.mesh fsdp=<chips>            weights and optimizer state sharded over every chip
+    --parallel.mesh fsdp=<chips>            weights and optimizer state sharded over every chip (with a
+                                            sampler split: every chip trains and samples)
     --lora.rank 16                          adapters train, the base model is frozen (one copy)
 
 A sampler/trainer split (``--parallel.sampler-devices``) gives each side fewer chips, so it never
@@ -19,18 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from relax.parallel import MeshSpec
 from relax.plan.plan import Plan, parse_run, plan_run
 
 
 @dataclasses.dataclass(frozen=True)
 class Attempt:
     """One change tried: its flags, the peak per chip after it, whether the run then fits and
-    whether the change was kept (it lowered the peak)."""
+    whether the change was kept (it lowered the peak); ``error``: the run refused the flags."""
 
     flags: tuple[str, ...]
     peak_bytes: int
     fits: bool
     kept: bool
+    error: str | None = None
 
 
 def candidates(p: Plan) -> list[tuple[str, ...]]:
@@ -40,14 +43,16 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     if hasattr(algo, "remat") and not algo.remat:
         out.append((f"--{field}.remat",))
-    if hasattr(algo, "grad_accum"):
-        out += [(f"--{field}.grad-accum", str(k)) for k in (2, 4, 8) if (algo.grad_accum or 1) < k]
+    if hasattr(algo, "grad_accum"):  # micro-batches that split a minibatch's rows evenly
+        rows = run.batch_size // getattr(algo, "num_minibatches", 1)
+        out += [(f"--{field}.grad-accum", str(k)) for k in (2, 4, 8) if (algo.grad_accum or 1) < k and rows % k == 0]
     parallel = getattr(run, "parallel", None)
     if getattr(algo, "beta", 0) > 0 and not run.lora.enabled and parallel and not parallel.offload_reference:
         out.append(("--parallel.offload-reference",))
     if run.param_dtype == "float32":
         out.append(("--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", f"--{field}.optimizer.master-weights"))
-    if parallel and parallel.mesh != f"fsdp={p.target.chips}":
+    if parallel and (parallel.sampler_devices or MeshSpec.parse(parallel.mesh).resolve(p.target.chips).shape
+                     != (1, p.target.chips, 1)):
         out.append(("--parallel.mesh", f"fsdp={p.target.chips}"))
     if not run.lora.enabled:
         out.append(("--lora.rank", "16"))
@@ -59,7 +64,12 @@ def suggest(p: Plan, argv: list[str], log=lambda line: None) -> list[Attempt]:
     kept: list[str] = []
     best, attempts = p.peak.total if p.peak.total else float("inf"), []
     for flags in candidates(p):
-        trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target)
+        try:
+            trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target)
+        except ValueError as e:  # flags this run cannot take (e.g. micro-batches that do not divide it)
+            attempts.append(Attempt(flags, 0, False, False, str(e)))
+            log(f"  tried {' '.join(flags)}: refused ({e})")
+            continue
         lower = trial.peak.total < best or (trial.fits and not p.fits)
         attempts.append(Attempt(flags, trial.peak.total, trial.fits, lower))
         log(f"  tried {' '.join(flags)}: peak {trial.peak.total / 2**30:.2f} GiB"
