@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from relax.algorithms.cli import parse_flags
 from relax.algorithms.grpo import run as grpo_run
-from relax.algorithms.online import OnlineRunConfig
+from relax.algorithms.online import ModelRunConfig, OnlineRunConfig
 from relax.algorithms.dpo import run as dpo_run
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.ppo import run as ppo_run
@@ -37,11 +37,12 @@ from relax.rollout.sampler import RolloutConfig, block_size, cache_bytes
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmEntry:
-    """How to parse an online algorithm's flags and build it; ``field``: its config's flag group."""
+    """How to parse an algorithm's flags and build it (online: GRPO, PPO; offline: SFT, DPO,
+    ORPO); ``field``: its config's flag group (``--grpo.*``)."""
 
     config: type
-    builtin: Callable[[], OnlineRunConfig]
-    real: Callable[[], OnlineRunConfig]
+    builtin: Callable[[], ModelRunConfig]
+    real: Callable[[], ModelRunConfig]
     algorithm: Callable[[Any], Any]  # run config -> OnlineAlgorithm | OfflineAlgorithm
     field: str
 
@@ -62,7 +63,7 @@ ALGORITHMS = {
 }
 
 
-def parse_run(algorithm: str, argv: list[str]) -> OnlineRunConfig:
+def parse_run(algorithm: str, argv: list[str]) -> ModelRunConfig:
     """The run config ``argv`` gives ``algorithm`` (``--data`` and a mesh are filled in if absent)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"relax plan knows {', '.join(ALGORITHMS)}; got {algorithm!r}")
@@ -78,7 +79,7 @@ def parse_run(algorithm: str, argv: list[str]) -> OnlineRunConfig:
     return worst_case(parse_flags(entry.config, argv, builtin=entry.builtin, real=entry.real))
 
 
-def worst_case(cfg: OnlineRunConfig) -> OnlineRunConfig:
+def worst_case(cfg: ModelRunConfig) -> ModelRunConfig:
     """The run with completions padded to the budget (packing only ever lowers the update's need,
     and what it packs depends on lengths a plan does not know)."""
     grpo = getattr(cfg, "grpo", None)
@@ -94,7 +95,7 @@ class Plan:
 
     algorithm: str
     target: targets_lib.Target
-    run: OnlineRunConfig
+    run: ModelRunConfig
     model: ModelConfig
     programs: tuple[ProgramMemory, ...]
     traffic: tuple[ProgramTraffic | None, ...]
@@ -135,7 +136,7 @@ def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, m
     return frozenset(d for s in sizes for d in ((rows, heads, model.head_dim, s), (rows, heads, s, model.head_dim)))
 
 
-def plan_run(algorithm: str, run: OnlineRunConfig, model: ModelConfig, target: targets_lib.Target) -> Plan:
+def plan_run(algorithm: str, run: ModelRunConfig, model: ModelConfig, target: targets_lib.Target) -> Plan:
     """Compile one step of ``run`` for ``target`` and measure each program."""
     entry = ALGORITHMS[algorithm]
     algo = entry.algorithm(run)

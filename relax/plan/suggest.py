@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.parallel import MeshSpec
-from relax.plan.plan import Plan, parse_run, plan_run
+from relax.plan.plan import ALGORITHMS, Plan, parse_run, plan_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Attempt:
 
 def candidates(p: Plan) -> list[tuple[str, ...]]:
     """The changes worth trying on ``p``'s run, in order."""
-    run, field = p.run, p.algorithm
+    run, field = p.run, ALGORITHMS[p.algorithm].field
     algo = getattr(run, field)
     out: list[tuple[str, ...]] = []
     if hasattr(algo, "remat") and not algo.remat:
