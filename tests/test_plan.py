@@ -238,7 +238,7 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
         m = ProgramMemory("update", 0, 0, 0, 0, 0, 0, 0, 0, int(peak), 16 * gib)
         return Plan("grpo", targets.Target.parse("v5e:2x2"), run, None, (m,), (None,), 0.0)
 
-    def fake_plan_run(algorithm, run, model, target):
+    def fake_plan_run(algorithm, run, model, target, **_):
         peak = 24 * gib - (6 * gib if run.grpo.remat else 0) - (3 * gib if run.parallel.offload_reference else 0)
         return fake_plan(peak, run)
 

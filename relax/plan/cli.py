@@ -47,7 +47,7 @@ def summary(p) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relax.plan.plan import plan
+    from relax.plan.plan import compile_once, plan
     from relax.plan.suggest import suggest
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -61,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         print(USAGE + "\n--target is required", file=sys.stderr)
         return 2
-    p = plan(algorithm, rest, target)
+    compile_fn = compile_once()  # the suggestions reuse the programs their flags leave alone
+    p = plan(algorithm, rest, target, compile_fn=compile_fn)
     print(p.table(), flush=True)
     record = summary(p)
     if not p.fits and no_suggest is None:
         print("\n  does not fit; trying flags that would make it fit (each compiled again):", flush=True)
-        attempts = suggest(p, rest, log=lambda line: print(line, flush=True))
+        attempts = suggest(p, rest, log=lambda line: print(line, flush=True), compile_fn=compile_fn)
         record["suggestions"] = [dataclasses.asdict(a) for a in attempts]
         kept = [f for a in attempts if a.kept for f in a.flags]
         fits = bool(attempts) and attempts[-1].fits

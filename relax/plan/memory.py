@@ -87,26 +87,26 @@ def program_memory(name: str, compiled: Any, args: tuple[Any, Any], *, limit: in
                    error: str | None = None, compile_s: float = 0.0) -> ProgramMemory:
     """The breakdown of one program; ``kv_cache``: its KV caches per chip (0 outside the sampler)."""
     state, batch = args
-    parts = state_parts(state)
-    batch_bytes = per_chip(batch)
-    if compiled is None:
+    parts, batch_bytes = state_parts(state), per_chip(batch)
+    if compiled is None:  # refused for memory: the message counts the temporaries
         needed, available = oom_bytes(error or "")
-        temp = needed or 0  # the message counts the temporaries
-        return ProgramMemory(name, **parts, batch=batch_bytes, kv_cache=min(kv_cache, temp),
-                             activations=temp - min(kv_cache, temp), outputs=0,
-                             total=sum(parts.values()) + batch_bytes + temp, limit=available or limit, error=error,
-                             compile_s=compile_s)
-    m = compiled.memory_analysis()
-    temp = m.temp_size_in_bytes
-    outputs = m.output_size_in_bytes - m.alias_size_in_bytes
-    total = sum(parts.values()) + batch_bytes + outputs + temp
-    return ProgramMemory(name, **parts, batch=batch_bytes, kv_cache=min(kv_cache, temp),
-                         activations=temp - min(kv_cache, temp), outputs=outputs, total=total, limit=limit,
+        temp, outputs, limit = needed or 0, 0, available or limit
+    else:
+        m = compiled.memory_analysis()
+        temp, outputs = m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
+    kv = min(kv_cache, temp)
+    return ProgramMemory(name, **parts, batch=batch_bytes, kv_cache=kv, activations=temp - kv, outputs=outputs,
+                         total=sum(parts.values()) + batch_bytes + outputs + temp, limit=limit, error=error,
                          compile_s=compile_s)
 
 
-def kv_cache_per_chip(total_bytes: int, mesh: jax.sharding.Mesh, num_kv_heads: int) -> int:
-    """A sampler's KV caches per chip: rows split over the batch axes, KV heads over ``tensor``
-    where they divide (``relax.rollout.sampler``'s decode layout)."""
+def kv_heads_per_chip(config, mesh: jax.sharding.Mesh) -> int:
+    """KV heads a chip holds in the sampler's decode layout (``relax.models.sharding.decode_layout``):
+    split over ``tensor`` where they divide, else whole."""
     tensor = mesh.shape.get("tensor", 1)
-    return total_bytes // (batch_shards(mesh) * (tensor if num_kv_heads % tensor == 0 else 1))
+    return config.num_kv_heads // tensor if config.num_kv_heads % tensor == 0 else config.num_kv_heads
+
+
+def kv_cache_per_chip(total_bytes: int, mesh: jax.sharding.Mesh, config) -> int:
+    """A sampler's KV caches per chip: rows split over the batch axes, KV heads as ``kv_heads_per_chip``."""
+    return total_bytes * kv_heads_per_chip(config, mesh) // (config.num_kv_heads * batch_shards(mesh))

@@ -15,6 +15,7 @@ compiled by the target's compiler (``relax.plan.programs``) and measured (``rela
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -30,9 +31,9 @@ from relax.models.hf import read_config
 from relax.models.sharding import batch_shards
 from relax.plan import targets as targets_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic
-from relax.plan.memory import ProgramMemory, kv_cache_per_chip, program_memory
+from relax.plan.memory import ProgramMemory, kv_cache_per_chip, kv_heads_per_chip, program_memory
 from relax.plan.programs import offline_programs, online_programs
-from relax.rollout.sampler import RolloutConfig, block_size, cache_bytes
+from relax.rollout.sampler import RolloutConfig, block_sizes, cache_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,53 +126,62 @@ def compile_program(lowered) -> tuple[Any, str | None, float]:
         return None, str(e).splitlines()[0], time.perf_counter() - t0
 
 
+def compile_once(compile_fn: Callable[[Any], tuple] = compile_program) -> Callable[[Any], tuple]:
+    """``compile_fn`` that compiles each distinct program (by its lowered text) once: the plans of
+    one run with other flags (``relax.plan.suggest``) share the programs a flag does not change,
+    e.g. the sampler when only the update's micro-batches differ."""
+    done: dict[str, tuple] = {}
+
+    def run(lowered) -> tuple:
+        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        if key not in done:
+            done[key] = compile_fn(lowered)
+        return done[key]
+
+    return run
+
+
 def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, mesh) -> frozenset:
     """Per-chip shapes of the sampler's completion-cache blocks (keys ``[rows, Hkv, D, S]``,
-    values ``[rows, Hkv, S, D]``): rows over the batch axes, KV heads over ``tensor`` where they divide."""
-    tensor = mesh.shape.get("tensor", 1)
-    rows = prompts * rollout.num_generations // batch_shards(mesh)
-    heads = model.num_kv_heads // tensor if model.num_kv_heads % tensor == 0 else model.num_kv_heads
-    chunk, n = min(block_size(rollout), rollout.max_new_tokens), rollout.max_new_tokens
-    sizes = {min(chunk, n - i) for i in range(0, n, chunk)}
-    return frozenset(d for s in sizes for d in ((rows, heads, model.head_dim, s), (rows, heads, s, model.head_dim)))
+    values ``[rows, Hkv, S, D]``): rows over the batch axes, KV heads as ``kv_heads_per_chip``."""
+    rows, heads, d = prompts * rollout.num_generations // batch_shards(mesh), kv_heads_per_chip(model, mesh), model.head_dim
+    return frozenset(x for s in block_sizes(rollout) for x in ((rows, heads, d, s), (rows, heads, s, d)))
 
 
-def plan_run(algorithm: str, run: ModelRunConfig, model: ModelConfig, target: targets_lib.Target) -> Plan:
-    """Compile one step of ``run`` for ``target`` and measure each program."""
+def plan_run(algorithm: str, run: ModelRunConfig, model: ModelConfig, target: targets_lib.Target, *,
+             compile_fn: Callable[[Any], tuple] = compile_program) -> Plan:
+    """Compile one step of ``run`` for ``target`` (with ``compile_fn``) and measure each program."""
     entry = ALGORITHMS[algorithm]
     algo = entry.algorithm(run)
     devices = targets_lib.devices(target)
     t0 = time.perf_counter()
     if not entry.online:  # one chip: the offline trainers run on one device
-        programs = offline_programs(run, algo, model, devices, compile_fn=compile_program)
-        memory = [program_memory(p.name, p.compiled, p.args, limit=target.chip.hbm_bytes, error=p.error,
-                                 compile_s=p.compile_s) for p in programs]
-        flows = [None if p.compiled is None else traffic(p.name, p.compiled, target.chip) for p in programs]
-        return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0)
-    try:
-        programs = online_programs(run, algo, model, devices, compile_fn=compile_program)
-    except RuntimeError as e:
-        if "cuDNN" not in str(e):
-            raise
-        raise RuntimeError(f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs cuDNN "
-                           f"to compile; plan with --{entry.field}.train-attention group") from e
-    rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
-    kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
-    limit = target.chip.hbm_bytes
+        programs = offline_programs(run, algo, model, devices, compile_fn=compile_fn)
+    else:
+        try:
+            programs = online_programs(run, algo, model, devices, compile_fn=compile_fn)
+        except RuntimeError as e:
+            if "cuDNN" not in str(e):
+                raise
+            raise RuntimeError(f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs "
+                               f"cuDNN to compile; plan with --{entry.field}.train-attention group") from e
+        rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
+        kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
     memory, flows = [], []
     for p in programs:
-        kv = kv_cache_per_chip(kv_total, p.mesh, model.num_kv_heads) if "rollout" in p.name else 0
-        memory.append(program_memory(p.name, p.compiled, p.args, limit=limit, kv_cache=kv, error=p.error,
-                                     compile_s=p.compile_s))
-        sampler = "rollout" in p.name
+        sampler = entry.online and "rollout" in p.name
+        kv = kv_cache_per_chip(kv_total, p.mesh, model) if sampler else 0
+        memory.append(program_memory(p.name, p.compiled, p.args, limit=target.chip.hbm_bytes, kv_cache=kv,
+                                     error=p.error, compile_s=p.compile_s))
         flows.append(None if p.compiled is None else traffic(
-            p.name, p.compiled, target.chip, min(block_size(rollout), rollout.max_new_tokens) if sampler else None,
+            p.name, p.compiled, target.chip, block_sizes(rollout)[0] if sampler else None,
             cache_block_dims(model, rollout, run.batch_size, p.mesh) if sampler else frozenset()))
     return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0)
 
 
-def plan(algorithm: str, argv: list[str], target: str | targets_lib.Target) -> Plan:
+def plan(algorithm: str, argv: list[str], target: str | targets_lib.Target, *,
+         compile_fn: Callable[[Any], tuple] = compile_program) -> Plan:
     """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``)."""
     run = parse_run(algorithm, argv)
     target = target if isinstance(target, targets_lib.Target) else targets_lib.Target.parse(target)
-    return plan_run(algorithm, run, read_config(run.model), target)
+    return plan_run(algorithm, run, read_config(run.model), target, compile_fn=compile_fn)

@@ -88,15 +88,16 @@ def _concrete(tree: Any) -> Any:
 
 
 def _shapes(tree: Any) -> Any:
-    """Arrays as ``ShapeDtypeStruct`` s (what the next jitted segment is lowered with)."""
-    is_array = lambda x: isinstance(x, (np.ndarray, jax.Array, np.generic))
+    """Arrays (and a lowered program's output infos) as ``ShapeDtypeStruct`` s without a sharding
+    (what the next jitted segment is lowered with, placed its own way)."""
+    is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # numpy, jax, lowered.out_info
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_array(x) else x, tree)
 
 
 def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: ModelConfig,
-                    devices: Sequence[jax.Device], *, compile_fn: Callable[[Any, tuple], Any]) -> list[Program]:
+                    devices: Sequence[jax.Device], *, compile_fn: Callable[[Any], tuple]) -> list[Program]:
     """The jitted programs of one step of ``run`` on ``devices`` (a target's), in the order the
-    step runs them; ``compile_fn(jitted, args) -> (compiled | None, error | None, seconds)``."""
+    step runs them; ``compile_fn(lowered) -> (compiled | None, error | None, seconds)``."""
     platform = _platform(devices[0])
     if not run.parallel.enabled:
         raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
@@ -107,24 +108,7 @@ def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: Mo
         step = algorithm.make_step(_parts(config, choose_passes(batch_shards=batch_shards(trainer_mesh))))
         sharded = ShardedStep(step, state, trainer_mesh, sampler_mesh=sampler_mesh,
                               offload_reference=run.parallel.offload_reference)
-        batch, programs = first_batch(run), []
-        for seg in sharded.segments:
-            if not seg.jittable:
-                if seg.names != ("weight_transfer",):  # a copy between meshes: nothing to compile
-                    _, batch = seg.run(state, _concrete(batch))
-                    batch = _shapes(batch)
-                continue
-            args = seg.abstract(state, batch)
-            mesh = args[1]["prompt_ids"].sharding.mesh  # the sampler's or the trainer's
-            with jax.set_mesh(mesh):
-                lowered = seg.jitted.lower(*args)
-                compiled, error, seconds = compile_fn(lowered)
-                out = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), lowered.out_info)
-            programs.append(Program("+".join(seg.names), mesh, args, compiled, error, seconds))
-            host = {k: v for k, v in batch.items() if k not in args[1]}
-            batch = {**host, **(out[1] if seg.updates_state else out)}
-    return programs
-
+        return _walk(sharded.segments, state, first_batch(run), compile_fn)
 
 
 def offline_programs(run: ModelRunConfig, algorithm: OfflineAlgorithm, config: ModelConfig,
@@ -133,26 +117,45 @@ def offline_programs(run: ModelRunConfig, algorithm: OfflineAlgorithm, config: M
     if algorithm.longest is None:
         raise ValueError(f"relax plan cannot plan {algorithm.name} runs yet: its algorithm gives no longest batch")
     device = devices[0]
-    mesh = jax.sharding.Mesh(np.asarray([device]), ("data",))
-    one = jax.sharding.SingleDeviceSharding(device)
-    typed = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
     with target_backend(_platform(device)):
         state = jax.eval_shape(algorithm.make_state, abstract_model(run, config), jax.random.key(run.seed))
         step = algorithm.make_step(choose_passes(), None)
-        batch, programs = _shapes(algorithm.longest(run.batch_size)), []
-        for seg in step.segments:
-            if not seg.jittable:
+        return _walk(step.segments, state, _shapes(algorithm.longest(run.batch_size)), compile_fn, device=device)
+
+
+def _walk(segments, state, batch: dict, compile_fn, device: jax.Device | None = None) -> list[Program]:
+    """Lower and compile each jitted segment in order, with its ``Segment.abstract`` arguments
+    (a ``ShardedStep``'s) or else the state and batch placed on ``device``; host segments run on
+    zeros. Each program's outputs are the next one's batch."""
+    programs = []
+    for seg in segments:
+        if not seg.jittable:
+            if seg.names != ("weight_transfer",):  # a copy between meshes: nothing to compile
                 _, batch = seg.run(state, _concrete(batch))
                 batch = _shapes(batch)
-                continue
-            host, dev = split_host(batch)
-            args = (typed(state), typed(dev))
+            continue
+        args = (seg.abstract(state, batch) if seg.abstract is not None else
+                (_on_device(state, device), _on_device(split_host(batch)[1], device)))
+        mesh = _mesh_of(args[1])
+        with jax.set_mesh(mesh):
             lowered = seg.jitted.lower(*args)
             compiled, error, seconds = compile_fn(lowered)
-            out = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), lowered.out_info)
-            programs.append(Program("+".join(seg.names), mesh, args, compiled, error, seconds))
-            batch = {**host, **(out[1] if seg.updates_state else out)}
+        out = _shapes(lowered.out_info)
+        programs.append(Program("+".join(seg.names), mesh, args, compiled, error, seconds))
+        batch = {**split_host(batch)[0], **(out[1] if seg.updates_state else out)}
     return programs
+
+
+def _mesh_of(batch: dict) -> jax.sharding.Mesh:
+    """The mesh a program's batch arguments are laid out on (one device's for a single-device sharding)."""
+    sharding = jax.tree.leaves(batch)[0].sharding
+    return getattr(sharding, "mesh", None) or jax.sharding.Mesh(np.asarray(list(sharding.device_set)), ("data",))
+
+
+def _on_device(tree: Any, device: jax.Device) -> Any:
+    """``tree``'s arrays as ``ShapeDtypeStruct`` s placed on ``device``."""
+    one = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
 
 
 def _platform(device: jax.Device) -> str:
@@ -166,8 +169,7 @@ def multi_turn_programs(run: ModelRunConfig, config: ModelConfig, cfg: TurnConfi
     decode_turn, append) for ``prompts`` prompts of ``prompt_len`` tokens, on one chip."""
     device = devices[0]
     mesh = jax.sharding.Mesh(np.asarray([device]), ("data",))
-    one = jax.sharding.SingleDeviceSharding(device)
-    typed = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+    typed = functools.partial(_on_device, device=device)
     ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
     rows = prompts * cfg.num_generations
     obs, count = jax.ShapeDtypeStruct((rows, observation_len), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)

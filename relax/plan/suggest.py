@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.parallel import MeshSpec
-from relax.plan.plan import ALGORITHMS, Plan, parse_run, plan_run
+from relax.plan.plan import ALGORITHMS, Plan, compile_once, parse_run, plan_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +59,16 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     return out
 
 
-def suggest(p: Plan, argv: list[str], log=lambda line: None) -> list[Attempt]:
-    """Greedy: each candidate on top of the kept ones, compiled again; stop once the run fits."""
+def suggest(p: Plan, argv: list[str], log=lambda line: None, compile_fn=None) -> list[Attempt]:
+    """Greedy: each candidate on top of the kept ones, compiled again; stop once the run fits.
+    ``compile_fn``: default ``compile_once()``, so a program no flag changed compiles once."""
+    compile_fn = compile_once() if compile_fn is None else compile_fn
     kept: list[str] = []
     best, attempts = p.peak.total if p.peak.total else float("inf"), []
     for flags in candidates(p):
         try:
-            trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target)
+            trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target,
+                             compile_fn=compile_fn)
         except ValueError as e:  # flags this run cannot take (e.g. micro-batches that do not divide it)
             attempts.append(Attempt(flags, 0, False, False, str(e)))
             log(f"  tried {' '.join(flags)}: refused ({e})")

@@ -104,6 +104,13 @@ def block_size(cfg: RolloutConfig) -> int:
     return max(cfg.cache_chunk, -(-cfg.max_new_tokens // cfg.max_segments))
 
 
+def block_sizes(cfg: RolloutConfig) -> list[int]:
+    """Slots of each completion-cache block (the last one may be shorter): one decode loop each."""
+    n = cfg.max_new_tokens
+    chunk = min(block_size(cfg), n)
+    return [min(chunk, n - i) for i in range(0, n, chunk)]
+
+
 def cache_bytes(config, prompts: int, prompt_len: int, cfg: RolloutConfig, dtype) -> int:
     """Bytes of the KV caches ``_generate`` keeps over the whole batch: per layer, keys and values
     of each prompt once (``[P, Hkv, Lp, D]``) and of each of its G completions
@@ -275,8 +282,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
     prompt_kv = [(heads(jnp.swapaxes(pk[i], -1, -2)), heads(pv[i])) for i in range(c.num_layers)]
     # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a
     # step reads only the blocks filled so far instead of the whole budget.
-    chunk = min(block_size(cfg), n)
-    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    chunk, sizes = min(block_size(cfg), n), block_sizes(cfg)
     ck = [tuple(heads(jnp.zeros((b, c.num_kv_heads, c.head_dim, sz), dtype)) for sz in sizes)
           for _ in range(c.num_layers)]
     cv = [tuple(heads(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype)) for sz in sizes)
