@@ -12,7 +12,7 @@ command buffers (CUDA graphs) op by op unless XLA_FLAGS has
 ``--xla_enable_command_buffers_during_profiling=true``: traced idle and wall are an upper bound;
 the untraced wall per step is printed too. Per kernel, the decode loops' kernels (trace
 ``hlo_op`` = HLO instruction name) are summed over the N-token call / (N - 1); their bytes come
-from the same executable's optimized HLO (``op_bytes``, ``fusion_bytes``)::
+from the same executable's optimized HLO (``relax.parallel.hlo.kernel_bytes``)::
 
     bytes / execution = operand sizes + result size   (slices: what they read; in place: the update)
     bytes / step      = sum over the loops' kernels of bytes / execution * executions / (N - 1)
@@ -45,7 +45,7 @@ from gpu import DECODE_LEVERS, LLAMA_1B, TINY, decode_ideal_bytes, flag, update_
 from harness import emit  # noqa: E402
 
 from relax.models import cast, init  # noqa: E402
-from relax.parallel.hlo import CONTROL, FREE, SLICES, Instr, arrays, launching, nbytes, parse_hlo  # noqa: E402
+from relax.parallel.hlo import CONTROL, FREE, Instr, arrays, kernel_bytes, launching, parse_hlo  # noqa: E402
 from relax.parallel.hlo import loops as while_loops  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, block_size, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
@@ -136,59 +136,6 @@ def profile(name: str, fn, calls: int = 2, top: int = 25) -> dict:
 
 # ---------------------------------------------------------------------------- optimized HLO
 
-def fusion_bytes(body: list[Instr]) -> tuple[int, bool]:
-    """Bytes a fusion moves: its parameters read + its outputs written, except that a parameter
-    read only through slices/gathers counts their results, and an output that is a
-    dynamic-update-slice of a parameter used nowhere else is in place: it writes only the update
-    and does not read the buffer (returned flag). An approximation of what XLA emits."""
-    by = {i.name: i for i in body}
-    users = collections.defaultdict(list)
-    for i in body:
-        for o in i.operands:
-            users[o].append(i)
-
-    def base(n):  # through bitcasts, backwards
-        while n in by and by[n].op == "bitcast":
-            n = by[n].operands[0]
-        return n
-
-    def uses(n):  # users, through bitcasts, forwards
-        return [v for u in users[n] for v in (uses(u.name) if u.op == "bitcast" else [u])]
-
-    root = next(i for i in reversed(body) if i.root)
-    outs = [by[o] for o in root.operands] if root.op == "tuple" else [root]
-    written, inplace = 0, set()
-    for o in outs:
-        x = by[base(o.name)]
-        buf = base(x.operands[0]) if x.op == "dynamic-update-slice" else None
-        if buf in by and by[buf].op == "parameter" and uses(buf) == [x]:
-            inplace.add(buf)
-            written += nbytes(by[x.operands[1]].shape)
-        else:
-            written += nbytes(o.shape)
-    read = 0
-    for prm in (i for i in body if i.op == "parameter" and i.name not in inplace):
-        us = uses(prm.name)
-        sliced = us and all(u.op in SLICES and base(u.operands[0]) == prm.name for u in us)
-        read += min(sum(nbytes(u.shape) for u in us), nbytes(prm.shape)) if sliced else nbytes(prm.shape)
-    return read + written, bool(inplace)
-
-
-def op_bytes(ins: Instr, comps, local: dict[str, Instr]) -> tuple[int, bool]:
-    """Bytes one execution of a kernel moves (operands read + result written, ``fusion_bytes``
-    for a fusion; a dynamic-update-slice reads and writes only its update) and whether in place."""
-    operand = lambda i: nbytes(local[ins.operands[i]].shape) if ins.operands[i] in local else 0
-    if ins.op == "fusion" and ins.called() and ins.called()[0] in comps:
-        return fusion_bytes(comps[ins.called()[0]])
-    if ins.op == "dynamic-update-slice":
-        return 2 * operand(1), True
-    if ins.op in SLICES:
-        return 2 * nbytes(ins.shape), False
-    # a GEMM custom-call's result is (output, workspace): the workspace is not traffic
-    result = nbytes(ins.shape, first_only=ins.op == "custom-call")
-    return sum(operand(i) for i in range(len(ins.operands))) + result, False
-
-
 def hlo_category(ins: Instr, comps, local, tags: dict) -> str:
     """attention: an operand or result has a K/V cache's or a score block's shape; gemm: a
     GEMM custom-call or a fusion with a dot; sampling: a [B, V] operand or result (any
@@ -245,7 +192,7 @@ def decode_ops(text: str, tags: dict, cfg: RolloutConfig, b: int) -> tuple[dict,
             for ins in comps[cn]:
                 if ins.op in FREE or ins.op in CONTROL:
                     continue
-                by, inplace = op_bytes(ins, comps, local)
+                by, inplace = kernel_bytes(ins, comps, local)
                 w = st / (n - 1)
                 ops[ins.name] = {"op": ins.op, "category": hlo_category(ins, comps, local, tags), "execs": w,
                                  "bytes": by * w, "inplace": inplace, "shape": ins.shape}

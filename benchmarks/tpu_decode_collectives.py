@@ -1,8 +1,8 @@
 """The sampler's decode loops compiled for a TPU slice (libtpu's compile-only client, no TPU), read
 like ``tests/test_decode_sharding.py`` reads them on 8 simulated CPU devices: collectives in the
-loops' bodies and conditions, and copies of a completion-cache block, summed over the 3 decode
-loops, for the same tiny model, batch and meshes. Prints one JSON object per mesh with the CPU
-expectation beside it.
+loops' bodies and conditions, and copies of a completion-cache block (HBM to HBM; the compiler's
+prefetches into VMEM apart), summed over the 3 decode loops, for the same tiny model, batch and
+meshes. Prints one JSON object per mesh with the CPU expectation beside it.
 
     JAX_PLATFORMS=cpu python benchmarks/tpu_decode_collectives.py            # v5e:2x4 (8 chips)
 """
@@ -44,11 +44,16 @@ def case(spec: str, chips) -> dict:
     hk = MODEL["num_kv_heads"]
     dims = {(r, h, a, b) for r in range(1, P * G + 1) for h in range(1, hk + 1)
             for a, b in ((8, CHUNK), (CHUNK, 8), (8, N - 2 * CHUNK), (N - 2 * CHUNK, 8))}
-    copies = {f"copy {s}": n for (op, s), n in loop_ops(text, ("copy",)).items()
-              if any(s.endswith(f"[{','.join(map(str, d))}]") for d in dims)}
+    block = lambda s: any(f"[{','.join(map(str, d))}]" in s for d in dims)
+    # a copy-start's shape is (destination, source, context): its destination in HBM is a duplicate,
+    # in VMEM (memory space 1) the compiler's prefetch, which is how the step reads the block
+    copies = {f"copy {s}": n for (op, s), n in loop_ops(text, ("copy",), hbm_only=True).items() if block(s)}
+    prefetches = {f"copy {s}": n - copies.get(f"copy {s}", 0)
+                  for (op, s), n in loop_ops(text, ("copy",)).items() if block(s)}
     body, condition = expected(spec)
     return {"mesh": spec, "body": name(loop_ops(text, COLLECTIVES)),
             "condition": name(loop_ops(text, COLLECTIVES, part="condition")), "cache_copies": copies,
+            "cache_prefetches": {k: n for k, n in prefetches.items() if n},
             "cpu_expected_body": body, "cpu_expected_condition": condition}
 
 

@@ -11,7 +11,8 @@ decode step talks to no other device beyond what its layout implies and copies n
     loop_ops(text, COLLECTIVES)                     # {(op, shape): count} over decode-loop bodies
     loop_ops(text, COLLECTIVES, part="condition")   # the loops' stop checks
 
-``benchmarks/gpu_profile.py`` reads the bytes each kernel moves from the same parse.
+``kernel_bytes`` is what one kernel moves in HBM (``benchmarks/gpu_profile.py`` and
+``relax.plan.hlo_summary`` read it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Iterable, Literal
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\]")
+_LAID_OUT = re.compile(r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\](\{[^}]*\})?")
+_SPACE = re.compile(r"S\([1-9]\d*\)")  # a memory space other than the default (0)
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier",
         "add-dependency", "domain", "partition-id", "replica-id"}  # no kernel
@@ -40,8 +43,20 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 def nbytes(shape: str, first_only: bool = False) -> int:
     """Size of an HLO shape, e.g. ``bf16[64,2048]{1,0}`` = 64 * 2048 * 2; tuples summed."""
     arrs = arrays(shape)[:1] if first_only else arrays(shape)
-    size = lambda t: _BYTES.get(t, 1 if t.startswith("f8") else int(re.sub(r"\D", "", t) or 8) / 8)
-    return int(sum(size(t) * math.prod(d) for t, d in arrs))
+    return int(sum(_itemsize(t) * math.prod(d) for t, d in arrs))
+
+
+def _itemsize(dtype: str) -> float:
+    return _BYTES.get(dtype, 1 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 8) / 8)
+
+
+def device_bytes(shape: str, first_only: bool = False) -> int:
+    """Like ``nbytes``, of the arrays in the device's main memory (HBM) only: an array whose
+    layout names another memory space (``{1,0:T(8,128)S(1)}``: a TPU core's VMEM; host memory
+    on GPU) is not counted."""
+    arrs = _LAID_OUT.findall(shape)[:1] if first_only else _LAID_OUT.findall(shape)
+    return int(sum(_itemsize(t) * math.prod(int(x) for x in d.split(",") if x)
+                   for t, d, layout in arrs if not _SPACE.search(layout)))
 
 
 @dataclasses.dataclass
@@ -115,9 +130,11 @@ def loops(comps: dict[str, list[Instr]], entry: str, *, scans: bool = False) -> 
 
 
 def loop_ops(text: str, ops: Iterable[str], *, part: Literal["body", "condition"] = "body",
-             scans: bool = False) -> collections.Counter:
+             scans: bool = False, hbm_only: bool = False) -> collections.Counter:
     """``{(op, result shape without layout): count}`` of the instructions named ``ops`` (an async
-    ``-start`` half counts as its op) that the loops' ``part`` runs, summed over the loops."""
+    ``-start`` half counts as its op) that the loops' ``part`` runs, summed over the loops.
+    ``hbm_only``: only those whose result (an async copy's: its destination) is in HBM, e.g.
+    not the TPU compiler's prefetches of a buffer into VMEM."""
     comps, entry = parse_hlo(text)
     names = {o: o for o in ops} | {f"{o}-start": o for o in ops}
     found: collections.Counter = collections.Counter()
@@ -125,6 +142,66 @@ def loop_ops(text: str, ops: Iterable[str], *, part: Literal["body", "condition"
         root = re.search(part + r"=%([\w.\-]+)", loop.attrs).group(1)
         for c in launching(comps, root):
             for ins in comps[c]:
-                if ins.op in names:
+                if ins.op in names and (not hbm_only or device_bytes(ins.shape, first_only=True)):
                     found[(names[ins.op], re.sub(r"\{[^}]*\}", "", ins.shape))] += 1
     return found
+
+
+def _fusion_bytes(body: list[Instr]) -> tuple[int, bool]:
+    """Bytes a fusion moves: its parameters read + its outputs written, except that a parameter
+    read only through slices/gathers counts their results, and an output that is a
+    dynamic-update-slice of a parameter used nowhere else is in place: it writes only the update
+    and does not read the buffer (returned flag). An approximation of what XLA emits."""
+    by = {i.name: i for i in body}
+    users = collections.defaultdict(list)
+    for i in body:
+        for o in i.operands:
+            users[o].append(i)
+
+    def base(n):  # through bitcasts, backwards
+        while n in by and by[n].op == "bitcast":
+            n = by[n].operands[0]
+        return n
+
+    def uses(n):  # users, through bitcasts, forwards
+        return [v for u in users[n] for v in (uses(u.name) if u.op == "bitcast" else [u])]
+
+    root = next(i for i in reversed(body) if i.root)
+    outs = [by[o] for o in root.operands] if root.op == "tuple" else [root]
+    written, inplace = 0, set()
+    for o in outs:
+        x = by[base(o.name)]
+        buf = base(x.operands[0]) if x.op == "dynamic-update-slice" else None
+        if buf in by and by[buf].op == "parameter" and uses(buf) == [x]:
+            inplace.add(buf)
+            written += device_bytes(by[x.operands[1]].shape)
+        else:
+            written += device_bytes(o.shape)
+    read = 0
+    for prm in (i for i in body if i.op == "parameter" and i.name not in inplace):
+        us = uses(prm.name)
+        sliced = us and all(u.op in SLICES and base(u.operands[0]) == prm.name for u in us)
+        whole = device_bytes(prm.shape)
+        read += min(sum(device_bytes(u.shape) for u in us), whole) if sliced else whole
+    return read + written, bool(inplace)
+
+
+def kernel_bytes(ins: Instr, comps, local: dict[str, Instr]) -> tuple[int, bool]:
+    """HBM bytes one execution of a kernel moves (operands read + result written, ``_fusion_bytes``
+    for a fusion; a dynamic-update-slice reads and writes only its update) and whether in place."""
+    operand = lambda i: device_bytes(local[ins.operands[i]].shape) if ins.operands[i] in local else 0
+    if ins.op == "fusion" and ins.called() and ins.called()[0] in comps:
+        return _fusion_bytes(comps[ins.called()[0]])
+    if ins.op == "dynamic-update-slice":
+        return 2 * operand(1), True
+    if ins.op in SLICES:
+        return 2 * device_bytes(ins.shape), False
+    if ins.op == "slice-start":  # ((source alias), slice, context): reads and writes the slice
+        (dtype, dims, layout), src = _LAID_OUT.findall(ins.shape)[-2], ins.operands[0]
+        size = _itemsize(dtype) * math.prod(int(x) for x in dims.split(",") if x)
+        in_hbm = src in local and device_bytes(local[src].shape) > 0
+        return int(size * in_hbm + (0 if _SPACE.search(layout) else size)), False
+    # a GEMM custom-call's result is (output, workspace): the workspace is not traffic; an async
+    # copy's is (destination, source alias, context): it writes the destination
+    result = device_bytes(ins.shape, first_only=ins.op in ("custom-call", "copy-start"))
+    return sum(operand(i) for i in range(len(ins.operands))) + result, False

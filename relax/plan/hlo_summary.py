@@ -5,14 +5,18 @@ many times as it runs: a ``lax.scan`` body times its known trip count, a decode 
 (``lax.while_loop``, trip count unknown to XLA) per decode step. For each kernel:
 
     flops  = 2 * prod(result dims) * prod(contracted dims)     of each dot inside it
-    bytes  = its operands' bytes + its result's bytes          (what it reads and writes in HBM)
+    bytes  = its operands' bytes + its result's bytes          (what it reads and writes in HBM;
+                                                                arrays in on-chip memory, e.g. the
+                                                                TPU's VMEM, are not counted)
     time  >= max(flops / peak FLOP/s, bytes / HBM bandwidth)   (the roofline of that kernel)
 
 and the program's estimated time is the sum of its kernels' (a lower bound: no overlap of
 kernels, no launch or collective latency; ICI/NVLink time is not modelled). The bytes of a
 fusion whose operand is only sliced are over-counted (the whole operand is charged).
 Collectives are listed by kind with their bytes (the result's), per run and per decode step;
-``cache_copies`` counts copies inside decode loops of arrays shaped like a KV cache block.
+``cache_copies`` counts copies inside decode loops of arrays shaped like a KV cache block from
+HBM to HBM (duplicates); the TPU compiler's prefetches of blocks into VMEM (``copy-start`` to
+memory space 1) are how the step reads them and are not counted.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 import re
 from typing import Any
 
-from relax.parallel.hlo import COLLECTIVES, CONTROL, FREE, Instr, arrays, nbytes, parse_hlo
+from relax.parallel.hlo import COLLECTIVES, CONTROL, FREE, Instr, arrays, device_bytes, kernel_bytes, nbytes, parse_hlo
 
 _TRIP = re.compile(r'known_trip_count[^0-9]*(\d+)')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -72,8 +76,13 @@ def _kernel(ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]) 
         for c in ins.called():
             inner = {i.name: i for i in comps.get(c, [])}
             flops += sum(_dot_flops(i, inner) for i in comps.get(c, []))
-    moved = nbytes(ins.shape) + sum(nbytes(local[o].shape) for o in ins.operands if o in local)
-    return flops, float(moved)
+    return flops, float(kernel_bytes(ins, comps, local)[0])
+
+
+def _hbm_copy(ins: Instr, local: dict[str, Instr]) -> bool:
+    """A copy from HBM to HBM (not a prefetch to, or eviction from, on-chip memory)."""
+    reads = sum(device_bytes(local[o].shape) for o in ins.operands if o in local)
+    return bool(reads and device_bytes(ins.shape, first_only=True))
 
 
 def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: int | None,
@@ -108,7 +117,8 @@ def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: 
             size = max((nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", ins.shape)), default=0)
             n, b = out[key + "_coll"][kind]
             out[key + "_coll"][kind] = (n + int(times), b + int(size * times))
-        if decode and kind == "copy" and any(dims in cache_dims for _, dims in arrays(ins.shape)):
+        if (decode and kind == "copy" and any(dims in cache_dims for _, dims in arrays(ins.shape))
+                and _hbm_copy(ins, local)):
             out["cache_copies"] += int(times)
 
 
