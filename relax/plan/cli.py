@@ -3,11 +3,12 @@
     relax plan grpo --target v5p:2x2x2 --model llama-3.1-8b/config.json \\
         --batch-size 64 --grpo.num-generations 16 --grpo.max-new-tokens 2048 --parallel.mesh fsdp=8
 
-The first word is the algorithm (grpo, ppo); ``--target`` the machine (``relax.plan.targets``);
+The first word is the algorithm (grpo, ppo, sft, dpo, orpo); ``--target`` the machine (``relax.plan.targets``);
 every other flag is the run's own (``examples/train_<algorithm>.py --help``). Prints per chip and
 per program what the memory holds, the peak against the chip's HBM and the step's traffic; when
 the run does not fit, the flags that make it fit (``relax.plan.suggest``, ``--no-suggest`` to
-skip). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3: does not fit.
+skip). The sampler of a deep model is compiled at two shallow depths and extended to the
+model's (``relax.plan.depth``); ``--exact`` compiles it whole (slower). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3: does not fit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 
 from relax.algorithms.cli import flag_value
 
-USAGE = "usage: relax plan <grpo|ppo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|...> --model <dir|config.json> [run flags]"
+USAGE = ("usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|...> "
+         "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]")
 
 
 def _pop(argv: list[str], flag: str, takes_value: bool = True) -> tuple[list[str], str | None]:
@@ -41,7 +43,7 @@ def _pop(argv: list[str], flag: str, takes_value: bool = True) -> tuple[list[str
 def summary(p) -> dict:
     """The plan's figures as JSON-able values."""
     return {"algorithm": p.algorithm, "target": str(p.target), "fits": p.fits, "peak": p.peak.name,
-            "compile_s": round(p.compile_s, 1),
+            "compile_s": round(p.compile_s, 1), "exact": p.exact,
             "programs": [dataclasses.asdict(m) | {"fits": m.fits} for m in p.programs],
             "traffic": [None if t is None else dataclasses.asdict(t) for t in p.traffic]}
 
@@ -58,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     rest, target = _pop(rest, "--target")
     rest, out = _pop(rest, "--json")
     rest, no_suggest = _pop(rest, "--no-suggest", takes_value=False)
+    rest, exact = _pop(rest, "--exact", takes_value=False)
     if target is None:
         print(USAGE + "\n--target is required", file=sys.stderr)
         return 2
     compile_fn = compile_once()  # the suggestions reuse the programs their flags leave alone
-    p = plan(algorithm, rest, target, compile_fn=compile_fn)
+    p = plan(algorithm, rest, target, compile_fn=compile_fn, exact=exact is not None)
     print(p.table(), flush=True)
     record = summary(p)
     if not p.fits and no_suggest is None:

@@ -57,6 +57,9 @@ class ProgramMemory:
     limit: int
     error: str | None = None
     compile_s: float = 0.0
+    depths: tuple[int, ...] = ()
+    """The depths the program was compiled at when it was extrapolated to the model's
+    (``relax.plan.depth``); empty when it was compiled whole."""
 
     @property
     def fits(self) -> bool:

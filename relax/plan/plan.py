@@ -29,6 +29,7 @@ from relax.algorithms.sft import run as sft_run
 from relax.models.config import DTYPES, ModelConfig
 from relax.models.hf import read_config
 from relax.models.sharding import batch_shards
+from relax.plan import depth as depth_lib
 from relax.plan import targets as targets_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic
 from relax.plan.memory import ProgramMemory, kv_cache_per_chip, kv_heads_per_chip, program_memory
@@ -101,6 +102,7 @@ class Plan:
     programs: tuple[ProgramMemory, ...]
     traffic: tuple[ProgramTraffic | None, ...]
     compile_s: float
+    exact: bool = False  # every program compiled whole (no sampler extended from shallow compiles)
 
     @property
     def peak(self) -> ProgramMemory:
@@ -148,40 +150,74 @@ def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, m
     return frozenset(x for s in block_sizes(rollout) for x in ((rows, heads, d, s), (rows, heads, s, d)))
 
 
+def is_sampler(name: str) -> bool:
+    """Whether a program of an online run is its sampler (the ``rollout`` stage)."""
+    return "rollout" in name.split("+")
+
+
 def plan_run(algorithm: str, run: ModelRunConfig, model: ModelConfig, target: targets_lib.Target, *,
-             compile_fn: Callable[[Any], tuple] = compile_program) -> Plan:
-    """Compile one step of ``run`` for ``target`` (with ``compile_fn``) and measure each program."""
+             compile_fn: Callable[[Any], tuple] = compile_program, exact: bool = False) -> Plan:
+    """Compile one step of ``run`` for ``target`` (with ``compile_fn``) and measure each program.
+    The sampler of a deep model is compiled at two shallow depths and extended to its own
+    (``relax.plan.depth``) unless ``exact``."""
     entry = ALGORITHMS[algorithm]
     algo = entry.algorithm(run)
     devices = targets_lib.devices(target)
     t0 = time.perf_counter()
     if not entry.online:  # one chip: the offline trainers run on one device
         programs = offline_programs(run, algo, model, devices, compile_fn=compile_fn)
+        measured = [(program_memory(p.name, p.compiled, p.args, limit=target.chip.hbm_bytes, error=p.error,
+                                    compile_s=p.compile_s), _traffic(p, target)) for p in programs]
     else:
-        try:
-            programs = online_programs(run, algo, model, devices, compile_fn=compile_fn)
-        except RuntimeError as e:
-            if "cuDNN" not in str(e):
-                raise
-            raise RuntimeError(f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs "
-                               f"cuDNN to compile; plan with --{entry.field}.train-attention group") from e
-        rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
-        kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
-    memory, flows = [], []
+        measured = _online(entry, run, algo, model, target, devices, compile_fn, exact)
+    memory, flows = zip(*measured)
+    return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0, exact)
+
+
+def _traffic(p, target, sampler: tuple | None = None) -> ProgramTraffic | None:
+    """A compiled program's traffic; ``sampler``: its first cache block's slots and the blocks' shapes."""
+    if p.compiled is None:
+        return None
+    return traffic(p.name, p.compiled, target.chip, *(sampler or (None, frozenset())))
+
+
+def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -> list[tuple]:
+    """Each program of an online run, measured: ``(ProgramMemory, ProgramTraffic | None)``."""
+    try:
+        at = None if exact else depth_lib.depths(model)
+        shallow = [online_programs(run, algo, depth_lib.shallow(model, d), devices, compile_fn=compile_fn,
+                                   until=is_sampler) for d in (at or ())]
+        known = {p.name: p.outputs for p in shallow[0] if is_sampler(p.name)} if shallow else None
+        programs = online_programs(run, algo, model, devices, compile_fn=compile_fn, known=known)
+    except RuntimeError as e:
+        if "cuDNN" not in str(e):
+            raise
+        raise RuntimeError(f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs "
+                           f"cuDNN to compile; plan with --{entry.field}.train-attention group") from e
+    rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
+    kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
+    limit = target.chip.hbm_bytes
+    out = []
     for p in programs:
-        sampler = entry.online and "rollout" in p.name
+        sampler = is_sampler(p.name)
         kv = kv_cache_per_chip(kv_total, p.mesh, model) if sampler else 0
-        memory.append(program_memory(p.name, p.compiled, p.args, limit=target.chip.hbm_bytes, kv_cache=kv,
-                                     error=p.error, compile_s=p.compile_s))
-        flows.append(None if p.compiled is None else traffic(
-            p.name, p.compiled, target.chip, block_sizes(rollout)[0] if sampler else None,
-            cache_block_dims(model, rollout, run.batch_size, p.mesh) if sampler else frozenset()))
-    return Plan(algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0)
+        blocks = (block_sizes(rollout)[0], cache_block_dims(model, rollout, run.batch_size, p.mesh)) if sampler else None
+        if known and p.name in known:  # the sampler, extended from its shallow compiles
+            low = [next(q for q in qs if q.name == p.name) for qs in shallow]
+            ma, mb = (program_memory(q.name, q.compiled, q.args, limit=limit, error=q.error, compile_s=q.compile_s)
+                      for q in low)
+            ta, tb = (_traffic(q, target, blocks) for q in low)
+            out.append((depth_lib.extend_memory(p.name, p.args, kv, ma, mb, *at, model.num_layers),
+                        None if ta is None or tb is None else depth_lib.extend_traffic(ta, tb, *at, model.num_layers)))
+            continue
+        out.append((program_memory(p.name, p.compiled, p.args, limit=limit, kv_cache=kv, error=p.error,
+                                   compile_s=p.compile_s), _traffic(p, target, blocks)))
+    return out
 
 
 def plan(algorithm: str, argv: list[str], target: str | targets_lib.Target, *,
-         compile_fn: Callable[[Any], tuple] = compile_program) -> Plan:
+         compile_fn: Callable[[Any], tuple] = compile_program, exact: bool = False) -> Plan:
     """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``)."""
     run = parse_run(algorithm, argv)
     target = target if isinstance(target, targets_lib.Target) else targets_lib.Target.parse(target)
-    return plan_run(algorithm, run, read_config(run.model), target, compile_fn=compile_fn)
+    return plan_run(algorithm, run, read_config(run.model), target, compile_fn=compile_fn, exact=exact)

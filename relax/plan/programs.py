@@ -53,6 +53,7 @@ class Program:
     compiled: Any = None
     error: str | None = None
     compile_s: float = 0.0
+    outputs: Any = None  # its results' shapes (what the next program is called with)
 
 
 def abstract_model(run: ModelRunConfig, config: ModelConfig):
@@ -95,9 +96,12 @@ def _shapes(tree: Any) -> Any:
 
 
 def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: ModelConfig,
-                    devices: Sequence[jax.Device], *, compile_fn: Callable[[Any], tuple]) -> list[Program]:
+                    devices: Sequence[jax.Device], *, compile_fn: Callable[[Any], tuple],
+                    known: dict[str, Any] | None = None, until: Callable[[str], bool] | None = None) -> list[Program]:
     """The jitted programs of one step of ``run`` on ``devices`` (a target's), in the order the
-    step runs them; ``compile_fn(lowered) -> (compiled | None, error | None, seconds)``."""
+    step runs them; ``compile_fn(lowered) -> (compiled | None, error | None, seconds)``.
+    ``known``: the outputs of programs (by name) that are not to be compiled (left ``compiled``
+    None, ``error`` None); ``until``: stop after the first program whose name it accepts."""
     platform = _platform(devices[0])
     if not run.parallel.enabled:
         raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
@@ -108,7 +112,7 @@ def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: Mo
         step = algorithm.make_step(_parts(config, choose_passes(batch_shards=batch_shards(trainer_mesh))))
         sharded = ShardedStep(step, state, trainer_mesh, sampler_mesh=sampler_mesh,
                               offload_reference=run.parallel.offload_reference)
-        return _walk(sharded.segments, state, first_batch(run), compile_fn)
+        return _walk(sharded.segments, state, first_batch(run), compile_fn, known=known or {}, until=until)
 
 
 def offline_programs(run: ModelRunConfig, algorithm: OfflineAlgorithm, config: ModelConfig,
@@ -123,26 +127,36 @@ def offline_programs(run: ModelRunConfig, algorithm: OfflineAlgorithm, config: M
         return _walk(step.segments, state, _shapes(algorithm.longest(run.batch_size)), compile_fn, device=device)
 
 
-def _walk(segments, state, batch: dict, compile_fn, device: jax.Device | None = None) -> list[Program]:
+def _walk(segments, state, batch: dict, compile_fn, device: jax.Device | None = None, *,
+          known: dict[str, Any] | None = None, until: Callable[[str], bool] | None = None) -> list[Program]:
     """Lower and compile each jitted segment in order, with its ``Segment.abstract`` arguments
     (a ``ShardedStep``'s) or else the state and batch placed on ``device``; host segments run on
-    zeros. Each program's outputs are the next one's batch."""
-    programs = []
+    zeros. Each program's outputs are the next one's batch (``known`` ones' as given)."""
+    programs, known = [], known or {}
     for seg in segments:
         if not seg.jittable:
             if seg.names != ("weight_transfer",):  # a copy between meshes: nothing to compile
                 _, batch = seg.run(state, _concrete(batch))
                 batch = _shapes(batch)
             continue
+        name = "+".join(seg.names)
         args = (seg.abstract(state, batch) if seg.abstract is not None else
                 (_on_device(state, device), _on_device(split_host(batch)[1], device)))
         mesh = _mesh_of(args[1])
-        with jax.set_mesh(mesh):
-            lowered = seg.jitted.lower(*args)
-            compiled, error, seconds = compile_fn(lowered)
-        out = _shapes(lowered.out_info)
-        programs.append(Program("+".join(seg.names), mesh, args, compiled, error, seconds))
+        if name in known:
+            if seg.updates_state:
+                raise ValueError(f"program {name} updates the state: its outputs cannot be given")
+            program = Program(name, mesh, args, outputs=known[name])
+        else:
+            with jax.set_mesh(mesh):
+                lowered = seg.jitted.lower(*args)
+                compiled, error, seconds = compile_fn(lowered)
+            program = Program(name, mesh, args, compiled, error, seconds, outputs=_shapes(lowered.out_info))
+        programs.append(program)
+        out = program.outputs
         batch = {**split_host(batch)[0], **(out[1] if seg.updates_state else out)}
+        if until is not None and until(name):
+            break
     return programs
 
 

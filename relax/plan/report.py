@@ -35,11 +35,15 @@ def plan_table(p: Plan) -> str:
     for m in p.programs:
         cells = " ".join(f"{gib(getattr(m, c)):>11}" for c in COLUMNS)
         verdict = "yes" if m.fits else ("NO (compiler)" if m.error else "NO")
-        lines.append(f"  {m.name[:16]:<16} {cells} {gib(m.total):>11} {gib(m.limit):>7}  {verdict:<4} {m.compile_s:>6.1f}")
+        mark = "~" if m.depths else " "
+        lines.append(f"  {m.name[:15]:<15}{mark} {cells} {gib(m.total):>11} {gib(m.limit):>7}  {verdict:<4} {m.compile_s:>6.1f}")
     peak = p.peak
     lines += ["", f"  peak: {peak.name} needs {gib(peak.total)} GiB of {gib(peak.limit)} GiB per chip -> "
               + ("fits" if p.fits else "does NOT fit")]
     for m in p.programs:
+        if m.depths:
+            lines.append(f"  ~ {m.name}: extended to {p.model.num_layers} layers from compiles of its first "
+                         f"{' and '.join(map(str, m.depths))} (relax.plan.depth; --exact compiles it whole)")
         if m.error:
             lines.append(f"  {m.name}: {m.error}")
     lines += ["", "  per chip (roofline: each kernel at peak FLOP/s or HBM bandwidth)   TFLOP    GB   est. s   collectives"]

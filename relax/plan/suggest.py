@@ -68,7 +68,7 @@ def suggest(p: Plan, argv: list[str], log=lambda line: None, compile_fn=None) ->
     for flags in candidates(p):
         try:
             trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target,
-                             compile_fn=compile_fn)
+                             compile_fn=compile_fn, exact=p.exact)
         except ValueError as e:  # flags this run cannot take (e.g. micro-batches that do not divide it)
             attempts.append(Attempt(flags, 0, False, False, str(e)))
             log(f"  tried {' '.join(flags)}: refused ({e})")
