@@ -181,7 +181,7 @@ def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
 def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
     from relax.algorithms.online import ModelRunConfig
     from relax.models.hf import read_config
-    from relax.plan.compiler import compile_program
+    from relax.plan.plan import compile_program
     from relax.plan.programs import multi_turn_programs
     from relax.rollout.turns import TurnConfig
 
@@ -261,12 +261,12 @@ def test_deep_sampler_extended_from_two_shallow_compiles(tmp_path):
     of a model this small sit partly in the TPU's on-chip memory, which the compiler does not
     count; RESULTS.md compares them at Qwen2.5-0.5B's size.)"""
     from relax.plan import plan
-    from relax.plan.compiler import Compiler
+    from relax.plan.plan import compile_once
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**TINY, "num_hidden_layers": 16}))
     argv = ["--model", str(path), *RUN, "--parallel.mesh", "fsdp=4"]
-    compile_fn = Compiler()  # the reference and update programs are compiled once for both plans
+    compile_fn = compile_once()  # the reference and update programs are compiled once for both plans
     fast, whole = (plan("grpo", argv, "v5e:2x2", compile_fn=compile_fn, exact=e) for e in (False, True))
     (mf, *rest_f), (mw, *rest_w) = fast.programs, whole.programs
     assert mf.depths == (4, 8) and mw.depths == () and rest_f == rest_w

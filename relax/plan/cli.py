@@ -49,8 +49,7 @@ def summary(p) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relax.plan.compiler import Compiler
-    from relax.plan.plan import plan
+    from relax.plan.plan import compile_once, plan
     from relax.plan.suggest import suggest
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         print(USAGE + "\n--target is required", file=sys.stderr)
         return 2
-    compile_fn = Compiler()  # the suggestions reuse the programs their flags leave alone
+    compile_fn = compile_once()  # the suggestions reuse the programs their flags leave alone
     p = plan(algorithm, rest, target, compile_fn=compile_fn, exact=exact is not None)
     print(p.table(), flush=True)
     record = summary(p)

@@ -15,7 +15,7 @@ compiled by the target's compiler (``relax.plan.programs``) and measured (``rela
 from __future__ import annotations
 
 import dataclasses
-import functools
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -33,8 +33,7 @@ from relax.plan import depth as depth_lib
 from relax.plan import targets as targets_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic
 from relax.plan.memory import ProgramMemory, kv_cache_per_chip, kv_heads_per_chip, program_memory
-from relax.plan.compiler import Compiler, compile_program, sampler_record
-from relax.plan.programs import is_sampler, offline_programs, online_programs
+from relax.plan.programs import offline_programs, online_programs
 from relax.rollout.sampler import RolloutConfig, block_sizes, cache_bytes
 
 
@@ -118,11 +117,42 @@ class Plan:
         return plan_table(self)
 
 
+def compile_program(lowered) -> tuple[Any, str | None, float]:
+    """``lowered.compile()``; an out-of-memory refusal is returned as its message, not raised."""
+    t0 = time.perf_counter()
+    try:
+        return lowered.compile(), None, time.perf_counter() - t0
+    except Exception as e:  # the compile-only clients raise JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        return None, str(e).splitlines()[0], time.perf_counter() - t0
+
+
+def compile_once(compile_fn: Callable[[Any], tuple] = compile_program) -> Callable[[Any], tuple]:
+    """``compile_fn`` that compiles each distinct program (by its lowered text) once: the plans of
+    one run with other flags (``relax.plan.suggest``) share the programs a flag does not change,
+    e.g. the sampler when only the update's micro-batches differ."""
+    done: dict[str, tuple] = {}
+
+    def run(lowered) -> tuple:
+        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        if key not in done:
+            done[key] = compile_fn(lowered)
+        return done[key]
+
+    return run
+
+
 def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, mesh) -> frozenset:
     """Per-chip shapes of the sampler's completion-cache blocks (keys ``[rows, Hkv, D, S]``,
     values ``[rows, Hkv, S, D]``): rows over the batch axes, KV heads as ``kv_heads_per_chip``."""
     rows, heads, d = prompts * rollout.num_generations // batch_shards(mesh), kv_heads_per_chip(model, mesh), model.head_dim
     return frozenset(x for s in block_sizes(rollout) for x in ((rows, heads, d, s), (rows, heads, s, d)))
+
+
+def is_sampler(name: str) -> bool:
+    """Whether a program of an online run is its sampler (the ``rollout`` stage)."""
+    return "rollout" in name.split("+")
 
 
 def plan_run(algorithm: str, run: ModelRunConfig, model: ModelConfig, target: targets_lib.Target, *,
@@ -155,11 +185,10 @@ def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -
     """Each program of an online run, measured: ``(ProgramMemory, ProgramTraffic | None)``."""
     try:
         at = None if exact else depth_lib.depths(model)
-        shallow = [_shallow_sampler(entry, run, algo, model, d, target, devices, compile_fn) for d in (at or ())]
-        known = {shallow[0][0].name: shallow[0][0].outputs} if shallow else None
+        shallow = [online_programs(run, algo, depth_lib.shallow(model, d), devices, compile_fn=compile_fn,
+                                   until=is_sampler) for d in (at or ())]
+        known = {p.name: p.outputs for p in shallow[0] if is_sampler(p.name)} if shallow else None
         programs = online_programs(run, algo, model, devices, compile_fn=compile_fn, known=known)
-        shallow = [dataclasses.replace(p, **dict(zip(("compiled", "error", "compile_s"), done())))
-                   for p, done in shallow]
     except RuntimeError as e:
         if "cuDNN" not in str(e):
             raise
@@ -174,9 +203,10 @@ def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -
         kv = kv_cache_per_chip(kv_total, p.mesh, model) if sampler else 0
         blocks = (block_sizes(rollout)[0], cache_block_dims(model, rollout, run.batch_size, p.mesh)) if sampler else None
         if known and p.name in known:  # the sampler, extended from its shallow compiles
+            low = [next(q for q in qs if q.name == p.name) for qs in shallow]
             ma, mb = (program_memory(q.name, q.compiled, q.args, limit=limit, error=q.error, compile_s=q.compile_s)
-                      for q in shallow)
-            ta, tb = (_traffic(q, target, blocks) for q in shallow)
+                      for q in low)
+            ta, tb = (_traffic(q, target, blocks) for q in low)
             out.append((depth_lib.extend_memory(p.name, p.args, kv, ma, mb, *at, model.num_layers),
                         None if ta is None or tb is None else depth_lib.extend_traffic(ta, tb, *at, model.num_layers)))
             continue
@@ -185,26 +215,9 @@ def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -
     return out
 
 
-def _shallow_sampler(entry, run, algo, model, layers: int, target, devices, compile_fn) -> tuple:
-    """The sampler of ``run`` for ``model``'s first ``layers`` layers, lowered, and a function that
-    gives its ``(compiled, error, seconds)``: the deeper one is compiled by a worker process
-    meanwhile when ``compile_fn`` is a ``Compiler`` with workers (``Compiler.later``)."""
-    low = depth_lib.shallow(model, layers)
-    pending = []
-    defer = lambda lowered: (pending.append(lowered), (None, None, 0.0))[1]
-    program = online_programs(run, algo, low, devices, compile_fn=defer, until=is_sampler)[-1]
-    lowered = pending[-1]
-    if isinstance(compile_fn, Compiler) and layers == max(depth_lib.depths(model)):
-        return program, compile_fn.later(lowered, functools.partial(sampler_record, entry.algorithm, run, low, target))
-    result = compile_fn(lowered)
-    return program, lambda: result
-
-
 def plan(algorithm: str, argv: list[str], target: str | targets_lib.Target, *,
-         compile_fn: Callable[[Any], tuple] | None = None, exact: bool = False) -> Plan:
-    """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``);
-    ``compile_fn``: by default a ``Compiler`` (each program once, one worker process)."""
-    compile_fn = Compiler() if compile_fn is None else compile_fn
+         compile_fn: Callable[[Any], tuple] = compile_program, exact: bool = False) -> Plan:
+    """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``)."""
     run = parse_run(algorithm, argv)
     target = target if isinstance(target, targets_lib.Target) else targets_lib.Target.parse(target)
     return plan_run(algorithm, run, read_config(run.model), target, compile_fn=compile_fn, exact=exact)

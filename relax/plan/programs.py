@@ -56,11 +56,6 @@ class Program:
     outputs: Any = None  # its results' shapes (what the next program is called with)
 
 
-def is_sampler(name: str) -> bool:
-    """Whether a program of an online run is its sampler (the ``rollout`` stage)."""
-    return "rollout" in name.split("+")
-
-
 def abstract_model(run: ModelRunConfig, config: ModelConfig):
     """The policy (with ``--lora.*`` adapters) as ``ShapeDtypeStruct`` s in the run's dtypes."""
     init = lambda key: with_lora(run, init_model(config, key, param_dtype=DTYPES[run.param_dtype],

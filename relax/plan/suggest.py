@@ -21,8 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.parallel import MeshSpec
-from relax.plan.compiler import Compiler
-from relax.plan.plan import ALGORITHMS, Plan, parse_run, plan_run
+from relax.plan.plan import ALGORITHMS, Plan, compile_once, parse_run, plan_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +61,8 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
 
 def suggest(p: Plan, argv: list[str], log=lambda line: None, compile_fn=None) -> list[Attempt]:
     """Greedy: each candidate on top of the kept ones, compiled again; stop once the run fits.
-    ``compile_fn``: default a ``Compiler``, so a program no flag changed compiles once."""
-    compile_fn = Compiler() if compile_fn is None else compile_fn
+    ``compile_fn``: default ``compile_once()``, so a program no flag changed compiles once."""
+    compile_fn = compile_once() if compile_fn is None else compile_fn
     kept: list[str] = []
     best, attempts = p.peak.total if p.peak.total else float("inf"), []
     for flags in candidates(p):
