@@ -279,3 +279,51 @@ def test_deep_sampler_extended_from_two_shallow_compiles(tmp_path):
     for kind, (n, size) in tw.collectives.items():  # the compiler combines the gathers a little differently
         assert tf.collectives[kind][0] == n and tf.collectives[kind][1] == pytest.approx(size, rel=0.05), kind
     assert "~ rollout: extended to 16 layers from compiles of its first 4 and 8" in fast.table()
+
+
+def test_smallest_slice_search(monkeypatch, tiny_config):
+    """The search over a kind's slices with the compiles stood in for by a need that halves with
+    every doubling of chips; the state floor and a refused layout are passed over, not compiled."""
+    from relax.models.hf import read_config
+    from relax.plan import search
+    from relax.plan.memory import ProgramMemory
+    from relax.plan.plan import Plan, parse_run
+
+    assert [str(t) for t in search.slices("v5p")][:3] == ["v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4"]
+    assert [t.chips for t in search.slices("h100")] == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="chip kind"):
+        search.slices("a100")
+    gib, planned = 2**30, []
+
+    def fake_plan_run(algorithm, run, model, target, **_):
+        planned.append(target.chips)
+        if target.chips == 16:
+            raise ValueError("prompts do not split over 16 chips")
+        m = ProgramMemory("update", 0, 0, 0, 0, 0, 0, 0, 0, int(1600 * gib / target.chips), target.chip.hbm_bytes)
+        return Plan("grpo", target, run, model, (m,), (None,), 0.0)
+
+    monkeypatch.setattr(search, "plan_run", fake_plan_run)
+    monkeypatch.setattr(search, "state_bytes", lambda *a: 500 * gib)  # more than 4 v5p chips hold (380 GiB)
+    run, model = parse_run("grpo", ["--model", tiny_config]), read_config(tiny_config)
+    p, tried = search.smallest("grpo", run, model, "v5p", compile_fn=None)
+    assert planned == [8, 16, 32]  # 4 chips skipped by the floor, 16 refused, 32 fits (50 of 95 GiB)
+    assert str(p.target) == "v5p:2x4x4" and p.fits
+    assert [t.fits for t in tried] == [False, False, False, True] and "state alone" in tried[0].reason
+    assert "do not split" in tried[2].reason and tried[1].peak_bytes == 200 * gib
+    monkeypatch.setattr(search, "state_bytes", lambda *a: 10**15)  # nothing holds it
+    assert search.smallest("grpo", run, model, "v5e", compile_fn=None)[0] is None
+    with pytest.raises(ValueError, match="-1 axis"):
+        search.smallest("grpo", parse_run("grpo", ["--model", tiny_config, "--parallel.mesh", "fsdp=4"]), model,
+                        "v5p", compile_fn=None)
+    with pytest.raises(ValueError, match="one device"):
+        search.smallest("sft", parse_run("sft", ["--model", tiny_config]), model, "v5p", compile_fn=None)
+
+
+def test_state_bytes_by_hand(tiny_config):
+    from relax.models.hf import read_config
+    from relax.plan.plan import parse_run
+    from relax.plan.search import state_bytes
+
+    run = parse_run("grpo", ["--model", tiny_config])
+    # float32 weights, Adam's two moments and the reference copy (grpo's beta > 0), plus step counters
+    assert 0 <= state_bytes("grpo", run, read_config(tiny_config)) - 4 * 4 * hand_count_params() <= 4096

@@ -7,8 +7,11 @@ The first word is the algorithm (grpo, ppo, sft, dpo, orpo); ``--target`` the ma
 every other flag is the run's own (``examples/train_<algorithm>.py --help``). Prints per chip and
 per program what the memory holds, the peak against the chip's HBM and the step's traffic; when
 the run does not fit, the flags that make it fit (``relax.plan.suggest``, ``--no-suggest`` to
-skip). The sampler of a deep model is compiled at two shallow depths and extended to the
-model's (``relax.plan.depth``); ``--exact`` compiles it whole (slower). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3: does not fit.
+skip). A chip kind alone (``--target v5p``) plans the run on its slices from the smallest up
+and stops at the first that fits (``relax.plan.search``). The sampler of a deep model is
+compiled at two shallow depths and extended to the model's (``relax.plan.depth``); ``--exact``
+compiles it whole (slower). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3:
+does not fit; 2: usage error.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 
 from relax.algorithms.cli import flag_value
 
-USAGE = ("usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|...> "
+USAGE = ("usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
          "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]")
 
 
@@ -50,6 +53,7 @@ def summary(p) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from relax.plan.plan import compile_once, plan
+    from relax.plan.search import SLICES
     from relax.plan.suggest import suggest
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE + "\n--target is required", file=sys.stderr)
         return 2
     compile_fn = compile_once()  # the suggestions reuse the programs their flags leave alone
+    if target.strip().lower() in SLICES:  # a chip kind: its smallest slice that fits
+        return _search(algorithm, rest, target.strip().lower(), compile_fn, exact is not None, out)
     p = plan(algorithm, rest, target, compile_fn=compile_fn, exact=exact is not None)
     print(p.table(), flush=True)
     record = summary(p)
@@ -75,10 +81,34 @@ def main(argv: list[str] | None = None) -> int:
         kept = [f for a in attempts if a.kept for f in a.flags]
         fits = bool(attempts) and attempts[-1].fits
         print(f"\n  {'fits with' if fits else 'still does not fit with'}: {' '.join(kept) or '(no change helped)'}")
+    _write(out, record)
+    return 0 if p.fits else 3
+
+
+def _search(algorithm: str, argv: list[str], kind: str, compile_fn, exact: bool, out: str | None) -> int:
+    """``--target <kind>``: plan the run on the slices of ``kind`` from the smallest up."""
+    from relax.models.hf import read_config
+    from relax.plan.plan import parse_run
+    from relax.plan.search import smallest
+
+    run = parse_run(algorithm, argv)
+    print(f"relax plan: the smallest {kind} slice for {algorithm} (each planned in full):", flush=True)
+    p, tried = smallest(algorithm, run, read_config(run.model), kind, compile_fn=compile_fn, exact=exact,
+                        log=lambda line: print(line, flush=True))
+    record = {"kind": kind, "tried": [dataclasses.asdict(t) | {"target": str(t.target)} for t in tried]}
+    if p is None:
+        print(f"\n  no {kind} slice up to {tried[-1].target} fits this run", flush=True)
+    else:
+        print("\n" + p.table(), flush=True)
+        record["plan"] = summary(p)
+    _write(out, record)
+    return 0 if p is not None else 3
+
+
+def _write(out: str | None, record: dict) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(record, f, indent=1)
-    return 0 if p.fits else 3
 
 
 if __name__ == "__main__":

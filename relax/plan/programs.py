@@ -63,6 +63,11 @@ def abstract_model(run: ModelRunConfig, config: ModelConfig):
     return jax.eval_shape(init, jax.random.key(0))
 
 
+def abstract_state(algorithm: OnlineAlgorithm | OfflineAlgorithm, run: ModelRunConfig, config: ModelConfig):
+    """The algorithm's train state for the policy of ``abstract_model``, as ``ShapeDtypeStruct`` s."""
+    return jax.eval_shape(algorithm.make_state, abstract_model(run, config), jax.random.key(run.seed))
+
+
 def _zero_reward(prompts, completions, **_) -> list[float]:
     return [0.0] * len(completions)
 
@@ -107,8 +112,7 @@ def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: Mo
         raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
     trainer_mesh, sampler_mesh = run.parallel.meshes(devices)
     with target_backend(platform):
-        model = abstract_model(run, config)
-        state = jax.eval_shape(algorithm.make_state, model, jax.random.key(run.seed))
+        state = abstract_state(algorithm, run, config)
         step = algorithm.make_step(_parts(config, choose_passes(batch_shards=batch_shards(trainer_mesh))))
         sharded = ShardedStep(step, state, trainer_mesh, sampler_mesh=sampler_mesh,
                               offload_reference=run.parallel.offload_reference)
@@ -122,7 +126,7 @@ def offline_programs(run: ModelRunConfig, algorithm: OfflineAlgorithm, config: M
         raise ValueError(f"relax plan cannot plan {algorithm.name} runs yet: its algorithm gives no longest batch")
     device = devices[0]
     with target_backend(_platform(device)):
-        state = jax.eval_shape(algorithm.make_state, abstract_model(run, config), jax.random.key(run.seed))
+        state = abstract_state(algorithm, run, config)
         step = algorithm.make_step(choose_passes(), None)
         return _walk(step.segments, state, _shapes(algorithm.longest(run.batch_size)), compile_fn, device=device)
 
