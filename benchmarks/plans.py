@@ -3,6 +3,7 @@ line per case with each program's need per chip, the peak and whether the run fi
 
     JAX_PLATFORMS=cpu python benchmarks/plans.py                 # every case (long: see RESULTS.md)
     JAX_PLATFORMS=cpu python benchmarks/plans.py qwen0.5b-v5e-full llama8b-v5p
+    JAX_PLATFORMS=cpu python benchmarks/plans.py llama70b-v5p-smallest   # a chip kind: its smallest slice that fits
 
 The configs in ``benchmarks/configs`` are written from the published model shapes. GPU targets
 need the CUDA plugin (``relax.plan.gpu_target``).
@@ -15,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from relax.models.hf import read_config
 from relax.plan import plan
+from relax.plan.plan import compile_once, parse_run
+from relax.plan.search import SLICES, smallest
 
 CONFIGS = Path(__file__).parent / "configs"
 BF16 = ["--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", "--grpo.optimizer.master-weights"]
@@ -50,6 +54,16 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
     "qwen1.5b-h100x1": ("qwen2.5-1.5b", "h100x1", [*GRPO, *BF16, "--batch-size", "4", "--parallel.mesh", "fsdp=1",
                                                    "--grpo.train-attention", "group", "--grpo.remat",
                                                    "--grpo.grad-accum", "4"]),
+    # a chip kind instead of a slice: the smallest slice of it that fits (relax.plan.search)
+    "qwen32b-v5p-smallest": ("qwen2.5-32b", "v5p", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
+                                                    "fsdp=-1,tensor=4", "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "llama70b-v5p-smallest": ("llama-3.1-70b", "v5p", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
+                                                       "fsdp=-1,tensor=8", "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "llama70b-h100-lora-smallest": ("llama-3.1-70b", "h100", [*GRPO, "--param-dtype", "bfloat16", "--compute-dtype",
+                                                              "bfloat16", "--lora.rank", "16", "--batch-size", "8",
+                                                              "--parallel.mesh", "fsdp=-1,tensor=8",
+                                                              "--grpo.train-attention", "group", "--grpo.remat",
+                                                              "--grpo.grad-accum", "4"]),
 }
 
 
@@ -57,12 +71,27 @@ def main(names: list[str]) -> None:
     for name in names or list(CASES):
         model, target, flags = CASES[name]
         t0 = time.perf_counter()
-        p = plan("grpo", ["--model", str(CONFIGS / f"{model}.json"), *flags], target)
+        argv = ["--model", str(CONFIGS / f"{model}.json"), *flags]
+        line = {"case": name, "model": model, "target": target, "flags": " ".join(flags)}
+        if target in SLICES:
+            run = parse_run("grpo", argv)
+            p, tried = smallest("grpo", run, read_config(run.model), target, compile_fn=compile_once(),
+                                log=lambda text: print(text, file=sys.stderr, flush=True))
+            line["tried"] = [{"target": str(t.target), "fits": t.fits, "reason": t.reason,
+                              "peak_gib": None if t.peak_bytes is None else round(t.peak_bytes / 2**30, 2)}
+                             for t in tried]
+            if p is None:
+                print(json.dumps({**line, "fits": False, "seconds": round(time.perf_counter() - t0)}), flush=True)
+                continue
+        else:
+            p = plan("grpo", argv, target)
         print(p.table(), file=sys.stderr, flush=True)
-        print(json.dumps({"case": name, "model": model, "target": target, "flags": " ".join(flags), "fits": p.fits,
-                          "peak": p.peak.name, "peak_gib": round(p.peak.total / 2**30, 2),
-                          "limit_gib": round(p.peak.limit / 2**30, 2), "seconds": round(time.perf_counter() - t0),
-                          "programs": {m.name: round(m.total / 2**30, 2) for m in p.programs}}), flush=True)
+        print(json.dumps({**line, "slice": str(p.target), "fits": p.fits, "peak": p.peak.name,
+                          "peak_gib": round(p.peak.total / 2**30, 2), "limit_gib": round(p.peak.limit / 2**30, 2),
+                          "seconds": round(time.perf_counter() - t0),
+                          "programs": {m.name: round(m.total / 2**30, 2) for m in p.programs},
+                          "decode_step_ms": [round(t.decode_step_seconds * 1e3, 2) for t in p.traffic
+                                             if t is not None and t.decode_step_seconds]}), flush=True)
 
 
 if __name__ == "__main__":
