@@ -156,7 +156,7 @@ def test_crash_while_writing_leaves_old_checkpoint(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_mod, "_write_safetensors", boom)
+    monkeypatch.setattr(hf_mod, "write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(new, tmp_path / "m")
     with pytest.raises(OSError, match="disk full"):

@@ -2,12 +2,14 @@
 
 Every ``.py`` file under ``relax/`` is parsed with ``ast`` (nothing is imported), and every import
 in it, at module level or inside a function, absolute or relative, ``import relax.x`` or
-``from relax import x``, is mapped to the relax module it loads. Three rules are checked:
+``from relax import x``, is mapped to the relax module it loads. Four rules are checked:
 
 * every relax module belongs to a layer of ``LAYERS`` (a new top-level module or package is
   added to the table on purpose);
 * an import points to the importer's own layer or a layer below it, never above;
-* the modules do not import each other in a cycle.
+* the modules do not import each other in a cycle;
+* no module takes a private name (one leading underscore, not a dunder) from another: neither
+  ``from relax.x import _name`` nor ``module._name`` on a name an import bound to a relax module.
 
 Importing a package means running its ``__init__``: ``from relax.models import Transformer`` is
 an edge to ``relax.models``, and ``from relax.models.config import ModelConfig`` loads
@@ -348,6 +350,95 @@ def test_cycle_finder_finds_a_cycle():
     """The cycle finder on a small graph of its own (a cycle is not reported as none)."""
     succ = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert _cycles(set(succ), succ) == [(["a", "b", "c", "a"], ["a", "b", "c"]), (["e", "e"], ["e"])]
+
+
+# --------------------------------------------------------------------------------------------
+# Private names stay in their module.
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def private_uses(importer: str, tree: ast.Module, is_package: bool, known: set[str]) -> list[tuple[int, str]]:
+    """``(line, what)`` for every private name ``importer`` takes from another relax module:
+    ``from relax.x import _name`` (relative too), and ``module._name`` where ``module`` (or a dotted
+    ``relax.x.y``) is a relax module bound by an import anywhere in the file."""
+    uses: list[tuple[int, str]] = []
+    bound: dict[str, str] = {}  # local name -> the relax module an import bound it to
+    for node, _ in _imports(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "relax" or alias.name.startswith("relax."):
+                    # `import relax.x.y as z` binds z to relax.x.y; `import relax.x.y` binds `relax`
+                    bound[alias.asname or "relax"] = alias.name if alias.asname else "relax"
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(importer, is_package, node.level, node.module) if node.level else node.module or ""
+            if (base != "relax" and not base.startswith("relax.")) or base == importer:
+                continue
+            for alias in node.names:
+                if _is_private(alias.name):
+                    uses.append((node.lineno, f"from {base} import {alias.name}"))
+                if f"{base}.{alias.name}" in known:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+    attributes = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _is_private(node.attr)),
+                        key=lambda node: (node.lineno, node.col_offset))
+    for node in attributes:
+        head, _, rest = (_dotted(node.value) or "").partition(".")
+        if head not in bound:
+            continue
+        module = bound[head] + (f".{rest}" if rest else "")
+        if module in known and module != importer:
+            uses.append((node.lineno, f"{_dotted(node.value)}.{node.attr}  ({module})"))
+    return uses
+
+
+def test_no_private_names_cross_modules():
+    """A private name is its module's own business: another module needing it means it is public
+    (renamed without the underscore, documented) or belongs in a shared module."""
+    files, packages = discover()
+    known = set(files) | packages
+    found = []
+    for importer, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, what in private_uses(importer, tree, path.name == "__init__.py", known):
+            found.append(f"{path.relative_to(ROOT)}:{line}  {what}")
+    assert not found, (f"{len(found)} private name(s) used across relax modules (make them public or "
+                       "keep them in their module):\n  " + "\n  ".join(sorted(found)))
+
+
+def test_private_use_finder_finds_them():
+    """The finder on a small module of its own (a crossing is not reported as none)."""
+    source = """
+import relax.models.hf
+import relax.models.hf as hf_mod
+from relax.rollout import turns
+from relax.models.hf import _read, load_pretrained, __all__
+from . import sampler as s
+from .sampler import _helper
+
+
+def f(x):
+    from relax.models import peft
+    return (turns._start, hf_mod._write, relax.models.hf._build, s._prefill, peft._name,
+            turns.start._cache, x._private, load_pretrained._cached, relax.models.__name__)
+"""
+    known = {"relax", "relax.models", "relax.models.hf", "relax.models.peft", "relax.rollout",
+             "relax.rollout.turns", "relax.rollout.sampler", "relax.rollout.naive"}
+    uses = private_uses("relax.rollout.naive", ast.parse(source), False, known)
+    assert [what.split("  ")[0] for _, what in uses] == [
+        "from relax.models.hf import _read", "from relax.rollout.sampler import _helper", "turns._start",
+        "hf_mod._write", "relax.models.hf._build", "s._prefill", "peft._name"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_prompt_kv_is_stored_once_per_prompt(model):
     # in the whole generate program (decode loop included) no [P*G, Hkv, Lp, D] prompt copy exists
     g, n = 4, 6
     cfg = RolloutConfig(num_generations=g, max_new_tokens=n, eos_ids=())
-    jaxpr = jax.make_jaxpr(lambda m, i, k_, key: rollout._generate(m, i, k_, key, cfg))(
+    jaxpr = jax.make_jaxpr(lambda m, i, k_, key: rollout.generate_program(m, i, k_, key, cfg))(
         model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
     shapes = set(_all_shapes(jaxpr.jaxpr))
     assert (p, c.num_kv_heads, lp, c.head_dim) in shapes          # the shared prompt block

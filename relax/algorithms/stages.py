@@ -25,7 +25,7 @@ from relax.rewards.functions import (RewardFunction, as_reward_functions, combin
                                     start_score_groups)
 from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.rewards.pool import RewardPool
-from relax.rollout.sampler import RolloutConfig, _generate
+from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.text.stop_strings import truncate_at_stop_strings
 from relax.train.state import TrainState, reference_is_policy, reference_model
 
@@ -38,7 +38,7 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
     def rollout(state: TrainState, batch):
         # the state is read, not changed: the update advances the key once per iteration
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
-        r = _generate(state.policy, batch["prompt_ids"], batch["prompt_mask"], key, rcfg)
+        r = generate_program(state.policy, batch["prompt_ids"], batch["prompt_mask"], key, rcfg)
         out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
                "lengths": r.lengths, "finished": r.finished, "policy_version": sample_versions(state, r.lengths)}
         return state, out

@@ -34,11 +34,12 @@ from jaxtyping import Array, Float, Int
 
 from relax.models.adapters import merge_lora
 from relax.models.config import ModelConfig
-from relax.models.hf import _FLOAT, _build_transformer, _open_weights, _read_config, _save_directory
+from relax.models.hf import build_transformer, load_config, save_directory
 from relax.models.hf_config import ARCHITECTURES, HFFormatError
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden
 from relax.models.prefix_shared import CompletionRope, completion_hidden
 from relax.models.transformer import Transformer
+from relax.models.weights_io import FLOAT_DTYPES, open_weights
 
 __all__ = ["Critic", "ValueHead", "completion_logprobs_and_values", "completion_values", "init_critic",
            "init_value_head", "load_critic", "save_critic", "values_from_hidden"]
@@ -173,11 +174,11 @@ def save_critic(critic: Critic, directory: str | os.PathLike, *, layout: str = "
     if layout == "token":
         extra["score.bias"] = bias.reshape(1)
         fields.update(architectures=[TOKEN_ARCHITECTURES[family]], classifier_dropout=0.0)
-    _save_directory(backbone, directory, max_shard_bytes=max_shard_bytes, dtype=dtype, extra=extra, hf_fields=fields)
+    save_directory(backbone, directory, max_shard_bytes=max_shard_bytes, dtype=dtype, extra=extra, hf_fields=fields)
 
 
 def _critic_config(found: dict):
-    """``config.json`` adapter for ``_read_config``: checks the architecture and the one label,
+    """``config.json`` adapter for ``load_config``: checks the architecture and the one label,
     records the layout kind in ``found``, and hands on the family's causal-LM spelling."""
 
     def adapt(d: dict, source: str) -> dict:
@@ -209,9 +210,9 @@ def _score(where: dict, name: str, shape: tuple[int, ...], target) -> np.ndarray
     if stored != shape:
         raise HFFormatError(f"{f.path}: tensor {name!r} has shape {list(stored)}, expected {list(shape)} "
                             "(a value head: num_labels=1)")
-    if code not in _FLOAT:
+    if code not in FLOAT_DTYPES:
         raise HFFormatError(f"{f.path}: tensor {name!r} has dtype {code}; "
-                            f"expected floating point ({', '.join(_FLOAT)})")
+                            f"expected floating point ({', '.join(FLOAT_DTYPES)})")
     a = np.array(f.read(name))
     return a.astype(target if target is not None else (np.float32 if a.dtype == np.float64 else a.dtype))
 
@@ -225,8 +226,8 @@ def load_critic(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
     (``param_dtype`` casts the head and bias too). Errors are :class:`HFFormatError` naming the file and tensor.
     """
     root, found = Path(directory), {}
-    cfg = dataclasses.replace(_read_config(root, _critic_config(found)), tie_word_embeddings=True)
-    where, listing = _open_weights(root)
+    cfg = dataclasses.replace(load_config(root, _critic_config(found)), tie_word_embeddings=True)
+    where, listing = open_weights(root)
     d, target = cfg.hidden_size, None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
     if "score.weight" not in where:
         hint = (" (a causal LM, not a value model: start a critic from it with init_critic(load_pretrained(...)))"
@@ -238,5 +239,5 @@ def load_critic(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
     head = _score(where, "score.weight", (1, d), target)[0]
     bias = _score(where, "score.bias", (1,), target)[0] if "score.bias" in where else np.zeros((), head.dtype)
     rest = {n: f for n, f in where.items() if n not in ("score.weight", "score.bias", "lm_head.weight")}
-    backbone = _build_transformer(cfg, rest, listing, dtype=dtype, param_dtype=param_dtype)
+    backbone = build_transformer(cfg, rest, listing, dtype=dtype, param_dtype=param_dtype)
     return Critic(backbone, jnp.asarray(head), jnp.asarray(bias))

@@ -9,9 +9,9 @@ Conventions at the boundary:
   ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``).
   Torch ``Linear`` weights are ``[out, in]``; relax stores ``[in, out]`` with the layers stacked
   on a leading ``[L]`` axis, so loading transposes and stacks, saving unstacks and transposes.
-- Safetensors are parsed here (8-byte little-endian header length, JSON header, raw data), not
-  through a framework, so bfloat16 loads as ``ml_dtypes.bfloat16`` and a save -> load round trip
-  is bit-exact. Pickles (``pytorch_model.bin``, ``*.pt``) are never read.
+- Safetensors are parsed by ``relax.models.weights_io`` (8-byte little-endian header length, JSON
+  header, raw data), not through a framework, so bfloat16 loads as ``ml_dtypes.bfloat16`` and a
+  save -> load round trip is bit-exact. Pickles (``pytorch_model.bin``, ``*.pt``) are never read.
 - ``param_dtype=None`` keeps each tensor's stored dtype (float64 becomes float32).
 - Tied models: ``lm_head.weight`` is not written. On load a stored ``lm_head.weight`` equal to
   the embedding is ignored; one that differs is kept and the model is untied (with a warning),
@@ -28,42 +28,31 @@ Every error about a checkpoint is an :class:`HFFormatError` naming the file and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
 import shutil
-import struct
 import uuid
 import warnings
 from pathlib import Path
 from typing import Callable
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from relax.models.config import ModelConfig
 from relax.models.hf_config import (HFFormatError, config_from_hf, config_to_hf, dtype_name,
                                     generation_config_to_hf, with_generation_config)
 from relax.models.transformer import LayerStack, Transformer
+from relax.models.weights_io import (FLOAT_DTYPES, INDEX, WEIGHTS, SafetensorsFile, open_weights, read_json,
+                                     write_json, write_safetensors)
 
 __all__ = ["HFFormatError", "config_from_hf", "config_to_hf", "load_pretrained", "save_pretrained"]
 
 CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 GENERATION = "generation_config.json"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
-_PICKLE = re.compile(r"^(pytorch_model|model|consolidated).*\.(bin|pt|pth)$|\.bin\.index\.json$")
-
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
-             "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
-             "U64": 8, "I64": 8, "F64": 8, "C64": 8}
-_FLOAT = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-          "BF16": np.dtype(ml_dtypes.bfloat16)}
-_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 # (LayerStack field, name under model.layers.{i}., a torch Linear weight stored [out, in]); the norm
 # around the MLP is "post_attention_layernorm" in a model without sandwich norms (``_NORMS``)
@@ -109,133 +98,7 @@ def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
     return slots
 
 
-# ----------------------------------------------------------------------------- safetensors
-
-
-class _SafetensorsFile:
-    """A parsed, validated safetensors header; tensors are read lazily through a memory map."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise HFFormatError(f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise HFFormatError(f"{path}: corrupt or truncated safetensors file: header length {n} "
-                                    f"goes beyond the end of the file ({size} bytes)")
-            raw = f.read(n)
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HFFormatError(f"{path}: corrupt safetensors header ({e})") from None
-        if not isinstance(header, dict):
-            raise HFFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
-        header.pop("__metadata__", None)
-        self.data_start, data_len = 8 + n, size - 8 - n
-        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        for name, e in header.items():
-            try:
-                code, shape, (b, end) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
-                b, end = int(b), int(end)
-            except (TypeError, KeyError, ValueError):
-                raise HFFormatError(f"{path}: tensor {name!r}: malformed header entry {e!r}") from None
-            if code not in _ITEMSIZE:
-                raise HFFormatError(f"{path}: tensor {name!r} has unknown safetensors dtype {code!r}")
-            nbytes = math.prod(shape) * _ITEMSIZE[code]
-            if not 0 <= b <= end or end - b != nbytes:
-                raise HFFormatError(f"{path}: tensor {name!r}: data_offsets [{b}, {end}] do not hold "
-                                    f"{code} {list(shape)} ({nbytes} bytes)")
-            if end > data_len:
-                raise HFFormatError(f"{path}: corrupt or truncated safetensors file: tensor {name!r} "
-                                    f"data_offsets [{b}, {end}] go beyond the end of the data ({data_len} bytes)")
-            self.entries[name] = (code, shape, b, end)
-        self._map = None
-
-    def read(self, name: str) -> np.ndarray:
-        """A read-only view of the tensor (copy it before keeping it)."""
-        code, shape, b, end = self.entries[name]
-        if self._map is None:
-            self._map = np.memmap(self.path, np.uint8, mode="r")
-        raw = self._map[self.data_start + b:self.data_start + end]
-        return raw.view(_FLOAT[code]).reshape(shape)
-
-
-def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]) -> None:
-    """Write ``(name, shape, dtype, make_array)`` tensors, largest itemsize first (aligned offsets)."""
-    tensors = sorted(tensors, key=lambda t: -t[2].itemsize)  # stable: keeps transformers' order
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, dt, _ in tensors:
-        nbytes = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": _CODE[dt.name], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for name, shape, dt, make in tensors:
-            a = np.ascontiguousarray(make())
-            assert a.shape == tuple(shape) and a.dtype == dt, (name, a.shape, a.dtype)
-            f.write(a.reshape(-1).view(np.uint8).data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_json(path: Path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFFormatError(f"{path}: not valid JSON ({e})") from None
-
-
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 # ----------------------------------------------------------------------------- load
-
-
-def _open_weights(root: Path) -> tuple[dict[str, _SafetensorsFile], str]:
-    """Tensor name -> file holding it, and the file to name when a tensor is missing."""
-    single, index = root / WEIGHTS, root / INDEX
-    if single.is_file():
-        f = _SafetensorsFile(single)
-        return dict.fromkeys(f.entries, f), str(single)
-    if index.is_file():
-        wm = _read_json(index)
-        wm = wm.get("weight_map") if isinstance(wm, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise HFFormatError(f"{index}: field 'weight_map' is missing or not an object of tensor -> shard file")
-        files: dict[str, _SafetensorsFile] = {}
-        for shard in sorted(set(wm.values())):
-            if Path(shard).name != shard or shard in ("", ".", ".."):
-                raise HFFormatError(f"{index}: weight_map names shard {shard!r} outside the directory")
-            if not (root / shard).is_file():
-                first = next(n for n, s in wm.items() if s == shard)
-                raise HFFormatError(f"{index}: weight_map points at missing shard {shard!r} "
-                                    f"(for tensor {first!r})")
-            files[shard] = _SafetensorsFile(root / shard)
-        where = {n: f for f in files.values() for n in f.entries}
-        for name, shard in wm.items():
-            if name not in files[shard].entries:
-                raise HFFormatError(f"{root / shard}: tensor {name!r} is not in this shard, "
-                                    f"though {INDEX} maps it there")
-            where[name] = files[shard]
-        return where, str(index)
-    pickles = sorted(p.name for p in root.iterdir() if _PICKLE.search(p.name))
-    if pickles:
-        raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX}, only PyTorch pickle weights {pickles}; "
-                            "relax reads safetensors only (it never unpickles). Convert them first, "
-                            "e.g. transformers' model.save_pretrained(dir, safe_serialization=True)")
-    raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX} (safetensors weights are required)")
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Transformer:
@@ -244,9 +107,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
     """
     root = Path(path)
-    cfg = _read_config(root)
-    where, listing = _open_weights(root)
-    return _build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
+    cfg = load_config(root)
+    where, listing = open_weights(root)
+    return build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -254,28 +117,29 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     ``generation_config.json`` beside it when there is one): no weights are read."""
     path = Path(path)
     if path.is_dir():
-        return _read_config(path)
+        return load_config(path)
     if not path.is_file():
         raise HFFormatError(f"{path}: neither a model directory nor a config.json file")
-    cfg = config_from_hf(_read_json(path), source=str(path))
+    cfg = config_from_hf(read_json(path), source=str(path))
     if (path.parent / GENERATION).is_file():
-        cfg = with_generation_config(cfg, _read_json(path.parent / GENERATION), source=str(path.parent / GENERATION))
+        cfg = with_generation_config(cfg, read_json(path.parent / GENERATION), source=str(path.parent / GENERATION))
     return cfg
 
 
-def _read_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) -> ModelConfig:
+def load_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a model directory (``config.json``, then ``generation_config.json``);
-    ``adapt(parsed config.json, its path)`` may rewrite the parsed dict first."""
+    ``adapt(parsed config.json, its path)`` may rewrite the parsed dict first (``read_config`` also
+    takes a lone ``config.json``)."""
     cfg_path = root / CONFIG
     if not root.is_dir():
         raise HFFormatError(f"{root}: not a directory (expected a Hugging Face model directory)")
     if not cfg_path.is_file():
         raise HFFormatError(f"{cfg_path}: missing config.json (a Hugging Face model directory "
                             "needs config.json and safetensors weights)")
-    d = _read_json(cfg_path)
+    d = read_json(cfg_path)
     cfg = config_from_hf(d if adapt is None else adapt(d, str(cfg_path)), source=str(cfg_path))
     if (root / GENERATION).is_file():
-        cfg = with_generation_config(cfg, _read_json(root / GENERATION), source=str(root / GENERATION))
+        cfg = with_generation_config(cfg, read_json(root / GENERATION), source=str(root / GENERATION))
     return cfg
 
 
@@ -289,9 +153,9 @@ def _check_finite(a: np.ndarray, name: str, path) -> None:
                             f"(the first at index {list(first)}: {a[first]})")
 
 
-def _build_transformer(cfg: ModelConfig, where: dict[str, _SafetensorsFile], listing: str, *, dtype,
-                       param_dtype) -> Transformer:
-    """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``_open_weights``), every one of
+def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listing: str, *, dtype,
+                      param_dtype) -> Transformer:
+    """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``open_weights``), every one of
     which must belong to it; ``listing`` is the file named when one is missing."""
     has_head = "lm_head.weight" in where
     slots = _layout(cfg, with_head=has_head or not cfg.tie_word_embeddings)
@@ -311,9 +175,9 @@ def _build_transformer(cfg: ModelConfig, where: dict[str, _SafetensorsFile], lis
         code, shape = f.entries[s.name][:2]
         if shape != s.hf_shape:
             raise HFFormatError(f"{f.path}: tensor {s.name!r} has shape {list(shape)}, expected {list(s.hf_shape)}")
-        if code not in _FLOAT:
+        if code not in FLOAT_DTYPES:
             raise HFFormatError(f"{f.path}: tensor {s.name!r} has dtype {code}; relax loads "
-                                f"floating-point weights only ({', '.join(_FLOAT)})")
+                                f"floating-point weights only ({', '.join(FLOAT_DTYPES)})")
 
     target = None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
 
@@ -372,11 +236,11 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     ``model-XXXXX-of-YYYYY.safetensors`` plus ``model.safetensors.index.json``. ``dtype``
     casts the parameters (None: as they are; a round trip is then bit-exact).
     """
-    _save_directory(model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    save_directory(model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
 
-def _save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None, dtype=None,
-                    extra: dict[str, np.ndarray] | None = None, hf_fields: dict | None = None) -> None:
+def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None, dtype=None,
+                   extra: dict[str, np.ndarray] | None = None, hf_fields: dict | None = None) -> None:
     """``save_pretrained`` plus ``extra`` tensors (Hugging Face name -> array, written after the
     model's, cast like them) and ``hf_fields`` set in ``config.json`` (e.g. another architecture)."""
     cfg = model.config
@@ -439,11 +303,11 @@ def _save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_by
     staging.mkdir()  # (not mkdtemp: its 0700 mode would become the saved directory's)
     try:
         for name, shard in zip(names, shards):
-            _write_safetensors(staging / name, shard)
+            write_safetensors(staging / name, shard)
         if index is not None:
-            _write_json(staging / INDEX, index)
-        _write_json(staging / GENERATION, generation)
-        _write_json(staging / CONFIG, hf_config)
+            write_json(staging / INDEX, index)
+        write_json(staging / GENERATION, generation)
+        write_json(staging / CONFIG, hf_config)
         _fsync_dir(staging)
         if fresh:
             os.rename(staging, root)

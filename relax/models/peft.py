@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.models.adapters import with_adapters
-from relax.models.hf import _SafetensorsFile, _read_json, _write_json, _write_safetensors
 from relax.models.hf_config import HFFormatError
 from relax.models.lora import TARGETS, Adapters, LoRAConfig, LoRAWeights
 from relax.models.transformer import Transformer
+from relax.models.weights_io import SafetensorsFile, read_json, write_json, write_safetensors
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -56,8 +56,8 @@ def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name
             for i in range(model.config.num_layers):
                 make = lambda arr=arr, i=i: arr[i].T  # noqa: E731
                 tensors.append((_name(i, _FIELD_MODULE[field], factor), arr.shape[1:][::-1], arr.dtype, make))
-    _write_safetensors(root / WEIGHTS, tensors)
-    _write_json(root / CONFIG, {
+    write_safetensors(root / WEIGHTS, tensors)
+    write_json(root / CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": ad.alpha,
         "lora_dropout": ad.dropout,
         "target_modules": sorted(_FIELD_MODULE[f] for f in weights), "bias": "none",
@@ -73,7 +73,7 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
     file = Path(path) / CONFIG
     if not file.is_file():
         raise HFFormatError(f"{file}: no such file (a PEFT adapter directory has {CONFIG} and {WEIGHTS})")
-    c = _read_json(file)
+    c = read_json(file)
     if c.get("peft_type", "LORA") != "LORA":
         raise HFFormatError(f"{file}: peft_type {c['peft_type']!r} is not LORA")
     for field, allowed in _UNSUPPORTED.items():
@@ -91,7 +91,7 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
         raise HFFormatError(f"{file}: {e}") from None
 
 
-def _stacked_factor(st: _SafetensorsFile, names: dict[str, str], module: str, factor: str,
+def _stacked_factor(st: SafetensorsFile, names: dict[str, str], module: str, factor: str,
                     want: tuple[int, int], num_layers: int) -> np.ndarray:
     """``lora_{factor}`` of ``module`` for every layer, transposed to relax's layout and stacked."""
     layers = []
@@ -113,7 +113,7 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise HFFormatError(f"{file}: no such file")
-    st = _SafetensorsFile(file)
+    st = SafetensorsFile(file)
     names = {n.replace(".default.weight", ".weight"): n for n in st.entries}  # PEFT's adapter-name infix
     shapes, L = base.config.layer_shapes(), base.config.num_layers
     cast = jnp.asarray if dtype is None else (lambda x: jnp.asarray(x, dtype))

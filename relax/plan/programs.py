@@ -195,8 +195,8 @@ def multi_turn_programs(run: ModelRunConfig, config: ModelConfig, cfg: TurnConfi
     programs = []
     with target_backend(_platform(device)):
         model = typed(abstract_model(run, config))
-        state = typed(jax.eval_shape(functools.partial(turns._start, cfg=cfg), model, ids, ids, jax.random.key(0)))
-        layers = typed(jax.eval_shape(functools.partial(turns._layers, cfg=cfg), model))
+        state = typed(jax.eval_shape(functools.partial(turns.start_state, cfg=cfg), model, ids, ids, jax.random.key(0)))
+        layers = typed(jax.eval_shape(functools.partial(turns.fused_decode_layers, cfg=cfg), model))
         calls = (("start", turns.start, (model, typed(ids), typed(ids), typed(jax.random.key(0))), {}),
                  ("fused_layers", turns.fused_layers, (model,), {}),
                  ("decode_turn", turns.decode_turn, (model, state, typed(active)), {"layers": layers}),

@@ -96,7 +96,8 @@ def as_reward_functions(fns: Sequence[RewardFunction | RewardFn]) -> tuple[Rewar
     return out
 
 
-def _truncate(s: Any, limit: int = TRUNCATE_CHARS) -> str:
+def truncate(s: Any, limit: int = TRUNCATE_CHARS) -> str:
+    """``str(s)``, cut to its first ``limit`` characters (its full length noted) for an error message."""
     s = str(s)
     return s if len(s) <= limit else f"{s[:limit]}... [{len(s)} chars]"
 
@@ -145,7 +146,7 @@ def call_timeout_s(fn: Callable, timeout_s: float | None, fields: Mapping[str, S
     return timeout_s if need is None else max(timeout_s, float(need))
 
 
-def _to_array(name: str, out: Any, prompts: list, completions: list, *, offset: int = 0) -> np.ndarray:
+def to_array(name: str, out: Any, prompts: list, completions: list, *, offset: int = 0) -> np.ndarray:
     """Check the return contract (N numbers or None) and convert to float32 with NaN for None.
 
     ``offset``: the batch index of ``prompts[0]`` (a chunk scored by ``relax.rewards.pool``), so
@@ -172,8 +173,8 @@ def _to_array(name: str, out: Any, prompts: list, completions: list, *, offset: 
             raise _not_finite(name, v, i + offset, completions[i]) from None
         except (TypeError, ValueError):
             raise RewardError(
-                f"reward function {name!r} returned non-numeric {_truncate(repr(v), 60)} "
-                f"({type(v).__name__}) at sample {i + offset} (completion={_truncate(completions[i])!r})"
+                f"reward function {name!r} returned non-numeric {truncate(repr(v), 60)} "
+                f"({type(v).__name__}) at sample {i + offset} (completion={truncate(completions[i])!r})"
             ) from None
         with np.errstate(over="ignore"):  # checked just below, after the float32 cast
             vals[i] = f
@@ -187,8 +188,8 @@ def _not_finite(name: str, value: Any, i: int, completion: str) -> RewardError:
     is_inf = isinstance(value, float) and math.isinf(value)
     beyond = "" if is_inf else f" (beyond float32's +-{FLOAT32_MAX:.7g})"
     return RewardError(
-        f"reward function {name!r} returned {_truncate(value, 60)} at sample {i}{beyond}; rewards must be "
-        f"finite in float32, use None for missing (completion={_truncate(completion)!r})"
+        f"reward function {name!r} returned {truncate(value, 60)} at sample {i}{beyond}; rewards must be "
+        f"finite in float32, use None for missing (completion={truncate(completion)!r})"
     )
 
 
@@ -201,7 +202,7 @@ def _sample(i: int, shape: tuple[int, ...]) -> str:
     return f"sample {i} (prompt {p}, completion {g})"
 
 
-def _check_finite(
+def check_finite(
     per: Mapping[str, np.ndarray],
     total: np.ndarray,
     weights: Mapping[str, float],
@@ -224,7 +225,7 @@ def _check_finite(
         terms = ", ".join(
             f"{name!r}: {weights[name]:g} x {v.flat[i]:g}" for name, v in per.items() if not np.isnan(v.flat[i])
         )
-        where = "" if completions is None else f" (completion={_truncate(completions[i])!r})"
+        where = "" if completions is None else f" (completion={truncate(completions[i])!r})"
         raise RewardError(
             f"weighted sum of the rewards overflows float32 at {_sample(i, total.shape)}: {terms}{where}"
         )
@@ -253,14 +254,14 @@ def combine_checked(
     flat = {k: v.reshape(1, -1) for k, v in per.items()}  # combine wants [P, G]: one row of N
     total, _ = combine(flat, weights, all_missing=all_missing)
     total = np.asarray(total, np.float32).reshape(shapes.pop())
-    _check_finite(per, total, weights, completions=completions)
+    check_finite(per, total, weights, completions=completions)
     return total
 
 
-def _raised_at(name: str, exc: str, i: int, prompt: str, completion: str) -> RewardError:
+def raised_at(name: str, exc: str, i: int, prompt: str, completion: str) -> RewardError:
     """The error for reward function ``name`` raising ``exc`` ("Type: message") on sample ``i``."""
     return RewardError(f"reward function {name!r} raised {exc} at sample {i} "
-                       f"(prompt={_truncate(prompt)!r}, completion={_truncate(completion)!r})")
+                       f"(prompt={truncate(prompt)!r}, completion={truncate(completion)!r})")
 
 
 def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, timeout_s) -> RewardError:
@@ -271,12 +272,12 @@ def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, ti
     """
 
     def at(i: int, e: BaseException) -> RewardError:
-        return _raised_at(rf.name, f"{type(e).__name__}: {_truncate(e)}", i, prompts[i], completions[i])
+        return raised_at(rf.name, f"{type(e).__name__}: {truncate(e)}", i, prompts[i], completions[i])
 
     n = len(prompts)
     if n == 1:
         return at(0, exc)
-    head = f"reward function {rf.name!r} raised {type(exc).__name__}: {_truncate(exc)} on a batch of {n}"
+    head = f"reward function {rf.name!r} raised {type(exc).__name__}: {truncate(exc)} on a batch of {n}"
     for i in range(n):
         row = {k: [v[i]] for k, v in fields.items()}
         try:
@@ -387,7 +388,7 @@ def _score_here(fns: Sequence[RewardFunction], prompts: list, completions: list,
             info["failed"] += (rf.name,)
             per[rf.name] = np.full(n, np.nan, np.float32)
         else:
-            per[rf.name] = _to_array(rf.name, out, prompts, completions)
+            per[rf.name] = to_array(rf.name, out, prompts, completions)
         info[f"time_s/{rf.name}"] = time.perf_counter() - t0
     return per, info
 

@@ -41,8 +41,8 @@ import numpy as np
 import pebble
 
 from relax.choices import check_choice
-from relax.rewards.functions import (ON_ERROR, RewardError, RewardFn, RewardFunction, _raised_at, _to_array,
-                                     _truncate, as_reward_functions, call_timeout_s)
+from relax.rewards.functions import (ON_ERROR, RewardError, RewardFn, RewardFunction, as_reward_functions,
+                                     call_timeout_s, raised_at, to_array, truncate)
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +133,9 @@ def _run_chunk(index: int, name: str, offset: int, prompts: list, completions: l
             raise RuntimeError(f"reward function {name!r} did not unpickle in this worker: {fn}")
         out = fn(prompts, completions, **fields)
     except BaseException as exc:  # noqa: BLE001 - sys.exit() in reward code is an error too
-        return "error", f"{type(exc).__name__}: {_truncate(exc)}", traceback.format_exc()
+        return "error", f"{type(exc).__name__}: {truncate(exc)}", traceback.format_exc()
     try:
-        return "ok", _to_array(name, out, prompts, completions, offset=offset)
+        return "ok", to_array(name, out, prompts, completions, offset=offset)
     except RewardError as exc:
         return "contract", str(exc)
 
@@ -353,7 +353,7 @@ class PendingScores:
         if out[0] != "error":
             return RewardError(f"reward function {rf.name!r} {_what(out, chunk.timeout_s)} on "
                                f"{_span(chunk.start, chunk.stop)} (first: sample {chunk.start}, "
-                               f"completion={_truncate(self._completions[chunk.start])!r})")
+                               f"completion={truncate(self._completions[chunk.start])!r})")
         err = self._locate(rf, chunk, out[1])
         err.add_note(f"worker traceback of the chunk:\n{out[2]}")
         return err
@@ -361,7 +361,7 @@ class PendingScores:
     def _locate(self, rf: RewardFunction, chunk: _Chunk, exc: str) -> RewardError:
         """Re-run a raising chunk's samples one by one in the pool; name the first that raises."""
         if chunk.stop - chunk.start == 1:
-            return _raised_at(rf.name, exc, chunk.start, self._prompts[chunk.start], self._completions[chunk.start])
+            return raised_at(rf.name, exc, chunk.start, self._prompts[chunk.start], self._completions[chunk.start])
         singles = [self._pool._schedule(chunk.index, i, i + 1, self._prompts, self._completions, self._fields)
                    for i in range(chunk.start, chunk.stop)]
         head = f"reward function {rf.name!r} raised {exc} on {_span(chunk.start, chunk.stop)}"
@@ -369,7 +369,7 @@ class PendingScores:
             out = self._outcome(rf, single)
             i = single.start
             if out[0] == "error":
-                return _raised_at(rf.name, out[1], i, self._prompts[i], self._completions[i])
+                return raised_at(rf.name, out[1], i, self._prompts[i], self._completions[i])
             if out[0] != "ok":
                 return RewardError(f"{head} (sample {i} alone: {out[0]}; search stopped)")
         return RewardError(f"{head} (no single sample reproduces it)")

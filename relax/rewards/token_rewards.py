@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.rewards.functions import _check_finite
+from relax.rewards.functions import check_finite
 from relax.rewards.shaping import combine
 
 TokenRewardFn = Callable[
@@ -65,7 +65,7 @@ def score_tokens(
         with np.errstate(over="ignore"):  # float32 is what the trainer uses (make_score)
             per32 = {k: np.asarray(v, np.float32) for k, v in per.items()}
             total32 = np.asarray(total, np.float32)
-        _check_finite(per32, total32, {f.name: f.weight for f in fns}, kind="token reward")
+        check_finite(per32, total32, {f.name: f.weight for f in fns}, kind="token reward")
     return total, per
 
 

@@ -112,7 +112,7 @@ def block_sizes(cfg: RolloutConfig) -> list[int]:
 
 
 def cache_bytes(config, prompts: int, prompt_len: int, cfg: RolloutConfig, dtype) -> int:
-    """Bytes of the KV caches ``_generate`` keeps over the whole batch: per layer, keys and values
+    """Bytes of the KV caches ``generate_program`` keeps over the whole batch: per layer, keys and values
     of each prompt once (``[P, Hkv, Lp, D]``) and of each of its G completions
     (``[P*G, Hkv, N, D]``), in the model's compute ``dtype``."""
     slots = prompts * prompt_len + prompts * cfg.num_generations * cfg.max_new_tokens
@@ -244,7 +244,9 @@ def _decode_attend(model: Transformer, layout: DecodeLayout, kernel, num_gen: in
     return attend
 
 
-def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+    """The sampler's traced program: what ``compiled_generate`` jits, and what a larger jitted stage
+    (e.g. the online algorithms' rollout) calls inside its own program."""
     c = model.config
     p, _ = prompt_ids.shape
     g, n = cfg.num_generations, cfg.max_new_tokens
@@ -331,7 +333,7 @@ def _generate(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConf
 @functools.lru_cache(maxsize=64)
 def compiled_generate(cfg: RolloutConfig):
     """The jitted sampler for one config (jax caches one executable per input shape)."""
-    return jax.jit(functools.partial(_generate, cfg=cfg))
+    return jax.jit(functools.partial(generate_program, cfg=cfg))
 
 
 def pad_to_bucket(prompt_ids, prompt_mask, buckets: tuple[int, ...], pad_id: int):

@@ -85,7 +85,9 @@ class TurnState(eqx.Module):
         return self.tokens.shape[0] // self.prompt_len.shape[0]
 
 
-def _start(model: Transformer, prompt_ids, prompt_mask, key, cfg: TurnConfig) -> TurnState:
+def start_state(model: Transformer, prompt_ids, prompt_mask, key, cfg: TurnConfig) -> TurnState:
+    """The state before the first turn: each prompt prefilled once, ``G`` empty trajectories per
+    prompt (``start`` jits it)."""
     c, g, n = model.config, cfg.num_generations, cfg.max_tokens
     b = prompt_ids.shape[0] * g
     pos = positions_from_mask(prompt_mask)
@@ -150,7 +152,9 @@ def _extend(model: Transformer, layers, s: TurnState, ids: Int[Array, "b m"], co
     return h, [kv[0] for kv in new_kv], [kv[1] for kv in new_kv], writes
 
 
-def _layers(model: Transformer, cfg: TurnConfig):
+def fused_decode_layers(model: Transformer, cfg: TurnConfig):
+    """The per-layer fused weights ``decode_turn`` and ``append`` read (adapters merged unless
+    ``cfg.merge_adapters`` is off); ``fused_layers`` jits it."""
     return fuse_layers(merge_lora(model) if cfg.merge_adapters else model)
 
 
@@ -158,7 +162,7 @@ def _decode_turn(model: Transformer, s: TurnState, active: Bool[Array, " b"], cf
     """One turn of each ``active`` row: ``(state, stopped [B], sampled [B])``. A row samples until a
     stop token (``stopped``), ``max_turn_tokens`` or a full cache; every token is fed. ``layers``:
     ``fused_layers(model, cfg)`` computed once for a whole rollout (None: fused here, per call)."""
-    layers, n = _layers(model, cfg) if layers is None else layers, s.tokens.shape[1]
+    layers, n = fused_decode_layers(model, cfg) if layers is None else layers, s.tokens.shape[1]
     eos = jnp.asarray(cfg.eos_ids, jnp.int32)
     rows = jnp.arange(s.tokens.shape[0])
 
@@ -190,7 +194,7 @@ def _append(model: Transformer, s: TurnState, ids: Int[Array, "b m"], count: Int
             layers=None):
     """Prefill ``ids[b, :count[b]]`` (an observation, not sampled) onto each row's cache; ``layers``
     as ``decode_turn``'s."""
-    h, ck, cv, writes = _extend(model, _layers(model, cfg) if layers is None else layers, s, ids, count)
+    h, ck, cv, writes = _extend(model, fused_decode_layers(model, cfg) if layers is None else layers, s, ids, count)
     rows = jnp.arange(ids.shape[0])[:, None]
     last = h[rows[:, 0], jnp.maximum(count - 1, 0)]
     return dataclasses.replace(
@@ -211,8 +215,8 @@ def _compact(s: TurnState, rows: Int[Array, " k"]) -> TurnState:
         sampled=per_row(s.sampled), length=per_row(s.length), last_h=per_row(s.last_h), keys=per_row(s.keys))
 
 
-start = jax.jit(_start, static_argnames="cfg")
-fused_layers = jax.jit(_layers, static_argnames="cfg")  # the weights decode_turn / append read, once per rollout
+start = jax.jit(start_state, static_argnames="cfg")
+fused_layers = jax.jit(fused_decode_layers, static_argnames="cfg")  # once per rollout: decode_turn / append read them
 decode_turn = jax.jit(_decode_turn, static_argnames="cfg", donate_argnums=1)
 append = jax.jit(_append, static_argnames="cfg", donate_argnums=1)
 compact = jax.jit(_compact)
