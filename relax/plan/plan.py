@@ -201,7 +201,8 @@ def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -
     for p in programs:
         sampler = is_sampler(p.name)
         kv = kv_cache_per_chip(kv_total, p.mesh, model) if sampler else 0
-        blocks = (block_sizes(rollout)[0], cache_block_dims(model, rollout, run.batch_size, p.mesh)) if sampler else None
+        blocks = None if not sampler else (block_sizes(rollout)[0],
+                                           cache_block_dims(model, rollout, run.batch_size, p.mesh))
         if known and p.name in known:  # the sampler, extended from its shallow compiles
             low = [next(q for q in qs if q.name == p.name) for qs in shallow]
             ma, mb = (program_memory(q.name, q.compiled, q.args, limit=limit, error=q.error, compile_s=q.compile_s)

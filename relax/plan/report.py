@@ -36,7 +36,8 @@ def plan_table(p: Plan) -> str:
         cells = " ".join(f"{gib(getattr(m, c)):>11}" for c in COLUMNS)
         verdict = "yes" if m.fits else ("NO (compiler)" if m.error else "NO")
         mark = "~" if m.depths else " "
-        lines.append(f"  {m.name[:15]:<15}{mark} {cells} {gib(m.total):>11} {gib(m.limit):>7}  {verdict:<4} {m.compile_s:>6.1f}")
+        lines.append(f"  {m.name[:15]:<15}{mark} {cells} {gib(m.total):>11} {gib(m.limit):>7}  {verdict:<4} "
+                     f"{m.compile_s:>6.1f}")
     peak = p.peak
     lines += ["", f"  peak: {peak.name} needs {gib(peak.total)} GiB of {gib(peak.limit)} GiB per chip -> "
               + ("fits" if p.fits else "does NOT fit")]
