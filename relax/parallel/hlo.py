@@ -25,8 +25,7 @@ from typing import Iterable, Literal
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\]")
-_LAID_OUT = re.compile(r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\](\{[^}]*\})?")
+_ARRAY = re.compile(r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\](\{[^}]*\})?")  # dtype, dims, layout
 _SPACE = re.compile(r"S\([1-9]\d*\)")  # a memory space other than the default (0)
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier",
@@ -37,7 +36,7 @@ SLICES = {"dynamic-slice", "slice", "gather"}  # read only the part they return
 
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(dtype, dims)`` of each array in an HLO shape (a tuple shape gives several)."""
-    return [(t, tuple(int(x) for x in d.split(",") if x)) for t, d in _ARRAY.findall(shape)]
+    return [(t, tuple(int(x) for x in d.split(",") if x)) for t, d, _ in _ARRAY.findall(shape)]
 
 
 def nbytes(shape: str, first_only: bool = False) -> int:
@@ -54,9 +53,16 @@ def device_bytes(shape: str, first_only: bool = False) -> int:
     """Like ``nbytes``, of the arrays in the device's main memory (HBM) only: an array whose
     layout names another memory space (``{1,0:T(8,128)S(1)}``: a TPU core's VMEM; host memory
     on GPU) is not counted."""
-    arrs = _LAID_OUT.findall(shape)[:1] if first_only else _LAID_OUT.findall(shape)
+    arrs = _ARRAY.findall(shape)[:1] if first_only else _ARRAY.findall(shape)
     return int(sum(_itemsize(t) * math.prod(int(x) for x in d.split(",") if x)
                    for t, d, layout in arrs if not _SPACE.search(layout)))
+
+
+def hbm_to_hbm(ins: Instr, local: dict[str, Instr]) -> bool:
+    """Whether ``ins`` (a copy, say) reads HBM and writes HBM: not a prefetch into, or an eviction
+    from, on-chip memory (an async copy's result is (destination, source alias, context))."""
+    reads = sum(device_bytes(local[o].shape) for o in ins.operands if o in local)
+    return bool(reads and device_bytes(ins.shape, first_only=True))
 
 
 @dataclasses.dataclass
@@ -133,16 +139,17 @@ def loop_ops(text: str, ops: Iterable[str], *, part: Literal["body", "condition"
              scans: bool = False, hbm_only: bool = False) -> collections.Counter:
     """``{(op, result shape without layout): count}`` of the instructions named ``ops`` (an async
     ``-start`` half counts as its op) that the loops' ``part`` runs, summed over the loops.
-    ``hbm_only``: only those whose result (an async copy's: its destination) is in HBM, e.g.
-    not the TPU compiler's prefetches of a buffer into VMEM."""
+    ``hbm_only``: only those from HBM to HBM (``hbm_to_hbm``), e.g. not the TPU compiler's
+    prefetches of a buffer into VMEM."""
     comps, entry = parse_hlo(text)
     names = {o: o for o in ops} | {f"{o}-start": o for o in ops}
     found: collections.Counter = collections.Counter()
     for loop in loops(comps, entry, scans=scans):
         root = re.search(part + r"=%([\w.\-]+)", loop.attrs).group(1)
         for c in launching(comps, root):
+            local = {i.name: i for i in comps[c]}
             for ins in comps[c]:
-                if ins.op in names and (not hbm_only or device_bytes(ins.shape, first_only=True)):
+                if ins.op in names and (not hbm_only or hbm_to_hbm(ins, local)):
                     found[(names[ins.op], re.sub(r"\{[^}]*\}", "", ins.shape))] += 1
     return found
 
@@ -197,7 +204,7 @@ def kernel_bytes(ins: Instr, comps, local: dict[str, Instr]) -> tuple[int, bool]
     if ins.op in SLICES:
         return 2 * device_bytes(ins.shape), False
     if ins.op == "slice-start":  # ((source alias), slice, context): reads and writes the slice
-        (dtype, dims, layout), src = _LAID_OUT.findall(ins.shape)[-2], ins.operands[0]
+        (dtype, dims, layout), src = _ARRAY.findall(ins.shape)[-2], ins.operands[0]
         size = _itemsize(dtype) * math.prod(int(x) for x in dims.split(",") if x)
         in_hbm = src in local and device_bytes(local[src].shape) > 0
         return int(size * in_hbm + (0 if _SPACE.search(layout) else size)), False

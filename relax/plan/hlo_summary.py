@@ -11,8 +11,8 @@ many times as it runs: a ``lax.scan`` body times its known trip count, a decode 
     time  >= max(flops / peak FLOP/s, bytes / HBM bandwidth)   (the roofline of that kernel)
 
 and the program's estimated time is the sum of its kernels' (a lower bound: no overlap of
-kernels, no launch or collective latency; ICI/NVLink time is not modelled). The bytes of a
-fusion whose operand is only sliced are over-counted (the whole operand is charged).
+kernels, no launch or collective latency; ICI/NVLink time is not modelled). A fusion's operand
+that it only slices or gathers from is charged what it takes (``relax.parallel.hlo.kernel_bytes``).
 Collectives are listed by kind with their bytes (the result's), per run and per decode step;
 ``cache_copies`` counts copies inside decode loops of arrays shaped like a KV cache block from
 HBM to HBM (duplicates); the TPU compiler's prefetches of blocks into VMEM (``copy-start`` to
@@ -27,7 +27,8 @@ import math
 import re
 from typing import Any
 
-from relax.parallel.hlo import COLLECTIVES, CONTROL, FREE, Instr, arrays, device_bytes, kernel_bytes, nbytes, parse_hlo
+from relax.parallel.hlo import (COLLECTIVES, CONTROL, FREE, Instr, arrays, hbm_to_hbm, kernel_bytes, nbytes,
+                                parse_hlo)
 
 _TRIP = re.compile(r'known_trip_count[^0-9]*(\d+)')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -79,12 +80,6 @@ def _kernel(ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]) 
     return flops, float(kernel_bytes(ins, comps, local)[0])
 
 
-def _hbm_copy(ins: Instr, local: dict[str, Instr]) -> bool:
-    """A copy from HBM to HBM (not a prefetch to, or eviction from, on-chip memory)."""
-    reads = sum(device_bytes(local[o].shape) for o in ins.operands if o in local)
-    return bool(reads and device_bytes(ins.shape, first_only=True))
-
-
 def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: int | None,
           cache_dims: frozenset) -> None:
     local = {i.name: i for i in comps.get(name, [])}
@@ -118,7 +113,7 @@ def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: 
             n, b = out[key + "_coll"][kind]
             out[key + "_coll"][kind] = (n + int(times), b + int(size * times))
         if (decode and kind == "copy" and any(dims in cache_dims for _, dims in arrays(ins.shape))
-                and _hbm_copy(ins, local)):
+                and hbm_to_hbm(ins, local)):
             out["cache_copies"] += int(times)
 
 
