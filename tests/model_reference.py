@@ -19,6 +19,8 @@ def _inv_freq(cfg, local=False):
         return inv
     if s.kind == "linear":
         return inv / s.factor
+    if s.kind == "longrope":  # short factors; cos/sin times attention_factor (_rope's scale)
+        return inv / np.asarray(s.short_factor)
     out = []
     for f in inv:
         wl = 2 * math.pi / f
@@ -32,9 +34,9 @@ def _inv_freq(cfg, local=False):
     return np.array(out)
 
 
-def _rope(x, pos, inv):  # x [t, h, d]
+def _rope(x, pos, inv, scale=1.0):  # x [t, h, d]
     ang = pos[:, None] * inv[None, :]
-    cos, sin = np.cos(ang), np.sin(ang)
+    cos, sin = scale * np.cos(ang), scale * np.sin(ang)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -85,7 +87,9 @@ def forward(model, ids, mask=None):
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
                 q, k = norm(q, g("q_norm")), norm(k, g("k_norm"))
-            q, k = _rope(q, pos, inv[sliding[l]]), _rope(k, pos, inv[sliding[l]])
+            local = sliding[l] and cfg.rope_local_theta is not None  # a local RoPE is unscaled
+            factor = 1.0 if local or cfg.rope_scaling is None else cfg.rope_scaling.attention_factor
+            q, k = _rope(q, pos, inv[sliding[l]], factor), _rope(k, pos, inv[sliding[l]], factor)
             o = np.zeros_like(q)
             for hq in range(cfg.num_heads):
                 hk = hq // (cfg.num_heads // cfg.num_kv_heads)

@@ -136,7 +136,8 @@ def _hf_scores(hf, ids, mask):
 
 
 @pytest.mark.parametrize("name, bias", [("qwen3_gqa_head_dim", 0.0), ("gemma3_mixed_tied", 0.0),
-                                        ("llama2_mha_untied", 0.25)])
+                                        ("llama2_mha_untied", 0.25), ("phi3_gqa_window", 0.25),
+                                        ("phi3_longrope_tied", 0.0)])
 def test_saved_critic_loads_in_transformers(name, bias, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

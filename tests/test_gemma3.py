@@ -11,7 +11,7 @@ import pytest
 
 from relax.rollout import sampler as rollout
 from relax.models import ModelConfig, RopeScaling, family_config, init, token_logprobs
-from relax.models.config import FAMILIES, FAMILY_TRAITS
+from relax.models.families import FAMILIES
 from relax.models.hf_config import HFFormatError, config_from_hf, config_to_hf
 from relax.models.transformer import embed
 from relax.models.prefix_shared import completion_logprobs, completion_rope, resolve_attention
@@ -46,7 +46,7 @@ def _prompts(p, lp, lengths, seed=0):
 
 
 def test_description_traits_and_kinds():
-    assert set(FAMILY_TRAITS) == set(FAMILIES)
+    assert FAMILIES["gemma3_text"].traits == {k: getattr(CFG, k) for k in FAMILIES["gemma3_text"].traits}
     assert CFG.sliding_layers == (True, False, True) and CFG.has_window
     assert CFG.attn_scale == 12.0 ** -0.5
     assert (CFG.norm_weight, CFG.sandwich_norms, CFG.qk_norm, CFG.activation, CFG.scale_embeddings) == (

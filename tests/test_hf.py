@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import re
 import os
 import struct
@@ -15,10 +16,14 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from relax.models import ModelConfig, RopeScaling, cast, init
-from relax.models.config import FAMILY_TRAITS
+from relax.models.families import get_family
 from relax.models import hf as hf_mod
 from relax.models.hf import HFFormatError, config_from_hf, config_to_hf, load_pretrained, save_pretrained
 
+SHORT, LONG = tuple(1.0 + 0.1 * i for i in range(8)), tuple(2.0 + 0.3 * i for i in range(8))  # head_dim 16: 8 each
+# Phi-3 LongRoPE with an explicit factor 4 (transformers' attention factor sqrt(1 + ln 4 / ln 128))
+LONGROPE = RopeScaling("longrope", 4.0, original_max_position=128, short_factor=SHORT, long_factor=LONG,
+                       attention_factor=math.sqrt(1 + math.log(4.0) / math.log(128)))
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
             bos_token_id=1, eos_token_id=2)
@@ -34,9 +39,11 @@ FAMILIES = {
     "qwen3_gqa_head_dim": dict(family="qwen3", qk_norm=True, head_dim=24, pad_token_id=0),
     "qwen3_mha_bias_tied": dict(family="qwen3", num_kv_heads=4, qk_norm=True, qkv_bias=True, o_bias=True,
                                 tie_word_embeddings=True),
-    "gemma3_mixed_tied": dict(family="gemma3_text", **FAMILY_TRAITS["gemma3_text"], tie_word_embeddings=True,
+    "gemma3_mixed_tied": dict(family="gemma3_text", **get_family("gemma3_text").traits, tie_word_embeddings=True,
                               sliding_window=4, layer_types=("sliding", "full"), rope_theta=1e6,
                               rope_local_theta=1e4, query_pre_attn_scalar=24.0, pad_token_id=0),
+    "phi3_gqa_window": dict(family="phi3", sliding_window=5, pad_token_id=0),
+    "phi3_longrope_tied": dict(family="phi3", num_kv_heads=4, tie_word_embeddings=True, rope_scaling=LONGROPE),
 }
 
 
@@ -83,12 +90,17 @@ def test_round_trip_is_bit_exact(name, tmp_path):
     assert_bit_exact(model, back)
     forward = jax.jit(lambda m: m(IDS))
     assert np.array_equal(np.asarray(forward(model)), np.asarray(forward(back)))
-    # The file is standard safetensors, in transformers' names and [out, in] layout.
+    # The file is standard safetensors, in transformers' names and [out, in] layout (fused
+    # families: q, k, v concatenated on the output axis in one tensor).
+    rec = get_family(model.config.family)
+    qkv = rec.weights["wq"]
     with safe_open(tmp_path / "m" / "model.safetensors", framework="numpy") as f:
         names = set(f.keys())
         assert f.metadata() == {"format": "pt"}
-        wq = f.get_tensor("model.layers.1.self_attn.q_proj.weight")
-    np.testing.assert_array_equal(wq, np.asarray(model.layers.wq[1]).T)
+        wq = f.get_tensor(f"model.layers.1.{qkv}")
+    fields = rec.tensors()[qkv]
+    assert fields == (("wq", "wk", "wv") if rec.model_type == "phi3" else ("wq",))
+    np.testing.assert_array_equal(wq, np.concatenate([np.asarray(getattr(model.layers, f)[1]) for f in fields], -1).T)
     assert ("lm_head.weight" in names) == (not model.config.tie_word_embeddings)
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == model.config.o_bias
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == model.config.qk_norm
@@ -284,6 +296,71 @@ def test_qwen_sliding_window_rules():
                        source="dir/config.json")
 
 
+PHI3_LONG = {  # microsoft/Phi-3-mini-128k-instruct's shape of config (sizes shrunk, factor lists of head_dim/2)
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "longrope", "short_factor": list(SHORT), "long_factor": list(LONG)},
+    "sliding_window": 262144, "hidden_act": "silu", "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000,
+    "pad_token_id": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def test_phi3_longrope_context_and_factors():
+    """A LongRoPE model whose context exceeds its original length is refused (transformers switches
+    factor lists there); capped at the original length it reads transformers' short factors and
+    attention factor, which the 128k file's ratio (131072 / 4096 = 32) sets."""
+    with pytest.raises(HFFormatError, match=r"^c: field 'max_position_embeddings' = 131072 exceeds "
+                                            r"original_max_position_embeddings = 4096 with longrope.*max_positions=4096"):
+        config_from_hf(PHI3_LONG, source="c")
+    cfg = config_from_hf(PHI3_LONG, source="c", max_positions=4096)
+    assert cfg.max_position_embeddings == 4096 and cfg.sliding_window == 262144
+    s = cfg.rope_scaling
+    assert (s.kind, s.factor, s.original_max_position, s.short_factor, s.long_factor) == (
+        "longrope", 32.0, 4096, SHORT, LONG)
+    assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    # written back with the factor explicit, so the capped file means the same model
+    d = config_to_hf(cfg, jnp.bfloat16)
+    assert d["rope_parameters"]["factor"] == 32.0 and d["original_max_position_embeddings"] == 4096
+    assert config_from_hf(json.loads(json.dumps(d)), source="c") == cfg
+    # "su" (older name), the RoPE parameters' own original length ignored (Phi3Config's top-level one wins)
+    su = {**PHI3_LONG, "max_position_embeddings": 4096,
+          "rope_scaling": {**PHI3_LONG["rope_scaling"], "type": "su", "original_max_position_embeddings": 7}}
+    assert config_from_hf(su, source="c").rope_scaling == dataclasses.replace(s, factor=1.0, attention_factor=1.0)
+    with pytest.raises(HFFormatError, match=r"max_positions=5000 must be in \[1, 4096\]"):
+        config_from_hf(su, source="c", max_positions=5000)
+
+
+@pytest.mark.parametrize("patch, match", [
+    (dict(partial_rotary_factor=0.75), r"field 'partial_rotary_factor' = 0.75 is not supported"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     r"field 'rope_scaling.rope_type' = 'linear': RoPE scaling type not supported for phi3; supported: \['default', 'longrope'\]"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7, "long_factor": [1.0] * 8}),
+     r"ModelConfig.rope_scaling.short_factor must be a tuple of head_dim/2 = 8"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": "1", "long_factor": [1.0] * 8}),
+     r"field 'rope_scaling.short_factor' must be a list of numbers"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8}), r"field 'rope_scaling.long_factor' is required"),
+])
+def test_phi3_config_errors_name_the_field(patch, match):
+    with pytest.raises(HFFormatError, match=r"^ckpt/config\.json: " + match):
+        config_from_hf({**PHI3_LONG, "max_position_embeddings": 4096, **patch}, source="ckpt/config.json")
+
+
+def test_phi3_defaults_and_what_it_cannot_express():
+    phi3 = config_from_hf(_minimal("phi3"), source="c")
+    assert (phi3.num_kv_heads, phi3.head_dim, phi3.max_position_embeddings, phi3.rms_norm_eps) == (4, 16, 4096, 1e-5)
+    assert (phi3.bos_token_id, phi3.eos_token_id, phi3.pad_token_id, phi3.sliding_window) == (1, 32000, 32000, None)
+    assert not (phi3.qkv_bias or phi3.o_bias or phi3.mlp_bias or phi3.qk_norm) and phi3.rope_scaling is None
+    with pytest.raises(ValueError, match=r"Phi3ForCausalLM: attention biases"):
+        config_to_hf(tiny("phi3_gqa_window", qkv_bias=True), jnp.float32)
+    with pytest.raises(ValueError, match=r"rope_scaling kind 'linear' \(phi3 has \['default', 'longrope'\]\)"):
+        config_to_hf(tiny("phi3_gqa_window", rope_scaling=RopeScaling("linear", 2.0)), jnp.float32)
+    with pytest.raises(HFFormatError, match=r"'rope_scaling.rope_type' = 'longrope'.*supported for llama"):
+        config_from_hf({**V4_LLAMA3, "rope_scaling": PHI3_LONG["rope_scaling"] | {"rope_type": "longrope"}}, source="c")
+    with pytest.raises(ValueError, match=r"max_position_embeddings=256 exceeds the longrope original_max_position=128"):
+        tiny("phi3_longrope_tied", max_position_embeddings=256)
+
+
 def test_config_to_hf_rejects_what_transformers_cannot_express():
     with pytest.raises(ValueError, match="qkv_bias=True with o_bias=False"):
         config_to_hf(tiny("llama2_mha_untied", qkv_bias=True), jnp.float32)
@@ -382,6 +459,24 @@ def test_wrong_shape(saved):
     with pytest.raises(HFFormatError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' "
                                             r"has shape \[32, 64\], expected \[64, 64\]"):
         load_pretrained(d)
+
+
+def test_fused_tensor_shape_and_presence(tmp_path):
+    """Phi-3's fused tensors: a wrong shape names the fused size, a split checkpoint is unexpected."""
+    model = random_model(tiny("phi3_gqa_window"))
+    save_pretrained(model, tmp_path)
+    name = "model.layers.0.self_attn.qkv_proj.weight"  # q 64 + k 32 + v 32 rows
+    _edit(tmp_path / "model.safetensors", lambda t: t.update({name: np.zeros((96, 64), np.float32)}))
+    with pytest.raises(HFFormatError, match=rf"tensor '{re.escape(name)}' has shape \[96, 64\], expected \[128, 64\]"):
+        load_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
+    _edit(tmp_path / "model.safetensors", lambda t: t.update({"model.layers.0.mlp.gate_proj.weight": np.zeros((96, 64), np.float32)}))
+    with pytest.raises(HFFormatError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.gate_proj\.weight'"):
+        load_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
+    _edit(tmp_path / "model.safetensors", lambda t: t.pop("model.layers.1.mlp.gate_up_proj.weight"))
+    with pytest.raises(HFFormatError, match=r"missing tensor 'model\.layers\.1\.mlp\.gate_up_proj\.weight'"):
+        load_pretrained(tmp_path)
 
 
 def test_integer_tensor(saved):

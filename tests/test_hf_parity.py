@@ -5,10 +5,14 @@ safetensors, loaded by relax (and the reverse), and their float32 logits compare
 left-padded batch. Norm weights and biases are randomised: unit norms and zero biases hide bugs.
 The Gemma 3 cases mix sliding and full layers (windows shorter than the 12-token batch, local and
 global RoPE bases, linear scaling on the global one) and scale scores by a
-``query_pre_attn_scalar`` other than ``head_dim``.
+``query_pre_attn_scalar`` other than ``head_dim``. The Phi-3 cases store q/k/v and gate/up fused
+(split on load, fused on save) and use LongRoPE (per-frequency short factors, cos/sin scaled by
+the attention factor).
 """
 
+import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from relax.models import ModelConfig, RopeScaling, family_config  # noqa: E402
-from relax.models.hf import config_from_hf, load_pretrained, save_pretrained  # noqa: E402
+from relax.models.families import FAMILIES  # noqa: E402
+from relax.models.hf import HFFormatError, config_from_hf, load_pretrained, save_pretrained  # noqa: E402
 from test_hf import random_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -29,6 +34,9 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+SHORT = [1.0, 1.3, 1.1, 2.0, 1.7, 3.0, 2.2, 4.0]  # head_dim 16: 8 LongRoPE factors each
+LONG = [2.0, 3.5, 4.0, 6.0, 5.0, 9.0, 8.0, 12.0]
+LONGROPE = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "rope_theta": 10000.0}
 
 # name: (config class, overrides, max_shard_size for HF's save or None)
 CASES = {
@@ -55,6 +63,13 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_bias=True,
         tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=100.0),
         "40KB"),
+    # Phi-3: fused qkv_proj / gate_up_proj; transformers' Phi3Config has pad/eos 32000 by default
+    "phi3_gqa_window_sharded": ("Phi3Config", dict(num_key_value_heads=2, sliding_window=5, pad_token_id=0,
+                                                   eos_token_id=2), "40KB"),
+    # LongRoPE within the original length (128 = max): short factors, attention factor from the explicit factor 4
+    "phi3_longrope_mha_tied": ("Phi3Config", dict(num_key_value_heads=4, tie_word_embeddings=True, pad_token_id=0,
+                                                  original_max_position_embeddings=128,
+                                                  rope_parameters={**LONGROPE, "factor": 4.0}), None),
 }
 
 
@@ -148,10 +163,25 @@ def _gemma_config(o) -> ModelConfig:
         bos_token_id=1, eos_token_id=(2, 3))
 
 
+def _phi3_config(o) -> ModelConfig:
+    rope, scaling = o.get("rope_parameters"), None
+    if rope is not None:
+        scaling = RopeScaling("longrope", rope["factor"], original_max_position=o["original_max_position_embeddings"],
+                              short_factor=tuple(rope["short_factor"]), long_factor=tuple(rope["long_factor"]),
+                              attention_factor=math.sqrt(1 + math.log(rope["factor"]) / math.log(128)))
+    return family_config(
+        "phi3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=o["num_key_value_heads"], head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
+        rope_scaling=scaling, tie_word_embeddings=o.get("tie_word_embeddings", False),
+        sliding_window=o.get("sliding_window"), bos_token_id=1, eos_token_id=(2, 3), pad_token_id=0)
+
+
 def _relax_model(case):
     cls_name, o, _ = CASES[case]
     if cls_name == "Gemma3TextConfig":
         return random_model(_gemma_config(o), 0)
+    if cls_name == "Phi3Config":
+        return random_model(_phi3_config(o), 0)
     family = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2",
               "Qwen3Config": "qwen3"}[cls_name]
     rope = o.get("rope_parameters")
@@ -222,7 +252,35 @@ def test_transformers_4_layout_means_the_same_to_both(case, scaling_key, tmp_pat
     _assert_same_logits(hf, model, model.config.vocab_size)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
+def test_phi3_longrope_past_its_original_length(tmp_path):
+    """A LongRoPE context longer than the original length (128 > 32, as Phi-3-mini-128k's 131072 >
+    4096): transformers uses the short factors up to 32 tokens and the long ones past it. relax
+    refuses the file, and capped at 32 positions gives transformers' logits, with the attention
+    factor of the file's ratio (sqrt(1 + ln 4 / ln 32)); a save keeps that model for transformers."""
+    cfg = transformers.Phi3Config(**{**BASE, "num_key_value_heads": 2, "pad_token_id": 0,
+                                     "original_max_position_embeddings": 32, "rope_parameters": dict(LONGROPE)})
+    torch.manual_seed(0)
+    hf = _randomise(transformers.AutoModelForCausalLM.from_config(cfg))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with pytest.raises(HFFormatError, match=r"'max_position_embeddings' = 128 exceeds original_max_position_embeddings "
+                                            r"= 32 with longrope.*max_positions=32"):
+        load_pretrained(tmp_path / "hf")
+    model = load_pretrained(tmp_path / "hf", max_positions=32)
+    assert model.config.max_position_embeddings == 32
+    assert model.config.rope_scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(32)))
+    _assert_same_logits(hf, model, 128)
+    ids, _ = _batches(128)
+    plain = dataclasses.replace(model, config=dataclasses.replace(model.config, rope_scaling=None))
+    assert not np.allclose(_relax_logits(plain, ids), _hf_logits(hf, ids), atol=1e-2)  # the scaling matters
+    long_ids = np.random.default_rng(1).integers(0, 128, (1, 40))  # past 32: transformers' long factors
+    assert not np.allclose(_relax_logits(model, long_ids), _hf_logits(hf, long_ids), atol=1e-2)
+    save_pretrained(model, tmp_path / "relax")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "relax", dtype=torch.float32).eval()
+    _assert_same_logits(back, model, 128)
+    assert config_from_hf(back.config.to_dict(), source="to_dict") == model.config
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_defaults_for_absent_fields_match_transformers(model_type):
     # 32 heads: Qwen's absent num_key_value_heads is 32, Mistral's 8
     minimal = dict(model_type=model_type, vocab_size=100, hidden_size=128, intermediate_size=96,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, RopeScaling, cast, init
-from relax.models.config import FAMILY_TRAITS
+from relax.models.families import get_family
 from relax.models import logprobs as lp
 from relax.models.transformer import hidden_states, positions_from_mask
 
@@ -21,10 +21,15 @@ FAMILIES = {
     "qwen2_bias": dict(family="qwen2", num_heads=4, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=True),
     "qwen3_qknorm": dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=24, qk_norm=True),
     # one sliding (window 4, local RoPE) and one full layer (linear-scaled RoPE); q.k / sqrt(24)
-    "gemma3_mixed": dict(family="gemma3_text", **FAMILY_TRAITS["gemma3_text"], num_heads=4, num_kv_heads=2,
+    "gemma3_mixed": dict(family="gemma3_text", **get_family("gemma3_text").traits, num_heads=4, num_kv_heads=2,
                          sliding_window=4, layer_types=("sliding", "full"), rope_theta=1e6, rope_local_theta=1e4,
                          rope_scaling=RopeScaling("linear", 8.0), query_pre_attn_scalar=24.0,
                          tie_word_embeddings=True),
+    # LongRoPE: per-frequency short factors, cos/sin times an attention factor; a window on every layer
+    "phi3_longrope_window": dict(family="phi3", num_heads=4, num_kv_heads=2, sliding_window=6,
+                                 rope_scaling=RopeScaling("longrope", 8.0, original_max_position=128,
+                                                          short_factor=(1.0, 1.4, 2.0, 1.1, 3.0, 2.5, 5.0, 4.0),
+                                                          long_factor=(9.0,) * 8, attention_factor=1.2)),
 }
 
 

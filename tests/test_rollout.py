@@ -17,8 +17,8 @@ from jax.extend import core as jex_core
 
 from relax.rollout import sampler as rollout
 from relax.rollout import naive as rollout_naive
-from relax.models import ModelConfig, init
-from relax.models.config import FAMILY_TRAITS
+from relax.models import ModelConfig, RopeScaling, init
+from relax.models.families import get_family
 from relax.models.logprobs import token_logprobs
 from relax.rollout.sampler import RolloutConfig, generate
 from relax.rollout.sampling import SamplingConfig
@@ -37,9 +37,12 @@ MODELS = {
     "mistral_window": dict(family="mistral", sliding_window=5),
     "qwen3_qknorm": dict(family="qwen3", head_dim=24, qk_norm=True, qkv_bias=False),
     # a sliding layer (window 3, its own RoPE base) then a full one; q.k / sqrt(24)
-    "gemma3_mixed": dict(family="gemma3_text", **FAMILY_TRAITS["gemma3_text"], sliding_window=3,
+    "gemma3_mixed": dict(family="gemma3_text", **get_family("gemma3_text").traits, sliding_window=3,
                          layer_types=("sliding", "full"), rope_theta=1e6, rope_local_theta=1e4,
                          query_pre_attn_scalar=24.0),
+    "phi3_longrope": dict(family="phi3", rope_scaling=RopeScaling(
+        "longrope", 8.0, original_max_position=128, short_factor=(1.0, 1.4, 2.0, 1.1, 3.0, 2.5, 5.0, 4.0),
+        long_factor=(9.0,) * 8, attention_factor=1.2)),
 }
 
 

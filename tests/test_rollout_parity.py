@@ -2,7 +2,9 @@
 left-padded ragged batch, gives the same tokens (finished rows padded with the pad id) and
 the same log-probs as ``compute_transition_scores(..., normalize_logits=True)``. The Gemma 3 case
 decodes through sliding layers (window 3, their own RoPE base) and a full layer, so the per-layer
-windows of the prefix-shared cache are exercised well past the window."""
+windows of the prefix-shared cache are exercised well past the window. The Phi-3 cases load fused
+q/k/v and gate/up weights; the LongRoPE one (context 128, original length 32, capped at 32 by
+``max_positions``) decodes with transformers' short factors and attention factor."""
 
 import jax
 import numpy as np
@@ -29,7 +31,12 @@ CASES = {
     "gemma3_mixed_window": ("Gemma3TextConfig", dict(
         head_dim=16, sliding_window=3, query_pre_attn_scalar=24, rope_local_base_freq=100.0,
         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)),
+    "phi3_window": ("Phi3Config", dict(sliding_window=4)),
+    "phi3_longrope": ("Phi3Config", dict(original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 1.2, 2.5, 2.0, 3.0, 2.8, 4.0],
+        "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]})),
 }
+MAX_POSITIONS = {"phi3_longrope": 32}  # LongRoPE runs at most its original length (relax.models.hf_config)
 
 
 def _hf_model(case):
@@ -82,7 +89,7 @@ def _pick_stop_id(new):
 def test_greedy_generate_matches_transformers(case, tmp_path):
     hf = _hf_model(case)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    model = load_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, max_positions=MAX_POSITIONS.get(case))
     vocab = hf.config.vocab_size
     ids, mask = _prompts(vocab)
     # a first run with an unreachable stop id (outside the vocabulary) picks one that ends row 0 early

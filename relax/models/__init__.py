@@ -1,4 +1,4 @@
-"""Decoder-only transformers (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3), HF interop and token log-probs."""
+"""Decoder-only transformers (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3), HF interop and token log-probs."""
 
 from relax.models.config import ModelConfig, RopeScaling, family_config, small_config
 from relax.models.hf import HFFormatError, load_pretrained, save_pretrained

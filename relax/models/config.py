@@ -1,24 +1,28 @@
 """Model configuration: one frozen dataclass describing a decoder-only transformer.
 
 Every supported architecture is a point in the same space of traits, and the layer code reads
-the traits, never the family name (``family`` only names the Hugging Face ``model_type``):
+the traits, never the family name (``family`` names the Hugging Face ``model_type``, whose
+record in ``relax.models.families`` says everything else about it):
 
-=========================  ======  =======  =====  =====  ===========
-trait                      llama   mistral  qwen2  qwen3  gemma3_text
-=========================  ======  =======  =====  =====  ===========
-``norm_weight``            w       w        w      w      1+w
-``sandwich_norms``         no      no       no     no     yes
-``qk_norm``                no      no       no     yes    yes
-``activation`` (default)   silu    silu     silu   silu   gelu_tanh
-``scale_embeddings``       no      no       no     no     yes
-``query_pre_attn_scalar``  -       -        -      -      yes
-sliding window             -       all      all/-  all/-  ``layer_types``
-``rope_local_theta``       -       -        -      -      sliding layers
-=========================  ======  =======  =====  =====  ===========
+=========================  ======  =======  =====  =====  ===========  ========
+trait                      llama   mistral  qwen2  qwen3  gemma3_text  phi3
+=========================  ======  =======  =====  =====  ===========  ========
+``norm_weight``            w       w        w      w      1+w          w
+``sandwich_norms``         no      no       no     no     yes          no
+``qk_norm``                no      no       no     yes    yes          no
+``activation`` (default)   silu    silu     silu   silu   gelu_tanh    silu
+``scale_embeddings``       no      no       no     no     yes          no
+``query_pre_attn_scalar``  -       -        -      -      yes          -
+sliding window             -       all      all/-  all/-  layer_types  all/-
+``rope_local_theta``       -       -        -      -      sliding      -
+RoPE scaling               linear, llama3 (all but phi3)               longrope
+=========================  ======  =======  =====  =====  ===========  ========
 
-(``FAMILY_TRAITS`` holds the first five rows; ``family_config`` applies them.) Per-layer
-differences are one static tuple, ``sliding_layers``: a sliding layer attends through
-``sliding_window`` and, when ``rope_local_theta`` is set, rotates with its own RoPE base.
+(A family's record holds the first five rows, ``FamilyRecord.traits``; ``family_config``
+applies them. Phi-3 stores q/k/v and gate/up as fused tensors: a file-format difference only,
+``relax.models.hf`` splits them.) Per-layer differences are one static tuple, ``sliding_layers``:
+a sliding layer attends through ``sliding_window`` and, when ``rope_local_theta`` is set,
+rotates with its own RoPE base.
 """
 
 from __future__ import annotations
@@ -29,24 +33,12 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+from relax.models.families import FAMILIES, get_family
+
 NormWeight = Literal["w", "1+w"]
 Activation = Literal["silu", "gelu_tanh"]
 LayerType = Literal["full", "sliding"]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-_LLAMA_TRAITS = dict(norm_weight="w", sandwich_norms=False, qk_norm=False, activation="silu",
-                     scale_embeddings=False)
-FAMILY_TRAITS: dict[str, dict] = {
-    "llama": _LLAMA_TRAITS, "mistral": _LLAMA_TRAITS, "qwen2": _LLAMA_TRAITS,
-    "qwen3": {**_LLAMA_TRAITS, "qk_norm": True},
-    "gemma3_text": dict(norm_weight="1+w", sandwich_norms=True, qk_norm=True, activation="gelu_tanh",
-                        scale_embeddings=True),
-}
-"""The traits each family's Hugging Face architecture has (``activation`` is its default: the
-HF config may name another one)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -54,14 +46,25 @@ class RopeScaling:
 
     ``kind="llama3"`` is Llama 3.1's piecewise rescaling of the inverse frequencies
     (``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position``);
-    ``kind="linear"`` divides every inverse frequency by ``factor`` (positions / factor).
+    ``kind="linear"`` divides every inverse frequency by ``factor`` (positions / factor);
+    ``kind="longrope"`` is Phi-3's LongRoPE: inverse frequency ``i`` divided by
+    ``short_factor[i]`` and cos/sin multiplied by ``attention_factor`` (transformers'
+    ``sqrt(1 + ln(factor) / ln(original_max_position))`` unless the config gives one, ``factor``
+    being its ``max_position_embeddings / original_max_position_embeddings`` unless given).
+    transformers switches to ``long_factor`` for sequences longer than ``original_max_position``;
+    relax's tables are static, so a longrope model runs at most that many positions
+    (``ModelConfig.max_position_embeddings <= original_max_position``) and ``long_factor`` is
+    only kept to be written back.
     """
 
-    kind: Literal["llama3", "linear"]
+    kind: Literal["llama3", "linear", "longrope"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +103,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    family: Family = "llama"
+    family: str = "llama"
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -124,7 +127,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
+            raise ValueError(f"ModelConfig.family={self.family!r}; valid: {tuple(FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -145,6 +148,30 @@ class ModelConfig:
                 or any(t not in ("full", "sliding") for t in self.layer_types)):
             raise ValueError(f"ModelConfig.layer_types must be a tuple of 'full'/'sliding' for each of the "
                              f"{self.num_layers} layers, got {self.layer_types!r}")
+        if self.rope_scaling is not None:
+            self._check_rope(self.rope_scaling)
+
+    def _check_rope(self, s: RopeScaling) -> None:
+        """Raise ``ValueError`` for a scaling of unknown kind, longrope fields on another kind, a
+        factor list not of ``head_dim/2`` entries, or a longrope context past its original length."""
+        if s.kind not in ("llama3", "linear", "longrope"):
+            raise ValueError(f"ModelConfig.rope_scaling.kind={s.kind!r}; valid: ('llama3', 'linear', 'longrope')")
+        if s.kind != "longrope":
+            if s.attention_factor != 1.0 or s.short_factor is not None or s.long_factor is not None:
+                raise ValueError(f"ModelConfig.rope_scaling: attention_factor and short/long factors are "
+                                 f"longrope's, not {s.kind!r}'s")
+            return
+        half = self.head_dim // 2
+        for name in ("short_factor", "long_factor"):
+            v = getattr(s, name)
+            if not isinstance(v, tuple) or len(v) != half:
+                raise ValueError(f"ModelConfig.rope_scaling.{name} must be a tuple of head_dim/2 = {half} "
+                                 f"numbers, got {v!r}")
+        if self.max_position_embeddings > s.original_max_position:
+            raise ValueError(
+                f"ModelConfig.max_position_embeddings={self.max_position_embeddings} exceeds the longrope "
+                f"original_max_position={s.original_max_position}: transformers switches to long_factor past "
+                "it, which relax's static RoPE tables cannot follow (they use short_factor)")
 
     @property
     def q_per_kv(self) -> int:
@@ -204,11 +231,9 @@ class ModelConfig:
 
 
 def family_config(family: str, **fields) -> ModelConfig:
-    """A :class:`ModelConfig` of ``family`` with that family's traits (``FAMILY_TRAITS``); ``fields``
-    give the sizes and may override any trait."""
-    if family not in FAMILY_TRAITS:
-        raise ValueError(f"family={family!r}; valid: {FAMILIES}")
-    return ModelConfig(family=family, **{**FAMILY_TRAITS[family], **fields})
+    """A :class:`ModelConfig` of ``family`` with that family's traits (its record's ``traits``,
+    ``relax.models.families``); ``fields`` give the sizes and may override any trait."""
+    return ModelConfig(family=family, **{**get_family(family).traits, **fields})
 
 
 def small_config(**overrides) -> ModelConfig:

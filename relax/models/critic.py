@@ -35,25 +35,17 @@ from jaxtyping import Array, Float, Int
 from relax.models.adapters import merge_lora
 from relax.models.config import ModelConfig
 from relax.models.hf import build_transformer, load_config, save_directory
-from relax.models.hf_config import ARCHITECTURES, HFFormatError
+from relax.models.families import BY_ARCHITECTURE, FAMILIES
+from relax.models.hf_config import HFFormatError
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden
 from relax.models.prefix_shared import CompletionRope, completion_hidden
 from relax.models.transformer import Transformer
 from relax.models.weights_io import FLOAT_DTYPES, open_weights
 
 __all__ = ["Critic", "ValueHead", "completion_logprobs_and_values", "completion_values", "init_critic",
-           "init_value_head", "load_critic", "save_critic", "values_from_hidden"]
+           "init_value_head", "load_critic", "save_critic", "value_architectures", "values_from_hidden"]
 
-# transformers' value-model classes per family (a "...ForTokenClassification" score has a bias;
-# transformers has none for Gemma 3 text)
-SEQUENCE_ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "mistral": "MistralForSequenceClassification",
-                          "qwen2": "Qwen2ForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification",
-                          "gemma3_text": "Gemma3TextForSequenceClassification"}
-TOKEN_ARCHITECTURES = {"llama": "LlamaForTokenClassification", "mistral": "MistralForTokenClassification",
-                       "qwen2": "Qwen2ForTokenClassification", "qwen3": "Qwen3ForTokenClassification"}
-_KINDS = {**{a: ("sequence", f) for f, a in SEQUENCE_ARCHITECTURES.items()},
-          **{a: ("token", f) for f, a in TOKEN_ARCHITECTURES.items()},
-          **{a: ("causal", f) for f, a in ARCHITECTURES.items()}}
+_VALUE_KINDS = ("sequence", "token")  # the value-model architectures (a family's record names them)
 LAYOUTS = ("auto", "sequence", "token")
 
 
@@ -162,19 +154,28 @@ def save_critic(critic: Critic, directory: str | os.PathLike, *, layout: str = "
     family, bias = backbone.config.family, np.asarray(critic.bias)
     if layout == "auto":
         layout = "sequence" if float(bias) == 0.0 else "token"
+    rec = FAMILIES[family]
     if layout == "sequence" and float(bias) != 0.0:
-        raise ValueError(f"critic bias is {float(bias)}, but {SEQUENCE_ARCHITECTURES[family]}'s score has no bias; "
+        raise ValueError(f"critic bias is {float(bias)}, but {rec.sequence_classification}'s score has no bias; "
                          "save with layout='token' (a ...ForTokenClassification, whose score has one)")
-    if layout == "token" and family not in TOKEN_ARCHITECTURES:
-        raise ValueError(f"transformers has no token-classification model for {family!r}: "
-                         "save with layout='sequence' (needs a critic bias of 0)")
+    arch = rec.sequence_classification if layout == "sequence" else rec.token_classification
+    if arch is None:
+        other = "token" if layout == "sequence" else "sequence"
+        raise ValueError(f"transformers has no {layout}-classification model for {family!r}: "
+                         f"save with layout={other!r}" + (" (needs a critic bias of 0)" if other == "sequence" else ""))
     extra = {"score.weight": np.asarray(critic.head)[None, :]}
-    fields = {"architectures": [SEQUENCE_ARCHITECTURES[family]], "id2label": {"0": "LABEL_0"},
-              "label2id": {"LABEL_0": 0}}
+    fields = {"architectures": [arch], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
     if layout == "token":
         extra["score.bias"] = bias.reshape(1)
-        fields.update(architectures=[TOKEN_ARCHITECTURES[family]], classifier_dropout=0.0)
+        fields["classifier_dropout"] = 0.0
     save_directory(backbone, directory, max_shard_bytes=max_shard_bytes, dtype=dtype, extra=extra, hf_fields=fields)
+
+
+def value_architectures(kind: str | None = None) -> list[str]:
+    """The transformers value-model architectures relax reads and writes (of one ``kind``,
+    ``"sequence"`` or ``"token"``; None: both), sorted."""
+    kinds = _VALUE_KINDS if kind is None else (kind,)
+    return sorted(a for a, (k, _) in BY_ARCHITECTURE.items() if k in kinds)
 
 
 def _critic_config(found: dict):
@@ -186,12 +187,11 @@ def _critic_config(found: dict):
             return d  # config_from_hf reports it
         archs = d.get("architectures")
         if archs is not None:
-            if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in _KINDS):
+            if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in BY_ARCHITECTURE):
                 raise HFFormatError(f"{source}: field 'architectures' = {archs!r} is not one value model; "
-                                    f"supported: {sorted(SEQUENCE_ARCHITECTURES.values())}, "
-                                    f"{sorted(TOKEN_ARCHITECTURES.values())}")
-            found["kind"], family = _KINDS[archs[0]]
-            d = {**d, "architectures": [ARCHITECTURES[family]]}
+                                    f"supported: {value_architectures()}")
+            found["kind"], family = BY_ARCHITECTURE[archs[0]]
+            d = {**d, "architectures": [FAMILIES[family].causal_lm]}
         if found.get("kind") == "causal":
             return d  # a policy's directory: load_critic names the missing value head
         labels = d.get("id2label")

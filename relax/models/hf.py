@@ -6,9 +6,12 @@
 Conventions at the boundary:
 
 - Tensor names are transformers' (``model.embed_tokens.weight``,
-  ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``).
-  Torch ``Linear`` weights are ``[out, in]``; relax stores ``[in, out]`` with the layers stacked
-  on a leading ``[L]`` axis, so loading transposes and stacks, saving unstacks and transposes.
+  ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``),
+  per layer as the family's record says (``relax.models.families``). Torch ``Linear`` weights
+  are ``[out, in]``; relax stores ``[in, out]`` with the layers stacked on a leading ``[L]``
+  axis, so loading transposes and stacks, saving unstacks and transposes. A fused tensor (Phi-3's
+  ``qkv_proj``, ``gate_up_proj``) is cut along its output axis into its fields on load (q, k, v;
+  gate, up) and concatenated back on save.
 - Safetensors are parsed by ``relax.models.weights_io`` (8-byte little-endian header length, JSON
   header, raw data), not through a framework, so bfloat16 loads as ``ml_dtypes.bfloat16`` and a
   save -> load round trip is bit-exact. Pickles (``pytorch_model.bin``, ``*.pt``) are never read.
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.models.config import ModelConfig
+from relax.models.families import LINEAR_FIELDS, get_family
 from relax.models.hf_config import (HFFormatError, config_from_hf, config_to_hf, dtype_name,
                                     generation_config_to_hf, with_generation_config)
 from relax.models.transformer import LayerStack, Transformer
@@ -54,82 +58,91 @@ GENERATION = "generation_config.json"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
 
-# (LayerStack field, name under model.layers.{i}., a torch Linear weight stored [out, in]); the norm
-# around the MLP is "post_attention_layernorm" in a model without sandwich norms (``_NORMS``)
-_LAYER = (
-    ("attn_norm", "input_layernorm.weight", False),
-    ("wq", "self_attn.q_proj.weight", True), ("bq", "self_attn.q_proj.bias", False),
-    ("wk", "self_attn.k_proj.weight", True), ("bk", "self_attn.k_proj.bias", False),
-    ("wv", "self_attn.v_proj.weight", True), ("bv", "self_attn.v_proj.bias", False),
-    ("wo", "self_attn.o_proj.weight", True), ("bo", "self_attn.o_proj.bias", False),
-    ("q_norm", "self_attn.q_norm.weight", False), ("k_norm", "self_attn.k_norm.weight", False),
-    ("attn_out_norm", "post_attention_layernorm.weight", False),
-    ("mlp_norm", "{mlp_norm}.weight", False),
-    ("w_gate", "mlp.gate_proj.weight", True), ("b_gate", "mlp.gate_proj.bias", False),
-    ("w_up", "mlp.up_proj.weight", True), ("b_up", "mlp.up_proj.bias", False),
-    ("w_down", "mlp.down_proj.weight", True), ("b_down", "mlp.down_proj.bias", False),
-    ("mlp_out_norm", "post_feedforward_layernorm.weight", False),
-)
-_NORMS = {False: "post_attention_layernorm", True: "pre_feedforward_layernorm"}  # by sandwich_norms
 
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    name: str        # Hugging Face tensor name
-    field: str       # Transformer field, or a LayerStack field when layer is not None
+    name: str                 # Hugging Face tensor name
+    fields: tuple[str, ...]   # Transformer field, or the LayerStack fields it holds when layer is not None
     layer: int | None
-    transpose: bool
+    transpose: bool           # a torch Linear weight: stored [out, in]
     hf_shape: tuple[int, ...]
+    widths: tuple[int, ...]   # each field's share of the (HF) output axis: a fused tensor holds several
 
 
 def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
-    """Every tensor of the checkpoint in transformers' order."""
-    slots = [_Slot("model.embed_tokens.weight", "embed", None, False, (c.vocab_size, c.hidden_size))]
+    """Every tensor of the checkpoint in transformers' order; the names are the family record's
+    (``relax.models.families``), fused tensors holding several of the config's fields."""
+    rec = get_family(c.family)
     shapes = c.layer_shapes()
-    mlp_norm = _NORMS[c.sandwich_norms]
+    missing = sorted(set(shapes) - set(rec.weights))
+    if missing:
+        raise ValueError(f"a {c.family} checkpoint has no tensor for {missing} (the config's traits are not "
+                         f"{c.family}'s)")
+    groups = [(name, tuple(f for f in fields if f in shapes)) for name, fields in rec.tensors().items()]
+    slots = [_Slot("model.embed_tokens.weight", ("embed",), None, False, (c.vocab_size, c.hidden_size),
+                   (c.vocab_size,))]
     for i in range(c.num_layers):
-        for field, suffix, t in _LAYER:
-            if field in shapes:
-                shape = shapes[field][::-1] if t else shapes[field]
-                slots.append(_Slot(f"model.layers.{i}.{suffix.format(mlp_norm=mlp_norm)}", field, i, t, shape))
-    slots.append(_Slot("model.norm.weight", "norm", None, False, (c.hidden_size,)))
+        for suffix, fields in groups:
+            if not fields:
+                continue
+            t = fields[0] in LINEAR_FIELDS
+            widths = tuple(shapes[f][-1] for f in fields)
+            shape = (sum(widths), *shapes[fields[0]][:-1])
+            slots.append(_Slot(f"model.layers.{i}.{suffix}", fields, i, t, shape, widths))
+    slots.append(_Slot("model.norm.weight", ("norm",), None, False, (c.hidden_size,), (c.hidden_size,)))
     if with_head:
-        slots.append(_Slot("lm_head.weight", "lm_head", None, False, (c.vocab_size, c.hidden_size)))
+        slots.append(_Slot("lm_head.weight", ("lm_head",), None, False, (c.vocab_size, c.hidden_size),
+                           (c.vocab_size,)))
     return slots
+
+
+def _split(a: np.ndarray, s: _Slot) -> list[np.ndarray]:
+    """A stored tensor as its fields' arrays (relax's ``[in, out]`` for a linear weight): a fused
+    tensor is cut along its output axis."""
+    a = a.T if s.transpose else a
+    if len(s.fields) == 1:
+        return [a]
+    return np.split(a, np.cumsum(s.widths)[:-1], axis=-1)
 
 
 # ----------------------------------------------------------------------------- load
 
 
-def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Transformer:
+def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+                    max_positions: int | None = None) -> Transformer:
     """A :class:`Transformer` from a Hugging Face directory (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
+    ``max_positions`` caps the model's context below the file's ``max_position_embeddings`` (a
+    Phi-3 LongRoPE model whose context exceeds its original length needs it: ``hf_config``).
     """
     root = Path(path)
-    cfg = load_config(root)
+    cfg = load_config(root, max_positions=max_positions)
     where, listing = open_weights(root)
     return build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
 
 
-def read_config(path: str | os.PathLike) -> ModelConfig:
+def read_config(path: str | os.PathLike, *, max_positions: int | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a model directory, or of a ``config.json`` file alone (with the
-    ``generation_config.json`` beside it when there is one): no weights are read."""
+    ``generation_config.json`` beside it when there is one): no weights are read. ``max_positions``
+    as ``load_pretrained``'s."""
     path = Path(path)
     if path.is_dir():
-        return load_config(path)
+        return load_config(path, max_positions=max_positions)
     if not path.is_file():
         raise HFFormatError(f"{path}: neither a model directory nor a config.json file")
-    cfg = config_from_hf(read_json(path), source=str(path))
+    cfg = config_from_hf(read_json(path), source=str(path), max_positions=max_positions)
     if (path.parent / GENERATION).is_file():
         cfg = with_generation_config(cfg, read_json(path.parent / GENERATION), source=str(path.parent / GENERATION))
     return cfg
 
 
-def load_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) -> ModelConfig:
+def load_config(root: Path, adapt: Callable[[dict, str], dict] | None = None, *,
+                max_positions: int | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a model directory (``config.json``, then ``generation_config.json``);
     ``adapt(parsed config.json, its path)`` may rewrite the parsed dict first (``read_config`` also
-    takes a lone ``config.json``)."""
+    takes a lone ``config.json``); ``max_positions`` as ``load_pretrained``'s."""
     cfg_path = root / CONFIG
     if not root.is_dir():
         raise HFFormatError(f"{root}: not a directory (expected a Hugging Face model directory)")
@@ -137,7 +150,8 @@ def load_config(root: Path, adapt: Callable[[dict, str], dict] | None = None) ->
         raise HFFormatError(f"{cfg_path}: missing config.json (a Hugging Face model directory "
                             "needs config.json and safetensors weights)")
     d = read_json(cfg_path)
-    cfg = config_from_hf(d if adapt is None else adapt(d, str(cfg_path)), source=str(cfg_path))
+    cfg = config_from_hf(d if adapt is None else adapt(d, str(cfg_path)), source=str(cfg_path),
+                         max_positions=max_positions)
     if (root / GENERATION).is_file():
         cfg = with_generation_config(cfg, read_json(root / GENERATION), source=str(root / GENERATION))
     return cfg
@@ -185,7 +199,8 @@ def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listi
     for s in slots:
         a = where[s.name].read(s.name)
         _check_finite(a, s.name, where[s.name].path)
-        views.setdefault(s.field, []).append(a.T if s.transpose else a)
+        for field, part in zip(s.fields, _split(a, s)):
+            views.setdefault(field, []).append(part)
 
     def host(field: str) -> np.ndarray:
         """One private C-ordered copy (layers stacked on axis 0) in the target dtype."""
@@ -262,15 +277,19 @@ def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_byt
             arrays[field] = a if cast is None else a.astype(cast)
         return arrays[field]
 
+    hf_config = config_to_hf(cfg, cast if cast is not None else field_array("embed", False).dtype)  # checks cfg first
     specs = []
     for s in _layout(cfg, with_head=not cfg.tie_word_embeddings):
-        a = field_array(s.field, s.layer is not None)
+        parts = [field_array(f, s.layer is not None) for f in s.fields]
+        if len({a.dtype for a in parts}) > 1:
+            raise ValueError(f"{s.name} fuses {list(s.fields)}, whose dtypes differ: {[str(a.dtype) for a in parts]}")
 
-        def make(a=a, s=s):
-            x = a if s.layer is None else a[s.layer]
+        def make(parts=parts, s=s):
+            xs = [a if s.layer is None else a[s.layer] for a in parts]
+            x = xs[0] if len(xs) == 1 else np.concatenate(xs, axis=-1)  # a fused tensor: along the output axis
             return x.T if s.transpose else x
 
-        specs.append((s.name, s.hf_shape, a.dtype, make))
+        specs.append((s.name, s.hf_shape, parts[0].dtype, make))
     for name, a in (extra or {}).items():
         dtype_name(a.dtype)  # raises for a non-float tensor
         a = a if cast is None else a.astype(cast)
@@ -289,7 +308,6 @@ def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_byt
     index = None if n == 1 else {
         "metadata": {"total_size": sum(map(nbytes, specs))},
         "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
-    hf_config = config_to_hf(cfg, cast if cast is not None else field_array("embed", False).dtype)
     hf_config.update(hf_fields or {})
     generation = generation_config_to_hf(cfg)
 

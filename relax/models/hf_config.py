@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` <-> :class:`ModelConfig`.
 
-A family's fixed traits (``relax.models.config.FAMILY_TRAITS``: norm style, sandwich and q/k
-norms, embedding scale) come from its ``model_type``; everything else from the file's fields.
+A family's fixed traits, its ``config.json`` spelling of biases, windows and RoPE, and the
+defaults of absent fields come from its record (``relax.models.families``), found by
+``model_type`` / ``architectures``; everything else from the file's fields.
 
 Reads both layouts found on the hub: transformers 4.x (top-level
 ``rope_theta``, ``rope_scaling`` with ``rope_type`` or the older ``type``, ``torch_dtype``) and
@@ -12,53 +13,39 @@ Mistral and 32 for Qwen2/Qwen3; an absent ``head_dim`` is 128 for Qwen3 and 256 
 whose absent ``layer_types`` follow ``sliding_window_pattern``, default 6). An explicit
 ``null`` ``head_dim`` / ``num_key_value_heads`` means ``hidden/heads`` / ``num_attention_heads``.
 
+Phi-3's LongRoPE reads as ``RopeScaling("longrope")``; a context beyond its original length is
+refused unless ``max_positions`` caps it there (``RopeScaling``: static tables cannot switch factors).
+
 Every error is an :class:`HFFormatError` naming the file and the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
 
-from relax.models.config import FAMILIES, FAMILY_TRAITS, ModelConfig, RopeScaling
+from relax.models.config import ModelConfig, RopeScaling
+from relax.models.families import FAMILIES, FamilyRecord
 
 
 class HFFormatError(ValueError):
     """A Hugging Face checkpoint relax cannot read; the message names the file and the field or tensor."""
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-_ARCH_FAMILY = {a: f for f, a in ARCHITECTURES.items()}
-ROPE_TYPES = ("default", "linear", "llama3")
+_CAUSAL = {rec.causal_lm: name for name, rec in FAMILIES.items()}  # causal-LM architecture -> family
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> relax
 _HF_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
-_ACTIVATION_FIELD = {"gemma3_text": "hidden_activation"}  # else "hidden_act"
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _FIXED_TRAITS = ("norm_weight", "sandwich_norms", "qk_norm", "scale_embeddings")  # by model_type
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_ORIGINAL = "original_max_position_embeddings"
 _ABSENT = object()
 
-# transformers 5.23 dataclass defaults (configuration_<family>.py) for the fields we read.
-# None for num_key_value_heads / head_dim means "num_attention_heads" / "hidden // heads".
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
-                  bos_token_id=1, eos_token_id=2),
-    "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32,
-                    bos_token_id=1, eos_token_id=2, sliding_window=4096),
-    "qwen2": dict(num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
-                  bos_token_id=None, eos_token_id=None),
-    "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
-                  bos_token_id=None, eos_token_id=None),
-    "gemma3_text": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
-                        bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
-                        hidden_act="gelu_pytorch_tanh", sliding_window=4096, query_pre_attn_scalar=256,
-                        rope_theta=1_000_000.0, rope_local_theta=10_000.0),
-}
-_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                        pad_token_id=None, hidden_act="silu")
+# transformers' defaults common to every family (a record's ``hf_defaults`` override them)
+_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None)
 
 
 class _Reader:
@@ -111,30 +98,31 @@ class _Reader:
         raise self.fail(field, f"must be an integer, a list of integers or null, got {v!r}")
 
 
-def _family(r: _Reader) -> str:
-    supported = f"supported: model_type {list(FAMILIES)}, architectures {list(_ARCH_FAMILY)}"
+def _family(r: _Reader) -> FamilyRecord:
+    """The record named by ``model_type`` and/or the causal-LM ``architectures`` (which must agree)."""
+    supported = f"supported: model_type {list(FAMILIES)}, architectures {list(_CAUSAL)}"
     archs = r.d.get("architectures")
     from_arch = set()
     if archs is not None:
         if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
             raise r.fail("architectures", f"must be a list of strings, got {archs!r}")
-        unknown = [a for a in archs if a not in _ARCH_FAMILY]
+        unknown = [a for a in archs if a not in _CAUSAL]
         if unknown:
             raise r.fail("architectures", f"= {unknown} is not supported; {supported}")
-        from_arch = {_ARCH_FAMILY[a] for a in archs}
+        from_arch = {_CAUSAL[a] for a in archs}
     mt = r.d.get("model_type")
     if mt is not None:
         if mt not in FAMILIES:
             raise r.fail("model_type", f"= {mt!r} is not supported; {supported}")
         if from_arch and from_arch != {mt}:
             raise r.fail("architectures", f"= {archs} disagrees with model_type {mt!r}")
-        return mt
+        return FAMILIES[mt]
     if len(from_arch) == 1:
-        return from_arch.pop()
+        return FAMILIES[from_arch.pop()]
     raise r.fail("model_type", f"is required (missing, and architectures={archs!r} does not decide it); {supported}")
 
 
-def _rope(r: _Reader, max_pos: int) -> tuple[float, RopeScaling | None]:
+def _rope(r: _Reader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) with transformers' precedence: rope_scaling, then rope_parameters."""
     d = r.d
     field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
@@ -147,39 +135,72 @@ def _rope(r: _Reader, max_pos: int) -> tuple[float, RopeScaling | None]:
         if any(v != values[0] for v in values):
             raise r.fail(field, f"has different RoPE parameters per layer type ({nested}); unsupported")
         p, field = values[0], f"{field}.{nested[0]}"
-    return _rope_params(r, p, field, _COMMON_DEFAULTS["rope_theta"], max_pos)
+    return _rope_params(r, rec, p, field, max_pos, fd)
 
 
-def _rope_params(r: _Reader, p: dict, field: str, default_theta: float, max_pos: int) -> tuple[float, RopeScaling | None]:
+def _original_max(r: _Reader, p: dict, prefix: str, max_pos: int, fd: dict) -> int:
+    """``original_max_position_embeddings`` as transformers resolves it: a top-level value wins (a
+    family whose config class has the field, Phi-3, always uses its own, default included), then
+    the RoPE parameters' own, then ``max_position_embeddings``."""
+    if _ORIGINAL in r.d or _ORIGINAL in fd:
+        return r.int_(_ORIGINAL, fd.get(_ORIGINAL, _ABSENT))
+    return r.int_(_ORIGINAL, max_pos, d=p, prefix=prefix)
+
+
+def _factor_list(r: _Reader, p: dict, name: str, prefix: str) -> tuple[float, ...]:
+    """LongRoPE's ``short_factor`` / ``long_factor`` list (its length ModelConfig checks)."""
+    v = r.get(name, d=p, prefix=prefix)
+    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        raise r.fail(prefix + name, f"must be a list of numbers, got {v!r}")
+    return tuple(float(x) for x in v)
+
+
+def _longrope(r: _Reader, p: dict, prefix: str, max_pos: int, fd: dict) -> RopeScaling:
+    """Phi-3's LongRoPE as ``_compute_longrope_parameters`` builds it: ``factor`` (else
+    ``max_position_embeddings / original``) and ``attention_factor`` (else
+    ``sqrt(1 + ln(factor) / ln(original))``, 1 for a factor <= 1)."""
+    orig = _original_max(r, p, prefix, max_pos, fd)
+    factor = r.float_("factor", max_pos / orig, d=p, prefix=prefix)
+    default_af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    af = r.get("attention_factor", None, d=p)
+    af = default_af if af is None else r.float_("attention_factor", d=p, prefix=prefix)
+    return RopeScaling("longrope", factor, original_max_position=orig, attention_factor=af,
+                       short_factor=_factor_list(r, p, "short_factor", prefix),
+                       long_factor=_factor_list(r, p, "long_factor", prefix))
+
+
+def _rope_params(r: _Reader, rec: FamilyRecord, p: dict, field: str, max_pos: int,
+                 fd: dict) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) of one RoPE parameter object ``p`` (named ``field`` in errors); a
-    theta it lacks is the top-level ``rope_theta``, else ``default_theta``."""
-    d = r.d
+    theta it lacks is the top-level ``rope_theta``, else the family's default."""
+    d, pre = r.d, field + "."
     if "rope_theta" in p:
-        theta = r.float_("rope_theta", d=p, prefix=field + ".")
+        theta = r.float_("rope_theta", d=p, prefix=pre)
     elif d.get("rope_theta") is not None:
         theta = r.float_("rope_theta")
     else:
-        theta = default_theta
+        theta = fd["rope_theta"]
     prf = p.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if prf is not None and prf != 1.0:
-        raise r.fail("partial_rotary_factor", f"= {prf!r} is not supported (only 1.0)")
+        raise r.fail("partial_rotary_factor", f"= {prf!r} is not supported (only 1.0: relax rotates whole heads)")
     kind = p.get("rope_type", p.get("type", "default"))
+    kind = rec.rope_aliases.get(kind, kind)
     kind_field = f"{field}.{'rope_type' if 'rope_type' in p else 'type'}"
+    if kind not in rec.rope_types:
+        raise r.fail(kind_field, f"= {kind!r}: RoPE scaling type not supported for {rec.model_type}; "
+                                 f"supported: {list(rec.rope_types)}")
     if kind == "default":
         return theta, None
     if kind == "linear":
-        return theta, RopeScaling("linear", r.float_("factor", d=p, prefix=field + "."))
-    if kind == "llama3":
-        f = lambda k: r.float_(k, d=p, prefix=field + ".")
-        if "original_max_position_embeddings" in d:  # a top-level value wins, as in transformers
-            orig = r.int_("original_max_position_embeddings")
-        else:
-            orig = r.int_("original_max_position_embeddings", max_pos, d=p, prefix=field + ".")
-        return theta, RopeScaling("llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig)
-    raise r.fail(kind_field, f"= {kind!r}: RoPE scaling type not supported; supported: {list(ROPE_TYPES)}")
+        return theta, RopeScaling("linear", r.float_("factor", d=p, prefix=pre))
+    if kind == "longrope":
+        return theta, _longrope(r, p, pre, max_pos, fd)
+    f = lambda k: r.float_(k, d=p, prefix=pre)  # llama3
+    orig = _original_max(r, p, pre, max_pos, fd)
+    return theta, RopeScaling("llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig)
 
 
-def _gemma_rope(r: _Reader, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None, float]:
+def _gemma_rope(r: _Reader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None, float]:
     """(rope_theta, scaling, rope_local_theta) as ``Gemma3TextConfig`` builds them: the
     ``rope_parameters`` entries ``full_attention`` / ``sliding_attention`` (5.x), the first
     updated by a top-level ``rope_scaling`` (4.x); a theta they lack is the top-level
@@ -194,7 +215,7 @@ def _gemma_rope(r: _Reader, max_pos: int, fd: dict) -> tuple[float, RopeScaling 
         if not isinstance(scaling, dict):
             raise r.fail("rope_scaling", f"must be an object or null, got {scaling!r}")
         full, field = {**full, **scaling}, "rope_scaling"
-    theta, scaling = _rope_params(r, full, field, fd["rope_theta"], max_pos)
+    theta, scaling = _rope_params(r, rec, full, field, max_pos, fd)
     local = rp.get("sliding_attention") or {}
     local_kind = local.get("rope_type", local.get("type", "default"))
     if local_kind != "default":
@@ -205,7 +226,7 @@ def _gemma_rope(r: _Reader, max_pos: int, fd: dict) -> tuple[float, RopeScaling 
     return theta, scaling, r.float_("rope_local_base_freq", fd["rope_local_theta"])
 
 
-def _gemma_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
+def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
     """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full (default 6)."""
     layer_types = r.get("layer_types", None)
     if layer_types is None:
@@ -218,12 +239,11 @@ def _gemma_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
     return tuple(_LAYER_TYPES[t] for t in layer_types)
 
 
-def _gemma_unsupported(r: _Reader) -> None:
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if r.get(field, None) is not None:
-            raise r.fail(field, f"= {r.d[field]!r}: logit softcapping is not supported (Gemma 3 has none: null)")
-    if r.get("use_bidirectional_attention", None) not in (None, False):
-        raise r.fail("use_bidirectional_attention", "= true is not supported (causal attention only)")
+def _refused(r: _Reader, rec: FamilyRecord) -> None:
+    """Refuse the fields the record says relax does not run (e.g. Gemma's logit softcapping)."""
+    for field, (allowed, tail) in rec.refused.items():
+        if r.get(field, None) not in allowed:
+            raise r.fail(field, tail.format(value=r.d[field]))
 
 
 def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
@@ -251,70 +271,94 @@ def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
                  "attention layers are not supported")
 
 
-def _activation(r: _Reader, family: str, fd: dict) -> str:
-    field = _ACTIVATION_FIELD.get(family, "hidden_act")
-    act = r.get(field, fd["hidden_act"])
+def _activation(r: _Reader, rec: FamilyRecord) -> str:
+    field = rec.activation_field
+    act = r.get(field, _HF_ACTIVATION[rec.activation])
     if act not in _ACTIVATIONS:
         raise r.fail(field, f"= {act!r} is not supported; supported: {list(_ACTIVATIONS)}")
     return _ACTIVATIONS[act]
 
 
-def _family_fields(r: _Reader, family: str, layers: int, max_pos: int, fd: dict) -> dict[str, Any]:
-    """The ModelConfig fields whose HF spelling differs by family: biases, windows, RoPE, and Gemma's."""
-    f: dict[str, Any] = dict(qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None)
-    if family != "gemma3_text":
-        f["rope_theta"], f["rope_scaling"] = _rope(r, max_pos)
-    if family == "llama":
-        f.update(qkv_bias=r.bool_("attention_bias", False), o_bias=r.bool_("attention_bias", False),
-                 mlp_bias=r.bool_("mlp_bias", False))
-    elif family == "mistral":
-        f["sliding_window"] = r.int_("sliding_window", fd["sliding_window"], nullable=True)
-    elif family == "qwen2":
-        f.update(qkv_bias=True, sliding_window=_qwen_window(r, layers, max_pos))
-    elif family == "qwen3":
-        bias = r.bool_("attention_bias", False)
-        f.update(qkv_bias=bias, o_bias=bias, sliding_window=_qwen_window(r, layers, max_pos))
-    else:  # gemma3_text
-        _gemma_unsupported(r)
-        bias = r.bool_("attention_bias", False)
-        theta, scaling, local = _gemma_rope(r, max_pos, fd)
-        f.update(qkv_bias=bias, o_bias=bias, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local,
-                 sliding_window=r.int_("sliding_window", fd["sliding_window"], nullable=True),
-                 layer_types=_gemma_layer_types(r, layers),
-                 query_pre_attn_scalar=r.float_("query_pre_attn_scalar", fd["query_pre_attn_scalar"]))
+def _biases(r: _Reader, rec: FamilyRecord) -> dict[str, bool]:
+    """``qkv_bias`` / ``o_bias`` / ``mlp_bias`` as the record's ``biases`` / ``mlp_bias`` spell them."""
+    attn = r.bool_("attention_bias", False) if rec.biases == "attention_bias" else False
+    return dict(qkv_bias=attn or rec.biases == "qkv", o_bias=attn,
+                mlp_bias=r.bool_("mlp_bias", False) if rec.mlp_bias else False)
+
+
+def _family_fields(r: _Reader, rec: FamilyRecord, layers: int, max_pos: int, fd: dict) -> dict[str, Any]:
+    """The ModelConfig fields whose HF spelling differs by family: biases, windows, RoPE, scores."""
+    _refused(r, rec)
+    f: dict[str, Any] = dict(_biases(r, rec), sliding_window=None)
+    if rec.window == "all":
+        f["sliding_window"] = r.int_("sliding_window", fd.get("sliding_window"), nullable=True)
+    elif rec.window == "qwen":
+        f["sliding_window"] = _qwen_window(r, layers, max_pos)
+    elif rec.window == "layer_types":
+        f.update(sliding_window=r.int_("sliding_window", fd["sliding_window"], nullable=True),
+                 layer_types=_layer_types(r, layers))
+    if rec.local_rope:
+        f["rope_theta"], f["rope_scaling"], f["rope_local_theta"] = _gemma_rope(r, rec, max_pos, fd)
+    else:
+        f["rope_theta"], f["rope_scaling"] = _rope(r, rec, max_pos, fd)
+    if rec.query_pre_attn_scalar:
+        f["query_pre_attn_scalar"] = r.float_("query_pre_attn_scalar", fd["query_pre_attn_scalar"])
     return f
 
 
-def config_from_hf(d: dict, *, source: str) -> ModelConfig:
-    """:class:`ModelConfig` from a parsed Hugging Face ``config.json``; ``source`` names it in errors."""
+def _context(r: _Reader, file_max: int, scaling: RopeScaling | None, max_positions: int | None) -> int:
+    """The positions relax runs: the file's ``max_position_embeddings``, or ``max_positions`` (at
+    most that); a LongRoPE model's must not exceed its original length (``RopeScaling``)."""
+    if max_positions is not None and not 1 <= max_positions <= file_max:
+        raise r.fail("max_position_embeddings", f"= {file_max}: max_positions={max_positions} must be "
+                                                 f"in [1, {file_max}]")
+    n = file_max if max_positions is None else max_positions
+    if scaling is not None and scaling.kind == "longrope" and n > scaling.original_max_position:
+        orig = scaling.original_max_position
+        raise r.fail("max_position_embeddings", (
+            f"= {n} exceeds original_max_position_embeddings = {orig} with longrope RoPE: transformers uses "
+            f"long_factor for sequences longer than {orig} tokens and short_factor for shorter ones (switching, "
+            f"and recomputing its cache, as a sequence grows past {orig}), which relax's static RoPE tables "
+            f"cannot follow. Load it with max_positions={orig} (load_pretrained(..., max_positions={orig})) "
+            f"to run up to {orig} positions exactly as transformers does"))
+    return n
+
+
+def config_from_hf(d: dict, *, source: str, max_positions: int | None = None) -> ModelConfig:
+    """:class:`ModelConfig` from a parsed Hugging Face ``config.json``; ``source`` names it in errors.
+
+    ``max_positions`` caps the context relax runs (``max_position_embeddings``) below the file's;
+    RoPE parameters derived from the file's (LongRoPE's factor) keep it.
+    """
     r = _Reader(d, source)
-    family = _family(r)
-    fd = {**_COMMON_DEFAULTS, **_FAMILY_DEFAULTS[family]}
+    rec = _family(r)
+    fd = {**_COMMON_DEFAULTS, **rec.hf_defaults}
     if r.d.get("quantization_config") is not None:
         raise r.fail("quantization_config", "is set: quantized checkpoints are not supported")
-    act = _activation(r, family, fd)
+    act = _activation(r, rec)
     vocab, hidden, inter, layers, heads = (r.int_(k) for k in _REQUIRED)
     if heads < 1:
         raise r.fail("num_attention_heads", f"must be >= 1, got {heads}")
     kv = r.int_("num_key_value_heads", fd["num_key_value_heads"], nullable=True)
     kv = heads if kv is None else kv
     if kv < 1 or heads % kv:
-        how = "" if "num_key_value_heads" in r.d else f" (transformers' {family} default when absent)"
+        how = "" if "num_key_value_heads" in r.d else f" (transformers' {rec.model_type} default when absent)"
         raise r.fail("num_key_value_heads", f"= {kv}{how} must divide num_attention_heads={heads}")
     head_dim = r.int_("head_dim", fd["head_dim"], nullable=True)
     head_dim = hidden // heads if head_dim is None else head_dim
     max_pos = r.int_("max_position_embeddings", fd["max_position_embeddings"])
-    traits = {k: FAMILY_TRAITS[family][k] for k in _FIXED_TRAITS}
+    fields = _family_fields(r, rec, layers, max_pos, fd)
     try:
         return ModelConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, family=family,
-            max_position_embeddings=max_pos, rms_norm_eps=r.float_("rms_norm_eps", fd["rms_norm_eps"]),
+            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, family=rec.model_type,
+            max_position_embeddings=_context(r, max_pos, fields["rope_scaling"], max_positions),
+            rms_norm_eps=r.float_("rms_norm_eps", fd["rms_norm_eps"]),
             tie_word_embeddings=r.bool_("tie_word_embeddings", fd["tie_word_embeddings"]),
             bos_token_id=r.token_ids("bos_token_id", fd["bos_token_id"]),
             eos_token_id=r.token_ids("eos_token_id", fd["eos_token_id"]),
             pad_token_id=r.token_ids("pad_token_id", fd["pad_token_id"]),
-            activation=act, **traits, **_family_fields(r, family, layers, max_pos, fd))
+            activation=act, **{k: rec.traits[k] for k in _FIXED_TRAITS}, **fields)
     except HFFormatError:
         raise
     except ValueError as e:  # ModelConfig's own validation, e.g. heads not a multiple of kv heads
@@ -348,27 +392,39 @@ def dtype_name(dtype) -> str:
     return name
 
 
+_OPTIONAL = {  # ModelConfig field -> whether a family's config has it (required there, refused elsewhere)
+    "layer_types": lambda rec: rec.window == "layer_types",
+    "rope_local_theta": lambda rec: rec.local_rope,
+    "query_pre_attn_scalar": lambda rec: rec.query_pre_attn_scalar,
+}
+
+
 def _check_expressible(cfg: ModelConfig) -> None:
-    fam = cfg.family
-    bad = [f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})" for k, v in FAMILY_TRAITS[fam].items()
+    """Raise ``ValueError`` listing what of ``cfg`` its family's ``config.json`` cannot say (its
+    fixed traits, bias, window and RoPE spellings)."""
+    rec = FAMILIES[cfg.family]
+    fam = rec.model_type
+    bad = [f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})" for k, v in rec.traits.items()
            if k in _FIXED_TRAITS and getattr(cfg, k) != v]
-    if fam in ("llama", "qwen3", "gemma3_text") and cfg.qkv_bias != cfg.o_bias:
+    if rec.biases == "attention_bias" and cfg.qkv_bias != cfg.o_bias:
         bad.append(f"qkv_bias={cfg.qkv_bias} with o_bias={cfg.o_bias} ({fam} has one attention_bias)")
-    if fam != "llama" and cfg.mlp_bias:
-        bad.append("mlp_bias=True")
-    if fam == "llama" and cfg.sliding_window is not None:
-        bad.append(f"sliding_window={cfg.sliding_window}")
-    if fam == "mistral" and (cfg.qkv_bias or cfg.o_bias):
+    if rec.biases == "qkv" and (not cfg.qkv_bias or cfg.o_bias):
+        bad.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} ({fam} is always True, False)")
+    if rec.biases == "none" and (cfg.qkv_bias or cfg.o_bias):
         bad.append("attention biases")
-    if fam == "qwen2" and (not cfg.qkv_bias or cfg.o_bias):
-        bad.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} (qwen2 is always True, False)")
-    gemma = fam == "gemma3_text"
-    for field in ("layer_types", "rope_local_theta", "query_pre_attn_scalar"):
-        if (getattr(cfg, field) is None) == gemma:
-            bad.append(f"{field}={getattr(cfg, field)!r} ({'required' if gemma else 'gemma3_text only'})")
+    if not rec.mlp_bias and cfg.mlp_bias:
+        bad.append("mlp_bias=True")
+    if rec.window == "none" and cfg.sliding_window is not None:
+        bad.append(f"sliding_window={cfg.sliding_window}")
+    for field, has in _OPTIONAL.items():
+        if (getattr(cfg, field) is None) == has(rec):
+            only = ", ".join(n for n, r in FAMILIES.items() if has(r)) + " only"
+            bad.append(f"{field}={getattr(cfg, field)!r} ({'required' if has(rec) else only})")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in rec.rope_types:
+        bad.append(f"rope_scaling kind {cfg.rope_scaling.kind!r} ({fam} has {list(rec.rope_types)})")
     if bad:
         raise ValueError(f"ModelConfig(family={fam!r}) cannot be written as a Hugging Face "
-                         f"{ARCHITECTURES[fam]}: {'; '.join(bad)}")
+                         f"{rec.causal_lm}: {'; '.join(bad)}")
 
 
 def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]:
@@ -377,33 +433,41 @@ def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]
         return None, {"rope_type": "default", "rope_theta": theta}
     if s.kind == "linear":
         scaling = {"rope_type": "linear", "factor": s.factor}
+    elif s.kind == "longrope":  # factor and attention_factor explicit: they do not hang on max_position_embeddings
+        scaling = {"rope_type": "longrope", "factor": s.factor, "attention_factor": s.attention_factor,
+                   "short_factor": list(s.short_factor), "long_factor": list(s.long_factor),
+                   _ORIGINAL: s.original_max_position}
     else:
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                   "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+                   "high_freq_factor": s.high_freq_factor, _ORIGINAL: s.original_max_position}
     return scaling, {**scaling, "rope_theta": theta}
 
 
-def _family_to_hf(cfg: ModelConfig, params: dict) -> dict[str, Any]:
+def _family_to_hf(cfg: ModelConfig, rec: FamilyRecord, params: dict) -> dict[str, Any]:
     """The fields whose HF spelling differs by family (``_family_fields`` read back)."""
-    w = cfg.sliding_window
-    if cfg.family == "llama":
-        return dict(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
-    if cfg.family == "mistral":
-        return dict(sliding_window=w)
-    if cfg.family in ("qwen2", "qwen3"):
-        d = dict(use_sliding_window=w is not None, sliding_window=w,
+    d, w = dict(rec.hf_extra), cfg.sliding_window
+    if rec.biases == "attention_bias":
+        d["attention_bias"] = cfg.qkv_bias
+    if rec.mlp_bias:
+        d["mlp_bias"] = cfg.mlp_bias
+    if rec.window == "all":
+        d["sliding_window"] = w
+    elif rec.window == "qwen":
+        d.update(use_sliding_window=w is not None, sliding_window=w,
                  max_window_layers=0 if w is not None else cfg.num_layers,
                  layer_types=["sliding_attention" if w is not None else "full_attention"] * cfg.num_layers)
-        return {**d, "attention_bias": cfg.qkv_bias} if cfg.family == "qwen3" else d
-    hf_types = {v: k for k, v in _LAYER_TYPES.items()}
-    qpas = cfg.query_pre_attn_scalar
-    return dict(  # gemma3_text
-        attention_bias=cfg.qkv_bias, sliding_window=w, layer_types=[hf_types[t] for t in cfg.layer_types],
-        query_pre_attn_scalar=int(qpas) if float(qpas).is_integer() else qpas,
-        rope_local_base_freq=cfg.rope_local_theta,
-        rope_parameters={"full_attention": params,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
-        attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False)
+    elif rec.window == "layer_types":
+        hf_types = {v: k for k, v in _LAYER_TYPES.items()}
+        d.update(sliding_window=w, layer_types=[hf_types[t] for t in cfg.layer_types])
+    if rec.local_rope:
+        d.update(rope_local_base_freq=cfg.rope_local_theta, rope_parameters={
+            "full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}})
+    if rec.query_pre_attn_scalar:
+        qpas = cfg.query_pre_attn_scalar
+        d["query_pre_attn_scalar"] = int(qpas) if float(qpas).is_integer() else qpas
+    if _ORIGINAL in rec.hf_defaults and cfg.rope_scaling is not None:  # a top-level field wins there
+        d[_ORIGINAL] = cfg.rope_scaling.original_max_position
+    return d
 
 
 def config_to_hf(cfg: ModelConfig, dtype) -> dict:
@@ -414,20 +478,21 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     Gemma 3's per-layer kinds are written as ``layer_types`` (transformers >= 4.53).
     """
     _check_expressible(cfg)
+    rec = FAMILIES[cfg.family]
     name = dtype_name(dtype)
     scaling, params = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     d: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+        "architectures": [rec.causal_lm], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, _ACTIVATION_FIELD.get(cfg.family, "hidden_act"): _HF_ACTIVATION[cfg.activation],
+        "head_dim": cfg.head_dim, rec.activation_field: _HF_ACTIVATION[cfg.activation],
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params,
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos, "pad_token_id": cfg.pad_token_id, "torch_dtype": name, "dtype": name,
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
     }
-    d.update(_family_to_hf(cfg, params))
+    d.update(_family_to_hf(cfg, rec, params))
     return d

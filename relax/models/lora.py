@@ -25,10 +25,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from relax.choices import check_choice
+from relax.models.families import FAMILIES
 
-# Hugging Face module name -> LayerStack weight field
-TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+# target name -> LayerStack weight field: Llama's module names, the same for every family (each
+# adapts the seven weights apart, also where its checkpoint fuses some: relax.models.peft)
+TARGETS = {module.rsplit(".", 1)[-1]: field for field, module in FAMILIES["llama"].lora_modules.items()}
 INITS = ("default", "gaussian")
 DTYPES = ("float32", "bfloat16", "base")
 

@@ -5,7 +5,10 @@
 
 Tensor names are the ones ``peft`` writes for a causal LM (the adapter name dropped):
 ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and
-``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[i].T`` and ``b[i].T``. The config holds what
+``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[i].T`` and ``b[i].T``; the module path is
+the family record's (``relax.models.families``). Adapters on a module the checkpoint fuses
+(Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT form and are refused both ways
+(``fused_adapter_error``); Phi-3's other modules save and load as usual. The config holds what
 ``peft.LoraConfig`` reads (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
 ``use_rslora``, ``init_lora_weights``, ``bias``...). Adapters with features relax does not
 run (DoRA, per-module rank or alpha patterns, extra trained modules, biases, a subset of layers)
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.models.adapters import with_adapters
+from relax.models.families import get_family
 from relax.models.hf_config import HFFormatError
 from relax.models.lora import TARGETS, Adapters, LoRAConfig, LoRAWeights
 from relax.models.transformer import Transformer
@@ -28,17 +32,35 @@ from relax.models.weights_io import SafetensorsFile, read_json, write_json, writ
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-           "down_proj": "mlp.down_proj"}
-_FIELD_MODULE = {f: m for m, f in TARGETS.items()}
 _UNSUPPORTED = {"use_dora": (False, None), "modules_to_save": (None, []), "layers_to_transform": (None, []),
                 "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "bias": ("none", None),
                 "fan_in_fan_out": (False, None), "layer_replication": (None, [])}
 
 
 def _name(i: int, module: str, factor: str) -> str:
-    return f"base_model.model.model.layers.{i}.{_MODULE[module]}.lora_{factor}.weight"
+    """PEFT's name of layer ``i``'s ``lora_{factor}`` on ``module`` (its path under the layer)."""
+    return f"base_model.model.model.layers.{i}.{module}.lora_{factor}.weight"
+
+
+def fused_adapter_error(family: str, fields) -> str | None:
+    """Why adapters on ``fields`` of a ``family`` model have no PEFT form (None: they have one).
+
+    A family whose checkpoint fuses weights (Phi-3: q/k/v in ``qkv_proj``, gate/up in
+    ``gate_up_proj``) is adapted by PEFT with one ``lora_A`` shared by the fused parts; relax
+    adapts each part with its own ``A``, which that format cannot hold (and a shared-A adapter
+    would not stay shared once relax trains it).
+    """
+    rec = get_family(family)
+    fused = {f: m for m, fs in rec.fused_lora_modules.items() for f in fs}
+    hit = [m for m in rec.fused_lora_modules if any(fused.get(f) == m for f in fields)]
+    if not hit:
+        return None
+    free = sorted({m.rsplit(".", 1)[-1] for f, m in rec.lora_modules.items() if f not in fused})
+    parts = {m: [next(k for k, v in TARGETS.items() if v == f) for f in rec.fused_lora_modules[m]] for m in hit}
+    return (f"{family} stores {', '.join(f'{parts[m]} as one {m}' for m in hit)}: PEFT adapts such a fused "
+            f"module with one lora_A shared by its parts, while relax's adapters give each part its own, so "
+            f"they have no PEFT form. Export the merged model (merge_lora + save_pretrained), or adapt only "
+            f"the unfused modules {free}")
 
 
 def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> Path:
@@ -47,20 +69,24 @@ def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name
     ad = model.layers.lora
     if ad is None:
         raise ValueError("the model has no LoRA adapters to save")
+    weights = ad.weights()
+    why = fused_adapter_error(model.config.family, weights)
+    if why is not None:
+        raise ValueError(why)
+    modules = get_family(model.config.family).lora_modules
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    weights = ad.weights()
     tensors = []
     for field, w in weights.items():
         for factor, arr in (("A", np.asarray(w.a)), ("B", np.asarray(w.b))):  # to host once, [L, ...]
             for i in range(model.config.num_layers):
                 make = lambda arr=arr, i=i: arr[i].T  # noqa: E731
-                tensors.append((_name(i, _FIELD_MODULE[field], factor), arr.shape[1:][::-1], arr.dtype, make))
+                tensors.append((_name(i, modules[field], factor), arr.shape[1:][::-1], arr.dtype, make))
     write_safetensors(root / WEIGHTS, tensors)
     write_json(root / CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": ad.alpha,
         "lora_dropout": ad.dropout,
-        "target_modules": sorted(_FIELD_MODULE[f] for f in weights), "bias": "none",
+        "target_modules": sorted(modules[f].rsplit(".", 1)[-1] for f in weights), "bias": "none",
         "use_rslora": ad.use_rslora, "use_dora": False, "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
@@ -107,23 +133,42 @@ def _stacked_factor(st: SafetensorsFile, names: dict[str, str], module: str, fac
     return np.stack(layers)
 
 
+def _check_unfused_targets(family: str, file: Path) -> None:
+    """Refuse an adapter on a fused module of ``family`` (``fused_adapter_error``) by its name,
+    before its target names are read as relax's."""
+    if not file.is_file():
+        return  # read_adapter_config names the missing file
+    c = read_json(file)
+    targets = c.get("target_modules") if isinstance(c, dict) else None
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    rec = get_family(family)
+    fused = [m for m in rec.fused_lora_modules if m.rsplit(".", 1)[-1] in targets]
+    if fused:
+        raise HFFormatError(f"{file}: {fused_adapter_error(family, rec.fused_lora_modules[fused[0]])}")
+
+
 def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> Transformer:
     """``base`` with the PEFT adapter at ``path`` (``dtype``: the adapters' dtype; default as stored)."""
+    _check_unfused_targets(base.config.family, Path(path) / CONFIG)
     cfg = read_adapter_config(path)
+    why = fused_adapter_error(base.config.family, cfg.fields())
+    if why is not None:
+        raise HFFormatError(f"{Path(path) / CONFIG}: {why}")
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise HFFormatError(f"{file}: no such file")
     st = SafetensorsFile(file)
     names = {n.replace(".default.weight", ".weight"): n for n in st.entries}  # PEFT's adapter-name infix
     shapes, L = base.config.layer_shapes(), base.config.num_layers
+    modules = get_family(base.config.family).lora_modules
     cast = jnp.asarray if dtype is None else (lambda x: jnp.asarray(x, dtype))
     weights = {}
     for field in cfg.fields():
-        module, (fan_in, fan_out) = _FIELD_MODULE[field], shapes[field]
+        module, (fan_in, fan_out) = modules[field], shapes[field]
         a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), L)
         b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), L)
         weights[field] = LoRAWeights(cast(a), cast(b))
-    used = {names[_name(i, _FIELD_MODULE[f], x)] for f in weights for i in range(L) for x in "AB"}
+    used = {names[_name(i, modules[f], x)] for f in weights for i in range(L) for x in "AB"}
     extra = sorted(set(st.entries) - used)
     if extra:
         raise HFFormatError(f"{file}: tensors for modules relax does not adapt: {extra[:5]}")

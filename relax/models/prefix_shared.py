@@ -25,6 +25,7 @@ the kinds are scanned with them and each layer picks its window and RoPE tables
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -130,16 +131,37 @@ def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> In
     return p_len[:, None, None] + jnp.broadcast_to(jnp.arange(n), (g, n))
 
 
-def shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, remat, attention,
-                  remat_policy, unroll, save_attention, rope):
+@dataclasses.dataclass(frozen=True)
+class LayerPass:
+    """How one call runs the layers (the same values and gradients whatever it says):
+    ``attention`` resolved (``"group"`` | ``"dense"``, ``resolve_attention``), ``remat`` with
+    ``remat_policy`` (a key of ``REMAT_POLICIES``), ``unroll`` and ``save_attention``
+    (``completion_logprobs``' docstring)."""
+
+    attention: str = "group"
+    remat: bool = False
+    remat_policy: str = "nothing"
+    unroll: bool = False
+    save_attention: bool = False
+
+    def __post_init__(self):
+        if self.attention not in ("group", "dense"):
+            raise ValueError(f"LayerPass needs a resolved attention (group | dense), got {self.attention!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+
+
+def shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, layers: LayerPass,
+                  rope: CompletionRope | None):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``."""
     return rows_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
-                       remat, attention, remat_policy, unroll, save_attention, rope)
+                       layers, rope)
 
 
-def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRows, remat, attention,
-                remat_policy, unroll, save_attention, rope):
+def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRows, layers: LayerPass,
+                rope: CompletionRope | None):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``."""
+    attention, save_attention = layers.attention, layers.save_attention
     c = model.config
     p = prompt_ids.shape[0]
     _, g, n = rows.tokens.shape
@@ -191,11 +213,11 @@ def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRow
         xc, _ = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding)
         return (xp, xc), None
 
-    if remat:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
+    if layers.remat:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
     xc0 = embed(model, rows.tokens.reshape(b, n))
     xs = (model.layers, scanned_kinds(c))
-    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), xs, unroll=unroll)
+    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), xs, unroll=layers.unroll)
     return final_norm(model, xp), final_norm(model, xc)
 
 
@@ -232,11 +254,9 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     summation order.
     """
     attention = resolve_attention("group" if packed is not None and attention == "auto" else attention, model)
-    if remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
-    run = functools.partial(_completion_logprobs, model, temperature=temperature, with_entropy=with_entropy,
-                            remat=remat, chunk_size=chunk_size, attention=attention, remat_policy=remat_policy,
-                            entropy_grad=entropy_grad, unroll=unroll, save_attention=save_attention)
+    layers = LayerPass(attention, remat, remat_policy, unroll, save_attention)
+    run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature,
+                            with_entropy=with_entropy, chunk_size=chunk_size, entropy_grad=entropy_grad)
     rows, xs = ((padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)) if packed is None else
                 (packed_rows, (prompt_ids, prompt_mask, packed)))
     tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
@@ -276,22 +296,17 @@ def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt
     the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
     state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
     """
-    attention = resolve_attention(attention, model)
-    if remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+    layers = LayerPass(resolve_attention(attention, model), remat, remat_policy, unroll, save_attention)
     h = _predicting_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
-                           rope, remat=remat, attention=attention, remat_policy=remat_policy, unroll=unroll,
-                           save_attention=save_attention)
+                           rope, layers)
     return h.reshape(completions.shape + h.shape[-1:])
 
 
-def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, *, remat, attention,
-                       remat_policy, unroll, save_attention):
-    """The hidden states that predict each row slot's token, ``[P*G, N, D]`` (``attention``
-    already resolved): the prompt's last for a completion's first token, else the slot before."""
+def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, layers: LayerPass):
+    """The hidden states that predict each row slot's token, ``[P*G, N, D]``: the prompt's last
+    for a completion's first token, else the slot before."""
     g = rows.tokens.shape[1]
-    hp, hc = rows_hidden(model, prompt_ids, prompt_mask, rows, remat, attention, remat_policy, unroll,
-                         save_attention, rope)
+    hp, hc = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     if rows.offsets is None:
@@ -300,11 +315,10 @@ def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rop
     return jnp.where(starts, first, h)
 
 
-def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, *, temperature,
-                         with_entropy, remat, chunk_size, attention, remat_policy, entropy_grad, unroll, save_attention):
+def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, *, layers: LayerPass,
+                         temperature, with_entropy, chunk_size, entropy_grad):
     p, g, n = rows.tokens.shape
-    h = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, remat=remat, attention=attention,
-                           remat_policy=remat_policy, unroll=unroll, save_attention=save_attention)
+    h = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
     targets = rows.tokens.reshape(p * g, n)
     if with_entropy:
         lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,

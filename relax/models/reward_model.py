@@ -38,10 +38,10 @@ from jaxtyping import Array, Float, Int
 
 from relax.masked import last_valid_index
 from relax.models.config import ModelConfig
-from relax.models.critic import (SEQUENCE_ARCHITECTURES, TOKEN_ARCHITECTURES, Critic, init_critic, load_critic,
-                                 save_critic, values_from_hidden)
+from relax.models.critic import (Critic, init_critic, load_critic, save_critic, value_architectures,
+                                 values_from_hidden)
 from relax.models.hf_config import HFFormatError
-from relax.models.prefix_shared import (REMAT_POLICIES, CompletionRope, completion_rope, over_groups, resolve_attention,
+from relax.models.prefix_shared import (CompletionRope, LayerPass, completion_rope, over_groups, resolve_attention,
                                        shared_hidden)
 from relax.models.transformer import Transformer
 
@@ -95,16 +95,13 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
     options as ``relax.models.prefix_shared.completion_logprobs``'s.
     """
     backbone = model.backbone
-    attention = resolve_attention(attention, backbone)
-    if remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+    layers = LayerPass(resolve_attention(attention, backbone), remat, remat_policy, unroll, save_attention)
     if prompt_ids.ndim != 2 or tokens.ndim != 3:
         raise ValueError(f"need prompt_ids [P, Lp] and tokens [P, G, N], got {prompt_ids.shape}, {tokens.shape}")
     pad = backbone.config.pad_token_id if ignore_pad_tokens else None
 
     def run(prompt_ids, prompt_mask, tokens, mask, rope):
-        hp, hc = shared_hidden(backbone, prompt_ids, prompt_mask, tokens, mask, remat, attention, remat_policy,
-                                unroll, save_attention, rope)  # [p, Lp, D], [p*g, N, D]
+        hp, hc = shared_hidden(backbone, prompt_ids, prompt_mask, tokens, mask, layers, rope)  # [p, Lp, D], [p*g, N, D]
         pv, cv = prompt_mask.astype(bool), mask.astype(bool)
         if pad is not None:
             pv, cv = pv & (prompt_ids != pad), cv & (tokens != pad)
@@ -156,8 +153,8 @@ def load_reward_model(directory: str | os.PathLike, *, dtype=jnp.float32, param_
             ) from None
         raise
     archs = json.loads((root / "config.json").read_text()).get("architectures")  # read and checked by load_critic
-    if archs and archs[0] in TOKEN_ARCHITECTURES.values():
+    if archs and archs[0] in value_architectures("token"):
         raise HFFormatError(f"{root / 'config.json'}: field 'architectures' = {archs!r} is a per-token value "
                             "model; a reward model is a ...ForSequenceClassification "
-                            f"({sorted(SEQUENCE_ARCHITECTURES.values())})")
+                            f"({value_architectures('sequence')})")
     return RewardModel(critic.backbone, critic.head)

@@ -36,6 +36,9 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
         w < C/high:  inv_freq
         otherwise:   (1 - s) * inv_freq / factor + s * inv_freq,  s = (C/w - low) / (high - low)
 
+    LongRoPE (Phi-3): ``inv_freq[i] / short_factor[i]`` (``RopeScaling``: transformers' choice
+    for sequences up to ``original_max_position``, the most relax runs).
+
     Computed in float32 on the host, as transformers does, so that angles match bit for bit.
     """
     d = config.head_dim
@@ -46,6 +49,8 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
         return inv
     if scaling.kind == "linear":
         return (inv / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.kind == "longrope":  # the short factors: relax runs at most original_max_position positions
+        return (inv / np.asarray(scaling.short_factor, np.float32)).astype(np.float32)
     # llama3
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     ctx = scaling.original_max_position
@@ -58,11 +63,21 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_angles(inv_freq: np.ndarray, positions: Int[Array, "*b t"]) -> CosSin:
-    """cos and sin of ``position * inv_freq``, duplicated to the full head dim (float32)."""
+def attention_factor(config: ModelConfig, *, local: bool = False) -> float:
+    """The factor cos and sin are multiplied by: LongRoPE's ``attention_factor``, else 1."""
+    s = None if local else config.rope_scaling
+    return 1.0 if s is None else s.attention_factor
+
+
+def rope_angles(inv_freq: np.ndarray, positions: Int[Array, "*b t"], scale: float = 1.0) -> CosSin:
+    """cos and sin of ``position * inv_freq``, duplicated to the full head dim, times ``scale``
+    (float32; transformers multiplies its tables the same way)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * np.float32(scale), sin * np.float32(scale)
+    return cos, sin
 
 
 class Rotary(NamedTuple):
@@ -75,10 +90,11 @@ class Rotary(NamedTuple):
 
 def rotary(config: ModelConfig, positions: Int[Array, "*b t"]) -> Rotary:
     """The tables of ``positions`` for every RoPE kind the model's layers use."""
-    full = rope_angles(inverse_frequencies(config), positions)
+    full = rope_angles(inverse_frequencies(config), positions, attention_factor(config))
     if not has_local_rope(config):
         return Rotary(full)
-    return Rotary(full, rope_angles(inverse_frequencies(config, local=True), positions))
+    return Rotary(full, rope_angles(inverse_frequencies(config, local=True), positions,
+                                    attention_factor(config, local=True)))
 
 
 def layer_rotary(tables: Rotary, sliding: Kind) -> CosSin:

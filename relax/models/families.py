@@ -1,0 +1,220 @@
+"""One record per supported model family: everything relax knows that is specific to it.
+
+A :class:`FamilyRecord` holds a family's Hugging Face names (``model_type``, the causal-LM,
+sequence- and token-classification architectures), its fixed layer traits (read by
+``relax.models.config.family_config`` and checked on save), how its ``config.json`` spells the
+fields that differ between families (biases, sliding windows, RoPE; interpreted by
+``relax.models.hf_config``), the defaults transformers gives absent fields, and the tensor name
+of every layer parameter (``relax.models.hf``; several parameters under one name are one fused
+tensor). The LoRA/PEFT module of each adapted weight is derived from the tensor names.
+
+``FAMILIES`` is the registry, keyed by ``model_type``. Adding a family is adding its record
+here (and its tests); nothing else names families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Mapping
+
+__all__ = ["BY_ARCHITECTURE", "FAMILIES", "LINEAR_FIELDS", "FamilyRecord", "get_family"]
+
+# The LayerStack fields that are torch ``Linear`` weights (stored [out, in] by Hugging Face,
+# [in, out] by relax), in the order LoRA targets them.
+LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+TRAIT_FIELDS = ("norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings")
+
+
+def _frozen(d: Mapping) -> Mapping:
+    """A read-only copy of ``d`` (a record's tables cannot change after it is built)."""
+    return MappingProxyType(dict(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyRecord:
+    """Everything family-specific about one Hugging Face model family.
+
+    Names: ``model_type``; ``causal_lm`` / ``sequence_classification`` / ``token_classification``,
+    the transformers architectures (None: transformers has no such class).
+
+    Fixed traits (``relax.models.config.ModelConfig``'s fields of the same names; ``activation``
+    is the default, the config's ``activation_field`` may name another).
+
+    ``config.json`` spelling, each a choice ``relax.models.hf_config`` implements once:
+
+    - ``biases``: ``"attention_bias"`` (one flag for q/k/v and o), ``"qkv"`` (q/k/v always
+      biased, o never), ``"none"``; ``mlp_bias``: whether the config has an ``mlp_bias`` flag.
+    - ``window``: ``"none"``; ``"all"`` (``sliding_window`` on every layer, null: none);
+      ``"qwen"`` (``use_sliding_window`` + ``max_window_layers`` / ``layer_types``, all or no
+      layers); ``"layer_types"`` (per-layer ``layer_types`` or ``sliding_window_pattern``).
+    - ``local_rope``: the sliding layers have their own RoPE base (``rope_parameters`` per layer
+      type, ``rope_local_base_freq``); ``query_pre_attn_scalar``: the config has that field.
+    - ``rope_types``: the RoPE scaling kinds read and written (``"default"``: none);
+      ``rope_aliases``: older names of them (``rope_type`` -> kind).
+    - ``refused``: field -> (allowed values, the error's tail after ``field``, formatted with
+      ``value``); ``hf_extra``: constant fields written on save.
+
+    ``hf_defaults``: what transformers (5.23) gives the fields relax reads when a file leaves them
+    out (None for ``num_key_value_heads`` / ``head_dim``: ``num_attention_heads`` / ``hidden // heads``).
+
+    ``weights``: LayerStack field -> tensor name under ``model.layers.{i}.``. Linear weights
+    (``LINEAR_FIELDS``) are transposed; fields sharing one name are one fused tensor, the fields
+    concatenated along the output axis in this mapping's order (split on load, fused on save).
+
+    ``notes``: how the family differs from Llama (documentation).
+    """
+
+    model_type: str
+    causal_lm: str
+    sequence_classification: str | None
+    token_classification: str | None
+    weights: Mapping[str, str]
+    hf_defaults: Mapping[str, Any]
+    norm_weight: str = "w"
+    sandwich_norms: bool = False
+    qk_norm: bool = False
+    activation: str = "silu"
+    scale_embeddings: bool = False
+    activation_field: str = "hidden_act"
+    biases: str = "none"
+    mlp_bias: bool = False
+    window: str = "none"
+    local_rope: bool = False
+    query_pre_attn_scalar: bool = False
+    rope_types: tuple[str, ...] = ("default", "linear", "llama3")
+    rope_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    refused: Mapping[str, tuple[tuple, str]] = dataclasses.field(default_factory=dict)
+    hf_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    notes: str = ""
+
+    def __post_init__(self):
+        for name in ("weights", "hf_defaults", "rope_aliases", "refused", "hf_extra"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+
+    @property
+    def traits(self) -> dict[str, Any]:
+        """The fixed layer traits as ``ModelConfig`` keyword arguments."""
+        return {k: getattr(self, k) for k in TRAIT_FIELDS}
+
+    @property
+    def architectures(self) -> dict[str, str]:
+        """Architecture name -> its kind (``"causal"``, ``"sequence"``, ``"token"``)."""
+        named = (("causal", self.causal_lm), ("sequence", self.sequence_classification),
+                 ("token", self.token_classification))
+        return {arch: kind for kind, arch in named if arch is not None}
+
+    def tensors(self) -> dict[str, tuple[str, ...]]:
+        """Tensor name (under ``model.layers.{i}.``) -> the LayerStack fields it holds, in order."""
+        out: dict[str, tuple[str, ...]] = {}
+        for field, name in self.weights.items():
+            out[name] = out.get(name, ()) + (field,)
+        return out
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """Linear weight field -> its Hugging Face module path under ``model.layers.{i}.`` (PEFT's)."""
+        return {f: self.weights[f].removesuffix(".weight") for f in LINEAR_FIELDS}
+
+    @property
+    def fused_lora_modules(self) -> dict[str, tuple[str, ...]]:
+        """The modules that hold several linear weights (one PEFT adapter for all of them)."""
+        shared: dict[str, tuple[str, ...]] = {}
+        for field, module in self.lora_modules.items():
+            shared[module] = shared.get(module, ()) + (field,)
+        return {m: fs for m, fs in shared.items() if len(fs) > 1}
+
+
+# ----------------------------------------------------------------------------- records
+
+_LLAMA_WEIGHTS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight", "bq": "self_attn.q_proj.bias",
+    "wk": "self_attn.k_proj.weight", "bk": "self_attn.k_proj.bias",
+    "wv": "self_attn.v_proj.weight", "bv": "self_attn.v_proj.bias",
+    "wo": "self_attn.o_proj.weight", "bo": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "b_gate": "mlp.gate_proj.bias",
+    "w_up": "mlp.up_proj.weight", "b_up": "mlp.up_proj.bias",
+    "w_down": "mlp.down_proj.weight", "b_down": "mlp.down_proj.bias",
+}
+
+LLAMA = FamilyRecord(
+    "llama", "LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaForTokenClassification",
+    weights=_LLAMA_WEIGHTS, biases="attention_bias", mlp_bias=True, hf_extra={"pretraining_tp": 1},
+    hf_defaults=dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
+                     bos_token_id=1, eos_token_id=2),
+    notes="the reference: pre-norm RMSNorm (w), SwiGLU, RoPE (default / linear / llama3 scaling)")
+
+MISTRAL = FamilyRecord(
+    "mistral", "MistralForCausalLM", "MistralForSequenceClassification", "MistralForTokenClassification",
+    weights=_LLAMA_WEIGHTS, window="all",
+    hf_defaults=dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32,
+                     bos_token_id=1, eos_token_id=2, sliding_window=4096),
+    notes="Llama without biases, with a sliding window on every layer (default 4096)")
+
+QWEN2 = FamilyRecord(
+    "qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2ForTokenClassification",
+    weights=_LLAMA_WEIGHTS, biases="qkv", window="qwen",
+    hf_defaults=dict(num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
+                     bos_token_id=None, eos_token_id=None),
+    notes="Llama with q/k/v biases (no o bias); optional sliding window (all layers or none)")
+
+QWEN3 = FamilyRecord(
+    "qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3ForTokenClassification",
+    weights=_LLAMA_WEIGHTS, qk_norm=True, biases="attention_bias", window="qwen",
+    hf_defaults=dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                     bos_token_id=None, eos_token_id=None),
+    notes="Llama with per-head q/k RMSNorm before RoPE; optional sliding window as Qwen2's")
+
+GEMMA3_TEXT = FamilyRecord(
+    "gemma3_text", "Gemma3ForCausalLM", "Gemma3TextForSequenceClassification", None,
+    weights={**_LLAMA_WEIGHTS, "attn_out_norm": "post_attention_layernorm.weight",
+             "mlp_norm": "pre_feedforward_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"},
+    norm_weight="1+w", sandwich_norms=True, qk_norm=True, activation="gelu_tanh", scale_embeddings=True,
+    activation_field="hidden_activation", biases="attention_bias", window="layer_types", local_rope=True,
+    query_pre_attn_scalar=True,
+    refused={"attn_logit_softcapping": ((None,), "= {value!r}: logit softcapping is not supported "
+                                                 "(Gemma 3 has none: null)"),
+             "final_logit_softcapping": ((None,), "= {value!r}: logit softcapping is not supported "
+                                                  "(Gemma 3 has none: null)"),
+             "use_bidirectional_attention": ((None, False), "= true is not supported (causal attention only)")},
+    hf_extra=dict(attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False),
+    hf_defaults=dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                     bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+                     sliding_window=4096, query_pre_attn_scalar=256, rope_theta=1_000_000.0,
+                     rope_local_theta=10_000.0),
+    notes="(1+w) norms, sandwich norms, q/k norms, GeGLU (tanh), embeddings times sqrt(D), scores "
+          "/ sqrt(query_pre_attn_scalar), sliding and full layers with their own RoPE bases")
+
+PHI3 = FamilyRecord(
+    "phi3", "Phi3ForCausalLM", "Phi3ForSequenceClassification", "Phi3ForTokenClassification",
+    weights={"attn_norm": "input_layernorm.weight",
+             "wq": "self_attn.qkv_proj.weight", "wk": "self_attn.qkv_proj.weight",  # fused: q, k, v rows
+             "wv": "self_attn.qkv_proj.weight", "wo": "self_attn.o_proj.weight",
+             "mlp_norm": "post_attention_layernorm.weight",
+             "w_gate": "mlp.gate_up_proj.weight", "w_up": "mlp.gate_up_proj.weight",  # fused: gate, then up rows
+             "w_down": "mlp.down_proj.weight"},
+    window="all", rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"},
+    hf_defaults=dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096,
+                     original_max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
+                     eos_token_id=32000, pad_token_id=32000, sliding_window=None),
+    notes="Llama's layer (RMSNorm w, SwiGLU, no biases) with q/k/v fused in one qkv_proj and gate/up "
+          "in one gate_up_proj; optional sliding window on every layer; RoPE default or LongRoPE "
+          "(short/long factor lists, cos/sin times an attention factor); residual dropout (training "
+          "only in transformers, never in relax)")
+
+FAMILIES: dict[str, FamilyRecord] = {r.model_type: r for r in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, PHI3)}
+"""The supported families by ``model_type`` (``ModelConfig.family``)."""
+
+BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
+    arch: (kind, name) for name, rec in FAMILIES.items() for arch, kind in rec.architectures.items()}
+"""Every architecture name of every family -> (its kind, the family's ``model_type``)."""
+
+
+def get_family(name: str) -> FamilyRecord:
+    """The record of family ``name``; ``ValueError`` listing the valid names otherwise."""
+    if name not in FAMILIES:
+        raise ValueError(f"family={name!r}; valid: {tuple(FAMILIES)}")
+    return FAMILIES[name]

@@ -1,0 +1,111 @@
+"""Every family record (``relax.models.families``) is complete: its choices are ones the readers
+implement, its weight map covers every parameter a config of the family can have, and a config
+of each variant its record claims (biases, windows, every RoPE kind) round-trips through
+``config.json`` and through a checkpoint; against transformers, its architecture names exist and
+transformers reads the written config as relax does."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from relax.models import ModelConfig, RopeScaling, family_config
+from relax.models.families import BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS
+from relax.models.hf import load_pretrained, save_pretrained
+from relax.models.hf_config import config_from_hf, config_to_hf
+from relax.models.lora import TARGETS
+from relax.models.transformer import LayerStack
+from test_hf import assert_bit_exact, random_model
+
+SIZES = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+             head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=(2, 3))
+# one example per RoPE scaling kind a record may claim (a new kind needs one here)
+SCALINGS = {
+    "linear": RopeScaling("linear", 2.0),
+    "llama3": RopeScaling("llama3", 8.0, 1.0, 4.0, 32),
+    "longrope": RopeScaling("longrope", 2.0, original_max_position=64, short_factor=(1.0, 1.5, 2.0, 2.5),
+                            long_factor=(3.0, 4.0, 5.0, 6.0), attention_factor=math.sqrt(1 + math.log(2) / math.log(64))),
+}
+
+
+def variants(name: str) -> dict[str, ModelConfig]:
+    """Configs of family ``name`` covering every spelling its record claims."""
+    rec, base = FAMILIES[name], dict(SIZES)
+    if rec.window == "layer_types":
+        base.update(layer_types=("sliding", "full", "sliding"), sliding_window=4)
+    if rec.local_rope:
+        base.update(rope_local_theta=100.0)
+    if rec.query_pre_attn_scalar:
+        base.update(query_pre_attn_scalar=12.0)
+    if rec.biases == "qkv":
+        base.update(qkv_bias=True)
+    out = {"plain": family_config(name, **base)}
+    if rec.biases == "attention_bias" or rec.mlp_bias:
+        out["biases"] = family_config(name, **base, qkv_bias=rec.biases != "none", o_bias=rec.biases == "attention_bias",
+                                      mlp_bias=rec.mlp_bias, tie_word_embeddings=True)
+    if rec.window in ("all", "qwen"):
+        out["window"] = family_config(name, **base, sliding_window=4)
+    for kind in rec.rope_types:
+        if kind != "default":
+            out[kind] = family_config(name, **base, rope_scaling=SCALINGS[kind], rope_theta=5e4)
+    return out
+
+
+CASES = [(name, v) for name in sorted(FAMILIES) for v in variants(name)]
+
+
+def test_records_are_well_formed():
+    for name, rec in FAMILIES.items():
+        assert rec.model_type == name and ModelConfig(**SIZES, family=name).family == name
+        assert rec.biases in ("attention_bias", "qkv", "none") and rec.window in ("none", "all", "qwen", "layer_types")
+        assert "default" in rec.rope_types and set(rec.rope_types) <= {"default", *SCALINGS}
+        assert set(rec.rope_aliases.values()) <= set(rec.rope_types)
+        assert rec.causal_lm.endswith("ForCausalLM") and BY_ARCHITECTURE[rec.causal_lm] == ("causal", name)
+        for kind, arch in (("sequence", rec.sequence_classification), ("token", rec.token_classification)):
+            assert arch is None or BY_ARCHITECTURE[arch] == (kind, name)
+        assert set(rec.traits) == {"norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings"}
+        assert rec.notes, f"{name}: say how it differs from Llama"
+    # the LoRA targets are the seven linear weights, and every family names a module for each
+    assert tuple(TARGETS.values()) == LINEAR_FIELDS
+    assert all(set(rec.lora_modules) == set(LINEAR_FIELDS) for rec in FAMILIES.values())
+
+
+@pytest.mark.parametrize("name, variant", CASES)
+def test_weight_map_covers_every_parameter(name, variant):
+    cfg, rec = variants(name)[variant], FAMILIES[name]
+    shapes = cfg.layer_shapes()
+    assert set(shapes) <= set(rec.weights) <= set(LayerStack.__dataclass_fields__) - {"lora"}
+    for tensor, fields in rec.tensors().items():
+        # a fused tensor holds linear weights only, or biases/norms only, of one input size
+        assert len({f in LINEAR_FIELDS for f in fields}) == 1, tensor
+        present = [shapes[f] for f in fields if f in shapes]
+        assert len({s[:-1] for s in present}) <= 1, tensor
+        assert tensor.endswith(".weight") or tensor.endswith(".bias")
+
+
+@pytest.mark.parametrize("name, variant", CASES)
+def test_config_and_checkpoint_round_trip(name, variant, tmp_path):
+    cfg = variants(name)[variant]
+    d = json.loads(json.dumps(config_to_hf(cfg, jnp.float32)))
+    assert d["architectures"] == [FAMILIES[name].causal_lm] and d["model_type"] == name
+    assert config_from_hf(d, source="config.json") == cfg
+    model = random_model(cfg)
+    save_pretrained(model, tmp_path)
+    back = load_pretrained(tmp_path)
+    assert_bit_exact(model, back)
+    ids = jnp.asarray(np.arange(10).reshape(2, 5) % cfg.vocab_size, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(back(ids)))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name, variant", CASES)
+def test_transformers_reads_the_written_config_as_relax_does(name, variant):
+    transformers = pytest.importorskip("transformers")
+    cfg = variants(name)[variant]
+    d = config_to_hf(cfg, jnp.float32)
+    for arch in FAMILIES[name].architectures:
+        assert hasattr(transformers, arch), arch
+    theirs = transformers.AutoConfig.for_model(d.pop("model_type"), **d).to_dict()
+    assert config_from_hf(theirs, source="to_dict") == cfg
