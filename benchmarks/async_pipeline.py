@@ -29,6 +29,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 
+from relax.algorithms.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
@@ -71,8 +72,7 @@ class Prompts:
         self.n = a.prompts
 
     def __next__(self):
-        return {"prompt_ids": self.ids, "prompt_mask": jnp.ones_like(self.ids), "prompts": ["p"] * self.n,
-                "fields": {}}
+        return step_input(self.ids, jnp.ones_like(self.ids), ["p"] * self.n, {})
 
     def get_state(self):
         return {}

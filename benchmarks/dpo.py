@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit, peak_flops  # noqa: E402
 
 from relax.algorithms.dpo import DPOConfig, make_dpo_step  # noqa: E402
-from relax.algorithms.dpo.loss import shared_forward  # noqa: E402
+from relax.algorithms.pair_forward import PairRows, shared_forward  # noqa: E402
+from relax.data.pairs import PairBatch  # noqa: E402
 from relax.models import hidden_states, init, small_config  # noqa: E402
 from relax.models.logprobs import logprobs_from_hidden  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
@@ -68,12 +69,13 @@ class Args:
 
 def separate_prefix(passes, cfg):
     """The prefix-shared kernels with each completion its own prompt group: 2P groups of one."""
-    base = shared_forward(passes, attention=cfg.train_attention)
+    base = shared_forward(passes, cfg.forward)
 
     def forward(model, mb, train):
-        p, g, n = mb["tokens"].shape
-        rows = {"prompt_ids": jnp.repeat(mb["prompt_ids"], g, 0), "prompt_mask": jnp.repeat(mb["prompt_mask"], g, 0),
-                "tokens": mb["tokens"].reshape(p * g, 1, n), "mask": mb["mask"].reshape(p * g, 1, n)}
+        p, g, n = mb.tokens.shape
+        rows = PairRows(prompt_ids=jnp.repeat(mb.prompt_ids, g, 0), prompt_mask=jnp.repeat(mb.prompt_mask, g, 0),
+                        tokens=mb.tokens.reshape(p * g, 1, n), mask=mb.mask.reshape(p * g, 1, n),
+                        loss_mask=jnp.ones((p * g,), jnp.int32))  # read by no forward; rope: computed by it
         return base(model, rows, train).reshape(p, g, n)
 
     return forward
@@ -81,10 +83,10 @@ def separate_prefix(passes, cfg):
 
 def separate_full(model, mb, train):
     """Two full-sequence forwards as 2P rows; log-probs of the completion positions only."""
-    p, g, n = mb["tokens"].shape
-    lp = mb["prompt_ids"].shape[1]
-    ids = jnp.concatenate([jnp.repeat(mb["prompt_ids"], g, 0), mb["tokens"].reshape(p * g, n)], 1)
-    mask = jnp.concatenate([jnp.repeat(mb["prompt_mask"], g, 0), mb["mask"].reshape(p * g, n)], 1)
+    p, g, n = mb.tokens.shape
+    lp = mb.prompt_ids.shape[1]
+    ids = jnp.concatenate([jnp.repeat(mb.prompt_ids, g, 0), mb.tokens.reshape(p * g, n)], 1)
+    mask = jnp.concatenate([jnp.repeat(mb.prompt_mask, g, 0), mb.mask.reshape(p * g, n)], 1)
     h = hidden_states(model, ids, mask)
     return logprobs_from_hidden(model, h[:, lp - 1:-1], ids[:, lp:]).reshape(p, g, n)
 
@@ -108,19 +110,19 @@ class Case:
         self.step = make_dpo_step(cfg, passes, forward=forward)
         p, lp, n = args.pairs, args.prompt_len, args.completion_len
         k = jax.random.split(jax.random.key(2), 2)
-        self.batch = {"prompt_ids": jax.random.randint(k[0], (p, lp), 0, mcfg.vocab_size),
-                      "prompt_mask": jnp.ones((p, lp), jnp.int32),
-                      "tokens": jax.random.randint(k[1], (p, 2, n), 0, mcfg.vocab_size),
-                      "mask": jnp.ones((p, 2, n), jnp.int32), "loss_mask": jnp.ones((p,), jnp.int32)}
-        if reference == "cached":
-            self.batch |= {"ref_chosen_logps": jnp.full((p,), -300.0), "ref_rejected_logps": jnp.full((p,), -301.0)}
+        ref_logps = jnp.stack([jnp.full((p,), -300.0), jnp.full((p,), -301.0)], -1) if reference == "cached" else None
+        self.batch = PairBatch(prompt_ids=jax.random.randint(k[0], (p, lp), 0, mcfg.vocab_size),
+                               prompt_mask=jnp.ones((p, lp), jnp.int32),
+                               tokens=jax.random.randint(k[1], (p, 2, n), 0, mcfg.vocab_size),
+                               mask=jnp.ones((p, 2, n), jnp.int32), loss_mask=jnp.ones((p,), jnp.int32),
+                               ref_logps=ref_logps)
         self.times: list[float] = []
         self.first = self.once()  # compiles
 
     def once(self) -> float:
         t0 = time.perf_counter()
-        self.state, self.out = self.step(self.state, dict(self.batch))
-        jax.block_until_ready((self.state, self.out["metrics"]))
+        self.state, self.out = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, self.out.metrics))
         return time.perf_counter() - t0
 
     def record(self, args: Args, recompiles: int) -> dict:
@@ -139,7 +141,7 @@ class Case:
             "grad_accum": args.grad_accum, "runs": len(times), "step_s": med, "min_step_s": min(times),
             "max_step_s": max(times), "spread": (max(times) - min(times)) / med, "pairs_per_s": p / med,
             "compile_s": round(self.first - med, 3), "compiles_after_first": recompiles,
-            "loss": float(self.out["metrics"]["loss"]), "tokens_processed": tokens, "gflops": flops / med / 1e9,
+            "loss": float(self.out.metrics["loss"]), "tokens_processed": tokens, "gflops": flops / med / 1e9,
             "peak_gflops": peak / 1e9, "peak_source": peak_source, "frac_of_peak": flops / med / peak,
         }, table=["forward", "reference", "step_s", "spread", "pairs_per_s", "compile_s", "loss", "frac_of_peak"])
 

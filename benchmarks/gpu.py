@@ -43,6 +43,8 @@ from harness import datasheet, emit, group_attention_inputs, measure  # noqa: E4
 from relax.models import ModelConfig, cast, init  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
+from relax.algorithms.batch import LossRows  # noqa: E402
+from relax.algorithms.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
@@ -144,19 +146,20 @@ def bench_long_prompt(model, p, g, lp, n):
                  "speedup": t_repeat / t_shared, "target_speedup": 5.0})
 
 
-def update_inputs(c: ModelConfig, p, g, lp, n) -> dict:
+def update_inputs(c: ModelConfig, p, g, lp, n) -> LossRows:
     """A random update batch: P full-length prompts, G full-length completions each."""
     k = jax.random.split(jax.random.key(3), 4)
-    return {"prompt_ids": jax.random.randint(k[0], (p, lp), 0, c.vocab_size), "prompt_mask": jnp.ones((p, lp), jnp.int32),
-            "tokens": jax.random.randint(k[1], (p, g, n), 0, c.vocab_size), "mask": jnp.ones((p, g, n), jnp.int32),
-            "loss_mask": jnp.ones((p, g, n), jnp.int32), "old_logprobs": -jnp.abs(jax.random.normal(k[2], (p, g, n))),
-            "advantages": jax.random.normal(k[3], (p, g))}
+    return LossRows(prompt_ids=jax.random.randint(k[0], (p, lp), 0, c.vocab_size),
+                    prompt_mask=jnp.ones((p, lp), jnp.int32),
+                    tokens=jax.random.randint(k[1], (p, g, n), 0, c.vocab_size), mask=jnp.ones((p, g, n), jnp.int32),
+                    loss_mask=jnp.ones((p, g, n), jnp.int32), old_logprobs=-jnp.abs(jax.random.normal(k[2], (p, g, n))),
+                    advantages=jax.random.normal(k[3], (p, g)))
 
 
 def bench_update(model, p, g, lp, n, peak_flops, remat_policy):
     c = model.config
-    cfg = GRPOConfig(num_generations=g, max_new_tokens=n, remat=True, remat_policy=remat_policy,
-                     optimizer=OptimizerConfig(learning_rate=1e-6))
+    cfg = configure(GRPOConfig, num_generations=g, max_new_tokens=n, remat=True, remat_policy=remat_policy,
+                    optimizer=OptimizerConfig(learning_rate=1e-6))
     opt = cfg.optimizer.make()
     data = update_inputs(c, p, g, lp, n)
     update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
@@ -166,7 +169,7 @@ def bench_update(model, p, g, lp, n, peak_flops, remat_policy):
     flops = 6 * c.num_params() * tokens
     return emit({"bench": "gpu_update", "params_b": c.num_params() / 1e9, "dtype": str(jnp.dtype(model.dtype)),
                  "P": p, "G": g, "Lp": lp, "N": n, "remat_policy": remat_policy,
-                 "train_attention": cfg.train_attention, "trained_tokens": tokens, "update_s": t,
+                 "train_attention": cfg.forward.train_attention, "trained_tokens": tokens, "update_s": t,
                  "tflops": flops / t / 1e12, "mfu": None if peak_flops is None else flops / t / peak_flops})
 
 

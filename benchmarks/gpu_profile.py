@@ -49,6 +49,7 @@ from relax.parallel.hlo import CONTROL, FREE, Instr, arrays, kernel_bytes, launc
 from relax.parallel.hlo import loops as while_loops  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, block_size, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
+from relax.algorithms.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
@@ -310,8 +311,8 @@ def main():
     model = cast(init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16), dtype=jnp.bfloat16)
     if "update" in what:
         p, g, lp, n = (2, 4, 32, 32) if small else (8, 8, 256, 512)
-        gcfg = GRPOConfig(num_generations=g, max_new_tokens=n, remat=True, remat_policy=policy,
-                          optimizer=OptimizerConfig(learning_rate=1e-6))
+        gcfg = configure(GRPOConfig, num_generations=g, max_new_tokens=n, remat=True, remat_policy=policy,
+                         optimizer=OptimizerConfig(learning_rate=1e-6))
         opt = gcfg.optimizer.make()
         update, opt_state, data = jax.jit(make_grpo_update(gcfg, opt, choose_passes())), opt.init(model), update_inputs(cfg, p, g, lp, n)
         profile(f"update_remat_{policy}", lambda: update(model, opt_state, data, jax.random.key(0)))

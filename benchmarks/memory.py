@@ -3,7 +3,7 @@
 Cases (one subprocess per case x phase, so every measurement has its own high-water mark):
 
     f32          float32 params, no remat (the reference point)
-    remat        GRPOConfig.remat: each layer recomputed in the backward pass
+    remat        GRPOConfig.forward.remat: each layer recomputed in the backward pass
     bf16         bfloat16 params (and compute), no master weights
     bf16_master  bfloat16 params + float32 master weights in the optimizer state
     offload_ref  KL reference in pinned host memory between uses (GPU/TPU; on CPU a no-op)
@@ -48,7 +48,9 @@ from relax.models.adapters import add_lora, split_trainable  # noqa: E402
 from relax.models.lora import LoRAConfig  # noqa: E402
 from relax.train import many  # noqa: E402
 from relax.train.update import make_update  # noqa: E402
+from relax.algorithms.batch import HostRecord, LossRows, Rollout, Scored, step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
+from relax.compose import WithHost  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
@@ -100,16 +102,16 @@ def _state_bytes(state) -> tuple[int, int]:
     return dev, host
 
 
-def _synthetic_rollout(args: Args, vocab: int, ids, mask) -> dict:
+def _synthetic_rollout(args: Args, vocab: int, ids, mask) -> WithHost:
     p, g, n = args.prompts, args.generations, args.new_tokens
     k = jax.random.split(jax.random.key(7), 2)
     tokens = jax.random.randint(k[0], (p, g, n), 0, vocab)
-    return {"prompt_ids": ids, "prompt_mask": mask, "tokens": tokens, "mask": jnp.ones((p, g, n), jnp.int32),
-            "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
-            "lengths": jnp.full((p, g), n, jnp.int32), "finished": jnp.ones((p, g), bool),
-            "rewards": jax.random.normal(k[0], (p, g)), "reward_parts": {}, "reward_info": {"errors": 0, "timeouts": 0},
-            "policy_version": jnp.zeros((p, g), jnp.int32),  # set to the state's step by _run
-            "prompts": ["x"] * p, "fields": {}}
+    scored = Scored(prompt_ids=ids, prompt_mask=mask, tokens=tokens, mask=jnp.ones((p, g, n), jnp.int32),
+                    old_logprobs=-2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
+                    lengths=jnp.full((p, g), n, jnp.int32), finished=jnp.ones((p, g), bool),
+                    policy_version=jnp.zeros((p, g), jnp.int32),  # set to the state's step by _run
+                    rewards=jax.random.normal(k[0], (p, g)), reward_parts={})
+    return WithHost(scored, HostRecord(prompts=["x"] * p, fields={}, reward_info={"errors": 0, "timeouts": 0}))
 
 
 def _model_config(args: Args):
@@ -133,10 +135,11 @@ def _xla_mb(jitted, *args) -> dict:
                                - m.alias_size_in_bytes)}
 
 
-def _grpo_update_xla(cfg, opt, model, batch: dict, passes) -> dict:
+def _grpo_update_xla(cfg, opt, model, batch: WithHost, passes) -> dict:
     """``_xla_mb`` of the GRPO update alone (``make_grpo_update``) on the synthetic rollout."""
-    data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask", "old_logprobs")}
-    data.update(loss_mask=batch["mask"], ref_logprobs=batch["old_logprobs"], advantages=batch["rewards"])
+    b = batch.device
+    data = LossRows(prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
+                    old_logprobs=b.old_logprobs, loss_mask=b.mask, ref_logprobs=b.old_logprobs, advantages=b.rewards)
     update = jax.jit(make_grpo_update(cfg, opt, passes))
     return _xla_mb(update, model, opt.init(split_trainable(model)[0]), data, jax.random.key(0))
 
@@ -201,11 +204,11 @@ def _segments(step, names: tuple[str, ...]) -> list:
     return [segs[n] for n in names]
 
 
-def _run(segs: list, state, batch: dict):
-    """Run ``segs`` one after the other on a copy of ``batch``: ``(state, batch)``."""
-    batch = dict(batch)
-    if "policy_version" in batch:  # the synthetic rollout: drawn by the state's own policy, as a real one
-        batch["policy_version"] = sample_versions(state, batch["policy_version"])
+def _run(segs: list, state, batch: WithHost):
+    """Run ``segs`` one after the other on ``batch``: ``(state, batch)``."""
+    if isinstance(batch.device, Rollout):  # the synthetic rollout: drawn by the state's own policy, as a real one
+        batch = batch.replace(device=batch.device.replace(
+            policy_version=sample_versions(state, batch.device.policy_version)))
     for seg in segs:
         state, batch = seg.run(state, batch)
     return state, batch
@@ -234,20 +237,21 @@ def child(args: Args, case: str, phase: str) -> dict:
     mask = jnp.ones_like(ids)
     if phase == "rollout":
         segs = _segments(step, ("rollout",))
-        batch = {"prompt_ids": ids, "prompt_mask": mask, "prompts": ["x"] * args.prompts, "fields": {}}
+        batch = step_input(ids, mask, ["x"] * args.prompts, {})
     else:
         segs = _segments(step, ("reference", "advantage+update"))
         batch = _synthetic_rollout(args, mcfg.vocab_size, ids, mask)
         xla = _grpo_update_xla(cfg, opt, model, batch, passes)
     t0 = time.perf_counter()
-    state, _ = jax.block_until_ready(_run(segs, state, batch))  # compiles
+    state, out = _run(segs, state, batch)  # compiles
+    jax.block_until_ready((state, out.device))
     first_s = time.perf_counter() - t0
     dev_bytes, host_bytes = _state_bytes(state)
     reset = harness.on_cpu() and harness._reset_hwm()
     base = harness._rss_bytes() if reset else harness._hwm_bytes()
     t0 = time.perf_counter()
     state, out = _run(segs, state, batch)
-    jax.block_until_ready((state, out))
+    jax.block_until_ready((state, out.device))
     run_s = time.perf_counter() - t0
     if harness.on_cpu():
         peak, how = max(harness._hwm_bytes() - base, 0), ("rss high-water above the rss before the run" if reset

@@ -8,7 +8,7 @@ about N/4 and ``--sigma`` (default 1.0), clipped to [1, N]; tokens are random, e
 Timed (medians over ``--runs`` after one warm-up call each, the variants alternating per run):
 
     update_padded      make_grpo_update on the [P, G, N] padded batch
-    update_packed      the same with data["packed"] (packed on the host, untimed; pack_s apart)
+    update_packed      the same with rows.packed (packed on the host, untimed; pack_s apart)
     update_no_padding  the padded update on [P, G, L], L = round(mean length), mask all ones:
                        the same real tokens with no padding, what packing should approach
     ref_padded / ref_packed   the reference forward (stages.forward_logprobs), padded / packed
@@ -41,6 +41,8 @@ from train_step import SHAPES  # noqa: E402
 
 from relax.models import init  # noqa: E402
 from relax.data.completion_layout import PackingConfig  # noqa: E402
+from relax.algorithms.batch import LossRows  # noqa: E402
+from relax.algorithms.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.algorithms.stages import forward_logprobs  # noqa: E402
@@ -73,8 +75,8 @@ def lengths(args: Args) -> np.ndarray:
     return np.clip(np.rint(x), 1, n).astype(np.int64)
 
 
-def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> dict:
-    """The update's data dict (tests/test_train.py ``_update_data``) with prefix masks of ``lens``."""
+def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> LossRows:
+    """The update's rows (tests/test_train.py ``_update_data``) with prefix masks of ``lens``."""
     p, g = lens.shape
     rng = np.random.default_rng(args.seed + 1)
     mask = (np.arange(n)[None, None, :] < lens[..., None]).astype(np.int32)
@@ -84,7 +86,7 @@ def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> dict:
     data = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "tokens": tokens, "mask": mask, "loss_mask": mask,
             "old_logprobs": logp(), "ref_logprobs": logp(),
             "advantages": rng.standard_normal((p, g)).astype(np.float32)}
-    return {k: jnp.asarray(v) for k, v in data.items()}
+    return LossRows(**{k: jnp.asarray(v) for k, v in data.items()})
 
 
 def main(args: Args) -> dict:
@@ -97,8 +99,8 @@ def main(args: Args) -> dict:
     packing = PackingConfig(row_tokens=args.row_tokens)
 
     def config(budget):
-        return GRPOConfig(num_generations=g, max_new_tokens=budget, beta=0.04, packing=packing,
-                          optimizer=OptimizerConfig(learning_rate=1e-6))
+        return configure(GRPOConfig, num_generations=g, max_new_tokens=budget, beta=0.04, packing=packing,
+                         optimizer=OptimizerConfig(learning_rate=1e-6))
 
     cfg = config(n)
     opt = cfg.optimizer.make()
@@ -107,20 +109,20 @@ def main(args: Args) -> dict:
 
     lens = lengths(args)
     padded = update_data(args, mcfg.vocab_size, lens, n)
-    host_tokens, host_mask = np.asarray(padded["tokens"]), np.asarray(padded["mask"])
+    host_tokens, host_mask = np.asarray(padded.tokens), np.asarray(padded.mask)
     pack_times = []
     for _ in range(max(args.runs, 3)):
         t0 = time.perf_counter()
         pk = cfg.packing.pack(host_tokens, host_mask)
         pack_times.append(time.perf_counter() - t0)
-    packed = {**padded, "packed": jax.tree.map(jnp.asarray, pk)}
+    packed = padded.replace(packed=jax.tree.map(jnp.asarray, pk))
     mean_len = float(lens.mean())
     flat_len = max(1, int(round(mean_len)))
     full = update_data(args, mcfg.vocab_size, np.full((p, g), flat_len), flat_len)
 
     update = jax.jit(make_grpo_update(cfg, opt, passes))
     update_flat = jax.jit(make_grpo_update(config(flat_len), opt, passes))
-    ref = jax.jit(lambda m, b: forward_logprobs(m, b, passes, temperature=1.0, attention="auto"))
+    ref = jax.jit(lambda m, b: forward_logprobs(m, b, passes, cfg.forward, temperature=1.0))
     variants = {
         "update_padded": lambda: update(model, opt_state, padded, key),
         "update_packed": lambda: update(model, opt_state, packed, key),

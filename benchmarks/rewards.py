@@ -33,8 +33,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 
+from relax.algorithms.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
-from relax.algorithms.grpo.step import make_advantage, make_grpo_step, make_update_stage, rollout_config  # noqa: E402
+from relax.algorithms.grpo.step import make_advantage, make_grpo_step, make_update_stage  # noqa: E402
 from relax.algorithms.stages import make_reference, make_rollout, make_score  # noqa: E402
 from relax.compose import compose  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
@@ -132,20 +133,20 @@ def step_case(args: Args, mode: str) -> dict:
     if mode == "overlap":
         step = make_grpo_step(cfg, [rf], decode, eos_ids=(), pad_id=0, pool=pool, timeout_s=60.0)
     else:  # the score as one stage, before the reference forward
-        step = compose(make_rollout(rollout_config(cfg, eos_ids=(), pad_id=0)),
+        step = compose(make_rollout(cfg.generation.rollout(eos_ids=(), pad_id=0)),
                        make_score([rf], decode, pool=pool, timeout_s=60.0 if pool else None),
-                       make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),
+                       make_reference(passes, cfg.forward, temperature=cfg.generation.temperature),
                        make_advantage(cfg), make_update_stage(cfg, passes))
     ids = jax.random.randint(jax.random.key(2), (args.prompts, 64), 0, mcfg.vocab_size)
-    batch = {"prompt_ids": ids, "prompt_mask": jnp.ones_like(ids), "prompts": ["x"] * args.prompts, "fields": {}}
+    batch = step_input(ids, jnp.ones_like(ids), ["x"] * args.prompts, {})
     try:
         runs = []
         for i in range(args.runs + 1):
-            times, b = {}, dict(batch)
+            times, b = {}, batch
             for seg in step.segments:
                 t0 = time.perf_counter()
                 state, b = seg.run(state, b)
-                jax.block_until_ready((state, {k: v for k, v in b.items() if k in ("tokens", "rewards")}))
+                jax.block_until_ready((state, b.device))  # the host record holds no device work
                 times["+".join(seg.names)] = time.perf_counter() - t0
             if i:
                 runs.append(times)

@@ -60,7 +60,7 @@ def make_examples(args: Args, vocab: int) -> list[SFTExample]:
 def run_case(args: Args, packing: bool, model, examples) -> dict:
     cfg = SFTConfig(max_length=args.max_len, packing=packing, grad_accum=args.grad_accum,
                     optimizer=OptimizerConfig(learning_rate=1e-5))
-    batch = {k: jnp.asarray(v) for k, v in sft_batch(cfg, examples, pad_id=0).items()}
+    batch = jax.tree.map(jnp.asarray, sft_batch(cfg, examples, pad_id=0))
     step = make_sft_step(cfg)
     state = init_sft_state(cfg, jax.tree.map(jnp.copy, model), key=jax.random.key(1))
     t0 = time.perf_counter()
@@ -75,15 +75,15 @@ def run_case(args: Args, packing: bool, model, examples) -> dict:
             jax.block_until_ready(state)
             times.append(time.perf_counter() - t)
     med = statistics.median(times)
-    tokens = int(out["metrics"]["tokens"])
-    rows = int(batch["ids"].shape[0])
+    tokens = int(out.metrics["tokens"])
+    rows = int(batch.ids.shape[0])
     return {"bench": "sft", "case": "packed" if packing else "unpacked", "examples": len(examples),
             "row_length": args.max_len, "rows": rows, "tokens": tokens,
             "padding_fraction": padding_fraction(batch), "grad_accum": args.grad_accum, "runs": len(times),
             "step_s": med, "min_step_s": min(times), "max_step_s": max(times),
             "spread": (max(times) - min(times)) / med, "tokens_per_s": tokens / med,
             "compile_s": round(first - med, 3), "compiles_after_first": recompiles.count,
-            "loss": float(out["metrics"]["loss"])}
+            "loss": float(out.metrics["loss"])}
 
 
 def main(args: Args) -> list[dict]:

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import sys
 
-import tyro
-
 from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults, run
+from relax.algorithms.cli import cli
 from relax.train.preemption import exit_as_terminated
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run(tyro.cli(AgentRunConfig, default=builtin_defaults(), args=argv, description=__doc__))
+    return run(cli(AgentRunConfig, default=builtin_defaults(), args=argv, description=__doc__))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python examples/train_ppo.py --model HF_DIR --data train.jsonl --ppo.max-new-tokens 512 --steps 500
     python examples/train_ppo.py ... --ppo.critic-model CRITIC_DIR   # a critic with a score head
     python examples/train_ppo.py ... --ppo.advantage vineppo         # Monte-Carlo values, no critic
-    python examples/train_ppo.py ... --ppo.policy-loss conservative_ppo --ppo.policy-loss-args kl_threshold=0.02
+    python examples/train_ppo.py ... --ppo.policy-loss conservative_ppo --ppo.policy-loss.kl-threshold 0.02
 
 Every field of ``relax.algorithms.ppo.run.PPORunConfig`` (and the nested ``--ppo.*``, ``--eval.*``,
 ``--health.*``, ``--reverse.*`` and ``--parallel.*`` options) is a flag; ``--help`` lists them.

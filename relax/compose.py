@@ -8,7 +8,10 @@ between them, so a step with one host stage in the middle is exactly two compile
     step = compose(stage(rollout), stage(score, jit=False), stage(advantage), stage(update))
     state, batch = step(state, batch)        # jit(rollout) -> score on host -> jit(advantage+update)
 
-Batches are usually dicts: entries holding host data (prompt strings, dataset fields) are
+A batch is a pytree. Host data (prompt strings, dataset fields, pending reward futures) rides
+BESIDE it, never through a jitted program: a ``WithHost(device, host)`` batch gives the jitted
+segments ``device`` and host stages the pair (the online algorithms' typed phases,
+``relax.algorithms.batch``). A plain dict batch may also mix both: its non-array entries are
 passed around the jitted programs and are visible to host stages only.
 
 Donation: a fused program donates its ``state`` argument (``donate_argnums=0``) when every stage in
@@ -218,6 +221,18 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
+@dataclasses.dataclass(frozen=True)
+class WithHost:
+    """A device batch (a pytree of arrays) and the host record beside it: a jitted segment gets
+    ``device`` alone and returns the next one; the host record passes around it unchanged."""
+
+    device: Any
+    host: Any
+
+    def replace(self, **fields: Any) -> WithHost:
+        return dataclasses.replace(self, **fields)
+
+
 def _is_device_value(value: Any) -> bool:
     # arrays (an empty container too) go into the jitted program; Python values (text, numbers
     # from the data rows, ...) stay on the host: as jit arguments they would retrace on change.
@@ -225,23 +240,33 @@ def _is_device_value(value: Any) -> bool:
     return all(isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for leaf in jax.tree.leaves(value))
 
 
-def split_host(batch: dict) -> tuple[dict, dict]:
-    """``(host entries, device entries)`` of a dict batch (see ``_is_device_value``)."""
-    host = {k: v for k, v in batch.items() if not _is_device_value(v)}
-    return host, {k: v for k, v in batch.items() if k not in host}
+def split_host(batch: Any) -> tuple[Any, Any]:
+    """``(host part, device part)`` of a batch: a ``WithHost``'s record and device batch; a dict's
+    host entries and array entries (see ``_is_device_value``); else ``(None, batch)``."""
+    if isinstance(batch, WithHost):
+        return batch.host, batch.device
+    if isinstance(batch, dict):
+        host = {k: v for k, v in batch.items() if not _is_device_value(v)}
+        return host, {k: v for k, v in batch.items() if k not in host}
+    return None, batch
+
+
+def join_host(host: Any, device: Any, like: Any) -> Any:
+    """The inverse of ``split_host``: a batch of ``like``'s kind from its host and device parts."""
+    if isinstance(like, WithHost):
+        return WithHost(device, host)
+    if isinstance(like, dict) and host:
+        return {**host, **device}
+    return device
 
 
 def _host_passthrough(jitted: Callable) -> StageFn:
-    """Run a jitted segment on a dict batch whose host entries (strings, lists of text, other
-    Python objects) bypass the jit: the segment sees only array entries, and the host entries
-    are merged back into its output. Jittable stages cannot use host data anyway."""
+    """Run a jitted segment on the device part of a batch (``split_host``) and put the host part
+    back beside its output: jittable stages cannot use host data anyway."""
 
     def run(state, batch):
-        if isinstance(batch, dict):
-            host, dev = split_host(batch)
-            if host:
-                state, out = jitted(state, dev)
-                return state, {**host, **out}
-        return jitted(state, batch)
+        host, dev = split_host(batch)
+        state, out = jitted(state, dev)
+        return state, join_host(host, out, batch)
 
     return run

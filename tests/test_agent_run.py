@@ -40,18 +40,19 @@ def test_train_agent_learns_to_use_the_tool(tmp_path):
 
 
 def _parse(argv):
-    return train_agent.tyro.cli(train_agent.AgentRunConfig, default=train_agent.builtin_defaults(), args=argv)
+    return train_agent.cli(train_agent.AgentRunConfig, default=train_agent.builtin_defaults(), args=argv)
 
 
 def test_builtin_budgets_fit_the_model_and_an_overflow_names_the_flag():
     from relax.algorithms.agent.run import AgentRunConfig
+    from relax.algorithms.configure import configure
     from relax.algorithms.ppo.config import PPOConfig
     from relax.tasks.agent import max_positions
     for algorithm in ("grpo", "ppo"):  # the README's `--algorithm ppo --ppo.critic shared` among them
         cfg = _parse(["--algorithm", algorithm, "--ppo.critic", "shared"])
-        assert cfg.algorithm_config.max_new_tokens == 64 < max_positions(cfg.task)
+        assert cfg.algorithm_config.generation.max_new_tokens == 64 < max_positions(cfg.task)
     with pytest.raises(ValueError, match=r"--ppo.max-new-tokens 256 leaves no room for the prompt: .* 256 positions"):
-        AgentRunConfig(algorithm="ppo", ppo=PPOConfig(max_new_tokens=256))
+        AgentRunConfig(algorithm="ppo", ppo=configure(PPOConfig, max_new_tokens=256))
     assert _parse(["--lora.rank", "4", "--lora.alpha", "8"]).lora.rank == 4  # every trainer takes --lora.*
 
 

@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from relax.algorithms.agent.step import AgentConfig, make_agent_grpo_step, make_agent_ppo_step
+from relax.algorithms.batch import HostRecord
+from relax.algorithms.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.ppo.config import PPOConfig
+from relax.compose import WithHost
 from relax.environments import StepResult
 from relax.environments.chat import ChatFormat
 from relax.models.critic import init_value_head
@@ -39,28 +42,29 @@ ROWS = [{"prompt": "one"}, {"prompt": "two words"}]
 
 
 def run_step(step, state):
-    state, batch = step(state, {"rows": ROWS})
-    return state, batch, {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
+    """(state, the trained batch, its host record, the metrics as floats) of one step on ``ROWS``."""
+    state, out = step(state, WithHost(None, HostRecord(rows=ROWS)))
+    return state, out.device.batch, out.host, {k: float(v) for k, v in jax.device_get(out.device.metrics).items()}
 
 
 @pytest.mark.parametrize("per_turn", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
     model = stopping_model(tokenizer)
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0,
-                     optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
+    cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0,
+                    optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
     step = make_agent_grpo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16, per_turn=per_turn), Counting,
                                 ChatFormat(tokenizer), pad_id=0)
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=True)
-    state, batch, metrics = run_step(step, state)
-    sampled, filled = np.asarray(batch["sampled_mask"]) > 0, np.asarray(batch["mask"]) > 0
+    state, batch, host, metrics = run_step(step, state)
+    sampled, filled = np.asarray(batch.sampled_mask) > 0, np.asarray(batch.mask) > 0
     observations = filled & ~sampled
-    assert observations.any() and not (np.asarray(batch["loss_mask"]) > 0)[observations].any()
-    assert np.all((np.asarray(batch["loss_mask"]) > 0) <= sampled)
+    assert observations.any() and not (np.asarray(batch.loss_mask) > 0)[observations].any()
+    assert np.all((np.asarray(batch.loss_mask) > 0) <= sampled)
     # the trainer's forward over [prompt | turns and observations] scores what the sampler sampled
     assert metrics["sampler_logprob_diff"] < 1e-4
-    adv = np.asarray(batch["advantages"])
+    adv = np.asarray(batch.advantages)
     if per_turn:  # turn 0 is credited with its 0.25 and what followed, turn 1 with what followed only
-        index, rewards = np.asarray(batch["turn_index"]), np.asarray(batch["rewards"])
+        index, rewards = np.asarray(batch.turn_index), np.asarray(batch.rewards)
         assert adv.ndim == 3 and not adv[observations].any()
         checked = 0
         for p, g in zip(*np.nonzero(rewards > 1.0)):  # two turns: 0.25 then 1
@@ -71,24 +75,24 @@ def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
             checked += 1
         assert checked
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
-    assert batch["agent"]["turns"] > 1 and batch["agent"]["observation_tokens"] > 0
-    assert batch["agent"]["tool_call_success"] == 1.0
+    assert host.agent["turns"] > 1 and host.agent["observation_tokens"] > 0
+    assert host.agent["tool_call_success"] == 1.0
     before = np.asarray(state.policy.embed).copy()  # the step donates the state
-    state, _, metrics = run_step(step, state)
+    state, _, _, metrics = run_step(step, state)
     assert np.isfinite(metrics["loss"]) and not np.array_equal(before, np.asarray(state.policy.embed))
 
 
 def test_agent_ppo_step(tokenizer):  # noqa: F811
     model = stopping_model(tokenizer)
-    cfg = PPOConfig(num_generations=2, max_new_tokens=64, critic="shared", kl_coef=0.0,
+    cfg = configure(PPOConfig, num_generations=2, max_new_tokens=64, critic="shared", kl_coef=0.0,
                     optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3))
     step = make_agent_ppo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Counting, ChatFormat(tokenizer),
                                pad_id=0)
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=cfg.needs_reference,
                        critic=init_value_head(model.config), critic_optimizer=cfg.critic_optimizer.make())
-    state, batch, metrics = run_step(step, state)
-    sampled, filled = np.asarray(batch["sampled_mask"]) > 0, np.asarray(batch["mask"]) > 0
-    adv, returns = np.asarray(batch["advantages"]), np.asarray(batch["returns"])
+    state, batch, host, metrics = run_step(step, state)
+    sampled, filled = np.asarray(batch.sampled_mask) > 0, np.asarray(batch.mask) > 0
+    adv, returns = np.asarray(batch.advantages), np.asarray(batch.returns)
     assert not adv[filled & ~sampled].any() and not returns[filled & ~sampled].any()
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["explained_variance"])
     with pytest.raises(ValueError, match="per-turn advantages are GRPO's"):
@@ -105,12 +109,12 @@ class Flaky(Counting):
         return super().step(action)
 
 
-def _errored_tokens_are_out_of_the_loss(batch):
-    rewards, sampled = np.asarray(batch["rewards"]), np.asarray(batch["sampled_mask"]) > 0
+def _errored_tokens_are_out_of_the_loss(batch, host):
+    rewards, sampled = np.asarray(batch.rewards), np.asarray(batch.sampled_mask) > 0
     errored = np.isnan(rewards)
     assert errored.any() and (~errored).any(), rewards  # the check is not vacuous either way
-    assert batch["agent"]["env_errors"] == errored.sum()
-    loss_mask = np.asarray(batch["loss_mask"]) > 0
+    assert host.agent["env_errors"] == errored.sum()
+    loss_mask = np.asarray(batch.loss_mask) > 0
     assert sampled[errored].any()  # errored trajectories did sample tokens ...
     assert not loss_mask[errored].any()  # ... none of which is in the loss (policy term, KL, entropy, normalisers)
     np.testing.assert_array_equal(loss_mask[~errored], sampled[~errored])
@@ -118,22 +122,22 @@ def _errored_tokens_are_out_of_the_loss(batch):
 
 def test_agent_grpo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):  # noqa: F811
     model = stopping_model(tokenizer)
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0, entropy_coef=0.01)
+    cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=64, beta=0.04, temperature=1.0, entropy_coef=0.01)
     step = make_agent_grpo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Flaky, ChatFormat(tokenizer),
                                 pad_id=0)
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=True)
-    _, batch, metrics = run_step(step, state)
-    _errored_tokens_are_out_of_the_loss(batch)
+    _, batch, host, metrics = run_step(step, state)
+    _errored_tokens_are_out_of_the_loss(batch, host)
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["kl"]) and np.isfinite(metrics["entropy"])
 
 
 def test_agent_ppo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):  # noqa: F811
     model = stopping_model(tokenizer)
-    cfg = PPOConfig(num_generations=4, max_new_tokens=64, critic="shared", kl_coef=0.0)
+    cfg = configure(PPOConfig, num_generations=4, max_new_tokens=64, critic="shared", kl_coef=0.0)
     step = make_agent_ppo_step(cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Flaky, ChatFormat(tokenizer),
                                pad_id=0)
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=cfg.needs_reference,
                        critic=init_value_head(model.config), critic_optimizer=cfg.critic_optimizer.make())
-    _, batch, metrics = run_step(step, state)
-    _errored_tokens_are_out_of_the_loss(batch)
+    _, batch, host, metrics = run_step(step, state)
+    _errored_tokens_are_out_of_the_loss(batch, host)
     assert np.isfinite(metrics["loss"])

@@ -12,7 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from relax.algorithms.batch import HostRecord, LossRows, Scored, step_input
+from relax.algorithms.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
+from relax.compose import WithHost
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.models import ModelConfig, init
 from relax.data.completion_layout import PackingConfig, pack_completions, rows_needed
@@ -131,10 +134,10 @@ def _update_data(p=4, g=4, n=6, seed=0):
     ids, pm = _prompts(p, 6, [6, 2, 4, 5][:p], seed)
     tokens, mask = _ragged(p, g, n, seed)
     k1, k2 = jax.random.split(key)
-    return {"prompt_ids": ids, "prompt_mask": pm, "tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask),
-            "loss_mask": jnp.asarray(mask), "old_logprobs": -2.0 + 0.1 * jax.random.normal(k1, (p, g, n)),
-            "ref_logprobs": -2.0 + 0.1 * jax.random.normal(k2, (p, g, n)),
-            "advantages": jax.random.normal(jax.random.fold_in(key, 7), (p, g))}
+    return LossRows(prompt_ids=ids, prompt_mask=pm, tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
+                    loss_mask=jnp.asarray(mask), old_logprobs=-2.0 + 0.1 * jax.random.normal(k1, (p, g, n)),
+                    ref_logprobs=-2.0 + 0.1 * jax.random.normal(k2, (p, g, n)),
+                    advantages=jax.random.normal(jax.random.fold_in(key, 7), (p, g)))
 
 
 @pytest.mark.parametrize("loss_type", [m if m in ("token-mean", "seq-mean-token-sum-norm") else
@@ -144,15 +147,16 @@ def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumul
     micro-batch (4 accumulated) == padded in one micro-batch; KL and entropy terms on."""
     model = init(CFG, jax.random.key(3), std=0.2)
     data = _update_data()
-    packed = jax.tree.map(jnp.asarray, PackingConfig(row_tokens=12).pack(np.asarray(data["tokens"]), np.asarray(data["mask"])))
+    packed = jax.tree.map(jnp.asarray, PackingConfig(row_tokens=12).pack(np.asarray(data.tokens), np.asarray(data.mask)))
     assert packed.tokens.shape[1] < 4
     results = []
     for accum, extra in ((1, {}), (4, {"packed": packed})):
-        cfg = GRPOConfig(num_generations=4, max_new_tokens=6, loss_type=loss_type, grad_accum=accum, beta=0.04,
-                         entropy_coef=0.01, optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
+        cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=6, loss_type=loss_type, grad_accum=accum,
+                        beta=0.04, entropy_coef=0.01,
+                        optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
         opt = cfg.optimizer.make()
         update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
-        results.append(update(model, opt.init(model), {**data, **extra}, jax.random.key(0)))
+        results.append(update(model, opt.init(model), data.replace(**extra), jax.random.key(0)))
     (want, _, want_metrics), (got, _, got_metrics) = results
     chex.assert_trees_all_close(got, want, atol=1e-6)
     assert got_metrics.keys() == want_metrics.keys()
@@ -168,18 +172,18 @@ def test_grpo_step_with_packing_equals_it_without():
     from test_parallel import _decode, fives
 
     ids, pm = _prompts(4, 6, [6, 2, 4, 5])
-    batch = {"prompt_ids": ids, "prompt_mask": pm, "prompts": ["a", "b", "c", "d"], "fields": {"weight": [1.0] * 4}}
+    batch = step_input(ids, pm, ["a", "b", "c", "d"], {"weight": [1.0] * 4})
     runs = {}
     for mode in ("on", "off"):
-        cfg = GRPOConfig(num_generations=4, max_new_tokens=8, beta=0.04, packing=PackingConfig(mode=mode, row_tokens=16),
-                         optimizer=OptimizerConfig(learning_rate=1e-2))
+        cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=8, beta=0.04,
+                        packing=PackingConfig(mode=mode, row_tokens=16), optimizer=OptimizerConfig(learning_rate=1e-2))
         opt = cfg.optimizer.make()
         state = init_state(init(CFG, jax.random.key(0), std=0.3), opt, key=jax.random.key(1), with_reference=True)
         step = make_grpo_step(cfg, [fives], _decode, eos_ids=(3,), pad_id=0)  # token 3 ends a completion
         out = []
         for _ in range(2):
             state, b = step(state, batch)
-            out.append((np.asarray(b["tokens"]), {k: float(v) for k, v in b["metrics"].items()}))
+            out.append((np.asarray(b.device.batch.tokens), {k: float(v) for k, v in b.device.metrics.items()}))
         runs[mode] = (out, state.policy)
     (on, policy_on), (off, policy_off) = runs["on"], runs["off"]
     assert on[0][1]["pack_rows"] < 4 and "pack_rows" not in off[0][1]  # packed, and several to a row
@@ -196,14 +200,25 @@ def test_auto_packs_a_batch_only_when_that_saves_slots():
     """The pack stage with the default config: completions that fill the budget stay padded (as
     many rows would cost more), short ones are packed; 'off' never packs."""
     from relax.algorithms.stages import make_packing
+    from relax.models.forward import ForwardConfig
     from relax.train.state import init_state
 
     state = init_state(init(CFG, jax.random.key(0)), OptimizerConfig().make(), key=jax.random.key(1))
     tokens = np.ones((2, 4, 8), np.int32)
     full, short = np.ones_like(tokens), (np.arange(8) < 2).astype(np.int32) * np.ones_like(tokens)
-    pack = make_packing(PackingConfig(), train_attention="auto")
-    assert "packed" not in pack(state, {"tokens": tokens, "mask": full})[1]
-    packed = pack(state, {"tokens": tokens, "mask": short})[1]["packed"]
+
+    def scored(mask):  # a scored batch of these completions, and its host record
+        ids = jnp.ones((2, 3), jnp.int32)
+        batch = Scored(prompt_ids=ids, prompt_mask=ids, tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
+                       old_logprobs=jnp.zeros(tokens.shape), lengths=jnp.asarray(mask.sum(-1)),
+                       finished=jnp.ones((2, 4), bool), policy_version=jnp.zeros((2, 4), jnp.int32))
+        return WithHost(batch, HostRecord(prompts=["a", "b"]))
+
+    pack = make_packing(PackingConfig(), ForwardConfig(train_attention="auto"))
+    assert pack(state, scored(full))[1].device.packed is None
+    out = pack(state, scored(short))[1]
+    packed = out.device.packed
     assert packed.tokens.shape == (2, 1, 8)  # four 2-token completions in one row of 8
-    assert "packed" not in make_packing(PackingConfig(mode="off"), train_attention="auto")(
-        state, {"tokens": tokens, "mask": short})[1]
+    assert out.host.prompts == ["a", "b"] and np.array_equal(out.device.mask, short)  # the rest as it was
+    assert make_packing(PackingConfig(mode="off"), ForwardConfig(train_attention="auto"))(
+        state, scored(short))[1].device.packed is None

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.compose import Stage, compose, stage
+from relax.compose import Stage, WithHost, compose, stage
 
 
 def make_stages(traces):
@@ -169,3 +169,62 @@ def test_read_only_stage_returns_the_callers_state_before_a_failing_host_stage()
     liar = stage(lambda s, b: ({"w": s["w"] + 1, "n": s["n"]}, b), name="liar", updates_state=False)
     with pytest.raises(ValueError, match="liar declared updates_state=False but changed the state"):
         liar(*init())
+
+
+class Untraceable:
+    """A host value that fails if anything makes it an array (a jit argument, ``jnp.asarray``)."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __jax_array__(self):
+        raise AssertionError("a host record reached a jitted program")
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("a host record reached a jitted program")
+
+
+def test_with_host_record_never_enters_the_jitted_programs():
+    """A ``WithHost`` batch: the jitted segments get the device part alone and the host record
+    passes around them unchanged (the same object), host stages get the pair; a new host record
+    (other text, another length) compiles nothing new."""
+    from relax.algorithms.batch import HostRecord
+
+    traces, seen = [], []
+
+    def scale(state, batch):  # jitted: the device part only, never the pair
+        assert not isinstance(batch, WithHost) and set(batch) == {"x"}, batch
+        traces.append("scale")
+        return state, {"x": batch["x"], "y": batch["x"] * state["w"]}
+
+    def note(state, batch):  # host: reads the record, adds to it
+        assert isinstance(batch, WithHost) and not isinstance(batch.device["y"], jax.core.Tracer)
+        seen.append(batch.host)
+        words = [o.text for o in batch.host.fields["obj"]]
+        host = batch.host.replace(completions=words, reward_info={"n": len(words)})
+        return state, batch.replace(device={**batch.device, "r": jnp.full(8, float(len(words)))}, host=host)
+
+    def update(state, batch):  # jitted again
+        assert not isinstance(batch, WithHost) and set(batch) == {"x", "y", "r"}, batch
+        traces.append("update")
+        return {"w": state["w"] + batch["r"] * batch["y"], "n": state["n"] + 1}, {"total": jnp.sum(batch["y"])}
+
+    step = compose(stage(scale, updates_state=False), stage(note, jit=False), stage(update))
+    assert [s.jittable for s in step.segments] == [True, False, True]
+    state, batch = init()
+    for i, words in enumerate((["a", "b"], ["ccc", "dd", "e", "f"])):
+        host = HostRecord(prompts=[f"p{i}"] * len(words), fields={"obj": [Untraceable(w) for w in words]})
+        w0 = np.asarray(state["w"])
+        state, out = step(state, WithHost(dict(batch), host))
+        assert isinstance(out, WithHost) and seen[-1] is host  # the record the caller passed
+        assert out.host.fields is host.fields and out.host.completions == words
+        assert out.host.reward_info == {"n": len(words)} and host.completions is None  # the caller's is unchanged
+        y = np.asarray(batch["x"]) * w0
+        np.testing.assert_allclose(out.device["total"], y.sum(), rtol=1e-6)
+        np.testing.assert_allclose(state["w"], w0 + len(words) * y, rtol=1e-6)
+    assert traces == ["scale", "update"]  # traced once: the host record is no part of the signature
+    assert step.cache_sizes() == (1, 1) and int(state["n"]) == 2
+    # the guard itself works: the record (or its values) as a jit argument is an error
+    for value in (Untraceable("x"), host, WithHost(dict(batch), host)):
+        with pytest.raises((TypeError, ValueError, AssertionError)):
+            jax.jit(lambda v: v)(value)

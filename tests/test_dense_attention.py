@@ -87,7 +87,9 @@ def test_trainer_logprobs_and_gradients_agree_between_implementations():
 
 
 def test_auto_takes_the_fused_kernel_only_where_it_runs():
+    from relax.algorithms.configure import configure
     from relax.algorithms.grpo.config import GRPOConfig
+    from relax.models.forward import ForwardConfig
     from relax.models.prefix_shared import resolve_attention
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                 head_dim=8, max_position_embeddings=64)
@@ -101,6 +103,8 @@ def test_auto_takes_the_fused_kernel_only_where_it_runs():
     assert resolve_attention("auto", half) == ("dense" if jax.default_backend() == "gpu" else "group")
     assert resolve_attention("dense", plain) == "dense"
     with pytest.raises(ValueError, match="unknown train_attention 'flash'"):
-        GRPOConfig(train_attention="flash")
+        configure(GRPOConfig, train_attention="flash")
     with pytest.raises(ValueError, match="unknown remat_policy 'some'"):
-        GRPOConfig(remat_policy="some")
+        configure(GRPOConfig, remat_policy="some")
+    with pytest.raises(ValueError, match="unknown train_attention 'flash'"):
+        ForwardConfig(train_attention="flash")

@@ -2,14 +2,18 @@
 formulas), and the trainer (off-policy, on-policy, mixed; zero at student = teacher; learning;
 gradient accumulation; vocabulary checks)."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.distill import (DistillConfig, init_distill_state, make_distill_step, make_distill_update,
-                                     make_loss)
+from relax.algorithms.configure import configure
+from relax.models.forward import ForwardConfig
+from relax.algorithms.distill import (DistillBatch, DistillConfig, init_distill_state, make_distill_step,
+                                     make_distill_update, make_loss)
 from relax.algorithms.distill.step import MIX_STREAM, rollout_config, teacher_hidden
 from relax.algorithms.stages import ROLLOUT_STREAM
 from relax.models import ModelConfig, init
@@ -189,7 +193,7 @@ def dataset_batch(seed=1, p=P, g=G, n=N):
     ids, pm = prompts(seed, p)
     tokens = jax.random.randint(jax.random.key(seed + 100), (p, g, n), 1, STUDENT.vocab_size)
     mask = jnp.ones((p, g, n), jnp.int32).at[1, :, 3:].set(0)  # one shorter completion
-    return {"prompt_ids": ids, "prompt_mask": pm, "tokens": tokens, "mask": mask}
+    return DistillBatch(prompt_ids=ids, prompt_mask=pm, tokens=tokens, mask=mask)
 
 
 def state_of(student, teacher, lr=1e-2, seed=3):
@@ -204,26 +208,26 @@ def copy(tree):
 
 def held_out_kl(student, teacher, batch):
     """Token-mean forward KL of the student to the teacher on ``batch``'s completions."""
-    hs = completion_hidden(student, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"])
-    ht = completion_hidden(teacher, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"])
+    hs = completion_hidden(student, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
+    ht = completion_hidden(teacher, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     kl, _, _ = divergence_from_hidden(student, hs, teacher, ht, divergence="forward")
-    m = batch["mask"] > 0
+    m = batch.mask > 0
     return float(jnp.sum(jnp.where(m, kl, 0.0)) / jnp.sum(m))
 
 
 def test_config_checks():
     with pytest.raises(ValueError, match="divergence"):
-        DistillConfig(divergence="tv")
+        configure(DistillConfig, divergence="tv")
     with pytest.raises(ValueError, match="mode"):
-        DistillConfig(mode="sometimes")
+        configure(DistillConfig, mode="sometimes")
     with pytest.raises(ValueError, match="lmbda"):
-        DistillConfig(mode="mixed", lmbda=1.5)
+        configure(DistillConfig, mode="mixed", lmbda=1.5)
     with pytest.raises(ValueError, match="beta"):
-        DistillConfig(divergence="jsd", jsd_beta=-0.1)
+        configure(DistillConfig, divergence="jsd", jsd_beta=-0.1)
     with pytest.raises(ValueError, match="grad_accum"):
-        DistillConfig(grad_accum=0)
-    assert DistillConfig(divergence="jsd", jsd_beta=0.5).metric_name == "jsd"
-    assert DistillConfig(divergence="jsd", jsd_beta=0.0).metric_name == "kl"
+        configure(DistillConfig, grad_accum=0)
+    assert configure(DistillConfig, divergence="jsd", jsd_beta=0.5).metric_name == "jsd"
+    assert configure(DistillConfig, divergence="jsd", jsd_beta=0.0).metric_name == "kl"
 
 
 def test_student_equal_to_teacher_gives_zero_divergence_and_gradient():
@@ -232,11 +236,11 @@ def test_student_equal_to_teacher_gives_zero_divergence_and_gradient():
     student, _ = models()
     batch = dataset_batch()
     passes = Passes(cache_sized=True)  # the teacher one group per pass, the student unrolled
-    h = teacher_hidden(student, batch, passes, attention="group")
-    mb = {**batch, "loss_mask": batch["mask"], "teacher_hidden": h}
-    ctx = LossContext({"tokens": jnp.sum(batch["mask"]).astype(jnp.float32)}, jnp.bool_(False))
+    h = teacher_hidden(student, batch, passes, ForwardConfig(train_attention="group"))
+    mb = dataclasses.replace(batch, loss_mask=batch.mask, teacher_hidden=h)
+    ctx = LossContext({"tokens": jnp.sum(batch.mask).astype(jnp.float32)}, jnp.bool_(False))
     for divergence in ("forward", "reverse", "jsd"):
-        cfg = DistillConfig(divergence=divergence, temperature=1.3, train_attention="group")
+        cfg = configure(DistillConfig, divergence=divergence, temperature=1.3, train_attention="group")
         loss_fn = make_loss(cfg, student, passes)
         (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(student, mb, ctx)
         assert abs(float(loss)) < 1e-6 and abs(float(metrics[cfg.metric_name])) < 1e-6, divergence
@@ -246,11 +250,11 @@ def test_student_equal_to_teacher_gives_zero_divergence_and_gradient():
 
 def test_student_equal_to_teacher_through_the_step():
     student, _ = models()
-    cfg = DistillConfig(divergence="jsd", optimizer=OptimizerConfig())
+    cfg = configure(DistillConfig, divergence="jsd", optimizer=OptimizerConfig())
     state = state_of(student, student)
     _, out = make_distill_step(cfg, Passes(), eos_ids=(), pad_id=0)(state, dataset_batch())
-    assert abs(float(out["metrics"]["jsd"])) < 1e-6 and float(out["metrics"]["grad_norm"]) < 1e-5
-    assert float(out["metrics"]["top1_agreement"]) == 1.0
+    assert abs(float(out.metrics["jsd"])) < 1e-6 and float(out.metrics["grad_norm"]) < 1e-5
+    assert float(out.metrics["top1_agreement"]) == 1.0
 
 
 @pytest.mark.slow  # the command line's learning test (tests/test_offline.py) is the fast one
@@ -261,20 +265,20 @@ def test_off_policy_distillation_reduces_held_out_kl():
     teacher = eqx.tree_at(lambda m: m.lm_head, teacher, 4.0 * teacher.lm_head)  # peaked distributions
     held_out = dataset_batch(seed=7)
     before = held_out_kl(student, teacher, held_out)
-    cfg = DistillConfig(divergence="forward", mode="off_policy", train_attention="group")
+    cfg = configure(DistillConfig, divergence="forward", mode="off_policy", train_attention="group")
     step = make_distill_step(cfg, Passes(), eos_ids=(), pad_id=0)
     state = state_of(student, teacher, lr=3e-3)
     kls = []
     for i in range(8):
         state, out = step(state, dataset_batch(seed=10 + i))
-        kls.append(float(out["metrics"]["kl"]))
-        assert int(out["health"]["first_nonfinite"]) == -1 and int(out["health"]["consecutive_skips"]) == 0
+        kls.append(float(out.metrics["kl"]))
+        assert int(out.health["first_nonfinite"]) == -1 and int(out.health["consecutive_skips"]) == 0
     assert int(state.step) == 8 and kls[-1] < kls[0]
     after = held_out_kl(state.policy, state.ref, held_out)
     assert after < 0.75 * before, (before, after)
-    assert set(out["metrics"]) >= {"kl", "top1_agreement", "entropy", "loss", "grad_norm", "completion_length",
-                                   "skipped_updates"}
-    assert set(out["health"]) == {"first_nonfinite_grad", "first_nonfinite", "consecutive_skips"}
+    assert set(out.metrics) >= {"kl", "top1_agreement", "entropy", "loss", "grad_norm", "completion_length",
+                                "skipped_updates"}
+    assert set(out.health) == {"first_nonfinite_grad", "first_nonfinite", "consecutive_skips"}
     # the teacher is never updated
     for a, b in zip(jax.tree.leaves(state.ref), jax.tree.leaves(teacher)):
         np.testing.assert_array_equal(a, b)
@@ -282,49 +286,49 @@ def test_off_policy_distillation_reduces_held_out_kl():
 
 def test_on_policy_samples_from_the_student_and_trains():
     student, teacher = models()
-    cfg = DistillConfig(divergence="reverse", mode="on_policy", num_generations=2, max_new_tokens=4,
+    cfg = configure(DistillConfig, divergence="reverse", mode="on_policy", num_generations=2, max_new_tokens=4,
                         temperature=1.0)
     ids, pm = prompts()
     state = state_of(student, teacher, seed=3)
     key = jax.random.key(3)  # the state's (its own buffer is donated to the step)
     step = make_distill_step(cfg, Passes(), eos_ids=(3,), pad_id=0)
-    state, out = step(state, {"prompt_ids": ids, "prompt_mask": pm})
+    state, out = step(state, DistillBatch(prompt_ids=ids, prompt_mask=pm))
     # the student's sampler with the state's rollout key produced exactly these completions
     generate = compiled_generate(rollout_config(cfg, eos_ids=(3,), pad_id=0))
     want = generate(student, ids, pm, jax.random.fold_in(key, ROLLOUT_STREAM))
-    np.testing.assert_array_equal(out["tokens"], want.tokens)
-    np.testing.assert_array_equal(out["mask"], want.mask)
-    np.testing.assert_array_equal(out["loss_mask"], want.mask)
-    assert out["tokens"].shape == (P, 2, 4) and bool(out["on_policy"])
+    np.testing.assert_array_equal(out.batch.tokens, want.tokens)
+    np.testing.assert_array_equal(out.batch.mask, want.mask)
+    np.testing.assert_array_equal(out.batch.loss_mask, want.mask)
+    assert out.batch.tokens.shape == (P, 2, 4) and bool(out.batch.on_policy)
     teacher_sample = generate(teacher, ids, pm, jax.random.fold_in(key, ROLLOUT_STREAM))
     assert not np.array_equal(teacher_sample.tokens, want.tokens)  # the student's, not the teacher's
-    assert np.isfinite(float(out["metrics"]["kl"])) and float(out["metrics"]["on_policy"]) == 1.0
+    assert np.isfinite(float(out.metrics["kl"])) and float(out.metrics["on_policy"]) == 1.0
     changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.policy), jax.tree.leaves(student))]
     assert any(changed)
     # the next step samples with the new key: other completions
-    _, out2 = step(state, {"prompt_ids": ids, "prompt_mask": pm})
-    assert not np.array_equal(out2["tokens"], out["tokens"])
+    _, out2 = step(state, DistillBatch(prompt_ids=ids, prompt_mask=pm))
+    assert not np.array_equal(out2.batch.tokens, out.batch.tokens)
 
 
 def test_mixed_mode_takes_sampled_or_dataset_completions_by_its_coin():
     student, teacher = models()
     batch = dataset_batch()
     for lmbda in (0.0, 1.0):
-        cfg = DistillConfig(mode="mixed", lmbda=lmbda, num_generations=G, max_new_tokens=N)
+        cfg = configure(DistillConfig, mode="mixed", lmbda=lmbda, num_generations=G, max_new_tokens=N)
         state = state_of(student, teacher, seed=3)
         key = jax.random.key(3)
         _, out = make_distill_step(cfg, Passes(), eos_ids=(), pad_id=0)(state, batch)
         if lmbda == 0.0:
-            np.testing.assert_array_equal(out["tokens"], batch["tokens"])
-            assert not bool(out["on_policy"])
+            np.testing.assert_array_equal(out.batch.tokens, batch.tokens)
+            assert not bool(out.batch.on_policy)
         else:
             gen = compiled_generate(rollout_config(cfg, eos_ids=(), pad_id=0))
-            want = gen(student, batch["prompt_ids"], batch["prompt_mask"], jax.random.fold_in(key, ROLLOUT_STREAM))
-            np.testing.assert_array_equal(out["tokens"], want.tokens)
-            assert bool(out["on_policy"])
+            want = gen(student, batch.prompt_ids, batch.prompt_mask, jax.random.fold_in(key, ROLLOUT_STREAM))
+            np.testing.assert_array_equal(out.batch.tokens, want.tokens)
+            assert bool(out.batch.on_policy)
     assert MIX_STREAM != ROLLOUT_STREAM
     with pytest.raises(ValueError, match="num_generations, max_new_tokens"):
-        cfg = DistillConfig(mode="mixed", num_generations=2, max_new_tokens=N)
+        cfg = configure(DistillConfig, mode="mixed", num_generations=2, max_new_tokens=N)
         make_distill_step(cfg, Passes(), eos_ids=(), pad_id=0)(state_of(student, teacher), batch)
 
 
@@ -340,16 +344,16 @@ def test_vocabulary_mismatch_is_a_clear_error():
     from relax.train.state import init_state
     state = init_state(student, opt, key=jax.random.key(0)).replace(ref=teacher)
     with pytest.raises(ValueError, match="vocabulary"):
-        make_distill_step(DistillConfig(), Passes(), eos_ids=(), pad_id=0)(state, dataset_batch())
+        make_distill_step(configure(DistillConfig, ), Passes(), eos_ids=(), pad_id=0)(state, dataset_batch())
 
 
 def test_grad_accumulation_gives_the_same_update():
     student, teacher = models()
     batch = dataset_batch()
-    cfg1 = DistillConfig(divergence="jsd", jsd_beta=0.3, grad_accum=1, train_attention="group")
-    cfg2 = DistillConfig(divergence="jsd", jsd_beta=0.3, grad_accum=2, train_attention="group")
-    h = teacher_hidden(teacher, batch, Passes(), attention="group")
-    data = {**batch, "loss_mask": batch["mask"], "teacher_hidden": h}
+    cfg1 = configure(DistillConfig, divergence="jsd", jsd_beta=0.3, grad_accum=1, train_attention="group")
+    cfg2 = configure(DistillConfig, divergence="jsd", jsd_beta=0.3, grad_accum=2, train_attention="group")
+    h = teacher_hidden(teacher, batch, Passes(), ForwardConfig(train_attention="group"))
+    data = dataclasses.replace(batch, loss_mask=batch.mask, teacher_hidden=h)
     opt = OptimizerConfig(learning_rate=1e-2).make()
     out = []
     for cfg in (cfg1, cfg2):

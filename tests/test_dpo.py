@@ -1,5 +1,6 @@
 """DPO family: pair data, the shared-prompt forward, SimPO/DPO losses, the step, the reference cache."""
 
+import dataclasses
 import json
 import math
 
@@ -13,10 +14,10 @@ import pytest
 from relax.algorithms.dpo import (DPOConfig, evaluate, make_dpo_eval, make_dpo_loss, make_dpo_step, make_state,
                                   pair_normalizers)
 from relax.algorithms.dpo import reference_cache as rc
-from relax.algorithms.dpo.loss import sequence_logps, shared_forward
 from relax.algorithms.dpo.step import collate, encode
+from relax.algorithms.pair_forward import PairRows, sequence_logps, shared_forward
 from relax.data.files import MissingFieldError, read_records
-from relax.data.pairs import Pair, collate_pairs, encode_pairs, with_reference
+from relax.data.pairs import Pair, PairBatch, collate_pairs, encode_pairs, with_reference
 from relax.models import ModelConfig, init
 from relax.models.logprobs import token_logprobs
 from relax.models.prefix_shared import completion_rope
@@ -60,7 +61,7 @@ def _batch(seed=0, p=P):
     mask[0, 1, 3:] = 0
     mask[2, 0, 2:] = 0
     mask[p - 1, 1, 1:] = 0
-    return {"prompt_ids": ids, "prompt_mask": pm, "tokens": tokens, "mask": mask, "loss_mask": np.ones(p, np.int32)}
+    return PairBatch(prompt_ids=ids, prompt_mask=pm, tokens=tokens, mask=mask, loss_mask=np.ones(p, np.int32))
 
 
 def _models():
@@ -78,10 +79,10 @@ def full_sequence_logps(model, b):
     """``[P, 2]`` sums from two separate full-sequence forwards, [prompt; chosen] and [prompt; rejected]."""
     out = []
     for j in range(2):
-        full = np.concatenate([b["prompt_ids"], b["tokens"][:, j]], 1)
-        fmask = np.concatenate([b["prompt_mask"], b["mask"][:, j]], 1)
+        full = np.concatenate([b.prompt_ids, b.tokens[:, j]], 1)
+        fmask = np.concatenate([b.prompt_mask, b.mask[:, j]], 1)
         lp = np.asarray(token_logprobs(model, jnp.asarray(full), jnp.asarray(fmask)))[:, LP - 1:]
-        out.append(np.sum(np.where(b["mask"][:, j] > 0, lp, 0.0), -1))
+        out.append(np.sum(np.where(b.mask[:, j] > 0, lp, 0.0), -1))
     return np.stack(out, -1)
 
 
@@ -166,16 +167,17 @@ def test_standard_and_conversational_pairs(toks):
 def test_collate_layout_and_reference_entries():
     pairs = [Pair([5, 6, 7], [1, 2], [3], "f", 1), Pair([8], [4, 4, 4], [9, 9], "f", 2)]
     b = collate_pairs(pairs, pad_id=0, prompt_length=4, completion_length=3)
-    np.testing.assert_array_equal(b["prompt_ids"], [[0, 5, 6, 7], [0, 0, 0, 8]])
-    np.testing.assert_array_equal(b["prompt_mask"], [[0, 1, 1, 1], [0, 0, 0, 1]])
-    np.testing.assert_array_equal(b["tokens"], [[[1, 2, 0], [3, 0, 0]], [[4, 4, 4], [9, 9, 0]]])
-    np.testing.assert_array_equal(b["mask"], [[[1, 1, 0], [1, 0, 0]], [[1, 1, 1], [1, 1, 0]]])
-    np.testing.assert_array_equal(b["loss_mask"], [1, 1])
-    assert "ref_chosen_logps" not in b
+    assert isinstance(b, PairBatch)
+    np.testing.assert_array_equal(b.prompt_ids, [[0, 5, 6, 7], [0, 0, 0, 8]])
+    np.testing.assert_array_equal(b.prompt_mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
+    np.testing.assert_array_equal(b.tokens, [[[1, 2, 0], [3, 0, 0]], [[4, 4, 4], [9, 9, 0]]])
+    np.testing.assert_array_equal(b.mask, [[[1, 1, 0], [1, 0, 0]], [[1, 1, 1], [1, 1, 0]]])
+    np.testing.assert_array_equal(b.loss_mask, [1, 1])
+    assert b.ref_logps is None
     b = collate_pairs(with_reference(pairs, [[-1.0, -2.0], [-3.0, -4.0]]), pad_id=0, prompt_length=4,
                       completion_length=3)
-    np.testing.assert_array_equal(b["ref_chosen_logps"], [-1, -3])
-    np.testing.assert_array_equal(b["ref_rejected_logps"], [-2, -4])
+    np.testing.assert_array_equal(b.ref_logps[:, 0], [-1, -3])  # chosen
+    np.testing.assert_array_equal(b.ref_logps[:, 1], [-2, -4])  # rejected
     with pytest.raises(ValueError, match="do not match 2 examples"):
         with_reference(pairs, np.zeros((3, 2)))
     with pytest.raises(ValueError, match="3 tokens > the batch's completion length 2"):
@@ -233,13 +235,15 @@ def test_shared_prompt_logps_equal_two_full_sequence_forwards():
     policy, _ = _models()
     b = _batch()
     want = full_sequence_logps(policy, b)
-    jb = {k: jnp.asarray(v) for k, v in b.items()}
+    jb = jax.tree.map(jnp.asarray, b)
     for passes in (Passes(), Passes(cache_sized=True)):  # one pass / one prompt per pass, unrolled
         for train in (False, True):
-            mb = {**jb, "rope": completion_rope(CFG, jb["prompt_mask"], 2, N)} if train else jb
-            got, lengths = sequence_logps(shared_forward(passes)(policy, mb, train), jb["mask"])
+            rope = completion_rope(CFG, jb.prompt_mask, 2, N) if train else None
+            mb = PairRows(prompt_ids=jb.prompt_ids, prompt_mask=jb.prompt_mask, tokens=jb.tokens, mask=jb.mask,
+                          loss_mask=jb.loss_mask, rope=rope)
+            got, lengths = sequence_logps(shared_forward(passes)(policy, mb, train), jb.mask)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(lengths, b["mask"].sum(-1))
+    np.testing.assert_array_equal(lengths, b.mask.sum(-1))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -255,19 +259,19 @@ def test_policy_equal_to_reference_gives_log2_and_zero_margins():
     cfg = DPOConfig(optimizer=OptimizerConfig(learning_rate=1e-3))
     state = init_state(_copy(policy), cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
     state, out = make_dpo_step(cfg)(state, _batch())
-    m = out["metrics"]
+    m = out.metrics
     assert float(m["loss"]) == pytest.approx(math.log(2), abs=1e-7)
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert float(m[k]) == 0.0, k
-    assert bool(out["ref_is_policy"]) and float(m["grad_norm"]) > 0
-    assert {k: int(v) for k, v in out["health"].items()} == {"first_nonfinite_grad": -1, "first_nonfinite": -1,
-                                                            "consecutive_skips": 0}
+    assert bool(out.batch.ref_is_policy) and float(m["grad_norm"]) > 0
+    assert {k: int(v) for k, v in out.health.items()} == {"first_nonfinite_grad": -1, "first_nonfinite": -1,
+                                                         "consecutive_skips": 0}
     assert int(state.step) == 1
     want = full_sequence_logps(policy, _batch())
     np.testing.assert_allclose(m["logps/chosen"], want[:, 0].mean(), rtol=1e-5)
     # the weights moved: the next step compares with the reference, margins no longer 0
     _, out = make_dpo_step(cfg)(state, _batch())
-    assert not bool(out["ref_is_policy"]) and float(out["metrics"]["rewards/margins"]) != 0.0
+    assert not bool(out.batch.ref_is_policy) and float(out.metrics["rewards/margins"]) != 0.0
 
 
 def np_dpo_loss(pol, ref, lengths, cfg):
@@ -299,13 +303,13 @@ def test_step_loss_against_numpy_on_full_sequence_logps(cfg):
     policy, ref = _models()
     b = _batch()
     pol, ref_lp = full_sequence_logps(policy, b), full_sequence_logps(ref, b)
-    lengths = b["mask"].sum(-1).astype(np.float64)
+    lengths = b.mask.sum(-1).astype(np.float64)
     state = _state(cfg, policy, ref if cfg.uses_reference else None)
     _, out = make_dpo_step(cfg)(state, b)
-    m = out["metrics"]
+    m = out.metrics
     np.testing.assert_allclose(m["loss"], np_dpo_loss(pol, ref_lp, lengths, cfg), rtol=2e-5, atol=1e-5)
     if cfg.uses_reference:
-        np.testing.assert_allclose(out["ref_chosen_logps"], ref_lp[:, 0], rtol=1e-5)
+        np.testing.assert_allclose(out.batch.ref_logps[:, 0], ref_lp[:, 0], rtol=1e-5)
         scale = 1 / lengths if cfg.loss_type == "ipo" else 1.0
         chosen = cfg.beta * ((pol - ref_lp) * scale)[:, 0]
         np.testing.assert_allclose(m["rewards/chosen"], chosen.mean(), rtol=1e-4, atol=1e-6)
@@ -319,9 +323,10 @@ def test_grad_accumulation_changes_nothing(loss_type):
     micro-batch gradients are the batch gradient. SGD, so the update IS the gradient."""
     policy, ref = _models()
     cfg = DPOConfig(loss_type=loss_type)
-    b = {k: jnp.asarray(v) for k, v in _batch(p=4).items()}
-    b["ref_chosen_logps"], b["ref_rejected_logps"] = (jnp.asarray(x) for x in full_sequence_logps(ref, _batch(p=4)).T)
-    b["rope"] = completion_rope(CFG, b["prompt_mask"], 2, N)
+    jb = jax.tree.map(jnp.asarray, _batch(p=4))
+    b = PairRows(prompt_ids=jb.prompt_ids, prompt_mask=jb.prompt_mask, tokens=jb.tokens, mask=jb.mask,
+                 loss_mask=jb.loss_mask, ref_logps=jnp.asarray(full_sequence_logps(ref, _batch(p=4)), jnp.float32),
+                 rope=completion_rope(CFG, jb.prompt_mask, 2, N))
     opt = optax.sgd(1.0)
     outs = []
     for a in (1, 2, 4):
@@ -337,21 +342,21 @@ def test_grad_accumulation_changes_nothing(loss_type):
     res = [s(_state(cfg, policy, ref if cfg.uses_reference else None), _batch()) for s in steps]
     chex.assert_trees_all_close(res[0][0].policy, res[1][0].policy, atol=1e-6)
     for k in ("loss", "grad_norm", "rewards/margins"):
-        np.testing.assert_allclose(res[0][1]["metrics"][k], res[1][1]["metrics"][k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res[0][1].metrics[k], res[1][1].metrics[k], rtol=1e-5, atol=1e-6)
 
 
 def test_nonfinite_reference_is_reported_and_the_step_skipped():
     policy, _ = _models()
     cfg = DPOConfig(precompute_reference=True)
-    b = {**_batch(), "ref_chosen_logps": np.full(P, -3.0, np.float32),
-         "ref_rejected_logps": np.full(P, -4.0, np.float32)}
-    b["ref_chosen_logps"][1] = np.nan
+    ref_logps = np.stack([np.full(P, -3.0, np.float32), np.full(P, -4.0, np.float32)], -1)  # chosen, rejected
+    ref_logps[1, 0] = np.nan
+    b = dataclasses.replace(_batch(), ref_logps=ref_logps)
     state = _state(cfg, policy)
     new, out = make_dpo_step(cfg)(state, b)
-    assert int(out["health"]["first_nonfinite"]) == QUANTITIES.index("ref_logprobs")
-    assert int(out["health"]["consecutive_skips"]) == 1 and int(out["health"]["first_nonfinite_grad"]) >= 0
+    assert int(out.health["first_nonfinite"]) == QUANTITIES.index("ref_logprobs")
+    assert int(out.health["consecutive_skips"]) == 1 and int(out.health["first_nonfinite_grad"]) >= 0
     chex.assert_trees_all_equal(new.policy, policy)
-    with pytest.raises(KeyError, match="precompute_reference=True but the batch has no ref_chosen_logps"):
+    with pytest.raises(KeyError, match="precompute_reference=True but the batch has no ref_logps"):
         make_dpo_step(cfg)(_state(cfg, policy), _batch())
     with pytest.raises(ValueError, match="needs a reference model, and state.ref is None"):
         make_dpo_step(DPOConfig())(_state(cfg, policy), _batch())
@@ -379,13 +384,13 @@ def test_reference_cache_equals_recomputed_and_is_keyed(tmp_path, toks):
     full = collate(cfg, pairs, tok.pad_token_id)
     step_ref = DPOConfig(max_prompt_tokens=24, max_completion_tokens=6)
     _, out = make_dpo_step(step_ref)(_state(step_ref, policy, ref), full)
-    np.testing.assert_allclose(logps[:, 0], out["ref_chosen_logps"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(logps[:, 1], out["ref_rejected_logps"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logps[:, 0], out.batch.ref_logps[:, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logps[:, 1], out.batch.ref_logps[:, 1], rtol=1e-5, atol=1e-5)
     # the cached reference in the batch gives the same step as the reference model
     cached_batch = collate(cfg, with_reference(pairs, logps), tok.pad_token_id)
     _, cached_out = make_dpo_step(cfg)(_state(cfg, policy), cached_batch)
     for k in ("loss", "grad_norm", "rewards/margins"):
-        np.testing.assert_allclose(cached_out["metrics"][k], out["metrics"][k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(cached_out.metrics[k], out.metrics[k], rtol=1e-5, atol=1e-6)
     # loaded back as saved; a changed data file, model or tokenization is never silently reused
     again, status = rc.cached_reference_logps(ref, pairs, data, **kw)
     assert status == "loaded"
@@ -411,14 +416,14 @@ def test_eval_stage_reports_the_loss_without_updating():
     same, out = make_dpo_eval(cfg)(state, _batch())
     assert same is state
     want = np_dpo_loss(full_sequence_logps(policy, _batch()), full_sequence_logps(ref, _batch()),
-                       _batch()["mask"].sum(-1), cfg)
-    np.testing.assert_allclose(out["metrics"]["loss"], want, rtol=2e-5)
+                       _batch().mask.sum(-1), cfg)
+    np.testing.assert_allclose(out.metrics["loss"], want, rtol=2e-5)
 
 
 def _pairs_of(b):
     """The ``Pair``s a collated batch holds (padding stripped)."""
-    pm, m = b["prompt_mask"] > 0, b["mask"] > 0
-    return [Pair(list(b["prompt_ids"][i][pm[i]]), list(b["tokens"][i, 0][m[i, 0]]), list(b["tokens"][i, 1][m[i, 1]]),
+    pm, m = b.prompt_mask > 0, b.mask > 0
+    return [Pair(list(b.prompt_ids[i][pm[i]]), list(b.tokens[i, 0][m[i, 0]]), list(b.tokens[i, 1][m[i, 1]]),
                  "<records>", i + 1) for i in range(len(pm))]
 
 
@@ -428,8 +433,8 @@ def test_evaluate_in_padded_batches_equals_one_batch():
     state = _state(cfg, policy, ref)
     _, whole = make_dpo_eval(cfg)(state, _batch())
     got = evaluate(cfg, state, _pairs_of(_batch()), pad_id=0, batch_size=3)  # 3 + 1 real pairs (2 padding rows)
-    assert set(got) == set(whole["metrics"])
-    for k, v in whole["metrics"].items():
+    assert set(got) == set(whole.metrics)
+    for k, v in whole.metrics.items():
         assert got[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
     fresh = make_state(cfg, _copy(policy), jax.random.key(0))
     assert fresh.ref is not None

@@ -42,14 +42,19 @@ def test_first_nonfinite_follows_the_data_flow_and_the_mask():
     batch = {"mask": jnp.asarray(mask), "rewards": jnp.zeros((p, g)).at[1, 0].set(jnp.nan),  # NaN = missing
              "advantages": jnp.zeros((p, g)), "old_logprobs": jnp.zeros((p, g, n)).at[0, 1, 2].set(jnp.nan),
              "ref_logprobs": jnp.zeros((p, g, n))}
-    assert int(first_nonfinite(batch, jnp.float32(1.0))) == -1  # NaN reward and masked NaN log-prob are fine
-    assert QUANTITIES[int(first_nonfinite(batch, jnp.float32(jnp.nan)))] == "loss"
+    assert int(first_nonfinite(jnp.float32(1.0), **batch)) == -1  # NaN reward and masked NaN log-prob are fine
+    assert QUANTITIES[int(first_nonfinite(jnp.float32(jnp.nan), **batch))] == "loss"
     ref_bad = {**batch, "ref_logprobs": batch["ref_logprobs"].at[1, 1, 1].set(jnp.inf)}
-    assert QUANTITIES[int(first_nonfinite(ref_bad, jnp.float32(jnp.nan)))] == "ref_logprobs"
+    assert QUANTITIES[int(first_nonfinite(jnp.float32(jnp.nan), **ref_bad))] == "ref_logprobs"
     rew_bad = {**ref_bad, "rewards": batch["rewards"].at[0, 0].set(jnp.inf)}
-    assert QUANTITIES[int(first_nonfinite(rew_bad, jnp.float32(1.0)))] == "rewards"
+    assert QUANTITIES[int(first_nonfinite(jnp.float32(1.0), **rew_bad))] == "rewards"
     no_ref = {k: v for k, v in batch.items() if k != "ref_logprobs"}
-    assert int(first_nonfinite(no_ref, jnp.float32(0.0))) == -1
+    assert int(first_nonfinite(jnp.float32(0.0), **no_ref)) == -1
+    # a trainer without rollouts (SFT) passes the loss alone; the quantities are keyword-only
+    assert int(first_nonfinite(jnp.float32(0.0))) == -1
+    assert QUANTITIES[int(first_nonfinite(jnp.float32(jnp.inf)))] == "loss"
+    with pytest.raises(TypeError):
+        first_nonfinite(jnp.float32(0.0), batch["rewards"])
 
 
 def _monitor(**cfg):

@@ -12,7 +12,7 @@ from relax.algorithms.kto import KTOConfig, evaluate, make_kto_eval, make_kto_st
 from relax.algorithms.kto import reference_cache as rc
 from relax.algorithms.kto.step import collate, encode
 from relax.data.files import MissingFieldError, read_records
-from relax.data.pairs import Unpaired, collate_unpaired, encode_unpaired, with_reference
+from relax.data.pairs import Unpaired, UnpairedBatch, collate_unpaired, encode_unpaired, with_reference
 from relax.models import ModelConfig, init
 from relax.objectives.preference import kto_loss, kto_reference_point
 from relax.text import load_tokenizer
@@ -95,10 +95,11 @@ def test_unpaired_rows_and_their_kl_completions(qwen):
     assert [e.kl_completion for e in ex] == [ex[2].completion, ex[0].completion, ex[1].completion]
     b = collate_unpaired(with_reference(ex, [[-1, -2], [-3, -4], [-5, -6]]), pad_id=0, prompt_length=64,
                          completion_length=8)
-    np.testing.assert_array_equal(b["label"], [1, 0, 1])
-    np.testing.assert_array_equal(b["tokens"][1, 1, :len(ex[0].completion)], ex[0].completion)
-    np.testing.assert_array_equal(b["ref_logps"], [-1, -3, -5])
-    np.testing.assert_array_equal(b["ref_kl_logps"], [-2, -4, -6])
+    assert isinstance(b, UnpairedBatch)
+    np.testing.assert_array_equal(b.label, [1, 0, 1])
+    np.testing.assert_array_equal(b.tokens[1, 1, :len(ex[0].completion)], ex[0].completion)
+    np.testing.assert_array_equal(b.ref_logps[:, 0], [-1, -3, -5])  # the rows' completions
+    np.testing.assert_array_equal(b.ref_logps[:, 1], [-2, -4, -6])  # their KL completions
 
 
 def test_bad_unpaired_rows_name_file_row_and_field(tmp_path, qwen):
@@ -124,7 +125,9 @@ def test_bad_unpaired_rows_name_file_row_and_field(tmp_path, qwen):
 
 
 def _kto_batch():
-    return {**_batch(), "label": LABELS}
+    b = _batch()
+    return UnpairedBatch(prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
+                         label=LABELS, loss_mask=b.loss_mask)
 
 
 def np_step_loss(policy, ref, cfg):
@@ -143,16 +146,16 @@ def test_step_against_numpy_on_full_sequence_logps():
     loss, z0, pol, ref_lp = np_step_loss(policy, ref, cfg)
     assert z0 > 0
     state, out = make_kto_step(cfg)(_state(cfg, policy, ref), _kto_batch())
-    m = out["metrics"]
+    m = out.metrics
     np.testing.assert_allclose(m["loss"], loss, rtol=2e-5)
     np.testing.assert_allclose(m["kl"], z0, rtol=1e-4)
-    np.testing.assert_allclose(out["ref_logps"], ref_lp[:, 0], rtol=1e-5)
-    np.testing.assert_allclose(out["ref_kl_logps"], ref_lp[:, 1], rtol=1e-5)
+    np.testing.assert_allclose(out.batch.ref_logps[:, 0], ref_lp[:, 0], rtol=1e-5)
+    np.testing.assert_allclose(out.batch.ref_logps[:, 1], ref_lp[:, 1], rtol=1e-5)
     d = LABELS > 0
     np.testing.assert_allclose(m["rewards/chosen"], cfg.beta * (pol - ref_lp)[d, 0].mean(), rtol=1e-4)
     np.testing.assert_allclose(m["rewards/rejected"], cfg.beta * (pol - ref_lp)[~d, 0].mean(), rtol=1e-4)
     np.testing.assert_allclose(m["logps/rejected"], pol[~d, 0].mean(), rtol=1e-5)
-    assert int(out["health"]["first_nonfinite"]) == -1 and int(state.step) == 1
+    assert int(out.health["first_nonfinite"]) == -1 and int(state.step) == 1
 
 
 def test_policy_equal_to_reference():
@@ -160,8 +163,8 @@ def test_policy_equal_to_reference():
     cfg = KTOConfig()
     state = init_state(_copy(policy), cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
     _, out = make_kto_step(cfg)(state, _kto_batch())
-    m = out["metrics"]
-    assert bool(out["ref_is_policy"])
+    m = out.metrics
+    assert bool(out.batch.ref_is_policy)
     assert float(m["kl"]) == 0.0 and float(m["loss"]) == 0.5  # 1 - s(0) for every example
     assert float(m["rewards/chosen"]) == 0.0 and float(m["rewards/margins"]) == 0.0
 
@@ -173,8 +176,8 @@ def test_grad_accumulation_changes_nothing():
         cfg = KTOConfig(grad_accum=a, optimizer=OptimizerConfig(learning_rate=1e-3))
         res.append(make_kto_step(cfg)(_state(cfg, policy, ref), _kto_batch()))
     chex.assert_trees_all_close(res[0][0].policy, res[1][0].policy, atol=1e-6)
-    for k in res[0][1]["metrics"]:
-        np.testing.assert_allclose(res[0][1]["metrics"][k], res[1][1]["metrics"][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for k in res[0][1].metrics:
+        np.testing.assert_allclose(res[0][1].metrics[k], res[1][1].metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_reference_cache_equals_recomputed(tmp_path, qwen):
@@ -191,11 +194,11 @@ def test_reference_cache_equals_recomputed(tmp_path, qwen):
     assert status == "computed" and rc.default_cache_path(data, "unpaired").exists()
     online = KTOConfig(max_prompt_tokens=8, max_completion_tokens=4)
     _, out = make_kto_step(online)(_state(online, policy, ref), collate(online, ex, qwen.pad_token_id))
-    np.testing.assert_allclose(logps, np.stack([out["ref_logps"], out["ref_kl_logps"]], -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logps, out.batch.ref_logps, rtol=1e-5, atol=1e-5)
     _, cached = make_kto_step(cfg)(_state(cfg, policy), collate(cfg, with_reference(ex, logps), qwen.pad_token_id))
     for k in ("loss", "kl", "grad_norm"):
-        np.testing.assert_allclose(cached["metrics"][k], out["metrics"][k], rtol=1e-5, atol=1e-6)
-    with pytest.raises(KeyError, match="precompute_reference=True but the batch has no ref_logps, ref_kl_logps"):
+        np.testing.assert_allclose(cached.metrics[k], out.metrics[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(KeyError, match="precompute_reference=True but the batch has no ref_logps"):
         make_kto_step(cfg)(_state(cfg, policy), collate(cfg, ex, qwen.pad_token_id))
 
 
@@ -204,8 +207,8 @@ def test_eval_stage():
     cfg = KTOConfig(beta=0.5)
     _, out = make_kto_eval(cfg)(_state(cfg, policy, ref), _kto_batch())
     loss, z0, _, _ = np_step_loss(policy, ref, cfg)
-    np.testing.assert_allclose(out["metrics"]["loss"], loss, rtol=2e-5)
-    np.testing.assert_allclose(out["metrics"]["kl"], z0, atol=1e-6)
+    np.testing.assert_allclose(out.metrics["loss"], loss, rtol=2e-5)
+    np.testing.assert_allclose(out.metrics["kl"], z0, atol=1e-6)
 
 
 def test_evaluate_in_padded_batches_equals_one_batch():
@@ -219,6 +222,6 @@ def test_evaluate_in_padded_batches_equals_one_batch():
     whole = collate(cfg, ex, 0)
     _, out = make_kto_eval(cfg)(state, whole)
     got = evaluate(cfg, state, ex, pad_id=0, batch_size=len(ex) + 2)  # one batch with 2 padding rows
-    for k, v in out["metrics"].items():
+    for k, v in out.metrics.items():
         assert got[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
     assert make_state(KTOConfig(precompute_reference=True), _copy(policy), jax.random.key(0)).ref is None

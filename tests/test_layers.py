@@ -2,14 +2,20 @@
 
 Every ``.py`` file under ``relax/`` is parsed with ``ast`` (nothing is imported), and every import
 in it, at module level or inside a function, absolute or relative, ``import relax.x`` or
-``from relax import x``, is mapped to the relax module it loads. Four rules are checked:
+``from relax import x``, is mapped to the relax module it loads. Five rules are checked:
 
 * every relax module belongs to a layer of ``LAYERS`` (a new top-level module or package is
   added to the table on purpose);
 * an import points to the importer's own layer or a layer below it, never above;
 * the modules do not import each other in a cycle;
 * no module takes a private name (one leading underscore, not a dunder) from another: neither
-  ``from relax.x import _name`` nor ``module._name`` on a name an import bound to a relax module.
+  ``from relax.x import _name`` nor ``module._name`` on a name an import bound to a relax module;
+* the algorithm folders (the packages ``relax.algorithms.<folder>``, one per algorithm) form a
+  DAG of their own: a folder imports another only along an edge of ``ALGORITHM_EDGES``, a table
+  that is itself acyclic and lists exactly the edges the code has; the common modules directly
+  under ``relax/algorithms/`` (and its ``__init__``), which the folders share, import no folder
+  except as ``COMMON_MODULE_EDGES`` declares. A piece two algorithms share moves down into a
+  common module instead of one algorithm importing the other.
 
 Importing a package means running its ``__init__``: ``from relax.models import Transformer`` is
 an edge to ``relax.models``, and ``from relax.models.config import ModelConfig`` loads
@@ -57,6 +63,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("top", ("relax",)),  # relax/__init__.py only: it may import anything
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
+
+# Imports between algorithm folders (relax/algorithms/<folder>/): importer -> the folders it may
+# import. Everything else two algorithms share lives in a common module directly under
+# relax/algorithms/ (stages.py, pair_forward.py, reference_cache.py, ...).
+ALGORITHM_EDGES: dict[str, tuple[str, ...]] = {
+    "agent": ("grpo", "ppo"),  # the multi-turn trainer runs GRPO's and PPO's steps, configs and states
+}
+# Common modules (relax/algorithms/*.py and its __init__) that import an algorithm folder, and which
+# folders. None does today (cli.py and online.py, the likeliest to, import no folder).
+COMMON_MODULE_EDGES: dict[str, tuple[str, ...]] = {}
 
 # What ``import relax`` may load: the top level exposes these layers' packages (models, rollout,
 # text and compose from core) and nothing of training, tasks or algorithms.
@@ -350,6 +366,79 @@ def test_cycle_finder_finds_a_cycle():
     """The cycle finder on a small graph of its own (a cycle is not reported as none)."""
     succ = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert _cycles(set(succ), succ) == [(["a", "b", "c", "a"], ["a", "b", "c"]), (["e", "e"], ["e"])]
+
+
+# --------------------------------------------------------------------------------------------
+# The algorithm folders form a DAG.
+
+
+def algorithm_folder(module: str, packages: set[str]) -> str | None:
+    """The algorithm folder ``module`` belongs to (``grpo`` for ``relax.algorithms.grpo.step``);
+    None for a common module, ``relax.algorithms`` itself or a module outside it."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[:2] == ["relax", "algorithms"] and ".".join(parts[:3]) in packages:
+        return parts[2]
+    return None
+
+
+def algorithm_imports(graph: Graph) -> dict[tuple[str, str], list[str]]:
+    """``{(importer, folder): [file:line, ...]}``: every import of an algorithm folder from another
+    folder or from a common module (the importer named by its folder, or by its module for a
+    common module), type-only imports and packages loaded on the way included."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for edge in graph.edges:
+        target = algorithm_folder(edge.imported, graph.packages)
+        if target is None or not edge.importer.startswith("relax.algorithms"):
+            continue
+        source = algorithm_folder(edge.importer, graph.packages)
+        if source == target:
+            continue
+        importer = edge.importer if source is None else source  # None: a common module
+        found.setdefault((importer, target), []).append(edge.where(graph.files))
+    return found
+
+
+def test_algorithm_folders_import_only_declared_folders(graph):
+    folders = {m.split(".")[2] for m in graph.packages if algorithm_folder(m, graph.packages)}
+    assert {"grpo", "ppo", "agent", "sft", "dpo", "kto", "distill", "reward_model"} <= folders
+    declared = {(a, b) for a, bs in ALGORITHM_EDGES.items() for b in bs}
+    common = {(a, b) for a, bs in COMMON_MODULE_EDGES.items() for b in bs}
+    found = algorithm_imports(graph)
+    undeclared = {k: v for k, v in found.items() if k not in declared | common}
+    assert not undeclared, (
+        "imports of an algorithm folder from another folder or a common module that ALGORITHM_EDGES / "
+        "COMMON_MODULE_EDGES in tests/test_layers.py do not declare (move the shared piece down into a common "
+        "module under relax/algorithms/, or declare the edge on purpose):\n  "
+        + "\n  ".join(f"{a} -> {b}   " + ", ".join(sorted(set(w))) for (a, b), w in sorted(undeclared.items())))
+    unused = sorted((declared | common) - set(found))
+    assert not unused, f"declared edges the code no longer has (remove them from the tables): {unused}"
+    named = {a for a, _ in declared} | {b for _, b in declared | common}
+    assert named <= folders, f"ALGORITHM_EDGES names no such folder: {sorted(named - folders)}"
+    assert set(COMMON_MODULE_EDGES) <= set(graph.files), \
+        f"COMMON_MODULE_EDGES names no such module: {sorted(set(COMMON_MODULE_EDGES) - set(graph.files))}"
+
+
+def test_declared_algorithm_edges_are_acyclic():
+    succ = {a: set(bs) for a, bs in ALGORITHM_EDGES.items()}
+    nodes = set(succ) | {b for bs in succ.values() for b in bs}
+    cycles = _cycles(nodes, succ)
+    assert not cycles, "ALGORITHM_EDGES has a cycle: " + "; ".join(" -> ".join(c) for c, _ in cycles)
+
+
+def test_algorithm_import_finder_finds_them():
+    """The finder on a made-up graph (an undeclared edge is not reported as none): a folder
+    importing another, a common module importing a folder, a package loaded on the way."""
+    packages = {"relax", "relax.algorithms", "relax.algorithms.a", "relax.algorithms.b"}
+    files = {m: ROOT / "relax" / "x.py" for m in ("relax.algorithms.a.step", "relax.algorithms.b.loss",
+                                                   "relax.algorithms.common")}
+    edges = [Edge("relax.algorithms.a.step", "relax.algorithms.b.loss", 3, False, False),
+             Edge("relax.algorithms.a.step", "relax.algorithms.b", 3, False, True),
+             Edge("relax.algorithms.common", "relax.algorithms.a", 5, False, False),
+             Edge("relax.algorithms.b.loss", "relax.algorithms.common", 7, False, False),
+             Edge("relax.algorithms.a.step", "relax.algorithms.a", 9, False, False)]
+    found = algorithm_imports(Graph(files, packages, edges, []))
+    assert sorted(found) == [("a", "b"), ("relax.algorithms.common", "a")]
+    assert len(found[("a", "b")]) == 2
 
 
 # --------------------------------------------------------------------------------------------

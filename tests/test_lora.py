@@ -3,6 +3,7 @@ frozen base, the free reference, the sampler, merge/export, PEFT files and check
 
 import dataclasses
 import json
+from pathlib import Path
 
 import chex
 import equinox as eqx
@@ -29,6 +30,7 @@ from test_hf import random_model
 CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 IDS = jnp.asarray(np.random.default_rng(0).integers(1, 32, (2, 7)), jnp.int32)
+PHI3 = dataclasses.replace(CFG, family="phi3")  # q/k/v and gate/up fused in its checkpoints
 
 
 def randomized(model, seed=1, std=0.1):
@@ -191,6 +193,34 @@ def test_peft_files_round_trip_and_bad_configs_are_named(base, tmp_path):
         load_adapter(random_model(other), tmp_path / "b")
 
 
+def test_fused_modules_have_no_peft_form(tmp_path):
+    """Phi-3's q/k/v (one qkv_proj) and gate/up (one gate_up_proj): PEFT adapts each fused module
+    with one lora_A, relax each part with its own, so such adapters are refused both ways, naming
+    the modules; its unfused modules (o_proj, down_proj) save and load as any family's."""
+    base = random_model(PHI3)
+    policy = randomized(add_lora(base, LoRAConfig(rank=2), jax.random.key(3)))
+    with pytest.raises(ValueError, match=r"phi3 stores \['q_proj', 'k_proj', 'v_proj'\] as one self_attn\.qkv_proj, "
+                                         r"\['gate_proj', 'up_proj'\] as one mlp\.gate_up_proj.*no PEFT form.*"
+                                         r"merge_lora.*\['down_proj', 'o_proj'\]"):
+        save_adapter(policy, tmp_path / "all")
+    assert not (tmp_path / "all").exists()
+    for targets, fused in ((("up_proj", "o_proj"), "gate_up_proj"), (("v_proj",), "qkv_proj")):
+        with pytest.raises(ValueError, match=fused):
+            save_adapter(add_lora(base, LoRAConfig(rank=2, target_modules=targets), jax.random.key(3)), tmp_path / "x")
+    ok = randomized(add_lora(base, LoRAConfig(rank=2, alpha=4.0, target_modules=("o_proj", "down_proj")),
+                             jax.random.key(4)))
+    save_adapter(ok, tmp_path / "ok")
+    assert sorted(json.loads((tmp_path / "ok" / "adapter_config.json").read_text())["target_modules"]) == [
+        "down_proj", "o_proj"]
+    chex.assert_trees_all_equal(load_adapter(base, tmp_path / "ok"), ok)
+    # an adapter on PEFT's fused module, or on a part of one, is refused when loaded onto Phi-3
+    config = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    for targets in (["qkv_proj", "o_proj"], ["q_proj"], "all-linear"):
+        (tmp_path / "ok" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": targets}))
+        with pytest.raises(HFFormatError, match=r"adapter_config\.json: phi3 stores .* no PEFT form"):
+            load_adapter(base, tmp_path / "ok")
+
+
 def test_checkpoint_holds_adapters_only_and_checks_the_base(tmp_path):
     big = dataclasses.replace(CFG, vocab_size=512, hidden_size=128, num_heads=4, head_dim=32, intermediate_size=256)
     base = random_model(big)  # weights (1.8 MB) large against orbax's per-leaf metadata
@@ -253,6 +283,49 @@ def test_peft_reads_relax_adapters_and_relax_reads_peft_adapters(base, tmp_path,
     assert not np.allclose(np.asarray(base(IDS)), want, atol=1e-3)
 
 
+@pytest.mark.parity
+def test_phi3_lora_against_transformers_and_peft(tmp_path):
+    """A LoRA on every Phi-3 weight, merged into the fused checkpoint, is the model transformers
+    loads; adapters on its unfused modules go to peft and back with the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    base = random_model(PHI3)
+    save_pretrained(base, tmp_path / "base")
+    hf = lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)  # noqa: E731
+    ids = torch.tensor(np.asarray(IDS), dtype=torch.long)
+
+    policy = randomized(add_lora(base, LoRAConfig(rank=3, alpha=6.0), jax.random.key(11)))
+    save_pretrained(merge_lora(policy), tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(policy(IDS)), merged(ids).logits.numpy(), atol=2e-4)
+
+    partial = randomized(add_lora(base, LoRAConfig(rank=4, alpha=8.0, target_modules=("o_proj", "down_proj")),
+                                  jax.random.key(12)))
+    save_adapter(partial, tmp_path / "ours")
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf(), tmp_path / "ours").eval()(ids).logits.numpy()
+    np.testing.assert_allclose(np.asarray(partial(IDS)), theirs, atol=2e-4)
+    assert not np.allclose(np.asarray(base(IDS)), theirs, atol=1e-3)
+
+    for targets in (["o_proj", "down_proj"], ["qkv_proj"]):  # peft -> relax; the fused one is refused
+        model = peft.get_peft_model(hf(), peft.LoraConfig(r=2, lora_alpha=3.0, target_modules=targets,
+                                                          task_type="CAUSAL_LM"))
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+        model.save_pretrained(tmp_path / targets[0])
+        if targets == ["qkv_proj"]:
+            with pytest.raises(HFFormatError, match=r"self_attn\.qkv_proj.*lora_A shared"):
+                load_adapter(base, tmp_path / targets[0])
+            continue
+        with torch.no_grad():
+            want = model.eval()(ids).logits.numpy()
+        np.testing.assert_allclose(np.asarray(load_adapter(base, tmp_path / targets[0])(IDS)), want, atol=2e-4)
+
+
 def test_k_adapters_in_one_program_equal_k_separate_runs(base):
     from relax.train.many import adapter, init_many, stack_adapters, vmap_over_adapters, with_learning_rate_scale
     from relax.train.update import make_update
@@ -313,3 +386,24 @@ def test_float32_adapters_over_a_bfloat16_base_keep_small_updates(base):
     moved = lambda w, a0: float(jnp.mean(w.a != a0))  # noqa: E731
     assert moved(w32, f32.layers.lora.wq.a) > 0.9
     assert moved(w16, same.layers.lora.wq.a) < 0.2
+
+
+def test_run_export_of_fused_adapters_writes_the_merged_model_and_warns(tmp_path):
+    """A run's export (``relax.algorithms.online.exporter``) of a Phi-3 policy with adapters on its
+    fused tensors: the merged model (what transformers loads) is written, the PEFT adapter is not,
+    and a warning says why; with adapters only on unfused modules both are written."""
+    from relax.algorithms.online import exporter
+    from relax.models.hf import load_pretrained
+
+    class NoTokenizer:
+        def save_pretrained(self, directory):
+            (Path(directory) / "tokenizer_saved").write_text("")
+
+    policy = randomized(add_lora(random_model(PHI3), LoRAConfig(rank=2), jax.random.key(3)))
+    with pytest.warns(UserWarning, match=r"adapters alone are not: phi3 stores .*qkv_proj"):
+        exporter(NoTokenizer())(policy, tmp_path / "fused")
+    assert not (tmp_path / "fused" / "adapter").exists()
+    chex.assert_trees_all_close(load_pretrained(tmp_path / "fused"), merge_lora(policy), atol=1e-6)
+    ok = randomized(add_lora(random_model(PHI3), LoRAConfig(rank=2, target_modules=("o_proj",)), jax.random.key(4)))
+    exporter(NoTokenizer())(ok, tmp_path / "ok")
+    assert (tmp_path / "ok" / "adapter" / "adapter_config.json").exists()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from relax.metrics import Metric
-from relax.objectives.registry import POLICY_LOSSES, PolicyLoss, policy_loss
+from relax.objectives.registry import POLICY_LOSSES, PolicyLoss, as_policy_loss, loss_name, policy_loss
 
 N, T = 5, 7
 
@@ -77,14 +77,11 @@ def reference(name, cfg, logp, old, adv, mask):
     """(per-token loss, d loss / d logp) of registry loss ``name`` with config ``cfg``."""
     a = _adv(adv, logp.shape)
     r = np.exp(_log_ratio(logp, old, mask))
-    if name == "ppo":
-        return clipped_surrogate(logp, old, adv, mask, cfg.epsilon, cfg.epsilon, c=cfg.clip_ratio_c)
-    if name == "grpo":
-        return clipped_surrogate(logp, old, adv, mask, cfg.epsilon, cfg.epsilon, delta=cfg.delta)
-    if name == "dapo":
-        return clipped_surrogate(logp, old, adv, mask, cfg.epsilon_low, cfg.epsilon_high)
-    if name == "gspo":  # token form: the value is the sequence ratio's, the gradient is d/d logp_t of s_i
-        return clipped_surrogate(logp, old, adv, mask, cfg.epsilon_low, cfg.epsilon_high, sequence=True)
+    if name in ("ppo", "grpo", "dapo", "gspo"):  # one clipped loss; the four differ in their defaults only
+        # sequence importance in GSPO's token form: the value is the sequence ratio's, the gradient
+        # d/d logp_t of s_i
+        return clipped_surrogate(logp, old, adv, mask, cfg.epsilon_low, cfg.epsilon_high, delta=cfg.delta,
+                                 c=cfg.clip_ratio_c, sequence=cfg.importance == "sequence")
     if name == "cispo":
         w = np.clip(r, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
         return np.where(mask, -w * a * logp, 0.0), np.where(mask, -w * a, 0.0)
@@ -104,10 +101,20 @@ def reference(name, cfg, logp, old, adv, mask):
 
 # Each name with its defaults and with every option moved (the options reach the loss).
 CASES = [(name, {}) for name in POLICY_LOSSES] + [
-    ("ppo", {"epsilon": 0.1, "clip_ratio_c": 1.6}),
-    ("grpo", {"epsilon": 0.15, "delta": 1.3}),
+    ("ppo", {"epsilon_low": 0.1, "epsilon_high": 0.1, "clip_ratio_c": 1.6}),
+    ("ppo", {"epsilon_low": 0.1, "epsilon_high": 0.3, "clip_ratio_c": 1.6}),  # asymmetric clip + dual-clip
+    ("ppo", {"epsilon_low": 0.15, "epsilon_high": 0.25, "delta": 1.3}),  # TRL's two-sided cap on PPO
+    ("ppo", {"epsilon_low": 0.05, "epsilon_high": 0.02, "importance": "sequence", "clip_ratio_c": 1.01}),
+    ("grpo", {"epsilon_low": 0.15, "epsilon_high": 0.15, "delta": 1.3}),
+    # a cap below 1 + epsilon_high binds for A > 0, the dual-clip for A < 0
+    ("grpo", {"epsilon_low": 0.1, "epsilon_high": 0.3, "delta": 1.2, "clip_ratio_c": 1.25}),
+    ("grpo", {"importance": "sequence", "epsilon_low": 0.05, "epsilon_high": 0.1, "delta": 1.05}),
     ("dapo", {"epsilon_low": 0.1, "epsilon_high": 0.4}),
-    ("gspo", {"epsilon_low": 0.05, "epsilon_high": 0.08}),
+    ("dapo", {"clip_ratio_c": 1.25, "delta": 1.2}),
+    ("dapo", {"importance": "sequence"}),
+    ("gspo", {"epsilon_low": 0.05, "epsilon_high": 0.02}),
+    ("gspo", {"importance": "token", "epsilon_low": 0.1, "epsilon_high": 0.2}),
+    ("gspo", {"epsilon_low": 0.05, "epsilon_high": 0.08, "clip_ratio_c": 1.05, "delta": 1.02}),
     ("cispo", {"epsilon_low": 0.3, "epsilon_high": 0.2}),
     ("importance_sampling", {"cap": 1.3}),
     ("importance_sampling", {"cap": None}),
@@ -144,12 +151,28 @@ def test_values_and_gradients_match_numpy(name, over, per_sequence_adv):
     if "ratio_min" in metrics:  # declared reductions survive the registry
         assert isinstance(metrics["ratio_min"], Metric) and metrics["ratio_min"].reduction == "min"
         assert isinstance(metrics["ratio_max"], Metric) and metrics["ratio_max"].reduction == "max"
-        r = np.exp(_log_ratio(logp, old, mask, name == "gspo"))[mask]
+        r = np.exp(_log_ratio(logp, old, mask, getattr(loss.config, "importance", "token") == "sequence"))[mask]
         np.testing.assert_allclose(float(metrics["ratio_min"]), r.min(), rtol=1e-5)
         np.testing.assert_allclose(float(metrics["ratio_max"]), r.max(), rtol=1e-5)
 
 
+def test_every_moved_option_binds_in_its_case():
+    """Each option a case moves changes the loss on that case's batches (one advantage layout or
+    the other): the numpy comparison above is not vacuous for it (e.g. a dual-clip bound that no
+    token reaches, or a cap hidden by a lower dual-clip)."""
+    for name, over in CASES:
+        batches = [make_batch(_seed(name, over), per_sequence_adv) for per_sequence_adv in (False, True)]
+        args = [([jnp.asarray(x, jnp.float32) for x in b[:3]], b[3]) for b in batches]
+        full = [np.asarray(policy_loss(name, **over)(*a, m)[0]) for a, m in args]
+        for option in over:
+            without = policy_loss(name, **{k: v for k, v in over.items() if k != option})
+            assert any(not np.array_equal(np.asarray(without(*a, m)[0]), f) for (a, m), f in zip(args, full)), \
+                f"{case_id((name, over))}: {option} changes nothing"
+
+
 @pytest.mark.parametrize("name,over", [("ppo", {}), ("ppo", {"clip_ratio_c": 1.6}), ("grpo", {"delta": 1.3}),
+                                       ("ppo", {"epsilon_low": 0.1, "epsilon_high": 0.3, "clip_ratio_c": 1.6}),
+                                       ("dapo", {"delta": 1.4, "clip_ratio_c": 1.5}),
                                        ("dapo", {}), ("importance_sampling", {}), ("conservative_ppo", {}),
                                        ("conservative_ppo", {"kl_estimator": "k2", "kl_threshold": 0.01})])
 def test_gradients_match_finite_differences(name, over):
@@ -237,10 +260,12 @@ def test_padding_with_nonfinite_values_is_harmless(name):
 
 def test_default_configs():
     expect = {
-        "ppo": {"epsilon": 0.2, "clip_ratio_c": None},
-        "grpo": {"epsilon": 0.2, "delta": None},
-        "dapo": {"epsilon_low": 0.2, "epsilon_high": 0.28},
-        "gspo": {"epsilon_low": 3e-4, "epsilon_high": 4e-4},
+        "ppo": {"epsilon_low": 0.2, "epsilon_high": 0.2, "clip_ratio_c": None, "delta": None, "importance": "token"},
+        "grpo": {"epsilon_low": 0.2, "epsilon_high": 0.2, "clip_ratio_c": None, "delta": None, "importance": "token"},
+        "dapo": {"epsilon_low": 0.2, "epsilon_high": 0.28, "clip_ratio_c": None, "delta": None,
+                 "importance": "token"},
+        "gspo": {"epsilon_low": 3e-4, "epsilon_high": 4e-4, "clip_ratio_c": None, "delta": None,
+                 "importance": "sequence"},
         "cispo": {"epsilon_low": 1.0, "epsilon_high": 4.0},
         "reinforce": {},
         "importance_sampling": {"cap": 2.0},
@@ -249,7 +274,7 @@ def test_default_configs():
     assert set(POLICY_LOSSES) == set(expect)
     for name, fields in expect.items():
         loss = policy_loss(name)
-        assert loss.name == name and isinstance(loss.config, POLICY_LOSSES[name])
+        assert loss.name == name and type(loss.config) is POLICY_LOSSES[name]
         assert dataclasses.asdict(loss.config) == fields, name
 
 
@@ -267,15 +292,25 @@ def test_policy_loss_objects():
     np.testing.assert_allclose(f(loss, logp, old, adv, mask), call(loss, logp, old, adv, mask)[0], rtol=1e-6)
     with pytest.raises(TypeError, match="DAPOLossConfig"):
         PolicyLoss("dapo", POLICY_LOSSES["ppo"]())
+    # the clipped losses' configs share their fields, but each name takes its own class only
+    with pytest.raises(TypeError, match="policy loss 'ppo' takes a PPOLossConfig, got DAPOLossConfig"):
+        PolicyLoss("ppo", POLICY_LOSSES["dapo"]())
+    assert as_policy_loss(POLICY_LOSSES["gspo"](epsilon_high=0.01)) == policy_loss("gspo", epsilon_high=0.01)
+    assert [loss_name(POLICY_LOSSES[n]()) for n in POLICY_LOSSES] == list(POLICY_LOSSES)
+    with pytest.raises(TypeError, match="dict is not a policy loss config"):
+        loss_name({"epsilon_low": 0.2})
 
 
 def test_errors_name_the_valid_choices():
     with pytest.raises(ValueError, match="unknown policy loss 'ppo2'; valid: ppo, grpo, dapo, gspo, cispo, "
                                          "reinforce, importance_sampling, conservative_ppo"):
         policy_loss("ppo2")
-    with pytest.raises(ValueError, match="policy loss 'ppo' has no option 'epsilon_high'; "
-                                         "valid: epsilon, clip_ratio_c"):
-        policy_loss("ppo", epsilon_high=0.3)
+    with pytest.raises(ValueError, match="policy loss 'ppo' has no option 'epsilon'; "
+                                         "valid: epsilon_low, epsilon_high, clip_ratio_c, delta, importance"):
+        policy_loss("ppo", epsilon=0.3)
+    with pytest.raises(ValueError, match="policy loss 'conservative_ppo' has no option 'epsilon_high'; "
+                                         "valid: epsilon, kl_threshold"):
+        policy_loss("conservative_ppo", epsilon_high=0.3)
     with pytest.raises(ValueError, match="'reinforce' has no option 'epsilon'; valid: none"):
         policy_loss("reinforce", epsilon=0.2)
     with pytest.raises(ValueError, match="no option 'beta', 'kl_coef'; "
@@ -285,9 +320,109 @@ def test_errors_name_the_valid_choices():
         PolicyLoss("nope", None)
     for name, over, msg in [("ppo", {"clip_ratio_c": 0.9}, "clip_ratio_c must be > 1"),
                             ("grpo", {"delta": 1.0}, "delta must be > 1"),
+                            ("ppo", {"delta": 0.5}, "delta must be > 1"),
                             ("dapo", {"epsilon_low": 1.5}, "epsilon_low must be in"),
+                            ("ppo", {"epsilon_high": -0.1}, "epsilon_high must be >= 0"),
+                            ("gspo", {"importance": "batch"}, "unknown importance 'batch'; valid: token, sequence"),
+                            ("dapo", {"clip_ratio_c": 1.0}, "clip_ratio_c must be > 1"),
                             ("importance_sampling", {"cap": 0.0}, "cap must be > 0"),
                             ("conservative_ppo", {"kl_estimator": "k9"}, "unknown KL estimator 'k9'; valid: k1"),
                             ("conservative_ppo", {"coef": -1.0}, "coef must be >= 0")]:
         with pytest.raises(ValueError, match=msg):
             policy_loss(name, **over)
+
+
+# ------------------------------------------------------------- the command line (relax.algorithms.cli)
+
+
+def test_loss_flags_translate_the_command_line():
+    import warnings
+
+    from relax.algorithms.cli import loss_flags
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current flags translate without a warning
+        assert loss_flags(["--grpo.policy-loss", "cispo", "--steps", "2"]) == ["grpo.policy-loss:cispo", "--steps", "2"]
+        assert loss_flags(["--grpo.policy-loss=dapo"]) == ["grpo.policy-loss:dapo"]
+        assert loss_flags(["--ppo.policy-loss", "conservative-ppo"]) == ["ppo.policy-loss:conservative_ppo"]
+        assert loss_flags(["--grpo.policy-loss.epsilon-high", "0.3", "--grpo.beta=0.04"]) == [
+            "--grpo.policy-loss.epsilon-high", "0.3", "--grpo.beta=0.04"]
+        # the loss's name goes first, whatever its place: its options apply to it
+        assert loss_flags(["--grpo.policy-loss.epsilon-high", "0.3", "--grpo.policy-loss", "dapo"]) == [
+            "grpo.policy-loss:dapo", "--grpo.policy-loss.epsilon-high", "0.3"]
+    with pytest.warns(FutureWarning, match=r"--grpo.epsilon-high is now --grpo.policy-loss.epsilon-high"):
+        assert loss_flags(["--grpo.epsilon-high", "0.3"]) == ["--grpo.policy-loss.epsilon-high", "0.3"]
+    with pytest.warns(FutureWarning, match=r"--grpo.importance-sampling-level is now --grpo.policy-loss.importance"):
+        assert loss_flags(["--grpo.importance-sampling-level=sequence"]) == ["--grpo.policy-loss.importance=sequence"]
+    for old in ("epsilon-low", "delta", "clip-ratio-c"):
+        with pytest.warns(FutureWarning, match=f"--grpo.policy-loss.{old}"):
+            assert loss_flags([f"--grpo.{old}", "1.5"]) == [f"--grpo.policy-loss.{old}", "1.5"]
+    for argv in (["--ppo.policy-loss-args", "kl_threshold=0.02"], ["--ppo.policy-loss-args=epsilon=0.1"]):
+        with pytest.raises(SystemExit, match=r"--ppo.policy-loss-args was replaced by typed options: "
+                                             r"--ppo.policy-loss NAME --ppo.policy-loss.FIELD VALUE"):
+            loss_flags(argv)
+
+
+def _parse(algorithm, argv):
+    """The algorithm config of ``argv`` parsed as examples/train_<algorithm>.py parses it."""
+    from relax.algorithms.cli import flag_value, parse_flags
+    from relax.algorithms.grpo import run as grpo_run
+    from relax.algorithms.ppo import run as ppo_run
+
+    if algorithm == "grpo":
+        name = flag_value(argv, "--preset", "grpo")
+        return parse_flags(grpo_run.GRPORunConfig, argv, builtin=lambda: grpo_run.builtin_defaults(name),
+                           real=lambda: grpo_run.real_defaults(name)).grpo
+    return parse_flags(ppo_run.PPORunConfig, argv, builtin=ppo_run.builtin_defaults, real=ppo_run.real_defaults).ppo
+
+
+def test_command_line_gives_the_typed_loss_config():
+    from relax.objectives.registry import (CISPOLossConfig, ConservativePPOLossConfig, DAPOLossConfig,
+                                           GSPOLossConfig, PPOLossConfig)
+
+    def same(got, want):  # equal and of the very class: DAPOLossConfig is a PPOLossConfig subclass
+        assert got == want and type(got) is type(want), (got, want)
+
+    same(_parse("grpo", []).policy_loss, PPOLossConfig())
+    g = _parse("grpo", ["--grpo.policy-loss", "dapo", "--grpo.policy-loss.epsilon-high", "0.3",
+                        "--grpo.temperature", "0.7", "--grpo.train-attention", "dense"])
+    same(g.policy_loss, DAPOLossConfig(epsilon_high=0.3))
+    assert g.policy_loss.epsilon_low == 0.2  # the loss's own default
+    assert g.generation.temperature == 0.7 and g.forward.train_attention == "dense"  # flat flags still read
+    same(_parse("grpo", ["--grpo.policy-loss=cispo", "--grpo.policy-loss.epsilon-low", "0.5"]).policy_loss,
+         CISPOLossConfig(epsilon_low=0.5))
+    same(_parse("grpo", ["--grpo.policy-loss.epsilon-high", "0.3", "--steps", "2", "--grpo.policy-loss", "dapo"]
+                ).policy_loss, DAPOLossConfig(epsilon_high=0.3))  # an option before its loss's name
+    same(_parse("grpo", ["--grpo.policy-loss", "gspo", "--grpo.policy-loss.importance", "token"]).policy_loss,
+         GSPOLossConfig(importance="token"))
+    same(_parse("grpo", ["--preset", "gspo"]).policy_loss, GSPOLossConfig())
+    with pytest.warns(FutureWarning, match="--grpo.policy-loss.epsilon-high"):  # a preset keeps its loss
+        same(_parse("grpo", ["--preset", "dapo", "--grpo.epsilon-high", "0.35"]).policy_loss,
+             DAPOLossConfig(epsilon_high=0.35))
+    with pytest.warns(FutureWarning) as record:
+        same(_parse("grpo", ["--grpo.epsilon-high", "0.3", "--grpo.clip-ratio-c", "3",
+                             "--grpo.importance-sampling-level", "sequence"]).policy_loss,
+             PPOLossConfig(epsilon_high=0.3, clip_ratio_c=3.0, importance="sequence"))
+    assert sorted(str(w.message).split()[3] for w in record) == [
+        "--grpo.policy-loss.clip-ratio-c", "--grpo.policy-loss.epsilon-high", "--grpo.policy-loss.importance"]
+
+    same(_parse("ppo", []).policy_loss, PPOLossConfig())
+    same(_parse("ppo", ["--ppo.policy-loss.epsilon-low", "0.1", "--ppo.policy-loss.epsilon-high", "0.3",
+                        "--ppo.policy-loss.clip-ratio-c", "3"]).policy_loss,
+         PPOLossConfig(epsilon_low=0.1, epsilon_high=0.3, clip_ratio_c=3.0))
+    p = _parse("ppo", ["--ppo.policy-loss", "conservative_ppo", "--ppo.policy-loss.kl-threshold", "0.05",
+                       "--ppo.policy-loss.kl-estimator", "k2", "--ppo.num-generations", "2"])
+    same(p.policy_loss, ConservativePPOLossConfig(kl_threshold=0.05, kl_estimator="k2"))
+    assert p.generation.num_generations == 2
+    with pytest.raises(SystemExit, match="--ppo.policy-loss.FIELD"):
+        _parse("ppo", ["--ppo.policy-loss-args", "kl_threshold=0.02"])
+
+
+def test_command_line_refuses_an_option_the_chosen_loss_lacks(capsys):
+    for algorithm, argv in (("grpo", ["--grpo.policy-loss", "cispo", "--grpo.policy-loss.delta", "1.5"]),
+                            ("ppo", ["--ppo.policy-loss", "reinforce", "--ppo.policy-loss.epsilon-high", "0.3"]),
+                            ("grpo", ["--grpo.policy-loss", "ppo2"])):
+        with pytest.raises(SystemExit):
+            _parse(algorithm, argv)
+    err = capsys.readouterr().err
+    assert "policy-loss.delta" in err and "ppo2" in err

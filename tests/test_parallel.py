@@ -62,10 +62,11 @@ def global_batch():
 
 
 def local_batch(rows: slice = slice(None)):
+    from relax.algorithms.batch import step_input
+
     ids, mask = global_batch()
     weights = [1.0 + i / 8 for i in range(PROMPTS)]
-    return {"prompt_ids": ids[rows], "prompt_mask": mask[rows], "prompts": [f"p{i}" for i in range(PROMPTS)][rows],
-            "fields": {"weight": weights[rows]}}
+    return step_input(ids[rows], mask[rows], [f"p{i}" for i in range(PROMPTS)][rows], {"weight": weights[rows]})
 
 
 def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(None), master_weights=False,
@@ -112,8 +113,8 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     for i in range(iterations):
         before = len(compiles)
         state, batch = step(state, local_batch(rows))
-        out["metrics"].append({k: float(v) for k, v in batch["metrics"].items()})
-        out["tokens"].append(distributed.to_local(batch["tokens"]).tolist())
+        out["metrics"].append({k: float(v) for k, v in batch.device.metrics.items()})
+        out["tokens"].append(distributed.to_local(batch.device.batch.tokens).tolist())
         if jax.process_count() == 1:  # a few weights after every iteration
             out["weights"].append({name: np.asarray(x, np.float32).tolist()
                                    for name, x in (("wq", state.policy.layers.wq), ("embed", state.policy.embed))})
@@ -503,6 +504,8 @@ if __name__ != "__main__":
             assert not parallel.ShardedStep(step, no_ref, mesh, offload_reference=True).offload
 
     def test_remat_gives_the_same_loss_and_gradients():
+        from relax.algorithms.batch import LossRows
+        from relax.algorithms.configure import configure
         from relax.algorithms.grpo.config import GRPOConfig
         from relax.algorithms.grpo.loss import make_loss
         from relax.train.update import LossContext
@@ -511,14 +514,16 @@ if __name__ != "__main__":
         p, g, n = 2, 3, 4
         ids, pm = global_batch()
         mask = jnp.ones((p, g, n), jnp.int32).at[0, 1, 2:].set(0)
-        mb = {"prompt_ids": jnp.asarray(ids[:p]), "prompt_mask": jnp.asarray(pm[:p]),
-              "tokens": jax.random.randint(k[0], (p, g, n), 0, 16), "mask": mask, "loss_mask": mask,
-              "old_logprobs": -2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
-              "advantages": jax.random.normal(k[2], (p, g))}
+        mb = LossRows(prompt_ids=jnp.asarray(ids[:p]), prompt_mask=jnp.asarray(pm[:p]),
+                      tokens=jax.random.randint(k[0], (p, g, n), 0, 16), mask=mask, loss_mask=mask,
+                      old_logprobs=-2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
+                      advantages=jax.random.normal(k[2], (p, g)))
         norms = LossContext({"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}, jnp.bool_(False))
         out, jaxprs = {}, {}
         for remat, policy in ((False, "nothing"), (True, "nothing"), (True, "dots")):
-            loss_fn = make_loss(GRPOConfig(num_generations=g, max_new_tokens=n, remat=remat, remat_policy=policy))
+            cfg = configure(GRPOConfig, num_generations=g, max_new_tokens=n, remat=remat, remat_policy=policy)
+            assert cfg.forward.remat == remat and cfg.forward.remat_policy == policy
+            loss_fn = make_loss(cfg)
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             jaxprs[remat, policy] = jaxpr = str(jax.make_jaxpr(grad_fn)(model, mb, norms))
             out[f"remats{remat}"] = jaxpr.count("checkpoint[") + jaxpr.count("remat")

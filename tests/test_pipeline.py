@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from relax.algorithms.batch import step_input
+from relax.algorithms.configure import configure
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.ppo.config import PPOConfig
@@ -59,7 +61,7 @@ class Batches:
     def __next__(self):
         ids, pm = self.sets[self.position % len(self.sets)]
         self.position += 1
-        return {"prompt_ids": ids, "prompt_mask": pm, "prompts": ["p"] * 2, "fields": {"weight": [1.0, 2.0]}}
+        return step_input(ids, pm, ["p"] * 2, {"weight": [1.0, 2.0]})
 
     def get_state(self):
         return {"position": self.position}
@@ -79,7 +81,8 @@ def _setup(async_cfg: AsyncConfig, **overrides):
 
 
 def _pipelined(async_cfg: AsyncConfig, steps: int, setup=None, **overrides):
-    """(states after each update (copies), batches each update consumed) of a pipelined run."""
+    """(states after each update (copies), the steps' outputs: ``WithHost(Updated, HostRecord)``,
+    one per update) of a pipelined run."""
     _, state, step = (_setup if setup is None else setup)(async_cfg, **overrides)
     pipeline = Pipeline(step.segments, async_cfg, Batches(), lambda b: b)
     states, batches = [jax.tree.map(jnp.copy, state)], []
@@ -102,8 +105,8 @@ def test_staleness_zero_is_the_synchronous_step_bit_for_bit():
     for k in range(3):
         state, out = step(state, next(data))
         _assert_same(state, states[k + 1])
-        np.testing.assert_array_equal(out["tokens"], batches[k]["tokens"])
-    assert [int(np.max(b["policy_version"])) for b in batches] == [0, 1, 2]
+        np.testing.assert_array_equal(out.device.batch.tokens, batches[k].device.batch.tokens)
+    assert [int(np.max(b.device.batch.policy_version)) for b in batches] == [0, 1, 2]
 
 
 def test_staleness_one_samples_ahead_and_weights_by_the_stored_log_prob_difference():
@@ -112,7 +115,7 @@ def test_staleness_one_samples_ahead_and_weights_by_the_stored_log_prob_differen
 
 
 def _ppo_setup(async_cfg: AsyncConfig, **overrides):
-    cfg = PPOConfig(num_generations=4, max_new_tokens=5, kl_coef=0.05, num_iterations=2,
+    cfg = configure(PPOConfig, num_generations=4, max_new_tokens=5, kl_coef=0.05, num_iterations=2,
                     optimizer=OptimizerConfig(learning_rate=3e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
     policy = init(CFG, jax.random.key(0), std=0.3)
     state = init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True,
@@ -128,25 +131,26 @@ def test_ppo_pipelined_with_a_proximal_pass():
                                  setup=_ppo_setup)
     _check_versions_and_weights(states, batches)
     # the KL in the reward is the behaviour policy's: batch 1 was sampled by version 0, the reference itself
-    assert float(batches[1]["metrics"]["kl"]) < 1e-6 < float(batches[2]["metrics"]["kl"])
+    assert float(batches[1].device.metrics["kl"]) < 1e-6 < float(batches[2].device.metrics["kl"])
 
 
 def _check_versions_and_weights(states, batches):
-    assert [int(np.max(b["policy_version"])) for b in batches] == [0, 0, 1]  # v(i) = max(0, i - 1)
-    for k, batch in enumerate(batches):
-        version = int(batch["policy_version"][0, 0])
-        m = np.asarray(batch["loss_mask"]) > 0
+    assert [int(np.max(b.device.batch.policy_version)) for b in batches] == [0, 0, 1]  # v(i) = max(0, i - 1)
+    for k, out in enumerate(batches):
+        batch = out.device.batch
+        version = int(batch.policy_version[0, 0])
+        m = np.asarray(batch.loss_mask) > 0
 
         def logprobs(policy):
-            return np.asarray(completion_logprobs(policy, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
-                                                  batch["mask"], temperature=1.0))
+            return np.asarray(completion_logprobs(policy, batch.prompt_ids, batch.prompt_mask, batch.tokens,
+                                                  batch.mask, temperature=1.0))
 
         # the samples are the sampler's of the version they record, not of the policy that updates on them
-        np.testing.assert_allclose(logprobs(states[version].policy)[m], np.asarray(batch["old_logprobs"])[m],
+        np.testing.assert_allclose(logprobs(states[version].policy)[m], np.asarray(batch.old_logprobs)[m],
                                    atol=1e-4)
         # the correction's weights are exp(proximal - behaviour): proximal = the weights the update started from
-        rho = np.exp(logprobs(states[k].policy) - np.asarray(batch["old_logprobs"]))[m]
-        metrics = batch["metrics"]
+        rho = np.exp(logprobs(states[k].policy) - np.asarray(batch.old_logprobs))[m]
+        metrics = out.device.metrics
         np.testing.assert_allclose([metrics["is_weight_mean"], metrics["is_weight_min"], metrics["is_weight_max"]],
                                    [rho.mean(), rho.min(), rho.max()], rtol=2e-4)
         stale = k > version  # batches 1 and 2: sampled one version before the update
@@ -160,7 +164,7 @@ def test_pipelined_runs_are_reproducible_bit_for_bit():
     for x, y in zip(a, b):
         _assert_same(x, y)
     assert not np.array_equal(np.asarray(a[0].policy.layers.wq), np.asarray(a[-1].policy.layers.wq))
-    lags = [k - int(b_["policy_version"][0, 0]) for k, b_ in enumerate(batches)]
+    lags = [k - int(b_.device.batch.policy_version[0, 0]) for k, b_ in enumerate(batches)]
     assert max(lags) <= 2 and lags == [k - async_cfg.version(k) for k in range(4)]
 
 

@@ -239,7 +239,7 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
         return Plan("grpo", targets.Target.parse("v5e:2x2"), run, None, (m,), (None,), 0.0)
 
     def fake_plan_run(algorithm, run, model, target, **_):
-        peak = 24 * gib - (6 * gib if run.grpo.remat else 0) - (3 * gib if run.parallel.offload_reference else 0)
+        peak = 24 * gib - (6 * gib if run.grpo.forward.remat else 0) - (3 * gib if run.parallel.offload_reference else 0)
         return fake_plan(peak, run)
 
     monkeypatch.setattr(suggest_lib, "plan_run", fake_plan_run)

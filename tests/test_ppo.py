@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from relax.algorithms.batch import step_input
+from relax.algorithms.configure import configure
+from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import (_value_terms, make_actor_loss, make_joint_loss, make_ppo_step,
                                       token_rewards)
@@ -75,7 +78,7 @@ def test_vineppo_step_advantages_hand_values():
 
 def _batch(p=4, lp=3):
     ids = jax.random.randint(jax.random.key(9), (p, lp), 1, CFG.vocab_size)
-    return {"prompt_ids": ids, "prompt_mask": jnp.ones_like(ids), "prompts": ["x"] * p, "fields": {"weight": [1.0] * p}}
+    return step_input(ids, jnp.ones_like(ids), ["x"] * p, {"weight": [1.0] * p})
 
 
 def _state(cfg: PPOConfig, seed=0):
@@ -88,13 +91,13 @@ def _state(cfg: PPOConfig, seed=0):
 
 
 def test_ppo_step_trains_policy_and_critic():
-    cfg = PPOConfig(num_generations=4, max_new_tokens=5, kl_coef=0.05, num_minibatches=2,
+    cfg = configure(PPOConfig, num_generations=4, max_new_tokens=5, kl_coef=0.05, num_minibatches=2,
                     optimizer=OptimizerConfig(learning_rate=1e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
     state = _state(cfg)
     head0, wq0 = np.asarray(state.critic.head), np.asarray(state.policy.layers.wq)
     step = make_ppo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
-    state, batch = step(state, _batch())
-    m = {k: float(v) for k, v in batch["metrics"].items()}
+    state, out = step(state, _batch())
+    m = {k: float(v) for k, v in out.device.metrics.items()}
     assert all(np.isfinite(v) for v in m.values()), m
     assert {"critic/vf_clipfrac", "critic/vf_mse", "critic/loss", "explained_variance", "clip_frac_low", "approx_kl",
             "kl", "non_score_reward", "returns_mean"} <= set(m)
@@ -103,31 +106,32 @@ def test_ppo_step_trains_policy_and_critic():
     assert not np.array_equal(np.asarray(state.policy.layers.wq), wq0)
     assert int(state.step) == 1 and state.ref is not None
     # with V = 0 before the update, GAE(gamma=1, lam) returns are the rewards to go: the score at the end
-    np.testing.assert_allclose(np.asarray(batch["old_values"]), 0.0)
-    state, batch = step(state, _batch())
-    assert float(batch["metrics"]["kl"]) > 0.0 and np.any(np.asarray(batch["old_values"]) != 0.0)
+    np.testing.assert_allclose(np.asarray(out.device.batch.old_values), 0.0)
+    state, out = step(state, _batch())
+    assert float(out.device.metrics["kl"]) > 0.0 and np.any(np.asarray(out.device.batch.old_values) != 0.0)
 
 
 def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
     """critic='shared': the value head reads the policy's hidden states; its loss trains the head
     and reaches the backbone (the joint gradient is the sum of the two terms' gradients)."""
-    cfg = PPOConfig(num_generations=4, max_new_tokens=5, kl_coef=0.0, critic="shared", vf_coef=0.5,
+    cfg = configure(PPOConfig, num_generations=4, max_new_tokens=5, kl_coef=0.0, critic="shared", vf_coef=0.5,
                     optimizer=OptimizerConfig(learning_rate=1e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
     state = _state(cfg)
     step = make_ppo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
-    state, batch = step(state, _batch())
-    state, batch = step(state, _batch())  # the head is no longer 0: values and their loss are not trivial
-    m = {k: float(v) for k, v in batch["metrics"].items()}
+    state, out = step(state, _batch())
+    state, out = step(state, _batch())  # the head is no longer 0: values and their loss are not trivial
+    m = {k: float(v) for k, v in out.device.metrics.items()}
     assert all(np.isfinite(v) for v in m.values()) and m["critic/vf_mse"] > 0, m
     assert np.any(np.asarray(state.critic.head) != 0) and state.critic_opt_state is not None
-    mb = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs",
-                                "advantages", "old_values", "returns", "rope")}
+    # the rows the joint loss reads: these fields of the trained batch, nothing else
+    mb = CriticRows.of(out.device.batch, ref_logprobs=None, prox_logprobs=None, packed=None, critic_rope=None)
+    assert mb.rope is not None and mb.old_values is not None and mb.returns is not None
     ctx = LossContext({"tokens": jnp.float32(20.0), "sequences": jnp.float32(16.0)}, jnp.bool_(False))
     params = (state.policy, state.critic)
     joint = jax.grad(lambda q: make_joint_loss(cfg, Passes())(q, mb, ctx)[0])(params)
     actor = jax.grad(lambda pol: make_actor_loss(cfg, Passes())(pol, mb, ctx)[0])(state.policy)
     value = jax.grad(lambda q: _value_terms(cfg, values_from_hidden(
-        completion_hidden(q[0], *(mb[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask")), rope=mb["rope"]),
+        completion_hidden(q[0], mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, rope=mb.rope),
         q[1].head, q[1].bias), mb, ctx)[0])(params)
     chex.assert_trees_all_close(joint[0], jax.tree.map(jnp.add, actor, value[0]), atol=1e-6, rtol=1e-4)
     chex.assert_trees_all_close(joint[1], value[1], atol=1e-7, rtol=1e-5)
@@ -140,17 +144,18 @@ def test_vineppo_values_are_exact_once_the_outcome_is_decided():
     def first_is_five(prompts, completions, **kw):
         return [float(c.split(" ")[0] == "5") if c else 0.0 for c in completions]
 
-    cfg = PPOConfig(num_generations=2, max_new_tokens=4, advantage="vineppo", vine_every=1, vine_rollouts=3,
-                    kl_coef=0.0, optimizer=OptimizerConfig(learning_rate=1e-3))
+    cfg = configure(PPOConfig, num_generations=2, max_new_tokens=4, advantage="vineppo", vine_every=1,
+                    vine_rollouts=3, kl_coef=0.0, optimizer=OptimizerConfig(learning_rate=1e-3))
     state = _state(cfg)
     assert state.critic is None and state.ref is None
     step = make_ppo_step(cfg, [first_is_five], _decode, eos_ids=(), pad_id=0)
-    _, batch = step(state, _batch())
-    mc, rewards, mask = (np.asarray(batch[k]) for k in ("mc_values", "rewards", "mask"))
+    _, out = step(state, _batch())
+    batch = out.device.batch
+    mc, rewards, mask = (np.asarray(x) for x in (batch.mc_values, batch.rewards, batch.mask))
     later = (mask > 0) & (np.arange(4) >= 1)
     np.testing.assert_array_equal(np.where(later, mc, 0), np.where(later, rewards[..., None], 0))
     assert np.all((mc[..., 0] >= 0) & (mc[..., 0] <= 1))  # V(s_0): a fraction of 3 branches
-    assert np.all(np.isfinite(np.asarray(batch["advantages"])))
+    assert np.all(np.isfinite(np.asarray(batch.advantages)))
 
 
 def _args(setup, run_dir, steps, *extra):  # noqa: F811

@@ -2,6 +2,7 @@
 directory round trip and its errors, Bradley-Terry training, gradient accumulation, and the
 reward model as a token reward for GRPO / PPO."""
 
+import dataclasses
 import json
 
 import jax
@@ -11,11 +12,15 @@ import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from relax.algorithms.batch import HostRecord, Rollout
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.stages import make_score
 from relax.algorithms.reward_model.loss import make_loss, pair_normalizers
 from relax.algorithms.reward_model.step import (evaluate_pairs, init_reward_model_state, make_reward_model_step,
                                                 pair_data)
+from relax.data.pairs import PairBatch
+from relax.compose import WithHost
+from relax.models.forward import ForwardConfig
 from relax.models.critic import save_critic
 from relax.models.hf import HFFormatError, save_pretrained
 from relax.models.reward_model import (RewardModel, init_reward_model, load_reward_model, save_reward_model,
@@ -176,8 +181,8 @@ def _pairs(rng, n, vocab=97, lp=4, n_tok=4):
     tokens[last(0)] = rng.integers(10, 30, n)
     tokens[last(1)] = rng.integers(40, 60, n)
     prompt_ids[prompt_mask == 0], tokens[mask == 0] = PAD, PAD
-    return {"prompt_ids": prompt_ids.astype(np.int32), "prompt_mask": prompt_mask, "tokens": tokens.astype(np.int32),
-            "mask": mask}
+    return PairBatch(prompt_ids=prompt_ids.astype(np.int32), prompt_mask=prompt_mask, tokens=tokens.astype(np.int32),
+                     mask=mask)
 
 
 @pytest.mark.slow  # the command line's learning test (tests/test_offline.py) is the fast one
@@ -193,8 +198,8 @@ def test_bradley_terry_training_raises_held_out_accuracy():
     losses = []
     for _ in range(30):
         state, out = step(state, jax.tree.map(jnp.asarray, _pairs(rng, 16)))
-        losses.append(float(out["metrics"]["loss"]))
-    m, health = out["metrics"], out["health"]
+        losses.append(float(out.metrics["loss"]))
+    m, health = out.metrics, out.health
     assert {"loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected", "grad_norm",
             "skipped_updates"} <= set(m)
     assert {k: int(v) for k, v in health.items()} == {"first_nonfinite_grad": -1, "first_nonfinite": -1,
@@ -215,8 +220,8 @@ def test_grad_accumulation_does_not_change_the_update(center, margin):
     rm = _reward_model("qwen3_gqa_head_dim")
     batch = jax.tree.map(jnp.asarray, _pairs(np.random.default_rng(1), 4))
     if margin:  # and a padding pair, which counts nowhere
-        batch["margin"] = jnp.asarray([0.0, 0.5, -0.3, 1.0], jnp.float32)
-        batch["loss_mask"] = jnp.asarray([1, 1, 0, 1], jnp.int32)
+        batch = dataclasses.replace(batch, margin=jnp.asarray([0.0, 0.5, -0.3, 1.0], jnp.float32),
+                                    loss_mask=jnp.asarray([1, 1, 0, 1], jnp.int32))
     data = pair_data(batch, rm.config)
     cfg = RewardModelConfig(center_rewards_coefficient=center)
     outs = []
@@ -231,10 +236,10 @@ def test_grad_accumulation_does_not_change_the_update(center, margin):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     assert not np.allclose(np.asarray(m1.head), np.asarray(rm.head))
     # the loss is the mean over the real pairs of the batch (before the step)
-    r = np.asarray(_rewards(rm, *(batch[k] for k in ("prompt_ids", "prompt_mask", "tokens", "mask"))), np.float64)
-    diff = r[:, 0] - r[:, 1] - np.asarray(batch.get("margin", np.zeros(4)))
+    r = np.asarray(_rewards(rm, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask), np.float64)
+    diff = r[:, 0] - r[:, 1] - (np.zeros(4) if batch.margin is None else np.asarray(batch.margin))
     per = np.log1p(np.exp(-diff)) + (center or 0.0) * (r[:, 0] + r[:, 1]) ** 2
-    real = np.asarray(batch.get("loss_mask", np.ones(4))) > 0
+    real = (np.ones(4) if batch.loss_mask is None else np.asarray(batch.loss_mask)) > 0
     np.testing.assert_allclose(float(met1["loss"]), per[real].mean(), rtol=1e-5)
     np.testing.assert_allclose(float(met1["accuracy"]), np.mean(r[real, 0] > r[real, 1]), rtol=1e-6)
 
@@ -248,7 +253,7 @@ def test_the_step_state_has_the_models_config():
     with pytest.raises(ValueError, match="center_rewards_coefficient"):
         RewardModelConfig(center_rewards_coefficient=-1.0)
     with pytest.raises(ValueError, match="train_attention"):
-        RewardModelConfig(train_attention="flash")
+        RewardModelConfig(forward=ForwardConfig(train_attention="flash"))
 
 
 # ----------------------------------------------------------------------------- as a reward
@@ -269,10 +274,12 @@ def test_token_reward_matches_sequence_rewards():
     # to a host reward function
     one = RewardFunction(lambda prompts, completions, **_: [1.0] * len(completions), name="one")
     score = make_score([fn, one], decode=lambda tokens, mask: ["x"] * len(tokens))
-    _, out = score(None, {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "tokens": tokens, "mask": mask,
-                          "finished": jnp.ones((P, G), bool), "prompts": ["p"] * P, "fields": {}})
-    np.testing.assert_allclose(np.asarray(out["reward_parts"]["rm"]), want, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out["rewards"]), 2 * want + 1, atol=1e-4)
+    rollout = Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, mask=mask,
+                      old_logprobs=jnp.zeros((P, G, N)), lengths=jnp.sum(mask, -1), finished=jnp.ones((P, G), bool),
+                      policy_version=jnp.zeros((P, G), jnp.int32))
+    _, out = score(None, WithHost(rollout, HostRecord(prompts=["p"] * P, fields={})))
+    np.testing.assert_allclose(np.asarray(out.device.reward_parts["rm"]), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.device.rewards), 2 * want + 1, atol=1e-4)
     with pytest.raises(TypeError, match="RewardModel"):
         reward_model_reward(rm.backbone)
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+import warnings
 
 import equinox as eqx
 import jax
@@ -25,7 +26,10 @@ from relax.rewards.functions import RewardError
 from relax.train.health import NonFiniteError
 from relax.train.preemption import Preempted
 from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
+from relax.algorithms.batch import HostRecord, Rollout
 from relax.algorithms.stages import make_score
+from relax.compose import WithHost
+from relax.objectives.registry import GSPOLossConfig
 from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,13 +271,19 @@ def test_preset_flag_sets_algorithm_defaults_in_both_modes(setup):
     example = load_example("grpo")
     builtin = example.parse_args(["--preset", "dapo"])
     assert builtin.preset == "dapo"
-    assert (builtin.grpo.loss_type, builtin.grpo.epsilon_high, builtin.grpo.beta) == ("dapo", 0.28, 0.0)
+    assert (builtin.grpo.loss_type, builtin.grpo.policy_loss.epsilon_high, builtin.grpo.beta) == ("dapo", 0.28, 0.0)
     assert builtin.grpo.zero_std_groups == "drop" and builtin.grpo.mask_truncated_completions
-    assert builtin.grpo.max_new_tokens == 8  # the built-in task's size stays
+    assert builtin.grpo.generation.max_new_tokens == 8  # the built-in task's size stays
     assert example.parse_args([]).grpo.loss_type == "grpo"
-    real = example.parse_args(_args(setup, setup / "x", 1)[:-2] + ["--preset=gspo", "--grpo.epsilon-high", "5e-4"])
-    assert (real.grpo.importance_sampling_level, real.grpo.epsilon_low, real.grpo.epsilon_high) == (
-        "sequence", 3e-4, 5e-4)
+    for flag in ("--grpo.policy-loss.epsilon-high", "--grpo.epsilon-high"):  # the loss's option; the old name warns
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            real = example.parse_args(_args(setup, setup / "x", 1)[:-2] + ["--preset=gspo", flag, "5e-4"])
+        assert [w.category for w in caught if issubclass(w.category, FutureWarning)] == (
+            [FutureWarning] if flag == "--grpo.epsilon-high" else []), flag
+        loss = real.grpo.policy_loss
+        assert type(loss) is GSPOLossConfig, flag
+        assert (loss.importance, loss.epsilon_low, loss.epsilon_high) == ("sequence", 3e-4, 5e-4), flag
 
 
 def test_missing_data_field_names_file_row_field(setup, tmp_path):
@@ -328,9 +338,11 @@ def test_raising_reward_function_names_function_and_sample():
     stage = make_score([broken], lambda t, m: [" ".join(map(str, r[m > 0])) for r, m in zip(t, m)])
     tokens = np.array([[[1, 2, 3], [1, 2, 3]]])
     mask = np.array([[[1, 1, 0], [1, 0, 0]]])
-    batch = {"tokens": tokens, "mask": mask, "prompts": ["q"], "fields": {}}
+    ids = np.ones((1, 2), np.int32)
+    rollout = Rollout(prompt_ids=ids, prompt_mask=ids, tokens=tokens, mask=mask, old_logprobs=np.zeros(tokens.shape),
+                      lengths=mask.sum(-1), finished=np.ones((1, 2), bool), policy_version=np.zeros((1, 2), np.int32))
     with pytest.raises(RewardError, match="broken"):
-        stage(None, batch)
+        stage(None, WithHost(rollout, HostRecord(prompts=["q"], fields={})))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import pytest
 from relax.algorithms.sft import (SFTConfig, init_sft_state, make_sft_loss, make_sft_step, sft_batch, sft_examples,
                                   sft_rows)
 from relax.data.files import MissingFieldError, read_records
-from relax.data.supervised import (SFTExample, encode_sft, pack, pack_plan, pack_rows, pad_examples, pad_rows,
-                                   padding_fraction, stack_rows)
+from relax.data.supervised import (PackedBatch, SFTExample, encode_sft, pack, pack_plan, pack_rows, pad_examples,
+                                   pad_rows, padding_fraction, stack_rows)
 from relax.models import ModelConfig, init
 from relax.models.logprobs import token_logprobs
 from relax.models.packed import packed_hidden, packed_logprobs, segment_positions
@@ -78,20 +78,20 @@ def test_packed_equals_each_example_alone(kind):
     row = 16
     plan = pack_plan([len(e) for e in examples], row)
     assert len(plan) < len(examples) and all(len(m) > 1 for m in plan[:2])  # several examples per row
-    packed = {k: jnp.asarray(v) for k, v in pack(examples, row).items()}
+    packed = jax.tree.map(jnp.asarray, pack(examples, row))
     where = _placements(plan, examples)
     w = jnp.asarray(np.random.default_rng(1).normal(size=len(examples)), jnp.float32)
 
     def packed_nll(m):
-        lp = packed_logprobs(m, packed["ids"], packed["segment_ids"])
+        lp = packed_logprobs(m, packed.ids, packed.segment_ids)
         return jnp.stack([-jnp.sum(lp[r, t:t + len(e) - 1] * e.loss_mask[1:]) for e, (r, t) in zip(examples, where)])
 
     # each example alone in its own row (right padding is invisible to causal attention)
     alone = pad_rows(examples, max(map(len, examples)))
 
     def alone_nll(m):
-        lp = token_logprobs(m, jnp.asarray(alone["ids"]), jnp.asarray(alone["segment_ids"]))
-        return -jnp.sum(lp * alone["loss_mask"][:, 1:], axis=1)
+        lp = token_logprobs(m, jnp.asarray(alone.ids), jnp.asarray(alone.segment_ids))
+        return -jnp.sum(lp * alone.loss_mask[:, 1:], axis=1)
 
     weighted = lambda f: jax.jit(jax.value_and_grad(lambda m: (jnp.sum(w * f(m)), f(m)), has_aux=True))  # noqa: E731
     (_, nll_packed), g_packed = weighted(packed_nll)(model)
@@ -101,7 +101,7 @@ def test_packed_equals_each_example_alone(kind):
     chex.assert_trees_all_close(g_packed, g_alone, atol=1e-5 * scale, rtol=1e-4)
 
     # the SFT loss: packed rows vs one example per row (same normaliser: the same targets)
-    unpacked = {k: jnp.asarray(v) for k, v in pad_rows(examples, row).items()}
+    unpacked = jax.tree.map(jnp.asarray, pad_rows(examples, row))
     assert padding_fraction(packed) < padding_fraction(unpacked)
     loss = jax.jit(jax.value_and_grad(make_sft_loss(), has_aux=True))
     (l1, m1), g1 = loss(model, packed, _ctx(packed))
@@ -122,8 +122,8 @@ def test_packed_hidden_states_restart_positions(kind):
     model = init(CONFIGS[kind], jax.random.key(3), std=0.3)
     examples = _examples([5, 6, 3], seed=2)
     batch = pack(examples, 16, method="greedy")
-    assert batch["segment_ids"].tolist() == [[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2]
-    h = packed_hidden(model, jnp.asarray(batch["ids"]), jnp.asarray(batch["segment_ids"]))
+    assert batch.segment_ids.tolist() == [[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2]
+    h = packed_hidden(model, jnp.asarray(batch.ids), jnp.asarray(batch.segment_ids))
     t = 0
     for e in examples:
         alone = hidden_states(model, jnp.asarray(e.ids)[None])[0]
@@ -134,7 +134,7 @@ def test_packed_hidden_states_restart_positions(kind):
 def test_loss_accuracy_is_the_argmax_rate():
     model = init(CFG, jax.random.key(4), std=0.3)
     examples = _examples([8, 6], seed=5)
-    batch = {k: jnp.asarray(v) for k, v in pack(examples, 16).items()}
+    batch = jax.tree.map(jnp.asarray, pack(examples, 16))
     _, metrics = make_sft_loss(chunk_size=4)(model, batch, _ctx(batch))  # several head chunks
     hits = total = 0
     for e in examples:
@@ -160,9 +160,10 @@ def test_pack_plans_and_padding():
     examples = [SFTExample(np.arange(1, n + 1), [0] + [1] * (n - 1), origin=f"f.jsonl: row {i + 1}")
                 for i, n in enumerate(lengths)]
     batch = pack(examples, 10, num_rows=5)
-    assert batch["ids"].shape == (5, 10) and not batch["segment_ids"][4].any()
+    assert isinstance(batch, PackedBatch)
+    assert batch.ids.shape == (5, 10) and not batch.segment_ids[4].any()
     np.testing.assert_allclose(padding_fraction(batch), 1 - sum(lengths) / 50)
-    assert batch["loss_mask"].sum() == sum(lengths) - len(lengths)
+    assert batch.loss_mask.sum() == sum(lengths) - len(lengths)
     with pytest.raises(ValueError, match="need 4 rows of 10 tokens, more than num_rows=3"):
         pack(examples, 10, num_rows=3)
     with pytest.raises(ValueError, match=r"f.jsonl: row 2: 9 tokens do not fit a row of 8"):
@@ -186,10 +187,8 @@ def test_pack_plans_and_padding():
         assert pack_plan(lengths, 40) == rows
     # a whole dataset packed once into rows, batched by stacking rows
     rows = pack_rows(examples, 10, pad_id=0)
-    assert len(rows) == 4 and rows[0]["ids"].shape == (10,)
-    stacked = stack_rows(rows)
-    for k, v in pack(examples, 10).items():
-        np.testing.assert_array_equal(stacked[k], v)
+    assert len(rows) == 4 and rows[0].ids.shape == (1, 10)  # each a batch of one row
+    chex.assert_trees_all_equal(stack_rows(rows), pack(examples, 10))
     assert len(pack_rows(examples, 10, packing=False)) == 6
     # the reverse task's prompt + response rows are unchanged
     ids, mask, loss = pad_examples([[1, 2]], [[3]], length=4, pad_id=0)
@@ -299,7 +298,7 @@ def test_sft_step_grad_accumulation_is_invisible():
     for accum in (1, 2):
         cfg = SFTConfig(max_length=12, grad_accum=accum, remat=accum == 2, optimizer=opt)
         batch = sft_batch(cfg, examples, pad_id=0)
-        assert batch["ids"].shape[0] == 3
+        assert batch.ids.shape[0] == 3
         state = init_sft_state(cfg, jax.tree.map(jnp.copy, model), key=jax.random.key(0))  # the step donates it
         state, out = make_sft_step(cfg, Passes())(state, batch)
         results.append((state, out))
@@ -307,12 +306,12 @@ def test_sft_step_grad_accumulation_is_invisible():
     assert int(s1.step) == int(s2.step) == 1
     chex.assert_trees_all_close(s1.policy, s2.policy, atol=1e-6, rtol=1e-5)
     for k in ("loss", "nll", "accuracy", "grad_norm"):
-        np.testing.assert_allclose(o1["metrics"][k], o2["metrics"][k], rtol=1e-5, err_msg=k)
-    assert int(o1["metrics"]["tokens"]) == sum(len(e) for e in examples)
-    assert int(o1["metrics"]["loss_tokens"]) == sum(int(e.loss_mask.sum()) for e in examples)
-    np.testing.assert_allclose(o1["metrics"]["padding_fraction"], 1 - 36 / 36)
-    np.testing.assert_allclose(o2["metrics"]["padding_fraction"], 1 - 36 / 48)  # the empty 4th row
-    assert {k: int(v) for k, v in o1["health"].items()} == {
+        np.testing.assert_allclose(o1.metrics[k], o2.metrics[k], rtol=1e-5, err_msg=k)
+    assert int(o1.metrics["tokens"]) == sum(len(e) for e in examples)
+    assert int(o1.metrics["loss_tokens"]) == sum(int(e.loss_mask.sum()) for e in examples)
+    np.testing.assert_allclose(o1.metrics["padding_fraction"], 1 - 36 / 36)
+    np.testing.assert_allclose(o2.metrics["padding_fraction"], 1 - 36 / 48)  # the empty 4th row
+    assert {k: int(v) for k, v in o1.health.items()} == {
         "first_nonfinite_grad": -1, "first_nonfinite": -1, "consecutive_skips": 0}
     assert not np.array_equal(s1.policy.embed, model.embed)
 
@@ -323,18 +322,18 @@ def test_sft_step_trains_and_reports_nonfinite(toks):
     examples = sft_examples(cfg, [{"prompt": "What is 2 + 2?", "completion": " The answer is 4."},
                                   {"text": "Hello world!"}], tok)
     batch = sft_batch(cfg, examples, pad_id=tok.pad_token_id)
-    assert batch["ids"].shape == (2, 48) and batch["segment_ids"].max() == 1
+    assert batch.ids.shape == (2, 48) and batch.segment_ids.max() == 1
     stacked = stack_rows(sft_rows(cfg, examples, pad_id=tok.pad_token_id))
-    assert all(np.array_equal(stacked[k], batch[k]) for k in batch)
+    chex.assert_trees_all_equal(stacked, batch)
     model = init(ModelConfig(**{**CFG.__dict__, "vocab_size": tok.vocab_size}), jax.random.key(0))
     state = init_sft_state(cfg, model, key=jax.random.key(1))
     step = make_sft_step(cfg)
     losses = []
     for _ in range(5):
         state, out = step(state, batch)
-        losses.append(float(out["metrics"]["loss"]))
+        losses.append(float(out.metrics["loss"]))
     assert losses[-1] < losses[0]
     bad = state.replace(policy=jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, state.policy))
     bad, out = step(bad, batch)
-    assert int(out["health"]["first_nonfinite"]) == 4 and int(out["health"]["consecutive_skips"]) == 1
-    assert int(out["health"]["first_nonfinite_grad"]) >= 0
+    assert int(out.health["first_nonfinite"]) == 4 and int(out.health["consecutive_skips"]) == 1
+    assert int(out.health["first_nonfinite_grad"]) >= 0

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from relax.text.stop_strings import truncate_at_stop_strings
+from relax.algorithms.batch import HostRecord, Rollout
 from relax.algorithms.stages import make_score
+from relax.compose import WithHost
 
 # a toy vocabulary whose tokens are multi-character, so stop strings fall across token boundaries
 VOCAB = ["<pad>", "a", "b", "</", "ans", "wer>", "\n", "\nQ", "uestion:", "xy"]
@@ -66,9 +68,13 @@ def test_score_stage_cuts_before_the_rewards_see_the_text():
 
     stage = make_score([reward], decode, stop_strings=("</answer>",))
     tokens = np.array([[[1, 3, 4, 5, 2, 2], [1, 1, 2, 2, 2, 2]]])
-    batch = {"tokens": tokens, "mask": np.ones_like(tokens), "finished": np.zeros((1, 2), bool),
-             "prompts": ["q"], "fields": {}}
-    _, out = stage(None, batch)
-    assert seen == ["a</answer>", "aabbbb"]
-    assert np.asarray(out["lengths"]).tolist() == [[4, 6]] and np.asarray(out["finished"]).tolist() == [[True, False]]
-    assert np.asarray(out["rewards"]).tolist() == [[10.0, 6.0]]
+    ids = np.ones((1, 2), np.int32)
+    rollout = Rollout(prompt_ids=ids, prompt_mask=ids, tokens=tokens, mask=np.ones_like(tokens),
+                      old_logprobs=np.zeros(tokens.shape, np.float32), lengths=np.full((1, 2), 6),
+                      finished=np.zeros((1, 2), bool), policy_version=np.zeros((1, 2), np.int32))
+    _, out = stage(None, WithHost(rollout, HostRecord(prompts=["q"], fields={})))
+    assert seen == ["a</answer>", "aabbbb"] and out.host.completions == seen
+    scored = out.device
+    assert np.asarray(scored.lengths).tolist() == [[4, 6]] and np.asarray(scored.finished).tolist() == [[True, False]]
+    assert np.asarray(scored.mask).tolist() == [[[1, 1, 1, 1, 0, 0], [1] * 6]]
+    assert np.asarray(scored.rewards).tolist() == [[10.0, 6.0]]

@@ -10,6 +10,8 @@ import pytest
 from relax.models import ModelConfig, init
 from relax.models.logprobs import token_logprobs
 from relax.objectives.reference import ReferenceConfig
+from relax.algorithms.batch import LossRows, step_input
+from relax.algorithms.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig, preset
 from relax.train.optimizer import OptimizerConfig
 from relax.models.prefix_shared import completion_logprobs, completion_rope
@@ -107,9 +109,9 @@ def _update_data(p=4, g=4, n=5, seed=0, adv_scale=1.0):
     k1, k2, k3 = jax.random.split(key, 3)
     tokens = jax.random.randint(k1, (p, g, n), 0, CFG.vocab_size)
     mask = (jnp.arange(n)[None, None, :] < jax.random.randint(k2, (p, g, 1), 1, n + 1)).astype(jnp.int32)
-    return {"prompt_ids": ids, "prompt_mask": pm, "tokens": tokens, "mask": mask, "loss_mask": mask,
-            "old_logprobs": -2.0 + 0.1 * jax.random.normal(k3, (p, g, n)),
-            "advantages": adv_scale * jax.random.normal(jax.random.fold_in(key, 7), (p, g))}
+    return LossRows(prompt_ids=ids, prompt_mask=pm, tokens=tokens, mask=mask, loss_mask=mask,
+                    old_logprobs=-2.0 + 0.1 * jax.random.normal(k3, (p, g, n)),
+                    advantages=adv_scale * jax.random.normal(jax.random.fold_in(key, 7), (p, g)))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])  # token-mean: test_aggregation
@@ -121,9 +123,9 @@ def test_gradient_accumulation_does_not_change_the_update(loss_type):
     results = []
     # 4: one prompt group per micro-batch, the finest split; None: the default (4 on one CPU device)
     for accum in (1, 4, None):
-        cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type=loss_type, grad_accum=accum,
-                         # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
-                         optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
+        cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=5, loss_type=loss_type, grad_accum=accum,
+                        # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
+                        optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
         opt = cfg.optimizer.make()
         policy, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
         results.append((policy, metrics))
@@ -142,7 +144,7 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
     data = _update_data()
     losses = {}
     for m in (1, 4):
-        cfg = GRPOConfig(num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m)
+        cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m)
         opt = optax.set_to_zero()  # nothing moves (a zero learning rate is refused by OptimizerConfig)
         _, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
         losses[m] = float(metrics["loss"])  # mean over the M minibatch steps
@@ -151,11 +153,11 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
 
 def test_non_finite_gradients_skip_the_update():
     model = init(CFG, jax.random.key(5), std=0.2)
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=5, optimizer=OptimizerConfig(learning_rate=1e-2))
+    cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=5, optimizer=OptimizerConfig(learning_rate=1e-2))
     opt = cfg.optimizer.make()
     update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
     bad = _update_data()
-    bad["advantages"] = bad["advantages"].at[0, 0].set(jnp.nan)
+    bad = bad.replace(advantages=bad.advantages.at[0, 0].set(jnp.nan))
     policy, opt_state, metrics = update(model, opt.init(model), bad, jax.random.key(0))
     assert not np.isfinite(float(metrics["loss"]))
     assert int(opt_state.total_notfinite) == 1
@@ -175,14 +177,13 @@ def test_grpo_learns_and_compiles_once():
     ids, pm = _prompts(4, 8, [8, 5, 3, 7])
     rewards = []
     for _ in range(25):
-        batch = {"prompt_ids": ids, "prompt_mask": pm, "prompts": ["p"] * 4, "fields": {"weight": [1.0] * 4}}
-        state, out = step(state, batch)
-        rewards.append(float(out["metrics"]["reward"]))
-        assert np.isfinite(float(out["metrics"]["loss"]))
+        state, out = step(state, step_input(ids, pm, ["p"] * 4, {"weight": [1.0] * 4}))
+        rewards.append(float(out.device.metrics["reward"]))
+        assert np.isfinite(float(out.device.metrics["loss"]))
     assert np.mean(rewards[-5:]) > np.mean(rewards[:3]) + 0.3, rewards
     assert int(state.step) == 25
     assert step.cache_sizes() == (1, 1, 1)  # rollout, reference and advantage+update compiled once each
-    assert float(out["metrics"]["sampler_logprob_diff"]) < 1e-4  # sampler == trainer
+    assert float(out.device.metrics["sampler_logprob_diff"]) < 1e-4  # sampler == trainer
 
 
 def _first_token_is_seven(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -207,11 +208,10 @@ def test_every_preset_and_option_runs(name, overrides):
     token_reward = TokenRewardFunction(_first_token_is_seven, name="seven", weight=0.5)
     step = make_grpo_step(cfg, [fives, token_reward], _decode, eos_ids=(3,), pad_id=0)
     ids, pm = _prompts(2, 8, [8, 5])
-    state, out = step(state, {"prompt_ids": ids, "prompt_mask": pm, "prompts": ["p"] * 2,
-                              "fields": {"weight": [1.0, 2.0]}})
-    m = out["metrics"]
-    assert set(out["reward_parts"]) == {"fives", "seven"}
-    np.testing.assert_allclose(out["rewards"], out["reward_parts"]["fives"] + 0.5 * out["reward_parts"]["seven"],
+    state, out = step(state, step_input(ids, pm, ["p"] * 2, {"weight": [1.0, 2.0]}))
+    m, scored = out.device.metrics, out.device.batch
+    assert set(scored.reward_parts) == {"fives", "seven"}
+    np.testing.assert_allclose(scored.rewards, scored.reward_parts["fives"] + 0.5 * scored.reward_parts["seven"],
                                rtol=1e-6)
     assert all(np.isfinite(float(v)) for v in m.values()), m
     assert int(state.step) == 1

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import load_example
+from relax.algorithms.batch import step_input
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.models import init, small_config
@@ -85,7 +86,7 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
     mcfg = small_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16)
     ids = jax.random.randint(jax.random.key(2), (4, 8), 0, mcfg.vocab_size)
-    batch = {"prompt_ids": ids, "prompt_mask": jnp.ones_like(ids), "prompts": ["x"] * 4, "fields": {}}
+    batch = step_input(ids, jnp.ones_like(ids), ["x"] * 4, {})
     decode = lambda tokens, mask: [" ".join(map(str, r[m > 0])) for r, m in zip(tokens, mask)]  # noqa: E731
     rf = RewardFunction(_length_reward, name="length")
     outs = []
@@ -96,10 +97,10 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
             step = make_grpo_step(cfg, [rf], decode, eos_ids=(), pad_id=0, pool=p, timeout_s=30.0)
             names = [seg.names for seg in step.segments]
             assert names[1:5] == [("score_start",), ("pack",), ("reference",), ("score_finish",)], names
-            outs.append(step(state, dict(batch))[1])
-    np.testing.assert_array_equal(np.asarray(outs[0]["rewards"]), np.asarray(outs[1]["rewards"]))
-    np.testing.assert_allclose(float(outs[0]["metrics"]["loss"]), float(outs[1]["metrics"]["loss"]), rtol=1e-6)
-    assert "pending_scores" not in outs[1]
+            outs.append(step(state, batch)[1])
+    np.testing.assert_array_equal(np.asarray(outs[0].device.batch.rewards), np.asarray(outs[1].device.batch.rewards))
+    np.testing.assert_allclose(float(outs[0].device.metrics["loss"]), float(outs[1].device.metrics["loss"]), rtol=1e-6)
+    assert outs[1].host.pending_scores is None and outs[1].host.local_scores is None
 
 
 @pytest.mark.slow  # TextRewardModel has fast tests (test_reward_model.py); this is the --reward-model wiring

@@ -60,33 +60,35 @@ class OfflineAlgorithm:
     """What an offline trainer brings to ``run_offline``.
 
     ``make_state(model, key)``: its ``TrainState``. ``make_step(passes, tokenizer)``: its step (a stage
-    leaving ``metrics`` and ``health`` in the batch). ``encode(records, tokenizer)``: the training
-    examples (errors name file, row and field); ``encode_eval(records, tokenizer)``: what
-    ``evaluate`` reads, once (default: ``encode``). ``collate(examples, pad_id)``: a batch of fixed-shape
-    numpy arrays. ``evaluate(state, examples, tokenizer)``: held-out metrics (of ``state.policy``; a
-    distillation reads its teacher, ``state.ref``). ``builtin_data(task,
-    directory, tokenizer)``: the built-in task's ``(train, eval)`` jsonl paths.
-    ``host_metrics(batch, metrics)``: extra host-side metrics (e.g. tokens/s). ``export(policy,
-    directory, tokenizer)``: an HF directory (default: the policy as a causal LM).
-    ``longest(n)``: a collated batch of ``n`` items of the largest shape the config admits (what
-    ``relax.plan`` compiles the step with, no data or tokenizer needed; None: not plannable yet)."""
+    whose output is a ``relax.train.update.Updated``: the batch, ``metrics`` and ``health``).
+    ``encode(records, tokenizer)``: the training examples (errors name file, row and field);
+    ``encode_eval(records, tokenizer)``: what ``evaluate`` reads, once (default: ``encode``).
+    ``collate(examples, pad_id)``: a batch of fixed-shape numpy arrays, the algorithm's batch type
+    (an ``equinox.Module``, e.g. ``relax.data.pairs.PairBatch``). ``evaluate(state, examples,
+    tokenizer)``: held-out metrics (of ``state.policy``; a distillation reads its teacher,
+    ``state.ref``). ``builtin_data(task, directory, tokenizer)``: the built-in task's ``(train,
+    eval)`` jsonl paths. ``host_metrics(out, metrics)``: extra host-side metrics (e.g. tokens/s) from
+    the step's output. ``export(policy, directory, tokenizer)``: an HF directory (default: the
+    policy as a causal LM). ``longest(n)``: a collated batch of ``n`` items of the largest shape the
+    config admits (what ``relax.plan`` compiles the step with, no data or tokenizer needed; None:
+    not plannable yet)."""
 
     name: str
     make_state: Callable[[Any, jax.Array], Any]
     make_step: Callable[[Passes, TextTokenizer], Any]
     encode: Callable[[Sequence[Record], TextTokenizer], list]
-    collate: Callable[[list, int], dict]
+    collate: Callable[[list, int], Any]
     evaluate: Callable[[Any, Any, TextTokenizer], dict]
     builtin_data: Callable[[reverse.ReverseTask, Path, TextTokenizer], tuple[str, str]]
     encode_eval: Callable[[Sequence[Record], TextTokenizer], Any] | None = None
     prepare: Callable[[Any, list, Any, list[str], TextTokenizer], tuple[list, Any]] | None = None
-    host_metrics: Callable[[dict, dict], dict] = lambda batch, metrics: {}
+    host_metrics: Callable[[Any, dict], dict] = lambda out, metrics: {}
     export: Callable[[Any, Path, TextTokenizer], Path] | None = None
     bar_keys: Sequence[tuple[str, str]] = (("loss", "loss"),)
-    longest: Callable[[int], dict] | None = None
+    longest: Callable[[int], Any] | None = None
 
 
-def batch_iterator(examples: list, batch_size: int, seed: int, collate: Callable[[list], dict]) -> grain.DatasetIterator:
+def batch_iterator(examples: list, batch_size: int, seed: int, collate: Callable[[list], Any]) -> grain.DatasetIterator:
     """Shuffled (by ``seed``), repeated batches of ``collate``d examples; ``get_state()`` /
     ``set_state()`` resume exactly (checkpointed with the train state)."""
     if len(examples) < batch_size:

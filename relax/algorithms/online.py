@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
+from relax.algorithms.batch import step_input
 from relax.algorithms.report import StartupReport, first_prompt_lines, prompt_lines, run_report, token_lines
+from relax.compose import WithHost
 from relax.data.prompts import (DataConfig, PreparedPrompts, batch_of, eval_records, padded_length, prepare_prompts,
                                 prompt_iterator, read_records, read_splits)
 from relax.eval.evaluate import EvalConfig, evaluate
@@ -27,7 +30,7 @@ from relax.models.config import DTYPES
 from relax.models.adapters import add_lora, has_lora, merge_lora
 from relax.models.hf import load_pretrained, save_pretrained
 from relax.models.lora import LoRAConfig
-from relax.models.peft import save_adapter
+from relax.models.peft import fused_adapter_error, save_adapter
 from relax.objectives.reference import ReferenceConfig
 from relax.parallel import ParallelConfig, ShardedStep, batch_shards, check_batch
 from relax.passes import Passes, choose_passes
@@ -39,6 +42,7 @@ from relax.rewards.model import TextRewardModel
 from relax.rewards.pool import PoolConfig, RewardPool
 from relax.rewards.sandbox import SandboxConfig
 from relax.rewards.functions import RewardFunction
+from relax.rollout.generation import GenerationConfig
 from relax.tasks.base import prepare
 from relax.tasks import TASKS, reverse
 from relax.tasks import code as code_task
@@ -166,14 +170,13 @@ class StepParts:
 @dataclasses.dataclass(frozen=True)
 class OnlineAlgorithm:
     """``make_state(model, key)`` -> the algorithm's ``TrainState``; ``make_step(parts)`` -> its
-    composed step; G, the completion budget and stop strings (for evaluation and tokens/s)."""
+    composed step; ``generation``, what it samples (G, the completion budget and stop strings for
+    evaluation and tokens/s)."""
 
     name: str
     make_state: Callable[[Any, jax.Array], Any]
     make_step: Callable[[StepParts], Any]
-    num_generations: int
-    max_new_tokens: int
-    stop_strings: tuple[str, ...] = ()
+    generation: GenerationConfig
     describe_update: Callable[[Any], str] | None = None  # model -> a start-up report line (its layout)
 
 
@@ -245,7 +248,9 @@ def exporter(tokenizer: TextTokenizer, base: str | None = None):
     """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
     files and chat template, a directory ``transformers`` loads (collective: every process calls it).
     A LoRA policy is exported merged (``W + s A B``), and its adapters alone in PEFT's format under
-    ``directory/adapter`` (``base``: the base model's path, recorded in the adapter config)."""
+    ``directory/adapter`` (``base``: the base model's path, recorded in the adapter config) where
+    that format can hold them: adapters on a family's fused tensors (Phi-3's ``qkv_proj``) have no
+    PEFT form, and then only the merged model is written, with a warning saying why."""
 
     def export(policy, directory: Path) -> Path:
         policy = _host_policy(policy)
@@ -253,7 +258,12 @@ def exporter(tokenizer: TextTokenizer, base: str | None = None):
             save_pretrained(merge_lora(policy), directory)
             tokenizer.save_pretrained(directory)
             if has_lora(policy):
-                save_adapter(policy, Path(directory) / "adapter", base_model_name_or_path=base)
+                why = fused_adapter_error(policy.config.family, policy.layers.lora.weights())
+                if why is None:
+                    save_adapter(policy, Path(directory) / "adapter", base_model_name_or_path=base)
+                else:
+                    warnings.warn(f"{directory}: the merged model is written, the adapters alone are not: {why}",
+                                  stacklevel=2)
         return directory
 
     return export
@@ -351,11 +361,12 @@ def _report(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts: S
                "each batch padded to its own bucket (--pad-to batch): one compile per bucket met")
     held_out = prompt_lines(data.held_out.stats, "held-out") if data.held_out is not None else ("nothing held out",)
     lines = [*prompt_lines(train, "training"), *held_out, padding,
-             f"{cfg.batch_size} prompts x {algo.num_generations} completions per step"]
+             f"{cfg.batch_size} prompts x {algo.generation.num_generations} completions per step"]
     if algo.describe_update is not None:
         lines.append(algo.describe_update(data.model))
     return run_report(cfg, data.model, lines, mesh=mesh, extra=[
-        ("tokens", token_lines(data.tokenizer, parts.eos_ids, algo.stop_strings, algo.max_new_tokens)),
+        ("tokens", token_lines(data.tokenizer, parts.eos_ids, algo.generation.stop_strings,
+                              algo.generation.max_new_tokens)),
         ("first prompt", first_prompt_lines(train.first_prompt))])
 
 
@@ -367,10 +378,10 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: S
             return {}
         t0 = time.perf_counter()
         metrics = evaluate(state.policy, eval_batch, reward_fns=parts.reward_fns, decode=parts.decode,
-                           eos_ids=parts.eos_ids, pad_id=parts.pad_id, max_new_tokens=algo.max_new_tokens,
+                           eos_ids=parts.eos_ids, pad_id=parts.pad_id, max_new_tokens=algo.generation.max_new_tokens,
                            key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003), cfg=cfg.eval,
                            answer_field=cfg.answer_field, timeout_s=cfg.reward_timeout_s,
-                           stop_strings=algo.stop_strings)
+                           stop_strings=algo.generation.stop_strings)
         logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
             + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/" not in k or k.startswith("greedy")))
@@ -380,18 +391,18 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: S
 
 
 def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int):
-    def host_metrics(batch: dict, metrics: dict) -> dict:
+    def host_metrics(out: WithHost, metrics: dict) -> dict:
         # from the global mean: on several processes ``lengths`` is not addressable whole
-        num_tokens = metrics["completion_length"] * cfg.batch_size * algo.num_generations
+        num_tokens = metrics["completion_length"] * cfg.batch_size * algo.generation.num_generations
         return {"tokens_per_s": num_tokens / metrics["time/step"], "prompts_over_budget": float(over_budget),
-                "reward_errors": float(sum(batch["reward_info"].get(k, 0) for k in ("errors", "timeouts", "crashes")))}
+                "reward_errors": float(sum(out.host.reward_info.get(k, 0) for k in ("errors", "timeouts", "crashes")))}
     return host_metrics
 
 
 def _make_batch(cfg: OnlineRunConfig):
-    def make_batch(pb) -> dict:
-        return {"prompt_ids": jnp.asarray(pb.prompt_ids), "prompt_mask": jnp.asarray(pb.prompt_mask),
-                "prompts": pb.prompts, "fields": {cfg.answer_field: pb.answers, **pb.fields}}
+    def make_batch(pb) -> WithHost:
+        return step_input(jnp.asarray(pb.prompt_ids), jnp.asarray(pb.prompt_mask), pb.prompts,
+                          {cfg.answer_field: pb.answers, **pb.fields})
     return make_batch
 
 

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.compose import Stage, compose, stage
+from relax.algorithms.batch import LossRows, Prompts, Rollout, Scored
+from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig
 from relax.models.prefix_shared import completion_logprobs, resolve_attention
-from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
+from relax.models.forward import ForwardConfig
 from relax.parallel.distributed import max_over_processes
 from relax.passes import Passes
 from relax.rewards.functions import (RewardFunction, as_reward_functions, combine_checked, score_groups,
@@ -35,13 +36,12 @@ ROLLOUT_STREAM = 0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM)
 def make_rollout(rcfg: RolloutConfig) -> Stage:
     """G completions per prompt with the prefix-shared sampler; its log-probs are the old policy's."""
 
-    def rollout(state: TrainState, batch):
+    def rollout(state: TrainState, batch: Prompts) -> tuple[TrainState, Rollout]:
         # the state is read, not changed: the update advances the key once per iteration
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
-        r = generate_program(state.policy, batch["prompt_ids"], batch["prompt_mask"], key, rcfg)
-        out = {**batch, "tokens": r.tokens, "mask": r.mask, "old_logprobs": r.logprobs,
-               "lengths": r.lengths, "finished": r.finished, "policy_version": sample_versions(state, r.lengths)}
-        return state, out
+        r = generate_program(state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg)
+        return state, Rollout.of(batch, tokens=r.tokens, mask=r.mask, old_logprobs=r.logprobs, lengths=r.lengths,
+                                 finished=r.finished, policy_version=sample_versions(state, r.lengths))
 
     # the rewards (a host stage) run next: if they raise, the caller's state is untouched
     return stage(rollout, name="rollout", updates_state=False, placement="sampler")
@@ -52,12 +52,12 @@ def sample_versions(state: TrainState, like: jax.Array) -> jax.Array:
     return jnp.full(like.shape, state.step, jnp.int32)
 
 
-def on_policy(state: TrainState, batch) -> jax.Array:
+def on_policy(state: TrainState, batch: Rollout) -> jax.Array:
     """Whether every sample of ``batch`` was drawn by the state's own policy (its version)."""
-    return jnp.all(batch["policy_version"] == state.step)
+    return jnp.all(batch.policy_version == state.step)
 
 
-def make_reference(passes: Passes, *, temperature: float, attention: str) -> Stage:
+def make_reference(passes: Passes, forward: ForwardConfig, *, temperature: float) -> Stage:
     """Reference log-probs of the sampled completions (when the state has a reference model),
     cached in the batch as ``ref_logprobs``; a stage of its own so that it can run where the
     reference lives (the trainer devices, see ``relax.parallel``).
@@ -69,52 +69,38 @@ def make_reference(passes: Passes, *, temperature: float, attention: str) -> Sta
     batch (sampled by an older version, ``relax.train.pipeline``) is never the policy's own: its
     reference log-probs are recomputed."""
 
-    def reference(state: TrainState, batch):
+    def reference(state: TrainState, batch: Scored) -> tuple[TrainState, Scored]:
         ref_model = reference_model(state)
         if ref_model is None:
             return state, batch
         same = reference_is_policy(state, smallest_first=passes.cache_sized) & on_policy(state, batch)
 
-        recompute = lambda: forward_logprobs(ref_model, batch, passes, temperature=temperature,  # noqa: E731
-                                             attention=attention)
-        ref_logprobs = jax.lax.cond(same, lambda: batch["old_logprobs"], recompute)
-        return state, {**batch, "ref_logprobs": ref_logprobs, "ref_is_policy": same}
+        recompute = lambda: forward_logprobs(ref_model, batch, passes, forward, temperature=temperature)  # noqa: E731
+        ref_logprobs = jax.lax.cond(same, lambda: batch.old_logprobs, recompute)
+        return state, batch.replace(ref_logprobs=ref_logprobs, ref_is_policy=same)
 
     # it changes no state: its program returns the batch alone, and the step does not wait for it
     # before the host stage after it (the reward pool's scoring overlaps it)
     return stage(reference, name="reference", updates_state=False, reads_reference=True)
 
 
-def reference_stages(cfg, passes: Passes) -> tuple[Stage, ...]:
-    """``(reference,)`` when the algorithm's config (GRPO's, PPO's) needs a reference, else ``()``."""
-    return ((make_reference(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-            if cfg.needs_reference else ())
-
-
-def proximal_stages(cfg, passes: Passes, off_policy: OffPolicyConfig | None) -> tuple[Stage, ...]:
-    """``(proximal,)`` when ``off_policy`` needs the proximal log-probs before an update of the
-    config's ``optimizer_steps`` (``needs_proximal_pass``), else ``()``."""
-    return ((make_proximal(passes, temperature=cfg.temperature, attention=cfg.train_attention),)
-            if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ())
-
-
-def forward_logprobs(model, batch, passes: Passes, *, temperature: float, attention: str) -> jax.Array:
+def forward_logprobs(model, batch: Scored, passes: Passes, forward: ForwardConfig, *, temperature: float) -> jax.Array:
     """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
     (remat would recompute nothing), in the sampler's log-prob dtype."""
-    logp = completion_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-                               temperature=temperature, groups_per_pass=passes.groups_per_pass(), attention=attention,
-                               packed=batch.get("packed"))
-    return jax.lax.stop_gradient(logp.astype(batch["old_logprobs"].dtype))
+    logp = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask,
+                               temperature=temperature, groups_per_pass=passes.groups_per_pass(), packed=batch.packed,
+                               **forward.options(differentiated=False))
+    return jax.lax.stop_gradient(logp.astype(batch.old_logprobs.dtype))
 
 
-def make_proximal(passes: Passes, *, temperature: float, attention: str) -> Stage:
+def make_proximal(passes: Passes, forward: ForwardConfig, *, temperature: float) -> Stage:
     """The trainer's log-probs of the sampled completions under the state's policy before the
     update, ``prox_logprobs``: the proximal policy of a decoupled off-policy correction
     (``relax.objectives.off_policy``) when the update takes several optimizer steps."""
 
-    def proximal(state: TrainState, batch):
-        prox = forward_logprobs(state.policy, batch, passes, temperature=temperature, attention=attention)
-        return state, {**batch, "prox_logprobs": prox}
+    def proximal(state: TrainState, batch: Scored) -> tuple[TrainState, Scored]:
+        prox = forward_logprobs(state.policy, batch, passes, forward, temperature=temperature)
+        return state, batch.replace(prox_logprobs=prox)
 
     return stage(proximal, name="proximal", updates_state=False)
 
@@ -155,64 +141,61 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
     pooled = tuple(f for f in fns if pool is not None and f in pool.reward_fns)
     local = tuple(f for f in fns if f not in pooled)
 
-    def score_start(state, batch):
-        out = dict(batch)
+    def score_start(state, batch: WithHost) -> tuple[TrainState, WithHost]:
+        out, host = Scored.of(batch.device), batch.host
         if stop_strings:
-            mask, lengths, finished = truncate_at_stop_strings(batch["tokens"], batch["mask"], batch["finished"],
-                                                               decode, stop_strings)
-            out.update(mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished))
-        tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
+            mask, lengths, finished = truncate_at_stop_strings(out.tokens, out.mask, out.finished, decode, stop_strings)
+            out = out.replace(mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished))
+        tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
         p, g, n = tokens.shape
-        completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
-        out["completions"] = completions
+        host = host.replace(completions=decode(tokens.reshape(p * g, n), mask.reshape(p * g, n)))
         if pooled:
-            out["pending_scores"] = start_score_groups(pooled, lambda *_: completions, batch["prompts"],
-                                                       batch.get("fields", {}), tokens, mask, pool=pool,
-                                                       on_error=on_error, timeout_s=timeout_s)
+            host = host.replace(pending_scores=start_score_groups(
+                pooled, lambda *_: host.completions, host.prompts, host.fields, tokens, mask, pool=pool,
+                on_error=on_error, timeout_s=timeout_s))
         if local and local_first:
-            out["local_scores"] = score_local(out)
-        return state, out
+            host = host.replace(local_scores=score_local(out, host))
+        return state, WithHost(out, host)
 
-    def score_local(batch):
-        return score_groups(local, lambda *_: batch["completions"], batch["prompts"], batch.get("fields", {}),
-                            batch["tokens"], batch["mask"], on_error=on_error, timeout_s=timeout_s)
+    def score_local(batch: Scored, host):
+        return score_groups(local, lambda *_: host.completions, host.prompts, host.fields, batch.tokens, batch.mask,
+                            on_error=on_error, timeout_s=timeout_s)
 
-    def score_finish(state, batch):
-        out = dict(batch)
+    def score_finish(state, batch: WithHost) -> tuple[TrainState, WithHost]:
+        out, host = batch.device, batch.host
         parts: dict[str, np.ndarray] = {}
         info: dict = {"errors": 0, "timeouts": 0, "crashes": 0}
         runs = []
         if local:
-            runs.append(out.pop("local_scores") if local_first else score_local(batch))
+            runs.append(host.local_scores if local_first else score_local(out, host))
         if pooled:
-            runs.append(out.pop("pending_scores").result())
+            runs.append(host.pending_scores.result())
         for _, per, run_info, _ in runs:
             parts.update(per)
             info = _merge_info(info, run_info)
         if token_fns:
-            _, per = score_tokens(token_fns, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"],
-                                  batch["mask"])
+            _, per = score_tokens(token_fns, out.prompt_ids, out.prompt_mask, out.tokens, out.mask)
             parts.update({k: np.asarray(v, np.float32) for k, v in per.items()})
         weights = {f.name: f.weight for f in (*fns, *token_fns)}
-        total = combine_checked(parts, weights, completions=batch["completions"])
-        out.update(rewards=jnp.asarray(total, jnp.float32), reward_info=info,
-                   reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
-        return state, out
+        total = combine_checked(parts, weights, completions=host.completions)
+        out = out.replace(rewards=jnp.asarray(total, jnp.float32),
+                          reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
+        return state, WithHost(out, host.replace(pending_scores=None, local_scores=None, reward_info=info))
 
     return (stage(score_start, jit=False, name="score_start", updates_state=False),
             stage(score_finish, jit=False, name="score_finish", updates_state=False, waits=True))
 
 
-def make_packing(packing: PackingConfig, *, train_attention: str) -> Stage:
+def make_packing(packing: PackingConfig, forward: ForwardConfig) -> Stage:
     """A host stage that packs the batch's completions by token count for the training forwards
-    (``relax.models.completion_packing``): ``batch["packed"]``, read by the reference, proximal
+    (``relax.models.completion_packing``): ``Scored.packed``, read by the reference, proximal
     and update stages, when ``packing`` applies to the policy's resolved ``train_attention`` and
     saves slots (``PackingConfig.saves``; else the batch stays padded)."""
 
-    def pack(state: TrainState, batch):
-        if not packing.applies(resolve_attention(train_attention, state.policy)):
+    def pack(state: TrainState, batch: WithHost) -> tuple[TrainState, WithHost]:
+        if not packing.applies(resolve_attention(forward.train_attention, state.policy)):
             return state, batch
-        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
+        tokens, mask = np.asarray(batch.device.tokens), np.asarray(batch.device.mask)
         rows, width = packing.choose(mask)
         # one layout for every process of a multi-host run: the widest row any chose, then the most rows
         wide = max_over_processes(width)
@@ -220,7 +203,8 @@ def make_packing(packing: PackingConfig, *, train_attention: str) -> Stage:
         width = wide
         if not packing.saves((rows, width), mask.shape):
             return state, batch
-        return state, {**batch, "packed": jax.tree.map(jnp.asarray, packing.pack(tokens, mask, (rows, width)))}
+        packed = jax.tree.map(jnp.asarray, packing.pack(tokens, mask, (rows, width)))
+        return state, batch.replace(device=batch.device.replace(packed=packed))
 
     return stage(pack, jit=False, name="pack", updates_state=False)
 
@@ -253,16 +237,15 @@ def _merge_info(a: dict, b: dict) -> dict:
     return out
 
 
-def train_logprobs(policy, mb, passes: Passes, *, temperature: float, attention: str, remat: bool = False,
-                   remat_policy: str = "nothing", entropy_grad: bool = True):
+def train_logprobs(policy, mb: LossRows, passes: Passes, forward: ForwardConfig, *, temperature: float,
+                   entropy_grad: bool = True):
     """Trainer log-probs and entropies ``[P, G, N]`` of a micro-batch's completions (the
-    prefix-shared forward, laid out as ``passes`` say; ``mb["rope"]`` when precomputed; over
-    ``mb["packed"]``'s rows when the batch was packed, ``make_packing``)."""
-    p, g, n = (mb["packed"].tokens if "packed" in mb else mb["tokens"]).shape
-    c, lp = policy.config, mb["prompt_ids"].shape[1]
+    prefix-shared forward run as ``forward`` says, laid out as ``passes`` say; ``mb.rope`` when
+    precomputed; over ``mb.packed``'s rows when the batch was packed, ``make_packing``)."""
+    p, g, n = (mb.tokens if mb.packed is None else mb.packed.tokens).shape
+    c, lp = policy.config, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-    return completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
-                               temperature=temperature, with_entropy=True, remat=remat, attention=attention,
-                               remat_policy=remat_policy, entropy_grad=entropy_grad,
+    return completion_logprobs(policy, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask,
+                               temperature=temperature, with_entropy=True, entropy_grad=entropy_grad,
                                unroll=passes.unroll(c.num_layers), save_attention=passes.save_attention(probs_bytes),
-                               rope=mb.get("rope"), packed=mb.get("packed"))
+                               rope=mb.rope, packed=mb.packed, **forward.options())

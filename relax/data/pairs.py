@@ -32,13 +32,13 @@ Each value is a string or a list of chat messages (``{"role", "content"}`` dicts
 
 Every error names the file, the 1-based row and the field (``relax.data.files``).
 
-Batches (``collate_pairs`` / ``collate_unpaired``): ``prompt_ids`` / ``prompt_mask`` int32
-``[P, Lp]`` left-padded; ``tokens`` / ``mask`` int32 ``[P, 2, N]`` right-padded, index 0 the chosen
-completion (KTO: the row's own completion), index 1 the rejected one (KTO: the mismatched
-completion for the KL estimate, see ``encode_unpaired``); ``loss_mask`` int32 ``[P]`` (1 per real
-row); KTO adds ``label`` int32 ``[P]`` (1 = desirable). Reference log-probs attached to the
-examples (``with_reference``) come out as ``ref_chosen_logps`` / ``ref_rejected_logps`` (KTO:
-``ref_logps`` / ``ref_kl_logps``) float32 ``[P]``.
+Batches (``collate_pairs`` -> ``PairBatch``, ``collate_unpaired`` -> ``UnpairedBatch``):
+``prompt_ids`` / ``prompt_mask`` int32 ``[P, Lp]`` left-padded; ``tokens`` / ``mask`` int32
+``[P, 2, N]`` right-padded, index 0 the chosen completion (KTO: the row's own completion), index 1
+the rejected one (KTO: the mismatched completion for the KL estimate, see ``encode_unpaired``);
+``loss_mask`` int32 ``[P]`` (1 per real row); KTO adds ``label`` int32 ``[P]`` (1 = desirable).
+Reference log-probs attached to the examples (``with_reference``) come out as ``ref_logps``
+float32 ``[P, 2]``, one per completion in the order of ``tokens``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
 from relax.data.files import MissingFieldError, Record, as_record, require_fields
 from relax.text.base import TextTokenizer
@@ -83,6 +85,56 @@ class Unpaired:
     file: str
     row: int
     ref: tuple[float, float] | None = None
+
+
+class PairBatch(eqx.Module):
+    """Preference pairs in the prefix-shared forward's layout (``collate_pairs``): the batch of
+    the DPO family and of reward-model training.
+
+    ``prompt_ids`` / ``prompt_mask``: the prompts, left-padded to ``lp``. ``tokens`` / ``mask``: the
+    two completions of each prompt, right-padded to ``n``: index 0 the chosen one, 1 the rejected
+    one. ``loss_mask``: 1 for a real pair, 0 for a padding row that counts nowhere (None: every
+    pair is real). ``ref_logps``: the reference model's sequence log-probs of the two completions,
+    attached to the examples (``with_reference``) or set by a step's reference stage (None: none
+    yet). ``ref_is_policy``: set with them by a step's reference stage: True when the reference
+    model was bitwise the policy and ``ref_logps`` are placeholders (the loss then reads the
+    policy's own log-probs). ``margin``: a margin per pair that the Bradley-Terry loss subtracts
+    (TRL's ``margin`` column; None: none).
+    """
+
+    prompt_ids: Int[Array, "p lp"]
+    prompt_mask: Int[Array, "p lp"]
+    tokens: Int[Array, "p 2 n"]
+    mask: Int[Array, "p 2 n"]
+    loss_mask: Int[Array, " p"] | None = None
+    ref_logps: Float[Array, "p 2"] | None = None
+    ref_is_policy: Bool[Array, ""] | None = None
+    margin: Float[Array, " p"] | None = None
+
+
+class UnpairedBatch(eqx.Module):
+    """Unpaired KTO rows in the prefix-shared forward's layout (``collate_unpaired``).
+
+    ``prompt_ids`` / ``prompt_mask``: the prompts, left-padded to ``lp``. ``tokens`` / ``mask``: two
+    completions per prompt, right-padded to ``n``: index 0 the row's own completion, 1 its KL
+    completion (another row's, ``encode_unpaired``). ``label``: 1 where the row's completion is
+    desirable, 0 where it is not. ``loss_mask``: 1 for a real row, 0 for a padding row (None:
+    every row is real). ``ref_logps``: the reference model's sequence log-probs of the two
+    completions (attached, ``with_reference``, or set by the step's reference stage; None: none
+    yet); ``ref_is_policy``: set with them by the step: True when they are placeholders because
+    the reference model was bitwise the policy. ``kl``: KTO's reference point ``z0`` of the batch,
+    a scalar, set by the step's ``reference_point`` stage (None: not yet).
+    """
+
+    prompt_ids: Int[Array, "p lp"]
+    prompt_mask: Int[Array, "p lp"]
+    tokens: Int[Array, "p 2 n"]
+    mask: Int[Array, "p 2 n"]
+    label: Int[Array, " p"]
+    loss_mask: Int[Array, " p"] | None = None
+    ref_logps: Float[Array, "p 2"] | None = None
+    ref_is_policy: Bool[Array, ""] | None = None
+    kl: Float[Array, ""] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +353,8 @@ def right_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[
     return ids, mask
 
 
-def _collate(prompts, first, second, refs, *, pad_id, prompt_length, completion_length, ref_names):
+def _collate(prompts, first, second, refs, *, pad_id, prompt_length, completion_length) -> dict[str, Any]:
+    """The fields both batch types share, by name (``PairBatch`` / ``UnpairedBatch``)."""
     if not prompts:
         raise ValueError("cannot collate an empty batch")
     longest = max(len(p) for p in prompts)
@@ -310,33 +363,27 @@ def _collate(prompts, first, second, refs, *, pad_id, prompt_length, completion_
     prompt_ids, prompt_mask = pad_left(prompts, pad_id=pad_id, length=prompt_length)
     a, am = right_pad(first, completion_length, pad_id)
     b, bm = right_pad(second, completion_length, pad_id)
-    out = {"prompt_ids": np.asarray(prompt_ids, np.int32), "prompt_mask": np.asarray(prompt_mask, np.int32),
-           "tokens": np.stack([a, b], axis=1), "mask": np.stack([am, bm], axis=1),
-           "loss_mask": np.ones(len(prompts), np.int32)}
-    if all(r is not None for r in refs):
-        ref = np.asarray(refs, np.float32)
-        out[ref_names[0]], out[ref_names[1]] = ref[:, 0], ref[:, 1]
-    return out
+    ref = np.asarray(refs, np.float32) if all(r is not None for r in refs) else None
+    return dict(prompt_ids=np.asarray(prompt_ids, np.int32), prompt_mask=np.asarray(prompt_mask, np.int32),
+                tokens=np.stack([a, b], axis=1), mask=np.stack([am, bm], axis=1),
+                loss_mask=np.ones(len(prompts), np.int32), ref_logps=ref)
 
 
-def collate_pairs(pairs: Sequence[Pair], *, pad_id: int, prompt_length: int,
-                  completion_length: int) -> dict[str, np.ndarray]:
+def collate_pairs(pairs: Sequence[Pair], *, pad_id: int, prompt_length: int, completion_length: int) -> PairBatch:
     """A batch of pairs (module docstring): ``prompt_ids``/``prompt_mask`` ``[P, prompt_length]``,
     ``tokens``/``mask`` ``[P, 2, completion_length]`` (0 chosen, 1 rejected), ``loss_mask`` ``[P]``,
-    and ``ref_chosen_logps``/``ref_rejected_logps`` ``[P]`` when every pair has them."""
-    return _collate([p.prompt for p in pairs], [p.chosen for p in pairs], [p.rejected for p in pairs],
-                    [p.ref for p in pairs], pad_id=pad_id, prompt_length=prompt_length,
-                    completion_length=completion_length, ref_names=("ref_chosen_logps", "ref_rejected_logps"))
+    and ``ref_logps`` ``[P, 2]`` when every pair has them."""
+    return PairBatch(**_collate([p.prompt for p in pairs], [p.chosen for p in pairs], [p.rejected for p in pairs],
+                                [p.ref for p in pairs], pad_id=pad_id, prompt_length=prompt_length,
+                                completion_length=completion_length))
 
 
 def collate_unpaired(examples: Sequence[Unpaired], *, pad_id: int, prompt_length: int,
-                     completion_length: int) -> dict[str, np.ndarray]:
+                     completion_length: int) -> UnpairedBatch:
     """A KTO batch: as ``collate_pairs`` with ``tokens[:, 0]`` the rows' completions and
-    ``tokens[:, 1]`` their KL completions, ``label`` ``[P]`` (1 = desirable), and
-    ``ref_logps``/``ref_kl_logps`` ``[P]`` when every row has them."""
-    out = _collate([e.prompt for e in examples], [e.completion for e in examples],
-                   [e.kl_completion for e in examples], [e.ref for e in examples], pad_id=pad_id,
-                   prompt_length=prompt_length, completion_length=completion_length,
-                   ref_names=("ref_logps", "ref_kl_logps"))
-    out["label"] = np.asarray([e.desirable for e in examples], np.int32)
-    return out
+    ``tokens[:, 1]`` their KL completions, ``label`` ``[P]`` (1 = desirable), and ``ref_logps``
+    ``[P, 2]`` (completion, KL completion) when every row has them."""
+    shared = _collate([e.prompt for e in examples], [e.completion for e in examples],
+                      [e.kl_completion for e in examples], [e.ref for e in examples], pad_id=pad_id,
+                      prompt_length=prompt_length, completion_length=completion_length)
+    return UnpairedBatch(**shared, label=np.asarray([e.desirable for e in examples], np.int32))

@@ -31,13 +31,13 @@ leaves no loss token.
 **Batches**: ``pack(examples, row_length)`` places whole examples into rows of ``row_length``
 tokens, by **first-fit-decreasing** (default: longest first, each into the first row with room;
 fewest rows in practice, the examples' order is not kept) or ``method="greedy"`` (next fit in the
-given order: a new row whenever the next example does not fit the current one). It returns
-``ids``, ``segment_ids`` (0 = padding, 1.. = the example's index in its row) and ``loss_mask``,
-int32 ``[rows, row_length]``, for ``relax.models.packed``. ``pad_rows`` is the unpacked
-alternative: one example per row, right-padded, the same three arrays. ``num_rows`` fixes the
-number of rows (empty rows are added; too few rows is an error) so every batch has one shape.
-For a loader that batches rows, ``pack_rows`` packs a whole dataset once into rows of one shape
-(as TRL packs a dataset) and ``stack_rows`` stacks a batch of them. ``padding_fraction(batch)``:
+given order: a new row whenever the next example does not fit the current one). It returns a
+``PackedBatch`` (``ids``, ``segment_ids``, ``loss_mask``, int32 ``[rows, row_length]``) for
+``relax.models.packed``. ``pad_rows`` is the unpacked alternative: one example per row,
+right-padded, the same batch type. ``num_rows`` fixes the number of rows (empty rows are added;
+too few rows is an error) so every batch has one shape. For a loader that batches rows,
+``pack_rows`` packs a whole dataset once into rows of one shape (as TRL packs a dataset), each a
+``PackedBatch`` of one row, and ``stack_rows`` stacks a batch of them. ``padding_fraction(batch)``:
 the share of positions that hold no token.
 
 ``pad_examples`` (prompt + response rows with an attention mask) serves the built-in reverse task.
@@ -49,14 +49,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import numpy as np
+from jaxtyping import Array, Int
 
 from relax.choices import check_choice
 from relax.data.files import MissingFieldError, Record, as_record, require_fields
 from relax.text.base import TextTokenizer
 
-__all__ = ["PACK_METHODS", "SFTExample", "encode_sft", "encode_sft_record", "loss_tokens", "pack", "pack_plan",
-           "pack_rows", "pad_examples", "pad_rows", "padding_fraction", "stack_rows"]
+__all__ = ["PACK_METHODS", "PackedBatch", "SFTExample", "encode_sft", "encode_sft_record", "loss_tokens", "pack",
+           "pack_plan", "pack_rows", "pad_examples", "pad_rows", "padding_fraction", "stack_rows"]
 
 PACK_METHODS = ("ffd", "greedy")
 
@@ -254,6 +256,21 @@ def _encode_prompt_completion(r: Record, prompt_field: str, completion_field: st
 # ------------------------------------------------------------------------------ batches
 
 
+class PackedBatch(eqx.Module):
+    """Rows of supervised examples, packed (``pack``) or one per row (``pad_rows``): the batch
+    of an SFT step (``relax.algorithms.sft``). Every field is int32 ``[rows, t]``.
+
+    ``ids``: the tokens, ``pad_id`` where no example is. ``segment_ids``: 0 on padding, else the
+    example's 1-based index in its row (``relax.models.packed`` keeps attention and positions
+    within an example). ``loss_mask``: 1 where ``ids[t]`` is a target, predicted from ``t - 1``
+    (aligned with ``ids``, as ``SFTExample.loss_mask``).
+    """
+
+    ids: Int[Array, "rows t"]
+    segment_ids: Int[Array, "rows t"]
+    loss_mask: Int[Array, "rows t"]
+
+
 def pack_plan(lengths: Sequence[int], row_length: int, *, method: str = "ffd",
               origins: Sequence[str] | None = None) -> list[list[int]]:
     """Which examples (indices into ``lengths``) go into each row, in row order (module docstring:
@@ -303,7 +320,7 @@ def _first_fit_decreasing(lengths: Sequence[int], row_length: int) -> list[list[
 
 
 def _rows(plan: list[list[int]], examples: Sequence[SFTExample], row_length: int, pad_id: int,
-          num_rows: int | None) -> dict[str, np.ndarray]:
+          num_rows: int | None) -> PackedBatch:
     n = len(plan) if num_rows is None else num_rows
     if len(plan) > n:
         raise ValueError(f"the examples need {len(plan)} rows of {row_length} tokens, more than num_rows={n}")
@@ -318,20 +335,20 @@ def _rows(plan: list[list[int]], examples: Sequence[SFTExample], row_length: int
             seg[r, t:t + len(e)] = s
             loss[r, t:t + len(e)] = e.loss_mask
             t += len(e)
-    return {"ids": ids, "segment_ids": seg, "loss_mask": loss}
+    return PackedBatch(ids=ids, segment_ids=seg, loss_mask=loss)
 
 
 def pack(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, method: str = "ffd",
-         num_rows: int | None = None) -> dict[str, np.ndarray]:
-    """Whole examples packed into rows: ``ids``, ``segment_ids``, ``loss_mask`` int32
-    ``[rows, row_length]`` (module docstring); ``num_rows`` pads with empty rows to that many."""
+         num_rows: int | None = None) -> PackedBatch:
+    """Whole examples packed into rows of ``row_length`` tokens (module docstring); ``num_rows``
+    pads with empty rows to that many."""
     plan = pack_plan([len(e) for e in examples], row_length, method=method, origins=[e.origin for e in examples])
     return _rows(plan, examples, row_length, pad_id, num_rows)
 
 
 def pad_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0,
-             num_rows: int | None = None) -> dict[str, np.ndarray]:
-    """One example per row, right-padded: the arrays of ``pack`` (``segment_ids`` 1 on tokens)."""
+             num_rows: int | None = None) -> PackedBatch:
+    """One example per row, right-padded: a batch as ``pack``'s (``segment_ids`` 1 on tokens)."""
     for i, e in enumerate(examples):
         if len(e) > row_length:
             raise ValueError(f"{e.origin or f'example {i}'}: {len(e)} tokens do not fit a row of {row_length}")
@@ -339,28 +356,31 @@ def pad_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0
 
 
 def pack_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, method: str = "ffd",
-              packing: bool = True) -> list[dict[str, np.ndarray]]:
-    """A whole dataset as rows, for a loader that batches rows (``stack_rows``): each row a dict
-    of int32 ``[row_length]`` arrays ``ids``, ``segment_ids``, ``loss_mask``; the examples packed
-    (``pack``, by ``method``) or, without ``packing``, one per row (``pad_rows``)."""
+              packing: bool = True) -> list[PackedBatch]:
+    """A whole dataset as rows, for a loader that batches rows (``stack_rows``): each a
+    ``PackedBatch`` of one row of ``row_length`` tokens; the examples packed (``pack``, by
+    ``method``) or, without ``packing``, one per row (``pad_rows``)."""
     if not examples:
         return []
-    batch = (pack(examples, row_length, pad_id=pad_id, method=method) if packing
-             else pad_rows(examples, row_length, pad_id=pad_id))
-    return [{k: v[i] for k, v in batch.items()} for i in range(batch["ids"].shape[0])]
+    b = (pack(examples, row_length, pad_id=pad_id, method=method) if packing
+         else pad_rows(examples, row_length, pad_id=pad_id))
+    return [PackedBatch(ids=b.ids[i:i + 1], segment_ids=b.segment_ids[i:i + 1], loss_mask=b.loss_mask[i:i + 1])
+            for i in range(b.ids.shape[0])]
 
 
-def stack_rows(rows: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Rows of ``pack_rows`` as one batch: each entry ``[len(rows), row_length]``."""
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+def stack_rows(rows: Sequence[PackedBatch]) -> PackedBatch:
+    """Rows of ``pack_rows`` (or any ``PackedBatch``es of one row length) as one batch."""
+    return PackedBatch(ids=np.concatenate([r.ids for r in rows]),
+                       segment_ids=np.concatenate([r.segment_ids for r in rows]),
+                       loss_mask=np.concatenate([r.loss_mask for r in rows]))
 
 
-def padding_fraction(batch: Mapping[str, Any]) -> float:
+def padding_fraction(batch: PackedBatch) -> float:
     """The share of the batch's positions that hold no token (``segment_ids == 0``)."""
-    seg = np.asarray(batch["segment_ids"])
+    seg = np.asarray(batch.segment_ids)
     return float(np.mean(seg == 0)) if seg.size else 0.0
 
 
-def loss_tokens(batch: Mapping[str, Any]) -> int:
+def loss_tokens(batch: PackedBatch) -> int:
     """The batch's target tokens (``loss_mask`` sum)."""
-    return int(np.sum(np.asarray(batch["loss_mask"])))
+    return int(np.sum(np.asarray(batch.loss_mask)))

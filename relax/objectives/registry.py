@@ -12,14 +12,15 @@ Every loss takes ``logp`` / ``old_logp`` / ``mask`` ``[N, T]`` and advantages ``
 reference model; ``sg`` is stop-gradient, ``A_t`` the advantage. The losses, per valid token:
 
 =====================  =====================================================================
-``ppo``                ``max(-A r, -A clip(r, 1-eps, 1+eps))``; with ``clip_ratio_c`` and
-                       ``A < 0`` then ``min(., -A c)`` (dual-clip)
-``grpo``               ``max(-A min(r, delta), -A clip(r, 1-eps, 1+eps))`` (TRL's GRPO;
-                       ``delta=None``: no cap)
-``dapo``               ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`` (clip-higher)
-``gspo``               ``ppo`` with every token of sequence i at ratio
+``ppo``                ``max(-A min(r, delta), -A clip(r, 1-eps_low, 1+eps_high))``; with
+                       ``clip_ratio_c`` and ``A < 0`` then ``min(., -A c)`` (dual-clip);
+                       ``delta=None``: no cap (TRL's two-sided GRPO with one);
+                       ``importance="sequence"``: every token of sequence i at ratio
                        ``s_i = exp(mean_{valid t}(logp - old_logp))``, gradient through each
-                       token's own ``logp`` (GSPO's token form, ``importance="sequence"``)
+                       token's own ``logp`` (GSPO's token form)
+``grpo``               ``ppo`` (TRL's GRPO defaults: the same)
+``dapo``               ``ppo`` with clip-higher defaults (``eps_high = 0.28``)
+``gspo``               ``ppo`` with ``importance="sequence"`` and GSPO's tight clip
 ``cispo``              ``-sg(clip(r, 1-eps_low, 1+eps_high)) A logp``
 ``reinforce``          ``-A logp`` (``old_logp`` unused)
 ``importance_sampling``  ``-min(r, cap) A``: Tinker's importance-sampling loss ``-r A`` with
@@ -45,7 +46,9 @@ over by a jitted function or passed as a static argument.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Union
+
+import tyro
 
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -54,11 +57,11 @@ from relax.choices import check_choice
 from relax.masked import masked_mean
 from relax.metrics import Metric
 from relax.objectives.kl import KL_ALIASES, KL_ESTIMATORS, conservative_penalty, kl_estimate
-from relax.objectives.policy import cispo, ppo_clip, reinforce, truncated_importance_sampling
+from relax.objectives.policy import IMPORTANCE_LEVELS, cispo, ppo_clip, reinforce, truncated_importance_sampling
 
 __all__ = ["POLICY_LOSSES", "LOSS_FUNCTIONS", "PolicyLoss", "policy_loss", "PPOLossConfig", "GRPOLossConfig",
            "DAPOLossConfig", "GSPOLossConfig", "CISPOLossConfig", "ReinforceLossConfig",
-           "ImportanceSamplingLossConfig", "ConservativePPOLossConfig"]
+           "ImportanceSamplingLossConfig", "ConservativePPOLossConfig", "LossConfig", "as_policy_loss", "loss_name"]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -73,50 +76,43 @@ def _check_clip(low: float, high: float, low_name: str, high_name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PPOLossConfig:
-    """PPO's clipped surrogate: symmetric ``epsilon``; ``clip_ratio_c`` (> 1) turns on dual-clip."""
-
-    epsilon: float = 0.2
-    clip_ratio_c: float | None = None
-
-    def __post_init__(self):
-        _check_clip(self.epsilon, self.epsilon, "epsilon", "epsilon")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
-               f"clip_ratio_c must be > 1 for dual-clip PPO (or None), got {self.clip_ratio_c}")
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOLossConfig:
-    """TRL's GRPO defaults: ``epsilon = 0.2`` both sides; ``delta`` (> 1) caps the unclipped
-    ratio (TRL's two-sided GRPO; None: off)."""
-
-    epsilon: float = 0.2
-    delta: float | None = None
-
-    def __post_init__(self):
-        _check_clip(self.epsilon, self.epsilon, "epsilon", "epsilon")
-        _check(self.delta is None or self.delta > 1.0, f"delta must be > 1 (or None), got {self.delta}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DAPOLossConfig:
-    """DAPO's clip-higher (Yu et al. 2025): ``epsilon_low = 0.2``, ``epsilon_high = 0.28``."""
+    """PPO's clipped surrogate with the clip range ``[1 - epsilon_low, 1 + epsilon_high]``;
+    ``clip_ratio_c`` (> 1) turns on dual-clip, ``delta`` (> 1) caps the unclipped ratio (TRL's
+    two-sided GRPO), ``importance`` is ``token`` or ``sequence`` (GSPO's ratios)."""
 
     epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
+    epsilon_high: float = 0.2
+    clip_ratio_c: float | None = None
+    delta: float | None = None
+    importance: str = "token"
 
     def __post_init__(self):
         _check_clip(self.epsilon_low, self.epsilon_high, "epsilon_low", "epsilon_high")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+               f"clip_ratio_c must be > 1 for dual-clip PPO (or None), got {self.clip_ratio_c}")
+        _check(self.delta is None or self.delta > 1.0, f"delta must be > 1 (or None), got {self.delta}")
+        check_choice("importance", self.importance, IMPORTANCE_LEVELS)
 
 
 @dataclasses.dataclass(frozen=True)
-class GSPOLossConfig:
+class GRPOLossConfig(PPOLossConfig):
+    """TRL's GRPO loss: PPO's clip at ``epsilon = 0.2`` both sides (``delta``: TRL's cap)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DAPOLossConfig(PPOLossConfig):
+    """DAPO's clip-higher (Yu et al. 2025): ``epsilon_low = 0.2``, ``epsilon_high = 0.28``."""
+
+    epsilon_high: float = 0.28
+
+
+@dataclasses.dataclass(frozen=True)
+class GSPOLossConfig(PPOLossConfig):
     """GSPO (Zheng et al. 2025): sequence-level ratios, clipped at ``1 - 3e-4`` / ``1 + 4e-4``."""
 
     epsilon_low: float = 3e-4
     epsilon_high: float = 4e-4
-
-    def __post_init__(self):
-        _check_clip(self.epsilon_low, self.epsilon_high, "epsilon_low", "epsilon_high")
+    importance: str = "sequence"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,24 +164,12 @@ class ConservativePPOLossConfig:
 Out = tuple[Array, dict[str, Any]]
 
 
-def ppo_loss(logp, old_logp, advantages, mask, config: PPOLossConfig) -> Out:
-    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon, epsilon_high=config.epsilon,
-                    clip_ratio_c=config.clip_ratio_c)
-
-
-def grpo_loss(logp, old_logp, advantages, mask, config: GRPOLossConfig) -> Out:
-    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon, epsilon_high=config.epsilon,
-                    delta=config.delta)
-
-
-def dapo_loss(logp, old_logp, advantages, mask, config: DAPOLossConfig) -> Out:
+def clipped_loss(logp, old_logp, advantages, mask, config: PPOLossConfig) -> Out:
+    """``ppo_clip`` with the config's clip range, dual-clip, cap and importance level (ppo, grpo,
+    dapo and gspo: the same loss with different defaults)."""
     return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low,
-                    epsilon_high=config.epsilon_high)
-
-
-def gspo_loss(logp, old_logp, advantages, mask, config: GSPOLossConfig) -> Out:
-    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low,
-                    epsilon_high=config.epsilon_high, importance="sequence")
+                    epsilon_high=config.epsilon_high, delta=config.delta, clip_ratio_c=config.clip_ratio_c,
+                    importance=config.importance)
 
 
 def cispo_loss(logp, old_logp, advantages, mask, config: CISPOLossConfig) -> Out:
@@ -234,10 +218,10 @@ POLICY_LOSSES: dict[str, type] = {
 }
 
 LOSS_FUNCTIONS: dict[str, Callable[..., Out]] = {
-    "ppo": ppo_loss,
-    "grpo": grpo_loss,
-    "dapo": dapo_loss,
-    "gspo": gspo_loss,
+    "ppo": clipped_loss,
+    "grpo": clipped_loss,
+    "dapo": clipped_loss,
+    "gspo": clipped_loss,
     "cispo": cispo_loss,
     "reinforce": reinforce_loss,
     "importance_sampling": importance_sampling_loss,
@@ -259,11 +243,31 @@ class PolicyLoss:
     def __post_init__(self):
         _check_name(self.name)
         cls = POLICY_LOSSES[self.name]
-        if not isinstance(self.config, cls):
+        if type(self.config) is not cls:
             raise TypeError(f"policy loss {self.name!r} takes a {cls.__name__}, got {type(self.config).__name__}")
 
     def __call__(self, logp, old_logp, advantages, mask) -> Out:
         return LOSS_FUNCTIONS[self.name](logp, old_logp, advantages, mask, self.config)
+
+
+def loss_name(config: Any) -> str:
+    """The registry name of a loss config (its exact class: ``DAPOLossConfig`` is ``dapo``)."""
+    for name, cls in POLICY_LOSSES.items():
+        if type(config) is cls:
+            return name
+    raise TypeError(f"{type(config).__name__} is not a policy loss config; valid: "
+                    + ", ".join(cls.__name__ for cls in POLICY_LOSSES.values()))
+
+
+def as_policy_loss(config: Any) -> PolicyLoss:
+    """The ``PolicyLoss`` of a loss config (an algorithm config's ``policy_loss`` field)."""
+    return PolicyLoss(loss_name(config), config)
+
+
+# An algorithm config's ``policy_loss`` field: one of the configs, chosen on the command line as
+# ``<prefix>.policy-loss:NAME`` (or ``--<prefix>.policy-loss NAME``, ``relax.algorithms.cli``) with
+# its own typed options ``--<prefix>.policy-loss.FIELD``.
+LossConfig = Union[tuple(Annotated[cls, tyro.conf.subcommand(name)] for name, cls in POLICY_LOSSES.items())]
 
 
 def policy_loss(name: str, **overrides) -> PolicyLoss:

@@ -244,12 +244,19 @@ def batch_leaf_sharding(x: Any, mesh: Mesh, rows: int) -> NamedSharding:
     return batch_sharding(mesh) if np.ndim(x) >= 1 and np.shape(x)[0] == rows else replicated(mesh)
 
 
-def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
+def prompt_rows(batch: Any) -> int | None:
+    """The prompt count of a device batch (its ``prompt_ids``' leading axis; a dict's entry or a
+    typed batch's field); None when it has none."""
+    ids = batch.get("prompt_ids") if isinstance(batch, Mapping) else getattr(batch, "prompt_ids", None)
+    return None if ids is None else ids.shape[0]
+
+
+def place_batch(batch: Any, mesh: Mesh) -> Any:
     """Device entries of ``batch`` as global arrays on ``mesh``: arrays with the prompt axis
     (``prompt_ids``' leading size) split over ``("data", "fsdp")``, others replicated. Host-local
     arrays (numpy, or this process's rows) are assembled with
     ``jax.make_array_from_process_local_data``; arrays on another mesh are moved."""
-    ids = batch["prompt_ids"]
+    ids = batch["prompt_ids"] if isinstance(batch, Mapping) else batch.prompt_ids
     global_rows = ids.shape[0] if distributed.is_global(ids) else ids.shape[0] * jax.process_count()
     if global_rows % batch_shards(mesh):
         raise ShardingError(f"{global_rows} prompts per step do not split over data x fsdp = "
@@ -260,10 +267,10 @@ def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
         rows = global_rows if distributed.is_global(x) else global_rows // jax.process_count()
         return distributed.to_global(x, batch_leaf_sharding(x, mesh, rows))
 
-    return jax.tree.map(leaf, dict(batch))
+    return jax.tree.map(leaf, batch)
 
 
-def constrain_batch(batch: Mapping[str, Any], mesh: Mesh, rows: int) -> dict:
+def constrain_batch(batch: Any, mesh: Mesh, rows: int) -> Any:
     """``with_sharding_constraint`` of every array in ``batch`` (inside jit) to the batch rule."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_leaf_sharding(x, mesh, rows)), dict(batch))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_leaf_sharding(x, mesh, rows)), batch)
 

@@ -26,9 +26,11 @@ from typing import Any
 import jax
 
 from relax.parallel import distributed
-from relax.compose import Segment, SegmentRunner, Stage, batch_only, group_leaves, keep_state, split_host
+from relax.compose import (Segment, SegmentRunner, Stage, WithHost, batch_only, group_leaves, join_host, keep_state,
+                           split_host)
 from relax.parallel.mesh import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_leaf_sharding, batch_shards,
-                            constrain_batch, make_mesh, param_shardings, place_batch, replicated, state_shardings)
+                            constrain_batch, make_mesh, param_shardings, place_batch, prompt_rows, replicated,
+                            state_shardings)
 
 HOST_MEMORY = "pinned_host"
 # The state a sharded step runs on is a dataclass (``relax.train.TrainState``) with a ``replace``
@@ -181,10 +183,11 @@ class ShardedStep(SegmentRunner):
         return tuple(segments)
 
     @staticmethod
-    def _split(batch) -> tuple[dict, dict]:
-        if not isinstance(batch, dict) or "prompt_ids" not in batch:
-            raise ShardingError("a sharded step needs a dict batch with 'prompt_ids' (the prompt axis)")
-        return split_host(batch)
+    def _split(batch) -> tuple[Any, Any]:
+        host, dev = split_host(batch)
+        if prompt_rows(dev) is None:
+            raise ShardingError("a sharded step needs a batch with prompt_ids (the prompt axis)")
+        return host, dev
 
     @staticmethod
     def _program(group: list[Stage], mesh, shardings):
@@ -193,7 +196,7 @@ class ShardedStep(SegmentRunner):
         fn, updates = batch_only(group)
 
         def program(state, batch):
-            rows = batch["prompt_ids"].shape[0]
+            rows = prompt_rows(batch)
             if not updates:
                 return constrain_batch(fn(state, batch), mesh, rows)
             state, batch = fn(state, batch)
@@ -218,7 +221,7 @@ class ShardedStep(SegmentRunner):
                 state, out = call(state, dev)
             if self.offload:
                 state = state.replace(ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host)
-            return state, {**host, **out}
+            return state, join_host(host, out, batch)
 
         def abstract(state, batch):
             _, dev = self._split(batch)
@@ -238,11 +241,11 @@ class ShardedStep(SegmentRunner):
             small = jax.device_put(state.replace(**dict.fromkeys(MODEL_FIELDS)), replicated(self.sampler_mesh))
             with jax.set_mesh(self.sampler_mesh):
                 if not updates:  # the state stays as it is (and where it is)
-                    return state, {**host, **jitted(small.replace(policy=self._sampler_policy), dev)}
+                    return state, join_host(host, jitted(small.replace(policy=self._sampler_policy), dev), batch)
                 view, out = jitted(small.replace(policy=self._sampler_policy), dev)
             changed = {f.name: jax.device_put(getattr(view, f.name), replicated(self.mesh))
                        for f in dataclasses.fields(view) if f.name not in MODEL_FIELDS}
-            return state.replace(**changed), {**host, **out}
+            return state.replace(**changed), join_host(host, out, batch)
 
         def abstract(state, batch):
             _, dev = self._split(batch)
@@ -277,9 +280,12 @@ class ShardedStep(SegmentRunner):
                     return y
                 return x
 
-            inputs = jax.tree.map(local, batch)
-            state, out = fn(state, inputs)
-            return state, jax.tree.map(lambda x: originals.get(id(x), x), out)
+            back = lambda x: originals.get(id(x), x)  # noqa: E731
+            if isinstance(batch, WithHost):  # the host record stays as it is
+                state, out = fn(state, batch.replace(device=jax.tree.map(local, batch.device)))
+                return state, out.replace(device=jax.tree.map(back, out.device))
+            state, out = fn(state, jax.tree.map(local, batch))
+            return state, jax.tree.map(back, out)
 
         return run
 
@@ -289,9 +295,9 @@ def _typed(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _typed_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+def _typed_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:
     """A (global) batch's arrays as ``ShapeDtypeStruct`` s with the batch rule's shardings."""
-    rows = batch["prompt_ids"].shape[0]
+    rows = prompt_rows(batch)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_leaf_sharding(x, mesh, rows)),
                         batch)
 

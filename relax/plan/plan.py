@@ -194,7 +194,7 @@ def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -
             raise
         raise RuntimeError(f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs "
                            f"cuDNN to compile; plan with --{entry.field}.train-attention group") from e
-    rollout = RolloutConfig(num_generations=algo.num_generations, max_new_tokens=algo.max_new_tokens)
+    rollout = algo.generation.rollout(eos_ids=(), pad_id=0)
     kv_total = cache_bytes(model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype])
     limit = target.chip.hbm_bytes
     out = []

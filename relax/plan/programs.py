@@ -34,7 +34,8 @@ from relax.algorithms.offline import OfflineAlgorithm
 from relax.algorithms.online import ModelRunConfig, OnlineAlgorithm, OnlineRunConfig, StepParts, with_lora
 from relax.models.config import DTYPES, ModelConfig
 from relax.models.transformer import init as init_model
-from relax.compose import split_host
+from relax.algorithms.batch import HostRecord, Prompts
+from relax.compose import WithHost, join_host, split_host
 from relax.parallel import ShardedStep, batch_shards
 from relax.passes import choose_passes, target_backend
 from relax.rewards.functions import RewardFunction
@@ -80,24 +81,30 @@ def _parts(config: ModelConfig, passes) -> StepParts:
                      eos_ids=tuple(config.eos_ids) or (0,), pad_id=0, passes=passes)
 
 
-def first_batch(run: OnlineRunConfig) -> dict:
+def first_batch(run: OnlineRunConfig) -> WithHost:
     """A batch of ``--batch-size`` prompts padded to ``--max-prompt-tokens`` (the longest bucket)."""
     rows, length = run.batch_size, run.max_prompt_tokens
     ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
-    return {"prompt_ids": ids, "prompt_mask": ids, "prompts": [""] * rows,
-            "fields": {run.answer_field: [""] * rows}}
+    return WithHost(Prompts(ids, ids), HostRecord(prompts=[""] * rows, fields={run.answer_field: [""] * rows}))
+
+
+def _device_map(fn: Callable, batch: Any) -> Any:
+    """``fn`` over the leaves of a batch's device part (a ``WithHost``'s record kept)."""
+    if isinstance(batch, WithHost):
+        return batch.replace(device=jax.tree.map(fn, batch.device))
+    return jax.tree.map(fn, batch)
 
 
 def _concrete(tree: Any) -> Any:
     """Zeros for every ``ShapeDtypeStruct`` (what a host segment reads)."""
-    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, tree)
+    return _device_map(lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, tree)
 
 
 def _shapes(tree: Any) -> Any:
     """Arrays (and a lowered program's output infos) as ``ShapeDtypeStruct`` s without a sharding
     (what the next jitted segment is lowered with, placed its own way)."""
     is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # numpy, jax, lowered.out_info
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_array(x) else x, tree)
+    return _device_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_array(x) else x, tree)
 
 
 def online_programs(run: OnlineRunConfig, algorithm: OnlineAlgorithm, config: ModelConfig,
@@ -158,7 +165,7 @@ def _walk(segments, state, batch: dict, compile_fn, device: jax.Device | None = 
             program = Program(name, mesh, args, compiled, error, seconds, outputs=_shapes(lowered.out_info))
         programs.append(program)
         out = program.outputs
-        batch = {**split_host(batch)[0], **(out[1] if seg.updates_state else out)}
+        batch = join_host(split_host(batch)[0], out[1] if seg.updates_state else out, batch)
         if until is not None and until(name):
             break
     return programs

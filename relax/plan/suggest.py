@@ -41,7 +41,8 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     run, field = p.run, ALGORITHMS[p.algorithm].field
     algo = getattr(run, field)
     out: list[tuple[str, ...]] = []
-    if hasattr(algo, "remat") and not algo.remat:
+    remat = algo.forward.remat if hasattr(algo, "forward") else getattr(algo, "remat", None)
+    if remat is False:
         out.append((f"--{field}.remat",))
     if hasattr(algo, "grad_accum"):  # micro-batches that split a minibatch's rows evenly
         rows = run.batch_size // getattr(algo, "num_minibatches", 1)

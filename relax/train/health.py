@@ -73,20 +73,23 @@ def first_nonfinite_leaf(tree) -> Int[Array, ""]:
     return _first([~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
 
 
-def first_nonfinite(batch: Mapping[str, Array], loss: Array) -> Int[Array, ""]:
-    """Index in ``QUANTITIES`` of the first non-finite one in ``batch`` / ``loss``; -1 if none.
+def first_nonfinite(loss: Array, *, rewards: Array | None = None, advantages: Array | None = None,
+                    old_logprobs: Array | None = None, ref_logprobs: Array | None = None,
+                    mask: Array | None = None) -> Int[Array, ""]:
+    """Index in ``QUANTITIES`` of the first non-finite one of ``loss`` and the batch's quantities
+    given; -1 if none.
 
-    Absent entries count as finite (``ref_logprobs`` without a KL term; everything but the loss
-    for a trainer without rollouts, e.g. SFT); log-probs count only where ``batch["mask"]`` is on."""
-    present = {q: q in batch for q in QUANTITIES[:-1]}
+    A quantity not given counts as finite (``ref_logprobs`` without a KL term; everything but the
+    loss for a trainer without rollouts, e.g. SFT); rewards count only infinities (NaN is a missing
+    score); log-probs count only where ``mask`` is on."""
     checks = {"loss": jnp.isfinite(loss)}
-    if present["rewards"]:
-        checks["rewards"] = ~jnp.any(jnp.isinf(batch["rewards"]))
-    if present["advantages"]:
-        checks["advantages"] = jnp.all(jnp.isfinite(batch["advantages"]))
-    for q in ("old_logprobs", "ref_logprobs"):
-        if present[q]:
-            checks[q] = jnp.all(jnp.isfinite(batch[q]) | ~(batch["mask"] > 0))
+    if rewards is not None:
+        checks["rewards"] = ~jnp.any(jnp.isinf(rewards))
+    if advantages is not None:
+        checks["advantages"] = jnp.all(jnp.isfinite(advantages))
+    for q, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if x is not None:
+            checks[q] = jnp.all(jnp.isfinite(x) | ~(mask > 0))
     return _first([~checks.get(q, jnp.bool_(True)) for q in QUANTITIES])
 
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.compose import Segment
+from relax.compose import Segment, split_host
 from relax.objectives.off_policy import OffPolicyConfig
 
 
@@ -217,7 +217,7 @@ class Pipeline:
             t_collect = time.perf_counter()
             batch = self._advance(current).batch  # what it waits for (the reward pool's scores)
             t_collect = time.perf_counter() - t_collect
-            versions = np.unique(jax.device_get(batch["policy_version"]))  # as the samples recorded it
+            versions = np.unique(jax.device_get(split_host(batch)[1].policy_version))  # as the samples recorded it
             lag = j - int(versions[0])
             if versions.tolist() != [self.cfg.version(j)] or not 0 <= lag <= self.cfg.staleness:
                 raise RuntimeError(f"batch {j} was sampled by version(s) {versions.tolist()}, the schedule says "
@@ -227,7 +227,8 @@ class Pipeline:
             if ahead is not None and d > 0:
                 self._advance(ahead, until_wait=True)  # its host work, while the device updates
             t_produced = time.perf_counter()
-            jax.block_until_ready((batch["metrics"], batch["health"]))
+            out = split_host(batch)[1]
+            jax.block_until_ready((out.metrics, out.health))
             t1 = time.perf_counter()
             self._prune(j + 1, steps)
             timings = {"time/step": t1 - t0, "time/wait_update": t1 - t_produced,

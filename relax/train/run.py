@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 
-from relax.compose import SegmentRunner
+from relax.compose import SegmentRunner, split_host
 from relax.models.adapters import split_trainable
 from relax.train.checkpoint import Checkpointer
 from relax.train.health import HealthConfig, HealthMonitor, check_finite_weights, leaf_names
@@ -30,6 +30,7 @@ from relax.train.optimizer import skip_counts
 from relax.train.pipeline import AsyncConfig, Pipeline, producer_part
 from relax.train.preemption import Preempted, PreemptionGuard
 from relax.train.run_dir import load_summary, restore_latest, set_aside_earlier_run
+from relax.train.update import Updated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +127,33 @@ def iteration(trainer: Trainer, state, batch) -> tuple[Any, dict, dict]:
         for seg in trainer.step.segments:
             t0 = time.perf_counter()
             state, batch = seg.run(state, batch)
-            jax.block_until_ready((state, {k: v for k, v in batch.items() if k in ("tokens", "rewards")}))
+            jax.block_until_ready((state, _samples(batch)))
             timings["time/" + "+".join(seg.names)] = time.perf_counter() - t0
     timings["time/step"] = sum(timings.values())
     return (state, *_host_values(trainer, batch, timings, compiles.count))
 
 
-def _host_values(trainer: Trainer, batch: dict, timings: dict, compiles: int) -> tuple[dict, dict]:
-    metrics = {k: float(v) for k, v in jax.device_get(batch["metrics"]).items()}
+def _host_values(trainer: Trainer, batch, timings: dict, compiles: int) -> tuple[dict, dict]:
+    out = updated(batch)
+    metrics = {k: float(v) for k, v in jax.device_get(out.metrics).items()}
     metrics.update(timings, compiles=float(compiles))
     metrics.update(trainer.host_metrics(batch, metrics))
-    return metrics, {k: int(v) for k, v in jax.device_get(batch["health"]).items()}
+    return metrics, {k: int(v) for k, v in jax.device_get(out.health).items()}
+
+
+def _samples(batch) -> tuple:
+    """What a segment's timing waits for besides the state: the batch's ``tokens`` and ``rewards``
+    (not, e.g., the reference log-probs, which the device computes while the host scores)."""
+    dev = split_host(batch)[1]
+    dev = dev.batch if isinstance(dev, Updated) else dev
+    if isinstance(dev, Mapping):
+        return tuple(dev[k] for k in ("tokens", "rewards") if k in dev)
+    return tuple(getattr(dev, k, None) for k in ("tokens", "rewards"))
+
+
+def updated(batch) -> Updated:
+    """The ``Updated`` (metrics, health) a step returned: its device part (``relax.compose.split_host``)."""
+    return split_host(batch)[1]
 
 
 class Synchronous:

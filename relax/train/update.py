@@ -66,11 +66,26 @@ jax.tree_util.register_dataclass(LossContext, data_fields=["norms", "ref_is_poli
 LossFn = Callable[[Any, Any, LossContext], "tuple[Array, Mapping[str, Array | M.Metric]]"]
 
 
+class Updated(eqx.Module):
+    """What an update stage returns as its batch: the batch it trained on, the step's metrics
+    (reduced, ``relax.metrics``) and its health record (``relax.train.health.step_health``)."""
+
+    batch: Any
+    metrics: dict[str, Array]
+    health: dict[str, Array]
+
+
+def loss_mask_of(batch) -> Array:
+    """The batch's ``loss_mask`` (``[rows, ..., T]``): the tokens its loss counts."""
+    return batch["loss_mask"] if isinstance(batch, Mapping) else batch.loss_mask
+
+
 def token_normalizers(batch) -> dict[str, Array]:
     """The default normalisers: valid loss tokens and sequences with at least one of them, from
     the batch's ``loss_mask`` (``[rows, ..., T]``), each at least 1."""
-    seq_valid = jnp.any(batch["loss_mask"] > 0, axis=-1)
-    return {"tokens": jnp.maximum(jnp.sum(batch["loss_mask"]), 1).astype(jnp.float32),
+    loss_mask = loss_mask_of(batch)
+    seq_valid = jnp.any(loss_mask > 0, axis=-1)
+    return {"tokens": jnp.maximum(jnp.sum(loss_mask), 1).astype(jnp.float32),
             "sequences": jnp.maximum(jnp.sum(seq_valid), 1).astype(jnp.float32)}
 
 
@@ -156,4 +171,4 @@ def _declared(out):
 
 def _weight(micro_batch) -> Array:
     """A micro-batch's weight in token-weighted metric means: its loss tokens."""
-    return jnp.sum(micro_batch["loss_mask"]).astype(jnp.float32)
+    return jnp.sum(loss_mask_of(micro_batch)).astype(jnp.float32)

@@ -13,10 +13,12 @@ from typing import Literal
 import jax
 import numpy as np
 
+from relax.algorithms.batch import HostRecord
+from relax.algorithms.configure import configure
+from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
 from relax.models.lora import LoRAConfig
-from relax.rollout.sampling import SamplingConfig
 from relax.tasks import agent as agent_task
 from relax.tasks.base import prepare
 from relax.train.logs import MetricsLogger
@@ -71,7 +73,7 @@ class AgentRunConfig(RunConfig):
 def check_budget(cfg: AgentRunConfig) -> None:
     """Raise ``ValueError`` naming the flag when the algorithm's ``max_new_tokens`` (a trajectory's
     slots after the prompt) leaves no room for a prompt in the built-in model's positions."""
-    positions, n = agent_task.max_positions(cfg.task), cfg.algorithm_config.max_new_tokens
+    positions, n = agent_task.max_positions(cfg.task), cfg.algorithm_config.generation.max_new_tokens
     if n >= positions:
         raise ValueError(f"--{cfg.algorithm}.max-new-tokens {n} leaves no room for the prompt: the built-in agent "
                          f"model has {positions} positions (max(256, 64 x --task.max-turns)) for the prompt and the "
@@ -104,9 +106,9 @@ class RowIterator:
 def builtin_defaults() -> AgentRunConfig:
     """The no-argument run, sized to show learning in a few minutes on 2 CPU cores; ``--algorithm
     ppo`` gets the same trajectory budget and learning rate (and the PPO demo's critic rate)."""
-    grpo = GRPOConfig(num_generations=8, max_new_tokens=BUILTIN_MAX_NEW_TOKENS, beta=0.0,
-                      optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4))
-    ppo = PPOConfig(max_new_tokens=grpo.max_new_tokens, optimizer=grpo.optimizer,
+    grpo = configure(GRPOConfig, num_generations=8, max_new_tokens=BUILTIN_MAX_NEW_TOKENS, beta=0.0,
+                     optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4))
+    ppo = configure(PPOConfig, max_new_tokens=grpo.generation.max_new_tokens, optimizer=grpo.optimizer,
                     critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
     task = agent_task.AgentTask()
     return AgentRunConfig(task=task, grpo=grpo, ppo=ppo,
@@ -116,8 +118,8 @@ def builtin_defaults() -> AgentRunConfig:
 
 def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_id: int, log):
     """Greedy trajectories of every held-out row: ``success_metrics``."""
-    rcfg = rollout_config(cfg.agent, num_generations=1, max_new_tokens=cfg.algorithm_config.max_new_tokens,
-                          sampling=SamplingConfig(temperature=0.0), eos_ids=chat.stop_ids, pad_id=pad_id)
+    greedy = dataclasses.replace(cfg.algorithm_config.generation, num_generations=1, temperature=0.0)
+    rcfg = rollout_config(cfg.agent, greedy, eos_ids=chat.stop_ids, pad_id=pad_id)
 
     def evaluate(state, step: int, logger: MetricsLogger) -> dict:
         t0 = time.perf_counter()
@@ -149,8 +151,9 @@ def run(cfg: AgentRunConfig) -> dict:
         step = make_agent_ppo_step(cfg.ppo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
     algo = cfg.algorithm_config
     report = run_report(cfg, model, [f"{len(train)} training rows, {len(held_out)} held out (the built-in task)",
-                                     f"{cfg.batch_size} rows x {algo.num_generations} trajectories per step, at most "
-                                     f"{cfg.agent.max_turns} turns and {algo.max_new_tokens} tokens after the prompt"],
+                                     f"{cfg.batch_size} rows x {algo.generation.num_generations} trajectories per "
+                                     f"step, at most {cfg.agent.max_turns} turns and "
+                                     f"{algo.generation.max_new_tokens} tokens after the prompt"],
                         extra=[("tools", tuple(f"{t['function']['name']}: {t['function'].get('description', '')}"
                                                for t in env_tools)),
                                ("first training row", first_row_lines(train[0] if train else None))])
@@ -158,8 +161,8 @@ def run(cfg: AgentRunConfig) -> dict:
     make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
     state = make_state(cfg.algorithm_config, model, jax.random.key(cfg.seed))
     trainer = Trainer(name=f"agent-{cfg.algorithm}", step=step, batches=RowIterator(train, cfg.batch_size, cfg.seed),
-                      make_batch=lambda rows: {"rows": rows},
-                      host_metrics=lambda batch, metrics: {k: v for k, v in batch["agent"].items() if np.isfinite(v)},
+                      make_batch=lambda rows: WithHost(None, HostRecord(rows=rows)),
+                      host_metrics=lambda out, metrics: {k: v for k, v in out.host.agent.items() if np.isfinite(v)},
                       evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
                       export=exporter(tokenizer, str(run_dir / "base_model")),
                       bar_keys=BAR_KEYS, on_start=report.write,

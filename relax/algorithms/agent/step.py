@@ -1,14 +1,17 @@
-"""GRPO and PPO on multi-turn trajectories: ``compose(rollout, [reference], advantage, update)``.
+"""GRPO and PPO on multi-turn trajectories: ``compose(rollout, [reference], advantage, update)``,
+the online step (``relax.algorithms.online_step``) with a rollout that scores its own samples.
 
 - ``rollout`` (host): ``relax.environments.rollout`` steps P x G environments over the
-  cache-carrying sampler. Its trajectories enter the batch as ``tokens`` (sampled and observation
-  tokens in order), ``mask`` (every filled slot: what the trainer's forward attends),
-  ``sampled_mask`` (the policy's tokens: the loss, the KL and the advantages), ``old_logprobs``
-  (the sampler's, at sampled tokens), ``rewards`` (the environments' sum per trajectory; NaN
-  where one raised), ``turn_rewards`` / ``turn_index`` (per-turn credit), ``lengths`` (sampled
-  tokens), ``finished`` (not truncated), and the host metrics ``agent``.
-- ``reference``, ``advantage`` and ``update``: GRPO's or PPO's own stages, told that the policy's
-  tokens are ``sampled_mask``: observation tokens are read by every forward and scored by none.
+  cache-carrying sampler. Its trajectories enter the batch as a ``Scored`` batch
+  (``relax.algorithms.batch``): ``tokens`` (sampled and observation tokens in order), ``mask``
+  (every filled slot: what the trainer's forward attends), ``sampled_mask`` (the policy's tokens:
+  the loss, the KL and the advantages), ``old_logprobs`` (the sampler's, at sampled tokens),
+  ``rewards`` (the environments' sum per trajectory; NaN where one raised), ``turn_rewards`` /
+  ``turn_index`` (per-turn credit), ``lengths`` (sampled tokens), ``finished`` (not truncated);
+  the host record gets the metrics ``agent``.
+- ``reference``, ``advantage`` and ``update``: GRPO's or PPO's own stages, which train on the
+  batch's ``policy_tokens`` (``sampled_mask``): observation tokens are read by every forward and
+  scored by none.
 - A trajectory whose reward is NaN (its environment raised) is out of ``loss_mask``: no policy,
   KL or entropy term and not counted in the loss's normalisers (GRPO: ``drop_errored``, after
   the advantage; PPO's advantage stage leaves out non-finite scores itself).
@@ -23,18 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.compose import Stage, compose, stage
+from relax.algorithms.batch import Advantaged, Scored
+from relax.compose import Stage, WithHost, stage
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
-from relax.passes import Passes, choose_passes
-from relax.rollout.sampling import SamplingConfig
+from relax.passes import Passes
+from relax.rollout.generation import GenerationConfig
 from relax.rollout.turns import TurnConfig
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo import step as grpo
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo import step as ppo
-from relax.algorithms.stages import ROLLOUT_STREAM, reference_stages, sample_versions
+from relax.algorithms.online_step import make_online_step
+from relax.algorithms.stages import ROLLOUT_STREAM, sample_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +55,13 @@ class AgentConfig:
     compact_below: float = 0.5
 
 
-def rollout_config(agent: AgentConfig, *, num_generations: int, max_new_tokens: int, sampling: SamplingConfig,
-                   eos_ids: tuple[int, ...], pad_id: int) -> AgentRolloutConfig:
-    turns = TurnConfig(num_generations=num_generations, max_tokens=max_new_tokens,
-                       max_turn_tokens=agent.max_turn_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+def rollout_config(agent: AgentConfig, generation: GenerationConfig, *, eos_ids: tuple[int, ...],
+                   pad_id: int) -> AgentRolloutConfig:
+    """The trajectories' sampler: ``generation``'s completions per row, sampling controls and
+    budget (the whole trajectory, observations included), turns of ``agent.max_turn_tokens``."""
+    turns = TurnConfig(num_generations=generation.num_generations, max_tokens=generation.max_new_tokens,
+                       max_turn_tokens=agent.max_turn_tokens, sampling=generation.sampling, eos_ids=eos_ids,
+                       pad_id=pad_id)
     return AgentRolloutConfig(turns=turns, max_turns=agent.max_turns, compact_below=agent.compact_below)
 
 
@@ -73,44 +81,40 @@ def trajectory_metrics(t: Trajectories) -> dict[str, float]:
 
 
 def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatFormat) -> Stage:
-    """The host stage: ``batch["rows"]`` (P dataset rows) -> P x G trajectories in the batch."""
+    """The host stage: the host record's ``rows`` (P dataset rows) -> P x G trajectories, a
+    ``Scored`` batch (module docstring)."""
 
-    def rollout(state, batch):
+    def rollout(state, batch: WithHost) -> tuple[object, WithHost]:
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
-        t = rollout_trajectories(state.policy, batch["rows"], make_env, chat, key=key, cfg=rcfg)
+        t = rollout_trajectories(state.policy, batch.host.rows, make_env, chat, key=key, cfg=rcfg)
         rewards = jnp.asarray(t.rewards, jnp.float32)
-        out = {**batch, "prompt_ids": jnp.asarray(t.prompt_ids), "prompt_mask": jnp.asarray(t.prompt_mask),
-               "tokens": jnp.asarray(t.tokens), "mask": jnp.asarray(t.mask), "sampled_mask": jnp.asarray(t.sampled_mask),
-               "old_logprobs": jnp.asarray(t.logprobs), "turn_rewards": jnp.asarray(t.turn_rewards),
-               "turn_index": jnp.asarray(t.turn_index), "rewards": rewards,
-               "lengths": jnp.asarray(t.sampled_mask.sum(-1), jnp.int32), "finished": jnp.asarray(~t.truncated),
-               "policy_version": sample_versions(state, rewards),
-               "reward_parts": {"env": rewards}, "reward_info": {}, "agent": trajectory_metrics(t)}
-        return state, out
+        out = Scored(prompt_ids=jnp.asarray(t.prompt_ids), prompt_mask=jnp.asarray(t.prompt_mask),
+                     tokens=jnp.asarray(t.tokens), mask=jnp.asarray(t.mask), sampled_mask=jnp.asarray(t.sampled_mask),
+                     old_logprobs=jnp.asarray(t.logprobs), turn_rewards=jnp.asarray(t.turn_rewards),
+                     turn_index=jnp.asarray(t.turn_index), rewards=rewards,
+                     lengths=jnp.asarray(t.sampled_mask.sum(-1), jnp.int32), finished=jnp.asarray(~t.truncated),
+                     policy_version=sample_versions(state, rewards), reward_parts={"env": rewards})
+        return state, WithHost(out, batch.host.replace(reward_info={}, agent=trajectory_metrics(t)))
 
     return stage(rollout, jit=False, name="rollout", updates_state=False)
 
 
-def drop_errored(state, batch):
+def drop_errored(state, batch: Advantaged):
     """``loss_mask`` without the trajectories whose reward is NaN (an environment raised): GRPO's
     advantage gives them 0, and this takes their tokens out of the KL, the entropy and the
     normalisers too."""
-    ok = jnp.isfinite(batch["rewards"])[..., None]
-    return state, {**batch, "loss_mask": batch["loss_mask"] * ok.astype(batch["loss_mask"].dtype)}
+    ok = jnp.isfinite(batch.rewards)[..., None]
+    return state, batch.replace(loss_mask=batch.loss_mask * ok.astype(batch.loss_mask.dtype))
 
 
 def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
                          pad_id: int, passes: Passes | None = None) -> Stage:
     """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``."""
-    passes = choose_passes() if passes is None else passes
-    sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
-    rcfg = rollout_config(agent, num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
-                          sampling=sampling, eos_ids=chat.stop_ids, pad_id=pad_id)
-    reference = reference_stages(cfg, passes)
-    return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
-                   grpo.make_advantage(cfg, policy_tokens="sampled_mask", per_turn=agent.per_turn),
-                   stage(drop_errored, name="drop_errored"), grpo.make_update_stage(cfg, passes),
-                   name="agent_grpo_step")
+    rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
+                                 make_env, chat)
+    parts = dataclasses.replace(grpo.grpo_parts(cfg, per_turn=agent.per_turn), name="agent_grpo_step", packing=None)
+    return make_online_step(parts, rollout=rollout, after_advantage=(stage(drop_errored, name="drop_errored"),),
+                            passes=passes)
 
 
 def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
@@ -120,13 +124,10 @@ def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, 
         raise ValueError(f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported")
     if agent.per_turn:
         raise ValueError("per-turn advantages are GRPO's; PPO's critic assigns credit per token")
-    passes = choose_passes() if passes is None else passes
-    rcfg = rollout_config(agent, num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
-                          sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=chat.stop_ids, pad_id=pad_id)
-    reference = reference_stages(cfg, passes)
-    return compose(make_agent_rollout(rcfg, make_env, chat), *reference,
-                   ppo.make_advantage(cfg, policy_tokens="sampled_mask"), ppo.make_update_stage(cfg, passes),
-                   name="agent_ppo_step")
+    rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
+                                 make_env, chat)
+    parts = dataclasses.replace(ppo.ppo_parts(cfg), name="agent_ppo_step")
+    return make_online_step(parts, rollout=rollout, passes=passes)
 
 
 def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float]:

@@ -7,10 +7,13 @@ Every field is read by the trainer (``relax.algorithms.distill.step``); the run 
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 from relax.choices import check_choice
 from relax.models.distill import DIVERGENCES, resolve_divergence
-from relax.models.prefix_shared import TRAIN_ATTENTION
+from relax.algorithms.configure import FLAT
+from relax.models.forward import ForwardConfig
+from relax.rollout.generation import GenerationConfig
 from relax.train.optimizer import OptimizerConfig
 
 MODES = ("off_policy", "on_policy", "mixed")
@@ -27,38 +30,38 @@ class DistillConfig:
     The loss is the token sum divided by the batch's loss tokens.
 
     Data (``mode``): ``off_policy`` trains on the batch's completions (a dataset's; GKD's
-    supervised KD, lambda = 0); ``on_policy`` samples ``num_generations`` completions of at most
-    ``max_new_tokens`` per prompt from the student at ``temperature`` every step (lambda = 1);
+    supervised KD, lambda = 0); ``on_policy`` samples ``generation`` (``relax.rollout.generation``,
+    flat flags: ``num_generations`` completions of at most ``max_new_tokens`` per prompt at
+    ``temperature``, the divergence's too; no ``stop_strings``: the sampler stops at EOS) from the
+    student every step (lambda = 1);
     ``mixed`` samples with probability ``lmbda`` per step (TRL's ``lmbda``), else uses the batch's
     completions, which must then be ``[P, num_generations, max_new_tokens]``.
 
     Update: one optimizer step per batch, the batch split into ``grad_accum`` micro-batches
     (``None``: the passes' choice, ``relax.passes``); ``chunk_size`` rows of vocabulary logits at a
-    time; ``remat`` recomputes each student layer in the backward; ``train_attention`` is the
-    completion attention of the training forward of both models (``relax.models.prefix_shared``).
+    time; ``forward`` (``relax.models.forward.ForwardConfig``, flat flags): ``train_attention`` of
+    both models' forwards, ``remat`` / ``remat_policy`` of the student's backward.
     """
 
     divergence: str = "forward"
     jsd_beta: float = 0.5
-    temperature: float = 1.0
+    generation: Annotated[GenerationConfig, FLAT] = GenerationConfig(num_generations=1, max_new_tokens=128)
     mode: str = "off_policy"
     lmbda: float = 0.5
-    num_generations: int = 1
-    max_new_tokens: int = 128
     grad_accum: int | None = None
     chunk_size: int = 512
-    remat: bool = False
-    train_attention: str = "auto"
+    forward: Annotated[ForwardConfig, FLAT] = ForwardConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
 
     def __post_init__(self):
         check_choice("divergence", self.divergence, DIVERGENCES)
         check_choice("mode", self.mode, MODES)
-        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
-        resolve_divergence(self.divergence, beta=self.jsd_beta, temperature=self.temperature)  # ranges
+        resolve_divergence(self.divergence, beta=self.jsd_beta, temperature=self.generation.temperature)  # ranges
+        if self.generation.stop_strings:
+            raise ValueError("distillation samples on the device and stops at EOS: stop_strings are not supported")
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
-        for name in ("num_generations", "max_new_tokens", "grad_accum", "chunk_size"):
+        for name in ("grad_accum", "chunk_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -4,7 +4,7 @@
 
 with ``D`` the configured divergence (``relax.models.distill``), computed from the student's hidden
 states (the prefix-shared training forward, ``completion_hidden``) and the teacher's, which the
-teacher stage cached in the batch (``teacher_hidden``), each projected by its own head in chunks
+teacher stage put in the batch (``DistillBatch.teacher_hidden``), each projected by its own head in chunks
 of rows. Metrics: ``kl`` (or ``jsd``), ``top1_agreement`` (the two argmaxes agree) and the
 student's ``entropy`` at the temperature, token means.
 """
@@ -16,38 +16,38 @@ import jax.numpy as jnp
 
 from relax.masked import masked_mean
 from relax.models.distill import divergence_from_hidden
+from relax.models.forward import ForwardConfig
 from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.models.transformer import Transformer
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update
 
 from relax.algorithms.distill.config import DistillConfig
+from relax.algorithms.distill.data import DistillBatch
 
-UPDATE_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "teacher_hidden")
 
-
-def student_hidden(student: Transformer, mb, passes: Passes, *, attention: str, remat: bool):
+def student_hidden(student: Transformer, mb: DistillBatch, passes: Passes, forward: ForwardConfig):
     """The student's final-norm hidden states ``[P, G, N, D]`` predicting each completion token
-    (``mb["rope"]`` when precomputed), laid out as ``passes`` say."""
-    p, g, n = mb["tokens"].shape
-    c, lp = student.config, mb["prompt_ids"].shape[1]
+    (``mb.rope`` when precomputed), run as ``forward`` says and laid out as ``passes`` say."""
+    p, g, n = mb.tokens.shape
+    c, lp = student.config, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-    return completion_hidden(student, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"], remat=remat,
-                             attention=attention, unroll=passes.unroll(c.num_layers),
-                             save_attention=passes.save_attention(probs_bytes), rope=mb.get("rope"))
+    return completion_hidden(student, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, **forward.options(),
+                             unroll=passes.unroll(c.num_layers),
+                             save_attention=passes.save_attention(probs_bytes), rope=mb.rope)
 
 
 def make_loss(cfg: DistillConfig, teacher: Transformer, passes: Passes = Passes()):
     """``loss(student, micro_batch, ctx) -> (scalar, metrics)``; ``teacher`` gives its head (its hidden
-    states are ``micro_batch["teacher_hidden"]``) and gets no gradient."""
+    states are ``micro_batch.teacher_hidden``) and gets no gradient."""
     name = cfg.metric_name
 
-    def loss_fn(student, mb, ctx: LossContext):
-        h = student_hidden(student, mb, passes, attention=cfg.train_attention, remat=cfg.remat)
-        div, agree, ent = divergence_from_hidden(student, h, teacher, mb["teacher_hidden"],
+    def loss_fn(student, mb: DistillBatch, ctx: LossContext):
+        h = student_hidden(student, mb, passes, cfg.forward)
+        div, agree, ent = divergence_from_hidden(student, h, teacher, mb.teacher_hidden,
                                                  divergence=cfg.divergence, beta=cfg.jsd_beta,
-                                                 temperature=cfg.temperature, chunk_size=cfg.chunk_size)
-        mask = mb["loss_mask"] > 0
+                                                 temperature=cfg.generation.temperature, chunk_size=cfg.chunk_size)
+        mask = mb.loss_mask > 0
         loss = jnp.sum(jnp.where(mask, div, 0.0)) / ctx.norms["tokens"]
         metrics = {name: jax.lax.stop_gradient(masked_mean(div, mask)), "top1_agreement": masked_mean(agree, mask),
                    "entropy": masked_mean(ent, mask)}
@@ -57,18 +57,20 @@ def make_loss(cfg: DistillConfig, teacher: Transformer, passes: Passes = Passes(
 
 
 def make_distill_update(cfg: DistillConfig, optimizer, teacher: Transformer, passes: Passes = Passes()):
-    """``update(student, opt_state, data, key) -> (student, opt_state, metrics)``: one optimizer step
-    of ``make_loss`` over ``data`` (``UPDATE_KEYS``: ``prompt_ids``/``prompt_mask`` ``[P, Lp]``,
+    """``update(student, opt_state, batch, key) -> (student, opt_state, metrics)``: one optimizer step
+    of ``make_loss`` over a ``DistillBatch`` (its ``prompt_ids``/``prompt_mask`` ``[P, Lp]``,
     ``tokens``/``mask``/``loss_mask`` ``[P, G, N]``, ``teacher_hidden`` ``[P, G, N, D_teacher]``) in
     ``cfg.grad_accum`` micro-batches (``relax.train.update``)."""
     update = make_update(make_loss(cfg, teacher, passes), optimizer, epochs=1, minibatches=1,
                          grad_accum=cfg.grad_accum, passes=passes)
 
-    def distill_update(student, opt_state, data, key):
-        _, g, n = data["tokens"].shape
-        # rotary tables once for all micro-batches, outside their loop (see completion_rope)
-        data = {**{k: data[k] for k in UPDATE_KEYS},
-                "rope": completion_rope(student.config, data["prompt_mask"], g, n)}
+    def distill_update(student, opt_state, batch: DistillBatch, key):
+        _, g, n = batch.tokens.shape
+        # the rows the loss reads, and the rotary tables once for all micro-batches, outside their
+        # loop (see completion_rope)
+        data = DistillBatch(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens,
+                            mask=batch.mask, loss_mask=batch.loss_mask, teacher_hidden=batch.teacher_hidden,
+                            rope=completion_rope(student.config, batch.prompt_mask, g, n))
         return update(student, opt_state, data, key)
 
     return distill_update

@@ -13,20 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.data.pairs import right_pad
+from relax.data.supervised import encode_sft
 from relax.masked import masked_mean
 from relax.models.adapters import lora_off
 from relax.models.distill import divergence_from_hidden
 from relax.models.prefix_shared import completion_hidden
 from relax.models.transformer import init
 from relax.tasks import reverse
-from relax.text.sentencepiece_model import pad_left
 
+from relax.algorithms.configure import configure
 from relax.algorithms.distill.config import DistillConfig
+from relax.algorithms.distill.data import DistillBatch, collate_completions
 from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
 from relax.algorithms.offline import OfflineAlgorithm, PairRunConfig, run_offline
 from relax.algorithms.online import with_lora
-from relax.algorithms.sft.step import SFTConfig, sft_examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,24 +48,25 @@ class DistillRunConfig(PairRunConfig):
 
 def builtin_defaults() -> DistillRunConfig:
     """The no-argument run: a fresh small student learns the reverse task's base model."""
-    d = DistillConfig(max_new_tokens=8, optimizer=dataclasses.replace(DistillConfig().optimizer, learning_rate=3e-3))
+    d = configure(DistillConfig, max_new_tokens=8,
+                  optimizer=dataclasses.replace(DistillConfig().optimizer, learning_rate=3e-3))
     return DistillRunConfig(distill=d, steps=100, batch_size=16, max_prompt_tokens=16, max_completion_tokens=8,
                             eval_every=50, checkpoint_every=50, run_dir="runs/distill-reverse")
 
 
 @eqx.filter_jit
-def _held_out(student, teacher, batch, div: str, beta: float, temperature: float):
-    args = (batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"])
+def _held_out(student, teacher, batch: DistillBatch, div: str, beta: float, temperature: float):
+    args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     d, agree, _ = divergence_from_hidden(student, completion_hidden(student, *args), teacher,
                                          completion_hidden(teacher, *args), divergence=div, beta=beta,
                                          temperature=temperature)
-    m = batch["mask"] > 0
+    m = batch.mask > 0
     return masked_mean(d, m), masked_mean(agree, m)
 
 
 def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
     d = cfg.distill
-    as_sft = SFTConfig(max_length=cfg.max_prompt_tokens + cfg.max_completion_tokens)
+
     def make_state(model, key):
         if cfg.model is None:  # the built-in task: the base model teaches a fresh, smaller student
             k_init, key = jax.random.split(key)
@@ -77,9 +78,10 @@ def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
         return init_distill_state(model, load_teacher(cfg.teacher, model), d.optimizer.make(), key=key)
 
     def encode(records, tokenizer):
-        """(prompt, completion) token lists: the prompt is what precedes the first loss token."""
+        """(prompt, completion) token lists of supervised rows (``relax.data.supervised.encode_sft``):
+        the prompt is what precedes the first loss token."""
         out = []
-        for e in sft_examples(as_sft, records, tokenizer):
+        for e in encode_sft(records, tokenizer, max_length=cfg.max_prompt_tokens + cfg.max_completion_tokens):
             start = int(np.argmax(np.asarray(e.loss_mask) > 0))
             prompt, completion = list(e.ids[:start]), list(e.ids[start:])
             if len(prompt) > cfg.max_prompt_tokens or len(completion) > cfg.max_completion_tokens:
@@ -90,13 +92,12 @@ def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
         return out
 
     def collate(examples, pad_id):
-        prompt_ids, prompt_mask = pad_left([p for p, _ in examples], pad_id=pad_id, length=cfg.max_prompt_tokens)
-        tokens, mask = right_pad([c for _, c in examples], cfg.max_completion_tokens, pad_id)
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "tokens": tokens[:, None], "mask": mask[:, None]}
+        return collate_completions(examples, pad_id=pad_id, prompt_length=cfg.max_prompt_tokens,
+                                   completion_length=cfg.max_completion_tokens)
 
     def evaluate(state, examples, tokenizer):
         div, agree = _held_out(state.policy, state.ref, jax.tree.map(jnp.asarray, collate(examples, tokenizer.pad_token_id)),
-                               d.divergence, d.jsd_beta, d.temperature)
+                               d.divergence, d.jsd_beta, d.generation.temperature)
         return {f"{d.metric_name}_to_teacher": float(div), "top1_accuracy": float(agree)}
 
     def make_step(passes, tokenizer):

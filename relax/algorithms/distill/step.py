@@ -4,37 +4,43 @@
   the student (``state.policy``) with the prefix-shared sampler, key
   ``fold_in(state.key, ROLLOUT_STREAM)`` (GRPO's rollout key); in mixed mode only on a step whose
   coin (``fold_in(state.key, MIX_STREAM)``, probability ``lmbda``) says so, else the batch's own
-  completions. Adds ``tokens``, ``mask``, ``loss_mask`` ``[P, G, N]``, ``lengths``, ``finished``
+  completions. Sets ``tokens``, ``mask``, ``loss_mask`` ``[P, G, N]``, ``lengths``, ``finished``
   ``[P, G]`` and ``on_policy`` (a bool scalar).
 - ``teacher`` (jit, reads the reference): the teacher's (``state.ref``) final-norm hidden states
   predicting every completion token, ``teacher_hidden`` ``[P, G, N, D_teacher]``, forward only, one
   prompt group per pass where the passes say so; ``loss_mask`` defaults to ``mask``.
 - ``update`` (jit): one optimizer step of the distillation loss through the generic update, then
-  ``step + 1`` and a new key; the batch gets ``metrics`` and ``health``.
+  ``step + 1`` and a new key; its output is ``relax.train.update.Updated`` (the batch, ``metrics``,
+  ``health``).
 
-The last two fuse into one program (the first too: the whole step is one ``jax.jit``). The batch:
-``prompt_ids``/``prompt_mask`` ``[P, Lp]`` (left-padded) and, off-policy, ``tokens``/``mask``
-``[P, G, N]`` (the completions, right after their prompt) with an optional ``loss_mask``; host
-entries (prompt texts, dataset fields) bypass the program.
+The last two fuse into one program (the first too: the whole step is one ``jax.jit``). The batch
+is a ``relax.algorithms.distill.data.DistillBatch``: ``prompt_ids``/``prompt_mask`` ``[P, Lp]``
+(left-padded) and, off-policy, ``tokens``/``mask`` ``[P, G, N]`` (the completions, right after
+their prompt) with an optional ``loss_mask``. Host values (prompt texts, dataset fields) are no
+part of it: the caller keeps them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from relax.compose import Stage, compose, stage
 from relax.models.distill import check_same_vocabulary
+from relax.models.forward import ForwardConfig
 from relax.models.hf import load_pretrained
 from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.models.transformer import Transformer
 from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig, compiled_generate
-from relax.rollout.sampling import SamplingConfig
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
+from relax.train.update import Updated
 
 from relax.algorithms.distill.config import DistillConfig
+from relax.algorithms.distill.data import DistillBatch
 from relax.algorithms.distill.loss import make_distill_update
 from relax.algorithms.stages import ROLLOUT_STREAM
 
@@ -42,11 +48,9 @@ MIX_STREAM = 0x4D1C  # mixed mode's per-step coin: fold_in(state.key, MIX_STREAM
 
 
 def rollout_config(cfg: DistillConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
-    """The student's sampler: full distribution at ``cfg.temperature`` (TRL's GKD samples with
-    ``top_k=0`` at its temperature)."""
-    return RolloutConfig(num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
-                         sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=tuple(eos_ids),
-                         pad_id=pad_id)
+    """The student's sampler: ``cfg.generation`` (by default the full distribution at its
+    temperature: TRL's GKD samples with ``top_k=0``)."""
+    return cfg.generation.rollout(eos_ids=tuple(eos_ids), pad_id=pad_id)
 
 
 def make_sample(cfg: DistillConfig, rcfg: RolloutConfig) -> Stage:
@@ -55,42 +59,47 @@ def make_sample(cfg: DistillConfig, rcfg: RolloutConfig) -> Stage:
         raise ValueError(f"mode={cfg.mode!r} samples nothing")
     generate = compiled_generate(rcfg)
 
-    def sample(state: TrainState, batch):
-        def on_policy():
-            r = generate(state.policy, batch["prompt_ids"], batch["prompt_mask"],
+    def sample(state: TrainState, batch: DistillBatch):
+        def on_policy():  # (tokens, mask, loss_mask, lengths, finished)
+            r = generate(state.policy, batch.prompt_ids, batch.prompt_mask,
                          jax.random.fold_in(state.key, ROLLOUT_STREAM))
-            return {"tokens": r.tokens, "mask": r.mask, "loss_mask": r.mask, "lengths": r.lengths,
-                    "finished": r.finished}
+            return r.tokens, r.mask, r.mask, r.lengths, r.finished
+
+        def with_completions(completions, on_policy):
+            tokens, mask, loss_mask, lengths, finished = completions
+            return dataclasses.replace(batch, tokens=tokens, mask=mask, loss_mask=loss_mask, lengths=lengths,
+                                       finished=finished, on_policy=on_policy)
 
         if cfg.mode == "on_policy":
-            return state, {**batch, **on_policy(), "on_policy": jnp.bool_(True)}
+            return state, with_completions(on_policy(), jnp.bool_(True))
 
-        p = batch["prompt_ids"].shape[0]
-        want = (p, cfg.num_generations, cfg.max_new_tokens)
-        if "tokens" not in batch or batch["tokens"].shape != want:
-            got = batch["tokens"].shape if "tokens" in batch else "none"
+        p = batch.prompt_ids.shape[0]
+        want = (p, cfg.generation.num_generations, cfg.generation.max_new_tokens)
+        if batch.tokens is None or batch.tokens.shape != want:
+            got = "none" if batch.tokens is None else batch.tokens.shape
             raise ValueError(f"mixed mode swaps the batch's completions for sampled ones, so they must be "
                              f"[P, num_generations, max_new_tokens] = {want}; got {got}")
 
         def off_policy():
-            mask = batch["mask"].astype(jnp.int32)
-            return {"tokens": batch["tokens"].astype(jnp.int32), "mask": mask,
-                    "loss_mask": batch.get("loss_mask", mask).astype(jnp.int32),
-                    "lengths": jnp.sum(mask, axis=-1), "finished": jnp.ones(want[:2], bool)}
+            mask = batch.mask.astype(jnp.int32)
+            loss_mask = mask if batch.loss_mask is None else batch.loss_mask.astype(jnp.int32)
+            return (batch.tokens.astype(jnp.int32), mask, loss_mask, jnp.sum(mask, axis=-1),
+                    jnp.ones(want[:2], bool))
 
         coin = jax.random.bernoulli(jax.random.fold_in(state.key, MIX_STREAM), cfg.lmbda)
-        return state, {**batch, **jax.lax.cond(coin, on_policy, off_policy), "on_policy": coin}
+        return state, with_completions(jax.lax.cond(coin, on_policy, off_policy), coin)
 
     return stage(sample, name="sample", updates_state=False, placement="sampler")
 
 
-def teacher_hidden(teacher: Transformer, batch, passes: Passes, *, attention: str):
+def teacher_hidden(teacher: Transformer, batch: DistillBatch, passes: Passes, forward: ForwardConfig):
     """The teacher's hidden states ``[P, G, N, D]`` predicting the batch's completion tokens, no
     gradient, ``passes.groups_per_pass()`` prompt groups per pass."""
-    ids, pm, tokens, mask = batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"]
+    ids, pm, tokens, mask = batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask
     p, g, n = tokens.shape
     rope = completion_rope(teacher.config, pm, g, n)  # outside the loop over groups
-    run = lambda xs: completion_hidden(teacher, *xs[:4], attention=attention, rope=xs[4])  # noqa: E731
+    options = forward.options(differentiated=False)
+    run = lambda xs: completion_hidden(teacher, *xs[:4], rope=xs[4], **options)  # noqa: E731
     xs = (ids, pm, tokens, mask, rope)
     per = passes.groups_per_pass()
     if per is None or per >= p or p % per:
@@ -103,41 +112,41 @@ def teacher_hidden(teacher: Transformer, batch, passes: Passes, *, attention: st
 def make_teacher(cfg: DistillConfig, passes: Passes) -> Stage:
     """``teacher_hidden`` of the batch's completions from ``state.ref`` (and ``loss_mask``)."""
 
-    def teacher(state: TrainState, batch):
+    def teacher(state: TrainState, batch: DistillBatch):
         if state.ref is None:
             raise ValueError("distillation reads the teacher from TrainState.ref, which is None "
                              "(init_state(student, ..., with_reference=True) then state.replace(ref=teacher))")
         check_same_vocabulary(state.policy, state.ref)
-        out = {**batch, "teacher_hidden": teacher_hidden(state.ref, batch, passes, attention=cfg.train_attention)}
-        if "loss_mask" not in batch:
-            out["loss_mask"] = batch["mask"]
-        return state, out
+        hidden = teacher_hidden(state.ref, batch, passes, cfg.forward)
+        loss_mask = batch.mask if batch.loss_mask is None else batch.loss_mask
+        return state, dataclasses.replace(batch, teacher_hidden=hidden, loss_mask=loss_mask)
 
     return stage(teacher, name="teacher", updates_state=False, reads_reference=True)
 
 
 def make_update_stage(cfg: DistillConfig, passes: Passes) -> Stage:
-    """One optimizer step of the distillation loss (``relax.train.update``); ``metrics``, ``health``."""
+    """One optimizer step of the distillation loss (``relax.train.update``): ``Updated(batch, metrics,
+    health)``."""
 
-    def update(state: TrainState, batch):
+    def update(state: TrainState, batch: DistillBatch):
         update_fn = make_distill_update(cfg, state.optimizer, state.ref, passes)
         key, sub = jax.random.split(state.key)
         policy, opt_state, metrics = update_fn(state.policy, state.opt_state, batch, sub)
         # the loss is the only quantity of relax.train.health's list that distillation has
-        metrics, health = step_health(metrics, opt_state, first_nonfinite({}, metrics["loss"]))
-        lengths = jnp.sum(batch["mask"] > 0, axis=-1).astype(jnp.float32)
+        metrics, health = step_health(metrics, opt_state, first_nonfinite(metrics["loss"]))
+        lengths = jnp.sum(batch.mask > 0, axis=-1).astype(jnp.float32)
         metrics = {**metrics, "completion_length": jnp.mean(lengths)}
         if cfg.samples:
-            metrics["on_policy"] = batch["on_policy"].astype(jnp.float32)
+            metrics["on_policy"] = batch.on_policy.astype(jnp.float32)
         new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
-        return new, {**batch, "metrics": metrics, "health": health}
+        return new, Updated(batch=batch, metrics=metrics, health=health)
 
     return stage(update, name="update", reads_reference=True)
 
 
 def make_distill_step(cfg: DistillConfig, passes: Passes | None = None, *, eos_ids: tuple[int, ...],
                       pad_id: int) -> Stage:
-    """``distill_step(state, batch) -> (state, batch)``: the student is ``state.policy``, the teacher
+    """``distill_step(state, batch) -> (state, Updated)``: the student is ``state.policy``, the teacher
     ``state.ref`` (a ``Transformer`` of any size with the student's vocabulary), the optimizer the
     state's (``cfg.optimizer.make()``). ``eos_ids`` / ``pad_id``: the sampler's (on-policy and mixed
     modes). ``passes``: the backend's pass layout (default ``choose_passes()``)."""

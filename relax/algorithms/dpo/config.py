@@ -10,37 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from relax.choices import check_choice
-from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
 from relax.objectives.preference import DPO_LOSS_TYPES
-from relax.train.optimizer import OptimizerConfig
+
+from relax.algorithms.preference_config import PreferenceTrainConfig
 
 LOSS_TYPES = DPO_LOSS_TYPES + ("simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
-
-
-@dataclasses.dataclass(frozen=True)
-class PreferenceTrainConfig:
-    """What the DPO family and KTO train with alike (each subclass documents the fields): the
-    batch's ``Lp`` / ``N`` (``max_prompt_tokens`` / ``max_completion_tokens``), ``truncate_prompt``,
-    ``grad_accum``, ``remat`` / ``remat_policy``, ``train_attention``, ``precompute_reference``
-    and the optimizer."""
-
-    max_prompt_tokens: int = 512
-    max_completion_tokens: int = 512
-    truncate_prompt: bool = False
-    grad_accum: int | None = None
-    remat: bool = False
-    remat_policy: str = "nothing"
-    train_attention: str = "auto"
-    precompute_reference: bool = False
-    optimizer: OptimizerConfig = OptimizerConfig()
-
-    def __post_init__(self):
-        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
-        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
-        for name in ("max_prompt_tokens", "max_completion_tokens", "grad_accum"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +35,8 @@ class DPOConfig(PreferenceTrainConfig):
     loss and gradient; ``None``: the passes' choice, one pair per micro-batch on a single CPU),
     ``remat`` / ``remat_policy`` and ``train_attention`` as in ``GRPOConfig``.
     Reference: with ``precompute_reference`` the reference log-probs are read from the batch
-    (``ref_chosen_logps`` / ``ref_rejected_logps``, from ``relax.algorithms.dpo.reference_cache``)
-    and the state holds no reference model; otherwise ``state.ref`` runs once per batch.
+    (``ref_logps``, from ``relax.algorithms.dpo.reference_cache``) and the state holds no
+    reference model; otherwise ``state.ref`` runs once per batch.
     """
 
     loss_type: str = "sigmoid"

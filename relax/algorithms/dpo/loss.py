@@ -28,55 +28,26 @@ policy's own under a stop-gradient: the sigmoid loss is exactly ``log 2`` and th
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array
 
 from relax.metrics import Metric
-from relax.models.prefix_shared import completion_logprobs
 from relax.objectives.preference import DPO_LOSS_TYPES, dpo_loss, orpo_loss, simpo_loss
 from relax.passes import Passes
 from relax.train.update import LossContext
 
 from relax.algorithms.dpo.config import DPOConfig
+from relax.algorithms.pair_forward import Forward, PairRows, sequence_logps, shared_forward
 
-# forward(model, batch, train) -> token log-probs [P, G, N] of batch["tokens"]
-Forward = Callable[[object, dict, bool], Float[Array, "p g n"]]
 sg = jax.lax.stop_gradient
 
 
-def shared_forward(passes: Passes = Passes(), *, attention: str = "auto", remat: bool = False,
-                   remat_policy: str = "nothing") -> Forward:
-    """The prefix-shared forward of ``relax.models.prefix_shared`` laid out as ``passes`` say:
-    differentiated (``train``) with unrolled layers / saved attention where the passes ask for it
-    and the batch's ``rope`` tables, or forward-only (a reference) one prompt group per pass."""
-
-    def forward(model, mb, train: bool):
-        p, g, n = mb["tokens"].shape
-        args = (model, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"])
-        if not train:
-            return completion_logprobs(*args, groups_per_pass=passes.groups_per_pass(), attention=attention)
-        c, lp = model.config, mb["prompt_ids"].shape[1]
-        probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-        return completion_logprobs(*args, remat=remat, attention=attention, remat_policy=remat_policy,
-                                   unroll=passes.unroll(c.num_layers),
-                                   save_attention=passes.save_attention(probs_bytes), rope=mb.get("rope"))
-
-    return forward
-
-
-def sequence_logps(logp: Float[Array, "p g n"], mask) -> tuple[Float[Array, "p g"], Float[Array, "p g"]]:
-    """``(sums, lengths)`` over the valid tokens of each completion (lengths at least 1)."""
-    m = mask > 0
-    return jnp.sum(jnp.where(m, logp, 0.0), axis=-1), jnp.maximum(jnp.sum(m, axis=-1), 1).astype(jnp.float32)
-
-
 def pair_normalizers(batch) -> dict[str, Array]:
-    """The batch's real pairs (``loss_mask [P]``) and their chosen tokens, each at least 1."""
-    w = batch["loss_mask"].astype(jnp.float32)
-    chosen = jnp.sum(batch["mask"][:, 0].astype(jnp.float32) * w[:, None])
+    """The batch's real pairs (``loss_mask [P]``) and their chosen tokens, each at least 1
+    (``batch``: ``PairRows`` or a ``relax.data.pairs.PairBatch`` with its ``loss_mask``)."""
+    w = batch.loss_mask.astype(jnp.float32)
+    chosen = jnp.sum(batch.mask[:, 0].astype(jnp.float32) * w[:, None])
     return {"pairs": jnp.maximum(jnp.sum(w), 1.0), "chosen_tokens": jnp.maximum(chosen, 1.0)}
 
 
@@ -107,22 +78,20 @@ def pair_losses(cfg: DPOConfig, sums, lengths, ref_sums, norms) -> tuple[Array, 
 
 
 def make_dpo_loss(cfg: DPOConfig, passes: Passes = Passes(), forward: Forward | None = None):
-    """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for a micro-batch of pairs:
-    ``prompt_ids``/``prompt_mask`` ``[p, Lp]``, ``tokens``/``mask`` ``[p, 2, N]`` (0 chosen, 1
-    rejected), ``loss_mask`` ``[p]``, optional ``rope``, and ``ref_chosen_logps``/``ref_rejected_logps``
-    ``[p]`` when the loss uses a reference. ``forward``: how token log-probs are computed
-    (default ``shared_forward``; a benchmark swaps it)."""
-    forward = forward or shared_forward(passes, attention=cfg.train_attention, remat=cfg.remat,
-                                        remat_policy=cfg.remat_policy)
+    """``loss(policy, rows, ctx) -> (scalar, metrics)`` for a micro-batch of pairs, ``PairRows``
+    (``relax.algorithms.pair_forward``): ``tokens``/``mask`` ``[p, 2, N]`` (0 chosen, 1 rejected),
+    ``loss_mask`` ``[p]``, optional ``rope``, and ``ref_logps`` ``[p, 2]`` when the loss uses a
+    reference. ``forward``: how token log-probs are computed (default ``shared_forward``; a
+    benchmark swaps it)."""
+    forward = forward or shared_forward(passes, cfg.forward)
 
-    def loss_fn(policy, mb, ctx: LossContext):
-        sums, lengths = sequence_logps(forward(policy, mb, True), mb["mask"])
+    def loss_fn(policy, mb: PairRows, ctx: LossContext):
+        sums, lengths = sequence_logps(forward(policy, mb, True), mb.mask)
         ref = None
         if cfg.uses_reference:
-            ref = jnp.stack([mb["ref_chosen_logps"], mb["ref_rejected_logps"]], axis=-1).astype(jnp.float32)
-            ref = jnp.where(ctx.ref_is_policy, sg(sums), ref)
+            ref = jnp.where(ctx.ref_is_policy, sg(sums), mb.ref_logps.astype(jnp.float32))
         losses, metrics = pair_losses(cfg, sums, lengths, ref, ctx.norms)
-        w = mb["loss_mask"].astype(jnp.float32)
+        w = mb.loss_mask.astype(jnp.float32)
         loss = jnp.sum(jnp.where(w > 0, w * losses, 0.0)) / ctx.norms["pairs"]
         return loss, batch_mean(metrics, w, ctx.norms["pairs"])
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from relax.data.pairs import Pair, with_reference
+from relax.data.pairs import Pair
 from relax.tasks import reverse
 
 from relax.algorithms.cli import parse_flags
 from relax.algorithms.dpo import step as dpo
 from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.dpo.reference_cache import cached_reference_logps
 from relax.algorithms.offline import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
+from relax.algorithms.preference_config import make_state
+from relax.algorithms.reference_cache import reference_preparer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,32 +39,6 @@ def builtin_defaults(loss_type: str = "sigmoid") -> DPORunConfig:
                         run_dir=f"runs/{'orpo' if loss_type == 'orpo' else 'dpo'}-reverse")
 
 
-def precompute(cfg, model, examples: list, data_paths: list[str], tokenizer, log=print) -> list:
-    """``examples`` with their reference log-probs, cached beside the data (``reference_cache``)."""
-    logps, status = cached_reference_logps(model, examples, data_paths, batch_size=8, pad_id=tokenizer.pad_token_id,
-                                           prompt_length=cfg.max_prompt_tokens,
-                                           completion_length=cfg.max_completion_tokens, attention=cfg.train_attention)
-    log(f"reference log-probs of {len(examples)} examples: {status}")
-    return with_reference(examples, logps)
-
-
-def reference_preparer(cfg):
-    """``OfflineAlgorithm.prepare`` for a DPO or KTO config: with ``precompute_reference``, the
-    reference log-probs of the training and held-out examples computed together, once, and
-    cached beside the data (held-out data as ``(records, examples)``); else nothing to do."""
-
-    def prepare(model, train, held_out, paths, tokenizer):
-        if not cfg.precompute_reference:
-            return train, held_out
-        if held_out is None:
-            return precompute(cfg, model, train, paths, tokenizer), None
-        records, examples = held_out
-        both = precompute(cfg, model, train + examples, paths, tokenizer)
-        return both[:len(train)], (records, both[len(train):])
-
-    return prepare
-
-
 def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
     d = cfg.dpo
 
@@ -81,7 +56,7 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
         return out
 
     return OfflineAlgorithm(
-        name="orpo" if d.loss_type == "orpo" else "dpo", make_state=functools.partial(dpo.make_state, d),
+        name="orpo" if d.loss_type == "orpo" else "dpo", make_state=functools.partial(make_state, d),
         make_step=lambda passes, tokenizer: dpo.make_dpo_step(d, passes),
         encode=functools.partial(dpo.encode, d), collate=functools.partial(dpo.collate, d), evaluate=evaluate,
         encode_eval=encode_eval, prepare=reference_preparer(d),

@@ -1,28 +1,30 @@
 """GRPO-family configuration: algorithm, optimizer and named presets.
 
 Every field is read by the trainer (``relax.algorithms.grpo.step``); option names follow TRL's
-``GRPOConfig`` where TRL has the option (``beta``, ``epsilon_low``/``epsilon_high``, ``delta``,
-``loss_type``, ``num_iterations``, ``importance_sampling_level``, ``scale_rewards``).
+``GRPOConfig`` where TRL has the option (``beta``, ``loss_type``, ``num_iterations``,
+``scale_rewards``; the clip options are the registry loss's, ``relax.objectives.registry``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Annotated
 
 from relax.objectives.advantages import GRPO_SCALES
 from relax.choices import check_choice
 from relax.train.optimizer import OptimizerConfig
 from relax.objectives.aggregation import resolve_mode
 from relax.objectives.kl import KL_ESTIMATORS
-from relax.objectives.policy import IMPORTANCE_LEVELS
+from relax.objectives.registry import DAPOLossConfig, GSPOLossConfig, LossConfig, PPOLossConfig, loss_name
+from relax.rollout.generation import GenerationConfig
+from relax.models.forward import ForwardConfig
+from relax.algorithms.configure import FLAT, configure
 from relax.objectives.reference import ReferenceConfig
 from relax.rewards.shaping import LENGTH_SHAPING_MODES
 from relax.data.completion_layout import PackingConfig
-from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
-POLICY_LOSSES = ("ppo", "cispo", "reinforce")
 ZERO_STD = ("zero", "drop")
 
 
@@ -30,10 +32,9 @@ ZERO_STD = ("zero", "drop")
 class GRPOConfig:
     """One GRPO-family algorithm.
 
-    Sampling: ``num_generations`` (G) completions of at most ``max_new_tokens`` per prompt at
-    ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``; the trainer recomputes log-probs at the same
-    ``temperature``. A completion also ends at its first ``stop_strings`` match (``relax.text.stop_strings``:
-    the token that completes the string is its last; used in evaluation too).
+    Sampling: ``generation`` (``relax.rollout.generation.GenerationConfig``: ``num_generations``
+    (G) completions of at most ``max_new_tokens`` per prompt at ``temperature`` / ``top_k`` /
+    ``top_p`` / ``min_p``, ``stop_strings``; its flags read flat, ``--grpo.temperature``).
     Reward shaping (before the advantage): DAPO's soft overlong penalty when ``overlong_buffer``
     is set (``max_length = max_new_tokens``, ``overlong_penalty_factor``), and ``length_shaping``
     (linear | punitive, with ``length_target`` tokens and ``length_coef``).
@@ -41,31 +42,23 @@ class GRPOConfig:
     token-level, whitened over the batch), ``scale_rewards`` (group | batch | none; none is
     Dr.GRPO), ``zero_std_groups`` (zero: all-equal groups get advantage 0; drop: also removed
     from the loss and its normaliser).
-    Loss: ``policy_loss`` (ppo | cispo | reinforce), ``epsilon_low``/``epsilon_high``, ``delta``,
-    ``clip_ratio_c`` (dual-clip), ``importance_sampling_level`` (token | sequence = GSPO),
+    Loss: ``policy_loss``, a loss of the registry with its own options
+    (``relax.objectives.registry``; ``--grpo.policy-loss dapo --grpo.policy-loss.epsilon-high 0.3``),
     ``loss_type`` (TRL name or verl aggregation mode), ``beta`` (KL coefficient; 0 = no reference
     model), ``kl_estimator``, ``kl_threshold`` (None: linear ``beta * KL``; a number: Signal's
-    conservative ``beta * max(0, KL - threshold)^2`` per token), ``kl_in_reward`` (subtract ``beta * KL`` from the per-token reward
-    instead of adding it to the loss), ``entropy_coef``, ``mask_truncated_completions``.
+    conservative ``beta * max(0, KL - threshold)^2`` per token), ``kl_in_reward`` (subtract
+    ``beta * KL`` from the per-token reward instead of adding it to the loss), ``entropy_coef``,
+    ``mask_truncated_completions``.
     Update: ``num_iterations`` epochs over the batch in ``num_minibatches`` optimizer steps each,
     each minibatch split into ``grad_accum`` micro-batches (same loss and gradient; ``None``: one
     prompt group per micro-batch on a single CPU device, where that is fastest, else one
-    micro-batch; see ``relax.passes``), ``remat`` (recompute each layer in
-    the backward) keeping ``remat_policy`` (nothing | dots: the weight matmuls' outputs, less
-    recompute for more memory), ``train_attention`` (auto | group | dense: the completion
-    attention of the training forward, ``relax.models.prefix_shared``; auto = a fused cuDNN kernel on
-    GPU, the group kernel elsewhere), ``packing`` (the completions of the update and of the
-    reference / proximal forwards packed by token count instead of padded to the budget:
-    ``relax.models.completion_packing``; the same loss and metrics).
+    micro-batch; see ``relax.passes``); ``forward`` (``relax.models.forward.ForwardConfig``:
+    ``train_attention``, ``remat``, ``remat_policy``; flat flags); ``packing`` (the completions
+    of the update and of the reference / proximal forwards packed by token count instead of
+    padded to the budget: ``relax.models.completion_packing``; the same loss and metrics).
     """
 
-    num_generations: int = 8
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    stop_strings: tuple[str, ...] = ()
+    generation: Annotated[GenerationConfig, FLAT] = GenerationConfig()
     overlong_buffer: int | None = None
     overlong_penalty_factor: float = 1.0
     length_shaping: str | None = None
@@ -75,12 +68,7 @@ class GRPOConfig:
     scale_rewards: str = "group"
     advantage_eps: float = 1e-4
     zero_std_groups: str = "zero"
-    policy_loss: str = "ppo"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
-    clip_ratio_c: float | None = None
-    importance_sampling_level: str = "token"
+    policy_loss: LossConfig = PPOLossConfig()
     loss_type: str = "grpo"
     beta: float = 0.0
     kl_estimator: str = "k3"
@@ -91,9 +79,7 @@ class GRPOConfig:
     num_iterations: int = 1
     num_minibatches: int = 1
     grad_accum: int | None = None
-    remat: bool = False
-    remat_policy: str = "nothing"
-    train_attention: str = "auto"
+    forward: Annotated[ForwardConfig, FLAT] = ForwardConfig()
     packing: PackingConfig = PackingConfig()
     reference: ReferenceConfig = ReferenceConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -102,29 +88,24 @@ class GRPOConfig:
         check_choice("advantage", self.advantage, ADVANTAGES)
         check_choice("scale_rewards", self.scale_rewards, GRPO_SCALES)
         check_choice("zero_std_groups", self.zero_std_groups, ZERO_STD)
-        check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
-        check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
-        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        loss_name(self.policy_loss)  # a registry loss
         resolve_mode(self.loss_type)
         if self.length_shaping is not None:
             check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING_MODES)
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop_strings must be non-empty strings")
-        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
+        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.generation.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]")
         if self.kl_threshold is not None and self.kl_in_reward:
             raise ValueError("kl_threshold (conservative penalty) applies to the loss, not with kl_in_reward")
-        for name in ("num_generations", "max_new_tokens", "num_iterations", "num_minibatches", "grad_accum"):
+        for name in ("num_iterations", "num_minibatches", "grad_accum"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if self.num_generations < 2:
-            warnings.warn(f"num_generations={self.num_generations}: the {self.advantage!r} advantage is relative to "
-                          "the prompt's group, so with one completion per prompt every advantage is 0 and only the KL "
-                          "term (beta) trains; use --grpo.num-generations >= 2", stacklevel=2)
+        if self.generation.num_generations < 2:
+            warnings.warn(f"num_generations={self.generation.num_generations}: the {self.advantage!r} advantage is "
+                          "relative to the prompt's group, so with one completion per prompt every advantage is 0 "
+                          "and only the KL term (beta) trains; use --grpo.num-generations >= 2", stacklevel=2)
         if self.kl_in_reward and self.beta == 0:
             raise ValueError("kl_in_reward=True needs beta > 0")
 
@@ -145,17 +126,17 @@ PRESETS: dict[str, dict] = {
     "dr_grpo": dict(loss_type="dr_grpo", scale_rewards="none", beta=0.0),
     # DAPO (Yu et al. 2025): clip-higher, token-level loss over the batch, drop all-equal groups,
     # no KL, mask truncated completions (overlong filtering).
-    "dapo": dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0, zero_std_groups="drop",
+    "dapo": dict(policy_loss=DAPOLossConfig(), loss_type="dapo", beta=0.0, zero_std_groups="drop",
                  mask_truncated_completions=True),
     # GSPO (Zheng et al. 2025): sequence-level importance ratio, tight clipping, sequence mean.
-    "gspo": dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4,
-                 loss_type="seq-mean-token-mean", beta=0.0),
+    "gspo": dict(policy_loss=GSPOLossConfig(), loss_type="seq-mean-token-mean", beta=0.0),
     # RLOO (Ahmadian et al. 2024): leave-one-out baseline, REINFORCE-style single epoch.
     "rloo": dict(advantage="rloo", scale_rewards="none", loss_type="grpo", beta=0.0),
 }
 
 
 def preset(name: str, **overrides) -> GRPOConfig:
-    """A named algorithm preset with overrides."""
+    """A named algorithm preset with overrides, given flat (``relax.algorithms.configure``): a
+    preset is a registry loss plus advantage, aggregation and KL choices."""
     check_choice("preset", name, tuple(PRESETS))
-    return GRPOConfig(**{**PRESETS[name], **overrides})
+    return configure(GRPOConfig, **{**PRESETS[name], **overrides})

@@ -1,7 +1,7 @@
 """The GRPO-family loss on one micro-batch of prompt groups, for ``relax.train.update``.
 
-Per valid completion token: the policy loss ``cfg.policy_loss`` against the old (sampling)
-policy, plus ``beta * KL`` to the reference (or Signal's conservative penalty, or nothing here
+Per valid completion token: the policy loss ``cfg.policy_loss`` (a registry loss,
+``relax.objectives.registry``) against the old (sampling) policy, plus ``beta * KL`` to the reference (or Signal's conservative penalty, or nothing here
 when the KL is in the reward), minus ``entropy_coef * H``; aggregated by ``cfg.loss_type``
 with the batch-wide normalisers of ``ctx.norms``::
 
@@ -23,8 +23,6 @@ the proximal policy), else the batch's ``prox_logprobs`` (``relax.algorithms.sta
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -33,47 +31,37 @@ from relax.metrics import Metric
 from relax.models.prefix_shared import completion_rope
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
-from relax.objectives.off_policy import OffPolicyConfig, corrected_loss, needs_proximal_pass
-from relax.objectives.policy import cispo, ppo_clip, reinforce
+from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
+from relax.objectives.registry import as_policy_loss
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update
 
+from relax.algorithms.batch import LossRows
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.stages import train_logprobs
-
-
-def policy_loss(cfg: GRPOConfig, logp, old_logp, adv, mask):
-    """``(per_token [N, T], metrics)`` of ``cfg.policy_loss`` with the config's clipping."""
-    if cfg.policy_loss == "ppo":
-        return ppo_clip(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                        delta=cfg.delta, clip_ratio_c=cfg.clip_ratio_c, importance=cfg.importance_sampling_level)
-    if cfg.policy_loss == "cispo":
-        return cispo(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
-    return reinforce(logp, adv, mask)
 
 
 def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups;
     ``off_policy``: the behaviour correction of stale batches (None: the batch is on-policy)."""
-    proximal_pass = needs_proximal_pass(off_policy, cfg.optimizer_steps)
+    policy_loss = as_policy_loss(cfg.policy_loss)
 
-    def loss_fn(policy, mb, ctx: LossContext):
-        p, g, n = mb["tokens"].shape
-        logp, ent = train_logprobs(policy, mb, passes, temperature=cfg.temperature, attention=cfg.train_attention,
-                                   remat=cfg.remat, remat_policy=cfg.remat_policy,
+    def loss_fn(policy, mb: LossRows, ctx: LossContext):
+        p, g, n = mb.tokens.shape
+        logp, ent = train_logprobs(policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature,
                                    entropy_grad=cfg.entropy_coef != 0.0)
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-        logp, ent, mask, old = flat(logp), flat(ent), flat(mb["loss_mask"]).astype(bool), flat(mb["old_logprobs"])
-        adv = mb["advantages"].reshape((p * g,) + mb["advantages"].shape[2:])  # [B] or [B, N]
+        logp, ent, mask, old = flat(logp), flat(ent), flat(mb.loss_mask).astype(bool), flat(mb.old_logprobs)
+        adv = mb.advantages.reshape((p * g,) + mb.advantages.shape[2:])  # [B] or [B, N]
         if off_policy is None:
-            per_token, metrics = policy_loss(cfg, logp, old, adv, mask)
+            per_token, metrics = policy_loss(logp, old, adv, mask)
             metrics = dict(metrics)
         else:
-            per_token, metrics = corrected_loss(functools.partial(policy_loss, cfg), logp, old, adv, mask, off_policy,
-                                                flat(mb["prox_logprobs"]) if proximal_pass else None)
+            per_token, metrics = corrected_loss(policy_loss, logp, old, adv, mask, off_policy,
+                                                None if mb.prox_logprobs is None else flat(mb.prox_logprobs))
         if cfg.beta > 0:
             # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
-            ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logp), flat(mb["ref_logprobs"]))
+            ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logp), flat(mb.ref_logprobs))
             kl = kl_estimate(logp, ref, cfg.kl_estimator, mask=mask)
             metrics["kl"] = masked_mean(kl, mask)
             if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
@@ -87,7 +75,7 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyC
         # meaningful before the first optimizer step only: max over its micro-batches
         metrics["sampler_logprob_diff"] = Metric(jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0)), "first_step")
         loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                         num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+                         num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
         return loss, metrics
 
     return loss_fn
@@ -96,17 +84,15 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyC
 def make_grpo_update(cfg: GRPOConfig, optimizer, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
     """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``:
     the generic update (``relax.train.update``) of ``make_loss(cfg)`` with the config's epochs,
-    minibatches and micro-batches. ``data``: per-prompt arrays with a leading ``[P]`` axis
-    (``prompt_ids``, ``prompt_mask``; ``tokens``/``mask``/``loss_mask``/``old_logprobs``/
-    ``ref_logprobs`` / ``prox_logprobs`` ``[P, G, N]``; ``advantages`` ``[P, G]`` or ``[P, G, N]``)."""
+    minibatches and micro-batches, on ``LossRows`` (``rope`` filled here)."""
     update = make_update(make_loss(cfg, passes, off_policy), optimizer, epochs=cfg.num_iterations,
                          minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes,
                          track_reference=cfg.beta > 0)
 
-    def grpo_update(policy, opt_state, data, key, ref_is_policy=False):
-        _, g, n = data["tokens"].shape
+    def grpo_update(policy, opt_state, data: LossRows, key, ref_is_policy=False):
+        _, g, n = data.tokens.shape
         # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        data = {**data, "rope": completion_rope(policy.config, data["prompt_mask"], g, n, packed=data.get("packed"))}
+        data = data.replace(rope=completion_rope(policy.config, data.prompt_mask, g, n, packed=data.packed))
         return update(policy, opt_state, data, key, ref_is_policy)
 
     return grpo_update

@@ -65,11 +65,11 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
                               pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
     def describe_update(model) -> str:
-        return g.packing.describe(resolve_attention(g.train_attention, model), g.num_generations, g.max_new_tokens)
+        return g.packing.describe(resolve_attention(g.forward.train_attention, model), g.generation.num_generations,
+                                  g.generation.max_new_tokens)
 
     return OnlineAlgorithm(name="grpo", make_state=functools.partial(make_state, g), make_step=make_step,
-                           num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
-                           stop_strings=g.stop_strings, describe_update=describe_update)
+                           generation=g.generation, describe_update=describe_update)
 
 
 def run(cfg: GRPORunConfig) -> dict:

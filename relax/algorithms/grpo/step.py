@@ -1,4 +1,5 @@
-"""The GRPO step as five stages: ``grpo_step = compose(rollout, score, reference, advantage, update)``.
+"""The GRPO step as five stages: ``grpo_step = compose(rollout, score, reference, advantage, update)``,
+made by the online step factory (``relax.algorithms.online_step``) from GRPO's parts.
 
 - ``rollout`` (jit): G completions per prompt with the prefix-shared sampler; the sampler's
   log-probs are the old-policy log-probs.
@@ -18,43 +19,39 @@ weights (rollout, rewards) comes first, and the reference forward runs with the 
 trainer's current reference; with an ``off_policy`` correction the loss clips against the
 proximal policy (``relax.algorithms.grpo.loss``).
 
-The batch is a dict; its host entries (``prompts``, ``fields``) bypass the jitted stages.
+The batch is typed per phase (``relax.algorithms.batch``): the advantage makes a ``GRPOBatch``;
+the host record (``prompts``, ``fields``, the decoded completions) rides beside it.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
-from relax.compose import Stage, compose, stage
+from relax.algorithms.batch import Advantaged, LossRows, Scored
+from relax.compose import Stage, stage
 from relax.objectives import advantages as adv_lib
 from relax.objectives.kl import kl_estimate
 from relax.objectives.reference import make_reference_rule
-from relax.passes import Passes, choose_passes
+from relax.passes import Passes
 from relax.rewards.pool import RewardPool
 from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
-from relax.rollout.sampler import RolloutConfig
-from relax.rollout.sampling import SamplingConfig
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
+from relax.train.update import Updated
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.stages import make_packing, make_rollout, make_scoring, proximal_stages, reference_stages
-from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
-
-
-def rollout_config(cfg: GRPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
-    return RolloutConfig(
-        num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
-        sampling=SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p),
-        eos_ids=eos_ids, pad_id=pad_id)
+from relax.algorithms.online_step import OnlineParts, make_online_step
+from relax.objectives.off_policy import OffPolicyConfig
 
 
 def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> jax.Array:
     """DAPO overlong penalty and length shaping on ``[P, G]`` rewards, as configured."""
     if cfg.overlong_buffer is not None:
-        rewards = rewards + overlong_penalty(lengths, max_length=cfg.max_new_tokens, buffer_length=cfg.overlong_buffer,
+        rewards = rewards + overlong_penalty(lengths, max_length=cfg.generation.max_new_tokens,
+                                             buffer_length=cfg.overlong_buffer,
                                              penalty_factor=cfg.overlong_penalty_factor)
     if cfg.length_shaping is not None:
         rewards = length_shaping(rewards, lengths, mode=cfg.length_shaping, target=cfg.length_target,
@@ -62,21 +59,30 @@ def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> ja
     return rewards
 
 
-def make_advantage(cfg: GRPOConfig, *, policy_tokens: str = "mask", per_turn: bool = False) -> Stage:
-    """Advantages and the loss mask. ``policy_tokens``: the batch's mask of the tokens the policy
-    sampled (``"sampled_mask"`` for multi-turn trajectories, whose ``mask`` also holds the
-    observations); ``per_turn``: per-turn advantages from ``turn_rewards`` (``advantages.turn_grpo``)."""
+class GRPOBatch(Advantaged):
+    """GRPO's advantaged batch: ``shaped_rewards`` (the rewards after the overlong penalty, length
+    shaping and a KL in the reward: what the group baseline saw) and ``group_keep`` (False for a
+    group whose rewards are all equal: no signal)."""
+
+    shaped_rewards: Float[Array, "p g"] | None = None
+    group_keep: Bool[Array, " p"] | None = None
+
+
+def make_advantage(cfg: GRPOConfig, *, per_turn: bool = False) -> Stage:
+    """Advantages and the loss mask over the batch's ``policy_tokens`` (the sampled ones;
+    trajectories' observation tokens are read, not trained on); ``per_turn``: per-turn advantages
+    from ``turn_rewards`` (``advantages.turn_grpo``)."""
     if per_turn and cfg.advantage != "grpo":
         raise ValueError(f"per-turn advantages are GRPO's; the config's advantage is {cfg.advantage!r}")
 
-    def advantage(state, batch):
-        policy_mask = batch[policy_tokens]
-        rewards = shape_rewards(cfg, batch["rewards"], batch["lengths"])
+    def advantage(state, batch: Scored) -> tuple[TrainState, GRPOBatch]:
+        policy_mask = batch.policy_tokens
+        rewards = shape_rewards(cfg, batch.rewards, batch.lengths)
         if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=policy_mask > 0)
+            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator, mask=policy_mask > 0)
             rewards = rewards - cfg.beta * jnp.sum(kl, axis=-1)
         if per_turn:
-            a = adv_lib.turn_grpo(batch["turn_rewards"], batch["turn_index"], policy_mask > 0, eps=cfg.advantage_eps)
+            a = adv_lib.turn_grpo(batch.turn_rewards, batch.turn_index, policy_mask > 0, eps=cfg.advantage_eps)
         elif cfg.advantage == "grpo":
             a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
         elif cfg.advantage == "rloo":
@@ -88,77 +94,76 @@ def make_advantage(cfg: GRPOConfig, *, policy_tokens: str = "mask", per_turn: bo
         if cfg.zero_std_groups == "drop":
             loss_mask = loss_mask * keep[:, None, None]
         if cfg.mask_truncated_completions:
-            loss_mask = loss_mask * batch["finished"][..., None]
-        return state, {**batch, "shaped_rewards": rewards, "advantages": a, "loss_mask": loss_mask,
-                       "group_keep": keep}
+            loss_mask = loss_mask * batch.finished[..., None]
+        return state, GRPOBatch.of(batch, shaped_rewards=rewards, advantages=a, loss_mask=loss_mask, group_keep=keep)
 
     return stage(advantage, name="advantage")
 
 
-def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
-    """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule."""
-    rule = make_reference_rule(cfg.reference)
-    keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages")
-    keys += ("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ()
+def loss_rows(batch: Advantaged, *, reference: bool) -> LossRows:
+    """The rows a policy loss reads: the reference log-probs when the loss has a KL term."""
+    return LossRows.of(batch, ref_logprobs=batch.ref_logprobs if reference else None)
 
-    def update(state: TrainState, batch):
+
+def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
+    """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule.
+    The loss reads the proximal log-probs when the batch has them (the step's proximal stage)."""
+    rule = make_reference_rule(cfg.reference)
+
+    def update(state: TrainState, batch: Advantaged) -> tuple[TrainState, Updated]:
         update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
-        data = {k: batch[k] for k in keys}
-        if "packed" in batch:  # the completions packed by token count (make_packing)
-            data["packed"] = batch["packed"]
-        if cfg.beta > 0:
-            data["ref_logprobs"] = batch["ref_logprobs"]
+        data = loss_rows(batch, reference=cfg.beta > 0)
         key, sub = jax.random.split(state.key)
-        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub,
-                                               batch.get("ref_is_policy", False))
+        ref_is_policy = False if batch.ref_is_policy is None else batch.ref_is_policy
+        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub, ref_is_policy)
         step, ref, ref_stats = state.step + 1, state.ref, state.ref_stats
         if ref_stats is not None:  # for KL-target / entropy-floor reference resets
             ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])
         if ref is not None:
             ref = rule(ref, policy, step, {} if ref_stats is None else ref_stats.as_dict())
-        metrics, health = step_health(metrics, opt_state, first_nonfinite(batch, metrics["loss"]))
+        bad = first_nonfinite(metrics["loss"], rewards=batch.rewards, advantages=batch.advantages,
+                              old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.mask)
+        metrics, health = step_health(metrics, opt_state, bad)
         metrics = {**metrics, **_batch_metrics(batch)}
         new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key, ref_stats=ref_stats)
-        return new, {**batch, "metrics": metrics, "health": health}
+        return new, Updated(batch, metrics, health)
 
     return stage(update, name="update", reads_reference=True)
 
 
-def _batch_metrics(batch) -> dict:
-    rewards = batch["rewards"]
-    stats = group_stats(rewards)
-    lengths = batch["lengths"].astype(jnp.float32)
+def _batch_metrics(batch: Advantaged) -> dict:
+    stats = group_stats(batch.rewards)
+    lengths = batch.lengths.astype(jnp.float32)
     out = {**stats, "completion_length": jnp.mean(lengths),
-           "truncated_frac": jnp.mean(1.0 - batch["finished"].astype(jnp.float32)),
-           "advantage_mean": jnp.mean(batch["advantages"]), "advantage_std": jnp.std(batch["advantages"])}
-    for name, part in batch["reward_parts"].items():
+           "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
+           "advantage_mean": jnp.mean(batch.advantages), "advantage_std": jnp.std(batch.advantages)}
+    for name, part in batch.reward_parts.items():
         out[f"reward/{name}"] = jnp.nanmean(part)
-    if "packed" in batch:  # real completion tokens per slot of the packed rows, and rows per group
-        out["pack_fill"] = jnp.mean((batch["packed"].segments > 0).astype(jnp.float32))
-        out["pack_rows"] = jnp.float32(batch["packed"].segments.shape[1])
+    if batch.packed is not None:  # real completion tokens per slot of the packed rows, and rows per group
+        out["pack_fill"] = jnp.mean((batch.packed.segments > 0).astype(jnp.float32))
+        out["pack_rows"] = jnp.float32(batch.packed.segments.shape[1])
     return out
+
+
+def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:
+    """GRPO's part of an online step (``relax.algorithms.online_step``)."""
+    return OnlineParts(name="grpo_step", generation=cfg.generation, forward=cfg.forward,
+                       needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,
+                       advantage=make_advantage(cfg, per_turn=per_turn), packing=cfg.packing,
+                       make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy))
 
 
 def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
                    passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
                    pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
                    pipelined: bool = False) -> Stage:
-    """``grpo_step(state, batch) -> (state, batch)`` with ``batch`` holding ``prompt_ids``,
-    ``prompt_mask`` ``[P, Lp]`` and host entries ``prompts`` (list[str]) and ``fields``; the
+    """``grpo_step(state, batch) -> (state, out)``: ``batch`` a ``WithHost(Prompts, HostRecord)``
+    (``relax.algorithms.batch.step_input``), ``out`` a ``WithHost(Updated, HostRecord)``; the
     optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
     ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``).
     ``pool``: the reward functions it hosts run in its workers while the device computes the
     reference log-probs (``make_score_stages``). ``off_policy``: the correction of stale batches;
     ``pipelined``: the order the pipeline runs (module docstring)."""
-    passes = choose_passes() if passes is None else passes
-    reference = reference_stages(cfg, passes)
-    return compose(
-        make_rollout(rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)),
-        *make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, on_error=on_error,
-                      pack=(make_packing(cfg.packing, train_attention=cfg.train_attention),),
-                      timeout_s=timeout_s, stop_strings=cfg.stop_strings, pool=pool),
-        *proximal_stages(cfg, passes, off_policy),
-        make_advantage(cfg),
-        make_update_stage(cfg, passes, off_policy),
-        name="grpo_step",
-    )
+    return make_online_step(grpo_parts(cfg), reward_fns, decode, eos_ids=eos_ids, pad_id=pad_id, passes=passes,
+                            on_error=on_error, timeout_s=timeout_s, pool=pool, off_policy=off_policy,
+                            pipelined=pipelined)

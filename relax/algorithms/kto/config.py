@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from relax.algorithms.dpo.config import PreferenceTrainConfig
+from relax.algorithms.preference_config import PreferenceTrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +17,7 @@ class KTOConfig(PreferenceTrainConfig):
     ``w_d n_d / (w_u n_u)`` in [1, 4/3]). Data, update, attention and reference options as in
     ``DPOConfig``: ``max_prompt_tokens`` / ``max_completion_tokens`` (the batch's ``Lp`` / ``N``),
     ``truncate_prompt``, ``grad_accum``, ``remat`` / ``remat_policy``, ``train_attention``,
-    ``precompute_reference`` (read ``ref_logps`` / ``ref_kl_logps`` from the batch; no reference
-    model in the state).
+    ``precompute_reference`` (read ``ref_logps`` from the batch; no reference model in the state).
     """
 
     beta: float = 0.1
@@ -32,8 +31,3 @@ class KTOConfig(PreferenceTrainConfig):
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             raise ValueError(f"desirable_weight={self.desirable_weight} and undesirable_weight="
                              f"{self.undesirable_weight} must be >= 0")
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the state needs a reference model (``init_state(with_reference=...)``)."""
-        return not self.precompute_reference

@@ -24,33 +24,33 @@ from relax.objectives.preference import kto_loss
 from relax.passes import Passes
 from relax.train.update import LossContext
 
-from relax.algorithms.dpo.loss import Forward, sequence_logps, shared_forward
 from relax.algorithms.kto.config import KTOConfig
+from relax.algorithms.pair_forward import Forward, PairRows, sequence_logps, shared_forward
 
 
 def kto_normalizers(batch) -> dict[str, jax.Array]:
-    """The batch's real examples (``loss_mask``) and its desirable / undesirable ones, each >= 1."""
-    w = batch["loss_mask"].astype(jnp.float32)
-    d = (batch["label"] > 0).astype(jnp.float32)
+    """The batch's real examples (``loss_mask``) and its desirable / undesirable ones, each >= 1
+    (``batch``: ``PairRows`` or a ``relax.data.pairs.UnpairedBatch`` with its ``loss_mask``)."""
+    w = batch.loss_mask.astype(jnp.float32)
+    d = (batch.label > 0).astype(jnp.float32)
     return {"examples": jnp.maximum(jnp.sum(w), 1.0), "desirable": jnp.maximum(jnp.sum(w * d), 1.0),
             "undesirable": jnp.maximum(jnp.sum(w * (1 - d)), 1.0)}
 
 
 def make_kto_loss(cfg: KTOConfig, passes: Passes = Passes(), forward: Forward | None = None):
-    """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the micro-batch holds
-    ``prompt_ids``/``prompt_mask`` ``[p, Lp]``, ``tokens``/``mask`` ``[p, 1, N]`` (the examples' own
-    completions), ``loss_mask``, ``label`` (1 = desirable), ``ref_logps`` and ``kl`` ``[p]``."""
-    forward = forward or shared_forward(passes, attention=cfg.train_attention, remat=cfg.remat,
-                                        remat_policy=cfg.remat_policy)
+    """``loss(policy, rows, ctx) -> (scalar, metrics)``: ``rows`` (``PairRows``) hold the examples'
+    own completions, ``tokens``/``mask`` ``[p, 1, N]``, with ``loss_mask``, ``label`` (1 =
+    desirable), ``ref_logps`` ``[p, 1]`` and ``kl`` ``[p]``."""
+    forward = forward or shared_forward(passes, cfg.forward)
 
-    def loss_fn(policy, mb, ctx: LossContext):
-        sums, _ = sequence_logps(forward(policy, mb, True), mb["mask"])
+    def loss_fn(policy, mb: PairRows, ctx: LossContext):
+        sums, _ = sequence_logps(forward(policy, mb, True), mb.mask)
         logps = sums[:, 0]
-        ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logps), mb["ref_logps"].astype(jnp.float32))
-        d = mb["label"] > 0
-        losses, metrics = kto_loss(logps, ref, d, mb["kl"], beta=cfg.beta, desirable_weight=cfg.desirable_weight,
+        ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logps), mb.ref_logps[:, 0].astype(jnp.float32))
+        d = mb.label > 0
+        losses, metrics = kto_loss(logps, ref, d, mb.kl, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
                                    undesirable_weight=cfg.undesirable_weight)
-        w = mb["loss_mask"].astype(jnp.float32)
+        w = mb.loss_mask.astype(jnp.float32)
         loss = jnp.sum(jnp.where(w > 0, w * losses, 0.0)) / ctx.norms["examples"]
 
         def mean_over(values, which, count):
@@ -63,7 +63,7 @@ def make_kto_loss(cfg: KTOConfig, passes: Passes = Passes(), forward: Forward | 
         out = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
                "logps/chosen": mean_over(lp, d, nd), "logps/rejected": mean_over(lp, ~d, nu)}
         out = {k: Metric(v, "sum") for k, v in out.items()}
-        out["kl"] = Metric(jnp.max(mb["kl"]), "max")  # one value for the whole batch
+        out["kl"] = Metric(jnp.max(mb.kl), "max")  # one value for the whole batch
         return loss, out
 
     return loss_fn

@@ -14,6 +14,7 @@ from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WOR
 from relax.models.critic import init_critic, init_value_head, load_critic
 from relax.train.state import TrainState, init_state
 
+from relax.algorithms.configure import configure
 from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
@@ -36,7 +37,7 @@ class PPORunConfig(OnlineRunConfig):
 def builtin_defaults(task: str = "reverse") -> PPORunConfig:
     """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math``),
     sized to finish in a few minutes on 2 CPU cores."""
-    ppo = PPOConfig(num_generations=4, max_new_tokens=TASK_MAX_NEW_TOKENS[task],
+    ppo = configure(PPOConfig, num_generations=4, max_new_tokens=TASK_MAX_NEW_TOKENS[task],
                     optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
                     critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
     return PPORunConfig(ppo=ppo, task=task, reward=TASK_REWARDS[task], steps=60, batch_size=16,
@@ -71,8 +72,7 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
 
-    return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, num_generations=p.num_generations,
-                           max_new_tokens=p.max_new_tokens, stop_strings=p.stop_strings)
+    return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, generation=p.generation)
 
 
 def run(cfg: PPORunConfig) -> dict:

@@ -9,7 +9,7 @@
       r_t = score * [t = last valid] - kl_coef * KL_t(old || ref)
       delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t
 
-- ``update`` (jit): the policy loss (``relax.objectives.registry``) and the critic's clipped
+- ``update`` (jit): the policy loss (``cfg.policy_loss``, ``relax.objectives.registry``) and the critic's clipped
   value loss, each through ``relax.train.update`` on the same minibatch split (a value head on
   the policy's backbone: one joint loss, one forward); the reference rule.
 
@@ -22,37 +22,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from relax.compose import Stage, compose, stage
+from relax.algorithms.batch import LossRows, Scored
+from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
 from relax.models.critic import (completion_logprobs_and_values, completion_values, values_from_hidden)
 from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
-from relax.objectives.off_policy import OffPolicyConfig, corrected_loss, needs_proximal_pass
+from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
+from relax.objectives.registry import as_policy_loss
 from relax.objectives.reference import make_reference_rule
 from relax.objectives.value import clipped_value_loss, explained_variance
-from relax.passes import Passes, choose_passes
+from relax.passes import Passes
 from relax.rewards.pool import RewardPool
-from relax.rollout.sampler import RolloutConfig
-from relax.rollout.sampling import SamplingConfig
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
 from relax.train.state import TrainState
-from relax.train.update import LossContext, make_update
+from relax.train.update import LossContext, Updated, make_update
 
+from relax.algorithms.ppo.batch import CriticRows, PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
-from relax.algorithms.stages import (make_rollout, make_scoring, proximal_stages, reference_stages,
-                                     train_logprobs)
+from relax.algorithms.online_step import OnlineParts, make_online_step
+from relax.algorithms.stages import train_logprobs
 
-ACTOR_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logprobs", "advantages", "rope")
-CRITIC_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_values", "returns", "critic_rope")
-
-
-def rollout_config(cfg: PPOConfig, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
-    return RolloutConfig(num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
-                         sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=eos_ids, pad_id=pad_id)
 
 
 def token_rewards(score, mask, kl, kl_coef: float):
@@ -62,33 +56,34 @@ def token_rewards(score, mask, kl, kl_coef: float):
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
 
 
-def make_advantage(cfg: PPOConfig, *, policy_tokens: str = "mask") -> Stage:
-    """Token rewards, values, advantages and the loss mask. ``policy_tokens``: the batch's mask of
-    the tokens the policy sampled (``"sampled_mask"`` for multi-turn trajectories: GAE then steps
-    over the observation tokens, which the values and the critic still read)."""
+def make_advantage(cfg: PPOConfig) -> Stage:
+    """Token rewards, values, advantages and the loss mask over the batch's ``policy_tokens``
+    (multi-turn trajectories: GAE steps over the observation tokens, which the values and the
+    critic still read)."""
 
-    def advantage(state: TrainState, batch):
-        p, g, n = batch["tokens"].shape
-        score_ok = jnp.isfinite(batch["rewards"])
-        score = jnp.where(score_ok, batch["rewards"], 0.0)
-        loss_mask = batch[policy_tokens] * score_ok[..., None]
+    def advantage(state: TrainState, batch: Scored) -> tuple[TrainState, PPOBatch]:
+        p, g, n = batch.tokens.shape
+        score_ok = jnp.isfinite(batch.rewards)
+        score = jnp.where(score_ok, batch.rewards, 0.0)
+        loss_mask = batch.policy_tokens * score_ok[..., None]
         m = loss_mask > 0
-        kl = (kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator, mask=m)
+        kl = (kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator, mask=m)
               if cfg.kl_coef > 0 else jnp.zeros(m.shape, jnp.float32))
         r = token_rewards(score, loss_mask, kl, cfg.kl_coef)
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-        out = {**batch, **rope_tables(cfg, state, batch), "loss_mask": loss_mask, "token_rewards": r, "kl_to_ref": kl}
+        out = PPOBatch.of(batch, loss_mask=loss_mask, token_rewards=r, kl_to_ref=kl)
+        out = rope_tables(cfg, state, out)
         if cfg.advantage == "gae":
             values = state_values(cfg, state, out)
             adv, returns = gae(flat(r), flat(values), flat(m), gamma=cfg.gamma, lam=cfg.lam)
-            out.update(old_values=values, returns=returns.reshape(p, g, n),
-                       explained_variance=explained_variance(flat(values), returns, flat(m)))
+            out = out.replace(old_values=values, returns=returns.reshape(p, g, n),
+                              explained_variance=explained_variance(flat(values), returns, flat(m)))
         else:  # VinePPO: V(s_t) from branched rollouts; the terminal value is the score
-            adv = step_advantages(batch["mc_values"], batch["lengths"], score, every=cfg.vine_every, n=n)
+            adv = step_advantages(out.mc_values, batch.lengths, score, every=cfg.vine_every, n=n)
             adv = flat(jnp.where(m, adv, 0.0)) - cfg.kl_coef * flat(kl)
         if cfg.whiten_advantages:
             adv = whiten(adv, flat(m))
-        return state, {**out, "advantages": adv.reshape(p, g, n)}
+        return state, out.replace(advantages=adv.reshape(p, g, n))
 
     return stage(advantage, name="advantage")
 
@@ -98,40 +93,40 @@ def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext,
     """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated; on a
     stale batch (``off_policy``) clipped against the proximal policy and weighted
     (``relax.objectives.off_policy.corrected_loss``)."""
-    p, g, n = mb["tokens"].shape
+    p, g, n = mb.tokens.shape
     flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-    mask = flat(mb["loss_mask"]) > 0
-    args = (flat(logp), flat(mb["old_logprobs"]), flat(mb["advantages"]), mask)
+    mask = flat(mb.loss_mask) > 0
+    args = (flat(logp), flat(mb.old_logprobs), flat(mb.advantages), mask)
     if off_policy is None:
         per_token, metrics = policy_loss(*args)
     else:
-        prox = flat(mb["prox_logprobs"]) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else None
+        prox = None if mb.prox_logprobs is None else flat(mb.prox_logprobs)
         per_token, metrics = corrected_loss(policy_loss, *args, off_policy, prox)
     if cfg.entropy_coef != 0.0:
         per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
     loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                     num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+                     num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
     return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": loss}
 
 
 def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
     """``vf_coef * aggregate(0.5 max((V - R)^2, (V_clip - R)^2))`` on ``[P, G, N]`` values."""
-    p, g, n = mb["tokens"].shape
+    p, g, n = mb.tokens.shape
     flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-    mask = flat(mb["loss_mask"]) > 0
-    per_token, metrics = clipped_value_loss(flat(values), flat(mb["old_values"]), flat(mb["returns"]), mask,
+    mask = flat(mb.loss_mask) > 0
+    per_token, metrics = clipped_value_loss(flat(values), flat(mb.old_values), flat(mb.returns), mask,
                                             clip_range=cfg.cliprange_value)
     loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                                   num_tokens=ctx.norms["tokens"], max_len=cfg.max_new_tokens)
+                                   num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
     return loss, {**metrics, "vf_loss": loss, "vpred": masked_mean(flat(values), mask)}
 
 
 def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
     """``loss(policy, micro_batch, ctx)``: the policy terms."""
-    policy_loss = cfg.loss()
+    policy_loss = as_policy_loss(cfg.policy_loss)
 
-    def loss_fn(policy, mb, ctx: LossContext):
-        logp, ent = train_logprobs(policy, mb, passes, temperature=cfg.temperature, attention=cfg.train_attention,
+    def loss_fn(policy, mb: LossRows, ctx: LossContext):
+        logp, ent = train_logprobs(policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature,
                                    entropy_grad=cfg.entropy_coef != 0.0)
         return _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
 
@@ -141,10 +136,10 @@ def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
 def make_critic_loss(cfg: PPOConfig, passes: Passes):
     """``loss(critic, micro_batch, ctx)``: the value terms of a separate critic."""
 
-    def loss_fn(critic, mb, ctx: LossContext):
-        values = completion_values(critic, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"],
-                                   attention=cfg.train_attention, unroll=passes.unroll(critic.backbone.config.num_layers),
-                                   rope=mb["critic_rope"])
+    def loss_fn(critic, mb: CriticRows, ctx: LossContext):
+        values = completion_values(critic, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask,
+                                   unroll=passes.unroll(critic.backbone.config.num_layers), rope=mb.critic_rope,
+                                   **cfg.forward.options())
         return _value_terms(cfg, values, mb, ctx)
 
     return loss_fn
@@ -153,14 +148,14 @@ def make_critic_loss(cfg: PPOConfig, passes: Passes):
 def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
     """``loss((policy, head), micro_batch, ctx) = policy terms + value terms`` from ONE forward of
     the policy (a value head on its backbone: both terms train the backbone)."""
-    policy_loss = cfg.loss()
+    policy_loss = as_policy_loss(cfg.policy_loss)
 
-    def loss_fn(params, mb, ctx: LossContext):
+    def loss_fn(params, mb: CriticRows, ctx: LossContext):
         policy, head = params
         logp, ent, values = completion_logprobs_and_values(
-            policy, head, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"], temperature=cfg.temperature,
-            attention=cfg.train_attention, entropy_grad=cfg.entropy_coef != 0.0,
-            unroll=passes.unroll(policy.config.num_layers), rope=mb["rope"])
+            policy, head, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, temperature=cfg.generation.temperature,
+            entropy_grad=cfg.entropy_coef != 0.0, unroll=passes.unroll(policy.config.num_layers), rope=mb.rope,
+            **cfg.forward.options())
         pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
         vf, vf_metrics = _value_terms(cfg, values, mb, ctx)
         return pg + vf, {**metrics, **{f"critic/{k}": v for k, v in vf_metrics.items()}}
@@ -168,97 +163,105 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
     return loss_fn
 
 
-def rope_tables(cfg: PPOConfig, state: TrainState, batch) -> dict:
-    """The rotary tables of the batch's completions, computed once for the values and both
+def rope_tables(cfg: PPOConfig, state: TrainState, batch: PPOBatch) -> PPOBatch:
+    """The batch with the rotary tables of its completions, computed once for the values and both
     updates: ``rope`` (the policy's) and ``critic_rope`` (a separate critic's own: it may be
     another model than the policy)."""
-    _, g, n = batch["tokens"].shape
-    out = {"rope": completion_rope(state.policy.config, batch["prompt_mask"], g, n)}
+    _, g, n = batch.tokens.shape
+    batch = batch.replace(rope=completion_rope(state.policy.config, batch.prompt_mask, g, n))
     if cfg.needs_critic and not cfg.shared_critic:
-        out["critic_rope"] = completion_rope(state.critic.backbone.config, batch["prompt_mask"], g, n)
-    return out
+        batch = batch.replace(critic_rope=completion_rope(state.critic.backbone.config, batch.prompt_mask, g, n))
+    return batch
 
 
-def state_values(cfg: PPOConfig, state: TrainState, batch):
+def state_values(cfg: PPOConfig, state: TrainState, batch: PPOBatch):
     """The critic's values ``[P, G, N]`` of the sampled states (no gradient); the batch holds
     ``rope_tables``."""
-    args = (batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"])
+    args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     if cfg.shared_critic:
-        h = completion_hidden(state.policy, *args, attention=cfg.train_attention, rope=batch["rope"])
+        h = completion_hidden(state.policy, *args, rope=batch.rope, **cfg.forward.options(differentiated=False))
         values = values_from_hidden(h, state.critic.head, state.critic.bias)
     else:
-        values = completion_values(state.critic, *args, attention=cfg.train_attention, rope=batch["critic_rope"])
+        values = completion_values(state.critic, *args, rope=batch.critic_rope,
+                                   **cfg.forward.options(differentiated=False))
     return jax.lax.stop_gradient(values)
 
 
 def make_update_stage(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
     """The actor's and the critic's updates on the same minibatch split, then the reference rule."""
     rule = make_reference_rule(cfg.reference)
-    actor_keys = ACTOR_KEYS + (("prox_logprobs",) if needs_proximal_pass(off_policy, cfg.optimizer_steps) else ())
     split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes)
 
-    def update(state: TrainState, batch):  # the batch holds rope_tables (the advantage stage's)
+    def update(state: TrainState, batch: PPOBatch) -> tuple[TrainState, Updated]:
         key, k_actor, k_critic = jax.random.split(state.key, 3)
         critic, critic_opt_state = state.critic, state.critic_opt_state
+        actor_rows = LossRows.of(batch, ref_logprobs=None)  # the KL is in the rewards
         if cfg.shared_critic:  # one joint update of (policy, head), each part with its own optimizer
-            joint = make_update(make_joint_loss(cfg, passes, off_policy), paired(state.optimizer, state.critic_optimizer),
-                                **split)
+            joint = make_update(make_joint_loss(cfg, passes, off_policy),
+                                paired(state.optimizer, state.critic_optimizer), **split)
+            rows = CriticRows.of(actor_rows, old_values=batch.old_values, returns=batch.returns)
             (policy, critic), (opt_state, critic_opt_state), metrics = joint(
-                (state.policy, critic), (state.opt_state, critic_opt_state),
-                {k: batch[k] for k in (*actor_keys, "old_values", "returns")}, k_actor)
+                (state.policy, critic), (state.opt_state, critic_opt_state), rows, k_actor)
         else:
             actor = make_update(make_actor_loss(cfg, passes, off_policy), state.optimizer, **split)
-            policy, opt_state, metrics = actor(state.policy, state.opt_state, {k: batch[k] for k in actor_keys},
-                                               k_actor)
+            policy, opt_state, metrics = actor(state.policy, state.opt_state, actor_rows, k_actor)
         if cfg.needs_critic and not cfg.shared_critic:
             critic_update = make_update(make_critic_loss(cfg, passes), state.critic_optimizer, **split)
-            critic, critic_opt_state, critic_metrics = critic_update(
-                critic, critic_opt_state, {k: batch[k] for k in CRITIC_KEYS}, k_critic)
+            rows = CriticRows.of(actor_rows, old_values=batch.old_values, returns=batch.returns,
+                                 critic_rope=batch.critic_rope, rope=None, old_logprobs=None, advantages=None,
+                                 prox_logprobs=None)
+            critic, critic_opt_state, critic_metrics = critic_update(critic, critic_opt_state, rows, k_critic)
             metrics = {**metrics, **{f"critic/{k}": v for k, v in critic_metrics.items()
                                      if k != "first_nonfinite_grad"}}
         step = state.step + 1
         ref = state.ref if state.ref is None else rule(state.ref, policy, step, {})
-        metrics, health = step_health(metrics, opt_state, first_nonfinite(batch, metrics["loss"]))
+        bad = first_nonfinite(metrics["loss"], rewards=batch.rewards, advantages=batch.advantages,
+                              old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.mask)
+        metrics, health = step_health(metrics, opt_state, bad)
         metrics = {**metrics, **_batch_metrics(cfg, batch)}
         new = state.replace(policy=policy, opt_state=opt_state, critic=critic, critic_opt_state=critic_opt_state,
                             ref=ref, step=step, key=key)
-        return new, {**batch, "metrics": metrics, "health": health}
+        return new, Updated(batch, metrics, health)
 
     return stage(update, name="update", reads_reference=True)
 
 
-def _batch_metrics(cfg: PPOConfig, batch) -> dict:
-    m = batch["loss_mask"] > 0
-    kl_sum = jnp.sum(jnp.where(m, batch["kl_to_ref"], 0.0), -1)
-    out = {"reward": jnp.nanmean(batch["rewards"]), "kl": masked_mean(batch["kl_to_ref"], m),
+def _batch_metrics(cfg: PPOConfig, batch: PPOBatch) -> dict:
+    m = batch.loss_mask > 0
+    kl_sum = jnp.sum(jnp.where(m, batch.kl_to_ref, 0.0), -1)
+    out = {"reward": jnp.nanmean(batch.rewards), "kl": masked_mean(batch.kl_to_ref, m),
            "non_score_reward": -cfg.kl_coef * jnp.mean(kl_sum),
-           "completion_length": jnp.mean(batch["lengths"].astype(jnp.float32)),
-           "truncated_frac": jnp.mean(1.0 - batch["finished"].astype(jnp.float32)),
-           "advantage_mean": masked_mean(batch["advantages"], m)}
+           "completion_length": jnp.mean(batch.lengths.astype(jnp.float32)),
+           "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
+           "advantage_mean": masked_mean(batch.advantages, m)}
     if cfg.needs_critic:
-        out.update(returns_mean=masked_mean(batch["returns"], m), values_mean=masked_mean(batch["old_values"], m),
-                   explained_variance=batch["explained_variance"])
-    for name, part in batch["reward_parts"].items():
+        out.update(returns_mean=masked_mean(batch.returns, m), values_mean=masked_mean(batch.old_values, m),
+                   explained_variance=batch.explained_variance)
+    for name, part in batch.reward_parts.items():
         out[f"reward/{name}"] = jnp.nanmean(part)
     return out
+
+
+def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlineParts:
+    """PPO's part of an online step (``relax.algorithms.online_step``); ``host_after``: VinePPO's
+    Monte-Carlo values."""
+    return OnlineParts(name="ppo_step", generation=cfg.generation, forward=cfg.forward,
+                       needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,
+                       advantage=make_advantage(cfg), host_after=host_after,
+                       make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy))
 
 
 def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
                   pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
                   pipelined: bool = False) -> Stage:
-    """``ppo_step(state, batch) -> (state, batch)``; ``batch`` as GRPO's. The state holds the
-    critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as GRPO's:
-    the reference log-probs are computed while it scores. ``off_policy`` / ``pipelined`` as
+    """``ppo_step(state, batch) -> (state, out)``; ``batch`` and ``out`` as GRPO's. The state holds
+    the critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as
+    GRPO's: the reference log-probs are computed while it scores. ``off_policy`` / ``pipelined`` as
     GRPO's (``relax.algorithms.grpo.step``): run by the pipeline, the reference forward, the
     critic's values and GAE run with the update, on the models as they are then."""
-    passes = choose_passes() if passes is None else passes
-    rcfg = rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id)
-    reference = reference_stages(cfg, passes)
-    mc_values = ((make_mc_values(cfg, rcfg, reward_fns, decode, on_error=on_error, timeout_s=timeout_s),)
-                 if cfg.advantage == "vineppo" else ())
-    stages = [make_rollout(rcfg), *make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined,
-                                                host_after=mc_values, on_error=on_error, timeout_s=timeout_s,
-                                                stop_strings=cfg.stop_strings, pool=pool)]
-    return compose(*stages, *proximal_stages(cfg, passes, off_policy), make_advantage(cfg),
-                   make_update_stage(cfg, passes, off_policy), name="ppo_step")
+    mc_values = ((make_mc_values(cfg, cfg.generation.rollout(eos_ids=eos_ids, pad_id=pad_id), reward_fns, decode,
+                                 on_error=on_error, timeout_s=timeout_s),) if cfg.advantage == "vineppo" else ())
+    return make_online_step(ppo_parts(cfg, host_after=mc_values), reward_fns, decode, eos_ids=eos_ids, pad_id=pad_id,
+                            passes=passes, on_error=on_error, timeout_s=timeout_s, pool=pool, off_policy=off_policy,
+                            pipelined=pipelined)

@@ -21,13 +21,15 @@ and ``K`` times as many decodes of ``N`` tokens, all scored on the host.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from relax.compose import Stage, stage
+from relax.algorithms.ppo.batch import PPOBatch
+from relax.compose import Stage, WithHost, stage
 from relax.rewards.functions import as_reward_functions, score_groups
 from relax.rollout.sampler import RolloutConfig, generate_with
 
@@ -61,11 +63,12 @@ def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: st
                                sampling=rcfg.sampling, eos_ids=rcfg.eos_ids, pad_id=rcfg.pad_id,
                                prompt_buckets=rcfg.prompt_buckets)
 
-    def mc_values(state, batch):
-        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"])
-        lengths = np.asarray(batch["lengths"])
+    def mc_values(state, batch: WithHost) -> tuple[Any, WithHost]:
+        scored, host = batch.device, batch.host
+        tokens, mask = np.asarray(scored.tokens), np.asarray(scored.mask)
+        lengths = np.asarray(scored.lengths)
         p, g, n = tokens.shape
-        ids, pmask, points = branch_prompts(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]),
+        ids, pmask, points = branch_prompts(np.asarray(scored.prompt_ids), np.asarray(scored.prompt_mask),
                                             tokens, lengths, cfg.vine_every)
         key = jax.random.fold_in(state.key, VINE_STREAM)
         branches = generate_with(state.policy, ids, pmask, key, branch_cfg)
@@ -73,13 +76,13 @@ def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: st
         done = np.minimum(points[None, None, :], lengths[..., None])  # tokens already in each prefix
         full, full_mask = _joined(tokens, mask, done, np.asarray(branches.tokens).reshape(p, g, j, k, n),
                                   np.asarray(branches.mask).reshape(p, g, j, k, n))
-        prompts = [t for t in batch["prompts"] for _ in range(g * j)]
-        fields = {name: [v for v in vals for _ in range(g * j)] for name, vals in batch.get("fields", {}).items()}
+        prompts = [t for t in host.prompts for _ in range(g * j)]
+        fields = {name: [v for v in vals for _ in range(g * j)] for name, vals in host.fields.items()}
         total, _, _, _ = score_groups(fns, decode, prompts, fields, full.reshape(p * g * j, k, n),
                                       full_mask.reshape(p * g * j, k, n), on_error=on_error, timeout_s=timeout_s)
         values = np.nanmean(np.where(np.isfinite(total), total, np.nan), axis=-1) if total.size else total
         values = np.nan_to_num(values.reshape(p, g, j), nan=0.0)
-        return state, {**batch, "mc_values": jnp.asarray(values, jnp.float32)}
+        return state, batch.replace(device=PPOBatch.of(scored, mc_values=jnp.asarray(values, jnp.float32)))
 
     return stage(mc_values, jit=False, name="mc_values", updates_state=False)
 

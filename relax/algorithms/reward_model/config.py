@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
-from relax.choices import check_choice
-from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
+from relax.algorithms.configure import FLAT
+from relax.models.forward import ForwardConfig
 from relax.train.optimizer import OptimizerConfig
 
 
@@ -23,22 +24,19 @@ class RewardModelConfig:
     (``init_reward_model``). Update: each batch of pairs in ``num_minibatches`` optimizer steps,
     each split into ``grad_accum`` micro-batches (None: the passes' choice, one pair per
     micro-batch on a single CPU device; the loss and gradient do not depend on it), with
-    ``optimizer``; ``remat`` / ``remat_policy`` / ``train_attention`` as GRPO's (the prefix-shared
-    forward: a pair's prompt runs once for both completions).
+    ``optimizer``; ``forward`` (``relax.models.forward.ForwardConfig``, flat flags:
+    ``train_attention``, ``remat``, ``remat_policy``) as GRPO's (the prefix-shared forward: a
+    pair's prompt runs once for both completions).
     """
 
     center_rewards_coefficient: float | None = None
     head_std: float = 0.02
     num_minibatches: int = 1
     grad_accum: int | None = None
-    remat: bool = False
-    remat_policy: str = "nothing"
-    train_attention: str = "auto"
+    forward: Annotated[ForwardConfig, FLAT] = ForwardConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-5)
 
     def __post_init__(self):
-        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
-        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
         if self.center_rewards_coefficient is not None and not self.center_rewards_coefficient >= 0:
             raise ValueError(f"center_rewards_coefficient must be >= 0 or None, got {self.center_rewards_coefficient}")
         if not self.head_std >= 0:

@@ -1,10 +1,10 @@
 """The Bradley-Terry loss on one micro-batch of preference pairs, for ``relax.train.update``.
 
-A micro-batch holds pairs in ``relax.data.pairs``' layout: ``prompt_ids`` / ``prompt_mask``
-``[p, Lp]`` (left-padded), ``tokens`` / ``mask`` ``[p, 2, N]`` (index 0 the chosen completion, 1
-the rejected one), ``loss_mask`` ``[p]`` (1 for a real pair; all ones when the batch has none), an optional
-``margin`` ``[p]`` and the rotary tables ``rope``. Both completions of a pair are scored in one
-prefix-shared forward (``sequence_rewards`` with G = 2), and::
+A micro-batch is ``PairRows`` (``relax.algorithms.pair_forward``) in ``relax.data.pairs``' layout:
+``prompt_ids`` / ``prompt_mask`` ``[p, Lp]`` (left-padded), ``tokens`` / ``mask`` ``[p, 2, N]``
+(index 0 the chosen completion, 1 the rejected one), ``loss_mask`` ``[p]`` (1 for a real pair; all
+ones when the batch has none), an optional ``margin`` ``[p]`` and the rotary tables ``rope``. Both
+completions of a pair are scored in one prefix-shared forward (``sequence_rewards`` with G = 2), and::
 
     loss = sum_pairs loss_mask * bradley_terry_loss(r_c, r_r; margin, centering) / ctx.norms["pairs"]
 
@@ -21,25 +21,28 @@ import jax.numpy as jnp
 from relax.masked import masked_mean
 from relax.models.reward_model import sequence_rewards
 from relax.objectives.preference import bradley_terry_loss
+from relax.models.forward import ForwardConfig
 from relax.passes import Passes
 from relax.train.update import LossContext
 
+from relax.algorithms.pair_forward import PairRows
 from relax.algorithms.reward_model.config import RewardModelConfig
 
 
 def pair_normalizers(batch) -> dict[str, jax.Array]:
     """``{"pairs": real pairs in the batch}`` (from its ``loss_mask`` ``[P]``), at least 1."""
-    return {"pairs": jnp.maximum(jnp.sum(batch["loss_mask"]), 1).astype(jnp.float32)}
+    return {"pairs": jnp.maximum(jnp.sum(batch.loss_mask), 1).astype(jnp.float32)}
 
 
-def pair_rewards(model, mb, *, passes: Passes = Passes(), remat: bool = False, remat_policy: str = "nothing",
-                 attention: str = "auto") -> jax.Array:
-    """``[p, 2]`` rewards of a micro-batch's chosen and rejected completions (one forward)."""
-    c, (p, g, n), lp = model.config, mb["tokens"].shape, mb["prompt_ids"].shape[1]
+def pair_rewards(model, mb: PairRows, *, passes: Passes = Passes(), forward: ForwardConfig = ForwardConfig()
+                 ) -> jax.Array:
+    """``[p, 2]`` rewards of a micro-batch's chosen and rejected completions (one forward, run as
+    ``forward`` says)."""
+    c, (p, g, n), lp = model.config, mb.tokens.shape, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-    return sequence_rewards(model, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"], remat=remat,
-                            attention=attention, remat_policy=remat_policy, unroll=passes.unroll(c.num_layers),
-                            save_attention=passes.save_attention(probs_bytes), rope=mb.get("rope"))
+    return sequence_rewards(model, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, **forward.options(),
+                            unroll=passes.unroll(c.num_layers),
+                            save_attention=passes.save_attention(probs_bytes), rope=mb.rope)
 
 
 def pair_metrics(chosen: jax.Array, rejected: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
@@ -57,14 +60,13 @@ def make_loss(cfg: RewardModelConfig, passes: Passes = Passes()):
     docstring. Metrics are means over the micro-batch's real pairs (the update weighs micro-batches
     by their ``loss_mask``, i.e. by pairs, so the reduced metric is the batch mean)."""
 
-    def loss_fn(model, mb, ctx: LossContext):
-        if mb["tokens"].shape[1] != 2:
-            raise ValueError(f"preference pairs need tokens [P, 2, N] (chosen, rejected), got {mb['tokens'].shape}")
-        r = pair_rewards(model, mb, passes=passes, remat=cfg.remat, remat_policy=cfg.remat_policy,
-                         attention=cfg.train_attention)
-        per_pair, _ = bradley_terry_loss(r[:, 0], r[:, 1], margin=mb.get("margin"),
+    def loss_fn(model, mb: PairRows, ctx: LossContext):
+        if mb.tokens.shape[1] != 2:
+            raise ValueError(f"preference pairs need tokens [P, 2, N] (chosen, rejected), got {mb.tokens.shape}")
+        r = pair_rewards(model, mb, passes=passes, forward=cfg.forward)
+        per_pair, _ = bradley_terry_loss(r[:, 0], r[:, 1], margin=mb.margin,
                                          center_rewards_coefficient=cfg.center_rewards_coefficient)
-        w = mb["loss_mask"].astype(jnp.float32)
+        w = mb.loss_mask.astype(jnp.float32)
         loss = jnp.sum(jnp.where(w > 0, per_pair, 0.0) * w) / ctx.norms["pairs"]
         return loss, pair_metrics(r[:, 0], r[:, 1], w > 0)
 

@@ -1,8 +1,8 @@
 """The supervised (SFT) loss on one micro-batch of packed or padded rows, for ``relax.train.update``.
 
-The batch holds ``ids``, ``segment_ids`` (0 = padding, 1.. = the example in its row) and
-``loss_mask`` int32 ``[rows, T]``, ``loss_mask`` aligned with ``ids``: 1 where the token at ``t``
-is a target, predicted from ``t - 1`` (``relax.data.supervised``). Log-probs come from the
+The batch is a ``relax.data.supervised.PackedBatch``: ``ids``, ``segment_ids`` (0 = padding, 1.. =
+the example in its row) and ``loss_mask`` int32 ``[rows, T]``, ``loss_mask`` aligned with ``ids``: 1
+where the token at ``t`` is a target, predicted from ``t - 1``. Log-probs come from the
 packed forward (``relax.models.packed``: examples never see each other and restart their
 positions), so packing changes neither the loss nor its gradient. The loss is the token-sum
 negative log-likelihood over the batch-wide normaliser::
@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
 from relax.models.packed import greedy_hits, packed_hidden
 from relax.train.update import LossContext
 
-BATCH_KEYS = ("ids", "segment_ids", "loss_mask")
 
-
-def target_mask(micro_batch) -> jnp.ndarray:
+def target_mask(micro_batch: PackedBatch) -> jnp.ndarray:
     """``[rows, T-1]`` bool: position ``t`` predicts a target ``ids[t+1]`` of its own example."""
-    seg, loss_mask = micro_batch["segment_ids"], micro_batch["loss_mask"]
+    seg, loss_mask = micro_batch.segment_ids, micro_batch.loss_mask
     return (loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
 
 
@@ -39,9 +38,9 @@ def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK):
     ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
     pass; ``chunk_size``: rows of logits at a time (``relax.models.logprobs``)."""
 
-    def loss_fn(policy, mb, ctx: LossContext):
-        ids = mb["ids"]
-        h = packed_hidden(policy, ids, mb["segment_ids"], remat=remat)[:, :-1]
+    def loss_fn(policy, mb: PackedBatch, ctx: LossContext):
+        ids = mb.ids
+        h = packed_hidden(policy, ids, mb.segment_ids, remat=remat)[:, :-1]
         targets = ids[:, 1:]
         logp = logprobs_from_hidden(policy, h, targets, chunk_size=chunk_size)
         mask = target_mask(mb)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-from relax.data.supervised import SFTExample, stack_rows
+from relax.data.supervised import PackedBatch, SFTExample, stack_rows
 from relax.models.packed import packed_logprobs
 from relax.tasks import reverse
 
@@ -43,15 +43,15 @@ EVAL_ROWS = 16  # held-out rows per forward (the last chunk padded with empty ro
 
 
 @jax.jit
-def _nll(policy, batch):
-    lp = packed_logprobs(policy, batch["ids"], batch["segment_ids"])
-    m = batch["loss_mask"][:, 1:] > 0
+def _nll(policy, batch: PackedBatch):
+    lp = packed_logprobs(policy, batch.ids, batch.segment_ids)
+    m = batch.loss_mask[:, 1:] > 0
     return -jnp.sum(jnp.where(m, lp, 0.0)), jnp.sum(m)
 
 
-def held_out_nll(policy, rows: list[dict]) -> float:
-    """Mean NLL per loss token of the held-out rows, ``EVAL_ROWS`` rows per forward."""
-    empty = {k: np.zeros_like(v) for k, v in rows[0].items()}  # no tokens, no loss
+def held_out_nll(policy, rows: list[PackedBatch]) -> float:
+    """Mean NLL per loss token of the held-out rows (``sft_rows``), ``EVAL_ROWS`` rows per forward."""
+    empty = jax.tree.map(np.zeros_like, rows[0])  # no tokens, no loss
     total, count = 0.0, 0
     for start in range(0, len(rows), EVAL_ROWS):
         chunk = rows[start:start + EVAL_ROWS]
@@ -75,7 +75,7 @@ def algorithm(cfg: SFTRunConfig) -> OfflineAlgorithm:
                                                      prompt_field=cfg.sft.prompt_field, answer_field=cfg.answer_field)
         return out
 
-    def host_metrics(batch, metrics):
+    def host_metrics(out, metrics):
         return {"tokens_per_s": metrics["tokens"] / metrics["time/step"]}
 
     return OfflineAlgorithm(

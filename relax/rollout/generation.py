@@ -1,0 +1,46 @@
+"""What a trainer samples: one config, nested in every online algorithm's (GRPO, PPO, agents).
+
+``num_generations`` completions of at most ``max_new_tokens`` per prompt, drawn at
+``temperature`` (0: greedy, for evaluation; a trainer needs > 0) / ``top_k`` / ``top_p`` /
+``min_p`` (``relax.rollout.sampling``; the trainer recomputes log-probs at the same
+temperature); a completion also ends at its first ``stop_strings`` match
+(``relax.text.stop_strings``; used in evaluation too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax.rollout.sampler import RolloutConfig
+from relax.rollout.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """The completions a step samples per prompt and how (module docstring)."""
+
+    num_generations: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_generations", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
+        self.sampling  # top_k / top_p / min_p are valid
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The per-token sampling controls."""
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+
+    def rollout(self, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
+        """The sampler's config for a tokenizer's ``eos_ids`` and ``pad_id``."""
+        return RolloutConfig(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
+                             sampling=self.sampling, eos_ids=eos_ids, pad_id=pad_id)
