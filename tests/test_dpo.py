@@ -13,7 +13,7 @@ import pytest
 
 from relax.algorithms.dpo import (DPOConfig, evaluate, make_dpo_eval, make_dpo_loss, make_dpo_step, make_state,
                                   pair_normalizers)
-from relax.algorithms.dpo import reference_cache as rc
+from relax.algorithms import reference_cache as rc
 from relax.algorithms.dpo.step import collate, encode
 from relax.algorithms.pair_forward import PairRows, sequence_logps, shared_forward
 from relax.data.files import MissingFieldError, read_records

@@ -32,10 +32,10 @@ def reference_logps(model, batch, forward: Forward) -> Float[Array, "p 2"]:
 
 
 def make_pair_reference(passes: Passes, forward: Forward, *, enabled: bool, precompute: bool,
-                        reads_reference: bool, what: str, cache: str) -> Stage:
+                        reads_reference: bool, what: str) -> Stage:
     """The reference stage (module docstring). ``enabled=False``: the batch passes through (a
-    reference-free loss). ``precompute``: the batch's own ``ref_logps`` (attached as ``cache``
-    says; a batch without them is a ``KeyError``). ``what`` names the loss in the error raised
+    reference-free loss). ``precompute``: the batch's own ``ref_logps`` (attached from
+    ``relax.algorithms.reference_cache``; a batch without them is a ``KeyError``). ``what`` names the loss in the error raised
     when the state has no reference model."""
 
     def reference(state: TrainState, batch):
@@ -44,7 +44,7 @@ def make_pair_reference(passes: Passes, forward: Forward, *, enabled: bool, prec
         if precompute:
             if batch.ref_logps is None:
                 raise KeyError(f"precompute_reference=True but the batch has no ref_logps: attach the cached "
-                               f"reference log-probs ({cache})")
+                               "reference log-probs (relax.algorithms.reference_cache)")
             return state, dataclasses.replace(batch, ref_is_policy=jnp.bool_(False))
         ref_model = reference_model(state)
         if ref_model is None:

@@ -4,7 +4,7 @@
   model's sequence log-probs of both completions, ``ref_logps`` ``[P, 2]``, from one prefix-shared
   forward of ``state.ref`` per batch (forward only, one prompt group per pass where the passes
   say so), and ``ref_is_policy``. With ``cfg.precompute_reference`` they are the batch's own
-  (``relax.algorithms.dpo.reference_cache``) and no reference model is read; SimPO and ORPO use
+  (``relax.algorithms.reference_cache``) and no reference model is read; SimPO and ORPO use
   none. While the reference is bitwise the policy, its forward is skipped (0 placeholders): the
   loss then takes the policy's own log-probs as the reference.
 - ``update`` (jit): one optimizer step of ``make_dpo_loss`` through ``relax.train.update`` (its
@@ -76,8 +76,7 @@ def evaluate(cfg: DPOConfig, state: TrainState, pairs: Sequence[Pair], *, pad_id
 def make_reference(cfg: DPOConfig, passes: Passes, forward: Forward) -> Stage:
     """The reference stage (module docstring)."""
     return make_pair_reference(passes, forward, enabled=cfg.uses_reference, precompute=cfg.precompute_reference,
-                               reads_reference=cfg.needs_reference, what=f"loss_type={cfg.loss_type!r}",
-                               cache="relax.algorithms.dpo.reference_cache")
+                               reads_reference=cfg.needs_reference, what=f"loss_type={cfg.loss_type!r}")
 
 
 def pair_rows(cfg: DPOConfig, batch: PairBatch, rope=None) -> PairRows:

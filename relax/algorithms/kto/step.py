@@ -4,7 +4,7 @@
   ``[P, 2]``, the reference model's sequence log-probs of each example's completion
   (``tokens[:, 0]``) and of its mismatched KL completion (``tokens[:, 1]``), both from ONE
   prefix-shared forward of ``state.ref``; with ``cfg.precompute_reference`` the batch's own
-  (``relax.algorithms.kto.reference_cache``). While the reference is bitwise the policy its
+  (``relax.algorithms.reference_cache``). While the reference is bitwise the policy its
   forward is skipped (0 placeholders, ``ref_is_policy``).
 - ``reference_point`` (jit): ``kl``, KTO's ``z0 = max(0, mean(pi(y'|x) - ref(y'|x)))`` over the
   batch's real examples (``relax.objectives.preference.kto_reference_point``), from a forward-only
@@ -96,8 +96,7 @@ def own_rows(batch: UnpairedBatch, rope=None) -> PairRows:
 
 def make_reference(cfg: KTOConfig, passes: Passes, forward: Forward) -> Stage:
     return make_pair_reference(passes, forward, enabled=True, precompute=cfg.precompute_reference,
-                               reads_reference=cfg.needs_reference, what="KTO",
-                               cache="relax.algorithms.kto.reference_cache")
+                               reads_reference=cfg.needs_reference, what="KTO")
 
 
 def make_reference_point(passes: Passes, forward: Forward) -> Stage:
