@@ -13,13 +13,15 @@ handled model by model.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from relax.models.lora import Adapters, LoRAConfig, init_adapters, merged_weight
+from relax.models.config import DENSE_MLP_FIELDS
+from relax.models.lora import TARGETS, Adapters, LoRAConfig, init_adapters, merged_weight
 from relax.models.transformer import Transformer
 
 
@@ -38,8 +40,26 @@ def add_lora(model: Transformer, cfg: LoRAConfig, key: Array) -> Transformer:
     if has_lora(model):
         raise ValueError("the model has adapters already (merge_lora or lora_off first)")
     c = model.config
-    ad = init_adapters(cfg, c.layer_shapes(), c.num_layers, key, model.layers.wq.dtype)
+    ad = init_adapters(moe_targets(cfg, c), c.layer_shapes(), c.num_layers, key, model.layers.wq.dtype)
     return with_adapters(model, ad)
+
+
+def moe_targets(cfg: LoRAConfig, config) -> LoRAConfig:
+    """``cfg`` for a mixture-of-experts model: its adapters are on the attention projections, the
+    MLP weights being experts (``"all-linear"`` there means the attention projections, with a
+    warning; an MLP module named explicitly is an error). A dense model's ``cfg`` unchanged."""
+    if not config.num_experts:
+        return cfg
+    mlp = [m for m, f in TARGETS.items() if f in DENSE_MLP_FIELDS and f in cfg.fields()]
+    if not mlp:
+        return cfg
+    if "all-linear" not in cfg.target_modules:
+        raise ValueError(f"lora target_modules {mlp}: a mixture-of-experts model's MLP weights are experts, which "
+                         "relax does not adapt; target the attention projections (q/k/v/o_proj)")
+    warnings.warn("lora target 'all-linear' on a mixture-of-experts model adapts the attention projections only "
+                  "(the experts, their router and any shared expert are not adapted)", stacklevel=3)
+    attention = tuple(m for m, f in TARGETS.items() if f not in DENSE_MLP_FIELDS)
+    return dataclasses.replace(cfg, target_modules=attention)
 
 
 def with_adapters(model: Transformer, adapters: Adapters | None) -> Transformer:

@@ -18,6 +18,9 @@ sliding window             -       all      all/-  all/-  layer_types  all/-
 RoPE scaling               linear, llama3 (all but phi3)               longrope
 =========================  ======  =======  =====  =====  ===========  ========
 
+The mixture-of-experts families share these layers: ``qwen3_moe`` is Qwen3's, ``mixtral``
+Mistral's, ``qwen2_moe`` Qwen2's (its q/k/v biases behind a ``qkv_bias`` flag), each with its MLPs
+a mixture of experts (``num_experts`` and the fields after it; ``relax.models.moe``).
 (A family's record holds the first five rows, ``FamilyRecord.traits``; ``family_config``
 applies them. Phi-3 stores q/k/v and gate/up as fused tensors: a file-format difference only,
 ``relax.models.hf`` splits them.) Per-layer differences are one static tuple, ``sliding_layers``:
@@ -38,6 +41,9 @@ from relax.models.families import FAMILIES, get_family
 NormWeight = Literal["w", "1+w"]
 Activation = Literal["silu", "gelu_tanh"]
 LayerType = Literal["full", "sliding"]
+DENSE_MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+MOE_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down",
+              "shared_router")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,14 @@ class ModelConfig:
     ``"sliding"`` (None: on every layer), and those layers' RoPE base ``rope_local_theta``
     (unscaled; None: the same RoPE as the full layers).
 
+    Mixture of experts (``num_experts`` E > 0; ``relax.models.moe``): the MLP of every layer not in
+    ``dense_layers`` routes each token to its top ``num_experts_per_tok`` experts of width
+    ``moe_intermediate_size`` (their router probabilities renormalised to sum 1 with
+    ``norm_topk_prob``), plus a gated shared expert of width ``shared_expert_size`` when that is
+    > 0 (Qwen2-MoE). ``output_router_logits`` / ``router_aux_loss_coef`` / ``router_z_loss_coef``
+    are the checkpoint's training settings: trainers add ``coef * load_balance`` when the first is
+    set (as transformers does) and the z-loss when its coefficient is > 0, unless told otherwise.
+
     ``family`` is the Hugging Face ``model_type`` written back on save.
     """
 
@@ -124,6 +138,15 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     layer_types: tuple[LayerType, ...] | None = None
     rope_local_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -150,6 +173,21 @@ class ModelConfig:
                              f"{self.num_layers} layers, got {self.layer_types!r}")
         if self.rope_scaling is not None:
             self._check_rope(self.rope_scaling)
+        if self.num_experts:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Raise ``ValueError`` for a top-k outside ``1..num_experts``, an expert width below 1, or
+        dense layer indices outside the model."""
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"1..num_experts={self.num_experts}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if (not isinstance(self.dense_layers, tuple) or list(self.dense_layers) != sorted(set(self.dense_layers))
+                or any(not 0 <= i < self.num_layers for i in self.dense_layers)):
+            raise ValueError(f"ModelConfig.dense_layers must be increasing layer indices in 0..{self.num_layers - 1}, "
+                             f"got {self.dense_layers!r}")
 
     def _check_rope(self, s: RopeScaling) -> None:
         """Raise ``ValueError`` for a scaling of unknown kind, longrope fields on another kind, a
@@ -194,6 +232,25 @@ class ModelConfig:
         return tuple(t == "sliding" for t in self.layer_types)
 
     @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its MLP is a mixture of experts (``relax.models.moe``): every layer
+        not in ``dense_layers`` of a model with experts."""
+        return tuple(self.num_experts > 0 and i not in self.dense_layers for i in range(self.num_layers))
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    def layer_count(self, field: str) -> int:
+        """The leading axis of a ``LayerStack`` field: every layer for attention and norms, the
+        dense layers for the dense MLP's weights, the sparse layers for the experts' (MOE_FIELDS)."""
+        if field in MOE_FIELDS:
+            return self.num_sparse_layers
+        if field in DENSE_MLP_FIELDS:
+            return self.num_layers - self.num_sparse_layers
+        return self.num_layers
+
+    @property
     def has_window(self) -> bool:
         """Whether some layer attends through a sliding window."""
         return self.sliding_window is not None and any(self.sliding_layers)
@@ -221,13 +278,28 @@ class ModelConfig:
             s.update(b_gate=(F,), b_up=(F,), b_down=(D,))
         if self.sandwich_norms:
             s.update(attn_out_norm=(D,), mlp_out_norm=(D,))
-        return s
+        if self.num_experts:
+            E, Fe, Fs = self.num_experts, self.moe_intermediate_size, self.shared_expert_size
+            s.update(router=(D, E), expert_gate=(E, D, Fe), expert_up=(E, D, Fe), expert_down=(E, Fe, D))
+            if Fs:
+                s.update(shared_gate=(D, Fs), shared_up=(D, Fs), shared_down=(Fs, D), shared_router=(D, 1))
+        return {k: v for k, v in s.items() if self.layer_count(k)}
+
+    def stacked_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``layer_shapes`` with each field's leading layer axis (``layer_count``)."""
+        return {k: (self.layer_count(k), *v) for k, v in self.layer_shapes().items()}
 
     def num_params(self) -> int:
         d, v = self.hidden_size, self.vocab_size
-        per_layer = sum(math.prod(shape) for shape in self.layer_shapes().values())
+        layers = sum(math.prod(shape) for shape in self.stacked_shapes().values())
         head = 0 if self.tie_word_embeddings else v * d
-        return v * d + self.num_layers * per_layer + d + head
+        return v * d + layers + d + head
+
+    def num_active_params(self) -> int:
+        """Parameters a token uses: ``num_params`` less the experts it is not routed to."""
+        unused = sum(math.prod(s) * (self.num_experts - self.num_experts_per_tok) // max(1, self.num_experts)
+                     for k, s in self.stacked_shapes().items() if k.startswith("expert_"))
+        return self.num_params() - unused
 
 
 def family_config(family: str, **fields) -> ModelConfig:

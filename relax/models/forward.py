@@ -5,6 +5,8 @@
 ``remat``: recompute each layer in the backward, keeping ``remat_policy`` (nothing | dots: the
 weight matmuls' outputs, less recompute for more memory). The same values and gradients whatever
 the choice; only time and memory differ.
+``moe``: a mixture-of-experts model's routing replay and router losses (``relax.models.moe.MoEConfig``;
+no effect on a dense model).
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ from __future__ import annotations
 import dataclasses
 
 from relax.choices import check_choice
+from relax.models.moe import MoEConfig
 from relax.models.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    """The training forwards' attention kernel and rematerialisation (module docstring)."""
+    """The training forwards' attention kernel and rematerialisation, and how they treat a
+    mixture of experts (module docstring)."""
 
     train_attention: str = "auto"
     remat: bool = False
     remat_policy: str = "nothing"
+    moe: MoEConfig = MoEConfig()
 
     def __post_init__(self):
         check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)

@@ -28,7 +28,8 @@ from jaxtyping import Array, Bool, Float, Int
 from relax.models import attention as attn
 from relax.models.layer_kinds import layer_window, select
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
-from relax.models.transformer import Attend, Transformer, embed, run_layers
+from relax.models.moe import RouterStats
+from relax.models.transformer import Attend, LayerRoutes, Transformer, embed, run_layers
 
 __all__ = ["greedy_hits", "packed_attention", "packed_hidden", "packed_logprobs", "segment_mask",
            "segment_positions"]
@@ -71,10 +72,18 @@ def packed_hidden(model: Transformer, ids: Int[Array, "b t"], segment_ids: Int[A
                   remat: bool = False) -> Float[Array, "b t D"]:
     """Final-norm hidden states of packed rows (module docstring); ``remat`` recomputes each
     layer in the backward pass."""
+    return packed_hidden_routed(model, ids, segment_ids, remat=remat)[0]
+
+
+def packed_hidden_routed(model: Transformer, ids: Int[Array, "b t"], segment_ids: Int[Array, "b t"], *,
+                         remat: bool = False) -> tuple[Float[Array, "b t D"], RouterStats | None]:
+    """``packed_hidden`` and a mixture of experts' ``RouterStats`` over the rows' tokens (stacked
+    ``[Ls]``; None for a dense model)."""
     positions = segment_positions(segment_ids)
     attend = packed_attention(model, segment_ids, positions)
-    h, _ = run_layers(model, embed(model, ids), positions, attend, remat=remat)
-    return h
+    h, _, routed = run_layers(model, embed(model, ids), positions, attend, remat=remat,
+                              routes=LayerRoutes(segment_ids > 0))
+    return h, None if routed is None else routed.stats
 
 
 def packed_logprobs(model: Transformer, ids: Int[Array, "b t"], segment_ids: Int[Array, "b t"], *,

@@ -38,8 +38,10 @@ from relax.models.config import ModelConfig
 from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
 from relax.models.group_attention import prefix_group_attention
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
-from relax.models.layer_kinds import layer_kind, layer_window, scanned_kinds
+from relax.models.layer_kinds import layer_kind, layer_window
 from relax.models.rope import Rotary, rotary
+from relax.models.layer import RouteIn, scan_layers
+from relax.models.routes import Routes
 from relax.models.transformer import (Transformer, embed, final_norm, full_attention, layer_forward,
                                       positions_from_mask)
 from relax.models.sharding import ambient_batch_shards
@@ -154,13 +156,17 @@ class LayerPass:
 def shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, layers: LayerPass,
                   rope: CompletionRope | None):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``."""
-    return rows_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
-                       layers, rope)
+    hp, hc, _ = rows_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
+                            layers, rope)
+    return hp, hc
 
 
 def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRows, layers: LayerPass,
-                rope: CompletionRope | None):
-    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``."""
+                rope: CompletionRope | None, replay: tuple[Array, Array] | None = None, replay_routes: bool = True):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``, and the
+    sparse layers' ``RouterStats`` over both (stacked ``[Ls]``; None for a dense model); ``replay``:
+    the experts recorded on the prompt and completion rows (``Routes.replay_rows``), replayed when
+    ``replay_routes`` (else compared with the layers' own choices)."""
     attention, save_attention = layers.attention, layers.save_attention
     c = model.config
     p = prompt_ids.shape[0]
@@ -206,19 +212,23 @@ def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRow
             return out.astype(q.dtype), None
         return attend
 
+    p_route = lambda r: RouteIn(p_valid, r, replay_routes)  # noqa: E731
+    c_route = lambda r: RouteIn(rows.valid.reshape(b, n), r, replay_routes)  # noqa: E731
+
     def body(carry, xs):
         xp, xc = carry
-        layer, sliding = xs[0], layer_kind(c, xs[1])
-        xp, (pk, pv) = layer_forward(model, layer, xp, p_rope, prompt_attend, None, sliding)
-        xc, _ = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding)
-        return (xp, xc), None
+        layer, sliding, _, replay = xs[0], layer_kind(c, xs[1]), xs[2], xs[3]
+        pr, cr = (None, None) if replay is None else replay
+        xp, (pk, pv), p_routed = layer_forward(model, layer, xp, p_rope, prompt_attend, None, sliding, p_route(pr))
+        xc, _, c_routed = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding, c_route(cr))
+        stats = None if p_routed is None else p_routed.stats + c_routed.stats
+        return (xp, xc), (None, stats)
 
     if layers.remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
     xc0 = embed(model, rows.tokens.reshape(b, n))
-    xs = (model.layers, scanned_kinds(c))
-    (xp, xc), _ = jax.lax.scan(body, (embed(model, prompt_ids), xc0), xs, unroll=layers.unroll)
-    return final_norm(model, xp), final_norm(model, xc)
+    (xp, xc), _, stats = scan_layers(model, body, (embed(model, prompt_ids), xc0), None, replay, unroll=layers.unroll)
+    return final_norm(model, xp), final_norm(model, xc), stats
 
 
 def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
@@ -227,7 +237,8 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
                         chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
                         attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True,
                         unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None,
-                        packed: PackedCompletions | None = None):
+                        packed: PackedCompletions | None = None, routes: Routes | None = None,
+                        replay_routes: bool = True, router_stats: bool = False):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
@@ -252,28 +263,38 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     the layers run over the packed rows only (padding-free; the ``"group"`` attention) and the
     values come back in the padded ``[P, G, N]`` layout, equal to the padded forward's up to float
     summation order.
+    ``routes`` (a mixture-of-experts model): the experts a sampler recorded (``relax.models.routes``),
+    replayed when ``replay_routes`` (else only compared with the forward's own: ``RouterStats.differ``);
+    ``router_stats``: also return the sparse layers' ``RouterStats`` summed over the prompt and
+    completion tokens, ``(values, stats)`` (None stats for a dense model).
     """
     attention = resolve_attention("group" if packed is not None and attention == "auto" else attention, model)
     layers = LayerPass(attention, remat, remat_policy, unroll, save_attention)
     run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature,
-                            with_entropy=with_entropy, chunk_size=chunk_size, entropy_grad=entropy_grad)
+                            with_entropy=with_entropy, chunk_size=chunk_size, entropy_grad=entropy_grad,
+                            replay_routes=replay_routes)
     rows, xs = ((padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)) if packed is None else
                 (packed_rows, (prompt_ids, prompt_mask, packed)))
     tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
         rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
-    out = over_groups(lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-1]), rest[-1]), (*xs, rope),
-                      groups_per_pass=groups_per_pass)
-    if packed is None:
-        return out
-    return tuple(unpack(x, packed.source) for x in out) if with_entropy else unpack(out, packed.source)
+    replay = None if routes is None else routes.replay_rows(completion_mask, packed)
+    if replay is not None:  # over_groups splits leaves on a leading [P]
+        replay = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0], prompt_ids.shape[0], -1, *x.shape[2:]),
+                                                     0, 1), replay)
+    out, stats = over_groups(lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
+                             (*xs, rope, replay), groups_per_pass=groups_per_pass, summed=True)
+    if packed is not None:
+        out = tuple(unpack(x, packed.source) for x in out) if with_entropy else unpack(out, packed.source)
+    return (out, stats) if router_stats else out
 
 
-def over_groups(run, xs: tuple, *, groups_per_pass: int | None):
+def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = False):
     """``run(*xs)`` over all P prompt groups at once (``groups_per_pass`` None or P), or
     ``groups_per_pass`` groups at a time (a ``lax.map``; it must divide P), the outputs' leading
     ``[P]`` axes put back together. Every leaf of ``xs`` leads with ``[P]`` (None leaves allowed:
-    e.g. rotary tables left to ``run``)."""
+    e.g. rotary tables left to ``run``). ``summed``: ``run`` returns ``(per-group outputs, totals)``
+    and the totals of the passes are added."""
     p = jax.tree.leaves(xs)[0].shape[0]
     if groups_per_pass is None or groups_per_pass == p:
         return run(*xs)
@@ -281,6 +302,8 @@ def over_groups(run, xs: tuple, *, groups_per_pass: int | None):
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
     out = jax.lax.map(lambda xs: run(*xs), jax.tree.map(tiles, xs))
+    if summed:
+        return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out[0]), jax.tree.map(lambda x: x.sum(0), out[1])
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 
@@ -297,31 +320,34 @@ def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt
     state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
     """
     layers = LayerPass(resolve_attention(attention, model), remat, remat_policy, unroll, save_attention)
-    h = _predicting_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
-                           rope, layers)
+    h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
+                              rope, layers)
     return h.reshape(completions.shape + h.shape[-1:])
 
 
-def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, layers: LayerPass):
+def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, layers: LayerPass, replay=None,
+                       replay_routes: bool = True):
     """The hidden states that predict each row slot's token, ``[P*G, N, D]``: the prompt's last
-    for a completion's first token, else the slot before."""
+    for a completion's first token, else the slot before; and the ``RouterStats`` (``rows_hidden``)."""
     g = rows.tokens.shape[1]
-    hp, hc = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope)
+    hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay, replay_routes)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     if rows.offsets is None:
-        return h
+        return h, stats
     starts = (rows.offsets == 0).reshape(h.shape[:2] + (1,))  # packed: every completion's first slot
-    return jnp.where(starts, first, h)
+    return jnp.where(starts, first, h), stats
 
 
-def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, *, layers: LayerPass,
-                         temperature, with_entropy, chunk_size, entropy_grad):
+def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, replay, *, layers: LayerPass,
+                         temperature, with_entropy, chunk_size, entropy_grad, replay_routes):
     p, g, n = rows.tokens.shape
-    h = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
+    if replay is not None:  # [P, Ls, ...] as over_groups split it -> layer-major rows
+        replay = tuple(jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1, *x.shape[3:]) for x in replay)
+    h, stats = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers, replay, replay_routes)
     targets = rows.tokens.reshape(p * g, n)
     if with_entropy:
         lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,
                                                    entropy_grad=entropy_grad)
-        return lp.reshape(p, g, n), ent.reshape(p, g, n)
-    return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n)
+        return (lp.reshape(p, g, n), ent.reshape(p, g, n)), stats
+    return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n), stats

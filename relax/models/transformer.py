@@ -16,7 +16,7 @@ layer code, so sampler and trainer log-probs agree by construction.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -26,13 +26,25 @@ from jaxtyping import Array, Float, Int
 
 from relax.models import attention as attn
 from relax.models.config import ModelConfig
-from relax.models.layer import Attend, FusedLayer, LayerStack, fuse_layers, layer_forward, norm, rms_norm
-from relax.models.layer_kinds import layer_kind, layer_window, scanned_kinds, select
+from relax.models.layer import (Attend, FusedLayer, LayerStack, RouteIn, fuse_layers, layer_forward, norm, rms_norm,
+                                scan_layers)
+from relax.models.moe import Routed
+from relax.models.layer_kinds import layer_kind, layer_window, select
 from relax.models.rope import Rotary, rotary
 
-__all__ = ["Attend", "FusedLayer", "LayerStack", "Transformer", "cast", "embed", "final_norm", "full_attention",
+__all__ = ["Attend", "FusedLayer", "LayerRoutes", "LayerStack", "Transformer", "cast", "embed", "final_norm", "full_attention",
            "fuse_layers", "hidden_states", "init", "layer_forward", "positions_from_mask", "project", "rms_norm",
            "run_layers"]
+
+
+class LayerRoutes(NamedTuple):
+    """The sparse layers' inputs of one forward: the valid rows ``[b, t]`` (their routing
+    statistics count only these; None: all), the experts a sampler recorded ``[Ls, b, t, k]``
+    (-1: none; None: nothing recorded) and whether to ``replay`` them (else only compared)."""
+
+    valid: Array | None = None
+    recorded: Int[Array, "Ls b t k"] | None = None
+    replay: bool = True
 
 
 class Transformer(eqx.Module):
@@ -59,8 +71,8 @@ def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.
     """Random weights ``N(0, std)``, identity norms (scales 1, or 0 for ``"1+w"`` norms); biases
     ``N(0, std)`` too (so tests see them)."""
     c = config
-    L, D = c.num_layers, c.hidden_size
-    keys = iter(jax.random.split(key, 24))
+    D = c.hidden_size
+    keys = iter(jax.random.split(key, max(24, len(c.stacked_shapes()) + 2)))
 
     def normal(*shape):
         return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(param_dtype)
@@ -68,8 +80,8 @@ def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.
     def identity_norm(*shape):
         return (jnp.zeros if c.norm_weight == "1+w" else jnp.ones)(shape, param_dtype)
 
-    layers = LayerStack(**{name: (identity_norm if name.endswith("norm") else normal)(L, *shape)
-                           for name, shape in c.layer_shapes().items()})
+    layers = LayerStack(**{name: (identity_norm if name.endswith("norm") else normal)(*shape)
+                           for name, shape in c.stacked_shapes().items()})
     return Transformer(
         embed=normal(c.vocab_size, D), layers=layers, norm=identity_norm(D),
         lm_head=None if c.tie_word_embeddings else normal(c.vocab_size, D),
@@ -96,38 +108,50 @@ def final_norm(model: Transformer, x: Float[Array, "... D"]) -> Float[Array, "..
 
 def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Array, "b t"],
                attend: Attend, layer_inputs: Any = None, *, layers: list[FusedLayer] | None = None,
-               remat: bool = False, rope: Rotary | None = None) -> tuple[Float[Array, "b t D"], Any]:
-    """Embedded inputs through every layer and the final norm.
+               remat: bool = False, rope: Rotary | None = None,
+               routes: LayerRoutes | None = None) -> tuple[Float[Array, "b t D"], Any, Routed | None]:
+    """Embedded inputs through every layer and the final norm: ``(h, attend's outputs, routed)``.
 
     By default the stacked ``model.layers`` run as one ``lax.scan`` (compiles once however
-    deep the model), with the layers' kinds scanned alongside when they differ
-    (``relax.models.layer_kinds``); ``layer_inputs`` is then a pytree with a leading ``[L]`` axis
-    (or None) and the per-layer outputs of ``attend`` come back stacked on ``[L]``. With
-    ``layers`` (from ``fuse_layers``) the layers run as a Python loop, each with its static kind,
-    ``layer_inputs`` and the outputs are lists: the decode loop uses this so that each layer's
-    cache is its own buffer, updated in place, instead of a slice that ``scan`` copies at every
-    step. ``remat`` recomputes each layer in the backward pass. ``rope``: the RoPE tables of
-    ``positions`` when the caller has them already (the decode loop reads them from a table
-    built before the loop: computed in the step, XLA recomputes the transcendentals inside every
-    layer's q and k fusions).
+    deep the model; one per run of dense or sparse layers, ``relax.models.layer.scan_layers``),
+    with the layers' kinds scanned alongside when they differ (``relax.models.layer_kinds``);
+    ``layer_inputs`` is then a pytree with a leading ``[L]`` axis (or None) and the per-layer
+    outputs of ``attend`` come back stacked on ``[L]``. With ``layers`` (from ``fuse_layers``)
+    the layers run as a Python loop, each with its static kind, ``layer_inputs`` and the outputs
+    are lists: the decode loop uses this so that each layer's cache is its own buffer, updated in
+    place, instead of a slice that ``scan`` copies at every step. ``remat`` recomputes each layer
+    in the backward pass. ``rope``: the RoPE tables of ``positions`` when the caller has them
+    already (the decode loop reads them from a table built before the loop: computed in the
+    step, XLA recomputes the transcendentals inside every layer's q and k fusions).
+    ``routes``: the valid rows and recorded experts of the sparse layers (``LayerRoutes``);
+    ``routed`` is their ``Routed`` reports stacked ``[Ls]`` (None for a dense model).
     """
     c = model.config
     rope = rotary(c, positions) if rope is None else rope
+    routes = LayerRoutes() if routes is None else routes
 
-    def run(h, p, li, sliding):
-        f = lambda h, p, li: layer_forward(model, p, h, rope, attend, li, sliding)
-        return (jax.checkpoint(f) if remat else f)(h, p, li)
+    def run(h, p, li, sliding, recorded):
+        f = lambda h, p, li, rec: layer_forward(model, p, h, rope, attend, li, sliding,  # noqa: E731
+                                                RouteIn(routes.valid, rec, routes.replay))
+        return (jax.checkpoint(f) if remat else f)(h, p, li, recorded)
 
     if layers is None:
-        body = lambda h, xs: run(h, xs[0], xs[2], layer_kind(c, xs[1]))
-        x, outputs = jax.lax.scan(body, x, (model.layers, scanned_kinds(c), layer_inputs))
-    else:
-        inputs = [None] * len(layers) if layer_inputs is None else layer_inputs
-        outputs = []
-        for p, sliding, li in zip(layers, c.sliding_layers, inputs):
-            x, out = run(x, p, li, sliding)
-            outputs.append(out)
-    return final_norm(model, x), outputs
+        def body(h, xs):
+            h, out, routed = run(h, xs[0], xs[2], layer_kind(c, xs[1]), xs[3])
+            return h, (out, routed)
+        x, outputs, routed = scan_layers(model, body, x, layer_inputs, routes.recorded)
+        return final_norm(model, x), outputs, routed
+    inputs = [None] * len(layers) if layer_inputs is None else layer_inputs
+    outputs, routed, s = [], [], 0
+    for p, sliding, sparse, li in zip(layers, c.sliding_layers, c.sparse_layers, inputs):
+        recorded = None if routes.recorded is None or not sparse else routes.recorded[s]
+        x, out, r = run(x, p, li, sliding, recorded)
+        s += sparse
+        outputs.append(out)
+        routed.append(r)
+    routed = [r for r in routed if r is not None]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *routed) if routed else None
+    return final_norm(model, x), outputs, stacked
 
 
 def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t D"]:
@@ -162,7 +186,7 @@ def hidden_states(model: Transformer, input_ids: Int[Array, "b t"], attention_ma
     positions = positions_from_mask(attention_mask)
     attend = full_attention(model, positions, valid)
     attend_no_kv = lambda q, k, v, li, sliding: (attend(q, k, v, li, sliding)[0], None)
-    h, _ = run_layers(model, embed(model, input_ids), positions, attend_no_kv, remat=remat)
+    h, _, _ = run_layers(model, embed(model, input_ids), positions, attend_no_kv, remat=remat)
     return h
 
 
