@@ -1,6 +1,7 @@
 """Every family record (``relax.models.families``) is complete: its choices are ones the readers
 implement, its weight map covers every parameter a config of the family can have, and a config
-of each variant its record claims (biases, windows, every RoPE kind) round-trips through
+of each variant its record claims (biases, windows, every RoPE kind, experts with dense layers or
+without experts) round-trips through
 ``config.json`` and through a checkpoint; against transformers, its architecture names exist and
 transformers reads the written config as relax does."""
 
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, RopeScaling, family_config
-from relax.models.families import BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS
+from relax.models.config import MOE_FIELDS
+from relax.models.families import BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS, MOE_LINEAR_FIELDS
 from relax.models.hf import load_pretrained, save_pretrained
 from relax.models.hf_config import config_from_hf, config_to_hf
 from relax.models.lora import TARGETS
@@ -28,6 +30,24 @@ SCALINGS = {
     "longrope": RopeScaling("longrope", 2.0, original_max_position=64, short_factor=(1.0, 1.5, 2.0, 2.5),
                             long_factor=(3.0, 4.0, 5.0, 6.0), attention_factor=math.sqrt(1 + math.log(2) / math.log(64))),
 }
+# a mixture of experts with every setting away from transformers' defaults (a record's moe_fixed wins)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+               output_router_logits=True, router_aux_loss_coef=0.02, router_z_loss_coef=0.001)
+MOE_CONFIG_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                     "shared_expert_size", "output_router_logits", "router_aux_loss_coef", "router_z_loss_coef")
+
+
+def experts(rec) -> dict:
+    """``EXPERTS`` as family ``rec`` can have them: its fixed fields, Mixtral's expert width
+    ``intermediate_size``, Qwen's first layer dense, Qwen2-MoE's shared expert."""
+    e = {**EXPERTS, **rec.moe_fixed}
+    if rec.moe_names["moe_intermediate_size"] == ("intermediate_size",):
+        e["moe_intermediate_size"] = SIZES["intermediate_size"]
+    if rec.moe == "qwen":
+        e["dense_layers"] = (0,)
+    if "shared_expert_size" in rec.moe_names:
+        e["shared_expert_size"] = 24
+    return e
 
 
 def variants(name: str) -> dict[str, ModelConfig]:
@@ -39,13 +59,20 @@ def variants(name: str) -> dict[str, ModelConfig]:
         base.update(rope_local_theta=100.0)
     if rec.query_pre_attn_scalar:
         base.update(query_pre_attn_scalar=12.0)
-    if rec.biases == "qkv":
+    if rec.biases in ("qkv", "qkv_bias"):
         base.update(qkv_bias=True)
+    dense = dict(base)
+    if rec.moe != "none":
+        base.update(experts(rec))
     out = {"plain": family_config(name, **base)}
     if rec.biases == "attention_bias" or rec.mlp_bias:
         out["biases"] = family_config(name, **base, qkv_bias=rec.biases != "none", o_bias=rec.biases == "attention_bias",
                                       mlp_bias=rec.mlp_bias, tie_word_embeddings=True)
-    if rec.window in ("all", "qwen"):
+    if rec.biases == "qkv_bias":
+        out["no_biases"] = family_config(name, **{**base, "qkv_bias": False}, tie_word_embeddings=True)
+    if rec.moe == "qwen":  # no experts: every layer dense
+        out["dense"] = family_config(name, **dense)
+    if rec.window in ("all", "qwen", "flag"):
         out["window"] = family_config(name, **base, sliding_window=4)
     for kind in rec.rope_types:
         if kind != "default":
@@ -59,7 +86,16 @@ CASES = [(name, v) for name in sorted(FAMILIES) for v in variants(name)]
 def test_records_are_well_formed():
     for name, rec in FAMILIES.items():
         assert rec.model_type == name and ModelConfig(**SIZES, family=name).family == name
-        assert rec.biases in ("attention_bias", "qkv", "none") and rec.window in ("none", "all", "qwen", "layer_types")
+        assert rec.biases in ("attention_bias", "qkv", "qkv_bias", "none")
+        assert rec.window in ("none", "all", "qwen", "flag", "layer_types")
+        assert rec.qwen_sliding in ("from_max", "even_below_max") and rec.moe in ("none", "qwen", "all")
+        assert rec.biases != "qkv_bias" or "qkv_bias" in rec.hf_defaults  # the flag's default
+        assert rec.window not in ("flag", "layer_types") or "sliding_window" in rec.hf_defaults
+        if rec.moe != "none":  # the names of every MoE field it does not fix, defaults for the optional ones
+            assert set(rec.moe_names) | set(rec.moe_fixed) == set(MOE_CONFIG_FIELDS), name
+            assert {f for f in rec.weights if f in MOE_FIELDS} >= {"router", "expert_gate", "expert_up", "expert_down"}
+        else:
+            assert not rec.moe_names and not rec.moe_fixed and not set(rec.weights) & set(MOE_FIELDS), name
         assert "default" in rec.rope_types and set(rec.rope_types) <= {"default", *SCALINGS}
         assert set(rec.rope_aliases.values()) <= set(rec.rope_types)
         assert rec.causal_lm.endswith("ForCausalLM") and BY_ARCHITECTURE[rec.causal_lm] == ("causal", name)
@@ -68,8 +104,11 @@ def test_records_are_well_formed():
         assert set(rec.traits) == {"norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings"}
         assert rec.notes, f"{name}: say how it differs from Llama"
     # the LoRA targets are the seven linear weights, and every family names a module for each
-    assert tuple(TARGETS.values()) == LINEAR_FIELDS
-    assert all(set(rec.lora_modules) == set(LINEAR_FIELDS) for rec in FAMILIES.values())
+    # (but the dense MLP's of a family whose every layer is a mixture of experts)
+    assert tuple(TARGETS.values()) == LINEAR_FIELDS and MOE_LINEAR_FIELDS == MOE_FIELDS
+    for rec in FAMILIES.values():
+        always_sparse = {"w_gate", "w_up", "w_down"} if rec.moe == "all" else set()
+        assert set(rec.lora_modules) == set(LINEAR_FIELDS) - always_sparse, rec.model_type
 
 
 @pytest.mark.parametrize("name, variant", CASES)

@@ -3,10 +3,11 @@
 A :class:`FamilyRecord` holds a family's Hugging Face names (``model_type``, the causal-LM,
 sequence- and token-classification architectures), its fixed layer traits (read by
 ``relax.models.config.family_config`` and checked on save), how its ``config.json`` spells the
-fields that differ between families (biases, sliding windows, RoPE; interpreted by
-``relax.models.hf_config``), the defaults transformers gives absent fields, and the tensor name
-of every layer parameter (``relax.models.hf``; several parameters under one name are one fused
-tensor). The LoRA/PEFT module of each adapted weight is derived from the tensor names.
+fields that differ between families (biases, sliding windows, RoPE, mixture-of-experts fields;
+interpreted by ``relax.models.hf_config`` and ``relax.models.hf_moe``), the defaults transformers
+gives absent fields, and the tensor name of every layer parameter (``relax.models.hf``; several
+parameters under one name are one fused tensor, a name with ``{e}`` is one tensor per expert).
+The LoRA/PEFT module of each adapted weight is derived from the tensor names.
 
 ``FAMILIES`` is the registry, keyed by ``model_type``. Adding a family is adding its record
 here (and its tests); nothing else names families.
@@ -18,11 +19,18 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["BY_ARCHITECTURE", "FAMILIES", "LINEAR_FIELDS", "FamilyRecord", "get_family"]
+__all__ = ["BY_ARCHITECTURE", "FAMILIES", "LINEAR_FIELDS", "MOE_LINEAR_FIELDS", "TRANSPOSED", "FamilyRecord",
+           "get_family"]
 
 # The LayerStack fields that are torch ``Linear`` weights (stored [out, in] by Hugging Face,
 # [in, out] by relax), in the order LoRA targets them.
 LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The mixture-of-experts fields (``relax.models.config.MOE_FIELDS``), every one a torch ``Linear``
+# weight too (per expert for ``expert_*``: HF [out, in] per expert, relax [E, in, out]).
+MOE_LINEAR_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
+                     "shared_down", "shared_router")
+TRANSPOSED = LINEAR_FIELDS + MOE_LINEAR_FIELDS  # the fields transposed between the two layouts
+EXPERT = "{e}"  # in a tensor name: one tensor per expert, ``{e}`` its index
 TRAIT_FIELDS = ("norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings")
 
 
@@ -44,10 +52,15 @@ class FamilyRecord:
     ``config.json`` spelling, each a choice ``relax.models.hf_config`` implements once:
 
     - ``biases``: ``"attention_bias"`` (one flag for q/k/v and o), ``"qkv"`` (q/k/v always
-      biased, o never), ``"none"``; ``mlp_bias``: whether the config has an ``mlp_bias`` flag.
+      biased, o never), ``"qkv_bias"`` (q/k/v as the ``qkv_bias`` flag says, o never: Qwen2-MoE),
+      ``"none"``; ``mlp_bias``: whether the config has an ``mlp_bias`` flag.
     - ``window``: ``"none"``; ``"all"`` (``sliding_window`` on every layer, null: none);
       ``"qwen"`` (``use_sliding_window`` + ``max_window_layers`` / ``layer_types``, all or no
-      layers); ``"layer_types"`` (per-layer ``layer_types`` or ``sliding_window_pattern``).
+      layers); ``"flag"`` (``sliding_window`` on every layer when ``use_sliding_window``:
+      Qwen3-MoE); ``"layer_types"`` (per-layer ``layer_types`` or ``sliding_window_pattern``).
+    - ``qwen_sliding``: for a ``"qwen"`` window whose file has no ``layer_types``, the layers
+      that slide: ``"from_max"`` (``i >= max_window_layers``: Qwen2, Qwen3) or
+      ``"even_below_max"`` (even ``i < max_window_layers``: Qwen2-MoE).
     - ``local_rope``: the sliding layers have their own RoPE base (``rope_parameters`` per layer
       type, ``rope_local_base_freq``); ``query_pre_attn_scalar``: the config has that field.
     - ``rope_types``: the RoPE scaling kinds read and written (``"default"``: none);
@@ -55,12 +68,26 @@ class FamilyRecord:
     - ``refused``: field -> (allowed values, the error's tail after ``field``, formatted with
       ``value``); ``hf_extra``: constant fields written on save.
 
+    Mixture of experts (``relax.models.hf_moe``; ``ModelConfig``'s ``num_experts`` ... fields):
+
+    - ``moe``: ``"none"`` (dense); ``"qwen"`` (layer ``i`` sparse unless in ``mlp_only_layers``
+      or ``(i + 1) % decoder_sparse_step != 0``, and only with ``num_experts > 0``); ``"all"``
+      (every layer sparse, ``num_experts >= 1``: Mixtral).
+    - ``moe_names``: ``ModelConfig`` MoE field -> its ``config.json`` names (the first is
+      written; the first present, not null, is read). A name that is also a ``ModelConfig``
+      field (Mixtral's expert width ``intermediate_size``) must agree with it on save; a family
+      that names ``shared_expert_size`` has a shared expert on every sparse layer (width >= 1).
+    - ``moe_fixed``: the MoE fields the family fixes (absent from its config; checked on save).
+
     ``hf_defaults``: what transformers (5.23) gives the fields relax reads when a file leaves them
-    out (None for ``num_key_value_heads`` / ``head_dim``: ``num_attention_heads`` / ``hidden // heads``).
+    out (None for ``num_key_value_heads`` / ``head_dim``: ``num_attention_heads`` / ``hidden // heads``);
+    the MoE fields' are keyed by their ``ModelConfig`` names.
 
     ``weights``: LayerStack field -> tensor name under ``model.layers.{i}.``. Linear weights
-    (``LINEAR_FIELDS``) are transposed; fields sharing one name are one fused tensor, the fields
-    concatenated along the output axis in this mapping's order (split on load, fused on save).
+    (``TRANSPOSED``) are transposed; fields sharing one name are one fused tensor, the fields
+    concatenated along the output axis in this mapping's order (split on load, fused on save); a
+    name with ``{e}`` (``EXPERT``) is one tensor per expert ``e`` (stacked on relax's ``[E]`` axis).
+    A layer holds the dense MLP's tensors or the experts', as ``ModelConfig.sparse_layers`` says.
 
     ``notes``: how the family differs from Llama (documentation).
     """
@@ -82,6 +109,10 @@ class FamilyRecord:
     window: str = "none"
     local_rope: bool = False
     query_pre_attn_scalar: bool = False
+    qwen_sliding: str = "from_max"
+    moe: str = "none"
+    moe_names: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    moe_fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     rope_types: tuple[str, ...] = ("default", "linear", "llama3")
     rope_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     refused: Mapping[str, tuple[tuple, str]] = dataclasses.field(default_factory=dict)
@@ -89,7 +120,7 @@ class FamilyRecord:
     notes: str = ""
 
     def __post_init__(self):
-        for name in ("weights", "hf_defaults", "rope_aliases", "refused", "hf_extra"):
+        for name in ("weights", "hf_defaults", "rope_aliases", "refused", "hf_extra", "moe_names", "moe_fixed"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     @property
@@ -113,8 +144,9 @@ class FamilyRecord:
 
     @property
     def lora_modules(self) -> dict[str, str]:
-        """Linear weight field -> its Hugging Face module path under ``model.layers.{i}.`` (PEFT's)."""
-        return {f: self.weights[f].removesuffix(".weight") for f in LINEAR_FIELDS}
+        """Linear weight field -> its Hugging Face module path under ``model.layers.{i}.`` (PEFT's);
+        the family's fields only (Mixtral has no dense MLP)."""
+        return {f: self.weights[f].removesuffix(".weight") for f in LINEAR_FIELDS if f in self.weights}
 
     @property
     def fused_lora_modules(self) -> dict[str, tuple[str, ...]]:
@@ -205,7 +237,60 @@ PHI3 = FamilyRecord(
           "(short/long factor lists, cos/sin times an attention factor); residual dropout (training "
           "only in transformers, never in relax)")
 
-FAMILIES: dict[str, FamilyRecord] = {r.model_type: r for r in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, PHI3)}
+# ----------------------------------------------------------------------------- mixtures of experts
+
+_EXPERTS = {"router": "mlp.gate.weight", "expert_gate": "mlp.experts.{e}.gate_proj.weight",
+            "expert_up": "mlp.experts.{e}.up_proj.weight", "expert_down": "mlp.experts.{e}.down_proj.weight"}
+_ROUTER_NAMES = dict(num_experts_per_tok=("num_experts_per_tok",), output_router_logits=("output_router_logits",),
+                     router_aux_loss_coef=("router_aux_loss_coef",), router_z_loss_coef=("router_z_loss_coef",))
+_QWEN_MOE_NAMES = dict(_ROUTER_NAMES, moe_intermediate_size=("moe_intermediate_size",),
+                       norm_topk_prob=("norm_topk_prob",))
+
+QWEN3_MOE = FamilyRecord(
+    "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "Qwen3MoeForTokenClassification",
+    weights={**_LLAMA_WEIGHTS, **_EXPERTS}, qk_norm=True, biases="attention_bias", window="flag", moe="qwen",
+    moe_names=dict(_QWEN_MOE_NAMES, num_experts=("num_local_experts", "num_experts")),
+    moe_fixed=dict(shared_expert_size=0),
+    hf_defaults=dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, bos_token_id=None,
+                     eos_token_id=None, sliding_window=4096, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768),
+    notes="Qwen3's attention (q/k norms); the MLP of every layer not in mlp_only_layers (and on the "
+          "decoder_sparse_step) is a softmax top-k mixture of SwiGLU experts (top-k renormalised with "
+          "norm_topk_prob); a sliding window, when use_sliding_window, on every layer; no head_dim default "
+          "(hidden / heads)")
+
+MIXTRAL = FamilyRecord(
+    "mixtral", "MixtralForCausalLM", "MixtralForSequenceClassification", "MixtralForTokenClassification",
+    weights={k: v for k, v in _LLAMA_WEIGHTS.items() if not k.startswith(("w_", "b_"))} | {
+        "router": "block_sparse_moe.gate.weight", "expert_gate": "block_sparse_moe.experts.{e}.w1.weight",
+        "expert_up": "block_sparse_moe.experts.{e}.w3.weight", "expert_down": "block_sparse_moe.experts.{e}.w2.weight"},
+    window="all", moe="all",
+    moe_names=dict(_ROUTER_NAMES, num_experts=("num_local_experts",), moe_intermediate_size=("intermediate_size",)),
+    moe_fixed=dict(norm_topk_prob=True, shared_expert_size=0), hf_extra={"router_jitter_noise": 0.0},
+    hf_defaults=dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+                     rope_theta=1e6, bos_token_id=1, eos_token_id=2, sliding_window=None, num_experts=8,
+                     num_experts_per_tok=2),
+    notes="Mistral's attention (no biases, optional window on every layer); every MLP a mixture of "
+          "SwiGLU experts of width intermediate_size (w1 gate, w3 up, w2 down), top-k always "
+          "renormalised; router_jitter_noise is training-only in transformers: any value accepted, "
+          "never applied, written as 0")
+
+QWEN2_MOE = FamilyRecord(
+    "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "Qwen2MoeForTokenClassification",
+    weights={**_LLAMA_WEIGHTS, **_EXPERTS, "shared_gate": "mlp.shared_expert.gate_proj.weight",
+             "shared_up": "mlp.shared_expert.up_proj.weight", "shared_down": "mlp.shared_expert.down_proj.weight",
+             "shared_router": "mlp.shared_expert_gate.weight"},
+    biases="qkv_bias", window="qwen", qwen_sliding="even_below_max", moe="qwen",
+    moe_names=dict(_QWEN_MOE_NAMES, num_experts=("num_experts",),
+                   shared_expert_size=("shared_expert_intermediate_size",)),
+    hf_defaults=dict(num_key_value_heads=16, head_dim=None, max_position_embeddings=32768, bos_token_id=None,
+                     eos_token_id=None, qkv_bias=True, num_experts=60, num_experts_per_tok=4,
+                     moe_intermediate_size=1408, shared_expert_size=5632),
+    notes="Qwen2's attention (q/k/v biases, as the qkv_bias flag says); sparse layers as Qwen3-MoE's, "
+          "plus a shared SwiGLU expert on every token, scaled by sigmoid(x shared_expert_gate)")
+
+FAMILIES: dict[str, FamilyRecord] = {r.model_type: r for r in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, PHI3,
+                                                                QWEN3_MOE, MIXTRAL, QWEN2_MOE)}
 """The supported families by ``model_type`` (``ModelConfig.family``)."""
 
 BY_ARCHITECTURE: dict[str, tuple[str, str]] = {

@@ -12,6 +12,10 @@ Conventions at the boundary:
   axis, so loading transposes and stacks, saving unstacks and transposes. A fused tensor (Phi-3's
   ``qkv_proj``, ``gate_up_proj``) is cut along its output axis into its fields on load (q, k, v;
   gate, up) and concatenated back on save.
+- Mixtures of experts: a field is stacked over the layers that have it
+  (``ModelConfig.layer_count``): the dense MLP's tensors exist on the dense layers only, the
+  experts' on the sparse layers only. A per-expert tensor (``...experts.{e}.gate_proj.weight``,
+  one per expert ``e``) is stacked on relax's ``[E]`` axis after the layer's: ``[Ls, E, in, out]``.
 - Safetensors are parsed by ``relax.models.weights_io`` (8-byte little-endian header length, JSON
   header, raw data), not through a framework, so bfloat16 loads as ``ml_dtypes.bfloat16`` and a
   save -> load round trip is bit-exact. Pickles (``pytorch_model.bin``, ``*.pt``) are never read.
@@ -43,8 +47,8 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.config import ModelConfig
-from relax.models.families import LINEAR_FIELDS, get_family
+from relax.models.config import DENSE_MLP_FIELDS, MOE_FIELDS, ModelConfig
+from relax.models.families import EXPERT, TRANSPOSED, get_family
 from relax.models.hf_config import (HFFormatError, config_from_hf, config_to_hf, dtype_name,
                                     generation_config_to_hf, with_generation_config)
 from relax.models.transformer import LayerStack, Transformer
@@ -63,16 +67,43 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old checkp
 @dataclasses.dataclass(frozen=True)
 class _Slot:
     name: str                 # Hugging Face tensor name
-    fields: tuple[str, ...]   # Transformer field, or the LayerStack fields it holds when layer is not None
-    layer: int | None
+    fields: tuple[str, ...]   # Transformer field, or the LayerStack fields it holds when index is not None
+    index: tuple[int, ...] | None  # its place in each field's stack: (row,), or (row, expert) per expert
     transpose: bool           # a torch Linear weight: stored [out, in]
     hf_shape: tuple[int, ...]
     widths: tuple[int, ...]   # each field's share of the (HF) output axis: a fused tensor holds several
 
 
+def _layer_slots(c: ModelConfig, shapes: dict, groups: list, i: int, rows: dict[str, int]) -> list[_Slot]:
+    """Layer ``i``'s tensors: each group (tensor name, the fields it holds) whose fields layer ``i``
+    has (its MLP's kind: ``ModelConfig.layer_count``), one per expert for a name with ``{e}``;
+    ``rows`` counts each field's layers so far (its row in the field's stack)."""
+    sparse = c.sparse_layers[i]
+    has = lambda f: sparse if f in MOE_FIELDS else not sparse if f in DENSE_MLP_FIELDS else True  # noqa: E731
+    out = []
+    for suffix, fields in groups:
+        fields = tuple(f for f in fields if has(f))
+        if not fields:
+            continue
+        row = rows.get(fields[0], 0)
+        rows.update(dict.fromkeys(fields, row + 1))
+        per_expert = EXPERT in suffix
+        shape = shapes[fields[0]][1:] if per_expert else shapes[fields[0]]
+        widths = tuple(shapes[f][-1] for f in fields)
+        hf_shape = (sum(widths), *shape[:-1])
+        name, t = f"model.layers.{i}.{suffix}", fields[0] in TRANSPOSED
+        if not per_expert:
+            out.append(_Slot(name, fields, (row,), t, hf_shape, widths))
+            continue
+        out += [_Slot(name.replace(EXPERT, str(e)), fields, (row, e), t, hf_shape, widths)
+                for e in range(c.num_experts)]
+    return out
+
+
 def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
     """Every tensor of the checkpoint in transformers' order; the names are the family record's
-    (``relax.models.families``), fused tensors holding several of the config's fields."""
+    (``relax.models.families``), fused tensors holding several of the config's fields, per-expert
+    names one tensor per expert."""
     rec = get_family(c.family)
     shapes = c.layer_shapes()
     missing = sorted(set(shapes) - set(rec.weights))
@@ -82,14 +113,9 @@ def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
     groups = [(name, tuple(f for f in fields if f in shapes)) for name, fields in rec.tensors().items()]
     slots = [_Slot("model.embed_tokens.weight", ("embed",), None, False, (c.vocab_size, c.hidden_size),
                    (c.vocab_size,))]
+    rows: dict[str, int] = {}
     for i in range(c.num_layers):
-        for suffix, fields in groups:
-            if not fields:
-                continue
-            t = fields[0] in LINEAR_FIELDS
-            widths = tuple(shapes[f][-1] for f in fields)
-            shape = (sum(widths), *shapes[fields[0]][:-1])
-            slots.append(_Slot(f"model.layers.{i}.{suffix}", fields, i, t, shape, widths))
+        slots += _layer_slots(c, shapes, groups, i, rows)
     slots.append(_Slot("model.norm.weight", ("norm",), None, False, (c.hidden_size,), (c.hidden_size,)))
     if with_head:
         slots.append(_Slot("lm_head.weight", ("lm_head",), None, False, (c.vocab_size, c.hidden_size),
@@ -167,6 +193,12 @@ def _check_finite(a: np.ndarray, name: str, path) -> None:
                             f"(the first at index {list(first)}: {a[first]})")
 
 
+def _describe(cfg: ModelConfig) -> str:
+    """``"qwen3_moe model with 3 layers (2 sparse: 4 experts)"``, for errors about its tensors."""
+    moe = f" ({cfg.num_sparse_layers} sparse: {cfg.num_experts} experts)" if cfg.num_experts else ""
+    return f"{cfg.family} model with {cfg.num_layers} layers{moe}"
+
+
 def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listing: str, *, dtype,
                       param_dtype) -> Transformer:
     """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``open_weights``), every one of
@@ -178,11 +210,11 @@ def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listi
     if missing:
         more = f" and {len(missing) - 1} more, e.g. {missing[1:4]}" if len(missing) > 1 else ""
         raise HFFormatError(f"{listing}: missing tensor {missing[0]!r}{more} "
-                            f"for a {cfg.family} model with {cfg.num_layers} layers")
+                            f"for a {_describe(cfg)}")
     extra = sorted(n for n in where if n not in expected and not _IGNORED.search(n))
     if extra:
         raise HFFormatError(f"{where[extra[0]].path}: unexpected tensor {extra[0]!r} (not part of a "
-                            f"{cfg.family} model with {cfg.num_layers} layers"
+                            f"{_describe(cfg)}"
                             f"{f'; {len(extra)} unexpected in all' if len(extra) > 1 else ''})")
     for s in slots:
         f = where[s.name]
@@ -195,7 +227,7 @@ def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listi
 
     target = None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
 
-    views: dict[str, list[np.ndarray]] = {}  # field -> memory-mapped tensors, [in, out]
+    views: dict[str, list[np.ndarray]] = {}  # field -> memory-mapped tensors, [in, out], in stack order
     for s in slots:
         a = where[s.name].read(s.name)
         _check_finite(a, s.name, where[s.name].path)
@@ -203,9 +235,12 @@ def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listi
             views.setdefault(field, []).append(part)
 
     def host(field: str) -> np.ndarray:
-        """One private C-ordered copy (layers stacked on axis 0) in the target dtype."""
+        """One private C-ordered copy (layers stacked on axis 0, then experts) in the target dtype."""
         vs = views[field]
-        a = np.stack(vs) if field in LayerStack.__dataclass_fields__ else np.array(vs[0], order="C")
+        if field in LayerStack.__dataclass_fields__:
+            a = np.stack(vs).reshape(cfg.stacked_shapes()[field])  # per-expert tensors: [Ls * E, ...] -> [Ls, E, ...]
+        else:
+            a = np.array(vs[0], order="C")
         dt = target if target is not None else (np.dtype(np.float32) if a.dtype == np.float64 else a.dtype)
         return a.astype(dt, copy=False)
 
@@ -280,12 +315,12 @@ def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_byt
     hf_config = config_to_hf(cfg, cast if cast is not None else field_array("embed", False).dtype)  # checks cfg first
     specs = []
     for s in _layout(cfg, with_head=not cfg.tie_word_embeddings):
-        parts = [field_array(f, s.layer is not None) for f in s.fields]
+        parts = [field_array(f, s.index is not None) for f in s.fields]
         if len({a.dtype for a in parts}) > 1:
             raise ValueError(f"{s.name} fuses {list(s.fields)}, whose dtypes differ: {[str(a.dtype) for a in parts]}")
 
         def make(parts=parts, s=s):
-            xs = [a if s.layer is None else a[s.layer] for a in parts]
+            xs = [a if s.index is None else a[s.index] for a in parts]
             x = xs[0] if len(xs) == 1 else np.concatenate(xs, axis=-1)  # a fused tensor: along the output axis
             return x.T if s.transpose else x
 

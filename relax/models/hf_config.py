@@ -13,6 +13,8 @@ Mistral and 32 for Qwen2/Qwen3; an absent ``head_dim`` is 128 for Qwen3 and 256 
 whose absent ``layer_types`` follow ``sliding_window_pattern``, default 6). An explicit
 ``null`` ``head_dim`` / ``num_key_value_heads`` means ``hidden/heads`` / ``num_attention_heads``.
 
+Mixture-of-experts fields are read and written by ``relax.models.hf_moe``.
+
 Phi-3's LongRoPE reads as ``RopeScaling("longrope")``; a context beyond its original length is
 refused unless ``max_positions`` caps it there (``RopeScaling``: static tables cannot switch factors).
 
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 
 from relax.models.config import ModelConfig, RopeScaling
 from relax.models.families import FAMILIES, FamilyRecord
+from relax.models.hf_moe import moe_fields, moe_problems, moe_to_hf
 
 
 class HFFormatError(ValueError):
@@ -48,8 +51,8 @@ _ABSENT = object()
 _COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None)
 
 
-class _Reader:
-    """Typed access to one config dict; errors name ``source`` and the field."""
+class ConfigReader:
+    """Typed access to one config dict (also ``relax.models.hf_moe``'s); errors name ``source`` and the field."""
 
     def __init__(self, d: dict, source: str):
         if not isinstance(d, dict):
@@ -98,7 +101,7 @@ class _Reader:
         raise self.fail(field, f"must be an integer, a list of integers or null, got {v!r}")
 
 
-def _family(r: _Reader) -> FamilyRecord:
+def _family(r: ConfigReader) -> FamilyRecord:
     """The record named by ``model_type`` and/or the causal-LM ``architectures`` (which must agree)."""
     supported = f"supported: model_type {list(FAMILIES)}, architectures {list(_CAUSAL)}"
     archs = r.d.get("architectures")
@@ -122,7 +125,7 @@ def _family(r: _Reader) -> FamilyRecord:
     raise r.fail("model_type", f"is required (missing, and architectures={archs!r} does not decide it); {supported}")
 
 
-def _rope(r: _Reader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None]:
+def _rope(r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) with transformers' precedence: rope_scaling, then rope_parameters."""
     d = r.d
     field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
@@ -138,7 +141,7 @@ def _rope(r: _Reader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float,
     return _rope_params(r, rec, p, field, max_pos, fd)
 
 
-def _original_max(r: _Reader, p: dict, prefix: str, max_pos: int, fd: dict) -> int:
+def _original_max(r: ConfigReader, p: dict, prefix: str, max_pos: int, fd: dict) -> int:
     """``original_max_position_embeddings`` as transformers resolves it: a top-level value wins (a
     family whose config class has the field, Phi-3, always uses its own, default included), then
     the RoPE parameters' own, then ``max_position_embeddings``."""
@@ -147,7 +150,7 @@ def _original_max(r: _Reader, p: dict, prefix: str, max_pos: int, fd: dict) -> i
     return r.int_(_ORIGINAL, max_pos, d=p, prefix=prefix)
 
 
-def _factor_list(r: _Reader, p: dict, name: str, prefix: str) -> tuple[float, ...]:
+def _factor_list(r: ConfigReader, p: dict, name: str, prefix: str) -> tuple[float, ...]:
     """LongRoPE's ``short_factor`` / ``long_factor`` list (its length ModelConfig checks)."""
     v = r.get(name, d=p, prefix=prefix)
     if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
@@ -155,7 +158,7 @@ def _factor_list(r: _Reader, p: dict, name: str, prefix: str) -> tuple[float, ..
     return tuple(float(x) for x in v)
 
 
-def _longrope(r: _Reader, p: dict, prefix: str, max_pos: int, fd: dict) -> RopeScaling:
+def _longrope(r: ConfigReader, p: dict, prefix: str, max_pos: int, fd: dict) -> RopeScaling:
     """Phi-3's LongRoPE as ``_compute_longrope_parameters`` builds it: ``factor`` (else
     ``max_position_embeddings / original``) and ``attention_factor`` (else
     ``sqrt(1 + ln(factor) / ln(original))``, 1 for a factor <= 1)."""
@@ -169,7 +172,7 @@ def _longrope(r: _Reader, p: dict, prefix: str, max_pos: int, fd: dict) -> RopeS
                        long_factor=_factor_list(r, p, "long_factor", prefix))
 
 
-def _rope_params(r: _Reader, rec: FamilyRecord, p: dict, field: str, max_pos: int,
+def _rope_params(r: ConfigReader, rec: FamilyRecord, p: dict, field: str, max_pos: int,
                  fd: dict) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) of one RoPE parameter object ``p`` (named ``field`` in errors); a
     theta it lacks is the top-level ``rope_theta``, else the family's default."""
@@ -200,7 +203,7 @@ def _rope_params(r: _Reader, rec: FamilyRecord, p: dict, field: str, max_pos: in
     return theta, RopeScaling("llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig)
 
 
-def _gemma_rope(r: _Reader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None, float]:
+def _gemma_rope(r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None, float]:
     """(rope_theta, scaling, rope_local_theta) as ``Gemma3TextConfig`` builds them: the
     ``rope_parameters`` entries ``full_attention`` / ``sliding_attention`` (5.x), the first
     updated by a top-level ``rope_scaling`` (4.x); a theta they lack is the top-level
@@ -226,7 +229,7 @@ def _gemma_rope(r: _Reader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[
     return theta, scaling, r.float_("rope_local_base_freq", fd["rope_local_theta"])
 
 
-def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
+def _layer_types(r: ConfigReader, num_layers: int) -> tuple[str, ...]:
     """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full (default 6)."""
     layer_types = r.get("layer_types", None)
     if layer_types is None:
@@ -239,15 +242,16 @@ def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
     return tuple(_LAYER_TYPES[t] for t in layer_types)
 
 
-def _refused(r: _Reader, rec: FamilyRecord) -> None:
+def _refused(r: ConfigReader, rec: FamilyRecord) -> None:
     """Refuse the fields the record says relax does not run (e.g. Gemma's logit softcapping)."""
     for field, (allowed, tail) in rec.refused.items():
         if r.get(field, None) not in allowed:
             raise r.fail(field, tail.format(value=r.d[field]))
 
 
-def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
-    """Qwen2/Qwen3 sliding window: one window for every layer or none (mixed layers unsupported)."""
+def _qwen_window(r: ConfigReader, rec: FamilyRecord, num_layers: int, max_pos: int) -> int | None:
+    """Qwen2/Qwen3 sliding window: one window for every layer or none (mixed layers unsupported);
+    without ``layer_types``, ``max_window_layers`` picks the sliding layers as ``rec.qwen_sliding`` says."""
     if not r.bool_("use_sliding_window", False):
         return None
     window = r.int_("sliding_window", 4096, nullable=True)
@@ -256,7 +260,8 @@ def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
     layer_types = r.get("layer_types", None)
     if layer_types is None:
         mwl = r.int_("max_window_layers", 28)
-        layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(num_layers)]
+        slides = (lambda i: i >= mwl) if rec.qwen_sliding == "from_max" else (lambda i: i % 2 == 0 and i < mwl)
+        layer_types = ["sliding_attention" if slides(i) else "full_attention" for i in range(num_layers)]
     if (not isinstance(layer_types, list) or len(layer_types) != num_layers
             or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
         raise r.fail("layer_types", f"must list 'full_attention'/'sliding_attention' for each of "
@@ -271,7 +276,7 @@ def _qwen_window(r: _Reader, num_layers: int, max_pos: int) -> int | None:
                  "attention layers are not supported")
 
 
-def _activation(r: _Reader, rec: FamilyRecord) -> str:
+def _activation(r: ConfigReader, rec: FamilyRecord) -> str:
     field = rec.activation_field
     act = r.get(field, _HF_ACTIVATION[rec.activation])
     if act not in _ACTIVATIONS:
@@ -279,21 +284,24 @@ def _activation(r: _Reader, rec: FamilyRecord) -> str:
     return _ACTIVATIONS[act]
 
 
-def _biases(r: _Reader, rec: FamilyRecord) -> dict[str, bool]:
+def _biases(r: ConfigReader, rec: FamilyRecord) -> dict[str, bool]:
     """``qkv_bias`` / ``o_bias`` / ``mlp_bias`` as the record's ``biases`` / ``mlp_bias`` spell them."""
     attn = r.bool_("attention_bias", False) if rec.biases == "attention_bias" else False
-    return dict(qkv_bias=attn or rec.biases == "qkv", o_bias=attn,
+    qkv = r.bool_("qkv_bias", rec.hf_defaults["qkv_bias"]) if rec.biases == "qkv_bias" else rec.biases == "qkv"
+    return dict(qkv_bias=attn or qkv, o_bias=attn,
                 mlp_bias=r.bool_("mlp_bias", False) if rec.mlp_bias else False)
 
 
-def _family_fields(r: _Reader, rec: FamilyRecord, layers: int, max_pos: int, fd: dict) -> dict[str, Any]:
+def _family_fields(r: ConfigReader, rec: FamilyRecord, layers: int, max_pos: int, fd: dict) -> dict[str, Any]:
     """The ModelConfig fields whose HF spelling differs by family: biases, windows, RoPE, scores."""
     _refused(r, rec)
     f: dict[str, Any] = dict(_biases(r, rec), sliding_window=None)
     if rec.window == "all":
         f["sliding_window"] = r.int_("sliding_window", fd.get("sliding_window"), nullable=True)
     elif rec.window == "qwen":
-        f["sliding_window"] = _qwen_window(r, layers, max_pos)
+        f["sliding_window"] = _qwen_window(r, rec, layers, max_pos)
+    elif rec.window == "flag" and r.bool_("use_sliding_window", False):
+        f["sliding_window"] = r.int_("sliding_window", fd["sliding_window"], nullable=True)
     elif rec.window == "layer_types":
         f.update(sliding_window=r.int_("sliding_window", fd["sliding_window"], nullable=True),
                  layer_types=_layer_types(r, layers))
@@ -303,10 +311,10 @@ def _family_fields(r: _Reader, rec: FamilyRecord, layers: int, max_pos: int, fd:
         f["rope_theta"], f["rope_scaling"] = _rope(r, rec, max_pos, fd)
     if rec.query_pre_attn_scalar:
         f["query_pre_attn_scalar"] = r.float_("query_pre_attn_scalar", fd["query_pre_attn_scalar"])
-    return f
+    return {**f, **moe_fields(r, rec, layers)}
 
 
-def _context(r: _Reader, file_max: int, scaling: RopeScaling | None, max_positions: int | None) -> int:
+def _context(r: ConfigReader, file_max: int, scaling: RopeScaling | None, max_positions: int | None) -> int:
     """The positions relax runs: the file's ``max_position_embeddings``, or ``max_positions`` (at
     most that); a LongRoPE model's must not exceed its original length (``RopeScaling``)."""
     if max_positions is not None and not 1 <= max_positions <= file_max:
@@ -330,7 +338,7 @@ def config_from_hf(d: dict, *, source: str, max_positions: int | None = None) ->
     ``max_positions`` caps the context relax runs (``max_position_embeddings``) below the file's;
     RoPE parameters derived from the file's (LongRoPE's factor) keep it.
     """
-    r = _Reader(d, source)
+    r = ConfigReader(d, source)
     rec = _family(r)
     fd = {**_COMMON_DEFAULTS, **rec.hf_defaults}
     if r.d.get("quantization_config") is not None:
@@ -369,7 +377,7 @@ def with_generation_config(cfg: ModelConfig, g: dict, *, source: str) -> ModelCo
     """``cfg`` with the stop tokens of a ``generation_config.json`` (what ``generate`` stops on;
     often more than ``config.json``'s, e.g. Llama 3's ``<|eot_id|>``), and its bos/pad where
     ``cfg`` has none."""
-    r = _Reader(g, source)
+    r = ConfigReader(g, source)
     ids = {}
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = r.token_ids(field, None)
@@ -410,6 +418,8 @@ def _check_expressible(cfg: ModelConfig) -> None:
         bad.append(f"qkv_bias={cfg.qkv_bias} with o_bias={cfg.o_bias} ({fam} has one attention_bias)")
     if rec.biases == "qkv" and (not cfg.qkv_bias or cfg.o_bias):
         bad.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} ({fam} is always True, False)")
+    if rec.biases == "qkv_bias" and cfg.o_bias:
+        bad.append(f"o_bias=True ({fam} has none)")
     if rec.biases == "none" and (cfg.qkv_bias or cfg.o_bias):
         bad.append("attention biases")
     if not rec.mlp_bias and cfg.mlp_bias:
@@ -422,6 +432,7 @@ def _check_expressible(cfg: ModelConfig) -> None:
             bad.append(f"{field}={getattr(cfg, field)!r} ({'required' if has(rec) else only})")
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in rec.rope_types:
         bad.append(f"rope_scaling kind {cfg.rope_scaling.kind!r} ({fam} has {list(rec.rope_types)})")
+    bad += moe_problems(cfg, rec)
     if bad:
         raise ValueError(f"ModelConfig(family={fam!r}) cannot be written as a Hugging Face "
                          f"{rec.causal_lm}: {'; '.join(bad)}")
@@ -446,12 +457,14 @@ def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]
 def _family_to_hf(cfg: ModelConfig, rec: FamilyRecord, params: dict) -> dict[str, Any]:
     """The fields whose HF spelling differs by family (``_family_fields`` read back)."""
     d, w = dict(rec.hf_extra), cfg.sliding_window
-    if rec.biases == "attention_bias":
-        d["attention_bias"] = cfg.qkv_bias
+    if rec.biases in ("attention_bias", "qkv_bias"):
+        d[rec.biases] = cfg.qkv_bias
     if rec.mlp_bias:
         d["mlp_bias"] = cfg.mlp_bias
     if rec.window == "all":
         d["sliding_window"] = w
+    elif rec.window == "flag":
+        d.update(use_sliding_window=w is not None, sliding_window=w)
     elif rec.window == "qwen":
         d.update(use_sliding_window=w is not None, sliding_window=w,
                  max_window_layers=0 if w is not None else cfg.num_layers,
@@ -467,7 +480,7 @@ def _family_to_hf(cfg: ModelConfig, rec: FamilyRecord, params: dict) -> dict[str
         d["query_pre_attn_scalar"] = int(qpas) if float(qpas).is_integer() else qpas
     if _ORIGINAL in rec.hf_defaults and cfg.rope_scaling is not None:  # a top-level field wins there
         d[_ORIGINAL] = cfg.rope_scaling.original_max_position
-    return d
+    return {**d, **moe_to_hf(cfg, rec)}
 
 
 def config_to_hf(cfg: ModelConfig, dtype) -> dict:

@@ -15,7 +15,9 @@ seconds, collectives and cache copies. What is known exactly is not extrapolated
 batch the program is called with (the full model's, sharded) and the KV caches
 (``sampler.cache_bytes``). The depths are multiples of the period of the model's layer kinds
 (Gemma 3: five sliding layers to one full, so 6 and 12), and the plan says which programs were
-extrapolated; ``--exact`` compiles every layer instead (RESULTS.md compares the two).
+extrapolated; ``--exact`` compiles every layer instead (RESULTS.md compares the two). A layer's
+kind is its attention kind (sliding or full) and, in a mixture of experts, its MLP kind (dense
+or sparse: ``ModelConfig.dense_layers``); a truncated model keeps both of its first layers.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ buffers in on-chip memory, and the line through two depths would be too flat (RE
 
 
 def kinds_period(config: ModelConfig) -> int | None:
-    """The smallest ``p`` with the layer kinds repeating every ``p`` layers from the first;
-    None when they do not (e.g. Qwen2's sliding window on the top layers only)."""
-    kinds = config.sliding_layers
+    """The smallest ``p`` with the layer kinds (attention, MLP) repeating every ``p`` layers from
+    the first; None when they do not (e.g. Qwen2's sliding window on the top layers only, or an
+    MoE model whose first layer alone is dense)."""
+    kinds = tuple(zip(config.sliding_layers, config.sparse_layers))
     for p in range(1, len(kinds) + 1):
         if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
             return p if p < len(kinds) else None
@@ -54,9 +57,11 @@ def depths(config: ModelConfig) -> tuple[int, int] | None:
 
 
 def shallow(config: ModelConfig, layers: int) -> ModelConfig:
-    """``config`` with its first ``layers`` layers only."""
+    """``config`` with its first ``layers`` layers only, each of its kinds (``layer_types``, and
+    ``dense_layers`` in a mixture of experts)."""
     kinds = None if config.layer_types is None else config.layer_types[:layers]
-    return dataclasses.replace(config, num_layers=layers, layer_types=kinds)
+    dense = tuple(i for i in config.dense_layers if i < layers)
+    return dataclasses.replace(config, num_layers=layers, layer_types=kinds, dense_layers=dense)
 
 
 def _line(fa: float, fb: float, a: int, b: int, n: int) -> float:
