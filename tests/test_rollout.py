@@ -137,9 +137,10 @@ def test_prompt_kv_is_stored_once_per_prompt(model):
     c = model.config
     ids, mask = ragged_prompts()
     p, lp = ids.shape
-    pk, pv, logits = jax.eval_shape(rollout._prefill, model, jnp.asarray(ids), jnp.asarray(mask))
+    pk, pv, logits, routes = jax.eval_shape(rollout._prefill, model, jnp.asarray(ids), jnp.asarray(mask))
     assert pk.shape == pv.shape == (c.num_layers, p, c.num_kv_heads, lp, c.head_dim)
     assert logits.shape == (p, c.vocab_size)  # last position only
+    assert routes is None  # a dense model records no experts
     # in the whole generate program (decode loop included) no [P*G, Hkv, Lp, D] prompt copy exists
     g, n = 4, 6
     cfg = RolloutConfig(num_generations=g, max_new_tokens=n, eos_ids=())

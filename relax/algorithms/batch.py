@@ -31,6 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from relax.compose import WithHost
 from relax.models.completion_packing import PackedCompletions
 from relax.models.prefix_shared import CompletionRope
+from relax.models.routes import Routes
 
 P = TypeVar("P", bound="Phase")
 
@@ -74,7 +75,8 @@ class Rollout(Prompts):
     the weights that sampled it.
     Multi-turn trajectories (``relax.environments.rollout``) also fill ``sampled_mask`` (the
     policy's own tokens: the loss, the KL and the advantages), ``turn_rewards`` (per-turn rewards)
-    and ``turn_index`` (each token's turn).
+    and ``turn_index`` (each token's turn). ``routes``: a mixture-of-experts sampler's expert
+    choices, for routing replay (``relax.models.routes``; None: not recorded).
     """
 
     tokens: Int[Array, "p g n"]
@@ -86,6 +88,7 @@ class Rollout(Prompts):
     sampled_mask: Int[Array, "p g n"] | None = None
     turn_rewards: Float[Array, "p g t"] | None = None
     turn_index: Int[Array, "p g n"] | None = None
+    routes: Routes | None = None
 
     @property
     def policy_tokens(self) -> Int[Array, "p g n"]:
@@ -124,7 +127,8 @@ class Advantaged(Scored):
 class LossRows(Phase):
     """What a policy loss reads, every leaf with the prompt axis first (the update slices them
     into micro-batches): ``Advantaged``'s fields of the same names, and ``rope``, the rotary
-    tables of the completions computed once for every micro-batch (``completion_rope``)."""
+    tables of the completions computed once for every micro-batch (``completion_rope``);
+    ``routes``: the sampler's experts to replay (None: the forward routes itself)."""
 
     prompt_ids: Int[Array, "p lp"]
     prompt_mask: Int[Array, "p lp"]
@@ -137,6 +141,7 @@ class LossRows(Phase):
     prox_logprobs: Float[Array, "p g n"] | None = None
     packed: PackedCompletions | None = None
     rope: CompletionRope | None = None
+    routes: Routes | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,9 @@ def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Call
     if rollout is None:
         if decode is None:
             raise ValueError("a single-turn step needs decode (token ids -> text) for its reward functions")
-        rollout = make_rollout(parts.generation.rollout(eos_ids=eos_ids, pad_id=pad_id))
+        # a mixture of experts records its routes: replayed by the trainer, or compared (moe/routing_differ)
+        rollout = make_rollout(dataclasses.replace(parts.generation.rollout(eos_ids=eos_ids, pad_id=pad_id),
+                                                   record_routes=True))
         pack = (make_packing(parts.packing, parts.forward),) if parts.packing is not None else ()
         middle = make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, host_after=parts.host_after,
                               pack=pack, on_error=on_error, timeout_s=timeout_s,

@@ -18,6 +18,7 @@ import numpy as np
 from relax.algorithms.batch import LossRows, Prompts, Rollout, Scored
 from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig
+from relax.models.moe import router_loss
 from relax.models.prefix_shared import completion_logprobs, resolve_attention
 from relax.models.forward import ForwardConfig
 from relax.parallel.distributed import max_over_processes
@@ -41,7 +42,8 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
         r = generate_program(state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg)
         return state, Rollout.of(batch, tokens=r.tokens, mask=r.mask, old_logprobs=r.logprobs, lengths=r.lengths,
-                                 finished=r.finished, policy_version=sample_versions(state, r.lengths))
+                                 finished=r.finished, policy_version=sample_versions(state, r.lengths),
+                                 routes=r.routes)
 
     # the rewards (a host stage) run next: if they raise, the caller's state is untouched
     return stage(rollout, name="rollout", updates_state=False, placement="sampler")
@@ -89,8 +91,10 @@ def forward_logprobs(model, batch: Scored, passes: Passes, forward: ForwardConfi
     (remat would recompute nothing), in the sampler's log-prob dtype."""
     logp = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask,
                                temperature=temperature, groups_per_pass=passes.groups_per_pass(), packed=batch.packed,
+                               routes=batch.routes, replay_routes=forward.moe.replays,
                                **forward.options(differentiated=False))
     return jax.lax.stop_gradient(logp.astype(batch.old_logprobs.dtype))
+
 
 
 def make_proximal(passes: Passes, forward: ForwardConfig, *, temperature: float) -> Stage:
@@ -241,11 +245,17 @@ def train_logprobs(policy, mb: LossRows, passes: Passes, forward: ForwardConfig,
                    entropy_grad: bool = True):
     """Trainer log-probs and entropies ``[P, G, N]`` of a micro-batch's completions (the
     prefix-shared forward run as ``forward`` says, laid out as ``passes`` say; ``mb.rope`` when
-    precomputed; over ``mb.packed``'s rows when the batch was packed, ``make_packing``)."""
+    precomputed; over ``mb.packed``'s rows when the batch was packed, ``make_packing``;
+    replaying or comparing ``mb.routes`` as ``forward.moe`` says), and a mixture of experts' router loss
+    (``relax.models.moe.router_loss``: 0 for a dense model) with its routing metrics."""
     p, g, n = (mb.tokens if mb.packed is None else mb.packed.tokens).shape
     c, lp = policy.config, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-    return completion_logprobs(policy, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask,
-                               temperature=temperature, with_entropy=True, entropy_grad=entropy_grad,
-                               unroll=passes.unroll(c.num_layers), save_attention=passes.save_attention(probs_bytes),
-                               rope=mb.rope, packed=mb.packed, **forward.options())
+    (logp, ent), stats = completion_logprobs(
+        policy, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, temperature=temperature, with_entropy=True,
+        entropy_grad=entropy_grad, unroll=passes.unroll(c.num_layers), save_attention=passes.save_attention(probs_bytes),
+        rope=mb.rope, packed=mb.packed, routes=mb.routes, replay_routes=forward.moe.replays,
+        router_stats=True, **forward.options())
+    router, metrics = router_loss(stats, forward.moe, c)
+    return logp, ent, router, metrics
+

@@ -38,6 +38,7 @@ import numpy as np
 
 from relax.environments.chat import ChatFormat
 from relax.environments.protocol import Action, Environment, AsyncEnvironment, as_async
+from relax.models.routes import Routes
 from relax.models.transformer import Transformer
 from relax.rollout import turns as T
 from relax.rollout.sampler import bucket_length
@@ -79,13 +80,16 @@ class Trajectories(NamedTuple):
     env_errors: list[str | None]
     info: dict[str, np.ndarray]
     timings: dict[str, float]
+    routes: Routes | None = None  # a mixture of experts' choices of every token (relax.models.routes)
 
 
 class _Record:
     """Host copies of the per-trajectory results, filled as rows leave the device batch."""
 
-    def __init__(self, b: int, n: int, max_turns: int, pad_id: int):
+    def __init__(self, b: int, n: int, max_turns: int, pad_id: int, route_shape: tuple[int, ...] = (0, 1),
+                 route_dtype=np.int8):
         self.tokens = np.full((b, n), pad_id, np.int32)
+        self.routes = np.full((b, n, *route_shape), -1, route_dtype)  # a mixture of experts' choices
         self.logprobs = np.zeros((b, n), np.float32)
         self.sampled = np.zeros((b, n), bool)
         self.length = np.zeros(b, np.int32)
@@ -97,9 +101,11 @@ class _Record:
         self.info: dict[str, np.ndarray] = {}
 
     def flush(self, state: T.TurnState, where: np.ndarray):
-        tokens, logprobs, sampled, length = jax.device_get((state.tokens, state.logprobs, state.sampled, state.length))
+        tokens, logprobs, sampled, length, routes = jax.device_get(
+            (state.tokens, state.logprobs, state.sampled, state.length, state.routes))
         rows = np.nonzero(where >= 0)[0]
-        for name, src in (("tokens", tokens), ("logprobs", logprobs), ("sampled", sampled), ("length", length)):
+        for name, src in (("tokens", tokens), ("logprobs", logprobs), ("sampled", sampled), ("length", length),
+                          ("routes", routes)):
             getattr(self, name)[where[rows]] = src[rows]
 
     def add_info(self, b: int, info: Mapping[str, Any], size: int):
@@ -159,7 +165,8 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
     clock["env_s"] += time.perf_counter() - t0
     state = T.start(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, cfg=tc)
     layers = T.fused_layers(model, cfg=tc)  # once: every turn's decode and append read them
-    rec = _Record(b, n, cfg.max_turns, tc.pad_id)
+    rec = _Record(b, n, cfg.max_turns, tc.pad_id, state.routes.shape[2:], state.routes.dtype)
+    prompt_routes = np.asarray(state.prompt_routes)
     where = np.arange(b)  # device row -> trajectory (-1: a padding row)
     running = np.ones(b, bool)
     for turn in range(cfg.max_turns):
@@ -193,7 +200,7 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
         clock["device_s"] += time.perf_counter() - t0
     rec.truncated |= running  # still running after max_turns
     rec.flush(state, where)
-    return _trajectories(rec, prompt_ids, prompt_mask, len(rows), g, clock)
+    return _trajectories(rec, prompt_ids, prompt_mask, prompt_routes, len(rows), g, clock)
 
 
 def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRolloutConfig, length, where,
@@ -246,7 +253,7 @@ def _compact(state, where, live: np.ndarray, rec: _Record):
     return T.compact(state, jnp.asarray(keep, jnp.int32)), new_where
 
 
-def _trajectories(rec: _Record, prompt_ids, prompt_mask, p: int, g: int, clock) -> Trajectories:
+def _trajectories(rec: _Record, prompt_ids, prompt_mask, prompt_routes, p: int, g: int, clock) -> Trajectories:
     n = rec.tokens.shape[1]
     shape = lambda x: x.reshape((p, g) + x.shape[1:])  # noqa: E731
     mask = np.arange(n)[None, :] < rec.length[:, None]
@@ -257,4 +264,5 @@ def _trajectories(rec: _Record, prompt_ids, prompt_mask, p: int, g: int, clock) 
         sampled_mask=shape(rec.sampled.astype(np.int32)), logprobs=shape(rec.logprobs),
         turn_index=shape(rec.turn_index), turn_rewards=shape(rec.turn_rewards), rewards=shape(rewards),
         turns=shape(rec.turns), truncated=shape(rec.truncated), env_errors=rec.errors,
-        info={k: shape(v) for k, v in rec.info.items()}, timings=dict(clock))
+        info={k: shape(v) for k, v in rec.info.items()}, timings=dict(clock),
+        routes=None if not rec.routes.shape[2] else Routes(prompt=prompt_routes, completion=shape(rec.routes)))

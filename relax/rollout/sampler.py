@@ -18,9 +18,10 @@ updated in place.
 On a mesh (traced under ``jax.set_mesh``) the layout is explicit (``relax.models.sharding.
 DecodeLayout``): before the loop the fused weights and the embedding are laid out once, whole
 along the model width (an FSDP-sharded width is gathered there, not at every step) and split
-over ``tensor`` by heads, MLP units and vocabulary; inside the loop every cache, activation and
-loop buffer is pinned to rows over the batch axes and heads over ``tensor``, so the step has no
-collective beyond those the layout implies.
+over ``tensor`` by heads, MLP units and vocabulary, a sparse layer's experts over ``expert``;
+inside the loop every cache, activation and loop buffer is pinned to rows over the batch axes
+(data, expert, fsdp) and heads over ``tensor``, so the step has no collective beyond those the
+layout implies (a sparse layer's: its token exchange over ``expert``).
 
 The layer code is the model's own (``transformer.run_layers``): the sampler only supplies
 the attention, so its log-probs equal the trainer's.
@@ -43,8 +44,9 @@ from relax.models.layer import FusedLayer
 from relax.models.layer_kinds import layer_window
 from relax.models.rope import rotary
 from relax.models.sharding import DecodeLayout, decode_layout
-from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
-                                      project, run_layers)
+from relax.models.routes import Routes, route_dtype
+from relax.models.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
+                                      positions_from_mask, project, run_layers)
 from relax.rollout.sampling import SamplingConfig, sample, uniform_table
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
@@ -59,6 +61,7 @@ class Rollout(eqx.Module):
     logprobs: Float[Array, "p g n"]
     lengths: Int[Array, "p g"]
     finished: Bool[Array, "p g"]
+    routes: Routes | None = None  # a mixture of experts' choices (RolloutConfig.record_routes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,10 @@ class RolloutConfig:
     """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights (a copy made
     anyway, so no extra memory), not the adapters run beside them: fewer, wider matmuls
     (RESULTS.md compares the two)."""
+    record_routes: bool = False
+    """A mixture-of-experts model records each token's experts at every sparse layer in the
+    rollout (``Rollout.routes``, for routing replay: ``relax.models.routes``); no effect on a
+    dense model."""
 
     def __post_init__(self):
         if self.num_generations < 1:
@@ -158,16 +165,21 @@ def validate(model: Transformer, prompt_ids, prompt_mask, cfg: RolloutConfig) ->
 
 
 def _prefill(model: Transformer, ids, mask):
-    """Head-major prompt K/V ``[L, P, Hkv, Lp, D]`` and last-position logits (the only ones needed)."""
+    """Head-major prompt K/V ``[L, P, Hkv, Lp, D]``, last-position logits (the only ones needed)
+    and the sparse layers' experts of every prompt token ``[P, Lp, Ls, k]`` (None: dense)."""
     pos = positions_from_mask(mask)
     attend = full_attention(model, pos, mask.astype(bool))
-    h, (pk, pv) = run_layers(model, embed(model, ids), pos, attend)
-    return pk, pv, project(model, h[:, -1])
+    h, (pk, pv), routed = run_layers(model, embed(model, ids), pos, attend, routes=LayerRoutes(mask.astype(bool)))
+    experts = None if routed is None else jnp.moveaxis(routed.experts, 0, 2)
+    return pk, pv, project(model, h[:, -1]), experts
 
 
-# logical dims of the fused weights on a mesh (the rest, norms and output biases, replicated)
+# logical dims of the fused weights on a mesh (the rest, norms, output biases, a sparse layer's
+# router and shared expert, replicated); a sparse layer's experts split over ``expert`` (their
+# units over ``tensor``), as the expert-parallel step reads them (relax.models.expert_parallel)
 _FUSED_DIMS = {"wqkv": (None, "heads"), "bqkv": ("heads",), "wo": ("heads", None), "w_gate_up": (None, "mlp"),
-               "b_gate_up": ("mlp",), "w_down": ("mlp", None)}
+               "b_gate_up": ("mlp",), "w_down": ("mlp", None), "expert_gate": ("experts", None, "expert_mlp"),
+               "expert_up": ("experts", None, "expert_mlp"), "expert_down": ("experts", "expert_mlp", None)}
 
 
 def _place_layer(layout: DecodeLayout, p: FusedLayer) -> FusedLayer:
@@ -255,7 +267,11 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
     layout = decode_layout(c)
     kernel = _attention_kernel(cfg.decode_attention, layout, g, c.attn_scale)
     rows = lambda x: layout.constrain(x, "batch", *(None,) * (x.ndim - 1))  # a loop buffer: rows split
-    pk, pv, logits0 = _prefill(model, prompt_ids, prompt_mask)
+    pk, pv, logits0, prompt_experts = _prefill(model, prompt_ids, prompt_mask)
+    record = cfg.record_routes and prompt_experts is not None
+    rdt = route_dtype(c.num_experts)
+    # experts of completion token t, recorded when it is fed (step t); the last token never is: -1
+    routes = jnp.full((b, n, c.num_sparse_layers, c.num_experts_per_tok) if record else (b, 0), -1, rdt)
     prompt_pos = positions_from_mask(prompt_mask)
     prompt_valid = prompt_mask.astype(bool)
     prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
@@ -297,18 +313,22 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
         end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
 
         def cond(s):
-            t, *_, finished = s
+            t, *_, finished, _ = s
             return (t < end) & ~jnp.all(finished)
 
         def body(s):
-            t, tokens, logps, mask, ck, cv, finished = s
+            t, tokens, logps, mask, ck, cv, finished, routes = s
             cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
             q_pos = (q_pos_base + t)[:, None]
             attend = _decode_attend(model, layout, kernel, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
             inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
             rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), rope_table)
-            h, new_kv = run_layers(model, rows(embed(model, cur)), q_pos, attend, inputs, layers=layers, rope=rope)
+            h, new_kv, routed = run_layers(model, rows(embed(model, cur)), q_pos, attend, inputs, layers=layers,
+                                           rope=rope, routes=LayerRoutes(~finished[:, None]))
             ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
+            if record:  # [Ls, B, 1, k] -> slot t of [B, N, Ls, k]
+                step_routes = jnp.moveaxis(routed.experts, 0, 2).astype(rdt)
+                routes = rows(jax.lax.dynamic_update_slice_in_dim(routes, step_routes, t, axis=1))
             logits = layout.constrain(project(model, rows(h[:, 0])), "batch", "vocab")  # the head split by rows
             tok, lp = draw(rows(logits), t + 1)  # gathered whole for the draw
             alive = ~finished
@@ -316,18 +336,20 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
             logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
             mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
             finished = finished | (alive & jnp.isin(tok, eos))
-            return t + 1, rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished)
+            return t + 1, rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished), routes
 
         return cond, body
 
-    state = (jnp.int32(0), rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished0))
+    state = (jnp.int32(0), rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished0), routes)
     for seg in range(len(sizes)):
         if seg * chunk < n - 1:
             state = jax.lax.while_loop(*make_segment(seg), state)
-    _, tokens, logps, mask, _, _, finished = state
+    _, tokens, logps, mask, _, _, finished, routes = state
     shape = (p, g, n)
+    recorded = None if not record else Routes(prompt=prompt_experts.astype(rdt), completion=routes.reshape(
+        p, g, n, *routes.shape[2:]))
     return Rollout(tokens=tokens.reshape(shape), mask=mask.reshape(shape), logprobs=logps.reshape(shape),
-                   lengths=jnp.sum(mask, axis=1).reshape(p, g), finished=finished.reshape(p, g))
+                   lengths=jnp.sum(mask, axis=1).reshape(p, g), finished=finished.reshape(p, g), routes=recorded)
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,8 +30,9 @@ from jaxtyping import Array, Bool, Float, Int
 from relax.models import attention as attn
 from relax.models.adapters import merge_lora
 from relax.models.layer_kinds import layer_window
-from relax.models.transformer import (Transformer, embed, full_attention, fuse_layers, positions_from_mask,
-                                      project, run_layers)
+from relax.models.routes import route_dtype
+from relax.models.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
+                                      positions_from_mask, project, run_layers)
 from relax.rollout.sampler import DEFAULT_BUCKETS
 from relax.rollout.sampling import SamplingConfig, sample
 
@@ -79,6 +80,9 @@ class TurnState(eqx.Module):
     length: Int[Array, " b"]  # filled slots
     last_h: Float[Array, "b d"]  # final hidden state at the last filled slot (its logits draw the next token)
     keys: Array  # [B] PRNG keys: the draw at slot t is uniform(fold_in(keys[b], t))
+    # a mixture of experts' choices of every fed token (relax.models.routes; [.., 0]: dense model)
+    prompt_routes: Int[Array, "pk lp l k"]
+    routes: Int[Array, "b n l k"]  # -1 at slots not filled
 
     @property
     def group(self) -> int:
@@ -91,15 +95,20 @@ def start_state(model: Transformer, prompt_ids, prompt_mask, key, cfg: TurnConfi
     c, g, n = model.config, cfg.num_generations, cfg.max_tokens
     b = prompt_ids.shape[0] * g
     pos = positions_from_mask(prompt_mask)
-    h, (pk, pv) = run_layers(model, embed(model, prompt_ids), pos, full_attention(model, pos, prompt_mask.astype(bool)))
+    h, (pk, pv), routed = run_layers(model, embed(model, prompt_ids), pos,
+                                     full_attention(model, pos, prompt_mask.astype(bool)),
+                                     routes=LayerRoutes(prompt_mask.astype(bool)))
     zeros = lambda shape: [jnp.zeros(shape, model.dtype) for _ in range(c.num_layers)]  # noqa: E731
+    ls, k, rdt = c.num_sparse_layers, max(1, c.num_experts_per_tok), route_dtype(c.num_experts)
+    prompt_routes = (jnp.zeros(prompt_ids.shape + (0, k), rdt) if routed is None
+                     else jnp.moveaxis(routed.experts, 0, 2).astype(rdt))
     return TurnState(
         prompt_k=[jnp.swapaxes(pk[i], -1, -2) for i in range(c.num_layers)], prompt_v=[pv[i] for i in range(c.num_layers)],
         prompt_pos=pos, prompt_valid=prompt_mask.astype(bool), prompt_len=jnp.sum(prompt_mask.astype(jnp.int32), axis=1),
         cache_k=zeros((b, c.num_kv_heads, c.head_dim, n)), cache_v=zeros((b, c.num_kv_heads, n, c.head_dim)),
         tokens=jnp.full((b, n), cfg.pad_id, jnp.int32), logprobs=jnp.zeros((b, n), jnp.float32),
         sampled=jnp.zeros((b, n), bool), length=jnp.zeros((b,), jnp.int32), last_h=jnp.repeat(h[:, -1], g, axis=0),
-        keys=jax.random.split(key, b))
+        keys=jax.random.split(key, b), prompt_routes=prompt_routes, routes=jnp.full((b, n, ls, k), -1, rdt))
 
 
 def _attend(model: Transformer, s: TurnState, slots, writes):
@@ -141,15 +150,22 @@ def _attend(model: Transformer, s: TurnState, slots, writes):
 
 
 def _extend(model: Transformer, layers, s: TurnState, ids: Int[Array, "b m"], count: Int[Array, " b"]):
-    """Feed ``ids[b, :count[b]]`` at slots ``length[b]...``: ``(hidden [B, M, D], cache_k, cache_v)``."""
+    """Feed ``ids[b, :count[b]]`` at slots ``length[b]...``: ``(hidden [B, M, D], cache_k, cache_v,
+    the slots written (N: none), routes)``, ``routes`` with the fed tokens' experts recorded."""
     n = s.tokens.shape[1]
     j = jnp.arange(ids.shape[1])[None, :]
     slots = s.length[:, None] + j
-    writes = jnp.where(j < count[:, None], slots, n)
+    fed = j < count[:, None]
+    writes = jnp.where(fed, slots, n)
     q_pos, attend = _attend(model, s, slots, writes)
     inputs = [(pk, pv, ck, cv) for pk, pv, ck, cv in zip(s.prompt_k, s.prompt_v, s.cache_k, s.cache_v)]
-    h, new_kv = run_layers(model, embed(model, ids), q_pos, attend, inputs, layers=layers)
-    return h, [kv[0] for kv in new_kv], [kv[1] for kv in new_kv], writes
+    h, new_kv, routed = run_layers(model, embed(model, ids), q_pos, attend, inputs, layers=layers,
+                                   routes=LayerRoutes(fed))
+    routes = s.routes
+    if routed is not None:  # [Ls, B, M, k] -> the written slots of [B, N, Ls, k]
+        chosen = jnp.moveaxis(routed.experts, 0, 2).astype(routes.dtype)
+        routes = routes.at[jnp.arange(ids.shape[0])[:, None], writes].set(chosen, mode="drop")
+    return h, [kv[0] for kv in new_kv], [kv[1] for kv in new_kv], writes, routes
 
 
 def fused_decode_layers(model: Transformer, cfg: TurnConfig):
@@ -173,10 +189,10 @@ def _decode_turn(model: Transformer, s: TurnState, active: Bool[Array, " b"], cf
         s, alive, stopped, count = carry
         u = 1.0 - jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t), ()))(s.keys, s.length)
         tok, lp = sample(project(model, s.last_h), u, cfg.sampling)
-        h, ck, cv, writes = _extend(model, layers, s, tok[:, None], alive.astype(jnp.int32))
+        h, ck, cv, writes, routes = _extend(model, layers, s, tok[:, None], alive.astype(jnp.int32))
         at = writes[:, 0]
         s = dataclasses.replace(
-            s, cache_k=ck, cache_v=cv, tokens=s.tokens.at[rows, at].set(tok, mode="drop"),
+            s, cache_k=ck, cache_v=cv, routes=routes, tokens=s.tokens.at[rows, at].set(tok, mode="drop"),
             logprobs=s.logprobs.at[rows, at].set(lp, mode="drop"), sampled=s.sampled.at[rows, at].set(True, mode="drop"),
             length=s.length + alive, last_h=jnp.where(alive[:, None], h[:, 0], s.last_h))
         hit = alive & jnp.isin(tok, eos)
@@ -194,11 +210,12 @@ def _append(model: Transformer, s: TurnState, ids: Int[Array, "b m"], count: Int
             layers=None):
     """Prefill ``ids[b, :count[b]]`` (an observation, not sampled) onto each row's cache; ``layers``
     as ``decode_turn``'s."""
-    h, ck, cv, writes = _extend(model, fused_decode_layers(model, cfg) if layers is None else layers, s, ids, count)
+    h, ck, cv, writes, routes = _extend(model, fused_decode_layers(model, cfg) if layers is None else layers, s, ids,
+                                        count)
     rows = jnp.arange(ids.shape[0])[:, None]
     last = h[rows[:, 0], jnp.maximum(count - 1, 0)]
     return dataclasses.replace(
-        s, cache_k=ck, cache_v=cv, tokens=s.tokens.at[rows, writes].set(ids, mode="drop"),
+        s, cache_k=ck, cache_v=cv, routes=routes, tokens=s.tokens.at[rows, writes].set(ids, mode="drop"),
         length=s.length + count, last_h=jnp.where((count > 0)[:, None], last, s.last_h))
 
 
@@ -212,7 +229,8 @@ def _compact(s: TurnState, rows: Int[Array, " k"]) -> TurnState:
         prompt_pos=per_prompt(s.prompt_pos), prompt_valid=per_prompt(s.prompt_valid),
         prompt_len=per_prompt(s.prompt_len), cache_k=list(map(per_row, s.cache_k)),
         cache_v=list(map(per_row, s.cache_v)), tokens=per_row(s.tokens), logprobs=per_row(s.logprobs),
-        sampled=per_row(s.sampled), length=per_row(s.length), last_h=per_row(s.last_h), keys=per_row(s.keys))
+        sampled=per_row(s.sampled), length=per_row(s.length), last_h=per_row(s.last_h), keys=per_row(s.keys),
+        prompt_routes=per_prompt(s.prompt_routes), routes=per_row(s.routes))
 
 
 start = jax.jit(start_state, static_argnames="cfg")

@@ -15,7 +15,7 @@ import optax
 
 from relax.data.supervised import pad_examples
 from relax.masked import masked_mean
-from relax.models.config import ModelConfig
+from relax.models.config import ModelConfig, family_config
 from relax.models.hf import load_pretrained, save_pretrained
 from relax.models.logprobs import token_logprobs
 from relax.models.transformer import Transformer, init
@@ -47,7 +47,11 @@ def prepare(module, task, run_dir: Path, *, seed: int, teacher: str, log=print):
     tokenizer = module.build_tokenizer(task, task_dir)
     if (base_dir / "config.json").exists():
         log(f"base model: {base_dir} (reused)")
-        return tokenizer, load_pretrained(base_dir), train, held_out
+        model = load_pretrained(base_dir)
+        if model.config.num_experts != getattr(task, "num_experts", 0):
+            raise ValueError(f"{base_dir} holds a base model with {model.config.num_experts} experts, the task asks "
+                             f"for {getattr(task, 'num_experts', 0)}: use another --run-dir")
+        return tokenizer, model, train, held_out
     log(f"base model: a supervised phase on {teacher} ...")
     model = module.train_base_model(task, tokenizer, train, key=jax.random.key(seed), log=log)
     if is_main_process():
@@ -62,12 +66,20 @@ def task_tokenizer(texts: list[str], directory: Path, *, vocab_size: int, model_
                                               model_type=model_type))
 
 
-def tiny_llama(tokenizer: TextTokenizer, *, hidden_size: int, num_layers: int, max_positions: int) -> ModelConfig:
-    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                       num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=hidden_size // 4,
-                       max_position_embeddings=max_positions, rope_theta=10000.0,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
+def tiny_llama(tokenizer: TextTokenizer, *, hidden_size: int, num_layers: int, max_positions: int,
+               num_experts: int = 0) -> ModelConfig:
+    """A tiny Llama (SwiGLU of width ``2 * hidden_size``); with ``num_experts`` E > 0 a tiny Mixtral
+    instead: the same attention, and every MLP a mixture of E experts of width ``hidden_size``, two
+    per token (the dense model's active MLP width)."""
+    sizes = dict(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                 num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=hidden_size // 4,
+                 max_position_embeddings=max_positions, rope_theta=10000.0,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    if not num_experts:
+        return ModelConfig(**sizes)
+    return family_config("mixtral", **{**sizes, "intermediate_size": hidden_size}, num_experts=num_experts,
+                         num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True)
 
 
 def supervised_phase(config: ModelConfig, tokenizer: TextTokenizer, train: list[dict], teacher: Teacher, *,

@@ -37,6 +37,7 @@ class ReverseTask:
     seed: int = 0
     hidden_size: int = 64
     num_layers: int = 2
+    num_experts: int = 0  # > 0: the base model is a tiny mixture of experts (relax.tasks.base.tiny_llama)
     sft_steps: int = 400
     sft_batch: int = 64
     sft_learning_rate: float = 3e-3
@@ -67,7 +68,8 @@ def build_tokenizer(task: ReverseTask, directory: Path) -> TextTokenizer:
 
 
 def model_config(task: ReverseTask, tokenizer: TextTokenizer) -> ModelConfig:
-    return tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=64)
+    return tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=64,
+                      num_experts=task.num_experts)
 
 
 def teacher_targets(task: ReverseTask, records: list[dict], rng: np.random.Generator) -> list[str]:

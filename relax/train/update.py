@@ -75,6 +75,13 @@ class Updated(eqx.Module):
     health: dict[str, Array]
 
 
+def token_share(loss: Array, mask: Array, ctx: LossContext) -> Array:
+    """A per-forward loss (a router loss) weighted by its micro-batch's share of the batch's loss
+    tokens, ``loss * sum(mask) / norms["tokens"]``: the micro-batches' terms add up to their
+    token-weighted mean, whatever the gradient accumulation."""
+    return loss * jnp.sum(mask.astype(jnp.float32)) / ctx.norms["tokens"]
+
+
 def loss_mask_of(batch) -> Array:
     """The batch's ``loss_mask`` (``[rows, ..., T]``): the tokens its loss counts."""
     return batch["loss_mask"] if isinstance(batch, Mapping) else batch.loss_mask

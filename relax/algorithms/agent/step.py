@@ -93,7 +93,8 @@ def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatF
                      old_logprobs=jnp.asarray(t.logprobs), turn_rewards=jnp.asarray(t.turn_rewards),
                      turn_index=jnp.asarray(t.turn_index), rewards=rewards,
                      lengths=jnp.asarray(t.sampled_mask.sum(-1), jnp.int32), finished=jnp.asarray(~t.truncated),
-                     policy_version=sample_versions(state, rewards), reward_parts={"env": rewards})
+                     policy_version=sample_versions(state, rewards), reward_parts={"env": rewards},
+                     routes=None if t.routes is None else jax.tree.map(jnp.asarray, t.routes))
         return state, WithHost(out, batch.host.replace(reward_info={}, agent=trajectory_metrics(t)))
 
     return stage(rollout, jit=False, name="rollout", updates_state=False)

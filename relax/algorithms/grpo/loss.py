@@ -34,7 +34,7 @@ from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
 from relax.objectives.registry import as_policy_loss
 from relax.passes import Passes
-from relax.train.update import LossContext, make_update
+from relax.train.update import LossContext, make_update, token_share
 
 from relax.algorithms.batch import LossRows
 from relax.algorithms.grpo.config import GRPOConfig
@@ -48,8 +48,8 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyC
 
     def loss_fn(policy, mb: LossRows, ctx: LossContext):
         p, g, n = mb.tokens.shape
-        logp, ent = train_logprobs(policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature,
-                                   entropy_grad=cfg.entropy_coef != 0.0)
+        logp, ent, router, router_metrics = train_logprobs(
+            policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature, entropy_grad=cfg.entropy_coef != 0.0)
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
         logp, ent, mask, old = flat(logp), flat(ent), flat(mb.loss_mask).astype(bool), flat(mb.old_logprobs)
         adv = mb.advantages.reshape((p * g,) + mb.advantages.shape[2:])  # [B] or [B, N]
@@ -76,7 +76,7 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyC
         metrics["sampler_logprob_diff"] = Metric(jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0)), "first_step")
         loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
                          num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
-        return loss, metrics
+        return loss + token_share(router, mask, ctx), {**metrics, **router_metrics}
 
     return loss_fn
 

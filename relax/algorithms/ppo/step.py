@@ -39,7 +39,7 @@ from relax.rewards.pool import RewardPool
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
 from relax.train.state import TrainState
-from relax.train.update import LossContext, Updated, make_update
+from relax.train.update import LossContext, Updated, make_update, token_share
 
 from relax.algorithms.ppo.batch import CriticRows, PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
@@ -126,9 +126,10 @@ def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
     policy_loss = as_policy_loss(cfg.policy_loss)
 
     def loss_fn(policy, mb: LossRows, ctx: LossContext):
-        logp, ent = train_logprobs(policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature,
-                                   entropy_grad=cfg.entropy_coef != 0.0)
-        return _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
+        logp, ent, router, router_metrics = train_logprobs(
+            policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature, entropy_grad=cfg.entropy_coef != 0.0)
+        loss, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
+        return loss + token_share(router, mb.loss_mask > 0, ctx), {**metrics, **router_metrics}
 
     return loss_fn
 

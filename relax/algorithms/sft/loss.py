@@ -8,6 +8,7 @@ positions), so packing changes neither the loss nor its gradient. The loss is th
 negative log-likelihood over the batch-wide normaliser::
 
     loss = -sum_{t in targets} log p(ids[t] | ids[<t] of its example) / ctx.norms["tokens"]
+           (+ a mixture of experts' router loss, relax.models.moe.router_loss, by token share)
 
 so gradient accumulation and the split into micro-batches change nothing (``relax.train.update``).
 A target must continue the example of the token before it (``segment_ids[t] == segment_ids[t-1]
@@ -23,8 +24,9 @@ import jax.numpy as jnp
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
 from relax.models.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
-from relax.models.packed import greedy_hits, packed_hidden
-from relax.train.update import LossContext
+from relax.models.moe import MoEConfig, router_loss
+from relax.models.packed import greedy_hits, packed_hidden_routed
+from relax.train.update import LossContext, token_share
 
 
 def target_mask(micro_batch: PackedBatch) -> jnp.ndarray:
@@ -33,20 +35,24 @@ def target_mask(micro_batch: PackedBatch) -> jnp.ndarray:
     return (loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
 
 
-def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK):
+def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK, moe: MoEConfig = MoEConfig()):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the summed target NLL over
     ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
-    pass; ``chunk_size``: rows of logits at a time (``relax.models.logprobs``)."""
+    pass; ``chunk_size``: rows of logits at a time (``relax.models.logprobs``); ``moe``: the
+    router losses of a mixture-of-experts model."""
 
     def loss_fn(policy, mb: PackedBatch, ctx: LossContext):
         ids = mb.ids
-        h = packed_hidden(policy, ids, mb.segment_ids, remat=remat)[:, :-1]
+        h, stats = packed_hidden_routed(policy, ids, mb.segment_ids, remat=remat)
+        h = h[:, :-1]
         targets = ids[:, 1:]
         logp = logprobs_from_hidden(policy, h, targets, chunk_size=chunk_size)
         mask = target_mask(mb)
         nll = -jnp.where(mask, logp, 0.0)
         loss = jnp.sum(nll) / ctx.norms["tokens"]
+        router, router_metrics = router_loss(stats, moe, policy.config)
         hits = greedy_hits(policy, h, targets, chunk_size=chunk_size)
-        return loss, {"nll": masked_mean(nll, mask), "accuracy": masked_mean(hits.astype(jnp.float32), mask)}
+        return loss + token_share(router, mask, ctx), {
+            "nll": masked_mean(nll, mask), "accuracy": masked_mean(hits.astype(jnp.float32), mask), **router_metrics}
 
     return loss_fn

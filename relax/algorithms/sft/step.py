@@ -34,6 +34,7 @@ from relax.train.optimizer import OptimizerConfig
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import Updated, make_update
+from relax.models.moe import MoEConfig
 
 from relax.algorithms.sft.loss import make_sft_loss
 
@@ -50,7 +51,9 @@ class SFTConfig:
     (``pack_method``: ``"ffd"`` first-fit-decreasing or ``"greedy"`` in order), attention kept
     within each example; without, one example per row, right-padded to ``max_length``.
     Update: ``grad_accum`` micro-batches per optimizer step (the loss does not depend on it),
-    ``remat`` recomputes each layer in the backward pass, ``optimizer`` builds the state's optimizer.
+    ``remat`` recomputes each layer in the backward pass, ``optimizer`` builds the state's optimizer;
+    ``moe``: a mixture-of-experts model's router losses (``relax.models.moe.MoEConfig``; its
+    routing replay has nothing to replay here).
     """
 
     max_length: int = 1024
@@ -59,6 +62,7 @@ class SFTConfig:
     truncate: bool = False
     grad_accum: int = 1
     remat: bool = False
+    moe: MoEConfig = MoEConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5)
     messages_field: str = "messages"
     prompt_field: str = "prompt"
@@ -111,7 +115,7 @@ def _pad_to_multiple(data: PackedBatch, rows: int, multiple: int) -> PackedBatch
 
 def make_update_stage(cfg: SFTConfig, passes: Passes) -> Stage:
     """The generic update of the SFT loss on ``state.policy``, then ``step + 1`` and a new key."""
-    loss = make_sft_loss(remat=cfg.remat)
+    loss = make_sft_loss(remat=cfg.remat, moe=cfg.moe)
 
     def update(state: TrainState, batch: PackedBatch):
         data = jax.tree.map(jnp.asarray, batch)
