@@ -401,11 +401,11 @@ if __name__ != "__main__":
     # ------------------------------------------------------------------ in-process
 
     def test_mesh_spec_parsing():
-        assert MeshSpec.parse("data=2,fsdp=4,tensor=1").shape == (2, 4, 1)
-        assert MeshSpec.parse(" tensor=2 , data=2").shape == (2, 1, 2)
-        assert MeshSpec.parse("").shape == (1, 1, 1)
-        assert MeshSpec.parse("fsdp=-1,tensor=2").resolve(8).shape == (1, 4, 2)
-        assert str(MeshSpec.parse("fsdp=4")) == "data=1,fsdp=4,tensor=1"
+        assert MeshSpec.parse("data=2,fsdp=4,tensor=1").shape == (2, 1, 4, 1)  # (data, expert, fsdp, tensor)
+        assert MeshSpec.parse(" tensor=2 , data=2").shape == (2, 1, 1, 2)
+        assert MeshSpec.parse("").shape == (1, 1, 1, 1)
+        assert MeshSpec.parse("fsdp=-1,tensor=2").resolve(8).shape == (1, 1, 4, 2)
+        assert str(MeshSpec.parse("fsdp=4")) == "data=1,expert=1,fsdp=4,tensor=1"
         for bad, msg in [("data=2,model=2", "'model=2'"), ("data=x", "not an integer"), ("data=2,data=2", "twice"),
                          ("data=0", "must be >= 1"), ("data=-1,fsdp=-1", "one may be -1"), ("data", "<axis>=<size>")]:
             with pytest.raises(ShardingError, match=msg):
@@ -413,14 +413,15 @@ if __name__ != "__main__":
 
     def test_mesh_that_does_not_fit_the_devices_names_spec_and_count():
         n = jax.device_count()
-        with pytest.raises(ShardingError, match=rf"mesh data=2,fsdp=4,tensor=1 needs 2 x 4 x 1 = 8 devices, but {n} "):
-            parallel.make_mesh("data=2,fsdp=4")
+        with pytest.raises(ShardingError, match=rf"mesh data=2,expert=1,fsdp={n},tensor=1 needs 2 x 1 x {n} x 1 = "
+                                                rf"{2 * n} devices, but {n} "):  # whatever the device count
+            parallel.make_mesh(f"data=2,fsdp={n}")
         with pytest.raises(ShardingError, match="do not divide"):
             MeshSpec.parse("data=3,fsdp=-1").resolve(8)
-        assert parallel.make_mesh("fsdp=-1").shape == {"data": 1, "fsdp": n, "tensor": 1}
+        assert parallel.make_mesh("fsdp=-1").shape == {"data": 1, "expert": 1, "fsdp": n, "tensor": 1}
 
     def _abstract(data=1, fsdp=1, tensor=1):
-        return jax.sharding.AbstractMesh((data, fsdp, tensor), parallel.AXES)
+        return jax.sharding.AbstractMesh((data, 1, fsdp, tensor), parallel.AXES)  # expert=1
 
     def test_every_parameter_has_logical_axes_and_default_specs():
         cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True, "sandwich_norms": True})
@@ -430,7 +431,11 @@ if __name__ != "__main__":
         from relax.models.sharding import LOGICAL_AXES
         from relax.parallel.mesh import _path_name
         names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
-        assert names == set(LOGICAL_AXES)  # every parameter the model can have, LoRA factors included
+        moe = ModelConfig(**{**MODEL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                             "shared_expert_size": 16, "dense_layers": (0,)})  # experts, shared expert, dense MLP
+        names |= {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+            jax.eval_shape(lambda: init(moe, jax.random.key(0))))}
+        assert names == set(LOGICAL_AXES)  # every parameter the model can have, LoRA factors and experts included
         mesh = _abstract(2, 2, 2)
         spec = lambda n: parallel.partition_spec(n, getattr(model.layers, n.split(".")[1]).shape if "." in n
                                                  else getattr(model, n).shape, mesh, cfg)

@@ -11,6 +11,9 @@ decode step talks to no other device beyond what its layout implies and copies n
     loop_ops(text, COLLECTIVES)                     # {(op, shape): count} over decode-loop bodies
     loop_ops(text, COLLECTIVES, part="condition")   # the loops' stop checks
 
+``collectives(text, mesh.shape)`` counts every collective of a program by the mesh axes its
+device groups span (``replica_groups``), e.g. ``("all-gather", "f32[16,32]", ("expert",))``.
+
 ``kernel_bytes`` is what one kernel moves in HBM (``benchmarks/gpu_profile.py`` and
 ``relax.plan.hlo_summary`` read it).
 """
@@ -22,6 +25,8 @@ import dataclasses
 import math
 import re
 from typing import Iterable, Literal
+
+import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
@@ -212,3 +217,59 @@ def kernel_bytes(ins: Instr, comps, local: dict[str, Instr]) -> tuple[int, bool]
     # copy's is (destination, source alias, context): it writes the destination
     result = device_bytes(ins.shape, first_only=ins.op in ("custom-call", "copy-start"))
     return sum(operand(i) for i in range(len(ins.operands))) + result, False
+
+
+# ------------------------------------------------------------------------------ collectives by mesh axis
+
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def replica_groups(attrs: str, num_devices: int) -> frozenset[tuple[int, ...]]:
+    """The device groups of a collective's ``replica_groups`` (partition ids: positions in the
+    mesh's row-major device order), in any of XLA's three spellings::
+
+        {{0,1},{2,3}}                          explicit ({} : one group of every device)
+        [2,4]<=[4,2]T(1,0)                     iota(4 x 2), transposed, reshaped to 2 groups of 4
+        mesh['axis_0'=2,'axis_1'=4] {'axis_0'}  the groups along the named axes of iota(2 x 4)
+    """
+    if m := _IOTA.search(attrs):
+        shape, dims = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")]) if m.group(3) else ids
+        return frozenset(tuple(sorted(int(x) for x in g)) for g in ids.reshape(shape))
+    if m := _MESH.search(attrs):
+        axes = dict((k.strip("' "), int(v)) for k, v in (a.split("=") for a in m.group(1).split(",")))
+        return mesh_axis_groups(axes, [a.strip("' ") for a in m.group(2).split(",") if a.strip()])
+    m = _EXPLICIT.search(attrs)
+    groups = [] if m is None else [tuple(sorted(int(x) for x in g.split(",") if x.strip()))
+                                   for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    return frozenset(g for g in groups if g) or frozenset({tuple(range(num_devices))})
+
+
+def mesh_axis_groups(shape: dict[str, int], axes: Iterable[str]) -> frozenset[tuple[int, ...]]:
+    """The groups of devices of a mesh of ``shape`` (axis -> size, in order) that differ only
+    along ``axes``: those a collective over ``axes`` runs in."""
+    names, axes = list(shape), list(axes)
+    ids = np.moveaxis(np.arange(math.prod(shape.values())).reshape(list(shape.values())),
+                      [names.index(a) for a in axes], list(range(len(names) - len(axes), len(names))))
+    return frozenset(tuple(sorted(int(x) for x in g)) for g in ids.reshape(-1, math.prod(shape[a] for a in axes)))
+
+
+def collectives(text: str, mesh_shape: dict[str, int]) -> collections.Counter:
+    """``{(op, result shape without layout, mesh axes): count}`` of every collective in the
+    program (an async ``-start`` counts as its op), its device groups named by the mesh axes they
+    span (e.g. ``("expert",)``; the axes of size > 1 only; ``("?",)`` when no set of axes gives
+    them)."""
+    comps, _ = parse_hlo(text)
+    n = math.prod(mesh_shape.values())
+    live = [a for a, s in mesh_shape.items() if s > 1]
+    subsets = [tuple(a for i, a in enumerate(live) if k >> i & 1) for k in range(1, 1 << len(live))]
+    by_groups = {mesh_axis_groups(mesh_shape, s): s for s in subsets}
+    names = {o: o for o in COLLECTIVES} | {f"{o}-start": o for o in COLLECTIVES}
+    found: collections.Counter = collections.Counter()
+    for ins in (i for body in comps.values() for i in body if i.op in names):
+        axes = by_groups.get(replica_groups(ins.attrs, n), ("?",))
+        found[(names[ins.op], re.sub(r"\{[^}]*\}", "", ins.shape), axes)] += 1
+    return found

@@ -1,10 +1,16 @@
 """Meshes and logical-axis sharding rules; the step on a mesh is ``relax.parallel.step`` (docs/architecture.md, "Scale").
 
-Mesh: three named axes, always all present (size 1 when unused)::
+Mesh: four named axes, always all present (size 1 when unused), in this device order::
 
     data    pure data parallelism: the batch is split, parameters are replicated
+    expert  the batch is split like ``data`` (attention and every dense part are data-parallel
+            over it) AND the experts of every sparse layer are split: each device holds
+            E / expert experts, and tokens meet their experts through an explicit exchange over
+            this axis (``relax.models.expert_parallel``: all-gather of the rows and their
+            routing, reduce-scatter of the expert outputs). For a dense model: one more data axis
     fsdp    the batch is split AND parameters / optimizer state are sharded (ZeRO-3 style)
-    tensor  tensor parallelism: attention heads, MLP width and the vocabulary are split
+    tensor  tensor parallelism: attention heads, MLP width (each expert's too) and the
+            vocabulary are split
 
 ``MeshSpec.parse("data=2,fsdp=4")`` (missing axes are 1; one axis may be ``-1``: all the
 remaining devices) and ``make_mesh(spec)``.
@@ -12,22 +18,27 @@ remaining devices) and ``make_mesh(spec)``.
 Parameters carry LOGICAL axis names (``relax.models.sharding.LOGICAL_AXES``: every parameter of
 ``relax.models.Transformer``); ``rules`` map them to mesh axes. ``DEFAULT_RULES``:
 
-    logical axis  mesh axis  what it shards
-    vocab         tensor     embedding / lm_head rows (vocabulary-parallel embedding and head)
-    embed         fsdp       the model width D of every matrix and norm (FSDP)
-    q_heads       tensor     query heads (Hq * head_dim, split at head boundaries)
-    kv_heads      tensor     key/value heads (Hkv * head_dim, split at head boundaries)
-    mlp           tensor     the MLP width F
-    layers        -          the stacked layer axis is never sharded (it is scanned over)
-    head_dim      -          q_norm / k_norm scales
-    lora_rank     -          the rank of LoRA factors (A and B shard like their weight otherwise)
+    logical axis    mesh axis  what it shards
+    vocab           tensor     embedding / lm_head rows (vocabulary-parallel embedding and head)
+    embed           fsdp       the model width D of every matrix and norm (FSDP), experts' included
+    q_heads         tensor     query heads (Hq * head_dim, split at head boundaries)
+    kv_heads        tensor     key/value heads (Hkv * head_dim, split at head boundaries)
+    mlp             tensor     the MLP width F (and a shared expert's width Fs)
+    experts         expert     the experts E of a sparse layer's expert_gate / up / down (E % expert != 0:
+                               ShardingError naming the parameter)
+    expert_mlp      tensor     each expert's width Fe (split like a dense MLP's F)
+    router_experts  -          the router's E columns (router and shared expert: replicated over expert)
+    shared_router_unit -       the shared expert's gate column
+    layers          -          the stacked layer axis is never sharded (it is scanned over)
+    head_dim        -          q_norm / k_norm scales
+    lora_rank       -          the rank of LoRA factors (A and B shard like their weight otherwise)
 
 A mesh axis of size 1 shards nothing. A dimension that does not split evenly over its mesh
 axes is an ERROR (``ShardingError`` naming the parameter, the dimension and the mesh axis),
 never a silent replication: pick another mesh or pass rules mapping that logical axis to
 ``None``. Head dimensions must split at head boundaries (``num_heads % tensor == 0``).
 
-The batch (``batch_sharding``): leading axis (prompts) over ``("data", "fsdp")``, the rest
+The batch (``batch_sharding``): leading axis (prompts) over ``("data", "expert", "fsdp")``, the rest
 replicated; everything else in the train state (step, PRNG key, running statistics, optimizer
 counters) is replicated; optimizer moments (and float32 master weights) are sharded like their
 parameters.
@@ -57,10 +68,11 @@ from relax.parallel import distributed
 from relax.models.sharding import BATCH_AXES, LOGICAL_AXES, batch_shards
 from relax.models.transformer import Transformer
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "expert", "fsdp", "tensor")
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 DEFAULT_RULES: Rules = (("vocab", "tensor"), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
-                        ("mlp", "tensor"), ("layers", None), ("head_dim", None))
+                        ("mlp", "tensor"), ("experts", "expert"), ("expert_mlp", "tensor"), ("layers", None),
+                        ("head_dim", None))
 
 
 class ShardingError(ValueError):
@@ -69,9 +81,11 @@ class ShardingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the (data, fsdp, tensor) mesh axes; ``-1`` (at most one) takes the remaining devices."""
+    """Sizes of the (data, expert, fsdp, tensor) mesh axes; ``-1`` (at most one) takes the remaining
+    devices."""
 
     data: int = 1
+    expert: int = 1
     fsdp: int = 1
     tensor: int = 1
 
@@ -82,7 +96,7 @@ class MeshSpec:
 
     @classmethod
     def parse(cls, text: str | MeshSpec) -> MeshSpec:
-        """``"data=2,fsdp=4,tensor=1"`` (any order, missing axes are 1, ``""`` is one device)."""
+        """``"data=2,expert=1,fsdp=4,tensor=1"`` (any order, missing axes are 1, ``""`` is one device)."""
         if isinstance(text, MeshSpec):
             return text
         sizes: dict[str, int] = {}
@@ -99,8 +113,9 @@ class MeshSpec:
         return cls(**sizes)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def shape(self) -> tuple[int, ...]:
+        """The sizes in ``AXES`` order."""
+        return tuple(getattr(self, a) for a in AXES)
 
     def resolve(self, num_devices: int) -> MeshSpec:
         """The spec with ``-1`` filled in; ``ShardingError`` if it does not use exactly ``num_devices``."""
@@ -113,20 +128,20 @@ class MeshSpec:
         if math.prod(shape) != num_devices:
             raise ShardingError(f"mesh {self} needs {' x '.join(map(str, shape))} = {math.prod(shape)} devices, "
                                 f"but {num_devices} device(s) are given")
-        return MeshSpec(*shape)
+        return MeshSpec(**dict(zip(AXES, shape)))
 
     def __str__(self) -> str:
         return ",".join(f"{a}={s}" for a, s in zip(AXES, self.shape))
 
 
 def make_mesh(spec: str | MeshSpec, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``Mesh`` with axes (data, fsdp, tensor) over ``devices`` (default: every device of every
-    process, arranged for the physical topology by ``jax.make_mesh``; given TPU chips are arranged
-    so too where they form a slice)."""
+    """A ``Mesh`` with axes ``AXES`` (data, expert, fsdp, tensor) over ``devices`` (default: every
+    device of every process, arranged for the physical topology by ``jax.make_mesh``; given TPU
+    chips are arranged so too where they form a slice)."""
     spec = MeshSpec.parse(spec)
     pool = list(jax.devices() if devices is None else devices)
     shape = spec.resolve(len(pool)).shape
-    auto = (jax.sharding.AxisType.Auto,) * 3
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     if devices is None:
         return jax.make_mesh(shape, AXES, auto)
     if pool[0].platform == "tpu":  # e.g. relax.plan's compile-only chips: laid out for the torus
@@ -210,14 +225,8 @@ def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (prompt) axis over ``("data", "fsdp")``, the other axes replicated."""
+    """Leading (prompt) axis over ``BATCH_AXES`` (data, expert, fsdp), the other axes replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
-
-
-
-
-
-
 
 
 def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
@@ -239,6 +248,12 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
     return shard(state)
 
 
+def batch_axes_text(mesh) -> str:
+    """``"data x fsdp = 4 x 1"`` (``expert`` named only when the mesh splits it)."""
+    axes = [a for a in BATCH_AXES if a in mesh.axis_names and (a != "expert" or mesh.shape[a] > 1)]
+    return f"{' x '.join(axes)} = {' x '.join(str(mesh.shape[a]) for a in axes)}"
+
+
 def batch_leaf_sharding(x: Any, mesh: Mesh, rows: int) -> NamedSharding:
     """Batch sharding for an array whose leading axis has ``rows`` (the prompt count), else replicated."""
     return batch_sharding(mesh) if np.ndim(x) >= 1 and np.shape(x)[0] == rows else replicated(mesh)
@@ -253,15 +268,14 @@ def prompt_rows(batch: Any) -> int | None:
 
 def place_batch(batch: Any, mesh: Mesh) -> Any:
     """Device entries of ``batch`` as global arrays on ``mesh``: arrays with the prompt axis
-    (``prompt_ids``' leading size) split over ``("data", "fsdp")``, others replicated. Host-local
+    (``prompt_ids``' leading size) split over ``BATCH_AXES``, others replicated. Host-local
     arrays (numpy, or this process's rows) are assembled with
     ``jax.make_array_from_process_local_data``; arrays on another mesh are moved."""
     ids = batch["prompt_ids"] if isinstance(batch, Mapping) else batch.prompt_ids
     global_rows = ids.shape[0] if distributed.is_global(ids) else ids.shape[0] * jax.process_count()
     if global_rows % batch_shards(mesh):
-        raise ShardingError(f"{global_rows} prompts per step do not split over data x fsdp = "
-                            f"{mesh.shape['data']} x {mesh.shape['fsdp']}; use a batch size divisible by "
-                            f"{batch_shards(mesh)}")
+        raise ShardingError(f"{global_rows} prompts per step do not split over {batch_axes_text(mesh)}; use a "
+                            f"batch size divisible by {batch_shards(mesh)}")
 
     def leaf(x):
         rows = global_rows if distributed.is_global(x) else global_rows // jax.process_count()

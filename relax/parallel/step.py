@@ -28,9 +28,9 @@ import jax
 from relax.parallel import distributed
 from relax.compose import (Segment, SegmentRunner, Stage, WithHost, batch_only, group_leaves, join_host, keep_state,
                            split_host)
-from relax.parallel.mesh import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_leaf_sharding, batch_shards,
-                            constrain_batch, make_mesh, param_shardings, place_batch, prompt_rows, replicated,
-                            state_shardings)
+from relax.parallel.mesh import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_axes_text,
+                                 batch_leaf_sharding, batch_shards, constrain_batch, make_mesh, param_shardings,
+                                 place_batch, prompt_rows, replicated, state_shardings)
 
 HOST_MEMORY = "pinned_host"
 # The state a sharded step runs on is a dataclass (``relax.train.TrainState``) with a ``replace``
@@ -43,7 +43,8 @@ MODEL_FIELDS = ("policy", "opt_state", "ref", "critic", "critic_opt_state")
 class ParallelConfig:
     """Devices, meshes and multi-host setup of a run (``--parallel.*`` flags).
 
-    ``mesh``: the trainer mesh, e.g. ``"data=2,fsdp=4,tensor=1"`` or ``"fsdp=-1"`` (all devices);
+    ``mesh``: the trainer mesh, e.g. ``"data=2,fsdp=4,tensor=1"``, ``"expert=4,data=2"`` (a mixture
+    of experts' experts split 4 ways) or ``"fsdp=-1"`` (all devices);
     None with ``sampler_devices=0`` keeps the single-device path. ``sampler_devices``: the first N
     devices run the rollout on their own mesh (``sampler_mesh``, default: data-parallel over
     them), the remaining ones train (``mesh``, default ``fsdp=-1``); single-process only.
@@ -303,7 +304,7 @@ def _typed_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def check_batch(batch_size: int, mesh: jax.sharding.Mesh | None, what: str = "--batch-size") -> None:
-    """``ShardingError`` unless ``batch_size`` prompts split over the mesh's data x fsdp axes."""
+    """``ShardingError`` unless ``batch_size`` prompts split over the mesh's batch axes (data x fsdp x expert)."""
     if mesh is not None and batch_size % batch_shards(mesh):
-        raise ShardingError(f"{what}={batch_size} prompts do not split over data x fsdp = "
-                            f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {batch_shards(mesh)} shards")
+        raise ShardingError(f"{what}={batch_size} prompts do not split over {batch_axes_text(mesh)} = "
+                            f"{batch_shards(mesh)} shards")

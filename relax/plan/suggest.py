@@ -53,7 +53,7 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     if run.param_dtype == "float32":
         out.append(("--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", f"--{field}.optimizer.master-weights"))
     if parallel and (parallel.sampler_devices or MeshSpec.parse(parallel.mesh).resolve(p.target.chips).shape
-                     != (1, p.target.chips, 1)):
+                     != MeshSpec(fsdp=p.target.chips).shape):
         out.append(("--parallel.mesh", f"fsdp={p.target.chips}"))
     if not run.lora.enabled:
         out.append(("--lora.rank", "16"))
