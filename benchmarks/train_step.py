@@ -1,7 +1,9 @@
 """One GRPO iteration, split into rollout / score / update, on a model shape (random weights).
 
 ``--model-shape small`` (default): the rollout issue's small config: Llama architecture, vocab
-4096, hidden 256, intermediate 688, 4 layers, 8 heads, 4 KV heads. ``--model-shape smollm-135m``:
+4096, hidden 256, intermediate 688, 4 layers, 8 heads, 4 KV heads. ``--model-shape small-moe``: the
+same attention with every MLP a Mixtral-style mixture of 8 experts of width 344, top-2 (the
+same active parameters as ``small``: 2 x 344 = 688 MLP units per token). ``--model-shape smollm-135m``:
 SmolLM2-135M's shape (Llama architecture, vocab 49,152, hidden 576, intermediate 1536, 30 layers,
 9 heads, 3 KV heads, tied embeddings). float32. By default 8 prompts x 8 completions, 64-token
 prompts, 128 new tokens (stop tokens unreachable, so every completion is full length), KL beta
@@ -40,6 +42,8 @@ from relax.train.state import init_state  # noqa: E402
 
 SHAPES = {
     "small": small_config,
+    "small-moe": lambda: small_config(family="mixtral", intermediate_size=344, num_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=344, norm_topk_prob=True),
     "smollm-135m": lambda: ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                        num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
                                        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
@@ -50,7 +54,7 @@ SHAPES = {
 class Args:
     runs: int = 5
     model_shape: str = "small"
-    """small | smollm-135m"""
+    """small | small-moe | smollm-135m"""
     preset: str = "grpo"
     prompts: int = 8
     generations: int = 8
@@ -108,15 +112,18 @@ def main(args: Args) -> dict:
     # update FLOPs: forward + backward ~ 6 * params * tokens, the prompt counted once per group
     # (the reference forward, 2 * params * tokens, is a program of its own since the score was
     # split around it: not counted)
-    # embedding lookups are free (a tied head's matmul is counted: num_params counts it once)
-    n_params = mcfg.num_params() - (0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size)
+    # embedding lookups are free (a tied head's matmul is counted: num_params counts it once); a
+    # mixture of experts counts the experts a token uses (num_active_params)
+    n_params = mcfg.num_active_params() - (0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size)
     update_tokens = p * args.prompt_len + tokens
     update_flops = 6 * n_params * update_tokens
     peak, peak_source = peak_flops()
     upd_name = next(s for s in stages if s.endswith("update"))  # advantage+update, fused
     upd = med[upd_name]
     return emit({
-        "bench": "train_step", "model_shape": args.model_shape, "params": mcfg.num_params(), "preset": args.preset, "P": p, "G": args.generations, "Lp": args.prompt_len,
+        "bench": "train_step", "model_shape": args.model_shape, "params": mcfg.num_params(),
+        "active_params": mcfg.num_active_params(), "preset": args.preset, "P": p, "G": args.generations,
+        "Lp": args.prompt_len,
         "N": args.new_tokens, "beta": args.beta, "grad_accum": args.grad_accum, "runs": args.runs,
         "iteration_s": total, "rollout_s": med["rollout"],
         "score_s": med["score_start"] + med["score_finish"], "reference_s": med.get("reference", 0.0), "update_s": upd,
