@@ -133,7 +133,7 @@ def grouped_matmul(x: Float[Array, "m i"], w: Float[Array, "g i o"], sizes: Int[
 
     ``jax.lax.ragged_dot`` on accelerators (grouped GEMM kernels), its rows beyond the groups
     masked to 0; on CPU, where XLA lowers ``ragged_dot`` to a dense product over every group,
-    each group's rows are padded to whole tiles of a static size (about ``m / g``) and each tile
+    each group's rows are padded to whole tiles of a static size (about ``m / 4g``) and each tile
     multiplied by its group's weight: at most ``m + g * tile`` rows of work instead of ``g m``.
     """
     if current_backend() != "cpu":
@@ -148,7 +148,8 @@ def _tiled_matmul(x, w, sizes):
     group's tiles start at ``sum_{h<g} ceil(s_h / tile) tile``); a row beyond the groups goes to
     no tile (an index past the buffer, dropped) and reads back 0."""
     m, g = x.shape[0], w.shape[0]
-    tile = max(8, 1 << max(0, math.ceil(math.log2(max(1, -(-m // g))))))
+    # about a quarter of the mean group: at most m / 4 rows of padding, 5 g tiles for m >> g
+    tile = max(8, 1 << max(0, math.ceil(math.log2(max(1, -(-m // (4 * g)))))))
     n_tiles = -(-m // tile) + g  # sum_g ceil(s_g / tile) <= m / tile + g
     sizes = sizes.astype(jnp.int32)
     padded = -(-sizes // tile) * tile
