@@ -75,3 +75,23 @@ def test_traffic_on_the_line_through_two_depths():
     assert t.collectives == {"all-gather": (51, 1300), "all-to-all": (10, 40)}
     assert t.decode_collectives == {"all-reduce": (3, 90)}  # the same at every depth: per step, not per layer
     assert t.decode_step_seconds == pytest.approx(1.5) and t.cache_copies == 24
+
+
+def test_deepened_sampler_outputs_record_every_sparse_layer():
+    """A shallow sampler records the experts of its own sparse layers; the full-depth programs
+    that read its outputs (reference, update) get them for all of the model's."""
+    import jax
+    import jax.numpy as jnp
+
+    from relax.models.routes import Routes
+    from relax.rollout.sampler import Rollout
+
+    config = small_config(family="mixtral", num_layers=24, intermediate_size=64, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    s = lambda *shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+    shallow = Rollout(tokens=s(2, 3, 5), mask=s(2, 3, 5), logprobs=s(2, 3, 5, dt=jnp.float32), lengths=s(2, 3),
+                      finished=s(2, 3, dt=bool), routes=Routes(prompt=s(2, 7, 4, 2, dt=jnp.int8),
+                                                                completion=s(2, 3, 5, 4, 2, dt=jnp.int8)))
+    deep = depth.deepen_outputs(shallow, config)
+    assert deep.routes.prompt.shape == (2, 7, 24, 2) and deep.routes.completion.shape == (2, 3, 5, 24, 2)
+    assert deep.routes.prompt.dtype == jnp.int8 and deep.tokens.shape == (2, 3, 5)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from relax.models.config import ModelConfig
 from relax.plan.hlo_summary import ProgramTraffic
 from relax.plan.memory import ProgramMemory, per_chip, state_parts
@@ -62,6 +64,18 @@ def shallow(config: ModelConfig, layers: int) -> ModelConfig:
     kinds = None if config.layer_types is None else config.layer_types[:layers]
     dense = tuple(i for i in config.dense_layers if i < layers)
     return dataclasses.replace(config, num_layers=layers, layer_types=kinds, dense_layers=dense)
+
+
+def deepen_outputs(outputs: Any, config: ModelConfig) -> Any:
+    """A shallow sampler's abstract outputs as the model of ``config`` gives them: the recorded
+    experts of a mixture (``relax.models.routes.Routes``, sparse layers on axis -2) for all of its
+    sparse layers (every other output does not depend on depth)."""
+    def leaf(path, x):
+        if not any(getattr(k, "name", None) == "routes" for k in path):
+            return x
+        shape = (*x.shape[:-2], config.num_sparse_layers, x.shape[-1])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree_util.tree_map_with_path(leaf, outputs)
 
 
 def _line(fa: float, fb: float, a: int, b: int, n: int) -> float:

@@ -187,7 +187,8 @@ def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -
         at = None if exact else depth_lib.depths(model)
         shallow = [online_programs(run, algo, depth_lib.shallow(model, d), devices, compile_fn=compile_fn,
                                    until=is_sampler) for d in (at or ())]
-        known = {p.name: p.outputs for p in shallow[0] if is_sampler(p.name)} if shallow else None
+        known = ({p.name: depth_lib.deepen_outputs(p.outputs, model) for p in shallow[0] if is_sampler(p.name)}
+                 if shallow else None)
         programs = online_programs(run, algo, model, devices, compile_fn=compile_fn, known=known)
     except RuntimeError as e:
         if "cuDNN" not in str(e):
