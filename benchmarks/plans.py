@@ -57,6 +57,8 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
     # mixture of experts: Qwen3-30B-A3B (128 experts, top-8, 3B active), all weights trained
     "qwen3moe30b-v5p": ("qwen3-30b-a3b", "v5p:2x2x2", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
                                                        "fsdp=8", "--grpo.remat", "--grpo.grad-accum", "4"]),
+    "qwen3moe30b-v5p-ep": ("qwen3-30b-a3b", "v5p:2x2x2", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
+                                                          "expert=8", "--grpo.remat", "--grpo.grad-accum", "4"]),
     "qwen3moe30b-h100x8": ("qwen3-30b-a3b", "h100x8", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
                                                        "fsdp=8", "--grpo.train-attention", "group", "--grpo.remat",
                                                        "--grpo.grad-accum", "4"]),
