@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from relax.models.moe import grouped_matmul, sparse_ffn
+from relax.models.moe import sparse_ffn
 from relax.models.sharding import EXPERT_AXIS, TENSOR_AXIS, ambient_batch_axes
 
 Act = Callable[[Array], Array]
@@ -97,19 +97,5 @@ def _local_experts(x: Float[Array, "nl d"], experts: Int[Array, "nl k"], weights
     return y if width is None else jax.lax.psum(y, width)
 
 
-def local_sparse_ffn(x: Float[Array, "n d"], key: Int[Array, "n k"], weights: Float[Array, "n k"],
-                     w_gate: Float[Array, "el d f"], w_up: Float[Array, "el d f"], w_down: Float[Array, "el f d"],
-                     act: Act) -> Float[Array, "n d"]:
-    """``y[t] = sum_{j: key[t, j] < el} weights[t, j] FFN_{key[t, j]}(x[t])``: ``sparse_ffn`` over
-    the ``el`` local experts, a pair keyed ``el`` (another device's expert) sorted past every
-    group, where ``grouped_matmul`` computes nothing and gives 0."""
-    n, k = key.shape
-    flat = key.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w_gate.shape[0])  # key el is dropped: in no group
-    xs = x[order // k]
-    h = act(grouped_matmul(xs, w_gate, sizes)) * grouped_matmul(xs, w_up, sizes)
-    out = grouped_matmul(h, w_down, sizes)
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype), unique_indices=True)
-    out = out[back].reshape(n, k, -1)
-    return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1)
+# the local experts' pairs: ``sparse_ffn`` with another device's pairs keyed ``el`` (in no group: 0)
+local_sparse_ffn = sparse_ffn

@@ -170,7 +170,8 @@ def sparse_ffn(x: Float[Array, "n d"], experts: Int[Array, "n k"], weights: Floa
                act: Callable[[Array], Array]) -> Float[Array, "n d"]:
     """``y[t] = sum_j weights[t, j] FFN_{experts[t, j]}(x[t])`` (module docstring), dropless: the
     ``n k`` pairs sorted by expert (stable), three ``grouped_matmul``\\ s, then un-sorted and summed
-    over ``j`` in order."""
+    over ``j`` in order. A pair whose expert is ``>= e`` (another device's, ``relax.models.
+    expert_parallel``) sorts past every group and contributes 0."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
