@@ -14,7 +14,7 @@ import pytest
 
 from relax.models import ModelConfig, RopeScaling, family_config
 from relax.models.config import MOE_FIELDS
-from relax.models.families import BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS, MOE_LINEAR_FIELDS
+from relax.models.families import ADAPTABLE_FIELDS, BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS, MOE_LINEAR_FIELDS
 from relax.models.hf import load_pretrained, save_pretrained
 from relax.models.hf_config import config_from_hf, config_to_hf
 from relax.models.lora import TARGETS
@@ -103,12 +103,19 @@ def test_records_are_well_formed():
             assert arch is None or BY_ARCHITECTURE[arch] == (kind, name)
         assert set(rec.traits) == {"norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings"}
         assert rec.notes, f"{name}: say how it differs from Llama"
-    # the LoRA targets are the seven linear weights, and every family names a module for each
-    # (but the dense MLP's of a family whose every layer is a mixture of experts)
-    assert tuple(TARGETS.values()) == LINEAR_FIELDS and MOE_LINEAR_FIELDS == MOE_FIELDS
+    # the LoRA targets are the seven linear weights and a shared expert's four, and every family
+    # names a module for each it has (not the dense MLP where every layer is a mixture of experts),
+    # whose last part is the target name (a fused module excepted: Phi-3's qkv_proj)
+    assert {f for fs in TARGETS.values() for f in fs} == set(ADAPTABLE_FIELDS) and MOE_LINEAR_FIELDS == MOE_FIELDS
+    assert set(LINEAR_FIELDS) < set(ADAPTABLE_FIELDS) and not set(ADAPTABLE_FIELDS) - set(LINEAR_FIELDS) - set(MOE_FIELDS)
     for rec in FAMILIES.values():
         always_sparse = {"w_gate", "w_up", "w_down"} if rec.moe == "all" else set()
-        assert set(rec.lora_modules) == set(LINEAR_FIELDS) - always_sparse, rec.model_type
+        shared = {f for f in ADAPTABLE_FIELDS if f.startswith("shared_")} & set(rec.weights)
+        assert set(rec.lora_modules) == set(LINEAR_FIELDS) - always_sparse | shared, rec.model_type
+        for field, module in rec.lora_modules.items():
+            if module not in rec.fused_lora_modules:
+                assert field in TARGETS[module.rsplit(".", 1)[-1]], (rec.model_type, field)
+    assert set(FAMILIES["qwen2_moe"].lora_modules) == set(ADAPTABLE_FIELDS)
 
 
 @pytest.mark.parametrize("name, variant", CASES)

@@ -57,7 +57,9 @@ def base():
 
 
 def test_config_targets_and_scale():
-    assert LoRAConfig(rank=8).fields() == ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    assert LoRAConfig(rank=8).fields() == ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate",
+                                           "shared_up", "shared_down", "shared_router")
+    assert LoRAConfig(rank=2, target_modules=("down_proj",)).fields() == ("w_down", "shared_down")
     assert LoRAConfig(rank=4, target_modules=("v_proj", "q_proj")).fields() == ("wq", "wv")
     assert LoRAConfig(rank=4, alpha=8).scale == 2.0
     assert LoRAConfig(rank=4, alpha=8, use_rslora=True).scale == 4.0

@@ -104,6 +104,46 @@ def forward_cases() -> dict:
     return out
 
 
+def lora_case(spec: str) -> dict:
+    """A shared expert (Qwen2-MoE's) and LoRA on every adaptable weight (attention, the dense
+    layer's MLP, the shared expert and its gate): the log-probs and the adapters' gradients on
+    ``spec`` against one device (the adapters shard like their weights: relax.models.sharding)."""
+    import dataclasses
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from relax import parallel
+    from relax.models.adapters import add_lora, split_trainable
+    from relax.models.config import ModelConfig
+    from relax.models.lora import LoRAConfig
+    from relax.models.prefix_shared import completion_logprobs
+    from relax.models import transformer as T
+
+    cfg = ModelConfig(**TINY, family="qwen2_moe", shared_expert_size=24)
+    model = add_lora(T.init(cfg, jax.random.key(0), std=0.2), LoRAConfig(rank=2), jax.random.key(1))
+    ad = model.layers.lora
+    model = dataclasses.replace(model, layers=dataclasses.replace(model.layers, lora=jax.tree.map(
+        lambda x: x + 0.05, ad)))  # B != 0: the adapters change the forward
+    args = _forward_inputs()
+
+    def loss(trained, frozen, ids, pm, comp, cm):
+        lp = completion_logprobs(eqx.combine(trained, frozen), ids, pm, comp, cm, attention="group")
+        return jnp.sum(lp * cm), lp
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, lp0), g0 = grad(*split_trainable(model), *args)
+    mesh = parallel.make_mesh(spec)
+    rows = parallel.batch_sharding(mesh)
+    with jax.set_mesh(mesh):
+        (_, lp), g = grad(*split_trainable(parallel.shard_model(model, mesh)), *(jax.device_put(a, rows) for a in args))
+    leaves = jax.tree_util.tree_leaves_with_path(g0)
+    return {"logprobs": float(jnp.max(jnp.abs(lp - lp0))), "adapted": sorted(ad.weights()),
+            "grads": {jax.tree_util.keystr(p): [float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))]
+                      for (p, b), a in zip(leaves, jax.tree.leaves(g))}}
+
+
 def _fives(prompts, completions, **fields):
     return [c.split().count("5") / 6 for c in completions]
 
@@ -198,7 +238,8 @@ def worker(out_path: str) -> None:
     results = {"forward": forward_cases(),
                "grpo": {**{spec: grpo_case(spec) for spec in (None, *MESHES)},
                         "one_micro_batch": grpo_case(None, mesh_passes=True)},
-               "sampler": {spec: sampler_case(spec) for spec in (None, *MESHES)}}
+               "sampler": {spec: sampler_case(spec) for spec in (None, *MESHES)},
+               "lora": lora_case(MESHES[-1])}
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -235,6 +276,14 @@ else:
         assert got["logprobs"] < ATOL and got["one_group"] < ATOL, got
         for name, (diff, scale) in got["grads"].items():
             assert diff <= ATOL + RTOL * scale, (spec, name, diff, scale)
+
+    def test_lora_on_a_shared_expert_model_equals_one_device(results):
+        got = results["lora"]
+        assert {"shared_gate", "shared_router", "w_gate", "wq"} <= set(got["adapted"])
+        assert got["logprobs"] < ATOL, got
+        assert any("shared_router" in name for name in got["grads"])
+        for name, (diff, scale) in got["grads"].items():
+            assert scale > 0 and diff <= ATOL + RTOL * scale, (name, diff, scale)
 
     # per micro-batch, then averaged (module docstring)
     ROUTING_METRICS = ("moe/load_balance_loss", "moe/load_max_over_mean", "moe/load_max_over_mean_avg",

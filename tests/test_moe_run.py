@@ -86,7 +86,7 @@ def test_checkpoint_defaults_of_the_router_losses():
 
 def test_lora_on_a_moe_model_adapts_attention():
     model = init(MOE, jax.random.key(0), std=0.1)
-    with pytest.warns(UserWarning, match="attention projections only"):
+    with pytest.warns(UserWarning, match=r"\['wq', 'wk', 'wv', 'wo'\]: the experts and their router are not"):
         lora = add_lora(model, LoRAConfig(rank=4), jax.random.key(1))
     assert set(lora.layers.lora.weights()) == {"wq", "wk", "wv", "wo"}
     with pytest.raises(ValueError, match="experts"):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from relax.models.config import DENSE_MLP_FIELDS
+from relax.models.config import ModelConfig
 from relax.models.lora import TARGETS, Adapters, LoRAConfig, init_adapters, merged_weight
 from relax.models.transformer import Transformer
 
@@ -34,32 +34,38 @@ def has_lora(model) -> bool:
 
 
 def add_lora(model: Transformer, cfg: LoRAConfig, key: Array) -> Transformer:
-    """``model`` with fresh adapters (``cfg.rank > 0``) on its targeted weights."""
+    """``model`` with fresh adapters (``cfg.rank > 0``) on its targeted weights (``adapter_fields``)."""
     if not cfg.enabled:
         raise ValueError("LoRAConfig.rank is 0: no adapters to add")
     if has_lora(model):
         raise ValueError("the model has adapters already (merge_lora or lora_off first)")
-    c = model.config
-    ad = init_adapters(moe_targets(cfg, c), c.layer_shapes(), c.num_layers, key, model.layers.wq.dtype)
-    return with_adapters(model, ad)
+    stacked = model.config.stacked_shapes()
+    shapes = {f: stacked[f] for f in adapter_fields(cfg, model.config)}
+    return with_adapters(model, init_adapters(cfg, shapes, key, model.layers.wq.dtype))
 
 
-def moe_targets(cfg: LoRAConfig, config) -> LoRAConfig:
-    """``cfg`` for a mixture-of-experts model: its adapters are on the attention projections, the
-    MLP weights being experts (``"all-linear"`` there means the attention projections, with a
-    warning; an MLP module named explicitly is an error). A dense model's ``cfg`` unchanged."""
-    if not config.num_experts:
-        return cfg
-    mlp = [m for m, f in TARGETS.items() if f in DENSE_MLP_FIELDS and f in cfg.fields()]
-    if not mlp:
-        return cfg
-    if "all-linear" not in cfg.target_modules:
-        raise ValueError(f"lora target_modules {mlp}: a mixture-of-experts model's MLP weights are experts, which "
-                         "relax does not adapt; target the attention projections (q/k/v/o_proj)")
-    warnings.warn("lora target 'all-linear' on a mixture-of-experts model adapts the attention projections only "
-                  "(the experts, their router and any shared expert are not adapted)", stacklevel=3)
-    attention = tuple(m for m, f in TARGETS.items() if f not in DENSE_MLP_FIELDS)
-    return dataclasses.replace(cfg, target_modules=attention)
+def adapter_fields(cfg: LoRAConfig, config: ModelConfig) -> tuple[str, ...]:
+    """The weights ``cfg`` adapts on a model of ``config``: those of ``cfg.fields()`` it has.
+
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` are the dense MLP's on dense layers and the shared
+    expert's on sparse ones (Qwen2-MoE), ``shared_expert_gate`` the shared expert's gate, as PEFT
+    matches them; a mixture's experts and router are never adapted (PEFT does not either: they
+    are not ``Linear`` modules), which ``"all-linear"`` on such a model says in a warning. A
+    target the model has no weight for is an error.
+    """
+    have = config.layer_shapes()
+    absent = [m for m in cfg.target_modules if m != "all-linear" and not set(TARGETS[m]) & set(have)]
+    if absent:
+        why = ("its MLP weights are experts, which relax does not adapt (nor does PEFT)" if config.num_experts
+               else "it has no such layer")
+        free = sorted(m for m, fs in TARGETS.items() if set(fs) & set(have))
+        raise ValueError(f"lora target_modules {absent}: no such linear layer in this {config.family} model ({why}); "
+                         f"it has {free}")
+    fields = tuple(f for f in cfg.fields() if f in have)
+    if config.num_experts and "all-linear" in cfg.target_modules:
+        warnings.warn(f"lora target 'all-linear' on a mixture-of-experts model adapts {list(fields)}: the experts "
+                      "and their router are not adapted (PEFT's all-linear leaves them too)", stacklevel=3)
+    return fields
 
 
 def with_adapters(model: Transformer, adapters: Adapters | None) -> Transformer:

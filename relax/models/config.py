@@ -241,14 +241,19 @@ class ModelConfig:
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
 
-    def layer_count(self, field: str) -> int:
-        """The leading axis of a ``LayerStack`` field: every layer for attention and norms, the
-        dense layers for the dense MLP's weights, the sparse layers for the experts' (MOE_FIELDS)."""
+    def layer_indices(self, field: str) -> tuple[int, ...]:
+        """The layers a ``LayerStack`` field is stacked on, in order: every layer for attention and
+        norms, the dense layers for the dense MLP's weights, the sparse layers for the experts'
+        (MOE_FIELDS)."""
         if field in MOE_FIELDS:
-            return self.num_sparse_layers
+            return tuple(i for i, s in enumerate(self.sparse_layers) if s)
         if field in DENSE_MLP_FIELDS:
-            return self.num_layers - self.num_sparse_layers
-        return self.num_layers
+            return tuple(i for i, s in enumerate(self.sparse_layers) if not s)
+        return tuple(range(self.num_layers))
+
+    def layer_count(self, field: str) -> int:
+        """The leading axis of a ``LayerStack`` field: how many layers it is on."""
+        return len(self.layer_indices(field))
 
     @property
     def has_window(self) -> bool:

@@ -19,8 +19,8 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["BY_ARCHITECTURE", "FAMILIES", "LINEAR_FIELDS", "MOE_LINEAR_FIELDS", "TRANSPOSED", "FamilyRecord",
-           "get_family"]
+__all__ = ["ADAPTABLE_FIELDS", "BY_ARCHITECTURE", "FAMILIES", "LINEAR_FIELDS", "MOE_LINEAR_FIELDS", "TRANSPOSED",
+           "FamilyRecord", "get_family"]
 
 # The LayerStack fields that are torch ``Linear`` weights (stored [out, in] by Hugging Face,
 # [in, out] by relax), in the order LoRA targets them.
@@ -30,6 +30,10 @@ LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 MOE_LINEAR_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
                      "shared_down", "shared_router")
 TRANSPOSED = LINEAR_FIELDS + MOE_LINEAR_FIELDS  # the fields transposed between the two layouts
+# The linear weights LoRA can adapt: the seven above and a shared expert's (its MLP and its gate).
+# Not the experts nor the router: transformers holds those as fused parameters, not ``Linear``
+# modules, so PEFT does not adapt them either.
+ADAPTABLE_FIELDS = LINEAR_FIELDS + ("shared_gate", "shared_up", "shared_down", "shared_router")
 EXPERT = "{e}"  # in a tensor name: one tensor per expert, ``{e}`` its index
 TRAIT_FIELDS = ("norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings")
 
@@ -144,9 +148,10 @@ class FamilyRecord:
 
     @property
     def lora_modules(self) -> dict[str, str]:
-        """Linear weight field -> its Hugging Face module path under ``model.layers.{i}.`` (PEFT's);
-        the family's fields only (Mixtral has no dense MLP)."""
-        return {f: self.weights[f].removesuffix(".weight") for f in LINEAR_FIELDS if f in self.weights}
+        """Adaptable weight field (``ADAPTABLE_FIELDS``) -> its Hugging Face module path under
+        ``model.layers.{i}.`` (PEFT's); the family's fields only (Mixtral has no dense MLP, only
+        Qwen2-MoE a shared expert)."""
+        return {f: self.weights[f].removesuffix(".weight") for f in ADAPTABLE_FIELDS if f in self.weights}
 
     @property
     def fused_lora_modules(self) -> dict[str, tuple[str, ...]]:

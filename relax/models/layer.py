@@ -58,7 +58,7 @@ class LayerStack(eqx.Module):
     b_down: Float[Array, "L D"] | None = None
     attn_out_norm: Float[Array, "L D"] | None = None
     mlp_out_norm: Float[Array, "L D"] | None = None
-    lora: Adapters | None = None  # low-rank adapters (relax.models.lora), stacked on [L] too
+    lora: Adapters | None = None  # low-rank adapters (relax.models.lora), stacked as the weights they adapt
     # a mixture of experts (relax.models.moe) on the Ls sparse layers (the dense MLP's weights
     # above are then stacked on the Ld = L - Ls dense layers: ModelConfig.layer_count)
     router: Float[Array, "Ls D E"] | None = None
@@ -169,6 +169,14 @@ class RouteIn(NamedTuple):
     replay: bool = True
 
 
+def _shared_expert(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "n D"]) -> Float[Array, "n D"]:
+    """A shared expert on every token, with its adapters: ``sigmoid(x W_r) (act(x W_g) * x W_u) W_d``."""
+    c, dt, ad = model.config, model.dtype, p.lora
+    proj = lambda field, a: adapted(ad, field, a, linear(a, getattr(p, field), None, dt), dt)  # noqa: E731
+    shared = activation(c, proj("shared_gate", x)) * proj("shared_up", x)
+    return jax.nn.sigmoid(proj("shared_router", x)) * proj("shared_down", shared)
+
+
 def _mlp(model: Transformer, p: LayerStack | FusedLayer, h, route: RouteIn | None):
     """The gated MLP (``_gate_up`` / ``w_down``), or on a sparse layer the experts
     (``relax.models.moe``) and their ``Routed`` report."""
@@ -187,8 +195,7 @@ def _mlp(model: Transformer, p: LayerStack | FusedLayer, h, route: RouteIn | Non
     y = experts_ffn(x, experts, weights.astype(dt), cast(p.expert_gate), cast(p.expert_up), cast(p.expert_down),
                     lambda a: activation(c, a))
     if p.shared_gate is not None:
-        shared = activation(c, linear(x, p.shared_gate, None, dt)) * linear(x, p.shared_up, None, dt)
-        y = y + jax.nn.sigmoid(linear(x, p.shared_router, None, dt)) * linear(shared, p.shared_down, None, dt)
+        y = y + _shared_expert(model, p, x)
     valid = None if route.valid is None else route.valid.reshape(-1)
     stats = moe.routed_stats(logits, experts, own, valid, recorded)
     return y.reshape(*lead, -1), moe.Routed(experts.reshape(*lead, k), stats)
@@ -260,14 +267,20 @@ def segment_params(stack: LayerStack, config: ModelConfig, seg: Segment) -> Laye
         return stack
     n = seg.stop - seg.start
 
-    def part(name, a):
+    def part(name, a):  # a field's array, or an adapter's factors (stacked as the field they adapt)
         if a is None:
             return None
-        if name == "lora" or config.layer_count(name) == config.num_layers:
+        if name in ("lora", "dropout_key"):
+            return adapters_part(a) if name == "lora" else a[seg.start:seg.stop]
+        if config.layer_count(name) == config.num_layers:
             return jax.tree.map(lambda x: x[seg.start:seg.stop], a)
         if (name in MOE_FIELDS) != seg.sparse:
             return None
-        return a[seg.first:seg.first + n]
+        return jax.tree.map(lambda x: x[seg.first:seg.first + n], a)
+
+    def adapters_part(ad):
+        return dataclasses.replace(ad, **{f.name: part(f.name, getattr(ad, f.name)) for f in dataclasses.fields(ad)
+                                          if not f.metadata.get("static", False)})
 
     return LayerStack(**{f.name: part(f.name, getattr(stack, f.name)) for f in dataclasses.fields(stack)})
 

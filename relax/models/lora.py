@@ -1,6 +1,7 @@
 """Low-rank adapters (LoRA) on the decoder's linear layers, as an equinox pytree.
 
-A target weight ``W [in, out]`` (stored ``[in, out]``, stacked on ``[L]``) gets two factors,
+A target weight ``W [in, out]`` (stored ``[in, out]``, stacked on the layers that have it: ``[L]``,
+or a mixture of experts' shared expert on its sparse layers ``[Ls]``) gets two factors,
 ``A [in, r]`` and ``B [r, out]``, and the layer computes, without ever forming ``W + s A B``::
 
     y = x W + s * drop(x) A B,      s = alpha / r      (rsLoRA: s = alpha / sqrt(r))
@@ -8,7 +9,8 @@ A target weight ``W [in, out]`` (stored ``[in, out]``, stacked on ``[L]``) gets 
 ``drop`` is inverted dropout with rate ``dropout`` on the adapter branch's input, only in a
 training forward (when the adapters carry a ``dropout_key``). ``B`` starts at zero, so a fresh
 adapter is exactly the base model. The names follow Hugging Face's module names (``q_proj`` ...
-``down_proj``, or ``all-linear``) and the factors are PEFT's ``lora_A`` / ``lora_B``
+``down_proj``, ``shared_expert_gate``, or ``all-linear``; ``gate_proj`` means the dense MLP's and a
+shared expert's, as PEFT matches module names) and the factors are PEFT's ``lora_A`` / ``lora_B``
 transposed (``relax.models.peft``). The adapters live in ``LayerStack.lora``, so every forward
 (plain, sampler, prefix-shared trainer) runs them through the same layer code;
 ``relax.models.adapters`` adds, removes, merges and partitions them on a ``Transformer``.
@@ -25,11 +27,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from relax.choices import check_choice
-from relax.models.families import FAMILIES
+from relax.models.families import ADAPTABLE_FIELDS
 
-# target name -> LayerStack weight field: Llama's module names, the same for every family (each
-# adapts the seven weights apart, also where its checkpoint fuses some: relax.models.peft)
-TARGETS = {module.rsplit(".", 1)[-1]: field for field, module in FAMILIES["llama"].lora_modules.items()}
+# target name -> the LayerStack weight fields it names: Hugging Face's module names (the last part
+# of ``FamilyRecord.lora_modules``' paths), the same for every family; each adapts its weights
+# apart, also where a checkpoint fuses some (relax.models.peft). ``gate_proj`` names the dense
+# MLP's ``mlp.gate_proj`` and a shared expert's ``mlp.shared_expert.gate_proj``, as in PEFT.
+TARGETS = {"q_proj": ("wq",), "k_proj": ("wk",), "v_proj": ("wv",), "o_proj": ("wo",),
+           "gate_proj": ("w_gate", "shared_gate"), "up_proj": ("w_up", "shared_up"),
+           "down_proj": ("w_down", "shared_down"), "shared_expert_gate": ("shared_router",)}
 INITS = ("default", "gaussian")
 DTYPES = ("float32", "bfloat16", "base")
 
@@ -72,7 +78,8 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     def fields(self) -> tuple[str, ...]:
-        """The targeted ``LayerStack`` weight fields, in ``TARGETS`` order."""
+        """The ``LayerStack`` weight fields the targets name, in ``ADAPTABLE_FIELDS`` order (a
+        model adapts those it has: ``relax.models.adapters.adapter_fields``)."""
         names = set(self.target_modules)
         if "all-linear" in names:
             names = (names - {"all-linear"}) | set(TARGETS)
@@ -80,11 +87,12 @@ class LoRAConfig:
         if unknown or not names:
             raise ValueError(f"lora target_modules {list(self.target_modules)}: unknown {unknown}; "
                              f"choose from {list(TARGETS)} or 'all-linear'")
-        return tuple(f for m, f in TARGETS.items() if m in names)
+        named = {f for m in names for f in TARGETS[m]}
+        return tuple(f for f in ADAPTABLE_FIELDS if f in named)
 
 
 class LoRAWeights(eqx.Module):
-    """One target's factors, stacked over layers: ``a [L, in, r]``, ``b [L, r, out]``."""
+    """One target's factors, stacked over its weight's layers: ``a [L, in, r]``, ``b [L, r, out]``."""
 
     a: Float[Array, "L i r"]
     b: Float[Array, "L r o"]
@@ -102,6 +110,10 @@ class Adapters(eqx.Module):
     w_gate: LoRAWeights | None = None
     w_up: LoRAWeights | None = None
     w_down: LoRAWeights | None = None
+    shared_gate: LoRAWeights | None = None  # a shared expert's, stacked on the sparse layers [Ls]
+    shared_up: LoRAWeights | None = None
+    shared_down: LoRAWeights | None = None
+    shared_router: LoRAWeights | None = None
     dropout_key: Array | None = None
     alpha: float = eqx.field(static=True, default=16.0)
     use_rslora: bool = eqx.field(static=True, default=False)
@@ -117,18 +129,17 @@ class Adapters(eqx.Module):
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     def weights(self) -> dict[str, LoRAWeights]:
-        """The adapted fields and their factors, in ``TARGETS`` order."""
-        found = {f: getattr(self, f) for f in TARGETS.values()}
+        """The adapted fields and their factors, in ``ADAPTABLE_FIELDS`` order."""
+        found = {f: getattr(self, f) for f in ADAPTABLE_FIELDS}
         return {f: w for f, w in found.items() if w is not None}
 
 
-def init_adapters(cfg: LoRAConfig, shapes: dict[str, tuple[int, ...]], num_layers: int, key: Array,
-                  base_dtype) -> Adapters:
-    """Fresh adapters for the targeted fields of ``shapes`` (``ModelConfig.layer_shapes()``)."""
+def init_adapters(cfg: LoRAConfig, shapes: dict[str, tuple[int, int, int]], key: Array, base_dtype) -> Adapters:
+    """Fresh adapters on the weights ``shapes`` gives: field -> ``(layers, in, out)`` (the model's
+    ``ModelConfig.stacked_shapes()`` of the fields it adapts)."""
     dtype = base_dtype if cfg.dtype == "base" else jnp.dtype(cfg.dtype)
     weights = {}
-    for i, field in enumerate(cfg.fields()):
-        fan_in, fan_out = shapes[field]
+    for i, (field, (num_layers, fan_in, fan_out)) in enumerate(shapes.items()):
         k = jax.random.fold_in(key, i)
         shape = (num_layers, fan_in, cfg.rank)
         if cfg.init == "gaussian":
@@ -143,7 +154,7 @@ def init_adapters(cfg: LoRAConfig, shapes: dict[str, tuple[int, ...]], num_layer
 def delta(ad: Adapters | None, field: str, x: Float[Array, "... i"], dtype,
           index: int = 0) -> Float[Array, "... o"] | None:
     """``s * drop(x) A B`` of one layer's adapter on ``field`` (None when it has none); ``index``
-    (the field's place in ``TARGETS``) separates the dropout masks of the targets."""
+    (the field's place in ``ADAPTABLE_FIELDS``) separates the dropout masks of the targets."""
     w = None if ad is None else getattr(ad, field)
     if w is None:
         return None
@@ -157,7 +168,7 @@ def delta(ad: Adapters | None, field: str, x: Float[Array, "... i"], dtype,
 
 def adapted(ad: Adapters | None, field: str, x: Array, y: Array, dtype) -> Array:
     """``y + delta(...)``: the base projection ``y = x W (+ b)`` plus the field's adapter, if any."""
-    d = delta(ad, field, x, dtype, list(TARGETS.values()).index(field))
+    d = delta(ad, field, x, dtype, ADAPTABLE_FIELDS.index(field))
     return y if d is None else y + d
 
 

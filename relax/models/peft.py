@@ -5,9 +5,10 @@
 
 Tensor names are the ones ``peft`` writes for a causal LM (the adapter name dropped):
 ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and
-``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[i].T`` and ``b[i].T``; the module path is
-the family record's (``relax.models.families``). Adapters on a module the checkpoint fuses
-(Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT form and are refused both ways
+``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[j].T`` and ``b[j].T``, ``j`` the place of
+layer ``i`` among those the weight is on (``ModelConfig.layer_indices``: a dense layer's
+``mlp.gate_proj``, a sparse layer's ``mlp.shared_expert.gate_proj``); the module path is the
+family record's (``relax.models.families``). Adapters on a module the checkpoint fuses (Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT form and are refused both ways
 (``fused_adapter_error``); Phi-3's other modules save and load as usual. The config holds what
 ``peft.LoraConfig`` reads (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
 ``use_rslora``, ``init_lora_weights``, ``bias``...). Adapters with features relax does not
@@ -56,7 +57,7 @@ def fused_adapter_error(family: str, fields) -> str | None:
     if not hit:
         return None
     free = sorted({m.rsplit(".", 1)[-1] for f, m in rec.lora_modules.items() if f not in fused})
-    parts = {m: [next(k for k, v in TARGETS.items() if v == f) for f in rec.fused_lora_modules[m]] for m in hit}
+    parts = {m: [next(k for k, fs in TARGETS.items() if f in fs) for f in rec.fused_lora_modules[m]] for m in hit}
     return (f"{family} stores {', '.join(f'{parts[m]} as one {m}' for m in hit)}: PEFT adapts such a fused "
             f"module with one lora_A shared by its parts, while relax's adapters give each part its own, so "
             f"they have no PEFT form. Export the merged model (merge_lora + save_pretrained), or adapt only "
@@ -79,14 +80,14 @@ def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name
     tensors = []
     for field, w in weights.items():
         for factor, arr in (("A", np.asarray(w.a)), ("B", np.asarray(w.b))):  # to host once, [L, ...]
-            for i in range(model.config.num_layers):
-                make = lambda arr=arr, i=i: arr[i].T  # noqa: E731
+            for j, i in enumerate(model.config.layer_indices(field)):
+                make = lambda arr=arr, j=j: arr[j].T  # noqa: E731
                 tensors.append((_name(i, modules[field], factor), arr.shape[1:][::-1], arr.dtype, make))
     write_safetensors(root / WEIGHTS, tensors)
     write_json(root / CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": ad.alpha,
         "lora_dropout": ad.dropout,
-        "target_modules": sorted(modules[f].rsplit(".", 1)[-1] for f in weights), "bias": "none",
+        "target_modules": sorted({modules[f].rsplit(".", 1)[-1] for f in weights}), "bias": "none",
         "use_rslora": ad.use_rslora, "use_dora": False, "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
@@ -118,10 +119,10 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
 
 
 def _stacked_factor(st: SafetensorsFile, names: dict[str, str], module: str, factor: str,
-                    want: tuple[int, int], num_layers: int) -> np.ndarray:
-    """``lora_{factor}`` of ``module`` for every layer, transposed to relax's layout and stacked."""
+                    want: tuple[int, int], layers_of: tuple[int, ...]) -> np.ndarray:
+    """``lora_{factor}`` of ``module`` on the layers ``layers_of``, transposed to relax's layout and stacked."""
     layers = []
-    for i in range(num_layers):
+    for i in layers_of:
         name = _name(i, module, factor)
         if name not in names:
             raise HFFormatError(f"{st.path}: tensor {name!r} is missing")
@@ -159,16 +160,21 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
         raise HFFormatError(f"{file}: no such file")
     st = SafetensorsFile(file)
     names = {n.replace(".default.weight", ".weight"): n for n in st.entries}  # PEFT's adapter-name infix
-    shapes, L = base.config.layer_shapes(), base.config.num_layers
-    modules = get_family(base.config.family).lora_modules
+    c, shapes = base.config, base.config.layer_shapes()
+    modules = get_family(c.family).lora_modules
     cast = jnp.asarray if dtype is None else (lambda x: jnp.asarray(x, dtype))
     weights = {}
     for field in cfg.fields():
-        module, (fan_in, fan_out) = modules[field], shapes[field]
-        a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), L)
-        b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), L)
+        if field not in shapes:  # gate_proj on a model without a dense MLP or without a shared expert
+            continue
+        module, (fan_in, fan_out), at = modules[field], shapes[field], c.layer_indices(field)
+        a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), at)
+        b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), at)
         weights[field] = LoRAWeights(cast(a), cast(b))
-    used = {names[_name(i, modules[f], x)] for f in weights for i in range(L) for x in "AB"}
+    if not weights:
+        raise HFFormatError(f"{Path(path) / CONFIG}: target_modules {list(cfg.target_modules)} name no linear layer "
+                            f"of this {c.family} model")
+    used = {names[_name(i, modules[f], x)] for f in weights for i in c.layer_indices(f) for x in "AB"}
     extra = sorted(set(st.entries) - used)
     if extra:
         raise HFFormatError(f"{file}: tensors for modules relax does not adapt: {extra[:5]}")

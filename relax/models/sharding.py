@@ -13,6 +13,8 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+from relax.models.families import ADAPTABLE_FIELDS
+
 BATCH_AXES = ("data", "expert", "fsdp")  # the mesh axes that split the prompt batch
 EXPERT_AXIS = "expert"  # also splits the experts of a sparse layer (relax.models.expert_parallel)
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -51,7 +53,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
 }
 # LoRA factors (relax.models.lora): A [L, in, r] shares its weight's input axis, B [L, r, out] its
 # output axis; the rank axis is never sharded (no rule names it).
-_WEIGHT_AXES = {f: LOGICAL_AXES[f"layers.{f}"] for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+_WEIGHT_AXES = {f: LOGICAL_AXES[f"layers.{f}"] for f in ADAPTABLE_FIELDS}
 for _f, (_, _in, _out) in _WEIGHT_AXES.items():
     LOGICAL_AXES[f"layers.lora.{_f}.a"] = ("layers", _in, "lora_rank")
     LOGICAL_AXES[f"layers.lora.{_f}.b"] = ("layers", "lora_rank", _out)
