@@ -60,7 +60,7 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
     "qwen3moe30b-v5p-ep": ("qwen3-30b-a3b", "v5p:2x2x2", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
                                                           "expert=8", "--grpo.remat", "--grpo.grad-accum", "4"]),
     "qwen3moe30b-h100x8": ("qwen3-30b-a3b", "h100x8", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
-                                                       "fsdp=8", "--grpo.train-attention", "group", "--grpo.remat",
+                                                       "expert=8", "--grpo.train-attention", "group", "--grpo.remat",
                                                        "--grpo.grad-accum", "4"]),
     # a chip kind instead of a slice: the smallest slice of it that fits (relax.plan.search)
     "qwen32b-v5p-smallest": ("qwen2.5-32b", "v5p", [*GRPO, *BF16, "--batch-size", "16", "--parallel.mesh",
