@@ -42,6 +42,7 @@ MESHES = ("expert=8", "expert=4,data=2", "expert=2,fsdp=2,tensor=2")
 P, LP, G, N = 8, 6, 2, 5  # the forward's prompts, prompt length, completions per prompt, completion length
 RTOL, ATOL = 1e-4, 1e-5
 SPARSE_LAYERS = 2  # layers 0 and 2 (layer 1 is dense)
+STOPS = tuple(range(1, 64, 6))  # a sixth of the vocabulary: completions of ragged lengths
 
 
 def _model():
@@ -197,9 +198,10 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     return out
 
 
-def sampler_case(spec: str | None) -> dict:
+def sampler_case(spec: str | None, eos_ids: tuple[int, ...] = ()) -> dict:
     """The sampler (routes recorded) on one device or ``spec``: tokens, log-probs, routes, and on a
-    mesh the decode loops' collectives (``loop_ops``) and the program's by mesh axis."""
+    mesh the decode loops' collectives (``loop_ops``) and the program's by mesh axis. With
+    ``eos_ids`` rows end at different steps and the decode batch compacts (relax.rollout.compaction)."""
     import jax
     import jax.numpy as jnp
 
@@ -210,7 +212,8 @@ def sampler_case(spec: str | None) -> dict:
     model = _model()
     ids = jax.random.randint(jax.random.key(1), (8, 8), 1, TINY["vocab_size"])
     mask = jnp.ones_like(ids).at[1, :3].set(0).at[5, :6].set(0)
-    gen = compiled_generate(RolloutConfig(num_generations=2, max_new_tokens=12, cache_chunk=8, record_routes=True))
+    gen = compiled_generate(RolloutConfig(num_generations=2, max_new_tokens=12, cache_chunk=8, record_routes=True,
+                                          eos_ids=eos_ids))
     args = (model, ids, mask, jax.random.key(2))
     out = {}
     if spec is not None:
@@ -225,7 +228,7 @@ def sampler_case(spec: str | None) -> dict:
     else:
         result = gen(*args)
     return {**out, "tokens": np.asarray(result.tokens).tolist(), "logprobs": np.asarray(result.logprobs).tolist(),
-            "routes": np.asarray(result.routes.completion).tolist()}
+            "routes": np.asarray(result.routes.completion).tolist(), "lengths": np.asarray(result.lengths).tolist()}
 
 
 def worker(out_path: str) -> None:
@@ -239,7 +242,8 @@ def worker(out_path: str) -> None:
                "grpo": {**{spec: grpo_case(spec) for spec in (None, *MESHES)},
                         "one_micro_batch": grpo_case(None, mesh_passes=True)},
                "sampler": {spec: sampler_case(spec) for spec in (None, *MESHES)},
-               "lora": lora_case(MESHES[-1])}
+               "lora": lora_case(MESHES[-1]),
+               "sampler_ragged": {spec or "null": sampler_case(spec, eos_ids=STOPS) for spec in (None, "expert=8")}}
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -310,6 +314,14 @@ else:
         one, got = results["sampler"][_key(None)], results["sampler"][spec]
         assert got["tokens"] == one["tokens"] and got["routes"] == one["routes"], spec
         np.testing.assert_allclose(got["logprobs"], one["logprobs"], atol=2e-5, err_msg=spec)
+
+    def test_compacted_sampler_on_an_expert_mesh_equals_one_device(results):
+        """Ragged lengths: the 16 rows compact to 8 (expert=8 needs a multiple of 8) once at most 8 run."""
+        one, got = results["sampler_ragged"]["null"], results["sampler_ragged"]["expert=8"]
+        lengths = np.asarray(one["lengths"]).ravel()
+        assert any(0 < (lengths > t + 1).sum() <= 8 for t in range(11)), lengths  # a compacted phase ran
+        assert got["tokens"] == one["tokens"] and got["routes"] == one["routes"]
+        np.testing.assert_allclose(got["logprobs"], one["logprobs"], atol=2e-5)
 
     def _sizes(spec):
         sizes = {"data": 1, "expert": 1, "fsdp": 1, "tensor": 1}

@@ -242,6 +242,7 @@ def worker(out_path: str, cli_dir: str) -> None:
     results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
     for packing in ("on", "off"):  # completions that end at token 3: ragged lengths
         results["runs"][f"ragged_{packing}"] = run_case(MESHES[-1], iterations=2, eos_ids=(3,), packing=packing)
+    results["runs"]["ragged_single"] = run_case(None, iterations=2, eos_ids=(3,), packing="off")
     results["runs"]["lora_single"] = run_case(None, iterations=2, lora_rank=4)
     results["runs"]["lora_mesh"] = run_case(MESHES[-1], iterations=2, lora_rank=4)
     results["lora_shards"] = _shard_shapes("data=2,fsdp=2,tensor=2", lora=True)
@@ -355,6 +356,14 @@ if __name__ != "__main__":
         for name, w in without["weights"][0].items():
             assert np.array_equal(np.asarray(with_kl["weights"][0][name]), np.asarray(w)), name
 
+    def test_ragged_rollouts_on_a_mesh_equal_one_device(mesh_results):
+        """Completions that end at token 3: the sampler compacts its decode batch (relax.rollout.
+        compaction, rows a multiple of the 4 batch shards) on the mesh as on one device."""
+        one, mesh = mesh_results["runs"]["ragged_single"], mesh_results["runs"]["ragged_off"]
+        assert one["tokens"] == mesh["tokens"]
+        for i, (got, want) in enumerate(zip(mesh["metrics"], one["metrics"])):
+            _assert_metrics_close(got, want, f"ragged iteration {i}")
+
     def test_packed_update_on_a_mesh_equals_the_padded_one(mesh_results):
         """Completions packed by token count (relax.models.completion_packing) on the 3-axis mesh:
         the same samples and metrics as padded, over two iterations."""
@@ -433,8 +442,10 @@ if __name__ != "__main__":
         names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
         moe = ModelConfig(**{**MODEL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                              "shared_expert_size": 16, "dense_layers": (0,)})  # experts, shared expert, dense MLP
-        names |= {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-            jax.eval_shape(lambda: init(moe, jax.random.key(0))))}
+        with pytest.warns(UserWarning, match="router are not adapted"):  # LoRA's all-linear on a MoE model
+            moe_lora = jax.eval_shape(lambda: add_lora(init(moe, jax.random.key(0)), LoRAConfig(rank=2),
+                                                       jax.random.key(1)))
+        names |= {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(moe_lora)}
         assert names == set(LOGICAL_AXES)  # every parameter the model can have, LoRA factors and experts included
         mesh = _abstract(2, 2, 2)
         spec = lambda n: parallel.partition_spec(n, getattr(model.layers, n.split(".")[1]).shape if "." in n

@@ -4,7 +4,8 @@
 ``temperature`` (0: greedy, for evaluation; a trainer needs > 0) / ``top_k`` / ``top_p`` /
 ``min_p`` (``relax.rollout.sampling``; the trainer recomputes log-probs at the same
 temperature); a completion also ends at its first ``stop_strings`` match
-(``relax.text.stop_strings``; used in evaluation too).
+(``relax.text.stop_strings``; used in evaluation too). ``compactions``: how many times the
+decode batch may halve as its rows finish (``relax.rollout.compaction``; 0: never).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ class GenerationConfig:
     top_p: float | None = None
     min_p: float | None = None
     stop_strings: tuple[str, ...] = ()
+    compactions: int = RolloutConfig.compactions
 
     def __post_init__(self):
         for name in ("num_generations", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.compactions < 0:
+            raise ValueError(f"compactions must be >= 0, got {self.compactions}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must be non-empty strings")
         self.sampling  # top_k / top_p / min_p are valid
@@ -43,4 +47,4 @@ class GenerationConfig:
     def rollout(self, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
         """The sampler's config for a tokenizer's ``eos_ids`` and ``pad_id``."""
         return RolloutConfig(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
-                             sampling=self.sampling, eos_ids=eos_ids, pad_id=pad_id)
+                             sampling=self.sampling, eos_ids=eos_ids, pad_id=pad_id, compactions=self.compactions)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -43,10 +44,11 @@ from relax.models.decode_attention import pallas_available, pallas_decode_attent
 from relax.models.layer import FusedLayer
 from relax.models.layer_kinds import layer_window
 from relax.models.rope import rotary
-from relax.models.sharding import DecodeLayout, decode_layout
+from relax.models.sharding import DecodeLayout, ambient_batch_shards, decode_layout
 from relax.models.routes import Routes, route_dtype
 from relax.models.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
                                       positions_from_mask, project, run_layers)
+from relax.rollout.compaction import compaction_sizes, keep_rows
 from relax.rollout.sampling import SamplingConfig, sample, uniform_table
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
@@ -87,6 +89,10 @@ class RolloutConfig:
     """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights (a copy made
     anyway, so no extra memory), not the adapters run beside them: fewer, wider matmuls
     (RESULTS.md compares the two)."""
+    compactions: int = 2
+    """Times the decode batch may halve as its rows finish (``relax.rollout.compaction``): from
+    ``B`` rows to ``B/2`` once at most ``B/2`` still run, then to ``B/4``; each phase is one more
+    copy of the decode loops in the program (0: never compact; the loops once)."""
     record_routes: bool = False
     """A mixture-of-experts model records each token's experts at every sparse layer in the
     rollout (``Rollout.routes``, for routing replay: ``relax.models.routes``); no effect on a
@@ -97,6 +103,8 @@ class RolloutConfig:
             raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.compactions < 0:
+            raise ValueError(f"compactions must be >= 0, got {self.compactions}")
         if self.cache_chunk < 1 or self.max_segments < 1:
             raise ValueError(f"cache_chunk and max_segments must be >= 1, got {self.cache_chunk}, {self.max_segments}")
         if self.decode_attention not in DECODE_ATTENTION:
@@ -256,6 +264,46 @@ def _decode_attend(model: Transformer, layout: DecodeLayout, kernel, num_gen: in
     return attend
 
 
+class _Rows(NamedTuple):
+    """What the decode loops of one compaction phase read per row (``relax.rollout.compaction``):
+    the rows' places in the ``[B, N]`` outputs (None: all rows, in order), their prompts' keys and
+    values (``[P, ...]`` shared by ``num_gen`` rows each, or one copy per row once compacted),
+    prompt positions and validity, first decode position, RoPE tables and uniform draws."""
+
+    index: Int[Array, " b"] | None
+    num_gen: int
+    prompt_kv: list
+    prompt_pos: Int[Array, "p lp"]
+    prompt_valid: Bool[Array, "p lp"]
+    q_pos_base: Int[Array, " b"]
+    rope_table: Any
+    u: Float[Array, "b n"]
+
+
+def _compact(rows: _Rows, finished, ck, cv, size: int, g: int, layout: DecodeLayout):
+    """The next phase's ``size`` rows (``keep_rows``), their caches gathered; prompts become per row."""
+    keep = keep_rows(finished, size)
+    index = keep if rows.index is None else rows.index[keep]
+    by_row = lambda x: jnp.take(x, keep, axis=0)  # noqa: E731
+    by_prompt = (lambda x: jnp.take(x, index // g, axis=0)) if rows.num_gen > 1 else by_row  # noqa: E731
+    heads = lambda x: layout.constrain(x, "batch", "heads", None, None)  # noqa: E731
+    ck = [tuple(heads(by_row(x)) for x in blocks) for blocks in ck]
+    cv = [tuple(heads(by_row(x)) for x in blocks) for blocks in cv]
+    kv = [(heads(by_prompt(k)), heads(by_prompt(v))) for k, v in rows.prompt_kv]
+    row = lambda x: layout.constrain(x, "batch", *(None,) * (x.ndim - 1))  # noqa: E731
+    nxt = _Rows(index=row(index), num_gen=1, prompt_kv=kv, prompt_pos=row(by_prompt(rows.prompt_pos)),
+                prompt_valid=row(by_prompt(rows.prompt_valid)), q_pos_base=row(by_row(rows.q_pos_base)),
+                rope_table=jax.tree.map(lambda x: row(by_row(x)), rows.rope_table), u=row(by_row(rows.u)))
+    return nxt, row(by_row(finished)), ck, cv
+
+
+def _put(buf, vals, at, index):
+    """``buf[index, at] = vals`` (``index`` None: every row, a dynamic update in place)."""
+    if index is None:
+        return jax.lax.dynamic_update_index_in_dim(buf, vals, at, axis=1)
+    return buf.at[index, at].set(vals)
+
+
 def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
     """The sampler's traced program: what ``compiled_generate`` jits, and what a larger jitted stage
     (e.g. the online algorithms' rollout) calls inside its own program."""
@@ -265,29 +313,20 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
     b = p * g
     dtype = model.dtype
     layout = decode_layout(c)
-    kernel = _attention_kernel(cfg.decode_attention, layout, g, c.attn_scale)
     rows = lambda x: layout.constrain(x, "batch", *(None,) * (x.ndim - 1))  # a loop buffer: rows split
     pk, pv, logits0, prompt_experts = _prefill(model, prompt_ids, prompt_mask)
     record = cfg.record_routes and prompt_experts is not None
     rdt = route_dtype(c.num_experts)
-    # experts of completion token t, recorded when it is fed (step t); the last token never is: -1
+    # experts of completion token t, recorded when it is fed (step t) by a running row: the last
+    # token (and anything after it) never is: -1
     routes = jnp.full((b, n, c.num_sparse_layers, c.num_experts_per_tok) if record else (b, 0), -1, rdt)
-    prompt_pos = positions_from_mask(prompt_mask)
-    prompt_valid = prompt_mask.astype(bool)
     prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
     keys = jax.random.split(key, b)
     eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
 
-    u = uniform_table(keys, n)  # [B, N]: one draw per completion and step, derived up front
-
-    def draw(logits, step):
+    def draw(logits, step, u):
         return sample(logits, jax.lax.dynamic_index_in_dim(u, step, axis=1, keepdims=False), cfg.sampling)
 
-    tok0, lp0 = draw(rows(jnp.repeat(logits0, g, axis=0)), 0)
-    finished0 = jnp.isin(tok0, eos)
-    tokens = jnp.full((b, n), cfg.pad_id, jnp.int32).at[:, 0].set(tok0)
-    logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
-    mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
     # with LoRA: W + s A B merged into the fused copy made here anyway (no extra memory)
@@ -296,8 +335,20 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
     layers = [_place_layer(layout, p) for p in fused]
     model = _place_model(layout, model)
     heads = lambda x: layout.constrain(x, "batch", "heads", None, None)
-    # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul
-    prompt_kv = [(heads(jnp.swapaxes(pk[i], -1, -2)), heads(pv[i])) for i in range(c.num_layers)]
+    q_pos_base = jnp.repeat(prompt_len, g)
+    # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul;
+    # rotary cos/sin of every decode position, [B, N, D] each per RoPE kind, derived once before the
+    # loop; one uniform draw per completion and step, derived up front
+    phase = _Rows(index=None, num_gen=g,
+                  prompt_kv=[(heads(jnp.swapaxes(pk[i], -1, -2)), heads(pv[i])) for i in range(c.num_layers)],
+                  prompt_pos=positions_from_mask(prompt_mask), prompt_valid=prompt_mask.astype(bool),
+                  q_pos_base=q_pos_base, rope_table=rotary(c, q_pos_base[:, None] + jnp.arange(n)[None, :]),
+                  u=uniform_table(keys, n))
+    tok0, lp0 = draw(rows(jnp.repeat(logits0, g, axis=0)), 0, phase.u)
+    finished0 = jnp.isin(tok0, eos)
+    tokens = jnp.full((b, n), cfg.pad_id, jnp.int32).at[:, 0].set(tok0)
+    logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
+    mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
     # Completion caches in blocks of cache_chunk slots, one segment (while_loop) per block: a
     # step reads only the blocks filled so far instead of the whole budget.
     chunk, sizes = min(block_size(cfg), n), block_sizes(cfg)
@@ -305,46 +356,55 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
           for _ in range(c.num_layers)]
     cv = [tuple(heads(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype)) for sz in sizes)
           for _ in range(c.num_layers)]
-    q_pos_base = jnp.repeat(prompt_len, g)
-    # rotary cos/sin of every decode position, [B, N, D] each per RoPE kind, derived once before the loop
-    rope_table = rotary(c, q_pos_base[:, None] + jnp.arange(n)[None, :])
 
-    def make_segment(seg: int):
+    def make_segment(seg: int, ph: _Rows, kernel, next_rows: int):
         end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
 
         def cond(s):
-            t, *_, finished, _ = s
-            return (t < end) & ~jnp.all(finished)
+            t, _, finished, *_ = s
+            return (t < end) & (jnp.sum(~finished) > next_rows)  # compact once the running rows fit
 
         def body(s):
-            t, tokens, logps, mask, ck, cv, finished, routes = s
+            t, (tokens, logps, mask, routes), finished, ck, cv = s
             cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
-            q_pos = (q_pos_base + t)[:, None]
-            attend = _decode_attend(model, layout, kernel, g, q_pos, prompt_pos, prompt_valid, t, seg, chunk)
-            inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(prompt_kv, ck, cv)]
-            rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), rope_table)
+            cur = cur if ph.index is None else jnp.take(cur, ph.index, axis=0)
+            q_pos = (ph.q_pos_base + t)[:, None]
+            attend = _decode_attend(model, layout, kernel, ph.num_gen, q_pos, ph.prompt_pos, ph.prompt_valid, t,
+                                    seg, chunk)
+            inputs = [(pk_, pv_, ck_, cv_) for (pk_, pv_), ck_, cv_ in zip(ph.prompt_kv, ck, cv)]
+            rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), ph.rope_table)
             h, new_kv, routed = run_layers(model, rows(embed(model, cur)), q_pos, attend, inputs, layers=layers,
                                            rope=rope, routes=LayerRoutes(~finished[:, None]))
             ck, cv = [kv[0] for kv in new_kv], [kv[1] for kv in new_kv]
-            if record:  # [Ls, B, 1, k] -> slot t of [B, N, Ls, k]
-                step_routes = jnp.moveaxis(routed.experts, 0, 2).astype(rdt)
-                routes = rows(jax.lax.dynamic_update_slice_in_dim(routes, step_routes, t, axis=1))
             logits = layout.constrain(project(model, rows(h[:, 0])), "batch", "vocab")  # the head split by rows
-            tok, lp = draw(rows(logits), t + 1)  # gathered whole for the draw
+            tok, lp = draw(rows(logits), t + 1, ph.u)  # gathered whole for the draw
             alive = ~finished
-            tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
-            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
-            mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
+            if record:  # [Ls, B, 1, k] -> slot t of [B, N, Ls, k]
+                step_routes = jnp.where(alive[:, None, None], jnp.moveaxis(routed.experts[:, :, 0], 0, 1), -1)
+                routes = rows(_put(routes, step_routes.astype(rdt), t, ph.index))
+            tokens = _put(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, ph.index)
+            logps = _put(logps, jnp.where(alive, lp, 0.0), t + 1, ph.index)
+            mask = _put(mask, alive.astype(jnp.int32), t + 1, ph.index)
             finished = finished | (alive & jnp.isin(tok, eos))
-            return t + 1, rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished), routes
+            return t + 1, (rows(tokens), rows(logps), rows(mask), routes), rows(finished), ck, cv
 
         return cond, body
 
-    state = (jnp.int32(0), rows(tokens), rows(logps), rows(mask), ck, cv, rows(finished0), routes)
-    for seg in range(len(sizes)):
-        if seg * chunk < n - 1:
-            state = jax.lax.while_loop(*make_segment(seg), state)
-    _, tokens, logps, mask, _, _, finished, routes = state
+    state = (jnp.int32(0), (rows(tokens), rows(logps), rows(mask), routes), rows(finished0), ck, cv)
+    # without stop ids every row runs to the budget: nothing to compact
+    counts = compaction_sizes(b, cfg.compactions if cfg.eos_ids else 0, ambient_batch_shards())
+    for k, size in enumerate(counts):
+        if k:  # the running rows fit in ``size``: gather them (relax.rollout.compaction)
+            t, out, finished, ck, cv = state
+            phase, finished, ck, cv = _compact(phase, finished, ck, cv, size, g, layout)
+            state = (t, out, finished, ck, cv)
+        kernel = _attention_kernel(cfg.decode_attention, layout, phase.num_gen, c.attn_scale)
+        next_rows = counts[k + 1] if k + 1 < len(counts) else 0
+        for seg in range(len(sizes)):
+            if seg * chunk < n - 1:
+                state = jax.lax.while_loop(*make_segment(seg, phase, kernel, next_rows), state)
+    _, (tokens, logps, mask, routes), *_ = state
+    finished = jnp.any((mask > 0) & jnp.isin(tokens, eos), axis=1)  # a row ends at its first stop id
     shape = (p, g, n)
     recorded = None if not record else Routes(prompt=prompt_experts.astype(rdt), completion=routes.reshape(
         p, g, n, *routes.shape[2:]))
