@@ -345,6 +345,13 @@ def test_raising_reward_function_names_function_and_sample():
         stage(None, WithHost(rollout, HostRecord(prompts=["q"], fields={})))
 
 
+def test_summary_table_reads_nulls_as_nan():
+    """A resumed run's "before" comes back from JSON, where a NaN metric is null."""
+    from relax.train.run import summary_table
+    table = summary_table({"success": 0.25, "success_with_tool": None}, {"success": 0.75, "success_with_tool": 0.5})
+    assert "+0.500" in table.splitlines()[1] and "nan" in table.splitlines()[2]
+
+
 if __name__ == "__main__":
     if sys.argv[1] != "fault":
         raise SystemExit(f"unknown mode {sys.argv[1:]}")

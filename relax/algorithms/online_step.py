@@ -77,10 +77,10 @@ def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Call
         middle = make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, host_after=parts.host_after,
                               pack=pack, on_error=on_error, timeout_s=timeout_s,
                               stop_strings=parts.generation.stop_strings, pool=pool)
-    else:
-        if pipelined or parts.host_after:
-            raise ValueError(f"{parts.name}: a rollout that scores its own samples runs synchronously, "
-                             "without host stages after the rewards")
+    else:  # pipelined: the rollout (with its environments) is the producer, the rest the consumer
+        if parts.host_after:
+            raise ValueError(f"{parts.name}: a rollout that scores its own samples has no host stages after "
+                             "the rewards")
         if parts.generation.stop_strings:
             raise ValueError(f"{parts.name}: stop_strings cut single-turn completions; a multi-turn rollout ends "
                              f"its turns at its own stop tokens (got {parts.generation.stop_strings})")

@@ -14,7 +14,8 @@ pipelined run is reproducible bit for bit, and ``s = 0`` (``d = 0``, ``n = 1``) 
 loop itself, each batch produced on the live state and consumed at once.
 
 Overlap (``d >= 1``), iteration ``j``: (1) the producer's device work of batch ``j + d`` is
-dispatched (the rollout, on the sampler's copy of version ``v(j + d)``); (2) batch ``j``'s last
+dispatched (the rollout, on the sampler's copy of version ``v(j + d)``; a multi-turn rollout, a
+host stage that decodes and steps the environments, waits for (4)); (2) batch ``j``'s last
 producer stage that ``waits`` (``score_finish``, collecting the reward pool's scores) runs; (3)
 the update of batch ``j`` is dispatched (JAX returns at once); (4) the producer's host work of
 batch ``j + d`` up to its waiting stage (decoding, handing the completions to the reward pool,
@@ -176,9 +177,10 @@ class Pipeline:
 
     def _advance(self, p: Produced, *, until_device: bool = False, until_wait: bool = False) -> Produced:
         """Run ``p``'s producer segments; with ``until_device`` stop after the first jitted one
-        (dispatched, not awaited), with ``until_wait`` before one that ``waits``."""
+        (dispatched, not awaited) or before a host one (a multi-turn rollout's: it runs while the
+        device updates), with ``until_wait`` before one that ``waits``."""
         t0 = time.perf_counter()
-        while p.todo and not (until_wait and p.todo[0].waits):
+        while p.todo and not (until_wait and p.todo[0].waits) and not (until_device and not p.todo[0].jittable):
             seg = p.todo.popleft()
             view, p.batch = seg.run(p.view, p.batch)
             if view is not p.view:

@@ -323,9 +323,12 @@ def run_loop(cfg: RunConfig, trainer: Trainer, state, log=print, t_start: float 
 
 
 def summary_table(before: dict, after: dict) -> str:
+    """Before / after / change of each metric; a missing one, or a NaN read back from JSON (None:
+    e.g. the success rate of trajectories that called no tool when none did), shows as nan."""
     keys = [k for k in after if ("/" not in k or k.startswith("greedy/")) and k != "num_prompts"]
     lines = [f"{'metric':<22}{'before':>10}{'after':>10}{'change':>10}"]
+    number = lambda x: float("nan") if x is None else x  # noqa: E731
     for k in keys:
-        b, a = before.get(k, float("nan")), after[k]
+        b, a = number(before.get(k)), number(after[k])
         lines.append(f"{k:<22}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}")
     return "\n".join(lines)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import jax
 import numpy as np
+import tyro
 
 from relax.algorithms.batch import HostRecord
 from relax.algorithms.configure import configure
@@ -22,6 +23,7 @@ from relax.models.lora import LoRAConfig
 from relax.tasks import agent as agent_task
 from relax.tasks.base import prepare
 from relax.train.logs import MetricsLogger
+from relax.train.pipeline import AsyncConfig
 from relax.train.run import RunConfig, Trainer, run_loop
 
 from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make_agent_ppo_step, rollout_config,
@@ -56,6 +58,10 @@ class AgentRunConfig(RunConfig):
     reference is the base model, the export is merged with the adapters under ``final_hf/adapter``."""
     batch_size: int = 8
     """Rows per step (each gets G trajectories)."""
+    async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
+    """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` runs the next batch's
+    trajectories (decoding and environments) while the update runs, with an off-policy
+    correction (``--async.correction.kind``); the schedule, not timing, decides every version."""
     run_dir: str = "runs/agent"
 
     @property
@@ -145,10 +151,9 @@ def run(cfg: AgentRunConfig) -> dict:
     chat = ChatFormat(tokenizer, tools=env_tools)
     make_env = lambda: agent_task.make_environment(cfg.task)  # noqa: E731 - a fresh environment per trajectory
     pad_id, passes = tokenizer.pad_token_id, choose_passes()
-    if cfg.algorithm == "grpo":
-        step = make_agent_grpo_step(cfg.grpo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
-    else:
-        step = make_agent_ppo_step(cfg.ppo, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes)
+    pipeline = dict(off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
+    make_step = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
+    step = make_step(cfg.algorithm_config, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes, **pipeline)
     algo = cfg.algorithm_config
     report = run_report(cfg, model, [f"{len(train)} training rows, {len(held_out)} held out (the built-in task)",
                                      f"{cfg.batch_size} rows x {algo.generation.num_generations} trajectories per "
@@ -165,7 +170,7 @@ def run(cfg: AgentRunConfig) -> dict:
                       host_metrics=lambda out, metrics: {k: v for k, v in out.host.agent.items() if np.isfinite(v)},
                       evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
                       export=exporter(tokenizer, str(run_dir / "base_model")),
-                      bar_keys=BAR_KEYS, on_start=report.write,
+                      bar_keys=BAR_KEYS, asynchronous=cfg.async_, on_start=report.write,
                       info={"data": {"train_rows": len(train), "held_out_rows": len(held_out)}})
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

@@ -109,18 +109,23 @@ def drop_errored(state, batch: Advantaged):
 
 
 def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
-                         pad_id: int, passes: Passes | None = None) -> Stage:
-    """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``."""
+                         pad_id: int, passes: Passes | None = None, off_policy: OffPolicyConfig | None = None,
+                         pipelined: bool = False) -> Stage:
+    """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``.
+    ``off_policy``, ``pipelined``: as ``make_online_step`` (run by ``relax.train.pipeline``, the
+    rollout with its environments is the producer)."""
     rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
                                  make_env, chat)
     parts = dataclasses.replace(grpo.grpo_parts(cfg, per_turn=agent.per_turn), name="agent_grpo_step", packing=None)
     return make_online_step(parts, rollout=rollout, after_advantage=(stage(drop_errored, name="drop_errored"),),
-                            passes=passes)
+                            passes=passes, off_policy=off_policy, pipelined=pipelined)
 
 
 def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
-                        pad_id: int, passes: Passes | None = None) -> Stage:
-    """PPO (GAE with the critic) on trajectories; the score sits on each trajectory's last sampled token."""
+                        pad_id: int, passes: Passes | None = None, off_policy: OffPolicyConfig | None = None,
+                        pipelined: bool = False) -> Stage:
+    """PPO (GAE with the critic) on trajectories; the score sits on each trajectory's last sampled
+    token. ``off_policy``, ``pipelined``: as ``make_agent_grpo_step``."""
     if cfg.advantage != "gae":
         raise ValueError(f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported")
     if agent.per_turn:
@@ -128,7 +133,7 @@ def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, 
     rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
                                  make_env, chat)
     parts = dataclasses.replace(ppo.ppo_parts(cfg), name="agent_ppo_step")
-    return make_online_step(parts, rollout=rollout, passes=passes)
+    return make_online_step(parts, rollout=rollout, passes=passes, off_policy=off_policy, pipelined=pipelined)
 
 
 def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float]:
