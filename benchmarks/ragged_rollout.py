@@ -1,0 +1,113 @@
+"""The sampler on completions of long-tailed lengths, with and without compaction of its decode
+batch (``RolloutConfig.compactions``, ``relax.rollout.compaction``).
+
+A model shape with random weights (``--model-shape small`` default: see ``train_step.py``),
+float32, P prompts (default 8) x G completions (default 8) of 64-token prompts, a budget N
+(default 1024). The weights are drawn small (std ``--std``), so the next-token distribution is
+near uniform and each step stops a row with probability ``k / V`` (k stop ids): lengths are
+geometric with mean about N/4 (``--mean-fraction``), a long exponential tail, and the longest of
+the P x G rows usually reaches the budget. Modes, each one compiled program, timed alternating
+(medians over ``--runs`` after the compile):
+
+    compact<c>   the sampler with ``compactions=c`` (0: never; the default 2; 3)
+    no_tail      every row runs round(mean length) steps with no stop id: the same real tokens
+                 with no tail, what compaction approaches
+
+    python benchmarks/ragged_rollout.py [--runs 3] [--model-shape small]
+    python benchmarks/ragged_rollout.py --new-tokens 256 --runs 1        # quick
+
+Prints one JSON line per mode: seconds (median, min, max), compile seconds, real tokens and
+real tokens per second, the longest completion; the compacted modes' speedup over compact0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import emit  # noqa: E402
+from train_step import SHAPES  # noqa: E402
+
+from relax.models import init  # noqa: E402
+from relax.rollout.sampler import RolloutConfig, compiled_generate  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    runs: int = 3
+    model_shape: str = "small"
+    """small | small-moe | smollm-135m"""
+    prompts: int = 8
+    generations: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 1024
+    """the completion budget N"""
+    mean_fraction: float = 0.25
+    """the lengths' mean as a fraction of N (the stop ids: V / (mean_fraction N) of the vocabulary)"""
+    std: float = 0.002
+    """the random weights' std: small, so the next-token distribution is near uniform"""
+    compactions: tuple[int, ...] = (0, 2, 3)
+    seed: int = 0
+
+
+def main(args: Args) -> list[dict]:
+    cfg = SHAPES[args.model_shape]()
+    model = init(cfg, jax.random.key(args.seed), std=args.std)
+    v, n = cfg.vocab_size, args.new_tokens
+    k = max(1, round(v / (args.mean_fraction * n)))
+    stops = tuple(int(i) for i in np.linspace(1, v - 1, k).astype(int))
+    ids = jax.random.randint(jax.random.key(1), (args.prompts, args.prompt_len), 0, v)
+    mask = jnp.ones_like(ids)
+    key = jax.random.key(2)
+
+    def rollout_cfg(c, eos, budget):
+        return RolloutConfig(num_generations=args.generations, max_new_tokens=budget, eos_ids=eos, compactions=c)
+
+    programs, compile_s = {}, {}
+
+    def build(name, rc):
+        t0 = time.perf_counter()
+        programs[name] = compiled_generate(rc).lower(model, ids, mask, key).compile()
+        compile_s[name] = time.perf_counter() - t0
+
+    for c in args.compactions:
+        build(f"compact{c}", rollout_cfg(c, stops, n))
+    first = programs[f"compact{args.compactions[0]}"](model, ids, mask, key)
+    lengths = np.asarray(first.lengths)
+    real = int(lengths.sum())
+    build("no_tail", rollout_cfg(0, (), max(1, round(float(lengths.mean())))))
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    outs = {}
+    for _ in range(args.runs):
+        for name, prog in programs.items():  # alternating: each run sees the same machine load
+            t0 = time.perf_counter()
+            outs[name] = jax.block_until_ready(prog(model, ids, mask, key))
+            times[name].append(time.perf_counter() - t0)
+    for name, out in outs.items():
+        if name != "no_tail":
+            assert np.array_equal(np.asarray(out.tokens), np.asarray(first.tokens)), name  # compaction changes nothing
+    base = statistics.median(times[f"compact{args.compactions[0]}"])
+    records = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        tokens = real if name != "no_tail" else int(np.asarray(outs[name].lengths).sum())
+        records.append(emit({"bench": "ragged_rollout", "mode": name, "model_shape": args.model_shape,
+                             "prompts": args.prompts, "generations": args.generations, "budget": n,
+                             "stop_ids": k, "mean_length": float(lengths.mean()), "longest": int(lengths.max()),
+                             "median_length": float(np.median(lengths)), "real_tokens": tokens,
+                             "median_s": med, "min_s": min(ts), "max_s": max(ts), "compile_s": compile_s[name],
+                             "tokens_per_s": tokens / med, "speedup_vs_first": base / med, "runs": len(ts)}))
+    return records
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
