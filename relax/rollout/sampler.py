@@ -9,7 +9,8 @@ the step's key/value was just written, and merges the unnormalised partial softm
 (``relax.models.attention.merge_stats``). Keys are stored transposed so the
 score product is a plain matmul. Prefill computes logits only at the last prompt position.
 Prefill and the decode loop are one jitted program: one ``lax.while_loop`` per cache block,
-each stopping early when every sequence has hit a stop id.
+each stopping early when every sequence has hit a stop id; with ``RolloutConfig.compactions``
+the loops run again in phases of fewer rows as rows finish (``relax.rollout.compaction``).
 
 Buffers are per layer and the decode loop runs the layers as a Python loop over per-layer
 (fused q/k/v and gate/up) weights: nothing stacked is sliced per step, and every cache is
