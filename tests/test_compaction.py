@@ -94,7 +94,7 @@ def test_phases_are_in_the_program_and_none_without_stop_ids():
     c, b = model.config, ids.shape[0] * G
 
     def shapes(**kw):
-        cfg = RolloutConfig(num_generations=G, max_new_tokens=N, cache_chunk=8, **kw)
+        cfg = RolloutConfig(num_generations=G, max_new_tokens=N, **{"cache_chunk": 8, **kw})
         jaxpr = jax.make_jaxpr(lambda m, i, k_, key: rollout.generate_program(m, i, k_, key, cfg))(
             model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
         return set(_all_shapes(jaxpr.jaxpr))
@@ -105,3 +105,8 @@ def test_phases_are_in_the_program_and_none_without_stop_ids():
     assert (b // 2, c.num_kv_heads, c.head_dim, ids.shape[1]) in got  # per-row prompt keys once compacted
     assert own(b // 2) not in shapes(eos_ids=(), compactions=2)  # every row runs to the budget
     assert own(b // 2) not in shapes(eos_ids=STOPS, compactions=0)
+    # ten blocks of 2 slots: the compacted phases read four blocks (three of phase 0's each, the last 2)
+    blocks = lambda rows, slots: (rows, c.num_kv_heads, slots, c.head_dim)  # noqa: E731
+    got = shapes(eos_ids=STOPS, compactions=2, cache_chunk=2)
+    assert {blocks(b, 2), blocks(b // 2, 6), blocks(b // 4, 6), blocks(b // 2, 2)} <= got
+    assert blocks(b // 2, 4) not in got

@@ -13,12 +13,20 @@ token, log-prob and route is written to its original row of the ``[B, N]`` outpu
 result is the one the uncompacted loop gives. Compacted rows mix prompts, so from phase 1 on
 each row holds its own copy of its prompt's keys and values (``[B_k, Hkv, D, Lp]``) instead of
 the prefix-shared ``[P, ...]`` (a prompt cache ``B_k / P`` times larger: at most ``G / 2``).
+
+Each phase is a copy of the decode loops (one ``lax.while_loop`` per completion-cache block), so
+the program, and its compile time, grows with the phases. The compacted phases therefore read
+their caches in at most ``COMPACTED_BLOCKS`` larger blocks (phase 0's joined at the first
+compaction): a step then reads up to a block of not-yet-filled slots, on half the rows or fewer.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
+
+
+COMPACTED_BLOCKS = 4  # completion-cache blocks of a compacted phase: one decode loop each
 
 
 def compaction_sizes(rows: int, compactions: int, multiple: int = 1) -> tuple[int, ...]:

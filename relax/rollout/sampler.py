@@ -49,7 +49,7 @@ from relax.models.sharding import DecodeLayout, ambient_batch_shards, decode_lay
 from relax.models.routes import Routes, route_dtype
 from relax.models.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
                                       positions_from_mask, project, run_layers)
-from relax.rollout.compaction import compaction_sizes, keep_rows
+from relax.rollout.compaction import COMPACTED_BLOCKS, compaction_sizes, keep_rows
 from relax.rollout.sampling import SamplingConfig, sample, uniform_table
 
 DEFAULT_BUCKETS = tuple(2 ** i for i in range(4, 17))
@@ -281,15 +281,18 @@ class _Rows(NamedTuple):
     u: Float[Array, "b n"]
 
 
-def _compact(rows: _Rows, finished, ck, cv, size: int, g: int, layout: DecodeLayout):
-    """The next phase's ``size`` rows (``keep_rows``), their caches gathered; prompts become per row."""
+def _compact(rows: _Rows, finished, ck, cv, size: int, g: int, layout: DecodeLayout, merge: int):
+    """The next phase's ``size`` rows (``keep_rows``), their caches gathered (every ``merge``
+    consecutive blocks joined into one); prompts become per row."""
     keep = keep_rows(finished, size)
     index = keep if rows.index is None else rows.index[keep]
     by_row = lambda x: jnp.take(x, keep, axis=0)  # noqa: E731
     by_prompt = (lambda x: jnp.take(x, index // g, axis=0)) if rows.num_gen > 1 else by_row  # noqa: E731
     heads = lambda x: layout.constrain(x, "batch", "heads", None, None)  # noqa: E731
-    ck = [tuple(heads(by_row(x)) for x in blocks) for blocks in ck]
-    cv = [tuple(heads(by_row(x)) for x in blocks) for blocks in cv]
+    join = lambda blocks, axis: tuple(  # noqa: E731
+        heads(by_row(jnp.concatenate(blocks[i:i + merge], axis=axis))) for i in range(0, len(blocks), merge))
+    ck = [join(blocks, 3) for blocks in ck]  # keys [b, Hkv, D, slots]
+    cv = [join(blocks, 2) for blocks in cv]  # values [b, Hkv, slots, D]
     kv = [(heads(by_prompt(k)), heads(by_prompt(v))) for k, v in rows.prompt_kv]
     row = lambda x: layout.constrain(x, "batch", *(None,) * (x.ndim - 1))  # noqa: E731
     nxt = _Rows(index=row(index), num_gen=1, prompt_kv=kv, prompt_pos=row(by_prompt(rows.prompt_pos)),
@@ -358,7 +361,7 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
     cv = [tuple(heads(jnp.zeros((b, c.num_kv_heads, sz, c.head_dim), dtype)) for sz in sizes)
           for _ in range(c.num_layers)]
 
-    def make_segment(seg: int, ph: _Rows, kernel, next_rows: int):
+    def make_segment(seg: int, ph: _Rows, kernel, next_rows: int, chunk: int):
         end = min((seg + 1) * chunk, n - 1)  # the last step feeds token n-2 and draws token n-1
 
         def cond(s):
@@ -394,16 +397,18 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
     state = (jnp.int32(0), (rows(tokens), rows(logps), rows(mask), routes), rows(finished0), ck, cv)
     # without stop ids every row runs to the budget: nothing to compact
     counts = compaction_sizes(b, cfg.compactions if cfg.eos_ids else 0, ambient_batch_shards())
+    merge = -(-len(sizes) // COMPACTED_BLOCKS)  # a compacted phase's blocks: this many of phase 0's each
     for k, size in enumerate(counts):
         if k:  # the running rows fit in ``size``: gather them (relax.rollout.compaction)
             t, out, finished, ck, cv = state
-            phase, finished, ck, cv = _compact(phase, finished, ck, cv, size, g, layout)
+            phase, finished, ck, cv = _compact(phase, finished, ck, cv, size, g, layout, merge if k == 1 else 1)
             state = (t, out, finished, ck, cv)
         kernel = _attention_kernel(cfg.decode_attention, layout, phase.num_gen, c.attn_scale)
         next_rows = counts[k + 1] if k + 1 < len(counts) else 0
-        for seg in range(len(sizes)):
-            if seg * chunk < n - 1:
-                state = jax.lax.while_loop(*make_segment(seg, phase, kernel, next_rows), state)
+        width = chunk if k == 0 else chunk * merge
+        for seg in range(len(ck[0])):
+            if seg * width < n - 1:
+                state = jax.lax.while_loop(*make_segment(seg, phase, kernel, next_rows, width), state)
     _, (tokens, logps, mask, routes), *_ = state
     finished = jnp.any((mask > 0) & jnp.isin(tokens, eos), axis=1)  # a row ends at its first stop id
     shape = (p, g, n)
