@@ -281,9 +281,9 @@ class _Rows(NamedTuple):
     u: Float[Array, "b n"]
 
 
-def _compact(rows: _Rows, finished, ck, cv, size: int, g: int, layout: DecodeLayout, merge: int):
-    """The next phase's ``size`` rows (``keep_rows``), their caches gathered (every ``merge``
-    consecutive blocks joined into one); prompts become per row."""
+def _compact(rows: _Rows, bufs, finished, ck, cv, size: int, g: int, layout: DecodeLayout, merge: int):
+    """The next phase's ``size`` rows (``keep_rows``): their output buffers and caches gathered
+    (every ``merge`` consecutive cache blocks joined into one); prompts become per row."""
     keep = keep_rows(finished, size)
     index = keep if rows.index is None else rows.index[keep]
     by_row = lambda x: jnp.take(x, keep, axis=0)  # noqa: E731
@@ -298,14 +298,15 @@ def _compact(rows: _Rows, finished, ck, cv, size: int, g: int, layout: DecodeLay
     nxt = _Rows(index=row(index), num_gen=1, prompt_kv=kv, prompt_pos=row(by_prompt(rows.prompt_pos)),
                 prompt_valid=row(by_prompt(rows.prompt_valid)), q_pos_base=row(by_row(rows.q_pos_base)),
                 rope_table=jax.tree.map(lambda x: row(by_row(x)), rows.rope_table), u=row(by_row(rows.u)))
-    return nxt, row(by_row(finished)), ck, cv
+    return nxt, tuple(row(by_row(x)) for x in bufs), row(by_row(finished)), ck, cv
 
 
-def _put(buf, vals, at, index):
-    """``buf[index, at] = vals`` (``index`` None: every row, a dynamic update in place)."""
+def _write_back(out, index, bufs):
+    """A phase's output buffers (tokens, log-probs, mask, routes of its rows) into the ``[B, ...]``
+    outputs ``out`` at rows ``index`` (None: every row, in order: the buffers are the outputs)."""
     if index is None:
-        return jax.lax.dynamic_update_index_in_dim(buf, vals, at, axis=1)
-    return buf.at[index, at].set(vals)
+        return bufs
+    return tuple(o.at[index].set(b) for o, b in zip(out, bufs))
 
 
 def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
@@ -366,12 +367,13 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
 
         def cond(s):
             t, _, finished, *_ = s
+            if not next_rows:
+                return (t < end) & ~jnp.all(finished)
             return (t < end) & (jnp.sum(~finished) > next_rows)  # compact once the running rows fit
 
         def body(s):
-            t, (tokens, logps, mask, routes), finished, ck, cv = s
-            cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [B, 1]
-            cur = cur if ph.index is None else jnp.take(cur, ph.index, axis=0)
+            t, (tokens, logps, mask, routes), finished, ck, cv = s  # this phase's rows
+            cur = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=True)  # [b, 1]
             q_pos = (ph.q_pos_base + t)[:, None]
             attend = _decode_attend(model, layout, kernel, ph.num_gen, q_pos, ph.prompt_pos, ph.prompt_valid, t,
                                     seg, chunk)
@@ -383,12 +385,12 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
             logits = layout.constrain(project(model, rows(h[:, 0])), "batch", "vocab")  # the head split by rows
             tok, lp = draw(rows(logits), t + 1, ph.u)  # gathered whole for the draw
             alive = ~finished
-            if record:  # [Ls, B, 1, k] -> slot t of [B, N, Ls, k]
+            if record:  # [Ls, b, 1, k] -> slot t of [b, N, Ls, k]
                 step_routes = jnp.where(alive[:, None, None], jnp.moveaxis(routed.experts[:, :, 0], 0, 1), -1)
-                routes = rows(_put(routes, step_routes.astype(rdt), t, ph.index))
-            tokens = _put(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, ph.index)
-            logps = _put(logps, jnp.where(alive, lp, 0.0), t + 1, ph.index)
-            mask = _put(mask, alive.astype(jnp.int32), t + 1, ph.index)
+                routes = rows(jax.lax.dynamic_update_index_in_dim(routes, step_routes.astype(rdt), t, axis=1))
+            tokens = jax.lax.dynamic_update_index_in_dim(tokens, jnp.where(alive, tok, cfg.pad_id), t + 1, axis=1)
+            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(alive, lp, 0.0), t + 1, axis=1)
+            mask = jax.lax.dynamic_update_index_in_dim(mask, alive.astype(jnp.int32), t + 1, axis=1)
             finished = finished | (alive & jnp.isin(tok, eos))
             return t + 1, (rows(tokens), rows(logps), rows(mask), routes), rows(finished), ck, cv
 
@@ -398,18 +400,21 @@ def generate_program(model: Transformer, prompt_ids, prompt_mask, key, cfg: Roll
     # without stop ids every row runs to the budget: nothing to compact
     counts = compaction_sizes(b, cfg.compactions if cfg.eos_ids else 0, ambient_batch_shards())
     merge = -(-len(sizes) // COMPACTED_BLOCKS)  # a compacted phase's blocks: this many of phase 0's each
+    out = None  # the [B, N] outputs, written back from each phase's rows when it ends
     for k, size in enumerate(counts):
         if k:  # the running rows fit in ``size``: gather them (relax.rollout.compaction)
-            t, out, finished, ck, cv = state
-            phase, finished, ck, cv = _compact(phase, finished, ck, cv, size, g, layout, merge if k == 1 else 1)
-            state = (t, out, finished, ck, cv)
+            t, bufs, finished, ck, cv = state
+            out = _write_back(out, phase.index, bufs)
+            phase, bufs, finished, ck, cv = _compact(phase, bufs, finished, ck, cv, size, g, layout,
+                                                     merge if k == 1 else 1)
+            state = (t, bufs, finished, ck, cv)
         kernel = _attention_kernel(cfg.decode_attention, layout, phase.num_gen, c.attn_scale)
         next_rows = counts[k + 1] if k + 1 < len(counts) else 0
         width = chunk if k == 0 else chunk * merge
         for seg in range(len(ck[0])):
             if seg * width < n - 1:
                 state = jax.lax.while_loop(*make_segment(seg, phase, kernel, next_rows, width), state)
-    _, (tokens, logps, mask, routes), *_ = state
+    tokens, logps, mask, routes = (rows(x) for x in _write_back(out, phase.index, state[1]))
     finished = jnp.any((mask > 0) & jnp.isin(tokens, eos), axis=1)  # a row ends at its first stop id
     shape = (p, g, n)
     recorded = None if not record else Routes(prompt=prompt_experts.astype(rdt), completion=routes.reshape(
