@@ -11,7 +11,8 @@ rows (and, to fill the ``B_{k+1}`` slots, some finished ones) are gathered, with
 into the next phase's buffers (``keep_rows``: the running rows first, in their order). A phase
 writes its tokens, log-probs and routes into buffers of its own rows (a step has no collective
 beyond the stop check's); when it ends they are written back to their original rows of the
-``[B, N]`` outputs, so the result is the one the uncompacted loop gives. Compacted rows mix prompts, so from phase 1 on
+``[B, N]`` outputs, so the result is the uncompacted loop's up to float rounding (smaller
+matmuls, joined cache blocks). Compacted rows mix prompts, so from phase 1 on
 each row holds its own copy of its prompt's keys and values (``[B_k, Hkv, D, Lp]``) instead of
 the prefix-shared ``[P, ...]`` (a prompt cache ``B_k / P`` times larger: at most ``G / 2``).
 

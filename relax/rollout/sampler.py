@@ -90,10 +90,10 @@ class RolloutConfig:
     """With LoRA: decode on ``W + s A B`` merged into the per-rollout fused weights (a copy made
     anyway, so no extra memory), not the adapters run beside them: fewer, wider matmuls
     (RESULTS.md compares the two)."""
-    compactions: int = 2
+    compactions: int = 3
     """Times the decode batch may halve as its rows finish (``relax.rollout.compaction``): from
-    ``B`` rows to ``B/2`` once at most ``B/2`` still run, then to ``B/4``; each phase is one more
-    copy of the decode loops in the program (0: never compact; the loops once)."""
+    ``B`` rows to ``B/2`` once at most ``B/2`` still run, then to ``B/4``, ``B/8``; each phase adds
+    decode loops to the program (0: never compact; the loops once)."""
     record_routes: bool = False
     """A mixture-of-experts model records each token's experts at every sparse layer in the
     rollout (``Rollout.routes``, for routing replay: ``relax.models.routes``); no effect on a
