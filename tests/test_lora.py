@@ -51,6 +51,19 @@ def numpy_merged(model):
     return dataclasses.replace(model, layers=dataclasses.replace(layers, lora=None, **merged))
 
 
+def peft_saved(model, path, ids):
+    """``model`` (a ``peft`` model) with random ``lora_B`` (std 0.1, seeded), saved to ``path``;
+    its logits on ``ids``."""
+    import torch
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    model.save_pretrained(path)
+    with torch.no_grad():
+        return model.eval()(ids).logits.numpy()
+
+
 @pytest.fixture(scope="module")
 def base():
     return random_model(CFG)
@@ -271,14 +284,7 @@ def test_peft_reads_relax_adapters_and_relax_reads_peft_adapters(base, tmp_path,
     # peft -> relax
     config = peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=["k_proj", "o_proj", "gate_proj"], use_rslora=rslora,
                              task_type="CAUSAL_LM")
-    model = peft.get_peft_model(hf(), config)
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1)
-    model.save_pretrained(tmp_path / "peft")
-    with torch.no_grad():
-        want = model.eval()(ids).logits.numpy()
+    want = peft_saved(peft.get_peft_model(hf(), config), tmp_path / "peft", ids)
     ours = load_adapter(base, tmp_path / "peft")
     assert ours.layers.lora.weights().keys() == {"wk", "wo", "w_gate"}
     np.testing.assert_allclose(np.asarray(ours(IDS)), want, atol=2e-4)
@@ -314,17 +320,11 @@ def test_phi3_lora_against_transformers_and_peft(tmp_path):
     for targets in (["o_proj", "down_proj"], ["qkv_proj"]):  # peft -> relax; the fused one is refused
         model = peft.get_peft_model(hf(), peft.LoraConfig(r=2, lora_alpha=3.0, target_modules=targets,
                                                           task_type="CAUSAL_LM"))
-        torch.manual_seed(0)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.1)
-        model.save_pretrained(tmp_path / targets[0])
+        want = peft_saved(model, tmp_path / targets[0], ids)
         if targets == ["qkv_proj"]:
             with pytest.raises(HFFormatError, match=r"self_attn\.qkv_proj.*lora_A shared"):
                 load_adapter(base, tmp_path / targets[0])
             continue
-        with torch.no_grad():
-            want = model.eval()(ids).logits.numpy()
         np.testing.assert_allclose(np.asarray(load_adapter(base, tmp_path / targets[0])(IDS)), want, atol=2e-4)
 
 

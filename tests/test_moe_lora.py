@@ -20,7 +20,7 @@ from relax.models.lora import LoRAConfig
 from relax.models.peft import load_adapter, save_adapter
 from relax.models.prefix_shared import completion_logprobs
 from relax.rollout.sampler import RolloutConfig, compiled_generate
-from test_lora import numpy_merged, randomized
+from test_lora import numpy_merged, peft_saved, randomized
 from test_moe_hf import expected_config, random_model
 
 QWEN2_MOE = expected_config("qwen2_moe_shared_dense_layer")  # layers 0, 1 sparse with a shared expert; 2 dense
@@ -151,13 +151,7 @@ def test_peft_on_transformers_reads_and_writes_shared_expert_adapters(tmp_path):
     model = peft.get_peft_model(hf(), peft.LoraConfig(r=2, lora_alpha=5.0, target_modules="all-linear",
                                                       task_type="CAUSAL_LM"))
     assert {n.split(".lora_A")[0] for n, _ in model.named_parameters() if "lora_A" in n} == adapted
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1)
-    model.save_pretrained(tmp_path / "peft")
-    with torch.no_grad():
-        want = model.eval()(ids).logits.numpy()
+    want = peft_saved(model, tmp_path / "peft", ids)
     ours = load_adapter(base, tmp_path / "peft")
     assert set(ours.layers.lora.weights()) == set(policy.layers.lora.weights())
     np.testing.assert_allclose(np.asarray(ours(IDS)), want, atol=2e-4)
