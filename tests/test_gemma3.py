@@ -104,6 +104,7 @@ def test_embeddings_scaled_in_their_dtype():
 # ----------------------------------------------------------------------------- trainer and sampler
 
 
+@pytest.mark.slow  # make test-all; the property: test_train.py (windows: [4]), Gemma 3's trainer log-probs: below
 def test_prefix_shared_forward_equals_full_sequence():
     """The trainer's forward (scan with per-layer kinds, prompt shared by G completions, traced
     windows in the group attention) equals the plain forward on [prompt | completion], values and

@@ -157,6 +157,7 @@ def test_peft_on_transformers_reads_and_writes_shared_expert_adapters(tmp_path):
     np.testing.assert_allclose(np.asarray(ours(IDS)), want, atol=2e-4)
 
 
+@pytest.mark.slow  # make test-all; adapters-only training: test_lora.py, GRPO on a MoE policy: test_moe_run.py
 def test_grpo_trains_the_adapters_only():
     from relax.algorithms.batch import step_input
     from relax.algorithms.configure import configure

@@ -148,9 +148,12 @@ def adapter_params_per_chip(rank: int, fsdp: int) -> int:
 @needs_tpu
 @pytest.mark.parametrize("algorithm,flags,mesh", [
     ("ppo", ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "16"], "fsdp=2,tensor=2"),
-    ("grpo", ["--lora.rank", "8", "--grpo.max-new-tokens", "16"], "data=2,fsdp=2"),
+    # make test-all: GRPO compiles fast in tiny_plan (fsdp=4); this case adds LoRA's adapter bytes
+    pytest.param("grpo", ["--lora.rank", "8", "--grpo.max-new-tokens", "16"], "data=2,fsdp=2", marks=pytest.mark.slow),
     ("sft", ["--sft.max-length", "64"], None),
-    ("dpo", ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"], None),
+    # make test-all: an offline trainer on one device, as sft is fast
+    pytest.param("dpo", ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"], None,
+                 marks=pytest.mark.slow),
 ])
 def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
     from relax.plan import plan
@@ -254,6 +257,7 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
 
 
 @needs_tpu
+@pytest.mark.slow  # make test-all (a 16-layer compile); the depths and the line through them: test_plan_depth.py
 def test_deep_sampler_extended_from_two_shallow_compiles(tmp_path):
     """A 16-layer model's sampler compiled at 4 and 8 layers and extended (``relax.plan.depth``)
     against the same sampler compiled whole: the FLOPs and collectives, which grow by the same
