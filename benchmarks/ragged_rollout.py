@@ -9,9 +9,15 @@ geometric with mean about N/4 (``--mean-fraction``), a long exponential tail, an
 the P x G rows usually reaches the budget. Modes, each one compiled program, timed alternating
 (medians over ``--runs`` after the compile):
 
-    compact<c>   the sampler with ``compactions=c`` (0: never; the default 2; 3)
+    compact<c>   the sampler with ``compactions=c`` (0: never; 2; the default 3)
     no_tail      every row runs round(mean length) steps with no stop id: the same real tokens
                  with no tail, what compaction approaches
+    partial<k>   partial rollouts (``relax.rollout.partial``, ``--async.partial k``): one rollout
+                 of the steady state, which samples N / k tokens of k batches in progress (the
+                 same prompts, new keys) and emits one complete batch; timed after 2k + 2
+                 rollouts of warm-up (their compiles). ``prefill_s``: the recomputed prefix of the
+                 continuing rows alone (a one-token call on the last rollout's continuation
+                 prompts), what keeping their KV caches would save at most
 
     python benchmarks/ragged_rollout.py [--runs 3] [--model-shape small]
     python benchmarks/ragged_rollout.py --new-tokens 256 --runs 1        # quick
@@ -41,7 +47,38 @@ from harness import emit  # noqa: E402
 from train_step import SHAPES  # noqa: E402
 
 from relax.models import init  # noqa: E402
+from relax.rollout.partial import PartialRequest, PartialRollouts  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, compiled_generate  # noqa: E402
+
+
+class Partial:
+    """Steady-state rollouts of ``PartialRollouts`` over the same prompts: ``step()`` times one."""
+
+    def __init__(self, model, ids, mask, cfg: RolloutConfig, k: int, key):
+        prompts = (np.asarray(ids), np.asarray(mask), None)
+        self.model, self.key, self.i = model, key, 0
+        self.partial = PartialRollouts(iter(lambda: prompts, None), lambda item: item, cfg, k)
+        for _ in range(2 * k + 2):
+            self.step()
+
+    def step(self) -> tuple[float, int]:
+        """(seconds, real tokens of the batch it emits)."""
+        t0 = time.perf_counter()
+        done = self.partial.produce(self.model, self.i, jax.random.fold_in(self.key, self.i), PartialRequest(self.i))
+        self.i += 1
+        return time.perf_counter() - t0, int(done.lengths.sum())
+
+    def prefill_s(self, runs: int) -> float:
+        """Median seconds of the continuing rows' prefill alone (a one-token call)."""
+        ids, mask = self.partial.continuation_prompts(self.partial.running_rows())
+        one = compiled_generate(dataclasses.replace(self.partial.cont_cfg, max_new_tokens=1))
+        jax.block_until_ready(one(self.model, ids, mask, self.key))
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(one(self.model, ids, mask, self.key))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +96,8 @@ class Args:
     std: float = 0.002
     """the random weights' std: small, so the next-token distribution is near uniform"""
     compactions: tuple[int, ...] = (0, 2, 3)
+    partial: tuple[int, ...] = (2, 4)
+    """partial rollouts over k rollouts (empty: none)"""
     seed: int = 0
 
 
@@ -88,30 +127,45 @@ def main(args: Args) -> list[dict]:
     lengths = np.asarray(first.lengths)
     real = int(lengths.sum())
     build("no_tail", rollout_cfg(0, (), max(1, round(float(lengths.mean())))))
-    times: dict[str, list[float]] = {name: [] for name in programs}
-    outs = {}
+    partials = {}
+    for kk in args.partial:
+        t0 = time.perf_counter()
+        partials[f"partial{kk}"] = Partial(model, ids, mask, rollout_cfg(3, stops, n), kk, key)
+        compile_s[f"partial{kk}"] = time.perf_counter() - t0  # the warm-up rollouts, compiles included
+    times: dict[str, list[float]] = {name: [] for name in [*programs, *partials]}
+    outs, partial_tokens = {}, {name: [] for name in partials}
     for _ in range(args.runs):
         for name, prog in programs.items():  # alternating: each run sees the same machine load
             t0 = time.perf_counter()
             outs[name] = jax.block_until_ready(prog(model, ids, mask, key))
             times[name].append(time.perf_counter() - t0)
+        for name, part in partials.items():
+            seconds, tokens = part.step()
+            times[name].append(seconds)
+            partial_tokens[name].append(tokens)
     same = {}  # rows whose completion equals compact<first>'s: all but draws within rounding of a CDF boundary
     for name, out in outs.items():
-        if name != "no_tail":
+        if name not in ("no_tail",):
             rows_equal = np.all(np.asarray(out.tokens) == np.asarray(first.tokens), axis=-1)
             same[name] = float(rows_equal.mean())
     base = statistics.median(times[f"compact{args.compactions[0]}"])
     records = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        tokens = real if name != "no_tail" else int(np.asarray(outs[name].lengths).sum())
+        if name in partials:  # each rollout emits a batch of its own: its real tokens, per second of its time
+            tokens = round(statistics.mean(partial_tokens[name]))
+            extra = {"prefill_s": partials[name].prefill_s(args.runs),
+                     "tokens_per_s_total": sum(partial_tokens[name]) / sum(ts)}
+        else:
+            tokens = real if name != "no_tail" else int(np.asarray(outs[name].lengths).sum())
+            extra = {}
         records.append(emit({"bench": "ragged_rollout", "mode": name, "model_shape": args.model_shape,
                              "prompts": args.prompts, "generations": args.generations, "budget": n,
                              "stop_ids": k, "mean_length": float(lengths.mean()), "longest": int(lengths.max()),
                              "median_length": float(np.median(lengths)), "real_tokens": tokens,
                              "median_s": med, "min_s": min(ts), "max_s": max(ts), "compile_s": compile_s[name],
                              "tokens_per_s": tokens / med, "speedup_vs_first": base / med, "runs": len(ts),
-                             "rows_same_as_first": same.get(name)}))
+                             "rows_same_as_first": same.get(name), **extra}))
     return records
 
 

@@ -352,6 +352,29 @@ def test_summary_table_reads_nulls_as_nan():
     assert "+0.500" in table.splitlines()[1] and "nan" in table.splitlines()[2]
 
 
+PARTIAL = ("--async.staleness", "2", "--async.partial", "2", "--async.correction.kind", "tis",
+           "--grpo.max-new-tokens", "6")
+
+
+@pytest.mark.slow  # make test-all; tests/test_partial_rollout.py resumes the pipeline in process
+def test_partial_rollout_run_resumes_after_kill_9_bit_for_bit(setup, tmp_path):
+    """``--async.partial 2``: each batch sampled over two rollouts (the batches in progress are in
+    the checkpoint's data state); killed while batch 4 is scored, resumed, the same run."""
+    every = ("--checkpoint-every", "1")
+    run_dir = tmp_path / "straight"
+    summary = load_example("grpo").main(_args(setup, run_dir, 6, *PARTIAL, *every))
+    assert summary["staleness_histogram"] == {"0": 1, "1": 1, "2": 4}  # oldest tokens: v(i - 1), v(i) = i - 1
+    killed = tmp_path / "killed"
+    proc = _run_fault(setup, killed, "kill9", 4, *PARTIAL, *every, "--steps", "6")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    load_example("grpo").main(_args(setup, killed, 6, "--resume", *PARTIAL, *every))
+    a, b = _train_lines(run_dir), _train_lines(killed)
+    assert [a[step]["staleness"] for step in sorted(a)] == [0, 1, 2, 2, 2, 2]
+    assert a[1]["partial/calls"] == 2 and all(a[step]["partial/calls"] == 1 for step in range(2, 7))
+    for step in range(1, 7):
+        assert a[step] == b[step], step
+
+
 if __name__ == "__main__":
     if sys.argv[1] != "fault":
         raise SystemExit(f"unknown mode {sys.argv[1:]}")

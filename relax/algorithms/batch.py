@@ -72,7 +72,8 @@ class Rollout(Prompts):
     trainer's forward attends). ``old_logprobs``: the sampler's log-probs of ``tokens``, the old
     policy's. ``lengths``: sampled tokens per completion; ``finished``: it ended (EOS, a stop
     string, the episode), not truncated at the budget. ``policy_version``: the ``state.step`` of
-    the weights that sampled it.
+    the weights that sampled it (with partial rollouts, ``relax.rollout.partial``: its oldest
+    token's; ``token_versions`` is then each sampled token's, ``-1`` elsewhere).
     Multi-turn trajectories (``relax.environments.rollout``) also fill ``sampled_mask`` (the
     policy's own tokens: the loss, the KL and the advantages), ``turn_rewards`` (per-turn rewards)
     and ``turn_index`` (each token's turn). ``routes``: a mixture-of-experts sampler's expert
@@ -89,6 +90,7 @@ class Rollout(Prompts):
     turn_rewards: Float[Array, "p g t"] | None = None
     turn_index: Int[Array, "p g n"] | None = None
     routes: Routes | None = None
+    token_versions: Int[Array, "p g n"] | None = None
 
     @property
     def policy_tokens(self) -> Int[Array, "p g n"]:
@@ -153,7 +155,8 @@ class HostRecord:
     them). ``completions``: the decoded completions (``p * g``, after the stop strings).
     ``pending_scores``: the reward pool's scores being computed; ``local_scores``: the in-process
     functions' when they ran early (the pipeline). ``reward_info``: error, timeout and crash counts
-    and timings of the reward functions. ``agent``: the multi-turn rollout's host metrics.
+    and timings of the reward functions. ``agent``: the multi-turn rollout's host metrics;
+    ``partial``: the partial rollouts' (``relax.rollout.partial``).
     """
 
     prompts: list[str] = dataclasses.field(default_factory=list)
@@ -164,6 +167,7 @@ class HostRecord:
     local_scores: Any = None
     reward_info: dict = dataclasses.field(default_factory=dict)
     agent: dict[str, float] | None = None
+    partial: dict[str, float] | None = None
 
     def replace(self, **fields: Any) -> HostRecord:
         return dataclasses.replace(self, **fields)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from relax.algorithms.batch import step_input
+from relax.algorithms.batch import HostRecord, step_input
 from relax.algorithms.report import StartupReport, first_prompt_lines, prompt_lines, run_report, token_lines
 from relax.compose import WithHost
 from relax.data.prompts import (DataConfig, PreparedPrompts, batch_of, eval_records, padded_length, prepare_prompts,
@@ -43,6 +43,7 @@ from relax.rewards.pool import PoolConfig, RewardPool
 from relax.rewards.sandbox import SandboxConfig
 from relax.rewards.functions import RewardFunction
 from relax.rollout.generation import GenerationConfig
+from relax.rollout.partial import PartialRollouts
 from relax.tasks.base import prepare
 from relax.tasks import TASKS, reverse
 from relax.tasks import code as code_task
@@ -165,6 +166,7 @@ class StepParts:
     pad_id: int
     passes: Passes
     pool: RewardPool | None = None
+    partial: PartialRollouts | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,8 +397,26 @@ def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int)
         # from the global mean: on several processes ``lengths`` is not addressable whole
         num_tokens = metrics["completion_length"] * cfg.batch_size * algo.generation.num_generations
         return {"tokens_per_s": num_tokens / metrics["time/step"], "prompts_over_budget": float(over_budget),
-                "reward_errors": float(sum(out.host.reward_info.get(k, 0) for k in ("errors", "timeouts", "crashes")))}
+                "reward_errors": float(sum(out.host.reward_info.get(k, 0) for k in ("errors", "timeouts", "crashes"))),
+                **(out.host.partial or {})}
     return host_metrics
+
+
+def _partial_rollouts(cfg: OnlineRunConfig, algo: OnlineAlgorithm, batches, eos_ids, pad_id: int, mesh):
+    """``--async.partial K``: the data iterator wrapped by the batches in progress
+    (``relax.rollout.partial``), or None (K = 1)."""
+    if cfg.async_.partial == 1:
+        return None
+    if mesh is not None:
+        raise ValueError("--async.partial runs on one device for now; drop --parallel.* or use --async.partial 1")
+
+    def to_prompts(pb):
+        return (pb.prompt_ids, pb.prompt_mask,
+                HostRecord(prompts=list(pb.prompts), fields={cfg.answer_field: list(pb.answers), **pb.fields}))
+
+    return PartialRollouts(batches, to_prompts, algo.generation.rollout(eos_ids=eos_ids, pad_id=pad_id),
+                           cfg.async_.partial, encode=lambda r: {"prompts": r.prompts, "fields": r.fields},
+                           decode=lambda d: HostRecord(prompts=d["prompts"], fields=d["fields"]))
 
 
 def _make_batch(cfg: OnlineRunConfig):
@@ -433,10 +453,12 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     reward_fns = reward_functions(cfg)
     pool = reward_pool(cfg, reward_fns)
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
+        eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))
+        batches = prompt_iterator(data.data_cfg, tokenizer, prepared=data.train)
+        partial = _partial_rollouts(cfg, algo, batches, eos_ids, tokenizer.pad_token_id, mesh)
         parts = StepParts(
-            reward_fns=reward_fns, decode=_decoder(tokenizer),
-            eos_ids=tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids})), pad_id=tokenizer.pad_token_id,
-            passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), pool=pool)
+            reward_fns=reward_fns, decode=_decoder(tokenizer), eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+            passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), pool=pool, partial=partial)
         report = _report(cfg, algo, data, parts, mesh)
         log(report.text())
         with _on_host(mesh is not None):
@@ -449,8 +471,8 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             del model
         over_budget = len(data.train.stats.over_budget)
         trainer = Trainer(name=algo.name, step=step_fn,
-                          batches=prompt_iterator(data.data_cfg, tokenizer, prepared=data.train),
-                          make_batch=_make_batch(cfg), host_metrics=_host_metrics(cfg, algo, over_budget),
+                          batches=batches if partial is None else partial,
+                          make_batch=_make_batch(cfg) if partial is None else (lambda request: request), host_metrics=_host_metrics(cfg, algo, over_budget),
                           evaluate=_evaluator(cfg, algo, data.eval_batch, parts, log),
                           export=exporter(tokenizer, base_path(cfg, run_dir)), bar_keys=BAR_KEYS,
                           asynchronous=cfg.async_, on_start=report.write,

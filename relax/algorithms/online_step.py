@@ -26,8 +26,10 @@ from relax.objectives.off_policy import OffPolicyConfig, needs_proximal_pass
 from relax.passes import Passes, choose_passes
 from relax.rewards.pool import RewardPool
 from relax.rollout.generation import GenerationConfig
+from relax.rollout.partial import PartialRollouts
 
-from relax.algorithms.stages import make_packing, make_proximal, make_reference, make_rollout, make_scoring
+from relax.algorithms.stages import (make_packing, make_partial_rollout, make_proximal, make_reference, make_rollout,
+                                     make_scoring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,8 @@ def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Call
                      eos_ids: tuple[int, ...] = (), pad_id: int = 0, rollout: Stage | None = None,
                      after_advantage: tuple[Stage, ...] = (), passes: Passes | None = None, on_error: str = "raise",
                      timeout_s: float | None = None, pool: RewardPool | None = None,
-                     off_policy: OffPolicyConfig | None = None, pipelined: bool = False) -> Stage:
+                     off_policy: OffPolicyConfig | None = None, pipelined: bool = False,
+                     partial: PartialRollouts | None = None) -> Stage:
     """``step(state, batch) -> (state, out)`` of ``parts`` (module docstring).
 
     Single-turn (``rollout=None``): the prefix-shared sampler of ``parts.generation`` (a turn
@@ -60,7 +63,8 @@ def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Call
     text (``on_error``, ``timeout_s``, ``pool``: ``relax.algorithms.stages.make_score_stages``).
     Otherwise ``rollout`` returns scored samples itself. ``passes``: the backend's pass layout
     (default ``choose_passes()``); ``off_policy``: the correction of stale batches;
-    ``pipelined``: the order ``relax.train.pipeline`` runs."""
+    ``pipelined``: the order ``relax.train.pipeline`` runs; ``partial``: the single-turn rollout
+    is partial rollouts' (``relax.rollout.partial``; its sampler config must be this step's)."""
     passes = choose_passes() if passes is None else passes
     temperature = parts.generation.temperature
     if temperature <= 0:
@@ -71,13 +75,20 @@ def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Call
         if decode is None:
             raise ValueError("a single-turn step needs decode (token ids -> text) for its reward functions")
         # a mixture of experts records its routes: replayed by the trainer, or compared (moe/routing_differ)
-        rollout = make_rollout(dataclasses.replace(parts.generation.rollout(eos_ids=eos_ids, pad_id=pad_id),
-                                                   record_routes=True))
+        rcfg = dataclasses.replace(parts.generation.rollout(eos_ids=eos_ids, pad_id=pad_id), record_routes=True)
+        if partial is None:
+            rollout = make_rollout(rcfg)
+        elif not pipelined or dataclasses.replace(partial.cfg, record_routes=True) != rcfg:
+            raise ValueError(f"{parts.name}: partial rollouts run pipelined, with the step's own sampler config")
+        else:
+            rollout = make_partial_rollout(partial)
         pack = (make_packing(parts.packing, parts.forward),) if parts.packing is not None else ()
         middle = make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, host_after=parts.host_after,
                               pack=pack, on_error=on_error, timeout_s=timeout_s,
                               stop_strings=parts.generation.stop_strings, pool=pool)
     else:  # pipelined: the rollout (with its environments) is the producer, the rest the consumer
+        if partial is not None:
+            raise ValueError(f"{parts.name}: partial rollouts are single-turn")
         if parts.host_after:
             raise ValueError(f"{parts.name}: a rollout that scores its own samples has no host stages after "
                              "the rewards")

@@ -27,6 +27,7 @@ from relax.rewards.functions import (RewardFunction, as_reward_functions, combin
                                     start_score_groups)
 from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.rewards.pool import RewardPool
+from relax.rollout.partial import PartialRequest, PartialRollouts
 from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.text.stop_strings import truncate_at_stop_strings
 from relax.train.state import TrainState, reference_is_policy, reference_model
@@ -47,6 +48,29 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
 
     # the rewards (a host stage) run next: if they raise, the caller's state is untouched
     return stage(rollout, name="rollout", updates_state=False, placement="sampler")
+
+
+def make_partial_rollout(partial: PartialRollouts) -> Stage:
+    """The host stage of partial rollouts (``relax.rollout.partial``): a ``PartialRequest`` ->
+    the complete batch of its update, a ``Rollout`` with ``token_versions`` beside its host record.
+    Its keys are ``make_rollout``'s, folded with each call's index."""
+
+    def rollout(state: TrainState, request: PartialRequest) -> tuple[TrainState, WithHost]:
+        c = state.policy.config
+        if c.num_experts:
+            raise ValueError("partial rollouts do not record a mixture of experts' routes yet: run --async.partial 1")
+        key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
+        done = partial.produce(state.policy, int(state.step), key, request)
+        sampled = done.versions >= 0
+        oldest = np.where(sampled, done.versions, np.iinfo(np.int32).max).min(-1)
+        out = Rollout(prompt_ids=jnp.asarray(done.prompt_ids), prompt_mask=jnp.asarray(done.prompt_mask),
+                      tokens=jnp.asarray(done.tokens), mask=jnp.asarray(done.mask),
+                      old_logprobs=jnp.asarray(done.logprobs), lengths=jnp.asarray(done.lengths),
+                      finished=jnp.asarray(done.finished), policy_version=jnp.asarray(oldest, jnp.int32),
+                      token_versions=jnp.asarray(done.versions))
+        return state, WithHost(out, done.record.replace(partial=dict(partial.last)))
+
+    return stage(rollout, jit=False, name="rollout", updates_state=False)
 
 
 def sample_versions(state: TrainState, like: jax.Array) -> jax.Array:

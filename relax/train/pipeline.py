@@ -25,6 +25,13 @@ runs on the sampler's devices meanwhile. The sampler's copy of a version (``samp
 policy, its step and key) is taken before the update that would overwrite it; the batch of lag
 ``i - v(i) > 0`` samples with ``fold_in(key_v, lag)``.
 
+Partial rollouts (``partial = K > 1``, ``relax.rollout.partial``): batch ``i`` is sampled over the
+rollouts of updates ``i - K + 1 .. i``, ``max_new_tokens / K`` tokens in each, its tokens of the
+versions of those rollouts; they take ``K - 1`` of the staleness (``d = s + 1 - n - (K - 1)``) and
+the pipeline checks each batch's token versions against ``oldest_version(i) .. v(i)``. The
+batches in progress belong to the data iterator's state (the ``PartialRollouts`` object stands in
+for it), so a batch's data position is recorded when it starts, after the rollouts before it ran.
+
 Resume: a checkpoint after update ``j`` holds the state, the sampler's copies of the older
 versions that batches still in flight use (``AsyncConfig.live_versions``; a fixed number of slots,
 ``AsyncConfig.slots``) and the data position of batch ``j + 1``; resuming re-produces those
@@ -57,6 +64,12 @@ class AsyncConfig:
     push_every: int = 1
     """Push the trainer's weights to the sampler every N updates (N <= staleness + 1)."""
     correction: OffPolicyConfig = OffPolicyConfig()
+    partial: int = 1
+    """Partial rollouts (``relax.rollout.partial``): each batch is sampled over this many rollouts,
+    ``max_new_tokens / partial`` tokens of its unfinished completions in each, so no rollout waits
+    for a batch's longest completion (1: a batch is sampled whole in one rollout). They take
+    ``partial - 1`` versions of the staleness: the pipeline runs
+    ``staleness + 1 - push_every - (partial - 1)`` batches ahead."""
 
     def __post_init__(self):
         if self.staleness < 0:
@@ -64,11 +77,18 @@ class AsyncConfig:
         if not 1 <= self.push_every <= self.staleness + 1:
             raise ValueError(f"--async.push-every must be in [1, staleness + 1 = {self.staleness + 1}] so that "
                              f"no batch is more than --async.staleness versions old, got {self.push_every}")
+        if self.partial < 1:
+            raise ValueError(f"--async.partial must be >= 1, got {self.partial}")
+        if self.staleness + 1 - self.push_every - (self.partial - 1) < 0:
+            raise ValueError(f"--async.partial {self.partial} samples a batch over {self.partial} rollouts, so its first "
+                             f"tokens are {self.partial - 1} versions older than its last: it needs --async.staleness >= "
+                             f"{self.partial - 2 + self.push_every} (partial - 2 + push_every), got {self.staleness}")
 
     @property
     def depth(self) -> int:
-        """How many iterations ahead of its update a batch is produced: ``s + 1 - n``."""
-        return self.staleness + 1 - self.push_every
+        """How many iterations ahead of its update a batch's (last) rollout runs:
+        ``s + 1 - n - (partial - 1)``."""
+        return self.staleness + 1 - self.push_every - (self.partial - 1)
 
     @property
     def off_policy(self) -> OffPolicyConfig | None:
@@ -79,15 +99,20 @@ class AsyncConfig:
         """``v(i)``: the policy version batch ``i`` is sampled with."""
         return self.push_every * (max(0, i - self.depth) // self.push_every)
 
+    def oldest_version(self, i: int) -> int:
+        """The version of batch ``i``'s oldest tokens: ``v(i)``, or with partial rollouts that of the
+        rollout that started it, ``v(max(0, i - partial + 1))``."""
+        return self.version(max(0, i - self.partial + 1))
+
     def live_versions(self, step: int, steps: int) -> tuple[int, ...]:
         """Versions older than ``step`` that batches ``step .. step + d`` (in flight, or next to be
         produced) are sampled with: the sampler copies a checkpoint at ``step`` must hold."""
         return tuple(sorted({self.version(i) for i in range(step, min(step + self.depth + 1, steps))} - {step}))
 
     def histogram(self, steps: int) -> dict[int, int]:
-        """How many of ``steps`` updates consume a batch of each lag (the pipeline checks every
-        batch's recorded version against the schedule)."""
-        return dict(sorted(collections.Counter(i - self.version(i) for i in range(steps)).items()))
+        """How many of ``steps`` updates consume a batch of each lag, its oldest tokens' (the
+        pipeline checks every batch's recorded versions against the schedule)."""
+        return dict(sorted(collections.Counter(i - self.oldest_version(i) for i in range(steps)).items()))
 
     @property
     def slots(self) -> int:
@@ -145,8 +170,9 @@ class Pipeline:
     # ------------------------------------------------------------------ checkpoints
 
     def data_state(self, step: int):
-        """The data position of batch ``step`` (the next one to update on)."""
-        return self.data_states[step]
+        """The data position of batch ``step`` (the next one to update on): recorded when it
+        started, or now when it has not (every batch before it is produced)."""
+        return self.data_states[step] if step in self.data_states else self.batches.get_state()
 
     def saved_views(self, state, step: int, steps: int) -> tuple:
         """``cfg.slots`` sampler copies for a checkpoint at ``step``: the live versions', padded
@@ -170,9 +196,10 @@ class Pipeline:
         return view if lag == 0 else view.replace(key=jax.random.fold_in(view.key, lag))
 
     def _start(self, state, i: int) -> Produced:
+        # the position before batch i: batch i - 1 is produced (its stages may read the data too:
+        # partial rollouts, relax.rollout.partial)
         self.data_states[i] = self.batches.get_state()
         batch = self.make_batch(next(self.batches))
-        self.data_states[i + 1] = self.batches.get_state()
         return Produced(view=self._view(state, i), batch=batch, todo=collections.deque(self.producer))
 
     def _advance(self, p: Produced, *, until_device: bool = False, until_wait: bool = False) -> Produced:
@@ -190,6 +217,22 @@ class Pipeline:
                 break
         p.time_s += time.perf_counter() - t0
         return p
+
+    def _check_versions(self, j: int, batch) -> int:
+        """The lag of batch ``j``'s oldest tokens; raises unless the versions its samples recorded
+        are the schedule's: ``v(j)``, or with partial rollouts from ``oldest_version(j)`` to ``v(j)``."""
+        token_versions = getattr(batch, "token_versions", None)
+        if token_versions is None:
+            versions = np.unique(jax.device_get(batch.policy_version))
+        else:
+            versions = np.unique(jax.device_get(token_versions)[jax.device_get(batch.mask) > 0])
+        lo, hi = int(versions[0]), int(versions[-1])
+        ok = lo == self.cfg.oldest_version(j) and hi <= self.cfg.version(j) and 0 <= j - lo <= self.cfg.staleness
+        if not ok or (token_versions is None and lo != hi):
+            raise RuntimeError(f"batch {j} was sampled by version(s) {versions.tolist()}, the schedule says "
+                               f"{self.cfg.oldest_version(j)}..{self.cfg.version(j)} (staleness bound "
+                               f"{self.cfg.staleness})")
+        return j - lo
 
     def _prune(self, step: int, steps: int) -> None:
         keep = set(self.cfg.live_versions(step, steps))
@@ -219,11 +262,7 @@ class Pipeline:
             t_collect = time.perf_counter()
             batch = self._advance(current).batch  # what it waits for (the reward pool's scores)
             t_collect = time.perf_counter() - t_collect
-            versions = np.unique(jax.device_get(split_host(batch)[1].policy_version))  # as the samples recorded it
-            lag = j - int(versions[0])
-            if versions.tolist() != [self.cfg.version(j)] or not 0 <= lag <= self.cfg.staleness:
-                raise RuntimeError(f"batch {j} was sampled by version(s) {versions.tolist()}, the schedule says "
-                                   f"{self.cfg.version(j)} (staleness bound {self.cfg.staleness})")
+            lag = self._check_versions(j, split_host(batch)[1])
             for seg in self.consumer:  # dispatched: the device updates while the host goes on
                 state, batch = seg.run(state, batch)
             if ahead is not None and d > 0:

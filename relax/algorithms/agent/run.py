@@ -73,6 +73,9 @@ class AgentRunConfig(RunConfig):
         if self.task.max_turns != self.agent.max_turns:
             raise ValueError(f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
                              "must agree: the environment ends a trajectory after the first, the rollout after the second")
+        if self.async_.partial > 1:
+            raise ValueError("--async.partial: partial rollouts are single-turn (GRPO, PPO); a trajectory's turns "
+                             "are sampled in one rollout")
         check_budget(self)
 
 

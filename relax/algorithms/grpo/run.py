@@ -62,7 +62,8 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     def make_step(parts: StepParts):
         return make_grpo_step(g, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                               passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
-                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
+                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0,
+                              partial=parts.partial)
 
     def describe_update(model) -> str:
         return g.packing.describe(resolve_attention(g.forward.train_attention, model), g.generation.num_generations,

@@ -45,6 +45,7 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online_step import OnlineParts, make_online_step
 from relax.objectives.off_policy import OffPolicyConfig
+from relax.rollout.partial import PartialRollouts
 
 
 def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -156,7 +157,7 @@ def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:
 def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
                    passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
                    pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
-                   pipelined: bool = False) -> Stage:
+                   pipelined: bool = False, partial: PartialRollouts | None = None) -> Stage:
     """``grpo_step(state, batch) -> (state, out)``: ``batch`` a ``WithHost(Prompts, HostRecord)``
     (``relax.algorithms.batch.step_input``), ``out`` a ``WithHost(Updated, HostRecord)``; the
     optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
@@ -166,4 +167,4 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     ``pipelined``: the order the pipeline runs (module docstring)."""
     return make_online_step(grpo_parts(cfg), reward_fns, decode, eos_ids=eos_ids, pad_id=pad_id, passes=passes,
                             on_error=on_error, timeout_s=timeout_s, pool=pool, off_policy=off_policy,
-                            pipelined=pipelined)
+                            pipelined=pipelined, partial=partial)

@@ -70,7 +70,8 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     def make_step(parts: StepParts):
         return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
-                             pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
+                             pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0,
+                              partial=parts.partial)
 
     return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, generation=p.generation)
 

@@ -31,6 +31,7 @@ from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
+from relax.rollout.partial import PartialRollouts
 from relax.objectives.registry import as_policy_loss
 from relax.objectives.reference import make_reference_rule
 from relax.objectives.value import clipped_value_loss, explained_variance
@@ -255,7 +256,7 @@ def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlinePa
 def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
                   pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
-                  pipelined: bool = False) -> Stage:
+                  pipelined: bool = False, partial: PartialRollouts | None = None) -> Stage:
     """``ppo_step(state, batch) -> (state, out)``; ``batch`` and ``out`` as GRPO's. The state holds
     the critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as
     GRPO's: the reference log-probs are computed while it scores. ``off_policy`` / ``pipelined`` as
@@ -265,4 +266,4 @@ def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...
                                  on_error=on_error, timeout_s=timeout_s),) if cfg.advantage == "vineppo" else ())
     return make_online_step(ppo_parts(cfg, host_after=mc_values), reward_fns, decode, eos_ids=eos_ids, pad_id=pad_id,
                             passes=passes, on_error=on_error, timeout_s=timeout_s, pool=pool, off_policy=off_policy,
-                            pipelined=pipelined)
+                            pipelined=pipelined, partial=partial)
