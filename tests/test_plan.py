@@ -147,7 +147,10 @@ def adapter_params_per_chip(rank: int, fsdp: int) -> int:
 
 @needs_tpu
 @pytest.mark.parametrize("algorithm,flags,mesh", [
-    ("ppo", ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "16"], "fsdp=2,tensor=2"),
+    # make test-all: an online trainer compiles fast in tiny_plan (GRPO, fsdp=4); this case adds the
+    # tensor axis and the critic
+    pytest.param("ppo", ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "16"], "fsdp=2,tensor=2",
+                 marks=pytest.mark.slow),
     # make test-all: GRPO compiles fast in tiny_plan (fsdp=4); this case adds LoRA's adapter bytes
     pytest.param("grpo", ["--lora.rank", "8", "--grpo.max-new-tokens", "16"], "data=2,fsdp=2", marks=pytest.mark.slow),
     ("sft", ["--sft.max-length", "64"], None),
@@ -214,6 +217,7 @@ def test_cli_usage_errors(capsys):
 
 
 @needs_tpu
+@pytest.mark.slow  # make test-all (two mesh compiles); the planner's one-mesh accounting stays fast above
 def test_sampler_split_and_offloaded_reference(tiny_config):
     from relax.plan import plan
 
