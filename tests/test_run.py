@@ -359,7 +359,8 @@ PARTIAL = ("--async.staleness", "2", "--async.partial", "2", "--async.correction
 @pytest.mark.slow  # make test-all; tests/test_partial_rollout.py resumes the pipeline in process
 def test_partial_rollout_run_resumes_after_kill_9_bit_for_bit(setup, tmp_path):
     """``--async.partial 2``: each batch sampled over two rollouts (the batches in progress are in
-    the checkpoint's data state); killed while batch 4 is scored, resumed, the same run."""
+    the checkpoint's data state); killed with -9 at the fourth training reward call, resumed: the
+    same run."""
     every = ("--checkpoint-every", "1")
     run_dir = tmp_path / "straight"
     summary = load_example("grpo").main(_args(setup, run_dir, 6, *PARTIAL, *every))

@@ -472,7 +472,8 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         over_budget = len(data.train.stats.over_budget)
         trainer = Trainer(name=algo.name, step=step_fn,
                           batches=batches if partial is None else partial,
-                          make_batch=_make_batch(cfg) if partial is None else (lambda request: request), host_metrics=_host_metrics(cfg, algo, over_budget),
+                          make_batch=_make_batch(cfg) if partial is None else (lambda request: request),
+                          host_metrics=_host_metrics(cfg, algo, over_budget),
                           evaluate=_evaluator(cfg, algo, data.eval_batch, parts, log),
                           export=exporter(tokenizer, base_path(cfg, run_dir)), bar_keys=BAR_KEYS,
                           asynchronous=cfg.async_, on_start=report.write,
