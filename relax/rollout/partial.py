@@ -94,6 +94,14 @@ class InProgress:
         self.lengths[p, g] += k
         self.finished[p, g] |= bool(finished)
 
+    def write_first(self, tokens, logprobs, mask, finished, version: int) -> None:
+        """The first chunk of every completion (``[P, G, c]``, the sampler's outputs)."""
+        c = tokens.shape[2]
+        self.tokens[..., :c], self.logprobs[..., :c] = tokens, logprobs
+        self.versions[..., :c] = np.where(mask > 0, version, UNSAMPLED)
+        self.lengths[:], self.finished[:] = mask.sum(-1), finished
+        self.chunks = 1
+
 
 def _encode_array(x: np.ndarray) -> dict:
     x = np.ascontiguousarray(x)
@@ -208,9 +216,7 @@ class PartialRollouts:
             b.chunks += 1
         if started is not None:
             new = jax.device_get(new)
-            for p, g in np.ndindex(*started.lengths.shape):
-                started.write(p, g, new.tokens[p, g], new.logprobs[p, g], new.mask[p, g], new.finished[p, g], version)
-            started.chunks = 1
+            started.write_first(new.tokens, new.logprobs, new.mask, new.finished, version)
             self.in_progress.append(started)
         return stats
 
