@@ -191,7 +191,9 @@ def test_grpo_step_with_packing_equals_it_without():
         np.testing.assert_array_equal(tok_on, tok_off)
         for name, value in m_off.items():
             if not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
-                np.testing.assert_allclose(m_on[name], value, rtol=2e-5, atol=5e-6, err_msg=name)
+                # float32 sums in another order (the KL and the gradient norm 2.5e-5 and 4e-5 apart on an
+                # AMD EPYC host); a packing error is of the order of the values
+                np.testing.assert_allclose(m_on[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
     # Adam's round-off on gradient components within float noise of 0 (tests/test_parallel.py's WEIGHT_ATOL)
     chex.assert_trees_all_close(policy_on, policy_off, atol=5e-3 * 1e-2)
 

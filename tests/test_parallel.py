@@ -260,8 +260,10 @@ def worker_env(devices: int = 1) -> dict:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
 
 
-def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: float = 300.0):
-    """Run ``script args`` with ``devices`` simulated CPU devices; raise with its output on failure."""
+def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: float = 900.0):
+    """Run ``script args`` with ``devices`` simulated CPU devices; raise with its output on failure.
+    (The mesh worker compiles every mesh's programs: 5+ minutes on a loaded 2-core host with a
+    cold compile cache.)"""
     env = worker_env(devices)
     proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
