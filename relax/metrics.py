@@ -13,6 +13,9 @@ Reductions (over the stacked values ``x_1..x_n`` of micro-batches, then of optim
                  tokens, so a micro-batch's masked mean counts as its tokens; plain mean when
                  every w_i is 0), plain mean over optimizer steps
     sum          sum_i x_i
+    share        a micro-batch's share of its step's total (a loss term under the step's global
+                 normalisers): sum_i x_i over micro-batches, plain mean over optimizer steps, so
+                 the value does not change with gradient accumulation (as the step's ``loss``)
     max / min    max_i x_i / min_i x_i
     first_step   over micro-batches ``max``, over optimizer steps the first step's value (e.g. the
                  sampler/trainer log-prob gap, meaningful only before the first step)
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-REDUCTIONS = ("mean", "sum", "max", "min", "first_step", "first_found")
+REDUCTIONS = ("mean", "sum", "share", "max", "min", "first_step", "first_found")
 
 
 class Metric(eqx.Module):
@@ -66,8 +69,10 @@ def as_metric(x: Array | Metric, reduction: str = "mean") -> Metric:
 
 def _reduce(m: Metric, weights: Array | None, level: str) -> Metric:
     x, r = m.value, m.reduction
-    if r == "sum":
+    if r == "sum" or (r == "share" and level == "micro"):
         out = jnp.sum(x)
+    elif r == "share":
+        out = jnp.mean(x)
     elif r == "max" or (r == "first_step" and level == "micro"):
         out = jnp.max(x)
     elif r == "min":
