@@ -18,6 +18,7 @@ import numpy as np
 from relax.algorithms.batch import LossRows, Prompts, Rollout, Scored
 from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig
+from relax.models.completion_packing import PackedCompletions
 from relax.models.moe import router_loss
 from relax.models.prefix_shared import completion_logprobs, resolve_attention
 from relax.models.forward import ForwardConfig
@@ -235,6 +236,15 @@ def make_packing(packing: PackingConfig, forward: ForwardConfig) -> Stage:
         return state, batch.replace(device=batch.device.replace(packed=packed))
 
     return stage(pack, jit=False, name="pack", updates_state=False)
+
+
+def packing_metrics(packed: PackedCompletions | None) -> dict:
+    """``pack_fill`` (real completion tokens per slot of the packed rows) and ``pack_rows`` (rows
+    per prompt group) of a packed batch; none for a padded one."""
+    if packed is None:
+        return {}
+    return {"pack_fill": jnp.mean((packed.segments > 0).astype(jnp.float32)),
+            "pack_rows": jnp.float32(packed.segments.shape[1])}
 
 
 def make_scoring(reward_fns, decode, *, reference: tuple[Stage, ...], pipelined: bool,

@@ -33,6 +33,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax.models.adapters import merge_lora
+from relax.models.completion_packing import PackedCompletions, unpack
 from relax.models.config import ModelConfig
 from relax.models.hf import build_transformer, load_config, save_directory
 from relax.models.families import BY_ARCHITECTURE, FAMILIES
@@ -98,14 +99,22 @@ def init_value_head(config: ModelConfig, head_std: float = 0.0, *, key: Array | 
 def completion_values(critic: Critic, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
                       tokens: Int[Array, "p g n"], mask: Int[Array, "p g n"], *, remat: bool = False,
                       attention: str = "auto", remat_policy: str = "nothing", unroll: bool = False,
-                      save_attention: bool = False, rope: CompletionRope | None = None) -> Float[Array, "p g n"]:
+                      save_attention: bool = False, rope: CompletionRope | None = None,
+                      packed: PackedCompletions | None = None) -> Float[Array, "p g n"]:
     """``V(prompt, tokens[<t])`` for every completion token (module docstring), float32, differentiable.
 
-    Prompts are left-padded; options as ``relax.models.prefix_shared.completion_logprobs``'s.
+    Prompts are left-padded; options as ``relax.models.prefix_shared.completion_logprobs``'s
+    (``packed``: the backbone runs over the packed rows, the values come back ``[P, G, N]``).
     """
     h = completion_hidden(critic.backbone, prompt_ids, prompt_mask, tokens, mask, remat=remat, attention=attention,
-                          remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope)
-    return values_from_hidden(h, critic.head, critic.bias)
+                          remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope,
+                          packed=packed)
+    return _padded(values_from_hidden(h, critic.head, critic.bias), packed)
+
+
+def _padded(x: Float[Array, "p r c"], packed: PackedCompletions | None) -> Float[Array, "p g n"]:
+    """Per-slot values of the forward's rows in the padded ``[P, G, N]`` layout."""
+    return x if packed is None else unpack(x, packed.source)
 
 
 def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_ids: Int[Array, "p lp"],
@@ -113,20 +122,26 @@ def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_
                                    mask: Int[Array, "p g n"], *, temperature: float = 1.0, remat: bool = False,
                                    chunk_size: int = DEFAULT_CHUNK, attention: str = "auto",
                                    remat_policy: str = "nothing", entropy_grad: bool = True, unroll: bool = False,
-                                   save_attention: bool = False, rope: CompletionRope | None = None
+                                   save_attention: bool = False, rope: CompletionRope | None = None,
+                                   packed: PackedCompletions | None = None
                                    ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, "p g n"]]:
     """``(log p(tokens[t] | ...), entropy, V)`` per completion token from ONE forward of ``policy``.
 
     The log-probs and entropies are ``completion_logprobs(..., with_entropy=True)``'s; the values
-    read the same hidden states through ``head`` (``V = h . head + bias``).
+    read the same hidden states through ``head`` (``V = h . head + bias``). ``packed``: the forward,
+    the vocabulary projection and the value read-out run over the packed rows only; all three come
+    back ``[P, G, N]``.
     """
     h = completion_hidden(policy, prompt_ids, prompt_mask, tokens, mask, remat=remat, attention=attention,
-                          remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope)
-    p, g, n = tokens.shape
-    lp, ent = logprobs_and_entropy_from_hidden(policy, h.reshape(p * g, n, -1), tokens.reshape(p * g, n),
+                          remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope,
+                          packed=packed)
+    targets = tokens if packed is None else packed.tokens
+    p, r, c = targets.shape
+    lp, ent = logprobs_and_entropy_from_hidden(policy, h.reshape(p * r, c, -1), targets.reshape(p * r, c),
                                                temperature=temperature, chunk_size=chunk_size,
                                                entropy_grad=entropy_grad)
-    return lp.reshape(p, g, n), ent.reshape(p, g, n), values_from_hidden(h, head.head, head.bias)
+    values = values_from_hidden(h, head.head, head.bias)
+    return tuple(_padded(x.reshape(p, r, c), packed) for x in (lp, ent, values))
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories

@@ -310,7 +310,8 @@ def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = F
 def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
                       completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *, remat: bool = False,
                       attention: str = "auto", remat_policy: str = "nothing", unroll: bool = False,
-                      save_attention: bool = False, rope: CompletionRope | None = None) -> Float[Array, "p g n d"]:
+                      save_attention: bool = False, rope: CompletionRope | None = None,
+                      packed: PackedCompletions | None = None) -> Float[Array, "p r c d"]:
     """The final-norm hidden state that predicts each completion token, ``[P, G, N, D]``::
 
         h[p, g, 0] = hidden(prompt p)[-1]            (its last position: prompts are left-padded)
@@ -318,11 +319,15 @@ def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt
 
     the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
     state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
+    With ``packed`` the layers run over the packed rows and the states come in their layout,
+    ``[P, R, C, D]`` (slot ``c`` of row ``r`` predicts ``packed.tokens[p, r, c]``): compute what is
+    read from them there (a value, a log-prob) and bring it back with ``unpack``.
     """
-    layers = LayerPass(resolve_attention(attention, model), remat, remat_policy, unroll, save_attention)
-    h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
-                              rope, layers)
-    return h.reshape(completions.shape + h.shape[-1:])
+    attention = resolve_attention("group" if packed is not None and attention == "auto" else attention, model)
+    layers = LayerPass(attention, remat, remat_policy, unroll, save_attention)
+    rows = padded_rows(prompt_mask, completions, completion_mask) if packed is None else packed_rows(prompt_mask, packed)
+    h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
+    return h.reshape(rows.tokens.shape + h.shape[-1:])
 
 
 def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, layers: LayerPass, replay=None,

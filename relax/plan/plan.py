@@ -84,10 +84,11 @@ def parse_run(algorithm: str, argv: list[str]) -> ModelRunConfig:
 def worst_case(cfg: ModelRunConfig) -> ModelRunConfig:
     """The run with completions padded to the budget (packing only ever lowers the update's need,
     and what it packs depends on lengths a plan does not know)."""
-    grpo = getattr(cfg, "grpo", None)
-    if grpo is not None and grpo.packing.mode != "off":
-        cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(grpo, packing=dataclasses.replace(grpo.packing,
-                                                                                                  mode="off")))
+    for name in ("grpo", "ppo"):
+        algo = getattr(cfg, name, None)
+        if algo is not None and algo.packing.mode != "off":
+            padded = dataclasses.replace(algo, packing=dataclasses.replace(algo.packing, mode="off"))
+            cfg = dataclasses.replace(cfg, **{name: padded})
     return cfg
 
 

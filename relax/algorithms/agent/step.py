@@ -132,7 +132,7 @@ def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, 
         raise ValueError("per-turn advantages are GRPO's; PPO's critic assigns credit per token")
     rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
                                  make_env, chat)
-    parts = dataclasses.replace(ppo.ppo_parts(cfg), name="agent_ppo_step")
+    parts = dataclasses.replace(ppo.ppo_parts(cfg), name="agent_ppo_step", packing=None)
     return make_online_step(parts, rollout=rollout, passes=passes, off_policy=off_policy, pipelined=pipelined)
 
 

@@ -44,6 +44,7 @@ from relax.train.update import Updated
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online_step import OnlineParts, make_online_step
+from relax.algorithms.stages import packing_metrics
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.rollout.partial import PartialRollouts
 
@@ -140,10 +141,7 @@ def _batch_metrics(batch: Advantaged) -> dict:
            "advantage_mean": jnp.mean(batch.advantages), "advantage_std": jnp.std(batch.advantages)}
     for name, part in batch.reward_parts.items():
         out[f"reward/{name}"] = jnp.nanmean(part)
-    if batch.packed is not None:  # real completion tokens per slot of the packed rows, and rows per group
-        out["pack_fill"] = jnp.mean((batch.packed.segments > 0).astype(jnp.float32))
-        out["pack_rows"] = jnp.float32(batch.packed.segments.shape[1])
-    return out
+    return {**out, **packing_metrics(batch.packed)}
 
 
 def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:

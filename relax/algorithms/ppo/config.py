@@ -7,6 +7,7 @@ import dataclasses
 from typing import Annotated
 
 from relax.choices import check_choice
+from relax.data.completion_layout import PackingConfig
 from relax.algorithms.configure import FLAT
 from relax.models.forward import ForwardConfig
 from relax.objectives.aggregation import resolve_mode
@@ -46,7 +47,10 @@ class PPOConfig:
     Update: ``num_iterations`` epochs x ``num_minibatches`` optimizer steps x ``grad_accum``
     micro-batches (None: the backend's choice, ``relax.passes``), the same split for the critic;
     ``forward`` (``relax.models.forward.ForwardConfig``, flat flags: ``train_attention``,
-    ``remat``, ``remat_policy``) for the policy's and the critic's forwards.
+    ``remat``, ``remat_policy``) for the policy's and the critic's forwards; ``packing``
+    (``relax.data.completion_layout.PackingConfig``): the completions packed by token count in the
+    reference, value, proximal and update forwards of both models (``relax.models.completion_packing``;
+    the same losses and metrics as padded).
     """
 
     generation: Annotated[GenerationConfig, FLAT] = GenerationConfig(num_generations=4, max_new_tokens=256)
@@ -70,6 +74,7 @@ class PPOConfig:
     num_minibatches: int = 1
     grad_accum: int | None = None
     forward: Annotated[ForwardConfig, FLAT] = ForwardConfig()
+    packing: PackingConfig = PackingConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     critic_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-5)
 

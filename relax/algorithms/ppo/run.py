@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from relax.models.config import DTYPES
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.models.critic import init_critic, init_value_head, load_critic
+from relax.models.prefix_shared import resolve_attention
 from relax.train.state import TrainState, init_state
 
 from relax.algorithms.configure import configure
@@ -71,9 +72,14 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
         return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0,
-                              partial=parts.partial)
+                             partial=parts.partial)
 
-    return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, generation=p.generation)
+    def describe_update(model) -> str:
+        return p.packing.describe(resolve_attention(p.forward.train_attention, model), p.generation.num_generations,
+                                  p.generation.max_new_tokens)
+
+    return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, generation=p.generation,
+                           describe_update=describe_update)
 
 
 def run(cfg: PPORunConfig) -> dict:

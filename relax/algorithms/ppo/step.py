@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from relax.algorithms.batch import LossRows, Scored
+from relax import metrics as M
 from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
+from relax.models.completion_packing import unpack
 from relax.models.critic import (completion_logprobs_and_values, completion_values, values_from_hidden)
 from relax.models.prefix_shared import completion_hidden, completion_rope
 from relax.objectives.advantages import gae, whiten
@@ -46,7 +49,7 @@ from relax.algorithms.ppo.batch import CriticRows, PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
 from relax.algorithms.online_step import OnlineParts, make_online_step
-from relax.algorithms.stages import train_logprobs
+from relax.algorithms.stages import packing_metrics, train_logprobs
 
 
 
@@ -55,6 +58,20 @@ def token_rewards(score, mask, kl, kl_coef: float):
     m = mask > 0
     at_end = jnp.arange(m.shape[-1]) == last_valid_index(m)[..., None]
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
+
+
+def gae_terms(cfg: PPOConfig, token_r: Float[Array, "p g n"], values: Float[Array, "p g n"],
+              mask: Bool[Array, "p g n"]) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, ""]]:
+    """GAE's advantages and returns ``R_t = A_t + V_t`` over the valid tokens (``cfg.gamma``,
+    ``cfg.lam``; not whitened), and how well the values explain the returns::
+
+        delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1}
+    """
+    p, g, n = token_r.shape
+    flat = lambda x: x.reshape(p * g, n)  # noqa: E731
+    adv, returns = gae(flat(token_r), flat(values), flat(mask), gamma=cfg.gamma, lam=cfg.lam)
+    ev = explained_variance(flat(values), returns, flat(mask))
+    return adv.reshape(p, g, n), returns.reshape(p, g, n), ev
 
 
 def make_advantage(cfg: PPOConfig) -> Stage:
@@ -76,9 +93,9 @@ def make_advantage(cfg: PPOConfig) -> Stage:
         out = rope_tables(cfg, state, out)
         if cfg.advantage == "gae":
             values = state_values(cfg, state, out)
-            adv, returns = gae(flat(r), flat(values), flat(m), gamma=cfg.gamma, lam=cfg.lam)
-            out = out.replace(old_values=values, returns=returns.reshape(p, g, n),
-                              explained_variance=explained_variance(flat(values), returns, flat(m)))
+            adv, returns, ev = gae_terms(cfg, r, values, m)
+            adv = flat(adv)
+            out = out.replace(old_values=values, returns=returns, explained_variance=ev)
         else:  # VinePPO: V(s_t) from branched rollouts; the terminal value is the score
             adv = step_advantages(out.mc_values, batch.lengths, score, every=cfg.vine_every, n=n)
             adv = flat(jnp.where(m, adv, 0.0)) - cfg.kl_coef * flat(kl)
@@ -107,7 +124,7 @@ def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext,
         per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
     loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
                      num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
-    return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": loss}
+    return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": M.Metric(loss, "share")}
 
 
 def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
@@ -119,7 +136,7 @@ def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
                                             clip_range=cfg.cliprange_value)
     loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
                                    num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
-    return loss, {**metrics, "vf_loss": loss, "vpred": masked_mean(flat(values), mask)}
+    return loss, {**metrics, "vf_loss": M.Metric(loss, "share"), "vpred": masked_mean(flat(values), mask)}
 
 
 def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
@@ -141,7 +158,7 @@ def make_critic_loss(cfg: PPOConfig, passes: Passes):
     def loss_fn(critic, mb: CriticRows, ctx: LossContext):
         values = completion_values(critic, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask,
                                    unroll=passes.unroll(critic.backbone.config.num_layers), rope=mb.critic_rope,
-                                   **cfg.forward.options())
+                                   packed=mb.packed, **cfg.forward.options())
         return _value_terms(cfg, values, mb, ctx)
 
     return loss_fn
@@ -157,7 +174,7 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
         logp, ent, values = completion_logprobs_and_values(
             policy, head, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, temperature=cfg.generation.temperature,
             entropy_grad=cfg.entropy_coef != 0.0, unroll=passes.unroll(policy.config.num_layers), rope=mb.rope,
-            **cfg.forward.options())
+            packed=mb.packed, **cfg.forward.options())
         pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
         vf, vf_metrics = _value_terms(cfg, values, mb, ctx)
         return pg + vf, {**metrics, **{f"critic/{k}": v for k, v in vf_metrics.items()}}
@@ -168,23 +185,27 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
 def rope_tables(cfg: PPOConfig, state: TrainState, batch: PPOBatch) -> PPOBatch:
     """The batch with the rotary tables of its completions, computed once for the values and both
     updates: ``rope`` (the policy's) and ``critic_rope`` (a separate critic's own: it may be
-    another model than the policy)."""
+    another model than the policy), both in the layout the forwards run (``batch.packed``'s rows
+    when the batch was packed)."""
     _, g, n = batch.tokens.shape
-    batch = batch.replace(rope=completion_rope(state.policy.config, batch.prompt_mask, g, n))
+    batch = batch.replace(rope=completion_rope(state.policy.config, batch.prompt_mask, g, n, packed=batch.packed))
     if cfg.needs_critic and not cfg.shared_critic:
-        batch = batch.replace(critic_rope=completion_rope(state.critic.backbone.config, batch.prompt_mask, g, n))
+        batch = batch.replace(critic_rope=completion_rope(state.critic.backbone.config, batch.prompt_mask, g, n,
+                                                          packed=batch.packed))
     return batch
 
 
 def state_values(cfg: PPOConfig, state: TrainState, batch: PPOBatch):
-    """The critic's values ``[P, G, N]`` of the sampled states (no gradient); the batch holds
-    ``rope_tables``."""
+    """The critic's values ``[P, G, N]`` of the sampled states (no gradient; over the packed rows
+    when the batch was packed); the batch holds ``rope_tables``."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     if cfg.shared_critic:
-        h = completion_hidden(state.policy, *args, rope=batch.rope, **cfg.forward.options(differentiated=False))
+        h = completion_hidden(state.policy, *args, rope=batch.rope, packed=batch.packed,
+                              **cfg.forward.options(differentiated=False))
         values = values_from_hidden(h, state.critic.head, state.critic.bias)
+        values = values if batch.packed is None else unpack(values, batch.packed.source)
     else:
-        values = completion_values(state.critic, *args, rope=batch.critic_rope,
+        values = completion_values(state.critic, *args, rope=batch.critic_rope, packed=batch.packed,
                                    **cfg.forward.options(differentiated=False))
     return jax.lax.stop_gradient(values)
 
@@ -235,7 +256,7 @@ def _batch_metrics(cfg: PPOConfig, batch: PPOBatch) -> dict:
            "non_score_reward": -cfg.kl_coef * jnp.mean(kl_sum),
            "completion_length": jnp.mean(batch.lengths.astype(jnp.float32)),
            "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
-           "advantage_mean": masked_mean(batch.advantages, m)}
+           "advantage_mean": masked_mean(batch.advantages, m), **packing_metrics(batch.packed)}
     if cfg.needs_critic:
         out.update(returns_mean=masked_mean(batch.returns, m), values_mean=masked_mean(batch.old_values, m),
                    explained_variance=batch.explained_variance)
@@ -249,7 +270,7 @@ def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlinePa
     Monte-Carlo values."""
     return OnlineParts(name="ppo_step", generation=cfg.generation, forward=cfg.forward,
                        needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,
-                       advantage=make_advantage(cfg), host_after=host_after,
+                       advantage=make_advantage(cfg), host_after=host_after, packing=cfg.packing,
                        make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy))
 
 
