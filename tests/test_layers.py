@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tasks", ("relax.tasks",)),
     ("algorithms", ("relax.algorithms",)),
     ("plan", ("relax.plan",)),  # compiles the algorithms' runs for TPU / GPU targets
+    ("serve", ("relax.serve",)),  # every objective by name; the training service
     ("top", ("relax",)),  # relax/__init__.py only: it may import anything
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
