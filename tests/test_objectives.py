@@ -12,6 +12,7 @@ import pytest
 
 from relax.algorithms.configure import configure
 from relax.algorithms.dpo import DPOConfig, make_dpo_step
+from relax.algorithms.kto import KTOConfig, make_kto_step
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.ppo.config import PPOConfig
@@ -19,7 +20,7 @@ from relax.algorithms.ppo.step import make_ppo_step
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.step import make_reward_model_step
 from relax.algorithms.sft import SFTConfig, make_sft_step, sft_batch
-from relax.data.pairs import PairBatch
+from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.models import hidden_states, init
 from relax.models.critic import init_value_head
 from relax.models.logprobs import token_logprobs
@@ -65,7 +66,7 @@ def _rows(model):
 
 
 POLICY_NAMES = sorted(POLICY_LOSSES)
-FAST_POLICY = ("importance_sampling", "grpo")
+FAST_POLICY = ("importance_sampling",)  # the rest: make test-all
 
 
 @pytest.mark.parametrize("name", [n if n in FAST_POLICY else pytest.param(n, marks=pytest.mark.slow)
@@ -136,8 +137,7 @@ def _pairs(seed=0, p=4, lp=6, n=5, reference=True):
                      ref_logps=ref if reference else None, margin=rng.random(p).astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["dpo", pytest.param("ipo", marks=pytest.mark.slow), "simpo",
-                                  pytest.param("orpo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["dpo", *(pytest.param(n, marks=pytest.mark.slow) for n in ("ipo", "simpo", "orpo"))])
 def test_dpo_family_equals_the_dpo_step(name):
     model = init(CFG, jax.random.key(0), std=0.3)
     batch = _pairs()
@@ -147,6 +147,25 @@ def test_dpo_family_equals_the_dpo_step(name):
     trained, out = make_dpo_step(cfg)(_state(model), batch)
     state = _state(model)
     grads, got = make_forward_backward(name, beta=0.2)(state, jax.tree.map(jnp.asarray, batch))
+    _same_metrics(got, out.metrics)
+    chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
+
+
+@pytest.mark.slow  # make test-all; DPO's pair path is fast
+def test_kto_equals_the_kto_step():
+    """Unpaired examples with the reference's log-probs attached: z0 from the KL completions under
+    the policy, the loss, metrics and update of the KTO step."""
+    model = init(CFG, jax.random.key(0), std=0.3)
+    b = _pairs()
+    rng = np.random.default_rng(3)
+    batch = UnpairedBatch(prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
+                          label=np.array([1, 0, 1, 0], np.int32), loss_mask=b.loss_mask,
+                          ref_logps=(-20.0 + rng.standard_normal((4, 2))).astype(np.float32))
+    cfg = KTOConfig(beta=0.5, desirable_weight=1.2, precompute_reference=True, grad_accum=1, optimizer=OPT)
+    trained, out = make_kto_step(cfg)(_state(model), batch)
+    assert float(out.metrics["kl"]) > 0  # z0 not clamped
+    state = _state(model)
+    grads, got = make_forward_backward("kto", beta=0.5, desirable_weight=1.2)(state, jax.tree.map(jnp.asarray, batch))
     _same_metrics(got, out.metrics)
     chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
 
@@ -226,5 +245,5 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="ValueHead"):
         forward_backward(state, ValueRows(data.prompt_ids, data.prompt_mask, data.tokens, data.mask,
                                           data.old_logprobs), "ppo")
-    assert set(POLICY_LOSSES) | {"causal_lm", "dpo", "ipo", "simpo", "orpo", "reward_modeling"} == set(OBJECTIVES)
+    assert set(POLICY_LOSSES) | {"causal_lm", "dpo", "ipo", "simpo", "orpo", "kto", "reward_modeling"} == set(OBJECTIVES)
     assert isinstance(data, LossRows)

@@ -19,6 +19,10 @@ name                  batch               trains                               k
 ``simpo``, ``orpo``   (``ref_logps``                                           ``label_smoothing``, ...); the name sets
                       unless reference-                                        ``loss_type``
                       free)
+``kto``               ``UnpairedBatch``   the policy                           ``KTOConfig`` (``beta``,
+                      (``ref_logps``;                                          ``desirable_weight``, ...)
+                      ``kl``: else ``z0``
+                      from the policy)
 ``reward_modeling``   ``PairBatch``       ``state.policy``, a ``RewardModel``  ``RewardModelConfig``
                       (``margin``)                                             (``center_rewards_coefficient``)
 ``ppo``               ``ValueRows``       the policy and ``state.critic``, a   ``PPOConfig`` (``vf_coef``,
@@ -62,6 +66,10 @@ from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers as dpo_normalizers
 from relax.algorithms.dpo.step import pair_rows
 from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.kto.config import KTOConfig
+from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
+from relax.algorithms.kto.step import make_reference_point, own_rows
+from relax.algorithms.pair_forward import shared_forward
 from relax.algorithms.grpo.loss import make_loss as make_grpo_loss
 from relax.algorithms.pair_update import with_loss_mask
 from relax.algorithms.ppo.batch import CriticRows
@@ -72,7 +80,7 @@ from relax.algorithms.reward_model.loss import make_loss as make_rm_loss, pair_n
 from relax.algorithms.reward_model.step import pair_data
 from relax.algorithms.sft.loss import make_sft_loss
 from relax.algorithms.sft.step import SFTConfig
-from relax.data.pairs import PairBatch
+from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
 from relax.models.adapters import split_trainable
@@ -158,6 +166,20 @@ def _dpo(name: str):
     return build
 
 
+def _kto(state: TrainState, batch: UnpairedBatch, kwargs: dict, passes: Passes):
+    cfg = configure(KTOConfig, **kwargs)
+    if batch.ref_logps is None:
+        raise ValueError("objective 'kto' reads the reference's sequence log-probs of both completions: the "
+                         "UnpairedBatch needs ref_logps [P, 2] (its own completion's and its KL completion's)")
+    forward = shared_forward(passes, cfg.forward)
+    batch = with_loss_mask(batch)
+    if batch.kl is None:  # z0 from the KL completions under the policy as it is, as the KTO step does
+        batch = make_reference_point(passes, forward)(state, batch)[1]
+    rows = own_rows(batch)
+    loss_fn, ctx = make_kto_loss(cfg, passes, forward), _context(kto_normalizers(rows))
+    return Grads(state.policy), lambda params: loss_fn(params.policy, rows, ctx)
+
+
 def _reward_modeling(state: TrainState, batch: PairBatch, kwargs: dict, passes: Passes):
     cfg = configure(RewardModelConfig, **kwargs)
     rows = pair_data(batch, state.policy.config)
@@ -233,6 +255,7 @@ OBJECTIVES: dict[str, Objective] = {
     **{n: Objective(PairBatch, _dpo(n), f"the DPO family's loss, loss_type {'chosen by kwarg' if n == 'dpo' else n}")
        for n in DPO_NAMES},
     "reward_modeling": Objective(PairBatch, _reward_modeling, "Bradley-Terry with a margin, on a RewardModel"),
+    "kto": Objective(UnpairedBatch, _kto, "KTO on unpaired examples, z0 from their KL completions"),
     "ppo": Objective(ValueRows, _ppo, "PPO with the state's value head (or the policy loss alone on LossRows)"),
     **{n: Objective(LossRows, _policy(n), f"GRPO's loss with the registry's {n!r} policy loss")
        for n in POLICY_LOSSES if n != "ppo"},
