@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["PackedCompletions", "unpack"]
+__all__ = ["PackedCompletions", "to_padded", "unpack"]
 
 
 class PackedCompletions(NamedTuple):
@@ -51,3 +51,9 @@ def unpack(x: Float[Array, "p r c"], source: Int[Array, "p g n"]) -> Float[Array
     p = x.shape[0]
     flat = x.reshape(p, -1)
     return jnp.take_along_axis(flat, source.reshape(p, -1), axis=1).reshape(source.shape)
+
+
+def to_padded(x: Float[Array, "p r c"], packed: PackedCompletions | None) -> Float[Array, "p g n"]:
+    """Per-slot values of a forward's rows in the padded ``[P, G, N]`` layout: ``unpack`` them
+    when the rows were ``packed``, else they already are."""
+    return x if packed is None else unpack(x, packed.source)

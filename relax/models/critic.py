@@ -33,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax.models.adapters import merge_lora
-from relax.models.completion_packing import PackedCompletions, unpack
+from relax.models.completion_packing import PackedCompletions, to_padded
 from relax.models.config import ModelConfig
 from relax.models.hf import build_transformer, load_config, save_directory
 from relax.models.families import BY_ARCHITECTURE, FAMILIES
@@ -43,8 +43,8 @@ from relax.models.prefix_shared import CompletionRope, completion_hidden
 from relax.models.transformer import Transformer
 from relax.models.weights_io import FLOAT_DTYPES, open_weights
 
-__all__ = ["Critic", "ValueHead", "completion_logprobs_and_values", "completion_values", "init_critic",
-           "init_value_head", "load_critic", "save_critic", "value_architectures", "values_from_hidden"]
+__all__ = ["Critic", "ValueHead", "completion_head_values", "completion_logprobs_and_values", "completion_values",
+           "init_critic", "init_value_head", "load_critic", "save_critic", "value_architectures", "values_from_hidden"]
 
 _VALUE_KINDS = ("sequence", "token")  # the value-model architectures (a family's record names them)
 LAYOUTS = ("auto", "sequence", "token")
@@ -109,12 +109,17 @@ def completion_values(critic: Critic, prompt_ids: Int[Array, "p lp"], prompt_mas
     h = completion_hidden(critic.backbone, prompt_ids, prompt_mask, tokens, mask, remat=remat, attention=attention,
                           remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope,
                           packed=packed)
-    return _padded(values_from_hidden(h, critic.head, critic.bias), packed)
+    return to_padded(values_from_hidden(h, critic.head, critic.bias), packed)
 
 
-def _padded(x: Float[Array, "p r c"], packed: PackedCompletions | None) -> Float[Array, "p g n"]:
-    """Per-slot values of the forward's rows in the padded ``[P, G, N]`` layout."""
-    return x if packed is None else unpack(x, packed.source)
+def completion_head_values(policy: Transformer, head: ValueHead, prompt_ids: Int[Array, "p lp"],
+                           prompt_mask: Int[Array, "p lp"], tokens: Int[Array, "p g n"], mask: Int[Array, "p g n"],
+                           *, packed: PackedCompletions | None = None, **options) -> Float[Array, "p g n"]:
+    """``V = h . head + bias`` of a value head on ``policy``'s hidden states, for every completion
+    token, ``[P, G, N]`` (``completion_values``' alignment); ``options`` and ``packed`` as
+    ``completion_values``'."""
+    h = completion_hidden(policy, prompt_ids, prompt_mask, tokens, mask, packed=packed, **options)
+    return to_padded(values_from_hidden(h, head.head, head.bias), packed)
 
 
 def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_ids: Int[Array, "p lp"],
@@ -141,7 +146,7 @@ def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_
                                                temperature=temperature, chunk_size=chunk_size,
                                                entropy_grad=entropy_grad)
     values = values_from_hidden(h, head.head, head.bias)
-    return tuple(_padded(x.reshape(p, r, c), packed) for x in (lp, ent, values))
+    return tuple(to_padded(x.reshape(p, r, c), packed) for x in (lp, ent, values))
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models.completion_packing import PackedCompletions, unpack
+from relax.models.completion_packing import PackedCompletions, to_padded
 from relax.models.config import ModelConfig
 from relax.models.dense_attention import fused_attention_available, prefix_dense_attention
 from relax.models.group_attention import prefix_group_attention
@@ -65,6 +65,12 @@ def resolve_attention(choice: str, model: Transformer) -> str:
         raise ValueError(f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
                          "use 'group'")
     return choice
+
+
+def _rows_attention(choice: str, model: Transformer, packed: PackedCompletions | None) -> str:
+    """The resolved train attention of a forward over packed (``"auto"`` -> ``"group"``: the one
+    with segments) or padded rows."""
+    return resolve_attention("group" if packed is not None and choice == "auto" else choice, model)
 
 
 class CompletionRope(NamedTuple):
@@ -268,8 +274,7 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     ``router_stats``: also return the sparse layers' ``RouterStats`` summed over the prompt and
     completion tokens, ``(values, stats)`` (None stats for a dense model).
     """
-    attention = resolve_attention("group" if packed is not None and attention == "auto" else attention, model)
-    layers = LayerPass(attention, remat, remat_policy, unroll, save_attention)
+    layers = LayerPass(_rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention)
     run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature,
                             with_entropy=with_entropy, chunk_size=chunk_size, entropy_grad=entropy_grad,
                             replay_routes=replay_routes)
@@ -284,8 +289,7 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
                                                      0, 1), replay)
     out, stats = over_groups(lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
                              (*xs, rope, replay), groups_per_pass=groups_per_pass, summed=True)
-    if packed is not None:
-        out = tuple(unpack(x, packed.source) for x in out) if with_entropy else unpack(out, packed.source)
+    out = tuple(to_padded(x, packed) for x in out) if with_entropy else to_padded(out, packed)
     return (out, stats) if router_stats else out
 
 
@@ -321,10 +325,9 @@ def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt
     state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
     With ``packed`` the layers run over the packed rows and the states come in their layout,
     ``[P, R, C, D]`` (slot ``c`` of row ``r`` predicts ``packed.tokens[p, r, c]``): compute what is
-    read from them there (a value, a log-prob) and bring it back with ``unpack``.
+    read from them there (a value, a log-prob) and bring it back with ``to_padded``.
     """
-    attention = resolve_attention("group" if packed is not None and attention == "auto" else attention, model)
-    layers = LayerPass(attention, remat, remat_policy, unroll, save_attention)
+    layers = LayerPass(_rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention)
     rows = padded_rows(prompt_mask, completions, completion_mask) if packed is None else packed_rows(prompt_mask, packed)
     h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
     return h.reshape(rows.tokens.shape + h.shape[-1:])

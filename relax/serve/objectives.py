@@ -74,7 +74,7 @@ from relax.algorithms.grpo.loss import make_loss as make_grpo_loss
 from relax.algorithms.pair_update import with_loss_mask
 from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.step import gae_terms, make_joint_loss, token_rewards
+from relax.algorithms.ppo.step import gae_terms, kl_token_rewards, make_joint_loss
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.loss import make_loss as make_rm_loss, pair_normalizers as rm_normalizers
 from relax.algorithms.reward_model.step import pair_data
@@ -84,12 +84,11 @@ from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
 from relax.models.adapters import split_trainable
-from relax.models.critic import ValueHead, values_from_hidden
-from relax.models.prefix_shared import completion_hidden
+from relax.models.critic import ValueHead, completion_head_values
 from relax.objectives.advantages import whiten
-from relax.objectives.kl import kl_estimate
 from relax.objectives.registry import POLICY_LOSSES
 from relax.passes import Passes, choose_passes
+from relax.train import primitives
 from relax.train.state import TrainState, apply_updates
 from relax.train.update import LossContext, token_normalizers
 
@@ -132,7 +131,6 @@ class Objective:
 
     batch: type
     build: Callable[..., tuple[Any, Callable]]
-    doc: str
 
 
 def _context(norms) -> LossContext:
@@ -235,15 +233,14 @@ def value_rows(cfg: PPOConfig, state: TrainState, batch: ValueRows, passes: Pass
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise ValueError(f"objective 'ppo' with kl_coef={cfg.kl_coef} puts the KL to the reference in the "
                              "token rewards: the ValueRows need ref_logprobs [P, G, N] (or kl_coef=0)")
-        kl = (kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator, mask=m) if cfg.kl_coef > 0
-              else jnp.zeros(m.shape, jnp.float32))
-        h = completion_hidden(state.policy, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask,
-                              **cfg.forward.options(differentiated=False))
-        values = jax.lax.stop_gradient(values_from_hidden(h, state.critic.head, state.critic.bias))
-        adv, returns, ev = gae_terms(cfg, token_rewards(batch.rewards, loss_mask, kl, cfg.kl_coef), values, m)
+        r, _ = kl_token_rewards(cfg, batch.rewards, loss_mask, batch.old_logprobs, batch.ref_logprobs)
+        values = jax.lax.stop_gradient(completion_head_values(
+            state.policy, state.critic, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask,
+            **cfg.forward.options(differentiated=False)))
+        adv, returns, ev = gae_terms(cfg, r, values, m)
         extra = {"explained_variance": ev, "returns_mean": masked_mean(returns, m), "values_mean": masked_mean(values, m)}
     if cfg.whiten_advantages:
-        adv = whiten(adv.reshape(-1, adv.shape[-1]), m.reshape(-1, m.shape[-1])).reshape(adv.shape)
+        adv = whiten(adv, m)  # over every valid token, whatever the shape
     rows = CriticRows(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens,
                       mask=batch.mask, loss_mask=loss_mask, old_logprobs=batch.old_logprobs, advantages=adv,
                       old_values=values, returns=returns)
@@ -251,14 +248,12 @@ def value_rows(cfg: PPOConfig, state: TrainState, batch: ValueRows, passes: Pass
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "causal_lm": Objective(PackedBatch, _causal_lm, "SFT's token-sum NLL over the batch's targets"),
-    **{n: Objective(PairBatch, _dpo(n), f"the DPO family's loss, loss_type {'chosen by kwarg' if n == 'dpo' else n}")
-       for n in DPO_NAMES},
-    "reward_modeling": Objective(PairBatch, _reward_modeling, "Bradley-Terry with a margin, on a RewardModel"),
-    "kto": Objective(UnpairedBatch, _kto, "KTO on unpaired examples, z0 from their KL completions"),
-    "ppo": Objective(ValueRows, _ppo, "PPO with the state's value head (or the policy loss alone on LossRows)"),
-    **{n: Objective(LossRows, _policy(n), f"GRPO's loss with the registry's {n!r} policy loss")
-       for n in POLICY_LOSSES if n != "ppo"},
+    "causal_lm": Objective(PackedBatch, _causal_lm),
+    **{n: Objective(PairBatch, _dpo(n)) for n in DPO_NAMES},
+    "reward_modeling": Objective(PairBatch, _reward_modeling),
+    "kto": Objective(UnpairedBatch, _kto),
+    "ppo": Objective(ValueRows, _ppo),  # or LossRows without a value head (_ppo checks)
+    **{n: Objective(LossRows, _policy(n)) for n in POLICY_LOSSES if n != "ppo"},
 }
 
 
@@ -299,9 +294,7 @@ def make_forward_backward(loss: str, *, passes: Passes | None = None, **kwargs):
 def optim_step(state: TrainState, grads: Grads) -> TrainState:
     """One step of the state's optimizer on ``grads.policy`` and, when given, of its critic
     optimizer on ``grads.critic``; ``state.step`` counts it."""
-    trained = split_trainable(state.policy)[0]
-    updates, opt_state = state.optimizer.update(grads.policy, state.opt_state, trained)
-    state = state.replace(policy=apply_updates(state.policy, updates), opt_state=opt_state, step=state.step + 1)
+    state = primitives.optim_step(state, grads.policy)
     if grads.critic is None:
         return state
     updates, critic_opt_state = state.critic_optimizer.update(grads.critic, state.critic_opt_state,

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from relax.algorithms.batch import LossRows, Scored
 from relax import metrics as M
 from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
-from relax.models.completion_packing import unpack
-from relax.models.critic import (completion_logprobs_and_values, completion_values, values_from_hidden)
-from relax.models.prefix_shared import completion_hidden, completion_rope
+from relax.models.critic import completion_head_values, completion_logprobs_and_values, completion_values
+from relax.models.prefix_shared import completion_rope
 from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
@@ -60,6 +59,17 @@ def token_rewards(score, mask, kl, kl_coef: float):
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
 
 
+def kl_token_rewards(cfg: PPOConfig, score: Float[Array, "p g"], loss_mask: Int[Array, "p g n"],
+                     old_logprobs: Float[Array, "p g n"], ref_logprobs: Float[Array, "p g n"] | None
+                     ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"]]:
+    """``(r_t, KL_t)``: ``token_rewards`` with ``KL_t = kl_estimate(old || ref)`` (``cfg.kl_estimator``)
+    on the loss tokens, 0 everywhere when ``cfg.kl_coef`` is 0 (``ref_logprobs`` unread)."""
+    m = loss_mask > 0
+    kl = (kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator, mask=m) if cfg.kl_coef > 0
+          else jnp.zeros(m.shape, jnp.float32))
+    return token_rewards(score, loss_mask, kl, cfg.kl_coef), kl
+
+
 def gae_terms(cfg: PPOConfig, token_r: Float[Array, "p g n"], values: Float[Array, "p g n"],
               mask: Bool[Array, "p g n"]) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, ""]]:
     """GAE's advantages and returns ``R_t = A_t + V_t`` over the valid tokens (``cfg.gamma``,
@@ -85,9 +95,7 @@ def make_advantage(cfg: PPOConfig) -> Stage:
         score = jnp.where(score_ok, batch.rewards, 0.0)
         loss_mask = batch.policy_tokens * score_ok[..., None]
         m = loss_mask > 0
-        kl = (kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator, mask=m)
-              if cfg.kl_coef > 0 else jnp.zeros(m.shape, jnp.float32))
-        r = token_rewards(score, loss_mask, kl, cfg.kl_coef)
+        r, kl = kl_token_rewards(cfg, score, loss_mask, batch.old_logprobs, batch.ref_logprobs)
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
         out = PPOBatch.of(batch, loss_mask=loss_mask, token_rewards=r, kl_to_ref=kl)
         out = rope_tables(cfg, state, out)
@@ -200,10 +208,8 @@ def state_values(cfg: PPOConfig, state: TrainState, batch: PPOBatch):
     when the batch was packed); the batch holds ``rope_tables``."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     if cfg.shared_critic:
-        h = completion_hidden(state.policy, *args, rope=batch.rope, packed=batch.packed,
-                              **cfg.forward.options(differentiated=False))
-        values = values_from_hidden(h, state.critic.head, state.critic.bias)
-        values = values if batch.packed is None else unpack(values, batch.packed.source)
+        values = completion_head_values(state.policy, state.critic, *args, rope=batch.rope, packed=batch.packed,
+                                        **cfg.forward.options(differentiated=False))
     else:
         values = completion_values(state.critic, *args, rope=batch.critic_rope, packed=batch.packed,
                                    **cfg.forward.options(differentiated=False))
