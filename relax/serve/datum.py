@@ -1,0 +1,140 @@
+"""Tinker's datum losses: per-token losses *summed* over a list of ``Datum`` s.
+
+A datum is ``tokens [T]`` (what the model reads) and ``loss_fn_inputs`` of length ``T``:
+``target_tokens`` (``y_t``, predicted at position ``t``) and what the loss reads. With
+``logp_t = log pi(y_t | tokens_{<=t})``, the losses, summed over every position of every datum
+(so that splitting a batch over several ``forward_backward`` calls sums to the same gradient):
+
+=====================  ======================================  ===============================
+``cross_entropy``      ``-sum_t w_t logp_t``                   ``weights``
+policy losses          ``sum_t loss_t(logp, q, A)``: the       ``logprobs`` (``q_t``, the
+(``importance_        registry's per-token loss               sampler's), ``advantages``
+sampling``, ``ppo``,   (``relax.objectives.registry``), e.g.   (``A_t``)
+``cispo``, ...)        ``-(p/q) A`` for importance_sampling
+=====================  ======================================  ===============================
+
+Tinker's PPO options ``clip_low_threshold`` / ``clip_high_threshold`` (ratio bounds, 0.8 / 1.2)
+are taken as ``epsilon_low = 1 - low`` and ``epsilon_high = high - 1``; every other option is the
+registry loss's own field. The datums are right-padded into ``[B, T]`` rows with ``B`` and ``T``
+rounded up to powers of two (``bucket``), so nearby batch sizes share one compiled program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from relax import metrics as M
+from relax.models.packed import packed_hidden
+from relax.models.logprobs import logprobs_from_hidden
+from relax.objectives.registry import POLICY_LOSSES, policy_loss
+from relax.serve.wire import RequestError
+
+__all__ = ["DATUM_LOSSES", "DatumRows", "datum_loss", "datum_rows"]
+
+DATUM_LOSSES = ("cross_entropy", *POLICY_LOSSES)
+_TINKER_CLIP = {"clip_low_threshold", "clip_high_threshold"}
+
+
+class DatumRows(eqx.Module):
+    """Datums right-padded into rows; ``valid`` is 0 on padding (every input there is 0)."""
+
+    ids: Int[Array, "b t"]
+    targets: Int[Array, "b t"]
+    valid: Int[Array, "b t"]
+    weights: Float[Array, "b t"]
+    logprobs: Float[Array, "b t"]
+    advantages: Float[Array, "b t"]
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The power of two at or above ``max(n, least)``."""
+    return 1 << (max(n, least) - 1).bit_length()
+
+
+def _needs(loss: str) -> tuple[str, ...]:
+    return ("weights",) if loss == "cross_entropy" else ("logprobs", "advantages")
+
+
+def datum_rows(data: Any, loss: str, vocab_size: int, max_length: int) -> tuple[DatumRows, list[int]]:
+    """The rows of ``data`` (the wire form of ``Datum.to_wire``) for ``loss``, and each datum's
+    length. Each datum is checked (``data[i].<field>`` named in a ``RequestError``)."""
+    if not isinstance(data, list) or not data:
+        raise RequestError("data", "a non-empty list of datums is needed")
+    needs = ("target_tokens", *_needs(loss))
+    lengths = []
+    for i, d in enumerate(data):
+        at = f"data[{i}]"
+        if not isinstance(d, dict) or not isinstance(d.get("tokens"), np.ndarray) or d["tokens"].ndim != 1:
+            raise RequestError(f"{at}.model_input", "the tokens must be a 1-D array")
+        n = len(d["tokens"])
+        if not 1 <= n <= max_length:
+            raise RequestError(f"{at}.model_input", f"length {n} must be in [1, {max_length}] (the model's positions)")
+        inputs = d.get("inputs")
+        if not isinstance(inputs, dict):
+            raise RequestError(f"{at}.loss_fn_inputs", "a map of arrays is needed")
+        for key in needs:
+            a = inputs.get(key)
+            if not isinstance(a, np.ndarray):
+                raise RequestError(f"{at}.loss_fn_inputs.{key}", f"loss {loss!r} needs it (an array of length {n})")
+            if a.shape != (n,):
+                raise RequestError(f"{at}.loss_fn_inputs.{key}", f"shape {list(a.shape)} must be [{n}], the "
+                                                                f"model input's length")
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                raise RequestError(f"{at}.loss_fn_inputs.{key}", "non-finite value(s)")
+        for key, a in (("model_input", d["tokens"]), ("loss_fn_inputs.target_tokens", inputs["target_tokens"])):
+            if a.dtype.kind not in "iu" or (a.size and (a.min() < 0 or a.max() >= vocab_size)):
+                raise RequestError(f"{at}.{key}", f"token ids must be integers in [0, {vocab_size})")
+        lengths.append(n)
+    b, t = bucket(len(data)), bucket(max(lengths), 16)
+    rows = {k: np.zeros((b, t), np.int32) for k in ("ids", "targets", "valid")}
+    rows.update({k: np.zeros((b, t), np.float32) for k in ("weights", "logprobs", "advantages")})
+    for i, (d, n) in enumerate(zip(data, lengths)):
+        rows["ids"][i, :n], rows["targets"][i, :n], rows["valid"][i, :n] = d["tokens"], d["inputs"]["target_tokens"], 1
+        for key in _needs(loss):
+            rows[key][i, :n] = d["inputs"][key]
+    return DatumRows(**rows), lengths
+
+
+def _loss_config(loss: str, config: dict) -> dict:
+    config = dict(config)
+    if _TINKER_CLIP & set(config):
+        if "clip_low_threshold" in config:
+            config["epsilon_low"] = 1.0 - float(config.pop("clip_low_threshold"))
+        if "clip_high_threshold" in config:
+            config["epsilon_high"] = float(config.pop("clip_high_threshold")) - 1.0
+    return config
+
+
+def datum_loss(loss: str, config: dict):
+    """``fn(policy, rows) -> (loss, (logp [B, T], metrics))`` of the named datum loss (module
+    docstring); a bad name or option is a ``RequestError`` (``loss_fn`` / ``loss_fn_config``)."""
+    if loss not in DATUM_LOSSES:
+        raise RequestError("loss_fn", f"unknown loss {loss!r} for datums; valid: {', '.join(DATUM_LOSSES)} "
+                                      "(a typed batch takes relax's named objectives)")
+    if loss == "cross_entropy":
+        if config:
+            raise RequestError("loss_fn_config", f"cross_entropy takes no options, got {sorted(config)}")
+        per_token_loss = None
+    else:
+        try:
+            per_token_loss = policy_loss(loss, **_loss_config(loss, config))
+        except (TypeError, ValueError) as e:
+            raise RequestError("loss_fn_config", str(e)) from None
+
+    def fn(policy, rows: DatumRows):
+        logp = logprobs_from_hidden(policy, packed_hidden(policy, rows.ids, rows.valid), rows.targets)
+        m = rows.valid > 0
+        logp = jnp.where(m, logp, 0.0)
+        if per_token_loss is None:
+            total, metrics = -jnp.sum(rows.weights * logp), {}
+        else:
+            per_token, metrics = per_token_loss(logp, rows.logprobs, rows.advantages, m)
+            total = jnp.sum(jnp.where(m, per_token, 0.0))
+        return total, (logp, {**M.values(metrics), "loss:sum": total})
+
+    return fn

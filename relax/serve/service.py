@@ -1,0 +1,213 @@
+"""The service's operations over its sessions, without HTTP (``relax.serve.server`` serves them).
+
+    service = Service(base, tokenizer, ServiceConfig(model="...", state_dir="serve"))
+    sid = service.create_session({"rank": 8})["session"]
+    service.forward_backward(sid, {"data": [...], "loss_fn": "cross_entropy"})
+
+Every operation takes and returns msgpack-able maps (``relax.serve.wire``). Files go under
+``state_dir`` only: ``states/<name>`` (``save_state``: a session's adapters, optimizer state and
+step, through ``relax.train.checkpoint.Checkpointer``, with ``session.json``: the LoRA config and
+seed it was created with) and ``weights/<name>`` (``save_weights``: PEFT adapters or a merged
+Hugging Face model); a name is ``[A-Za-z0-9][A-Za-z0-9_.-]*`` and an existing one is refused, so
+nothing saved is overwritten. ``load_state`` reads only from ``states/``. Pending gradients and
+sampler snapshots are not part of a saved state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+from relax.models.adapters import merge_lora
+from relax.models.hf import save_pretrained
+from relax.models.lora import LoRAConfig
+from relax.models.peft import save_adapter
+from relax.models.transformer import Transformer
+from relax.serve.datum import DATUM_LOSSES
+from relax.serve.objectives import OBJECTIVES
+from relax.serve.session import Session
+from relax.serve.wire import RequestError
+from relax.train.checkpoint import Checkpointer
+
+__all__ = ["Service", "ServiceConfig", "UnknownSession"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+_SESSION_FILE = "session.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """What the service serves: ``model`` (a name for clients and PEFT's ``base_model_name_or_path``),
+    ``lora`` (the default adapters of a new session; ``rank=0`` trains every weight: one full
+    copy per session) and ``state_dir`` (where saves go)."""
+
+    model: str
+    state_dir: str
+    lora: LoRAConfig = LoRAConfig(rank=8)
+
+
+class UnknownSession(KeyError):
+    pass
+
+
+class Service:
+    def __init__(self, base: Transformer, tokenizer, cfg: ServiceConfig):
+        self.base, self.tokenizer, self.cfg = base, tokenizer, cfg
+        self.sessions: dict[str, Session] = {}
+        self._ids = itertools.count(1)
+        self.root = Path(cfg.state_dir).resolve()
+
+    # ------------------------------------------------------------------ sessions
+
+    def info(self) -> dict:
+        c = self.base.config
+        return {"model": self.cfg.model, "family": c.family, "vocab_size": c.vocab_size,
+                "max_positions": c.max_position_embeddings, "eos_ids": list(c.eos_ids), "lora_rank": self.cfg.lora.rank,
+                "datum_losses": list(DATUM_LOSSES), "objectives": sorted(OBJECTIVES), "sessions": len(self.sessions)}
+
+    def session(self, sid: str) -> Session:
+        if sid not in self.sessions:
+            raise UnknownSession(sid)
+        return self.sessions[sid]
+
+    def _lora(self, request: dict) -> LoRAConfig:
+        fields = {f.name for f in dataclasses.fields(LoRAConfig)}
+        options = {k: v for k, v in request.items() if k != "seed"}
+        if set(options) - fields:
+            raise RequestError(sorted(set(options) - fields)[0], f"a session takes seed and LoRA options "
+                                                                 f"({', '.join(sorted(fields))})")
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        try:
+            return dataclasses.replace(self.cfg.lora, **options)
+        except (TypeError, ValueError) as e:
+            raise RequestError("lora", str(e)) from None
+
+    def create_session(self, request: dict) -> dict:
+        seed = request.get("seed", 0)
+        if not isinstance(seed, int):
+            raise RequestError("seed", f"an integer, got {seed!r}")
+        lora = self._lora(request)
+        sid = f"s{next(self._ids)}"
+        self.sessions[sid] = Session.create(sid, self.base, lora, seed)
+        return {"session": sid, "lora": dataclasses.asdict(lora)}
+
+    def close_session(self, sid: str) -> dict:
+        self.sessions.pop(sid, None)
+        return {"closed": sid}
+
+    # ------------------------------------------------------------------ training
+
+    def forward_backward(self, sid: str, request: dict, *, backward: bool = True) -> dict:
+        metrics, outputs = self.session(sid).forward_backward(request, backward=backward)
+        return {"metrics": metrics, "loss_fn_outputs": outputs}
+
+    def optim_step(self, sid: str, request: dict) -> dict:
+        return {"metrics": self.session(sid).optim_step(request.get("adam_params"))}
+
+    def save_weights_for_sampler(self, sid: str, request: dict) -> dict:
+        name = self._name(request)
+        self.session(sid).snapshot(name)
+        return {"path": f"session:{sid}/sampler/{name}"}
+
+    def sample(self, request: dict) -> dict:
+        path = request.get("model_path")
+        if path == "base":
+            policy, session = self.base, None
+        else:
+            m = re.fullmatch(r"session:([A-Za-z0-9]+)/sampler/(.+)", path or "")
+            if m is None:
+                raise RequestError("model_path", f"'base' or a path of save_weights_for_sampler, got {path!r}")
+            session = self.session(m.group(1))
+            if m.group(2) not in session.samplers:
+                raise RequestError("model_path", f"session {m.group(1)} saved no sampler weights {m.group(2)!r}")
+            policy = session.samplers[m.group(2)]
+        sequences = (session or self._base_session()).sample(policy, request)
+        return {"sequences": sequences}
+
+    def _base_session(self) -> Session:
+        if "base" not in self.sessions:
+            self.sessions["base"] = Session.create("base", self.base, LoRAConfig(rank=0), 0)
+        return self.sessions["base"]
+
+    # ------------------------------------------------------------------ files
+
+    def _name(self, request: dict) -> str:
+        name = request.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise RequestError("name", f"a name of letters, digits, '_', '.', '-' is needed, got {name!r}")
+        return name
+
+    def _new_dir(self, kind: str, request: dict) -> Path:
+        path = self.root / kind / self._name(request)
+        if path.exists():
+            raise RequestError("name", f"{path} exists: saves are never overwritten; choose another name")
+        return path
+
+    def save_state(self, sid: str, request: dict) -> dict:
+        s, path = self.session(sid), self._new_dir("states", request)
+        with Checkpointer(path, max_to_keep=None, async_save=False) as ckpt:
+            ckpt.save(int(s.state.step), s.state, config={"lora": dataclasses.asdict(s.lora), "seed": s.seed},
+                      force=True)
+        (path / _SESSION_FILE).write_text(json.dumps({"lora": dataclasses.asdict(s.lora), "seed": s.seed,
+                                                      "step": int(s.state.step), "model": self.cfg.model}))
+        return {"path": str(path)}
+
+    def _state_dir(self, request: dict) -> Path:
+        path = request.get("path")
+        resolved = Path(path).resolve() if isinstance(path, str) else None
+        if resolved is None or resolved.parent != self.root / "states" or not (resolved / _SESSION_FILE).is_file():
+            raise RequestError("path", f"a path returned by save_state (under {self.root / 'states'}), got {path!r}")
+        return resolved
+
+    def load_state(self, sid: str, request: dict) -> dict:
+        s, path = self.session(sid), self._state_dir(request)
+        try:
+            with Checkpointer(path, async_save=False) as ckpt:
+                state, _, _ = ckpt.restore(target=s.state)
+        except (ValueError, FileNotFoundError) as e:  # another LoRA shape, another base, damage
+            raise RequestError("path", str(e)) from None
+        s.state, s.pending = state, None
+        return {"step": int(state.step)}
+
+    def create_session_from_state(self, request: dict) -> dict:
+        path = self._state_dir(request)
+        saved = json.loads((path / _SESSION_FILE).read_text())
+        lora = {k: v for k, v in saved["lora"].items()}
+        created = self.create_session({**lora, "seed": saved["seed"]})
+        try:
+            loaded = self.load_state(created["session"], request)
+        except RequestError:
+            self.sessions.pop(created["session"])
+            raise
+        return {**created, **loaded}
+
+    def save_weights(self, sid: str, request: dict) -> dict:
+        fmt = request.get("format", "peft")
+        if fmt not in ("peft", "hf"):
+            raise RequestError("format", f"'peft' (the adapters) or 'hf' (the merged model), got {fmt!r}")
+        s = self.session(sid)
+        if fmt == "peft" and not s.lora.enabled:
+            raise RequestError("format", "the session trains every weight (rank 0): it has no adapters; use 'hf'")
+        path = self._new_dir("weights", request)
+        policy = s.state.policy
+        if fmt == "peft":
+            save_adapter(policy, path, base_model_name_or_path=self.cfg.model)
+        else:
+            save_pretrained(merge_lora(policy) if s.lora.enabled else policy, path)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(path)
+        return {"path": str(path)}
+
+    def tokenizer_files(self) -> dict:
+        """The tokenizer's files, name -> bytes (``relax.text.load_tokenizer`` reads them back)."""
+        if self.tokenizer is None:
+            raise RequestError("tokenizer", "the service was started without a tokenizer")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(self.tokenizer.save_pretrained(tmp))
+            return {"files": {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}}
