@@ -16,9 +16,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = tyro.cli(ServeConfig, args=sys.argv[1:] if argv is None else argv, description=__doc__)
     token = read_token(cfg)
     check_binding(cfg, token)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("relax.serve")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     service = load_service(cfg)
-    logging.getLogger("relax.serve").info("serving %s on http://%s:%d (state in %s)", service.cfg.model, cfg.host,
+    logger.info("serving %s on http://%s:%d (state in %s)", service.cfg.model, cfg.host,
                                           cfg.port, service.root)
     uvicorn.run(make_app(service, token), host=cfg.host, port=cfg.port, log_level="warning")
 

@@ -38,9 +38,9 @@ import numpy as np
 
 from relax.serve.types import (AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse,
                                SampledSequence, SampleResponse, SamplingParams, TensorData)
-from relax.serve.wire import encode_batch, pack, unpack
+from relax.serve.wire import encode_batch, materialize, pack, unpack
 
-__all__ = ["ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
+__all__ = ["LocalServiceClient", "ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
 
 MEDIA_TYPE = "application/msgpack"
 
@@ -101,6 +101,27 @@ class ServiceClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+class LocalServiceClient(ServiceClient):
+    """The same client on a ``relax.serve.service.Service`` in this process: the same operations
+    on one worker thread, without HTTP or msgpack (tests, and the service's overhead measured
+    against it: ``benchmarks/serve.py``)."""
+
+    def __init__(self, service):
+        self._service = service
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-local")
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        from relax.serve.server import resolve, run
+
+        status, out = self._worker.submit(run, resolve(self._service, method, path, materialize(body or {}))).result()
+        if status != 200:
+            raise ServiceError(status, out["error"], out.get("field"))
+        return out
+
+    def close(self) -> None:
+        self._worker.shutdown()
 
 
 def _arrays(tree) -> Any:

@@ -52,7 +52,8 @@ from relax.models.lora import LoRAConfig
 from relax.serve.service import Service, ServiceConfig, UnknownSession
 from relax.serve.wire import RequestError, pack, unpack
 
-__all__ = ["MEDIA_TYPE", "ServeConfig", "check_binding", "load_service", "make_app", "read_token"]
+__all__ = ["MEDIA_TYPE", "NotFound", "ServeConfig", "check_binding", "load_service", "make_app", "read_token", "resolve",
+           "run"]
 
 MEDIA_TYPE = "application/msgpack"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -119,7 +120,12 @@ def load_service(cfg: ServeConfig) -> Service:
         base = load_pretrained(name, dtype=dtype)
     else:
         name = cfg.model
-        base, tokenizer = load_pretrained(cfg.model, dtype=dtype), load_tokenizer(cfg.model)
+        base = load_pretrained(cfg.model, dtype=dtype)
+        try:
+            tokenizer = load_tokenizer(cfg.model)
+        except FileNotFoundError as e:  # weights only: clients bring token ids
+            log.warning("no tokenizer served (get_tokenizer will fail): %s", e)
+            tokenizer = None
     return Service(base, tokenizer, ServiceConfig(model=name, state_dir=cfg.state_dir, lora=cfg.lora))
 
 
@@ -127,50 +133,75 @@ def _reply(obj, status: int = 200) -> Response:
     return Response(pack(obj), status_code=status, media_type=MEDIA_TYPE)
 
 
+class NotFound(LookupError):
+    pass
+
+
+def resolve(service: Service, method: str, path: str, body: dict):
+    """The operation a request names, bound to its arguments: a function of no arguments that
+    runs it (on the worker thread). ``NotFound`` for a path the service does not have."""
+    parts = path.strip("/").split("/")
+    if parts[:1] != ["v1"]:
+        raise NotFound(path)
+    parts = parts[1:]
+    if method == "GET" and parts in (["info"], ["tokenizer"]):
+        return service.info if parts == ["info"] else service.tokenizer_files
+    if method != "POST":
+        raise NotFound(path)
+    if parts == ["sessions"]:
+        return functools.partial(service.create_session, body)
+    if parts == ["sessions", "from_state"]:
+        return functools.partial(service.create_session_from_state, body)
+    if parts == ["sample"]:
+        return functools.partial(service.sample, body)
+    if len(parts) == 3 and parts[0] == "sessions" and parts[2] in SESSION_OPS:
+        sid, op = parts[1], parts[2]
+        if op == "close":
+            return functools.partial(service.close_session, sid)
+        if op == "forward":
+            return functools.partial(service.forward_backward, sid, body, backward=False)
+        return functools.partial(getattr(service, op), sid, body)
+    raise NotFound(path)
+
+
+def run(call):
+    """``call()``'s reply: ``(status, body)`` (module docstring's errors)."""
+    try:
+        return 200, call()
+    except RequestError as e:
+        return 400, {"error": str(e), "field": e.field}
+    except UnknownSession as e:
+        return 404, {"error": f"no session {e.args[0]!r} (closed, or from before a restart: "
+                              "create_training_client_from_state)", "field": "session"}
+    except Exception as e:
+        log.exception("request failed")
+        return 500, {"error": f"{type(e).__name__}: {e}"}
+
+
 def make_app(service: Service, token: str | None = None) -> Starlette:
     """The app: every operation runs on one worker thread, in arrival order (module docstring)."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-serve")
 
-    def handler(op, *, session: bool, body: bool = True):
-        async def handle(request: Request) -> Response:
-            if token is not None:
-                sent = request.headers.get("authorization", "")
-                if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                    return _reply({"error": "a valid 'Authorization: Bearer <token>' header is needed"}, 401)
-            try:
-                payload = unpack(await request.body()) if body else {}
-                if not isinstance(payload, dict):
-                    raise RequestError("body", "the body must be a map")
-                args = (request.path_params["sid"], payload) if session else ((payload,) if body else ())
-                future = worker.submit(functools.partial(op, *args))
-                return _reply(await asyncio.shield(asyncio.wrap_future(future)))
-            except RequestError as e:
-                return _reply({"error": str(e), "field": e.field}, 400)
-            except UnknownSession as e:
-                return _reply({"error": f"no session {e.args[0]!r} (closed, or from before a restart: "
-                                        "create_training_client_from_state)", "field": "session"}, 404)
-            except Exception as e:
-                log.exception("request %s failed", request.url.path)
-                return _reply({"error": f"{type(e).__name__}: {e}"}, 500)
-        return handle
-
-    ops = {"forward_backward": service.forward_backward,
-           "forward": functools.partial(service.forward_backward, backward=False),
-           "optim_step": service.optim_step, "save_state": service.save_state, "load_state": service.load_state,
-           "save_weights": service.save_weights, "save_weights_for_sampler": service.save_weights_for_sampler,
-           "close": lambda sid, _: service.close_session(sid)}
-    routes = [Route("/v1/info", handler(service.info, session=False, body=False), methods=["GET"]),
-              Route("/v1/tokenizer", handler(service.tokenizer_files, session=False, body=False), methods=["GET"]),
-              Route("/v1/sessions", handler(service.create_session, session=False), methods=["POST"]),
-              Route("/v1/sessions/from_state", handler(service.create_session_from_state, session=False),
-                    methods=["POST"]),
-              Route("/v1/sample", handler(service.sample, session=False), methods=["POST"])]
-    routes += [Route(f"/v1/sessions/{{sid}}/{name}", handler(ops[name], session=True), methods=["POST"])
-               for name in SESSION_OPS]
+    async def handle(request: Request) -> Response:
+        if token is not None:
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                return _reply({"error": "a valid 'Authorization: Bearer <token>' header is needed"}, 401)
+        try:
+            payload = unpack(await request.body()) if request.method == "POST" else {}
+            if not isinstance(payload, dict):
+                raise RequestError("body", "the body must be a map")
+            call = resolve(service, request.method, request.url.path, payload)
+        except RequestError as e:
+            return _reply({"error": str(e), "field": e.field}, 400)
+        except NotFound:
+            return _reply({"error": f"no route {request.method} {request.url.path}"}, 404)
+        status, out = await asyncio.shield(asyncio.wrap_future(worker.submit(run, call)))
+        return _reply(out, status)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         worker.shutdown(wait=False)
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=[Route("/v1/{path:path}", handle, methods=["GET", "POST"])], lifespan=lifespan)

@@ -21,7 +21,6 @@ import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
 
 
 from relax.models.adapters import merge_lora

@@ -84,7 +84,7 @@ def _accumulate(pending, grads):
 def _optim(state: TrainState, grads: Grads, hyper: dict):
     opt_state = state.opt_state._replace(hyperparams={k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()})
     new = objectives.optim_step(state.replace(opt_state=opt_state), grads)
-    return new, optax.global_norm(grads.policy)
+    return new, optax.tree.norm(grads.policy)
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ from relax.data.supervised import PackedBatch
 from relax.serve.objectives import ValueRows
 
 __all__ = ["BATCHES", "DTYPES", "RequestError", "decode_array", "decode_batch", "encode_array", "encode_batch",
-           "pack", "unpack"]
+           "materialize", "pack", "unpack"]
 
 DTYPES = ("bool", "int8", "uint8", "int16", "int32", "uint32", "int64", "float16", "float32", "float64")
 BATCHES: dict[str, type] = {cls.__name__: cls for cls in (LossRows, PairBatch, UnpairedBatch, PackedBatch, ValueRows)}
@@ -91,6 +91,16 @@ def unpack(body: bytes) -> Any:
         raise
     except Exception as e:  # msgpack's own errors: ExtraData, FormatError, ValueError, ...
         raise RequestError("body", f"not a msgpack body ({type(e).__name__}: {e})") from None
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every encoded array (``encode_array``'s map) decoded, as ``unpack`` would give
+    it: for a body that is handed over in-process instead of sent."""
+    if isinstance(obj, dict):
+        return decode_array(obj, "body") if _TAG in obj else {k: materialize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [materialize(v) for v in obj]
+    return obj
 
 
 def encode_batch(batch) -> dict:
