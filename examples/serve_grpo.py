@@ -37,7 +37,7 @@ class LoopConfig:
     group_size: int = 8  # completions per prompt
     max_tokens: int = 8
     learning_rate: float = 3e-3
-    eval_every: int = 10
+    eval_every: int = 10  # 0: never
     eval_prompts: int = 64
 
 
@@ -65,8 +65,9 @@ def held_out(sampler, tokenizer, rows: list[dict]) -> float:
     return float(np.mean([exact_match(tokenizer, r.sequences, row["answer"])[0] for r, row in zip(responses, rows)]))
 
 
-def main(cfg: LoopConfig) -> list[dict]:
-    service = ServiceClient(cfg.url)
+def main(cfg: LoopConfig, service: ServiceClient | None = None) -> list[dict]:
+    """The loop against ``cfg.url`` (or ``service``: e.g. a ``LocalServiceClient``); the history."""
+    service = ServiceClient(cfg.url) if service is None else service
     trainer = service.create_lora_training_client(rank=cfg.rank, seed=cfg.seed)
     tokenizer = trainer.get_tokenizer()
     train, evaluation = make_splits(ReverseTask())
@@ -75,8 +76,8 @@ def main(cfg: LoopConfig) -> list[dict]:
     for step in range(cfg.steps + 1):
         start = time.perf_counter()
         sampler = trainer.save_weights_and_get_sampling_client(f"step{step}")
-        record = {"step": step}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        record: dict = {"step": step}
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             record["held_out_exact_match"] = held_out(sampler, tokenizer, evaluation[:cfg.eval_prompts])
         if step == cfg.steps:
             history.append(record)

@@ -25,6 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NEEDS_DOWNLOADS = ("--model", "--data", "--teacher", "DIR", "...")  # a real model or data, or a placeholder
+# Clients of a running `python -m relax.serve`: tests/test_serve_loop.py runs them against a server.
+SERVICE_CLIENTS = ("examples/serve_grpo.py",)
 SFT_STEPS = "20"
 # Commands the README shows for the built-in tasks: each must be found (a subset, by script and flags).
 EXPECTED = [
@@ -67,7 +69,7 @@ def readme_commands(text: str) -> tuple[list[list[str]], list[str]]:
             line = make_recipe("demo")
         words = line.split()
         at = next((i for i, w in enumerate(words[:3]) if w.startswith("examples/")), None)
-        if at is None or at == 0 or not re.fullmatch(r"(\S*/)?python3?", words[at - 1]):
+        if at is None or at == 0 or not re.fullmatch(r"(\S*/)?python3?", words[at - 1]) or words[at] in SERVICE_CLIENTS:
             continue
         if any(marker in line.split("#")[0] for marker in NEEDS_DOWNLOADS):
             left_out.append(line)
