@@ -368,3 +368,44 @@ def test_binding_rules(tmp_path):
     with pytest.raises(ValueError, match="needs a token"):
         check_binding(ServeConfig(host="0.0.0.0", allow_remote=True), None)
     check_binding(ServeConfig(host="0.0.0.0", allow_remote=True), "t")
+
+
+MESH_SCRIPT = """
+import numpy as np, jax
+from tests.test_serve import BASE, datums, train
+from relax.models.lora import LoRAConfig
+from relax.serve.client import LocalServiceClient
+from relax.serve.service import Service, ServiceConfig
+from relax.serve.types import ModelInput, SamplingParams
+assert jax.device_count() == 8
+out = []
+for mesh in (None, "fsdp=4,data=2"):
+    svc = Service(BASE, None, ServiceConfig(model="tiny", state_dir="{tmp}/" + str(mesh), lora=LoRAConfig(rank=4),
+                                            mesh=mesh))
+    trainer = LocalServiceClient(svc).create_lora_training_client(rank=4, seed=1)
+    losses = train(trainer, seed=5, steps=2)
+    after = trainer.forward(datums(9), "importance_sampling").result().metrics["loss"]
+    sample = trainer.save_weights_and_get_sampling_client("s").sample(
+        ModelInput.from_ints([5, 6]), 2, SamplingParams(max_tokens=4, temperature=0.0)).result()
+    leaf = jax.tree.leaves(svc.session(trainer.session).state.policy.layers.lora)[0]
+    out.append((losses, after, [s.tokens for s in sample.sequences], len(leaf.sharding.device_set)))
+(l0, a0, s0, d0), (l1, a1, s1, d1) = out
+np.testing.assert_allclose(l0, l1, rtol=1e-4); np.testing.assert_allclose(a0, a1, rtol=1e-4)
+assert s0 == s1 and d0 == 1 and d1 == 8, (s0, s1, d0, d1)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_sessions_on_a_mesh_equal_one_device(tmp_path):
+    """--parallel.mesh: the base and each session's state on 8 (host) devices train and sample as on one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT.replace("{tmp}", str(tmp_path))], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

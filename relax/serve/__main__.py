@@ -11,11 +11,12 @@ import tyro
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from relax.serve.server import ServeConfig, check_binding, load_service, make_app, read_token
+    from relax.serve.server import ServeConfig, check_binding, check_parallel, load_service, make_app, read_token
 
     cfg = tyro.cli(ServeConfig, args=sys.argv[1:] if argv is None else argv, description=__doc__)
     token = read_token(cfg)
     check_binding(cfg, token)
+    check_parallel(cfg)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logger = logging.getLogger("relax.serve")

@@ -49,10 +49,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from relax.models.lora import LoRAConfig
+from relax.parallel.step import ParallelConfig
 from relax.serve.service import Service, ServiceConfig, UnknownSession
 from relax.serve.wire import RequestError, pack, unpack
 
-__all__ = ["MEDIA_TYPE", "NotFound", "ServeConfig", "check_binding", "load_service", "make_app", "read_token", "resolve",
+__all__ = ["MEDIA_TYPE", "NotFound", "ServeConfig", "check_binding", "check_parallel", "load_service", "make_app", "read_token", "resolve",
            "run"]
 
 MEDIA_TYPE = "application/msgpack"
@@ -73,6 +74,9 @@ class ServeConfig:
     """A new session's adapters (a client may choose another rank); rank 0 trains every weight."""
     dtype: str = "float32"
     """The model's compute and parameter dtype (``bfloat16`` for large models)."""
+    parallel: ParallelConfig = ParallelConfig()
+    """``--parallel.mesh``: the model and every session's state laid out on a mesh of this process's
+    devices (e.g. ``fsdp=-1``); the other ``--parallel.*`` options are not served (an error)."""
     host: str = "127.0.0.1"
     port: int = 8470
     allow_remote: bool = False
@@ -90,6 +94,15 @@ def read_token(cfg: ServeConfig) -> str | None:
             raise ValueError(f"{cfg.token_file}: the token file is empty")
         return token
     return os.environ.get("RELAX_SERVE_TOKEN") or None
+
+
+def check_parallel(cfg: ServeConfig) -> None:
+    """The service runs on one process's devices, one mesh: the other ``--parallel.*`` are refused."""
+    p, default = cfg.parallel, ParallelConfig()
+    unserved = [f.name for f in dataclasses.fields(p) if f.name != "mesh" and getattr(p, f.name) != getattr(default, f.name)]
+    if unserved:
+        raise ValueError(f"the service does not serve --parallel.{unserved[0].replace('_', '-')}: it runs on one "
+                         "process's devices with one mesh (--parallel.mesh)")
 
 
 def check_binding(cfg: ServeConfig, token: str | None) -> None:
@@ -126,7 +139,8 @@ def load_service(cfg: ServeConfig) -> Service:
         except FileNotFoundError as e:  # weights only: clients bring token ids
             log.warning("no tokenizer served (get_tokenizer will fail): %s", e)
             tokenizer = None
-    return Service(base, tokenizer, ServiceConfig(model=name, state_dir=cfg.state_dir, lora=cfg.lora))
+    return Service(base, tokenizer, ServiceConfig(model=name, state_dir=cfg.state_dir, lora=cfg.lora,
+                                                  mesh=cfg.parallel.mesh))
 
 
 def _reply(obj, status: int = 200) -> Response:

@@ -28,6 +28,7 @@ from relax.models.hf import save_pretrained
 from relax.models.lora import LoRAConfig
 from relax.models.peft import save_adapter
 from relax.models.transformer import Transformer
+from relax.parallel.mesh import make_mesh, shard_model
 from relax.serve.datum import DATUM_LOSSES
 from relax.serve.objectives import OBJECTIVES
 from relax.serve.session import Session
@@ -49,6 +50,7 @@ class ServiceConfig:
     model: str
     state_dir: str
     lora: LoRAConfig = LoRAConfig(rank=8)
+    mesh: str | None = None  # the devices' mesh, e.g. "fsdp=-1" (relax.parallel.mesh.make_mesh); None: one device
 
 
 class UnknownSession(KeyError):
@@ -57,7 +59,9 @@ class UnknownSession(KeyError):
 
 class Service:
     def __init__(self, base: Transformer, tokenizer, cfg: ServiceConfig):
-        self.base, self.tokenizer, self.cfg = base, tokenizer, cfg
+        self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
+        self.base = base if self.mesh is None else shard_model(base, self.mesh)
+        self.tokenizer, self.cfg = tokenizer, cfg
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
         self.root = Path(cfg.state_dir).resolve()
@@ -93,7 +97,7 @@ class Service:
             raise RequestError("seed", f"an integer, got {seed!r}")
         lora = self._lora(request)
         sid = f"s{next(self._ids)}"
-        self.sessions[sid] = Session.create(sid, self.base, lora, seed)
+        self.sessions[sid] = Session.create(sid, self.base, lora, seed, self.mesh)
         return {"session": sid, "lora": dataclasses.asdict(lora)}
 
     def close_session(self, sid: str) -> dict:
@@ -131,7 +135,7 @@ class Service:
 
     def _base_session(self) -> Session:
         if "base" not in self.sessions:
-            self.sessions["base"] = Session.create("base", self.base, LoRAConfig(rank=0), 0)
+            self.sessions["base"] = Session.create("base", self.base, LoRAConfig(rank=0), 0, self.mesh)
         return self.sessions["base"]
 
     # ------------------------------------------------------------------ files

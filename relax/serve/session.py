@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from relax.models.adapters import add_lora
 from relax.models.lora import LoRAConfig
 from relax.models.transformer import Transformer
+from relax.parallel.mesh import state_shardings
 from relax.rollout.sampler import RolloutConfig, generate_with
 from relax.rollout.sampling import SamplingConfig
 from relax.serve import objectives
@@ -100,10 +102,16 @@ class Session:
     draws: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     @classmethod
-    def create(cls, sid: str, base: Transformer, lora: LoRAConfig, seed: int) -> Session:
+    def create(cls, sid: str, base: Transformer, lora: LoRAConfig, seed: int, mesh: Mesh | None = None) -> Session:
+        """A fresh session; on ``mesh`` its state is laid out by the parameter rules
+        (``relax.parallel.mesh.state_shardings``: the base's shards as they are, adapters and
+        moments like their weights)."""
         key = jax.random.key(seed)
         policy = add_lora(base, lora, jax.random.fold_in(key, 0)) if lora.enabled else base
-        return cls(sid, lora, seed, init_state(policy, OPTIMIZER, key=jax.random.fold_in(key, 1)))
+        state = init_state(policy, OPTIMIZER, key=jax.random.fold_in(key, 1))
+        if mesh is not None:
+            state = jax.device_put(state, state_shardings(state, mesh))
+        return cls(sid, lora, seed, state)
 
     @property
     def config(self):
