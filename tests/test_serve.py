@@ -26,7 +26,7 @@ from relax.models.peft import load_adapter
 from relax.models.transformer import hidden_states, project
 from relax.serve import objectives
 from relax.serve.client import LocalServiceClient, ServiceClient, ServiceError
-from relax.serve.server import ServeConfig, check_binding, make_app
+from relax.serve.server import ServeConfig, check_binding, check_parallel, make_app
 from relax.serve.service import Service, ServiceConfig
 from relax.serve.types import AdamParams, Datum, ModelInput, SamplingParams
 from relax.serve.wire import RequestError, decode_batch, encode_array, encode_batch, pack, unpack
@@ -200,6 +200,9 @@ def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
             "data[1].loss_fn_inputs.advantages")
     refused(lambda: trainer.forward_backward([big], "cross_entropy"), "data[0].model_input")
     refused(lambda: trainer.forward_backward(data, "ppo", {"epsilon": 0.2}), "loss_fn_config")
+    huge = [Datum(d.model_input, {**d.loss_fn_inputs, "advantages": np.full(d.model_input.length, 3e38, np.float32)})
+            for d in data]
+    refused(lambda: trainer.forward_backward(huge, "importance_sampling"), "data")  # an infinite loss
     refused(lambda: trainer.forward_backward(data, "cross_entropy") and trainer.optim_step(
         AdamParams(learning_rate=float("nan"))), "adam_params.learning_rate")
     # the accepted forward_backward above is pending; drop it with a fresh session view
@@ -361,6 +364,21 @@ def test_http_client_that_leaves_harms_no_one(http_server):
     assert int(svc.session(trainer.session).state.step) == 1
 
 
+def test_body_limit_and_sampler_snapshots(tmp_path):
+    from starlette.testclient import TestClient
+
+    svc = service(tmp_path)
+    response = TestClient(make_app(svc, max_body_mb=0)).post("/v1/sessions", content=pack({"rank": 4}))
+    assert response.status_code == 413 and not svc.sessions
+    svc = Service(BASE, None, ServiceConfig(model="tiny", state_dir=str(tmp_path / "k"), samplers_kept=2))
+    trainer = LocalServiceClient(svc).create_lora_training_client(rank=4)
+    paths = [trainer.save_weights_for_sampler(f"s{i}").result() for i in range(3)]
+    assert list(svc.session(trainer.session).samplers) == ["s1", "s2"]
+    with pytest.raises(ServiceError, match="1 dropped so far") as e:
+        LocalServiceClient(svc).create_sampling_client(paths[0]).sample(ModelInput.from_ints([4])).result()
+    assert e.value.field == "model_path"
+
+
 def test_binding_rules(tmp_path):
     check_binding(ServeConfig(), None)
     with pytest.raises(ValueError, match="--allow-remote"):
@@ -368,6 +386,10 @@ def test_binding_rules(tmp_path):
     with pytest.raises(ValueError, match="needs a token"):
         check_binding(ServeConfig(host="0.0.0.0", allow_remote=True), None)
     check_binding(ServeConfig(host="0.0.0.0", allow_remote=True), "t")
+    from relax.parallel.step import ParallelConfig
+    check_parallel(ServeConfig(parallel=ParallelConfig(mesh="fsdp=-1")))
+    with pytest.raises(ValueError, match="--parallel.sampler-devices"):
+        check_parallel(ServeConfig(parallel=ParallelConfig(sampler_devices=2)))
 
 
 MESH_SCRIPT = """

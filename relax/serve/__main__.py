@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     service = load_service(cfg)
     logger.info("serving %s on http://%s:%d (state in %s)", service.cfg.model, cfg.host,
                                           cfg.port, service.root)
-    uvicorn.run(make_app(service, token), host=cfg.host, port=cfg.port, log_level="warning")
+    uvicorn.run(make_app(service, token, max_body_mb=cfg.max_body_mb), host=cfg.host, port=cfg.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import numpy as np
 
 from relax.serve.types import (AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse,
                                SampledSequence, SampleResponse, SamplingParams, TensorData)
-from relax.serve.wire import encode_batch, materialize, pack, unpack
+from relax.serve.wire import RequestError, encode_batch, materialize, pack, unpack
 
 __all__ = ["LocalServiceClient", "ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
 
@@ -65,10 +65,14 @@ class ServiceClient:
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         response = self._http.request(method, path, content=None if body is None else pack(body))
-        out = unpack(response.content) if response.content else {}
-        if response.status_code != 200:
-            raise ServiceError(response.status_code, out.get("error", response.text), out.get("field"))
-        return out
+        if response.status_code == 200:
+            return unpack(response.content)
+        try:  # the service's own errors are msgpack maps; a proxy's or Starlette's (413) are not
+            out = unpack(response.content)
+        except RequestError:
+            out = {}
+        out = out if isinstance(out, dict) else {}
+        raise ServiceError(response.status_code, out.get("error", response.text), out.get("field"))
 
     def get_server_capabilities(self) -> dict:
         return self.call("GET", "/v1/info")

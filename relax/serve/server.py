@@ -85,6 +85,11 @@ class ServeConfig:
     """A file holding the token clients must send (else ``RELAX_SERVE_TOKEN``; none: no token)."""
     state_dir: str = "runs/serve"
     """Where ``save_state`` and ``save_weights`` write (and ``load_state`` reads)."""
+    samplers_kept: int = 4
+    """Each session keeps its newest this many sampler snapshots in memory (older ones are dropped,
+    counted; sampling from one is an error saying so)."""
+    max_body_mb: int = 1024
+    """A request body larger than this is refused (413) before it is read whole."""
 
 
 def read_token(cfg: ServeConfig) -> str | None:
@@ -140,7 +145,7 @@ def load_service(cfg: ServeConfig) -> Service:
             log.warning("no tokenizer served (get_tokenizer will fail): %s", e)
             tokenizer = None
     return Service(base, tokenizer, ServiceConfig(model=name, state_dir=cfg.state_dir, lora=cfg.lora,
-                                                  mesh=cfg.parallel.mesh))
+                                                  mesh=cfg.parallel.mesh, samplers_kept=cfg.samplers_kept))
 
 
 def _reply(obj, status: int = 200) -> Response:
@@ -192,7 +197,7 @@ def run(call):
         return 500, {"error": f"{type(e).__name__}: {e}"}
 
 
-def make_app(service: Service, token: str | None = None) -> Starlette:
+def make_app(service: Service, token: str | None = None, *, max_body_mb: int = 1024) -> Starlette:
     """The app: every operation runs on one worker thread, in arrival order (module docstring)."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-serve")
 
@@ -218,4 +223,5 @@ def make_app(service: Service, token: str | None = None) -> Starlette:
         yield
         worker.shutdown(wait=False)
 
-    return Starlette(routes=[Route("/v1/{path:path}", handle, methods=["GET", "POST"])], lifespan=lifespan)
+    return Starlette(routes=[Route("/v1/{path:path}", handle, methods=["GET", "POST"])], lifespan=lifespan,
+                     max_body_size=max_body_mb << 20)

@@ -51,6 +51,7 @@ class ServiceConfig:
     state_dir: str
     lora: LoRAConfig = LoRAConfig(rank=8)
     mesh: str | None = None  # the devices' mesh, e.g. "fsdp=-1" (relax.parallel.mesh.make_mesh); None: one device
+    samplers_kept: int = 4  # a session's newest sampler snapshots kept in memory (older ones are dropped)
 
 
 class UnknownSession(KeyError):
@@ -72,7 +73,8 @@ class Service:
         c = self.base.config
         return {"model": self.cfg.model, "family": c.family, "vocab_size": c.vocab_size,
                 "max_positions": c.max_position_embeddings, "eos_ids": list(c.eos_ids), "lora_rank": self.cfg.lora.rank,
-                "datum_losses": list(DATUM_LOSSES), "objectives": sorted(OBJECTIVES), "sessions": len(self.sessions)}
+                "datum_losses": list(DATUM_LOSSES), "objectives": sorted(OBJECTIVES), "sessions": len(self.sessions),
+                "samplers_kept": self.cfg.samplers_kept}
 
     def session(self, sid: str) -> Session:
         if sid not in self.sessions:
@@ -115,7 +117,7 @@ class Service:
 
     def save_weights_for_sampler(self, sid: str, request: dict) -> dict:
         name = self._name(request)
-        self.session(sid).snapshot(name)
+        self.session(sid).snapshot(name, self.cfg.samplers_kept)
         return {"path": f"session:{sid}/sampler/{name}"}
 
     def sample(self, request: dict) -> dict:
@@ -128,7 +130,9 @@ class Service:
                 raise RequestError("model_path", f"'base' or a path of save_weights_for_sampler, got {path!r}")
             session = self.session(m.group(1))
             if m.group(2) not in session.samplers:
-                raise RequestError("model_path", f"session {m.group(1)} saved no sampler weights {m.group(2)!r}")
+                raise RequestError("model_path", f"session {m.group(1)} holds no sampler weights {m.group(2)!r}: never "
+                                                 f"saved, or dropped (a session keeps its newest "
+                                                 f"{self.cfg.samplers_kept}; {session.evicted} dropped so far)")
             policy = session.samplers[m.group(2)]
         sequences = (session or self._base_session()).sample(policy, request)
         return {"sequences": sequences}

@@ -99,6 +99,7 @@ class Session:
     state: TrainState
     pending: Grads | None = None
     samplers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    evicted: int = 0  # sampler snapshots dropped for newer ones
     draws: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     @classmethod
@@ -173,9 +174,14 @@ class Session:
         self.state, self.pending = state, None
         return {"step": int(state.step), "grad_norm": float(norm), "learning_rate": hyper["learning_rate"]}
 
-    def snapshot(self, name: str) -> None:
-        """Keep the policy as it is now for sampling under ``name`` (``save_weights_for_sampler``)."""
+    def snapshot(self, name: str, keep: int) -> None:
+        """Keep the policy as it is now for sampling under ``name`` (``save_weights_for_sampler``),
+        and only the newest ``keep`` snapshots: an older one is dropped (its adapters freed)."""
+        self.samplers.pop(name, None)
         self.samplers[name] = self.state.policy
+        while len(self.samplers) > keep:
+            self.samplers.pop(next(iter(self.samplers)))
+            self.evicted += 1
 
     def sample(self, policy, request: dict) -> list[dict]:
         """``num_samples`` completions of each of ``request["prompts"]`` by ``policy``."""
