@@ -208,6 +208,11 @@ def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
     # the accepted forward_backward above is pending; drop it with a fresh session view
     session.pending = None
     refused(lambda: trainer.optim_step(AdamParams()), "optim_step")
+    refused(lambda: trainer.forward_backward(data, "ppo", {"epsilon_low": {"a": 1}}), "loss_fn_config")
+    sampler = trainer.save_weights_and_get_sampling_client("snap")
+    refused(lambda: sampler.sample_many([ModelInput.from_ints([4]), ModelInput.from_ints([])]), "prompts")
+    refused(lambda: sampler.sample(ModelInput.from_ints([4]), 1, SamplingParams(stop=("x",))), "sampling_params")
+    assert next(session.draws) == 0  # the refused samples drew nothing of the session's randomness
     refused(lambda: trainer.save_state("../escape"), "name")
     refused(lambda: trainer.load_state("/etc"), "path")
     refused(lambda: client.create_sampling_client("session:s1/sampler/none").sample(ModelInput.from_ints([4])),

@@ -132,6 +132,11 @@ class Session:
             raise RequestError("loss_fn", "the loss's name (a string) is needed")
         if not isinstance(config, dict):
             raise RequestError("loss_fn_config", "a map of the loss's options is needed")
+        config = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+        try:
+            hash(tuple(config.items()))
+        except TypeError:
+            raise RequestError("loss_fn_config", "options are numbers, strings, booleans or lists of them") from None
         if ("data" in request) == ("batch" in request):
             raise RequestError("data", "send either data (a list of datums) or batch (a typed batch)")
         if "data" in request:
@@ -190,8 +195,9 @@ class Session:
             raise RequestError("prompts", "a non-empty list of token arrays is needed")
         if not isinstance(n, int) or n < 1:
             raise RequestError("num_samples", f"must be an integer >= 1, got {n!r}")
-        cfg, key = self._rollout_config(params, n), self._key(params)
-        lp = max(len(p) for p in prompts) if all(isinstance(p, np.ndarray) and p.ndim == 1 for p in prompts) else 0
+        cfg = self._rollout_config(params, n)
+        ok = all(isinstance(p, np.ndarray) and p.ndim == 1 and p.size for p in prompts)
+        lp = max(len(p) for p in prompts) if ok else 0
         if lp == 0 or lp + cfg.max_new_tokens > self.config.max_position_embeddings:
             raise RequestError("prompts", f"each prompt must be a non-empty 1-D token array, prompt plus max_tokens "
                                           f"at most {self.config.max_position_embeddings} positions")
@@ -200,6 +206,7 @@ class Session:
             if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= self.config.vocab_size:
                 raise RequestError(f"prompts[{i}]", f"token ids must be integers in [0, {self.config.vocab_size})")
             ids[i, lp - len(p):], mask[i, lp - len(p):] = p, 1
+        key = self._key(params)  # after every check: a refused request draws nothing
         try:
             r = generate_with(policy, ids, mask, key, cfg)
         except ValueError as e:
@@ -214,9 +221,9 @@ class Session:
         known = {"max_tokens", "temperature", "top_k", "top_p", "stop", "seed"}
         if not isinstance(params, dict) or set(params) - known:
             raise RequestError("sampling_params", f"a map with keys among {', '.join(sorted(known))}")
-        stop = tuple(int(s) for s in params.get("stop") or ())
         top_k, top_p = params.get("top_k", -1), params.get("top_p", 1.0)
         try:
+            stop = tuple(int(s) for s in params.get("stop") or ())
             sampling = SamplingConfig(temperature=float(params.get("temperature", 1.0)),
                                       top_k=None if top_k in (None, -1) else int(top_k),
                                       top_p=None if top_p in (None, 1.0) else float(top_p))
