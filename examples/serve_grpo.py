@@ -22,8 +22,8 @@ import time
 import numpy as np
 import tyro
 
-from relax.serve.client import ServiceClient
-from relax.serve.types import AdamParams, Datum, ModelInput, SamplingParams
+import relax.serve as tinker  # a Tinker loop's `import tinker`, changed
+from relax.serve import types
 from relax.tasks.reverse import ReverseTask, make_splits
 
 
@@ -41,13 +41,13 @@ class LoopConfig:
     eval_prompts: int = 64
 
 
-def datums(prompt: list[int], sequences, advantages) -> list[Datum]:
+def datums(prompt: list[int], sequences, advantages) -> list[types.Datum]:
     """One datum per completion: the model reads prompt + completion[:-1] and predicts the next token;
     the prompt's positions carry advantage 0 (no loss)."""
     out = []
     for seq, a in zip(sequences, advantages):
         tokens, n = prompt + seq.tokens, len(prompt) - 1
-        out.append(Datum(ModelInput.from_ints(tokens[:-1]), {
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
             "target_tokens": np.asarray(tokens[1:], np.int32),
             "logprobs": np.asarray([0.0] * n + seq.logprobs, np.float32),
             "advantages": np.asarray([0.0] * n + [a] * len(seq.tokens), np.float32)}))
@@ -60,14 +60,14 @@ def exact_match(tokenizer, sequences, answer: str) -> np.ndarray:
 
 
 def held_out(sampler, tokenizer, rows: list[dict]) -> float:
-    prompts = [ModelInput.from_ints(tokenizer.encode(r["prompt"])) for r in rows]
-    responses = sampler.sample_many(prompts, 1, SamplingParams(max_tokens=8, temperature=0.0)).result()
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(r["prompt"])) for r in rows]
+    responses = sampler.sample_many(prompts, 1, types.SamplingParams(max_tokens=8, temperature=0.0)).result()
     return float(np.mean([exact_match(tokenizer, r.sequences, row["answer"])[0] for r, row in zip(responses, rows)]))
 
 
-def main(cfg: LoopConfig, service: ServiceClient | None = None) -> list[dict]:
+def main(cfg: LoopConfig, service: tinker.ServiceClient | None = None) -> list[dict]:
     """The loop against ``cfg.url`` (or ``service``: e.g. a ``LocalServiceClient``); the history."""
-    service = ServiceClient(cfg.url) if service is None else service
+    service = tinker.ServiceClient(cfg.url) if service is None else service
     trainer = service.create_lora_training_client(rank=cfg.rank, seed=cfg.seed)
     tokenizer = trainer.get_tokenizer()
     train, evaluation = make_splits(ReverseTask())
@@ -85,15 +85,15 @@ def main(cfg: LoopConfig, service: ServiceClient | None = None) -> list[dict]:
             break
         rows = [train[i] for i in rng.choice(len(train), cfg.batch_size, replace=False)]
         prompts = [tokenizer.encode(r["prompt"]) for r in rows]
-        responses = sampler.sample_many([ModelInput.from_ints(p) for p in prompts], cfg.group_size,
-                                        SamplingParams(max_tokens=cfg.max_tokens)).result()
+        responses = sampler.sample_many([types.ModelInput.from_ints(p) for p in prompts], cfg.group_size,
+                                        types.SamplingParams(max_tokens=cfg.max_tokens)).result()
         data, rewards = [], []
         for prompt, response, row in zip(prompts, responses, rows):
             r = exact_match(tokenizer, response.sequences, row["answer"])
             rewards.append(r.mean())
             data += datums(prompt, response.sequences, r - r.mean())
-        fb = trainer.forward_backward(data, "importance_sampling")
-        update = trainer.optim_step(AdamParams(learning_rate=cfg.learning_rate))
+        fb = trainer.forward_backward(data, loss_fn="importance_sampling")
+        update = trainer.optim_step(types.AdamParams(learning_rate=cfg.learning_rate))
         record.update(reward=float(np.mean(rewards)), loss=fb.result().metrics["loss"],
                       grad_norm=update.result().metrics["grad_norm"], seconds=time.perf_counter() - start)
         history.append(record)

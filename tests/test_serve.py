@@ -286,7 +286,7 @@ def test_save_state_survives_restart(tmp_path):
     client = LocalServiceClient(service(tmp_path))
     trainer = client.create_lora_training_client(rank=4, seed=4)
     train(trainer, seed=30)
-    path = trainer.save_state("after2").result()
+    path = trainer.save_state("after2").result().path
     with pytest.raises(ServiceError, match="never overwritten") as e:
         trainer.save_state("after2").result()
     assert e.value.field == "name"
@@ -310,10 +310,10 @@ def test_save_weights_peft_and_hf(tmp_path):
     trainer = client.create_lora_training_client(rank=4)
     train(trainer, seed=60)
     policy = svc.session(trainer.session).state.policy
-    loaded = load_adapter(BASE, trainer.save_weights("peft").result())
+    loaded = load_adapter(BASE, trainer.save_weights("peft").result().path)
     for x, y in zip(jax.tree.leaves(policy.layers.lora), jax.tree.leaves(loaded.layers.lora)):
         np.testing.assert_array_equal(x, y)
-    merged = load_pretrained(trainer.save_weights("hf", format="hf").result())
+    merged = load_pretrained(trainer.save_weights("hf", format="hf").result().path)
     for x, y in zip(jax.tree.leaves(merge_lora(policy)), jax.tree.leaves(merged)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
@@ -377,7 +377,7 @@ def test_body_limit_and_sampler_snapshots(tmp_path):
     assert response.status_code == 413 and not svc.sessions
     svc = Service(BASE, None, ServiceConfig(model="tiny", state_dir=str(tmp_path / "k"), samplers_kept=2))
     trainer = LocalServiceClient(svc).create_lora_training_client(rank=4)
-    paths = [trainer.save_weights_for_sampler(f"s{i}").result() for i in range(3)]
+    paths = [trainer.save_weights_for_sampler(f"s{i}").result().path for i in range(3)]
     assert list(svc.session(trainer.session).samplers) == ["s1", "s2"]
     with pytest.raises(ServiceError, match="1 dropped so far") as e:
         LocalServiceClient(svc).create_sampling_client(paths[0]).sample(ModelInput.from_ints([4])).result()

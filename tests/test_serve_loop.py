@@ -100,7 +100,7 @@ def test_client_grpo_learns_beside_another_client_and_survives_kill(tmp_path):
         for _ in range(2):
             trainer.forward_backward([datum], "cross_entropy").result()
             trainer.optim_step(AdamParams(learning_rate=1e-2)).result()
-        path = trainer.save_state("before-kill").result()
+        path = trainer.save_state("before-kill").result().path
         loss = trainer.forward([datum], "cross_entropy").result().metrics["loss"]
     finally:
         os.kill(server.pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ batches with a named objective (``relax.serve.objectives``; ``loss_fn_config`` i
 Where it differs from Tinker: futures are ``concurrent.futures.Future`` (no ``*_async``
 coroutines); a ``ModelInput`` is token ids only (no image chunks); ``get_tokenizer`` returns
 relax's tokenizer (``relax.text``); ``save_state`` / ``save_weights`` paths are the server's
-directories, not ``tinker://`` URIs; relax adds ``save_weights`` (PEFT or Hugging Face format)
+directories, not ``tinker://`` URIs (``SaveResponse.path``); relax adds ``save_weights`` (PEFT or Hugging Face format)
 and typed batches; ``compute_logprobs`` and ``forward`` on datums are ``forward``.
 """
 
@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 
 from relax.serve.types import (AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse,
-                               SampledSequence, SampleResponse, SamplingParams, TensorData)
+                               SampledSequence, SampleResponse, SamplingParams, SaveResponse, TensorData)
 from relax.serve.wire import RequestError, encode_batch, materialize, pack, unpack
 
 __all__ = ["LocalServiceClient", "ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
@@ -58,8 +58,8 @@ class ServiceClient:
     """A connection to ``python -m relax.serve`` (``token``: else ``RELAX_SERVE_TOKEN``)."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8470", *, token: str | None = None,
-                 timeout: float | None = None):
-        token = token or os.environ.get("RELAX_SERVE_TOKEN")
+                 api_key: str | None = None, timeout: float | None = None):
+        token = token or api_key or os.environ.get("RELAX_SERVE_TOKEN")  # api_key: Tinker's name
         headers = {"content-type": MEDIA_TYPE, **({"authorization": f"Bearer {token}"} if token else {})}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
@@ -166,22 +166,24 @@ class TrainingClient:
                             lambda out: OptimStepResponse(out["metrics"]))
 
     def save_state(self, name: str) -> Future:
-        """Future of the server path of the saved adapters, optimizer state and step."""
-        return self._submit("save_state", {"name": name}, lambda out: out["path"])
+        """Future of a ``SaveResponse``: the server path of the saved adapters, optimizer state, step."""
+        return self._submit("save_state", {"name": name}, lambda out: SaveResponse(out["path"]))
 
     def load_state(self, path: str) -> Future:
+        """Future of ``{"step": ...}``: the session's adapters, optimizer state and step from ``path``."""
         return self._submit("load_state", {"path": path})
 
     def save_weights(self, name: str, format: str = "peft") -> Future:
-        """Future of the server path of the adapters in PEFT's format (``"hf"``: the merged model)."""
-        return self._submit("save_weights", {"name": name, "format": format}, lambda out: out["path"])
+        """Future of a ``SaveResponse``: the server path of the adapters in PEFT's format
+        (``"hf"``: the merged model, with the tokenizer)."""
+        return self._submit("save_weights", {"name": name, "format": format}, lambda out: SaveResponse(out["path"]))
 
     def save_weights_for_sampler(self, name: str) -> Future:
-        """Future of a ``model_path`` that samples with the weights as they are once it runs."""
-        return self._submit("save_weights_for_sampler", {"name": name}, lambda out: out["path"])
+        """Future of a ``SaveResponse`` whose ``path`` samples with the weights as they are once it runs."""
+        return self._submit("save_weights_for_sampler", {"name": name}, lambda out: SaveResponse(out["path"]))
 
     def save_weights_and_get_sampling_client(self, name: str, *, parallel: int = 4) -> SamplingClient:
-        return SamplingClient(self.service, self.save_weights_for_sampler(name).result(), parallel=parallel)
+        return SamplingClient(self.service, self.save_weights_for_sampler(name).result().path, parallel=parallel)
 
     def get_tokenizer(self):
         return self.service.get_tokenizer()

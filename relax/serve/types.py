@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AdamParams", "Datum", "ForwardBackwardOutput", "ModelInput", "OptimStepResponse", "SampleResponse",
+__all__ = ["AdamParams", "Datum", "ForwardBackwardOutput", "ModelInput", "OptimStepResponse", "SampleResponse", "SaveResponse",
            "SampledSequence", "SamplingParams", "TensorData"]
 
 
@@ -118,3 +118,10 @@ class ForwardBackwardOutput:
 @dataclasses.dataclass(frozen=True)
 class OptimStepResponse:
     metrics: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResponse:
+    """Where ``save_state`` / ``save_weights`` / ``save_weights_for_sampler`` put it (``path``)."""
+
+    path: str
