@@ -173,6 +173,39 @@ def test_named_objective_equals_in_process(tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
 
 
+def test_grouped_rows_read_what_datums_read(tmp_path):
+    """A sampled group as prefix-shared LossRows: the trainer's log-probs of each completion equal the
+    datum layout's (each sequence whole) and the sampler's; the objective runs on it over the wire."""
+    from relax.serve.client import grouped_rows
+    from relax.train.primitives import logprobs
+
+    svc = service(tmp_path)
+    client = LocalServiceClient(svc)
+    trainer = client.create_lora_training_client(rank=4, seed=5)
+    sampler = trainer.save_weights_and_get_sampling_client("s")
+    prompts = [[5, 6, 7], [8, 4, 9, 10, 11]]
+    responses = sampler.sample_many([ModelInput.from_ints(p) for p in prompts], 3,
+                                    SamplingParams(max_tokens=5, seed=2)).result()
+    rows = grouped_rows(prompts, responses, np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5)
+    assert rows.tokens.shape == (2, 3, 16) and rows.prompt_ids.shape == (2, 16)
+    state = svc.session(trainer.session).state
+    trained = np.asarray(logprobs(state, {k: jnp.asarray(getattr(rows, k))
+                                          for k in ("prompt_ids", "prompt_mask", "tokens", "mask")}))
+    data = [Datum(ModelInput.from_ints(p + s.tokens[:-1]), {
+        "target_tokens": np.asarray(p[1:] + s.tokens), "weights": np.ones(len(p) + len(s.tokens) - 1, np.float32)})
+        for p, r in zip(prompts, responses) for s in r.sequences]
+    outputs = trainer.forward(data, "cross_entropy").result().loss_fn_outputs
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        for j, seq in enumerate(r.sequences):
+            k = len(seq.tokens)
+            whole = outputs[3 * i + j]["logprobs"].to_numpy()[len(p) - 1:]
+            np.testing.assert_allclose(trained[i, j, :k], whole, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(trained[i, j, :k], seq.logprobs, rtol=1e-4, atol=1e-4)
+    got = trainer.forward_backward(rows, "importance_sampling").result().metrics
+    _, want = objectives.forward_backward(state, jax.tree.map(jnp.asarray, rows), "importance_sampling")
+    np.testing.assert_allclose(got["loss"], float(want["loss"]), rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------- refusals
 
 def test_bad_requests_name_the_field_and_change_nothing(tmp_path):

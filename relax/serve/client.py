@@ -36,11 +36,13 @@ from typing import Any
 import httpx
 import numpy as np
 
+from relax.algorithms.batch import LossRows
+from relax.serve.datum import bucket
 from relax.serve.types import (AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse,
                                SampledSequence, SampleResponse, SamplingParams, SaveResponse, TensorData)
 from relax.serve.wire import RequestError, encode_batch, materialize, pack, unpack
 
-__all__ = ["LocalServiceClient", "ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
+__all__ = ["LocalServiceClient", "grouped_rows", "ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
 
 MEDIA_TYPE = "application/msgpack"
 
@@ -192,6 +194,32 @@ class TrainingClient:
         """End the session on the server (after every request made so far)."""
         self._submit("close", {}).result()
         self._sender.shutdown()
+
+
+def grouped_rows(prompts, responses: list[SampleResponse], advantages) -> LossRows:
+    """The ``LossRows`` of sampled groups (relax's addition): prompt ``i`` (token ids or a
+    ``ModelInput``) with the sequences of ``responses[i]``, their sampler log-probs and
+    ``advantages[i][g]``. ``forward_backward(rows, "importance_sampling")`` (or any policy
+    objective) then reads each prompt once for all its completions (the prefix-shared forward),
+    where datums repeat it per completion; its loss is relax's (the objective's normaliser: by
+    default the mean over completion tokens), not a sum. Sizes are rounded up like datums' so that
+    nearby ones share a compiled program."""
+    prompts = [list(p.tokens) if isinstance(p, ModelInput) else [int(t) for t in p] for p in prompts]
+    g = len(responses[0].sequences)
+    if len(responses) != len(prompts) or any(len(r.sequences) != g for r in responses):
+        raise ValueError("one response per prompt, each with the same number of sequences, is needed")
+    lp = bucket(max(map(len, prompts)), 16, steps_per_octave=4)
+    n = bucket(max(len(s.tokens) for r in responses for s in r.sequences), 16, steps_per_octave=4)
+    ids, pmask = np.zeros((len(prompts), lp), np.int32), np.zeros((len(prompts), lp), np.int32)
+    tokens, mask = np.zeros((len(prompts), g, n), np.int32), np.zeros((len(prompts), g, n), np.int32)
+    logprobs = np.zeros((len(prompts), g, n), np.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, lp - len(p):], pmask[i, lp - len(p):] = p, 1
+        for j, seq in enumerate(r.sequences):
+            k = len(seq.tokens)
+            tokens[i, j, :k], mask[i, j, :k], logprobs[i, j, :k] = seq.tokens, 1, seq.logprobs
+    return LossRows(prompt_ids=ids, prompt_mask=pmask, tokens=tokens, mask=mask, loss_mask=mask,
+                    old_logprobs=logprobs, advantages=np.asarray(advantages, np.float32).reshape(len(prompts), g))
 
 
 def _sample_response(out: dict) -> list[SampleResponse]:

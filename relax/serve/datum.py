@@ -16,7 +16,8 @@ sampling``, ``ppo``,   (``relax.objectives.registry``), e.g.   (``A_t``)
 Tinker's PPO options ``clip_low_threshold`` / ``clip_high_threshold`` (ratio bounds, 0.8 / 1.2)
 are taken as ``epsilon_low = 1 - low`` and ``epsilon_high = high - 1``; every other option is the
 registry loss's own field. The datums are right-padded into ``[B, T]`` rows with ``B`` and ``T``
-rounded up to powers of two (``bucket``), so nearby batch sizes share one compiled program.
+rounded up (``bucket``: ``B`` to a power of two, ``T`` to a quarter-octave step, at most 25% padding),
+so nearby sizes share one compiled program.
 """
 
 from __future__ import annotations
@@ -51,9 +52,14 @@ class DatumRows(eqx.Module):
     advantages: Float[Array, "b t"]
 
 
-def bucket(n: int, least: int = 1) -> int:
-    """The power of two at or above ``max(n, least)``."""
-    return 1 << (max(n, least) - 1).bit_length()
+def bucket(n: int, least: int = 1, steps_per_octave: int = 1) -> int:
+    """``max(n, least)`` rounded up to the next of ``steps_per_octave`` evenly spaced sizes per
+    power of two (1: the power of two at or above it; 4: 64, 80, 96, 112, 128, 160, ...)."""
+    n = max(n, least)
+    if n <= steps_per_octave:
+        return n
+    step = max(1, (1 << ((n - 1).bit_length() - 1)) // steps_per_octave)
+    return -(-n // step) * step
 
 
 def _needs(loss: str) -> tuple[str, ...]:
@@ -90,7 +96,7 @@ def datum_rows(data: Any, loss: str, vocab_size: int, max_length: int) -> tuple[
             if a.dtype.kind not in "iu" or (a.size and (a.min() < 0 or a.max() >= vocab_size)):
                 raise RequestError(f"{at}.{key}", f"token ids must be integers in [0, {vocab_size})")
         lengths.append(n)
-    b, t = bucket(len(data)), bucket(max(lengths), 16)
+    b, t = bucket(len(data)), bucket(max(lengths), 16, steps_per_octave=4)
     rows = {k: np.zeros((b, t), np.int32) for k in ("ids", "targets", "valid")}
     rows.update({k: np.zeros((b, t), np.float32) for k in ("weights", "logprobs", "advantages")})
     for i, (d, n) in enumerate(zip(data, lengths)):
