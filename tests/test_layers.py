@@ -70,6 +70,7 @@ LAYER_NAMES = [name for name, _ in LAYERS]
 # relax/algorithms/ (stages.py, pair_forward.py, reference_cache.py, ...).
 ALGORITHM_EDGES: dict[str, tuple[str, ...]] = {
     "agent": ("grpo", "ppo"),  # the multi-turn trainer runs GRPO's and PPO's steps, configs and states
+    "rlhf": ("grpo", "ppo", "reward_model", "sft"),  # the three-stage pipeline runs their runs in turn
 }
 # Common modules (relax/algorithms/*.py and its __init__) that import an algorithm folder, and which
 # folders. None does today (cli.py and online.py, the likeliest to, import no folder).
