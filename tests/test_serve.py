@@ -248,8 +248,8 @@ def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
     assert next(session.draws) == 0  # the refused samples drew nothing of the session's randomness
     refused(lambda: trainer.save_state("../escape"), "name")
     refused(lambda: trainer.load_state("/etc"), "path")
-    refused(lambda: client.create_sampling_client("session:s1/sampler/none").sample(ModelInput.from_ints([4])),
-            "model_path")
+    refused(lambda: client.create_sampling_client(f"session:{trainer.session}/sampler/none").sample(
+        ModelInput.from_ints([4])), "model_path")
     with pytest.raises(ServiceError) as e:
         client.call("POST", "/v1/sessions/s99/optim_step", {})
     assert e.value.status == 404
@@ -329,6 +329,9 @@ def test_save_state_survives_restart(tmp_path):
 
     restarted = LocalServiceClient(service(tmp_path))  # a new process's service over the same directory
     resumed = restarted.create_training_client_from_state(path)
+    with pytest.raises(ServiceError) as e:  # an id from before the restart names no session, not another's
+        restarted.call("POST", f"/v1/sessions/{trainer.session}/optim_step", {})
+    assert e.value.status == 404 and resumed.session != trainer.session
     assert resumed.forward(data, "importance_sampling").result().metrics == loss
     assert train(resumed, seed=50) == next_steps  # the optimizer state came back too
     other = restarted.create_lora_training_client(rank=2)

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import json
 import re
+import secrets
 import tempfile
 from pathlib import Path
 
@@ -98,7 +99,7 @@ class Service:
         if not isinstance(seed, int):
             raise RequestError("seed", f"an integer, got {seed!r}")
         lora = self._lora(request)
-        sid = f"s{next(self._ids)}"
+        sid = f"s{next(self._ids)}-{secrets.token_hex(4)}"  # never an id from before a restart
         self.sessions[sid] = Session.create(sid, self.base, lora, seed, self.mesh)
         return {"session": sid, "lora": dataclasses.asdict(lora)}
 
@@ -125,7 +126,7 @@ class Service:
         if path == "base":
             policy, session = self.base, None
         else:
-            m = re.fullmatch(r"session:([A-Za-z0-9]+)/sampler/(.+)", path or "")
+            m = re.fullmatch(r"session:([A-Za-z0-9-]+)/sampler/(.+)", path or "")
             if m is None:
                 raise RequestError("model_path", f"'base' or a path of save_weights_for_sampler, got {path!r}")
             session = self.session(m.group(1))
