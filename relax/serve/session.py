@@ -1,6 +1,6 @@
 """A client's training session: its own LoRA adapters over the service's shared base model.
 
-    session = Session.create(base, LoRAConfig(rank=8), seed=0)
+    session = Session.create("s1", base, LoRAConfig(rank=8), seed=0)
     metrics, outputs = session.forward_backward(request)     # gradients summed into session.pending
     session.optim_step({"learning_rate": 1e-4})               # one Adam step on them, then cleared
 
@@ -58,18 +58,20 @@ OPTIMIZER = optax.inject_hyperparams(_adam)(learning_rate=1e-4, b1=0.9, b2=0.95,
 
 
 def _adam_hyperparams(params: Any) -> dict[str, float]:
+    """``_adam``'s hyperparameters from an ``AdamParams`` map (each checked, named as sent)."""
     if not isinstance(params, dict) or set(params) - set(ADAM_DEFAULTS):
         raise RequestError("adam_params", f"a map with keys among {', '.join(ADAM_DEFAULTS)}")
     p = {**ADAM_DEFAULTS, **params}
-    clip = math.inf if p["max_grad_norm"] is None else float(p["max_grad_norm"])
-    values = {"learning_rate": p["learning_rate"], "b1": p["beta1"], "b2": p["beta2"], "eps": p["eps"],
-              "weight_decay": p["weight_decay"], "max_grad_norm": clip}
-    for k, v in values.items():
-        if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (k != "max_grad_norm" and math.isinf(v)):
+    if p["max_grad_norm"] is None:
+        p["max_grad_norm"] = math.inf
+    for k, v in p.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or \
+                (k != "max_grad_norm" and math.isinf(v)):
             raise RequestError(f"adam_params.{k}", f"must be a finite number >= 0, got {v!r}")
-    if not (0 <= values["b1"] < 1 and 0 <= values["b2"] < 1 and values["learning_rate"] > 0 and clip > 0):
+    if not (0 <= p["beta1"] < 1 and 0 <= p["beta2"] < 1 and p["learning_rate"] > 0 and p["max_grad_norm"] > 0):
         raise RequestError("adam_params", "needs learning_rate > 0, 0 <= beta1, beta2 < 1, max_grad_norm > 0")
-    return values
+    return {"learning_rate": p["learning_rate"], "b1": p["beta1"], "b2": p["beta2"], "eps": p["eps"],
+            "weight_decay": p["weight_decay"], "max_grad_norm": p["max_grad_norm"]}
 
 
 def _finite(tree) -> jax.Array:
