@@ -206,6 +206,34 @@ def test_grouped_rows_read_what_datums_read(tmp_path):
     np.testing.assert_allclose(got["loss"], float(want["loss"]), rtol=1e-5)
 
 
+def test_ppo_with_a_value_head_over_the_service(tmp_path):
+    """A session with a value head: PPO's joint loss by name (GAE inside from rewards) equals the
+    in-process call; optim_step moves the head; save and restore bring it back."""
+    svc = service(tmp_path)
+    client = LocalServiceClient(svc)
+    trainer = client.create_lora_training_client(rank=4, seed=6, value_head=True)
+    rng = np.random.default_rng(1)
+    P, G, N, L = 2, 3, 5, 4
+    mask = (np.arange(N) < rng.integers(2, N + 1, (P, G, 1))).astype(np.int32)
+    rows = objectives.ValueRows(
+        prompt_ids=rng.integers(4, 16, (P, L)).astype(np.int32), prompt_mask=np.ones((P, L), np.int32),
+        tokens=(rng.integers(4, 16, (P, G, N)) * mask).astype(np.int32), mask=mask,
+        old_logprobs=(-rng.uniform(0.5, 3, (P, G, N)) * mask).astype(np.float32),
+        rewards=rng.normal(size=(P, G)).astype(np.float32))
+    state = svc.session(trainer.session).state
+    got = trainer.forward_backward(rows, "ppo", {"kl_coef": 0.0}).result().metrics
+    _, want = objectives.forward_backward(state, jax.tree.map(jnp.asarray, rows), "ppo", kl_coef=0.0)
+    assert "explained_variance" in want and set(want) <= set(got)
+    for k in want:
+        np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    head = np.asarray(state.critic.head)
+    trainer.optim_step(AdamParams(learning_rate=1e-2)).result()
+    moved = svc.session(trainer.session).state.critic
+    assert not np.array_equal(head, np.asarray(moved.head))
+    resumed = client.create_training_client_from_state(trainer.save_state("vh").result().path)
+    np.testing.assert_array_equal(np.asarray(svc.session(resumed.session).state.critic.head), np.asarray(moved.head))
+
+
 # ---------------------------------------------------------------------------- refusals
 
 def test_bad_requests_name_the_field_and_change_nothing(tmp_path):

@@ -80,12 +80,13 @@ class ServiceClient:
         return self.call("GET", "/v1/info")
 
     def create_lora_training_client(self, base_model: str | None = None, rank: int | None = None, *,
-                                    seed: int = 0, **lora) -> TrainingClient:
-        """A new session with its own adapters (``rank``, LoRA options; default: the server's).
-        ``base_model``, when given, must be the model the server holds."""
+                                    seed: int = 0, value_head: bool = False, **lora) -> TrainingClient:
+        """A new session with its own adapters (``rank``, LoRA options; default: the server's);
+        ``value_head``: with a value head on the policy's backbone, for the objective ``"ppo"`` on
+        ``ValueRows`` (relax's addition). ``base_model``, when given, must be the model the server holds."""
         if base_model is not None and base_model != (served := self.get_server_capabilities()["model"]):
             raise ValueError(f"the server holds {served!r}, not {base_model!r}")
-        body = {"seed": seed, **lora, **({"rank": rank} if rank is not None else {})}
+        body = {"seed": seed, "value_head": value_head, **lora, **({"rank": rank} if rank is not None else {})}
         return TrainingClient(self, self.call("POST", "/v1/sessions", body)["session"])
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:

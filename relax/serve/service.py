@@ -84,10 +84,10 @@ class Service:
 
     def _lora(self, request: dict) -> LoRAConfig:
         fields = {f.name for f in dataclasses.fields(LoRAConfig)}
-        options = {k: v for k, v in request.items() if k != "seed"}
+        options = {k: v for k, v in request.items() if k not in ("seed", "value_head")}
         if set(options) - fields:
-            raise RequestError(sorted(set(options) - fields)[0], f"a session takes seed and LoRA options "
-                                                                 f"({', '.join(sorted(fields))})")
+            raise RequestError(sorted(set(options) - fields)[0], f"a session takes seed, value_head and LoRA "
+                                                                 f"options ({', '.join(sorted(fields))})")
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
         try:
             return dataclasses.replace(self.cfg.lora, **options)
@@ -98,10 +98,13 @@ class Service:
         seed = request.get("seed", 0)
         if not isinstance(seed, int):
             raise RequestError("seed", f"an integer, got {seed!r}")
+        value_head = request.get("value_head", False)
+        if not isinstance(value_head, bool):
+            raise RequestError("value_head", f"true or false, got {value_head!r}")
         lora = self._lora(request)
         sid = f"s{next(self._ids)}-{secrets.token_hex(4)}"  # never an id from before a restart
-        self.sessions[sid] = Session.create(sid, self.base, lora, seed, self.mesh)
-        return {"session": sid, "lora": dataclasses.asdict(lora)}
+        self.sessions[sid] = Session.create(sid, self.base, lora, seed, self.mesh, value_head=value_head)
+        return {"session": sid, "lora": dataclasses.asdict(lora), "value_head": value_head}
 
     def close_session(self, sid: str) -> dict:
         self.sessions.pop(sid, None)
@@ -163,7 +166,8 @@ class Service:
             ckpt.save(int(s.state.step), s.state, config={"lora": dataclasses.asdict(s.lora), "seed": s.seed},
                       force=True)
         (path / _SESSION_FILE).write_text(json.dumps({"lora": dataclasses.asdict(s.lora), "seed": s.seed,
-                                                      "step": int(s.state.step), "model": self.cfg.model}))
+                                                      "value_head": s.value_head, "step": int(s.state.step),
+                                                      "model": self.cfg.model}))
         return {"path": str(path)}
 
     def _state_dir(self, request: dict) -> Path:
@@ -187,7 +191,7 @@ class Service:
         path = self._state_dir(request)
         saved = json.loads((path / _SESSION_FILE).read_text())
         lora = {k: v for k, v in saved["lora"].items()}
-        created = self.create_session({**lora, "seed": saved["seed"]})
+        created = self.create_session({**lora, "seed": saved["seed"], "value_head": saved.get("value_head", False)})
         try:
             loaded = self.load_state(created["session"], request)
         except RequestError:

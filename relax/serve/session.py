@@ -29,6 +29,7 @@ import optax
 from jax.sharding import Mesh
 
 from relax.models.adapters import add_lora
+from relax.models.critic import init_value_head
 from relax.models.lora import LoRAConfig
 from relax.models.transformer import Transformer
 from relax.parallel.mesh import state_shardings
@@ -86,8 +87,12 @@ def _accumulate(pending, grads):
 
 @jax.jit
 def _optim(state: TrainState, grads: Grads, hyper: dict):
-    opt_state = state.opt_state._replace(hyperparams={k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()})
-    new = objectives.optim_step(state.replace(opt_state=opt_state), grads)
+    def injected(opt_state):
+        return None if opt_state is None else opt_state._replace(
+            hyperparams={k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()})
+
+    state = state.replace(opt_state=injected(state.opt_state), critic_opt_state=injected(state.critic_opt_state))
+    new = objectives.optim_step(state, grads)
     return new, optax.tree.norm(grads.policy)
 
 
@@ -99,22 +104,28 @@ class Session:
     lora: LoRAConfig
     seed: int
     state: TrainState
+    value_head: bool = False  # state.critic is a ValueHead on the policy's backbone (objective "ppo")
     pending: Grads | None = None
     samplers: dict[str, Any] = dataclasses.field(default_factory=dict)
     evicted: int = 0  # sampler snapshots dropped for newer ones
     draws: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     @classmethod
-    def create(cls, sid: str, base: Transformer, lora: LoRAConfig, seed: int, mesh: Mesh | None = None) -> Session:
-        """A fresh session; on ``mesh`` its state is laid out by the parameter rules
+    def create(cls, sid: str, base: Transformer, lora: LoRAConfig, seed: int, mesh: Mesh | None = None, *,
+               value_head: bool = False) -> Session:
+        """A fresh session; with ``value_head`` its state has a zero-initialised ``ValueHead`` on the
+        policy's backbone (trained by PPO's joint loss, its own Adam state, the same step
+        hyperparameters). On ``mesh`` its state is laid out by the parameter rules
         (``relax.parallel.mesh.state_shardings``: the base's shards as they are, adapters and
         moments like their weights)."""
         key = jax.random.key(seed)
         policy = add_lora(base, lora, jax.random.fold_in(key, 0)) if lora.enabled else base
-        state = init_state(policy, OPTIMIZER, key=jax.random.fold_in(key, 1))
+        critic = init_value_head(base.config) if value_head else None
+        state = init_state(policy, OPTIMIZER, key=jax.random.fold_in(key, 1), critic=critic,
+                           critic_optimizer=OPTIMIZER if value_head else None)
         if mesh is not None:
             state = jax.device_put(state, state_shardings(state, mesh))
-        return cls(sid, lora, seed, state)
+        return cls(sid, lora, seed, state, value_head)
 
     @property
     def config(self):
