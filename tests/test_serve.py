@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 
 from relax.algorithms.batch import LossRows
+from relax.data.pairs import PairBatch
 from relax.models import ModelConfig, init
 from relax.models.adapters import merge_lora
 from relax.models.hf import load_pretrained
@@ -102,6 +103,14 @@ def test_wire_round_trip_and_refusals():
     nan[1, 2] = np.nan
     refused("advantages", nan, r"1 non-finite value\(s\), first at index \[1, 2\]")
     refused("rope", np.ones(3, np.float32), "computed by the service")
+    pairs = PairBatch(prompt_ids=np.ones((P, L), np.int32), prompt_mask=np.ones((P, L), np.int32),
+                      tokens=np.ones((P, 2, N), np.int32), mask=np.ones((P, 2, N), np.int32),
+                      ref_logps=np.zeros((P, 2), np.float32))
+    assert decode_batch(unpack(pack(encode_batch(pairs))), "batch").ref_logps.shape == (P, 2)
+    wire = unpack(pack(encode_batch(pairs)))
+    wire["fields"]["tokens"] = np.ones((P, 3, N), np.int32)
+    with pytest.raises(RequestError, match="a dimension of size 2 is 3 here"):
+        decode_batch(wire, "batch")
     wire = unpack(pack(encode_batch(rows)))
     del wire["fields"]["tokens"]
     with pytest.raises(RequestError, match="needs this field"):
@@ -171,6 +180,14 @@ def test_named_objective_equals_in_process(tmp_path):
         np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
     for x, y in zip(jax.tree.leaves(svc.session(trainer.session).pending), jax.tree.leaves(grads)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    pmask = (np.arange(N) < rng.integers(2, N + 1, (P, 2, 1))).astype(np.int32)
+    pairs = PairBatch(prompt_ids=rows.prompt_ids, prompt_mask=rows.prompt_mask,
+                      tokens=rng.integers(4, 16, (P, 2, N)).astype(np.int32) * pmask, mask=pmask,
+                      ref_logps=-rng.uniform(2, 6, (P, 2)).astype(np.float32))
+    got = trainer.forward(pairs, "dpo", {"beta": 0.1}).result().metrics
+    _, want = objectives.forward_backward(state, jax.tree.map(jnp.asarray, pairs), "dpo", beta=0.1)
+    for k in want:
+        np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def test_grouped_rows_read_what_datums_read(tmp_path):
@@ -256,6 +273,9 @@ def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
                                       "advantages": np.full(data[0].model_input.length, np.nan, np.float32)})
     big = Datum(ModelInput.from_ints([1, 99]), {k: v[:2] for k, v in data[0].loss_fn_inputs.items()})
     refused(lambda: trainer.forward_backward(data, "nope"), "loss_fn")
+    pairs = PairBatch(prompt_ids=np.full((1, 3), 4, np.int32), prompt_mask=np.ones((1, 3), np.int32),
+                      tokens=np.full((1, 2, 2), 5, np.int32), mask=np.ones((1, 2, 2), np.int32))
+    refused(lambda: trainer.forward_backward(pairs, "reward_modeling"), "loss_fn")
     refused(lambda: trainer.forward_backward([short], "importance_sampling"), "data[0].loss_fn_inputs.advantages")
     refused(lambda: trainer.forward_backward([data[1], nan], "importance_sampling"),
             "data[1].loss_fn_inputs.advantages")

@@ -47,6 +47,9 @@ __all__ = ["ADAM_DEFAULTS", "OPTIMIZER", "Session"]
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "max_grad_norm": None}
 _TOKEN_FIELDS = ("prompt_ids", "tokens", "ids")
+NOT_SERVED = {"reward_modeling": "a session trains a causal LM (with adapters, and a value head if asked for); "
+                                 "reward_modeling trains a reward model's score head, which no session has: train "
+                                 "reward models with examples/train_reward_model.py or relax.serve.objectives in-process"}
 
 
 def _adam(learning_rate, b1, b2, eps, weight_decay, max_grad_norm):
@@ -162,6 +165,8 @@ class Session:
         self._check_tokens(batch)
         if loss not in objectives.OBJECTIVES:
             raise RequestError("loss_fn", f"unknown objective {loss!r}; valid: {', '.join(sorted(objectives.OBJECTIVES))}")
+        if loss in NOT_SERVED:
+            raise RequestError("loss_fn", NOT_SERVED[loss])
         try:
             grads, metrics = _objective_step(loss, tuple(sorted(config.items())), backward)(self.state, batch)
         except (TypeError, ValueError) as e:  # the objective's own checks, at trace time

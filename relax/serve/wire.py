@@ -128,11 +128,15 @@ def _kind(spec) -> str:
 def _bind(spec, a: np.ndarray, sizes: dict[str, tuple[int, str]], where: str) -> str | None:
     """Why ``a`` does not fit ``spec`` given the sizes bound so far by earlier fields (None: it fits,
     and its new dimension names are bound)."""
-    dims = [d.name for d in spec.dims]
+    dims = [str(getattr(d, "name", getattr(d, "size", "?"))) for d in spec.dims]  # a name, or a fixed size
     if a.ndim != len(dims):
         return f"needs {len(dims)} dimensions [{' '.join(dims)}], got shape {list(a.shape)}"
     new = dict(sizes)
     for name, size in zip(dims, a.shape):
+        if name.isdigit():
+            if size != int(name):
+                return f"shape {list(a.shape)} for [{' '.join(dims)}]: a dimension of size {name} is {size} here"
+            continue
         bound, by = new.setdefault(name, (size, where))
         if bound != size:
             return (f"shape {list(a.shape)} for [{' '.join(dims)}]: dimension {name!r} is {size} here "
