@@ -124,6 +124,7 @@ def load_service(cfg: ServeConfig) -> Service:
     import jax.numpy as jnp
 
     from relax.models.hf import load_pretrained
+    from relax.models.transformer import cast
     from relax.text import load_tokenizer
 
     dtype = jnp.dtype(cfg.dtype)
@@ -135,7 +136,7 @@ def load_service(cfg: ServeConfig) -> Service:
         tokenizer, base, _, _ = prepare(TASKS["reverse"], ReverseTask(), Path(cfg.state_dir) / "builtin", seed=0,
                                         teacher="a noisy teacher of the reverse task", log=log.info)
         name = str(Path(cfg.state_dir, "builtin", "base_model").resolve())
-        base = load_pretrained(name, dtype=dtype)
+        base = cast(base, dtype=dtype)  # as load_pretrained(dtype=): parameters as stored
     else:
         name = cfg.model
         base = load_pretrained(cfg.model, dtype=dtype)

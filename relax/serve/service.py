@@ -65,6 +65,7 @@ class Service:
         self.base = base if self.mesh is None else shard_model(base, self.mesh)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.sessions: dict[str, Session] = {}
+        self._base: Session | None = None  # base-model sampling (_base_session)
         self._ids = itertools.count(1)
         self.root = Path(cfg.state_dir).resolve()
 
@@ -142,9 +143,11 @@ class Service:
         return {"sequences": sequences}
 
     def _base_session(self) -> Session:
-        if "base" not in self.sessions:
-            self.sessions["base"] = Session.create("base", self.base, LoRAConfig(rank=0), 0, self.mesh)
-        return self.sessions["base"]
+        """The holder of the base model's sampling draws: no adapters, no state to train (so no
+        optimizer moments of the whole base just to sample it), not a client's session."""
+        if self._base is None:
+            self._base = Session("base", LoRAConfig(rank=0), 0, state=None)
+        return self._base
 
     # ------------------------------------------------------------------ files
 

@@ -78,6 +78,7 @@ def _adam_hyperparams(params: Any) -> dict[str, float]:
             "weight_decay": p["weight_decay"], "max_grad_norm": p["max_grad_norm"]}
 
 
+@jax.jit
 def _finite(tree) -> jax.Array:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
@@ -106,7 +107,7 @@ class Session:
     id: str
     lora: LoRAConfig
     seed: int
-    state: TrainState
+    state: TrainState | None  # None: the holder of base-model sampling draws (Service._base_session)
     value_head: bool = False  # state.critic is a ValueHead on the policy's backbone (objective "ppo")
     pending: Grads | None = None
     samplers: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -159,7 +160,8 @@ class Session:
             rows, lengths = datum_rows(request["data"], loss, self.config.vocab_size,
                                        self.config.max_position_embeddings)
             grads, metrics, logp = _datum_step(loss, config, backward)(self.state, rows)
-            outputs = [{"logprobs": np.asarray(logp[i, :n])} for i, n in enumerate(lengths)]
+            logp = np.asarray(logp)  # one copy to host, then sliced per datum
+            outputs = [{"logprobs": logp[i, :n]} for i, n in enumerate(lengths)]
             return grads, metrics, outputs
         batch = decode_batch(request["batch"], "batch")
         self._check_tokens(batch)
@@ -213,16 +215,17 @@ class Session:
             raise RequestError("prompts", "a non-empty list of token arrays is needed")
         if not isinstance(n, int) or n < 1:
             raise RequestError("num_samples", f"must be an integer >= 1, got {n!r}")
-        cfg = self._rollout_config(params, n)
+        config = policy.config
+        cfg = self._rollout_config(params, n, config.eos_ids)
         ok = all(isinstance(p, np.ndarray) and p.ndim == 1 and p.size for p in prompts)
         lp = max(len(p) for p in prompts) if ok else 0
-        if lp == 0 or lp + cfg.max_new_tokens > self.config.max_position_embeddings:
+        if lp == 0 or lp + cfg.max_new_tokens > config.max_position_embeddings:
             raise RequestError("prompts", f"each prompt must be a non-empty 1-D token array, prompt plus max_tokens "
-                                          f"at most {self.config.max_position_embeddings} positions")
+                                          f"at most {config.max_position_embeddings} positions")
         ids, mask = np.zeros((len(prompts), lp), np.int32), np.zeros((len(prompts), lp), np.int32)
         for i, p in enumerate(prompts):
-            if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= self.config.vocab_size:
-                raise RequestError(f"prompts[{i}]", f"token ids must be integers in [0, {self.config.vocab_size})")
+            if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= config.vocab_size:
+                raise RequestError(f"prompts[{i}]", f"token ids must be integers in [0, {config.vocab_size})")
             ids[i, lp - len(p):], mask[i, lp - len(p):] = p, 1
         key = self._key(params)  # after every check: a refused request draws nothing
         try:
@@ -235,7 +238,7 @@ class Session:
                   "stop_reason": "stop" if finished[i, g] else "length"} for g in range(n)]
                 for i in range(len(prompts))]
 
-    def _rollout_config(self, params: dict, n: int) -> RolloutConfig:
+    def _rollout_config(self, params: dict, n: int, eos_ids: tuple[int, ...]) -> RolloutConfig:
         known = {"max_tokens", "temperature", "top_k", "top_p", "stop", "seed"}
         if not isinstance(params, dict) or set(params) - known:
             raise RequestError("sampling_params", f"a map with keys among {', '.join(sorted(known))}")
@@ -246,7 +249,7 @@ class Session:
                                       top_k=None if top_k in (None, -1) else int(top_k),
                                       top_p=None if top_p in (None, 1.0) else float(top_p))
             return RolloutConfig(num_generations=n, max_new_tokens=int(params.get("max_tokens", 16)),
-                                 sampling=sampling, eos_ids=tuple(sorted({*self.config.eos_ids, *stop})),
+                                 sampling=sampling, eos_ids=tuple(sorted({*eos_ids, *stop})),
                                  pad_id=0)
         except (TypeError, ValueError) as e:
             raise RequestError("sampling_params", str(e)) from None
