@@ -50,7 +50,7 @@ from harness import emit  # noqa: E402
 
 import train_agent  # noqa: E402
 from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults  # noqa: E402
-from relax.algorithms.cli import cli  # noqa: E402
+from relax.algorithms.cli.flags import cli  # noqa: E402
 from relax.tasks import agent as agent_task  # noqa: E402
 from relax.tasks.base import prepare  # noqa: E402
 

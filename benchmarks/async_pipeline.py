@@ -29,7 +29,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 
-from relax.algorithms.batch import step_input  # noqa: E402
+from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.models import init, small_config  # noqa: E402

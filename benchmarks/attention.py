@@ -1,6 +1,6 @@
 """Decode attention against a shared prompt vs a repeated prompt (the sampler's prompt block).
 
-One decode step of ``relax.models.attention.partial_attention`` over the prompt's keys and
+One decode step of ``relax.models.attention.blocks.partial_attention`` over the prompt's keys and
 values, for P prompts with G completions each:
 
     shared    queries folded to [P, Hkv, G*R, D] against ONE copy of the prompt [P, Hkv, Lp, D]
@@ -55,7 +55,7 @@ class Args:
 
 
 def main(args: Args) -> None:
-    from relax.models.attention import partial_attention
+    from relax.models.attention.blocks import partial_attention
 
     P, G, H, R, D = args.prompts, args.generations, args.kv_heads, args.q_per_kv, args.head_dim
     bw, bw_source = harness.peak_bandwidth()

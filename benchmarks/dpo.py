@@ -41,10 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit, peak_flops  # noqa: E402
 
 from relax.algorithms.dpo import DPOConfig, make_dpo_step  # noqa: E402
-from relax.algorithms.pair_forward import PairRows, shared_forward  # noqa: E402
+from relax.algorithms.preference.pairs import PairRows, shared_forward  # noqa: E402
 from relax.data.pairs import PairBatch  # noqa: E402
 from relax.models import hidden_states, init, small_config  # noqa: E402
-from relax.models.logprobs import logprobs_from_hidden  # noqa: E402
+from relax.models.decoder.logprobs import logprobs_from_hidden  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.train.run import CompileCounter  # noqa: E402

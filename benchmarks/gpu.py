@@ -9,7 +9,7 @@
    rematerialised (the batch does not fit otherwise), keeping nothing or the weight matmuls'
    outputs (``remat_policy``); the training attention is the trainer's default (cuDNN on GPU).
 3. The training attention of one layer at 1B shapes, forward+backward: relax's prefix-group
-   kernel (``relax.models.group_attention``, prompt keys shared by the G completions) against
+   kernel (``relax.models.attention.group``, prompt keys shared by the G completions) against
    ``jax.nn.dot_product_attention`` with ``implementation="xla"`` and ``"cudnn"`` on the same
    work laid out as P*G causal sequences [prompt; completion] (the prompt repeated per
    completion, as a trainer without prefix sharing runs it). Tells where cuDNN wins.
@@ -43,8 +43,8 @@ from harness import datasheet, emit, group_attention_inputs, measure  # noqa: E4
 from relax.models import ModelConfig, cast, init  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
-from relax.algorithms.batch import LossRows  # noqa: E402
-from relax.algorithms.configure import configure  # noqa: E402
+from relax.algorithms.online.batch import LossRows  # noqa: E402
+from relax.algorithms.cli.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
@@ -174,7 +174,7 @@ def bench_update(model, p, g, lp, n, peak_flops, remat_policy):
 
 
 def bench_attention(p, g, lp, n, hk, r, d, dtype):
-    from relax.models.group_attention import prefix_group_attention
+    from relax.models.attention.group import prefix_group_attention
     (q, pk, pv, ck, cv), pos = group_attention_inputs(p, g, hk, r, lp, n, d, dtype=dtype, seed=4)
     k = jax.random.split(jax.random.key(4), 5)
     f = lambda i, *shape: jax.random.normal(k[i], shape, dtype)
@@ -207,7 +207,7 @@ def check_dense_accuracy():
         err = max |log p_bf16 - log p_f32|,   grad_err = |grad_bf16 - grad_f32| / |grad_f32|
     """
     import numpy as np
-    from relax.models.prefix_shared import completion_logprobs
+    from relax.models.forward.prefix_shared import completion_logprobs
     cfg = ModelConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
                       num_kv_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
     m32 = init(cfg, jax.random.key(0))

@@ -5,7 +5,7 @@ process), so a single command measures every lever against the same baseline.
 Variants (name: gpu.py flags, XLA_FLAGS added to the environment's):
 
     baseline          the defaults (XLA decode attention, 64-slot cache blocks, XLA's own command buffers)
-    pallas            --decode-attention pallas (relax.models.decode_attention's Triton kernel)
+    pallas            --decode-attention pallas (relax.models.attention.decode's Triton kernel)
     one_block         --cache-chunk 256: one cache block for the 256-token budget (one decode loop)
     no_cmd_buffers    --xla_gpu_enable_command_buffer= (every kernel launched on its own)
     while_cmd_buffer  command buffers that also capture the while loop (FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE)

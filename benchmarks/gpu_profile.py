@@ -49,7 +49,7 @@ from relax.parallel.hlo import CONTROL, FREE, Instr, arrays, kernel_bytes, launc
 from relax.parallel.hlo import loops as while_loops  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, block_size, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
-from relax.algorithms.configure import configure  # noqa: E402
+from relax.algorithms.cli.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402

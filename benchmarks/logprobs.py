@@ -1,6 +1,6 @@
 """Token log-probs from hidden states: chunked (relax) vs naive full log-softmax.
 
-    chunked  ``relax.models.logprobs.logprobs_from_hidden`` - row chunks of ``chunk_size``,
+    chunked  ``relax.models.decoder.logprobs.logprobs_from_hidden`` - row chunks of ``chunk_size``,
              each chunk's logits rematerialised in the backward pass
     naive    ``take_along_axis(jax.nn.log_softmax(h @ W.T), targets)`` - a [T, V] float32
              logits tensor (and its softmax) alive at once
@@ -60,7 +60,7 @@ class Args:
 
 def run_one(method: str, V: int, T: int, args: Args) -> dict:
     from relax import models
-    from relax.models.logprobs import logprobs_from_hidden
+    from relax.models.decoder.logprobs import logprobs_from_hidden
 
     D = args.hidden
     cfg = models.small_config(vocab_size=V, hidden_size=D, num_layers=1)

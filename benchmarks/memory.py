@@ -44,17 +44,17 @@ import harness  # noqa: E402
 
 from relax import parallel  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
-from relax.models.adapters import add_lora, split_trainable  # noqa: E402
-from relax.models.lora import LoRAConfig  # noqa: E402
+from relax.models.adapters.operations import add_lora, split_trainable  # noqa: E402
+from relax.models.layers.lora import LoRAConfig  # noqa: E402
 from relax.train import many  # noqa: E402
 from relax.train.update import make_update  # noqa: E402
-from relax.algorithms.batch import HostRecord, LossRows, Rollout, Scored, step_input  # noqa: E402
+from relax.algorithms.online.batch import HostRecord, LossRows, Rollout, Scored, step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.compose import WithHost  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
-from relax.algorithms.stages import sample_versions  # noqa: E402
+from relax.algorithms.online.stages import sample_versions  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.state import init_state  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The GRPO update and reference forward padded vs packed (``relax.models.completion_packing``)
+"""The GRPO update and reference forward padded vs packed (``relax.models.forward.completion_packing``)
 on completion lengths with a long tail, against the padding-free ideal.
 
 A model shape with random weights (``--model-shape small`` default, or ``smollm-135m``: see
@@ -41,11 +41,11 @@ from train_step import SHAPES  # noqa: E402
 
 from relax.models import init  # noqa: E402
 from relax.data.completion_layout import PackingConfig  # noqa: E402
-from relax.algorithms.batch import LossRows  # noqa: E402
-from relax.algorithms.configure import configure  # noqa: E402
+from relax.algorithms.online.batch import LossRows  # noqa: E402
+from relax.algorithms.cli.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
-from relax.algorithms.stages import forward_logprobs  # noqa: E402
+from relax.algorithms.online.stages import forward_logprobs  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 

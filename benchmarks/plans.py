@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from relax.models.hf import read_config
+from relax.models.hf.checkpoint import read_config
 from relax.plan import plan
 from relax.plan.plan import compile_once, parse_run
 from relax.plan.search import SLICES, smallest

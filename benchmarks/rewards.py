@@ -33,10 +33,10 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 
-from relax.algorithms.batch import step_input  # noqa: E402
+from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_advantage, make_grpo_step, make_update_stage  # noqa: E402
-from relax.algorithms.stages import make_reference, make_rollout, make_score  # noqa: E402
+from relax.algorithms.online.stages import make_reference, make_rollout, make_score  # noqa: E402
 from relax.compose import compose  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402

@@ -92,8 +92,8 @@ def _with_adapters(model, rank: int):
     """``model`` with rank-``rank`` adapters whose B is random too (a trained adapter)."""
     import dataclasses
 
-    from relax.models.adapters import add_lora, with_adapters
-    from relax.models.lora import LoRAConfig, LoRAWeights
+    from relax.models.adapters.operations import add_lora, with_adapters
+    from relax.models.layers.lora import LoRAConfig, LoRAWeights
     ad = add_lora(model, LoRAConfig(rank=rank), jax.random.key(3)).layers.lora
     ws = {f: LoRAWeights(w.a, 0.01 * jax.random.normal(jax.random.key(i), w.b.shape)) for i, (f, w) in
           enumerate(ad.weights().items())}

@@ -50,11 +50,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import emit  # noqa: E402
 
-from relax.algorithms.batch import LossRows  # noqa: E402
+from relax.algorithms.online.batch import LossRows  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
-from relax.models.adapters import add_lora  # noqa: E402
-from relax.models.hf import save_pretrained  # noqa: E402
-from relax.models.lora import LoRAConfig  # noqa: E402
+from relax.models.adapters.operations import add_lora  # noqa: E402
+from relax.models.hf.checkpoint import save_pretrained  # noqa: E402
+from relax.models.layers.lora import LoRAConfig  # noqa: E402
 from relax.rollout.sampler import RolloutConfig  # noqa: E402
 from relax.serve import objectives, types  # noqa: E402
 from relax.serve.client import LocalServiceClient, ServiceClient, grouped_rows  # noqa: E402

@@ -5,7 +5,7 @@
 ``[min-len, max-len]`` (seeded; every token but the first a target), one batch per step:
 
 - ``packed``: whole examples packed into rows of ``max-len`` tokens (first-fit-decreasing,
-  ``relax.data.supervised.pack``), attention kept within each example (``relax.models.packed``);
+  ``relax.data.supervised.pack``), attention kept within each example (``relax.models.forward.packed``);
 - ``unpacked``: one example per row, right-padded to ``max-len``.
 
 Both run the same ``make_sft_step`` (one optimizer step, ``grad_accum`` micro-batches). Prints one

@@ -3,7 +3,7 @@
 Per layer of the update's prefix-shared forward, the query rows of every completion attend to
 their group's prompt keys and their own causal keys. Two implementations, same math:
 
-    group      ``relax.models.group_attention.prefix_group_attention``: one prompt group at a
+    group      ``relax.models.attention.group.prefix_group_attention``: one prompt group at a
                time (``lax.map``), masks rebuilt from positions in each tile, a custom backward
                that recomputes the probabilities from the saved log-sum-exp
     group_saved  the same with ``save_probabilities=True``: the backward reads the forward's
@@ -51,7 +51,7 @@ class Args:
 
 
 def _unblocked(P, G, H, R, Lp, N, D):
-    from relax.models import attention as attn
+    from relax.models.attention import blocks as attn
     B = P * G
 
     def f(q, pk, pv, ck, cv):
@@ -68,7 +68,7 @@ def _unblocked(P, G, H, R, Lp, N, D):
 
 
 def main(args: Args) -> None:
-    from relax.models.group_attention import prefix_group_attention
+    from relax.models.attention.group import prefix_group_attention
 
     H, R, D = args.kv_heads, args.q_per_kv, args.head_dim
     for case in [c for c in args.cases.split(";") if c]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults, run
-from relax.algorithms.cli import cli
+from relax.algorithms.cli.flags import cli
 from relax.train.preemption import exit_as_terminated
 
 

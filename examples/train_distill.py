@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from relax.algorithms.cli import parse_flags
+from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.distill.run import DistillRunConfig, builtin_defaults, run
 from relax.train.preemption import exit_as_terminated
 

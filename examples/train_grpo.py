@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from relax.algorithms.cli import flag_value, parse_flags
+from relax.algorithms.cli.flags import flag_value, parse_flags
 from relax.train.preemption import exit_as_terminated
 from relax.algorithms.grpo.run import GRPORunConfig, builtin_defaults, real_defaults, run
 

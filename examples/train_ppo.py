@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from relax.algorithms.cli import flag_value, parse_flags
+from relax.algorithms.cli.flags import flag_value, parse_flags
 from relax.algorithms.ppo.run import PPORunConfig, builtin_defaults, real_defaults, run
 from relax.train.preemption import exit_as_terminated
 

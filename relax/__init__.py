@@ -2,10 +2,10 @@
 
 from relax.compose import Stage, compose, stage
 from relax.models import ModelConfig, Transformer
-from relax.models.adapters import add_lora, merge_lora
-from relax.models.hf import load_pretrained, save_pretrained
-from relax.models.lora import LoRAConfig
-from relax.models.peft import load_adapter, save_adapter
+from relax.models.adapters.operations import add_lora, merge_lora
+from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.models.layers.lora import LoRAConfig
+from relax.models.adapters.peft import load_adapter, save_adapter
 from relax.rollout.sampler import Rollout, generate
 from relax.text import load_tokenizer
 from relax.text.sentencepiece_model import Tokenizer

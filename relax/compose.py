@@ -11,7 +11,7 @@ between them, so a step with one host stage in the middle is exactly two compile
 A batch is a pytree. Host data (prompt strings, dataset fields, pending reward futures) rides
 BESIDE it, never through a jitted program: a ``WithHost(device, host)`` batch gives the jitted
 segments ``device`` and host stages the pair (the online algorithms' typed phases,
-``relax.algorithms.batch``). A plain dict batch may also mix both: its non-array entries are
+``relax.algorithms.online.batch``). A plain dict batch may also mix both: its non-array entries are
 passed around the jitted programs and are visible to host stages only.
 
 Donation: a fused program donates its ``state`` argument (``donate_argnums=0``) when every stage in

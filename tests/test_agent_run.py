@@ -45,7 +45,7 @@ def _parse(argv):
 
 def test_builtin_budgets_fit_the_model_and_an_overflow_names_the_flag():
     from relax.algorithms.agent.run import AgentRunConfig
-    from relax.algorithms.configure import configure
+    from relax.algorithms.cli.configure import configure
     from relax.algorithms.ppo.config import PPOConfig
     from relax.tasks.agent import max_positions
     for algorithm in ("grpo", "ppo"):  # the README's `--algorithm ppo --ppo.critic shared` among them

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from relax.algorithms.agent.step import AgentConfig, make_agent_grpo_step, make_agent_ppo_step
-from relax.algorithms.batch import HostRecord
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import HostRecord
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.ppo.config import PPOConfig
 from relax.compose import WithHost
 from relax.environments import StepResult
 from relax.environments.chat import ChatFormat
-from relax.models.critic import init_value_head
+from relax.models.heads.critic import init_value_head
 from relax.train.state import init_state
 
 from test_agent_rollout import stopping_model, tokenizer  # noqa: F401 - the fixture

@@ -1,10 +1,10 @@
-"""Block attention pieces (relax.models.attention) against a numpy softmax over the union of the blocks."""
+"""Block attention pieces (relax.models.attention.blocks) against a numpy softmax over the union of the blocks."""
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.attention import block_stats, merge_stats, partial_attention, shared_prefix_attention
+from relax.models.attention.blocks import block_stats, merge_stats, partial_attention, shared_prefix_attention
 
 B, HK, M, D = 3, 2, 4, 8
 

@@ -1,4 +1,4 @@
-"""The online batch's phase types (``relax.algorithms.batch``): every field of every phase a real
+"""The online batch's phase types (``relax.algorithms.online.batch``): every field of every phase a real
 GRPO, PPO and agent step produces has the shape and dtype its jaxtyping annotation documents, with
 the dimension names (p, g, n, lp) bound consistently across the fields; the phases follow each
 other as the docs say; host values never reach the device part."""
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.batch import Advantaged, HostRecord, LossRows, Phase, Prompts, Rollout, Scored, step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import Advantaged, HostRecord, LossRows, Phase, Prompts, Rollout, Scored, step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.step import GRPOBatch, make_grpo_step
 from relax.algorithms.ppo.batch import PPOBatch

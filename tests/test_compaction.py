@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from relax.models import init
-from relax.models.logprobs import token_logprobs
+from relax.models.decoder.logprobs import token_logprobs
 from relax.rollout import sampler as rollout
 from relax.rollout.compaction import compaction_sizes, keep_rows
 from relax.rollout.sampler import RolloutConfig, compiled_generate

@@ -1,4 +1,4 @@
-"""The padding-free update (relax.models.completion_packing): the layout against a hand-worked
+"""The padding-free update (relax.models.forward.completion_packing): the layout against a hand-worked
 first-fit-decreasing packing; packed log-probs, entropies and gradients against the full-sequence
 forward (``token_logprobs``, the independent reference); the GRPO update packed == padded for
 every loss aggregation mode with gradient accumulation; the composed GRPO step with packing on ==
@@ -12,16 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.batch import HostRecord, LossRows, Scored, step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import HostRecord, LossRows, Scored, step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.compose import WithHost
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.models import ModelConfig, init
 from relax.data.completion_layout import PackingConfig, pack_completions, rows_needed
-from relax.models.completion_packing import unpack
-from relax.models.logprobs import token_logprobs
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.forward.completion_packing import unpack
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES
 from relax.passes import choose_passes
 from relax.train.optimizer import OptimizerConfig
@@ -201,8 +201,8 @@ def test_grpo_step_with_packing_equals_it_without():
 def test_auto_packs_a_batch_only_when_that_saves_slots():
     """The pack stage with the default config: completions that fill the budget stay padded (as
     many rows would cost more), short ones are packed; 'off' never packs."""
-    from relax.algorithms.stages import make_packing
-    from relax.models.forward import ForwardConfig
+    from relax.algorithms.online.stages import make_packing
+    from relax.models.forward.config import ForwardConfig
     from relax.train.state import init_state
 
     state = init_state(init(CFG, jax.random.key(0)), OptimizerConfig().make(), key=jax.random.key(1))

@@ -188,7 +188,7 @@ def test_with_host_record_never_enters_the_jitted_programs():
     """A ``WithHost`` batch: the jitted segments get the device part alone and the host record
     passes around them unchanged (the same object), host stages get the pair; a new host record
     (other text, another length) compiles nothing new."""
-    from relax.algorithms.batch import HostRecord
+    from relax.algorithms.online.batch import HostRecord
 
     traces, seen = [], []
 

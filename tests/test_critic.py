@@ -10,10 +10,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from relax.models import hidden_states
-from relax.models.critic import (Critic, ValueHead, completion_logprobs_and_values, completion_values, init_critic,
+from relax.models.heads.critic import (Critic, ValueHead, completion_logprobs_and_values, completion_values, init_critic,
                                  init_value_head, load_critic, save_critic)
-from relax.models.hf import HFFormatError, save_pretrained
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.hf.checkpoint import HFFormatError, save_pretrained
+from relax.models.forward.prefix_shared import completion_logprobs
 from test_hf import random_model, tiny
 
 P, G, N, LP = 2, 2, 5, 6

@@ -1,4 +1,4 @@
-"""Shared-prefix decode attention (relax.models.decode_attention): the XLA path and the Pallas kernel
+"""Shared-prefix decode attention (relax.models.attention.decode): the XLA path and the Pallas kernel
 (run by Pallas' interpreter) against a numpy softmax over [the group's prompt keys; the row's own keys]."""
 
 import functools
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.models.decode_attention import pallas_available, pallas_decode_attention, reference_decode_attention
+from relax.models.attention.decode import pallas_available, pallas_decode_attention, reference_decode_attention
 
 STATIC = ("num_gen", "scale", "interpret", "block_k", "block_rows")
 XLA = jax.jit(reference_decode_attention, static_argnames=STATIC[:2])

@@ -1,4 +1,4 @@
-"""The sampler on a mesh (relax.rollout.sampler with relax.models.sharding.DecodeLayout): the same
+"""The sampler on a mesh (relax.rollout.sampler with relax.models.config.sharding.DecodeLayout): the same
 tokens and log-probs as on one device, and a compiled decode step with only the collectives its
 layout implies and no copy of a cache.
 

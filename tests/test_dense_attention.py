@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, cast, init
-from relax.models.dense_attention import prefix_dense_attention
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.attention.dense import prefix_dense_attention
+from relax.models.forward.prefix_shared import completion_logprobs
 from tests.test_group_attention import D, G, HK, M_R, N, P, _inputs, _numpy_attention, _plain
 
 B = P * G
@@ -87,10 +87,10 @@ def test_trainer_logprobs_and_gradients_agree_between_implementations():
 
 
 def test_auto_takes_the_fused_kernel_only_where_it_runs():
-    from relax.algorithms.configure import configure
+    from relax.algorithms.cli.configure import configure
     from relax.algorithms.grpo.config import GRPOConfig
-    from relax.models.forward import ForwardConfig
-    from relax.models.prefix_shared import resolve_attention
+    from relax.models.forward.config import ForwardConfig
+    from relax.models.forward.prefix_shared import resolve_attention
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                 head_dim=8, max_position_embeddings=64)
     windowed = init(ModelConfig(**base, sliding_window=4), jax.random.key(0))

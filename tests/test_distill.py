@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.configure import configure
-from relax.models.forward import ForwardConfig
+from relax.algorithms.cli.configure import configure
+from relax.models.forward.config import ForwardConfig
 from relax.algorithms.distill import (DistillBatch, DistillConfig, init_distill_state, make_distill_step,
                                      make_distill_update, make_loss)
 from relax.algorithms.distill.step import MIX_STREAM, rollout_config, teacher_hidden
-from relax.algorithms.stages import ROLLOUT_STREAM
+from relax.algorithms.online.stages import ROLLOUT_STREAM
 from relax.models import ModelConfig, init
-from relax.models.distill import divergence_from_hidden, divergence_rows, resolve_divergence
-from relax.models.prefix_shared import completion_hidden
+from relax.models.heads.distill import divergence_from_hidden, divergence_rows, resolve_divergence
+from relax.models.forward.prefix_shared import completion_hidden
 from relax.objectives.preference import distillation_loss
 from relax.passes import Passes
 from relax.rollout.sampler import compiled_generate
@@ -136,7 +136,7 @@ def test_identical_distributions_give_zero_and_zero_gradient(kind):
     """Bitwise equal log-softmaxes give exactly 0; the same head and hidden states through the
     chunked kernel give 0 up to float rounding (two fusions of the same logits may round their last
     bits differently), and so does the gradient."""
-    from relax.models.distill import _value
+    from relax.models.heads.distill import _value
     ws, hs, _, _ = (jnp.asarray(x, jnp.float32) for x in heads())
     div = resolve_divergence(kind, beta=0.3, temperature=0.7)
     lq = jax.nn.log_softmax(hs @ ws.T / 0.7, -1)
@@ -167,7 +167,7 @@ def test_teacher_gets_no_gradient_and_metrics_are_metrics():
 def test_teacher_with_masked_vocabulary_stays_finite():
     """A teacher probability of exactly 0 (a -inf logit: a vocabulary entry it never emits) keeps
     the forward KL and the JSD finite (the per-row formula on log-softmaxes)."""
-    from relax.models.distill import _value
+    from relax.models.heads.distill import _value
     ws, hs, wt, ht = (jnp.asarray(x, jnp.float32) for x in heads())
     lq = jax.nn.log_softmax(hs @ ws.T, -1)
     lp = jax.nn.log_softmax((ht @ wt.T).at[:, 0].set(-jnp.inf), -1)

@@ -13,14 +13,14 @@ import pytest
 
 from relax.algorithms.dpo import (DPOConfig, evaluate, make_dpo_eval, make_dpo_loss, make_dpo_step, make_state,
                                   pair_normalizers)
-from relax.algorithms import reference_cache as rc
+from relax.algorithms.preference import reference_cache as rc
 from relax.algorithms.dpo.step import collate, encode
-from relax.algorithms.pair_forward import PairRows, sequence_logps, shared_forward
+from relax.algorithms.preference.pairs import PairRows, sequence_logps, shared_forward
 from relax.data.files import MissingFieldError, read_records
 from relax.data.pairs import Pair, PairBatch, collate_pairs, encode_pairs, with_reference
 from relax.models import ModelConfig, init
-from relax.models.logprobs import token_logprobs
-from relax.models.prefix_shared import completion_rope
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.prefix_shared import completion_rope
 from relax.objectives.preference import simpo_loss
 from relax.passes import Passes
 from relax.text import load_tokenizer

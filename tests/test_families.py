@@ -1,4 +1,4 @@
-"""Every family record (``relax.models.families``) is complete: its choices are ones the readers
+"""Every family record (``relax.models.config.families``) is complete: its choices are ones the readers
 implement, its weight map covers every parameter a config of the family can have, and a config
 of each variant its record claims (biases, windows, every RoPE kind, experts with dense layers or
 without experts) round-trips through
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, RopeScaling, family_config
-from relax.models.config import MOE_FIELDS
-from relax.models.families import ADAPTABLE_FIELDS, BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS, MOE_LINEAR_FIELDS
-from relax.models.hf import load_pretrained, save_pretrained
-from relax.models.hf_config import config_from_hf, config_to_hf
-from relax.models.lora import TARGETS
-from relax.models.transformer import LayerStack
+from relax.models.config.model import MOE_FIELDS
+from relax.models.config.families import ADAPTABLE_FIELDS, BY_ARCHITECTURE, FAMILIES, LINEAR_FIELDS, MOE_LINEAR_FIELDS
+from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.models.hf.config import config_from_hf, config_to_hf
+from relax.models.layers.lora import TARGETS
+from relax.models.decoder.transformer import LayerStack
 from test_hf import assert_bit_exact, random_model
 
 SIZES = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,

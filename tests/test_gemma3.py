@@ -11,10 +11,10 @@ import pytest
 
 from relax.rollout import sampler as rollout
 from relax.models import ModelConfig, RopeScaling, family_config, init, token_logprobs
-from relax.models.families import FAMILIES
-from relax.models.hf_config import HFFormatError, config_from_hf, config_to_hf
-from relax.models.transformer import embed
-from relax.models.prefix_shared import completion_logprobs, completion_rope, resolve_attention
+from relax.models.config.families import FAMILIES
+from relax.models.hf.config import HFFormatError, config_from_hf, config_to_hf
+from relax.models.decoder.transformer import embed
+from relax.models.forward.prefix_shared import completion_logprobs, completion_rope, resolve_attention
 
 from model_reference import forward as np_forward
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.models.group_attention import prefix_group_attention
+from relax.models.attention.group import prefix_group_attention
 
 P, G, HK, M_R, N, LP, D = 2, 3, 2, 2, 5, 4, 8  # M_R query heads per KV head: rows m = (r, t)
 

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from relax.models import ModelConfig, RopeScaling, cast, init
-from relax.models.families import get_family
-from relax.models import hf as hf_mod
-from relax.models.hf import HFFormatError, config_from_hf, config_to_hf, load_pretrained, save_pretrained
+from relax.models.config.families import get_family
+from relax.models.hf import checkpoint as hf_mod
+from relax.models.hf.checkpoint import HFFormatError, config_from_hf, config_to_hf, load_pretrained, save_pretrained
 
 SHORT, LONG = tuple(1.0 + 0.1 * i for i in range(8)), tuple(2.0 + 0.3 * i for i in range(8))  # head_dim 16: 8 each
 # Phi-3 LongRoPE with an explicit factor 4 (transformers' attention factor sqrt(1 + ln 4 / ln 128))

@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from relax.models import ModelConfig, RopeScaling, family_config  # noqa: E402
-from relax.models.families import FAMILIES  # noqa: E402
-from relax.models.hf import HFFormatError, config_from_hf, load_pretrained, save_pretrained  # noqa: E402
+from relax.models.config.families import FAMILIES  # noqa: E402
+from relax.models.hf.checkpoint import HFFormatError, config_from_hf, load_pretrained, save_pretrained  # noqa: E402
 from test_hf import random_model  # noqa: E402
 
 pytestmark = pytest.mark.parity

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from relax.algorithms.kto import KTOConfig, evaluate, make_kto_eval, make_kto_step, make_state
-from relax.algorithms import reference_cache as rc
+from relax.algorithms.preference import reference_cache as rc
 from relax.algorithms.kto.step import collate, encode
 from relax.data.files import MissingFieldError, read_records
 from relax.data.pairs import Unpaired, UnpairedBatch, collate_unpaired, encode_unpaired, with_reference

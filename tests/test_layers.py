@@ -18,7 +18,7 @@ in it, at module level or inside a function, absolute or relative, ``import rela
   common module instead of one algorithm importing the other.
 
 Importing a package means running its ``__init__``: ``from relax.models import Transformer`` is
-an edge to ``relax.models``, and ``from relax.models.config import ModelConfig`` loads
+an edge to ``relax.models``, and ``from relax.models.config.model import ModelConfig`` loads
 ``relax.models`` too (an implicit edge), except from inside ``relax.models`` itself, where
 Python has already started the package. Imports under ``if TYPE_CHECKING:`` never run: they
 count for the layer rule (a type from a higher layer is still an upward dependency) but not for
@@ -65,15 +65,21 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
 
+# The sub-packages of relax.models, bottom first: a sub-package imports its own and those below it.
+MODEL_PACKAGES = ("config", "layers", "attention", "moe", "decoder", "forward", "hf", "adapters", "heads")
+# The shared sub-packages of relax.algorithms (what two or more algorithms run alike), bottom first;
+# every other sub-package is one algorithm's folder.
+SHARED_PACKAGES = ("cli", "online", "offline", "preference")
+
 # Imports between algorithm folders (relax/algorithms/<folder>/): importer -> the folders it may
-# import. Everything else two algorithms share lives in a common module directly under
-# relax/algorithms/ (stages.py, pair_forward.py, reference_cache.py, ...).
+# import. Everything else two algorithms share lives in a shared sub-package of relax/algorithms
+# (SHARED_PACKAGES: online/stages.py, preference/pairs.py, preference/reference_cache.py, ...).
 ALGORITHM_EDGES: dict[str, tuple[str, ...]] = {
     "agent": ("grpo", "ppo"),  # the multi-turn trainer runs GRPO's and PPO's steps, configs and states
     "rlhf": ("grpo", "ppo", "reward_model", "sft"),  # the three-stage pipeline runs their runs in turn
 }
-# Common modules (relax/algorithms/*.py and its __init__) that import an algorithm folder, and which
-# folders. None does today (cli.py and online.py, the likeliest to, import no folder).
+# Shared modules (SHARED_PACKAGES and relax/algorithms/__init__) that import an algorithm folder, and
+# which folders. None does today (cli/ and online/, the likeliest to, import no folder).
 COMMON_MODULE_EDGES: dict[str, tuple[str, ...]] = {}
 
 # What ``import relax`` may load: the top level exposes these layers' packages (models, rollout,
@@ -238,9 +244,9 @@ def graph() -> Graph:
 
 def test_the_graph_sees_the_package(graph):
     """A guard on the parser itself: the known modules are found and known imports are seen."""
-    assert {"relax", "relax.compose", "relax.models.transformer", "relax.rollout.sampler"} <= set(graph.files)
+    assert {"relax", "relax.compose", "relax.models.decoder.transformer", "relax.rollout.sampler"} <= set(graph.files)
     pairs = {(e.importer, e.imported) for e in graph.edges}
-    assert ("relax.rollout.sampler", "relax.models.transformer") in pairs
+    assert ("relax.rollout.sampler", "relax.models.decoder.transformer") in pairs
     assert ("relax", "relax.compose") in pairs
 
 
@@ -376,9 +382,10 @@ def test_cycle_finder_finds_a_cycle():
 
 def algorithm_folder(module: str, packages: set[str]) -> str | None:
     """The algorithm folder ``module`` belongs to (``grpo`` for ``relax.algorithms.grpo.step``);
-    None for a common module, ``relax.algorithms`` itself or a module outside it."""
+    None for a shared module (``SHARED_PACKAGES``), ``relax.algorithms`` itself or a module outside it."""
     parts = module.split(".")
-    if len(parts) >= 3 and parts[:2] == ["relax", "algorithms"] and ".".join(parts[:3]) in packages:
+    if len(parts) >= 3 and parts[:2] == ["relax", "algorithms"] and ".".join(parts[:3]) in packages \
+            and parts[2] not in SHARED_PACKAGES:
         return parts[2]
     return None
 
@@ -410,7 +417,7 @@ def test_algorithm_folders_import_only_declared_folders(graph):
     assert not undeclared, (
         "imports of an algorithm folder from another folder or a common module that ALGORITHM_EDGES / "
         "COMMON_MODULE_EDGES in tests/test_layers.py do not declare (move the shared piece down into a common "
-        "module under relax/algorithms/, or declare the edge on purpose):\n  "
+        "package under relax/algorithms/, or declare the edge on purpose):\n  "
         + "\n  ".join(f"{a} -> {b}   " + ", ".join(sorted(set(w))) for (a, b), w in sorted(undeclared.items())))
     unused = sorted((declared | common) - set(found))
     assert not unused, f"declared edges the code no longer has (remove them from the tables): {unused}"
@@ -511,25 +518,25 @@ def test_no_private_names_cross_modules():
 def test_private_use_finder_finds_them():
     """The finder on a small module of its own (a crossing is not reported as none)."""
     source = """
-import relax.models.hf
-import relax.models.hf as hf_mod
+import relax.models.hf.checkpoint
+import relax.models.hf.checkpoint as hf_mod
 from relax.rollout import turns
-from relax.models.hf import _read, load_pretrained, __all__
+from relax.models.hf.checkpoint import _read, load_pretrained, __all__
 from . import sampler as s
 from .sampler import _helper
 
 
 def f(x):
-    from relax.models import peft
-    return (turns._start, hf_mod._write, relax.models.hf._build, s._prefill, peft._name,
+    from relax.models.adapters import peft
+    return (turns._start, hf_mod._write, relax.models.hf.checkpoint._build, s._prefill, peft._name,
             turns.start._cache, x._private, load_pretrained._cached, relax.models.__name__)
 """
-    known = {"relax", "relax.models", "relax.models.hf", "relax.models.peft", "relax.rollout",
+    known = {"relax", "relax.models", "relax.models.hf.checkpoint", "relax.models.adapters.peft", "relax.rollout",
              "relax.rollout.turns", "relax.rollout.sampler", "relax.rollout.naive"}
     uses = private_uses("relax.rollout.naive", ast.parse(source), False, known)
     assert [what.split("  ")[0] for _, what in uses] == [
-        "from relax.models.hf import _read", "from relax.rollout.sampler import _helper", "turns._start",
-        "hf_mod._write", "relax.models.hf._build", "s._prefill", "peft._name"]
+        "from relax.models.hf.checkpoint import _read", "from relax.rollout.sampler import _helper", "turns._start",
+        "hf_mod._write", "relax.models.hf.checkpoint._build", "s._prefill", "peft._name"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -571,3 +578,38 @@ def test_import_relax_is_light():
         assert exposed in modules, f"`import relax` should expose {exposed}"
     missing = [name for name, present in report["exposed"].items() if not present]
     assert not missing, f"relax no longer exposes {missing} at the top level"
+
+
+# --------------------------------------------------------------------------------------------
+# Sub-packages: every module of relax.models and relax.algorithms lives in one, in their order.
+
+
+def sub_package(module: str, parent: str) -> str | None:
+    """``hf`` for ``relax.models.hf.config`` under ``relax.models``; None outside ``parent``."""
+    parts, base = module.split("."), parent.split(".")
+    return parts[len(base)] if parts[:len(base)] == base and len(parts) > len(base) else None
+
+
+@pytest.mark.parametrize("parent", ["relax.models", "relax.algorithms"])
+def test_no_loose_modules(graph, parent):
+    """Only the package's face (``__init__.py``) stands directly under it; every other module is in a
+    sub-package, so the folder list shows the architecture."""
+    loose = sorted(m for m in graph.files if m not in graph.packages and sub_package(m, parent) is not None
+                   and f"{parent}.{sub_package(m, parent)}" == m)
+    assert not loose, f"modules directly under {parent} (move each into a sub-package): {loose}"
+
+
+@pytest.mark.parametrize("parent, order", [("relax.models", MODEL_PACKAGES),
+                                           ("relax.algorithms", SHARED_PACKAGES)])
+def test_sub_packages_import_down_their_order(graph, parent, order):
+    """Inside ``relax.models`` (and among the shared packages of ``relax.algorithms``) a sub-package
+    imports only its own and those listed before it; every model sub-package is listed."""
+    if parent == "relax.models":
+        present = {sub_package(m, parent) for m in set(graph.files) | graph.packages} - {None}
+        assert present == set(order), f"MODEL_PACKAGES differs from relax/models/: {sorted(present ^ set(order))}"
+    offending = set()
+    for edge in graph.edges:
+        a, b = sub_package(edge.importer, parent), sub_package(edge.imported, parent)
+        if a in order and b in order and order.index(b) > order.index(a) and not edge.type_only:
+            offending.add(f"{a} -> {b}   {edge.where(graph.files)}")
+    assert not offending, f"imports up the order {' < '.join(order)}:\n  " + "\n  ".join(sorted(offending))

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig
-from relax.models.adapters import (add_lora, adapters_zero, lora_off, merge_lora, split_trainable, trainable,
+from relax.models.adapters.operations import (add_lora, adapters_zero, lora_off, merge_lora, split_trainable, trainable,
                                    with_adapters, with_dropout_key)
-from relax.models.hf import load_pretrained, save_pretrained
-from relax.models.hf_config import HFFormatError
-from relax.models.lora import LoRAConfig, LoRAWeights
-from relax.models.peft import load_adapter, read_adapter_config, save_adapter
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.models.hf.config import HFFormatError
+from relax.models.layers.lora import LoRAConfig, LoRAWeights
+from relax.models.adapters.peft import load_adapter, read_adapter_config, save_adapter
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.rollout.sampler import RolloutConfig, compiled_generate
 from relax.train.checkpoint import Checkpointer
 from relax.train.optimizer import OptimizerConfig
@@ -368,7 +368,7 @@ def test_k_adapters_in_one_program_equal_k_separate_runs(base):
 
 
 def test_float32_adapters_over_a_bfloat16_base_keep_small_updates(base):
-    from relax.models.transformer import cast
+    from relax.models.decoder.transformer import cast
     low = cast(base, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     f32 = add_lora(low, LoRAConfig(rank=2), jax.random.key(0))
     same = add_lora(low, LoRAConfig(rank=2, dtype="base"), jax.random.key(0))
@@ -391,11 +391,11 @@ def test_float32_adapters_over_a_bfloat16_base_keep_small_updates(base):
 
 
 def test_run_export_of_fused_adapters_writes_the_merged_model_and_warns(tmp_path):
-    """A run's export (``relax.algorithms.online.exporter``) of a Phi-3 policy with adapters on its
+    """A run's export (``relax.algorithms.online.run.exporter``) of a Phi-3 policy with adapters on its
     fused tensors: the merged model (what transformers loads) is written, the PEFT adapter is not,
     and a warning says why; with adapters only on unfused modules both are written."""
-    from relax.algorithms.online import exporter
-    from relax.models.hf import load_pretrained
+    from relax.algorithms.online.run import exporter
+    from relax.models.hf.checkpoint import load_pretrained
 
     class NoTokenizer:
         def save_pretrained(self, directory):

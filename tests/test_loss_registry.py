@@ -332,13 +332,13 @@ def test_errors_name_the_valid_choices():
             policy_loss(name, **over)
 
 
-# ------------------------------------------------------------- the command line (relax.algorithms.cli)
+# ------------------------------------------------------------- the command line (relax.algorithms.cli.flags)
 
 
 def test_loss_flags_translate_the_command_line():
     import warnings
 
-    from relax.algorithms.cli import loss_flags
+    from relax.algorithms.cli.flags import loss_flags
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the current flags translate without a warning
@@ -365,7 +365,7 @@ def test_loss_flags_translate_the_command_line():
 
 def _parse(algorithm, argv):
     """The algorithm config of ``argv`` parsed as examples/train_<algorithm>.py parses it."""
-    from relax.algorithms.cli import flag_value, parse_flags
+    from relax.algorithms.cli.flags import flag_value, parse_flags
     from relax.algorithms.grpo import run as grpo_run
     from relax.algorithms.ppo import run as ppo_run
 

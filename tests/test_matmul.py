@@ -1,4 +1,4 @@
-"""``relax.models.matmul``: the CPU matmul's custom gradient against numpy closed forms."""
+"""``relax.models.layers.matmul``: the CPU matmul's custom gradient against numpy closed forms."""
 
 import chex
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.models.matmul import matmul, weight_grad
+from relax.models.layers.matmul import matmul, weight_grad
 
 
 @pytest.mark.parametrize("shape", [(7, 5, 3), (64, 32, 48)])

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, RopeScaling, cast, init
-from relax.models.families import get_family
-from relax.models import logprobs as lp
-from relax.models.transformer import hidden_states, positions_from_mask
+from relax.models.config.families import get_family
+from relax.models.decoder import logprobs as lp
+from relax.models.decoder.transformer import hidden_states, positions_from_mask
 
 from model_reference import forward as np_forward
 

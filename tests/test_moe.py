@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from relax.models import moe
-from relax.models import transformer as T
-from relax.models.config import ModelConfig
-from relax.models.prefix_shared import completion_logprobs
-from relax.models.routes import Routes, route_dtype
+from relax.models.moe import experts as moe
+from relax.models.decoder import transformer as T
+from relax.models.config.model import ModelConfig
+from relax.models.forward.prefix_shared import completion_logprobs
+from relax.models.forward.routes import Routes, route_dtype
 from relax.passes import target_backend
 from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.rollout.sampling import SamplingConfig

@@ -25,9 +25,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from relax.models import ModelConfig, family_config
-from relax.models.families import FAMILIES
-from relax.models.hf import HFFormatError, config_from_hf, config_to_hf, load_pretrained, read_config, save_pretrained
-from relax.models.transformer import LayerStack, Transformer
+from relax.models.config.families import FAMILIES
+from relax.models.hf.checkpoint import HFFormatError, config_from_hf, config_to_hf, load_pretrained, read_config, save_pretrained
+from relax.models.decoder.transformer import LayerStack, Transformer
 from relax.plan import depth
 from test_hf import assert_bit_exact
 

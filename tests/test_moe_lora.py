@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from relax.models.adapters import add_lora, merge_lora, split_trainable
-from relax.models.hf import load_pretrained
-from relax.models.lora import LoRAConfig
-from relax.models.peft import load_adapter, save_adapter
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.adapters.operations import add_lora, merge_lora, split_trainable
+from relax.models.hf.checkpoint import load_pretrained
+from relax.models.layers.lora import LoRAConfig
+from relax.models.adapters.peft import load_adapter, save_adapter
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.rollout.sampler import RolloutConfig, compiled_generate
 from test_lora import numpy_merged, peft_saved, randomized
 from test_moe_hf import expected_config, random_model
@@ -159,8 +159,8 @@ def test_peft_on_transformers_reads_and_writes_shared_expert_adapters(tmp_path):
 
 @pytest.mark.slow  # make test-all; adapters-only training: test_lora.py, GRPO on a MoE policy: test_moe_run.py
 def test_grpo_trains_the_adapters_only():
-    from relax.algorithms.batch import step_input
-    from relax.algorithms.configure import configure
+    from relax.algorithms.online.batch import step_input
+    from relax.algorithms.cli.configure import configure
     from relax.algorithms.grpo.config import GRPOConfig
     from relax.algorithms.grpo.step import make_grpo_step
     from relax.train.optimizer import OptimizerConfig

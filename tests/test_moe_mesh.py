@@ -1,4 +1,4 @@
-"""Expert parallelism (relax.models.expert_parallel): a tiny mixture of experts on meshes with an
+"""Expert parallelism (relax.models.moe.expert_parallel): a tiny mixture of experts on meshes with an
 ``expert`` axis (alone, with data, with fsdp and tensor) against one device: the training
 forward's log-probs and gradients, the GRPO step's metrics, the sampler's tokens; the compiled
 programs' collectives (``relax.parallel.hlo.collectives``) per sparse layer; the sharding rules.
@@ -48,8 +48,8 @@ STOPS = tuple(range(1, 64, 6))  # a sixth of the vocabulary: completions of ragg
 def _model():
     import jax
 
-    from relax.models import transformer as T
-    from relax.models.config import ModelConfig
+    from relax.models.decoder import transformer as T
+    from relax.models.config.model import ModelConfig
     return T.init(ModelConfig(**TINY), jax.random.key(0), std=0.2)
 
 
@@ -76,7 +76,7 @@ def forward_cases() -> dict:
     import jax.numpy as jnp
 
     from relax import parallel
-    from relax.models.prefix_shared import completion_logprobs
+    from relax.models.forward.prefix_shared import completion_logprobs
     from relax.parallel.hlo import collectives
 
     model, args = _model(), _forward_inputs()
@@ -108,7 +108,7 @@ def forward_cases() -> dict:
 def lora_case(spec: str) -> dict:
     """A shared expert (Qwen2-MoE's) and LoRA on every adaptable weight (attention, the dense
     layer's MLP, the shared expert and its gate): the log-probs and the adapters' gradients on
-    ``spec`` against one device (the adapters shard like their weights: relax.models.sharding)."""
+    ``spec`` against one device (the adapters shard like their weights: relax.models.config.sharding)."""
     import dataclasses
 
     import equinox as eqx
@@ -116,11 +116,11 @@ def lora_case(spec: str) -> dict:
     import jax.numpy as jnp
 
     from relax import parallel
-    from relax.models.adapters import add_lora, split_trainable
-    from relax.models.config import ModelConfig
-    from relax.models.lora import LoRAConfig
-    from relax.models.prefix_shared import completion_logprobs
-    from relax.models import transformer as T
+    from relax.models.adapters.operations import add_lora, split_trainable
+    from relax.models.config.model import ModelConfig
+    from relax.models.layers.lora import LoRAConfig
+    from relax.models.forward.prefix_shared import completion_logprobs
+    from relax.models.decoder import transformer as T
 
     cfg = ModelConfig(**TINY, family="qwen2_moe", shared_expert_size=24)
     model = add_lora(T.init(cfg, jax.random.key(0), std=0.2), LoRAConfig(rank=2), jax.random.key(1))
@@ -161,7 +161,7 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     import jax
 
     from relax import parallel
-    from relax.algorithms.batch import step_input
+    from relax.algorithms.online.batch import step_input
     from relax.algorithms.grpo.config import preset
     from relax.algorithms.grpo.step import make_grpo_step
     from relax.parallel import distributed
@@ -260,9 +260,9 @@ else:
     from test_parallel import RTOL as STEP_RTOL, ATOL as STEP_ATOL, run_worker
 
     from relax import parallel
-    from relax.models import moe
-    from relax.models.expert_parallel import experts_ffn, local_sparse_ffn
-    from relax.models.sharding import LOGICAL_AXES, decode_layout
+    from relax.models.moe import experts as moe
+    from relax.models.moe.expert_parallel import experts_ffn, local_sparse_ffn
+    from relax.models.config.sharding import LOGICAL_AXES, decode_layout
     from relax.parallel.mesh import MeshSpec, ShardingError, _path_name
     from relax.passes import target_backend
 
@@ -415,8 +415,8 @@ else:
         return jax.sharding.AbstractMesh(tuple(sizes.get(a, 1) for a in parallel.AXES), parallel.AXES)
 
     def _moe_model(**overrides):
-        from relax.models import transformer as T
-        from relax.models.config import ModelConfig
+        from relax.models.decoder import transformer as T
+        from relax.models.config.model import ModelConfig
         cfg = ModelConfig(**{**TINY, **overrides})
         return cfg, jax.eval_shape(lambda: T.init(cfg, jax.random.key(0)))
 

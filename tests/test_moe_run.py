@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.batch import step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.step import make_grpo_step
-from relax.models.adapters import add_lora, merge_lora
-from relax.models.config import ModelConfig
-from relax.models.lora import LoRAConfig
-from relax.models.moe import MoEConfig
-from relax.models.transformer import init
+from relax.models.adapters.operations import add_lora, merge_lora
+from relax.models.config.model import ModelConfig
+from relax.models.layers.lora import LoRAConfig
+from relax.models.moe.experts import MoEConfig
+from relax.models.decoder.transformer import init
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state
 from conftest import load_example
@@ -110,7 +110,7 @@ def test_builtin_task_with_a_moe_base_learns_and_exports(tmp_path):
     assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == 4
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from relax.models.hf import load_pretrained
+    from relax.models.hf.checkpoint import load_pretrained
 
     ours = load_pretrained(exported)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.configure import configure
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.dpo import DPOConfig, make_dpo_step
 from relax.algorithms.kto import KTOConfig, make_kto_step
 from relax.algorithms.grpo.config import GRPOConfig
@@ -22,13 +22,13 @@ from relax.algorithms.reward_model.step import make_reward_model_step
 from relax.algorithms.sft import SFTConfig, make_sft_step, sft_batch
 from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.models import hidden_states, init
-from relax.models.critic import init_value_head
-from relax.models.logprobs import token_logprobs
-from relax.models.prefix_shared import completion_logprobs
-from relax.models.reward_model import init_reward_model
+from relax.models.heads.critic import init_value_head
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.prefix_shared import completion_logprobs
+from relax.models.heads.reward_model import init_reward_model
 from relax.objectives.registry import POLICY_LOSSES
 from relax.passes import Passes
-from relax.algorithms.batch import LossRows, step_input
+from relax.algorithms.online.batch import LossRows, step_input
 from relax.serve.objectives import OBJECTIVES, ValueRows, forward_backward, make_forward_backward, optim_step
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state

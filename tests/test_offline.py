@@ -8,8 +8,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from relax.algorithms.offline import batch_iterator
-from relax.models.hf import save_pretrained
+from relax.algorithms.offline.run import batch_iterator
+from relax.models.hf.checkpoint import save_pretrained
 from relax.tasks import reverse
 from conftest import load_example
 
@@ -82,7 +82,7 @@ def test_sft_learns_and_resumes_exactly(base, tmp_path):
 def test_distillation_brings_a_fresh_student_to_its_teacher(base, tmp_path):
     """Built-in style: a fresh 32-wide student learns the base model (teacher) off-policy."""
     from relax.models import ModelConfig, init
-    from relax.models.hf import load_pretrained
+    from relax.models.hf.checkpoint import load_pretrained
     from relax.text import load_tokenizer
     teacher = load_pretrained(base / "model")
     c = teacher.config
@@ -160,8 +160,8 @@ def test_lora_dpo_learns_against_the_base_and_resumes_exactly(base, tmp_path):
     straight equal 2 steps + --resume to 4 (checkpoints hold the adapters only)."""
     import numpy as np
 
-    from relax.models.hf import load_pretrained
-    from relax.models.peft import load_adapter
+    from relax.models.hf.checkpoint import load_pretrained
+    from relax.models.adapters.peft import load_adapter
 
     args = [*data(base, reverse.preference_rows, "pairs"), "--dpo.max-prompt-tokens", "16",
             "--dpo.max-completion-tokens", "8", "--eval-max-examples", "64", "--lora.rank", "8",

@@ -62,7 +62,7 @@ def global_batch():
 
 
 def local_batch(rows: slice = slice(None)):
-    from relax.algorithms.batch import step_input
+    from relax.algorithms.online.batch import step_input
 
     ids, mask = global_batch()
     weights = [1.0 + i / 8 for i in range(PROMPTS)]
@@ -93,8 +93,8 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
     if param_dtype is not None:
         policy = jax.tree.map(lambda x: x.astype(param_dtype), policy)
     if lora_rank:
-        from relax.models.adapters import add_lora
-        from relax.models.lora import LoRAConfig
+        from relax.models.adapters.operations import add_lora
+        from relax.models.layers.lora import LoRAConfig
         policy = add_lora(policy, LoRAConfig(rank=lora_rank), jax.random.key(3))
     cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=beta, packing=PackingConfig(packing, row_tokens=12),
                  optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, master_weights=master_weights))
@@ -146,8 +146,8 @@ def _shard_shapes(spec: str, lora: bool = False) -> dict:
     from relax.train.state import init_state
 
     mesh = parallel.make_mesh(spec)
-    from relax.models.adapters import add_lora
-    from relax.models.lora import LoRAConfig
+    from relax.models.adapters.operations import add_lora
+    from relax.models.layers.lora import LoRAConfig
     policy = init(ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True}), jax.random.key(0))
     if lora:
         policy = add_lora(policy, LoRAConfig(rank=4), jax.random.key(1))
@@ -167,7 +167,7 @@ def make_cli_setup(d: Path) -> None:
     import jax
 
     from relax.models import ModelConfig, init
-    from relax.models.hf import save_pretrained
+    from relax.models.hf.checkpoint import save_pretrained
     from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdef"), rng.integers(2, 5))) for _ in range(48)]
@@ -215,7 +215,7 @@ def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -
 
     from relax import parallel
     from relax.models import ModelConfig, init
-    from relax.models.prefix_shared import completion_logprobs
+    from relax.models.forward.prefix_shared import completion_logprobs
 
     mesh = parallel.make_mesh("data=8")
     model = jax.device_put(init(ModelConfig(**MODEL), jax.random.key(0)), parallel.replicated(mesh))
@@ -367,7 +367,7 @@ if __name__ != "__main__":
             _assert_metrics_close(got, want, f"ragged iteration {i}")
 
     def test_packed_update_on_a_mesh_equals_the_padded_one(mesh_results):
-        """Completions packed by token count (relax.models.completion_packing) on the 3-axis mesh:
+        """Completions packed by token count (relax.models.forward.completion_packing) on the 3-axis mesh:
         the same samples and metrics as padded, over two iterations."""
         on, off = mesh_results["runs"]["ragged_on"], mesh_results["runs"]["ragged_off"]
         assert on["tokens"] == off["tokens"]
@@ -436,10 +436,10 @@ if __name__ != "__main__":
 
     def test_every_parameter_has_logical_axes_and_default_specs():
         cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True, "sandwich_norms": True})
-        from relax.models.adapters import add_lora
-        from relax.models.lora import LoRAConfig
+        from relax.models.adapters.operations import add_lora
+        from relax.models.layers.lora import LoRAConfig
         model = jax.eval_shape(lambda: add_lora(init(cfg, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1)))
-        from relax.models.sharding import LOGICAL_AXES
+        from relax.models.config.sharding import LOGICAL_AXES
         from relax.parallel.mesh import _path_name
         names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
         moe = ModelConfig(**{**MODEL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
@@ -522,8 +522,8 @@ if __name__ != "__main__":
             assert not parallel.ShardedStep(step, no_ref, mesh, offload_reference=True).offload
 
     def test_remat_gives_the_same_loss_and_gradients():
-        from relax.algorithms.batch import LossRows
-        from relax.algorithms.configure import configure
+        from relax.algorithms.online.batch import LossRows
+        from relax.algorithms.cli.configure import configure
         from relax.algorithms.grpo.config import GRPOConfig
         from relax.algorithms.grpo.loss import make_loss
         from relax.train.update import LossContext

@@ -13,7 +13,7 @@ import pytest
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.models import init
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.rollout.partial import PartialRequest, PartialRollouts
 from relax.rollout.sampler import RolloutConfig
@@ -181,10 +181,10 @@ def test_partial_rollouts_refuse_what_they_do_not_support():
 
 def test_ppo_with_partial_rollouts_trains_on_mixed_versions():
     """PPO (critic, two epochs: a proximal forward) on batches sampled over two rollouts."""
-    from relax.algorithms.configure import configure
+    from relax.algorithms.cli.configure import configure
     from relax.algorithms.ppo.config import PPOConfig
     from relax.algorithms.ppo.step import make_ppo_step
-    from relax.models.critic import init_critic
+    from relax.models.heads.critic import init_critic
     cfg = configure(PPOConfig, num_generations=4, max_new_tokens=8, kl_coef=0.05, num_iterations=2,
                     optimizer=OptimizerConfig(learning_rate=3e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
     policy = init(CFG, jax.random.key(0), std=0.3)

@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.batch import step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
-from relax.models.critic import init_critic
+from relax.models.heads.critic import init_critic
 from relax.models import init
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.train.optimizer import OptimizerConfig
 from relax.train.pipeline import AsyncConfig, Pipeline, split_segments

@@ -185,8 +185,8 @@ def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
 
 @needs_tpu
 def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
-    from relax.algorithms.online import ModelRunConfig
-    from relax.models.hf import read_config
+    from relax.algorithms.online.run import ModelRunConfig
+    from relax.models.hf.checkpoint import read_config
     from relax.plan.plan import compile_program
     from relax.plan.programs import multi_turn_programs
     from relax.rollout.turns import TurnConfig
@@ -292,7 +292,7 @@ def test_deep_sampler_extended_from_two_shallow_compiles(tmp_path):
 def test_smallest_slice_search(monkeypatch, tiny_config):
     """The search over a kind's slices with the compiles stood in for by a need that halves with
     every doubling of chips; the state floor and a refused layout are passed over, not compiled."""
-    from relax.models.hf import read_config
+    from relax.models.hf.checkpoint import read_config
     from relax.plan import search
     from relax.plan.memory import ProgramMemory
     from relax.plan.plan import Plan, parse_run
@@ -328,7 +328,7 @@ def test_smallest_slice_search(monkeypatch, tiny_config):
 
 
 def test_state_bytes_by_hand(tiny_config):
-    from relax.models.hf import read_config
+    from relax.models.hf.checkpoint import read_config
     from relax.plan.plan import parse_run
     from relax.plan.search import state_bytes
 

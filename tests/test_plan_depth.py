@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax.models.config import small_config
+from relax.models.config.model import small_config
 from relax.plan import depth
 from relax.plan.hlo_summary import ProgramTraffic
 from relax.plan.memory import ProgramMemory
@@ -83,7 +83,7 @@ def test_deepened_sampler_outputs_record_every_sparse_layer():
     import jax
     import jax.numpy as jnp
 
-    from relax.models.routes import Routes
+    from relax.models.forward.routes import Routes
     from relax.rollout.sampler import Rollout
 
     config = small_config(family="mixtral", num_layers=24, intermediate_size=64, num_experts=4,

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from relax.algorithms.batch import step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import (_value_terms, make_actor_loss, make_joint_loss, make_ppo_step,
                                       token_rewards)
 from relax.algorithms.ppo.vine import branch_prompts, step_advantages
 from relax.models import ModelConfig, init
-from relax.models.critic import init_critic, init_value_head, values_from_hidden
-from relax.models.prefix_shared import completion_hidden
+from relax.models.heads.critic import init_critic, init_value_head, values_from_hidden
+from relax.models.forward.prefix_shared import completion_hidden
 from relax.objectives.advantages import vineppo_advantages
 from relax.objectives.value import explained_variance
 from relax.passes import Passes
@@ -195,8 +195,8 @@ def test_ppo_resume_is_bit_exact(setup, tmp_path):  # noqa: F811
 def test_ppo_trains_a_critic_loaded_from_a_hf_directory(setup, tmp_path):  # noqa: F811
     """--ppo.critic-model: a critic saved with a score head (transformers' layout) is loaded,
     trained, and its value head starts where the directory left it."""
-    from relax.models.hf import load_pretrained
-    from relax.models.critic import save_critic
+    from relax.models.hf.checkpoint import load_pretrained
+    from relax.models.heads.critic import save_critic
     policy = load_pretrained(setup / "model")
     critic = init_critic(policy, key=jax.random.key(3), head_std=0.5)
     save_critic(critic, tmp_path / "critic", layout="sequence")

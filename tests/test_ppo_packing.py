@@ -1,4 +1,4 @@
-"""PPO's padding-free update (relax.models.completion_packing): a critic's values and the policy's
+"""PPO's padding-free update (relax.models.forward.completion_packing): a critic's values and the policy's
 log-probs, entropies and values of one joint forward over packed rows against the plain
 full-sequence forward (``hidden_states``, ``token_logprobs``: the independent reference), with
 their gradients; the composed PPO step (values, GAE, actor and critic updates) with packing on
@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.batch import step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.data.completion_layout import PackingConfig, pack_completions
 from relax.models import hidden_states, init
-from relax.models.critic import (completion_logprobs_and_values, completion_values, init_critic, init_value_head)
-from relax.models.logprobs import token_logprobs
+from relax.models.heads.critic import (completion_logprobs_and_values, completion_values, init_critic, init_value_head)
+from relax.models.decoder.logprobs import token_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state

@@ -12,18 +12,18 @@ import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from relax.algorithms.batch import HostRecord, Rollout
+from relax.algorithms.online.batch import HostRecord, Rollout
 from relax.algorithms.reward_model.config import RewardModelConfig
-from relax.algorithms.stages import make_score
+from relax.algorithms.online.stages import make_score
 from relax.algorithms.reward_model.loss import make_loss, pair_normalizers
 from relax.algorithms.reward_model.step import (evaluate_pairs, init_reward_model_state, make_reward_model_step,
                                                 pair_data)
 from relax.data.pairs import PairBatch
 from relax.compose import WithHost
-from relax.models.forward import ForwardConfig
-from relax.models.critic import save_critic
-from relax.models.hf import HFFormatError, save_pretrained
-from relax.models.reward_model import (RewardModel, init_reward_model, load_reward_model, save_reward_model,
+from relax.models.forward.config import ForwardConfig
+from relax.models.heads.critic import save_critic
+from relax.models.hf.checkpoint import HFFormatError, save_pretrained
+from relax.models.heads.reward_model import (RewardModel, init_reward_model, load_reward_model, save_reward_model,
                                        sequence_rewards)
 from relax.passes import Passes
 from relax.rewards.functions import RewardFunction

@@ -18,8 +18,8 @@ from jax.extend import core as jex_core
 from relax.rollout import sampler as rollout
 from relax.rollout import naive as rollout_naive
 from relax.models import ModelConfig, RopeScaling, init
-from relax.models.families import get_family
-from relax.models.logprobs import token_logprobs
+from relax.models.config.families import get_family
+from relax.models.decoder.logprobs import token_logprobs
 from relax.rollout.sampler import RolloutConfig, generate
 from relax.rollout.sampling import SamplingConfig
 

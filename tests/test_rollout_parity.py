@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from relax.rollout import sampler as rollout  # noqa: E402
-from relax.models.hf import load_pretrained  # noqa: E402
+from relax.models.hf.checkpoint import load_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -36,7 +36,7 @@ CASES = {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 1.2, 2.5, 2.0, 3.0, 2.8, 4.0],
         "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]})),
 }
-MAX_POSITIONS = {"phi3_longrope": 32}  # LongRoPE runs at most its original length (relax.models.hf_config)
+MAX_POSITIONS = {"phi3_longrope": 32}  # LongRoPE runs at most its original length (relax.models.hf.config)
 
 
 def _hf_model(case):

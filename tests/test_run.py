@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, init
-from relax.models.hf import save_pretrained
+from relax.models.hf.checkpoint import save_pretrained
 from relax.train.checkpoint import Checkpointer, CheckpointCorruptError
 from relax.rewards.functions import RewardError
 from relax.train.health import NonFiniteError
 from relax.train.preemption import Preempted
 from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
-from relax.algorithms.batch import HostRecord, Rollout
-from relax.algorithms.stages import make_score
+from relax.algorithms.online.batch import HostRecord, Rollout
+from relax.algorithms.online.stages import make_score
 from relax.compose import WithHost
 from relax.objectives.registry import GSPOLossConfig
 from conftest import load_example
@@ -238,7 +238,7 @@ def test_consecutive_non_finite_steps_stop_the_run(setup, tmp_path):
     after the limit, naming the first non-finite quantity, and exports nothing. A model with a NaN
     weight does not even load (the file and tensor named)."""
     import jax.numpy as jnp
-    from relax.models.hf import HFFormatError, load_pretrained
+    from relax.models.hf.checkpoint import HFFormatError, load_pretrained
     model = load_pretrained(setup / "model")
     nan = tmp_path / "nan_model"
     save_pretrained(eqx.tree_at(lambda m: m.layers.w_up, model, model.layers.w_up.at[1, 3, 5].set(jnp.nan)), nan)

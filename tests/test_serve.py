@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import uvicorn
 
-from relax.algorithms.batch import LossRows
+from relax.algorithms.online.batch import LossRows
 from relax.data.pairs import PairBatch
 from relax.models import ModelConfig, init
-from relax.models.adapters import merge_lora
-from relax.models.hf import load_pretrained
-from relax.models.lora import LoRAConfig
-from relax.models.peft import load_adapter
-from relax.models.transformer import hidden_states, project
+from relax.models.adapters.operations import merge_lora
+from relax.models.hf.checkpoint import load_pretrained
+from relax.models.layers.lora import LoRAConfig
+from relax.models.adapters.peft import load_adapter
+from relax.models.decoder.transformer import hidden_states, project
 from relax.serve import objectives
 from relax.serve.client import LocalServiceClient, ServiceClient, ServiceError
 from relax.serve.server import ServeConfig, check_binding, check_parallel, make_app
@@ -484,7 +484,7 @@ def test_binding_rules(tmp_path):
 MESH_SCRIPT = """
 import numpy as np, jax
 from tests.test_serve import BASE, datums, train
-from relax.models.lora import LoRAConfig
+from relax.models.layers.lora import LoRAConfig
 from relax.serve.client import LocalServiceClient
 from relax.serve.service import Service, ServiceConfig
 from relax.serve.types import ModelInput, SamplingParams

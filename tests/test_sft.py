@@ -14,9 +14,9 @@ from relax.data.files import MissingFieldError, read_records
 from relax.data.supervised import (PackedBatch, SFTExample, encode_sft, pack, pack_plan, pack_rows, pad_examples,
                                    pad_rows, padding_fraction, stack_rows)
 from relax.models import ModelConfig, init
-from relax.models.logprobs import token_logprobs
-from relax.models.packed import packed_hidden, packed_logprobs, segment_positions
-from relax.models.transformer import hidden_states
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.packed import packed_hidden, packed_logprobs, segment_positions
+from relax.models.decoder.transformer import hidden_states
 from relax.passes import Passes
 from relax.train.optimizer import OptimizerConfig
 from relax.train.update import LossContext, token_normalizers

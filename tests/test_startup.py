@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from relax.models import ModelConfig, init
-from relax.models.hf import save_pretrained
+from relax.models.hf.checkpoint import save_pretrained
 from relax.text import load_tokenizer
 from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
 from conftest import load_example

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from relax.text.stop_strings import truncate_at_stop_strings
-from relax.algorithms.batch import HostRecord, Rollout
-from relax.algorithms.stages import make_score
+from relax.algorithms.online.batch import HostRecord, Rollout
+from relax.algorithms.online.stages import make_score
 from relax.compose import WithHost
 
 # a toy vocabulary whose tokens are multi-character, so stop strings fall across token boundaries

@@ -8,13 +8,13 @@ import optax
 import pytest
 
 from relax.models import ModelConfig, init
-from relax.models.logprobs import token_logprobs
+from relax.models.decoder.logprobs import token_logprobs
 from relax.objectives.reference import ReferenceConfig
-from relax.algorithms.batch import LossRows, step_input
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import LossRows, step_input
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig, preset
 from relax.train.optimizer import OptimizerConfig
-from relax.models.prefix_shared import completion_logprobs, completion_rope
+from relax.models.forward.prefix_shared import completion_logprobs, completion_rope
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.train.state import init_state
 from relax.algorithms.grpo.loss import make_grpo_update

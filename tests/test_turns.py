@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from relax.models import init
-from relax.models.prefix_shared import completion_logprobs
-from relax.models.transformer import hidden_states, project
+from relax.models.forward.prefix_shared import completion_logprobs
+from relax.models.decoder.transformer import hidden_states, project
 from relax.rollout import turns
 from relax.rollout.sampling import SamplingConfig
 

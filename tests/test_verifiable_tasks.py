@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import load_example
-from relax.algorithms.batch import step_input
+from relax.algorithms.online.batch import step_input
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.models import init, small_config
@@ -107,8 +107,8 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
 def test_grpo_with_a_reward_model_directory(tmp_path):
     """``--reward-model DIR``: a saved reward model (here with another tokenizer than the
     policy's: a byte-level BPE) scores the decoded completions; its mean is the logged reward."""
-    from relax.models.reward_model import init_reward_model, save_reward_model
-    from relax.models.transformer import init as init_model
+    from relax.models.heads.reward_model import init_reward_model, save_reward_model
+    from relax.models.decoder.transformer import init as init_model
     from relax.tasks.base import tiny_llama
     from relax.text import load_tokenizer
     from text_fixtures import make_model_dir

@@ -1,5 +1,5 @@
 """Completions packed by token count, on the host: which completions share a row, and the
-layout the training forwards read (``relax.models.completion_packing.PackedCompletions``).
+layout the training forwards read (``relax.models.forward.completion_packing.PackedCompletions``).
 
 A group's completions go into rows by first-fit decreasing (``relax.data.supervised.pack_plan``,
 as SFT examples are packed); ``PackingConfig`` chooses the rows and their length per batch, few
@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from relax.data.supervised import pack_plan
-from relax.models.completion_packing import PackedCompletions
+from relax.models.forward.completion_packing import PackedCompletions
 
 __all__ = ["PACKING_MODES", "PackingConfig", "pack_completions", "rows_needed"]
 
@@ -24,7 +24,7 @@ PACKING_MODES = ("auto", "on", "off")
 class PackingConfig:
     """How the training forwards (update, reference, proximal) lay out a batch's completions.
 
-    ``mode``: ``"on"`` packs every batch by token count (``relax.models.completion_packing``), ``"off"`` keeps them
+    ``mode``: ``"on"`` packs every batch by token count (``relax.models.forward.completion_packing``), ``"off"`` keeps them
     padded to the budget, ``"auto"`` packs where the train attention is the group kernel (CPU,
     and any float32 model; not where the fused dense kernel runs it, GPU in 16 bits: cuDNN's
     attention has no segments, and it is 5x the group kernel there) and the packed rows have
@@ -68,7 +68,7 @@ class PackingConfig:
         return -(-num_generations // 4) if self.row_multiple is None else self.row_multiple
 
     def widths(self, budget: int) -> tuple[int, ...]:
-        """The row lengths this config chooses from for a completion budget (``relax.models.completion_packing``)."""
+        """The row lengths this config chooses from for a completion budget (``relax.models.forward.completion_packing``)."""
         if self.row_tokens is not None:
             if self.row_tokens < budget:
                 raise ValueError(f"packing row_tokens={self.row_tokens} is shorter than the completion budget {budget}")
@@ -106,7 +106,7 @@ class PackingConfig:
 
 def rows_needed(mask: np.ndarray, *, row_tokens: int, row_multiple: int = 1) -> int:
     """The rows per group ``R`` a packing of ``mask [P, G, N]`` into rows of ``row_tokens`` (at
-    least its longest completion) takes (``relax.models.completion_packing``)."""
+    least its longest completion) takes (``relax.models.forward.completion_packing``)."""
     return _rows(_plans(_lengths(mask), row_tokens), mask.shape[1], row_multiple)
 
 
@@ -124,7 +124,7 @@ def _rows(plans: list[list[list[int]]], g: int, row_multiple: int) -> int:
 def pack_completions(tokens: np.ndarray, mask: np.ndarray, *, row_tokens: int, row_multiple: int = 1,
                      rows: int | None = None) -> PackedCompletions:
     """Pack ``tokens``/``mask [P, G, N]`` into rows of ``row_tokens`` per group, as numpy arrays
-    (``relax.models.completion_packing``); ``rows``: this many rows per group instead of
+    (``relax.models.forward.completion_packing``); ``rows``: this many rows per group instead of
     ``rows_needed``'s (at least that: e.g. the most any process of a multi-host run needs).
     Raises if a mask row is not a prefix or a completion is longer than ``row_tokens``."""
     tokens, mask = np.asarray(tokens), np.asarray(mask)

@@ -33,7 +33,7 @@ tokens, by **first-fit-decreasing** (default: longest first, each into the first
 fewest rows in practice, the examples' order is not kept) or ``method="greedy"`` (next fit in the
 given order: a new row whenever the next example does not fit the current one). It returns a
 ``PackedBatch`` (``ids``, ``segment_ids``, ``loss_mask``, int32 ``[rows, row_length]``) for
-``relax.models.packed``. ``pad_rows`` is the unpacked alternative: one example per row,
+``relax.models.forward.packed``. ``pad_rows`` is the unpacked alternative: one example per row,
 right-padded, the same batch type. ``num_rows`` fixes the number of rows (empty rows are added;
 too few rows is an error) so every batch has one shape. For a loader that batches rows,
 ``pack_rows`` packs a whole dataset once into rows of one shape (as TRL packs a dataset), each a
@@ -261,7 +261,7 @@ class PackedBatch(eqx.Module):
     of an SFT step (``relax.algorithms.sft``). Every field is int32 ``[rows, t]``.
 
     ``ids``: the tokens, ``pad_id`` where no example is. ``segment_ids``: 0 on padding, else the
-    example's 1-based index in its row (``relax.models.packed`` keeps attention and positions
+    example's 1-based index in its row (``relax.models.forward.packed`` keeps attention and positions
     within an example). ``loss_mask``: 1 where ``ids[t]`` is a target, predicted from ``t - 1``
     (aligned with ``ids``, as ``SFTExample.loss_mask``).
     """

@@ -38,8 +38,8 @@ import numpy as np
 
 from relax.environments.chat import ChatFormat
 from relax.environments.protocol import Action, Environment, AsyncEnvironment, as_async
-from relax.models.routes import Routes
-from relax.models.transformer import Transformer
+from relax.models.forward.routes import Routes
+from relax.models.decoder.transformer import Transformer
 from relax.rollout import turns as T
 from relax.rollout.sampler import bucket_length
 
@@ -80,7 +80,7 @@ class Trajectories(NamedTuple):
     env_errors: list[str | None]
     info: dict[str, np.ndarray]
     timings: dict[str, float]
-    routes: Routes | None = None  # a mixture of experts' choices of every token (relax.models.routes)
+    routes: Routes | None = None  # a mixture of experts' choices of every token (relax.models.forward.routes)
 
 
 class _Record:

@@ -265,7 +265,7 @@ def as_policy_loss(config: Any) -> PolicyLoss:
 
 
 # An algorithm config's ``policy_loss`` field: one of the configs, chosen on the command line as
-# ``<prefix>.policy-loss:NAME`` (or ``--<prefix>.policy-loss NAME``, ``relax.algorithms.cli``) with
+# ``<prefix>.policy-loss:NAME`` (or ``--<prefix>.policy-loss NAME``, ``relax.algorithms.cli.flags``) with
 # its own typed options ``--<prefix>.policy-loss.FIELD``.
 LossConfig = Union[tuple(Annotated[cls, tyro.conf.subcommand(name)] for name, cls in POLICY_LOSSES.items())]
 

@@ -6,7 +6,7 @@ Mesh: four named axes, always all present (size 1 when unused), in this device o
     expert  the batch is split like ``data`` (attention and every dense part are data-parallel
             over it) AND the experts of every sparse layer are split: each device holds
             E / expert experts, and tokens meet their experts through an explicit exchange over
-            this axis (``relax.models.expert_parallel``: all-gather of the rows and their
+            this axis (``relax.models.moe.expert_parallel``: all-gather of the rows and their
             routing, reduce-scatter of the expert outputs). For a dense model: one more data axis
     fsdp    the batch is split AND parameters / optimizer state are sharded (ZeRO-3 style)
     tensor  tensor parallelism: attention heads, MLP width (each expert's too) and the
@@ -15,7 +15,7 @@ Mesh: four named axes, always all present (size 1 when unused), in this device o
 ``MeshSpec.parse("data=2,fsdp=4")`` (missing axes are 1; one axis may be ``-1``: all the
 remaining devices) and ``make_mesh(spec)``.
 
-Parameters carry LOGICAL axis names (``relax.models.sharding.LOGICAL_AXES``: every parameter of
+Parameters carry LOGICAL axis names (``relax.models.config.sharding.LOGICAL_AXES``: every parameter of
 ``relax.models.Transformer``); ``rules`` map them to mesh axes. ``DEFAULT_RULES``:
 
     logical axis    mesh axis  what it shards
@@ -65,8 +65,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from relax.parallel import distributed
-from relax.models.sharding import BATCH_AXES, LOGICAL_AXES, batch_shards
-from relax.models.transformer import Transformer
+from relax.models.config.sharding import BATCH_AXES, LOGICAL_AXES, batch_shards
+from relax.models.decoder.transformer import Transformer
 
 AXES = ("data", "expert", "fsdp", "tensor")
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -169,7 +169,7 @@ def _rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
 def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, model_config=None, rules: Rules = DEFAULT_RULES) -> P:
     """The ``PartitionSpec`` of parameter ``name`` (a ``LOGICAL_AXES`` key) of ``shape``."""
     if name not in LOGICAL_AXES:
-        raise ShardingError(f"parameter {name} has no logical axes (add it to relax.models.sharding.LOGICAL_AXES)")
+        raise ShardingError(f"parameter {name} has no logical axes (add it to relax.models.config.sharding.LOGICAL_AXES)")
     logical = LOGICAL_AXES[name]
     if len(logical) != len(shape):
         raise ShardingError(f"parameter {name} has shape {shape} but logical axes {logical}")

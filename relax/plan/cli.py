@@ -20,7 +20,7 @@ import dataclasses
 import json
 import sys
 
-from relax.algorithms.cli import flag_value
+from relax.algorithms.cli.flags import flag_value
 
 USAGE = ("usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
          "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _search(algorithm: str, argv: list[str], kind: str, compile_fn, exact: bool, out: str | None) -> int:
     """``--target <kind>``: plan the run on the slices of ``kind`` from the smallest up."""
-    from relax.models.hf import read_config
+    from relax.models.hf.checkpoint import read_config
     from relax.plan.plan import parse_run
     from relax.plan.search import smallest
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from relax.models.config import ModelConfig
+from relax.models.config.model import ModelConfig
 from relax.plan.hlo_summary import ProgramTraffic
 from relax.plan.memory import ProgramMemory, per_chip, state_parts
 
@@ -68,7 +68,7 @@ def shallow(config: ModelConfig, layers: int) -> ModelConfig:
 
 def deepen_outputs(outputs: Any, config: ModelConfig) -> Any:
     """A shallow sampler's abstract outputs as the model of ``config`` gives them: the recorded
-    experts of a mixture (``relax.models.routes.Routes``, sparse layers on axis -2) for all of its
+    experts of a mixture (``relax.models.forward.routes.Routes``, sparse layers on axis -2) for all of its
     sparse layers (every other output does not depend on depth)."""
     def leaf(path, x):
         if not any(getattr(k, "name", None) == "routes" for k in path):

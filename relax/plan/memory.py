@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from relax.models.sharding import batch_shards
+from relax.models.config.sharding import batch_shards
 
 _SIZE = re.compile(r"([\d.]+)\s*([KMGT]?)(?:i?B)?")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -104,7 +104,7 @@ def program_memory(name: str, compiled: Any, args: tuple[Any, Any], *, limit: in
 
 
 def kv_heads_per_chip(config, mesh: jax.sharding.Mesh) -> int:
-    """KV heads a chip holds in the sampler's decode layout (``relax.models.sharding.decode_layout``):
+    """KV heads a chip holds in the sampler's decode layout (``relax.models.config.sharding.decode_layout``):
     split over ``tensor`` where they divide, else whole."""
     tensor = mesh.shape.get("tensor", 1)
     return config.num_kv_heads // tensor if config.num_kv_heads % tensor == 0 else config.num_kv_heads

@@ -19,16 +19,16 @@ import hashlib
 import time
 from typing import Any, Callable
 
-from relax.algorithms.cli import parse_flags
+from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.grpo import run as grpo_run
-from relax.algorithms.online import ModelRunConfig, OnlineRunConfig
+from relax.algorithms.online.run import ModelRunConfig, OnlineRunConfig
 from relax.algorithms.dpo import run as dpo_run
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.ppo import run as ppo_run
 from relax.algorithms.sft import run as sft_run
-from relax.models.config import DTYPES, ModelConfig
-from relax.models.hf import read_config
-from relax.models.sharding import batch_shards
+from relax.models.config.model import DTYPES, ModelConfig
+from relax.models.hf.checkpoint import read_config
+from relax.models.config.sharding import batch_shards
 from relax.plan import depth as depth_lib
 from relax.plan import targets as targets_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic

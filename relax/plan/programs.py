@@ -1,7 +1,7 @@
 """A run's compiled programs, built from abstract arrays for a target's devices.
 
 ``online_programs(run_cfg, algorithm, model_config, devices)`` builds exactly what
-``relax.algorithms.online.run_online`` would run (the algorithm's state and composed step, laid
+``relax.algorithms.online.run.run_online`` would run (the algorithm's state and composed step, laid
 out by ``relax.parallel.ShardedStep`` on the meshes of ``--parallel.*``) with nothing allocated:
 
 - the model and the state are ``jax.eval_shape`` s of their initialisers (a ``config.json`` is
@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.offline import OfflineAlgorithm
-from relax.algorithms.online import ModelRunConfig, OnlineAlgorithm, OnlineRunConfig, StepParts, with_lora
-from relax.models.config import DTYPES, ModelConfig
-from relax.models.transformer import init as init_model
-from relax.algorithms.batch import HostRecord, Prompts
+from relax.algorithms.offline.run import OfflineAlgorithm
+from relax.algorithms.online.run import ModelRunConfig, OnlineAlgorithm, OnlineRunConfig, StepParts, with_lora
+from relax.models.config.model import DTYPES, ModelConfig
+from relax.models.decoder.transformer import init as init_model
+from relax.algorithms.online.batch import HostRecord, Prompts
 from relax.compose import WithHost, join_host, split_host
 from relax.parallel import ShardedStep, batch_shards
 from relax.passes import choose_passes, target_backend

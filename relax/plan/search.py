@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import jax
 
-from relax.algorithms.online import ModelRunConfig
-from relax.models.config import ModelConfig
+from relax.algorithms.online.run import ModelRunConfig
+from relax.models.config.model import ModelConfig
 from relax.plan.plan import ALGORITHMS, Plan, plan_run
 from relax.plan.programs import abstract_state
 from relax.plan.targets import CHIPS, Target

@@ -2,12 +2,12 @@
 
     rm = load_reward_model("out/rm")
     reward_fns = [reward_model_reward(rm, weight=1.0), RewardFunction(exact_match)]
-    step = make_grpo_step(cfg, reward_fns, decode, ...)      # relax.algorithms.stages.make_score
+    step = make_grpo_step(cfg, reward_fns, decode, ...)      # relax.algorithms.online.stages.make_score
 
 ``reward_model_reward`` returns a ``TokenRewardFunction``: ``score_tokens`` runs it inside its own
 ``jax.jit`` on the rollout's arrays (prompts ``[P, Lp]`` left-padded, completions ``[P, G, N]``),
 one batched forward of the reward model, no decoding and no host round trip; the score of each
-completion is ``relax.models.reward_model.sequence_rewards`` (read at its last valid token).
+completion is ``relax.models.heads.reward_model.sequence_rewards`` (read at its last valid token).
 
 Hashability: ``score_tokens`` makes the functions a jit static argument, so ``fn`` must be
 hashable, and an ``equinox.Module`` holding arrays is not (its fields hash by value). The fn
@@ -28,8 +28,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.reward_model import RewardModel, sequence_rewards
-from relax.models.prefix_shared import TRAIN_ATTENTION
+from relax.models.heads.reward_model import RewardModel, sequence_rewards
+from relax.models.forward.prefix_shared import TRAIN_ATTENTION
 from relax.data.pairs import right_pad
 from relax.rewards.token_rewards import TokenRewardFunction
 from relax.text.sentencepiece_model import pad_left
@@ -46,7 +46,7 @@ class RewardModelScorer:
     def __init__(self, model: RewardModel, *, groups_per_pass: int | None = None, attention: str = "auto",
                  ignore_pad_tokens: bool = True):
         if not isinstance(model, RewardModel):
-            raise TypeError(f"need a relax.models.reward_model.RewardModel, got {type(model).__name__}")
+            raise TypeError(f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}")
         if attention not in TRAIN_ATTENTION:
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(TRAIN_ATTENTION)}")
         if groups_per_pass is not None and groups_per_pass < 1:
@@ -103,7 +103,7 @@ class TextRewardModel:
     def __init__(self, model: RewardModel, tokenizer, *, batch_size: int = 32, max_prompt_tokens: int = 1024,
                  max_completion_tokens: int = 1024, chat: bool = False, attention: str = "auto"):
         if not isinstance(model, RewardModel):
-            raise TypeError(f"need a relax.models.reward_model.RewardModel, got {type(model).__name__}")
+            raise TypeError(f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}")
         if chat and not tokenizer.has_chat_template:
             raise ValueError(f"chat=True needs a chat template; tokenizer {tokenizer.path} has none")
         for name, value in (("batch_size", batch_size), ("max_prompt_tokens", max_prompt_tokens),

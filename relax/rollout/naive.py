@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from relax.models.transformer import Transformer
+from relax.models.decoder.transformer import Transformer
 from relax.rollout.sampler import Rollout, RolloutConfig, pad_to_bucket, validate
 from relax.rollout.sampling import sample, uniforms
 

@@ -6,7 +6,7 @@ Each prompt is prefilled once; its keys/values are stored ONCE per prompt (per l
 step attends to the shared prompt (the G completions folded into the query rows, so it is one
 dense matmul per KV head) and to the filled blocks of the completion's own cache, into which
 the step's key/value was just written, and merges the unnormalised partial softmaxes exactly
-(``relax.models.attention.merge_stats``). Keys are stored transposed so the
+(``relax.models.attention.blocks.merge_stats``). Keys are stored transposed so the
 score product is a plain matmul. Prefill computes logits only at the last prompt position.
 Prefill and the decode loop are one jitted program: one ``lax.while_loop`` per cache block,
 each stopping early when every sequence has hit a stop id; with ``RolloutConfig.compactions``
@@ -16,7 +16,7 @@ Buffers are per layer and the decode loop runs the layers as a Python loop over 
 (fused q/k/v and gate/up) weights: nothing stacked is sliced per step, and every cache is
 updated in place.
 
-On a mesh (traced under ``jax.set_mesh``) the layout is explicit (``relax.models.sharding.
+On a mesh (traced under ``jax.set_mesh``) the layout is explicit (``relax.models.config.sharding.
 DecodeLayout``): before the loop the fused weights and the embedding are laid out once, whole
 along the model width (an FSDP-sharded width is gathered there, not at every step) and split
 over ``tensor`` by heads, MLP units and vocabulary, a sparse layer's experts over ``expert``;
@@ -40,14 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models.adapters import merge_lora
-from relax.models.decode_attention import pallas_available, pallas_decode_attention, reference_decode_attention
-from relax.models.layer import FusedLayer
-from relax.models.layer_kinds import layer_window
-from relax.models.rope import rotary
-from relax.models.sharding import DecodeLayout, ambient_batch_shards, decode_layout
-from relax.models.routes import Routes, route_dtype
-from relax.models.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
+from relax.models.adapters.operations import merge_lora
+from relax.models.attention.decode import pallas_available, pallas_decode_attention, reference_decode_attention
+from relax.models.decoder.layer import FusedLayer
+from relax.models.config.layer_kinds import layer_window
+from relax.models.layers.rope import rotary
+from relax.models.config.sharding import DecodeLayout, ambient_batch_shards, decode_layout
+from relax.models.forward.routes import Routes, route_dtype
+from relax.models.decoder.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
                                       positions_from_mask, project, run_layers)
 from relax.rollout.compaction import COMPACTED_BLOCKS, compaction_sizes, keep_rows
 from relax.rollout.sampling import SamplingConfig, sample, uniform_table
@@ -83,7 +83,7 @@ class RolloutConfig:
     the program grows with their square): a long budget gets blocks of ``ceil(N / max_segments)``."""
     decode_attention: str = "xla"
     """The decode step's attention: "xla" (XLA's fusions, the default everywhere), "pallas" (one
-    Pallas Triton kernel per step and layer, ``relax.models.decode_attention``; GPU only, opt-in
+    Pallas Triton kernel per step and layer, ``relax.models.attention.decode``; GPU only, opt-in
     until measured) or "pallas_interpret" (the same kernel run by Pallas' interpreter: any
     backend, for tests)."""
     merge_adapters: bool = True
@@ -96,7 +96,7 @@ class RolloutConfig:
     decode loops to the program (0: never compact; the loops once)."""
     record_routes: bool = False
     """A mixture-of-experts model records each token's experts at every sparse layer in the
-    rollout (``Rollout.routes``, for routing replay: ``relax.models.routes``); no effect on a
+    rollout (``Rollout.routes``, for routing replay: ``relax.models.forward.routes``); no effect on a
     dense model."""
 
     def __post_init__(self):
@@ -185,7 +185,7 @@ def _prefill(model: Transformer, ids, mask):
 
 # logical dims of the fused weights on a mesh (the rest, norms, output biases, a sparse layer's
 # router and shared expert, replicated); a sparse layer's experts split over ``expert`` (their
-# units over ``tensor``), as the expert-parallel step reads them (relax.models.expert_parallel)
+# units over ``tensor``), as the expert-parallel step reads them (relax.models.moe.expert_parallel)
 _FUSED_DIMS = {"wqkv": (None, "heads"), "bqkv": ("heads",), "wo": ("heads", None), "w_gate_up": (None, "mlp"),
                "b_gate_up": ("mlp",), "w_down": ("mlp", None), "expert_gate": ("experts", None, "expert_mlp"),
                "expert_up": ("experts", None, "expert_mlp"), "expert_down": ("experts", "expert_mlp", None)}

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models import attention as attn
-from relax.models.adapters import merge_lora
-from relax.models.layer_kinds import layer_window
-from relax.models.routes import route_dtype
-from relax.models.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
+from relax.models.attention import blocks as attn
+from relax.models.adapters.operations import merge_lora
+from relax.models.config.layer_kinds import layer_window
+from relax.models.forward.routes import route_dtype
+from relax.models.decoder.transformer import (LayerRoutes, Transformer, embed, full_attention, fuse_layers,
                                       positions_from_mask, project, run_layers)
 from relax.rollout.sampler import DEFAULT_BUCKETS
 from relax.rollout.sampling import SamplingConfig, sample
@@ -80,7 +80,7 @@ class TurnState(eqx.Module):
     length: Int[Array, " b"]  # filled slots
     last_h: Float[Array, "b d"]  # final hidden state at the last filled slot (its logits draw the next token)
     keys: Array  # [B] PRNG keys: the draw at slot t is uniform(fold_in(keys[b], t))
-    # a mixture of experts' choices of every fed token (relax.models.routes; [.., 0]: dense model)
+    # a mixture of experts' choices of every fed token (relax.models.forward.routes; [.., 0]: dense model)
     prompt_routes: Int[Array, "pk lp l k"]
     routes: Int[Array, "b n l k"]  # -1 at slots not filled
 

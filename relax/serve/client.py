@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from relax.algorithms.batch import LossRows
+from relax.algorithms.online.batch import LossRows
 from relax.serve.datum import bucket
 from relax.serve.types import (AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse,
                                SampledSequence, SampleResponse, SamplingParams, SaveResponse, TensorData)

@@ -30,8 +30,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax import metrics as M
-from relax.models.packed import packed_hidden
-from relax.models.logprobs import logprobs_from_hidden
+from relax.models.forward.packed import packed_hidden
+from relax.models.decoder.logprobs import logprobs_from_hidden
 from relax.objectives.registry import POLICY_LOSSES, policy_loss
 from relax.serve.wire import RequestError
 

@@ -60,8 +60,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from relax import metrics as M
-from relax.algorithms.batch import LossRows
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import LossRows
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers as dpo_normalizers
 from relax.algorithms.dpo.step import pair_rows
@@ -69,9 +69,9 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.kto.config import KTOConfig
 from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
 from relax.algorithms.kto.step import make_reference_point, own_rows
-from relax.algorithms.pair_forward import shared_forward
+from relax.algorithms.preference.pairs import shared_forward
 from relax.algorithms.grpo.loss import make_loss as make_grpo_loss
-from relax.algorithms.pair_update import with_loss_mask
+from relax.algorithms.preference.update import with_loss_mask
 from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import gae_terms, kl_token_rewards, make_joint_loss
@@ -83,8 +83,8 @@ from relax.algorithms.sft.step import SFTConfig
 from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
-from relax.models.adapters import split_trainable
-from relax.models.critic import ValueHead, completion_head_values
+from relax.models.adapters.operations import split_trainable
+from relax.models.heads.critic import ValueHead, completion_head_values
 from relax.objectives.advantages import whiten
 from relax.objectives.registry import POLICY_LOSSES
 from relax.passes import Passes, choose_passes
@@ -201,7 +201,7 @@ def _ppo(state: TrainState, batch, kwargs: dict, passes: Passes):
     if not isinstance(state.critic, ValueHead):
         if isinstance(batch, ValueRows):
             raise ValueError("objective 'ppo' on ValueRows trains a value head: the state's critic must be a "
-                             "relax.models.critic.ValueHead (init_value_head), got "
+                             "relax.models.heads.critic.ValueHead (init_value_head), got "
                              f"{type(state.critic).__name__}; for the policy loss alone pass LossRows")
         _check_batch("ppo", batch, LossRows)
         return _policy("ppo")(state, batch, kwargs, passes)

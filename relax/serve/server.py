@@ -48,7 +48,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from relax.models.lora import LoRAConfig
+from relax.models.layers.lora import LoRAConfig
 from relax.parallel.step import ParallelConfig
 from relax.serve.service import Service, ServiceConfig, UnknownSession
 from relax.serve.wire import RequestError, pack, unpack
@@ -123,8 +123,8 @@ def load_service(cfg: ServeConfig) -> Service:
     """The model (``cfg.model`` or the built-in task's) and its tokenizer, served."""
     import jax.numpy as jnp
 
-    from relax.models.hf import load_pretrained
-    from relax.models.transformer import cast
+    from relax.models.hf.checkpoint import load_pretrained
+    from relax.models.decoder.transformer import cast
     from relax.text import load_tokenizer
 
     dtype = jnp.dtype(cfg.dtype)

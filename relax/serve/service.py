@@ -24,11 +24,11 @@ import tempfile
 from pathlib import Path
 
 
-from relax.models.adapters import merge_lora
-from relax.models.hf import save_pretrained
-from relax.models.lora import LoRAConfig
-from relax.models.peft import save_adapter
-from relax.models.transformer import Transformer
+from relax.models.adapters.operations import merge_lora
+from relax.models.hf.checkpoint import save_pretrained
+from relax.models.layers.lora import LoRAConfig
+from relax.models.adapters.peft import save_adapter
+from relax.models.decoder.transformer import Transformer
 from relax.parallel.mesh import make_mesh, shard_model
 from relax.serve.datum import DATUM_LOSSES
 from relax.serve.objectives import OBJECTIVES

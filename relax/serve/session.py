@@ -28,10 +28,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from relax.models.adapters import add_lora
-from relax.models.critic import init_value_head
-from relax.models.lora import LoRAConfig
-from relax.models.transformer import Transformer
+from relax.models.adapters.operations import add_lora
+from relax.models.heads.critic import init_value_head
+from relax.models.layers.lora import LoRAConfig
+from relax.models.decoder.transformer import Transformer
 from relax.parallel.mesh import state_shardings
 from relax.rollout.sampler import RolloutConfig, generate_with
 from relax.rollout.sampling import SamplingConfig

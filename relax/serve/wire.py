@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from relax.algorithms.batch import LossRows
+from relax.algorithms.online.batch import LossRows
 from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.data.supervised import PackedBatch
 from relax.serve.objectives import ValueRows

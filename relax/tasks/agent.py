@@ -30,8 +30,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 
 from relax.environments import Action, Tool, ToolEnvironment
 from relax.environments.chat import ChatFormat
-from relax.models.config import ModelConfig
-from relax.models.transformer import Transformer
+from relax.models.config.model import ModelConfig
+from relax.models.decoder.transformer import Transformer
 from relax.tasks.base import supervised_loop, tiny_llama
 from relax.text import TextTokenizer, load_tokenizer, render_chat
 

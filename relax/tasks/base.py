@@ -15,10 +15,10 @@ import optax
 
 from relax.data.supervised import pad_examples
 from relax.masked import masked_mean
-from relax.models.config import ModelConfig, family_config
-from relax.models.hf import load_pretrained, save_pretrained
-from relax.models.logprobs import token_logprobs
-from relax.models.transformer import Transformer, init
+from relax.models.config.model import ModelConfig, family_config
+from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.decoder.transformer import Transformer, init
 from relax.text import TextTokenizer, load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece
 from relax.train.logs import is_main_process

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from relax.models.transformer import Transformer
+from relax.models.decoder.transformer import Transformer
 from relax.tasks.base import supervised_phase, task_tokenizer, tiny_llama
 from relax.text import TextTokenizer
 

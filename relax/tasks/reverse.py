@@ -17,8 +17,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from relax.models.config import ModelConfig
-from relax.models.transformer import Transformer
+from relax.models.config.model import ModelConfig
+from relax.models.decoder.transformer import Transformer
 from relax.tasks.base import supervised_phase, tiny_llama, write_jsonl
 from relax.text import TextTokenizer, load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece

@@ -15,7 +15,7 @@ Source files are copied, not re-serialised, wherever they exist: ``chat_template
 Into a directory other than the source one, stale ``chat_template.jinja`` /
 ``chat_templates/*.jinja`` files are removed when the template came from the config (or there
 is none): transformers prefers those files over the config. An existing
-``generation_config.json`` (e.g. written by ``relax.models.hf.save_pretrained``) is kept.
+``generation_config.json`` (e.g. written by ``relax.models.hf.checkpoint.save_pretrained``) is kept.
 """
 
 from __future__ import annotations

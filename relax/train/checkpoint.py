@@ -14,7 +14,7 @@ pytree (arrays in tensorstore/OCDBT; equinox Modules, optax states and dicts are
 key paths). Typed PRNG keys (``jax.random.key``) are stored as their ``key_data`` (uint32) and
 rewrapped with the target's key implementation on restore. The other items are JSON.
 
-LoRA: a model with adapters (``relax.models.adapters``) is stored as its adapters only; the
+LoRA: a model with adapters (``relax.models.adapters.operations``) is stored as its adapters only; the
 base weights are not written. Their fingerprint is (the pointer to the base, besides the run
 config's ``model``), and ``restore`` puts the restored adapters on the target's base after
 checking that it is the same base, bit for bit (a different one raises ``ValueError``).
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from relax.models.adapters import base_weights, without_base
+from relax.models.adapters.operations import base_weights, without_base
 from relax.train.fingerprint import fingerprint
 
 PyTree = Any

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from relax.models.adapters import has_lora, split_trainable, with_adapters
-from relax.models.transformer import Transformer
+from relax.models.adapters.operations import has_lora, split_trainable, with_adapters
+from relax.models.decoder.transformer import Transformer
 
 
 class ScaledState(NamedTuple):

@@ -19,8 +19,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float
 
-from relax.models.adapters import split_trainable
-from relax.models.prefix_shared import completion_logprobs
+from relax.models.adapters.operations import split_trainable
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.rollout.sampler import Rollout, RolloutConfig, compiled_generate
 from relax.train.state import TrainState, apply_updates
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 
 from relax.compose import SegmentRunner, split_host
-from relax.models.adapters import split_trainable
+from relax.models.adapters.operations import split_trainable
 from relax.train.checkpoint import Checkpointer
 from relax.train.health import HealthConfig, HealthMonitor, check_finite_weights, leaf_names
 from relax.train.logs import MetricsLogger, ProgressBar, is_main_process, write_summary

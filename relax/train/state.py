@@ -11,7 +11,7 @@ when the algorithm uses them (None is an empty pytree: nothing is stored or chec
 - ``critic`` and ``critic_opt_state``: PPO's value model (a ``Critic`` with its own backbone, or a
   ``ValueHead`` on the policy's backbone) and its optimizer state.
 
-An optimizer sees only the trainable leaves (``relax.models.adapters.trainable``: the adapters
+An optimizer sees only the trainable leaves (``relax.models.adapters.operations.trainable``: the adapters
 of a LoRA policy, every weight otherwise), so a LoRA policy's optimizer state holds adapter
 moments only. The optimizers are static fields (``optimizer``, ``critic_optimizer``): ``optim_step`` needs no
 other argument, and jit specialises on them like on any static configuration.
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Int
 
-from relax.models.adapters import adapters_zero, has_lora, lora_off, split_trainable
+from relax.models.adapters.operations import adapters_zero, has_lora, lora_off, split_trainable
 from relax.objectives.reference import RunningStats, params_equal
 
 

@@ -28,7 +28,7 @@ log-probs to be its own under a stop-gradient, so the KL term and its gradient a
 whatever the pass layout; the flag is carried through the steps and cleared by the first step
 that changes a weight (``relax.objectives.reference.params_equal``).
 
-Only the trainable leaves are differentiated and updated (``relax.models.adapters.trainable``):
+Only the trainable leaves are differentiated and updated (``relax.models.adapters.operations.trainable``):
 with LoRA the adapters, the base weights being constants of the loss. When an adapter has
 dropout, each micro-batch's forward gets its own dropout key.
 """
@@ -45,7 +45,7 @@ import optax
 from jaxtyping import Array, Bool
 
 from relax import metrics as M
-from relax.models.adapters import split_trainable, uses_dropout, with_dropout_key
+from relax.models.adapters.operations import split_trainable, uses_dropout, with_dropout_key
 from relax.objectives.reference import params_equal
 from relax.passes import Passes
 from relax.train.health import first_nonfinite_leaf

@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import tyro
 
-from relax.algorithms.batch import HostRecord
-from relax.algorithms.configure import configure
+from relax.algorithms.online.batch import HostRecord
+from relax.algorithms.cli.configure import configure
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
-from relax.models.lora import LoRAConfig
+from relax.models.layers.lora import LoRAConfig
 from relax.tasks import agent as agent_task
 from relax.tasks.base import prepare
 from relax.train.logs import MetricsLogger
@@ -30,8 +30,8 @@ from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make
                                          success_metrics)
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import make_state as grpo_state
-from relax.algorithms.report import first_row_lines, run_report
-from relax.algorithms.online import exporter, start_run, with_lora
+from relax.algorithms.cli.report import first_row_lines, run_report
+from relax.algorithms.online.run import exporter, start_run, with_lora
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.passes import choose_passes

@@ -1,9 +1,9 @@
 """GRPO and PPO on multi-turn trajectories: ``compose(rollout, [reference], advantage, update)``,
-the online step (``relax.algorithms.online_step``) with a rollout that scores its own samples.
+the online step (``relax.algorithms.online.step``) with a rollout that scores its own samples.
 
 - ``rollout`` (host): ``relax.environments.rollout`` steps P x G environments over the
   cache-carrying sampler. Its trajectories enter the batch as a ``Scored`` batch
-  (``relax.algorithms.batch``): ``tokens`` (sampled and observation tokens in order), ``mask``
+  (``relax.algorithms.online.batch``): ``tokens`` (sampled and observation tokens in order), ``mask``
   (every filled slot: what the trainer's forward attends), ``sampled_mask`` (the policy's tokens:
   the loss, the KL and the advantages), ``old_logprobs`` (the sampler's, at sampled tokens),
   ``rewards`` (the environments' sum per trajectory; NaN where one raised), ``turn_rewards`` /
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.batch import Advantaged, Scored
+from relax.algorithms.online.batch import Advantaged, Scored
 from relax.compose import Stage, WithHost, stage
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
@@ -38,8 +38,8 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo import step as grpo
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo import step as ppo
-from relax.algorithms.online_step import make_online_step
-from relax.algorithms.stages import ROLLOUT_STREAM, sample_versions
+from relax.algorithms.online.step import make_online_step
+from relax.algorithms.online.stages import ROLLOUT_STREAM, sample_versions
 
 
 @dataclasses.dataclass(frozen=True)

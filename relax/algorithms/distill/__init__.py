@@ -1,6 +1,6 @@
 """Knowledge distillation (GKD, Agarwal et al. 2024): forward / reverse KL or generalized JSD to a
 teacher of the same vocabulary, on dataset completions, on completions sampled from the student
-each step, or a mix; the divergences over the vocabulary are chunked (``relax.models.distill``)."""
+each step, or a mix; the divergences over the vocabulary are chunked (``relax.models.heads.distill``)."""
 
 from relax.algorithms.distill.config import MODES, DistillConfig
 from relax.algorithms.distill.data import DistillBatch

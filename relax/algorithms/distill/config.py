@@ -10,9 +10,9 @@ import dataclasses
 from typing import Annotated
 
 from relax.choices import check_choice
-from relax.models.distill import DIVERGENCES, resolve_divergence
-from relax.algorithms.configure import FLAT
-from relax.models.forward import ForwardConfig
+from relax.models.heads.distill import DIVERGENCES, resolve_divergence
+from relax.algorithms.cli.configure import FLAT
+from relax.models.forward.config import ForwardConfig
 from relax.rollout.generation import GenerationConfig
 from relax.train.optimizer import OptimizerConfig
 
@@ -23,7 +23,7 @@ MODES = ("off_policy", "on_policy", "mixed")
 class DistillConfig:
     """Distil a teacher (``TrainState.ref``) into the student (``TrainState.policy``).
 
-    Divergence per completion token (``relax.models.distill``), at ``temperature`` for both models,
+    Divergence per completion token (``relax.models.heads.distill``), at ``temperature`` for both models,
     no ``T^2`` factor: ``divergence`` forward = KL(teacher || student), reverse = KL(student ||
     teacher), jsd = ``jsd_beta KL(p || m) + (1 - jsd_beta) KL(q || m)``, ``m = jsd_beta p + (1 -
     jsd_beta) q`` (p teacher, q student; ``jsd_beta`` 0 / 1 are the forward / reverse KL, as in TRL).
@@ -39,7 +39,7 @@ class DistillConfig:
 
     Update: one optimizer step per batch, the batch split into ``grad_accum`` micro-batches
     (``None``: the passes' choice, ``relax.passes``); ``chunk_size`` rows of vocabulary logits at a
-    time; ``forward`` (``relax.models.forward.ForwardConfig``, flat flags): ``train_attention`` of
+    time; ``forward`` (``relax.models.forward.config.ForwardConfig``, flat flags): ``train_attention`` of
     both models' forwards, ``remat`` / ``remat_policy`` of the student's backward.
     """
 

@@ -9,7 +9,7 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.data.pairs import right_pad
-from relax.models.prefix_shared import CompletionRope
+from relax.models.forward.prefix_shared import CompletionRope
 from relax.text.sentencepiece_model import pad_left
 
 

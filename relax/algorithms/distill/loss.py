@@ -2,7 +2,7 @@
 
     loss = sum_{valid tokens} D(p_teacher, q_student)_t / ctx.norms["tokens"]
 
-with ``D`` the configured divergence (``relax.models.distill``), computed from the student's hidden
+with ``D`` the configured divergence (``relax.models.heads.distill``), computed from the student's hidden
 states (the prefix-shared training forward, ``completion_hidden``) and the teacher's, which the
 teacher stage put in the batch (``DistillBatch.teacher_hidden``), each projected by its own head in chunks
 of rows. Metrics: ``kl`` (or ``jsd``), ``top1_agreement`` (the two argmaxes agree) and the
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from relax.masked import masked_mean
-from relax.models.distill import divergence_from_hidden
-from relax.models.forward import ForwardConfig
-from relax.models.prefix_shared import completion_hidden, completion_rope
-from relax.models.transformer import Transformer
+from relax.models.heads.distill import divergence_from_hidden
+from relax.models.forward.config import ForwardConfig
+from relax.models.forward.prefix_shared import completion_hidden, completion_rope
+from relax.models.decoder.transformer import Transformer
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update
 

@@ -15,18 +15,18 @@ import numpy as np
 
 from relax.data.supervised import encode_sft
 from relax.masked import masked_mean
-from relax.models.adapters import lora_off
-from relax.models.distill import divergence_from_hidden
-from relax.models.prefix_shared import completion_hidden
-from relax.models.transformer import init
+from relax.models.adapters.operations import lora_off
+from relax.models.heads.distill import divergence_from_hidden
+from relax.models.forward.prefix_shared import completion_hidden
+from relax.models.decoder.transformer import init
 from relax.tasks import reverse
 
-from relax.algorithms.configure import configure
+from relax.algorithms.cli.configure import configure
 from relax.algorithms.distill.config import DistillConfig
 from relax.algorithms.distill.data import DistillBatch, collate_completions
 from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
-from relax.algorithms.offline import OfflineAlgorithm, PairRunConfig, run_offline
-from relax.algorithms.online import with_lora
+from relax.algorithms.offline.run import OfflineAlgorithm, PairRunConfig, run_offline
+from relax.algorithms.online.run import with_lora
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from relax.compose import Stage, compose, stage
-from relax.models.distill import check_same_vocabulary
-from relax.models.forward import ForwardConfig
-from relax.models.hf import load_pretrained
-from relax.models.prefix_shared import completion_hidden, completion_rope
-from relax.models.transformer import Transformer
+from relax.models.heads.distill import check_same_vocabulary
+from relax.models.forward.config import ForwardConfig
+from relax.models.hf.checkpoint import load_pretrained
+from relax.models.forward.prefix_shared import completion_hidden, completion_rope
+from relax.models.decoder.transformer import Transformer
 from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig, compiled_generate
 from relax.train.health import first_nonfinite, step_health
@@ -42,7 +42,7 @@ from relax.train.update import Updated
 from relax.algorithms.distill.config import DistillConfig
 from relax.algorithms.distill.data import DistillBatch
 from relax.algorithms.distill.loss import make_distill_update
-from relax.algorithms.stages import ROLLOUT_STREAM
+from relax.algorithms.online.stages import ROLLOUT_STREAM
 
 MIX_STREAM = 0x4D1C  # mixed mode's per-step coin: fold_in(state.key, MIX_STREAM)
 
@@ -156,7 +156,7 @@ def make_distill_step(cfg: DistillConfig, passes: Passes | None = None, *, eos_i
 
 
 def load_teacher(path, student: Transformer, *, dtype=None, param_dtype=None) -> Transformer:
-    """The teacher from a Hugging Face directory (``relax.models.hf.load_pretrained``), in the
+    """The teacher from a Hugging Face directory (``relax.models.hf.checkpoint.load_pretrained``), in the
     student's compute dtype unless ``dtype`` says otherwise; its vocabulary checked against the
     student's (``ValueError`` naming both sizes)."""
     teacher = load_pretrained(path, dtype=student.dtype if dtype is None else dtype, param_dtype=param_dtype)

@@ -12,7 +12,7 @@ import dataclasses
 from relax.choices import check_choice
 from relax.objectives.preference import DPO_LOSS_TYPES
 
-from relax.algorithms.preference_config import PreferenceTrainConfig
+from relax.algorithms.preference.config import PreferenceTrainConfig
 
 LOSS_TYPES = DPO_LOSS_TYPES + ("simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -35,7 +35,7 @@ class DPOConfig(PreferenceTrainConfig):
     loss and gradient; ``None``: the passes' choice, one pair per micro-batch on a single CPU),
     ``remat`` / ``remat_policy`` and ``train_attention`` as in ``GRPOConfig``.
     Reference: with ``precompute_reference`` the reference log-probs are read from the batch
-    (``ref_logps``, from ``relax.algorithms.reference_cache``) and the state holds no
+    (``ref_logps``, from ``relax.algorithms.preference.reference_cache``) and the state holds no
     reference model; otherwise ``state.ref`` runs once per batch.
     """
 

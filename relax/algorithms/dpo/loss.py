@@ -38,7 +38,7 @@ from relax.passes import Passes
 from relax.train.update import LossContext
 
 from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.pair_forward import Forward, PairRows, sequence_logps, shared_forward
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
 
 sg = jax.lax.stop_gradient
 
@@ -79,7 +79,7 @@ def pair_losses(cfg: DPOConfig, sums, lengths, ref_sums, norms) -> tuple[Array, 
 
 def make_dpo_loss(cfg: DPOConfig, passes: Passes = Passes(), forward: Forward | None = None):
     """``loss(policy, rows, ctx) -> (scalar, metrics)`` for a micro-batch of pairs, ``PairRows``
-    (``relax.algorithms.pair_forward``): ``tokens``/``mask`` ``[p, 2, N]`` (0 chosen, 1 rejected),
+    (``relax.algorithms.preference.pairs``): ``tokens``/``mask`` ``[p, 2, N]`` (0 chosen, 1 rejected),
     ``loss_mask`` ``[p]``, optional ``rope``, and ``ref_logps`` ``[p, 2]`` when the loss uses a
     reference. ``forward``: how token log-probs are computed (default ``shared_forward``; a
     benchmark swaps it)."""

@@ -1,6 +1,6 @@
 """The DPO-family run (DPO, IPO, hinge, robust, SimPO, ORPO): ``run(cfg)`` is what
 ``examples/train_dpo.py`` and ``examples/train_orpo.py`` call. Model, data, checkpoints, logs and
-the loop are ``relax.algorithms.offline``'s. Held-out figures: TRL's pair metrics
+the loop are ``relax.algorithms.offline.run``'s. Held-out figures: TRL's pair metrics
 (``rewards/accuracies``: the share of pairs the policy ranks like the data, ``rewards/margins``,
 ...) and, where the chosen responses are strings, ``win_rate``: the share of held-out prompts
 whose greedy completion IS the chosen response."""
@@ -13,12 +13,12 @@ import functools
 from relax.data.pairs import Pair
 from relax.tasks import reverse
 
-from relax.algorithms.cli import parse_flags
+from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.dpo import step as dpo
 from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.offline import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
-from relax.algorithms.preference_config import make_state
-from relax.algorithms.reference_cache import reference_preparer
+from relax.algorithms.offline.run import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
+from relax.algorithms.preference.config import make_state
+from relax.algorithms.preference.reference_cache import reference_preparer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The DPO-family step: ``dpo_step = compose(reference, update)``, one jitted program.
 
-- ``reference`` (jit, reads the reference; ``relax.algorithms.pair_reference``): the reference
+- ``reference`` (jit, reads the reference; ``relax.algorithms.preference.reference``): the reference
   model's sequence log-probs of both completions, ``ref_logps`` ``[P, 2]``, from one prefix-shared
   forward of ``state.ref`` per batch (forward only, one prompt group per pass where the passes
   say so), and ``ref_is_policy``. With ``cfg.precompute_reference`` they are the batch's own
-  (``relax.algorithms.reference_cache``) and no reference model is read; SimPO and ORPO use
+  (``relax.algorithms.preference.reference_cache``) and no reference model is read; SimPO and ORPO use
   none. While the reference is bitwise the policy, its forward is skipped (0 placeholders): the
   loss then takes the policy's own log-probs as the reference.
 - ``update`` (jit): one optimizer step of ``make_dpo_loss`` through ``relax.train.update`` (its
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from relax.compose import Stage, compose, stage
 from relax.data.files import Record
 from relax.data.pairs import Pair, PairBatch, collate_pairs, encode_pairs
-from relax.models.prefix_shared import completion_rope
+from relax.models.forward.prefix_shared import completion_rope
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
 from relax.train.state import TrainState
@@ -39,10 +39,10 @@ from relax.train.update import LossContext, Updated, make_update
 
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers
-from relax.algorithms.held_out import eval_batches
-from relax.algorithms.pair_forward import Forward, PairRows, shared_forward
-from relax.algorithms.pair_reference import make_pair_reference
-from relax.algorithms.pair_update import ref_is_policy_of, run_update, with_loss_mask
+from relax.algorithms.offline.held_out import eval_batches
+from relax.algorithms.preference.pairs import Forward, PairRows, shared_forward
+from relax.algorithms.preference.reference import make_pair_reference
+from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 
 
 def encode(cfg: DPOConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer) -> list[Pair]:
@@ -104,7 +104,7 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
 def make_dpo_step(cfg: DPOConfig, passes: Passes | None = None, *, forward: Forward | None = None) -> Stage:
     """``dpo_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the
     state's. ``passes``: the backend's pass layout (default ``choose_passes()``). ``forward``:
-    replaces the prefix-shared forward (``relax.algorithms.pair_forward.Forward``; benchmarks)."""
+    replaces the prefix-shared forward (``relax.algorithms.preference.pairs.Forward``; benchmarks)."""
     passes = choose_passes() if passes is None else passes
     forward = forward or shared_forward(passes, cfg.forward)
     return compose(make_reference(cfg, passes, forward), make_update_stage(cfg, passes, forward), name="dpo_step")

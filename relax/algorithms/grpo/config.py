@@ -18,8 +18,8 @@ from relax.objectives.aggregation import resolve_mode
 from relax.objectives.kl import KL_ESTIMATORS
 from relax.objectives.registry import DAPOLossConfig, GSPOLossConfig, LossConfig, PPOLossConfig, loss_name
 from relax.rollout.generation import GenerationConfig
-from relax.models.forward import ForwardConfig
-from relax.algorithms.configure import FLAT, configure
+from relax.models.forward.config import ForwardConfig
+from relax.algorithms.cli.configure import FLAT, configure
 from relax.objectives.reference import ReferenceConfig
 from relax.rewards.shaping import LENGTH_SHAPING_MODES
 from relax.data.completion_layout import PackingConfig
@@ -52,10 +52,10 @@ class GRPOConfig:
     Update: ``num_iterations`` epochs over the batch in ``num_minibatches`` optimizer steps each,
     each minibatch split into ``grad_accum`` micro-batches (same loss and gradient; ``None``: one
     prompt group per micro-batch on a single CPU device, where that is fastest, else one
-    micro-batch; see ``relax.passes``); ``forward`` (``relax.models.forward.ForwardConfig``:
+    micro-batch; see ``relax.passes``); ``forward`` (``relax.models.forward.config.ForwardConfig``:
     ``train_attention``, ``remat``, ``remat_policy``; flat flags); ``packing`` (the completions
     of the update and of the reference / proximal forwards packed by token count instead of
-    padded to the budget: ``relax.models.completion_packing``; the same loss and metrics).
+    padded to the budget: ``relax.models.forward.completion_packing``; the same loss and metrics).
     """
 
     generation: Annotated[GenerationConfig, FLAT] = GenerationConfig()
@@ -136,7 +136,7 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(name: str, **overrides) -> GRPOConfig:
-    """A named algorithm preset with overrides, given flat (``relax.algorithms.configure``): a
+    """A named algorithm preset with overrides, given flat (``relax.algorithms.cli.configure``): a
     preset is a registry loss plus advantage, aggregation and KL choices."""
     check_choice("preset", name, tuple(PRESETS))
     return configure(GRPOConfig, **{**PRESETS[name], **overrides})

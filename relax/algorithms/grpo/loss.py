@@ -18,7 +18,7 @@ detached behaviour weight ``w_t`` of the sampler's log-probs::
     pg_t = w_t * policy_loss(logp_t, prox_t, A_t)
 
 ``prox_t`` is ``sg(logp_t)`` when the update is one optimizer step (the weights the loss sees ARE
-the proximal policy), else the batch's ``prox_logprobs`` (``relax.algorithms.stages.make_proximal``).
+the proximal policy), else the batch's ``prox_logprobs`` (``relax.algorithms.online.stages.make_proximal``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from relax.masked import masked_mean
 from relax.metrics import Metric
-from relax.models.prefix_shared import completion_rope
+from relax.models.forward.prefix_shared import completion_rope
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
@@ -36,9 +36,9 @@ from relax.objectives.registry import as_policy_loss
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update, token_share
 
-from relax.algorithms.batch import LossRows
+from relax.algorithms.online.batch import LossRows
 from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.stages import train_logprobs
+from relax.algorithms.online.stages import train_logprobs
 
 
 def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):

@@ -1,7 +1,7 @@
 """The GRPO run: ``run(cfg)`` is what ``examples/train_grpo.py`` calls after parsing flags into
 ``GRPORunConfig``. With no ``model`` it trains on the built-in offline task
 (``relax.tasks.reverse``): the base model is produced by a short supervised phase and saved as
-an HF directory in the run dir. Everything but the algorithm is ``relax.algorithms.online``.
+an HF directory in the run dir. Everything but the algorithm is ``relax.algorithms.online.run``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WOR
 from relax.train.state import TrainState, init_state
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
-from relax.models.prefix_shared import resolve_attention
+from relax.models.forward.prefix_shared import resolve_attention
 from relax.algorithms.grpo.step import make_grpo_step
-from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
+from relax.algorithms.online.run import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 
 
 @dataclasses.dataclass(frozen=True)

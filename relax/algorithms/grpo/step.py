@@ -1,12 +1,12 @@
 """The GRPO step as five stages: ``grpo_step = compose(rollout, score, reference, advantage, update)``,
-made by the online step factory (``relax.algorithms.online_step``) from GRPO's parts.
+made by the online step factory (``relax.algorithms.online.step``) from GRPO's parts.
 
 - ``rollout`` (jit): G completions per prompt with the prefix-shared sampler; the sampler's
   log-probs are the old-policy log-probs.
 - ``score`` (host, two halves): decode completions and hand the reward functions to the
   reward pool (``score_start``), then run the trainer-side ones, wait and combine (``score_finish``).
 - ``pack`` (host, after ``score_start``): the completions packed by token count for the
-  training forwards (``relax.models.completion_packing``; ``cfg.packing``).
+  training forwards (``relax.models.forward.completion_packing``; ``cfg.packing``).
 - ``reference`` (jit, between the two halves): reference log-probs (when ``beta > 0``), computed
   once with the prefix-shared training forward and cached in the batch, on the device while the
   pool scores on the host.
@@ -19,7 +19,7 @@ weights (rollout, rewards) comes first, and the reference forward runs with the 
 trainer's current reference; with an ``off_policy`` correction the loss clips against the
 proximal policy (``relax.algorithms.grpo.loss``).
 
-The batch is typed per phase (``relax.algorithms.batch``): the advantage makes a ``GRPOBatch``;
+The batch is typed per phase (``relax.algorithms.online.batch``): the advantage makes a ``GRPOBatch``;
 the host record (``prompts``, ``fields``, the decoded completions) rides beside it.
 """
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from relax.algorithms.batch import Advantaged, LossRows, Scored
+from relax.algorithms.online.batch import Advantaged, LossRows, Scored
 from relax.compose import Stage, stage
 from relax.objectives import advantages as adv_lib
 from relax.objectives.kl import kl_estimate
@@ -43,8 +43,8 @@ from relax.train.update import Updated
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.online_step import OnlineParts, make_online_step
-from relax.algorithms.stages import packing_metrics
+from relax.algorithms.online.step import OnlineParts, make_online_step
+from relax.algorithms.online.stages import packing_metrics
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.rollout.partial import PartialRollouts
 
@@ -145,7 +145,7 @@ def _batch_metrics(batch: Advantaged) -> dict:
 
 
 def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:
-    """GRPO's part of an online step (``relax.algorithms.online_step``)."""
+    """GRPO's part of an online step (``relax.algorithms.online.step``)."""
     return OnlineParts(name="grpo_step", generation=cfg.generation, forward=cfg.forward,
                        needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,
                        advantage=make_advantage(cfg, per_turn=per_turn), packing=cfg.packing,
@@ -157,7 +157,7 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
                    pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
                    pipelined: bool = False, partial: PartialRollouts | None = None) -> Stage:
     """``grpo_step(state, batch) -> (state, out)``: ``batch`` a ``WithHost(Prompts, HostRecord)``
-    (``relax.algorithms.batch.step_input``), ``out`` a ``WithHost(Updated, HostRecord)``; the
+    (``relax.algorithms.online.batch.step_input``), ``out`` a ``WithHost(Updated, HostRecord)``; the
     optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
     ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``).
     ``pool``: the reward functions it hosts run in its workers while the device computes the

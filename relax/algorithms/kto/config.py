@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from relax.algorithms.preference_config import PreferenceTrainConfig
+from relax.algorithms.preference.config import PreferenceTrainConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from relax.passes import Passes
 from relax.train.update import LossContext
 
 from relax.algorithms.kto.config import KTOConfig
-from relax.algorithms.pair_forward import Forward, PairRows, sequence_logps, shared_forward
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
 
 
 def kto_normalizers(batch) -> dict[str, jax.Array]:

@@ -12,9 +12,9 @@ from relax.tasks import reverse
 
 from relax.algorithms.kto import step as kto
 from relax.algorithms.kto.config import KTOConfig
-from relax.algorithms.offline import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
-from relax.algorithms.preference_config import make_state
-from relax.algorithms.reference_cache import reference_preparer
+from relax.algorithms.offline.run import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
+from relax.algorithms.preference.config import make_state
+from relax.algorithms.preference.reference_cache import reference_preparer
 
 
 @dataclasses.dataclass(frozen=True)

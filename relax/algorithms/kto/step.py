@@ -1,10 +1,10 @@
 """The KTO step: ``kto_step = compose(reference, reference_point, update)``, one jitted program.
 
-- ``reference`` (jit, reads the reference; ``relax.algorithms.pair_reference``): ``ref_logps``
+- ``reference`` (jit, reads the reference; ``relax.algorithms.preference.reference``): ``ref_logps``
   ``[P, 2]``, the reference model's sequence log-probs of each example's completion
   (``tokens[:, 0]``) and of its mismatched KL completion (``tokens[:, 1]``), both from ONE
   prefix-shared forward of ``state.ref``; with ``cfg.precompute_reference`` the batch's own
-  (``relax.algorithms.reference_cache``). While the reference is bitwise the policy its
+  (``relax.algorithms.preference.reference_cache``). While the reference is bitwise the policy its
   forward is skipped (0 placeholders, ``ref_is_policy``).
 - ``reference_point`` (jit): ``kl``, KTO's ``z0 = max(0, mean(pi(y'|x) - ref(y'|x)))`` over the
   batch's real examples (``relax.objectives.preference.kto_reference_point``), from a forward-only
@@ -34,19 +34,19 @@ import numpy as np
 from relax.compose import Stage, compose, stage
 from relax.data.files import Record
 from relax.data.pairs import Unpaired, UnpairedBatch, collate_unpaired, encode_unpaired
-from relax.models.prefix_shared import completion_rope
+from relax.models.forward.prefix_shared import completion_rope
 from relax.objectives.preference import kto_reference_point
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
 from relax.train.state import TrainState
 from relax.train.update import LossContext, Updated, make_update
 
-from relax.algorithms.held_out import eval_batches
+from relax.algorithms.offline.held_out import eval_batches
 from relax.algorithms.kto.config import KTOConfig
 from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
-from relax.algorithms.pair_forward import Forward, PairRows, sequence_logps, shared_forward
-from relax.algorithms.pair_reference import make_pair_reference
-from relax.algorithms.pair_update import ref_is_policy_of, run_update, with_loss_mask
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
+from relax.algorithms.preference.reference import make_pair_reference
+from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 
 
 def encode(cfg: KTOConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer) -> list[Unpaired]:

@@ -1,12 +1,12 @@
 """PPO's batch types: the advantaged batch with the critic's quantities (``PPOBatch``) and the
-rows the value loss reads (``CriticRows``); the phases they extend are ``relax.algorithms.batch``'s."""
+rows the value loss reads (``CriticRows``); the phases they extend are ``relax.algorithms.online.batch``'s."""
 
 from __future__ import annotations
 
 from jaxtyping import Array, Float
 
-from relax.algorithms.batch import Advantaged, LossRows
-from relax.models.prefix_shared import CompletionRope
+from relax.algorithms.online.batch import Advantaged, LossRows
+from relax.models.forward.prefix_shared import CompletionRope
 
 
 class PPOBatch(Advantaged):

@@ -8,8 +8,8 @@ from typing import Annotated
 
 from relax.choices import check_choice
 from relax.data.completion_layout import PackingConfig
-from relax.algorithms.configure import FLAT
-from relax.models.forward import ForwardConfig
+from relax.algorithms.cli.configure import FLAT
+from relax.models.forward.config import ForwardConfig
 from relax.objectives.aggregation import resolve_mode
 from relax.objectives.kl import KL_ESTIMATORS
 from relax.objectives.reference import ReferenceConfig
@@ -46,10 +46,10 @@ class PPOConfig:
     one (``cliprange_value``; None: unclipped) scaled by ``vf_coef``.
     Update: ``num_iterations`` epochs x ``num_minibatches`` optimizer steps x ``grad_accum``
     micro-batches (None: the backend's choice, ``relax.passes``), the same split for the critic;
-    ``forward`` (``relax.models.forward.ForwardConfig``, flat flags: ``train_attention``,
+    ``forward`` (``relax.models.forward.config.ForwardConfig``, flat flags: ``train_attention``,
     ``remat``, ``remat_policy``) for the policy's and the critic's forwards; ``packing``
     (``relax.data.completion_layout.PackingConfig``): the completions packed by token count in the
-    reference, value, proximal and update forwards of both models (``relax.models.completion_packing``;
+    reference, value, proximal and update forwards of both models (``relax.models.forward.completion_packing``;
     the same losses and metrics as padded).
     """
 

@@ -1,6 +1,6 @@
 """The PPO run: ``run(cfg)`` is what ``examples/train_ppo.py`` calls. Everything but the
 algorithm (model and data, the built-in task, evaluation, checkpoints, logs, export) is
-``relax.algorithms.online``, as for GRPO; the run directory has the same layout."""
+``relax.algorithms.online.run``, as for GRPO; the run directory has the same layout."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import functools
 
 import jax.numpy as jnp
 
-from relax.models.config import DTYPES
+from relax.models.config.model import DTYPES
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
-from relax.models.critic import init_critic, init_value_head, load_critic
-from relax.models.prefix_shared import resolve_attention
+from relax.models.heads.critic import init_critic, init_value_head, load_critic
+from relax.models.forward.prefix_shared import resolve_attention
 from relax.train.state import TrainState, init_state
 
-from relax.algorithms.configure import configure
-from relax.algorithms.online import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
+from relax.algorithms.cli.configure import configure
+from relax.algorithms.online.run import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 

@@ -1,6 +1,6 @@
 """The PPO step: ``compose(rollout, score_start, [reference], score_finish, [mc_values], advantage, update)``.
 
-- ``rollout``, ``score_start`` / ``score_finish``, ``reference``: as GRPO's (``relax.algorithms.stages``; the reward pool scores while the reference forward runs).
+- ``rollout``, ``score_start`` / ``score_finish``, ``reference``: as GRPO's (``relax.algorithms.online.stages``; the reward pool scores while the reference forward runs).
 - ``mc_values`` (host, VinePPO only): Monte-Carlo state values from branched rollouts
   (``relax.algorithms.ppo.vine``).
 - ``advantage`` (jit): per-token rewards with the KL penalty in them, the critic's values of the
@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.algorithms.batch import LossRows, Scored
+from relax.algorithms.online.batch import LossRows, Scored
 from relax import metrics as M
 from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
-from relax.models.critic import completion_head_values, completion_logprobs_and_values, completion_values
-from relax.models.prefix_shared import completion_rope
+from relax.models.heads.critic import completion_head_values, completion_logprobs_and_values, completion_values
+from relax.models.forward.prefix_shared import completion_rope
 from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
@@ -47,8 +47,8 @@ from relax.train.update import LossContext, Updated, make_update, token_share
 from relax.algorithms.ppo.batch import CriticRows, PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
-from relax.algorithms.online_step import OnlineParts, make_online_step
-from relax.algorithms.stages import packing_metrics, train_logprobs
+from relax.algorithms.online.step import OnlineParts, make_online_step
+from relax.algorithms.online.stages import packing_metrics, train_logprobs
 
 
 
@@ -272,7 +272,7 @@ def _batch_metrics(cfg: PPOConfig, batch: PPOBatch) -> dict:
 
 
 def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlineParts:
-    """PPO's part of an online step (``relax.algorithms.online_step``); ``host_after``: VinePPO's
+    """PPO's part of an online step (``relax.algorithms.online.step``); ``host_after``: VinePPO's
     Monte-Carlo values."""
     return OnlineParts(name="ppo_step", generation=cfg.generation, forward=cfg.forward,
                        needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,

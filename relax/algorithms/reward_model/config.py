@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from relax.algorithms.configure import FLAT
-from relax.models.forward import ForwardConfig
+from relax.algorithms.cli.configure import FLAT
+from relax.models.forward.config import ForwardConfig
 from relax.train.optimizer import OptimizerConfig
 
 
@@ -24,7 +24,7 @@ class RewardModelConfig:
     (``init_reward_model``). Update: each batch of pairs in ``num_minibatches`` optimizer steps,
     each split into ``grad_accum`` micro-batches (None: the passes' choice, one pair per
     micro-batch on a single CPU device; the loss and gradient do not depend on it), with
-    ``optimizer``; ``forward`` (``relax.models.forward.ForwardConfig``, flat flags:
+    ``optimizer``; ``forward`` (``relax.models.forward.config.ForwardConfig``, flat flags:
     ``train_attention``, ``remat``, ``remat_policy``) as GRPO's (the prefix-shared forward: a
     pair's prompt runs once for both completions).
     """

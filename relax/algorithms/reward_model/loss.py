@@ -1,6 +1,6 @@
 """The Bradley-Terry loss on one micro-batch of preference pairs, for ``relax.train.update``.
 
-A micro-batch is ``PairRows`` (``relax.algorithms.pair_forward``) in ``relax.data.pairs``' layout:
+A micro-batch is ``PairRows`` (``relax.algorithms.preference.pairs``) in ``relax.data.pairs``' layout:
 ``prompt_ids`` / ``prompt_mask`` ``[p, Lp]`` (left-padded), ``tokens`` / ``mask`` ``[p, 2, N]``
 (index 0 the chosen completion, 1 the rejected one), ``loss_mask`` ``[p]`` (1 for a real pair; all
 ones when the batch has none), an optional ``margin`` ``[p]`` and the rotary tables ``rope``. Both
@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from relax.masked import masked_mean
-from relax.models.reward_model import sequence_rewards
+from relax.models.heads.reward_model import sequence_rewards
 from relax.objectives.preference import bradley_terry_loss
-from relax.models.forward import ForwardConfig
+from relax.models.forward.config import ForwardConfig
 from relax.passes import Passes
 from relax.train.update import LossContext
 
-from relax.algorithms.pair_forward import PairRows
+from relax.algorithms.preference.pairs import PairRows
 from relax.algorithms.reward_model.config import RewardModelConfig
 
 

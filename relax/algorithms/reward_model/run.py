@@ -1,16 +1,16 @@
 """The reward-model run: ``run(cfg)`` is what ``examples/train_reward_model.py`` calls. Model,
-data, checkpoints, logs and the loop are ``relax.algorithms.offline``'s; the export is a
-sequence-classification HF directory (``relax.models.reward_model.save_reward_model``)."""
+data, checkpoints, logs and the loop are ``relax.algorithms.offline.run``'s; the export is a
+sequence-classification HF directory (``relax.models.heads.reward_model.save_reward_model``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from relax.data.pairs import collate_pairs, encode_pairs
-from relax.models.reward_model import save_reward_model
+from relax.models.heads.reward_model import save_reward_model
 from relax.tasks import reverse
 
-from relax.algorithms.offline import OfflineAlgorithm, PairRunConfig, run_offline
+from relax.algorithms.offline.run import OfflineAlgorithm, PairRunConfig, run_offline
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.step import evaluate_pairs, init_reward_model_state, make_reward_model_step
 

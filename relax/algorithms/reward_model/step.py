@@ -21,14 +21,14 @@ import numpy as np
 
 from relax.compose import Stage, stage
 from relax.data.pairs import PairBatch
-from relax.models.prefix_shared import completion_rope
-from relax.models.reward_model import RewardModel, init_reward_model
+from relax.models.forward.prefix_shared import completion_rope
+from relax.models.heads.reward_model import RewardModel, init_reward_model
 from relax.passes import Passes, choose_passes
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import Updated, make_update
 
-from relax.algorithms.pair_forward import PairRows
+from relax.algorithms.preference.pairs import PairRows
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.loss import make_loss, pair_normalizers, pair_rewards
 

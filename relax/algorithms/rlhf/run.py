@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relax.data.files import read_records
-from relax.models.config import DTYPES
-from relax.models.hf import load_pretrained
+from relax.models.config.model import DTYPES
+from relax.models.hf.checkpoint import load_pretrained
 from relax.tasks import reverse
 from relax.tasks.base import write_jsonl
 from relax.text import load_tokenizer
 from relax.train.logs import write_summary
 
 from relax.algorithms.grpo import run as grpo_run
-from relax.algorithms.offline import greedy_accuracy
+from relax.algorithms.offline.run import greedy_accuracy
 from relax.algorithms.ppo import run as ppo_run
 from relax.algorithms.reward_model import run as rm_run
 from relax.algorithms.sft import run as sft_run

@@ -3,12 +3,12 @@
 The batch is a ``relax.data.supervised.PackedBatch``: ``ids``, ``segment_ids`` (0 = padding, 1.. =
 the example in its row) and ``loss_mask`` int32 ``[rows, T]``, ``loss_mask`` aligned with ``ids``: 1
 where the token at ``t`` is a target, predicted from ``t - 1``. Log-probs come from the
-packed forward (``relax.models.packed``: examples never see each other and restart their
+packed forward (``relax.models.forward.packed``: examples never see each other and restart their
 positions), so packing changes neither the loss nor its gradient. The loss is the token-sum
 negative log-likelihood over the batch-wide normaliser::
 
     loss = -sum_{t in targets} log p(ids[t] | ids[<t] of its example) / ctx.norms["tokens"]
-           (+ a mixture of experts' router loss, relax.models.moe.router_loss, by token share)
+           (+ a mixture of experts' router loss, relax.models.moe.experts.router_loss, by token share)
 
 so gradient accumulation and the split into micro-batches change nothing (``relax.train.update``).
 A target must continue the example of the token before it (``segment_ids[t] == segment_ids[t-1]
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
-from relax.models.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
-from relax.models.moe import MoEConfig, router_loss
-from relax.models.packed import greedy_hits, packed_hidden_routed
+from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
+from relax.models.moe.experts import MoEConfig, router_loss
+from relax.models.forward.packed import greedy_hits, packed_hidden_routed
 from relax.train.update import LossContext, token_share
 
 
@@ -38,7 +38,7 @@ def target_mask(micro_batch: PackedBatch) -> jnp.ndarray:
 def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK, moe: MoEConfig = MoEConfig()):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the summed target NLL over
     ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
-    pass; ``chunk_size``: rows of logits at a time (``relax.models.logprobs``); ``moe``: the
+    pass; ``chunk_size``: rows of logits at a time (``relax.models.decoder.logprobs``); ``moe``: the
     router losses of a mixture-of-experts model."""
 
     def loss_fn(policy, mb: PackedBatch, ctx: LossContext):

@@ -1,5 +1,5 @@
 """The SFT run: ``run(cfg)`` is what ``examples/train_sft.py`` calls. Model, data, checkpoints,
-logs and the loop are ``relax.algorithms.offline``'s. With ``--sft.packing`` (the default) the
+logs and the loop are ``relax.algorithms.offline.run``'s. With ``--sft.packing`` (the default) the
 examples are packed into rows of ``--sft.max-length`` tokens once, and ``--batch-size`` counts
 rows; held-out rows are evaluated by greedy exact match of their ``answer`` when they have one,
 else by their NLL."""
@@ -14,10 +14,10 @@ import numpy as np
 
 
 from relax.data.supervised import PackedBatch, SFTExample, stack_rows
-from relax.models.packed import packed_logprobs
+from relax.models.forward.packed import packed_logprobs
 from relax.tasks import reverse
 
-from relax.algorithms.offline import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
+from relax.algorithms.offline.run import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
 from relax.algorithms.sft.step import SFTConfig, init_sft_state, make_sft_step, sft_examples, sft_rows
 
 

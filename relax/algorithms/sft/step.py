@@ -34,7 +34,7 @@ from relax.train.optimizer import OptimizerConfig
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import Updated, make_update
-from relax.models.moe import MoEConfig
+from relax.models.moe.experts import MoEConfig
 
 from relax.algorithms.sft.loss import make_sft_loss
 
@@ -52,7 +52,7 @@ class SFTConfig:
     within each example; without, one example per row, right-padded to ``max_length``.
     Update: ``grad_accum`` micro-batches per optimizer step (the loss does not depend on it),
     ``remat`` recomputes each layer in the backward pass, ``optimizer`` builds the state's optimizer;
-    ``moe``: a mixture-of-experts model's router losses (``relax.models.moe.MoEConfig``; its
+    ``moe``: a mixture-of-experts model's router losses (``relax.models.moe.experts.MoEConfig``; its
     routing replay has nothing to replay here).
     """
 

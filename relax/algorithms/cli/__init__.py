@@ -1,0 +1,1 @@
+"""Command lines and run configuration: flags, nested configs, the start-up report."""

@@ -1,0 +1,189 @@
+"""Offline runs (SFT, DPO, ORPO, KTO, reward models, distillation): a fixed dataset instead of
+rollouts. Model, tokenizer and data (the built-in task or ``--model``/``--data``), the batch
+pipeline, held-out evaluation and export; the loop itself is ``relax.train.run.run_loop``, the
+one GRPO and PPO use (checkpoints, exact resume, logs, health guards, SIGTERM).
+
+An algorithm supplies an ``OfflineAlgorithm``: how to build its state and step, how to turn data
+rows into examples (errors name the file, row and field) and a batch of examples into
+fixed-shape arrays (one compile), how to evaluate on held-out examples, and the synthetic data
+of its built-in task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+
+from relax.data.files import Record, read_records
+from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
+from relax.eval.evaluate import EvalConfig, evaluate
+from relax.models.config.model import DTYPES
+from relax.models.hf.checkpoint import load_pretrained
+from relax.passes import Passes, choose_passes
+from relax.rewards.builtin import exact_match
+from relax.rewards.functions import RewardFunction
+from relax.tasks import reverse
+from relax.text import TextTokenizer, load_tokenizer
+from relax.train.logs import MetricsLogger
+from relax.train.run import Trainer, run_loop
+
+from relax.algorithms.cli.report import first_row_lines, run_report
+from relax.algorithms.online.run import ModelRunConfig, base_path, builtin_setup, exporter, start_run, with_lora
+
+MAX_EVAL_PROMPT = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineRunConfig(ModelRunConfig):
+    """An offline run on a dataset (every ``ModelRunConfig`` flag, plus how many held-out rows
+    are evaluated)."""
+
+    eval_fraction: float = 0.05
+    eval_max_examples: int | None = 200
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model is None and self.task != "reverse":
+            raise ValueError(f"--task {self.task}: the offline trainers' built-in task is reverse "
+                             "(code and math are for GRPO and PPO)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineAlgorithm:
+    """What an offline trainer brings to ``run_offline``.
+
+    ``make_state(model, key)``: its ``TrainState``. ``make_step(passes, tokenizer)``: its step (a stage
+    whose output is a ``relax.train.update.Updated``: the batch, ``metrics`` and ``health``).
+    ``encode(records, tokenizer)``: the training examples (errors name file, row and field);
+    ``encode_eval(records, tokenizer)``: what ``evaluate`` reads, once (default: ``encode``).
+    ``collate(examples, pad_id)``: a batch of fixed-shape numpy arrays, the algorithm's batch type
+    (an ``equinox.Module``, e.g. ``relax.data.pairs.PairBatch``). ``evaluate(state, examples,
+    tokenizer)``: held-out metrics (of ``state.policy``; a distillation reads its teacher,
+    ``state.ref``). ``builtin_data(task, directory, tokenizer)``: the built-in task's ``(train,
+    eval)`` jsonl paths. ``host_metrics(out, metrics)``: extra host-side metrics (e.g. tokens/s) from
+    the step's output. ``export(policy, directory, tokenizer)``: an HF directory (default: the
+    policy as a causal LM). ``longest(n)``: a collated batch of ``n`` items of the largest shape the
+    config admits (what ``relax.plan`` compiles the step with, no data or tokenizer needed; None:
+    not plannable yet)."""
+
+    name: str
+    make_state: Callable[[Any, jax.Array], Any]
+    make_step: Callable[[Passes, TextTokenizer], Any]
+    encode: Callable[[Sequence[Record], TextTokenizer], list]
+    collate: Callable[[list, int], Any]
+    evaluate: Callable[[Any, Any, TextTokenizer], dict]
+    builtin_data: Callable[[reverse.ReverseTask, Path, TextTokenizer], tuple[str, str]]
+    encode_eval: Callable[[Sequence[Record], TextTokenizer], Any] | None = None
+    prepare: Callable[[Any, list, Any, list[str], TextTokenizer], tuple[list, Any]] | None = None
+    host_metrics: Callable[[Any, dict], dict] = lambda out, metrics: {}
+    export: Callable[[Any, Path, TextTokenizer], Path] | None = None
+    bar_keys: Sequence[tuple[str, str]] = (("loss", "loss"),)
+    longest: Callable[[int], Any] | None = None
+
+
+def batch_iterator(examples: list, batch_size: int, seed: int, collate: Callable[[list], Any]) -> grain.DatasetIterator:
+    """Shuffled (by ``seed``), repeated batches of ``collate``d examples; ``get_state()`` /
+    ``set_state()`` resume exactly (checkpointed with the train state)."""
+    if len(examples) < batch_size:
+        raise ValueError(f"{len(examples)} training examples make no full batch of {batch_size}")
+    ds = grain.MapDataset.source(examples).shuffle(seed=seed).repeat()
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=collate)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=1)))
+
+
+def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path, log):
+    """``(tokenizer, model, train rows, held-out rows, data paths)``: the built-in task or --model/--data."""
+    if cfg.model is None:
+        tokenizer, model, _, _ = builtin_setup(cfg, run_dir, log)
+        data, eval_data = algo.builtin_data(cfg.reverse, run_dir / "task", tokenizer)
+    else:
+        tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
+        model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+        data, eval_data = cfg.data, cfg.eval_data
+    model = with_lora(cfg, model)
+    rows = read_records(data)
+    if eval_data is None:
+        train, held_out = train_eval_split(rows, cfg.eval_fraction, cfg.seed)
+    else:
+        train, held_out = rows, read_records(eval_data)
+    if cfg.eval_max_examples is not None:
+        held_out = held_out[:cfg.eval_max_examples]
+    return tokenizer, model, train, held_out, [str(d) for d in (data, eval_data) if d is not None]
+
+
+def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextTokenizer, log):
+    """``run_eval(state, step, logger)``: ``algo.evaluate`` on the encoded held-out data (nothing
+    when there are no held-out ``rows``), logged at ``step``."""
+
+    def run_eval(state, step: int, logger: MetricsLogger) -> dict:
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        metrics = {k: float(v) for k, v in algo.evaluate(state, held_out, tokenizer).items()}
+        logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        return metrics
+    return run_eval
+
+
+def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    run_dir, log = start_run(cfg, algo.name)
+    t_start = time.perf_counter()
+    tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(cfg, algo, run_dir, log)
+    train = algo.encode(train_rows, tokenizer)
+    encode_eval = algo.encode if algo.encode_eval is None else algo.encode_eval
+    held_out = encode_eval(held_out_rows, tokenizer) if held_out_rows else None  # None: nothing held out
+    if algo.prepare is not None:
+        train, held_out = algo.prepare(model, train, held_out, paths, tokenizer)
+    report = run_report(cfg, model, [f"{len(train_rows)} training rows ({len(train)} batch items) from "
+                                     f"{paths[0]}, {len(held_out_rows)} held out",
+                                     f"{cfg.batch_size} batch items per step"],
+                        extra=[("first training row", first_row_lines(train_rows[0].record if train_rows else None))])
+    log(report.text())
+    state = algo.make_state(model, jax.random.key(cfg.seed))
+    export = exporter(tokenizer, base_path(cfg, run_dir)) if algo.export is None else (lambda policy, d: algo.export(policy, d, tokenizer))
+    trainer = Trainer(name=algo.name, step=algo.make_step(choose_passes(), tokenizer),
+                      batches=batch_iterator(train, cfg.batch_size, cfg.seed,
+                                             functools.partial(algo.collate, pad_id=tokenizer.pad_token_id)),
+                      make_batch=lambda b: jax.tree.map(jnp.asarray, b), host_metrics=algo.host_metrics,
+                      evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log), export=export,
+                      bar_keys=algo.bar_keys, on_start=report.write,
+                      info={"data": {"train_rows": len(train_rows), "batch_items": len(train),
+                                     "held_out_rows": len(held_out_rows)}})
+    _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
+    return summary
+
+
+
+def greedy_accuracy(policy, tokenizer: TextTokenizer, records: Sequence[Record], *, max_new_tokens: int,
+                    prompt_field: str = "prompt", answer_field: str = "answer", seed: int = 0) -> float:
+    """Held-out greedy exact-match accuracy: the share of ``records`` whose greedy completion is
+    their ``answer_field`` (the built-in tasks' figure; relax.eval.evaluate with exact_match)."""
+    cfg = DataConfig(path=(), batch_size=1, max_prompt_tokens=MAX_EVAL_PROMPT, prompt_field=prompt_field,
+                     answer_field=answer_field, data_source_field=None, prompt_buckets=(16, MAX_EVAL_PROMPT))
+    batch = prompt_batch(list(records), cfg, tokenizer)
+    eos_ids = tuple(sorted({*policy.config.eos_ids, *tokenizer.eos_token_ids}))
+    decode = lambda t, m: [s.strip() for s in tokenizer.decode_batch(t, m, skip_special_tokens=True)]  # noqa: E731
+    metrics = evaluate(policy, batch, reward_fns=[RewardFunction(exact_match, name="exact_match")], decode=decode,
+                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=max_new_tokens,
+                       key=jax.random.key(seed), cfg=EvalConfig(num_samples=1), answer_field=answer_field)
+    return metrics["greedy/accuracy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRunConfig(OfflineRunConfig):
+    """An offline run on prompt/completion pairs or unpaired completions: their token budgets."""
+
+    max_prompt_tokens: int = 256
+    max_completion_tokens: int = 256
+    truncate_prompt: bool = False
+    """Cut prompts longer than --max-prompt-tokens from the left (default: an error naming the row)."""

@@ -1,0 +1,1 @@
+"""LoRA adapters on a model, and PEFT's file format."""

@@ -1,0 +1,1 @@
+"""Model configuration: the config, the family records, layer kinds and sharding axes."""

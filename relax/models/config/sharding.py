@@ -1,0 +1,148 @@
+"""Logical sharding axes of the model's parameters and the batch axes of a mesh.
+
+Every parameter of ``relax.models.Transformer`` names its dimensions with LOGICAL axes
+(``LOGICAL_AXES``); ``relax.parallel`` maps them to mesh axes by rules. The model layer owns the
+names (they are facts about its arrays); the mapping is the parallel layer's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from relax.models.config.families import ADAPTABLE_FIELDS
+
+BATCH_AXES = ("data", "expert", "fsdp")  # the mesh axes that split the prompt batch
+EXPERT_AXIS = "expert"  # also splits the experts of a sparse layer (relax.models.moe.expert_parallel)
+LOGICAL_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("vocab", "embed"),
+    "norm": ("embed",),
+    "layers.attn_norm": ("layers", "embed"),
+    "layers.mlp_norm": ("layers", "embed"),
+    "layers.attn_out_norm": ("layers", "embed"),
+    "layers.mlp_out_norm": ("layers", "embed"),
+    "layers.wq": ("layers", "embed", "q_heads"),
+    "layers.wk": ("layers", "embed", "kv_heads"),
+    "layers.wv": ("layers", "embed", "kv_heads"),
+    "layers.wo": ("layers", "q_heads", "embed"),
+    "layers.w_gate": ("layers", "embed", "mlp"),
+    "layers.w_up": ("layers", "embed", "mlp"),
+    "layers.w_down": ("layers", "mlp", "embed"),
+    "layers.bq": ("layers", "q_heads"),
+    "layers.bk": ("layers", "kv_heads"),
+    "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.b_gate": ("layers", "mlp"),
+    "layers.b_up": ("layers", "mlp"),
+    "layers.b_down": ("layers", "embed"),
+    # a mixture of experts (relax.models.moe.experts), stacked on the sparse layers [Ls]
+    "layers.router": ("layers", "embed", "router_experts"),
+    "layers.expert_gate": ("layers", "experts", "embed", "expert_mlp"),
+    "layers.expert_up": ("layers", "experts", "embed", "expert_mlp"),
+    "layers.expert_down": ("layers", "experts", "expert_mlp", "embed"),
+    "layers.shared_gate": ("layers", "embed", "mlp"),
+    "layers.shared_up": ("layers", "embed", "mlp"),
+    "layers.shared_down": ("layers", "mlp", "embed"),
+    "layers.shared_router": ("layers", "embed", "shared_router_unit"),
+}
+# LoRA factors (relax.models.layers.lora): A [L, in, r] shares its weight's input axis, B [L, r, out] its
+# output axis; the rank axis is never sharded (no rule names it).
+_WEIGHT_AXES = {f: LOGICAL_AXES[f"layers.{f}"] for f in ADAPTABLE_FIELDS}
+for _f, (_, _in, _out) in _WEIGHT_AXES.items():
+    LOGICAL_AXES[f"layers.lora.{_f}.a"] = ("layers", _in, "lora_rank")
+    LOGICAL_AXES[f"layers.lora.{_f}.b"] = ("layers", "lora_rank", _out)
+
+
+def batch_shards(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> int:
+    """Shards of the prompt axis: the product of the mesh's ``BATCH_AXES`` (1 for an empty mesh)."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def ambient_batch_axes() -> tuple[str, ...]:
+    """The ``BATCH_AXES`` of the mesh being traced with (``jax.set_mesh``; () outside any mesh):
+    the mesh axes a jitted step's rows are split over."""
+    names = getattr(jax.sharding.get_abstract_mesh(), "axis_names", ())
+    return tuple(a for a in BATCH_AXES if a in names)
+
+
+def ambient_batch_shards() -> int:
+    """``batch_shards`` of the mesh being traced with (``jax.set_mesh``, as ``ShardedStep`` does),
+    1 outside any mesh: lets per-group loops run over local groups."""
+    return batch_shards(jax.sharding.get_abstract_mesh())
+
+
+# The decode loop's arrays, by the meaning of the mesh axes (relax.parallel.mesh): rows over the
+# batch axes, heads / MLP units / vocabulary over ``tensor``, experts over ``expert``, the model
+# width never split.
+TENSOR_AXIS = "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayout:
+    """Where a decode step's arrays live: the mesh axes of its rows (``batch``), of its heads, MLP
+    units and vocabulary, of a sparse layer's experts and of each expert's units (each None when
+    unsplit). Outside a mesh every field is empty and ``constrain`` returns its input; on a mesh
+    every array the loop carries or produces is pinned, so the compiled step has only the
+    collectives the layout implies (per layer, with ``tensor``: one all-reduce after the attention
+    output and one after the MLP down-projection; per sparse layer, with ``expert``: the token
+    exchange of ``relax.models.moe.expert_parallel``, all-gathers of the rows and their routing and
+    one reduce-scatter of the expert outputs; per step: the embedding lookup's all-reduce and the
+    logits' all-gather, and the stop check's all-reduce over rows)."""
+
+    batch: tuple[str, ...] = ()
+    heads: str | None = None
+    mlp: str | None = None
+    vocab: str | None = None
+    tensor_size: int = 1  # shards of what ``tensor`` splits (the fused weights' column blocks)
+    experts: str | None = None
+    expert_mlp: str | None = None
+
+    @property
+    def qkv_groups(self) -> int:
+        """Column blocks of the fused q/k/v weight (``fuse_layers``): one per head shard."""
+        return 1 if self.heads is None else self.tensor_size
+
+    @property
+    def mlp_groups(self) -> int:
+        """Column blocks of the fused gate/up weight: one per MLP-unit shard."""
+        return 1 if self.mlp is None else self.tensor_size
+
+    def spec(self, *dims: str | None) -> P:
+        """``PartitionSpec`` from logical dims ("batch", "heads", "mlp", "vocab", "experts",
+        "expert_mlp" or None)."""
+        axes = {"batch": self.batch or None, "heads": self.heads, "mlp": self.mlp, "vocab": self.vocab,
+                "experts": self.experts, "expert_mlp": self.expert_mlp, None: None}
+        return P(*(axes[d] for d in dims))
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.batch) or any(a is not None for a in (self.heads, self.mlp, self.vocab, self.experts,
+                                                                self.expert_mlp))
+
+    def constrain(self, x: jax.Array, *dims: str | None) -> jax.Array:
+        """``x`` pinned to ``spec(*dims)`` on the ambient mesh (unchanged when nothing is sharded)."""
+        return jax.lax.with_sharding_constraint(x, self.spec(*dims)) if self.sharded else x
+
+
+def decode_layout(config) -> DecodeLayout:
+    """The ``DecodeLayout`` on the mesh being traced with (``jax.set_mesh``; none: unsharded) for a
+    model of ``config``: a ``tensor`` axis splits what it divides (whole KV heads and their query
+    heads, MLP units, each expert's units, vocabulary rows), an ``expert`` axis the experts, as
+    the parameter rules do."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = getattr(mesh, "axis_names", ())
+    batch = tuple(a for a in BATCH_AXES if a in names and mesh.shape[a] > 1)
+    size = lambda a: mesh.shape[a] if a in names else 1  # noqa: E731
+    t, ep = size(TENSOR_AXIS), size(EXPERT_AXIS)
+    split = lambda n: TENSOR_AXIS if t > 1 and n % t == 0 else None  # noqa: E731
+    moe = bool(getattr(config, "num_experts", 0))
+    return DecodeLayout(batch=batch, heads=split(config.num_kv_heads), mlp=split(config.intermediate_size),
+                        vocab=split(config.vocab_size), tensor_size=t,
+                        experts=EXPERT_AXIS if moe and ep > 1 and config.num_experts % ep == 0 else None,
+                        expert_mlp=split(config.moe_intermediate_size) if moe else None)

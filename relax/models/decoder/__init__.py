@@ -1,0 +1,1 @@
+"""The decoder: one layer, the transformer, token log-probs."""

@@ -1,0 +1,150 @@
+"""Token log-probabilities and entropies without a ``[B, T, V]`` float32 log-softmax.
+
+Rows of hidden states are processed in chunks of ``chunk_size``; each chunk computes its
+logits ``h @ W^T / temperature`` (float32 accumulation), their log-sum-exp and the target's
+logit; the backward (a ``custom_vjp``) keeps only the per-row log-sum-exp and recomputes the chunk's
+logits, writing their gradient in one pass, so peak memory is ``chunk_size * V`` floats instead of
+``B * T * V``::
+
+    log p(y | h) = z_y - logsumexp(z),          z = h W^T / tau
+    H(h)        = logsumexp(z) - sum_v softmax(z)_v z_v
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from relax.models.layers.matmul import weight_grad
+from relax.models.decoder.transformer import Transformer, hidden_states
+
+DEFAULT_CHUNK = 1024
+
+
+def _chunked(fn, h: Float[Array, "n d"], extra: Array, chunk_size: int) -> Array:
+    """Apply ``fn(h_chunk, extra_chunk) -> [c, ...]`` over row chunks (``fn`` keeps O(rows) residuals)."""
+    n = h.shape[0]
+    if n <= chunk_size:  # one chunk: no loop
+        return fn(h, extra)
+    c = chunk_size
+    pad = (-n) % c
+    h = jnp.pad(h, ((0, pad), (0, 0)))
+    extra = jnp.pad(extra, ((0, pad),) + ((0, 0),) * (extra.ndim - 1))
+    h = h.reshape(-1, c, h.shape[-1])
+    extra = extra.reshape((-1, c) + extra.shape[1:])
+    out = jax.lax.map(lambda xs: fn(*xs), (h, extra))
+    return out.reshape((-1,) + out.shape[2:])[:n]
+
+
+def _logits(w, h, temperature):
+    z = jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32)
+    return z if temperature == 1.0 else z / temperature
+
+
+class _Mode(NamedTuple):
+    """Static choices of one head call: compute the entropy; let gradients flow through it (else
+    the backward skips its term and the entropy is a stop-gradient metric)."""
+
+    with_entropy: bool
+    entropy_grad: bool
+
+
+def _head_forward(temperature, mode, w, h, targets):
+    z = _logits(w, h, temperature)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - m)
+    l = jnp.sum(e, axis=-1)
+    lse = m[:, 0] + jnp.log(l)
+    zt = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
+    # H = lse - E_p[z] = log l - E_p[z - max]: shifted logits, no large terms that cancel
+    ent = jnp.log(l) - jnp.sum(e * (z - m), axis=-1) / l if mode.with_entropy else jnp.zeros_like(lse)
+    return (zt - lse, ent), (lse, ent)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _head(temperature, mode, w, h, targets):
+    return _head_forward(temperature, mode, w, h, targets)[0]
+
+
+def _head_fwd(temperature, mode, w, h, targets):
+    out, (lse, ent) = _head_forward(temperature, mode, w, h, targets)
+    return out, (w, h, targets, lse, ent)
+
+
+def _head_bwd(temperature, mode, res, g):
+    """Recompute the chunk's logits and write the logit gradient in one pass::
+
+        d logp_y / dz = onehot(y) - p,    d H / dz = -p (z - E_p[z]) = -p (log p + H),    z = h W^T / tau
+    """
+    w, h, targets, lse, ent = res
+    g_lp, g_ent = g
+    logp = _logits(w, h, temperature) - lse[:, None]
+    p = jnp.exp(logp)
+    with_ent = mode.with_entropy and mode.entropy_grad
+    coef = g_lp[:, None] + (g_ent[:, None] * (logp + ent[:, None]) if with_ent else 0.0)
+    hit = jnp.arange(logp.shape[-1])[None, :] == targets[:, None]
+    dz = jnp.where(hit, g_lp[:, None], 0.0) - p * coef
+    if temperature != 1.0:
+        dz = dz / temperature
+    # the two products run in the weights' dtype with float32 accumulation, like the forward's
+    # (a bfloat16 model rounds dz to bfloat16 here, as mixed-precision training does)
+    dz = dz.astype(w.dtype)
+    dh = jnp.dot(dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    # dW = dz^T h (on CPU as (h^T dz)^T: relax.models.layers.matmul, ~1.5x faster for this vocabulary-sized product)
+    dw = weight_grad(h.astype(w.dtype), dz, out_dtype=jnp.float32, transpose=True)
+    return dw.astype(w.dtype), dh, None
+
+
+_head.defvjp(_head_fwd, _head_bwd)
+
+
+def logprobs_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: Int[Array, "*b"],
+                         *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "*b"]:
+    """``log softmax(h W^T / temperature)[target]`` per row, in float32."""
+    w = model.head.astype(model.dtype)
+    mode = _Mode(with_entropy=False, entropy_grad=False)
+    fn = lambda hc, tc: _head(temperature, mode, w, hc, tc)[0]
+    lead = targets.shape
+    out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
+    return out.reshape(lead)
+
+
+def logprobs_and_entropy_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: Int[Array, "*b"],
+                                     *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
+                                     entropy_grad: bool = True
+                                     ) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
+    """Target log-prob and entropy of the full distribution, per row, one pass over the logits.
+    ``entropy_grad=False``: the entropy is a metric (a stop-gradient), and the backward skips its
+    term (one fewer pass over the chunk's logits)."""
+    w = model.head.astype(model.dtype)
+    mode = _Mode(with_entropy=True, entropy_grad=entropy_grad)
+    fn = lambda hc, tc: jnp.stack(_head(temperature, mode, w, hc, tc), axis=-1)
+    lead = targets.shape
+    out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
+    ent = out[:, 1] if entropy_grad else jax.lax.stop_gradient(out[:, 1])
+    return out[:, 0].reshape(lead), ent.reshape(lead)
+
+
+def token_logprobs(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,
+                   *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "b t-1"]:
+    """``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])`` (float32).
+
+    Positions whose target is padding hold the log-prob of the pad id; mask them out with
+    ``attention_mask[:, 1:]``.
+    """
+    h = hidden_states(model, input_ids, attention_mask)
+    return logprobs_from_hidden(model, h[:, :-1], input_ids[:, 1:], temperature=temperature,
+                                chunk_size=chunk_size)
+
+
+def token_entropy(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,
+                  *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "b t"]:
+    """Entropy of the next-token distribution at every position (float32)."""
+    h = hidden_states(model, input_ids, attention_mask)
+    _, ent = logprobs_and_entropy_from_hidden(
+        model, h, jnp.zeros(input_ids.shape, jnp.int32), temperature=temperature, chunk_size=chunk_size)
+    return ent

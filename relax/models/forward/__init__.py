@@ -1,0 +1,1 @@
+"""Training forwards: the forward config, prefix-shared and packed forwards, packing and routes."""

@@ -1,0 +1,39 @@
+"""How a trainer's forwards run (not what they compute): one config, nested in every algorithm's.
+
+``train_attention``: the completion attention of the training forwards (auto | group | dense,
+``relax.models.forward.prefix_shared``; auto = a fused cuDNN kernel on GPU, the group kernel elsewhere);
+``remat``: recompute each layer in the backward, keeping ``remat_policy`` (nothing | dots: the
+weight matmuls' outputs, less recompute for more memory). The same values and gradients whatever
+the choice; only time and memory differ.
+``moe``: a mixture-of-experts model's routing replay and router losses (``relax.models.moe.experts.MoEConfig``;
+no effect on a dense model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax.choices import check_choice
+from relax.models.moe.experts import MoEConfig
+from relax.models.forward.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """The training forwards' attention kernel and rematerialisation, and how they treat a
+    mixture of experts (module docstring)."""
+
+    train_attention: str = "auto"
+    remat: bool = False
+    remat_policy: str = "nothing"
+    moe: MoEConfig = MoEConfig()
+
+    def __post_init__(self):
+        check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
+        check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+
+    def options(self, *, differentiated: bool = True) -> dict:
+        """The keyword arguments of the prefix-shared forwards (``completion_logprobs``,
+        ``completion_hidden``, ``completion_values``): remat only where a backward follows."""
+        remat = self.remat and differentiated
+        return dict(attention=self.train_attention, remat=remat, remat_policy=self.remat_policy)

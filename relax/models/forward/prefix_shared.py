@@ -1,0 +1,361 @@
+"""The training forward with the prompt shared by its G completions (Prefix Grouper).
+
+Each prompt runs through the layers once; at every layer its keys/values (head-major,
+``[P, Hkv, Lp, D]``) are attended by all G completions of the group, with the G completions
+folded into the query rows, and merged exactly with the completions' own causal block::
+
+    o = merge( attn(q_c, K_prompt, V_prompt), attn(q_c, K_c, V_c; causal) )
+
+so prompt compute is done once instead of G times and gradients flow back into the prompt
+positions through ``K_prompt, V_prompt``. Logits exist only where a completion token is
+predicted: from the last prompt position (first completion token) and from completion
+positions ``0..N-2``; they are never materialised beyond a chunk of rows.
+
+The completion attention has two implementations of the same function (``attention``):
+``"group"`` (``relax.models.attention.group``: the prompt part once per group, a loop over
+groups; fastest on CPU) and ``"dense"`` (``relax.models.attention.dense``: one fused causal
+attention per completion over [prompt; completion], cuDNN's flash attention on GPU, 5x the
+group kernel there). ``"auto"`` takes ``"dense"`` where cuDNN can run it (GPU, 16-bit dtype, no
+sliding window) and ``"group"`` elsewhere.
+
+The layers run as one ``lax.scan``; where their kinds differ (Gemma 3's sliding and full layers)
+the kinds are scanned with them and each layer picks its window and RoPE tables
+(``relax.models.config.layer_kinds``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.config.model import ModelConfig
+from relax.models.attention.dense import fused_attention_available, prefix_dense_attention
+from relax.models.attention.group import prefix_group_attention
+from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
+from relax.models.config.layer_kinds import layer_kind, layer_window
+from relax.models.layers.rope import Rotary, rotary
+from relax.models.decoder.layer import RouteIn, scan_layers
+from relax.models.forward.routes import Routes
+from relax.models.decoder.transformer import (Transformer, embed, final_norm, full_attention, layer_forward,
+                                      positions_from_mask)
+from relax.models.config.sharding import ambient_batch_shards
+
+
+TRAIN_ATTENTION = ("auto", "group", "dense")
+# what a rematerialised layer keeps for the backward: nothing (recompute the whole layer) or the
+# outputs of its weight matmuls (recompute only attention and elementwise ops; more memory)
+REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def resolve_attention(choice: str, model: Transformer) -> str:
+    """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window), else ``"group"``."""
+    if choice not in TRAIN_ATTENTION:
+        raise ValueError(f"unknown train attention {choice!r}; valid: {', '.join(TRAIN_ATTENTION)}")
+    c = model.config
+    if choice == "auto":
+        return "dense" if not c.has_window and fused_attention_available(model.dtype) else "group"
+    if choice == "dense" and c.has_window:
+        raise ValueError(f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
+                         "use 'group'")
+    return choice
+
+
+def _rows_attention(choice: str, model: Transformer, packed: PackedCompletions | None) -> str:
+    """The resolved train attention of a forward over packed (``"auto"`` -> ``"group"``: the one
+    with segments) or padded rows."""
+    return resolve_attention("group" if packed is not None and choice == "auto" else choice, model)
+
+
+class CompletionRope(NamedTuple):
+    """Rotary ``(cos, sin)`` tables of a batch's prompt positions and completion positions; the
+    ``*_local`` ones are the sliding layers' own RoPE (None for a model with one RoPE)."""
+
+    prompt: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]]
+    completion: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]]
+    prompt_local: tuple[Float[Array, "p lp d"], Float[Array, "p lp d"]] | None = None
+    completion_local: tuple[Float[Array, "p g n d"], Float[Array, "p g n d"]] | None = None
+
+
+class CompletionRows(NamedTuple):
+    """The completion rows the layers run over, ``[P, G, N]`` padded (``segments``, ``offsets``
+    None) or ``[P, R, C]`` packed (``relax.models.forward.completion_packing``): tokens, absolute
+    positions (prompt length + index in the completion), which slots hold a token, and for packed
+    rows each slot's completion (segment) and index in it."""
+
+    tokens: Int[Array, "p g n"]
+    positions: Int[Array, "p g n"]
+    valid: Bool[Array, "p g n"]
+    segments: Int[Array, "p g n"] | None = None
+    offsets: Int[Array, "p g n"] | None = None
+
+
+def padded_rows(prompt_mask: Int[Array, "p lp"], completions: Int[Array, "p g n"],
+                completion_mask: Int[Array, "p g n"]) -> CompletionRows:
+    """The rows of completions padded to the budget: token ``t`` at ``prompt length + t``."""
+    _, g, n = completions.shape
+    return CompletionRows(completions, _completion_positions(prompt_mask, g, n), completion_mask.astype(bool))
+
+
+def packed_rows(prompt_mask: Int[Array, "p lp"], packed: PackedCompletions) -> CompletionRows:
+    """The rows of packed completions: each token at ``prompt length + its index in its completion``."""
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    return CompletionRows(packed.tokens, p_len[:, None, None] + packed.offsets, packed.segments > 0,
+                          packed.segments, packed.offsets)
+
+
+def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_generations: int,
+                    num_tokens: int, *, packed: PackedCompletions | None = None) -> CompletionRope:
+    """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
+    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``,
+    or the packed rows' ``[P, R, C]`` with ``packed``).
+
+    Compute them once, outside any loop that calls ``completion_logprobs`` (micro-batches,
+    epochs), and pass them as its ``rope``: XLA:CPU fuses ``cos``/``sin`` into every consumer
+    and, with the layer loop unrolled, recomputes them per head and per layer (rotary fusions
+    ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
+    """
+    if packed is None:
+        c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
+    else:
+        c_pos = packed_rows(prompt_mask, packed).positions
+    return _rope_at(config, prompt_mask, c_pos)
+
+
+def _rope_at(config: ModelConfig, prompt_mask, c_pos) -> CompletionRope:
+    prompt, completion = rotary(config, positions_from_mask(prompt_mask)), rotary(config, c_pos)
+    return CompletionRope(prompt.full, completion.full, prompt.local, completion.local)
+
+
+def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> Int[Array, "p g n"]:
+    """Completion token ``t`` of every completion of a prompt sits at ``prompt length + t``."""
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    return p_len[:, None, None] + jnp.broadcast_to(jnp.arange(n), (g, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPass:
+    """How one call runs the layers (the same values and gradients whatever it says):
+    ``attention`` resolved (``"group"`` | ``"dense"``, ``resolve_attention``), ``remat`` with
+    ``remat_policy`` (a key of ``REMAT_POLICIES``), ``unroll`` and ``save_attention``
+    (``completion_logprobs``' docstring)."""
+
+    attention: str = "group"
+    remat: bool = False
+    remat_policy: str = "nothing"
+    unroll: bool = False
+    save_attention: bool = False
+
+    def __post_init__(self):
+        if self.attention not in ("group", "dense"):
+            raise ValueError(f"LayerPass needs a resolved attention (group | dense), got {self.attention!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+
+
+def shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, layers: LayerPass,
+                  rope: CompletionRope | None):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``."""
+    hp, hc, _ = rows_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
+                            layers, rope)
+    return hp, hc
+
+
+def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRows, layers: LayerPass,
+                rope: CompletionRope | None, replay: tuple[Array, Array] | None = None, replay_routes: bool = True):
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``, and the
+    sparse layers' ``RouterStats`` over both (stacked ``[Ls]``; None for a dense model); ``replay``:
+    the experts recorded on the prompt and completion rows (``Routes.replay_rows``), replayed when
+    ``replay_routes`` (else compared with the layers' own choices)."""
+    attention, save_attention = layers.attention, layers.save_attention
+    c = model.config
+    p = prompt_ids.shape[0]
+    _, g, n = rows.tokens.shape
+    b = p * g
+    hk, r = c.num_kv_heads, c.q_per_kv
+    if attention == "dense" and rows.segments is not None:
+        raise ValueError("packed completions need the 'group' train attention (the 'dense' one has no segments)")
+
+    p_valid = prompt_mask.astype(bool)
+    p_pos = positions_from_mask(prompt_mask)
+    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    if rope is None:
+        rope = _rope_at(c, prompt_mask, rows.positions)
+    p_rope = Rotary(rope.prompt, rope.prompt_local)
+    c_rope = jax.tree.map(lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local))
+    prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
+
+    # one group per loop step on one device; one local group per device per step on a mesh
+    # (all groups at once when they do not split evenly over the mesh's batch shards)
+    shards = ambient_batch_shards()
+    per_step = 1 if shards == 1 else (shards if p % shards == 0 else p)
+    query_rows = lambda x: jnp.tile(x.reshape(b, n), (1, r)).reshape(p, g, r * n)  # noqa: E731  rows (r, t) per KV head
+    q_pos, k_pos, k_valid = query_rows(rows.positions), rows.positions, rows.valid
+    q_seg = None if rows.segments is None else query_rows(rows.segments)
+
+    impl = "cudnn" if fused_attention_available(model.dtype) else "xla"  # of the "dense" path
+
+    def completion_attend(pk, pv):
+        if attention == "dense":
+            return lambda q, k, v, _, __: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl,
+                                                                  scale=c.attn_scale), None)
+
+        def attend(q, k, v, _, sliding):
+            d = q.shape[-1]
+            group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
+            qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
+            out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
+                                         window=layer_window(c, sliding), scale=c.attn_scale,
+                                         groups_per_step=per_step, save_probabilities=save_attention,
+                                         q_segments=q_seg, k_segments=rows.segments)
+            out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
+            return out.astype(q.dtype), None
+        return attend
+
+    p_route = lambda r: RouteIn(p_valid, r, replay_routes)  # noqa: E731
+    c_route = lambda r: RouteIn(rows.valid.reshape(b, n), r, replay_routes)  # noqa: E731
+
+    def body(carry, xs):
+        xp, xc = carry
+        layer, sliding, _, replay = xs[0], layer_kind(c, xs[1]), xs[2], xs[3]
+        pr, cr = (None, None) if replay is None else replay
+        xp, (pk, pv), p_routed = layer_forward(model, layer, xp, p_rope, prompt_attend, None, sliding, p_route(pr))
+        xc, _, c_routed = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding, c_route(cr))
+        stats = None if p_routed is None else p_routed.stats + c_routed.stats
+        return (xp, xc), (None, stats)
+
+    if layers.remat:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
+    xc0 = embed(model, rows.tokens.reshape(b, n))
+    (xp, xc), _, stats = scan_layers(model, body, (embed(model, prompt_ids), xc0), None, replay, unroll=layers.unroll)
+    return final_norm(model, xp), final_norm(model, xc), stats
+
+
+def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
+                        completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
+                        temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
+                        chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
+                        attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True,
+                        unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None,
+                        packed: PackedCompletions | None = None, routes: Routes | None = None,
+                        replay_routes: bool = True, router_stats: bool = False):
+    """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
+
+    Prompts are left-padded; completions start right after the prompt's last valid token.
+    With ``with_entropy`` also returns the entropy of each predicted distribution.
+    Values at masked completion positions are finite but meaningless.
+    ``groups_per_pass``: run the whole network over that many prompt groups at a time (a
+    ``lax.map``; it must divide P) instead of all at once - for forward-only use, e.g. the
+    reference log-probs on CPU, where a group's activations then stay in cache.
+    ``attention``: the completion attention's implementation (module docstring).
+    ``remat_policy`` (with ``remat``): what each recomputed layer keeps, a key of ``REMAT_POLICIES``.
+    ``entropy_grad=False`` (with ``with_entropy``): the entropy is a stop-gradient metric and the
+    backward skips its term.
+    Two options for a differentiated call on cache-sized passes (``relax.passes.Passes``),
+    same values and gradients: ``unroll`` runs the layers unrolled instead of as a ``lax.scan``,
+    so the backward reads each layer's residuals from its own buffers instead of stacking them into
+    ``[L, ...]`` arrays and slicing them back (update -2.5% on 2 CPU cores; a forward alone gets
+    slower); ``save_attention`` keeps the group attention's probabilities for the backward
+    (``prefix_group_attention(save_probabilities=True)``; no effect on ``"dense"``).
+    ``rope``: the rotary tables (``completion_rope``, with the same ``packed``) when the caller
+    computed them outside its loop.
+    ``packed``: the same completions packed by token count (``relax.models.forward.completion_packing``):
+    the layers run over the packed rows only (padding-free; the ``"group"`` attention) and the
+    values come back in the padded ``[P, G, N]`` layout, equal to the padded forward's up to float
+    summation order.
+    ``routes`` (a mixture-of-experts model): the experts a sampler recorded (``relax.models.forward.routes``),
+    replayed when ``replay_routes`` (else only compared with the forward's own: ``RouterStats.differ``);
+    ``router_stats``: also return the sparse layers' ``RouterStats`` summed over the prompt and
+    completion tokens, ``(values, stats)`` (None stats for a dense model).
+    """
+    layers = LayerPass(_rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention)
+    run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature,
+                            with_entropy=with_entropy, chunk_size=chunk_size, entropy_grad=entropy_grad,
+                            replay_routes=replay_routes)
+    rows, xs = ((padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)) if packed is None else
+                (packed_rows, (prompt_ids, prompt_mask, packed)))
+    tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
+    if rope is None and tiled:  # outside the loop over groups (see completion_rope)
+        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
+    replay = None if routes is None else routes.replay_rows(completion_mask, packed)
+    if replay is not None:  # over_groups splits leaves on a leading [P]
+        replay = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0], prompt_ids.shape[0], -1, *x.shape[2:]),
+                                                     0, 1), replay)
+    out, stats = over_groups(lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
+                             (*xs, rope, replay), groups_per_pass=groups_per_pass, summed=True)
+    out = tuple(to_padded(x, packed) for x in out) if with_entropy else to_padded(out, packed)
+    return (out, stats) if router_stats else out
+
+
+def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = False):
+    """``run(*xs)`` over all P prompt groups at once (``groups_per_pass`` None or P), or
+    ``groups_per_pass`` groups at a time (a ``lax.map``; it must divide P), the outputs' leading
+    ``[P]`` axes put back together. Every leaf of ``xs`` leads with ``[P]`` (None leaves allowed:
+    e.g. rotary tables left to ``run``). ``summed``: ``run`` returns ``(per-group outputs, totals)``
+    and the totals of the passes are added."""
+    p = jax.tree.leaves(xs)[0].shape[0]
+    if groups_per_pass is None or groups_per_pass == p:
+        return run(*xs)
+    if groups_per_pass < 1 or p % groups_per_pass:
+        raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
+    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
+    out = jax.lax.map(lambda xs: run(*xs), jax.tree.map(tiles, xs))
+    if summed:
+        return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out[0]), jax.tree.map(lambda x: x.sum(0), out[1])
+    return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
+
+
+def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
+                      completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *, remat: bool = False,
+                      attention: str = "auto", remat_policy: str = "nothing", unroll: bool = False,
+                      save_attention: bool = False, rope: CompletionRope | None = None,
+                      packed: PackedCompletions | None = None) -> Float[Array, "p r c d"]:
+    """The final-norm hidden state that predicts each completion token, ``[P, G, N, D]``::
+
+        h[p, g, 0] = hidden(prompt p)[-1]            (its last position: prompts are left-padded)
+        h[p, g, t] = hidden(completion g)[t - 1]     (t > 0)
+
+    the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
+    state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
+    With ``packed`` the layers run over the packed rows and the states come in their layout,
+    ``[P, R, C, D]`` (slot ``c`` of row ``r`` predicts ``packed.tokens[p, r, c]``): compute what is
+    read from them there (a value, a log-prob) and bring it back with ``to_padded``.
+    """
+    layers = LayerPass(_rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention)
+    rows = padded_rows(prompt_mask, completions, completion_mask) if packed is None else packed_rows(prompt_mask, packed)
+    h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
+    return h.reshape(rows.tokens.shape + h.shape[-1:])
+
+
+def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, layers: LayerPass, replay=None,
+                       replay_routes: bool = True):
+    """The hidden states that predict each row slot's token, ``[P*G, N, D]``: the prompt's last
+    for a completion's first token, else the slot before; and the ``RouterStats`` (``rows_hidden``)."""
+    g = rows.tokens.shape[1]
+    hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay, replay_routes)
+    first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
+    h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
+    if rows.offsets is None:
+        return h, stats
+    starts = (rows.offsets == 0).reshape(h.shape[:2] + (1,))  # packed: every completion's first slot
+    return jnp.where(starts, first, h), stats
+
+
+def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, replay, *, layers: LayerPass,
+                         temperature, with_entropy, chunk_size, entropy_grad, replay_routes):
+    p, g, n = rows.tokens.shape
+    if replay is not None:  # [P, Ls, ...] as over_groups split it -> layer-major rows
+        replay = tuple(jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1, *x.shape[3:]) for x in replay)
+    h, stats = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers, replay, replay_routes)
+    targets = rows.tokens.reshape(p * g, n)
+    if with_entropy:
+        lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,
+                                                   entropy_grad=entropy_grad)
+        return (lp.reshape(p, g, n), ent.reshape(p, g, n)), stats
+    return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n), stats

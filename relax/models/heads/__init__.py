@@ -1,0 +1,1 @@
+"""Models with heads: the critic, the reward model, distillation's divergences."""

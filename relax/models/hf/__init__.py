@@ -1,0 +1,1 @@
+"""Hugging Face interop: config.json, safetensors checkpoints, MoE fields."""

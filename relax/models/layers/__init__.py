@@ -1,0 +1,1 @@
+"""Building blocks of a decoder layer: rotary embeddings, the matmul, LoRA parameters."""

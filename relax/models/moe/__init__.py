@@ -1,0 +1,1 @@
+"""Mixture-of-experts: routed experts through grouped matmuls, and expert parallelism."""
