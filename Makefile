@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.relax-base
 DEV := $(VENV)/.relax-dev
 
-.PHONY: demo test test-all bench install clean
+.PHONY: demo test test-all lint bench install clean
 
 # Host memory in 2 MiB pages where the kernel offers them on request (THP mode `madvise`).
 # XLA:CPU allocates each call's temporaries afresh, and glibc maps blocks that large straight from
@@ -36,6 +36,11 @@ demo: $(BASE)
 # test file on one worker (its module fixtures built once).
 test: $(DEV)
 	$(PY) -m pytest -q -n auto --dist loadfile tests
+
+# ruff (pyproject.toml's [tool.ruff]): lint rules, import order, and the formatter's layout.
+lint: $(DEV)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # Includes the tests marked slow.
 test-all: $(DEV)

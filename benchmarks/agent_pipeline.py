@@ -46,9 +46,9 @@ import tyro
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
+import train_agent  # noqa: E402
 from harness import emit  # noqa: E402
 
-import train_agent  # noqa: E402
 from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults  # noqa: E402
 from relax.algorithms.cli.flags import cli  # noqa: E402
 from relax.tasks import agent as agent_task  # noqa: E402
@@ -95,9 +95,12 @@ def tool_latency(ms: float):
         def call(**arguments):
             time.sleep(ms / 1000.0)
             return fn(**arguments)
+
         return call
 
-    agent_task.tools = lambda task: [dataclasses.replace(t, fn=slow(t.fn)) for t in real(task)] if ms else real(task)
+    agent_task.tools = lambda task: (
+        [dataclasses.replace(t, fn=slow(t.fn)) for t in real(task)] if ms else real(task)
+    )
     try:
         yield
     finally:
@@ -108,14 +111,26 @@ def base_model(work: Path) -> Path:
     """The built-in task's base model (its supervised phase), trained once into ``work/base``."""
     root = work / "base"
     if not (root / "base_model" / "config.json").exists():
-        print(f"[agent_pipeline] training the built-in base model into {root} ...", file=sys.stderr, flush=True)
-        prepare(agent_task, builtin_defaults().task, root, seed=0, teacher="the calculator teacher",
-                log=lambda *a, **k: None)
+        print(
+            f"[agent_pipeline] training the built-in base model into {root} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        prepare(
+            agent_task,
+            builtin_defaults().task,
+            root,
+            seed=0,
+            teacher="the calculator teacher",
+            log=lambda *a, **k: None,
+        )
     return root / "base_model"
 
 
 def train_lines(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    lines = [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
     return sorted((x for x in lines if "loss" in x), key=lambda x: x["step"])
 
 
@@ -125,76 +140,154 @@ def run_once(a: Args, staleness: int, tool_ms: float, work: Path, base: Path, ta
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     shutil.copytree(base, run_dir / "base_model")
-    argv = ["--steps", str(a.steps), "--run-dir", str(run_dir), "--eval-every", "0", "--no-export-hf",
-            "--checkpoint-every", str(10 * a.steps), "--task.num-eval", str(a.num_eval),
-            "--async.staleness", str(staleness), *(["--grpo.optimizer.learning-rate", "1e-12"] if a.frozen else []),
-            *a.extra]
+    argv = [
+        "--steps",
+        str(a.steps),
+        "--run-dir",
+        str(run_dir),
+        "--eval-every",
+        "0",
+        "--no-export-hf",
+        "--checkpoint-every",
+        str(10 * a.steps),
+        "--task.num-eval",
+        str(a.num_eval),
+        "--async.staleness",
+        str(staleness),
+        *(["--grpo.optimizer.learning-rate", "1e-12"] if a.frozen else []),
+        *a.extra,
+    ]
     if staleness:
         argv += ["--async.correction.kind", a.correction]
     t0 = time.perf_counter()
-    with open(run_dir / "output.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), \
-            tool_latency(tool_ms):
+    with (
+        open(run_dir / "output.log", "w") as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+        tool_latency(tool_ms),
+    ):
         train_agent.main(argv)
     wall = time.perf_counter() - t0
     lines = train_lines(run_dir)
     if [x["step"] for x in lines] != list(range(1, a.steps + 1)):
         raise RuntimeError(f"{run_dir}: training lines for steps {[x['step'] for x in lines]}")
-    cfg = cli(AgentRunConfig, default=builtin_defaults(), args=argv)  # as train_agent.main parses it
-    per_step = cfg.batch_size * cfg.algorithm_config.generation.num_generations  # trajectories per step
-    measured = [(prev, x) for prev, x in zip(lines, lines[1:]) if a.warmup < x["step"] < a.steps]  # no epilogue
+    cfg = cli(
+        AgentRunConfig, default=builtin_defaults(), args=argv
+    )  # as train_agent.main parses it
+    per_step = (
+        cfg.batch_size * cfg.algorithm_config.generation.num_generations
+    )  # trajectories per step
+    measured = [
+        (prev, x) for prev, x in zip(lines, lines[1:]) if a.warmup < x["step"] < a.steps
+    ]  # no epilogue
     step_s = [x["time"] - prev["time"] for prev, x in measured]
     rows = [x for _, x in measured]
     timing_keys = sorted({k for x in rows for k in x if k.startswith("time/")})
     med = lambda k: statistics.median(x.get(k, float("nan")) for x in rows)  # noqa: E731
-    out = {"step_s": step_s, "median_s": statistics.median(step_s), "run_wall_s": wall,
-           "timings": {k: med(k) for k in timing_keys},
-           "compiles_measured": int(sum(x.get("compiles", 0) for x in rows)),
-           "compiles_warmup": int(sum(x.get("compiles", 0) for x in lines[:a.warmup])),
-           "tokens_per_s": statistics.median(x["sampled_tokens"] * per_step / s for x, s in zip(rows, step_s)),
-           "turns": med("turns"), "tool_calls": med("tool_calls"), "sampled_tokens": med("sampled_tokens"),
-           "staleness_seen": sorted({int(x.get("staleness", 0)) for x in rows}),
-           "reward_last": lines[-1]["reward"]}
-    print(f"[agent_pipeline] {tag}: median {out['median_s']:.3f} s/step over steps {a.warmup + 1}..{a.steps - 1} "
-          f"(run {wall:.0f} s)", file=sys.stderr, flush=True)
+    out = {
+        "step_s": step_s,
+        "median_s": statistics.median(step_s),
+        "run_wall_s": wall,
+        "timings": {k: med(k) for k in timing_keys},
+        "compiles_measured": int(sum(x.get("compiles", 0) for x in rows)),
+        "compiles_warmup": int(sum(x.get("compiles", 0) for x in lines[: a.warmup])),
+        "tokens_per_s": statistics.median(
+            x["sampled_tokens"] * per_step / s for x, s in zip(rows, step_s)
+        ),
+        "turns": med("turns"),
+        "tool_calls": med("tool_calls"),
+        "sampled_tokens": med("sampled_tokens"),
+        "staleness_seen": sorted({int(x.get("staleness", 0)) for x in rows}),
+        "reward_last": lines[-1]["reward"],
+    }
+    print(
+        f"[agent_pipeline] {tag}: median {out['median_s']:.3f} s/step over steps {a.warmup + 1}..{a.steps - 1} "
+        f"(run {wall:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return out
 
 
-def summarize(a: Args, tool_ms: float, staleness: int, runs: list[dict], sync_s: float | None, load: list) -> dict:
+def summarize(
+    a: Args, tool_ms: float, staleness: int, runs: list[dict], sync_s: float | None, load: list
+) -> dict:
     med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
     t = lambda k: med(lambda r: r["timings"].get(k, float("nan")))  # noqa: E731
     mode = "sync" if staleness == 0 else f"pipelined_s{staleness}"
-    rec = {"bench": "agent_pipeline", "mode": mode, "tool_ms": tool_ms, "staleness": staleness,
-           "correction": a.correction if staleness else None, "steps": a.steps, "warmup": a.warmup,
-           "runs": a.runs, "load_avg_start": load, "median_s": med(lambda r: r["median_s"]),
-           "runs_s": [r["median_s"] for r in runs],
-           "time_step_s": t("time/step"), "env_s": t("time/env_s"), "device_s": t("time/device_s")}
+    rec = {
+        "bench": "agent_pipeline",
+        "mode": mode,
+        "tool_ms": tool_ms,
+        "staleness": staleness,
+        "correction": a.correction if staleness else None,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "runs": a.runs,
+        "load_avg_start": load,
+        "median_s": med(lambda r: r["median_s"]),
+        "runs_s": [r["median_s"] for r in runs],
+        "time_step_s": t("time/step"),
+        "env_s": t("time/env_s"),
+        "device_s": t("time/device_s"),
+    }
     if staleness == 0:
         rec["rollout_s"] = t("time/rollout")
-        rec["update_s"] = med(lambda r: r["timings"]["time/step"] - r["timings"].get("time/rollout", 0.0))
+        rec["update_s"] = med(
+            lambda r: r["timings"]["time/step"] - r["timings"].get("time/rollout", 0.0)
+        )
     else:
         rec["rollout_s"] = t("time/produce")  # batch k+1's rollout, on the host while update k runs
         rec["wait_update_s"] = t("time/wait_update")  # the update's part the rollout did not hide
         rec["speedup"] = sync_s / rec["median_s"] if sync_s else None
-    rec.update(tokens_per_s=med(lambda r: r["tokens_per_s"]), turns=med(lambda r: r["turns"]),
-               tool_calls=med(lambda r: r["tool_calls"]), compiles_measured=[r["compiles_measured"] for r in runs],
-               staleness_seen=runs[0]["staleness_seen"], reward_last=[r["reward_last"] for r in runs],
-               run_wall_s=[round(r["run_wall_s"], 1) for r in runs],
-               step_s_per_run=[[round(s, 4) for s in r["step_s"]] for r in runs],
-               timings=runs[0]["timings"] if len(runs) == 1 else
-               {k: statistics.median(r["timings"].get(k, float("nan")) for r in runs) for k in runs[0]["timings"]},
-               load_avg_end=list(os.getloadavg()), frozen=a.frozen, extra=list(a.extra))
+    rec.update(
+        tokens_per_s=med(lambda r: r["tokens_per_s"]),
+        turns=med(lambda r: r["turns"]),
+        tool_calls=med(lambda r: r["tool_calls"]),
+        compiles_measured=[r["compiles_measured"] for r in runs],
+        staleness_seen=runs[0]["staleness_seen"],
+        reward_last=[r["reward_last"] for r in runs],
+        run_wall_s=[round(r["run_wall_s"], 1) for r in runs],
+        step_s_per_run=[[round(s, 4) for s in r["step_s"]] for r in runs],
+        timings=runs[0]["timings"]
+        if len(runs) == 1
+        else {
+            k: statistics.median(r["timings"].get(k, float("nan")) for r in runs)
+            for k in runs[0]["timings"]
+        },
+        load_avg_end=list(os.getloadavg()),
+        frozen=a.frozen,
+        extra=list(a.extra),
+    )
     return rec
 
 
-TABLE = ["mode", "tool_ms", "median_s", "rollout_s", "update_s", "wait_update_s", "env_s", "device_s",
-         "tokens_per_s", "tool_calls", "speedup"]
+TABLE = [
+    "mode",
+    "tool_ms",
+    "median_s",
+    "rollout_s",
+    "update_s",
+    "wait_update_s",
+    "env_s",
+    "device_s",
+    "tokens_per_s",
+    "tool_calls",
+    "speedup",
+]
 
 
 def main(a: Args):
     if a.warmup < 1 or a.steps < a.warmup + 4:
-        raise SystemExit("--warmup >= 1 and --steps >= warmup + 4 (three measured steps) are required")
+        raise SystemExit(
+            "--warmup >= 1 and --steps >= warmup + 4 (three measured steps) are required"
+        )
     with contextlib.ExitStack() as stack:
-        work = Path(a.work_dir) if a.work_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        work = (
+            Path(a.work_dir)
+            if a.work_dir
+            else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        )
         work.mkdir(parents=True, exist_ok=True)
         if a.compile_cache:
             jax.config.update("jax_compilation_cache_dir", str(work / "jax-cache"))
@@ -209,8 +302,15 @@ def main(a: Args):
                     tag = f"{'frozen-' if a.frozen else ''}tool{tool_ms:g}ms-s{s}-run{k}"
                     results[s].append(run_once(a, s, tool_ms, work, base, tag))
             sync = summarize(a, tool_ms, 0, results[0], None, load)
-            records += [emit(sync, TABLE), emit(summarize(a, tool_ms, a.staleness, results[a.staleness],
-                                                          sync["median_s"], load), TABLE)]
+            records += [
+                emit(sync, TABLE),
+                emit(
+                    summarize(
+                        a, tool_ms, a.staleness, results[a.staleness], sync["median_s"], load
+                    ),
+                    TABLE,
+                ),
+            ]
     if a.out:
         path = HERE / "results" / a.out
         with open(path, "a") as f:

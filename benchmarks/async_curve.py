@@ -64,11 +64,18 @@ def curve(run_dir: Path) -> dict:
         total += 0.0 if line["compiles"] else line["time/step"]  # compiling iterations left out
         seconds.append(total)
     at = dict(zip((line["step"] for line in train), seconds))
-    evals = [(at.get(line["step"], 0.0), line["eval/greedy/accuracy"]) for line in lines
-             if "eval/greedy/accuracy" in line]
-    return {"seconds": seconds, "step_s": [line["time/step"] for line in train],
-            "reward": [line["reward"] for line in train],
-            "staleness": [line.get("staleness", 0.0) for line in train], "eval": evals}
+    evals = [
+        (at.get(line["step"], 0.0), line["eval/greedy/accuracy"])
+        for line in lines
+        if "eval/greedy/accuracy" in line
+    ]
+    return {
+        "seconds": seconds,
+        "step_s": [line["time/step"] for line in train],
+        "reward": [line["reward"] for line in train],
+        "staleness": [line.get("staleness", 0.0) for line in train],
+        "eval": evals,
+    }
 
 
 def main(a: Args):
@@ -81,22 +88,38 @@ def main(a: Args):
             shutil.copytree(shared, run_dir / "base_model")
         if a.reward_ms:
             builtin.BUILTIN_REWARDS["delayed"] = delayed(a.reward_ms / 1000.0)
-        cfg = dataclasses.replace(builtin_defaults(), steps=a.steps, run_dir=str(run_dir), export_hf=False,
-                                  async_=AsyncConfig(staleness=s), reward_workers=0,
-                                  **({"reward": ("delayed",)} if a.reward_ms else {}))
+        cfg = dataclasses.replace(
+            builtin_defaults(),
+            steps=a.steps,
+            run_dir=str(run_dir),
+            export_hf=False,
+            async_=AsyncConfig(staleness=s),
+            reward_workers=0,
+            **({"reward": ("delayed",)} if a.reward_ms else {}),
+        )
         summary = json.loads((run_dir / "summary.json").read_text()) if a.from_runs else run(cfg)
         c = curve(run_dir)
         results[s] = c
-        emit({"bench": "async_curve", "staleness": s, "steps": a.steps, "reward_ms": a.reward_ms,
-              "train_s": c["seconds"][-1], "median_step_s": statistics.median(c["step_s"][2:]),
-              "before": summary["before"]["greedy/accuracy"], "after": summary["after"]["greedy/accuracy"],
-              "eval": c["eval"]})
+        emit(
+            {
+                "bench": "async_curve",
+                "staleness": s,
+                "steps": a.steps,
+                "reward_ms": a.reward_ms,
+                "train_s": c["seconds"][-1],
+                "median_step_s": statistics.median(c["step_s"][2:]),
+                "before": summary["before"]["greedy/accuracy"],
+                "after": summary["after"]["greedy/accuracy"],
+                "eval": c["eval"],
+            }
+        )
     if a.plot:
         plot(results, a)
 
 
 def plot(results: dict, a: Args) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -105,8 +128,12 @@ def plot(results: dict, a: Args) -> None:
         label = "synchronous" if s == 0 else f"pipelined, staleness {s}"
         left.plot(c["seconds"], c["reward"], label=label, alpha=0.8)
         right.plot(*zip(*c["eval"]), marker="o", label=label)
-    left.set(xlabel="training seconds", ylabel="training reward (exact match)", title="GRPO demo: reward")
-    right.set(xlabel="training seconds", ylabel="held-out greedy accuracy", title="held-out accuracy")
+    left.set(
+        xlabel="training seconds", ylabel="training reward (exact match)", title="GRPO demo: reward"
+    )
+    right.set(
+        xlabel="training seconds", ylabel="held-out greedy accuracy", title="held-out accuracy"
+    )
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)

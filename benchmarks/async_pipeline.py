@@ -29,9 +29,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 
-from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
+from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.parallel import ParallelConfig, ShardedStep  # noqa: E402
 from relax.rewards.functions import RewardFunction  # noqa: E402
@@ -84,12 +84,25 @@ class Prompts:
 def run_once(a: Args, staleness: int, reward: RewardFunction, pool) -> list[float]:
     """Per-iteration wall-clock seconds of one run."""
     async_cfg = AsyncConfig(staleness=staleness)
-    cfg = preset("grpo", num_generations=a.generations, max_new_tokens=a.new_tokens, beta=0.0,
-                 optimizer=OptimizerConfig(learning_rate=1e-5))
+    cfg = preset(
+        "grpo",
+        num_generations=a.generations,
+        max_new_tokens=a.new_tokens,
+        beta=0.0,
+        optimizer=OptimizerConfig(learning_rate=1e-5),
+    )
     model = init(small_config(), jax.random.key(0), std=0.02)
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(1))
-    step = make_grpo_step(cfg, [reward], lambda t, m: ["x" * int(r.sum()) for r in m], eos_ids=(), pad_id=0,
-                          pool=pool, off_policy=async_cfg.off_policy, pipelined=staleness > 0)
+    step = make_grpo_step(
+        cfg,
+        [reward],
+        lambda t, m: ["x" * int(r.sum()) for r in m],
+        eos_ids=(),
+        pad_id=0,
+        pool=pool,
+        off_policy=async_cfg.off_policy,
+        pipelined=staleness > 0,
+    )
     if a.sampler_devices:
         mesh, sampler_mesh = ParallelConfig(sampler_devices=a.sampler_devices).meshes()
         step = ShardedStep(step, state, mesh, sampler_mesh=sampler_mesh)
@@ -97,7 +110,7 @@ def run_once(a: Args, staleness: int, reward: RewardFunction, pool) -> list[floa
     pipeline = Pipeline(step.segments, async_cfg, Prompts(a, model.config.vocab_size), lambda b: b)
     times = []
     t0 = time.perf_counter()
-    for state, batch, _ in pipeline.run(state, 0, a.steps):
+    for _state, _batch, _ in pipeline.run(state, 0, a.steps):
         t1 = time.perf_counter()
         times.append(t1 - t0)
         t0 = t1
@@ -105,20 +118,37 @@ def run_once(a: Args, staleness: int, reward: RewardFunction, pool) -> list[floa
 
 
 def main(a: Args):
-    reward = RewardFunction(functools.partial(slow_reward, seconds=a.reward_ms / 1000.0), name="slow")
-    pool = RewardPool([reward], PoolConfig(num_workers=a.reward_workers)) if a.reward_workers else None
+    reward = RewardFunction(
+        functools.partial(slow_reward, seconds=a.reward_ms / 1000.0), name="slow"
+    )
+    pool = (
+        RewardPool([reward], PoolConfig(num_workers=a.reward_workers)) if a.reward_workers else None
+    )
     medians = {0: [], a.staleness: []}
     try:
         for _ in range(a.runs):
             for s in (0, a.staleness):  # alternating: the machine's noise hits both alike
-                medians[s].append(statistics.median(run_once(a, s, reward, pool)[a.warmup:]))
+                medians[s].append(statistics.median(run_once(a, s, reward, pool)[a.warmup :]))
     finally:
         if pool is not None:
             pool.close()
     sync, pipelined = statistics.median(medians[0]), statistics.median(medians[a.staleness])
-    emit({"bench": "async_pipeline", **dataclasses.asdict(a), "sync_s": sync, "pipelined_s": pipelined,
-          "speedup": sync / pipelined, "sync_runs_s": medians[0], "pipelined_runs_s": medians[a.staleness],
-          "host_reward_s_per_step": a.prompts * a.generations * a.reward_ms / 1000.0 / max(1, a.reward_workers)})
+    emit(
+        {
+            "bench": "async_pipeline",
+            **dataclasses.asdict(a),
+            "sync_s": sync,
+            "pipelined_s": pipelined,
+            "speedup": sync / pipelined,
+            "sync_runs_s": medians[0],
+            "pipelined_runs_s": medians[a.staleness],
+            "host_reward_s_per_step": a.prompts
+            * a.generations
+            * a.reward_ms
+            / 1000.0
+            / max(1, a.reward_workers),
+        }
+    )
 
 
 if __name__ == "__main__":

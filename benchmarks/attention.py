@@ -26,14 +26,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import tyro  # noqa: E402
 
-import harness  # noqa: E402
-
-TABLE = ["layout", "P", "G", "Lp", "q_shape", "kv_shape", "median_us", "spread", "kv_mb", "gb_per_s",
-         "logical_gb_per_s", "frac_of_bw", "speedup_vs_repeated"]
+TABLE = [
+    "layout",
+    "P",
+    "G",
+    "Lp",
+    "q_shape",
+    "kv_shape",
+    "median_us",
+    "spread",
+    "kv_mb",
+    "gb_per_s",
+    "logical_gb_per_s",
+    "frac_of_bw",
+    "speedup_vs_repeated",
+]
 
 
 @dataclasses.dataclass
@@ -73,21 +85,42 @@ def main(args: Args) -> None:
         allowed_rep = jnp.ones((P * G, 1, 1, Lp), bool)
         logical = 2 * k_rep.size * 4
         res = {}
-        for layout, args_ in (("repeated", (q, k_rep, v_rep, allowed_rep)),
-                              ("shared", (q_shared, k, v, allowed))):
+        for layout, args_ in (
+            ("repeated", (q, k_rep, v_rep, allowed_rep)),
+            ("shared", (q_shared, k, v, allowed)),
+        ):
             r = harness.measure(fn, *args_, warmup=2, runs=args.runs)
             kv_bytes = 2 * args_[1].size * 4
             res[layout] = r["median_s"]
-            harness.emit({
-                "bench": "attention", "layout": layout, "P": P, "G": G, "Hkv": H, "R": R, "D": D, "Lp": Lp,
-                "q_shape": "x".join(map(str, args_[0].shape)), "kv_shape": "x".join(map(str, args_[1].shape)),
-                "median_us": r["median_s"] * 1e6, "min_us": r["min_s"] * 1e6, "max_us": r["max_s"] * 1e6,
-                "spread": r["spread"], "compile_s": r["compile_s"], "runs": r["runs"],
-                "kv_mb": round(kv_bytes / 2 ** 20, 2), "gb_per_s": kv_bytes / r["median_s"] / 1e9,
-                "logical_gb_per_s": logical / r["median_s"] / 1e9,
-                "frac_of_bw": kv_bytes / r["median_s"] / bw, "peak_gb_per_s": bw / 1e9, "bw_source": bw_source,
-                "speedup_vs_repeated": res["repeated"] / r["median_s"],
-                "flops": 4 * P * G * H * R * Lp * D}, TABLE)
+            harness.emit(
+                {
+                    "bench": "attention",
+                    "layout": layout,
+                    "P": P,
+                    "G": G,
+                    "Hkv": H,
+                    "R": R,
+                    "D": D,
+                    "Lp": Lp,
+                    "q_shape": "x".join(map(str, args_[0].shape)),
+                    "kv_shape": "x".join(map(str, args_[1].shape)),
+                    "median_us": r["median_s"] * 1e6,
+                    "min_us": r["min_s"] * 1e6,
+                    "max_us": r["max_s"] * 1e6,
+                    "spread": r["spread"],
+                    "compile_s": r["compile_s"],
+                    "runs": r["runs"],
+                    "kv_mb": round(kv_bytes / 2**20, 2),
+                    "gb_per_s": kv_bytes / r["median_s"] / 1e9,
+                    "logical_gb_per_s": logical / r["median_s"] / 1e9,
+                    "frac_of_bw": kv_bytes / r["median_s"] / bw,
+                    "peak_gb_per_s": bw / 1e9,
+                    "bw_source": bw_source,
+                    "speedup_vs_repeated": res["repeated"] / r["median_s"],
+                    "flops": 4 * P * G * H * R * Lp * D,
+                },
+                TABLE,
+            )
 
 
 if __name__ == "__main__":

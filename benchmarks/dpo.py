@@ -73,9 +73,13 @@ def separate_prefix(passes, cfg):
 
     def forward(model, mb, train):
         p, g, n = mb.tokens.shape
-        rows = PairRows(prompt_ids=jnp.repeat(mb.prompt_ids, g, 0), prompt_mask=jnp.repeat(mb.prompt_mask, g, 0),
-                        tokens=mb.tokens.reshape(p * g, 1, n), mask=mb.mask.reshape(p * g, 1, n),
-                        loss_mask=jnp.ones((p * g,), jnp.int32))  # read by no forward; rope: computed by it
+        rows = PairRows(
+            prompt_ids=jnp.repeat(mb.prompt_ids, g, 0),
+            prompt_mask=jnp.repeat(mb.prompt_mask, g, 0),
+            tokens=mb.tokens.reshape(p * g, 1, n),
+            mask=mb.mask.reshape(p * g, 1, n),
+            loss_mask=jnp.ones((p * g,), jnp.int32),
+        )  # read by no forward; rope: computed by it
         return base(model, rows, train).reshape(p, g, n)
 
     return forward
@@ -88,7 +92,7 @@ def separate_full(model, mb, train):
     ids = jnp.concatenate([jnp.repeat(mb.prompt_ids, g, 0), mb.tokens.reshape(p * g, n)], 1)
     mask = jnp.concatenate([jnp.repeat(mb.prompt_mask, g, 0), mb.mask.reshape(p * g, n)], 1)
     h = hidden_states(model, ids, mask)
-    return logprobs_from_hidden(model, h[:, lp - 1:-1], ids[:, lp:]).reshape(p, g, n)
+    return logprobs_from_hidden(model, h[:, lp - 1 : -1], ids[:, lp:]).reshape(p, g, n)
 
 
 class Case:
@@ -98,24 +102,42 @@ class Case:
         self.forward_name, self.reference = forward_name, reference
         self.mcfg = mcfg = small_config()
         passes = choose_passes()
-        cfg = DPOConfig(loss_type=args.loss_type, max_prompt_tokens=args.prompt_len,
-                        max_completion_tokens=args.completion_len, grad_accum=args.grad_accum,
-                        precompute_reference=reference == "cached", optimizer=OptimizerConfig(learning_rate=1e-6))
-        forward = {"shared": None, "separate_prefix": separate_prefix(passes, cfg),
-                   "separate_full": separate_full}[forward_name]
+        cfg = DPOConfig(
+            loss_type=args.loss_type,
+            max_prompt_tokens=args.prompt_len,
+            max_completion_tokens=args.completion_len,
+            grad_accum=args.grad_accum,
+            precompute_reference=reference == "cached",
+            optimizer=OptimizerConfig(learning_rate=1e-6),
+        )
+        forward = {
+            "shared": None,
+            "separate_prefix": separate_prefix(passes, cfg),
+            "separate_full": separate_full,
+        }[forward_name]
         model = init(mcfg, jax.random.key(0))
-        ref = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x, model)
+        ref = jax.tree.map(
+            lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x, model
+        )
         self.state = init_state(model, cfg.optimizer.make(), key=jax.random.key(1)).replace(
-            ref=ref if cfg.needs_reference else None)
+            ref=ref if cfg.needs_reference else None
+        )
         self.step = make_dpo_step(cfg, passes, forward=forward)
         p, lp, n = args.pairs, args.prompt_len, args.completion_len
         k = jax.random.split(jax.random.key(2), 2)
-        ref_logps = jnp.stack([jnp.full((p,), -300.0), jnp.full((p,), -301.0)], -1) if reference == "cached" else None
-        self.batch = PairBatch(prompt_ids=jax.random.randint(k[0], (p, lp), 0, mcfg.vocab_size),
-                               prompt_mask=jnp.ones((p, lp), jnp.int32),
-                               tokens=jax.random.randint(k[1], (p, 2, n), 0, mcfg.vocab_size),
-                               mask=jnp.ones((p, 2, n), jnp.int32), loss_mask=jnp.ones((p,), jnp.int32),
-                               ref_logps=ref_logps)
+        ref_logps = (
+            jnp.stack([jnp.full((p,), -300.0), jnp.full((p,), -301.0)], -1)
+            if reference == "cached"
+            else None
+        )
+        self.batch = PairBatch(
+            prompt_ids=jax.random.randint(k[0], (p, lp), 0, mcfg.vocab_size),
+            prompt_mask=jnp.ones((p, lp), jnp.int32),
+            tokens=jax.random.randint(k[1], (p, 2, n), 0, mcfg.vocab_size),
+            mask=jnp.ones((p, 2, n), jnp.int32),
+            loss_mask=jnp.ones((p,), jnp.int32),
+            ref_logps=ref_logps,
+        )
         self.times: list[float] = []
         self.first = self.once()  # compiles
 
@@ -135,15 +157,43 @@ class Case:
         tokens = p * (lp + 2 * n) if self.forward_name == "shared" else 2 * p * (lp + n)
         flops = (6 + (2 if self.reference == "model" else 0)) * n_params * tokens
         peak, peak_source = peak_flops()
-        return emit({
-            "bench": "dpo_step", "forward": self.forward_name, "reference": self.reference,
-            "loss_type": args.loss_type, "params": mcfg.num_params(), "P": p, "Lp": lp, "N": n,
-            "grad_accum": args.grad_accum, "runs": len(times), "step_s": med, "min_step_s": min(times),
-            "max_step_s": max(times), "spread": (max(times) - min(times)) / med, "pairs_per_s": p / med,
-            "compile_s": round(self.first - med, 3), "compiles_after_first": recompiles,
-            "loss": float(self.out.metrics["loss"]), "tokens_processed": tokens, "gflops": flops / med / 1e9,
-            "peak_gflops": peak / 1e9, "peak_source": peak_source, "frac_of_peak": flops / med / peak,
-        }, table=["forward", "reference", "step_s", "spread", "pairs_per_s", "compile_s", "loss", "frac_of_peak"])
+        return emit(
+            {
+                "bench": "dpo_step",
+                "forward": self.forward_name,
+                "reference": self.reference,
+                "loss_type": args.loss_type,
+                "params": mcfg.num_params(),
+                "P": p,
+                "Lp": lp,
+                "N": n,
+                "grad_accum": args.grad_accum,
+                "runs": len(times),
+                "step_s": med,
+                "min_step_s": min(times),
+                "max_step_s": max(times),
+                "spread": (max(times) - min(times)) / med,
+                "pairs_per_s": p / med,
+                "compile_s": round(self.first - med, 3),
+                "compiles_after_first": recompiles,
+                "loss": float(self.out.metrics["loss"]),
+                "tokens_processed": tokens,
+                "gflops": flops / med / 1e9,
+                "peak_gflops": peak / 1e9,
+                "peak_source": peak_source,
+                "frac_of_peak": flops / med / peak,
+            },
+            table=[
+                "forward",
+                "reference",
+                "step_s",
+                "spread",
+                "pairs_per_s",
+                "compile_s",
+                "loss",
+                "frac_of_peak",
+            ],
+        )
 
 
 def main(args: Args) -> list[dict]:
@@ -154,7 +204,9 @@ def main(args: Args) -> list[dict]:
             raise SystemExit(f"unknown --forward/--reference {name!r}")
     cases = [Case(args, f, r) for r in references for f in forwards]
     with CompileCounter() as recompiles:
-        for _ in range(args.runs):  # interleaved rounds: a load change on the machine hits every case alike
+        for _ in range(
+            args.runs
+        ):  # interleaved rounds: a load change on the machine hits every case alike
             for c in cases:
                 c.times.append(c.once())
     return [c.record(args, recompiles.count) for c in cases]

@@ -28,7 +28,10 @@ VARIANTS = {
     "pallas": (["--decode-attention", "pallas"], ""),
     "one_block": (["--cache-chunk", "256"], ""),
     "no_cmd_buffers": ([], "--xla_gpu_enable_command_buffer="),
-    "while_cmd_buffer": ([], "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE"),
+    "while_cmd_buffer": (
+        [],
+        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE",
+    ),
 }
 
 
@@ -36,17 +39,23 @@ def run(name: str, small: bool) -> None:
     args, xla = VARIANTS[name]
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {xla}".strip()}
     cmd = [sys.executable, os.path.join(HERE, "gpu.py"), "--only", "decode,long_prompt", *args]
-    proc = subprocess.run(cmd + (["--small"] if small else []), env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        cmd + (["--small"] if small else []), env=env, capture_output=True, text=True
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
-        print(json.dumps({"variant": name, "error": (proc.stderr or proc.stdout)[-1500:]}), flush=True)
+        print(
+            json.dumps({"variant": name, "error": (proc.stderr or proc.stdout)[-1500:]}), flush=True
+        )
     for line in lines:
         print(json.dumps({"variant": name, **json.loads(line)}), flush=True)
 
 
 def main():
     argv = sys.argv[1:]
-    names = argv[argv.index("--variants") + 1].split(",") if "--variants" in argv else list(VARIANTS)
+    names = (
+        argv[argv.index("--variants") + 1].split(",") if "--variants" in argv else list(VARIANTS)
+    )
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")

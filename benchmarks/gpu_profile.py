@@ -44,21 +44,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu import DECODE_LEVERS, LLAMA_1B, TINY, decode_ideal_bytes, flag, update_inputs  # noqa: E402
 from harness import emit  # noqa: E402
 
+from relax.algorithms.cli.configure import configure  # noqa: E402
+from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
+from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.models import cast, init  # noqa: E402
 from relax.parallel.hlo import CONTROL, FREE, Instr, arrays, kernel_bytes, launching, parse_hlo  # noqa: E402
 from relax.parallel.hlo import loops as while_loops  # noqa: E402
+from relax.passes import choose_passes  # noqa: E402
 from relax.rollout.sampler import RolloutConfig, block_size, compiled_generate  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
-from relax.algorithms.cli.configure import configure  # noqa: E402
-from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
-from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
-from relax.passes import choose_passes  # noqa: E402
 
 
 def category(kernel: str) -> str:
     k = kernel.lower()
-    if any(s in k for s in ("cudnn", "fmha", "flash", "sdpa")):  # before gemm: cuDNN's names contain sm90_
+    if any(
+        s in k for s in ("cudnn", "fmha", "flash", "sdpa")
+    ):  # before gemm: cuDNN's names contain sm90_
         return "cudnn_attention"
     if any(s in k for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas")):
         return "gemm"
@@ -74,8 +76,9 @@ def device_events(trace_dir: str) -> list[tuple]:
     for plane in data.planes:
         if not plane.name.startswith(("/device:GPU", "/device:TPU")):
             continue
-        lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or \
-            [ln for ln in plane.lines if "xla ops" in ln.name.lower()]
+        lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or [
+            ln for ln in plane.lines if "xla ops" in ln.name.lower()
+        ]
         for line in lines:
             for ev in line.events:
                 op = str(dict(ev.stats).get("hlo_op", "-")).lstrip("%")
@@ -127,9 +130,16 @@ def profile(name: str, fn, calls: int = 2, top: int = 25) -> dict:
     cats = collections.Counter()
     for k, v in ns.items():
         cats[category(k.split(" | ", 1)[1])] += v / calls
-    line = emit({"bench": "gpu_profile", "program": name, "wall_ms_traced": wall * 1e3, "kernel_busy_ms": busy / 1e6,
-                 "kernels_per_call": sum(count.values()) // calls,
-                 **{f"{c}_ms": round(v / 1e6, 2) for c, v in cats.items()}})
+    line = emit(
+        {
+            "bench": "gpu_profile",
+            "program": name,
+            "wall_ms_traced": wall * 1e3,
+            "kernel_busy_ms": busy / 1e6,
+            "kernels_per_call": sum(count.values()) // calls,
+            **{f"{c}_ms": round(v / 1e6, 2) for c, v in cats.items()},
+        }
+    )
     for k, v in ns.most_common(top):
         print(f"  {v / calls / 1e6:9.2f} ms  {count[k] // calls:6d}x  {k}")
     return line
@@ -137,16 +147,25 @@ def profile(name: str, fn, calls: int = 2, top: int = 25) -> dict:
 
 # ---------------------------------------------------------------------------- optimized HLO
 
+
 def hlo_category(ins: Instr, comps, local, tags: dict) -> str:
     """attention: an operand or result has a K/V cache's or a score block's shape; gemm: a
     GEMM custom-call or a fusion with a dot; sampling: a [B, V] operand or result (any
     [B, ...] reshape of it); other."""
-    dims = [d for s in [ins.shape] + [local[o].shape for o in ins.operands if o in local] for _, d in arrays(s)]
+    dims = [
+        d
+        for s in [ins.shape] + [local[o].shape for o in ins.operands if o in local]
+        for _, d in arrays(s)
+    ]
     inner = {i.op for c in ins.called() for i in comps.get(c, [])}
     if any(d in tags["attention"] for d in dims):
         return "attention"
-    if "dot" in inner or "convolution" in inner or ins.op == "dot" or (
-            ins.op == "custom-call" and re.search(r"gemm|matmul|cublas", ins.attrs, re.I)):
+    if (
+        "dot" in inner
+        or "convolution" in inner
+        or ins.op == "dot"
+        or (ins.op == "custom-call" and re.search(r"gemm|matmul|cublas", ins.attrs, re.I))
+    ):
         return "gemm"
     b, v = tags["bv"]
     return "sampling" if any(d and d[0] == b and math.prod(d) == b * v for d in dims) else "other"
@@ -154,11 +173,14 @@ def hlo_category(ins: Instr, comps, local, tags: dict) -> str:
 
 # ---------------------------------------------------------------------------- one decode step
 
+
 def segment_steps(cfg: RolloutConfig) -> list[int]:
     """Steps each decode while loop runs: one loop per cache block, as the sampler builds them."""
     n = cfg.max_new_tokens
     chunk = min(block_size(cfg), n)
-    return [min((s + 1) * chunk, n - 1) - s * chunk for s in range(-(-n // chunk)) if s * chunk < n - 1]
+    return [
+        min((s + 1) * chunk, n - 1) - s * chunk for s in range(-(-n // chunk)) if s * chunk < n - 1
+    ]
 
 
 def shape_tags(c, p, g, lp, cfg) -> dict:
@@ -167,7 +189,11 @@ def shape_tags(c, p, g, lp, cfg) -> dict:
     hk, d, r, b, n = c.num_kv_heads, c.head_dim, c.q_per_kv, p * g, cfg.max_new_tokens
     chunk = min(block_size(cfg), n)
     sizes = {min(chunk, n - i) for i in range(0, n, chunk)}
-    cache = {(p, hk, d, lp), (p, hk, lp, d)} | {(b, hk, d, s) for s in sizes} | {(b, hk, s, d) for s in sizes}
+    cache = (
+        {(p, hk, d, lp), (p, hk, lp, d)}
+        | {(b, hk, d, s) for s in sizes}
+        | {(b, hk, s, d) for s in sizes}
+    )
     scores = {(p, hk, g * r, lp)} | {(b, hk, r, s) for s in sizes}
     return {"cache": cache, "attention": cache | scores, "bv": (b, c.vocab_size)}
 
@@ -195,14 +221,24 @@ def decode_ops(text: str, tags: dict, cfg: RolloutConfig, b: int) -> tuple[dict,
                     continue
                 by, inplace = kernel_bytes(ins, comps, local)
                 w = st / (n - 1)
-                ops[ins.name] = {"op": ins.op, "category": hlo_category(ins, comps, local, tags), "execs": w,
-                                 "bytes": by * w, "inplace": inplace, "shape": ins.shape}
+                ops[ins.name] = {
+                    "op": ins.op,
+                    "category": hlo_category(ins, comps, local, tags),
+                    "execs": w,
+                    "bytes": by * w,
+                    "inplace": inplace,
+                    "shape": ins.shape,
+                }
                 inner = {i.op for c in ins.called() for i in comps.get(c, [])} | {ins.op}
-                for kind, hit in (("copies", ins.op in ("copy", "copy-start")),  # not in place: whole buffer
-                                  ("dus_not_inplace", "dynamic-update-slice" in inner and not inplace)):
+                for kind, hit in (
+                    ("copies", ins.op in ("copy", "copy-start")),  # not in place: whole buffer
+                    ("dus_not_inplace", "dynamic-update-slice" in inner and not inplace),
+                ):
                     copies[f"loop_{kind}"] += hit
                     copies[f"loop_{kind}_mb_per_step"] += hit * by * w / 1e6
-                    copies[f"loop_cache_{kind}"] += hit and any(d in tags["cache"] for _, d in arrays(ins.shape))
+                    copies[f"loop_cache_{kind}"] += hit and any(
+                        d in tags["cache"] for _, d in arrays(ins.shape)
+                    )
     return ops, {"decode_loops": len(loops), "loop_steps": steps, **dict(sorted(copies.items()))}
 
 
@@ -217,13 +253,20 @@ def step_trace(call_n, make_call_1, n: int, ops: dict, calls: int = 2) -> tuple 
     ev_1, wall_1, free_1 = traced(make_call_1(), calls)
     per = lambda a, b: (a - b) / calls / (n - 1)
     busy = per(sum(e[2] for e in ev_n), sum(e[2] for e in ev_1))
-    summary = {"launches_per_step": per(len(ev_n), len(ev_1)), "busy_us_per_step": busy / 1e3,
-               "idle_us_per_step": per(idle_ns(ev_n), idle_ns(ev_1)) / 1e3,
-               "wall_us_per_step": (wall_n - wall_1) / (n - 1) * 1e6,
-               "untraced_wall_us_per_step": (free_n - free_1) / (n - 1) * 1e6}
+    summary = {
+        "launches_per_step": per(len(ev_n), len(ev_1)),
+        "busy_us_per_step": busy / 1e3,
+        "idle_us_per_step": per(idle_ns(ev_n), idle_ns(ev_1)) / 1e3,
+        "wall_us_per_step": (wall_n - wall_1) / (n - 1) * 1e6,
+        "untraced_wall_us_per_step": (free_n - free_1) / (n - 1) * 1e6,
+    }
     summary["busy_over_wall"] = summary["busy_us_per_step"] / summary["wall_us_per_step"]
-    summary["busy_over_untraced_wall"] = summary["busy_us_per_step"] / summary["untraced_wall_us_per_step"]
-    per_op = collections.defaultdict(lambda: {"ns": 0.0, "launches": 0.0, "kernels": collections.Counter()})
+    summary["busy_over_untraced_wall"] = (
+        summary["busy_us_per_step"] / summary["untraced_wall_us_per_step"]
+    )
+    per_op = collections.defaultdict(
+        lambda: {"ns": 0.0, "launches": 0.0, "kernels": collections.Counter()}
+    )
     for _, _, dur, op, name in (e for e in ev_n if e[3] in ops):
         row = per_op[op]
         row["ns"], row["launches"] = row["ns"] + per(dur, 0), row["launches"] + per(1, 0)
@@ -242,8 +285,12 @@ def decode_profile(model, p: int, g: int, lp: int, n: int, top: int = 25) -> dic
     mask, key = jnp.ones_like(ids), jax.random.key(2)
 
     def compiled(new):
-        cfg = RolloutConfig(num_generations=g, max_new_tokens=new, sampling=SamplingConfig(temperature=1.0),
-                            **DECODE_LEVERS)
+        cfg = RolloutConfig(
+            num_generations=g,
+            max_new_tokens=new,
+            sampling=SamplingConfig(temperature=1.0),
+            **DECODE_LEVERS,
+        )
         return cfg, compiled_generate(cfg).lower(model, ids, mask, key).compile()
 
     cfg, exe = compiled(n)  # the same executable is traced, so trace hlo_op names = HLO names
@@ -254,12 +301,24 @@ def decode_profile(model, p: int, g: int, lp: int, n: int, top: int = 25) -> dic
     cat_b = collections.Counter()
     for o in ops.values():
         cat_b[o["category"]] += o["bytes"]
-    rec = {"bench": "gpu_profile", "program": "decode_step", "batch": p * g, "P": p, "G": g, "Lp": lp, "N": n,
-           **loops, "hlo_kernels_per_step": sum(o["execs"] for o in ops.values()),
-           "inplace_updates_per_step": sum(o["execs"] for o in ops.values() if o["inplace"]),
-           "hlo_mb_per_step": hlo_b / 1e6, "ideal_mb_per_step": (weight_b + kv_b) / 1e6, "weight_mb": weight_b / 1e6,
-           "kv_mb_per_step": kv_b / 1e6, "hlo_over_ideal": hlo_b / (weight_b + kv_b),
-           **{f"hlo_{k}_mb_per_step": v / 1e6 for k, v in sorted(cat_b.items())}}
+    rec = {
+        "bench": "gpu_profile",
+        "program": "decode_step",
+        "batch": p * g,
+        "P": p,
+        "G": g,
+        "Lp": lp,
+        "N": n,
+        **loops,
+        "hlo_kernels_per_step": sum(o["execs"] for o in ops.values()),
+        "inplace_updates_per_step": sum(o["execs"] for o in ops.values() if o["inplace"]),
+        "hlo_mb_per_step": hlo_b / 1e6,
+        "ideal_mb_per_step": (weight_b + kv_b) / 1e6,
+        "weight_mb": weight_b / 1e6,
+        "kv_mb_per_step": kv_b / 1e6,
+        "hlo_over_ideal": hlo_b / (weight_b + kv_b),
+        **{f"hlo_{k}_mb_per_step": v / 1e6 for k, v in sorted(cat_b.items())},
+    }
     call = lambda e: lambda: e(model, ids, mask, key)
     got = step_trace(call(exe), lambda: call(compiled(1)[1]), n, ops)
     if got is None:
@@ -272,13 +331,20 @@ def decode_profile(model, p: int, g: int, lp: int, n: int, top: int = 25) -> dic
     for op, r in per_op.items():
         cat_ns[ops[op]["category"]] += r["ns"]
     matched_ns = sum(r["ns"] for r in per_op.values())
-    rec.update(summary, **{f"{k}_us_per_step": v / 1e3 for k, v in sorted(cat_ns.items())},
-               loop_kernels_gb_per_s=hlo_b / matched_ns if matched_ns else None,  # HLO bytes / their kernels' time
-               ideal_gb_per_s=(weight_b + kv_b) / (summary["untraced_wall_us_per_step"] * 1e3))
+    rec.update(
+        summary,
+        **{f"{k}_us_per_step": v / 1e3 for k, v in sorted(cat_ns.items())},
+        loop_kernels_gb_per_s=hlo_b / matched_ns
+        if matched_ns
+        else None,  # HLO bytes / their kernels' time
+        ideal_gb_per_s=(weight_b + kv_b) / (summary["untraced_wall_us_per_step"] * 1e3),
+    )
     emit(rec)
     print_table(ops, per_op, top)
     frac = summary["matched_frac"]
-    print(f"  not matched to a decode-loop op, by difference (us/step; matched: {frac and round(frac, 3)}):")
+    print(
+        f"  not matched to a decode-loop op, by difference (us/step; matched: {frac and round(frac, 3)}):"
+    )
     for k, v in sorted(unmatched.items(), key=lambda kv: -kv[1])[:10]:
         print(f"  {v / 1e3:10.2f}  {k}")
     return rec
@@ -288,18 +354,26 @@ def print_table(ops: dict, per_op: dict | None, top: int):
     """The top decode-loop kernels: by time per step with launches, KB and achieved GB/s =
     bytes / step / time / step (trace), else by HLO bytes per step (no trace)."""
     if per_op is None:
-        print(f"  top {top} decode-loop kernels by HLO bytes per step:\n"
-              "    KB/step  execs/step  category   in-place  op name shape")
+        print(
+            f"  top {top} decode-loop kernels by HLO bytes per step:\n"
+            "    KB/step  execs/step  category   in-place  op name shape"
+        )
         for name, o in sorted(ops.items(), key=lambda kv: -kv[1]["bytes"])[:top]:
-            print(f"  {o['bytes'] / 1e3:9.1f}  {o['execs']:10.3f}  {o['category']:10s} {str(o['inplace']):8s}  "
-                  f"{o['op']} {name} {o['shape'][:60]}")
+            print(
+                f"  {o['bytes'] / 1e3:9.1f}  {o['execs']:10.3f}  {o['category']:10s} {str(o['inplace']):8s}  "
+                f"{o['op']} {name} {o['shape'][:60]}"
+            )
         return
-    print(f"  top {top} decode-loop kernels by time per step:\n"
-          "     us/step  launch/step    KB/step    GB/s  category    hlo_op | kernel")
+    print(
+        f"  top {top} decode-loop kernels by time per step:\n"
+        "     us/step  launch/step    KB/step    GB/s  category    hlo_op | kernel"
+    )
     for name, r in sorted(per_op.items(), key=lambda kv: -kv[1]["ns"])[:top]:
         o, kernel = ops[name], r["kernels"].most_common(1)[0][0]
-        print(f"  {r['ns'] / 1e3:10.2f}  {r['launches']:11.2f}  {o['bytes'] / 1e3:9.1f}  "
-              f"{o['bytes'] / r['ns'] if r['ns'] else 0.0:6.0f}  {o['category']:10s}  {name[:40]} | {kernel[:80]}")
+        print(
+            f"  {r['ns'] / 1e3:10.2f}  {r['launches']:11.2f}  {o['bytes'] / 1e3:9.1f}  "
+            f"{o['bytes'] / r['ns'] if r['ns'] else 0.0:6.0f}  {o['category']:10s}  {name[:40]} | {kernel[:80]}"
+        )
 
 
 def main():
@@ -311,10 +385,20 @@ def main():
     model = cast(init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16), dtype=jnp.bfloat16)
     if "update" in what:
         p, g, lp, n = (2, 4, 32, 32) if small else (8, 8, 256, 512)
-        gcfg = configure(GRPOConfig, num_generations=g, max_new_tokens=n, remat=True, remat_policy=policy,
-                         optimizer=OptimizerConfig(learning_rate=1e-6))
+        gcfg = configure(
+            GRPOConfig,
+            num_generations=g,
+            max_new_tokens=n,
+            remat=True,
+            remat_policy=policy,
+            optimizer=OptimizerConfig(learning_rate=1e-6),
+        )
         opt = gcfg.optimizer.make()
-        update, opt_state, data = jax.jit(make_grpo_update(gcfg, opt, choose_passes())), opt.init(model), update_inputs(cfg, p, g, lp, n)
+        update, opt_state, data = (
+            jax.jit(make_grpo_update(gcfg, opt, choose_passes())),
+            opt.init(model),
+            update_inputs(cfg, p, g, lp, n),
+        )
         profile(f"update_remat_{policy}", lambda: update(model, opt_state, data, jax.random.key(0)))
     if "decode" in what:  # small: N = 80, two cache blocks (two decode loops) on TINY
         decode_profile(model, 8, 8, 128, 80 if small else 256)

@@ -48,18 +48,42 @@ def env_info() -> dict:
     dev = jax.devices()[0]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=root, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=root,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
         # the library differs from the commit (benchmarks/ itself is not counted)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "relax"], cwd=root,
-                               timeout=10).returncode == 1 if commit else None
+        dirty = (
+            subprocess.run(
+                ["git", "diff", "--quiet", "HEAD", "--", "relax"], cwd=root, timeout=10
+            ).returncode
+            == 1
+            if commit
+            else None
+        )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     import jaxlib
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": dev.platform,
-            "device_kind": dev.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "git_commit": commit, "git_dirty": dirty,
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "thp": _thp_mode()}
+
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "thp": _thp_mode(),
+    }
 
 
 def _thp_mode() -> str | None:
@@ -72,7 +96,7 @@ def _thp_mode() -> str | None:
             text = f.read()
     except OSError:
         return None
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
 
 
 def on_cpu() -> bool:
@@ -85,6 +109,7 @@ def datasheet() -> dict | None:
 
 
 # ---------------------------------------------------------------------------- memory
+
 
 def _hwm_bytes() -> int:
     """Process resident-set high-water mark (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
@@ -116,6 +141,7 @@ def _device_peak() -> int | None:
 
 
 # ---------------------------------------------------------------------------- timing
+
 
 def measure(fn, *args, warmup: int = 1, runs: int = 5, budget_s: float | None = None) -> dict:
     """Compile seconds, then ``runs`` timed calls: median/min/max/spread seconds and peak memory.
@@ -152,13 +178,23 @@ def measure(fn, *args, warmup: int = 1, runs: int = 5, budget_s: float | None = 
         jax.block_until_ready(call(*args))
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
-    out = {"compile_s": round(compile_s, 4), "compile_how": compile_note, "runs": len(times), "warmup": warmup,
-           "median_s": med, "min_s": min(times), "max_s": max(times),
-           "spread": (max(times) - min(times)) / med if med > 0 else 0.0}
+    out = {
+        "compile_s": round(compile_s, 4),
+        "compile_how": compile_note,
+        "runs": len(times),
+        "warmup": warmup,
+        "median_s": med,
+        "min_s": min(times),
+        "max_s": max(times),
+        "spread": (max(times) - min(times)) / med if med > 0 else 0.0,
+    }
     if on_cpu():
         out["peak_mem_bytes"] = max(_hwm_bytes() - base, 0)
-        out["peak_mem_how"] = "rss high-water above the rss after compiling" if reset else \
-            "ru_maxrss delta (process-wide high-water; includes compile)"
+        out["peak_mem_how"] = (
+            "rss high-water above the rss after compiling"
+            if reset
+            else "ru_maxrss delta (process-wide high-water; includes compile)"
+        )
         out["process_peak_rss_bytes"] = _hwm_bytes()
     else:
         out["peak_mem_bytes"] = _device_peak()
@@ -171,8 +207,9 @@ def measure(fn, *args, warmup: int = 1, runs: int = 5, budget_s: float | None = 
 # ---------------------------------------------------------------------------- inputs
 
 
-def group_attention_inputs(P: int, G: int, H: int, R: int, Lp: int, N: int, D: int, *,
-                           dtype=jnp.float32, seed: int = 0) -> tuple[tuple, tuple]:
+def group_attention_inputs(
+    P: int, G: int, H: int, R: int, Lp: int, N: int, D: int, *, dtype=jnp.float32, seed: int = 0
+) -> tuple[tuple, tuple]:
     """Random ``(q, pk, pv, k, v)`` and the position tuple for ``prefix_group_attention``: P full
     prompts of Lp tokens, G completions of N tokens each, H KV heads with R query heads each."""
     k = jax.random.split(jax.random.key(seed), 5)
@@ -180,8 +217,13 @@ def group_attention_inputs(P: int, G: int, H: int, R: int, Lp: int, N: int, D: i
     q, ck, cv = f(0, P, H, G, R * N, D), f(1, P, H, G, N, D), f(2, P, H, G, N, D)
     pk, pv = f(3, P, H, Lp, D), f(4, P, H, Lp, D)
     c_pos = jnp.broadcast_to(Lp + jnp.arange(N), (P, G, N))
-    pos = (jnp.tile(c_pos, (1, 1, R)), jnp.broadcast_to(jnp.arange(Lp), (P, Lp)), jnp.ones((P, Lp), bool),
-           c_pos, jnp.ones((P, G, N), bool))
+    pos = (
+        jnp.tile(c_pos, (1, 1, R)),
+        jnp.broadcast_to(jnp.arange(Lp), (P, Lp)),
+        jnp.ones((P, Lp), bool),
+        c_pos,
+        jnp.ones((P, G, N), bool),
+    )
     return (q, pk, pv, ck, cv), pos
 
 
@@ -201,13 +243,13 @@ def matmul_peak_flops(n: int = 1024, dtype=jnp.float32, runs: int = 20) -> float
     a = jax.random.normal(jax.random.key(1), (n, n), dtype)
     b = jax.random.normal(jax.random.key(2), (n, n), dtype)
     r = measure(jax.jit(jnp.matmul), a, b, warmup=2, runs=runs)
-    return 2 * n ** 3 / r["median_s"]
+    return 2 * n**3 / r["median_s"]
 
 
 @functools.lru_cache(maxsize=1)
 def read_bandwidth(mbytes: int = 256, runs: int = 10) -> float:
     """Measured bytes/s of a reduction over a large float32 array (a read-bound roofline)."""
-    x = jnp.ones((mbytes * 2 ** 20 // 4,), jnp.float32)
+    x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
     r = measure(jax.jit(jnp.sum), x, warmup=2, runs=runs)
     return x.nbytes / r["median_s"]
 
@@ -255,29 +297,49 @@ def emit(record: dict, table: list[str] | None = None) -> dict:
     print(json.dumps(rec, default=str), flush=True)
     if os.environ.get(CHILD_ENV):
         return rec
-    keys = table or [k for k in record if k not in env_info() and k not in _SKIP
-                     and not isinstance(record[k], (list, dict))]
+    keys = table or [
+        k
+        for k in record
+        if k not in env_info() and k not in _SKIP and not isinstance(record[k], (list, dict))
+    ]
     widths = [max(len(k), 8) for k in keys]
     if keys != _TABLE_KEYS:
         _TABLE_KEYS = keys
         print("  ".join(f"{k:>{w}}" for k, w in zip(keys, widths)), file=sys.stderr)
-    print("  ".join(f"{_fmt(rec.get(k, '')):>{w}}" for k, w in zip(keys, widths)), file=sys.stderr, flush=True)
+    print(
+        "  ".join(f"{_fmt(rec.get(k, '')):>{w}}" for k, w in zip(keys, widths)),
+        file=sys.stderr,
+        flush=True,
+    )
     return rec
 
 
-def run_isolated(script: str, argv: list[str], timeout: float | None = None,
-                 table: list[str] | None = None) -> list[dict]:
+def run_isolated(
+    script: str, argv: list[str], timeout: float | None = None, table: list[str] | None = None
+) -> list[dict]:
     """Run ``python script *argv`` in a fresh process (its own memory high-water mark) and
     re-emit its JSON lines here; the child's stderr passes through."""
     env = {**os.environ, CHILD_ENV: "1"}
     if on_cpu():
         env[PEAK_ENV] = repr(matmul_peak_flops())
     try:
-        proc = subprocess.run([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True,
-                              env=env, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, script, *argv],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
-        return [emit({"script": os.path.basename(script), "args": " ".join(argv),
-                      "error": f"timed out after {timeout} s"})]
+        return [
+            emit(
+                {
+                    "script": os.path.basename(script),
+                    "args": " ".join(argv),
+                    "error": f"timed out after {timeout} s",
+                }
+            )
+        ]
     out = []
     for line in proc.stdout.splitlines():
         line = line.strip()
@@ -285,11 +347,26 @@ def run_isolated(script: str, argv: list[str], timeout: float | None = None,
             rec = json.loads(line)
             out.append(emit({k: v for k, v in rec.items() if k not in env_info()}, table))
     if proc.returncode:
-        out.append(emit({"script": os.path.basename(script), "args": " ".join(argv),
-                         "error": f"subprocess exited {proc.returncode}"}))
+        out.append(
+            emit(
+                {
+                    "script": os.path.basename(script),
+                    "args": " ".join(argv),
+                    "error": f"subprocess exited {proc.returncode}",
+                }
+            )
+        )
     return out
 
 
 if __name__ == "__main__":  # quick self-check: environment and peaks
     (f, fs), (b, bs) = peak_flops(), peak_bandwidth()
-    emit({"bench": "peaks", "peak_gflops": f / 1e9, "flops_source": fs, "peak_gb_per_s": b / 1e9, "bw_source": bs})
+    emit(
+        {
+            "bench": "peaks",
+            "peak_gflops": f / 1e9,
+            "flops_source": fs,
+            "peak_gb_per_s": b / 1e9,
+            "bw_source": bs,
+        }
+    )

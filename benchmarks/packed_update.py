@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 from train_step import SHAPES  # noqa: E402
 
-from relax.models import init  # noqa: E402
-from relax.data.completion_layout import PackingConfig  # noqa: E402
-from relax.algorithms.online.batch import LossRows  # noqa: E402
 from relax.algorithms.cli.configure import configure  # noqa: E402
 from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
+from relax.algorithms.online.batch import LossRows  # noqa: E402
 from relax.algorithms.online.stages import forward_logprobs  # noqa: E402
+from relax.data.completion_layout import PackingConfig  # noqa: E402
+from relax.models import init  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 
@@ -70,7 +70,7 @@ class Args:
 def lengths(args: Args) -> np.ndarray:
     """``[P, G]`` completion lengths: log-normal with mean N/4, clipped to [1, N]."""
     n = args.new_tokens
-    mu = np.log(n / 4) - args.sigma ** 2 / 2  # E[exp(X)] = exp(mu + sigma^2 / 2) = N / 4
+    mu = np.log(n / 4) - args.sigma**2 / 2  # E[exp(X)] = exp(mu + sigma^2 / 2) = N / 4
     x = np.random.default_rng(args.seed).lognormal(mu, args.sigma, (args.prompts, args.generations))
     return np.clip(np.rint(x), 1, n).astype(np.int64)
 
@@ -83,9 +83,16 @@ def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> LossRows:
     ids = rng.integers(0, vocab, (p, args.prompt_len), dtype=np.int32)
     tokens = rng.integers(0, vocab, (p, g, n), dtype=np.int32)
     logp = lambda: (-2.0 + 0.1 * rng.standard_normal((p, g, n))).astype(np.float32)  # noqa: E731
-    data = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "tokens": tokens, "mask": mask, "loss_mask": mask,
-            "old_logprobs": logp(), "ref_logprobs": logp(),
-            "advantages": rng.standard_normal((p, g)).astype(np.float32)}
+    data = {
+        "prompt_ids": ids,
+        "prompt_mask": np.ones_like(ids),
+        "tokens": tokens,
+        "mask": mask,
+        "loss_mask": mask,
+        "old_logprobs": logp(),
+        "ref_logprobs": logp(),
+        "advantages": rng.standard_normal((p, g)).astype(np.float32),
+    }
     return LossRows(**{k: jnp.asarray(v) for k, v in data.items()})
 
 
@@ -99,8 +106,14 @@ def main(args: Args) -> dict:
     packing = PackingConfig(row_tokens=args.row_tokens)
 
     def config(budget):
-        return configure(GRPOConfig, num_generations=g, max_new_tokens=budget, beta=0.04, packing=packing,
-                         optimizer=OptimizerConfig(learning_rate=1e-6))
+        return configure(
+            GRPOConfig,
+            num_generations=g,
+            max_new_tokens=budget,
+            beta=0.04,
+            packing=packing,
+            optimizer=OptimizerConfig(learning_rate=1e-6),
+        )
 
     cfg = config(n)
     opt = cfg.optimizer.make()
@@ -144,22 +157,52 @@ def main(args: Args) -> dict:
     med = {name: statistics.median(t) for name, t in times.items()}
 
     _, r, c = pk.tokens.shape
-    return emit({
-        "bench": "packed_update", "model_shape": args.model_shape, "params": mcfg.num_params(), "P": p, "G": g,
-        "Lp": args.prompt_len, "N": n, "sigma": args.sigma, "seed": args.seed, "runs": args.runs,
-        "row_tokens": c, "row_multiple": packing.row_multiple or -(-g // 4),  # the pack() default
-        "mean_len": mean_len, "max_len": int(lens.max()), "p50_len": float(np.median(lens)),
-        "no_padding_len": flat_len,
-        "real_tokens": int(lens.sum()), "padded_slots": p * g * n, "packed_slots": p * r * c,
-        "pack_rows": r, "pack_fill": float((pk.segments > 0).mean()),
-        "pack_s": statistics.median(pack_times), **med,
-        "first_call_s": {k: round(v, 3) for k, v in first.items()},
-        "packed_over_no_padding": med["update_packed"] / med["update_no_padding"],
-        "packed_speedup": med["update_padded"] / med["update_packed"],
-        "ref_packed_speedup": med["ref_padded"] / med["ref_packed"],
-        "passes_cache_sized": passes.cache_sized,
-    }, table=["bench", "N", "mean_len", "pack_rows", "pack_fill", "update_padded", "update_packed",
-              "update_no_padding", "ref_padded", "ref_packed", "packed_speedup", "packed_over_no_padding"])
+    return emit(
+        {
+            "bench": "packed_update",
+            "model_shape": args.model_shape,
+            "params": mcfg.num_params(),
+            "P": p,
+            "G": g,
+            "Lp": args.prompt_len,
+            "N": n,
+            "sigma": args.sigma,
+            "seed": args.seed,
+            "runs": args.runs,
+            "row_tokens": c,
+            "row_multiple": packing.row_multiple or -(-g // 4),  # the pack() default
+            "mean_len": mean_len,
+            "max_len": int(lens.max()),
+            "p50_len": float(np.median(lens)),
+            "no_padding_len": flat_len,
+            "real_tokens": int(lens.sum()),
+            "padded_slots": p * g * n,
+            "packed_slots": p * r * c,
+            "pack_rows": r,
+            "pack_fill": float((pk.segments > 0).mean()),
+            "pack_s": statistics.median(pack_times),
+            **med,
+            "first_call_s": {k: round(v, 3) for k, v in first.items()},
+            "packed_over_no_padding": med["update_packed"] / med["update_no_padding"],
+            "packed_speedup": med["update_padded"] / med["update_packed"],
+            "ref_packed_speedup": med["ref_padded"] / med["ref_packed"],
+            "passes_cache_sized": passes.cache_sized,
+        },
+        table=[
+            "bench",
+            "N",
+            "mean_len",
+            "pack_rows",
+            "pack_fill",
+            "update_padded",
+            "update_packed",
+            "update_no_padding",
+            "ref_padded",
+            "ref_packed",
+            "packed_speedup",
+            "packed_over_no_padding",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit  # noqa: E402
 
-from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
+from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.compose import split_host  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.objectives.off_policy import OffPolicyConfig  # noqa: E402
@@ -89,17 +89,42 @@ def run_once(a: Args, k: int) -> dict:
     """One run of mode ``k`` (1: whole rollouts): medians of its measured iterations."""
     cfg_model = small_config()
     v, n = cfg_model.vocab_size, a.new_tokens
-    stops = tuple(int(i) for i in np.linspace(1, v - 1, max(1, round(v / (a.mean_fraction * n)))).astype(int))
-    async_cfg = AsyncConfig(staleness=k, partial=k, correction=OffPolicyConfig(kind="tis"))  # depth 1 either way
-    cfg = preset("grpo", num_generations=a.generations, max_new_tokens=n, beta=0.0,
-                 optimizer=OptimizerConfig(learning_rate=1e-5))
-    state = init_state(init(cfg_model, jax.random.key(0), std=a.std), cfg.optimizer.make(), key=jax.random.key(2))
+    stops = tuple(
+        int(i) for i in np.linspace(1, v - 1, max(1, round(v / (a.mean_fraction * n)))).astype(int)
+    )
+    async_cfg = AsyncConfig(
+        staleness=k, partial=k, correction=OffPolicyConfig(kind="tis")
+    )  # depth 1 either way
+    cfg = preset(
+        "grpo",
+        num_generations=a.generations,
+        max_new_tokens=n,
+        beta=0.0,
+        optimizer=OptimizerConfig(learning_rate=1e-5),
+    )
+    state = init_state(
+        init(cfg_model, jax.random.key(0), std=a.std), cfg.optimizer.make(), key=jax.random.key(2)
+    )
     data, partial = Prompts(a, v), None
     if k > 1:
-        to_prompts = lambda w: (np.asarray(w.device.prompt_ids), np.asarray(w.device.prompt_mask), w.host)  # noqa: E731
-        data = partial = PartialRollouts(data, to_prompts, cfg.generation.rollout(eos_ids=stops, pad_id=0), k)
-    step = make_grpo_step(cfg, [reward], lambda t, m: ["x" * int(r.sum()) for r in m], eos_ids=stops, pad_id=0,
-                          off_policy=async_cfg.off_policy, pipelined=True, partial=partial)
+        to_prompts = lambda w: (
+            np.asarray(w.device.prompt_ids),
+            np.asarray(w.device.prompt_mask),
+            w.host,
+        )  # noqa: E731
+        data = partial = PartialRollouts(
+            data, to_prompts, cfg.generation.rollout(eos_ids=stops, pad_id=0), k
+        )
+    step = make_grpo_step(
+        cfg,
+        [reward],
+        lambda t, m: ["x" * int(r.sum()) for r in m],
+        eos_ids=stops,
+        pad_id=0,
+        off_policy=async_cfg.off_policy,
+        pipelined=True,
+        partial=partial,
+    )
     pipeline = Pipeline(step.segments, async_cfg, data, lambda b: b)
     warmup = max(a.warmup, 2 * k + 2) if k > 1 else a.warmup
     seconds, tokens, lags, compiles = [], [], [], 0
@@ -112,9 +137,14 @@ def run_once(a: Args, k: int) -> dict:
             tokens.append(int(jnp.sum(split_host(out)[1].batch.mask)))
             lags.append(timings["staleness"])
             compiles += counter.count
-    return {"median_s": statistics.median(seconds), "tokens_per_s": sum(tokens) / sum(seconds),
-            "real_tokens_per_batch": statistics.mean(tokens), "staleness": max(lags),
-            "stop_ids": len(stops), "compiles_measured": compiles}
+    return {
+        "median_s": statistics.median(seconds),
+        "tokens_per_s": sum(tokens) / sum(seconds),
+        "real_tokens_per_batch": statistics.mean(tokens),
+        "staleness": max(lags),
+        "stop_ids": len(stops),
+        "compiles_measured": compiles,
+    }
 
 
 def main(a: Args) -> list[dict]:
@@ -127,14 +157,25 @@ def main(a: Args) -> list[dict]:
     records = []
     for k in modes:
         med = statistics.median(r["median_s"] for r in results[k])
-        records.append(emit({"bench": "partial_rollout", "mode": "whole" if k == 1 else f"partial{k}",
-                             **dataclasses.asdict(a), "median_s": med,
-                             "runs_s": [r["median_s"] for r in results[k]],
-                             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results[k]),
-                             "real_tokens_per_batch": statistics.median(r["real_tokens_per_batch"] for r in results[k]),
-                             "staleness": results[k][0]["staleness"], "stop_ids": results[k][0]["stop_ids"],
-                             "compiles_measured": sum(r["compiles_measured"] for r in results[k]),
-                             "speedup_vs_whole": base / med}))
+        records.append(
+            emit(
+                {
+                    "bench": "partial_rollout",
+                    "mode": "whole" if k == 1 else f"partial{k}",
+                    **dataclasses.asdict(a),
+                    "median_s": med,
+                    "runs_s": [r["median_s"] for r in results[k]],
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results[k]),
+                    "real_tokens_per_batch": statistics.median(
+                        r["real_tokens_per_batch"] for r in results[k]
+                    ),
+                    "staleness": results[k][0]["staleness"],
+                    "stop_ids": results[k][0]["stop_ids"],
+                    "compiles_measured": sum(r["compiles_measured"] for r in results[k]),
+                    "speedup_vs_whole": base / med,
+                }
+            )
+        )
     return records
 
 

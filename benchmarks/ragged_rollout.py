@@ -64,7 +64,9 @@ class Partial:
     def step(self) -> tuple[float, int]:
         """(seconds, real tokens of the batch it emits)."""
         t0 = time.perf_counter()
-        done = self.partial.produce(self.model, self.i, jax.random.fold_in(self.key, self.i), PartialRequest(self.i))
+        done = self.partial.produce(
+            self.model, self.i, jax.random.fold_in(self.key, self.i), PartialRequest(self.i)
+        )
         self.i += 1
         return time.perf_counter() - t0, int(done.lengths.sum())
 
@@ -112,7 +114,9 @@ def main(args: Args) -> list[dict]:
     key = jax.random.key(2)
 
     def rollout_cfg(c, eos, budget):
-        return RolloutConfig(num_generations=args.generations, max_new_tokens=budget, eos_ids=eos, compactions=c)
+        return RolloutConfig(
+            num_generations=args.generations, max_new_tokens=budget, eos_ids=eos, compactions=c
+        )
 
     programs, compile_s = {}, {}
 
@@ -131,7 +135,9 @@ def main(args: Args) -> list[dict]:
     for kk in args.partial:
         t0 = time.perf_counter()
         partials[f"partial{kk}"] = Partial(model, ids, mask, rollout_cfg(3, stops, n), kk, key)
-        compile_s[f"partial{kk}"] = time.perf_counter() - t0  # the warm-up rollouts, compiles included
+        compile_s[f"partial{kk}"] = (
+            time.perf_counter() - t0
+        )  # the warm-up rollouts, compiles included
     times: dict[str, list[float]] = {name: [] for name in [*programs, *partials]}
     outs, partial_tokens = {}, {name: [] for name in partials}
     for _ in range(args.runs):
@@ -152,20 +158,43 @@ def main(args: Args) -> list[dict]:
     records = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        if name in partials:  # each rollout emits a batch of its own: its real tokens, per second of its time
+        if (
+            name in partials
+        ):  # each rollout emits a batch of its own: its real tokens, per second of its time
             tokens = round(statistics.mean(partial_tokens[name]))
-            extra = {"prefill_s": partials[name].prefill_s(args.runs),
-                     "tokens_per_s_total": sum(partial_tokens[name]) / sum(ts)}
+            extra = {
+                "prefill_s": partials[name].prefill_s(args.runs),
+                "tokens_per_s_total": sum(partial_tokens[name]) / sum(ts),
+            }
         else:
             tokens = real if name != "no_tail" else int(np.asarray(outs[name].lengths).sum())
             extra = {}
-        records.append(emit({"bench": "ragged_rollout", "mode": name, "model_shape": args.model_shape,
-                             "prompts": args.prompts, "generations": args.generations, "budget": n,
-                             "stop_ids": k, "mean_length": float(lengths.mean()), "longest": int(lengths.max()),
-                             "median_length": float(np.median(lengths)), "real_tokens": tokens,
-                             "median_s": med, "min_s": min(ts), "max_s": max(ts), "compile_s": compile_s[name],
-                             "tokens_per_s": tokens / med, "speedup_vs_first": base / med, "runs": len(ts),
-                             "rows_same_as_first": same.get(name), **extra}))
+        records.append(
+            emit(
+                {
+                    "bench": "ragged_rollout",
+                    "mode": name,
+                    "model_shape": args.model_shape,
+                    "prompts": args.prompts,
+                    "generations": args.generations,
+                    "budget": n,
+                    "stop_ids": k,
+                    "mean_length": float(lengths.mean()),
+                    "longest": int(lengths.max()),
+                    "median_length": float(np.median(lengths)),
+                    "real_tokens": tokens,
+                    "median_s": med,
+                    "min_s": min(ts),
+                    "max_s": max(ts),
+                    "compile_s": compile_s[name],
+                    "tokens_per_s": tokens / med,
+                    "speedup_vs_first": base / med,
+                    "runs": len(ts),
+                    "rows_same_as_first": same.get(name),
+                    **extra,
+                }
+            )
+        )
     return records
 
 

@@ -39,18 +39,33 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import tyro  # noqa: E402
-
-import harness  # noqa: E402
 
 CASES = {"a": dict(P=8, Lp=64, G=8, N=128), "b": dict(P=4, Lp=1024, G=16, N=128)}
 NOCACHE_TOKENS = {"a": 16, "b": 2}  # new tokens the quadratic no-cache sampler really generates
 HEAVY = {("b", "repeat"), ("b", "nocache"), ("a", "nocache")}  # many seconds a call: no warmup run
 MODES = ("prefix", "repeat", "nocache", "lora", "lora_merged")
-TABLE = ["case", "mode", "P", "G", "Lp", "N", "tokens_per_s", "median_s", "spread", "compile_s", "peak_mem_mb", "xla_temp_mb",
-         "achieved_gflops", "frac_of_peak", "extrapolated_from_new_tokens", "skipped"]
+TABLE = [
+    "case",
+    "mode",
+    "P",
+    "G",
+    "Lp",
+    "N",
+    "tokens_per_s",
+    "median_s",
+    "spread",
+    "compile_s",
+    "peak_mem_mb",
+    "xla_temp_mb",
+    "achieved_gflops",
+    "frac_of_peak",
+    "extrapolated_from_new_tokens",
+    "skipped",
+]
 
 
 @dataclasses.dataclass
@@ -76,7 +91,9 @@ class Args:
 def param_counts(cfg) -> tuple[int, int]:
     """(all decoder-layer weights, LM-head weights): the matmul weights one token passes through."""
     d = cfg.hidden_size
-    per_layer = d * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads) + 3 * d * cfg.intermediate_size
+    per_layer = (
+        d * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads) + 3 * d * cfg.intermediate_size
+    )
     return cfg.num_layers * per_layer, cfg.vocab_size * d
 
 
@@ -85,7 +102,11 @@ def matmul_flops(cfg, mode: str, P: int, G: int, Lp: int, N: int) -> float:
     if mode == "nocache":  # step t: full forward (all positions, logits everywhere) over Lp + N
         return 2.0 * (layers + head) * P * G * (Lp + N) * N
     prefill_rows = P * G if mode == "repeat" else P
-    return 2.0 * layers * prefill_rows * Lp + 2.0 * head * prefill_rows + 2.0 * (layers + head) * P * G * (N - 1)
+    return (
+        2.0 * layers * prefill_rows * Lp
+        + 2.0 * head * prefill_rows
+        + 2.0 * (layers + head) * P * G * (N - 1)
+    )
 
 
 def _with_adapters(model, rank: int):
@@ -94,16 +115,19 @@ def _with_adapters(model, rank: int):
 
     from relax.models.adapters.operations import add_lora, with_adapters
     from relax.models.layers.lora import LoRAConfig, LoRAWeights
+
     ad = add_lora(model, LoRAConfig(rank=rank), jax.random.key(3)).layers.lora
-    ws = {f: LoRAWeights(w.a, 0.01 * jax.random.normal(jax.random.key(i), w.b.shape)) for i, (f, w) in
-          enumerate(ad.weights().items())}
+    ws = {
+        f: LoRAWeights(w.a, 0.01 * jax.random.normal(jax.random.key(i), w.b.shape))
+        for i, (f, w) in enumerate(ad.weights().items())
+    }
     return with_adapters(model, dataclasses.replace(ad, **ws))
 
 
 def run_one(case: str, mode: str, args: Args) -> dict:
     from relax import models
-    from relax.rollout import sampler as rollout
     from relax.rollout import naive as rollout_naive
+    from relax.rollout import sampler as rollout
 
     c = CASES[case]
     P, Lp, G, N = c["P"], c["Lp"], c["G"], c["N"]
@@ -116,34 +140,73 @@ def run_one(case: str, mode: str, args: Args) -> dict:
     if mode in ("prefix", "lora", "lora_merged"):
         if mode != "prefix":
             model = _with_adapters(model, args.lora_rank)
-        fn = rollout.compiled_generate(rollout.RolloutConfig(num_generations=G, max_new_tokens=N, eos_ids=(),
-                                                             merge_adapters=mode == "lora_merged"))
+        fn = rollout.compiled_generate(
+            rollout.RolloutConfig(
+                num_generations=G,
+                max_new_tokens=N,
+                eos_ids=(),
+                merge_adapters=mode == "lora_merged",
+            )
+        )
     elif mode == "repeat":
         ids, mask = jnp.repeat(ids, G, axis=0), jnp.repeat(mask, G, axis=0)
-        fn = rollout.compiled_generate(rollout.RolloutConfig(num_generations=1, max_new_tokens=N, eos_ids=()))
+        fn = rollout.compiled_generate(
+            rollout.RolloutConfig(num_generations=1, max_new_tokens=N, eos_ids=())
+        )
     else:
         n_run = min(args.nocache_tokens or NOCACHE_TOKENS[case], N)
-        fn = rollout_naive._compiled(rollout.RolloutConfig(num_generations=G, max_new_tokens=n_run, eos_ids=()))
-    r = harness.measure(fn, model, ids, mask, key, warmup=0 if (case, mode) in HEAVY else 1, runs=args.runs,
-                        budget_s=args.budget_s)
+        fn = rollout_naive._compiled(
+            rollout.RolloutConfig(num_generations=G, max_new_tokens=n_run, eos_ids=())
+        )
+    r = harness.measure(
+        fn,
+        model,
+        ids,
+        mask,
+        key,
+        warmup=0 if (case, mode) in HEAVY else 1,
+        runs=args.runs,
+        budget_s=args.budget_s,
+    )
     flops_run = matmul_flops(cfg, mode, P, G, Lp, n_run)
     flops = matmul_flops(cfg, mode, P, G, Lp, N)
     scale = flops / flops_run
     med = r["median_s"] * scale
     peak, peak_source = harness.peak_flops()
-    rec = {"bench": "rollout", "case": case, "mode": mode, "P": P, "G": G, "Lp": Lp, "N": N,
-           "tokens_per_s": P * G * N / med, "median_s": med, "min_s": r["min_s"] * scale,
-           "max_s": r["max_s"] * scale, "spread": r["spread"], "compile_s": r["compile_s"],
-           "peak_mem_mb": round(r["peak_mem_bytes"] / 2 ** 20, 1) if r["peak_mem_bytes"] is not None else None,
-           "matmul_gflop": round(flops / 1e9, 2), "achieved_gflops": flops / med / 1e9,
-           "peak_gflops": peak / 1e9, "frac_of_peak": flops / med / peak, "runs": r["runs"], "warmup": r["warmup"],
-           "peak_mem_how": r["peak_mem_how"], "xla_temp_mb": round(r.get("xla_temp_bytes", 0) / 2 ** 20, 1),
-           "peak_source": peak_source}
+    rec = {
+        "bench": "rollout",
+        "case": case,
+        "mode": mode,
+        "P": P,
+        "G": G,
+        "Lp": Lp,
+        "N": N,
+        "tokens_per_s": P * G * N / med,
+        "median_s": med,
+        "min_s": r["min_s"] * scale,
+        "max_s": r["max_s"] * scale,
+        "spread": r["spread"],
+        "compile_s": r["compile_s"],
+        "peak_mem_mb": round(r["peak_mem_bytes"] / 2**20, 1)
+        if r["peak_mem_bytes"] is not None
+        else None,
+        "matmul_gflop": round(flops / 1e9, 2),
+        "achieved_gflops": flops / med / 1e9,
+        "peak_gflops": peak / 1e9,
+        "frac_of_peak": flops / med / peak,
+        "runs": r["runs"],
+        "warmup": r["warmup"],
+        "peak_mem_how": r["peak_mem_how"],
+        "xla_temp_mb": round(r.get("xla_temp_bytes", 0) / 2**20, 1),
+        "peak_source": peak_source,
+    }
     if n_run != N:
         rec["extrapolated_from_new_tokens"] = n_run
         rec["measured_median_s"] = r["median_s"]
-        rec["note"] = (f"timed {n_run} new tokens, scaled to {N} by the weight-matmul FLOP ratio {scale:.1f} "
-                       f"(attention, quadratic in the buffer, grows a little faster: a lower bound)")
+        rec["note"] = (
+            f"timed {n_run} new tokens, scaled to {N} by the weight-matmul FLOP ratio {scale:.1f} "
+            f"(attention, quadratic in the buffer, grows a little faster: a lower bound)"
+        )
     return rec
 
 
@@ -163,12 +226,29 @@ def main(args: Args) -> None:
     for c in cases:
         for m in modes:
             if c == "b" and m == "nocache" and not args.nocache_b:
-                harness.emit({"bench": "rollout", "case": c, "mode": m, **CASES[c],
-                              "skipped": "nocache on 1024-token prompts is quadratic; --nocache-b to run it"}, TABLE)
+                harness.emit(
+                    {
+                        "bench": "rollout",
+                        "case": c,
+                        "mode": m,
+                        **CASES[c],
+                        "skipped": "nocache on 1024-token prompts is quadratic; --nocache-b to run it",
+                    },
+                    TABLE,
+                )
                 continue
-            argv = ["--single", f"{c}:{m}", "--runs", str(args.runs), "--nocache-tokens", str(args.nocache_tokens),
-                    "--lora-rank", str(args.lora_rank),
-                    "--budget-s", str(args.budget_s)]
+            argv = [
+                "--single",
+                f"{c}:{m}",
+                "--runs",
+                str(args.runs),
+                "--nocache-tokens",
+                str(args.nocache_tokens),
+                "--lora-rank",
+                str(args.lora_rank),
+                "--budget-s",
+                str(args.budget_s),
+            ]
             harness.run_isolated(os.path.abspath(__file__), argv, table=TABLE)
 
 

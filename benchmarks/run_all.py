@@ -22,9 +22,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import tyro  # noqa: E402
-
 import harness  # noqa: E402
+import tyro  # noqa: E402
 
 # (script, arguments for the quick CPU set); order: cheap first
 # (script, arguments for the quick CPU set: fewer runs, a time budget per case; the rollout's
@@ -51,7 +50,9 @@ class Args:
 
 def main(args: Args) -> None:
     only = {s for s in args.only.split(",") if s}
-    out = args.out or os.path.join(HERE, "results", f"cpu-{datetime.date.today().isoformat()}.jsonl")
+    out = args.out or os.path.join(
+        HERE, "results", f"cpu-{datetime.date.today().isoformat()}.jsonl"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     start = time.perf_counter()
     with open(out, "a") as f:
@@ -63,8 +64,12 @@ def main(args: Args) -> None:
             t0 = time.perf_counter()
             lines, rc = [], None
             try:
-                proc = subprocess.run([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True,
-                                      timeout=args.timeout_s)
+                proc = subprocess.run(
+                    [sys.executable, script, *argv],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    timeout=args.timeout_s,
+                )
                 rc, stdout = proc.returncode, proc.stdout
             except subprocess.TimeoutExpired as e:
                 stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -76,8 +81,14 @@ def main(args: Args) -> None:
                         continue
                     f.write(line.strip() + "\n")
             f.flush()
-            summary = {"bench": "run_all", "script": name, "args": " ".join(argv), "records": len(lines),
-                       "wall_s": time.perf_counter() - t0, "rc": rc}
+            summary = {
+                "bench": "run_all",
+                "script": name,
+                "args": " ".join(argv),
+                "records": len(lines),
+                "wall_s": time.perf_counter() - t0,
+                "rc": rc,
+            }
             if rc is None:
                 summary["error"] = f"timed out after {args.timeout_s} s"
             rec = harness.emit(summary)

@@ -24,17 +24,28 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import tyro  # noqa: E402
-
-import harness  # noqa: E402
 from rollout import matmul_flops  # noqa: E402
 
 BASE = dict(G=8, Lp=64, N=64)
 SWEEPS = {"G": (4, 8, 16), "Lp": (64, 256, 1024), "N": (32, 64, 128)}
-TABLE = ["sweep", "mode", "P", "G", "Lp", "N", "median_s", "spread", "tokens_per_s", "compile_s",
-         "achieved_gflops", "prefix_speedup"]
+TABLE = [
+    "sweep",
+    "mode",
+    "P",
+    "G",
+    "Lp",
+    "N",
+    "median_s",
+    "spread",
+    "tokens_per_s",
+    "compile_s",
+    "achieved_gflops",
+    "prefix_speedup",
+]
 
 
 @dataclasses.dataclass
@@ -75,26 +86,58 @@ def main(args: Args) -> None:
             times = {}
             for mode in ("repeat", "prefix"):
                 if (G, Lp, N, mode) in done:
-                    rec = harness.emit({**done[G, Lp, N, mode], "sweep": sweep, "reused": True}, TABLE)
+                    rec = harness.emit(
+                        {**done[G, Lp, N, mode], "sweep": sweep, "reused": True}, TABLE
+                    )
                     times[mode] = rec["median_s"]
                     results[sweep][mode].append(rec["median_s"])
                     continue
                 if mode == "prefix":
-                    rc, i, m = rollout.RolloutConfig(num_generations=G, max_new_tokens=N, eos_ids=()), ids, mask
+                    rc, i, m = (
+                        rollout.RolloutConfig(num_generations=G, max_new_tokens=N, eos_ids=()),
+                        ids,
+                        mask,
+                    )
                 else:
                     rc = rollout.RolloutConfig(num_generations=1, max_new_tokens=N, eos_ids=())
                     i, m = jnp.repeat(ids, G, axis=0), jnp.repeat(mask, G, axis=0)
-                r = harness.measure(rollout.compiled_generate(rc), model, i, m, jax.random.key(2),
-                                    warmup=args.warmup, runs=args.runs, budget_s=args.budget_s)
+                r = harness.measure(
+                    rollout.compiled_generate(rc),
+                    model,
+                    i,
+                    m,
+                    jax.random.key(2),
+                    warmup=args.warmup,
+                    runs=args.runs,
+                    budget_s=args.budget_s,
+                )
                 times[mode] = r["median_s"]
                 results[sweep][mode].append(r["median_s"])
                 flops = matmul_flops(cfg, mode, P, G, Lp, N)
-                done[G, Lp, N, mode] = harness.emit({
-                    "bench": "scaling", "sweep": sweep, "mode": mode, "P": P, "G": G, "Lp": Lp, "N": N,
-                    "median_s": r["median_s"], "min_s": r["min_s"], "max_s": r["max_s"], "spread": r["spread"],
-                    "runs": r["runs"], "tokens_per_s": P * G * N / r["median_s"], "compile_s": r["compile_s"],
-                    "achieved_gflops": flops / r["median_s"] / 1e9, "frac_of_peak": flops / r["median_s"] / peak,
-                    "prefix_speedup": times["repeat"] / r["median_s"] if mode == "prefix" else None}, TABLE)
+                done[G, Lp, N, mode] = harness.emit(
+                    {
+                        "bench": "scaling",
+                        "sweep": sweep,
+                        "mode": mode,
+                        "P": P,
+                        "G": G,
+                        "Lp": Lp,
+                        "N": N,
+                        "median_s": r["median_s"],
+                        "min_s": r["min_s"],
+                        "max_s": r["max_s"],
+                        "spread": r["spread"],
+                        "runs": r["runs"],
+                        "tokens_per_s": P * G * N / r["median_s"],
+                        "compile_s": r["compile_s"],
+                        "achieved_gflops": flops / r["median_s"] / 1e9,
+                        "frac_of_peak": flops / r["median_s"] / peak,
+                        "prefix_speedup": times["repeat"] / r["median_s"]
+                        if mode == "prefix"
+                        else None,
+                    },
+                    TABLE,
+                )
     if args.plot:
         plot(results, P, args.plot)
 
@@ -102,6 +145,7 @@ def main(args: Args) -> None:
 def plot(results: dict, P: int, path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -121,8 +165,11 @@ def plot(results: dict, P: int, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     env = harness.env_info()
-    fig.suptitle(f"relax rollout, small config, {env['device_kind']} x{env['cpu_count']} cores, "
-                 f"jax {env['jax']}, {env['git_commit']}", fontsize=9)
+    fig.suptitle(
+        f"relax rollout, small config, {env['device_kind']} x{env['cpu_count']} cores, "
+        f"jax {env['jax']}, {env['git_commit']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}", file=sys.stderr)

@@ -79,18 +79,30 @@ def client_loop(service, steps: int, seed: int, rows: bool = False) -> list[floa
         start = time.perf_counter()
         sampler = trainer.save_weights_and_get_sampling_client(f"it{step}")
         ids = prompts(rng)
-        responses = sampler.sample_many([types.ModelInput.from_ints(p) for p in ids], G,
-                                        types.SamplingParams(max_tokens=N)).result()
+        responses = sampler.sample_many(
+            [types.ModelInput.from_ints(p) for p in ids], G, types.SamplingParams(max_tokens=N)
+        ).result()
         data, advantages = [], []
         for p, response in zip(ids, responses):
             r = np.asarray([np.mean(np.asarray(s.tokens) == TARGET) for s in response.sequences])
             advantages.append(r - r.mean())
             for s, a in zip(response.sequences, r - r.mean()):
                 tokens = np.concatenate([p, s.tokens])
-                data.append(types.Datum(types.ModelInput.from_ints(tokens[:-1]), {
-                    "target_tokens": tokens[1:], "logprobs": np.r_[np.zeros(LP - 1), s.logprobs].astype(np.float32),
-                    "advantages": np.r_[np.zeros(LP - 1), np.full(len(s.tokens), a)].astype(np.float32)}))
-        trainer.forward_backward(grouped_rows(ids, responses, advantages) if rows else data, "importance_sampling")
+                data.append(
+                    types.Datum(
+                        types.ModelInput.from_ints(tokens[:-1]),
+                        {
+                            "target_tokens": tokens[1:],
+                            "logprobs": np.r_[np.zeros(LP - 1), s.logprobs].astype(np.float32),
+                            "advantages": np.r_[np.zeros(LP - 1), np.full(len(s.tokens), a)].astype(
+                                np.float32
+                            ),
+                        },
+                    )
+                )
+        trainer.forward_backward(
+            grouped_rows(ids, responses, advantages) if rows else data, "importance_sampling"
+        )
         trainer.optim_step(types.AdamParams(learning_rate=LR)).result()
         seconds.append(time.perf_counter() - start)
     trainer.close()
@@ -100,9 +112,14 @@ def client_loop(service, steps: int, seed: int, rows: bool = False) -> list[floa
 def primitives_loop(base, steps: int, seed: int) -> list[float]:
     """Seconds of each iteration of the same loop with relax's primitives in-process."""
     key = jax.random.key(seed)
-    state = init_state(add_lora(base, LoRAConfig(rank=RANK), key), OPTIMIZER, key=jax.random.fold_in(key, 1))
+    state = init_state(
+        add_lora(base, LoRAConfig(rank=RANK), key), OPTIMIZER, key=jax.random.fold_in(key, 1)
+    )
     cfg = RolloutConfig(num_generations=G, max_new_tokens=N, prompt_buckets=(LP,))
-    fb, step_fn = objectives.make_forward_backward("importance_sampling"), jax.jit(objectives.optim_step)
+    fb, step_fn = (
+        objectives.make_forward_backward("importance_sampling"),
+        jax.jit(objectives.optim_step),
+    )
     rng, seconds = np.random.default_rng(seed), []
     for _ in range(steps):
         start = time.perf_counter()
@@ -110,9 +127,15 @@ def primitives_loop(base, steps: int, seed: int) -> list[float]:
         mask = jnp.ones_like(ids)
         rollout = primitives.sample(state, ids, mask, cfg)
         r = np.asarray(jnp.mean(rollout.tokens == TARGET, -1))
-        rows = LossRows(prompt_ids=ids, prompt_mask=mask, tokens=rollout.tokens, mask=rollout.mask,
-                        loss_mask=rollout.mask, old_logprobs=rollout.logprobs,
-                        advantages=jnp.asarray(r - r.mean(-1, keepdims=True)))
+        rows = LossRows(
+            prompt_ids=ids,
+            prompt_mask=mask,
+            tokens=rollout.tokens,
+            mask=rollout.mask,
+            loss_mask=rollout.mask,
+            old_logprobs=rollout.logprobs,
+            advantages=jnp.asarray(r - r.mean(-1, keepdims=True)),
+        )
         grads, _ = fb(state, rows)
         state = jax.block_until_ready(step_fn(state, grads))
         seconds.append(time.perf_counter() - start)
@@ -123,16 +146,30 @@ def start_server(model_dir: str, state_dir: str) -> tuple[subprocess.Popen, str]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "relax.serve", "--model", model_dir, "--state-dir", state_dir,
-                             "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relax.serve",
+            "--model",
+            model_dir,
+            "--state-dir",
+            state_dir,
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:
             ServiceClient(url).get_server_capabilities()
             return proc, url
-        except Exception:
+        except Exception as e:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode})")
+                raise RuntimeError(f"the server exited ({proc.returncode})") from e
             time.sleep(0.5)
     raise TimeoutError("the server did not start")
 
@@ -140,7 +177,10 @@ def start_server(model_dir: str, state_dir: str) -> tuple[subprocess.Popen, str]
 def clients_wall(url: str, k: int, steps: int, concurrent: bool) -> float:
     start = time.perf_counter()
     if concurrent:
-        threads = [threading.Thread(target=client_loop, args=(ServiceClient(url), steps, 100 + i)) for i in range(k)]
+        threads = [
+            threading.Thread(target=client_loop, args=(ServiceClient(url), steps, 100 + i))
+            for i in range(k)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -152,13 +192,17 @@ def clients_wall(url: str, k: int, steps: int, concurrent: bool) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--clients", type=int, nargs="*", default=[1, 2, 4])
     ap.add_argument("--client-steps", type=int, default=4)
-    ap.add_argument("--out", default=None, help="also append the JSON lines to benchmarks/results/OUT")
+    ap.add_argument(
+        "--out", default=None, help="also append the JSON lines to benchmarks/results/OUT"
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="relax-serve-bench-"))
     base = init(small_config(), jax.random.key(0))
@@ -166,28 +210,56 @@ def main() -> None:
     server, url = start_server(str(work / "model"), str(work / "server"))
     records = []
     try:
-        local = LocalServiceClient(load_service(ServeConfig(model=str(work / "model"), state_dir=str(work / "local"))))
-        modes = {"http": lambda s: client_loop(ServiceClient(url), args.steps, s),
-                 "in_process": lambda s: client_loop(local, args.steps, s),
-                 "http_rows": lambda s: client_loop(ServiceClient(url), args.steps, s, rows=True),
-                 "primitives": lambda s: primitives_loop(base, args.steps, s)}
+        local = LocalServiceClient(
+            load_service(ServeConfig(model=str(work / "model"), state_dir=str(work / "local")))
+        )
+        modes = {
+            "http": lambda s: client_loop(ServiceClient(url), args.steps, s),
+            "in_process": lambda s: client_loop(local, args.steps, s),
+            "http_rows": lambda s: client_loop(ServiceClient(url), args.steps, s, rows=True),
+            "primitives": lambda s: primitives_loop(base, args.steps, s),
+        }
         figures: dict[str, list[float]] = {m: [] for m in modes}
         for run in range(args.runs):
             for mode, loop in modes.items():
-                figures[mode].append(statistics.median(loop(run)[args.warmup:]))
+                figures[mode].append(statistics.median(loop(run)[args.warmup :]))
         for mode, runs in figures.items():
-            records.append(emit({"bench": "serve_overhead", "mode": mode, "sec_per_iter": statistics.median(runs),
-                                 "runs": runs, "steps": args.steps, "warmup": args.warmup}))
+            records.append(
+                emit(
+                    {
+                        "bench": "serve_overhead",
+                        "mode": mode,
+                        "sec_per_iter": statistics.median(runs),
+                        "runs": runs,
+                        "steps": args.steps,
+                        "warmup": args.warmup,
+                    }
+                )
+            )
         for k in args.clients:
             walls: dict[str, list[float]] = {"concurrent": [], "sequential": []}
             for _ in range(args.runs):
                 for mode in walls:
-                    walls[mode].append(clients_wall(url, k, args.client_steps, mode == "concurrent"))
+                    walls[mode].append(
+                        clients_wall(url, k, args.client_steps, mode == "concurrent")
+                    )
             c, s = statistics.median(walls["concurrent"]), statistics.median(walls["sequential"])
-            records.append(emit({"bench": "serve_clients", "k": k, "steps": args.client_steps, "concurrent_s": c,
-                                 "sequential_s": s, "iters_per_s_concurrent": k * args.client_steps / c,
-                                 "iters_per_s_sequential": k * args.client_steps / s, "speedup": s / c,
-                                 "runs_concurrent": walls["concurrent"], "runs_sequential": walls["sequential"]}))
+            records.append(
+                emit(
+                    {
+                        "bench": "serve_clients",
+                        "k": k,
+                        "steps": args.client_steps,
+                        "concurrent_s": c,
+                        "sequential_s": s,
+                        "iters_per_s_concurrent": k * args.client_steps / c,
+                        "iters_per_s_sequential": k * args.client_steps / s,
+                        "speedup": s / c,
+                        "runs_concurrent": walls["concurrent"],
+                        "runs_sequential": walls["sequential"],
+                    }
+                )
+            )
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -52,14 +52,22 @@ class Args:
 
 def make_examples(args: Args, vocab: int) -> list[SFTExample]:
     rng = np.random.default_rng(args.seed)
-    lengths = np.exp(rng.uniform(np.log(args.min_len), np.log(args.max_len + 1), args.examples)).astype(int)
+    lengths = np.exp(
+        rng.uniform(np.log(args.min_len), np.log(args.max_len + 1), args.examples)
+    ).astype(int)
     lengths = np.clip(lengths, args.min_len, args.max_len)
-    return [SFTExample(rng.integers(1, vocab, n), np.r_[0, np.ones(n - 1, np.int32)]) for n in lengths]
+    return [
+        SFTExample(rng.integers(1, vocab, n), np.r_[0, np.ones(n - 1, np.int32)]) for n in lengths
+    ]
 
 
 def run_case(args: Args, packing: bool, model, examples) -> dict:
-    cfg = SFTConfig(max_length=args.max_len, packing=packing, grad_accum=args.grad_accum,
-                    optimizer=OptimizerConfig(learning_rate=1e-5))
+    cfg = SFTConfig(
+        max_length=args.max_len,
+        packing=packing,
+        grad_accum=args.grad_accum,
+        optimizer=OptimizerConfig(learning_rate=1e-5),
+    )
     batch = jax.tree.map(jnp.asarray, sft_batch(cfg, examples, pad_id=0))
     step = make_sft_step(cfg)
     state = init_sft_state(cfg, jax.tree.map(jnp.copy, model), key=jax.random.key(1))
@@ -77,13 +85,25 @@ def run_case(args: Args, packing: bool, model, examples) -> dict:
     med = statistics.median(times)
     tokens = int(out.metrics["tokens"])
     rows = int(batch.ids.shape[0])
-    return {"bench": "sft", "case": "packed" if packing else "unpacked", "examples": len(examples),
-            "row_length": args.max_len, "rows": rows, "tokens": tokens,
-            "padding_fraction": padding_fraction(batch), "grad_accum": args.grad_accum, "runs": len(times),
-            "step_s": med, "min_step_s": min(times), "max_step_s": max(times),
-            "spread": (max(times) - min(times)) / med, "tokens_per_s": tokens / med,
-            "compile_s": round(first - med, 3), "compiles_after_first": recompiles.count,
-            "loss": float(out.metrics["loss"])}
+    return {
+        "bench": "sft",
+        "case": "packed" if packing else "unpacked",
+        "examples": len(examples),
+        "row_length": args.max_len,
+        "rows": rows,
+        "tokens": tokens,
+        "padding_fraction": padding_fraction(batch),
+        "grad_accum": args.grad_accum,
+        "runs": len(times),
+        "step_s": med,
+        "min_step_s": min(times),
+        "max_step_s": max(times),
+        "spread": (max(times) - min(times)) / med,
+        "tokens_per_s": tokens / med,
+        "compile_s": round(first - med, 3),
+        "compiles_after_first": recompiles.count,
+        "loss": float(out.metrics["loss"]),
+    }
 
 
 def main(args: Args) -> list[dict]:
@@ -96,14 +116,33 @@ def main(args: Args) -> list[dict]:
         if case not in ("packed", "unpacked"):
             raise SystemExit(f"--cases {case!r}: packed | unpacked")
         rec = run_case(args, case == "packed", model, examples)
-        rec.update(model_shape="small", params=mcfg.num_params(), min_len=args.min_len, max_len=args.max_len,
-                   mean_len=float(np.mean(lengths)))
+        rec.update(
+            model_shape="small",
+            params=mcfg.num_params(),
+            min_len=args.min_len,
+            max_len=args.max_len,
+            mean_len=float(np.mean(lengths)),
+        )
         if case == "unpacked":
             base = rec["tokens_per_s"]
         elif base is not None:
             rec["speedup_vs_unpacked"] = rec["tokens_per_s"] / base
-        out.append(emit(rec, table=["bench", "case", "rows", "tokens", "padding_fraction", "step_s",
-                                    "tokens_per_s", "compile_s", "speedup_vs_unpacked"]))
+        out.append(
+            emit(
+                rec,
+                table=[
+                    "bench",
+                    "case",
+                    "rows",
+                    "tokens",
+                    "padding_fraction",
+                    "step_s",
+                    "tokens_per_s",
+                    "compile_s",
+                    "speedup_vs_unpacked",
+                ],
+            )
+        )
     return out
 
 

@@ -27,13 +27,24 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import tyro  # noqa: E402
 
-import harness  # noqa: E402
-
-TABLE = ["impl", "pass", "P", "G", "Lp", "N", "median_ms", "spread", "xla_temp_mb", "score_mb", "speedup"]
+TABLE = [
+    "impl",
+    "pass",
+    "P",
+    "G",
+    "Lp",
+    "N",
+    "median_ms",
+    "spread",
+    "xla_temp_mb",
+    "score_mb",
+    "speedup",
+]
 
 
 @dataclasses.dataclass
@@ -52,6 +63,7 @@ class Args:
 
 def _unblocked(P, G, H, R, Lp, N, D):
     from relax.models.attention import blocks as attn
+
     B = P * G
 
     def f(q, pk, pv, ck, cv):
@@ -59,11 +71,14 @@ def _unblocked(P, G, H, R, Lp, N, D):
         kb = ck.transpose(0, 2, 1, 3, 4).reshape(B, H, N, D)
         vb = cv.transpose(0, 2, 1, 3, 4).reshape(B, H, N, D)
         t = jnp.arange(N)
-        own = jnp.broadcast_to((t[:, None] >= t[None, :])[None, None, None], (B, 1, R, N, N)).reshape(B, 1, R * N, N)
+        own = jnp.broadcast_to(
+            (t[:, None] >= t[None, :])[None, None, None], (B, 1, R, N, N)
+        ).reshape(B, 1, R * N, N)
         own_block = attn.block_stats(qb, kb, vb, own)
         prompt_block = attn.shared_prefix_attention(qb, pk, pv, jnp.ones((P, 1, 1, Lp), bool), G)
         out = attn.merge_stats([prompt_block, own_block])
         return out.reshape(P, G, H, R * N, D).transpose(0, 2, 1, 3, 4)
+
     return f
 
 
@@ -75,25 +90,49 @@ def main(args: Args) -> None:
         P, G, Lp, N = (int(x) for x in case.split(","))
         xs, pos = harness.group_attention_inputs(P, G, H, R, Lp, N, D)
         w = jax.random.normal(jax.random.key(9), xs[0].shape)
-        impls = {"unblocked": _unblocked(P, G, H, R, Lp, N, D),
-                 "group": lambda *a: prefix_group_attention(*a, *pos),
-                 "group_saved": lambda *a: prefix_group_attention(*a, *pos, save_probabilities=True)}
+        impls = {
+            "unblocked": _unblocked(P, G, H, R, Lp, N, D),
+            "group": lambda *a: prefix_group_attention(*a, *pos),
+            "group_saved": lambda *a: prefix_group_attention(*a, *pos, save_probabilities=True),
+        }
         got = {name: f(*xs) for name, f in impls.items()}
-        err = max(float(jnp.max(jnp.abs(got[g] - got["unblocked"]))) for g in ("group", "group_saved"))
+        err = max(
+            float(jnp.max(jnp.abs(got[g] - got["unblocked"]))) for g in ("group", "group_saved")
+        )
         times = {}
         for pass_ in ("forward", "forward+backward"):
             for name, f in impls.items():
-                fn = jax.jit(f) if pass_ == "forward" else jax.jit(
-                    jax.grad(lambda *a, f=f: jnp.sum(w * f(*a)), argnums=range(5)))
+                fn = (
+                    jax.jit(f)
+                    if pass_ == "forward"
+                    else jax.jit(jax.grad(lambda *a, f=f: jnp.sum(w * f(*a)), argnums=range(5)))
+                )
                 r = harness.measure(fn, *xs, warmup=1, runs=args.runs)
                 times[(pass_, name)] = r["median_s"]
-                harness.emit({
-                    "bench": "train_attention", "impl": name, "pass": pass_, "P": P, "G": G, "Hkv": H, "R": R,
-                    "D": D, "Lp": Lp, "N": N, "median_ms": r["median_s"] * 1e3, "min_ms": r["min_s"] * 1e3,
-                    "spread": r["spread"], "compile_s": r["compile_s"], "runs": r["runs"],
-                    "xla_temp_mb": round(r.get("xla_temp_bytes", 0) / 2 ** 20, 1),
-                    "score_mb": round(P * G * H * R * N * (Lp + N) * 4 / 2 ** 20, 1),
-                    "speedup": times[(pass_, "unblocked")] / r["median_s"], "max_abs_diff": err}, TABLE)
+                harness.emit(
+                    {
+                        "bench": "train_attention",
+                        "impl": name,
+                        "pass": pass_,
+                        "P": P,
+                        "G": G,
+                        "Hkv": H,
+                        "R": R,
+                        "D": D,
+                        "Lp": Lp,
+                        "N": N,
+                        "median_ms": r["median_s"] * 1e3,
+                        "min_ms": r["min_s"] * 1e3,
+                        "spread": r["spread"],
+                        "compile_s": r["compile_s"],
+                        "runs": r["runs"],
+                        "xla_temp_mb": round(r.get("xla_temp_bytes", 0) / 2**20, 1),
+                        "score_mb": round(P * G * H * R * N * (Lp + N) * 4 / 2**20, 1),
+                        "speedup": times[(pass_, "unblocked")] / r["median_s"],
+                        "max_abs_diff": err,
+                    },
+                    TABLE,
+                )
 
 
 if __name__ == "__main__":

@@ -31,22 +31,37 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit, peak_flops  # noqa: E402
 
-from relax.models import ModelConfig, init, small_config  # noqa: E402
-from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
-from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
+from relax.algorithms.online.batch import step_input  # noqa: E402
+from relax.models import ModelConfig, init, small_config  # noqa: E402
+from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.train.run import CompileCounter  # noqa: E402
 from relax.train.state import init_state  # noqa: E402
 
-
 SHAPES = {
     "small": small_config,
-    "small-moe": lambda: small_config(family="mixtral", intermediate_size=344, num_experts=8, num_experts_per_tok=2,
-                                      moe_intermediate_size=344, norm_topk_prob=True),
-    "smollm-135m": lambda: ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                       num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
-                                       rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "small-moe": lambda: small_config(
+        family="mixtral",
+        intermediate_size=344,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=344,
+        norm_topk_prob=True,
+    ),
+    "smollm-135m": lambda: ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -79,8 +94,14 @@ def main(args: Args) -> dict:
         raise SystemExit(f"--model-shape {args.model_shape!r}: one of {', '.join(SHAPES)}")
     mcfg = SHAPES[args.model_shape]()
     model = init(mcfg, jax.random.key(0))
-    cfg = preset(args.preset, num_generations=args.generations, max_new_tokens=args.new_tokens, beta=args.beta,
-                 grad_accum=args.grad_accum, optimizer=OptimizerConfig(learning_rate=1e-6))
+    cfg = preset(
+        args.preset,
+        num_generations=args.generations,
+        max_new_tokens=args.new_tokens,
+        beta=args.beta,
+        grad_accum=args.grad_accum,
+        optimizer=OptimizerConfig(learning_rate=1e-6),
+    )
     opt = cfg.optimizer.make()
     state = init_state(model, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
     step = make_grpo_step(cfg, [reward], decode, eos_ids=(), pad_id=0)
@@ -114,26 +135,55 @@ def main(args: Args) -> dict:
     # split around it: not counted)
     # embedding lookups are free (a tied head's matmul is counted: num_params counts it once); a
     # mixture of experts counts the experts a token uses (num_active_params)
-    n_params = mcfg.num_active_params() - (0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size)
+    n_params = mcfg.num_active_params() - (
+        0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size
+    )
     update_tokens = p * args.prompt_len + tokens
     update_flops = 6 * n_params * update_tokens
     peak, peak_source = peak_flops()
     upd_name = next(s for s in stages if s.endswith("update"))  # advantage+update, fused
     upd = med[upd_name]
-    return emit({
-        "bench": "train_step", "model_shape": args.model_shape, "params": mcfg.num_params(),
-        "active_params": mcfg.num_active_params(), "preset": args.preset, "P": p, "G": args.generations,
-        "Lp": args.prompt_len,
-        "N": args.new_tokens, "beta": args.beta, "grad_accum": args.grad_accum, "runs": args.runs,
-        "iteration_s": total, "rollout_s": med["rollout"],
-        "score_s": med["score_start"] + med["score_finish"], "reference_s": med.get("reference", 0.0), "update_s": upd,
-        "update_stages": upd_name,
-        "min_iteration_s": min(sum(r.values()) for r in runs), "max_iteration_s": max(sum(r.values()) for r in runs),
-        "tokens_per_s": tokens / total, "rollout_tokens_per_s": tokens / med["rollout"],
-        "compile_s": {s: round(first[s] - med[s], 3) for s in stages}, "compiles_after_first": recompiles.count,
-        "update_gflops": update_flops / upd / 1e9, "peak_gflops": peak / 1e9, "peak_source": peak_source,
-        "update_frac_of_peak": update_flops / upd / peak,
-    }, table=["bench", "iteration_s", "rollout_s", "score_s", "update_s", "tokens_per_s", "update_frac_of_peak"])
+    return emit(
+        {
+            "bench": "train_step",
+            "model_shape": args.model_shape,
+            "params": mcfg.num_params(),
+            "active_params": mcfg.num_active_params(),
+            "preset": args.preset,
+            "P": p,
+            "G": args.generations,
+            "Lp": args.prompt_len,
+            "N": args.new_tokens,
+            "beta": args.beta,
+            "grad_accum": args.grad_accum,
+            "runs": args.runs,
+            "iteration_s": total,
+            "rollout_s": med["rollout"],
+            "score_s": med["score_start"] + med["score_finish"],
+            "reference_s": med.get("reference", 0.0),
+            "update_s": upd,
+            "update_stages": upd_name,
+            "min_iteration_s": min(sum(r.values()) for r in runs),
+            "max_iteration_s": max(sum(r.values()) for r in runs),
+            "tokens_per_s": tokens / total,
+            "rollout_tokens_per_s": tokens / med["rollout"],
+            "compile_s": {s: round(first[s] - med[s], 3) for s in stages},
+            "compiles_after_first": recompiles.count,
+            "update_gflops": update_flops / upd / 1e9,
+            "peak_gflops": peak / 1e9,
+            "peak_source": peak_source,
+            "update_frac_of_peak": update_flops / upd / peak,
+        },
+        table=[
+            "bench",
+            "iteration_s",
+            "rollout_s",
+            "score_s",
+            "update_s",
+            "tokens_per_s",
+            "update_frac_of_peak",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -47,10 +47,16 @@ def datums(prompt: list[int], sequences, advantages) -> list[types.Datum]:
     out = []
     for seq, a in zip(sequences, advantages):
         tokens, n = prompt + seq.tokens, len(prompt) - 1
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-            "target_tokens": np.asarray(tokens[1:], np.int32),
-            "logprobs": np.asarray([0.0] * n + seq.logprobs, np.float32),
-            "advantages": np.asarray([0.0] * n + [a] * len(seq.tokens), np.float32)}))
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": np.asarray(tokens[1:], np.int32),
+                    "logprobs": np.asarray([0.0] * n + seq.logprobs, np.float32),
+                    "advantages": np.asarray([0.0] * n + [a] * len(seq.tokens), np.float32),
+                },
+            )
+        )
     return out
 
 
@@ -61,8 +67,17 @@ def exact_match(tokenizer, sequences, answer: str) -> np.ndarray:
 
 def held_out(sampler, tokenizer, rows: list[dict]) -> float:
     prompts = [types.ModelInput.from_ints(tokenizer.encode(r["prompt"])) for r in rows]
-    responses = sampler.sample_many(prompts, 1, types.SamplingParams(max_tokens=8, temperature=0.0)).result()
-    return float(np.mean([exact_match(tokenizer, r.sequences, row["answer"])[0] for r, row in zip(responses, rows)]))
+    responses = sampler.sample_many(
+        prompts, 1, types.SamplingParams(max_tokens=8, temperature=0.0)
+    ).result()
+    return float(
+        np.mean(
+            [
+                exact_match(tokenizer, r.sequences, row["answer"])[0]
+                for r, row in zip(responses, rows)
+            ]
+        )
+    )
 
 
 def main(cfg: LoopConfig, service: tinker.ServiceClient | None = None) -> list[dict]:
@@ -78,15 +93,20 @@ def main(cfg: LoopConfig, service: tinker.ServiceClient | None = None) -> list[d
         sampler = trainer.save_weights_and_get_sampling_client(f"step{step}")
         record: dict = {"step": step}
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            record["held_out_exact_match"] = held_out(sampler, tokenizer, evaluation[:cfg.eval_prompts])
+            record["held_out_exact_match"] = held_out(
+                sampler, tokenizer, evaluation[: cfg.eval_prompts]
+            )
         if step == cfg.steps:
             history.append(record)
             print(json.dumps(record), flush=True)
             break
         rows = [train[i] for i in rng.choice(len(train), cfg.batch_size, replace=False)]
         prompts = [tokenizer.encode(r["prompt"]) for r in rows]
-        responses = sampler.sample_many([types.ModelInput.from_ints(p) for p in prompts], cfg.group_size,
-                                        types.SamplingParams(max_tokens=cfg.max_tokens)).result()
+        responses = sampler.sample_many(
+            [types.ModelInput.from_ints(p) for p in prompts],
+            cfg.group_size,
+            types.SamplingParams(max_tokens=cfg.max_tokens),
+        ).result()
         data, rewards = [], []
         for prompt, response, row in zip(prompts, responses, rows):
             r = exact_match(tokenizer, response.sequences, row["answer"])
@@ -94,8 +114,12 @@ def main(cfg: LoopConfig, service: tinker.ServiceClient | None = None) -> list[d
             data += datums(prompt, response.sequences, r - r.mean())
         fb = trainer.forward_backward(data, loss_fn="importance_sampling")
         update = trainer.optim_step(types.AdamParams(learning_rate=cfg.learning_rate))
-        record.update(reward=float(np.mean(rewards)), loss=fb.result().metrics["loss"],
-                      grad_norm=update.result().metrics["grad_norm"], seconds=time.perf_counter() - start)
+        record.update(
+            reward=float(np.mean(rewards)),
+            loss=fb.result().metrics["loss"],
+            grad_norm=update.result().metrics["grad_norm"],
+            seconds=time.perf_counter() - start,
+        )
         history.append(record)
         print(json.dumps(record), flush=True)
     trainer.close()

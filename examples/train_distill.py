@@ -19,7 +19,15 @@ from relax.train.preemption import exit_as_terminated
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run(parse_flags(DistillRunConfig, argv, builtin=builtin_defaults, real=DistillRunConfig, description=__doc__))
+    return run(
+        parse_flags(
+            DistillRunConfig,
+            argv,
+            builtin=builtin_defaults,
+            real=DistillRunConfig,
+            description=__doc__,
+        )
+    )
 
 
 if __name__ == "__main__":

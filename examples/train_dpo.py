@@ -18,7 +18,9 @@ from relax.train.preemption import exit_as_terminated
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return dpo_main(sys.argv[1:] if argv is None else argv, loss_type="sigmoid", description=__doc__)
+    return dpo_main(
+        sys.argv[1:] if argv is None else argv, loss_type="sigmoid", description=__doc__
+    )
 
 
 if __name__ == "__main__":

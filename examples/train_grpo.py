@@ -18,16 +18,21 @@ from __future__ import annotations
 import sys
 
 from relax.algorithms.cli.flags import flag_value, parse_flags
-from relax.train.preemption import exit_as_terminated
 from relax.algorithms.grpo.run import GRPORunConfig, builtin_defaults, real_defaults, run
+from relax.train.preemption import exit_as_terminated
 
 
 def parse_args(argv: list[str]) -> GRPORunConfig:
     """Flags -> config. Defaults depend on the mode (the built-in task is tiny), on the task and on
     the preset; flags override them."""
     name, task = flag_value(argv, "--preset", "grpo"), flag_value(argv, "--task", "reverse")
-    return parse_flags(GRPORunConfig, argv, builtin=lambda: builtin_defaults(name, task),
-                       real=lambda: real_defaults(name), description=__doc__)
+    return parse_flags(
+        GRPORunConfig,
+        argv,
+        builtin=lambda: builtin_defaults(name, task),
+        real=lambda: real_defaults(name),
+        description=__doc__,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

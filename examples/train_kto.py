@@ -19,7 +19,11 @@ from relax.train.preemption import exit_as_terminated
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run(parse_flags(KTORunConfig, argv, builtin=builtin_defaults, real=KTORunConfig, description=__doc__))
+    return run(
+        parse_flags(
+            KTORunConfig, argv, builtin=builtin_defaults, real=KTORunConfig, description=__doc__
+        )
+    )
 
 
 if __name__ == "__main__":

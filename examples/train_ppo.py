@@ -22,8 +22,15 @@ from relax.train.preemption import exit_as_terminated
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     task = flag_value(argv, "--task", "reverse")
-    return run(parse_flags(PPORunConfig, argv, builtin=lambda: builtin_defaults(task), real=real_defaults,
-                           description=__doc__))
+    return run(
+        parse_flags(
+            PPORunConfig,
+            argv,
+            builtin=lambda: builtin_defaults(task),
+            real=real_defaults,
+            description=__doc__,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -93,11 +93,15 @@ class Stage(SegmentRunner):
     reads_reference: bool = False
     waits: bool = False
     parts: tuple[Stage, ...] = ()
-    segments: tuple[Segment, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+    segments: tuple[Segment, ...] = dataclasses.field(
+        default=(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"stage {self.name}: placement {self.placement!r} is not one of {PLACEMENTS}")
+            raise ValueError(
+                f"stage {self.name}: placement {self.placement!r} is not one of {PLACEMENTS}"
+            )
         object.__setattr__(self, "segments", _plan(self.parts if self.parts else (self,)))
 
     @property
@@ -107,8 +111,15 @@ class Stage(SegmentRunner):
 
 
 def stage(
-    fn: StageFn | None = None, *, jit: bool = True, name: str | None = None, donate_state: bool = True,
-    updates_state: bool = True, placement: str = "trainer", reads_reference: bool = False, waits: bool = False,
+    fn: StageFn | None = None,
+    *,
+    jit: bool = True,
+    name: str | None = None,
+    donate_state: bool = True,
+    updates_state: bool = True,
+    placement: str = "trainer",
+    reads_reference: bool = False,
+    waits: bool = False,
 ) -> Stage | Callable[[StageFn], Stage]:
     """Wrap ``fn(state, batch) -> (state, batch)`` as a ``Stage``; usable as ``@stage(jit=False)``.
 
@@ -123,15 +134,31 @@ def stage(
     (``relax.train.pipeline``) runs it as late as it can, when its batch is about to be consumed.
     """
     if fn is None:
-        return lambda f: stage(f, jit=jit, name=name, donate_state=donate_state, updates_state=updates_state,
-                               placement=placement, reads_reference=reads_reference, waits=waits)
+        return lambda f: stage(
+            f,
+            jit=jit,
+            name=name,
+            donate_state=donate_state,
+            updates_state=updates_state,
+            placement=placement,
+            reads_reference=reads_reference,
+            waits=waits,
+        )
     if isinstance(fn, Stage):
         raise TypeError("fn is already a Stage; compose it, or wrap its .fn")
     if not callable(fn):
         raise TypeError(f"stage fn must be callable, got {type(fn).__name__}")
     label = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
-    return Stage(fn=fn, jittable=jit, name=label, donate_state=donate_state, updates_state=updates_state,
-                 placement=placement, reads_reference=reads_reference, waits=waits)
+    return Stage(
+        fn=fn,
+        jittable=jit,
+        name=label,
+        donate_state=donate_state,
+        updates_state=updates_state,
+        placement=placement,
+        reads_reference=reads_reference,
+        waits=waits,
+    )
 
 
 def compose(*stages: Stage, name: str | None = None) -> Stage:
@@ -145,7 +172,9 @@ def compose(*stages: Stage, name: str | None = None) -> Stage:
         raise ValueError("compose needs at least one stage")
     for s in stages:
         if not isinstance(s, Stage):
-            raise TypeError(f"compose takes Stage objects (wrap functions with stage()), got {type(s).__name__}")
+            raise TypeError(
+                f"compose takes Stage objects (wrap functions with stage()), got {type(s).__name__}"
+            )
     leaves = tuple(leaf for s in stages for leaf in s.leaves)
     return Stage(
         fn=_chain(leaves),
@@ -169,7 +198,9 @@ def _chain(leaves: tuple[Stage, ...]) -> StageFn:
     return chained
 
 
-def group_leaves(leaves: tuple[Stage, ...], key: Callable[[Stage], Any] = lambda leaf: None) -> list[list[Stage]]:
+def group_leaves(
+    leaves: tuple[Stage, ...], key: Callable[[Stage], Any] = lambda leaf: None
+) -> list[list[Stage]]:
     """Adjacent jittable leaves with equal ``key`` form one group (one program); a host leaf is
     a group of its own."""
     groups: list[list[Stage]] = []
@@ -192,7 +223,10 @@ def batch_only(group: Sequence[Stage]) -> tuple[StageFn, bool]:
 
     def fn(state, batch):
         out_state, out = chain(state, batch)
-        if any(a is not b for a, b in zip(jax.tree.leaves(out_state), jax.tree.leaves(state), strict=True)):
+        if any(
+            a is not b
+            for a, b in zip(jax.tree.leaves(out_state), jax.tree.leaves(state), strict=True)
+        ):
             raise ValueError(f"stage(s) {names} declared updates_state=False but changed the state")
         return out
 
@@ -214,10 +248,19 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
             donate = (0,) if updates and all(s.donate_state for s in group) else ()
             jitted = jax.jit(fn, donate_argnums=donate)
             run = _host_passthrough(jitted if updates else keep_state(jitted))
-            segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates))
+            segments.append(
+                Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates)
+            )
         else:
-            segments.append(Segment(names=names, jittable=False, run=group[0].fn,
-                                    updates_state=group[0].updates_state, waits=group[0].waits))
+            segments.append(
+                Segment(
+                    names=names,
+                    jittable=False,
+                    run=group[0].fn,
+                    updates_state=group[0].updates_state,
+                    waits=group[0].waits,
+                )
+            )
     return tuple(segments)
 
 
@@ -237,7 +280,10 @@ def _is_device_value(value: Any) -> bool:
     # arrays (an empty container too) go into the jitted program; Python values (text, numbers
     # from the data rows, ...) stay on the host: as jit arguments they would retrace on change.
     # A ``jax.ShapeDtypeStruct`` stands for an array (a batch being planned, ``relax.plan``).
-    return all(isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for leaf in jax.tree.leaves(value))
+    return all(
+        isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+        for leaf in jax.tree.leaves(value)
+    )
 
 
 def split_host(batch: Any) -> tuple[Any, Any]:

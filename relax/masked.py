@@ -21,7 +21,9 @@ def assert_same_shape(**arrays: ArrayLike) -> None:
     The message names every array and its shape, e.g. ``values=(4, 8), mask=(4, 7)``.
     """
     named = ", ".join(f"{k}={jnp.shape(v)}" for k, v in arrays.items())
-    chex.assert_equal_shape(list(arrays.values()), custom_message=f"arrays must share one shape: {named}")
+    chex.assert_equal_shape(
+        list(arrays.values()), custom_message=f"arrays must share one shape: {named}"
+    )
 
 
 def at_least_float32(x: ArrayLike) -> Array:
@@ -43,7 +45,9 @@ def token_inputs(mask: ArrayLike, **arrays: ArrayLike) -> tuple[Array, ...]:
 def last_valid_index(mask: Bool[Array, "*b t"]) -> Int[Array, "*b"]:
     """Index of the last True along the last axis; -1 where there is none."""
     n = jnp.shape(mask)[-1]
-    return jnp.max(jnp.where(jnp.asarray(mask).astype(bool), jnp.arange(n, dtype=jnp.int32), -1), axis=-1)
+    return jnp.max(
+        jnp.where(jnp.asarray(mask).astype(bool), jnp.arange(n, dtype=jnp.int32), -1), axis=-1
+    )
 
 
 def _select(x: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:
@@ -54,7 +58,9 @@ def _select(x: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:
     return jnp.where(m, x, 0.0), m.astype(x.dtype)
 
 
-def masked_sum(x: Float[Array, "*s"], mask: Bool[Array, "*s"], axis: Axis = None) -> Float[Array, "..."]:
+def masked_sum(
+    x: Float[Array, "*s"], mask: Bool[Array, "*s"], axis: Axis = None
+) -> Float[Array, "..."]:
     """``sum_i m_i x_i`` over ``axis`` (all axes when None)."""
     xs, _ = _select(x, mask)
     return xs.sum(axis=axis)
@@ -65,7 +71,9 @@ def masked_count(mask: Bool[Array, "*s"], axis: Axis = None) -> Float[Array, "..
     return jnp.asarray(mask).astype(jnp.float32).sum(axis=axis)
 
 
-def masked_mean(x: Float[Array, "*s"], mask: Bool[Array, "*s"], axis: Axis = None) -> Float[Array, "..."]:
+def masked_mean(
+    x: Float[Array, "*s"], mask: Bool[Array, "*s"], axis: Axis = None
+) -> Float[Array, "..."]:
     """``sum_i m_i x_i / max(sum_i m_i, 1)`` over ``axis``; 0 where nothing is selected."""
     xs, m = _select(x, mask)
     return xs.sum(axis=axis) / jnp.maximum(m.sum(axis=axis), 1.0)

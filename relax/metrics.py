@@ -25,7 +25,7 @@ Reductions (over the stacked values ``x_1..x_n`` of micro-batches, then of optim
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -49,7 +49,9 @@ class Metric(eqx.Module):
 
     def __check_init__(self):
         if self.reduction not in REDUCTIONS:
-            raise ValueError(f"unknown metric reduction {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
+            raise ValueError(
+                f"unknown metric reduction {self.reduction!r}; valid: {', '.join(REDUCTIONS)}"
+            )
 
 
 Metrics = Mapping[str, "Array | Metric"]
@@ -104,4 +106,3 @@ def reduce_steps(metrics: Mapping[str, Metric]) -> dict[str, Metric]:
 def values(metrics: Mapping[str, Array | Metric]) -> dict[str, Array]:
     """Plain arrays, the reductions dropped (for logging)."""
     return {k: m.value if isinstance(m, Metric) else m for k, m in metrics.items()}
-

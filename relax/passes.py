@@ -22,7 +22,9 @@ from collections.abc import Iterator
 
 import jax
 
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("relax_target_backend", default=None)
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "relax_target_backend", default=None
+)
 
 
 def current_backend() -> str:

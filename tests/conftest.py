@@ -18,8 +18,12 @@ def use_compile_cache() -> None:
     """The suite's persistent compilation cache (also called by the subprocess workers): many
     tests build the same small programs again (a fresh jit per trainer); the cache turns those
     recompiles into disk reads."""
-    jax.config.update("jax_compilation_cache_dir", os.environ.get(
-        "RELAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "relax-test-jax-cache")))
+    jax.config.update(
+        "jax_compilation_cache_dir",
+        os.environ.get(
+            "RELAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "relax-test-jax-cache")
+        ),
+    )
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -39,11 +43,11 @@ def load_example(name: str):
     return module
 
 
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Tokenizer directories in the styles of the major model families (``text_fixtures``)."""
     from text_fixtures import STYLES, make_model_dir
+
     root = tmp_path_factory.mktemp("models")
     return {style: make_model_dir(root, style) for style in STYLES}
 
@@ -52,7 +56,9 @@ def model_dirs(tmp_path_factory):
 def auto():
     """``auto(directory)``: transformers' AutoTokenizer for it (cached); skips without transformers."""
     transformers = pytest.importorskip("transformers")
-    return functools.lru_cache(maxsize=None)(lambda d: transformers.AutoTokenizer.from_pretrained(d))
+    return functools.lru_cache(maxsize=None)(
+        lambda d: transformers.AutoTokenizer.from_pretrained(d)
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")

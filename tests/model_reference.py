@@ -29,7 +29,9 @@ def _inv_freq(cfg, local=False):
         elif wl > s.original_max_position / s.low_freq_factor:
             out.append(f / s.factor)
         else:
-            sm = (s.original_max_position / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+            sm = (s.original_max_position / wl - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
             out.append((1 - sm) * f / s.factor + sm * f)
     return np.array(out)
 
@@ -46,7 +48,7 @@ def _rope(x, pos, inv, scale=1.0):  # x [t, h, d]
 def _act(cfg, x):
     if cfg.activation == "silu":
         return x / (1 + np.exp(-x))
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _layer_types(cfg):
@@ -66,7 +68,9 @@ def forward(model, ids, mask=None):
     sliding = _layer_types(cfg)
     inv = {False: _inv_freq(cfg), True: _inv_freq(cfg, local=cfg.rope_local_theta is not None)}
     head = P(model.embed if model.lm_head is None else model.lm_head)
-    scale = 1 / math.sqrt(cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar)
+    scale = 1 / math.sqrt(
+        cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
+    )
     norm = lambda x, w: _rms(x, w, cfg.rms_norm_eps, cfg.norm_weight)
     out = np.zeros(ids.shape + (cfg.vocab_size,))
     for b in range(ids.shape[0]):

@@ -10,6 +10,7 @@ import pytest
 
 from relax.objectives import advantages as A
 
+
 # Everything runs jitted (one compile per function and shape; eager op-by-op dispatch is slower here).
 class adv:
     GRPO_SCALES = A.GRPO_SCALES
@@ -145,7 +146,9 @@ def test_grpo_hand_value():
 
 
 def test_rloo_hand_value():
-    np.testing.assert_allclose(adv.rloo(jnp.array([[1.0, 0.0, 0.0, 0.0]])), [[1, -1 / 3, -1 / 3, -1 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(
+        adv.rloo(jnp.array([[1.0, 0.0, 0.0, 0.0]])), [[1, -1 / 3, -1 / 3, -1 / 3]], rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("scale", adv.GRPO_SCALES)
@@ -228,7 +231,9 @@ def test_whiten_matches_reference(batch):
     got = adv.whiten(jnp.asarray(x, jnp.float32), m)
     np.testing.assert_allclose(got, whiten_ref(x, m), rtol=1e-5, atol=1e-5)
     shifted = adv.whiten(jnp.asarray(x, jnp.float32), m, shift_mean=False)
-    np.testing.assert_allclose(shifted, np.where(m, whiten_ref(x, m) + x[m].mean(), 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        shifted, np.where(m, whiten_ref(x, m) + x[m].mean(), 0), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
@@ -275,7 +280,13 @@ def test_gae_padding_does_not_propagate(batch):
     np.testing.assert_allclose(a, a_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ret, ret_ref, rtol=1e-5, atol=1e-5)
     # single token: delta = r - V (next value after the last valid token is 0)
-    a1, _ = adv.gae(jnp.array([[2.0, 5.0]]), jnp.array([[0.5, 9.0]]), jnp.array([[True, False]]), gamma=0.9, lam=0.9)
+    a1, _ = adv.gae(
+        jnp.array([[2.0, 5.0]]),
+        jnp.array([[0.5, 9.0]]),
+        jnp.array([[True, False]]),
+        gamma=0.9,
+        lam=0.9,
+    )
     np.testing.assert_allclose(a1, [[1.5, 0.0]])
 
 
@@ -314,7 +325,9 @@ def test_truncated_returns_k_too_large_is_mc(batch):
 def test_vineppo_advantages(batch):
     _, v, m = batch
     terminal = np.arange(v.shape[0], dtype=np.float64)
-    got = adv.vineppo_advantages(jnp.asarray(v, jnp.float32), m, terminal_values=jnp.asarray(terminal))
+    got = adv.vineppo_advantages(
+        jnp.asarray(v, jnp.float32), m, terminal_values=jnp.asarray(terminal)
+    )
     np.testing.assert_allclose(got, vineppo_ref(v, m, terminal), rtol=1e-5, atol=1e-5)
     # telescoping: the advantages of a sequence sum to terminal - V(s_0)
     first = v[np.arange(v.shape[0]), np.argmax(m, axis=1)]
@@ -327,7 +340,9 @@ def test_token_shape_errors_name_arrays():
     with pytest.raises(AssertionError, match="mask"):
         adv.mc_returns(jnp.zeros((2, 4)), jnp.ones((2, 3), bool))
     with pytest.raises(AssertionError, match="terminal_values"):
-        adv.vineppo_advantages(jnp.zeros((2, 4)), jnp.ones((2, 4), bool), terminal_values=jnp.zeros(3))
+        adv.vineppo_advantages(
+            jnp.zeros((2, 4)), jnp.ones((2, 4), bool), terminal_values=jnp.zeros(3)
+        )
 
 
 def test_turn_grpo_matches_numpy_reward_to_go():
@@ -338,7 +353,9 @@ def test_turn_grpo_matches_numpy_reward_to_go():
     turn_rewards[2, 1, 1] = np.nan  # a failed environment: that trajectory gets 0
     turn_index = np.sort(rng.integers(-1, k, size=(p, g, t)), axis=-1)
     mask = rng.random((p, g, t)) < 0.7
-    got = np.asarray(A.turn_grpo(jnp.asarray(turn_rewards), jnp.asarray(turn_index), jnp.asarray(mask), eps=1e-4))
+    got = np.asarray(
+        A.turn_grpo(jnp.asarray(turn_rewards), jnp.asarray(turn_index), jnp.asarray(mask), eps=1e-4)
+    )
     want = np.zeros((p, g, t), np.float32)
     for i in range(p):
         ok = ~np.isnan(turn_rewards[i]).any(-1)
@@ -357,4 +374,6 @@ def test_turn_grpo_matches_numpy_reward_to_go():
     last[0, :, 1] = [1.0, 0.0, 0.0, 1.0]
     index = np.asarray([[[0, 0, 1, 1]] * 4])
     adv = np.asarray(A.turn_grpo(jnp.asarray(last), jnp.asarray(index), jnp.ones((1, 4, 4), bool)))
-    np.testing.assert_allclose(adv[0, :, 0], np.asarray(A.grpo(jnp.asarray([[1.0, 0.0, 0.0, 1.0]])))[0], rtol=1e-6)
+    np.testing.assert_allclose(
+        adv[0, :, 0], np.asarray(A.grpo(jnp.asarray([[1.0, 0.0, 0.0, 1.0]])))[0], rtol=1e-6
+    )

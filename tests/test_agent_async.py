@@ -19,9 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import train_agent  # noqa: E402
 
-FAST = ["--task.sft-steps", "20", "--task.sft-batch", "8", "--task.num-train", "64", "--task.num-eval", "8",
-        "--batch-size", "2", "--grpo.num-generations", "2", "--eval-every", "0", "--no-export-hf",
-        "--grpo.optimizer.learning-rate", "5e-3"]
+FAST = [
+    "--task.sft-steps",
+    "20",
+    "--task.sft-batch",
+    "8",
+    "--task.num-train",
+    "64",
+    "--task.num-eval",
+    "8",
+    "--batch-size",
+    "2",
+    "--grpo.num-generations",
+    "2",
+    "--eval-every",
+    "0",
+    "--no-export-hf",
+    "--grpo.optimizer.learning-rate",
+    "5e-3",
+]
 PIPELINED = ["--async.staleness", "1", "--async.correction.kind", "tis"]
 
 
@@ -30,13 +46,18 @@ def _train_lines(run_dir) -> dict:
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         x = json.loads(line)
         if "loss" in x:  # training lines; timings differ run to run
-            out[x["step"]] = {k: v for k, v in x.items() if k not in ("time", "tokens_per_s", "compiles")
-                              and not k.startswith("time")}
+            out[x["step"]] = {
+                k: v
+                for k, v in x.items()
+                if k not in ("time", "tokens_per_s", "compiles") and not k.startswith("time")
+            }
     return out
 
 
 def _main(run_dir, steps, *extra):
-    return train_agent.main(FAST + PIPELINED + ["--steps", str(steps), "--run-dir", str(run_dir), *extra])
+    return train_agent.main(
+        FAST + PIPELINED + ["--steps", str(steps), "--run-dir", str(run_dir), *extra]
+    )
 
 
 def test_pipelined_agent_runs_are_reproducible_and_one_version_behind(tmp_path):
@@ -55,8 +76,14 @@ def test_pipelined_agent_run_resumes_after_kill_9_bit_for_bit(tmp_path):
     _main(tmp_path / "straight", 5, *every)
     killed = tmp_path / "killed"
     args = FAST + PIPELINED + ["--steps", "5", "--run-dir", str(killed), *every]
-    proc = subprocess.run([sys.executable, __file__, "kill9", "4", *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, __file__, "kill9", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     done = sorted(_train_lines(killed))
     assert done and done[-1] < 5, done
@@ -71,7 +98,10 @@ def test_pipelined_agent_run_resumes_after_kill_9_bit_for_bit(tmp_path):
 def test_pipelined_agent_learns_the_task(tmp_path):
     summary = train_agent.main(PIPELINED + ["--run-dir", str(tmp_path / "run")])
     before, after = summary["before"], summary["after"]
-    assert after["success"] >= before["success"] + 0.3 and after["tool_use"] > before["tool_use"], (before, after)
+    assert after["success"] >= before["success"] + 0.3 and after["tool_use"] > before["tool_use"], (
+        before,
+        after,
+    )
     assert summary["staleness_histogram"]["1"] > 0
 
 

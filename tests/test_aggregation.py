@@ -46,7 +46,9 @@ def test_matches_reference(mode):
     got = aggregate(jnp.asarray(loss, jnp.float32), mask, mode)
     chex.assert_shape(got, ())
     np.testing.assert_allclose(got, aggregate_ref(loss, mask, mode), rtol=1e-5)
-    explicit = aggregate(jnp.asarray(loss, jnp.float32), mask, mode, num_sequences=20, num_tokens=50, max_len=16)
+    explicit = aggregate(
+        jnp.asarray(loss, jnp.float32), mask, mode, num_sequences=20, num_tokens=50, max_len=16
+    )
     np.testing.assert_allclose(explicit, aggregate_ref(loss, mask, mode, 20, 50, 16), rtol=1e-5)
 
 
@@ -60,7 +62,9 @@ def test_trl_loss_types():
     loss, mask = make_batch(1)
     x = jnp.asarray(loss, jnp.float32)
     # TRL's dr_grpo: sum / (batch size * max_completion_length)
-    np.testing.assert_allclose(aggregate(x, mask, "dr_grpo", max_len=10), loss[mask].sum() / (N * 10), rtol=1e-5)
+    np.testing.assert_allclose(
+        aggregate(x, mask, "dr_grpo", max_len=10), loss[mask].sum() / (N * 10), rtol=1e-5
+    )
     np.testing.assert_allclose(aggregate(x, mask, "bnpo"), loss[mask].mean(), rtol=1e-5)
 
 
@@ -93,13 +97,18 @@ def test_minibatches_add_up_to_the_full_batch(mode):
     def value_and_grad(th, xs, ms, num_sequences=None, num_tokens=None):
         def f(th):
             loss = per_token_loss(th, xs)
-            return agg.aggregate(loss, ms, mode, num_sequences=num_sequences, num_tokens=num_tokens, max_len=T)
+            return agg.aggregate(
+                loss, ms, mode, num_sequences=num_sequences, num_tokens=num_tokens, max_len=T
+            )
 
         return jax.value_and_grad(f)(th)
 
     full, full_grad = value_and_grad(theta, x, mask)  # defaults = the full batch's statistics
     perm = rng.permutation(N)
-    parts = [value_and_grad(theta, x[i], mask[i], norms["num_sequences"], norms["num_tokens"]) for i in perm.reshape(4, -1)]
+    parts = [
+        value_and_grad(theta, x[i], mask[i], norms["num_sequences"], norms["num_tokens"])
+        for i in perm.reshape(4, -1)
+    ]
     np.testing.assert_allclose(sum(p[0] for p in parts), full, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sum(p[1] for p in parts), full_grad, rtol=1e-5, atol=1e-6)
 

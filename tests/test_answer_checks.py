@@ -9,9 +9,17 @@ from fractions import Fraction
 
 import pytest
 
-from relax.rewards.builtin import final_answer, last_number, make_numeric_match, number_value, numeric_match
+from relax.rewards.builtin import (
+    final_answer,
+    last_number,
+    make_numeric_match,
+    number_value,
+    numeric_match,
+)
 
-NEEDS_LIBRARY = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="needs relax[math]")
+NEEDS_LIBRARY = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="needs relax[math]"
+)
 LIMIT = "math-verify limitation"
 GSM8K = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.\n#### 72"
 # (reference, completion, right verdict (math-verify installed), verdict without math-verify
@@ -82,7 +90,13 @@ TABLE = [
     ("42", "#### 42 dollars", 1.0, 0.0, f"{LIMIT}: 'dollars' is read as the product d*o*l*l*a*r*s"),
     ("42", "The answer is 42 apples.", 1.0, 1.0),  # prose after a free-text number
     ("2", "The answer is $2\\pi$.", 0.0, 0.0),
-    ("2", "The answer is 2 pi.", 0.0, 0.0, f"{LIMIT}: in plain text 'pi' is a word; the 2 before it is read"),
+    (
+        "2",
+        "The answer is 2 pi.",
+        0.0,
+        0.0,
+        f"{LIMIT}: in plain text 'pi' is a word; the 2 before it is read",
+    ),
     ("0.5", r"\boxed{50\%}", 1.0, 0.0),
     # fractions
     ("0.75", r"\boxed{\frac{3}{4}}", 1.0, 1.0),
@@ -91,7 +105,12 @@ TABLE = [
     ("0.5", r"\boxed{\frac{2}{4}}", 1.0, 1.0),
     (r"\frac{1}{3}", r"\boxed{0.3333333}", 1.0, 1.0),  # 1e-7 relative, within rel_tol
     (r"\frac{1}{3}", r"\boxed{0.333}", 0.0, 0.0),
-    ("0.7071067811865476", r"\boxed{\frac{\sqrt{2}}{2}}", 1.0, 0.0),  # a float reference: equal to 6 decimals
+    (
+        "0.7071067811865476",
+        r"\boxed{\frac{\sqrt{2}}{2}}",
+        1.0,
+        0.0,
+    ),  # a float reference: equal to 6 decimals
     ("0.5", r"\boxed{1/0}", 0.0, 0.0),
     # an empty box
     ("5", r"\boxed{}", 0.0, 0.0),
@@ -113,7 +132,9 @@ STRICT = make_numeric_match(math_fallback=False)
 
 def _params():
     for i, (ref, completion, right, without, *reason) in enumerate(TABLE):
-        marks = [NEEDS_LIBRARY] + ([pytest.mark.xfail(reason=reason[0], strict=True)] if reason else [])
+        marks = [NEEDS_LIBRARY] + (
+            [pytest.mark.xfail(reason=reason[0], strict=True)] if reason else []
+        )
         yield pytest.param(numeric_match, ref, completion, right, id=f"{i}-math", marks=marks)
         yield pytest.param(STRICT, ref, completion, without, id=f"{i}-strict")
 
@@ -128,34 +149,75 @@ def test_table_in_one_call():
     """One batch: the math check is given only the answers that are not numbers, in their rows."""
     rows = [r for r in TABLE if len(r) == 4]
     assert len(rows) >= 70
-    assert numeric_match(["q"] * len(rows), [r[1] for r in rows], answer=[r[0] for r in rows]) == [r[2] for r in rows]
+    assert numeric_match(["q"] * len(rows), [r[1] for r in rows], answer=[r[0] for r in rows]) == [
+        r[2] for r in rows
+    ]
 
 
 def test_without_the_library_non_numbers_score_zero(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "math_verify", None)
     fn = make_numeric_match()
-    assert fn(["q"] * 3, [r"\boxed{10^2}", r"\boxed{100}", "x"], answer=["100", "100", "seven"]) == [0.0, 1.0, None]
+    assert fn(
+        ["q"] * 3, [r"\boxed{10^2}", r"\boxed{100}", "x"], answer=["100", "100", "seven"]
+    ) == [0.0, 1.0, None]
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("72", Fraction(72)), ("-2.50", Fraction(-5, 2)), ("1,000", Fraction(1000)), ("1e-7", Fraction(1, 10**7)),
-    ("$5$.", Fraction(5)), (r"\$5", Fraction(5)), ("+4", Fraction(4)), ("1/10", Fraction(1, 10)),
-    (r"-\frac{3}{4}", Fraction(-3, 4)), (r"\tfrac{-3}{4}", Fraction(-3, 4)), (r"5\text{ apples}", Fraction(5)),
-    (r"10\,\mathrm{cm}", Fraction(10)),
-    ("x-5", None), (r"7\le x", None), ("10^2", None), ("5 apples", None), (r"50\%", None), (r"\sqrt{2}", None),
-    ("1/0", None), ("1/2/3", None), (r"\frac{a}{2}", None), (r"5\text{5}", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("72", Fraction(72)),
+        ("-2.50", Fraction(-5, 2)),
+        ("1,000", Fraction(1000)),
+        ("1e-7", Fraction(1, 10**7)),
+        ("$5$.", Fraction(5)),
+        (r"\$5", Fraction(5)),
+        ("+4", Fraction(4)),
+        ("1/10", Fraction(1, 10)),
+        (r"-\frac{3}{4}", Fraction(-3, 4)),
+        (r"\tfrac{-3}{4}", Fraction(-3, 4)),
+        (r"5\text{ apples}", Fraction(5)),
+        (r"10\,\mathrm{cm}", Fraction(10)),
+        ("x-5", None),
+        (r"7\le x", None),
+        ("10^2", None),
+        ("5 apples", None),
+        (r"50\%", None),
+        (r"\sqrt{2}", None),
+        ("1/0", None),
+        ("1/2/3", None),
+        (r"\frac{a}{2}", None),
+        (r"5\text{5}", None),
+        ("", None),
+    ],
+)
 def test_number_value(text, expected):
     assert number_value(text) == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("The answer is 42.", Fraction(42)), ("x = -3", Fraction(-3)), ("so 1/2", Fraction(1, 2)),
-    ("costs $1,234.50.", Fraction("1234.5")), ("**42**", Fraction(42)), (r"$x = \frac{1}{10}$", Fraction(1, 10)),
-    ("it is 5 eggs", Fraction(5)),
-    ("x-5", None), ("10^2", None), (r"7 \le x", None), ("10-3", None), ("2 pi", None), ("50%", None), ("2 * 21", None),
-    ("5x", None), (r"3\sqrt{2}", None), ("1,5", None), ("x^2", None), ("no number", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 42.", Fraction(42)),
+        ("x = -3", Fraction(-3)),
+        ("so 1/2", Fraction(1, 2)),
+        ("costs $1,234.50.", Fraction("1234.5")),
+        ("**42**", Fraction(42)),
+        (r"$x = \frac{1}{10}$", Fraction(1, 10)),
+        ("it is 5 eggs", Fraction(5)),
+        ("x-5", None),
+        ("10^2", None),
+        (r"7 \le x", None),
+        ("10-3", None),
+        ("2 pi", None),
+        ("50%", None),
+        ("2 * 21", None),
+        ("5x", None),
+        (r"3\sqrt{2}", None),
+        ("1,5", None),
+        ("x^2", None),
+        ("no number", None),
+    ],
+)
 def test_last_number(text, expected):
     assert last_number(text) == expected
 
@@ -174,4 +236,6 @@ def test_options_are_checked():
             make_numeric_match(rel_tol=bad)
     with pytest.raises(ValueError, match="math_fallback"):
         make_numeric_match(math_fallback=1)
-    assert make_numeric_match(rel_tol=1e-3)(["q"], [r"\boxed{0.333}"], answer=[r"\frac{1}{3}"]) == [1.0]
+    assert make_numeric_match(rel_tol=1e-3)(["q"], [r"\boxed{0.333}"], answer=[r"\frac{1}{3}"]) == [
+        1.0
+    ]

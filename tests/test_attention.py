@@ -4,7 +4,12 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.attention.blocks import block_stats, merge_stats, partial_attention, shared_prefix_attention
+from relax.models.attention.blocks import (
+    block_stats,
+    merge_stats,
+    partial_attention,
+    shared_prefix_attention,
+)
 
 B, HK, M, D = 3, 2, 4, 8
 
@@ -39,19 +44,35 @@ def test_merged_blocks_equal_one_softmax_over_their_union():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
     assert np.all(np.asarray(got)[0, :, 1] == 0.0)
     # keys stored [b, hk, d, s] give the same statistics
-    kt = block_stats(f32(q), f32(np.swapaxes(ks[0], -1, -2)), f32(vs[0]), jnp.asarray(masks[0]), k_transposed=True)
+    kt = block_stats(
+        f32(q),
+        f32(np.swapaxes(ks[0], -1, -2)),
+        f32(vs[0]),
+        jnp.asarray(masks[0]),
+        k_transposed=True,
+    )
     chex.assert_trees_all_close(kt, blocks[0], atol=1e-6)
 
 
 def test_partial_attention_normalises_one_block_and_returns_its_logsumexp():
     rng = np.random.default_rng(1)
-    q, k, v = rng.normal(size=(B, HK, M, D)), rng.normal(size=(B, HK, 6, D)), rng.normal(size=(B, HK, 6, D))
+    q, k, v = (
+        rng.normal(size=(B, HK, M, D)),
+        rng.normal(size=(B, HK, 6, D)),
+        rng.normal(size=(B, HK, 6, D)),
+    )
     mask = rng.random((B, 1, M, 6)) < 0.7
     mask[1, 0, 2] = False
-    out, lse = partial_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(mask))
+    out, lse = partial_attention(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(mask)
+    )
     want, _ = _numpy_softmax_attention(q, [k], [v], [mask])
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
-    s = np.where(np.broadcast_to(mask, (B, HK, M, 6)), np.einsum("bhmd,bhsd->bhms", q, k) / np.sqrt(D), -np.inf)
+    s = np.where(
+        np.broadcast_to(mask, (B, HK, M, 6)),
+        np.einsum("bhmd,bhsd->bhms", q, k) / np.sqrt(D),
+        -np.inf,
+    )
     with np.errstate(divide="ignore"):
         want_lse = np.log(np.sum(np.exp(s), axis=-1))
     seen = np.isfinite(want_lse)
@@ -68,5 +89,7 @@ def test_shared_prefix_block_equals_the_prefix_copied_per_sequence():
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     got = shared_prefix_attention(f32(q), f32(k), f32(v), jnp.asarray(allowed), g)
     per_seq = allowed.reshape(p, 1, g, M, s).transpose(0, 2, 1, 3, 4).reshape(p * g, 1, M, s)
-    want = block_stats(f32(q), f32(np.repeat(k, g, 0)), f32(np.repeat(v, g, 0)), jnp.asarray(per_seq))
+    want = block_stats(
+        f32(q), f32(np.repeat(k, g, 0)), f32(np.repeat(v, g, 0)), jnp.asarray(per_seq)
+    )
     chex.assert_trees_all_close(got, want, atol=1e-5)

@@ -14,10 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.algorithms.online.batch import Advantaged, HostRecord, LossRows, Phase, Prompts, Rollout, Scored, step_input
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.step import GRPOBatch, make_grpo_step
+from relax.algorithms.online.batch import (
+    Advantaged,
+    HostRecord,
+    LossRows,
+    Phase,
+    Prompts,
+    Rollout,
+    Scored,
+    step_input,
+)
 from relax.algorithms.ppo.batch import PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
@@ -27,8 +36,16 @@ from relax.models import ModelConfig, init
 from relax.train.state import init_state
 from relax.train.update import Updated
 
-CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+CFG = ModelConfig(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 P, LP, G, N = 2, 8, 4, 5
 
 
@@ -53,15 +70,26 @@ def annotated_dims(phase: Phase) -> dict[str, int]:
     bound: dict[str, int] = {}
     for field in dataclasses.fields(phase):
         value = getattr(phase, field.name)
-        options = [a for a in (typing.get_args(hints[field.name]) or (hints[field.name],)) if hasattr(a, "dim_str")]
+        options = [
+            a
+            for a in (typing.get_args(hints[field.name]) or (hints[field.name],))
+            if hasattr(a, "dim_str")
+        ]
         if value is None or not options or not hasattr(value, "shape"):
             continue
-        fits = [a for a in options if len(a.dim_str.split()) == value.ndim and str(value.dtype) in a.dtypes]
-        assert fits, f"{type(phase).__name__}.{field.name}: {value.dtype}{list(value.shape)} is none of " \
-                     f"{[a.dim_str for a in options]}"
+        fits = [
+            a
+            for a in options
+            if len(a.dim_str.split()) == value.ndim and str(value.dtype) in a.dtypes
+        ]
+        assert fits, (
+            f"{type(phase).__name__}.{field.name}: {value.dtype}{list(value.shape)} is none of "
+            f"{[a.dim_str for a in options]}"
+        )
         for name, size in zip(fits[0].dim_str.split(), value.shape):
-            assert bound.setdefault(name, size) == size, \
+            assert bound.setdefault(name, size) == size, (
                 f"{type(phase).__name__}.{field.name}: dimension {name} is {size}, elsewhere {bound[name]}"
+            )
     return bound
 
 
@@ -76,8 +104,12 @@ def _phases(step, state, batch):
 
 def test_grpo_phases_follow_the_docs():
     cfg = configure(GRPOConfig, num_generations=G, max_new_tokens=N, beta=0.04)
-    state = init_state(init(CFG, jax.random.key(0), std=0.3), cfg.optimizer.make(), key=jax.random.key(1),
-                       with_reference=True)
+    state = init_state(
+        init(CFG, jax.random.key(0), std=0.3),
+        cfg.optimizer.make(),
+        key=jax.random.key(1),
+        with_reference=True,
+    )
     step = make_grpo_step(cfg, [_fives], _decode, eos_ids=(3,), pad_id=0)
     seen, _, out = _phases(step, state, _input())
     kinds = [type(x).__name__ for x in seen]
@@ -86,15 +118,25 @@ def test_grpo_phases_follow_the_docs():
     for phase in seen[:-1]:
         assert annotated_dims(phase) == {"p": P, "lp": LP, "g": G, "n": N}
     trained = out.device.batch
-    assert isinstance(out.device, Updated) and type(trained) is GRPOBatch and isinstance(trained, Advantaged)
+    assert (
+        isinstance(out.device, Updated)
+        and type(trained) is GRPOBatch
+        and isinstance(trained, Advantaged)
+    )
     assert annotated_dims(trained) == {"p": P, "lp": LP, "g": G, "n": N}
     chex.assert_shape([trained.advantages, trained.shaped_rewards], (P, G))
     chex.assert_shape(trained.group_keep, (P,))
-    assert trained.ref_logprobs is not None and bool(trained.ref_is_policy)  # first step: the policy is the ref
+    assert trained.ref_logprobs is not None and bool(
+        trained.ref_is_policy
+    )  # first step: the policy is the ref
     np.testing.assert_array_equal(trained.ref_logprobs, trained.old_logprobs)
     # host values stay beside the device batch, none of them inside it
     host = out.host
-    assert isinstance(host, HostRecord) and len(host.completions) == P * G and host.pending_scores is None
+    assert (
+        isinstance(host, HostRecord)
+        and len(host.completions) == P * G
+        and host.pending_scores is None
+    )
     assert host.reward_info["errors"] == 0 and host.prompts == ["a", "b"]
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(out.device))
 
@@ -107,24 +149,40 @@ def test_ppo_phases_and_rows():
     trained = out.device.batch
     assert type(trained) is PPOBatch
     assert annotated_dims(trained) == {"p": P, "lp": LP, "g": 2, "n": N}
-    chex.assert_shape([trained.old_values, trained.returns, trained.token_rewards, trained.advantages], (P, 2, N))
+    chex.assert_shape(
+        [trained.old_values, trained.returns, trained.token_rewards, trained.advantages], (P, 2, N)
+    )
     rows = LossRows.of(trained)
     assert annotated_dims(rows) == {"p": P, "lp": LP, "g": 2, "n": N}
-    assert all(x.shape[0] == P for x in jax.tree.leaves(rows))  # the update slices every leaf by prompt
+    assert all(
+        x.shape[0] == P for x in jax.tree.leaves(rows)
+    )  # the update slices every leaf by prompt
 
 
 def test_the_checker_and_the_constructors_refuse_what_they_should():
     ids = jnp.zeros((P, LP), jnp.int32)
-    good = Rollout.of(Prompts(ids, ids), tokens=jnp.zeros((P, G, N), jnp.int32), mask=jnp.zeros((P, G, N), jnp.int32),
-                      old_logprobs=jnp.zeros((P, G, N)), lengths=jnp.zeros((P, G), jnp.int32),
-                      finished=jnp.zeros((P, G), bool), policy_version=jnp.zeros((P, G), jnp.int32))
+    good = Rollout.of(
+        Prompts(ids, ids),
+        tokens=jnp.zeros((P, G, N), jnp.int32),
+        mask=jnp.zeros((P, G, N), jnp.int32),
+        old_logprobs=jnp.zeros((P, G, N)),
+        lengths=jnp.zeros((P, G), jnp.int32),
+        finished=jnp.zeros((P, G), bool),
+        policy_version=jnp.zeros((P, G), jnp.int32),
+    )
     assert annotated_dims(good) == {"p": P, "lp": LP, "g": G, "n": N}
     with pytest.raises(AssertionError, match="dimension n is 6"):
         annotated_dims(good.replace(old_logprobs=jnp.zeros((P, G, N + 1))))
     with pytest.raises(AssertionError, match="finished"):
-        annotated_dims(good.replace(finished=jnp.zeros((P, G), jnp.float32)))  # a float where a bool is documented
+        annotated_dims(
+            good.replace(finished=jnp.zeros((P, G), jnp.float32))
+        )  # a float where a bool is documented
     with pytest.raises(TypeError, match="no field"):
         Scored.of(good, reward=jnp.zeros((P, G)))  # a typo is an error, not a new key
     scored = Scored.of(good, rewards=jnp.ones((P, G)))
-    assert scored.tokens is good.tokens and scored.ref_logprobs is None and scored.policy_tokens is good.mask
+    assert (
+        scored.tokens is good.tokens
+        and scored.ref_logprobs is None
+        and scored.policy_tokens is good.mask
+    )
     assert WithHost(scored, HostRecord()).replace(host=None).device is scored

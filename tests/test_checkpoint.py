@@ -18,13 +18,21 @@ import orbax.checkpoint as ocp
 import pytest
 
 import relax.models as rm
-from relax.train.checkpoint import Checkpointer, CheckpointCorruptError, UnverifiedCheckpointWarning
+from relax.train.checkpoint import CheckpointCorruptError, Checkpointer, UnverifiedCheckpointWarning
 
-CFG = rm.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
-                     num_heads=2, num_kv_heads=1, head_dim=8)
-OPT = optax.chain(optax.clip_by_global_norm(1.0),
-                  optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100),
-                              weight_decay=0.1))
+CFG = rm.ModelConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+)
+OPT = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1),
+)
 
 
 def _make_state():
@@ -43,8 +51,13 @@ def _make_state():
         return eqx.apply_updates(model, updates), opt_state
 
     model, opt_state = one_step(model)
-    return {"model": model, "opt_state": opt_state, "key": jax.random.key(3),
-            "step": jnp.asarray(3, jnp.int32), "epoch": 3}
+    return {
+        "model": model,
+        "opt_state": opt_state,
+        "key": jax.random.key(3),
+        "step": jnp.asarray(3, jnp.int32),
+        "epoch": 3,
+    }
 
 
 def _is_key(x):
@@ -53,12 +66,14 @@ def _is_key(x):
 
 def _perturbed(state):
     """Same structure, different values (no XLA compiles: numpy + device_put)."""
+
     def leaf(x):
         if _is_key(x):
             return jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(x)) + 1))
         if isinstance(x, jax.Array):
             return jax.device_put(np.asarray(x) + 1)
         return x + 1
+
     return jax.tree.map(leaf, state)
 
 
@@ -203,8 +218,13 @@ _CRASH_SCRIPT = textwrap.dedent("""
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, str(directory)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH_SCRIPT, str(directory)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 17, proc.stderr[-3000:]
     leftovers = [p for p in os.listdir(directory) if p.startswith("2.orbax-checkpoint-tmp")]
     assert leftovers, os.listdir(directory)  # a partial step-2 write is on disk ...
@@ -214,8 +234,9 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     target = {"w": np.zeros(4, np.float32), "key": jax.random.key(0)}
     state, data_state, config = ckpt.restore(target=target)
     np.testing.assert_array_equal(state["w"], np.arange(4, dtype=np.float32))
-    np.testing.assert_array_equal(jax.random.key_data(state["key"]),
-                                  jax.random.key_data(jax.random.key(5)))
+    np.testing.assert_array_equal(
+        jax.random.key_data(state["key"]), jax.random.key_data(jax.random.key(5))
+    )
     assert data_state == b"one" and config == {"step": 1}
     assert not any(p.startswith("2.") for p in os.listdir(directory))
     assert ckpt.save(2, state, data_state=b"two", config={"step": 2})  # step 2 can be redone
@@ -237,12 +258,16 @@ def _saved(directory, states: dict[int, dict]) -> Checkpointer:
 
 def _flip_middle_of_largest_chunk(step_dir, nbytes: int = 64) -> None:
     """XOR ``nbytes`` bytes in the middle of the largest OCDBT data file under ``<step>/state``."""
-    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state"))
-             for f in names if os.path.basename(root) == "d"]
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(os.path.join(step_dir, "state"))
+        for f in names
+        if os.path.basename(root) == "d"
+    ]
     path = max(files, key=os.path.getsize)
     data = bytearray(open(path, "rb").read())
     middle = len(data) // 2
-    data[middle:middle + nbytes] = bytes(b ^ 0x5A for b in data[middle:middle + nbytes])
+    data[middle : middle + nbytes] = bytes(b ^ 0x5A for b in data[middle : middle + nbytes])
     open(path, "wb").write(bytes(data))
 
 
@@ -274,7 +299,9 @@ def test_flipped_bytes_in_compressed_chunk_are_caught(tmp_path, values):
     # Compressible arrays: the flip lands in a zstd-coded stream; tensorstore may fail to decode
     # it or decode garbage. Either way the restore names the damaged checkpoint.
     rng = np.random.default_rng(6)
-    w = (rng.standard_normal(16384) if values == "normal" else np.arange(16384) / 7).astype(np.float32)
+    w = (rng.standard_normal(16384) if values == "normal" else np.arange(16384) / 7).astype(
+        np.float32
+    )
     state = {"w": jax.device_put(w)}
     ckpt = _saved(tmp_path, {3: state})
     _flip_middle_of_largest_chunk(tmp_path / "3")
@@ -296,8 +323,11 @@ def test_verification_compares_values(tmp_path):
         shutil.move(tmp_path / "ckpt" / name / "integrity", tmp_path / f"integrity{name}")
     shutil.move(tmp_path / "integrity1", tmp_path / "ckpt" / "2" / "integrity")
     shutil.move(tmp_path / "integrity2", tmp_path / "ckpt" / "1" / "integrity")
-    with pytest.raises(CheckpointCorruptError, match=r"step 2 is damaged: item 'state': 1 of 3 array "
-                       r"leaves differ from the integrity record written at save time: moved$"):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"step 2 is damaged: item 'state': 1 of 3 array "
+        r"leaves differ from the integrity record written at save time: moved$",
+    ):
         ckpt.restore(2, target=a)
     ckpt.close()
 
@@ -309,17 +339,24 @@ def test_missing_item_names_step_and_path(tmp_path, item):
     with pytest.raises(CheckpointCorruptError) as err:
         ckpt.restore(target={"w": np.zeros(3, np.float32)})
     path = tmp_path / "ckpt" / "4" / item
-    assert str(err.value) == (f"checkpoint {tmp_path / 'ckpt'} step 4 is damaged: item '{item}': "
-                              f"{path} does not exist")
-    assert (err.value.directory, err.value.step, err.value.item) == (str(tmp_path / "ckpt"), 4, item)
+    assert str(err.value) == (
+        f"checkpoint {tmp_path / 'ckpt'} step 4 is damaged: item '{item}': {path} does not exist"
+    )
+    assert (err.value.directory, err.value.step, err.value.item) == (
+        str(tmp_path / "ckpt"),
+        4,
+        item,
+    )
     ckpt.close()
 
 
 @pytest.mark.parametrize("damage", ["manifest.ocdbt", "_METADATA", "ocdbt.process_0"])
 def test_damaged_state_metadata_gives_short_error(tmp_path, damage):
     # (random floats: chunks under 1 KiB compressed are inlined in the OCDBT b-tree)
-    state = {"w": np.random.default_rng(7).standard_normal(4096).astype(np.float32),
-             "key": jax.random.key(0)}
+    state = {
+        "w": np.random.default_rng(7).standard_normal(4096).astype(np.float32),
+        "key": jax.random.key(0),
+    }
     ckpt = _saved(tmp_path, {6: state})
     target = tmp_path / "6" / "state" / damage
     shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -337,8 +374,11 @@ def test_damaged_state_metadata_gives_short_error(tmp_path, damage):
 def test_unparsable_json_item(tmp_path, item):
     ckpt = _saved(tmp_path, {2: {"w": np.ones(3, np.float32)}})
     (tmp_path / "2" / item / "metadata").write_text('{"kind": "json", "valu')
-    with pytest.raises(CheckpointCorruptError, match=rf"step 2 is damaged: item '{item}': cannot "
-                       r"read it: JSONDecodeError: ") as err:
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=rf"step 2 is damaged: item '{item}': cannot "
+        r"read it: JSONDecodeError: ",
+    ) as err:
         ckpt.restore(target={"w": np.zeros(3, np.float32)})
     assert isinstance(err.value.__cause__, json.JSONDecodeError)
     ckpt.close()
@@ -348,11 +388,18 @@ def test_old_checkpoint_without_record_restores_with_warning(tmp_path):
     # exactly what relax wrote before the integrity record: three items, no ``integrity``
     state = {"w": np.arange(3, dtype=np.float32)}
     with ocp.CheckpointManager(tmp_path, item_names=("state", "data", "config")) as manager:
-        manager.save(8, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave({"config": {"lr": 1}}),
-            data=ocp.args.JsonSave({"kind": "bytes", "value": "AAE="})))
-    with Checkpointer(tmp_path) as ckpt, pytest.warns(UnverifiedCheckpointWarning,
-                                                      match=r"step 8 has no integrity record"):
+        manager.save(
+            8,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                config=ocp.args.JsonSave({"config": {"lr": 1}}),
+                data=ocp.args.JsonSave({"kind": "bytes", "value": "AAE="}),
+            ),
+        )
+    with (
+        Checkpointer(tmp_path) as ckpt,
+        pytest.warns(UnverifiedCheckpointWarning, match=r"step 8 has no integrity record"),
+    ):
         restored, data_state, config = ckpt.restore(target={"w": np.zeros(3, np.float32)})
     np.testing.assert_array_equal(restored["w"], state["w"])
     assert data_state == b"\x00\x01" and config == {"lr": 1}
@@ -413,6 +460,7 @@ def test_close_and_wait_are_idempotent_and_safe_after_errors(tmp_path, monkeypat
 
     async def fail(self):
         raise OSError("disk full")
+
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
     ckpt = Checkpointer(tmp_path / "b")
     ckpt.save(1, {"w": np.ones(2, np.float32)}, config={})  # fails in the background thread

@@ -16,18 +16,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from relax.rewards import judge
 from relax.rewards.code_exec import CodeExec, last_code_block, parse_tests, same_output
 from relax.rewards.isolation import SandboxUnavailable, works
-from relax.rewards import judge
 from relax.rewards.sandbox import NOBODY, SandboxConfig, sandbox_for
 
 # a machine with neither bwrap nor unshare cannot run generated code at all (the sandbox refuses)
-pytestmark = pytest.mark.skipif(all(works(m, NOBODY, NOBODY) for m in ("bwrap", "unshare")),
-                                reason="no namespace isolation here (neither bwrap nor unshare works)")
+pytestmark = pytest.mark.skipif(
+    all(works(m, NOBODY, NOBODY) for m in ("bwrap", "unshare")),
+    reason="no namespace isolation here (neither bwrap nor unshare works)",
+)
 
 SANDBOX = SandboxConfig(cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16)
-ASSERTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
-STDIO = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}, {"input": "0 -4\n", "output": "-4"}]
+ASSERTS = [
+    "assert add(1, 2) == 3",
+    "assert add(0, 0) == 0",
+    "assert add(-1, 1) == 0",
+    "assert add(2, 2) == 4",
+]
+STDIO = [
+    {"input": "1 2\n", "output": "3\n"},
+    {"input": "5 5", "output": "10"},
+    {"input": "0 -4\n", "output": "-4"},
+]
 CALLS = {"fn_name": "add", "inputs": [[1, 2], [5, 5], [-4, 9]], "outputs": [3, 10, 5]}
 
 
@@ -43,7 +54,9 @@ def score(completions, tests, **kw):
 def test_assert_tests_pass_fail_timeout_crash():
     right = fenced("def add(a, b):\n    return a + b")
     wrong = fenced("def add(a, b):\n    return a * b")  # right on (0, 0) and (2, 2): 2 of 4
-    hangs = fenced("def add(a, b):\n    if a < 0:\n        while True:\n            pass\n    return a + b")
+    hangs = fenced(
+        "def add(a, b):\n    if a < 0:\n        while True:\n            pass\n    return a + b"
+    )
     crashes = fenced("import ctypes\nctypes.string_at(0)")  # segfault while loading: nothing passes
     raises = fenced("raise RuntimeError('bad')\ndef add(a, b):\n    return a + b")
     assert score([right, wrong, hangs, crashes, raises], ASSERTS) == [1.0, 0.5, 0.75, 0.0, 0.0]
@@ -52,12 +65,19 @@ def test_assert_tests_pass_fail_timeout_crash():
 
 def test_forged_verdicts_and_early_exit_fail():
     tricks = [
-        fenced("print('\\n0 0 1\\n1 1 1\\n2 1 1\\n3 1 1')\ndef add(a, b):\n    return 0"),  # lines without the nonce
+        fenced(
+            "print('\\n0 0 1\\n1 1 1\\n2 1 1\\n3 1 1')\ndef add(a, b):\n    return 0"
+        ),  # lines without the nonce
         fenced("import sys\nsys.exit(0)"),
         fenced("import os\nos._exit(0)"),
         fenced("def add(a, b):\n    import os\n    os._exit(0)"),
     ]
-    assert score(tricks, ASSERTS) == [0.5, 0.0, 0.0, 0.0]  # the first is right on (0, 0) and (-1, 1) only
+    assert score(tricks, ASSERTS) == [
+        0.5,
+        0.0,
+        0.0,
+        0.0,
+    ]  # the first is right on (0, 0) and (-1, 1) only
 
 
 def test_stdio_tests():
@@ -72,36 +92,56 @@ def test_stdio_tests():
 
 def test_call_based_tests():
     right = fenced("def add(a, b):\n    return a + b")
-    method = fenced("class Solution:\n    def add(self, a, b):\n        return a + b")  # LeetCode style
+    method = fenced(
+        "class Solution:\n    def add(self, a, b):\n        return a + b"
+    )  # LeetCode style
     wrong = fenced("def add(a, b):\n    return a * b if a > 0 else a + b")  # right on (-4, 9) only
     tuple_back = fenced("def add(a, b):\n    return (a + b,)")  # a tuple is not the list [3]
     assert score([right, method, wrong, tuple_back], CALLS) == pytest.approx([1.0, 1.0, 1 / 3, 0.0])
-    apps = json.dumps({"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [5]]})  # APPS input_output
-    assert score([right], apps) == pytest.approx([0.5])  # [3] matches 3 (APPS's one-element list); 4 != 5
+    apps = json.dumps(
+        {"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [5]]}
+    )  # APPS input_output
+    assert score([right], apps) == pytest.approx(
+        [0.5]
+    )  # [3] matches 3 (APPS's one-element list); 4 != 5
 
 
 def test_apps_stdin_dict_reads_as_pairs():
     """APPS's ``input_output`` without ``fn_name``: stdin/stdout strings, the same as a list of pairs."""
-    assert parse_tests(json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}), "t", 0) == [
-        {"input": "1 2\n", "output": "3\n"}, {"input": "3 4\n", "output": "7\n"}]
+    assert parse_tests(
+        json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}), "t", 0
+    ) == [{"input": "1 2\n", "output": "3\n"}, {"input": "3 4\n", "output": "7\n"}]
 
 
 def test_missing_and_malformed_tests():
     reward = CodeExec(sandbox=SANDBOX)
     code = fenced("def add(a, b):\n    return a + b")
     empty_calls = {"fn_name": "add", "inputs": [], "outputs": []}
-    assert reward(["p"] * 5, [code] * 5, tests=[None, [], json.dumps(ASSERTS[:1]), "null", empty_calls]) == \
-        [None, None, 1.0, None, None]
+    assert reward(
+        ["p"] * 5, [code] * 5, tests=[None, [], json.dumps(ASSERTS[:1]), "null", empty_calls]
+    ) == [None, None, 1.0, None, None]
     bad = {
         r"column 'tests', row 1: each test": [1, 2],
         r"row 1: tests are not a list, a dict or its JSON": "assert True",
         r"row 1: tests must be a list or a dict, got int": 7,
-        r"column 'tests', row 1, test 1: test 'print\(add\(1, 2\)\)' has no assert":
-            ["assert True", "print(add(1, 2))"],
+        r"column 'tests', row 1, test 1: test 'print\(add\(1, 2\)\)' has no assert": [
+            "assert True",
+            "print(add(1, 2))",
+        ],
         r"row 1, test 0: test does not parse": ["assert add(1, 2) =="],
-        r"row 1: a dict of tests is call-based and needs 'fn_name'": {"inputs": [[1, 2]], "outputs": [3]},
-        r"row 1: fn_name must be a Python identifier": {"fn_name": "os.system", "inputs": [[1]], "outputs": [1]},
-        r"row 1: inputs and outputs must be non-empty lists of the same length": {**CALLS, "outputs": [3]},
+        r"row 1: a dict of tests is call-based and needs 'fn_name'": {
+            "inputs": [[1, 2]],
+            "outputs": [3],
+        },
+        r"row 1: fn_name must be a Python identifier": {
+            "fn_name": "os.system",
+            "inputs": [[1]],
+            "outputs": [1],
+        },
+        r"row 1: inputs and outputs must be non-empty lists of the same length": {
+            **CALLS,
+            "outputs": [3],
+        },
     }
     for message, tests in bad.items():
         with pytest.raises(ValueError, match=message):
@@ -111,8 +151,12 @@ def test_missing_and_malformed_tests():
     with pytest.raises(KeyError, match="needs the dataset column 'cases'"):
         CodeExec(tests_field="cases", sandbox=SANDBOX)(["p"], [code], tests=[ASSERTS])
     for tests in (ASSERTS, CALLS):
-        with pytest.raises(ValueError, match="row 0: assert and call-based tests need language 'python'"):
-            CodeExec(language="bash", sandbox=SANDBOX)(["p"], [fenced("echo", "bash")], tests=[tests])
+        with pytest.raises(
+            ValueError, match="row 0: assert and call-based tests need language 'python'"
+        ):
+            CodeExec(language="bash", sandbox=SANDBOX)(
+                ["p"], [fenced("echo", "bash")], tests=[tests]
+            )
 
 
 def test_code_block_extraction():
@@ -123,7 +167,9 @@ def test_code_block_extraction():
     assert parse_tests(STDIO, "tests", 0) == STDIO
     plans = parse_tests(json.dumps(ASSERTS), "tests", 0)
     assert all(isinstance(p, judge.TestPlan) for p in plans) and plans[0].probes == ["add(1, 2)"]
-    assert [p.probes for p in parse_tests(CALLS, "tests", 0)][0] == ["__call__('add', __decode__('{\"l\": [1, 2]}'))"]
+    assert [p.probes for p in parse_tests(CALLS, "tests", 0)][0] == [
+        "__call__('add', __decode__('{\"l\": [1, 2]}'))"
+    ]
     assert same_output("1  \n2\n\n", "1\n2") and not same_output("1 2", "12")
 
 
@@ -148,16 +194,22 @@ SLOW_ADD = "import time\ntime.sleep(0.7)\ndef add(a, b):\n    return a + b"
 def test_slow_but_legitimate_samples_outlast_the_reward_timeout(pooled):
     """Three samples of ~0.7 s each in one chunk, each within the sandbox's wall_s, with a 1 s
     --reward-timeout-s: the chunk's timeout is raised to their worst case, and they score."""
-    from relax.rewards.functions import RewardFunction, score as score_batch
+    from relax.rewards.functions import RewardFunction
+    from relax.rewards.functions import score as score_batch
     from relax.rewards.pool import PoolConfig, RewardPool
-    reward = RewardFunction(CodeExec(sandbox=SandboxConfig(cpu_s=2, wall_s=3.0, memory_mb=256, max_processes=16)))
+
+    reward = RewardFunction(
+        CodeExec(sandbox=SandboxConfig(cpu_s=2, wall_s=3.0, memory_mb=256, max_processes=16))
+    )
     args = (["p"] * 3, [fenced(SLOW_ADD)] * 3, {"tests": [ASSERTS] * 3})
     if pooled:
         with RewardPool([reward], PoolConfig(num_workers=1, timeout_s=1.0, chunk_size=3)) as pool:
             _, per, info = score_batch([reward], *args, pool=pool)
     else:
         _, per, info = score_batch([reward], *args, timeout_s=1.0)
-    assert info["timeouts"] == 0 and info["time_s/code_exec"] > 1.0  # past --reward-timeout-s, not cut
+    assert (
+        info["timeouts"] == 0 and info["time_s/code_exec"] > 1.0
+    )  # past --reward-timeout-s, not cut
     np.testing.assert_array_equal(per["code_exec"], [1.0, 1.0, 1.0])
 
 
@@ -192,8 +244,9 @@ ATTACKS = {
     + WRONG,
     "replace builtins.eval": "import builtins\nbuiltins.eval = lambda *a, **k: True\n" + WRONG,
     "replace json.dumps": "import json, __main__\n"
-    "json.dumps = __main__.dumps = lambda *a, **k: '{\"ok\": true, \"values\": [true]}'\n" + WRONG,
-    "atexit(os._exit, 0) + sys.exit(0)": "import atexit, os, sys\natexit.register(os._exit, 0)\n" + WRONG
+    'json.dumps = __main__.dumps = lambda *a, **k: \'{"ok": true, "values": [true]}\'\n' + WRONG,
+    "atexit(os._exit, 0) + sys.exit(0)": "import atexit, os, sys\natexit.register(os._exit, 0)\n"
+    + WRONG
     + "sys.exit(0)\n",
     "os._exit(0) mid-test": "import os\ndef add(a, b):\n    os._exit(0)\n",
     "always-true __eq__": "class Anything:\n    def __eq__(self, other):\n        return True\n"
@@ -208,8 +261,8 @@ ATTACKS = {
     "            table[int(a), int(b)] = int(c)\n"
     "def add(a, b):\n    return table.get((a, b), a * b)\n",
     "forged lines with the nonce from __main__": "import __main__, sys\nn = __main__.nonce\n"
-    "claims = ['{\"ok\": true}', '{\"ok\": true, \"values\": [true]}']\n"
-    "claims += ['{\"ok\": true, \"values\": [%d]}' % v for v in range(-20, 21)]\n"
+    'claims = [\'{"ok": true}\', \'{"ok": true, "values": [true]}\']\n'
+    'claims += [\'{"ok": true, "values": [%d]}\' % v for v in range(-20, 21)]\n'
     "for t in range(3):\n    for c in claims:\n        sys.__stdout__.write(f'\\n{n} {t} 0 {c}\\n')\n"
     "sys.__stdout__.flush()\n" + WRONG,
 }
@@ -219,11 +272,12 @@ def _mechanism_config(mechanism: str) -> SandboxConfig:
     """A working sandbox of ``mechanism``, or the test skips."""
     if works(mechanism, NOBODY, NOBODY) is not None:
         pytest.skip(f"{mechanism}: {works(mechanism, NOBODY, NOBODY)}")
-    cfg = SandboxConfig(isolation=mechanism, cpu_s=2, wall_s=4.0,
-                        memory_mb=256, max_processes=16)
+    cfg = SandboxConfig(isolation=mechanism, cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16)
     try:
         sandbox_for(cfg)
-    except SandboxUnavailable as exc:  # e.g. unshare as a non-root trainer (its own uid): refused by default
+    except (
+        SandboxUnavailable
+    ) as exc:  # e.g. unshare as a non-root trainer (its own uid): refused by default
         pytest.skip(f"{mechanism}: {exc}")
     return cfg
 
@@ -235,7 +289,10 @@ EFFECT = {
     "rewrite the steps through __main__": (TRUE, TRUE),  # its probes now evaluate True
     "gc: rewrite every step dict": (TRUE, TRUE),
     "gc: clear every list": (None, None),  # the harness has no steps left
-    "sys._getframe up to the harness": ('{"ok": true, "values": [2]}', OK),  # then steps without probes
+    "sys._getframe up to the harness": (
+        '{"ok": true, "values": [2]}',
+        OK,
+    ),  # then steps without probes
     "replace builtins.compile": (TRUE, TRUE),
     "replace builtins.eval": (TRUE, TRUE),
     "replace json.dumps": (TRUE, TRUE),
@@ -243,8 +300,10 @@ EFFECT = {
     "os._exit(0) mid-test": (None, None),
     "always-true __eq__": ('{"ok": false}', '{"ok": false}'),  # not plain data
     "int subclass": ('{"ok": false}', '{"ok": false}'),
-    "lookup table from every file in the working directory (steps.json too)": ('{"ok": true, "values": [2]}',
-                                                                              '{"ok": true, "values": [25]}'),
+    "lookup table from every file in the working directory (steps.json too)": (
+        '{"ok": true, "values": [2]}',
+        '{"ok": true, "values": [25]}',
+    ),
     "forged lines with the nonce from __main__": (OK, TRUE),  # its own claims come first
 }
 
@@ -261,8 +320,14 @@ def test_each_attack_takes_effect(tmp_path):
     assert set(EFFECT) == set(ATTACKS)
     for name, code in ATTACKS.items():
         (tmp_path / "src" / "solution.py").write_text(code)
-        out = subprocess.run([sys.executable, "-I", "src/harness.py"], input="n0nce\n", cwd=tmp_path,
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            [sys.executable, "-I", "src/harness.py"],
+            input="n0nce\n",
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         lines = [line.split(" ", 3)[3] for line in out.splitlines() if line.startswith("n0nce ")]
         assert tuple(lines[:2] + [None, None])[:2] == EFFECT[name], name
 
@@ -275,22 +340,29 @@ def test_attacks_on_the_judge_score_nothing(mechanism):
     rows = [ADD, CALLS]
     completions = [fenced(p) for p in programs for _ in rows]
     got = reward(["p"] * len(completions), completions, tests=rows * len(programs))
-    scores = {(name, kind): got[2 * i + j] for i, name in enumerate([*ATTACKS, "right"])
-              for j, kind in enumerate(["asserts", "call-based"])}
+    scores = {
+        (name, kind): got[2 * i + j]
+        for i, name in enumerate([*ATTACKS, "right"])
+        for j, kind in enumerate(["asserts", "call-based"])
+    }
     assert scores == {key: 1.0 if key[0] == "right" else 0.0 for key in scores}
 
 
 def _dataset_thieves(path: Path) -> dict[str, str]:
     """Programs that open the dataset by its absolute path and return / print the expected output
     they find there for their input (a * b, wrong, when they cannot)."""
-    stdio = ("import json\na, b = map(int, input().split())\nfound = a * b\ntry:\n"
-             f"    for line in open({str(path)!r}):\n        for t in json.loads(line)['tests']:\n"
-             "            if isinstance(t, dict) and t['input'].split() == [str(a), str(b)]:\n"
-             "                found = t['output']\nexcept OSError:\n    pass\nprint(found)\n")
-    calls = ("import json\ndef add(a, b):\n    try:\n"
-             f"        for line in open({str(path)!r}):\n            t = json.loads(line)['tests']\n"
-             "            if isinstance(t, dict):\n                return dict(zip(map(tuple, t['inputs']), "
-             "t['outputs']))[(a, b)]\n    except OSError:\n        pass\n    return a * b\n")
+    stdio = (
+        "import json\na, b = map(int, input().split())\nfound = a * b\ntry:\n"
+        f"    for line in open({str(path)!r}):\n        for t in json.loads(line)['tests']:\n"
+        "            if isinstance(t, dict) and t['input'].split() == [str(a), str(b)]:\n"
+        "                found = t['output']\nexcept OSError:\n    pass\nprint(found)\n"
+    )
+    calls = (
+        "import json\ndef add(a, b):\n    try:\n"
+        f"        for line in open({str(path)!r}):\n            t = json.loads(line)['tests']\n"
+        "            if isinstance(t, dict):\n                return dict(zip(map(tuple, t['inputs']), "
+        "t['outputs']))[(a, b)]\n    except OSError:\n        pass\n    return a * b\n"
+    )
     return {"stdio": stdio, "call-based": calls}
 
 
@@ -301,7 +373,9 @@ def dataset():
     with tempfile.TemporaryDirectory(prefix="relax-dataset-") as folder:
         os.chmod(folder, 0o755)
         path = Path(folder) / "rows.jsonl"
-        path.write_text("".join(json.dumps({"prompt": "add", "tests": t}) + "\n" for t in (STDIO, CALLS)))
+        path.write_text(
+            "".join(json.dumps({"prompt": "add", "tests": t}) + "\n" for t in (STDIO, CALLS))
+        )
         path.chmod(0o644)
         yield path
 
@@ -311,11 +385,17 @@ def test_a_program_that_reads_the_dataset(mechanism, dataset):
     """The expected outputs of stdin/stdout and call-based rows never enter the sandbox; a copy of
     the dataset in the program's view gives them away, and only then do the thieves score."""
     thieves = _dataset_thieves(dataset)
-    host = subprocess.run([sys.executable, "-c", thieves["stdio"]], input="5 5\n", capture_output=True, text=True)
-    assert host.stdout == "10\n"  # the attack works where the file is in view (a * b would print 25)
+    host = subprocess.run(
+        [sys.executable, "-c", thieves["stdio"]], input="5 5\n", capture_output=True, text=True
+    )
+    assert (
+        host.stdout == "10\n"
+    )  # the attack works where the file is in view (a * b would print 25)
     cfg = _mechanism_config(mechanism)
-    look = sandbox_for(cfg).run({"look.py": f"import os\nprint(os.path.exists({str(dataset)!r}))"},
-                                ["{python}", "-I", "src/look.py"])
+    look = sandbox_for(cfg).run(
+        {"look.py": f"import os\nprint(os.path.exists({str(dataset)!r}))"},
+        ["{python}", "-I", "src/look.py"],
+    )
     assert look.stdout == "False\n"  # not mounted, under either mechanism
     reward = CodeExec(sandbox=cfg, test_timeout_s=0.5)
     right = "a, b = map(int, input().split())\nprint(a + b)\n"

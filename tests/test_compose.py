@@ -44,7 +44,9 @@ def by_hand(fns, state, batch):
 
 
 def assert_same(a, b):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6), a, b)
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6), a, b
+    )
 
 
 def test_all_jit_compose_fuses_and_compiles_once():
@@ -59,7 +61,9 @@ def test_all_jit_compose_fuses_and_compiles_once():
         state, out = step(state, batch)
         if i == 0:
             assert_same((state, out), (ref_state, ref_batch))
-    assert traces.count("rollout") == 1 + 1 and traces.count("update") == 1 + 1  # 1 trace + 1 by_hand
+    assert (
+        traces.count("rollout") == 1 + 1 and traces.count("update") == 1 + 1
+    )  # 1 trace + 1 by_hand
     assert step.cache_sizes() == (1,)
     assert int(state["n"]) == 4
 
@@ -82,7 +86,9 @@ def test_host_stage_splits_into_two_jits():
         if i == 0:
             assert_same((state, out), expected)
     assert traces.count("score") == 3  # host stage runs every call
-    assert traces.count("rollout") == 1 and traces.count("advantage") == 1  # jitted ones traced once
+    assert (
+        traces.count("rollout") == 1 and traces.count("advantage") == 1
+    )  # jitted ones traced once
     assert step.cache_sizes() == (1, 1)
 
 
@@ -145,7 +151,9 @@ def test_read_only_stage_returns_the_callers_state_before_a_failing_host_stage()
     """A program of ``updates_state=False`` stages neither donates nor copies the state: when the
     host stage after it raises, the caller's state is whole and the step can simply be retried."""
     _, advantage, update, _ = make_stages([])
-    rollout = stage(lambda s, b: (s, dict(b, y=b["x"] * s["w"])), name="rollout", updates_state=False)
+    rollout = stage(
+        lambda s, b: (s, dict(b, y=b["x"] * s["w"])), name="rollout", updates_state=False
+    )
     fail = {"now": True}
 
     def score(state, batch):
@@ -202,23 +210,31 @@ def test_with_host_record_never_enters_the_jitted_programs():
         seen.append(batch.host)
         words = [o.text for o in batch.host.fields["obj"]]
         host = batch.host.replace(completions=words, reward_info={"n": len(words)})
-        return state, batch.replace(device={**batch.device, "r": jnp.full(8, float(len(words)))}, host=host)
+        return state, batch.replace(
+            device={**batch.device, "r": jnp.full(8, float(len(words)))}, host=host
+        )
 
     def update(state, batch):  # jitted again
         assert not isinstance(batch, WithHost) and set(batch) == {"x", "y", "r"}, batch
         traces.append("update")
-        return {"w": state["w"] + batch["r"] * batch["y"], "n": state["n"] + 1}, {"total": jnp.sum(batch["y"])}
+        return {"w": state["w"] + batch["r"] * batch["y"], "n": state["n"] + 1}, {
+            "total": jnp.sum(batch["y"])
+        }
 
     step = compose(stage(scale, updates_state=False), stage(note, jit=False), stage(update))
     assert [s.jittable for s in step.segments] == [True, False, True]
     state, batch = init()
     for i, words in enumerate((["a", "b"], ["ccc", "dd", "e", "f"])):
-        host = HostRecord(prompts=[f"p{i}"] * len(words), fields={"obj": [Untraceable(w) for w in words]})
+        host = HostRecord(
+            prompts=[f"p{i}"] * len(words), fields={"obj": [Untraceable(w) for w in words]}
+        )
         w0 = np.asarray(state["w"])
         state, out = step(state, WithHost(dict(batch), host))
         assert isinstance(out, WithHost) and seen[-1] is host  # the record the caller passed
         assert out.host.fields is host.fields and out.host.completions == words
-        assert out.host.reward_info == {"n": len(words)} and host.completions is None  # the caller's is unchanged
+        assert (
+            out.host.reward_info == {"n": len(words)} and host.completions is None
+        )  # the caller's is unchanged
         y = np.asarray(batch["x"]) * w0
         np.testing.assert_allclose(out.device["total"], y.sum(), rtol=1e-6)
         np.testing.assert_allclose(state["w"], w0 + len(words) * y, rtol=1e-6)

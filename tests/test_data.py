@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from text_fixtures import make_model_dir
 
 import relax.data.files as data_files
 from relax.data.prompts import (
@@ -22,7 +23,6 @@ from relax.data.prompts import (
 )
 from relax.text import load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece
-from text_fixtures import make_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,10 @@ def chat_toks(tmp_path_factory):
 
 
 def _rows(n, **extra):
-    return [{"prompt": f"question {i}: what is {i} plus {2 * i} ?", "answer": str(3 * i), **extra}
-            for i in range(n)]
+    return [
+        {"prompt": f"question {i}: what is {i} plus {2 * i} ?", "answer": str(3 * i), **extra}
+        for i in range(n)
+    ]
 
 
 def _jsonl(path, rows):
@@ -73,7 +75,9 @@ def test_shapes_padding_and_fields(tmp_path, tok):
         n = int(mask.sum())
         assert mask[-n:].all() and not mask[:-n].any()  # left padded
         assert (ids[:-n] == tok.pad_token_id).all()
-        assert ids[-n] == tok.bos_token_id and list(ids[-n + 1 :]) == tok.encode(text, add_special_tokens=False)
+        assert ids[-n] == tok.bos_token_id and list(ids[-n + 1 :]) == tok.encode(
+            text, add_special_tokens=False
+        )
     assert [int(a) for a in b.answers] == [3 * int(p.split()[1][:-1]) for p in b.prompts]
     assert b.fields == {"level": [1] * 4} and b.data_source == ["math"] * 4
 
@@ -84,7 +88,12 @@ def test_buckets_and_the_tokenizers_own_special_tokens(tmp_path, tok, chat_toks)
     assert b.prompt_ids.shape[1] == 16 and b.prompt_mask[:, 0].sum() < 4
     # a plain prompt gets exactly what the tokenizer adds: Llama 3's BOS, nothing for Qwen2.5
     for style, bos in (("llama3", True), ("qwen25", False)):
-        b = next(_iter(_cfg(f, shuffle=False, chat_template="never", max_prompt_tokens=64), chat_toks[style]))
+        b = next(
+            _iter(
+                _cfg(f, shuffle=False, chat_template="never", max_prompt_tokens=64),
+                chat_toks[style],
+            )
+        )
         ids = list(b.prompt_ids[0][b.prompt_mask[0] == 1])
         body = chat_toks[style].encode(b.prompts[0], add_special_tokens=False)
         assert ids == ([chat_toks[style].bos_token_id] if bos else []) + body, style
@@ -164,12 +173,19 @@ def test_overlong_prompts_are_dropped_by_default_and_counted(tmp_path, tok):
     lengths = [len(tok.encode(r["prompt"])) for r in rows]  # the independent count
     s = prepared.stats
     assert s.action == "drop" and s.rows == 6 and s.kept == 4 and s.dropped == 2
-    assert [(o.row, o.tokens) for o in s.over_budget] == [(5, lengths[4]), (2, lengths[1])]  # longest first
-    assert s.percentiles() == {f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99)} | {
-        "max": max(lengths)}
+    assert [(o.row, o.tokens) for o in s.over_budget] == [
+        (5, lengths[4]),
+        (2, lengths[1]),
+    ]  # longest first
+    assert s.percentiles() == {
+        f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99)
+    } | {"max": max(lengths)}
     assert [e.text for e in prepared.examples] == [rows[i]["prompt"] for i in (0, 2, 3, 5)]
     message = s.over_budget_message("training")
-    assert f"2 of 6 training prompts are over --max-prompt-tokens 12: {f} row 5 ({lengths[4]} tokens)" in message
+    assert (
+        f"2 of 6 training prompts are over --max-prompt-tokens 12: {f} row 5 ({lengths[4]} tokens)"
+        in message
+    )
     assert "dropped" in message
     b = next(_iter(cfg, tok))
     assert long_a not in b.prompts and b.prompt_ids.shape == (4, 12)
@@ -184,36 +200,75 @@ def test_overlong_truncate_keeps_end_and_reject_names_row(tmp_path, tok):
     b = next(_iter(_cfg(f, shuffle=False, max_prompt_tokens=12, overlong="truncate"), tok))
     assert b.prompt_ids.shape == (4, 12) and b.prompts[1] == rows[1]["prompt"]  # row kept
     assert b.prompt_mask[1].all()
-    assert list(b.prompt_ids[1]) == [tok.bos_token_id] + tok.encode(rows[1]["prompt"], add_special_tokens=False)[-11:]
+    assert (
+        list(b.prompt_ids[1])
+        == [tok.bos_token_id] + tok.encode(rows[1]["prompt"], add_special_tokens=False)[-11:]
+    )
     n = len(tok.encode(rows[1]["prompt"]))
-    with pytest.raises(ValueError, match=rf"{f}: row 2: prompt has {n} tokens > max_prompt_tokens=12"):
+    with pytest.raises(
+        ValueError, match=rf"{f}: row 2: prompt has {n} tokens > max_prompt_tokens=12"
+    ):
         _iter(_cfg(f, max_prompt_tokens=12, overlong="reject"), tok)
     with pytest.raises(ValueError, match="no training prompt is within max_prompt_tokens=2"):
         _iter(_cfg(f, max_prompt_tokens=2), tok)
 
 
 def test_truncated_chat_prompt_keeps_header_and_system_prompt(tmp_path, chat_toks):
-    question = "Compute the sum. " + " ".join(f"item {i} costs {i} coins." for i in range(40)) + " What is the total?"
-    msgs = [{"role": "system", "content": "You are a careful accountant."}, {"role": "user", "content": question}]
-    f = _jsonl(tmp_path / "d.jsonl", [{"prompt": msgs, "answer": "780"}, {"prompt": "short", "answer": "1"}])
+    question = (
+        "Compute the sum. "
+        + " ".join(f"item {i} costs {i} coins." for i in range(40))
+        + " What is the total?"
+    )
+    msgs = [
+        {"role": "system", "content": "You are a careful accountant."},
+        {"role": "user", "content": question},
+    ]
+    f = _jsonl(
+        tmp_path / "d.jsonl",
+        [{"prompt": msgs, "answer": "780"}, {"prompt": "short", "answer": "1"}],
+    )
     for style, t in chat_toks.items():
         full = t.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         budget = len(full) // 2
         cfg = _cfg(f, batch_size=1, shuffle=False, max_prompt_tokens=budget, overlong="truncate")
         prepared = prepare_prompts(read_records(f), cfg, t)
         cut = prepared.examples[0]
-        assert len(cut.ids) <= budget and prepared.stats.kept == 2 and len(prepared.stats.over_budget) == 1
+        assert (
+            len(cut.ids) <= budget
+            and prepared.stats.kept == 2
+            and len(prepared.stats.over_budget) == 1
+        )
         assert "You are a careful accountant." in cut.text and "What is the total?" in cut.text
         assert "item 0 costs" not in cut.text
         # the fewest tokens cut: one more content token would not fit
         content = t.encode(question, add_special_tokens=False)
-        kept = next(k for k in range(len(content), -1, -1)
-                    if len(t.apply_chat_template([msgs[0], {"role": "user", "content": t.decode(content[len(content) - k:])}],
-                                                 add_generation_prompt=True, tokenize=True)) <= budget)
-        assert cut.text == t.apply_chat_template([msgs[0], {"role": "user", "content": t.decode(content[len(content) - kept:])}],
-                                                 add_generation_prompt=True, tokenize=False), style
-        fixed = len(t.apply_chat_template([msgs[0], {"role": "user", "content": ""}], add_generation_prompt=True))
-        tiny = prepare_prompts(read_records(f), _cfg(f, batch_size=1, max_prompt_tokens=fixed - 1, overlong="truncate"), t)
+        kept = next(
+            k
+            for k in range(len(content), -1, -1)
+            if len(
+                t.apply_chat_template(
+                    [msgs[0], {"role": "user", "content": t.decode(content[len(content) - k :])}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                )
+            )
+            <= budget
+        )
+        assert cut.text == t.apply_chat_template(
+            [msgs[0], {"role": "user", "content": t.decode(content[len(content) - kept :])}],
+            add_generation_prompt=True,
+            tokenize=False,
+        ), style
+        fixed = len(
+            t.apply_chat_template(
+                [msgs[0], {"role": "user", "content": ""}], add_generation_prompt=True
+            )
+        )
+        tiny = prepare_prompts(
+            read_records(f),
+            _cfg(f, batch_size=1, max_prompt_tokens=fixed - 1, overlong="truncate"),
+            t,
+        )
         # the system prompt and the template are never cut: a prompt they alone put over is dropped
         assert 1 in [o.row for o in tiny.stats.over_budget], style
         assert tiny.stats.uncuttable == len(tiny.stats.over_budget) == tiny.stats.dropped, style
@@ -226,10 +281,15 @@ def test_batches_pad_to_the_datas_longest_bucket_by_default(tmp_path, tok):
     longest = max(len(tok.encode(r["prompt"])) for r in rows)
     buckets = (8, 16, 24, 32)
     want = next(b for b in buckets if b >= longest)
-    shapes = {b.prompt_ids.shape[1] for b in _take(_iter(_cfg(f, prompt_buckets=buckets, batch_size=2), tok), 8)}
+    shapes = {
+        b.prompt_ids.shape[1]
+        for b in _take(_iter(_cfg(f, prompt_buckets=buckets, batch_size=2), tok), 8)
+    }
     assert shapes == {want}
-    shapes = {b.prompt_ids.shape[1] for b in _take(_iter(_cfg(f, prompt_buckets=buckets, batch_size=2, pad_to="batch"),
-                                                         tok), 8)}
+    shapes = {
+        b.prompt_ids.shape[1]
+        for b in _take(_iter(_cfg(f, prompt_buckets=buckets, batch_size=2, pad_to="batch"), tok), 8)
+    }
     assert len(shapes) > 1 and max(shapes) == want
 
 
@@ -240,18 +300,31 @@ def test_chat_prompts_use_the_models_template_with_one_bos(tmp_path, tok, chat_t
     user = [{"role": "user", "content": "hi"}]
     for style, t in chat_toks.items():  # auto: a chat model's template for string prompts too
         b = next(_iter(_cfg(f, batch_size=2, shuffle=False, max_prompt_tokens=128), t))
-        render = lambda m, tokenize: t.apply_chat_template(m, add_generation_prompt=True, tokenize=tokenize)  # noqa: E731
+        render = lambda m, tokenize: t.apply_chat_template(
+            m, add_generation_prompt=True, tokenize=tokenize
+        )  # noqa: E731
         assert b.prompts == [render(msgs, False), render(user, False)], style
         for i, m in enumerate((msgs, user)):
             ids = list(b.prompt_ids[i][b.prompt_mask[i] == 1])
             assert ids == render(m, True), style
-            assert ids.count(t.bos_token_id) == (1 if style == "llama3" else 0), style  # never a second BOS
-        b = next(_iter(_cfg(f, batch_size=2, shuffle=False, max_prompt_tokens=128, system_prompt="sys"), t))
-        assert b.prompts == [render(msgs, False),  # already has a system message
-                             render([{"role": "system", "content": "sys"}] + user, False)], style
+            assert ids.count(t.bos_token_id) == (1 if style == "llama3" else 0), (
+                style
+            )  # never a second BOS
+        b = next(
+            _iter(
+                _cfg(f, batch_size=2, shuffle=False, max_prompt_tokens=128, system_prompt="sys"), t
+            )
+        )
+        assert b.prompts == [
+            render(msgs, False),  # already has a system message
+            render([{"role": "system", "content": "sys"}] + user, False),
+        ], style
     with pytest.raises(ValueError, match=rf"{f}: row 1: field 'prompt': .*has no chat template"):
         _iter(_cfg(f, batch_size=1), tok)  # messages, and a tokenizer without a template
-    with pytest.raises(ValueError, match=rf"{f}: row 1: field 'prompt': a list of chat messages needs a chat template"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{f}: row 1: field 'prompt': a list of chat messages needs a chat template",
+    ):
         _iter(_cfg(f, batch_size=1, chat_template="never"), chat_toks["qwen25"])
     with pytest.raises(ValueError, match="system_prompt needs a chat template"):
         _cfg(f, system_prompt="sys", chat_template="never")
@@ -273,7 +346,10 @@ def test_parquet_directory_and_file_list(tmp_path, tok, chat_toks):
 
     msgs = [{"role": "user", "content": "hi"}]
     msgs2 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    rows = [{"prompt": msgs, "answer": "1", "tag": "p"}, {"prompt": msgs2, "answer": "2", "tag": "q"}]
+    rows = [
+        {"prompt": msgs, "answer": "1", "tag": "p"},
+        {"prompt": msgs2, "answer": "2", "tag": "q"},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
     _jsonl(tmp_path / "a.jsonl", _rows(2))
     recs = load_records(tmp_path)  # a.jsonl then b.parquet
@@ -282,7 +358,10 @@ def test_parquet_directory_and_file_list(tmp_path, tok, chat_toks):
     assert json.loads(json.dumps(dataclasses.asdict(cfg)))["path"] == [str(tmp_path / "b.parquet")]
     chat = chat_toks["qwen25"]
     b = next(prompt_iterator(cfg, chat))  # process index/count from jax
-    assert b.prompts == [chat.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in (msgs, msgs2)]
+    assert b.prompts == [
+        chat.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+        for m in (msgs, msgs2)
+    ]
     assert b.fields == {"tag": ["p", "q"]} and b.answers == ["1", "2"]
     pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "c.parquet")
     with pytest.raises(KeyError, match=rf"{tmp_path / 'c.parquet'}: row 1: missing field 'answer'"):
@@ -313,7 +392,9 @@ def test_train_eval_split(tmp_path, tok):
     f = _jsonl(tmp_path / "d.jsonl", _rows(20))
     cfg = _cfg(f, eval_fraction=0.25, num_epochs=1)
     held_prompts = {r.record["prompt"] for r in eval_records(cfg)}
-    seen = {p for b in prompt_dataset(cfg, tok, process_index=0, process_count=1) for p in b.prompts}
+    seen = {
+        p for b in prompt_dataset(cfg, tok, process_index=0, process_count=1) for p in b.prompts
+    }
     assert len(held_prompts) == 5 and len(seen) == 12 and not seen & held_prompts
     b = prompt_batch(eval_records(cfg), cfg, tok)
     assert b.prompt_ids.shape == (5, 32) and set(b.prompts) == held_prompts
@@ -326,10 +407,14 @@ def test_read_splits_reads_the_file_once_for_both_splits(tmp_path, tok, monkeypa
     expected = [b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1)]
     reads = []
     original = data_files._read_jsonl
-    monkeypatch.setattr(data_files, "_read_jsonl", lambda file: reads.append(file) or original(file))
+    monkeypatch.setattr(
+        data_files, "_read_jsonl", lambda file: reads.append(file) or original(file)
+    )
     splits = read_splits(cfg)
     assert eval_records(cfg, splits) == expected_held
-    assert [b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1, splits=splits)] == expected
+    assert [
+        b.prompts for b in prompt_dataset(cfg, tok, process_index=0, process_count=1, splits=splits)
+    ] == expected
     assert reads == [f]
 
 
@@ -337,8 +422,11 @@ def test_read_splits_reads_the_file_once_for_both_splits(tmp_path, tok, monkeypa
 
 
 def test_invalid_utf8_names_file_line_column_and_offset(tmp_path):
-    lines = [b'{"prompt": "caf\xc3\xa9", "answer": "1"}\r\n', b"\r\n",
-             b'{"prompt": "ok \xff here", "answer": "2"}\r\n']
+    lines = [
+        b'{"prompt": "caf\xc3\xa9", "answer": "1"}\r\n',
+        b"\r\n",
+        b'{"prompt": "ok \xff here", "answer": "2"}\r\n',
+    ]
     f = tmp_path / "latin.jsonl"
     f.write_bytes(b"\xef\xbb\xbf" + b"".join(lines))  # BOM, then the bad byte on line 3
     offset = 3 + len(lines[0]) + len(lines[1]) + lines[2].index(b"\xff")
@@ -346,7 +434,9 @@ def test_invalid_utf8_names_file_line_column_and_offset(tmp_path):
     msg = rf"{f}: line 3: invalid UTF-8 byte 0xff at column {column} \(byte offset {offset} in the file\)"
     with pytest.raises(ValueError, match=msg):
         load_records(f)
-    f.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xe2\x82", "answer": "2"}\n')  # cut short
+    f.write_bytes(
+        b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xe2\x82", "answer": "2"}\n'
+    )  # cut short
     with pytest.raises(ValueError, match=rf"{f}: line 2: invalid UTF-8 byte 0xe2 at column 13 "):
         read_records(f)
 
@@ -354,9 +444,13 @@ def test_invalid_utf8_names_file_line_column_and_offset(tmp_path):
 def test_bom_and_line_endings_read_like_plain_utf8(tmp_path):
     rows = [{"prompt": "caf\u00e9 \u00fcber", "answer": "1"}, {"prompt": "b", "answer": "2"}]
     body = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode()
-    variants = {"lf": body + b"\n", "crlf": body.replace(b"\n", b"\r\n") + b"\r\n",
-                "cr": body.replace(b"\n", b"\r"), "bom": b"\xef\xbb\xbf" + body,
-                "bom_crlf_blank": b"\xef\xbb\xbf\r\n" + body.replace(b"\n", b"\r\n\r\n")}
+    variants = {
+        "lf": body + b"\n",
+        "crlf": body.replace(b"\n", b"\r\n") + b"\r\n",
+        "cr": body.replace(b"\n", b"\r"),
+        "bom": b"\xef\xbb\xbf" + body,
+        "bom_crlf_blank": b"\xef\xbb\xbf\r\n" + body.replace(b"\n", b"\r\n\r\n"),
+    }
     for name, data in variants.items():
         (tmp_path / f"{name}.jsonl").write_bytes(data)
         assert load_records(tmp_path / f"{name}.jsonl") == rows, name
@@ -370,7 +464,9 @@ def test_prompt_batch_errors_name_the_eval_file_and_row(tmp_path, tok):
     with pytest.raises(ValueError, match=rf"^{ev}: row 3: field 'prompt' is empty$"):
         prompt_batch(read_records(ev, fields=("prompt",)), _cfg(ev, answer_field=None), tok)
     _jsonl(ev, [_rows(1)[0], {"prompt": {"text": "hi"}, "answer": "1"}])
-    with pytest.raises(ValueError, match=rf"^{ev}: row 2: field 'prompt': prompt must be a string .* got dict"):
+    with pytest.raises(
+        ValueError, match=rf"^{ev}: row 2: field 'prompt': prompt must be a string .* got dict"
+    ):
         prompt_batch(read_records(ev), cfg, tok)
     with pytest.raises(ValueError, match=r"^<records>: row 2: field 'prompt'"):  # plain dicts
         prompt_batch(load_records(ev), cfg, tok)
@@ -379,8 +475,12 @@ def test_prompt_batch_errors_name_the_eval_file_and_row(tmp_path, tok):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"prompt": "hi"}, {"prompt": ""}]), tmp_path / "eval.parquet")
-    with pytest.raises(ValueError, match=rf"^{tmp_path / 'eval.parquet'}: row 2: field 'prompt' is empty"):
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "hi"}, {"prompt": ""}]), tmp_path / "eval.parquet"
+    )
+    with pytest.raises(
+        ValueError, match=rf"^{tmp_path / 'eval.parquet'}: row 2: field 'prompt' is empty"
+    ):
         prompt_batch(read_records(tmp_path / "eval.parquet"), _cfg(ev, answer_field=None), tok)
 
 

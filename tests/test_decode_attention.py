@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.models.attention.decode import pallas_available, pallas_decode_attention, reference_decode_attention
+from relax.models.attention.decode import (
+    pallas_available,
+    pallas_decode_attention,
+    reference_decode_attention,
+)
 
 STATIC = ("num_gen", "scale", "interpret", "block_k", "block_rows")
 XLA = jax.jit(reference_decode_attention, static_argnames=STATIC[:2])
@@ -20,7 +24,17 @@ CASES = {
     "ragged": (2, 3, 2, 2, 8, 13, (8, 5), 0.3, {}),
     "g1_r1": (1, 1, 1, 1, 16, 16, (16,), None, {}),
     "three_blocks": (3, 2, 1, 4, 16, 40, (16, 16, 3), None, {"block_k": 16}),
-    "row_tiles": (2, 7, 1, 3, 8, 70, (32, 7), 0.5, {"block_k": 16, "block_rows": 16}),  # tiles split completions
+    "row_tiles": (
+        2,
+        7,
+        1,
+        3,
+        8,
+        70,
+        (32, 7),
+        0.5,
+        {"block_k": 16, "block_rows": 16},
+    ),  # tiles split completions
 }
 
 
@@ -29,7 +43,7 @@ def _numpy_attention(q, pk, pv, pa, ok, ov, oa, g, scale):
     q, pk, pv = (np.asarray(x, np.float64) for x in (q, pk, pv))
     ok, ov = [np.asarray(x, np.float64) for x in ok], [np.asarray(x, np.float64) for x in ov]
     b, _, _, d = q.shape
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     out = np.zeros(q.shape)
     for i in range(b):
         k = np.concatenate([pk[i // g]] + [x[i] for x in ok], axis=-1)  # [hk, d, s]
@@ -52,7 +66,9 @@ def _masks(p, lp, sizes, kind):
     t = max(sum(sizes[:-1]) - 2, 1)
     own = slots <= t
     if kind == "window":
-        pos = np.concatenate([np.arange(lp), lp + slots])  # one position line: prompt then completion
+        pos = np.concatenate(
+            [np.arange(lp), lp + slots]
+        )  # one position line: prompt then completion
         now = lp + t
         pa = pa & (now - pos[None, :lp] < 6)
         own = own & (now - pos[lp:] < 6)
@@ -85,7 +101,7 @@ def test_both_paths_match_a_numpy_softmax_over_prompt_and_own_keys(case, kind, d
         assert np.all(np.isfinite(np.asarray(got)))
         np.testing.assert_allclose(np.asarray(got), want, atol=atol, rtol=atol)
         if kind == "empty":  # the last prompt's rows see no key: zeros, never NaN
-            assert np.all(np.asarray(got)[-kw["num_gen"]:] == 0.0)
+            assert np.all(np.asarray(got)[-kw["num_gen"] :] == 0.0)
 
 
 def test_pallas_is_not_available_without_a_gpu():

@@ -26,8 +26,18 @@ import numpy as np
 
 HERE = Path(__file__).resolve()
 # 4 KV heads: on tensor=2 each device holds 2 (test_one_kv_head_per_device_copies_on_cpu: 1)
-MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
-             head_dim=8, max_position_embeddings=128, qkv_bias=True, qk_norm=True)
+MODEL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    max_position_embeddings=128,
+    qkv_bias=True,
+    qk_norm=True,
+)
 MESHES = ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "data=4,tensor=2")
 P, LP, G, N, CHUNK = 8, 8, 4, 20, 8  # 3 cache blocks: 3 decode loops
 
@@ -42,42 +52,63 @@ def _case(spec: str | None, model, kind: str = "xla", num_kv_heads: int | None =
 
     ids = jax.random.randint(jax.random.key(1), (P, LP), 1, MODEL["vocab_size"])
     mask = jnp.ones_like(ids).at[1, :3].set(0).at[5, :6].set(0)  # left padding
-    gen = compiled_generate(RolloutConfig(num_generations=G, max_new_tokens=N, cache_chunk=CHUNK,
-                                          decode_attention=kind))
+    gen = compiled_generate(
+        RolloutConfig(num_generations=G, max_new_tokens=N, cache_chunk=CHUNK, decode_attention=kind)
+    )
     args = (model, ids, mask, jax.random.key(2))
     if spec is None:
         out, text = gen(*args), gen.lower(*args).compile().as_text()
     else:
         mesh = parallel.make_mesh(spec)
         rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
-        args = (parallel.shard_model(model, mesh), jax.device_put(ids, rows), jax.device_put(mask, rows), args[3])
+        args = (
+            parallel.shard_model(model, mesh),
+            jax.device_put(ids, rows),
+            jax.device_put(mask, rows),
+            args[3],
+        )
         with jax.set_mesh(mesh):
             out, text = gen(*args), gen.lower(*args).compile().as_text()
     key = lambda c: {f"{op} {shape}": n for (op, shape), n in c.items()}
     hk = model.config.num_kv_heads
-    caches = {f"copy f32[{r},{h},{a},{b_}]" for r in range(1, P * G + 1) for h in range(1, hk + 1)
-              for a, b_ in ((8, CHUNK), (CHUNK, 8), (8, N - 2 * CHUNK), (N - 2 * CHUNK, 8))}
+    caches = {
+        f"copy f32[{r},{h},{a},{b_}]"
+        for r in range(1, P * G + 1)
+        for h in range(1, hk + 1)
+        for a, b_ in ((8, CHUNK), (CHUNK, 8), (8, N - 2 * CHUNK), (N - 2 * CHUNK, 8))
+    }
     copies = key(loop_ops(text, ("copy",)))
-    return {"tokens": np.asarray(out.tokens).tolist(), "logprobs": np.asarray(out.logprobs).tolist(),
-            "body": key(loop_ops(text, COLLECTIVES)), "condition": key(loop_ops(text, COLLECTIVES, part="condition")),
-            "cache_copies": {k: v for k, v in copies.items() if k in caches}}
+    return {
+        "tokens": np.asarray(out.tokens).tolist(),
+        "logprobs": np.asarray(out.logprobs).tolist(),
+        "body": key(loop_ops(text, COLLECTIVES)),
+        "condition": key(loop_ops(text, COLLECTIVES, part="condition")),
+        "cache_copies": {k: v for k, v in copies.items() if k in caches},
+    }
 
 
 def worker(out_path: str) -> None:
     import dataclasses
 
     import jax
-
     from conftest import use_compile_cache
+
     from relax.models import ModelConfig, init
 
     use_compile_cache()
     model = init(ModelConfig(**MODEL), jax.random.key(0), std=0.1)
-    mqa = init(dataclasses.replace(ModelConfig(**MODEL), num_heads=4, num_kv_heads=2), jax.random.key(0), std=0.1)
-    results = {"one": _case(None, model), "one_pallas": _case(None, model, "pallas_interpret"),
-               "mesh": {spec: _case(spec, model) for spec in MESHES},
-               "mesh_pallas": _case("data=2,fsdp=2,tensor=2", model, "pallas_interpret"),
-               "one_head_per_device": _case("data=4,tensor=2", mqa)}
+    mqa = init(
+        dataclasses.replace(ModelConfig(**MODEL), num_heads=4, num_kv_heads=2),
+        jax.random.key(0),
+        std=0.1,
+    )
+    results = {
+        "one": _case(None, model),
+        "one_pallas": _case(None, model, "pallas_interpret"),
+        "mesh": {spec: _case(spec, model) for spec in MESHES},
+        "mesh_pallas": _case("data=2,fsdp=2,tensor=2", model, "pallas_interpret"),
+        "one_head_per_device": _case("data=4,tensor=2", mqa),
+    }
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -89,8 +120,11 @@ def expected(spec: str) -> tuple[dict, dict]:
     condition = {"all-reduce pred[]": loops} if shards > 1 else {}
     if int(sizes.get("tensor", 1)) == 1:
         return {}, condition
-    return {f"all-reduce f32[{bl},{d}]": 2 * MODEL["num_layers"] * loops, f"all-reduce f32[{bl},1,{d}]": loops,
-            f"all-gather f32[{bl},{v}]": loops}, condition
+    return {
+        f"all-reduce f32[{bl},{d}]": 2 * MODEL["num_layers"] * loops,
+        f"all-reduce f32[{bl},1,{d}]": loops,
+        f"all-gather f32[{bl},{v}]": loops,
+    }, condition
 
 
 if __name__ == "__main__":
@@ -135,4 +169,6 @@ else:
         head axis). The layout's collectives are still exact. Fails when XLA stops doing it."""
         got = results["one_head_per_device"]
         assert got["body"] == expected("data=4,tensor=2")[0]
-        assert got["cache_copies"], "XLA:CPU no longer copies: drop this test and the RESULTS.md note"
+        assert got["cache_copies"], (
+            "XLA:CPU no longer copies: drop this test and the RESULTS.md note"
+        )

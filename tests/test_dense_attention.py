@@ -11,20 +11,30 @@ import pytest
 from relax.models import ModelConfig, cast, init
 from relax.models.attention.dense import prefix_dense_attention
 from relax.models.forward.prefix_shared import completion_logprobs
-from tests.test_group_attention import D, G, HK, M_R, N, P, _inputs, _numpy_attention, _plain
+from tests.test_group_attention import HK, M_R, D, G, N, P, _inputs, _numpy_attention, _plain
 
 B = P * G
 
 
 def _to_dense(q, pk, pv, k, v):
     """Group layout (rows m = (r, t) of KV head h) -> token-major [B, N, heads, D] (head h*R + r)."""
-    qd = np.asarray(q).reshape(P, HK, G, M_R, N, D).transpose(0, 2, 4, 1, 3, 5).reshape(B, N, HK * M_R, D)
+    qd = (
+        np.asarray(q)
+        .reshape(P, HK, G, M_R, N, D)
+        .transpose(0, 2, 4, 1, 3, 5)
+        .reshape(B, N, HK * M_R, D)
+    )
     kv = lambda x: np.asarray(x).transpose(0, 2, 3, 1, 4).reshape(B, N, HK, D)
     return qd, kv(k), kv(v), pk, pv
 
 
 def _from_dense(o):
-    return np.asarray(o).reshape(P, G, N, HK, M_R, D).transpose(0, 3, 1, 4, 2, 5).reshape(P, HK, G, M_R * N, D)
+    return (
+        np.asarray(o)
+        .reshape(P, G, N, HK, M_R, D)
+        .transpose(0, 3, 1, 4, 2, 5)
+        .reshape(P, HK, G, M_R * N, D)
+    )
 
 
 def _valid_rows(k_valid):
@@ -37,7 +47,9 @@ def test_forward_matches_numpy():
     args = _inputs(3)
     q, pk, pv, k, v, *_, p_valid, _, k_valid = args
     p_len = jnp.asarray(p_valid.sum(1))
-    got = prefix_dense_attention(*map(jnp.asarray, _to_dense(q, pk, pv, k, v)), p_len, implementation="xla")
+    got = prefix_dense_attention(
+        *map(jnp.asarray, _to_dense(q, pk, pv, k, v)), p_len, implementation="xla"
+    )
     chex.assert_shape(got, (B, N, HK * M_R, D))
     want = _numpy_attention(*args, None)
     ok = _valid_rows(k_valid)
@@ -58,14 +70,24 @@ def test_backward_matches_autodiff_of_plain_attention():
         return jnp.sum(w * o)
 
     got = jax.grad(dense_loss, argnums=range(5))(*args[:5])
-    want = jax.grad(lambda *x: jnp.sum(w * _plain(*x, *args[5:], None)), argnums=range(5))(*args[:5])
+    want = jax.grad(lambda *x: jnp.sum(w * _plain(*x, *args[5:], None)), argnums=range(5))(
+        *args[:5]
+    )
     for name, a, b in zip(["q", "pk", "pv", "k", "v"], got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 def test_trainer_logprobs_and_gradients_agree_between_implementations():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     model = init(cfg, jax.random.key(0))
     k = jax.random.split(jax.random.key(1), 2)
     ids = jax.random.randint(k[0], (2, 6), 0, 64)
@@ -75,9 +97,11 @@ def test_trainer_logprobs_and_gradients_agree_between_implementations():
 
     def run(attention):
         def loss(m):
-            lp, ent = completion_logprobs(m, ids, pm, comp, cm, temperature=0.7, with_entropy=True,
-                                          attention=attention)
+            lp, ent = completion_logprobs(
+                m, ids, pm, comp, cm, temperature=0.7, with_entropy=True, attention=attention
+            )
             return jnp.sum(jnp.where(cm > 0, lp + 0.1 * ent, 0.0)), (lp, ent)
+
         (_, (lp, ent)), grads = jax.value_and_grad(loss, has_aux=True)(model)
         return jnp.where(cm > 0, lp, 0.0), jnp.where(cm > 0, ent, 0.0), grads
 
@@ -91,16 +115,29 @@ def test_auto_takes_the_fused_kernel_only_where_it_runs():
     from relax.algorithms.grpo.config import GRPOConfig
     from relax.models.forward.config import ForwardConfig
     from relax.models.forward.prefix_shared import resolve_attention
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
-                head_dim=8, max_position_embeddings=64)
+
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     windowed = init(ModelConfig(**base, sliding_window=4), jax.random.key(0))
     with pytest.raises(ValueError, match="train attention 'dense' has no sliding window"):
         resolve_attention("dense", windowed)
     assert resolve_attention("auto", windowed) == "group"
     plain = init(ModelConfig(**base), jax.random.key(0))
-    assert resolve_attention("auto", plain) == "group"  # float32: cuDNN's flash attention is 16-bit only
+    assert (
+        resolve_attention("auto", plain) == "group"
+    )  # float32: cuDNN's flash attention is 16-bit only
     half = cast(plain, dtype=jnp.bfloat16)
-    assert resolve_attention("auto", half) == ("dense" if jax.default_backend() == "gpu" else "group")
+    assert resolve_attention("auto", half) == (
+        "dense" if jax.default_backend() == "gpu" else "group"
+    )
     assert resolve_attention("dense", plain) == "dense"
     with pytest.raises(ValueError, match="unknown train_attention 'flash'"):
         configure(GRPOConfig, train_attention="flash")

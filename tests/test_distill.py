@@ -11,14 +11,20 @@ import numpy as np
 import pytest
 
 from relax.algorithms.cli.configure import configure
-from relax.models.forward.config import ForwardConfig
-from relax.algorithms.distill import (DistillBatch, DistillConfig, init_distill_state, make_distill_step,
-                                     make_distill_update, make_loss)
+from relax.algorithms.distill import (
+    DistillBatch,
+    DistillConfig,
+    init_distill_state,
+    make_distill_step,
+    make_distill_update,
+    make_loss,
+)
 from relax.algorithms.distill.step import MIX_STREAM, rollout_config, teacher_hidden
 from relax.algorithms.online.stages import ROLLOUT_STREAM
 from relax.models import ModelConfig, init
-from relax.models.heads.distill import divergence_from_hidden, divergence_rows, resolve_divergence
+from relax.models.forward.config import ForwardConfig
 from relax.models.forward.prefix_shared import completion_hidden
+from relax.models.heads.distill import divergence_from_hidden, divergence_rows, resolve_divergence
 from relax.objectives.preference import distillation_loss
 from relax.passes import Passes
 from relax.rollout.sampler import compiled_generate
@@ -26,10 +32,26 @@ from relax.train.optimizer import OptimizerConfig
 from relax.train.update import LossContext
 
 RNG = np.random.default_rng(0)
-STUDENT = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-TEACHER = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=12, max_position_embeddings=64)
+STUDENT = ModelConfig(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+TEACHER = ModelConfig(
+    vocab_size=16,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+    max_position_embeddings=64,
+)
 P, G, LP, N = 4, 1, 3, 5
 
 
@@ -45,6 +67,7 @@ def heads(n=7, ds=5, dt=6, v=11):
 
 def np_jsd(s, t, beta, T):
     """GKD's generalized JSD, TRL's convention (beta weights the teacher), in numpy float64."""
+
     def log_softmax(x):
         x = x / T
         x = x - x.max(-1, keepdims=True)
@@ -59,7 +82,9 @@ def jnp_jsd(s, t, beta, T):
     """The same, unchunked, differentiable (TRL's log-sum-exp mixture)."""
     lq, lp = jax.nn.log_softmax(s / T, -1), jax.nn.log_softmax(jax.lax.stop_gradient(t) / T, -1)
     lm = jnp.logaddexp(jnp.log(beta) + lp, jnp.log1p(-beta) + lq)
-    return beta * jnp.sum(jnp.exp(lp) * (lp - lm), -1) + (1 - beta) * jnp.sum(jnp.exp(lq) * (lq - lm), -1)
+    return beta * jnp.sum(jnp.exp(lp) * (lp - lm), -1) + (1 - beta) * jnp.sum(
+        jnp.exp(lq) * (lq - lm), -1
+    )
 
 
 def assert_same_grads(chunked, reference, *args):
@@ -83,8 +108,9 @@ def test_kl_matches_distillation_loss(direction, T):
         mask = np.ones(hs.shape[0], bool)
 
         def ref(w, h):
-            loss, _ = distillation_loss((h @ w.T)[None], (ht @ wt.T)[None], mask[None], temperature=T,
-                                        direction=direction)
+            loss, _ = distillation_loss(
+                (h @ w.T)[None], (ht @ wt.T)[None], mask[None], temperature=T, direction=direction
+            )
             return loss[0] / T**2
 
         for chunk in (3, 64):
@@ -100,8 +126,15 @@ def test_jsd_matches_numpy_and_unchunked_gradient(beta):
         T = 1.5
         div = resolve_divergence("jsd", beta=beta, temperature=T)
         chunked = lambda w, h: divergence_rows(w, h, wt, ht, div, chunk_size=3)[0]  # noqa: E731
-        np.testing.assert_allclose(chunked(ws, hs), np_jsd(hs @ ws.T, ht @ wt.T, beta, T), rtol=1e-10)
-        assert_same_grads(chunked, lambda w, h: jnp_jsd(h @ w.T, ht @ wt.T, beta, T), jnp.asarray(ws), jnp.asarray(hs))
+        np.testing.assert_allclose(
+            chunked(ws, hs), np_jsd(hs @ ws.T, ht @ wt.T, beta, T), rtol=1e-10
+        )
+        assert_same_grads(
+            chunked,
+            lambda w, h: jnp_jsd(h @ w.T, ht @ wt.T, beta, T),
+            jnp.asarray(ws),
+            jnp.asarray(hs),
+        )
         # finite differences along a random direction of the student's hidden states
         d, eps = RNG.normal(size=hs.shape), 1e-6
         f = lambda h: float(jnp.sum(chunked(ws, h)))  # noqa: E731
@@ -114,14 +147,20 @@ def test_jsd_end_points_are_trl_forward_and_reverse_kl():
     """TRL: ``beta = 0`` is KL(teacher || student), ``beta = 1`` KL(student || teacher); in between
     the JSD lies below both (bounded by ``beta`` / ``1 - beta`` times them near the ends)."""
     ws, hs, wt, ht = (jnp.asarray(x, jnp.float32) for x in heads())
-    rows = lambda kind, beta=0.5: divergence_rows(ws, hs, wt, ht, resolve_divergence(kind, beta=beta))[0]  # noqa: E731
+    rows = lambda kind, beta=0.5: divergence_rows(
+        ws, hs, wt, ht, resolve_divergence(kind, beta=beta)
+    )[0]  # noqa: E731
     np.testing.assert_array_equal(rows("jsd", 0.0), rows("forward"))
     np.testing.assert_array_equal(rows("jsd", 1.0), rows("reverse"))
     assert resolve_divergence("jsd", beta=0.0).kind == "forward"
     assert resolve_divergence("jsd", beta=1.0).kind == "reverse"
-    with jax.enable_x64(True):  # the limits: JSD / beta -> KL(p || q), JSD / (1 - beta) -> KL(q || p)
+    with jax.enable_x64(
+        True
+    ):  # the limits: JSD / beta -> KL(p || q), JSD / (1 - beta) -> KL(q || p)
         mild = [jnp.asarray(0.5 * x) for x in heads()]
-        rows64 = lambda kind, beta=0.5: divergence_rows(*mild, resolve_divergence(kind, beta=beta))[0]  # noqa: E731
+        rows64 = lambda kind, beta=0.5: divergence_rows(*mild, resolve_divergence(kind, beta=beta))[
+            0
+        ]  # noqa: E731
         np.testing.assert_allclose(rows64("jsd", 1e-8) / 1e-8, rows64("forward"), rtol=1e-5)
         np.testing.assert_allclose(rows64("jsd", 1 - 1e-8) / 1e-8, rows64("reverse"), rtol=1e-5)
     assert np.all(rows("jsd", 0.5) <= np.minimum(rows("forward"), rows("reverse")) + 1e-6)
@@ -137,6 +176,7 @@ def test_identical_distributions_give_zero_and_zero_gradient(kind):
     chunked kernel give 0 up to float rounding (two fusions of the same logits may round their last
     bits differently), and so does the gradient."""
     from relax.models.heads.distill import _value
+
     ws, hs, _, _ = (jnp.asarray(x, jnp.float32) for x in heads())
     div = resolve_divergence(kind, beta=0.3, temperature=0.7)
     lq = jax.nn.log_softmax(hs @ ws.T / 0.7, -1)
@@ -153,21 +193,28 @@ def test_identical_distributions_give_zero_and_zero_gradient(kind):
 def test_teacher_gets_no_gradient_and_metrics_are_metrics():
     ws, hs, wt, ht = (jnp.asarray(x, jnp.float32) for x in heads())
     div = resolve_divergence("jsd", beta=0.4)
-    g = jax.grad(lambda w, h: jnp.sum(divergence_rows(ws, hs, w, h, div)[0]), argnums=(0, 1))(wt, ht)
+    g = jax.grad(lambda w, h: jnp.sum(divergence_rows(ws, hs, w, h, div)[0]), argnums=(0, 1))(
+        wt, ht
+    )
     assert all(np.all(np.asarray(x) == 0.0) for x in g)
     # agreement and entropy: stop-gradients; values as from the full logits
     _, agree, ent = divergence_rows(ws, hs, wt, ht, div, chunk_size=2)
     s, t = hs @ ws.T, ht @ wt.T
-    np.testing.assert_array_equal(agree, (jnp.argmax(s, -1) == jnp.argmax(t, -1)).astype(jnp.float32))
+    np.testing.assert_array_equal(
+        agree, (jnp.argmax(s, -1) == jnp.argmax(t, -1)).astype(jnp.float32)
+    )
     lq = jax.nn.log_softmax(s, -1)
     np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(lq) * lq, -1), rtol=1e-5)
-    assert np.all(np.asarray(jax.grad(lambda h: jnp.sum(divergence_rows(ws, h, wt, ht, div)[1]))(hs)) == 0)
+    assert np.all(
+        np.asarray(jax.grad(lambda h: jnp.sum(divergence_rows(ws, h, wt, ht, div)[1]))(hs)) == 0
+    )
 
 
 def test_teacher_with_masked_vocabulary_stays_finite():
     """A teacher probability of exactly 0 (a -inf logit: a vocabulary entry it never emits) keeps
     the forward KL and the JSD finite (the per-row formula on log-softmaxes)."""
     from relax.models.heads.distill import _value
+
     ws, hs, wt, ht = (jnp.asarray(x, jnp.float32) for x in heads())
     lq = jax.nn.log_softmax(hs @ ws.T, -1)
     lp = jax.nn.log_softmax((ht @ wt.T).at[:, 0].set(-jnp.inf), -1)
@@ -240,9 +287,13 @@ def test_student_equal_to_teacher_gives_zero_divergence_and_gradient():
     mb = dataclasses.replace(batch, loss_mask=batch.mask, teacher_hidden=h)
     ctx = LossContext({"tokens": jnp.sum(batch.mask).astype(jnp.float32)}, jnp.bool_(False))
     for divergence in ("forward", "reverse", "jsd"):
-        cfg = configure(DistillConfig, divergence=divergence, temperature=1.3, train_attention="group")
+        cfg = configure(
+            DistillConfig, divergence=divergence, temperature=1.3, train_attention="group"
+        )
         loss_fn = make_loss(cfg, student, passes)
-        (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(student, mb, ctx)
+        (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+            student, mb, ctx
+        )
         assert abs(float(loss)) < 1e-6 and abs(float(metrics[cfg.metric_name])) < 1e-6, divergence
         assert float(metrics["top1_agreement"]) == 1.0
         assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) < 1e-5, divergence
@@ -262,7 +313,9 @@ def test_off_policy_distillation_reduces_held_out_kl():
     """Eight steps on fresh dataset batches (random completions) bring the student's forward KL to
     a sharpened random teacher down on held-out sequences."""
     student, teacher = models()
-    teacher = eqx.tree_at(lambda m: m.lm_head, teacher, 4.0 * teacher.lm_head)  # peaked distributions
+    teacher = eqx.tree_at(
+        lambda m: m.lm_head, teacher, 4.0 * teacher.lm_head
+    )  # peaked distributions
     held_out = dataset_batch(seed=7)
     before = held_out_kl(student, teacher, held_out)
     cfg = configure(DistillConfig, divergence="forward", mode="off_policy", train_attention="group")
@@ -272,12 +325,21 @@ def test_off_policy_distillation_reduces_held_out_kl():
     for i in range(8):
         state, out = step(state, dataset_batch(seed=10 + i))
         kls.append(float(out.metrics["kl"]))
-        assert int(out.health["first_nonfinite"]) == -1 and int(out.health["consecutive_skips"]) == 0
+        assert (
+            int(out.health["first_nonfinite"]) == -1 and int(out.health["consecutive_skips"]) == 0
+        )
     assert int(state.step) == 8 and kls[-1] < kls[0]
     after = held_out_kl(state.policy, state.ref, held_out)
     assert after < 0.75 * before, (before, after)
-    assert set(out.metrics) >= {"kl", "top1_agreement", "entropy", "loss", "grad_norm", "completion_length",
-                                "skipped_updates"}
+    assert set(out.metrics) >= {
+        "kl",
+        "top1_agreement",
+        "entropy",
+        "loss",
+        "grad_norm",
+        "completion_length",
+        "skipped_updates",
+    }
     assert set(out.health) == {"first_nonfinite_grad", "first_nonfinite", "consecutive_skips"}
     # the teacher is never updated
     for a, b in zip(jax.tree.leaves(state.ref), jax.tree.leaves(teacher)):
@@ -286,8 +348,14 @@ def test_off_policy_distillation_reduces_held_out_kl():
 
 def test_on_policy_samples_from_the_student_and_trains():
     student, teacher = models()
-    cfg = configure(DistillConfig, divergence="reverse", mode="on_policy", num_generations=2, max_new_tokens=4,
-                        temperature=1.0)
+    cfg = configure(
+        DistillConfig,
+        divergence="reverse",
+        mode="on_policy",
+        num_generations=2,
+        max_new_tokens=4,
+        temperature=1.0,
+    )
     ids, pm = prompts()
     state = state_of(student, teacher, seed=3)
     key = jax.random.key(3)  # the state's (its own buffer is donated to the step)
@@ -301,9 +369,14 @@ def test_on_policy_samples_from_the_student_and_trains():
     np.testing.assert_array_equal(out.batch.loss_mask, want.mask)
     assert out.batch.tokens.shape == (P, 2, 4) and bool(out.batch.on_policy)
     teacher_sample = generate(teacher, ids, pm, jax.random.fold_in(key, ROLLOUT_STREAM))
-    assert not np.array_equal(teacher_sample.tokens, want.tokens)  # the student's, not the teacher's
+    assert not np.array_equal(
+        teacher_sample.tokens, want.tokens
+    )  # the student's, not the teacher's
     assert np.isfinite(float(out.metrics["kl"])) and float(out.metrics["on_policy"]) == 1.0
-    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.policy), jax.tree.leaves(student))]
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(state.policy), jax.tree.leaves(student))
+    ]
     assert any(changed)
     # the next step samples with the new key: other completions
     _, out2 = step(state, DistillBatch(prompt_ids=ids, prompt_mask=pm))
@@ -314,7 +387,9 @@ def test_mixed_mode_takes_sampled_or_dataset_completions_by_its_coin():
     student, teacher = models()
     batch = dataset_batch()
     for lmbda in (0.0, 1.0):
-        cfg = configure(DistillConfig, mode="mixed", lmbda=lmbda, num_generations=G, max_new_tokens=N)
+        cfg = configure(
+            DistillConfig, mode="mixed", lmbda=lmbda, num_generations=G, max_new_tokens=N
+        )
         state = state_of(student, teacher, seed=3)
         key = jax.random.key(3)
         _, out = make_distill_step(cfg, Passes(), eos_ids=(), pad_id=0)(state, batch)
@@ -323,7 +398,12 @@ def test_mixed_mode_takes_sampled_or_dataset_completions_by_its_coin():
             assert not bool(out.batch.on_policy)
         else:
             gen = compiled_generate(rollout_config(cfg, eos_ids=(), pad_id=0))
-            want = gen(student, batch.prompt_ids, batch.prompt_mask, jax.random.fold_in(key, ROLLOUT_STREAM))
+            want = gen(
+                student,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                jax.random.fold_in(key, ROLLOUT_STREAM),
+            )
             np.testing.assert_array_equal(out.batch.tokens, want.tokens)
             assert bool(out.batch.on_policy)
     assert MIX_STREAM != ROLLOUT_STREAM
@@ -342,16 +422,28 @@ def test_vocabulary_mismatch_is_a_clear_error():
         divergence_from_hidden(student, jnp.zeros((2, 32)), teacher, jnp.zeros((2, 48)))
     # a state assembled by hand is checked by the step
     from relax.train.state import init_state
+
     state = init_state(student, opt, key=jax.random.key(0)).replace(ref=teacher)
     with pytest.raises(ValueError, match="vocabulary"):
-        make_distill_step(configure(DistillConfig, ), Passes(), eos_ids=(), pad_id=0)(state, dataset_batch())
+        make_distill_step(
+            configure(
+                DistillConfig,
+            ),
+            Passes(),
+            eos_ids=(),
+            pad_id=0,
+        )(state, dataset_batch())
 
 
 def test_grad_accumulation_gives_the_same_update():
     student, teacher = models()
     batch = dataset_batch()
-    cfg1 = configure(DistillConfig, divergence="jsd", jsd_beta=0.3, grad_accum=1, train_attention="group")
-    cfg2 = configure(DistillConfig, divergence="jsd", jsd_beta=0.3, grad_accum=2, train_attention="group")
+    cfg1 = configure(
+        DistillConfig, divergence="jsd", jsd_beta=0.3, grad_accum=1, train_attention="group"
+    )
+    cfg2 = configure(
+        DistillConfig, divergence="jsd", jsd_beta=0.3, grad_accum=2, train_attention="group"
+    )
     h = teacher_hidden(teacher, batch, Passes(), ForwardConfig(train_attention="group"))
     data = dataclasses.replace(batch, loss_mask=batch.mask, teacher_hidden=h)
     opt = OptimizerConfig(learning_rate=1e-2).make()

@@ -19,7 +19,11 @@ def brute_pass_at_k(n, c, k):
 def test_pass_at_k_brute_force(n):
     for c in range(n + 1):
         for k in range(1, n + 1):
-            assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+            assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (
+                n,
+                c,
+                k,
+            )
 
 
 def test_pass_at_k_vectorised_and_large():
@@ -31,7 +35,9 @@ def test_pass_at_k_vectorised_and_large():
     np.testing.assert_allclose(pass_at_k(10, np.arange(11), 1), np.arange(11) / 10)  # pass@1 = c/n
     assert isinstance(pass_at_k(4, 2, 2), float)
     # large n: binomials near 1e299 would overflow float64 if formed; the product form is exact
-    assert pass_at_k(1000, 10, 500) == pytest.approx(1 - comb(990, 500) / comb(1000, 500), rel=1e-12)
+    assert pass_at_k(1000, 10, 500) == pytest.approx(
+        1 - comb(990, 500) / comb(1000, 500), rel=1e-12
+    )
 
 
 def test_pass_at_k_errors():
@@ -63,7 +69,14 @@ def test_summarize_hand_values():
     assert out["pass@1"] == pytest.approx(correct.mean())
     assert out["pass@2"] == pytest.approx((brute_pass_at_k(4, 2, 2) + 0 + 1) / 3)
     assert out["pass@4"] == pytest.approx(2 / 3)
-    assert set(out) == {"num_prompts", "reward", "frac_reward_missing", "pass@1", "pass@2", "pass@4"}
+    assert set(out) == {
+        "num_prompts",
+        "reward",
+        "frac_reward_missing",
+        "pass@1",
+        "pass@2",
+        "pass@4",
+    }
     assert set(summarize(rewards, correct)) >= {"pass@1", "pass@2", "pass@4"}  # default ks
 
 

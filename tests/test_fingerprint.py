@@ -22,8 +22,10 @@ def _np_fingerprint(words: np.ndarray) -> list[int]:
     w = np.ascontiguousarray(words).ravel().astype(np.uint64)
     j = np.arange(w.size, dtype=np.uint64)
     m = ((j * np.uint64(0x9E3779B9)) % np.uint64(2**32)) | np.uint64(1)
-    return [int(w.sum(dtype=np.uint64)) % 2**32,
-            sum(int(v) for v in (w * m) % np.uint64(2**32)) % 2**32]
+    return [
+        int(w.sum(dtype=np.uint64)) % 2**32,
+        sum(int(v) for v in (w * m) % np.uint64(2**32)) % 2**32,
+    ]
 
 
 def _np_words(x: np.ndarray) -> np.ndarray:
@@ -38,14 +40,14 @@ _REFERENCE_CASES = {
     "float32": _RNG.standard_normal((5, 7)).astype(np.float32),
     "bfloat16": _RNG.standard_normal((3, 4, 5)).astype(jnp.bfloat16),
     "float16": _RNG.standard_normal(9).astype(np.float16),
-    "int32": _RNG.integers(-2**31, 2**31, (6, 5), dtype=np.int32),
+    "int32": _RNG.integers(-(2**31), 2**31, (6, 5), dtype=np.int32),
     "int8": _RNG.integers(-128, 128, 11, dtype=np.int8),
     "uint32": _RNG.integers(0, 2**32, 17, dtype=np.uint32),  # like PRNG key data
     "bool": _RNG.random((4, 3)) > 0.5,
     "scalar": np.float32(-3.5).reshape(()),
     "complex64": (_RNG.standard_normal(4) + 1j * _RNG.standard_normal(4)).astype(np.complex64),
     "float64_host": _RNG.standard_normal((2, 3)),  # numpy leaf, 64-bit words split on host
-    "int64_host": _RNG.integers(-2**62, 2**62, 5, dtype=np.int64),
+    "int64_host": _RNG.integers(-(2**62), 2**62, 5, dtype=np.int64),
 }
 
 
@@ -56,7 +58,9 @@ def test_fingerprint_matches_numpy_reference(name):
     got = fingerprint({"a": {"x": leaf}})
     assert got == {"a.x": _np_fingerprint(_np_words(x))}
     if name.endswith("_host"):  # 64-bit numpy leaves keep all their bits (jit would narrow them)
-        assert got != fingerprint({"a": {"x": x.astype(np.float32 if x.dtype.kind == "f" else np.int32)}})
+        assert got != fingerprint(
+            {"a": {"x": x.astype(np.float32 if x.dtype.kind == "f" else np.int32)}}
+        )
     elif x.size > 1:  # moving words changes s1, not s0: the index multiplier catches swaps
         reversed_x = np.ascontiguousarray(x.ravel()[::-1]).reshape(x.shape)
         flipped = fingerprint({"a": {"x": jax.device_put(reversed_x)}})
@@ -83,17 +87,34 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_fingerprint_is_independent_of_sharding():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd(), JAX_ENABLE_X64="1",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.getcwd(),
+        JAX_ENABLE_X64="1",
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["one"] == out["sharded"] == out["numpy"] and set(out["one"]) == {"w", "h", "i", "b", "d"}
+    assert out["one"] == out["sharded"] == out["numpy"] and set(out["one"]) == {
+        "w",
+        "h",
+        "i",
+        "b",
+        "d",
+    }
 
 
 def test_save_does_not_retrace_the_fingerprint(tmp_path):
     from relax.train.fingerprint import _fingerprints
+
     state = {"w": jnp.ones((3, 2)), "k": jax.random.key(1)}
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state, config={})
@@ -107,13 +128,20 @@ def test_keys_numpy_and_host_memory_leaves_are_fingerprinted_and_verified(tmp_pa
     # arrays, so its leaves are moved to device memory one at a time for the fingerprint
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
-    state = {"ref": jax.device_put(w, host), "policy": jax.device_put(w + 1), "np": w - 1,
-             "key": jax.random.key(7), "n": 3}
+    state = {
+        "ref": jax.device_put(w, host),
+        "policy": jax.device_put(w + 1),
+        "np": w - 1,
+        "key": jax.random.key(7),
+        "n": 3,
+    }
     assert state["ref"].sharding.memory_kind == "pinned_host"
     assert fingerprint(state) == {  # (Python scalars are not fingerprinted)
         "key": _np_fingerprint(np.asarray(jax.random.key_data(state["key"]))),
-        "np": _np_fingerprint(_np_words(w - 1)), "policy": _np_fingerprint(_np_words(w + 1)),
-        "ref": _np_fingerprint(_np_words(w))}
+        "np": _np_fingerprint(_np_words(w - 1)),
+        "policy": _np_fingerprint(_np_words(w + 1)),
+        "ref": _np_fingerprint(_np_words(w)),
+    }
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state, config={})
         restored, _, _ = ckpt.restore(target=state)

@@ -77,7 +77,7 @@ def test_backward_matches_autodiff_of_plain_attention(window, save):
     # save=True: the backward uses the forward's probabilities instead of recomputing them
     args = tuple(map(jnp.asarray, _inputs(1)))
     w = jax.random.normal(jax.random.key(0), (P, HK, G, M_R * N, D))
-    loss = lambda f: (lambda *x: jnp.sum(w * f(*x, *args[5:], window=window)))
+    loss = lambda f: lambda *x: jnp.sum(w * f(*x, *args[5:], window=window))
     attend = functools.partial(prefix_group_attention, save_probabilities=save)
     got = jax.grad(loss(attend), argnums=range(5))(*args[:5])
     want = jax.grad(loss(lambda *x, window: _plain(*x, window)), argnums=range(5))(*args[:5])
@@ -88,11 +88,19 @@ def test_backward_matches_autodiff_of_plain_attention(window, save):
 def test_groups_per_step_does_not_change_values_or_gradients():
     args = tuple(map(jnp.asarray, _inputs(2)))
     w = jax.random.normal(jax.random.key(1), (P, HK, G, M_R * N, D))
-    f = lambda b: jax.value_and_grad(lambda *x: jnp.sum(w * prefix_group_attention(*x, *args[5:], groups_per_step=b)),
-                                     argnums=range(5))(*args[:5])
-    chex.assert_trees_all_close(f(P), f(1), atol=1e-5, rtol=1e-4)  # only the summation order differs
-    saved = jax.value_and_grad(lambda *x: jnp.sum(w * prefix_group_attention(
-        *x, *args[5:], groups_per_step=P, save_probabilities=True)), argnums=range(5))(*args[:5])
+    f = lambda b: jax.value_and_grad(
+        lambda *x: jnp.sum(w * prefix_group_attention(*x, *args[5:], groups_per_step=b)),
+        argnums=range(5),
+    )(*args[:5])
+    chex.assert_trees_all_close(
+        f(P), f(1), atol=1e-5, rtol=1e-4
+    )  # only the summation order differs
+    saved = jax.value_and_grad(
+        lambda *x: jnp.sum(
+            w * prefix_group_attention(*x, *args[5:], groups_per_step=P, save_probabilities=True)
+        ),
+        argnums=range(5),
+    )(*args[:5])
     chex.assert_trees_all_close(saved, f(1), atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="groups_per_step=3 does not divide the 2 prompt groups"):
         prefix_group_attention(*args, groups_per_step=3)

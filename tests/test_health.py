@@ -6,11 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.train.health import (QUANTITIES, HealthConfig, HealthMonitor, NonFiniteError, first_nonfinite,
-                                first_nonfinite_leaf, leaf_names)
+from relax.train.health import (
+    QUANTITIES,
+    HealthConfig,
+    HealthMonitor,
+    NonFiniteError,
+    first_nonfinite,
+    first_nonfinite_leaf,
+    leaf_names,
+)
 
-TREE = {"embed": np.ones((3, 2), np.float32), "layers": {"wq": np.ones((2, 2), np.float32),
-                                                         "wk": np.ones((2,), np.float32)}}
+TREE = {
+    "embed": np.ones((3, 2), np.float32),
+    "layers": {"wq": np.ones((2, 2), np.float32), "wk": np.ones((2,), np.float32)},
+}
 
 
 def _numpy_first_bad(tree_leaves) -> int:
@@ -18,10 +27,15 @@ def _numpy_first_bad(tree_leaves) -> int:
     return bad.index(True) if any(bad) else -1
 
 
-@pytest.mark.parametrize("where", [None, ("embed", (1, 0), np.nan), ("layers.wk", (1,), np.inf),
-                                   ("layers.wq", (0, 1), -np.inf)])
+@pytest.mark.parametrize(
+    "where",
+    [None, ("embed", (1, 0), np.nan), ("layers.wk", (1,), np.inf), ("layers.wq", (0, 1), -np.inf)],
+)
 def test_first_nonfinite_leaf_matches_numpy(where):
-    tree = {"embed": TREE["embed"].copy(), "layers": {k: v.copy() for k, v in TREE["layers"].items()}}
+    tree = {
+        "embed": TREE["embed"].copy(),
+        "layers": {k: v.copy() for k, v in TREE["layers"].items()},
+    }
     if where is not None:
         name, idx, value = where
         leaf = tree["embed"] if name == "embed" else tree["layers"][name.split(".")[1]]
@@ -39,10 +53,16 @@ def test_first_nonfinite_follows_the_data_flow_and_the_mask():
     p, g, n = 2, 2, 3
     mask = np.ones((p, g, n), np.int32)
     mask[0, 1, 2] = 0
-    batch = {"mask": jnp.asarray(mask), "rewards": jnp.zeros((p, g)).at[1, 0].set(jnp.nan),  # NaN = missing
-             "advantages": jnp.zeros((p, g)), "old_logprobs": jnp.zeros((p, g, n)).at[0, 1, 2].set(jnp.nan),
-             "ref_logprobs": jnp.zeros((p, g, n))}
-    assert int(first_nonfinite(jnp.float32(1.0), **batch)) == -1  # NaN reward and masked NaN log-prob are fine
+    batch = {
+        "mask": jnp.asarray(mask),
+        "rewards": jnp.zeros((p, g)).at[1, 0].set(jnp.nan),  # NaN = missing
+        "advantages": jnp.zeros((p, g)),
+        "old_logprobs": jnp.zeros((p, g, n)).at[0, 1, 2].set(jnp.nan),
+        "ref_logprobs": jnp.zeros((p, g, n)),
+    }
+    assert (
+        int(first_nonfinite(jnp.float32(1.0), **batch)) == -1
+    )  # NaN reward and masked NaN log-prob are fine
     assert QUANTITIES[int(first_nonfinite(jnp.float32(jnp.nan), **batch))] == "loss"
     ref_bad = {**batch, "ref_logprobs": batch["ref_logprobs"].at[1, 1, 1].set(jnp.inf)}
     assert QUANTITIES[int(first_nonfinite(jnp.float32(jnp.nan), **ref_bad))] == "ref_logprobs"
@@ -59,8 +79,12 @@ def test_first_nonfinite_follows_the_data_flow_and_the_mask():
 
 def _monitor(**cfg):
     warnings = []
-    m = HealthMonitor(HealthConfig(**cfg), grad_leaves=["embed", "layers.wk", "layers.wq"], vocab_size=16,
-                      warn=warnings.append)
+    m = HealthMonitor(
+        HealthConfig(**cfg),
+        grad_leaves=["embed", "layers.wk", "layers.wq"],
+        vocab_size=16,
+        warn=warnings.append,
+    )
     return m, warnings
 
 
@@ -73,9 +97,14 @@ def test_skip_limit_names_the_first_cause_of_the_streak():
     m.check(1, metrics, OK)
     m.check(2, metrics, {"first_nonfinite": -1, "first_nonfinite_grad": 2, "consecutive_skips": 1})
     m.check(3, metrics, {"first_nonfinite": 4, "first_nonfinite_grad": 0, "consecutive_skips": 2})
-    with pytest.raises(NonFiniteError, match=r"3 optimizer steps in a row.*began at iteration 2 with non-finite "
-                                             r"gradient of layers.wq \(the loss is finite\)"):
-        m.check(4, metrics, {"first_nonfinite": 1, "first_nonfinite_grad": 0, "consecutive_skips": 3})
+    with pytest.raises(
+        NonFiniteError,
+        match=r"3 optimizer steps in a row.*began at iteration 2 with non-finite "
+        r"gradient of layers.wq \(the loss is finite\)",
+    ):
+        m.check(
+            4, metrics, {"first_nonfinite": 1, "first_nonfinite_grad": 0, "consecutive_skips": 3}
+        )
 
 
 def test_a_step_that_applies_ends_the_streak():
@@ -104,11 +133,25 @@ def test_collapse_warnings_once_per_streak():
 def test_restored_weights_with_a_nan_are_refused_naming_the_leaf():
     import equinox as eqx
     import jax
+
     from relax.models import init, small_config
     from relax.train.health import check_finite_weights
-    model = init(small_config(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                              num_kv_heads=1, head_dim=8), jax.random.key(0))
+
+    model = init(
+        small_config(
+            vocab_size=16,
+            hidden_size=16,
+            intermediate_size=32,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=8,
+        ),
+        jax.random.key(0),
+    )
     check_finite_weights(model, "fine")  # nothing raised
     bad = eqx.tree_at(lambda m: m.layers.wo, model, model.layers.wo.at[1, 0, 0].set(jnp.inf))
-    with pytest.raises(NonFiniteError, match=r"the checkpoint: weight 'layers\.wo' holds NaN or infinite values"):
+    with pytest.raises(
+        NonFiniteError, match=r"the checkpoint: weight 'layers\.wo' holds NaN or infinite values"
+    ):
         check_finite_weights(bad, "the checkpoint")

@@ -57,7 +57,9 @@ def body():
 def test_device_bytes_count_hbm_arrays_only():
     prefetch = "(f32[4,8]{1,0:T(8,128)S(1)}, f32[4,8]{1,0}, u32[]{:S(2)})"
     assert nbytes(prefetch) == 128 + 128 + 4
-    assert device_bytes(prefetch) == 128  # the source; the VMEM destination and the context are on chip
+    assert (
+        device_bytes(prefetch) == 128
+    )  # the source; the VMEM destination and the context are on chip
     assert device_bytes(prefetch, first_only=True) == 0
     assert device_bytes("f32[4,8]{1,0}") == device_bytes("f32[4,8]") == 128
 
@@ -66,7 +68,10 @@ def test_kernel_bytes_by_hand():
     comps, local = body()
     assert kernel_bytes(local["pf"], comps, local) == (128, False)  # reads x from HBM, writes VMEM
     assert kernel_bytes(local["ss"], comps, local) == (512, False)  # reads 16 of 64 rows, into VMEM
-    assert kernel_bytes(local["f"], comps, local) == (32 + 128, False)  # v read, the sum written; pd is in VMEM
+    assert kernel_bytes(local["f"], comps, local) == (
+        32 + 128,
+        False,
+    )  # v read, the sum written; pd is in VMEM
     assert kernel_bytes(local["dup"], comps, local) == (256, False)  # HBM to HBM: read and written
 
 

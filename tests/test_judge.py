@@ -10,8 +10,17 @@ import sys
 
 import pytest
 
-from relax.rewards.judge import (JudgeError, call_tests, decode, harness, judge, passed, plain_json, plan_test,
-                                 read_results)
+from relax.rewards.judge import (
+    JudgeError,
+    call_tests,
+    decode,
+    harness,
+    judge,
+    passed,
+    plain_json,
+    plan_test,
+    read_results,
+)
 
 SOLUTION = """
 def add(a, b):
@@ -75,8 +84,14 @@ def _run_harness(tmp_path, code: str, plans, timeout=5.0):
     (src / "steps.json").write_text(json.dumps([p.sandbox_steps() for p in plans]))
     (src / "harness.py").write_text(harness(timeout))
     nonce = secrets.token_hex(8)
-    out = subprocess.run([sys.executable, "-I", "src/harness.py"], input=nonce + "\n", cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-I", "src/harness.py"],
+        input=nonce + "\n",
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     return [passed(p, r) for p, r in zip(plans, read_results(out, nonce, plans))]
 
 
@@ -96,25 +111,29 @@ def test_expected_values_never_reach_the_sandbox():
 
 def test_wrong_solutions_that_attack_the_judge_score_nothing(tmp_path):
     """What a reward-hacking policy writes, with a wrong add(): none of it passes."""
-    tests = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert math.isclose(ratio(1, 4), 0.25)"]
+    tests = [
+        "assert add(1, 2) == 3",
+        "assert add(5, 5) == 10",
+        "assert math.isclose(ratio(1, 4), 0.25)",
+    ]
     plans = [plan_test(t) for t in tests]
     attacks = {
         "always-equal object": "class E:\n def __eq__(s, o): return True\n def __sub__(s, o): return 0\n"
-                               "def add(a, b): return E()\ndef ratio(a, b): return E()",
+        "def add(a, b): return E()\ndef ratio(a, b): return E()",
         "int subclass": "class I(int):\n def __eq__(s, o): return True\ndef add(a, b): return I(999)\n"
-                        "def ratio(a, b): return I(9)",
+        "def ratio(a, b): return I(9)",
         "exit early": "import sys, atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b): sys.exit(0)",
         # the harness's own line format and nonce, with what a program can claim without computing
         # the answer (a line with the right value is worth what returning that value is)
         "forged lines": "import sys, __main__\ndef add(a, b):\n n = __main__.nonce\n"
-                        " for v in ('{\"ok\": true}', '{\"ok\": true, \"values\": [true]}'):\n"
-                        "  sys.__stdout__.write(f'\\n{n} 0 0 {v}\\n{n} 1 0 {v}\\n')\n return 999",
+        ' for v in (\'{"ok": true}\', \'{"ok": true, "values": [true]}\'):\n'
+        "  sys.__stdout__.write(f'\\n{n} 0 0 {v}\\n{n} 1 0 {v}\\n')\n return 999",
         "rewrite the steps": "import gc\nfor o in gc.get_objects():\n if isinstance(o, list):\n  o.clear()\n"
-                             "def add(a, b): return 999",
+        "def add(a, b): return 999",
         "patched builtins": "import builtins\nbuiltins.compile = lambda *a, **k: compile('True', 'x', 'eval')\n"
-                            "def add(a, b): return 999",
+        "def add(a, b): return 999",
         "read the tests": "import json\nsteps = json.load(open('src/steps.json'))\n"
-                          "def add(a, b): return {'l': steps}",
+        "def add(a, b): return {'l': steps}",
     }
     for name, code in attacks.items():
         got = _run_harness(tmp_path, code, plans)
@@ -124,15 +143,32 @@ def test_wrong_solutions_that_attack_the_judge_score_nothing(tmp_path):
 
 
 def test_call_based_tests_are_judged_outside(tmp_path):
-    plans = call_tests({"fn_name": "twice", "inputs": [[2], [5], [0]], "outputs": [4, [10], 1]}, "row 1")
-    assert _run_harness(tmp_path, SOLUTION, plans) == [True, True, False]  # [10]: APPS's one-element list
+    plans = call_tests(
+        {"fn_name": "twice", "inputs": [[2], [5], [0]], "outputs": [4, [10], 1]}, "row 1"
+    )
+    assert _run_harness(tmp_path, SOLUTION, plans) == [
+        True,
+        True,
+        False,
+    ]  # [10]: APPS's one-element list
     assert "10" not in json.dumps([p.sandbox_steps() for p in plans][1])
     with pytest.raises(JudgeError, match="row 3: fn_name"):
         call_tests({"fn_name": "os.system", "inputs": [[1]], "outputs": [1]}, "row 3")
 
 
 def test_plain_data_round_trips_and_nothing_else_decodes():
-    for value in [None, True, 3, -2.5, math.inf, "s", [1, (2, 3)], {1: {"a"}}, frozenset({1}), {"k": [None]}]:
+    for value in [
+        None,
+        True,
+        3,
+        -2.5,
+        math.inf,
+        "s",
+        [1, (2, 3)],
+        {1: {"a"}},
+        frozenset({1}),
+        {"k": [None]},
+    ]:
         assert decode(json.loads(plain_json(value))) == value
     assert math.isnan(decode(json.loads(plain_json(math.nan))))
     for bad in [{"q": []}, {"l": [1], "t": [2]}, [1, 2], {"d": [[[1], 2]]}]:
@@ -142,9 +178,9 @@ def test_plain_data_round_trips_and_nothing_else_decodes():
 
 def test_judge_refuses_what_would_exhaust_the_trainer():
     plan = plan_test("assert 'a' * n(1) == 'aa'")
-    assert passed(plan, [{"ok": True, "values": [10 ** 12]}]) is False
+    assert passed(plan, [{"ok": True, "values": [10**12]}]) is False
     plan = plan_test("assert 2 ** n(1) > 0")
-    assert passed(plan, [{"ok": True, "values": [10 ** 12]}]) is False
+    assert passed(plan, [{"ok": True, "values": [10**12]}]) is False
     assert passed(plan, [{"ok": True, "values": [10]}]) is True
 
 
@@ -159,44 +195,77 @@ def test_tests_without_an_assert_are_refused():
 def test_results_from_any_stdout_never_raise():
     """The program writes the stdout read_results reads: nothing in it may make the reward raise."""
     plans = [plan_test("assert f(1) == 3")]
-    hostile = ["n 0 0 {\"ok\": true, \"values\": [" + "9" * 5000 + "]}",  # over Python's int-digit limit
-               "n ² 0 {}", "n ٣ 0 {}", "n 0 0 " + "[" * 100000, "n 99999999999999999999 0 {}", "n 0 0 NaN",
-               "n 0", "n -1 0 {}", "\x00" * 10]
+    hostile = [
+        'n 0 0 {"ok": true, "values": [' + "9" * 5000 + "]}",  # over Python's int-digit limit
+        "n ² 0 {}",
+        "n ٣ 0 {}",
+        "n 0 0 " + "[" * 100000,
+        "n 99999999999999999999 0 {}",
+        "n 0 0 NaN",
+        "n 0",
+        "n -1 0 {}",
+        "\x00" * 10,
+    ]
     for line in hostile:
         assert not passed(plans[0], read_results(line, "n", plans)[0]), line
-    ok = read_results('noise\nn 0 0 {"ok": true, "values": [3]}\nn 0 0 {"ok": true, "values": [4]}', "n", plans)
+    ok = read_results(
+        'noise\nn 0 0 {"ok": true, "values": [3]}\nn 0 0 {"ok": true, "values": [4]}', "n", plans
+    )
     assert passed(plans[0], ok[0])  # the first line for a step counts
 
 
 def test_forms_the_judge_cannot_evaluate_go_to_the_sandbox_whole(tmp_path):
     """``**mapping`` in a judged call, a starred item in a display: probed as a whole, and judged as
     Python judges them (they failed for a right solution before)."""
-    tests = ["assert sorted(evens(5), **{'reverse': True}) == [4, 2, 0]", "assert [*evens(5)] == [0, 2, 4]",
-             "assert (*evens(3), 9) == (0, 2, 9)", "assert [*evens(5)] == [0, 2]"]
+    tests = [
+        "assert sorted(evens(5), **{'reverse': True}) == [4, 2, 0]",
+        "assert [*evens(5)] == [0, 2, 4]",
+        "assert (*evens(3), 9) == (0, 2, 9)",
+        "assert [*evens(5)] == [0, 2]",
+    ]
     plans = [plan_test(t) for t in tests]
-    assert plans[0].probes == ["sorted(evens(5), **{'reverse': True})"] and plans[1].probes == ["[*evens(5)]"]
-    assert _run_harness(tmp_path, SOLUTION, plans) == [_python_verdict(t) for t in tests] == [True, True, True, False]
+    assert plans[0].probes == ["sorted(evens(5), **{'reverse': True})"] and plans[1].probes == [
+        "[*evens(5)]"
+    ]
+    assert (
+        _run_harness(tmp_path, SOLUTION, plans)
+        == [_python_verdict(t) for t in tests]
+        == [True, True, True, False]
+    )
 
 
 def test_judged_work_that_would_exhaust_the_trainer_fails_fast():
     """A probe value chosen to make a judged operation huge: refused (a failed test) in well under
     a second, where Python would take minutes or all the memory."""
     import time
-    cases = [("assert f(1) ** f(2) > 0", [int("7" * 4000), 4096]),  # 17 s of CPU before
-             ("assert f(1) % 3 == 'x'", ["%0999999999d"]), ("assert f(1) % (5, 1) == 'x'", ["%*d"]),
-             ("assert round(f(1), f(2)) == 0", [10 ** 4000, -10 ** 9]),
-             ("assert sum(f(1), []) == []", [[[1]] * 100000])]
+
+    cases = [
+        ("assert f(1) ** f(2) > 0", [int("7" * 4000), 4096]),  # 17 s of CPU before
+        ("assert f(1) % 3 == 'x'", ["%0999999999d"]),
+        ("assert f(1) % (5, 1) == 'x'", ["%*d"]),
+        ("assert round(f(1), f(2)) == 0", [10**4000, -(10**9)]),
+        ("assert sum(f(1), []) == []", [[[1]] * 100000]),
+    ]
     for test, values in cases:
         plan = plan_test(test)
-        assert passed(plan, [{"ok": True, "values": [json.loads(plain_json(v)) for v in values]}]) is False
+        assert (
+            passed(plan, [{"ok": True, "values": [json.loads(plain_json(v)) for v in values]}])
+            is False
+        )
         t0 = time.perf_counter()
         with pytest.raises(JudgeError):
             judge(plan.steps[0].judge, values)
         assert time.perf_counter() - t0 < 1.0, test
-    fine = [("assert f(1) ** 3 == 27", [3]), ("assert '%5.1f' % f(1) == '  2.5'", [2.5]),
-            ("assert round(f(1), 2) == 0.33", [1 / 3]), ("assert sum(f(1)) == 6", [[1, 2, 3]])]
+    fine = [
+        ("assert f(1) ** 3 == 27", [3]),
+        ("assert '%5.1f' % f(1) == '  2.5'", [2.5]),
+        ("assert round(f(1), 2) == 0.33", [1 / 3]),
+        ("assert sum(f(1)) == 6", [[1, 2, 3]]),
+    ]
     for test, values in fine:
-        assert passed(plan_test(test), [{"ok": True, "values": [json.loads(plain_json(v)) for v in values]}]), test
+        assert passed(
+            plan_test(test), [{"ok": True, "values": [json.loads(plain_json(v)) for v in values]}]
+        ), test
 
 
 def test_call_based_inputs_that_are_not_plain_data_name_the_row_and_input():

@@ -56,8 +56,12 @@ def test_kl_matches_reference(kind):
 
 
 def test_kl_hand_values_and_clamps():
-    np.testing.assert_allclose(kl_estimate(jnp.array(0.5), jnp.array(0.0), "k3"), 0.1065307, rtol=1e-6)
-    np.testing.assert_allclose(kl_estimate(jnp.array(0.5), jnp.array(0.0), "low_var_kl"), 0.1065307, rtol=1e-6)
+    np.testing.assert_allclose(
+        kl_estimate(jnp.array(0.5), jnp.array(0.0), "k3"), 0.1065307, rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        kl_estimate(jnp.array(0.5), jnp.array(0.0), "low_var_kl"), 0.1065307, rtol=1e-6
+    )
     # ref - logp = 30: verl's low_var_kl clamps the log-ratio to 20 and the result to 10; k3 does not.
     far = (jnp.array(-30.0), jnp.array(0.0))
     np.testing.assert_allclose(kl_estimate(*far, "low_var_kl"), 10.0)
@@ -70,7 +74,9 @@ def test_kl_mask_and_padding():
     r = jnp.asarray(ref, jnp.float32)
     for kind in K.KL_ESTIMATORS:
         got = kl_estimate(bad, r, kind, mask=mask)
-        np.testing.assert_allclose(got, np.where(mask, kl_ref(logp, ref, kind), 0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            got, np.where(mask, kl_ref(logp, ref, kind), 0), rtol=1e-5, atol=1e-6
+        )
         g = jax.grad(lambda x, kind=kind: kl_estimate(x, r, kind, mask=mask).sum())(bad)
         assert np.isfinite(np.asarray(g)).all()
 
@@ -95,7 +101,9 @@ def test_kl_bfloat16():
     for kind in ["k3", "low_var_kl"]:
         lo = kl_estimate(lo16, ref16, kind)
         assert lo.dtype == jnp.float32 and not np.isnan(np.asarray(lo)).any()
-        np.testing.assert_allclose(lo, kl_estimate(lo16.astype(jnp.float32), ref16.astype(jnp.float32), kind), rtol=1e-6)
+        np.testing.assert_allclose(
+            lo, kl_estimate(lo16.astype(jnp.float32), ref16.astype(jnp.float32), kind), rtol=1e-6
+        )
 
 
 def test_kl_errors():
@@ -116,13 +124,17 @@ def test_entropy_from_logits():
     big = jnp.asarray(logits * 1e4, jnp.float32)
     assert np.isfinite(np.asarray(entropy_from_logits(big))).all()
     masked = jnp.asarray(logits, jnp.float32).at[..., :4].set(-jnp.inf)
-    np.testing.assert_allclose(entropy_from_logits(masked), entropy_ref(logits[..., 4:]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        entropy_from_logits(masked), entropy_ref(logits[..., 4:]), rtol=1e-5, atol=1e-6
+    )
     g = jax.grad(lambda z: entropy_from_logits(z).sum())(masked)
     assert np.isfinite(np.asarray(g)).all()
     # bfloat16 logits: float32 result close to the float32 computation on the same values
     lo = entropy_from_logits(jnp.asarray(logits, jnp.bfloat16))
     assert lo.dtype == jnp.float32
-    np.testing.assert_allclose(lo, entropy_from_logits(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32)), rtol=1e-6)
+    np.testing.assert_allclose(
+        lo, entropy_from_logits(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32)), rtol=1e-6
+    )
 
 
 def test_entropy_finite_differences():
@@ -151,7 +163,9 @@ def test_kl_penalty_reward():
 
 def test_conservative_penalty():
     f = jax.jit(K.conservative_penalty)
-    np.testing.assert_allclose(f(jnp.array([0.05, 0.3]), threshold=0.1, coef=2.0), [0.0, 0.08], rtol=1e-6)
+    np.testing.assert_allclose(
+        f(jnp.array([0.05, 0.3]), threshold=0.1, coef=2.0), [0.0, 0.08], rtol=1e-6
+    )
     with jax.enable_x64(True):
         x = np.array([0.05, 0.3, 0.7])
         penalty = jax.jit(lambda k: K.conservative_penalty(k, threshold=0.1, coef=2.0).sum())

@@ -40,10 +40,19 @@ def _tb_scalars(run_dir):
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):
     with MetricsLogger(tmp_path, enabled=True) as log:
-        log.log(0, {"reward": 0.5, "kl": jnp.float32(0.125), "length": np.int64(12),
-                    "loss": jnp.asarray([2.0])})
-        log.log(1, {"reward": float("nan"), "kl": jnp.inf, "grad_norm": np.float16(1.5),
-                    "clipped": True})
+        log.log(
+            0,
+            {
+                "reward": 0.5,
+                "kl": jnp.float32(0.125),
+                "length": np.int64(12),
+                "loss": jnp.asarray([2.0]),
+            },
+        )
+        log.log(
+            1,
+            {"reward": float("nan"), "kl": jnp.inf, "grad_norm": np.float16(1.5), "clipped": True},
+        )
         log.log_text("sample", "2 + 2 = 4", step=1)
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -115,13 +124,26 @@ def test_main_process_default(tmp_path):
 
 
 def test_write_summary_atomic(tmp_path):
-    path = write_summary(tmp_path, {"reward": np.float32(0.75), "kl": float("nan"),
-                                    "steps": 10, "curve": jnp.arange(3.0), "name": "run",
-                                    "nested": {"ok": True, "t": (1, 2)}})
+    path = write_summary(
+        tmp_path,
+        {
+            "reward": np.float32(0.75),
+            "kl": float("nan"),
+            "steps": 10,
+            "curve": jnp.arange(3.0),
+            "name": "run",
+            "nested": {"ok": True, "t": (1, 2)},
+        },
+    )
     assert path == os.path.join(tmp_path, "summary.json")
     assert json.loads((tmp_path / "summary.json").read_text()) == {
-        "reward": 0.75, "kl": None, "steps": 10, "curve": [0.0, 1.0, 2.0], "name": "run",
-        "nested": {"ok": True, "t": [1, 2]}}
+        "reward": 0.75,
+        "kl": None,
+        "steps": 10,
+        "curve": [0.0, 1.0, 2.0],
+        "name": "run",
+        "nested": {"ok": True, "t": [1, 2]},
+    }
     # overwriting replaces the file whole and leaves no temporary files behind
     write_summary(tmp_path, {"reward": 1.0})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"reward": 1.0}
@@ -142,10 +164,13 @@ def test_write_summary_failure_keeps_previous(tmp_path, monkeypatch):
 
 
 def test_progress_bar_postfix(capsys):
-    bar = ProgressBar(total=4, keys=("reward", ("tokens/s", "tok/s"), "kl"), enabled=True,
-                      mininterval=0)
+    bar = ProgressBar(
+        total=4, keys=("reward", ("tokens/s", "tok/s"), "kl"), enabled=True, mininterval=0
+    )
     assert bar.postfix({"reward": jnp.float32(0.123456), "tokens/s": 12345.6, "loss": 1.0}) == {
-        "reward": "0.1235", "tok/s": "1.235e+04"}
+        "reward": "0.1235",
+        "tok/s": "1.235e+04",
+    }
     bar.update(2, {"reward": 0.5, "kl": 0.01})
     bar.update(2)
     bar.close()
@@ -185,9 +210,14 @@ def _purged_scalars(run_dir):
     scalars = {}
     for _, events in _all_events(run_dir):
         for event in events:
-            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
-                scalars = {tag: [(s, v) for s, v in points if s < event.step]
-                           for tag, points in scalars.items()}
+            if (
+                event.HasField("session_log")
+                and event.session_log.status == event_pb2.SessionLog.START
+            ):
+                scalars = {
+                    tag: [(s, v) for s, v in points if s < event.step]
+                    for tag, points in scalars.items()
+                }
             for value in event.summary.value:
                 if value.WhichOneof("value") == "simple_value":
                     scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
@@ -212,7 +242,9 @@ def test_resume_cuts_logs_back_to_checkpoint(tmp_path):
     metrics = _lines(tmp_path / "metrics.jsonl")
     records = [json.loads(line) for line in metrics]
     kinds = [(r["step"], "eval" if "eval/reward" in r else "train") for r in records]
-    assert kinds == [(s, k) for s in range(1, 9) for k in ("train", "eval") if k == "train" or s % 2 == 0]
+    assert kinds == [
+        (s, k) for s in range(1, 9) for k in ("train", "eval") if k == "train" or s % 2 == 0
+    ]
     assert metrics[:6] == first_metrics[:6]  # steps 1-4 of the first run, byte for byte
     assert [r["loss"] for r in records if "loss" in r] == [1, 2, 3, 4, 5.5, 6.5, 7.5, 8.5]
 
@@ -226,8 +258,12 @@ def test_resume_cuts_logs_back_to_checkpoint(tmp_path):
     assert start.session_log.status == event_pb2.SessionLog.START and start.step == 5
     assert not any(e.HasField("session_log") for e in events1)
     # ... without which steps 5 and 6 would show twice; with it each tag has each step once
-    raw_steps = [e.step for _, evs in _all_events(tmp_path) for e in evs
-                 if any(v.tag == "loss" for v in e.summary.value)]
+    raw_steps = [
+        e.step
+        for _, evs in _all_events(tmp_path)
+        for e in evs
+        if any(v.tag == "loss" for v in e.summary.value)
+    ]
     assert sorted(raw_steps) == [1, 2, 3, 4, 5, 5, 6, 6, 7, 8]
     scalars = _purged_scalars(tmp_path)
     assert scalars["loss"] == [(s, s + (0.5 if s > 4 else 0)) for s in range(1, 9)]
@@ -252,8 +288,17 @@ def test_resume_drops_torn_last_line(tmp_path):
 def test_resume_drops_lines_that_are_not_records(tmp_path):
     path = tmp_path / "metrics.jsonl"
     good = [b'{"step":1,"a":1.0}\n', b'{"step":2,"a":2.0}\n']
-    path.write_bytes(good[0] + b"not json\n" + b'{"a":1}\n' + b'{"step":"2"}\n' + b"[1]\n"
-                     + b"\n" + good[1] + b'{"step":3,"a":3.0}\n' + b'{"step":1,"late":1}\n')
+    path.write_bytes(
+        good[0]
+        + b"not json\n"
+        + b'{"a":1}\n'
+        + b'{"step":"2"}\n'
+        + b"[1]\n"
+        + b"\n"
+        + good[1]
+        + b'{"step":3,"a":3.0}\n'
+        + b'{"step":1,"late":1}\n'
+    )
     with MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=2) as log:
         assert log.dropped["metrics.jsonl"] == 6
     assert _lines(path) == good + [b'{"step":1,"late":1}\n']  # step <= 2 wherever it stands
@@ -325,5 +370,11 @@ def test_event_files_never_collide_and_sort_in_order(tmp_path, monkeypatch):
     assert len(files) == 4
     starts = [[e.step for e in evs if e.HasField("session_log")] for _, evs in files]
     assert starts == [[], [], [4], [6]]  # name order == creation order
-    assert _purged_scalars(tmp_path)["loss"] == [(1, 1), (2, 2), (3, 3), (4, 4.5), (5, 5.5),
-                                                 (6, 6.75)]
+    assert _purged_scalars(tmp_path)["loss"] == [
+        (1, 1),
+        (2, 2),
+        (3, 3),
+        (4, 4.5),
+        (5, 5.5),
+        (6, 6.75),
+    ]

@@ -3,7 +3,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.masked import masked_count, masked_mean, masked_std, masked_sum, masked_var, masked_whiten
+from relax.masked import (
+    masked_count,
+    masked_mean,
+    masked_std,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(4, 6)).astype(np.float32)
@@ -36,7 +43,9 @@ def test_against_numpy(axis):
     np.testing.assert_allclose(masked_sum(X, M, axis), ref["sum"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(masked_mean(X, M, axis), ref["mean"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(masked_var(X, M, axis), ref["var_u"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(masked_var(X, M, axis, unbiased=False), ref["var_b"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        masked_var(X, M, axis, unbiased=False), ref["var_b"], rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(masked_std(X, M, axis), np.sqrt(ref["var_u"]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(masked_count(M, axis), M.sum(axis=axis))
 
@@ -65,7 +74,9 @@ def test_whiten():
     # per-row statistics
     wr = np.asarray(masked_whiten(X, M, axis=-1))
     row = X[2][M[2]]
-    np.testing.assert_allclose(wr[2][M[2]], (row - row.mean()) / np.sqrt(row.var(ddof=1) + 1e-8), rtol=1e-5)
+    np.testing.assert_allclose(
+        wr[2][M[2]], (row - row.mean()) / np.sqrt(row.var(ddof=1) + 1e-8), rtol=1e-5
+    )
 
 
 def test_jit_bf16_and_grad():

@@ -11,7 +11,14 @@ import pytest
 
 from relax.rewards import BUILTIN_REWARDS, MathVerify, get_reward
 from relax.rewards.builtin import LazyReward
-from relax.rewards.math_answers import deadline, final_boxes, gold_text, normalise_numbers, number_text, plain_number
+from relax.rewards.math_answers import (
+    deadline,
+    final_boxes,
+    gold_text,
+    normalise_numbers,
+    number_text,
+    plain_number,
+)
 
 mv = pytest.importorskip("math_verify")
 
@@ -72,10 +79,16 @@ TABLE = [
     (r"\boxed{5}", 5, 1.0),
     (r"\boxed{0.1}", 0.1, 1.0),
     (r"\boxed{e^{i\pi}}", "-1", 1.0, f"{LIMIT}: e^{{i pi}} is not simplified to -1"),
-    (r"\boxed{x \le 3}", r"(-\infty, 3]", 1.0,
-     f"{LIMIT}: a relation is compared with an interval reference only if allow_set_relation_comp"),
+    (
+        r"\boxed{x \le 3}",
+        r"(-\infty, 3]",
+        1.0,
+        f"{LIMIT}: a relation is compared with an interval reference only if allow_set_relation_comp",
+    ),
 ]
-FLOATS = "the library compares a float at float_rounding=6 decimals: below 5e-7 every float rounds to 0"
+FLOATS = (
+    "the library compares a float at float_rounding=6 decimals: below 5e-7 every float rounds to 0"
+)
 # Issue 33: plain number formats, read by relax before the library (which reads the e of 1e-7 as
 # Euler's number), and answers that hold a number without being it. (completion, gold, expected
 # by mathematics[, xfail reason]); every number written out by hand.
@@ -130,7 +143,12 @@ NUMBERS = [
     (r"\boxed{42 dollars}", "42", 1.0, f"{LIMIT}: 'dollars' is read as the product d*o*l*l*a*r*s"),
     (r"\boxed{12 \text{ dollars}}", "12", 1.0),
     ("The answer is $2\\pi$.", "2", 0.0),
-    ("The answer is 2\\pi", "2", 0.0, f"{LIMIT}: LaTeX outside $...$ is not read, the number after 'answer is' is"),
+    (
+        "The answer is 2\\pi",
+        "2",
+        0.0,
+        f"{LIMIT}: LaTeX outside $...$ is not read, the number after 'answer is' is",
+    ),
     (r"\boxed{}", "0", 0.0),
     (r"\boxed{2} then, on reflection, \boxed{3}", "3", 1.0),  # the last box counts
     (r"\boxed{2} then, on reflection, \boxed{3}", "2", 0.0),
@@ -143,9 +161,14 @@ NUMBERS = [
 
 def _cases(rows, prefix=""):
     """One pytest param per row; a row with a fourth entry is a strict xfail with that reason."""
-    return [pytest.param(*row[:3], id=f"{prefix}{i}",
-                         marks=[pytest.mark.xfail(reason=row[3], strict=True)] if len(row) > 3 else [])
-            for i, row in enumerate(rows)]
+    return [
+        pytest.param(
+            *row[:3],
+            id=f"{prefix}{i}",
+            marks=[pytest.mark.xfail(reason=row[3], strict=True)] if len(row) > 3 else [],
+        )
+        for i, row in enumerate(rows)
+    ]
 
 
 CASES, NUMBER_CASES = _cases(TABLE), _cases(NUMBERS, "n")
@@ -170,13 +193,38 @@ def test_table_accuracy():
     assert correct == len(rows) - sum(len(r) > 3 for r in rows)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("1e-7", "0.0000001"), ("1E-7", "0.0000001"), ("2.5e3", "2500"), ("-3.", "-3"), (".5", "0.5"), ("+4", "4"),
-    ("1,000", "1000"), ("1{,}000", "1000"), ("1\\,000", "1000"), ("1 000", "1000"), ("$2.50$", "2.50"),
-    ("\\$5.", "5"), ("\u22123", "-3"), ("-0", "0"), ("1.0e-7", "0.00000010"), ("12,345.5", "12345.5"),
-    ("1,5", None), ("1,0000", None), ("e - 7", None), ("6e", None), ("10^2", None), ("1/2", None), ("5 apples", None),
-    ("1e1001", None), ("", None), ("+", None), (".", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1e-7", "0.0000001"),
+        ("1E-7", "0.0000001"),
+        ("2.5e3", "2500"),
+        ("-3.", "-3"),
+        (".5", "0.5"),
+        ("+4", "4"),
+        ("1,000", "1000"),
+        ("1{,}000", "1000"),
+        ("1\\,000", "1000"),
+        ("1 000", "1000"),
+        ("$2.50$", "2.50"),
+        ("\\$5.", "5"),
+        ("\u22123", "-3"),
+        ("-0", "0"),
+        ("1.0e-7", "0.00000010"),
+        ("12,345.5", "12345.5"),
+        ("1,5", None),
+        ("1,0000", None),
+        ("e - 7", None),
+        ("6e", None),
+        ("10^2", None),
+        ("1/2", None),
+        ("5 apples", None),
+        ("1e1001", None),
+        ("", None),
+        ("+", None),
+        (".", None),
+    ],
+)
 def test_plain_number(text, expected):
     value = plain_number(text)
     assert (None if value is None else number_text(value)) == expected
@@ -184,11 +232,17 @@ def test_plain_number(text, expected):
 
 def test_normalise_numbers_writes_out_numbers_only():
     assert normalise_numbers("x = 2.5e3 and y1e5, 1e5x") == "x = 2500 and y1e5, 1e5x"
-    assert normalise_numbers(r"so $\boxed{-3.}$ and \boxed{1\,000} or \boxed{e - 7}") == \
-        r"so $\boxed{-3}$ and \boxed{1000} or \boxed{e - 7}"
-    assert normalise_numbers(r"\boxed{\frac{1}{2}} then \boxed{\boxed{4.}}") == \
-        r"\boxed{\frac{1}{2}} then \boxed{\boxed{4}}"
-    assert normalise_numbers("1e-1001") is None and normalise_numbers(r"\boxed{2} and 3e2000") is None
+    assert (
+        normalise_numbers(r"so $\boxed{-3.}$ and \boxed{1\,000} or \boxed{e - 7}")
+        == r"so $\boxed{-3}$ and \boxed{1000} or \boxed{e - 7}"
+    )
+    assert (
+        normalise_numbers(r"\boxed{\frac{1}{2}} then \boxed{\boxed{4.}}")
+        == r"\boxed{\frac{1}{2}} then \boxed{\boxed{4}}"
+    )
+    assert (
+        normalise_numbers("1e-1001") is None and normalise_numbers(r"\boxed{2} and 3e2000") is None
+    )
     assert gold_text("1e2000") is None and gold_text(1e300).startswith("\\boxed{1000000")
 
 
@@ -210,9 +264,17 @@ def test_agrees_with_library_called_directly():
 
 def test_missing_reference_is_none():
     golds = [None, "", "   ", float("nan"), True, r"\boxed{}", ["1"]]
-    assert REWARD([""] * len(golds), ["\\boxed{1}"] * len(golds), answer=golds) == [None] * len(golds)
+    assert REWARD([""] * len(golds), ["\\boxed{1}"] * len(golds), answer=golds) == [None] * len(
+        golds
+    )
     assert [gold_text(a) for a in (3, 1e-7, 2.0, "$5$", "$x+1$", r"\frac12")] == [
-        "\\boxed{3}", "\\boxed{0.0000001}", "\\boxed{2}", "\\boxed{5}", "$x+1$", "\\boxed{\\frac12}"]
+        "\\boxed{3}",
+        "\\boxed{0.0000001}",
+        "\\boxed{2}",
+        "\\boxed{5}",
+        "$x+1$",
+        "\\boxed{\\frac12}",
+    ]
     with pytest.raises(KeyError, match="math_verify needs the dataset column 'solution'"):
         MathVerify(answer_field="solution")([""], ["1"], answer=["1"])
 
@@ -220,11 +282,19 @@ def test_missing_reference_is_none():
 def test_fields_are_read_and_checked():
     assert reward_one(r"\boxed{0.333}", r"\frac{1}{3}", MathVerify(float_rounding=2)) == 1.0
     assert reward_one(r"\boxed{y=3}", "x=3", MathVerify(strict=False)) == 1.0
-    assert reward_one(r"\boxed{0.0000002}", "1e-7", MathVerify(float_rounding=9)) == 0.0  # the FLOATS row
+    assert (
+        reward_one(r"\boxed{0.0000002}", "1e-7", MathVerify(float_rounding=9)) == 0.0
+    )  # the FLOATS row
     assert reward_one(r"\boxed{0.0000001}", "1e-7", MathVerify(float_rounding=9)) == 1.0
     assert MathVerify(answer_field="solution")([""], [r"\boxed{2}"], solution=["2"]) == [1.0]
-    for field, bad in (("timeout_s", 0), ("timeout_s", float("inf")), ("float_rounding", -1),
-                       ("float_rounding", 2.0), ("strict", 1), ("answer_field", "")):
+    for field, bad in (
+        ("timeout_s", 0),
+        ("timeout_s", float("inf")),
+        ("float_rounding", -1),
+        ("float_rounding", 2.0),
+        ("strict", 1),
+        ("answer_field", ""),
+    ):
         with pytest.raises(ValueError, match=field):
             MathVerify(**{field: bad})
 
@@ -259,7 +329,9 @@ def test_deadline_restores_handler_and_outer_timer():
 def test_non_main_thread_runs_without_library_timeout():
     """The library's signal timeouts would raise ValueError here; ours are skipped instead."""
     out = []
-    t = threading.Thread(target=lambda: out.append(REWARD(["", ""], [r"\boxed{0.5}", "no"], answer=[r"\frac12"] * 2)))
+    t = threading.Thread(
+        target=lambda: out.append(REWARD(["", ""], [r"\boxed{0.5}", "no"], answer=[r"\frac12"] * 2))
+    )
     t.start()
     t.join(timeout=10)
     assert out == [[1.0, 0.0]]
@@ -286,7 +358,9 @@ def test_missing_library_raises_import_error_naming_the_extra(monkeypatch):
 
 
 def test_modules_import_without_the_library():
-    code = ("import sys; sys.modules['math_verify'] = None\n"
-            "import relax.rewards.math_answers, relax.rewards.builtin as b\n"
-            "assert b.get_reward('numeric_match') is b.numeric_match")
+    code = (
+        "import sys; sys.modules['math_verify'] = None\n"
+        "import relax.rewards.math_answers, relax.rewards.builtin as b\n"
+        "assert b.get_reward('numeric_match') is b.numeric_match"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

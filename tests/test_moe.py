@@ -10,17 +10,28 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from relax.models.moe import experts as moe
-from relax.models.decoder import transformer as T
 from relax.models.config.model import ModelConfig
+from relax.models.decoder import transformer as T
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.forward.routes import Routes, route_dtype
+from relax.models.moe import experts as moe
 from relax.passes import target_backend
 from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.rollout.sampling import SamplingConfig
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-            head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    norm_topk_prob=True,
+)
 
 
 def _groups(sizes):
@@ -72,8 +83,18 @@ def test_sparse_ffn_matches_numpy(normalize):
     logits = x @ wr
     weights, experts, own = moe.route(jnp.asarray(logits), k, normalize=normalize)
     chex.assert_shape((weights, experts, own), (n, k))
-    y = moe.sparse_ffn(jnp.asarray(x), experts, weights, jnp.asarray(wg), jnp.asarray(wu), jnp.asarray(wd), jax.nn.silu)
-    np.testing.assert_allclose(np.asarray(y), _numpy_moe(x, logits, k, normalize, wg, wu, wd), rtol=1e-4, atol=1e-4)
+    y = moe.sparse_ffn(
+        jnp.asarray(x),
+        experts,
+        weights,
+        jnp.asarray(wg),
+        jnp.asarray(wu),
+        jnp.asarray(wd),
+        jax.nn.silu,
+    )
+    np.testing.assert_allclose(
+        np.asarray(y), _numpy_moe(x, logits, k, normalize, wg, wu, wd), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_route_replay_uses_recorded_experts_and_own_probabilities():
@@ -100,9 +121,13 @@ def test_load_balance_loss_matches_transformers():
     gate = rng.normal(size=(layers, b * t, e)).astype(np.float32)
     mask = np.ones((b, t), np.int64)
     mask[0, :2] = 0
-    ref = load_balancing_loss_func(tuple(torch.tensor(g) for g in gate), e, k, torch.tensor(mask)).item()
-    stats = jax.tree.map(lambda *xs: jnp.stack(xs), *(
-        _stats_of(jnp.asarray(g), k, jnp.asarray(mask.reshape(-1) > 0)) for g in gate))
+    ref = load_balancing_loss_func(
+        tuple(torch.tensor(g) for g in gate), e, k, torch.tensor(mask)
+    ).item()
+    stats = jax.tree.map(
+        lambda *xs: jnp.stack(xs),
+        *(_stats_of(jnp.asarray(g), k, jnp.asarray(mask.reshape(-1) > 0)) for g in gate),
+    )
     np.testing.assert_allclose(float(moe.load_balance_loss(stats)), ref, rtol=1e-5)
 
 
@@ -110,7 +135,7 @@ def test_router_z_loss_by_hand():
     logits = jnp.asarray([[0.0, 0.0], [1.0, 3.0], [9.0, 9.0]])
     stats = _stats_of(logits, 1, jnp.asarray([True, True, False]))
     lse = np.log([2.0, np.exp(1.0) + np.exp(3.0)])
-    np.testing.assert_allclose(float(moe.router_z_loss(stats)), np.mean(lse ** 2), rtol=1e-6)
+    np.testing.assert_allclose(float(moe.router_z_loss(stats)), np.mean(lse**2), rtol=1e-6)
 
 
 def test_router_losses_gradients_match_finite_differences():
@@ -121,7 +146,9 @@ def test_router_losses_gradients_match_finite_differences():
         valid = jnp.asarray(rng.random(11) > 0.2)
 
         def losses(w):
-            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *(_stats_of(x[i] @ w[i], 2, valid) for i in range(2)))
+            stats = jax.tree.map(
+                lambda *xs: jnp.stack(xs), *(_stats_of(x[i] @ w[i], 2, valid) for i in range(2))
+            )
             return moe.load_balance_loss(stats) + 0.1 * moe.router_z_loss(stats)
 
         assert losses(w).dtype == jnp.float64
@@ -139,9 +166,17 @@ def _near_tied_model(rel: float = 1e-7, **overrides):
 def _rollout(model, record=True):
     ids = jax.random.randint(jax.random.key(1), (4, 6), 0, 64)
     mask = jnp.ones((4, 6), jnp.int32).at[0, :2].set(0)
-    cfg = RolloutConfig(num_generations=4, max_new_tokens=12, sampling=SamplingConfig(temperature=1.0),
-                        record_routes=record)
-    return ids, mask, jax.jit(lambda m, k: generate_program(m, ids, mask, k, cfg))(model, jax.random.key(2))
+    cfg = RolloutConfig(
+        num_generations=4,
+        max_new_tokens=12,
+        sampling=SamplingConfig(temperature=1.0),
+        record_routes=record,
+    )
+    return (
+        ids,
+        mask,
+        jax.jit(lambda m, k: generate_program(m, ids, mask, k, cfg))(model, jax.random.key(2)),
+    )
 
 
 def test_sampler_records_every_fed_token():
@@ -168,8 +203,9 @@ def test_routing_replay_makes_trainer_logprobs_the_samplers():
     valid = np.asarray(out.mask) > 0
 
     def diff(**kw):
-        lp, stats = completion_logprobs(model, ids, mask, out.tokens, out.mask, routes=out.routes,
-                                        router_stats=True, **kw)
+        lp, stats = completion_logprobs(
+            model, ids, mask, out.tokens, out.mask, routes=out.routes, router_stats=True, **kw
+        )
         return np.max(np.abs(np.asarray(lp - out.logprobs))[valid]), stats
 
     free, stats = diff(replay_routes=False)
@@ -192,7 +228,9 @@ def test_routing_replay_packed_layout():
     out = dataclasses.replace(out, mask=jnp.asarray(short))
     packed = pack_completions(np.asarray(out.tokens), short, row_tokens=12)
     assert packed.tokens.shape[1] < 4
-    lp = completion_logprobs(model, ids, mask, out.tokens, out.mask, routes=out.routes, packed=packed)
+    lp = completion_logprobs(
+        model, ids, mask, out.tokens, out.mask, routes=out.routes, packed=packed
+    )
     valid = np.asarray(out.mask) > 0
     assert np.max(np.abs(np.asarray(lp - out.logprobs))[valid]) < 1e-5
 
@@ -206,8 +244,10 @@ def test_sampler_logprobs_equal_trainer_logprobs_without_ties():
 
 
 def test_routes_replay_rows_layouts():
-    c = Routes(prompt=jnp.arange(2 * 3 * 1 * 2).reshape(2, 3, 1, 2), completion=jnp.arange(2 * 2 * 4 * 1 * 2).reshape(
-        2, 2, 4, 1, 2).astype(jnp.int8))
+    c = Routes(
+        prompt=jnp.arange(2 * 3 * 1 * 2).reshape(2, 3, 1, 2),
+        completion=jnp.arange(2 * 2 * 4 * 1 * 2).reshape(2, 2, 4, 1, 2).astype(jnp.int8),
+    )
     prompt, rows = c.replay_rows(jnp.ones((2, 2, 4), jnp.int32))
     chex.assert_shape((prompt, rows), [(1, 2, 3, 2), (1, 4, 4, 2)])
     np.testing.assert_array_equal(np.asarray(rows[0, 3]), np.asarray(c.completion[1, 1, :, 0]))
@@ -226,7 +266,11 @@ def test_mixed_layers_stack_per_kind():
     c = ModelConfig(**{**TINY, "dense_layers": (0, 2)})
     m = T.init(c, jax.random.key(0))
     assert c.sparse_layers == (False, True, False)
-    assert m.layers.w_gate.shape[0] == 2 and m.layers.router.shape[0] == 1 and m.layers.wq.shape[0] == 3
+    assert (
+        m.layers.w_gate.shape[0] == 2
+        and m.layers.router.shape[0] == 1
+        and m.layers.wq.shape[0] == 3
+    )
     assert c.num_active_params() < c.num_params()
 
 
@@ -240,22 +284,43 @@ def test_multi_turn_decoder_records_routes_the_trainer_replays():
     p, g, n = 2, 3, 24
     prompt_ids = jnp.asarray(np.random.default_rng(0).integers(3, 64, (p, 8)), jnp.int32)
     prompt_mask = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], jnp.int32)
-    cfg = turns.TurnConfig(num_generations=g, max_tokens=n, max_turn_tokens=8, eos_ids=(5, 7),
-                           sampling=SamplingConfig(temperature=1.0))
+    cfg = turns.TurnConfig(
+        num_generations=g,
+        max_tokens=n,
+        max_turn_tokens=8,
+        eos_ids=(5, 7),
+        sampling=SamplingConfig(temperature=1.0),
+    )
     state = turns.start(model, prompt_ids, prompt_mask, jax.random.key(1), cfg=cfg)
     state, _, _ = turns.decode_turn(model, state, jnp.ones(p * g, bool), cfg=cfg)
     obs = jnp.asarray(np.random.default_rng(1).integers(3, 64, (p * g, 4)), jnp.int32)
     state = turns.append(model, state, obs, jnp.asarray([3, 0, 4, 2, 1, 4], jnp.int32), cfg=cfg)
     state, _, _ = turns.decode_turn(model, state, jnp.ones(p * g, bool), cfg=cfg)
     filled = np.arange(n)[None, :] < np.asarray(state.length)[:, None]
-    assert np.all((np.asarray(state.routes[..., 0, 0]) >= 0) == filled)  # every fed token, nothing else
-    routes = Routes(prompt=state.prompt_routes, completion=state.routes.reshape(p, g, n, *state.routes.shape[2:]))
+    assert np.all(
+        (np.asarray(state.routes[..., 0, 0]) >= 0) == filled
+    )  # every fed token, nothing else
+    routes = Routes(
+        prompt=state.prompt_routes,
+        completion=state.routes.reshape(p, g, n, *state.routes.shape[2:]),
+    )
     sampled = np.asarray(state.sampled)
     mask = jnp.asarray(filled.astype(np.int32)).reshape(p, g, n)
     tokens = state.tokens.reshape(p, g, n)
-    lp, stats = completion_logprobs(model, prompt_ids, prompt_mask, tokens, mask, routes=routes, router_stats=True)
-    np.testing.assert_allclose(np.asarray(lp).reshape(p * g, n)[sampled], np.asarray(state.logprobs)[sampled],
-                               atol=2e-5)
-    _, free = completion_logprobs(model, prompt_ids, prompt_mask, tokens, mask, routes=routes, replay_routes=False,
-                                  router_stats=True)
+    lp, stats = completion_logprobs(
+        model, prompt_ids, prompt_mask, tokens, mask, routes=routes, router_stats=True
+    )
+    np.testing.assert_allclose(
+        np.asarray(lp).reshape(p * g, n)[sampled], np.asarray(state.logprobs)[sampled], atol=2e-5
+    )
+    _, free = completion_logprobs(
+        model,
+        prompt_ids,
+        prompt_mask,
+        tokens,
+        mask,
+        routes=routes,
+        replay_routes=False,
+        router_stats=True,
+    )
     assert float(jnp.sum(free.differ)) > 0

@@ -35,11 +35,28 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve()
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-            head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-            dense_layers=(1,), max_position_embeddings=128)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    norm_topk_prob=True,
+    dense_layers=(1,),
+    max_position_embeddings=128,
+)
 MESHES = ("expert=8", "expert=4,data=2", "expert=2,fsdp=2,tensor=2")
-P, LP, G, N = 8, 6, 2, 5  # the forward's prompts, prompt length, completions per prompt, completion length
+P, LP, G, N = (
+    8,
+    6,
+    2,
+    5,
+)  # the forward's prompts, prompt length, completions per prompt, completion length
 RTOL, ATOL = 1e-4, 1e-5
 SPARSE_LAYERS = 2  # layers 0 and 2 (layer 1 is dense)
 STOPS = tuple(range(1, 64, 6))  # a sixth of the vocabulary: completions of ragged lengths
@@ -48,8 +65,9 @@ STOPS = tuple(range(1, 64, 6))  # a sixth of the vocabulary: completions of ragg
 def _model():
     import jax
 
-    from relax.models.decoder import transformer as T
     from relax.models.config.model import ModelConfig
+    from relax.models.decoder import transformer as T
+
     return T.init(ModelConfig(**TINY), jax.random.key(0), std=0.2)
 
 
@@ -61,6 +79,7 @@ def _counts(counter) -> list:
 def _forward_inputs():
     import jax
     import jax.numpy as jnp
+
     ids = jax.random.randint(jax.random.key(1), (P, LP), 1, TINY["vocab_size"])
     pm = jnp.ones_like(ids).at[1, :2].set(0).at[6, :4].set(0)
     comp = jax.random.randint(jax.random.key(2), (P, G, N), 1, TINY["vocab_size"])
@@ -98,10 +117,18 @@ def forward_cases() -> dict:
             text = grad.lower(*placed).compile().as_text()
             lp1 = one_group(*placed)
         leaves = jax.tree_util.tree_leaves_with_path(g0)
-        out[spec] = {"logprobs": float(jnp.max(jnp.abs(lp - lp0))), "one_group": float(jnp.max(jnp.abs(lp1 - lp0))),
-                     "grads": {jax.tree_util.keystr(p): [float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))]
-                               for (p, b), a in zip(leaves, jax.tree.leaves(g))},
-                     "collectives": _counts(collectives(text, dict(mesh.shape)))}
+        out[spec] = {
+            "logprobs": float(jnp.max(jnp.abs(lp - lp0))),
+            "one_group": float(jnp.max(jnp.abs(lp1 - lp0))),
+            "grads": {
+                jax.tree_util.keystr(p): [
+                    float(jnp.max(jnp.abs(a - b))),
+                    float(jnp.max(jnp.abs(b))),
+                ]
+                for (p, b), a in zip(leaves, jax.tree.leaves(g))
+            },
+            "collectives": _counts(collectives(text, dict(mesh.shape))),
+        }
     return out
 
 
@@ -118,15 +145,16 @@ def lora_case(spec: str) -> dict:
     from relax import parallel
     from relax.models.adapters.operations import add_lora, split_trainable
     from relax.models.config.model import ModelConfig
-    from relax.models.layers.lora import LoRAConfig
-    from relax.models.forward.prefix_shared import completion_logprobs
     from relax.models.decoder import transformer as T
+    from relax.models.forward.prefix_shared import completion_logprobs
+    from relax.models.layers.lora import LoRAConfig
 
     cfg = ModelConfig(**TINY, family="qwen2_moe", shared_expert_size=24)
     model = add_lora(T.init(cfg, jax.random.key(0), std=0.2), LoRAConfig(rank=2), jax.random.key(1))
     ad = model.layers.lora
-    model = dataclasses.replace(model, layers=dataclasses.replace(model.layers, lora=jax.tree.map(
-        lambda x: x + 0.05, ad)))  # B != 0: the adapters change the forward
+    model = dataclasses.replace(
+        model, layers=dataclasses.replace(model.layers, lora=jax.tree.map(lambda x: x + 0.05, ad))
+    )  # B != 0: the adapters change the forward
     args = _forward_inputs()
 
     def loss(trained, frozen, ids, pm, comp, cm):
@@ -138,11 +166,19 @@ def lora_case(spec: str) -> dict:
     mesh = parallel.make_mesh(spec)
     rows = parallel.batch_sharding(mesh)
     with jax.set_mesh(mesh):
-        (_, lp), g = grad(*split_trainable(parallel.shard_model(model, mesh)), *(jax.device_put(a, rows) for a in args))
+        (_, lp), g = grad(
+            *split_trainable(parallel.shard_model(model, mesh)),
+            *(jax.device_put(a, rows) for a in args),
+        )
     leaves = jax.tree_util.tree_leaves_with_path(g0)
-    return {"logprobs": float(jnp.max(jnp.abs(lp - lp0))), "adapted": sorted(ad.weights()),
-            "grads": {jax.tree_util.keystr(p): [float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))]
-                      for (p, b), a in zip(leaves, jax.tree.leaves(g))}}
+    return {
+        "logprobs": float(jnp.max(jnp.abs(lp - lp0))),
+        "adapted": sorted(ad.weights()),
+        "grads": {
+            jax.tree_util.keystr(p): [float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))]
+            for (p, b), a in zip(leaves, jax.tree.leaves(g))
+        },
+    }
 
 
 def _fives(prompts, completions, **fields):
@@ -161,9 +197,9 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     import jax
 
     from relax import parallel
-    from relax.algorithms.online.batch import step_input
     from relax.algorithms.grpo.config import preset
     from relax.algorithms.grpo.step import make_grpo_step
+    from relax.algorithms.online.batch import step_input
     from relax.parallel import distributed
     from relax.parallel.hlo import collectives
     from relax.passes import choose_passes
@@ -173,18 +209,32 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     # eps=1: Adam's first step ~ lr * g. With a small eps a gradient component within float noise
     # of 0 moves its weight by +-lr on a sign set by rounding, and the meshes' second samples part
     # at a near-tie (an AMD EPYC host did)
-    cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=0.04,
-                 optimizer=OptimizerConfig(learning_rate=0.1, eps=1.0))
+    cfg = preset(
+        "grpo",
+        num_generations=4,
+        max_new_tokens=6,
+        beta=0.04,
+        optimizer=OptimizerConfig(learning_rate=0.1, eps=1.0),
+    )
     state = init_state(_model(), cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
     mesh = None if spec is None else parallel.make_mesh(spec)
-    step = make_grpo_step(cfg, [_fives], _decode, eos_ids=(), pad_id=0,
-                          passes=choose_passes(batch_shards=8 if mesh_passes else
-                                               1 if mesh is None else parallel.batch_shards(mesh)))
+    step = make_grpo_step(
+        cfg,
+        [_fives],
+        _decode,
+        eos_ids=(),
+        pad_id=0,
+        passes=choose_passes(
+            batch_shards=8 if mesh_passes else 1 if mesh is None else parallel.batch_shards(mesh)
+        ),
+    )
     if mesh is not None:
         step = parallel.ShardedStep(step, state, mesh)
         state = step.place(state)
     rng = np.random.default_rng(0)
-    ids = rng.integers(1, TINY["vocab_size"], (8, 7)).astype(np.int32)  # 7: no activation shaped like [E, ...]
+    ids = rng.integers(1, TINY["vocab_size"], (8, 7)).astype(
+        np.int32
+    )  # 7: no activation shaped like [E, ...]
     mask = np.ones_like(ids)
     mask[1, :3] = mask[4, :5] = 0
     out = {"metrics": [], "tokens": []}
@@ -215,38 +265,60 @@ def sampler_case(spec: str | None, eos_ids: tuple[int, ...] = ()) -> dict:
     model = _model()
     ids = jax.random.randint(jax.random.key(1), (8, 8), 1, TINY["vocab_size"])
     mask = jnp.ones_like(ids).at[1, :3].set(0).at[5, :6].set(0)
-    gen = compiled_generate(RolloutConfig(num_generations=2, max_new_tokens=12, cache_chunk=8, record_routes=True,
-                                          eos_ids=eos_ids))
+    gen = compiled_generate(
+        RolloutConfig(
+            num_generations=2, max_new_tokens=12, cache_chunk=8, record_routes=True, eos_ids=eos_ids
+        )
+    )
     args = (model, ids, mask, jax.random.key(2))
     out = {}
     if spec is not None:
         mesh = parallel.make_mesh(spec)
         rows = parallel.batch_sharding(mesh)
-        args = (parallel.shard_model(model, mesh), jax.device_put(ids, rows), jax.device_put(mask, rows), args[3])
+        args = (
+            parallel.shard_model(model, mesh),
+            jax.device_put(ids, rows),
+            jax.device_put(mask, rows),
+            args[3],
+        )
         with jax.set_mesh(mesh):
             text = gen.lower(*args).compile().as_text()
             result = gen(*args)
-        out = {"body": sorted([op, shape, n] for (op, shape), n in loop_ops(text, COLLECTIVES).items()),
-               "collectives": _counts(collectives(text, dict(mesh.shape)))}
+        out = {
+            "body": sorted(
+                [op, shape, n] for (op, shape), n in loop_ops(text, COLLECTIVES).items()
+            ),
+            "collectives": _counts(collectives(text, dict(mesh.shape))),
+        }
     else:
         result = gen(*args)
-    return {**out, "tokens": np.asarray(result.tokens).tolist(), "logprobs": np.asarray(result.logprobs).tolist(),
-            "routes": np.asarray(result.routes.completion).tolist(), "lengths": np.asarray(result.lengths).tolist()}
+    return {
+        **out,
+        "tokens": np.asarray(result.tokens).tolist(),
+        "logprobs": np.asarray(result.logprobs).tolist(),
+        "routes": np.asarray(result.routes.completion).tolist(),
+        "lengths": np.asarray(result.lengths).tolist(),
+    }
 
 
 def worker(out_path: str) -> None:
     import jax
-
     from conftest import use_compile_cache
 
     use_compile_cache()
     assert jax.device_count() == 8, jax.devices()
-    results = {"forward": forward_cases(),
-               "grpo": {**{spec: grpo_case(spec) for spec in (None, *MESHES)},
-                        "one_micro_batch": grpo_case(None, mesh_passes=True)},
-               "sampler": {spec: sampler_case(spec) for spec in (None, *MESHES)},
-               "lora": lora_case(MESHES[-1]),
-               "sampler_ragged": {spec or "null": sampler_case(spec, eos_ids=STOPS) for spec in (None, "expert=8")}}
+    results = {
+        "forward": forward_cases(),
+        "grpo": {
+            **{spec: grpo_case(spec) for spec in (None, *MESHES)},
+            "one_micro_batch": grpo_case(None, mesh_passes=True),
+        },
+        "sampler": {spec: sampler_case(spec) for spec in (None, *MESHES)},
+        "lora": lora_case(MESHES[-1]),
+        "sampler_ragged": {
+            spec or "null": sampler_case(spec, eos_ids=STOPS) for spec in (None, "expert=8")
+        },
+    }
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -257,12 +329,14 @@ else:
     import jax
     import jax.numpy as jnp
     import pytest
-    from test_parallel import RTOL as STEP_RTOL, ATOL as STEP_ATOL, run_worker
+    from test_parallel import ATOL as STEP_ATOL
+    from test_parallel import RTOL as STEP_RTOL
+    from test_parallel import run_worker
 
     from relax import parallel
+    from relax.models.config.sharding import LOGICAL_AXES, decode_layout
     from relax.models.moe import experts as moe
     from relax.models.moe.expert_parallel import experts_ffn, local_sparse_ffn
-    from relax.models.config.sharding import LOGICAL_AXES, decode_layout
     from relax.parallel.mesh import MeshSpec, ShardingError, _path_name
     from relax.passes import target_backend
 
@@ -293,20 +367,33 @@ else:
             assert scale > 0 and diff <= ATOL + RTOL * scale, (name, diff, scale)
 
     # per micro-batch, then averaged (module docstring)
-    ROUTING_METRICS = ("moe/load_balance_loss", "moe/load_max_over_mean", "moe/load_max_over_mean_avg",
-                       "moe/router_z_loss")
+    ROUTING_METRICS = (
+        "moe/load_balance_loss",
+        "moe/load_max_over_mean",
+        "moe/load_max_over_mean_avg",
+        "moe/router_z_loss",
+    )
 
     def _same_metrics(got, want, what, skip=()):
         for i, w in enumerate(want["metrics"]):
             assert set(got["metrics"][i]) == set(w), what
             for k, v in w.items():
                 if k not in skip:
-                    np.testing.assert_allclose(got["metrics"][i][k], v, rtol=STEP_RTOL, atol=STEP_ATOL,
-                                               err_msg=f"{what} iteration {i}: {k}")
+                    np.testing.assert_allclose(
+                        got["metrics"][i][k],
+                        v,
+                        rtol=STEP_RTOL,
+                        atol=STEP_ATOL,
+                        err_msg=f"{what} iteration {i}: {k}",
+                    )
 
     @pytest.mark.parametrize("spec", MESHES)
     def test_grpo_step_equals_one_device(results, spec):
-        one, split, got = results["grpo"][_key(None)], results["grpo"]["one_micro_batch"], results["grpo"][spec]
+        one, split, got = (
+            results["grpo"][_key(None)],
+            results["grpo"]["one_micro_batch"],
+            results["grpo"][spec],
+        )
         assert got["tokens"] == one["tokens"] == split["tokens"], spec
         _same_metrics(got, split, spec)
         _same_metrics(got, one, spec, skip=ROUTING_METRICS)
@@ -322,7 +409,9 @@ else:
         """Ragged lengths: the 16 rows compact to 8 (expert=8 needs a multiple of 8) once at most 8 run."""
         one, got = results["sampler_ragged"]["null"], results["sampler_ragged"]["expert=8"]
         lengths = np.asarray(one["lengths"]).ravel()
-        assert any(0 < (lengths > t + 1).sum() <= 8 for t in range(11)), lengths  # a compacted phase ran
+        assert any(0 < (lengths > t + 1).sum() <= 8 for t in range(11)), (
+            lengths
+        )  # a compacted phase ran
         assert got["tokens"] == one["tokens"] and got["routes"] == one["routes"]
         np.testing.assert_allclose(got["logprobs"], one["logprobs"], atol=2e-5)
 
@@ -342,11 +431,18 @@ else:
         ep, d, k = s["expert"], TINY["hidden_size"], TINY["num_experts_per_tok"]
         want: dict = {}
         for nl in nl_rows:
-            keys = [("all-gather", f"f32[{ep * nl},{d}]"), ("all-gather", f"s32[{ep * nl},{k}]"),
-                    ("all-gather", f"f32[{ep * nl},{k}]"), ("reduce-scatter", f"f32[{nl},{d}]")]
+            keys = [
+                ("all-gather", f"f32[{ep * nl},{d}]"),
+                ("all-gather", f"s32[{ep * nl},{k}]"),
+                ("all-gather", f"f32[{ep * nl},{k}]"),
+                ("reduce-scatter", f"f32[{nl},{d}]"),
+            ]
             if backward:
-                keys += [("all-gather", f"f32[{ep * nl},{d}]"), ("reduce-scatter", f"f32[{nl},{d}]"),
-                         ("reduce-scatter", f"f32[{nl},{k}]")]
+                keys += [
+                    ("all-gather", f"f32[{ep * nl},{d}]"),
+                    ("reduce-scatter", f"f32[{nl},{d}]"),
+                    ("reduce-scatter", f"f32[{nl},{k}]"),
+                ]
             for key in keys:
                 want[key] = want.get(key, 0) + 1
         return want
@@ -359,7 +455,7 @@ else:
         return {(e, a, b) for a in ds for b in fs} | {(e, b, a) for a in ds for b in fs}
 
     def _dims(shape):
-        return tuple(int(x) for x in shape[shape.index("[") + 1:shape.index("]")].split(",") if x)
+        return tuple(int(x) for x in shape[shape.index("[") + 1 : shape.index("]")].split(",") if x)
 
     def _check_exchange(rows, spec, nl_rows, what):
         """The exchange of every sparse layer over ``expert``, and no all-gather of an expert weight
@@ -369,7 +465,12 @@ else:
             assert over.get(key, 0) == SPARSE_LAYERS * n, (what, key, over)
         weights = _weight_shapes(spec)
         for op, shape, axes, _ in rows:
-            assert not (op == "all-gather" and _dims(shape)[-3:] in weights), (what, op, shape, axes)
+            assert not (op == "all-gather" and _dims(shape)[-3:] in weights), (
+                what,
+                op,
+                shape,
+                axes,
+            )
         print(f"\n{spec}: {what}, collectives over 'expert' ({SPARSE_LAYERS} sparse layers):")
         for op, shape, axes, n in rows:
             if "expert" in axes and op != "all-reduce":
@@ -381,16 +482,24 @@ else:
         exchange of the module docstring; nothing gathers an expert weight's experts."""
         s = _sizes(spec)
         shards = s["data"] * s["expert"] * s["fsdp"]
-        _check_exchange(results["forward"][spec]["collectives"], spec, (P * LP // shards, P * G * N // shards),
-                        "training forward + backward")
+        _check_exchange(
+            results["forward"][spec]["collectives"],
+            spec,
+            (P * LP // shards, P * G * N // shards),
+            "training forward + backward",
+        )
 
     @pytest.mark.parametrize("spec", MESHES)
     def test_update_step_exchanges_tokens_and_gathers_no_expert_weight(results, spec):
         """The compiled GRPO update (one micro-batch: 8 prompts of 7 tokens, 32 completions of 6)."""
         s = _sizes(spec)
         shards = s["data"] * s["expert"] * s["fsdp"]
-        _check_exchange(results["grpo"][spec]["update_collectives"], spec, (56 // shards, 192 // shards),
-                        "GRPO update")
+        _check_exchange(
+            results["grpo"][spec]["update_collectives"],
+            spec,
+            (56 // shards, 192 // shards),
+            "GRPO update",
+        )
 
     @pytest.mark.parametrize("spec", MESHES)
     def test_decode_step_exchanges_tokens_per_sparse_layer(results, spec):
@@ -409,27 +518,41 @@ else:
         assert MeshSpec.parse("expert=4,data=2").shape == (2, 4, 1, 1)
         assert str(MeshSpec.parse("expert=2,fsdp=2,tensor=2")) == "data=1,expert=2,fsdp=2,tensor=2"
         assert MeshSpec.parse("expert=-1,tensor=2").resolve(8).expert == 4
-        assert parallel.AXES == ("data", "expert", "fsdp", "tensor") and "expert" in parallel.BATCH_AXES
+        assert (
+            parallel.AXES == ("data", "expert", "fsdp", "tensor")
+            and "expert" in parallel.BATCH_AXES
+        )
 
     def _abstract(**sizes):
-        return jax.sharding.AbstractMesh(tuple(sizes.get(a, 1) for a in parallel.AXES), parallel.AXES)
+        return jax.sharding.AbstractMesh(
+            tuple(sizes.get(a, 1) for a in parallel.AXES), parallel.AXES
+        )
 
     def _moe_model(**overrides):
-        from relax.models.decoder import transformer as T
         from relax.models.config.model import ModelConfig
+        from relax.models.decoder import transformer as T
+
         cfg = ModelConfig(**{**TINY, **overrides})
         return cfg, jax.eval_shape(lambda: T.init(cfg, jax.random.key(0)))
 
     def _specs(model, cfg, mesh):
-        return {_path_name(p): parallel.partition_spec(_path_name(p), x.shape, mesh, cfg)
-                for p, x in jax.tree_util.tree_leaves_with_path(model)}
+        return {
+            _path_name(p): parallel.partition_spec(_path_name(p), x.shape, mesh, cfg)
+            for p, x in jax.tree_util.tree_leaves_with_path(model)
+        }
 
     def test_expert_weights_split_over_expert_router_and_shared_expert_replicated():
         cfg, model = _moe_model(shared_expert_size=24)
-        assert {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)} <= set(LOGICAL_AXES)
+        assert {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)} <= set(
+            LOGICAL_AXES
+        )
         spec = _specs(model, cfg, _abstract(expert=2, fsdp=2, tensor=2))
         PS = jax.sharding.PartitionSpec
-        assert spec["layers.expert_gate"] == spec["layers.expert_up"] == PS(None, "expert", "fsdp", "tensor")
+        assert (
+            spec["layers.expert_gate"]
+            == spec["layers.expert_up"]
+            == PS(None, "expert", "fsdp", "tensor")
+        )
         assert spec["layers.expert_down"] == PS(None, "expert", "tensor", "fsdp")
         assert spec["layers.router"] == spec["layers.shared_router"] == PS(None, "fsdp", None)
         assert spec["layers.shared_gate"] == PS(None, "fsdp", "tensor")
@@ -442,8 +565,10 @@ else:
     @pytest.mark.parametrize("sizes", [dict(expert=3), dict(expert=16), dict(expert=3, data=2)])
     def test_expert_axis_that_does_not_divide_the_experts_names_the_parameter(sizes):
         cfg, model = _moe_model()
-        match = (rf"parameter layers.expert_gate \(2, 8, 32, 16\): dimension 1 \(experts, size 8\) does not split "
-                 rf"over mesh axis expert={sizes['expert']}")
+        match = (
+            rf"parameter layers.expert_gate \(2, 8, 32, 16\): dimension 1 \(experts, size 8\) does not split "
+            rf"over mesh axis expert={sizes['expert']}"
+        )
         with pytest.raises(ShardingError, match=match):
             _specs(model, cfg, _abstract(**sizes))
 
@@ -451,20 +576,32 @@ else:
         cfg, _ = _moe_model()
         with jax.sharding.use_abstract_mesh(_abstract(expert=2, fsdp=2, tensor=2)):
             layout = decode_layout(cfg)
-        assert layout.batch == ("expert", "fsdp") and layout.experts == "expert" and layout.expert_mlp == "tensor"
-        assert layout.spec("experts", None, "expert_mlp") == jax.sharding.PartitionSpec("expert", None, "tensor")
+        assert (
+            layout.batch == ("expert", "fsdp")
+            and layout.experts == "expert"
+            and layout.expert_mlp == "tensor"
+        )
+        assert layout.spec("experts", None, "expert_mlp") == jax.sharding.PartitionSpec(
+            "expert", None, "tensor"
+        )
 
     def _ffn_inputs(n=13, d=6, f=5, e=4, k=2):
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-        weights, experts, _ = moe.route(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, normalize=True)
-        w = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+        weights, experts, _ = moe.route(
+            jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, normalize=True
+        )
+        w = [
+            jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))
+        ]
         return x, experts, weights, w
 
     def test_without_an_expert_axis_it_is_sparse_ffn():
         x, experts, weights, w = _ffn_inputs()
-        mine, ref = (str(jax.make_jaxpr(lambda *a, f=f: f(*a, jax.nn.silu))(x, experts, weights, *w))
-                     for f in (experts_ffn, moe.sparse_ffn))
+        mine, ref = (
+            str(jax.make_jaxpr(lambda *a, f=f: f(*a, jax.nn.silu))(x, experts, weights, *w))
+            for f in (experts_ffn, moe.sparse_ffn)
+        )
         assert mine == ref
 
     @pytest.mark.parametrize("backend", ["cpu", "tpu"])  # "tpu": the ragged_dot path, traced here
@@ -476,7 +613,9 @@ else:
         local = experts < 2
         want = moe.sparse_ffn(x, experts, jnp.where(local, weights, 0.0), wg, wu, wd, jax.nn.silu)
         with target_backend(backend):
-            got = local_sparse_ffn(x, jnp.where(local, experts, 2), weights, wg[:2], wu[:2], wd[:2], jax.nn.silu)
+            got = local_sparse_ffn(
+                x, jnp.where(local, experts, 2), weights, wg[:2], wu[:2], wd[:2], jax.nn.silu
+            )
             sizes = jnp.asarray([3, 2])
             y, vjp = jax.vjp(lambda a: moe.grouped_matmul(a, wg[:2], sizes), x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

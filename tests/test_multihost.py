@@ -2,7 +2,8 @@
 ``relax.parallel.distributed.initialize`` over a loopback coordinator run one GRPO iteration on the global
 ``fsdp=2,tensor=2`` mesh (parameters sharded ACROSS the processes, gloo collectives), each
 feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
-their metrics and tokens must match a single-process run of the same global batch. Both processes also save and restore a checkpoint collectively.
+their metrics and tokens must match a single-process run of the same global batch. Both processes
+also save and restore a checkpoint collectively.
 Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
 """
@@ -39,7 +40,9 @@ def process_worker(pid: int, n: int, port: int, out: str, ckpt: str) -> None:
     from relax.train.logs import is_main_process
 
     distributed.initialize(f"127.0.0.1:{port}", n, pid, timeout_s=60)
-    assert jax.process_count() == n and jax.device_count() == 2 * n and jax.local_device_count() == 2
+    assert (
+        jax.process_count() == n and jax.device_count() == 2 * n and jax.local_device_count() == 2
+    )
     rows = tp.PROMPTS // n
     result = tp.run_case(GLOBAL_MESH, rows=slice(pid * rows, (pid + 1) * rows), checkpoint_dir=ckpt)
     result.update(process_index=jax.process_index(), main=is_main_process())
@@ -59,8 +62,14 @@ if __name__ != "__main__":
 
     def _spawn(args, devices=1):
         env = tp.worker_env(devices)
-        return subprocess.Popen([sys.executable, str(HERE), *args], env=env, cwd=tp.ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(HERE), *args],
+            env=env,
+            cwd=tp.ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def _finish(procs, timeout):
         outputs, deadline = [], time.monotonic() + timeout
@@ -78,29 +87,46 @@ if __name__ != "__main__":
     def test_two_processes_match_a_single_process_run(tmp_path):
         port = free_port()
         files = [tmp_path / f"proc{i}.json" for i in range(2)]
-        procs = [_spawn(["process", str(i), "2", str(port), str(files[i]), str(tmp_path / "ckpt")]) for i in range(2)]
+        procs = [
+            _spawn(["process", str(i), "2", str(port), str(files[i]), str(tmp_path / "ckpt")])
+            for i in range(2)
+        ]
         procs.append(_spawn(["single", str(tmp_path / "single.json")]))
         outputs = _finish(procs, TIMEOUT_S)
         for p, out in zip(procs, outputs):
             assert p.returncode == 0, out[-6000:]
         parts = [json.loads(f.read_text()) for f in files]
         single = json.loads((tmp_path / "single.json").read_text())
-        assert [p["process_index"] for p in parts] == [0, 1] and [p["main"] for p in parts] == [True, False]
+        assert [p["process_index"] for p in parts] == [0, 1] and [p["main"] for p in parts] == [
+            True,
+            False,
+        ]
         # each process sampled its own half of the prompts; together they are the global batch
         for i in range(tp.ITERATIONS):
             assert parts[0]["tokens"][i] + parts[1]["tokens"][i] == single["tokens"][i], i
             for part in parts:  # metrics are global (replicated): the same on both processes
                 for k, want in single["metrics"][i].items():
-                    np.testing.assert_allclose(part["metrics"][i][k], want, rtol=tp.RTOL, atol=tp.ATOL,
-                                               err_msg=f"iteration {i}: {k}")
+                    np.testing.assert_allclose(
+                        part["metrics"][i][k],
+                        want,
+                        rtol=tp.RTOL,
+                        atol=tp.ATOL,
+                        err_msg=f"iteration {i}: {k}",
+                    )
         for part in parts:
-            assert part["checkpoint_roundtrip"] and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
+            assert (
+                part["checkpoint_roundtrip"]
+                and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
+            )
 
     def test_unreachable_coordinator_fails_after_the_timeout_naming_it():
         port = free_port()  # nothing listens there
         t0 = time.monotonic()
-        with pytest.raises(distributed.CoordinatorError, match=rf"process 1: cannot reach the jax.distributed "
-                                                              rf"coordinator at 127.0.0.1:{port} within 2s"):
+        with pytest.raises(
+            distributed.CoordinatorError,
+            match=rf"process 1: cannot reach the jax.distributed "
+            rf"coordinator at 127.0.0.1:{port} within 2s",
+        ):
             distributed.initialize(f"127.0.0.1:{port}", 2, 1, timeout_s=2)
         assert time.monotonic() - t0 < 10
 
@@ -111,13 +137,18 @@ if __name__ != "__main__":
         (out,) = _finish([proc], 90)
         assert proc.returncode != 0, out[-3000:]
         assert time.monotonic() - t0 < 90
-        assert "relax: joining 2 processes through coordinator 127.0.0.1" in out and "DEADLINE_EXCEEDED" in out, out[-3000:]
+        assert (
+            "relax: joining 2 processes through coordinator 127.0.0.1" in out
+            and "DEADLINE_EXCEEDED" in out
+        ), out[-3000:]
 
     def test_incomplete_settings_name_what_is_missing(monkeypatch):
         monkeypatch.setenv("RELAX_COORDINATOR", "127.0.0.1:1234")
         monkeypatch.delenv("RELAX_NUM_PROCESSES", raising=False)
         monkeypatch.delenv("RELAX_PROCESS_ID", raising=False)
-        with pytest.raises(ValueError, match="coordinator 127.0.0.1:1234 given without num_processes/process_id"):
+        with pytest.raises(
+            ValueError, match="coordinator 127.0.0.1:1234 given without num_processes/process_id"
+        ):
             distributed.initialize()
         monkeypatch.setenv("RELAX_NUM_PROCESSES", "two")
         with pytest.raises(ValueError, match="RELAX_NUM_PROCESSES='two' is not an integer"):
@@ -139,6 +170,7 @@ if __name__ == "__main__":
         single_worker(args[0])
     elif mode == "alone":  # process 0 of 2 whose peer never comes
         from relax.parallel import distributed as d
+
         d.initialize(f"127.0.0.1:{args[0]}", 2, 0, timeout_s=3)
         print("initialised without its peer?!")
     else:

@@ -9,12 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_completion_packing import _update_data
+from test_parallel import _decode, fives
+from test_sft import _examples
+from test_train import CFG, _prompts
 
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.dpo import DPOConfig, make_dpo_step
-from relax.algorithms.kto import KTOConfig, make_kto_step
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
+from relax.algorithms.kto import KTOConfig, make_kto_step
+from relax.algorithms.online.batch import LossRows, step_input
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.algorithms.reward_model.config import RewardModelConfig
@@ -22,20 +27,21 @@ from relax.algorithms.reward_model.step import make_reward_model_step
 from relax.algorithms.sft import SFTConfig, make_sft_step, sft_batch
 from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.models import hidden_states, init
-from relax.models.heads.critic import init_value_head
 from relax.models.decoder.logprobs import token_logprobs
 from relax.models.forward.prefix_shared import completion_logprobs
+from relax.models.heads.critic import init_value_head
 from relax.models.heads.reward_model import init_reward_model
 from relax.objectives.registry import POLICY_LOSSES
 from relax.passes import Passes
-from relax.algorithms.online.batch import LossRows, step_input
-from relax.serve.objectives import OBJECTIVES, ValueRows, forward_backward, make_forward_backward, optim_step
+from relax.serve.objectives import (
+    OBJECTIVES,
+    ValueRows,
+    forward_backward,
+    make_forward_backward,
+    optim_step,
+)
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state
-from test_completion_packing import _update_data
-from test_parallel import _decode, fives
-from test_sft import _examples
-from test_train import CFG, _prompts
 
 # eps=1: Adam's first step ~ lr * g, so equal weights mean equal gradients, not equal signs
 OPT = OptimizerConfig(learning_rate=0.05, eps=1.0, max_grad_norm=None)
@@ -49,11 +55,15 @@ def _state(model, **kw):
     return init_state(_copy(model), OPT.make(), key=jax.random.key(1), **kw)
 
 
-def _same_metrics(got: dict, want: dict, *, skip=("grad_norm", "first_nonfinite_grad"), rtol=2e-5, atol=1e-6):
+def _same_metrics(
+    got: dict, want: dict, *, skip=("grad_norm", "first_nonfinite_grad"), rtol=2e-5, atol=1e-6
+):
     common = set(got) & set(want) - set(skip)
     assert "loss" in common and len(common) >= 3, (sorted(got), sorted(want))
     for k in sorted(common):
-        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=rtol, atol=atol, err_msg=k)
+        np.testing.assert_allclose(
+            np.asarray(got[k]), np.asarray(want[k]), rtol=rtol, atol=atol, err_msg=k
+        )
 
 
 def _rows(model):
@@ -69,8 +79,10 @@ POLICY_NAMES = sorted(POLICY_LOSSES)
 FAST_POLICY = ("importance_sampling",)  # the rest: make test-all
 
 
-@pytest.mark.parametrize("name", [n if n in FAST_POLICY else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in POLICY_NAMES])
+@pytest.mark.parametrize(
+    "name",
+    [n if n in FAST_POLICY else pytest.param(n, marks=pytest.mark.slow) for n in POLICY_NAMES],
+)
 def test_policy_objectives_equal_grpos_update(name):
     """Each registry name over ``LossRows`` with a KL to the reference and an entropy bonus: the
     metrics and the updated weights of GRPO's update (one micro-batch, one optimizer step)."""
@@ -79,10 +91,13 @@ def test_policy_objectives_equal_grpos_update(name):
     kw = dict(loss_type="seq-mean-token-sum", beta=0.04, entropy_coef=0.01)
     cfg = configure(GRPOConfig, policy_loss=name, grad_accum=1, optimizer=OPT, **kw)
     opt = OPT.make()
-    policy, _, want = jax.jit(make_grpo_update(cfg, opt, Passes()))(_copy(model), opt.init(model), data,
-                                                                    jax.random.key(0))
+    policy, _, want = jax.jit(make_grpo_update(cfg, opt, Passes()))(
+        _copy(model), opt.init(model), data, jax.random.key(0)
+    )
     state = _state(model)
-    grads, got = make_forward_backward(name, passes=Passes(), **kw)(state, data)  # the update's pass layout
+    grads, got = make_forward_backward(name, passes=Passes(), **kw)(
+        state, data
+    )  # the update's pass layout
     assert grads.critic is None
     _same_metrics(got, want)
     chex.assert_trees_all_close(optim_step(state, grads).policy, policy, atol=1e-6)
@@ -100,7 +115,9 @@ def test_importance_sampling_against_numpy():
     ratio = np.exp(logp - np.asarray(data.old_logprobs, np.float64))
     m = np.asarray(data.loss_mask) > 0
     per_token = -np.minimum(ratio, 1.5) * np.asarray(data.advantages)[..., None]
-    _, metrics = forward_backward(_state(model), data, "importance_sampling", cap=1.5, loss_type="token-mean")
+    _, metrics = forward_backward(
+        _state(model), data, "importance_sampling", cap=1.5, loss_type="token-mean"
+    )
     np.testing.assert_allclose(float(metrics["loss"]), per_token[m].mean(), rtol=1e-5)
 
 
@@ -120,7 +137,9 @@ def test_causal_lm_equals_the_sft_step_and_numpy():
         for k in set(seg[r][seg[r] > 0].tolist()):
             where = np.flatnonzero(seg[r] == k)
             x = jnp.asarray(ids[r, where])[None]
-            lp = np.asarray(token_logprobs(model, x, jnp.ones_like(x)))[0]  # lp[t] predicts x[t + 1]
+            lp = np.asarray(token_logprobs(model, x, jnp.ones_like(x)))[
+                0
+            ]  # lp[t] predicts x[t + 1]
             nll += [-lp[t - 1] for t in range(1, len(where)) if lm[r, where[t]]]
     np.testing.assert_allclose(float(got["nll"]), np.mean(nll), rtol=1e-5)
 
@@ -133,17 +152,31 @@ def _pairs(seed=0, p=4, lp=6, n=5, reference=True):
     mask[0, 1, 3:] = 0
     mask[2, 0, 2:] = 0
     ref = (-8.0 + rng.standard_normal((p, 2))).astype(np.float32)
-    return PairBatch(prompt_ids=ids, prompt_mask=pm, tokens=tokens, mask=mask, loss_mask=np.ones(p, np.int32),
-                     ref_logps=ref if reference else None, margin=rng.random(p).astype(np.float32))
+    return PairBatch(
+        prompt_ids=ids,
+        prompt_mask=pm,
+        tokens=tokens,
+        mask=mask,
+        loss_mask=np.ones(p, np.int32),
+        ref_logps=ref if reference else None,
+        margin=rng.random(p).astype(np.float32),
+    )
 
 
-@pytest.mark.parametrize("name", ["dpo", *(pytest.param(n, marks=pytest.mark.slow) for n in ("ipo", "simpo", "orpo"))])
+@pytest.mark.parametrize(
+    "name", ["dpo", *(pytest.param(n, marks=pytest.mark.slow) for n in ("ipo", "simpo", "orpo"))]
+)
 def test_dpo_family_equals_the_dpo_step(name):
     model = init(CFG, jax.random.key(0), std=0.3)
     batch = _pairs()
     loss_type = "sigmoid" if name == "dpo" else name
-    cfg = DPOConfig(loss_type=loss_type, beta=0.2, precompute_reference=loss_type not in ("simpo", "orpo"),
-                    grad_accum=1, optimizer=OPT)
+    cfg = DPOConfig(
+        loss_type=loss_type,
+        beta=0.2,
+        precompute_reference=loss_type not in ("simpo", "orpo"),
+        grad_accum=1,
+        optimizer=OPT,
+    )
     trained, out = make_dpo_step(cfg)(_state(model), batch)
     state = _state(model)
     grads, got = make_forward_backward(name, beta=0.2)(state, jax.tree.map(jnp.asarray, batch))
@@ -158,14 +191,24 @@ def test_kto_equals_the_kto_step():
     model = init(CFG, jax.random.key(0), std=0.3)
     b = _pairs()
     rng = np.random.default_rng(3)
-    batch = UnpairedBatch(prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
-                          label=np.array([1, 0, 1, 0], np.int32), loss_mask=b.loss_mask,
-                          ref_logps=(-20.0 + rng.standard_normal((4, 2))).astype(np.float32))
-    cfg = KTOConfig(beta=0.5, desirable_weight=1.2, precompute_reference=True, grad_accum=1, optimizer=OPT)
+    batch = UnpairedBatch(
+        prompt_ids=b.prompt_ids,
+        prompt_mask=b.prompt_mask,
+        tokens=b.tokens,
+        mask=b.mask,
+        label=np.array([1, 0, 1, 0], np.int32),
+        loss_mask=b.loss_mask,
+        ref_logps=(-20.0 + rng.standard_normal((4, 2))).astype(np.float32),
+    )
+    cfg = KTOConfig(
+        beta=0.5, desirable_weight=1.2, precompute_reference=True, grad_accum=1, optimizer=OPT
+    )
     trained, out = make_kto_step(cfg)(_state(model), batch)
     assert float(out.metrics["kl"]) > 0  # z0 not clamped
     state = _state(model)
-    grads, got = make_forward_backward("kto", beta=0.5, desirable_weight=1.2)(state, jax.tree.map(jnp.asarray, batch))
+    grads, got = make_forward_backward("kto", beta=0.5, desirable_weight=1.2)(
+        state, jax.tree.map(jnp.asarray, batch)
+    )
     _same_metrics(got, out.metrics)
     chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
 
@@ -177,7 +220,8 @@ def test_reward_modeling_equals_the_reward_model_step():
     trained, out = make_reward_model_step(cfg, Passes())(_state(rm), batch)
     state = _state(rm)
     grads, got = make_forward_backward("reward_modeling", center_rewards_coefficient=0.01)(
-        state, jax.tree.map(jnp.asarray, batch))
+        state, jax.tree.map(jnp.asarray, batch)
+    )
     _same_metrics(got, out.metrics)
     chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
 
@@ -188,11 +232,25 @@ def test_ppo_with_a_value_head_equals_the_ppo_step():
     advantages, returns and values; its metrics and the updated policy and head are the step's;
     the returns against a NumPy GAE over the plain forward's values."""
     kw = dict(kl_coef=0.05, vf_coef=0.5, gamma=0.9, lam=0.8, entropy_coef=0.01)
-    cfg = configure(PPOConfig, num_generations=4, max_new_tokens=6, critic="shared", grad_accum=1, optimizer=OPT,
-                    critic_optimizer=OPT, **kw)
+    cfg = configure(
+        PPOConfig,
+        num_generations=4,
+        max_new_tokens=6,
+        critic="shared",
+        grad_accum=1,
+        optimizer=OPT,
+        critic_optimizer=OPT,
+        **kw,
+    )
     policy = init(CFG, jax.random.key(0), std=0.3)
-    state = init_state(policy, OPT.make(), key=jax.random.key(1), with_reference=True,
-                       critic=init_value_head(CFG, 0.5, key=jax.random.key(5)), critic_optimizer=OPT.make())
+    state = init_state(
+        policy,
+        OPT.make(),
+        key=jax.random.key(1),
+        with_reference=True,
+        critic=init_value_head(CFG, 0.5, key=jax.random.key(5)),
+        critic_optimizer=OPT.make(),
+    )
     step = make_ppo_step(cfg, [fives], _decode, eos_ids=(3,), pad_id=0)
     ids, pm = _prompts(4, 6, [6, 2, 4, 5])
     batch = step_input(ids, pm, ["a", "b", "c", "d"], {"weight": [1.0] * 4})
@@ -200,9 +258,16 @@ def test_ppo_with_a_value_head_equals_the_ppo_step():
     before = _copy(state)
     after, out = step(state, batch)
     b = out.device.batch
-    rows = ValueRows(prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
-                     old_logprobs=b.old_logprobs, loss_mask=b.loss_mask, rewards=b.rewards,
-                     ref_logprobs=b.ref_logprobs)
+    rows = ValueRows(
+        prompt_ids=b.prompt_ids,
+        prompt_mask=b.prompt_mask,
+        tokens=b.tokens,
+        mask=b.mask,
+        old_logprobs=b.old_logprobs,
+        loss_mask=b.loss_mask,
+        rewards=b.rewards,
+        ref_logprobs=b.ref_logprobs,
+    )
     grads, got = make_forward_backward("ppo", **kw)(before, rows)
     assert grads.critic is not None
     _same_metrics(got, out.device.metrics, rtol=1e-4, atol=1e-5)
@@ -212,7 +277,7 @@ def test_ppo_with_a_value_head_equals_the_ppo_step():
     p, g, n = b.tokens.shape
     full = jnp.concatenate([jnp.repeat(b.prompt_ids, g, 0), b.tokens.reshape(p * g, n)], 1)
     fmask = jnp.concatenate([jnp.repeat(b.prompt_mask, g, 0), b.mask.reshape(p * g, n)], 1)
-    h = np.asarray(hidden_states(before.policy, full, fmask)[:, -n - 1:-1], np.float64)
+    h = np.asarray(hidden_states(before.policy, full, fmask)[:, -n - 1 : -1], np.float64)
     v = h @ np.asarray(before.critic.head, np.float64) + float(before.critic.bias)
     m = np.asarray(b.loss_mask).reshape(p * g, n) > 0
     kl = (np.asarray(b.old_logprobs) - np.asarray(b.ref_logprobs)).reshape(p * g, n)  # k1
@@ -243,7 +308,18 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="ref_logps"):
         forward_backward(state, _pairs(reference=False), "dpo")
     with pytest.raises(ValueError, match="ValueHead"):
-        forward_backward(state, ValueRows(data.prompt_ids, data.prompt_mask, data.tokens, data.mask,
-                                          data.old_logprobs), "ppo")
-    assert set(POLICY_LOSSES) | {"causal_lm", "dpo", "ipo", "simpo", "orpo", "kto", "reward_modeling"} == set(OBJECTIVES)
+        forward_backward(
+            state,
+            ValueRows(data.prompt_ids, data.prompt_mask, data.tokens, data.mask, data.old_logprobs),
+            "ppo",
+        )
+    assert set(POLICY_LOSSES) | {
+        "causal_lm",
+        "dpo",
+        "ipo",
+        "simpo",
+        "orpo",
+        "kto",
+        "reward_modeling",
+    } == set(OBJECTIVES)
     assert isinstance(data, LossRows)

@@ -24,8 +24,11 @@ def _numpy_weights(prox, behaviour, mask, cfg: OffPolicyConfig):
         log_rho = np.broadcast_to(log_rho.sum(-1, keepdims=True), mask.shape)
     rho = np.exp(log_rho)
     lower = 1.0 / cfg.cap if cfg.lower is None else cfg.lower
-    w = {"decoupled": rho, "tis": np.minimum(rho, cfg.cap),
-         "mis": np.where((rho < lower) | (rho > cfg.cap), 0.0, rho)}[cfg.kind]
+    w = {
+        "decoupled": rho,
+        "tis": np.minimum(rho, cfg.cap),
+        "mis": np.where((rho < lower) | (rho > cfg.cap), 0.0, rho),
+    }[cfg.kind]
     return np.where(mask, w, 0.0), rho
 
 
@@ -38,20 +41,32 @@ def test_weights_match_numpy(kind, level):
     want, rho = _numpy_weights(prox, behaviour, mask, cfg)
     np.testing.assert_allclose(np.asarray(w), want, rtol=1e-5, atol=1e-7)
     valid = rho[mask]
-    np.testing.assert_allclose([float(metrics[k]) for k in ("is_weight_mean", "is_weight_min", "is_weight_max")],
-                               [valid.mean(), valid.min(), valid.max()], rtol=1e-5)
+    np.testing.assert_allclose(
+        [float(metrics[k]) for k in ("is_weight_mean", "is_weight_min", "is_weight_max")],
+        [valid.mean(), valid.min(), valid.max()],
+        rtol=1e-5,
+    )
     truncated = (valid > 1.5).mean() if kind == "tis" else 0.0
     masked = ((valid > 1.5) | (valid < 0.6)).mean() if kind == "mis" else 0.0
-    np.testing.assert_allclose([float(metrics["is_truncated_frac"]), float(metrics["is_masked_frac"])],
-                               [truncated, masked], atol=1e-6)
-    np.testing.assert_allclose(float(metrics["behaviour_kl"]), (behaviour - prox)[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(
+        [float(metrics["is_truncated_frac"]), float(metrics["is_masked_frac"])],
+        [truncated, masked],
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        float(metrics["behaviour_kl"]), (behaviour - prox)[mask].mean(), rtol=1e-5
+    )
 
 
 def test_hand_computed_token_weights():
     prox = np.log(np.array([[3.0, 1.0, 0.25]], np.float32))
     behaviour = np.zeros_like(prox)
     mask = np.ones_like(prox, bool)
-    for kind, want in [("decoupled", [3.0, 1.0, 0.25]), ("tis", [2.0, 1.0, 0.25]), ("mis", [0.0, 1.0, 0.0])]:
+    for kind, want in [
+        ("decoupled", [3.0, 1.0, 0.25]),
+        ("tis", [2.0, 1.0, 0.25]),
+        ("mis", [0.0, 1.0, 0.0]),
+    ]:
         w, _ = behaviour_weights(prox, behaviour, mask, OffPolicyConfig(kind=kind, cap=2.0))
         np.testing.assert_allclose(np.asarray(w)[0], want, rtol=1e-6)  # mis: lower = 1/cap = 0.5
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import load_example
 
 from relax.algorithms.offline.run import batch_iterator
 from relax.models.hf.checkpoint import save_pretrained
 from relax.tasks import reverse
-from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = reverse.ReverseTask(num_train=1000, num_eval=64)
@@ -23,7 +23,9 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("offline")
     train, _ = reverse.make_splits(TASK)
     tokenizer = reverse.build_tokenizer(TASK, d)
-    model = reverse.train_base_model(TASK, tokenizer, train, key=jax.random.key(0), log=lambda *a: None)
+    model = reverse.train_base_model(
+        TASK, tokenizer, train, key=jax.random.key(0), log=lambda *a: None
+    )
     save_pretrained(model, d / "model")
     tokenizer.save_pretrained(d / "model")
     return d
@@ -49,13 +51,30 @@ def test_batch_iterator_resumes_exactly():
 @pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
     run_dir = tmp_path / "run"
-    summary = load_example("reward_model").main([
-        *data(base, reverse.preference_rows, "pairs"), "--run-dir", str(run_dir), "--steps", "30",
-        "--batch-size", "16", "--max-prompt-tokens", "16", "--max-completion-tokens", "8",
-        "--reward-model.optimizer.learning-rate", "1e-3", "--checkpoint-every", "15"])
+    summary = load_example("reward_model").main(
+        [
+            *data(base, reverse.preference_rows, "pairs"),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "30",
+            "--batch-size",
+            "16",
+            "--max-prompt-tokens",
+            "16",
+            "--max-completion-tokens",
+            "8",
+            "--reward-model.optimizer.learning-rate",
+            "1e-3",
+            "--checkpoint-every",
+            "15",
+        ]
+    )
     assert summary["after"]["pair_accuracy"] > summary["before"]["pair_accuracy"] + 0.2, summary
     assert json.loads((run_dir / "summary.json").read_text())["after"] == summary["after"]
-    report = (run_dir / "startup.txt").read_text()  # the start-up report, as every trainer writes it
+    report = (
+        run_dir / "startup.txt"
+    ).read_text()  # the start-up report, as every trainer writes it
     assert "--max-completion-tokens 8 (default 256)" in report and "== first training row" in report
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 30
     config = json.loads((run_dir / "final_hf" / "config.json").read_text())
@@ -65,9 +84,22 @@ def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
 def test_sft_learns_and_resumes_exactly(base, tmp_path):
     """Packed SFT on the right answers: held-out greedy accuracy rises; 4 steps straight equal
     2 steps + --resume to 4 bit for bit (data position included)."""
-    args = [*data(base, reverse.sft_rows, "sft"), "--sft.max-length", "32", "--batch-size", "8",
-            "--sft.optimizer.learning-rate", "1e-3", "--checkpoint-every", "2", "--eval-max-examples", "64"]
-    summary = load_example("sft").main([*args, "--run-dir", str(tmp_path / "long"), "--steps", "30"])
+    args = [
+        *data(base, reverse.sft_rows, "sft"),
+        "--sft.max-length",
+        "32",
+        "--batch-size",
+        "8",
+        "--sft.optimizer.learning-rate",
+        "1e-3",
+        "--checkpoint-every",
+        "2",
+        "--eval-max-examples",
+        "64",
+    ]
+    summary = load_example("sft").main(
+        [*args, "--run-dir", str(tmp_path / "long"), "--steps", "30"]
+    )
     assert summary["after"]["greedy/accuracy"] > summary["before"]["greedy/accuracy"] + 0.2, summary
     assert summary["after"]["nll"] < summary["before"]["nll"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -84,37 +116,82 @@ def test_distillation_brings_a_fresh_student_to_its_teacher(base, tmp_path):
     from relax.models import ModelConfig, init
     from relax.models.hf.checkpoint import load_pretrained
     from relax.text import load_tokenizer
+
     teacher = load_pretrained(base / "model")
     c = teacher.config
-    student = init(ModelConfig(**{**c.__dict__, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}),
-                   jax.random.key(5), std=0.05)
+    student = init(
+        ModelConfig(**{**c.__dict__, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}),
+        jax.random.key(5),
+        std=0.05,
+    )
     save_pretrained(student, base / "student")
     load_tokenizer(base / "model").save_pretrained(base / "student")
-    args = data(base, lambda rs: [{k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_rows(rs, 0)],
-                "distill")
+    args = data(
+        base,
+        lambda rs: [
+            {k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_rows(rs, 0)
+        ],
+        "distill",
+    )
     args[1] = str(base / "student")
-    summary = load_example("distill").main([*args, "--teacher", str(base / "model"), "--run-dir", str(tmp_path),
-                                       "--steps", "40", "--max-prompt-tokens", "16", "--max-completion-tokens", "8",
-                                       "--distill.optimizer.learning-rate", "3e-3"])
+    summary = load_example("distill").main(
+        [
+            *args,
+            "--teacher",
+            str(base / "model"),
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "40",
+            "--max-prompt-tokens",
+            "16",
+            "--max-completion-tokens",
+            "8",
+            "--distill.optimizer.learning-rate",
+            "3e-3",
+        ]
+    )
     assert summary["after"]["kl_to_teacher"] < 0.6 * summary["before"]["kl_to_teacher"], summary
     assert summary["after"]["top1_accuracy"] > summary["before"]["top1_accuracy"] + 0.2
 
 
 def train_lines(run_dir: Path) -> dict:
     lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {l["step"]: {k: v for k, v in l.items() if k not in ("time", "tokens_per_s", "compiles")
-                        and not k.startswith("time/")} for l in lines if "loss" in l}
+    return {
+        l["step"]: {
+            k: v
+            for k, v in l.items()
+            if k not in ("time", "tokens_per_s", "compiles") and not k.startswith("time/")
+        }
+        for l in lines
+        if "loss" in l
+    }
 
 
-@pytest.mark.parametrize("name, loss_type, lr", [("dpo", "sigmoid", "5e-5"),
-                                                  pytest.param("orpo", "orpo", "3e-4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name, loss_type, lr",
+    [("dpo", "sigmoid", "5e-5"), pytest.param("orpo", "orpo", "3e-4", marks=pytest.mark.slow)],
+)
 def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, loss_type, lr):
     """DPO and ORPO on pairs (reverse chosen, copy rejected): held-out preference accuracy and the
     win rate of the chosen behaviour (greedy completion == chosen) both rise."""
-    summary = load_example(name).main([
-        *data(base, reverse.preference_rows, "pairs"), "--run-dir", str(tmp_path), "--steps", "60",
-        "--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "8", "--eval-max-examples", "64",
-        "--dpo.optimizer.learning-rate", lr])
+    summary = load_example(name).main(
+        [
+            *data(base, reverse.preference_rows, "pairs"),
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "60",
+            "--dpo.max-prompt-tokens",
+            "16",
+            "--dpo.max-completion-tokens",
+            "8",
+            "--eval-max-examples",
+            "64",
+            "--dpo.optimizer.learning-rate",
+            lr,
+        ]
+    )
     before, after = summary["before"], summary["after"]
     assert after["preference_accuracy"] > before["preference_accuracy"] + 0.5, summary
     assert after["win_rate"] > before["win_rate"] + 0.2, summary
@@ -124,10 +201,23 @@ def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, lo
 def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_path):
     """--dpo.precompute-reference: reference log-probs computed once, cached beside the data (the
     second run loads them), and the run logs the same metrics as with the reference model."""
-    args = [*data(base, reverse.preference_rows, "pairs-cached"), "--steps", "3", "--dpo.max-prompt-tokens", "16",
-            "--dpo.max-completion-tokens", "8", "--eval-max-examples", "16", "--dpo.optimizer.learning-rate", "5e-5"]
+    args = [
+        *data(base, reverse.preference_rows, "pairs-cached"),
+        "--steps",
+        "3",
+        "--dpo.max-prompt-tokens",
+        "16",
+        "--dpo.max-completion-tokens",
+        "8",
+        "--eval-max-examples",
+        "16",
+        "--dpo.optimizer.learning-rate",
+        "5e-5",
+    ]
     load_example("dpo").main([*args, "--run-dir", str(tmp_path / "model")])
-    load_example("dpo").main([*args, "--run-dir", str(tmp_path / "cached"), "--dpo.precompute-reference"])
+    load_example("dpo").main(
+        [*args, "--run-dir", str(tmp_path / "cached"), "--dpo.precompute-reference"]
+    )
     assert list((base / "pairs-cached").glob("*.safetensors"))  # the cache beside the data
     a, b = train_lines(tmp_path / "model"), train_lines(tmp_path / "cached")
     for s in (1, 2, 3):
@@ -137,37 +227,81 @@ def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_
 
 @pytest.mark.slow  # make test-all; the capability keeps a faster test
 def test_kto_learns_from_unpaired_feedback(base, tmp_path):
-    summary = load_example("kto").main([
-        *data(base, lambda rs: reverse.unpaired_rows(rs, 0), "unpaired"), "--run-dir", str(tmp_path),
-        "--steps", "30", "--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "8",
-        "--eval-max-examples", "64", "--kto.optimizer.learning-rate", "5e-5"])
+    summary = load_example("kto").main(
+        [
+            *data(base, lambda rs: reverse.unpaired_rows(rs, 0), "unpaired"),
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "30",
+            "--kto.max-prompt-tokens",
+            "16",
+            "--kto.max-completion-tokens",
+            "8",
+            "--eval-max-examples",
+            "64",
+            "--kto.optimizer.learning-rate",
+            "5e-5",
+        ]
+    )
     assert summary["after"]["rewards/margins"] > summary["before"]["rewards/margins"] + 0.2, summary
     assert summary["after"]["win_rate"] > summary["before"]["win_rate"] + 0.2, summary
 
 
 def test_a_run_without_held_out_rows_trains_and_evaluates_nothing(base, tmp_path):
     train, _ = reverse.write_task_data(TASK, base / "no-eval", reverse.preference_rows)
-    summary = load_example("dpo").main(["--model", str(base / "model"), "--data", train, "--eval-fraction", "0",
-                                   "--run-dir", str(tmp_path), "--steps", "2", "--dpo.max-prompt-tokens", "16",
-                                   "--dpo.max-completion-tokens", "8"])
+    summary = load_example("dpo").main(
+        [
+            "--model",
+            str(base / "model"),
+            "--data",
+            train,
+            "--eval-fraction",
+            "0",
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "2",
+            "--dpo.max-prompt-tokens",
+            "16",
+            "--dpo.max-completion-tokens",
+            "8",
+        ]
+    )
     assert summary["before"] == {} and summary["after"] == {} and summary["steps"] == 2
 
 
-@pytest.mark.slow  # LoRA's pieces (adapters-only training and checkpoints, the base as reference) have fast tests in test_lora.py
+@pytest.mark.slow  # LoRA's pieces (adapters-only training and checkpoints, the base as reference) have fast tests in test_lora.py  # noqa: E501
 def test_lora_dpo_learns_against_the_base_and_resumes_exactly(base, tmp_path):
     """DPO with --lora.rank: only adapters train (the reference is the base, no copy); the export
     is the merged model plus a PEFT adapter that gives the same logits on the base; 4 steps
     straight equal 2 steps + --resume to 4 (checkpoints hold the adapters only)."""
     import numpy as np
 
-    from relax.models.hf.checkpoint import load_pretrained
     from relax.models.adapters.peft import load_adapter
+    from relax.models.hf.checkpoint import load_pretrained
 
-    args = [*data(base, reverse.preference_rows, "pairs"), "--dpo.max-prompt-tokens", "16",
-            "--dpo.max-completion-tokens", "8", "--eval-max-examples", "64", "--lora.rank", "8",
-            "--dpo.optimizer.learning-rate", "1e-3", "--checkpoint-every", "2"]
-    summary = load_example("dpo").main([*args, "--run-dir", str(tmp_path / "long"), "--steps", "40"])
-    assert summary["after"]["preference_accuracy"] > summary["before"]["preference_accuracy"] + 0.5, summary
+    args = [
+        *data(base, reverse.preference_rows, "pairs"),
+        "--dpo.max-prompt-tokens",
+        "16",
+        "--dpo.max-completion-tokens",
+        "8",
+        "--eval-max-examples",
+        "64",
+        "--lora.rank",
+        "8",
+        "--dpo.optimizer.learning-rate",
+        "1e-3",
+        "--checkpoint-every",
+        "2",
+    ]
+    summary = load_example("dpo").main(
+        [*args, "--run-dir", str(tmp_path / "long"), "--steps", "40"]
+    )
+    assert (
+        summary["after"]["preference_accuracy"] > summary["before"]["preference_accuracy"] + 0.5
+    ), summary
     assert summary["after"]["win_rate"] > summary["before"]["win_rate"] + 0.2, summary
     final = tmp_path / "long" / "final_hf"
     ids = np.arange(1, 13, dtype=np.int32).reshape(2, 6)

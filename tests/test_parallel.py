@@ -25,14 +25,30 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import FAST_COMPILE, use_compile_cache  # cheap XLA:CPU codegen; the suite's compile cache
+from conftest import (  # cheap XLA:CPU codegen; the suite's compile cache
+    FAST_COMPILE,
+    use_compile_cache,
+)
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-MODEL = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=8, max_position_embeddings=64, qkv_bias=True, qk_norm=True)
+MODEL = dict(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    qkv_bias=True,
+    qk_norm=True,
+)
 PROMPTS, PROMPT_LEN = 8, 8
-MESHES = ("data=8", "data=2,fsdp=2,tensor=2")  # pure data; all three axes (fsdp=8: the shard-shape test)
+MESHES = (
+    "data=8",
+    "data=2,fsdp=2,tensor=2",
+)  # pure data; all three axes (fsdp=8: the shard-shape test)
 RTOL, ATOL = 2e-5, 5e-6
 LEARNING_RATE = 1e-2
 WEIGHT_ATOL = 5e-3 * LEARNING_RATE  # after ITERATIONS Adam steps (module docstring)
@@ -56,8 +72,8 @@ def global_batch():
     ids = np.zeros((PROMPTS, PROMPT_LEN), np.int32)
     mask = np.zeros((PROMPTS, PROMPT_LEN), np.int32)
     for i, n in enumerate([8, 5, 3, 7, 2, 6, 4, 8]):
-        ids[i, PROMPT_LEN - n:] = rng.integers(1, MODEL["vocab_size"], n)
-        mask[i, PROMPT_LEN - n:] = 1
+        ids[i, PROMPT_LEN - n :] = rng.integers(1, MODEL["vocab_size"], n)
+        mask[i, PROMPT_LEN - n :] = 1
     return ids, mask
 
 
@@ -66,38 +82,62 @@ def local_batch(rows: slice = slice(None)):
 
     ids, mask = global_batch()
     weights = [1.0 + i / 8 for i in range(PROMPTS)]
-    return step_input(ids[rows], mask[rows], [f"p{i}" for i in range(PROMPTS)][rows], {"weight": weights[rows]})
+    return step_input(
+        ids[rows], mask[rows], [f"p{i}" for i in range(PROMPTS)][rows], {"weight": weights[rows]}
+    )
 
 
-def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(None), master_weights=False,
-             param_dtype=None, checkpoint_dir=None, beta=0.04, lora_rank=0, eos_ids=(), packing="auto"):
+def run_case(
+    mesh=None,
+    *,
+    sampler_devices=0,
+    iterations=ITERATIONS,
+    rows=slice(None),
+    master_weights=False,
+    param_dtype=None,
+    checkpoint_dir=None,
+    beta=0.04,
+    lora_rank=0,
+    eos_ids=(),
+    packing="auto",
+):
     """Iterations of the composed GRPO step (sharded when ``mesh``/``sampler_devices``); returns
     per-iteration metrics and this process's sampled tokens, and the compiles after iteration 1."""
     import jax
     import jax.numpy as jnp
 
-    from relax.parallel import distributed
     from relax import parallel
-    from relax.models import ModelConfig, init
     from relax.algorithms.grpo.config import preset
-    from relax.data.completion_layout import PackingConfig
-    from relax.train.optimizer import OptimizerConfig
     from relax.algorithms.grpo.step import make_grpo_step
+    from relax.data.completion_layout import PackingConfig
+    from relax.models import ModelConfig, init
+    from relax.parallel import distributed
     from relax.passes import choose_passes
+    from relax.train.optimizer import OptimizerConfig
     from relax.train.state import init_state
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, duration, **kw: (
+            compiles.append(event) if event.endswith("backend_compile_duration") else None
+        )
+    )
     policy = init(ModelConfig(**MODEL), jax.random.key(0), std=0.1)
     if param_dtype is not None:
         policy = jax.tree.map(lambda x: x.astype(param_dtype), policy)
     if lora_rank:
         from relax.models.adapters.operations import add_lora
         from relax.models.layers.lora import LoRAConfig
+
         policy = add_lora(policy, LoRAConfig(rank=lora_rank), jax.random.key(3))
-    cfg = preset("grpo", num_generations=4, max_new_tokens=6, beta=beta, packing=PackingConfig(packing, row_tokens=12),
-                 optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, master_weights=master_weights))
+    cfg = preset(
+        "grpo",
+        num_generations=4,
+        max_new_tokens=6,
+        beta=beta,
+        packing=PackingConfig(packing, row_tokens=12),
+        optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, master_weights=master_weights),
+    )
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=beta > 0)
     wq0 = np.asarray(policy.layers.wq).astype(np.float32)  # the step donates the state's buffers
@@ -116,8 +156,12 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
         out["metrics"].append({k: float(v) for k, v in batch.device.metrics.items()})
         out["tokens"].append(distributed.to_local(batch.device.batch.tokens).tolist())
         if jax.process_count() == 1:  # a few weights after every iteration
-            out["weights"].append({name: np.asarray(x, np.float32).tolist()
-                                   for name, x in (("wq", state.policy.layers.wq), ("embed", state.policy.embed))})
+            out["weights"].append(
+                {
+                    name: np.asarray(x, np.float32).tolist()
+                    for name, x in (("wq", state.policy.layers.wq), ("embed", state.policy.embed))
+                }
+            )
         if i > 0:
             out["compiles_after_first"] = len(compiles) - before
     out["policy_dtype"] = str(state.policy.layers.wq.dtype)
@@ -127,11 +171,17 @@ def run_case(mesh=None, *, sampler_devices=0, iterations=ITERATIONS, rows=slice(
         out["master_moved"] = bool(np.any(np.asarray(master.layers.wq) != wq0))
     if checkpoint_dir is not None:  # collective save + restore: every process calls both
         from relax.train.checkpoint import Checkpointer
+
         with Checkpointer(checkpoint_dir, async_save=False) as ck:
             ck.save(iterations, state, config={"mesh": mesh}, force=True)
             restored, _, _ = ck.restore(target=state)
-        same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)) if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
-                            else True, state, restored)
+        same = jax.tree.map(
+            lambda a, b: (
+                bool(jnp.all(a == b)) if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else True
+            ),
+            state,
+            restored,
+        )
         out["checkpoint_roundtrip"] = all(jax.tree.leaves(same))
         out["restored_sharding"] = str(restored.policy.layers.wq.sharding.spec)
     return out
@@ -148,6 +198,7 @@ def _shard_shapes(spec: str, lora: bool = False) -> dict:
     mesh = parallel.make_mesh(spec)
     from relax.models.adapters.operations import add_lora
     from relax.models.layers.lora import LoRAConfig
+
     policy = init(ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True}), jax.random.key(0))
     if lora:
         policy = add_lora(policy, LoRAConfig(rank=4), jax.random.key(1))
@@ -158,7 +209,10 @@ def _shard_shapes(spec: str, lora: bool = False) -> dict:
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
-        shapes[jax.tree_util.keystr(path)] = [list(x.shape), list(x.addressable_shards[0].data.shape)]
+        shapes[jax.tree_util.keystr(path)] = [
+            list(x.shape),
+            list(x.addressable_shards[0].data.shape),
+        ]
     return shapes
 
 
@@ -169,11 +223,23 @@ def make_cli_setup(d: Path) -> None:
     from relax.models import ModelConfig, init
     from relax.models.hf.checkpoint import save_pretrained
     from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
+
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdef"), rng.integers(2, 5))) for _ in range(48)]
-    tok = Tokenizer(train_sentencepiece([w + "=" for w in words], d / "tok", vocab_size=12, model_type="char"))
-    cfg = ModelConfig(**{**MODEL, "qkv_bias": False, "qk_norm": False, "vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id,
-                         "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id})
+    tok = Tokenizer(
+        train_sentencepiece([w + "=" for w in words], d / "tok", vocab_size=12, model_type="char")
+    )
+    cfg = ModelConfig(
+        **{
+            **MODEL,
+            "qkv_bias": False,
+            "qk_norm": False,
+            "vocab_size": tok.vocab_size,
+            "eos_token_id": tok.eos_id,
+            "bos_token_id": tok.bos_id,
+            "pad_token_id": tok.pad_id,
+        }
+    )
     save_pretrained(init(cfg, jax.random.key(0), std=0.1), d / "model")
     rows = [{"prompt": w + "=", "answer": w[::-1]} for w in words]
     (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
@@ -185,22 +251,66 @@ def cli_run(d: Path, algorithm: str = "grpo") -> dict:
     meshes; GRPO pipelined (``--async.staleness 1``: the rollout of batch 2 on the sampler's
     devices while update 1 runs, checkpoints with the sampler's copy of version 0)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(f"train_{algorithm}", ROOT / "examples" / f"train_{algorithm}.py")
+
+    spec = importlib.util.spec_from_file_location(
+        f"train_{algorithm}", ROOT / "examples" / f"train_{algorithm}.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     run_dir = d / f"run-{algorithm}"
-    flags = {"grpo": ["--grpo.num-generations", "2", "--grpo.max-new-tokens", "4", "--grpo.beta", "0.04",
-                      "--preset", "grpo", "--async.staleness", "1"],
-             "ppo": ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "4", "--ppo.kl-coef", "0.05"]}[algorithm]
-    summary = example.main([
-        "--model", str(d / "model"), "--tokenizer", str(d / "tok.model"), "--data", str(d / "train.jsonl"),
-        "--eval-data", str(d / "eval.jsonl"), "--run-dir", str(run_dir), "--steps", "2", "--batch-size", "8",
-        "--max-prompt-tokens", "16", "--checkpoint-every", "1", "--eval.num-samples", "1", *flags,
-        "--parallel.mesh", "fsdp=2,tensor=2", "--parallel.sampler-devices", "4"])
+    flags = {
+        "grpo": [
+            "--grpo.num-generations",
+            "2",
+            "--grpo.max-new-tokens",
+            "4",
+            "--grpo.beta",
+            "0.04",
+            "--preset",
+            "grpo",
+            "--async.staleness",
+            "1",
+        ],
+        "ppo": ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "4", "--ppo.kl-coef", "0.05"],
+    }[algorithm]
+    summary = example.main(
+        [
+            "--model",
+            str(d / "model"),
+            "--tokenizer",
+            str(d / "tok.model"),
+            "--data",
+            str(d / "train.jsonl"),
+            "--eval-data",
+            str(d / "eval.jsonl"),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--max-prompt-tokens",
+            "16",
+            "--checkpoint-every",
+            "1",
+            "--eval.num-samples",
+            "1",
+            *flags,
+            "--parallel.mesh",
+            "fsdp=2,tensor=2",
+            "--parallel.sampler-devices",
+            "4",
+        ]
+    )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"summary_keys": sorted(summary), "train_keys": sorted({k for x in lines if "loss" in x for k in x}),
-            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()),
-            "exported": (run_dir / "final_hf" / "config.json").exists()}
+    return {
+        "summary_keys": sorted(summary),
+        "train_keys": sorted({k for x in lines if "loss" in x for k in x}),
+        "checkpoints": sorted(
+            p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()
+        ),
+        "exported": (run_dir / "final_hf" / "config.json").exists(),
+    }
 
 
 def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -> int:
@@ -221,8 +331,15 @@ def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -
     model = jax.device_put(init(ModelConfig(**MODEL), jax.random.key(0)), parallel.replicated(mesh))
     ids = jax.device_put(jnp.ones((8, 4), jnp.int32), parallel.batch_sharding(mesh))
     comp = jax.device_put(jnp.ones((8, 2, 3), jnp.int32), parallel.batch_sharding(mesh))
-    fn = jax.jit(jax.grad(lambda m, i, c: jnp.sum(completion_logprobs(m, i, jnp.ones_like(i), c, jnp.ones_like(c),
-                                                                       attention=attention))))
+    fn = jax.jit(
+        jax.grad(
+            lambda m, i, c: jnp.sum(
+                completion_logprobs(
+                    m, i, jnp.ones_like(i), c, jnp.ones_like(c), attention=attention
+                )
+            )
+        )
+    )
     with jax.set_mesh(mesh) if per_step_from_mesh else contextlib.nullcontext():
         text = fn.lower(model, ids, comp).compile().as_text()
     return len(re.findall(r"= \S+ all-gather(?:-start)?\(", text))
@@ -234,30 +351,40 @@ def worker(out_path: str, cli_dir: str) -> None:
     use_compile_cache()
     assert jax.device_count() == 8, jax.devices()
     t0 = time.perf_counter()
-    results = {"shards": {spec: _shard_shapes(spec) for spec in ("data=2,fsdp=2,tensor=2", "fsdp=8")},
-               "runs": {"single": run_case(None)}}
+    results = {
+        "shards": {spec: _shard_shapes(spec) for spec in ("data=2,fsdp=2,tensor=2", "fsdp=8")},
+        "runs": {"single": run_case(None)},
+    }
     for spec in MESHES:
         results["runs"][spec] = run_case(spec)
     results["runs"]["no_kl"] = run_case(MESHES[-1], iterations=1, beta=0.0)
     results["runs"]["split"] = run_case("data=2,fsdp=2", sampler_devices=4)
     for packing in ("on", "off"):  # completions that end at token 3: ragged lengths
-        results["runs"][f"ragged_{packing}"] = run_case(MESHES[-1], iterations=2, eos_ids=(3,), packing=packing)
+        results["runs"][f"ragged_{packing}"] = run_case(
+            MESHES[-1], iterations=2, eos_ids=(3,), packing=packing
+        )
     results["runs"]["ragged_single"] = run_case(None, iterations=2, eos_ids=(3,), packing="off")
     results["runs"]["lora_single"] = run_case(None, iterations=2, lora_rank=4)
     results["runs"]["lora_mesh"] = run_case(MESHES[-1], iterations=2, lora_rank=4)
     results["lora_shards"] = _shard_shapes("data=2,fsdp=2,tensor=2", lora=True)
     results["cli"] = cli_run(Path(cli_dir))
     results["ppo_cli"] = cli_run(Path(cli_dir), "ppo")
-    results["attention_all_gathers"] = {"under_mesh": _attention_all_gathers(True),
-                                        "no_mesh": _attention_all_gathers(False),
-                                        "dense_under_mesh": _attention_all_gathers(True, "dense")}
+    results["attention_all_gathers"] = {
+        "under_mesh": _attention_all_gathers(True),
+        "no_mesh": _attention_all_gathers(False),
+        "dense_under_mesh": _attention_all_gathers(True, "dense"),
+    }
     results["seconds"] = time.perf_counter() - t0
     Path(out_path).write_text(json.dumps(results))
 
 
 def worker_env(devices: int = 1) -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+    }
 
 
 def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: float = 900.0):
@@ -265,10 +392,18 @@ def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: floa
     (The mesh worker compiles every mesh's programs: 5+ minutes on a loaded 2-core host with a
     cold compile cache.)"""
     env = worker_env(devices)
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     if proc.returncode:
-        raise AssertionError(f"{script.name} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{script.name} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -293,20 +428,39 @@ if __name__ != "__main__":
     def _assert_metrics_close(got, want, what):
         assert set(got) == set(want), what
         for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}")
+            np.testing.assert_allclose(
+                got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}"
+            )
 
     def test_parameter_shards_have_the_expected_shapes(mesh_results):
-        s = mesh_results["shards"]["data=2,fsdp=2,tensor=2"]  # fsdp=2 splits D=32, tensor=2 heads/mlp/vocab
-        expect = {".policy.embed": [8, 16], ".policy.lm_head": [8, 16], ".policy.norm": [16],
-                  ".policy.layers.wq": [2, 16, 16], ".policy.layers.wk": [2, 16, 8], ".policy.layers.wo": [2, 16, 16],
-                  ".policy.layers.w_gate": [2, 16, 32], ".policy.layers.w_down": [2, 32, 16],
-                  ".policy.layers.attn_norm": [2, 16], ".policy.layers.bq": [2, 16], ".policy.layers.bk": [2, 8],
-                  ".policy.layers.bo": [2, 16], ".policy.layers.b_up": [2, 32], ".policy.layers.q_norm": [2, 8],
-                  ".ref.layers.wq": [2, 16, 16], ".step": [], ".key": [2]}
+        s = mesh_results["shards"][
+            "data=2,fsdp=2,tensor=2"
+        ]  # fsdp=2 splits D=32, tensor=2 heads/mlp/vocab
+        expect = {
+            ".policy.embed": [8, 16],
+            ".policy.lm_head": [8, 16],
+            ".policy.norm": [16],
+            ".policy.layers.wq": [2, 16, 16],
+            ".policy.layers.wk": [2, 16, 8],
+            ".policy.layers.wo": [2, 16, 16],
+            ".policy.layers.w_gate": [2, 16, 32],
+            ".policy.layers.w_down": [2, 32, 16],
+            ".policy.layers.attn_norm": [2, 16],
+            ".policy.layers.bq": [2, 16],
+            ".policy.layers.bk": [2, 8],
+            ".policy.layers.bo": [2, 16],
+            ".policy.layers.b_up": [2, 32],
+            ".policy.layers.q_norm": [2, 8],
+            ".ref.layers.wq": [2, 16, 16],
+            ".step": [],
+            ".key": [2],
+        }
         for name, shard in expect.items():
             assert s[name][1] == shard, (name, s[name])
         # optimizer moments and float32 master weights are sharded exactly like their parameters
-        moments = {k: v for k, v in s.items() if k.startswith(".opt_state") and k.endswith("layers.w_up")}
+        moments = {
+            k: v for k, v in s.items() if k.startswith(".opt_state") and k.endswith("layers.w_up")
+        }
         assert len(moments) == 3 and all(v[1] == [2, 16, 32] for v in moments.values()), moments
         # under pure FSDP over 8 devices every array with a model-width (embed) axis is split 8
         # ways (parameters, moments, master weights, reference); only the per-layer vectors without
@@ -318,15 +472,21 @@ if __name__ != "__main__":
                 continue
             assert np.prod(shard) * 8 == np.prod(shape), (name, shape, shard)
             checked += 1
-        assert checked == 5 * 14  # policy, ref, master, mu, nu x the 14 parameters with an embed axis
+        assert (
+            checked == 5 * 14
+        )  # policy, ref, master, mu, nu x the 14 parameters with an embed axis
 
     def _assert_same_run(run, base, what):
         for i in range(ITERATIONS):
             assert run["tokens"][i] == base["tokens"][i], (what, i)
             _assert_metrics_close(run["metrics"][i], base["metrics"][i], f"{what} iteration {i}")
-        assert base["metrics"][0]["kl"] == 0.0 and run["metrics"][0]["kl"] == 0.0, what  # policy == reference
+        assert base["metrics"][0]["kl"] == 0.0 and run["metrics"][0]["kl"] == 0.0, (
+            what
+        )  # policy == reference
         for name, w in base["weights"][-1].items():
-            np.testing.assert_allclose(run["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=f"{what}: {name}")
+            np.testing.assert_allclose(
+                run["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=f"{what}: {name}"
+            )
 
     def test_grpo_iteration_is_the_same_on_every_mesh(mesh_results):
         """Three iterations with the KL term and Adam's default eps (module docstring)."""
@@ -340,13 +500,19 @@ if __name__ != "__main__":
             _assert_metrics_close(runs["lora_mesh"]["metrics"][i], want, f"lora iteration {i}")
         assert runs["lora_single"]["metrics"][0]["kl"] == 0.0  # B = 0: the policy is its base
         assert runs["lora_single"]["metrics"][1]["kl"] > 0.0
-        np.testing.assert_array_equal(runs["lora_mesh"]["weights"][-1]["wq"], runs["lora_mesh"]["weights"][0]["wq"])
-        s = mesh_results["lora_shards"]  # A [L, D=32, r=4] splits D over fsdp; B [L, r, out] its out over tensor
+        np.testing.assert_array_equal(
+            runs["lora_mesh"]["weights"][-1]["wq"], runs["lora_mesh"]["weights"][0]["wq"]
+        )
+        s = mesh_results[
+            "lora_shards"
+        ]  # A [L, D=32, r=4] splits D over fsdp; B [L, r, out] its out over tensor
         assert s[".policy.layers.lora.wq.a"] == [[2, 32, 4], [2, 16, 4]]
         assert s[".policy.layers.lora.wq.b"] == [[2, 4, 32], [2, 4, 16]]
         assert s[".policy.layers.lora.w_down.a"] == [[2, 64, 4], [2, 32, 4]]
         assert s[".policy.layers.lora.w_down.b"] == [[2, 4, 32], [2, 4, 16]]
-        assert ".ref.layers.wq" not in s and not any(k.startswith(".opt_state") and k.endswith("layers.wq") for k in s)
+        assert ".ref.layers.wq" not in s and not any(
+            k.startswith(".opt_state") and k.endswith("layers.wq") for k in s
+        )
 
     def test_kl_term_is_exactly_zero_while_the_policy_is_the_reference(mesh_results):
         """At the first iteration the policy is the reference: the KL term must add exactly
@@ -371,11 +537,17 @@ if __name__ != "__main__":
         the same samples and metrics as padded, over two iterations."""
         on, off = mesh_results["runs"]["ragged_on"], mesh_results["runs"]["ragged_off"]
         assert on["tokens"] == off["tokens"]
-        assert on["metrics"][0]["pack_rows"] < 4 and on["metrics"][0]["pack_fill"] > 0.5  # several to a row
+        assert (
+            on["metrics"][0]["pack_rows"] < 4 and on["metrics"][0]["pack_fill"] > 0.5
+        )  # several to a row
         for i, (got, want) in enumerate(zip(on["metrics"], off["metrics"])):
-            _assert_metrics_close({k: v for k, v in got.items() if not k.startswith("pack_")}, want, f"ragged {i}")
+            _assert_metrics_close(
+                {k: v for k, v in got.items() if not k.startswith("pack_")}, want, f"ragged {i}"
+            )
         for name, w in off["weights"][-1].items():
-            np.testing.assert_allclose(on["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+            np.testing.assert_allclose(
+                on["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=name
+            )
 
     def test_separate_sampler_and_trainer_meshes_match(mesh_results):
         split, base = mesh_results["runs"]["split"], mesh_results["runs"]["single"]
@@ -385,8 +557,14 @@ if __name__ != "__main__":
     def test_cli_runs_on_sampler_and_trainer_meshes(mesh_results):
         cli = mesh_results["cli"]
         assert {"before", "after", "export"} <= set(cli["summary_keys"]) and cli["exported"]
-        assert {"time/produce", "time/collect", "staleness", "is_weight_mean", "tokens_per_s", "loss"} <= set(
-            cli["train_keys"])
+        assert {
+            "time/produce",
+            "time/collect",
+            "staleness",
+            "is_weight_mean",
+            "tokens_per_s",
+            "loss",
+        } <= set(cli["train_keys"])
         assert cli["checkpoints"] == ["1", "2"]
 
     def test_ppo_cli_runs_on_sampler_and_trainer_meshes(mesh_results):
@@ -394,7 +572,12 @@ if __name__ != "__main__":
         checkpoints and exports, and logs its critic metrics."""
         cli = mesh_results["ppo_cli"]
         assert cli["checkpoints"] == ["1", "2"] and cli["exported"]
-        assert {"critic/vf_mse", "critic/grad_norm", "explained_variance", "time/weight_transfer"} <= set(cli["train_keys"])
+        assert {
+            "critic/vf_mse",
+            "critic/grad_norm",
+            "explained_variance",
+            "time/weight_transfer",
+        } <= set(cli["train_keys"])
 
     def test_training_attention_loops_over_local_groups_on_a_mesh(mesh_results):
         """Traced under the mesh, the per-group attention loop takes one local group per device:
@@ -412,24 +595,43 @@ if __name__ != "__main__":
     # ------------------------------------------------------------------ in-process
 
     def test_mesh_spec_parsing():
-        assert MeshSpec.parse("data=2,fsdp=4,tensor=1").shape == (2, 1, 4, 1)  # (data, expert, fsdp, tensor)
+        assert MeshSpec.parse("data=2,fsdp=4,tensor=1").shape == (
+            2,
+            1,
+            4,
+            1,
+        )  # (data, expert, fsdp, tensor)
         assert MeshSpec.parse(" tensor=2 , data=2").shape == (2, 1, 1, 2)
         assert MeshSpec.parse("").shape == (1, 1, 1, 1)
         assert MeshSpec.parse("fsdp=-1,tensor=2").resolve(8).shape == (1, 1, 4, 2)
         assert str(MeshSpec.parse("fsdp=4")) == "data=1,expert=1,fsdp=4,tensor=1"
-        for bad, msg in [("data=2,model=2", "'model=2'"), ("data=x", "not an integer"), ("data=2,data=2", "twice"),
-                         ("data=0", "must be >= 1"), ("data=-1,fsdp=-1", "one may be -1"), ("data", "<axis>=<size>")]:
+        for bad, msg in [
+            ("data=2,model=2", "'model=2'"),
+            ("data=x", "not an integer"),
+            ("data=2,data=2", "twice"),
+            ("data=0", "must be >= 1"),
+            ("data=-1,fsdp=-1", "one may be -1"),
+            ("data", "<axis>=<size>"),
+        ]:
             with pytest.raises(ShardingError, match=msg):
                 MeshSpec.parse(bad)
 
     def test_mesh_that_does_not_fit_the_devices_names_spec_and_count():
         n = jax.device_count()
-        with pytest.raises(ShardingError, match=rf"mesh data=2,expert=1,fsdp={n},tensor=1 needs 2 x 1 x {n} x 1 = "
-                                                rf"{2 * n} devices, but {n} "):  # whatever the device count
+        with pytest.raises(
+            ShardingError,
+            match=rf"mesh data=2,expert=1,fsdp={n},tensor=1 needs 2 x 1 x {n} x 1 = "
+            rf"{2 * n} devices, but {n} ",
+        ):  # whatever the device count
             parallel.make_mesh(f"data=2,fsdp={n}")
         with pytest.raises(ShardingError, match="do not divide"):
             MeshSpec.parse("data=3,fsdp=-1").resolve(8)
-        assert parallel.make_mesh("fsdp=-1").shape == {"data": 1, "expert": 1, "fsdp": n, "tensor": 1}
+        assert parallel.make_mesh("fsdp=-1").shape == {
+            "data": 1,
+            "expert": 1,
+            "fsdp": n,
+            "tensor": 1,
+        }
 
     def _abstract(data=1, fsdp=1, tensor=1):
         return jax.sharding.AbstractMesh((data, 1, fsdp, tensor), parallel.AXES)  # expert=1
@@ -438,45 +640,101 @@ if __name__ != "__main__":
         cfg = ModelConfig(**{**MODEL, "o_bias": True, "mlp_bias": True, "sandwich_norms": True})
         from relax.models.adapters.operations import add_lora
         from relax.models.layers.lora import LoRAConfig
-        model = jax.eval_shape(lambda: add_lora(init(cfg, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1)))
+
+        model = jax.eval_shape(
+            lambda: add_lora(init(cfg, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1))
+        )
         from relax.models.config.sharding import LOGICAL_AXES
         from relax.parallel.mesh import _path_name
+
         names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
-        moe = ModelConfig(**{**MODEL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                             "shared_expert_size": 16, "dense_layers": (0,)})  # experts, shared expert, dense MLP
-        with pytest.warns(UserWarning, match="router are not adapted"):  # LoRA's all-linear on a MoE model
-            moe_lora = jax.eval_shape(lambda: add_lora(init(moe, jax.random.key(0)), LoRAConfig(rank=2),
-                                                       jax.random.key(1)))
+        moe = ModelConfig(
+            **{
+                **MODEL,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+                "shared_expert_size": 16,
+                "dense_layers": (0,),
+            }
+        )  # experts, shared expert, dense MLP
+        with pytest.warns(
+            UserWarning, match="router are not adapted"
+        ):  # LoRA's all-linear on a MoE model
+            moe_lora = jax.eval_shape(
+                lambda: add_lora(
+                    init(moe, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1)
+                )
+            )
         names |= {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(moe_lora)}
-        assert names == set(LOGICAL_AXES)  # every parameter the model can have, LoRA factors and experts included
+        assert names == set(
+            LOGICAL_AXES
+        )  # every parameter the model can have, LoRA factors and experts included
         mesh = _abstract(2, 2, 2)
-        spec = lambda n: parallel.partition_spec(n, getattr(model.layers, n.split(".")[1]).shape if "." in n
-                                                 else getattr(model, n).shape, mesh, cfg)
+        spec = lambda n: parallel.partition_spec(
+            n,
+            getattr(model.layers, n.split(".")[1]).shape if "." in n else getattr(model, n).shape,
+            mesh,
+            cfg,
+        )
         P = jax.sharding.PartitionSpec
         assert spec("embed") == P("tensor", "fsdp") and spec("lm_head") == P("tensor", "fsdp")
-        assert spec("layers.wq") == P(None, "fsdp", "tensor") and spec("layers.wo") == P(None, "tensor", "fsdp")
-        assert spec("layers.w_down") == P(None, "tensor", "fsdp") and spec("layers.q_norm") == P(None, None)
+        assert spec("layers.wq") == P(None, "fsdp", "tensor") and spec("layers.wo") == P(
+            None, "tensor", "fsdp"
+        )
+        assert spec("layers.w_down") == P(None, "tensor", "fsdp") and spec("layers.q_norm") == P(
+            None, None
+        )
         assert spec("norm") == P("fsdp")
-        assert parallel.partition_spec("layers.wq", (2, 32, 32), _abstract(8), cfg) == P(None, None, None)
+        assert parallel.partition_spec("layers.wq", (2, 32, 32), _abstract(8), cfg) == P(
+            None, None, None
+        )
         with pytest.raises(ShardingError, match="layers.extra has no logical axes"):
             parallel.partition_spec("layers.extra", (2, 3), mesh, cfg)
 
-    @pytest.mark.parametrize("mesh_kw, overrides, match", [
-        (dict(tensor=3), dict(vocab_size=24), r"layers.wq \(2, 32, 32\): dimension 2 \(q_heads, 4 heads x 8\) does not split over mesh axis tensor=3"),
-        (dict(tensor=4), {}, r"layers.wk \(2, 32, 16\): dimension 2 \(kv_heads, 2 heads x 8\) does not split over mesh axis tensor=4"),
-        (dict(fsdp=3), {}, r"embed \(16, 32\): dimension 1 \(embed, size 32\) does not split over mesh axis fsdp=3"),
-        # 16 % 4 == 0 but 2 heads cannot be split 4 ways: the split must fall on head boundaries
-        (dict(tensor=4), dict(num_heads=2, num_kv_heads=2, vocab_size=16), r"layers.wq .*2 heads x 8.*tensor=4"),
-        (dict(tensor=2), dict(vocab_size=15), r"embed \(15, 32\): dimension 0 \(vocab, size 15\).*tensor=2"),
-    ])
-    def test_axis_that_does_not_divide_its_dimension_names_parameter_dim_axis(mesh_kw, overrides, match):
+    @pytest.mark.parametrize(
+        "mesh_kw, overrides, match",
+        [
+            (
+                dict(tensor=3),
+                dict(vocab_size=24),
+                r"layers.wq \(2, 32, 32\): dimension 2 \(q_heads, 4 heads x 8\) does not split over mesh axis tensor=3",
+            ),
+            (
+                dict(tensor=4),
+                {},
+                r"layers.wk \(2, 32, 16\): dimension 2 \(kv_heads, 2 heads x 8\) does not split over mesh axis tensor=4",  # noqa: E501
+            ),
+            (
+                dict(fsdp=3),
+                {},
+                r"embed \(16, 32\): dimension 1 \(embed, size 32\) does not split over mesh axis fsdp=3",
+            ),
+            # 16 % 4 == 0 but 2 heads cannot be split 4 ways: the split must fall on head boundaries
+            (
+                dict(tensor=4),
+                dict(num_heads=2, num_kv_heads=2, vocab_size=16),
+                r"layers.wq .*2 heads x 8.*tensor=4",
+            ),
+            (
+                dict(tensor=2),
+                dict(vocab_size=15),
+                r"embed \(15, 32\): dimension 0 \(vocab, size 15\).*tensor=2",
+            ),
+        ],
+    )
+    def test_axis_that_does_not_divide_its_dimension_names_parameter_dim_axis(
+        mesh_kw, overrides, match
+    ):
         from relax.parallel.mesh import _path_name
+
         cfg = ModelConfig(**{**MODEL, **overrides})
         model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
         mesh = _abstract(**mesh_kw)
         with pytest.raises(ShardingError, match=match):
             jax.tree_util.tree_map_with_path(
-                lambda p, x: parallel.partition_spec(_path_name(p), x.shape, mesh, cfg), model)
+                lambda p, x: parallel.partition_spec(_path_name(p), x.shape, mesh, cfg), model
+            )
 
     def test_rules_can_replicate_a_logical_axis():
         rules = tuple((k, None) if k == "vocab" else (k, v) for k, v in parallel.DEFAULT_RULES)
@@ -485,61 +743,103 @@ if __name__ != "__main__":
 
     def test_rule_naming_a_missing_mesh_axis_is_an_error_not_replication():
         rules = tuple((k, "fdsp") if k == "embed" else (k, v) for k, v in parallel.DEFAULT_RULES)
-        with pytest.raises(ShardingError, match=r"rule 'embed' -> 'fdsp': the mesh has no axis 'fdsp'"):
+        with pytest.raises(
+            ShardingError, match=r"rule 'embed' -> 'fdsp': the mesh has no axis 'fdsp'"
+        ):
             parallel.partition_spec("embed", (16, 32), _abstract(fsdp=2), None, rules)
 
     def test_batch_that_does_not_split_over_data_fsdp_is_an_error():
         from relax.parallel.step import check_batch
-        with pytest.raises(ShardingError, match=r"--batch-size=6 prompts do not split over data x fsdp = 4 x 1"):
+
+        with pytest.raises(
+            ShardingError, match=r"--batch-size=6 prompts do not split over data x fsdp = 4 x 1"
+        ):
             check_batch(6, _abstract(data=4))
         check_batch(8, _abstract(data=4, tensor=2))
 
     def test_offload_reference_without_a_mesh_is_an_error_naming_the_flag():
-        with pytest.raises(ValueError, match=r"--parallel.offload-reference needs a mesh.*--parallel.mesh"):
+        with pytest.raises(
+            ValueError, match=r"--parallel.offload-reference needs a mesh.*--parallel.mesh"
+        ):
             parallel.ParallelConfig(offload_reference=True)
-        for ok in (dict(mesh="fsdp=-1"), dict(sampler_devices=1)):  # a mesh: accepted (the step decides further)
+        for ok in (
+            dict(mesh="fsdp=-1"),
+            dict(sampler_devices=1),
+        ):  # a mesh: accepted (the step decides further)
             assert parallel.ParallelConfig(offload_reference=True, **ok).offload_reference
 
     def test_offload_reference_is_a_warned_no_op_on_cpu():
-        from relax.train.optimizer import OptimizerConfig
         from relax.algorithms.grpo.config import preset
         from relax.algorithms.grpo.step import make_grpo_step
         from relax.passes import choose_passes
+        from relax.train.optimizer import OptimizerConfig
         from relax.train.state import init_state
+
         cfg = preset("grpo", num_generations=2, max_new_tokens=2, beta=0.04)
         opt = OptimizerConfig().make()
-        state = init_state(init(ModelConfig(**MODEL), jax.random.key(0)), opt, key=jax.random.key(1), with_reference=True)
+        state = init_state(
+            init(ModelConfig(**MODEL), jax.random.key(0)),
+            opt,
+            key=jax.random.key(1),
+            with_reference=True,
+        )
         mesh = parallel.make_mesh("fsdp=-1")
-        step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0,
-                              passes=choose_passes(batch_shards=parallel.batch_shards(mesh)))
-        with pytest.warns(UserWarning, match="offload_reference: cpu devices have no separate pinned_host"):
+        step = make_grpo_step(
+            cfg,
+            [fives],
+            _decode,
+            eos_ids=(),
+            pad_id=0,
+            passes=choose_passes(batch_shards=parallel.batch_shards(mesh)),
+        )
+        with pytest.warns(
+            UserWarning, match="offload_reference: cpu devices have no separate pinned_host"
+        ):
             sharded = parallel.ShardedStep(step, state, mesh, offload_reference=True)
         assert not sharded.offload
-        assert [s.names for s in sharded.segments] == [("rollout",), ("score_start",), ("pack",), ("reference",), ("score_finish",),
-                                                      ("advantage", "update")]
-        no_ref = init_state(init(ModelConfig(**MODEL), jax.random.key(0)), opt, key=jax.random.key(1))
+        assert [s.names for s in sharded.segments] == [
+            ("rollout",),
+            ("score_start",),
+            ("pack",),
+            ("reference",),
+            ("score_finish",),
+            ("advantage", "update"),
+        ]
+        no_ref = init_state(
+            init(ModelConfig(**MODEL), jax.random.key(0)), opt, key=jax.random.key(1)
+        )
         with pytest.warns(UserWarning, match="offload_reference: the state has no reference model"):
             assert not parallel.ShardedStep(step, no_ref, mesh, offload_reference=True).offload
 
     def test_remat_gives_the_same_loss_and_gradients():
-        from relax.algorithms.online.batch import LossRows
         from relax.algorithms.cli.configure import configure
         from relax.algorithms.grpo.config import GRPOConfig
         from relax.algorithms.grpo.loss import make_loss
+        from relax.algorithms.online.batch import LossRows
         from relax.train.update import LossContext
+
         model = init(ModelConfig(**MODEL), jax.random.key(3), std=0.2)
         k = jax.random.split(jax.random.key(4), 3)
         p, g, n = 2, 3, 4
         ids, pm = global_batch()
         mask = jnp.ones((p, g, n), jnp.int32).at[0, 1, 2:].set(0)
-        mb = LossRows(prompt_ids=jnp.asarray(ids[:p]), prompt_mask=jnp.asarray(pm[:p]),
-                      tokens=jax.random.randint(k[0], (p, g, n), 0, 16), mask=mask, loss_mask=mask,
-                      old_logprobs=-2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
-                      advantages=jax.random.normal(k[2], (p, g)))
-        norms = LossContext({"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}, jnp.bool_(False))
+        mb = LossRows(
+            prompt_ids=jnp.asarray(ids[:p]),
+            prompt_mask=jnp.asarray(pm[:p]),
+            tokens=jax.random.randint(k[0], (p, g, n), 0, 16),
+            mask=mask,
+            loss_mask=mask,
+            old_logprobs=-2.0 + 0.1 * jax.random.normal(k[1], (p, g, n)),
+            advantages=jax.random.normal(k[2], (p, g)),
+        )
+        norms = LossContext(
+            {"tokens": jnp.float32(20.0), "sequences": jnp.float32(6.0)}, jnp.bool_(False)
+        )
         out, jaxprs = {}, {}
         for remat, policy in ((False, "nothing"), (True, "nothing"), (True, "dots")):
-            cfg = configure(GRPOConfig, num_generations=g, max_new_tokens=n, remat=remat, remat_policy=policy)
+            cfg = configure(
+                GRPOConfig, num_generations=g, max_new_tokens=n, remat=remat, remat_policy=policy
+            )
             assert cfg.forward.remat == remat and cfg.forward.remat_policy == policy
             loss_fn = make_loss(cfg)
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -559,7 +859,9 @@ if __name__ != "__main__":
 
     def test_master_weights_keep_steps_below_bfloat16_precision():
         import optax
+
         from relax.train.optimizer import OptimizerConfig, with_master_weights
+
         params = {"w": jnp.ones((3,), jnp.bfloat16)}
         grads = {"w": jnp.ones((3,), jnp.bfloat16)}
         results = {}
@@ -570,21 +872,28 @@ if __name__ != "__main__":
                 u, s = opt.update(grads, s, p)
                 p = optax.apply_updates(p, u)
             results[master] = (p, s)
-        assert results[False][0]["w"].dtype == jnp.bfloat16 and float(results[False][0]["w"][0]) == 1.0  # lost
+        assert (
+            results[False][0]["w"].dtype == jnp.bfloat16 and float(results[False][0]["w"][0]) == 1.0
+        )  # lost
         p, s = results[True]
         assert p["w"].dtype == jnp.bfloat16 and s.master["w"].dtype == jnp.float32
         np.testing.assert_allclose(s.master["w"], 1.0 - 60e-4, rtol=1e-5)
-        assert np.all(np.asarray(p["w"]) == np.asarray(s.master["w"].astype(jnp.bfloat16)))  # exact rounding
+        assert np.all(
+            np.asarray(p["w"]) == np.asarray(s.master["w"].astype(jnp.bfloat16))
+        )  # exact rounding
         st = OptimizerConfig(master_weights=True).make().init(params)
         assert st.master["w"].dtype == jnp.float32 and int(st.total_notfinite) == 0
-
 
     def test_bfloat16_policy_with_float32_master_weights_trains():
         """The GRPO step end to end: the policy (rollout and forward) stays bfloat16, the optimizer
         holds float32 master weights, and the update moves them."""
         out = run_case(None, iterations=1, master_weights=True, param_dtype=jnp.bfloat16)
         m = out["metrics"][0]
-        assert out["policy_dtype"] == "bfloat16" and np.isfinite(m["loss"]) and m["skipped_updates"] == 0
+        assert (
+            out["policy_dtype"] == "bfloat16"
+            and np.isfinite(m["loss"])
+            and m["skipped_updates"] == 0
+        )
         assert m["grad_norm"] > 0 and out["master_dtype"] == "float32" and out["master_moved"]
 
 

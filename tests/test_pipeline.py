@@ -2,28 +2,27 @@
 synchronous step bit for bit, s = 1 samples batch k + 1 with the weights before update k and
 weights it by exp(proximal - behaviour) log-probs, and a pipelined run is reproducible."""
 
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_parallel import _decode, fives
+from test_train import CFG, _prompts
 
-from relax.algorithms.online.batch import step_input
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
+from relax.algorithms.online.batch import step_input
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
-from relax.models.heads.critic import init_critic
 from relax.models import init
 from relax.models.forward.prefix_shared import completion_logprobs
+from relax.models.heads.critic import init_critic
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.train.optimizer import OptimizerConfig
 from relax.train.pipeline import AsyncConfig, Pipeline, split_segments
 from relax.train.state import init_state
-from test_parallel import _decode, fives
-from test_train import CFG, _prompts
 
 
 @pytest.mark.parametrize("s,n", [(s, n) for s in range(4) for n in range(1, s + 2)])
@@ -34,7 +33,9 @@ def test_schedule_never_exceeds_the_staleness_bound(s, n):
         v = cfg.version(i)
         assert 0 <= i - v <= s  # consumed at version i
         assert v % n == 0  # a pushed version
-        assert v <= max(0, i - d)  # exists when batch i is produced (iteration i - d, or the prologue)
+        assert v <= max(
+            0, i - d
+        )  # exists when batch i is produced (iteration i - d, or the prologue)
     # a checkpoint at `step` keeps every older version that batches step .. step + d use
     for step in range(1, 30):
         needed = {cfg.version(i) for i in range(step, step + d + 1)} - {step}
@@ -71,12 +72,29 @@ class Batches:
 
 
 def _setup(async_cfg: AsyncConfig, **overrides):
-    cfg = preset("grpo", num_generations=4, max_new_tokens=5, beta=0.04,
-                 optimizer=OptimizerConfig(learning_rate=3e-2), **overrides)
-    state = init_state(init(CFG, jax.random.key(0), std=0.3), cfg.optimizer.make(), key=jax.random.key(1),
-                       with_reference=True)
-    step = make_grpo_step(cfg, [fives], _decode, eos_ids=(3,), pad_id=0, off_policy=async_cfg.off_policy,
-                          pipelined=async_cfg.staleness > 0)
+    cfg = preset(
+        "grpo",
+        num_generations=4,
+        max_new_tokens=5,
+        beta=0.04,
+        optimizer=OptimizerConfig(learning_rate=3e-2),
+        **overrides,
+    )
+    state = init_state(
+        init(CFG, jax.random.key(0), std=0.3),
+        cfg.optimizer.make(),
+        key=jax.random.key(1),
+        with_reference=True,
+    )
+    step = make_grpo_step(
+        cfg,
+        [fives],
+        _decode,
+        eos_ids=(3,),
+        pad_id=0,
+        off_policy=async_cfg.off_policy,
+        pipelined=async_cfg.staleness > 0,
+    )
     return cfg, state, step
 
 
@@ -86,7 +104,7 @@ def _pipelined(async_cfg: AsyncConfig, steps: int, setup=None, **overrides):
     _, state, step = (_setup if setup is None else setup)(async_cfg, **overrides)
     pipeline = Pipeline(step.segments, async_cfg, Batches(), lambda b: b)
     states, batches = [jax.tree.map(jnp.copy, state)], []
-    for state, batch, timings in pipeline.run(state, 0, steps):
+    for state, batch, _timings in pipeline.run(state, 0, steps):
         states.append(jax.tree.map(jnp.copy, state))
         batches.append(batch)
     return states, batches
@@ -94,7 +112,9 @@ def _pipelined(async_cfg: AsyncConfig, steps: int, setup=None, **overrides):
 
 def _assert_same(a, b):
     """Two train states bit for bit: weights, optimizer state, reference, step and key."""
-    chex.assert_trees_all_equal((a.policy, a.opt_state, a.ref, a.step), (b.policy, b.opt_state, b.ref, b.step))
+    chex.assert_trees_all_equal(
+        (a.policy, a.opt_state, a.ref, a.step), (b.policy, b.opt_state, b.ref, b.step)
+    )
     np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
 
 
@@ -110,56 +130,99 @@ def test_staleness_zero_is_the_synchronous_step_bit_for_bit():
 
 
 def test_staleness_one_samples_ahead_and_weights_by_the_stored_log_prob_difference():
-    states, batches = _pipelined(AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3)
+    states, batches = _pipelined(
+        AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3
+    )
     _check_versions_and_weights(states, batches)
 
 
 def _ppo_setup(async_cfg: AsyncConfig, **overrides):
-    cfg = configure(PPOConfig, num_generations=4, max_new_tokens=5, kl_coef=0.05, num_iterations=2,
-                    optimizer=OptimizerConfig(learning_rate=3e-2), critic_optimizer=OptimizerConfig(learning_rate=1e-2))
+    cfg = configure(
+        PPOConfig,
+        num_generations=4,
+        max_new_tokens=5,
+        kl_coef=0.05,
+        num_iterations=2,
+        optimizer=OptimizerConfig(learning_rate=3e-2),
+        critic_optimizer=OptimizerConfig(learning_rate=1e-2),
+    )
     policy = init(CFG, jax.random.key(0), std=0.3)
-    state = init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True,
-                       critic=init_critic(policy), critic_optimizer=cfg.critic_optimizer.make())
-    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(3,), pad_id=0, off_policy=async_cfg.off_policy,
-                         pipelined=async_cfg.staleness > 0)
+    state = init_state(
+        policy,
+        cfg.optimizer.make(),
+        key=jax.random.key(1),
+        with_reference=True,
+        critic=init_critic(policy),
+        critic_optimizer=cfg.critic_optimizer.make(),
+    )
+    step = make_ppo_step(
+        cfg,
+        [fives],
+        _decode,
+        eos_ids=(3,),
+        pad_id=0,
+        off_policy=async_cfg.off_policy,
+        pipelined=async_cfg.staleness > 0,
+    )
     return cfg, state, step
 
 
 def test_ppo_pipelined_with_a_proximal_pass():
     """PPO (critic, reference, two epochs: the proximal log-probs are a forward of their own)."""
-    states, batches = _pipelined(AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3,
-                                 setup=_ppo_setup)
+    states, batches = _pipelined(
+        AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3, setup=_ppo_setup
+    )
     _check_versions_and_weights(states, batches)
     # the KL in the reward is the behaviour policy's: batch 1 was sampled by version 0, the reference itself
     assert float(batches[1].device.metrics["kl"]) < 1e-6 < float(batches[2].device.metrics["kl"])
 
 
 def _check_versions_and_weights(states, batches):
-    assert [int(np.max(b.device.batch.policy_version)) for b in batches] == [0, 0, 1]  # v(i) = max(0, i - 1)
+    assert [int(np.max(b.device.batch.policy_version)) for b in batches] == [
+        0,
+        0,
+        1,
+    ]  # v(i) = max(0, i - 1)
     for k, out in enumerate(batches):
         batch = out.device.batch
         version = int(batch.policy_version[0, 0])
         m = np.asarray(batch.loss_mask) > 0
 
         def logprobs(policy):
-            return np.asarray(completion_logprobs(policy, batch.prompt_ids, batch.prompt_mask, batch.tokens,
-                                                  batch.mask, temperature=1.0))
+            return np.asarray(
+                completion_logprobs(
+                    policy,
+                    batch.prompt_ids,
+                    batch.prompt_mask,
+                    batch.tokens,
+                    batch.mask,
+                    temperature=1.0,
+                )
+            )
 
         # the samples are the sampler's of the version they record, not of the policy that updates on them
-        np.testing.assert_allclose(logprobs(states[version].policy)[m], np.asarray(batch.old_logprobs)[m],
-                                   atol=1e-4)
+        np.testing.assert_allclose(
+            logprobs(states[version].policy)[m], np.asarray(batch.old_logprobs)[m], atol=1e-4
+        )
         # the correction's weights are exp(proximal - behaviour): proximal = the weights the update started from
         rho = np.exp(logprobs(states[k].policy) - np.asarray(batch.old_logprobs))[m]
         metrics = out.device.metrics
-        np.testing.assert_allclose([metrics["is_weight_mean"], metrics["is_weight_min"], metrics["is_weight_max"]],
-                                   [rho.mean(), rho.min(), rho.max()], rtol=2e-4)
+        np.testing.assert_allclose(
+            [metrics["is_weight_mean"], metrics["is_weight_min"], metrics["is_weight_max"]],
+            [rho.mean(), rho.min(), rho.max()],
+            rtol=2e-4,
+        )
         stale = k > version  # batches 1 and 2: sampled one version before the update
         assert (abs(float(metrics["is_weight_max"]) - 1) > 1e-3) == stale
 
 
 def test_pipelined_runs_are_reproducible_bit_for_bit():
-    async_cfg = AsyncConfig(staleness=2, push_every=2, correction=OffPolicyConfig(kind="tis", level="sequence"))
-    a, _ = _pipelined(async_cfg, 4, num_minibatches=2)  # two optimizer steps: the proximal forward runs
+    async_cfg = AsyncConfig(
+        staleness=2, push_every=2, correction=OffPolicyConfig(kind="tis", level="sequence")
+    )
+    a, _ = _pipelined(
+        async_cfg, 4, num_minibatches=2
+    )  # two optimizer steps: the proximal forward runs
     b, batches = _pipelined(async_cfg, 4, num_minibatches=2)
     for x, y in zip(a, b):
         _assert_same(x, y)
@@ -171,7 +234,12 @@ def test_pipelined_runs_are_reproducible_bit_for_bit():
 def test_split_needs_a_producer_and_a_consumer():
     _, _, step = _setup(AsyncConfig(staleness=1))
     producer, consumer = split_segments(step.segments)
-    assert [s.names for s in producer] == [("rollout",), ("score_start",), ("score_finish",), ("pack",)]
+    assert [s.names for s in producer] == [
+        ("rollout",),
+        ("score_start",),
+        ("score_finish",),
+        ("pack",),
+    ]
     assert consumer[0].names[:2] == ("reference", "advantage")
     with pytest.raises(ValueError, match="leading stages"):
         split_segments(consumer)

@@ -14,14 +14,38 @@ import pytest
 from relax.plan import targets
 from relax.plan.memory import oom_bytes
 
-needs_tpu = pytest.mark.skipif(not targets.tpu_available(), reason="libtpu (relax[tpu]) is not installed")
+needs_tpu = pytest.mark.skipif(
+    not targets.tpu_available(), reason="libtpu (relax[tpu]) is not installed"
+)
 
 L, D, F, V, HQ, HKV, HD = 2, 256, 512, 1024, 4, 2, 64
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": D,
-        "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": HQ, "num_key_value_heads": HKV,
-        "head_dim": HD, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-RUN = ["--batch-size", "8", "--grpo.num-generations", "4", "--grpo.max-new-tokens", "32", "--max-prompt-tokens", "16"]
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": V,
+    "hidden_size": D,
+    "intermediate_size": F,
+    "num_hidden_layers": L,
+    "num_attention_heads": HQ,
+    "num_key_value_heads": HKV,
+    "head_dim": HD,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+RUN = [
+    "--batch-size",
+    "8",
+    "--grpo.num-generations",
+    "4",
+    "--grpo.max-new-tokens",
+    "32",
+    "--max-prompt-tokens",
+    "16",
+]
 
 
 def hand_count_params() -> int:
@@ -42,8 +66,10 @@ def test_targets_parse():
 
 
 def test_oom_message_parsed():
-    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
-           "(19.53G) exceeds available HBM (15.75G).")
+    msg = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(19.53G) exceeds available HBM (15.75G)."
+    )
     needed, available = oom_bytes(msg)
     assert needed == int(19.53 * 2**30) and available == int(15.75 * 2**30)
     assert oom_bytes("something else") == (None, None)
@@ -59,6 +85,7 @@ def tiny_config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_plan(tiny_config):
     from relax.plan import plan
+
     return plan("grpo", ["--model", tiny_config, *RUN, "--parallel.mesh", "fsdp=4"], "v5e:2x2")
 
 
@@ -67,15 +94,23 @@ def test_plan_counts_weights_and_optimizer_by_hand(tiny_plan):
     chips = 4
     weights = hand_count_params() * 4 // chips  # float32, every parameter split over fsdp=4
     names = [m.name for m in tiny_plan.programs]
-    assert names[0].startswith("rollout") and any("reference" in n for n in names) and "update" in names[-1]
+    assert (
+        names[0].startswith("rollout")
+        and any("reference" in n for n in names)
+        and "update" in names[-1]
+    )
     for m in tiny_plan.programs:
         assert m.weights == weights, m
         assert m.reference == weights  # beta > 0 (the grpo preset): a full copy, sharded alike
-        assert 2 * weights <= m.optimizer <= 2 * weights + 4096  # Adam's two moments, plus step counters
+        assert (
+            2 * weights <= m.optimizer <= 2 * weights + 4096
+        )  # Adam's two moments, plus step counters
         assert m.error is None and m.fits and m.limit == 16 * 2**30
         assert m.total >= m.weights + m.optimizer + m.reference
     rollout = tiny_plan.programs[0]
-    kv = 2 * L * (8 * 16 + 8 * 4 * 32) * HKV * HD * 4 // chips  # prompt once per group + each completion
+    kv = (
+        2 * L * (8 * 16 + 8 * 4 * 32) * HKV * HD * 4 // chips
+    )  # prompt once per group + each completion
     assert rollout.kv_cache == kv
     assert "fits" in tiny_plan.table() and "v5e:2x2" in tiny_plan.table()
 
@@ -97,14 +132,40 @@ def test_decode_loop_copies_no_cache_on_tpu(tiny_plan):
 def test_a_run_too_large_is_reported_not_fitting(tmp_path, capsys):
     from relax.plan.cli import main
 
-    big = {**TINY, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "head_dim": 128,
-           "num_key_value_heads": 8, "num_hidden_layers": 4, "vocab_size": 128256}
+    big = {
+        **TINY,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "head_dim": 128,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "vocab_size": 128256,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(big))
     out = tmp_path / "plan.json"
-    status = main(["plan", "grpo", "--target", "v5e:2x2", "--model", str(path), "--batch-size", "4",
-                   "--grpo.num-generations", "2", "--grpo.max-new-tokens", "8", "--max-prompt-tokens", "16",
-                   "--no-suggest", "--json", str(out)])
+    status = main(
+        [
+            "plan",
+            "grpo",
+            "--target",
+            "v5e:2x2",
+            "--model",
+            str(path),
+            "--batch-size",
+            "4",
+            "--grpo.num-generations",
+            "2",
+            "--grpo.max-new-tokens",
+            "8",
+            "--max-prompt-tokens",
+            "16",
+            "--no-suggest",
+            "--json",
+            str(out),
+        ]
+    )
     assert status == 3
     text = capsys.readouterr().out
     assert "does NOT fit" in text
@@ -112,14 +173,17 @@ def test_a_run_too_large_is_reported_not_fitting(tmp_path, capsys):
     assert record["fits"] is False
     # ~5.5e9 float32 parameters with Adam: > 80 GB over 4 chips of 16 GiB
     assert all(not p["fits"] for p in record["programs"])
-    assert max(p["weights"] + p["optimizer"] + p["reference"] for p in record["programs"]) > 16 * 2**30
+    assert (
+        max(p["weights"] + p["optimizer"] + p["reference"] for p in record["programs"]) > 16 * 2**30
+    )
 
 
 @needs_tpu
 def test_roofline_counts_matmul_flops_by_hand():
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from relax.plan.hlo_summary import traffic
 
@@ -140,28 +204,49 @@ def adapter_params_per_chip(rank: int, fsdp: int) -> int:
     """LoRA factors A [in, r] and B [r, out] on q, k, v, o, gate, up, down, on a mesh without tensor
     parallelism: a factor is split over fsdp where its weight's dimension is the model width D
     (the inputs of q/k/v/gate/up, the outputs of o/down), replicated otherwise."""
-    a_split, a_whole = 5 * D, HQ * HD + F  # inputs: D for q, k, v, gate, up; o's and down's are not D
+    a_split, a_whole = (
+        5 * D,
+        HQ * HD + F,
+    )  # inputs: D for q, k, v, gate, up; o's and down's are not D
     b_split, b_whole = 2 * D, HQ * HD + 2 * HKV * HD + 2 * F  # outputs: D for o and down
     return L * rank * ((a_split + b_split) // fsdp + a_whole + b_whole)
 
 
 @needs_tpu
-@pytest.mark.parametrize("algorithm,flags,mesh", [
-    # make test-all: an online trainer compiles fast in tiny_plan (GRPO, fsdp=4); this case adds the
-    # tensor axis and the critic
-    pytest.param("ppo", ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "16"], "fsdp=2,tensor=2",
-                 marks=pytest.mark.slow),
-    # make test-all: GRPO compiles fast in tiny_plan (fsdp=4); this case adds LoRA's adapter bytes
-    pytest.param("grpo", ["--lora.rank", "8", "--grpo.max-new-tokens", "16"], "data=2,fsdp=2", marks=pytest.mark.slow),
-    ("sft", ["--sft.max-length", "64"], None),
-    # make test-all: an offline trainer on one device, as sft is fast
-    pytest.param("dpo", ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"], None,
-                 marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "algorithm,flags,mesh",
+    [
+        # make test-all: an online trainer compiles fast in tiny_plan (GRPO, fsdp=4); this case adds the
+        # tensor axis and the critic
+        pytest.param(
+            "ppo",
+            ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "16"],
+            "fsdp=2,tensor=2",
+            marks=pytest.mark.slow,
+        ),
+        # make test-all: GRPO compiles fast in tiny_plan (fsdp=4); this case adds LoRA's adapter bytes
+        pytest.param(
+            "grpo",
+            ["--lora.rank", "8", "--grpo.max-new-tokens", "16"],
+            "data=2,fsdp=2",
+            marks=pytest.mark.slow,
+        ),
+        ("sft", ["--sft.max-length", "64"], None),
+        # make test-all: an offline trainer on one device, as sft is fast
+        pytest.param(
+            "dpo",
+            ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"],
+            None,
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
     from relax.plan import plan
 
-    argv = ["--model", tiny_config, "--batch-size", "4", *flags] + (["--parallel.mesh", mesh] if mesh else [])
+    argv = ["--model", tiny_config, "--batch-size", "4", *flags] + (
+        ["--parallel.mesh", mesh] if mesh else []
+    )
     if algorithm in ("ppo", "grpo"):
         argv += ["--max-prompt-tokens", "16"]
     p = plan(algorithm, argv, "v5e:2x2")
@@ -193,8 +278,16 @@ def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
 
     cfg = TurnConfig(num_generations=2, max_tokens=64, max_turn_tokens=16, eos_ids=(2,))
     run = ModelRunConfig(model=tiny_config, data="-")
-    programs = multi_turn_programs(run, read_config(tiny_config), cfg, 4, 16, 8,
-                                   targets.devices(targets.Target.parse("v5e:2x2")), compile_fn=compile_program)
+    programs = multi_turn_programs(
+        run,
+        read_config(tiny_config),
+        cfg,
+        4,
+        16,
+        8,
+        targets.devices(targets.Target.parse("v5e:2x2")),
+        compile_fn=compile_program,
+    )
     assert [p.name for p in programs] == ["start", "fused_layers", "decode_turn", "append"]
     for p in programs:
         assert p.error is None and p.compiled.memory_analysis().temp_size_in_bytes >= 0
@@ -213,7 +306,9 @@ def test_cli_usage_errors(capsys):
     with pytest.raises(ValueError, match="knows"):
         parse_run("a2c", ["--model", "x"])
     run = parse_run("grpo", ["--model", "config.json", "--grpo.packing.mode", "on"])
-    assert run.parallel.mesh == "fsdp=-1" and run.grpo.packing.mode == "off"  # every chip; planned padded
+    assert (
+        run.parallel.mesh == "fsdp=-1" and run.grpo.packing.mode == "off"
+    )  # every chip; planned padded
 
 
 @needs_tpu
@@ -221,15 +316,31 @@ def test_cli_usage_errors(capsys):
 def test_sampler_split_and_offloaded_reference(tiny_config):
     from relax.plan import plan
 
-    p = plan("grpo", ["--model", tiny_config, *RUN, "--parallel.mesh", "fsdp=2", "--parallel.sampler-devices", "2",
-                      "--parallel.offload-reference"], "v5e:2x2")
+    p = plan(
+        "grpo",
+        [
+            "--model",
+            tiny_config,
+            *RUN,
+            "--parallel.mesh",
+            "fsdp=2",
+            "--parallel.sampler-devices",
+            "2",
+            "--parallel.offload-reference",
+        ],
+        "v5e:2x2",
+    )
     full = hand_count_params() * 4
     rollout, *trainer = p.programs
     # the sampler's 2 chips (data=2) hold their own whole copy of the policy, nothing else
     assert (rollout.weights, rollout.optimizer, rollout.reference) == (full, 0, 0), rollout
-    for m in trainer:  # the trainer's 2 chips: fsdp=2; the reference on the device only for its readers
+    for (
+        m
+    ) in trainer:  # the trainer's 2 chips: fsdp=2; the reference on the device only for its readers
         assert m.weights == full // 2 and m.fits, m
-    assert all(m.reference == full // 2 for m in trainer)  # the reference forward and the update read it
+    assert all(
+        m.reference == full // 2 for m in trainer
+    )  # the reference forward and the update read it
 
 
 def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_config):
@@ -239,14 +350,20 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
     from relax.plan.memory import ProgramMemory
     from relax.plan.plan import Plan, parse_run
 
-    gib = 2**30  # remat lowers the peak by 6 GiB, offloading the reference by 3, micro-batches by nothing
+    gib = (
+        2**30
+    )  # remat lowers the peak by 6 GiB, offloading the reference by 3, micro-batches by nothing
 
     def fake_plan(peak: float, run) -> Plan:
         m = ProgramMemory("update", 0, 0, 0, 0, 0, 0, 0, 0, int(peak), 16 * gib)
         return Plan("grpo", targets.Target.parse("v5e:2x2"), run, None, (m,), (None,), 0.0)
 
     def fake_plan_run(algorithm, run, model, target, **_):
-        peak = 24 * gib - (6 * gib if run.grpo.forward.remat else 0) - (3 * gib if run.parallel.offload_reference else 0)
+        peak = (
+            24 * gib
+            - (6 * gib if run.grpo.forward.remat else 0)
+            - (3 * gib if run.parallel.offload_reference else 0)
+        )
         return fake_plan(peak, run)
 
     monkeypatch.setattr(suggest_lib, "plan_run", fake_plan_run)
@@ -256,8 +373,12 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
     assert names[:2] == ["--grpo.remat", "--grpo.grad-accum"] and "--lora.rank" in names
     attempts = suggest_lib.suggest(start, argv)
     assert attempts[0].flags == ("--grpo.remat",) and attempts[0].kept and not attempts[0].fits
-    assert not any(a.kept for a in attempts if a.flags[0] == "--grpo.grad-accum")  # changed nothing: dropped
-    assert attempts[-1].flags == ("--parallel.offload-reference",) and attempts[-1].fits  # 15 GiB: stop here
+    assert not any(
+        a.kept for a in attempts if a.flags[0] == "--grpo.grad-accum"
+    )  # changed nothing: dropped
+    assert (
+        attempts[-1].flags == ("--parallel.offload-reference",) and attempts[-1].fits
+    )  # 15 GiB: stop here
 
 
 @needs_tpu
@@ -274,18 +395,32 @@ def test_deep_sampler_extended_from_two_shallow_compiles(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**TINY, "num_hidden_layers": 16}))
     argv = ["--model", str(path), *RUN, "--parallel.mesh", "fsdp=4"]
-    compile_fn = compile_once()  # the reference and update programs are compiled once for both plans
-    fast, whole = (plan("grpo", argv, "v5e:2x2", compile_fn=compile_fn, exact=e) for e in (False, True))
+    compile_fn = (
+        compile_once()
+    )  # the reference and update programs are compiled once for both plans
+    fast, whole = (
+        plan("grpo", argv, "v5e:2x2", compile_fn=compile_fn, exact=e) for e in (False, True)
+    )
     (mf, *rest_f), (mw, *rest_w) = fast.programs, whole.programs
     assert mf.depths == (4, 8) and mw.depths == () and rest_f == rest_w
-    assert (mf.weights, mf.optimizer, mf.reference, mf.batch, mf.kv_cache) == \
-        (mw.weights, mw.optimizer, mw.reference, mw.batch, mw.kv_cache)
+    assert (mf.weights, mf.optimizer, mf.reference, mf.batch, mf.kv_cache) == (
+        mw.weights,
+        mw.optimizer,
+        mw.reference,
+        mw.batch,
+        mw.kv_cache,
+    )
     tf, tw = fast.traffic[0], whole.traffic[0]
     assert tf.flops == pytest.approx(tw.flops, rel=1e-6)
     assert tf.decode_collectives == tw.decode_collectives
     assert set(tf.collectives) == set(tw.collectives)
-    for kind, (n, size) in tw.collectives.items():  # the compiler combines the gathers a little differently
-        assert tf.collectives[kind][0] == n and tf.collectives[kind][1] == pytest.approx(size, rel=0.05), kind
+    for kind, (
+        n,
+        size,
+    ) in tw.collectives.items():  # the compiler combines the gathers a little differently
+        assert tf.collectives[kind][0] == n and tf.collectives[kind][1] == pytest.approx(
+            size, rel=0.05
+        ), kind
     assert "~ rollout: extended to 16 layers from compiles of its first 4 and 8" in fast.table()
 
 
@@ -307,24 +442,41 @@ def test_smallest_slice_search(monkeypatch, tiny_config):
         planned.append(target.chips)
         if target.chips == 16:
             raise ValueError("prompts do not split over 16 chips")
-        m = ProgramMemory("update", 0, 0, 0, 0, 0, 0, 0, 0, int(1600 * gib / target.chips), target.chip.hbm_bytes)
+        m = ProgramMemory(
+            "update", 0, 0, 0, 0, 0, 0, 0, 0, int(1600 * gib / target.chips), target.chip.hbm_bytes
+        )
         return Plan("grpo", target, run, model, (m,), (None,), 0.0)
 
     monkeypatch.setattr(search, "plan_run", fake_plan_run)
-    monkeypatch.setattr(search, "state_bytes", lambda *a: 500 * gib)  # more than 4 v5p chips hold (380 GiB)
+    monkeypatch.setattr(
+        search, "state_bytes", lambda *a: 500 * gib
+    )  # more than 4 v5p chips hold (380 GiB)
     run, model = parse_run("grpo", ["--model", tiny_config]), read_config(tiny_config)
     p, tried = search.smallest("grpo", run, model, "v5p", compile_fn=None)
-    assert planned == [8, 16, 32]  # 4 chips skipped by the floor, 16 refused, 32 fits (50 of 95 GiB)
+    assert planned == [
+        8,
+        16,
+        32,
+    ]  # 4 chips skipped by the floor, 16 refused, 32 fits (50 of 95 GiB)
     assert str(p.target) == "v5p:2x4x4" and p.fits
-    assert [t.fits for t in tried] == [False, False, False, True] and "state alone" in tried[0].reason
+    assert [t.fits for t in tried] == [False, False, False, True] and "state alone" in tried[
+        0
+    ].reason
     assert "do not split" in tried[2].reason and tried[1].peak_bytes == 200 * gib
     monkeypatch.setattr(search, "state_bytes", lambda *a: 10**15)  # nothing holds it
     assert search.smallest("grpo", run, model, "v5e", compile_fn=None)[0] is None
     with pytest.raises(ValueError, match="-1 axis"):
-        search.smallest("grpo", parse_run("grpo", ["--model", tiny_config, "--parallel.mesh", "fsdp=4"]), model,
-                        "v5p", compile_fn=None)
+        search.smallest(
+            "grpo",
+            parse_run("grpo", ["--model", tiny_config, "--parallel.mesh", "fsdp=4"]),
+            model,
+            "v5p",
+            compile_fn=None,
+        )
     with pytest.raises(ValueError, match="one device"):
-        search.smallest("sft", parse_run("sft", ["--model", tiny_config]), model, "v5p", compile_fn=None)
+        search.smallest(
+            "sft", parse_run("sft", ["--model", tiny_config]), model, "v5p", compile_fn=None
+        )
 
 
 def test_state_bytes_by_hand(tiny_config):
@@ -334,4 +486,8 @@ def test_state_bytes_by_hand(tiny_config):
 
     run = parse_run("grpo", ["--model", tiny_config])
     # float32 weights, Adam's two moments and the reference copy (grpo's beta > 0), plus step counters
-    assert 0 <= state_bytes("grpo", run, read_config(tiny_config)) - 4 * 4 * hand_count_params() <= 4096
+    assert (
+        0
+        <= state_bytes("grpo", run, read_config(tiny_config)) - 4 * 4 * hand_count_params()
+        <= 4096
+    )

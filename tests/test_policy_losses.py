@@ -23,8 +23,16 @@ def make_batch(seed=0, per_sequence_adv=False):
     old = rng.normal(-1.5, 0.5, size=(N, T))
     logp = old + rng.normal(0.0, 0.6, size=(N, T))  # ratios spread across the clip boundaries
     adv = rng.normal(size=(N,)) if per_sequence_adv else rng.normal(size=(N, T))
-    if not per_sequence_adv:  # put tokens in every region: delta + dual, delta only, unclipped, high, low
-        forced = [((0, 0), 2.5, -0.7), ((0, 1), 1.7, -0.5), ((1, 0), 0.4, 0.8), ((1, 1), 1.5, 0.6), ((2, 0), 0.5, -1.0)]
+    if (
+        not per_sequence_adv
+    ):  # put tokens in every region: delta + dual, delta only, unclipped, high, low
+        forced = [
+            ((0, 0), 2.5, -0.7),
+            ((0, 1), 1.7, -0.5),
+            ((1, 0), 0.4, 0.8),
+            ((1, 1), 1.5, 0.6),
+            ((2, 0), 0.5, -1.0),
+        ]
         for (i, t), r, a in forced:
             logp[i, t], adv[i, t] = old[i, t] + np.log(r), a
     lengths = np.array([T, 3, 5, 1])
@@ -91,7 +99,9 @@ def test_ppo_clip_matches_reference(name):
     loss, metrics = ppo_clip(lp, o, a, mask, **cfg)
     chex.assert_shape(loss, (N, T))
     names = {"epsilon_low": "el", "epsilon_high": "eh", "clip_ratio_c": "c"}
-    ref_loss, ref_metrics = ppo_ref(logp, old, adv, mask, **{names.get(k, k): v for k, v in cfg.items()})
+    ref_loss, ref_metrics = ppo_ref(
+        logp, old, adv, mask, **{names.get(k, k): v for k, v in cfg.items()}
+    )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert set(metrics) == set(ref_metrics)
     for k, v in ref_metrics.items():
@@ -100,7 +110,9 @@ def test_ppo_clip_matches_reference(name):
 
 def test_dual_clip_hand_value():
     one = jnp.ones((1, 1), bool)
-    loss, m = ppo_clip(jnp.log(jnp.full((1, 1), 4.0)), jnp.zeros((1, 1)), jnp.array([-1.0]), one, clip_ratio_c=3.0)
+    loss, m = ppo_clip(
+        jnp.log(jnp.full((1, 1), 4.0)), jnp.zeros((1, 1)), jnp.array([-1.0]), one, clip_ratio_c=3.0
+    )
     np.testing.assert_allclose(loss, [[3.0]], rtol=1e-6)
     assert float(m["clip_frac_dual"]) == 1.0
 
@@ -108,7 +120,9 @@ def test_dual_clip_hand_value():
 def test_ppo_gradient_wrt_ratio_hand_values():
     # A = -1: loss = max(r, clip(r, 0.8, 1.2)); dL/dr = 1 at r = 2 (unclipped), 0 at r = 0.5 (clipped).
     def loss_of_ratio(r):
-        return ppo_clip(jnp.log(r), jnp.zeros((1, 1)), jnp.array([-1.0]), jnp.ones((1, 1), bool))[0].sum()
+        return ppo_clip(jnp.log(r), jnp.zeros((1, 1)), jnp.array([-1.0]), jnp.ones((1, 1), bool))[
+            0
+        ].sum()
 
     grad = jax.jit(jax.grad(loss_of_ratio))
     np.testing.assert_allclose(grad(jnp.full((1, 1), 2.0)), [[1.0]], rtol=1e-6)
@@ -120,7 +134,9 @@ def test_ppo_clip_finite_differences(name):
     cfg = CONFIGS[name]
     with jax.enable_x64(True):
         logp, old, adv, mask = make_batch(2, per_sequence_adv=name == "gspo")
-        if name == "gspo":  # GSPO's token form has the sequence objective's gradient under seq-mean-token-mean
+        if (
+            name == "gspo"
+        ):  # GSPO's token form has the sequence objective's gradient under seq-mean-token-mean
             weights = mask / mask.sum(1, keepdims=True)
         else:
             weights = np.random.default_rng(3).uniform(0.5, 1.5, size=(N, T))
@@ -139,14 +155,18 @@ def test_ppo_clip_bfloat16_and_padding():
     logp, old, adv, mask = make_batch(4)
     lo16, old16 = jnp.asarray(logp, jnp.bfloat16), jnp.asarray(old, jnp.bfloat16)
     loss16, _ = ppo_clip(lo16, old16, jnp.asarray(adv, jnp.float32), mask)
-    loss32, _ = ppo_clip(lo16.astype(jnp.float32), old16.astype(jnp.float32), jnp.asarray(adv, jnp.float32), mask)
+    loss32, _ = ppo_clip(
+        lo16.astype(jnp.float32), old16.astype(jnp.float32), jnp.asarray(adv, jnp.float32), mask
+    )
     assert loss16.dtype == jnp.float32 and not np.isnan(np.asarray(loss16)).any()
     np.testing.assert_allclose(loss16, loss32, rtol=1e-6, atol=1e-6)
     # padding holding -inf / NaN leaks into neither the loss nor the gradient
     bad = jnp.asarray(np.where(mask, logp, -np.inf), jnp.float32)
     old_bad = jnp.asarray(np.where(mask, old, np.nan), jnp.float32)
     a = jnp.asarray(adv, jnp.float32)
-    grad = jax.jit(jax.grad(lambda x: ppo_clip(x, old_bad, a, mask, importance="sequence")[0].sum()))(bad)
+    grad = jax.jit(
+        jax.grad(lambda x: ppo_clip(x, old_bad, a, mask, importance="sequence")[0].sum())
+    )(bad)
     assert np.isfinite(np.asarray(grad)).all()
     assert np.isfinite(np.asarray(ppo_clip(bad, old_bad, a, mask)[0])).all()
 
@@ -179,7 +199,9 @@ def test_cispo_value_and_gradient():
     np.testing.assert_allclose(metrics["clip_frac_high"], (r > 1 + eh)[mask].mean(), rtol=1e-6)
     assert float(metrics["clip_frac_low"]) == 0.0
     # The weight is detached, so the gradient is -w A (not the derivative of the value).
-    g = jax.jit(jax.grad(lambda x: cispo(x, o, a, mask, epsilon_low=el, epsilon_high=eh)[0].sum()))(lp)
+    g = jax.jit(jax.grad(lambda x: cispo(x, o, a, mask, epsilon_low=el, epsilon_high=eh)[0].sum()))(
+        lp
+    )
     np.testing.assert_allclose(g, np.where(mask, -w * adv, 0), rtol=1e-5, atol=1e-6)
 
 
@@ -194,7 +216,9 @@ def test_cispo_finite_differences():
         def objective(x):
             return jnp.sum(P.cispo(x, x - shift, adv, mask, epsilon_low=0.5, epsilon_high=0.2)[0])
 
-        g = jax.grad(lambda x: jnp.sum(P.cispo(x, old, adv, mask, epsilon_low=0.5, epsilon_high=0.2)[0]))(jnp.asarray(logp))
+        g = jax.grad(
+            lambda x: jnp.sum(P.cispo(x, old, adv, mask, epsilon_low=0.5, epsilon_high=0.2)[0])
+        )(jnp.asarray(logp))
         np.testing.assert_allclose(g, fd_grad(objective, logp), rtol=1e-5, atol=1e-7)
 
 
@@ -205,7 +229,9 @@ def test_reinforce_value_and_finite_differences():
     np.testing.assert_allclose(loss, np.where(mask, -adv[:, None] * logp, 0), rtol=1e-5, atol=1e-6)
     with jax.enable_x64(True):
         objective = jax.jit(lambda x: jnp.sum(P.reinforce(x, adv, mask)[0] * np.arange(1.0, T + 1)))
-        np.testing.assert_allclose(jax.grad(objective)(jnp.asarray(logp)), fd_grad(objective, logp), rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(
+            jax.grad(objective)(jnp.asarray(logp)), fd_grad(objective, logp), rtol=1e-6, atol=1e-8
+        )
     # on-policy (r = 1), PPO's gradient equals REINFORCE's
     lp = jnp.asarray(logp, jnp.float32)
     a = jnp.asarray(adv, jnp.float32)
@@ -220,7 +246,9 @@ def test_truncated_importance_weight():
     o, s = jnp.asarray(old, jnp.float32), jnp.asarray(sampler, jnp.float32)
     w = tis(o, s, mask, cap=1.5)
     chex.assert_shape(w, (N, T))
-    np.testing.assert_allclose(w, np.where(mask, np.minimum(np.exp(old - sampler), 1.5), 0), rtol=1e-5)
+    np.testing.assert_allclose(
+        w, np.where(mask, np.minimum(np.exp(old - sampler), 1.5), 0), rtol=1e-5
+    )
     assert np.all(np.asarray(jax.grad(lambda x: tis(x, s, mask, cap=1.5).sum())(o)) == 0)
     huge = tis(jnp.full((1, 1), 500.0), jnp.zeros((1, 1)), jnp.ones((1, 1), bool), cap=2.0)
     np.testing.assert_allclose(huge, [[2.0]])
@@ -235,7 +263,10 @@ def test_losses_bfloat16():
     lp16, old16 = jnp.asarray(logp, jnp.bfloat16), jnp.asarray(old, jnp.bfloat16)
     a = jnp.asarray(adv, jnp.float32)
     for fn in (functools.partial(cispo, epsilon_low=1.0, epsilon_high=0.3),):
-        lo, hi = fn(lp16, old16, a, mask)[0], fn(lp16.astype(jnp.float32), old16.astype(jnp.float32), a, mask)[0]
+        lo, hi = (
+            fn(lp16, old16, a, mask)[0],
+            fn(lp16.astype(jnp.float32), old16.astype(jnp.float32), a, mask)[0],
+        )
         assert not np.isnan(np.asarray(lo)).any()
         np.testing.assert_allclose(lo, hi, rtol=1e-6, atol=1e-6)
     lo = reinforce(lp16, a, mask)[0]

@@ -21,8 +21,16 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 MARK = "<!-- primitives-loop -->"
 
 # grouped-query attention (2 query heads per KV head), left-padded prompts of two lengths
-CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+CFG = ModelConfig(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 P, G, N, LP, EOS = 2, 4, 6, 8, 3
 ROLLOUT = RolloutConfig(num_generations=G, max_new_tokens=N, eos_ids=(EOS,), prompt_buckets=(LP,))
 
@@ -32,7 +40,7 @@ def readme_loop() -> str:
     assert text.count(MARK) == 1, f"README.md must mark the loop once with {MARK}"
     block = text.split(MARK, 1)[1].lstrip("\n")
     assert block.startswith("```python\n"), "the marker must sit right before a ```python fence"
-    return block[len("```python\n"):].split("\n```", 1)[0]
+    return block[len("```python\n") :].split("\n```", 1)[0]
 
 
 def test_readme_loop_learns():
@@ -49,14 +57,16 @@ def test_readme_loop_learns():
 
 @pytest.fixture(scope="module")
 def setup():
-    state = init_state(init(CFG, jax.random.key(0), std=0.3), optax.adam(1e-2), key=jax.random.key(1))
+    state = init_state(
+        init(CFG, jax.random.key(0), std=0.3), optax.adam(1e-2), key=jax.random.key(1)
+    )
     lengths = [LP, 5]
     ids = np.zeros((P, LP), np.int32)
     pm = np.zeros((P, LP), np.int32)
     rng = np.random.default_rng(0)
     for i, n in enumerate(lengths):
-        ids[i, LP - n:] = rng.integers(4, CFG.vocab_size, n)
-        pm[i, LP - n:] = 1
+        ids[i, LP - n :] = rng.integers(4, CFG.vocab_size, n)
+        pm[i, LP - n :] = 1
     ids, pm = jnp.asarray(ids), jnp.asarray(pm)
     rollout = sample(state, ids, pm, ROLLOUT)
     batch = {"prompt_ids": ids, "prompt_mask": pm, "tokens": rollout.tokens, "mask": rollout.mask}
@@ -77,10 +87,17 @@ def test_sample(setup):
         assert np.all(t[n:] == ROLLOUT.pad_id)
     np.testing.assert_array_equal(rollout.lengths, mask.sum(-1))
     np.testing.assert_array_equal(rollout.finished, (tokens == EOS).any(-1))
-    assert np.all(np.asarray(rollout.logprobs)[mask == 0] == 0.0) and np.all(np.asarray(rollout.logprobs) <= 0.0)
+    assert np.all(np.asarray(rollout.logprobs)[mask == 0] == 0.0) and np.all(
+        np.asarray(rollout.logprobs) <= 0.0
+    )
     # the default key is derived from the state's key and step
-    again = sample(state, batch["prompt_ids"], batch["prompt_mask"], ROLLOUT,
-                   key=jax.random.fold_in(state.key, state.step))
+    again = sample(
+        state,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        ROLLOUT,
+        key=jax.random.fold_in(state.key, state.step),
+    )
     np.testing.assert_array_equal(again.tokens, rollout.tokens)
 
 
@@ -90,16 +107,22 @@ def test_logprobs_equal_the_samplers(setup):
     chex.assert_shape(lp, (P, G, N))
     chex.assert_type(lp, jnp.float32)
     mask = np.asarray(rollout.mask) > 0
-    np.testing.assert_allclose(np.where(mask, lp, 0.0), np.where(mask, rollout.logprobs, 0.0), atol=1e-4)
+    np.testing.assert_allclose(
+        np.where(mask, lp, 0.0), np.where(mask, rollout.logprobs, 0.0), atol=1e-4
+    )
 
 
 def direct_logprobs(policy, batch):
     """The completions' log-probs from the plain full-sequence forward: each completion after its
     own copy of the prompt, ``log_softmax`` of the model's logits at the previous position."""
-    ids = jnp.concatenate([jnp.repeat(batch["prompt_ids"], G, 0), batch["tokens"].reshape(P * G, N)], 1)
-    attn = jnp.concatenate([jnp.repeat(batch["prompt_mask"], G, 0), batch["mask"].reshape(P * G, N)], 1)
+    ids = jnp.concatenate(
+        [jnp.repeat(batch["prompt_ids"], G, 0), batch["tokens"].reshape(P * G, N)], 1
+    )
+    attn = jnp.concatenate(
+        [jnp.repeat(batch["prompt_mask"], G, 0), batch["mask"].reshape(P * G, N)], 1
+    )
     logits = policy(ids, attn)  # [B, LP + N, V]
-    logp = jax.nn.log_softmax(logits[:, LP - 1:-1], axis=-1)
+    logp = jax.nn.log_softmax(logits[:, LP - 1 : -1], axis=-1)
     return jnp.take_along_axis(logp, batch["tokens"].reshape(P * G, N, 1), axis=-1)[..., 0]
 
 
@@ -108,7 +131,9 @@ def test_forward_backward_equals_grad_of_the_composed_loss(setup):
     rng = np.random.default_rng(1)
     mask = np.asarray(rollout.mask).reshape(P * G, N) > 0
     # old log-probs off the policy's so that tokens fall on both sides of the clip range
-    old = jnp.asarray(np.asarray(rollout.logprobs).reshape(P * G, N) + rng.normal(0, 0.3, (P * G, N)), jnp.float32)
+    old = jnp.asarray(
+        np.asarray(rollout.logprobs).reshape(P * G, N) + rng.normal(0, 0.3, (P * G, N)), jnp.float32
+    )
     adv = jnp.asarray(rng.normal(size=P * G), jnp.float32)
     batch = {**batch, "old_logp": old, "advantages": adv}
     ppo = policy_loss("ppo")
@@ -118,7 +143,9 @@ def test_forward_backward_equals_grad_of_the_composed_loss(setup):
         per_token, metrics = ppo(logp, batch["old_logp"], batch["advantages"], mask)
         return masked_mean(per_token, mask), metrics
 
-    def direct(policy):  # the same loss written out: token-mean of PPO's pessimistic clipped surrogate
+    def direct(
+        policy,
+    ):  # the same loss written out: token-mean of PPO's pessimistic clipped surrogate
         r = jnp.exp(direct_logprobs(policy, batch) - old)
         a = adv[:, None]
         per_token = jnp.maximum(-a * r, -a * jnp.clip(r, 0.8, 1.2))
@@ -133,7 +160,9 @@ def test_forward_backward_equals_grad_of_the_composed_loss(setup):
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want)):
         scale = float(jnp.max(jnp.abs(w)))
         assert scale > 0, path
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_optim_step_equals_optax_by_hand(setup):
@@ -146,8 +175,10 @@ def test_optim_step_equals_optax_by_hand(setup):
     params, opt_state = state.policy, opt.init(state.policy)
     step = jax.jit(optim_step)
     for k in range(2):
-        grads = jax.tree.unflatten(treedef, [jax.random.normal(key, x.shape, x.dtype)
-                                             for key, x in zip(keys[k::2], leaves)])
+        grads = jax.tree.unflatten(
+            treedef,
+            [jax.random.normal(key, x.shape, x.dtype) for key, x in zip(keys[k::2], leaves)],
+        )
         state = step(state, grads)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -155,5 +186,9 @@ def test_optim_step_equals_optax_by_hand(setup):
         chex.assert_trees_all_close(state.opt_state, opt_state, rtol=1e-6, atol=1e-7)
         assert int(state.step) == k + 1
     chex.assert_trees_all_equal_shapes_and_dtypes(state.policy, setup[0].policy)
-    assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.policy, setup[0].policy))
-    np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(jax.random.key(3)))
+    assert not jax.tree.all(
+        jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.policy, setup[0].policy)
+    )
+    np.testing.assert_array_equal(
+        jax.random.key_data(state.key), jax.random.key_data(jax.random.key(3))
+    )

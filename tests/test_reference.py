@@ -66,7 +66,9 @@ def test_static_and_ema():
     assert static()(ref, pol, 5, {}) is ref
     alpha = 0.25
     got = jax.jit(ema(alpha))(ref, pol, 3, {})
-    for x, want, leaf in zip(np_leaves(got), np_mix(np_leaves(ref), np_leaves(pol), alpha), jax.tree.leaves(ref)):
+    for x, want, leaf in zip(
+        np_leaves(got), np_mix(np_leaves(ref), np_leaves(pol), alpha), jax.tree.leaves(ref)
+    ):
         tol = 1e-2 if leaf.dtype == jnp.bfloat16 else 1e-6
         np.testing.assert_allclose(x, want, rtol=tol, atol=tol)
     assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, ref)
@@ -92,7 +94,9 @@ def test_periodic_and_mixup_schedules():
     assert_tree_close(periodic(1)(ref0, policies[0], jnp.asarray(0), {}), ref0)
     # mixup(1, a) == ema(a); mixup(every, 1) == periodic(every)
     assert_tree_close(mixup(1, 0.3)(ref0, policies[0], 7, {}), ema(0.3)(ref0, policies[0], 7, {}))
-    assert_tree_close(mixup(2, 1.0)(ref0, policies[0], 4, {}), periodic(2)(ref0, policies[0], 4, {}))
+    assert_tree_close(
+        mixup(2, 1.0)(ref0, policies[0], 4, {}), periodic(2)(ref0, policies[0], 4, {})
+    )
 
 
 @pytest.mark.parametrize("mode", ["hard", "mixup"])
@@ -177,7 +181,12 @@ def test_config_validation():
 @pytest.mark.parametrize("smallest_first", [False, True])
 def test_params_equal_is_bitwise_equality(smallest_first):
     from relax.objectives.reference import params_equal
-    a = {"big": jnp.arange(12.0).reshape(3, 4), "small": jnp.ones(2), "n": jnp.zeros((2, 2), jnp.bfloat16)}
+
+    a = {
+        "big": jnp.arange(12.0).reshape(3, 4),
+        "small": jnp.ones(2),
+        "n": jnp.zeros((2, 2), jnp.bfloat16),
+    }
     b = jax.tree.map(jnp.copy, a)
     eq = jax.jit(lambda x, y: params_equal(x, y, smallest_first=smallest_first))
     assert bool(eq(a, b))

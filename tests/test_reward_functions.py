@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from relax.rewards.builtin import (
-    BUILTIN_REWARDS,
     exact_match,
     extract_number,
     format_reward,
@@ -22,8 +21,19 @@ from relax.rewards.builtin import (
     numeric_match,
     parse_answer_number,
 )
-from relax.rewards.functions import RewardError, RewardFunction, combine_checked, score, score_groups
-from relax.rewards.token_rewards import TokenRewardFunction, length_reward, score_tokens, token_match_reward
+from relax.rewards.functions import (
+    RewardError,
+    RewardFunction,
+    combine_checked,
+    score,
+    score_groups,
+)
+from relax.rewards.token_rewards import (
+    TokenRewardFunction,
+    length_reward,
+    score_tokens,
+    token_match_reward,
+)
 
 NAN = np.nan
 PROMPTS = ["p0", "p1", "p2"]
@@ -35,7 +45,10 @@ COMPLETIONS = ["4", "seven", "x"]
 
 def graded(prompts, completions, answer, difficulty, **_):
     """Uses two extra dataset columns; None where the answer is unknown."""
-    return [None if a is None else (float(c == a) * d) for c, a, d in zip(completions, answer, difficulty)]
+    return [
+        None if a is None else (float(c == a) * d)
+        for c, a, d in zip(completions, answer, difficulty)
+    ]
 
 
 def length_fn(prompts, completions, **_):
@@ -46,7 +59,9 @@ def test_score_fields_none_and_weights():
     fields = {"answer": ["4", "7", None], "difficulty": [2.0, 3.0, 1.0]}
     total, per, info = score(
         [RewardFunction(graded, weight=0.5), RewardFunction(length_fn, name="len", weight=-1.0)],
-        PROMPTS, COMPLETIONS, fields,
+        PROMPTS,
+        COMPLETIONS,
+        fields,
     )
     np.testing.assert_array_equal(per["graded"], np.array([2.0, 0.0, NAN], np.float32))
     np.testing.assert_array_equal(per["len"], [1.0, 5.0, 1.0])
@@ -62,14 +77,20 @@ def test_score_all_missing_and_plain_callables():
     def none_fn(prompts, completions, **_):
         return [None, 1.0, None]
 
-    total, per, info = score([none_fn], PROMPTS, COMPLETIONS)  # plain callable: weight 1, its __name__
+    total, per, info = score(
+        [none_fn], PROMPTS, COMPLETIONS
+    )  # plain callable: weight 1, its __name__
     np.testing.assert_array_equal(total, [NAN, 1.0, NAN])
     assert list(per) == ["none_fn"] and info["all_missing"] == 2
     total0, _, _ = score([none_fn], PROMPTS, COMPLETIONS, all_missing="zero")  # TRL's nansum
     np.testing.assert_array_equal(total0, [0.0, 1.0, 0.0])
     # functools.partial is named after the wrapped function
-    total_p, per_p, _ = score([functools.partial(graded, difficulty=[1, 1, 1])], PROMPTS, COMPLETIONS,
-                              {"answer": ["4", "4", "4"]})
+    total_p, per_p, _ = score(
+        [functools.partial(graded, difficulty=[1, 1, 1])],
+        PROMPTS,
+        COMPLETIONS,
+        {"answer": ["4", "4", "4"]},
+    )
     assert list(per_p) == ["graded"]
     np.testing.assert_array_equal(total_p, [1.0, 0.0, 0.0])
 
@@ -95,10 +116,16 @@ def test_score_input_validation():
         ([1.0, [1, 2], 0.0], r"'bad' returned non-numeric .* at sample 1"),
         ([1.0, float("inf"), 0.0], r"'bad' returned inf at sample 1"),
         # finite as a Python float, infinite in float32: would turn the loss into NaN
-        ([1.0, 1e39, 0.0], r"'bad' returned 1e\+39 at sample 1 \(beyond float32's \+-3.402823e\+38\).*"
-                           r"\(completion='seven'\)"),
+        (
+            [1.0, 1e39, 0.0],
+            r"'bad' returned 1e\+39 at sample 1 \(beyond float32's \+-3.402823e\+38\).*"
+            r"\(completion='seven'\)",
+        ),
         ([np.float64(-4e38), 0.0, 0.0], r"'bad' returned -4e\+38 at sample 0 \(beyond float32"),
-        ([0.0, 0.0, 10**400], r"'bad' returned 1000.*\[401 chars\] at sample 2 \(beyond float32.*completion='x'"),
+        (
+            [0.0, 0.0, 10**400],
+            r"'bad' returned 1000.*\[401 chars\] at sample 2 \(beyond float32.*completion='x'",
+        ),
         (3.0, r"'bad' returned float"),
     ],
 )
@@ -111,18 +138,28 @@ def test_score_return_contract(out, match):
 
 def test_weighted_sum_overflow_names_functions_and_sample():
     big = RewardFunction(lambda p, c, **_: [1.0, 3e38, None], name="big", weight=2.0)
-    with pytest.raises(RewardError, match=r"weighted sum of the rewards overflows float32 at sample 1: "
-                                          r"'big': 2 x 3e\+38 \(completion='seven'\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"weighted sum of the rewards overflows float32 at sample 1: "
+        r"'big': 2 x 3e\+38 \(completion='seven'\)",
+    ):
         score([big], PROMPTS, COMPLETIONS)
     also = RewardFunction(lambda p, c, **_: [None, 2e38, 1.0], name="also")
     more = RewardFunction(lambda p, c, **_: [None, 2e38, 1e38], name="more", weight=1.5)
-    with pytest.raises(RewardError, match=r"at sample 1: 'more': 1.5 x 2e\+38, 'also': 1 x 2e\+38 "):
+    with pytest.raises(
+        RewardError, match=r"at sample 1: 'more': 1.5 x 2e\+38, 'also': 1 x 2e\+38 "
+    ):
         score([more, also], PROMPTS, COMPLETIONS)  # sample 2: 1.5e38 + 1 is fine
-    total = combine_checked({"a": np.full((2, 2), 2e38), "b": np.array([[1.0, NAN], [NAN, NAN]])},
-                            {"a": 1.0, "b": 1.0})
+    total = combine_checked(
+        {"a": np.full((2, 2), 2e38), "b": np.array([[1.0, NAN], [NAN, NAN]])}, {"a": 1.0, "b": 1.0}
+    )
     np.testing.assert_array_equal(total, np.full((2, 2), 2e38, np.float32))
-    with pytest.raises(RewardError, match=r"at sample 3 \(prompt 1, completion 1\): 'a': -1 x 2e\+38, 'b'"):
-        combine_checked({"a": np.array([[0.0, 0], [0, 2e38]]), "b": np.full((2, 2), -2e38)}, {"a": -1, "b": 1})
+    with pytest.raises(
+        RewardError, match=r"at sample 3 \(prompt 1, completion 1\): 'a': -1 x 2e\+38, 'b'"
+    ):
+        combine_checked(
+            {"a": np.array([[0.0, 0], [0, 2e38]]), "b": np.full((2, 2), -2e38)}, {"a": -1, "b": 1}
+        )
 
 
 def test_score_numeric_types():
@@ -155,7 +192,9 @@ def test_raising_function_unlocatable():
             raise RuntimeError("needs a batch of one")
         return [0.0]
 
-    with pytest.raises(RewardError, match="'batch_only' raised RuntimeError.*batch of 3.*no single sample"):
+    with pytest.raises(
+        RewardError, match="'batch_only' raised RuntimeError.*batch of 3.*no single sample"
+    ):
         score([batch_only], PROMPTS, COMPLETIONS)
 
 
@@ -182,7 +221,9 @@ def test_timeout_raise_and_missing():
             score([slow, length_fn], PROMPTS, COMPLETIONS, timeout_s=0.2)
         assert time.perf_counter() - t0 < 1.0
         t0 = time.perf_counter()
-        total, per, info = score([slow, length_fn], PROMPTS, COMPLETIONS, timeout_s=0.2, on_error="missing")
+        total, per, info = score(
+            [slow, length_fn], PROMPTS, COMPLETIONS, timeout_s=0.2, on_error="missing"
+        )
         assert time.perf_counter() - t0 < 1.0
         assert np.isnan(per["slow"]).all() and info["timeouts"] == 1 and info["failed"] == ("slow",)
         np.testing.assert_array_equal(total, [1.0, 5.0, 1.0])
@@ -227,16 +268,36 @@ def test_extract_number(text, expected):
 
 @pytest.mark.parametrize(
     "answer, expected",
-    [(72, 72.0), (-2.5, -2.5), ("1,234", 1234.0), ("Natalia sold 48/2 = 24 clips.\n#### 72", 72.0),
-     ("$5.", 5.0), ("\\frac{1}{3}", 1 / 3), ("x + 1", None), ("3 or 4", None), (None, None), (True, None),
-     (float("nan"), None), ([1], None)],
+    [
+        (72, 72.0),
+        (-2.5, -2.5),
+        ("1,234", 1234.0),
+        ("Natalia sold 48/2 = 24 clips.\n#### 72", 72.0),
+        ("$5.", 5.0),
+        ("\\frac{1}{3}", 1 / 3),
+        ("x + 1", None),
+        ("3 or 4", None),
+        (None, None),
+        (True, None),
+        (float("nan"), None),
+        ([1], None),
+    ],
 )
 def test_parse_answer_number(answer, expected):
     assert parse_answer_number(answer) == expected
 
 
 def test_numeric_match():
-    completions = ["so \\boxed{72}", "#### 1,234", "it is -0.5", "0.3333333", "0.333", "none", "7", "7"]
+    completions = [
+        "so \\boxed{72}",
+        "#### 1,234",
+        "it is -0.5",
+        "0.3333333",
+        "0.333",
+        "none",
+        "7",
+        "7",
+    ]
     answer = ["72", 1234, -0.5, "\\frac{1}{3}", 1 / 3, 5, "seven", None]
     out = numeric_match(["q"] * 8, completions, answer=answer)
     assert out == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, None, None]
@@ -246,7 +307,12 @@ def test_numeric_match():
 
 
 def test_exact_match_and_answer_field():
-    out = exact_match(["q"] * 4, ["  Paris\n", "paris", "4", "x"], answer=["Paris", "Paris", 4, None], extra=[0] * 4)
+    out = exact_match(
+        ["q"] * 4,
+        ["  Paris\n", "paris", "4", "x"],
+        answer=["Paris", "Paris", 4, None],
+        extra=[0] * 4,
+    )
     assert out == [1.0, 0.0, 1.0, None]
     em = make_exact_match("solution")
     assert em(["q"], ["b"], solution=["b"]) == [1.0]
@@ -264,10 +330,20 @@ def test_format_reward():
 
 def test_builtins_registry_through_score():
     assert get_reward("numeric_match") is numeric_match
-    with pytest.raises(ValueError, match="unknown reward 'accuracy'; valid: code_exec, exact_match, format_reward, math_verify, numeric_match"):
+    with pytest.raises(
+        ValueError,
+        match="unknown reward 'accuracy'; valid: code_exec, exact_match, format_reward, math_verify, numeric_match",
+    ):
         get_reward("accuracy")
-    fns = [RewardFunction(get_reward(n), weight=w) for n, w in (("numeric_match", 1.0), ("format_reward", 0.1))]
-    completions = ["<think>2+2</think> <answer>\\boxed{4}</answer>", "5", "<think></think><answer>x</answer>"]
+    fns = [
+        RewardFunction(get_reward(n), weight=w)
+        for n, w in (("numeric_match", 1.0), ("format_reward", 0.1))
+    ]
+    completions = [
+        "<think>2+2</think> <answer>\\boxed{4}</answer>",
+        "5",
+        "<think></think><answer>x</answer>",
+    ]
     total, per, _ = score(fns, PROMPTS, completions, {"answer": ["4", "4", None]})
     np.testing.assert_allclose(total, [1.1, 0.0, 0.1], rtol=1e-6)
     assert set(per) == {"numeric_match", "format_reward"}
@@ -310,15 +386,23 @@ def test_score_tokens_infinite_values_raise():
 
     for value in (jnp.inf, -jnp.inf):
         fn = TokenRewardFunction(at(value), "blowup")
-        with pytest.raises(RewardError, match=rf"token reward 'blowup' returned {value} at sample 2 "
-                                              r"\(prompt 1, completion 0\)"):
+        with pytest.raises(
+            RewardError,
+            match=rf"token reward 'blowup' returned {value} at sample 2 "
+            r"\(prompt 1, completion 0\)",
+        ):
             score_tokens([length_reward(), fn], p_ids, p_mask, c_ids, c_mask)
     big = TokenRewardFunction(at(3e38, 0, 1), "big", weight=2.0)
-    with pytest.raises(RewardError, match=r"overflows float32 at sample 1 \(prompt 0, completion 1\): "
-                                          r"'big': 2 x 3e\+38, 'length': 1 x 4"):  # sorted names
+    with pytest.raises(
+        RewardError,
+        match=r"overflows float32 at sample 1 \(prompt 0, completion 1\): "
+        r"'big': 2 x 3e\+38, 'length': 1 x 4",
+    ):  # sorted names
         score_tokens([length_reward(), big], p_ids, p_mask, c_ids, c_mask)
     total, _ = score_tokens([TokenRewardFunction(at(jnp.nan), "gap")], p_ids, p_mask, c_ids, c_mask)
-    assert np.isnan(total[1, 0]) and np.count_nonzero(np.isnan(total)) == 1  # NaN: missing, no error
+    assert (
+        np.isnan(total[1, 0]) and np.count_nonzero(np.isnan(total)) == 1
+    )  # NaN: missing, no error
 
 
 def test_hung_thread_does_not_block_exit():
@@ -348,13 +432,21 @@ def test_score_groups_repeats_prompt_and_fields_over_the_group():
 
     def fn(prompts, completions, answer, **_):
         seen.extend(zip(prompts, completions, answer))
-        return [float(len(c.split())) + (10.0 if a == "y" else 0.0) for c, a in zip(completions, answer)]
+        return [
+            float(len(c.split())) + (10.0 if a == "y" else 0.0) for c, a in zip(completions, answer)
+        ]
 
-    total, per, _, completions = score_groups([fn], decode, ["a", "b", "c"], {"answer": ["x", "y", "x"]},
-                                              tokens, mask)
+    total, per, _, completions = score_groups(
+        [fn], decode, ["a", "b", "c"], {"answer": ["x", "y", "x"]}, tokens, mask
+    )
     assert completions == ["1 2", "3", "4 5 6", "7 8", "9", "1 1 1"]
-    assert seen == [("a", "1 2", "x"), ("a", "3", "x"), ("b", "4 5 6", "y"), ("b", "7 8", "y"),
-                    ("c", "9", "x"), ("c", "1 1 1", "x")]
+    assert seen == [
+        ("a", "1 2", "x"),
+        ("a", "3", "x"),
+        ("b", "4 5 6", "y"),
+        ("b", "7 8", "y"),
+        ("c", "9", "x"),
+        ("c", "1 1 1", "x"),
+    ]
     np.testing.assert_array_equal(total, [[2, 1], [13, 12], [1, 3]])
     np.testing.assert_array_equal(per["fn"], total)
-

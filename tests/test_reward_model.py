@@ -11,28 +11,37 @@ import numpy as np
 import optax
 import pytest
 from safetensors.numpy import load_file, save_file
+from test_hf import random_model, tiny
 
 from relax.algorithms.online.batch import HostRecord, Rollout
-from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.online.stages import make_score
+from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.loss import make_loss, pair_normalizers
-from relax.algorithms.reward_model.step import (evaluate_pairs, init_reward_model_state, make_reward_model_step,
-                                                pair_data)
-from relax.data.pairs import PairBatch
+from relax.algorithms.reward_model.step import (
+    evaluate_pairs,
+    init_reward_model_state,
+    make_reward_model_step,
+    pair_data,
+)
 from relax.compose import WithHost
+from relax.data.pairs import PairBatch
 from relax.models.forward.config import ForwardConfig
 from relax.models.heads.critic import save_critic
+from relax.models.heads.reward_model import (
+    RewardModel,
+    init_reward_model,
+    load_reward_model,
+    save_reward_model,
+    sequence_rewards,
+)
 from relax.models.hf.checkpoint import HFFormatError, save_pretrained
-from relax.models.heads.reward_model import (RewardModel, init_reward_model, load_reward_model, save_reward_model,
-                                       sequence_rewards)
 from relax.passes import Passes
 from relax.rewards.functions import RewardFunction
-from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.rewards.model import RewardModelScorer, reward_model_reward
+from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state
 from relax.train.update import make_update
-from test_hf import random_model, tiny
 
 P, G, N, LP = 3, 2, 5, 6
 PAD = 0
@@ -41,7 +50,11 @@ _rewards = jax.jit(sequence_rewards)
 
 def _reward_model(name, seed=0):
     backbone = random_model(tiny(name, pad_token_id=PAD), seed)
-    head = np.random.default_rng(seed + 1).standard_normal(backbone.config.hidden_size).astype(np.float32)
+    head = (
+        np.random.default_rng(seed + 1)
+        .standard_normal(backbone.config.hidden_size)
+        .astype(np.float32)
+    )
     return RewardModel(init_reward_model(backbone, head_std=0.0).backbone, jnp.asarray(0.5 * head))
 
 
@@ -78,8 +91,14 @@ def _sequences(batch, *, left: bool):
     return ids, att
 
 
-@pytest.mark.parametrize("name", ["qwen3_gqa_head_dim", pytest.param("gemma3_mixed_tied", marks=pytest.mark.slow),
-                                  pytest.param("llama3_gqa_tied", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_gqa_head_dim",
+        pytest.param("gemma3_mixed_tied", marks=pytest.mark.slow),
+        pytest.param("llama3_gqa_tied", marks=pytest.mark.slow),
+    ],
+)
 def test_saved_reward_model_scores_like_transformers(name, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -88,16 +107,25 @@ def test_saved_reward_model_scores_like_transformers(name, tmp_path):
     save_reward_model(rm, tmp_path / "rm")
     config = json.loads((tmp_path / "rm" / "config.json").read_text())
     tensors = load_file(tmp_path / "rm" / "model.safetensors")
-    assert config["architectures"][0].endswith("ForSequenceClassification") and config["pad_token_id"] == PAD
+    assert (
+        config["architectures"][0].endswith("ForSequenceClassification")
+        and config["pad_token_id"] == PAD
+    )
     assert "score.bias" not in tensors and "lm_head.weight" not in tensors
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32).eval()
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "rm", dtype=torch.float32
+    ).eval()
     assert type(hf).__name__ == config["architectures"][0] and hf.config.num_labels == 1
     got = np.asarray(_rewards(rm, *batch)).reshape(P * G)
     assert got.dtype == np.float32 and np.all(np.isfinite(got))
     for left in (False, True):
         ids, att = _sequences(batch, left=left)
         with torch.no_grad():  # transformers' own call: positions 0.. including the left padding
-            want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(att)).logits[:, 0].numpy()
+            want = (
+                hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(att))
+                .logits[:, 0]
+                .numpy()
+            )
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"left={left}")
 
 
@@ -108,21 +136,32 @@ def test_reward_is_read_at_the_last_valid_token():
     prompt_ids, prompt_mask, tokens, mask = _batch(rm.config.vocab_size)
     r = np.asarray(_rewards(rm, prompt_ids, prompt_mask, tokens, mask))
     garbage = jnp.where(mask > 0, tokens, 5)
-    np.testing.assert_allclose(np.asarray(_rewards(rm, prompt_ids, prompt_mask, garbage, mask)), r, atol=1e-6)
-    plain = np.asarray(jax.jit(lambda *b: sequence_rewards(rm, *b, ignore_pad_tokens=False))(
-        prompt_ids, prompt_mask, tokens, mask))
+    np.testing.assert_allclose(
+        np.asarray(_rewards(rm, prompt_ids, prompt_mask, garbage, mask)), r, atol=1e-6
+    )
+    plain = np.asarray(
+        jax.jit(lambda *b: sequence_rewards(rm, *b, ignore_pad_tokens=False))(
+            prompt_ids, prompt_mask, tokens, mask
+        )
+    )
     changed = np.zeros((P, G), bool)
     changed[1, 1] = True  # the completion ending in the pad id
     np.testing.assert_allclose(plain[~changed], r[~changed], atol=1e-6)
     assert abs(plain[1, 1] - r[1, 1]) > 1e-4
-    grouped = jax.jit(lambda *b: sequence_rewards(rm, *b, groups_per_pass=1))(prompt_ids, prompt_mask, tokens, mask)
+    grouped = jax.jit(lambda *b: sequence_rewards(rm, *b, groups_per_pass=1))(
+        prompt_ids, prompt_mask, tokens, mask
+    )
     np.testing.assert_allclose(np.asarray(grouped), r, atol=1e-5)
 
 
 def test_load_round_trip_and_config(tmp_path):
     policy = random_model(tiny("llama2_mha_untied"))
     rm = init_reward_model(policy, jax.random.key(1), pad_token_id=3)
-    assert rm.config.pad_token_id == 3 and rm.config is rm.backbone.config and rm.backbone.lm_head is None
+    assert (
+        rm.config.pad_token_id == 3
+        and rm.config is rm.backbone.config
+        and rm.backbone.lm_head is None
+    )
     assert 0.01 < float(jnp.std(rm.head)) < 0.03
     with pytest.raises(ValueError, match="needs a key"):
         init_reward_model(policy)
@@ -143,22 +182,35 @@ def test_load_round_trip_and_config(tmp_path):
 def test_bad_reward_model_directories(tmp_path):
     rm = _reward_model("qwen3_gqa_head_dim")
     save_pretrained(rm.backbone, tmp_path / "policy")
-    with pytest.raises(HFFormatError, match=r"policy/model\.safetensors: no tensor 'score\.weight'.*"
-                                            r"causal LM.*init_reward_model"):
+    with pytest.raises(
+        HFFormatError,
+        match=r"policy/model\.safetensors: no tensor 'score\.weight'.*"
+        r"causal LM.*init_reward_model",
+    ):
         load_reward_model(tmp_path / "policy")
     critic = rm.as_critic()
     save_critic(type(critic)(critic.backbone, critic.head, jnp.float32(0.5)), tmp_path / "token")
-    with pytest.raises(HFFormatError, match=r"token/config\.json: field 'architectures'.*ForTokenClassification"):
+    with pytest.raises(
+        HFFormatError, match=r"token/config\.json: field 'architectures'.*ForTokenClassification"
+    ):
         load_reward_model(tmp_path / "token")
 
     save_reward_model(rm, tmp_path / "rm")
     path = tmp_path / "rm" / "model.safetensors"
     tensors = load_file(path)
-    save_file({**tensors, "score.weight": np.zeros((2, 64), np.float32)}, path, metadata={"format": "pt"})
-    with pytest.raises(HFFormatError, match=r"rm/model\.safetensors: tensor 'score\.weight' has shape \[2, 64\]"):
+    save_file(
+        {**tensors, "score.weight": np.zeros((2, 64), np.float32)}, path, metadata={"format": "pt"}
+    )
+    with pytest.raises(
+        HFFormatError, match=r"rm/model\.safetensors: tensor 'score\.weight' has shape \[2, 64\]"
+    ):
         load_reward_model(tmp_path / "rm")
-    save_file({**tensors, "score.bias": np.zeros((1,), np.float32)}, path, metadata={"format": "pt"})
-    with pytest.raises(HFFormatError, match=r"rm/model\.safetensors: unexpected tensor 'score\.bias'"):
+    save_file(
+        {**tensors, "score.bias": np.zeros((1,), np.float32)}, path, metadata={"format": "pt"}
+    )
+    with pytest.raises(
+        HFFormatError, match=r"rm/model\.safetensors: unexpected tensor 'score\.bias'"
+    ):
         load_reward_model(tmp_path / "rm")
     del tensors["score.weight"]
     save_file(tensors, path, metadata={"format": "pt"})
@@ -167,6 +219,7 @@ def test_bad_reward_model_directories(tmp_path):
 
 
 # ----------------------------------------------------------------------------- training
+
 
 def _pairs(rng, n, vocab=97, lp=4, n_tok=4):
     """A synthetic preference set: random prompts and completions (lengths vary, right-padded); a
@@ -181,16 +234,21 @@ def _pairs(rng, n, vocab=97, lp=4, n_tok=4):
     tokens[last(0)] = rng.integers(10, 30, n)
     tokens[last(1)] = rng.integers(40, 60, n)
     prompt_ids[prompt_mask == 0], tokens[mask == 0] = PAD, PAD
-    return PairBatch(prompt_ids=prompt_ids.astype(np.int32), prompt_mask=prompt_mask, tokens=tokens.astype(np.int32),
-                     mask=mask)
+    return PairBatch(
+        prompt_ids=prompt_ids.astype(np.int32),
+        prompt_mask=prompt_mask,
+        tokens=tokens.astype(np.int32),
+        mask=mask,
+    )
 
 
 @pytest.mark.slow  # the command line's learning test (tests/test_offline.py) is the fast one
 def test_bradley_terry_training_raises_held_out_accuracy():
     rng = np.random.default_rng(0)
     cfg = RewardModelConfig(grad_accum=1, optimizer=OptimizerConfig(learning_rate=3e-3))
-    state = init_reward_model_state(cfg, random_model(tiny("qwen3_gqa_head_dim", pad_token_id=PAD)),
-                                    jax.random.key(0))
+    state = init_reward_model_state(
+        cfg, random_model(tiny("qwen3_gqa_head_dim", pad_token_id=PAD)), jax.random.key(0)
+    )
     assert isinstance(state.policy, RewardModel) and state.policy.config.vocab_size == 97
     held_out = _pairs(np.random.default_rng(99), 64)
     before = evaluate_pairs(state.policy, held_out)
@@ -200,10 +258,20 @@ def test_bradley_terry_training_raises_held_out_accuracy():
         state, out = step(state, jax.tree.map(jnp.asarray, _pairs(rng, 16)))
         losses.append(float(out.metrics["loss"]))
     m, health = out.metrics, out.health
-    assert {"loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected", "grad_norm",
-            "skipped_updates"} <= set(m)
-    assert {k: int(v) for k, v in health.items()} == {"first_nonfinite_grad": -1, "first_nonfinite": -1,
-                                                       "consecutive_skips": 0}
+    assert {
+        "loss",
+        "accuracy",
+        "margin",
+        "rewards/chosen",
+        "rewards/rejected",
+        "grad_norm",
+        "skipped_updates",
+    } <= set(m)
+    assert {k: int(v) for k, v in health.items()} == {
+        "first_nonfinite_grad": -1,
+        "first_nonfinite": -1,
+        "consecutive_skips": 0,
+    }
     assert int(state.step) == 30
     after = evaluate_pairs(state.policy, held_out)
     sliced = evaluate_pairs(state.policy, held_out, pairs_per_pass=24)  # 24 + 24 + 16 (+ 8 padding)
@@ -220,14 +288,21 @@ def test_grad_accumulation_does_not_change_the_update(center, margin):
     rm = _reward_model("qwen3_gqa_head_dim")
     batch = jax.tree.map(jnp.asarray, _pairs(np.random.default_rng(1), 4))
     if margin:  # and a padding pair, which counts nowhere
-        batch = dataclasses.replace(batch, margin=jnp.asarray([0.0, 0.5, -0.3, 1.0], jnp.float32),
-                                    loss_mask=jnp.asarray([1, 1, 0, 1], jnp.int32))
+        batch = dataclasses.replace(
+            batch,
+            margin=jnp.asarray([0.0, 0.5, -0.3, 1.0], jnp.float32),
+            loss_mask=jnp.asarray([1, 1, 0, 1], jnp.int32),
+        )
     data = pair_data(batch, rm.config)
     cfg = RewardModelConfig(center_rewards_coefficient=center)
     outs = []
     for accum in (1, 2):
         opt = optax.sgd(0.1)
-        update = jax.jit(make_update(make_loss(cfg, Passes()), opt, grad_accum=accum, normalizers=pair_normalizers))
+        update = jax.jit(
+            make_update(
+                make_loss(cfg, Passes()), opt, grad_accum=accum, normalizers=pair_normalizers
+            )
+        )
         outs.append(update(rm, opt.init(rm), data, jax.random.key(0)))
     (m1, _, met1), (m2, _, met2) = outs
     for k in ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected", "grad_norm"):
@@ -236,7 +311,9 @@ def test_grad_accumulation_does_not_change_the_update(center, margin):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     assert not np.allclose(np.asarray(m1.head), np.asarray(rm.head))
     # the loss is the mean over the real pairs of the batch (before the step)
-    r = np.asarray(_rewards(rm, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask), np.float64)
+    r = np.asarray(
+        _rewards(rm, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask), np.float64
+    )
     diff = r[:, 0] - r[:, 1] - (np.zeros(4) if batch.margin is None else np.asarray(batch.margin))
     per = np.log1p(np.exp(-diff)) + (center or 0.0) * (r[:, 0] + r[:, 1]) ** 2
     real = (np.ones(4) if batch.loss_mask is None else np.asarray(batch.loss_mask)) > 0
@@ -258,6 +335,7 @@ def test_the_step_state_has_the_models_config():
 
 # ----------------------------------------------------------------------------- as a reward
 
+
 def test_token_reward_matches_sequence_rewards():
     rm = _reward_model("qwen3_gqa_head_dim")
     prompt_ids, prompt_mask, tokens, mask = _batch(rm.config.vocab_size, seed=5)
@@ -266,7 +344,9 @@ def test_token_reward_matches_sequence_rewards():
     other = reward_model_reward(rm, name="rm_grouped", groups_per_pass=1)
     assert isinstance(fn, TokenRewardFunction) and isinstance(fn.fn, RewardModelScorer)
     assert hash(fn) == hash(fn) and fn.fn != other.fn and fn.fn == fn.fn  # identity: a jit static
-    total, per = score_tokens([fn, other], prompt_ids, prompt_mask.astype(bool), tokens, mask.astype(bool))
+    total, per = score_tokens(
+        [fn, other], prompt_ids, prompt_mask.astype(bool), tokens, mask.astype(bool)
+    )
     np.testing.assert_allclose(np.asarray(per["rm"]), want, atol=1e-5)
     np.testing.assert_allclose(np.asarray(per["rm_grouped"]), want, atol=1e-5)
     np.testing.assert_allclose(np.asarray(total), 3 * want, atol=1e-4)
@@ -274,9 +354,16 @@ def test_token_reward_matches_sequence_rewards():
     # to a host reward function
     one = RewardFunction(lambda prompts, completions, **_: [1.0] * len(completions), name="one")
     score = make_score([fn, one], decode=lambda tokens, mask: ["x"] * len(tokens))
-    rollout = Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, mask=mask,
-                      old_logprobs=jnp.zeros((P, G, N)), lengths=jnp.sum(mask, -1), finished=jnp.ones((P, G), bool),
-                      policy_version=jnp.zeros((P, G), jnp.int32))
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        tokens=tokens,
+        mask=mask,
+        old_logprobs=jnp.zeros((P, G, N)),
+        lengths=jnp.sum(mask, -1),
+        finished=jnp.ones((P, G), bool),
+        policy_version=jnp.zeros((P, G), jnp.int32),
+    )
     _, out = score(None, WithHost(rollout, HostRecord(prompts=["p"] * P, fields={})))
     np.testing.assert_allclose(np.asarray(out.device.reward_parts["rm"]), want, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.device.rewards), 2 * want + 1, atol=1e-4)
@@ -288,12 +375,15 @@ def test_text_reward_model_with_its_own_tokenizer(tmp_path):
     """A reward model with another tokenizer than the policy's scores the decoded texts: each
     sample equals ``sequence_rewards`` on that sample encoded by hand (BOS + prompt, completion +
     EOS), alone; batching, padding, buckets and truncation change nothing else."""
-    from relax.rewards.model import TextRewardModel
-    from relax.text import load_tokenizer
     from text_fixtures import make_model_dir
 
+    from relax.rewards.model import TextRewardModel
+    from relax.text import load_tokenizer
+
     tok = load_tokenizer(make_model_dir(tmp_path, "llama3"))
-    backbone = random_model(tiny("llama3_gqa_tied", vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id), 0)
+    backbone = random_model(
+        tiny("llama3_gqa_tied", vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id), 0
+    )
     head = np.random.default_rng(1).standard_normal(backbone.config.hidden_size).astype(np.float32)
     rm = RewardModel(backbone, jnp.asarray(0.5 * head))
     prompts = ["What is two plus two?", "Name a colour.", "What is two plus two?"]
@@ -305,8 +395,13 @@ def test_text_reward_model_with_its_own_tokenizer(tmp_path):
         ids = tok.encode(p, add_special_tokens=True)
         body = tok.encode(c, add_special_tokens=False)[:11] + [tok.eos_token_id]
         assert ids[0] == tok.bos_token_id
-        want = _rewards(rm, jnp.asarray([ids]), jnp.ones((1, len(ids)), jnp.int32), jnp.asarray([[body]]),
-                        jnp.ones((1, 1, len(body)), jnp.int32))
+        want = _rewards(
+            rm,
+            jnp.asarray([ids]),
+            jnp.ones((1, len(ids)), jnp.int32),
+            jnp.asarray([[body]]),
+            jnp.ones((1, 1, len(body)), jnp.int32),
+        )
         np.testing.assert_allclose(value, float(want[0, 0]), atol=1e-4)
     assert got[0] != got[2]
     with pytest.raises(ValueError, match="batch_size"):

@@ -13,7 +13,13 @@ import time
 import numpy as np
 import pytest
 
-from relax.rewards.functions import RewardError, RewardFunction, score, score_groups, start_score_groups
+from relax.rewards.functions import (
+    RewardError,
+    RewardFunction,
+    score,
+    score_groups,
+    start_score_groups,
+)
 from relax.rewards.pool import PendingScores, PoolConfig, RewardPool
 
 TIMEOUT_S = 0.5
@@ -39,21 +45,32 @@ def behave(prompts, completions, mode, **_):
             time.sleep(SLOW_S)
         if m == "cpu":
             import jax
-            out.append(float(jax.devices()[0].platform == "cpu" and jax.config.jax_platforms == "cpu"))
+
+            out.append(
+                float(jax.devices()[0].platform == "cpu" and jax.config.jax_platforms == "cpu")
+            )
             continue
-        out.append({"none": None, "pid": float(os.getpid())}.get(m, 1.0))  # pids < 2**22: exact in float32
+        out.append(
+            {"none": None, "pid": float(os.getpid())}.get(m, 1.0)
+        )  # pids < 2**22: exact in float32
     return out
 
 
 def make_contains(word):
     def contains(prompts, completions, **_):  # a closure: shipped by value
         return [None if not c else float(word in c) for c in completions]
+
     return contains
 
 
-FNS = (RewardFunction(length, weight=0.1), RewardFunction(make_contains("7"), weight=2.0),
-       RewardFunction(lambda prompts, completions, **_: [-1.0] * len(prompts), name="flat", weight=0.5),
-       RewardFunction(behave))
+FNS = (
+    RewardFunction(length, weight=0.1),
+    RewardFunction(make_contains("7"), weight=2.0),
+    RewardFunction(
+        lambda prompts, completions, **_: [-1.0] * len(prompts), name="flat", weight=0.5
+    ),
+    RewardFunction(behave),
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +86,11 @@ def pool():
 
 def batch(modes):
     n = len(modes)
-    return [f"p{i}" for i in range(n)], [("" if i % 5 == 4 else f"a{i}") for i in range(n)], {"mode": list(modes)}
+    return (
+        [f"p{i}" for i in range(n)],
+        [("" if i % 5 == 4 else f"a{i}") for i in range(n)],
+        {"mode": list(modes)},
+    )
 
 
 def test_values_equal_in_process_score(pool):
@@ -99,12 +120,16 @@ def test_chunks_of_three_and_score_groups():
         tokens = np.arange(12).reshape(2, 3, 2)
         decode = lambda t, m: [str(int(row.sum())) for row in t]  # noqa: E731
         want = score_groups(fns, decode, ["a", "b"], {}, tokens, tokens > 0)
-        for got in (score_groups(fns, decode, ["a", "b"], {}, tokens, tokens > 0, pool=p),
-                    start_score_groups(fns, decode, ["a", "b"], {}, tokens, tokens > 0, pool=p).result()):
+        for got in (
+            score_groups(fns, decode, ["a", "b"], {}, tokens, tokens > 0, pool=p),
+            start_score_groups(fns, decode, ["a", "b"], {}, tokens, tokens > 0, pool=p).result(),
+        ):
             np.testing.assert_array_equal(got[0], want[0])
             assert got[0].shape == (2, 3) and got[3] == want[3]
             np.testing.assert_array_equal(got[1]["contains"], want[1]["contains"])
-        assert {c.pid for c in multiprocessing.active_children()} - before != first  # 18 tasks, 5 a worker
+        assert {
+            c.pid for c in multiprocessing.active_children()
+        } - before != first  # 18 tasks, 5 a worker
 
 
 def test_raising_chunk_is_missing_or_raises(pool, caplog):
@@ -113,9 +138,16 @@ def test_raising_chunk_is_missing_or_raises(pool, caplog):
         per, info = pool.submit(prompts, completions, fields).result(on_error="missing")
     np.testing.assert_array_equal(per["behave"], [1.0, np.nan, 1.0, 1.0])
     np.testing.assert_array_equal(per["length"], [2, 2, 2, 2])
-    assert (info["errors"], info["timeouts"], info["crashes"], info["failed"]) == (1, 0, 0, ("behave",))
+    assert (info["errors"], info["timeouts"], info["crashes"], info["failed"]) == (
+        1,
+        0,
+        0,
+        ("behave",),
+    )
     assert "'behave' raised ValueError: boom" in caplog.text and "sample 1" in caplog.text
-    with pytest.raises(RewardError, match=r"'behave' raised ValueError: boom at sample 1 .*completion='a1'"):
+    with pytest.raises(
+        RewardError, match=r"'behave' raised ValueError: boom at sample 1 .*completion='a1'"
+    ):
         score(FNS, prompts, completions, fields, pool=pool)
 
 
@@ -137,8 +169,11 @@ def test_timeout_kills_the_chunk_and_the_pool_goes_on(pool):
     assert time.perf_counter() - t0 < TIMEOUT_S + 5
     np.testing.assert_array_equal(per["behave"], [1.0, np.nan, 1.0])
     assert (info["errors"], info["timeouts"], info["crashes"]) == (0, 1, 0)
-    with pytest.raises(RewardError, match=r"'behave' timed out after 0.5s \(its worker was killed .* on sample 1 "
-                                          r".*completion='a1'"):
+    with pytest.raises(
+        RewardError,
+        match=r"'behave' timed out after 0.5s \(its worker was killed .* on sample 1 "
+        r".*completion='a1'",
+    ):
         pool.submit(prompts, completions, fields).result(on_error="raise")
     per, info = pool.submit(*batch(["ok", "ok"])).result()
     np.testing.assert_array_equal(per["behave"], [1.0, 1.0])
@@ -148,13 +183,23 @@ def test_killed_worker_is_a_crash_and_the_pool_goes_on(pool):
     prompts, completions, fields = batch(["ok", "kill", "ok", "ok"])
     per, info = pool.submit(prompts, completions, fields).result(on_error="missing")
     np.testing.assert_array_equal(per["behave"], [1.0, np.nan, 1.0, 1.0])
-    assert (info["errors"], info["timeouts"], info["crashes"], info["failed"]) == (0, 0, 1, ("behave",))
-    with pytest.raises(RewardError, match=r"'behave' crashed its worker process \(exit code -9; replaced\) on "
-                                          r"sample 1 "):
+    assert (info["errors"], info["timeouts"], info["crashes"], info["failed"]) == (
+        0,
+        0,
+        1,
+        ("behave",),
+    )
+    with pytest.raises(
+        RewardError,
+        match=r"'behave' crashed its worker process \(exit code -9; replaced\) on "
+        r"sample 1 ",
+    ):
         pool.submit(prompts, completions, fields).result(on_error="raise")
     prompts, completions, fields = batch(["ok", "none", "ok"])
-    np.testing.assert_array_equal(score(FNS, prompts, completions, fields, pool=pool)[0],
-                                  score(FNS, prompts, completions, fields)[0])
+    np.testing.assert_array_equal(
+        score(FNS, prompts, completions, fields, pool=pool)[0],
+        score(FNS, prompts, completions, fields)[0],
+    )
 
 
 def wait_for_workers(pool, n, limit_s=30.0):
@@ -227,16 +272,24 @@ def test_pool_must_host_the_scored_functions(pool):
 
 def test_start_score_groups_without_pool_is_done():
     tokens = np.ones((1, 2, 3), np.int32)
-    handle = start_score_groups([length], lambda t, m: ["ab", "c"], ["p"], {}, tokens, tokens > 0, pool=None)
+    handle = start_score_groups(
+        [length], lambda t, m: ["ab", "c"], ["p"], {}, tokens, tokens > 0, pool=None
+    )
     assert handle.done()
     np.testing.assert_array_equal(handle.result()[0], [[2.0, 1.0]])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(num_workers=0), "num_workers"), (dict(chunk_size=1.5), "chunk_size"),
-    (dict(timeout_s=0), "timeout_s"), (dict(max_tasks_per_worker=0), "max_tasks_per_worker"),
-    (dict(start_timeout_s=float("inf")), "start_timeout_s"), (dict(context="fork"), "context"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_workers=0), "num_workers"),
+        (dict(chunk_size=1.5), "chunk_size"),
+        (dict(timeout_s=0), "timeout_s"),
+        (dict(max_tasks_per_worker=0), "max_tasks_per_worker"),
+        (dict(start_timeout_s=float("inf")), "start_timeout_s"),
+        (dict(context="fork"), "context"),
+    ],
+)
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PoolConfig(**kwargs)
@@ -244,16 +297,24 @@ def test_config_validation_names_the_field(kwargs, field):
 
 def test_unpicklable_function_is_named():
     import threading
+
     lock = threading.Lock()
     with pytest.raises(TypeError, match="reward function 'locked' cannot be pickled"):
-        RewardPool([RewardFunction(lambda p, c, **_: [bool(lock)] * len(p), name="locked")], PoolConfig())
+        RewardPool(
+            [RewardFunction(lambda p, c, **_: [bool(lock)] * len(p), name="locked")], PoolConfig()
+        )
 
 
 def test_function_that_does_not_unpickle_in_a_worker_is_named(tmp_path, monkeypatch):
     """Pickled by reference to a module the workers cannot import: named at start-up."""
-    (tmp_path / "gone_reward.py").write_text("def gone(prompts, completions, **_):\n    return [1.0] * len(prompts)")
+    (tmp_path / "gone_reward.py").write_text(
+        "def gone(prompts, completions, **_):\n    return [1.0] * len(prompts)"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import gone_reward
+
     (tmp_path / "gone_reward.py").unlink()
-    with pytest.raises(RuntimeError, match="reward function 'gone' did not unpickle in a worker: ModuleNotFound"):
+    with pytest.raises(
+        RuntimeError, match="reward function 'gone' did not unpickle in a worker: ModuleNotFound"
+    ):
         RewardPool([length, gone_reward.gone], PoolConfig(num_workers=1))

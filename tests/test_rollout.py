@@ -14,16 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jex_core
+from model_reference import forward as np_forward
 
-from relax.rollout import sampler as rollout
-from relax.rollout import naive as rollout_naive
 from relax.models import ModelConfig, RopeScaling, init
 from relax.models.config.families import get_family
 from relax.models.decoder.logprobs import token_logprobs
+from relax.rollout import naive as rollout_naive
+from relax.rollout import sampler as rollout
 from relax.rollout.sampler import RolloutConfig, generate
 from relax.rollout.sampling import SamplingConfig
-
-from model_reference import forward as np_forward
 
 VOCAB = 97
 # Log-prob tolerance. With std=0.3 weights the logits reach |8|, where float32 rounding of two
@@ -37,18 +36,41 @@ MODELS = {
     "mistral_window": dict(family="mistral", sliding_window=5),
     "qwen3_qknorm": dict(family="qwen3", head_dim=24, qk_norm=True, qkv_bias=False),
     # a sliding layer (window 3, its own RoPE base) then a full one; q.k / sqrt(24)
-    "gemma3_mixed": dict(family="gemma3_text", **get_family("gemma3_text").traits, sliding_window=3,
-                         layer_types=("sliding", "full"), rope_theta=1e6, rope_local_theta=1e4,
-                         query_pre_attn_scalar=24.0),
-    "phi3_longrope": dict(family="phi3", rope_scaling=RopeScaling(
-        "longrope", 8.0, original_max_position=128, short_factor=(1.0, 1.4, 2.0, 1.1, 3.0, 2.5, 5.0, 4.0),
-        long_factor=(9.0,) * 8, attention_factor=1.2)),
+    "gemma3_mixed": dict(
+        family="gemma3_text",
+        **get_family("gemma3_text").traits,
+        sliding_window=3,
+        layer_types=("sliding", "full"),
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=24.0,
+    ),
+    "phi3_longrope": dict(
+        family="phi3",
+        rope_scaling=RopeScaling(
+            "longrope",
+            8.0,
+            original_max_position=128,
+            short_factor=(1.0, 1.4, 2.0, 1.1, 3.0, 2.5, 5.0, 4.0),
+            long_factor=(9.0,) * 8,
+            attention_factor=1.2,
+        ),
+    ),
 }
 
 
 def tiny(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -73,8 +95,8 @@ def ragged_prompts(lengths=(9, 4, 6), width=9, seed=0, low=5):
     ids = np.zeros((len(lengths), width), np.int32)
     mask = np.zeros((len(lengths), width), np.int32)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = rng.integers(low, VOCAB, n)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = rng.integers(low, VOCAB, n)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
@@ -87,8 +109,9 @@ _greedy_cache = {}
 def greedy_rollout(name):
     if name not in _greedy_cache:
         ids, mask = ragged_prompts()
-        _greedy_cache[name] = generate(get_model(name), ids, mask, key=jax.random.key(1), temperature=0.0,
-                                       eos_ids=(), **GREEDY)
+        _greedy_cache[name] = generate(
+            get_model(name), ids, mask, key=jax.random.key(1), temperature=0.0, eos_ids=(), **GREEDY
+        )
     return _greedy_cache[name]
 
 
@@ -101,7 +124,9 @@ def test_greedy_matches_no_cache_oracle(name):
     want = rollout_naive.generate_no_cache(m, ids, mask, jax.random.key(1), cfg)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0
+    )
     # the G greedy completions of a prompt are identical; prompts differ
     toks = np.asarray(got.tokens)
     assert np.all(toks == toks[:, :1])
@@ -112,10 +137,12 @@ def test_greedy_matches_no_cache_oracle(name):
     full_mask = np.concatenate([mask, np.ones_like(toks[:, 0])], 1)
     logits = np_forward(m, seq, full_mask)  # float64 NumPy restatement of the model
     lp = ids.shape[1]
-    np.testing.assert_array_equal(logits[:, lp - 1:-1].argmax(-1), toks[:, 0])
+    np.testing.assert_array_equal(logits[:, lp - 1 : -1].argmax(-1), toks[:, 0])
     logsm = logits - logits.max(-1, keepdims=True)
     logsm -= np.log(np.exp(logsm).sum(-1, keepdims=True))
-    np.testing.assert_allclose(np.asarray(got.logprobs)[:, 0], logsm[:, lp - 1:-1].max(-1), atol=LOGP_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(got.logprobs)[:, 0], logsm[:, lp - 1 : -1].max(-1), atol=LOGP_ATOL, rtol=0
+    )
 
 
 def _all_shapes(jaxpr):
@@ -137,7 +164,9 @@ def test_prompt_kv_is_stored_once_per_prompt(model):
     c = model.config
     ids, mask = ragged_prompts()
     p, lp = ids.shape
-    pk, pv, logits, routes = jax.eval_shape(rollout._prefill, model, jnp.asarray(ids), jnp.asarray(mask))
+    pk, pv, logits, routes = jax.eval_shape(
+        rollout._prefill, model, jnp.asarray(ids), jnp.asarray(mask)
+    )
     assert pk.shape == pv.shape == (c.num_layers, p, c.num_kv_heads, lp, c.head_dim)
     assert logits.shape == (p, c.vocab_size)  # last position only
     assert routes is None  # a dense model records no experts
@@ -145,18 +174,22 @@ def test_prompt_kv_is_stored_once_per_prompt(model):
     g, n = 4, 6
     cfg = RolloutConfig(num_generations=g, max_new_tokens=n, eos_ids=())
     jaxpr = jax.make_jaxpr(lambda m, i, k_, key: rollout.generate_program(m, i, k_, key, cfg))(
-        model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
+        model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0)
+    )
     shapes = set(_all_shapes(jaxpr.jaxpr))
-    assert (p, c.num_kv_heads, lp, c.head_dim) in shapes          # the shared prompt block
-    assert (p * g, c.num_kv_heads, n, c.head_dim) in shapes       # each completion's own cache
-    assert not any(len(s) >= 2 and s[0] == p * g and lp in s[1:] for s in shapes), \
-        sorted(s for s in shapes if s and s[0] == p * g)
+    assert (p, c.num_kv_heads, lp, c.head_dim) in shapes  # the shared prompt block
+    assert (p * g, c.num_kv_heads, n, c.head_dim) in shapes  # each completion's own cache
+    assert not any(len(s) >= 2 and s[0] == p * g and lp in s[1:] for s in shapes), sorted(
+        s for s in shapes if s and s[0] == p * g
+    )
 
 
 # ----------------------------------------------------------------------------- sampled rollout
 
 STOP_IDS = tuple(range(1, VOCAB, 3))  # a third of the vocabulary; pad id 0 is not one of them
-SAMPLED = dict(num_generations=4, max_new_tokens=10, temperature=0.8, top_k=20, eos_ids=STOP_IDS, pad_id=0)
+SAMPLED = dict(
+    num_generations=4, max_new_tokens=10, temperature=0.8, top_k=20, eos_ids=STOP_IDS, pad_id=0
+)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +215,7 @@ def test_sampled_logprobs_equal_trainer_logprobs(model, sampled):
     seq = np.concatenate([np.repeat(ids, G, 0), np.asarray(r.tokens).reshape(P * G, N)], 1)
     full_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(r.mask).reshape(P * G, N)], 1)
     lp_train = token_logprobs(model, jnp.asarray(seq), jnp.asarray(full_mask), temperature=0.8)
-    lp_train = np.asarray(lp_train)[:, ids.shape[1] - 1:]  # predictions of the completion tokens
+    lp_train = np.asarray(lp_train)[:, ids.shape[1] - 1 :]  # predictions of the completion tokens
     valid = np.asarray(r.mask).reshape(P * G, N).astype(bool)
     diff = np.abs(np.asarray(r.logprobs).reshape(P * G, N)[valid] - lp_train[valid])
     assert diff.max() <= LOGP_ATOL and np.mean(diff) < 5e-6, (diff.max(), np.mean(diff))
@@ -203,12 +236,12 @@ def test_stop_ids(sampled):
             if hits.size:
                 seen.add(int(toks[p, g, hits[0]]))
             np.testing.assert_array_equal(mask[p, g], (np.arange(N) < end).astype(np.int32))
-            assert np.all(toks[p, g, end:] == 0)          # pad id after the stop
+            assert np.all(toks[p, g, end:] == 0)  # pad id after the stop
             assert np.all(lps[p, g, end:] == 0.0)
             assert lengths[p, g] == end == mask[p, g].sum()
             assert finished[p, g] == bool(hits.size)
     assert np.sum(finished) >= 4 and np.any(lengths <= N // 2)  # many stop early
-    assert len(seen) >= 3, seen                                  # several distinct stop ids honoured
+    assert len(seen) >= 3, seen  # several distinct stop ids honoured
 
 
 # ------------------------------------------------------------------- determinism and independence
@@ -246,7 +279,9 @@ def test_batch_independence(model, free):
     ids, mask, r = free
     alone = generate(model, ids[:1], mask[:1], key=jax.random.key(7), **FREE)
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(r.tokens)[0])
-    np.testing.assert_allclose(np.asarray(alone.logprobs)[0], np.asarray(r.logprobs)[0], atol=LOGP_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(alone.logprobs)[0], np.asarray(r.logprobs)[0], atol=LOGP_ATOL, rtol=0
+    )
 
 
 def test_prompt_sharing_equals_repeated_prompts(model, free):
@@ -258,18 +293,36 @@ def test_prompt_sharing_equals_repeated_prompts(model, free):
     kw = {**FREE, "num_generations": 1}
     rep = generate(model, np.repeat(ids, G, 0), np.repeat(mask, G, 0), key=jax.random.key(7), **kw)
     chex.assert_shape(rep.tokens, (P * G, 1, N))
-    np.testing.assert_array_equal(np.asarray(shared.tokens).reshape(P * G, N), np.asarray(rep.tokens)[:, 0])
-    np.testing.assert_allclose(np.asarray(shared.logprobs).reshape(P * G, N), np.asarray(rep.logprobs)[:, 0],
-                               atol=LOGP_ATOL, rtol=0)
+    np.testing.assert_array_equal(
+        np.asarray(shared.tokens).reshape(P * G, N), np.asarray(rep.tokens)[:, 0]
+    )
+    np.testing.assert_allclose(
+        np.asarray(shared.logprobs).reshape(P * G, N),
+        np.asarray(rep.logprobs)[:, 0],
+        atol=LOGP_ATOL,
+        rtol=0,
+    )
 
 
 # ------------------------------------------------------------------------------------- buckets
 
+
 def test_prompt_buckets_share_a_compile(model):
-    kw = dict(key=jax.random.key(0), num_generations=1, max_new_tokens=3, temperature=0.0, eos_ids=(),
-              prompt_buckets=(16, 32))
-    cfg = RolloutConfig(num_generations=1, max_new_tokens=3, sampling=SamplingConfig(temperature=0.0),
-                        eos_ids=(), prompt_buckets=(16, 32))
+    kw = dict(
+        key=jax.random.key(0),
+        num_generations=1,
+        max_new_tokens=3,
+        temperature=0.0,
+        eos_ids=(),
+        prompt_buckets=(16, 32),
+    )
+    cfg = RolloutConfig(
+        num_generations=1,
+        max_new_tokens=3,
+        sampling=SamplingConfig(temperature=0.0),
+        eos_ids=(),
+        prompt_buckets=(16, 32),
+    )
     fn = rollout.compiled_generate(cfg)
     assert fn._cache_size() == 0
     ids10, mask10 = ragged_prompts((10, 3), width=10)
@@ -289,10 +342,12 @@ def test_prompt_buckets_share_a_compile(model):
 
 # ----------------------------------------------------------------------------------- bad input
 
+
 @pytest.fixture
 def no_compile(monkeypatch):
     def boom(cfg):
         raise AssertionError("compiled before validating")
+
     monkeypatch.setattr(rollout, "compiled_generate", boom)
 
 
@@ -349,7 +404,12 @@ def test_long_budgets_get_larger_cache_blocks_not_more_loops():
     max_segments of them, larger blocks for long budgets."""
     assert rollout.block_size(RolloutConfig(num_generations=1, max_new_tokens=128)) == 64
     assert rollout.block_size(RolloutConfig(num_generations=1, max_new_tokens=4096)) == 256
-    assert rollout.block_size(RolloutConfig(num_generations=1, max_new_tokens=12, cache_chunk=5, max_segments=2)) == 6
+    assert (
+        rollout.block_size(
+            RolloutConfig(num_generations=1, max_new_tokens=12, cache_chunk=5, max_segments=2)
+        )
+        == 6
+    )
     with pytest.raises(ValueError, match="max_segments must be >= 1"):
         RolloutConfig(num_generations=1, max_new_tokens=8, max_segments=0)
 
@@ -358,9 +418,16 @@ def test_long_budgets_get_larger_cache_blocks_not_more_loops():
 def test_blocked_completion_cache_matches_single_block(name):
     """Cache blocks of 5 slots (segments 5, 5, 2) decode exactly what one 12-slot block does."""
     ids, mask = ragged_prompts()
-    cfg = RolloutConfig(sampling=SamplingConfig(temperature=0.0), eos_ids=(), cache_chunk=5, **GREEDY)
+    cfg = RolloutConfig(
+        sampling=SamplingConfig(temperature=0.0), eos_ids=(), cache_chunk=5, **GREEDY
+    )
     want = greedy_rollout(name)
-    for c in (cfg, dataclasses.replace(cfg, max_segments=2)):  # blocks of 5 (5, 5, 2) and of 6 (6, 6)
+    for c in (
+        cfg,
+        dataclasses.replace(cfg, max_segments=2),
+    ):  # blocks of 5 (5, 5, 2) and of 6 (6, 6)
         got = rollout.generate_with(get_model(name), ids, mask, jax.random.key(1), c)
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0
+        )

@@ -21,6 +21,7 @@ N_PER_ROW = 100_000  # samples per logit vector (B = 200_000 rows in all)
 
 # --------------------------------------------------------------------------- NumPy reference
 
+
 def _softmax(z):
     z = np.asarray(z, np.float64)
     e = np.exp(z - z.max())
@@ -117,7 +118,9 @@ def test_empirical_distribution_matches_reference(case):
         counts = np.bincount(tok[row::2], minlength=V)
         assert_matches(counts, probs)
     # a non-trivial filter really removes something (guards the reference itself)
-    if case not in ("noop_filters",) and any(kw.get(f) is not None for f in ("top_k", "top_p", "min_p")):
+    if case not in ("noop_filters",) and any(
+        kw.get(f) is not None for f in ("top_k", "top_p", "min_p")
+    ):
         assert np.sum(reference_probs(LOGITS_A, **kw) == 0) > 0
 
 
@@ -164,9 +167,13 @@ def test_extreme_uniforms_never_pick_excluded_tokens():
     """u = 1 (the largest draw) and the smallest possible u stay inside the kept set, also when
     excluded tokens sit at both ends of the vocabulary."""
     logits = np.array([[-5.0, 2.0, 1.0, 0.5, -6.0]] * 4, np.float32)
-    u = jnp.array([1.0, 2.0 ** -24, 0.5, 1e-12], jnp.float32)
-    for cfg in [SamplingConfig(top_k=3), SamplingConfig(top_p=0.8), SamplingConfig(min_p=0.2),
-                SamplingConfig(temperature=0.5, top_k=2, top_p=0.99, min_p=0.01)]:
+    u = jnp.array([1.0, 2.0**-24, 0.5, 1e-12], jnp.float32)
+    for cfg in [
+        SamplingConfig(top_k=3),
+        SamplingConfig(top_p=0.8),
+        SamplingConfig(min_p=0.2),
+        SamplingConfig(temperature=0.5, top_k=2, top_p=0.99, min_p=0.01),
+    ]:
         tok, _ = _sample_jit(jnp.asarray(logits), u, cfg)
         probs = reference_probs(logits[0], cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
         assert np.all(probs[np.asarray(tok)] > 0), (cfg, tok)
@@ -202,16 +209,19 @@ def test_uniforms_range_determinism_and_independence():
         np.testing.assert_array_equal(np.asarray(table[:, t]), np.asarray(uniforms(keys[:64], t)))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_p=-0.1), "top_p"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_k=-3), "top_k"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(min_p=-0.1), "min_p"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=-0.1), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+    ],
+)
 def test_sampling_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kw)

@@ -18,12 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from relax.rewards.isolation import SandboxUnavailable, choose, drop_privileges, runs_as_trainer, works
+from relax.rewards.isolation import (
+    SandboxUnavailable,
+    choose,
+    drop_privileges,
+    runs_as_trainer,
+    works,
+)
 from relax.rewards.sandbox import NOBODY, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX only")
 
-LIMITS = dict(cpu_s=1, wall_s=2.5, memory_mb=256, max_processes=16, max_output_bytes=1 << 16, tmpfs_mb=8)
+LIMITS = dict(
+    cpu_s=1, wall_s=2.5, memory_mb=256, max_processes=16, max_output_bytes=1 << 16, tmpfs_mb=8
+)
 
 
 def _available(mechanism: str) -> bool:
@@ -41,14 +49,21 @@ def _preferred() -> str | None:
 PREFERRED = _preferred()
 
 
-@pytest.fixture(scope="module", params=[pytest.param(m, marks=() if m == PREFERRED else pytest.mark.slow)
-                                        for m in ("bwrap", "unshare")])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(m, marks=() if m == PREFERRED else pytest.mark.slow)
+        for m in ("bwrap", "unshare")
+    ],
+)
 def box(request) -> Sandbox:
     if not _available(request.param):
         pytest.skip(f"{request.param}: {works(request.param, NOBODY, NOBODY)}")
     if runs_as_trainer(request.param):
-        pytest.skip(f"{request.param} as a non-root trainer runs code as the trainer's uid: refused by default "
-                    "(test_trainer_uid_is_refused_unless_accepted)")
+        pytest.skip(
+            f"{request.param} as a non-root trainer runs code as the trainer's uid: refused by default "
+            "(test_trainer_uid_is_refused_unless_accepted)"
+        )
     return Sandbox(SandboxConfig(isolation=request.param, **LIMITS))
 
 
@@ -89,8 +104,11 @@ def assert_no_survivors(marker: str) -> None:
 def test_normal_run_and_clean_environment(box):
     os.environ["RELAX_REDTEAM_SECRET"] = secret = secrets.token_hex(8)
     try:
-        r = run(box, "import os, sys; print(sys.stdin.read()[::-1]); print(sorted(os.environ)); print(os.getuid())",
-                stdin="abc")
+        r = run(
+            box,
+            "import os, sys; print(sys.stdin.read()[::-1]); print(sorted(os.environ)); print(os.getuid())",
+            stdin="abc",
+        )
     finally:
         del os.environ["RELAX_REDTEAM_SECRET"]
     assert r.ok and r.stdout.splitlines()[0] == "cba"
@@ -100,7 +118,9 @@ def test_normal_run_and_clean_environment(box):
 
 def test_fork_bomb(box):  # RLIMIT_NPROC; the PID namespace's end kills what is left
     marker = f"forkbomb-{secrets.token_hex(4)}"
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os, sys, time
 sys.argv.append({marker!r})
 while True:
@@ -108,7 +128,8 @@ while True:
         os.fork()
     except OSError:
         time.sleep(0.01)
-""")
+""",
+    )
     assert not r.ok
     assert_no_survivors(marker)
     still_works(box)
@@ -135,7 +156,9 @@ def test_sleep_past_deadline(box):  # the wall-clock deadline (no CPU used)
     still_works(box)
 
 
-def test_write_and_delete_outside(box, tmp_path):  # bwrap: not mounted; unshare: permissions (nobody)
+def test_write_and_delete_outside(
+    box, tmp_path
+):  # bwrap: not mounted; unshare: permissions (nobody)
     decoy_dir = tmp_path / "decoy"
     decoy_dir.mkdir()
     decoy = decoy_dir / "keep.txt"
@@ -148,7 +171,9 @@ def test_write_and_delete_outside(box, tmp_path):  # bwrap: not mounted; unshare
     targets = [repo_file, home_file, decoy_dir / "new.txt"]
     if box.isolation == "bwrap":  # world-writable /tmp is the host's under unshare
         targets.append(Path("/tmp") / f"relax-redteam-{secrets.token_hex(4)}")
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os, shutil
 for path in {[str(t) for t in targets]!r}:
     try:
@@ -165,7 +190,8 @@ for path in [{str(decoy)!r}]:
     except OSError:
         pass
 shutil.rmtree({str(decoy_dir)!r}, ignore_errors=True)
-""")
+""",
+    )
     assert r.ok, r
     for t in targets:
         assert not t.exists(), f"{t} was written from the sandbox"
@@ -173,16 +199,22 @@ shutil.rmtree({str(decoy_dir)!r}, ignore_errors=True)
     still_works(box)
 
 
-def test_read_home_and_parent_environment(box):  # bwrap: no home; unshare: nobody cannot open /root (0700)
+def test_read_home_and_parent_environment(
+    box,
+):  # bwrap: no home; unshare: nobody cannot open /root (0700)
     if box.isolation == "unshare" and os.geteuid() != 0:
-        pytest.skip("under unshare a non-root user's own files stay readable (documented); use bwrap")
+        pytest.skip(
+            "under unshare a non-root user's own files stay readable (documented); use bwrap"
+        )
     secret = secrets.token_hex(8)
     home_file = Path.home() / f".relax-redteam-{secrets.token_hex(4)}"
     home_file.write_text(secret)
     home_file.chmod(0o600)
     os.environ["RELAX_REDTEAM_SECRET"] = secret
     try:
-        r = run(box, f"""
+        r = run(
+            box,
+            f"""
 import glob, os
 for path in [{str(home_file)!r}] + glob.glob("/proc/*/environ") + glob.glob("/proc/*/cmdline"):
     try:
@@ -194,7 +226,8 @@ for root in ("/root", "/home", {str(Path.home())!r}):
         print(os.listdir(root))
     except OSError:
         pass
-""")
+""",
+        )
     finally:
         del os.environ["RELAX_REDTEAM_SECRET"]
         home_file.unlink()
@@ -211,7 +244,9 @@ def test_network(box):  # a network namespace with no interface up
     hits = []
     thread = threading.Thread(target=lambda: hits.append(_accept(server)), daemon=True)
     thread.start()
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import socket
 for addr in [("127.0.0.1", {port}), ("1.1.1.1", 80), ("8.8.8.8", 53)]:
     try:
@@ -219,7 +254,8 @@ for addr in [("127.0.0.1", {port}), ("1.1.1.1", 80), ("8.8.8.8", 53)]:
         print("connected", addr)
     except OSError as exc:
         print("blocked", addr, exc)
-""")
+""",
+    )
     thread.join(5)
     server.close()
     assert r.ok and "connected" not in r.stdout, r.stdout
@@ -244,7 +280,9 @@ def test_gigabytes_of_output(box):  # the output cap: killed once it passes max_
 
 def test_background_process_and_signal_tricks(box):  # the PID namespace ends with its first process
     marker = f"daemon-{secrets.token_hex(4)}"
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os, signal, sys
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
@@ -254,16 +292,22 @@ if os.fork() == 0:
         os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", {marker!r}])
     os._exit(0)
 print("parent exits")
-""")
+""",
+    )
     assert r.ok and r.stdout.strip() == "parent exits"
     assert_no_survivors(marker)
     still_works(box)
 
 
-def test_kill_every_process(box):  # the PID namespace: kill(-1) reaches only the sandbox's processes
+def test_kill_every_process(
+    box,
+):  # the PID namespace: kill(-1) reaches only the sandbox's processes
     marker = f"bystander-{secrets.token_hex(4)}"
-    bystander = subprocess.Popen(drop_privileges(NOBODY, NOBODY) + [sys.executable, "-c",
-                                 "import time; time.sleep(30)", marker], env={})
+    bystander = subprocess.Popen(
+        drop_privileges(NOBODY, NOBODY)
+        + [sys.executable, "-c", "import time; time.sleep(30)", marker],
+        env={},
+    )
     try:
         time.sleep(0.2)
         r = run(box, "import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('done')")
@@ -286,11 +330,18 @@ def test_trainer_uid_is_refused_unless_accepted(monkeypatch):
     them. Simulated (this machine may run as root) by the euid."""
     assert not runs_as_trainer("none") or os.geteuid() != 0
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert runs_as_trainer("none") and not runs_as_trainer("unshare") and not runs_as_trainer("bwrap")
-    assert drop_privileges(NOBODY, NOBODY) == []  # nobody to switch to: the program keeps the trainer's uid
+    assert (
+        runs_as_trainer("none") and not runs_as_trainer("unshare") and not runs_as_trainer("bwrap")
+    )
+    assert (
+        drop_privileges(NOBODY, NOBODY) == []
+    )  # nobody to switch to: the program keeps the trainer's uid
     cfg = SandboxConfig(isolation="none", allow_unisolated=True, **LIMITS)
-    with pytest.raises(SandboxUnavailable, match=r"\(none\) would run generated code as the trainer's "
-                                                 r"own user \(uid 1000.*--sandbox\.allow-trainer-uid"):
+    with pytest.raises(
+        SandboxUnavailable,
+        match=r"\(none\) would run generated code as the trainer's "
+        r"own user \(uid 1000.*--sandbox\.allow-trainer-uid",
+    ):
         Sandbox(cfg)
     box = Sandbox(dataclasses.replace(cfg, allow_trainer_uid=True))
     r = box.run({"main.py": "print(6 * 7)"}, ["{python}", "-I", "src/main.py"])
@@ -312,7 +363,9 @@ def test_outliving_the_run_as_the_namespace_init(box):
     """The program clears its parent-death signal, starts a new session and forks a sleeper that
     does the same: it is all gone once the run returns (the namespace's init is killed from outside)."""
     marker = f"outlive-{secrets.token_hex(4)}"
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import ctypes, os, sys, time
 libc = ctypes.CDLL(None)
 libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
@@ -329,7 +382,8 @@ if os.fork() == 0:
 print("parent done", os.getpid(), flush=True)
 os.close(1); os.close(2)
 time.sleep(60)
-""")
+""",
+    )
     assert "parent done" in r.stdout
     assert_no_survivors(marker)
     still_works(box)
@@ -350,18 +404,28 @@ print("setns", err(libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0)))
 
 def test_namespace_ptrace_and_keyring_calls_are_refused(box):
     from relax.rewards.seccomp import keyctl_number
+
     r = run(box, SYSCALLS.replace("KEYCTL", str(keyctl_number())))
     assert r.ok, r.stderr
     got = dict(line.split() for line in r.stdout.splitlines())
-    assert got == {"ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "keyctl": "EPERM", "setns": "EPERM"}
+    assert got == {
+        "ptrace": "EPERM",
+        "unshare": "EPERM",
+        "mount": "EPERM",
+        "keyctl": "EPERM",
+        "setns": "EPERM",
+    }
 
 
 def test_the_trainers_session_keyring_is_out_of_reach(box):
     """A key in the trainer's session keyring: the program neither finds it (/proc/keys) nor reads it."""
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     name = f"relax-redteam-{secrets.token_hex(4)}".encode()
-    key = libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", name, b"s3cret", 6, -3)  # add_key
+    key = libc.syscall(
+        248 if os.uname().machine == "x86_64" else 217, b"user", name, b"s3cret", 6, -3
+    )  # add_key
     if key < 0:
         pytest.skip(f"add_key failed here (errno {ctypes.get_errno()})")
     r = run(box, "print(open('/proc/keys').read())")
@@ -370,7 +434,9 @@ def test_the_trainers_session_keyring_is_out_of_reach(box):
 
 def test_runs_cannot_see_or_touch_each_other(box):
     """Two runs at once: one looks for the other's files and rewrites them; the victim is untouched."""
-    victim_code = "import time; time.sleep(1.2); print(open('src/main.py').read().count('VICTIM'))  # VICTIM"
+    victim_code = (
+        "import time; time.sleep(1.2); print(open('src/main.py').read().count('VICTIM'))  # VICTIM"
+    )
     attacker = """
 import glob, os
 hits = []
@@ -401,14 +467,17 @@ def test_host_files_and_shared_directories_are_out_of_view(box, tmp_path):
     os.chmod(tmp_path, 0o755)
     os.chmod(dataset, 0o644)
     token = secrets.token_hex(6)
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os
 for path in ({str(dataset)!r}, "/etc/passwd", "/var/tmp", "/root", "/home", "/work"):
     print(path, os.path.exists(path))
 for d in ("/tmp", "/dev/shm"):
     open(d + "/{token}", "w").write("x" * 1000)
 print("wrote")
-""")
+""",
+    )
     assert r.ok, r.stderr
     seen = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines() if line != "wrote")
     assert set(seen.values()) == {"False"}, seen

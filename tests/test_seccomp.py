@@ -10,7 +10,9 @@ import pytest
 
 from relax.rewards import seccomp
 
-pytestmark = pytest.mark.skipif(not seccomp.supported() or sys.platform != "linux", reason="Linux x86-64 / arm64")
+pytestmark = pytest.mark.skipif(
+    not seccomp.supported() or sys.platform != "linux", reason="Linux x86-64 / arm64"
+)
 
 PROGRAM = """
 import ctypes, errno, os, subprocess, threading
@@ -34,19 +36,33 @@ print("file", "ok" if open("/proc/self/status").read() else "failed")
 
 
 def test_filter_refuses_the_listed_calls_and_nothing_ordinary():
-    code = (PROGRAM.replace("INSTALL", repr(seccomp.INSTALL)).replace("HEX", repr(seccomp.filter_program().hex()))
-            .replace("KEYCTL", str(seccomp.keyctl_number())))
-    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    code = (
+        PROGRAM.replace("INSTALL", repr(seccomp.INSTALL))
+        .replace("HEX", repr(seccomp.filter_program().hex()))
+        .replace("KEYCTL", str(seccomp.keyctl_number()))
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     got = dict(line.split() for line in out.stdout.splitlines())
-    assert got == {"ptrace": "EPERM", "unshare": "EPERM", "keyctl": "EPERM", "mount": "EPERM", "chroot": "EPERM",
-                   "thread": "ok", "subprocess": "ok", "fork": "ok", "file": "ok"}
+    assert got == {
+        "ptrace": "EPERM",
+        "unshare": "EPERM",
+        "keyctl": "EPERM",
+        "mount": "EPERM",
+        "chroot": "EPERM",
+        "thread": "ok",
+        "subprocess": "ok",
+        "fork": "ok",
+        "file": "ok",
+    }
 
 
 @pytest.mark.parametrize("machine", sorted(seccomp.SYSCALLS))
 def test_every_table_builds_a_well_formed_program(machine):
     prog = seccomp.filter_program(machine)
-    insns = [struct.unpack("<HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    insns = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
     assert len(prog) % 8 == 0 and len(insns) < 4096
     assert set(seccomp.DENIED) <= set(seccomp.SYSCALLS[machine][1])
     for i, (code, jt, jf, _) in enumerate(insns):  # every jump lands inside the program

@@ -35,16 +35,20 @@ def load_example():
 
 def start_server(state_dir: Path, port: int) -> subprocess.Popen:
     log = open(state_dir.parent / f"server-{port}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "relax.serve", "--state-dir", str(state_dir), "--port", str(port)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relax.serve", "--state-dir", str(state_dir), "--port", str(port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     client, deadline = ServiceClient(f"http://127.0.0.1:{port}"), time.time() + 900
     while time.time() < deadline:
         try:
             client.get_server_capabilities()
             return proc
-        except Exception:
+        except Exception as e:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}); see {log.name}")
+                raise RuntimeError(f"the server exited ({proc.returncode}); see {log.name}") from e
             time.sleep(1)
     proc.kill()
     raise TimeoutError("the server did not start in 900 s")
@@ -63,11 +67,22 @@ def copy_trainer(url: str, steps: int, out: list) -> None:
     for i in range(steps):
         data = []
         for s in ("abc", "hgfe", "dcbah", "efg")[: 2 + i % 3]:
-            prompt, answer = tokenizer.encode(s + "="), tokenizer.encode(s, add_special_tokens=False)
+            prompt, answer = (
+                tokenizer.encode(s + "="),
+                tokenizer.encode(s, add_special_tokens=False),
+            )
             tokens = prompt + answer
-            data.append(Datum(ModelInput.from_ints(tokens[:-1]), {
-                "target_tokens": np.asarray(tokens[1:]),
-                "weights": (np.arange(len(tokens) - 1) >= len(prompt) - 1).astype(np.float32)}))
+            data.append(
+                Datum(
+                    ModelInput.from_ints(tokens[:-1]),
+                    {
+                        "target_tokens": np.asarray(tokens[1:]),
+                        "weights": (np.arange(len(tokens) - 1) >= len(prompt) - 1).astype(
+                            np.float32
+                        ),
+                    },
+                )
+            )
         out.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss"])
         trainer.optim_step(AdamParams(learning_rate=1e-2)).result()
 
@@ -81,7 +96,9 @@ def test_client_grpo_learns_beside_another_client_and_survives_kill(tmp_path):
         cfg = example.LoopConfig(url=url, steps=20, eval_every=10)
         alone = example.main(cfg)
         held = [r["held_out_exact_match"] for r in alone if "held_out_exact_match" in r]
-        assert held[0] < 0.2 and held[-1] > 0.6, held  # the base model copies; GRPO teaches it to reverse
+        assert held[0] < 0.2 and held[-1] > 0.6, (
+            held
+        )  # the base model copies; GRPO teaches it to reverse
 
         copy_losses: list[float] = []
         other = threading.Thread(target=copy_trainer, args=(url, 30, copy_losses))
@@ -89,14 +106,21 @@ def test_client_grpo_learns_beside_another_client_and_survives_kill(tmp_path):
         beside = example.main(cfg)
         other.join()
         strip = lambda h: [{k: v for k, v in r.items() if k != "seconds"} for r in h]  # noqa: E731
-        assert strip(beside) == strip(alone)  # bit for bit: a session depends on its own requests only
+        assert strip(beside) == strip(
+            alone
+        )  # bit for bit: a session depends on its own requests only
         assert np.mean(copy_losses[-3:]) < 0.5 * np.mean(copy_losses[:3]), copy_losses
 
         trainer = ServiceClient(url).create_lora_training_client(rank=8, seed=7)
         tokenizer = trainer.get_tokenizer()
         tokens = tokenizer.encode("abcd=") + tokenizer.encode("dcba", add_special_tokens=False)
-        datum = Datum(ModelInput.from_ints(tokens[:-1]), {"target_tokens": np.asarray(tokens[1:]),
-                                                          "weights": np.ones(len(tokens) - 1, np.float32)})
+        datum = Datum(
+            ModelInput.from_ints(tokens[:-1]),
+            {
+                "target_tokens": np.asarray(tokens[1:]),
+                "weights": np.ones(len(tokens) - 1, np.float32),
+            },
+        )
         for _ in range(2):
             trainer.forward_backward([datum], "cross_entropy").result()
             trainer.optim_step(AdamParams(learning_rate=1e-2)).result()

@@ -7,30 +7,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from relax.algorithms.sft import (SFTConfig, init_sft_state, make_sft_loss, make_sft_step, sft_batch, sft_examples,
-                                  sft_rows)
-from relax.data.files import MissingFieldError, read_records
-from relax.data.supervised import (PackedBatch, SFTExample, encode_sft, pack, pack_plan, pack_rows, pad_examples,
-                                   pad_rows, padding_fraction, stack_rows)
-from relax.models import ModelConfig, init
-from relax.models.decoder.logprobs import token_logprobs
-from relax.models.forward.packed import packed_hidden, packed_logprobs, segment_positions
-from relax.models.decoder.transformer import hidden_states
-from relax.passes import Passes
-from relax.train.optimizer import OptimizerConfig
-from relax.train.update import LossContext, token_normalizers
-from relax.text import load_tokenizer
 from text_fixtures import make_model_dir
 
-CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+from relax.algorithms.sft import (
+    SFTConfig,
+    init_sft_state,
+    make_sft_loss,
+    make_sft_step,
+    sft_batch,
+    sft_examples,
+    sft_rows,
+)
+from relax.data.files import MissingFieldError, read_records
+from relax.data.supervised import (
+    PackedBatch,
+    SFTExample,
+    encode_sft,
+    pack,
+    pack_plan,
+    pack_rows,
+    pad_examples,
+    pad_rows,
+    padding_fraction,
+    stack_rows,
+)
+from relax.models import ModelConfig, init
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.decoder.transformer import hidden_states
+from relax.models.forward.packed import packed_hidden, packed_logprobs, segment_positions
+from relax.passes import Passes
+from relax.text import load_tokenizer
+from relax.train.optimizer import OptimizerConfig
+from relax.train.update import LossContext, token_normalizers
+
+CFG = ModelConfig(
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 CONFIGS = {
     "full": CFG,
     "sliding": ModelConfig(**{**CFG.__dict__, "sliding_window": 3}),
     # Gemma 3-like: one sliding and one full layer (kinds scanned with the layers), local RoPE
-    "mixed": ModelConfig(**{**CFG.__dict__, "sliding_window": 3, "layer_types": ("sliding", "full"),
-                            "rope_local_theta": 100.0}),
+    "mixed": ModelConfig(
+        **{
+            **CFG.__dict__,
+            "sliding_window": 3,
+            "layer_types": ("sliding", "full"),
+            "rope_local_theta": 100.0,
+        }
+    ),
 }
 LENGTHS = [7, 3, 5, 9, 4, 2, 6]
 
@@ -65,7 +96,9 @@ def _ctx(batch):
 
 def test_segment_positions_restart():
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(segment_positions(seg), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
+    np.testing.assert_array_equal(
+        segment_positions(seg), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+    )
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -77,14 +110,21 @@ def test_packed_equals_each_example_alone(kind):
     examples = _examples()
     row = 16
     plan = pack_plan([len(e) for e in examples], row)
-    assert len(plan) < len(examples) and all(len(m) > 1 for m in plan[:2])  # several examples per row
+    assert len(plan) < len(examples) and all(
+        len(m) > 1 for m in plan[:2]
+    )  # several examples per row
     packed = jax.tree.map(jnp.asarray, pack(examples, row))
     where = _placements(plan, examples)
     w = jnp.asarray(np.random.default_rng(1).normal(size=len(examples)), jnp.float32)
 
     def packed_nll(m):
         lp = packed_logprobs(m, packed.ids, packed.segment_ids)
-        return jnp.stack([-jnp.sum(lp[r, t:t + len(e) - 1] * e.loss_mask[1:]) for e, (r, t) in zip(examples, where)])
+        return jnp.stack(
+            [
+                -jnp.sum(lp[r, t : t + len(e) - 1] * e.loss_mask[1:])
+                for e, (r, t) in zip(examples, where)
+            ]
+        )
 
     # each example alone in its own row (right padding is invisible to causal attention)
     alone = pad_rows(examples, max(map(len, examples)))
@@ -93,7 +133,9 @@ def test_packed_equals_each_example_alone(kind):
         lp = token_logprobs(m, jnp.asarray(alone.ids), jnp.asarray(alone.segment_ids))
         return -jnp.sum(lp * alone.loss_mask[:, 1:], axis=1)
 
-    weighted = lambda f: jax.jit(jax.value_and_grad(lambda m: (jnp.sum(w * f(m)), f(m)), has_aux=True))  # noqa: E731
+    weighted = lambda f: jax.jit(
+        jax.value_and_grad(lambda m: (jnp.sum(w * f(m)), f(m)), has_aux=True)
+    )  # noqa: E731
     (_, nll_packed), g_packed = weighted(packed_nll)(model)
     (_, nll_alone), g_alone = weighted(alone_nll)(model)
     np.testing.assert_allclose(nll_packed, nll_alone, rtol=1e-5, atol=1e-5)
@@ -107,8 +149,9 @@ def test_packed_equals_each_example_alone(kind):
     (l1, m1), g1 = loss(model, packed, _ctx(packed))
     (l2, m2), g2 = loss(model, unpacked, _ctx(unpacked))
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
-    np.testing.assert_allclose(l1, float(jnp.sum(nll_alone)) / sum(e.loss_mask.sum() for e in examples),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        l1, float(jnp.sum(nll_alone)) / sum(e.loss_mask.sum() for e in examples), rtol=1e-5
+    )
     np.testing.assert_allclose(m1["nll"], l1, rtol=1e-5)
     np.testing.assert_allclose(m1["accuracy"], m2["accuracy"])
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g2))
@@ -127,7 +170,7 @@ def test_packed_hidden_states_restart_positions(kind):
     t = 0
     for e in examples:
         alone = hidden_states(model, jnp.asarray(e.ids)[None])[0]
-        np.testing.assert_allclose(h[0, t:t + len(e)], alone, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(h[0, t : t + len(e)], alone, atol=2e-5, rtol=1e-5)
         t += len(e)
 
 
@@ -154,11 +197,18 @@ def test_pack_plans_and_padding():
     assert sorted(i for m in ffd for i in m) == list(range(6))
     assert all(sum(lengths[i] for i in m) <= 10 for m in ffd)
     assert ffd == [[1], [3, 2], [5, 4], [0]]  # longest first, each into the first row with room
-    assert pack_plan(lengths, 10, method="greedy") == [[0], [1], [2, 3], [4, 5]]  # in order, next fit
+    assert pack_plan(lengths, 10, method="greedy") == [
+        [0],
+        [1],
+        [2, 3],
+        [4, 5],
+    ]  # in order, next fit
     with pytest.raises(ValueError, match="unknown pack method"):
         pack_plan(lengths, 10, method="best")
-    examples = [SFTExample(np.arange(1, n + 1), [0] + [1] * (n - 1), origin=f"f.jsonl: row {i + 1}")
-                for i, n in enumerate(lengths)]
+    examples = [
+        SFTExample(np.arange(1, n + 1), [0] + [1] * (n - 1), origin=f"f.jsonl: row {i + 1}")
+        for i, n in enumerate(lengths)
+    ]
     batch = pack(examples, 10, num_rows=5)
     assert isinstance(batch, PackedBatch)
     assert batch.ids.shape == (5, 10) and not batch.segment_ids[4].any()
@@ -192,7 +242,11 @@ def test_pack_plans_and_padding():
     assert len(pack_rows(examples, 10, packing=False)) == 6
     # the reverse task's prompt + response rows are unchanged
     ids, mask, loss = pad_examples([[1, 2]], [[3]], length=4, pad_id=0)
-    assert ids.tolist() == [[1, 2, 3, 0]] and mask.tolist() == [[1, 1, 1, 0]] and loss.tolist() == [[0, 0, 1, 0]]
+    assert (
+        ids.tolist() == [[1, 2, 3, 0]]
+        and mask.tolist() == [[1, 1, 1, 0]]
+        and loss.tolist() == [[0, 0, 1, 0]]
+    )
 
 
 # ------------------------------------------------------------------------------ SFT data
@@ -204,11 +258,13 @@ def toks(tmp_path_factory):
     return {style: load_tokenizer(make_model_dir(root, style)) for style in ("qwen25", "llama3")}
 
 
-CHAT = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 2 + 2?"},
-        {"role": "assistant", "content": "The answer is 4."},
-        {"role": "user", "content": "Hello world!"},
-        {"role": "assistant", "content": "Hello! This is a tiny corpus."}]
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "The answer is 4."},
+    {"role": "user", "content": "Hello world!"},
+    {"role": "assistant", "content": "Hello! This is a tiny corpus."},
+]
 TURN_END = {"qwen25": "<|im_end|>\n", "llama3": "<|eot_id|>"}
 
 
@@ -218,14 +274,19 @@ def test_chat_loss_on_assistant_turns_only(toks, style):
     (e,) = encode_sft([{"messages": CHAT}], tok, max_length=512)
     assert e.ids.tolist() == tok.apply_chat_template(CHAT)
     targets = np.flatnonzero(e.loss_mask)
-    runs = np.split(targets, np.flatnonzero(np.diff(targets) > 1) + 1)  # one run of targets per turn
-    assert [tok.decode(e.ids[r]) for r in runs] == [m["content"] + TURN_END[style] for m in CHAT if
-                                                    m["role"] == "assistant"]
+    runs = np.split(
+        targets, np.flatnonzero(np.diff(targets) > 1) + 1
+    )  # one run of targets per turn
+    assert [tok.decode(e.ids[r]) for r in runs] == [
+        m["content"] + TURN_END[style] for m in CHAT if m["role"] == "assistant"
+    ]
     # the header of each assistant turn is not a target: it is what the generation prompt writes
     before = tok.apply_chat_template(CHAT[:2], add_generation_prompt=True)
     assert runs[0][0] == len(before)
     # a prompt given as messages, with a string completion: the same tokens and targets as the chat
-    (pc,) = encode_sft([{"prompt": CHAT[:2], "completion": "The answer is 4."}], tok, max_length=512)
+    (pc,) = encode_sft(
+        [{"prompt": CHAT[:2], "completion": "The answer is 4."}], tok, max_length=512
+    )
     (chat,) = encode_sft([{"messages": CHAT[:3]}], tok, max_length=512)
     assert pc.ids.tolist() == chat.ids.tolist() and pc.loss_mask.tolist() == chat.loss_mask.tolist()
 
@@ -233,7 +294,9 @@ def test_chat_loss_on_assistant_turns_only(toks, style):
 def test_prompt_completion_and_text_masks(toks):
     tok = toks["llama3"]  # encode adds a BOS
     eos = tok.eos_token_id
-    (pc,) = encode_sft([{"prompt": "What is 2 + 2?", "completion": " The answer is 4."}], tok, max_length=64)
+    (pc,) = encode_sft(
+        [{"prompt": "What is 2 + 2?", "completion": " The answer is 4."}], tok, max_length=64
+    )
     p = tok.encode("What is 2 + 2?")
     c = tok.encode(" The answer is 4.", add_special_tokens=False) + [eos]
     assert pc.ids.tolist() == p + c and pc.loss_mask.tolist() == [0] * len(p) + [1] * len(c)
@@ -241,7 +304,9 @@ def test_prompt_completion_and_text_masks(toks):
     assert tx.ids.tolist() == tok.encode("Hello world!") + [eos]
     assert tx.loss_mask.tolist() == [0] + [1] * (len(tx.ids) - 1)
     # truncation cuts from the end and keeps the start
-    (cut,) = encode_sft([{"text": "Hello world! This is a tiny corpus."}], tok, max_length=4, truncate=True)
+    (cut,) = encode_sft(
+        [{"text": "Hello world! This is a tiny corpus."}], tok, max_length=4, truncate=True
+    )
     assert cut.ids.tolist() == tok.encode("Hello world! This is a tiny corpus.")[:4]
 
 
@@ -251,20 +316,54 @@ def _jsonl(tmp_path, rows):
     return read_records(path)
 
 
-@pytest.mark.parametrize("row, error, message", [
-    ({"prompt": "hi"}, MissingFieldError, r"sft.jsonl: row 1: missing field 'completion'"),
-    ({"answer": "hi"}, MissingFieldError, r"sft.jsonl: row 1: missing field: a supervised row needs 'messages', "
-                                          r"'prompt' \+ 'completion', or 'text'"),
-    ({"prompt": "hi", "completion": ""}, ValueError, r"sft.jsonl: row 1: field 'completion': is empty"),
-    ({"prompt": CHAT[:2], "completion": []}, ValueError, r"sft.jsonl: row 1: field 'completion': is empty"),
-    ({"text": ""}, ValueError, r"sft.jsonl: row 1: field 'text': is empty"),
-    ({"messages": CHAT[:2]}, ValueError, r"sft.jsonl: row 1: field 'messages': has no assistant message"),
-    ({"messages": "hi"}, ValueError, r"sft.jsonl: row 1: field 'messages': expected a list of chat messages"),
-    ({"text": "Hello world! " * 20}, ValueError,
-     r"sft.jsonl: row 1: field 'text': the example has \d+ tokens > max_length=16 \(pass truncate=True"),
-    ({"prompt": "hi " * 20, "completion": "ok"}, ValueError, r"sft.jsonl: row 1: field 'prompt': the example has"),
-    ({"messages": CHAT}, ValueError, r"sft.jsonl: row 1: field 'messages': the example has \d+ tokens > max_length"),
-])
+@pytest.mark.parametrize(
+    "row, error, message",
+    [
+        ({"prompt": "hi"}, MissingFieldError, r"sft.jsonl: row 1: missing field 'completion'"),
+        (
+            {"answer": "hi"},
+            MissingFieldError,
+            r"sft.jsonl: row 1: missing field: a supervised row needs 'messages', "
+            r"'prompt' \+ 'completion', or 'text'",
+        ),
+        (
+            {"prompt": "hi", "completion": ""},
+            ValueError,
+            r"sft.jsonl: row 1: field 'completion': is empty",
+        ),
+        (
+            {"prompt": CHAT[:2], "completion": []},
+            ValueError,
+            r"sft.jsonl: row 1: field 'completion': is empty",
+        ),
+        ({"text": ""}, ValueError, r"sft.jsonl: row 1: field 'text': is empty"),
+        (
+            {"messages": CHAT[:2]},
+            ValueError,
+            r"sft.jsonl: row 1: field 'messages': has no assistant message",
+        ),
+        (
+            {"messages": "hi"},
+            ValueError,
+            r"sft.jsonl: row 1: field 'messages': expected a list of chat messages",
+        ),
+        (
+            {"text": "Hello world! " * 20},
+            ValueError,
+            r"sft.jsonl: row 1: field 'text': the example has \d+ tokens > max_length=16 \(pass truncate=True",
+        ),
+        (
+            {"prompt": "hi " * 20, "completion": "ok"},
+            ValueError,
+            r"sft.jsonl: row 1: field 'prompt': the example has",
+        ),
+        (
+            {"messages": CHAT},
+            ValueError,
+            r"sft.jsonl: row 1: field 'messages': the example has \d+ tokens > max_length",
+        ),
+    ],
+)
 def test_bad_rows_name_the_file_row_and_field(tmp_path, toks, row, error, message):
     records = _jsonl(tmp_path, [row])
     with pytest.raises(error, match=message):
@@ -272,15 +371,22 @@ def test_bad_rows_name_the_file_row_and_field(tmp_path, toks, row, error, messag
 
 
 def test_truncation_must_keep_a_target(tmp_path, toks):
-    records = _jsonl(tmp_path, [{"text": "Hello world!"}, {"prompt": "hi " * 20, "completion": "ok"}])
-    with pytest.raises(ValueError, match=r"sft.jsonl: row 2: field 'prompt': cut to max_length=8 tokens, the "
-                                         r"example keeps no loss token"):
+    records = _jsonl(
+        tmp_path, [{"text": "Hello world!"}, {"prompt": "hi " * 20, "completion": "ok"}]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sft.jsonl: row 2: field 'prompt': cut to max_length=8 tokens, the "
+        r"example keeps no loss token",
+    ):
         encode_sft(records, toks["qwen25"], max_length=8, truncate=True)
     d = make_model_dir(tmp_path, "qwen25")
     config = json.loads((d / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (d / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"<records>: row 1: field 'messages': chat messages need a chat template"):
+    with pytest.raises(
+        ValueError, match=r"<records>: row 1: field 'messages': chat messages need a chat template"
+    ):
         encode_sft([{"messages": CHAT}], load_tokenizer(d), max_length=512)
 
 
@@ -299,7 +405,9 @@ def test_sft_step_grad_accumulation_is_invisible():
         cfg = SFTConfig(max_length=12, grad_accum=accum, remat=accum == 2, optimizer=opt)
         batch = sft_batch(cfg, examples, pad_id=0)
         assert batch.ids.shape[0] == 3
-        state = init_sft_state(cfg, jax.tree.map(jnp.copy, model), key=jax.random.key(0))  # the step donates it
+        state = init_sft_state(
+            cfg, jax.tree.map(jnp.copy, model), key=jax.random.key(0)
+        )  # the step donates it
         state, out = make_sft_step(cfg, Passes())(state, batch)
         results.append((state, out))
     (s1, o1), (s2, o2) = results
@@ -312,15 +420,21 @@ def test_sft_step_grad_accumulation_is_invisible():
     np.testing.assert_allclose(o1.metrics["padding_fraction"], 1 - 36 / 36)
     np.testing.assert_allclose(o2.metrics["padding_fraction"], 1 - 36 / 48)  # the empty 4th row
     assert {k: int(v) for k, v in o1.health.items()} == {
-        "first_nonfinite_grad": -1, "first_nonfinite": -1, "consecutive_skips": 0}
+        "first_nonfinite_grad": -1,
+        "first_nonfinite": -1,
+        "consecutive_skips": 0,
+    }
     assert not np.array_equal(s1.policy.embed, model.embed)
 
 
 def test_sft_step_trains_and_reports_nonfinite(toks):
     tok = toks["qwen25"]
     cfg = SFTConfig(max_length=48, packing=False, optimizer=OptimizerConfig(learning_rate=3e-2))
-    examples = sft_examples(cfg, [{"prompt": "What is 2 + 2?", "completion": " The answer is 4."},
-                                  {"text": "Hello world!"}], tok)
+    examples = sft_examples(
+        cfg,
+        [{"prompt": "What is 2 + 2?", "completion": " The answer is 4."}, {"text": "Hello world!"}],
+        tok,
+    )
     batch = sft_batch(cfg, examples, pad_id=tok.pad_token_id)
     assert batch.ids.shape == (2, 48) and batch.segment_ids.max() == 1
     stacked = stack_rows(sft_rows(cfg, examples, pad_id=tok.pad_token_id))
@@ -333,7 +447,9 @@ def test_sft_step_trains_and_reports_nonfinite(toks):
         state, out = step(state, batch)
         losses.append(float(out.metrics["loss"]))
     assert losses[-1] < losses[0]
-    bad = state.replace(policy=jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, state.policy))
+    bad = state.replace(
+        policy=jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, state.policy)
+    )
     bad, out = step(bad, batch)
     assert int(out.health["first_nonfinite"]) == 4 and int(out.health["consecutive_skips"]) == 1
     assert int(out.health["first_nonfinite_grad"]) >= 0

@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.rewards import combine, dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
+from relax.rewards import (
+    combine,
+    dynamic_sampling_mask,
+    group_stats,
+    length_shaping,
+    overlong_penalty,
+)
 
 NAN = np.nan
 
@@ -113,7 +119,9 @@ def test_length_shaping_modes_differ():
     np.testing.assert_allclose(pun, [[1.0, 1.0, 0.75, 0.0, 0.0, NAN]])
     assert not np.allclose(lin, pun, equal_nan=True)
     # punitive floors at 0: a long correct answer is never worse than a wrong one
-    far = length_shaping(np.ones((1, 1)), np.array([[10_000]]), mode="punitive", target=100.0, coef=0.5)
+    far = length_shaping(
+        np.ones((1, 1)), np.array([[10_000]]), mode="punitive", target=100.0, coef=0.5
+    )
     assert float(far[0, 0]) == 0.0
     # coef = 0.0 is a valid value: identity for both modes
     np.testing.assert_array_equal(length_shaping(r, L, mode="linear", target=100.0, coef=0.0), r)
@@ -126,7 +134,9 @@ def test_length_shaping_grad_and_errors():
     L = rng.integers(10, 200, size=(3, 4))
     with jax.enable_x64(True):
         for mode in ("linear", "punitive"):
-            f = jax.jit(lambda r: jnp.sum(length_shaping(r, L, mode=mode, target=100.0, coef=0.3) ** 2))
+            f = jax.jit(
+                lambda r: jnp.sum(length_shaping(r, L, mode=mode, target=100.0, coef=0.3) ** 2)
+            )
             g = jax.grad(f)(jnp.asarray(r))
             d = rng.normal(size=r.shape)
             eps = 1e-6
@@ -169,7 +179,9 @@ def test_dynamic_sampling_and_group_stats():
     stats = jax.jit(group_stats)(r)
     valid = r[~np.isnan(r)]
     assert float(stats["reward"]) == pytest.approx(valid.mean(), rel=1e-6)
-    stds = [np.std(row[~np.isnan(row)], ddof=1) if (~np.isnan(row)).sum() > 1 else 0.0 for row in r[:4]]
+    stds = [
+        np.std(row[~np.isnan(row)], ddof=1) if (~np.isnan(row)).sum() > 1 else 0.0 for row in r[:4]
+    ]
     stds.append(np.std(r[5][~np.isnan(r[5])], ddof=1))
     assert float(stats["reward_std"]) == pytest.approx(np.mean(stds), rel=1e-5)
     assert float(stats["frac_reward_zero_std"]) == pytest.approx(4 / 6)

@@ -8,12 +8,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import load_example
 
 from relax.models import ModelConfig, init
 from relax.models.hf.checkpoint import save_pretrained
 from relax.text import load_tokenizer
 from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
-from conftest import load_example
 
 BUDGET = 40  # buckets 16, 32, 40
 
@@ -24,37 +24,83 @@ def ragged(tmp_path_factory):
     d = tmp_path_factory.mktemp("ragged")
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdef"), n)) for n in rng.integers(2, 37, size=40)]
-    tok_path = train_sentencepiece([w + "=" for w in words], d / "tok", vocab_size=12, model_type="char")
+    tok_path = train_sentencepiece(
+        [w + "=" for w in words], d / "tok", vocab_size=12, model_type="char"
+    )
     tok = Tokenizer(tok_path)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=tok.eos_id,
-                      bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.bos_id,
+        pad_token_id=tok.pad_id,
+    )
     save_pretrained(init(cfg, jax.random.key(0), std=0.1), d / "model")
     words[7], words[19] = "abc" * 20, "fed" * 16  # over the budget
     rows = [{"prompt": w + "=", "answer": w[::-1]} for w in words]
     (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
     run_tok = load_tokenizer(tok_path)  # what --tokenizer loads
-    lengths = [len(run_tok.encode(r["prompt"], add_special_tokens=True)) for r in rows]  # the tokenizer's own count
+    lengths = [
+        len(run_tok.encode(r["prompt"], add_special_tokens=True)) for r in rows
+    ]  # the tokenizer's own count
     return d, lengths
 
 
 def _run(ragged, run_dir, *extra):
     d, _ = ragged
-    return load_example("grpo").main([
-        "--model", str(d / "model"), "--tokenizer", str(d / "tok.model"), "--data", str(d / "train.jsonl"),
-        "--eval-data", str(d / "eval.jsonl"), "--run-dir", str(run_dir), "--steps", "4", "--batch-size", "4",
-        "--max-prompt-tokens", str(BUDGET), "--grpo.num-generations", "2", "--grpo.max-new-tokens", "4",
-        "--eval.num-samples", "1", "--reward-workers", "0", "--reward", "exact_match", "--checkpoint-every", "4",
-        "--no-export-hf", *extra])
+    return load_example("grpo").main(
+        [
+            "--model",
+            str(d / "model"),
+            "--tokenizer",
+            str(d / "tok.model"),
+            "--data",
+            str(d / "train.jsonl"),
+            "--eval-data",
+            str(d / "eval.jsonl"),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "4",
+            "--batch-size",
+            "4",
+            "--max-prompt-tokens",
+            str(BUDGET),
+            "--grpo.num-generations",
+            "2",
+            "--grpo.max-new-tokens",
+            "4",
+            "--eval.num-samples",
+            "1",
+            "--reward-workers",
+            "0",
+            "--reward",
+            "exact_match",
+            "--checkpoint-every",
+            "4",
+            "--no-export-hf",
+            *extra,
+        ]
+    )
 
 
 def _train_lines(run_dir):
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     return [line for line in lines if "loss" in line]
 
 
-def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(ragged, tmp_path, capsys):
+def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(
+    ragged, tmp_path, capsys
+):
     d, lengths = ragged
     over = sorted(((n, i + 1) for i, n in enumerate(lengths) if n > BUDGET), reverse=True)
     kept = [n for n in lengths if n <= BUDGET]
@@ -62,21 +108,36 @@ def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(ra
     summary = _run(ragged, tmp_path / "run")
     lines = _train_lines(tmp_path / "run")
     # compiled at step 1 only, but for a layout of the update not met before (packed in 1 row or padded)
-    again = [line for i, line in enumerate(lines)
-             if i and line.get("pack_rows") in {x.get("pack_rows") for x in lines[:i]}]
+    again = [
+        line
+        for i, line in enumerate(lines)
+        if i and line.get("pack_rows") in {x.get("pack_rows") for x in lines[:i]}
+    ]
     assert len(again) >= 2 and all(line["compiles"] == 0 for line in again)
     assert all(line["prompts_over_budget"] == 2 for line in lines)
     assert summary["prompts_over_budget"] == 2
     assert summary["data"]["train"] | {"prompt_tokens": None} == {
-        "rows": 40, "kept": 38, "prompts_over_budget": 2, "dropped": 2, "overlong": "drop",
-        "max_prompt_tokens": BUDGET, "prompt_tokens": None}
-    assert summary["data"]["train"]["prompt_tokens"]["p50"] == int(np.percentile(lengths, 50, method="higher"))
+        "rows": 40,
+        "kept": 38,
+        "prompts_over_budget": 2,
+        "dropped": 2,
+        "overlong": "drop",
+        "max_prompt_tokens": BUDGET,
+        "prompt_tokens": None,
+    }
+    assert summary["data"]["train"]["prompt_tokens"]["p50"] == int(
+        np.percentile(lengths, 50, method="higher")
+    )
     report = (tmp_path / "run" / "startup.txt").read_text()
     (n0, row0), (n1, row1) = over
-    assert f"2 of 40 training prompts are over --max-prompt-tokens {BUDGET}: {d / 'train.jsonl'} row {row0} " \
-           f"({n0} tokens), {d / 'train.jsonl'} row {row1} ({n1} tokens); dropped" in report
+    assert (
+        f"2 of 40 training prompts are over --max-prompt-tokens {BUDGET}: {d / 'train.jsonl'} row {row0} "
+        f"({n0} tokens), {d / 'train.jsonl'} row {row1} ({n1} tokens); dropped" in report
+    )
     assert f"every batch padded to {BUDGET} prompt tokens" in report
-    assert "completions packed by token count in the update and reference: rows of 4 tokens" in report
+    assert (
+        "completions packed by token count in the update and reference: rows of 4 tokens" in report
+    )
     assert "--max-prompt-tokens 40 (default 512)" in report and "stop tokens: " in report
     assert report.splitlines()[0] in capsys.readouterr().out  # printed too
     config = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -94,7 +155,9 @@ def test_padding_each_batch_to_its_own_bucket_compiles_again(ragged, tmp_path):
 def test_overlong_reject_refuses_before_any_compute(ragged, tmp_path):
     d, lengths = ragged
     first = next(i + 1 for i, n in enumerate(lengths) if n > BUDGET)
-    with pytest.raises(ValueError, match=rf"train\.jsonl: row {first}: prompt has {lengths[first - 1]} tokens"):
+    with pytest.raises(
+        ValueError, match=rf"train\.jsonl: row {first}: prompt has {lengths[first - 1]} tokens"
+    ):
         _run(ragged, tmp_path / "run", "--overlong", "reject")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -128,6 +191,9 @@ def test_missing_reward_column_is_found_before_any_compute(ragged, tmp_path):
 
 def test_data_with_no_prompt_within_the_budget_is_refused_naming_the_rows(ragged, tmp_path):
     d, lengths = ragged
-    with pytest.raises(ValueError, match=r"no training prompt is within --max-prompt-tokens 2: WARNING: 40 of 40 "
-                                         r"training prompts are over --max-prompt-tokens 2: .*train\.jsonl row"):
+    with pytest.raises(
+        ValueError,
+        match=r"no training prompt is within --max-prompt-tokens 2: WARNING: 40 of 40 "
+        r"training prompts are over --max-prompt-tokens 2: .*train\.jsonl row",
+    ):
         _run(ragged, tmp_path / "run", "--max-prompt-tokens", "2")

@@ -9,28 +9,42 @@ import json
 import pickle
 
 import pytest
+from text_fixtures import CORPUS, MULTI_TURN, STYLES, USER_ONLY
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from relax.text import (HFTokenizer, SentencePieceTokenizer, TokenizerFormatError,
-                        load_tokenizer)
+from relax.text import HFTokenizer, SentencePieceTokenizer, TokenizerFormatError, load_tokenizer
 from relax.text.sentencepiece_model import train_sentencepiece
-from text_fixtures import CORPUS, MULTI_TURN, STYLES, USER_ONLY
 
 TEXTS = [
-    "Hello world!", "  leading and trailing  ", "tabs\tand\nnewlines\n\n\n", "Ünïcödé café naïve 日本語 😀",
-    "", " ", "<|im_start|>user\nhi<|im_end|>\n", "<s>[INST] hi [/INST] ok</s>", "<tool_call>{\"a\": 1}</tool_call>",
-    "a <|eot_id|>b<|begin_of_text|> c", "<bos><start_of_turn>model\n<mask> x<start_of_image>", "xyzq ~~ QQQ ''s n't",
-    "<think>\nhmm\n</think>\n\n", "<|image_pad|><|endoftext|>",
+    "Hello world!",
+    "  leading and trailing  ",
+    "tabs\tand\nnewlines\n\n\n",
+    "Ünïcödé café naïve 日本語 😀",
+    "",
+    " ",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<s>[INST] hi [/INST] ok</s>",
+    '<tool_call>{"a": 1}</tool_call>',
+    "a <|eot_id|>b<|begin_of_text|> c",
+    "<bos><start_of_turn>model\n<mask> x<start_of_image>",
+    "xyzq ~~ QQQ ''s n't",
+    "<think>\nhmm\n</think>\n\n",
+    "<|image_pad|><|endoftext|>",
 ]
 
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    texts = ["Hello world! This is a tiny corpus. café naïve", "another line  with  spaces", "user assistant"] * 30
+    texts = [
+        "Hello world! This is a tiny corpus. café naïve",
+        "another line  with  spaces",
+        "user assistant",
+    ] * 30
     return train_sentencepiece(texts, tmp_path_factory.mktemp("sp") / "m", vocab_size=90)
 
 
 # ---- loading ----
+
 
 def test_load_directory_or_file(model_dirs):
     d = model_dirs["llama3"]
@@ -45,7 +59,9 @@ def test_load_errors_name_the_path(tmp_path, model_dirs):
     with pytest.raises(FileNotFoundError, match="not found.*nowhere"):
         load_tokenizer(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="empty.*no tokenizer.json or tokenizer.model.*nothing"):
+    with pytest.raises(
+        FileNotFoundError, match="empty.*no tokenizer.json or tokenizer.model.*nothing"
+    ):
         load_tokenizer(tmp_path / "empty")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
@@ -68,6 +84,7 @@ def test_load_errors_name_the_path(tmp_path, model_dirs):
 
 # ---- special ids ----
 
+
 def test_special_ids_stop_tokens_and_pad_fallback(model_dirs):
     llama = load_tokenizer(model_dirs["llama3"])
     tid = llama.token_to_id
@@ -79,7 +96,9 @@ def test_special_ids_stop_tokens_and_pad_fallback(model_dirs):
     assert qwen.bos_token_id is None
     assert qwen.eos_token_ids == (qwen.token_to_id("<|im_end|>"), qwen.token_to_id("<|endoftext|>"))
     assert qwen.pad_token_id == qwen.token_to_id("<|endoftext|>")
-    hermes = load_tokenizer(model_dirs["hermes"])  # tokens only in the legacy special_tokens_map.json
+    hermes = load_tokenizer(
+        model_dirs["hermes"]
+    )  # tokens only in the legacy special_tokens_map.json
     assert hermes.special_tokens == {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
     assert hermes.eos_token_ids == (hermes.token_to_id("<|im_end|>"),)
 
@@ -96,9 +115,12 @@ def test_config_tokens_missing_from_tokenizer_json_are_added(model_dirs):
 
 # ---- encode / decode semantics ----
 
+
 def test_add_special_tokens_is_the_post_processor(model_dirs, tmp_path):
     llama = load_tokenizer(model_dirs["llama3"])
-    assert llama.encode("Hello") == [llama.bos_token_id] + llama.encode("Hello", add_special_tokens=False)
+    assert llama.encode("Hello") == [llama.bos_token_id] + llama.encode(
+        "Hello", add_special_tokens=False
+    )
     qwen = load_tokenizer(model_dirs["qwen25"])
     assert qwen.encode("Hello") == qwen.encode("Hello", add_special_tokens=False)
     # add_bos_token in tokenizer_config.json changes nothing when tokenizer.json exists
@@ -106,8 +128,15 @@ def test_add_special_tokens_is_the_post_processor(model_dirs, tmp_path):
     tok = Tokenizer.from_file(str(model_dirs["llama3"] / "tokenizer.json"))
     tok.post_processor = None
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "add_bos_token": True, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "add_bos_token": True,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     bare = load_tokenizer(tmp_path)
     assert bare.encode("Hello") == bare.encode("Hello", add_special_tokens=False)
 
@@ -118,7 +147,9 @@ def test_no_double_bos_in_chat_prompts(model_dirs):
         kwargs = {"date_string": "26 Jul 2024"} if style == "llama3" else {}
         ids = tok.apply_chat_template(MULTI_TURN, add_generation_prompt=True, **kwargs)
         assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1, style
-        text = tok.apply_chat_template(MULTI_TURN, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = tok.apply_chat_template(
+            MULTI_TURN, add_generation_prompt=True, tokenize=False, **kwargs
+        )
         assert ids == tok.encode(text, add_special_tokens=False)
 
 
@@ -130,14 +161,16 @@ def test_decode_and_special_tokens(model_dirs):
     # <tool_call> is an added but not special token (as in Qwen): kept when skipping specials
     assert qwen.decode(ids, skip_special_tokens=True) == "user\nhi <tool_call>"
     import numpy as np
+
     assert qwen.decode(np.asarray(ids, dtype=np.int32)) == qwen.decode(ids)
     with pytest.raises(ValueError, match="decode_batch"):
         qwen.decode(np.asarray([ids]))
     rows = np.asarray([ids, ids[::-1]])
     mask = np.zeros_like(rows)
     mask[:, 2:] = 1
-    assert qwen.decode_batch(rows, mask, skip_special_tokens=True) == \
-        [qwen.decode(r[2:], skip_special_tokens=True) for r in rows]
+    assert qwen.decode_batch(rows, mask, skip_special_tokens=True) == [
+        qwen.decode(r[2:], skip_special_tokens=True) for r in rows
+    ]
     assert qwen.decode_batch([ids, []]) == [qwen.decode(ids), ""]
     for text in TEXTS:
         assert qwen.decode(qwen.encode(text)) == text  # byte-level BPE round-trips everything
@@ -148,11 +181,16 @@ def test_pickle_round_trip(model_dirs, sp_model):
     for tok in (load_tokenizer(model_dirs["llama3"]), load_tokenizer(sp_model)):
         again = pickle.loads(pickle.dumps(tok))
         assert again.encode("Hello world") == tok.encode("Hello world")
-        assert again.apply_chat_template(USER_ONLY, tokenize=False, chat_template="{{ messages[0].content }}") == \
-            USER_ONLY[0]["content"]
+        assert (
+            again.apply_chat_template(
+                USER_ONLY, tokenize=False, chat_template="{{ messages[0].content }}"
+            )
+            == USER_ONLY[0]["content"]
+        )
 
 
 # ---- saving ----
+
 
 def test_save_pretrained_round_trip(model_dirs, tmp_path):
     for style in STYLES:
@@ -160,15 +198,24 @@ def test_save_pretrained_round_trip(model_dirs, tmp_path):
         out = tok.save_pretrained(tmp_path / style)
         again = load_tokenizer(out)
         kwargs = {"date_string": "26 Jul 2024"} if style == "llama3" else {}
-        for attr in ("bos_token_id", "eos_token_ids", "pad_token_id", "vocab_size", "special_tokens",
-                     "chat_template"):
+        for attr in (
+            "bos_token_id",
+            "eos_token_ids",
+            "pad_token_id",
+            "vocab_size",
+            "special_tokens",
+            "chat_template",
+        ):
             assert getattr(again, attr) == getattr(tok, attr), (style, attr)
         assert [again.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
-        assert again.apply_chat_template(MULTI_TURN, add_generation_prompt=True, **kwargs) == \
-            tok.apply_chat_template(MULTI_TURN, add_generation_prompt=True, **kwargs)
+        assert again.apply_chat_template(
+            MULTI_TURN, add_generation_prompt=True, **kwargs
+        ) == tok.apply_chat_template(MULTI_TURN, add_generation_prompt=True, **kwargs)
         config = json.loads((out / "tokenizer_config.json").read_text())
         assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
-        assert (out / "tokenizer.json").read_bytes() == (model_dirs[style] / "tokenizer.json").read_bytes()
+        assert (out / "tokenizer.json").read_bytes() == (
+            model_dirs[style] / "tokenizer.json"
+        ).read_bytes()
     gemma_out = tmp_path / "gemma"  # the template came as chat_template.jinja: copied, not inlined
     assert (gemma_out / "chat_template.jinja").is_file()
     assert "chat_template" not in json.loads((gemma_out / "tokenizer_config.json").read_text())
@@ -187,12 +234,17 @@ def test_save_pretrained_keeps_generation_config_and_drops_stale_template(model_
 
 # ---- sentencepiece ----
 
+
 def test_sentencepiece_model_loads(sp_model):
     tok = load_tokenizer(sp_model)
     assert isinstance(tok, SentencePieceTokenizer)
     assert (tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id) == (2, (3,), 0)
-    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                                  "pad_token": "<pad>"}
+    assert tok.special_tokens == {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    }
     body = tok.tokenizer.encode("Hello world")
     assert tok.encode("Hello world") == [2] + body  # BOS: the sentencepiece / Llama-2 convention
     assert tok.encode("Hello world", add_special_tokens=False) == body
@@ -211,20 +263,27 @@ def test_sentencepiece_directory_with_config(sp_model, tmp_path):
     d.mkdir()
     (d / "tokenizer.model").write_bytes(sp_model.read_bytes())
     template = "{% for m in messages %}{{ bos_token }}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}"
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "add_bos_token": False}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "add_bos_token": False})
+    )
     tok = load_tokenizer(d)
     assert isinstance(tok, SentencePieceTokenizer) and tok.path == d
-    assert tok.encode("Hello") == tok.encode("Hello", add_special_tokens=False)  # add_bos_token: false
+    assert tok.encode("Hello") == tok.encode(
+        "Hello", add_special_tokens=False
+    )  # add_bos_token: false
     ids = tok.apply_chat_template(USER_ONLY)
     assert ids[0] == 2 and ids[-1] == 3 and ids.count(2) == 1
     again = load_tokenizer(tok.save_pretrained(tmp_path / "saved"))
-    assert again.apply_chat_template(USER_ONLY) == ids and again.encode("Hello") == tok.encode("Hello")
+    assert again.apply_chat_template(USER_ONLY) == ids and again.encode("Hello") == tok.encode(
+        "Hello"
+    )
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|not_a_piece|>"}))
     with pytest.raises(TokenizerFormatError, match="not_a_piece.*is not a piece"):
         load_tokenizer(d)
 
 
 # ---- parity with transformers ----
+
 
 @pytest.mark.parity
 @pytest.mark.parametrize("style", STYLES)
@@ -236,11 +295,15 @@ def test_encode_decode_match_transformers(style, model_dirs, auto):
             ids = hf.encode(text, add_special_tokens=special)
             assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
             for skip in (True, False):
-                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+                    ids, skip_special_tokens=skip
+                )
     every = list(range(ours.vocab_size))
     for chunk in (every[:40], every[-40:], every[::7]):
         for skip in (True, False):
-            assert ours.decode(chunk, skip_special_tokens=skip) == hf.decode(chunk, skip_special_tokens=skip)
+            assert ours.decode(chunk, skip_special_tokens=skip) == hf.decode(
+                chunk, skip_special_tokens=skip
+            )
 
 
 @pytest.mark.parity
@@ -249,7 +312,9 @@ def test_special_ids_match_transformers(style, model_dirs, auto):
     hf, ours = auto(model_dirs[style]), load_tokenizer(model_dirs[style])
     assert ours.bos_token_id == hf.bos_token_id
     assert ours.eos_token_id == hf.eos_token_id == ours.eos_token_ids[0]
-    assert ours.pad_token_id == (hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
+    assert ours.pad_token_id == (
+        hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
+    )
     assert ours.vocab_size == len(hf)
     assert ours.special_tokens == hf.special_tokens_map
 
@@ -262,12 +327,19 @@ def test_saved_directory_matches_in_transformers(style, model_dirs, auto, tmp_pa
     kwargs = {"date_string": "26 Jul 2024"} if style == "llama3" else {}
     for text in TEXTS:
         assert ours.encode(text) == hf.encode(text)
-        assert ours.decode(ours.encode(text), skip_special_tokens=True) == \
-            hf.decode(hf.encode(text), skip_special_tokens=True)
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == hf.decode(
+            hf.encode(text), skip_special_tokens=True
+        )
     for messages in (USER_ONLY, MULTI_TURN):
-        ids = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kwargs)
+        ids = hf.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False, **kwargs
+        )
         assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == ids
-    assert (ours.bos_token_id, ours.eos_token_id, ours.vocab_size) == (hf.bos_token_id, hf.eos_token_id, len(hf))
+    assert (ours.bos_token_id, ours.eos_token_id, ours.vocab_size) == (
+        hf.bos_token_id,
+        hf.eos_token_id,
+        len(hf),
+    )
 
 
 @pytest.mark.parity
@@ -280,28 +352,58 @@ def test_sentencepiece_matches_transformers(sp_model, tmp_path, auto):
     ours = load_tokenizer(d)
     hf = auto(ours.save_pretrained(tmp_path / "saved"))
     assert type(hf).__name__ == "SentencePieceBackend"
-    for text in ["Hello world", " Hello  world", "café\nnaïve x", "Hello world </s> again<s>", "user: hi", ""]:
+    for text in [
+        "Hello world",
+        " Hello  world",
+        "café\nnaïve x",
+        "Hello world </s> again<s>",
+        "user: hi",
+        "",
+    ]:
         for special in (True, False):
-            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(
+                text, add_special_tokens=special
+            )
     for text in ["Hello world", "café naïve</s>", "another line with spaces"]:
         ids = ours.encode(text)
-        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(
+            ids, skip_special_tokens=True
+        )
     for messages in (USER_ONLY, MULTI_TURN):
-        assert ours.apply_chat_template(messages, tokenize=False) == hf.apply_chat_template(messages, tokenize=False)
-        assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, return_dict=False)
-    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.vocab_size) == \
-        (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, len(hf))
+        assert ours.apply_chat_template(messages, tokenize=False) == hf.apply_chat_template(
+            messages, tokenize=False
+        )
+        assert ours.apply_chat_template(messages) == hf.apply_chat_template(
+            messages, return_dict=False
+        )
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.vocab_size) == (
+        hf.bos_token_id,
+        hf.eos_token_id,
+        hf.pad_token_id,
+        len(hf),
+    )
 
 
 @pytest.mark.parity
 def test_clean_up_tokenization_spaces_matches_transformers(tmp_path, auto):
-    words = sorted({w for line in CORPUS for w in line.split()} | {".", ",", "?", "'s", "n't", "[UNK]"})
+    words = sorted(
+        {w for line in CORPUS for w in line.split()} | {".", ",", "?", "'s", "n't", "[UNK]"}
+    )
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"clean_up_tokenization_spaces": True, "unk_token": "[UNK]", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "clean_up_tokenization_spaces": True,
+                "unk_token": "[UNK]",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     ours, hf = load_tokenizer(tmp_path), auto(tmp_path)
     ids = ours.encode("Hello world . is it ? tiny 's n't")
     assert ids == hf.encode("Hello world . is it ? tiny 's n't")
-    assert ours.decode(ids) == hf.decode(ids) == "Hello [UNK]. is [UNK]? tiny'sn't"  # spaces cleaned up
+    assert (
+        ours.decode(ids) == hf.decode(ids) == "Hello [UNK]. is [UNK]? tiny'sn't"
+    )  # spaces cleaned up

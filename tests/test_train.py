@@ -6,23 +6,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from relax.models import ModelConfig, init
-from relax.models.decoder.logprobs import token_logprobs
-from relax.objectives.reference import ReferenceConfig
-from relax.algorithms.online.batch import LossRows, step_input
-from relax.algorithms.cli.configure import configure
-from relax.algorithms.grpo.config import GRPOConfig, preset
-from relax.train.optimizer import OptimizerConfig
-from relax.models.forward.prefix_shared import completion_logprobs, completion_rope
-from relax.algorithms.grpo.step import make_grpo_step
-from relax.train.state import init_state
-from relax.algorithms.grpo.loss import make_grpo_update
-from relax.passes import choose_passes
 from test_parallel import _decode, fives
 
-CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+from relax.algorithms.cli.configure import configure
+from relax.algorithms.grpo.config import GRPOConfig, preset
+from relax.algorithms.grpo.loss import make_grpo_update
+from relax.algorithms.grpo.step import make_grpo_step
+from relax.algorithms.online.batch import LossRows, step_input
+from relax.models import ModelConfig, init
+from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.prefix_shared import completion_logprobs, completion_rope
+from relax.objectives.reference import ReferenceConfig
+from relax.passes import choose_passes
+from relax.train.optimizer import OptimizerConfig
+from relax.train.state import init_state
+
+CFG = ModelConfig(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
 def _prompts(p, lp, lengths, seed=0):
@@ -30,8 +38,8 @@ def _prompts(p, lp, lengths, seed=0):
     ids = np.zeros((p, lp), np.int32)
     mask = np.zeros((p, lp), np.int32)
     for i, n in enumerate(lengths):
-        ids[i, lp - n:] = rng.integers(1, CFG.vocab_size, n)
-        mask[i, lp - n:] = 1
+        ids[i, lp - n :] = rng.integers(1, CFG.vocab_size, n)
+        mask[i, lp - n :] = 1
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
@@ -53,13 +61,15 @@ def test_prefix_shared_forward_equals_full_sequence(window):
         return completion_logprobs(m, ids, pm, comp, cm, temperature=0.7)
 
     def direct(m):
-        return token_logprobs(m, full, fmask, temperature=0.7)[:, lp - 1:].reshape(p, g, n)
+        return token_logprobs(m, full, fmask, temperature=0.7)[:, lp - 1 :].reshape(p, g, n)
 
     got, want = shared(model), direct(model)
     chex.assert_shape(got, (p, g, n))
     np.testing.assert_allclose(np.where(cm, got, 0), np.where(cm, want, 0), atol=1e-5)
     # one prompt group per pass (the CPU reference forward): the same log-probs and entropies
-    per_group = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True, groups_per_pass=1)
+    per_group = completion_logprobs(
+        model, ids, pm, comp, cm, temperature=0.7, with_entropy=True, groups_per_pass=1
+    )
     whole = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True)
     # the same arithmetic in another reduction order (float32 on a GPU differs by ~2e-6)
     chex.assert_trees_all_close(per_group, whole, atol=1e-5, rtol=1e-5)
@@ -71,7 +81,9 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g2))
     chex.assert_trees_all_close(g1, g2, atol=1e-5 * scale, rtol=1e-4)
     # the CPU update's options (unrolled layers, attention probabilities kept for the backward)
-    fast = lambda m: completion_logprobs(m, ids, pm, comp, cm, temperature=0.7, unroll=True, save_attention=True)
+    fast = lambda m: completion_logprobs(
+        m, ids, pm, comp, cm, temperature=0.7, unroll=True, save_attention=True
+    )
     np.testing.assert_allclose(np.where(cm, fast(model), 0), np.where(cm, want, 0), atol=1e-5)
     g3 = jax.grad(lambda m: jnp.sum(w * fast(m)))(model)
     chex.assert_trees_all_close(g3, g2, atol=1e-5 * scale, rtol=1e-4)
@@ -90,8 +102,10 @@ def test_completion_rope_tables_match_numpy():
     rope = completion_rope(CFG, pm, g, n)
     d = CFG.head_dim
     inv = 1.0 / CFG.rope_theta ** (np.arange(0, d, 2) / d)
-    table = lambda pos: (np.cos(np.concatenate([np.outer(pos, inv)] * 2, 1)),
-                         np.sin(np.concatenate([np.outer(pos, inv)] * 2, 1)))
+    table = lambda pos: (
+        np.cos(np.concatenate([np.outer(pos, inv)] * 2, 1)),
+        np.sin(np.concatenate([np.outer(pos, inv)] * 2, 1)),
+    )
     chex.assert_shape(rope.prompt, ((p, lp, d),) * 2)
     chex.assert_shape(rope.completion, ((p, g, n, d),) * 2)
     for i, length in enumerate(lengths):
@@ -108,10 +122,18 @@ def _update_data(p=4, g=4, n=5, seed=0, adv_scale=1.0):
     ids, pm = _prompts(p, 6, [6, 2, 4, 5][:p], seed)
     k1, k2, k3 = jax.random.split(key, 3)
     tokens = jax.random.randint(k1, (p, g, n), 0, CFG.vocab_size)
-    mask = (jnp.arange(n)[None, None, :] < jax.random.randint(k2, (p, g, 1), 1, n + 1)).astype(jnp.int32)
-    return LossRows(prompt_ids=ids, prompt_mask=pm, tokens=tokens, mask=mask, loss_mask=mask,
-                    old_logprobs=-2.0 + 0.1 * jax.random.normal(k3, (p, g, n)),
-                    advantages=adv_scale * jax.random.normal(jax.random.fold_in(key, 7), (p, g)))
+    mask = (jnp.arange(n)[None, None, :] < jax.random.randint(k2, (p, g, 1), 1, n + 1)).astype(
+        jnp.int32
+    )
+    return LossRows(
+        prompt_ids=ids,
+        prompt_mask=pm,
+        tokens=tokens,
+        mask=mask,
+        loss_mask=mask,
+        old_logprobs=-2.0 + 0.1 * jax.random.normal(k3, (p, g, n)),
+        advantages=adv_scale * jax.random.normal(jax.random.fold_in(key, 7), (p, g)),
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])  # token-mean: test_aggregation
@@ -123,18 +145,30 @@ def test_gradient_accumulation_does_not_change_the_update(loss_type):
     results = []
     # 4: one prompt group per micro-batch, the finest split; None: the default (4 on one CPU device)
     for accum in (1, 4, None):
-        cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=5, loss_type=loss_type, grad_accum=accum,
-                        # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
-                        optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None))
+        cfg = configure(
+            GRPOConfig,
+            num_generations=4,
+            max_new_tokens=5,
+            loss_type=loss_type,
+            grad_accum=accum,
+            # a large Adam eps keeps the first step smooth in g (no sign(g) amplification)
+            optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None),
+        )
         opt = cfg.optimizer.make()
-        policy, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
+        policy, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(
+            model, opt.init(model), data, jax.random.key(0)
+        )
         results.append((policy, metrics))
-    assert float(results[0][1]["ratio_max"]) > float(results[0][1]["ratio_mean"]) + 0.05  # a real spread
+    assert (
+        float(results[0][1]["ratio_max"]) > float(results[0][1]["ratio_mean"]) + 0.05
+    )  # a real spread
     for policy, metrics in results[1:]:
         chex.assert_trees_all_close(policy, results[0][0], atol=1e-6)
         assert metrics.keys() == results[0][1].keys()
         for name, value in metrics.items():
-            np.testing.assert_allclose(value, results[0][1][name], rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(
+                value, results[0][1][name], rtol=1e-5, atol=1e-6, err_msg=name
+            )
 
 
 def test_minibatch_losses_average_to_the_full_batch_loss():
@@ -144,16 +178,27 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
     data = _update_data()
     losses = {}
     for m in (1, 4):
-        cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m)
-        opt = optax.set_to_zero()  # nothing moves (a zero learning rate is refused by OptimizerConfig)
-        _, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(model, opt.init(model), data, jax.random.key(0))
+        cfg = configure(
+            GRPOConfig, num_generations=4, max_new_tokens=5, loss_type="dapo", num_minibatches=m
+        )
+        opt = (
+            optax.set_to_zero()
+        )  # nothing moves (a zero learning rate is refused by OptimizerConfig)
+        _, _, metrics = jax.jit(make_grpo_update(cfg, opt, choose_passes()))(
+            model, opt.init(model), data, jax.random.key(0)
+        )
         losses[m] = float(metrics["loss"])  # mean over the M minibatch steps
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
 
 
 def test_non_finite_gradients_skip_the_update():
     model = init(CFG, jax.random.key(5), std=0.2)
-    cfg = configure(GRPOConfig, num_generations=4, max_new_tokens=5, optimizer=OptimizerConfig(learning_rate=1e-2))
+    cfg = configure(
+        GRPOConfig,
+        num_generations=4,
+        max_new_tokens=5,
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+    )
     opt = cfg.optimizer.make()
     update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
     bad = _update_data()
@@ -169,8 +214,14 @@ def test_non_finite_gradients_skip_the_update():
 
 def test_grpo_learns_and_compiles_once():
     policy = init(CFG, jax.random.key(0), std=0.02)
-    cfg = preset("grpo", num_generations=8, max_new_tokens=6, beta=0.04, num_minibatches=2,
-                 optimizer=OptimizerConfig(learning_rate=3e-2))
+    cfg = preset(
+        "grpo",
+        num_generations=8,
+        max_new_tokens=6,
+        beta=0.04,
+        num_minibatches=2,
+        optimizer=OptimizerConfig(learning_rate=3e-2),
+    )
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=True)
     step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
@@ -182,7 +233,11 @@ def test_grpo_learns_and_compiles_once():
         assert np.isfinite(float(out.device.metrics["loss"]))
     assert np.mean(rewards[-5:]) > np.mean(rewards[:3]) + 0.3, rewards
     assert int(state.step) == 25
-    assert step.cache_sizes() == (1, 1, 1)  # rollout, reference and advantage+update compiled once each
+    assert step.cache_sizes() == (
+        1,
+        1,
+        1,
+    )  # rollout, reference and advantage+update compiled once each
     assert float(out.device.metrics["sampler_logprob_diff"]) < 1e-4  # sampler == trainer
 
 
@@ -190,14 +245,36 @@ def _first_token_is_seven(prompt_ids, prompt_mask, completion_ids, completion_ma
     return (completion_ids[..., 0] == 7).astype(jnp.float32)
 
 
-@pytest.mark.parametrize("name,overrides", [
-    # DAPO + overlong penalty + length shaping + Signal's conservative KL + CISPO
-    ("dapo", {"overlong_buffer": 2, "length_shaping": "punitive", "length_target": 3.0, "length_coef": 0.5,
-              "beta": 0.04, "kl_threshold": 0.01, "policy_loss": "cispo", "epsilon_high": 4.0}),
-    # RLOO preset + REINFORCE++ token advantages + GSPO sequence ratios + KL in the reward + EMA reference
-    ("rloo", {"advantage": "reinforce_pp", "importance_sampling_level": "sequence", "beta": 0.04,
-              "kl_in_reward": True, "reference": ReferenceConfig(kind="ema", alpha=0.5)}),
-])
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        # DAPO + overlong penalty + length shaping + Signal's conservative KL + CISPO
+        (
+            "dapo",
+            {
+                "overlong_buffer": 2,
+                "length_shaping": "punitive",
+                "length_target": 3.0,
+                "length_coef": 0.5,
+                "beta": 0.04,
+                "kl_threshold": 0.01,
+                "policy_loss": "cispo",
+                "epsilon_high": 4.0,
+            },
+        ),
+        # RLOO preset + REINFORCE++ token advantages + GSPO sequence ratios + KL in the reward + EMA reference
+        (
+            "rloo",
+            {
+                "advantage": "reinforce_pp",
+                "importance_sampling_level": "sequence",
+                "beta": 0.04,
+                "kl_in_reward": True,
+                "reference": ReferenceConfig(kind="ema", alpha=0.5),
+            },
+        ),
+    ],
+)
 def test_every_preset_and_option_runs(name, overrides):
     from relax.rewards.token_rewards import TokenRewardFunction
 
@@ -211,15 +288,26 @@ def test_every_preset_and_option_runs(name, overrides):
     state, out = step(state, step_input(ids, pm, ["p"] * 2, {"weight": [1.0, 2.0]}))
     m, scored = out.device.metrics, out.device.batch
     assert set(scored.reward_parts) == {"fives", "seven"}
-    np.testing.assert_allclose(scored.rewards, scored.reward_parts["fives"] + 0.5 * scored.reward_parts["seven"],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        scored.rewards, scored.reward_parts["fives"] + 0.5 * scored.reward_parts["seven"], rtol=1e-6
+    )
     assert all(np.isfinite(float(v)) for v in m.values()), m
     assert int(state.step) == 1
 
 
-@pytest.mark.parametrize("field,value", [("learning_rate", float("nan")), ("learning_rate", -1e-6),
-                                         ("learning_rate", 0.0), ("learning_rate", float("inf")),
-                                         ("weight_decay", -0.1), ("eps", 0.0), ("b2", 1.0), ("max_grad_norm", 0.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("learning_rate", float("nan")),
+        ("learning_rate", -1e-6),
+        ("learning_rate", 0.0),
+        ("learning_rate", float("inf")),
+        ("weight_decay", -0.1),
+        ("eps", 0.0),
+        ("b2", 1.0),
+        ("max_grad_norm", 0.0),
+    ],
+)
 def test_optimizer_refuses_values_that_poison_or_reverse_training(field, value):
     with pytest.raises(ValueError, match=field):
         OptimizerConfig(**{field: value})
@@ -227,6 +315,7 @@ def test_optimizer_refuses_values_that_poison_or_reverse_training(field, value):
 
 def test_nan_learning_rate_flag_is_refused_before_anything_runs(capsys):
     from conftest import load_example
+
     with pytest.raises(SystemExit):
         load_example("grpo").parse_args(["--grpo.optimizer.learning-rate", "nan"])
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, wrapped

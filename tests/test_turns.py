@@ -9,14 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_rollout import MODELS, VOCAB, tiny
 
 from relax.models import init
-from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.decoder.transformer import hidden_states, project
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.rollout import turns
 from relax.rollout.sampling import SamplingConfig
-
-from test_rollout import MODELS, VOCAB, tiny
 
 LOGIT_ATOL = 1e-4  # logits reach |10| with std=0.3 weights; a wrong slot, mask or position moves them by >1e-1
 LOGP_ATOL = 2e-5  # as test_rollout.LOGP_ATOL
@@ -28,31 +27,39 @@ def conversation(state, prompt_ids, prompt_mask, rows):
     seqs = []
     for i, (_, prompt) in enumerate(rows):
         p = np.asarray(prompt_ids)[prompt][np.asarray(prompt_mask)[prompt] > 0]
-        seqs.append(np.concatenate([p, tokens[i, :length[i]]]))
+        seqs.append(np.concatenate([p, tokens[i, : length[i]]]))
     width = max(map(len, seqs))
     ids = np.zeros((len(seqs), width), np.int32)
     mask = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
 def check_against_prefill(model, state, prompt_ids, prompt_mask, rows):
     ids, mask = conversation(state, prompt_ids, prompt_mask, rows)
     full = project(model, hidden_states(model, ids, mask)[:, -1])
-    np.testing.assert_allclose(np.asarray(turns.next_logits(model, state)), np.asarray(full), atol=LOGIT_ATOL,
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(turns.next_logits(model, state)), np.asarray(full), atol=LOGIT_ATOL, rtol=1e-5
+    )
 
 
 # gemma3_mixed (a sliding window and a full layer) covers the per-row windows; llama_gqa is slow-only
-@pytest.mark.parametrize("name", [pytest.param("llama_gqa", marks=pytest.mark.slow), "gemma3_mixed"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("llama_gqa", marks=pytest.mark.slow), "gemma3_mixed"]
+)
 def test_cache_continuation_equals_reprefill_and_trainer_logprobs(name):
     model = init(tiny(**MODELS[name]), jax.random.key(0), std=0.3)
     p, g, n = 2, 3, 40
     prompt_ids = jnp.asarray(np.random.default_rng(0).integers(3, VOCAB, (p, 8)), jnp.int32)
     prompt_mask = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], jnp.int32)
-    cfg = turns.TurnConfig(num_generations=g, max_tokens=n, max_turn_tokens=6, eos_ids=(5, 7, 11),
-                           sampling=SamplingConfig(temperature=1.0))
+    cfg = turns.TurnConfig(
+        num_generations=g,
+        max_tokens=n,
+        max_turn_tokens=6,
+        eos_ids=(5, 7, 11),
+        sampling=SamplingConfig(temperature=1.0),
+    )
     rows = [(b, b // g) for b in range(p * g)]
     state = turns.start(model, prompt_ids, prompt_mask, jax.random.key(1), cfg=cfg)
     check_against_prefill(model, state, prompt_ids, prompt_mask, rows)
@@ -76,30 +83,53 @@ def test_cache_continuation_equals_reprefill_and_trainer_logprobs(name):
     sampled = np.asarray(state.sampled)
     assert not np.any(sampled & ~valid.astype(bool))
     assert sampled.sum() == np.asarray(state.length).sum() - int(obs_len.sum())
-    trainer = completion_logprobs(model, prompt_ids, prompt_mask, state.tokens.reshape(p, g, n),
-                                  jnp.asarray(valid).reshape(p, g, n))
-    np.testing.assert_allclose(np.asarray(trainer).reshape(p * g, n)[sampled], np.asarray(state.logprobs)[sampled],
-                               atol=LOGP_ATOL)
+    trainer = completion_logprobs(
+        model,
+        prompt_ids,
+        prompt_mask,
+        state.tokens.reshape(p, g, n),
+        jnp.asarray(valid).reshape(p, g, n),
+    )
+    np.testing.assert_allclose(
+        np.asarray(trainer).reshape(p * g, n)[sampled],
+        np.asarray(state.logprobs)[sampled],
+        atol=LOGP_ATOL,
+    )
 
     # compaction: the rows still running, each with its own prompt copy, decode on identically
     keep = jnp.asarray([0, 3, 4, 4], jnp.int32)  # a duplicate stands for a padding row
     small = turns.compact(state, keep)
     assert small.group == 1 and small.prompt_len.shape == (4,)
     small, _, _ = turns.decode_turn(model, small, jnp.asarray([True, True, True, False]), cfg=cfg)
-    check_against_prefill(model, small, prompt_ids, prompt_mask, [(int(k), int(k) // g) for k in keep])
+    check_against_prefill(
+        model, small, prompt_ids, prompt_mask, [(int(k), int(k) // g) for k in keep]
+    )
 
 
 def test_budgets_end_turns_and_trajectories():
     model = init(tiny(**MODELS["llama_gqa"]), jax.random.key(0), std=0.3)
-    cfg = turns.TurnConfig(num_generations=2, max_tokens=9, max_turn_tokens=4, eos_ids=(VOCAB - 1,),
-                           sampling=SamplingConfig(temperature=1.0))
+    cfg = turns.TurnConfig(
+        num_generations=2,
+        max_tokens=9,
+        max_turn_tokens=4,
+        eos_ids=(VOCAB - 1,),
+        sampling=SamplingConfig(temperature=1.0),
+    )
     ids, mask = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
     state = turns.start(model, ids, mask, jax.random.key(0), cfg=cfg)
     state, stopped, count = turns.decode_turn(model, state, jnp.ones(2, bool), cfg=cfg)
     hit = np.asarray(stopped)
     assert np.all(np.asarray(count)[~hit] == 4)  # a turn that does not stop ends at its budget
-    state = turns.append(model, state, jnp.full((2, 8), 3, jnp.int32), jnp.asarray([8, 8], jnp.int32) - jnp.asarray(count), cfg=cfg)
+    state = turns.append(
+        model,
+        state,
+        jnp.full((2, 8), 3, jnp.int32),
+        jnp.asarray([8, 8], jnp.int32) - jnp.asarray(count),
+        cfg=cfg,
+    )
     state, _, count = turns.decode_turn(model, state, jnp.ones(2, bool), cfg=cfg)
-    assert np.all(np.asarray(state.length) <= 9) and np.all(np.asarray(count) == 1)  # one slot was left
+    assert np.all(np.asarray(state.length) <= 9) and np.all(
+        np.asarray(count) == 1
+    )  # one slot was left
     with pytest.raises(ValueError, match="eos_ids"):
         turns.TurnConfig(num_generations=1, max_tokens=4, max_turn_tokens=2)

@@ -72,7 +72,11 @@ def test_value_loss_against_numpy(clip):
 def test_value_loss_hand_values():
     # V=1.0, old=0.0, R=2.0, c=0.5: unclipped (1-2)^2=1, clipped (0.5-2)^2=2.25 -> 0.5*2.25
     # V=1.0, old=0.0, R=0.0, c=0.5: unclipped 1, clipped 0.25 -> 0.5*1
-    v, old, ret = jnp.array([[1.0, 1.0, 9.0]]), jnp.array([[0.0, 0.0, 0.0]]), jnp.array([[2.0, 0.0, 0.0]])
+    v, old, ret = (
+        jnp.array([[1.0, 1.0, 9.0]]),
+        jnp.array([[0.0, 0.0, 0.0]]),
+        jnp.array([[2.0, 0.0, 0.0]]),
+    )
     m = jnp.array([[True, True, False]])
     loss, metrics = J(clipped_value_loss, clip_range=0.5)(v, old, ret, m)
     np.testing.assert_allclose(loss, [[1.125, 0.5, 0.0]])
@@ -110,20 +114,35 @@ def dpo_inputs(b=6):
     return [RNG.normal(loc=-20, scale=3, size=b).astype(np.float32) for _ in range(4)]
 
 
-CASES = [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.0), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0)]
+CASES = [
+    ("sigmoid", 0.0),
+    ("sigmoid", 0.1),
+    ("robust", 0.0),
+    ("robust", 0.2),
+    ("hinge", 0.0),
+    ("ipo", 0.0),
+]
 
 
 @pytest.mark.parametrize("kind,e", CASES)
 def test_dpo_against_numpy_and_grad(kind, e):
     beta = 0.1
     args = dpo_inputs()
-    losses, metrics = jax.jit(lambda *a: dpo_loss(*a, beta=beta, loss_type=kind, label_smoothing=e))(*args)
+    losses, metrics = jax.jit(
+        lambda *a: dpo_loss(*a, beta=beta, loss_type=kind, label_smoothing=e)
+    )(*args)
     np.testing.assert_allclose(losses, np_dpo(*args, beta, kind, e), rtol=1e-5, atol=1e-6)
     pc, pr, rc, rr = args
     np.testing.assert_allclose(metrics["rewards/chosen"], beta * (pc - rc), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(metrics["rewards/margins"], beta * (pc - rc) - beta * (pr - rr), rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(metrics["rewards/accuracies"], (beta * (pc - rc) > beta * (pr - rr)).astype(np.float32))
-    f = lambda pc, pr: jnp.sum(dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=kind, label_smoothing=e)[0])
+    np.testing.assert_allclose(
+        metrics["rewards/margins"], beta * (pc - rc) - beta * (pr - rr), rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_array_equal(
+        metrics["rewards/accuracies"], (beta * (pc - rc) > beta * (pr - rr)).astype(np.float32)
+    )
+    f = lambda pc, pr: jnp.sum(
+        dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=kind, label_smoothing=e)[0]
+    )
     fd_check(f, pc, pr)
 
 
@@ -131,10 +150,14 @@ def test_dpo_hand_values():
     z0 = [np.zeros(1, np.float32)] * 4
     assert float(J(dpo_loss, beta=0.1)(*z0)[0][0]) == pytest.approx(math.log(2))
     assert float(J(dpo_loss, beta=0.1, loss_type="hinge")(*z0)[0][0]) == pytest.approx(1.0)
-    assert float(J(dpo_loss, beta=0.1, loss_type="ipo")(*z0)[0][0]) == pytest.approx(25.0)  # (0 - 1/0.2)^2
+    assert float(J(dpo_loss, beta=0.1, loss_type="ipo")(*z0)[0][0]) == pytest.approx(
+        25.0
+    )  # (0 - 1/0.2)^2
     # z = 2, beta = 0.5: -log s(1)
     one = np.array([2.0], np.float32), *z0[:3]
-    assert float(J(dpo_loss, beta=0.5)(*one)[0][0]) == pytest.approx(math.log1p(math.exp(-1)), rel=1e-6)
+    assert float(J(dpo_loss, beta=0.5)(*one)[0][0]) == pytest.approx(
+        math.log1p(math.exp(-1)), rel=1e-6
+    )
     # robust with e: ((1-e) * softplus(-1) - e * softplus(1)) / (1 - 2e)
     e = 0.25
     want = ((1 - e) * math.log1p(math.exp(-1)) - e * math.log1p(math.exp(1))) / (1 - 2 * e)
@@ -200,7 +223,9 @@ def test_orpo_stable_at_extremes():
     losses, _ = J(orpo_loss, beta=1.0)(c, r, jnp.zeros(3))
     g = jax.jit(jax.grad(lambda c: orpo_loss(c, r, jnp.zeros(3), beta=1.0)[0].sum()))(c)
     assert np.all(np.isfinite(losses)) and np.all(np.isfinite(g))
-    lb, _ = J(orpo_loss, beta=1.0)(c.astype(jnp.bfloat16), r.astype(jnp.bfloat16), jnp.zeros(3, jnp.bfloat16))
+    lb, _ = J(orpo_loss, beta=1.0)(
+        c.astype(jnp.bfloat16), r.astype(jnp.bfloat16), jnp.zeros(3, jnp.bfloat16)
+    )
     assert lb.dtype == jnp.float32 and np.all(np.isfinite(lb))
 
 
@@ -216,10 +241,18 @@ def test_bradley_terry():
     np.testing.assert_allclose(bt(rc, rr, margin=0.5)[0], -logsig(rc - rr - 0.5), rtol=1e-5)
     got = jax.jit(lambda a, b: bradley_terry_loss(a, b, center_rewards_coefficient=0.01)[0])(rc, rr)
     np.testing.assert_allclose(got, -logsig(rc - rr) + 0.01 * (rc + rr) ** 2, rtol=1e-5)
-    assert float(bt(np.zeros(6, np.float32), np.zeros(6, np.float32))[0][0]) == pytest.approx(math.log(2))
+    assert float(bt(np.zeros(6, np.float32), np.zeros(6, np.float32))[0][0]) == pytest.approx(
+        math.log(2)
+    )
     _, m = bt(np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32))
     np.testing.assert_array_equal(m["accuracy"], [1.0, 0.0])
-    fd_check(lambda a, b: jnp.sum(bradley_terry_loss(a, b, margin=margin, center_rewards_coefficient=0.1)[0]), rc, rr)
+    fd_check(
+        lambda a, b: jnp.sum(
+            bradley_terry_loss(a, b, margin=margin, center_rewards_coefficient=0.1)[0]
+        ),
+        rc,
+        rr,
+    )
     assert bt(jnp.asarray(rc, jnp.bfloat16), rr)[0].dtype == jnp.float32
     with pytest.raises(AssertionError, match=r"margin=\(5,\)"):
         bradley_terry_loss(rc, rr, margin=margin[:5])
@@ -253,11 +286,15 @@ def distill_inputs(n=2, t=3, v=7):
 @pytest.mark.parametrize("T", [1.0, 2.0])
 def test_distillation_against_numpy_and_grad(direction, T):
     s, te, m = distill_inputs()
-    loss, metrics = jax.jit(lambda *a: distillation_loss(*a, temperature=T, direction=direction))(s, te, m)
+    loss, metrics = jax.jit(lambda *a: distillation_loss(*a, temperature=T, direction=direction))(
+        s, te, m
+    )
     ref = np_distill(s, te, m, T, direction)
     np.testing.assert_allclose(loss, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(metrics["kl"], ref[m].mean() / T**2, rtol=1e-5)
-    fd_check(lambda s: jnp.sum(distillation_loss(s, te, m, temperature=T, direction=direction)[0]), s)
+    fd_check(
+        lambda s: jnp.sum(distillation_loss(s, te, m, temperature=T, direction=direction)[0]), s
+    )
 
 
 def test_distillation_properties():
@@ -275,7 +312,9 @@ def test_distillation_properties():
     te_inf[..., 0] = -np.inf
     out, _ = J(distillation_loss, temperature=1.0)(s, te_inf, m)
     assert np.all(np.isfinite(out))
-    lb, _ = J(distillation_loss, temperature=2.0)(jnp.asarray(s, jnp.bfloat16), jnp.asarray(te, jnp.bfloat16), m)
+    lb, _ = J(distillation_loss, temperature=2.0)(
+        jnp.asarray(s, jnp.bfloat16), jnp.asarray(te, jnp.bfloat16), m
+    )
     assert lb.dtype == jnp.float32
     np.testing.assert_allclose(lb, np_distill(s, te, m, 2.0, "forward"), rtol=0.05, atol=0.05)
 

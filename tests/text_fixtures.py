@@ -13,13 +13,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 CORPUS = [
     "Hello world! This is a tiny corpus for a tiny tokenizer.",
     "The weather in Paris is sunny; the weather in Tokyo is rainy.",
     "Ünïcödé café naïve 日本語 😀 — tabs\tand  spaces\n\nnew lines.",
-    "def f(x):\n    return {\"name\": x, \"arguments\": [1, 2, 3]}\n",
+    'def f(x):\n    return {"name": x, "arguments": [1, 2, 3]}\n',
     "You are a helpful assistant. What is 2 + 2? The answer is 4.",
     "system user assistant tool model function call response",
 ] * 8
@@ -280,8 +289,15 @@ HERMES_TOOL_USE = """{{- bos_token }}
 """
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+]
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>"]
 
@@ -289,11 +305,15 @@ STYLES = ("qwen25", "qwen3", "llama3", "mistral", "gemma", "hermes")
 
 
 # Qwen2's pre-tokenizer split (as in its tokenizer.json and transformers' Qwen2Tokenizer).
-QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
-def train_bpe(specials: list[str], *, flavor: str = "byte_level", vocab_size: int = 600) -> Tokenizer:
+def train_bpe(
+    specials: list[str], *, flavor: str = "byte_level", vocab_size: int = 600
+) -> Tokenizer:
     """A BPE tokenizer trained on CORPUS. ``flavor``: ``"byte_level"`` (GPT-2 / Llama 3 style),
     ``"qwen"`` (NFC + Qwen's split regex + byte-level, Qwen2's exact pipeline) or
     ``"metaspace"`` (sentencepiece-like, with ``<unk>`` for unseen characters)."""
@@ -305,9 +325,12 @@ def train_bpe(specials: list[str], *, flavor: str = "byte_level", vocab_size: in
     elif flavor == "qwen":
         tok = Tokenizer(models.BPE())
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         tok.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
     else:
@@ -315,30 +338,52 @@ def train_bpe(specials: list[str], *, flavor: str = "byte_level", vocab_size: in
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
-def _bos_processor(tok: Tokenizer, bos: str, *, byte_level: bool = True) -> processors.PostProcessor:
+def _bos_processor(
+    tok: Tokenizer, bos: str, *, byte_level: bool = True
+) -> processors.PostProcessor:
     template = processors.TemplateProcessing(
-        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-        special_tokens=[(bos, tok.token_to_id(bos))])
+        single=f"{bos}:0 $A:0",
+        pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, tok.token_to_id(bos))],
+    )
     if not byte_level:
         return template
     return processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
 
 
 def _added(tok: Tokenizer, token: str, special: bool) -> dict:
-    return {"content": token, "lstrip": False, "normalized": not special, "rstrip": False,
-            "single_word": False, "special": special}
+    return {
+        "content": token,
+        "lstrip": False,
+        "normalized": not special,
+        "rstrip": False,
+        "single_word": False,
+        "special": special,
+    }
 
 
 def _decoder_entries(tok: Tokenizer) -> dict:
-    return {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
-                     "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
-            for i, t in sorted(tok.get_added_tokens_decoder().items())}
+    return {
+        str(i): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for i, t in sorted(tok.get_added_tokens_decoder().items())
+    }
 
 
 def _write(directory: Path, name: str, value) -> None:
@@ -351,64 +396,127 @@ def make_model_dir(root: Path, style: str) -> Path:
     d.mkdir(parents=True)
     if style in ("qwen25", "qwen3", "hermes"):
         tok = train_bpe(CHATML_SPECIALS, flavor="qwen")
-        extra = ["<tool_call>", "</tool_call>"] + (["<think>", "</think>"] if style == "qwen3" else [])
+        extra = ["<tool_call>", "</tool_call>"] + (
+            ["<think>", "</think>"] if style == "qwen3" else []
+        )
         tok.add_tokens(extra)  # Qwen's tool / think markers are added but not special tokens
-        tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+        tok.post_processor = processors.ByteLevel(
+            add_prefix_space=False, trim_offsets=False, use_regex=False
+        )
         ids = {t: tok.token_to_id(t) for t in CHATML_SPECIALS}
         if style == "hermes":  # legacy layout: tokens only in special_tokens_map.json
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-                      "chat_template": [{"name": "default", "template": CHATML},
-                                        {"name": "tool_use", "template": HERMES_TOOL_USE}]}
-            _write(d, "special_tokens_map.json", {
-                "bos_token": {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
-                              "rstrip": False, "single_word": False},
-                "eos_token": "<|im_end|>"})
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 4096,
+                "chat_template": [
+                    {"name": "default", "template": CHATML},
+                    {"name": "tool_use", "template": HERMES_TOOL_USE},
+                ],
+            }
+            _write(
+                d,
+                "special_tokens_map.json",
+                {
+                    "bos_token": {
+                        "content": "<|endoftext|>",
+                        "lstrip": False,
+                        "normalized": False,
+                        "rstrip": False,
+                        "single_word": False,
+                    },
+                    "eos_token": "<|im_end|>",
+                },
+            )
         else:
-            config = {"add_bos_token": False, "add_prefix_space": False,
-                      "added_tokens_decoder": _decoder_entries(tok),
-                      "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-                      "bos_token": None, "chat_template": QWEN25 if style == "qwen25" else QWEN3,
-                      "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
-                      "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
-                      "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
-                      "unk_token": None}
+            config = {
+                "add_bos_token": False,
+                "add_prefix_space": False,
+                "added_tokens_decoder": _decoder_entries(tok),
+                "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+                "bos_token": None,
+                "chat_template": QWEN25 if style == "qwen25" else QWEN3,
+                "clean_up_tokenization_spaces": False,
+                "eos_token": "<|im_end|>",
+                "errors": "replace",
+                "model_max_length": 131072,
+                "pad_token": "<|endoftext|>",
+                "split_special_tokens": False,
+                "tokenizer_class": "Qwen2Tokenizer",
+                "unk_token": None,
+            }
             if style == "qwen3":
                 config["image_token"] = "<|image_pad|>"  # model-specific, not in tokenizer.json
             _write(d, "config.json", {"model_type": "qwen2" if style == "qwen25" else "qwen3"})
-            _write(d, "generation_config.json", {"bos_token_id": ids["<|endoftext|>"],
-                                                 "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]})
+            _write(
+                d,
+                "generation_config.json",
+                {
+                    "bos_token_id": ids["<|endoftext|>"],
+                    "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+                },
+            )
     elif style == "llama3":
         tok = train_bpe(LLAMA3_SPECIALS)
         tok.post_processor = _bos_processor(tok, "<|begin_of_text|>")
         ids = {t: tok.token_to_id(t) for t in LLAMA3_SPECIALS}
-        config = {"bos_token": "<|begin_of_text|>", "chat_template": LLAMA3,
-                  "clean_up_tokenization_spaces": True, "eos_token": "<|eot_id|>",
-                  "model_input_names": ["input_ids", "attention_mask"],
-                  "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast",
-                  "added_tokens_decoder": _decoder_entries(tok)}
-        _write(d, "generation_config.json", {
-            "bos_token_id": ids["<|begin_of_text|>"],
-            "eos_token_id": [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]]})
+        config = {
+            "bos_token": "<|begin_of_text|>",
+            "chat_template": LLAMA3,
+            "clean_up_tokenization_spaces": True,
+            "eos_token": "<|eot_id|>",
+            "model_input_names": ["input_ids", "attention_mask"],
+            "model_max_length": 131072,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": _decoder_entries(tok),
+        }
+        _write(
+            d,
+            "generation_config.json",
+            {
+                "bos_token_id": ids["<|begin_of_text|>"],
+                "eos_token_id": [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]],
+            },
+        )
     elif style == "mistral":
         tok = train_bpe(MISTRAL_SPECIALS, flavor="metaspace")
         tok.post_processor = _bos_processor(tok, "<s>", byte_level=False)
 
         def added_token(content):
-            return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False,
-                    "rstrip": False, "single_word": False}
+            return {
+                "__type": "AddedToken",
+                "content": content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+            }
 
-        config = {"add_bos_token": True, "add_eos_token": False, "bos_token": added_token("<s>"),
-                  "eos_token": added_token("</s>"), "unk_token": added_token("<unk>"), "pad_token": None,
-                  "chat_template": MISTRAL, "clean_up_tokenization_spaces": False, "legacy": False,
-                  "tokenizer_class": "PreTrainedTokenizerFast"}
+        config = {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "bos_token": added_token("<s>"),
+            "eos_token": added_token("</s>"),
+            "unk_token": added_token("<unk>"),
+            "pad_token": None,
+            "chat_template": MISTRAL,
+            "clean_up_tokenization_spaces": False,
+            "legacy": False,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
     elif style == "gemma":
         tok = train_bpe(GEMMA_SPECIALS)
         tok.post_processor = _bos_processor(tok, "<bos>")
         ids = {t: tok.token_to_id(t) for t in GEMMA_SPECIALS}
-        config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-                  "mask_token": "<mask>",  # not in tokenizer.json: added with a new id on load
-                  "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"],
-                  "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        config = {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "unk_token": "<unk>",
+            "mask_token": "<mask>",  # not in tokenizer.json: added with a new id on load
+            "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"],
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        }
         (d / "chat_template.jinja").write_text(GEMMA, encoding="utf-8")  # the newer layout
         _write(d, "generation_config.json", {"eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]]})
     else:
@@ -419,20 +527,39 @@ def make_model_dir(root: Path, style: str) -> Path:
 
 
 # Conversations (OpenAI-style tool calls: arguments as a dict).
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city <now> & \"today\" (é)",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City"}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": 'Weather in a city <now> & "today" (é)',
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City"}},
+            "required": ["city"],
+        },
+    },
+}
 USER_ONLY = [{"role": "user", "content": "Hello world! What is 2 + 2?"}]
-MULTI_TURN = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "The answer is 4."},
-              {"role": "user", "content": "  Ünïcödé café 😀\n"}]
+MULTI_TURN = [
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "The answer is 4."},
+    {"role": "user", "content": "  Ünïcödé café 😀\n"},
+]
 WITH_SYSTEM = [{"role": "system", "content": "You are a helpful assistant."}] + MULTI_TURN
 TOOL_CALLS = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "tool", "name": "get_weather", "content": "{\"weather\": \"sunny\", \"temp\": 21}"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "name": "get_weather", "content": '{"weather": "sunny", "temp": 21}'},
     {"role": "assistant", "content": "It is sunny in Paris."},
     {"role": "user", "content": "And in Tokyo?"},
 ]

@@ -24,7 +24,8 @@ PACKING_MODES = ("auto", "on", "off")
 class PackingConfig:
     """How the training forwards (update, reference, proximal) lay out a batch's completions.
 
-    ``mode``: ``"on"`` packs every batch by token count (``relax.models.forward.completion_packing``), ``"off"`` keeps them
+    ``mode``: ``"on"`` packs every batch by token count
+    (``relax.models.forward.completion_packing``), ``"off"`` keeps them
     padded to the budget, ``"auto"`` packs where the train attention is the group kernel (CPU,
     and any float32 model; not where the fused dense kernel runs it, GPU in 16 bits: cuDNN's
     attention has no segments, and it is 5x the group kernel there) and the packed rows have
@@ -54,8 +55,10 @@ class PackingConfig:
     def applies(self, train_attention: str) -> bool:
         """Whether to pack, given the resolved train attention (``"group"`` or ``"dense"``)."""
         if self.mode == "on" and train_attention == "dense":
-            raise ValueError("packing mode 'on' needs the 'group' train attention (the 'dense' one has no segments); "
-                             "set --grpo.train-attention group or --grpo.packing.mode auto")
+            raise ValueError(
+                "packing mode 'on' needs the 'group' train attention (the 'dense' one has no segments); "
+                "set --grpo.train-attention group or --grpo.packing.mode auto"
+            )
         return self.mode == "on" or (self.mode == "auto" and train_attention == "group")
 
     def saves(self, layout: tuple[int, int], shape: tuple[int, int, int]) -> bool:
@@ -68,10 +71,13 @@ class PackingConfig:
         return -(-num_generations // 4) if self.row_multiple is None else self.row_multiple
 
     def widths(self, budget: int) -> tuple[int, ...]:
-        """The row lengths this config chooses from for a completion budget (``relax.models.forward.completion_packing``)."""
+        """The row lengths this config chooses from for a completion budget
+        (``relax.models.forward.completion_packing``)."""
         if self.row_tokens is not None:
             if self.row_tokens < budget:
-                raise ValueError(f"packing row_tokens={self.row_tokens} is shorter than the completion budget {budget}")
+                raise ValueError(
+                    f"packing row_tokens={self.row_tokens} is shorter than the completion budget {budget}"
+                )
             return (self.row_tokens,)
         return tuple(sorted({min(budget, -(-budget * k // 4 // 8) * 8) for k in (1, 2, 3, 4)}))
 
@@ -80,24 +86,33 @@ class PackingConfig:
         given (at least the longest completion), else the width with the fewest slots."""
         _, g, n = np.shape(mask)
         lengths = _lengths(mask)
-        options = (row_tokens,) if row_tokens is not None else \
-            [w for w in self.widths(n) if w >= lengths.max(initial=0)]
+        options = (
+            (row_tokens,)
+            if row_tokens is not None
+            else [w for w in self.widths(n) if w >= lengths.max(initial=0)]
+        )
         layouts = [(_rows(_plans(lengths, w), g, self.multiple(g)), w) for w in options]
         return min(layouts, key=lambda rw: (rw[0] * rw[1], -rw[1]))
 
     def describe(self, train_attention: str, num_generations: int, max_new_tokens: int) -> str:
         """One line for a start-up report: the layout the training forwards will use."""
         if not self.applies(train_attention):
-            return (f"completions padded to {max_new_tokens} tokens in the update (packing {self.mode}, "
-                    f"{train_attention} train attention)")
+            return (
+                f"completions padded to {max_new_tokens} tokens in the update (packing {self.mode}, "
+                f"{train_attention} train attention)"
+            )
         widths = self.widths(max_new_tokens)
         multiple = self.multiple(num_generations)
         layouts = len(widths) * -(-num_generations // multiple)
-        return (f"completions packed by token count in the update and reference: rows of "
-                f"{' | '.join(map(str, widths))} tokens, rows per group a multiple of {multiple} "
-                f"(at most {layouts} layouts, each compiled when first met)")
+        return (
+            f"completions packed by token count in the update and reference: rows of "
+            f"{' | '.join(map(str, widths))} tokens, rows per group a multiple of {multiple} "
+            f"(at most {layouts} layouts, each compiled when first met)"
+        )
 
-    def pack(self, tokens: np.ndarray, mask: np.ndarray, layout: tuple[int, int] | None = None) -> PackedCompletions:
+    def pack(
+        self, tokens: np.ndarray, mask: np.ndarray, layout: tuple[int, int] | None = None
+    ) -> PackedCompletions:
         """``pack_completions`` of a ``[P, G, N]`` batch in ``layout`` ``(rows, row_tokens)``
         (default: ``choose(mask)``)."""
         rows, row_tokens = self.choose(mask) if layout is None else layout
@@ -121,8 +136,14 @@ def _rows(plans: list[list[list[int]]], g: int, row_multiple: int) -> int:
     return min(-(-need // row_multiple) * row_multiple, g)
 
 
-def pack_completions(tokens: np.ndarray, mask: np.ndarray, *, row_tokens: int, row_multiple: int = 1,
-                     rows: int | None = None) -> PackedCompletions:
+def pack_completions(
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    *,
+    row_tokens: int,
+    row_multiple: int = 1,
+    rows: int | None = None,
+) -> PackedCompletions:
     """Pack ``tokens``/``mask [P, G, N]`` into rows of ``row_tokens`` per group, as numpy arrays
     (``relax.models.forward.completion_packing``); ``rows``: this many rows per group instead of
     ``rows_needed``'s (at least that: e.g. the most any process of a multi-host run needs).
@@ -131,12 +152,16 @@ def pack_completions(tokens: np.ndarray, mask: np.ndarray, *, row_tokens: int, r
     p, g, n = tokens.shape
     lengths = _lengths(mask)
     if lengths.max(initial=0) > row_tokens:
-        raise ValueError(f"pack_completions: a completion of {lengths.max()} tokens does not fit rows of {row_tokens}")
+        raise ValueError(
+            f"pack_completions: a completion of {lengths.max()} tokens does not fit rows of {row_tokens}"
+        )
     plans = _plans(lengths, row_tokens)
     r = _rows(plans, g, row_multiple)
     if rows is not None:
         if rows < r:
-            raise ValueError(f"pack_completions: rows={rows} cannot hold these completions (they need {r})")
+            raise ValueError(
+                f"pack_completions: rows={rows} cannot hold these completions (they need {r})"
+            )
         r = rows
     out_tokens = np.zeros((p, r, row_tokens), np.int32)
     segments = np.zeros((p, r, row_tokens), np.int32)
@@ -163,6 +188,8 @@ def _lengths(mask: np.ndarray) -> np.ndarray:
     prefix = np.arange(m.shape[-1]) < lengths[..., None]
     if not np.array_equal(m, prefix):
         p, g = np.argwhere((m != prefix).any(-1))[0]
-        raise ValueError(f"pack_completions: the mask of completion {g} of prompt {p} is not a prefix "
-                         "(1s up to the stop token, then 0s); only contiguous completions can be packed")
+        raise ValueError(
+            f"pack_completions: the mask of completion {g} of prompt {p} is not a prefix "
+            "(1s up to the stop token, then 0s); only contiguous completions can be packed"
+        )
     return lengths

@@ -131,7 +131,9 @@ def _read_parquet(file: Path) -> list[Record]:
     return [Record(str(file), i, r) for i, r in enumerate(records, start=1)]
 
 
-def read_records(path: PathLike | Sequence[PathLike], *, fields: Sequence[str] = ()) -> list[Record]:
+def read_records(
+    path: PathLike | Sequence[PathLike], *, fields: Sequence[str] = ()
+) -> list[Record]:
     """Every row of ``path`` (see ``resolve_files``) as a ``Record``, in file order.
 
     Each name in ``fields`` must be present in every row; a missing one raises
@@ -156,7 +158,9 @@ def as_record(r: Record | Mapping[str, Any], index: int) -> Record:
     if isinstance(r, Record):
         return r
     if not isinstance(r, Mapping):
-        raise TypeError(f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {type(r).__name__}")
+        raise TypeError(
+            f"{RECORDS_LABEL}: row {index}: expected a dict or a Record, got {type(r).__name__}"
+        )
     return Record(RECORDS_LABEL, index, dict(r))
 
 

@@ -145,9 +145,10 @@ class _Budget:
 
     def __post_init__(self):
         if self.max_prompt_tokens < 1 or self.max_completion_tokens < 1:
-            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} and max_completion_tokens="
-                             f"{self.max_completion_tokens} must be >= 1")
-
+            raise ValueError(
+                f"max_prompt_tokens={self.max_prompt_tokens} and max_completion_tokens="
+                f"{self.max_completion_tokens} must be >= 1"
+            )
 
 
 class _Row:
@@ -165,7 +166,9 @@ def _eos_id(tokenizer: TextTokenizer) -> int:
     if eos is None:
         eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
     if eos is None:
-        raise ValueError(f"tokenizer {tokenizer.path} has no eos token: completions need one to end")
+        raise ValueError(
+            f"tokenizer {tokenizer.path} has no eos token: completions need one to end"
+        )
     return eos
 
 
@@ -178,15 +181,23 @@ def _empty(value: Any) -> bool:
     if isinstance(value, str):
         return not value.strip()
     if _is_messages(value):
-        return all(isinstance(m, Mapping) and not m.get("tool_calls") and
-                   (m.get("content") is None or (isinstance(m.get("content"), str) and not m["content"].strip()))
-                   for m in value)
+        return all(
+            isinstance(m, Mapping)
+            and not m.get("tool_calls")
+            and (
+                m.get("content") is None
+                or (isinstance(m.get("content"), str) and not m["content"].strip())
+            )
+            for m in value
+        )
     return False
 
 
 def _check_value(row: _Row, field: str, value: Any) -> None:
     if not isinstance(value, str) and not _is_messages(value):
-        raise row.error(field, f"must be a string or a list of chat messages, got {type(value).__name__}")
+        raise row.error(
+            field, f"must be a string or a list of chat messages, got {type(value).__name__}"
+        )
     if _is_messages(value) and not all(isinstance(m, Mapping) and "role" in m for m in value):
         raise row.error(field, "chat messages must be dicts with a 'role'")
 
@@ -197,27 +208,42 @@ class _Encoder:
     def __init__(self, tokenizer: TextTokenizer, budget: _Budget):
         self.tok, self.budget, self.eos = tokenizer, budget, _eos_id(tokenizer)
 
-    def split_implicit(self, row: _Row, first: str, second: str, a: Any, b: Any) -> tuple[list, list, list]:
+    def split_implicit(
+        self, row: _Row, first: str, second: str, a: Any, b: Any
+    ) -> tuple[list, list, list]:
         """TRL's implicit prompt: the messages ``a`` and ``b`` share first, then their own."""
         if not (_is_messages(a) and _is_messages(b)):
-            raise MissingFieldError(f"{row.r.file}: row {row.r.row}: missing field 'prompt' (row has "
-                                    f"{sorted(row.r.record)}; without it {first!r} and {second!r} must be "
-                                    "conversations sharing their first messages)")
+            raise MissingFieldError(
+                f"{row.r.file}: row {row.r.row}: missing field 'prompt' (row has "
+                f"{sorted(row.r.record)}; without it {first!r} and {second!r} must be "
+                "conversations sharing their first messages)"
+            )
         n = 0
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         if n == 0:
-            raise row.error(first, f"no prompt column, and {first!r} and {second!r} share no first message")
+            raise row.error(
+                first, f"no prompt column, and {first!r} and {second!r} share no first message"
+            )
         return list(a[:n]), list(a[n:]), list(b[n:])
 
-    def prompt(self, row: _Row, prompt: Any, chat: bool) -> tuple[list[int], str | None, list | None]:
+    def prompt(
+        self, row: _Row, prompt: Any, chat: bool
+    ) -> tuple[list[int], str | None, list | None]:
         """``(ids, rendered text or None, messages or None)`` of the prompt, budget applied."""
         if chat:
             if not self.tok.has_chat_template:
-                raise row.error("prompt", f"chat messages need a chat template; tokenizer {self.tok.path} has none")
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                raise row.error(
+                    "prompt",
+                    f"chat messages need a chat template; tokenizer {self.tok.path} has none",
+                )
+            messages = (
+                [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            )
             try:
-                text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = self.tok.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
             except Exception as e:  # the template's own errors (roles, raise_exception)
                 raise row.error("prompt", f"chat template failed: {e}") from e
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -225,14 +251,18 @@ class _Encoder:
             messages, text = None, None
             ids = self.tok.encode(prompt, add_special_tokens=True)
         if not ids:
-            raise row.error("prompt", "is empty (the first completion token needs a prompt token before it)")
+            raise row.error(
+                "prompt", "is empty (the first completion token needs a prompt token before it)"
+            )
         limit = self.budget.max_prompt_tokens
         if len(ids) > limit:
             if not self.budget.truncate_prompt:
-                raise row.error("prompt", f"has {len(ids)} tokens > max_prompt_tokens={limit} (truncate_prompt "
-                                          "is off)")
+                raise row.error(
+                    "prompt",
+                    f"has {len(ids)} tokens > max_prompt_tokens={limit} (truncate_prompt is off)",
+                )
             head = 1 if self.tok.bos_token_id is not None and ids[0] == self.tok.bos_token_id else 0
-            ids = ids[:head] + ids[len(ids) - (limit - head):]
+            ids = ids[:head] + ids[len(ids) - (limit - head) :]
         return ids, text, messages
 
     def _end(self, ids: list[int]) -> list[int]:
@@ -241,35 +271,43 @@ class _Encoder:
         eos = set(self.tok.eos_token_ids)
         for k in range(len(ids) - 1, -1, -1):
             if ids[k] in eos:
-                if not self.tok.decode(ids[k + 1:]).strip():
-                    return ids[:k + 1]
+                if not self.tok.decode(ids[k + 1 :]).strip():
+                    return ids[: k + 1]
                 break
         return ids + [self.eos]
 
-    def completion(self, row: _Row, field: str, value: Any, prompt_text: str | None,
-                   messages: list | None) -> list[int]:
+    def completion(
+        self, row: _Row, field: str, value: Any, prompt_text: str | None, messages: list | None
+    ) -> list[int]:
         """The completion's ids with an EOS at the end, checked against the budget."""
         if _empty(value):
             raise row.error(field, "is empty")
         if messages is None:
             ids = self.tok.encode(value, add_special_tokens=False)
         else:
-            turn = [{"role": "assistant", "content": value}] if isinstance(value, str) else list(value)
+            turn = (
+                [{"role": "assistant", "content": value}] if isinstance(value, str) else list(value)
+            )
             try:
                 full = self.tok.apply_chat_template(messages + turn, tokenize=False)
             except Exception as e:
                 raise row.error(field, f"chat template failed: {e}") from e
             if not full.startswith(prompt_text):
-                raise row.error(field, "the chat template does not render the prompt with the generation prompt "
-                                       "as the start of the conversation with this completion, so the completion "
-                                       "cannot be cut out of it")
-            ids = self.tok.encode(full[len(prompt_text):], add_special_tokens=False)
+                raise row.error(
+                    field,
+                    "the chat template does not render the prompt with the generation prompt "
+                    "as the start of the conversation with this completion, so the completion "
+                    "cannot be cut out of it",
+                )
+            ids = self.tok.encode(full[len(prompt_text) :], add_special_tokens=False)
         if not ids:
             raise row.error(field, "is empty (no tokens)")
         ids = self._end(ids)
         limit = self.budget.max_completion_tokens
         if len(ids) > limit:
-            raise row.error(field, f"has {len(ids)} tokens with its EOS > max_completion_tokens={limit}")
+            raise row.error(
+                field, f"has {len(ids)} tokens with its EOS > max_completion_tokens={limit}"
+            )
         return ids
 
 
@@ -277,8 +315,14 @@ def _conversational(*values: Any) -> bool:
     return any(_is_messages(v) for v in values)
 
 
-def encode_pairs(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer, *,
-                 max_prompt_tokens: int, max_completion_tokens: int, truncate_prompt: bool = False) -> list[Pair]:
+def encode_pairs(
+    records: Sequence[Record | Mapping[str, Any]],
+    tokenizer: TextTokenizer,
+    *,
+    max_prompt_tokens: int,
+    max_completion_tokens: int,
+    truncate_prompt: bool = False,
+) -> list[Pair]:
     """Every row of ``records`` (``read_records``; plain dicts are named ``<records>`` and their
     1-based index) as a ``Pair`` (module docstring: formats, EOS and budgets). Errors
     (``MissingFieldError``, ``ValueError``, ``TypeError``) name the file, row and field."""
@@ -297,16 +341,30 @@ def encode_pairs(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextT
             prompt = r.record["prompt"]
             _check_value(row, "prompt", prompt)
         else:
-            prompt, chosen, rejected = enc.split_implicit(row, "chosen", "rejected", chosen, rejected)
+            prompt, chosen, rejected = enc.split_implicit(
+                row, "chosen", "rejected", chosen, rejected
+            )
         ids, text, messages = enc.prompt(row, prompt, _conversational(prompt, chosen, rejected))
-        pairs.append(Pair(prompt=ids, chosen=enc.completion(row, "chosen", chosen, text, messages),
-                          rejected=enc.completion(row, "rejected", rejected, text, messages), file=r.file, row=r.row))
+        pairs.append(
+            Pair(
+                prompt=ids,
+                chosen=enc.completion(row, "chosen", chosen, text, messages),
+                rejected=enc.completion(row, "rejected", rejected, text, messages),
+                file=r.file,
+                row=r.row,
+            )
+        )
     return pairs
 
 
-def encode_unpaired(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer, *,
-                    max_prompt_tokens: int, max_completion_tokens: int,
-                    truncate_prompt: bool = False) -> list[Unpaired]:
+def encode_unpaired(
+    records: Sequence[Record | Mapping[str, Any]],
+    tokenizer: TextTokenizer,
+    *,
+    max_prompt_tokens: int,
+    max_completion_tokens: int,
+    truncate_prompt: bool = False,
+) -> list[Unpaired]:
     """Every KTO row of ``records`` as an ``Unpaired`` (formats, EOS and budgets as ``encode_pairs``).
 
     ``label`` must be a bool. The KL completion of row ``i`` is row ``i - 1``'s completion (the
@@ -326,11 +384,24 @@ def encode_unpaired(records: Sequence[Record | Mapping[str, Any]], tokenizer: Te
         _check_value(row, "prompt", prompt)
         _check_value(row, "completion", completion)
         if not isinstance(label, (bool, np.bool_)):
-            raise row.error("label", f"must be a bool (true: desirable), got {type(label).__name__} {label!r}")
+            raise row.error(
+                "label", f"must be a bool (true: desirable), got {type(label).__name__} {label!r}"
+            )
         ids, text, messages = enc.prompt(row, prompt, _conversational(prompt, completion))
-        rows.append((ids, enc.completion(row, "completion", completion, text, messages), bool(label), r))
-    return [Unpaired(prompt=ids, completion=c, kl_completion=rows[i - 1][1], desirable=d, file=r.file, row=r.row)
-            for i, (ids, c, d, r) in enumerate(rows)]
+        rows.append(
+            (ids, enc.completion(row, "completion", completion, text, messages), bool(label), r)
+        )
+    return [
+        Unpaired(
+            prompt=ids,
+            completion=c,
+            kl_completion=rows[i - 1][1],
+            desirable=d,
+            file=r.file,
+            row=r.row,
+        )
+        for i, (ids, c, d, r) in enumerate(rows)
+    ]
 
 
 def with_reference(examples: Sequence[Pair | Unpaired], logps: np.ndarray) -> list[Pair | Unpaired]:
@@ -338,52 +409,84 @@ def with_reference(examples: Sequence[Pair | Unpaired], logps: np.ndarray) -> li
     rejected; unpaired: completion, KL completion), row ``i`` for example ``i``."""
     logps = np.asarray(logps, np.float32)
     if logps.shape != (len(examples), 2):
-        raise ValueError(f"reference log-probs {logps.shape} do not match {len(examples)} examples (want [n, 2])")
+        raise ValueError(
+            f"reference log-probs {logps.shape} do not match {len(examples)} examples (want [n, 2])"
+        )
     return [dataclasses.replace(e, ref=(float(a), float(b))) for e, (a, b) in zip(examples, logps)]
 
 
-def right_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def right_pad(
+    seqs: Sequence[Sequence[int]], length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, mask)`` ``[len(seqs), length]`` int32, each row right-padded (a longer one is an error)."""
     ids = np.full((len(seqs), length), pad_id, np.int32)
     mask = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
         if len(s) > length:
-            raise ValueError(f"a completion has {len(s)} tokens > the batch's completion length {length}")
-        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+            raise ValueError(
+                f"a completion has {len(s)} tokens > the batch's completion length {length}"
+            )
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
     return ids, mask
 
 
-def _collate(prompts, first, second, refs, *, pad_id, prompt_length, completion_length) -> dict[str, Any]:
+def _collate(
+    prompts, first, second, refs, *, pad_id, prompt_length, completion_length
+) -> dict[str, Any]:
     """The fields both batch types share, by name (``PairBatch`` / ``UnpairedBatch``)."""
     if not prompts:
         raise ValueError("cannot collate an empty batch")
     longest = max(len(p) for p in prompts)
     if longest > prompt_length:
-        raise ValueError(f"a prompt has {longest} tokens > the batch's prompt length {prompt_length}")
+        raise ValueError(
+            f"a prompt has {longest} tokens > the batch's prompt length {prompt_length}"
+        )
     prompt_ids, prompt_mask = pad_left(prompts, pad_id=pad_id, length=prompt_length)
     a, am = right_pad(first, completion_length, pad_id)
     b, bm = right_pad(second, completion_length, pad_id)
     ref = np.asarray(refs, np.float32) if all(r is not None for r in refs) else None
-    return dict(prompt_ids=np.asarray(prompt_ids, np.int32), prompt_mask=np.asarray(prompt_mask, np.int32),
-                tokens=np.stack([a, b], axis=1), mask=np.stack([am, bm], axis=1),
-                loss_mask=np.ones(len(prompts), np.int32), ref_logps=ref)
+    return dict(
+        prompt_ids=np.asarray(prompt_ids, np.int32),
+        prompt_mask=np.asarray(prompt_mask, np.int32),
+        tokens=np.stack([a, b], axis=1),
+        mask=np.stack([am, bm], axis=1),
+        loss_mask=np.ones(len(prompts), np.int32),
+        ref_logps=ref,
+    )
 
 
-def collate_pairs(pairs: Sequence[Pair], *, pad_id: int, prompt_length: int, completion_length: int) -> PairBatch:
+def collate_pairs(
+    pairs: Sequence[Pair], *, pad_id: int, prompt_length: int, completion_length: int
+) -> PairBatch:
     """A batch of pairs (module docstring): ``prompt_ids``/``prompt_mask`` ``[P, prompt_length]``,
     ``tokens``/``mask`` ``[P, 2, completion_length]`` (0 chosen, 1 rejected), ``loss_mask`` ``[P]``,
     and ``ref_logps`` ``[P, 2]`` when every pair has them."""
-    return PairBatch(**_collate([p.prompt for p in pairs], [p.chosen for p in pairs], [p.rejected for p in pairs],
-                                [p.ref for p in pairs], pad_id=pad_id, prompt_length=prompt_length,
-                                completion_length=completion_length))
+    return PairBatch(
+        **_collate(
+            [p.prompt for p in pairs],
+            [p.chosen for p in pairs],
+            [p.rejected for p in pairs],
+            [p.ref for p in pairs],
+            pad_id=pad_id,
+            prompt_length=prompt_length,
+            completion_length=completion_length,
+        )
+    )
 
 
-def collate_unpaired(examples: Sequence[Unpaired], *, pad_id: int, prompt_length: int,
-                     completion_length: int) -> UnpairedBatch:
+def collate_unpaired(
+    examples: Sequence[Unpaired], *, pad_id: int, prompt_length: int, completion_length: int
+) -> UnpairedBatch:
     """A KTO batch: as ``collate_pairs`` with ``tokens[:, 0]`` the rows' completions and
     ``tokens[:, 1]`` their KL completions, ``label`` ``[P]`` (1 = desirable), and ``ref_logps``
     ``[P, 2]`` (completion, KL completion) when every row has them."""
-    shared = _collate([e.prompt for e in examples], [e.completion for e in examples],
-                      [e.kl_completion for e in examples], [e.ref for e in examples], pad_id=pad_id,
-                      prompt_length=prompt_length, completion_length=completion_length)
+    shared = _collate(
+        [e.prompt for e in examples],
+        [e.completion for e in examples],
+        [e.kl_completion for e in examples],
+        [e.ref for e in examples],
+        pad_id=pad_id,
+        prompt_length=prompt_length,
+        completion_length=completion_length,
+    )
     return UnpairedBatch(**shared, label=np.asarray([e.desirable for e in examples], np.int32))

@@ -68,53 +68,76 @@ class PromptStats:
         """``{"p50": ..., "p90": ..., "p99": ..., "max": ...}`` of the prompt lengths before any cut."""
         if not self.rows:
             return {}
-        values = {f"p{q}": int(np.percentile(self.lengths, q, method="higher")) for q in PERCENTILES}
+        values = {
+            f"p{q}": int(np.percentile(self.lengths, q, method="higher")) for q in PERCENTILES
+        }
         return {**values, "max": int(self.lengths.max())}
 
     def summary(self) -> dict[str, Any]:
         """The figures a run's summary and start-up report carry."""
-        return {"rows": self.rows, "kept": self.kept, "prompts_over_budget": len(self.over_budget),
-                "dropped": self.dropped, "overlong": self.action, "max_prompt_tokens": self.budget,
-                "prompt_tokens": self.percentiles()}
+        return {
+            "rows": self.rows,
+            "kept": self.kept,
+            "prompts_over_budget": len(self.over_budget),
+            "dropped": self.dropped,
+            "overlong": self.action,
+            "max_prompt_tokens": self.budget,
+            "prompt_tokens": self.percentiles(),
+        }
 
     def over_budget_message(self, label: str, limit: int = 5) -> str | None:
         """One warning line naming the longest over-budget rows, or None when there are none."""
         if not self.over_budget:
             return None
-        named = ", ".join(f"{o.file} row {o.row} ({o.tokens} tokens)" for o in self.over_budget[:limit])
+        named = ", ".join(
+            f"{o.file} row {o.row} ({o.tokens} tokens)" for o in self.over_budget[:limit]
+        )
         more = f" and {len(self.over_budget) - limit} more" if len(self.over_budget) > limit else ""
         fate = {"drop": "dropped", "truncate": "cut to fit (--overlong truncate)"}[self.action]
-        uncut = f"; {self.uncuttable} could not be cut (the template and system prompt alone are over) and were dropped" \
-            if self.uncuttable else ""
-        return (f"WARNING: {len(self.over_budget)} of {self.rows} {label} prompts are over --max-prompt-tokens "
-                f"{self.budget}: {named}{more}; {fate}{uncut}. --overlong reject refuses them, --overlong truncate "
-                f"cuts them, a larger --max-prompt-tokens keeps them whole.")
+        uncut = (
+            f"; {self.uncuttable} could not be cut (the template and system prompt alone are over) and were dropped"
+            if self.uncuttable
+            else ""
+        )
+        return (
+            f"WARNING: {len(self.over_budget)} of {self.rows} {label} prompts are over --max-prompt-tokens "
+            f"{self.budget}: {named}{more}; {fate}{uncut}. --overlong reject refuses them, --overlong truncate "
+            f"cuts them, a larger --max-prompt-tokens keeps them whole."
+        )
 
 
 def cut_plain(ids: Sequence[int], budget: int, bos: int | None) -> list[int]:
     """The last tokens of ``ids``, ``budget`` in all, after a leading BOS (kept)."""
     ids = list(ids)
     head = 1 if bos is not None and ids and ids[0] == bos else 0
-    return ids[:head] + ids[len(ids) - (budget - head):]
+    return ids[:head] + ids[len(ids) - (budget - head) :]
 
 
-def cut_chat(messages: Sequence[dict], budget: int, render: Callable[[list[dict]], list[int]],
-             encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> list[dict] | None:
+def cut_chat(
+    messages: Sequence[dict],
+    budget: int,
+    render: Callable[[list[dict]], list[int]],
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+) -> list[dict] | None:
     """``messages`` with the content of the last user message cut from its start, by the fewest
     tokens with which ``len(render(messages)) <= budget``; None when no cut of it fits.
 
     ``render``: messages -> the formatted prompt's ids; ``encode`` / ``decode``: content text <->
     ids without special tokens. The other messages (system prompt included) are never touched."""
-    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"
-             and isinstance(m.get("content"), str)]
+    users = [
+        i
+        for i, m in enumerate(messages)
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
+    ]
     if not users:
         return None
     at = users[-1]
     content = encode(messages[at]["content"])
 
     def with_tail(keep: int) -> list[dict]:
-        text = decode(content[len(content) - keep:]) if keep else ""
-        return [*messages[:at], {**messages[at], "content": text}, *messages[at + 1:]]
+        text = decode(content[len(content) - keep :]) if keep else ""
+        return [*messages[:at], {**messages[at], "content": text}, *messages[at + 1 :]]
 
     if len(render(with_tail(0))) > budget:
         return None

@@ -126,7 +126,9 @@ class DataConfig:
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
-            raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
+            raise ValueError(
+                f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}"
+            )
         if self.system_prompt is not None and self.chat_template == "never":
             raise ValueError("system_prompt needs a chat template (chat_template='never')")
         b = self.prompt_buckets
@@ -205,7 +207,9 @@ def eval_records(cfg: DataConfig, splits: DataSplits | None = None) -> list[Reco
 
 def uses_chat_template(cfg: DataConfig, tokenizer: TextTokenizer) -> bool:
     """Whether string prompts go through the chat template (``DataConfig.chat_template``)."""
-    return cfg.chat_template == "always" or (cfg.chat_template == "auto" and tokenizer.has_chat_template)
+    return cfg.chat_template == "always" or (
+        cfg.chat_template == "auto" and tokenizer.has_chat_template
+    )
 
 
 def chat_messages(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> list[dict] | None:
@@ -213,13 +217,17 @@ def chat_messages(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> lis
     prompt tokenized as it is (see ``DataConfig`` on chat templates)."""
     if isinstance(prompt, str) and not uses_chat_template(cfg, tokenizer):
         if cfg.system_prompt is not None:
-            raise ValueError(f"system_prompt needs a chat template; tokenizer {tokenizer.path} has none")
+            raise ValueError(
+                f"system_prompt needs a chat template; tokenizer {tokenizer.path} has none"
+            )
         return None
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)):
         if cfg.chat_template == "never":
-            raise ValueError("a list of chat messages needs a chat template (chat_template='never')")
+            raise ValueError(
+                "a list of chat messages needs a chat template (chat_template='never')"
+            )
         messages = list(prompt)
     else:
         kind = type(prompt).__name__
@@ -247,8 +255,9 @@ def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, dict) else None
 
 
-def cut_to_budget(prompt: Any, ids: list[int], cfg: DataConfig, tokenizer: TextTokenizer
-                  ) -> tuple[str, list[int]] | None:
+def cut_to_budget(
+    prompt: Any, ids: list[int], cfg: DataConfig, tokenizer: TextTokenizer
+) -> tuple[str, list[int]] | None:
     """``(text, ids)`` of an over-budget prompt cut to ``max_prompt_tokens`` as
     ``relax.data.prompt_budget`` says (plain text: its last tokens, the text left whole; chat: the
     last user message's content from its start, rendered again), or None when it cannot be cut so."""
@@ -256,8 +265,13 @@ def cut_to_budget(prompt: Any, ids: list[int], cfg: DataConfig, tokenizer: TextT
     messages = chat_messages(prompt, cfg, tokenizer)
     if messages is None:
         return prompt, cut_plain(ids, budget, tokenizer.bos_token_id)
-    cut = cut_chat(messages, budget, render=lambda m: render(m, tokenizer)[1],
-                   encode=lambda t: tokenizer.encode(t, add_special_tokens=False), decode=tokenizer.decode)
+    cut = cut_chat(
+        messages,
+        budget,
+        render=lambda m: render(m, tokenizer)[1],
+        encode=lambda t: tokenizer.encode(t, add_special_tokens=False),
+        decode=tokenizer.decode,
+    )
     return None if cut is None else render(cut, tokenizer)
 
 
@@ -272,7 +286,9 @@ class PreparedPrompts:
     stats: PromptStats
 
 
-def prepare_prompts(rows: Sequence[Record], cfg: DataConfig, tokenizer: TextTokenizer) -> PreparedPrompts:
+def prepare_prompts(
+    rows: Sequence[Record], cfg: DataConfig, tokenizer: TextTokenizer
+) -> PreparedPrompts:
     """Format, tokenize and budget-check every row; errors name the file, row and field.
 
     If any row has a data-source column, every row must. Over-budget rows are handled per
@@ -307,16 +323,24 @@ def prepare_prompts(rows: Sequence[Record], cfg: DataConfig, tokenizer: TextToke
             if cut is None:
                 continue
             text, ids = cut
-        examples.append(_Example(
-            ids=ids,
-            text=text,
-            answer=r.record[cfg.answer_field] if cfg.answer_field is not None else None,
-            data_source=r.record[source] if has_source else None,
-            extras={k: r.record.get(k) for k in extra_keys},
-        ))
-    stats = PromptStats(lengths=np.asarray(lengths, dtype=np.int64), budget=cfg.max_prompt_tokens,
-                        over_budget=tuple(sorted(over, key=lambda o: -o.tokens)), action=cfg.overlong,
-                        kept=len(examples), uncuttable=uncuttable, first_prompt=examples[0].text if examples else "")
+        examples.append(
+            _Example(
+                ids=ids,
+                text=text,
+                answer=r.record[cfg.answer_field] if cfg.answer_field is not None else None,
+                data_source=r.record[source] if has_source else None,
+                extras={k: r.record.get(k) for k in extra_keys},
+            )
+        )
+    stats = PromptStats(
+        lengths=np.asarray(lengths, dtype=np.int64),
+        budget=cfg.max_prompt_tokens,
+        over_budget=tuple(sorted(over, key=lambda o: -o.tokens)),
+        action=cfg.overlong,
+        kept=len(examples),
+        uncuttable=uncuttable,
+        first_prompt=examples[0].text if examples else "",
+    )
     return PreparedPrompts(examples, has_source, stats)
 
 
@@ -382,14 +406,15 @@ def prompt_batch(
 
 def batch_of(prepared: PreparedPrompts, cfg: DataConfig, pad_id: int) -> PromptBatch:
     """All of ``prepared``'s examples as one batch, padded to the bucket of the longest."""
-    return _make_batch(prepared.examples, _padded_length(prepared.examples, cfg), pad_id, prepared.has_source)
+    return _make_batch(
+        prepared.examples, _padded_length(prepared.examples, cfg), pad_id, prepared.has_source
+    )
 
 
 def padded_length(prepared: PreparedPrompts, cfg: DataConfig) -> int | None:
     """The length every training batch is padded to (``pad_to="data"``), or None when each batch
     picks its own bucket (``pad_to="batch"``)."""
     return _padded_length(prepared.examples, cfg) if cfg.pad_to == "data" else None
-
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -423,11 +448,15 @@ def prompt_dataset(
         n = process_count
         raise ValueError(f"batch_size={cfg.batch_size} does not divide over {n} processes")
     if prepared is None:
-        prepared = prepare_prompts((read_splits(cfg) if splits is None else splits).train, cfg, tokenizer)
+        prepared = prepare_prompts(
+            (read_splits(cfg) if splits is None else splits).train, cfg, tokenizer
+        )
     examples, has_source = prepared.examples, prepared.has_source
     if not examples:
-        raise ValueError(f"no training prompt is within max_prompt_tokens={cfg.max_prompt_tokens} "
-                         f"({len(prepared.stats.over_budget)} over it, overlong={cfg.overlong!r})")
+        raise ValueError(
+            f"no training prompt is within max_prompt_tokens={cfg.max_prompt_tokens} "
+            f"({len(prepared.stats.over_budget)} over it, overlong={cfg.overlong!r})"
+        )
     if cfg.num_epochs is not None and len(examples) * cfg.num_epochs < cfg.batch_size:
         raise ValueError(
             f"{len(examples)} rows x {cfg.num_epochs} epochs make no full batch of {cfg.batch_size}"
@@ -437,8 +466,16 @@ def prompt_dataset(
         ds = ds.shuffle(seed=cfg.seed)
     ds = ds.repeat(cfg.num_epochs)
     ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
-    ds = ds.map(_Collate(cfg, tokenizer.pad_token_id, process_index, process_count, has_source,
-                         length=padded_length(prepared, cfg)))
+    ds = ds.map(
+        _Collate(
+            cfg,
+            tokenizer.pad_token_id,
+            process_index,
+            process_count,
+            has_source,
+            length=padded_length(prepared, cfg),
+        )
+    )
     # Rows are in memory and collation is cheap: no reader threads (they would only fight
     # over the GIL), a small prefetch buffer.
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=1))

@@ -57,14 +57,28 @@ from relax.choices import check_choice
 from relax.data.files import MissingFieldError, Record, as_record, require_fields
 from relax.text.base import TextTokenizer
 
-__all__ = ["PACK_METHODS", "PackedBatch", "SFTExample", "encode_sft", "encode_sft_record", "loss_tokens", "pack",
-           "pack_plan", "pack_rows", "pad_examples", "pad_rows", "padding_fraction", "stack_rows"]
+__all__ = [
+    "PACK_METHODS",
+    "PackedBatch",
+    "SFTExample",
+    "encode_sft",
+    "encode_sft_record",
+    "loss_tokens",
+    "pack",
+    "pack_plan",
+    "pack_rows",
+    "pad_examples",
+    "pad_rows",
+    "padding_fraction",
+    "stack_rows",
+]
 
 PACK_METHODS = ("ffd", "greedy")
 
 
-def pad_examples(prompts: list[list[int]], responses: list[list[int]], *, length: int, pad_id: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pad_examples(
+    prompts: list[list[int]], responses: list[list[int]], *, length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids, mask, loss_mask)`` ``[n, length]``: one ``[prompt | response]`` per row, right-padded;
     ``loss_mask`` is 1 on the response tokens (the prompt is never a target)."""
     n = len(prompts)
@@ -73,10 +87,12 @@ def pad_examples(prompts: list[list[int]], responses: list[list[int]], *, length
     loss_mask = np.zeros((n, length), np.int32)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(p) + len(r) > length:
-            raise ValueError(f"example {i} has {len(p) + len(r)} tokens, more than the row length {length}")
-        ids[i, :len(p) + len(r)] = p + r
-        mask[i, :len(p) + len(r)] = 1
-        loss_mask[i, len(p):len(p) + len(r)] = 1
+            raise ValueError(
+                f"example {i} has {len(p) + len(r)} tokens, more than the row length {length}"
+            )
+        ids[i, : len(p) + len(r)] = p + r
+        mask[i, : len(p) + len(r)] = 1
+        loss_mask[i, len(p) : len(p) + len(r)] = 1
     return ids, mask, loss_mask
 
 
@@ -96,10 +112,14 @@ class SFTExample:
         ids, mask = np.asarray(self.ids, np.int32), np.asarray(self.loss_mask, np.int32)
         where = f"{self.origin}: " if self.origin else ""
         if ids.ndim != 1 or mask.shape != ids.shape or ids.size == 0:
-            raise ValueError(f"{where}an SFTExample needs ids and loss_mask of one non-empty length, got "
-                             f"{ids.shape} and {mask.shape}")
+            raise ValueError(
+                f"{where}an SFTExample needs ids and loss_mask of one non-empty length, got "
+                f"{ids.shape} and {mask.shape}"
+            )
         if mask[0]:
-            raise ValueError(f"{where}the first token of an example cannot be a target (loss_mask[0] must be 0)")
+            raise ValueError(
+                f"{where}the first token of an example cannot be a target (loss_mask[0] must be 0)"
+            )
         object.__setattr__(self, "ids", ids)
         object.__setattr__(self, "loss_mask", mask)
 
@@ -107,46 +127,78 @@ class SFTExample:
         return int(self.ids.size)
 
 
-def encode_sft(records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer, *, max_length: int,
-               truncate: bool = False, messages_field: str = "messages", prompt_field: str = "prompt",
-               completion_field: str = "completion", text_field: str = "text") -> list[SFTExample]:
+def encode_sft(
+    records: Sequence[Record | Mapping[str, Any]],
+    tokenizer: TextTokenizer,
+    *,
+    max_length: int,
+    truncate: bool = False,
+    messages_field: str = "messages",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+    text_field: str = "text",
+) -> list[SFTExample]:
     """Every record as an ``SFTExample`` (module docstring: kinds, masks, truncation, errors).
     Plain dicts are named ``<records>`` and their 1-based index in errors."""
     if max_length < 2:
         raise ValueError(f"max_length={max_length} leaves no room for a target (at least 2)")
     rows = [as_record(r, i) for i, r in enumerate(records, start=1)]
-    return [encode_sft_record(r, tokenizer, max_length=max_length, truncate=truncate,
-                              messages_field=messages_field, prompt_field=prompt_field,
-                              completion_field=completion_field, text_field=text_field) for r in rows]
+    return [
+        encode_sft_record(
+            r,
+            tokenizer,
+            max_length=max_length,
+            truncate=truncate,
+            messages_field=messages_field,
+            prompt_field=prompt_field,
+            completion_field=completion_field,
+            text_field=text_field,
+        )
+        for r in rows
+    ]
 
 
-def encode_sft_record(r: Record, tokenizer: TextTokenizer, *, max_length: int, truncate: bool = False,
-                      messages_field: str = "messages", prompt_field: str = "prompt",
-                      completion_field: str = "completion", text_field: str = "text") -> SFTExample:
+def encode_sft_record(
+    r: Record,
+    tokenizer: TextTokenizer,
+    *,
+    max_length: int,
+    truncate: bool = False,
+    messages_field: str = "messages",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+    text_field: str = "text",
+) -> SFTExample:
     """One record as an ``SFTExample`` (see ``encode_sft``)."""
     cols = r.record
     if messages_field in cols:
         ids, mask, field = _encode_chat(r, messages_field, tokenizer) + (messages_field,)
     elif prompt_field in cols or completion_field in cols:
         require_fields(r, [prompt_field, completion_field])
-        ids, mask, field = _encode_prompt_completion(r, prompt_field, completion_field, tokenizer, max_length)
+        ids, mask, field = _encode_prompt_completion(
+            r, prompt_field, completion_field, tokenizer, max_length
+        )
     elif text_field in cols:
         ids, mask, field = _encode_text(r, text_field, tokenizer) + (text_field,)
     else:
         raise MissingFieldError(
             f"{r.file}: row {r.row}: missing field: a supervised row needs {messages_field!r}, "
-            f"{prompt_field!r} + {completion_field!r}, or {text_field!r} (row has {sorted(cols)})")
+            f"{prompt_field!r} + {completion_field!r}, or {text_field!r} (row has {sorted(cols)})"
+        )
     where = f"{r.file}: row {r.row}"
     if len(ids) > max_length:
         if not truncate:
-            raise ValueError(f"{where}: field {field!r}: the example has {len(ids)} tokens > max_length="
-                             f"{max_length} (pass truncate=True to cut it from the end)")
+            raise ValueError(
+                f"{where}: field {field!r}: the example has {len(ids)} tokens > max_length="
+                f"{max_length} (pass truncate=True to cut it from the end)"
+            )
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask):
-            raise ValueError(f"{where}: field {field!r}: cut to max_length={max_length} tokens, the example "
-                             "keeps no loss token (its targets all lie past the cut)")
+            raise ValueError(
+                f"{where}: field {field!r}: cut to max_length={max_length} tokens, the example "
+                "keeps no loss token (its targets all lie past the cut)"
+            )
     return SFTExample(np.asarray(ids, np.int32), np.asarray(mask, np.int32), origin=where)
-
 
 
 def _fail(r: Record, field: str, msg: str) -> ValueError:
@@ -155,7 +207,9 @@ def _fail(r: Record, field: str, msg: str) -> ValueError:
 
 def _eos(r: Record, field: str, tokenizer: TextTokenizer) -> int:
     if tokenizer.eos_token_id is None:
-        raise _fail(r, field, f"tokenizer {tokenizer.path} has no EOS token to end the example with")
+        raise _fail(
+            r, field, f"tokenizer {tokenizer.path} has no EOS token to end the example with"
+        )
     return tokenizer.eos_token_id
 
 
@@ -188,17 +242,25 @@ def _messages(r: Record, field: str, value: Any) -> list[Mapping[str, Any]]:
     return list(value)
 
 
-def _render(r: Record, field: str, tokenizer: TextTokenizer, messages, generation_prompt: bool) -> list[int]:
+def _render(
+    r: Record, field: str, tokenizer: TextTokenizer, messages, generation_prompt: bool
+) -> list[int]:
     if not tokenizer.has_chat_template:
-        raise _fail(r, field, f"chat messages need a chat template; tokenizer {tokenizer.path} has none")
+        raise _fail(
+            r, field, f"chat messages need a chat template; tokenizer {tokenizer.path} has none"
+        )
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True))
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=True
+            )
+        )
     except Exception as e:  # template errors (raise_exception, undefined names) of any type
         raise _fail(r, field, f"the chat template failed: {e}") from e
 
 
 def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
-    return len(prefix) <= len(ids) and ids[:len(prefix)] == prefix
+    return len(prefix) <= len(ids) and ids[: len(prefix)] == prefix
 
 
 def _encode_chat(r: Record, field: str, tokenizer: TextTokenizer) -> tuple[list[int], list[int]]:
@@ -214,16 +276,21 @@ def _encode_chat(r: Record, field: str, tokenizer: TextTokenizer) -> tuple[list[
         if _empty(m.get("content")) and not m.get("tool_calls"):
             raise _fail(r, field, f"assistant message {i} is empty")
         start = _render(r, field, tokenizer, messages[:i], True) if i else []
-        end = _render(r, field, tokenizer, messages[:i + 1], False)
+        end = _render(r, field, tokenizer, messages[: i + 1], False)
         if not (_is_prefix(start, end) and _is_prefix(end, ids)) or len(end) == len(start):
-            raise _fail(r, field, f"the chat template does not render the chat up to message {i} as a prefix "
-                                  "of the whole chat, so the assistant tokens cannot be located")
-        mask[max(len(start), 1):len(end)] = [1] * (len(end) - max(len(start), 1))
+            raise _fail(
+                r,
+                field,
+                f"the chat template does not render the chat up to message {i} as a prefix "
+                "of the whole chat, so the assistant tokens cannot be located",
+            )
+        mask[max(len(start), 1) : len(end)] = [1] * (len(end) - max(len(start), 1))
     return ids, mask
 
 
-def _encode_prompt_completion(r: Record, prompt_field: str, completion_field: str, tokenizer: TextTokenizer,
-                              max_length: int) -> tuple[list[int], list[int], str]:
+def _encode_prompt_completion(
+    r: Record, prompt_field: str, completion_field: str, tokenizer: TextTokenizer, max_length: int
+) -> tuple[list[int], list[int], str]:
     """``[prompt | completion]``, the loss on the completion; the third value is the field to
     blame when the example is too long (the prompt when it alone fills ``max_length``)."""
     prompt, completion = r.record[prompt_field], r.record[completion_field]
@@ -234,22 +301,38 @@ def _encode_prompt_completion(r: Record, prompt_field: str, completion_field: st
             kind = type(completion).__name__
             raise _fail(r, completion_field, f"expected a string after a string prompt, got {kind}")
         p = tokenizer.encode(prompt, add_special_tokens=True)
-        c = _with_eos(tokenizer.encode(completion, add_special_tokens=False), _eos(r, completion_field, tokenizer))
+        c = _with_eos(
+            tokenizer.encode(completion, add_special_tokens=False),
+            _eos(r, completion_field, tokenizer),
+        )
     elif isinstance(prompt, (list, tuple)):
         p_msgs = _messages(r, prompt_field, prompt)
-        c_msgs = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                  else _messages(r, completion_field, completion))
+        c_msgs = (
+            [{"role": "assistant", "content": completion}]
+            if isinstance(completion, str)
+            else _messages(r, completion_field, completion)
+        )
         p = _render(r, prompt_field, tokenizer, p_msgs, True)
         full = _render(r, completion_field, tokenizer, p_msgs + c_msgs, False)
         if not _is_prefix(p, full) or len(full) == len(p):
-            raise _fail(r, completion_field, "the chat template does not render the prompt as a prefix of the "
-                                             "prompt + completion chat, so the completion cannot be located")
-        c = full[len(p):]
+            raise _fail(
+                r,
+                completion_field,
+                "the chat template does not render the prompt as a prefix of the "
+                "prompt + completion chat, so the completion cannot be located",
+            )
+        c = full[len(p) :]
     else:
-        raise _fail(r, prompt_field, f"expected a string or a list of chat messages, got {type(prompt).__name__}")
+        raise _fail(
+            r,
+            prompt_field,
+            f"expected a string or a list of chat messages, got {type(prompt).__name__}",
+        )
     ids = p + c
     mask = [0] * len(p) + [1] * len(c)
-    mask[0] = 0  # with an empty prompt (and no BOS) the first completion token has nothing before it
+    mask[0] = (
+        0  # with an empty prompt (and no BOS) the first completion token has nothing before it
+    )
     return ids, mask, prompt_field if len(p) >= max_length else completion_field
 
 
@@ -271,8 +354,13 @@ class PackedBatch(eqx.Module):
     loss_mask: Int[Array, "rows t"]
 
 
-def pack_plan(lengths: Sequence[int], row_length: int, *, method: str = "ffd",
-              origins: Sequence[str] | None = None) -> list[list[int]]:
+def pack_plan(
+    lengths: Sequence[int],
+    row_length: int,
+    *,
+    method: str = "ffd",
+    origins: Sequence[str] | None = None,
+) -> list[list[int]]:
     """Which examples (indices into ``lengths``) go into each row, in row order (module docstring:
     ``"ffd"`` first-fit-decreasing, ``"greedy"`` next fit in order). An example longer than
     ``row_length`` is an error naming it (``origins[i]``, else its index)."""
@@ -299,11 +387,13 @@ def _first_fit_decreasing(lengths: Sequence[int], row_length: int) -> list[list[
     the rooms of ``len(lengths)`` rows (the unopened ones full) finds that row in O(log n)."""
     size = 1 << max(len(lengths) - 1, 0).bit_length()
     tree = [-1] * (2 * size)  # tree[node] = the largest room under node; leaves size..2*size-1
-    tree[size:size + len(lengths)] = [row_length] * len(lengths)
+    tree[size : size + len(lengths)] = [row_length] * len(lengths)
     for node in range(size - 1, 0, -1):
         tree[node] = max(tree[2 * node], tree[2 * node + 1])
     rows: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+    for i in sorted(
+        range(len(lengths)), key=lambda i: -lengths[i]
+    ):  # stable: ties keep their order
         n, node = lengths[i], 1
         while node < size:  # the leftmost leaf with room >= n
             node = 2 * node if tree[2 * node] >= n else 2 * node + 1
@@ -319,11 +409,18 @@ def _first_fit_decreasing(lengths: Sequence[int], row_length: int) -> list[list[
     return rows
 
 
-def _rows(plan: list[list[int]], examples: Sequence[SFTExample], row_length: int, pad_id: int,
-          num_rows: int | None) -> PackedBatch:
+def _rows(
+    plan: list[list[int]],
+    examples: Sequence[SFTExample],
+    row_length: int,
+    pad_id: int,
+    num_rows: int | None,
+) -> PackedBatch:
     n = len(plan) if num_rows is None else num_rows
     if len(plan) > n:
-        raise ValueError(f"the examples need {len(plan)} rows of {row_length} tokens, more than num_rows={n}")
+        raise ValueError(
+            f"the examples need {len(plan)} rows of {row_length} tokens, more than num_rows={n}"
+        )
     ids = np.full((n, row_length), pad_id, np.int32)
     seg = np.zeros((n, row_length), np.int32)
     loss = np.zeros((n, row_length), np.int32)
@@ -331,48 +428,76 @@ def _rows(plan: list[list[int]], examples: Sequence[SFTExample], row_length: int
         t = 0
         for s, i in enumerate(members, start=1):
             e = examples[i]
-            ids[r, t:t + len(e)] = e.ids
-            seg[r, t:t + len(e)] = s
-            loss[r, t:t + len(e)] = e.loss_mask
+            ids[r, t : t + len(e)] = e.ids
+            seg[r, t : t + len(e)] = s
+            loss[r, t : t + len(e)] = e.loss_mask
             t += len(e)
     return PackedBatch(ids=ids, segment_ids=seg, loss_mask=loss)
 
 
-def pack(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, method: str = "ffd",
-         num_rows: int | None = None) -> PackedBatch:
+def pack(
+    examples: Sequence[SFTExample],
+    row_length: int,
+    *,
+    pad_id: int = 0,
+    method: str = "ffd",
+    num_rows: int | None = None,
+) -> PackedBatch:
     """Whole examples packed into rows of ``row_length`` tokens (module docstring); ``num_rows``
     pads with empty rows to that many."""
-    plan = pack_plan([len(e) for e in examples], row_length, method=method, origins=[e.origin for e in examples])
+    plan = pack_plan(
+        [len(e) for e in examples], row_length, method=method, origins=[e.origin for e in examples]
+    )
     return _rows(plan, examples, row_length, pad_id, num_rows)
 
 
-def pad_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0,
-             num_rows: int | None = None) -> PackedBatch:
+def pad_rows(
+    examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, num_rows: int | None = None
+) -> PackedBatch:
     """One example per row, right-padded: a batch as ``pack``'s (``segment_ids`` 1 on tokens)."""
     for i, e in enumerate(examples):
         if len(e) > row_length:
-            raise ValueError(f"{e.origin or f'example {i}'}: {len(e)} tokens do not fit a row of {row_length}")
+            raise ValueError(
+                f"{e.origin or f'example {i}'}: {len(e)} tokens do not fit a row of {row_length}"
+            )
     return _rows([[i] for i in range(len(examples))], examples, row_length, pad_id, num_rows)
 
 
-def pack_rows(examples: Sequence[SFTExample], row_length: int, *, pad_id: int = 0, method: str = "ffd",
-              packing: bool = True) -> list[PackedBatch]:
+def pack_rows(
+    examples: Sequence[SFTExample],
+    row_length: int,
+    *,
+    pad_id: int = 0,
+    method: str = "ffd",
+    packing: bool = True,
+) -> list[PackedBatch]:
     """A whole dataset as rows, for a loader that batches rows (``stack_rows``): each a
     ``PackedBatch`` of one row of ``row_length`` tokens; the examples packed (``pack``, by
     ``method``) or, without ``packing``, one per row (``pad_rows``)."""
     if not examples:
         return []
-    b = (pack(examples, row_length, pad_id=pad_id, method=method) if packing
-         else pad_rows(examples, row_length, pad_id=pad_id))
-    return [PackedBatch(ids=b.ids[i:i + 1], segment_ids=b.segment_ids[i:i + 1], loss_mask=b.loss_mask[i:i + 1])
-            for i in range(b.ids.shape[0])]
+    b = (
+        pack(examples, row_length, pad_id=pad_id, method=method)
+        if packing
+        else pad_rows(examples, row_length, pad_id=pad_id)
+    )
+    return [
+        PackedBatch(
+            ids=b.ids[i : i + 1],
+            segment_ids=b.segment_ids[i : i + 1],
+            loss_mask=b.loss_mask[i : i + 1],
+        )
+        for i in range(b.ids.shape[0])
+    ]
 
 
 def stack_rows(rows: Sequence[PackedBatch]) -> PackedBatch:
     """Rows of ``pack_rows`` (or any ``PackedBatch``es of one row length) as one batch."""
-    return PackedBatch(ids=np.concatenate([r.ids for r in rows]),
-                       segment_ids=np.concatenate([r.segment_ids for r in rows]),
-                       loss_mask=np.concatenate([r.loss_mask for r in rows]))
+    return PackedBatch(
+        ids=np.concatenate([r.ids for r in rows]),
+        segment_ids=np.concatenate([r.segment_ids for r in rows]),
+        loss_mask=np.concatenate([r.loss_mask for r in rows]),
+    )
 
 
 def padding_fraction(batch: PackedBatch) -> float:

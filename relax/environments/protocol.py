@@ -80,7 +80,9 @@ def as_async(env: Environment | AsyncEnvironment) -> AsyncEnvironment:
     return _Threaded(env)
 
 
-async def step_all(envs: Sequence[AsyncEnvironment], actions: Sequence[Action | None]) -> list[StepResult | None]:
+async def step_all(
+    envs: Sequence[AsyncEnvironment], actions: Sequence[Action | None]
+) -> list[StepResult | None]:
     """Step every environment whose action is not None, concurrently; None for the others
     (finished trajectories cost nothing)."""
 

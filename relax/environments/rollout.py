@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.environments.chat import ChatFormat
-from relax.environments.protocol import Action, Environment, AsyncEnvironment, as_async
-from relax.models.forward.routes import Routes
+from relax.environments.protocol import Action, AsyncEnvironment, Environment, as_async
 from relax.models.decoder.transformer import Transformer
+from relax.models.forward.routes import Routes
 from relax.rollout import turns as T
 from relax.rollout.sampler import bucket_length
 
@@ -80,16 +80,27 @@ class Trajectories(NamedTuple):
     env_errors: list[str | None]
     info: dict[str, np.ndarray]
     timings: dict[str, float]
-    routes: Routes | None = None  # a mixture of experts' choices of every token (relax.models.forward.routes)
+    routes: Routes | None = (
+        None  # a mixture of experts' choices of every token (relax.models.forward.routes)
+    )
 
 
 class _Record:
     """Host copies of the per-trajectory results, filled as rows leave the device batch."""
 
-    def __init__(self, b: int, n: int, max_turns: int, pad_id: int, route_shape: tuple[int, ...] = (0, 1),
-                 route_dtype=np.int8):
+    def __init__(
+        self,
+        b: int,
+        n: int,
+        max_turns: int,
+        pad_id: int,
+        route_shape: tuple[int, ...] = (0, 1),
+        route_dtype=np.int8,
+    ):
         self.tokens = np.full((b, n), pad_id, np.int32)
-        self.routes = np.full((b, n, *route_shape), -1, route_dtype)  # a mixture of experts' choices
+        self.routes = np.full(
+            (b, n, *route_shape), -1, route_dtype
+        )  # a mixture of experts' choices
         self.logprobs = np.zeros((b, n), np.float32)
         self.sampled = np.zeros((b, n), bool)
         self.length = np.zeros(b, np.int32)
@@ -102,10 +113,16 @@ class _Record:
 
     def flush(self, state: T.TurnState, where: np.ndarray):
         tokens, logprobs, sampled, length, routes = jax.device_get(
-            (state.tokens, state.logprobs, state.sampled, state.length, state.routes))
+            (state.tokens, state.logprobs, state.sampled, state.length, state.routes)
+        )
         rows = np.nonzero(where >= 0)[0]
-        for name, src in (("tokens", tokens), ("logprobs", logprobs), ("sampled", sampled), ("length", length),
-                          ("routes", routes)):
+        for name, src in (
+            ("tokens", tokens),
+            ("logprobs", logprobs),
+            ("sampled", sampled),
+            ("length", length),
+            ("routes", routes),
+        ):
             getattr(self, name)[where[rows]] = src[rows]
 
     def add_info(self, b: int, info: Mapping[str, Any], size: int):
@@ -114,23 +131,33 @@ class _Record:
                 self.info.setdefault(k, np.zeros(size, np.float32))[b] += float(v)
 
 
-def rollout_trajectories(model: Transformer, rows: Sequence[Mapping[str, Any]],
-                         make_env: Callable[[], Environment | AsyncEnvironment], chat: ChatFormat, *,
-                         key: jax.Array, cfg: AgentRolloutConfig) -> Trajectories:
+def rollout_trajectories(
+    model: Transformer,
+    rows: Sequence[Mapping[str, Any]],
+    make_env: Callable[[], Environment | AsyncEnvironment],
+    chat: ChatFormat,
+    *,
+    key: jax.Array,
+    cfg: AgentRolloutConfig,
+) -> Trajectories:
     """G trajectories of each row (module docstring)."""
     return asyncio.run(_rollout(model, rows, make_env, chat, key, cfg))
 
 
-def _pad_prompts(prompts: list[list[int]], cfg: T.TurnConfig, context: int) -> tuple[np.ndarray, np.ndarray]:
+def _pad_prompts(
+    prompts: list[list[int]], cfg: T.TurnConfig, context: int
+) -> tuple[np.ndarray, np.ndarray]:
     longest = max(map(len, prompts))
     if longest + cfg.max_tokens > context:
-        raise ValueError(f"a {longest}-token prompt and max_tokens={cfg.max_tokens} overflow the model's context "
-                         f"of {context} positions")
+        raise ValueError(
+            f"a {longest}-token prompt and max_tokens={cfg.max_tokens} overflow the model's context "
+            f"of {context} positions"
+        )
     width = bucket_length(longest, cfg.prompt_buckets)
     ids = np.full((len(prompts), width), cfg.pad_id, np.int32)
     mask = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
     return ids, mask
 
 
@@ -138,10 +165,12 @@ async def _reset(envs, rows, g: int, chat: ChatFormat) -> list[list[int]]:
     resets = await asyncio.gather(*(env.areset(rows[b // g]) for b, env in enumerate(envs)))
     prompts = []
     for p in range(len(rows)):
-        group = [list(m) for m in resets[p * g:(p + 1) * g]]
+        group = [list(m) for m in resets[p * g : (p + 1) * g]]
         if any(m != group[0] for m in group):
-            raise ValueError(f"row {p}: the environment's reset gave the {g} trajectories of one row different "
-                             "conversations; they share one prompt")
+            raise ValueError(
+                f"row {p}: the environment's reset gave the {g} trajectories of one row different "
+                "conversations; they share one prompt"
+            )
         prompts.append(chat.prompt_ids(group[0]))
     return prompts
 
@@ -155,13 +184,17 @@ async def _step(env: AsyncEnvironment, action: Action | None):
         return exc
 
 
-async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRolloutConfig) -> Trajectories:
+async def _rollout(
+    model, rows, make_env, chat: ChatFormat, key, cfg: AgentRolloutConfig
+) -> Trajectories:
     tc, g = cfg.turns, cfg.turns.num_generations
     b, n = len(rows) * g, tc.max_tokens
     envs = [as_async(make_env()) for _ in range(b)]
     clock = {"device_s": 0.0, "env_s": 0.0}
     t0 = time.perf_counter()
-    prompt_ids, prompt_mask = _pad_prompts(await _reset(envs, rows, g, chat), tc, model.config.max_position_embeddings)
+    prompt_ids, prompt_mask = _pad_prompts(
+        await _reset(envs, rows, g, chat), tc, model.config.max_position_embeddings
+    )
     clock["env_s"] += time.perf_counter() - t0
     state = T.start(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, cfg=tc)
     layers = T.fused_layers(model, cfg=tc)  # once: every turn's decode and append read them
@@ -173,7 +206,9 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
         t0 = time.perf_counter()
         active = (where >= 0) & running[np.maximum(where, 0)]
         before = np.asarray(state.length)
-        state, stopped, count = T.decode_turn(model, state, jnp.asarray(active), cfg=tc, layers=layers)
+        state, stopped, count = T.decode_turn(
+            model, state, jnp.asarray(active), cfg=tc, layers=layers
+        )
         tokens, stopped, count = jax.device_get((state.tokens, stopped, count))
         clock["device_s"] += time.perf_counter() - t0
         actions: list[Action | None] = [None] * b
@@ -187,11 +222,15 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
             actions[t] = Action(chat.tokenizer.decode(ids[:-1]), tuple(int(x) for x in ids))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_step(envs[t], actions[t]) for t in range(b)))
-        observations = _observe(results, actions, rec, running, turn, cfg, before + count, where, chat)
+        observations = _observe(
+            results, actions, rec, running, turn, cfg, before + count, where, chat
+        )
         clock["env_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         if observations:
-            state = _append(model, layers, state, observations, before + count, where, rec, turn, tc)
+            state = _append(
+                model, layers, state, observations, before + count, where, rec, turn, tc
+            )
         live = np.nonzero((where >= 0) & running[np.maximum(where, 0)])[0]
         if live.size == 0:
             break
@@ -203,8 +242,17 @@ async def _rollout(model, rows, make_env, chat: ChatFormat, key, cfg: AgentRollo
     return _trajectories(rec, prompt_ids, prompt_mask, prompt_routes, len(rows), g, clock)
 
 
-def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRolloutConfig, length, where,
-             chat: ChatFormat) -> dict[int, list[int]]:
+def _observe(
+    results,
+    actions,
+    rec: _Record,
+    running,
+    turn: int,
+    cfg: AgentRolloutConfig,
+    length,
+    where,
+    chat: ChatFormat,
+) -> dict[int, list[int]]:
     """Record each stepped environment's result; the observation ids of the trajectories that go on."""
     row_of = {int(t): i for i, t in enumerate(where) if t >= 0}
     out = {}
@@ -222,23 +270,35 @@ def _observe(results, actions, rec: _Record, running, turn: int, cfg: AgentRollo
             continue
         ids = chat.observation_ids(res.observation) if res.observation else []
         if turn + 1 >= cfg.max_turns or length[row_of[t]] + len(ids) >= cfg.turns.max_tokens:
-            rec.truncated[t], running[t] = True, False  # no turn left, or no room for one more token
+            rec.truncated[t], running[t] = (
+                True,
+                False,
+            )  # no turn left, or no room for one more token
             continue
         if ids:
             out[row_of[t]] = ids
     return out
 
 
-def _append(model, layers, state, observations: dict[int, list[int]], length, where, rec: _Record, turn: int,
-            tc: T.TurnConfig):
+def _append(
+    model,
+    layers,
+    state,
+    observations: dict[int, list[int]],
+    length,
+    where,
+    rec: _Record,
+    turn: int,
+    tc: T.TurnConfig,
+):
     """Prefill the observations onto their rows' caches; ``length``: the rows' filled slots (host)."""
     rows = len(where)
     width = bucket_length(max(map(len, observations.values())), tc.observation_buckets)
     ids = np.full((rows, width), tc.pad_id, np.int32)
     count = np.zeros(rows, np.int32)
     for i, obs in observations.items():
-        ids[i, :len(obs)], count[i] = obs, len(obs)
-        rec.turn_index[where[i], length[i]:length[i] + len(obs)] = turn
+        ids[i, : len(obs)], count[i] = obs, len(obs)
+        rec.turn_index[where[i], length[i] : length[i] + len(obs)] = turn
     return T.append(model, state, jnp.asarray(ids), jnp.asarray(count), cfg=tc, layers=layers)
 
 
@@ -253,16 +313,30 @@ def _compact(state, where, live: np.ndarray, rec: _Record):
     return T.compact(state, jnp.asarray(keep, jnp.int32)), new_where
 
 
-def _trajectories(rec: _Record, prompt_ids, prompt_mask, prompt_routes, p: int, g: int, clock) -> Trajectories:
+def _trajectories(
+    rec: _Record, prompt_ids, prompt_mask, prompt_routes, p: int, g: int, clock
+) -> Trajectories:
     n = rec.tokens.shape[1]
     shape = lambda x: x.reshape((p, g) + x.shape[1:])  # noqa: E731
     mask = np.arange(n)[None, :] < rec.length[:, None]
     rewards = rec.turn_rewards.sum(axis=1)  # NaN where an environment raised
     rec.turn_index[~mask] = -1
     return Trajectories(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=shape(rec.tokens), mask=shape(mask.astype(np.int32)),
-        sampled_mask=shape(rec.sampled.astype(np.int32)), logprobs=shape(rec.logprobs),
-        turn_index=shape(rec.turn_index), turn_rewards=shape(rec.turn_rewards), rewards=shape(rewards),
-        turns=shape(rec.turns), truncated=shape(rec.truncated), env_errors=rec.errors,
-        info={k: shape(v) for k, v in rec.info.items()}, timings=dict(clock),
-        routes=None if not rec.routes.shape[2] else Routes(prompt=prompt_routes, completion=shape(rec.routes)))
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        tokens=shape(rec.tokens),
+        mask=shape(mask.astype(np.int32)),
+        sampled_mask=shape(rec.sampled.astype(np.int32)),
+        logprobs=shape(rec.logprobs),
+        turn_index=shape(rec.turn_index),
+        turn_rewards=shape(rec.turn_rewards),
+        rewards=shape(rewards),
+        turns=shape(rec.turns),
+        truncated=shape(rec.truncated),
+        env_errors=rec.errors,
+        info={k: shape(v) for k, v in rec.info.items()},
+        timings=dict(clock),
+        routes=None
+        if not rec.routes.shape[2]
+        else Routes(prompt=prompt_routes, completion=shape(rec.routes)),
+    )

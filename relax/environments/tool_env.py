@@ -27,8 +27,16 @@ class ToolEnvironment:
     """One trajectory over one row (module docstring). ``prompt_field``: the row's user message;
     ``system_prompt``: an optional system message first."""
 
-    def __init__(self, tools: Sequence[Tool], *, fmt: str, answer_reward: AnswerReward, max_turns: int,
-                 prompt_field: str = "prompt", system_prompt: str | None = None):
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        *,
+        fmt: str,
+        answer_reward: AnswerReward,
+        max_turns: int,
+        prompt_field: str = "prompt",
+        system_prompt: str | None = None,
+    ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.tools = {t.name: t for t in tools}
@@ -43,9 +51,15 @@ class ToolEnvironment:
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
         if self.prompt_field not in row:
-            raise KeyError(f"ToolEnvironment needs the column {self.prompt_field!r}; got columns {sorted(row)}")
+            raise KeyError(
+                f"ToolEnvironment needs the column {self.prompt_field!r}; got columns {sorted(row)}"
+            )
         self.row, self.turns = row, 0
-        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        system = (
+            []
+            if self.system_prompt is None
+            else [{"role": "system", "content": self.system_prompt}]
+        )
         return system + [{"role": "user", "content": str(row[self.prompt_field])}]
 
     def step(self, action: Action) -> StepResult:
@@ -56,6 +70,9 @@ class ToolEnvironment:
             return StepResult((), float(self.answer_reward(self.row, action.text)), True, info)
         if self.turns >= self.max_turns:
             return StepResult((), 0.0, True, {**info, "truncated": True})
-        observation = [{"role": "tool", "name": c.name, "content": run_call(self.tools[c.name], c)} for c in calls]
+        observation = [
+            {"role": "tool", "name": c.name, "content": run_call(self.tools[c.name], c)}
+            for c in calls
+        ]
         observation += [{"role": "tool", "name": "error", "content": f"error: {e}"} for e in errors]
         return StepResult(observation, None, False, info)

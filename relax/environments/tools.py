@@ -30,8 +30,15 @@ from relax.choices import check_choice
 
 TOOL_CALL_FORMATS = ("hermes", "llama3")
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-               "object": (dict,), "null": (type(None),)}
+_JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +56,20 @@ class Tool:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"tool name must be a non-empty string, got {self.name!r}")
         if self.parameters.get("type") != "object":
-            raise ValueError(f"tool {self.name!r}: parameters must be an object schema, got {self.parameters!r}")
+            raise ValueError(
+                f"tool {self.name!r}: parameters must be an object schema, got {self.parameters!r}"
+            )
 
     def schema(self) -> dict:
         """The tool as chat templates take it (``tools=``): OpenAI's function format."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": dict(self.parameters),
+            },
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +82,9 @@ class ToolCall:
         return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tool_calls(text: str, fmt: str, tools: Sequence[Tool] = ()) -> tuple[list[ToolCall], list[str]]:
+def parse_tool_calls(
+    text: str, fmt: str, tools: Sequence[Tool] = ()
+) -> tuple[list[ToolCall], list[str]]:
     """``(calls, errors)`` in ``text`` written in format ``fmt``; with ``tools``, each call is also
     checked against its tool's schema (an unknown name or bad arguments is an error, not a call)."""
     check_choice("tool call format", fmt, TOOL_CALL_FORMATS)
@@ -130,11 +147,15 @@ def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
         return f"{tool.name}: missing argument(s) {', '.join(missing)}"
     unknown = [k for k in arguments if k not in props]
     if unknown and tool.parameters.get("additionalProperties", False) is False:
-        return f"{tool.name}: unknown argument(s) {', '.join(unknown)}; arguments: {', '.join(props)}"
+        return (
+            f"{tool.name}: unknown argument(s) {', '.join(unknown)}; arguments: {', '.join(props)}"
+        )
     for key, value in arguments.items():
         kind = props.get(key, {}).get("type")
         types = _JSON_TYPES.get(kind, (object,)) if isinstance(kind, str) else (object,)
-        if not isinstance(value, types) or (kind in ("integer", "number") and isinstance(value, bool)):
+        if not isinstance(value, types) or (
+            kind in ("integer", "number") and isinstance(value, bool)
+        ):
             return f"{tool.name}: argument {key!r} must be {kind}, got {json.dumps(value)[:60]}"
     return None
 

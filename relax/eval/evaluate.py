@@ -49,9 +49,21 @@ def _generate_all(model, batch: PromptBatch, rcfg: RolloutConfig, key, chunk: in
     return np.concatenate(toks), np.concatenate(masks)
 
 
-def evaluate(model, batch: PromptBatch, *, reward_fns, decode, eos_ids: tuple[int, ...], pad_id: int,
-             max_new_tokens: int, key, cfg: EvalConfig, answer_field: str | None = "answer",
-             timeout_s: float | None = None, stop_strings: tuple[str, ...] = ()) -> dict[str, float]:
+def evaluate(
+    model,
+    batch: PromptBatch,
+    *,
+    reward_fns,
+    decode,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    max_new_tokens: int,
+    key,
+    cfg: EvalConfig,
+    answer_field: str | None = "answer",
+    timeout_s: float | None = None,
+    stop_strings: tuple[str, ...] = (),
+) -> dict[str, float]:
     """Metrics over every prompt of ``batch`` (keys like ``pass@1``, ``greedy/accuracy``);
     completions end at their first ``stop_strings`` match as in training."""
     fields = dict(batch.fields)
@@ -60,17 +72,35 @@ def evaluate(model, batch: PromptBatch, *, reward_fns, decode, eos_ids: tuple[in
     out: dict[str, float] = {}
 
     def rewards_of(tokens, masks):
-        masks, _, _ = truncate_at_stop_strings(tokens, masks, np.zeros(tokens.shape[:-1], bool), decode, stop_strings)
-        return score_groups(reward_fns, decode, batch.prompts, fields, tokens, masks, timeout_s=timeout_s)[0]
+        masks, _, _ = truncate_at_stop_strings(
+            tokens, masks, np.zeros(tokens.shape[:-1], bool), decode, stop_strings
+        )
+        return score_groups(
+            reward_fns, decode, batch.prompts, fields, tokens, masks, timeout_s=timeout_s
+        )[0]
 
     if cfg.greedy:
-        rcfg = RolloutConfig(num_generations=1, max_new_tokens=max_new_tokens,
-                             sampling=SamplingConfig(temperature=0.0), eos_ids=eos_ids, pad_id=pad_id)
+        rcfg = RolloutConfig(
+            num_generations=1,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingConfig(temperature=0.0),
+            eos_ids=eos_ids,
+            pad_id=pad_id,
+        )
         r = rewards_of(*_generate_all(model, batch, rcfg, key, cfg.batch_prompts))
         out["greedy/accuracy"] = float(np.mean(r >= cfg.correct_threshold))
         out["greedy/reward"] = float(np.nanmean(r))
-    rcfg = RolloutConfig(num_generations=cfg.num_samples, max_new_tokens=max_new_tokens,
-                         sampling=SamplingConfig(temperature=cfg.temperature), eos_ids=eos_ids, pad_id=pad_id)
-    r = rewards_of(*_generate_all(model, batch, rcfg, jax.random.fold_in(key, 1), cfg.batch_prompts))
-    out.update(summarize(r, r >= cfg.correct_threshold, ks=cfg.ks or None, data_source=batch.data_source))
+    rcfg = RolloutConfig(
+        num_generations=cfg.num_samples,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=cfg.temperature),
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+    )
+    r = rewards_of(
+        *_generate_all(model, batch, rcfg, jax.random.fold_in(key, 1), cfg.batch_prompts)
+    )
+    out.update(
+        summarize(r, r >= cfg.correct_threshold, ks=cfg.ks or None, data_source=batch.data_source)
+    )
     return out

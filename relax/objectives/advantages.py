@@ -33,7 +33,9 @@ def _outcome(rewards: Float[Array, "p g"]) -> tuple[Array, Array, Array, Array]:
     ``informative`` marks valid rewards of groups with at least two valid rewards that are not
     all identical; every other entry gets advantage exactly 0 (not eps-noise).
     """
-    chex.assert_rank(rewards, 2, custom_message=f"rewards must be [P, G], got shape {jnp.shape(rewards)}")
+    chex.assert_rank(
+        rewards, 2, custom_message=f"rewards must be [P, G], got shape {jnp.shape(rewards)}"
+    )
     r = at_least_float32(rewards)
     valid = ~jnp.isnan(r)
     r0 = jnp.where(valid, r, 0.0)
@@ -43,7 +45,9 @@ def _outcome(rewards: Float[Array, "p g"]) -> tuple[Array, Array, Array, Array]:
     return r0, valid, n, valid & (n > 1) & (hi > lo)
 
 
-def grpo(rewards: Float[Array, "p g"], *, scale: str = "group", eps: float = 1e-4) -> Float[Array, "p g"]:
+def grpo(
+    rewards: Float[Array, "p g"], *, scale: str = "group", eps: float = 1e-4
+) -> Float[Array, "p g"]:
     """Group-relative advantages ``A_ij = (r_ij - mean_j r_ij) / (std + eps)``.
 
     ``scale`` (TRL's ``scale_rewards``):
@@ -72,8 +76,13 @@ def grpo(rewards: Float[Array, "p g"], *, scale: str = "group", eps: float = 1e-
     return jnp.where(informative, centred / jnp.where(informative, std + eps, 1.0), 0.0)
 
 
-def turn_grpo(turn_rewards: Float[Array, "p g k"], turn_index: Int[Array, "p g t"], mask: Bool[Array, "p g t"], *,
-              eps: float = 1e-4) -> Float[Array, "p g t"]:
+def turn_grpo(
+    turn_rewards: Float[Array, "p g k"],
+    turn_index: Int[Array, "p g t"],
+    mask: Bool[Array, "p g t"],
+    *,
+    eps: float = 1e-4,
+) -> Float[Array, "p g t"]:
     """Per-turn GRPO advantages of multi-turn trajectories: each token of turn ``k`` gets its turn's
     reward-to-go against the group's baseline of whole-trajectory returns::
 
@@ -119,7 +128,9 @@ def broadcast_to_tokens(adv: Float[Array, "*b"], mask: Bool[Array, "*b t"]) -> F
     return jnp.where(jnp.asarray(mask).astype(bool), at_least_float32(adv)[..., None], 0.0)
 
 
-def whiten(x: Float[Array, "*s"], mask: Bool[Array, "*s"], shift_mean: bool = True) -> Float[Array, "*s"]:
+def whiten(
+    x: Float[Array, "*s"], mask: Bool[Array, "*s"], shift_mean: bool = True
+) -> Float[Array, "*s"]:
     """verl's ``masked_whiten``: ``(x - mu) / sqrt(var + 1e-8)`` over all valid entries.
 
     ``mu`` is the masked mean and ``var`` the unbiased (ddof=1) masked variance, as verl computes
@@ -167,7 +178,9 @@ def reinforce_pp(
     return whiten(mc_returns(token_rewards, mask, gamma), mask)
 
 
-def reinforce_pp_baseline(rewards: Float[Array, "p g"], mask: Bool[Array, "p g t"]) -> Float[Array, "p g t"]:
+def reinforce_pp_baseline(
+    rewards: Float[Array, "p g"], mask: Bool[Array, "p g t"]
+) -> Float[Array, "p g t"]:
     """REINFORCE++-baseline: ``A_ijt = whiten(r_ij - mean_k r_ik)`` broadcast to valid tokens.
 
     The group mean is subtracted per prompt, the result is broadcast to the completion's valid
@@ -179,7 +192,9 @@ def reinforce_pp_baseline(rewards: Float[Array, "p g"], mask: Bool[Array, "p g t
     """
     chex.assert_rank(mask, 3, custom_message=f"mask must be [P, G, T], got {jnp.shape(mask)}")
     r0, valid, n, _ = _outcome(rewards)
-    chex.assert_equal_shape_prefix([r0, mask], 2, custom_message=f"rewards={r0.shape}, mask={jnp.shape(mask)}")
+    chex.assert_equal_shape_prefix(
+        [r0, mask], 2, custom_message=f"rewards={r0.shape}, mask={jnp.shape(mask)}"
+    )
     centred = jnp.where(valid & (n > 1), r0 - masked_mean(r0, valid, axis=-1)[:, None], 0.0)
     tokens = jnp.asarray(mask).astype(bool) & valid[..., None]
     return whiten(broadcast_to_tokens(centred, tokens), tokens)

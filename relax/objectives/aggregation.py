@@ -27,7 +27,12 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from relax.masked import assert_same_shape, masked_count, masked_sum
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 # TRL's GRPOConfig.loss_type -> mode. bnpo and dapo are both token-mean: TRL's bnpo normalises by
 # the tokens of the local (micro)batch, dapo by the tokens of the whole accumulated batch; here
@@ -73,14 +78,18 @@ def aggregate(
     """
     mode = resolve_mode(mode)
     assert_same_shape(per_token_loss=per_token_loss, mask=mask)
-    chex.assert_rank(mask, 2, custom_message=f"per_token_loss and mask must be [N, T], got {jnp.shape(mask)}")
+    chex.assert_rank(
+        mask, 2, custom_message=f"per_token_loss and mask must be [N, T], got {jnp.shape(mask)}"
+    )
     n, t = jnp.shape(mask)
     if mode == "token-mean":
         denom = jnp.maximum(masked_count(mask), 1.0) if num_tokens is None else num_tokens
         return masked_sum(per_token_loss, mask) / denom
     seqs = n if num_sequences is None else num_sequences
     if mode == "seq-mean-token-mean":
-        per_seq = masked_sum(per_token_loss, mask, axis=-1) / jnp.maximum(masked_count(mask, axis=-1), 1.0)
+        per_seq = masked_sum(per_token_loss, mask, axis=-1) / jnp.maximum(
+            masked_count(mask, axis=-1), 1.0
+        )
         return per_seq.sum() / seqs
     if mode == "seq-mean-token-sum":
         return masked_sum(per_token_loss, mask) / seqs

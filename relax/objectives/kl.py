@@ -85,10 +85,17 @@ def kl_penalty_reward(
     """
     assert_same_shape(token_rewards=token_rewards, kl=kl, mask=mask)
     m = jnp.asarray(mask).astype(bool)
-    return jnp.where(m, jnp.where(m, at_least_float32(token_rewards), 0.0) - beta * jnp.where(m, at_least_float32(kl), 0.0), 0.0)
+    return jnp.where(
+        m,
+        jnp.where(m, at_least_float32(token_rewards), 0.0)
+        - beta * jnp.where(m, at_least_float32(kl), 0.0),
+        0.0,
+    )
 
 
-def conservative_penalty(kl: Float[Array, "*s"], *, threshold: float, coef: float) -> Float[Array, "*s"]:
+def conservative_penalty(
+    kl: Float[Array, "*s"], *, threshold: float, coef: float
+) -> Float[Array, "*s"]:
     """One-sided quadratic KL penalty ``coef * max(0, kl - threshold)^2`` (elementwise).
 
     Zero (with zero gradient) while the KL stays under ``threshold``; grows quadratically above it.
@@ -97,7 +104,9 @@ def conservative_penalty(kl: Float[Array, "*s"], *, threshold: float, coef: floa
     return coef * jnp.square(jnp.maximum(at_least_float32(kl) - threshold, 0.0))
 
 
-def entropy_bonus(entropy: Float[Array, "n t"], mask: Bool[Array, "n t"], *, coef: float) -> Float[Array, "n t"]:
+def entropy_bonus(
+    entropy: Float[Array, "n t"], mask: Bool[Array, "n t"], *, coef: float
+) -> Float[Array, "n t"]:
     """Per-token loss term ``-coef * H_t`` on valid tokens, 0 elsewhere.
 
     Add it to the per-token policy loss before aggregation (verl: ``pg_loss - entropy_coeff *

@@ -22,7 +22,7 @@ depend on the weights (verl's rejection sampling removes it from the normaliser 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -32,7 +32,12 @@ from relax.choices import check_choice
 from relax.masked import masked_mean, masked_sum, token_inputs
 from relax.metrics import Metric
 
-CORRECTIONS = ("decoupled", "tis", "mis", "none")  # none: clip against the behaviour policy, no weight
+CORRECTIONS = (
+    "decoupled",
+    "tis",
+    "mis",
+    "none",
+)  # none: clip against the behaviour policy, no weight
 LEVELS = ("token", "sequence")
 _LOG_CLAMP = 20.0  # exp(20) ~ 5e8: no overflow, as the policy losses' ratio clamp
 
@@ -40,7 +45,8 @@ _LOG_CLAMP = 20.0  # exp(20) ~ 5e8: no overflow, as the policy losses' ratio cla
 @dataclasses.dataclass(frozen=True)
 class OffPolicyConfig:
     """The behaviour correction of a stale batch (module docstring): ``kind`` (decoupled | tis |
-    mis | none: today's on-policy loss, clipped against the behaviour policy), ``level`` (token | sequence), ``cap`` (tis: the truncation; mis: the upper bound) and
+    mis | none: today's on-policy loss, clipped against the behaviour policy), ``level`` (token |
+    sequence), ``cap`` (tis: the truncation; mis: the upper bound) and
     ``lower`` (mis: the lower bound; None: ``1 / cap``)."""
 
     kind: str = "decoupled"
@@ -54,7 +60,9 @@ class OffPolicyConfig:
         if self.cap <= 0:
             raise ValueError(f"correction cap must be > 0, got {self.cap}")
         if self.lower is not None and not 0 <= self.lower < self.cap:
-            raise ValueError(f"correction lower bound must be in [0, cap={self.cap}), got {self.lower}")
+            raise ValueError(
+                f"correction lower bound must be in [0, cap={self.cap}), got {self.lower}"
+            )
 
     @property
     def lower_bound(self) -> float:
@@ -74,7 +82,9 @@ def behaviour_weights(
     ``[lower, cap]``), ``behaviour_kl`` (k1 estimate of KL(mu || pi_prox), ``mean(log mu - log pi_prox)``).
     """
     if cfg.kind == "none":
-        raise ValueError("correction kind 'none' has no behaviour weights: the loss is the on-policy one")
+        raise ValueError(
+            "correction kind 'none' has no behaviour weights: the loss is the on-policy one"
+        )
     prox, behaviour, m = token_inputs(mask, prox_logp=prox_logp, behaviour_logp=behaviour_logp)
     log_rho = lax.stop_gradient(prox - behaviour)
     if cfg.level == "sequence":
@@ -92,8 +102,12 @@ def behaviour_weights(
     any_valid = m.any()
     metrics = {
         "is_weight_mean": masked_mean(rho, m),
-        "is_weight_min": Metric(jnp.where(any_valid, jnp.min(jnp.where(m, rho, jnp.inf)), 1.0), "min"),
-        "is_weight_max": Metric(jnp.where(any_valid, jnp.max(jnp.where(m, rho, -jnp.inf)), 1.0), "max"),
+        "is_weight_min": Metric(
+            jnp.where(any_valid, jnp.min(jnp.where(m, rho, jnp.inf)), 1.0), "min"
+        ),
+        "is_weight_max": Metric(
+            jnp.where(any_valid, jnp.max(jnp.where(m, rho, -jnp.inf)), 1.0), "max"
+        ),
         "is_truncated_frac": masked_mean(truncated.astype(jnp.float32), m),
         "is_masked_frac": masked_mean(masked.astype(jnp.float32), m),
         "behaviour_kl": masked_mean(behaviour - prox, m),

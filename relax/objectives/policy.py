@@ -1,7 +1,8 @@
 """Policy-gradient losses: clipped PPO / GRPO / DAPO / GSPO, CISPO, REINFORCE, and TIS weights.
 
 Every loss returns ``(per_token_loss [N, T], metrics)``: the loss of each valid token (exactly 0
-at masked tokens) and a dict of float32 scalars (extremes declared as ``relax.metrics.Metric`` with their reduction). Reduce it with
+at masked tokens) and a dict of float32 scalars (extremes declared as ``relax.metrics.Metric`` with
+their reduction). Reduce it with
 ``relax.objectives.aggregation.aggregate``; the aggregation mode is not the loss's business.
 
 Importance ratios are always taken against the *old* policy, the one that sampled the batch
@@ -19,8 +20,8 @@ from jax import lax
 from jaxtyping import Array, Bool, Float
 
 from relax.choices import check_choice
-from relax.metrics import Metric
 from relax.masked import assert_same_shape, at_least_float32, masked_mean, token_inputs
+from relax.metrics import Metric
 
 IMPORTANCE_LEVELS = ("token", "sequence")
 _LOG_RATIO_CLAMP = 20.0
@@ -31,9 +32,13 @@ def _inputs(mask: Array, advantages: Array | None = None, **arrays: Array) -> tu
     *out, m = token_inputs(mask, **arrays)
     if advantages is not None:
         adv = jnp.asarray(advantages)
-        chex.assert_rank(adv, {1, 2}, custom_message=f"advantages must be [N] or [N, T], got {adv.shape}")
+        chex.assert_rank(
+            adv, {1, 2}, custom_message=f"advantages must be [N] or [N, T], got {adv.shape}"
+        )
         if adv.ndim == 1:
-            chex.assert_shape(adv, m.shape[:1], custom_message=f"advantages={adv.shape}, mask={m.shape}")
+            chex.assert_shape(
+                adv, m.shape[:1], custom_message=f"advantages={adv.shape}, mask={m.shape}"
+            )
             adv = jnp.broadcast_to(adv[:, None], m.shape)
         assert_same_shape(advantages=adv, mask=mask)
         out.append(jnp.where(m, at_least_float32(adv), 0.0))
@@ -56,8 +61,12 @@ def _ratio_metrics(ratio: Array, logp: Array, old_logp: Array, m: Array) -> dict
     any_valid = m.any()
     return {
         "ratio_mean": masked_mean(ratio, m),
-        "ratio_min": Metric(jnp.where(any_valid, jnp.min(jnp.where(m, ratio, jnp.inf)), 1.0), "min"),
-        "ratio_max": Metric(jnp.where(any_valid, jnp.max(jnp.where(m, ratio, -jnp.inf)), 1.0), "max"),
+        "ratio_min": Metric(
+            jnp.where(any_valid, jnp.min(jnp.where(m, ratio, jnp.inf)), 1.0), "min"
+        ),
+        "ratio_max": Metric(
+            jnp.where(any_valid, jnp.max(jnp.where(m, ratio, -jnp.inf)), 1.0), "max"
+        ),
         "approx_kl": masked_mean(0.5 * d**2, m),
         "ppo_kl": masked_mean(-d, m),
     }
@@ -209,6 +218,8 @@ def truncated_importance_weight(
     """
     if isinstance(cap, (int, float)) and cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    trainer, sampler, m = _inputs(mask, old_logp_trainer=old_logp_trainer, sampler_logp=sampler_logp)
+    trainer, sampler, m = _inputs(
+        mask, old_logp_trainer=old_logp_trainer, sampler_logp=sampler_logp
+    )
     w = jnp.exp(jnp.minimum(trainer - sampler, jnp.log(jnp.asarray(cap, trainer.dtype))))
     return lax.stop_gradient(jnp.where(m, w, 0.0))

@@ -70,12 +70,16 @@ def dpo_loss(
     if loss_type == "robust" and not 0 <= e < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5) for robust, got {e}")
 
-    pc, pr, rc, rr = _f32(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    pc, pr, rc, rr = _f32(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
+    )
     z = (pc - pr) - (rc - rr)
     if loss_type == "sigmoid":
         losses = -(1 - e) * jax.nn.log_sigmoid(beta * z) - e * jax.nn.log_sigmoid(-beta * z)
     elif loss_type == "robust":
-        losses = (-(1 - e) * jax.nn.log_sigmoid(beta * z) + e * jax.nn.log_sigmoid(-beta * z)) / (1 - 2 * e)
+        losses = (-(1 - e) * jax.nn.log_sigmoid(beta * z) + e * jax.nn.log_sigmoid(-beta * z)) / (
+            1 - 2 * e
+        )
     elif loss_type == "hinge":
         losses = jax.nn.relu(1 - beta * z)
     else:  # ipo
@@ -118,7 +122,11 @@ def orpo_loss(
     Metrics (TRL names, per pair, no gradient): ``rewards/*`` with ``rewards/chosen = beta c``,
     ``log_odds_ratio = log s(log_odds)``, ``log_odds_chosen = log_odds``, ``nll_loss``.
     """
-    assert_same_shape(chosen_logps_mean=chosen_logps_mean, rejected_logps_mean=rejected_logps_mean, chosen_nll=chosen_nll)
+    assert_same_shape(
+        chosen_logps_mean=chosen_logps_mean,
+        rejected_logps_mean=rejected_logps_mean,
+        chosen_nll=chosen_nll,
+    )
     if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     c, r, nll = _f32(chosen_logps_mean, rejected_logps_mean, chosen_nll)
@@ -208,14 +216,19 @@ def kto_loss(
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     if not (desirable_weight >= 0 and undesirable_weight >= 0):
-        raise ValueError(f"desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} "
-                         "must be >= 0")
+        raise ValueError(
+            f"desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} "
+            "must be >= 0"
+        )
     p, r = _f32(policy_logps, ref_logps)
     z0 = jax.lax.stop_gradient(at_least_float32(kl))
     rho = p - r
     d = jnp.asarray(desirable).astype(bool)
-    losses = jnp.where(d, desirable_weight * (1 - jax.nn.sigmoid(beta * (rho - z0))),
-                       undesirable_weight * (1 - jax.nn.sigmoid(beta * (z0 - rho))))
+    losses = jnp.where(
+        d,
+        desirable_weight * (1 - jax.nn.sigmoid(beta * (rho - z0))),
+        undesirable_weight * (1 - jax.nn.sigmoid(beta * (z0 - rho))),
+    )
     return losses, {"rewards": jax.lax.stop_gradient(beta * rho)}
 
 
@@ -278,10 +291,15 @@ def distillation_loss(
     s, t = _f32(student_logits, jax.lax.stop_gradient(teacher_logits))
     log_q = jax.nn.log_softmax(s / temperature, axis=-1)
     log_p = jax.nn.log_softmax(t / temperature, axis=-1)
-    a, log_a, log_b = (jnp.exp(log_p), log_p, log_q) if direction == "forward" else (jnp.exp(log_q), log_q, log_p)
+    a, log_a, log_b = (
+        (jnp.exp(log_p), log_p, log_q) if direction == "forward" else (jnp.exp(log_q), log_q, log_p)
+    )
     kl = jnp.sum(jnp.where(a > 0, a * (log_a - log_b), 0.0), axis=-1)
     m = jnp.asarray(mask).astype(bool)
     loss = jnp.where(m, temperature**2 * kl, 0.0)
     agree = (jnp.argmax(s, -1) == jnp.argmax(t, -1)).astype(kl.dtype)
-    metrics = {"kl": jax.lax.stop_gradient(masked_mean(kl, m)), "top1_agreement": masked_mean(agree, m)}
+    metrics = {
+        "kl": jax.lax.stop_gradient(masked_mean(kl, m)),
+        "top1_agreement": masked_mean(agree, m),
+    }
     return loss, metrics

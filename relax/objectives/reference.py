@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+
 import chex
 import equinox as eqx
 import jax
@@ -51,7 +52,9 @@ def _copy(ref: Params, policy: Params) -> Params:
     return jax.tree.map(lambda r, p: jnp.asarray(p).astype(jnp.result_type(r)), ref, policy)
 
 
-def _update_if(pred: Bool[Array, ""], update: Callable[[Params, Params], Params], ref: Params, policy: Params) -> Params:
+def _update_if(
+    pred: Bool[Array, ""], update: Callable[[Params, Params], Params], ref: Params, policy: Params
+) -> Params:
     """``update(ref, policy)`` if ``pred`` else ``ref``; ``lax.cond`` so only one branch runs under jit."""
     return jax.lax.cond(pred, update, lambda r, p: r, ref, policy)
 
@@ -65,7 +68,8 @@ def params_equal(a: Params, b: Params, *, smallest_first: bool = False) -> Bool[
     one device: on an 8-device CPU mesh XLA's collectives deadlocked on that conditional."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     if jax.tree.structure(a) != jax.tree.structure(b) or any(
-            (x.dtype, x.shape) != (y.dtype, y.shape) for x, y in zip(la, lb)):
+        (x.dtype, x.shape) != (y.dtype, y.shape) for x, y in zip(la, lb)
+    ):
         return jnp.bool_(False)
     if not la:
         return jnp.bool_(True)
@@ -139,7 +143,9 @@ def mixup(every: int, alpha: float) -> Rule:
 
     def rule(ref_params, policy_params, step, stats):
         _check_trees(ref_params, policy_params)
-        return _update_if(_sync_step(step, every), lambda r, p: _mix(r, p, alpha), ref_params, policy_params)
+        return _update_if(
+            _sync_step(step, every), lambda r, p: _mix(r, p, alpha), ref_params, policy_params
+        )
 
     return rule
 
@@ -215,7 +221,9 @@ class RunningStats(eqx.Module):
         return RunningStats(jnp.float32(0.0), jnp.float32(0.0))
 
     def update(self, kl: ArrayLike, entropy: ArrayLike, decay: float = 0.9) -> "RunningStats":
-        return RunningStats(decay * self.kl + (1 - decay) * kl, decay * self.entropy + (1 - decay) * entropy)
+        return RunningStats(
+            decay * self.kl + (1 - decay) * kl, decay * self.entropy + (1 - decay) * entropy
+        )
 
     def as_dict(self) -> dict[str, Array]:
         return {"kl": self.kl, "entropy": self.entropy}
@@ -256,8 +264,12 @@ class ReferenceConfig:
         fields = ("alpha", "every", "kl_target", "entropy_floor", "reset_mode")
         unread = [f for f in fields if f not in reads and getattr(self, f) is not None]
         if unread:
-            raise ValueError(f"kind={self.kind!r} does not read {', '.join(unread)}; leave them None")
-        required = {"ema": ("alpha",), "periodic": ("every",), "mixup": ("every", "alpha")}.get(self.kind, ())
+            raise ValueError(
+                f"kind={self.kind!r} does not read {', '.join(unread)}; leave them None"
+            )
+        required = {"ema": ("alpha",), "periodic": ("every",), "mixup": ("every", "alpha")}.get(
+            self.kind, ()
+        )
         missing = [f for f in required if getattr(self, f) is None]
         if missing:
             raise ValueError(f"kind={self.kind!r} needs {', '.join(missing)}")

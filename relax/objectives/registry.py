@@ -46,22 +46,42 @@ over by a jitted function or passed as a static argument.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Callable, Union
-
-import tyro
+from collections.abc import Callable
+from typing import Annotated, Any, Union
 
 import jax.numpy as jnp
+import tyro
 from jaxtyping import Array
 
 from relax.choices import check_choice
 from relax.masked import masked_mean
 from relax.metrics import Metric
 from relax.objectives.kl import KL_ALIASES, KL_ESTIMATORS, conservative_penalty, kl_estimate
-from relax.objectives.policy import IMPORTANCE_LEVELS, cispo, ppo_clip, reinforce, truncated_importance_sampling
+from relax.objectives.policy import (
+    IMPORTANCE_LEVELS,
+    cispo,
+    ppo_clip,
+    reinforce,
+    truncated_importance_sampling,
+)
 
-__all__ = ["POLICY_LOSSES", "LOSS_FUNCTIONS", "PolicyLoss", "policy_loss", "PPOLossConfig", "GRPOLossConfig",
-           "DAPOLossConfig", "GSPOLossConfig", "CISPOLossConfig", "ReinforceLossConfig",
-           "ImportanceSamplingLossConfig", "ConservativePPOLossConfig", "LossConfig", "as_policy_loss", "loss_name"]
+__all__ = [
+    "POLICY_LOSSES",
+    "LOSS_FUNCTIONS",
+    "PolicyLoss",
+    "policy_loss",
+    "PPOLossConfig",
+    "GRPOLossConfig",
+    "DAPOLossConfig",
+    "GSPOLossConfig",
+    "CISPOLossConfig",
+    "ReinforceLossConfig",
+    "ImportanceSamplingLossConfig",
+    "ConservativePPOLossConfig",
+    "LossConfig",
+    "as_policy_loss",
+    "loss_name",
+]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -70,7 +90,10 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _check_clip(low: float, high: float, low_name: str, high_name: str) -> None:
-    _check(0.0 <= low <= 1.0, f"{low_name} must be in [0, 1] (the lower clip 1 - {low_name} >= 0), got {low}")
+    _check(
+        0.0 <= low <= 1.0,
+        f"{low_name} must be in [0, 1] (the lower clip 1 - {low_name} >= 0), got {low}",
+    )
     _check(high >= 0.0, f"{high_name} must be >= 0, got {high}")
 
 
@@ -88,9 +111,13 @@ class PPOLossConfig:
 
     def __post_init__(self):
         _check_clip(self.epsilon_low, self.epsilon_high, "epsilon_low", "epsilon_high")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
-               f"clip_ratio_c must be > 1 for dual-clip PPO (or None), got {self.clip_ratio_c}")
-        _check(self.delta is None or self.delta > 1.0, f"delta must be > 1 (or None), got {self.delta}")
+        _check(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+            f"clip_ratio_c must be > 1 for dual-clip PPO (or None), got {self.clip_ratio_c}",
+        )
+        _check(
+            self.delta is None or self.delta > 1.0, f"delta must be > 1 (or None), got {self.delta}"
+        )
         check_choice("importance", self.importance, IMPORTANCE_LEVELS)
 
 
@@ -167,13 +194,28 @@ Out = tuple[Array, dict[str, Any]]
 def clipped_loss(logp, old_logp, advantages, mask, config: PPOLossConfig) -> Out:
     """``ppo_clip`` with the config's clip range, dual-clip, cap and importance level (ppo, grpo,
     dapo and gspo: the same loss with different defaults)."""
-    return ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low,
-                    epsilon_high=config.epsilon_high, delta=config.delta, clip_ratio_c=config.clip_ratio_c,
-                    importance=config.importance)
+    return ppo_clip(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        epsilon_low=config.epsilon_low,
+        epsilon_high=config.epsilon_high,
+        delta=config.delta,
+        clip_ratio_c=config.clip_ratio_c,
+        importance=config.importance,
+    )
 
 
 def cispo_loss(logp, old_logp, advantages, mask, config: CISPOLossConfig) -> Out:
-    return cispo(logp, old_logp, advantages, mask, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high)
+    return cispo(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        epsilon_low=config.epsilon_low,
+        epsilon_high=config.epsilon_high,
+    )
 
 
 def reinforce_loss(logp, old_logp, advantages, mask, config: ReinforceLossConfig) -> Out:
@@ -181,21 +223,28 @@ def reinforce_loss(logp, old_logp, advantages, mask, config: ReinforceLossConfig
     return reinforce(logp, advantages, mask)
 
 
-def importance_sampling_loss(logp, old_logp, advantages, mask, config: ImportanceSamplingLossConfig) -> Out:
+def importance_sampling_loss(
+    logp, old_logp, advantages, mask, config: ImportanceSamplingLossConfig
+) -> Out:
     return truncated_importance_sampling(logp, old_logp, advantages, mask, cap=config.cap)
 
 
-def conservative_ppo_loss(logp, old_logp, advantages, mask, config: ConservativePPOLossConfig) -> Out:
+def conservative_ppo_loss(
+    logp, old_logp, advantages, mask, config: ConservativePPOLossConfig
+) -> Out:
     """``ppo_clip`` + ``conservative_penalty(kl_estimate(logp, old_logp))`` per valid token.
 
     Metrics besides ``ppo_clip``'s: ``kl_old`` (mean per-token KL estimate to the old policy),
     ``kl_old_max`` (declared ``max``), ``kl_over_threshold`` (fraction of valid tokens past the
     threshold) and ``kl_penalty`` (mean per-token penalty)."""
-    per_token, metrics = ppo_clip(logp, old_logp, advantages, mask, epsilon_low=config.epsilon,
-                                  epsilon_high=config.epsilon)
+    per_token, metrics = ppo_clip(
+        logp, old_logp, advantages, mask, epsilon_low=config.epsilon, epsilon_high=config.epsilon
+    )
     m = jnp.asarray(mask).astype(bool)
     kl = kl_estimate(logp, old_logp, config.kl_estimator, mask=m)
-    penalty = jnp.where(m, conservative_penalty(kl, threshold=config.kl_threshold, coef=config.coef), 0.0)
+    penalty = jnp.where(
+        m, conservative_penalty(kl, threshold=config.kl_threshold, coef=config.coef), 0.0
+    )
     metrics = {
         **metrics,
         "kl_old": masked_mean(kl, m),
@@ -244,7 +293,9 @@ class PolicyLoss:
         _check_name(self.name)
         cls = POLICY_LOSSES[self.name]
         if type(self.config) is not cls:
-            raise TypeError(f"policy loss {self.name!r} takes a {cls.__name__}, got {type(self.config).__name__}")
+            raise TypeError(
+                f"policy loss {self.name!r} takes a {cls.__name__}, got {type(self.config).__name__}"
+            )
 
     def __call__(self, logp, old_logp, advantages, mask) -> Out:
         return LOSS_FUNCTIONS[self.name](logp, old_logp, advantages, mask, self.config)
@@ -255,8 +306,10 @@ def loss_name(config: Any) -> str:
     for name, cls in POLICY_LOSSES.items():
         if type(config) is cls:
             return name
-    raise TypeError(f"{type(config).__name__} is not a policy loss config; valid: "
-                    + ", ".join(cls.__name__ for cls in POLICY_LOSSES.values()))
+    raise TypeError(
+        f"{type(config).__name__} is not a policy loss config; valid: "
+        + ", ".join(cls.__name__ for cls in POLICY_LOSSES.values())
+    )
 
 
 def as_policy_loss(config: Any) -> PolicyLoss:
@@ -267,7 +320,9 @@ def as_policy_loss(config: Any) -> PolicyLoss:
 # An algorithm config's ``policy_loss`` field: one of the configs, chosen on the command line as
 # ``<prefix>.policy-loss:NAME`` (or ``--<prefix>.policy-loss NAME``, ``relax.algorithms.cli.flags``) with
 # its own typed options ``--<prefix>.policy-loss.FIELD``.
-LossConfig = Union[tuple(Annotated[cls, tyro.conf.subcommand(name)] for name, cls in POLICY_LOSSES.items())]
+LossConfig = Union[  # noqa: UP007 (a Union built from a tuple has no `|` spelling)
+    tuple(Annotated[cls, tyro.conf.subcommand(name)] for name, cls in POLICY_LOSSES.items())
+]
 
 
 def policy_loss(name: str, **overrides) -> PolicyLoss:
@@ -281,5 +336,7 @@ def policy_loss(name: str, **overrides) -> PolicyLoss:
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         valid = ", ".join(fields) if fields else "none (it takes no options)"
-        raise ValueError(f"policy loss {name!r} has no option {', '.join(map(repr, unknown))}; valid: {valid}")
+        raise ValueError(
+            f"policy loss {name!r} has no option {', '.join(map(repr, unknown))}; valid: {valid}"
+        )
     return PolicyLoss(name, cls(**overrides))

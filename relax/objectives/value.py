@@ -49,8 +49,9 @@ def clipped_value_loss(
     return loss, metrics
 
 
-def explained_variance(values: Float[Array, "n t"], returns: Float[Array, "n t"],
-                       mask: Bool[Array, "n t"]) -> Float[Array, ""]:
+def explained_variance(
+    values: Float[Array, "n t"], returns: Float[Array, "n t"], mask: Bool[Array, "n t"]
+) -> Float[Array, ""]:
     """How much of the returns' variance the values explain, over valid tokens (verl's
     ``critic/vf_explained_var``, TRL's ``val/var_explained``)::
 
@@ -60,7 +61,10 @@ def explained_variance(values: Float[Array, "n t"], returns: Float[Array, "n t"]
     """
     assert_same_shape(values=values, returns=returns, mask=mask)
     m = jnp.asarray(mask).astype(bool)
-    v, r = (jnp.asarray(a).astype(jnp.promote_types(jnp.result_type(a), jnp.float32)) for a in (values, returns))
+    v, r = (
+        jnp.asarray(a).astype(jnp.promote_types(jnp.result_type(a), jnp.float32))
+        for a in (values, returns)
+    )
 
     def var(x):
         mu = masked_mean(x, m)

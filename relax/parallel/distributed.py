@@ -42,7 +42,11 @@ from typing import Any
 import jax
 import numpy as np
 
-ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "RELAX_COORDINATOR", "RELAX_NUM_PROCESSES", "RELAX_PROCESS_ID"
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
+    "RELAX_COORDINATOR",
+    "RELAX_NUM_PROCESSES",
+    "RELAX_PROCESS_ID",
+)
 _initialized = False
 
 
@@ -84,13 +88,20 @@ def wait_for_coordinator(address: str, timeout_s: float, *, process_id: int | No
             raise CoordinatorError(
                 f"{who}cannot reach the jax.distributed coordinator at {address} within {timeout_s:g}s "
                 f"({last}). Is process 0 running, is the address/port right ({ENV_COORDINATOR} or "
-                f"--parallel.coordinator), and is the port open between hosts?")
+                f"--parallel.coordinator), and is the port open between hosts?"
+            )
         time.sleep(0.2)
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, local_device_ids: Any = None, timeout_s: float = 300.0,
-               auto: bool = False) -> bool:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Any = None,
+    timeout_s: float = 300.0,
+    auto: bool = False,
+) -> bool:
     """Join a multi-process run; returns True if ``jax.distributed`` was initialised.
 
     Arguments override ``RELAX_COORDINATOR`` / ``RELAX_NUM_PROCESSES`` / ``RELAX_PROCESS_ID``.
@@ -110,28 +121,46 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if coordinator_address is not None:
         if num_processes is None or process_id is None:
-            raise ValueError(f"coordinator {coordinator_address} given without num_processes/process_id "
-                             f"(flags or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})")
+            raise ValueError(
+                f"coordinator {coordinator_address} given without num_processes/process_id "
+                f"(flags or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})"
+            )
         if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(f"process_id={process_id} is not in [0, num_processes={num_processes})")
+            raise ValueError(
+                f"process_id={process_id} is not in [0, num_processes={num_processes})"
+            )
         _split_address(coordinator_address)
         if process_id != 0:  # process 0 hosts the coordinator service itself
             wait_for_coordinator(coordinator_address, timeout_s, process_id=process_id)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU cross-process collectives
     # jax's client ABORTS the process (DEADLINE_EXCEEDED) when the peers do not all register in
     # time; say first what was being waited for, so that the log explains the abort.
-    where = "auto-detected cluster" if coordinator_address is None else f"coordinator {coordinator_address}"
-    print(f"relax: joining {num_processes if num_processes is not None else '?'} processes through {where} as "
-          f"process {process_id if process_id is not None else '?'} (waiting up to {timeout_s:g}s for all of "
-          f"them)", file=sys.stderr, flush=True)
+    where = (
+        "auto-detected cluster"
+        if coordinator_address is None
+        else f"coordinator {coordinator_address}"
+    )
+    print(
+        f"relax: joining {num_processes if num_processes is not None else '?'} processes through {where} as "
+        f"process {process_id if process_id is not None else '?'} (waiting up to {timeout_s:g}s for all of "
+        f"them)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   local_device_ids=local_device_ids,
-                                   initialization_timeout=max(int(np.ceil(timeout_s)), 1))
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=max(int(np.ceil(timeout_s)), 1),
+        )
     except Exception as e:  # jax's messages do not say which address / process
-        raise CoordinatorError(f"jax.distributed.initialize(coordinator={coordinator_address}, "
-                               f"num_processes={num_processes}, process_id={process_id}) failed "
-                               f"within {timeout_s:g}s: {e}") from e
+        raise CoordinatorError(
+            f"jax.distributed.initialize(coordinator={coordinator_address}, "
+            f"num_processes={num_processes}, process_id={process_id}) failed "
+            f"within {timeout_s:g}s: {e}"
+        ) from e
     _initialized = True
     return True
 
@@ -145,6 +174,7 @@ def max_over_processes(value: int) -> int:
     if not multi_process():
         return int(value)
     from jax.experimental import multihost_utils
+
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
@@ -152,6 +182,7 @@ def barrier(name: str) -> None:
     """Every process waits here until all have arrived (a no-op on one process)."""
     if multi_process():
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices(name)
 
 

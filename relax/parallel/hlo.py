@@ -24,17 +24,33 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\](\{[^}]*\})?")  # dtype, dims, layout
+_ARRAY = re.compile(
+    r"\b(pred|bf16|c64|c128|f8e\w+?|[suf]\d+)\[([\d,]*)\](\{[^}]*\})?"
+)  # dtype, dims, layout
 _SPACE = re.compile(r"S\([1-9]\d*\)")  # a memory space other than the default (0)
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
-FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier",
-        "add-dependency", "domain", "partition-id", "replica-id"}  # no kernel
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+)
+FREE = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "after-all",
+    "opt-barrier",
+    "add-dependency",
+    "domain",
+    "partition-id",
+    "replica-id",
+}  # no kernel
 CONTROL = {"while", "call", "conditional"}  # run the kernels of the computations they call
 SLICES = {"dynamic-slice", "slice", "gather"}  # read only the part they return
 
@@ -51,7 +67,9 @@ def nbytes(shape: str, first_only: bool = False) -> int:
 
 
 def _itemsize(dtype: str) -> float:
-    return _BYTES.get(dtype, 1 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 8) / 8)
+    return _BYTES.get(
+        dtype, 1 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 8) / 8
+    )
 
 
 def device_bytes(shape: str, first_only: bool = False) -> int:
@@ -59,8 +77,13 @@ def device_bytes(shape: str, first_only: bool = False) -> int:
     layout names another memory space (``{1,0:T(8,128)S(1)}``: a TPU core's VMEM; host memory
     on GPU) is not counted."""
     arrs = _ARRAY.findall(shape)[:1] if first_only else _ARRAY.findall(shape)
-    return int(sum(_itemsize(t) * math.prod(int(x) for x in d.split(",") if x)
-                   for t, d, layout in arrs if not _SPACE.search(layout)))
+    return int(
+        sum(
+            _itemsize(t) * math.prod(int(x) for x in d.split(",") if x)
+            for t, d, layout in arrs
+            if not _SPACE.search(layout)
+        )
+    )
 
 
 def hbm_to_hbm(ins: Instr, local: dict[str, Instr]) -> bool:
@@ -109,15 +132,24 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
         if cur is None or not m:
             cur = None if line.startswith("}") else cur
             continue
-        rest = line[m.end():]
+        rest = line[m.end() :]
         k = _close(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
         shape, rest = rest[:k], rest[k:].lstrip()
         op = re.match(r"([\w\-]+)\(", rest)
         if not op:
             continue
         close, pos = _close(rest, op.end() - 1), pos + 1
-        cur.append(Instr(m.group(2), shape, op.group(1), re.findall(r"%([\w.\-]+)", rest[op.end():close]),
-                         rest[close + 1:], bool(m.group(1)), pos))
+        cur.append(
+            Instr(
+                m.group(2),
+                shape,
+                op.group(1),
+                re.findall(r"%([\w.\-]+)", rest[op.end() : close]),
+                rest[close + 1 :],
+                bool(m.group(1)),
+                pos,
+            )
+        )
     return comps, entry
 
 
@@ -135,13 +167,23 @@ def launching(comps, name: str) -> list[str]:
 def loops(comps: dict[str, list[Instr]], entry: str, *, scans: bool = False) -> list[Instr]:
     """The ``while`` instructions the entry runs, in program order: those of unknown trip count
     (``lax.while_loop``), or with ``scans`` those of known count (``lax.scan``)."""
-    found = [i for c in launching(comps, entry) for i in comps[c]
-             if i.op == "while" and ("known_trip_count" in i.attrs) == scans]
+    found = [
+        i
+        for c in launching(comps, entry)
+        for i in comps[c]
+        if i.op == "while" and ("known_trip_count" in i.attrs) == scans
+    ]
     return sorted(found, key=lambda i: i.pos)
 
 
-def loop_ops(text: str, ops: Iterable[str], *, part: Literal["body", "condition"] = "body",
-             scans: bool = False, hbm_only: bool = False) -> collections.Counter:
+def loop_ops(
+    text: str,
+    ops: Iterable[str],
+    *,
+    part: Literal["body", "condition"] = "body",
+    scans: bool = False,
+    hbm_only: bool = False,
+) -> collections.Counter:
     """``{(op, result shape without layout): count}`` of the instructions named ``ops`` (an async
     ``-start`` half counts as its op) that the loops' ``part`` runs, summed over the loops.
     ``hbm_only``: only those from HBM to HBM (``hbm_to_hbm``), e.g. not the TPU compiler's
@@ -201,7 +243,9 @@ def _fusion_bytes(body: list[Instr]) -> tuple[int, bool]:
 def kernel_bytes(ins: Instr, comps, local: dict[str, Instr]) -> tuple[int, bool]:
     """HBM bytes one execution of a kernel moves (operands read + result written, ``_fusion_bytes``
     for a fusion; a dynamic-update-slice reads and writes only its update) and whether in place."""
-    operand = lambda i: device_bytes(local[ins.operands[i]].shape) if ins.operands[i] in local else 0
+    operand = lambda i: (
+        device_bytes(local[ins.operands[i]].shape) if ins.operands[i] in local else 0
+    )
     if ins.op == "fusion" and ins.called() and ins.called()[0] in comps:
         return _fusion_bytes(comps[ins.called()[0]])
     if ins.op == "dynamic-update-slice":
@@ -235,16 +279,27 @@ def replica_groups(attrs: str, num_devices: int) -> frozenset[tuple[int, ...]]:
         mesh['axis_0'=2,'axis_1'=4] {'axis_0'}  the groups along the named axes of iota(2 x 4)
     """
     if m := _IOTA.search(attrs):
-        shape, dims = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
+        shape, dims = (
+            [int(x) for x in m.group(1).split(",")],
+            [int(x) for x in m.group(2).split(",")],
+        )
         ids = np.arange(math.prod(dims)).reshape(dims)
         ids = ids.transpose([int(x) for x in m.group(3).split(",")]) if m.group(3) else ids
         return frozenset(tuple(sorted(int(x) for x in g)) for g in ids.reshape(shape))
     if m := _MESH.search(attrs):
-        axes = dict((k.strip("' "), int(v)) for k, v in (a.split("=") for a in m.group(1).split(",")))
+        axes = dict(
+            (k.strip("' "), int(v)) for k, v in (a.split("=") for a in m.group(1).split(","))
+        )
         return mesh_axis_groups(axes, [a.strip("' ") for a in m.group(2).split(",") if a.strip()])
     m = _EXPLICIT.search(attrs)
-    groups = [] if m is None else [tuple(sorted(int(x) for x in g.split(",") if x.strip()))
-                                   for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    groups = (
+        []
+        if m is None
+        else [
+            tuple(sorted(int(x) for x in g.split(",") if x.strip()))
+            for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+        ]
+    )
     return frozenset(g for g in groups if g) or frozenset({tuple(range(num_devices))})
 
 
@@ -252,9 +307,14 @@ def mesh_axis_groups(shape: dict[str, int], axes: Iterable[str]) -> frozenset[tu
     """The groups of devices of a mesh of ``shape`` (axis -> size, in order) that differ only
     along ``axes``: those a collective over ``axes`` runs in."""
     names, axes = list(shape), list(axes)
-    ids = np.moveaxis(np.arange(math.prod(shape.values())).reshape(list(shape.values())),
-                      [names.index(a) for a in axes], list(range(len(names) - len(axes), len(names))))
-    return frozenset(tuple(sorted(int(x) for x in g)) for g in ids.reshape(-1, math.prod(shape[a] for a in axes)))
+    ids = np.moveaxis(
+        np.arange(math.prod(shape.values())).reshape(list(shape.values())),
+        [names.index(a) for a in axes],
+        list(range(len(names) - len(axes), len(names))),
+    )
+    return frozenset(
+        tuple(sorted(int(x) for x in g)) for g in ids.reshape(-1, math.prod(shape[a] for a in axes))
+    )
 
 
 def collectives(text: str, mesh_shape: dict[str, int]) -> collections.Counter:

@@ -1,4 +1,5 @@
-"""Meshes and logical-axis sharding rules; the step on a mesh is ``relax.parallel.step`` (docs/architecture.md, "Scale").
+"""Meshes and logical-axis sharding rules; the step on a mesh is ``relax.parallel.step``
+(docs/architecture.md, "Scale").
 
 Mesh: four named axes, always all present (size 1 when unused), in this device order::
 
@@ -58,21 +59,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from relax.parallel import distributed
 from relax.models.config.sharding import BATCH_AXES, LOGICAL_AXES, batch_shards
 from relax.models.decoder.transformer import Transformer
+from relax.parallel import distributed
 
 AXES = ("data", "expert", "fsdp", "tensor")
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
-DEFAULT_RULES: Rules = (("vocab", "tensor"), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
-                        ("mlp", "tensor"), ("experts", "expert"), ("expert_mlp", "tensor"), ("layers", None),
-                        ("head_dim", None))
+DEFAULT_RULES: Rules = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+)
 
 
 class ShardingError(ValueError):
@@ -92,7 +103,9 @@ class MeshSpec:
     def __post_init__(self):
         sizes = self.shape
         if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-            raise ShardingError(f"mesh {self}: axis sizes must be >= 1 (one may be -1), got {sizes}")
+            raise ShardingError(
+                f"mesh {self}: axis sizes must be >= 1 (one may be -1), got {sizes}"
+            )
 
     @classmethod
     def parse(cls, text: str | MeshSpec) -> MeshSpec:
@@ -103,13 +116,17 @@ class MeshSpec:
         for part in filter(None, (p.strip() for p in str(text).split(","))):
             name, sep, value = (s.strip() for s in part.partition("="))
             if not sep or name not in AXES:
-                raise ShardingError(f"mesh spec {text!r}: {part!r} is not <axis>=<size> with axis one of {AXES}")
+                raise ShardingError(
+                    f"mesh spec {text!r}: {part!r} is not <axis>=<size> with axis one of {AXES}"
+                )
             if name in sizes:
                 raise ShardingError(f"mesh spec {text!r} gives axis {name!r} twice")
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise ShardingError(f"mesh spec {text!r}: size of {name!r} is not an integer: {value!r}") from None
+                raise ShardingError(
+                    f"mesh spec {text!r}: size of {name!r} is not an integer: {value!r}"
+                ) from None
         return cls(**sizes)
 
     @property
@@ -123,11 +140,15 @@ class MeshSpec:
         shape = self.shape
         if -1 in shape:
             if num_devices % known:
-                raise ShardingError(f"mesh {self}: {num_devices} devices do not divide by the other axes ({known})")
+                raise ShardingError(
+                    f"mesh {self}: {num_devices} devices do not divide by the other axes ({known})"
+                )
             shape = tuple(num_devices // known if s == -1 else s for s in shape)
         if math.prod(shape) != num_devices:
-            raise ShardingError(f"mesh {self} needs {' x '.join(map(str, shape))} = {math.prod(shape)} devices, "
-                                f"but {num_devices} device(s) are given")
+            raise ShardingError(
+                f"mesh {self} needs {' x '.join(map(str, shape))} = {math.prod(shape)} devices, "
+                f"but {num_devices} device(s) are given"
+            )
         return MeshSpec(**dict(zip(AXES, shape)))
 
     def __str__(self) -> str:
@@ -147,7 +168,11 @@ def make_mesh(spec: str | MeshSpec, devices: Sequence[jax.Device] | None = None)
     if pool[0].platform == "tpu":  # e.g. relax.plan's compile-only chips: laid out for the torus
         try:
             return jax.make_mesh(shape, AXES, auto, devices=pool)
-        except (ValueError, NotImplementedError, AssertionError):  # a part of a slice: in the given order
+        except (
+            ValueError,
+            NotImplementedError,
+            AssertionError,
+        ):  # a part of a slice: in the given order
             pass
     return Mesh(np.asarray(pool, dtype=object).reshape(shape), AXES)
 
@@ -162,14 +187,20 @@ def _path_name(path) -> str:
 def _rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
     for name, target in rules:
         if name == logical:
-            return () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+            return (
+                () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+            )
     return ()
 
 
-def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, model_config=None, rules: Rules = DEFAULT_RULES) -> P:
+def partition_spec(
+    name: str, shape: tuple[int, ...], mesh: Mesh, model_config=None, rules: Rules = DEFAULT_RULES
+) -> P:
     """The ``PartitionSpec`` of parameter ``name`` (a ``LOGICAL_AXES`` key) of ``shape``."""
     if name not in LOGICAL_AXES:
-        raise ShardingError(f"parameter {name} has no logical axes (add it to relax.models.config.sharding.LOGICAL_AXES)")
+        raise ShardingError(
+            f"parameter {name} has no logical axes (add it to relax.models.config.sharding.LOGICAL_AXES)"
+        )
     logical = LOGICAL_AXES[name]
     if len(logical) != len(shape):
         raise ShardingError(f"parameter {name} has shape {shape} but logical axes {logical}")
@@ -179,7 +210,9 @@ def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, model_config=N
         named = _rule_axes(rules, axis)
         for a in named:  # a rule naming an axis the mesh lacks is a typo, not "replicate"
             if a not in mesh.shape:
-                raise ShardingError(f"rule {axis!r} -> {a!r}: the mesh has no axis {a!r} ({tuple(mesh.shape)})")
+                raise ShardingError(
+                    f"rule {axis!r} -> {a!r}: the mesh has no axis {a!r} ({tuple(mesh.shape)})"
+                )
         axes = tuple(a for a in named if mesh.shape[a] > 1)
         for a in axes:
             if a in used:
@@ -197,20 +230,25 @@ def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, model_config=N
             raise ShardingError(
                 f"parameter {name} {tuple(shape)}: dimension {dim} ({axis}, {what}) does not split over "
                 f"mesh axis {where}; use a mesh whose {'/'.join(axes)} size divides {units}, or rules "
-                f"mapping {axis!r} to None")
+                f"mapping {axis!r} to None"
+            )
         used.update(axes)
         entries.append(axes[0] if len(axes) == 1 else axes)
     return P(*entries)
 
 
-def param_shardings(model: Transformer, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
-                    memory_kind: str | None = None) -> Transformer:
+def param_shardings(
+    model: Transformer, mesh: Mesh, rules: Rules = DEFAULT_RULES, *, memory_kind: str | None = None
+) -> Transformer:
     """A pytree like ``model`` whose leaves are the ``NamedSharding`` of each parameter."""
     cfg = model.config
 
     def leaf(path, x):
-        return NamedSharding(mesh, partition_spec(_path_name(path), tuple(x.shape), mesh, cfg, rules),
-                             memory_kind=memory_kind)
+        return NamedSharding(
+            mesh,
+            partition_spec(_path_name(path), tuple(x.shape), mesh, cfg, rules),
+            memory_kind=memory_kind,
+        )
 
     return jax.tree_util.tree_map_with_path(leaf, model)
 
@@ -229,8 +267,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
-                    reference_memory_kind: str | None = None) -> Any:
+def state_shardings(
+    state: Any,
+    mesh: Mesh,
+    rules: Rules = DEFAULT_RULES,
+    *,
+    reference_memory_kind: str | None = None,
+) -> Any:
     """Shardings for a ``TrainState`` (or any pytree holding models): every ``Transformer`` in it
     (the policy, the reference, optimizer moments and master weights, which optax keeps in the
     parameters' own pytree type) is sharded by ``rules``; every other leaf (step, PRNG key,
@@ -239,12 +282,19 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
 
     def shard(tree, memory_kind=None):
         return jax.tree.map(
-            lambda x: param_shardings(x, mesh, rules, memory_kind=memory_kind) if isinstance(x, Transformer)
-            else replicated(mesh), tree, is_leaf=lambda x: isinstance(x, Transformer))
+            lambda x: (
+                param_shardings(x, mesh, rules, memory_kind=memory_kind)
+                if isinstance(x, Transformer)
+                else replicated(mesh)
+            ),
+            tree,
+            is_leaf=lambda x: isinstance(x, Transformer),
+        )
 
     if reference_memory_kind is not None and state.ref is not None:
-        return dataclasses.replace(shard(state.replace(ref=None)),
-                                   ref=shard(state.ref, reference_memory_kind))
+        return dataclasses.replace(
+            shard(state.replace(ref=None)), ref=shard(state.ref, reference_memory_kind)
+        )
     return shard(state)
 
 
@@ -262,7 +312,11 @@ def batch_leaf_sharding(x: Any, mesh: Mesh, rows: int) -> NamedSharding:
 def prompt_rows(batch: Any) -> int | None:
     """The prompt count of a device batch (its ``prompt_ids``' leading axis; a dict's entry or a
     typed batch's field); None when it has none."""
-    ids = batch.get("prompt_ids") if isinstance(batch, Mapping) else getattr(batch, "prompt_ids", None)
+    ids = (
+        batch.get("prompt_ids")
+        if isinstance(batch, Mapping)
+        else getattr(batch, "prompt_ids", None)
+    )
     return None if ids is None else ids.shape[0]
 
 
@@ -274,8 +328,10 @@ def place_batch(batch: Any, mesh: Mesh) -> Any:
     ids = batch["prompt_ids"] if isinstance(batch, Mapping) else batch.prompt_ids
     global_rows = ids.shape[0] if distributed.is_global(ids) else ids.shape[0] * jax.process_count()
     if global_rows % batch_shards(mesh):
-        raise ShardingError(f"{global_rows} prompts per step do not split over {batch_axes_text(mesh)}; use a "
-                            f"batch size divisible by {batch_shards(mesh)}")
+        raise ShardingError(
+            f"{global_rows} prompts per step do not split over {batch_axes_text(mesh)}; use a "
+            f"batch size divisible by {batch_shards(mesh)}"
+        )
 
     def leaf(x):
         rows = global_rows if distributed.is_global(x) else global_rows // jax.process_count()
@@ -286,5 +342,6 @@ def place_batch(batch: Any, mesh: Mesh) -> Any:
 
 def constrain_batch(batch: Any, mesh: Mesh, rows: int) -> Any:
     """``with_sharding_constraint`` of every array in ``batch`` (inside jit) to the batch rule."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_leaf_sharding(x, mesh, rows)), batch)
-
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, batch_leaf_sharding(x, mesh, rows)), batch
+    )

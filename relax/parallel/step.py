@@ -25,12 +25,34 @@ from typing import Any
 
 import jax
 
+from relax.compose import (
+    Segment,
+    SegmentRunner,
+    Stage,
+    WithHost,
+    batch_only,
+    group_leaves,
+    join_host,
+    keep_state,
+    split_host,
+)
 from relax.parallel import distributed
-from relax.compose import (Segment, SegmentRunner, Stage, WithHost, batch_only, group_leaves, join_host, keep_state,
-                           split_host)
-from relax.parallel.mesh import (DEFAULT_RULES, MeshSpec, Rules, ShardingError, batch_axes_text,
-                                 batch_leaf_sharding, batch_shards, constrain_batch, make_mesh, param_shardings,
-                                 place_batch, prompt_rows, replicated, state_shardings)
+from relax.parallel.mesh import (
+    DEFAULT_RULES,
+    MeshSpec,
+    Rules,
+    ShardingError,
+    batch_axes_text,
+    batch_leaf_sharding,
+    batch_shards,
+    constrain_batch,
+    make_mesh,
+    param_shardings,
+    place_batch,
+    prompt_rows,
+    replicated,
+    state_shardings,
+)
 
 HOST_MEMORY = "pinned_host"
 # The state a sharded step runs on is a dataclass (``relax.train.TrainState``) with a ``replace``
@@ -76,9 +98,11 @@ class ParallelConfig:
         if self.init_timeout_s <= 0:
             raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.offload_reference and not self.enabled:
-            raise ValueError("--parallel.offload-reference needs a mesh: the single-device path keeps the reference "
-                             "where it is. Add --parallel.mesh (e.g. fsdp=-1, all devices) or "
-                             "--parallel.sampler-devices, or drop --parallel.offload-reference")
+            raise ValueError(
+                "--parallel.offload-reference needs a mesh: the single-device path keeps the reference "
+                "where it is. Add --parallel.mesh (e.g. fsdp=-1, all devices) or "
+                "--parallel.sampler-devices, or drop --parallel.offload-reference"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -86,8 +110,13 @@ class ParallelConfig:
 
     def initialize(self) -> bool:
         """``relax.parallel.distributed.initialize`` from these flags (before any device is touched)."""
-        return distributed.initialize(self.coordinator, self.num_processes, self.process_id,
-                                      timeout_s=self.init_timeout_s, auto=self.multihost)
+        return distributed.initialize(
+            self.coordinator,
+            self.num_processes,
+            self.process_id,
+            timeout_s=self.init_timeout_s,
+            auto=self.multihost,
+        )
 
     def meshes(self, devices=None) -> tuple[jax.sharding.Mesh | None, jax.sharding.Mesh | None]:
         """``(trainer_mesh, sampler_mesh)``; ``(None, None)`` when not ``enabled``."""
@@ -97,10 +126,14 @@ class ParallelConfig:
             return make_mesh(self.mesh, devices), None
         pool = list(jax.devices() if devices is None else devices)
         if jax.process_count() > 1:
-            raise ShardingError("sampler_devices (separate sampler and trainer meshes) is single-process only")
+            raise ShardingError(
+                "sampler_devices (separate sampler and trainer meshes) is single-process only"
+            )
         if not 0 < self.sampler_devices < len(pool):
-            raise ShardingError(f"sampler_devices={self.sampler_devices} must leave trainer devices: "
-                                f"{len(pool)} device(s) in all")
+            raise ShardingError(
+                f"sampler_devices={self.sampler_devices} must leave trainer devices: "
+                f"{len(pool)} device(s) in all"
+            )
         s = self.sampler_devices
         return (make_mesh(self.mesh or "fsdp=-1", pool[s:]), make_mesh(self.sampler_mesh, pool[:s]))
 
@@ -119,20 +152,37 @@ class ShardedStep(SegmentRunner):
     the state like ``compose`` does: use the returned state.
     """
 
-    def __init__(self, step: Stage, state: Any, mesh: jax.sharding.Mesh, *, rules: Rules = DEFAULT_RULES,
-                 sampler_mesh: jax.sharding.Mesh | None = None, offload_reference: bool = False):
+    def __init__(
+        self,
+        step: Stage,
+        state: Any,
+        mesh: jax.sharding.Mesh,
+        *,
+        rules: Rules = DEFAULT_RULES,
+        sampler_mesh: jax.sharding.Mesh | None = None,
+        offload_reference: bool = False,
+    ):
         self.mesh, self.sampler_mesh, self.rules = mesh, sampler_mesh, rules
         if offload_reference and state.ref is not None and not _supports_memory(mesh, HOST_MEMORY):
-            warnings.warn(f"offload_reference: {mesh.devices.flat[0].platform} devices have no separate "
-                          f"{HOST_MEMORY} memory; the reference stays where it is", stacklevel=2)
+            warnings.warn(
+                f"offload_reference: {mesh.devices.flat[0].platform} devices have no separate "
+                f"{HOST_MEMORY} memory; the reference stays where it is",
+                stacklevel=2,
+            )
             offload_reference = False
         if offload_reference and state.ref is None:
-            warnings.warn("offload_reference: the state has no reference model (e.g. beta = 0), so there is "
-                          "nothing to offload", stacklevel=2)
+            warnings.warn(
+                "offload_reference: the state has no reference model (e.g. beta = 0), so there is "
+                "nothing to offload",
+                stacklevel=2,
+            )
         self.offload = offload_reference and state.ref is not None
         self._with_ref = state_shardings(state, mesh, rules)
-        self.state_shardings = (state_shardings(state, mesh, rules, reference_memory_kind=HOST_MEMORY)
-                                if self.offload else self._with_ref)
+        self.state_shardings = (
+            state_shardings(state, mesh, rules, reference_memory_kind=HOST_MEMORY)
+            if self.offload
+            else self._with_ref
+        )
         if self.offload:
             self._no_ref = state_shardings(state.replace(ref=None), mesh, rules)
             self._ref_device = param_shardings(state.ref, mesh, rules)
@@ -140,7 +190,9 @@ class ShardedStep(SegmentRunner):
         self._sampler_policy = None
         if sampler_mesh is not None:
             self._sampler_params = param_shardings(state.policy, sampler_mesh, rules)
-            self._view_shardings = state_shardings(state.replace(opt_state=None, ref=None), sampler_mesh, rules)
+            self._view_shardings = state_shardings(
+                state.replace(opt_state=None, ref=None), sampler_mesh, rules
+            )
         self.segments = self._plan(step.leaves)
 
     # ------------------------------------------------------------------ public
@@ -167,20 +219,49 @@ class ShardedStep(SegmentRunner):
             on_sampler = self._on_sampler(group[0])
             updates = any(s.updates_state for s in group)
             if not group[0].jittable:
-                segments.append(Segment(names=names, jittable=False, run=self._host(group[0].fn), updates_state=updates,
-                                        waits=group[0].waits))
+                segments.append(
+                    Segment(
+                        names=names,
+                        jittable=False,
+                        run=self._host(group[0].fn),
+                        updates_state=updates,
+                        waits=group[0].waits,
+                    )
+                )
             elif on_sampler:
                 if not transferred:
-                    segments.append(Segment(names=("weight_transfer",), jittable=False, run=self._transfer,
-                                            updates_state=False))
+                    segments.append(
+                        Segment(
+                            names=("weight_transfer",),
+                            jittable=False,
+                            run=self._transfer,
+                            updates_state=False,
+                        )
+                    )
                     transferred = True
                 jitted, run, abstract = self._sampler_segment(group)
-                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates,
-                                        abstract=abstract))
+                segments.append(
+                    Segment(
+                        names=names,
+                        jittable=True,
+                        run=run,
+                        jitted=jitted,
+                        updates_state=updates,
+                        abstract=abstract,
+                    )
+                )
             else:
                 jitted, run, abstract = self._trainer_segment(group)
-                segments.append(Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates,
-                                        abstract=abstract))
+                segments.append(
+                    Segment(
+                        names=names,
+                        jittable=True,
+                        run=run,
+                        jitted=jitted,
+                        updates_state=updates,
+                        abstract=abstract,
+                    )
+                )
         return tuple(segments)
 
     @staticmethod
@@ -201,7 +282,10 @@ class ShardedStep(SegmentRunner):
             if not updates:
                 return constrain_batch(fn(state, batch), mesh, rows)
             state, batch = fn(state, batch)
-            return jax.lax.with_sharding_constraint(state, shardings), constrain_batch(batch, mesh, rows)
+            return jax.lax.with_sharding_constraint(state, shardings), constrain_batch(
+                batch, mesh, rows
+            )
+
         return program, updates
 
     def _trainer_segment(self, group: list[Stage]):
@@ -217,11 +301,17 @@ class ShardedStep(SegmentRunner):
             dev = place_batch(dev, self.mesh)
             if self.offload:
                 ref_host = state.ref
-                state = state.replace(ref=jax.device_put(ref_host, self._ref_device) if uses_ref else None)
-            with jax.set_mesh(self.mesh):  # traced under the mesh: see parallel.ambient_batch_shards
+                state = state.replace(
+                    ref=jax.device_put(ref_host, self._ref_device) if uses_ref else None
+                )
+            with jax.set_mesh(
+                self.mesh
+            ):  # traced under the mesh: see parallel.ambient_batch_shards
                 state, out = call(state, dev)
             if self.offload:
-                state = state.replace(ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host)
+                state = state.replace(
+                    ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host
+                )
             return state, join_host(host, out, batch)
 
         def abstract(state, batch):
@@ -239,20 +329,31 @@ class ShardedStep(SegmentRunner):
         def run(state, batch):
             host, dev = self._split(batch)
             dev = place_batch(dev, self.sampler_mesh)
-            small = jax.device_put(state.replace(**dict.fromkeys(MODEL_FIELDS)), replicated(self.sampler_mesh))
+            small = jax.device_put(
+                state.replace(**dict.fromkeys(MODEL_FIELDS)), replicated(self.sampler_mesh)
+            )
             with jax.set_mesh(self.sampler_mesh):
                 if not updates:  # the state stays as it is (and where it is)
-                    return state, join_host(host, jitted(small.replace(policy=self._sampler_policy), dev), batch)
+                    return state, join_host(
+                        host, jitted(small.replace(policy=self._sampler_policy), dev), batch
+                    )
                 view, out = jitted(small.replace(policy=self._sampler_policy), dev)
-            changed = {f.name: jax.device_put(getattr(view, f.name), replicated(self.mesh))
-                       for f in dataclasses.fields(view) if f.name not in MODEL_FIELDS}
+            changed = {
+                f.name: jax.device_put(getattr(view, f.name), replicated(self.mesh))
+                for f in dataclasses.fields(view)
+                if f.name not in MODEL_FIELDS
+            }
             return state.replace(**changed), join_host(host, out, batch)
 
         def abstract(state, batch):
             _, dev = self._split(batch)
             view = state.replace(**dict.fromkeys(MODEL_FIELDS))
-            shardings = jax.tree.map(lambda _: replicated(self.sampler_mesh), view).replace(policy=self._sampler_params)
-            return _typed(view.replace(policy=state.policy), shardings), _typed_batch(dev, self.sampler_mesh)
+            shardings = jax.tree.map(lambda _: replicated(self.sampler_mesh), view).replace(
+                policy=self._sampler_params
+            )
+            return _typed(view.replace(policy=state.policy), shardings), _typed_batch(
+                dev, self.sampler_mesh
+            )
 
         return jitted, run, abstract
 
@@ -261,7 +362,9 @@ class ShardedStep(SegmentRunner):
         if self._sampler_policy is not None:
             for x in jax.tree.leaves(self._sampler_policy):
                 x.delete()
-        self._sampler_policy = jax.block_until_ready(jax.device_put(state.policy, self._sampler_params))
+        self._sampler_policy = jax.block_until_ready(
+            jax.device_put(state.policy, self._sampler_params)
+        )
         return state, batch
 
     @staticmethod
@@ -293,18 +396,28 @@ class ShardedStep(SegmentRunner):
 
 def _typed(tree: Any, shardings: Any) -> Any:
     """``tree``'s arrays (or ``ShapeDtypeStruct`` s) as ``ShapeDtypeStruct`` s with ``shardings``."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
 
 
 def _typed_batch(batch: Any, mesh: jax.sharding.Mesh) -> Any:
     """A (global) batch's arrays as ``ShapeDtypeStruct`` s with the batch rule's shardings."""
     rows = prompt_rows(batch)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_leaf_sharding(x, mesh, rows)),
-                        batch)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=batch_leaf_sharding(x, mesh, rows)
+        ),
+        batch,
+    )
 
 
-def check_batch(batch_size: int, mesh: jax.sharding.Mesh | None, what: str = "--batch-size") -> None:
+def check_batch(
+    batch_size: int, mesh: jax.sharding.Mesh | None, what: str = "--batch-size"
+) -> None:
     """``ShardingError`` unless ``batch_size`` prompts split over the mesh's batch axes (data x fsdp x expert)."""
     if mesh is not None and batch_size % batch_shards(mesh):
-        raise ShardingError(f"{what}={batch_size} prompts do not split over {batch_axes_text(mesh)} = "
-                            f"{batch_shards(mesh)} shards")
+        raise ShardingError(
+            f"{what}={batch_size} prompts do not split over {batch_axes_text(mesh)} = "
+            f"{batch_shards(mesh)} shards"
+        )

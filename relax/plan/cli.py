@@ -22,15 +22,17 @@ import sys
 
 from relax.algorithms.cli.flags import flag_value
 
-USAGE = ("usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
-         "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]")
+USAGE = (
+    "usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
+    "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]"
+)
 
 
 def _pop(argv: list[str], flag: str, takes_value: bool = True) -> tuple[list[str], str | None]:
     """``argv`` without ``flag`` (and its value), and the value (or "" for a bare flag; None: absent)."""
     value = flag_value(argv, flag, None) if takes_value else ("" if flag in argv else None)
     out, skip = [], False
-    for i, a in enumerate(argv):
+    for a in argv:
         if skip:
             skip = False
             continue
@@ -45,10 +47,16 @@ def _pop(argv: list[str], flag: str, takes_value: bool = True) -> tuple[list[str
 
 def summary(p) -> dict:
     """The plan's figures as JSON-able values."""
-    return {"algorithm": p.algorithm, "target": str(p.target), "fits": p.fits, "peak": p.peak.name,
-            "compile_s": round(p.compile_s, 1), "exact": p.exact,
-            "programs": [dataclasses.asdict(m) | {"fits": m.fits} for m in p.programs],
-            "traffic": [None if t is None else dataclasses.asdict(t) for t in p.traffic]}
+    return {
+        "algorithm": p.algorithm,
+        "target": str(p.target),
+        "fits": p.fits,
+        "peak": p.peak.name,
+        "compile_s": round(p.compile_s, 1),
+        "exact": p.exact,
+        "programs": [dataclasses.asdict(m) | {"fits": m.fits} for m in p.programs],
+        "traffic": [None if t is None else dataclasses.asdict(t) for t in p.traffic],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,27 +83,46 @@ def main(argv: list[str] | None = None) -> int:
     print(p.table(), flush=True)
     record = summary(p)
     if not p.fits and no_suggest is None:
-        print("\n  does not fit; trying flags that would make it fit (each compiled again):", flush=True)
+        print(
+            "\n  does not fit; trying flags that would make it fit (each compiled again):",
+            flush=True,
+        )
         attempts = suggest(p, rest, log=lambda line: print(line, flush=True), compile_fn=compile_fn)
         record["suggestions"] = [dataclasses.asdict(a) for a in attempts]
         kept = [f for a in attempts if a.kept for f in a.flags]
         fits = bool(attempts) and attempts[-1].fits
-        print(f"\n  {'fits with' if fits else 'still does not fit with'}: {' '.join(kept) or '(no change helped)'}")
+        print(
+            f"\n  {'fits with' if fits else 'still does not fit with'}: {' '.join(kept) or '(no change helped)'}"
+        )
     _write(out, record)
     return 0 if p.fits else 3
 
 
-def _search(algorithm: str, argv: list[str], kind: str, compile_fn, exact: bool, out: str | None) -> int:
+def _search(
+    algorithm: str, argv: list[str], kind: str, compile_fn, exact: bool, out: str | None
+) -> int:
     """``--target <kind>``: plan the run on the slices of ``kind`` from the smallest up."""
     from relax.models.hf.checkpoint import read_config
     from relax.plan.plan import parse_run
     from relax.plan.search import smallest
 
     run = parse_run(algorithm, argv)
-    print(f"relax plan: the smallest {kind} slice for {algorithm} (each planned in full):", flush=True)
-    p, tried = smallest(algorithm, run, read_config(run.model), kind, compile_fn=compile_fn, exact=exact,
-                        log=lambda line: print(line, flush=True))
-    record = {"kind": kind, "tried": [dataclasses.asdict(t) | {"target": str(t.target)} for t in tried]}
+    print(
+        f"relax plan: the smallest {kind} slice for {algorithm} (each planned in full):", flush=True
+    )
+    p, tried = smallest(
+        algorithm,
+        run,
+        read_config(run.model),
+        kind,
+        compile_fn=compile_fn,
+        exact=exact,
+        log=lambda line: print(line, flush=True),
+    )
+    record = {
+        "kind": kind,
+        "tried": [dataclasses.asdict(t) | {"target": str(t.target)} for t in tried],
+    }
     if p is None:
         print(f"\n  no {kind} slice up to {tried[-1].target} fits this run", flush=True)
     else:

@@ -70,11 +70,13 @@ def deepen_outputs(outputs: Any, config: ModelConfig) -> Any:
     """A shallow sampler's abstract outputs as the model of ``config`` gives them: the recorded
     experts of a mixture (``relax.models.forward.routes.Routes``, sparse layers on axis -2) for all of its
     sparse layers (every other output does not depend on depth)."""
+
     def leaf(path, x):
         if not any(getattr(k, "name", None) == "routes" for k in path):
             return x
         shape = (*x.shape[:-2], config.num_sparse_layers, x.shape[-1])
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=getattr(x, "sharding", None))
+
     return jax.tree_util.tree_map_with_path(leaf, outputs)
 
 
@@ -82,8 +84,16 @@ def _line(fa: float, fb: float, a: int, b: int, n: int) -> float:
     return fa + (n - a) * (fb - fa) / (b - a)
 
 
-def extend_memory(name: str, args: tuple[Any, Any], kv_cache: int, ma: ProgramMemory, mb: ProgramMemory,
-                  a: int, b: int, n: int) -> ProgramMemory:
+def extend_memory(
+    name: str,
+    args: tuple[Any, Any],
+    kv_cache: int,
+    ma: ProgramMemory,
+    mb: ProgramMemory,
+    a: int,
+    b: int,
+    n: int,
+) -> ProgramMemory:
     """The ``n``-layer program's memory: the state and batch of its ``args`` and its KV caches
     ``kv_cache`` exactly, its temporaries and outputs on the line through the programs ``ma``
     and ``mb`` compiled at depths ``a`` and ``b``. A shallow program the compiler refused for
@@ -94,24 +104,44 @@ def extend_memory(name: str, args: tuple[Any, Any], kv_cache: int, ma: ProgramMe
     kv = min(kv_cache, temporaries)
     parts, batch = state_parts(args[0]), per_chip(args[1])
     refused = mb if mb.error else ma if ma.error else None
-    return ProgramMemory(name, **parts, batch=batch, kv_cache=kv, activations=temporaries - kv, outputs=outputs,
-                         total=sum(parts.values()) + batch + outputs + temporaries,
-                         limit=(refused or mb).limit, error=refused and refused.error,
-                         compile_s=ma.compile_s + mb.compile_s, depths=(a, b))
+    return ProgramMemory(
+        name,
+        **parts,
+        batch=batch,
+        kv_cache=kv,
+        activations=temporaries - kv,
+        outputs=outputs,
+        total=sum(parts.values()) + batch + outputs + temporaries,
+        limit=(refused or mb).limit,
+        error=refused and refused.error,
+        compile_s=ma.compile_s + mb.compile_s,
+        depths=(a, b),
+    )
 
 
-def extend_traffic(ta: ProgramTraffic, tb: ProgramTraffic, a: int, b: int, n: int) -> ProgramTraffic:
+def extend_traffic(
+    ta: ProgramTraffic, tb: ProgramTraffic, a: int, b: int, n: int
+) -> ProgramTraffic:
     """The ``n``-layer program's traffic on the line through depths ``a`` and ``b``."""
     line = lambda x, y: _line(x, y, a, b, n)
     count = lambda x, y: max(round(line(x, y)), 0)
 
     def collectives(ca: dict, cb: dict) -> dict:
-        return {k: (count(ca.get(k, (0, 0))[0], cb.get(k, (0, 0))[0]),
-                    count(ca.get(k, (0, 0))[1], cb.get(k, (0, 0))[1])) for k in sorted({*ca, *cb})}
+        return {
+            k: (
+                count(ca.get(k, (0, 0))[0], cb.get(k, (0, 0))[0]),
+                count(ca.get(k, (0, 0))[1], cb.get(k, (0, 0))[1]),
+            )
+            for k in sorted({*ca, *cb})
+        }
 
-    return ProgramTraffic(name=tb.name, flops=line(ta.flops, tb.flops), bytes=line(ta.bytes, tb.bytes),
-                          seconds=line(ta.seconds, tb.seconds),
-                          collectives=collectives(ta.collectives, tb.collectives),
-                          decode_collectives=collectives(ta.decode_collectives, tb.decode_collectives),
-                          decode_step_seconds=line(ta.decode_step_seconds, tb.decode_step_seconds),
-                          cache_copies=count(ta.cache_copies, tb.cache_copies))
+    return ProgramTraffic(
+        name=tb.name,
+        flops=line(ta.flops, tb.flops),
+        bytes=line(ta.bytes, tb.bytes),
+        seconds=line(ta.seconds, tb.seconds),
+        collectives=collectives(ta.collectives, tb.collectives),
+        decode_collectives=collectives(ta.decode_collectives, tb.decode_collectives),
+        decode_step_seconds=line(ta.decode_step_seconds, tb.decode_step_seconds),
+        cache_copies=count(ta.cache_copies, tb.cache_copies),
+    )

@@ -86,26 +86,36 @@ def target_config(spec: GpuSpec) -> str:
     major, minor = spec.compute_capability
     dnn = dict(zip(("major", "minor", "patch"), spec.cudnn_version))
     info = {
-        "threads_per_block_limit": spec.threads_per_block, "threads_per_warp": spec.warp_size,
+        "threads_per_block_limit": spec.threads_per_block,
+        "threads_per_warp": spec.warp_size,
         "shared_memory_per_block": spec.shared_memory_per_block,
         "shared_memory_per_core": spec.shared_memory_per_sm,
         "shared_memory_per_block_optin": spec.shared_memory_per_block_optin,
-        "threads_per_core_limit": spec.threads_per_sm, "core_count": spec.sm_count,
+        "threads_per_core_limit": spec.threads_per_sm,
+        "core_count": spec.sm_count,
         "fpus_per_core": spec.fp32_cores_per_sm,
-        "block_dim_limit_x": 2**31 - 1, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
-        "thread_dim_limit_x": 1024, "thread_dim_limit_y": 1024, "thread_dim_limit_z": 64,
-        "memory_bandwidth": int(spec.hbm_bytes_per_s), "l2_cache_size": spec.l2_bytes,
-        "clock_rate_ghz": spec.clock_ghz, "device_memory_size": spec.hbm_bytes,
+        "block_dim_limit_x": 2**31 - 1,
+        "block_dim_limit_y": 65535,
+        "block_dim_limit_z": 65535,
+        "thread_dim_limit_x": 1024,
+        "thread_dim_limit_y": 1024,
+        "thread_dim_limit_z": 64,
+        "memory_bandwidth": int(spec.hbm_bytes_per_s),
+        "l2_cache_size": spec.l2_bytes,
+        "clock_rate_ghz": spec.clock_ghz,
+        "device_memory_size": spec.hbm_bytes,
         "registers_per_core_limit": spec.registers_per_sm,
         "registers_per_block_limit": spec.registers_per_block,
     }
     fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
-    return (f"gpu_device_info {{\n{fields}\n"
-            f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n"
-            f'  name: "{spec.name}"\n  device_vendor: "NVIDIA Corporation"\n}}\n'
-            f'platform_name: "CUDA"\n'
-            f"dnn_version_info {{ {' '.join(f'{k}: {v}' for k, v in dnn.items())} }}\n"
-            f'device_description_str: "{spec.name}"\n')
+    return (
+        f"gpu_device_info {{\n{fields}\n"
+        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n"
+        f'  name: "{spec.name}"\n  device_vendor: "NVIDIA Corporation"\n}}\n'
+        f'platform_name: "CUDA"\n'
+        f"dnn_version_info {{ {' '.join(f'{k}: {v}' for k, v in dnn.items())} }}\n"
+        f'device_description_str: "{spec.name}"\n'
+    )
 
 
 def cuda_plugin_available() -> bool:
@@ -119,14 +129,20 @@ def cuda_plugin_available() -> bool:
 def _register_plugin() -> None:
     """Register the CUDA plugin that jax's plugin discovery dropped (its version check failed)."""
     if not cuda_plugin_available():
-        raise RuntimeError("compiling for NVIDIA GPUs needs the CUDA PJRT plugin: " + _INSTALL % jax.__version__)
+        raise RuntimeError(
+            "compiling for NVIDIA GPUs needs the CUDA PJRT plugin: " + _INSTALL % jax.__version__
+        )
     importlib.import_module(next(m for m in _PLUGINS if importlib.util.find_spec(m))).initialize()
 
 
 @functools.cache
 def _devices(kind: str, topology: str) -> tuple[jax.Device, ...]:
-    kwargs = dict(topology_name=f"{kind}:{topology}", platform="cuda",
-                  target_config=GPU_SPECS[kind].target_config, topology=topology)
+    kwargs = dict(
+        topology_name=f"{kind}:{topology}",
+        platform="cuda",
+        target_config=GPU_SPECS[kind].target_config,
+        topology=topology,
+    )
     # The plugin's CUDA version check needs a CUDA runtime, which compiling does not. If jax has
     # not discovered its plugins yet, it does so here.
     with mock.patch.dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1"):
@@ -144,7 +160,11 @@ def gpu_devices(kind: str, count: int) -> list[jax.Device]:
     if kind not in GPU_SPECS:
         raise ValueError(f"unknown GPU {kind!r}: one of {sorted(GPU_SPECS)}")
     if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST):
-        raise ValueError(f"{count} GPUs: use 1..{GPUS_PER_HOST} (one host) or a multiple of "
-                         f"{GPUS_PER_HOST} (hosts of {GPUS_PER_HOST})")
-    hosts, per_host = (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST, GPUS_PER_HOST)
+        raise ValueError(
+            f"{count} GPUs: use 1..{GPUS_PER_HOST} (one host) or a multiple of "
+            f"{GPUS_PER_HOST} (hosts of {GPUS_PER_HOST})"
+        )
+    hosts, per_host = (
+        (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST, GPUS_PER_HOST)
+    )
     return list(_devices(kind, f"1x{hosts}x{per_host}"))

@@ -27,10 +27,19 @@ import math
 import re
 from typing import Any
 
-from relax.parallel.hlo import (COLLECTIVES, CONTROL, FREE, Instr, arrays, hbm_to_hbm, kernel_bytes, nbytes,
-                                parse_hlo)
+from relax.parallel.hlo import (
+    COLLECTIVES,
+    CONTROL,
+    FREE,
+    Instr,
+    arrays,
+    hbm_to_hbm,
+    kernel_bytes,
+    nbytes,
+    parse_hlo,
+)
 
-_TRIP = re.compile(r'known_trip_count[^0-9]*(\d+)')
+_TRIP = re.compile(r"known_trip_count[^0-9]*(\d+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")  # a TPU matmul is a convolution: "bf_io->bf"
 _WINDOW = re.compile(r"window=\{size=([\dx]+)")
@@ -65,12 +74,18 @@ def _dot_flops(ins: Instr, local: dict[str, Instr]) -> float:
         contracted = math.prod(dims[int(d)] for d in m.group(1).split(",") if d) if m else 0
     else:  # the lhs's feature dimension ("f"), times the window of any spatial one
         m, w = _LABELS.search(ins.attrs), _WINDOW.search(ins.attrs)
-        contracted = dims[m.group(1).index("f")] if m and "f" in m.group(1) and len(m.group(1)) == len(dims) else 0
+        contracted = (
+            dims[m.group(1).index("f")]
+            if m and "f" in m.group(1) and len(m.group(1)) == len(dims)
+            else 0
+        )
         contracted *= math.prod(int(x) for x in w.group(1).split("x")) if w else 1
     return 2.0 * math.prod(out[0][1]) * contracted
 
 
-def _kernel(ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]) -> tuple[float, float]:
+def _kernel(
+    ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]
+) -> tuple[float, float]:
     """``(flops, bytes)`` of one launched instruction (a fusion: the dots inside it)."""
     flops = _dot_flops(ins, local)
     if ins.op == "fusion":
@@ -80,8 +95,15 @@ def _kernel(ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]) 
     return flops, float(kernel_bytes(ins, comps, local)[0])
 
 
-def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: int | None,
-          cache_dims: frozenset) -> None:
+def _walk(
+    comps,
+    name: str,
+    times: float,
+    decode: bool,
+    out: dict,
+    decode_trip: int | None,
+    cache_dims: frozenset,
+) -> None:
     local = {i.name: i for i in comps.get(name, [])}
     for ins in comps.get(name, []):
         if ins.op == "while":
@@ -112,27 +134,47 @@ def _walk(comps, name: str, times: float, decode: bool, out: dict, decode_trip: 
             size = max((nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", ins.shape)), default=0)
             n, b = out[key + "_coll"][kind]
             out[key + "_coll"][kind] = (n + int(times), b + int(size * times))
-        if (decode and kind == "copy" and any(dims in cache_dims for _, dims in arrays(ins.shape))
-                and hbm_to_hbm(ins, local)):
+        if (
+            decode
+            and kind == "copy"
+            and any(dims in cache_dims for _, dims in arrays(ins.shape))
+            and hbm_to_hbm(ins, local)
+        ):
             out["cache_copies"] += int(times)
 
 
-def traffic(name: str, compiled: Any, chip: Any, decode_trip: int | None = None,
-            cache_dims: frozenset = frozenset()) -> ProgramTraffic:
+def traffic(
+    name: str,
+    compiled: Any,
+    chip: Any,
+    decode_trip: int | None = None,
+    cache_dims: frozenset = frozenset(),
+) -> ProgramTraffic:
     """The traffic of ``compiled`` on ``chip`` (``relax.plan.targets.Chip``). A sampler's decode
     loops (``lax.while_loop`` s) run ``decode_trip`` steps each (one cache block); ``cache_dims``:
     the per-chip shapes of its cache blocks, whose copies in the loops are counted. Elsewhere
     (``decode_trip`` None) a loop of unknown length is counted once."""
     comps, entry = parse_hlo(compiled.as_text())
-    out: dict = {"run_kernels": [], "decode_kernels": [], "cache_copies": 0, "decode_steps": 0,
-                 "run_coll": collections.defaultdict(lambda: (0, 0)), "decode_coll": collections.defaultdict(lambda: (0, 0))}
+    out: dict = {
+        "run_kernels": [],
+        "decode_kernels": [],
+        "cache_copies": 0,
+        "decode_steps": 0,
+        "run_coll": collections.defaultdict(lambda: (0, 0)),
+        "decode_coll": collections.defaultdict(lambda: (0, 0)),
+    }
     _walk(comps, entry, 1.0, False, out, decode_trip, cache_dims)
     roof = lambda ks: sum(max(f / chip.flops, b / chip.hbm_bandwidth) for f, b in ks)
     steps = max(out["decode_steps"], 1)
     kernels = out["run_kernels"] + out["decode_kernels"]
     per_step = {k: (round(n / steps), int(b / steps)) for k, (n, b) in out["decode_coll"].items()}
     return ProgramTraffic(
-        name=name, flops=sum(f for f, _ in kernels), bytes=sum(b for _, b in kernels), seconds=roof(kernels),
-        collectives=dict(out["run_coll"]), decode_collectives=per_step,
+        name=name,
+        flops=sum(f for f, _ in kernels),
+        bytes=sum(b for _, b in kernels),
+        seconds=roof(kernels),
+        collectives=dict(out["run_coll"]),
+        decode_collectives=per_step,
         decode_step_seconds=roof(out["decode_kernels"]) / steps if out["decode_steps"] else 0.0,
-        cache_copies=round(out["cache_copies"] / steps))
+        cache_copies=round(out["cache_copies"] / steps),
+    )

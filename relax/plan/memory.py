@@ -10,7 +10,8 @@ there). So a program's peak need is taken as::
 
 with ``state`` and ``batch`` each chip's shard of the program's abstract arguments: the policy's
 weights, the optimizer state (moments and master weights), the reference model (unless it is
-offloaded to host memory for that program), the critic with its optimizer, and the batch. The temporaries of a sampler program hold its KV caches
+offloaded to host memory for that program), the critic with its optimizer, and the batch. The
+temporaries of a sampler program hold its KV caches
 (``relax.rollout.sampler.cache_bytes``, divided over the chips that split their rows and heads);
 the rest of the temporaries are activations and scratch. A program the compiler refuses for
 memory (TPU: ``RESOURCE_EXHAUSTED``) has no analysis: its need is read from the message.
@@ -35,7 +36,9 @@ def per_chip(tree: Any) -> int:
     """Bytes of one chip's shard of every ``ShapeDtypeStruct`` (with a sharding) in ``tree``."""
     total = 0
     for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        shape = (
+            x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        )
         total += math.prod(shape) * x.dtype.itemsize
     return total
 
@@ -69,8 +72,12 @@ class ProgramMemory:
 def oom_bytes(message: str) -> tuple[int | None, int | None]:
     """``(needed, available)`` from a compiler's out-of-memory message, where it says them, e.g.
     "the total memory required for HLO temporaries (19.53G) exceeds available HBM (15.75G)"."""
-    needed = re.search(r"required[^(]*\(([^)]+)\)", message) or re.search(r"Used\s+([\d.]+\s*[KMGT]?)", message)
-    avail = re.search(r"available HBM\s*\(([^)]+)\)", message) or re.search(r"of\s+([\d.]+\s*[KMGT]?)\s+hbm", message)
+    needed = re.search(r"required[^(]*\(([^)]+)\)", message) or re.search(
+        r"Used\s+([\d.]+\s*[KMGT]?)", message
+    )
+    avail = re.search(r"available HBM\s*\(([^)]+)\)", message) or re.search(
+        r"of\s+([\d.]+\s*[KMGT]?)\s+hbm", message
+    )
     return _size(needed.group(1)) if needed else None, _size(avail.group(1)) if avail else None
 
 
@@ -82,12 +89,24 @@ def _size(text: str) -> int | None:
 def state_parts(state: Any) -> dict[str, int]:
     """Per-chip bytes of a (sharded, abstract) ``TrainState``'s models and optimizer states."""
     get = lambda name: per_chip(getattr(state, name, None))
-    return {"weights": get("policy"), "optimizer": get("opt_state"), "reference": get("ref"),
-            "critic": get("critic") + get("critic_opt_state")}
+    return {
+        "weights": get("policy"),
+        "optimizer": get("opt_state"),
+        "reference": get("ref"),
+        "critic": get("critic") + get("critic_opt_state"),
+    }
 
 
-def program_memory(name: str, compiled: Any, args: tuple[Any, Any], *, limit: int, kv_cache: int = 0,
-                   error: str | None = None, compile_s: float = 0.0) -> ProgramMemory:
+def program_memory(
+    name: str,
+    compiled: Any,
+    args: tuple[Any, Any],
+    *,
+    limit: int,
+    kv_cache: int = 0,
+    error: str | None = None,
+    compile_s: float = 0.0,
+) -> ProgramMemory:
     """The breakdown of one program; ``kv_cache``: its KV caches per chip (0 outside the sampler)."""
     state, batch = args
     parts, batch_bytes = state_parts(state), per_chip(batch)
@@ -98,18 +117,31 @@ def program_memory(name: str, compiled: Any, args: tuple[Any, Any], *, limit: in
         m = compiled.memory_analysis()
         temp, outputs = m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
     kv = min(kv_cache, temp)
-    return ProgramMemory(name, **parts, batch=batch_bytes, kv_cache=kv, activations=temp - kv, outputs=outputs,
-                         total=sum(parts.values()) + batch_bytes + outputs + temp, limit=limit, error=error,
-                         compile_s=compile_s)
+    return ProgramMemory(
+        name,
+        **parts,
+        batch=batch_bytes,
+        kv_cache=kv,
+        activations=temp - kv,
+        outputs=outputs,
+        total=sum(parts.values()) + batch_bytes + outputs + temp,
+        limit=limit,
+        error=error,
+        compile_s=compile_s,
+    )
 
 
 def kv_heads_per_chip(config, mesh: jax.sharding.Mesh) -> int:
     """KV heads a chip holds in the sampler's decode layout (``relax.models.config.sharding.decode_layout``):
     split over ``tensor`` where they divide, else whole."""
     tensor = mesh.shape.get("tensor", 1)
-    return config.num_kv_heads // tensor if config.num_kv_heads % tensor == 0 else config.num_kv_heads
+    return (
+        config.num_kv_heads // tensor if config.num_kv_heads % tensor == 0 else config.num_kv_heads
+    )
 
 
 def kv_cache_per_chip(total_bytes: int, mesh: jax.sharding.Mesh, config) -> int:
     """A sampler's KV caches per chip: rows split over the batch axes, KV heads as ``kv_heads_per_chip``."""
-    return total_bytes * kv_heads_per_chip(config, mesh) // (config.num_kv_heads * batch_shards(mesh))
+    return (
+        total_bytes * kv_heads_per_chip(config, mesh) // (config.num_kv_heads * batch_shards(mesh))
+    )

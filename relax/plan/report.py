@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from relax.plan.plan import Plan
 
-COLUMNS = ("weights", "optimizer", "reference", "critic", "batch", "kv_cache", "activations", "outputs")
+COLUMNS = (
+    "weights",
+    "optimizer",
+    "reference",
+    "critic",
+    "batch",
+    "kv_cache",
+    "activations",
+    "outputs",
+)
 
 
 def gib(n: float) -> str:
@@ -18,43 +27,71 @@ def _layout(run) -> str:
     parallel = getattr(run, "parallel", None)
     if parallel is None:
         return "one chip (the offline trainers run on one device)"
-    return f"mesh {parallel.mesh}" + (f", sampler {parallel.sampler_devices} chips ({parallel.sampler_mesh})"
-                                      if parallel.sampler_devices else "")
+    return f"mesh {parallel.mesh}" + (
+        f", sampler {parallel.sampler_devices} chips ({parallel.sampler_mesh})"
+        if parallel.sampler_devices
+        else ""
+    )
 
 
 def plan_table(p: Plan) -> str:
     """Memory per chip (GiB) of each program, the peak, whether it fits; then the traffic."""
     run, t = p.run, p.target
-    lines = [f"relax plan: {p.algorithm} on {t} ({t.chips} x {t.chip.name}, {gib(t.chip.hbm_bytes)} GiB HBM per chip)",
-             f"  model {p.model.family}: {p.model.num_layers} layers, width {p.model.hidden_size}, "
-             f"vocab {p.model.vocab_size}; " + _layout(run)
-             + f"; params {run.param_dtype}, compute {run.compute_dtype}"
-             + (f"; LoRA rank {run.lora.rank}" if run.lora.enabled else ""),
-             f"  compiled {len(p.programs)} programs in {p.compile_s:.0f} s", "",
-             "  GiB per chip      " + " ".join(f"{c:>11}" for c in COLUMNS) + "       total   limit  fits  compile s"]
+    lines = [
+        f"relax plan: {p.algorithm} on {t} ({t.chips} x {t.chip.name}, {gib(t.chip.hbm_bytes)} GiB HBM per chip)",
+        f"  model {p.model.family}: {p.model.num_layers} layers, width {p.model.hidden_size}, "
+        f"vocab {p.model.vocab_size}; "
+        + _layout(run)
+        + f"; params {run.param_dtype}, compute {run.compute_dtype}"
+        + (f"; LoRA rank {run.lora.rank}" if run.lora.enabled else ""),
+        f"  compiled {len(p.programs)} programs in {p.compile_s:.0f} s",
+        "",
+        "  GiB per chip      "
+        + " ".join(f"{c:>11}" for c in COLUMNS)
+        + "       total   limit  fits  compile s",
+    ]
     for m in p.programs:
         cells = " ".join(f"{gib(getattr(m, c)):>11}" for c in COLUMNS)
         verdict = "yes" if m.fits else ("NO (compiler)" if m.error else "NO")
         mark = "~" if m.depths else " "
-        lines.append(f"  {m.name[:15]:<15}{mark} {cells} {gib(m.total):>11} {gib(m.limit):>7}  {verdict:<4} "
-                     f"{m.compile_s:>6.1f}")
+        lines.append(
+            f"  {m.name[:15]:<15}{mark} {cells} {gib(m.total):>11} {gib(m.limit):>7}  {verdict:<4} "
+            f"{m.compile_s:>6.1f}"
+        )
     peak = p.peak
-    lines += ["", f"  peak: {peak.name} needs {gib(peak.total)} GiB of {gib(peak.limit)} GiB per chip -> "
-              + ("fits" if p.fits else "does NOT fit")]
+    lines += [
+        "",
+        f"  peak: {peak.name} needs {gib(peak.total)} GiB of {gib(peak.limit)} GiB per chip -> "
+        + ("fits" if p.fits else "does NOT fit"),
+    ]
     for m in p.programs:
         if m.depths:
-            lines.append(f"  ~ {m.name}: extended to {p.model.num_layers} layers from compiles of its first "
-                         f"{' and '.join(map(str, m.depths))} (relax.plan.depth; --exact compiles it whole)")
+            lines.append(
+                f"  ~ {m.name}: extended to {p.model.num_layers} layers from compiles of its first "
+                f"{' and '.join(map(str, m.depths))} (relax.plan.depth; --exact compiles it whole)"
+            )
         if m.error:
             lines.append(f"  {m.name}: {m.error}")
-    lines += ["", "  per chip (roofline: each kernel at peak FLOP/s or HBM bandwidth)   TFLOP    GB   est. s   collectives"]
+    lines += [
+        "",
+        "  per chip (roofline: each kernel at peak FLOP/s or HBM bandwidth)   TFLOP    GB   est. s   collectives",
+    ]
     for f in p.traffic:
         if f is None:
             continue
-        coll = ", ".join(f"{k} {n}x {b / 1e6:.1f} MB" for k, (n, b) in sorted(f.collectives.items())) or "none"
-        lines.append(f"  {f.name[:48]:<48} {f.flops / 1e12:>17.2f} {f.bytes / 1e9:>5.1f} {f.seconds:>8.3f}   {coll}")
+        coll = (
+            ", ".join(f"{k} {n}x {b / 1e6:.1f} MB" for k, (n, b) in sorted(f.collectives.items()))
+            or "none"
+        )
+        lines.append(
+            f"  {f.name[:48]:<48} {f.flops / 1e12:>17.2f} {f.bytes / 1e9:>5.1f} {f.seconds:>8.3f}   {coll}"
+        )
         if f.decode_step_seconds:
-            per = ", ".join(f"{k} {n}x {b / 1e6:.2f} MB" for k, (n, b) in sorted(f.decode_collectives.items()))
-            lines.append(f"    decode step: {f.decode_step_seconds * 1e3:.2f} ms; collectives {per or 'none'}; "
-                         f"cache copies {f.cache_copies}")
+            per = ", ".join(
+                f"{k} {n}x {b / 1e6:.2f} MB" for k, (n, b) in sorted(f.decode_collectives.items())
+            )
+            lines.append(
+                f"    decode step: {f.decode_step_seconds * 1e3:.2f} ms; collectives {per or 'none'}; "
+                f"cache copies {f.cache_copies}"
+            )
     return "\n".join(lines)

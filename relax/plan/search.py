@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -53,25 +54,42 @@ class Tried:
 def state_bytes(algorithm: str, run: ModelRunConfig, model: ModelConfig) -> int:
     """Bytes of the whole train state over all chips together (nothing compiled)."""
     state = abstract_state(ALGORITHMS[algorithm].algorithm(run), run, model)
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "shape"))
+    return sum(
+        math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "shape")
+    )
 
 
-def smallest(algorithm: str, run: ModelRunConfig, model: ModelConfig, kind: str, *,
-             compile_fn: Callable[[Any], tuple], exact: bool = False,
-             log: Callable[[str], None] = lambda line: None) -> tuple[Plan | None, list[Tried]]:
+def smallest(
+    algorithm: str,
+    run: ModelRunConfig,
+    model: ModelConfig,
+    kind: str,
+    *,
+    compile_fn: Callable[[Any], tuple],
+    exact: bool = False,
+    log: Callable[[str], None] = lambda line: None,
+) -> tuple[Plan | None, list[Tried]]:
     """The plan on the smallest slice of ``kind`` that fits ``run`` (None if none does), and every
     slice tried on the way."""
     if not ALGORITHMS[algorithm].online:
         raise ValueError(f"{algorithm} runs on one device: plan it on a target, not a chip kind")
     mesh = run.parallel.mesh
     if run.parallel.sampler_devices or "-1" not in mesh:
-        raise ValueError(f"searching slices needs a mesh that grows with them (a -1 axis, e.g. fsdp=-1 or "
-                         f"fsdp=-1,tensor=8) and no fixed sampler split; got --parallel.mesh {mesh}")
+        raise ValueError(
+            f"searching slices needs a mesh that grows with them (a -1 axis, e.g. fsdp=-1 or "
+            f"fsdp=-1,tensor=8) and no fixed sampler split; got --parallel.mesh {mesh}"
+        )
     floor, tried = state_bytes(algorithm, run, model), []
     for target in slices(kind):
         if floor > target.chips * target.chip.hbm_bytes:
-            tried.append(Tried(target, False, reason=f"the train state alone ({floor / 2**30:.1f} GiB) exceeds "
-                                                     f"the slice's HBM"))
+            tried.append(
+                Tried(
+                    target,
+                    False,
+                    reason=f"the train state alone ({floor / 2**30:.1f} GiB) exceeds "
+                    f"the slice's HBM",
+                )
+            )
         else:
             try:
                 p = plan_run(algorithm, run, model, target, compile_fn=compile_fn, exact=exact)
@@ -80,9 +98,14 @@ def smallest(algorithm: str, run: ModelRunConfig, model: ModelConfig, kind: str,
                 tried.append(Tried(target, False, reason=str(e).splitlines()[0]))
                 p = None
         t = tried[-1]
-        log(f"  {str(target):<12} {target.chips:>4} chips: " + (t.reason or f"peak {t.peak_bytes / 2**30:.2f} GiB "
-                                                               f"of {target.chip.hbm_bytes / 2**30:.2f}"
-                                                               + (" -> fits" if t.fits else "")))
+        log(
+            f"  {str(target):<12} {target.chips:>4} chips: "
+            + (
+                t.reason
+                or f"peak {t.peak_bytes / 2**30:.2f} GiB of {target.chip.hbm_bytes / 2**30:.2f}"
+                + (" -> fits" if t.fits else "")
+            )
+        )
         if t.fits:
             return p, tried
     return None, tried

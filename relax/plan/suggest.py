@@ -46,14 +46,34 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
         out.append((f"--{field}.remat",))
     if hasattr(algo, "grad_accum"):  # micro-batches that split a minibatch's rows evenly
         rows = run.batch_size // getattr(algo, "num_minibatches", 1)
-        out += [(f"--{field}.grad-accum", str(k)) for k in (2, 4, 8) if (algo.grad_accum or 1) < k and rows % k == 0]
+        out += [
+            (f"--{field}.grad-accum", str(k))
+            for k in (2, 4, 8)
+            if (algo.grad_accum or 1) < k and rows % k == 0
+        ]
     parallel = getattr(run, "parallel", None)
-    if getattr(algo, "beta", 0) > 0 and not run.lora.enabled and parallel and not parallel.offload_reference:
+    if (
+        getattr(algo, "beta", 0) > 0
+        and not run.lora.enabled
+        and parallel
+        and not parallel.offload_reference
+    ):
         out.append(("--parallel.offload-reference",))
     if run.param_dtype == "float32":
-        out.append(("--param-dtype", "bfloat16", "--compute-dtype", "bfloat16", f"--{field}.optimizer.master-weights"))
-    if parallel and (parallel.sampler_devices or MeshSpec.parse(parallel.mesh).resolve(p.target.chips).shape
-                     != MeshSpec(fsdp=p.target.chips).shape):
+        out.append(
+            (
+                "--param-dtype",
+                "bfloat16",
+                "--compute-dtype",
+                "bfloat16",
+                f"--{field}.optimizer.master-weights",
+            )
+        )
+    if parallel and (
+        parallel.sampler_devices
+        or MeshSpec.parse(parallel.mesh).resolve(p.target.chips).shape
+        != MeshSpec(fsdp=p.target.chips).shape
+    ):
         out.append(("--parallel.mesh", f"fsdp={p.target.chips}"))
     if not run.lora.enabled:
         out.append(("--lora.rank", "16"))
@@ -68,16 +88,27 @@ def suggest(p: Plan, argv: list[str], log=lambda line: None, compile_fn=None) ->
     best, attempts = p.peak.total if p.peak.total else float("inf"), []
     for flags in candidates(p):
         try:
-            trial = plan_run(p.algorithm, parse_run(p.algorithm, argv + kept + list(flags)), p.model, p.target,
-                             compile_fn=compile_fn, exact=p.exact)
-        except ValueError as e:  # flags this run cannot take (e.g. micro-batches that do not divide it)
+            trial = plan_run(
+                p.algorithm,
+                parse_run(p.algorithm, argv + kept + list(flags)),
+                p.model,
+                p.target,
+                compile_fn=compile_fn,
+                exact=p.exact,
+            )
+        except (
+            ValueError
+        ) as e:  # flags this run cannot take (e.g. micro-batches that do not divide it)
             attempts.append(Attempt(flags, 0, False, False, str(e)))
             log(f"  tried {' '.join(flags)}: refused ({e})")
             continue
         lower = trial.peak.total < best or (trial.fits and not p.fits)
         attempts.append(Attempt(flags, trial.peak.total, trial.fits, lower))
-        log(f"  tried {' '.join(flags)}: peak {trial.peak.total / 2**30:.2f} GiB"
-            + (" (fits)" if trial.fits else "") + (" -> kept" if lower else ""))
+        log(
+            f"  tried {' '.join(flags)}: peak {trial.peak.total / 2**30:.2f} GiB"
+            + (" (fits)" if trial.fits else "")
+            + (" -> kept" if lower else "")
+        )
         if lower:
             kept += list(flags)
             best = trial.peak.total

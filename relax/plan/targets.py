@@ -5,7 +5,8 @@ them: v5e / v6e slices are 2-D, v5p 3-D) or ``h100x8`` / ``h200x8`` (that many G
 ``devices(target)`` gives its devices: for TPU, ``libtpu``'s compile-only client (the optional
 ``relax[tpu]`` extra; ``JAX_PLATFORMS=cpu`` is enough, nothing is allocated on any chip); for GPU,
 the CUDA plugin's (``relax.plan.gpu_target``: ``jax-cuda12-plugin``, no GPU needed). A GPU
-compile never fails for memory: the plan compares the bytes with the GPU's HBM itself. Programs lowered with ``ShapeDtypeStruct`` s sharded
+compile never fails for memory: the plan compares the bytes with the GPU's HBM itself. Programs
+lowered with ``ShapeDtypeStruct`` s sharded
 over a mesh of these devices compile with the target's real compiler, and
 ``compiled.memory_analysis()`` is per chip.
 
@@ -46,8 +47,10 @@ CHIPS: dict[str, Chip] = {
     "v5e": Chip("v5e", "tpu", 16 * GiB, 197e12, 819e9, "TPU v5 lite"),
     "v5p": Chip("v5p", "tpu", 95 * GiB, 459e12, 2765e9, "TPU v5"),
     "v6e": Chip("v6e", "tpu", 32 * GiB, 918e12, 1640e9, "TPU v6 lite"),
-    **{name: Chip(name, "gpu", g.hbm_bytes, g.peak_bf16_flops, g.hbm_bytes_per_s, g.name)
-       for name, g in GPU_SPECS.items()},
+    **{
+        name: Chip(name, "gpu", g.hbm_bytes, g.peak_bf16_flops, g.hbm_bytes_per_s, g.name)
+        for name, g in GPU_SPECS.items()
+    },
 }
 _TPU = re.compile(r"^(v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
 _GPU = re.compile(r"^(h100|h200)x(\d+)$")
@@ -71,14 +74,18 @@ class Target:
             dims = tuple(int(d) for d in m.group(2).split("x"))
             want = 3 if m.group(1) == "v5p" else 2
             if len(dims) != want or min(dims) < 1:
-                raise ValueError(f"target {text!r}: a {m.group(1)} slice has {want} dimensions, e.g. "
-                                 f"{'v5p:2x2x2' if want == 3 else m.group(1) + ':2x4'}")
+                raise ValueError(
+                    f"target {text!r}: a {m.group(1)} slice has {want} dimensions, e.g. "
+                    f"{'v5p:2x2x2' if want == 3 else m.group(1) + ':2x4'}"
+                )
             return cls(text, CHIPS[m.group(1)], m.group(2), math.prod(dims))
         m = _GPU.match(text)
         if m:
             return cls(text, CHIPS[m.group(1)], f"1x1x{m.group(2)}", int(m.group(2)))
-        raise ValueError(f"unknown target {text!r}: use <v5e|v5p|v6e>:<topology> (v5e:2x4, v5p:2x2x2, v6e:4x4) "
-                         "or <h100|h200>x<count> (h100x8)")
+        raise ValueError(
+            f"unknown target {text!r}: use <v5e|v5p|v6e>:<topology> (v5e:2x4, v5p:2x2x2, v6e:4x4) "
+            "or <h100|h200>x<count> (h100x8)"
+        )
 
     @property
     def platform(self) -> str:
@@ -98,17 +105,28 @@ def devices(target: Target) -> list[jax.Device]:
 def tpu_devices(target: Target) -> list[jax.Device]:
     """Compile-only TPU devices of ``target`` from libtpu (``pip install 'relax[tpu]'``)."""
     from jax.experimental import topologies
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # no TPU host to find: silence libtpu's search
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: several processes may plan at once
+
+    os.environ.setdefault(
+        "TPU_WORKER_HOSTNAMES", "localhost"
+    )  # no TPU host to find: silence libtpu's search
+    os.environ.setdefault(
+        "ALLOW_MULTIPLE_LIBTPU_LOAD", "1"
+    )  # compile-only: several processes may plan at once
     try:
-        topo = topologies.get_topology_desc(topology_name=f"{target.chip.name}:{target.topology}", platform="tpu")
+        topo = topologies.get_topology_desc(
+            topology_name=f"{target.chip.name}:{target.topology}", platform="tpu"
+        )
     except Exception as e:  # libtpu missing (no "tpu" plugin) or a topology it does not know
-        raise RuntimeError(f"cannot describe TPU target {target}: {e}. Compiling for TPU needs libtpu: "
-                           "pip install 'relax[tpu]' (jax[tpu], ~700 MB; no TPU needed)") from e
+        raise RuntimeError(
+            f"cannot describe TPU target {target}: {e}. Compiling for TPU needs libtpu: "
+            "pip install 'relax[tpu]' (jax[tpu], ~700 MB; no TPU needed)"
+        ) from e
     found = list(topo.devices)
     if len(found) != target.chips or found[0].device_kind != target.chip.device_kind:
-        raise RuntimeError(f"target {target}: libtpu describes {len(found)} x {found[0].device_kind!r}, "
-                           f"expected {target.chips} x {target.chip.device_kind!r}")
+        raise RuntimeError(
+            f"target {target}: libtpu describes {len(found)} x {found[0].device_kind!r}, "
+            f"expected {target.chips} x {target.chip.device_kind!r}"
+        )
     return found
 
 

@@ -40,7 +40,9 @@ DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 # One number: optional sign (ASCII or Unicode minus; not after a word character or ")", so
 # "10-3" reads as 10 and 3), digits with optional thousands commas ("1,234"), decimals, exponent;
 # or a bare ".5".
-_NUM = r"(?:(?<![\w)])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\d+)"
+_NUM = (
+    r"(?:(?<![\w)])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\d+)"
+)
 _NUMBER_RE = re.compile(
     rf"(?P<sign>(?<![\w)])[-\u2212])?\\[dt]?frac\{{\s*(?P<num>{_NUM})\s*\}}\{{\s*(?P<den>{_NUM})\s*\}}|(?P<x>{_NUM})"
 )
@@ -58,8 +60,12 @@ _FREE_NUMBER_RE = re.compile(
 # Next to the last number of a free text, these make it a term of an expression, not the answer:
 _OPS = "-+\u2212/^_<>\u2264\u2265\u2260\u00d7\u00b7\u00f7\u221a%"  # and Unicode minus <= >= != times cdot div sqrt
 _STAR = r"(?<!\*)\*(?!\*)"  # a product; "**" is markdown bold
-_COMMAND = r"\\(?!(?:text|mathrm|quad|qquad)\b)[a-zA-Z]+"  # \le, \cdot, \times, \pi; not \text, \quad
-_BEFORE_RE = re.compile(rf"(?:[{_OPS}]|{_STAR}|{_COMMAND})\s*$")  # "=" is allowed: "x = 5" answers 5
+_COMMAND = (
+    r"\\(?!(?:text|mathrm|quad|qquad)\b)[a-zA-Z]+"  # \le, \cdot, \times, \pi; not \text, \quad
+)
+_BEFORE_RE = re.compile(
+    rf"(?:[{_OPS}]|{_STAR}|{_COMMAND})\s*$"
+)  # "=" is allowed: "x = 5" answers 5
 _AFTER_RE = re.compile(
     rf"[\w^_/%(\[{{!']|[.,]\d|\s*(?:[{_OPS}=]|{_STAR}|\\%|{_COMMAND}|percent|\u03c0|(?:pi|sqrt|e|i)\b)"
 )
@@ -121,7 +127,7 @@ def _drop_unit(text: str) -> str:
     m = _UNIT_RE.search(text)
     if m is None:
         return text
-    head, rest = text[:m.start()], None
+    head, rest = text[: m.start()], None
     while rest != head:
         rest, head = head, head.rstrip(" \t\n~")
         head = head[:-2] if head.endswith(_SPACES) else head
@@ -145,7 +151,10 @@ def number_value(text: str) -> Fraction | None:
     m = _FRACTION_RE.fullmatch(t)
     if m is None:
         return None
-    num, den = (plain_number(m.group(k) or "") for k in (("num", "den") if m.group("a") is None else ("a", "b")))
+    num, den = (
+        plain_number(m.group(k) or "")
+        for k in (("num", "den") if m.group("a") is None else ("a", "b"))
+    )
     if num is None or den is None or den == 0:
         return None
     return Fraction(num) / Fraction(den) * (-1 if m.group("sign") in ("-", "\u2212") else 1)
@@ -163,7 +172,7 @@ def last_number(text: str) -> Fraction | None:
     if not matches:
         return None
     m = matches[-1]
-    before, after = text[max(0, m.start() - 100):m.start()], text[m.end():]
+    before, after = text[max(0, m.start() - 100) : m.start()], text[m.end() :]
     if any(ch.isdigit() for ch in after) or _BEFORE_RE.search(before) or _AFTER_RE.match(after):
         return None
     return number_value(m.group())
@@ -194,7 +203,9 @@ def _reference(answer: Any) -> tuple[Fraction, Any] | None:
     if isinstance(answer, numbers.Real):
         if not math.isfinite(float(answer)):
             return None
-        return Fraction(int(answer) if isinstance(answer, numbers.Integral) else float(answer)), answer
+        return Fraction(
+            int(answer) if isinstance(answer, numbers.Integral) else float(answer)
+        ), answer
     if not isinstance(answer, str):
         return None
     region = answer_region(answer)
@@ -224,9 +235,14 @@ def make_exact_match(answer_field: str = DEFAULT_ANSWER_FIELD) -> Callable[..., 
     r_i = 1.0 if completions[i].strip() == str(answer[i]).strip() else 0.0   (None if answer is None)
     """
 
-    def exact_match(prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+    def exact_match(
+        prompts: Sequence[str], completions: Sequence[str], **fields
+    ) -> list[float | None]:
         answers = column(fields, answer_field, "exact_match")
-        return [None if a is None else float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
+        return [
+            None if a is None else float(c.strip() == str(a).strip())
+            for c, a in zip(completions, answers)
+        ]
 
     return exact_match
 
@@ -255,15 +271,21 @@ def make_numeric_match(
     go to math-verify, which drops the unit words it knows, or score 0 without it. The last box
     counts; text after it does not. ``rel_tol`` is relative: 0 only equals 0.
     """
-    if isinstance(rel_tol, bool) or not (isinstance(rel_tol, numbers.Real) and 0 <= rel_tol < math.inf):
+    if isinstance(rel_tol, bool) or not (
+        isinstance(rel_tol, numbers.Real) and 0 <= rel_tol < math.inf
+    ):
         raise ValueError(f"rel_tol must be a finite number >= 0, got {rel_tol!r}")
     if not isinstance(math_fallback, bool):
         raise ValueError(f"math_fallback must be a bool, got {math_fallback!r}")
     tol = Fraction(rel_tol)
 
-    def numeric_match(prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+    def numeric_match(
+        prompts: Sequence[str], completions: Sequence[str], **fields
+    ) -> list[float | None]:
         out: list[float | None] = []
-        deferred: list[tuple[int, str, Any]] = []  # (row, answer text, reference) for the math check
+        deferred: list[
+            tuple[int, str, Any]
+        ] = []  # (row, answer text, reference) for the math check
         for i, (c, a) in enumerate(zip(completions, column(fields, answer_field, "numeric_match"))):
             ref = _reference(a)
             if ref is None:
@@ -275,7 +297,9 @@ def make_numeric_match(
                 deferred.append((i, text, ref[1]))
         checker = _math_checker() if math_fallback and deferred else None
         if checker is not None:
-            scores = checker([""] * len(deferred), [d[1] for d in deferred], answer=[d[2] for d in deferred])
+            scores = checker(
+                [""] * len(deferred), [d[1] for d in deferred], answer=[d[2] for d in deferred]
+            )
             for (i, _, _), r in zip(deferred, scores):
                 out[i] = r or 0.0
         return out
@@ -283,7 +307,9 @@ def make_numeric_match(
     return numeric_match
 
 
-def make_format_reward(pattern: str = DEFAULT_FORMAT_PATTERN, flags: int = re.DOTALL) -> Callable[..., list[float]]:
+def make_format_reward(
+    pattern: str = DEFAULT_FORMAT_PATTERN, flags: int = re.DOTALL
+) -> Callable[..., list[float]]:
     """``format_reward``: ``r_i = 1.0 if re.match(pattern, completions[i], flags) else 0.0``.
 
     ``re.match`` anchors at the start only; end the pattern with ``$`` to anchor the end. The
@@ -318,7 +344,9 @@ class LazyReward:
     def build(self) -> Callable[..., list[float | None]]:
         return self.factory()
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **fields
+    ) -> list[float | None]:
         return self.build()(prompts, completions, **fields)
 
 

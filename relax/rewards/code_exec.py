@@ -102,15 +102,29 @@ from typing import Any
 
 from relax.choices import check_choice
 from relax.rewards.columns import column
-from relax.rewards.judge import JudgeError, TestPlan, call_tests, harness, passed, plan_test, read_results
+from relax.rewards.judge import (
+    JudgeError,
+    TestPlan,
+    call_tests,
+    harness,
+    passed,
+    plan_test,
+    read_results,
+)
 from relax.rewards.sandbox import SandboxConfig, sandbox_for
 
 SCORING = ("fraction", "all")
 LANGUAGES = {  # name -> (fence tags, file name, command)
-    "python": (("python", "py", "python3", ""), "solution.py", ("{python}", "-I", "src/solution.py")),
+    "python": (
+        ("python", "py", "python3", ""),
+        "solution.py",
+        ("{python}", "-I", "src/solution.py"),
+    ),
     "bash": (("bash", "sh", "shell", ""), "solution.sh", ("bash", "src/solution.sh")),
 }
-RUN_OVERHEAD_S = 1.0  # a sandboxed run's start (namespaces, interpreter) and teardown beyond its wall_s
+RUN_OVERHEAD_S = (
+    1.0  # a sandboxed run's start (namespaces, interpreter) and teardown beyond its wall_s
+)
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -142,8 +156,10 @@ def parse_tests(raw: Any, field: str, row: int) -> list[TestPlan] | list[dict] |
         return [_plan(t, where, i) for i, t in enumerate(raw)]
     if all(isinstance(t, Mapping) and {"input", "output"} <= set(t) for t in raw):
         return [{"input": str(t["input"]), "output": str(t["output"])} for t in raw]
-    raise ValueError(f"{where}: each test must be an assert string, or every test a dict with 'input' and "
-                     "'output' (stdin/stdout); call-based tests are one dict with 'fn_name', 'inputs', 'outputs'")
+    raise ValueError(
+        f"{where}: each test must be an assert string, or every test a dict with 'input' and "
+        "'output' (stdin/stdout); call-based tests are one dict with 'fn_name', 'inputs', 'outputs'"
+    )
 
 
 def _plan(test: str, where: str, index: int) -> TestPlan:
@@ -156,12 +172,18 @@ def _plan(test: str, where: str, index: int) -> TestPlan:
 def _call_based(raw: Mapping, where: str) -> list[TestPlan] | list[dict] | None:
     if "fn_name" not in raw:
         inputs, outputs = raw.get("inputs"), raw.get("outputs")
-        if isinstance(inputs, list) and isinstance(outputs, list) and len(inputs) == len(outputs) and \
-                all(isinstance(x, str) for x in inputs + outputs):  # APPS's stdin/stdout form
+        if (
+            isinstance(inputs, list)
+            and isinstance(outputs, list)
+            and len(inputs) == len(outputs)
+            and all(isinstance(x, str) for x in inputs + outputs)
+        ):  # APPS's stdin/stdout form
             return [{"input": i, "output": o} for i, o in zip(inputs, outputs)] or None
-        raise ValueError(f"{where}: a dict of tests is call-based and needs 'fn_name' (with 'inputs' and "
-                         f"'outputs'), or holds stdin/stdout strings as 'inputs' and 'outputs' of one length; "
-                         f"got keys {sorted(map(str, raw))}")
+        raise ValueError(
+            f"{where}: a dict of tests is call-based and needs 'fn_name' (with 'inputs' and "
+            f"'outputs'), or holds stdin/stdout strings as 'inputs' and 'outputs' of one length; "
+            f"got keys {sorted(map(str, raw))}"
+        )
     if raw.get("inputs") == [] and raw.get("outputs") == []:
         return None
     return call_tests(dict(raw), where)
@@ -169,11 +191,13 @@ def _call_based(raw: Mapping, where: str) -> list[TestPlan] | list[dict] | None:
 
 def same_output(got: str, expected: str) -> bool:
     """Equal up to trailing whitespace on each line and trailing blank lines."""
+
     def norm(s: str) -> list[str]:
         lines = [line.rstrip() for line in s.replace("\r\n", "\n").split("\n")]
         while lines and not lines[-1]:
             lines.pop()
         return lines
+
     return norm(got) == norm(expected)
 
 
@@ -200,15 +224,22 @@ class CodeExec:
     def __name__(self) -> str:
         return "code_exec"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **fields
+    ) -> list[float | None]:
         rows = column(fields, self.tests_field, "code_exec")
-        tests = [self._check_language(parse_tests(raw, self.tests_field, i), i) for i, raw in enumerate(rows)]
+        tests = [
+            self._check_language(parse_tests(raw, self.tests_field, i), i)
+            for i, raw in enumerate(rows)
+        ]
         return [None if t is None else self.score(c, t) for c, t in zip(completions, tests)]
 
     def _check_language(self, tests: list | None, row: int | None) -> list | None:
         if tests and isinstance(tests[0], TestPlan) and self.language != "python":
             where = "" if row is None else f"column {self.tests_field!r}, row {row}: "
-            raise ValueError(f"{where}assert and call-based tests need language 'python', not {self.language!r}")
+            raise ValueError(
+                f"{where}assert and call-based tests need language 'python', not {self.language!r}"
+            )
         return tests
 
     def time_bound_s(self, fields: Mapping[str, Sequence[Any]]) -> float | None:
@@ -217,7 +248,9 @@ class CodeExec:
         without the tests column (the call itself then raises, naming it)."""
         if self.tests_field not in fields:
             return None
-        runs = sum(_runs(raw, self.tests_field, i) for i, raw in enumerate(fields[self.tests_field]))
+        runs = sum(
+            _runs(raw, self.tests_field, i) for i, raw in enumerate(fields[self.tests_field])
+        )
         return (runs + 1) * (self.sandbox.wall_s + RUN_OVERHEAD_S)
 
     def score(self, completion: str, tests: list) -> float:
@@ -226,16 +259,25 @@ class CodeExec:
         code = last_code_block(completion, LANGUAGES[self.language][0])
         if code is None:
             return 0.0
-        ok = self._run_plans(code, tests) if isinstance(tests[0], TestPlan) else self._run_stdio(code, tests)
+        ok = (
+            self._run_plans(code, tests)
+            if isinstance(tests[0], TestPlan)
+            else self._run_stdio(code, tests)
+        )
         k = sum(ok)
         return k / len(tests) if self.scoring == "fraction" else float(k == len(tests))
 
     def _run_plans(self, code: str, plans: list[TestPlan]) -> list[bool]:
         """One sandboxed run of the harness over every test's steps; the verdicts judged here."""
         nonce = secrets.token_hex(16)
-        files = {"solution.py": code, "steps.json": json.dumps([p.sandbox_steps() for p in plans]),
-                 "harness.py": harness(self.test_timeout_s)}
-        result = sandbox_for(self.sandbox).run(files, ["{python}", "-I", "src/harness.py"], stdin=nonce + "\n")
+        files = {
+            "solution.py": code,
+            "steps.json": json.dumps([p.sandbox_steps() for p in plans]),
+            "harness.py": harness(self.test_timeout_s),
+        }
+        result = sandbox_for(self.sandbox).run(
+            files, ["{python}", "-I", "src/harness.py"], stdin=nonce + "\n"
+        )
         return [passed(p, r) for p, r in zip(plans, read_results(result.stdout, nonce, plans))]
 
     def _run_stdio(self, code: str, tests: list[dict]) -> list[bool]:

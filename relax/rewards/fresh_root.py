@@ -41,12 +41,20 @@ def plan(work: Path, interpreter_prefix: str, tmpfs_bytes: int, sandbox_dir: str
     binds = [["bind", "/usr", "/usr"], *top]
     if not interpreter_prefix.startswith("/usr/"):
         binds.append(["bind", interpreter_prefix, interpreter_prefix])
-    return json.dumps({"root": str(work / "root"), "src": str(work / "src"), "binds": binds,
-                       "size": tmpfs_bytes, "sandbox": sandbox_dir, "dev": list(DEV_NODES)})
+    return json.dumps(
+        {
+            "root": str(work / "root"),
+            "src": str(work / "src"),
+            "binds": binds,
+            "size": tmpfs_bytes,
+            "sandbox": sandbox_dir,
+            "dev": list(DEV_NODES),
+        }
+    )
 
 
 # Run by the launcher (``-I -S``: the standard library only) as root of the new user namespace.
-SETUP = r'''
+SETUP = r"""
 def fresh_root(plan_json):
     import ctypes, json, os
     plan = json.loads(plan_json)
@@ -96,4 +104,4 @@ def fresh_root(plan_json):
     for cap in range(64):  # PR_CAPBSET_DROP: nothing left to regain at exec
         libc.prctl(24, cap, 0, 0, 0)
     libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-'''
+"""

@@ -92,7 +92,9 @@ def as_reward_functions(fns: Sequence[RewardFunction | RewardFn]) -> tuple[Rewar
     names = [f.name for f in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ValueError(f"duplicate reward names {dup}; name them with RewardFunction(fn, name=...)")
+        raise ValueError(
+            f"duplicate reward names {dup}; name them with RewardFunction(fn, name=...)"
+        )
     return out
 
 
@@ -134,7 +136,9 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | None, name
     return fut.result()
 
 
-def call_timeout_s(fn: Callable, timeout_s: float | None, fields: Mapping[str, Sequence[Any]]) -> float | None:
+def call_timeout_s(
+    fn: Callable, timeout_s: float | None, fields: Mapping[str, Sequence[Any]]
+) -> float | None:
     """The timeout of one call of ``fn`` on the rows ``fields``: ``timeout_s``, raised to the
     worst-case time the function declares for those rows when it declares one
     (``fn.time_bound_s(fields)``: e.g. ``code_exec``, every sandboxed run at its wall-clock limit),
@@ -146,7 +150,9 @@ def call_timeout_s(fn: Callable, timeout_s: float | None, fields: Mapping[str, S
     return timeout_s if need is None else max(timeout_s, float(need))
 
 
-def to_array(name: str, out: Any, prompts: list, completions: list, *, offset: int = 0) -> np.ndarray:
+def to_array(
+    name: str, out: Any, prompts: list, completions: list, *, offset: int = 0
+) -> np.ndarray:
     """Check the return contract (N numbers or None) and convert to float32 with NaN for None.
 
     ``offset``: the batch index of ``prompts[0]`` (a chunk scored by ``relax.rewards.pool``), so
@@ -157,7 +163,9 @@ def to_array(name: str, out: Any, prompts: list, completions: list, *, offset: i
     except TypeError:
         length = None
     if length is None:
-        raise RewardError(f"reward function {name!r} returned {type(out).__name__}; expected a list of {n} floats")
+        raise RewardError(
+            f"reward function {name!r} returned {type(out).__name__}; expected a list of {n} floats"
+        )
     if length != n:
         raise RewardError(f"reward function {name!r} returned {length} values for {n} samples")
     vals = np.empty(n, np.float32)
@@ -223,7 +231,9 @@ def check_finite(
     if bad.size:
         i = int(bad[0])
         terms = ", ".join(
-            f"{name!r}: {weights[name]:g} x {v.flat[i]:g}" for name, v in per.items() if not np.isnan(v.flat[i])
+            f"{name!r}: {weights[name]:g} x {v.flat[i]:g}"
+            for name, v in per.items()
+            if not np.isnan(v.flat[i])
         )
         where = "" if completions is None else f" (completion={truncate(completions[i])!r})"
         raise RewardError(
@@ -260,11 +270,15 @@ def combine_checked(
 
 def raised_at(name: str, exc: str, i: int, prompt: str, completion: str) -> RewardError:
     """The error for reward function ``name`` raising ``exc`` ("Type: message") on sample ``i``."""
-    return RewardError(f"reward function {name!r} raised {exc} at sample {i} "
-                       f"(prompt={truncate(prompt)!r}, completion={truncate(completion)!r})")
+    return RewardError(
+        f"reward function {name!r} raised {exc} at sample {i} "
+        f"(prompt={truncate(prompt)!r}, completion={truncate(completion)!r})"
+    )
 
 
-def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, timeout_s) -> RewardError:
+def _locate(
+    rf: RewardFunction, exc: Exception, prompts, completions, fields, timeout_s
+) -> RewardError:
     """Build the error for a raising batch call, re-running single samples to find the culprit.
 
     Only on the ``on_error="raise"`` path (the run is about to stop): calls ``fn`` on each sample
@@ -272,7 +286,9 @@ def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, ti
     """
 
     def at(i: int, e: BaseException) -> RewardError:
-        return raised_at(rf.name, f"{type(e).__name__}: {truncate(e)}", i, prompts[i], completions[i])
+        return raised_at(
+            rf.name, f"{type(e).__name__}: {truncate(e)}", i, prompts[i], completions[i]
+        )
 
     n = len(prompts)
     if n == 1:
@@ -281,7 +297,13 @@ def _locate(rf: RewardFunction, exc: Exception, prompts, completions, fields, ti
     for i in range(n):
         row = {k: [v[i]] for k, v in fields.items()}
         try:
-            _call(rf.fn, ([prompts[i]], [completions[i]]), row, call_timeout_s(rf.fn, timeout_s, row), rf.name)
+            _call(
+                rf.fn,
+                ([prompts[i]], [completions[i]]),
+                row,
+                call_timeout_s(rf.fn, timeout_s, row),
+                rf.name,
+            )
         except _TimedOut:
             return RewardError(f"{head} (sample {i} alone timed out; search stopped)")
         except Exception as sample_exc:  # noqa: BLE001
@@ -324,25 +346,45 @@ def score(
     them in its workers, chunk by chunk, with its timeout (``timeout_s``: None or the same); a failure
     costs only its chunk's samples, and ``info`` also counts ``crashes`` (``PendingScores.result``).
     """
-    wait, _ = _start(reward_fns, prompts, completions, fields, on_error, timeout_s, all_missing, pool)
+    wait, _ = _start(
+        reward_fns, prompts, completions, fields, on_error, timeout_s, all_missing, pool
+    )
     return wait()
 
 
-def _start(reward_fns, prompts, completions, fields, on_error, timeout_s, all_missing, pool) -> tuple[
-        Callable[[], tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]], Callable[[], bool]]:
+def _start(
+    reward_fns, prompts, completions, fields, on_error, timeout_s, all_missing, pool
+) -> tuple[
+    Callable[[], tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]], Callable[[], bool]
+]:
     """``score`` as ``(wait, done)``: with a pool, every chunk is submitted and ``wait()`` collects
     and combines; without, ``wait()`` returns what was scored here and now."""
-    fns, prompts, completions, fields = _prepare(reward_fns, prompts, completions, fields, on_error, timeout_s, pool)
+    fns, prompts, completions, fields = _prepare(
+        reward_fns, prompts, completions, fields, on_error, timeout_s, pool
+    )
     if pool is None:
-        out = _finish(fns, *_score_here(fns, prompts, completions, fields, on_error, timeout_s), completions,
-                      all_missing)
+        out = _finish(
+            fns,
+            *_score_here(fns, prompts, completions, fields, on_error, timeout_s),
+            completions,
+            all_missing,
+        )
         return (lambda: out), (lambda: True)
     pending = pool.submit(prompts, completions, fields)
-    return (lambda: _finish(fns, *pending.result(on_error=on_error), completions, all_missing)), pending.done
+    return (
+        lambda: _finish(fns, *pending.result(on_error=on_error), completions, all_missing)
+    ), pending.done
 
 
-def _prepare(reward_fns, prompts, completions, fields, on_error: str, timeout_s: float | None,
-             pool: RewardPool | None) -> tuple[tuple[RewardFunction, ...], list, list, dict[str, list]]:
+def _prepare(
+    reward_fns,
+    prompts,
+    completions,
+    fields,
+    on_error: str,
+    timeout_s: float | None,
+    pool: RewardPool | None,
+) -> tuple[tuple[RewardFunction, ...], list, list, dict[str, list]]:
     """Check ``score``'s arguments; return the functions and the inputs as lists."""
     check_choice("on_error", on_error, ON_ERROR)
     if timeout_s is not None and not timeout_s > 0:
@@ -363,8 +405,14 @@ def _prepare(reward_fns, prompts, completions, fields, on_error: str, timeout_s:
     return fns, prompts, completions, fields
 
 
-def _score_here(fns: Sequence[RewardFunction], prompts: list, completions: list, fields: dict[str, list],
-                on_error: str, timeout_s: float | None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def _score_here(
+    fns: Sequence[RewardFunction],
+    prompts: list,
+    completions: list,
+    fields: dict[str, list],
+    on_error: str,
+    timeout_s: float | None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """``score`` without a pool: each function called once on the whole batch, in this process."""
     n = len(prompts)
     per: dict[str, np.ndarray] = {}
@@ -377,13 +425,20 @@ def _score_here(fns: Sequence[RewardFunction], prompts: list, completions: list,
         except Exception as exc:  # _TimedOut included
             timed_out = isinstance(exc, _TimedOut)
             if on_error == "raise" and timed_out:
-                raise RewardError(f"reward function {rf.name!r} timed out after {limit:g}s on {n} samples "
-                                  "(its thread is abandoned)") from None
+                raise RewardError(
+                    f"reward function {rf.name!r} timed out after {limit:g}s on {n} samples "
+                    "(its thread is abandoned)"
+                ) from None
             if on_error == "raise":
                 raise _locate(rf, exc, prompts, completions, fields, timeout_s) from exc
             what = f"timed out after {limit:g}s (thread abandoned)" if timed_out else "raised"
-            logger.warning("reward function %r %s; its %d values count as missing", rf.name, what, n,
-                           exc_info=not timed_out)
+            logger.warning(
+                "reward function %r %s; its %d values count as missing",
+                rf.name,
+                what,
+                n,
+                exc_info=not timed_out,
+            )
             info["timeouts" if timed_out else "errors"] += 1
             info["failed"] += (rf.name,)
             per[rf.name] = np.full(n, np.nan, np.float32)
@@ -393,8 +448,13 @@ def _score_here(fns: Sequence[RewardFunction], prompts: list, completions: list,
     return per, info
 
 
-def _finish(fns: Sequence[RewardFunction], per: dict[str, np.ndarray], info: dict[str, Any],
-            completions: list, all_missing: str) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]:
+def _finish(
+    fns: Sequence[RewardFunction],
+    per: dict[str, np.ndarray],
+    info: dict[str, Any],
+    completions: list,
+    all_missing: str,
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, Any]]:
     """Combine the per-function values by weight (checked) and count the missing ones in ``info``."""
     weights = {rf.name: rf.weight for rf in fns}
     total = combine_checked(per, weights, all_missing=all_missing, completions=completions)
@@ -417,7 +477,9 @@ def score_groups(
     ``decode(tokens [P*G, N], mask [P*G, N])``, each prompt's text and dataset fields repeated over
     its G completions. Returns ``(rewards [P, G], per_function {name: [P, G]}, info, completions)``;
     ``kwargs`` go to ``score`` (``pool=`` included)."""
-    return start_score_groups(reward_fns, decode, prompts, fields, tokens, mask, **{"pool": None, **kwargs}).result()
+    return start_score_groups(
+        reward_fns, decode, prompts, fields, tokens, mask, **{"pool": None, **kwargs}
+    ).result()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,11 +491,19 @@ class ScoreHandle:
     done: Callable[[], bool]
 
 
-def start_score_groups(reward_fns: Sequence[RewardFunction | RewardFn],
-                       decode: Callable[[np.ndarray, np.ndarray], list[str]], prompts: Sequence[str],
-                       fields: Mapping[str, Sequence[Any]], tokens: np.ndarray, mask: np.ndarray, *,
-                       pool: RewardPool | None, on_error: str = "raise", timeout_s: float | None = None,
-                       all_missing: str = "nan") -> ScoreHandle:
+def start_score_groups(
+    reward_fns: Sequence[RewardFunction | RewardFn],
+    decode: Callable[[np.ndarray, np.ndarray], list[str]],
+    prompts: Sequence[str],
+    fields: Mapping[str, Sequence[Any]],
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    *,
+    pool: RewardPool | None,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    all_missing: str = "nan",
+) -> ScoreHandle:
     """``score_groups`` without waiting for the reward functions: decodes, hands every chunk to
     ``pool`` and returns at once, so the trainer can dispatch device work meanwhile; the handle's
     ``result()`` waits and combines. Without a pool, scores here and now (a done handle). Argument
@@ -443,7 +513,9 @@ def start_score_groups(reward_fns: Sequence[RewardFunction | RewardFn],
     completions = decode(tokens.reshape(p * g, n), mask.reshape(p * g, n))
     rep_prompts = [t for t in prompts for _ in range(g)]
     rep_fields = {k: [v for v in vals for _ in range(g)] for k, vals in fields.items()}
-    wait, done = _start(reward_fns, rep_prompts, completions, rep_fields, on_error, timeout_s, all_missing, pool)
+    wait, done = _start(
+        reward_fns, rep_prompts, completions, rep_fields, on_error, timeout_s, all_missing, pool
+    )
 
     def result():
         total, per, info = wait()

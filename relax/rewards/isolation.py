@@ -57,8 +57,10 @@ def drop_privileges(uid: int, gid: int) -> list[str]:
         return []
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        raise SandboxUnavailable("running as root needs util-linux `setpriv` to drop to an unprivileged user "
-                                 "(the kernel does not limit root's processes)")
+        raise SandboxUnavailable(
+            "running as root needs util-linux `setpriv` to drop to an unprivileged user "
+            "(the kernel does not limit root's processes)"
+        )
     return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
 
 
@@ -78,14 +80,27 @@ def check_user(mechanism: str, allow_trainer_uid: bool) -> None:
             "could read, write and delete whatever this user can ($HOME, the repository, the run directory). "
             "Use bubblewrap or unshare (the code then sees none of these files), run the "
             "trainer as root (the code then runs as `nobody`), or accept it with allow_trainer_uid=True "
-            "(--sandbox.allow-trainer-uid)")
+            "(--sandbox.allow-trainer-uid)"
+        )
 
 
 def bwrap_prefix(bwrap: str, interpreter_prefix: str, tmpfs_bytes: int) -> list[str]:
     """bubblewrap's arguments: namespaces, the minimal root file system, capped tmpfs (module doc);
     a run adds the binding of its program (``bwrap_program``)."""
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--as-pid-1", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    args = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--as-pid-1",
+        "--cap-drop",
+        "ALL",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     for name in ("bin", "lib", "lib32", "lib64", "sbin"):
         if Path(f"/{name}").is_symlink():  # merged /usr: /bin -> usr/bin
             args += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]
@@ -108,8 +123,19 @@ def unshare_prefix(unshare: str) -> list[str]:
     """util-linux ``unshare``'s arguments: user, mount, PID, network, IPC and UTS namespaces (the
     launcher then builds the root, ``relax.rewards.fresh_root``); the namespace's first process is
     killed when ``unshare`` dies, and the namespace with it."""
-    return [unshare, "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
-            "--ipc", "--uts", "--"]
+    return [
+        unshare,
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "--net",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--ipc",
+        "--uts",
+        "--",
+    ]
 
 
 def interpreter_prefix(python: str) -> str:
@@ -118,7 +144,7 @@ def interpreter_prefix(python: str) -> str:
     return str(real.parent.parent)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def works(mechanism: str, uid: int, gid: int) -> str | None:
     """None when ``mechanism`` (bwrap | unshare) can start a process here, else why not.
 
@@ -130,7 +156,19 @@ def works(mechanism: str, uid: int, gid: int) -> str | None:
         return f"`{mechanism}` is not installed"
     true = shutil.which("true") or "/bin/true"
     if mechanism == "bwrap":
-        cmd = [exe, "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", true]
+        cmd = [
+            exe,
+            "--unshare-all",
+            "--unshare-user",
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            true,
+        ]
     else:
         cmd = unshare_prefix(exe) + [true]
     try:
@@ -150,7 +188,8 @@ def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool) -> str:
         if not allow_unisolated:
             raise SandboxUnavailable(
                 "no namespace isolation: generated code would reach the network and the files of its user. "
-                "Set allow_unisolated=True (--sandbox.allow-unisolated) to run it anyway")
+                "Set allow_unisolated=True (--sandbox.allow-unisolated) to run it anyway"
+            )
         return "none"
     tried = ("bwrap", "unshare") if isolation == "auto" else (isolation,)
     why = {m: works(m, uid, gid) for m in tried}
@@ -162,4 +201,5 @@ def choose(isolation: str, uid: int, gid: int, allow_unisolated: bool) -> str:
     reasons = "; ".join(f"{m}: {r}" for m, r in why.items())
     raise SandboxUnavailable(
         f"cannot isolate generated code ({reasons}). Install bubblewrap (`apt-get install bubblewrap`) or allow "
-        "user namespaces; or set allow_unisolated=True to run without a network namespace (unsafe)")
+        "user namespaces; or set allow_unisolated=True to run without a network namespace (unsafe)"
+    )

@@ -62,22 +62,61 @@ def _sum(items: Any, start: Any = 0) -> Any:
 
 
 JUDGE_CALLS = {
-    "abs": abs, "len": len, "round": _round, "sorted": sorted, "set": set, "frozenset": frozenset,
-    "tuple": tuple, "list": list, "min": min, "max": max, "sum": _sum, "all": all, "any": any,
-    "bool": bool, "int": int, "float": float, "str": str, "isclose": math.isclose, "math.isclose": math.isclose,
+    "abs": abs,
+    "len": len,
+    "round": _round,
+    "sorted": sorted,
+    "set": set,
+    "frozenset": frozenset,
+    "tuple": tuple,
+    "list": list,
+    "min": min,
+    "max": max,
+    "sum": _sum,
+    "all": all,
+    "any": any,
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "str": str,
+    "isclose": math.isclose,
+    "math.isclose": math.isclose,
 }
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
-            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-JUDGE_NAMES = {"math.pi": math.pi, "math.e": math.e, "math.tau": math.tau, "math.inf": math.inf,
-               "math.nan": math.nan}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+JUDGE_NAMES = {
+    "math.pi": math.pi,
+    "math.e": math.e,
+    "math.tau": math.tau,
+    "math.inf": math.inf,
+    "math.nan": math.nan,
+}
 _SINGLETONS = (None, True, False)
 MAX_SIZE = 1 << 20  # the most items a judged * may make, bits a judged ** may make, digits a judged
 # % may pad to (an adversarial probe value must not exhaust the trainer: "a" * 10**12, 2 ** 10**12)
 _RESULT_LINE = re.compile(r"([0-9]{1,9}) ([0-9]{1,9}) (.*)")
-_WIDE_FORMAT = re.compile(r"%(\([^)]*\))?[-#0 +]*(\*|[0-9]{7}|[0-9]*\.(\*|[0-9]{7}))")  # width from the
+_WIDE_FORMAT = re.compile(
+    r"%(\([^)]*\))?[-#0 +]*(\*|[0-9]{7}|[0-9]*\.(\*|[0-9]{7}))"
+)  # width from the
 # data, or of a million characters or more
 
 
@@ -112,7 +151,10 @@ class TestPlan:
 
     def sandbox_steps(self) -> list[dict]:
         """What the sandbox runs, in order: ``{"exec": src}`` or ``{"probes": [src, ...]}``."""
-        return [{"exec": s.exec} if s.exec is not None else {"probes": list(s.probes)} for s in self.steps]
+        return [
+            {"exec": s.exec} if s.exec is not None else {"probes": list(s.probes)}
+            for s in self.steps
+        ]
 
 
 # ------------------------------------------------------------------------------ splitting
@@ -143,15 +185,28 @@ def _is_judge_call(node: ast.Call) -> bool:
     """A call of a ``JUDGE_CALLS`` function whose keyword arguments are all ``name=constant`` (no
     ``**mapping``): the judge evaluates it; any other call is a probe."""
     name = ast.unparse(node.func)
-    return name in JUDGE_CALLS and all(k.arg is not None and isinstance(k.value, ast.Constant) for k in node.keywords)
+    return name in JUDGE_CALLS and all(
+        k.arg is not None and isinstance(k.value, ast.Constant) for k in node.keywords
+    )
 
 
 def _cut(node: ast.AST, source: str, probes: list[str], depth: int) -> ast.AST:
     """``node`` with every sub-expression that is not judge logic replaced by a ``Probe`` name."""
     if depth > MAX_DEPTH:
         raise JudgeError("test expression nested too deeply")
-    judged = (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.Constant, ast.List, ast.Tuple, ast.Set,
-              ast.Dict, ast.Subscript, ast.Slice)
+    judged = (
+        ast.Compare,
+        ast.BoolOp,
+        ast.UnaryOp,
+        ast.BinOp,
+        ast.Constant,
+        ast.List,
+        ast.Tuple,
+        ast.Set,
+        ast.Dict,
+        ast.Subscript,
+        ast.Slice,
+    )
     if ast.unparse(node) in JUDGE_NAMES and isinstance(node, ast.Attribute):
         return node
     if isinstance(node, ast.Call) and _is_judge_call(node) or isinstance(node, judged):
@@ -161,14 +216,21 @@ def _cut(node: ast.AST, source: str, probes: list[str], depth: int) -> ast.AST:
             return _probe(node, source, probes)
         if isinstance(node, ast.Dict) and None in node.keys:
             return _probe(node, source, probes)
-        if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and any(isinstance(e, ast.Starred) for e in node.elts):
-            return _probe(node, source, probes)  # ``[*f(x)]``: a starred item alone is no expression
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and any(
+            isinstance(e, ast.Starred) for e in node.elts
+        ):
+            return _probe(
+                node, source, probes
+            )  # ``[*f(x)]``: a starred item alone is no expression
         fields = {}
         for name, value in ast.iter_fields(node):
             if name == "func" or name == "ctx" or name == "op" or name == "ops":
                 fields[name] = value
             elif isinstance(value, list):
-                fields[name] = [_cut(v, source, probes, depth + 1) if isinstance(v, ast.expr) else v for v in value]
+                fields[name] = [
+                    _cut(v, source, probes, depth + 1) if isinstance(v, ast.expr) else v
+                    for v in value
+                ]
             elif isinstance(value, ast.expr):
                 fields[name] = _cut(value, source, probes, depth + 1)
             else:
@@ -213,14 +275,18 @@ def judge(node: ast.AST, values: Sequence[Any], depth: int = 0) -> Any:
         return result
     if isinstance(node, ast.UnaryOp):
         v = sub(node.operand)
-        return not v if isinstance(node.op, ast.Not) else (-v if isinstance(node.op, ast.USub) else +v)
+        return (
+            not v if isinstance(node.op, ast.Not) else (-v if isinstance(node.op, ast.USub) else +v)
+        )
     if isinstance(node, ast.BinOp):
         return _binary(node.op, sub(node.left), sub(node.right))
     if isinstance(node, ast.Compare):
         left = sub(node.left)
         for op, right_node in zip(node.ops, node.comparators):
             right = sub(right_node)
-            if isinstance(op, (ast.Is, ast.IsNot)) and not any(right is s or left is s for s in _SINGLETONS):
+            if isinstance(op, (ast.Is, ast.IsNot)) and not any(
+                right is s or left is s for s in _SINGLETONS
+            ):
                 raise JudgeError("'is' is judged only against None, True or False")
             if not _COMPARE[type(op)](left, right):
                 return False
@@ -242,8 +308,13 @@ def _binary(op: ast.operator, a: Any, b: Any) -> Any:
         n, seq = (a, b) if type(a) is int else (b, a)
         if type(n) is int and isinstance(seq, (str, list, tuple)) and n * len(seq) > MAX_SIZE:
             raise JudgeError("a judged repetition over MAX_SIZE items")
-    if isinstance(op, ast.Pow) and type(b) is int and type(a) is int and abs(a) > 1 \
-            and abs(b) * a.bit_length() > MAX_SIZE:
+    if (
+        isinstance(op, ast.Pow)
+        and type(b) is int
+        and type(a) is int
+        and abs(a) > 1
+        and abs(b) * a.bit_length() > MAX_SIZE
+    ):
         raise JudgeError("a judged power over MAX_SIZE bits")
     if isinstance(op, ast.Mod) and isinstance(a, str) and _WIDE_FORMAT.search(a):
         raise JudgeError("a judged %-format with a width or precision over MAX_SIZE")
@@ -282,7 +353,7 @@ def decode(obj: Any, depth: int = 0) -> Any:
         return obj
     if not (isinstance(obj, dict) and len(obj) == 1):
         raise ValueError(f"not tagged plain data: {type(obj).__name__}")
-    (tag, body), = obj.items()
+    ((tag, body),) = obj.items()
     if tag == "x":
         return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[body]
     if not isinstance(body, list):
@@ -328,7 +399,12 @@ def call_tests(raw: dict, where: str) -> list[TestPlan]:
     name, inputs, outputs = raw.get("fn_name"), raw.get("inputs"), raw.get("outputs")
     if not (isinstance(name, str) and name.isidentifier()):
         raise JudgeError(f"{where}: fn_name must be a Python identifier, got {name!r}")
-    if not (isinstance(inputs, list) and isinstance(outputs, list) and len(inputs) == len(outputs) and inputs):
+    if not (
+        isinstance(inputs, list)
+        and isinstance(outputs, list)
+        and len(inputs) == len(outputs)
+        and inputs
+    ):
         raise JudgeError(f"{where}: inputs and outputs must be non-empty lists of the same length")
     plans = []
     for i, (args, out) in enumerate(zip(inputs, outputs)):
@@ -340,12 +416,19 @@ def call_tests(raw: dict, where: str) -> list[TestPlan]:
         expected = ast.parse(repr(out), mode="eval").body if _literal(out) else None
         if expected is None:
             raise JudgeError(f"{where}: output {i} is not plain data")
-        judge_node = ast.Compare(left=ast.Name("__probe_0", ast.Load()), ops=[ast.Eq()], comparators=[expected])
+        judge_node = ast.Compare(
+            left=ast.Name("__probe_0", ast.Load()), ops=[ast.Eq()], comparators=[expected]
+        )
         if isinstance(out, list) and len(out) == 1:
-            alt = ast.Compare(left=ast.Name("__probe_0", ast.Load()), ops=[ast.Eq()],
-                              comparators=[ast.parse(repr(out[0]), mode="eval").body])
+            alt = ast.Compare(
+                left=ast.Name("__probe_0", ast.Load()),
+                ops=[ast.Eq()],
+                comparators=[ast.parse(repr(out[0]), mode="eval").body],
+            )
             judge_node = ast.BoolOp(op=ast.Or(), values=[judge_node, alt])
-        plans.append(TestPlan(f"{name}(*{args!r}) == {out!r}", (Step(probes=(call,), judge=judge_node),)))
+        plans.append(
+            TestPlan(f"{name}(*{args!r}) == {out!r}", (Step(probes=(call,), judge=judge_node),))
+        )
     return plans
 
 
@@ -363,7 +446,7 @@ def _literal(value: Any) -> bool:
 # per step: ``<nonce> <test> <step> <json>``, the JSON ``{"ok": true, "values": [...]}`` or
 # ``{"ok": false}``. Nothing it writes is trusted beyond being data: the trainer decodes it and
 # judges it (``passed``).
-HARNESS = r'''
+HARNESS = r"""
 import json, math, signal, sys
 nonce = sys.stdin.readline().strip()
 sys.stdin.close()
@@ -424,7 +507,7 @@ for t, test in enumerate(steps):
         out.flush()
         if not text.startswith('{"ok": true'):
             break
-'''
+"""
 
 
 def harness(timeout_s: float) -> str:
@@ -439,13 +522,16 @@ def read_results(stdout: str, nonce: str, plans: Sequence[TestPlan]) -> list[lis
     results: list[list[dict | None]] = [[None] * len(p.steps) for p in plans]
     prefix = nonce + " "
     for line in stdout.splitlines():
-        found = _RESULT_LINE.fullmatch(line[len(prefix):]) if line.startswith(prefix) else None
+        found = _RESULT_LINE.fullmatch(line[len(prefix) :]) if line.startswith(prefix) else None
         if found is None:
             continue
         t, k = int(found[1]), int(found[2])
         if t < len(plans) and k < len(plans[t].steps) and results[t][k] is None:
             try:
                 results[t][k] = json.loads(found[3])
-            except (ValueError, RecursionError):  # JSONDecodeError, or an int over Python's 4300 digits
+            except (
+                ValueError,
+                RecursionError,
+            ):  # JSONDecodeError, or an int over Python's 4300 digits
                 results[t][k] = {"ok": False}
     return results

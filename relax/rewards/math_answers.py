@@ -15,8 +15,8 @@ import contextlib
 import dataclasses
 import decimal
 import functools
-import logging
 import gc
+import logging
 import math
 import numbers
 import re
@@ -32,9 +32,13 @@ INSTALL_HINT = "pip install 'relax[math]'"
 RETRY_S = 0.05  # a timeout that was swallowed is raised again this often until the check ends
 # A reference that already marks its math ($...$, \(...\), \[...\], \boxed{...}) is parsed as written.
 _DELIMITED_RE = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")
-MAX_EXPONENT = 1000  # plain numbers beyond 10^+-1000 are not read (their digits are not written out)
+MAX_EXPONENT = (
+    1000  # plain numbers beyond 10^+-1000 are not read (their digits are not written out)
+)
 # One plain number: sign, digits (grouped in threes by "," or not), decimals, e-notation; or ".5".
-PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+PLAIN_NUMBER_RE = re.compile(
+    r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+)
 # LaTeX thousands separators between two digits: {,}  ,\!  \,  "\ "  " "  (read as ",")
 _SEPARATOR_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,|\\ | )(?=\d)")
 # An e-notation number standing alone in a text (not "x1e5", "1e5x", "1.2.3e4"); its sign stays as written.
@@ -53,7 +57,9 @@ def _library():
     try:
         import math_verify
     except ImportError as e:
-        raise ImportError(f"the math_verify reward needs the math-verify library: {INSTALL_HINT}") from e
+        raise ImportError(
+            f"the math_verify reward needs the math-verify library: {INSTALL_HINT}"
+        ) from e
     # its "Timeout is disabled" warning, at every call: relax bounds each check itself (``deadline``)
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -104,7 +110,9 @@ def number_text(value: decimal.Decimal) -> str:
 def _boxes(text: str) -> list[tuple[int, int, int]]:
     """(start of ``\\boxed``, start of content, end of content) of each ``\\boxed{...}``, nested
     braces matched, in the order they close; unclosed ones left out. One pass over the text."""
-    opens = {m.end() - 1: m.start() for m in _BOX_OPEN_RE.finditer(text)}  # each box's "{" -> "\\boxed"
+    opens = {
+        m.end() - 1: m.start() for m in _BOX_OPEN_RE.finditer(text)
+    }  # each box's "{" -> "\\boxed"
     spans, boxes, depth = [], [], 0  # boxes: (start, content start, depth inside) of each open box
     for i, ch in enumerate(text):
         if ch == "{":
@@ -131,9 +139,9 @@ def final_boxes(text: str) -> str | None:
     if not top:
         return None
     group = [top.pop()]
-    while top and _JOIN_RE.fullmatch(text[top[-1][2] + 1:group[0][0]]):
+    while top and _JOIN_RE.fullmatch(text[top[-1][2] + 1 : group[0][0]]):
         group.insert(0, top.pop())
-    return ", ".join(text[start:end + 1] for start, _, end in group)
+    return ", ".join(text[start : end + 1] for start, _, end in group)
 
 
 def normalise_numbers(text: str) -> str | None:
@@ -172,7 +180,9 @@ def gold_text(answer: Any) -> str | None:
     if isinstance(answer, numbers.Real):
         if not math.isfinite(float(answer)):
             return None
-        exact = decimal.Decimal(int(answer) if isinstance(answer, numbers.Integral) else repr(float(answer)))
+        exact = decimal.Decimal(
+            int(answer) if isinstance(answer, numbers.Integral) else repr(float(answer))
+        )
         text = number_text(exact) if abs(exact.adjusted()) <= MAX_EXPONENT else None
     elif isinstance(answer, str):
         text = normalise_numbers(answer.strip())
@@ -278,10 +288,15 @@ class MathVerify:
     def __post_init__(self):
         if not isinstance(self.answer_field, str) or not self.answer_field:
             raise ValueError(f"answer_field must be a non-empty string, got {self.answer_field!r}")
-        if isinstance(self.timeout_s, bool) or not (isinstance(self.timeout_s, numbers.Real)
-                                                    and 0 < self.timeout_s < math.inf):
+        if isinstance(self.timeout_s, bool) or not (
+            isinstance(self.timeout_s, numbers.Real) and 0 < self.timeout_s < math.inf
+        ):
             raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s!r}")
-        if isinstance(self.float_rounding, bool) or not isinstance(self.float_rounding, int) or self.float_rounding < 0:
+        if (
+            isinstance(self.float_rounding, bool)
+            or not isinstance(self.float_rounding, int)
+            or self.float_rounding < 0
+        ):
             raise ValueError(f"float_rounding must be an int >= 0, got {self.float_rounding!r}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be a bool, got {self.strict!r}")
@@ -312,12 +327,22 @@ class MathVerify:
         try:
             with deadline(self.timeout_s):
                 pred = mv.parse(completion, _extraction_configs()[1], parsing_timeout=None)
-                return float(bool(pred) and mv.verify(gold, pred, float_rounding=self.float_rounding,
-                                                      strict=self.strict, timeout_seconds=None))
+                return float(
+                    bool(pred)
+                    and mv.verify(
+                        gold,
+                        pred,
+                        float_rounding=self.float_rounding,
+                        strict=self.strict,
+                        timeout_seconds=None,
+                    )
+                )
         except CheckTimeout:
             return 0.0
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **fields
+    ) -> list[float | None]:
         answers = column(fields, self.answer_field, "math_verify")
         golds: dict[str, list] = {}
         out: list[float | None] = []

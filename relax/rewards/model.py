@@ -28,9 +28,9 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.heads.reward_model import RewardModel, sequence_rewards
-from relax.models.forward.prefix_shared import TRAIN_ATTENTION
 from relax.data.pairs import right_pad
+from relax.models.forward.prefix_shared import TRAIN_ATTENTION
+from relax.models.heads.reward_model import RewardModel, sequence_rewards
 from relax.rewards.token_rewards import TokenRewardFunction
 from relax.text.sentencepiece_model import pad_left
 
@@ -43,12 +43,22 @@ class RewardModelScorer:
 
     __slots__ = ("model", "groups_per_pass", "attention", "ignore_pad_tokens")
 
-    def __init__(self, model: RewardModel, *, groups_per_pass: int | None = None, attention: str = "auto",
-                 ignore_pad_tokens: bool = True):
+    def __init__(
+        self,
+        model: RewardModel,
+        *,
+        groups_per_pass: int | None = None,
+        attention: str = "auto",
+        ignore_pad_tokens: bool = True,
+    ):
         if not isinstance(model, RewardModel):
-            raise TypeError(f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}")
+            raise TypeError(
+                f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}"
+            )
         if attention not in TRAIN_ATTENTION:
-            raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(TRAIN_ATTENTION)}")
+            raise ValueError(
+                f"unknown attention {attention!r}; valid: {', '.join(TRAIN_ATTENTION)}"
+            )
         if groups_per_pass is not None and groups_per_pass < 1:
             raise ValueError(f"groups_per_pass must be >= 1 or None, got {groups_per_pass}")
         self.model, self.groups_per_pass, self.attention = model, groups_per_pass, attention
@@ -59,29 +69,55 @@ class RewardModelScorer:
 
     def __call__(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
         p = prompt_ids.shape[0]
-        groups = self.groups_per_pass if self.groups_per_pass is not None and p % self.groups_per_pass == 0 else None
-        return sequence_rewards(self.model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask).astype(jnp.int32),
-                                jnp.asarray(completion_ids), jnp.asarray(completion_mask).astype(jnp.int32),
-                                ignore_pad_tokens=self.ignore_pad_tokens, attention=self.attention,
-                                groups_per_pass=groups)
+        groups = (
+            self.groups_per_pass
+            if self.groups_per_pass is not None and p % self.groups_per_pass == 0
+            else None
+        )
+        return sequence_rewards(
+            self.model,
+            jnp.asarray(prompt_ids),
+            jnp.asarray(prompt_mask).astype(jnp.int32),
+            jnp.asarray(completion_ids),
+            jnp.asarray(completion_mask).astype(jnp.int32),
+            ignore_pad_tokens=self.ignore_pad_tokens,
+            attention=self.attention,
+            groups_per_pass=groups,
+        )
 
     def __repr__(self) -> str:
         c = self.model.config
-        return (f"RewardModelScorer({c.family}, {c.num_layers} layers, hidden {c.hidden_size}, "
-                f"groups_per_pass={self.groups_per_pass})")
+        return (
+            f"RewardModelScorer({c.family}, {c.num_layers} layers, hidden {c.hidden_size}, "
+            f"groups_per_pass={self.groups_per_pass})"
+        )
 
 
-def reward_model_reward(model: RewardModel, *, name: str = "reward_model", weight: float = 1.0,
-                        groups_per_pass: int | None = None, attention: str = "auto",
-                        ignore_pad_tokens: bool = True) -> TokenRewardFunction:
+def reward_model_reward(
+    model: RewardModel,
+    *,
+    name: str = "reward_model",
+    weight: float = 1.0,
+    groups_per_pass: int | None = None,
+    attention: str = "auto",
+    ignore_pad_tokens: bool = True,
+) -> TokenRewardFunction:
     """A ``TokenRewardFunction`` scoring each completion with ``model`` (``sequence_rewards``).
 
     ``groups_per_pass``: prompt groups per forward (a ``lax.map`` over slices; e.g. 1 on a CPU,
     where a group's activations stay in cache; ignored when it does not divide P); None: all at
     once. ``attention`` and ``ignore_pad_tokens`` as ``sequence_rewards``'s.
     """
-    return TokenRewardFunction(RewardModelScorer(model, groups_per_pass=groups_per_pass, attention=attention,
-                                                 ignore_pad_tokens=ignore_pad_tokens), name, weight)
+    return TokenRewardFunction(
+        RewardModelScorer(
+            model,
+            groups_per_pass=groups_per_pass,
+            attention=attention,
+            ignore_pad_tokens=ignore_pad_tokens,
+        ),
+        name,
+        weight,
+    )
 
 
 class TextRewardModel:
@@ -100,46 +136,78 @@ class TextRewardModel:
 
     __name__ = "reward_model"
 
-    def __init__(self, model: RewardModel, tokenizer, *, batch_size: int = 32, max_prompt_tokens: int = 1024,
-                 max_completion_tokens: int = 1024, chat: bool = False, attention: str = "auto"):
+    def __init__(
+        self,
+        model: RewardModel,
+        tokenizer,
+        *,
+        batch_size: int = 32,
+        max_prompt_tokens: int = 1024,
+        max_completion_tokens: int = 1024,
+        chat: bool = False,
+        attention: str = "auto",
+    ):
         if not isinstance(model, RewardModel):
-            raise TypeError(f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}")
+            raise TypeError(
+                f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}"
+            )
         if chat and not tokenizer.has_chat_template:
-            raise ValueError(f"chat=True needs a chat template; tokenizer {tokenizer.path} has none")
-        for name, value in (("batch_size", batch_size), ("max_prompt_tokens", max_prompt_tokens),
-                            ("max_completion_tokens", max_completion_tokens)):
+            raise ValueError(
+                f"chat=True needs a chat template; tokenizer {tokenizer.path} has none"
+            )
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_prompt_tokens", max_prompt_tokens),
+            ("max_completion_tokens", max_completion_tokens),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.model, self.tokenizer, self.batch_size, self.chat = model, tokenizer, batch_size, chat
-        self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
+        self.max_prompt_tokens, self.max_completion_tokens = (
+            max_prompt_tokens,
+            max_completion_tokens,
+        )
         self._score = eqx.filter_jit(functools.partial(_text_scores, attention=attention))
 
     def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
         if self.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                           tokenize=False)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(prompt, add_special_tokens=True)
         eos = tok.eos_token_id if tok.eos_token_id is not None else tok.eos_token_ids[0]
-        body = tok.encode(completion, add_special_tokens=False)[:self.max_completion_tokens - 1] + [eos]
-        return ids[-self.max_prompt_tokens:], body
+        body = tok.encode(completion, add_special_tokens=False)[
+            : self.max_completion_tokens - 1
+        ] + [eos]
+        return ids[-self.max_prompt_tokens :], body
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float]:
         rows = [self.encode(p, c) for p, c in zip(prompts, completions)]
         out: list[float] = []
         if not rows:
             return out
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else rows[0][1][-1]  # masked
+        pad = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else rows[0][1][-1]
+        )  # masked
         for start in range(0, len(rows), self.batch_size):
-            chunk = rows[start:start + self.batch_size]
+            chunk = rows[start : start + self.batch_size]
             chunk = chunk + [chunk[-1]] * (self.batch_size - len(chunk))  # a fixed batch shape
-            prompt_ids, prompt_mask = pad_left([r[0] for r in chunk], pad_id=pad, bucket_sizes=BUCKETS)
+            prompt_ids, prompt_mask = pad_left(
+                [r[0] for r in chunk], pad_id=pad, bucket_sizes=BUCKETS
+            )
             n = next(b for b in BUCKETS if b >= max(len(r[1]) for r in chunk))
             tokens, mask = right_pad([r[1] for r in chunk], n, pad)
-            scores = self._score(self.model, prompt_ids, prompt_mask, tokens[:, None], mask[:, None])
-            out += [float(s) for s in np.asarray(scores)[:min(self.batch_size, len(rows) - start), 0]]
+            scores = self._score(
+                self.model, prompt_ids, prompt_mask, tokens[:, None], mask[:, None]
+            )
+            out += [
+                float(s) for s in np.asarray(scores)[: min(self.batch_size, len(rows) - start), 0]
+            ]
         return out
 
 

@@ -41,13 +41,26 @@ import numpy as np
 import pebble
 
 from relax.choices import check_choice
-from relax.rewards.functions import (ON_ERROR, RewardError, RewardFn, RewardFunction, as_reward_functions,
-                                     call_timeout_s, raised_at, to_array, truncate)
+from relax.rewards.functions import (
+    ON_ERROR,
+    RewardError,
+    RewardFn,
+    RewardFunction,
+    as_reward_functions,
+    call_timeout_s,
+    raised_at,
+    to_array,
+    truncate,
+)
 
 logger = logging.getLogger(__name__)
 
 CONTEXTS = ("spawn", "forkserver")
-KIND_KEYS = {"error": "errors", "timeout": "timeouts", "crash": "crashes"}  # failure kind -> info counter
+KIND_KEYS = {
+    "error": "errors",
+    "timeout": "timeouts",
+    "crash": "crashes",
+}  # failure kind -> info counter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +99,9 @@ def _check(field: str, value: Any, types: type | tuple[type, ...], optional: boo
         return
     if isinstance(value, bool) or not isinstance(value, types) or not 0 < value < math.inf:
         kind = "an int >= 1" if types is int else "a finite number > 0"
-        raise ValueError(f"PoolConfig.{field} must be {kind}{' or None' if optional else ''}, got {value!r}")
+        raise ValueError(
+            f"PoolConfig.{field} must be {kind}{' or None' if optional else ''}, got {value!r}"
+        )
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -123,8 +138,9 @@ def _ping() -> tuple[int, tuple[str | None, ...]]:
     return os.getpid(), tuple(f if isinstance(f, str) else None for f in _WORKER_FNS)
 
 
-def _run_chunk(index: int, name: str, offset: int, prompts: list, completions: list,
-               fields: dict[str, list]) -> tuple:
+def _run_chunk(
+    index: int, name: str, offset: int, prompts: list, completions: list, fields: dict[str, list]
+) -> tuple:
     """Score one chunk: ``("ok", float32 values)``, ``("contract", message)`` for a broken return
     contract (checked here, with batch indices), or ``("error", "Type: message", traceback)``."""
     fn = _WORKER_FNS[index]
@@ -175,35 +191,54 @@ class RewardPool:
 
     def _start(self) -> pebble.ProcessPool:
         cfg = self.cfg
-        max_tasks = 0 if cfg.max_tasks_per_worker is None else cfg.max_tasks_per_worker  # pebble: 0 = never
-        pool = pebble.ProcessPool(max_workers=cfg.num_workers, max_tasks=max_tasks, initializer=_init_worker,
-                                  initargs=(self._payloads,), context=multiprocessing.get_context(cfg.context))
+        max_tasks = (
+            0 if cfg.max_tasks_per_worker is None else cfg.max_tasks_per_worker
+        )  # pebble: 0 = never
+        pool = pebble.ProcessPool(
+            max_workers=cfg.num_workers,
+            max_tasks=max_tasks,
+            initializer=_init_worker,
+            initargs=(self._payloads,),
+            context=multiprocessing.get_context(cfg.context),
+        )
         try:
             _, unloaded = pool.schedule(_ping).result(timeout=cfg.start_timeout_s)
         except Exception as exc:
             _stop(pool)
-            raise RuntimeError(f"no reward pool worker came up within PoolConfig.start_timeout_s="
-                               f"{cfg.start_timeout_s:g} ({type(exc).__name__}: {exc}); see the workers' log "
-                               "above") from exc
+            raise RuntimeError(
+                f"no reward pool worker came up within PoolConfig.start_timeout_s="
+                f"{cfg.start_timeout_s:g} ({type(exc).__name__}: {exc}); see the workers' log "
+                "above"
+            ) from exc
         bad = [(rf.name, why) for rf, why in zip(self.reward_fns, unloaded) if why is not None]
         if bad:
             _stop(pool)
-            raise RuntimeError(f"reward function {bad[0][0]!r} did not unpickle in a worker: {bad[0][1]}")
+            raise RuntimeError(
+                f"reward function {bad[0][0]!r} did not unpickle in a worker: {bad[0][1]}"
+            )
         return pool
 
     def check(self, fns: Sequence[RewardFunction], timeout_s: float | None = None) -> None:
         """Raise ``ValueError`` unless ``fns`` are this pool's functions (same objects, same order)
         and ``timeout_s`` is None or the pool's."""
         if tuple(fns) != self.reward_fns:
-            raise ValueError(f"the reward pool hosts {[f.name for f in self.reward_fns]} but the scorer got "
-                             f"{[f.name for f in fns]}: build RewardPool with the same RewardFunction objects, "
-                             "in the same order")
+            raise ValueError(
+                f"the reward pool hosts {[f.name for f in self.reward_fns]} but the scorer got "
+                f"{[f.name for f in fns]}: build RewardPool with the same RewardFunction objects, "
+                "in the same order"
+            )
         if timeout_s is not None and timeout_s != self.cfg.timeout_s:
-            raise ValueError(f"timeout_s={timeout_s} with a reward pool: the pool's PoolConfig.timeout_s="
-                             f"{self.cfg.timeout_s} applies; pass timeout_s=None")
+            raise ValueError(
+                f"timeout_s={timeout_s} with a reward pool: the pool's PoolConfig.timeout_s="
+                f"{self.cfg.timeout_s} applies; pass timeout_s=None"
+            )
 
-    def submit(self, prompts: Sequence[str], completions: Sequence[str],
-               fields: Mapping[str, Sequence[Any]]) -> PendingScores:
+    def submit(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        fields: Mapping[str, Sequence[Any]],
+    ) -> PendingScores:
         """Schedule every chunk of every function and return at once (``PendingScores.result`` waits)."""
         if self._pool is None:
             raise RuntimeError("RewardPool is closed")
@@ -215,15 +250,29 @@ class RewardPool:
         fields = {k: list(v) for k, v in fields.items()}
         n, step = len(prompts), self.cfg.chunk_size
         if len(completions) != n or any(len(v) != n for v in fields.values()):
-            raise ValueError(f"submit needs aligned inputs: {n} prompts, {len(completions)} completions, "
-                             f"fields {({k: len(v) for k, v in fields.items()})}")
+            raise ValueError(
+                f"submit needs aligned inputs: {n} prompts, {len(completions)} completions, "
+                f"fields { ({k: len(v) for k, v in fields.items()}) }"
+            )
         t0 = time.perf_counter()
-        chunks = [[self._schedule(i, s, min(s + step, n), prompts, completions, fields) for s in range(0, n, step)]
-                  for i in range(len(self.reward_fns))]
+        chunks = [
+            [
+                self._schedule(i, s, min(s + step, n), prompts, completions, fields)
+                for s in range(0, n, step)
+            ]
+            for i in range(len(self.reward_fns))
+        ]
         return PendingScores(self, chunks, prompts, completions, fields, t0)
 
-    def _schedule(self, index: int, start: int, stop: int, prompts: list, completions: list,
-                  fields: dict[str, list]) -> _Chunk:
+    def _schedule(
+        self,
+        index: int,
+        start: int,
+        stop: int,
+        prompts: list,
+        completions: list,
+        fields: dict[str, list],
+    ) -> _Chunk:
         if self._pool is None:
             raise RuntimeError("RewardPool is closed")
         rows = {k: v[start:stop] for k, v in fields.items()}
@@ -231,11 +280,17 @@ class RewardPool:
         timeout = call_timeout_s(rf.fn, self.cfg.timeout_s, rows)
         if timeout != self.cfg.timeout_s and rf.name not in self._extended:
             self._extended.add(rf.name)
-            logger.info("reward function %r: a chunk's timeout is %gs, not PoolConfig.timeout_s=%g: the worst case "
-                        "it declares for the chunk's rows (e.g. each sandboxed run at its wall-clock limit)",
-                        rf.name, timeout, self.cfg.timeout_s)
+            logger.info(
+                "reward function %r: a chunk's timeout is %gs, not PoolConfig.timeout_s=%g: the worst case "
+                "it declares for the chunk's rows (e.g. each sandboxed run at its wall-clock limit)",
+                rf.name,
+                timeout,
+                self.cfg.timeout_s,
+            )
         args = (index, rf.name, start, prompts[start:stop], completions[start:stop], rows)
-        chunk = _Chunk(index, start, stop, self._pool.schedule(_run_chunk, args=args, timeout=timeout), timeout)
+        chunk = _Chunk(
+            index, start, stop, self._pool.schedule(_run_chunk, args=args, timeout=timeout), timeout
+        )
         with self._lock:
             self._live.add(chunk.future)
         chunk.future.add_done_callback(lambda fut: self._done(chunk, fut))
@@ -276,8 +331,10 @@ def _dumps(rf: RewardFunction) -> bytes:
     try:
         return cloudpickle.dumps(rf.fn)
     except Exception as exc:
-        raise TypeError(f"reward function {rf.name!r} cannot be pickled for the reward pool: "
-                        f"{type(exc).__name__}: {exc}") from exc
+        raise TypeError(
+            f"reward function {rf.name!r} cannot be pickled for the reward pool: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _stop(pool: pebble.ProcessPool) -> None:
@@ -289,8 +346,15 @@ def _stop(pool: pebble.ProcessPool) -> None:
 class PendingScores:
     """The chunks of one ``RewardPool.submit``; ``result`` waits for them."""
 
-    def __init__(self, pool: RewardPool, chunks: list[list[_Chunk]], prompts: list, completions: list,
-                 fields: dict[str, list], t0: float):
+    def __init__(
+        self,
+        pool: RewardPool,
+        chunks: list[list[_Chunk]],
+        prompts: list,
+        completions: list,
+        fields: dict[str, list],
+        t0: float,
+    ):
         self._pool, self._chunks, self._t0 = pool, chunks, t0
         self._prompts, self._completions, self._fields = prompts, completions, fields
 
@@ -317,7 +381,7 @@ class PendingScores:
             for chunk in chunks:
                 out = self._outcome(rf, chunk)
                 if out[0] == "ok":
-                    vals[chunk.start:chunk.stop] = out[1]
+                    vals[chunk.start : chunk.stop] = out[1]
                 elif on_error == "raise":
                     raise self._error(rf, chunk, out)
                 else:
@@ -336,14 +400,22 @@ class PendingScores:
             out = chunk.future.result()
         except Exception as exc:  # CancelledError included
             if self._pool.closed:  # close() kills and aborts tasks: whatever they then report
-                raise RewardError(f"reward pool closed while reward function {rf.name!r} was scoring "
-                                  f"{_span(chunk.start, chunk.stop)}") from None
-            if isinstance(exc, TimeoutError):  # pebble's: the function's own exceptions come back as values
+                raise RewardError(
+                    f"reward pool closed while reward function {rf.name!r} was scoring "
+                    f"{_span(chunk.start, chunk.stop)}"
+                ) from None
+            if isinstance(
+                exc, TimeoutError
+            ):  # pebble's: the function's own exceptions come back as values
                 return ("timeout",)
-            if isinstance(exc, (pebble.ProcessExpired, BrokenProcessPool)):  # broken: a worker died idle
+            if isinstance(
+                exc, (pebble.ProcessExpired, BrokenProcessPool)
+            ):  # broken: a worker died idle
                 return "crash", getattr(exc, "exitcode", None)
-            raise RewardError(f"reward pool could not run reward function {rf.name!r} on "  # e.g. unpicklable field
-                              f"{_span(chunk.start, chunk.stop)}: {type(exc).__name__}: {exc}") from exc
+            raise RewardError(
+                f"reward pool could not run reward function {rf.name!r} on "  # e.g. unpicklable field
+                f"{_span(chunk.start, chunk.stop)}: {type(exc).__name__}: {exc}"
+            ) from exc
         if out[0] == "contract":
             raise RewardError(out[1])
         return out
@@ -351,9 +423,11 @@ class PendingScores:
     def _error(self, rf: RewardFunction, chunk: _Chunk, out: tuple) -> RewardError:
         """The ``on_error="raise"`` error for a failed chunk."""
         if out[0] != "error":
-            return RewardError(f"reward function {rf.name!r} {_what(out, chunk.timeout_s)} on "
-                               f"{_span(chunk.start, chunk.stop)} (first: sample {chunk.start}, "
-                               f"completion={truncate(self._completions[chunk.start])!r})")
+            return RewardError(
+                f"reward function {rf.name!r} {_what(out, chunk.timeout_s)} on "
+                f"{_span(chunk.start, chunk.stop)} (first: sample {chunk.start}, "
+                f"completion={truncate(self._completions[chunk.start])!r})"
+            )
         err = self._locate(rf, chunk, out[1])
         err.add_note(f"worker traceback of the chunk:\n{out[2]}")
         return err
@@ -361,9 +435,19 @@ class PendingScores:
     def _locate(self, rf: RewardFunction, chunk: _Chunk, exc: str) -> RewardError:
         """Re-run a raising chunk's samples one by one in the pool; name the first that raises."""
         if chunk.stop - chunk.start == 1:
-            return raised_at(rf.name, exc, chunk.start, self._prompts[chunk.start], self._completions[chunk.start])
-        singles = [self._pool._schedule(chunk.index, i, i + 1, self._prompts, self._completions, self._fields)
-                   for i in range(chunk.start, chunk.stop)]
+            return raised_at(
+                rf.name,
+                exc,
+                chunk.start,
+                self._prompts[chunk.start],
+                self._completions[chunk.start],
+            )
+        singles = [
+            self._pool._schedule(
+                chunk.index, i, i + 1, self._prompts, self._completions, self._fields
+            )
+            for i in range(chunk.start, chunk.stop)
+        ]
         head = f"reward function {rf.name!r} raised {exc} on {_span(chunk.start, chunk.stop)}"
         for single in singles:
             out = self._outcome(rf, single)
@@ -393,8 +477,16 @@ def _log_missing(name: str, failed: list[tuple[_Chunk, tuple]]) -> None:
     for kind in KIND_KEYS:
         these = [(c, out) for c, out in failed if out[0] == kind]
         if these:
-            spans = ", ".join(_span(c.start, c.stop) for c, _ in these[:8]) + (", ..." if len(these) > 8 else "")
+            spans = ", ".join(_span(c.start, c.stop) for c, _ in these[:8]) + (
+                ", ..." if len(these) > 8 else ""
+            )
             out = these[0][1]
             tb = f"\nworker traceback (first):\n{out[2]}" if kind == "error" else ""
-            logger.warning("reward function %r %s in %d chunk(s): %s; their values count as missing%s", name,
-                           _what(out, these[0][0].timeout_s), len(these), spans, tb)
+            logger.warning(
+                "reward function %r %s in %d chunk(s): %s; their values count as missing%s",
+                name,
+                _what(out, these[0][0].timeout_s),
+                len(these),
+                spans,
+                tb,
+            )

@@ -50,22 +50,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from relax.choices import check_choice
-from relax.rewards import isolation as iso
 from relax.rewards import fresh_root, seccomp
+from relax.rewards import isolation as iso
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 NOBODY = 65534
 
 # Runs inside the sandbox with the sandbox's interpreter (-I -S: no site, no user paths): set the
 # limits, join a fresh session keyring and install the seccomp filter, then become the program.
-_LAUNCHER = seccomp.INSTALL + fresh_root.SETUP + (
-    "import json, os, resource, sys\n"
-    "if sys.argv[4]:\n"
-    "    fresh_root(sys.argv[4])\n"
-    "for name, (soft, hard) in json.loads(sys.argv[1]).items():\n"
-    "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
-    "install_seccomp(sys.argv[2], int(sys.argv[3]))\n"
-    "os.execvp(sys.argv[5], sys.argv[5:])\n"
+_LAUNCHER = (
+    seccomp.INSTALL
+    + fresh_root.SETUP
+    + (
+        "import json, os, resource, sys\n"
+        "if sys.argv[4]:\n"
+        "    fresh_root(sys.argv[4])\n"
+        "for name, (soft, hard) in json.loads(sys.argv[1]).items():\n"
+        "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
+        "install_seccomp(sys.argv[2], int(sys.argv[3]))\n"
+        "os.execvp(sys.argv[5], sys.argv[5:])\n"
+    )
 )
 
 
@@ -99,8 +103,15 @@ class SandboxConfig:
 
     def __post_init__(self):
         check_choice("isolation", self.isolation, iso.ISOLATIONS)
-        for name in ("cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb", "max_output_bytes",
-                     "tmpfs_mb"):
+        for name in (
+            "cpu_s",
+            "memory_mb",
+            "max_processes",
+            "max_open_files",
+            "max_file_mb",
+            "max_output_bytes",
+            "tmpfs_mb",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.wall_s > 0:
@@ -108,9 +119,14 @@ class SandboxConfig:
 
     def rlimits(self) -> dict[str, tuple[int, int]]:
         mb = 1 << 20
-        return {"RLIMIT_CPU": (self.cpu_s, self.cpu_s + 1), "RLIMIT_AS": (self.memory_mb * mb,) * 2,
-                "RLIMIT_NPROC": (self.max_processes,) * 2, "RLIMIT_NOFILE": (self.max_open_files,) * 2,
-                "RLIMIT_FSIZE": (self.max_file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0)}
+        return {
+            "RLIMIT_CPU": (self.cpu_s, self.cpu_s + 1),
+            "RLIMIT_AS": (self.memory_mb * mb,) * 2,
+            "RLIMIT_NPROC": (self.max_processes,) * 2,
+            "RLIMIT_NOFILE": (self.max_open_files,) * 2,
+            "RLIMIT_FSIZE": (self.max_file_mb * mb,) * 2,
+            "RLIMIT_CORE": (0, 0),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,23 +158,37 @@ class Sandbox:
         self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
         iso.check_user(self.isolation, cfg.allow_trainer_uid)
         self.python = _resolve_python(cfg.python)
-        self._prefix = iso.drop_privileges(cfg.uid, cfg.gid)  # what every run starts with, found once
+        self._prefix = iso.drop_privileges(
+            cfg.uid, cfg.gid
+        )  # what every run starts with, found once
         if self.isolation == "bwrap":
-            self._prefix += iso.bwrap_prefix(shutil.which("bwrap"), iso.interpreter_prefix(self.python),
-                                             cfg.tmpfs_mb << 20)
+            self._prefix += iso.bwrap_prefix(
+                shutil.which("bwrap"), iso.interpreter_prefix(self.python), cfg.tmpfs_mb << 20
+            )
         elif self.isolation == "unshare":
             self._prefix += iso.unshare_prefix(shutil.which("unshare"))
         if not seccomp.supported():
-            raise iso.SandboxUnavailable(f"no seccomp filter for this machine's architecture; the sandbox "
-                                         f"supports {', '.join(seccomp.SYSCALLS)}")
-        self._launch = [self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg.rlimits()),
-                        seccomp.filter_program().hex(), str(seccomp.keyctl_number())]
+            raise iso.SandboxUnavailable(
+                f"no seccomp filter for this machine's architecture; the sandbox "
+                f"supports {', '.join(seccomp.SYSCALLS)}"
+            )
+        self._launch = [
+            self.python,
+            "-I",
+            "-S",
+            "-c",
+            _LAUNCHER,
+            json.dumps(cfg.rlimits()),
+            seccomp.filter_program().hex(),
+            str(seccomp.keyctl_number()),
+        ]
         self._runs = _private_parent()
         probe = self.run({"probe.py": "print(6 * 7)"}, ["{python}", "-I", "src/probe.py"])
         if probe.stdout.strip() != "42":
             raise iso.SandboxUnavailable(
                 f"the sandbox ({self.isolation}) could not run {self.python}: exit {probe.returncode}, "
-                f"stderr {probe.stderr.strip()[:300]!r}")
+                f"stderr {probe.stderr.strip()[:300]!r}"
+            )
 
     def run(self, files: Mapping[str, str], argv: Sequence[str], stdin: str = "") -> SandboxResult:
         """Write ``files`` under ``src/``, run ``argv`` (``{python}`` is replaced by the interpreter)
@@ -166,23 +196,39 @@ class Sandbox:
         with tempfile.TemporaryDirectory(prefix="run-", dir=self._runs) as work:
             work = Path(work)
             _write_files(work / "src", files)
-            if os.geteuid() == 0 and self.isolation != "bwrap":  # the program writes its working directory
+            if (
+                os.geteuid() == 0 and self.isolation != "bwrap"
+            ):  # the program writes its working directory
                 os.chown(work, self.cfg.uid, self.cfg.gid)
             os.chmod(work, 0o755 if self.isolation == "bwrap" else 0o700)
             t0 = time.perf_counter()
             env = _clean_env(work, self.isolation)
-            out, err, code, timed_out, truncated = _execute(self._command(work, argv), work, env, stdin, self.cfg)
+            out, err, code, timed_out, truncated = _execute(
+                self._command(work, argv), work, env, stdin, self.cfg
+            )
             wall = time.perf_counter() - t0
         if self.isolation == "bwrap" and code > 128:  # bwrap reports a signal as 128 + its number
             code = 128 - code
-        return SandboxResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, truncated,
-                             wall, self.isolation)
+        return SandboxResult(
+            code,
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
+            timed_out,
+            truncated,
+            wall,
+            self.isolation,
+        )
 
     def _command(self, work: Path, argv: Sequence[str]) -> list[str]:
         program = [self.python if a == "{python}" else a for a in argv]
         per_run = iso.bwrap_program(work / "src") if self.isolation == "bwrap" else []
-        root = fresh_root.plan(work, iso.interpreter_prefix(self.python), self.cfg.tmpfs_mb << 20, iso.SANDBOX_DIR) \
-            if self.isolation == "unshare" else ""
+        root = (
+            fresh_root.plan(
+                work, iso.interpreter_prefix(self.python), self.cfg.tmpfs_mb << 20, iso.SANDBOX_DIR
+            )
+            if self.isolation == "unshare"
+            else ""
+        )
         return self._prefix + per_run + self._launch + [root] + program
 
 
@@ -195,8 +241,10 @@ def sandbox_for(cfg: SandboxConfig) -> Sandbox:
 def _resolve_python(python: str) -> str:
     found = python if os.path.isabs(python) else shutil.which(python, path=SAFE_PATH)
     if found is None or not os.access(found, os.X_OK):
-        raise iso.SandboxUnavailable(f"sandbox interpreter {python!r} not found on {SAFE_PATH}; set "
-                                     "SandboxConfig.python to a path the sandbox user can execute")
+        raise iso.SandboxUnavailable(
+            f"sandbox interpreter {python!r} not found on {SAFE_PATH}; set "
+            "SandboxConfig.python to a path the sandbox user can execute"
+        )
     return found
 
 
@@ -213,17 +261,31 @@ def _write_files(src: Path, files: Mapping[str, str]) -> None:
 
 def _clean_env(work: Path, isolation: str) -> dict[str, str]:
     home = str(work) if isolation == "none" else iso.SANDBOX_DIR
-    return {"PATH": SAFE_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    return {
+        "PATH": SAFE_PATH,
+        "HOME": home,
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 def _execute(cmd: list[str], work: Path, env: dict[str, str], stdin: str, cfg: SandboxConfig):
     """Run ``cmd`` in a new session; ``(stdout, stderr, returncode, timed_out, truncated)``. The
     process group is SIGKILLed at the deadline, past the output cap, and always at the end."""
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=work, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=work,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        out, err, timed_out, truncated = _pump(proc, stdin.encode(), time.monotonic() + cfg.wall_s,
-                                               cfg.max_output_bytes)
+        out, err, timed_out, truncated = _pump(
+            proc, stdin.encode(), time.monotonic() + cfg.wall_s, cfg.max_output_bytes
+        )
     finally:
         _kill_tree(proc.pid)
         _kill_group(proc.pid)
@@ -272,7 +334,7 @@ def _pump(proc: subprocess.Popen, data: bytes, deadline: float, cap: int):
 
 def _feed(sel: selectors.BaseSelector, stdin, view: memoryview) -> memoryview:
     try:
-        view = view[os.write(stdin.fileno(), view[:65536]):]
+        view = view[os.write(stdin.fileno(), view[:65536]) :]
     except (BrokenPipeError, OSError):  # the program closed its stdin
         view = view[:0]
     if not view:
@@ -301,7 +363,7 @@ def _children() -> dict[int, list[int]]:
                 stat = f.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
         kids.setdefault(ppid, []).append(int(entry.name))
     return kids
 
@@ -327,5 +389,3 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-

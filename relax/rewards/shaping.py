@@ -68,12 +68,16 @@ def combine(
     return total, {k: stacked[i] for i, k in enumerate(names)}
 
 
-def _weight_list(names: list[str], weights: Sequence[float] | Mapping[str, float] | None) -> list[float]:
+def _weight_list(
+    names: list[str], weights: Sequence[float] | Mapping[str, float] | None
+) -> list[float]:
     if weights is None:
         return [1.0] * len(names)
     if isinstance(weights, Mapping):
         if set(weights) != set(names):
-            raise ValueError(f"weights names {sorted(weights)} differ from reward names {sorted(names)}")
+            raise ValueError(
+                f"weights names {sorted(weights)} differ from reward names {sorted(names)}"
+            )
         return [float(weights[k]) for k in names]
     weights = [float(x) for x in weights]
     if len(weights) != len(names):
@@ -102,7 +106,9 @@ def overlong_penalty(
     ``factor = 1``. ``buffer_length = 0`` is a hard cliff: ``-factor`` iff ``L > max_length``.
     """
     if not 0 <= buffer_length <= max_length:
-        raise ValueError(f"need 0 <= buffer_length <= max_length, got {buffer_length}, {max_length}")
+        raise ValueError(
+            f"need 0 <= buffer_length <= max_length, got {buffer_length}, {max_length}"
+        )
     if penalty_factor < 0:
         raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
     L = jnp.asarray(lengths).astype(jnp.float32)
@@ -169,11 +175,11 @@ def dynamic_sampling_mask(rewards: Float[Array, "p g"]) -> Bool[Array, " p"]:
 def group_stats(rewards: Float[Array, "p g"]) -> dict[str, Float[Array, ""]]:
     """Scalar reward metrics over valid (non-NaN) entries, TRL's names where TRL logs them::
 
-        reward                mean of valid rewards
-        reward_std            mean over groups (with >= 1 valid) of the unbiased in-group std
-        frac_reward_zero_std  fraction of groups whose valid rewards are all equal
-                              (= 1 - mean(dynamic_sampling_mask))
-        frac_reward_missing   fraction of NaN rewards
+    reward                mean of valid rewards
+    reward_std            mean over groups (with >= 1 valid) of the unbiased in-group std
+    frac_reward_zero_std  fraction of groups whose valid rewards are all equal
+                          (= 1 - mean(dynamic_sampling_mask))
+    frac_reward_missing   fraction of NaN rewards
     """
     r = jnp.asarray(rewards)
     if r.ndim != 2:

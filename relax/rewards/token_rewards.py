@@ -16,7 +16,8 @@ from relax.rewards.functions import check_finite
 from relax.rewards.shaping import combine
 
 TokenRewardFn = Callable[
-    [Int[Array, "p lp"], Bool[Array, "p lp"], Int[Array, "p g n"], Bool[Array, "p g n"]], Float[Array, "p g"]
+    [Int[Array, "p lp"], Bool[Array, "p lp"], Int[Array, "p g n"], Bool[Array, "p g n"]],
+    Float[Array, "p g"],
 ]
 
 
@@ -59,8 +60,12 @@ def score_tokens(
         raise ValueError(f"duplicate token reward names {names}")
     shapes = (jnp.shape(prompt_ids), jnp.shape(completion_ids))
     if len(shapes[0]) != 2 or len(shapes[1]) != 3:
-        raise ValueError(f"need prompt_ids [P, Lp] and completion_ids [P, G, N], got {shapes[0]}, {shapes[1]}")
-    total, per = _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        raise ValueError(
+            f"need prompt_ids [P, Lp] and completion_ids [P, G, N], got {shapes[0]}, {shapes[1]}"
+        )
+    total, per = _score_tokens(
+        fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask
+    )
     if not isinstance(total, jax.core.Tracer):
         with np.errstate(over="ignore"):  # float32 is what the trainer uses (make_score)
             per32 = {k: np.asarray(v, np.float32) for k, v in per.items()}
@@ -76,12 +81,16 @@ def _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, com
     for f in fns:
         v = jnp.asarray(f.fn(prompt_ids, prompt_mask, completion_ids, completion_mask))
         if v.shape != pg:
-            raise ValueError(f"token reward {f.name!r} returned shape {v.shape}, expected [P, G] = {pg}")
+            raise ValueError(
+                f"token reward {f.name!r} returned shape {v.shape}, expected [P, G] = {pg}"
+            )
         vals[f.name] = v.astype(jnp.promote_types(v.dtype, jnp.float32))
     return combine(vals, {f.name: f.weight for f in fns}, all_missing=all_missing)
 
 
-def length_reward(*, name: str = "length", weight: float = 1.0, scale: float = 1.0) -> TokenRewardFunction:
+def length_reward(
+    *, name: str = "length", weight: float = 1.0, scale: float = 1.0
+) -> TokenRewardFunction:
     """Completion length in tokens, scaled: ``r[p, g] = scale * sum_t mask[p, g, t]``.
 
     With a negative ``weight`` this is a plain length penalty (see ``shaping`` for finer shaping).
@@ -109,7 +118,9 @@ def token_match_reward(
 
     def fn(prompt_ids, prompt_mask, completion_ids, completion_mask):
         m = min(len(target), completion_ids.shape[-1])
-        hit = (completion_ids[..., :m] == jnp.asarray(target[:m], completion_ids.dtype)) & completion_mask[..., :m]
+        hit = (
+            completion_ids[..., :m] == jnp.asarray(target[:m], completion_ids.dtype)
+        ) & completion_mask[..., :m]
         return jnp.sum(hit.astype(jnp.float32), axis=-1) / len(target)
 
     return TokenRewardFunction(fn, name, weight)

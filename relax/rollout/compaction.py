@@ -27,7 +27,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-
 COMPACTED_BLOCKS = 4  # completion-cache blocks of a compacted phase: one decode loop each
 
 

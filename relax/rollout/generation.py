@@ -37,14 +37,22 @@ class GenerationConfig:
             raise ValueError(f"compactions must be >= 0, got {self.compactions}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must be non-empty strings")
-        self.sampling  # top_k / top_p / min_p are valid
+        _ = self.sampling  # top_k / top_p / min_p are valid
 
     @property
     def sampling(self) -> SamplingConfig:
         """The per-token sampling controls."""
-        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        return SamplingConfig(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
+        )
 
     def rollout(self, *, eos_ids: tuple[int, ...], pad_id: int) -> RolloutConfig:
         """The sampler's config for a tokenizer's ``eos_ids`` and ``pad_id``."""
-        return RolloutConfig(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
-                             sampling=self.sampling, eos_ids=eos_ids, pad_id=pad_id, compactions=self.compactions)
+        return RolloutConfig(
+            num_generations=self.num_generations,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            eos_ids=eos_ids,
+            pad_id=pad_id,
+            compactions=self.compactions,
+        )

@@ -17,13 +17,17 @@ from relax.rollout.sampler import Rollout, RolloutConfig, pad_to_bucket, validat
 from relax.rollout.sampling import sample, uniforms
 
 
-def _generate_no_cache(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+def _generate_no_cache(
+    model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig
+) -> Rollout:
     p, lp = prompt_ids.shape
     g, n = cfg.num_generations, cfg.max_new_tokens
     b = p * g
     keys = jax.random.split(key, b)
     eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
-    buf = jnp.concatenate([jnp.repeat(prompt_ids, g, axis=0), jnp.full((b, n), cfg.pad_id, jnp.int32)], 1)
+    buf = jnp.concatenate(
+        [jnp.repeat(prompt_ids, g, axis=0), jnp.full((b, n), cfg.pad_id, jnp.int32)], 1
+    )
     bmask = jnp.concatenate([jnp.repeat(prompt_mask, g, axis=0), jnp.zeros((b, n), jnp.int32)], 1)
     logps = jnp.zeros((b, n), jnp.float32)
     finished = jnp.zeros((b,), bool)
@@ -41,8 +45,13 @@ def _generate_no_cache(model: Transformer, prompt_ids, prompt_mask, key, cfg: Ro
     buf, bmask, logps, finished = jax.lax.fori_loop(0, n, body, (buf, bmask, logps, finished))
     shape = (p, g, n)
     mask = bmask[:, lp:]
-    return Rollout(tokens=buf[:, lp:].reshape(shape), mask=mask.reshape(shape), logprobs=logps.reshape(shape),
-                   lengths=mask.sum(1).reshape(p, g), finished=finished.reshape(p, g))
+    return Rollout(
+        tokens=buf[:, lp:].reshape(shape),
+        mask=mask.reshape(shape),
+        logprobs=logps.reshape(shape),
+        lengths=mask.sum(1).reshape(p, g),
+        finished=finished.reshape(p, g),
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -50,7 +59,9 @@ def _compiled(cfg: RolloutConfig):
     return jax.jit(functools.partial(_generate_no_cache, cfg=cfg))
 
 
-def generate_no_cache(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
+def generate_no_cache(
+    model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig
+) -> Rollout:
     validate(model, prompt_ids, prompt_mask, cfg)
     ids, mask = pad_to_bucket(prompt_ids, prompt_mask, cfg.prompt_buckets, cfg.pad_id)
     return _compiled(cfg)(model, ids, mask, key)

@@ -36,7 +36,8 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -70,10 +71,16 @@ class InProgress:
     @classmethod
     def start(cls, prompt_ids, prompt_mask, record, g: int, n: int, pad_id: int) -> InProgress:
         p = prompt_ids.shape[0]
-        return cls(prompt_ids=np.asarray(prompt_ids, np.int32), prompt_mask=np.asarray(prompt_mask, np.int32),
-                   record=record, tokens=np.full((p, g, n), pad_id, np.int32), logprobs=np.zeros((p, g, n), np.float32),
-                   versions=np.full((p, g, n), UNSAMPLED, np.int32), lengths=np.zeros((p, g), np.int32),
-                   finished=np.zeros((p, g), bool))
+        return cls(
+            prompt_ids=np.asarray(prompt_ids, np.int32),
+            prompt_mask=np.asarray(prompt_mask, np.int32),
+            record=record,
+            tokens=np.full((p, g, n), pad_id, np.int32),
+            logprobs=np.zeros((p, g, n), np.float32),
+            versions=np.full((p, g, n), UNSAMPLED, np.int32),
+            lengths=np.zeros((p, g), np.int32),
+            finished=np.zeros((p, g), bool),
+        )
 
     @property
     def running(self) -> np.ndarray:
@@ -88,9 +95,9 @@ class InProgress:
     def write(self, p: int, g: int, tokens, logprobs, mask, finished: bool, version: int) -> None:
         """Append a chunk's sampled tokens (``mask``) to completion ``(p, g)``."""
         start, k = int(self.lengths[p, g]), int(mask.sum())
-        self.tokens[p, g, start:start + k] = tokens[:k]
-        self.logprobs[p, g, start:start + k] = logprobs[:k]
-        self.versions[p, g, start:start + k] = version
+        self.tokens[p, g, start : start + k] = tokens[:k]
+        self.logprobs[p, g, start : start + k] = logprobs[:k]
+        self.versions[p, g, start : start + k] = version
         self.lengths[p, g] += k
         self.finished[p, g] |= bool(finished)
 
@@ -105,11 +112,19 @@ class InProgress:
 
 def _encode_array(x: np.ndarray) -> dict:
     x = np.ascontiguousarray(x)
-    return {"dtype": x.dtype.str, "shape": list(x.shape), "data": base64.b64encode(x.tobytes()).decode("ascii")}
+    return {
+        "dtype": x.dtype.str,
+        "shape": list(x.shape),
+        "data": base64.b64encode(x.tobytes()).decode("ascii"),
+    }
 
 
 def _decode_array(d: dict) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(d["data"], validate=True), np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+    return (
+        np.frombuffer(base64.b64decode(d["data"], validate=True), np.dtype(d["dtype"]))
+        .reshape(d["shape"])
+        .copy()
+    )
 
 
 _ARRAYS = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "versions", "lengths", "finished")
@@ -130,13 +145,23 @@ class PartialRollouts:
     It stands in for the data iterator of a pipelined run: ``next()`` is a ``PartialRequest``,
     and the rollout stage calls ``produce`` with the sampler's weights."""
 
-    def __init__(self, batches, to_prompts: Callable, cfg: RolloutConfig, k: int, *,
-                 encode: Callable[[Any], Any] = lambda r: r, decode: Callable[[Any], Any] = lambda r: r):
+    def __init__(
+        self,
+        batches,
+        to_prompts: Callable,
+        cfg: RolloutConfig,
+        k: int,
+        *,
+        encode: Callable[[Any], Any] = lambda r: r,
+        decode: Callable[[Any], Any] = lambda r: r,
+    ):
         if k < 2:
             raise ValueError(f"partial rollouts sample a batch over k >= 2 rollouts, got {k}")
         if cfg.max_new_tokens % k:
-            raise ValueError(f"--async.partial {k} must divide the completion budget max_new_tokens="
-                             f"{cfg.max_new_tokens} (every rollout samples max_new_tokens / {k} tokens)")
+            raise ValueError(
+                f"--async.partial {k} must divide the completion budget max_new_tokens="
+                f"{cfg.max_new_tokens} (every rollout samples max_new_tokens / {k} tokens)"
+            )
         self.batches, self.to_prompts, self.cfg, self.k = batches, to_prompts, cfg, k
         self.encode, self.decode = encode, decode
         self.chunk = cfg.max_new_tokens // k
@@ -158,39 +183,64 @@ class PartialRollouts:
 
     def get_state(self) -> dict:
         data = self.batches.get_state()
-        data = {"bytes": base64.b64encode(bytes(data)).decode("ascii")} if isinstance(data, (bytes, bytearray)) \
+        data = (
+            {"bytes": base64.b64encode(bytes(data)).decode("ascii")}
+            if isinstance(data, (bytes, bytearray))
             else {"json": data}
-        return {"data": data, "produced": self.produced, "in_progress": [
-            {"chunks": b.chunks, "record": self.encode(b.record), **{f: _encode_array(getattr(b, f)) for f in _ARRAYS}}
-            for b in self.in_progress]}
+        )
+        return {
+            "data": data,
+            "produced": self.produced,
+            "in_progress": [
+                {
+                    "chunks": b.chunks,
+                    "record": self.encode(b.record),
+                    **{f: _encode_array(getattr(b, f)) for f in _ARRAYS},
+                }
+                for b in self.in_progress
+            ],
+        }
 
     def set_state(self, state: dict) -> None:
         data = state["data"]
         self.batches.set_state(base64.b64decode(data["bytes"]) if "bytes" in data else data["json"])
         self.in_progress = collections.deque(
-            InProgress(record=self.decode(b["record"]), chunks=b["chunks"],
-                       **{f: _decode_array(b[f]) for f in _ARRAYS}) for b in state["in_progress"])
+            InProgress(
+                record=self.decode(b["record"]),
+                chunks=b["chunks"],
+                **{f: _decode_array(b[f]) for f in _ARRAYS},
+            )
+            for b in state["in_progress"]
+        )
         self.produced = self.requested = state["produced"]
 
     # ------------------------------------------------------------------ sampling
 
     def running_rows(self) -> list[tuple[InProgress, int, int]]:
         """``(batch, p, g)`` of every completion still sampling, oldest batch first."""
-        return [(b, int(p), int(g)) for b in self.in_progress for p, g in zip(*np.nonzero(b.running))]
+        return [
+            (b, int(p), int(g)) for b in self.in_progress for p, g in zip(*np.nonzero(b.running))
+        ]
 
     def continuation_prompts(self, rows: list[tuple[InProgress, int, int]]):
         """The rows' prompts: each completion's prompt and tokens so far, left-padded to the next
         multiple of the chunk (rows hold multiples of it); the row count padded to a power of two
         (the padding rows repeat row 0)."""
-        seqs = [np.concatenate([b.prompt_ids[p][b.prompt_mask[p] > 0], b.tokens[p, g, :b.lengths[p, g]]])
-                for b, p, g in rows]
-        width = -(-max(len(s) for s in seqs) // self.chunk) * self.chunk  # a multiple of the chunk: few shapes
+        seqs = [
+            np.concatenate(
+                [b.prompt_ids[p][b.prompt_mask[p] > 0], b.tokens[p, g, : b.lengths[p, g]]]
+            )
+            for b, p, g in rows
+        ]
+        width = (
+            -(-max(len(s) for s in seqs) // self.chunk) * self.chunk
+        )  # a multiple of the chunk: few shapes
         r = _pow2(len(seqs))
         ids = np.full((r, width), self.cfg.pad_id, np.int32)
         mask = np.zeros((r, width), np.int32)
         for i in range(r):
             s = seqs[i if i < len(seqs) else 0]
-            ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+            ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
         return ids, mask
 
     def _call(self, policy, version: int, key, fresh) -> dict[str, float]:
@@ -202,16 +252,33 @@ class PartialRollouts:
         if fresh is not None:
             ids, mask, record = self.to_prompts(fresh)
             validate(policy, ids, mask, self.cfg)  # the whole budget fits the model's context
-            started = InProgress.start(ids, mask, record, self.cfg.num_generations, self.cfg.max_new_tokens,
-                                       self.cfg.pad_id)
-            new = compiled_generate(self.fresh_cfg)(policy, started.prompt_ids, started.prompt_mask,
-                                                    jax.random.fold_in(key, 0))
+            started = InProgress.start(
+                ids,
+                mask,
+                record,
+                self.cfg.num_generations,
+                self.cfg.max_new_tokens,
+                self.cfg.pad_id,
+            )
+            new = compiled_generate(self.fresh_cfg)(
+                policy, started.prompt_ids, started.prompt_mask, jax.random.fold_in(key, 0)
+            )
         if rows:
             ids, mask = self.continuation_prompts(rows)
-            stats["prefill_tokens"] = float(mask[:len(rows)].sum())
-            cont = jax.device_get(compiled_generate(self.cont_cfg)(policy, ids, mask, jax.random.fold_in(key, 1)))
+            stats["prefill_tokens"] = float(mask[: len(rows)].sum())
+            cont = jax.device_get(
+                compiled_generate(self.cont_cfg)(policy, ids, mask, jax.random.fold_in(key, 1))
+            )
             for i, (b, p, g) in enumerate(rows):
-                b.write(p, g, cont.tokens[i, 0], cont.logprobs[i, 0], cont.mask[i, 0], cont.finished[i, 0], version)
+                b.write(
+                    p,
+                    g,
+                    cont.tokens[i, 0],
+                    cont.logprobs[i, 0],
+                    cont.mask[i, 0],
+                    cont.finished[i, 0],
+                    version,
+                )
         for b in self.in_progress:
             b.chunks += 1
         if started is not None:
@@ -224,8 +291,10 @@ class PartialRollouts:
         """The complete batch of update ``request.index``, sampling on ``policy`` (version
         ``version``, keys from ``key``): one call, or K on the first rollout (module docstring)."""
         if request.index != self.produced:
-            raise RuntimeError(f"partial rollout {request.index} requested, but {self.produced} is next: the "
-                               "pipeline must produce batches in order")
+            raise RuntimeError(
+                f"partial rollout {request.index} requested, but {self.produced} is next: the "
+                "pipeline must produce batches in order"
+            )
         calls, totals = 0, collections.Counter()
         while not self.in_progress or self.in_progress[0].chunks < self.k:
             fresh = next(self.batches, None)
@@ -235,10 +304,15 @@ class PartialRollouts:
             calls += 1
         done = self.in_progress.popleft()
         if done.running.any():
-            raise RuntimeError(f"batch {self.produced} has unfinished completions after {self.k} rollouts")
+            raise RuntimeError(
+                f"batch {self.produced} has unfinished completions after {self.k} rollouts"
+            )
         self.produced += 1
         chunked = (done.versions != done.versions[..., :1]) & (done.versions != UNSAMPLED)
-        self.last = {"partial/calls": float(calls), **{f"partial/{k}": float(v) for k, v in sorted(totals.items())},
-                     "partial/in_progress": float(len(self.in_progress)),
-                     "partial/mixed_version_frac": float(chunked.any(-1).mean())}
+        self.last = {
+            "partial/calls": float(calls),
+            **{f"partial/{k}": float(v) for k, v in sorted(totals.items())},
+            "partial/in_progress": float(len(self.in_progress)),
+            "partial/mixed_version_frac": float(chunked.any(-1).mean()),
+        }
         return done

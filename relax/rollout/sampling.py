@@ -56,7 +56,9 @@ def filter_logits(z: Float[Array, "b v"], cfg: SamplingConfig) -> Float[Array, "
         sorted_p = -jnp.sort(-p, axis=-1)
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
         # smallest probability still inside the nucleus (the token that crosses top_p is kept)
-        threshold = jnp.min(jnp.where(before < cfg.top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
+        threshold = jnp.min(
+            jnp.where(before < cfg.top_p, sorted_p, jnp.inf), axis=-1, keepdims=True
+        )
         z = jnp.where(p >= threshold, z, neg)
     if cfg.min_p is not None and cfg.min_p > 0.0:
         p = jax.nn.softmax(z, axis=-1)
@@ -64,8 +66,9 @@ def filter_logits(z: Float[Array, "b v"], cfg: SamplingConfig) -> Float[Array, "
     return z
 
 
-def sample(logits: Float[Array, "b v"], u: Float[Array, " b"], cfg: SamplingConfig
-           ) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
+def sample(
+    logits: Float[Array, "b v"], u: Float[Array, " b"], cfg: SamplingConfig
+) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
     """Draw one token per row with uniforms ``u`` in (0, 1]; return (token, log-prob)."""
     z = logits.astype(jnp.float32)
     if not cfg.greedy:
@@ -75,7 +78,9 @@ def sample(logits: Float[Array, "b v"], u: Float[Array, " b"], cfg: SamplingConf
     if cfg.greedy:
         tok = jnp.argmax(z, axis=-1)
     elif filters_active(cfg):
-        tok = _invert_cdf(jnp.where(jnp.isneginf(filter_logits(z, cfg)), 0.0, e), u)  # kept: e, cut: 0
+        tok = _invert_cdf(
+            jnp.where(jnp.isneginf(filter_logits(z, cfg)), 0.0, e), u
+        )  # kept: e, cut: 0
     else:
         tok = _invert_cdf(e, u)
     tok = tok.astype(jnp.int32)
@@ -85,11 +90,16 @@ def sample(logits: Float[Array, "b v"], u: Float[Array, " b"], cfg: SamplingConf
 
 
 def filters_active(cfg: SamplingConfig) -> bool:
-    return ((cfg.top_k is not None) or (cfg.top_p is not None and cfg.top_p < 1.0)
-            or (cfg.min_p is not None and cfg.min_p > 0.0))
+    return (
+        (cfg.top_k is not None)
+        or (cfg.top_p is not None and cfg.top_p < 1.0)
+        or (cfg.min_p is not None and cfg.min_p > 0.0)
+    )
 
 
-def _invert_cdf(weights: Float[Array, "b v"], u: Float[Array, " b"], block: int = 64) -> Int[Array, " b"]:
+def _invert_cdf(
+    weights: Float[Array, "b v"], u: Float[Array, " b"], block: int = 64
+) -> Int[Array, " b"]:
     """First index whose cumulative (unnormalised) weight reaches ``u * total``.
 
     Two levels - pick the block of ``block`` tokens by the cumulative block sums, then the token
@@ -102,7 +112,9 @@ def _invert_cdf(weights: Float[Array, "b v"], u: Float[Array, " b"], block: int 
     block_cdf = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [b, nb]
     target = u * block_cdf[:, -1]
     blk = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), nb - 1)
-    before = jnp.where(blk > 0, jnp.take_along_axis(block_cdf, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0)
+    before = jnp.where(
+        blk > 0, jnp.take_along_axis(block_cdf, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0
+    )
     inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]  # [b, block]
     cdf = before[:, None] + jnp.cumsum(inner, axis=-1)
     # rounding can leave the last partial sum a hair below target: never step past the block's

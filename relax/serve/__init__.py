@@ -14,7 +14,13 @@ changed import::
 
 from __future__ import annotations
 
-_CLIENT = ("ServiceClient", "TrainingClient", "SamplingClient", "ServiceError", "LocalServiceClient")
+_CLIENT = (
+    "ServiceClient",
+    "TrainingClient",
+    "SamplingClient",
+    "ServiceError",
+    "LocalServiceClient",
+)
 
 
 def __getattr__(name: str):

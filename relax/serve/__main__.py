@@ -11,7 +11,14 @@ import tyro
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from relax.serve.server import ServeConfig, check_binding, check_parallel, load_service, make_app, read_token
+    from relax.serve.server import (
+        ServeConfig,
+        check_binding,
+        check_parallel,
+        load_service,
+        make_app,
+        read_token,
+    )
 
     cfg = tyro.cli(ServeConfig, args=sys.argv[1:] if argv is None else argv, description=__doc__)
     token = read_token(cfg)
@@ -24,9 +31,19 @@ def main(argv: list[str] | None = None) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     service = load_service(cfg)
-    logger.info("serving %s on http://%s:%d (state in %s)", service.cfg.model, cfg.host,
-                                          cfg.port, service.root)
-    uvicorn.run(make_app(service, token, max_body_mb=cfg.max_body_mb), host=cfg.host, port=cfg.port, log_level="warning")
+    logger.info(
+        "serving %s on http://%s:%d (state in %s)",
+        service.cfg.model,
+        cfg.host,
+        cfg.port,
+        service.root,
+    )
+    uvicorn.run(
+        make_app(service, token, max_body_mb=cfg.max_body_mb),
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+    )
 
 
 if __name__ == "__main__":

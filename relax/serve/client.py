@@ -38,11 +38,28 @@ import numpy as np
 
 from relax.algorithms.online.batch import LossRows
 from relax.serve.datum import bucket
-from relax.serve.types import (AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse,
-                               SampledSequence, SampleResponse, SamplingParams, SaveResponse, TensorData)
+from relax.serve.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    SaveResponse,
+    TensorData,
+)
 from relax.serve.wire import RequestError, encode_batch, materialize, pack, unpack
 
-__all__ = ["LocalServiceClient", "grouped_rows", "ServiceClient", "ServiceError", "SamplingClient", "TrainingClient"]
+__all__ = [
+    "LocalServiceClient",
+    "grouped_rows",
+    "ServiceClient",
+    "ServiceError",
+    "SamplingClient",
+    "TrainingClient",
+]
 
 MEDIA_TYPE = "application/msgpack"
 
@@ -59,10 +76,19 @@ class ServiceError(RuntimeError):
 class ServiceClient:
     """A connection to ``python -m relax.serve`` (``token``: else ``RELAX_SERVE_TOKEN``)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8470", *, token: str | None = None,
-                 api_key: str | None = None, timeout: float | None = None):
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8470",
+        *,
+        token: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = None,
+    ):
         token = token or api_key or os.environ.get("RELAX_SERVE_TOKEN")  # api_key: Tinker's name
-        headers = {"content-type": MEDIA_TYPE, **({"authorization": f"Bearer {token}"} if token else {})}
+        headers = {
+            "content-type": MEDIA_TYPE,
+            **({"authorization": f"Bearer {token}"} if token else {}),
+        }
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -79,21 +105,39 @@ class ServiceClient:
     def get_server_capabilities(self) -> dict:
         return self.call("GET", "/v1/info")
 
-    def create_lora_training_client(self, base_model: str | None = None, rank: int | None = None, *,
-                                    seed: int = 0, value_head: bool = False, **lora) -> TrainingClient:
+    def create_lora_training_client(
+        self,
+        base_model: str | None = None,
+        rank: int | None = None,
+        *,
+        seed: int = 0,
+        value_head: bool = False,
+        **lora,
+    ) -> TrainingClient:
         """A new session with its own adapters (``rank``, LoRA options; default: the server's);
         ``value_head``: with a value head on the policy's backbone, for the objective ``"ppo"`` on
         ``ValueRows`` (relax's addition). ``base_model``, when given, must be the model the server holds."""
-        if base_model is not None and base_model != (served := self.get_server_capabilities()["model"]):
+        if base_model is not None and base_model != (
+            served := self.get_server_capabilities()["model"]
+        ):
             raise ValueError(f"the server holds {served!r}, not {base_model!r}")
-        body = {"seed": seed, "value_head": value_head, **lora, **({"rank": rank} if rank is not None else {})}
+        body = {
+            "seed": seed,
+            "value_head": value_head,
+            **lora,
+            **({"rank": rank} if rank is not None else {}),
+        }
         return TrainingClient(self, self.call("POST", "/v1/sessions", body)["session"])
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:
         """A new session restored from a ``save_state`` path (also after the server restarted)."""
-        return TrainingClient(self, self.call("POST", "/v1/sessions/from_state", {"path": path})["session"])
+        return TrainingClient(
+            self, self.call("POST", "/v1/sessions/from_state", {"path": path})["session"]
+        )
 
-    def create_sampling_client(self, model_path: str = "base", *, parallel: int = 4) -> SamplingClient:
+    def create_sampling_client(
+        self, model_path: str = "base", *, parallel: int = 4
+    ) -> SamplingClient:
         return SamplingClient(self, model_path, parallel=parallel)
 
     def get_tokenizer(self):
@@ -122,7 +166,9 @@ class LocalServiceClient(ServiceClient):
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         from relax.serve.server import resolve, run
 
-        status, out = self._worker.submit(run, resolve(self._service, method, path, materialize(body or {}))).result()
+        status, out = self._worker.submit(
+            run, resolve(self._service, method, path, materialize(body or {}))
+        ).result()
         if status != 200:
             raise ServiceError(status, out["error"], out.get("field"))
         return out
@@ -143,7 +189,9 @@ class TrainingClient:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"relax-{session}")
 
     def _submit(self, op: str, body: dict, parse=lambda out: out) -> Future:
-        return self._sender.submit(lambda: parse(self.service.call("POST", f"/v1/sessions/{self.session}/{op}", body)))
+        return self._sender.submit(
+            lambda: parse(self.service.call("POST", f"/v1/sessions/{self.session}/{op}", body))
+        )
 
     def _loss_body(self, data, loss_fn: str, loss_fn_config: dict | None) -> dict:
         body: dict[str, Any] = {"loss_fn": loss_fn, "loss_fn_config": loss_fn_config or {}}
@@ -156,17 +204,26 @@ class TrainingClient:
     def forward_backward(self, data, loss_fn: str, loss_fn_config: dict | None = None) -> Future:
         """Future of ``ForwardBackwardOutput``; the gradients are summed into the session's until
         ``optim_step``."""
-        parse = lambda out: ForwardBackwardOutput([_arrays(o) for o in out["loss_fn_outputs"]], out["metrics"])  # noqa: E731
-        return self._submit("forward_backward", self._loss_body(data, loss_fn, loss_fn_config), parse)
+        parse = lambda out: ForwardBackwardOutput(
+            [_arrays(o) for o in out["loss_fn_outputs"]], out["metrics"]
+        )  # noqa: E731
+        return self._submit(
+            "forward_backward", self._loss_body(data, loss_fn, loss_fn_config), parse
+        )
 
     def forward(self, data, loss_fn: str, loss_fn_config: dict | None = None) -> Future:
         """``forward_backward`` without gradients: the loss, its metrics and the log-probs."""
-        parse = lambda out: ForwardBackwardOutput([_arrays(o) for o in out["loss_fn_outputs"]], out["metrics"])  # noqa: E731
+        parse = lambda out: ForwardBackwardOutput(
+            [_arrays(o) for o in out["loss_fn_outputs"]], out["metrics"]
+        )  # noqa: E731
         return self._submit("forward", self._loss_body(data, loss_fn, loss_fn_config), parse)
 
     def optim_step(self, adam_params: AdamParams = AdamParams()) -> Future:
-        return self._submit("optim_step", {"adam_params": dataclasses.asdict(adam_params)},
-                            lambda out: OptimStepResponse(out["metrics"]))
+        return self._submit(
+            "optim_step",
+            {"adam_params": dataclasses.asdict(adam_params)},
+            lambda out: OptimStepResponse(out["metrics"]),
+        )
 
     def save_state(self, name: str) -> Future:
         """Future of a ``SaveResponse``: the server path of the saved adapters, optimizer state, step."""
@@ -179,14 +236,22 @@ class TrainingClient:
     def save_weights(self, name: str, format: str = "peft") -> Future:
         """Future of a ``SaveResponse``: the server path of the adapters in PEFT's format
         (``"hf"``: the merged model, with the tokenizer)."""
-        return self._submit("save_weights", {"name": name, "format": format}, lambda out: SaveResponse(out["path"]))
+        return self._submit(
+            "save_weights", {"name": name, "format": format}, lambda out: SaveResponse(out["path"])
+        )
 
     def save_weights_for_sampler(self, name: str) -> Future:
         """Future of a ``SaveResponse`` whose ``path`` samples with the weights as they are once it runs."""
-        return self._submit("save_weights_for_sampler", {"name": name}, lambda out: SaveResponse(out["path"]))
+        return self._submit(
+            "save_weights_for_sampler", {"name": name}, lambda out: SaveResponse(out["path"])
+        )
 
-    def save_weights_and_get_sampling_client(self, name: str, *, parallel: int = 4) -> SamplingClient:
-        return SamplingClient(self.service, self.save_weights_for_sampler(name).result().path, parallel=parallel)
+    def save_weights_and_get_sampling_client(
+        self, name: str, *, parallel: int = 4
+    ) -> SamplingClient:
+        return SamplingClient(
+            self.service, self.save_weights_for_sampler(name).result().path, parallel=parallel
+        )
 
     def get_tokenizer(self):
         return self.service.get_tokenizer()
@@ -205,27 +270,52 @@ def grouped_rows(prompts, responses: list[SampleResponse], advantages) -> LossRo
     where datums repeat it per completion; its loss is relax's (the objective's normaliser: by
     default the mean over completion tokens), not a sum. Sizes are rounded up like datums' so that
     nearby ones share a compiled program."""
-    prompts = [list(p.tokens) if isinstance(p, ModelInput) else [int(t) for t in p] for p in prompts]
+    prompts = [
+        list(p.tokens) if isinstance(p, ModelInput) else [int(t) for t in p] for p in prompts
+    ]
     g = len(responses[0].sequences)
     if len(responses) != len(prompts) or any(len(r.sequences) != g for r in responses):
-        raise ValueError("one response per prompt, each with the same number of sequences, is needed")
+        raise ValueError(
+            "one response per prompt, each with the same number of sequences, is needed"
+        )
     lp = bucket(max(map(len, prompts)), 16, steps_per_octave=4)
     n = bucket(max(len(s.tokens) for r in responses for s in r.sequences), 16, steps_per_octave=4)
     ids, pmask = np.zeros((len(prompts), lp), np.int32), np.zeros((len(prompts), lp), np.int32)
-    tokens, mask = np.zeros((len(prompts), g, n), np.int32), np.zeros((len(prompts), g, n), np.int32)
+    tokens, mask = (
+        np.zeros((len(prompts), g, n), np.int32),
+        np.zeros((len(prompts), g, n), np.int32),
+    )
     logprobs = np.zeros((len(prompts), g, n), np.float32)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, lp - len(p):], pmask[i, lp - len(p):] = p, 1
+        ids[i, lp - len(p) :], pmask[i, lp - len(p) :] = p, 1
         for j, seq in enumerate(r.sequences):
             k = len(seq.tokens)
             tokens[i, j, :k], mask[i, j, :k], logprobs[i, j, :k] = seq.tokens, 1, seq.logprobs
-    return LossRows(prompt_ids=ids, prompt_mask=pmask, tokens=tokens, mask=mask, loss_mask=mask,
-                    old_logprobs=logprobs, advantages=np.asarray(advantages, np.float32).reshape(len(prompts), g))
+    return LossRows(
+        prompt_ids=ids,
+        prompt_mask=pmask,
+        tokens=tokens,
+        mask=mask,
+        loss_mask=mask,
+        old_logprobs=logprobs,
+        advantages=np.asarray(advantages, np.float32).reshape(len(prompts), g),
+    )
 
 
 def _sample_response(out: dict) -> list[SampleResponse]:
-    return [SampleResponse([SampledSequence([int(t) for t in s["tokens"]], [float(x) for x in s["logprobs"]],
-                                            s["stop_reason"]) for s in prompt]) for prompt in out["sequences"]]
+    return [
+        SampleResponse(
+            [
+                SampledSequence(
+                    [int(t) for t in s["tokens"]],
+                    [float(x) for x in s["logprobs"]],
+                    s["stop_reason"],
+                )
+                for s in prompt
+            ]
+        )
+        for prompt in out["sequences"]
+    ]
 
 
 class SamplingClient:
@@ -237,18 +327,36 @@ class SamplingClient:
 
     def _body(self, prompts, num_samples: int, sampling_params: SamplingParams) -> dict:
         params = {k: v for k, v in dataclasses.asdict(sampling_params).items() if v is not None}
-        return {"model_path": self.model_path, "num_samples": num_samples, "sampling_params": params,
-                "prompts": [np.asarray(p.tokens if isinstance(p, ModelInput) else p, np.int32) for p in prompts]}
+        return {
+            "model_path": self.model_path,
+            "num_samples": num_samples,
+            "sampling_params": params,
+            "prompts": [
+                np.asarray(p.tokens if isinstance(p, ModelInput) else p, np.int32) for p in prompts
+            ],
+        }
 
-    def sample(self, prompt: ModelInput, num_samples: int = 1,
-               sampling_params: SamplingParams = SamplingParams()) -> Future:
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams = SamplingParams(),
+    ) -> Future:
         """Future of a ``SampleResponse``: ``num_samples`` sequences (tokens, log-probs, stop reason)."""
         body = self._body([prompt], num_samples, sampling_params)
-        return self._pool.submit(lambda: _sample_response(self.service.call("POST", "/v1/sample", body))[0])
+        return self._pool.submit(
+            lambda: _sample_response(self.service.call("POST", "/v1/sample", body))[0]
+        )
 
-    def sample_many(self, prompts: list[ModelInput], num_samples: int = 1,
-                    sampling_params: SamplingParams = SamplingParams()) -> Future:
+    def sample_many(
+        self,
+        prompts: list[ModelInput],
+        num_samples: int = 1,
+        sampling_params: SamplingParams = SamplingParams(),
+    ) -> Future:
         """Future of one ``SampleResponse`` per prompt, all sampled in one batch (relax's addition:
         one decode for the whole batch, as a trainer's rollout)."""
         body = self._body(prompts, num_samples, sampling_params)
-        return self._pool.submit(lambda: _sample_response(self.service.call("POST", "/v1/sample", body)))
+        return self._pool.submit(
+            lambda: _sample_response(self.service.call("POST", "/v1/sample", body))
+        )

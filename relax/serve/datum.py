@@ -30,8 +30,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax import metrics as M
-from relax.models.forward.packed import packed_hidden
 from relax.models.decoder.logprobs import logprobs_from_hidden
+from relax.models.forward.packed import packed_hidden
 from relax.objectives.registry import POLICY_LOSSES, policy_loss
 from relax.serve.wire import RequestError
 
@@ -66,7 +66,9 @@ def _needs(loss: str) -> tuple[str, ...]:
     return ("weights",) if loss == "cross_entropy" else ("logprobs", "advantages")
 
 
-def datum_rows(data: Any, loss: str, vocab_size: int, max_length: int) -> tuple[DatumRows, list[int]]:
+def datum_rows(
+    data: Any, loss: str, vocab_size: int, max_length: int
+) -> tuple[DatumRows, list[int]]:
     """The rows of ``data`` (the wire form of ``Datum.to_wire``) for ``loss``, and each datum's
     length. Each datum is checked (``data[i].<field>`` named in a ``RequestError``)."""
     if not isinstance(data, list) or not data:
@@ -75,32 +77,52 @@ def datum_rows(data: Any, loss: str, vocab_size: int, max_length: int) -> tuple[
     lengths = []
     for i, d in enumerate(data):
         at = f"data[{i}]"
-        if not isinstance(d, dict) or not isinstance(d.get("tokens"), np.ndarray) or d["tokens"].ndim != 1:
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("tokens"), np.ndarray)
+            or d["tokens"].ndim != 1
+        ):
             raise RequestError(f"{at}.model_input", "the tokens must be a 1-D array")
         n = len(d["tokens"])
         if not 1 <= n <= max_length:
-            raise RequestError(f"{at}.model_input", f"length {n} must be in [1, {max_length}] (the model's positions)")
+            raise RequestError(
+                f"{at}.model_input",
+                f"length {n} must be in [1, {max_length}] (the model's positions)",
+            )
         inputs = d.get("inputs")
         if not isinstance(inputs, dict):
             raise RequestError(f"{at}.loss_fn_inputs", "a map of arrays is needed")
         for key in needs:
             a = inputs.get(key)
             if not isinstance(a, np.ndarray):
-                raise RequestError(f"{at}.loss_fn_inputs.{key}", f"loss {loss!r} needs it (an array of length {n})")
+                raise RequestError(
+                    f"{at}.loss_fn_inputs.{key}", f"loss {loss!r} needs it (an array of length {n})"
+                )
             if a.shape != (n,):
-                raise RequestError(f"{at}.loss_fn_inputs.{key}", f"shape {list(a.shape)} must be [{n}], the "
-                                                                f"model input's length")
+                raise RequestError(
+                    f"{at}.loss_fn_inputs.{key}",
+                    f"shape {list(a.shape)} must be [{n}], the model input's length",
+                )
             if a.dtype.kind == "f" and not np.isfinite(a).all():
                 raise RequestError(f"{at}.loss_fn_inputs.{key}", "non-finite value(s)")
-        for key, a in (("model_input", d["tokens"]), ("loss_fn_inputs.target_tokens", inputs["target_tokens"])):
+        for key, a in (
+            ("model_input", d["tokens"]),
+            ("loss_fn_inputs.target_tokens", inputs["target_tokens"]),
+        ):
             if a.dtype.kind not in "iu" or (a.size and (a.min() < 0 or a.max() >= vocab_size)):
-                raise RequestError(f"{at}.{key}", f"token ids must be integers in [0, {vocab_size})")
+                raise RequestError(
+                    f"{at}.{key}", f"token ids must be integers in [0, {vocab_size})"
+                )
         lengths.append(n)
     b, t = bucket(len(data)), bucket(max(lengths), 16, steps_per_octave=4)
     rows = {k: np.zeros((b, t), np.int32) for k in ("ids", "targets", "valid")}
     rows.update({k: np.zeros((b, t), np.float32) for k in ("weights", "logprobs", "advantages")})
     for i, (d, n) in enumerate(zip(data, lengths)):
-        rows["ids"][i, :n], rows["targets"][i, :n], rows["valid"][i, :n] = d["tokens"], d["inputs"]["target_tokens"], 1
+        rows["ids"][i, :n], rows["targets"][i, :n], rows["valid"][i, :n] = (
+            d["tokens"],
+            d["inputs"]["target_tokens"],
+            1,
+        )
         for key in _needs(loss):
             rows[key][i, :n] = d["inputs"][key]
     return DatumRows(**rows), lengths
@@ -120,11 +142,16 @@ def datum_loss(loss: str, config: dict):
     """``fn(policy, rows) -> (loss, (logp [B, T], metrics))`` of the named datum loss (module
     docstring); a bad name or option is a ``RequestError`` (``loss_fn`` / ``loss_fn_config``)."""
     if loss not in DATUM_LOSSES:
-        raise RequestError("loss_fn", f"unknown loss {loss!r} for datums; valid: {', '.join(DATUM_LOSSES)} "
-                                      "(a typed batch takes relax's named objectives)")
+        raise RequestError(
+            "loss_fn",
+            f"unknown loss {loss!r} for datums; valid: {', '.join(DATUM_LOSSES)} "
+            "(a typed batch takes relax's named objectives)",
+        )
     if loss == "cross_entropy":
         if config:
-            raise RequestError("loss_fn_config", f"cross_entropy takes no options, got {sorted(config)}")
+            raise RequestError(
+                "loss_fn_config", f"cross_entropy takes no options, got {sorted(config)}"
+            )
         per_token_loss = None
     else:
         try:
@@ -133,7 +160,9 @@ def datum_loss(loss: str, config: dict):
             raise RequestError("loss_fn_config", str(e)) from None
 
     def fn(policy, rows: DatumRows):
-        logp = logprobs_from_hidden(policy, packed_hidden(policy, rows.ids, rows.valid), rows.targets)
+        logp = logprobs_from_hidden(
+            policy, packed_hidden(policy, rows.ids, rows.valid), rows.targets
+        )
         m = rows.valid > 0
         logp = jnp.where(m, logp, 0.0)
         if per_token_loss is None:

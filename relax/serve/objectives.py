@@ -52,7 +52,8 @@ when ``kl_coef > 0``, and the metrics add ``explained_variance``, ``returns_mean
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -60,23 +61,25 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from relax import metrics as M
-from relax.algorithms.online.batch import LossRows
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers as dpo_normalizers
+from relax.algorithms.dpo.loss import make_dpo_loss
+from relax.algorithms.dpo.loss import pair_normalizers as dpo_normalizers
 from relax.algorithms.dpo.step import pair_rows
 from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo.loss import make_loss as make_grpo_loss
 from relax.algorithms.kto.config import KTOConfig
 from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
 from relax.algorithms.kto.step import make_reference_point, own_rows
-from relax.algorithms.preference.pairs import shared_forward
-from relax.algorithms.grpo.loss import make_loss as make_grpo_loss
-from relax.algorithms.preference.update import with_loss_mask
+from relax.algorithms.online.batch import LossRows
 from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import gae_terms, kl_token_rewards, make_joint_loss
+from relax.algorithms.preference.pairs import shared_forward
+from relax.algorithms.preference.update import with_loss_mask
 from relax.algorithms.reward_model.config import RewardModelConfig
-from relax.algorithms.reward_model.loss import make_loss as make_rm_loss, pair_normalizers as rm_normalizers
+from relax.algorithms.reward_model.loss import make_loss as make_rm_loss
+from relax.algorithms.reward_model.loss import pair_normalizers as rm_normalizers
 from relax.algorithms.reward_model.step import pair_data
 from relax.algorithms.sft.loss import make_sft_loss
 from relax.algorithms.sft.step import SFTConfig
@@ -92,8 +95,15 @@ from relax.train import primitives
 from relax.train.state import TrainState, apply_updates
 from relax.train.update import LossContext, token_normalizers
 
-__all__ = ["OBJECTIVES", "Grads", "ValueRows", "forward_backward", "make_forward_backward", "objective_loss",
-           "optim_step"]
+__all__ = [
+    "OBJECTIVES",
+    "Grads",
+    "ValueRows",
+    "forward_backward",
+    "make_forward_backward",
+    "objective_loss",
+    "optim_step",
+]
 
 DPO_NAMES = ("dpo", "ipo", "simpo", "orpo")
 
@@ -139,8 +149,10 @@ def _context(norms) -> LossContext:
 
 def _check_batch(name: str, batch, cls: type) -> None:
     if not isinstance(batch, cls):
-        raise TypeError(f"objective {name!r} takes a {cls.__module__}.{cls.__name__} batch, "
-                        f"got {type(batch).__module__}.{type(batch).__name__}")
+        raise TypeError(
+            f"objective {name!r} takes a {cls.__module__}.{cls.__name__} batch, "
+            f"got {type(batch).__module__}.{type(batch).__name__}"
+        )
 
 
 def _causal_lm(state: TrainState, batch: PackedBatch, kwargs: dict, passes: Passes):
@@ -153,25 +165,34 @@ def _dpo(name: str):
     def build(state: TrainState, batch: PairBatch, kwargs: dict, passes: Passes):
         loss_type = kwargs.pop("loss_type", "sigmoid" if name == "dpo" else name)
         if name != "dpo" and loss_type != name:
-            raise ValueError(f"objective {name!r} is DPOConfig(loss_type={name!r}); got loss_type={loss_type!r}")
+            raise ValueError(
+                f"objective {name!r} is DPOConfig(loss_type={name!r}); got loss_type={loss_type!r}"
+            )
         cfg = configure(DPOConfig, loss_type=loss_type, **kwargs)
         if cfg.uses_reference and batch.ref_logps is None:
-            raise ValueError(f"objective {name!r} (loss_type {cfg.loss_type!r}) reads the reference's sequence "
-                             "log-probs: the PairBatch needs ref_logps [P, 2]")
+            raise ValueError(
+                f"objective {name!r} (loss_type {cfg.loss_type!r}) reads the reference's sequence "
+                "log-probs: the PairBatch needs ref_logps [P, 2]"
+            )
         rows = pair_rows(cfg, with_loss_mask(batch))
         loss_fn, ctx = make_dpo_loss(cfg, passes), _context(dpo_normalizers(rows))
         return Grads(state.policy), lambda params: loss_fn(params.policy, rows, ctx)
+
     return build
 
 
 def _kto(state: TrainState, batch: UnpairedBatch, kwargs: dict, passes: Passes):
     cfg = configure(KTOConfig, **kwargs)
     if batch.ref_logps is None:
-        raise ValueError("objective 'kto' reads the reference's sequence log-probs of both completions: the "
-                         "UnpairedBatch needs ref_logps [P, 2] (its own completion's and its KL completion's)")
+        raise ValueError(
+            "objective 'kto' reads the reference's sequence log-probs of both completions: the "
+            "UnpairedBatch needs ref_logps [P, 2] (its own completion's and its KL completion's)"
+        )
     forward = shared_forward(passes, cfg.forward)
     batch = with_loss_mask(batch)
-    if batch.kl is None:  # z0 from the KL completions under the policy as it is, as the KTO step does
+    if (
+        batch.kl is None
+    ):  # z0 from the KL completions under the policy as it is, as the KTO step does
         batch = make_reference_point(passes, forward)(state, batch)[1]
     rows = own_rows(batch)
     loss_fn, ctx = make_kto_loss(cfg, passes, forward), _context(kto_normalizers(rows))
@@ -187,12 +208,17 @@ def _reward_modeling(state: TrainState, batch: PairBatch, kwargs: dict, passes: 
 
 def _policy(name: str):
     def build(state: TrainState, batch: LossRows, kwargs: dict, passes: Passes):
-        cfg = configure(GRPOConfig, policy_loss=name, **{"max_new_tokens": batch.tokens.shape[-1], **kwargs})
+        cfg = configure(
+            GRPOConfig, policy_loss=name, **{"max_new_tokens": batch.tokens.shape[-1], **kwargs}
+        )
         if cfg.beta > 0 and batch.ref_logprobs is None:
-            raise ValueError(f"objective {name!r} with beta={cfg.beta} reads the reference's log-probs: "
-                             "the LossRows need ref_logprobs [P, G, N] (or beta=0)")
+            raise ValueError(
+                f"objective {name!r} with beta={cfg.beta} reads the reference's log-probs: "
+                "the LossRows need ref_logprobs [P, G, N] (or beta=0)"
+            )
         loss_fn, ctx = make_grpo_loss(cfg, passes), _context(token_normalizers(batch))
         return Grads(state.policy), lambda params: loss_fn(params.policy, batch, ctx)
+
     return build
 
 
@@ -200,13 +226,17 @@ def _ppo(state: TrainState, batch, kwargs: dict, passes: Passes):
     """``ppo``: PPO's joint loss with the state's value head, or the policy-only clipped loss."""
     if not isinstance(state.critic, ValueHead):
         if isinstance(batch, ValueRows):
-            raise ValueError("objective 'ppo' on ValueRows trains a value head: the state's critic must be a "
-                             "relax.models.heads.critic.ValueHead (init_value_head), got "
-                             f"{type(state.critic).__name__}; for the policy loss alone pass LossRows")
+            raise ValueError(
+                "objective 'ppo' on ValueRows trains a value head: the state's critic must be a "
+                "relax.models.heads.critic.ValueHead (init_value_head), got "
+                f"{type(state.critic).__name__}; for the policy loss alone pass LossRows"
+            )
         _check_batch("ppo", batch, LossRows)
         return _policy("ppo")(state, batch, kwargs, passes)
     _check_batch("ppo", batch, ValueRows)
-    cfg = configure(PPOConfig, critic="shared", **{"max_new_tokens": batch.tokens.shape[-1], **kwargs})
+    cfg = configure(
+        PPOConfig, critic="shared", **{"max_new_tokens": batch.tokens.shape[-1], **kwargs}
+    )
     rows, extra = value_rows(cfg, state, batch, passes)
     loss_fn, ctx = make_joint_loss(cfg, passes), _context(token_normalizers(rows))
 
@@ -217,7 +247,9 @@ def _ppo(state: TrainState, batch, kwargs: dict, passes: Passes):
     return Grads(state.policy, state.critic), loss
 
 
-def value_rows(cfg: PPOConfig, state: TrainState, batch: ValueRows, passes: Passes) -> tuple[CriticRows, dict]:
+def value_rows(
+    cfg: PPOConfig, state: TrainState, batch: ValueRows, passes: Passes
+) -> tuple[CriticRows, dict]:
     """The joint loss's rows from ``ValueRows``: given advantages, returns and values, or GAE on the
     value head's values of ``rewards`` (module docstring), whitened when ``cfg.whiten_advantages``;
     and the metrics of the advantage step (``explained_variance``, ``returns_mean``, ``values_mean``)."""
@@ -226,24 +258,50 @@ def value_rows(cfg: PPOConfig, state: TrainState, batch: ValueRows, passes: Pass
     given = (batch.advantages, batch.returns, batch.old_values)
     if batch.rewards is None:
         if any(x is None for x in given):
-            raise ValueError("ValueRows need rewards [P, G] (GAE inside) or all of advantages, returns and old_values")
+            raise ValueError(
+                "ValueRows need rewards [P, G] (GAE inside) or all of advantages, returns and old_values"
+            )
         adv, returns, values = given
         extra = {}
     else:
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
-            raise ValueError(f"objective 'ppo' with kl_coef={cfg.kl_coef} puts the KL to the reference in the "
-                             "token rewards: the ValueRows need ref_logprobs [P, G, N] (or kl_coef=0)")
-        r, _ = kl_token_rewards(cfg, batch.rewards, loss_mask, batch.old_logprobs, batch.ref_logprobs)
-        values = jax.lax.stop_gradient(completion_head_values(
-            state.policy, state.critic, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask,
-            **cfg.forward.options(differentiated=False)))
+            raise ValueError(
+                f"objective 'ppo' with kl_coef={cfg.kl_coef} puts the KL to the reference in the "
+                "token rewards: the ValueRows need ref_logprobs [P, G, N] (or kl_coef=0)"
+            )
+        r, _ = kl_token_rewards(
+            cfg, batch.rewards, loss_mask, batch.old_logprobs, batch.ref_logprobs
+        )
+        values = jax.lax.stop_gradient(
+            completion_head_values(
+                state.policy,
+                state.critic,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.tokens,
+                batch.mask,
+                **cfg.forward.options(differentiated=False),
+            )
+        )
         adv, returns, ev = gae_terms(cfg, r, values, m)
-        extra = {"explained_variance": ev, "returns_mean": masked_mean(returns, m), "values_mean": masked_mean(values, m)}
+        extra = {
+            "explained_variance": ev,
+            "returns_mean": masked_mean(returns, m),
+            "values_mean": masked_mean(values, m),
+        }
     if cfg.whiten_advantages:
         adv = whiten(adv, m)  # over every valid token, whatever the shape
-    rows = CriticRows(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens,
-                      mask=batch.mask, loss_mask=loss_mask, old_logprobs=batch.old_logprobs, advantages=adv,
-                      old_values=values, returns=returns)
+    rows = CriticRows(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask,
+        tokens=batch.tokens,
+        mask=batch.mask,
+        loss_mask=loss_mask,
+        old_logprobs=batch.old_logprobs,
+        advantages=adv,
+        old_values=values,
+        returns=returns,
+    )
     return rows, {k: jax.lax.stop_gradient(v) for k, v in extra.items()}
 
 
@@ -257,7 +315,9 @@ OBJECTIVES: dict[str, Objective] = {
 }
 
 
-def objective_loss(state: TrainState, batch: Any, loss: str, *, passes: Passes | None = None, **kwargs):
+def objective_loss(
+    state: TrainState, batch: Any, loss: str, *, passes: Passes | None = None, **kwargs
+):
     """``(params, loss_fn)`` of the named objective: ``loss_fn(params) -> (scalar, metrics)`` with
     ``params`` a ``Grads``-shaped pair (policy, critic) of what it trains."""
     if loss not in OBJECTIVES:
@@ -265,11 +325,14 @@ def objective_loss(state: TrainState, batch: Any, loss: str, *, passes: Passes |
     objective = OBJECTIVES[loss]
     if loss != "ppo":
         _check_batch(loss, batch, objective.batch)
-    return objective.build(state, batch, dict(kwargs), choose_passes() if passes is None else passes)
+    return objective.build(
+        state, batch, dict(kwargs), choose_passes() if passes is None else passes
+    )
 
 
-def forward_backward(state: TrainState, batch: Any, loss: str, *, passes: Passes | None = None,
-                     **kwargs) -> tuple[Grads, dict[str, Array]]:
+def forward_backward(
+    state: TrainState, batch: Any, loss: str, *, passes: Passes | None = None, **kwargs
+) -> tuple[Grads, dict[str, Array]]:
     """``(grads, metrics)`` of the objective ``loss`` (module docstring) on ``batch``: the gradient
     with respect to the trainable leaves of what it trains, and its metrics (reduced values) with
     ``loss`` added. An unknown name, a batch of the wrong type or a kwarg its config does not have
@@ -288,7 +351,9 @@ def forward_backward(state: TrainState, batch: Any, loss: str, *, passes: Passes
 def make_forward_backward(loss: str, *, passes: Passes | None = None, **kwargs):
     """``forward_backward`` of one objective with fixed ``kwargs``, jitted: ``fb(state, batch) ->
     (grads, metrics)``, compiled once per batch shape."""
-    return jax.jit(lambda state, batch: forward_backward(state, batch, loss, passes=passes, **kwargs))
+    return jax.jit(
+        lambda state, batch: forward_backward(state, batch, loss, passes=passes, **kwargs)
+    )
 
 
 def optim_step(state: TrainState, grads: Grads) -> TrainState:
@@ -297,6 +362,9 @@ def optim_step(state: TrainState, grads: Grads) -> TrainState:
     state = primitives.optim_step(state, grads.policy)
     if grads.critic is None:
         return state
-    updates, critic_opt_state = state.critic_optimizer.update(grads.critic, state.critic_opt_state,
-                                                              split_trainable(state.critic)[0])
-    return state.replace(critic=apply_updates(state.critic, updates), critic_opt_state=critic_opt_state)
+    updates, critic_opt_state = state.critic_optimizer.update(
+        grads.critic, state.critic_opt_state, split_trainable(state.critic)[0]
+    )
+    return state.replace(
+        critic=apply_updates(state.critic, updates), critic_opt_state=critic_opt_state
+    )

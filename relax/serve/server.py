@@ -53,13 +53,31 @@ from relax.parallel.step import ParallelConfig
 from relax.serve.service import Service, ServiceConfig, UnknownSession
 from relax.serve.wire import RequestError, pack, unpack
 
-__all__ = ["MEDIA_TYPE", "NotFound", "ServeConfig", "check_binding", "check_parallel", "load_service", "make_app", "read_token", "resolve",
-           "run"]
+__all__ = [
+    "MEDIA_TYPE",
+    "NotFound",
+    "ServeConfig",
+    "check_binding",
+    "check_parallel",
+    "load_service",
+    "make_app",
+    "read_token",
+    "resolve",
+    "run",
+]
 
 MEDIA_TYPE = "application/msgpack"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-SESSION_OPS = ("forward_backward", "forward", "optim_step", "save_state", "load_state", "save_weights",
-               "save_weights_for_sampler", "close")
+SESSION_OPS = (
+    "forward_backward",
+    "forward",
+    "optim_step",
+    "save_state",
+    "load_state",
+    "save_weights",
+    "save_weights_for_sampler",
+    "close",
+)
 log = logging.getLogger("relax.serve")
 
 
@@ -104,17 +122,25 @@ def read_token(cfg: ServeConfig) -> str | None:
 def check_parallel(cfg: ServeConfig) -> None:
     """The service runs on one process's devices, one mesh: the other ``--parallel.*`` are refused."""
     p, default = cfg.parallel, ParallelConfig()
-    unserved = [f.name for f in dataclasses.fields(p) if f.name != "mesh" and getattr(p, f.name) != getattr(default, f.name)]
+    unserved = [
+        f.name
+        for f in dataclasses.fields(p)
+        if f.name != "mesh" and getattr(p, f.name) != getattr(default, f.name)
+    ]
     if unserved:
-        raise ValueError(f"the service does not serve --parallel.{unserved[0].replace('_', '-')}: it runs on one "
-                         "process's devices with one mesh (--parallel.mesh)")
+        raise ValueError(
+            f"the service does not serve --parallel.{unserved[0].replace('_', '-')}: it runs on one "
+            "process's devices with one mesh (--parallel.mesh)"
+        )
 
 
 def check_binding(cfg: ServeConfig, token: str | None) -> None:
     """Only localhost without ``--allow-remote``; a remote binding only with a token."""
     if cfg.host not in LOCAL_HOSTS and not cfg.allow_remote:
-        raise ValueError(f"--host {cfg.host} serves beyond this machine: pass --allow-remote (and a token) "
-                         f"to do that on purpose; the default is 127.0.0.1")
+        raise ValueError(
+            f"--host {cfg.host} serves beyond this machine: pass --allow-remote (and a token) "
+            f"to do that on purpose; the default is 127.0.0.1"
+        )
     if cfg.allow_remote and token is None:
         raise ValueError("--allow-remote needs a token: --token-file FILE or RELAX_SERVE_TOKEN")
 
@@ -123,8 +149,8 @@ def load_service(cfg: ServeConfig) -> Service:
     """The model (``cfg.model`` or the built-in task's) and its tokenizer, served."""
     import jax.numpy as jnp
 
-    from relax.models.hf.checkpoint import load_pretrained
     from relax.models.decoder.transformer import cast
+    from relax.models.hf.checkpoint import load_pretrained
     from relax.text import load_tokenizer
 
     dtype = jnp.dtype(cfg.dtype)
@@ -133,8 +159,14 @@ def load_service(cfg: ServeConfig) -> Service:
         from relax.tasks.base import prepare
         from relax.tasks.reverse import ReverseTask
 
-        tokenizer, base, _, _ = prepare(TASKS["reverse"], ReverseTask(), Path(cfg.state_dir) / "builtin", seed=0,
-                                        teacher="a noisy teacher of the reverse task", log=log.info)
+        tokenizer, base, _, _ = prepare(
+            TASKS["reverse"],
+            ReverseTask(),
+            Path(cfg.state_dir) / "builtin",
+            seed=0,
+            teacher="a noisy teacher of the reverse task",
+            log=log.info,
+        )
         name = str(Path(cfg.state_dir, "builtin", "base_model").resolve())
         base = cast(base, dtype=dtype)  # as load_pretrained(dtype=): parameters as stored
     else:
@@ -145,8 +177,17 @@ def load_service(cfg: ServeConfig) -> Service:
         except FileNotFoundError as e:  # weights only: clients bring token ids
             log.warning("no tokenizer served (get_tokenizer will fail): %s", e)
             tokenizer = None
-    return Service(base, tokenizer, ServiceConfig(model=name, state_dir=cfg.state_dir, lora=cfg.lora,
-                                                  mesh=cfg.parallel.mesh, samplers_kept=cfg.samplers_kept))
+    return Service(
+        base,
+        tokenizer,
+        ServiceConfig(
+            model=name,
+            state_dir=cfg.state_dir,
+            lora=cfg.lora,
+            mesh=cfg.parallel.mesh,
+            samplers_kept=cfg.samplers_kept,
+        ),
+    )
 
 
 def _reply(obj, status: int = 200) -> Response:
@@ -191,8 +232,11 @@ def run(call):
     except RequestError as e:
         return 400, {"error": str(e), "field": e.field}
     except UnknownSession as e:
-        return 404, {"error": f"no session {e.args[0]!r} (closed, or from before a restart: "
-                              "create_training_client_from_state)", "field": "session"}
+        return 404, {
+            "error": f"no session {e.args[0]!r} (closed, or from before a restart: "
+            "create_training_client_from_state)",
+            "field": "session",
+        }
     except Exception as e:
         log.exception("request failed")
         return 500, {"error": f"{type(e).__name__}: {e}"}
@@ -206,7 +250,9 @@ def make_app(service: Service, token: str | None = None, *, max_body_mb: int = 1
         if token is not None:
             sent = request.headers.get("authorization", "")
             if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                return _reply({"error": "a valid 'Authorization: Bearer <token>' header is needed"}, 401)
+                return _reply(
+                    {"error": "a valid 'Authorization: Bearer <token>' header is needed"}, 401
+                )
         try:
             payload = unpack(await request.body()) if request.method == "POST" else {}
             if not isinstance(payload, dict):
@@ -224,5 +270,8 @@ def make_app(service: Service, token: str | None = None, *, max_body_mb: int = 1
         yield
         worker.shutdown(wait=False)
 
-    return Starlette(routes=[Route("/v1/{path:path}", handle, methods=["GET", "POST"])], lifespan=lifespan,
-                     max_body_size=max_body_mb << 20)
+    return Starlette(
+        routes=[Route("/v1/{path:path}", handle, methods=["GET", "POST"])],
+        lifespan=lifespan,
+        max_body_size=max_body_mb << 20,
+    )

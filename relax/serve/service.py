@@ -23,12 +23,11 @@ import secrets
 import tempfile
 from pathlib import Path
 
-
 from relax.models.adapters.operations import merge_lora
-from relax.models.hf.checkpoint import save_pretrained
-from relax.models.layers.lora import LoRAConfig
 from relax.models.adapters.peft import save_adapter
 from relax.models.decoder.transformer import Transformer
+from relax.models.hf.checkpoint import save_pretrained
+from relax.models.layers.lora import LoRAConfig
 from relax.parallel.mesh import make_mesh, shard_model
 from relax.serve.datum import DATUM_LOSSES
 from relax.serve.objectives import OBJECTIVES
@@ -51,8 +50,12 @@ class ServiceConfig:
     model: str
     state_dir: str
     lora: LoRAConfig = LoRAConfig(rank=8)
-    mesh: str | None = None  # the devices' mesh, e.g. "fsdp=-1" (relax.parallel.mesh.make_mesh); None: one device
-    samplers_kept: int = 4  # a session's newest sampler snapshots kept in memory (older ones are dropped)
+    mesh: str | None = (
+        None  # the devices' mesh, e.g. "fsdp=-1" (relax.parallel.mesh.make_mesh); None: one device
+    )
+    samplers_kept: int = (
+        4  # a session's newest sampler snapshots kept in memory (older ones are dropped)
+    )
 
 
 class UnknownSession(KeyError):
@@ -73,10 +76,18 @@ class Service:
 
     def info(self) -> dict:
         c = self.base.config
-        return {"model": self.cfg.model, "family": c.family, "vocab_size": c.vocab_size,
-                "max_positions": c.max_position_embeddings, "eos_ids": list(c.eos_ids), "lora_rank": self.cfg.lora.rank,
-                "datum_losses": list(DATUM_LOSSES), "objectives": sorted(OBJECTIVES), "sessions": len(self.sessions),
-                "samplers_kept": self.cfg.samplers_kept}
+        return {
+            "model": self.cfg.model,
+            "family": c.family,
+            "vocab_size": c.vocab_size,
+            "max_positions": c.max_position_embeddings,
+            "eos_ids": list(c.eos_ids),
+            "lora_rank": self.cfg.lora.rank,
+            "datum_losses": list(DATUM_LOSSES),
+            "objectives": sorted(OBJECTIVES),
+            "sessions": len(self.sessions),
+            "samplers_kept": self.cfg.samplers_kept,
+        }
 
     def session(self, sid: str) -> Session:
         if sid not in self.sessions:
@@ -87,8 +98,10 @@ class Service:
         fields = {f.name for f in dataclasses.fields(LoRAConfig)}
         options = {k: v for k, v in request.items() if k not in ("seed", "value_head")}
         if set(options) - fields:
-            raise RequestError(sorted(set(options) - fields)[0], f"a session takes seed, value_head and LoRA "
-                                                                 f"options ({', '.join(sorted(fields))})")
+            raise RequestError(
+                sorted(set(options) - fields)[0],
+                f"a session takes seed, value_head and LoRA options ({', '.join(sorted(fields))})",
+            )
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
         try:
             return dataclasses.replace(self.cfg.lora, **options)
@@ -104,7 +117,9 @@ class Service:
             raise RequestError("value_head", f"true or false, got {value_head!r}")
         lora = self._lora(request)
         sid = f"s{next(self._ids)}-{secrets.token_hex(4)}"  # never an id from before a restart
-        self.sessions[sid] = Session.create(sid, self.base, lora, seed, self.mesh, value_head=value_head)
+        self.sessions[sid] = Session.create(
+            sid, self.base, lora, seed, self.mesh, value_head=value_head
+        )
         return {"session": sid, "lora": dataclasses.asdict(lora), "value_head": value_head}
 
     def close_session(self, sid: str) -> dict:
@@ -132,12 +147,17 @@ class Service:
         else:
             m = re.fullmatch(r"session:([A-Za-z0-9-]+)/sampler/(.+)", path or "")
             if m is None:
-                raise RequestError("model_path", f"'base' or a path of save_weights_for_sampler, got {path!r}")
+                raise RequestError(
+                    "model_path", f"'base' or a path of save_weights_for_sampler, got {path!r}"
+                )
             session = self.session(m.group(1))
             if m.group(2) not in session.samplers:
-                raise RequestError("model_path", f"session {m.group(1)} holds no sampler weights {m.group(2)!r}: never "
-                                                 f"saved, or dropped (a session keeps its newest "
-                                                 f"{self.cfg.samplers_kept}; {session.evicted} dropped so far)")
+                raise RequestError(
+                    "model_path",
+                    f"session {m.group(1)} holds no sampler weights {m.group(2)!r}: never "
+                    f"saved, or dropped (a session keeps its newest "
+                    f"{self.cfg.samplers_kept}; {session.evicted} dropped so far)",
+                )
             policy = session.samplers[m.group(2)]
         sequences = (session or self._base_session()).sample(policy, request)
         return {"sequences": sequences}
@@ -154,30 +174,53 @@ class Service:
     def _name(self, request: dict) -> str:
         name = request.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise RequestError("name", f"a name of letters, digits, '_', '.', '-' is needed, got {name!r}")
+            raise RequestError(
+                "name", f"a name of letters, digits, '_', '.', '-' is needed, got {name!r}"
+            )
         return name
 
     def _new_dir(self, kind: str, request: dict) -> Path:
         path = self.root / kind / self._name(request)
         if path.exists():
-            raise RequestError("name", f"{path} exists: saves are never overwritten; choose another name")
+            raise RequestError(
+                "name", f"{path} exists: saves are never overwritten; choose another name"
+            )
         return path
 
     def save_state(self, sid: str, request: dict) -> dict:
         s, path = self.session(sid), self._new_dir("states", request)
         with Checkpointer(path, max_to_keep=None, async_save=False) as ckpt:
-            ckpt.save(int(s.state.step), s.state, config={"lora": dataclasses.asdict(s.lora), "seed": s.seed},
-                      force=True)
-        (path / _SESSION_FILE).write_text(json.dumps({"lora": dataclasses.asdict(s.lora), "seed": s.seed,
-                                                      "value_head": s.value_head, "step": int(s.state.step),
-                                                      "model": self.cfg.model}))
+            ckpt.save(
+                int(s.state.step),
+                s.state,
+                config={"lora": dataclasses.asdict(s.lora), "seed": s.seed},
+                force=True,
+            )
+        (path / _SESSION_FILE).write_text(
+            json.dumps(
+                {
+                    "lora": dataclasses.asdict(s.lora),
+                    "seed": s.seed,
+                    "value_head": s.value_head,
+                    "step": int(s.state.step),
+                    "model": self.cfg.model,
+                }
+            )
+        )
         return {"path": str(path)}
 
     def _state_dir(self, request: dict) -> Path:
         path = request.get("path")
         resolved = Path(path).resolve() if isinstance(path, str) else None
-        if resolved is None or resolved.parent != self.root / "states" or not (resolved / _SESSION_FILE).is_file():
-            raise RequestError("path", f"a path returned by save_state (under {self.root / 'states'}), got {path!r}")
+        if (
+            resolved is None
+            or resolved.parent != self.root / "states"
+            or not (resolved / _SESSION_FILE).is_file()
+        ):
+            raise RequestError(
+                "path",
+                f"a path returned by save_state (under {self.root / 'states'}), got {path!r}",
+            )
         return resolved
 
     def load_state(self, sid: str, request: dict) -> dict:
@@ -194,7 +237,9 @@ class Service:
         path = self._state_dir(request)
         saved = json.loads((path / _SESSION_FILE).read_text())
         lora = {k: v for k, v in saved["lora"].items()}
-        created = self.create_session({**lora, "seed": saved["seed"], "value_head": saved.get("value_head", False)})
+        created = self.create_session(
+            {**lora, "seed": saved["seed"], "value_head": saved.get("value_head", False)}
+        )
         try:
             loaded = self.load_state(created["session"], request)
         except RequestError:
@@ -205,10 +250,14 @@ class Service:
     def save_weights(self, sid: str, request: dict) -> dict:
         fmt = request.get("format", "peft")
         if fmt not in ("peft", "hf"):
-            raise RequestError("format", f"'peft' (the adapters) or 'hf' (the merged model), got {fmt!r}")
+            raise RequestError(
+                "format", f"'peft' (the adapters) or 'hf' (the merged model), got {fmt!r}"
+            )
         s = self.session(sid)
         if fmt == "peft" and not s.lora.enabled:
-            raise RequestError("format", "the session trains every weight (rank 0): it has no adapters; use 'hf'")
+            raise RequestError(
+                "format", "the session trains every weight (rank 0): it has no adapters; use 'hf'"
+            )
         path = self._new_dir("weights", request)
         policy = s.state.policy
         if fmt == "peft":

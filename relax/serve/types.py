@@ -19,8 +19,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AdamParams", "Datum", "ForwardBackwardOutput", "ModelInput", "OptimStepResponse", "SampleResponse", "SaveResponse",
-           "SampledSequence", "SamplingParams", "TensorData"]
+__all__ = [
+    "AdamParams",
+    "Datum",
+    "ForwardBackwardOutput",
+    "ModelInput",
+    "OptimStepResponse",
+    "SampleResponse",
+    "SaveResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "TensorData",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +74,10 @@ class Datum:
     loss_fn_inputs: dict[str, Any]
 
     def to_wire(self) -> dict:
-        inputs = {k: np.asarray(v.data if isinstance(v, TensorData) else v) for k, v in self.loss_fn_inputs.items()}
+        inputs = {
+            k: np.asarray(v.data if isinstance(v, TensorData) else v)
+            for k, v in self.loss_fn_inputs.items()
+        }
         return {"tokens": np.asarray(self.model_input.tokens, np.int32), "inputs": inputs}
 
 

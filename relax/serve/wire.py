@@ -28,11 +28,34 @@ from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.data.supervised import PackedBatch
 from relax.serve.objectives import ValueRows
 
-__all__ = ["BATCHES", "DTYPES", "RequestError", "decode_array", "decode_batch", "encode_array", "encode_batch",
-           "materialize", "pack", "unpack"]
+__all__ = [
+    "BATCHES",
+    "DTYPES",
+    "RequestError",
+    "decode_array",
+    "decode_batch",
+    "encode_array",
+    "encode_batch",
+    "materialize",
+    "pack",
+    "unpack",
+]
 
-DTYPES = ("bool", "int8", "uint8", "int16", "int32", "uint32", "int64", "float16", "float32", "float64")
-BATCHES: dict[str, type] = {cls.__name__: cls for cls in (LossRows, PairBatch, UnpairedBatch, PackedBatch, ValueRows)}
+DTYPES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "uint32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+)
+BATCHES: dict[str, type] = {
+    cls.__name__: cls for cls in (LossRows, PairBatch, UnpairedBatch, PackedBatch, ValueRows)
+}
 _TAG = "__ndarray__"
 
 
@@ -50,15 +73,20 @@ def encode_array(a) -> dict:
         a = a.astype(np.float32) if a.dtype.kind == "f" else a  # bfloat16 -> float32
     if a.dtype.name not in DTYPES:
         raise TypeError(f"cannot send an array of dtype {a.dtype}; valid: {', '.join(DTYPES)}")
-    return {_TAG: a.dtype.name, "shape": list(a.shape), "data": a.astype(a.dtype.newbyteorder("<")).tobytes()}
+    return {
+        _TAG: a.dtype.name,
+        "shape": list(a.shape),
+        "data": a.astype(a.dtype.newbyteorder("<")).tobytes(),
+    }
 
 
 def decode_array(d: dict, where: str) -> np.ndarray:
     dtype, shape, data = d.get(_TAG), d.get("shape"), d.get("data")
     if dtype not in DTYPES:
         raise RequestError(where, f"array dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)) or \
-            not isinstance(data, bytes):
+    if not (
+        isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)
+    ) or not isinstance(data, bytes):
         raise RequestError(where, "an array needs a shape (list of sizes) and its data (bytes)")
     want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if len(data) != want:
@@ -97,7 +125,11 @@ def materialize(obj: Any) -> Any:
     """``obj`` with every encoded array (``encode_array``'s map) decoded, as ``unpack`` would give
     it: for a body that is handed over in-process instead of sent."""
     if isinstance(obj, dict):
-        return decode_array(obj, "body") if _TAG in obj else {k: materialize(v) for k, v in obj.items()}
+        return (
+            decode_array(obj, "body")
+            if _TAG in obj
+            else {k: materialize(v) for k, v in obj.items()}
+        )
     if isinstance(obj, (list, tuple)):
         return [materialize(v) for v in obj]
     return obj
@@ -107,9 +139,14 @@ def encode_batch(batch) -> dict:
     """``{"type", "fields"}`` of a typed batch (its array fields; None ones left out)."""
     name = type(batch).__name__
     if BATCHES.get(name) is not type(batch):
-        raise TypeError(f"the service takes batches of {', '.join(BATCHES)}, got {type(batch).__name__}")
-    fields = {f.name: encode_array(getattr(batch, f.name)) for f in dataclasses.fields(batch)
-              if getattr(batch, f.name) is not None}
+        raise TypeError(
+            f"the service takes batches of {', '.join(BATCHES)}, got {type(batch).__name__}"
+        )
+    fields = {
+        f.name: encode_array(getattr(batch, f.name))
+        for f in dataclasses.fields(batch)
+        if getattr(batch, f.name) is not None
+    }
     return {"type": name, "fields": fields}
 
 
@@ -128,7 +165,9 @@ def _kind(spec) -> str:
 def _bind(spec, a: np.ndarray, sizes: dict[str, tuple[int, str]], where: str) -> str | None:
     """Why ``a`` does not fit ``spec`` given the sizes bound so far by earlier fields (None: it fits,
     and its new dimension names are bound)."""
-    dims = [str(getattr(d, "name", getattr(d, "size", "?"))) for d in spec.dims]  # a name, or a fixed size
+    dims = [
+        str(getattr(d, "name", getattr(d, "size", "?"))) for d in spec.dims
+    ]  # a name, or a fixed size
     if a.ndim != len(dims):
         return f"needs {len(dims)} dimensions [{' '.join(dims)}], got shape {list(a.shape)}"
     new = dict(sizes)
@@ -139,20 +178,26 @@ def _bind(spec, a: np.ndarray, sizes: dict[str, tuple[int, str]], where: str) ->
             continue
         bound, by = new.setdefault(name, (size, where))
         if bound != size:
-            return (f"shape {list(a.shape)} for [{' '.join(dims)}]: dimension {name!r} is {size} here "
-                    f"but {bound} in {by}")
+            return (
+                f"shape {list(a.shape)} for [{' '.join(dims)}]: dimension {name!r} is {size} here "
+                f"but {bound} in {by}"
+            )
     sizes.update(new)
     return None
 
 
-def _field(where: str, spec_list: list, a: np.ndarray, sizes: dict[str, tuple[int, str]]) -> np.ndarray:
+def _field(
+    where: str, spec_list: list, a: np.ndarray, sizes: dict[str, tuple[int, str]]
+) -> np.ndarray:
     kinds = {"i": "iub", "f": "fiu", "b": "biu"}
     errors = []
     for spec in spec_list:
         kind = _kind(spec)
         if a.dtype.kind not in kinds[kind]:
-            errors.append(f"needs {'integer' if kind == 'i' else 'float' if kind == 'f' else 'bool'} values, "
-                          f"got {a.dtype}")
+            errors.append(
+                f"needs {'integer' if kind == 'i' else 'float' if kind == 'f' else 'bool'} values, "
+                f"got {a.dtype}"
+            )
             continue
         why = _bind(spec, a, sizes, where)
         if why is None:
@@ -160,8 +205,11 @@ def _field(where: str, spec_list: list, a: np.ndarray, sizes: dict[str, tuple[in
                 a = a.astype(np.float32)
                 bad = ~np.isfinite(a)
                 if bad.any():
-                    raise RequestError(where, f"{int(bad.sum())} non-finite value(s), first at index "
-                                              f"{list(map(int, np.argwhere(bad)[0]))}")
+                    raise RequestError(
+                        where,
+                        f"{int(bad.sum())} non-finite value(s), first at index "
+                        f"{list(map(int, np.argwhere(bad)[0]))}",
+                    )
                 return a
             return a.astype(np.int32) if kind == "i" else a.astype(bool)
         errors.append(why)
@@ -174,13 +222,17 @@ def decode_batch(d: Any, where: str):
         raise RequestError(where, "a batch is a map {'type': class name, 'fields': {name: array}}")
     cls = BATCHES.get(d.get("type"))
     if cls is None:
-        raise RequestError(f"{where}.type", f"unknown batch type {d.get('type')!r}; valid: {', '.join(BATCHES)}")
+        raise RequestError(
+            f"{where}.type", f"unknown batch type {d.get('type')!r}; valid: {', '.join(BATCHES)}"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d["fields"]) - set(fields))
     if unknown:
-        raise RequestError(f"{where}.{unknown[0]}", f"{cls.__name__} has no field {unknown[0]!r}; "
-                                                    f"its fields: {', '.join(fields)}")
+        raise RequestError(
+            f"{where}.{unknown[0]}",
+            f"{cls.__name__} has no field {unknown[0]!r}; its fields: {', '.join(fields)}",
+        )
     sizes: dict[str, tuple[int, str]] = {}
     values = {}
     for name, f in fields.items():

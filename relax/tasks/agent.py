@@ -56,8 +56,15 @@ class AgentTask:
     sft_learning_rate: float = 3e-3
 
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad / bos, turn start, end of turn (eos)
-TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added, not special (as Qwen 2.5): decoded text keeps them
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]  # pad / bos, turn start, end of turn (eos)
+TOOL_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+]  # added, not special (as Qwen 2.5): decoded text keeps them
 
 # A compact ChatML template (Qwen 2.5's layout): a one-line system turn naming the tools, tool
 # results as a user turn of <tool_response> blocks. Newlines after a block tag are written as
@@ -81,23 +88,35 @@ def make_splits(task: AgentTask) -> tuple[list[dict], list[dict]]:
     lo_a, lo_b = 10 ** (task.digits_a - 1), 10 ** (task.digits_b - 1)
     total = task.num_train + task.num_eval
     if total > 0.5 * (9 * lo_a) * (9 * lo_b):
-        raise ValueError(f"{total} problems asked for, too many for {task.digits_a} x {task.digits_b} digits")
+        raise ValueError(
+            f"{total} problems asked for, too many for {task.digits_a} x {task.digits_b} digits"
+        )
     seen: set[tuple[int, int]] = set()
     rows: list[dict] = []
     while len(rows) < total:
         a, b = rng.randrange(lo_a, 10 * lo_a), rng.randrange(lo_b, 10 * lo_b)
         if (a, b) not in seen:
             seen.add((a, b))
-            rows.append({"prompt": f"What is {a} * {b}?", "a": a, "b": b, "answer": str(a * b),
-                         "data_source": f"agent/mul{task.digits_a}x{task.digits_b}"})
-    return rows[:task.num_train], rows[task.num_train:]
+            rows.append(
+                {
+                    "prompt": f"What is {a} * {b}?",
+                    "a": a,
+                    "b": b,
+                    "answer": str(a * b),
+                    "data_source": f"agent/mul{task.digits_a}x{task.digits_b}",
+                }
+            )
+    return rows[: task.num_train], rows[task.num_train :]
 
 
 def tools(task: AgentTask) -> list[Tool]:
     """The calculator: ``multiply(a, b)`` of two integers (no ``task`` field changes it)."""
     del task
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-              "required": ["a", "b"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
     return [Tool("multiply", "Multiply two integers.", schema, lambda a, b: a * b)]
 
 
@@ -112,7 +131,9 @@ def answer_reward(row: Mapping, text: str) -> float:
 
 def make_environment(task: AgentTask) -> ToolEnvironment:
     """A fresh environment, for one trajectory."""
-    return ToolEnvironment(tools(task), fmt="hermes", answer_reward=answer_reward, max_turns=task.max_turns)
+    return ToolEnvironment(
+        tools(task), fmt="hermes", answer_reward=answer_reward, max_turns=task.max_turns
+    )
 
 
 def tool_call_text(a: int, b: int) -> str:
@@ -131,7 +152,9 @@ def chat_format(task: AgentTask, tokenizer: TextTokenizer) -> ChatFormat:
     return ChatFormat(tokenizer, tools=[t.schema() for t in tools(task)])
 
 
-def encode_transcript(task: AgentTask, chat: ChatFormat, row: Mapping, turns: list[str]) -> tuple[list[int], list[int]]:
+def encode_transcript(
+    task: AgentTask, chat: ChatFormat, row: Mapping, turns: list[str]
+) -> tuple[list[int], list[int]]:
     """``(ids, loss_mask)`` of a conversation as a multi-turn rollout builds it: the prompt, each
     turn's tokens and stop token (loss 1), and after a turn that called the tool the observation of
     a real ``ToolEnvironment`` step (loss 0). ``"{result}"`` in a turn is the last tool result."""
@@ -160,10 +183,12 @@ def _corpus(task: AgentTask, rows: list[dict]) -> list[str]:
     texts = []
     for row in rows:
         product = row["answer"]
-        messages = [{"role": "user", "content": row["prompt"]},
-                    {"role": "assistant", "content": tool_call_text(row["a"], row["b"])},
-                    {"role": "tool", "name": "multiply", "content": product},
-                    {"role": "assistant", "content": product}]
+        messages = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": tool_call_text(row["a"], row["b"])},
+            {"role": "tool", "name": "multiply", "content": product},
+            {"role": "assistant", "content": product},
+        ]
         text = render_chat(CHAT_TEMPLATE, messages, tools=schemas, add_generation_prompt=True)
         texts += [piece for piece in cut.split(text) if piece]
     return texts
@@ -173,22 +198,38 @@ def build_tokenizer(task: AgentTask, directory: Path) -> TextTokenizer:
     """A byte-level BPE (digits always single tokens) trained on the task's conversations, written
     as a Hugging Face directory ``directory / "tokenizer"`` with the ChatML template, and loaded."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    trainer = trainers.BpeTrainer(vocab_size=task.vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.post_processor = processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=task.vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     train, _ = make_splits(task)
     tok.train_from_iterator(_corpus(task, train[:500]), trainer)
     tok.add_tokens(TOOL_TOKENS)
     out = directory / "tokenizer"
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-              "clean_up_tokenization_spaces": False, "model_max_length": 4096, "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return load_tokenizer(out)
 
@@ -200,8 +241,12 @@ def max_positions(task: AgentTask) -> int:
 
 def model_config(task: AgentTask, tokenizer: TextTokenizer) -> ModelConfig:
     """The tiny Llama; 256 positions hold a ``max_turns``-turn conversation with room to spare."""
-    return tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers,
-                      max_positions=max_positions(task))
+    return tiny_llama(
+        tokenizer,
+        hidden_size=task.hidden_size,
+        num_layers=task.num_layers,
+        max_positions=max_positions(task),
+    )
 
 
 def pad_transcripts(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[np.ndarray, ...]:
@@ -211,22 +256,39 @@ def pad_transcripts(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tup
     ids = np.full((len(rows), length), pad_id, np.int32)
     mask, loss_mask = np.zeros_like(ids), np.zeros_like(ids)
     for r, (row_ids, row_loss) in enumerate(rows):
-        ids[r, :len(row_ids)], mask[r, :len(row_ids)], loss_mask[r, :len(row_ids)] = row_ids, 1, row_loss
+        ids[r, : len(row_ids)], mask[r, : len(row_ids)], loss_mask[r, : len(row_ids)] = (
+            row_ids,
+            1,
+            row_loss,
+        )
     return ids, mask, loss_mask
 
 
-def train_base_model(task: AgentTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array,
-                     log=print) -> Transformer:
+def train_base_model(
+    task: AgentTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array, log=print
+) -> Transformer:
     """The supervised phase: imitate the noisy teacher's transcripts (``encode_transcript``; the
     token-mean NLL of the assistant turns), a fresh coin per row and step for calling the tool."""
     chat = chat_format(task, tokenizer)
-    transcript = functools.cache(lambda i, use_tool: encode_transcript(task, chat, train[i],
-                                                                       teacher_turns(train[i], use_tool)))
+    transcript = functools.cache(
+        lambda i, use_tool: encode_transcript(
+            task, chat, train[i], teacher_turns(train[i], use_tool)
+        )
+    )
 
     def sample(rng: np.random.Generator):
         idx = rng.choice(len(train), task.sft_batch, replace=False)
         flips = rng.random(task.sft_batch) < task.tool_rate
-        return pad_transcripts([transcript(int(j), bool(f)) for j, f in zip(idx, flips)], tokenizer.pad_token_id)
+        return pad_transcripts(
+            [transcript(int(j), bool(f)) for j, f in zip(idx, flips)], tokenizer.pad_token_id
+        )
 
-    return supervised_loop(model_config(task, tokenizer), sample, steps=task.sft_steps,
-                           learning_rate=task.sft_learning_rate, seed=task.seed, key=key, log=log)
+    return supervised_loop(
+        model_config(task, tokenizer),
+        sample,
+        steps=task.sft_steps,
+        learning_rate=task.sft_learning_rate,
+        seed=task.seed,
+        key=key,
+        log=log,
+    )

@@ -6,7 +6,8 @@ Prompt (a signature and docstring)::
         \"\"\"Return x plus 7.\"\"\"
 
 Completion: a fenced Python block defining the function; reward: ``code_exec`` (the row's
-``tests`` are asserts: the function's calls run in the sandbox, the comparisons in the trainer). Six families (plus, times, minus, divisible by,
+``tests`` are asserts: the function's calls run in the sandbox, the comparisons in the trainer).
+Six families (plus, times, minus, divisible by,
 smaller of, larger of) with constants 1..``max_constant``; held-out rows are (family, constant)
 pairs never seen in training. The base model imitates a noisy teacher that writes the right
 constant with probability ``teacher_accuracy`` and another one otherwise, so GRPO has something
@@ -61,9 +62,12 @@ def solution(family: str, k: int) -> str:
 def problem(family: str, k: int, rng: random.Random, num_tests: int) -> dict:
     doc, _, fn = FAMILIES[family]
     xs = rng.sample(range(-30, 31), num_tests)
-    return {"prompt": f'def {family}_{k}(x):\n    """{doc.format(k=k)}"""\n',
-            "tests": [f"assert {family}_{k}({x}) == {fn(x, k)!r}" for x in xs],
-            "answer": solution(family, k), "data_source": f"code/{family}"}
+    return {
+        "prompt": f'def {family}_{k}(x):\n    """{doc.format(k=k)}"""\n',
+        "tests": [f"assert {family}_{k}({x}) == {fn(x, k)!r}" for x in xs],
+        "answer": solution(family, k),
+        "data_source": f"code/{family}",
+    }
 
 
 def make_splits(task: CodeTask) -> tuple[list[dict], list[dict]]:
@@ -72,7 +76,7 @@ def make_splits(task: CodeTask) -> tuple[list[dict], list[dict]]:
     pairs = [(f, k) for f in FAMILIES for k in range(1, task.max_constant + 1)]
     rng.shuffle(pairs)
     rows = [problem(f, k, rng, task.tests_per_problem) for f, k in pairs]
-    return rows[task.num_eval:], rows[:task.num_eval]
+    return rows[task.num_eval :], rows[: task.num_eval]
 
 
 def teacher(task: CodeTask):
@@ -83,9 +87,16 @@ def teacher(task: CodeTask):
         for r in records:
             family, k = r["prompt"][4:].split("(")[0].rsplit("_", 1)
             k = int(k)
-            written = k if rng.random() < task.teacher_accuracy else int(rng.integers(1, task.max_constant + 1))
-            out.append(solution(family, k).replace(FAMILIES[family][1].format(k=k),
-                                                   FAMILIES[family][1].format(k=written)))
+            written = (
+                k
+                if rng.random() < task.teacher_accuracy
+                else int(rng.integers(1, task.max_constant + 1))
+            )
+            out.append(
+                solution(family, k).replace(
+                    FAMILIES[family][1].format(k=k), FAMILIES[family][1].format(k=written)
+                )
+            )
         return out
 
     return targets
@@ -97,8 +108,21 @@ def build_tokenizer(task: CodeTask, directory: Path) -> TextTokenizer:
     return task_tokenizer(texts, directory, vocab_size=task.vocab_size)
 
 
-def train_base_model(task: CodeTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array,
-                     log=print) -> Transformer:
-    config = tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=128)
-    return supervised_phase(config, tokenizer, train, teacher(task), steps=task.sft_steps, batch=task.sft_batch,
-                            learning_rate=task.sft_learning_rate, seed=task.seed, key=key, log=log)
+def train_base_model(
+    task: CodeTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array, log=print
+) -> Transformer:
+    config = tiny_llama(
+        tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=128
+    )
+    return supervised_phase(
+        config,
+        tokenizer,
+        train,
+        teacher(task),
+        steps=task.sft_steps,
+        batch=task.sft_batch,
+        learning_rate=task.sft_learning_rate,
+        seed=task.seed,
+        key=key,
+        log=log,
+    )

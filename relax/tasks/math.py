@@ -47,7 +47,10 @@ def latex(q: Fraction) -> str:
 
 def fractions_problem(rng: random.Random) -> tuple[str, str]:
     a, b, c, d = rng.randint(1, 5), rng.randint(2, 9), rng.randint(1, 5), rng.randint(2, 9)
-    return (f"Compute $\\frac{{{a}}}{{{b}}} + \\frac{{{c}}}{{{d}}}$.", latex(Fraction(a, b) + Fraction(c, d)))
+    return (
+        f"Compute $\\frac{{{a}}}{{{b}}} + \\frac{{{c}}}{{{d}}}$.",
+        latex(Fraction(a, b) + Fraction(c, d)),
+    )
 
 
 def percent_problem(rng: random.Random) -> tuple[str, str]:
@@ -75,7 +78,7 @@ def make_splits(task: MathTask) -> tuple[list[dict], list[dict]]:
             rows.append({"prompt": prompt, "answer": answer, "data_source": f"math/{family}"})
         if len(rows) == task.num_train + task.num_eval:
             break
-    return rows[:task.num_train], rows[task.num_train:]
+    return rows[: task.num_train], rows[task.num_train :]
 
 
 def teacher(task: MathTask):
@@ -88,7 +91,11 @@ def teacher(task: MathTask):
             if rng.random() >= task.teacher_accuracy:
                 digits = [i for i, ch in enumerate(answer) if ch.isdigit()]
                 i = digits[int(rng.integers(len(digits)))]
-                answer = answer[:i] + str((int(answer[i]) + int(rng.integers(1, 9))) % 10 or 1) + answer[i + 1:]
+                answer = (
+                    answer[:i]
+                    + str((int(answer[i]) + int(rng.integers(1, 9))) % 10 or 1)
+                    + answer[i + 1 :]
+                )
             out.append(f"\\boxed{{{answer}}}")
         return out
 
@@ -101,8 +108,21 @@ def build_tokenizer(task: MathTask, directory: Path) -> TextTokenizer:
     return task_tokenizer(texts, directory, vocab_size=task.vocab_size)
 
 
-def train_base_model(task: MathTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array,
-                     log=print) -> Transformer:
-    config = tiny_llama(tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=128)
-    return supervised_phase(config, tokenizer, train, teacher(task), steps=task.sft_steps, batch=task.sft_batch,
-                            learning_rate=task.sft_learning_rate, seed=task.seed, key=key, log=log)
+def train_base_model(
+    task: MathTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array, log=print
+) -> Transformer:
+    config = tiny_llama(
+        tokenizer, hidden_size=task.hidden_size, num_layers=task.num_layers, max_positions=128
+    )
+    return supervised_phase(
+        config,
+        tokenizer,
+        train,
+        teacher(task),
+        steps=task.sft_steps,
+        batch=task.sft_batch,
+        learning_rate=task.sft_learning_rate,
+        seed=task.seed,
+        key=key,
+        log=log,
+    )

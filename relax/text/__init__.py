@@ -20,5 +20,12 @@ from relax.text.hf import HFTokenizer
 from relax.text.loader import load_tokenizer
 from relax.text.sentencepiece import SentencePieceTokenizer
 
-__all__ = ["HFTokenizer", "NoChatTemplateError", "SentencePieceTokenizer", "TextTokenizer",
-           "TokenizerFormatError", "load_tokenizer", "render_chat"]
+__all__ = [
+    "HFTokenizer",
+    "NoChatTemplateError",
+    "SentencePieceTokenizer",
+    "TextTokenizer",
+    "TokenizerFormatError",
+    "load_tokenizer",
+    "render_chat",
+]

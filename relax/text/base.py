@@ -24,8 +24,15 @@ from relax.text.files import ChatTemplates, Sidecars
 
 # apply_chat_template arguments of transformers that relax does not implement: refused rather
 # than passed to the template as variables.
-_UNSUPPORTED_CHAT_ARGS = ("return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                          "return_assistant_tokens_mask", "sanitize_control_tokens")
+_UNSUPPORTED_CHAT_ARGS = (
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+    "sanitize_control_tokens",
+)
 
 
 class TextTokenizer(abc.ABC):
@@ -71,19 +78,27 @@ class TextTokenizer(abc.ABC):
 
     # ---- shared ----
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """``encode`` applied to each text."""
         return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
-    def decode_batch(self, ids: Sequence[Sequence[int]] | np.ndarray, mask: np.ndarray | None = None,
-                     skip_special_tokens: bool = False) -> list[str]:
+    def decode_batch(
+        self,
+        ids: Sequence[Sequence[int]] | np.ndarray,
+        mask: np.ndarray | None = None,
+        skip_special_tokens: bool = False,
+    ) -> list[str]:
         """``decode`` of each row of ``ids [B, T]`` (lists, numpy or jax); with ``mask [B, T]``
         only the positions where it is nonzero (e.g. a rollout's completion mask)."""
         if mask is not None:
             rows, mask = np.asarray(ids), np.asarray(mask)
             if rows.ndim != 2 or mask.shape != rows.shape:
-                raise ValueError(f"decode_batch needs ids [B, T] and a mask of the same shape, got "
-                                 f"{rows.shape} and {mask.shape}")
+                raise ValueError(
+                    f"decode_batch needs ids [B, T] and a mask of the same shape, got "
+                    f"{rows.shape} and {mask.shape}"
+                )
             ids = [row[m != 0] for row, m in zip(rows, mask)]
         return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in ids]
 
@@ -153,10 +168,15 @@ class TextTokenizer(abc.ABC):
             raise TypeError(f"apply_chat_template does not support {', '.join(unsupported)}")
         kwargs.pop("return_dict", None)
         template = select_template(self.chat_template, chat_template, tools, self.path)
-        text = render_chat(template, messages, tools=tools, documents=documents,
-                           add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message,
-                           variables={**self.special_tokens, **kwargs})
+        text = render_chat(
+            template,
+            messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables={**self.special_tokens, **kwargs},
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _special_id(self, name: str) -> int | None:
@@ -164,17 +184,21 @@ class TextTokenizer(abc.ABC):
         return None if token is None else self.token_to_id(token)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, "
-                f"bos={self.bos_token_id}, eos={self.eos_token_ids}, pad={self.pad_token_id}, "
-                f"chat_template={self.has_chat_template})")
+        return (
+            f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_token_id}, eos={self.eos_token_ids}, pad={self.pad_token_id}, "
+            f"chat_template={self.has_chat_template})"
+        )
 
 
 def ids_list(ids: Iterable[int] | np.ndarray) -> list[int]:
     """``ids [T]`` (a list, a numpy/jax array or a single int) as a list of Python ints."""
     array = np.asarray(ids)
     if array.ndim > 1:
-        raise ValueError(f"decode takes one sequence of ids [T], got shape {array.shape}; "
-                         f"use decode_batch for [B, T]")
+        raise ValueError(
+            f"decode takes one sequence of ids [T], got shape {array.shape}; "
+            f"use decode_batch for [B, T]"
+        )
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"token ids must be integers, got dtype {array.dtype}")
     return [int(t) for t in array.reshape(-1)]

@@ -54,8 +54,12 @@ class NoChatTemplateError(ValueError):
     """A chat prompt was asked of a tokenizer that has no chat template."""
 
 
-def select_template(templates: ChatTemplates | None, requested: str | None,
-                    tools: Sequence[Any] | None, path: Path | str) -> str:
+def select_template(
+    templates: ChatTemplates | None,
+    requested: str | None,
+    tools: Sequence[Any] | None,
+    path: Path | str,
+) -> str:
     """The template source to render, chosen as transformers' ``get_chat_template`` does.
 
     With several named templates: ``requested`` as a name, else ``"tool_use"`` when tools are
@@ -71,14 +75,17 @@ def select_template(templates: ChatTemplates | None, requested: str | None,
             return templates["tool_use"]
         if "default" in templates:
             return templates["default"]
-        raise ValueError(f"{path} has several chat templates and none is named 'default'; pass "
-                         f"chat_template= one of {sorted(templates)}")
+        raise ValueError(
+            f"{path} has several chat templates and none is named 'default'; pass "
+            f"chat_template= one of {sorted(templates)}"
+        )
     if requested is not None:
         return requested
     if templates is None:
         raise NoChatTemplateError(
             f"{path} has no chat template (no chat_template in tokenizer_config.json and no "
-            f"chat_template.jinja); pass chat_template= a Jinja template")
+            f"chat_template.jinja); pass chat_template= a Jinja template"
+        )
     return templates
 
 
@@ -101,10 +108,14 @@ def render_chat(
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if len(messages) == 0:
-        raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        raise ValueError(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
     if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message and add_generation_prompt are not compatible: the first "
-                         "continues the last message, the second starts a new assistant message")
+        raise ValueError(
+            "continue_final_message and add_generation_prompt are not compatible: the first "
+            "continues the last message, the second starts a new assistant message"
+        )
     chat = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -114,23 +125,30 @@ def render_chat(
     if tools is not None:
         for tool in tools:
             if not isinstance(tool, Mapping):
-                raise TypeError(f"tools must be JSON-schema dicts (functions are not converted), got {tool!r}")
+                raise TypeError(
+                    f"tools must be JSON-schema dicts (functions are not converted), got {tool!r}"
+                )
     if documents is not None and not all(isinstance(d, Mapping) for d in documents):
         raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
     final = None
     if continue_final_message:
         final = _tag_final_message(chat, template, continue_final_message)
     rendered = compile_template(template).render(
-        messages=chat, tools=plain_template_data(tools), documents=plain_template_data(documents),
-        add_generation_prompt=add_generation_prompt, **plain_template_data(dict(variables or {})))
+        messages=chat,
+        tools=plain_template_data(tools),
+        documents=plain_template_data(documents),
+        add_generation_prompt=add_generation_prompt,
+        **plain_template_data(dict(variables or {})),
+    )
     return rendered if final is None else _cut_at_tag(rendered, final)
 
 
 @functools.lru_cache(maxsize=64)
 def compile_template(source: str) -> jinja2.Template:
     """Compile ``source`` in transformers' sandboxed environment (cached)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -158,7 +176,9 @@ def plain_template_data(value: Any) -> Any:
     if isinstance(value, np.generic):
         return plain_template_data(value.item())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain_template_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: plain_template_data(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
     if callable(getattr(value, "model_dump", None)):
         return plain_template_data(value.model_dump())
     return f"<{type(value).__name__}>"
@@ -167,7 +187,9 @@ def plain_template_data(value: Any) -> Any:
 def _alias_reasoning(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for message in chat:
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next(
+            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+        )
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
@@ -179,21 +201,27 @@ def _tag_final_message(chat: list[dict[str, Any]], template: str, field: bool | 
     field = field if isinstance(field, str) else "content"
     final = chat[-1].get(field)
     if final is None:
-        raise ValueError(f'continue_final_message is set but the final message has no "{field}" to continue!')
+        raise ValueError(
+            f'continue_final_message is set but the final message has no "{field}" to continue!'
+        )
     fields = [field]
     if field in _REASONING_FIELDS:
         fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final]
     if not any(f in template for f in fields):
-        raise ValueError(f'continue_final_message is set to "{field}" but this is not an accepted '
-                         f"field in the chat_template")
+        raise ValueError(
+            f'continue_final_message is set to "{field}" but this is not an accepted '
+            f"field in the chat_template"
+        )
     if isinstance(final, (list, tuple)):
         for block in reversed(final):
             if "text" in block:
                 final = block["text"]
                 block["text"] = block["text"] + _CONTINUE_TAG
                 return final
-        raise ValueError("continue_final_message is set but we could not find any text to continue "
-                         "in the final message!")
+        raise ValueError(
+            "continue_final_message is set but we could not find any text to continue "
+            "in the final message!"
+        )
     for f in fields:
         chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
     return final
@@ -202,10 +230,12 @@ def _tag_final_message(chat: list[dict[str, Any]], template: str, field: bool | 
 def _cut_at_tag(rendered: str, final: str) -> str:
     tag = _CONTINUE_TAG.strip()
     if final.strip() not in rendered or tag not in rendered:
-        raise ValueError("continue_final_message is set but the final message does not appear in the "
-                         f"chat after applying the chat template: {final.strip()!r}")
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the "
+            f"chat after applying the chat template: {final.strip()!r}"
+        )
     at = rendered.rindex(tag)
-    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:at]
     return rendered[:at].rstrip()  # the template trimmed the message's trailing space
 
@@ -214,10 +244,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -253,7 +289,8 @@ class _TemplateNamespace(jinja2.utils.Namespace):
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 "Chat templates cannot store underscore-prefixed attributes on a namespace, but got "
-                f"{name!r}. Please rename the attribute.")
+                f"{name!r}. Please rename the attribute."
+            )
 
 
 class _GenerationTag(jinja2.ext.Extension):

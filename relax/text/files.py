@@ -34,8 +34,15 @@ CHAT_TEMPLATE_DIR = "chat_templates"
 GENERATION_CONFIG = "generation_config.json"
 
 # transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES, in its order.
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                       "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 # The keys of a serialised tokenizers.AddedToken.
 ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 
@@ -119,7 +126,9 @@ def read_sidecars(directory: Path) -> Sidecars:
             named[name] = _token_spec(value, f"{source}: {name}")
     extra = values.get("extra_special_tokens", values.get("additional_special_tokens")) or []
     if isinstance(extra, dict):  # named extras behave as model-specific tokens
-        named.update({k: _token_spec(v, f"{source}: extra_special_tokens.{k}") for k, v in extra.items()})
+        named.update(
+            {k: _token_spec(v, f"{source}: extra_special_tokens.{k}") for k, v in extra.items()}
+        )
         extra = []
     if not isinstance(extra, list):
         raise TokenizerFormatError(f"{source}: extra_special_tokens must be a list, got {extra!r}")
@@ -149,7 +158,9 @@ def _read_object(path: Path) -> dict[str, Any]:
 
 
 def _is_token(value: Any) -> bool:
-    return isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str))
+    return isinstance(value, str) or (
+        isinstance(value, dict) and isinstance(value.get("content"), str)
+    )
 
 
 def _token_spec(value: Any, where: str) -> TokenSpec | None:
@@ -158,13 +169,16 @@ def _token_spec(value: Any, where: str) -> TokenSpec | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return {k: value[k] for k in ADDED_TOKEN_FIELDS if k in value}
-    raise TokenizerFormatError(f"{where} must be a string or an AddedToken dict with a "
-                               f"'content' string, got {value!r}")
+    raise TokenizerFormatError(
+        f"{where} must be a string or an AddedToken dict with a 'content' string, got {value!r}"
+    )
 
 
 def _added_tokens(decoder: Any, path: Path) -> tuple[tuple[int, dict[str, Any]], ...]:
     if not isinstance(decoder, dict):
-        raise TokenizerFormatError(f"{path}: added_tokens_decoder must be an object, got {decoder!r}")
+        raise TokenizerFormatError(
+            f"{path}: added_tokens_decoder must be an object, got {decoder!r}"
+        )
     out = []
     for key, value in decoder.items():
         where = f"{path}: added_tokens_decoder[{key!r}]"
@@ -177,8 +191,9 @@ def _added_tokens(decoder: Any, path: Path) -> tuple[tuple[int, dict[str, Any]],
     return tuple(sorted(out, key=lambda item: item[0]))
 
 
-def _read_chat_templates(directory: Path, config: dict[str, Any],
-                         config_path: Path) -> tuple[ChatTemplates | None, tuple[Path, ...]]:
+def _read_chat_templates(
+    directory: Path, config: dict[str, Any], config_path: Path
+) -> tuple[ChatTemplates | None, tuple[Path, ...]]:
     """Templates from ``.jinja`` files if any exist, else from the config."""
     files: dict[str, Path] = {}
     if (directory / CHAT_TEMPLATE_FILE).is_file():
@@ -200,11 +215,16 @@ def _read_chat_templates(directory: Path, config: dict[str, Any],
     if value is None or isinstance(value, str):
         return value, ()
     if isinstance(value, list) and all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
-            for t in value):
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in value
+    ):
         return {t["name"]: t["template"] for t in value}, ()
-    raise TokenizerFormatError(f"{config_path}: chat_template must be a string or a list of "
-                               f"{{'name': str, 'template': str}}, got {type(value).__name__}")
+    raise TokenizerFormatError(
+        f"{config_path}: chat_template must be a string or a list of "
+        f"{{'name': str, 'template': str}}, got {type(value).__name__}"
+    )
 
 
 def _generation_eos(path: Path | None) -> tuple[int, ...]:
@@ -214,6 +234,7 @@ def _generation_eos(path: Path | None) -> tuple[int, ...]:
     value = config.get("eos_token_id")
     values = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise TokenizerFormatError(f"{path}: eos_token_id must be a token id or a list of them, "
-                                   f"got {value!r}")
+        raise TokenizerFormatError(
+            f"{path}: eos_token_id must be a token id or a list of them, got {value!r}"
+        )
     return tuple(values)

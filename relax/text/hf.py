@@ -41,13 +41,29 @@ import tokenizers
 from tokenizers import AddedToken, processors
 
 from relax.text.base import TextTokenizer, ids_list
-from relax.text.files import (TOKENIZER_JSON, Sidecars, TokenizerFormatError, TokenSpec,
-                              read_sidecars, token_content)
+from relax.text.files import (
+    TOKENIZER_JSON,
+    Sidecars,
+    TokenizerFormatError,
+    TokenSpec,
+    read_sidecars,
+    token_content,
+)
 from relax.text.saving import copy_file, save_sidecars
 
 # transformers' cleanup of spaces before punctuation (clean_up_tokenization).
-_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_CLEANUPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 class HFTokenizer(TextTokenizer):
@@ -57,27 +73,35 @@ class HFTokenizer(TextTokenizer):
     workers): the backend serialises itself, templates are kept as source strings.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, path: Path, tokenizer_json: Path,
-                 sidecars: Sidecars) -> None:
+    def __init__(
+        self, backend: tokenizers.Tokenizer, *, path: Path, tokenizer_json: Path, sidecars: Sidecars
+    ) -> None:
         self.path = path
         self._backend = backend
         self._tokenizer_json = tokenizer_json
         self._sidecars = sidecars
-        self._clean_up = (bool(sidecars.config.get("clean_up_tokenization_spaces", False))
-                          and type(backend.model).__name__ != "BPE")
+        self._clean_up = (
+            bool(sidecars.config.get("clean_up_tokenization_spaces", False))
+            and type(backend.model).__name__ != "BPE"
+        )
         self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @classmethod
-    def from_file(cls, tokenizer_json: str | os.PathLike[str], *,
-                  path: str | os.PathLike[str] | None = None) -> HFTokenizer:
+    def from_file(
+        cls, tokenizer_json: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None
+    ) -> HFTokenizer:
         """Load ``tokenizer_json`` and the sidecar files next to it; ``path`` (default: the
         file) is what errors and ``.path`` name."""
         tokenizer_json = Path(tokenizer_json)
         sidecars = read_sidecars(tokenizer_json.parent)
         backend = _read_backend(tokenizer_json)
         _configure(backend, sidecars)
-        return cls(backend, path=Path(path) if path is not None else tokenizer_json,
-                   tokenizer_json=tokenizer_json, sidecars=sidecars)
+        return cls(
+            backend,
+            path=Path(path) if path is not None else tokenizer_json,
+            tokenizer_json=tokenizer_json,
+            sidecars=sidecars,
+        )
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -91,7 +115,9 @@ class HFTokenizer(TextTokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """``encode`` of each text, in parallel in the Rust backend."""
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
@@ -145,8 +171,9 @@ def _configure(backend: tokenizers.Tokenizer, sidecars: Sidecars) -> None:
     backend.no_truncation()
     backend.no_padding()
     if backend.post_processor is None:
-        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1",
-                                                               special_tokens=[])
+        backend.post_processor = processors.TemplateProcessing(
+            single="$A:0", pair="$A:0 $B:1", special_tokens=[]
+        )
     to_add = [AddedToken(**spec) for _, spec in sidecars.added_tokens]
     known = {t.content for t in backend.get_added_tokens_decoder().values()}
     known |= {t.content for t in to_add}

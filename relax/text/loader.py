@@ -29,13 +29,17 @@ def load_tokenizer(path: str | os.PathLike[str]) -> HFTokenizer | SentencePieceT
             return SentencePieceTokenizer.from_file(root / SENTENCEPIECE_MODEL, path=root)
         present = sorted(p.name for p in root.iterdir())
         listing = ", ".join(present[:12]) + (", ..." if len(present) > 12 else "") or "nothing"
-        raise FileNotFoundError(f"{root}: no {TOKENIZER_JSON} or {SENTENCEPIECE_MODEL} to load a "
-                                f"tokenizer from (the directory holds: {listing})")
+        raise FileNotFoundError(
+            f"{root}: no {TOKENIZER_JSON} or {SENTENCEPIECE_MODEL} to load a "
+            f"tokenizer from (the directory holds: {listing})"
+        )
     if root.is_file():
         if root.suffix == ".json":
             return HFTokenizer.from_file(root)
         if root.suffix == ".model":
             return SentencePieceTokenizer.from_file(root)
-        raise ValueError(f"{root}: not a tokenizer file (expected a tokenizer.json or a "
-                         f"sentencepiece .model file, or a model directory)")
+        raise ValueError(
+            f"{root}: not a tokenizer file (expected a tokenizer.json or a "
+            f"sentencepiece .model file, or a model directory)"
+        )
     raise FileNotFoundError(f"tokenizer path not found: {root}")

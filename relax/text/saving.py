@@ -28,12 +28,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relax.text.files import (CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, GENERATION_CONFIG,
-                              SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, Sidecars)
+from relax.text.files import (
+    CHAT_TEMPLATE_DIR,
+    CHAT_TEMPLATE_FILE,
+    GENERATION_CONFIG,
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    Sidecars,
+)
 
 
-def save_sidecars(sidecars: Sidecars, out: Path, *, tokenizer_class: str,
-                  updates: Mapping[str, Any] | None = None) -> None:
+def save_sidecars(
+    sidecars: Sidecars, out: Path, *, tokenizer_class: str, updates: Mapping[str, Any] | None = None
+) -> None:
     """Write ``tokenizer_config.json`` and copy the other sidecar files into ``out``."""
     config = dict(sidecars.config)
     config.pop("auto_map", None)

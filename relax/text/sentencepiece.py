@@ -39,7 +39,12 @@ from relax.text.files import SENTENCEPIECE_MODEL, Sidecars, TokenizerFormatError
 from relax.text.saving import copy_file, save_sidecars
 from relax.text.sentencepiece_model import Tokenizer
 
-_PATTERNS = {(True, False): "bos", (False, True): "eos", (True, True): "bos_eos", (False, False): "none"}
+_PATTERNS = {
+    (True, False): "bos",
+    (False, True): "eos",
+    (True, True): "bos_eos",
+    (False, False): "none",
+}
 
 
 class SentencePieceTokenizer(TextTokenizer):
@@ -51,21 +56,32 @@ class SentencePieceTokenizer(TextTokenizer):
         self._tok = Tokenizer(model_path)
         sp = _processor(self._tok)
         named = dict(sidecars.named_tokens)
-        for name, index in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()),
-                            ("unk_token", sp.unk_id()), ("pad_token", sp.pad_id())):
+        for name, index in (
+            ("bos_token", sp.bos_id()),
+            ("eos_token", sp.eos_id()),
+            ("unk_token", sp.unk_id()),
+            ("pad_token", sp.pad_id()),
+        ):
             if name not in named and name not in sidecars.config and index >= 0:
                 named[name] = sp.id_to_piece(index)
         self._sidecars = dataclasses.replace(sidecars, named_tokens=named)
         where = sidecars.directory / "tokenizer_config.json"
-        added = [(spec["content"], bool(spec.get("special", False))) for _, spec in sidecars.added_tokens]
-        strings = ([(s, True) for s in self._sidecars.token_strings.values()]
-                   + [(s, True) for s in self._sidecars.extra_strings] + added)
+        added = [
+            (spec["content"], bool(spec.get("special", False))) for _, spec in sidecars.added_tokens
+        ]
+        strings = (
+            [(s, True) for s in self._sidecars.token_strings.values()]
+            + [(s, True) for s in self._sidecars.extra_strings]
+            + added
+        )
         self._ids: dict[str, int] = {}
         skip = set()
         for token, special in strings:
             index = self.token_to_id(token)
             if index is None:
-                raise TokenizerFormatError(f"{where}: token {token!r} is not a piece of {model_path}")
+                raise TokenizerFormatError(
+                    f"{where}: token {token!r} is not a piece of {model_path}"
+                )
             self._ids[token] = index
             if special:
                 skip.add(index)
@@ -73,20 +89,28 @@ class SentencePieceTokenizer(TextTokenizer):
             skip.add(sp.unk_id())
         self._skip_ids = frozenset(skip)
         longest_first = sorted((t for t in self._ids if t), key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if longest_first else None
+        self._split = (
+            re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+            if longest_first
+            else None
+        )
         config = sidecars.config
         pattern = config.get("special_tokens_pattern", "bos")
         self._add_bos = bool(config.get("add_bos_token", pattern in ("bos", "bos_eos")))
         self._add_eos = bool(config.get("add_eos_token", pattern in ("eos", "bos_eos")))
 
     @classmethod
-    def from_file(cls, model_path: str | os.PathLike[str], *,
-                  path: str | os.PathLike[str] | None = None) -> SentencePieceTokenizer:
+    def from_file(
+        cls, model_path: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None
+    ) -> SentencePieceTokenizer:
         """Load ``model_path`` and the sidecar files next to it; ``path`` (default: the file)
         is what errors and ``.path`` name."""
         model_path = Path(model_path)
-        return cls(model_path, path=Path(path) if path is not None else model_path,
-                   sidecars=read_sidecars(model_path.parent))
+        return cls(
+            model_path,
+            path=Path(path) if path is not None else model_path,
+            sidecars=read_sidecars(model_path.parent),
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -128,8 +152,12 @@ class SentencePieceTokenizer(TextTokenizer):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         copy_file(self._model_path, out / SENTENCEPIECE_MODEL)
-        updates = {"special_tokens_pattern": _PATTERNS[self._add_bos, self._add_eos],
-                   "add_bos_token": self._add_bos, "add_eos_token": self._add_eos, "legacy": True}
+        updates = {
+            "special_tokens_pattern": _PATTERNS[self._add_bos, self._add_eos],
+            "add_bos_token": self._add_bos,
+            "add_eos_token": self._add_eos,
+            "legacy": True,
+        }
         save_sidecars(self._sidecars, out, tokenizer_class="SentencePieceBackend", updates=updates)
         return out
 

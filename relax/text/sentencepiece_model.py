@@ -278,7 +278,10 @@ def train_sentencepiece(
             model_type=model_type,
             user_defined_symbols=list(user_defined_symbols),
             character_coverage=character_coverage,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3,  # all four specials exist
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,  # all four specials exist
             hard_vocab_limit=False,  # small corpora: fewer pieces than asked is fine
             normalization_rule_name="identity",  # keep text exactly (no NFKC)
             remove_extra_whitespaces=False,

@@ -22,7 +22,9 @@ import numpy as np
 Decode = Callable[[np.ndarray, np.ndarray], list[str]]  # tokens [B, N], mask [B, N] -> B texts
 
 
-def _first_stop_token(ids: np.ndarray, decode_ids: Callable[[np.ndarray], str], stops: Sequence[str]) -> int | None:
+def _first_stop_token(
+    ids: np.ndarray, decode_ids: Callable[[np.ndarray], str], stops: Sequence[str]
+) -> int | None:
     """Index of the first token whose prefix text holds a stop string; None when none does."""
     if not any(s in decode_ids(ids) for s in stops):
         return None
@@ -36,8 +38,9 @@ def _first_stop_token(ids: np.ndarray, decode_ids: Callable[[np.ndarray], str], 
     return lo
 
 
-def truncate_at_stop_strings(tokens: np.ndarray, mask: np.ndarray, finished: np.ndarray, decode: Decode,
-                             stops: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def truncate_at_stop_strings(
+    tokens: np.ndarray, mask: np.ndarray, finished: np.ndarray, decode: Decode, stops: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(mask, lengths, finished)`` of completions ``tokens [..., N]`` cut at their first stop string.
 
     ``decode`` is the run's completion decoder (as for the reward functions); completions are
@@ -55,7 +58,7 @@ def truncate_at_stop_strings(tokens: np.ndarray, mask: np.ndarray, finished: np.
             valid = row[m > 0]
             t = _first_stop_token(valid, decode_ids, stops) if len(valid) else None
             if t is not None:
-                flat_m[i, t + 1:] = 0
+                flat_m[i, t + 1 :] = 0
                 flat_f[i] = True
     new_mask = flat_m.reshape(shape)
     return new_mask, new_mask.sum(axis=-1).astype(np.int32), flat_f.reshape(finished.shape)

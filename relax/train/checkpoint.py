@@ -71,8 +71,14 @@ class CheckpointCorruptError(ValueError):
     """A checkpoint on disk that cannot be read back as saved. ``directory``, ``step`` and ``item``
     (``"state"``, ``"data"``, ``"config"``, ``"integrity"``) say where; the cause is chained."""
 
-    def __init__(self, message: str, *, directory: str | None = None, step: int | None = None,
-                 item: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        directory: str | None = None,
+        step: int | None = None,
+        item: str | None = None,
+    ):
         super().__init__(message)
         self.directory, self.step, self.item = directory, step, item
 
@@ -102,8 +108,9 @@ def _abstract_leaf(x):
 
 def _decode_leaf(target, restored):
     if _is_key(target):
-        impl = jax.random.key_impl(target if isinstance(target, jax.Array)
-                                   else jnp.zeros((), target.dtype))
+        impl = jax.random.key_impl(
+            target if isinstance(target, jax.Array) else jnp.zeros((), target.dtype)
+        )
         return jax.random.wrap_key_data(restored, impl=impl)
     return restored
 
@@ -147,7 +154,7 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     """``Type: first line`` of an exception, without tensorstore's spec dump, at most ``limit``."""
     lines = str(e).strip().splitlines()
     text = lines[0].split(" [tensorstore_spec=", 1)[0] if lines else ""
-    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -164,8 +171,14 @@ class Checkpointer:
 
     _barriers = itertools.count()  # unique multi-host barrier names (calls are collective)
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-                 save_every: int = 1, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        save_every: int = 1,
+        async_save: bool = True,
+    ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
         if max_to_keep is not None and max_to_keep < 1:
@@ -174,26 +187,44 @@ class Checkpointer:
         # Orbax's default policy also saves the first step of a run whatever its number
         # (InitialSavePolicy); relax saves exactly at multiples of save_every (and when a
         # multi-host preemption notice arrives).
-        policy = ocp.checkpoint_managers.AnySavePolicy([
-            ocp.checkpoint_managers.FixedIntervalPolicy(save_every),
-            ocp.checkpoint_managers.PreemptionCheckpointingPolicy()])
+        policy = ocp.checkpoint_managers.AnySavePolicy(
+            [
+                ocp.checkpoint_managers.FixedIntervalPolicy(save_every),
+                ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+            ]
+        )
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, save_decision_policy=policy, create=True,
-            cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+            max_to_keep=max_to_keep,
+            save_decision_policy=policy,
+            create=True,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
+        )
         self._closed = False
         self._manager = self._make_manager()
 
     def _make_manager(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
-            self.directory, options=self._options,
+            self.directory,
+            options=self._options,
             item_names=(_STATE, _DATA, _CONFIG, _INTEGRITY),
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(),
-                           _DATA: ocp.JsonCheckpointHandler(),
-                           _CONFIG: ocp.JsonCheckpointHandler(),
-                           _INTEGRITY: ocp.JsonCheckpointHandler()})
+            item_handlers={
+                _STATE: ocp.StandardCheckpointHandler(),
+                _DATA: ocp.JsonCheckpointHandler(),
+                _CONFIG: ocp.JsonCheckpointHandler(),
+                _INTEGRITY: ocp.JsonCheckpointHandler(),
+            },
+        )
 
-    def save(self, step: int, train_state: PyTree, *, data_state: dict | bytes | None = None,
-             config: Mapping | Any, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        train_state: PyTree,
+        *,
+        data_state: dict | bytes | None = None,
+        config: Mapping | Any,
+        force: bool = False,
+    ) -> bool:
         """Start saving ``step`` if ``step % save_every == 0`` (or ``force``); True if it did.
 
         A step at or below the latest saved one is skipped (``force`` raises instead: orbax
@@ -209,12 +240,14 @@ class Checkpointer:
         base = base_weights(train_state)
         if jax.tree.leaves(base):
             record["lora_base"] = fingerprint(base)
-        args = ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(_encode_state(stored)),
-            _DATA: ocp.args.JsonSave(_encode_data(data_state)),
-            _CONFIG: ocp.args.JsonSave({"config": _to_json(config)}),
-            _INTEGRITY: ocp.args.JsonSave(record),
-        })
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.StandardSave(_encode_state(stored)),
+                _DATA: ocp.args.JsonSave(_encode_data(data_state)),
+                _CONFIG: ocp.args.JsonSave({"config": _to_json(config)}),
+                _INTEGRITY: ocp.args.JsonSave(record),
+            }
+        )
         return bool(self._manager.save(step, args=args, force=force))
 
     def latest_step(self) -> int | None:
@@ -243,30 +276,51 @@ class Checkpointer:
         verified = self._has_record(step)
         full_target, target = target, without_base(target)
         abstract = jax.tree.map(_abstract_leaf, target)
-        meta = self._read(step, _STATE, "cannot read its metadata",
-                          lambda: self._manager.item_metadata(step)[_STATE])
+        meta = self._read(
+            step,
+            _STATE,
+            "cannot read its metadata",
+            lambda: self._manager.item_metadata(step)[_STATE],
+        )
         if meta is None:
             raise self._corrupt(step, _STATE, "its metadata (_METADATA) is missing or unreadable")
         self._check_compatible(meta, abstract, where)
         restore_args = ocp.args.StandardRestore(abstract)
-        encoded = self._read(step, _STATE, "cannot read its arrays",
-                             lambda: self._restore_item(step, _STATE, restore_args))
-        data_state = self._read(step, _DATA, "cannot read it",
-                                lambda: _decode_data(self._restore_item(step, _DATA)))
-        config = self._read(step, _CONFIG, "cannot read it",
-                            lambda: self._restore_item(step, _CONFIG)["config"])
+        encoded = self._read(
+            step,
+            _STATE,
+            "cannot read its arrays",
+            lambda: self._restore_item(step, _STATE, restore_args),
+        )
+        data_state = self._read(
+            step, _DATA, "cannot read it", lambda: _decode_data(self._restore_item(step, _DATA))
+        )
+        config = self._read(
+            step, _CONFIG, "cannot read it", lambda: self._restore_item(step, _CONFIG)["config"]
+        )
         if verified:
-            stored = self._read(step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY))
-            self._verify(step, encoded, self._read(step, _INTEGRITY, "cannot read it", lambda: _decode_record(stored)))
+            stored = self._read(
+                step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY)
+            )
+            self._verify(
+                step,
+                encoded,
+                self._read(step, _INTEGRITY, "cannot read it", lambda: _decode_record(stored)),
+            )
             self._check_base(step, full_target, stored.get("lora_base"))
         else:
-            warnings.warn(f"{where} has no integrity record (saved before relax wrote one): "
-                          "its values cannot be verified", UnverifiedCheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"{where} has no integrity record (saved before relax wrote one): "
+                "its values cannot be verified",
+                UnverifiedCheckpointWarning,
+                stacklevel=2,
+            )
         restored = eqx.combine(jax.tree.map(_decode_leaf, target, encoded), full_target)
         return restored, data_state, config
 
-    def restore_latest_intact(self, *, target: PyTree
-                              ) -> tuple[PyTree, Any, Any, int, list[tuple[int, str]]]:
+    def restore_latest_intact(
+        self, *, target: PyTree
+    ) -> tuple[PyTree, Any, Any, int, list[tuple[int, str]]]:
         """``(train_state, data_state, config, step, damaged)`` of the newest step that restores
         and verifies; ``damaged`` lists ``(step, error message)`` of the newer ones it skipped.
 
@@ -288,7 +342,9 @@ class Checkpointer:
             return state, data_state, config, step, damaged
         raise CheckpointCorruptError(
             f"no intact checkpoint in {self.directory}: every step is damaged:\n  "
-            + "\n  ".join(message for _, message in damaged), directory=self.directory)
+            + "\n  ".join(message for _, message in damaged),
+            directory=self.directory,
+        )
 
     def quarantine(self, step: int, dest_dir: str | os.PathLike) -> str:
         """Move step ``step``'s directory into ``dest_dir`` (outside this checkpoint directory)
@@ -359,13 +415,17 @@ class Checkpointer:
         step = int(step)
         if step not in self._manager.all_steps():
             raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+                f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}"
+            )
         return step
 
     def _corrupt(self, step: int, item: str, detail: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(
             f"checkpoint {self.directory} step {step} is damaged: item '{item}': {detail}",
-            directory=self.directory, step=step, item=item)
+            directory=self.directory,
+            step=step,
+            item=item,
+        )
 
     def _read(self, step: int, item: str, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``; any error from orbax/tensorstore/JSON -> ``CheckpointCorruptError``."""
@@ -396,9 +456,14 @@ class Checkpointer:
         got = fingerprint(encoded)
         bad = [path for path in sorted(record) if got.get(path) != list(record[path])]
         if bad:
-            raise self._corrupt(step, _STATE, (
-                f"{len(bad)} of {len(record)} array leaves differ from the integrity record "
-                f"written at save time: {_paths([(p,) for p in bad], limit=5)}"))
+            raise self._corrupt(
+                step,
+                _STATE,
+                (
+                    f"{len(bad)} of {len(record)} array leaves differ from the integrity record "
+                    f"written at save time: {_paths([(p,) for p in bad], limit=5)}"
+                ),
+            )
 
     def _check_base(self, step: int, target: PyTree, record: dict | None) -> None:
         """A LoRA checkpoint (``record``: its base weights' fingerprint) restores only onto the base
@@ -408,13 +473,17 @@ class Checkpointer:
             return
         if record is None or not jax.tree.leaves(base):
             have = "adapters" if record is not None else "full weights"
-            raise ValueError(f"checkpoint {self.directory} step {step} holds {have}, the restore target "
-                             f"{'does not' if record is not None else 'does'} have LoRA adapters")
+            raise ValueError(
+                f"checkpoint {self.directory} step {step} holds {have}, the restore target "
+                f"{'does not' if record is not None else 'does'} have LoRA adapters"
+            )
         got = fingerprint(base)
         bad = sorted(p for p in record if got.get(p) != list(record[p]))
         if bad:
-            raise ValueError(f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
-                             f"weights than the target's ({_paths([(p,) for p in bad], limit=5)} differ)")
+            raise ValueError(
+                f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
+                f"weights than the target's ({_paths([(p,) for p in bad], limit=5)} differ)"
+            )
 
     def _check_compatible(self, meta, abstract: PyTree, where: str) -> None:
         stored = ocp.tree.to_flat_dict(getattr(meta, "tree", meta))
@@ -434,12 +503,17 @@ class Checkpointer:
             have_dtype = getattr(stored[path], "dtype", None)
             if isinstance(stored[path], ocp.metadata.ScalarMetadata):
                 have_dtype = None  # a saved Python scalar restores into any scalar dtype
-            if have_shape != want_shape or (have_dtype is not None
-                                            and np.dtype(have_dtype) != np.dtype(want.dtype)):
-                problems.append(f"{'.'.join(path)}: checkpoint {have_dtype}{list(have_shape)} "
-                                f"vs target {want.dtype}{list(want_shape)}")
+            if have_shape != want_shape or (
+                have_dtype is not None and np.dtype(have_dtype) != np.dtype(want.dtype)
+            ):
+                problems.append(
+                    f"{'.'.join(path)}: checkpoint {have_dtype}{list(have_shape)} "
+                    f"vs target {want.dtype}{list(want_shape)}"
+                )
         if problems:
-            shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+            shown = problems[:10] + (
+                [f"... and {len(problems) - 10} more"] if len(problems) > 10 else []
+            )
             raise ValueError(f"{where} does not match the restore target:\n  " + "\n  ".join(shown))
 
 

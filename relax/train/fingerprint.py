@@ -46,9 +46,11 @@ def _words(x: jax.Array) -> list[tuple[jax.Array, int, int]]:
     if dtype == jnp.bool_:
         return [(x.astype(jnp.uint32), 1, 0)]
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        return [(w, 2 * scale, part * scale + offset)
-                for part, half in enumerate((jnp.real(x), jnp.imag(x)))
-                for w, scale, offset in _words(half)]
+        return [
+            (w, 2 * scale, part * scale + offset)
+            for part, half in enumerate((jnp.real(x), jnp.imag(x)))
+            for w, scale, offset in _words(half)
+        ]
     bits = jax.dtypes.itemsize_bits(dtype)
     if bits == 64:
         u = lax.bitcast_convert_type(x, jnp.uint64)
@@ -106,18 +108,26 @@ def fingerprint(tree: PyTree) -> dict[str, list[int]]:
     """
     keyless = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
     flat = ocp.tree.to_flat_dict(keyless)
-    arrays = {".".join(map(str, path)): x if isinstance(x, jax.Array) else _host_words(x)
-              for path, x in flat.items() if isinstance(x, (jax.Array, np.ndarray))}
+    arrays = {
+        ".".join(map(str, path)): x if isinstance(x, jax.Array) else _host_words(x)
+        for path, x in flat.items()
+        if isinstance(x, (jax.Array, np.ndarray))
+    }
     groups: dict[tuple, list[str]] = {}  # one jit call per device set; numpy leaves: their own
     for path, x in arrays.items():
         devices = frozenset(d.id for d in x.sharding.device_set) if isinstance(x, jax.Array) else ()
-        on_host = isinstance(x, jax.Array) and x.sharding.memory_kind not in (None, _device_memory(x))
+        on_host = isinstance(x, jax.Array) and x.sharding.memory_kind not in (
+            None,
+            _device_memory(x),
+        )
         groups.setdefault((devices, path) if on_host else (devices,), []).append(path)
     record = {}
     for key, paths in groups.items():
         leaves = [arrays[p] for p in paths]
         if len(key) == 2:  # host memory (e.g. an offloaded reference model): one leaf at a time
-            leaves = [jax.device_put(x, x.sharding.with_memory_kind(_device_memory(x))) for x in leaves]
+            leaves = [
+                jax.device_put(x, x.sharding.with_memory_kind(_device_memory(x))) for x in leaves
+            ]
         sums = np.asarray(jax.device_get(_fingerprints(leaves)))
         record.update({p: [int(a), int(b)] for p, (a, b) in zip(paths, sums)})
     return dict(sorted(record.items()))

@@ -42,7 +42,9 @@ def check_finite_weights(tree, what: str) -> None:
     infinity (``first_nonfinite_leaf``): weights restored that way would train NaN."""
     first = int(jax.jit(first_nonfinite_leaf)(tree))
     if first >= 0:
-        raise NonFiniteError(f"{what}: weight {leaf_names(tree)[first]!r} holds NaN or infinite values")
+        raise NonFiniteError(
+            f"{what}: weight {leaf_names(tree)[first]!r} holds NaN or infinite values"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +75,15 @@ def first_nonfinite_leaf(tree) -> Int[Array, ""]:
     return _first([~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
 
 
-def first_nonfinite(loss: Array, *, rewards: Array | None = None, advantages: Array | None = None,
-                    old_logprobs: Array | None = None, ref_logprobs: Array | None = None,
-                    mask: Array | None = None) -> Int[Array, ""]:
+def first_nonfinite(
+    loss: Array,
+    *,
+    rewards: Array | None = None,
+    advantages: Array | None = None,
+    old_logprobs: Array | None = None,
+    ref_logprobs: Array | None = None,
+    mask: Array | None = None,
+) -> Int[Array, ""]:
     """Index in ``QUANTITIES`` of the first non-finite one of ``loss`` and the batch's quantities
     given; -1 if none.
 
@@ -93,21 +101,29 @@ def first_nonfinite(loss: Array, *, rewards: Array | None = None, advantages: Ar
     return _first([~checks.get(q, jnp.bool_(True)) for q in QUANTITIES])
 
 
-def step_health(metrics: Mapping[str, Array], opt_state, first_nonfinite_index: Array) -> tuple[dict, dict]:
+def step_health(
+    metrics: Mapping[str, Array], opt_state, first_nonfinite_index: Array
+) -> tuple[dict, dict]:
     """An update's ``(metrics, health)``: the metrics without ``first_nonfinite_grad`` and with
     ``skipped_updates`` (all skipped optimizer steps so far), and the record ``HealthMonitor``
     checks: ``first_nonfinite_grad``, ``first_nonfinite`` (``first_nonfinite_index``, e.g.
     ``first_nonfinite(batch, loss)``) and ``consecutive_skips``."""
     total, streak = skip_counts(opt_state)
     metrics = dict(metrics)
-    health = {"first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
-              "first_nonfinite": jnp.asarray(first_nonfinite_index, jnp.int32), "consecutive_skips": streak}
+    health = {
+        "first_nonfinite_grad": metrics.pop("first_nonfinite_grad"),
+        "first_nonfinite": jnp.asarray(first_nonfinite_index, jnp.int32),
+        "consecutive_skips": streak,
+    }
     return {**metrics, "skipped_updates": total}, health
 
 
 def leaf_names(tree) -> list[str]:
     """The key paths of ``tree``'s leaves (``jax.tree.leaves`` order), e.g. ``layers.wq``."""
-    return [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return [
+        jax.tree_util.keystr(p, simple=True, separator=".")
+        for p, _ in jax.tree_util.tree_leaves_with_path(tree)
+    ]
 
 
 class HealthMonitor:
@@ -117,8 +133,14 @@ class HealthMonitor:
     ``warn``: where collapse warnings go (``print`` on the main process, say).
     """
 
-    def __init__(self, cfg: HealthConfig, *, grad_leaves: Sequence[str], vocab_size: int,
-                 warn: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: HealthConfig,
+        *,
+        grad_leaves: Sequence[str],
+        vocab_size: int,
+        warn: Callable[[str], None],
+    ):
         self.cfg, self.grad_leaves, self.warn = cfg, list(grad_leaves), warn
         self.max_entropy = math.log(vocab_size)
         self._cause: str | None = None  # what made the first step of the current skip streak skip
@@ -131,7 +153,9 @@ class HealthMonitor:
         if q >= 0 and QUANTITIES[q] != "loss":
             return f"non-finite {QUANTITIES[q]}"
         grad = f"gradient of {self.grad_leaves[leaf]}" if leaf >= 0 else "gradients"
-        return f"non-finite loss and {grad}" if q >= 0 else f"non-finite {grad} (the loss is finite)"
+        return (
+            f"non-finite loss and {grad}" if q >= 0 else f"non-finite {grad} (the loss is finite)"
+        )
 
     def check(self, step: int, metrics: Mapping[str, float], health: Mapping[str, int]) -> None:
         """After iteration ``step``: raise ``NonFiniteError`` past the skip limit; warn on collapse."""
@@ -146,13 +170,20 @@ class HealthMonitor:
                 f"--health.max-consecutive-skips={self.cfg.max_consecutive_skips}); the streak began at "
                 f"iteration {self._streak_start} with {self._cause}. The policy holds the last finite "
                 "weights; the checkpoints before it are intact (lower the learning rate, check the rewards "
-                "and the data, then --resume).")
-        self._watch("entropy", metrics.get("entropy", 0.0) >= (1 - self.cfg.collapse_tolerance) * self.max_entropy,
-                    f"the policy's entropy {metrics.get('entropy', 0.0):.4f} is at ln V = {self.max_entropy:.4f} "
-                    "(uniform over the vocabulary): the model has collapsed (learning rate too high?)")
-        self._watch("grad_norm", skips == 0 and metrics.get("grad_norm", 1.0) == 0.0,
-                    "the gradient norm is exactly 0: nothing is learning (every group's rewards equal and no "
-                    "KL term, or a collapsed model)")
+                "and the data, then --resume)."
+            )
+        self._watch(
+            "entropy",
+            metrics.get("entropy", 0.0) >= (1 - self.cfg.collapse_tolerance) * self.max_entropy,
+            f"the policy's entropy {metrics.get('entropy', 0.0):.4f} is at ln V = {self.max_entropy:.4f} "
+            "(uniform over the vocabulary): the model has collapsed (learning rate too high?)",
+        )
+        self._watch(
+            "grad_norm",
+            skips == 0 and metrics.get("grad_norm", 1.0) == 0.0,
+            "the gradient norm is exactly 0: nothing is learning (every group's rewards equal and no "
+            "KL term, or a collapsed model)",
+        )
 
     def _watch(self, name: str, hit: bool, message: str) -> None:
         self._collapse[name] = self._collapse[name] + 1 if hit else 0

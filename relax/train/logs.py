@@ -61,7 +61,10 @@ __all__ = ["MetricsLogger", "ProgressBar", "is_main_process", "truncate_jsonl", 
 METRICS_FILE = "metrics.jsonl"
 TEXT_FILE = "text.jsonl"
 SUMMARY_FILE = "summary.json"
-STARTUP_FILE, CONFIG_FILE = "startup.txt", "config.json"  # the start-up report and the effective config
+STARTUP_FILE, CONFIG_FILE = (
+    "startup.txt",
+    "config.json",
+)  # the start-up report and the effective config
 TB_DIR = "tb"
 _RESERVED = ("step", "time")
 
@@ -239,7 +242,7 @@ def _event_file_suffix(tb_dir: str) -> str:
     """
     base = f"events.out.tfevents.{str(time.time())[:10]}.{socket.gethostname()}"  # as tensorboardX
     taken = [n for n in _event_files(tb_dir) if n.startswith(base)]
-    return max(taken)[len(base):] + ".1" if taken else ""
+    return max(taken)[len(base) :] + ".1" if taken else ""
 
 
 def _open_tensorboard(tb_dir: str, purge_step: int | None):
@@ -253,13 +256,18 @@ def _open_tensorboard(tb_dir: str, purge_step: int | None):
 
     os.makedirs(tb_dir, exist_ok=True)
     before = set(_event_files(tb_dir))
-    writer = SummaryWriter(tb_dir, flush_secs=30, purge_step=purge_step,
-                           filename_suffix=_event_file_suffix(tb_dir))
+    writer = SummaryWriter(
+        tb_dir, flush_secs=30, purge_step=purge_step, filename_suffix=_event_file_suffix(tb_dir)
+    )
     after = _event_files(tb_dir)
     if not after or after[-1] in before:
-        warnings.warn(f"tensorboardX's new event file in {tb_dir} is not the last one by name "
-                      f"(last: {after[-1] if after else None}); TensorBoard may read it out of "
-                      "order or not purge the steps of a resumed run", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"tensorboardX's new event file in {tb_dir} is not the last one by name "
+            f"(last: {after[-1] if after else None}); TensorBoard may read it out of "
+            "order or not purge the steps of a resumed run",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return writer
 
 
@@ -279,8 +287,15 @@ class MetricsLogger:
     for the run loop to report.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool | None = None,
-                 tensorboard: bool = True, flush_every: int = 1, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        enabled: bool | None = None,
+        tensorboard: bool = True,
+        flush_every: int = 1,
+        resume_step: int | None = None,
+    ):
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         if isinstance(resume_step, bool):
@@ -297,8 +312,11 @@ class MetricsLogger:
         os.makedirs(self.run_dir, exist_ok=True)
         for name in self.dropped:
             path = os.path.join(self.run_dir, name)
-            self.dropped[name] = (_cut_torn_tail(path) if self.resume_step is None
-                                  else truncate_jsonl(path, self.resume_step))
+            self.dropped[name] = (
+                _cut_torn_tail(path)
+                if self.resume_step is None
+                else truncate_jsonl(path, self.resume_step)
+            )
         self._file = open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8")
         if tensorboard:
             purge_step = None if self.resume_step is None else self.resume_step + 1
@@ -329,8 +347,9 @@ class MetricsLogger:
             return
         if self._text_file is None:
             self._text_file = open(os.path.join(self.run_dir, TEXT_FILE), "a", encoding="utf-8")
-        self._text_file.write(_dumps({"step": int(step), "time": time.time(), "tag": tag,
-                                      "text": str(text)}) + "\n")
+        self._text_file.write(
+            _dumps({"step": int(step), "time": time.time(), "tag": tag, "text": str(text)}) + "\n"
+        )
         self._text_file.flush()
         if self._writer is not None:
             self._writer.add_text(tag, str(text), global_step=int(step))
@@ -374,14 +393,28 @@ class ProgressBar:
     non-main processes by default (``enabled=None``).
     """
 
-    def __init__(self, total: int | None = None, *, keys: Iterable[str | tuple[str, str]] = DEFAULT_BAR_KEYS,
-                 enabled: bool | None = None, desc: str | None = None, initial: int = 0, **tqdm_kwargs):
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        keys: Iterable[str | tuple[str, str]] = DEFAULT_BAR_KEYS,
+        enabled: bool | None = None,
+        desc: str | None = None,
+        initial: int = 0,
+        **tqdm_kwargs,
+    ):
         from tqdm import tqdm
 
         self.enabled = is_main_process() if enabled is None else bool(enabled)
         self.keys = [(k, k) if isinstance(k, str) else tuple(k) for k in keys]
-        self._bar = tqdm(total=total, desc=desc, initial=initial, disable=not self.enabled,
-                         dynamic_ncols=True, **tqdm_kwargs)
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            initial=initial,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+            **tqdm_kwargs,
+        )
 
     def postfix(self, metrics: Mapping[str, Any]) -> dict[str, str]:
         """The postfix fields for ``metrics``: ``label -> value`` formatted to 4 significant digits."""
@@ -413,8 +446,9 @@ class ProgressBar:
         self.close()
 
 
-def write_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any], *,
-                  enabled: bool | None = None) -> str | None:
+def write_summary(
+    run_dir: str | os.PathLike, summary: Mapping[str, Any], *, enabled: bool | None = None
+) -> str | None:
     """Write ``run_dir/summary.json`` atomically (temporary file + ``os.replace``); its path.
 
     Values are made strict JSON (NaN/inf -> null, arrays -> lists). Returns None when

@@ -14,8 +14,8 @@ times ``m_k`` is AdamW at learning rate ``m_k lr``) and metrics. The batch is sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +64,11 @@ def adapter_axes(model: Transformer) -> Any:
     return with_adapters(marks, jax.tree.map(lambda _: 0, model.layers.lora))
 
 
-def init_many(optimizer: optax.GradientTransformation, model: Transformer,
-              learning_rate_scales: Sequence[float] | None = None) -> optax.OptState:
+def init_many(
+    optimizer: optax.GradientTransformation,
+    model: Transformer,
+    learning_rate_scales: Sequence[float] | None = None,
+) -> optax.OptState:
     """One optimizer state per adapter of a stacked ``model`` (leaves ``[K, ...]``); with
     ``learning_rate_scales`` (K values) the ``ScaledState`` multipliers are set to them."""
     trained = split_trainable(model)[0]
@@ -75,8 +78,10 @@ def init_many(optimizer: optax.GradientTransformation, model: Transformer,
     scales = jnp.asarray(learning_rate_scales, jnp.float32)
     found = optax.tree_utils.tree_get_all_with_path(state, "scale")
     if len(found) != 1 or found[0][1].shape != scales.shape:
-        raise ValueError(f"learning_rate_scales needs an optimizer built with with_learning_rate_scale and "
-                         f"{found[0][1].shape[0] if found else '?'} values, got {len(learning_rate_scales)}")
+        raise ValueError(
+            f"learning_rate_scales needs an optimizer built with with_learning_rate_scale and "
+            f"{found[0][1].shape[0] if found else '?'} values, got {len(learning_rate_scales)}"
+        )
     return optax.tree_utils.tree_set(state, scale=scales)
 
 

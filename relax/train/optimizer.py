@@ -4,8 +4,8 @@ steps skipped (``optax.apply_if_finite``), optional float32 master weights (all 
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -39,17 +39,27 @@ class OptimizerConfig:
         # a NaN rate poisons every weight at the first step (apply_if_finite checks the gradients,
         # not the step), a negative one trains the wrong way, zero trains nothing
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            raise ValueError(f"the optimizer's learning_rate must be finite and > 0, got {self.learning_rate}")
+            raise ValueError(
+                f"the optimizer's learning_rate must be finite and > 0, got {self.learning_rate}"
+            )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"the optimizer's weight_decay must be finite and >= 0, got {self.weight_decay}")
+            raise ValueError(
+                f"the optimizer's weight_decay must be finite and >= 0, got {self.weight_decay}"
+            )
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0):
-            raise ValueError(f"the optimizer needs 0 <= b1, b2 < 1 and eps > 0, got b1={self.b1}, b2={self.b2}, "
-                             f"eps={self.eps}")
+            raise ValueError(
+                f"the optimizer needs 0 <= b1, b2 < 1 and eps > 0, got b1={self.b1}, b2={self.b2}, "
+                f"eps={self.eps}"
+            )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"the optimizer's max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+            raise ValueError(
+                f"the optimizer's max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
+            )
         if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"warmup_steps >= 0 and total_steps >= 1 are required, got {self.warmup_steps}, "
-                             f"{self.total_steps}")
+            raise ValueError(
+                f"warmup_steps >= 0 and total_steps >= 1 are required, got {self.warmup_steps}, "
+                f"{self.total_steps}"
+            )
 
     def learning_rate_schedule(self) -> optax.Schedule:
         lr = self.learning_rate
@@ -67,9 +77,18 @@ class OptimizerConfig:
 
     def make(self) -> optax.GradientTransformation:
         """clip -> adamw(schedule); non-finite updates are skipped (``optax.apply_if_finite``)."""
-        parts = [] if self.max_grad_norm is None else [optax.clip_by_global_norm(self.max_grad_norm)]
-        parts.append(optax.adamw(self.learning_rate_schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
-                                 weight_decay=self.weight_decay))
+        parts = (
+            [] if self.max_grad_norm is None else [optax.clip_by_global_norm(self.max_grad_norm)]
+        )
+        parts.append(
+            optax.adamw(
+                self.learning_rate_schedule(),
+                b1=self.b1,
+                b2=self.b2,
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+            )
+        )
         opt = optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=1_000_000)
         # outside apply_if_finite, so that its skip branch sees float32 updates like its update branch
         return with_master_weights(opt) if self.master_weights else opt
@@ -90,7 +109,9 @@ class MasterWeightsState(NamedTuple):
         return self.inner.notfinite_count
 
 
-def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> optax.GradientTransformation:
+def with_master_weights(
+    inner: optax.GradientTransformation, dtype=jnp.float32
+) -> optax.GradientTransformation:
     """Run ``inner`` on a float32 master copy of the parameters kept in the optimizer state.
 
     Gradients (computed on the low-precision params) are cast to float32, ``inner`` updates the
@@ -110,7 +131,9 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
         updates, inner_state = inner.update(grads, state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
         # float32 updates: apply_updates adds them in float32 and rounds once, to the master value
-        out = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype), master, params)
+        out = jax.tree.map(
+            lambda m, p: m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype), master, params
+        )
         return out, MasterWeightsState(master, inner_state)
 
     return optax.GradientTransformation(init, update)
@@ -120,13 +143,17 @@ def skip_counts(opt_state) -> tuple[jax.Array, jax.Array]:
     """``(total, consecutive)`` optimizer steps skipped for non-finite gradients, read from the
     ``optax.apply_if_finite`` states inside ``opt_state`` (the largest where there are several,
     e.g. ``paired``; zeros for an optimizer without one)."""
+
     def largest(name):
         found = [x for _, x in optax.tree_utils.tree_get_all_with_path(opt_state, name)]
         return functools.reduce(jnp.maximum, found) if found else jnp.int32(0)
+
     return largest("total_notfinite"), largest("notfinite_count")
 
 
-def paired(first: optax.GradientTransformation, second: optax.GradientTransformation) -> optax.GradientTransformation:
+def paired(
+    first: optax.GradientTransformation, second: optax.GradientTransformation
+) -> optax.GradientTransformation:
     """One optimizer for a pair of parameter trees ``(a, b)``: ``first`` updates ``a``, ``second``
     updates ``b``, each with its own state (the pair of states), e.g. a policy and the value
     head on its backbone trained by one joint loss with their own learning rates."""

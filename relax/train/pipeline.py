@@ -20,7 +20,8 @@ producer stage that ``waits`` (``score_finish``, collecting the reward pool's sc
 the update of batch ``j`` is dispatched (JAX returns at once); (4) the producer's host work of
 batch ``j + d`` up to its waiting stage (decoding, handing the completions to the reward pool,
 environments) runs while the device updates; (5) the update's metrics are fetched. So the pool
-scores batch ``j + d`` while the device runs the next rollout and update. On separate sampler and trainer devices (``relax.parallel``) the rollout
+scores batch ``j + d`` while the device runs the next rollout and update. On separate sampler and
+trainer devices (``relax.parallel``) the rollout
 runs on the sampler's devices meanwhile. The sampler's copy of a version (``sampler_view``: the
 policy, its step and key) is taken before the update that would overwrite it; the batch of lag
 ``i - v(i) > 0`` samples with ``fold_in(key_v, lag)``.
@@ -43,7 +44,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,14 +77,18 @@ class AsyncConfig:
         if self.staleness < 0:
             raise ValueError(f"--async.staleness must be >= 0, got {self.staleness}")
         if not 1 <= self.push_every <= self.staleness + 1:
-            raise ValueError(f"--async.push-every must be in [1, staleness + 1 = {self.staleness + 1}] so that "
-                             f"no batch is more than --async.staleness versions old, got {self.push_every}")
+            raise ValueError(
+                f"--async.push-every must be in [1, staleness + 1 = {self.staleness + 1}] so that "
+                f"no batch is more than --async.staleness versions old, got {self.push_every}"
+            )
         if self.partial < 1:
             raise ValueError(f"--async.partial must be >= 1, got {self.partial}")
         if self.staleness + 1 - self.push_every - (self.partial - 1) < 0:
-            raise ValueError(f"--async.partial {self.partial} samples a batch over {self.partial} rollouts, so its first "
-                             f"tokens are {self.partial - 1} versions older than its last: it needs --async.staleness >= "
-                             f"{self.partial - 2 + self.push_every} (partial - 2 + push_every), got {self.staleness}")
+            raise ValueError(
+                f"--async.partial {self.partial} samples a batch over {self.partial} rollouts, so its first "
+                f"tokens are {self.partial - 1} versions older than its last: it needs --async.staleness >= "
+                f"{self.partial - 2 + self.push_every} (partial - 2 + push_every), got {self.staleness}"
+            )
 
     @property
     def depth(self) -> int:
@@ -107,12 +113,18 @@ class AsyncConfig:
     def live_versions(self, step: int, steps: int) -> tuple[int, ...]:
         """Versions older than ``step`` that batches ``step .. step + d`` (in flight, or next to be
         produced) are sampled with: the sampler copies a checkpoint at ``step`` must hold."""
-        return tuple(sorted({self.version(i) for i in range(step, min(step + self.depth + 1, steps))} - {step}))
+        return tuple(
+            sorted(
+                {self.version(i) for i in range(step, min(step + self.depth + 1, steps))} - {step}
+            )
+        )
 
     def histogram(self, steps: int) -> dict[int, int]:
         """How many of ``steps`` updates consume a batch of each lag, its oldest tokens' (the
         pipeline checks every batch's recorded versions against the schedule)."""
-        return dict(sorted(collections.Counter(i - self.oldest_version(i) for i in range(steps)).items()))
+        return dict(
+            sorted(collections.Counter(i - self.oldest_version(i) for i in range(steps)).items())
+        )
 
     @property
     def slots(self) -> int:
@@ -121,24 +133,32 @@ class AsyncConfig:
         return max(len(self.live_versions(step, 10 * horizon)) for step in range(horizon))
 
 
-def split_segments(segments: tuple[Segment, ...]) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+def split_segments(
+    segments: tuple[Segment, ...],
+) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
     """``(producer, consumer)``: the leading segments that do not update the state, and the rest."""
     first = next((k for k, seg in enumerate(segments) if seg.updates_state), None)
     if first is None or first == 0:
-        raise ValueError("a pipelined step needs leading stages that leave the state as it is (the rollout) "
-                         f"and a later one that updates it; its segments are {[seg.names for seg in segments]}")
+        raise ValueError(
+            "a pipelined step needs leading stages that leave the state as it is (the rollout) "
+            f"and a later one that updates it; its segments are {[seg.names for seg in segments]}"
+        )
     return segments[:first], segments[first:]
 
 
 def producer_part(state):
     """The part of a train state the producer reads: its policy, step (the version) and key."""
-    return state.replace(opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None)
+    return state.replace(
+        opt_state=None, ref=None, ref_stats=None, critic=None, critic_opt_state=None
+    )
 
 
 def sampler_view(state):
     """``producer_part(state)`` copied out of the state before an update overwrites it (the
     update donates its state)."""
-    policy, step, key = jax.block_until_ready(jax.tree.map(jnp.copy, (state.policy, state.step, state.key)))
+    policy, step, key = jax.block_until_ready(
+        jax.tree.map(jnp.copy, (state.policy, state.step, state.key))
+    )
     return producer_part(state).replace(policy=policy, step=step, key=key)
 
 
@@ -159,8 +179,14 @@ class Pipeline:
     ``views``: the sampler copies restored from a checkpoint (version -> view). ``batches`` is
     the data iterator (``get_state``/``set_state``), ``make_batch(item)`` the step's input."""
 
-    def __init__(self, segments: tuple[Segment, ...], cfg: AsyncConfig, batches, make_batch,
-                 views: dict[int, Any] | None = None):
+    def __init__(
+        self,
+        segments: tuple[Segment, ...],
+        cfg: AsyncConfig,
+        batches,
+        make_batch,
+        views: dict[int, Any] | None = None,
+    ):
         self.producer, self.consumer = split_segments(segments)
         self.cfg, self.batches, self.make_batch = cfg, batches, make_batch
         self.views: dict[int, Any] = dict(views or {})
@@ -189,8 +215,10 @@ class Pipeline:
             return state  # synchronous: the live state, produced and consumed before it changes
         if v not in self.views:
             if v != int(state.step):
-                raise RuntimeError(f"batch {i} needs the weights of version {v}, which are gone (state at "
-                                   f"{int(state.step)}): the pipeline's schedule is broken")
+                raise RuntimeError(
+                    f"batch {i} needs the weights of version {v}, which are gone (state at "
+                    f"{int(state.step)}): the pipeline's schedule is broken"
+                )
             self.views[v] = sampler_view(state)
         view, lag = self.views[v], i - v
         return view if lag == 0 else view.replace(key=jax.random.fold_in(view.key, lag))
@@ -200,19 +228,29 @@ class Pipeline:
         # partial rollouts, relax.rollout.partial)
         self.data_states[i] = self.batches.get_state()
         batch = self.make_batch(next(self.batches))
-        return Produced(view=self._view(state, i), batch=batch, todo=collections.deque(self.producer))
+        return Produced(
+            view=self._view(state, i), batch=batch, todo=collections.deque(self.producer)
+        )
 
-    def _advance(self, p: Produced, *, until_device: bool = False, until_wait: bool = False) -> Produced:
+    def _advance(
+        self, p: Produced, *, until_device: bool = False, until_wait: bool = False
+    ) -> Produced:
         """Run ``p``'s producer segments; with ``until_device`` stop after the first jitted one
         (dispatched, not awaited) or before a host one (a multi-turn rollout's: it runs while the
         device updates), with ``until_wait`` before one that ``waits``."""
         t0 = time.perf_counter()
-        while p.todo and not (until_wait and p.todo[0].waits) and not (until_device and not p.todo[0].jittable):
+        while (
+            p.todo
+            and not (until_wait and p.todo[0].waits)
+            and not (until_device and not p.todo[0].jittable)
+        ):
             seg = p.todo.popleft()
             view, p.batch = seg.run(p.view, p.batch)
             if view is not p.view:
-                raise ValueError(f"stage(s) {'+'.join(seg.names)} changed the state: a pipelined step's "
-                                 "stages before the update must leave it as it is")
+                raise ValueError(
+                    f"stage(s) {'+'.join(seg.names)} changed the state: a pipelined step's "
+                    "stages before the update must leave it as it is"
+                )
             if until_device and seg.jittable:
                 break
         p.time_s += time.perf_counter() - t0
@@ -227,11 +265,17 @@ class Pipeline:
         else:
             versions = np.unique(jax.device_get(token_versions)[jax.device_get(batch.mask) > 0])
         lo, hi = int(versions[0]), int(versions[-1])
-        ok = lo == self.cfg.oldest_version(j) and hi <= self.cfg.version(j) and 0 <= j - lo <= self.cfg.staleness
+        ok = (
+            lo == self.cfg.oldest_version(j)
+            and hi <= self.cfg.version(j)
+            and 0 <= j - lo <= self.cfg.staleness
+        )
         if not ok or (token_versions is None and lo != hi):
-            raise RuntimeError(f"batch {j} was sampled by version(s) {versions.tolist()}, the schedule says "
-                               f"{self.cfg.oldest_version(j)}..{self.cfg.version(j)} (staleness bound "
-                               f"{self.cfg.staleness})")
+            raise RuntimeError(
+                f"batch {j} was sampled by version(s) {versions.tolist()}, the schedule says "
+                f"{self.cfg.oldest_version(j)}..{self.cfg.version(j)} (staleness bound "
+                f"{self.cfg.staleness})"
+            )
         return j - lo
 
     def _prune(self, step: int, steps: int) -> None:
@@ -249,10 +293,16 @@ class Pipeline:
         d = self.cfg.depth
         t_prologue = time.perf_counter()  # its time counts as the first iteration's
         while len(self.in_flight) < d and start + len(self.in_flight) < steps:
-            self.in_flight.append(self._advance(self._start(state, start + len(self.in_flight)), until_wait=True))
+            self.in_flight.append(
+                self._advance(self._start(state, start + len(self.in_flight)), until_wait=True)
+            )
         for j in range(start, steps):
             t0 = t_prologue if j == start else time.perf_counter()
-            ahead = self._advance(self._start(state, j + d), until_device=d > 0) if j + d < steps else None
+            ahead = (
+                self._advance(self._start(state, j + d), until_device=d > 0)
+                if j + d < steps
+                else None
+            )
             if d == 0:
                 current = ahead
             else:
@@ -272,7 +322,11 @@ class Pipeline:
             jax.block_until_ready((out.metrics, out.health))
             t1 = time.perf_counter()
             self._prune(j + 1, steps)
-            timings = {"time/step": t1 - t0, "time/wait_update": t1 - t_produced,
-                       "time/produce": 0.0 if ahead is None else ahead.time_s, "time/collect": t_collect,
-                       "staleness": float(lag)}
+            timings = {
+                "time/step": t1 - t0,
+                "time/wait_update": t1 - t_produced,
+                "time/produce": 0.0 if ahead is None else ahead.time_s,
+                "time/collect": t_collect,
+                "staleness": float(lag),
+            }
             yield state, batch, timings

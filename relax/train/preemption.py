@@ -22,7 +22,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -37,7 +37,9 @@ class PreemptionGuard:
     def __init__(self):
         self.requested = False
         self._previous = None
-        self.active = threading.current_thread() is threading.main_thread() and jax.process_count() == 1
+        self.active = (
+            threading.current_thread() is threading.main_thread() and jax.process_count() == 1
+        )
 
     def _handle(self, signum, frame) -> None:
         self.requested = True

@@ -13,7 +13,8 @@ accumulation with batch-wide normalisers and declared metric reductions.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -27,7 +28,9 @@ from relax.train.state import TrainState, apply_updates
 LossFn = Callable[[Any, Any], "tuple[Array, Mapping[str, Array]]"]
 
 
-def forward_backward(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[Any, dict[str, Array]]:
+def forward_backward(
+    state: TrainState, batch: Any, loss_fn: LossFn
+) -> tuple[Any, dict[str, Array]]:
     """``(grads, metrics)``: the gradient of ``loss_fn(state.policy, batch)`` with respect to the
     policy's trainable leaves (the policy's pytree, None at frozen leaves: a LoRA policy's base),
     and its metrics with ``loss`` added."""
@@ -40,11 +43,17 @@ def forward_backward(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[An
 def optim_step(state: TrainState, grads: Any) -> TrainState:
     """One step of the state's optimizer (clipping and the non-finite guard included when it has
     them, see ``relax.train.optimizer``); ``state.step`` counts it."""
-    updates, opt_state = state.optimizer.update(grads, state.opt_state, split_trainable(state.policy)[0])
-    return state.replace(policy=apply_updates(state.policy, updates), opt_state=opt_state, step=state.step + 1)
+    updates, opt_state = state.optimizer.update(
+        grads, state.opt_state, split_trainable(state.policy)[0]
+    )
+    return state.replace(
+        policy=apply_updates(state.policy, updates), opt_state=opt_state, step=state.step + 1
+    )
 
 
-def sample(state: TrainState, prompt_ids, prompt_mask, cfg: RolloutConfig, key: jax.Array | None = None) -> Rollout:
+def sample(
+    state: TrainState, prompt_ids, prompt_mask, cfg: RolloutConfig, key: jax.Array | None = None
+) -> Rollout:
     """``cfg.num_generations`` completions of each left-padded prompt by the policy (the
     prefix-shared sampler, jitted once per ``cfg``); ``key`` defaults to one derived from
     ``state.key`` and ``state.step``. The prompts are used as given, neither validated nor padded
@@ -55,14 +64,24 @@ def sample(state: TrainState, prompt_ids, prompt_mask, cfg: RolloutConfig, key: 
     return compiled_generate(cfg)(state.policy, prompt_ids, prompt_mask, key)
 
 
-def policy_logprobs(policy, batch: Mapping[str, Array], *, temperature: float = 1.0) -> Float[Array, "p g n"]:
+def policy_logprobs(
+    policy, batch: Mapping[str, Array], *, temperature: float = 1.0
+) -> Float[Array, "p g n"]:
     """Differentiable log-probs of ``batch["tokens"]`` ``[P, G, N]`` after their prompts
     (``prompt_ids`` / ``prompt_mask`` ``[P, Lp]``, ``mask``): what a ``loss_fn`` calls."""
-    return completion_logprobs(policy, batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["mask"],
-                               temperature=temperature)
+    return completion_logprobs(
+        policy,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["tokens"],
+        batch["mask"],
+        temperature=temperature,
+    )
 
 
-def logprobs(state: TrainState, batch: Mapping[str, Array], *, temperature: float = 1.0) -> Float[Array, "p g n"]:
+def logprobs(
+    state: TrainState, batch: Mapping[str, Array], *, temperature: float = 1.0
+) -> Float[Array, "p g n"]:
     """The policy's log-probs of the batch's completions (no gradient needed: e.g. to recompute
     old-policy log-probs, or compare with the sampler's)."""
     return jax.lax.stop_gradient(policy_logprobs(state.policy, batch, temperature=temperature))

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 
@@ -68,7 +69,9 @@ class RunConfig:
         if self.steps < 0 or self.checkpoint_every < 1:
             raise ValueError("--steps >= 0 and --checkpoint-every >= 1 are required")
         if self.steps == 0 and not self.eval_only:
-            raise ValueError("--steps 0 trains nothing: pass --eval-only to evaluate the model, or --steps N >= 1")
+            raise ValueError(
+                "--steps 0 trains nothing: pass --eval-only to evaluate the model, or --steps N >= 1"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +180,9 @@ class Synchronous:
 
     def updates(self, state, start: int, steps: int) -> Iterator[tuple[Any, dict, dict]]:
         for _ in range(start, steps):
-            state, metrics, health = iteration(self.trainer, state, self.trainer.make_batch(next(self.trainer.batches)))
+            state, metrics, health = iteration(
+                self.trainer, state, self.trainer.make_batch(next(self.trainer.batches))
+            )
             yield state, metrics, health
 
 
@@ -199,19 +204,27 @@ class Pipelined(Synchronous):
         self.views = dict(zip(live, tree["sampler"]))
         for v, view in self.views.items():
             if int(view.step) != v:
-                raise ValueError(f"the checkpoint's sampler copy of version {v} holds version {int(view.step)}")
+                raise ValueError(
+                    f"the checkpoint's sampler copy of version {v} holds version {int(view.step)}"
+                )
         return state
 
     def summary(self, steps: int) -> dict:
-        return {"staleness_histogram": {str(lag): n for lag, n in self.cfg.histogram(steps).items()}}
+        return {
+            "staleness_histogram": {str(lag): n for lag, n in self.cfg.histogram(steps).items()}
+        }
 
     def saved(self, state, step: int, steps: int):
-        return ({"train": state, "sampler": self.pipeline.saved_views(state, step, steps)},
-                self.pipeline.data_state(step))
+        return (
+            {"train": state, "sampler": self.pipeline.saved_views(state, step, steps)},
+            self.pipeline.data_state(step),
+        )
 
     def updates(self, state, start: int, steps: int) -> Iterator[tuple[Any, dict, dict]]:
         t = self.trainer
-        self.pipeline = Pipeline(t.step.segments, self.cfg, t.batches, t.make_batch, views=self.views)
+        self.pipeline = Pipeline(
+            t.step.segments, self.cfg, t.batches, t.make_batch, views=self.views
+        )
         run = self.pipeline.run(state, start, steps)
         while True:
             with CompileCounter() as compiles:
@@ -222,8 +235,16 @@ class Pipelined(Synchronous):
             yield (state, *_host_values(t, batch, timings, compiles.count))
 
 
-def _train(cfg: RunConfig, trainer: Trainer, schedule: Synchronous, state, start: int, ckpt: Checkpointer,
-           logger: MetricsLogger, monitor: HealthMonitor):
+def _train(
+    cfg: RunConfig,
+    trainer: Trainer,
+    schedule: Synchronous,
+    state,
+    start: int,
+    ckpt: Checkpointer,
+    logger: MetricsLogger,
+    monitor: HealthMonitor,
+):
     """Iterations ``start .. cfg.steps``: log, check health, evaluate, checkpoint, export (every
     ``cfg.export_every``); on SIGTERM save and raise ``Preempted``. Returns the final state (its
     last step checkpointed)."""
@@ -241,7 +262,9 @@ def _train(cfg: RunConfig, trainer: Trainer, schedule: Synchronous, state, start
 
     bar = ProgressBar(total=cfg.steps, initial=start, keys=trainer.bar_keys, desc=trainer.name)
     with PreemptionGuard() as guard, bar:
-        for step, (state, metrics, health) in enumerate(schedule.updates(state, start, cfg.steps), start):
+        for step, (state, metrics, health) in enumerate(
+            schedule.updates(state, start, cfg.steps), start
+        ):
             logger.log(step + 1, metrics)
             bar.update(1, metrics)
             monitor.check(step + 1, metrics, health)
@@ -253,8 +276,10 @@ def _train(cfg: RunConfig, trainer: Trainer, schedule: Synchronous, state, start
                 trainer.export(state.policy, Path(cfg.run_dir) / "hf" / f"step-{step + 1}")
             if guard.requested:
                 saved_and_written(step + 1)
-                raise Preempted(f"SIGTERM: stopped after step {step + 1}, saved as checkpoint {step + 1} in "
-                                f"{ckpt.directory}; continue with --resume")
+                raise Preempted(
+                    f"SIGTERM: stopped after step {step + 1}, saved as checkpoint {step + 1} in "
+                    f"{ckpt.directory}; continue with --resume"
+                )
     saved_and_written(cfg.steps)
     return state
 
@@ -267,32 +292,57 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
         set_aside_earlier_run(run_dir, log)
     if is_main_process():
         trainer.on_start(run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every)
+    ckpt = Checkpointer(
+        run_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints, save_every=cfg.checkpoint_every
+    )
     try:
         summary: dict = {**(load_summary(run_dir) if cfg.resume else {}), **trainer.info}
-        schedule = Synchronous(trainer) if trainer.asynchronous.staleness == 0 else Pipelined(trainer, cfg.steps)
-        restored = (restore_latest(ckpt, schedule.target(state), run_dir, fallback=cfg.resume_fallback, log=log)
-                    if cfg.resume else None)
+        schedule = (
+            Synchronous(trainer)
+            if trainer.asynchronous.staleness == 0
+            else Pipelined(trainer, cfg.steps)
+        )
+        restored = (
+            restore_latest(
+                ckpt, schedule.target(state), run_dir, fallback=cfg.resume_fallback, log=log
+            )
+            if cfg.resume
+            else None
+        )
         if restored is not None:
             tree, data_state, _ = restored
             state = schedule.restored(tree)
-            check_finite_weights(state.policy, f"the checkpoint of step {int(state.step)} in {ckpt.directory}")
+            check_finite_weights(
+                state.policy, f"the checkpoint of step {int(state.step)} in {ckpt.directory}"
+            )
             trainer.batches.set_state(data_state)
             log(f"resumed from step {int(state.step)} ({ckpt.directory})")
         start = int(state.step)
         with MetricsLogger(run_dir, resume_step=None if cfg.eval_only else start) as logger:
             if cfg.eval_only:
-                return state, {**summary, "eval_only": trainer.evaluate(state, start, logger), "step": start}
+                return state, {
+                    **summary,
+                    "eval_only": trainer.evaluate(state, start, logger),
+                    "step": start,
+                }
             if sum(logger.dropped.values()):
-                log(f"logs cut back to step {start}: {sum(logger.dropped.values())} later record(s) removed")
+                log(
+                    f"logs cut back to step {start}: {sum(logger.dropped.values())} later record(s) removed"
+                )
             if "before" not in summary:
                 if start == 0:
                     summary["before"] = trainer.evaluate(state, start, logger)
                     write_summary(run_dir, summary)
                 else:
-                    log("no 'before' evaluation was recorded for this run; summary.json will have none")
-            monitor = HealthMonitor(cfg.health, grad_leaves=leaf_names(split_trainable(state.policy)[0]),
-                                    vocab_size=state.policy.config.vocab_size, warn=log)
+                    log(
+                        "no 'before' evaluation was recorded for this run; summary.json will have none"
+                    )
+            monitor = HealthMonitor(
+                cfg.health,
+                grad_leaves=leaf_names(split_trainable(state.policy)[0]),
+                vocab_size=state.policy.config.vocab_size,
+                warn=log,
+            )
             state = _train(cfg, trainer, schedule, state, start, ckpt, logger, monitor)
             summary.update(schedule.summary(cfg.steps))
             summary["after"] = trainer.evaluate(state, cfg.steps, logger)
@@ -302,7 +352,9 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
     return state, summary
 
 
-def run_loop(cfg: RunConfig, trainer: Trainer, state, log=print, t_start: float | None = None) -> tuple[Any, dict]:
+def run_loop(
+    cfg: RunConfig, trainer: Trainer, state, log=print, t_start: float | None = None
+) -> tuple[Any, dict]:
     """Train ``state`` with ``trainer`` as ``cfg`` says (or only evaluate, ``eval_only``);
     ``(state, summary)``, the summary also written to ``run_dir/summary.json``. ``t_start``: when
     the run began (``time.perf_counter()``; default now), for ``run_time_s``."""
@@ -314,8 +366,11 @@ def run_loop(cfg: RunConfig, trainer: Trainer, state, log=print, t_start: float 
         return state, summary
     if cfg.export_hf:
         summary["export"] = str(trainer.export(state.policy, run_dir / "final_hf"))
-    summary.update(steps=cfg.steps, run_time_s=time.perf_counter() - t_start,
-                   skipped_updates=int(skip_counts(state.opt_state)[0]))
+    summary.update(
+        steps=cfg.steps,
+        run_time_s=time.perf_counter() - t_start,
+        skipped_updates=int(skip_counts(state.opt_state)[0]),
+    )
     write_summary(run_dir, summary)
     if summary.get("before") and summary.get("after"):
         log("\n" + summary_table(summary["before"], summary["after"]))

@@ -18,15 +18,25 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from relax.parallel import distributed
 from relax.train.checkpoint import CheckpointCorruptError, Checkpointer
 from relax.train.logs import CONFIG_FILE, STARTUP_FILE, SUMMARY_FILE, is_main_process
 
-OUTPUTS = ("checkpoints", "metrics.jsonl", "text.jsonl", "tb", SUMMARY_FILE, "final_hf", "hf",
-           STARTUP_FILE, CONFIG_FILE)
+OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "text.jsonl",
+    "tb",
+    SUMMARY_FILE,
+    "final_hf",
+    "hf",
+    STARTUP_FILE,
+    CONFIG_FILE,
+)
 CHECKPOINTS = "checkpoints"
 DAMAGED = "damaged_checkpoints"
 
@@ -44,14 +54,17 @@ def set_aside_earlier_run(run_dir: Path, log: Callable[[str], None]) -> Path | N
         dest.mkdir(parents=True)
         for name in present:
             shutil.move(str(run_dir / name), str(dest / name))
-        log(f"{run_dir} held an earlier run ({', '.join(present)}): moved to {dest} "
-            "(pass --resume to continue a run instead)")
+        log(
+            f"{run_dir} held an earlier run ({', '.join(present)}): moved to {dest} "
+            "(pass --resume to continue a run instead)"
+        )
     distributed.barrier("relax-set-aside-earlier-run")
     return dest
 
 
-def restore_latest(ckpt: Checkpointer, state: Any, run_dir: Path, *, fallback: bool,
-                   log: Callable[[str], None]) -> tuple[Any, Any, int] | None:
+def restore_latest(
+    ckpt: Checkpointer, state: Any, run_dir: Path, *, fallback: bool, log: Callable[[str], None]
+) -> tuple[Any, Any, int] | None:
     """``(state, data_state, step)`` of the newest checkpoint, or None when there is none.
 
     A damaged newest checkpoint raises (``CheckpointCorruptError``, naming step and path) unless
@@ -62,14 +75,20 @@ def restore_latest(ckpt: Checkpointer, state: Any, run_dir: Path, *, fallback: b
         try:
             restored, data_state, _ = ckpt.restore(target=state)
         except CheckpointCorruptError as e:
-            raise CheckpointCorruptError(f"{e}\n(--resume-fallback restores the newest intact checkpoint "
-                                         "instead and moves the damaged ones aside)", directory=e.directory,
-                                         step=e.step, item=e.item) from e
+            raise CheckpointCorruptError(
+                f"{e}\n(--resume-fallback restores the newest intact checkpoint "
+                "instead and moves the damaged ones aside)",
+                directory=e.directory,
+                step=e.step,
+                item=e.item,
+            ) from e
         return restored, data_state, int(ckpt.latest_step())
     restored, data_state, _, step, damaged = ckpt.restore_latest_intact(target=state)
     for bad, error in damaged:
         moved = ckpt.quarantine(bad, run_dir / DAMAGED)
-        log(f"{error}\n  -> moved to {moved}; resuming from step {step}, the newest intact checkpoint")
+        log(
+            f"{error}\n  -> moved to {moved}; resuming from step {step}, the newest intact checkpoint"
+        )
     return restored, data_state, step
 
 

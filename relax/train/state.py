@@ -48,20 +48,36 @@ class TrainState(eqx.Module):
         return dataclasses.replace(self, **changes)
 
 
-def init_state(policy: eqx.Module, optimizer: optax.GradientTransformation, *, key: Array,
-               with_reference: bool = False, with_ref_stats: bool = False, critic: eqx.Module | None = None,
-               critic_optimizer: optax.GradientTransformation | None = None) -> TrainState:
+def init_state(
+    policy: eqx.Module,
+    optimizer: optax.GradientTransformation,
+    *,
+    key: Array,
+    with_reference: bool = False,
+    with_ref_stats: bool = False,
+    critic: eqx.Module | None = None,
+    critic_optimizer: optax.GradientTransformation | None = None,
+) -> TrainState:
     """A fresh state; when a reference is needed it starts as a copy of the policy, or for a
     policy with LoRA adapters is the policy's own base (no copy, ``ref_is_base``)."""
     if (critic is None) != (critic_optimizer is None):
         raise ValueError("a critic needs a critic_optimizer and the other way round")
     base_ref = with_reference and has_lora(policy)
     return TrainState(
-        policy=policy, opt_state=optimizer.init(split_trainable(policy)[0]), step=jnp.int32(0), key=key,
-        optimizer=optimizer, ref=jax.tree.map(jnp.copy, policy) if with_reference and not base_ref else None,
-        ref_stats=RunningStats.zeros() if with_ref_stats else None, critic=critic,
-        critic_opt_state=None if critic is None else critic_optimizer.init(split_trainable(critic)[0]),
-        critic_optimizer=critic_optimizer, ref_is_base=base_ref)
+        policy=policy,
+        opt_state=optimizer.init(split_trainable(policy)[0]),
+        step=jnp.int32(0),
+        key=key,
+        optimizer=optimizer,
+        ref=jax.tree.map(jnp.copy, policy) if with_reference and not base_ref else None,
+        ref_stats=RunningStats.zeros() if with_ref_stats else None,
+        critic=critic,
+        critic_opt_state=None
+        if critic is None
+        else critic_optimizer.init(split_trainable(critic)[0]),
+        critic_optimizer=critic_optimizer,
+        ref_is_base=base_ref,
+    )
 
 
 def reference_model(state: TrainState) -> eqx.Module | None:

@@ -36,7 +36,8 @@ dropout, each micro-batch's forward gets its own dropout key.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -61,7 +62,9 @@ class LossContext:
     ref_is_policy: Bool[Array, ""]
 
 
-jax.tree_util.register_dataclass(LossContext, data_fields=["norms", "ref_is_policy"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    LossContext, data_fields=["norms", "ref_is_policy"], meta_fields=[]
+)
 
 LossFn = Callable[[Any, Any, LossContext], "tuple[Array, Mapping[str, Array | M.Metric]]"]
 
@@ -92,8 +95,10 @@ def token_normalizers(batch) -> dict[str, Array]:
     the batch's ``loss_mask`` (``[rows, ..., T]``), each at least 1."""
     loss_mask = loss_mask_of(batch)
     seq_valid = jnp.any(loss_mask > 0, axis=-1)
-    return {"tokens": jnp.maximum(jnp.sum(loss_mask), 1).astype(jnp.float32),
-            "sequences": jnp.maximum(jnp.sum(seq_valid), 1).astype(jnp.float32)}
+    return {
+        "tokens": jnp.maximum(jnp.sum(loss_mask), 1).astype(jnp.float32),
+        "sequences": jnp.maximum(jnp.sum(seq_valid), 1).astype(jnp.float32),
+    }
 
 
 def micro_batch_split(rows: int, minibatches: int, grad_accum: int | None, passes: Passes) -> int:
@@ -102,14 +107,23 @@ def micro_batch_split(rows: int, minibatches: int, grad_accum: int | None, passe
         raise ValueError(f"{rows} rows per batch do not split into minibatches={minibatches}")
     a = passes.micro_batches(rows // minibatches) if grad_accum is None else grad_accum
     if a < 1 or rows % (minibatches * a):
-        raise ValueError(f"{rows} rows per batch do not split into minibatches={minibatches} x grad_accum={a}")
+        raise ValueError(
+            f"{rows} rows per batch do not split into minibatches={minibatches} x grad_accum={a}"
+        )
     return a
 
 
-def make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epochs: int = 1,
-                minibatches: int = 1, grad_accum: int | None = None, passes: Passes = Passes(),
-                normalizers: Callable[[Any], Mapping[str, Array]] = token_normalizers,
-                track_reference: bool = False):
+def make_update(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    epochs: int = 1,
+    minibatches: int = 1,
+    grad_accum: int | None = None,
+    passes: Passes = Passes(),
+    normalizers: Callable[[Any], Mapping[str, Array]] = token_normalizers,
+    track_reference: bool = False,
+):
     """``update(params, opt_state, batch, key, ref_is_policy=False) -> (params, opt_state, metrics)``.
 
     ``grad_accum=None`` leaves the micro-batching to ``passes`` (one row per micro-batch on
@@ -147,15 +161,24 @@ def make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epo
             skipped_before = skip_counts(opt_state)[1]
             updates, opt_state = optimizer.update(grads, opt_state, trained)
             new_trained = optax.apply_updates(trained, updates)
-            if track_reference:  # still the reference only if no weight changed (lr 0, a skipped step)
-                same = jax.lax.cond(same, lambda: params_equal(new_trained, trained,
-                                                               smallest_first=passes.cache_sized),
-                                    lambda: jnp.bool_(False))
+            if (
+                track_reference
+            ):  # still the reference only if no weight changed (lr 0, a skipped step)
+                same = jax.lax.cond(
+                    same,
+                    lambda: params_equal(new_trained, trained, smallest_first=passes.cache_sized),
+                    lambda: jnp.bool_(False),
+                )
             skipped = skip_counts(opt_state)[1] > skipped_before
-            metrics = {**M.reduce_micro(metrics, weights), "loss": M.Metric(jnp.sum(losses), "mean"),
-                       "grad_norm": M.Metric(optax.tree.norm(grads), "mean"),
-                       "first_nonfinite_grad": M.Metric(jax.lax.cond(
-                           skipped, lambda: first_nonfinite_leaf(grads), lambda: -1), "first_found")}
+            metrics = {
+                **M.reduce_micro(metrics, weights),
+                "loss": M.Metric(jnp.sum(losses), "mean"),
+                "grad_norm": M.Metric(optax.tree.norm(grads), "mean"),
+                "first_nonfinite_grad": M.Metric(
+                    jax.lax.cond(skipped, lambda: first_nonfinite_leaf(grads), lambda: -1),
+                    "first_found",
+                ),
+            }
             return (new_trained, opt_state, same), metrics
 
         def epoch(carry, epoch_key):

@@ -14,31 +14,37 @@ import jax
 import numpy as np
 import tyro
 
-from relax.algorithms.online.batch import HostRecord
+from relax.algorithms.agent.step import (
+    AgentConfig,
+    make_agent_grpo_step,
+    make_agent_ppo_step,
+    rollout_config,
+    success_metrics,
+)
 from relax.algorithms.cli.configure import configure
+from relax.algorithms.cli.report import first_row_lines, run_report
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo.run import make_state as grpo_state
+from relax.algorithms.online.batch import HostRecord
+from relax.algorithms.online.run import exporter, start_run, with_lora
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
 from relax.models.layers.lora import LoRAConfig
+from relax.passes import choose_passes
 from relax.tasks import agent as agent_task
 from relax.tasks.base import prepare
 from relax.train.logs import MetricsLogger
 from relax.train.pipeline import AsyncConfig
 from relax.train.run import RunConfig, Trainer, run_loop
 
-from relax.algorithms.agent.step import (AgentConfig, make_agent_grpo_step, make_agent_ppo_step, rollout_config,
-                                         success_metrics)
-from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.grpo.run import make_state as grpo_state
-from relax.algorithms.cli.report import first_row_lines, run_report
-from relax.algorithms.online.run import exporter, start_run, with_lora
-from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.run import make_state as ppo_state
-from relax.passes import choose_passes
-
 BAR_KEYS = (("reward", "reward"), ("tool_calls", "calls"), ("turns", "turns"))
 EVAL_STREAM = 1_000_003
-BUILTIN_MAX_NEW_TOKENS = 64  # a trajectory's slots after the prompt: 3 turns of <= 16 tokens and their observations
+BUILTIN_MAX_NEW_TOKENS = (
+    64  # a trajectory's slots after the prompt: 3 turns of <= 16 tokens and their observations
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +77,31 @@ class AgentRunConfig(RunConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.task.max_turns != self.agent.max_turns:
-            raise ValueError(f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
-                             "must agree: the environment ends a trajectory after the first, the rollout after the second")
+            raise ValueError(
+                f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
+                "must agree: the environment ends a trajectory after the first, the rollout after the second"
+            )
         if self.async_.partial > 1:
-            raise ValueError("--async.partial: partial rollouts are single-turn (GRPO, PPO); a trajectory's turns "
-                             "are sampled in one rollout")
+            raise ValueError(
+                "--async.partial: partial rollouts are single-turn (GRPO, PPO); a trajectory's turns "
+                "are sampled in one rollout"
+            )
         check_budget(self)
 
 
 def check_budget(cfg: AgentRunConfig) -> None:
     """Raise ``ValueError`` naming the flag when the algorithm's ``max_new_tokens`` (a trajectory's
     slots after the prompt) leaves no room for a prompt in the built-in model's positions."""
-    positions, n = agent_task.max_positions(cfg.task), cfg.algorithm_config.generation.max_new_tokens
+    positions, n = (
+        agent_task.max_positions(cfg.task),
+        cfg.algorithm_config.generation.max_new_tokens,
+    )
     if n >= positions:
-        raise ValueError(f"--{cfg.algorithm}.max-new-tokens {n} leaves no room for the prompt: the built-in agent "
-                         f"model has {positions} positions (max(256, 64 x --task.max-turns)) for the prompt and the "
-                         f"trajectory together (the built-in run's default: {BUILTIN_MAX_NEW_TOKENS})")
+        raise ValueError(
+            f"--{cfg.algorithm}.max-new-tokens {n} leaves no room for the prompt: the built-in agent "
+            f"model has {positions} positions (max(256, 64 x --task.max-turns)) for the prompt and the "
+            f"trajectory together (the built-in run's default: {BUILTIN_MAX_NEW_TOKENS})"
+        )
 
 
 class RowIterator:
@@ -95,7 +110,9 @@ class RowIterator:
 
     def __init__(self, rows: list[dict], batch_size: int, seed: int):
         if batch_size > len(rows):
-            raise ValueError(f"--batch-size {batch_size} is more than the {len(rows)} training rows")
+            raise ValueError(
+                f"--batch-size {batch_size} is more than the {len(rows)} training rows"
+            )
         self.rows, self.batch_size, self.seed, self.position = rows, batch_size, seed, 0
 
     def __next__(self) -> list[dict]:
@@ -103,7 +120,7 @@ class RowIterator:
         epoch, i = divmod(self.position, per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
         self.position += 1
-        return [self.rows[j] for j in order[i * self.batch_size:(i + 1) * self.batch_size]]
+        return [self.rows[j] for j in order[i * self.batch_size : (i + 1) * self.batch_size]]
 
     def get_state(self) -> dict:
         return {"position": self.position}
@@ -115,29 +132,56 @@ class RowIterator:
 def builtin_defaults() -> AgentRunConfig:
     """The no-argument run, sized to show learning in a few minutes on 2 CPU cores; ``--algorithm
     ppo`` gets the same trajectory budget and learning rate (and the PPO demo's critic rate)."""
-    grpo = configure(GRPOConfig, num_generations=8, max_new_tokens=BUILTIN_MAX_NEW_TOKENS, beta=0.0,
-                     optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4))
-    ppo = configure(PPOConfig, max_new_tokens=grpo.generation.max_new_tokens, optimizer=grpo.optimizer,
-                    critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
+    grpo = configure(
+        GRPOConfig,
+        num_generations=8,
+        max_new_tokens=BUILTIN_MAX_NEW_TOKENS,
+        beta=0.0,
+        optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=5e-4),
+    )
+    ppo = configure(
+        PPOConfig,
+        max_new_tokens=grpo.generation.max_new_tokens,
+        optimizer=grpo.optimizer,
+        critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3),
+    )
     task = agent_task.AgentTask()
-    return AgentRunConfig(task=task, grpo=grpo, ppo=ppo,
-                          agent=AgentConfig(max_turns=task.max_turns, max_turn_tokens=16),
-                          steps=30, eval_every=10, checkpoint_every=10)
+    return AgentRunConfig(
+        task=task,
+        grpo=grpo,
+        ppo=ppo,
+        agent=AgentConfig(max_turns=task.max_turns, max_turn_tokens=16),
+        steps=30,
+        eval_every=10,
+        checkpoint_every=10,
+    )
 
 
 def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_id: int, log):
     """Greedy trajectories of every held-out row: ``success_metrics``."""
-    greedy = dataclasses.replace(cfg.algorithm_config.generation, num_generations=1, temperature=0.0)
+    greedy = dataclasses.replace(
+        cfg.algorithm_config.generation, num_generations=1, temperature=0.0
+    )
     rcfg = rollout_config(cfg.agent, greedy, eos_ids=chat.stop_ids, pad_id=pad_id)
 
     def evaluate(state, step: int, logger: MetricsLogger) -> dict:
         t0 = time.perf_counter()
-        t = rollout_trajectories(state.policy, held_out, lambda: agent_task.make_environment(cfg.task), chat,
-                                 key=jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM), cfg=rcfg)
+        t = rollout_trajectories(
+            state.policy,
+            held_out,
+            lambda: agent_task.make_environment(cfg.task),
+            chat,
+            key=jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM),
+            cfg=rcfg,
+        )
         metrics = success_metrics(t)
-        logger.log(step, {f"eval/{k}": v for k, v in metrics.items() if np.isfinite(v)})  # NaN: no such trajectory
-        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): " + ", ".join(f"{k} {v:.3f}"
-                                                                              for k, v in metrics.items()))
+        logger.log(
+            step, {f"eval/{k}": v for k, v in metrics.items() if np.isfinite(v)}
+        )  # NaN: no such trajectory
+        log(
+            f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        )
         return metrics
 
     return evaluate
@@ -147,8 +191,14 @@ def run(cfg: AgentRunConfig) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
     run_dir, log = start_run(cfg, f"agent-{cfg.algorithm}")
     t_start = time.perf_counter()
-    tokenizer, model, train, held_out = prepare(agent_task, cfg.task, run_dir, seed=cfg.seed, log=log,
-                                                teacher="a teacher that calls the calculator on some prompts")
+    tokenizer, model, train, held_out = prepare(
+        agent_task,
+        cfg.task,
+        run_dir,
+        seed=cfg.seed,
+        log=log,
+        teacher="a teacher that calls the calculator on some prompts",
+    )
     model = with_lora(cfg, model)
     env_tools = [t.schema() for t in agent_task.tools(cfg.task)]
     chat = ChatFormat(tokenizer, tools=env_tools)
@@ -156,24 +206,47 @@ def run(cfg: AgentRunConfig) -> dict:
     pad_id, passes = tokenizer.pad_token_id, choose_passes()
     pipeline = dict(off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
     make_step = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
-    step = make_step(cfg.algorithm_config, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes, **pipeline)
+    step = make_step(
+        cfg.algorithm_config, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes, **pipeline
+    )
     algo = cfg.algorithm_config
-    report = run_report(cfg, model, [f"{len(train)} training rows, {len(held_out)} held out (the built-in task)",
-                                     f"{cfg.batch_size} rows x {algo.generation.num_generations} trajectories per "
-                                     f"step, at most {cfg.agent.max_turns} turns and "
-                                     f"{algo.generation.max_new_tokens} tokens after the prompt"],
-                        extra=[("tools", tuple(f"{t['function']['name']}: {t['function'].get('description', '')}"
-                                               for t in env_tools)),
-                               ("first training row", first_row_lines(train[0] if train else None))])
+    report = run_report(
+        cfg,
+        model,
+        [
+            f"{len(train)} training rows, {len(held_out)} held out (the built-in task)",
+            f"{cfg.batch_size} rows x {algo.generation.num_generations} trajectories per "
+            f"step, at most {cfg.agent.max_turns} turns and "
+            f"{algo.generation.max_new_tokens} tokens after the prompt",
+        ],
+        extra=[
+            (
+                "tools",
+                tuple(
+                    f"{t['function']['name']}: {t['function'].get('description', '')}"
+                    for t in env_tools
+                ),
+            ),
+            ("first training row", first_row_lines(train[0] if train else None)),
+        ],
+    )
     log(report.text())
     make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
     state = make_state(cfg.algorithm_config, model, jax.random.key(cfg.seed))
-    trainer = Trainer(name=f"agent-{cfg.algorithm}", step=step, batches=RowIterator(train, cfg.batch_size, cfg.seed),
-                      make_batch=lambda rows: WithHost(None, HostRecord(rows=rows)),
-                      host_metrics=lambda out, metrics: {k: v for k, v in out.host.agent.items() if np.isfinite(v)},
-                      evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
-                      export=exporter(tokenizer, str(run_dir / "base_model")),
-                      bar_keys=BAR_KEYS, asynchronous=cfg.async_, on_start=report.write,
-                      info={"data": {"train_rows": len(train), "held_out_rows": len(held_out)}})
+    trainer = Trainer(
+        name=f"agent-{cfg.algorithm}",
+        step=step,
+        batches=RowIterator(train, cfg.batch_size, cfg.seed),
+        make_batch=lambda rows: WithHost(None, HostRecord(rows=rows)),
+        host_metrics=lambda out, metrics: {
+            k: v for k, v in out.host.agent.items() if np.isfinite(v)
+        },
+        evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
+        export=exporter(tokenizer, str(run_dir / "base_model")),
+        bar_keys=BAR_KEYS,
+        asynchronous=cfg.async_,
+        on_start=report.write,
+        info={"data": {"train_rows": len(train), "held_out_rows": len(held_out)}},
+    )
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

@@ -26,20 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relax.algorithms.grpo import step as grpo
+from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import Advantaged, Scored
+from relax.algorithms.online.stages import ROLLOUT_STREAM, sample_versions
+from relax.algorithms.online.step import make_online_step
+from relax.algorithms.ppo import step as ppo
+from relax.algorithms.ppo.config import PPOConfig
 from relax.compose import Stage, WithHost, stage
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
+from relax.objectives.off_policy import OffPolicyConfig
 from relax.passes import Passes
 from relax.rollout.generation import GenerationConfig
 from relax.rollout.turns import TurnConfig
-
-from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.grpo import step as grpo
-from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo import step as ppo
-from relax.algorithms.online.step import make_online_step
-from relax.algorithms.online.stages import ROLLOUT_STREAM, sample_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +55,22 @@ class AgentConfig:
     compact_below: float = 0.5
 
 
-def rollout_config(agent: AgentConfig, generation: GenerationConfig, *, eos_ids: tuple[int, ...],
-                   pad_id: int) -> AgentRolloutConfig:
+def rollout_config(
+    agent: AgentConfig, generation: GenerationConfig, *, eos_ids: tuple[int, ...], pad_id: int
+) -> AgentRolloutConfig:
     """The trajectories' sampler: ``generation``'s completions per row, sampling controls and
     budget (the whole trajectory, observations included), turns of ``agent.max_turn_tokens``."""
-    turns = TurnConfig(num_generations=generation.num_generations, max_tokens=generation.max_new_tokens,
-                       max_turn_tokens=agent.max_turn_tokens, sampling=generation.sampling, eos_ids=eos_ids,
-                       pad_id=pad_id)
-    return AgentRolloutConfig(turns=turns, max_turns=agent.max_turns, compact_below=agent.compact_below)
+    turns = TurnConfig(
+        num_generations=generation.num_generations,
+        max_tokens=generation.max_new_tokens,
+        max_turn_tokens=agent.max_turn_tokens,
+        sampling=generation.sampling,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+    )
+    return AgentRolloutConfig(
+        turns=turns, max_turns=agent.max_turns, compact_below=agent.compact_below
+    )
 
 
 def trajectory_metrics(t: Trajectories) -> dict[str, float]:
@@ -70,13 +78,20 @@ def trajectory_metrics(t: Trajectories) -> dict[str, float]:
     vs observation (masked) tokens, truncations, environment errors, time on device vs environments."""
     sampled, filled = t.sampled_mask.sum(-1), t.mask.sum(-1)
     calls, errors = t.info.get("tool_calls"), t.info.get("tool_errors")
-    out = {"turns": float(t.turns.mean()), "sampled_tokens": float(sampled.mean()),
-           "observation_tokens": float((filled - sampled).mean()), "truncated": float(t.truncated.mean()),
-           "env_errors": float(sum(e is not None for e in t.env_errors)),
-           "time/env_s": t.timings["env_s"], "time/device_s": t.timings["device_s"]}
+    out = {
+        "turns": float(t.turns.mean()),
+        "sampled_tokens": float(sampled.mean()),
+        "observation_tokens": float((filled - sampled).mean()),
+        "truncated": float(t.truncated.mean()),
+        "env_errors": float(sum(e is not None for e in t.env_errors)),
+        "time/env_s": t.timings["env_s"],
+        "time/device_s": t.timings["device_s"],
+    }
     if calls is not None:
         out["tool_calls"] = float(calls.mean())
-        out["tool_call_success"] = float(1.0 - errors.sum() / calls.sum()) if calls.sum() else float("nan")
+        out["tool_call_success"] = (
+            float(1.0 - errors.sum() / calls.sum()) if calls.sum() else float("nan")
+        )
     return out
 
 
@@ -88,13 +103,22 @@ def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatF
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
         t = rollout_trajectories(state.policy, batch.host.rows, make_env, chat, key=key, cfg=rcfg)
         rewards = jnp.asarray(t.rewards, jnp.float32)
-        out = Scored(prompt_ids=jnp.asarray(t.prompt_ids), prompt_mask=jnp.asarray(t.prompt_mask),
-                     tokens=jnp.asarray(t.tokens), mask=jnp.asarray(t.mask), sampled_mask=jnp.asarray(t.sampled_mask),
-                     old_logprobs=jnp.asarray(t.logprobs), turn_rewards=jnp.asarray(t.turn_rewards),
-                     turn_index=jnp.asarray(t.turn_index), rewards=rewards,
-                     lengths=jnp.asarray(t.sampled_mask.sum(-1), jnp.int32), finished=jnp.asarray(~t.truncated),
-                     policy_version=sample_versions(state, rewards), reward_parts={"env": rewards},
-                     routes=None if t.routes is None else jax.tree.map(jnp.asarray, t.routes))
+        out = Scored(
+            prompt_ids=jnp.asarray(t.prompt_ids),
+            prompt_mask=jnp.asarray(t.prompt_mask),
+            tokens=jnp.asarray(t.tokens),
+            mask=jnp.asarray(t.mask),
+            sampled_mask=jnp.asarray(t.sampled_mask),
+            old_logprobs=jnp.asarray(t.logprobs),
+            turn_rewards=jnp.asarray(t.turn_rewards),
+            turn_index=jnp.asarray(t.turn_index),
+            rewards=rewards,
+            lengths=jnp.asarray(t.sampled_mask.sum(-1), jnp.int32),
+            finished=jnp.asarray(~t.truncated),
+            policy_version=sample_versions(state, rewards),
+            reward_parts={"env": rewards},
+            routes=None if t.routes is None else jax.tree.map(jnp.asarray, t.routes),
+        )
         return state, WithHost(out, batch.host.replace(reward_info={}, agent=trajectory_metrics(t)))
 
     return stage(rollout, jit=False, name="rollout", updates_state=False)
@@ -108,32 +132,62 @@ def drop_errored(state, batch: Advantaged):
     return state, batch.replace(loss_mask=batch.loss_mask * ok.astype(batch.loss_mask.dtype))
 
 
-def make_agent_grpo_step(cfg: GRPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
-                         pad_id: int, passes: Passes | None = None, off_policy: OffPolicyConfig | None = None,
-                         pipelined: bool = False) -> Stage:
+def make_agent_grpo_step(
+    cfg: GRPOConfig,
+    agent: AgentConfig,
+    make_env: Callable,
+    chat: ChatFormat,
+    *,
+    pad_id: int,
+    passes: Passes | None = None,
+    off_policy: OffPolicyConfig | None = None,
+    pipelined: bool = False,
+) -> Stage:
     """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``.
     ``off_policy``, ``pipelined``: as ``make_online_step`` (run by ``relax.train.pipeline``, the
     rollout with its environments is the producer)."""
-    rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
-                                 make_env, chat)
-    parts = dataclasses.replace(grpo.grpo_parts(cfg, per_turn=agent.per_turn), name="agent_grpo_step", packing=None)
-    return make_online_step(parts, rollout=rollout, after_advantage=(stage(drop_errored, name="drop_errored"),),
-                            passes=passes, off_policy=off_policy, pipelined=pipelined)
+    rollout = make_agent_rollout(
+        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id), make_env, chat
+    )
+    parts = dataclasses.replace(
+        grpo.grpo_parts(cfg, per_turn=agent.per_turn), name="agent_grpo_step", packing=None
+    )
+    return make_online_step(
+        parts,
+        rollout=rollout,
+        after_advantage=(stage(drop_errored, name="drop_errored"),),
+        passes=passes,
+        off_policy=off_policy,
+        pipelined=pipelined,
+    )
 
 
-def make_agent_ppo_step(cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, *,
-                        pad_id: int, passes: Passes | None = None, off_policy: OffPolicyConfig | None = None,
-                        pipelined: bool = False) -> Stage:
+def make_agent_ppo_step(
+    cfg: PPOConfig,
+    agent: AgentConfig,
+    make_env: Callable,
+    chat: ChatFormat,
+    *,
+    pad_id: int,
+    passes: Passes | None = None,
+    off_policy: OffPolicyConfig | None = None,
+    pipelined: bool = False,
+) -> Stage:
     """PPO (GAE with the critic) on trajectories; the score sits on each trajectory's last sampled
     token. ``off_policy``, ``pipelined``: as ``make_agent_grpo_step``."""
     if cfg.advantage != "gae":
-        raise ValueError(f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported")
+        raise ValueError(
+            f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported"
+        )
     if agent.per_turn:
         raise ValueError("per-turn advantages are GRPO's; PPO's critic assigns credit per token")
-    rollout = make_agent_rollout(rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id),
-                                 make_env, chat)
+    rollout = make_agent_rollout(
+        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id), make_env, chat
+    )
     parts = dataclasses.replace(ppo.ppo_parts(cfg), name="agent_ppo_step", packing=None)
-    return make_online_step(parts, rollout=rollout, passes=passes, off_policy=off_policy, pipelined=pipelined)
+    return make_online_step(
+        parts, rollout=rollout, passes=passes, off_policy=off_policy, pipelined=pipelined
+    )
 
 
 def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float]:
@@ -141,7 +195,11 @@ def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float
     the trajectory called a tool: the success rate with and without the tool, and how often it
     was called."""
     won = (t.rewards == success).reshape(-1)
-    out = {"success": float(won.mean()), "reward": float(np.nanmean(t.rewards)), "turns": float(t.turns.mean())}
+    out = {
+        "success": float(won.mean()),
+        "reward": float(np.nanmean(t.rewards)),
+        "turns": float(t.turns.mean()),
+    }
     calls = t.info.get("tool_calls")
     if calls is not None:
         used = (calls > 0).reshape(-1)

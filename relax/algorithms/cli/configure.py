@@ -42,19 +42,27 @@ def configure(cls: type[C], **values: Any) -> C:
     rest = {k: v for k, v in values.items() if k not in own}
     for name in flat_fields(cls):
         nested = direct.get(name, _default(cls, name))
-        mine = {k: rest.pop(k) for k in list(rest) if k in {f.name for f in dataclasses.fields(nested)}}
+        mine = {
+            k: rest.pop(k) for k in list(rest) if k in {f.name for f in dataclasses.fields(nested)}
+        }
         if mine:
             direct[name] = dataclasses.replace(nested, **mine)
     if isinstance(direct.get("policy_loss"), str):
         direct["policy_loss"] = policy_loss(direct["policy_loss"]).config
-    loss_options = {LOSS_OPTION_NAMES.get(k, k): rest.pop(k) for k in list(rest)
-                    if "policy_loss" in own and LOSS_OPTION_NAMES.get(k, k) in _loss_fields()}
+    loss_options = {
+        LOSS_OPTION_NAMES.get(k, k): rest.pop(k)
+        for k in list(rest)
+        if "policy_loss" in own and LOSS_OPTION_NAMES.get(k, k) in _loss_fields()
+    }
     if loss_options:
-        direct["policy_loss"] = dataclasses.replace(direct.get("policy_loss", _default(cls, "policy_loss")),
-                                                    **loss_options)
+        direct["policy_loss"] = dataclasses.replace(
+            direct.get("policy_loss", _default(cls, "policy_loss")), **loss_options
+        )
     if rest:
-        raise TypeError(f"{cls.__name__} has no option(s) {sorted(rest)} (nor its nested "
-                        f"{', '.join(flat_fields(cls)) or 'configs'})")
+        raise TypeError(
+            f"{cls.__name__} has no option(s) {sorted(rest)} (nor its nested "
+            f"{', '.join(flat_fields(cls)) or 'configs'})"
+        )
     return cls(**direct)
 
 

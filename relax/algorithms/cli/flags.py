@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import tyro
 
@@ -35,39 +36,66 @@ def flag_value(argv: list[str], flag: str, default: str) -> str:
     return default
 
 
-def parse_flags(config_cls: type[Config], argv: list[str], *, builtin: Callable[[], Config],
-                real: Callable[[], Config], description: str | None = None) -> Config:
+def parse_flags(
+    config_cls: type[Config],
+    argv: list[str],
+    *,
+    builtin: Callable[[], Config],
+    real: Callable[[], Config],
+    description: str | None = None,
+) -> Config:
     """Flags -> config. The defaults are ``builtin()`` (the built-in task, sized for a CPU) unless
     ``--model`` is among the flags, then ``real()``; the flags override them."""
     default = real() if uses_model(argv) else builtin()
     if any(a in ("-h", "--help") for a in argv):
-        description = (description or "") + "\n\n" + defaults_note(builtin(), real(), uses_model(argv))
+        description = (
+            (description or "") + "\n\n" + defaults_note(builtin(), real(), uses_model(argv))
+        )
     return cli(config_cls, default=default, args=argv, description=description)
 
 
-RENAMED_LOSS_FLAGS = {"epsilon-low": "epsilon-low", "epsilon-high": "epsilon-high", "delta": "delta",
-                      "clip-ratio-c": "clip-ratio-c", "importance-sampling-level": "importance"}
+RENAMED_LOSS_FLAGS = {
+    "epsilon-low": "epsilon-low",
+    "epsilon-high": "epsilon-high",
+    "delta": "delta",
+    "clip-ratio-c": "clip-ratio-c",
+    "importance-sampling-level": "importance",
+}
 """GRPO's clip flags before the loss registry -> the registry loss's option."""
 
 
-def cli(config_cls: type[Config], *, args: list[str], default: Config | None = None,
-        description: str | None = None) -> Config:
+def cli(
+    config_cls: type[Config],
+    *,
+    args: list[str],
+    default: Config | None = None,
+    description: str | None = None,
+) -> Config:
     """``tyro.cli`` on ``loss_flags(args)``, subcommand arguments in any order."""
-    return tyro.cli(config_cls, default=default, args=loss_flags(args), description=description,
-                    config=(tyro.conf.CascadeSubcommandArgs,))
+    return tyro.cli(
+        config_cls,
+        default=default,
+        args=loss_flags(args),
+        description=description,
+        config=(tyro.conf.CascadeSubcommandArgs,),
+    )
 
 
 def loss_flags(argv: list[str]) -> list[str]:
     """``argv`` with the policy-loss flags as tyro reads them (module docstring)."""
     out: list[str] = []
-    choices: list[str] = []  # tyro's subcommands, first: an option given before its loss's name applies to it
+    choices: list[
+        str
+    ] = []  # tyro's subcommands, first: an option given before its loss's name applies to it
     i = 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
         prefix, _, name = flag.removeprefix("--").rpartition(".")
         if flag.startswith("--") and name == "policy-loss-args":
-            raise SystemExit(f"{flag} was replaced by typed options: --{prefix}.policy-loss NAME "
-                             f"--{prefix}.policy-loss.FIELD VALUE (e.g. --{prefix}.policy-loss.epsilon-high 0.3)")
+            raise SystemExit(
+                f"{flag} was replaced by typed options: --{prefix}.policy-loss NAME "
+                f"--{prefix}.policy-loss.FIELD VALUE (e.g. --{prefix}.policy-loss.epsilon-high 0.3)"
+            )
         if flag.startswith("--") and name == "policy-loss" and prefix:
             choice = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             choices.append(f"{prefix}.policy-loss:{choice.replace('-', '_')}")
@@ -75,7 +103,9 @@ def loss_flags(argv: list[str]) -> list[str]:
             continue
         if flag.startswith("--") and prefix == "grpo" and name in RENAMED_LOSS_FLAGS:
             new = f"--grpo.policy-loss.{RENAMED_LOSS_FLAGS[name]}"
-            warnings.warn(f"{flag} is now {new} (an option of the policy loss)", FutureWarning, stacklevel=2)
+            warnings.warn(
+                f"{flag} is now {new} (an option of the policy loss)", FutureWarning, stacklevel=2
+            )
             out.append(new + (eq + value if eq else ""))
             i += 1
             continue
@@ -106,7 +136,9 @@ def defaults_note(builtin: Any, real: Any, with_model: bool) -> str:
     b, r = flag_values(builtin), flag_values(real)
     differ = [k for k in r if r[k] != b.get(k) and k not in ("--model", "--data")]
     shown = "--model runs" if with_model else "the built-in task (no --model)"
-    lines = [f"The defaults below are those of {shown}. These differ between the two modes "
-             "(built-in task -> --model run):"]
+    lines = [
+        f"The defaults below are those of {shown}. These differ between the two modes "
+        "(built-in task -> --model run):"
+    ]
     lines += [f"  {k}: {b.get(k)!r} -> {r[k]!r}" for k in differ]
     return "\n".join(lines)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,9 @@ def config_lines(cfg: Any) -> tuple[str, ...]:
     """``--flag value (default d)`` for every field of ``cfg`` that differs from its class default."""
     defaults = flag_values(type(cfg)())
     now = flag_values(cfg)
-    lines = tuple(f"{k} {now[k]!r} (default {defaults.get(k)!r})" for k in now if now[k] != defaults.get(k))
+    lines = tuple(
+        f"{k} {now[k]!r} (default {defaults.get(k)!r})" for k in now if now[k] != defaults.get(k)
+    )
     return lines or ("every flag at its default",)
 
 
@@ -83,22 +86,35 @@ def prompt_lines(stats: PromptStats, label: str) -> tuple[str, ...]:
     pct = ", ".join(f"{k} {v}" for k, v in stats.percentiles().items())
     lines = [f"{label}: {stats.rows} rows, {stats.kept} kept; prompt tokens {pct or '-'}"]
     message = stats.over_budget_message(label)
-    lines.append(message if message is not None else f"no prompt over --max-prompt-tokens {stats.budget}")
+    lines.append(
+        message if message is not None else f"no prompt over --max-prompt-tokens {stats.budget}"
+    )
     return tuple(lines)
 
 
-def token_lines(tokenizer: TextTokenizer, eos_ids: Sequence[int], stop_strings: Sequence[str],
-                max_new_tokens: int) -> tuple[str, ...]:
+def token_lines(
+    tokenizer: TextTokenizer,
+    eos_ids: Sequence[int],
+    stop_strings: Sequence[str],
+    max_new_tokens: int,
+) -> tuple[str, ...]:
     """The stop tokens (ids and text), stop strings, pad token and completion budget."""
     named = ", ".join(f"{i} {tokenizer.decode([i])!r}" for i in eos_ids)
     pad = tokenizer.pad_token_id
-    return (f"stop tokens: {named or 'none'}" + (f"; stop strings {list(stop_strings)!r}" if stop_strings else ""),
-            f"pad token {pad} {tokenizer.decode([pad])!r}; at most {max_new_tokens} new tokens per completion")
+    return (
+        f"stop tokens: {named or 'none'}"
+        + (f"; stop strings {list(stop_strings)!r}" if stop_strings else ""),
+        f"pad token {pad} {tokenizer.decode([pad])!r}; at most {max_new_tokens} new tokens per completion",
+    )
 
 
 def first_prompt_lines(text: str) -> tuple[str, ...]:
     """The first prompt as the model sees it (cut at ``FIRST_PROMPT_CHARS``)."""
-    shown = text if len(text) <= FIRST_PROMPT_CHARS else text[:FIRST_PROMPT_CHARS] + f"... ({len(text)} chars)"
+    shown = (
+        text
+        if len(text) <= FIRST_PROMPT_CHARS
+        else text[:FIRST_PROMPT_CHARS] + f"... ({len(text)} chars)"
+    )
     return tuple(shown.split("\n")) if shown else ("(none)",)
 
 
@@ -107,9 +123,19 @@ def first_row_lines(record: Any) -> tuple[str, ...]:
     return first_prompt_lines(json.dumps(record, ensure_ascii=False, default=str))
 
 
-def run_report(cfg: Any, model, data: Sequence[str], *, mesh=None, extra: Sequence[tuple[str, Sequence[str]]] = ()
-               ) -> StartupReport:
+def run_report(
+    cfg: Any,
+    model,
+    data: Sequence[str],
+    *,
+    mesh=None,
+    extra: Sequence[tuple[str, Sequence[str]]] = (),
+) -> StartupReport:
     """A report of the config, the model, the ``data`` lines and ``extra`` sections."""
-    sections = [("config", config_lines(cfg)), ("model", model_lines(model, cfg, mesh)), ("data", tuple(data))]
+    sections = [
+        ("config", config_lines(cfg)),
+        ("model", model_lines(model, cfg, mesh)),
+        ("data", tuple(data)),
+    ]
     sections += [(title, tuple(lines)) for title, lines in extra]
     return StartupReport(tuple(sections), dataclasses.asdict(cfg))

@@ -7,5 +7,13 @@ from relax.algorithms.distill.data import DistillBatch
 from relax.algorithms.distill.loss import make_distill_update, make_loss
 from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
 
-__all__ = ["MODES", "DistillBatch", "DistillConfig", "init_distill_state", "load_teacher", "make_distill_step",
-           "make_distill_update", "make_loss"]
+__all__ = [
+    "MODES",
+    "DistillBatch",
+    "DistillConfig",
+    "init_distill_state",
+    "load_teacher",
+    "make_distill_step",
+    "make_distill_update",
+    "make_loss",
+]

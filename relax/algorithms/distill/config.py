@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from relax.choices import check_choice
-from relax.models.heads.distill import DIVERGENCES, resolve_divergence
 from relax.algorithms.cli.configure import FLAT
+from relax.choices import check_choice
 from relax.models.forward.config import ForwardConfig
+from relax.models.heads.distill import DIVERGENCES, resolve_divergence
 from relax.rollout.generation import GenerationConfig
 from relax.train.optimizer import OptimizerConfig
 
@@ -45,7 +45,9 @@ class DistillConfig:
 
     divergence: str = "forward"
     jsd_beta: float = 0.5
-    generation: Annotated[GenerationConfig, FLAT] = GenerationConfig(num_generations=1, max_new_tokens=128)
+    generation: Annotated[GenerationConfig, FLAT] = GenerationConfig(
+        num_generations=1, max_new_tokens=128
+    )
     mode: str = "off_policy"
     lmbda: float = 0.5
     grad_accum: int | None = None
@@ -56,9 +58,13 @@ class DistillConfig:
     def __post_init__(self):
         check_choice("divergence", self.divergence, DIVERGENCES)
         check_choice("mode", self.mode, MODES)
-        resolve_divergence(self.divergence, beta=self.jsd_beta, temperature=self.generation.temperature)  # ranges
+        resolve_divergence(
+            self.divergence, beta=self.jsd_beta, temperature=self.generation.temperature
+        )  # ranges
         if self.generation.stop_strings:
-            raise ValueError("distillation samples on the device and stops at EOS: stop_strings are not supported")
+            raise ValueError(
+                "distillation samples on the device and stops at EOS: stop_strings are not supported"
+            )
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
         for name in ("grad_accum", "chunk_size"):
@@ -73,4 +79,6 @@ class DistillConfig:
     @property
     def metric_name(self) -> str:
         """``jsd`` for a proper JSD (``0 < jsd_beta < 1``), else ``kl``."""
-        return "jsd" if resolve_divergence(self.divergence, beta=self.jsd_beta).kind == "jsd" else "kl"
+        return (
+            "jsd" if resolve_divergence(self.divergence, beta=self.jsd_beta).kind == "jsd" else "kl"
+        )

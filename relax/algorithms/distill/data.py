@@ -40,10 +40,19 @@ class DistillBatch(eqx.Module):
     rope: CompletionRope | None = None
 
 
-def collate_completions(examples: Sequence[tuple[list[int], list[int]]], *, pad_id: int, prompt_length: int,
-                        completion_length: int) -> DistillBatch:
+def collate_completions(
+    examples: Sequence[tuple[list[int], list[int]]],
+    *,
+    pad_id: int,
+    prompt_length: int,
+    completion_length: int,
+) -> DistillBatch:
     """``(prompt, completion)`` token lists as a batch of one completion per prompt (``g = 1``):
     prompts left-padded to ``prompt_length``, completions right-padded to ``completion_length``."""
-    prompt_ids, prompt_mask = pad_left([p for p, _ in examples], pad_id=pad_id, length=prompt_length)
+    prompt_ids, prompt_mask = pad_left(
+        [p for p, _ in examples], pad_id=pad_id, length=prompt_length
+    )
     tokens, mask = right_pad([c for _, c in examples], completion_length, pad_id)
-    return DistillBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens[:, None], mask=mask[:, None])
+    return DistillBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens[:, None], mask=mask[:, None]
+    )

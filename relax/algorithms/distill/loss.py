@@ -14,16 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from relax.masked import masked_mean
-from relax.models.heads.distill import divergence_from_hidden
-from relax.models.forward.config import ForwardConfig
-from relax.models.forward.prefix_shared import completion_hidden, completion_rope
-from relax.models.decoder.transformer import Transformer
-from relax.passes import Passes
-from relax.train.update import LossContext, make_update
-
 from relax.algorithms.distill.config import DistillConfig
 from relax.algorithms.distill.data import DistillBatch
+from relax.masked import masked_mean
+from relax.models.decoder.transformer import Transformer
+from relax.models.forward.config import ForwardConfig
+from relax.models.forward.prefix_shared import completion_hidden, completion_rope
+from relax.models.heads.distill import divergence_from_hidden
+from relax.passes import Passes
+from relax.train.update import LossContext, make_update
 
 
 def student_hidden(student: Transformer, mb: DistillBatch, passes: Passes, forward: ForwardConfig):
@@ -32,9 +31,17 @@ def student_hidden(student: Transformer, mb: DistillBatch, passes: Passes, forwa
     p, g, n = mb.tokens.shape
     c, lp = student.config, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-    return completion_hidden(student, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, **forward.options(),
-                             unroll=passes.unroll(c.num_layers),
-                             save_attention=passes.save_attention(probs_bytes), rope=mb.rope)
+    return completion_hidden(
+        student,
+        mb.prompt_ids,
+        mb.prompt_mask,
+        mb.tokens,
+        mb.mask,
+        **forward.options(),
+        unroll=passes.unroll(c.num_layers),
+        save_attention=passes.save_attention(probs_bytes),
+        rope=mb.rope,
+    )
 
 
 def make_loss(cfg: DistillConfig, teacher: Transformer, passes: Passes = Passes()):
@@ -44,33 +51,57 @@ def make_loss(cfg: DistillConfig, teacher: Transformer, passes: Passes = Passes(
 
     def loss_fn(student, mb: DistillBatch, ctx: LossContext):
         h = student_hidden(student, mb, passes, cfg.forward)
-        div, agree, ent = divergence_from_hidden(student, h, teacher, mb.teacher_hidden,
-                                                 divergence=cfg.divergence, beta=cfg.jsd_beta,
-                                                 temperature=cfg.generation.temperature, chunk_size=cfg.chunk_size)
+        div, agree, ent = divergence_from_hidden(
+            student,
+            h,
+            teacher,
+            mb.teacher_hidden,
+            divergence=cfg.divergence,
+            beta=cfg.jsd_beta,
+            temperature=cfg.generation.temperature,
+            chunk_size=cfg.chunk_size,
+        )
         mask = mb.loss_mask > 0
         loss = jnp.sum(jnp.where(mask, div, 0.0)) / ctx.norms["tokens"]
-        metrics = {name: jax.lax.stop_gradient(masked_mean(div, mask)), "top1_agreement": masked_mean(agree, mask),
-                   "entropy": masked_mean(ent, mask)}
+        metrics = {
+            name: jax.lax.stop_gradient(masked_mean(div, mask)),
+            "top1_agreement": masked_mean(agree, mask),
+            "entropy": masked_mean(ent, mask),
+        }
         return loss, metrics
 
     return loss_fn
 
 
-def make_distill_update(cfg: DistillConfig, optimizer, teacher: Transformer, passes: Passes = Passes()):
+def make_distill_update(
+    cfg: DistillConfig, optimizer, teacher: Transformer, passes: Passes = Passes()
+):
     """``update(student, opt_state, batch, key) -> (student, opt_state, metrics)``: one optimizer step
     of ``make_loss`` over a ``DistillBatch`` (its ``prompt_ids``/``prompt_mask`` ``[P, Lp]``,
     ``tokens``/``mask``/``loss_mask`` ``[P, G, N]``, ``teacher_hidden`` ``[P, G, N, D_teacher]``) in
     ``cfg.grad_accum`` micro-batches (``relax.train.update``)."""
-    update = make_update(make_loss(cfg, teacher, passes), optimizer, epochs=1, minibatches=1,
-                         grad_accum=cfg.grad_accum, passes=passes)
+    update = make_update(
+        make_loss(cfg, teacher, passes),
+        optimizer,
+        epochs=1,
+        minibatches=1,
+        grad_accum=cfg.grad_accum,
+        passes=passes,
+    )
 
     def distill_update(student, opt_state, batch: DistillBatch, key):
         _, g, n = batch.tokens.shape
         # the rows the loss reads, and the rotary tables once for all micro-batches, outside their
         # loop (see completion_rope)
-        data = DistillBatch(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens,
-                            mask=batch.mask, loss_mask=batch.loss_mask, teacher_hidden=batch.teacher_hidden,
-                            rope=completion_rope(student.config, batch.prompt_mask, g, n))
+        data = DistillBatch(
+            prompt_ids=batch.prompt_ids,
+            prompt_mask=batch.prompt_mask,
+            tokens=batch.tokens,
+            mask=batch.mask,
+            loss_mask=batch.loss_mask,
+            teacher_hidden=batch.teacher_hidden,
+            rope=completion_rope(student.config, batch.prompt_mask, g, n),
+        )
         return update(student, opt_state, data, key)
 
     return distill_update

@@ -27,22 +27,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.distill.config import DistillConfig
+from relax.algorithms.distill.data import DistillBatch
+from relax.algorithms.distill.loss import make_distill_update
+from relax.algorithms.online.stages import ROLLOUT_STREAM
 from relax.compose import Stage, compose, stage
-from relax.models.heads.distill import check_same_vocabulary
-from relax.models.forward.config import ForwardConfig
-from relax.models.hf.checkpoint import load_pretrained
-from relax.models.forward.prefix_shared import completion_hidden, completion_rope
 from relax.models.decoder.transformer import Transformer
+from relax.models.forward.config import ForwardConfig
+from relax.models.forward.prefix_shared import completion_hidden, completion_rope
+from relax.models.heads.distill import check_same_vocabulary
+from relax.models.hf.checkpoint import load_pretrained
 from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig, compiled_generate
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import Updated
-
-from relax.algorithms.distill.config import DistillConfig
-from relax.algorithms.distill.data import DistillBatch
-from relax.algorithms.distill.loss import make_distill_update
-from relax.algorithms.online.stages import ROLLOUT_STREAM
 
 MIX_STREAM = 0x4D1C  # mixed mode's per-step coin: fold_in(state.key, MIX_STREAM)
 
@@ -61,14 +60,25 @@ def make_sample(cfg: DistillConfig, rcfg: RolloutConfig) -> Stage:
 
     def sample(state: TrainState, batch: DistillBatch):
         def on_policy():  # (tokens, mask, loss_mask, lengths, finished)
-            r = generate(state.policy, batch.prompt_ids, batch.prompt_mask,
-                         jax.random.fold_in(state.key, ROLLOUT_STREAM))
+            r = generate(
+                state.policy,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                jax.random.fold_in(state.key, ROLLOUT_STREAM),
+            )
             return r.tokens, r.mask, r.mask, r.lengths, r.finished
 
         def with_completions(completions, on_policy):
             tokens, mask, loss_mask, lengths, finished = completions
-            return dataclasses.replace(batch, tokens=tokens, mask=mask, loss_mask=loss_mask, lengths=lengths,
-                                       finished=finished, on_policy=on_policy)
+            return dataclasses.replace(
+                batch,
+                tokens=tokens,
+                mask=mask,
+                loss_mask=loss_mask,
+                lengths=lengths,
+                finished=finished,
+                on_policy=on_policy,
+            )
 
         if cfg.mode == "on_policy":
             return state, with_completions(on_policy(), jnp.bool_(True))
@@ -77,14 +87,21 @@ def make_sample(cfg: DistillConfig, rcfg: RolloutConfig) -> Stage:
         want = (p, cfg.generation.num_generations, cfg.generation.max_new_tokens)
         if batch.tokens is None or batch.tokens.shape != want:
             got = "none" if batch.tokens is None else batch.tokens.shape
-            raise ValueError(f"mixed mode swaps the batch's completions for sampled ones, so they must be "
-                             f"[P, num_generations, max_new_tokens] = {want}; got {got}")
+            raise ValueError(
+                f"mixed mode swaps the batch's completions for sampled ones, so they must be "
+                f"[P, num_generations, max_new_tokens] = {want}; got {got}"
+            )
 
         def off_policy():
             mask = batch.mask.astype(jnp.int32)
             loss_mask = mask if batch.loss_mask is None else batch.loss_mask.astype(jnp.int32)
-            return (batch.tokens.astype(jnp.int32), mask, loss_mask, jnp.sum(mask, axis=-1),
-                    jnp.ones(want[:2], bool))
+            return (
+                batch.tokens.astype(jnp.int32),
+                mask,
+                loss_mask,
+                jnp.sum(mask, axis=-1),
+                jnp.ones(want[:2], bool),
+            )
 
         coin = jax.random.bernoulli(jax.random.fold_in(state.key, MIX_STREAM), cfg.lmbda)
         return state, with_completions(jax.lax.cond(coin, on_policy, off_policy), coin)
@@ -92,7 +109,9 @@ def make_sample(cfg: DistillConfig, rcfg: RolloutConfig) -> Stage:
     return stage(sample, name="sample", updates_state=False, placement="sampler")
 
 
-def teacher_hidden(teacher: Transformer, batch: DistillBatch, passes: Passes, forward: ForwardConfig):
+def teacher_hidden(
+    teacher: Transformer, batch: DistillBatch, passes: Passes, forward: ForwardConfig
+):
     """The teacher's hidden states ``[P, G, N, D]`` predicting the batch's completion tokens, no
     gradient, ``passes.groups_per_pass()`` prompt groups per pass."""
     ids, pm, tokens, mask = batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask
@@ -114,8 +133,10 @@ def make_teacher(cfg: DistillConfig, passes: Passes) -> Stage:
 
     def teacher(state: TrainState, batch: DistillBatch):
         if state.ref is None:
-            raise ValueError("distillation reads the teacher from TrainState.ref, which is None "
-                             "(init_state(student, ..., with_reference=True) then state.replace(ref=teacher))")
+            raise ValueError(
+                "distillation reads the teacher from TrainState.ref, which is None "
+                "(init_state(student, ..., with_reference=True) then state.replace(ref=teacher))"
+            )
         check_same_vocabulary(state.policy, state.ref)
         hidden = teacher_hidden(state.ref, batch, passes, cfg.forward)
         loss_mask = batch.mask if batch.loss_mask is None else batch.loss_mask
@@ -144,22 +165,31 @@ def make_update_stage(cfg: DistillConfig, passes: Passes) -> Stage:
     return stage(update, name="update", reads_reference=True)
 
 
-def make_distill_step(cfg: DistillConfig, passes: Passes | None = None, *, eos_ids: tuple[int, ...],
-                      pad_id: int) -> Stage:
+def make_distill_step(
+    cfg: DistillConfig, passes: Passes | None = None, *, eos_ids: tuple[int, ...], pad_id: int
+) -> Stage:
     """``distill_step(state, batch) -> (state, Updated)``: the student is ``state.policy``, the teacher
     ``state.ref`` (a ``Transformer`` of any size with the student's vocabulary), the optimizer the
     state's (``cfg.optimizer.make()``). ``eos_ids`` / ``pad_id``: the sampler's (on-policy and mixed
     modes). ``passes``: the backend's pass layout (default ``choose_passes()``)."""
     passes = choose_passes() if passes is None else passes
-    sample = [make_sample(cfg, rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id))] if cfg.samples else []
-    return compose(*sample, make_teacher(cfg, passes), make_update_stage(cfg, passes), name="distill_step")
+    sample = (
+        [make_sample(cfg, rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id))]
+        if cfg.samples
+        else []
+    )
+    return compose(
+        *sample, make_teacher(cfg, passes), make_update_stage(cfg, passes), name="distill_step"
+    )
 
 
 def load_teacher(path, student: Transformer, *, dtype=None, param_dtype=None) -> Transformer:
     """The teacher from a Hugging Face directory (``relax.models.hf.checkpoint.load_pretrained``), in the
     student's compute dtype unless ``dtype`` says otherwise; its vocabulary checked against the
     student's (``ValueError`` naming both sizes)."""
-    teacher = load_pretrained(path, dtype=student.dtype if dtype is None else dtype, param_dtype=param_dtype)
+    teacher = load_pretrained(
+        path, dtype=student.dtype if dtype is None else dtype, param_dtype=param_dtype
+    )
     check_same_vocabulary(student, teacher)
     return teacher
 

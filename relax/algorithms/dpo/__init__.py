@@ -7,5 +7,14 @@ from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers
 from relax.algorithms.dpo.step import collate, encode, evaluate, make_dpo_eval, make_dpo_step
 from relax.algorithms.preference.config import make_state  # a reference model unless precomputed
 
-__all__ = ["DPOConfig", "collate", "encode", "evaluate", "make_dpo_eval", "make_dpo_loss", "make_dpo_step",
-           "make_state", "pair_normalizers"]
+__all__ = [
+    "DPOConfig",
+    "collate",
+    "encode",
+    "evaluate",
+    "make_dpo_eval",
+    "make_dpo_loss",
+    "make_dpo_step",
+    "make_state",
+    "pair_normalizers",
+]

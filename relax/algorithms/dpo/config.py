@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from relax.algorithms.preference.config import PreferenceTrainConfig
 from relax.choices import check_choice
 from relax.objectives.preference import DPO_LOSS_TYPES
-
-from relax.algorithms.preference.config import PreferenceTrainConfig
 
 LOSS_TYPES = DPO_LOSS_TYPES + ("simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -60,7 +59,9 @@ class DPOConfig(PreferenceTrainConfig):
         if self.orpo_lambda < 0:
             raise ValueError(f"orpo_lambda must be >= 0, got {self.orpo_lambda}")
         if self.precompute_reference and kind in REFERENCE_FREE:
-            raise ValueError(f"precompute_reference=True but loss_type={kind!r} uses no reference model")
+            raise ValueError(
+                f"precompute_reference=True but loss_type={kind!r} uses no reference model"
+            )
 
     @property
     def uses_reference(self) -> bool:

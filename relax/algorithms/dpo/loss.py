@@ -32,13 +32,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from relax.algorithms.dpo.config import DPOConfig
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
 from relax.metrics import Metric
 from relax.objectives.preference import DPO_LOSS_TYPES, dpo_loss, orpo_loss, simpo_loss
 from relax.passes import Passes
 from relax.train.update import LossContext
-
-from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
 
 sg = jax.lax.stop_gradient
 
@@ -54,7 +53,10 @@ def pair_normalizers(batch) -> dict[str, Array]:
 def batch_mean(values: dict[str, Array], weights: Array, count: Array) -> dict[str, Metric]:
     """``sum_i w_i x_i / count`` of each per-example metric, reduced over micro-batches by ``sum``:
     with ``count`` the batch's, the exact batch mean however the rows are split."""
-    return {k: Metric(jnp.sum(jnp.where(weights > 0, weights * v, 0.0)) / count, "sum") for k, v in values.items()}
+    return {
+        k: Metric(jnp.sum(jnp.where(weights > 0, weights * v, 0.0)) / count, "sum")
+        for k, v in values.items()
+    }
 
 
 def pair_losses(cfg: DPOConfig, sums, lengths, ref_sums, norms) -> tuple[Array, dict[str, Array]]:
@@ -62,12 +64,24 @@ def pair_losses(cfg: DPOConfig, sums, lengths, ref_sums, norms) -> tuple[Array, 
     means = sums / lengths
     if cfg.loss_type in DPO_LOSS_TYPES:
         pol, ref = (means, ref_sums / lengths) if cfg.loss_type == "ipo" else (sums, ref_sums)
-        losses, metrics = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], beta=cfg.beta,
-                                   loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
+        losses, metrics = dpo_loss(
+            pol[:, 0],
+            pol[:, 1],
+            ref[:, 0],
+            ref[:, 1],
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            label_smoothing=cfg.label_smoothing,
+        )
     elif cfg.loss_type == "simpo":
         pol = means
-        losses, metrics = simpo_loss(pol[:, 0], pol[:, 1], beta=cfg.beta, gamma=cfg.simpo_gamma,
-                                     label_smoothing=cfg.label_smoothing)
+        losses, metrics = simpo_loss(
+            pol[:, 0],
+            pol[:, 1],
+            beta=cfg.beta,
+            gamma=cfg.simpo_gamma,
+            label_smoothing=cfg.label_smoothing,
+        )
     else:  # orpo: per-pair NLL shares whose mean over the batch's pairs is TRL's token-mean NLL
         pol = means
         nll = -sums[:, 0] * (norms["pairs"] / norms["chosen_tokens"])

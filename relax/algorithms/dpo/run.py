@@ -10,15 +10,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from relax.data.pairs import Pair
-from relax.tasks import reverse
-
 from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.dpo import step as dpo
 from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.offline.run import OfflineAlgorithm, OfflineRunConfig, greedy_accuracy, run_offline
+from relax.algorithms.offline.run import (
+    OfflineAlgorithm,
+    OfflineRunConfig,
+    greedy_accuracy,
+    run_offline,
+)
 from relax.algorithms.preference.config import make_state
 from relax.algorithms.preference.reference_cache import reference_preparer
+from relax.data.pairs import Pair
+from relax.tasks import reverse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +37,21 @@ class DPORunConfig(OfflineRunConfig):
 def builtin_defaults(loss_type: str = "sigmoid") -> DPORunConfig:
     """The no-argument run: the reverse task's pairs (reverse chosen, copy rejected) on its base model."""
     lr = 3e-4 if loss_type == "orpo" else 5e-5  # ORPO's NLL term keeps the chosen likelihood up
-    d = DPOConfig(loss_type=loss_type, max_prompt_tokens=16, max_completion_tokens=8,
-                  optimizer=dataclasses.replace(DPOConfig().optimizer, learning_rate=lr))
-    return DPORunConfig(dpo=d, steps=60, batch_size=16, eval_every=20, checkpoint_every=20, eval_max_new_tokens=8,
-                        run_dir=f"runs/{'orpo' if loss_type == 'orpo' else 'dpo'}-reverse")
+    d = DPOConfig(
+        loss_type=loss_type,
+        max_prompt_tokens=16,
+        max_completion_tokens=8,
+        optimizer=dataclasses.replace(DPOConfig().optimizer, learning_rate=lr),
+    )
+    return DPORunConfig(
+        dpo=d,
+        steps=60,
+        batch_size=16,
+        eval_every=20,
+        checkpoint_every=20,
+        eval_max_new_tokens=8,
+        run_dir=f"runs/{'orpo' if loss_type == 'orpo' else 'dpo'}-reverse",
+    )
 
 
 def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
@@ -47,24 +62,53 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
 
     def evaluate(state, held_out, tokenizer):
         records, pairs = held_out
-        out = dpo.evaluate(d, state, pairs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size)
-        out = {k: v for k, v in out.items() if k.startswith(("rewards/", "logps/")) or k in ("loss", "nll")}
+        out = dpo.evaluate(
+            d, state, pairs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size
+        )
+        out = {
+            k: v
+            for k, v in out.items()
+            if k.startswith(("rewards/", "logps/")) or k in ("loss", "nll")
+        }
         out["preference_accuracy"] = out["rewards/accuracies"]  # in the summary table (no "/")
         if all(isinstance(r.record.get("chosen"), str) for r in records):
-            out["win_rate"] = greedy_accuracy(state.policy, tokenizer, records, max_new_tokens=cfg.eval_max_new_tokens,
-                                              answer_field="chosen")
+            out["win_rate"] = greedy_accuracy(
+                state.policy,
+                tokenizer,
+                records,
+                max_new_tokens=cfg.eval_max_new_tokens,
+                answer_field="chosen",
+            )
         return out
 
     return OfflineAlgorithm(
-        name="orpo" if d.loss_type == "orpo" else "dpo", make_state=functools.partial(make_state, d),
+        name="orpo" if d.loss_type == "orpo" else "dpo",
+        make_state=functools.partial(make_state, d),
         make_step=lambda passes, tokenizer: dpo.make_dpo_step(d, passes),
-        encode=functools.partial(dpo.encode, d), collate=functools.partial(dpo.collate, d), evaluate=evaluate,
-        encode_eval=encode_eval, prepare=reference_preparer(d),
-        builtin_data=lambda task, directory, tokenizer: reverse.write_task_data(task, directory, reverse.preference_rows),
+        encode=functools.partial(dpo.encode, d),
+        collate=functools.partial(dpo.collate, d),
+        evaluate=evaluate,
+        encode_eval=encode_eval,
+        prepare=reference_preparer(d),
+        builtin_data=lambda task, directory, tokenizer: reverse.write_task_data(
+            task, directory, reverse.preference_rows
+        ),
         bar_keys=(("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")),
-        longest=lambda n: dpo.collate(d, [Pair(prompt=[1] * d.max_prompt_tokens, chosen=[1] * d.max_completion_tokens,
-                                               rejected=[1] * d.max_completion_tokens, file="plan", row=i)
-                                          for i in range(n)], 0))
+        longest=lambda n: dpo.collate(
+            d,
+            [
+                Pair(
+                    prompt=[1] * d.max_prompt_tokens,
+                    chosen=[1] * d.max_completion_tokens,
+                    rejected=[1] * d.max_completion_tokens,
+                    file="plan",
+                    row=i,
+                )
+                for i in range(n)
+            ],
+            0,
+        ),
+    )
 
 
 def run(cfg: DPORunConfig) -> dict:
@@ -74,5 +118,12 @@ def run(cfg: DPORunConfig) -> dict:
 def main(argv: list[str], *, loss_type: str, description: str) -> dict:
     """The command line of ``examples/train_dpo.py`` / ``train_orpo.py``: flags -> run. Defaults:
     the built-in task's without ``--model``, else ``DPORunConfig``'s with ``loss_type``."""
-    return run(parse_flags(DPORunConfig, argv, builtin=lambda: builtin_defaults(loss_type),
-                           real=lambda: DPORunConfig(dpo=DPOConfig(loss_type=loss_type)), description=description))
+    return run(
+        parse_flags(
+            DPORunConfig,
+            argv,
+            builtin=lambda: builtin_defaults(loss_type),
+            real=lambda: DPORunConfig(dpo=DPOConfig(loss_type=loss_type)),
+            description=description,
+        )
+    )

@@ -28,6 +28,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.dpo.config import DPOConfig
+from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers
+from relax.algorithms.offline.held_out import eval_batches
+from relax.algorithms.preference.pairs import Forward, PairRows, shared_forward
+from relax.algorithms.preference.reference import make_pair_reference
+from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 from relax.compose import Stage, compose, stage
 from relax.data.files import Record
 from relax.data.pairs import Pair, PairBatch, collate_pairs, encode_pairs
@@ -37,28 +43,39 @@ from relax.text.base import TextTokenizer
 from relax.train.state import TrainState
 from relax.train.update import LossContext, Updated, make_update
 
-from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers
-from relax.algorithms.offline.held_out import eval_batches
-from relax.algorithms.preference.pairs import Forward, PairRows, shared_forward
-from relax.algorithms.preference.reference import make_pair_reference
-from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 
-
-def encode(cfg: DPOConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer) -> list[Pair]:
+def encode(
+    cfg: DPOConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer
+) -> list[Pair]:
     """``relax.data.pairs.encode_pairs`` with the config's budgets and prompt truncation."""
-    return encode_pairs(records, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
-                        max_completion_tokens=cfg.max_completion_tokens, truncate_prompt=cfg.truncate_prompt)
+    return encode_pairs(
+        records,
+        tokenizer,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_completion_tokens=cfg.max_completion_tokens,
+        truncate_prompt=cfg.truncate_prompt,
+    )
 
 
 def collate(cfg: DPOConfig, pairs: Sequence[Pair], pad_id: int) -> PairBatch:
     """A batch of fixed shape ``Lp = max_prompt_tokens``, ``N = max_completion_tokens``."""
-    return collate_pairs(pairs, pad_id=pad_id, prompt_length=cfg.max_prompt_tokens,
-                         completion_length=cfg.max_completion_tokens)
+    return collate_pairs(
+        pairs,
+        pad_id=pad_id,
+        prompt_length=cfg.max_prompt_tokens,
+        completion_length=cfg.max_completion_tokens,
+    )
 
 
-def evaluate(cfg: DPOConfig, state: TrainState, pairs: Sequence[Pair], *, pad_id: int, batch_size: int = 8,
-             passes: Passes | None = None) -> dict[str, float]:
+def evaluate(
+    cfg: DPOConfig,
+    state: TrainState,
+    pairs: Sequence[Pair],
+    *,
+    pad_id: int,
+    batch_size: int = 8,
+    passes: Passes | None = None,
+) -> dict[str, float]:
     """Held-out loss and metrics of ``state.policy`` on ``pairs`` (``make_dpo_eval`` over batches of
     ``batch_size``, one compile): every metric is a mean over pairs, so the batches' values are
     combined weighted by their real pairs (exact)."""
@@ -75,15 +92,28 @@ def evaluate(cfg: DPOConfig, state: TrainState, pairs: Sequence[Pair], *, pad_id
 
 def make_reference(cfg: DPOConfig, passes: Passes, forward: Forward) -> Stage:
     """The reference stage (module docstring)."""
-    return make_pair_reference(passes, forward, enabled=cfg.uses_reference, precompute=cfg.precompute_reference,
-                               reads_reference=cfg.needs_reference, what=f"loss_type={cfg.loss_type!r}")
+    return make_pair_reference(
+        passes,
+        forward,
+        enabled=cfg.uses_reference,
+        precompute=cfg.precompute_reference,
+        reads_reference=cfg.needs_reference,
+        what=f"loss_type={cfg.loss_type!r}",
+    )
 
 
 def pair_rows(cfg: DPOConfig, batch: PairBatch, rope=None) -> PairRows:
     """What the loss reads of a batch with its ``loss_mask``: the pairs, and their reference
     log-probs when the loss uses them."""
-    return PairRows(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens, mask=batch.mask,
-                    loss_mask=batch.loss_mask, ref_logps=batch.ref_logps if cfg.uses_reference else None, rope=rope)
+    return PairRows(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask,
+        tokens=batch.tokens,
+        mask=batch.mask,
+        loss_mask=batch.loss_mask,
+        ref_logps=batch.ref_logps if cfg.uses_reference else None,
+        rope=rope,
+    )
 
 
 def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = None) -> Stage:
@@ -92,22 +122,36 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
 
     def update(state: TrainState, batch: PairBatch):
         batch = with_loss_mask(batch)
-        update_fn = make_update(loss_fn, state.optimizer, grad_accum=cfg.grad_accum, passes=passes,
-                                normalizers=pair_normalizers, track_reference=cfg.needs_reference)
-        _, g, n = batch.tokens.shape  # rotary tables once, outside the micro-batch loop (completion_rope)
+        update_fn = make_update(
+            loss_fn,
+            state.optimizer,
+            grad_accum=cfg.grad_accum,
+            passes=passes,
+            normalizers=pair_normalizers,
+            track_reference=cfg.needs_reference,
+        )
+        _, g, n = (
+            batch.tokens.shape
+        )  # rotary tables once, outside the micro-batch loop (completion_rope)
         rows = pair_rows(cfg, batch, completion_rope(state.policy.config, batch.prompt_mask, g, n))
         return run_update(state, batch, update_fn, rows, ref_logps=rows.ref_logps)
 
     return stage(update, name="update")
 
 
-def make_dpo_step(cfg: DPOConfig, passes: Passes | None = None, *, forward: Forward | None = None) -> Stage:
+def make_dpo_step(
+    cfg: DPOConfig, passes: Passes | None = None, *, forward: Forward | None = None
+) -> Stage:
     """``dpo_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the
     state's. ``passes``: the backend's pass layout (default ``choose_passes()``). ``forward``:
     replaces the prefix-shared forward (``relax.algorithms.preference.pairs.Forward``; benchmarks)."""
     passes = choose_passes() if passes is None else passes
     forward = forward or shared_forward(passes, cfg.forward)
-    return compose(make_reference(cfg, passes, forward), make_update_stage(cfg, passes, forward), name="dpo_step")
+    return compose(
+        make_reference(cfg, passes, forward),
+        make_update_stage(cfg, passes, forward),
+        name="dpo_step",
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,8 +168,15 @@ def make_dpo_eval(cfg: DPOConfig, passes: Passes | None = None) -> Stage:
         state, batch = reference.fn(state, with_loss_mask(batch))
         loss_fn = make_dpo_loss(cfg, passes, lambda m, mb, train: forward(m, mb, False))
         rows = pair_rows(cfg, batch)
-        loss, metrics = loss_fn(state.policy, rows, LossContext(pair_normalizers(rows), ref_is_policy_of(batch)))
-        return state, Updated(batch=batch, metrics={"loss": loss, **{k: m.value for k, m in metrics.items()}},
-                              health={})
+        loss, metrics = loss_fn(
+            state.policy, rows, LossContext(pair_normalizers(rows), ref_is_policy_of(batch))
+        )
+        return state, Updated(
+            batch=batch,
+            metrics={"loss": loss, **{k: m.value for k, m in metrics.items()}},
+            health={},
+        )
 
-    return stage(evaluate, name="dpo_eval", updates_state=False, reads_reference=cfg.needs_reference)
+    return stage(
+        evaluate, name="dpo_eval", updates_state=False, reads_reference=cfg.needs_reference
+    )

@@ -11,18 +11,24 @@ import dataclasses
 import warnings
 from typing import Annotated
 
-from relax.objectives.advantages import GRPO_SCALES
+from relax.algorithms.cli.configure import FLAT, configure
 from relax.choices import check_choice
-from relax.train.optimizer import OptimizerConfig
+from relax.data.completion_layout import PackingConfig
+from relax.models.forward.config import ForwardConfig
+from relax.objectives.advantages import GRPO_SCALES
 from relax.objectives.aggregation import resolve_mode
 from relax.objectives.kl import KL_ESTIMATORS
-from relax.objectives.registry import DAPOLossConfig, GSPOLossConfig, LossConfig, PPOLossConfig, loss_name
-from relax.rollout.generation import GenerationConfig
-from relax.models.forward.config import ForwardConfig
-from relax.algorithms.cli.configure import FLAT, configure
 from relax.objectives.reference import ReferenceConfig
+from relax.objectives.registry import (
+    DAPOLossConfig,
+    GSPOLossConfig,
+    LossConfig,
+    PPOLossConfig,
+    loss_name,
+)
 from relax.rewards.shaping import LENGTH_SHAPING_MODES
-from relax.data.completion_layout import PackingConfig
+from relax.rollout.generation import GenerationConfig
+from relax.train.optimizer import OptimizerConfig
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 ZERO_STD = ("zero", "drop")
@@ -93,19 +99,29 @@ class GRPOConfig:
         resolve_mode(self.loss_type)
         if self.length_shaping is not None:
             check_choice("length_shaping", self.length_shaping, LENGTH_SHAPING_MODES)
-        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.generation.max_new_tokens:
-            raise ValueError(f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]")
+        if (
+            self.overlong_buffer is not None
+            and not 0 <= self.overlong_buffer <= self.generation.max_new_tokens
+        ):
+            raise ValueError(
+                f"overlong_buffer={self.overlong_buffer} must be in [0, max_new_tokens]"
+            )
         if self.kl_threshold is not None and self.kl_in_reward:
-            raise ValueError("kl_threshold (conservative penalty) applies to the loss, not with kl_in_reward")
+            raise ValueError(
+                "kl_threshold (conservative penalty) applies to the loss, not with kl_in_reward"
+            )
         for name in ("num_iterations", "num_minibatches", "grad_accum"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.generation.num_generations < 2:
-            warnings.warn(f"num_generations={self.generation.num_generations}: the {self.advantage!r} advantage is "
-                          "relative to the prompt's group, so with one completion per prompt every advantage is 0 "
-                          "and only the KL term (beta) trains; use --grpo.num-generations >= 2", stacklevel=2)
+            warnings.warn(
+                f"num_generations={self.generation.num_generations}: the {self.advantage!r} advantage is "
+                "relative to the prompt's group, so with one completion per prompt every advantage is 0 "
+                "and only the KL term (beta) trains; use --grpo.num-generations >= 2",
+                stacklevel=2,
+            )
         if self.kl_in_reward and self.beta == 0:
             raise ValueError("kl_in_reward=True needs beta > 0")
 
@@ -126,8 +142,13 @@ PRESETS: dict[str, dict] = {
     "dr_grpo": dict(loss_type="dr_grpo", scale_rewards="none", beta=0.0),
     # DAPO (Yu et al. 2025): clip-higher, token-level loss over the batch, drop all-equal groups,
     # no KL, mask truncated completions (overlong filtering).
-    "dapo": dict(policy_loss=DAPOLossConfig(), loss_type="dapo", beta=0.0, zero_std_groups="drop",
-                 mask_truncated_completions=True),
+    "dapo": dict(
+        policy_loss=DAPOLossConfig(),
+        loss_type="dapo",
+        beta=0.0,
+        zero_std_groups="drop",
+        mask_truncated_completions=True,
+    ),
     # GSPO (Zheng et al. 2025): sequence-level importance ratio, tight clipping, sequence mean.
     "gspo": dict(policy_loss=GSPOLossConfig(), loss_type="seq-mean-token-mean", beta=0.0),
     # RLOO (Ahmadian et al. 2024): leave-one-out baseline, REINFORCE-style single epoch.

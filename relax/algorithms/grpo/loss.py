@@ -1,7 +1,8 @@
 """The GRPO-family loss on one micro-batch of prompt groups, for ``relax.train.update``.
 
 Per valid completion token: the policy loss ``cfg.policy_loss`` (a registry loss,
-``relax.objectives.registry``) against the old (sampling) policy, plus ``beta * KL`` to the reference (or Signal's conservative penalty, or nothing here
+``relax.objectives.registry``) against the old (sampling) policy, plus ``beta * KL`` to the
+reference (or Signal's conservative penalty, or nothing here
 when the KL is in the reward), minus ``entropy_coef * H``; aggregated by ``cfg.loss_type``
 with the batch-wide normalisers of ``ctx.norms``::
 
@@ -26,6 +27,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.online.batch import LossRows
+from relax.algorithms.online.stages import train_logprobs
 from relax.masked import masked_mean
 from relax.metrics import Metric
 from relax.models.forward.prefix_shared import completion_rope
@@ -36,12 +40,10 @@ from relax.objectives.registry import as_policy_loss
 from relax.passes import Passes
 from relax.train.update import LossContext, make_update, token_share
 
-from relax.algorithms.online.batch import LossRows
-from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.online.stages import train_logprobs
 
-
-def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
+def make_loss(
+    cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None
+):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)`` for one micro-batch of groups;
     ``off_policy``: the behaviour correction of stale batches (None: the batch is on-policy)."""
     policy_loss = as_policy_loss(cfg.policy_loss)
@@ -49,50 +51,87 @@ def make_loss(cfg: GRPOConfig, passes: Passes = Passes(), off_policy: OffPolicyC
     def loss_fn(policy, mb: LossRows, ctx: LossContext):
         p, g, n = mb.tokens.shape
         logp, ent, router, router_metrics = train_logprobs(
-            policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature, entropy_grad=cfg.entropy_coef != 0.0)
+            policy,
+            mb,
+            passes,
+            cfg.forward,
+            temperature=cfg.generation.temperature,
+            entropy_grad=cfg.entropy_coef != 0.0,
+        )
         flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-        logp, ent, mask, old = flat(logp), flat(ent), flat(mb.loss_mask).astype(bool), flat(mb.old_logprobs)
+        logp, ent, mask, old = (
+            flat(logp),
+            flat(ent),
+            flat(mb.loss_mask).astype(bool),
+            flat(mb.old_logprobs),
+        )
         adv = mb.advantages.reshape((p * g,) + mb.advantages.shape[2:])  # [B] or [B, N]
         if off_policy is None:
             per_token, metrics = policy_loss(logp, old, adv, mask)
             metrics = dict(metrics)
         else:
-            per_token, metrics = corrected_loss(policy_loss, logp, old, adv, mask, off_policy,
-                                                None if mb.prox_logprobs is None else flat(mb.prox_logprobs))
+            per_token, metrics = corrected_loss(
+                policy_loss,
+                logp,
+                old,
+                adv,
+                mask,
+                off_policy,
+                None if mb.prox_logprobs is None else flat(mb.prox_logprobs),
+            )
         if cfg.beta > 0:
             # masked inside (inputs zeroed first): no inf/NaN from padding reaches the gradient
             ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logp), flat(mb.ref_logprobs))
             kl = kl_estimate(logp, ref, cfg.kl_estimator, mask=mask)
             metrics["kl"] = masked_mean(kl, mask)
             if cfg.kl_threshold is not None:  # Signal's one-sided conservative penalty
-                per_token = per_token + jnp.where(mask, conservative_penalty(
-                    kl, threshold=cfg.kl_threshold, coef=cfg.beta), 0.0)
+                per_token = per_token + jnp.where(
+                    mask, conservative_penalty(kl, threshold=cfg.kl_threshold, coef=cfg.beta), 0.0
+                )
             elif not cfg.kl_in_reward:
                 per_token = per_token + cfg.beta * kl
         if cfg.entropy_coef != 0.0:
             per_token = per_token + entropy_bonus(ent, mask, coef=cfg.entropy_coef)
         metrics["entropy"] = masked_mean(ent, mask)
         # meaningful before the first optimizer step only: max over its micro-batches
-        metrics["sampler_logprob_diff"] = Metric(jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0)), "first_step")
-        loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                         num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
+        metrics["sampler_logprob_diff"] = Metric(
+            jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0)), "first_step"
+        )
+        loss = aggregate(
+            per_token,
+            mask,
+            cfg.loss_type,
+            num_sequences=ctx.norms["sequences"],
+            num_tokens=ctx.norms["tokens"],
+            max_len=cfg.generation.max_new_tokens,
+        )
         return loss + token_share(router, mask, ctx), {**metrics, **router_metrics}
 
     return loss_fn
 
 
-def make_grpo_update(cfg: GRPOConfig, optimizer, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None):
+def make_grpo_update(
+    cfg: GRPOConfig, optimizer, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None
+):
     """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``:
     the generic update (``relax.train.update``) of ``make_loss(cfg)`` with the config's epochs,
     minibatches and micro-batches, on ``LossRows`` (``rope`` filled here)."""
-    update = make_update(make_loss(cfg, passes, off_policy), optimizer, epochs=cfg.num_iterations,
-                         minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes,
-                         track_reference=cfg.beta > 0)
+    update = make_update(
+        make_loss(cfg, passes, off_policy),
+        optimizer,
+        epochs=cfg.num_iterations,
+        minibatches=cfg.num_minibatches,
+        grad_accum=cfg.grad_accum,
+        passes=passes,
+        track_reference=cfg.beta > 0,
+    )
 
     def grpo_update(policy, opt_state, data: LossRows, key, ref_is_policy=False):
         _, g, n = data.tokens.shape
         # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        data = data.replace(rope=completion_rope(policy.config, data.prompt_mask, g, n, packed=data.packed))
+        data = data.replace(
+            rope=completion_rope(policy.config, data.prompt_mask, g, n, packed=data.packed)
+        )
         return update(policy, opt_state, data, key, ref_is_policy)
 
     return grpo_update

@@ -9,14 +9,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
+from relax.algorithms.grpo.step import make_grpo_step
+from relax.algorithms.online.run import (
+    OnlineAlgorithm,
+    OnlineRunConfig,
+    StepParts,
+    check_lora_reference,
+    run_online,
+)
 from relax.choices import check_choice
+from relax.models.forward.prefix_shared import resolve_attention
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import TrainState, init_state
-
-from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
-from relax.models.forward.prefix_shared import resolve_attention
-from relax.algorithms.grpo.step import make_grpo_step
-from relax.algorithms.online.run import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +43,25 @@ def builtin_defaults(preset_name: str = "grpo", task: str = "reverse") -> GRPORu
     sized to finish in a few minutes on 2 CPU cores.
 
     Only the sizes, the rewards and the learning rate are the task's; every algorithm value is the preset's."""
-    grpo = preset(preset_name, num_generations=8, max_new_tokens=TASK_MAX_NEW_TOKENS[task],
-                  optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3))
-    return GRPORunConfig(preset=preset_name, grpo=grpo, task=task, reward=TASK_REWARDS[task], steps=60,
-                         batch_size=16, max_prompt_tokens=TASK_PROMPT_TOKENS[task], eval_every=20, checkpoint_every=20,
-                         run_dir=f"runs/grpo-{task}", reward_workers=TASK_REWARD_WORKERS[task])
+    grpo = preset(
+        preset_name,
+        num_generations=8,
+        max_new_tokens=TASK_MAX_NEW_TOKENS[task],
+        optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3),
+    )
+    return GRPORunConfig(
+        preset=preset_name,
+        grpo=grpo,
+        task=task,
+        reward=TASK_REWARDS[task],
+        steps=60,
+        batch_size=16,
+        max_prompt_tokens=TASK_PROMPT_TOKENS[task],
+        eval_every=20,
+        checkpoint_every=20,
+        run_dir=f"runs/grpo-{task}",
+        reward_workers=TASK_REWARD_WORKERS[task],
+    )
 
 
 def real_defaults(preset_name: str = "grpo") -> GRPORunConfig:
@@ -52,25 +71,48 @@ def real_defaults(preset_name: str = "grpo") -> GRPORunConfig:
 def make_state(g: GRPOConfig, model, key) -> TrainState:
     """GRPO's state for ``model``: its optimizer, and a reference (with its statistics) when ``beta > 0``."""
     check_lora_reference(model, g.reference, g.needs_reference)
-    return init_state(model, g.optimizer.make(), key=key, with_reference=g.needs_reference,
-                      with_ref_stats=g.needs_reference and g.reference.needs_stats)
+    return init_state(
+        model,
+        g.optimizer.make(),
+        key=key,
+        with_reference=g.needs_reference,
+        with_ref_stats=g.needs_reference and g.reference.needs_stats,
+    )
 
 
 def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     g = cfg.grpo
 
     def make_step(parts: StepParts):
-        return make_grpo_step(g, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
-                              passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
-                              pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0,
-                              partial=parts.partial)
+        return make_grpo_step(
+            g,
+            parts.reward_fns,
+            parts.decode,
+            eos_ids=parts.eos_ids,
+            pad_id=parts.pad_id,
+            passes=parts.passes,
+            on_error=cfg.reward_on_error,
+            timeout_s=cfg.reward_timeout_s,
+            pool=parts.pool,
+            off_policy=cfg.async_.off_policy,
+            pipelined=cfg.async_.staleness > 0,
+            partial=parts.partial,
+        )
 
     def describe_update(model) -> str:
-        return g.packing.describe(resolve_attention(g.forward.train_attention, model), g.generation.num_generations,
-                                  g.generation.max_new_tokens)
+        return g.packing.describe(
+            resolve_attention(g.forward.train_attention, model),
+            g.generation.num_generations,
+            g.generation.max_new_tokens,
+        )
 
-    return OnlineAlgorithm(name="grpo", make_state=functools.partial(make_state, g), make_step=make_step,
-                           generation=g.generation, describe_update=describe_update)
+    return OnlineAlgorithm(
+        name="grpo",
+        make_state=functools.partial(make_state, g),
+        make_step=make_step,
+        generation=g.generation,
+        describe_update=describe_update,
+    )
 
 
 def run(cfg: GRPORunConfig) -> dict:

@@ -29,35 +29,47 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online.batch import Advantaged, LossRows, Scored
+from relax.algorithms.online.stages import packing_metrics
+from relax.algorithms.online.step import OnlineParts, make_online_step
 from relax.compose import Stage, stage
 from relax.objectives import advantages as adv_lib
 from relax.objectives.kl import kl_estimate
+from relax.objectives.off_policy import OffPolicyConfig
 from relax.objectives.reference import make_reference_rule
 from relax.passes import Passes
 from relax.rewards.pool import RewardPool
-from relax.rewards.shaping import dynamic_sampling_mask, group_stats, length_shaping, overlong_penalty
+from relax.rewards.shaping import (
+    dynamic_sampling_mask,
+    group_stats,
+    length_shaping,
+    overlong_penalty,
+)
+from relax.rollout.partial import PartialRollouts
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
 from relax.train.update import Updated
-
-from relax.algorithms.grpo.config import GRPOConfig
-from relax.algorithms.grpo.loss import make_grpo_update
-from relax.algorithms.online.step import OnlineParts, make_online_step
-from relax.algorithms.online.stages import packing_metrics
-from relax.objectives.off_policy import OffPolicyConfig
-from relax.rollout.partial import PartialRollouts
 
 
 def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> jax.Array:
     """DAPO overlong penalty and length shaping on ``[P, G]`` rewards, as configured."""
     if cfg.overlong_buffer is not None:
-        rewards = rewards + overlong_penalty(lengths, max_length=cfg.generation.max_new_tokens,
-                                             buffer_length=cfg.overlong_buffer,
-                                             penalty_factor=cfg.overlong_penalty_factor)
+        rewards = rewards + overlong_penalty(
+            lengths,
+            max_length=cfg.generation.max_new_tokens,
+            buffer_length=cfg.overlong_buffer,
+            penalty_factor=cfg.overlong_penalty_factor,
+        )
     if cfg.length_shaping is not None:
-        rewards = length_shaping(rewards, lengths, mode=cfg.length_shaping, target=cfg.length_target,
-                                 coef=cfg.length_coef)
+        rewards = length_shaping(
+            rewards,
+            lengths,
+            mode=cfg.length_shaping,
+            target=cfg.length_target,
+            coef=cfg.length_coef,
+        )
     return rewards
 
 
@@ -75,16 +87,22 @@ def make_advantage(cfg: GRPOConfig, *, per_turn: bool = False) -> Stage:
     trajectories' observation tokens are read, not trained on); ``per_turn``: per-turn advantages
     from ``turn_rewards`` (``advantages.turn_grpo``)."""
     if per_turn and cfg.advantage != "grpo":
-        raise ValueError(f"per-turn advantages are GRPO's; the config's advantage is {cfg.advantage!r}")
+        raise ValueError(
+            f"per-turn advantages are GRPO's; the config's advantage is {cfg.advantage!r}"
+        )
 
     def advantage(state, batch: Scored) -> tuple[TrainState, GRPOBatch]:
         policy_mask = batch.policy_tokens
         rewards = shape_rewards(cfg, batch.rewards, batch.lengths)
         if cfg.kl_in_reward:  # r - beta * sum_t KL_t, before the group baseline
-            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator, mask=policy_mask > 0)
+            kl = kl_estimate(
+                batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator, mask=policy_mask > 0
+            )
             rewards = rewards - cfg.beta * jnp.sum(kl, axis=-1)
         if per_turn:
-            a = adv_lib.turn_grpo(batch.turn_rewards, batch.turn_index, policy_mask > 0, eps=cfg.advantage_eps)
+            a = adv_lib.turn_grpo(
+                batch.turn_rewards, batch.turn_index, policy_mask > 0, eps=cfg.advantage_eps
+            )
         elif cfg.advantage == "grpo":
             a = adv_lib.grpo(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
         elif cfg.advantage == "rloo":
@@ -97,7 +115,9 @@ def make_advantage(cfg: GRPOConfig, *, per_turn: bool = False) -> Stage:
             loss_mask = loss_mask * keep[:, None, None]
         if cfg.mask_truncated_completions:
             loss_mask = loss_mask * batch.finished[..., None]
-        return state, GRPOBatch.of(batch, shaped_rewards=rewards, advantages=a, loss_mask=loss_mask, group_keep=keep)
+        return state, GRPOBatch.of(
+            batch, shaped_rewards=rewards, advantages=a, loss_mask=loss_mask, group_keep=keep
+        )
 
     return stage(advantage, name="advantage")
 
@@ -107,7 +127,9 @@ def loss_rows(batch: Advantaged, *, reference: bool) -> LossRows:
     return LossRows.of(batch, ref_logprobs=batch.ref_logprobs if reference else None)
 
 
-def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
+def make_update_stage(
+    cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None
+) -> Stage:
     """Epochs x minibatches of the GRPO loss (``relax.train.update``), then the reference rule.
     The loss reads the proximal log-probs when the batch has them (the step's proximal stage)."""
     rule = make_reference_rule(cfg.reference)
@@ -117,17 +139,27 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConf
         data = loss_rows(batch, reference=cfg.beta > 0)
         key, sub = jax.random.split(state.key)
         ref_is_policy = False if batch.ref_is_policy is None else batch.ref_is_policy
-        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub, ref_is_policy)
+        policy, opt_state, metrics = update_fn(
+            state.policy, state.opt_state, data, sub, ref_is_policy
+        )
         step, ref, ref_stats = state.step + 1, state.ref, state.ref_stats
         if ref_stats is not None:  # for KL-target / entropy-floor reference resets
             ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])
         if ref is not None:
             ref = rule(ref, policy, step, {} if ref_stats is None else ref_stats.as_dict())
-        bad = first_nonfinite(metrics["loss"], rewards=batch.rewards, advantages=batch.advantages,
-                              old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.mask)
+        bad = first_nonfinite(
+            metrics["loss"],
+            rewards=batch.rewards,
+            advantages=batch.advantages,
+            old_logprobs=batch.old_logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            mask=batch.mask,
+        )
         metrics, health = step_health(metrics, opt_state, bad)
         metrics = {**metrics, **_batch_metrics(batch)}
-        new = state.replace(policy=policy, opt_state=opt_state, ref=ref, step=step, key=key, ref_stats=ref_stats)
+        new = state.replace(
+            policy=policy, opt_state=opt_state, ref=ref, step=step, key=key, ref_stats=ref_stats
+        )
         return new, Updated(batch, metrics, health)
 
     return stage(update, name="update", reads_reference=True)
@@ -136,9 +168,13 @@ def make_update_stage(cfg: GRPOConfig, passes: Passes, off_policy: OffPolicyConf
 def _batch_metrics(batch: Advantaged) -> dict:
     stats = group_stats(batch.rewards)
     lengths = batch.lengths.astype(jnp.float32)
-    out = {**stats, "completion_length": jnp.mean(lengths),
-           "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
-           "advantage_mean": jnp.mean(batch.advantages), "advantage_std": jnp.std(batch.advantages)}
+    out = {
+        **stats,
+        "completion_length": jnp.mean(lengths),
+        "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
+        "advantage_mean": jnp.mean(batch.advantages),
+        "advantage_std": jnp.std(batch.advantages),
+    }
     for name, part in batch.reward_parts.items():
         out[f"reward/{name}"] = jnp.nanmean(part)
     return {**out, **packing_metrics(batch.packed)}
@@ -146,16 +182,33 @@ def _batch_metrics(batch: Advantaged) -> dict:
 
 def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:
     """GRPO's part of an online step (``relax.algorithms.online.step``)."""
-    return OnlineParts(name="grpo_step", generation=cfg.generation, forward=cfg.forward,
-                       needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,
-                       advantage=make_advantage(cfg, per_turn=per_turn), packing=cfg.packing,
-                       make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy))
+    return OnlineParts(
+        name="grpo_step",
+        generation=cfg.generation,
+        forward=cfg.forward,
+        needs_reference=cfg.needs_reference,
+        optimizer_steps=cfg.optimizer_steps,
+        advantage=make_advantage(cfg, per_turn=per_turn),
+        packing=cfg.packing,
+        make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy),
+    )
 
 
-def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
-                   passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
-                   pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
-                   pipelined: bool = False, partial: PartialRollouts | None = None) -> Stage:
+def make_grpo_step(
+    cfg: GRPOConfig,
+    reward_fns,
+    decode,
+    *,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    passes: Passes | None = None,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    pool: RewardPool | None = None,
+    off_policy: OffPolicyConfig | None = None,
+    pipelined: bool = False,
+    partial: PartialRollouts | None = None,
+) -> Stage:
     """``grpo_step(state, batch) -> (state, out)``: ``batch`` a ``WithHost(Prompts, HostRecord)``
     (``relax.algorithms.online.batch.step_input``), ``out`` a ``WithHost(Updated, HostRecord)``; the
     optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
@@ -163,6 +216,17 @@ def make_grpo_step(cfg: GRPOConfig, reward_fns, decode, *, eos_ids: tuple[int, .
     ``pool``: the reward functions it hosts run in its workers while the device computes the
     reference log-probs (``make_score_stages``). ``off_policy``: the correction of stale batches;
     ``pipelined``: the order the pipeline runs (module docstring)."""
-    return make_online_step(grpo_parts(cfg), reward_fns, decode, eos_ids=eos_ids, pad_id=pad_id, passes=passes,
-                            on_error=on_error, timeout_s=timeout_s, pool=pool, off_policy=off_policy,
-                            pipelined=pipelined, partial=partial)
+    return make_online_step(
+        grpo_parts(cfg),
+        reward_fns,
+        decode,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        passes=passes,
+        on_error=on_error,
+        timeout_s=timeout_s,
+        pool=pool,
+        off_policy=off_policy,
+        pipelined=pipelined,
+        partial=partial,
+    )

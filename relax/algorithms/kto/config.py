@@ -29,5 +29,7 @@ class KTOConfig(PreferenceTrainConfig):
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
-            raise ValueError(f"desirable_weight={self.desirable_weight} and undesirable_weight="
-                             f"{self.undesirable_weight} must be >= 0")
+            raise ValueError(
+                f"desirable_weight={self.desirable_weight} and undesirable_weight="
+                f"{self.undesirable_weight} must be >= 0"
+            )

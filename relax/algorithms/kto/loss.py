@@ -19,13 +19,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.kto.config import KTOConfig
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
 from relax.metrics import Metric
 from relax.objectives.preference import kto_loss
 from relax.passes import Passes
 from relax.train.update import LossContext
-
-from relax.algorithms.kto.config import KTOConfig
-from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
 
 
 def kto_normalizers(batch) -> dict[str, jax.Array]:
@@ -33,8 +32,11 @@ def kto_normalizers(batch) -> dict[str, jax.Array]:
     (``batch``: ``PairRows`` or a ``relax.data.pairs.UnpairedBatch`` with its ``loss_mask``)."""
     w = batch.loss_mask.astype(jnp.float32)
     d = (batch.label > 0).astype(jnp.float32)
-    return {"examples": jnp.maximum(jnp.sum(w), 1.0), "desirable": jnp.maximum(jnp.sum(w * d), 1.0),
-            "undesirable": jnp.maximum(jnp.sum(w * (1 - d)), 1.0)}
+    return {
+        "examples": jnp.maximum(jnp.sum(w), 1.0),
+        "desirable": jnp.maximum(jnp.sum(w * d), 1.0),
+        "undesirable": jnp.maximum(jnp.sum(w * (1 - d)), 1.0),
+    }
 
 
 def make_kto_loss(cfg: KTOConfig, passes: Passes = Passes(), forward: Forward | None = None):
@@ -46,10 +48,19 @@ def make_kto_loss(cfg: KTOConfig, passes: Passes = Passes(), forward: Forward | 
     def loss_fn(policy, mb: PairRows, ctx: LossContext):
         sums, _ = sequence_logps(forward(policy, mb, True), mb.mask)
         logps = sums[:, 0]
-        ref = jnp.where(ctx.ref_is_policy, jax.lax.stop_gradient(logps), mb.ref_logps[:, 0].astype(jnp.float32))
+        ref = jnp.where(
+            ctx.ref_is_policy, jax.lax.stop_gradient(logps), mb.ref_logps[:, 0].astype(jnp.float32)
+        )
         d = mb.label > 0
-        losses, metrics = kto_loss(logps, ref, d, mb.kl, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
-                                   undesirable_weight=cfg.undesirable_weight)
+        losses, metrics = kto_loss(
+            logps,
+            ref,
+            d,
+            mb.kl,
+            beta=cfg.beta,
+            desirable_weight=cfg.desirable_weight,
+            undesirable_weight=cfg.undesirable_weight,
+        )
         w = mb.loss_mask.astype(jnp.float32)
         loss = jnp.sum(jnp.where(w > 0, w * losses, 0.0)) / ctx.norms["examples"]
 
@@ -60,8 +71,13 @@ def make_kto_loss(cfg: KTOConfig, passes: Passes = Passes(), forward: Forward | 
         nd, nu = ctx.norms["desirable"], ctx.norms["undesirable"]
         r, lp = metrics["rewards"], jax.lax.stop_gradient(logps)
         chosen, rejected = mean_over(r, d, nd), mean_over(r, ~d, nu)
-        out = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
-               "logps/chosen": mean_over(lp, d, nd), "logps/rejected": mean_over(lp, ~d, nu)}
+        out = {
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/margins": chosen - rejected,
+            "logps/chosen": mean_over(lp, d, nd),
+            "logps/rejected": mean_over(lp, ~d, nu),
+        }
         out = {k: Metric(v, "sum") for k, v in out.items()}
         out["kl"] = Metric(jnp.max(mb.kl), "max")  # one value for the whole batch
         return loss, out

@@ -31,6 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relax.algorithms.kto.config import KTOConfig
+from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
+from relax.algorithms.offline.held_out import eval_batches
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
+from relax.algorithms.preference.reference import make_pair_reference
+from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 from relax.compose import Stage, compose, stage
 from relax.data.files import Record
 from relax.data.pairs import Unpaired, UnpairedBatch, collate_unpaired, encode_unpaired
@@ -41,28 +47,39 @@ from relax.text.base import TextTokenizer
 from relax.train.state import TrainState
 from relax.train.update import LossContext, Updated, make_update
 
-from relax.algorithms.offline.held_out import eval_batches
-from relax.algorithms.kto.config import KTOConfig
-from relax.algorithms.kto.loss import kto_normalizers, make_kto_loss
-from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
-from relax.algorithms.preference.reference import make_pair_reference
-from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 
-
-def encode(cfg: KTOConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer) -> list[Unpaired]:
+def encode(
+    cfg: KTOConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer
+) -> list[Unpaired]:
     """``relax.data.pairs.encode_unpaired`` with the config's budgets and prompt truncation."""
-    return encode_unpaired(records, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
-                           max_completion_tokens=cfg.max_completion_tokens, truncate_prompt=cfg.truncate_prompt)
+    return encode_unpaired(
+        records,
+        tokenizer,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_completion_tokens=cfg.max_completion_tokens,
+        truncate_prompt=cfg.truncate_prompt,
+    )
 
 
 def collate(cfg: KTOConfig, examples: Sequence[Unpaired], pad_id: int) -> UnpairedBatch:
     """A batch of fixed shape ``Lp = max_prompt_tokens``, ``N = max_completion_tokens``."""
-    return collate_unpaired(examples, pad_id=pad_id, prompt_length=cfg.max_prompt_tokens,
-                            completion_length=cfg.max_completion_tokens)
+    return collate_unpaired(
+        examples,
+        pad_id=pad_id,
+        prompt_length=cfg.max_prompt_tokens,
+        completion_length=cfg.max_completion_tokens,
+    )
 
 
-def evaluate(cfg: KTOConfig, state: TrainState, examples: Sequence[Unpaired], *, pad_id: int, batch_size: int = 8,
-             passes: Passes | None = None) -> dict[str, float]:
+def evaluate(
+    cfg: KTOConfig,
+    state: TrainState,
+    examples: Sequence[Unpaired],
+    *,
+    pad_id: int,
+    batch_size: int = 8,
+    passes: Passes | None = None,
+) -> dict[str, float]:
     """Held-out KTO loss and metrics of ``state.policy`` (``make_kto_eval`` over batches of
     ``batch_size``; ``z0`` per batch, as in training): the loss, ``kl`` and ``rewards/margins`` are
     weighted by each batch's examples, the ``*/chosen`` / ``*/rejected`` means by its desirable /
@@ -89,14 +106,28 @@ def own_rows(batch: UnpairedBatch, rope=None) -> PairRows:
     """What the loss reads of a batch with its ``loss_mask`` and ``kl``: each example's own
     completion (``tokens[:, :1]``), its label and reference log-prob, and ``z0`` repeated per row."""
     p, _, n = batch.tokens.shape
-    return PairRows(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens[:, :1],
-                    mask=batch.mask[:, :1], loss_mask=batch.loss_mask, label=batch.label,
-                    ref_logps=batch.ref_logps[:, :1], kl=jnp.broadcast_to(batch.kl, (p,)), rope=rope)
+    return PairRows(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask,
+        tokens=batch.tokens[:, :1],
+        mask=batch.mask[:, :1],
+        loss_mask=batch.loss_mask,
+        label=batch.label,
+        ref_logps=batch.ref_logps[:, :1],
+        kl=jnp.broadcast_to(batch.kl, (p,)),
+        rope=rope,
+    )
 
 
 def make_reference(cfg: KTOConfig, passes: Passes, forward: Forward) -> Stage:
-    return make_pair_reference(passes, forward, enabled=True, precompute=cfg.precompute_reference,
-                               reads_reference=cfg.needs_reference, what="KTO")
+    return make_pair_reference(
+        passes,
+        forward,
+        enabled=True,
+        precompute=cfg.precompute_reference,
+        reads_reference=cfg.needs_reference,
+        what="KTO",
+    )
 
 
 def make_reference_point(passes: Passes, forward: Forward) -> Stage:
@@ -104,12 +135,21 @@ def make_reference_point(passes: Passes, forward: Forward) -> Stage:
         batch = with_loss_mask(batch)
 
         def z0():
-            kl_rows = PairRows(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=batch.tokens[:, 1:2],
-                               mask=batch.mask[:, 1:2], loss_mask=batch.loss_mask)
+            kl_rows = PairRows(
+                prompt_ids=batch.prompt_ids,
+                prompt_mask=batch.prompt_mask,
+                tokens=batch.tokens[:, 1:2],
+                mask=batch.mask[:, 1:2],
+                loss_mask=batch.loss_mask,
+            )
             policy_kl = sequence_logps(forward(state.policy, kl_rows, False), kl_rows.mask)[0]
-            return kto_reference_point(policy_kl[:, 0], batch.ref_logps[:, 1].astype(jnp.float32), batch.loss_mask > 0)
+            return kto_reference_point(
+                policy_kl[:, 0], batch.ref_logps[:, 1].astype(jnp.float32), batch.loss_mask > 0
+            )
 
-        kl = jax.lax.stop_gradient(jax.lax.cond(ref_is_policy_of(batch), lambda: jnp.float32(0.0), z0))
+        kl = jax.lax.stop_gradient(
+            jax.lax.cond(ref_is_policy_of(batch), lambda: jnp.float32(0.0), z0)
+        )
         return state, dataclasses.replace(batch, kl=kl)
 
     return stage(reference_point, name="reference_point", updates_state=False)
@@ -120,8 +160,14 @@ def make_update_stage(cfg: KTOConfig, passes: Passes, forward: Forward | None = 
 
     def update(state: TrainState, batch: UnpairedBatch):
         batch = with_loss_mask(batch)
-        update_fn = make_update(loss_fn, state.optimizer, grad_accum=cfg.grad_accum, passes=passes,
-                                normalizers=kto_normalizers, track_reference=cfg.needs_reference)
+        update_fn = make_update(
+            loss_fn,
+            state.optimizer,
+            grad_accum=cfg.grad_accum,
+            passes=passes,
+            normalizers=kto_normalizers,
+            track_reference=cfg.needs_reference,
+        )
         _, _, n = batch.tokens.shape
         rows = own_rows(batch, completion_rope(state.policy.config, batch.prompt_mask, 1, n))
         return run_update(state, batch, update_fn, rows, ref_logps=batch.ref_logps)
@@ -129,12 +175,18 @@ def make_update_stage(cfg: KTOConfig, passes: Passes, forward: Forward | None = 
     return stage(update, name="update")
 
 
-def make_kto_step(cfg: KTOConfig, passes: Passes | None = None, *, forward: Forward | None = None) -> Stage:
+def make_kto_step(
+    cfg: KTOConfig, passes: Passes | None = None, *, forward: Forward | None = None
+) -> Stage:
     """``kto_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the state's."""
     passes = choose_passes() if passes is None else passes
     forward = forward or shared_forward(passes, cfg.forward)
-    return compose(make_reference(cfg, passes, forward), make_reference_point(passes, forward),
-                   make_update_stage(cfg, passes, forward), name="kto_step")
+    return compose(
+        make_reference(cfg, passes, forward),
+        make_reference_point(passes, forward),
+        make_update_stage(cfg, passes, forward),
+        name="kto_step",
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -152,7 +204,12 @@ def make_kto_eval(cfg: KTOConfig, passes: Passes | None = None) -> Stage:
         loss_fn = make_kto_loss(cfg, passes, lambda m, mb, train: forward(m, mb, False))
         ctx = LossContext(kto_normalizers(batch), ref_is_policy_of(batch))
         loss, metrics = loss_fn(state.policy, own_rows(batch), ctx)
-        return state, Updated(batch=batch, metrics={"loss": loss, **{k: m.value for k, m in metrics.items()}},
-                              health={})
+        return state, Updated(
+            batch=batch,
+            metrics={"loss": loss, **{k: m.value for k, m in metrics.items()}},
+            health={},
+        )
 
-    return stage(evaluate, name="kto_eval", updates_state=False, reads_reference=cfg.needs_reference)
+    return stage(
+        evaluate, name="kto_eval", updates_state=False, reads_reference=cfg.needs_reference
+    )

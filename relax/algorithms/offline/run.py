@@ -14,13 +14,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grain
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.cli.report import first_row_lines, run_report
+from relax.algorithms.online.run import (
+    ModelRunConfig,
+    base_path,
+    builtin_setup,
+    exporter,
+    start_run,
+    with_lora,
+)
 from relax.data.files import Record, read_records
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
 from relax.eval.evaluate import EvalConfig, evaluate
@@ -33,9 +43,6 @@ from relax.tasks import reverse
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger
 from relax.train.run import Trainer, run_loop
-
-from relax.algorithms.cli.report import first_row_lines, run_report
-from relax.algorithms.online.run import ModelRunConfig, base_path, builtin_setup, exporter, start_run, with_lora
 
 MAX_EVAL_PROMPT = 512
 
@@ -51,8 +58,10 @@ class OfflineRunConfig(ModelRunConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.model is None and self.task != "reverse":
-            raise ValueError(f"--task {self.task}: the offline trainers' built-in task is reverse "
-                             "(code and math are for GRPO and PPO)")
+            raise ValueError(
+                f"--task {self.task}: the offline trainers' built-in task is reverse "
+                "(code and math are for GRPO and PPO)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +97,9 @@ class OfflineAlgorithm:
     longest: Callable[[int], Any] | None = None
 
 
-def batch_iterator(examples: list, batch_size: int, seed: int, collate: Callable[[list], Any]) -> grain.DatasetIterator:
+def batch_iterator(
+    examples: list, batch_size: int, seed: int, collate: Callable[[list], Any]
+) -> grain.DatasetIterator:
     """Shuffled (by ``seed``), repeated batches of ``collate``d examples; ``get_state()`` /
     ``set_state()`` resume exactly (checkpointed with the train state)."""
     if len(examples) < batch_size:
@@ -105,7 +116,9 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
         data, eval_data = algo.builtin_data(cfg.reverse, run_dir / "task", tokenizer)
     else:
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
-        model = load_pretrained(cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+        model = load_pretrained(
+            cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+        )
         data, eval_data = cfg.data, cfg.eval_data
     model = with_lora(cfg, model)
     rows = read_records(data)
@@ -114,7 +127,7 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
     else:
         train, held_out = rows, read_records(eval_data)
     if cfg.eval_max_examples is not None:
-        held_out = held_out[:cfg.eval_max_examples]
+        held_out = held_out[: cfg.eval_max_examples]
     return tokenizer, model, train, held_out, [str(d) for d in (data, eval_data) if d is not None]
 
 
@@ -128,9 +141,12 @@ def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextToken
         t0 = time.perf_counter()
         metrics = {k: float(v) for k, v in algo.evaluate(state, held_out, tokenizer).items()}
         logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
-        log(f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        log(
+            f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        )
         return metrics
+
     return run_eval
 
 
@@ -141,41 +157,95 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(cfg, algo, run_dir, log)
     train = algo.encode(train_rows, tokenizer)
     encode_eval = algo.encode if algo.encode_eval is None else algo.encode_eval
-    held_out = encode_eval(held_out_rows, tokenizer) if held_out_rows else None  # None: nothing held out
+    held_out = (
+        encode_eval(held_out_rows, tokenizer) if held_out_rows else None
+    )  # None: nothing held out
     if algo.prepare is not None:
         train, held_out = algo.prepare(model, train, held_out, paths, tokenizer)
-    report = run_report(cfg, model, [f"{len(train_rows)} training rows ({len(train)} batch items) from "
-                                     f"{paths[0]}, {len(held_out_rows)} held out",
-                                     f"{cfg.batch_size} batch items per step"],
-                        extra=[("first training row", first_row_lines(train_rows[0].record if train_rows else None))])
+    report = run_report(
+        cfg,
+        model,
+        [
+            f"{len(train_rows)} training rows ({len(train)} batch items) from "
+            f"{paths[0]}, {len(held_out_rows)} held out",
+            f"{cfg.batch_size} batch items per step",
+        ],
+        extra=[
+            ("first training row", first_row_lines(train_rows[0].record if train_rows else None))
+        ],
+    )
     log(report.text())
     state = algo.make_state(model, jax.random.key(cfg.seed))
-    export = exporter(tokenizer, base_path(cfg, run_dir)) if algo.export is None else (lambda policy, d: algo.export(policy, d, tokenizer))
-    trainer = Trainer(name=algo.name, step=algo.make_step(choose_passes(), tokenizer),
-                      batches=batch_iterator(train, cfg.batch_size, cfg.seed,
-                                             functools.partial(algo.collate, pad_id=tokenizer.pad_token_id)),
-                      make_batch=lambda b: jax.tree.map(jnp.asarray, b), host_metrics=algo.host_metrics,
-                      evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log), export=export,
-                      bar_keys=algo.bar_keys, on_start=report.write,
-                      info={"data": {"train_rows": len(train_rows), "batch_items": len(train),
-                                     "held_out_rows": len(held_out_rows)}})
+    export = (
+        exporter(tokenizer, base_path(cfg, run_dir))
+        if algo.export is None
+        else (lambda policy, d: algo.export(policy, d, tokenizer))
+    )
+    trainer = Trainer(
+        name=algo.name,
+        step=algo.make_step(choose_passes(), tokenizer),
+        batches=batch_iterator(
+            train,
+            cfg.batch_size,
+            cfg.seed,
+            functools.partial(algo.collate, pad_id=tokenizer.pad_token_id),
+        ),
+        make_batch=lambda b: jax.tree.map(jnp.asarray, b),
+        host_metrics=algo.host_metrics,
+        evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log),
+        export=export,
+        bar_keys=algo.bar_keys,
+        on_start=report.write,
+        info={
+            "data": {
+                "train_rows": len(train_rows),
+                "batch_items": len(train),
+                "held_out_rows": len(held_out_rows),
+            }
+        },
+    )
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary
 
 
-
-def greedy_accuracy(policy, tokenizer: TextTokenizer, records: Sequence[Record], *, max_new_tokens: int,
-                    prompt_field: str = "prompt", answer_field: str = "answer", seed: int = 0) -> float:
+def greedy_accuracy(
+    policy,
+    tokenizer: TextTokenizer,
+    records: Sequence[Record],
+    *,
+    max_new_tokens: int,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    seed: int = 0,
+) -> float:
     """Held-out greedy exact-match accuracy: the share of ``records`` whose greedy completion is
     their ``answer_field`` (the built-in tasks' figure; relax.eval.evaluate with exact_match)."""
-    cfg = DataConfig(path=(), batch_size=1, max_prompt_tokens=MAX_EVAL_PROMPT, prompt_field=prompt_field,
-                     answer_field=answer_field, data_source_field=None, prompt_buckets=(16, MAX_EVAL_PROMPT))
+    cfg = DataConfig(
+        path=(),
+        batch_size=1,
+        max_prompt_tokens=MAX_EVAL_PROMPT,
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+        data_source_field=None,
+        prompt_buckets=(16, MAX_EVAL_PROMPT),
+    )
     batch = prompt_batch(list(records), cfg, tokenizer)
     eos_ids = tuple(sorted({*policy.config.eos_ids, *tokenizer.eos_token_ids}))
-    decode = lambda t, m: [s.strip() for s in tokenizer.decode_batch(t, m, skip_special_tokens=True)]  # noqa: E731
-    metrics = evaluate(policy, batch, reward_fns=[RewardFunction(exact_match, name="exact_match")], decode=decode,
-                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=max_new_tokens,
-                       key=jax.random.key(seed), cfg=EvalConfig(num_samples=1), answer_field=answer_field)
+    decode = lambda t, m: [
+        s.strip() for s in tokenizer.decode_batch(t, m, skip_special_tokens=True)
+    ]  # noqa: E731
+    metrics = evaluate(
+        policy,
+        batch,
+        reward_fns=[RewardFunction(exact_match, name="exact_match")],
+        decode=decode,
+        eos_ids=eos_ids,
+        pad_id=tokenizer.pad_token_id,
+        max_new_tokens=max_new_tokens,
+        key=jax.random.key(seed),
+        cfg=EvalConfig(num_samples=1),
+        answer_field=answer_field,
+    )
     return metrics["greedy/accuracy"]
 
 

@@ -46,7 +46,11 @@ class Phase(eqx.Module):
         unknown = sorted(set(fields) - names)
         if unknown:
             raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
-        kept = {f.name: getattr(previous, f.name) for f in dataclasses.fields(previous) if f.name in names}
+        kept = {
+            f.name: getattr(previous, f.name)
+            for f in dataclasses.fields(previous)
+            if f.name in names
+        }
         return cls(**{**kept, **fields})
 
     def replace(self: P, **fields: Any) -> P:
@@ -173,7 +177,13 @@ class HostRecord:
         return dataclasses.replace(self, **fields)
 
 
-def step_input(prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"], prompts: list[str],
-               fields: dict[str, list]) -> WithHost:
+def step_input(
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    prompts: list[str],
+    fields: dict[str, list],
+) -> WithHost:
     """An online step's input: the prompts on the device and their text and dataset columns beside."""
-    return WithHost(Prompts(prompt_ids, prompt_mask), HostRecord(prompts=list(prompts), fields=dict(fields)))
+    return WithHost(
+        Prompts(prompt_ids, prompt_mask), HostRecord(prompts=list(prompts), fields=dict(fields))
+    )

@@ -9,7 +9,7 @@ updates on samples up to its staleness bound older."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +19,28 @@ from relax.algorithms.online.batch import LossRows, Prompts, Rollout, Scored
 from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig
 from relax.models.forward.completion_packing import PackedCompletions
-from relax.models.moe.experts import router_loss
-from relax.models.forward.prefix_shared import completion_logprobs, resolve_attention
 from relax.models.forward.config import ForwardConfig
+from relax.models.forward.prefix_shared import completion_logprobs, resolve_attention
+from relax.models.moe.experts import router_loss
 from relax.parallel.distributed import max_over_processes
 from relax.passes import Passes
-from relax.rewards.functions import (RewardFunction, as_reward_functions, combine_checked, score_groups,
-                                    start_score_groups)
-from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
+from relax.rewards.functions import (
+    RewardFunction,
+    as_reward_functions,
+    combine_checked,
+    score_groups,
+    start_score_groups,
+)
 from relax.rewards.pool import RewardPool
+from relax.rewards.token_rewards import TokenRewardFunction, score_tokens
 from relax.rollout.partial import PartialRequest, PartialRollouts
 from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.text.stop_strings import truncate_at_stop_strings
 from relax.train.state import TrainState, reference_is_policy, reference_model
 
-ROLLOUT_STREAM = 0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM); the update splits state.key
+ROLLOUT_STREAM = (
+    0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM); the update splits state.key
+)
 
 
 def make_rollout(rcfg: RolloutConfig) -> Stage:
@@ -43,9 +50,16 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
         # the state is read, not changed: the update advances the key once per iteration
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
         r = generate_program(state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg)
-        return state, Rollout.of(batch, tokens=r.tokens, mask=r.mask, old_logprobs=r.logprobs, lengths=r.lengths,
-                                 finished=r.finished, policy_version=sample_versions(state, r.lengths),
-                                 routes=r.routes)
+        return state, Rollout.of(
+            batch,
+            tokens=r.tokens,
+            mask=r.mask,
+            old_logprobs=r.logprobs,
+            lengths=r.lengths,
+            finished=r.finished,
+            policy_version=sample_versions(state, r.lengths),
+            routes=r.routes,
+        )
 
     # the rewards (a host stage) run next: if they raise, the caller's state is untouched
     return stage(rollout, name="rollout", updates_state=False, placement="sampler")
@@ -59,16 +73,24 @@ def make_partial_rollout(partial: PartialRollouts) -> Stage:
     def rollout(state: TrainState, request: PartialRequest) -> tuple[TrainState, WithHost]:
         c = state.policy.config
         if c.num_experts:
-            raise ValueError("partial rollouts do not record a mixture of experts' routes yet: run --async.partial 1")
+            raise ValueError(
+                "partial rollouts do not record a mixture of experts' routes yet: run --async.partial 1"
+            )
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
         done = partial.produce(state.policy, int(state.step), key, request)
         sampled = done.versions >= 0
         oldest = np.where(sampled, done.versions, np.iinfo(np.int32).max).min(-1)
-        out = Rollout(prompt_ids=jnp.asarray(done.prompt_ids), prompt_mask=jnp.asarray(done.prompt_mask),
-                      tokens=jnp.asarray(done.tokens), mask=jnp.asarray(done.mask),
-                      old_logprobs=jnp.asarray(done.logprobs), lengths=jnp.asarray(done.lengths),
-                      finished=jnp.asarray(done.finished), policy_version=jnp.asarray(oldest, jnp.int32),
-                      token_versions=jnp.asarray(done.versions))
+        out = Rollout(
+            prompt_ids=jnp.asarray(done.prompt_ids),
+            prompt_mask=jnp.asarray(done.prompt_mask),
+            tokens=jnp.asarray(done.tokens),
+            mask=jnp.asarray(done.mask),
+            old_logprobs=jnp.asarray(done.logprobs),
+            lengths=jnp.asarray(done.lengths),
+            finished=jnp.asarray(done.finished),
+            policy_version=jnp.asarray(oldest, jnp.int32),
+            token_versions=jnp.asarray(done.versions),
+        )
         return state, WithHost(out, done.record.replace(partial=dict(partial.last)))
 
     return stage(rollout, jit=False, name="rollout", updates_state=False)
@@ -100,9 +122,13 @@ def make_reference(passes: Passes, forward: ForwardConfig, *, temperature: float
         ref_model = reference_model(state)
         if ref_model is None:
             return state, batch
-        same = reference_is_policy(state, smallest_first=passes.cache_sized) & on_policy(state, batch)
+        same = reference_is_policy(state, smallest_first=passes.cache_sized) & on_policy(
+            state, batch
+        )
 
-        recompute = lambda: forward_logprobs(ref_model, batch, passes, forward, temperature=temperature)  # noqa: E731
+        recompute = lambda: forward_logprobs(
+            ref_model, batch, passes, forward, temperature=temperature
+        )  # noqa: E731
         ref_logprobs = jax.lax.cond(same, lambda: batch.old_logprobs, recompute)
         return state, batch.replace(ref_logprobs=ref_logprobs, ref_is_policy=same)
 
@@ -111,15 +137,25 @@ def make_reference(passes: Passes, forward: ForwardConfig, *, temperature: float
     return stage(reference, name="reference", updates_state=False, reads_reference=True)
 
 
-def forward_logprobs(model, batch: Scored, passes: Passes, forward: ForwardConfig, *, temperature: float) -> jax.Array:
+def forward_logprobs(
+    model, batch: Scored, passes: Passes, forward: ForwardConfig, *, temperature: float
+) -> jax.Array:
     """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
     (remat would recompute nothing), in the sampler's log-prob dtype."""
-    logp = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask,
-                               temperature=temperature, groups_per_pass=passes.groups_per_pass(), packed=batch.packed,
-                               routes=batch.routes, replay_routes=forward.moe.replays,
-                               **forward.options(differentiated=False))
+    logp = completion_logprobs(
+        model,
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.tokens,
+        batch.mask,
+        temperature=temperature,
+        groups_per_pass=passes.groups_per_pass(),
+        packed=batch.packed,
+        routes=batch.routes,
+        replay_routes=forward.moe.replays,
+        **forward.options(differentiated=False),
+    )
     return jax.lax.stop_gradient(logp.astype(batch.old_logprobs.dtype))
-
 
 
 def make_proximal(passes: Passes, forward: ForwardConfig, *, temperature: float) -> Stage:
@@ -134,20 +170,37 @@ def make_proximal(passes: Passes, forward: ForwardConfig, *, temperature: float)
     return stage(proximal, name="proximal", updates_state=False)
 
 
-def make_score(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
-               decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
-               timeout_s: float | None = None, stop_strings: tuple[str, ...] = (),
-               pool: RewardPool | None = None) -> Stage:
+def make_score(
+    reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
+    decode: Callable[[np.ndarray, np.ndarray], list[str]],
+    *,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    stop_strings: tuple[str, ...] = (),
+    pool: RewardPool | None = None,
+) -> Stage:
     """The score as one host stage: ``make_score_stages``'s two halves back to back."""
-    start, finish = make_score_stages(reward_fns, decode, on_error=on_error, timeout_s=timeout_s,
-                                      stop_strings=stop_strings, pool=pool)
+    start, finish = make_score_stages(
+        reward_fns,
+        decode,
+        on_error=on_error,
+        timeout_s=timeout_s,
+        stop_strings=stop_strings,
+        pool=pool,
+    )
     return compose(start, finish, name="score")
 
 
-def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
-                      decode: Callable[[np.ndarray, np.ndarray], list[str]], *, on_error: str = "raise",
-                      timeout_s: float | None = None, stop_strings: tuple[str, ...] = (),
-                      pool: RewardPool | None = None, local_first: bool = False) -> tuple[Stage, Stage]:
+def make_score_stages(
+    reward_fns: Sequence[RewardFunction | TokenRewardFunction | Callable],
+    decode: Callable[[np.ndarray, np.ndarray], list[str]],
+    *,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    stop_strings: tuple[str, ...] = (),
+    pool: RewardPool | None = None,
+    local_first: bool = False,
+) -> tuple[Stage, Stage]:
     """Host stages ``(score_start, score_finish)``: reward functions score the decoded completions
     (``score_groups``: each prompt's text and dataset fields repeated over its G completions, TRL's
     layout), ``TokenRewardFunction``s run jitted on the token arrays, and all are combined by weight
@@ -164,7 +217,9 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
     ``waits``, later: ``relax.train.pipeline``)."""
     token_fns = tuple(f for f in reward_fns if isinstance(f, TokenRewardFunction))
     host = [f for f in reward_fns if not isinstance(f, TokenRewardFunction)]
-    fns = as_reward_functions(host) if host else ()  # token rewards alone (e.g. a reward model) are enough
+    fns = (
+        as_reward_functions(host) if host else ()
+    )  # token rewards alone (e.g. a reward model) are enough
     if not fns and not token_fns:
         raise ValueError("make_score needs at least one reward function")
     pooled = tuple(f for f in fns if pool is not None and f in pool.reward_fns)
@@ -173,22 +228,44 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
     def score_start(state, batch: WithHost) -> tuple[TrainState, WithHost]:
         out, host = Scored.of(batch.device), batch.host
         if stop_strings:
-            mask, lengths, finished = truncate_at_stop_strings(out.tokens, out.mask, out.finished, decode, stop_strings)
-            out = out.replace(mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished))
+            mask, lengths, finished = truncate_at_stop_strings(
+                out.tokens, out.mask, out.finished, decode, stop_strings
+            )
+            out = out.replace(
+                mask=jnp.asarray(mask), lengths=jnp.asarray(lengths), finished=jnp.asarray(finished)
+            )
         tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
         p, g, n = tokens.shape
         host = host.replace(completions=decode(tokens.reshape(p * g, n), mask.reshape(p * g, n)))
         if pooled:
-            host = host.replace(pending_scores=start_score_groups(
-                pooled, lambda *_: host.completions, host.prompts, host.fields, tokens, mask, pool=pool,
-                on_error=on_error, timeout_s=timeout_s))
+            host = host.replace(
+                pending_scores=start_score_groups(
+                    pooled,
+                    lambda *_: host.completions,
+                    host.prompts,
+                    host.fields,
+                    tokens,
+                    mask,
+                    pool=pool,
+                    on_error=on_error,
+                    timeout_s=timeout_s,
+                )
+            )
         if local and local_first:
             host = host.replace(local_scores=score_local(out, host))
         return state, WithHost(out, host)
 
     def score_local(batch: Scored, host):
-        return score_groups(local, lambda *_: host.completions, host.prompts, host.fields, batch.tokens, batch.mask,
-                            on_error=on_error, timeout_s=timeout_s)
+        return score_groups(
+            local,
+            lambda *_: host.completions,
+            host.prompts,
+            host.fields,
+            batch.tokens,
+            batch.mask,
+            on_error=on_error,
+            timeout_s=timeout_s,
+        )
 
     def score_finish(state, batch: WithHost) -> tuple[TrainState, WithHost]:
         out, host = batch.device, batch.host
@@ -207,12 +284,18 @@ def make_score_stages(reward_fns: Sequence[RewardFunction | TokenRewardFunction 
             parts.update({k: np.asarray(v, np.float32) for k, v in per.items()})
         weights = {f.name: f.weight for f in (*fns, *token_fns)}
         total = combine_checked(parts, weights, completions=host.completions)
-        out = out.replace(rewards=jnp.asarray(total, jnp.float32),
-                          reward_parts={k: jnp.asarray(v) for k, v in parts.items()})
-        return state, WithHost(out, host.replace(pending_scores=None, local_scores=None, reward_info=info))
+        out = out.replace(
+            rewards=jnp.asarray(total, jnp.float32),
+            reward_parts={k: jnp.asarray(v) for k, v in parts.items()},
+        )
+        return state, WithHost(
+            out, host.replace(pending_scores=None, local_scores=None, reward_info=info)
+        )
 
-    return (stage(score_start, jit=False, name="score_start", updates_state=False),
-            stage(score_finish, jit=False, name="score_finish", updates_state=False, waits=True))
+    return (
+        stage(score_start, jit=False, name="score_start", updates_state=False),
+        stage(score_finish, jit=False, name="score_finish", updates_state=False, waits=True),
+    )
 
 
 def make_packing(packing: PackingConfig, forward: ForwardConfig) -> Stage:
@@ -228,7 +311,9 @@ def make_packing(packing: PackingConfig, forward: ForwardConfig) -> Stage:
         rows, width = packing.choose(mask)
         # one layout for every process of a multi-host run: the widest row any chose, then the most rows
         wide = max_over_processes(width)
-        rows = max_over_processes(rows if wide == width else packing.choose(mask, row_tokens=wide)[0])
+        rows = max_over_processes(
+            rows if wide == width else packing.choose(mask, row_tokens=wide)[0]
+        )
         width = wide
         if not packing.saves((rows, width), mask.shape):
             return state, batch
@@ -243,13 +328,22 @@ def packing_metrics(packed: PackedCompletions | None) -> dict:
     per prompt group) of a packed batch; none for a padded one."""
     if packed is None:
         return {}
-    return {"pack_fill": jnp.mean((packed.segments > 0).astype(jnp.float32)),
-            "pack_rows": jnp.float32(packed.segments.shape[1])}
+    return {
+        "pack_fill": jnp.mean((packed.segments > 0).astype(jnp.float32)),
+        "pack_rows": jnp.float32(packed.segments.shape[1]),
+    }
 
 
-def make_scoring(reward_fns, decode, *, reference: tuple[Stage, ...], pipelined: bool,
-                 host_after: tuple[Stage, ...] = (), pack: tuple[Stage, ...] = (),
-                 **score_kwargs) -> tuple[Stage, ...]:
+def make_scoring(
+    reward_fns,
+    decode,
+    *,
+    reference: tuple[Stage, ...],
+    pipelined: bool,
+    host_after: tuple[Stage, ...] = (),
+    pack: tuple[Stage, ...] = (),
+    **score_kwargs,
+) -> tuple[Stage, ...]:
     """The stages between the rollout and the advantage: ``score_start, pack, reference,
     score_finish, host_after`` (the reference forward overlaps the reward pool's scoring; ``pack``
     after the stop strings have cut the completions). ``pipelined`` (``relax.train.pipeline``):
@@ -275,8 +369,15 @@ def _merge_info(a: dict, b: dict) -> dict:
     return out
 
 
-def train_logprobs(policy, mb: LossRows, passes: Passes, forward: ForwardConfig, *, temperature: float,
-                   entropy_grad: bool = True):
+def train_logprobs(
+    policy,
+    mb: LossRows,
+    passes: Passes,
+    forward: ForwardConfig,
+    *,
+    temperature: float,
+    entropy_grad: bool = True,
+):
     """Trainer log-probs and entropies ``[P, G, N]`` of a micro-batch's completions (the
     prefix-shared forward run as ``forward`` says, laid out as ``passes`` say; ``mb.rope`` when
     precomputed; over ``mb.packed``'s rows when the batch was packed, ``make_packing``;
@@ -286,10 +387,22 @@ def train_logprobs(policy, mb: LossRows, passes: Passes, forward: ForwardConfig,
     c, lp = policy.config, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
     (logp, ent), stats = completion_logprobs(
-        policy, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, temperature=temperature, with_entropy=True,
-        entropy_grad=entropy_grad, unroll=passes.unroll(c.num_layers), save_attention=passes.save_attention(probs_bytes),
-        rope=mb.rope, packed=mb.packed, routes=mb.routes, replay_routes=forward.moe.replays,
-        router_stats=True, **forward.options())
+        policy,
+        mb.prompt_ids,
+        mb.prompt_mask,
+        mb.tokens,
+        mb.mask,
+        temperature=temperature,
+        with_entropy=True,
+        entropy_grad=entropy_grad,
+        unroll=passes.unroll(c.num_layers),
+        save_attention=passes.save_attention(probs_bytes),
+        rope=mb.rope,
+        packed=mb.packed,
+        routes=mb.routes,
+        replay_routes=forward.moe.replays,
+        router_stats=True,
+        **forward.options(),
+    )
     router, metrics = router_loss(stats, forward.moe, c)
     return logp, ent, router, metrics
-

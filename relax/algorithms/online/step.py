@@ -19,6 +19,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from relax.algorithms.online.stages import (
+    make_packing,
+    make_partial_rollout,
+    make_proximal,
+    make_reference,
+    make_rollout,
+    make_scoring,
+)
 from relax.compose import Stage, compose
 from relax.data.completion_layout import PackingConfig
 from relax.models.forward.config import ForwardConfig
@@ -27,9 +35,6 @@ from relax.passes import Passes, choose_passes
 from relax.rewards.pool import RewardPool
 from relax.rollout.generation import GenerationConfig
 from relax.rollout.partial import PartialRollouts
-
-from relax.algorithms.online.stages import (make_packing, make_partial_rollout, make_proximal, make_reference, make_rollout,
-                                     make_scoring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +55,23 @@ class OnlineParts:
     host_after: tuple[Stage, ...] = ()
 
 
-def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Callable | None = None, *,
-                     eos_ids: tuple[int, ...] = (), pad_id: int = 0, rollout: Stage | None = None,
-                     after_advantage: tuple[Stage, ...] = (), passes: Passes | None = None, on_error: str = "raise",
-                     timeout_s: float | None = None, pool: RewardPool | None = None,
-                     off_policy: OffPolicyConfig | None = None, pipelined: bool = False,
-                     partial: PartialRollouts | None = None) -> Stage:
+def make_online_step(
+    parts: OnlineParts,
+    reward_fns: Sequence = (),
+    decode: Callable | None = None,
+    *,
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+    rollout: Stage | None = None,
+    after_advantage: tuple[Stage, ...] = (),
+    passes: Passes | None = None,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    pool: RewardPool | None = None,
+    off_policy: OffPolicyConfig | None = None,
+    pipelined: bool = False,
+    partial: PartialRollouts | None = None,
+) -> Stage:
     """``step(state, batch) -> (state, out)`` of ``parts`` (module docstring).
 
     Single-turn (``rollout=None``): the prefix-shared sampler of ``parts.generation`` (a turn
@@ -68,35 +84,70 @@ def make_online_step(parts: OnlineParts, reward_fns: Sequence = (), decode: Call
     passes = choose_passes() if passes is None else passes
     temperature = parts.generation.temperature
     if temperature <= 0:
-        raise ValueError(f"{parts.name}: temperature must be > 0 to train (the trainer's log-probs are the "
-                         f"sampler's at that temperature; 0 is greedy decoding), got {temperature}")
-    reference = (make_reference(passes, parts.forward, temperature=temperature),) if parts.needs_reference else ()
+        raise ValueError(
+            f"{parts.name}: temperature must be > 0 to train (the trainer's log-probs are the "
+            f"sampler's at that temperature; 0 is greedy decoding), got {temperature}"
+        )
+    reference = (
+        (make_reference(passes, parts.forward, temperature=temperature),)
+        if parts.needs_reference
+        else ()
+    )
     if rollout is None:
         if decode is None:
-            raise ValueError("a single-turn step needs decode (token ids -> text) for its reward functions")
+            raise ValueError(
+                "a single-turn step needs decode (token ids -> text) for its reward functions"
+            )
         # a mixture of experts records its routes: replayed by the trainer, or compared (moe/routing_differ)
-        rcfg = dataclasses.replace(parts.generation.rollout(eos_ids=eos_ids, pad_id=pad_id), record_routes=True)
+        rcfg = dataclasses.replace(
+            parts.generation.rollout(eos_ids=eos_ids, pad_id=pad_id), record_routes=True
+        )
         if partial is None:
             rollout = make_rollout(rcfg)
         elif not pipelined or dataclasses.replace(partial.cfg, record_routes=True) != rcfg:
-            raise ValueError(f"{parts.name}: partial rollouts run pipelined, with the step's own sampler config")
+            raise ValueError(
+                f"{parts.name}: partial rollouts run pipelined, with the step's own sampler config"
+            )
         else:
             rollout = make_partial_rollout(partial)
         pack = (make_packing(parts.packing, parts.forward),) if parts.packing is not None else ()
-        middle = make_scoring(reward_fns, decode, reference=reference, pipelined=pipelined, host_after=parts.host_after,
-                              pack=pack, on_error=on_error, timeout_s=timeout_s,
-                              stop_strings=parts.generation.stop_strings, pool=pool)
+        middle = make_scoring(
+            reward_fns,
+            decode,
+            reference=reference,
+            pipelined=pipelined,
+            host_after=parts.host_after,
+            pack=pack,
+            on_error=on_error,
+            timeout_s=timeout_s,
+            stop_strings=parts.generation.stop_strings,
+            pool=pool,
+        )
     else:  # pipelined: the rollout (with its environments) is the producer, the rest the consumer
         if partial is not None:
             raise ValueError(f"{parts.name}: partial rollouts are single-turn")
         if parts.host_after:
-            raise ValueError(f"{parts.name}: a rollout that scores its own samples has no host stages after "
-                             "the rewards")
+            raise ValueError(
+                f"{parts.name}: a rollout that scores its own samples has no host stages after "
+                "the rewards"
+            )
         if parts.generation.stop_strings:
-            raise ValueError(f"{parts.name}: stop_strings cut single-turn completions; a multi-turn rollout ends "
-                             f"its turns at its own stop tokens (got {parts.generation.stop_strings})")
+            raise ValueError(
+                f"{parts.name}: stop_strings cut single-turn completions; a multi-turn rollout ends "
+                f"its turns at its own stop tokens (got {parts.generation.stop_strings})"
+            )
         middle = reference
-    proximal = ((make_proximal(passes, parts.forward, temperature=temperature),)
-                if needs_proximal_pass(off_policy, parts.optimizer_steps) else ())
-    return compose(rollout, *middle, *proximal, parts.advantage, *after_advantage,
-                   parts.make_update(passes, off_policy), name=parts.name)
+    proximal = (
+        (make_proximal(passes, parts.forward, temperature=temperature),)
+        if needs_proximal_pass(off_policy, parts.optimizer_steps)
+        else ()
+    )
+    return compose(
+        rollout,
+        *middle,
+        *proximal,
+        parts.advantage,
+        *after_advantage,
+        parts.make_update(passes, off_policy),
+        name=parts.name,
+    )

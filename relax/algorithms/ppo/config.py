@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
+from relax.algorithms.cli.configure import FLAT
 from relax.choices import check_choice
 from relax.data.completion_layout import PackingConfig
-from relax.algorithms.cli.configure import FLAT
 from relax.models.forward.config import ForwardConfig
 from relax.objectives.aggregation import resolve_mode
 from relax.objectives.kl import KL_ESTIMATORS
@@ -53,7 +53,9 @@ class PPOConfig:
     the same losses and metrics as padded).
     """
 
-    generation: Annotated[GenerationConfig, FLAT] = GenerationConfig(num_generations=4, max_new_tokens=256)
+    generation: Annotated[GenerationConfig, FLAT] = GenerationConfig(
+        num_generations=4, max_new_tokens=256
+    )
     kl_coef: float = 0.05
     kl_estimator: str = "k1"
     reference: ReferenceConfig = ReferenceConfig()
@@ -96,10 +98,14 @@ class PPOConfig:
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.reference.needs_stats:
-            raise ValueError("reference kind 'prorl' resets on running KL / entropy statistics, which the PPO "
-                             "trainer does not keep: use static, ema, periodic or mixup")
+            raise ValueError(
+                "reference kind 'prorl' resets on running KL / entropy statistics, which the PPO "
+                "trainer does not keep: use static, ema, periodic or mixup"
+            )
         if self.advantage == "vineppo" and self.critic_model is not None:
-            raise ValueError("advantage='vineppo' uses Monte-Carlo values, not a critic: drop critic_model")
+            raise ValueError(
+                "advantage='vineppo' uses Monte-Carlo values, not a critic: drop critic_model"
+            )
 
     @property
     def optimizer_steps(self) -> int:

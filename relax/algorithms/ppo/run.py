@@ -9,16 +9,21 @@ import functools
 
 import jax.numpy as jnp
 
-from relax.models.config.model import DTYPES
-from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
-from relax.models.heads.critic import init_critic, init_value_head, load_critic
-from relax.models.forward.prefix_shared import resolve_attention
-from relax.train.state import TrainState, init_state
-
 from relax.algorithms.cli.configure import configure
-from relax.algorithms.online.run import OnlineAlgorithm, OnlineRunConfig, StepParts, check_lora_reference, run_online
+from relax.algorithms.online.run import (
+    OnlineAlgorithm,
+    OnlineRunConfig,
+    StepParts,
+    check_lora_reference,
+    run_online,
+)
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
+from relax.models.config.model import DTYPES
+from relax.models.forward.prefix_shared import resolve_attention
+from relax.models.heads.critic import init_critic, init_value_head, load_critic
+from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
+from relax.train.state import TrainState, init_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,26 +36,43 @@ class PPORunConfig(OnlineRunConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.ppo.advantage == "vineppo" and self.parallel.enabled:
-            raise ValueError("--ppo.advantage vineppo samples its branches on the host's device: "
-                             "it runs without --parallel.mesh / --parallel.sampler-devices")
+            raise ValueError(
+                "--ppo.advantage vineppo samples its branches on the host's device: "
+                "it runs without --parallel.mesh / --parallel.sampler-devices"
+            )
 
 
 def builtin_defaults(task: str = "reverse") -> PPORunConfig:
     """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math``),
     sized to finish in a few minutes on 2 CPU cores."""
-    ppo = configure(PPOConfig, num_generations=4, max_new_tokens=TASK_MAX_NEW_TOKENS[task],
-                    optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
-                    critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3))
-    return PPORunConfig(ppo=ppo, task=task, reward=TASK_REWARDS[task], steps=60, batch_size=16,
-                        max_prompt_tokens=TASK_PROMPT_TOKENS[task], eval_every=20, checkpoint_every=20,
-                        run_dir=f"runs/ppo-{task}", reward_workers=TASK_REWARD_WORKERS[task])
+    ppo = configure(
+        PPOConfig,
+        num_generations=4,
+        max_new_tokens=TASK_MAX_NEW_TOKENS[task],
+        optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
+        critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3),
+    )
+    return PPORunConfig(
+        ppo=ppo,
+        task=task,
+        reward=TASK_REWARDS[task],
+        steps=60,
+        batch_size=16,
+        max_prompt_tokens=TASK_PROMPT_TOKENS[task],
+        eval_every=20,
+        checkpoint_every=20,
+        run_dir=f"runs/ppo-{task}",
+        reward_workers=TASK_REWARD_WORKERS[task],
+    )
 
 
 def real_defaults() -> PPORunConfig:
     return PPORunConfig()
 
 
-def make_state(p: PPOConfig, model, key, *, dtype=jnp.float32, param_dtype=jnp.float32) -> TrainState:
+def make_state(
+    p: PPOConfig, model, key, *, dtype=jnp.float32, param_dtype=jnp.float32
+) -> TrainState:
     """PPO's state for ``model``: its optimizer, the critic (a value head, a copy of the policy, or
     ``p.critic_model`` loaded in ``dtype`` / ``param_dtype``) with its own, and the reference."""
     check_lora_reference(model, p.reference, p.needs_reference)
@@ -58,28 +80,57 @@ def make_state(p: PPOConfig, model, key, *, dtype=jnp.float32, param_dtype=jnp.f
     if p.shared_critic:
         critic = init_value_head(model.config)
     elif p.needs_critic:
-        critic = (init_critic(model) if p.critic_model is None else
-                  load_critic(p.critic_model, dtype=dtype, param_dtype=param_dtype))
-    return init_state(model, p.optimizer.make(), key=key, with_reference=p.needs_reference, critic=critic,
-                      critic_optimizer=None if critic is None else p.critic_optimizer.make())
+        critic = (
+            init_critic(model)
+            if p.critic_model is None
+            else load_critic(p.critic_model, dtype=dtype, param_dtype=param_dtype)
+        )
+    return init_state(
+        model,
+        p.optimizer.make(),
+        key=key,
+        with_reference=p.needs_reference,
+        critic=critic,
+        critic_optimizer=None if critic is None else p.critic_optimizer.make(),
+    )
 
 
 def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     p = cfg.ppo
-    state = functools.partial(make_state, p, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+    state = functools.partial(
+        make_state, p, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+    )
 
     def make_step(parts: StepParts):
-        return make_ppo_step(p, parts.reward_fns, parts.decode, eos_ids=parts.eos_ids, pad_id=parts.pad_id,
-                             passes=parts.passes, on_error=cfg.reward_on_error, timeout_s=cfg.reward_timeout_s,
-                             pool=parts.pool, off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0,
-                             partial=parts.partial)
+        return make_ppo_step(
+            p,
+            parts.reward_fns,
+            parts.decode,
+            eos_ids=parts.eos_ids,
+            pad_id=parts.pad_id,
+            passes=parts.passes,
+            on_error=cfg.reward_on_error,
+            timeout_s=cfg.reward_timeout_s,
+            pool=parts.pool,
+            off_policy=cfg.async_.off_policy,
+            pipelined=cfg.async_.staleness > 0,
+            partial=parts.partial,
+        )
 
     def describe_update(model) -> str:
-        return p.packing.describe(resolve_attention(p.forward.train_attention, model), p.generation.num_generations,
-                                  p.generation.max_new_tokens)
+        return p.packing.describe(
+            resolve_attention(p.forward.train_attention, model),
+            p.generation.num_generations,
+            p.generation.max_new_tokens,
+        )
 
-    return OnlineAlgorithm(name="ppo", make_state=state, make_step=make_step, generation=p.generation,
-                           describe_update=describe_update)
+    return OnlineAlgorithm(
+        name="ppo",
+        make_state=state,
+        make_step=make_step,
+        generation=p.generation,
+        describe_update=describe_update,
+    )
 
 
 def run(cfg: PPORunConfig) -> dict:

@@ -1,6 +1,7 @@
 """The PPO step: ``compose(rollout, score_start, [reference], score_finish, [mc_values], advantage, update)``.
 
-- ``rollout``, ``score_start`` / ``score_finish``, ``reference``: as GRPO's (``relax.algorithms.online.stages``; the reward pool scores while the reference forward runs).
+- ``rollout``, ``score_start`` / ``score_finish``, ``reference``: as GRPO's
+  (``relax.algorithms.online.stages``; the reward pool scores while the reference forward runs).
 - ``mc_values`` (host, VinePPO only): Monte-Carlo state values from branched rollouts
   (``relax.algorithms.ppo.vine``).
 - ``advantage`` (jit): per-token rewards with the KL penalty in them, the critic's values of the
@@ -23,33 +24,35 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.algorithms.online.batch import LossRows, Scored
 from relax import metrics as M
+from relax.algorithms.online.batch import LossRows, Scored
+from relax.algorithms.online.stages import packing_metrics, train_logprobs
+from relax.algorithms.online.step import OnlineParts, make_online_step
+from relax.algorithms.ppo.batch import CriticRows, PPOBatch
+from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.vine import make_mc_values, step_advantages
 from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
-from relax.models.heads.critic import completion_head_values, completion_logprobs_and_values, completion_values
 from relax.models.forward.prefix_shared import completion_rope
+from relax.models.heads.critic import (
+    completion_head_values,
+    completion_logprobs_and_values,
+    completion_values,
+)
 from relax.objectives.advantages import gae, whiten
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus, kl_estimate
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
-from relax.rollout.partial import PartialRollouts
-from relax.objectives.registry import as_policy_loss
 from relax.objectives.reference import make_reference_rule
+from relax.objectives.registry import as_policy_loss
 from relax.objectives.value import clipped_value_loss, explained_variance
 from relax.passes import Passes
 from relax.rewards.pool import RewardPool
+from relax.rollout.partial import PartialRollouts
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
 from relax.train.state import TrainState
 from relax.train.update import LossContext, Updated, make_update, token_share
-
-from relax.algorithms.ppo.batch import CriticRows, PPOBatch
-from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.vine import make_mc_values, step_advantages
-from relax.algorithms.online.step import OnlineParts, make_online_step
-from relax.algorithms.online.stages import packing_metrics, train_logprobs
-
 
 
 def token_rewards(score, mask, kl, kl_coef: float):
@@ -59,19 +62,30 @@ def token_rewards(score, mask, kl, kl_coef: float):
     return jnp.where(m, jnp.where(at_end, score[..., None], 0.0) - kl_coef * kl, 0.0)
 
 
-def kl_token_rewards(cfg: PPOConfig, score: Float[Array, "p g"], loss_mask: Int[Array, "p g n"],
-                     old_logprobs: Float[Array, "p g n"], ref_logprobs: Float[Array, "p g n"] | None
-                     ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"]]:
+def kl_token_rewards(
+    cfg: PPOConfig,
+    score: Float[Array, "p g"],
+    loss_mask: Int[Array, "p g n"],
+    old_logprobs: Float[Array, "p g n"],
+    ref_logprobs: Float[Array, "p g n"] | None,
+) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"]]:
     """``(r_t, KL_t)``: ``token_rewards`` with ``KL_t = kl_estimate(old || ref)`` (``cfg.kl_estimator``)
     on the loss tokens, 0 everywhere when ``cfg.kl_coef`` is 0 (``ref_logprobs`` unread)."""
     m = loss_mask > 0
-    kl = (kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator, mask=m) if cfg.kl_coef > 0
-          else jnp.zeros(m.shape, jnp.float32))
+    kl = (
+        kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator, mask=m)
+        if cfg.kl_coef > 0
+        else jnp.zeros(m.shape, jnp.float32)
+    )
     return token_rewards(score, loss_mask, kl, cfg.kl_coef), kl
 
 
-def gae_terms(cfg: PPOConfig, token_r: Float[Array, "p g n"], values: Float[Array, "p g n"],
-              mask: Bool[Array, "p g n"]) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, ""]]:
+def gae_terms(
+    cfg: PPOConfig,
+    token_r: Float[Array, "p g n"],
+    values: Float[Array, "p g n"],
+    mask: Bool[Array, "p g n"],
+) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, ""]]:
     """GAE's advantages and returns ``R_t = A_t + V_t`` over the valid tokens (``cfg.gamma``,
     ``cfg.lam``; not whitened), and how well the values explain the returns::
 
@@ -114,8 +128,15 @@ def make_advantage(cfg: PPOConfig) -> Stage:
     return stage(advantage, name="advantage")
 
 
-def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext,
-                  off_policy: OffPolicyConfig | None = None):
+def _policy_terms(
+    cfg: PPOConfig,
+    policy_loss,
+    logp,
+    ent,
+    mb,
+    ctx: LossContext,
+    off_policy: OffPolicyConfig | None = None,
+):
     """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated; on a
     stale batch (``off_policy``) clipped against the proximal policy and weighted
     (``relax.objectives.off_policy.corrected_loss``)."""
@@ -130,9 +151,19 @@ def _policy_terms(cfg: PPOConfig, policy_loss, logp, ent, mb, ctx: LossContext,
         per_token, metrics = corrected_loss(policy_loss, *args, off_policy, prox)
     if cfg.entropy_coef != 0.0:
         per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
-    loss = aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                     num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
-    return loss, {**metrics, "entropy": masked_mean(flat(ent), mask), "pg_loss": M.Metric(loss, "share")}
+    loss = aggregate(
+        per_token,
+        mask,
+        cfg.loss_type,
+        num_sequences=ctx.norms["sequences"],
+        num_tokens=ctx.norms["tokens"],
+        max_len=cfg.generation.max_new_tokens,
+    )
+    return loss, {
+        **metrics,
+        "entropy": masked_mean(flat(ent), mask),
+        "pg_loss": M.Metric(loss, "share"),
+    }
 
 
 def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
@@ -140,11 +171,22 @@ def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
     p, g, n = mb.tokens.shape
     flat = lambda x: x.reshape(p * g, n)  # noqa: E731
     mask = flat(mb.loss_mask) > 0
-    per_token, metrics = clipped_value_loss(flat(values), flat(mb.old_values), flat(mb.returns), mask,
-                                            clip_range=cfg.cliprange_value)
-    loss = cfg.vf_coef * aggregate(per_token, mask, cfg.loss_type, num_sequences=ctx.norms["sequences"],
-                                   num_tokens=ctx.norms["tokens"], max_len=cfg.generation.max_new_tokens)
-    return loss, {**metrics, "vf_loss": M.Metric(loss, "share"), "vpred": masked_mean(flat(values), mask)}
+    per_token, metrics = clipped_value_loss(
+        flat(values), flat(mb.old_values), flat(mb.returns), mask, clip_range=cfg.cliprange_value
+    )
+    loss = cfg.vf_coef * aggregate(
+        per_token,
+        mask,
+        cfg.loss_type,
+        num_sequences=ctx.norms["sequences"],
+        num_tokens=ctx.norms["tokens"],
+        max_len=cfg.generation.max_new_tokens,
+    )
+    return loss, {
+        **metrics,
+        "vf_loss": M.Metric(loss, "share"),
+        "vpred": masked_mean(flat(values), mask),
+    }
 
 
 def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
@@ -153,7 +195,13 @@ def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
 
     def loss_fn(policy, mb: LossRows, ctx: LossContext):
         logp, ent, router, router_metrics = train_logprobs(
-            policy, mb, passes, cfg.forward, temperature=cfg.generation.temperature, entropy_grad=cfg.entropy_coef != 0.0)
+            policy,
+            mb,
+            passes,
+            cfg.forward,
+            temperature=cfg.generation.temperature,
+            entropy_grad=cfg.entropy_coef != 0.0,
+        )
         loss, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
         return loss + token_share(router, mb.loss_mask > 0, ctx), {**metrics, **router_metrics}
 
@@ -164,9 +212,17 @@ def make_critic_loss(cfg: PPOConfig, passes: Passes):
     """``loss(critic, micro_batch, ctx)``: the value terms of a separate critic."""
 
     def loss_fn(critic, mb: CriticRows, ctx: LossContext):
-        values = completion_values(critic, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask,
-                                   unroll=passes.unroll(critic.backbone.config.num_layers), rope=mb.critic_rope,
-                                   packed=mb.packed, **cfg.forward.options())
+        values = completion_values(
+            critic,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.tokens,
+            mb.mask,
+            unroll=passes.unroll(critic.backbone.config.num_layers),
+            rope=mb.critic_rope,
+            packed=mb.packed,
+            **cfg.forward.options(),
+        )
         return _value_terms(cfg, values, mb, ctx)
 
     return loss_fn
@@ -180,9 +236,19 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
     def loss_fn(params, mb: CriticRows, ctx: LossContext):
         policy, head = params
         logp, ent, values = completion_logprobs_and_values(
-            policy, head, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, temperature=cfg.generation.temperature,
-            entropy_grad=cfg.entropy_coef != 0.0, unroll=passes.unroll(policy.config.num_layers), rope=mb.rope,
-            packed=mb.packed, **cfg.forward.options())
+            policy,
+            head,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.tokens,
+            mb.mask,
+            temperature=cfg.generation.temperature,
+            entropy_grad=cfg.entropy_coef != 0.0,
+            unroll=passes.unroll(policy.config.num_layers),
+            rope=mb.rope,
+            packed=mb.packed,
+            **cfg.forward.options(),
+        )
         pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
         vf, vf_metrics = _value_terms(cfg, values, mb, ctx)
         return pg + vf, {**metrics, **{f"critic/{k}": v for k, v in vf_metrics.items()}}
@@ -196,10 +262,15 @@ def rope_tables(cfg: PPOConfig, state: TrainState, batch: PPOBatch) -> PPOBatch:
     another model than the policy), both in the layout the forwards run (``batch.packed``'s rows
     when the batch was packed)."""
     _, g, n = batch.tokens.shape
-    batch = batch.replace(rope=completion_rope(state.policy.config, batch.prompt_mask, g, n, packed=batch.packed))
+    batch = batch.replace(
+        rope=completion_rope(state.policy.config, batch.prompt_mask, g, n, packed=batch.packed)
+    )
     if cfg.needs_critic and not cfg.shared_critic:
-        batch = batch.replace(critic_rope=completion_rope(state.critic.backbone.config, batch.prompt_mask, g, n,
-                                                          packed=batch.packed))
+        batch = batch.replace(
+            critic_rope=completion_rope(
+                state.critic.backbone.config, batch.prompt_mask, g, n, packed=batch.packed
+            )
+        )
     return batch
 
 
@@ -208,48 +279,102 @@ def state_values(cfg: PPOConfig, state: TrainState, batch: PPOBatch):
     when the batch was packed); the batch holds ``rope_tables``."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     if cfg.shared_critic:
-        values = completion_head_values(state.policy, state.critic, *args, rope=batch.rope, packed=batch.packed,
-                                        **cfg.forward.options(differentiated=False))
+        values = completion_head_values(
+            state.policy,
+            state.critic,
+            *args,
+            rope=batch.rope,
+            packed=batch.packed,
+            **cfg.forward.options(differentiated=False),
+        )
     else:
-        values = completion_values(state.critic, *args, rope=batch.critic_rope, packed=batch.packed,
-                                   **cfg.forward.options(differentiated=False))
+        values = completion_values(
+            state.critic,
+            *args,
+            rope=batch.critic_rope,
+            packed=batch.packed,
+            **cfg.forward.options(differentiated=False),
+        )
     return jax.lax.stop_gradient(values)
 
 
-def make_update_stage(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None) -> Stage:
+def make_update_stage(
+    cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None
+) -> Stage:
     """The actor's and the critic's updates on the same minibatch split, then the reference rule."""
     rule = make_reference_rule(cfg.reference)
-    split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum, passes=passes)
+    split = dict(
+        epochs=cfg.num_iterations,
+        minibatches=cfg.num_minibatches,
+        grad_accum=cfg.grad_accum,
+        passes=passes,
+    )
 
     def update(state: TrainState, batch: PPOBatch) -> tuple[TrainState, Updated]:
         key, k_actor, k_critic = jax.random.split(state.key, 3)
         critic, critic_opt_state = state.critic, state.critic_opt_state
         actor_rows = LossRows.of(batch, ref_logprobs=None)  # the KL is in the rewards
-        if cfg.shared_critic:  # one joint update of (policy, head), each part with its own optimizer
-            joint = make_update(make_joint_loss(cfg, passes, off_policy),
-                                paired(state.optimizer, state.critic_optimizer), **split)
+        if (
+            cfg.shared_critic
+        ):  # one joint update of (policy, head), each part with its own optimizer
+            joint = make_update(
+                make_joint_loss(cfg, passes, off_policy),
+                paired(state.optimizer, state.critic_optimizer),
+                **split,
+            )
             rows = CriticRows.of(actor_rows, old_values=batch.old_values, returns=batch.returns)
             (policy, critic), (opt_state, critic_opt_state), metrics = joint(
-                (state.policy, critic), (state.opt_state, critic_opt_state), rows, k_actor)
+                (state.policy, critic), (state.opt_state, critic_opt_state), rows, k_actor
+            )
         else:
             actor = make_update(make_actor_loss(cfg, passes, off_policy), state.optimizer, **split)
             policy, opt_state, metrics = actor(state.policy, state.opt_state, actor_rows, k_actor)
         if cfg.needs_critic and not cfg.shared_critic:
-            critic_update = make_update(make_critic_loss(cfg, passes), state.critic_optimizer, **split)
-            rows = CriticRows.of(actor_rows, old_values=batch.old_values, returns=batch.returns,
-                                 critic_rope=batch.critic_rope, rope=None, old_logprobs=None, advantages=None,
-                                 prox_logprobs=None)
-            critic, critic_opt_state, critic_metrics = critic_update(critic, critic_opt_state, rows, k_critic)
-            metrics = {**metrics, **{f"critic/{k}": v for k, v in critic_metrics.items()
-                                     if k != "first_nonfinite_grad"}}
+            critic_update = make_update(
+                make_critic_loss(cfg, passes), state.critic_optimizer, **split
+            )
+            rows = CriticRows.of(
+                actor_rows,
+                old_values=batch.old_values,
+                returns=batch.returns,
+                critic_rope=batch.critic_rope,
+                rope=None,
+                old_logprobs=None,
+                advantages=None,
+                prox_logprobs=None,
+            )
+            critic, critic_opt_state, critic_metrics = critic_update(
+                critic, critic_opt_state, rows, k_critic
+            )
+            metrics = {
+                **metrics,
+                **{
+                    f"critic/{k}": v
+                    for k, v in critic_metrics.items()
+                    if k != "first_nonfinite_grad"
+                },
+            }
         step = state.step + 1
         ref = state.ref if state.ref is None else rule(state.ref, policy, step, {})
-        bad = first_nonfinite(metrics["loss"], rewards=batch.rewards, advantages=batch.advantages,
-                              old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.mask)
+        bad = first_nonfinite(
+            metrics["loss"],
+            rewards=batch.rewards,
+            advantages=batch.advantages,
+            old_logprobs=batch.old_logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            mask=batch.mask,
+        )
         metrics, health = step_health(metrics, opt_state, bad)
         metrics = {**metrics, **_batch_metrics(cfg, batch)}
-        new = state.replace(policy=policy, opt_state=opt_state, critic=critic, critic_opt_state=critic_opt_state,
-                            ref=ref, step=step, key=key)
+        new = state.replace(
+            policy=policy,
+            opt_state=opt_state,
+            critic=critic,
+            critic_opt_state=critic_opt_state,
+            ref=ref,
+            step=step,
+            key=key,
+        )
         return new, Updated(batch, metrics, health)
 
     return stage(update, name="update", reads_reference=True)
@@ -258,14 +383,21 @@ def make_update_stage(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfi
 def _batch_metrics(cfg: PPOConfig, batch: PPOBatch) -> dict:
     m = batch.loss_mask > 0
     kl_sum = jnp.sum(jnp.where(m, batch.kl_to_ref, 0.0), -1)
-    out = {"reward": jnp.nanmean(batch.rewards), "kl": masked_mean(batch.kl_to_ref, m),
-           "non_score_reward": -cfg.kl_coef * jnp.mean(kl_sum),
-           "completion_length": jnp.mean(batch.lengths.astype(jnp.float32)),
-           "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
-           "advantage_mean": masked_mean(batch.advantages, m), **packing_metrics(batch.packed)}
+    out = {
+        "reward": jnp.nanmean(batch.rewards),
+        "kl": masked_mean(batch.kl_to_ref, m),
+        "non_score_reward": -cfg.kl_coef * jnp.mean(kl_sum),
+        "completion_length": jnp.mean(batch.lengths.astype(jnp.float32)),
+        "truncated_frac": jnp.mean(1.0 - batch.finished.astype(jnp.float32)),
+        "advantage_mean": masked_mean(batch.advantages, m),
+        **packing_metrics(batch.packed),
+    }
     if cfg.needs_critic:
-        out.update(returns_mean=masked_mean(batch.returns, m), values_mean=masked_mean(batch.old_values, m),
-                   explained_variance=batch.explained_variance)
+        out.update(
+            returns_mean=masked_mean(batch.returns, m),
+            values_mean=masked_mean(batch.old_values, m),
+            explained_variance=batch.explained_variance,
+        )
     for name, part in batch.reward_parts.items():
         out[f"reward/{name}"] = jnp.nanmean(part)
     return out
@@ -274,23 +406,64 @@ def _batch_metrics(cfg: PPOConfig, batch: PPOBatch) -> dict:
 def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlineParts:
     """PPO's part of an online step (``relax.algorithms.online.step``); ``host_after``: VinePPO's
     Monte-Carlo values."""
-    return OnlineParts(name="ppo_step", generation=cfg.generation, forward=cfg.forward,
-                       needs_reference=cfg.needs_reference, optimizer_steps=cfg.optimizer_steps,
-                       advantage=make_advantage(cfg), host_after=host_after, packing=cfg.packing,
-                       make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy))
+    return OnlineParts(
+        name="ppo_step",
+        generation=cfg.generation,
+        forward=cfg.forward,
+        needs_reference=cfg.needs_reference,
+        optimizer_steps=cfg.optimizer_steps,
+        advantage=make_advantage(cfg),
+        host_after=host_after,
+        packing=cfg.packing,
+        make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy),
+    )
 
 
-def make_ppo_step(cfg: PPOConfig, reward_fns, decode, *, eos_ids: tuple[int, ...], pad_id: int,
-                  passes: Passes | None = None, on_error: str = "raise", timeout_s: float | None = None,
-                  pool: RewardPool | None = None, off_policy: OffPolicyConfig | None = None,
-                  pipelined: bool = False, partial: PartialRollouts | None = None) -> Stage:
+def make_ppo_step(
+    cfg: PPOConfig,
+    reward_fns,
+    decode,
+    *,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    passes: Passes | None = None,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    pool: RewardPool | None = None,
+    off_policy: OffPolicyConfig | None = None,
+    pipelined: bool = False,
+    partial: PartialRollouts | None = None,
+) -> Stage:
     """``ppo_step(state, batch) -> (state, out)``; ``batch`` and ``out`` as GRPO's. The state holds
     the critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as
     GRPO's: the reference log-probs are computed while it scores. ``off_policy`` / ``pipelined`` as
     GRPO's (``relax.algorithms.grpo.step``): run by the pipeline, the reference forward, the
     critic's values and GAE run with the update, on the models as they are then."""
-    mc_values = ((make_mc_values(cfg, cfg.generation.rollout(eos_ids=eos_ids, pad_id=pad_id), reward_fns, decode,
-                                 on_error=on_error, timeout_s=timeout_s),) if cfg.advantage == "vineppo" else ())
-    return make_online_step(ppo_parts(cfg, host_after=mc_values), reward_fns, decode, eos_ids=eos_ids, pad_id=pad_id,
-                            passes=passes, on_error=on_error, timeout_s=timeout_s, pool=pool, off_policy=off_policy,
-                            pipelined=pipelined, partial=partial)
+    mc_values = (
+        (
+            make_mc_values(
+                cfg,
+                cfg.generation.rollout(eos_ids=eos_ids, pad_id=pad_id),
+                reward_fns,
+                decode,
+                on_error=on_error,
+                timeout_s=timeout_s,
+            ),
+        )
+        if cfg.advantage == "vineppo"
+        else ()
+    )
+    return make_online_step(
+        ppo_parts(cfg, host_after=mc_values),
+        reward_fns,
+        decode,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        passes=passes,
+        on_error=on_error,
+        timeout_s=timeout_s,
+        pool=pool,
+        off_policy=off_policy,
+        pipelined=pipelined,
+        partial=partial,
+    )

@@ -36,8 +36,13 @@ from relax.rollout.sampler import RolloutConfig, generate_with
 VINE_STREAM = 0x7105  # the branches' key: fold_in(state.key, VINE_STREAM)
 
 
-def branch_prompts(prompt_ids: np.ndarray, prompt_mask: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
-                   every: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def branch_prompts(
+    prompt_ids: np.ndarray,
+    prompt_mask: np.ndarray,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    every: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Left-padded prefixes ``prompt + tokens[:t_j]`` ``[P*G*J, Lp + N]`` (with their mask) and the
     branch points ``t_j`` ``[J]``; rows are ordered (p, g, j)."""
     p, g, n = tokens.shape
@@ -49,40 +54,80 @@ def branch_prompts(prompt_ids: np.ndarray, prompt_mask: np.ndarray, tokens: np.n
         prompt = prompt_ids[i][prompt_mask[i] > 0]
         for k in range(g):
             for j, t in enumerate(points):
-                row = np.concatenate([prompt, tokens[i, k, :min(t, lengths[i, k])]])
-                ids[i, k, j, width - len(row):] = row
-                mask[i, k, j, width - len(row):] = 1
+                row = np.concatenate([prompt, tokens[i, k, : min(t, lengths[i, k])]])
+                ids[i, k, j, width - len(row) :] = row
+                mask[i, k, j, width - len(row) :] = 1
     return ids.reshape(-1, width), mask.reshape(-1, width), points
 
 
-def make_mc_values(cfg, rcfg: RolloutConfig, reward_fns, decode, *, on_error: str = "raise",
-                   timeout_s: float | None = None) -> Stage:
+def make_mc_values(
+    cfg,
+    rcfg: RolloutConfig,
+    reward_fns,
+    decode,
+    *,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+) -> Stage:
     """Host stage adding ``mc_values`` ``[P, G, J]`` (module docstring) to the batch."""
     fns = as_reward_functions(reward_fns)
-    branch_cfg = RolloutConfig(num_generations=cfg.vine_rollouts, max_new_tokens=rcfg.max_new_tokens,
-                               sampling=rcfg.sampling, eos_ids=rcfg.eos_ids, pad_id=rcfg.pad_id,
-                               prompt_buckets=rcfg.prompt_buckets)
+    branch_cfg = RolloutConfig(
+        num_generations=cfg.vine_rollouts,
+        max_new_tokens=rcfg.max_new_tokens,
+        sampling=rcfg.sampling,
+        eos_ids=rcfg.eos_ids,
+        pad_id=rcfg.pad_id,
+        prompt_buckets=rcfg.prompt_buckets,
+    )
 
     def mc_values(state, batch: WithHost) -> tuple[Any, WithHost]:
         scored, host = batch.device, batch.host
         tokens, mask = np.asarray(scored.tokens), np.asarray(scored.mask)
         lengths = np.asarray(scored.lengths)
         p, g, n = tokens.shape
-        ids, pmask, points = branch_prompts(np.asarray(scored.prompt_ids), np.asarray(scored.prompt_mask),
-                                            tokens, lengths, cfg.vine_every)
+        ids, pmask, points = branch_prompts(
+            np.asarray(scored.prompt_ids),
+            np.asarray(scored.prompt_mask),
+            tokens,
+            lengths,
+            cfg.vine_every,
+        )
         key = jax.random.fold_in(state.key, VINE_STREAM)
         branches = generate_with(state.policy, ids, pmask, key, branch_cfg)
         j, k = len(points), cfg.vine_rollouts
-        done = np.minimum(points[None, None, :], lengths[..., None])  # tokens already in each prefix
-        full, full_mask = _joined(tokens, mask, done, np.asarray(branches.tokens).reshape(p, g, j, k, n),
-                                  np.asarray(branches.mask).reshape(p, g, j, k, n))
+        done = np.minimum(
+            points[None, None, :], lengths[..., None]
+        )  # tokens already in each prefix
+        full, full_mask = _joined(
+            tokens,
+            mask,
+            done,
+            np.asarray(branches.tokens).reshape(p, g, j, k, n),
+            np.asarray(branches.mask).reshape(p, g, j, k, n),
+        )
         prompts = [t for t in host.prompts for _ in range(g * j)]
-        fields = {name: [v for v in vals for _ in range(g * j)] for name, vals in host.fields.items()}
-        total, _, _, _ = score_groups(fns, decode, prompts, fields, full.reshape(p * g * j, k, n),
-                                      full_mask.reshape(p * g * j, k, n), on_error=on_error, timeout_s=timeout_s)
-        values = np.nanmean(np.where(np.isfinite(total), total, np.nan), axis=-1) if total.size else total
+        fields = {
+            name: [v for v in vals for _ in range(g * j)] for name, vals in host.fields.items()
+        }
+        total, _, _, _ = score_groups(
+            fns,
+            decode,
+            prompts,
+            fields,
+            full.reshape(p * g * j, k, n),
+            full_mask.reshape(p * g * j, k, n),
+            on_error=on_error,
+            timeout_s=timeout_s,
+        )
+        values = (
+            np.nanmean(np.where(np.isfinite(total), total, np.nan), axis=-1)
+            if total.size
+            else total
+        )
         values = np.nan_to_num(values.reshape(p, g, j), nan=0.0)
-        return state, batch.replace(device=PPOBatch.of(scored, mc_values=jnp.asarray(values, jnp.float32)))
+        return state, batch.replace(
+            device=PPOBatch.of(scored, mc_values=jnp.asarray(values, jnp.float32))
+        )
 
     return stage(mc_values, jit=False, name="mc_values", updates_state=False)
 
@@ -97,17 +142,25 @@ def _joined(tokens, mask, done, branch_tokens, branch_mask):
         d = int(done[idx])
         out[idx][:, :d] = tokens[idx[:2]][:d]
         out_mask[idx][:, :d] = mask[idx[:2]][:d]
-        out[idx][:, d:] = branch_tokens[idx][:, :n - d]
-        out_mask[idx][:, d:] = branch_mask[idx][:, :n - d]
+        out[idx][:, d:] = branch_tokens[idx][:, : n - d]
+        out_mask[idx][:, d:] = branch_mask[idx][:, : n - d]
     return out, out_mask
 
 
-def step_advantages(values: Float[Array, "p g j"], lengths: Int[Array, "p g"], terminal: Float[Array, "p g"], *,
-                    every: int, n: int) -> Float[Array, "p g n"]:
+def step_advantages(
+    values: Float[Array, "p g j"],
+    lengths: Int[Array, "p g"],
+    terminal: Float[Array, "p g"],
+    *,
+    every: int,
+    n: int,
+) -> Float[Array, "p g n"]:
     """``A_t = V(s_{t_{j+1}}) - V(s_{t_j})`` for the tokens of step ``j`` (``t_j = j * every``), the
     value after the last step (``t_{j+1} >= length``) being ``terminal``; 0 past ``length``."""
     starts = jnp.arange(values.shape[-1]) * every
-    inside = (starts[1:] < lengths[..., None])  # [P, G, J-1]: the next step starts inside the completion
+    inside = (
+        starts[1:] < lengths[..., None]
+    )  # [P, G, J-1]: the next step starts inside the completion
     after = jnp.where(inside, values[..., 1:], terminal[..., None])
     after = jnp.concatenate([after, terminal[..., None]], axis=-1)
     adv = (after - values)[..., jnp.arange(n) // every]

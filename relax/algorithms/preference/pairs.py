@@ -9,7 +9,8 @@ completions are: ``relax.models.forward.prefix_shared`` runs the prompt once for
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -62,17 +63,29 @@ def shared_forward(passes: Passes = Passes(), config: ForwardConfig = ForwardCon
         p, g, n = rows.tokens.shape
         args = (model, rows.prompt_ids, rows.prompt_mask, rows.tokens, rows.mask)
         if not train:
-            return completion_logprobs(*args, groups_per_pass=passes.groups_per_pass(),
-                                       **config.options(differentiated=False))
+            return completion_logprobs(
+                *args,
+                groups_per_pass=passes.groups_per_pass(),
+                **config.options(differentiated=False),
+            )
         c, lp = model.config, rows.prompt_ids.shape[1]
         probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-        return completion_logprobs(*args, **config.options(), unroll=passes.unroll(c.num_layers),
-                                   save_attention=passes.save_attention(probs_bytes), rope=rows.rope)
+        return completion_logprobs(
+            *args,
+            **config.options(),
+            unroll=passes.unroll(c.num_layers),
+            save_attention=passes.save_attention(probs_bytes),
+            rope=rows.rope,
+        )
 
     return forward
 
 
-def sequence_logps(logp: Float[Array, "p g n"], mask) -> tuple[Float[Array, "p g"], Float[Array, "p g"]]:
+def sequence_logps(
+    logp: Float[Array, "p g n"], mask
+) -> tuple[Float[Array, "p g"], Float[Array, "p g"]]:
     """``(sums, lengths)`` over the valid tokens of each completion (lengths at least 1)."""
     m = mask > 0
-    return jnp.sum(jnp.where(m, logp, 0.0), axis=-1), jnp.maximum(jnp.sum(m, axis=-1), 1).astype(jnp.float32)
+    return jnp.sum(jnp.where(m, logp, 0.0), axis=-1), jnp.maximum(jnp.sum(m, axis=-1), 1).astype(
+        jnp.float32
+    )

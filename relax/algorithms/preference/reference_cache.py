@@ -38,13 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relax.algorithms.preference.pairs import sequence_logps
 from relax.data.files import PathLike, resolve_files
 from relax.data.pairs import Pair, Unpaired, collate_pairs, collate_unpaired, with_reference
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.passes import Passes, choose_passes
 from relax.train.fingerprint import fingerprint
-
-from relax.algorithms.preference.pairs import sequence_logps
 
 FORMAT = "relax-reference-logps/1"
 
@@ -85,8 +84,11 @@ def tokens_digest(examples: Sequence[Pair | Unpaired]) -> str:
     """SHA-256 of the examples' token ids (and labels): what the log-probs were computed for."""
     h = hashlib.sha256()
     for e in examples:
-        seqs = (e.prompt, e.chosen, e.rejected) if isinstance(e, Pair) else (
-            e.prompt, e.completion, e.kl_completion, [int(e.desirable)])
+        seqs = (
+            (e.prompt, e.chosen, e.rejected)
+            if isinstance(e, Pair)
+            else (e.prompt, e.completion, e.kl_completion, [int(e.desirable)])
+        )
         for s in seqs:
             h.update(np.asarray([len(s), *s], np.int64).tobytes())
     return h.hexdigest()
@@ -95,19 +97,31 @@ def tokens_digest(examples: Sequence[Pair | Unpaired]) -> str:
 def model_digest(model) -> str:
     """SHA-256 of the model's fingerprint (``relax.train.fingerprint``) and dtypes / shapes."""
     shapes = [f"{x.dtype}{x.shape}" for x in jax.tree.leaves(model)]
-    return hashlib.sha256(json.dumps([fingerprint(model), shapes], sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps([fingerprint(model), shapes], sort_keys=True).encode()
+    ).hexdigest()
 
 
 def cache_key(data_path, examples, model) -> dict[str, str]:
     """The metadata a cache is valid for (module docstring)."""
-    return {"format": FORMAT, "kind": _kind(examples), "n": str(len(examples)),
-            "data": json.dumps(data_fingerprint(data_path), sort_keys=True), "tokens": tokens_digest(examples),
-            "model": model_digest(model)}
+    return {
+        "format": FORMAT,
+        "kind": _kind(examples),
+        "n": str(len(examples)),
+        "data": json.dumps(data_fingerprint(data_path), sort_keys=True),
+        "tokens": tokens_digest(examples),
+        "model": model_digest(model),
+    }
 
 
-_WHAT = {"format": "the cache format", "kind": "the kind of examples", "n": "the number of examples",
-         "data": "the data file", "tokens": "the tokenized examples (tokenizer, budgets or truncation)",
-         "model": "the reference model"}
+_WHAT = {
+    "format": "the cache format",
+    "kind": "the kind of examples",
+    "n": "the number of examples",
+    "data": "the data file",
+    "tokens": "the tokenized examples (tokenizer, budgets or truncation)",
+    "model": "the reference model",
+}
 
 
 def save_cache(path: PathLike, logps: np.ndarray, key: dict[str, str]) -> Path:
@@ -132,14 +146,24 @@ def load_cache(path: PathLike, key: dict[str, str]) -> np.ndarray:
         meta = f.metadata() or {}
         changed = [k for k in _WHAT if meta.get(k) != key.get(k)]
         if changed:
-            raise StaleCacheError(f"reference cache {path} is stale: {' and '.join(_WHAT[k] for k in changed)} "
-                                  "changed")
+            raise StaleCacheError(
+                f"reference cache {path} is stale: {' and '.join(_WHAT[k] for k in changed)} "
+                "changed"
+            )
         return np.asarray(f.get_tensor("logps"), np.float32)
 
 
-def reference_logps(model, examples: Sequence[Pair | Unpaired], *, batch_size: int, pad_id: int,
-                    prompt_length: int, completion_length: int, passes: Passes | None = None,
-                    train_attention: str = "auto") -> np.ndarray:
+def reference_logps(
+    model,
+    examples: Sequence[Pair | Unpaired],
+    *,
+    batch_size: int,
+    pad_id: int,
+    prompt_length: int,
+    completion_length: int,
+    passes: Passes | None = None,
+    train_attention: str = "auto",
+) -> np.ndarray:
     """``[n, 2]`` sequence log-probs of ``model`` for every example (pairs: chosen, rejected;
     unpaired: completion, KL completion), in batches of ``batch_size`` of one fixed shape (the last
     one filled up with copies of its first example, whose results are dropped): one compile."""
@@ -152,25 +176,45 @@ def reference_logps(model, examples: Sequence[Pair | Unpaired], *, batch_size: i
 
     @jax.jit
     def forward(model, prompt_ids, prompt_mask, tokens, mask):
-        logp = completion_logprobs(model, prompt_ids, prompt_mask, tokens, mask,
-                                   groups_per_pass=passes.groups_per_pass(), attention=train_attention)
+        logp = completion_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            tokens,
+            mask,
+            groups_per_pass=passes.groups_per_pass(),
+            attention=train_attention,
+        )
         return sequence_logps(logp, mask)[0]
 
     out = []
     for start in range(0, len(examples), p):
-        chunk = list(examples[start:start + p])
+        chunk = list(examples[start : start + p])
         real = len(chunk)
         chunk += [chunk[0]] * (p - real)
-        b = collate(chunk, pad_id=pad_id, prompt_length=prompt_length, completion_length=completion_length)
+        b = collate(
+            chunk, pad_id=pad_id, prompt_length=prompt_length, completion_length=completion_length
+        )
         arrays = (jnp.asarray(x) for x in (b.prompt_ids, b.prompt_mask, b.tokens, b.mask))
-        out.append(forward(model, *arrays)[:real])  # device arrays: the next batch is collated meanwhile
+        out.append(
+            forward(model, *arrays)[:real]
+        )  # device arrays: the next batch is collated meanwhile
     return np.concatenate([np.asarray(x) for x in out]).astype(np.float32)
 
 
-def cached_reference_logps(model, examples: Sequence[Pair | Unpaired], data_path: PathLike | Sequence[PathLike], *,
-                           batch_size: int, pad_id: int, prompt_length: int, completion_length: int,
-                           passes: Passes | None = None, train_attention: str = "auto",
-                           path: PathLike | None = None) -> tuple[np.ndarray, str]:
+def cached_reference_logps(
+    model,
+    examples: Sequence[Pair | Unpaired],
+    data_path: PathLike | Sequence[PathLike],
+    *,
+    batch_size: int,
+    pad_id: int,
+    prompt_length: int,
+    completion_length: int,
+    passes: Passes | None = None,
+    train_attention: str = "auto",
+    path: PathLike | None = None,
+) -> tuple[np.ndarray, str]:
     """``(logps [n, 2], status)``: the cache at ``path`` (default ``default_cache_path``) when its
     key matches, else computed (``reference_logps``) and saved there. ``status``: ``"loaded"``,
     ``"computed"`` (no cache yet) or ``"recomputed: <why the old one was stale>"``."""
@@ -182,8 +226,16 @@ def cached_reference_logps(model, examples: Sequence[Pair | Unpaired], data_path
             return load_cache(path, key), "loaded"
         except StaleCacheError as e:
             status = f"recomputed: {e}"
-    logps = reference_logps(model, examples, batch_size=batch_size, pad_id=pad_id, prompt_length=prompt_length,
-                            completion_length=completion_length, passes=passes, train_attention=train_attention)
+    logps = reference_logps(
+        model,
+        examples,
+        batch_size=batch_size,
+        pad_id=pad_id,
+        prompt_length=prompt_length,
+        completion_length=completion_length,
+        passes=passes,
+        train_attention=train_attention,
+    )
     save_cache(path, logps, key)
     return logps, status
 
@@ -192,10 +244,16 @@ def precompute(cfg, model, examples: list, data_paths: list[str], tokenizer, log
     """``examples`` with their reference log-probs attached (``relax.data.pairs.with_reference``),
     cached beside the data (``cached_reference_logps``, 8 examples per forward). ``cfg``: a
     preference config (``relax.algorithms.preference.config``): the batch shape and attention."""
-    logps, status = cached_reference_logps(model, examples, data_paths, batch_size=8, pad_id=tokenizer.pad_token_id,
-                                           prompt_length=cfg.max_prompt_tokens,
-                                           completion_length=cfg.max_completion_tokens,
-                                           train_attention=cfg.forward.train_attention)
+    logps, status = cached_reference_logps(
+        model,
+        examples,
+        data_paths,
+        batch_size=8,
+        pad_id=tokenizer.pad_token_id,
+        prompt_length=cfg.max_prompt_tokens,
+        completion_length=cfg.max_completion_tokens,
+        train_attention=cfg.forward.train_attention,
+    )
     log(f"reference log-probs of {len(examples)} examples: {status}")
     return with_reference(examples, logps)
 
@@ -212,6 +270,6 @@ def reference_preparer(cfg):
             return precompute(cfg, model, train, paths, tokenizer), None
         records, examples = held_out
         both = precompute(cfg, model, train + examples, paths, tokenizer)
-        return both[:len(train)], (records, both[len(train):])
+        return both[: len(train)], (records, both[len(train) :])
 
     return prepare

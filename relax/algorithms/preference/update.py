@@ -11,11 +11,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.preference.pairs import PairRows
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
 from relax.train.update import Updated
-
-from relax.algorithms.preference.pairs import PairRows
 
 
 def with_loss_mask(batch):
@@ -31,7 +30,9 @@ def ref_is_policy_of(batch) -> jax.Array:
     return jnp.asarray(False if batch.ref_is_policy is None else batch.ref_is_policy, bool)
 
 
-def run_update(state: TrainState, batch, update_fn, rows: PairRows, *, ref_logps) -> tuple[TrainState, Updated]:
+def run_update(
+    state: TrainState, batch, update_fn, rows: PairRows, *, ref_logps
+) -> tuple[TrainState, Updated]:
     """One ``update_fn`` (``relax.train.update.make_update``) on ``rows``, then ``step + 1`` and the
     new key; the output is ``Updated(batch, metrics, health)``. ``batch``: the step's batch (its
     ``loss_mask`` and ``ref_is_policy``); ``ref_logps``: the reference log-probs the loss read

@@ -38,7 +38,9 @@ class RewardModelConfig:
 
     def __post_init__(self):
         if self.center_rewards_coefficient is not None and not self.center_rewards_coefficient >= 0:
-            raise ValueError(f"center_rewards_coefficient must be >= 0 or None, got {self.center_rewards_coefficient}")
+            raise ValueError(
+                f"center_rewards_coefficient must be >= 0 or None, got {self.center_rewards_coefficient}"
+            )
         if not self.head_std >= 0:
             raise ValueError(f"head_std must be >= 0, got {self.head_std}")
         for name in ("num_minibatches", "grad_accum"):

@@ -18,15 +18,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from relax.masked import masked_mean
-from relax.models.heads.reward_model import sequence_rewards
-from relax.objectives.preference import bradley_terry_loss
-from relax.models.forward.config import ForwardConfig
-from relax.passes import Passes
-from relax.train.update import LossContext
-
 from relax.algorithms.preference.pairs import PairRows
 from relax.algorithms.reward_model.config import RewardModelConfig
+from relax.masked import masked_mean
+from relax.models.forward.config import ForwardConfig
+from relax.models.heads.reward_model import sequence_rewards
+from relax.objectives.preference import bradley_terry_loss
+from relax.passes import Passes
+from relax.train.update import LossContext
 
 
 def pair_normalizers(batch) -> dict[str, jax.Array]:
@@ -34,15 +33,24 @@ def pair_normalizers(batch) -> dict[str, jax.Array]:
     return {"pairs": jnp.maximum(jnp.sum(batch.loss_mask), 1).astype(jnp.float32)}
 
 
-def pair_rewards(model, mb: PairRows, *, passes: Passes = Passes(), forward: ForwardConfig = ForwardConfig()
-                 ) -> jax.Array:
+def pair_rewards(
+    model, mb: PairRows, *, passes: Passes = Passes(), forward: ForwardConfig = ForwardConfig()
+) -> jax.Array:
     """``[p, 2]`` rewards of a micro-batch's chosen and rejected completions (one forward, run as
     ``forward`` says)."""
     c, (p, g, n), lp = model.config, mb.tokens.shape, mb.prompt_ids.shape[1]
     probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
-    return sequence_rewards(model, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, **forward.options(),
-                            unroll=passes.unroll(c.num_layers),
-                            save_attention=passes.save_attention(probs_bytes), rope=mb.rope)
+    return sequence_rewards(
+        model,
+        mb.prompt_ids,
+        mb.prompt_mask,
+        mb.tokens,
+        mb.mask,
+        **forward.options(),
+        unroll=passes.unroll(c.num_layers),
+        save_attention=passes.save_attention(probs_bytes),
+        rope=mb.rope,
+    )
 
 
 def pair_metrics(chosen: jax.Array, rejected: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
@@ -50,9 +58,12 @@ def pair_metrics(chosen: jax.Array, rejected: jax.Array, valid: jax.Array) -> di
     ``rewards/rejected``."""
     sg = jax.lax.stop_gradient
     chosen, rejected = sg(chosen), sg(rejected)
-    return {"accuracy": masked_mean((chosen > rejected).astype(jnp.float32), valid),
-            "margin": masked_mean(chosen - rejected, valid),
-            "rewards/chosen": masked_mean(chosen, valid), "rewards/rejected": masked_mean(rejected, valid)}
+    return {
+        "accuracy": masked_mean((chosen > rejected).astype(jnp.float32), valid),
+        "margin": masked_mean(chosen - rejected, valid),
+        "rewards/chosen": masked_mean(chosen, valid),
+        "rewards/rejected": masked_mean(rejected, valid),
+    }
 
 
 def make_loss(cfg: RewardModelConfig, passes: Passes = Passes()):
@@ -62,10 +73,16 @@ def make_loss(cfg: RewardModelConfig, passes: Passes = Passes()):
 
     def loss_fn(model, mb: PairRows, ctx: LossContext):
         if mb.tokens.shape[1] != 2:
-            raise ValueError(f"preference pairs need tokens [P, 2, N] (chosen, rejected), got {mb.tokens.shape}")
+            raise ValueError(
+                f"preference pairs need tokens [P, 2, N] (chosen, rejected), got {mb.tokens.shape}"
+            )
         r = pair_rewards(model, mb, passes=passes, forward=cfg.forward)
-        per_pair, _ = bradley_terry_loss(r[:, 0], r[:, 1], margin=mb.margin,
-                                         center_rewards_coefficient=cfg.center_rewards_coefficient)
+        per_pair, _ = bradley_terry_loss(
+            r[:, 0],
+            r[:, 1],
+            margin=mb.margin,
+            center_rewards_coefficient=cfg.center_rewards_coefficient,
+        )
         w = mb.loss_mask.astype(jnp.float32)
         loss = jnp.sum(jnp.where(w > 0, per_pair, 0.0) * w) / ctx.norms["pairs"]
         return loss, pair_metrics(r[:, 0], r[:, 1], w > 0)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from relax.algorithms.offline.run import OfflineAlgorithm, PairRunConfig, run_offline
+from relax.algorithms.reward_model.config import RewardModelConfig
+from relax.algorithms.reward_model.step import (
+    evaluate_pairs,
+    init_reward_model_state,
+    make_reward_model_step,
+)
 from relax.data.pairs import collate_pairs, encode_pairs
 from relax.models.heads.reward_model import save_reward_model
 from relax.tasks import reverse
-
-from relax.algorithms.offline.run import OfflineAlgorithm, PairRunConfig, run_offline
-from relax.algorithms.reward_model.config import RewardModelConfig
-from relax.algorithms.reward_model.step import evaluate_pairs, init_reward_model_state, make_reward_model_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,35 +28,57 @@ class RewardModelRunConfig(PairRunConfig):
 
 def builtin_defaults() -> RewardModelRunConfig:
     """The no-argument run: pairs of the reverse task (reverse preferred to copy), a few minutes on CPU."""
-    rm = RewardModelConfig(optimizer=dataclasses.replace(RewardModelConfig().optimizer, learning_rate=1e-3))
-    return RewardModelRunConfig(reward_model=rm, steps=60, batch_size=16, max_prompt_tokens=16,
-                                max_completion_tokens=8, eval_every=20, checkpoint_every=20,
-                                run_dir="runs/reward-model-reverse")
+    rm = RewardModelConfig(
+        optimizer=dataclasses.replace(RewardModelConfig().optimizer, learning_rate=1e-3)
+    )
+    return RewardModelRunConfig(
+        reward_model=rm,
+        steps=60,
+        batch_size=16,
+        max_prompt_tokens=16,
+        max_completion_tokens=8,
+        eval_every=20,
+        checkpoint_every=20,
+        run_dir="runs/reward-model-reverse",
+    )
 
 
 def algorithm(cfg: RewardModelRunConfig) -> OfflineAlgorithm:
-    budget = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_completion_tokens=cfg.max_completion_tokens)
+    budget = dict(
+        max_prompt_tokens=cfg.max_prompt_tokens, max_completion_tokens=cfg.max_completion_tokens
+    )
 
     def encode(records, tokenizer):
         return encode_pairs(records, tokenizer, truncate_prompt=cfg.truncate_prompt, **budget)
 
     def collate(pairs, pad_id):
-        return collate_pairs(pairs, pad_id=pad_id, prompt_length=cfg.max_prompt_tokens,
-                             completion_length=cfg.max_completion_tokens)
+        return collate_pairs(
+            pairs,
+            pad_id=pad_id,
+            prompt_length=cfg.max_prompt_tokens,
+            completion_length=cfg.max_completion_tokens,
+        )
 
     def evaluate(state, pairs, tokenizer):
-        metrics = evaluate_pairs(state.policy, collate(pairs, tokenizer.pad_token_id), pairs_per_pass=cfg.batch_size)
+        metrics = evaluate_pairs(
+            state.policy, collate(pairs, tokenizer.pad_token_id), pairs_per_pass=cfg.batch_size
+        )
         return {"pair_accuracy": metrics["accuracy"], "margin": metrics["margin"]}
 
     return OfflineAlgorithm(
-        name="reward_model", make_state=lambda model, key: init_reward_model_state(cfg.reward_model, model, key),
-        make_step=lambda passes, tokenizer: make_reward_model_step(cfg.reward_model, passes), encode=encode,
-        collate=collate, evaluate=evaluate,
-        builtin_data=lambda task, d, tokenizer: reverse.write_task_data(task, d, reverse.preference_rows),
+        name="reward_model",
+        make_state=lambda model, key: init_reward_model_state(cfg.reward_model, model, key),
+        make_step=lambda passes, tokenizer: make_reward_model_step(cfg.reward_model, passes),
+        encode=encode,
+        collate=collate,
+        evaluate=evaluate,
+        builtin_data=lambda task, d, tokenizer: reverse.write_task_data(
+            task, d, reverse.preference_rows
+        ),
         export=lambda model, d, tokenizer: save_reward_model(model, d, tokenizer=tokenizer),
-        bar_keys=(("loss", "loss"), ("accuracy", "acc")))
+        bar_keys=(("loss", "loss"), ("accuracy", "acc")),
+    )
 
 
 def run(cfg: RewardModelRunConfig) -> dict:
     return run_offline(cfg, algorithm(cfg))
-

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relax.algorithms.preference.pairs import PairRows
+from relax.algorithms.reward_model.config import RewardModelConfig
+from relax.algorithms.reward_model.loss import make_loss, pair_normalizers, pair_rewards
 from relax.compose import Stage, stage
 from relax.data.pairs import PairBatch
 from relax.models.forward.prefix_shared import completion_rope
@@ -28,10 +31,6 @@ from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
 from relax.train.update import Updated, make_update
 
-from relax.algorithms.preference.pairs import PairRows
-from relax.algorithms.reward_model.config import RewardModelConfig
-from relax.algorithms.reward_model.loss import make_loss, pair_normalizers, pair_rewards
-
 
 def init_reward_model_state(cfg: RewardModelConfig, model, key: jax.Array) -> TrainState:
     """A ``TrainState`` whose ``policy`` is a reward model: ``model`` itself when it is a
@@ -39,7 +38,9 @@ def init_reward_model_state(cfg: RewardModelConfig, model, key: jax.Array) -> Tr
     ``N(0, cfg.head_std)``); the optimizer is ``cfg.optimizer``'s. No reference model."""
     init_key, key = jax.random.split(key)
     if not isinstance(model, RewardModel):
-        model = init_reward_model(model, init_key if cfg.head_std > 0 else None, head_std=cfg.head_std)
+        model = init_reward_model(
+            model, init_key if cfg.head_std > 0 else None, head_std=cfg.head_std
+        )
     return init_state(model, cfg.optimizer.make(), key=key)
 
 
@@ -49,13 +50,24 @@ def pair_data(batch: PairBatch, model_config) -> PairRows:
     (once, outside the update's loops)."""
     tokens = batch.tokens
     if tokens.ndim != 3 or tokens.shape[1] != 2:
-        raise ValueError(f"preference pairs need tokens [P, 2, N] (chosen, rejected), got {tokens.shape}")
-    loss_mask = (jnp.asarray(batch.loss_mask, jnp.float32) if batch.loss_mask is not None
-                 else jnp.ones(tokens.shape[:1], jnp.float32))
+        raise ValueError(
+            f"preference pairs need tokens [P, 2, N] (chosen, rejected), got {tokens.shape}"
+        )
+    loss_mask = (
+        jnp.asarray(batch.loss_mask, jnp.float32)
+        if batch.loss_mask is not None
+        else jnp.ones(tokens.shape[:1], jnp.float32)
+    )
     margin = None if batch.margin is None else jnp.asarray(batch.margin, jnp.float32)
-    return PairRows(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, tokens=tokens, mask=batch.mask,
-                    loss_mask=loss_mask, margin=margin,
-                    rope=completion_rope(model_config, batch.prompt_mask, 2, tokens.shape[2]))
+    return PairRows(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask,
+        tokens=tokens,
+        mask=batch.mask,
+        loss_mask=loss_mask,
+        margin=margin,
+        rope=completion_rope(model_config, batch.prompt_mask, 2, tokens.shape[2]),
+    )
 
 
 def make_reward_model_step(cfg: RewardModelConfig, passes: Passes | None = None) -> Stage:
@@ -67,10 +79,18 @@ def make_reward_model_step(cfg: RewardModelConfig, passes: Passes | None = None)
     loss_fn = make_loss(cfg, passes)
 
     def update(state: TrainState, batch: PairBatch):
-        update_fn = make_update(loss_fn, state.optimizer, minibatches=cfg.num_minibatches, grad_accum=cfg.grad_accum,
-                                passes=passes, normalizers=pair_normalizers)
+        update_fn = make_update(
+            loss_fn,
+            state.optimizer,
+            minibatches=cfg.num_minibatches,
+            grad_accum=cfg.grad_accum,
+            passes=passes,
+            normalizers=pair_normalizers,
+        )
         key, sub = jax.random.split(state.key)
-        model, opt_state, metrics = update_fn(state.policy, state.opt_state, pair_data(batch, state.policy.config), sub)
+        model, opt_state, metrics = update_fn(
+            state.policy, state.opt_state, pair_data(batch, state.policy.config), sub
+        )
         metrics, health = step_health(metrics, opt_state, first_nonfinite(metrics["loss"]))
         new = state.replace(policy=model, opt_state=opt_state, step=state.step + 1, key=key)
         return new, Updated(batch=batch, metrics=metrics, health=health)
@@ -83,20 +103,28 @@ def _pair_rewards(model, rows):
     return pair_rewards(model, rows)
 
 
-def evaluate_pairs(model: RewardModel, batch: PairBatch, *, pairs_per_pass: int | None = None) -> dict[str, float]:
+def evaluate_pairs(
+    model: RewardModel, batch: PairBatch, *, pairs_per_pass: int | None = None
+) -> dict[str, float]:
     """Held-out metrics of ``model`` on a pair batch (``relax.data.pairs.PairBatch``): ``accuracy``,
     ``margin``, ``rewards/chosen``, ``rewards/rejected`` (means over the real pairs: ``loss_mask``
     when the batch has one). ``pairs_per_pass``: score that many pairs per forward (the last slice
     padded with copies of the first pair, which are not counted: one compile); None: all at once."""
-    arrays = PairBatch(prompt_ids=np.asarray(batch.prompt_ids), prompt_mask=np.asarray(batch.prompt_mask),
-                       tokens=np.asarray(batch.tokens), mask=np.asarray(batch.mask),
-                       loss_mask=None if batch.loss_mask is None else np.asarray(batch.loss_mask),
-                       margin=None if batch.margin is None else np.asarray(batch.margin))
+    arrays = PairBatch(
+        prompt_ids=np.asarray(batch.prompt_ids),
+        prompt_mask=np.asarray(batch.prompt_mask),
+        tokens=np.asarray(batch.tokens),
+        mask=np.asarray(batch.mask),
+        loss_mask=None if batch.loss_mask is None else np.asarray(batch.loss_mask),
+        margin=None if batch.margin is None else np.asarray(batch.margin),
+    )
     n = arrays.tokens.shape[0]
     size = n if pairs_per_pass is None else min(pairs_per_pass, n)
     if size < 1:
-        raise ValueError(f"need at least one pair and pairs_per_pass >= 1, got {n} pairs, "
-                         f"pairs_per_pass={pairs_per_pass}")
+        raise ValueError(
+            f"need at least one pair and pairs_per_pass >= 1, got {n} pairs, "
+            f"pairs_per_pass={pairs_per_pass}"
+        )
     rewards = []
     for start in range(0, n, size):
         rows = np.arange(start, start + size)
@@ -108,5 +136,9 @@ def evaluate_pairs(model: RewardModel, batch: PairBatch, *, pairs_per_pass: int 
     if not real.any():
         raise ValueError("no real pair to evaluate (loss_mask is all 0)")
     chosen, rejected = r[real, 0], r[real, 1]
-    return {"accuracy": float(np.mean(chosen > rejected)), "margin": float(np.mean(chosen - rejected)),
-            "rewards/chosen": float(np.mean(chosen)), "rewards/rejected": float(np.mean(rejected))}
+    return {
+        "accuracy": float(np.mean(chosen > rejected)),
+        "margin": float(np.mean(chosen - rejected)),
+        "rewards/chosen": float(np.mean(chosen)),
+        "rewards/rejected": float(np.mean(rejected)),
+    }

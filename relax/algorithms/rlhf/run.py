@@ -28,6 +28,11 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
+from relax.algorithms.grpo import run as grpo_run
+from relax.algorithms.offline.run import greedy_accuracy
+from relax.algorithms.ppo import run as ppo_run
+from relax.algorithms.reward_model import run as rm_run
+from relax.algorithms.sft import run as sft_run
 from relax.data.files import read_records
 from relax.models.config.model import DTYPES
 from relax.models.hf.checkpoint import load_pretrained
@@ -36,25 +41,27 @@ from relax.tasks.base import write_jsonl
 from relax.text import load_tokenizer
 from relax.train.logs import write_summary
 
-from relax.algorithms.grpo import run as grpo_run
-from relax.algorithms.offline.run import greedy_accuracy
-from relax.algorithms.ppo import run as ppo_run
-from relax.algorithms.reward_model import run as rm_run
-from relax.algorithms.sft import run as sft_run
-
-STAGES = ("sft", "reward_model", "policy")  # stage 3 is "policy" here, "ppo" / "grpo" in the summary
+STAGES = (
+    "sft",
+    "reward_model",
+    "policy",
+)  # stage 3 is "policy" here, "ppo" / "grpo" in the summary
 DATA_FILES = {"sft": "sft.jsonl", "reward_model": "preferences.jsonl", "policy": "prompts.jsonl"}
 """``--data DIR``'s files: demonstrations (SFT rows), preference pairs, prompts (an ``answer`` column
 gives the verifier's figure); beside each, an optional held-out ``<name>.eval.jsonl``."""
 OWNED = ("model", "data", "eval_data", "run_dir")  # a stage's fields the pipeline sets
 OWNED_LATER = ("task", "reverse")  # stages 2 and 3: their data is the pipeline's too
 FIGURES = {
-    "sft": (("greedy/accuracy", "greedy exact-match accuracy"),
-            ("log_likelihood", "log-likelihood per completion token (-NLL)")),
+    "sft": (
+        ("greedy/accuracy", "greedy exact-match accuracy"),
+        ("log_likelihood", "log-likelihood per completion token (-NLL)"),
+    ),
     "reward_model": (("pair_accuracy", "pair accuracy (chosen scored above rejected)"),),
-    "policy": (("greedy/reward", "reward-model score, greedy completions"),
-               ("reward", "reward-model score, sampled completions"),
-               ("verifier/accuracy", "verifier: greedy exact-match accuracy")),
+    "policy": (
+        ("greedy/reward", "reward-model score, greedy completions"),
+        ("reward", "reward-model score, sampled completions"),
+        ("verifier/accuracy", "verifier: greedy exact-match accuracy"),
+    ),
 }
 
 
@@ -77,17 +84,26 @@ class RLHFRunConfig:
 
     def __post_init__(self):
         if (self.model is None) != (self.data is None):
-            raise ValueError("--model and --data go together (without both: the built-in reverse task)")
+            raise ValueError(
+                "--model and --data go together (without both: the built-in reverse task)"
+            )
 
 
 def _placed(cfg: RLHFRunConfig) -> RLHFRunConfig:
     """``cfg`` with each stage's --X.run-dir default saying where the pipeline puts it."""
-    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), run_dir=f"<--run-dir>/{name}")
-                                       for name in ("sft", "reward_model", "ppo", "grpo")})
+    return dataclasses.replace(
+        cfg,
+        **{
+            name: dataclasses.replace(getattr(cfg, name), run_dir=f"<--run-dir>/{name}")
+            for name in ("sft", "reward_model", "ppo", "grpo")
+        },
+    )
 
 
 def _rate(algo_cfg, learning_rate: float):
-    return dataclasses.replace(algo_cfg, optimizer=dataclasses.replace(algo_cfg.optimizer, learning_rate=learning_rate))
+    return dataclasses.replace(
+        algo_cfg, optimizer=dataclasses.replace(algo_cfg.optimizer, learning_rate=learning_rate)
+    )
 
 
 def builtin_defaults() -> RLHFRunConfig:
@@ -99,19 +115,34 @@ def builtin_defaults() -> RLHFRunConfig:
     was 0.845 at step 20 and 0.72 at step 40 with beta 0.2; 0.61 at step 40 with the preset's 0.04)."""
     sft, rm = sft_run.builtin_defaults(), rm_run.builtin_defaults()
     ppo, grpo = ppo_run.builtin_defaults("reverse"), grpo_run.builtin_defaults("grpo", "reverse")
-    return _placed(RLHFRunConfig(
-        sft=dataclasses.replace(sft, steps=8, eval_every=0, sft=_rate(sft.sft, 1e-4)),
-        reward_model=dataclasses.replace(rm, steps=400, batch_size=32, eval_every=100, checkpoint_every=100),
-        ppo=dataclasses.replace(ppo, steps=40, reward=(), ppo=_rate(dataclasses.replace(ppo.ppo, kl_coef=0.1), 3e-4)),
-        grpo=dataclasses.replace(grpo, steps=40, reward=(),
-                                 grpo=_rate(dataclasses.replace(grpo.grpo, beta=0.2), 3e-4))))
+    return _placed(
+        RLHFRunConfig(
+            sft=dataclasses.replace(sft, steps=8, eval_every=0, sft=_rate(sft.sft, 1e-4)),
+            reward_model=dataclasses.replace(
+                rm, steps=400, batch_size=32, eval_every=100, checkpoint_every=100
+            ),
+            ppo=dataclasses.replace(
+                ppo, steps=40, reward=(), ppo=_rate(dataclasses.replace(ppo.ppo, kl_coef=0.1), 3e-4)
+            ),
+            grpo=dataclasses.replace(
+                grpo,
+                steps=40,
+                reward=(),
+                grpo=_rate(dataclasses.replace(grpo.grpo, beta=0.2), 3e-4),
+            ),
+        )
+    )
 
 
 def real_defaults() -> RLHFRunConfig:
     """``--model`` runs: each stage's own defaults; stage 3's reward is the reward model alone, and
     5% of the prompts are held out (for its before/after) unless prompts.eval.jsonl is given."""
-    return _placed(RLHFRunConfig(ppo=dataclasses.replace(ppo_run.real_defaults(), reward=(), eval_fraction=0.05),
-                                 grpo=dataclasses.replace(grpo_run.real_defaults(), reward=(), eval_fraction=0.05)))
+    return _placed(
+        RLHFRunConfig(
+            ppo=dataclasses.replace(ppo_run.real_defaults(), reward=(), eval_fraction=0.05),
+            grpo=dataclasses.replace(grpo_run.real_defaults(), reward=(), eval_fraction=0.05),
+        )
+    )
 
 
 def stages(cfg: RLHFRunConfig) -> list[tuple[str, Any, Any]]:
@@ -123,28 +154,51 @@ def stages(cfg: RLHFRunConfig) -> list[tuple[str, Any, Any]]:
         owned = OWNED + (OWNED_LATER if i else ()) + (("reward_model",) if i == 2 else ())
         for field in owned:
             if getattr(getattr(cfg, name), field) != getattr(getattr(default, name), field):
-                raise ValueError(f"--{name}.{field}".replace("_", "-") + " is set by the RLHF pipeline (from --model, "
-                                 "--data, --run-dir and the stage before); leave it out"
-                                 + ("; the built-in task's options are --sft.reverse.*" if field == "reverse" else ""))
+                raise ValueError(
+                    f"--{name}.{field}".replace("_", "-")
+                    + " is set by the RLHF pipeline (from --model, "
+                    "--data, --run-dir and the stage before); leave it out"
+                    + (
+                        "; the built-in task's options are --sft.reverse.*"
+                        if field == "reverse"
+                        else ""
+                    )
+                )
     data = root / "data" if builtin else Path(cfg.data)
 
     def files(stage: str) -> dict:
         train = data / DATA_FILES[stage]
         held_out = train.with_suffix(".eval.jsonl")
         if not builtin and not train.is_file():
-            raise FileNotFoundError(f"--data {cfg.data} has no {train.name} "
-                                    f"(it needs {', '.join(DATA_FILES.values())})")
-        return {"data": str(train), "eval_data": str(held_out) if builtin or held_out.is_file() else None}
+            raise FileNotFoundError(
+                f"--data {cfg.data} has no {train.name} (it needs {', '.join(DATA_FILES.values())})"
+            )
+        return {
+            "data": str(train),
+            "eval_data": str(held_out) if builtin or held_out.is_file() else None,
+        }
 
     sft_out = str(root / "sft" / "final_hf")
-    first = dataclasses.replace(cfg.sft, run_dir=str(root / "sft"),
-                                **({} if builtin else {"model": cfg.model, **files("sft")}))
-    second = dataclasses.replace(cfg.reward_model, run_dir=str(root / "reward_model"), model=sft_out,
-                                 **files("reward_model"))
-    policy = dataclasses.replace(getattr(cfg, third), run_dir=str(root / third), model=sft_out,
-                                 reward_model=str(root / "reward_model" / "final_hf"), **files("policy"))
-    return [("sft", first, sft_run.run), ("reward_model", second, rm_run.run),
-            (third, policy, ppo_run.run if third == "ppo" else grpo_run.run)]
+    first = dataclasses.replace(
+        cfg.sft,
+        run_dir=str(root / "sft"),
+        **({} if builtin else {"model": cfg.model, **files("sft")}),
+    )
+    second = dataclasses.replace(
+        cfg.reward_model, run_dir=str(root / "reward_model"), model=sft_out, **files("reward_model")
+    )
+    policy = dataclasses.replace(
+        getattr(cfg, third),
+        run_dir=str(root / third),
+        model=sft_out,
+        reward_model=str(root / "reward_model" / "final_hf"),
+        **files("policy"),
+    )
+    return [
+        ("sft", first, sft_run.run),
+        ("reward_model", second, rm_run.run),
+        (third, policy, ppo_run.run if third == "ppo" else grpo_run.run),
+    ]
 
 
 def write_builtin_data(task: reverse.ReverseTask, directory: Path) -> None:
@@ -156,7 +210,9 @@ def write_builtin_data(task: reverse.ReverseTask, directory: Path) -> None:
         write_jsonl(rows, directory / f"prompts{suffix}")
 
 
-def builtin_pairs(task: reverse.ReverseTask, records: list[dict], seed: int, copy_share: float = 0.3) -> list[dict]:
+def builtin_pairs(
+    task: reverse.ReverseTask, records: list[dict], seed: int, copy_share: float = 0.3
+) -> list[dict]:
     """One pair per record, the right answer chosen; rejected: the copy (the base model's mistake,
     ``copy_share`` of them) or another wrong answer (a letter changed, dropped or added, two
     neighbours swapped, the letters shuffled, a random string). Against the copy alone
@@ -164,9 +220,16 @@ def builtin_pairs(task: reverse.ReverseTask, records: list[dict], seed: int, cop
     (its demo's settings, after 4 SFT steps at 1e-3) found them: held-out verifier accuracy
     0.785 -> 0.0, on completions such as ``eehh``."""
     rng = random.Random(seed)
-    return [{"prompt": r["prompt"], "chosen": r["answer"],
-             "rejected": reverse.copy_of(r) if rng.random() < copy_share else _wrong(r["answer"], task.alphabet, rng)}
-            for r in records]
+    return [
+        {
+            "prompt": r["prompt"],
+            "chosen": r["answer"],
+            "rejected": reverse.copy_of(r)
+            if rng.random() < copy_share
+            else _wrong(r["answer"], task.alphabet, rng),
+        }
+        for r in records
+    ]
 
 
 def _wrong(answer: str, alphabet: str, rng: random.Random) -> str:
@@ -189,10 +252,18 @@ def _wrong(answer: str, alphabet: str, rng: random.Random) -> str:
 def verifier_accuracy(policy_dir: str, cfg, records) -> float:
     """Greedy exact-match accuracy of the policy in ``policy_dir`` on the held-out prompt ``records``
     (stage 3's config ``cfg``: dtypes, prompt and answer columns, completion budget)."""
-    policy = load_pretrained(policy_dir, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype])
+    policy = load_pretrained(
+        policy_dir, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+    )
     generation = (cfg.ppo if isinstance(cfg, ppo_run.PPORunConfig) else cfg.grpo).generation
-    return greedy_accuracy(policy, load_tokenizer(policy_dir), records, max_new_tokens=generation.max_new_tokens,
-                           prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+    return greedy_accuracy(
+        policy,
+        load_tokenizer(policy_dir),
+        records,
+        max_new_tokens=generation.max_new_tokens,
+        prompt_field=cfg.prompt_field,
+        answer_field=cfg.answer_field,
+    )
 
 
 def figures(stage: str, summary: dict, extra: dict | None = None) -> list[dict]:
@@ -204,20 +275,36 @@ def figures(stage: str, summary: dict, extra: dict | None = None) -> list[dict]:
             d["log_likelihood"] = -d["nll"]
     for key, (b, a) in (extra or {}).items():
         before[key], after[key] = b, a
-    out = [{"metric": key, "what": what, "better": "higher", "before": before[key], "after": after[key]}
-           for key, what in FIGURES[stage] if key in before and key in after]
+    out = [
+        {
+            "metric": key,
+            "what": what,
+            "better": "higher",
+            "before": before[key],
+            "after": after[key],
+        }
+        for key, what in FIGURES[stage]
+        if key in before and key in after
+    ]
     if not out:
-        raise RuntimeError(f"no held-out figure was recorded (held-out rows? --eval-only?); summary keys: "
-                           f"{sorted(summary)}")
+        raise RuntimeError(
+            f"no held-out figure was recorded (held-out rows? --eval-only?); summary keys: "
+            f"{sorted(summary)}"
+        )
     return out
 
 
 def summary_table(result: dict) -> str:
-    lines = [f"RLHF ({result['run_dir']}): held-out figures before and after each stage, all higher-is-better",
-             f"{'stage':<14}{'metric':<44}{'before':>9}{'after':>9}{'change':>9}"]
+    lines = [
+        f"RLHF ({result['run_dir']}): held-out figures before and after each stage, all higher-is-better",
+        f"{'stage':<14}{'metric':<44}{'before':>9}{'after':>9}{'change':>9}",
+    ]
     for stage in result["stages"]:
-        lines += [f"{stage['stage']:<14}{f['what']:<44}{f['before']:>9.3f}{f['after']:>9.3f}"
-                  f"{f['after'] - f['before']:>+9.3f}" for f in stage["figures"]]
+        lines += [
+            f"{stage['stage']:<14}{f['what']:<44}{f['before']:>9.3f}{f['after']:>9.3f}"
+            f"{f['after'] - f['before']:>+9.3f}"
+            for f in stage["figures"]
+        ]
     return "\n".join(lines)
 
 
@@ -231,22 +318,36 @@ def run(cfg: RLHFRunConfig, log=print) -> dict:
         write_builtin_data(cfg.sft.reverse, root / "data")
     result: dict = {"run_dir": str(root), "algorithm": cfg.algorithm, "stages": []}
     for i, ((name, stage_cfg, run_stage), role) in enumerate(zip(plan, STAGES), 1):
-        log(f"\n=== RLHF stage {i}/3: {name}, from {stage_cfg.model or 'the built-in base model'}, "
-            f"in {stage_cfg.run_dir}")
+        log(
+            f"\n=== RLHF stage {i}/3: {name}, from {stage_cfg.model or 'the built-in base model'}, "
+            f"in {stage_cfg.run_dir}"
+        )
         try:
             summary = run_stage(stage_cfg)
             export = summary.get("export")
             if export is None or not (Path(export) / "config.json").is_file():
-                raise RuntimeError(f"no exported model for the next stage in {stage_cfg.run_dir}/final_hf "
-                                   "(--no-export-hf?)")
+                raise RuntimeError(
+                    f"no exported model for the next stage in {stage_cfg.run_dir}/final_hf "
+                    "(--no-export-hf?)"
+                )
             extra = None
             if role == "policy" and stage_cfg.eval_data is not None:
-                records = read_records(stage_cfg.eval_data)[:stage_cfg.eval_max_prompts]
+                records = read_records(stage_cfg.eval_data)[: stage_cfg.eval_max_prompts]
                 if all(stage_cfg.answer_field in r.record for r in records):
-                    extra = {"verifier/accuracy": (verifier_accuracy(stage_cfg.model, stage_cfg, records),
-                                                   verifier_accuracy(export, stage_cfg, records))}
-            result["stages"].append({"stage": name, "run_dir": stage_cfg.run_dir, "export": export,
-                                     "figures": figures(role, summary, extra)})
+                    extra = {
+                        "verifier/accuracy": (
+                            verifier_accuracy(stage_cfg.model, stage_cfg, records),
+                            verifier_accuracy(export, stage_cfg, records),
+                        )
+                    }
+            result["stages"].append(
+                {
+                    "stage": name,
+                    "run_dir": stage_cfg.run_dir,
+                    "export": export,
+                    "figures": figures(role, summary, extra),
+                }
+            )
         except Exception as e:
             e.add_note(f"RLHF stage {i}/3 ({name}) failed; its run directory: {stage_cfg.run_dir}")
             log(f"RLHF stage {i}/3 ({name}) failed: {type(e).__name__}: {e}")

@@ -10,8 +10,22 @@ or, packing the whole dataset once into rows and batching rows:
 """
 
 from relax.algorithms.sft.loss import make_sft_loss, target_mask
-from relax.algorithms.sft.step import (SFTConfig, init_sft_state, make_sft_step, sft_batch,
-                                       sft_examples, sft_rows)
+from relax.algorithms.sft.step import (
+    SFTConfig,
+    init_sft_state,
+    make_sft_step,
+    sft_batch,
+    sft_examples,
+    sft_rows,
+)
 
-__all__ = ["SFTConfig", "init_sft_state", "make_sft_loss", "make_sft_step", "sft_batch",
-           "sft_examples", "sft_rows", "target_mask"]
+__all__ = [
+    "SFTConfig",
+    "init_sft_state",
+    "make_sft_loss",
+    "make_sft_step",
+    "sft_batch",
+    "sft_examples",
+    "sft_rows",
+    "target_mask",
+]

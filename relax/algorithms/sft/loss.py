@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
 from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
-from relax.models.moe.experts import MoEConfig, router_loss
 from relax.models.forward.packed import greedy_hits, packed_hidden_routed
+from relax.models.moe.experts import MoEConfig, router_loss
 from relax.train.update import LossContext, token_share
 
 
@@ -35,7 +35,9 @@ def target_mask(micro_batch: PackedBatch) -> jnp.ndarray:
     return (loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
 
 
-def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK, moe: MoEConfig = MoEConfig()):
+def make_sft_loss(
+    *, remat: bool = False, chunk_size: int = DEFAULT_CHUNK, moe: MoEConfig = MoEConfig()
+):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the summed target NLL over
     ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
     pass; ``chunk_size``: rows of logits at a time (``relax.models.decoder.logprobs``); ``moe``: the
@@ -53,6 +55,9 @@ def make_sft_loss(*, remat: bool = False, chunk_size: int = DEFAULT_CHUNK, moe: 
         router, router_metrics = router_loss(stats, moe, policy.config)
         hits = greedy_hits(policy, h, targets, chunk_size=chunk_size)
         return loss + token_share(router, mask, ctx), {
-            "nll": masked_mean(nll, mask), "accuracy": masked_mean(hits.astype(jnp.float32), mask), **router_metrics}
+            "nll": masked_mean(nll, mask),
+            "accuracy": masked_mean(hits.astype(jnp.float32), mask),
+            **router_metrics,
+        }
 
     return loss_fn

@@ -24,19 +24,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from relax.algorithms.sft.loss import make_sft_loss
 from relax.choices import check_choice
 from relax.compose import Stage, compose, stage
 from relax.data.files import Record
-from relax.data.supervised import PACK_METHODS, PackedBatch, SFTExample, encode_sft, pack, pack_rows, pad_rows
+from relax.data.supervised import (
+    PACK_METHODS,
+    PackedBatch,
+    SFTExample,
+    encode_sft,
+    pack,
+    pack_rows,
+    pad_rows,
+)
+from relax.models.moe.experts import MoEConfig
 from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
-from relax.train.optimizer import OptimizerConfig
 from relax.train.health import first_nonfinite, step_health
+from relax.train.optimizer import OptimizerConfig
 from relax.train.state import TrainState, init_state
 from relax.train.update import Updated, make_update
-from relax.models.moe.experts import MoEConfig
-
-from relax.algorithms.sft.loss import make_sft_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,20 +84,31 @@ class SFTConfig:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
 
 
-def sft_examples(cfg: SFTConfig, records: Sequence[Record | Mapping[str, Any]],
-                 tokenizer: TextTokenizer) -> list[SFTExample]:
+def sft_examples(
+    cfg: SFTConfig, records: Sequence[Record | Mapping[str, Any]], tokenizer: TextTokenizer
+) -> list[SFTExample]:
     """The records as ``SFTExample``s under the config's columns, ``max_length`` and ``truncate``."""
-    return encode_sft(records, tokenizer, max_length=cfg.max_length, truncate=cfg.truncate,
-                      messages_field=cfg.messages_field, prompt_field=cfg.prompt_field,
-                      completion_field=cfg.completion_field, text_field=cfg.text_field)
+    return encode_sft(
+        records,
+        tokenizer,
+        max_length=cfg.max_length,
+        truncate=cfg.truncate,
+        messages_field=cfg.messages_field,
+        prompt_field=cfg.prompt_field,
+        completion_field=cfg.completion_field,
+        text_field=cfg.text_field,
+    )
 
 
-def sft_batch(cfg: SFTConfig, examples: Sequence[SFTExample], *, pad_id: int,
-              num_rows: int | None = None) -> PackedBatch:
+def sft_batch(
+    cfg: SFTConfig, examples: Sequence[SFTExample], *, pad_id: int, num_rows: int | None = None
+) -> PackedBatch:
     """One batch of rows of ``max_length`` tokens: packed (``cfg.packing``, by ``cfg.pack_method``)
     or one example per row; ``num_rows`` fixes the row count (``relax.data.supervised``)."""
     if cfg.packing:
-        return pack(examples, cfg.max_length, pad_id=pad_id, method=cfg.pack_method, num_rows=num_rows)
+        return pack(
+            examples, cfg.max_length, pad_id=pad_id, method=cfg.pack_method, num_rows=num_rows
+        )
     return pad_rows(examples, cfg.max_length, pad_id=pad_id, num_rows=num_rows)
 
 
@@ -98,7 +116,9 @@ def sft_rows(cfg: SFTConfig, examples: Sequence[SFTExample], *, pad_id: int) -> 
     """A whole dataset as rows of ``max_length`` tokens (each a ``PackedBatch`` of one row), packed
     (``cfg.packing``, by ``cfg.pack_method``) or one example per row; a batch is ``stack_rows`` of
     ``batch_size`` of them."""
-    return pack_rows(examples, cfg.max_length, pad_id=pad_id, method=cfg.pack_method, packing=cfg.packing)
+    return pack_rows(
+        examples, cfg.max_length, pad_id=pad_id, method=cfg.pack_method, packing=cfg.packing
+    )
 
 
 def init_sft_state(cfg: SFTConfig, policy, *, key: jax.Array) -> TrainState:
@@ -123,15 +143,19 @@ def make_update_stage(cfg: SFTConfig, passes: Passes) -> Stage:
         if width > cfg.max_length:
             raise ValueError(f"SFT rows of {width} tokens exceed max_length={cfg.max_length}")
         data = _pad_to_multiple(data, rows, cfg.grad_accum)
-        update_fn = make_update(loss, state.optimizer, epochs=1, minibatches=1, grad_accum=cfg.grad_accum,
-                                passes=passes)
+        update_fn = make_update(
+            loss, state.optimizer, epochs=1, minibatches=1, grad_accum=cfg.grad_accum, passes=passes
+        )
         key, sub = jax.random.split(state.key)
         policy, opt_state, metrics = update_fn(state.policy, state.opt_state, data, sub)
         metrics, health = step_health(metrics, opt_state, first_nonfinite(metrics["loss"]))
         seg = data.segment_ids
-        metrics = {**metrics, "tokens": jnp.sum(seg > 0).astype(jnp.int32),
-                   "loss_tokens": jnp.sum(data.loss_mask > 0).astype(jnp.int32),
-                   "padding_fraction": jnp.mean((seg == 0).astype(jnp.float32))}
+        metrics = {
+            **metrics,
+            "tokens": jnp.sum(seg > 0).astype(jnp.int32),
+            "loss_tokens": jnp.sum(data.loss_mask > 0).astype(jnp.int32),
+            "padding_fraction": jnp.mean((seg == 0).astype(jnp.float32)),
+        }
         new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
         return new, Updated(batch=batch, metrics=metrics, health=health)
 

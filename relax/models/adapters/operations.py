@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from relax.models.config.model import ModelConfig
-from relax.models.layers.lora import TARGETS, Adapters, LoRAConfig, init_adapters, merged_weight
 from relax.models.decoder.transformer import Transformer
+from relax.models.layers.lora import TARGETS, Adapters, LoRAConfig, init_adapters, merged_weight
 
 
 def _is_model(x) -> bool:
@@ -54,17 +54,27 @@ def adapter_fields(cfg: LoRAConfig, config: ModelConfig) -> tuple[str, ...]:
     target the model has no weight for is an error.
     """
     have = config.layer_shapes()
-    absent = [m for m in cfg.target_modules if m != "all-linear" and not set(TARGETS[m]) & set(have)]
+    absent = [
+        m for m in cfg.target_modules if m != "all-linear" and not set(TARGETS[m]) & set(have)
+    ]
     if absent:
-        why = ("its MLP weights are experts, which relax does not adapt (nor does PEFT)" if config.num_experts
-               else "it has no such layer")
+        why = (
+            "its MLP weights are experts, which relax does not adapt (nor does PEFT)"
+            if config.num_experts
+            else "it has no such layer"
+        )
         free = sorted(m for m, fs in TARGETS.items() if set(fs) & set(have))
-        raise ValueError(f"lora target_modules {absent}: no such linear layer in this {config.family} model ({why}); "
-                         f"it has {free}")
+        raise ValueError(
+            f"lora target_modules {absent}: no such linear layer in this {config.family} model ({why}); "
+            f"it has {free}"
+        )
     fields = tuple(f for f in cfg.fields() if f in have)
     if config.num_experts and "all-linear" in cfg.target_modules:
-        warnings.warn(f"lora target 'all-linear' on a mixture-of-experts model adapts {list(fields)}: the experts "
-                      "and their router are not adapted (PEFT's all-linear leaves them too)", stacklevel=3)
+        warnings.warn(
+            f"lora target 'all-linear' on a mixture-of-experts model adapts {list(fields)}: the experts "
+            "and their router are not adapted (PEFT's all-linear leaves them too)",
+            stacklevel=3,
+        )
     return fields
 
 
@@ -83,18 +93,22 @@ def merge_lora(model: Transformer) -> Transformer:
     ad = model.layers.lora
     if ad is None:
         return model
-    merged = {f: merged_weight(getattr(model.layers, f), lw, ad.scale) for f, lw in ad.weights().items()}
+    merged = {
+        f: merged_weight(getattr(model.layers, f), lw, ad.scale) for f, lw in ad.weights().items()
+    }
     return dataclasses.replace(model, layers=dataclasses.replace(model.layers, lora=None, **merged))
 
 
 def with_dropout_key(tree, key: Array):
     """Every adapter-carrying model in ``tree`` with per-layer dropout keys drawn from ``key``
     (a training forward: ``relax.train.update`` sets them when an adapter has dropout)."""
+
     def set_key(m):
         if not (has_lora(m) and m.layers.lora.dropout > 0.0):
             return m
         keys = jax.random.split(key, m.config.num_layers)
         return with_adapters(m, dataclasses.replace(m.layers.lora, dropout_key=keys))
+
     return jax.tree.map(set_key, tree, is_leaf=_is_model)
 
 
@@ -105,11 +119,15 @@ def uses_dropout(tree) -> bool:
 
 def trainable(tree):
     """A filter pytree for ``eqx.partition``: True at the leaves an optimizer trains."""
+
     def mark(x):
         if not has_lora(x):
             return jax.tree.map(eqx.is_inexact_array, x)
         frozen = jax.tree.map(lambda _: False, x)
-        return eqx.tree_at(lambda m: m.layers.lora, frozen, jax.tree.map(eqx.is_inexact_array, x.layers.lora))
+        return eqx.tree_at(
+            lambda m: m.layers.lora, frozen, jax.tree.map(eqx.is_inexact_array, x.layers.lora)
+        )
+
     return jax.tree.map(mark, tree, is_leaf=_is_model)
 
 
@@ -127,10 +145,15 @@ def adapters_zero(model: Transformer) -> jax.Array:
 def without_base(tree):
     """``tree`` with every LoRA model reduced to its adapters (None at the base weights): what a
     checkpoint stores of it."""
-    return jax.tree.map(lambda x: eqx.filter(x, trainable(x)) if has_lora(x) else x, tree, is_leaf=_is_model)
+    return jax.tree.map(
+        lambda x: eqx.filter(x, trainable(x)) if has_lora(x) else x, tree, is_leaf=_is_model
+    )
 
 
 def base_weights(tree):
     """The base weights of every LoRA model in ``tree`` (None elsewhere)."""
-    return jax.tree.map(lambda x: eqx.filter(x, trainable(x), inverse=True) if has_lora(x) else None,
-                        tree, is_leaf=_is_model)
+    return jax.tree.map(
+        lambda x: eqx.filter(x, trainable(x), inverse=True) if has_lora(x) else None,
+        tree,
+        is_leaf=_is_model,
+    )

@@ -8,7 +8,8 @@ Tensor names are the ones ``peft`` writes for a causal LM (the adapter name drop
 ``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[j].T`` and ``b[j].T``, ``j`` the place of
 layer ``i`` among those the weight is on (``ModelConfig.layer_indices``: a dense layer's
 ``mlp.gate_proj``, a sparse layer's ``mlp.shared_expert.gate_proj``); the module path is the
-family record's (``relax.models.config.families``). Adapters on a module the checkpoint fuses (Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT form and are refused both ways
+family record's (``relax.models.config.families``). Adapters on a module the checkpoint fuses
+(Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT form and are refused both ways
 (``fused_adapter_error``); Phi-3's other modules save and load as usual. The config holds what
 ``peft.LoraConfig`` reads (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
 ``use_rslora``, ``init_lora_weights``, ``bias``...). Adapters with features relax does not
@@ -26,16 +27,23 @@ import numpy as np
 
 from relax.models.adapters.operations import with_adapters
 from relax.models.config.families import get_family
-from relax.models.hf.config import HFFormatError
-from relax.models.layers.lora import TARGETS, Adapters, LoRAConfig, LoRAWeights
 from relax.models.decoder.transformer import Transformer
+from relax.models.hf.config import HFFormatError
 from relax.models.hf.weights_io import SafetensorsFile, read_json, write_json, write_safetensors
+from relax.models.layers.lora import TARGETS, Adapters, LoRAConfig, LoRAWeights
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-_UNSUPPORTED = {"use_dora": (False, None), "modules_to_save": (None, []), "layers_to_transform": (None, []),
-                "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "bias": ("none", None),
-                "fan_in_fan_out": (False, None), "layer_replication": (None, [])}
+_UNSUPPORTED = {
+    "use_dora": (False, None),
+    "modules_to_save": (None, []),
+    "layers_to_transform": (None, []),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+    "bias": ("none", None),
+    "fan_in_fan_out": (False, None),
+    "layer_replication": (None, []),
+}
 
 
 def _name(i: int, module: str, factor: str) -> str:
@@ -57,14 +65,21 @@ def fused_adapter_error(family: str, fields) -> str | None:
     if not hit:
         return None
     free = sorted({m.rsplit(".", 1)[-1] for f, m in rec.lora_modules.items() if f not in fused})
-    parts = {m: [next(k for k, fs in TARGETS.items() if f in fs) for f in rec.fused_lora_modules[m]] for m in hit}
-    return (f"{family} stores {', '.join(f'{parts[m]} as one {m}' for m in hit)}: PEFT adapts such a fused "
-            f"module with one lora_A shared by its parts, while relax's adapters give each part its own, so "
-            f"they have no PEFT form. Export the merged model (merge_lora + save_pretrained), or adapt only "
-            f"the unfused modules {free}")
+    parts = {
+        m: [next(k for k, fs in TARGETS.items() if f in fs) for f in rec.fused_lora_modules[m]]
+        for m in hit
+    }
+    return (
+        f"{family} stores {', '.join(f'{parts[m]} as one {m}' for m in hit)}: PEFT adapts such a fused "
+        f"module with one lora_A shared by its parts, while relax's adapters give each part its own, so "
+        f"they have no PEFT form. Export the merged model (merge_lora + save_pretrained), or adapt only "
+        f"the unfused modules {free}"
+    )
 
 
-def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> Path:
+def save_adapter(
+    model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None
+) -> Path:
     """Write the model's adapters to ``path`` in PEFT's format (``peft.PeftModel.from_pretrained``
     loads them onto the base)."""
     ad = model.layers.lora
@@ -79,19 +94,39 @@ def save_adapter(model: Transformer, path: str | os.PathLike, *, base_model_name
     root.mkdir(parents=True, exist_ok=True)
     tensors = []
     for field, w in weights.items():
-        for factor, arr in (("A", np.asarray(w.a)), ("B", np.asarray(w.b))):  # to host once, [L, ...]
+        for factor, arr in (
+            ("A", np.asarray(w.a)),
+            ("B", np.asarray(w.b)),
+        ):  # to host once, [L, ...]
             for j, i in enumerate(model.config.layer_indices(field)):
                 make = lambda arr=arr, j=j: arr[j].T  # noqa: E731
-                tensors.append((_name(i, modules[field], factor), arr.shape[1:][::-1], arr.dtype, make))
+                tensors.append(
+                    (_name(i, modules[field], factor), arr.shape[1:][::-1], arr.dtype, make)
+                )
     write_safetensors(root / WEIGHTS, tensors)
-    write_json(root / CONFIG, {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": ad.alpha,
-        "lora_dropout": ad.dropout,
-        "target_modules": sorted({modules[f].rsplit(".", 1)[-1] for f in weights}), "bias": "none",
-        "use_rslora": ad.use_rslora, "use_dora": False, "fan_in_fan_out": False,
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-        "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-        "base_model_name_or_path": base_model_name_or_path, "revision": None})
+    write_json(
+        root / CONFIG,
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": ad.rank,
+            "lora_alpha": ad.alpha,
+            "lora_dropout": ad.dropout,
+            "target_modules": sorted({modules[f].rsplit(".", 1)[-1] for f in weights}),
+            "bias": "none",
+            "use_rslora": ad.use_rslora,
+            "use_dora": False,
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
+            "modules_to_save": None,
+            "layers_to_transform": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "base_model_name_or_path": base_model_name_or_path,
+            "revision": None,
+        },
+    )
     return root
 
 
@@ -99,27 +134,42 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
     """The ``LoRAConfig`` of a PEFT adapter directory (checked: relax runs everything it says)."""
     file = Path(path) / CONFIG
     if not file.is_file():
-        raise HFFormatError(f"{file}: no such file (a PEFT adapter directory has {CONFIG} and {WEIGHTS})")
+        raise HFFormatError(
+            f"{file}: no such file (a PEFT adapter directory has {CONFIG} and {WEIGHTS})"
+        )
     c = read_json(file)
     if c.get("peft_type", "LORA") != "LORA":
         raise HFFormatError(f"{file}: peft_type {c['peft_type']!r} is not LORA")
     for field, allowed in _UNSUPPORTED.items():
         if field in c and c[field] not in allowed:
-            raise HFFormatError(f"{file}: {field}={c[field]!r} is not supported (relax runs plain LoRA)")
+            raise HFFormatError(
+                f"{file}: {field}={c[field]!r} is not supported (relax runs plain LoRA)"
+            )
     for field in ("r", "lora_alpha", "target_modules"):
         if field not in c:
             raise HFFormatError(f"{file}: field {field!r} is missing")
     targets = c["target_modules"]
     targets = [targets] if isinstance(targets, str) else list(targets)
     try:
-        return LoRAConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
-                          target_modules=tuple(targets), use_rslora=bool(c.get("use_rslora", False)))
+        return LoRAConfig(
+            rank=int(c["r"]),
+            alpha=float(c["lora_alpha"]),
+            dropout=float(c.get("lora_dropout", 0.0)),
+            target_modules=tuple(targets),
+            use_rslora=bool(c.get("use_rslora", False)),
+        )
     except ValueError as e:
         raise HFFormatError(f"{file}: {e}") from None
 
 
-def _stacked_factor(st: SafetensorsFile, names: dict[str, str], module: str, factor: str,
-                    want: tuple[int, int], layers_of: tuple[int, ...]) -> np.ndarray:
+def _stacked_factor(
+    st: SafetensorsFile,
+    names: dict[str, str],
+    module: str,
+    factor: str,
+    want: tuple[int, int],
+    layers_of: tuple[int, ...],
+) -> np.ndarray:
     """``lora_{factor}`` of ``module`` on the layers ``layers_of``, transposed to relax's layout and stacked."""
     layers = []
     for i in layers_of:
@@ -128,8 +178,10 @@ def _stacked_factor(st: SafetensorsFile, names: dict[str, str], module: str, fac
             raise HFFormatError(f"{st.path}: tensor {name!r} is missing")
         arr = st.read(names[name])
         if arr.shape != want:
-            raise HFFormatError(f"{st.path}: tensor {name!r} has shape {list(arr.shape)}, "
-                                f"the base model needs {list(want)}")
+            raise HFFormatError(
+                f"{st.path}: tensor {name!r} has shape {list(arr.shape)}, "
+                f"the base model needs {list(want)}"
+            )
         layers.append(np.array(arr.T))
     return np.stack(layers)
 
@@ -145,7 +197,9 @@ def _check_unfused_targets(family: str, file: Path) -> None:
     rec = get_family(family)
     fused = [m for m in rec.fused_lora_modules if m.rsplit(".", 1)[-1] in targets]
     if fused:
-        raise HFFormatError(f"{file}: {fused_adapter_error(family, rec.fused_lora_modules[fused[0]])}")
+        raise HFFormatError(
+            f"{file}: {fused_adapter_error(family, rec.fused_lora_modules[fused[0]])}"
+        )
 
 
 def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> Transformer:
@@ -159,22 +213,30 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
     if not file.is_file():
         raise HFFormatError(f"{file}: no such file")
     st = SafetensorsFile(file)
-    names = {n.replace(".default.weight", ".weight"): n for n in st.entries}  # PEFT's adapter-name infix
+    names = {
+        n.replace(".default.weight", ".weight"): n for n in st.entries
+    }  # PEFT's adapter-name infix
     c, shapes = base.config, base.config.layer_shapes()
     modules = get_family(c.family).lora_modules
     cast = jnp.asarray if dtype is None else (lambda x: jnp.asarray(x, dtype))
     weights = {}
     for field in cfg.fields():
-        if field not in shapes:  # gate_proj on a model without a dense MLP or without a shared expert
+        if (
+            field not in shapes
+        ):  # gate_proj on a model without a dense MLP or without a shared expert
             continue
         module, (fan_in, fan_out), at = modules[field], shapes[field], c.layer_indices(field)
         a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), at)
         b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), at)
         weights[field] = LoRAWeights(cast(a), cast(b))
     if not weights:
-        raise HFFormatError(f"{Path(path) / CONFIG}: target_modules {list(cfg.target_modules)} name no linear layer "
-                            f"of this {c.family} model")
-    used = {names[_name(i, modules[f], x)] for f in weights for i in c.layer_indices(f) for x in "AB"}
+        raise HFFormatError(
+            f"{Path(path) / CONFIG}: target_modules {list(cfg.target_modules)} name no linear layer "
+            f"of this {c.family} model"
+        )
+    used = {
+        names[_name(i, modules[f], x)] for f in weights for i in c.layer_indices(f) for x in "AB"
+    }
     extra = sorted(set(st.entries) - used)
     if extra:
         raise HFFormatError(f"{file}: tensors for modules relax does not adapt: {extra[:5]}")

@@ -42,7 +42,7 @@ def block_stats(
     q: Float[Array, "b hk m d"],
     k: Float[Array, "b hk s d"] | Float[Array, "b hk d s"],
     v: Float[Array, "b hk s d"],
-    allowed: Bool[Array, "b #hk #m s"],
+    allowed: Bool[Array, "b #hk #m s"],  # noqa: F821 (a jaxtyping shape)
     *,
     k_transposed: bool = False,
     scale: float | None = None,
@@ -74,7 +74,7 @@ def partial_attention(
     q: Float[Array, "b hk m d"],
     k: Float[Array, "b hk s d"] | Float[Array, "b hk d s"],
     v: Float[Array, "b hk s d"],
-    allowed: Bool[Array, "b #hk #m s"],
+    allowed: Bool[Array, "b #hk #m s"],  # noqa: F821 (a jaxtyping shape)
     *,
     k_transposed: bool = False,
     scale: float | None = None,
@@ -91,8 +91,12 @@ def heads_major(x: Float[Array, "b t h d"]) -> Float[Array, "b h t d"]:
     return jnp.swapaxes(x, 1, 2)
 
 
-def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "*b s"],
-                window: int | Int[Array, ""] | None) -> Bool[Array, "*b t s"]:
+def causal_mask(
+    q_positions: Array,
+    k_positions: Array,
+    k_valid: Bool[Array, "*b s"],
+    window: int | Int[Array, ""] | None,
+) -> Bool[Array, "*b t s"]:
     """``k_valid[s] & pos_k[s] <= pos_q[t]`` (and ``pos_q - pos_k < window`` when sliding; the
     window static, or a traced scalar)."""
     qp = q_positions[..., :, None]
@@ -103,8 +107,14 @@ def causal_mask(q_positions: Array, k_positions: Array, k_valid: Bool[Array, "*b
     return allowed
 
 
-def attention(q: Float[Array, "b t hq d"], k: Float[Array, "b hk s d"], v: Float[Array, "b hk s d"],
-              allowed: Bool[Array, "b t s"], *, scale: float | None = None) -> Float[Array, "b t hq d"]:
+def attention(
+    q: Float[Array, "b t hq d"],
+    k: Float[Array, "b hk s d"],
+    v: Float[Array, "b hk s d"],
+    allowed: Bool[Array, "b t s"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "b t hq d"]:
     """Masked grouped-query attention of a sequence over one head-major block, in ``q.dtype``
     (``scale`` as in ``block_stats``)."""
     b, t, hq, d = q.shape
@@ -120,7 +130,7 @@ def shared_prefix_attention(
     q: Float[Array, "pg hk m d"],
     k: Float[Array, "p hk s d"] | Float[Array, "p hk d s"],
     v: Float[Array, "p hk s d"],
-    allowed: Bool[Array, "p #hk #gm s"],
+    allowed: Bool[Array, "p #hk #gm s"],  # noqa: F821 (a jaxtyping shape)
     num_gen: int,
     *,
     k_transposed: bool = False,
@@ -137,5 +147,9 @@ def shared_prefix_attention(
     p = b // num_gen
     qp = q.reshape(p, num_gen, hk, m, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * m, d)
     stats = block_stats(qp, k, v, allowed, k_transposed=k_transposed, scale=scale)
-    unfold = lambda x: x.reshape((p, hk, num_gen, m) + x.shape[3:]).swapaxes(1, 2).reshape((b, hk, m) + x.shape[3:])
+    unfold = lambda x: (
+        x.reshape((p, hk, num_gen, m) + x.shape[3:])
+        .swapaxes(1, 2)
+        .reshape((b, hk, m) + x.shape[3:])
+    )
     return BlockStats(*map(unfold, stats))

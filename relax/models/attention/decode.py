@@ -53,7 +53,7 @@ MIN_DIM = 16  # Triton's dot wants every dimension >= 16
 
 OwnKeys = Sequence[Float[Array, "b hk d _"]]
 OwnValues = Sequence[Float[Array, "b hk _ d"]]
-OwnAllowed = Sequence[Bool[Array, "_"]]
+OwnAllowed = Sequence[Bool[Array, "_"]]  # noqa: F821 (a jaxtyping shape)
 
 
 def reference_decode_attention(
@@ -69,10 +69,21 @@ def reference_decode_attention(
     scale: float | None = None,
 ) -> Float[Array, "b hk r d"]:
     """The XLA path (module docstring); ``scale`` None means ``D^-1/2``."""
-    blocks = [shared_prefix_attention(q, prefix_k, prefix_v, prefix_allowed[:, None, None, :], num_gen,
-                                      k_transposed=True, scale=scale)]
+    blocks = [
+        shared_prefix_attention(
+            q,
+            prefix_k,
+            prefix_v,
+            prefix_allowed[:, None, None, :],
+            num_gen,
+            k_transposed=True,
+            scale=scale,
+        )
+    ]
     for k, v, allowed in zip(own_k, own_v, own_allowed, strict=True):
-        blocks.append(block_stats(q, k, v, allowed[None, None, None, :], k_transposed=True, scale=scale))
+        blocks.append(
+            block_stats(q, k, v, allowed[None, None, None, :], k_transposed=True, scale=scale)
+        )
     return merge_stats(blocks)
 
 
@@ -87,7 +98,10 @@ def pallas_available(backend: str) -> bool:
         device = jax.devices(backend)[0]
     except (ImportError, RuntimeError, IndexError):
         return False
-    return device.platform == "gpu" and "rocm" not in str(getattr(device.client, "platform_version", "")).lower()
+    return (
+        device.platform == "gpu"
+        and "rocm" not in str(getattr(device.client, "platform_version", "")).lower()
+    )
 
 
 def _pow2(n: int) -> int:
@@ -122,39 +136,80 @@ def _scan_keys(q, load_k, load_v, load_ok, num_tiles: int, tile: int, scale: flo
         sl = pl.ds(pl.multiple_of(i * tile, tile), tile)
         k, v, ok = load_k(sl), load_v(sl), load_ok(sl)
         dt = jnp.promote_types(q.dtype, k.dtype)
-        z = jnp.dot(q.astype(dt), k.astype(dt), precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32) * scale
+        z = (
+            jnp.dot(
+                q.astype(dt),
+                k.astype(dt),
+                precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
         z = jnp.where(ok, z, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         c = jnp.exp(m - m_new)
         p = jnp.where(ok, jnp.exp(z - m_new[:, None]), 0.0)
-        pv = jnp.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        pv = jnp.dot(
+            p.astype(v.dtype),
+            v,
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
         return c[:, None] * acc + pv, m_new, c * l + jnp.sum(p, axis=1)
 
     return lax.fori_loop(0, num_tiles, body, state)
 
 
-def _kernel(q_ref, pk_ref, pv_ref, pa_ref, *refs, num_own: int, num_gen: int, rows_per_gen: int,
-            block_rows: int, tiles: tuple[int, ...], scale: float):
+def _kernel(
+    q_ref,
+    pk_ref,
+    pv_ref,
+    pa_ref,
+    *refs,
+    num_own: int,
+    num_gen: int,
+    rows_per_gen: int,
+    block_rows: int,
+    tiles: tuple[int, ...],
+    scale: float,
+):
     """One (prompt, KV head, row tile): the prompt's tiles once, then each completion's own blocks."""
     from jax.experimental import pallas as pl
 
-    ok_refs, o_ref = refs[2 * num_own:3 * num_own], refs[-1]
+    ok_refs, o_ref = refs[2 * num_own : 3 * num_own], refs[-1]
     q = q_ref[...]
     row0 = pl.program_id(2) * block_rows
     gen_of_row = (row0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)) // rows_per_gen
-    state = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_rows,), NEG_INF, jnp.float32),
-             jnp.zeros((block_rows,), jnp.float32))
-    state = _scan_keys(q, lambda sl: pk_ref[:, sl], lambda sl: pv_ref[sl, :], lambda sl: (pa_ref[sl] != 0)[None, :],
-                       pa_ref.shape[0] // tiles[0], tiles[0], scale, state)
+    state = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_rows,), NEG_INF, jnp.float32),
+        jnp.zeros((block_rows,), jnp.float32),
+    )
+    state = _scan_keys(
+        q,
+        lambda sl: pk_ref[:, sl],
+        lambda sl: pv_ref[sl, :],
+        lambda sl: (pa_ref[sl] != 0)[None, :],
+        pa_ref.shape[0] // tiles[0],
+        tiles[0],
+        scale,
+        state,
+    )
 
     def completion(g, state):
         row_ok = (gen_of_row == g)[:, None]
         for j in range(num_own):
             k_ref, v_ref, ok_ref, tile = refs[j], refs[num_own + j], ok_refs[j], tiles[1 + j]
-            state = _scan_keys(q, lambda sl, k_ref=k_ref: k_ref[g, :, sl], lambda sl, v_ref=v_ref: v_ref[g, sl, :],
-                               lambda sl, ok_ref=ok_ref: row_ok & (ok_ref[sl] != 0)[None, :],
-                               ok_ref.shape[0] // tile, tile, scale, state)
+            state = _scan_keys(
+                q,
+                lambda sl, k_ref=k_ref: k_ref[g, :, sl],
+                lambda sl, v_ref=v_ref: v_ref[g, sl, :],
+                lambda sl, ok_ref=ok_ref: row_ok & (ok_ref[sl] != 0)[None, :],
+                ok_ref.shape[0] // tile,
+                tile,
+                scale,
+                state,
+            )
         return state
 
     g_lo = row0 // rows_per_gen
@@ -185,7 +240,7 @@ def pallas_decode_attention(
 
     b, hk, r, d = q.shape
     p, g = prefix_k.shape[0], num_gen
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     dp, rows = max(MIN_DIM, _pow2(d)), g * r
     bm = min(max(MIN_DIM, _pow2(block_rows)), max(MIN_DIM, _pow2(rows)))
     mp = _round_up(rows, bm)
@@ -198,18 +253,34 @@ def pallas_decode_attention(
     pv = _pad_to(_pad_to(prefix_v, 2, lens[0]), 3, dp)
     pa = _pad_to(prefix_allowed.astype(jnp.int32), 1, lens[0])
     ok = [_pad_to(a.astype(jnp.int32), 0, n) for a, n in zip(own_allowed, lens[1:], strict=True)]
-    ks = [_pad_to(_pad_to(k, 2, dp), 3, n).reshape(p, g, hk, dp, n) for k, n in zip(own_k, lens[1:], strict=True)]
-    vs = [_pad_to(_pad_to(v, 2, n), 3, dp).reshape(p, g, hk, n, dp) for v, n in zip(own_v, lens[1:], strict=True)]
+    ks = [
+        _pad_to(_pad_to(k, 2, dp), 3, n).reshape(p, g, hk, dp, n)
+        for k, n in zip(own_k, lens[1:], strict=True)
+    ]
+    vs = [
+        _pad_to(_pad_to(v, 2, n), 3, dp).reshape(p, g, hk, n, dp)
+        for v, n in zip(own_v, lens[1:], strict=True)
+    ]
 
     at_head = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, h, t: (i, h, 0, 0))
     per_gen = lambda shape: pl.BlockSpec((None, g, None) + shape, lambda i, h, t: (i, 0, h, 0, 0))
-    in_specs = [pl.BlockSpec((None, None, bm, dp), lambda i, h, t: (i, h, t, 0)),
-                at_head((dp, lens[0])), at_head((lens[0], dp)),
-                pl.BlockSpec((None, lens[0]), lambda i, h, t: (i, 0))]
+    in_specs = [
+        pl.BlockSpec((None, None, bm, dp), lambda i, h, t: (i, h, t, 0)),
+        at_head((dp, lens[0])),
+        at_head((lens[0], dp)),
+        pl.BlockSpec((None, lens[0]), lambda i, h, t: (i, 0)),
+    ]
     in_specs += [per_gen((dp, n)) for n in lens[1:]] + [per_gen((n, dp)) for n in lens[1:]]
     in_specs += [pl.BlockSpec((n,), lambda i, h, t: (0,)) for n in lens[1:]]
-    kernel = functools.partial(_kernel, num_own=len(ks), num_gen=g, rows_per_gen=r, block_rows=bm, tiles=tiles,
-                               scale=float(scale))
+    kernel = functools.partial(
+        _kernel,
+        num_own=len(ks),
+        num_gen=g,
+        rows_per_gen=r,
+        block_rows=bm,
+        tiles=tiles,
+        scale=float(scale),
+    )
     out = pl.pallas_call(
         kernel,
         grid=(p, hk, mp // bm),

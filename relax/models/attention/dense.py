@@ -34,7 +34,10 @@ from relax.passes import current_backend
 
 def fused_attention_available(dtype) -> bool:
     """Whether ``"cudnn"`` can run here: a GPU backend and a 16-bit dtype."""
-    return current_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return current_backend() == "gpu" and jnp.dtype(dtype) in (
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    )
 
 
 def prefix_dense_attention(
@@ -67,9 +70,16 @@ def prefix_dense_attention(
     src = (jnp.arange(t)[None, :] + (lp - length)[:, None]) % t
     rotate = lambda x: jnp.take_along_axis(x, src[:, :, None, None], axis=1)
     seq = length + n
-    out = jax.nn.dot_product_attention(rotate(qf), rotate(kf), rotate(vf), is_causal=True, query_seq_lengths=seq,
-                                       key_value_seq_lengths=seq, implementation=implementation,
-                                       scale=scale)
+    out = jax.nn.dot_product_attention(
+        rotate(qf),
+        rotate(kf),
+        rotate(vf),
+        is_causal=True,
+        query_seq_lengths=seq,
+        key_value_seq_lengths=seq,
+        implementation=implementation,
+        scale=scale,
+    )
     # completion token i sits at rotated row prompt_len + i
     rows = length[:, None] + jnp.arange(n)[None, :]
     return jnp.take_along_axis(out, rows[:, :, None, None], axis=1).astype(q.dtype)

@@ -70,7 +70,9 @@ def _scale(st: _Static, q) -> float:
     return q.shape[-1] ** -0.5 if st.scale is None else st.scale
 
 
-def _group_masks(st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window, q_seg=None, k_seg=None):
+def _group_masks(
+    st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window, q_seg=None, k_seg=None
+):
     # q_pos [g, m]; prompt [lp]; own [g, n] -> [1, g, m, lp], [1, g, m, n]
     window = st.window if traced_window is None else traced_window
     mp = causal_mask(q_pos, pk_pos[None], pk_valid[None], window)[None]
@@ -89,8 +91,10 @@ def _group_forward(st, q, pk, pv, k, v, pos):
     eo = jnp.where(masks[1], jnp.exp(so - m), 0.0)
     l = jnp.sum(ep, axis=-1, keepdims=True) + jnp.sum(eo, axis=-1, keepdims=True)
     safe = jnp.where(l > 0, l, 1.0)
-    o = (jnp.einsum("hgms,hsd->hgmd", ep, pv.astype(jnp.float32))
-         + jnp.einsum("hgms,hgsd->hgmd", eo, v.astype(jnp.float32))) / safe
+    o = (
+        jnp.einsum("hgms,hsd->hgmd", ep, pv.astype(jnp.float32))
+        + jnp.einsum("hgms,hgsd->hgmd", eo, v.astype(jnp.float32))
+    ) / safe
     lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # +inf: P = exp(s - lse) = 0 in the backward
     return o, lse, (ep, eo, safe)
 
@@ -104,7 +108,9 @@ def _group_forward_saving(st, q, pk, pv, k, v, pos):
 def _with_prompt(pk, k):
     """``[hk, lp, d]`` prompt rows in front of every completion's ``[hk, g, n, d]`` rows: ``[hk, g, lp+n, d]``."""
     hk, g = k.shape[:2]
-    return jnp.concatenate([jnp.broadcast_to(pk[:, None], (hk, g) + pk.shape[1:]).astype(k.dtype), k], axis=2)
+    return jnp.concatenate(
+        [jnp.broadcast_to(pk[:, None], (hk, g) + pk.shape[1:]).astype(k.dtype), k], axis=2
+    )
 
 
 def _group_backward(st, q, pk, pv, k, v, pos, o, lse, do):
@@ -133,9 +139,13 @@ def _backward_from_probs(st, q, pk, pv, k, v, o, pr, do, kk=None):
     ds = pr * (jnp.einsum("hgmd,hgsd->hgms", do, vv) - delta) * scale
     dq = jnp.einsum("hgms,hgsd->hgmd", ds, kk)
     dkk = jnp.einsum("hgms,hgmd->hgsd", ds, qf)
-    return (dq.astype(q.dtype), jnp.sum(dkk[:, :, :lp], axis=1).astype(pk.dtype),
-            jnp.sum(dvv[:, :, :lp], axis=1).astype(pv.dtype), dkk[:, :, lp:].astype(k.dtype),
-            dvv[:, :, lp:].astype(v.dtype))
+    return (
+        dq.astype(q.dtype),
+        jnp.sum(dkk[:, :, :lp], axis=1).astype(pk.dtype),
+        jnp.sum(dvv[:, :, :lp], axis=1).astype(pv.dtype),
+        dkk[:, :, lp:].astype(k.dtype),
+        dvv[:, :, lp:].astype(v.dtype),
+    )
 
 
 def _tiles(b, x):
@@ -158,13 +168,17 @@ def _over_groups(fn, b, *xs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(st, q, pk, pv, k, v, pos):
-    return _over_groups(lambda *a: _group_forward(st, *a)[0], st.groups_per_step, q, pk, pv, k, v, pos)
+    return _over_groups(
+        lambda *a: _group_forward(st, *a)[0], st.groups_per_step, q, pk, pv, k, v, pos
+    )
 
 
 def _attend_fwd(st, q, pk, pv, k, v, pos):
     b = st.groups_per_step
     if st.save:  # residual: P itself
-        o, kept = _over_groups(functools.partial(_group_forward_saving, st), b, q, pk, pv, k, v, pos)
+        o, kept = _over_groups(
+            functools.partial(_group_forward_saving, st), b, q, pk, pv, k, v, pos
+        )
     else:  # residual: the log-sum-exp
         o, kept = _over_groups(lambda *a: _group_forward(st, *a)[:2], b, q, pk, pv, k, v, pos)
     return o, (q, pk, pv, k, v, pos, o, kept)
@@ -175,9 +189,13 @@ def _attend_bwd(st, res, do):
     do = do.astype(jnp.float32)
     b = st.groups_per_step
     if st.save:
-        grads = _over_groups(functools.partial(_backward_from_probs, st), b, q, pk, pv, k, v, o, kept, do)
+        grads = _over_groups(
+            functools.partial(_backward_from_probs, st), b, q, pk, pv, k, v, o, kept, do
+        )
     else:
-        grads = _over_groups(functools.partial(_group_backward, st), b, q, pk, pv, k, v, pos, o, kept, do)
+        grads = _over_groups(
+            functools.partial(_group_backward, st), b, q, pk, pv, k, v, pos, o, kept, do
+        )
     return (*grads, jax.tree.map(lambda _: None, pos))
 
 
@@ -231,6 +249,15 @@ def prefix_group_attention(
     per_group = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (p,)) if traced else None
     if (q_segments is None) != (k_segments is None):
         raise ValueError("prefix_group_attention: give both q_segments and k_segments, or neither")
-    pos = (q_pos, p_pos, p_valid.astype(bool), k_pos, k_valid.astype(bool), per_group, q_segments, k_segments)
+    pos = (
+        q_pos,
+        p_pos,
+        p_valid.astype(bool),
+        k_pos,
+        k_valid.astype(bool),
+        per_group,
+        q_segments,
+        k_segments,
+    )
     st = _Static(None if traced else window, scale, groups_per_step, bool(save_probabilities))
     return _attend(st, q, pk, pv, k, v, pos)

@@ -16,19 +16,36 @@ here (and its tests); nothing else names families.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
-__all__ = ["ADAPTABLE_FIELDS", "BY_ARCHITECTURE", "FAMILIES", "LINEAR_FIELDS", "MOE_LINEAR_FIELDS", "TRANSPOSED",
-           "FamilyRecord", "get_family"]
+__all__ = [
+    "ADAPTABLE_FIELDS",
+    "BY_ARCHITECTURE",
+    "FAMILIES",
+    "LINEAR_FIELDS",
+    "MOE_LINEAR_FIELDS",
+    "TRANSPOSED",
+    "FamilyRecord",
+    "get_family",
+]
 
 # The LayerStack fields that are torch ``Linear`` weights (stored [out, in] by Hugging Face,
 # [in, out] by relax), in the order LoRA targets them.
 LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # The mixture-of-experts fields (``relax.models.config.model.MOE_FIELDS``), every one a torch ``Linear``
 # weight too (per expert for ``expert_*``: HF [out, in] per expert, relax [E, in, out]).
-MOE_LINEAR_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
-                     "shared_down", "shared_router")
+MOE_LINEAR_FIELDS = (
+    "router",
+    "expert_gate",
+    "expert_up",
+    "expert_down",
+    "shared_gate",
+    "shared_up",
+    "shared_down",
+    "shared_router",
+)
 TRANSPOSED = LINEAR_FIELDS + MOE_LINEAR_FIELDS  # the fields transposed between the two layouts
 # The linear weights LoRA can adapt: the seven above and a shared expert's (its MLP and its gate).
 # Not the experts nor the router: transformers holds those as fused parameters, not ``Linear``
@@ -124,7 +141,15 @@ class FamilyRecord:
     notes: str = ""
 
     def __post_init__(self):
-        for name in ("weights", "hf_defaults", "rope_aliases", "refused", "hf_extra", "moe_names", "moe_fixed"):
+        for name in (
+            "weights",
+            "hf_defaults",
+            "rope_aliases",
+            "refused",
+            "hf_extra",
+            "moe_names",
+            "moe_fixed",
+        ):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     @property
@@ -135,8 +160,11 @@ class FamilyRecord:
     @property
     def architectures(self) -> dict[str, str]:
         """Architecture name -> its kind (``"causal"``, ``"sequence"``, ``"token"``)."""
-        named = (("causal", self.causal_lm), ("sequence", self.sequence_classification),
-                 ("token", self.token_classification))
+        named = (
+            ("causal", self.causal_lm),
+            ("sequence", self.sequence_classification),
+            ("token", self.token_classification),
+        )
         return {arch: kind for kind, arch in named if arch is not None}
 
     def tensors(self) -> dict[str, tuple[str, ...]]:
@@ -151,7 +179,11 @@ class FamilyRecord:
         """Adaptable weight field (``ADAPTABLE_FIELDS``) -> its Hugging Face module path under
         ``model.layers.{i}.`` (PEFT's); the family's fields only (Mixtral has no dense MLP, only
         Qwen2-MoE a shared expert)."""
-        return {f: self.weights[f].removesuffix(".weight") for f in ADAPTABLE_FIELDS if f in self.weights}
+        return {
+            f: self.weights[f].removesuffix(".weight")
+            for f in ADAPTABLE_FIELDS
+            if f in self.weights
+        }
 
     @property
     def fused_lora_modules(self) -> dict[str, tuple[str, ...]]:
@@ -166,140 +198,325 @@ class FamilyRecord:
 
 _LLAMA_WEIGHTS = {
     "attn_norm": "input_layernorm.weight",
-    "wq": "self_attn.q_proj.weight", "bq": "self_attn.q_proj.bias",
-    "wk": "self_attn.k_proj.weight", "bk": "self_attn.k_proj.bias",
-    "wv": "self_attn.v_proj.weight", "bv": "self_attn.v_proj.bias",
-    "wo": "self_attn.o_proj.weight", "bo": "self_attn.o_proj.bias",
-    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "wk": "self_attn.k_proj.weight",
+    "bk": "self_attn.k_proj.bias",
+    "wv": "self_attn.v_proj.weight",
+    "bv": "self_attn.v_proj.bias",
+    "wo": "self_attn.o_proj.weight",
+    "bo": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
     "mlp_norm": "post_attention_layernorm.weight",
-    "w_gate": "mlp.gate_proj.weight", "b_gate": "mlp.gate_proj.bias",
-    "w_up": "mlp.up_proj.weight", "b_up": "mlp.up_proj.bias",
-    "w_down": "mlp.down_proj.weight", "b_down": "mlp.down_proj.bias",
+    "w_gate": "mlp.gate_proj.weight",
+    "b_gate": "mlp.gate_proj.bias",
+    "w_up": "mlp.up_proj.weight",
+    "b_up": "mlp.up_proj.bias",
+    "w_down": "mlp.down_proj.weight",
+    "b_down": "mlp.down_proj.bias",
 }
 
 LLAMA = FamilyRecord(
-    "llama", "LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaForTokenClassification",
-    weights=_LLAMA_WEIGHTS, biases="attention_bias", mlp_bias=True, hf_extra={"pretraining_tp": 1},
-    hf_defaults=dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
-                     bos_token_id=1, eos_token_id=2),
-    notes="the reference: pre-norm RMSNorm (w), SwiGLU, RoPE (default / linear / llama3 scaling)")
+    "llama",
+    "LlamaForCausalLM",
+    "LlamaForSequenceClassification",
+    "LlamaForTokenClassification",
+    weights=_LLAMA_WEIGHTS,
+    biases="attention_bias",
+    mlp_bias=True,
+    hf_extra={"pretraining_tp": 1},
+    hf_defaults=dict(
+        num_key_value_heads=None,
+        head_dim=None,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    notes="the reference: pre-norm RMSNorm (w), SwiGLU, RoPE (default / linear / llama3 scaling)",
+)
 
 MISTRAL = FamilyRecord(
-    "mistral", "MistralForCausalLM", "MistralForSequenceClassification", "MistralForTokenClassification",
-    weights=_LLAMA_WEIGHTS, window="all",
-    hf_defaults=dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32,
-                     bos_token_id=1, eos_token_id=2, sliding_window=4096),
-    notes="Llama without biases, with a sliding window on every layer (default 4096)")
+    "mistral",
+    "MistralForCausalLM",
+    "MistralForSequenceClassification",
+    "MistralForTokenClassification",
+    weights=_LLAMA_WEIGHTS,
+    window="all",
+    hf_defaults=dict(
+        num_key_value_heads=8,
+        head_dim=None,
+        max_position_embeddings=4096 * 32,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=4096,
+    ),
+    notes="Llama without biases, with a sliding window on every layer (default 4096)",
+)
 
 QWEN2 = FamilyRecord(
-    "qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2ForTokenClassification",
-    weights=_LLAMA_WEIGHTS, biases="qkv", window="qwen",
-    hf_defaults=dict(num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
-                     bos_token_id=None, eos_token_id=None),
-    notes="Llama with q/k/v biases (no o bias); optional sliding window (all layers or none)")
+    "qwen2",
+    "Qwen2ForCausalLM",
+    "Qwen2ForSequenceClassification",
+    "Qwen2ForTokenClassification",
+    weights=_LLAMA_WEIGHTS,
+    biases="qkv",
+    window="qwen",
+    hf_defaults=dict(
+        num_key_value_heads=32,
+        head_dim=None,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+    notes="Llama with q/k/v biases (no o bias); optional sliding window (all layers or none)",
+)
 
 QWEN3 = FamilyRecord(
-    "qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3ForTokenClassification",
-    weights=_LLAMA_WEIGHTS, qk_norm=True, biases="attention_bias", window="qwen",
-    hf_defaults=dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
-                     bos_token_id=None, eos_token_id=None),
-    notes="Llama with per-head q/k RMSNorm before RoPE; optional sliding window as Qwen2's")
+    "qwen3",
+    "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
+    "Qwen3ForTokenClassification",
+    weights=_LLAMA_WEIGHTS,
+    qk_norm=True,
+    biases="attention_bias",
+    window="qwen",
+    hf_defaults=dict(
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+    notes="Llama with per-head q/k RMSNorm before RoPE; optional sliding window as Qwen2's",
+)
 
 GEMMA3_TEXT = FamilyRecord(
-    "gemma3_text", "Gemma3ForCausalLM", "Gemma3TextForSequenceClassification", None,
-    weights={**_LLAMA_WEIGHTS, "attn_out_norm": "post_attention_layernorm.weight",
-             "mlp_norm": "pre_feedforward_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"},
-    norm_weight="1+w", sandwich_norms=True, qk_norm=True, activation="gelu_tanh", scale_embeddings=True,
-    activation_field="hidden_activation", biases="attention_bias", window="layer_types", local_rope=True,
+    "gemma3_text",
+    "Gemma3ForCausalLM",
+    "Gemma3TextForSequenceClassification",
+    None,
+    weights={
+        **_LLAMA_WEIGHTS,
+        "attn_out_norm": "post_attention_layernorm.weight",
+        "mlp_norm": "pre_feedforward_layernorm.weight",
+        "mlp_out_norm": "post_feedforward_layernorm.weight",
+    },
+    norm_weight="1+w",
+    sandwich_norms=True,
+    qk_norm=True,
+    activation="gelu_tanh",
+    scale_embeddings=True,
+    activation_field="hidden_activation",
+    biases="attention_bias",
+    window="layer_types",
+    local_rope=True,
     query_pre_attn_scalar=True,
-    refused={"attn_logit_softcapping": ((None,), "= {value!r}: logit softcapping is not supported "
-                                                 "(Gemma 3 has none: null)"),
-             "final_logit_softcapping": ((None,), "= {value!r}: logit softcapping is not supported "
-                                                  "(Gemma 3 has none: null)"),
-             "use_bidirectional_attention": ((None, False), "= true is not supported (causal attention only)")},
-    hf_extra=dict(attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False),
-    hf_defaults=dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
-                     bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
-                     sliding_window=4096, query_pre_attn_scalar=256, rope_theta=1_000_000.0,
-                     rope_local_theta=10_000.0),
+    refused={
+        "attn_logit_softcapping": (
+            (None,),
+            "= {value!r}: logit softcapping is not supported (Gemma 3 has none: null)",
+        ),
+        "final_logit_softcapping": (
+            (None,),
+            "= {value!r}: logit softcapping is not supported (Gemma 3 has none: null)",
+        ),
+        "use_bidirectional_attention": (
+            (None, False),
+            "= true is not supported (causal attention only)",
+        ),
+    },
+    hf_extra=dict(
+        attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False
+    ),
+    hf_defaults=dict(
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=131072,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        rope_theta=1_000_000.0,
+        rope_local_theta=10_000.0,
+    ),
     notes="(1+w) norms, sandwich norms, q/k norms, GeGLU (tanh), embeddings times sqrt(D), scores "
-          "/ sqrt(query_pre_attn_scalar), sliding and full layers with their own RoPE bases")
+    "/ sqrt(query_pre_attn_scalar), sliding and full layers with their own RoPE bases",
+)
 
 PHI3 = FamilyRecord(
-    "phi3", "Phi3ForCausalLM", "Phi3ForSequenceClassification", "Phi3ForTokenClassification",
-    weights={"attn_norm": "input_layernorm.weight",
-             "wq": "self_attn.qkv_proj.weight", "wk": "self_attn.qkv_proj.weight",  # fused: q, k, v rows
-             "wv": "self_attn.qkv_proj.weight", "wo": "self_attn.o_proj.weight",
-             "mlp_norm": "post_attention_layernorm.weight",
-             "w_gate": "mlp.gate_up_proj.weight", "w_up": "mlp.gate_up_proj.weight",  # fused: gate, then up rows
-             "w_down": "mlp.down_proj.weight"},
-    window="all", rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"},
-    hf_defaults=dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096,
-                     original_max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
-                     eos_token_id=32000, pad_token_id=32000, sliding_window=None),
+    "phi3",
+    "Phi3ForCausalLM",
+    "Phi3ForSequenceClassification",
+    "Phi3ForTokenClassification",
+    weights={
+        "attn_norm": "input_layernorm.weight",
+        "wq": "self_attn.qkv_proj.weight",
+        "wk": "self_attn.qkv_proj.weight",  # fused: q, k, v rows
+        "wv": "self_attn.qkv_proj.weight",
+        "wo": "self_attn.o_proj.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "w_gate": "mlp.gate_up_proj.weight",
+        "w_up": "mlp.gate_up_proj.weight",  # fused: gate, then up rows
+        "w_down": "mlp.down_proj.weight",
+    },
+    window="all",
+    rope_types=("default", "longrope"),
+    rope_aliases={"su": "longrope", "yarn": "longrope"},
+    hf_defaults=dict(
+        num_key_value_heads=None,
+        head_dim=None,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=32000,
+        pad_token_id=32000,
+        sliding_window=None,
+    ),
     notes="Llama's layer (RMSNorm w, SwiGLU, no biases) with q/k/v fused in one qkv_proj and gate/up "
-          "in one gate_up_proj; optional sliding window on every layer; RoPE default or LongRoPE "
-          "(short/long factor lists, cos/sin times an attention factor); residual dropout (training "
-          "only in transformers, never in relax)")
+    "in one gate_up_proj; optional sliding window on every layer; RoPE default or LongRoPE "
+    "(short/long factor lists, cos/sin times an attention factor); residual dropout (training "
+    "only in transformers, never in relax)",
+)
 
 # ----------------------------------------------------------------------------- mixtures of experts
 
-_EXPERTS = {"router": "mlp.gate.weight", "expert_gate": "mlp.experts.{e}.gate_proj.weight",
-            "expert_up": "mlp.experts.{e}.up_proj.weight", "expert_down": "mlp.experts.{e}.down_proj.weight"}
-_ROUTER_NAMES = dict(num_experts_per_tok=("num_experts_per_tok",), output_router_logits=("output_router_logits",),
-                     router_aux_loss_coef=("router_aux_loss_coef",), router_z_loss_coef=("router_z_loss_coef",))
-_QWEN_MOE_NAMES = dict(_ROUTER_NAMES, moe_intermediate_size=("moe_intermediate_size",),
-                       norm_topk_prob=("norm_topk_prob",))
+_EXPERTS = {
+    "router": "mlp.gate.weight",
+    "expert_gate": "mlp.experts.{e}.gate_proj.weight",
+    "expert_up": "mlp.experts.{e}.up_proj.weight",
+    "expert_down": "mlp.experts.{e}.down_proj.weight",
+}
+_ROUTER_NAMES = dict(
+    num_experts_per_tok=("num_experts_per_tok",),
+    output_router_logits=("output_router_logits",),
+    router_aux_loss_coef=("router_aux_loss_coef",),
+    router_z_loss_coef=("router_z_loss_coef",),
+)
+_QWEN_MOE_NAMES = dict(
+    _ROUTER_NAMES,
+    moe_intermediate_size=("moe_intermediate_size",),
+    norm_topk_prob=("norm_topk_prob",),
+)
 
 QWEN3_MOE = FamilyRecord(
-    "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "Qwen3MoeForTokenClassification",
-    weights={**_LLAMA_WEIGHTS, **_EXPERTS}, qk_norm=True, biases="attention_bias", window="flag", moe="qwen",
+    "qwen3_moe",
+    "Qwen3MoeForCausalLM",
+    "Qwen3MoeForSequenceClassification",
+    "Qwen3MoeForTokenClassification",
+    weights={**_LLAMA_WEIGHTS, **_EXPERTS},
+    qk_norm=True,
+    biases="attention_bias",
+    window="flag",
+    moe="qwen",
     moe_names=dict(_QWEN_MOE_NAMES, num_experts=("num_local_experts", "num_experts")),
     moe_fixed=dict(shared_expert_size=0),
-    hf_defaults=dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, bos_token_id=None,
-                     eos_token_id=None, sliding_window=4096, num_experts=128, num_experts_per_tok=8,
-                     moe_intermediate_size=768),
+    hf_defaults=dict(
+        num_key_value_heads=4,
+        head_dim=None,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        sliding_window=4096,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
     notes="Qwen3's attention (q/k norms); the MLP of every layer not in mlp_only_layers (and on the "
-          "decoder_sparse_step) is a softmax top-k mixture of SwiGLU experts (top-k renormalised with "
-          "norm_topk_prob); a sliding window, when use_sliding_window, on every layer; no head_dim default "
-          "(hidden / heads)")
+    "decoder_sparse_step) is a softmax top-k mixture of SwiGLU experts (top-k renormalised with "
+    "norm_topk_prob); a sliding window, when use_sliding_window, on every layer; no head_dim default "
+    "(hidden / heads)",
+)
 
 MIXTRAL = FamilyRecord(
-    "mixtral", "MixtralForCausalLM", "MixtralForSequenceClassification", "MixtralForTokenClassification",
-    weights={k: v for k, v in _LLAMA_WEIGHTS.items() if not k.startswith(("w_", "b_"))} | {
-        "router": "block_sparse_moe.gate.weight", "expert_gate": "block_sparse_moe.experts.{e}.w1.weight",
-        "expert_up": "block_sparse_moe.experts.{e}.w3.weight", "expert_down": "block_sparse_moe.experts.{e}.w2.weight"},
-    window="all", moe="all",
-    moe_names=dict(_ROUTER_NAMES, num_experts=("num_local_experts",), moe_intermediate_size=("intermediate_size",)),
-    moe_fixed=dict(norm_topk_prob=True, shared_expert_size=0), hf_extra={"router_jitter_noise": 0.0},
-    hf_defaults=dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
-                     rope_theta=1e6, bos_token_id=1, eos_token_id=2, sliding_window=None, num_experts=8,
-                     num_experts_per_tok=2),
+    "mixtral",
+    "MixtralForCausalLM",
+    "MixtralForSequenceClassification",
+    "MixtralForTokenClassification",
+    weights={k: v for k, v in _LLAMA_WEIGHTS.items() if not k.startswith(("w_", "b_"))}
+    | {
+        "router": "block_sparse_moe.gate.weight",
+        "expert_gate": "block_sparse_moe.experts.{e}.w1.weight",
+        "expert_up": "block_sparse_moe.experts.{e}.w3.weight",
+        "expert_down": "block_sparse_moe.experts.{e}.w2.weight",
+    },
+    window="all",
+    moe="all",
+    moe_names=dict(
+        _ROUTER_NAMES,
+        num_experts=("num_local_experts",),
+        moe_intermediate_size=("intermediate_size",),
+    ),
+    moe_fixed=dict(norm_topk_prob=True, shared_expert_size=0),
+    hf_extra={"router_jitter_noise": 0.0},
+    hf_defaults=dict(
+        num_key_value_heads=8,
+        head_dim=None,
+        max_position_embeddings=4096 * 32,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=None,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
     notes="Mistral's attention (no biases, optional window on every layer); every MLP a mixture of "
-          "SwiGLU experts of width intermediate_size (w1 gate, w3 up, w2 down), top-k always "
-          "renormalised; router_jitter_noise is training-only in transformers: any value accepted, "
-          "never applied, written as 0")
+    "SwiGLU experts of width intermediate_size (w1 gate, w3 up, w2 down), top-k always "
+    "renormalised; router_jitter_noise is training-only in transformers: any value accepted, "
+    "never applied, written as 0",
+)
 
 QWEN2_MOE = FamilyRecord(
-    "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "Qwen2MoeForTokenClassification",
-    weights={**_LLAMA_WEIGHTS, **_EXPERTS, "shared_gate": "mlp.shared_expert.gate_proj.weight",
-             "shared_up": "mlp.shared_expert.up_proj.weight", "shared_down": "mlp.shared_expert.down_proj.weight",
-             "shared_router": "mlp.shared_expert_gate.weight"},
-    biases="qkv_bias", window="qwen", qwen_sliding="even_below_max", moe="qwen",
-    moe_names=dict(_QWEN_MOE_NAMES, num_experts=("num_experts",),
-                   shared_expert_size=("shared_expert_intermediate_size",)),
-    hf_defaults=dict(num_key_value_heads=16, head_dim=None, max_position_embeddings=32768, bos_token_id=None,
-                     eos_token_id=None, qkv_bias=True, num_experts=60, num_experts_per_tok=4,
-                     moe_intermediate_size=1408, shared_expert_size=5632),
+    "qwen2_moe",
+    "Qwen2MoeForCausalLM",
+    "Qwen2MoeForSequenceClassification",
+    "Qwen2MoeForTokenClassification",
+    weights={
+        **_LLAMA_WEIGHTS,
+        **_EXPERTS,
+        "shared_gate": "mlp.shared_expert.gate_proj.weight",
+        "shared_up": "mlp.shared_expert.up_proj.weight",
+        "shared_down": "mlp.shared_expert.down_proj.weight",
+        "shared_router": "mlp.shared_expert_gate.weight",
+    },
+    biases="qkv_bias",
+    window="qwen",
+    qwen_sliding="even_below_max",
+    moe="qwen",
+    moe_names=dict(
+        _QWEN_MOE_NAMES,
+        num_experts=("num_experts",),
+        shared_expert_size=("shared_expert_intermediate_size",),
+    ),
+    hf_defaults=dict(
+        num_key_value_heads=16,
+        head_dim=None,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        qkv_bias=True,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        shared_expert_size=5632,
+    ),
     notes="Qwen2's attention (q/k/v biases, as the qkv_bias flag says); sparse layers as Qwen3-MoE's, "
-          "plus a shared SwiGLU expert on every token, scaled by sigmoid(x shared_expert_gate)")
+    "plus a shared SwiGLU expert on every token, scaled by sigmoid(x shared_expert_gate)",
+)
 
-FAMILIES: dict[str, FamilyRecord] = {r.model_type: r for r in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, PHI3,
-                                                                QWEN3_MOE, MIXTRAL, QWEN2_MOE)}
+FAMILIES: dict[str, FamilyRecord] = {
+    r.model_type: r
+    for r in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, PHI3, QWEN3_MOE, MIXTRAL, QWEN2_MOE)
+}
 """The supported families by ``model_type`` (``ModelConfig.family``)."""
 
 BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
-    arch: (kind, name) for name, rec in FAMILIES.items() for arch, kind in rec.architectures.items()}
+    arch: (kind, name) for name, rec in FAMILIES.items() for arch, kind in rec.architectures.items()
+}
 """Every architecture name of every family -> (its kind, the family's ``model_type``)."""
 
 

@@ -42,9 +42,18 @@ NormWeight = Literal["w", "1+w"]
 Activation = Literal["silu", "gelu_tanh"]
 LayerType = Literal["full", "sliding"]
 DENSE_MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-MOE_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down",
-              "shared_router")
+MOE_FIELDS = (
+    "router",
+    "expert_gate",
+    "expert_up",
+    "expert_down",
+    "shared_gate",
+    "shared_up",
+    "shared_down",
+    "shared_router",
+)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -151,26 +160,41 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"ModelConfig.family={self.family!r}; valid: {tuple(FAMILIES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_heads={self.num_kv_heads}")
+                f"num_kv_heads={self.num_kv_heads}"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
         for name, valid in (("norm_weight", ("w", "1+w")), ("activation", ("silu", "gelu_tanh"))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {valid}")
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
-            raise ValueError(f"ModelConfig.query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}")
+            raise ValueError(
+                f"ModelConfig.query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}"
+            )
         if self.layer_types is not None and (
-                not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers
-                or any(t not in ("full", "sliding") for t in self.layer_types)):
-            raise ValueError(f"ModelConfig.layer_types must be a tuple of 'full'/'sliding' for each of the "
-                             f"{self.num_layers} layers, got {self.layer_types!r}")
+            not isinstance(self.layer_types, tuple)
+            or len(self.layer_types) != self.num_layers
+            or any(t not in ("full", "sliding") for t in self.layer_types)
+        ):
+            raise ValueError(
+                f"ModelConfig.layer_types must be a tuple of 'full'/'sliding' for each of the "
+                f"{self.num_layers} layers, got {self.layer_types!r}"
+            )
         if self.rope_scaling is not None:
             self._check_rope(self.rope_scaling)
         if self.num_experts:
@@ -180,36 +204,52 @@ class ModelConfig:
         """Raise ``ValueError`` for a top-k outside ``1..num_experts``, an expert width below 1, or
         dense layer indices outside the model."""
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
-                             f"1..num_experts={self.num_experts}")
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"1..num_experts={self.num_experts}"
+            )
         if self.moe_intermediate_size < 1:
-            raise ValueError(f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
-        if (not isinstance(self.dense_layers, tuple) or list(self.dense_layers) != sorted(set(self.dense_layers))
-                or any(not 0 <= i < self.num_layers for i in self.dense_layers)):
-            raise ValueError(f"ModelConfig.dense_layers must be increasing layer indices in 0..{self.num_layers - 1}, "
-                             f"got {self.dense_layers!r}")
+            raise ValueError(
+                f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}"
+            )
+        if (
+            not isinstance(self.dense_layers, tuple)
+            or list(self.dense_layers) != sorted(set(self.dense_layers))
+            or any(not 0 <= i < self.num_layers for i in self.dense_layers)
+        ):
+            raise ValueError(
+                f"ModelConfig.dense_layers must be increasing layer indices in 0..{self.num_layers - 1}, "
+                f"got {self.dense_layers!r}"
+            )
 
     def _check_rope(self, s: RopeScaling) -> None:
         """Raise ``ValueError`` for a scaling of unknown kind, longrope fields on another kind, a
         factor list not of ``head_dim/2`` entries, or a longrope context past its original length."""
         if s.kind not in ("llama3", "linear", "longrope"):
-            raise ValueError(f"ModelConfig.rope_scaling.kind={s.kind!r}; valid: ('llama3', 'linear', 'longrope')")
+            raise ValueError(
+                f"ModelConfig.rope_scaling.kind={s.kind!r}; valid: ('llama3', 'linear', 'longrope')"
+            )
         if s.kind != "longrope":
             if s.attention_factor != 1.0 or s.short_factor is not None or s.long_factor is not None:
-                raise ValueError(f"ModelConfig.rope_scaling: attention_factor and short/long factors are "
-                                 f"longrope's, not {s.kind!r}'s")
+                raise ValueError(
+                    f"ModelConfig.rope_scaling: attention_factor and short/long factors are "
+                    f"longrope's, not {s.kind!r}'s"
+                )
             return
         half = self.head_dim // 2
         for name in ("short_factor", "long_factor"):
             v = getattr(s, name)
             if not isinstance(v, tuple) or len(v) != half:
-                raise ValueError(f"ModelConfig.rope_scaling.{name} must be a tuple of head_dim/2 = {half} "
-                                 f"numbers, got {v!r}")
+                raise ValueError(
+                    f"ModelConfig.rope_scaling.{name} must be a tuple of head_dim/2 = {half} "
+                    f"numbers, got {v!r}"
+                )
         if self.max_position_embeddings > s.original_max_position:
             raise ValueError(
                 f"ModelConfig.max_position_embeddings={self.max_position_embeddings} exceeds the longrope "
                 f"original_max_position={s.original_max_position}: transformers switches to long_factor past "
-                "it, which relax's static RoPE tables cannot follow (they use short_factor)")
+                "it, which relax's static RoPE tables cannot follow (they use short_factor)"
+            )
 
     @property
     def q_per_kv(self) -> int:
@@ -235,7 +275,9 @@ class ModelConfig:
     def sparse_layers(self) -> tuple[bool, ...]:
         """Per layer, whether its MLP is a mixture of experts (``relax.models.moe.experts``): every layer
         not in ``dense_layers`` of a model with experts."""
-        return tuple(self.num_experts > 0 and i not in self.dense_layers for i in range(self.num_layers))
+        return tuple(
+            self.num_experts > 0 and i not in self.dense_layers for i in range(self.num_layers)
+        )
 
     @property
     def num_sparse_layers(self) -> int:
@@ -264,15 +306,24 @@ class ModelConfig:
     def attn_scale(self) -> float | None:
         """The score scale ``query_pre_attn_scalar^-1/2``; None for the kernels' ``head_dim^-1/2``."""
         q = self.query_pre_attn_scalar
-        return None if q is None else q ** -0.5
+        return None if q is None else q**-0.5
 
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-layer parameter shapes (no ``[L]`` axis) of the ``LayerStack`` fields this config
         has, in one fixed order: the one definition init, the HF loader and ``num_params`` use."""
         D, F, hd = self.hidden_size, self.intermediate_size, self.head_dim
         qd, kd = self.num_heads * hd, self.num_kv_heads * hd
-        s = dict(attn_norm=(D,), wq=(D, qd), wk=(D, kd), wv=(D, kd), wo=(qd, D), mlp_norm=(D,),
-                 w_gate=(D, F), w_up=(D, F), w_down=(F, D))
+        s = dict(
+            attn_norm=(D,),
+            wq=(D, qd),
+            wk=(D, kd),
+            wv=(D, kd),
+            wo=(qd, D),
+            mlp_norm=(D,),
+            w_gate=(D, F),
+            w_up=(D, F),
+            w_down=(F, D),
+        )
         if self.qkv_bias:
             s.update(bq=(qd,), bk=(kd,), bv=(kd,))
         if self.o_bias:
@@ -285,9 +336,16 @@ class ModelConfig:
             s.update(attn_out_norm=(D,), mlp_out_norm=(D,))
         if self.num_experts:
             E, Fe, Fs = self.num_experts, self.moe_intermediate_size, self.shared_expert_size
-            s.update(router=(D, E), expert_gate=(E, D, Fe), expert_up=(E, D, Fe), expert_down=(E, Fe, D))
+            s.update(
+                router=(D, E), expert_gate=(E, D, Fe), expert_up=(E, D, Fe), expert_down=(E, Fe, D)
+            )
             if Fs:
-                s.update(shared_gate=(D, Fs), shared_up=(D, Fs), shared_down=(Fs, D), shared_router=(D, 1))
+                s.update(
+                    shared_gate=(D, Fs),
+                    shared_up=(D, Fs),
+                    shared_down=(Fs, D),
+                    shared_router=(D, 1),
+                )
         return {k: v for k, v in s.items() if self.layer_count(k)}
 
     def stacked_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -302,8 +360,11 @@ class ModelConfig:
 
     def num_active_params(self) -> int:
         """Parameters a token uses: ``num_params`` less the experts it is not routed to."""
-        unused = sum(math.prod(s) * (self.num_experts - self.num_experts_per_tok) // max(1, self.num_experts)
-                     for k, s in self.stacked_shapes().items() if k.startswith("expert_"))
+        unused = sum(
+            math.prod(s) * (self.num_experts - self.num_experts_per_tok) // max(1, self.num_experts)
+            for k, s in self.stacked_shapes().items()
+            if k.startswith("expert_")
+        )
         return self.num_params() - unused
 
 
@@ -315,7 +376,15 @@ def family_config(family: str, **fields) -> ModelConfig:
 
 def small_config(**overrides) -> ModelConfig:
     """The benchmark's "small" CPU config (Llama architecture, 4 layers, vocab 4096)."""
-    base = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
-                num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=2048)
+    base = dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        max_position_embeddings=2048,
+    )
     base.update(overrides)
     return ModelConfig(**base)

@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 from relax.models.config.families import ADAPTABLE_FIELDS
 
 BATCH_AXES = ("data", "expert", "fsdp")  # the mesh axes that split the prompt batch
-EXPERT_AXIS = "expert"  # also splits the experts of a sparse layer (relax.models.moe.expert_parallel)
+EXPERT_AXIS = (
+    "expert"  # also splits the experts of a sparse layer (relax.models.moe.expert_parallel)
+)
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
     "lm_head": ("vocab", "embed"),
@@ -116,14 +118,22 @@ class DecodeLayout:
     def spec(self, *dims: str | None) -> P:
         """``PartitionSpec`` from logical dims ("batch", "heads", "mlp", "vocab", "experts",
         "expert_mlp" or None)."""
-        axes = {"batch": self.batch or None, "heads": self.heads, "mlp": self.mlp, "vocab": self.vocab,
-                "experts": self.experts, "expert_mlp": self.expert_mlp, None: None}
+        axes = {
+            "batch": self.batch or None,
+            "heads": self.heads,
+            "mlp": self.mlp,
+            "vocab": self.vocab,
+            "experts": self.experts,
+            "expert_mlp": self.expert_mlp,
+            None: None,
+        }
         return P(*(axes[d] for d in dims))
 
     @property
     def sharded(self) -> bool:
-        return bool(self.batch) or any(a is not None for a in (self.heads, self.mlp, self.vocab, self.experts,
-                                                                self.expert_mlp))
+        return bool(self.batch) or any(
+            a is not None for a in (self.heads, self.mlp, self.vocab, self.experts, self.expert_mlp)
+        )
 
     def constrain(self, x: jax.Array, *dims: str | None) -> jax.Array:
         """``x`` pinned to ``spec(*dims)`` on the ambient mesh (unchanged when nothing is sharded)."""
@@ -142,7 +152,12 @@ def decode_layout(config) -> DecodeLayout:
     t, ep = size(TENSOR_AXIS), size(EXPERT_AXIS)
     split = lambda n: TENSOR_AXIS if t > 1 and n % t == 0 else None  # noqa: E731
     moe = bool(getattr(config, "num_experts", 0))
-    return DecodeLayout(batch=batch, heads=split(config.num_kv_heads), mlp=split(config.intermediate_size),
-                        vocab=split(config.vocab_size), tensor_size=t,
-                        experts=EXPERT_AXIS if moe and ep > 1 and config.num_experts % ep == 0 else None,
-                        expert_mlp=split(config.moe_intermediate_size) if moe else None)
+    return DecodeLayout(
+        batch=batch,
+        heads=split(config.num_kv_heads),
+        mlp=split(config.intermediate_size),
+        vocab=split(config.vocab_size),
+        tensor_size=t,
+        experts=EXPERT_AXIS if moe and ep > 1 and config.num_experts % ep == 0 else None,
+        expert_mlp=split(config.moe_intermediate_size) if moe else None,
+    )

@@ -14,20 +14,21 @@ the hook, so sampler and trainer log-probs agree by construction.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models.moe import experts as moe
-from relax.models.config.model import MOE_FIELDS, ModelConfig
-from relax.models.moe.expert_parallel import experts_ffn
 from relax.models.config.layer_kinds import Kind, scanned_kinds
+from relax.models.config.model import MOE_FIELDS, ModelConfig
 from relax.models.layers.lora import Adapters, adapted
 from relax.models.layers.matmul import matmul
 from relax.models.layers.rope import Rotary, apply_rope, layer_rotary
+from relax.models.moe import experts as moe
+from relax.models.moe.expert_parallel import experts_ffn
 
 if TYPE_CHECKING:
     from relax.models.decoder.transformer import Transformer
@@ -58,7 +59,9 @@ class LayerStack(eqx.Module):
     b_down: Float[Array, "L D"] | None = None
     attn_out_norm: Float[Array, "L D"] | None = None
     mlp_out_norm: Float[Array, "L D"] | None = None
-    lora: Adapters | None = None  # low-rank adapters (relax.models.layers.lora), stacked as the weights they adapt
+    lora: Adapters | None = (
+        None  # low-rank adapters (relax.models.layers.lora), stacked as the weights they adapt
+    )
     # a mixture of experts (relax.models.moe.experts) on the Ls sparse layers (the dense MLP's weights
     # above are then stacked on the Ld = L - Ls dense layers: ModelConfig.layer_count)
     router: Float[Array, "Ls D E"] | None = None
@@ -109,11 +112,13 @@ class FusedLayer(eqx.Module):
     mlp_groups: int = eqx.field(static=True, default=1)
 
 
-def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float, style: str = "w") -> Float[Array, "... d"]:
+def rms_norm(
+    x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float, style: str = "w"
+) -> Float[Array, "... d"]:
     """RMSNorm, the statistic in float32, ``x̂ = x / sqrt(mean(x^2) + eps)``::
 
-        "w":    w * x̂      (x̂ cast to x.dtype first, the product in x.dtype: Llama, Qwen)
-        "1+w":  (1 + w) * x̂  (in float32, then cast to x.dtype: Gemma)
+    "w":    w * x̂      (x̂ cast to x.dtype first, the product in x.dtype: Llama, Qwen)
+    "1+w":  (1 + w) * x̂  (in float32, then cast to x.dtype: Gemma)
     """
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -143,10 +148,17 @@ def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig):
         lead, n = h.shape[:-1], p.qkv_groups
         qkv = linear(h, p.wqkv, p.bqkv, dt).reshape(*lead, n, -1)
         qd, kd = c.num_heads * c.head_dim // n, c.num_kv_heads * c.head_dim // n
-        q, k, v = (x.reshape(*lead, -1) for x in (qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]))
+        q, k, v = (
+            x.reshape(*lead, -1)
+            for x in (qkv[..., :qd], qkv[..., qd : qd + kd], qkv[..., qd + kd :])
+        )
     else:
         q, k, v = linear(h, p.wq, p.bq, dt), linear(h, p.wk, p.bk, dt), linear(h, p.wv, p.bv, dt)
-    return adapted(p.lora, "wq", h, q, dt), adapted(p.lora, "wk", h, k, dt), adapted(p.lora, "wv", h, v, dt)
+    return (
+        adapted(p.lora, "wq", h, q, dt),
+        adapted(p.lora, "wk", h, k, dt),
+        adapted(p.lora, "wv", h, v, dt),
+    )
 
 
 def _gate_up(p: LayerStack | FusedLayer, h, dt):
@@ -169,7 +181,9 @@ class RouteIn(NamedTuple):
     replay: bool = True
 
 
-def _shared_expert(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "n D"]) -> Float[Array, "n D"]:
+def _shared_expert(
+    model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "n D"]
+) -> Float[Array, "n D"]:
     """A shared expert on every token, with its adapters: ``sigmoid(x W_r) (act(x W_g) * x W_u) W_d``."""
     c, dt, ad = model.config, model.dtype, p.lora
     proj = lambda field, a: adapted(ad, field, a, linear(a, getattr(p, field), None, dt), dt)  # noqa: E731
@@ -190,10 +204,19 @@ def _mlp(model: Transformer, p: LayerStack | FusedLayer, h, route: RouteIn | Non
     k = c.num_experts_per_tok
     logits = linear(x, p.router, None, dt)
     recorded = None if route.recorded is None else route.recorded.reshape(-1, k)
-    weights, experts, own = moe.route(logits, k, normalize=c.norm_topk_prob, replay=recorded if route.replay else None)
+    weights, experts, own = moe.route(
+        logits, k, normalize=c.norm_topk_prob, replay=recorded if route.replay else None
+    )
     cast = lambda w: w.astype(dt)  # noqa: E731
-    y = experts_ffn(x, experts, weights.astype(dt), cast(p.expert_gate), cast(p.expert_up), cast(p.expert_down),
-                    lambda a: activation(c, a))
+    y = experts_ffn(
+        x,
+        experts,
+        weights.astype(dt),
+        cast(p.expert_gate),
+        cast(p.expert_up),
+        cast(p.expert_down),
+        lambda a: activation(c, a),
+    )
     if p.shared_gate is not None:
         y = y + _shared_expert(model, p, x)
     valid = None if route.valid is None else route.valid.reshape(-1)
@@ -201,9 +224,16 @@ def _mlp(model: Transformer, p: LayerStack | FusedLayer, h, route: RouteIn | Non
     return y.reshape(*lead, -1), moe.Routed(experts.reshape(*lead, k), stats)
 
 
-def layer_forward(model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "b t D"], rope: Rotary,
-                  attend: Attend, layer_input: Any, sliding: Kind,
-                  route: RouteIn | None = None) -> tuple[Array, Any, moe.Routed | None]:
+def layer_forward(
+    model: Transformer,
+    p: LayerStack | FusedLayer,
+    x: Float[Array, "b t D"],
+    rope: Rotary,
+    attend: Attend,
+    layer_input: Any,
+    sliding: Kind,
+    route: RouteIn | None = None,
+) -> tuple[Array, Any, moe.Routed | None]:
     """One decoder layer on unstacked parameters ``p``; ``rope``: the tables of every RoPE kind
     (the layer reads its own kind's)::
 
@@ -271,18 +301,26 @@ def segment_params(stack: LayerStack, config: ModelConfig, seg: Segment) -> Laye
         if a is None:
             return None
         if name in ("lora", "dropout_key"):
-            return adapters_part(a) if name == "lora" else a[seg.start:seg.stop]
+            return adapters_part(a) if name == "lora" else a[seg.start : seg.stop]
         if config.layer_count(name) == config.num_layers:
-            return jax.tree.map(lambda x: x[seg.start:seg.stop], a)
+            return jax.tree.map(lambda x: x[seg.start : seg.stop], a)
         if (name in MOE_FIELDS) != seg.sparse:
             return None
-        return jax.tree.map(lambda x: x[seg.first:seg.first + n], a)
+        return jax.tree.map(lambda x: x[seg.first : seg.first + n], a)
 
     def adapters_part(ad):
-        return dataclasses.replace(ad, **{f.name: part(f.name, getattr(ad, f.name)) for f in dataclasses.fields(ad)
-                                          if not f.metadata.get("static", False)})
+        return dataclasses.replace(
+            ad,
+            **{
+                f.name: part(f.name, getattr(ad, f.name))
+                for f in dataclasses.fields(ad)
+                if not f.metadata.get("static", False)
+            },
+        )
 
-    return LayerStack(**{f.name: part(f.name, getattr(stack, f.name)) for f in dataclasses.fields(stack)})
+    return LayerStack(
+        **{f.name: part(f.name, getattr(stack, f.name)) for f in dataclasses.fields(stack)}
+    )
 
 
 def concat_layers(parts: list[Any]) -> Any:
@@ -293,8 +331,15 @@ def concat_layers(parts: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
-def scan_layers(model: Transformer, body: Callable, carry: Any, xs: Any = None, sparse_xs: Any = None, *,
-                unroll: bool | int = 1) -> tuple[Any, Any, moe.Routed | None]:
+def scan_layers(
+    model: Transformer,
+    body: Callable,
+    carry: Any,
+    xs: Any = None,
+    sparse_xs: Any = None,
+    *,
+    unroll: bool | int = 1,
+) -> tuple[Any, Any, moe.Routed | None]:
     """``lax.scan`` of ``body(carry, (layer params, scanned kind, x, sparse x)) -> (carry, (y, routed))``
     over every layer, as one scan per ``Segment`` (one for most models); ``xs`` lead with ``[L]``,
     ``sparse_xs`` with ``[Ls]`` (None on dense layers). Returns the carry, the ``y`` stacked ``[L]``
@@ -303,18 +348,27 @@ def scan_layers(model: Transformer, body: Callable, carry: Any, xs: Any = None, 
     kinds = scanned_kinds(c)
     ys, routed = [], []
     for seg in segments(c):
-        cut = lambda a: jax.tree.map(lambda x: x[seg.start:seg.stop], a)  # noqa: E731
-        sx = None if not seg.sparse or sparse_xs is None else jax.tree.map(
-            lambda x: x[seg.first:seg.first + seg.stop - seg.start], sparse_xs)
-        inputs = (segment_params(model.layers, c, seg), None if kinds is None else kinds[seg.start:seg.stop],
-                  cut(xs), sx)
+        cut = lambda a: jax.tree.map(lambda x: x[seg.start : seg.stop], a)  # noqa: E731
+        sx = (
+            None
+            if not seg.sparse or sparse_xs is None
+            else jax.tree.map(lambda x: x[seg.first : seg.first + seg.stop - seg.start], sparse_xs)
+        )
+        inputs = (
+            segment_params(model.layers, c, seg),
+            None if kinds is None else kinds[seg.start : seg.stop],
+            cut(xs),
+            sx,
+        )
         carry, (y, r) = jax.lax.scan(body, carry, inputs, unroll=unroll)
         ys.append(y)
         routed.append(r)
     return carry, concat_layers(ys), concat_layers(routed)
 
 
-def fuse_layers(model: Transformer, *, qkv_groups: int = 1, mlp_groups: int = 1) -> list[FusedLayer]:
+def fuse_layers(
+    model: Transformer, *, qkv_groups: int = 1, mlp_groups: int = 1
+) -> list[FusedLayer]:
     """Per-layer parameters with fused q/k/v and gate/up weights (built once, e.g. per rollout),
     their columns in ``qkv_groups`` / ``mlp_groups`` blocks (``FusedLayer``: one per tensor shard);
     adapters (``relax.models.layers.lora``) stay unmerged and run beside the fused weights (the sampler
@@ -325,12 +379,26 @@ def fuse_layers(model: Transformer, *, qkv_groups: int = 1, mlp_groups: int = 1)
     out = []
     for seg in segments(c):
         L = segment_params(model.layers, c, seg)
-        fused = FusedLayer(attn_norm=L.attn_norm, wqkv=qkv(L.wq, L.wk, L.wv), wo=L.wo, mlp_norm=L.mlp_norm,
-                           w_gate_up=gate_up(L.w_gate, L.w_up), w_down=L.w_down, bqkv=qkv(L.bq, L.bk, L.bv), bo=L.bo,
-                           q_norm=L.q_norm, k_norm=L.k_norm, b_gate_up=gate_up(L.b_gate, L.b_up), b_down=L.b_down,
-                           attn_out_norm=L.attn_out_norm, mlp_out_norm=L.mlp_out_norm, lora=L.lora,
-                           **{f: getattr(L, f) for f in MOE_FIELDS},
-                           qkv_groups=qkv_groups, mlp_groups=mlp_groups)
+        fused = FusedLayer(
+            attn_norm=L.attn_norm,
+            wqkv=qkv(L.wq, L.wk, L.wv),
+            wo=L.wo,
+            mlp_norm=L.mlp_norm,
+            w_gate_up=gate_up(L.w_gate, L.w_up),
+            w_down=L.w_down,
+            bqkv=qkv(L.bq, L.bk, L.bv),
+            bo=L.bo,
+            q_norm=L.q_norm,
+            k_norm=L.k_norm,
+            b_gate_up=gate_up(L.b_gate, L.b_up),
+            b_down=L.b_down,
+            attn_out_norm=L.attn_out_norm,
+            mlp_out_norm=L.mlp_out_norm,
+            lora=L.lora,
+            **{f: getattr(L, f) for f in MOE_FIELDS},
+            qkv_groups=qkv_groups,
+            mlp_groups=mlp_groups,
+        )
         out += [jax.tree.map(lambda a: a[i], fused) for i in range(seg.stop - seg.start)]
     return out
 
@@ -338,7 +406,7 @@ def fuse_layers(model: Transformer, *, qkv_groups: int = 1, mlp_groups: int = 1)
 def blocks(parts: tuple[Array, ...], n: int) -> Array:
     """Concatenate ``parts`` along the last axis in ``n`` blocks, block i = [part_j's i-th n-th, ...]::
 
-        [..., a], [..., b] -> [..., n, a/n + b/n] flattened   (n = 1: plain concatenation)
+    [..., a], [..., b] -> [..., n, a/n + b/n] flattened   (n = 1: plain concatenation)
     """
     lead = parts[0].shape[:-1]
     split = [x.reshape(*lead, n, x.shape[-1] // n) for x in parts]

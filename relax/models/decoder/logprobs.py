@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from relax.models.layers.matmul import weight_grad
 from relax.models.decoder.transformer import Transformer, hidden_states
+from relax.models.layers.matmul import weight_grad
 
 DEFAULT_CHUNK = 1024
 
@@ -61,7 +61,9 @@ def _head_forward(temperature, mode, w, h, targets):
     lse = m[:, 0] + jnp.log(l)
     zt = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
     # H = lse - E_p[z] = log l - E_p[z - max]: shifted logits, no large terms that cancel
-    ent = jnp.log(l) - jnp.sum(e * (z - m), axis=-1) / l if mode.with_entropy else jnp.zeros_like(lse)
+    ent = (
+        jnp.log(l) - jnp.sum(e * (z - m), axis=-1) / l if mode.with_entropy else jnp.zeros_like(lse)
+    )
     return (zt - lse, ent), (lse, ent)
 
 
@@ -78,7 +80,7 @@ def _head_fwd(temperature, mode, w, h, targets):
 def _head_bwd(temperature, mode, res, g):
     """Recompute the chunk's logits and write the logit gradient in one pass::
 
-        d logp_y / dz = onehot(y) - p,    d H / dz = -p (z - E_p[z]) = -p (log p + H),    z = h W^T / tau
+    d logp_y / dz = onehot(y) - p,    d H / dz = -p (z - E_p[z]) = -p (log p + H),    z = h W^T / tau
     """
     w, h, targets, lse, ent = res
     g_lp, g_ent = g
@@ -102,8 +104,14 @@ def _head_bwd(temperature, mode, res, g):
 _head.defvjp(_head_fwd, _head_bwd)
 
 
-def logprobs_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: Int[Array, "*b"],
-                         *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "*b"]:
+def logprobs_from_hidden(
+    model: Transformer,
+    h: Float[Array, "*b d"],
+    targets: Int[Array, "*b"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Float[Array, "*b"]:
     """``log softmax(h W^T / temperature)[target]`` per row, in float32."""
     w = model.head.astype(model.dtype)
     mode = _Mode(with_entropy=False, entropy_grad=False)
@@ -113,10 +121,15 @@ def logprobs_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: I
     return out.reshape(lead)
 
 
-def logprobs_and_entropy_from_hidden(model: Transformer, h: Float[Array, "*b d"], targets: Int[Array, "*b"],
-                                     *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                                     entropy_grad: bool = True
-                                     ) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
+def logprobs_and_entropy_from_hidden(
+    model: Transformer,
+    h: Float[Array, "*b d"],
+    targets: Int[Array, "*b"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    entropy_grad: bool = True,
+) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
     """Target log-prob and entropy of the full distribution, per row, one pass over the logits.
     ``entropy_grad=False``: the entropy is a metric (a stop-gradient), and the backward skips its
     term (one fewer pass over the chunk's logits)."""
@@ -129,22 +142,40 @@ def logprobs_and_entropy_from_hidden(model: Transformer, h: Float[Array, "*b d"]
     return out[:, 0].reshape(lead), ent.reshape(lead)
 
 
-def token_logprobs(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,
-                   *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "b t-1"]:
+def token_logprobs(
+    model: Transformer,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Array | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Float[Array, "b t-1"]:
     """``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])`` (float32).
 
     Positions whose target is padding hold the log-prob of the pad id; mask them out with
     ``attention_mask[:, 1:]``.
     """
     h = hidden_states(model, input_ids, attention_mask)
-    return logprobs_from_hidden(model, h[:, :-1], input_ids[:, 1:], temperature=temperature,
-                                chunk_size=chunk_size)
+    return logprobs_from_hidden(
+        model, h[:, :-1], input_ids[:, 1:], temperature=temperature, chunk_size=chunk_size
+    )
 
 
-def token_entropy(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,
-                  *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "b t"]:
+def token_entropy(
+    model: Transformer,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Array | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Float[Array, "b t"]:
     """Entropy of the next-token distribution at every position (float32)."""
     h = hidden_states(model, input_ids, attention_mask)
     _, ent = logprobs_and_entropy_from_hidden(
-        model, h, jnp.zeros(input_ids.shape, jnp.int32), temperature=temperature, chunk_size=chunk_size)
+        model,
+        h,
+        jnp.zeros(input_ids.shape, jnp.int32),
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
     return ent

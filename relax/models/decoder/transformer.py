@@ -25,16 +25,41 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax.models.attention import blocks as attn
-from relax.models.config.model import ModelConfig
-from relax.models.decoder.layer import (Attend, FusedLayer, LayerStack, RouteIn, fuse_layers, layer_forward, norm, rms_norm,
-                                scan_layers)
-from relax.models.moe.experts import Routed
 from relax.models.config.layer_kinds import layer_kind, layer_window, select
+from relax.models.config.model import ModelConfig
+from relax.models.decoder.layer import (
+    Attend,
+    FusedLayer,
+    LayerStack,
+    RouteIn,
+    fuse_layers,
+    layer_forward,
+    norm,
+    rms_norm,
+    scan_layers,
+)
 from relax.models.layers.rope import Rotary, rotary
+from relax.models.moe.experts import Routed
 
-__all__ = ["Attend", "FusedLayer", "LayerRoutes", "LayerStack", "Transformer", "cast", "embed", "final_norm", "full_attention",
-           "fuse_layers", "hidden_states", "init", "layer_forward", "positions_from_mask", "project", "rms_norm",
-           "run_layers"]
+__all__ = [
+    "Attend",
+    "FusedLayer",
+    "LayerRoutes",
+    "LayerStack",
+    "Transformer",
+    "cast",
+    "embed",
+    "final_norm",
+    "full_attention",
+    "fuse_layers",
+    "hidden_states",
+    "init",
+    "layer_forward",
+    "positions_from_mask",
+    "project",
+    "rms_norm",
+    "run_layers",
+]
 
 
 class LayerRoutes(NamedTuple):
@@ -61,13 +86,21 @@ class Transformer(eqx.Module):
     def head(self) -> Float[Array, "V D"]:
         return self.embed if self.lm_head is None else self.lm_head
 
-    def __call__(self, input_ids: Int[Array, "b t"], attention_mask: Array | None = None) -> Float[Array, "b t v"]:
+    def __call__(
+        self, input_ids: Int[Array, "b t"], attention_mask: Array | None = None
+    ) -> Float[Array, "b t v"]:
         h = hidden_states(self, input_ids, attention_mask)
         return project(self, h)
 
 
-def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.float32,
-         std: float = 0.02) -> Transformer:
+def init(
+    config: ModelConfig,
+    key: Array,
+    *,
+    param_dtype=jnp.float32,
+    dtype=jnp.float32,
+    std: float = 0.02,
+) -> Transformer:
     """Random weights ``N(0, std)``, identity norms (scales 1, or 0 for ``"1+w"`` norms); biases
     ``N(0, std)`` too (so tests see them)."""
     c = config
@@ -80,18 +113,28 @@ def init(config: ModelConfig, key: Array, *, param_dtype=jnp.float32, dtype=jnp.
     def identity_norm(*shape):
         return (jnp.zeros if c.norm_weight == "1+w" else jnp.ones)(shape, param_dtype)
 
-    layers = LayerStack(**{name: (identity_norm if name.endswith("norm") else normal)(*shape)
-                           for name, shape in c.stacked_shapes().items()})
+    layers = LayerStack(
+        **{
+            name: (identity_norm if name.endswith("norm") else normal)(*shape)
+            for name, shape in c.stacked_shapes().items()
+        }
+    )
     return Transformer(
-        embed=normal(c.vocab_size, D), layers=layers, norm=identity_norm(D),
+        embed=normal(c.vocab_size, D),
+        layers=layers,
+        norm=identity_norm(D),
         lm_head=None if c.tie_word_embeddings else normal(c.vocab_size, D),
-        config=c, dtype=dtype)
+        config=c,
+        dtype=dtype,
+    )
 
 
 def cast(model: Transformer, *, param_dtype=None, dtype=None) -> Transformer:
     """The same model with parameters and/or compute dtype changed."""
     if param_dtype is not None:
-        model = jax.tree.map(lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model)
+        model = jax.tree.map(
+            lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model
+        )
     if dtype is not None:
         model = dataclasses.replace(model, dtype=dtype)
     return model
@@ -106,10 +149,18 @@ def final_norm(model: Transformer, x: Float[Array, "... D"]) -> Float[Array, "..
     return norm(model.config, x, model.norm)
 
 
-def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Array, "b t"],
-               attend: Attend, layer_inputs: Any = None, *, layers: list[FusedLayer] | None = None,
-               remat: bool = False, rope: Rotary | None = None,
-               routes: LayerRoutes | None = None) -> tuple[Float[Array, "b t D"], Any, Routed | None]:
+def run_layers(
+    model: Transformer,
+    x: Float[Array, "b t D"],
+    positions: Int[Array, "b t"],
+    attend: Attend,
+    layer_inputs: Any = None,
+    *,
+    layers: list[FusedLayer] | None = None,
+    remat: bool = False,
+    rope: Rotary | None = None,
+    routes: LayerRoutes | None = None,
+) -> tuple[Float[Array, "b t D"], Any, Routed | None]:
     """Embedded inputs through every layer and the final norm: ``(h, attend's outputs, routed)``.
 
     By default the stacked ``model.layers`` run as one ``lax.scan`` (compiles once however
@@ -131,14 +182,24 @@ def run_layers(model: Transformer, x: Float[Array, "b t D"], positions: Int[Arra
     routes = LayerRoutes() if routes is None else routes
 
     def run(h, p, li, sliding, recorded):
-        f = lambda h, p, li, rec: layer_forward(model, p, h, rope, attend, li, sliding,  # noqa: E731
-                                                RouteIn(routes.valid, rec, routes.replay))
+        f = lambda h, p, li, rec: layer_forward(
+            model,
+            p,
+            h,
+            rope,
+            attend,
+            li,
+            sliding,  # noqa: E731
+            RouteIn(routes.valid, rec, routes.replay),
+        )
         return (jax.checkpoint(f) if remat else f)(h, p, li, recorded)
 
     if layers is None:
+
         def body(h, xs):
             h, out, routed = run(h, xs[0], xs[2], layer_kind(c, xs[1]), xs[3])
             return h, (out, routed)
+
         x, outputs, routed = scan_layers(model, body, x, layer_inputs, routes.recorded)
         return final_norm(model, x), outputs, routed
     inputs = [None] * len(layers) if layer_inputs is None else layer_inputs
@@ -159,7 +220,7 @@ def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t
     the embedding's dtype (``sqrt(D)`` rounded to float32, then to that dtype, as transformers)."""
     e = jnp.take(model.embed, input_ids, axis=0)
     if model.config.scale_embeddings:
-        e = e * jnp.asarray(np.float32(model.config.hidden_size ** 0.5)).astype(e.dtype)
+        e = e * jnp.asarray(np.float32(model.config.hidden_size**0.5)).astype(e.dtype)
     return e.astype(model.dtype)
 
 
@@ -167,18 +228,30 @@ def full_attention(model: Transformer, positions: Array, valid: Array) -> Attend
     """Causal attention over the sequence itself, through each layer's window (the masks of both
     kinds built once); returns head-major (k, v)."""
     c = model.config
-    masks = {s: attn.causal_mask(positions, positions, valid, layer_window(c, s)) for s in set(c.sliding_layers)}
+    masks = {
+        s: attn.causal_mask(positions, positions, valid, layer_window(c, s))
+        for s in set(c.sliding_layers)
+    }
 
     def attend(q, k, v, _, sliding):
-        allowed = masks[sliding] if isinstance(sliding, bool) else select(sliding, masks[True], masks[False])
+        allowed = (
+            masks[sliding]
+            if isinstance(sliding, bool)
+            else select(sliding, masks[True], masks[False])
+        )
         k, v = attn.heads_major(k), attn.heads_major(v)
         return attn.attention(q, k, v, allowed, scale=c.attn_scale), (k, v)
 
     return attend
 
 
-def hidden_states(model: Transformer, input_ids: Int[Array, "b t"], attention_mask: Array | None = None,
-                  *, remat: bool = False) -> Float[Array, "b t D"]:
+def hidden_states(
+    model: Transformer,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Array | None = None,
+    *,
+    remat: bool = False,
+) -> Float[Array, "b t D"]:
     """Final-norm hidden states; positions come from the mask (left padding works)."""
     if attention_mask is None:
         attention_mask = jnp.ones(input_ids.shape, jnp.int32)
@@ -192,5 +265,6 @@ def hidden_states(model: Transformer, input_ids: Int[Array, "b t"], attention_ma
 
 def project(model: Transformer, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
     """Logits ``h @ head^T`` accumulated in float32."""
-    return jnp.einsum("...d,vd->...v", h, model.head.astype(model.dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "...d,vd->...v", h, model.head.astype(model.dtype), preferred_element_type=jnp.float32
+    )

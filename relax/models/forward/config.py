@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from relax.choices import check_choice
-from relax.models.moe.experts import MoEConfig
 from relax.models.forward.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
+from relax.models.moe.experts import MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,17 @@ from jaxtyping import Array, Bool, Float, Int
 from relax.models.attention import blocks as attn
 from relax.models.config.layer_kinds import layer_window, select
 from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
-from relax.models.moe.experts import RouterStats
 from relax.models.decoder.transformer import Attend, LayerRoutes, Transformer, embed, run_layers
+from relax.models.moe.experts import RouterStats
 
-__all__ = ["greedy_hits", "packed_attention", "packed_hidden", "packed_logprobs", "segment_mask",
-           "segment_positions"]
+__all__ = [
+    "greedy_hits",
+    "packed_attention",
+    "packed_hidden",
+    "packed_logprobs",
+    "segment_mask",
+    "segment_positions",
+]
 
 
 def segment_positions(segment_ids: Int[Array, "b t"]) -> Int[Array, "b t"]:
@@ -40,64 +46,106 @@ def segment_positions(segment_ids: Int[Array, "b t"]) -> Int[Array, "b t"]:
     gets the position it would have as a continuation of what precedes it, and is masked)."""
     t = segment_ids.shape[-1]
     idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-    prev = jnp.concatenate([jnp.full(segment_ids.shape[:-1] + (1,), -1, segment_ids.dtype),
-                            segment_ids[..., :-1]], axis=-1)
+    prev = jnp.concatenate(
+        [jnp.full(segment_ids.shape[:-1] + (1,), -1, segment_ids.dtype), segment_ids[..., :-1]],
+        axis=-1,
+    )
     starts = jnp.where(segment_ids != prev, idx, 0)
     return idx - jax.lax.cummax(starts, axis=segment_ids.ndim - 1)
 
 
-def segment_mask(segment_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
-                 window: int | Int[Array, ""] | None) -> Bool[Array, "b t t"]:
+def segment_mask(
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    window: int | Int[Array, ""] | None,
+) -> Bool[Array, "b t t"]:
     """``allowed[b, i, j]``: key ``j`` is visible to query ``i`` (same example, causal, within
     ``window``); padding sees nothing and is seen by nothing."""
     same = segment_ids[..., :, None] == segment_ids[..., None, :]
     return attn.causal_mask(positions, positions, segment_ids > 0, window) & same
 
 
-def packed_attention(model: Transformer, segment_ids: Int[Array, "b t"], positions: Int[Array, "b t"]) -> Attend:
+def packed_attention(
+    model: Transformer, segment_ids: Int[Array, "b t"], positions: Int[Array, "b t"]
+) -> Attend:
     """The attention hook of a packed row: ``full_attention`` with the segment mask (the masks of
     both layer kinds built once); returns no per-layer output."""
     c = model.config
-    masks = {s: segment_mask(segment_ids, positions, layer_window(c, s)) for s in set(c.sliding_layers)}
+    masks = {
+        s: segment_mask(segment_ids, positions, layer_window(c, s)) for s in set(c.sliding_layers)
+    }
 
     def attend(q, k, v, _, sliding):
-        allowed = masks[sliding] if isinstance(sliding, bool) else select(sliding, masks[True], masks[False])
+        allowed = (
+            masks[sliding]
+            if isinstance(sliding, bool)
+            else select(sliding, masks[True], masks[False])
+        )
         k, v = attn.heads_major(k), attn.heads_major(v)
         return attn.attention(q, k, v, allowed, scale=c.attn_scale), None
 
     return attend
 
 
-def packed_hidden(model: Transformer, ids: Int[Array, "b t"], segment_ids: Int[Array, "b t"], *,
-                  remat: bool = False) -> Float[Array, "b t D"]:
+def packed_hidden(
+    model: Transformer,
+    ids: Int[Array, "b t"],
+    segment_ids: Int[Array, "b t"],
+    *,
+    remat: bool = False,
+) -> Float[Array, "b t D"]:
     """Final-norm hidden states of packed rows (module docstring); ``remat`` recomputes each
     layer in the backward pass."""
     return packed_hidden_routed(model, ids, segment_ids, remat=remat)[0]
 
 
-def packed_hidden_routed(model: Transformer, ids: Int[Array, "b t"], segment_ids: Int[Array, "b t"], *,
-                         remat: bool = False) -> tuple[Float[Array, "b t D"], RouterStats | None]:
+def packed_hidden_routed(
+    model: Transformer,
+    ids: Int[Array, "b t"],
+    segment_ids: Int[Array, "b t"],
+    *,
+    remat: bool = False,
+) -> tuple[Float[Array, "b t D"], RouterStats | None]:
     """``packed_hidden`` and a mixture of experts' ``RouterStats`` over the rows' tokens (stacked
     ``[Ls]``; None for a dense model)."""
     positions = segment_positions(segment_ids)
     attend = packed_attention(model, segment_ids, positions)
-    h, _, routed = run_layers(model, embed(model, ids), positions, attend, remat=remat,
-                              routes=LayerRoutes(segment_ids > 0))
+    h, _, routed = run_layers(
+        model,
+        embed(model, ids),
+        positions,
+        attend,
+        remat=remat,
+        routes=LayerRoutes(segment_ids > 0),
+    )
     return h, None if routed is None else routed.stats
 
 
-def packed_logprobs(model: Transformer, ids: Int[Array, "b t"], segment_ids: Int[Array, "b t"], *,
-                    temperature: float = 1.0, remat: bool = False,
-                    chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "b t-1"]:
+def packed_logprobs(
+    model: Transformer,
+    ids: Int[Array, "b t"],
+    segment_ids: Int[Array, "b t"],
+    *,
+    temperature: float = 1.0,
+    remat: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Float[Array, "b t-1"]:
     """``out[:, t] = log p(ids[:, t+1] | the example's tokens up to t)`` (float32), examples
     isolated from each other. Only positions where ``t+1`` continues the example at ``t`` are
     meaningful (mask with a loss mask that is 0 on every example's first token)."""
     h = packed_hidden(model, ids, segment_ids, remat=remat)
-    return logprobs_from_hidden(model, h[:, :-1], ids[:, 1:], temperature=temperature, chunk_size=chunk_size)
+    return logprobs_from_hidden(
+        model, h[:, :-1], ids[:, 1:], temperature=temperature, chunk_size=chunk_size
+    )
 
 
-def greedy_hits(model: Transformer, h: Float[Array, "*b D"], targets: Int[Array, "*b"], *,
-                chunk_size: int = DEFAULT_CHUNK) -> Bool[Array, "*b"]:
+def greedy_hits(
+    model: Transformer,
+    h: Float[Array, "*b D"],
+    targets: Int[Array, "*b"],
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Bool[Array, "*b"]:
     """Whether ``targets`` is the argmax of the logits ``h W^T`` (a stop-gradient metric: the
     next-token accuracy), computed ``chunk_size`` rows at a time like the log-probs."""
     w = jax.lax.stop_gradient(model.head.astype(model.dtype))

@@ -33,25 +33,36 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models.forward.completion_packing import PackedCompletions, to_padded
-from relax.models.config.model import ModelConfig
 from relax.models.attention.dense import fused_attention_available, prefix_dense_attention
 from relax.models.attention.group import prefix_group_attention
-from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.config.layer_kinds import layer_kind, layer_window
-from relax.models.layers.rope import Rotary, rotary
-from relax.models.decoder.layer import RouteIn, scan_layers
-from relax.models.forward.routes import Routes
-from relax.models.decoder.transformer import (Transformer, embed, final_norm, full_attention, layer_forward,
-                                      positions_from_mask)
+from relax.models.config.model import ModelConfig
 from relax.models.config.sharding import ambient_batch_shards
-
+from relax.models.decoder.layer import RouteIn, scan_layers
+from relax.models.decoder.logprobs import (
+    DEFAULT_CHUNK,
+    logprobs_and_entropy_from_hidden,
+    logprobs_from_hidden,
+)
+from relax.models.decoder.transformer import (
+    Transformer,
+    embed,
+    final_norm,
+    full_attention,
+    layer_forward,
+    positions_from_mask,
+)
+from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.forward.routes import Routes
+from relax.models.layers.rope import Rotary, rotary
 
 TRAIN_ATTENTION = ("auto", "group", "dense")
 # what a rematerialised layer keeps for the backward: nothing (recompute the whole layer) or the
 # outputs of its weight matmuls (recompute only attention and elementwise ops; more memory)
-REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+REMAT_POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def resolve_attention(choice: str, model: Transformer) -> str:
@@ -62,8 +73,10 @@ def resolve_attention(choice: str, model: Transformer) -> str:
     if choice == "auto":
         return "dense" if not c.has_window and fused_attention_available(model.dtype) else "group"
     if choice == "dense" and c.has_window:
-        raise ValueError(f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
-                         "use 'group'")
+        raise ValueError(
+            f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
+            "use 'group'"
+        )
     return choice
 
 
@@ -96,22 +109,38 @@ class CompletionRows(NamedTuple):
     offsets: Int[Array, "p g n"] | None = None
 
 
-def padded_rows(prompt_mask: Int[Array, "p lp"], completions: Int[Array, "p g n"],
-                completion_mask: Int[Array, "p g n"]) -> CompletionRows:
+def padded_rows(
+    prompt_mask: Int[Array, "p lp"],
+    completions: Int[Array, "p g n"],
+    completion_mask: Int[Array, "p g n"],
+) -> CompletionRows:
     """The rows of completions padded to the budget: token ``t`` at ``prompt length + t``."""
     _, g, n = completions.shape
-    return CompletionRows(completions, _completion_positions(prompt_mask, g, n), completion_mask.astype(bool))
+    return CompletionRows(
+        completions, _completion_positions(prompt_mask, g, n), completion_mask.astype(bool)
+    )
 
 
 def packed_rows(prompt_mask: Int[Array, "p lp"], packed: PackedCompletions) -> CompletionRows:
     """The rows of packed completions: each token at ``prompt length + its index in its completion``."""
     p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
-    return CompletionRows(packed.tokens, p_len[:, None, None] + packed.offsets, packed.segments > 0,
-                          packed.segments, packed.offsets)
+    return CompletionRows(
+        packed.tokens,
+        p_len[:, None, None] + packed.offsets,
+        packed.segments > 0,
+        packed.segments,
+        packed.offsets,
+    )
 
 
-def completion_rope(config: ModelConfig, prompt_mask: Int[Array, "p lp"], num_generations: int,
-                    num_tokens: int, *, packed: PackedCompletions | None = None) -> CompletionRope:
+def completion_rope(
+    config: ModelConfig,
+    prompt_mask: Int[Array, "p lp"],
+    num_generations: int,
+    num_tokens: int,
+    *,
+    packed: PackedCompletions | None = None,
+) -> CompletionRope:
     """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
     ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``,
     or the packed rows' ``[P, R, C]`` with ``packed``).
@@ -154,21 +183,46 @@ class LayerPass:
 
     def __post_init__(self):
         if self.attention not in ("group", "dense"):
-            raise ValueError(f"LayerPass needs a resolved attention (group | dense), got {self.attention!r}")
+            raise ValueError(
+                f"LayerPass needs a resolved attention (group | dense), got {self.attention!r}"
+            )
         if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}")
+            raise ValueError(
+                f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"
+            )
 
 
-def shared_hidden(model: Transformer, prompt_ids, prompt_mask, completions, completion_mask, layers: LayerPass,
-                  rope: CompletionRope | None):
+def shared_hidden(
+    model: Transformer,
+    prompt_ids,
+    prompt_mask,
+    completions,
+    completion_mask,
+    layers: LayerPass,
+    rope: CompletionRope | None,
+):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``."""
-    hp, hc, _ = rows_hidden(model, prompt_ids, prompt_mask, padded_rows(prompt_mask, completions, completion_mask),
-                            layers, rope)
+    hp, hc, _ = rows_hidden(
+        model,
+        prompt_ids,
+        prompt_mask,
+        padded_rows(prompt_mask, completions, completion_mask),
+        layers,
+        rope,
+    )
     return hp, hc
 
 
-def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRows, layers: LayerPass,
-                rope: CompletionRope | None, replay: tuple[Array, Array] | None = None, replay_routes: bool = True):
+def rows_hidden(
+    model: Transformer,
+    prompt_ids,
+    prompt_mask,
+    rows: CompletionRows,
+    layers: LayerPass,
+    rope: CompletionRope | None,
+    replay: tuple[Array, Array] | None = None,
+    replay_routes: bool = True,
+):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``, and the
     sparse layers' ``RouterStats`` over both (stacked ``[Ls]``; None for a dense model); ``replay``:
     the experts recorded on the prompt and completion rows (``Routes.replay_rows``), replayed when
@@ -180,7 +234,9 @@ def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRow
     b = p * g
     hk, r = c.num_kv_heads, c.q_per_kv
     if attention == "dense" and rows.segments is not None:
-        raise ValueError("packed completions need the 'group' train attention (the 'dense' one has no segments)")
+        raise ValueError(
+            "packed completions need the 'group' train attention (the 'dense' one has no segments)"
+        )
 
     p_valid = prompt_mask.astype(bool)
     p_pos = positions_from_mask(prompt_mask)
@@ -188,8 +244,12 @@ def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRow
     if rope is None:
         rope = _rope_at(c, prompt_mask, rows.positions)
     p_rope = Rotary(rope.prompt, rope.prompt_local)
-    c_rope = jax.tree.map(lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local))
-    prompt_attend = full_attention(model, p_pos, p_valid)  # also returns the prompt's head-major (k, v)
+    c_rope = jax.tree.map(
+        lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local)
+    )
+    prompt_attend = full_attention(
+        model, p_pos, p_valid
+    )  # also returns the prompt's head-major (k, v)
 
     # one group per loop step on one device; one local group per device per step on a mesh
     # (all groups at once when they do not split evenly over the mesh's batch shards)
@@ -203,19 +263,44 @@ def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRow
 
     def completion_attend(pk, pv):
         if attention == "dense":
-            return lambda q, k, v, _, __: (prefix_dense_attention(q, k, v, pk, pv, p_len, implementation=impl,
-                                                                  scale=c.attn_scale), None)
+            return lambda q, k, v, _, __: (
+                prefix_dense_attention(
+                    q, k, v, pk, pv, p_len, implementation=impl, scale=c.attn_scale
+                ),
+                None,
+            )
 
         def attend(q, k, v, _, sliding):
             d = q.shape[-1]
-            group = lambda x: x.reshape(p, g, n, hk, d).transpose(0, 3, 1, 2, 4)  # [P, Hkv, G, N, D]
-            qg = q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
-            out = prefix_group_attention(qg, pk, pv, group(k), group(v), q_pos, p_pos, p_valid, k_pos, k_valid,
-                                         window=layer_window(c, sliding), scale=c.attn_scale,
-                                         groups_per_step=per_step, save_probabilities=save_attention,
-                                         q_segments=q_seg, k_segments=rows.segments)
-            out = out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
+            group = lambda x: x.reshape(p, g, n, hk, d).transpose(
+                0, 3, 1, 2, 4
+            )  # [P, Hkv, G, N, D]
+            qg = (
+                q.reshape(p, g, n, hk, r, d).transpose(0, 3, 1, 4, 2, 5).reshape(p, hk, g, r * n, d)
+            )
+            out = prefix_group_attention(
+                qg,
+                pk,
+                pv,
+                group(k),
+                group(v),
+                q_pos,
+                p_pos,
+                p_valid,
+                k_pos,
+                k_valid,
+                window=layer_window(c, sliding),
+                scale=c.attn_scale,
+                groups_per_step=per_step,
+                save_probabilities=save_attention,
+                q_segments=q_seg,
+                k_segments=rows.segments,
+            )
+            out = (
+                out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)
+            )
             return out.astype(q.dtype), None
+
         return attend
 
     p_route = lambda r: RouteIn(p_valid, r, replay_routes)  # noqa: E731
@@ -225,26 +310,47 @@ def rows_hidden(model: Transformer, prompt_ids, prompt_mask, rows: CompletionRow
         xp, xc = carry
         layer, sliding, _, replay = xs[0], layer_kind(c, xs[1]), xs[2], xs[3]
         pr, cr = (None, None) if replay is None else replay
-        xp, (pk, pv), p_routed = layer_forward(model, layer, xp, p_rope, prompt_attend, None, sliding, p_route(pr))
-        xc, _, c_routed = layer_forward(model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding, c_route(cr))
+        xp, (pk, pv), p_routed = layer_forward(
+            model, layer, xp, p_rope, prompt_attend, None, sliding, p_route(pr)
+        )
+        xc, _, c_routed = layer_forward(
+            model, layer, xc, c_rope, completion_attend(pk, pv), None, sliding, c_route(cr)
+        )
         stats = None if p_routed is None else p_routed.stats + c_routed.stats
         return (xp, xc), (None, stats)
 
     if layers.remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
     xc0 = embed(model, rows.tokens.reshape(b, n))
-    (xp, xc), _, stats = scan_layers(model, body, (embed(model, prompt_ids), xc0), None, replay, unroll=layers.unroll)
+    (xp, xc), _, stats = scan_layers(
+        model, body, (embed(model, prompt_ids), xc0), None, replay, unroll=layers.unroll
+    )
     return final_norm(model, xp), final_norm(model, xc), stats
 
 
-def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
-                        completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *,
-                        temperature: float = 1.0, with_entropy: bool = False, remat: bool = False,
-                        chunk_size: int = DEFAULT_CHUNK, groups_per_pass: int | None = None,
-                        attention: str = "auto", remat_policy: str = "nothing", entropy_grad: bool = True,
-                        unroll: bool = False, save_attention: bool = False, rope: CompletionRope | None = None,
-                        packed: PackedCompletions | None = None, routes: Routes | None = None,
-                        replay_routes: bool = True, router_stats: bool = False):
+def completion_logprobs(
+    model: Transformer,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    completions: Int[Array, "p g n"],
+    completion_mask: Int[Array, "p g n"],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    remat: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    groups_per_pass: int | None = None,
+    attention: str = "auto",
+    remat_policy: str = "nothing",
+    entropy_grad: bool = True,
+    unroll: bool = False,
+    save_attention: bool = False,
+    rope: CompletionRope | None = None,
+    packed: PackedCompletions | None = None,
+    routes: Routes | None = None,
+    replay_routes: bool = True,
+    router_stats: bool = False,
+):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
@@ -274,21 +380,41 @@ def completion_logprobs(model: Transformer, prompt_ids: Int[Array, "p lp"], prom
     ``router_stats``: also return the sparse layers' ``RouterStats`` summed over the prompt and
     completion tokens, ``(values, stats)`` (None stats for a dense model).
     """
-    layers = LayerPass(_rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention)
-    run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature,
-                            with_entropy=with_entropy, chunk_size=chunk_size, entropy_grad=entropy_grad,
-                            replay_routes=replay_routes)
-    rows, xs = ((padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)) if packed is None else
-                (packed_rows, (prompt_ids, prompt_mask, packed)))
+    layers = LayerPass(
+        _rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention
+    )
+    run = functools.partial(
+        _completion_logprobs,
+        model,
+        layers=layers,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+        entropy_grad=entropy_grad,
+        replay_routes=replay_routes,
+    )
+    rows, xs = (
+        (padded_rows, (prompt_ids, prompt_mask, completions, completion_mask))
+        if packed is None
+        else (packed_rows, (prompt_ids, prompt_mask, packed))
+    )
     tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
         rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
     replay = None if routes is None else routes.replay_rows(completion_mask, packed)
     if replay is not None:  # over_groups splits leaves on a leading [P]
-        replay = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0], prompt_ids.shape[0], -1, *x.shape[2:]),
-                                                     0, 1), replay)
-    out, stats = over_groups(lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
-                             (*xs, rope, replay), groups_per_pass=groups_per_pass, summed=True)
+        replay = jax.tree.map(
+            lambda x: jnp.moveaxis(
+                x.reshape(x.shape[0], prompt_ids.shape[0], -1, *x.shape[2:]), 0, 1
+            ),
+            replay,
+        )
+    out, stats = over_groups(
+        lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
+        (*xs, rope, replay),
+        groups_per_pass=groups_per_pass,
+        summed=True,
+    )
     out = tuple(to_padded(x, packed) for x in out) if with_entropy else to_padded(out, packed)
     return (out, stats) if router_stats else out
 
@@ -307,15 +433,27 @@ def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = F
     tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
     out = jax.lax.map(lambda xs: run(*xs), jax.tree.map(tiles, xs))
     if summed:
-        return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out[0]), jax.tree.map(lambda x: x.sum(0), out[1])
+        return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out[0]), jax.tree.map(
+            lambda x: x.sum(0), out[1]
+        )
     return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
 
 
-def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
-                      completions: Int[Array, "p g n"], completion_mask: Int[Array, "p g n"], *, remat: bool = False,
-                      attention: str = "auto", remat_policy: str = "nothing", unroll: bool = False,
-                      save_attention: bool = False, rope: CompletionRope | None = None,
-                      packed: PackedCompletions | None = None) -> Float[Array, "p r c d"]:
+def completion_hidden(
+    model: Transformer,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    completions: Int[Array, "p g n"],
+    completion_mask: Int[Array, "p g n"],
+    *,
+    remat: bool = False,
+    attention: str = "auto",
+    remat_policy: str = "nothing",
+    unroll: bool = False,
+    save_attention: bool = False,
+    rope: CompletionRope | None = None,
+    packed: PackedCompletions | None = None,
+) -> Float[Array, "p r c d"]:
     """The final-norm hidden state that predicts each completion token, ``[P, G, N, D]``::
 
         h[p, g, 0] = hidden(prompt p)[-1]            (its last position: prompts are left-padded)
@@ -327,35 +465,76 @@ def completion_hidden(model: Transformer, prompt_ids: Int[Array, "p lp"], prompt
     ``[P, R, C, D]`` (slot ``c`` of row ``r`` predicts ``packed.tokens[p, r, c]``): compute what is
     read from them there (a value, a log-prob) and bring it back with ``to_padded``.
     """
-    layers = LayerPass(_rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention)
-    rows = padded_rows(prompt_mask, completions, completion_mask) if packed is None else packed_rows(prompt_mask, packed)
+    layers = LayerPass(
+        _rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention
+    )
+    rows = (
+        padded_rows(prompt_mask, completions, completion_mask)
+        if packed is None
+        else packed_rows(prompt_mask, packed)
+    )
     h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
     return h.reshape(rows.tokens.shape + h.shape[-1:])
 
 
-def _predicting_hidden(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, layers: LayerPass, replay=None,
-                       replay_routes: bool = True):
+def _predicting_hidden(
+    model,
+    prompt_ids,
+    prompt_mask,
+    rows: CompletionRows,
+    rope,
+    layers: LayerPass,
+    replay=None,
+    replay_routes: bool = True,
+):
     """The hidden states that predict each row slot's token, ``[P*G, N, D]``: the prompt's last
     for a completion's first token, else the slot before; and the ``RouterStats`` (``rows_hidden``)."""
     g = rows.tokens.shape[1]
-    hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay, replay_routes)
+    hp, hc, stats = rows_hidden(
+        model, prompt_ids, prompt_mask, rows, layers, rope, replay, replay_routes
+    )
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     if rows.offsets is None:
         return h, stats
-    starts = (rows.offsets == 0).reshape(h.shape[:2] + (1,))  # packed: every completion's first slot
+    starts = (rows.offsets == 0).reshape(
+        h.shape[:2] + (1,)
+    )  # packed: every completion's first slot
     return jnp.where(starts, first, h), stats
 
 
-def _completion_logprobs(model, prompt_ids, prompt_mask, rows: CompletionRows, rope, replay, *, layers: LayerPass,
-                         temperature, with_entropy, chunk_size, entropy_grad, replay_routes):
+def _completion_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    rows: CompletionRows,
+    rope,
+    replay,
+    *,
+    layers: LayerPass,
+    temperature,
+    with_entropy,
+    chunk_size,
+    entropy_grad,
+    replay_routes,
+):
     p, g, n = rows.tokens.shape
     if replay is not None:  # [P, Ls, ...] as over_groups split it -> layer-major rows
         replay = tuple(jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1, *x.shape[3:]) for x in replay)
-    h, stats = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers, replay, replay_routes)
+    h, stats = _predicting_hidden(
+        model, prompt_ids, prompt_mask, rows, rope, layers, replay, replay_routes
+    )
     targets = rows.tokens.reshape(p * g, n)
     if with_entropy:
-        lp, ent = logprobs_and_entropy_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size,
-                                                   entropy_grad=entropy_grad)
+        lp, ent = logprobs_and_entropy_from_hidden(
+            model,
+            h,
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            entropy_grad=entropy_grad,
+        )
         return (lp.reshape(p, g, n), ent.reshape(p, g, n)), stats
-    return logprobs_from_hidden(model, h, targets, temperature=temperature, chunk_size=chunk_size).reshape(p, g, n), stats
+    return logprobs_from_hidden(
+        model, h, targets, temperature=temperature, chunk_size=chunk_size
+    ).reshape(p, g, n), stats

@@ -32,15 +32,16 @@ def route_dtype(num_experts: int):
 class Routes(eqx.Module):
     """Each token's ``k`` experts at every sparse layer (``Ls`` of them), -1 where none was recorded::
 
-        prompt      [P, Lp, Ls, k]     the prompt's tokens (left-padded as the prompt)
-        completion  [P, G, N, Ls, k]   the completions' tokens
+    prompt      [P, Lp, Ls, k]     the prompt's tokens (left-padded as the prompt)
+    completion  [P, G, N, Ls, k]   the completions' tokens
     """
 
     prompt: Int[Array, "p lp l k"]
     completion: Int[Array, "p g n l k"]
 
-    def replay_rows(self, mask: Bool[Array, "p g n"],
-                    packed: PackedCompletions | None = None) -> tuple[Int[Array, "l p lp k"], Int[Array, "l b n k"]]:
+    def replay_rows(
+        self, mask: Bool[Array, "p g n"], packed: PackedCompletions | None = None
+    ) -> tuple[Int[Array, "l p lp k"], Int[Array, "l b n k"]]:
         """The layer-major int32 replay of the prompt rows ``[Ls, P, Lp, k]`` and of the completion
         rows the layers run over: padded ``[Ls, P*G, N, k]``, or packed ``[Ls, P*R, C, k]`` (slots
         with no token: -1)."""
@@ -53,6 +54,8 @@ class Routes(eqx.Module):
             _, r, width = packed.tokens.shape
             slots = jnp.where(mask.astype(bool), packed.source, r * width).reshape(p, -1)
             flat = jnp.full((p, r * width, ls, k), -1, jnp.int32)
-            flat = flat.at[jnp.arange(p)[:, None], slots].set(c.reshape(p, g * n, ls, k), mode="drop")
+            flat = flat.at[jnp.arange(p)[:, None], slots].set(
+                c.reshape(p, g * n, ls, k), mode="drop"
+            )
             rows = flat.reshape(p * r, width, ls, k)
         return prompt, jnp.moveaxis(rows, 2, 0)

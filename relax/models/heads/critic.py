@@ -33,18 +33,29 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from relax.models.adapters.operations import merge_lora
-from relax.models.forward.completion_packing import PackedCompletions, to_padded
-from relax.models.config.model import ModelConfig
-from relax.models.hf.checkpoint import build_transformer, load_config, save_directory
 from relax.models.config.families import BY_ARCHITECTURE, FAMILIES
-from relax.models.hf.config import HFFormatError
+from relax.models.config.model import ModelConfig
 from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden
-from relax.models.forward.prefix_shared import CompletionRope, completion_hidden
 from relax.models.decoder.transformer import Transformer
+from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.forward.prefix_shared import CompletionRope, completion_hidden
+from relax.models.hf.checkpoint import build_transformer, load_config, save_directory
+from relax.models.hf.config import HFFormatError
 from relax.models.hf.weights_io import FLOAT_DTYPES, open_weights
 
-__all__ = ["Critic", "ValueHead", "completion_head_values", "completion_logprobs_and_values", "completion_values",
-           "init_critic", "init_value_head", "load_critic", "save_critic", "value_architectures", "values_from_hidden"]
+__all__ = [
+    "Critic",
+    "ValueHead",
+    "completion_head_values",
+    "completion_logprobs_and_values",
+    "completion_values",
+    "init_critic",
+    "init_value_head",
+    "load_critic",
+    "save_critic",
+    "value_architectures",
+    "values_from_hidden",
+]
 
 _VALUE_KINDS = ("sequence", "token")  # the value-model architectures (a family's record names them)
 LAYOUTS = ("auto", "sequence", "token")
@@ -65,7 +76,9 @@ class ValueHead(eqx.Module):
     bias: Float[Array, ""]
 
 
-def values_from_hidden(h: Float[Array, "*b d"], head: Float[Array, " d"], bias: Float[Array, ""]) -> Float[Array, "*b"]:
+def values_from_hidden(
+    h: Float[Array, "*b d"], head: Float[Array, " d"], bias: Float[Array, ""]
+) -> Float[Array, "*b"]:
     """``h . head + bias`` in float32 (an elementwise product and a sum: no reduced-precision matmul)."""
     f32 = jnp.float32
     return jnp.sum(h.astype(f32) * head.astype(f32), axis=-1) + bias.astype(f32)
@@ -73,7 +86,9 @@ def values_from_hidden(h: Float[Array, "*b d"], head: Float[Array, " d"], bias: 
 
 def _headless(model: Transformer) -> Transformer:
     """``model`` without its ``lm_head`` (the config's head tied to the embedding, never used)."""
-    return dataclasses.replace(model, lm_head=None, config=dataclasses.replace(model.config, tie_word_embeddings=True))
+    return dataclasses.replace(
+        model, lm_head=None, config=dataclasses.replace(model.config, tie_word_embeddings=True)
+    )
 
 
 def _head_init(d: int, head_std: float, key) -> Float[Array, " d"]:
@@ -88,33 +103,66 @@ def init_critic(policy: Transformer, *, key: Array | None = None, head_std: floa
     """A critic whose backbone is a copy of ``policy``'s (new buffers: donating the policy's leaves
     it intact; no ``lm_head``), head ``N(0, head_std)`` (zeros by default: V = 0) in float32, bias 0."""
     backbone = jax.tree.map(jnp.copy, _headless(policy))
-    return Critic(backbone, _head_init(policy.config.hidden_size, head_std, key), jnp.zeros((), jnp.float32))
+    return Critic(
+        backbone, _head_init(policy.config.hidden_size, head_std, key), jnp.zeros((), jnp.float32)
+    )
 
 
-def init_value_head(config: ModelConfig, head_std: float = 0.0, *, key: Array | None = None) -> ValueHead:
+def init_value_head(
+    config: ModelConfig, head_std: float = 0.0, *, key: Array | None = None
+) -> ValueHead:
     """A value head for a policy of ``config``: head ``N(0, head_std)`` (zeros by default), bias 0, float32."""
     return ValueHead(_head_init(config.hidden_size, head_std, key), jnp.zeros((), jnp.float32))
 
 
-def completion_values(critic: Critic, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
-                      tokens: Int[Array, "p g n"], mask: Int[Array, "p g n"], *, remat: bool = False,
-                      attention: str = "auto", remat_policy: str = "nothing", unroll: bool = False,
-                      save_attention: bool = False, rope: CompletionRope | None = None,
-                      packed: PackedCompletions | None = None) -> Float[Array, "p g n"]:
+def completion_values(
+    critic: Critic,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    tokens: Int[Array, "p g n"],
+    mask: Int[Array, "p g n"],
+    *,
+    remat: bool = False,
+    attention: str = "auto",
+    remat_policy: str = "nothing",
+    unroll: bool = False,
+    save_attention: bool = False,
+    rope: CompletionRope | None = None,
+    packed: PackedCompletions | None = None,
+) -> Float[Array, "p g n"]:
     """``V(prompt, tokens[<t])`` for every completion token (module docstring), float32, differentiable.
 
     Prompts are left-padded; options as ``relax.models.forward.prefix_shared.completion_logprobs``'s
     (``packed``: the backbone runs over the packed rows, the values come back ``[P, G, N]``).
     """
-    h = completion_hidden(critic.backbone, prompt_ids, prompt_mask, tokens, mask, remat=remat, attention=attention,
-                          remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope,
-                          packed=packed)
+    h = completion_hidden(
+        critic.backbone,
+        prompt_ids,
+        prompt_mask,
+        tokens,
+        mask,
+        remat=remat,
+        attention=attention,
+        remat_policy=remat_policy,
+        unroll=unroll,
+        save_attention=save_attention,
+        rope=rope,
+        packed=packed,
+    )
     return to_padded(values_from_hidden(h, critic.head, critic.bias), packed)
 
 
-def completion_head_values(policy: Transformer, head: ValueHead, prompt_ids: Int[Array, "p lp"],
-                           prompt_mask: Int[Array, "p lp"], tokens: Int[Array, "p g n"], mask: Int[Array, "p g n"],
-                           *, packed: PackedCompletions | None = None, **options) -> Float[Array, "p g n"]:
+def completion_head_values(
+    policy: Transformer,
+    head: ValueHead,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    tokens: Int[Array, "p g n"],
+    mask: Int[Array, "p g n"],
+    *,
+    packed: PackedCompletions | None = None,
+    **options,
+) -> Float[Array, "p g n"]:
     """``V = h . head + bias`` of a value head on ``policy``'s hidden states, for every completion
     token, ``[P, G, N]`` (``completion_values``' alignment); ``options`` and ``packed`` as
     ``completion_values``'."""
@@ -122,14 +170,25 @@ def completion_head_values(policy: Transformer, head: ValueHead, prompt_ids: Int
     return to_padded(values_from_hidden(h, head.head, head.bias), packed)
 
 
-def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_ids: Int[Array, "p lp"],
-                                   prompt_mask: Int[Array, "p lp"], tokens: Int[Array, "p g n"],
-                                   mask: Int[Array, "p g n"], *, temperature: float = 1.0, remat: bool = False,
-                                   chunk_size: int = DEFAULT_CHUNK, attention: str = "auto",
-                                   remat_policy: str = "nothing", entropy_grad: bool = True, unroll: bool = False,
-                                   save_attention: bool = False, rope: CompletionRope | None = None,
-                                   packed: PackedCompletions | None = None
-                                   ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, "p g n"]]:
+def completion_logprobs_and_values(
+    policy: Transformer,
+    head: ValueHead,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    tokens: Int[Array, "p g n"],
+    mask: Int[Array, "p g n"],
+    *,
+    temperature: float = 1.0,
+    remat: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    attention: str = "auto",
+    remat_policy: str = "nothing",
+    entropy_grad: bool = True,
+    unroll: bool = False,
+    save_attention: bool = False,
+    rope: CompletionRope | None = None,
+    packed: PackedCompletions | None = None,
+) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, "p g n"]]:
     """``(log p(tokens[t] | ...), entropy, V)`` per completion token from ONE forward of ``policy``.
 
     The log-probs and entropies are ``completion_logprobs(..., with_entropy=True)``'s; the values
@@ -137,14 +196,30 @@ def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_
     the vocabulary projection and the value read-out run over the packed rows only; all three come
     back ``[P, G, N]``.
     """
-    h = completion_hidden(policy, prompt_ids, prompt_mask, tokens, mask, remat=remat, attention=attention,
-                          remat_policy=remat_policy, unroll=unroll, save_attention=save_attention, rope=rope,
-                          packed=packed)
+    h = completion_hidden(
+        policy,
+        prompt_ids,
+        prompt_mask,
+        tokens,
+        mask,
+        remat=remat,
+        attention=attention,
+        remat_policy=remat_policy,
+        unroll=unroll,
+        save_attention=save_attention,
+        rope=rope,
+        packed=packed,
+    )
     targets = tokens if packed is None else packed.tokens
     p, r, c = targets.shape
-    lp, ent = logprobs_and_entropy_from_hidden(policy, h.reshape(p * r, c, -1), targets.reshape(p * r, c),
-                                               temperature=temperature, chunk_size=chunk_size,
-                                               entropy_grad=entropy_grad)
+    lp, ent = logprobs_and_entropy_from_hidden(
+        policy,
+        h.reshape(p * r, c, -1),
+        targets.reshape(p * r, c),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        entropy_grad=entropy_grad,
+    )
     values = values_from_hidden(h, head.head, head.bias)
     return tuple(to_padded(x.reshape(p, r, c), packed) for x in (lp, ent, values))
 
@@ -152,8 +227,14 @@ def completion_logprobs_and_values(policy: Transformer, head: ValueHead, prompt_
 # ----------------------------------------------------------------------------- Hugging Face directories
 
 
-def save_critic(critic: Critic, directory: str | os.PathLike, *, layout: str = "auto",
-                max_shard_bytes: int | None = None, dtype=None) -> None:
+def save_critic(
+    critic: Critic,
+    directory: str | os.PathLike,
+    *,
+    layout: str = "auto",
+    max_shard_bytes: int | None = None,
+    dtype=None,
+) -> None:
     """Write ``critic`` as a transformers value-model directory (``num_labels=1``).
 
     Tensors: the backbone as ``model.*`` (no ``lm_head``) and ``score.weight`` ``[1, D]``;
@@ -176,19 +257,31 @@ def save_critic(critic: Critic, directory: str | os.PathLike, *, layout: str = "
         layout = "sequence" if float(bias) == 0.0 else "token"
     rec = FAMILIES[family]
     if layout == "sequence" and float(bias) != 0.0:
-        raise ValueError(f"critic bias is {float(bias)}, but {rec.sequence_classification}'s score has no bias; "
-                         "save with layout='token' (a ...ForTokenClassification, whose score has one)")
+        raise ValueError(
+            f"critic bias is {float(bias)}, but {rec.sequence_classification}'s score has no bias; "
+            "save with layout='token' (a ...ForTokenClassification, whose score has one)"
+        )
     arch = rec.sequence_classification if layout == "sequence" else rec.token_classification
     if arch is None:
         other = "token" if layout == "sequence" else "sequence"
-        raise ValueError(f"transformers has no {layout}-classification model for {family!r}: "
-                         f"save with layout={other!r}" + (" (needs a critic bias of 0)" if other == "sequence" else ""))
+        raise ValueError(
+            f"transformers has no {layout}-classification model for {family!r}: "
+            f"save with layout={other!r}"
+            + (" (needs a critic bias of 0)" if other == "sequence" else "")
+        )
     extra = {"score.weight": np.asarray(critic.head)[None, :]}
     fields = {"architectures": [arch], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
     if layout == "token":
         extra["score.bias"] = bias.reshape(1)
         fields["classifier_dropout"] = 0.0
-    save_directory(backbone, directory, max_shard_bytes=max_shard_bytes, dtype=dtype, extra=extra, hf_fields=fields)
+    save_directory(
+        backbone,
+        directory,
+        max_shard_bytes=max_shard_bytes,
+        dtype=dtype,
+        extra=extra,
+        hf_fields=fields,
+    )
 
 
 def value_architectures(kind: str | None = None) -> list[str]:
@@ -208,17 +301,23 @@ def _critic_config(found: dict):
         archs = d.get("architectures")
         if archs is not None:
             if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in BY_ARCHITECTURE):
-                raise HFFormatError(f"{source}: field 'architectures' = {archs!r} is not one value model; "
-                                    f"supported: {value_architectures()}")
+                raise HFFormatError(
+                    f"{source}: field 'architectures' = {archs!r} is not one value model; "
+                    f"supported: {value_architectures()}"
+                )
             found["kind"], family = BY_ARCHITECTURE[archs[0]]
             d = {**d, "architectures": [FAMILIES[family].causal_lm]}
         if found.get("kind") == "causal":
             return d  # a policy's directory: load_critic names the missing value head
         labels = d.get("id2label")
         if labels is not None and (not isinstance(labels, dict) or len(labels) != 1):
-            raise HFFormatError(f"{source}: field 'id2label' = {labels!r}: a value model has one label (num_labels=1)")
+            raise HFFormatError(
+                f"{source}: field 'id2label' = {labels!r}: a value model has one label (num_labels=1)"
+            )
         if d.get("num_labels", 1) != 1:
-            raise HFFormatError(f"{source}: field 'num_labels' = {d['num_labels']!r}: a value model has num_labels=1")
+            raise HFFormatError(
+                f"{source}: field 'num_labels' = {d['num_labels']!r}: a value model has num_labels=1"
+            )
         return d
 
     return adapt
@@ -228,13 +327,19 @@ def _score(where: dict, name: str, shape: tuple[int, ...], target) -> np.ndarray
     f = where[name]
     code, stored = f.entries[name][:2]
     if stored != shape:
-        raise HFFormatError(f"{f.path}: tensor {name!r} has shape {list(stored)}, expected {list(shape)} "
-                            "(a value head: num_labels=1)")
+        raise HFFormatError(
+            f"{f.path}: tensor {name!r} has shape {list(stored)}, expected {list(shape)} "
+            "(a value head: num_labels=1)"
+        )
     if code not in FLOAT_DTYPES:
-        raise HFFormatError(f"{f.path}: tensor {name!r} has dtype {code}; "
-                            f"expected floating point ({', '.join(FLOAT_DTYPES)})")
+        raise HFFormatError(
+            f"{f.path}: tensor {name!r} has dtype {code}; "
+            f"expected floating point ({', '.join(FLOAT_DTYPES)})"
+        )
     a = np.array(f.read(name))
-    return a.astype(target if target is not None else (np.float32 if a.dtype == np.float64 else a.dtype))
+    return a.astype(
+        target if target is not None else (np.float32 if a.dtype == np.float64 else a.dtype)
+    )
 
 
 def load_critic(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Critic:
@@ -250,14 +355,25 @@ def load_critic(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
     where, listing = open_weights(root)
     d, target = cfg.hidden_size, None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
     if "score.weight" not in where:
-        hint = (" (a causal LM, not a value model: start a critic from it with init_critic(load_pretrained(...)))"
-                if found.get("kind") == "causal" else "")
+        hint = (
+            " (a causal LM, not a value model: start a critic from it with init_critic(load_pretrained(...)))"
+            if found.get("kind") == "causal"
+            else ""
+        )
         raise HFFormatError(f"{listing}: no tensor 'score.weight' (the value head, [1, {d}]){hint}")
     if "score.bias" in where and found.get("kind") == "sequence":
-        raise HFFormatError(f"{where['score.bias'].path}: unexpected tensor 'score.bias': a "
-                            "...ForSequenceClassification score has no bias (transformers would drop it)")
+        raise HFFormatError(
+            f"{where['score.bias'].path}: unexpected tensor 'score.bias': a "
+            "...ForSequenceClassification score has no bias (transformers would drop it)"
+        )
     head = _score(where, "score.weight", (1, d), target)[0]
-    bias = _score(where, "score.bias", (1,), target)[0] if "score.bias" in where else np.zeros((), head.dtype)
-    rest = {n: f for n, f in where.items() if n not in ("score.weight", "score.bias", "lm_head.weight")}
+    bias = (
+        _score(where, "score.bias", (1,), target)[0]
+        if "score.bias" in where
+        else np.zeros((), head.dtype)
+    )
+    rest = {
+        n: f for n, f in where.items() if n not in ("score.weight", "score.bias", "lm_head.weight")
+    }
     backbone = build_transformer(cfg, rest, listing, dtype=dtype, param_dtype=param_dtype)
     return Critic(backbone, jnp.asarray(head), jnp.asarray(bias))

@@ -53,7 +53,9 @@ class Divergence(NamedTuple):
     temperature: float
 
 
-def resolve_divergence(divergence: str, *, beta: float = 0.5, temperature: float = 1.0) -> Divergence:
+def resolve_divergence(
+    divergence: str, *, beta: float = 0.5, temperature: float = 1.0
+) -> Divergence:
     """Checked; ``jsd`` with ``beta = 0`` is the forward KL and with ``beta = 1`` the reverse KL (TRL)."""
     check_choice("divergence", divergence, DIVERGENCES)
     if not 0.0 <= beta <= 1.0:
@@ -73,7 +75,8 @@ def check_same_vocabulary(student: Transformer, teacher: Transformer) -> None:
             f"the teacher's vocabulary ({vt} rows in its head, vocab_size={teacher.config.vocab_size}) differs "
             f"from the student's ({vs} rows, vocab_size={student.config.vocab_size}): distillation compares "
             "the two next-token distributions entry by entry, so both models need the same tokenizer and "
-            "vocabulary size")
+            "vocabulary size"
+        )
 
 
 def _acc(x):
@@ -152,31 +155,49 @@ def _rows_bwd(div, res, g):
     if div.kind == "forward":
         dz = q - jnp.exp(lp)
     else:
-        gv = (lq - lp) if div.kind == "reverse" else -(1.0 - div.beta) * _log_mix_over_q(lp, lq, div.beta)
+        gv = (
+            (lq - lp)
+            if div.kind == "reverse"
+            else -(1.0 - div.beta) * _log_mix_over_q(lp, lq, div.beta)
+        )
         gv = jnp.where(q > 0, gv, 0.0)
         dz = q * (gv - jnp.sum(q * gv, axis=-1, keepdims=True))
     dz = dz * g_value[:, None]
     if div.temperature != 1.0:
         dz = dz / div.temperature
-    dz = dz.astype(w_s.dtype)  # products in the weights' dtype, float32 accumulation (as the forward)
+    dz = dz.astype(
+        w_s.dtype
+    )  # products in the weights' dtype, float32 accumulation (as the forward)
     dh = jnp.dot(dz, w_s, preferred_element_type=_acc(w_s)).astype(h_s.dtype)
-    dw = jnp.einsum("nv,nd->vd", dz, h_s.astype(w_s.dtype), preferred_element_type=_acc(w_s)).astype(w_s.dtype)
+    dw = jnp.einsum(
+        "nv,nd->vd", dz, h_s.astype(w_s.dtype), preferred_element_type=_acc(w_s)
+    ).astype(w_s.dtype)
     return dw, dh, None, None
 
 
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def divergence_rows(w_s: Float[Array, "v ds"], h_s: Float[Array, "n ds"], w_t: Float[Array, "v dt"],
-                    h_t: Float[Array, "n dt"], div: Divergence, *, chunk_size: int = DEFAULT_CHUNK
-                    ) -> tuple[Float[Array, " n"], Float[Array, " n"], Float[Array, " n"]]:
+def divergence_rows(
+    w_s: Float[Array, "v ds"],
+    h_s: Float[Array, "n ds"],
+    w_t: Float[Array, "v dt"],
+    h_t: Float[Array, "n dt"],
+    div: Divergence,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[Float[Array, " n"], Float[Array, " n"], Float[Array, " n"]]:
     """Per row: the divergence (differentiable in ``w_s``, ``h_s``), the top-1 agreement of the two
     argmaxes and the student's entropy at the temperature (both metrics, no gradient). At most
     ``chunk_size`` rows of logits exist at a time; the teacher is under ``stop_gradient``."""
     if w_s.shape[0] != w_t.shape[0]:
-        raise ValueError(f"student head has {w_s.shape[0]} vocabulary rows, teacher head {w_t.shape[0]}")
+        raise ValueError(
+            f"student head has {w_s.shape[0]} vocabulary rows, teacher head {w_t.shape[0]}"
+        )
     if h_s.shape[0] != h_t.shape[0]:
-        raise ValueError(f"student has {h_s.shape[0]} rows of hidden states, teacher {h_t.shape[0]}")
+        raise ValueError(
+            f"student has {h_s.shape[0]} rows of hidden states, teacher {h_t.shape[0]}"
+        )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     w_t, h_t = jax.lax.stop_gradient(w_t), jax.lax.stop_gradient(h_t)
@@ -193,10 +214,17 @@ def divergence_rows(w_s: Float[Array, "v ds"], h_s: Float[Array, "n ds"], w_t: F
     return out[:, 0], sg(out[:, 1]), sg(out[:, 2])
 
 
-def divergence_from_hidden(student: Transformer, h_s: Float[Array, "*b ds"], teacher: Transformer,
-                           h_t: Float[Array, "*b dt"], *, divergence: str = "forward", beta: float = 0.5,
-                           temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK
-                           ) -> tuple[Float[Array, "*b"], Float[Array, "*b"], Float[Array, "*b"]]:
+def divergence_from_hidden(
+    student: Transformer,
+    h_s: Float[Array, "*b ds"],
+    teacher: Transformer,
+    h_t: Float[Array, "*b dt"],
+    *,
+    divergence: str = "forward",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[Float[Array, "*b"], Float[Array, "*b"], Float[Array, "*b"]]:
     """``(divergence, top1_agreement, student_entropy)`` per position, float32, from final-norm hidden
     states (e.g. ``relax.models.forward.prefix_shared.completion_hidden`` of each model) and the models'
     heads; the teacher may have another width and depth but needs the same vocabulary.
@@ -204,9 +232,16 @@ def divergence_from_hidden(student: Transformer, h_s: Float[Array, "*b ds"], tea
     check_same_vocabulary(student, teacher)
     lead = h_s.shape[:-1]
     if h_t.shape[:-1] != lead:
-        raise ValueError(f"student hidden states {h_s.shape} and teacher's {h_t.shape} differ in their leading axes")
+        raise ValueError(
+            f"student hidden states {h_s.shape} and teacher's {h_t.shape} differ in their leading axes"
+        )
     div = resolve_divergence(divergence, beta=beta, temperature=temperature)
-    out = divergence_rows(student.head.astype(student.dtype), h_s.reshape(-1, h_s.shape[-1]),
-                          teacher.head.astype(teacher.dtype), h_t.reshape(-1, h_t.shape[-1]), div,
-                          chunk_size=chunk_size)
+    out = divergence_rows(
+        student.head.astype(student.dtype),
+        h_s.reshape(-1, h_s.shape[-1]),
+        teacher.head.astype(teacher.dtype),
+        h_t.reshape(-1, h_t.shape[-1]),
+        div,
+        chunk_size=chunk_size,
+    )
     return tuple(x.reshape(lead) for x in out)

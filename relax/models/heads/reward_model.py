@@ -38,14 +38,32 @@ from jaxtyping import Array, Float, Int
 
 from relax.masked import last_valid_index
 from relax.models.config.model import ModelConfig
-from relax.models.heads.critic import (Critic, init_critic, load_critic, save_critic, value_architectures,
-                                 values_from_hidden)
-from relax.models.hf.config import HFFormatError
-from relax.models.forward.prefix_shared import (CompletionRope, LayerPass, completion_rope, over_groups, resolve_attention,
-                                       shared_hidden)
 from relax.models.decoder.transformer import Transformer
+from relax.models.forward.prefix_shared import (
+    CompletionRope,
+    LayerPass,
+    completion_rope,
+    over_groups,
+    resolve_attention,
+    shared_hidden,
+)
+from relax.models.heads.critic import (
+    Critic,
+    init_critic,
+    load_critic,
+    save_critic,
+    value_architectures,
+    values_from_hidden,
+)
+from relax.models.hf.config import HFFormatError
 
-__all__ = ["RewardModel", "init_reward_model", "load_reward_model", "save_reward_model", "sequence_rewards"]
+__all__ = [
+    "RewardModel",
+    "init_reward_model",
+    "load_reward_model",
+    "save_reward_model",
+    "sequence_rewards",
+]
 
 
 class RewardModel(eqx.Module):
@@ -64,8 +82,13 @@ class RewardModel(eqx.Module):
         return Critic(self.backbone, self.head, jnp.zeros((), jnp.float32))
 
 
-def init_reward_model(model: Transformer, key: Array | None = None, *, head_std: float = 0.02,
-                      pad_token_id: int | None = None) -> RewardModel:
+def init_reward_model(
+    model: Transformer,
+    key: Array | None = None,
+    *,
+    head_std: float = 0.02,
+    pad_token_id: int | None = None,
+) -> RewardModel:
     """A reward model on a copy of ``model``'s backbone (a policy or a headless backbone; new
     buffers, no ``lm_head``), head ``N(0, head_std)`` in float32 (transformers' ``score`` init with
     ``initializer_range=0.02``; ``head_std=0`` gives zeros and needs no key).
@@ -76,15 +99,28 @@ def init_reward_model(model: Transformer, key: Array | None = None, *, head_std:
     critic = init_critic(model, key=key, head_std=head_std)
     backbone = critic.backbone
     if pad_token_id is not None:
-        backbone = dataclasses.replace(backbone, config=dataclasses.replace(backbone.config, pad_token_id=pad_token_id))
+        backbone = dataclasses.replace(
+            backbone, config=dataclasses.replace(backbone.config, pad_token_id=pad_token_id)
+        )
     return RewardModel(backbone, critic.head)
 
 
-def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"],
-                     tokens: Int[Array, "p g n"], mask: Int[Array, "p g n"], *, ignore_pad_tokens: bool = True,
-                     remat: bool = False, attention: str = "auto", remat_policy: str = "nothing",
-                     unroll: bool = False, save_attention: bool = False, groups_per_pass: int | None = None,
-                     rope: CompletionRope | None = None) -> Float[Array, "p g"]:
+def sequence_rewards(
+    model: RewardModel,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    tokens: Int[Array, "p g n"],
+    mask: Int[Array, "p g n"],
+    *,
+    ignore_pad_tokens: bool = True,
+    remat: bool = False,
+    attention: str = "auto",
+    remat_policy: str = "nothing",
+    unroll: bool = False,
+    save_attention: bool = False,
+    groups_per_pass: int | None = None,
+    rope: CompletionRope | None = None,
+) -> Float[Array, "p g"]:
     """The score of each ``[prompt; completion]``, ``[P, G]`` float32, differentiable.
 
     Read at the last valid token (module docstring); with ``ignore_pad_tokens=False`` only the
@@ -95,13 +131,19 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
     options as ``relax.models.forward.prefix_shared.completion_logprobs``'s.
     """
     backbone = model.backbone
-    layers = LayerPass(resolve_attention(attention, backbone), remat, remat_policy, unroll, save_attention)
+    layers = LayerPass(
+        resolve_attention(attention, backbone), remat, remat_policy, unroll, save_attention
+    )
     if prompt_ids.ndim != 2 or tokens.ndim != 3:
-        raise ValueError(f"need prompt_ids [P, Lp] and tokens [P, G, N], got {prompt_ids.shape}, {tokens.shape}")
+        raise ValueError(
+            f"need prompt_ids [P, Lp] and tokens [P, G, N], got {prompt_ids.shape}, {tokens.shape}"
+        )
     pad = backbone.config.pad_token_id if ignore_pad_tokens else None
 
     def run(prompt_ids, prompt_mask, tokens, mask, rope):
-        hp, hc = shared_hidden(backbone, prompt_ids, prompt_mask, tokens, mask, layers, rope)  # [p, Lp, D], [p*g, N, D]
+        hp, hc = shared_hidden(
+            backbone, prompt_ids, prompt_mask, tokens, mask, layers, rope
+        )  # [p, Lp, D], [p*g, N, D]
         pv, cv = prompt_mask.astype(bool), mask.astype(bool)
         if pad is not None:
             pv, cv = pv & (prompt_ids != pad), cv & (tokens != pad)
@@ -109,20 +151,33 @@ def sequence_rewards(model: RewardModel, prompt_ids: Int[Array, "p lp"], prompt_
         rows, g, n = tokens.shape
         h_prompt = jnp.take_along_axis(hp, p_last[:, None, None], axis=1)[:, 0]  # [p, D]
         hc = hc.reshape(rows, g, n, hc.shape[-1])
-        h_completion = jnp.take_along_axis(hc, jnp.maximum(c_last, 0)[:, :, None, None], axis=2)[:, :, 0]
+        h_completion = jnp.take_along_axis(hc, jnp.maximum(c_last, 0)[:, :, None, None], axis=2)[
+            :, :, 0
+        ]
         h = jnp.where((c_last >= 0)[..., None], h_completion, h_prompt[:, None])  # [p, g, D]
         return values_from_hidden(h, model.head, jnp.zeros((), jnp.float32))
 
-    if rope is None and groups_per_pass not in (None, prompt_ids.shape[0]):  # outside the loop over groups
+    if rope is None and groups_per_pass not in (
+        None,
+        prompt_ids.shape[0],
+    ):  # outside the loop over groups
         rope = completion_rope(backbone.config, prompt_mask, tokens.shape[1], tokens.shape[2])
-    return over_groups(run, (prompt_ids, prompt_mask, tokens, mask, rope), groups_per_pass=groups_per_pass)
+    return over_groups(
+        run, (prompt_ids, prompt_mask, tokens, mask, rope), groups_per_pass=groups_per_pass
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories
 
 
-def save_reward_model(model: RewardModel, directory: str | os.PathLike, *, tokenizer=None,
-                      max_shard_bytes: int | None = None, dtype=None) -> Path:
+def save_reward_model(
+    model: RewardModel,
+    directory: str | os.PathLike,
+    *,
+    tokenizer=None,
+    max_shard_bytes: int | None = None,
+    dtype=None,
+) -> Path:
     """Write ``model`` as ``<Family>ForSequenceClassification`` with ``num_labels=1`` (loads with
     ``transformers.AutoModelForSequenceClassification``): the backbone as ``model.*``, the head as
     ``score.weight`` ``[1, D]`` (no bias, no ``lm_head``). ``tokenizer`` (anything with
@@ -130,13 +185,21 @@ def save_reward_model(model: RewardModel, directory: str | os.PathLike, *, token
     The config's ``pad_token_id`` is saved as it is (transformers needs one to score batches).
     ``max_shard_bytes`` and ``dtype`` as ``relax.models.hf.checkpoint.save_pretrained``'s. Returns the directory.
     """
-    save_critic(model.as_critic(), directory, layout="sequence", max_shard_bytes=max_shard_bytes, dtype=dtype)
+    save_critic(
+        model.as_critic(),
+        directory,
+        layout="sequence",
+        max_shard_bytes=max_shard_bytes,
+        dtype=dtype,
+    )
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return Path(directory)
 
 
-def load_reward_model(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> RewardModel:
+def load_reward_model(
+    directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None
+) -> RewardModel:
     """A :class:`RewardModel` from a ``<Family>ForSequenceClassification`` directory with
     ``num_labels=1`` (``save_reward_model``'s, or transformers' / TRL's). ``dtype`` /
     ``param_dtype`` as ``load_pretrained``'s. Errors are ``HFFormatError`` naming the file and the
@@ -148,13 +211,20 @@ def load_reward_model(directory: str | os.PathLike, *, dtype=jnp.float32, param_
     except HFFormatError as e:
         message = str(e)
         if "init_critic(" in message:  # a causal LM's directory
-            raise HFFormatError(message.replace("value model", "reward model").replace(
-                "start a critic from it with init_critic", "start a reward model from it with init_reward_model")
+            raise HFFormatError(
+                message.replace("value model", "reward model").replace(
+                    "start a critic from it with init_critic",
+                    "start a reward model from it with init_reward_model",
+                )
             ) from None
         raise
-    archs = json.loads((root / "config.json").read_text()).get("architectures")  # read and checked by load_critic
+    archs = json.loads((root / "config.json").read_text()).get(
+        "architectures"
+    )  # read and checked by load_critic
     if archs and archs[0] in value_architectures("token"):
-        raise HFFormatError(f"{root / 'config.json'}: field 'architectures' = {archs!r} is a per-token value "
-                            "model; a reward model is a ...ForSequenceClassification "
-                            f"({value_architectures('sequence')})")
+        raise HFFormatError(
+            f"{root / 'config.json'}: field 'architectures' = {archs!r} is a per-token value "
+            "model; a reward model is a ...ForSequenceClassification "
+            f"({value_architectures('sequence')})"
+        )
     return RewardModel(critic.backbone, critic.head)

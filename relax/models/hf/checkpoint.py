@@ -41,19 +41,33 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.config.model import DENSE_MLP_FIELDS, MOE_FIELDS, ModelConfig
 from relax.models.config.families import EXPERT, TRANSPOSED, get_family
-from relax.models.hf.config import (HFFormatError, config_from_hf, config_to_hf, dtype_name,
-                                    generation_config_to_hf, with_generation_config)
+from relax.models.config.model import DENSE_MLP_FIELDS, MOE_FIELDS, ModelConfig
 from relax.models.decoder.transformer import LayerStack, Transformer
-from relax.models.hf.weights_io import (FLOAT_DTYPES, INDEX, WEIGHTS, SafetensorsFile, open_weights, read_json,
-                                     write_json, write_safetensors)
+from relax.models.hf.config import (
+    HFFormatError,
+    config_from_hf,
+    config_to_hf,
+    dtype_name,
+    generation_config_to_hf,
+    with_generation_config,
+)
+from relax.models.hf.weights_io import (
+    FLOAT_DTYPES,
+    INDEX,
+    WEIGHTS,
+    SafetensorsFile,
+    open_weights,
+    read_json,
+    write_json,
+    write_safetensors,
+)
 
 __all__ = ["HFFormatError", "config_from_hf", "config_to_hf", "load_pretrained", "save_pretrained"]
 
@@ -63,18 +77,25 @@ _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    name: str                 # Hugging Face tensor name
-    fields: tuple[str, ...]   # Transformer field, or the LayerStack fields it holds when index is not None
-    index: tuple[int, ...] | None  # its place in each field's stack: (row,), or (row, expert) per expert
-    transpose: bool           # a torch Linear weight: stored [out, in]
+    name: str  # Hugging Face tensor name
+    fields: tuple[
+        str, ...
+    ]  # Transformer field, or the LayerStack fields it holds when index is not None
+    index: (
+        tuple[int, ...] | None
+    )  # its place in each field's stack: (row,), or (row, expert) per expert
+    transpose: bool  # a torch Linear weight: stored [out, in]
     hf_shape: tuple[int, ...]
-    widths: tuple[int, ...]   # each field's share of the (HF) output axis: a fused tensor holds several
+    widths: tuple[
+        int, ...
+    ]  # each field's share of the (HF) output axis: a fused tensor holds several
 
 
-def _layer_slots(c: ModelConfig, shapes: dict, groups: list, i: int, rows: dict[str, int]) -> list[_Slot]:
+def _layer_slots(
+    c: ModelConfig, shapes: dict, groups: list, i: int, rows: dict[str, int]
+) -> list[_Slot]:
     """Layer ``i``'s tensors: each group (tensor name, the fields it holds) whose fields layer ``i``
     has (its MLP's kind: ``ModelConfig.layer_count``), one per expert for a name with ``{e}``;
     ``rows`` counts each field's layers so far (its row in the field's stack)."""
@@ -95,8 +116,10 @@ def _layer_slots(c: ModelConfig, shapes: dict, groups: list, i: int, rows: dict[
         if not per_expert:
             out.append(_Slot(name, fields, (row,), t, hf_shape, widths))
             continue
-        out += [_Slot(name.replace(EXPERT, str(e)), fields, (row, e), t, hf_shape, widths)
-                for e in range(c.num_experts)]
+        out += [
+            _Slot(name.replace(EXPERT, str(e)), fields, (row, e), t, hf_shape, widths)
+            for e in range(c.num_experts)
+        ]
     return out
 
 
@@ -108,18 +131,40 @@ def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
     shapes = c.layer_shapes()
     missing = sorted(set(shapes) - set(rec.weights))
     if missing:
-        raise ValueError(f"a {c.family} checkpoint has no tensor for {missing} (the config's traits are not "
-                         f"{c.family}'s)")
-    groups = [(name, tuple(f for f in fields if f in shapes)) for name, fields in rec.tensors().items()]
-    slots = [_Slot("model.embed_tokens.weight", ("embed",), None, False, (c.vocab_size, c.hidden_size),
-                   (c.vocab_size,))]
+        raise ValueError(
+            f"a {c.family} checkpoint has no tensor for {missing} (the config's traits are not "
+            f"{c.family}'s)"
+        )
+    groups = [
+        (name, tuple(f for f in fields if f in shapes)) for name, fields in rec.tensors().items()
+    ]
+    slots = [
+        _Slot(
+            "model.embed_tokens.weight",
+            ("embed",),
+            None,
+            False,
+            (c.vocab_size, c.hidden_size),
+            (c.vocab_size,),
+        )
+    ]
     rows: dict[str, int] = {}
     for i in range(c.num_layers):
         slots += _layer_slots(c, shapes, groups, i, rows)
-    slots.append(_Slot("model.norm.weight", ("norm",), None, False, (c.hidden_size,), (c.hidden_size,)))
+    slots.append(
+        _Slot("model.norm.weight", ("norm",), None, False, (c.hidden_size,), (c.hidden_size,))
+    )
     if with_head:
-        slots.append(_Slot("lm_head.weight", ("lm_head",), None, False, (c.vocab_size, c.hidden_size),
-                           (c.vocab_size,)))
+        slots.append(
+            _Slot(
+                "lm_head.weight",
+                ("lm_head",),
+                None,
+                False,
+                (c.vocab_size, c.hidden_size),
+                (c.vocab_size,),
+            )
+        )
     return slots
 
 
@@ -135,8 +180,13 @@ def _split(a: np.ndarray, s: _Slot) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- load
 
 
-def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    max_positions: int | None = None) -> Transformer:
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    max_positions: int | None = None,
+) -> Transformer:
     """A :class:`Transformer` from a Hugging Face directory (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
@@ -160,12 +210,18 @@ def read_config(path: str | os.PathLike, *, max_positions: int | None = None) ->
         raise HFFormatError(f"{path}: neither a model directory nor a config.json file")
     cfg = config_from_hf(read_json(path), source=str(path), max_positions=max_positions)
     if (path.parent / GENERATION).is_file():
-        cfg = with_generation_config(cfg, read_json(path.parent / GENERATION), source=str(path.parent / GENERATION))
+        cfg = with_generation_config(
+            cfg, read_json(path.parent / GENERATION), source=str(path.parent / GENERATION)
+        )
     return cfg
 
 
-def load_config(root: Path, adapt: Callable[[dict, str], dict] | None = None, *,
-                max_positions: int | None = None) -> ModelConfig:
+def load_config(
+    root: Path,
+    adapt: Callable[[dict, str], dict] | None = None,
+    *,
+    max_positions: int | None = None,
+) -> ModelConfig:
     """The :class:`ModelConfig` of a model directory (``config.json``, then ``generation_config.json``);
     ``adapt(parsed config.json, its path)`` may rewrite the parsed dict first (``read_config`` also
     takes a lone ``config.json``); ``max_positions`` as ``load_pretrained``'s."""
@@ -173,13 +229,20 @@ def load_config(root: Path, adapt: Callable[[dict, str], dict] | None = None, *,
     if not root.is_dir():
         raise HFFormatError(f"{root}: not a directory (expected a Hugging Face model directory)")
     if not cfg_path.is_file():
-        raise HFFormatError(f"{cfg_path}: missing config.json (a Hugging Face model directory "
-                            "needs config.json and safetensors weights)")
+        raise HFFormatError(
+            f"{cfg_path}: missing config.json (a Hugging Face model directory "
+            "needs config.json and safetensors weights)"
+        )
     d = read_json(cfg_path)
-    cfg = config_from_hf(d if adapt is None else adapt(d, str(cfg_path)), source=str(cfg_path),
-                         max_positions=max_positions)
+    cfg = config_from_hf(
+        d if adapt is None else adapt(d, str(cfg_path)),
+        source=str(cfg_path),
+        max_positions=max_positions,
+    )
     if (root / GENERATION).is_file():
-        cfg = with_generation_config(cfg, read_json(root / GENERATION), source=str(root / GENERATION))
+        cfg = with_generation_config(
+            cfg, read_json(root / GENERATION), source=str(root / GENERATION)
+        )
     return cfg
 
 
@@ -189,8 +252,10 @@ def _check_finite(a: np.ndarray, name: str, path) -> None:
     bad = ~np.isfinite(a)
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise HFFormatError(f"{path}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) "
-                            f"(the first at index {list(first)}: {a[first]})")
+        raise HFFormatError(
+            f"{path}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) "
+            f"(the first at index {list(first)}: {a[first]})"
+        )
 
 
 def _describe(cfg: ModelConfig) -> str:
@@ -199,8 +264,9 @@ def _describe(cfg: ModelConfig) -> str:
     return f"{cfg.family} model with {cfg.num_layers} layers{moe}"
 
 
-def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listing: str, *, dtype,
-                      param_dtype) -> Transformer:
+def build_transformer(
+    cfg: ModelConfig, where: dict[str, SafetensorsFile], listing: str, *, dtype, param_dtype
+) -> Transformer:
     """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``open_weights``), every one of
     which must belong to it; ``listing`` is the file named when one is missing."""
     has_head = "lm_head.weight" in where
@@ -209,25 +275,33 @@ def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listi
     missing = [s.name for s in slots if s.name not in where]
     if missing:
         more = f" and {len(missing) - 1} more, e.g. {missing[1:4]}" if len(missing) > 1 else ""
-        raise HFFormatError(f"{listing}: missing tensor {missing[0]!r}{more} "
-                            f"for a {_describe(cfg)}")
+        raise HFFormatError(
+            f"{listing}: missing tensor {missing[0]!r}{more} for a {_describe(cfg)}"
+        )
     extra = sorted(n for n in where if n not in expected and not _IGNORED.search(n))
     if extra:
-        raise HFFormatError(f"{where[extra[0]].path}: unexpected tensor {extra[0]!r} (not part of a "
-                            f"{_describe(cfg)}"
-                            f"{f'; {len(extra)} unexpected in all' if len(extra) > 1 else ''})")
+        raise HFFormatError(
+            f"{where[extra[0]].path}: unexpected tensor {extra[0]!r} (not part of a "
+            f"{_describe(cfg)}"
+            f"{f'; {len(extra)} unexpected in all' if len(extra) > 1 else ''})"
+        )
     for s in slots:
         f = where[s.name]
         code, shape = f.entries[s.name][:2]
         if shape != s.hf_shape:
-            raise HFFormatError(f"{f.path}: tensor {s.name!r} has shape {list(shape)}, expected {list(s.hf_shape)}")
+            raise HFFormatError(
+                f"{f.path}: tensor {s.name!r} has shape {list(shape)}, expected {list(s.hf_shape)}"
+            )
         if code not in FLOAT_DTYPES:
-            raise HFFormatError(f"{f.path}: tensor {s.name!r} has dtype {code}; relax loads "
-                                f"floating-point weights only ({', '.join(FLOAT_DTYPES)})")
+            raise HFFormatError(
+                f"{f.path}: tensor {s.name!r} has dtype {code}; relax loads "
+                f"floating-point weights only ({', '.join(FLOAT_DTYPES)})"
+            )
 
     target = None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
 
-    views: dict[str, list[np.ndarray]] = {}  # field -> memory-mapped tensors, [in, out], in stack order
+    # field -> memory-mapped tensors, [in, out], in stack order
+    views: dict[str, list[np.ndarray]] = {}
     for s in slots:
         a = where[s.name].read(s.name)
         _check_finite(a, s.name, where[s.name].path)
@@ -236,30 +310,48 @@ def build_transformer(cfg: ModelConfig, where: dict[str, SafetensorsFile], listi
 
     def host(field: str) -> np.ndarray:
         """One private C-ordered copy (layers stacked on axis 0, then experts) in the target dtype."""
-        vs = views[field]
+        vs = views[field]  # noqa: F821 (deleted after its last use below)
         if field in LayerStack.__dataclass_fields__:
-            a = np.stack(vs).reshape(cfg.stacked_shapes()[field])  # per-expert tensors: [Ls * E, ...] -> [Ls, E, ...]
+            a = np.stack(vs).reshape(
+                cfg.stacked_shapes()[field]
+            )  # per-expert tensors: [Ls * E, ...] -> [Ls, E, ...]
         else:
             a = np.array(vs[0], order="C")
-        dt = target if target is not None else (np.dtype(np.float32) if a.dtype == np.float64 else a.dtype)
+        dt = (
+            target
+            if target is not None
+            else (np.dtype(np.float32) if a.dtype == np.float64 else a.dtype)
+        )
         return a.astype(dt, copy=False)
 
     by_field = {f: host(f) for f in views}
     if cfg.tie_word_embeddings and has_head:
         head, emb = by_field["lm_head"], by_field["embed"]
-        if (np.array_equal(head.view(np.uint8), emb.view(np.uint8)) if head.dtype == emb.dtype
-                else np.array_equal(head.astype(np.float32), emb.astype(np.float32))):
+        if (
+            np.array_equal(head.view(np.uint8), emb.view(np.uint8))
+            if head.dtype == emb.dtype
+            else np.array_equal(head.astype(np.float32), emb.astype(np.float32))
+        ):
             del by_field["lm_head"]
         else:
-            warnings.warn(f"{where['lm_head.weight'].path}: tie_word_embeddings is true but 'lm_head.weight' "
-                          "differs from 'model.embed_tokens.weight'; keeping both and untying the model "
-                          "(as transformers does)", stacklevel=3)
+            warnings.warn(
+                f"{where['lm_head.weight'].path}: tie_word_embeddings is true but 'lm_head.weight' "
+                "differs from 'model.embed_tokens.weight'; keeping both and untying the model "
+                "(as transformers does)",
+                stacklevel=3,
+            )
             cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     del views
     arrays = {f: jnp.asarray(by_field.pop(f)) for f in list(by_field)}
     layers = LayerStack(**{f: arrays[f] for f in cfg.layer_shapes()})
-    return Transformer(embed=arrays["embed"], layers=layers, norm=arrays["norm"],
-                       lm_head=arrays.get("lm_head"), config=cfg, dtype=dtype)
+    return Transformer(
+        embed=arrays["embed"],
+        layers=layers,
+        norm=arrays["norm"],
+        lm_head=arrays.get("lm_head"),
+        config=cfg,
+        dtype=dtype,
+    )
 
 
 # ----------------------------------------------------------------------------- save
@@ -277,8 +369,9 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
-                    dtype=None) -> None:
+def save_pretrained(
+    model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None, dtype=None
+) -> None:
     """Write ``model`` as a transformers-loadable directory.
 
     ``config.json``, ``generation_config.json`` (bos/eos/pad) and either
@@ -289,17 +382,28 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     save_directory(model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
 
-def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None, dtype=None,
-                   extra: dict[str, np.ndarray] | None = None, hf_fields: dict | None = None) -> None:
+def save_directory(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int | None = None,
+    dtype=None,
+    extra: dict[str, np.ndarray] | None = None,
+    hf_fields: dict | None = None,
+) -> None:
     """``save_pretrained`` plus ``extra`` tensors (Hugging Face name -> array, written after the
     model's, cast like them) and ``hf_fields`` set in ``config.json`` (e.g. another architecture)."""
     cfg = model.config
     if model.layers.lora is not None:
-        raise ValueError("the model has LoRA adapters: save merge_lora(model) (relax.models.adapters.operations) for full "
-                         "weights, or its adapters with relax.models.adapters.peft.save_adapter")
+        raise ValueError(
+            "the model has LoRA adapters: save merge_lora(model) (relax.models.adapters.operations) for full "
+            "weights, or its adapters with relax.models.adapters.peft.save_adapter"
+        )
     if (model.lm_head is None) != cfg.tie_word_embeddings:
-        raise ValueError(f"model.lm_head is {'None' if model.lm_head is None else 'set'} but "
-                         f"config.tie_word_embeddings={cfg.tie_word_embeddings}")
+        raise ValueError(
+            f"model.lm_head is {'None' if model.lm_head is None else 'set'} but "
+            f"config.tie_word_embeddings={cfg.tie_word_embeddings}"
+        )
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     cast = None if dtype is None else np.dtype(jnp.dtype(dtype))
@@ -312,16 +416,22 @@ def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_byt
             arrays[field] = a if cast is None else a.astype(cast)
         return arrays[field]
 
-    hf_config = config_to_hf(cfg, cast if cast is not None else field_array("embed", False).dtype)  # checks cfg first
+    hf_config = config_to_hf(
+        cfg, cast if cast is not None else field_array("embed", False).dtype
+    )  # checks cfg first
     specs = []
     for s in _layout(cfg, with_head=not cfg.tie_word_embeddings):
         parts = [field_array(f, s.index is not None) for f in s.fields]
         if len({a.dtype for a in parts}) > 1:
-            raise ValueError(f"{s.name} fuses {list(s.fields)}, whose dtypes differ: {[str(a.dtype) for a in parts]}")
+            raise ValueError(
+                f"{s.name} fuses {list(s.fields)}, whose dtypes differ: {[str(a.dtype) for a in parts]}"
+            )
 
         def make(parts=parts, s=s):
             xs = [a if s.index is None else a[s.index] for a in parts]
-            x = xs[0] if len(xs) == 1 else np.concatenate(xs, axis=-1)  # a fused tensor: along the output axis
+            x = (
+                xs[0] if len(xs) == 1 else np.concatenate(xs, axis=-1)
+            )  # a fused tensor: along the output axis
             return x.T if s.transpose else x
 
         specs.append((s.name, s.hf_shape, parts[0].dtype, make))
@@ -340,9 +450,14 @@ def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_byt
         size += nbytes(spec)
     n = len(shards)
     names = [WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    index = None if n == 1 else {
-        "metadata": {"total_size": sum(map(nbytes, specs))},
-        "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
+    index = (
+        None
+        if n == 1
+        else {
+            "metadata": {"total_size": sum(map(nbytes, specs))},
+            "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard},
+        }
+    )
     hf_config.update(hf_fields or {})
     generation = generation_config_to_hf(cfg)
 
@@ -371,7 +486,11 @@ def save_directory(model: Transformer, path: str | os.PathLike, *, max_shard_byt
         (root / CONFIG).unlink(missing_ok=True)
         _fsync_dir(root)
         for p in root.iterdir():
-            if p.is_file() and (p.name in (WEIGHTS, INDEX) or _SHARD.match(p.name)) and p.name not in names:
+            if (
+                p.is_file()
+                and (p.name in (WEIGHTS, INDEX) or _SHARD.match(p.name))
+                and p.name not in names
+            ):
                 p.unlink()
         for p in sorted(staging.iterdir(), key=lambda p: p.name == CONFIG):
             os.replace(p, root / p.name)

@@ -29,8 +29,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from relax.models.config.model import ModelConfig, RopeScaling
 from relax.models.config.families import FAMILIES, FamilyRecord
+from relax.models.config.model import ModelConfig, RopeScaling
 from relax.models.hf.moe import moe_fields, moe_problems, moe_to_hf
 
 
@@ -38,17 +38,31 @@ class HFFormatError(ValueError):
     """A Hugging Face checkpoint relax cannot read; the message names the file and the field or tensor."""
 
 
-_CAUSAL = {rec.causal_lm: name for name, rec in FAMILIES.items()}  # causal-LM architecture -> family
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> relax
+_CAUSAL = {
+    rec.causal_lm: name for name, rec in FAMILIES.items()
+}  # causal-LM architecture -> family
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}  # HF name -> relax
 _HF_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _FIXED_TRAITS = ("norm_weight", "sandwich_norms", "qk_norm", "scale_embeddings")  # by model_type
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 _ORIGINAL = "original_max_position_embeddings"
 _ABSENT = object()
 
 # transformers' defaults common to every family (a record's ``hf_defaults`` override them)
-_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None)
+_COMMON_DEFAULTS = dict(
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None
+)
 
 
 class ConfigReader:
@@ -62,7 +76,9 @@ class ConfigReader:
     def fail(self, field: str, msg: str) -> HFFormatError:
         return HFFormatError(f"{self.source}: field {field!r} {msg}")
 
-    def get(self, field: str, default: Any = _ABSENT, d: dict | None = None, prefix: str = "") -> Any:
+    def get(
+        self, field: str, default: Any = _ABSENT, d: dict | None = None, prefix: str = ""
+    ) -> Any:
         d = self.d if d is None else d
         if field in d:
             return d[field]
@@ -122,10 +138,15 @@ def _family(r: ConfigReader) -> FamilyRecord:
         return FAMILIES[mt]
     if len(from_arch) == 1:
         return FAMILIES[from_arch.pop()]
-    raise r.fail("model_type", f"is required (missing, and architectures={archs!r} does not decide it); {supported}")
+    raise r.fail(
+        "model_type",
+        f"is required (missing, and architectures={archs!r} does not decide it); {supported}",
+    )
 
 
-def _rope(r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None]:
+def _rope(
+    r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict
+) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) with transformers' precedence: rope_scaling, then rope_parameters."""
     d = r.d
     field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
@@ -136,7 +157,9 @@ def _rope(r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[f
     if nested:  # 5.x per-layer-type rope parameters: supported when every layer type agrees
         values = [p[k] for k in nested]
         if any(v != values[0] for v in values):
-            raise r.fail(field, f"has different RoPE parameters per layer type ({nested}); unsupported")
+            raise r.fail(
+                field, f"has different RoPE parameters per layer type ({nested}); unsupported"
+            )
         p, field = values[0], f"{field}.{nested[0]}"
     return _rope_params(r, rec, p, field, max_pos, fd)
 
@@ -153,7 +176,9 @@ def _original_max(r: ConfigReader, p: dict, prefix: str, max_pos: int, fd: dict)
 def _factor_list(r: ConfigReader, p: dict, name: str, prefix: str) -> tuple[float, ...]:
     """LongRoPE's ``short_factor`` / ``long_factor`` list (its length ModelConfig checks)."""
     v = r.get(name, d=p, prefix=prefix)
-    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+    if not isinstance(v, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
+    ):
         raise r.fail(prefix + name, f"must be a list of numbers, got {v!r}")
     return tuple(float(x) for x in v)
 
@@ -167,13 +192,19 @@ def _longrope(r: ConfigReader, p: dict, prefix: str, max_pos: int, fd: dict) -> 
     default_af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     af = r.get("attention_factor", None, d=p)
     af = default_af if af is None else r.float_("attention_factor", d=p, prefix=prefix)
-    return RopeScaling("longrope", factor, original_max_position=orig, attention_factor=af,
-                       short_factor=_factor_list(r, p, "short_factor", prefix),
-                       long_factor=_factor_list(r, p, "long_factor", prefix))
+    return RopeScaling(
+        "longrope",
+        factor,
+        original_max_position=orig,
+        attention_factor=af,
+        short_factor=_factor_list(r, p, "short_factor", prefix),
+        long_factor=_factor_list(r, p, "long_factor", prefix),
+    )
 
 
-def _rope_params(r: ConfigReader, rec: FamilyRecord, p: dict, field: str, max_pos: int,
-                 fd: dict) -> tuple[float, RopeScaling | None]:
+def _rope_params(
+    r: ConfigReader, rec: FamilyRecord, p: dict, field: str, max_pos: int, fd: dict
+) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) of one RoPE parameter object ``p`` (named ``field`` in errors); a
     theta it lacks is the top-level ``rope_theta``, else the family's default."""
     d, pre = r.d, field + "."
@@ -185,13 +216,19 @@ def _rope_params(r: ConfigReader, rec: FamilyRecord, p: dict, field: str, max_po
         theta = fd["rope_theta"]
     prf = p.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if prf is not None and prf != 1.0:
-        raise r.fail("partial_rotary_factor", f"= {prf!r} is not supported (only 1.0: relax rotates whole heads)")
+        raise r.fail(
+            "partial_rotary_factor",
+            f"= {prf!r} is not supported (only 1.0: relax rotates whole heads)",
+        )
     kind = p.get("rope_type", p.get("type", "default"))
     kind = rec.rope_aliases.get(kind, kind)
     kind_field = f"{field}.{'rope_type' if 'rope_type' in p else 'type'}"
     if kind not in rec.rope_types:
-        raise r.fail(kind_field, f"= {kind!r}: RoPE scaling type not supported for {rec.model_type}; "
-                                 f"supported: {list(rec.rope_types)}")
+        raise r.fail(
+            kind_field,
+            f"= {kind!r}: RoPE scaling type not supported for {rec.model_type}; "
+            f"supported: {list(rec.rope_types)}",
+        )
     if kind == "default":
         return theta, None
     if kind == "linear":
@@ -200,18 +237,27 @@ def _rope_params(r: ConfigReader, rec: FamilyRecord, p: dict, field: str, max_po
         return theta, _longrope(r, p, pre, max_pos, fd)
     f = lambda k: r.float_(k, d=p, prefix=pre)  # llama3
     orig = _original_max(r, p, pre, max_pos, fd)
-    return theta, RopeScaling("llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig)
+    return theta, RopeScaling(
+        "llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig
+    )
 
 
-def _gemma_rope(r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict) -> tuple[float, RopeScaling | None, float]:
+def _gemma_rope(
+    r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict
+) -> tuple[float, RopeScaling | None, float]:
     """(rope_theta, scaling, rope_local_theta) as ``Gemma3TextConfig`` builds them: the
     ``rope_parameters`` entries ``full_attention`` / ``sliding_attention`` (5.x), the first
     updated by a top-level ``rope_scaling`` (4.x); a theta they lack is the top-level
     ``rope_theta`` / ``rope_local_base_freq``, else 1e6 / 1e4. The sliding layers' RoPE is unscaled."""
     rp = r.get("rope_parameters", None) or {}
-    if not isinstance(rp, dict) or any(k not in ("full_attention", "sliding_attention") for k in rp):
-        raise r.fail("rope_parameters", "must be null or an object of 'full_attention' / 'sliding_attention' "
-                     f"RoPE parameters, got {rp!r}")
+    if not isinstance(rp, dict) or any(
+        k not in ("full_attention", "sliding_attention") for k in rp
+    ):
+        raise r.fail(
+            "rope_parameters",
+            "must be null or an object of 'full_attention' / 'sliding_attention' "
+            f"RoPE parameters, got {rp!r}",
+        )
     full, field = dict(rp.get("full_attention") or {}), "rope_parameters.full_attention"
     scaling = r.get("rope_scaling", None)
     if scaling is not None:
@@ -222,10 +268,16 @@ def _gemma_rope(r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict) -> t
     local = rp.get("sliding_attention") or {}
     local_kind = local.get("rope_type", local.get("type", "default"))
     if local_kind != "default":
-        raise r.fail("rope_parameters.sliding_attention.rope_type",
-                     f"= {local_kind!r}: the sliding layers' RoPE must be 'default' (unscaled)")
+        raise r.fail(
+            "rope_parameters.sliding_attention.rope_type",
+            f"= {local_kind!r}: the sliding layers' RoPE must be 'default' (unscaled)",
+        )
     if "rope_theta" in local:
-        return theta, scaling, r.float_("rope_theta", d=local, prefix="rope_parameters.sliding_attention.")
+        return (
+            theta,
+            scaling,
+            r.float_("rope_theta", d=local, prefix="rope_parameters.sliding_attention."),
+        )
     return theta, scaling, r.float_("rope_local_base_freq", fd["rope_local_theta"])
 
 
@@ -234,11 +286,19 @@ def _layer_types(r: ConfigReader, num_layers: int) -> tuple[str, ...]:
     layer_types = r.get("layer_types", None)
     if layer_types is None:
         n = r.int_("sliding_window_pattern", 6)
-        layer_types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)]
-    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
-            or any(t not in _LAYER_TYPES for t in layer_types)):
-        raise r.fail("layer_types", f"must list 'full_attention'/'sliding_attention' for each of "
-                                    f"{num_layers} layers, got {layer_types!r}")
+        layer_types = [
+            "sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)
+        ]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(t not in _LAYER_TYPES for t in layer_types)
+    ):
+        raise r.fail(
+            "layer_types",
+            f"must list 'full_attention'/'sliding_attention' for each of "
+            f"{num_layers} layers, got {layer_types!r}",
+        )
     return tuple(_LAYER_TYPES[t] for t in layer_types)
 
 
@@ -260,20 +320,35 @@ def _qwen_window(r: ConfigReader, rec: FamilyRecord, num_layers: int, max_pos: i
     layer_types = r.get("layer_types", None)
     if layer_types is None:
         mwl = r.int_("max_window_layers", 28)
-        slides = (lambda i: i >= mwl) if rec.qwen_sliding == "from_max" else (lambda i: i % 2 == 0 and i < mwl)
-        layer_types = ["sliding_attention" if slides(i) else "full_attention" for i in range(num_layers)]
-    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
-            or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
-        raise r.fail("layer_types", f"must list 'full_attention'/'sliding_attention' for each of "
-                                    f"{num_layers} layers, got {layer_types!r}")
+        slides = (
+            (lambda i: i >= mwl)
+            if rec.qwen_sliding == "from_max"
+            else (lambda i: i % 2 == 0 and i < mwl)
+        )
+        layer_types = [
+            "sliding_attention" if slides(i) else "full_attention" for i in range(num_layers)
+        ]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(t not in ("full_attention", "sliding_attention") for t in layer_types)
+    ):
+        raise r.fail(
+            "layer_types",
+            f"must list 'full_attention'/'sliding_attention' for each of "
+            f"{num_layers} layers, got {layer_types!r}",
+        )
     n_sliding = layer_types.count("sliding_attention")
     if n_sliding == 0 or window >= max_pos:  # no sliding layer, or a window that masks nothing
         return None
     if n_sliding == num_layers:
         return window
-    raise r.fail("use_sliding_window", f"= true with sliding window {window} on {n_sliding} of "
-                 f"{num_layers} layers (max_window_layers / layer_types): mixed sliding and full "
-                 "attention layers are not supported")
+    raise r.fail(
+        "use_sliding_window",
+        f"= true with sliding window {window} on {n_sliding} of "
+        f"{num_layers} layers (max_window_layers / layer_types): mixed sliding and full "
+        "attention layers are not supported",
+    )
 
 
 def _activation(r: ConfigReader, rec: FamilyRecord) -> str:
@@ -287,12 +362,21 @@ def _activation(r: ConfigReader, rec: FamilyRecord) -> str:
 def _biases(r: ConfigReader, rec: FamilyRecord) -> dict[str, bool]:
     """``qkv_bias`` / ``o_bias`` / ``mlp_bias`` as the record's ``biases`` / ``mlp_bias`` spell them."""
     attn = r.bool_("attention_bias", False) if rec.biases == "attention_bias" else False
-    qkv = r.bool_("qkv_bias", rec.hf_defaults["qkv_bias"]) if rec.biases == "qkv_bias" else rec.biases == "qkv"
-    return dict(qkv_bias=attn or qkv, o_bias=attn,
-                mlp_bias=r.bool_("mlp_bias", False) if rec.mlp_bias else False)
+    qkv = (
+        r.bool_("qkv_bias", rec.hf_defaults["qkv_bias"])
+        if rec.biases == "qkv_bias"
+        else rec.biases == "qkv"
+    )
+    return dict(
+        qkv_bias=attn or qkv,
+        o_bias=attn,
+        mlp_bias=r.bool_("mlp_bias", False) if rec.mlp_bias else False,
+    )
 
 
-def _family_fields(r: ConfigReader, rec: FamilyRecord, layers: int, max_pos: int, fd: dict) -> dict[str, Any]:
+def _family_fields(
+    r: ConfigReader, rec: FamilyRecord, layers: int, max_pos: int, fd: dict
+) -> dict[str, Any]:
     """The ModelConfig fields whose HF spelling differs by family: biases, windows, RoPE, scores."""
     _refused(r, rec)
     f: dict[str, Any] = dict(_biases(r, rec), sliding_window=None)
@@ -303,8 +387,10 @@ def _family_fields(r: ConfigReader, rec: FamilyRecord, layers: int, max_pos: int
     elif rec.window == "flag" and r.bool_("use_sliding_window", False):
         f["sliding_window"] = r.int_("sliding_window", fd["sliding_window"], nullable=True)
     elif rec.window == "layer_types":
-        f.update(sliding_window=r.int_("sliding_window", fd["sliding_window"], nullable=True),
-                 layer_types=_layer_types(r, layers))
+        f.update(
+            sliding_window=r.int_("sliding_window", fd["sliding_window"], nullable=True),
+            layer_types=_layer_types(r, layers),
+        )
     if rec.local_rope:
         f["rope_theta"], f["rope_scaling"], f["rope_local_theta"] = _gemma_rope(r, rec, max_pos, fd)
     else:
@@ -314,21 +400,29 @@ def _family_fields(r: ConfigReader, rec: FamilyRecord, layers: int, max_pos: int
     return {**f, **moe_fields(r, rec, layers)}
 
 
-def _context(r: ConfigReader, file_max: int, scaling: RopeScaling | None, max_positions: int | None) -> int:
+def _context(
+    r: ConfigReader, file_max: int, scaling: RopeScaling | None, max_positions: int | None
+) -> int:
     """The positions relax runs: the file's ``max_position_embeddings``, or ``max_positions`` (at
     most that); a LongRoPE model's must not exceed its original length (``RopeScaling``)."""
     if max_positions is not None and not 1 <= max_positions <= file_max:
-        raise r.fail("max_position_embeddings", f"= {file_max}: max_positions={max_positions} must be "
-                                                 f"in [1, {file_max}]")
+        raise r.fail(
+            "max_position_embeddings",
+            f"= {file_max}: max_positions={max_positions} must be in [1, {file_max}]",
+        )
     n = file_max if max_positions is None else max_positions
     if scaling is not None and scaling.kind == "longrope" and n > scaling.original_max_position:
         orig = scaling.original_max_position
-        raise r.fail("max_position_embeddings", (
-            f"= {n} exceeds original_max_position_embeddings = {orig} with longrope RoPE: transformers uses "
-            f"long_factor for sequences longer than {orig} tokens and short_factor for shorter ones (switching, "
-            f"and recomputing its cache, as a sequence grows past {orig}), which relax's static RoPE tables "
-            f"cannot follow. Load it with max_positions={orig} (load_pretrained(..., max_positions={orig})) "
-            f"to run up to {orig} positions exactly as transformers does"))
+        raise r.fail(
+            "max_position_embeddings",
+            (
+                f"= {n} exceeds original_max_position_embeddings = {orig} with longrope RoPE: transformers uses "
+                f"long_factor for sequences longer than {orig} tokens and short_factor for shorter ones (switching, "
+                f"and recomputing its cache, as a sequence grows past {orig}), which relax's static RoPE tables "
+                f"cannot follow. Load it with max_positions={orig} (load_pretrained(..., max_positions={orig})) "
+                f"to run up to {orig} positions exactly as transformers does"
+            ),
+        )
     return n
 
 
@@ -350,7 +444,11 @@ def config_from_hf(d: dict, *, source: str, max_positions: int | None = None) ->
     kv = r.int_("num_key_value_heads", fd["num_key_value_heads"], nullable=True)
     kv = heads if kv is None else kv
     if kv < 1 or heads % kv:
-        how = "" if "num_key_value_heads" in r.d else f" (transformers' {rec.model_type} default when absent)"
+        how = (
+            ""
+            if "num_key_value_heads" in r.d
+            else f" (transformers' {rec.model_type} default when absent)"
+        )
         raise r.fail("num_key_value_heads", f"= {kv}{how} must divide num_attention_heads={heads}")
     head_dim = r.int_("head_dim", fd["head_dim"], nullable=True)
     head_dim = hidden // heads if head_dim is None else head_dim
@@ -358,15 +456,24 @@ def config_from_hf(d: dict, *, source: str, max_positions: int | None = None) ->
     fields = _family_fields(r, rec, layers, max_pos, fd)
     try:
         return ModelConfig(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, family=rec.model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            family=rec.model_type,
             max_position_embeddings=_context(r, max_pos, fields["rope_scaling"], max_positions),
             rms_norm_eps=r.float_("rms_norm_eps", fd["rms_norm_eps"]),
             tie_word_embeddings=r.bool_("tie_word_embeddings", fd["tie_word_embeddings"]),
             bos_token_id=r.token_ids("bos_token_id", fd["bos_token_id"]),
             eos_token_id=r.token_ids("eos_token_id", fd["eos_token_id"]),
             pad_token_id=r.token_ids("pad_token_id", fd["pad_token_id"]),
-            activation=act, **{k: rec.traits[k] for k in _FIXED_TRAITS}, **fields)
+            activation=act,
+            **{k: rec.traits[k] for k in _FIXED_TRAITS},
+            **fields,
+        )
     except HFFormatError:
         raise
     except ValueError as e:  # ModelConfig's own validation, e.g. heads not a multiple of kv heads
@@ -388,8 +495,10 @@ def with_generation_config(cfg: ModelConfig, g: dict, *, source: str) -> ModelCo
 
 def generation_config_to_hf(cfg: ModelConfig) -> dict:
     ids = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    return {"_from_model_config": True,
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in ids.items() if v is not None}}
+    return {
+        "_from_model_config": True,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in ids.items() if v is not None},
+    }
 
 
 def dtype_name(dtype) -> str:
@@ -412,10 +521,15 @@ def _check_expressible(cfg: ModelConfig) -> None:
     fixed traits, bias, window and RoPE spellings)."""
     rec = FAMILIES[cfg.family]
     fam = rec.model_type
-    bad = [f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})" for k, v in rec.traits.items()
-           if k in _FIXED_TRAITS and getattr(cfg, k) != v]
+    bad = [
+        f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})"
+        for k, v in rec.traits.items()
+        if k in _FIXED_TRAITS and getattr(cfg, k) != v
+    ]
     if rec.biases == "attention_bias" and cfg.qkv_bias != cfg.o_bias:
-        bad.append(f"qkv_bias={cfg.qkv_bias} with o_bias={cfg.o_bias} ({fam} has one attention_bias)")
+        bad.append(
+            f"qkv_bias={cfg.qkv_bias} with o_bias={cfg.o_bias} ({fam} has one attention_bias)"
+        )
     if rec.biases == "qkv" and (not cfg.qkv_bias or cfg.o_bias):
         bad.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} ({fam} is always True, False)")
     if rec.biases == "qkv_bias" and cfg.o_bias:
@@ -431,11 +545,15 @@ def _check_expressible(cfg: ModelConfig) -> None:
             only = ", ".join(n for n, r in FAMILIES.items() if has(r)) + " only"
             bad.append(f"{field}={getattr(cfg, field)!r} ({'required' if has(rec) else only})")
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in rec.rope_types:
-        bad.append(f"rope_scaling kind {cfg.rope_scaling.kind!r} ({fam} has {list(rec.rope_types)})")
+        bad.append(
+            f"rope_scaling kind {cfg.rope_scaling.kind!r} ({fam} has {list(rec.rope_types)})"
+        )
     bad += moe_problems(cfg, rec)
     if bad:
-        raise ValueError(f"ModelConfig(family={fam!r}) cannot be written as a Hugging Face "
-                         f"{rec.causal_lm}: {'; '.join(bad)}")
+        raise ValueError(
+            f"ModelConfig(family={fam!r}) cannot be written as a Hugging Face "
+            f"{rec.causal_lm}: {'; '.join(bad)}"
+        )
 
 
 def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]:
@@ -444,13 +562,25 @@ def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]
         return None, {"rope_type": "default", "rope_theta": theta}
     if s.kind == "linear":
         scaling = {"rope_type": "linear", "factor": s.factor}
-    elif s.kind == "longrope":  # factor and attention_factor explicit: they do not hang on max_position_embeddings
-        scaling = {"rope_type": "longrope", "factor": s.factor, "attention_factor": s.attention_factor,
-                   "short_factor": list(s.short_factor), "long_factor": list(s.long_factor),
-                   _ORIGINAL: s.original_max_position}
+    elif (
+        s.kind == "longrope"
+    ):  # factor and attention_factor explicit: they do not hang on max_position_embeddings
+        scaling = {
+            "rope_type": "longrope",
+            "factor": s.factor,
+            "attention_factor": s.attention_factor,
+            "short_factor": list(s.short_factor),
+            "long_factor": list(s.long_factor),
+            _ORIGINAL: s.original_max_position,
+        }
     else:
-        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                   "high_freq_factor": s.high_freq_factor, _ORIGINAL: s.original_max_position}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            _ORIGINAL: s.original_max_position,
+        }
     return scaling, {**scaling, "rope_theta": theta}
 
 
@@ -466,19 +596,30 @@ def _family_to_hf(cfg: ModelConfig, rec: FamilyRecord, params: dict) -> dict[str
     elif rec.window == "flag":
         d.update(use_sliding_window=w is not None, sliding_window=w)
     elif rec.window == "qwen":
-        d.update(use_sliding_window=w is not None, sliding_window=w,
-                 max_window_layers=0 if w is not None else cfg.num_layers,
-                 layer_types=["sliding_attention" if w is not None else "full_attention"] * cfg.num_layers)
+        d.update(
+            use_sliding_window=w is not None,
+            sliding_window=w,
+            max_window_layers=0 if w is not None else cfg.num_layers,
+            layer_types=["sliding_attention" if w is not None else "full_attention"]
+            * cfg.num_layers,
+        )
     elif rec.window == "layer_types":
         hf_types = {v: k for k, v in _LAYER_TYPES.items()}
         d.update(sliding_window=w, layer_types=[hf_types[t] for t in cfg.layer_types])
     if rec.local_rope:
-        d.update(rope_local_base_freq=cfg.rope_local_theta, rope_parameters={
-            "full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}})
+        d.update(
+            rope_local_base_freq=cfg.rope_local_theta,
+            rope_parameters={
+                "full_attention": params,
+                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+            },
+        )
     if rec.query_pre_attn_scalar:
         qpas = cfg.query_pre_attn_scalar
         d["query_pre_attn_scalar"] = int(qpas) if float(qpas).is_integer() else qpas
-    if _ORIGINAL in rec.hf_defaults and cfg.rope_scaling is not None:  # a top-level field wins there
+    if (
+        _ORIGINAL in rec.hf_defaults and cfg.rope_scaling is not None
+    ):  # a top-level field wins there
         d[_ORIGINAL] = cfg.rope_scaling.original_max_position
     return {**d, **moe_to_hf(cfg, rec)}
 
@@ -496,16 +637,30 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     scaling, params = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     d: dict[str, Any] = {
-        "architectures": [rec.causal_lm], "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, rec.activation_field: _HF_ACTIVATION[cfg.activation],
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos, "pad_token_id": cfg.pad_token_id, "torch_dtype": name, "dtype": name,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "architectures": [rec.causal_lm],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        rec.activation_field: _HF_ACTIVATION[cfg.activation],
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": params,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": name,
+        "dtype": name,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
     d.update(_family_to_hf(cfg, rec, params))
     return d

@@ -22,19 +22,30 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from relax.models.config.model import ModelConfig
 from relax.models.config.families import FamilyRecord
+from relax.models.config.model import ModelConfig
 
 if TYPE_CHECKING:
     from relax.models.hf.config import ConfigReader
 
 __all__ = ["moe_fields", "moe_problems", "moe_to_hf"]
 
-_KINDS = {"num_experts": "int_", "num_experts_per_tok": "int_", "moe_intermediate_size": "int_",
-          "shared_expert_size": "int_", "norm_topk_prob": "bool_", "output_router_logits": "bool_",
-          "router_aux_loss_coef": "float_", "router_z_loss_coef": "float_"}  # ModelConfig field -> reader method
-_DEFAULTS = dict(norm_topk_prob=False, output_router_logits=False, router_aux_loss_coef=0.001,
-                 router_z_loss_coef=0.0)  # transformers' for every MoE family (a record's hf_defaults win)
+_KINDS = {
+    "num_experts": "int_",
+    "num_experts_per_tok": "int_",
+    "moe_intermediate_size": "int_",
+    "shared_expert_size": "int_",
+    "norm_topk_prob": "bool_",
+    "output_router_logits": "bool_",
+    "router_aux_loss_coef": "float_",
+    "router_z_loss_coef": "float_",
+}  # ModelConfig field -> reader method
+_DEFAULTS = dict(
+    norm_topk_prob=False,
+    output_router_logits=False,
+    router_aux_loss_coef=0.001,
+    router_z_loss_coef=0.0,
+)  # transformers' for every MoE family (a record's hf_defaults win)
 _IF_SET = ("router_z_loss_coef",)  # written only when not 0
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
@@ -50,7 +61,9 @@ def _dense_layers(r: ConfigReader, rec: FamilyRecord, layers: int) -> tuple[int,
     if rec.moe == "all":
         return ()
     only = r.get("mlp_only_layers", None) or []
-    if not isinstance(only, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in only):
+    if not isinstance(only, list) or any(
+        not isinstance(i, int) or isinstance(i, bool) for i in only
+    ):
         raise r.fail("mlp_only_layers", f"must be a list of layer indices or null, got {only!r}")
     step = r.int_("decoder_sparse_step", 1)
     if step < 1:
@@ -70,14 +83,21 @@ def moe_fields(r: ConfigReader, rec: FamilyRecord, layers: int) -> dict[str, Any
         f[field] = getattr(r, _KINDS[field])(_name(r, names), *default)
     experts_name = _name(r, rec.moe_names["num_experts"])
     if f["num_experts"] < (1 if rec.moe == "all" else 0):
-        every = f" (every {rec.model_type} layer is a mixture of experts)" if rec.moe == "all" else ""
-        raise r.fail(experts_name, f"must be >= {1 if rec.moe == 'all' else 0}, got {f['num_experts']}{every}")
+        every = (
+            f" (every {rec.model_type} layer is a mixture of experts)" if rec.moe == "all" else ""
+        )
+        raise r.fail(
+            experts_name,
+            f"must be >= {1 if rec.moe == 'all' else 0}, got {f['num_experts']}{every}",
+        )
     if f["num_experts"] == 0:
         return {}
     if "shared_expert_size" in rec.moe_names and f["shared_expert_size"] < 1:
-        raise r.fail(_name(r, rec.moe_names["shared_expert_size"]),
-                     f"must be >= 1 (every {rec.model_type} sparse layer has a shared expert), "
-                     f"got {f['shared_expert_size']}")
+        raise r.fail(
+            _name(r, rec.moe_names["shared_expert_size"]),
+            f"must be >= 1 (every {rec.model_type} sparse layer has a shared expert), "
+            f"got {f['shared_expert_size']}",
+        )
     return {**f, **rec.moe_fixed, "dense_layers": _dense_layers(r, rec, layers)}
 
 
@@ -87,16 +107,32 @@ def moe_problems(cfg: ModelConfig, rec: FamilyRecord) -> list[str]:
     if rec.moe == "none":
         return [f"num_experts={cfg.num_experts} ({fam} has no experts)"] if cfg.num_experts else []
     if not cfg.num_experts:
-        return [f"num_experts=0 (every {fam} layer is a mixture of experts)"] if rec.moe == "all" else []
-    bad = [f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})" for k, v in rec.moe_fixed.items() if getattr(cfg, k) != v]
+        return (
+            [f"num_experts=0 (every {fam} layer is a mixture of experts)"]
+            if rec.moe == "all"
+            else []
+        )
+    bad = [
+        f"{k}={getattr(cfg, k)!r} ({fam} has {v!r})"
+        for k, v in rec.moe_fixed.items()
+        if getattr(cfg, k) != v
+    ]
     if rec.moe == "all" and cfg.dense_layers:
         bad.append(f"dense_layers={cfg.dense_layers!r} (every {fam} layer is sparse)")
     for field, names in rec.moe_names.items():
         other = names[0]
-        if other != field and other in _CONFIG_FIELDS and getattr(cfg, other) != getattr(cfg, field):
-            bad.append(f"{field}={getattr(cfg, field)!r} with {other}={getattr(cfg, other)!r} ({fam} has one {other})")
+        if (
+            other != field
+            and other in _CONFIG_FIELDS
+            and getattr(cfg, other) != getattr(cfg, field)
+        ):
+            bad.append(
+                f"{field}={getattr(cfg, field)!r} with {other}={getattr(cfg, other)!r} ({fam} has one {other})"
+            )
     if "shared_expert_size" in rec.moe_names and cfg.shared_expert_size < 1:
-        bad.append(f"shared_expert_size={cfg.shared_expert_size} ({fam} always has a shared expert)")
+        bad.append(
+            f"shared_expert_size={cfg.shared_expert_size} ({fam} always has a shared expert)"
+        )
     return bad
 
 
@@ -104,8 +140,11 @@ def moe_to_hf(cfg: ModelConfig, rec: FamilyRecord) -> dict[str, Any]:
     """The file's MoE fields (``moe_fields`` read back) of a config ``moe_problems`` passes."""
     if rec.moe == "none":
         return {}
-    d = {names[0]: getattr(cfg, field) for field, names in rec.moe_names.items()
-         if not (field in _IF_SET and getattr(cfg, field) == 0)}
+    d = {
+        names[0]: getattr(cfg, field)
+        for field, names in rec.moe_names.items()
+        if not (field in _IF_SET and getattr(cfg, field) == 0)
+    }
     if rec.moe == "qwen":
         d.update(mlp_only_layers=list(cfg.dense_layers), decoder_sparse_step=1)
     return d

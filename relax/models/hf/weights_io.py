@@ -16,27 +16,56 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
 from relax.models.hf.config import HFFormatError
 
-__all__ = ["FLOAT_DTYPES", "INDEX", "WEIGHTS", "SafetensorsFile", "open_weights", "read_json", "write_json",
-           "write_safetensors"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "INDEX",
+    "WEIGHTS",
+    "SafetensorsFile",
+    "open_weights",
+    "read_json",
+    "write_json",
+    "write_safetensors",
+]
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _PICKLE = re.compile(r"^(pytorch_model|model|consolidated).*\.(bin|pt|pth)$|\.bin\.index\.json$")
 
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
-             "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
-             "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "F4": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 # the safetensors dtypes relax reads as weights (floating point), by code
-FLOAT_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-                "BF16": np.dtype(ml_dtypes.bfloat16)}
+FLOAT_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
 _CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -49,11 +78,15 @@ class SafetensorsFile:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise HFFormatError(f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)")
+                raise HFFormatError(
+                    f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)"
+                )
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
-                raise HFFormatError(f"{path}: corrupt or truncated safetensors file: header length {n} "
-                                    f"goes beyond the end of the file ({size} bytes)")
+                raise HFFormatError(
+                    f"{path}: corrupt or truncated safetensors file: header length {n} "
+                    f"goes beyond the end of the file ({size} bytes)"
+                )
             raw = f.read(n)
         try:
             header = json.loads(raw.decode("utf-8"))
@@ -66,19 +99,31 @@ class SafetensorsFile:
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
             try:
-                code, shape, (b, end) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
+                code, shape, (b, end) = (
+                    e["dtype"],
+                    tuple(int(x) for x in e["shape"]),
+                    e["data_offsets"],
+                )
                 b, end = int(b), int(end)
             except (TypeError, KeyError, ValueError):
-                raise HFFormatError(f"{path}: tensor {name!r}: malformed header entry {e!r}") from None
+                raise HFFormatError(
+                    f"{path}: tensor {name!r}: malformed header entry {e!r}"
+                ) from None
             if code not in _ITEMSIZE:
-                raise HFFormatError(f"{path}: tensor {name!r} has unknown safetensors dtype {code!r}")
+                raise HFFormatError(
+                    f"{path}: tensor {name!r} has unknown safetensors dtype {code!r}"
+                )
             nbytes = math.prod(shape) * _ITEMSIZE[code]
             if not 0 <= b <= end or end - b != nbytes:
-                raise HFFormatError(f"{path}: tensor {name!r}: data_offsets [{b}, {end}] do not hold "
-                                    f"{code} {list(shape)} ({nbytes} bytes)")
+                raise HFFormatError(
+                    f"{path}: tensor {name!r}: data_offsets [{b}, {end}] do not hold "
+                    f"{code} {list(shape)} ({nbytes} bytes)"
+                )
             if end > data_len:
-                raise HFFormatError(f"{path}: corrupt or truncated safetensors file: tensor {name!r} "
-                                    f"data_offsets [{b}, {end}] go beyond the end of the data ({data_len} bytes)")
+                raise HFFormatError(
+                    f"{path}: corrupt or truncated safetensors file: tensor {name!r} "
+                    f"data_offsets [{b}, {end}] go beyond the end of the data ({data_len} bytes)"
+                )
             self.entries[name] = (code, shape, b, end)
         self._map = None
 
@@ -87,18 +132,23 @@ class SafetensorsFile:
         code, shape, b, end = self.entries[name]
         if self._map is None:
             self._map = np.memmap(self.path, np.uint8, mode="r")
-        raw = self._map[self.data_start + b:self.data_start + end]
+        raw = self._map[self.data_start + b : self.data_start + end]
         return raw.view(FLOAT_DTYPES[code]).reshape(shape)
 
 
-def write_safetensors(path: Path,
-                      tensors: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]) -> None:
+def write_safetensors(
+    path: Path, tensors: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]
+) -> None:
     """Write ``(name, shape, dtype, make_array)`` tensors, largest itemsize first (aligned offsets)."""
     tensors = sorted(tensors, key=lambda t: -t[2].itemsize)  # stable: keeps transformers' order
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dt, _ in tensors:
         nbytes = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": _CODE[dt.name], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _CODE[dt.name],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
@@ -141,26 +191,35 @@ def open_weights(root: Path) -> tuple[dict[str, SafetensorsFile], str]:
         wm = read_json(index)
         wm = wm.get("weight_map") if isinstance(wm, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise HFFormatError(f"{index}: field 'weight_map' is missing or not an object of tensor -> shard file")
+            raise HFFormatError(
+                f"{index}: field 'weight_map' is missing or not an object of tensor -> shard file"
+            )
         files: dict[str, SafetensorsFile] = {}
         for shard in sorted(set(wm.values())):
             if Path(shard).name != shard or shard in ("", ".", ".."):
-                raise HFFormatError(f"{index}: weight_map names shard {shard!r} outside the directory")
+                raise HFFormatError(
+                    f"{index}: weight_map names shard {shard!r} outside the directory"
+                )
             if not (root / shard).is_file():
                 first = next(n for n, s in wm.items() if s == shard)
-                raise HFFormatError(f"{index}: weight_map points at missing shard {shard!r} "
-                                    f"(for tensor {first!r})")
+                raise HFFormatError(
+                    f"{index}: weight_map points at missing shard {shard!r} (for tensor {first!r})"
+                )
             files[shard] = SafetensorsFile(root / shard)
         where = {n: f for f in files.values() for n in f.entries}
         for name, shard in wm.items():
             if name not in files[shard].entries:
-                raise HFFormatError(f"{root / shard}: tensor {name!r} is not in this shard, "
-                                    f"though {INDEX} maps it there")
+                raise HFFormatError(
+                    f"{root / shard}: tensor {name!r} is not in this shard, "
+                    f"though {INDEX} maps it there"
+                )
             where[name] = files[shard]
         return where, str(index)
     pickles = sorted(p.name for p in root.iterdir() if _PICKLE.search(p.name))
     if pickles:
-        raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX}, only PyTorch pickle weights {pickles}; "
-                            "relax reads safetensors only (it never unpickles). Convert them first, "
-                            "e.g. transformers' model.save_pretrained(dir, safe_serialization=True)")
+        raise HFFormatError(
+            f"{root}: no {WEIGHTS} or {INDEX}, only PyTorch pickle weights {pickles}; "
+            "relax reads safetensors only (it never unpickles). Convert them first, "
+            "e.g. transformers' model.save_pretrained(dir, safe_serialization=True)"
+        )
     raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX} (safetensors weights are required)")

@@ -33,9 +33,16 @@ from relax.models.config.families import ADAPTABLE_FIELDS
 # of ``FamilyRecord.lora_modules``' paths), the same for every family; each adapts its weights
 # apart, also where a checkpoint fuses some (relax.models.adapters.peft). ``gate_proj`` names the dense
 # MLP's ``mlp.gate_proj`` and a shared expert's ``mlp.shared_expert.gate_proj``, as in PEFT.
-TARGETS = {"q_proj": ("wq",), "k_proj": ("wk",), "v_proj": ("wv",), "o_proj": ("wo",),
-           "gate_proj": ("w_gate", "shared_gate"), "up_proj": ("w_up", "shared_up"),
-           "down_proj": ("w_down", "shared_down"), "shared_expert_gate": ("shared_router",)}
+TARGETS = {
+    "q_proj": ("wq",),
+    "k_proj": ("wk",),
+    "v_proj": ("wv",),
+    "o_proj": ("wo",),
+    "gate_proj": ("w_gate", "shared_gate"),
+    "up_proj": ("w_up", "shared_up"),
+    "down_proj": ("w_down", "shared_down"),
+    "shared_expert_gate": ("shared_router",),
+}
 INITS = ("default", "gaussian")
 DTYPES = ("float32", "bfloat16", "base")
 
@@ -45,7 +52,8 @@ class LoRAConfig:
     """Adapters on the targeted linear layers; ``rank == 0`` means none (the whole model trains).
 
     ``init``: ``"default"`` draws ``A`` Kaiming-uniform, ``U(-1/sqrt(in), 1/sqrt(in))``, as PEFT's
-    default, ``"gaussian"`` draws ``A`` normal with standard deviation ``1/r`` (PEFT's); ``B = 0`` either way. ``dtype``: the
+    default, ``"gaussian"`` draws ``A`` normal with standard deviation ``1/r`` (PEFT's); ``B = 0``
+    either way. ``dtype``: the
     adapters' parameter dtype (``"base"``: the base weights'); float32 adapters over a bfloat16
     base keep small updates that bfloat16 would round away. The forward runs in the model's
     compute dtype either way.
@@ -85,8 +93,10 @@ class LoRAConfig:
             names = (names - {"all-linear"}) | set(TARGETS)
         unknown = sorted(names - set(TARGETS))
         if unknown or not names:
-            raise ValueError(f"lora target_modules {list(self.target_modules)}: unknown {unknown}; "
-                             f"choose from {list(TARGETS)} or 'all-linear'")
+            raise ValueError(
+                f"lora target_modules {list(self.target_modules)}: unknown {unknown}; "
+                f"choose from {list(TARGETS)} or 'all-linear'"
+            )
         named = {f for m in names for f in TARGETS[m]}
         return tuple(f for f in ADAPTABLE_FIELDS if f in named)
 
@@ -134,7 +144,9 @@ class Adapters(eqx.Module):
         return {f: w for f, w in found.items() if w is not None}
 
 
-def init_adapters(cfg: LoRAConfig, shapes: dict[str, tuple[int, int, int]], key: Array, base_dtype) -> Adapters:
+def init_adapters(
+    cfg: LoRAConfig, shapes: dict[str, tuple[int, int, int]], key: Array, base_dtype
+) -> Adapters:
     """Fresh adapters on the weights ``shapes`` gives: field -> ``(layers, in, out)`` (the model's
     ``ModelConfig.stacked_shapes()`` of the fields it adapts)."""
     dtype = base_dtype if cfg.dtype == "base" else jnp.dtype(cfg.dtype)
@@ -147,19 +159,24 @@ def init_adapters(cfg: LoRAConfig, shapes: dict[str, tuple[int, int, int]], key:
         else:
             bound = 1.0 / math.sqrt(fan_in)
             a = jax.random.uniform(k, shape, jnp.float32, -bound, bound)
-        weights[field] = LoRAWeights(a.astype(dtype), jnp.zeros((num_layers, cfg.rank, fan_out), dtype))
+        weights[field] = LoRAWeights(
+            a.astype(dtype), jnp.zeros((num_layers, cfg.rank, fan_out), dtype)
+        )
     return Adapters(**weights, alpha=cfg.alpha, use_rslora=cfg.use_rslora, dropout=cfg.dropout)
 
 
-def delta(ad: Adapters | None, field: str, x: Float[Array, "... i"], dtype,
-          index: int = 0) -> Float[Array, "... o"] | None:
+def delta(
+    ad: Adapters | None, field: str, x: Float[Array, "... i"], dtype, index: int = 0
+) -> Float[Array, "... o"] | None:
     """``s * drop(x) A B`` of one layer's adapter on ``field`` (None when it has none); ``index``
     (the field's place in ``ADAPTABLE_FIELDS``) separates the dropout masks of the targets."""
     w = None if ad is None else getattr(ad, field)
     if w is None:
         return None
     if ad.dropout_key is not None and ad.dropout > 0.0:
-        keep = jax.random.bernoulli(jax.random.fold_in(ad.dropout_key, index), 1.0 - ad.dropout, x.shape)
+        keep = jax.random.bernoulli(
+            jax.random.fold_in(ad.dropout_key, index), 1.0 - ad.dropout, x.shape
+        )
         x = jnp.where(keep, x / (1.0 - ad.dropout), 0.0).astype(x.dtype)
     flat = x.reshape(-1, x.shape[-1])
     y = (flat @ w.a.astype(dtype)) @ w.b.astype(dtype)
@@ -172,7 +189,9 @@ def adapted(ad: Adapters | None, field: str, x: Array, y: Array, dtype) -> Array
     return y if d is None else y + d
 
 
-def merged_weight(w: Float[Array, "... i o"], lw: LoRAWeights, scale: float) -> Float[Array, "... i o"]:
+def merged_weight(
+    w: Float[Array, "... i o"], lw: LoRAWeights, scale: float
+) -> Float[Array, "... i o"]:
     """``W + s A B`` (computed in float32, rounded once to ``W``'s dtype)."""
     ab = jnp.einsum("...ir,...ro->...io", lw.a.astype(jnp.float32), lw.b.astype(jnp.float32))
     return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)

@@ -20,14 +20,17 @@ from jaxtyping import Array, Float
 from relax.passes import current_backend
 
 
-def weight_grad(x: Float[Array, "n i"], dy: Float[Array, "n o"], *, out_dtype=None,
-                transpose: bool = False) -> Float[Array, "i o"] | Float[Array, "o i"]:
+def weight_grad(
+    x: Float[Array, "n i"], dy: Float[Array, "n o"], *, out_dtype=None, transpose: bool = False
+) -> Float[Array, "i o"] | Float[Array, "o i"]:
     """``x^T dy`` (accumulated in ``out_dtype`` when given), from a materialised ``x^T`` on CPU.
     ``transpose``: return ``dy^T x`` instead, on CPU as ``(x^T dy)^T`` with the product kept behind
     a barrier too (the LM head's ``dW = dz^T h`` with ``x = h``: a transposed copy of ``dz``, the
     vocabulary-sized operand, would cost more than the product saves)."""
     if current_backend() != "cpu":
-        return jnp.einsum("ni,no->oi" if transpose else "ni,no->io", x, dy, preferred_element_type=out_dtype)
+        return jnp.einsum(
+            "ni,no->oi" if transpose else "ni,no->io", x, dy, preferred_element_type=out_dtype
+        )
     barrier = jax.lax.optimization_barrier
     out = jnp.dot(barrier(x.T), dy, preferred_element_type=out_dtype)
     return barrier(out).T if transpose else out

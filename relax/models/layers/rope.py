@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from relax.models.config.model import ModelConfig
 from relax.models.config.layer_kinds import Kind, select
+from relax.models.config.model import ModelConfig
 
 CosSin = tuple[Float[Array, "*b t d"], Float[Array, "*b t d"]]
 
@@ -43,13 +43,17 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
     """
     d = config.head_dim
     theta = config.rope_local_theta if local else config.rope_theta
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))).astype(np.float32)
+    inv = (
+        1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+    ).astype(np.float32)
     scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv
     if scaling.kind == "linear":
         return (inv / np.float32(scaling.factor)).astype(np.float32)
-    if scaling.kind == "longrope":  # the short factors: relax runs at most original_max_position positions
+    if (
+        scaling.kind == "longrope"
+    ):  # the short factors: relax runs at most original_max_position positions
         return (inv / np.asarray(scaling.short_factor, np.float32)).astype(np.float32)
     # llama3
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
@@ -93,8 +97,12 @@ def rotary(config: ModelConfig, positions: Int[Array, "*b t"]) -> Rotary:
     full = rope_angles(inverse_frequencies(config), positions, attention_factor(config))
     if not has_local_rope(config):
         return Rotary(full)
-    return Rotary(full, rope_angles(inverse_frequencies(config, local=True), positions,
-                                    attention_factor(config, local=True)))
+    return Rotary(
+        full,
+        rope_angles(
+            inverse_frequencies(config, local=True), positions, attention_factor(config, local=True)
+        ),
+    )
 
 
 def layer_rotary(tables: Rotary, sliding: Kind) -> CosSin:
@@ -103,7 +111,9 @@ def layer_rotary(tables: Rotary, sliding: Kind) -> CosSin:
     return tables.full if tables.local is None else select(sliding, tables.local, tables.full)
 
 
-def apply_rope(x: Float[Array, "*b t h d"], cos: Float[Array, "*b t d"], sin: Float[Array, "*b t d"]) -> Float[Array, "*b t h d"]:
+def apply_rope(
+    x: Float[Array, "*b t h d"], cos: Float[Array, "*b t d"], sin: Float[Array, "*b t d"]
+) -> Float[Array, "*b t h d"]:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]``."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)

@@ -33,29 +33,37 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from relax.models.moe.experts import sparse_ffn
 from relax.models.config.sharding import EXPERT_AXIS, TENSOR_AXIS, ambient_batch_axes
+from relax.models.moe.experts import sparse_ffn
 
 Act = Callable[[Array], Array]
 
 
-def experts_ffn(x: Float[Array, "n d"], experts: Int[Array, "n k"], weights: Float[Array, "n k"],
-                w_gate: Float[Array, "e d f"], w_up: Float[Array, "e d f"], w_down: Float[Array, "e f d"],
-                act: Act) -> Float[Array, "n d"]:
+def experts_ffn(
+    x: Float[Array, "n d"],
+    experts: Int[Array, "n k"],
+    weights: Float[Array, "n k"],
+    w_gate: Float[Array, "e d f"],
+    w_up: Float[Array, "e d f"],
+    w_down: Float[Array, "e f d"],
+    act: Act,
+) -> Float[Array, "n d"]:
     """``relax.models.moe.experts.sparse_ffn``, its experts split over the ambient mesh's ``expert`` axis
     (module docstring); exactly ``sparse_ffn`` without one."""
     ep = ambient_axis_size(EXPERT_AXIS)
     if ep == 1:
         return sparse_ffn(x, experts, weights, w_gate, w_up, w_down, act)
     if w_gate.shape[0] % ep:
-        raise ValueError(f"{w_gate.shape[0]} experts do not split over mesh axis {EXPERT_AXIS}={ep}")
+        raise ValueError(
+            f"{w_gate.shape[0]} experts do not split over mesh axis {EXPERT_AXIS}={ep}"
+        )
     return _expert_parallel(x, experts, weights, w_gate, w_up, w_down, act)
 
 
@@ -78,14 +86,25 @@ def _expert_parallel(x, experts, weights, w_gate, w_up, w_down, act: Act):
         x, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights))
         experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=w_gate.shape[0])
     rows, columns = P(batch), P(EXPERT_AXIS, None, width)
-    local = jax.shard_map(functools.partial(_local_experts, act=act, width=width), out_specs=rows,
-                          in_specs=(rows, rows, rows, columns, columns, P(EXPERT_AXIS, width, None)))
+    local = jax.shard_map(
+        functools.partial(_local_experts, act=act, width=width),
+        out_specs=rows,
+        in_specs=(rows, rows, rows, columns, columns, P(EXPERT_AXIS, width, None)),
+    )
     return local(x, experts, weights, w_gate, w_up, w_down)[:n]
 
 
-def _local_experts(x: Float[Array, "nl d"], experts: Int[Array, "nl k"], weights: Float[Array, "nl k"],
-                   w_gate: Float[Array, "el d fl"], w_up: Float[Array, "el d fl"], w_down: Float[Array, "el fl d"],
-                   *, act: Act, width: str | None) -> Float[Array, "nl d"]:
+def _local_experts(
+    x: Float[Array, "nl d"],
+    experts: Int[Array, "nl k"],
+    weights: Float[Array, "nl k"],
+    w_gate: Float[Array, "el d fl"],
+    w_up: Float[Array, "el d fl"],
+    w_down: Float[Array, "el fl d"],
+    *,
+    act: Act,
+    width: str | None,
+) -> Float[Array, "nl d"]:
     """Steps 1-5 of the module docstring on one device (inside the ``shard_map``)."""
     gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, tiled=True)  # noqa: E731  [ep nl, ...]
     xg, eg, wg = gather(x), gather(experts), gather(weights)

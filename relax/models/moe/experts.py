@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -36,8 +37,18 @@ from relax.passes import current_backend
 
 ROUTING_REPLAY = ("none", "sampler")
 
-__all__ = ["MoEConfig", "Routed", "RouterStats", "grouped_matmul", "load_balance_loss", "route", "router_z_loss",
-           "router_loss", "routing_metrics", "sparse_ffn"]
+__all__ = [
+    "MoEConfig",
+    "Routed",
+    "RouterStats",
+    "grouped_matmul",
+    "load_balance_loss",
+    "route",
+    "router_z_loss",
+    "router_loss",
+    "routing_metrics",
+    "sparse_ffn",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +82,11 @@ class MoEConfig:
         """``(load balance, z-loss)`` weights for ``config``'s model (0, 0 for a dense one)."""
         if not config.num_experts:
             return 0.0, 0.0
-        aux = (config.router_aux_loss_coef if config.output_router_logits else 0.0) if self.aux_loss_coef is None \
+        aux = (
+            (config.router_aux_loss_coef if config.output_router_logits else 0.0)
+            if self.aux_loss_coef is None
             else self.aux_loss_coef
+        )
         z = config.router_z_loss_coef if self.z_loss_coef is None else self.z_loss_coef
         return aux, z
 
@@ -111,8 +125,9 @@ def _at_least_f32(x: Array) -> Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def route(logits: Float[Array, "n e"], k: int, *, normalize: bool,
-          replay: Int[Array, "n k"] | None = None) -> tuple[Float[Array, "n k"], Int[Array, "n k"], Int[Array, "n k"]]:
+def route(
+    logits: Float[Array, "n e"], k: int, *, normalize: bool, replay: Int[Array, "n k"] | None = None
+) -> tuple[Float[Array, "n k"], Int[Array, "n k"], Int[Array, "n k"]]:
     """``(weights, experts, own)``: the float32 weights of the experts used, the experts (replayed
     where ``replay >= 0``, else ``own``), and the router's own top-k."""
     probs = jax.nn.softmax(_at_least_f32(logits), axis=-1)
@@ -126,7 +141,9 @@ def route(logits: Float[Array, "n e"], k: int, *, normalize: bool,
     return top, experts, own
 
 
-def grouped_matmul(x: Float[Array, "m i"], w: Float[Array, "g i o"], sizes: Int[Array, " g"]) -> Float[Array, "m o"]:
+def grouped_matmul(
+    x: Float[Array, "m i"], w: Float[Array, "g i o"], sizes: Int[Array, " g"]
+) -> Float[Array, "m o"]:
     """``y[r] = x[r] w[g(r)]`` for rows sorted by group, group ``g`` holding ``sizes[g]`` rows;
     rows at or beyond ``sum(sizes)`` belong to no group and give ``y[r] = 0`` (a caller parks
     rows that need no product there, e.g. pairs routed to another device's experts).
@@ -158,16 +175,32 @@ def _tiled_matmul(x, w, sizes):
     rows = jnp.arange(m, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(row_end, rows, side="right"), g - 1)
     dest = (ends - padded)[group] + rows - (row_end - sizes)[group]
-    dest = jnp.where(rows < row_end[-1], dest, n_tiles * tile + rows)  # beyond the groups: past the buffer
-    xp = jnp.zeros((n_tiles * tile, x.shape[1]), x.dtype).at[dest].set(x, unique_indices=True, mode="drop")
-    tile_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles, dtype=jnp.int32) * tile, side="right"), g - 1)
+    dest = jnp.where(
+        rows < row_end[-1], dest, n_tiles * tile + rows
+    )  # beyond the groups: past the buffer
+    xp = (
+        jnp.zeros((n_tiles * tile, x.shape[1]), x.dtype)
+        .at[dest]
+        .set(x, unique_indices=True, mode="drop")
+    )
+    tile_group = jnp.minimum(
+        jnp.searchsorted(ends, jnp.arange(n_tiles, dtype=jnp.int32) * tile, side="right"), g - 1
+    )
     y = jnp.einsum("tri,tio->tro", xp.reshape(n_tiles, tile, -1), w[tile_group])
-    return y.reshape(n_tiles * tile, -1).at[dest].get(mode="fill", fill_value=0, unique_indices=True)
+    return (
+        y.reshape(n_tiles * tile, -1).at[dest].get(mode="fill", fill_value=0, unique_indices=True)
+    )
 
 
-def sparse_ffn(x: Float[Array, "n d"], experts: Int[Array, "n k"], weights: Float[Array, "n k"],
-               w_gate: Float[Array, "e d f"], w_up: Float[Array, "e d f"], w_down: Float[Array, "e f d"],
-               act: Callable[[Array], Array]) -> Float[Array, "n d"]:
+def sparse_ffn(
+    x: Float[Array, "n d"],
+    experts: Int[Array, "n k"],
+    weights: Float[Array, "n k"],
+    w_gate: Float[Array, "e d f"],
+    w_up: Float[Array, "e d f"],
+    w_down: Float[Array, "e f d"],
+    act: Callable[[Array], Array],
+) -> Float[Array, "n d"]:
     """``y[t] = sum_j weights[t, j] FFN_{experts[t, j]}(x[t])`` (module docstring), dropless: the
     ``n k`` pairs sorted by expert (stable), three ``grouped_matmul``\\ s, then un-sorted and summed
     over ``j`` in order. A pair whose expert is ``>= e`` (another device's, ``relax.models.
@@ -179,13 +212,22 @@ def sparse_ffn(x: Float[Array, "n d"], experts: Int[Array, "n k"], weights: Floa
     xs = x[order // k]
     h = act(grouped_matmul(xs, w_gate, sizes)) * grouped_matmul(xs, w_up, sizes)
     out = grouped_matmul(h, w_down, sizes)
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype), unique_indices=True)
+    back = (
+        jnp.zeros_like(order)
+        .at[order]
+        .set(jnp.arange(n * k, dtype=order.dtype), unique_indices=True)
+    )
     out = out[back].reshape(n, k, -1)
     return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1)
 
 
-def routed_stats(logits: Float[Array, "n e"], experts: Int[Array, "n k"], own: Int[Array, "n k"],
-                 valid: Bool[Array, " n"] | None, recorded: Int[Array, "n k"] | None) -> RouterStats:
+def routed_stats(
+    logits: Float[Array, "n e"],
+    experts: Int[Array, "n k"],
+    own: Int[Array, "n k"],
+    valid: Bool[Array, " n"] | None,
+    recorded: Int[Array, "n k"] | None,
+) -> RouterStats:
     """This forward's ``RouterStats`` of one layer (all rows valid when ``valid`` is None):
     ``experts`` used, the router's ``own`` top-k, the ``recorded`` experts (-1: none) or None."""
     logits = _at_least_f32(logits)
@@ -199,8 +241,14 @@ def routed_stats(logits: Float[Array, "n e"], experts: Int[Array, "n k"], own: I
         has = v * (recorded[:, 0] >= 0)
         same = jnp.all(jnp.any(recorded[:, :, None] == own[:, None, :], axis=-1), axis=-1)
         compared, differ = jnp.sum(has), jnp.sum(has * ~same)
-    return RouterStats(assigned=v @ onehot, probability=v @ probs, z=jnp.sum(v * lse * lse), tokens=jnp.sum(v),
-                       compared=compared, differ=differ)
+    return RouterStats(
+        assigned=v @ onehot,
+        probability=v @ probs,
+        z=jnp.sum(v * lse * lse),
+        tokens=jnp.sum(v),
+        compared=compared,
+        differ=differ,
+    )
 
 
 def load_balance_loss(stats: RouterStats) -> Float[Array, ""]:
@@ -220,7 +268,9 @@ def router_z_loss(stats: RouterStats) -> Float[Array, ""]:
     return jnp.sum(stats.z) / jnp.maximum(jnp.sum(stats.tokens), 1.0)
 
 
-def router_loss(stats: RouterStats | None, cfg: MoEConfig, config: ModelConfig) -> tuple[Array, dict[str, Array]]:
+def router_loss(
+    stats: RouterStats | None, cfg: MoEConfig, config: ModelConfig
+) -> tuple[Array, dict[str, Array]]:
     """``aux_coef * load_balance + z_coef * z_loss`` of one forward's stats (0 without experts) and
     its ``routing_metrics``."""
     if stats is None:
@@ -241,9 +291,13 @@ def routing_metrics(stats: RouterStats) -> dict[str, Array]:
     auxiliary losses."""
     compared = jnp.maximum(stats.compared, 1.0)
     load = jnp.max(stats.assigned, axis=-1) / jnp.maximum(jnp.mean(stats.assigned, axis=-1), 1e-9)
-    out = {"moe/routing_differ": jnp.sum(stats.differ) / jnp.maximum(jnp.sum(stats.compared), 1.0),
-           "moe/load_max_over_mean": jnp.max(load), "moe/load_max_over_mean_avg": jnp.mean(load),
-           "moe/load_balance_loss": load_balance_loss(stats), "moe/router_z_loss": router_z_loss(stats)}
+    out = {
+        "moe/routing_differ": jnp.sum(stats.differ) / jnp.maximum(jnp.sum(stats.compared), 1.0),
+        "moe/load_max_over_mean": jnp.max(load),
+        "moe/load_max_over_mean_avg": jnp.mean(load),
+        "moe/load_balance_loss": load_balance_loss(stats),
+        "moe/router_z_loss": router_z_loss(stats),
+    }
     for i, d in enumerate(stats.differ / compared):
         out[f"moe/routing_differ/layer{i}"] = d
     return out
