@@ -1,32 +1,29 @@
 """Multi-turn tool-use RL from the command line.
 
-    python examples/train_agent.py                         # built-in calculator task, a few minutes on CPU
-    python examples/train_agent.py --algorithm ppo --ppo.critic shared
-    python examples/train_agent.py --agent.per-turn --steps 60
+    python examples/train_agent.py [flags]      # the same command as: relax agent [flags]
 
-The policy answers "What is 347 * 86?" either directly or by calling a ``multiply`` tool (Hermes
-``<tool_call>`` format, rendered by the model's chat template) and answering from its result.
-Trajectories are token-exact (the sampled ids are never re-tokenized), the tool outputs are
-outside the loss, and the KV cache is carried across turns. Held-out success, tool use and the
-success rate with and without the tool are evaluated before and after (``summary.json``).
-
-Every field of ``relax.algorithms.agent.run.AgentRunConfig`` (and the nested ``--task.*``,
-``--grpo.*``, ``--ppo.*`` and ``--agent.*`` options) is a flag; ``--help`` lists them. Your own
-environments: ``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat, pad_id=...)``.
+The command, its help text and its flags live in ``relax.commands.agent``; ``relax agent --help``
+(or ``python examples/train_agent.py --help``) lists them.
 """
 
 from __future__ import annotations
 
 import sys
 
-from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults, run
+# The config, its defaults and the flag parser, for callers parsing flags of their own
+# (tests/test_agent_run.py).
+from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults
 from relax.algorithms.cli.flags import cli
+from relax.commands import COMMANDS
 from relax.train.preemption import exit_as_terminated
+
+__all__ = ["AgentRunConfig", "builtin_defaults", "cli", "main"]
+
+COMMAND = COMMANDS["agent"]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    return run(cli(AgentRunConfig, default=builtin_defaults(), args=argv, description=__doc__))
+    return COMMAND.run(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,24 @@
 """Direct preference optimisation (DPO and its family) from the command line.
 
-    python examples/train_dpo.py                 # built-in task: reversing preferred to copying
-    python examples/train_dpo.py --model HF_DIR --data pairs.jsonl --dpo.beta 0.1 --steps 1000
-        # rows: prompt / chosen / rejected (strings or chat messages, TRL's columns)
-    python examples/train_dpo.py ... --dpo.loss-type ipo|hinge|robust|simpo|orpo
-    python examples/train_dpo.py ... --dpo.precompute-reference   # reference log-probs once, cached beside the data
+    python examples/train_dpo.py [flags]      # the same command as: relax dpo [flags]
 
-Every field of ``relax.algorithms.dpo.run.DPORunConfig`` is a flag; ``--help`` lists them.
+The command, its help text and its flags live in ``relax.commands.dpo``; ``relax dpo --help``
+(or ``python examples/train_dpo.py --help``) lists them.
 """
 
 from __future__ import annotations
 
 import sys
 
-from relax.algorithms.dpo.run import main as dpo_main
+from relax.commands import COMMANDS
 from relax.train.preemption import exit_as_terminated
+
+COMMAND = COMMANDS["dpo"]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return dpo_main(
-        sys.argv[1:] if argv is None else argv, loss_type="sigmoid", description=__doc__
-    )
+    return COMMAND.run(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
-    exit_as_terminated(main)
+    exit_as_terminated(main)  # SIGTERM: a checkpoint was saved; exit status 143

@@ -1,42 +1,28 @@
 """GRPO from the command line.
 
-    python examples/train_grpo.py                      # built-in offline task, a few minutes on CPU
-    python examples/train_grpo.py --task code          # write functions, rewarded by tests in the sandbox
-    python examples/train_grpo.py --task math          # LaTeX answers, rewarded by math-verify (relax[math])
-    python examples/train_grpo.py --model HF_DIR --data train.jsonl \\
-        --preset dapo --grpo.max-new-tokens 512 --steps 500
-    python examples/train_grpo.py ... --parallel.mesh data=2,fsdp=4   # sharded over 8 devices
-    python examples/train_grpo.py ... --parallel.multihost            # every host of a TPU slice / SLURM job
+    python examples/train_grpo.py [flags]      # the same command as: relax grpo [flags]
 
-Every field of ``relax.algorithms.grpo.run.GRPORunConfig`` (and the nested ``--grpo.*``, ``--eval.*``,
-``--health.*`` and ``--reverse.*`` options) is a flag; ``--help`` lists them. ``--preset`` picks the algorithm whose
-values the ``--grpo.*`` flags then override.
+The command, its help text and its flags live in ``relax.commands.grpo``; ``relax grpo --help``
+(or ``python examples/train_grpo.py --help``) lists them.
 """
 
 from __future__ import annotations
 
 import sys
 
-from relax.algorithms.cli.flags import flag_value, parse_flags
-from relax.algorithms.grpo.run import GRPORunConfig, builtin_defaults, real_defaults, run
+from relax.commands import COMMANDS
 from relax.train.preemption import exit_as_terminated
 
+COMMAND = COMMANDS["grpo"]
 
-def parse_args(argv: list[str]) -> GRPORunConfig:
-    """Flags -> config. Defaults depend on the mode (the built-in task is tiny), on the task and on
-    the preset; flags override them."""
-    name, task = flag_value(argv, "--preset", "grpo"), flag_value(argv, "--task", "reverse")
-    return parse_flags(
-        GRPORunConfig,
-        argv,
-        builtin=lambda: builtin_defaults(name, task),
-        real=lambda: real_defaults(name),
-        description=__doc__,
-    )
+
+def parse_args(argv: list[str]) -> object:
+    """Flags -> ``GRPORunConfig``, nothing run (``relax.commands.grpo.parse``)."""
+    return COMMAND.parse(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(parse_args(sys.argv[1:] if argv is None else argv))
+    return COMMAND.run(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Every ``.py`` file under ``relax/`` is parsed with ``ast`` (nothing is imported), and every import
 in it, at module level or inside a function, absolute or relative, ``import relax.x`` or
-``from relax import x``, is mapped to the relax module it loads. Five rules are checked:
+``from relax import x``, is mapped to the relax module it loads. The layers run from the core
+modules up through the models, the algorithms, the planner and the service to the command line
+(``relax.commands`` and ``relax.__main__``: ``relax <command>``, which may import every layer but
+the top), with ``relax/__init__.py`` alone on top. Five rules are checked:
 
 * every relax module belongs to a layer of ``LAYERS`` (a new top-level module or package is
   added to the table on purpose);
@@ -61,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("algorithms", ("relax.algorithms",)),
     ("plan", ("relax.plan",)),  # compiles the algorithms' runs for TPU / GPU targets
     ("serve", ("relax.serve",)),  # every objective by name; the training service
+    ("commands", ("relax.commands", "relax.__main__")),  # `relax <command>`: trainers, serve, plan
     ("top", ("relax",)),  # relax/__init__.py only: it may import anything
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]

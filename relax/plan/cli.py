@@ -4,14 +4,15 @@
         --batch-size 64 --grpo.num-generations 16 --grpo.max-new-tokens 2048 --parallel.mesh fsdp=8
 
 The first word is the algorithm (grpo, ppo, sft, dpo, orpo); ``--target`` the machine (``relax.plan.targets``);
-every other flag is the run's own (``examples/train_<algorithm>.py --help``). Prints per chip and
+every other flag is the run's own (``relax <algorithm> --help``). Prints per chip and
 per program what the memory holds, the peak against the chip's HBM and the step's traffic; when
 the run does not fit, the flags that make it fit (``relax.plan.suggest``, ``--no-suggest`` to
 skip). A chip kind alone (``--target v5p``) plans the run on its slices from the smallest up
 and stops at the first that fits (``relax.plan.search``). The sampler of a deep model is
 compiled at two shallow depths and extended to the model's (``relax.plan.depth``); ``--exact``
 compiles it whole (slower). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3:
-does not fit; 2: usage error.
+does not fit; 2: usage error. ``python -m relax.plan ...`` is ``relax plan ...``; ``--help``
+prints this text.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ USAGE = (
     "usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
     "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]"
 )
+
+
+def help_text() -> str:
+    """What ``relax plan --help`` prints: the usage line and this module's docstring."""
+    return USAGE + "\n\n" + (__doc__ or "").strip() + "\n"
 
 
 def _pop(argv: list[str], flag: str, takes_value: bool = True) -> tuple[list[str], str | None]:
@@ -60,11 +66,14 @@ def summary(p) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"] and any(a in ("-h", "--help") for a in argv[1:]):
+        print(help_text(), end="")
+        return 0
     from relax.plan.plan import compile_once, plan
     from relax.plan.search import SLICES
     from relax.plan.suggest import suggest
 
-    argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] != "plan" or len(argv) < 2 or argv[1].startswith("-"):
         print(USAGE, file=sys.stderr)
         return 2

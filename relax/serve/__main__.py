@@ -1,26 +1,31 @@
-"""``python -m relax.serve``: the training service (``relax.serve.server``; ``--help`` lists the flags)."""
+"""``python -m relax.serve``: the training service (``relax.serve.server``; ``--help`` lists the flags).
+``relax serve`` is the same command."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import tyro
 
+if TYPE_CHECKING:
+    from relax.serve.server import ServeConfig
+
 
 def main(argv: list[str] | None = None) -> None:
+    from relax.serve.server import ServeConfig
+
+    argv = sys.argv[1:] if argv is None else argv
+    serve(tyro.cli(ServeConfig, args=argv, description=__doc__, prog="python -m relax.serve"))
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Load the service ``cfg`` describes and serve it until interrupted."""
     import uvicorn
 
-    from relax.serve.server import (
-        ServeConfig,
-        check_binding,
-        check_parallel,
-        load_service,
-        make_app,
-        read_token,
-    )
+    from relax.serve.server import check_binding, check_parallel, load_service, make_app, read_token
 
-    cfg = tyro.cli(ServeConfig, args=sys.argv[1:] if argv is None else argv, description=__doc__)
     token = read_token(cfg)
     check_binding(cfg, token)
     check_parallel(cfg)

@@ -43,15 +43,17 @@ def parse_flags(
     builtin: Callable[[], Config],
     real: Callable[[], Config],
     description: str | None = None,
+    prog: str | None = None,
 ) -> Config:
     """Flags -> config. The defaults are ``builtin()`` (the built-in task, sized for a CPU) unless
-    ``--model`` is among the flags, then ``real()``; the flags override them."""
+    ``--model`` is among the flags, then ``real()``; the flags override them. ``prog``: the command
+    ``--help`` names (``relax grpo``; None: the script's name)."""
     default = real() if uses_model(argv) else builtin()
     if any(a in ("-h", "--help") for a in argv):
         description = (
             (description or "") + "\n\n" + defaults_note(builtin(), real(), uses_model(argv))
         )
-    return cli(config_cls, default=default, args=argv, description=description)
+    return cli(config_cls, default=default, args=argv, description=description, prog=prog)
 
 
 RENAMED_LOSS_FLAGS = {
@@ -70,6 +72,7 @@ def cli(
     args: list[str],
     default: Config | None = None,
     description: str | None = None,
+    prog: str | None = None,
 ) -> Config:
     """``tyro.cli`` on ``loss_flags(args)``, subcommand arguments in any order."""
     return tyro.cli(
@@ -77,6 +80,7 @@ def cli(
         default=default,
         args=loss_flags(args),
         description=description,
+        prog=prog,
         config=(tyro.conf.CascadeSubcommandArgs,),
     )
 
