@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BASE := $(VENV)/.relax-base
 DEV := $(VENV)/.relax-dev
+DOCS := $(VENV)/.relax-docs
 
-.PHONY: demo test test-all lint bench install clean
+.PHONY: demo test test-all lint bench install clean docs
 
 # Host memory in 2 MiB pages where the kernel offers them on request (THP mode `madvise`).
 # XLA:CPU allocates each call's temporaries afresh, and glibc maps blocks that large straight from
@@ -48,6 +49,15 @@ test-all: $(DEV)
 
 bench: $(DEV)
 	$(PY) benchmarks/run_all.py
+
+# The documentation site (mkdocs.yml): the user guide and the API reference generated from the
+# docstrings, built into site/ with --strict (a warning, a broken link or an unlisted page fails).
+$(DOCS): $(BASE)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS)
+
+docs: $(DOCS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -17,7 +17,7 @@ from relax.rollout.sampler import RolloutConfig
 from relax.train.primitives import forward_backward, logprobs, optim_step, policy_logprobs, sample
 from relax.train.state import init_state
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "research.md"
 MARK = "<!-- primitives-loop -->"
 
 # grouped-query attention (2 query heads per KV head), left-padded prompts of two lengths

@@ -103,7 +103,7 @@ def devices(target: Target) -> list[jax.Device]:
 
 
 def tpu_devices(target: Target) -> list[jax.Device]:
-    """Compile-only TPU devices of ``target`` from libtpu (``pip install 'relax[tpu]'``)."""
+    """Compile-only TPU devices of ``target`` from libtpu (``pip install -e '.[tpu]'`` in a checkout)."""
     from jax.experimental import topologies
 
     os.environ.setdefault(
@@ -119,7 +119,7 @@ def tpu_devices(target: Target) -> list[jax.Device]:
     except Exception as e:  # libtpu missing (no "tpu" plugin) or a topology it does not know
         raise RuntimeError(
             f"cannot describe TPU target {target}: {e}. Compiling for TPU needs libtpu: "
-            "pip install 'relax[tpu]' (jax[tpu], ~700 MB; no TPU needed)"
+            "pip install -e '.[tpu]' in the relax checkout (jax[tpu], ~700 MB; no TPU needed)"
         ) from e
     found = list(topo.devices)
     if len(found) != target.chips or found[0].device_kind != target.chip.device_kind:
