@@ -1,1 +1,50 @@
 """Attention kernels: blocks merged by log-sum-exp, decode, the training group and dense kernels."""
+
+from relax.models.attention.blocks import (
+    NEG_INF,
+    BlockStats,
+    attention,
+    block_stats,
+    causal_mask,
+    heads_major,
+    merge_stats,
+    partial_attention,
+    shared_prefix_attention,
+)
+from relax.models.attention.decode import (
+    BLOCK_K,
+    BLOCK_ROWS,
+    MIN_DIM,
+    OwnAllowed,
+    OwnKeys,
+    OwnValues,
+    pallas_available,
+    pallas_decode_attention,
+    reference_decode_attention,
+)
+from relax.models.attention.dense import fused_attention_available, prefix_dense_attention
+from relax.models.attention.group import prefix_group_attention
+
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_ROWS",
+    "BlockStats",
+    "MIN_DIM",
+    "NEG_INF",
+    "OwnAllowed",
+    "OwnKeys",
+    "OwnValues",
+    "attention",
+    "block_stats",
+    "causal_mask",
+    "fused_attention_available",
+    "heads_major",
+    "merge_stats",
+    "pallas_available",
+    "pallas_decode_attention",
+    "partial_attention",
+    "prefix_dense_attention",
+    "prefix_group_attention",
+    "reference_decode_attention",
+    "shared_prefix_attention",
+]
