@@ -18,7 +18,7 @@ from relax.rewards.builtin import (
 )
 
 NEEDS_LIBRARY = pytest.mark.skipif(
-    importlib.util.find_spec("math_verify") is None, reason="needs relax[math]"
+    importlib.util.find_spec("math_verify") is None, reason="needs the math extra"
 )
 LIMIT = "math-verify limitation"
 GSM8K = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.\n#### 72"

@@ -2,7 +2,7 @@
 memory per chip against a hand count, a run too large for the chips reported as not fitting,
 the decode loop's cache copies, and the HLO roofline's FLOP count against a hand count.
 
-The compile-only tests need libtpu (``relax[tpu]``, which ``make test`` installs); without it they
+The compile-only tests need libtpu (the ``tpu`` extra, which ``make test`` installs); without it they
 are skipped. Target parsing and the out-of-memory message parser need nothing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from relax.plan import targets
 from relax.plan.memory import oom_bytes
 
 needs_tpu = pytest.mark.skipif(
-    not targets.tpu_available(), reason="libtpu (relax[tpu]) is not installed"
+    not targets.tpu_available(), reason="libtpu (the tpu extra) is not installed"
 )
 
 L, D, F, V, HQ, HKV, HD = 2, 256, 512, 1024, 4, 2, 64

@@ -2,7 +2,7 @@
 
     relax grpo                                   # built-in offline task, a few minutes on CPU
     relax grpo --task code                       # write functions, rewarded by tests in the sandbox
-    relax grpo --task math                       # LaTeX answers, rewarded by math-verify (relax[math])
+    relax grpo --task math                       # LaTeX answers, rewarded by math-verify (the math extra)
     relax grpo --model HF_DIR --data train.jsonl \\
         --preset dapo --grpo.max-new-tokens 512 --steps 500
     relax grpo ... --parallel.mesh data=2,fsdp=4   # sharded over 8 devices

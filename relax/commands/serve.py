@@ -5,7 +5,7 @@
     relax serve --model HF_DIR --host 0.0.0.0 --allow-remote --token-file TOKEN
 
 ``python -m relax.serve`` is the same command, with the same flags; it needs the service's packages
-(``pip install 'relax[serve]'``).
+(``pip install -e '.[serve]'`` in the checkout).
 
 Clients: ``relax.serve.ServiceClient`` (Tinker-style calls that
 return futures; ``examples/serve_grpo.py`` trains GRPO through it). The routes, the order requests
@@ -28,7 +28,9 @@ def run(argv: list[str]) -> int:
         from relax.serve.__main__ import serve
         from relax.serve.server import ServeConfig
     except ModuleNotFoundError as e:
-        raise SystemExit(f"relax serve needs {e.name}: pip install 'relax[serve]'") from e
+        raise SystemExit(
+            f"relax serve needs {e.name}: pip install -e '.[serve]' in the relax checkout"
+        ) from e
     serve(tyro.cli(ServeConfig, args=argv, description=__doc__, prog=f"relax {NAME}"))
     return 0
 

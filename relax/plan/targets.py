@@ -3,7 +3,8 @@
 A target is written ``v5p:2x2x2`` (a TPU generation and its slice topology, as Cloud TPU names
 them: v5e / v6e slices are 2-D, v5p 3-D) or ``h100x8`` / ``h200x8`` (that many GPUs of one host).
 ``devices(target)`` gives its devices: for TPU, ``libtpu``'s compile-only client (the optional
-``relax[tpu]`` extra; ``JAX_PLATFORMS=cpu`` is enough, nothing is allocated on any chip); for GPU,
+``tpu`` extra, ``pip install -e '.[tpu]'``; ``JAX_PLATFORMS=cpu`` is enough, nothing is allocated
+on any chip); for GPU,
 the CUDA plugin's (``relax.plan.gpu_target``: ``jax-cuda12-plugin``, no GPU needed). A GPU
 compile never fails for memory: the plan compares the bytes with the GPU's HBM itself. Programs
 lowered with ``ShapeDtypeStruct`` s sharded

@@ -16,7 +16,7 @@ returns one value per completion::
     code_exec       fraction of the row's ``tests`` the completion's code passes, in the sandbox
 
 and ``None`` (missing) where the row's answer is None, or not a number for ``numeric_match``, or
-not parseable for ``math_verify``. ``math_verify`` needs ``pip install 'relax[math]'``; its entry
+not parseable for ``math_verify``. ``math_verify`` needs the ``math`` extra (``pip install -e '.[math]'``); its entry
 is a ``LazyReward``: the library is imported when ``get_reward`` builds it
 (``relax.rewards.math_answers.MathVerify``, configurable there), not when this module is.
 """

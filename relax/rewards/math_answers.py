@@ -1,6 +1,7 @@
 """``math_verify``: a host reward that checks a final answer with Hugging Face's ``math-verify``.
 
-Needs the optional extra ``pip install 'relax[math]'`` (``math-verify[antlr4_13_2]``). Importing
+Needs the optional extra ``math`` (``math-verify[antlr4_13_2]``; ``pip install -e '.[math]'`` in the
+checkout). Importing
 this module does not import the library; constructing ``MathVerify()`` does, and raises
 ``ImportError`` naming the extra when it is missing.
 
@@ -28,7 +29,7 @@ from typing import Any
 
 from relax.rewards.columns import DEFAULT_ANSWER_FIELD, column
 
-INSTALL_HINT = "pip install 'relax[math]'"
+INSTALL_HINT = "pip install -e '.[math]' in the relax checkout"
 RETRY_S = 0.05  # a timeout that was swallowed is raised again this often until the check ends
 # A reference that already marks its math ($...$, \(...\), \[...\], \boxed{...}) is parsed as written.
 _DELIMITED_RE = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")

@@ -26,8 +26,9 @@ Errors: a refused request is ``400 {"error", "field"}`` naming the field, an unk
 ``404``, a missing or wrong token ``401``, anything else ``500 {"error"}`` (logged with its
 traceback); none of them changes a session (``relax.serve.session``).
 
-Security: the server binds to 127.0.0.1 unless ``--allow-remote`` is given, which also needs a
-token (``--token-file`` or ``RELAX_SERVE_TOKEN``); with a token every request must carry
+Security: the server binds to ``--host`` (127.0.0.1 by default); any other host is refused unless
+``--allow-remote`` is given, which also needs a token (``--token-file`` or ``RELAX_SERVE_TOKEN``);
+with a token every request must carry
 ``Authorization: Bearer <token>``. Bodies are msgpack, never pickle.
 """
 
@@ -98,7 +99,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8470
     allow_remote: bool = False
-    """Bind to a host other than localhost (needs a token)."""
+    """Permit a ``--host`` other than localhost (``--host`` sets the address; needs a token)."""
     token_file: str | None = None
     """A file holding the token clients must send (else ``RELAX_SERVE_TOKEN``; none: no token)."""
     state_dir: str = "runs/serve"
