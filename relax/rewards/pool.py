@@ -7,7 +7,7 @@ lambdas work); a task names a function by index and carries one chunk of ``chunk
 
 What is isolated: a crash or hang of reward code. A chunk that runs past its timeout (``timeout_s``,
 or the longer worst-case time its function declares for the chunk's rows: ``code_exec``'s
-sandboxed runs at their wall-clock limit, ``relax.rewards.functions.call_timeout_s``) has its
+sandboxed runs at their wall-clock limit, ``relax.rewards.contract.call_timeout_s``) has its
 worker killed and replaced; a worker that dies (segfault, ``os._exit``, SIGKILL, the OOM killer)
 is replaced; either way only that chunk's samples are lost (NaN with ``on_error="missing"``).
 What is not: reward functions are TRUSTED code. The pool is not a sandbox: a worker runs with
@@ -41,7 +41,7 @@ import numpy as np
 import pebble
 
 from relax.choices import check_choice
-from relax.rewards.functions import (
+from relax.rewards.contract import (
     ON_ERROR,
     RewardError,
     RewardFn,

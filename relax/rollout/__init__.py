@@ -1,4 +1,5 @@
-"""Rollouts: the prefix-shared sampler (``sampler``), sampling distributions (``sampling``), and
+"""Rollouts: the prefix-shared sampler (``sampler``; its types and host-side helpers in
+``config``, its decode loop's pieces in ``decode``), sampling distributions (``sampling``), and
 the no-cache reference sampler the tests compare against (``naive``)."""
 
 from relax.rollout.sampler import Rollout, RolloutConfig, generate, generate_with

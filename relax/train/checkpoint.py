@@ -39,14 +39,14 @@ continues in a background thread (``wait()`` blocks on it). Orbax writes a step 
 ``<step>.orbax-checkpoint-tmp-<timestamp>`` and renames it to ``<step>`` only when every item
 is written, so a process killed mid-save leaves the previous checkpoint as the latest one;
 leftover tmp directories are removed when the next ``Checkpointer`` opens the directory.
+
+The items' encodings (PRNG keys, data state, config, integrity record) are in
+``relax.train.checkpoint_format``.
 """
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import itertools
-import json
 import os
 import shutil
 import warnings
@@ -55,16 +55,26 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from relax.models.adapters.operations import base_weights, without_base
+from relax.train.checkpoint_format import (
+    RECORD_FORMAT,
+    PyTree,
+    abstract_leaf,
+    decode_data,
+    decode_leaf,
+    decode_record,
+    encode_data,
+    encode_state,
+    first_line,
+    paths,
+    to_json,
+)
 from relax.train.fingerprint import fingerprint
 
-PyTree = Any
 _STATE, _DATA, _CONFIG, _INTEGRITY = "state", "data", "config", "integrity"
-_RECORD_FORMAT = "relax-fingerprint-v1"
 
 
 class CheckpointCorruptError(ValueError):
@@ -85,77 +95,6 @@ class CheckpointCorruptError(ValueError):
 
 class UnverifiedCheckpointWarning(UserWarning):
     """A checkpoint without an integrity record (written before relax saved one)."""
-
-
-def _is_key(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _encode_state(tree: PyTree) -> PyTree:
-    """Typed PRNG keys -> their uint32 key data (orbax cannot store key dtypes)."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-
-def _abstract_leaf(x):
-    """Restore target for one leaf: shape/dtype(/sharding) only; Python scalars stay as they are."""
-    if _is_key(x):
-        return jax.eval_shape(jax.random.key_data, x)
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    return x  # numpy arrays restore as numpy arrays, Python scalars as Python scalars
-
-
-def _decode_leaf(target, restored):
-    if _is_key(target):
-        impl = jax.random.key_impl(
-            target if isinstance(target, jax.Array) else jnp.zeros((), target.dtype)
-        )
-        return jax.random.wrap_key_data(restored, impl=impl)
-    return restored
-
-
-def _encode_data(data_state: dict | bytes | None) -> dict:
-    if data_state is None:
-        return {"kind": "none", "value": None}
-    if isinstance(data_state, (bytes, bytearray)):
-        return {"kind": "bytes", "value": base64.b64encode(bytes(data_state)).decode("ascii")}
-    if isinstance(data_state, Mapping):
-        return {"kind": "json", "value": _to_json(data_state)}
-    raise TypeError(f"data_state must be a dict, bytes or None, got {type(data_state).__name__}")
-
-
-def _decode_data(stored: dict) -> dict | bytes | None:
-    kind = stored["kind"]
-    if kind == "none":
-        return None
-    if kind == "bytes":
-        return base64.b64decode(stored["value"], validate=True)
-    if kind == "json":
-        return stored["value"]
-    raise ValueError(f"unknown data_state kind {kind!r}")
-
-
-def _decode_record(stored: Any) -> dict[str, list[int]]:
-    fmt = stored.get("format") if isinstance(stored, dict) else type(stored).__name__
-    if fmt != _RECORD_FORMAT or not all(len(v) == 2 for v in stored["leaves"].values()):
-        raise ValueError(f"not a {_RECORD_FORMAT} record (format {fmt!r})")
-    return stored["leaves"]
-
-
-def _to_json(obj: Any) -> Any:
-    """A JSON round-trippable copy: dataclasses -> dicts, tuples -> lists, others via ``str``."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
-    return json.loads(json.dumps(obj, default=str))
-
-
-def _first_line(e: BaseException, limit: int = 200) -> str:
-    """``Type: first line`` of an exception, without tensorstore's spec dump, at most ``limit``."""
-    lines = str(e).strip().splitlines()
-    text = lines[0].split(" [tensorstore_spec=", 1)[0] if lines else ""
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 # ----------------------------------------------------------------------------- Checkpointer
@@ -236,15 +175,15 @@ class Checkpointer:
         if not force and not self._manager.should_save(step):
             return False
         stored = without_base(train_state)
-        record = {"format": _RECORD_FORMAT, "leaves": fingerprint(stored)}
+        record = {"format": RECORD_FORMAT, "leaves": fingerprint(stored)}
         base = base_weights(train_state)
         if jax.tree.leaves(base):
             record["lora_base"] = fingerprint(base)
         args = ocp.args.Composite(
             **{
-                _STATE: ocp.args.StandardSave(_encode_state(stored)),
-                _DATA: ocp.args.JsonSave(_encode_data(data_state)),
-                _CONFIG: ocp.args.JsonSave({"config": _to_json(config)}),
+                _STATE: ocp.args.StandardSave(encode_state(stored)),
+                _DATA: ocp.args.JsonSave(encode_data(data_state)),
+                _CONFIG: ocp.args.JsonSave({"config": to_json(config)}),
                 _INTEGRITY: ocp.args.JsonSave(record),
             }
         )
@@ -275,7 +214,7 @@ class Checkpointer:
                 raise self._corrupt(step, item, f"{path} does not exist")
         verified = self._has_record(step)
         full_target, target = target, without_base(target)
-        abstract = jax.tree.map(_abstract_leaf, target)
+        abstract = jax.tree.map(abstract_leaf, target)
         meta = self._read(
             step,
             _STATE,
@@ -293,7 +232,7 @@ class Checkpointer:
             lambda: self._restore_item(step, _STATE, restore_args),
         )
         data_state = self._read(
-            step, _DATA, "cannot read it", lambda: _decode_data(self._restore_item(step, _DATA))
+            step, _DATA, "cannot read it", lambda: decode_data(self._restore_item(step, _DATA))
         )
         config = self._read(
             step, _CONFIG, "cannot read it", lambda: self._restore_item(step, _CONFIG)["config"]
@@ -305,7 +244,7 @@ class Checkpointer:
             self._verify(
                 step,
                 encoded,
-                self._read(step, _INTEGRITY, "cannot read it", lambda: _decode_record(stored)),
+                self._read(step, _INTEGRITY, "cannot read it", lambda: decode_record(stored)),
             )
             self._check_base(step, full_target, stored.get("lora_base"))
         else:
@@ -315,7 +254,7 @@ class Checkpointer:
                 UnverifiedCheckpointWarning,
                 stacklevel=2,
             )
-        restored = eqx.combine(jax.tree.map(_decode_leaf, target, encoded), full_target)
+        restored = eqx.combine(jax.tree.map(decode_leaf, target, encoded), full_target)
         return restored, data_state, config
 
     def restore_latest_intact(
@@ -432,7 +371,7 @@ class Checkpointer:
         try:
             return fn()
         except Exception as e:
-            raise self._corrupt(step, item, f"{what}: {_first_line(e)}") from e
+            raise self._corrupt(step, item, f"{what}: {first_line(e)}") from e
 
     def _restore_item(self, step: int, item: str, args=None) -> Any:
         args = ocp.args.Composite(**{item: ocp.args.JsonRestore() if args is None else args})
@@ -461,7 +400,7 @@ class Checkpointer:
                 _STATE,
                 (
                     f"{len(bad)} of {len(record)} array leaves differ from the integrity record "
-                    f"written at save time: {_paths([(p,) for p in bad], limit=5)}"
+                    f"written at save time: {paths([(p,) for p in bad], limit=5)}"
                 ),
             )
 
@@ -482,7 +421,7 @@ class Checkpointer:
         if bad:
             raise ValueError(
                 f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
-                f"weights than the target's ({_paths([(p,) for p in bad], limit=5)} differ)"
+                f"weights than the target's ({paths([(p,) for p in bad], limit=5)} differ)"
             )
 
     def _check_compatible(self, meta, abstract: PyTree, where: str) -> None:
@@ -492,9 +431,9 @@ class Checkpointer:
         missing = sorted(set(wanted) - set(stored))
         extra = sorted(set(stored) - set(wanted))
         if missing:
-            problems.append(f"target leaves missing from the checkpoint: {_paths(missing)}")
+            problems.append(f"target leaves missing from the checkpoint: {paths(missing)}")
         if extra:
-            problems.append(f"checkpoint leaves absent from the target: {_paths(extra)}")
+            problems.append(f"checkpoint leaves absent from the target: {paths(extra)}")
         for path in sorted(set(wanted) & set(stored)):
             want = wanted[path]
             if not hasattr(want, "dtype"):  # Python scalar: orbax restores its stored value
@@ -515,8 +454,3 @@ class Checkpointer:
                 [f"... and {len(problems) - 10} more"] if len(problems) > 10 else []
             )
             raise ValueError(f"{where} does not match the restore target:\n  " + "\n  ".join(shown))
-
-
-def _paths(paths: list[tuple[str, ...]], limit: int = 8) -> str:
-    shown = [".".join(p) for p in paths[:limit]]
-    return ", ".join(shown) + (f" (+{len(paths) - limit} more)" if len(paths) > limit else "")

@@ -8,12 +8,12 @@ from relax.models.hf.checkpoint import (
     save_pretrained,
 )
 from relax.models.hf.config import (
-    ConfigReader,
     dtype_name,
     generation_config_to_hf,
     with_generation_config,
 )
 from relax.models.hf.moe import moe_fields, moe_problems, moe_to_hf
+from relax.models.hf.reader import ConfigReader
 from relax.models.hf.weights_io import (
     FLOAT_DTYPES,
     INDEX,

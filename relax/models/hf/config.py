@@ -13,7 +13,9 @@ Mistral and 32 for Qwen2/Qwen3; an absent ``head_dim`` is 128 for Qwen3 and 256 
 whose absent ``layer_types`` follow ``sliding_window_pattern``, default 6). An explicit
 ``null`` ``head_dim`` / ``num_key_value_heads`` means ``hidden/heads`` / ``num_attention_heads``.
 
-Mixture-of-experts fields are read and written by ``relax.models.hf.moe``.
+Mixture-of-experts fields are read and written by ``relax.models.hf.moe``, the RoPE fields by
+``relax.models.hf.rope``; the typed reader and :class:`HFFormatError` live in
+``relax.models.hf.reader`` (and are importable from here too).
 
 Phi-3's LongRoPE reads as ``RopeScaling("longrope")``; a context beyond its original length is
 refused unless ``max_positions`` caps it there (``RopeScaling``: static tables cannot switch factors).
@@ -24,7 +26,6 @@ Every error is an :class:`HFFormatError` naming the file and the field.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -32,11 +33,8 @@ import jax.numpy as jnp
 from relax.models.config.families import FAMILIES, FamilyRecord
 from relax.models.config.model import ModelConfig, RopeScaling
 from relax.models.hf.moe import moe_fields, moe_problems, moe_to_hf
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face checkpoint relax cannot read; the message names the file and the field or tensor."""
-
+from relax.models.hf.reader import ConfigReader, HFFormatError
+from relax.models.hf.rope import ORIGINAL, gemma_rope, rope, rope_to_hf
 
 _CAUSAL = {
     rec.causal_lm: name for name, rec in FAMILIES.items()
@@ -56,65 +54,10 @@ _REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
 )
-_ORIGINAL = "original_max_position_embeddings"
-_ABSENT = object()
-
 # transformers' defaults common to every family (a record's ``hf_defaults`` override them)
 _COMMON_DEFAULTS = dict(
     rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None
 )
-
-
-class ConfigReader:
-    """Typed access to one config dict (also ``relax.models.hf.moe``'s); errors name ``source`` and the field."""
-
-    def __init__(self, d: dict, source: str):
-        if not isinstance(d, dict):
-            raise HFFormatError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        self.d, self.source = d, source
-
-    def fail(self, field: str, msg: str) -> HFFormatError:
-        return HFFormatError(f"{self.source}: field {field!r} {msg}")
-
-    def get(
-        self, field: str, default: Any = _ABSENT, d: dict | None = None, prefix: str = ""
-    ) -> Any:
-        d = self.d if d is None else d
-        if field in d:
-            return d[field]
-        if default is _ABSENT:
-            raise self.fail(prefix + field, "is required but missing")
-        return default
-
-    def int_(self, field, default=_ABSENT, *, nullable=False, d=None, prefix=""):
-        v = self.get(field, default, d, prefix)
-        if v is None and nullable:
-            return None
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise self.fail(prefix + field, f"must be an integer, got {v!r}")
-        return v
-
-    def float_(self, field, default=_ABSENT, *, d=None, prefix=""):
-        v = self.get(field, default, d, prefix)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise self.fail(prefix + field, f"must be a number, got {v!r}")
-        return float(v)
-
-    def bool_(self, field, default=_ABSENT):
-        v = self.get(field, default)
-        if not isinstance(v, bool):
-            raise self.fail(field, f"must be true or false, got {v!r}")
-        return v
-
-    def token_ids(self, field, default):
-        v = self.get(field, default)
-        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
-            return v
-        if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            return v[0] if len(v) == 1 else tuple(v)
-        raise self.fail(field, f"must be an integer, a list of integers or null, got {v!r}")
 
 
 def _family(r: ConfigReader) -> FamilyRecord:
@@ -142,143 +85,6 @@ def _family(r: ConfigReader) -> FamilyRecord:
         "model_type",
         f"is required (missing, and architectures={archs!r} does not decide it); {supported}",
     )
-
-
-def _rope(
-    r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict
-) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) with transformers' precedence: rope_scaling, then rope_parameters."""
-    d = r.d
-    field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
-    p = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    if not isinstance(p, dict):
-        raise r.fail(field, f"must be an object or null, got {p!r}")
-    nested = [k for k in ("full_attention", "sliding_attention") if isinstance(p.get(k), dict)]
-    if nested:  # 5.x per-layer-type rope parameters: supported when every layer type agrees
-        values = [p[k] for k in nested]
-        if any(v != values[0] for v in values):
-            raise r.fail(
-                field, f"has different RoPE parameters per layer type ({nested}); unsupported"
-            )
-        p, field = values[0], f"{field}.{nested[0]}"
-    return _rope_params(r, rec, p, field, max_pos, fd)
-
-
-def _original_max(r: ConfigReader, p: dict, prefix: str, max_pos: int, fd: dict) -> int:
-    """``original_max_position_embeddings`` as transformers resolves it: a top-level value wins (a
-    family whose config class has the field, Phi-3, always uses its own, default included), then
-    the RoPE parameters' own, then ``max_position_embeddings``."""
-    if _ORIGINAL in r.d or _ORIGINAL in fd:
-        return r.int_(_ORIGINAL, fd.get(_ORIGINAL, _ABSENT))
-    return r.int_(_ORIGINAL, max_pos, d=p, prefix=prefix)
-
-
-def _factor_list(r: ConfigReader, p: dict, name: str, prefix: str) -> tuple[float, ...]:
-    """LongRoPE's ``short_factor`` / ``long_factor`` list (its length ModelConfig checks)."""
-    v = r.get(name, d=p, prefix=prefix)
-    if not isinstance(v, list) or not all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
-    ):
-        raise r.fail(prefix + name, f"must be a list of numbers, got {v!r}")
-    return tuple(float(x) for x in v)
-
-
-def _longrope(r: ConfigReader, p: dict, prefix: str, max_pos: int, fd: dict) -> RopeScaling:
-    """Phi-3's LongRoPE as ``_compute_longrope_parameters`` builds it: ``factor`` (else
-    ``max_position_embeddings / original``) and ``attention_factor`` (else
-    ``sqrt(1 + ln(factor) / ln(original))``, 1 for a factor <= 1)."""
-    orig = _original_max(r, p, prefix, max_pos, fd)
-    factor = r.float_("factor", max_pos / orig, d=p, prefix=prefix)
-    default_af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    af = r.get("attention_factor", None, d=p)
-    af = default_af if af is None else r.float_("attention_factor", d=p, prefix=prefix)
-    return RopeScaling(
-        "longrope",
-        factor,
-        original_max_position=orig,
-        attention_factor=af,
-        short_factor=_factor_list(r, p, "short_factor", prefix),
-        long_factor=_factor_list(r, p, "long_factor", prefix),
-    )
-
-
-def _rope_params(
-    r: ConfigReader, rec: FamilyRecord, p: dict, field: str, max_pos: int, fd: dict
-) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) of one RoPE parameter object ``p`` (named ``field`` in errors); a
-    theta it lacks is the top-level ``rope_theta``, else the family's default."""
-    d, pre = r.d, field + "."
-    if "rope_theta" in p:
-        theta = r.float_("rope_theta", d=p, prefix=pre)
-    elif d.get("rope_theta") is not None:
-        theta = r.float_("rope_theta")
-    else:
-        theta = fd["rope_theta"]
-    prf = p.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    if prf is not None and prf != 1.0:
-        raise r.fail(
-            "partial_rotary_factor",
-            f"= {prf!r} is not supported (only 1.0: relax rotates whole heads)",
-        )
-    kind = p.get("rope_type", p.get("type", "default"))
-    kind = rec.rope_aliases.get(kind, kind)
-    kind_field = f"{field}.{'rope_type' if 'rope_type' in p else 'type'}"
-    if kind not in rec.rope_types:
-        raise r.fail(
-            kind_field,
-            f"= {kind!r}: RoPE scaling type not supported for {rec.model_type}; "
-            f"supported: {list(rec.rope_types)}",
-        )
-    if kind == "default":
-        return theta, None
-    if kind == "linear":
-        return theta, RopeScaling("linear", r.float_("factor", d=p, prefix=pre))
-    if kind == "longrope":
-        return theta, _longrope(r, p, pre, max_pos, fd)
-    f = lambda k: r.float_(k, d=p, prefix=pre)  # llama3
-    orig = _original_max(r, p, pre, max_pos, fd)
-    return theta, RopeScaling(
-        "llama3", f("factor"), f("low_freq_factor"), f("high_freq_factor"), orig
-    )
-
-
-def _gemma_rope(
-    r: ConfigReader, rec: FamilyRecord, max_pos: int, fd: dict
-) -> tuple[float, RopeScaling | None, float]:
-    """(rope_theta, scaling, rope_local_theta) as ``Gemma3TextConfig`` builds them: the
-    ``rope_parameters`` entries ``full_attention`` / ``sliding_attention`` (5.x), the first
-    updated by a top-level ``rope_scaling`` (4.x); a theta they lack is the top-level
-    ``rope_theta`` / ``rope_local_base_freq``, else 1e6 / 1e4. The sliding layers' RoPE is unscaled."""
-    rp = r.get("rope_parameters", None) or {}
-    if not isinstance(rp, dict) or any(
-        k not in ("full_attention", "sliding_attention") for k in rp
-    ):
-        raise r.fail(
-            "rope_parameters",
-            "must be null or an object of 'full_attention' / 'sliding_attention' "
-            f"RoPE parameters, got {rp!r}",
-        )
-    full, field = dict(rp.get("full_attention") or {}), "rope_parameters.full_attention"
-    scaling = r.get("rope_scaling", None)
-    if scaling is not None:
-        if not isinstance(scaling, dict):
-            raise r.fail("rope_scaling", f"must be an object or null, got {scaling!r}")
-        full, field = {**full, **scaling}, "rope_scaling"
-    theta, scaling = _rope_params(r, rec, full, field, max_pos, fd)
-    local = rp.get("sliding_attention") or {}
-    local_kind = local.get("rope_type", local.get("type", "default"))
-    if local_kind != "default":
-        raise r.fail(
-            "rope_parameters.sliding_attention.rope_type",
-            f"= {local_kind!r}: the sliding layers' RoPE must be 'default' (unscaled)",
-        )
-    if "rope_theta" in local:
-        return (
-            theta,
-            scaling,
-            r.float_("rope_theta", d=local, prefix="rope_parameters.sliding_attention."),
-        )
-    return theta, scaling, r.float_("rope_local_base_freq", fd["rope_local_theta"])
 
 
 def _layer_types(r: ConfigReader, num_layers: int) -> tuple[str, ...]:
@@ -392,9 +198,9 @@ def _family_fields(
             layer_types=_layer_types(r, layers),
         )
     if rec.local_rope:
-        f["rope_theta"], f["rope_scaling"], f["rope_local_theta"] = _gemma_rope(r, rec, max_pos, fd)
+        f["rope_theta"], f["rope_scaling"], f["rope_local_theta"] = gemma_rope(r, rec, max_pos, fd)
     else:
-        f["rope_theta"], f["rope_scaling"] = _rope(r, rec, max_pos, fd)
+        f["rope_theta"], f["rope_scaling"] = rope(r, rec, max_pos, fd)
     if rec.query_pre_attn_scalar:
         f["query_pre_attn_scalar"] = r.float_("query_pre_attn_scalar", fd["query_pre_attn_scalar"])
     return {**f, **moe_fields(r, rec, layers)}
@@ -556,34 +362,6 @@ def _check_expressible(cfg: ModelConfig) -> None:
         )
 
 
-def _rope_to_hf(theta: float, s: RopeScaling | None) -> tuple[dict | None, dict]:
-    """(4.x ``rope_scaling``, 5.x ``rope_parameters``) of one RoPE."""
-    if s is None:
-        return None, {"rope_type": "default", "rope_theta": theta}
-    if s.kind == "linear":
-        scaling = {"rope_type": "linear", "factor": s.factor}
-    elif (
-        s.kind == "longrope"
-    ):  # factor and attention_factor explicit: they do not hang on max_position_embeddings
-        scaling = {
-            "rope_type": "longrope",
-            "factor": s.factor,
-            "attention_factor": s.attention_factor,
-            "short_factor": list(s.short_factor),
-            "long_factor": list(s.long_factor),
-            _ORIGINAL: s.original_max_position,
-        }
-    else:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            _ORIGINAL: s.original_max_position,
-        }
-    return scaling, {**scaling, "rope_theta": theta}
-
-
 def _family_to_hf(cfg: ModelConfig, rec: FamilyRecord, params: dict) -> dict[str, Any]:
     """The fields whose HF spelling differs by family (``_family_fields`` read back)."""
     d, w = dict(rec.hf_extra), cfg.sliding_window
@@ -617,10 +395,8 @@ def _family_to_hf(cfg: ModelConfig, rec: FamilyRecord, params: dict) -> dict[str
     if rec.query_pre_attn_scalar:
         qpas = cfg.query_pre_attn_scalar
         d["query_pre_attn_scalar"] = int(qpas) if float(qpas).is_integer() else qpas
-    if (
-        _ORIGINAL in rec.hf_defaults and cfg.rope_scaling is not None
-    ):  # a top-level field wins there
-        d[_ORIGINAL] = cfg.rope_scaling.original_max_position
+    if ORIGINAL in rec.hf_defaults and cfg.rope_scaling is not None:  # a top-level field wins there
+        d[ORIGINAL] = cfg.rope_scaling.original_max_position
     return {**d, **moe_to_hf(cfg, rec)}
 
 
@@ -634,7 +410,7 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     _check_expressible(cfg)
     rec = FAMILIES[cfg.family]
     name = dtype_name(dtype)
-    scaling, params = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
+    scaling, params = rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     d: dict[str, Any] = {
         "architectures": [rec.causal_lm],

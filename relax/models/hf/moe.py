@@ -26,7 +26,7 @@ from relax.models.config.families import FamilyRecord
 from relax.models.config.model import ModelConfig
 
 if TYPE_CHECKING:
-    from relax.models.hf.config import ConfigReader
+    from relax.models.hf.reader import ConfigReader
 
 __all__ = ["moe_fields", "moe_problems", "moe_to_hf"]
 
