@@ -32,6 +32,7 @@ from harness import emit  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.algorithms.online.batch import step_input  # noqa: E402
+from relax.algorithms.online.step import StepParts  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.parallel import ParallelConfig, ShardedStep  # noqa: E402
 from relax.rewards.functions import RewardFunction  # noqa: E402
@@ -95,13 +96,15 @@ def run_once(a: Args, staleness: int, reward: RewardFunction, pool) -> list[floa
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(1))
     step = make_grpo_step(
         cfg,
-        [reward],
-        lambda t, m: ["x" * int(r.sum()) for r in m],
-        eos_ids=(),
-        pad_id=0,
-        pool=pool,
-        off_policy=async_cfg.off_policy,
-        pipelined=staleness > 0,
+        StepParts(
+            reward_fns=[reward],
+            decode=lambda t, m: ["x" * int(r.sum()) for r in m],
+            eos_ids=(),
+            pad_id=0,
+            pool=pool,
+            off_policy=async_cfg.off_policy,
+            pipelined=staleness > 0,
+        ),
     )
     if a.sampler_devices:
         mesh, sampler_mesh = ParallelConfig(sampler_devices=a.sampler_devices).meshes()

@@ -309,6 +309,7 @@ def check_dense_accuracy():
     """
     import numpy as np
 
+    from relax.models.forward.forward_pass import ForwardPass
     from relax.models.forward.prefix_shared import completion_logprobs
 
     cfg = ModelConfig(
@@ -335,7 +336,7 @@ def check_dense_accuracy():
 
     def run(model, attention):
         f = lambda m: jnp.where(
-            cm > 0, completion_logprobs(m, ids, pm, comp, cm, attention=attention), 0.0
+            cm > 0, completion_logprobs(m, ids, pm, comp, cm, ForwardPass(attention=attention)), 0.0
         )
         grads = jax.jit(jax.grad(lambda m: jnp.sum(f(m))))(model)
         return np.asarray(jax.jit(f)(model), np.float64), np.concatenate(

@@ -46,8 +46,9 @@ from relax import parallel  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
-from relax.algorithms.online.batch import HostRecord, LossRows, Rollout, Scored, step_input  # noqa: E402
+from relax.algorithms.online.batch import HostRecord, LossRows, Sampled, Scored, step_input  # noqa: E402
 from relax.algorithms.online.stages import sample_versions  # noqa: E402
+from relax.algorithms.online.step import StepParts  # noqa: E402
 from relax.compose import WithHost  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.models.adapters.operations import add_lora, split_trainable  # noqa: E402
@@ -256,7 +257,7 @@ def _segments(step, names: tuple[str, ...]) -> list:
 def _run(segs: list, state, batch: WithHost):
     """Run ``segs`` one after the other on ``batch``: ``(state, batch)``."""
     if isinstance(
-        batch.device, Rollout
+        batch.device, Sampled
     ):  # the synthetic rollout: drawn by the state's own policy, as a real one
         batch = batch.replace(
             device=batch.device.replace(
@@ -291,7 +292,12 @@ def child(args: Args, case: str, phase: str) -> dict:
         warnings.simplefilter("always")
         passes = choose_passes(batch_shards=parallel.batch_shards(mesh))
         step = parallel.ShardedStep(
-            make_grpo_step(cfg, [_reward], _decode, eos_ids=(), pad_id=0, passes=passes),
+            make_grpo_step(
+                cfg,
+                StepParts(
+                    reward_fns=[_reward], decode=_decode, eos_ids=(), pad_id=0, passes=passes
+                ),
+            ),
             state,
             mesh,
             offload_reference=case == "offload_ref",

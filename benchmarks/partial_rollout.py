@@ -38,6 +38,7 @@ from harness import emit  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.algorithms.online.batch import step_input  # noqa: E402
+from relax.algorithms.online.step import StepParts  # noqa: E402
 from relax.compose import split_host  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.objectives.off_policy import OffPolicyConfig  # noqa: E402
@@ -117,13 +118,15 @@ def run_once(a: Args, k: int) -> dict:
         )
     step = make_grpo_step(
         cfg,
-        [reward],
-        lambda t, m: ["x" * int(r.sum()) for r in m],
-        eos_ids=stops,
-        pad_id=0,
-        off_policy=async_cfg.off_policy,
-        pipelined=True,
-        partial=partial,
+        StepParts(
+            reward_fns=[reward],
+            decode=lambda t, m: ["x" * int(r.sum()) for r in m],
+            eos_ids=stops,
+            pad_id=0,
+            off_policy=async_cfg.off_policy,
+            pipelined=True,
+            partial=partial,
+        ),
     )
     pipeline = Pipeline(step.segments, async_cfg, data, lambda b: b)
     warmup = max(a.warmup, 2 * k + 2) if k > 1 else a.warmup

@@ -37,6 +37,7 @@ from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_advantage, make_grpo_step, make_update_stage  # noqa: E402
 from relax.algorithms.online.batch import step_input  # noqa: E402
 from relax.algorithms.online.stages import make_reference, make_rollout, make_score  # noqa: E402
+from relax.algorithms.online.step import StepParts  # noqa: E402
 from relax.compose import compose  # noqa: E402
 from relax.models import init, small_config  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
@@ -170,7 +171,12 @@ def step_case(args: Args, mode: str) -> dict:
     )
     passes = choose_passes()
     if mode == "overlap":
-        step = make_grpo_step(cfg, [rf], decode, eos_ids=(), pad_id=0, pool=pool, timeout_s=60.0)
+        step = make_grpo_step(
+            cfg,
+            StepParts(
+                reward_fns=[rf], decode=decode, eos_ids=(), pad_id=0, pool=pool, timeout_s=60.0
+            ),
+        )
     else:  # the score as one stage, before the reference forward
         step = compose(
             make_rollout(cfg.generation.rollout(eos_ids=(), pad_id=0)),

@@ -19,7 +19,7 @@ iterations after ``--warmup`` (compiles), then the median over ``--runs`` runs; 
   the prompt read once for its 8 completions, relax's token-mean loss) instead of 64 datums;
 - ``primitives``: the loop written in-process with relax's primitives, no service:
   ``relax.train.primitives.sample``, the rollout's own ``LossRows`` (prompts shared by their
-  completions) to ``relax.serve.objectives`` ``"importance_sampling"``, ``optim_step``.
+  completions) to ``relax.serve.objectives`` ``"importance_sampling"``, ``objective_optim_step``.
 
 ``clients``: for each K of ``--clients``, K client loops (sessions with their own adapters) at once
 against the server, and the same K loops one after another: wall-clock seconds and iterations
@@ -117,8 +117,8 @@ def primitives_loop(base, steps: int, seed: int) -> list[float]:
     )
     cfg = RolloutConfig(num_generations=G, max_new_tokens=N, prompt_buckets=(LP,))
     fb, step_fn = (
-        objectives.make_forward_backward("importance_sampling"),
-        jax.jit(objectives.optim_step),
+        objectives.make_objective_forward_backward("importance_sampling"),
+        jax.jit(objectives.objective_optim_step),
     )
     rng, seconds = np.random.default_rng(seed), []
     for _ in range(steps):

@@ -34,6 +34,7 @@ from harness import emit, peak_flops  # noqa: E402
 from relax.algorithms.grpo.config import preset  # noqa: E402
 from relax.algorithms.grpo.step import make_grpo_step  # noqa: E402
 from relax.algorithms.online.batch import step_input  # noqa: E402
+from relax.algorithms.online.step import StepParts  # noqa: E402
 from relax.models import ModelConfig, init, small_config  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 from relax.train.run import CompileCounter  # noqa: E402
@@ -104,7 +105,7 @@ def main(args: Args) -> dict:
     )
     opt = cfg.optimizer.make()
     state = init_state(model, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
-    step = make_grpo_step(cfg, [reward], decode, eos_ids=(), pad_id=0)
+    step = make_grpo_step(cfg, StepParts(reward_fns=[reward], decode=decode, eos_ids=(), pad_id=0))
     p = args.prompts
     ids = jax.random.randint(jax.random.key(2), (p, args.prompt_len), 0, mcfg.vocab_size)
 

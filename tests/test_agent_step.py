@@ -13,6 +13,7 @@ from relax.algorithms.agent.step import AgentConfig, make_agent_grpo_step, make_
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import HostRecord
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.compose import WithHost
 from relax.environments import StepResult
@@ -73,7 +74,7 @@ def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
         AgentConfig(max_turns=3, max_turn_tokens=16, per_turn=per_turn),
         Counting,
         ChatFormat(tokenizer),
-        pad_id=0,
+        StepParts(pad_id=0),
     )
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=True)
     state, batch, host, metrics = run_step(step, state)
@@ -123,7 +124,11 @@ def test_agent_ppo_step(tokenizer):  # noqa: F811
         optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
     )
     step = make_agent_ppo_step(
-        cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Counting, ChatFormat(tokenizer), pad_id=0
+        cfg,
+        AgentConfig(max_turns=3, max_turn_tokens=16),
+        Counting,
+        ChatFormat(tokenizer),
+        StepParts(pad_id=0),
     )
     state = init_state(
         model,
@@ -140,7 +145,7 @@ def test_agent_ppo_step(tokenizer):  # noqa: F811
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["explained_variance"])
     with pytest.raises(ValueError, match="per-turn advantages are GRPO's"):
         make_agent_ppo_step(
-            cfg, AgentConfig(per_turn=True), Counting, ChatFormat(tokenizer), pad_id=0
+            cfg, AgentConfig(per_turn=True), Counting, ChatFormat(tokenizer), StepParts(pad_id=0)
         )
 
 
@@ -178,7 +183,11 @@ def test_agent_grpo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):
         entropy_coef=0.01,
     )
     step = make_agent_grpo_step(
-        cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Flaky, ChatFormat(tokenizer), pad_id=0
+        cfg,
+        AgentConfig(max_turns=3, max_turn_tokens=16),
+        Flaky,
+        ChatFormat(tokenizer),
+        StepParts(pad_id=0),
     )
     state = init_state(model, cfg.optimizer.make(), key=jax.random.key(0), with_reference=True)
     _, batch, host, metrics = run_step(step, state)
@@ -194,7 +203,11 @@ def test_agent_ppo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer): 
     model = stopping_model(tokenizer)
     cfg = configure(PPOConfig, num_generations=4, max_new_tokens=64, critic="shared", kl_coef=0.0)
     step = make_agent_ppo_step(
-        cfg, AgentConfig(max_turns=3, max_turn_tokens=16), Flaky, ChatFormat(tokenizer), pad_id=0
+        cfg,
+        AgentConfig(max_turns=3, max_turn_tokens=16),
+        Flaky,
+        ChatFormat(tokenizer),
+        StepParts(pad_id=0),
     )
     state = init_state(
         model,

@@ -23,10 +23,11 @@ from relax.algorithms.online.batch import (
     LossRows,
     Phase,
     Prompts,
-    Rollout,
+    Sampled,
     Scored,
     step_input,
 )
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.batch import PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
@@ -110,11 +111,13 @@ def test_grpo_phases_follow_the_docs():
         key=jax.random.key(1),
         with_reference=True,
     )
-    step = make_grpo_step(cfg, [_fives], _decode, eos_ids=(3,), pad_id=0)
+    step = make_grpo_step(
+        cfg, StepParts(reward_fns=[_fives], decode=_decode, eos_ids=(3,), pad_id=0)
+    )
     seen, _, out = _phases(step, state, _input())
     kinds = [type(x).__name__ for x in seen]
     # rollout, score_start, pack (a no-op here: padded), reference, score_finish, advantage+update
-    assert kinds == ["Rollout", "Scored", "Scored", "Scored", "Scored", "Updated"], kinds
+    assert kinds == ["Sampled", "Scored", "Scored", "Scored", "Scored", "Updated"], kinds
     for phase in seen[:-1]:
         assert annotated_dims(phase) == {"p": P, "lp": LP, "g": G, "n": N}
     trained = out.device.batch
@@ -144,7 +147,9 @@ def test_grpo_phases_follow_the_docs():
 def test_ppo_phases_and_rows():
     cfg = configure(PPOConfig, num_generations=2, max_new_tokens=N)
     state = ppo_state(cfg, init(CFG, jax.random.key(0), std=0.3), jax.random.key(1))
-    step = make_ppo_step(cfg, [_fives], _decode, eos_ids=(3,), pad_id=0)
+    step = make_ppo_step(
+        cfg, StepParts(reward_fns=[_fives], decode=_decode, eos_ids=(3,), pad_id=0)
+    )
     _, _, out = _phases(step, state, _input())
     trained = out.device.batch
     assert type(trained) is PPOBatch
@@ -161,7 +166,7 @@ def test_ppo_phases_and_rows():
 
 def test_the_checker_and_the_constructors_refuse_what_they_should():
     ids = jnp.zeros((P, LP), jnp.int32)
-    good = Rollout.of(
+    good = Sampled.of(
         Prompts(ids, ids),
         tokens=jnp.zeros((P, G, N), jnp.int32),
         mask=jnp.zeros((P, G, N), jnp.int32),

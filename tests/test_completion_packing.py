@@ -6,6 +6,8 @@ off. (The mesh case: tests/test_parallel.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -17,11 +19,13 @@ from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online.batch import HostRecord, LossRows, Scored, step_input
+from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost
 from relax.data.completion_layout import PackingConfig, pack_completions, rows_needed
 from relax.models import ModelConfig, init
 from relax.models.decoder.logprobs import token_logprobs
 from relax.models.forward.completion_packing import unpack
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES
 from relax.passes import choose_passes
@@ -133,18 +137,17 @@ def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(
     def direct(m):
         return token_logprobs(m, full, fmask, temperature=0.7)[:, lp - 1 :].reshape(p, g, n)
 
-    def packed(m, **kw):
-        return completion_logprobs(
-            m, ids, pm, comp, cm, temperature=0.7, packed=pk, groups_per_pass=groups_per_pass, **kw
-        )
+    def packed(m, how: ForwardPass):
+        how = dataclasses.replace(how, groups_per_pass=groups_per_pass)
+        return completion_logprobs(m, ids, pm, comp, cm, how, temperature=0.7, packed=pk)
 
-    lp_packed, ent_packed = packed(model, with_entropy=True)
+    lp_packed, ent_packed = packed(model, ForwardPass(with_entropy=True))
     chex.assert_shape([lp_packed, ent_packed], (p, g, n))
     np.testing.assert_allclose(
         np.where(mask, lp_packed, 0), np.where(mask, direct(model), 0), atol=1e-5
     )
     _, ent_padded = completion_logprobs(
-        model, ids, pm, comp, cm, temperature=0.7, with_entropy=True
+        model, ids, pm, comp, cm, ForwardPass(with_entropy=True), temperature=0.7
     )
     np.testing.assert_allclose(
         np.where(mask, ent_packed, 0), np.where(mask, ent_padded, 0), atol=1e-5
@@ -152,8 +155,9 @@ def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(
     w = jax.random.normal(jax.random.key(2), (p, g, n)) * cm
     want = jax.grad(lambda m: jnp.sum(w * direct(m)))(model)
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
-    for kw in ({}, {"unroll": True, "save_attention": True}):  # the CPU update's options too
-        got = jax.grad(lambda m: jnp.sum(w * packed(m, **kw)))(model)
+    # the CPU update's options too
+    for how in (ForwardPass(), ForwardPass(unroll=True, save_attention=True)):
+        got = jax.grad(lambda m: jnp.sum(w * packed(m, how)))(model)
         chex.assert_trees_all_close(got, want, atol=1e-5 * scale, rtol=1e-4)
 
 
@@ -240,7 +244,7 @@ def test_grpo_step_with_packing_equals_it_without():
             init(CFG, jax.random.key(0), std=0.3), opt, key=jax.random.key(1), with_reference=True
         )
         step = make_grpo_step(
-            cfg, [fives], _decode, eos_ids=(3,), pad_id=0
+            cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(3,), pad_id=0)
         )  # token 3 ends a completion
         out = []
         for _ in range(2):

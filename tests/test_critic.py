@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 from test_hf import random_model, tiny
 
 from relax.models import hidden_states
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.heads.critic import (
     Critic,
@@ -88,7 +89,7 @@ def test_policy_value_head_shares_the_forward():
         lambda m, h, *b: completion_logprobs_and_values(m, h, *b, temperature=0.7)
     )(policy, head, *batch)
     lp_ref, ent_ref = jax.jit(
-        lambda m, *b: completion_logprobs(m, *b, temperature=0.7, with_entropy=True)
+        lambda m, *b: completion_logprobs(m, *b, ForwardPass(with_entropy=True), temperature=0.7)
     )(policy, *batch)
     np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_ref))
     np.testing.assert_array_equal(np.asarray(ent), np.asarray(ent_ref))

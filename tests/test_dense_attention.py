@@ -10,6 +10,7 @@ import pytest
 
 from relax.models import ModelConfig, cast, init
 from relax.models.attention.dense import prefix_dense_attention
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from tests.test_group_attention import HK, M_R, D, G, N, P, _inputs, _numpy_attention, _plain
 
@@ -97,9 +98,8 @@ def test_trainer_logprobs_and_gradients_agree_between_implementations():
 
     def run(attention):
         def loss(m):
-            lp, ent = completion_logprobs(
-                m, ids, pm, comp, cm, temperature=0.7, with_entropy=True, attention=attention
-            )
+            how = ForwardPass(attention=attention, with_entropy=True)
+            lp, ent = completion_logprobs(m, ids, pm, comp, cm, how, temperature=0.7)
             return jnp.sum(jnp.where(cm > 0, lp + 0.1 * ent, 0.0)), (lp, ent)
 
         (_, (lp, ent)), grads = jax.value_and_grad(loss, has_aux=True)(model)
@@ -107,14 +107,14 @@ def test_trainer_logprobs_and_gradients_agree_between_implementations():
 
     chex.assert_trees_all_close(run("dense"), run("group"), atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="unknown train attention 'flash'"):
-        completion_logprobs(model, ids, pm, comp, cm, attention="flash")
+        ForwardPass(attention="flash")
 
 
 def test_auto_takes_the_fused_kernel_only_where_it_runs():
     from relax.algorithms.cli.configure import configure
     from relax.algorithms.grpo.config import GRPOConfig
     from relax.models.forward.config import ForwardConfig
-    from relax.models.forward.prefix_shared import resolve_attention
+    from relax.models.forward.forward_pass import resolve_attention
 
     base = dict(
         vocab_size=64,

@@ -13,11 +13,8 @@ from model_reference import forward as np_forward
 from relax.models import ModelConfig, RopeScaling, family_config, init, token_logprobs
 from relax.models.config.families import FAMILIES
 from relax.models.decoder.transformer import embed
-from relax.models.forward.prefix_shared import (
-    completion_logprobs,
-    completion_rope,
-    resolve_attention,
-)
+from relax.models.forward.forward_pass import ForwardPass, resolve_attention
+from relax.models.forward.prefix_shared import completion_logprobs, completion_rope
 from relax.models.hf.config import HFFormatError, config_from_hf, config_to_hf
 from relax.rollout import sampler as rollout
 
@@ -196,21 +193,23 @@ def test_prefix_shared_forward_equals_full_sequence():
     with pytest.raises(ValueError, match="no sliding window"):
         resolve_attention("dense", model)
 
-    shared = lambda m, **kw: completion_logprobs(m, ids, pm, comp, cm, temperature=0.7, **kw)
+    def shared(m, how: ForwardPass, rope=None):
+        return completion_logprobs(m, ids, pm, comp, cm, how, temperature=0.7, rope=rope)
+
     direct = lambda m: token_logprobs(m, full, fmask, temperature=0.7)[:, lp - 1 :].reshape(p, g, n)
     want = direct(model)
     masked = lambda x: np.where(cm, x, 0)
     rope = completion_rope(CFG, pm, g, n)
     assert rope.prompt_local is not None and rope.completion_local is not None
-    for kw in ({}, dict(rope=rope, groups_per_pass=1)):
+    for how, tables in ((ForwardPass(), None), (ForwardPass(groups_per_pass=1), rope)):
         np.testing.assert_allclose(
-            masked(shared(model, **kw)), masked(want), atol=1e-5, err_msg=str(kw)
+            masked(shared(model, how, tables)), masked(want), atol=1e-5, err_msg=str(how)
         )
     w = jax.random.normal(jax.random.key(2), (p, g, n)) * cm
     g_direct = jax.grad(lambda m: jnp.sum(w * direct(m)))(model)
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g_direct))
-    for kw in ({}, dict(unroll=True, save_attention=True)):
-        g_shared = jax.grad(lambda m: jnp.sum(w * shared(m, **kw)))(model)
+    for how in (ForwardPass(), ForwardPass(unroll=True, save_attention=True)):
+        g_shared = jax.grad(lambda m: jnp.sum(w * shared(m, how)))(model)
         chex.assert_trees_all_close(g_shared, g_direct, atol=1e-5 * scale, rtol=1e-4)
 
 

@@ -12,6 +12,7 @@ from jax.test_util import check_grads
 
 from relax.models.config.model import ModelConfig
 from relax.models.decoder import transformer as T
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.forward.routes import Routes, route_dtype
 from relax.models.moe import experts as moe
@@ -202,17 +203,17 @@ def test_routing_replay_makes_trainer_logprobs_the_samplers():
     ids, mask, out = _rollout(model)
     valid = np.asarray(out.mask) > 0
 
-    def diff(**kw):
+    def diff(how: ForwardPass):
         lp, stats = completion_logprobs(
-            model, ids, mask, out.tokens, out.mask, routes=out.routes, router_stats=True, **kw
+            model, ids, mask, out.tokens, out.mask, how, routes=out.routes
         )
         return np.max(np.abs(np.asarray(lp - out.logprobs))[valid]), stats
 
-    free, stats = diff(replay_routes=False)
+    free, stats = diff(ForwardPass(replay_routes=False, router_stats=True))
     assert float(jnp.sum(stats.differ)) > 0 and free > 1e-2
-    for kw in ({}, {"groups_per_pass": 1}):
-        replayed, _ = diff(**kw)
-        assert replayed < 1e-5, kw
+    for how in (ForwardPass(router_stats=True), ForwardPass(groups_per_pass=1, router_stats=True)):
+        replayed, _ = diff(how)
+        assert replayed < 1e-5, how
     # every token is compared but each completion's last (sampled, never fed back: nothing recorded)
     last_unfed = np.asarray(out.lengths).size
     np.testing.assert_array_equal(np.asarray(stats.compared), np.asarray(stats.tokens) - last_unfed)
@@ -308,7 +309,7 @@ def test_multi_turn_decoder_records_routes_the_trainer_replays():
     mask = jnp.asarray(filled.astype(np.int32)).reshape(p, g, n)
     tokens = state.tokens.reshape(p, g, n)
     lp, stats = completion_logprobs(
-        model, prompt_ids, prompt_mask, tokens, mask, routes=routes, router_stats=True
+        model, prompt_ids, prompt_mask, tokens, mask, ForwardPass(router_stats=True), routes=routes
     )
     np.testing.assert_allclose(
         np.asarray(lp).reshape(p * g, n)[sampled], np.asarray(state.logprobs)[sampled], atol=2e-5
@@ -319,8 +320,7 @@ def test_multi_turn_decoder_records_routes_the_trainer_replays():
         prompt_mask,
         tokens,
         mask,
+        ForwardPass(replay_routes=False, router_stats=True),
         routes=routes,
-        replay_routes=False,
-        router_stats=True,
     )
     assert float(jnp.sum(free.differ)) > 0

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from test_lora import numpy_merged, peft_saved, randomized
 from test_moe_hf import expected_config, random_model
 
+from relax.algorithms.online.step import StepParts
 from relax.models.adapters.operations import add_lora, merge_lora, split_trainable
 from relax.models.adapters.peft import load_adapter, save_adapter
 from relax.models.forward.prefix_shared import completion_logprobs
@@ -249,7 +250,7 @@ def test_grpo_trains_the_adapters_only():
         optimizer=OptimizerConfig(learning_rate=1e-2),
     )
     state = init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
-    step = make_grpo_step(cfg, [low], _decode, eos_ids=(), pad_id=0)
+    step = make_grpo_step(cfg, StepParts(reward_fns=[low], decode=_decode, eos_ids=(), pad_id=0))
     ids = jnp.asarray(np.random.default_rng(1).integers(3, 64, (2, 5)), jnp.int32)
     for _ in range(2):
         state, out = step(

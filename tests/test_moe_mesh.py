@@ -95,13 +95,15 @@ def forward_cases() -> dict:
     import jax.numpy as jnp
 
     from relax import parallel
+    from relax.models.forward.forward_pass import ForwardPass
     from relax.models.forward.prefix_shared import completion_logprobs
     from relax.parallel.hlo import collectives
 
     model, args = _model(), _forward_inputs()
 
     def loss(m, ids, pm, comp, cm, groups=None):
-        lp = completion_logprobs(m, ids, pm, comp, cm, attention="group", groups_per_pass=groups)
+        how = ForwardPass(attention="group", groups_per_pass=groups)
+        lp = completion_logprobs(m, ids, pm, comp, cm, how)
         return jnp.sum(lp * cm), lp
 
     grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -146,6 +148,7 @@ def lora_case(spec: str) -> dict:
     from relax.models.adapters.operations import add_lora, split_trainable
     from relax.models.config.model import ModelConfig
     from relax.models.decoder import transformer as T
+    from relax.models.forward.forward_pass import ForwardPass
     from relax.models.forward.prefix_shared import completion_logprobs
     from relax.models.layers.lora import LoRAConfig
 
@@ -158,7 +161,9 @@ def lora_case(spec: str) -> dict:
     args = _forward_inputs()
 
     def loss(trained, frozen, ids, pm, comp, cm):
-        lp = completion_logprobs(eqx.combine(trained, frozen), ids, pm, comp, cm, attention="group")
+        lp = completion_logprobs(
+            eqx.combine(trained, frozen), ids, pm, comp, cm, ForwardPass(attention="group")
+        )
         return jnp.sum(lp * cm), lp
 
     grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -200,6 +205,7 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     from relax.algorithms.grpo.config import preset
     from relax.algorithms.grpo.step import make_grpo_step
     from relax.algorithms.online.batch import step_input
+    from relax.algorithms.online.step import StepParts
     from relax.parallel import distributed
     from relax.parallel.hlo import collectives
     from relax.passes import choose_passes
@@ -220,12 +226,18 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     mesh = None if spec is None else parallel.make_mesh(spec)
     step = make_grpo_step(
         cfg,
-        [_fives],
-        _decode,
-        eos_ids=(),
-        pad_id=0,
-        passes=choose_passes(
-            batch_shards=8 if mesh_passes else 1 if mesh is None else parallel.batch_shards(mesh)
+        StepParts(
+            reward_fns=[_fives],
+            decode=_decode,
+            eos_ids=(),
+            pad_id=0,
+            passes=choose_passes(
+                batch_shards=8
+                if mesh_passes
+                else 1
+                if mesh is None
+                else parallel.batch_shards(mesh)
+            ),
         ),
     )
     if mesh is not None:

@@ -17,6 +17,7 @@ from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.online.batch import step_input
+from relax.algorithms.online.step import StepParts
 from relax.models.adapters.operations import add_lora, merge_lora
 from relax.models.config.model import ModelConfig
 from relax.models.decoder.transformer import init
@@ -61,7 +62,9 @@ def _step(moe: MoEConfig, lr=3e-2, **grpo):
     state = init_state(
         init(MOE, jax.random.key(0), std=0.1), cfg.optimizer.make(), key=jax.random.key(1)
     )
-    return state, make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
+    return state, make_grpo_step(
+        cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(), pad_id=0)
+    )
 
 
 def test_grpo_learns_with_a_moe_policy_and_reports_routing():

@@ -1,6 +1,7 @@
 """Every objective by name (relax.serve.objectives): each equals its trainer's update on the same
-batch (metrics, and the weights after ``optim_step`` against the trainer's one optimizer step), a
-few against independent NumPy formulas over the plain full-sequence forward, and the errors."""
+batch (metrics, and the weights after ``objective_optim_step`` against the trainer's one optimizer
+step), a few against independent NumPy formulas over the plain full-sequence forward, and the
+errors."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.kto import KTOConfig, make_kto_step
 from relax.algorithms.online.batch import LossRows, step_input
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.algorithms.reward_model.config import RewardModelConfig
@@ -36,9 +38,9 @@ from relax.passes import Passes
 from relax.serve.objectives import (
     OBJECTIVES,
     ValueRows,
-    forward_backward,
-    make_forward_backward,
-    optim_step,
+    make_objective_forward_backward,
+    objective_forward_backward,
+    objective_optim_step,
 )
 from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state
@@ -95,12 +97,12 @@ def test_policy_objectives_equal_grpos_update(name):
         _copy(model), opt.init(model), data, jax.random.key(0)
     )
     state = _state(model)
-    grads, got = make_forward_backward(name, passes=Passes(), **kw)(
+    grads, got = make_objective_forward_backward(name, passes=Passes(), **kw)(
         state, data
     )  # the update's pass layout
     assert grads.critic is None
     _same_metrics(got, want)
-    chex.assert_trees_all_close(optim_step(state, grads).policy, policy, atol=1e-6)
+    chex.assert_trees_all_close(objective_optim_step(state, grads).policy, policy, atol=1e-6)
 
 
 def test_importance_sampling_against_numpy():
@@ -115,7 +117,7 @@ def test_importance_sampling_against_numpy():
     ratio = np.exp(logp - np.asarray(data.old_logprobs, np.float64))
     m = np.asarray(data.loss_mask) > 0
     per_token = -np.minimum(ratio, 1.5) * np.asarray(data.advantages)[..., None]
-    _, metrics = forward_backward(
+    _, metrics = objective_forward_backward(
         _state(model), data, "importance_sampling", cap=1.5, loss_type="token-mean"
     )
     np.testing.assert_allclose(float(metrics["loss"]), per_token[m].mean(), rtol=1e-5)
@@ -127,9 +129,13 @@ def test_causal_lm_equals_the_sft_step_and_numpy():
     batch = sft_batch(cfg, _examples([9, 7, 5, 4, 3, 8], seed=7), pad_id=0)
     trained, out = make_sft_step(cfg, Passes())(_state(model), batch)
     state = _state(model)
-    grads, got = make_forward_backward("causal_lm")(state, jax.tree.map(jnp.asarray, batch))
+    grads, got = make_objective_forward_backward("causal_lm")(
+        state, jax.tree.map(jnp.asarray, batch)
+    )
     _same_metrics(got, out.metrics)
-    chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
+    chex.assert_trees_all_close(
+        objective_optim_step(state, grads).policy, trained.policy, atol=1e-6
+    )
     # NLL: each example alone through the plain forward
     ids, seg, lm = (np.asarray(x) for x in (batch.ids, batch.segment_ids, batch.loss_mask))
     nll = []
@@ -179,9 +185,13 @@ def test_dpo_family_equals_the_dpo_step(name):
     )
     trained, out = make_dpo_step(cfg)(_state(model), batch)
     state = _state(model)
-    grads, got = make_forward_backward(name, beta=0.2)(state, jax.tree.map(jnp.asarray, batch))
+    grads, got = make_objective_forward_backward(name, beta=0.2)(
+        state, jax.tree.map(jnp.asarray, batch)
+    )
     _same_metrics(got, out.metrics)
-    chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
+    chex.assert_trees_all_close(
+        objective_optim_step(state, grads).policy, trained.policy, atol=1e-6
+    )
 
 
 @pytest.mark.slow  # make test-all; DPO's pair path is fast
@@ -206,11 +216,13 @@ def test_kto_equals_the_kto_step():
     trained, out = make_kto_step(cfg)(_state(model), batch)
     assert float(out.metrics["kl"]) > 0  # z0 not clamped
     state = _state(model)
-    grads, got = make_forward_backward("kto", beta=0.5, desirable_weight=1.2)(
+    grads, got = make_objective_forward_backward("kto", beta=0.5, desirable_weight=1.2)(
         state, jax.tree.map(jnp.asarray, batch)
     )
     _same_metrics(got, out.metrics)
-    chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
+    chex.assert_trees_all_close(
+        objective_optim_step(state, grads).policy, trained.policy, atol=1e-6
+    )
 
 
 def test_reward_modeling_equals_the_reward_model_step():
@@ -219,16 +231,18 @@ def test_reward_modeling_equals_the_reward_model_step():
     cfg = RewardModelConfig(center_rewards_coefficient=0.01, grad_accum=1, optimizer=OPT)
     trained, out = make_reward_model_step(cfg, Passes())(_state(rm), batch)
     state = _state(rm)
-    grads, got = make_forward_backward("reward_modeling", center_rewards_coefficient=0.01)(
-        state, jax.tree.map(jnp.asarray, batch)
-    )
+    grads, got = make_objective_forward_backward(
+        "reward_modeling", center_rewards_coefficient=0.01
+    )(state, jax.tree.map(jnp.asarray, batch))
     _same_metrics(got, out.metrics)
-    chex.assert_trees_all_close(optim_step(state, grads).policy, trained.policy, atol=1e-6)
+    chex.assert_trees_all_close(
+        objective_optim_step(state, grads).policy, trained.policy, atol=1e-6
+    )
 
 
 def test_ppo_with_a_value_head_equals_the_ppo_step():
     """The second iteration of the PPO trainer (value head, KL to a static reference in the
-    rewards): GAE inside ``forward_backward`` from the batch's rewards gives the step's
+    rewards): GAE inside ``objective_forward_backward`` from the batch's rewards gives the step's
     advantages, returns and values; its metrics and the updated policy and head are the step's;
     the returns against a NumPy GAE over the plain forward's values."""
     kw = dict(kl_coef=0.05, vf_coef=0.5, gamma=0.9, lam=0.8, entropy_coef=0.01)
@@ -251,7 +265,7 @@ def test_ppo_with_a_value_head_equals_the_ppo_step():
         critic=init_value_head(CFG, 0.5, key=jax.random.key(5)),
         critic_optimizer=OPT.make(),
     )
-    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(3,), pad_id=0)
+    step = make_ppo_step(cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(3,), pad_id=0))
     ids, pm = _prompts(4, 6, [6, 2, 4, 5])
     batch = step_input(ids, pm, ["a", "b", "c", "d"], {"weight": [1.0] * 4})
     state, _ = step(state, batch)
@@ -268,10 +282,10 @@ def test_ppo_with_a_value_head_equals_the_ppo_step():
         rewards=b.rewards,
         ref_logprobs=b.ref_logprobs,
     )
-    grads, got = make_forward_backward("ppo", **kw)(before, rows)
+    grads, got = make_objective_forward_backward("ppo", **kw)(before, rows)
     assert grads.critic is not None
     _same_metrics(got, out.device.metrics, rtol=1e-4, atol=1e-5)
-    new = optim_step(before, grads)
+    new = objective_optim_step(before, grads)
     chex.assert_trees_all_close((new.policy, new.critic), (after.policy, after.critic), atol=2e-6)
     # returns by hand: V from the plain forward, r_t = score at the last token - kl_coef KL_t
     p, g, n = b.tokens.shape
@@ -298,17 +312,17 @@ def test_errors_name_what_is_wrong():
     model = init(CFG, jax.random.key(0), std=0.3)
     state, data = _state(model), _update_data()
     with pytest.raises(ValueError, match="unknown objective 'nope'.*causal_lm"):
-        forward_backward(state, data, "nope")
+        objective_forward_backward(state, data, "nope")
     with pytest.raises(TypeError, match="'dpo' takes a relax.data.pairs.PairBatch.*LossRows"):
-        forward_backward(state, data, "dpo")
+        objective_forward_backward(state, data, "dpo")
     with pytest.raises(TypeError, match="no option.*'nope'"):
-        forward_backward(state, data, "grpo", nope=1)
+        objective_forward_backward(state, data, "grpo", nope=1)
     with pytest.raises(ValueError, match="need ref_logprobs"):
-        forward_backward(state, data.replace(ref_logprobs=None), "grpo", beta=0.1)
+        objective_forward_backward(state, data.replace(ref_logprobs=None), "grpo", beta=0.1)
     with pytest.raises(ValueError, match="ref_logps"):
-        forward_backward(state, _pairs(reference=False), "dpo")
+        objective_forward_backward(state, _pairs(reference=False), "dpo")
     with pytest.raises(ValueError, match="ValueHead"):
-        forward_backward(
+        objective_forward_backward(
             state,
             ValueRows(data.prompt_ids, data.prompt_mask, data.tokens, data.mask, data.old_logprobs),
             "ppo",

@@ -53,7 +53,7 @@ def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
     run_dir = tmp_path / "run"
     summary = load_example("reward_model").main(
         [
-            *data(base, reverse.preference_rows, "pairs"),
+            *data(base, reverse.preference_records, "pairs"),
             "--run-dir",
             str(run_dir),
             "--steps",
@@ -85,7 +85,7 @@ def test_sft_learns_and_resumes_exactly(base, tmp_path):
     """Packed SFT on the right answers: held-out greedy accuracy rises; 4 steps straight equal
     2 steps + --resume to 4 bit for bit (data position included)."""
     args = [
-        *data(base, reverse.sft_rows, "sft"),
+        *data(base, reverse.sft_records, "sft"),
         "--sft.max-length",
         "32",
         "--batch-size",
@@ -129,7 +129,7 @@ def test_distillation_brings_a_fresh_student_to_its_teacher(base, tmp_path):
     args = data(
         base,
         lambda rs: [
-            {k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_rows(rs, 0)
+            {k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_records(rs, 0)
         ],
         "distill",
     )
@@ -177,7 +177,7 @@ def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, lo
     win rate of the chosen behaviour (greedy completion == chosen) both rise."""
     summary = load_example(name).main(
         [
-            *data(base, reverse.preference_rows, "pairs"),
+            *data(base, reverse.preference_records, "pairs"),
             "--run-dir",
             str(tmp_path),
             "--steps",
@@ -202,7 +202,7 @@ def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_
     """--dpo.precompute-reference: reference log-probs computed once, cached beside the data (the
     second run loads them), and the run logs the same metrics as with the reference model."""
     args = [
-        *data(base, reverse.preference_rows, "pairs-cached"),
+        *data(base, reverse.preference_records, "pairs-cached"),
         "--steps",
         "3",
         "--dpo.max-prompt-tokens",
@@ -229,7 +229,7 @@ def test_dpo_with_a_precomputed_reference_matches_the_reference_model(base, tmp_
 def test_kto_learns_from_unpaired_feedback(base, tmp_path):
     summary = load_example("kto").main(
         [
-            *data(base, lambda rs: reverse.unpaired_rows(rs, 0), "unpaired"),
+            *data(base, lambda rs: reverse.unpaired_records(rs, 0), "unpaired"),
             "--run-dir",
             str(tmp_path),
             "--steps",
@@ -249,7 +249,7 @@ def test_kto_learns_from_unpaired_feedback(base, tmp_path):
 
 
 def test_a_run_without_held_out_rows_trains_and_evaluates_nothing(base, tmp_path):
-    train, _ = reverse.write_task_data(TASK, base / "no-eval", reverse.preference_rows)
+    train, _ = reverse.write_task_data(TASK, base / "no-eval", reverse.preference_records)
     summary = load_example("dpo").main(
         [
             "--model",
@@ -282,7 +282,7 @@ def test_lora_dpo_learns_against_the_base_and_resumes_exactly(base, tmp_path):
     from relax.models.hf.checkpoint import load_pretrained
 
     args = [
-        *data(base, reverse.preference_rows, "pairs"),
+        *data(base, reverse.preference_records, "pairs"),
         "--dpo.max-prompt-tokens",
         "16",
         "--dpo.max-completion-tokens",

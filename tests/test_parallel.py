@@ -109,6 +109,7 @@ def run_case(
     from relax import parallel
     from relax.algorithms.grpo.config import preset
     from relax.algorithms.grpo.step import make_grpo_step
+    from relax.algorithms.online.step import StepParts
     from relax.data.completion_layout import PackingConfig
     from relax.models import ModelConfig, init
     from relax.parallel import distributed
@@ -143,7 +144,9 @@ def run_case(
     wq0 = np.asarray(policy.layers.wq).astype(np.float32)  # the step donates the state's buffers
     trainer, sampler = parallel.ParallelConfig(mesh=mesh, sampler_devices=sampler_devices).meshes()
     passes = choose_passes(batch_shards=1 if trainer is None else parallel.batch_shards(trainer))
-    step = make_grpo_step(cfg, [fives], _decode, eos_ids=eos_ids, pad_id=0, passes=passes)
+    step = make_grpo_step(
+        cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=eos_ids, pad_id=0, passes=passes)
+    )
     segments = [s.names for s in step.segments]
     if trainer is not None:
         step = parallel.ShardedStep(step, state, trainer, sampler_mesh=sampler)
@@ -325,6 +328,7 @@ def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -
 
     from relax import parallel
     from relax.models import ModelConfig, init
+    from relax.models.forward.forward_pass import ForwardPass
     from relax.models.forward.prefix_shared import completion_logprobs
 
     mesh = parallel.make_mesh("data=8")
@@ -335,7 +339,7 @@ def _attention_all_gathers(per_step_from_mesh: bool, attention: str = "group") -
         jax.grad(
             lambda m, i, c: jnp.sum(
                 completion_logprobs(
-                    m, i, jnp.ones_like(i), c, jnp.ones_like(c), attention=attention
+                    m, i, jnp.ones_like(i), c, jnp.ones_like(c), ForwardPass(attention=attention)
                 )
             )
         )
@@ -771,6 +775,7 @@ if __name__ != "__main__":
     def test_offload_reference_is_a_warned_no_op_on_cpu():
         from relax.algorithms.grpo.config import preset
         from relax.algorithms.grpo.step import make_grpo_step
+        from relax.algorithms.online.step import StepParts
         from relax.passes import choose_passes
         from relax.train.optimizer import OptimizerConfig
         from relax.train.state import init_state
@@ -786,11 +791,13 @@ if __name__ != "__main__":
         mesh = parallel.make_mesh("fsdp=-1")
         step = make_grpo_step(
             cfg,
-            [fives],
-            _decode,
-            eos_ids=(),
-            pad_id=0,
-            passes=choose_passes(batch_shards=parallel.batch_shards(mesh)),
+            StepParts(
+                reward_fns=[fives],
+                decode=_decode,
+                eos_ids=(),
+                pad_id=0,
+                passes=choose_passes(batch_shards=parallel.batch_shards(mesh)),
+            ),
         )
         with pytest.warns(
             UserWarning, match="offload_reference: cpu devices have no separate pinned_host"

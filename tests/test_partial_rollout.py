@@ -15,6 +15,7 @@ from test_train import CFG
 
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
+from relax.algorithms.online.step import StepParts
 from relax.models import init
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.off_policy import OffPolicyConfig
@@ -157,13 +158,15 @@ def _grpo(partial: PartialRollouts):
     )
     step = make_grpo_step(
         cfg,
-        [fives],
-        _decode,
-        eos_ids=(EOS,),
-        pad_id=0,
-        off_policy=ASYNC.off_policy,
-        pipelined=True,
-        partial=partial,
+        StepParts(
+            reward_fns=[fives],
+            decode=_decode,
+            eos_ids=(EOS,),
+            pad_id=0,
+            off_policy=ASYNC.off_policy,
+            pipelined=True,
+            partial=partial,
+        ),
     )
     return state, step
 
@@ -256,7 +259,15 @@ def test_partial_rollouts_refuse_what_they_do_not_support():
         ValueError, match="partial rollouts run pipelined, with the step's own sampler config"
     ):
         make_grpo_step(
-            cfg, [fives], _decode, eos_ids=(EOS,), pad_id=0, pipelined=True, partial=partial
+            cfg,
+            StepParts(
+                reward_fns=[fives],
+                decode=_decode,
+                eos_ids=(EOS,),
+                pad_id=0,
+                pipelined=True,
+                partial=partial,
+            ),
         )
 
 
@@ -288,13 +299,15 @@ def test_ppo_with_partial_rollouts_trains_on_mixed_versions():
     partial = _partial(2)
     step = make_ppo_step(
         cfg,
-        [fives],
-        _decode,
-        eos_ids=(EOS,),
-        pad_id=0,
-        off_policy=ASYNC.off_policy,
-        pipelined=True,
-        partial=partial,
+        StepParts(
+            reward_fns=[fives],
+            decode=_decode,
+            eos_ids=(EOS,),
+            pad_id=0,
+            off_policy=ASYNC.off_policy,
+            pipelined=True,
+            partial=partial,
+        ),
     )
     outs = [
         out for _, out, _ in Pipeline(step.segments, ASYNC, partial, lambda r: r).run(state, 0, 3)

@@ -14,6 +14,7 @@ from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.online.batch import step_input
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.models import init
@@ -88,12 +89,14 @@ def _setup(async_cfg: AsyncConfig, **overrides):
     )
     step = make_grpo_step(
         cfg,
-        [fives],
-        _decode,
-        eos_ids=(3,),
-        pad_id=0,
-        off_policy=async_cfg.off_policy,
-        pipelined=async_cfg.staleness > 0,
+        StepParts(
+            reward_fns=[fives],
+            decode=_decode,
+            eos_ids=(3,),
+            pad_id=0,
+            off_policy=async_cfg.off_policy,
+            pipelined=async_cfg.staleness > 0,
+        ),
     )
     return cfg, state, step
 
@@ -157,12 +160,14 @@ def _ppo_setup(async_cfg: AsyncConfig, **overrides):
     )
     step = make_ppo_step(
         cfg,
-        [fives],
-        _decode,
-        eos_ids=(3,),
-        pad_id=0,
-        off_policy=async_cfg.off_policy,
-        pipelined=async_cfg.staleness > 0,
+        StepParts(
+            reward_fns=[fives],
+            decode=_decode,
+            eos_ids=(3,),
+            pad_id=0,
+            off_policy=async_cfg.off_policy,
+            pipelined=async_cfg.staleness > 0,
+        ),
     )
     return cfg, state, step
 

@@ -15,15 +15,11 @@ from test_run import overlap_reward, setup  # noqa: F401 - the model directory, 
 
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.online.batch import step_input
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.step import (
-    _value_terms,
-    make_actor_loss,
-    make_joint_loss,
-    make_ppo_step,
-    token_rewards,
-)
+from relax.algorithms.ppo.loss import make_actor_loss, make_joint_loss, value_terms
+from relax.algorithms.ppo.step import make_ppo_step, token_rewards
 from relax.algorithms.ppo.vine import branch_prompts, step_advantages
 from relax.models import ModelConfig, init
 from relax.models.forward.prefix_shared import completion_hidden
@@ -129,7 +125,7 @@ def test_ppo_step_trains_policy_and_critic():
     )
     state = _state(cfg)
     head0, wq0 = np.asarray(state.critic.head), np.asarray(state.policy.layers.wq)
-    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
+    step = make_ppo_step(cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(), pad_id=0))
     state, out = step(state, _batch())
     m = {k: float(v) for k, v in out.device.metrics.items()}
     assert all(np.isfinite(v) for v in m.values()), m
@@ -170,7 +166,7 @@ def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
         critic_optimizer=OptimizerConfig(learning_rate=1e-2),
     )
     state = _state(cfg)
-    step = make_ppo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
+    step = make_ppo_step(cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(), pad_id=0))
     state, out = step(state, _batch())
     state, out = step(
         state, _batch()
@@ -190,7 +186,7 @@ def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
     joint = jax.grad(lambda q: make_joint_loss(cfg, Passes())(q, mb, ctx)[0])(params)
     actor = jax.grad(lambda pol: make_actor_loss(cfg, Passes())(pol, mb, ctx)[0])(state.policy)
     value = jax.grad(
-        lambda q: _value_terms(
+        lambda q: value_terms(
             cfg,
             values_from_hidden(
                 completion_hidden(
@@ -229,7 +225,9 @@ def test_vineppo_values_are_exact_once_the_outcome_is_decided():
     )
     state = _state(cfg)
     assert state.critic is None and state.ref is None
-    step = make_ppo_step(cfg, [first_is_five], _decode, eos_ids=(), pad_id=0)
+    step = make_ppo_step(
+        cfg, StepParts(reward_fns=[first_is_five], decode=_decode, eos_ids=(), pad_id=0)
+    )
     _, out = step(state, _batch())
     batch = out.device.batch
     mc, rewards, mask = (np.asarray(x) for x in (batch.mc_values, batch.rewards, batch.mask))

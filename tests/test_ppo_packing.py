@@ -18,11 +18,13 @@ from test_train import CFG, _prompts
 
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.online.batch import step_input
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.data.completion_layout import PackingConfig, pack_completions
 from relax.models import hidden_states, init
 from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.heads.critic import (
     completion_logprobs_and_values,
     completion_values,
@@ -70,9 +72,10 @@ def test_packed_critic_values_and_gradients_equal_the_full_sequence_forward():
     w = jax.random.normal(jax.random.key(2), tokens.shape) * mask
     want = jax.grad(lambda c: jnp.sum(w * direct(c)))(critic)
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
-    for kw in ({}, {"unroll": True, "save_attention": True}):  # the CPU update's options too
+    # the CPU update's options too
+    for how in (ForwardPass(), ForwardPass(unroll=True, save_attention=True)):
         grad = jax.grad(
-            lambda c: jnp.sum(w * completion_values(c, ids, pm, tokens, mask, packed=packed, **kw))
+            lambda c: jnp.sum(w * completion_values(c, ids, pm, tokens, mask, how, packed=packed))
         )(critic)
         chex.assert_trees_all_close(grad, want, atol=1e-5 * scale, rtol=1e-4)
 
@@ -164,7 +167,7 @@ def test_ppo_step_with_packing_equals_it_without(critic, loss_type):
             critic_optimizer=cfg.critic_optimizer.make(),
         )
         step = make_ppo_step(
-            cfg, [fives], _decode, eos_ids=(3,), pad_id=0
+            cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(3,), pad_id=0)
         )  # token 3 ends a completion
         out = []
         for _ in range(2):

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from test_hf import random_model, tiny
 
-from relax.algorithms.online.batch import HostRecord, Rollout
+from relax.algorithms.online.batch import HostRecord, Sampled
 from relax.algorithms.online.stages import make_score
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.loss import make_loss, pair_normalizers
@@ -26,6 +26,7 @@ from relax.algorithms.reward_model.step import (
 from relax.compose import WithHost
 from relax.data.pairs import PairBatch
 from relax.models.forward.config import ForwardConfig
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.heads.critic import save_critic
 from relax.models.heads.reward_model import (
     RewardModel,
@@ -148,7 +149,7 @@ def test_reward_is_read_at_the_last_valid_token():
     changed[1, 1] = True  # the completion ending in the pad id
     np.testing.assert_allclose(plain[~changed], r[~changed], atol=1e-6)
     assert abs(plain[1, 1] - r[1, 1]) > 1e-4
-    grouped = jax.jit(lambda *b: sequence_rewards(rm, *b, groups_per_pass=1))(
+    grouped = jax.jit(lambda *b: sequence_rewards(rm, *b, ForwardPass(groups_per_pass=1)))(
         prompt_ids, prompt_mask, tokens, mask
     )
     np.testing.assert_allclose(np.asarray(grouped), r, atol=1e-5)
@@ -354,7 +355,7 @@ def test_token_reward_matches_sequence_rewards():
     # to a host reward function
     one = RewardFunction(lambda prompts, completions, **_: [1.0] * len(completions), name="one")
     score = make_score([fn, one], decode=lambda tokens, mask: ["x"] * len(tokens))
-    rollout = Rollout(
+    rollout = Sampled(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         tokens=tokens,

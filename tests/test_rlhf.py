@@ -116,7 +116,7 @@ def test_user_data_with_grpo(builtin_run, tmp_path):
     task = reverse.ReverseTask(num_train=64, num_eval=8)
     data = tmp_path / "data"
     for rows, suffix in zip(reverse.make_splits(task), (".jsonl", ".eval.jsonl")):
-        write_jsonl(reverse.sft_rows(rows), data / f"sft{suffix}")
+        write_jsonl(reverse.sft_records(rows), data / f"sft{suffix}")
         write_jsonl(builtin_pairs(task, rows, seed=0), data / f"preferences{suffix}")
         write_jsonl(rows, data / f"prompts{suffix}")
     root = tmp_path / "run"

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import load_example
 
-from relax.algorithms.online.batch import HostRecord, Rollout
+from relax.algorithms.online.batch import HostRecord, Sampled
 from relax.algorithms.online.stages import make_score
 from relax.compose import WithHost
 from relax.models import ModelConfig, init
@@ -512,7 +512,7 @@ def test_raising_reward_function_names_function_and_sample():
     tokens = np.array([[[1, 2, 3], [1, 2, 3]]])
     mask = np.array([[[1, 1, 0], [1, 0, 0]]])
     ids = np.ones((1, 2), np.int32)
-    rollout = Rollout(
+    rollout = Sampled(
         prompt_ids=ids,
         prompt_mask=ids,
         tokens=tokens,

@@ -1,4 +1,4 @@
-"""Statistical tests of ``relax.rollout.sampling``: the empirical distribution of ``sample`` against an
+"""Statistical tests of ``relax.rollout.sampling``: the empirical distribution of ``sample_tokens`` against an
 independent NumPy construction of the target distribution (temperature, top-k, top-p, min-p and
 their composition in Hugging Face's order), the returned log-probs, ``uniforms`` and validation."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relax.rollout.sampling import SamplingConfig, sample, uniform_table, uniforms
+from relax.rollout.sampling import SamplingConfig, sample_tokens, uniform_table, uniforms
 
 V = 12
 # Two distinct logit vectors (no ties, not sorted) so that per-row filtering is exercised:
@@ -77,7 +77,7 @@ def assert_matches(freq_counts, probs):
 
 @functools.partial(jax.jit, static_argnums=2)
 def _sample_jit(logits, u, cfg):
-    return sample(logits, u, cfg)
+    return sample_tokens(logits, u, cfg)
 
 
 def _draw(cfg, seed=0):

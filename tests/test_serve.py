@@ -30,7 +30,7 @@ from relax.serve.client import LocalServiceClient, ServiceClient, ServiceError
 from relax.serve.server import ServeConfig, check_binding, check_parallel, make_app
 from relax.serve.service import Service, ServiceConfig
 from relax.serve.types import AdamParams, Datum, ModelInput, SamplingParams
-from relax.serve.wire import RequestError, decode_batch, encode_batch, pack, unpack
+from relax.serve.wire import RequestError, decode_batch, encode_batch, from_msgpack, to_msgpack
 
 CFG = ModelConfig(
     vocab_size=16,
@@ -92,15 +92,17 @@ def reference_logp(policy, datum: Datum) -> np.ndarray:
 def test_wire_round_trip_and_refusals():
     for dtype in ("bool", "int32", "int64", "uint8", "float16", "float32", "float64"):
         a = (np.arange(12).reshape(3, 4) % 3).astype(dtype)
-        b = unpack(pack({"a": a}))["a"]
+        b = from_msgpack(to_msgpack({"a": a}))["a"]
         assert b.dtype == a.dtype and np.array_equal(a, b)
     with pytest.raises(RequestError, match="not a msgpack body") as e:
-        unpack(b"\xc1\x00")
+        from_msgpack(b"\xc1\x00")
     assert e.value.field == "body"
     with pytest.raises(RequestError, match="needs 48 bytes"):
-        unpack(pack({"x": {"__ndarray__": "float32", "shape": [3, 4], "data": b"\0" * 8}}))
+        from_msgpack(
+            to_msgpack({"x": {"__ndarray__": "float32", "shape": [3, 4], "data": b"\0" * 8}})
+        )
     with pytest.raises(RequestError, match="dtype 'object'"):
-        unpack(pack({"x": {"__ndarray__": "object", "shape": [1], "data": b"\0" * 8}}))
+        from_msgpack(to_msgpack({"x": {"__ndarray__": "object", "shape": [1], "data": b"\0" * 8}}))
     P, G, N, L = 2, 3, 4, 5
     rows = LossRows(
         prompt_ids=np.ones((P, L), np.int32),
@@ -111,11 +113,11 @@ def test_wire_round_trip_and_refusals():
         old_logprobs=np.zeros((P, G, N), np.float32),
         advantages=np.zeros((P, G), np.float32),
     )
-    back = decode_batch(unpack(pack(encode_batch(rows))), "batch")
+    back = decode_batch(from_msgpack(to_msgpack(encode_batch(rows))), "batch")
     assert type(back) is LossRows and back.advantages.shape == (P, G) and back.ref_logprobs is None
 
     def refused(field: str, value, match: str) -> None:
-        wire = unpack(pack(encode_batch(rows)))
+        wire = from_msgpack(to_msgpack(encode_batch(rows)))
         wire["fields"][field] = value
         with pytest.raises(RequestError, match=match) as e:
             decode_batch(wire, "batch")
@@ -137,12 +139,15 @@ def test_wire_round_trip_and_refusals():
         mask=np.ones((P, 2, N), np.int32),
         ref_logps=np.zeros((P, 2), np.float32),
     )
-    assert decode_batch(unpack(pack(encode_batch(pairs))), "batch").ref_logps.shape == (P, 2)
-    wire = unpack(pack(encode_batch(pairs)))
+    assert decode_batch(from_msgpack(to_msgpack(encode_batch(pairs))), "batch").ref_logps.shape == (
+        P,
+        2,
+    )
+    wire = from_msgpack(to_msgpack(encode_batch(pairs)))
     wire["fields"]["tokens"] = np.ones((P, 3, N), np.int32)
     with pytest.raises(RequestError, match="a dimension of size 2 is 3 here"):
         decode_batch(wire, "batch")
-    wire = unpack(pack(encode_batch(rows)))
+    wire = from_msgpack(to_msgpack(encode_batch(rows)))
     del wire["fields"]["tokens"]
     with pytest.raises(RequestError, match="needs this field"):
         decode_batch(wire, "batch")
@@ -217,7 +222,7 @@ def test_named_objective_equals_in_process(tmp_path):
     )
     got = trainer.forward_backward(rows, "grpo", {"loss_type": "token-mean"}).result().metrics
     state = svc.session(trainer.session).state
-    grads, want = objectives.forward_backward(
+    grads, want = objectives.objective_forward_backward(
         state, jax.tree.map(jnp.asarray, rows), "grpo", loss_type="token-mean"
     )
     assert set(want) <= set(got)
@@ -234,7 +239,9 @@ def test_named_objective_equals_in_process(tmp_path):
         ref_logps=-rng.uniform(2, 6, (P, 2)).astype(np.float32),
     )
     got = trainer.forward(pairs, "dpo", {"beta": 0.1}).result().metrics
-    _, want = objectives.forward_backward(state, jax.tree.map(jnp.asarray, pairs), "dpo", beta=0.1)
+    _, want = objectives.objective_forward_backward(
+        state, jax.tree.map(jnp.asarray, pairs), "dpo", beta=0.1
+    )
     for k in want:
         np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
 
@@ -284,7 +291,7 @@ def test_grouped_rows_read_what_datums_read(tmp_path):
             np.testing.assert_allclose(trained[i, j, :k], whole, rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(trained[i, j, :k], seq.logprobs, rtol=1e-4, atol=1e-4)
     got = trainer.forward_backward(rows, "importance_sampling").result().metrics
-    _, want = objectives.forward_backward(
+    _, want = objectives.objective_forward_backward(
         state, jax.tree.map(jnp.asarray, rows), "importance_sampling"
     )
     np.testing.assert_allclose(got["loss"], float(want["loss"]), rtol=1e-5)
@@ -309,7 +316,7 @@ def test_ppo_with_a_value_head_over_the_service(tmp_path):
     )
     state = svc.session(trainer.session).state
     got = trainer.forward_backward(rows, "ppo", {"kl_coef": 0.0}).result().metrics
-    _, want = objectives.forward_backward(
+    _, want = objectives.objective_forward_backward(
         state, jax.tree.map(jnp.asarray, rows), "ppo", kl_coef=0.0
     )
     assert "explained_variance" in want and set(want) <= set(got)
@@ -580,7 +587,7 @@ def test_http_token_routes_and_errors(http_server):
     bad = httpx.post(
         f"{url}/v1/sessions", content=b"\xc1", headers={"authorization": "Bearer sesame"}
     )
-    assert bad.status_code == 400 and unpack(bad.content)["field"] == "body"
+    assert bad.status_code == 400 and from_msgpack(bad.content)["field"] == "body"
     trainer = client.create_lora_training_client(rank=4)
     out = trainer.forward_backward(datums(70), "cross_entropy").result()
     assert np.isfinite(out.metrics["loss"]) and len(out.loss_fn_outputs) == 3
@@ -592,7 +599,7 @@ def test_http_client_that_leaves_harms_no_one(http_server):
     trainer = client.create_lora_training_client(rank=4, seed=8)
     data = datums(80)
     loss = trainer.forward(data, "cross_entropy").result().metrics
-    body = pack(
+    body = to_msgpack(
         {
             "model_path": "base",
             "num_samples": 8,
@@ -617,7 +624,7 @@ def test_body_limit_and_sampler_snapshots(tmp_path):
 
     svc = service(tmp_path)
     response = TestClient(make_app(svc, max_body_mb=0)).post(
-        "/v1/sessions", content=pack({"rank": 4})
+        "/v1/sessions", content=to_msgpack({"rank": 4})
     )
     assert response.status_code == 413 and not svc.sessions
     svc = Service(

@@ -4,7 +4,7 @@ brute-force reference that decodes every prefix; the GRPO score stage and evalua
 import numpy as np
 import pytest
 
-from relax.algorithms.online.batch import HostRecord, Rollout
+from relax.algorithms.online.batch import HostRecord, Sampled
 from relax.algorithms.online.stages import make_score
 from relax.compose import WithHost
 from relax.text.stop_strings import truncate_at_stop_strings
@@ -73,7 +73,7 @@ def test_score_stage_cuts_before_the_rewards_see_the_text():
     stage = make_score([reward], decode, stop_strings=("</answer>",))
     tokens = np.array([[[1, 3, 4, 5, 2, 2], [1, 1, 2, 2, 2, 2]]])
     ids = np.ones((1, 2), np.int32)
-    rollout = Rollout(
+    rollout = Sampled(
         prompt_ids=ids,
         prompt_mask=ids,
         tokens=tokens,

@@ -13,8 +13,10 @@ from relax.algorithms.grpo.config import GRPOConfig, preset
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.online.batch import LossRows, step_input
+from relax.algorithms.online.step import StepParts
 from relax.models import ModelConfig, init
 from relax.models.decoder.logprobs import token_logprobs
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs, completion_rope
 from relax.objectives.reference import ReferenceConfig
 from relax.passes import choose_passes
@@ -68,13 +70,15 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     np.testing.assert_allclose(np.where(cm, got, 0), np.where(cm, want, 0), atol=1e-5)
     # one prompt group per pass (the CPU reference forward): the same log-probs and entropies
     per_group = completion_logprobs(
-        model, ids, pm, comp, cm, temperature=0.7, with_entropy=True, groups_per_pass=1
+        model, ids, pm, comp, cm, ForwardPass(with_entropy=True, groups_per_pass=1), temperature=0.7
     )
-    whole = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, with_entropy=True)
+    whole = completion_logprobs(
+        model, ids, pm, comp, cm, ForwardPass(with_entropy=True), temperature=0.7
+    )
     # the same arithmetic in another reduction order (float32 on a GPU differs by ~2e-6)
     chex.assert_trees_all_close(per_group, whole, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="groups_per_pass=2 does not divide the 3 prompt groups"):
-        completion_logprobs(model, ids, pm, comp, cm, groups_per_pass=2)
+        completion_logprobs(model, ids, pm, comp, cm, ForwardPass(groups_per_pass=2))
     w = jax.random.normal(jax.random.key(2), (p, g, n)) * cm
     g1 = jax.grad(lambda m: jnp.sum(w * shared(m)))(model)
     g2 = jax.grad(lambda m: jnp.sum(w * direct(m)))(model)
@@ -82,14 +86,16 @@ def test_prefix_shared_forward_equals_full_sequence(window):
     chex.assert_trees_all_close(g1, g2, atol=1e-5 * scale, rtol=1e-4)
     # the CPU update's options (unrolled layers, attention probabilities kept for the backward)
     fast = lambda m: completion_logprobs(
-        m, ids, pm, comp, cm, temperature=0.7, unroll=True, save_attention=True
+        m, ids, pm, comp, cm, ForwardPass(unroll=True, save_attention=True), temperature=0.7
     )
     np.testing.assert_allclose(np.where(cm, fast(model), 0), np.where(cm, want, 0), atol=1e-5)
     g3 = jax.grad(lambda m: jnp.sum(w * fast(m)))(model)
     chex.assert_trees_all_close(g3, g2, atol=1e-5 * scale, rtol=1e-4)
     # the rotary tables computed once outside (as the update does): the same values
     rope = completion_rope(cfg, pm, g, n)
-    outside = completion_logprobs(model, ids, pm, comp, cm, temperature=0.7, rope=rope, unroll=True)
+    outside = completion_logprobs(
+        model, ids, pm, comp, cm, ForwardPass(unroll=True), temperature=0.7, rope=rope
+    )
     np.testing.assert_allclose(np.where(cm, outside, 0), np.where(cm, want, 0), atol=1e-5)
 
 
@@ -224,7 +230,7 @@ def test_grpo_learns_and_compiles_once():
     )
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=True)
-    step = make_grpo_step(cfg, [fives], _decode, eos_ids=(), pad_id=0)
+    step = make_grpo_step(cfg, StepParts(reward_fns=[fives], decode=_decode, eos_ids=(), pad_id=0))
     ids, pm = _prompts(4, 8, [8, 5, 3, 7])
     rewards = []
     for _ in range(25):
@@ -283,7 +289,9 @@ def test_every_preset_and_option_runs(name, overrides):
     opt = cfg.optimizer.make()
     state = init_state(policy, opt, key=jax.random.key(1), with_reference=cfg.needs_reference)
     token_reward = TokenRewardFunction(_first_token_is_seven, name="seven", weight=0.5)
-    step = make_grpo_step(cfg, [fives, token_reward], _decode, eos_ids=(3,), pad_id=0)
+    step = make_grpo_step(
+        cfg, StepParts(reward_fns=[fives, token_reward], decode=_decode, eos_ids=(3,), pad_id=0)
+    )
     ids, pm = _prompts(2, 8, [8, 5])
     state, out = step(state, step_input(ids, pm, ["p"] * 2, {"weight": [1.0, 2.0]}))
     m, scored = out.device.metrics, out.device.batch

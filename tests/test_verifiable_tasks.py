@@ -15,6 +15,7 @@ from conftest import load_example
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.online.batch import step_input
+from relax.algorithms.online.step import StepParts
 from relax.models import init, small_config
 from relax.rewards.functions import RewardFunction
 from relax.rewards.isolation import works
@@ -137,7 +138,12 @@ def test_pool_scores_between_rollout_and_update_like_the_trainer_process():
                 key=jax.random.key(1),
                 with_reference=True,
             )
-            step = make_grpo_step(cfg, [rf], decode, eos_ids=(), pad_id=0, pool=p, timeout_s=30.0)
+            step = make_grpo_step(
+                cfg,
+                StepParts(
+                    reward_fns=[rf], decode=decode, eos_ids=(), pad_id=0, pool=p, timeout_s=30.0
+                ),
+            )
             names = [seg.names for seg in step.segments]
             assert names[1:5] == [("score_start",), ("pack",), ("reference",), ("score_finish",)], (
                 names

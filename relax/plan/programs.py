@@ -37,9 +37,10 @@ from relax.algorithms.online.run import (
     ModelRunConfig,
     OnlineAlgorithm,
     OnlineRunConfig,
-    StepParts,
+    run_parts,
     with_lora,
 )
+from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost, join_host, split_host
 from relax.models.config.model import DTYPES, ModelConfig
 from relax.models.decoder.transformer import init as init_model
@@ -88,17 +89,19 @@ def _zero_reward(prompts, completions, **_) -> list[float]:
     return [0.0] * len(completions)
 
 
-def _parts(config: ModelConfig, passes) -> StepParts:
+def _parts(run: OnlineRunConfig, config: ModelConfig, passes) -> StepParts:
     """Step parts that stand in for the run's: one reward function returning 0 and a decoder
-    returning empty texts (what they compute does not change the programs' shapes)."""
+    returning empty texts (what they compute does not change the programs' shapes), scheduled
+    as the run's (``run_parts``)."""
     decode = lambda tokens, mask: [""] * int(np.prod(np.shape(tokens)[:-1]))
-    return StepParts(
+    parts = StepParts(
         reward_fns=[RewardFunction(_zero_reward, name="reward")],
         decode=decode,
         eos_ids=tuple(config.eos_ids) or (0,),
         pad_id=0,
         passes=passes,
     )
+    return run_parts(run, parts)
 
 
 def first_batch(run: OnlineRunConfig) -> WithHost:
@@ -154,7 +157,7 @@ def online_programs(
     with target_backend(platform):
         state = abstract_state(algorithm, run, config)
         step = algorithm.make_step(
-            _parts(config, choose_passes(batch_shards=batch_shards(trainer_mesh)))
+            _parts(run, config, choose_passes(batch_shards=batch_shards(trainer_mesh)))
         )
         sharded = ShardedStep(
             step,

@@ -29,7 +29,7 @@ from pathlib import Path
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
 
 
-def plan(work: Path, interpreter_prefix: str, tmpfs_bytes: int, sandbox_dir: str) -> str:
+def root_plan(work: Path, interpreter_prefix: str, tmpfs_bytes: int, sandbox_dir: str) -> str:
     """The JSON ``SETUP`` reads: where the new root goes, what is bound into it, and the sizes."""
     top = []
     for name in ("bin", "lib", "lib32", "lib64", "sbin"):

@@ -2,7 +2,7 @@
 
     rm = load_reward_model("out/rm")
     reward_fns = [reward_model_reward(rm, weight=1.0), RewardFunction(exact_match)]
-    step = make_grpo_step(cfg, reward_fns, decode, ...)      # relax.algorithms.online.stages.make_score
+    step = make_grpo_step(cfg, StepParts(reward_fns=reward_fns, decode=decode, ...))
 
 ``reward_model_reward`` returns a ``TokenRewardFunction``: ``score_tokens`` runs it inside its own
 ``jax.jit`` on the rollout's arrays (prompts ``[P, Lp]`` left-padded, completions ``[P, G, N]``),
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.data.pairs import right_pad
-from relax.models.forward.prefix_shared import TRAIN_ATTENTION
+from relax.models.forward.forward_pass import ForwardPass, check_train_attention
 from relax.models.heads.reward_model import RewardModel, sequence_rewards
 from relax.rewards.token_rewards import TokenRewardFunction
 from relax.text.sentencepiece_model import pad_left
@@ -55,10 +55,7 @@ class RewardModelScorer:
             raise TypeError(
                 f"need a relax.models.heads.reward_model.RewardModel, got {type(model).__name__}"
             )
-        if attention not in TRAIN_ATTENTION:
-            raise ValueError(
-                f"unknown attention {attention!r}; valid: {', '.join(TRAIN_ATTENTION)}"
-            )
+        check_train_attention(attention)
         if groups_per_pass is not None and groups_per_pass < 1:
             raise ValueError(f"groups_per_pass must be >= 1 or None, got {groups_per_pass}")
         self.model, self.groups_per_pass, self.attention = model, groups_per_pass, attention
@@ -80,9 +77,8 @@ class RewardModelScorer:
             jnp.asarray(prompt_mask).astype(jnp.int32),
             jnp.asarray(completion_ids),
             jnp.asarray(completion_mask).astype(jnp.int32),
+            ForwardPass(attention=self.attention, groups_per_pass=groups),
             ignore_pad_tokens=self.ignore_pad_tokens,
-            attention=self.attention,
-            groups_per_pass=groups,
         )
 
     def __repr__(self) -> str:
@@ -167,7 +163,8 @@ class TextRewardModel:
             max_prompt_tokens,
             max_completion_tokens,
         )
-        self._score = eqx.filter_jit(functools.partial(_text_scores, attention=attention))
+        how = ForwardPass(attention=attention)
+        self._score = eqx.filter_jit(functools.partial(_text_scores, how=how))
 
     def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
@@ -214,5 +211,5 @@ class TextRewardModel:
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def _text_scores(model, prompt_ids, prompt_mask, tokens, mask, *, attention):
-    return sequence_rewards(model, prompt_ids, prompt_mask, tokens, mask, attention=attention)
+def _text_scores(model, prompt_ids, prompt_mask, tokens, mask, *, how: ForwardPass):
+    return sequence_rewards(model, prompt_ids, prompt_mask, tokens, mask, how)

@@ -223,7 +223,7 @@ class Sandbox:
         program = [self.python if a == "{python}" else a for a in argv]
         per_run = iso.bwrap_program(work / "src") if self.isolation == "bwrap" else []
         root = (
-            fresh_root.plan(
+            fresh_root.root_plan(
                 work, iso.interpreter_prefix(self.python), self.cfg.tmpfs_mb << 20, iso.SANDBOX_DIR
             )
             if self.isolation == "unshare"

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from relax.models.decoder.transformer import Transformer
 from relax.rollout.sampler import Rollout, RolloutConfig, pad_to_bucket, validate
-from relax.rollout.sampling import sample, uniforms
+from relax.rollout.sampling import sample_tokens, uniforms
 
 
 def _generate_no_cache(
@@ -35,7 +35,7 @@ def _generate_no_cache(
     def body(t, s):
         buf, bmask, logps, finished = s
         logits = jax.lax.dynamic_index_in_dim(model(buf, bmask), lp + t - 1, axis=1, keepdims=False)
-        tok, lpt = sample(logits, uniforms(keys, t), cfg.sampling)
+        tok, lpt = sample_tokens(logits, uniforms(keys, t), cfg.sampling)
         alive = ~finished
         buf = buf.at[:, lp + t].set(jnp.where(alive, tok, cfg.pad_id))
         bmask = bmask.at[:, lp + t].set(alive.astype(jnp.int32))

@@ -76,7 +76,7 @@ from relax.rollout.decode import (
     place_model,
     write_back,
 )
-from relax.rollout.sampling import SamplingConfig, sample, uniform_table
+from relax.rollout.sampling import SamplingConfig, sample_tokens, uniform_table
 
 __all__ = [
     "DECODE_ATTENTION",
@@ -135,7 +135,7 @@ def generate_program(
     eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
 
     def draw(logits, step, u):
-        return sample(
+        return sample_tokens(
             logits, jax.lax.dynamic_index_in_dim(u, step, axis=1, keepdims=False), cfg.sampling
         )
 

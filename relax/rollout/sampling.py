@@ -66,7 +66,7 @@ def filter_logits(z: Float[Array, "b v"], cfg: SamplingConfig) -> Float[Array, "
     return z
 
 
-def sample(
+def sample_tokens(
     logits: Float[Array, "b v"], u: Float[Array, " b"], cfg: SamplingConfig
 ) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
     """Draw one token per row with uniforms ``u`` in (0, 1]; return (token, log-prob)."""

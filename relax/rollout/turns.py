@@ -42,7 +42,7 @@ from relax.models.decoder.transformer import (
 )
 from relax.models.forward.routes import route_dtype
 from relax.rollout.sampler import DEFAULT_BUCKETS
-from relax.rollout.sampling import SamplingConfig, sample
+from relax.rollout.sampling import SamplingConfig, sample_tokens
 
 OBSERVATION_BUCKETS = tuple(2**i for i in range(3, 15))
 
@@ -239,7 +239,7 @@ def _decode_turn(
         u = 1.0 - jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t), ()))(
             s.keys, s.length
         )
-        tok, lp = sample(project(model, s.last_h), u, cfg.sampling)
+        tok, lp = sample_tokens(project(model, s.last_h), u, cfg.sampling)
         h, ck, cv, writes, routes = _extend(model, layers, s, tok[:, None], alive.astype(jnp.int32))
         at = writes[:, 0]
         s = dataclasses.replace(

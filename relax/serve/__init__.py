@@ -8,8 +8,9 @@ changed import::
     service_client = tinker.ServiceClient("http://127.0.0.1:8470")
     training_client = service_client.create_lora_training_client(rank=16)
 
-    from relax.serve.objectives import forward_backward, optim_step      # in-process, by name
-    grads, metrics = forward_backward(state, rows, "grpo", beta=0.04)
+    from relax.serve.objectives import objective_forward_backward, objective_optim_step
+    grads, metrics = objective_forward_backward(state, rows, "grpo", beta=0.04)  # in-process
+    state = objective_optim_step(state, grads)
 """
 
 from __future__ import annotations

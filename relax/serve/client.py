@@ -50,7 +50,7 @@ from relax.serve.types import (
     SaveResponse,
     TensorData,
 )
-from relax.serve.wire import RequestError, encode_batch, materialize, pack, unpack
+from relax.serve.wire import RequestError, encode_batch, from_msgpack, materialize, to_msgpack
 
 __all__ = [
     "LocalServiceClient",
@@ -92,11 +92,13 @@ class ServiceClient:
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        response = self._http.request(method, path, content=None if body is None else pack(body))
+        response = self._http.request(
+            method, path, content=None if body is None else to_msgpack(body)
+        )
         if response.status_code == 200:
-            return unpack(response.content)
+            return from_msgpack(response.content)
         try:  # the service's own errors are msgpack maps; a proxy's or Starlette's (413) are not
-            out = unpack(response.content)
+            out = from_msgpack(response.content)
         except RequestError:
             out = {}
         out = out if isinstance(out, dict) else {}

@@ -1,8 +1,11 @@
 """Every objective by name over a batch: the loss its trainer runs, one call.
 
-    grads, metrics = forward_backward(state, rows, "grpo", beta=0.04, loss_type="token-mean")
-    grads, metrics = forward_backward(state, pairs, "dpo", beta=0.1)
-    state = optim_step(state, grads)                 # relax.serve.objectives.optim_step
+    grads, metrics = objective_forward_backward(state, rows, "grpo", beta=0.04, loss_type="token-mean")
+    grads, metrics = objective_forward_backward(state, pairs, "dpo", beta=0.1)
+    state = objective_optim_step(state, grads)      # the policy's and the value head's optimizers
+
+(The research primitives ``relax.train.primitives.forward_backward`` / ``optim_step`` take a loss
+function and step the policy alone; these take an objective's name and its ``Grads``.)
 
 A name picks the trainer's loss function (``relax.algorithms.*``: the same code the trainers
 run), built from that trainer's config with ``kwargs`` as its fields (``configure``: flat names,
@@ -41,7 +44,7 @@ loss: kwargs are the loss's own options and ``GRPOConfig``'s ``loss_type``, ``be
 trainer's batch is padded to its budget).
 
 ``ppo`` with a value head (``state.critic`` a ``ValueHead``) is PPO's joint loss
-(``relax.algorithms.ppo.step.make_joint_loss``): the policy loss plus ``vf_coef`` times the
+(``relax.algorithms.ppo.loss.make_joint_loss``): the policy loss plus ``vf_coef`` times the
 clipped value loss. Its ``ValueRows`` carry either ``advantages``, ``returns`` and ``old_values``,
 or ``rewards`` (a score per completion): then GAE runs inside on the value head's values
 (``relax.algorithms.ppo.step.gae_terms``), with the KL to ``ref_logprobs`` in the token rewards
@@ -74,15 +77,16 @@ from relax.algorithms.kto.step import make_reference_point, own_rows
 from relax.algorithms.online.batch import LossRows
 from relax.algorithms.ppo.batch import CriticRows
 from relax.algorithms.ppo.config import PPOConfig
-from relax.algorithms.ppo.step import gae_terms, kl_token_rewards, make_joint_loss
+from relax.algorithms.ppo.loss import make_joint_loss
+from relax.algorithms.ppo.step import gae_terms, kl_token_rewards
 from relax.algorithms.preference.pairs import shared_forward
 from relax.algorithms.preference.update import with_loss_mask
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.loss import make_loss as make_rm_loss
 from relax.algorithms.reward_model.loss import pair_normalizers as rm_normalizers
 from relax.algorithms.reward_model.step import pair_data
+from relax.algorithms.sft.config import SFTConfig
 from relax.algorithms.sft.loss import make_sft_loss
-from relax.algorithms.sft.step import SFTConfig
 from relax.data.pairs import PairBatch, UnpairedBatch
 from relax.data.supervised import PackedBatch
 from relax.masked import masked_mean
@@ -99,18 +103,18 @@ __all__ = [
     "OBJECTIVES",
     "Grads",
     "ValueRows",
-    "forward_backward",
-    "make_forward_backward",
+    "objective_forward_backward",
+    "make_objective_forward_backward",
     "objective_loss",
-    "optim_step",
+    "objective_optim_step",
 ]
 
 DPO_NAMES = ("dpo", "ipo", "simpo", "orpo")
 
 
 class Grads(NamedTuple):
-    """A ``forward_backward``'s gradients: of the policy's trainable leaves (None at frozen ones,
-    a LoRA policy's base) and, for ``ppo`` with a value head, of ``state.critic``."""
+    """An ``objective_forward_backward``'s gradients: of the policy's trainable leaves (None at
+    frozen ones, a LoRA policy's base) and, for ``ppo`` with a value head, of ``state.critic``."""
 
     policy: Any
     critic: Any = None
@@ -280,7 +284,7 @@ def value_rows(
                 batch.prompt_mask,
                 batch.tokens,
                 batch.mask,
-                **cfg.forward.options(differentiated=False),
+                cfg.forward.pass_(differentiated=False),
             )
         )
         adv, returns, ev = gae_terms(cfg, r, values, m)
@@ -330,7 +334,7 @@ def objective_loss(
     )
 
 
-def forward_backward(
+def objective_forward_backward(
     state: TrainState, batch: Any, loss: str, *, passes: Passes | None = None, **kwargs
 ) -> tuple[Grads, dict[str, Array]]:
     """``(grads, metrics)`` of the objective ``loss`` (module docstring) on ``batch``: the gradient
@@ -348,15 +352,15 @@ def forward_backward(
     return grads, {**metrics, "loss": value}
 
 
-def make_forward_backward(loss: str, *, passes: Passes | None = None, **kwargs):
-    """``forward_backward`` of one objective with fixed ``kwargs``, jitted: ``fb(state, batch) ->
-    (grads, metrics)``, compiled once per batch shape."""
+def make_objective_forward_backward(loss: str, *, passes: Passes | None = None, **kwargs):
+    """``objective_forward_backward`` of one objective with fixed ``kwargs``, jitted:
+    ``fb(state, batch) -> (grads, metrics)``, compiled once per batch shape."""
     return jax.jit(
-        lambda state, batch: forward_backward(state, batch, loss, passes=passes, **kwargs)
+        lambda state, batch: objective_forward_backward(state, batch, loss, passes=passes, **kwargs)
     )
 
 
-def optim_step(state: TrainState, grads: Grads) -> TrainState:
+def objective_optim_step(state: TrainState, grads: Grads) -> TrainState:
     """One step of the state's optimizer on ``grads.policy`` and, when given, of its critic
     optimizer on ``grads.critic``; ``state.step`` counts it."""
     state = primitives.optim_step(state, grads.policy)

@@ -52,7 +52,7 @@ from starlette.routing import Route
 from relax.models.layers.lora import LoRAConfig
 from relax.parallel.step import ParallelConfig
 from relax.serve.service import Service, ServiceConfig, UnknownSession
-from relax.serve.wire import RequestError, pack, unpack
+from relax.serve.wire import RequestError, from_msgpack, to_msgpack
 
 __all__ = [
     "MEDIA_TYPE",
@@ -192,7 +192,7 @@ def load_service(cfg: ServeConfig) -> Service:
 
 
 def _reply(obj, status: int = 200) -> Response:
-    return Response(pack(obj), status_code=status, media_type=MEDIA_TYPE)
+    return Response(to_msgpack(obj), status_code=status, media_type=MEDIA_TYPE)
 
 
 class NotFound(LookupError):
@@ -255,7 +255,7 @@ def make_app(service: Service, token: str | None = None, *, max_body_mb: int = 1
                     {"error": "a valid 'Authorization: Bearer <token>' header is needed"}, 401
                 )
         try:
-            payload = unpack(await request.body()) if request.method == "POST" else {}
+            payload = from_msgpack(await request.body()) if request.method == "POST" else {}
             if not isinstance(payload, dict):
                 raise RequestError("body", "the body must be a map")
             call = resolve(service, request.method, request.url.path, payload)

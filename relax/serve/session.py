@@ -132,7 +132,7 @@ def _optim(state: TrainState, grads: Grads, hyper: dict):
     state = state.replace(
         opt_state=injected(state.opt_state), critic_opt_state=injected(state.critic_opt_state)
     )
-    new = objectives.optim_step(state, grads)
+    new = objectives.objective_optim_step(state, grads)
     return new, optax.tree.norm(grads.policy)
 
 
@@ -374,7 +374,7 @@ def _objective_step(loss: str, config: tuple, backward: bool):
 
         def step(state, batch):
             if backward:
-                return objectives.forward_backward(state, batch, loss, **kwargs)
+                return objectives.objective_forward_backward(state, batch, loss, **kwargs)
             params, loss_fn = objectives.objective_loss(state, batch, loss, **kwargs)
             value, metrics = loss_fn(params)
             return None, {**{k: getattr(v, "value", v) for k, v in metrics.items()}, "loss": value}

@@ -1,7 +1,7 @@
 """The training service's wire format: msgpack bodies, arrays as ``dtype / shape / bytes``.
 
-    body = pack({"loss_fn": "grpo", "batch": encode_batch(rows)})
-    request = unpack(body)                       # RequestError on anything malformed
+    body = to_msgpack({"loss_fn": "grpo", "batch": encode_batch(rows)})
+    request = from_msgpack(body)                       # RequestError on anything malformed
     rows = decode_batch(request["batch"], "batch")
 
 Nothing is ever unpickled: a body is msgpack's maps, lists, strings, numbers and bytes, and an
@@ -37,8 +37,8 @@ __all__ = [
     "encode_array",
     "encode_batch",
     "materialize",
-    "pack",
-    "unpack",
+    "to_msgpack",
+    "from_msgpack",
 ]
 
 DTYPES = (
@@ -106,12 +106,12 @@ def _hook(d: dict):
     return decode_array(d, "body") if _TAG in d else d
 
 
-def pack(obj: Any) -> bytes:
+def to_msgpack(obj: Any) -> bytes:
     """msgpack bytes of ``obj`` (dicts, lists, scalars, strings, bytes; numpy or jax arrays)."""
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
-def unpack(body: bytes) -> Any:
+def from_msgpack(body: bytes) -> Any:
     """The object of a msgpack body; a malformed one is a ``RequestError`` (field ``body``)."""
     try:
         return msgpack.unpackb(body, object_hook=_hook, raw=False, strict_map_key=True)
@@ -122,7 +122,7 @@ def unpack(body: bytes) -> Any:
 
 
 def materialize(obj: Any) -> Any:
-    """``obj`` with every encoded array (``encode_array``'s map) decoded, as ``unpack`` would give
+    """``obj`` with every encoded array (``encode_array``'s map) decoded, as ``from_msgpack`` would give
     it: for a body that is handed over in-process instead of sent."""
     if isinstance(obj, dict):
         return (

@@ -117,14 +117,14 @@ def copy_of(record: dict) -> str:
     return record["prompt"][:-1]
 
 
-def sft_rows(records: list[dict]) -> list[dict]:
+def sft_records(records: list[dict]) -> list[dict]:
     """``{"prompt", "completion", "answer"}``: the right answer as the completion."""
     return [
         {"prompt": r["prompt"], "completion": r["answer"], "answer": r["answer"]} for r in records
     ]
 
 
-def preference_rows(records: list[dict]) -> list[dict]:
+def preference_records(records: list[dict]) -> list[dict]:
     """``{"prompt", "chosen", "rejected", "answer"}``: reverse preferred to copy."""
     return [
         {
@@ -137,7 +137,7 @@ def preference_rows(records: list[dict]) -> list[dict]:
     ]
 
 
-def unpaired_rows(records: list[dict], seed: int) -> list[dict]:
+def unpaired_records(records: list[dict], seed: int) -> list[dict]:
     """``{"prompt", "completion", "label", "answer"}`` (KTO): each prompt with either its right
     answer (label true) or the copy (label false), at random."""
     rng = np.random.default_rng(seed)

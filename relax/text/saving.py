@@ -20,14 +20,12 @@ is none): transformers prefers those files over the config. An existing
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from relax.models.hf.weights_io import write_json
 from relax.text.files import (
     CHAT_TEMPLATE_DIR,
     CHAT_TEMPLATE_FILE,
@@ -58,7 +56,7 @@ def save_sidecars(
         if (out / CHAT_TEMPLATE_DIR).is_dir():
             for stale in (out / CHAT_TEMPLATE_DIR).glob("*.jinja"):
                 stale.unlink()
-    write_json(out / TOKENIZER_CONFIG, config)
+    write_json(out / TOKENIZER_CONFIG, config, sort_keys=False, ensure_ascii=False)
     if sidecars.special_tokens_map_path is not None:
         copy_file(sidecars.special_tokens_map_path, out / SPECIAL_TOKENS_MAP)
     if sidecars.generation_config_path is not None and not (out / GENERATION_CONFIG).exists():
@@ -71,13 +69,6 @@ def copy_file(source: Path, target: Path) -> None:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Write ``value`` as indented UTF-8 JSON, atomically (a temporary file renamed)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _same_path(a: Path, b: Path) -> bool:

@@ -27,6 +27,7 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import make_state as grpo_state
 from relax.algorithms.online.batch import HostRecord
 from relax.algorithms.online.run import exporter, start_run, with_lora
+from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
@@ -203,12 +204,14 @@ def run(cfg: AgentRunConfig) -> dict:
     env_tools = [t.schema() for t in agent_task.tools(cfg.task)]
     chat = ChatFormat(tokenizer, tools=env_tools)
     make_env = lambda: agent_task.make_environment(cfg.task)  # noqa: E731 - a fresh environment per trajectory
-    pad_id, passes = tokenizer.pad_token_id, choose_passes()
-    pipeline = dict(off_policy=cfg.async_.off_policy, pipelined=cfg.async_.staleness > 0)
-    make_step = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
-    step = make_step(
-        cfg.algorithm_config, cfg.agent, make_env, chat, pad_id=pad_id, passes=passes, **pipeline
+    parts = StepParts(
+        pad_id=tokenizer.pad_token_id,
+        passes=choose_passes(),
+        off_policy=cfg.async_.off_policy,
+        pipelined=cfg.async_.staleness > 0,
     )
+    make_step = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
+    step = make_step(cfg.algorithm_config, cfg.agent, make_env, chat, parts)
     algo = cfg.algorithm_config
     report = run_report(
         cfg,
@@ -241,7 +244,7 @@ def run(cfg: AgentRunConfig) -> dict:
         host_metrics=lambda out, metrics: {
             k: v for k, v in out.host.agent.items() if np.isfinite(v)
         },
-        evaluate=_evaluator(cfg, chat, held_out, pad_id, log),
+        evaluate=_evaluator(cfg, chat, held_out, parts.pad_id, log),
         export=exporter(tokenizer, str(run_dir / "base_model")),
         bar_keys=BAR_KEYS,
         asynchronous=cfg.async_,

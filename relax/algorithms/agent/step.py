@@ -30,14 +30,12 @@ from relax.algorithms.grpo import step as grpo
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import Advantaged, Scored
 from relax.algorithms.online.stages import ROLLOUT_STREAM, sample_versions
-from relax.algorithms.online.step import make_online_step
+from relax.algorithms.online.step import StepParts, make_online_step
 from relax.algorithms.ppo import step as ppo
 from relax.algorithms.ppo.config import PPOConfig
 from relax.compose import Stage, WithHost, stage
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
-from relax.objectives.off_policy import OffPolicyConfig
-from relax.passes import Passes
 from relax.rollout.generation import GenerationConfig
 from relax.rollout.turns import TurnConfig
 
@@ -133,48 +131,32 @@ def drop_errored(state, batch: Advantaged):
 
 
 def make_agent_grpo_step(
-    cfg: GRPOConfig,
-    agent: AgentConfig,
-    make_env: Callable,
-    chat: ChatFormat,
-    *,
-    pad_id: int,
-    passes: Passes | None = None,
-    off_policy: OffPolicyConfig | None = None,
-    pipelined: bool = False,
+    cfg: GRPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, parts: StepParts
 ) -> Stage:
     """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``.
-    ``off_policy``, ``pipelined``: as ``make_online_step`` (run by ``relax.train.pipeline``, the
-    rollout with its environments is the producer)."""
+    ``parts``: ``pad_id`` and the schedule (``passes``, ``off_policy``, ``pipelined``: run by
+    ``relax.train.pipeline``, the rollout with its environments is the producer); the
+    environments score, so it holds no reward functions (``make_online_step``)."""
     rollout = make_agent_rollout(
-        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id), make_env, chat
+        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=parts.pad_id),
+        make_env,
+        chat,
     )
-    parts = dataclasses.replace(
-        grpo.grpo_parts(cfg, per_turn=agent.per_turn), name="agent_grpo_step", packing=None
-    )
-    return make_online_step(
-        parts,
+    algorithm = dataclasses.replace(
+        grpo.grpo_parts(cfg, per_turn=agent.per_turn),
+        name="agent_grpo_step",
+        packing=None,
         rollout=rollout,
         after_advantage=(stage(drop_errored, name="drop_errored"),),
-        passes=passes,
-        off_policy=off_policy,
-        pipelined=pipelined,
     )
+    return make_online_step(algorithm, parts)
 
 
 def make_agent_ppo_step(
-    cfg: PPOConfig,
-    agent: AgentConfig,
-    make_env: Callable,
-    chat: ChatFormat,
-    *,
-    pad_id: int,
-    passes: Passes | None = None,
-    off_policy: OffPolicyConfig | None = None,
-    pipelined: bool = False,
+    cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, parts: StepParts
 ) -> Stage:
     """PPO (GAE with the critic) on trajectories; the score sits on each trajectory's last sampled
-    token. ``off_policy``, ``pipelined``: as ``make_agent_grpo_step``."""
+    token. ``parts`` as ``make_agent_grpo_step``'s."""
     if cfg.advantage != "gae":
         raise ValueError(
             f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported"
@@ -182,12 +164,14 @@ def make_agent_ppo_step(
     if agent.per_turn:
         raise ValueError("per-turn advantages are GRPO's; PPO's critic assigns credit per token")
     rollout = make_agent_rollout(
-        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=pad_id), make_env, chat
+        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=parts.pad_id),
+        make_env,
+        chat,
     )
-    parts = dataclasses.replace(ppo.ppo_parts(cfg), name="agent_ppo_step", packing=None)
-    return make_online_step(
-        parts, rollout=rollout, passes=passes, off_policy=off_policy, pipelined=pipelined
+    algorithm = dataclasses.replace(
+        ppo.ppo_parts(cfg), name="agent_ppo_step", packing=None, rollout=rollout
     )
+    return make_online_step(algorithm, parts)
 
 
 def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float]:

@@ -19,6 +19,7 @@ from relax.algorithms.distill.data import DistillBatch
 from relax.masked import masked_mean
 from relax.models.decoder.transformer import Transformer
 from relax.models.forward.config import ForwardConfig
+from relax.models.forward.forward_pass import attention_probs_bytes
 from relax.models.forward.prefix_shared import completion_hidden, completion_rope
 from relax.models.heads.distill import divergence_from_hidden
 from relax.passes import Passes
@@ -28,19 +29,10 @@ from relax.train.update import LossContext, make_update
 def student_hidden(student: Transformer, mb: DistillBatch, passes: Passes, forward: ForwardConfig):
     """The student's final-norm hidden states ``[P, G, N, D]`` predicting each completion token
     (``mb.rope`` when precomputed), run as ``forward`` says and laid out as ``passes`` say."""
-    p, g, n = mb.tokens.shape
-    c, lp = student.config, mb.prompt_ids.shape[1]
-    probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
+    c = student.config
+    how = forward.pass_().laid_out(passes, c, attention_probs_bytes(c, mb.prompt_ids, mb.tokens))
     return completion_hidden(
-        student,
-        mb.prompt_ids,
-        mb.prompt_mask,
-        mb.tokens,
-        mb.mask,
-        **forward.options(),
-        unroll=passes.unroll(c.num_layers),
-        save_attention=passes.save_attention(probs_bytes),
-        rope=mb.rope,
+        student, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, how, rope=mb.rope
     )
 
 

@@ -157,7 +157,7 @@ def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
             task,
             dd,
             lambda rs: [
-                {k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_rows(rs, 0)
+                {k: r[k] for k in ("prompt", "completion")} for r in reverse.unpaired_records(rs, 0)
             ],
         ),
         bar_keys=(("loss", "loss"), ("top1_agreement", "agree")),

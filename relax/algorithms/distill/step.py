@@ -117,8 +117,8 @@ def teacher_hidden(
     ids, pm, tokens, mask = batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask
     p, g, n = tokens.shape
     rope = completion_rope(teacher.config, pm, g, n)  # outside the loop over groups
-    options = forward.options(differentiated=False)
-    run = lambda xs: completion_hidden(teacher, *xs[:4], rope=xs[4], **options)  # noqa: E731
+    how = forward.pass_(differentiated=False)
+    run = lambda xs: completion_hidden(teacher, *xs[:4], how, rope=xs[4])  # noqa: E731
     xs = (ids, pm, tokens, mask, rope)
     per = passes.groups_per_pass()
     if per is None or per >= p or p % per:

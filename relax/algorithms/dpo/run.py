@@ -91,7 +91,7 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
         encode_eval=encode_eval,
         prepare=reference_preparer(d),
         builtin_data=lambda task, directory, tokenizer: reverse.write_task_data(
-            task, directory, reverse.preference_rows
+            task, directory, reverse.preference_records
         ),
         bar_keys=(("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")),
         longest=lambda n: dpo.collate(

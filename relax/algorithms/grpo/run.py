@@ -14,12 +14,11 @@ from relax.algorithms.grpo.step import make_grpo_step
 from relax.algorithms.online.run import (
     OnlineAlgorithm,
     OnlineRunConfig,
-    StepParts,
     check_lora_reference,
     run_online,
 )
 from relax.choices import check_choice
-from relax.models.forward.prefix_shared import resolve_attention
+from relax.models.forward.forward_pass import resolve_attention
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import TrainState, init_state
 
@@ -83,22 +82,6 @@ def make_state(g: GRPOConfig, model, key) -> TrainState:
 def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     g = cfg.grpo
 
-    def make_step(parts: StepParts):
-        return make_grpo_step(
-            g,
-            parts.reward_fns,
-            parts.decode,
-            eos_ids=parts.eos_ids,
-            pad_id=parts.pad_id,
-            passes=parts.passes,
-            on_error=cfg.reward_on_error,
-            timeout_s=cfg.reward_timeout_s,
-            pool=parts.pool,
-            off_policy=cfg.async_.off_policy,
-            pipelined=cfg.async_.staleness > 0,
-            partial=parts.partial,
-        )
-
     def describe_update(model) -> str:
         return g.packing.describe(
             resolve_attention(g.forward.train_attention, model),
@@ -109,7 +92,7 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     return OnlineAlgorithm(
         name="grpo",
         make_state=functools.partial(make_state, g),
-        make_step=make_step,
+        make_step=functools.partial(make_grpo_step, g),
         generation=g.generation,
         describe_update=describe_update,
     )

@@ -13,10 +13,10 @@ made by the online step factory (``relax.algorithms.online.step``) from GRPO's p
 - ``advantage`` (jit): group-relative advantages; all-equal groups get 0 (or are dropped).
 - ``update`` (jit): epochs x minibatches of optimizer steps, then the reference rule.
 
-Run by the pipeline (``pipelined=True``, ``relax.train.pipeline``) the step is
+Run by the pipeline (``StepParts.pipelined``, ``relax.train.pipeline``) the step is
 ``compose(rollout, score, reference, [proximal], advantage, update)``: what runs on the sampler's
 weights (rollout, rewards) comes first, and the reference forward runs with the update, on the
-trainer's current reference; with an ``off_policy`` correction the loss clips against the
+trainer's current reference; with an ``off_policy`` correction (``StepParts.off_policy``) the loss clips against the
 proximal policy (``relax.algorithms.grpo.loss``).
 
 The batch is typed per phase (``relax.algorithms.online.batch``): the advantage makes a ``GRPOBatch``;
@@ -33,21 +33,19 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online.batch import Advantaged, LossRows, Scored
 from relax.algorithms.online.stages import packing_metrics
-from relax.algorithms.online.step import OnlineParts, make_online_step
+from relax.algorithms.online.step import OnlineParts, StepParts, make_online_step
 from relax.compose import Stage, stage
 from relax.objectives import advantages as adv_lib
 from relax.objectives.kl import kl_estimate
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.objectives.reference import make_reference_rule
 from relax.passes import Passes
-from relax.rewards.pool import RewardPool
 from relax.rewards.shaping import (
     dynamic_sampling_mask,
     group_stats,
     length_shaping,
     overlong_penalty,
 )
-from relax.rollout.partial import PartialRollouts
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState
 from relax.train.update import Updated
@@ -194,39 +192,11 @@ def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:
     )
 
 
-def make_grpo_step(
-    cfg: GRPOConfig,
-    reward_fns,
-    decode,
-    *,
-    eos_ids: tuple[int, ...],
-    pad_id: int,
-    passes: Passes | None = None,
-    on_error: str = "raise",
-    timeout_s: float | None = None,
-    pool: RewardPool | None = None,
-    off_policy: OffPolicyConfig | None = None,
-    pipelined: bool = False,
-    partial: PartialRollouts | None = None,
-) -> Stage:
+def make_grpo_step(cfg: GRPOConfig, parts: StepParts) -> Stage:
     """``grpo_step(state, batch) -> (state, out)``: ``batch`` a ``WithHost(Prompts, HostRecord)``
     (``relax.algorithms.online.batch.step_input``), ``out`` a ``WithHost(Updated, HostRecord)``; the
-    optimizer is the state's. ``passes``: the backend's pass layout (``relax.passes``; default
-    ``choose_passes()``, one device; on a mesh pass ``choose_passes(batch_shards=...)``).
-    ``pool``: the reward functions it hosts run in its workers while the device computes the
-    reference log-probs (``make_score_stages``). ``off_policy``: the correction of stale batches;
-    ``pipelined``: the order the pipeline runs (module docstring)."""
-    return make_online_step(
-        grpo_parts(cfg),
-        reward_fns,
-        decode,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        passes=passes,
-        on_error=on_error,
-        timeout_s=timeout_s,
-        pool=pool,
-        off_policy=off_policy,
-        pipelined=pipelined,
-        partial=partial,
-    )
+    optimizer is the state's. ``parts``: the reward functions and what they need, and the
+    schedule (``relax.algorithms.online.step.StepParts``): the pool's reward functions run in its
+    workers while the device computes the reference log-probs; ``parts.pipelined``: the order the
+    pipeline runs (module docstring)."""
+    return make_online_step(grpo_parts(cfg), parts)

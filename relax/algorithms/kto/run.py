@@ -80,7 +80,7 @@ def algorithm(cfg: KTORunConfig) -> OfflineAlgorithm:
         encode_eval=encode_eval,
         prepare=reference_preparer(k),
         builtin_data=lambda task, d, tokenizer: reverse.write_task_data(
-            task, d, functools.partial(reverse.unpaired_rows, seed=task.seed)
+            task, d, functools.partial(reverse.unpaired_records, seed=task.seed)
         ),
         bar_keys=(("loss", "loss"), ("kl", "kl"), ("rewards/margins", "margin")),
     )

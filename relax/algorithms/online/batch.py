@@ -1,10 +1,10 @@
-"""The online batch, one type per phase: ``Prompts -> Rollout -> Scored -> Advantaged``, and
+"""The online batch, one type per phase: ``Prompts -> Sampled -> Scored -> Advantaged``, and
 the rows a policy loss reads (``LossRows``). Host-only values ride beside it in a ``HostRecord``
 (``relax.compose.WithHost``): jitted stages never see them.
 
     step input     WithHost(Prompts, HostRecord(prompts, fields))
-    rollout        Prompts    -> Rollout     (the sampler; multi-turn: the environments too)
-    score_start    Rollout    -> Scored      (stop strings cut; text decoded; pool started)
+    rollout        Prompts    -> Sampled     (the sampler; multi-turn: the environments too)
+    score_start    Sampled    -> Scored      (stop strings cut; text decoded; pool started)
     pack           Scored.packed             (completions packed by token count)
     reference      Scored.ref_logprobs, ref_is_policy
     score_finish   Scored.rewards, reward_parts; HostRecord.reward_info
@@ -68,7 +68,7 @@ class Prompts(Phase):
     prompt_mask: Int[Array, "p lp"]
 
 
-class Rollout(Prompts):
+class Sampled(Prompts):
     """The sampled completions (``relax.algorithms.online.stages.make_rollout``).
 
     ``tokens`` / ``mask``: the completions, right-padded to the budget ``n`` (multi-turn: the
@@ -102,8 +102,8 @@ class Rollout(Prompts):
         return self.mask if self.sampled_mask is None else self.sampled_mask
 
 
-class Scored(Rollout):
-    """The rollout with what the training forwards and the rewards add before the advantage.
+class Scored(Sampled):
+    """The sampled batch with what the training forwards and the rewards add before the advantage.
 
     ``rewards``: the reward functions' weighted sum per completion (NaN: every function failed
     for it); ``reward_parts``: each function's own, by its name. ``packed``: the completions

@@ -29,6 +29,7 @@ from relax.algorithms.cli.report import (
     token_lines,
 )
 from relax.algorithms.online.batch import HostRecord, step_input
+from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost
 from relax.data.prompts import (
     DataConfig,
@@ -50,7 +51,7 @@ from relax.models.hf.checkpoint import load_pretrained, save_pretrained
 from relax.models.layers.lora import LoRAConfig
 from relax.objectives.reference import ReferenceConfig
 from relax.parallel import ParallelConfig, ShardedStep, batch_shards, check_batch
-from relax.passes import Passes, choose_passes
+from relax.passes import choose_passes
 from relax.rewards.builtin import get_reward, make_exact_match, make_numeric_match
 from relax.rewards.code_exec import CodeExec
 from relax.rewards.functions import RewardFunction
@@ -179,17 +180,17 @@ class OnlineRunConfig(ModelRunConfig):
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class StepParts:
-    """What an algorithm's step is built from: rewards, the completion decoder, stop tokens, passes."""
-
-    reward_fns: list
-    decode: Callable[[np.ndarray, np.ndarray], list[str]]
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    passes: Passes
-    pool: RewardPool | None = None
-    partial: PartialRollouts | None = None
+def run_parts(cfg: OnlineRunConfig, parts: StepParts) -> StepParts:
+    """``parts`` scored and scheduled as the run's flags say: ``--reward-on-error``,
+    ``--reward-timeout-s``, and ``--async.*``'s off-policy correction (pipelined when the
+    staleness is above 0)."""
+    return dataclasses.replace(
+        parts,
+        on_error=cfg.reward_on_error,
+        timeout_s=cfg.reward_timeout_s,
+        off_policy=cfg.async_.off_policy,
+        pipelined=cfg.async_.staleness > 0,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,6 +613,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             pool=pool,
             partial=partial,
         )
+        parts = run_parts(cfg, parts)
         report = _report(cfg, algo, data, parts, mesh)
         log(report.text())
         with _on_host(mesh is not None):

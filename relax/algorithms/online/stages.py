@@ -9,18 +9,20 @@ updates on samples up to its staleness bound older."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.online.batch import LossRows, Prompts, Rollout, Scored
+from relax.algorithms.online.batch import LossRows, Prompts, Sampled, Scored
 from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig
 from relax.models.forward.completion_packing import PackedCompletions
 from relax.models.forward.config import ForwardConfig
-from relax.models.forward.prefix_shared import completion_logprobs, resolve_attention
+from relax.models.forward.forward_pass import attention_probs_bytes, resolve_attention
+from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.moe.experts import router_loss
 from relax.parallel.distributed import max_over_processes
 from relax.passes import Passes
@@ -46,11 +48,11 @@ ROLLOUT_STREAM = (
 def make_rollout(rcfg: RolloutConfig) -> Stage:
     """G completions per prompt with the prefix-shared sampler; its log-probs are the old policy's."""
 
-    def rollout(state: TrainState, batch: Prompts) -> tuple[TrainState, Rollout]:
+    def rollout(state: TrainState, batch: Prompts) -> tuple[TrainState, Sampled]:
         # the state is read, not changed: the update advances the key once per iteration
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
         r = generate_program(state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg)
-        return state, Rollout.of(
+        return state, Sampled.of(
             batch,
             tokens=r.tokens,
             mask=r.mask,
@@ -67,7 +69,7 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
 
 def make_partial_rollout(partial: PartialRollouts) -> Stage:
     """The host stage of partial rollouts (``relax.rollout.partial``): a ``PartialRequest`` ->
-    the complete batch of its update, a ``Rollout`` with ``token_versions`` beside its host record.
+    the complete batch of its update, a ``Sampled`` batch with ``token_versions`` beside its host record.
     Its keys are ``make_rollout``'s, folded with each call's index."""
 
     def rollout(state: TrainState, request: PartialRequest) -> tuple[TrainState, WithHost]:
@@ -80,7 +82,7 @@ def make_partial_rollout(partial: PartialRollouts) -> Stage:
         done = partial.produce(state.policy, int(state.step), key, request)
         sampled = done.versions >= 0
         oldest = np.where(sampled, done.versions, np.iinfo(np.int32).max).min(-1)
-        out = Rollout(
+        out = Sampled(
             prompt_ids=jnp.asarray(done.prompt_ids),
             prompt_mask=jnp.asarray(done.prompt_mask),
             tokens=jnp.asarray(done.tokens),
@@ -101,7 +103,7 @@ def sample_versions(state: TrainState, like: jax.Array) -> jax.Array:
     return jnp.full(like.shape, state.step, jnp.int32)
 
 
-def on_policy(state: TrainState, batch: Rollout) -> jax.Array:
+def on_policy(state: TrainState, batch: Sampled) -> jax.Array:
     """Whether every sample of ``batch`` was drawn by the state's own policy (its version)."""
     return jnp.all(batch.policy_version == state.step)
 
@@ -148,12 +150,10 @@ def forward_logprobs(
         batch.prompt_mask,
         batch.tokens,
         batch.mask,
+        forward.pass_(differentiated=False, groups_per_pass=passes.groups_per_pass()),
         temperature=temperature,
-        groups_per_pass=passes.groups_per_pass(),
         packed=batch.packed,
         routes=batch.routes,
-        replay_routes=forward.moe.replays,
-        **forward.options(differentiated=False),
     )
     return jax.lax.stop_gradient(logp.astype(batch.old_logprobs.dtype))
 
@@ -383,26 +383,25 @@ def train_logprobs(
     precomputed; over ``mb.packed``'s rows when the batch was packed, ``make_packing``;
     replaying or comparing ``mb.routes`` as ``forward.moe`` says), and a mixture of experts' router loss
     (``relax.models.moe.experts.router_loss``: 0 for a dense model) with its routing metrics."""
-    p, g, n = (mb.tokens if mb.packed is None else mb.packed.tokens).shape
-    c, lp = policy.config, mb.prompt_ids.shape[1]
-    probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
+    c = policy.config
+    rows = mb.tokens if mb.packed is None else mb.packed.tokens
+    how = dataclasses.replace(
+        forward.pass_().laid_out(passes, c, attention_probs_bytes(c, mb.prompt_ids, rows)),
+        with_entropy=True,
+        entropy_grad=entropy_grad,
+        router_stats=True,
+    )
     (logp, ent), stats = completion_logprobs(
         policy,
         mb.prompt_ids,
         mb.prompt_mask,
         mb.tokens,
         mb.mask,
+        how,
         temperature=temperature,
-        with_entropy=True,
-        entropy_grad=entropy_grad,
-        unroll=passes.unroll(c.num_layers),
-        save_attention=passes.save_attention(probs_bytes),
         rope=mb.rope,
         packed=mb.packed,
         routes=mb.routes,
-        replay_routes=forward.moe.replays,
-        router_stats=True,
-        **forward.options(),
     )
     router, metrics = router_loss(stats, forward.moe, c)
     return logp, ent, router, metrics

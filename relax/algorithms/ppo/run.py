@@ -13,14 +13,13 @@ from relax.algorithms.cli.configure import configure
 from relax.algorithms.online.run import (
     OnlineAlgorithm,
     OnlineRunConfig,
-    StepParts,
     check_lora_reference,
     run_online,
 )
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.models.config.model import DTYPES
-from relax.models.forward.prefix_shared import resolve_attention
+from relax.models.forward.forward_pass import resolve_attention
 from relax.models.heads.critic import init_critic, init_value_head, load_critic
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import TrainState, init_state
@@ -101,22 +100,6 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
         make_state, p, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
     )
 
-    def make_step(parts: StepParts):
-        return make_ppo_step(
-            p,
-            parts.reward_fns,
-            parts.decode,
-            eos_ids=parts.eos_ids,
-            pad_id=parts.pad_id,
-            passes=parts.passes,
-            on_error=cfg.reward_on_error,
-            timeout_s=cfg.reward_timeout_s,
-            pool=parts.pool,
-            off_policy=cfg.async_.off_policy,
-            pipelined=cfg.async_.staleness > 0,
-            partial=parts.partial,
-        )
-
     def describe_update(model) -> str:
         return p.packing.describe(
             resolve_attention(p.forward.train_attention, model),
@@ -127,7 +110,7 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     return OnlineAlgorithm(
         name="ppo",
         make_state=state,
-        make_step=make_step,
+        make_step=functools.partial(make_ppo_step, p),
         generation=p.generation,
         describe_update=describe_update,
     )

@@ -10,9 +10,10 @@
       r_t = score * [t = last valid] - kl_coef * KL_t(old || ref)
       delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t
 
-- ``update`` (jit): the policy loss (``cfg.policy_loss``, ``relax.objectives.registry``) and the critic's clipped
-  value loss, each through ``relax.train.update`` on the same minibatch split (a value head on
-  the policy's backbone: one joint loss, one forward); the reference rule.
+- ``update`` (jit): the policy loss (``cfg.policy_loss``, ``relax.objectives.registry``) and the
+  critic's clipped value loss (``relax.algorithms.ppo.loss``), each through ``relax.train.update``
+  on the same minibatch split (a value head on the policy's backbone: one joint loss, one
+  forward); the reference rule.
 
 A completion whose score is missing (NaN: every reward function failed for it) is left out of
 both losses.
@@ -24,35 +25,30 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax import metrics as M
 from relax.algorithms.online.batch import LossRows, Scored
-from relax.algorithms.online.stages import packing_metrics, train_logprobs
-from relax.algorithms.online.step import OnlineParts, make_online_step
+from relax.algorithms.online.stages import packing_metrics
+from relax.algorithms.online.step import OnlineParts, StepParts, make_online_step
 from relax.algorithms.ppo.batch import CriticRows, PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
+from relax.algorithms.ppo.loss import make_actor_loss, make_critic_loss, make_joint_loss
 from relax.algorithms.ppo.vine import make_mc_values, step_advantages
 from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
 from relax.models.forward.prefix_shared import completion_rope
 from relax.models.heads.critic import (
     completion_head_values,
-    completion_logprobs_and_values,
     completion_values,
 )
 from relax.objectives.advantages import gae, whiten
-from relax.objectives.aggregation import aggregate
-from relax.objectives.kl import entropy_bonus, kl_estimate
-from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
+from relax.objectives.kl import kl_estimate
+from relax.objectives.off_policy import OffPolicyConfig
 from relax.objectives.reference import make_reference_rule
-from relax.objectives.registry import as_policy_loss
-from relax.objectives.value import clipped_value_loss, explained_variance
+from relax.objectives.value import explained_variance
 from relax.passes import Passes
-from relax.rewards.pool import RewardPool
-from relax.rollout.partial import PartialRollouts
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
 from relax.train.state import TrainState
-from relax.train.update import LossContext, Updated, make_update, token_share
+from relax.train.update import Updated, make_update
 
 
 def token_rewards(score, mask, kl, kl_coef: float):
@@ -128,134 +124,6 @@ def make_advantage(cfg: PPOConfig) -> Stage:
     return stage(advantage, name="advantage")
 
 
-def _policy_terms(
-    cfg: PPOConfig,
-    policy_loss,
-    logp,
-    ent,
-    mb,
-    ctx: LossContext,
-    off_policy: OffPolicyConfig | None = None,
-):
-    """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated; on a
-    stale batch (``off_policy``) clipped against the proximal policy and weighted
-    (``relax.objectives.off_policy.corrected_loss``)."""
-    p, g, n = mb.tokens.shape
-    flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-    mask = flat(mb.loss_mask) > 0
-    args = (flat(logp), flat(mb.old_logprobs), flat(mb.advantages), mask)
-    if off_policy is None:
-        per_token, metrics = policy_loss(*args)
-    else:
-        prox = None if mb.prox_logprobs is None else flat(mb.prox_logprobs)
-        per_token, metrics = corrected_loss(policy_loss, *args, off_policy, prox)
-    if cfg.entropy_coef != 0.0:
-        per_token = per_token + entropy_bonus(flat(ent), mask, coef=cfg.entropy_coef)
-    loss = aggregate(
-        per_token,
-        mask,
-        cfg.loss_type,
-        num_sequences=ctx.norms["sequences"],
-        num_tokens=ctx.norms["tokens"],
-        max_len=cfg.generation.max_new_tokens,
-    )
-    return loss, {
-        **metrics,
-        "entropy": masked_mean(flat(ent), mask),
-        "pg_loss": M.Metric(loss, "share"),
-    }
-
-
-def _value_terms(cfg: PPOConfig, values, mb, ctx: LossContext):
-    """``vf_coef * aggregate(0.5 max((V - R)^2, (V_clip - R)^2))`` on ``[P, G, N]`` values."""
-    p, g, n = mb.tokens.shape
-    flat = lambda x: x.reshape(p * g, n)  # noqa: E731
-    mask = flat(mb.loss_mask) > 0
-    per_token, metrics = clipped_value_loss(
-        flat(values), flat(mb.old_values), flat(mb.returns), mask, clip_range=cfg.cliprange_value
-    )
-    loss = cfg.vf_coef * aggregate(
-        per_token,
-        mask,
-        cfg.loss_type,
-        num_sequences=ctx.norms["sequences"],
-        num_tokens=ctx.norms["tokens"],
-        max_len=cfg.generation.max_new_tokens,
-    )
-    return loss, {
-        **metrics,
-        "vf_loss": M.Metric(loss, "share"),
-        "vpred": masked_mean(flat(values), mask),
-    }
-
-
-def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
-    """``loss(policy, micro_batch, ctx)``: the policy terms."""
-    policy_loss = as_policy_loss(cfg.policy_loss)
-
-    def loss_fn(policy, mb: LossRows, ctx: LossContext):
-        logp, ent, router, router_metrics = train_logprobs(
-            policy,
-            mb,
-            passes,
-            cfg.forward,
-            temperature=cfg.generation.temperature,
-            entropy_grad=cfg.entropy_coef != 0.0,
-        )
-        loss, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
-        return loss + token_share(router, mb.loss_mask > 0, ctx), {**metrics, **router_metrics}
-
-    return loss_fn
-
-
-def make_critic_loss(cfg: PPOConfig, passes: Passes):
-    """``loss(critic, micro_batch, ctx)``: the value terms of a separate critic."""
-
-    def loss_fn(critic, mb: CriticRows, ctx: LossContext):
-        values = completion_values(
-            critic,
-            mb.prompt_ids,
-            mb.prompt_mask,
-            mb.tokens,
-            mb.mask,
-            unroll=passes.unroll(critic.backbone.config.num_layers),
-            rope=mb.critic_rope,
-            packed=mb.packed,
-            **cfg.forward.options(),
-        )
-        return _value_terms(cfg, values, mb, ctx)
-
-    return loss_fn
-
-
-def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig | None = None):
-    """``loss((policy, head), micro_batch, ctx) = policy terms + value terms`` from ONE forward of
-    the policy (a value head on its backbone: both terms train the backbone)."""
-    policy_loss = as_policy_loss(cfg.policy_loss)
-
-    def loss_fn(params, mb: CriticRows, ctx: LossContext):
-        policy, head = params
-        logp, ent, values = completion_logprobs_and_values(
-            policy,
-            head,
-            mb.prompt_ids,
-            mb.prompt_mask,
-            mb.tokens,
-            mb.mask,
-            temperature=cfg.generation.temperature,
-            entropy_grad=cfg.entropy_coef != 0.0,
-            unroll=passes.unroll(policy.config.num_layers),
-            rope=mb.rope,
-            packed=mb.packed,
-            **cfg.forward.options(),
-        )
-        pg, metrics = _policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
-        vf, vf_metrics = _value_terms(cfg, values, mb, ctx)
-        return pg + vf, {**metrics, **{f"critic/{k}": v for k, v in vf_metrics.items()}}
-
-    return loss_fn
-
-
 def rope_tables(cfg: PPOConfig, state: TrainState, batch: PPOBatch) -> PPOBatch:
     """The batch with the rotary tables of its completions, computed once for the values and both
     updates: ``rope`` (the policy's) and ``critic_rope`` (a separate critic's own: it may be
@@ -278,22 +146,14 @@ def state_values(cfg: PPOConfig, state: TrainState, batch: PPOBatch):
     """The critic's values ``[P, G, N]`` of the sampled states (no gradient; over the packed rows
     when the batch was packed); the batch holds ``rope_tables``."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
+    how = cfg.forward.pass_(differentiated=False)
     if cfg.shared_critic:
         values = completion_head_values(
-            state.policy,
-            state.critic,
-            *args,
-            rope=batch.rope,
-            packed=batch.packed,
-            **cfg.forward.options(differentiated=False),
+            state.policy, state.critic, *args, how, rope=batch.rope, packed=batch.packed
         )
     else:
         values = completion_values(
-            state.critic,
-            *args,
-            rope=batch.critic_rope,
-            packed=batch.packed,
-            **cfg.forward.options(differentiated=False),
+            state.critic, *args, how, rope=batch.critic_rope, packed=batch.packed
         )
     return jax.lax.stop_gradient(values)
 
@@ -419,51 +279,25 @@ def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlinePa
     )
 
 
-def make_ppo_step(
-    cfg: PPOConfig,
-    reward_fns,
-    decode,
-    *,
-    eos_ids: tuple[int, ...],
-    pad_id: int,
-    passes: Passes | None = None,
-    on_error: str = "raise",
-    timeout_s: float | None = None,
-    pool: RewardPool | None = None,
-    off_policy: OffPolicyConfig | None = None,
-    pipelined: bool = False,
-    partial: PartialRollouts | None = None,
-) -> Stage:
-    """``ppo_step(state, batch) -> (state, out)``; ``batch`` and ``out`` as GRPO's. The state holds
-    the critic (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). ``pool`` as
-    GRPO's: the reference log-probs are computed while it scores. ``off_policy`` / ``pipelined`` as
-    GRPO's (``relax.algorithms.grpo.step``): run by the pipeline, the reference forward, the
-    critic's values and GAE run with the update, on the models as they are then."""
+def make_ppo_step(cfg: PPOConfig, parts: StepParts) -> Stage:
+    """``ppo_step(state, batch) -> (state, out)``; ``batch``, ``out`` and ``parts`` as GRPO's
+    (``relax.algorithms.grpo.step.make_grpo_step``). The state holds the critic
+    (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). The reference log-probs
+    are computed while ``parts.pool`` scores; run by the pipeline (``parts.pipelined``), the
+    reference forward, the critic's values and GAE run with the update, on the models as they
+    are then."""
     mc_values = (
         (
             make_mc_values(
                 cfg,
-                cfg.generation.rollout(eos_ids=eos_ids, pad_id=pad_id),
-                reward_fns,
-                decode,
-                on_error=on_error,
-                timeout_s=timeout_s,
+                cfg.generation.rollout(eos_ids=parts.eos_ids, pad_id=parts.pad_id),
+                parts.reward_fns,
+                parts.decode,
+                on_error=parts.on_error,
+                timeout_s=parts.timeout_s,
             ),
         )
         if cfg.advantage == "vineppo"
         else ()
     )
-    return make_online_step(
-        ppo_parts(cfg, host_after=mc_values),
-        reward_fns,
-        decode,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        passes=passes,
-        on_error=on_error,
-        timeout_s=timeout_s,
-        pool=pool,
-        off_policy=off_policy,
-        pipelined=pipelined,
-        partial=partial,
-    )
+    return make_online_step(ppo_parts(cfg, host_after=mc_values), parts)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Real
 
 from relax.models.forward.config import ForwardConfig
+from relax.models.forward.forward_pass import attention_probs_bytes
 from relax.models.forward.prefix_shared import CompletionRope, completion_logprobs
 from relax.passes import Passes
 
@@ -60,22 +61,15 @@ def shared_forward(passes: Passes = Passes(), config: ForwardConfig = ForwardCon
     one prompt group per pass."""
 
     def forward(model, rows, train: bool):
-        p, g, n = rows.tokens.shape
         args = (model, rows.prompt_ids, rows.prompt_mask, rows.tokens, rows.mask)
         if not train:
             return completion_logprobs(
-                *args,
-                groups_per_pass=passes.groups_per_pass(),
-                **config.options(differentiated=False),
+                *args, config.pass_(differentiated=False, groups_per_pass=passes.groups_per_pass())
             )
-        c, lp = model.config, rows.prompt_ids.shape[1]
-        probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
+        c = model.config
+        probs_bytes = attention_probs_bytes(c, rows.prompt_ids, rows.tokens)
         return completion_logprobs(
-            *args,
-            **config.options(),
-            unroll=passes.unroll(c.num_layers),
-            save_attention=passes.save_attention(probs_bytes),
-            rope=rows.rope,
+            *args, config.pass_().laid_out(passes, c, probs_bytes), rope=rows.rope
         )
 
     return forward

@@ -1,7 +1,7 @@
 """Reference log-probs computed once for a whole dataset and saved beside the data.
 
 With a reference that never changes (DPO's, KTO's), its log-probs of every example are the same in
-every epoch: ``precompute_reference`` computes them once (``reference_logps``: fixed-shape
+every epoch: ``precompute_reference`` computes them once (``dataset_reference_logps``: fixed-shape
 batches, one jitted prefix-shared forward each), saves them, and training reads them from the
 batch instead of keeping a reference model (TRL's ``precompute_ref_log_probs``).
 
@@ -41,6 +41,7 @@ import numpy as np
 from relax.algorithms.preference.pairs import sequence_logps
 from relax.data.files import PathLike, resolve_files
 from relax.data.pairs import Pair, Unpaired, collate_pairs, collate_unpaired, with_reference
+from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.passes import Passes, choose_passes
 from relax.train.fingerprint import fingerprint
@@ -153,7 +154,7 @@ def load_cache(path: PathLike, key: dict[str, str]) -> np.ndarray:
         return np.asarray(f.get_tensor("logps"), np.float32)
 
 
-def reference_logps(
+def dataset_reference_logps(
     model,
     examples: Sequence[Pair | Unpaired],
     *,
@@ -173,18 +174,11 @@ def reference_logps(
     passes = choose_passes() if passes is None else passes
     collate = collate_pairs if kind == "pairs" else collate_unpaired
     p = batch_size
+    how = ForwardPass(attention=train_attention, groups_per_pass=passes.groups_per_pass())
 
     @jax.jit
     def forward(model, prompt_ids, prompt_mask, tokens, mask):
-        logp = completion_logprobs(
-            model,
-            prompt_ids,
-            prompt_mask,
-            tokens,
-            mask,
-            groups_per_pass=passes.groups_per_pass(),
-            attention=train_attention,
-        )
+        logp = completion_logprobs(model, prompt_ids, prompt_mask, tokens, mask, how)
         return sequence_logps(logp, mask)[0]
 
     out = []
@@ -216,7 +210,7 @@ def cached_reference_logps(
     path: PathLike | None = None,
 ) -> tuple[np.ndarray, str]:
     """``(logps [n, 2], status)``: the cache at ``path`` (default ``default_cache_path``) when its
-    key matches, else computed (``reference_logps``) and saved there. ``status``: ``"loaded"``,
+    key matches, else computed (``dataset_reference_logps``) and saved there. ``status``: ``"loaded"``,
     ``"computed"`` (no cache yet) or ``"recomputed: <why the old one was stale>"``."""
     key = cache_key(data_path, examples, model)
     path = Path(path) if path is not None else default_cache_path(data_path, key["kind"])
@@ -226,7 +220,7 @@ def cached_reference_logps(
             return load_cache(path, key), "loaded"
         except StaleCacheError as e:
             status = f"recomputed: {e}"
-    logps = reference_logps(
+    logps = dataset_reference_logps(
         model,
         examples,
         batch_size=batch_size,

@@ -22,6 +22,7 @@ from relax.algorithms.preference.pairs import PairRows
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.masked import masked_mean
 from relax.models.forward.config import ForwardConfig
+from relax.models.forward.forward_pass import attention_probs_bytes
 from relax.models.heads.reward_model import sequence_rewards
 from relax.objectives.preference import bradley_terry_loss
 from relax.passes import Passes
@@ -38,18 +39,10 @@ def pair_rewards(
 ) -> jax.Array:
     """``[p, 2]`` rewards of a micro-batch's chosen and rejected completions (one forward, run as
     ``forward`` says)."""
-    c, (p, g, n), lp = model.config, mb.tokens.shape, mb.prompt_ids.shape[1]
-    probs_bytes = 4 * p * c.num_heads * g * n * (lp + n)  # one layer's attention probabilities
+    c = model.config
+    how = forward.pass_().laid_out(passes, c, attention_probs_bytes(c, mb.prompt_ids, mb.tokens))
     return sequence_rewards(
-        model,
-        mb.prompt_ids,
-        mb.prompt_mask,
-        mb.tokens,
-        mb.mask,
-        **forward.options(),
-        unroll=passes.unroll(c.num_layers),
-        save_attention=passes.save_attention(probs_bytes),
-        rope=mb.rope,
+        model, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.mask, how, rope=mb.rope
     )
 
 

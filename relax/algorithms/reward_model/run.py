@@ -73,7 +73,7 @@ def algorithm(cfg: RewardModelRunConfig) -> OfflineAlgorithm:
         collate=collate,
         evaluate=evaluate,
         builtin_data=lambda task, d, tokenizer: reverse.write_task_data(
-            task, d, reverse.preference_rows
+            task, d, reverse.preference_records
         ),
         export=lambda model, d, tokenizer: save_reward_model(model, d, tokenizer=tokenizer),
         bar_keys=(("loss", "loss"), ("accuracy", "acc")),

@@ -203,7 +203,7 @@ def stages(cfg: RLHFRunConfig) -> list[tuple[str, Any, Any]]:
 
 def write_builtin_data(task: reverse.ReverseTask, directory: Path) -> None:
     """The reverse task as ``--data`` files for stages 2 and 3: preference pairs (``builtin_pairs``)
-    and prompts with their answers (stage 1 writes its own rows, ``reverse.sft_rows``)."""
+    and prompts with their answers (stage 1 writes its own rows, ``reverse.sft_records``)."""
     train, held_out = reverse.make_splits(task)
     for seed, (rows, suffix) in enumerate(((train, ".jsonl"), (held_out, ".eval.jsonl"))):
         write_jsonl(builtin_pairs(task, rows, seed), directory / f"preferences{suffix}")
@@ -216,7 +216,7 @@ def builtin_pairs(
     """One pair per record, the right answer chosen; rejected: the copy (the base model's mistake,
     ``copy_share`` of them) or another wrong answer (a letter changed, dropped or added, two
     neighbours swapped, the letters shuffled, a random string). Against the copy alone
-    (``reverse.preference_rows``) the reward model scores many other wrong strings high, and PPO
+    (``reverse.preference_records``) the reward model scores many other wrong strings high, and PPO
     (its demo's settings, after 4 SFT steps at 1e-3) found them: held-out verifier accuracy
     0.785 -> 0.0, on completions such as ``eehh``."""
     rng = random.Random(seed)
@@ -294,7 +294,7 @@ def figures(stage: str, summary: dict, extra: dict | None = None) -> list[dict]:
     return out
 
 
-def summary_table(result: dict) -> str:
+def stages_table(result: dict) -> str:
     lines = [
         f"RLHF ({result['run_dir']}): held-out figures before and after each stage, all higher-is-better",
         f"{'stage':<14}{'metric':<44}{'before':>9}{'after':>9}{'change':>9}",
@@ -353,5 +353,5 @@ def run(cfg: RLHFRunConfig, log=print) -> dict:
             log(f"RLHF stage {i}/3 ({name}) failed: {type(e).__name__}: {e}")
             raise
         write_summary(root, result)
-    log("\n" + summary_table(result))
+    log("\n" + stages_table(result))
     return result

@@ -9,9 +9,9 @@ or, packing the whole dataset once into rows and batching rows:
 ``rows = sft_rows(cfg, examples, pad_id=...)``, ``batch = relax.data.supervised.stack_rows(rows[:16])``.
 """
 
+from relax.algorithms.sft.config import SFTConfig
 from relax.algorithms.sft.loss import make_sft_loss, target_mask
 from relax.algorithms.sft.step import (
-    SFTConfig,
     init_sft_state,
     make_sft_step,
     sft_batch,

@@ -18,8 +18,8 @@ from relax.algorithms.offline.run import (
     greedy_accuracy,
     run_offline,
 )
+from relax.algorithms.sft.config import SFTConfig
 from relax.algorithms.sft.step import (
-    SFTConfig,
     init_sft_state,
     make_sft_step,
     sft_examples,
@@ -112,7 +112,9 @@ def algorithm(cfg: SFTRunConfig) -> OfflineAlgorithm:
         collate=lambda rows, pad_id: stack_rows(rows),
         evaluate=evaluate,
         encode_eval=encode_eval,
-        builtin_data=lambda task, d, tokenizer: reverse.write_task_data(task, d, reverse.sft_rows),
+        builtin_data=lambda task, d, tokenizer: reverse.write_task_data(
+            task, d, reverse.sft_records
+        ),
         host_metrics=host_metrics,
         bar_keys=(("loss", "loss"), ("accuracy", "acc"), ("tokens_per_s", "tok/s")),
         longest=lambda n: stack_rows(

@@ -270,7 +270,7 @@ def layer_forward(
 # ----------------------------------------------------------------------------- dense and sparse layers
 
 
-class Segment(NamedTuple):
+class LayerSegment(NamedTuple):
     """A run of consecutive layers of one MLP kind: layers ``start:stop``, ``sparse`` or dense,
     the first being the ``first``-th layer of its kind."""
 
@@ -280,18 +280,18 @@ class Segment(NamedTuple):
     first: int
 
 
-def segments(config: ModelConfig) -> tuple[Segment, ...]:
+def segments(config: ModelConfig) -> tuple[LayerSegment, ...]:
     """The model's layers as runs of one MLP kind (one run for a dense model or an all-sparse one)."""
     out, kinds = [], config.sparse_layers
     for i, sparse in enumerate(kinds):
         if out and out[-1].sparse == sparse:
             out[-1] = out[-1]._replace(stop=i + 1)
         else:
-            out.append(Segment(i, i + 1, sparse, sum(1 for s in kinds[:i] if s == sparse)))
+            out.append(LayerSegment(i, i + 1, sparse, sum(1 for s in kinds[:i] if s == sparse)))
     return tuple(out)
 
 
-def segment_params(stack: LayerStack, config: ModelConfig, seg: Segment) -> LayerStack:
+def segment_params(stack: LayerStack, config: ModelConfig, seg: LayerSegment) -> LayerStack:
     """The parameters of ``seg``'s layers, each field stacked on them (the other kind's None)."""
     if len(segments(config)) == 1:
         return stack
@@ -341,7 +341,7 @@ def scan_layers(
     unroll: bool | int = 1,
 ) -> tuple[Any, Any, moe.Routed | None]:
     """``lax.scan`` of ``body(carry, (layer params, scanned kind, x, sparse x)) -> (carry, (y, routed))``
-    over every layer, as one scan per ``Segment`` (one for most models); ``xs`` lead with ``[L]``,
+    over every layer, as one scan per ``LayerSegment`` (one for most models); ``xs`` lead with ``[L]``,
     ``sparse_xs`` with ``[Ls]`` (None on dense layers). Returns the carry, the ``y`` stacked ``[L]``
     and the sparse layers' ``routed`` stacked ``[Ls]`` (None for a dense model)."""
     c = model.config

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax.choices import check_choice
-from relax.models.forward.prefix_shared import REMAT_POLICIES, TRAIN_ATTENTION
+from relax.models.forward.forward_pass import REMAT_POLICIES, TRAIN_ATTENTION, ForwardPass
 from relax.models.moe.experts import MoEConfig
 
 
@@ -32,8 +32,17 @@ class ForwardConfig:
         check_choice("train_attention", self.train_attention, TRAIN_ATTENTION)
         check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
 
-    def options(self, *, differentiated: bool = True) -> dict:
-        """The keyword arguments of the prefix-shared forwards (``completion_logprobs``,
-        ``completion_hidden``, ``completion_values``): remat only where a backward follows."""
-        remat = self.remat and differentiated
-        return dict(attention=self.train_attention, remat=remat, remat_policy=self.remat_policy)
+    def pass_(
+        self, *, differentiated: bool = True, groups_per_pass: int | None = None
+    ) -> ForwardPass:
+        """How a prefix-shared forward runs under this config (``ForwardPass``): its attention,
+        remat only where a backward follows (``differentiated``), ``groups_per_pass`` prompt
+        groups at a time, routes replayed as ``moe`` says. A differentiated call lays it out as
+        the backend's passes say (``ForwardPass.laid_out``)."""
+        return ForwardPass(
+            attention=self.train_attention,
+            remat=self.remat and differentiated,
+            remat_policy=self.remat_policy,
+            groups_per_pass=groups_per_pass,
+            replay_routes=self.moe.replays,
+        )

@@ -25,7 +25,6 @@ the kinds are scanned with them and each layer picks its window and RoPE tables
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -39,11 +38,7 @@ from relax.models.config.layer_kinds import layer_kind, layer_window
 from relax.models.config.model import ModelConfig
 from relax.models.config.sharding import ambient_batch_shards
 from relax.models.decoder.layer import RouteIn, scan_layers
-from relax.models.decoder.logprobs import (
-    DEFAULT_CHUNK,
-    logprobs_and_entropy_from_hidden,
-    logprobs_from_hidden,
-)
+from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.decoder.transformer import (
     Transformer,
     embed,
@@ -53,37 +48,10 @@ from relax.models.decoder.transformer import (
     positions_from_mask,
 )
 from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.forward.forward_pass import DEFAULT_PASS, REMAT_POLICIES, ForwardPass
 from relax.models.forward.routes import Routes
 from relax.models.layers.rope import Rotary, rotary
-
-TRAIN_ATTENTION = ("auto", "group", "dense")
-# what a rematerialised layer keeps for the backward: nothing (recompute the whole layer) or the
-# outputs of its weight matmuls (recompute only attention and elementwise ops; more memory)
-REMAT_POLICIES = {
-    "nothing": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def resolve_attention(choice: str, model: Transformer) -> str:
-    """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window), else ``"group"``."""
-    if choice not in TRAIN_ATTENTION:
-        raise ValueError(f"unknown train attention {choice!r}; valid: {', '.join(TRAIN_ATTENTION)}")
-    c = model.config
-    if choice == "auto":
-        return "dense" if not c.has_window and fused_attention_available(model.dtype) else "group"
-    if choice == "dense" and c.has_window:
-        raise ValueError(
-            f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "
-            "use 'group'"
-        )
-    return choice
-
-
-def _rows_attention(choice: str, model: Transformer, packed: PackedCompletions | None) -> str:
-    """The resolved train attention of a forward over packed (``"auto"`` -> ``"group"``: the one
-    with segments) or padded rows."""
-    return resolve_attention("group" if packed is not None and choice == "auto" else choice, model)
+from relax.models.moe.experts import RouterStats
 
 
 class CompletionRope(NamedTuple):
@@ -168,40 +136,17 @@ def _completion_positions(prompt_mask: Int[Array, "p lp"], g: int, n: int) -> In
     return p_len[:, None, None] + jnp.broadcast_to(jnp.arange(n), (g, n))
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerPass:
-    """How one call runs the layers (the same values and gradients whatever it says):
-    ``attention`` resolved (``"group"`` | ``"dense"``, ``resolve_attention``), ``remat`` with
-    ``remat_policy`` (a key of ``REMAT_POLICIES``), ``unroll`` and ``save_attention``
-    (``completion_logprobs``' docstring)."""
-
-    attention: str = "group"
-    remat: bool = False
-    remat_policy: str = "nothing"
-    unroll: bool = False
-    save_attention: bool = False
-
-    def __post_init__(self):
-        if self.attention not in ("group", "dense"):
-            raise ValueError(
-                f"LayerPass needs a resolved attention (group | dense), got {self.attention!r}"
-            )
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(
-                f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"
-            )
-
-
 def shared_hidden(
     model: Transformer,
-    prompt_ids,
-    prompt_mask,
-    completions,
-    completion_mask,
-    layers: LayerPass,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
+    completions: Int[Array, "p g n"],
+    completion_mask: Int[Array, "p g n"],
+    layers: ForwardPass,
     rope: CompletionRope | None,
-):
-    """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``."""
+) -> tuple[Float[Array, "p lp d"], Float[Array, "pg n d"]]:
+    """Final-norm hidden states of prompts ``[P, Lp, D]`` and padded completions ``[P*G, N, D]``
+    (``layers``: a resolved ``ForwardPass``, ``ForwardPass.resolved``)."""
     hp, hc, _ = rows_hidden(
         model,
         prompt_ids,
@@ -215,19 +160,24 @@ def shared_hidden(
 
 def rows_hidden(
     model: Transformer,
-    prompt_ids,
-    prompt_mask,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
     rows: CompletionRows,
-    layers: LayerPass,
+    layers: ForwardPass,
     rope: CompletionRope | None,
     replay: tuple[Array, Array] | None = None,
-    replay_routes: bool = True,
 ):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``, and the
-    sparse layers' ``RouterStats`` over both (stacked ``[Ls]``; None for a dense model); ``replay``:
-    the experts recorded on the prompt and completion rows (``Routes.replay_rows``), replayed when
-    ``replay_routes`` (else compared with the layers' own choices)."""
+    sparse layers' ``RouterStats`` over both (stacked ``[Ls]``; None for a dense model), the layers
+    run as ``layers`` (a resolved ``ForwardPass``) says; ``replay``: the experts recorded on the
+    prompt and completion rows (``Routes.replay_rows``), replayed when ``layers.replay_routes``
+    (else compared with the layers' own choices)."""
     attention, save_attention = layers.attention, layers.save_attention
+    replay_routes = layers.replay_routes
+    if attention not in ("group", "dense"):
+        raise ValueError(
+            f"rows_hidden needs a resolved attention (group | dense), got {attention!r}"
+        )
     c = model.config
     p = prompt_ids.shape[0]
     _, g, n = rows.tokens.shape
@@ -334,41 +284,22 @@ def completion_logprobs(
     prompt_mask: Int[Array, "p lp"],
     completions: Int[Array, "p g n"],
     completion_mask: Int[Array, "p g n"],
+    how: ForwardPass = DEFAULT_PASS,
     *,
     temperature: float = 1.0,
-    with_entropy: bool = False,
-    remat: bool = False,
-    chunk_size: int = DEFAULT_CHUNK,
-    groups_per_pass: int | None = None,
-    attention: str = "auto",
-    remat_policy: str = "nothing",
-    entropy_grad: bool = True,
-    unroll: bool = False,
-    save_attention: bool = False,
     rope: CompletionRope | None = None,
     packed: PackedCompletions | None = None,
     routes: Routes | None = None,
-    replay_routes: bool = True,
-    router_stats: bool = False,
 ):
-    """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``.
+    """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``,
+    the forward run as ``how`` says (``ForwardPass``: attention, remat, unrolled layers, prompt
+    groups per pass, vocabulary chunk; with ``how.with_entropy`` also the entropy of each
+    predicted distribution, ``(log-probs, entropies)``; with ``how.router_stats`` also the sparse
+    layers' ``RouterStats`` summed over the prompt and completion tokens, ``(values, stats)``,
+    None stats for a dense model).
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
-    With ``with_entropy`` also returns the entropy of each predicted distribution.
     Values at masked completion positions are finite but meaningless.
-    ``groups_per_pass``: run the whole network over that many prompt groups at a time (a
-    ``lax.map``; it must divide P) instead of all at once - for forward-only use, e.g. the
-    reference log-probs on CPU, where a group's activations then stay in cache.
-    ``attention``: the completion attention's implementation (module docstring).
-    ``remat_policy`` (with ``remat``): what each recomputed layer keeps, a key of ``REMAT_POLICIES``.
-    ``entropy_grad=False`` (with ``with_entropy``): the entropy is a stop-gradient metric and the
-    backward skips its term.
-    Two options for a differentiated call on cache-sized passes (``relax.passes.Passes``),
-    same values and gradients: ``unroll`` runs the layers unrolled instead of as a ``lax.scan``,
-    so the backward reads each layer's residuals from its own buffers instead of stacking them into
-    ``[L, ...]`` arrays and slicing them back (update -2.5% on 2 CPU cores; a forward alone gets
-    slower); ``save_attention`` keeps the group attention's probabilities for the backward
-    (``prefix_group_attention(save_probabilities=True)``; no effect on ``"dense"``).
     ``rope``: the rotary tables (``completion_rope``, with the same ``packed``) when the caller
     computed them outside its loop.
     ``packed``: the same completions packed by token count (``relax.models.forward.completion_packing``):
@@ -376,29 +307,12 @@ def completion_logprobs(
     values come back in the padded ``[P, G, N]`` layout, equal to the padded forward's up to float
     summation order.
     ``routes`` (a mixture-of-experts model): the experts a sampler recorded (``relax.models.forward.routes``),
-    replayed when ``replay_routes`` (else only compared with the forward's own: ``RouterStats.differ``);
-    ``router_stats``: also return the sparse layers' ``RouterStats`` summed over the prompt and
-    completion tokens, ``(values, stats)`` (None stats for a dense model).
+    replayed when ``how.replay_routes`` (else only compared with the forward's own: ``RouterStats.differ``).
     """
-    layers = LayerPass(
-        _rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention
-    )
-    run = functools.partial(
-        _completion_logprobs,
-        model,
-        layers=layers,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        chunk_size=chunk_size,
-        entropy_grad=entropy_grad,
-        replay_routes=replay_routes,
-    )
-    rows, xs = (
-        (padded_rows, (prompt_ids, prompt_mask, completions, completion_mask))
-        if packed is None
-        else (packed_rows, (prompt_ids, prompt_mask, packed))
-    )
-    tiled = groups_per_pass is not None and groups_per_pass != prompt_ids.shape[0]
+    layers = how.resolved(model, packed=packed is not None)
+    run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature)
+    rows, xs = _rows_input(prompt_ids, prompt_mask, completions, completion_mask, packed)
+    tiled = how.groups_per_pass is not None and how.groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
         rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
     replay = None if routes is None else routes.replay_rows(completion_mask, packed)
@@ -412,11 +326,19 @@ def completion_logprobs(
     out, stats = over_groups(
         lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
         (*xs, rope, replay),
-        groups_per_pass=groups_per_pass,
+        groups_per_pass=how.groups_per_pass,
         summed=True,
     )
-    out = tuple(to_padded(x, packed) for x in out) if with_entropy else to_padded(out, packed)
-    return (out, stats) if router_stats else out
+    out = tuple(to_padded(x, packed) for x in out) if how.with_entropy else to_padded(out, packed)
+    return (out, stats) if how.router_stats else out
+
+
+def _rows_input(prompt_ids, prompt_mask, completions, completion_mask, packed):
+    """``(rows, xs)``: ``rows(*xs[1:])`` are the completion rows a forward runs over (padded, or
+    ``packed``'s), ``xs`` the arrays they come from after the prompt ids, each leading with ``[P]``."""
+    if packed is None:
+        return padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)
+    return packed_rows, (prompt_ids, prompt_mask, packed)
 
 
 def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = False):
@@ -445,12 +367,8 @@ def completion_hidden(
     prompt_mask: Int[Array, "p lp"],
     completions: Int[Array, "p g n"],
     completion_mask: Int[Array, "p g n"],
+    how: ForwardPass = DEFAULT_PASS,
     *,
-    remat: bool = False,
-    attention: str = "auto",
-    remat_policy: str = "nothing",
-    unroll: bool = False,
-    save_attention: bool = False,
     rope: CompletionRope | None = None,
     packed: PackedCompletions | None = None,
 ) -> Float[Array, "p r c d"]:
@@ -460,39 +378,39 @@ def completion_hidden(
         h[p, g, t] = hidden(completion g)[t - 1]     (t > 0)
 
     the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
-    state before token ``t`` is emitted). Options as ``completion_logprobs``'s.
+    state before token ``t`` is emitted). ``how``, ``rope`` and ``packed`` as
+    ``completion_logprobs``' (its output options unused).
     With ``packed`` the layers run over the packed rows and the states come in their layout,
     ``[P, R, C, D]`` (slot ``c`` of row ``r`` predicts ``packed.tokens[p, r, c]``): compute what is
     read from them there (a value, a log-prob) and bring it back with ``to_padded``.
     """
-    layers = LayerPass(
-        _rows_attention(attention, model, packed), remat, remat_policy, unroll, save_attention
-    )
-    rows = (
-        padded_rows(prompt_mask, completions, completion_mask)
-        if packed is None
-        else packed_rows(prompt_mask, packed)
-    )
-    h, _ = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers)
-    return h.reshape(rows.tokens.shape + h.shape[-1:])
+    layers = how.resolved(model, packed=packed is not None)
+    rows, xs = _rows_input(prompt_ids, prompt_mask, completions, completion_mask, packed)
+    tiled = how.groups_per_pass is not None and how.groups_per_pass != prompt_ids.shape[0]
+    if rope is None and tiled:  # outside the loop over groups (see completion_rope)
+        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
+
+    def run(ids, pm, *rest):
+        r = rows(pm, *rest[:-1])
+        h, _ = _predicting_hidden(model, ids, pm, r, rest[-1], layers)
+        return h.reshape(r.tokens.shape + h.shape[-1:])
+
+    return over_groups(run, (*xs, rope), groups_per_pass=how.groups_per_pass)
 
 
 def _predicting_hidden(
-    model,
-    prompt_ids,
-    prompt_mask,
+    model: Transformer,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
     rows: CompletionRows,
-    rope,
-    layers: LayerPass,
-    replay=None,
-    replay_routes: bool = True,
-):
+    rope: CompletionRope | None,
+    layers: ForwardPass,
+    replay: tuple[Array, Array] | None = None,
+) -> tuple[Float[Array, "pg n d"], RouterStats | None]:
     """The hidden states that predict each row slot's token, ``[P*G, N, D]``: the prompt's last
     for a completion's first token, else the slot before; and the ``RouterStats`` (``rows_hidden``)."""
     g = rows.tokens.shape[1]
-    hp, hc, stats = rows_hidden(
-        model, prompt_ids, prompt_mask, rows, layers, rope, replay, replay_routes
-    )
+    hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     if rows.offsets is None:
@@ -504,37 +422,31 @@ def _predicting_hidden(
 
 
 def _completion_logprobs(
-    model,
-    prompt_ids,
-    prompt_mask,
+    model: Transformer,
+    prompt_ids: Int[Array, "p lp"],
+    prompt_mask: Int[Array, "p lp"],
     rows: CompletionRows,
-    rope,
-    replay,
+    rope: CompletionRope | None,
+    replay: tuple[Array, Array] | None,
     *,
-    layers: LayerPass,
-    temperature,
-    with_entropy,
-    chunk_size,
-    entropy_grad,
-    replay_routes,
+    layers: ForwardPass,
+    temperature: float,
 ):
     p, g, n = rows.tokens.shape
     if replay is not None:  # [P, Ls, ...] as over_groups split it -> layer-major rows
         replay = tuple(jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1, *x.shape[3:]) for x in replay)
-    h, stats = _predicting_hidden(
-        model, prompt_ids, prompt_mask, rows, rope, layers, replay, replay_routes
-    )
+    h, stats = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers, replay)
     targets = rows.tokens.reshape(p * g, n)
-    if with_entropy:
+    if layers.with_entropy:
         lp, ent = logprobs_and_entropy_from_hidden(
             model,
             h,
             targets,
             temperature=temperature,
-            chunk_size=chunk_size,
-            entropy_grad=entropy_grad,
+            chunk_size=layers.chunk_size,
+            entropy_grad=layers.entropy_grad,
         )
         return (lp.reshape(p, g, n), ent.reshape(p, g, n)), stats
     return logprobs_from_hidden(
-        model, h, targets, temperature=temperature, chunk_size=chunk_size
+        model, h, targets, temperature=temperature, chunk_size=layers.chunk_size
     ).reshape(p, g, n), stats

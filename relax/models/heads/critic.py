@@ -35,9 +35,10 @@ from jaxtyping import Array, Float, Int
 from relax.models.adapters.operations import merge_lora
 from relax.models.config.families import BY_ARCHITECTURE, FAMILIES
 from relax.models.config.model import ModelConfig
-from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_and_entropy_from_hidden
+from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden
 from relax.models.decoder.transformer import Transformer
 from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.forward.forward_pass import DEFAULT_PASS, ForwardPass
 from relax.models.forward.prefix_shared import CompletionRope, completion_hidden
 from relax.models.hf.checkpoint import build_transformer, load_config, save_directory
 from relax.models.hf.config import HFFormatError
@@ -121,33 +122,19 @@ def completion_values(
     prompt_mask: Int[Array, "p lp"],
     tokens: Int[Array, "p g n"],
     mask: Int[Array, "p g n"],
+    how: ForwardPass = DEFAULT_PASS,
     *,
-    remat: bool = False,
-    attention: str = "auto",
-    remat_policy: str = "nothing",
-    unroll: bool = False,
-    save_attention: bool = False,
     rope: CompletionRope | None = None,
     packed: PackedCompletions | None = None,
 ) -> Float[Array, "p g n"]:
     """``V(prompt, tokens[<t])`` for every completion token (module docstring), float32, differentiable.
 
-    Prompts are left-padded; options as ``relax.models.forward.prefix_shared.completion_logprobs``'s
-    (``packed``: the backbone runs over the packed rows, the values come back ``[P, G, N]``).
+    Prompts are left-padded; ``how``, ``rope`` and ``packed`` as
+    ``relax.models.forward.prefix_shared.completion_hidden``'s (``packed``: the backbone runs over
+    the packed rows, the values come back ``[P, G, N]``).
     """
     h = completion_hidden(
-        critic.backbone,
-        prompt_ids,
-        prompt_mask,
-        tokens,
-        mask,
-        remat=remat,
-        attention=attention,
-        remat_policy=remat_policy,
-        unroll=unroll,
-        save_attention=save_attention,
-        rope=rope,
-        packed=packed,
+        critic.backbone, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
     )
     return to_padded(values_from_hidden(h, critic.head, critic.bias), packed)
 
@@ -159,14 +146,17 @@ def completion_head_values(
     prompt_mask: Int[Array, "p lp"],
     tokens: Int[Array, "p g n"],
     mask: Int[Array, "p g n"],
+    how: ForwardPass = DEFAULT_PASS,
     *,
+    rope: CompletionRope | None = None,
     packed: PackedCompletions | None = None,
-    **options,
 ) -> Float[Array, "p g n"]:
     """``V = h . head + bias`` of a value head on ``policy``'s hidden states, for every completion
-    token, ``[P, G, N]`` (``completion_values``' alignment); ``options`` and ``packed`` as
+    token, ``[P, G, N]`` (``completion_values``' alignment); ``how``, ``rope`` and ``packed`` as
     ``completion_values``'."""
-    h = completion_hidden(policy, prompt_ids, prompt_mask, tokens, mask, packed=packed, **options)
+    h = completion_hidden(
+        policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
+    )
     return to_padded(values_from_hidden(h, head.head, head.bias), packed)
 
 
@@ -177,38 +167,22 @@ def completion_logprobs_and_values(
     prompt_mask: Int[Array, "p lp"],
     tokens: Int[Array, "p g n"],
     mask: Int[Array, "p g n"],
+    how: ForwardPass = DEFAULT_PASS,
     *,
     temperature: float = 1.0,
-    remat: bool = False,
-    chunk_size: int = DEFAULT_CHUNK,
-    attention: str = "auto",
-    remat_policy: str = "nothing",
-    entropy_grad: bool = True,
-    unroll: bool = False,
-    save_attention: bool = False,
     rope: CompletionRope | None = None,
     packed: PackedCompletions | None = None,
 ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, "p g n"]]:
     """``(log p(tokens[t] | ...), entropy, V)`` per completion token from ONE forward of ``policy``.
 
-    The log-probs and entropies are ``completion_logprobs(..., with_entropy=True)``'s; the values
-    read the same hidden states through ``head`` (``V = h . head + bias``). ``packed``: the forward,
-    the vocabulary projection and the value read-out run over the packed rows only; all three come
-    back ``[P, G, N]``.
+    The log-probs and entropies are ``completion_logprobs``' with entropies (``how.chunk_size``,
+    ``how.entropy_grad``; whatever ``how.with_entropy`` says); the values read the same hidden
+    states through ``head`` (``V = h . head + bias``). ``packed``: the forward, the vocabulary
+    projection and the value read-out run over the packed rows only; all three come back
+    ``[P, G, N]``.
     """
     h = completion_hidden(
-        policy,
-        prompt_ids,
-        prompt_mask,
-        tokens,
-        mask,
-        remat=remat,
-        attention=attention,
-        remat_policy=remat_policy,
-        unroll=unroll,
-        save_attention=save_attention,
-        rope=rope,
-        packed=packed,
+        policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
     )
     targets = tokens if packed is None else packed.tokens
     p, r, c = targets.shape
@@ -217,8 +191,8 @@ def completion_logprobs_and_values(
         h.reshape(p * r, c, -1),
         targets.reshape(p * r, c),
         temperature=temperature,
-        chunk_size=chunk_size,
-        entropy_grad=entropy_grad,
+        chunk_size=how.chunk_size,
+        entropy_grad=how.entropy_grad,
     )
     values = values_from_hidden(h, head.head, head.bias)
     return tuple(to_padded(x.reshape(p, r, c), packed) for x in (lp, ent, values))

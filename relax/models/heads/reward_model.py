@@ -39,12 +39,11 @@ from jaxtyping import Array, Float, Int
 from relax.masked import last_valid_index
 from relax.models.config.model import ModelConfig
 from relax.models.decoder.transformer import Transformer
+from relax.models.forward.forward_pass import DEFAULT_PASS, ForwardPass
 from relax.models.forward.prefix_shared import (
     CompletionRope,
-    LayerPass,
     completion_rope,
     over_groups,
-    resolve_attention,
     shared_hidden,
 )
 from relax.models.heads.critic import (
@@ -111,14 +110,9 @@ def sequence_rewards(
     prompt_mask: Int[Array, "p lp"],
     tokens: Int[Array, "p g n"],
     mask: Int[Array, "p g n"],
+    how: ForwardPass = DEFAULT_PASS,
     *,
     ignore_pad_tokens: bool = True,
-    remat: bool = False,
-    attention: str = "auto",
-    remat_policy: str = "nothing",
-    unroll: bool = False,
-    save_attention: bool = False,
-    groups_per_pass: int | None = None,
     rope: CompletionRope | None = None,
 ) -> Float[Array, "p g"]:
     """The score of each ``[prompt; completion]``, ``[P, G]`` float32, differentiable.
@@ -126,14 +120,14 @@ def sequence_rewards(
     Read at the last valid token (module docstring); with ``ignore_pad_tokens=False`` only the
     masks decide (a valid token equal to the pad id counts). Prompts are left-padded,
     completions start right after the prompt's last valid token (``completion_hidden``'s layout:
-    each prompt runs once for its G completions). ``groups_per_pass``: score that many prompt
-    groups at a time (a ``lax.map``; it must divide P), for forward-only use on a CPU. Other
-    options as ``relax.models.forward.prefix_shared.completion_logprobs``'s.
+    each prompt runs once for its G completions). ``how``: how the backbone's forward runs
+    (``relax.models.forward.forward_pass.ForwardPass``; ``how.groups_per_pass``: score that many
+    prompt groups at a time, a ``lax.map`` that must divide P, for forward-only use on a CPU);
+    ``rope`` as ``relax.models.forward.prefix_shared.completion_logprobs``'.
     """
     backbone = model.backbone
-    layers = LayerPass(
-        resolve_attention(attention, backbone), remat, remat_policy, unroll, save_attention
-    )
+    layers = how.resolved(backbone)
+    groups_per_pass = how.groups_per_pass
     if prompt_ids.ndim != 2 or tokens.ndim != 3:
         raise ValueError(
             f"need prompt_ids [P, Lp] and tokens [P, G, N], got {prompt_ids.shape}, {tokens.shape}"

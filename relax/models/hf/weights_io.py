@@ -16,8 +16,10 @@ import math
 import os
 import re
 import struct
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -172,13 +174,24 @@ def read_json(path: Path):
         raise HFFormatError(f"{path}: not valid JSON ({e})") from None
 
 
-def write_json(path: Path, obj) -> None:
-    """Write ``obj`` to ``path`` as indented JSON with sorted keys, synced to disk."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+def write_json(path: Path, obj: Any, *, sort_keys: bool = True, ensure_ascii: bool = True) -> None:
+    """Write ``obj`` to ``path`` as indented UTF-8 JSON, durably: into a temporary file beside it,
+    synced to disk, then renamed over ``path`` (a reader finds the old file or the whole new one,
+    never a part). Keys sorted and non-ASCII escaped by default, as transformers writes
+    ``config.json``; ``sort_keys=False, ensure_ascii=False`` keeps a mapping's order and text (a
+    tokenizer config)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def open_weights(root: Path) -> tuple[dict[str, SafetensorsFile], str]:
