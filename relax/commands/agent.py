@@ -14,7 +14,8 @@ with and without the tool are evaluated before and after (``summary.json``).
 
 Every field of ``relax.algorithms.agent.run.AgentRunConfig`` (and the nested ``--task.*``,
 ``--grpo.*``, ``--ppo.*`` and ``--agent.*`` options) is a flag; ``--help`` lists them. Your own
-environments: ``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat, pad_id=...)``.
+environments: ``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat, parts)``
+(``parts``: a ``relax.algorithms.online.step.StepParts(pad_id=...)``).
 """
 
 from __future__ import annotations
