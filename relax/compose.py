@@ -132,6 +132,27 @@ def stage(
     ``state.ref``, which an offloading runner brings onto the devices for it). ``waits`` (host
     stages): it collects work an earlier stage started (the reward pool's scores), so a pipeline
     (``relax.train.pipeline``) runs it as late as it can, when its batch is about to be consumed.
+
+    Args:
+        fn: the pure function ``fn(state, batch) -> (state, batch)``. None: ``stage`` returns a
+            decorator that wraps the function it is given, with the other arguments.
+        jit: True (default): a jittable stage, fused into one ``jax.jit`` with the jittable
+            stages next to it. False: a host stage, run as plain Python.
+        name: the stage's name (its segment's, in plans and errors). None: ``fn.__name__``, or
+            the name of ``fn``'s type when it has none.
+        donate_state: whether a jitted program holding this stage may donate its input state
+            (default True). False when ``state`` and ``batch`` share arrays.
+        updates_state: True (default): ``fn`` may return a new state. False: it returns the
+            state it was given, unchanged (checked when traced), and a program of such stages
+            returns the caller's state object.
+        placement: ``"trainer"`` (default) or ``"sampler"``: the devices a runner with several
+            meshes runs the stage on.
+        reads_reference: the stage reads ``state.ref`` (default False); an offloading runner
+            brings the reference onto the devices for it.
+        waits: a host stage that collects work an earlier stage started (default False).
+
+    Returns:
+        A leaf ``Stage`` (its ``parts`` empty); with ``fn`` None, a decorator ``fn -> Stage``.
     """
     if fn is None:
         return lambda f: stage(
@@ -167,6 +188,15 @@ def compose(*stages: Stage, name: str | None = None) -> Stage:
     Composed stages are flattened into their leaf stages first, so fusion crosses nesting:
     ``compose(compose(a, b), c)`` with all three jittable is ONE jitted program. The result is
     jittable iff every part is, and allows donation iff every part does.
+
+    Args:
+        *stages: the ``Stage`` objects to run, in order; at least one. A composed stage counts
+            as its leaf stages.
+        name: the composed stage's name. None: the leaf stages' names joined by ``+``.
+
+    Returns:
+        A ``Stage`` whose ``parts`` are the leaf stages in order and whose ``fn`` calls them in
+            turn. It updates the state if any leaf does, and reads the reference if any leaf does.
     """
     if not stages:
         raise ValueError("compose needs at least one stage")

@@ -317,6 +317,32 @@ def generate(
 
     ``eos_ids=None`` takes the model config's ``eos_token_id`` (none: run to the budget).
     The same key gives the same tokens; each completion's randomness is its own.
+
+    Args:
+        model: the ``Transformer`` that samples (LoRA adapters are merged for the sampler).
+        prompt_ids: int ``[p lp]`` prompt tokens, left-padded; no row may be empty.
+        prompt_mask: int ``[p lp]``, 1 at the prompt tokens.
+        key: the PRNG key.
+        num_generations: completions per prompt (``g``).
+        max_new_tokens: the completion budget (``n``).
+        temperature: divides the logits (default 1.0); 0 is greedy decoding.
+        top_k: keep the ``top_k`` most likely tokens. None (default): no filter.
+        top_p: keep the smallest set of most likely tokens whose probability reaches
+            ``top_p``. None (default): no filter.
+        min_p: keep the tokens with probability at least ``min_p`` times the largest. None
+            (default): no filter.
+        eos_ids: the token id or ids that end a completion; None: the model config's.
+        pad_id: the token after a completion's end (default 0).
+        prompt_buckets: the lengths ``lp`` is left-padded up to (the smallest that fits), so
+            that nearby lengths share one compiled sampler.
+        cache_chunk: slots per block of the completions' KV cache (default 64).
+
+    Returns:
+        A ``Rollout``: ``tokens`` and ``mask`` int ``[p g n]`` (``mask`` 1 up to and including the
+            stop token), ``logprobs`` float32 ``[p g n]`` (the sampled tokens' log-probs at
+            ``temperature``, 1 when greedy, over the whole vocabulary: the filters do not
+            renormalise them), ``lengths`` ``[p g]`` (tokens per completion) and ``finished`` bool
+            ``[p g]`` (ended at a stop token, not at the budget).
     """
     if eos_ids is None:
         eos_ids = model.config.eos_ids
@@ -335,7 +361,21 @@ def generate(
 
 
 def generate_with(model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig) -> Rollout:
-    """``generate`` from a ready ``RolloutConfig``: validate on the host, bucket, run."""
+    """``generate`` from a ready ``RolloutConfig``: validate on the host, bucket, run.
+
+    Args:
+        model: the ``Transformer`` that samples.
+        prompt_ids: int ``[p lp]`` prompt tokens, left-padded, checked on the host: no empty
+            row, every id in the vocabulary, no prompt longer than the model's context.
+        prompt_mask: int ``[p lp]``, 1 at the prompt tokens.
+        key: the PRNG key.
+        cfg: the sampler's ``RolloutConfig``; one program is compiled per config and prompt
+            bucket.
+
+    Returns:
+        ``generate``'s ``Rollout``; with ``cfg.record_routes`` on a mixture of experts, also the
+            experts it chose (``routes``).
+    """
     validate(model, prompt_ids, prompt_mask, cfg)
     ids, mask = pad_to_bucket(prompt_ids, prompt_mask, cfg.prompt_buckets, cfg.pad_id)
     return compiled_generate(cfg)(model, ids, mask, key)

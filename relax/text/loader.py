@@ -20,6 +20,14 @@ def load_tokenizer(path: str | os.PathLike[str]) -> HFTokenizer | SentencePieceT
     the file's directory. Nothing is downloaded. A path with nothing loadable raises
     ``FileNotFoundError`` naming it; a malformed file raises ``TokenizerFormatError`` (a
     ``ValueError``) naming the file.
+
+    Args:
+        path: a local model directory, a ``tokenizer.json`` file (any ``*.json``) or a
+            sentencepiece ``*.model`` file.
+
+    Returns:
+        An ``HFTokenizer`` for a ``tokenizer.json``, or a ``SentencePieceTokenizer`` for a
+            sentencepiece model; both are ``relax.text.base.TextTokenizer`` objects.
     """
     root = Path(path)
     if root.is_dir():

@@ -59,7 +59,23 @@ def init_state(
     critic_optimizer: optax.GradientTransformation | None = None,
 ) -> TrainState:
     """A fresh state; when a reference is needed it starts as a copy of the policy, or for a
-    policy with LoRA adapters is the policy's own base (no copy, ``ref_is_base``)."""
+    policy with LoRA adapters is the policy's own base (no copy, ``ref_is_base``).
+
+    Args:
+        policy: the model to train (what samples, is evaluated and exported).
+        optimizer: the policy's optax optimizer; it sees only the trainable leaves.
+        key: the PRNG key the steps split.
+        with_reference: give the state a KL reference (default False): a copy of ``policy``, or
+            for a policy with LoRA adapters its own base.
+        with_ref_stats: give the state zeroed ``ref_stats`` (default False), the running
+            statistics the ProRL reference resets read.
+        critic: a value model (PPO's ``Critic`` or ``ValueHead``). None (default): none.
+        critic_optimizer: the critic's optax optimizer; given exactly when ``critic`` is.
+
+    Returns:
+        A ``TrainState`` with ``step`` 0, the optimizers' fresh states, and ``ref``, ``ref_stats``,
+            ``critic`` and ``critic_opt_state`` None unless asked for.
+    """
     if (critic is None) != (critic_optimizer is None):
         raise ValueError("a critic needs a critic_optimizer and the other way round")
     base_ref = with_reference and has_lora(policy)

@@ -128,6 +128,32 @@ def make_update(
 
     ``grad_accum=None`` leaves the micro-batching to ``passes`` (one row per micro-batch on
     cache-sized passes). Metrics come back reduced, as plain arrays.
+
+    Args:
+        loss_fn: ``loss_fn(params, micro_batch, ctx) -> (scalar, metrics)``; it divides by
+            ``ctx.norms``, not by counts of its own micro-batch (module docstring).
+        optimizer: the optax optimizer of the trainable leaves.
+        epochs: passes over the batch, each in a new random row order (default 1).
+        minibatches: optimizer steps per epoch; it must divide the batch's rows (default 1).
+        grad_accum: micro-batches per optimizer step, their gradients summed; it must divide the
+            rows of a minibatch. None (default): the passes' choice.
+        passes: the backend's pass layout (``relax.passes.Passes``): the micro-batching when
+            ``grad_accum`` is None, and the order of the weight comparison of
+            ``track_reference``.
+        normalizers: ``normalizers(batch) -> {name: scalar}``, computed once per batch; each is
+            divided by ``minibatches`` into ``ctx.norms``. Default: ``token_normalizers``
+            (``tokens``, ``sequences`` of the batch's ``loss_mask``).
+        track_reference: carry ``ctx.ref_is_policy`` from the call's ``ref_is_policy`` through
+            the steps, cleared by the first step that changes a weight (default False: it stays
+            as given).
+
+    Returns:
+        ``update(params, opt_state, batch, key, ref_is_policy=False)``, pure and jittable. ``batch``
+            is a pytree whose leaves share a leading row axis; ``key`` draws each epoch's row order
+            (and the adapters' dropout keys). It returns ``(params, opt_state, metrics)``: the
+            params with the trainable leaves updated, the new optimizer state, and a dict of arrays:
+            the loss's metrics, ``loss``, ``grad_norm`` and ``first_nonfinite_grad``, each reduced
+            over the micro-batches and steps as it declares (``relax.metrics``).
     """
     if epochs < 1 or minibatches < 1:
         raise ValueError(f"epochs={epochs} and minibatches={minibatches} must be >= 1")

@@ -136,7 +136,26 @@ def make_agent_grpo_step(
     """GRPO on trajectories of ``make_env()`` environments; a turn ends at ``chat.stop_ids``.
     ``parts``: ``pad_id`` and the schedule (``passes``, ``off_policy``, ``pipelined``: run by
     ``relax.train.pipeline``, the rollout with its environments is the producer); the
-    environments score, so it holds no reward functions (``make_online_step``)."""
+    environments score, so it holds no reward functions (``make_online_step``).
+
+    Args:
+        cfg: the GRPO-family config: completions per row, sampling, the whole trajectory's token
+            budget (``max_new_tokens``), advantage, loss and update. No ``stop_strings``.
+        agent: the multi-turn part (``AgentConfig``): turns, tokens per turn, per-turn
+            advantages (``agent.per_turn``).
+        make_env: ``make_env()`` returns a fresh ``Environment`` or ``AsyncEnvironment``; one is
+            made per trajectory and reset with its dataset row.
+        chat: the chat format that renders the prompts and observations; its ``stop_ids`` end a
+            policy turn.
+        parts: a ``StepParts`` with ``pad_id`` and the schedule; no reward functions, pool or
+            partial rollouts.
+
+    Returns:
+        A ``Stage`` named ``"agent_grpo_step"``, ``step(state, batch) -> (state, out)``: ``batch``
+            is a ``WithHost(None, HostRecord(rows=...))`` of P dataset rows, ``out`` a
+            ``WithHost(Updated, HostRecord)`` whose host record holds the trajectories' metrics
+            (``agent``). The ``Updated`` is ``make_grpo_step``'s.
+    """
     rollout = make_agent_rollout(
         rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=parts.pad_id),
         make_env,
@@ -156,7 +175,20 @@ def make_agent_ppo_step(
     cfg: PPOConfig, agent: AgentConfig, make_env: Callable, chat: ChatFormat, parts: StepParts
 ) -> Stage:
     """PPO (GAE with the critic) on trajectories; the score sits on each trajectory's last sampled
-    token. ``parts`` as ``make_agent_grpo_step``'s."""
+    token. ``parts`` as ``make_agent_grpo_step``'s.
+
+    Args:
+        cfg: the PPO config; its ``advantage`` must be ``"gae"``.
+        agent: as ``make_agent_grpo_step``'s; ``agent.per_turn`` must be False.
+        make_env: as ``make_agent_grpo_step``'s.
+        chat: as ``make_agent_grpo_step``'s.
+        parts: as ``make_agent_grpo_step``'s.
+
+    Returns:
+        A ``Stage`` named ``"agent_ppo_step"``, with ``make_agent_grpo_step``'s input and output
+            types. Its ``state`` holds the critic (``relax.algorithms.ppo.run.make_state``); the
+            ``Updated`` is ``make_ppo_step``'s.
+    """
     if cfg.advantage != "gae":
         raise ValueError(
             f"multi-turn PPO uses GAE; --ppo.advantage {cfg.advantage} is not supported"

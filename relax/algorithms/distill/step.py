@@ -171,7 +171,24 @@ def make_distill_step(
     """``distill_step(state, batch) -> (state, Updated)``: the student is ``state.policy``, the teacher
     ``state.ref`` (a ``Transformer`` of any size with the student's vocabulary), the optimizer the
     state's (``cfg.optimizer.make()``). ``eos_ids`` / ``pad_id``: the sampler's (on-policy and mixed
-    modes). ``passes``: the backend's pass layout (default ``choose_passes()``)."""
+    modes). ``passes``: the backend's pass layout (default ``choose_passes()``).
+
+    Args:
+        cfg: the distillation config (``DistillConfig``): the divergence, ``mode``
+            (``"off_policy"``, ``"on_policy"`` or ``"mixed"``, with ``lmbda``), the sampler
+            (``generation``), ``grad_accum``, ``chunk_size`` and the forward options.
+        passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
+        eos_ids: the tokens that end a sampled completion (on-policy and mixed modes).
+        pad_id: the token that fills the sampled completions after their end.
+
+    Returns:
+        A ``Stage`` named ``"distill_step"``, one jitted program: ``batch`` is a ``DistillBatch``
+            (module docstring); ``state`` is ``init_distill_state``'s, returned after one optimizer
+            step with ``step + 1`` and a new key. The ``Updated`` holds the batch with
+            ``teacher_hidden`` ``[p g n d]`` and ``loss_mask`` set (and the sampled completions when
+            it sampled), ``metrics`` (the loss's, ``grad_norm``, ``skipped_updates``,
+            ``completion_length``; ``on_policy`` when ``cfg`` samples) and ``health``.
+    """
     passes = choose_passes() if passes is None else passes
     sample = (
         [make_sample(cfg, rollout_config(cfg, eos_ids=eos_ids, pad_id=pad_id))]
@@ -196,6 +213,18 @@ def load_teacher(path, student: Transformer, *, dtype=None, param_dtype=None) ->
 
 def init_distill_state(student: Transformer, teacher: Transformer, optimizer, *, key) -> TrainState:
     """A fresh state: the student is the policy (what samples, trains and is exported), the teacher
-    the reference (checked for the same vocabulary; never updated)."""
+    the reference (checked for the same vocabulary; never updated).
+
+    Args:
+        student: the model to train (``state.policy``).
+        teacher: the model to distil (``state.ref``): a ``Transformer`` of any size with the
+            student's vocabulary.
+        optimizer: the student's optax optimizer (e.g. ``DistillConfig.optimizer.make()``).
+        key: the PRNG key the steps split.
+
+    Returns:
+        A fresh ``TrainState``: ``policy`` the student with its optimizer state, ``ref`` the
+            teacher, ``step`` 0 and ``key``.
+    """
     check_same_vocabulary(student, teacher)
     return init_state(student, optimizer, key=key).replace(ref=teacher)

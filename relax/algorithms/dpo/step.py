@@ -144,7 +144,24 @@ def make_dpo_step(
 ) -> Stage:
     """``dpo_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the
     state's. ``passes``: the backend's pass layout (default ``choose_passes()``). ``forward``:
-    replaces the prefix-shared forward (``relax.algorithms.preference.pairs.Forward``; benchmarks)."""
+    replaces the prefix-shared forward (``relax.algorithms.preference.pairs.Forward``; benchmarks).
+
+    Args:
+        cfg: the DPO-family config (``DPOConfig``): the loss and its options, the reference
+            (``precompute_reference``), ``grad_accum`` and the forward options.
+        passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
+        forward: ``forward(model, rows, train) -> [p g n]`` token log-probs of ``rows.tokens``.
+            None: ``shared_forward(passes, cfg.forward)``.
+
+    Returns:
+        A ``Stage`` named ``"dpo_step"``, one jitted program: ``batch`` is a ``PairBatch`` (module
+            docstring); ``state`` is a ``TrainState`` with a reference model when
+            ``cfg.needs_reference`` (``relax.algorithms.preference.config.make_state``), returned
+            after one optimizer step with ``step + 1`` and a new key. The ``Updated`` holds the
+            batch (with its ``loss_mask`` and, for a loss with a reference, ``ref_logps`` and
+            ``ref_is_policy`` set), ``metrics`` (the loss's, ``loss``, ``grad_norm``,
+            ``skipped_updates``) and ``health``.
+    """
     passes = choose_passes() if passes is None else passes
     forward = forward or shared_forward(passes, cfg.forward)
     return compose(

@@ -158,6 +158,17 @@ PRESETS: dict[str, dict] = {
 
 def preset(name: str, **overrides) -> GRPOConfig:
     """A named algorithm preset with overrides, given flat (``relax.algorithms.cli.configure``): a
-    preset is a registry loss plus advantage, aggregation and KL choices."""
+    preset is a registry loss plus advantage, aggregation and KL choices.
+
+    Args:
+        name: a key of ``PRESETS``: ``"grpo"``, ``"dr_grpo"``, ``"dapo"``, ``"gspo"`` or
+            ``"rloo"``.
+        **overrides: values by name that replace the preset's: ``GRPOConfig`` fields, fields of
+            its flat nested configs (``generation``: ``num_generations``, ``temperature``, ...;
+            ``forward``) and options of its ``policy_loss``. An unknown name is a ``TypeError``.
+
+    Returns:
+        The ``GRPOConfig``: ``GRPOConfig``'s defaults, the preset's values, then ``overrides``.
+    """
     check_choice("preset", name, tuple(PRESETS))
     return configure(GRPOConfig, **{**PRESETS[name], **overrides})

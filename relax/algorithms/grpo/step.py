@@ -198,5 +198,20 @@ def make_grpo_step(cfg: GRPOConfig, parts: StepParts) -> Stage:
     optimizer is the state's. ``parts``: the reward functions and what they need, and the
     schedule (``relax.algorithms.online.step.StepParts``): the pool's reward functions run in its
     workers while the device computes the reference log-probs; ``parts.pipelined``: the order the
-    pipeline runs (module docstring)."""
+    pipeline runs (module docstring).
+
+    Args:
+        cfg: the GRPO-family config (``GRPOConfig``): sampling, reward shaping, advantage, loss
+            and update. ``cfg.generation.temperature`` must be > 0.
+        parts: the reward functions, ``decode`` (required) and the rest of ``StepParts``.
+
+    Returns:
+        A ``Stage`` named ``"grpo_step"``. Its ``state`` is a ``TrainState`` with a reference
+            (``state.ref``, or a LoRA policy's base) when ``cfg.beta > 0``
+            (``relax.algorithms.grpo.run.make_state``). Its ``out.device`` is an ``Updated``: the
+            ``GRPOBatch`` it trained on, ``metrics`` (the loss's, ``grad_norm``,
+            ``skipped_updates``, the rewards' group statistics, ``completion_length``,
+            ``truncated_frac``, ``advantage_mean``, ``advantage_std``, ``reward/<name>`` per reward
+            function) and ``health``.
+    """
     return make_online_step(grpo_parts(cfg), parts)

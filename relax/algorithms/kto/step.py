@@ -178,7 +178,24 @@ def make_update_stage(cfg: KTOConfig, passes: Passes, forward: Forward | None = 
 def make_kto_step(
     cfg: KTOConfig, passes: Passes | None = None, *, forward: Forward | None = None
 ) -> Stage:
-    """``kto_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the state's."""
+    """``kto_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the
+    state's.
+
+    Args:
+        cfg: the KTO config (``KTOConfig``): ``beta``, the desirable / undesirable weights, the
+            reference (``precompute_reference``), ``grad_accum`` and the forward options.
+        passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
+        forward: ``forward(model, rows, train) -> [p g n]`` token log-probs of ``rows.tokens``.
+            None: ``shared_forward(passes, cfg.forward)``.
+
+    Returns:
+        A ``Stage`` named ``"kto_step"``, one jitted program: ``batch`` is an ``UnpairedBatch``
+            (module docstring); ``state`` is a ``TrainState`` with a reference model unless
+            ``cfg.precompute_reference`` (``relax.algorithms.preference.config.make_state``),
+            returned after one optimizer step with ``step + 1`` and a new key. The ``Updated`` holds
+            the batch with its ``loss_mask``, ``ref_logps``, ``ref_is_policy`` and ``kl`` set,
+            ``metrics`` (the loss's, ``loss``, ``grad_norm``, ``skipped_updates``) and ``health``.
+    """
     passes = choose_passes() if passes is None else passes
     forward = forward or shared_forward(passes, cfg.forward)
     return compose(

@@ -285,7 +285,22 @@ def make_ppo_step(cfg: PPOConfig, parts: StepParts) -> Stage:
     (``cfg.needs_critic``) and the reference (``cfg.needs_reference``). The reference log-probs
     are computed while ``parts.pool`` scores; run by the pipeline (``parts.pipelined``), the
     reference forward, the critic's values and GAE run with the update, on the models as they
-    are then."""
+    are then.
+
+    Args:
+        cfg: the PPO config (``PPOConfig``): sampling, the KL penalty ``kl_coef``, the advantage
+            (``"gae"`` with a critic, or ``"vineppo"``), the critic and the update.
+        parts: as ``make_grpo_step``'s (``StepParts``). VinePPO's Monte-Carlo values also use its
+            reward functions, ``decode``, ``eos_ids``, ``pad_id``, ``on_error`` and ``timeout_s``.
+
+    Returns:
+        A ``Stage`` named ``"ppo_step"``, with ``make_grpo_step``'s input and output types. Its
+            ``state`` is a ``TrainState`` with ``critic``, ``critic_opt_state`` and
+            ``critic_optimizer`` when ``cfg.needs_critic``, and a reference when ``cfg.kl_coef > 0``
+            (``relax.algorithms.ppo.run.make_state``). Its ``out.device`` is an ``Updated``: the
+            ``PPOBatch`` it trained on, ``metrics`` (the policy loss's, a separate critic's as
+            ``critic/<name>``, and reward, KL, length and advantage statistics) and ``health``.
+    """
     mc_values = (
         (
             make_mc_values(

@@ -35,7 +35,19 @@ from relax.train.update import Updated, make_update
 def init_reward_model_state(cfg: RewardModelConfig, model, key: jax.Array) -> TrainState:
     """A ``TrainState`` whose ``policy`` is a reward model: ``model`` itself when it is a
     ``RewardModel`` (e.g. ``load_reward_model``), else one started from its backbone (head
-    ``N(0, cfg.head_std)``); the optimizer is ``cfg.optimizer``'s. No reference model."""
+    ``N(0, cfg.head_std)``); the optimizer is ``cfg.optimizer``'s. No reference model.
+
+    Args:
+        cfg: the reward-model config: ``head_std`` (the new head's standard deviation; 0: a zero
+            head) and ``optimizer`` are read here.
+        model: a ``RewardModel``, used as it is, or a ``Transformer`` whose backbone is copied
+            under a new head.
+        key: the PRNG key: split into the head's initialisation key and the state's key.
+
+    Returns:
+        A fresh ``TrainState`` whose ``policy`` is the ``RewardModel``, with its optimizer state,
+            ``step`` 0 and a key.
+    """
     init_key, key = jax.random.split(key)
     if not isinstance(model, RewardModel):
         model = init_reward_model(
@@ -74,7 +86,19 @@ def make_reward_model_step(cfg: RewardModelConfig, passes: Passes | None = None)
     """``step(state, batch) -> (state, Updated)``: ``cfg.num_minibatches`` optimizer steps of the
     Bradley-Terry loss on the batch's pairs, ``step + 1`` and a new key; ``Updated`` holds the
     batch, ``metrics`` and ``health``. ``passes``: the backend's pass layout (``relax.passes``;
-    default ``choose_passes()``)."""
+    default ``choose_passes()``).
+
+    Args:
+        cfg: the reward-model config: the loss (``center_rewards_coefficient``),
+            ``num_minibatches``, ``grad_accum`` and the forward options are read here.
+        passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
+
+    Returns:
+        A ``Stage`` (one jitted stage, ``"reward_model_update"``): ``batch`` is a ``PairBatch`` with
+            ``tokens`` ``[p 2 n]`` (chosen, rejected) and optionally ``loss_mask`` and ``margin``
+            ``[p]``; ``state`` is ``init_reward_model_state``'s. The ``Updated`` holds the batch as
+            given, ``metrics`` (module docstring) and ``health``.
+    """
     passes = choose_passes() if passes is None else passes
     loss_fn = make_loss(cfg, passes)
 

@@ -80,7 +80,17 @@ def sft_rows(cfg: SFTConfig, examples: Sequence[SFTExample], *, pad_id: int) -> 
 
 
 def init_sft_state(cfg: SFTConfig, policy, *, key: jax.Array) -> TrainState:
-    """A ``TrainState`` for SFT: the policy and ``cfg.optimizer``; no reference model."""
+    """A ``TrainState`` for SFT: the policy and ``cfg.optimizer``; no reference model.
+
+    Args:
+        cfg: the SFT config; ``cfg.optimizer.make()`` is the state's optimizer.
+        policy: the model to train (a ``Transformer``, with or without LoRA adapters: with them
+            only the adapters train).
+        key: the PRNG key the steps split.
+
+    Returns:
+        A fresh ``TrainState``: ``policy``, its optimizer state, ``step`` 0 and ``key``.
+    """
     return init_state(policy, cfg.optimizer.make(), key=key)
 
 
@@ -122,6 +132,19 @@ def make_update_stage(cfg: SFTConfig, passes: Passes) -> Stage:
 
 def make_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
     """``sft_step(state, batch) -> (state, Updated)`` (module docstring); the optimizer is the
-    state's (``init_sft_state``). ``passes``: the backend's pass layout (default ``choose_passes()``)."""
+    state's (``init_sft_state``). ``passes``: the backend's pass layout (default
+    ``choose_passes()``).
+
+    Args:
+        cfg: the SFT config: ``max_length`` (the longest row allowed), ``grad_accum``, ``remat``
+            and ``moe`` are read here.
+        passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
+
+    Returns:
+        A ``Stage`` named ``"sft_step"``, one jitted program: ``batch`` is a ``PackedBatch`` (int32
+            ``[rows t]`` ``ids``, ``segment_ids``, ``loss_mask``, ``t <= cfg.max_length``);
+            ``state`` comes back after one optimizer step, with ``step + 1`` and a new key. The
+            ``Updated`` holds the batch as given, ``metrics`` and ``health`` (module docstring).
+    """
     passes = choose_passes() if passes is None else passes
     return compose(make_update_stage(cfg, passes), name="sft_step")

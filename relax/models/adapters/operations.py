@@ -34,7 +34,19 @@ def has_lora(model) -> bool:
 
 
 def add_lora(model: Transformer, cfg: LoRAConfig, key: Array) -> Transformer:
-    """``model`` with fresh adapters (``cfg.rank > 0``) on its targeted weights (``adapter_fields``)."""
+    """``model`` with fresh adapters (``cfg.rank > 0``) on its targeted weights
+    (``adapter_fields``).
+
+    Args:
+        model: a ``Transformer`` without adapters.
+        cfg: the adapters' ``LoRAConfig``: ``rank`` (> 0), ``alpha``, ``dropout``,
+            ``target_modules``, ``init``, ``dtype``.
+        key: the PRNG key of the ``A`` matrices (``B`` starts at 0).
+
+    Returns:
+        ``model`` with ``layers.lora`` set: every base array shared, not copied. With ``B = 0`` it
+            computes exactly what ``model`` does; only the adapters train.
+    """
     if not cfg.enabled:
         raise ValueError("LoRAConfig.rank is 0: no adapters to add")
     if has_lora(model):
@@ -89,7 +101,16 @@ def lora_off(model: Transformer) -> Transformer:
 
 
 def merge_lora(model: Transformer) -> Transformer:
-    """A plain ``Transformer`` whose targeted weights are ``W + s A B`` (no adapters)."""
+    """A plain ``Transformer`` whose targeted weights are ``W + s A B`` (no adapters).
+
+    Args:
+        model: a ``Transformer``, with or without adapters.
+
+    Returns:
+        A ``Transformer`` without adapters: each adapted weight replaced by ``W + s A B`` (computed
+            in float32, rounded once to ``W``'s dtype), the other arrays shared with ``model``.
+            ``model`` itself when it has no adapters.
+    """
     ad = model.layers.lora
     if ad is None:
         return model

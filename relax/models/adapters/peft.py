@@ -81,7 +81,19 @@ def save_adapter(
     model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None
 ) -> Path:
     """Write the model's adapters to ``path`` in PEFT's format (``peft.PeftModel.from_pretrained``
-    loads them onto the base)."""
+    loads them onto the base).
+
+    Args:
+        model: a ``Transformer`` with LoRA adapters, none on a module its checkpoint fuses
+            (``fused_adapter_error``).
+        path: the directory to write ``adapter_config.json`` and ``adapter_model.safetensors``
+            into; created with its parents when absent.
+        base_model_name_or_path: written to the config's ``base_model_name_or_path``, for PEFT
+            to find the base model. None (default): none.
+
+    Returns:
+        The directory written, as a ``Path``.
+    """
     ad = model.layers.lora
     if ad is None:
         raise ValueError("the model has no LoRA adapters to save")
@@ -203,7 +215,20 @@ def _check_unfused_targets(family: str, file: Path) -> None:
 
 
 def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> Transformer:
-    """``base`` with the PEFT adapter at ``path`` (``dtype``: the adapters' dtype; default as stored)."""
+    """``base`` with the PEFT adapter at ``path`` (``dtype``: the adapters' dtype; default as
+    stored).
+
+    Args:
+        base: the ``Transformer`` the adapter was trained on (the same shapes).
+        path: a PEFT adapter directory: ``adapter_config.json`` and
+            ``adapter_model.safetensors``.
+        dtype: the adapters' dtype. None (default): as stored.
+
+    Returns:
+        ``base`` with the adapters in ``layers.lora`` (every base array shared), ready to train or
+            sample. A config relax does not run, or a missing, misshapen or extra tensor, raises
+            ``HFFormatError``.
+    """
     _check_unfused_targets(base.config.family, Path(path) / CONFIG)
     cfg = read_adapter_config(path)
     why = fused_adapter_error(base.config.family, cfg.fields())

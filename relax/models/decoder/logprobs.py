@@ -154,6 +154,18 @@ def token_logprobs(
 
     Positions whose target is padding hold the log-prob of the pad id; mask them out with
     ``attention_mask[:, 1:]``.
+
+    Args:
+        model: the ``Transformer``.
+        input_ids: int ``[b t]`` token ids.
+        attention_mask: ``[b t]``, 1 at real tokens (left padding works: positions come from
+            it). None (default): every token is real.
+        temperature: the logits are divided by it (default 1.0).
+        chunk_size: rows of logits computed at a time (default 1024): the logits take
+            ``chunk_size * V`` floats, not ``b * t * V``.
+
+    Returns:
+        float32 ``[b t-1]``: the log-prob of each next token given the tokens before it.
     """
     h = hidden_states(model, input_ids, attention_mask)
     return logprobs_from_hidden(

@@ -102,7 +102,19 @@ def init(
     std: float = 0.02,
 ) -> Transformer:
     """Random weights ``N(0, std)``, identity norms (scales 1, or 0 for ``"1+w"`` norms); biases
-    ``N(0, std)`` too (so tests see them)."""
+    ``N(0, std)`` too (so tests see them).
+
+    Args:
+        config: the architecture (``ModelConfig``): sizes, layers, norms, tied embeddings.
+        key: the PRNG key of the weights.
+        param_dtype: the parameters' dtype (default float32).
+        dtype: the compute dtype (default float32).
+        std: the standard deviation of the random weights (default 0.02).
+
+    Returns:
+        A ``Transformer``: ``embed`` ``[V D]``, the stacked layers, ``norm`` ``[D]``, and
+            ``lm_head`` ``[V D]`` (None when ``config.tie_word_embeddings``).
+    """
     c = config
     D = c.hidden_size
     keys = iter(jax.random.split(key, max(24, len(c.stacked_shapes()) + 2)))

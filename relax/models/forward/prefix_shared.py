@@ -308,6 +308,24 @@ def completion_logprobs(
     summation order.
     ``routes`` (a mixture-of-experts model): the experts a sampler recorded (``relax.models.forward.routes``),
     replayed when ``how.replay_routes`` (else only compared with the forward's own: ``RouterStats.differ``).
+
+    Args:
+        model: the ``Transformer``.
+        prompt_ids: int ``[p lp]`` prompt tokens, left-padded.
+        prompt_mask: int ``[p lp]``, 1 at the prompt tokens.
+        completions: int ``[p g n]``: ``g`` completions per prompt, right-padded.
+        completion_mask: int ``[p g n]``, 1 at the completion tokens.
+        how: how the forward runs (``ForwardPass``). Default: ``"auto"`` attention, no remat,
+            every prompt group at once, log-probs only.
+        temperature: the logits are divided by it (default 1.0).
+        rope: the rotary tables from ``completion_rope``. None (default): computed here.
+        packed: the same completions packed by token count. None (default): the padded rows.
+        routes: a mixture of experts' recorded experts. None (default): the forward routes.
+
+    Returns:
+        float32 ``[p g n]`` log-probs; with ``how.with_entropy`` a pair ``(log-probs, entropies)``,
+            both ``[p g n]``; with ``how.router_stats`` that value paired with the summed
+            ``RouterStats`` (None for a dense model).
     """
     layers = how.resolved(model, packed=packed is not None)
     run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature)

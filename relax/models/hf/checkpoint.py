@@ -192,6 +192,21 @@ def load_pretrained(
     ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
     ``max_positions`` caps the model's context below the file's ``max_position_embeddings`` (a
     Phi-3 LongRoPE model whose context exceeds its original length needs it: ``hf_config``).
+
+    Args:
+        path: a local model directory with ``config.json`` and ``model.safetensors`` or sharded
+            safetensors with their index; ``generation_config.json`` is read when present.
+            Nothing is downloaded.
+        dtype: the compute dtype (default float32).
+        param_dtype: the dtype every parameter is cast to. None (default): as stored (float64
+            becomes float32).
+        max_positions: the model's context, in ``[1, file's max_position_embeddings]``. None
+            (default): the file's.
+
+    Returns:
+        A ``Transformer`` with the checkpoint's ``ModelConfig`` and weights (``lm_head`` None when
+            the embeddings are tied). A missing, extra, misshapen, non-float or non-finite tensor
+            raises ``HFFormatError``.
     """
     root = Path(path)
     cfg = load_config(root, max_positions=max_positions)
@@ -378,6 +393,18 @@ def save_pretrained(
     ``model.safetensors`` or, when the tensors exceed ``max_shard_bytes``, shards
     ``model-XXXXX-of-YYYYY.safetensors`` plus ``model.safetensors.index.json``. ``dtype``
     casts the parameters (None: as they are; a round trip is then bit-exact).
+
+    Args:
+        model: a ``Transformer`` without LoRA adapters (save ``merge_lora(model)``, or the
+            adapters alone with ``relax.models.adapters.peft.save_adapter``).
+        path: the directory to write. It is created (with its parents) when absent; an
+            existing one has its weights, index and configs replaced, other files kept.
+        max_shard_bytes: the most bytes per shard file; a tensor larger than that gets a
+            shard of its own. None (default): one ``model.safetensors``.
+        dtype: the dtype the parameters are written in. None (default): as they are.
+
+    Returns:
+        None. The files are written to a staging directory first and then moved into place.
     """
     save_directory(model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
