@@ -84,6 +84,31 @@ class StepParts:
     stale batches; ``pipelined``, the order ``relax.train.pipeline`` runs; ``partial``, the
     single-turn rollout is partial rollouts' (``relax.rollout.partial``; its sampler config must
     be the step's).
+
+    Attributes:
+        reward_fns: the reward functions: ``RewardFunction`` objects or plain callables, run on
+            the decoded text, and ``TokenRewardFunction`` objects, run on the token arrays.
+            A single-turn step needs at least one; a step whose rollout scores its own samples
+            takes none.
+        decode: ``decode(tokens, mask) -> list[str]``: the completions' text from numpy
+            ``[b n]`` token ids and mask, ``b = p * g``. A single-turn step needs it.
+        eos_ids: the tokens that end a completion. Default ``()``: none, every completion runs
+            to the budget.
+        pad_id: the token that fills the completions after their end (default 0).
+        on_error: what a failing reward call does: ``"raise"`` (default) stops the step with a
+            ``RewardError``; ``"missing"`` makes its values NaN and counts it.
+        timeout_s: the time limit of one reward call, in seconds, raised to what a function
+            declares for its rows (``time_bound_s``). None (default): no limit.
+        pool: a ``relax.rewards.pool.RewardPool``: the reward functions it hosts run in its
+            worker processes. None (default): every function runs in this process.
+        passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
+        off_policy: the correction of stale batches
+            (``relax.objectives.off_policy.OffPolicyConfig``). None (default): none.
+        pipelined: True: the stages in the order ``relax.train.pipeline`` runs them (what reads
+            the sampler's weights first). Default False.
+        partial: partial rollouts (``relax.rollout.partial.PartialRollouts``) in place of the
+            sampler; single-turn and ``pipelined`` only. None (default): the prefix-shared
+            sampler.
     """
 
     reward_fns: Sequence = ()
@@ -105,7 +130,25 @@ def make_online_step(algorithm: OnlineParts, parts: StepParts) -> Stage:
 
     Single-turn (``algorithm.rollout`` None): the prefix-shared sampler of
     ``algorithm.generation`` and the reward functions of ``parts``. Otherwise the algorithm's
-    rollout returns scored samples itself."""
+    rollout returns scored samples itself.
+
+    Args:
+        algorithm: the algorithm's ``OnlineParts``: its sampler and forward configs, whether it
+            needs a reference model, its advantage and update stages, and its own rollout (a
+            multi-turn one) or None. Its ``generation.temperature`` must be > 0.
+        parts: the caller's ``StepParts``: the reward functions and what they need, and the
+            schedule (``passes``, ``off_policy``, ``pipelined``, ``partial``).
+
+    Returns:
+        A ``Stage`` named ``algorithm.name``, ``step(state, batch) -> (state, out)``. Single-turn,
+            ``batch`` is a ``WithHost(Prompts, HostRecord)``
+            (``relax.algorithms.online.batch.step_input``), or with ``parts.partial`` a
+            ``PartialRequest``; with its own rollout, what that rollout reads. ``out`` is a
+            ``WithHost(Updated, HostRecord)``: the update's ``relax.train.update.Updated`` (the
+            batch it trained on, ``metrics``, ``health``) and the host record (single-turn: with the
+            decoded completions and ``reward_info``). ``state`` is the ``TrainState`` the algorithm
+            trains.
+    """
     passes = choose_passes() if parts.passes is None else parts.passes
     temperature = algorithm.generation.temperature
     if temperature <= 0:
