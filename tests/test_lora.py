@@ -538,10 +538,10 @@ def test_float32_adapters_over_a_bfloat16_base_keep_small_updates(base):
 
 
 def test_run_export_of_fused_adapters_writes_the_merged_model_and_warns(tmp_path):
-    """A run's export (``relax.algorithms.online.run.exporter``) of a Phi-3 policy with adapters on its
+    """A run's export (``relax.algorithms.online.setup.exporter``) of a Phi-3 policy with adapters on its
     fused tensors: the merged model (what transformers loads) is written, the PEFT adapter is not,
     and a warning says why; with adapters only on unfused modules both are written."""
-    from relax.algorithms.online.run import exporter
+    from relax.algorithms.online.setup import exporter
     from relax.models.hf.checkpoint import load_pretrained
 
     class NoTokenizer:

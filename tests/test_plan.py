@@ -270,7 +270,7 @@ def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
 
 @needs_tpu
 def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
-    from relax.algorithms.online.run import ModelRunConfig
+    from relax.algorithms.online.config import ModelRunConfig
     from relax.models.hf.checkpoint import read_config
     from relax.plan.plan import compile_program
     from relax.plan.programs import multi_turn_programs

@@ -24,7 +24,7 @@ from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.dpo import run as dpo_run
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.grpo import run as grpo_run
-from relax.algorithms.online.run import ModelRunConfig, OnlineRunConfig
+from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig
 from relax.algorithms.ppo import run as ppo_run
 from relax.algorithms.sft import run as sft_run
 from relax.models.config.model import DTYPES, ModelConfig

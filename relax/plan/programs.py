@@ -33,13 +33,13 @@ import numpy as np
 
 from relax.algorithms.offline.run import OfflineAlgorithm
 from relax.algorithms.online.batch import HostRecord, Prompts
-from relax.algorithms.online.run import (
+from relax.algorithms.online.config import (
     ModelRunConfig,
     OnlineAlgorithm,
     OnlineRunConfig,
     run_parts,
-    with_lora,
 )
+from relax.algorithms.online.setup import with_lora
 from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost, join_host, split_host
 from relax.models.config.model import DTYPES, ModelConfig

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from relax.algorithms.online.run import ModelRunConfig
+from relax.algorithms.online.config import ModelRunConfig
 from relax.models.config.model import ModelConfig
 from relax.plan.plan import ALGORITHMS, Plan, plan_run
 from relax.plan.programs import abstract_state

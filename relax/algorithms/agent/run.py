@@ -26,7 +26,8 @@ from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import make_state as grpo_state
 from relax.algorithms.online.batch import HostRecord
-from relax.algorithms.online.run import exporter, start_run, with_lora
+from relax.algorithms.online.run import start_run
+from relax.algorithms.online.setup import exporter, with_lora
 from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state

@@ -18,7 +18,7 @@ from relax.algorithms.distill.config import DistillConfig
 from relax.algorithms.distill.data import DistillBatch, collate_completions
 from relax.algorithms.distill.step import init_distill_state, load_teacher, make_distill_step
 from relax.algorithms.offline.run import OfflineAlgorithm, PairRunConfig, run_offline
-from relax.algorithms.online.run import with_lora
+from relax.algorithms.online.setup import with_lora
 from relax.data.supervised import encode_sft
 from relax.masked import masked_mean
 from relax.models.adapters.operations import lora_off

@@ -11,12 +11,9 @@ import functools
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
 from relax.algorithms.grpo.step import make_grpo_step
-from relax.algorithms.online.run import (
-    OnlineAlgorithm,
-    OnlineRunConfig,
-    check_lora_reference,
-    run_online,
-)
+from relax.algorithms.online.config import OnlineAlgorithm, OnlineRunConfig
+from relax.algorithms.online.run import run_online
+from relax.algorithms.online.setup import check_lora_reference
 from relax.choices import check_choice
 from relax.models.forward.forward_pass import resolve_attention
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS

@@ -23,14 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from relax.algorithms.cli.report import first_row_lines, run_report
-from relax.algorithms.online.run import (
-    ModelRunConfig,
-    base_path,
-    builtin_setup,
-    exporter,
-    start_run,
-    with_lora,
-)
+from relax.algorithms.online.config import ModelRunConfig
+from relax.algorithms.online.run import start_run
+from relax.algorithms.online.setup import base_path, builtin_setup, exporter, with_lora
 from relax.data.files import Record, read_records
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
 from relax.eval.evaluate import EvalConfig, evaluate

@@ -10,24 +10,31 @@ from relax.algorithms.online.batch import (
     Scored,
     step_input,
 )
-from relax.algorithms.online.run import (
+from relax.algorithms.online.config import (
     BAR_KEYS,
-    LORA_STREAM,
     ModelRunConfig,
     OnlineAlgorithm,
     OnlineRunConfig,
+    run_parts,
+)
+from relax.algorithms.online.rewards import (
+    reward_columns,
+    reward_function,
+    reward_functions,
+    reward_pool,
+)
+from relax.algorithms.online.run import run_online, start_run
+from relax.algorithms.online.setup import (
+    LORA_STREAM,
     RunData,
     base_path,
     builtin_setup,
     check_lora_reference,
     exporter,
-    reward_columns,
-    reward_function,
-    reward_functions,
-    reward_pool,
-    run_online,
-    run_parts,
-    start_run,
+    host_policy,
+    load_run_data,
+    on_host_memory,
+    text_decoder,
     with_lora,
 )
 from relax.algorithms.online.stages import (
@@ -70,6 +77,8 @@ __all__ = [
     "check_lora_reference",
     "exporter",
     "forward_logprobs",
+    "host_policy",
+    "load_run_data",
     "make_online_step",
     "make_packing",
     "make_partial_rollout",
@@ -79,6 +88,7 @@ __all__ = [
     "make_score",
     "make_score_stages",
     "make_scoring",
+    "on_host_memory",
     "on_policy",
     "packing_metrics",
     "reward_columns",
@@ -90,6 +100,7 @@ __all__ = [
     "sample_versions",
     "start_run",
     "step_input",
+    "text_decoder",
     "train_logprobs",
     "with_lora",
 ]

@@ -10,12 +10,9 @@ import functools
 import jax.numpy as jnp
 
 from relax.algorithms.cli.configure import configure
-from relax.algorithms.online.run import (
-    OnlineAlgorithm,
-    OnlineRunConfig,
-    check_lora_reference,
-    run_online,
-)
+from relax.algorithms.online.config import OnlineAlgorithm, OnlineRunConfig
+from relax.algorithms.online.run import run_online
+from relax.algorithms.online.setup import check_lora_reference
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.models.config.model import DTYPES

@@ -1,0 +1,162 @@
+"""An online run's configuration (GRPO, PPO and the agent trainer share it): the model, data,
+reward, evaluation and async flags (``ModelRunConfig``, ``OnlineRunConfig``), and what an
+algorithm brings to the run (``OnlineAlgorithm``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import jax
+import tyro
+
+from relax.algorithms.online.step import StepParts
+from relax.eval.evaluate import EvalConfig
+from relax.models.config.model import DTYPES
+from relax.models.layers.lora import LoRAConfig
+from relax.parallel import ParallelConfig
+from relax.rewards.sandbox import SandboxConfig
+from relax.rollout.generation import GenerationConfig
+from relax.tasks import code as code_task
+from relax.tasks import math as math_task
+from relax.tasks import reverse
+from relax.train.pipeline import AsyncConfig
+from relax.train.run import RunConfig
+
+BAR_KEYS = (
+    ("reward", "reward"),
+    ("kl", "kl"),
+    ("completion_length", "len"),
+    ("tokens_per_s", "tok/s"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunConfig(RunConfig):
+    """What every run on a model and a dataset has (online and offline): the model, its tokenizer,
+    the data and its held-out part, dtypes, the batch size. Without ``model`` the built-in offline
+    task (``task``) is used."""
+
+    model: str | None = None
+    """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
+    tokenizer: str | None = None
+    """Another tokenizer than --model's: a directory, a tokenizer.json or a sentencepiece .model."""
+    data: str | None = None
+    """Training rows: .jsonl / .parquet file or directory (required with --model)."""
+    eval_data: str | None = None
+    """Held-out rows; without it ``eval_fraction`` of --data is held out."""
+    eval_fraction: float = 0.0
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """auto: string prompts go through the model's chat template when it has one (a chat model);
+    always / never. A prompt that is a list of chat messages always goes through it."""
+    batch_size: int = 16
+    """Rows per step: prompts (each gets G completions), examples, packed rows or pairs."""
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters (``--lora.rank 8``): only they train, the KL reference is the base model and
+    checkpoints hold only the adapters; rank 0 (the default): the whole model trains."""
+    task: Literal["reverse", "code", "math"] = "reverse"
+    """The built-in task without --model: reverse, or (GRPO / PPO) code or math."""
+    reverse: reverse.ReverseTask = reverse.ReverseTask()
+    code: code_task.CodeTask = code_task.CodeTask()
+    math: math_task.MathTask = math_task.MathTask()
+
+    @property
+    def task_config(self):
+        """The options of the built-in task ``task``."""
+        return {"reverse": self.reverse, "code": self.code, "math": self.math}[self.task]
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model is not None and self.data is None:
+            raise ValueError("--model needs --data")
+        for name in (self.param_dtype, self.compute_dtype):
+            if name not in DTYPES:
+                raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size >= 1 is required")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineRunConfig(ModelRunConfig):
+    """An online RL run on prompts (every ``ModelRunConfig`` flag, plus prompts, rewards,
+    evaluation sampling and meshes)."""
+
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    data_source_field: str = "data_source"
+    max_prompt_tokens: int = 512
+    overlong: Literal["drop", "reject", "truncate"] = "drop"
+    """A prompt over --max-prompt-tokens (counted, and named at start-up) is dropped, refused with an
+    error naming its row, or cut to fit (a chat prompt keeps its header and system prompt whole)."""
+    pad_to: Literal["data", "batch"] = "data"
+    """Pad every batch to the bucket of the data's longest prompt (one compile), or each batch to
+    its own (fewer pad tokens; one compile of the step per bucket met)."""
+    system_prompt: str | None = None
+    reward: tuple[str, ...] = ("exact_match",)
+    """Built-in reward functions by name (exact_match, numeric_match, format_reward, math_verify, code_exec)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per --reward (empty: all 1)."""
+    reward_timeout_s: float | None = 60.0
+    reward_on_error: str = "raise"
+    """raise: stop naming the function and sample; missing: log, count, treat as missing."""
+    reward_workers: int = 4
+    """Host reward functions run in this many worker processes (``relax.rewards.pool``: a
+    timeout per chunk, a crashed worker replaced, its samples missing or an error per
+    --reward-on-error), overlapping the reference forward; 0: in the trainer process."""
+    reward_chunk_size: int = 8
+    """Samples per task sent to a reward worker."""
+    tests_field: str = "tests"
+    """code_exec: the column of each row's tests (asserts, or stdin/stdout pairs)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """code_exec: isolation and limits of each sandboxed run (``relax.rewards.sandbox``)."""
+    reward_model: str | None = None
+    """A reward-model directory (``<Family>ForSequenceClassification``): its score of each
+    completion, with its own tokenizer, is the reward ``reward_model``."""
+    reward_model_weight: float = 1.0
+    eval: EvalConfig = EvalConfig()
+    eval_max_prompts: int | None = None
+    parallel: ParallelConfig = ParallelConfig()
+    """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
+    async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
+    """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` samples the next batch
+    while the update runs, with an off-policy correction (``--async.correction.kind``)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.reward_workers < 0:
+            raise ValueError(f"--reward-workers must be >= 0, got {self.reward_workers}")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise ValueError(
+                f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward"
+            )
+
+
+def run_parts(cfg: OnlineRunConfig, parts: StepParts) -> StepParts:
+    """``parts`` scored and scheduled as the run's flags say: ``--reward-on-error``,
+    ``--reward-timeout-s``, and ``--async.*``'s off-policy correction (pipelined when the
+    staleness is above 0)."""
+    return dataclasses.replace(
+        parts,
+        on_error=cfg.reward_on_error,
+        timeout_s=cfg.reward_timeout_s,
+        off_policy=cfg.async_.off_policy,
+        pipelined=cfg.async_.staleness > 0,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineAlgorithm:
+    """``make_state(model, key)`` -> the algorithm's ``TrainState``; ``make_step(parts)`` -> its
+    composed step; ``generation``, what it samples (G, the completion budget and stop strings for
+    evaluation and tokens/s)."""
+
+    name: str
+    make_state: Callable[[Any, jax.Array], Any]
+    make_step: Callable[[StepParts], Any]
+    generation: GenerationConfig
+    describe_update: Callable[[Any], str] | None = (
+        None  # model -> a start-up report line (its layout)
+    )

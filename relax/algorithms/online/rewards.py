@@ -1,0 +1,62 @@
+"""An online run's reward functions from its flags: the built-in rewards (``--reward``), a reward
+model directory (``--reward-model``), the columns they read and the worker pool that runs them."""
+
+from __future__ import annotations
+
+from relax.algorithms.online.config import OnlineRunConfig
+from relax.models.heads.reward_model import load_reward_model
+from relax.rewards.builtin import get_reward, make_exact_match, make_numeric_match
+from relax.rewards.code_exec import CodeExec
+from relax.rewards.functions import RewardFunction
+from relax.rewards.math_answers import MathVerify
+from relax.rewards.model import TextRewardModel
+from relax.rewards.pool import PoolConfig, RewardPool
+from relax.text import load_tokenizer
+
+
+def reward_function(cfg: OnlineRunConfig, name: str):
+    """The built-in reward ``name`` configured by the run's flags (answer / tests columns, sandbox)."""
+    if name == "code_exec":
+        return CodeExec(tests_field=cfg.tests_field, sandbox=cfg.sandbox)
+    if name == "math_verify":
+        return MathVerify(answer_field=cfg.answer_field)
+    if name == "exact_match":
+        return make_exact_match(cfg.answer_field)
+    if name == "numeric_match":
+        return make_numeric_match(cfg.answer_field)
+    return get_reward(name)
+
+
+def reward_columns(cfg: OnlineRunConfig) -> tuple[str, ...]:
+    """The columns the built-in rewards read besides the prompt and the answer (which the data
+    checks): ``code_exec``'s tests. Every row must have them, checked before any compute."""
+    return (cfg.tests_field,) if "code_exec" in cfg.reward else ()
+
+
+def reward_pool(cfg: OnlineRunConfig, reward_fns: list[RewardFunction]) -> RewardPool | None:
+    """The worker pool of the run's host reward functions (``--reward-workers``; None for 0). A
+    reward model scoring texts stays in the trainer process: it holds device arrays."""
+    pooled = [f for f in reward_fns if not isinstance(f.fn, TextRewardModel)]
+    if cfg.reward_workers == 0 or not pooled:
+        return None
+    return RewardPool(
+        pooled,
+        PoolConfig(
+            num_workers=cfg.reward_workers,
+            timeout_s=cfg.reward_timeout_s,
+            chunk_size=cfg.reward_chunk_size,
+        ),
+    )
+
+
+def reward_functions(cfg: OnlineRunConfig) -> list[RewardFunction]:
+    """``--reward`` (with ``--reward-weights``) and ``--reward-model`` as weighted reward functions."""
+    weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
+    fns = [
+        RewardFunction(reward_function(cfg, n), name=n, weight=w)
+        for n, w in zip(cfg.reward, weights)
+    ]
+    if cfg.reward_model is not None:
+        rm = TextRewardModel(load_reward_model(cfg.reward_model), load_tokenizer(cfg.reward_model))
+        fns.append(RewardFunction(rm, name="reward_model", weight=cfg.reward_model_weight))
+    return fns

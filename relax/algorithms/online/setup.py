@@ -1,0 +1,211 @@
+"""An online run's model and data: the built-in task or ``--model``/``--data``, LoRA, the prompts
+prepared and held out, the text decoder, and the export of a policy as a Hugging Face directory."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig
+from relax.algorithms.online.rewards import reward_columns
+from relax.data.prompts import (
+    DataConfig,
+    PreparedPrompts,
+    batch_of,
+    eval_records,
+    prepare_prompts,
+    read_records,
+    read_splits,
+)
+from relax.models.adapters.operations import add_lora, has_lora, merge_lora
+from relax.models.adapters.peft import fused_adapter_error, save_adapter
+from relax.models.config.model import DTYPES
+from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.objectives.reference import ReferenceConfig
+from relax.tasks import TASKS
+from relax.tasks.base import prepare
+from relax.text import TextTokenizer, load_tokenizer
+from relax.train.logs import is_main_process
+
+
+def builtin_setup(cfg: ModelRunConfig, run_dir: Path, log):
+    """Task files, tokenizer and base model of the built-in task ``cfg.task`` (reused when present):
+    ``(tokenizer, model, train path, held-out path)``."""
+    tokenizer, model, _, _ = prepare(
+        TASKS[cfg.task],
+        cfg.task_config,
+        run_dir,
+        seed=cfg.seed,
+        teacher=f"a noisy teacher of the {cfg.task} task",
+        log=log,
+    )
+    return (
+        tokenizer,
+        model,
+        str(run_dir / "task" / "train.jsonl"),
+        str(run_dir / "task" / "eval.jsonl"),
+    )
+
+
+def text_decoder(tokenizer: TextTokenizer):
+    """``decode(tokens, mask) -> texts``: the completions as text, special tokens skipped, stripped."""
+
+    def decode(tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+        return [
+            text.strip() for text in tokenizer.decode_batch(tokens, mask, skip_special_tokens=True)
+        ]
+
+    return decode
+
+
+def on_host_memory(enabled: bool):
+    """Load / initialise the model in host memory when it is going to be sharded anyway (so a
+    model larger than one accelerator never lands whole on device 0)."""
+    if enabled and jax.devices()[0].platform != "cpu":
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+            pass
+    return contextlib.nullcontext()
+
+
+def exporter(tokenizer: TextTokenizer, base: str | None = None):
+    """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
+    files and chat template, a directory ``transformers`` loads (collective: every process calls it).
+    A LoRA policy is exported merged (``W + s A B``), and its adapters alone in PEFT's format under
+    ``directory/adapter`` (``base``: the base model's path, recorded in the adapter config) where
+    that format can hold them: adapters on a family's fused tensors (Phi-3's ``qkv_proj``) have no
+    PEFT form, and then only the merged model is written, with a warning saying why."""
+
+    def export(policy, directory: Path) -> Path:
+        policy = host_policy(policy)
+        if is_main_process():
+            save_pretrained(merge_lora(policy), directory)
+            tokenizer.save_pretrained(directory)
+            if has_lora(policy):
+                why = fused_adapter_error(policy.config.family, policy.layers.lora.weights())
+                if why is None:
+                    save_adapter(policy, Path(directory) / "adapter", base_model_name_or_path=base)
+                else:
+                    warnings.warn(
+                        f"{directory}: the merged model is written, the adapters alone are not: {why}",
+                        stacklevel=2,
+                    )
+        return directory
+
+    return export
+
+
+LORA_STREAM = 7  # the adapters' init key: fold_in(key(seed), LORA_STREAM)
+
+
+def with_lora(cfg: ModelRunConfig, model):
+    """``model`` with fresh adapters when ``cfg.lora.rank > 0``, else as is."""
+    if not cfg.lora.enabled:
+        return model
+    return add_lora(model, cfg.lora, jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM))
+
+
+def check_lora_reference(model, reference: ReferenceConfig, needs_reference: bool) -> None:
+    """With LoRA the KL reference is the base model, the policy with its adapters off: a static
+    reference that costs nothing. The rules that move the reference (ema, periodic, mixup, prorl)
+    would need a second set of adapters, and ema / mixup of the factors A and B are not the ema of
+    the weights ``s A B`` (a product): they are refused."""
+    if needs_reference and has_lora(model) and reference.kind != "static":
+        raise ValueError(
+            f"with LoRA the KL reference is the base model (kind 'static'); reference kind "
+            f"{reference.kind!r} is not supported with adapters"
+        )
+
+
+def base_path(cfg: ModelRunConfig, run_dir: Path) -> str:
+    """Where the run's base model lives: ``--model`` or the built-in task's ``run_dir/base_model``."""
+    return str(run_dir / "base_model") if cfg.model is None else cfg.model
+
+
+def host_policy(policy):
+    """The policy as host arrays on every process (gathered from all processes' shards)."""
+    if jax.process_count() == 1:
+        return policy
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(policy, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """An online run's tokenizer, model and prompts: the training rows prepared (formatted,
+    tokenized, budget-checked) and the held-out ones as one batch (None: nothing held out)."""
+
+    tokenizer: TextTokenizer
+    model: Any
+    data_cfg: DataConfig
+    train: PreparedPrompts
+    held_out: PreparedPrompts | None
+
+    @property
+    def eval_batch(self):
+        return (
+            None
+            if self.held_out is None or not self.held_out.examples
+            else batch_of(self.held_out, self.data_cfg, self.tokenizer.pad_token_id)
+        )
+
+
+def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> RunData:
+    """The built-in task or --model/--data, loaded and prepared."""
+    if cfg.model is None:
+        tokenizer, model, data_path, eval_path = builtin_setup(cfg, run_dir, log)
+    else:
+        tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
+        with on_host_memory(on_host):
+            model = load_pretrained(
+                cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+            )
+        data_path, eval_path = cfg.data, cfg.eval_data
+    model = with_lora(cfg, model)
+    buckets = tuple(
+        b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens
+    )
+    data_cfg = DataConfig(
+        path=data_path,
+        batch_size=cfg.batch_size,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        prompt_field=cfg.prompt_field,
+        answer_field=cfg.answer_field,
+        data_source_field=cfg.data_source_field,
+        seed=cfg.seed,
+        overlong=cfg.overlong,
+        chat_template=cfg.chat_template,
+        system_prompt=cfg.system_prompt,
+        prompt_buckets=buckets + (cfg.max_prompt_tokens,),
+        pad_to=cfg.pad_to,
+        required_fields=reward_columns(cfg),
+        eval_fraction=cfg.eval_fraction if eval_path is None else 0.0,
+    )
+    splits = read_splits(data_cfg)  # the training data is read once, for both splits
+    if eval_path is not None:
+        held_out = read_records(eval_path, fields=(cfg.prompt_field,))
+    else:
+        held_out = eval_records(data_cfg, splits)
+    if cfg.eval_max_prompts is not None:
+        held_out = held_out[: cfg.eval_max_prompts]
+    train = prepare_prompts(splits.train, data_cfg, tokenizer)
+    if not train.examples:
+        raise ValueError(
+            f"no training prompt is within --max-prompt-tokens {cfg.max_prompt_tokens}: "
+            + (train.stats.over_budget_message("training") or "the data has no rows")
+        )
+    return RunData(
+        tokenizer,
+        model,
+        data_cfg,
+        train,
+        prepare_prompts(held_out, data_cfg, tokenizer) if held_out else None,
+    )
