@@ -27,7 +27,8 @@ line that fits none fails ``test_every_line_is_checked``:
 The slow test runs each trainer command that needs nothing downloaded (``runnable``: no
 ``--model`` / ``--data`` / ``--teacher``, no placeholder such as ``DIR`` or ``...``, not
 ``--resume``, ``--eval-only`` or ``--help``; not ``relax rlhf``, which chains three runs:
-``tests/test_rlhf.py`` runs it), each distinct command once, as its example script in a
+``tests/test_rlhf.py`` runs it; nor those ``RUN_ELSEWHERE`` names, which another slow test runs
+through the same example on the same task), each distinct command once, as its example script in a
 subprocess, shrunk by flags appended after the page's own (``shrink``: 2 steps, a small
 evaluation, the task's supervised phase shortened), and checks that it exits 0 and writes
 ``summary.json``. The fast tests check that the extraction finds the commands it should
@@ -204,9 +205,36 @@ for _page, _line, _kind, _detail in list(KINDS):
     if _kind == "make" and _detail[:1] == ["demo"]:  # make demo: its recipe is a command too
         COMMANDS.append(classify(_page, make_recipe("demo"))[1])
 # Each distinct built-in-task command once (several pages show `relax grpo`).
+# Commands another slow test already runs end to end, through the same example's ``main`` on the
+# same built-in task (with more steps, and asserting it learns): the slow run here would repeat it.
+# command (its argv) -> the test that runs it. ``test_covering_tests_exist`` keeps the table true.
+RUN_ELSEWHERE: dict[tuple[str, ...], str] = {
+    ("grpo", "--task", "math"): "tests/test_verifiable_tasks.py::test_grpo_runs_the_builtin_task",
+    ("grpo", "--task", "code"): "tests/test_verifiable_tasks.py::test_grpo_runs_the_builtin_task",
+    ("grpo", "--reverse.num-experts", "4"): (
+        "tests/test_moe_run.py::test_builtin_task_with_a_moe_base_learns_and_exports"
+    ),
+    ("grpo", "--async.staleness", "1"): (
+        "tests/test_run.py::test_pipelined_run_resumes_after_kill_9_bit_for_bit"
+    ),
+    ("ppo",): "tests/test_ppo.py::test_ppo_learns_the_builtin_task",
+    ("agent",): "tests/test_agent_run.py::test_train_agent_learns_to_use_the_tool",
+    ("agent", "--algorithm", "ppo", "--ppo.critic", "shared"): (
+        "tests/test_agent_run.py::test_train_agent_runs"
+    ),
+    ("orpo",): "tests/test_offline.py::test_preference_trainers_learn_the_chosen_behaviour",
+    ("kto",): "tests/test_offline.py::test_kto_learns_from_unpaired_feedback",
+    ("rm",): "tests/test_offline.py::test_reward_model_learns_and_exports_for_transformers",
+    ("distill",): "tests/test_offline.py::test_distillation_brings_a_fresh_student_to_its_teacher",
+}
+
 RUNNABLE: list[Command] = []
 for _command in COMMANDS:
-    if _command.runnable and _command.argv not in [c.argv for c in RUNNABLE]:
+    if (
+        _command.runnable
+        and _command.argv not in [c.argv for c in RUNNABLE]
+        and tuple(_command.argv) not in RUN_ELSEWHERE
+    ):
         RUNNABLE.append(_command)
 
 
@@ -327,7 +355,7 @@ def test_every_line_is_checked():
 
 
 def test_extraction_finds_the_built_in_commands():
-    found = [c.argv for c in RUNNABLE]
+    found = [c.argv for c in COMMANDS if c.runnable]
     for expected in EXPECTED:
         assert expected in found, f"no page shows `relax {' '.join(expected)}` in a ```bash block"
     assert all(c.name in SCRIPTS and (ROOT / SCRIPTS[c.name]).is_file() for c in RUNNABLE)
@@ -420,6 +448,22 @@ def test_downloaded_directories_are_the_ones_used():
                     path == d or path.startswith(d + "/") for d in downloads.get(command.page, ())
                 ), f"{command.page}: `{command.line}`: nothing downloads {path}"
     assert used
+
+
+def test_covering_tests_exist():
+    """Every entry of ``RUN_ELSEWHERE`` names a slow test that exists and calls the command's
+    example, and names a command the docs still show."""
+    shown = {tuple(c.argv) for c in COMMANDS if c.runnable}
+    for argv, test in RUN_ELSEWHERE.items():
+        assert argv in shown, f"RUN_ELSEWHERE names {argv}, which no page shows any more"
+        path, name = test.split("::")
+        source = (ROOT / path).read_text()
+        body = source[source.index(f"def {name}(") :]
+        decorators = source[: source.index(f"def {name}(")].rsplit("\n\n\n", 1)[-1]
+        assert "mark.slow" in decorators, f"{test} is not a slow test"
+        script = "agent" if argv[0] == "agent" else {"rm": "reward_model"}.get(argv[0], argv[0])
+        own = decorators + body[:1500]  # the example named in the test or its parameters
+        assert f'"{script}"' in own or (script == "agent" and "train_agent" in own), (test, argv)
 
 
 @pytest.mark.slow
