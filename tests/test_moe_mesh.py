@@ -50,7 +50,10 @@ TINY = dict(
     dense_layers=(1,),
     max_position_embeddings=128,
 )
-MESHES = ("expert=8", "expert=4,data=2", "expert=2,fsdp=2,tensor=2")
+# Every expert on its own device, and the three-axis mesh (experts split two ways, the batch over
+# fsdp, heads and MLP over tensor). A data axis is a batch axis as fsdp is (``batch_shards``): the
+# third mesh the suite once ran here, ``expert=4,data=2``, took the same code path.
+MESHES = ("expert=8", "expert=2,fsdp=2,tensor=2")
 P, LP, G, N = (
     8,
     6,
