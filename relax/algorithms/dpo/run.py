@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.dpo import step as dpo
 from relax.algorithms.dpo.config import DPOConfig
 from relax.algorithms.offline.run import (
@@ -113,17 +112,3 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
 
 def run(cfg: DPORunConfig) -> dict:
     return run_offline(cfg, algorithm(cfg))
-
-
-def main(argv: list[str], *, loss_type: str, description: str) -> dict:
-    """The command line of ``examples/train_dpo.py`` / ``train_orpo.py``: flags -> run. Defaults:
-    the built-in task's without ``--model``, else ``DPORunConfig``'s with ``loss_type``."""
-    return run(
-        parse_flags(
-            DPORunConfig,
-            argv,
-            builtin=lambda: builtin_defaults(loss_type),
-            real=lambda: DPORunConfig(dpo=DPOConfig(loss_type=loss_type)),
-            description=description,
-        )
-    )
