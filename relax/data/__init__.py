@@ -1,5 +1,5 @@
 """Data: dataset files (``files``), prompt batches for rollouts (``prompts``, grain), SFT
-examples and packing (``supervised``), preference pairs and unpaired rows (``pairs``). See
+examples (``supervised``) and their packing into rows (``packing``), preference pairs and unpaired rows (``pairs``). See
 docs/architecture.md, "Layers"."""
 
 from relax.data.files import Record, read_records
