@@ -34,9 +34,9 @@ demo: $(BASE)
 	$(PY) examples/train_grpo.py
 
 # The tests not marked slow (pyproject.toml's addopts: -m 'not slow'), one worker per core, each
-# test file on one worker (its module fixtures built once).
+# test file on one worker (its module fixtures built once), the heaviest files first (conftest.py).
 test: $(DEV)
-	$(PY) -m pytest -q -n auto --dist loadfile tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # ruff (pyproject.toml's [tool.ruff]): lint rules, import order, and the formatter's layout.
 lint: $(DEV)
@@ -45,7 +45,7 @@ lint: $(DEV)
 
 # Includes the tests marked slow.
 test-all: $(DEV)
-	$(PY) -m pytest -q -n auto --dist loadfile -m '' tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m '' tests
 
 bench: $(DEV)
 	$(PY) benchmarks/run_all.py

@@ -33,6 +33,24 @@ def use_compile_cache() -> None:
 use_compile_cache()
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(config, items):
+    """The heaviest test files first: with ``--dist loadfile --no-loadscope-reorder`` (the
+    Makefile's) pytest-xdist hands files to its workers in this order, so no long file starts last
+    while the other worker idles. A file weighs the seconds of its selected tests, as
+    ``tests/test_seconds.json`` (``benchmarks/suite_profile.py --write``) last measured them."""
+    import json
+    from pathlib import Path
+
+    store = Path(__file__).with_name("test_seconds.json")
+    seconds = json.loads(store.read_text()) if store.exists() else {}
+    weight = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        weight[path] = weight.get(path, 0.0) + seconds.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: files stay whole
+
+
 def load_example(name: str):
     """``examples/train_<name>.py`` as a module (its ``main(argv)`` runs the command line in-process)."""
     import importlib.util
