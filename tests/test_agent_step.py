@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from test_agent_rollout import stopping_model, tokenizer  # noqa: F401 - the fixture
 
-from relax.algorithms.agent.step import AgentConfig, make_agent_grpo_step, make_agent_ppo_step
+from relax.algorithms.agent.config import AgentConfig
+from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import HostRecord

@@ -754,3 +754,27 @@ def test_sub_packages_import_down_their_order(graph, parent, order):
     assert not offending, f"imports up the order {' < '.join(order)}:\n  " + "\n  ".join(
         sorted(offending)
     )
+
+
+# The files of an algorithm folder: its config, loss, step and run. A folder that trains other
+# folders' algorithms borrows what it lacks: agent trains GRPO's and PPO's losses on trajectories;
+# rlhf is a pipeline that runs other folders' runs in turn.
+ALGORITHM_FILES = ("config", "loss", "step", "run")
+BORROWED = {"agent": ("loss",), "rlhf": ("config", "loss", "step")}
+
+
+def test_algorithm_folders_have_the_same_files():
+    root = PACKAGE / "algorithms"
+    folders = sorted(
+        p.name
+        for p in root.iterdir()
+        if (p / "__init__.py").exists() and p.name not in SHARED_PACKAGES
+    )
+    assert set(BORROWED) <= set(folders), sorted(set(BORROWED) - set(folders))
+    for folder in folders:
+        for name in ALGORITHM_FILES:
+            present = (root / folder / f"{name}.py").exists()
+            borrowed = name in BORROWED.get(folder, ())
+            assert present != borrowed, f"relax/algorithms/{folder}/{name}.py " + (
+                "is missing" if not present else "exists: drop it from BORROWED"
+            )

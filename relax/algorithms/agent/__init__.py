@@ -1,5 +1,6 @@
 """Multi-turn tool-use RL: GRPO / PPO on trajectories of environments (``relax.algorithms.agent.step``)."""
 
+from relax.algorithms.agent.config import AgentConfig, rollout_config
 from relax.algorithms.agent.run import (
     BAR_KEYS,
     BUILTIN_MAX_NEW_TOKENS,
@@ -9,12 +10,10 @@ from relax.algorithms.agent.run import (
     check_budget,
 )
 from relax.algorithms.agent.step import (
-    AgentConfig,
     drop_errored,
     make_agent_grpo_step,
     make_agent_ppo_step,
     make_agent_rollout,
-    rollout_config,
     success_metrics,
     trajectory_metrics,
 )

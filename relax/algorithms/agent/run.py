@@ -14,13 +14,8 @@ import jax
 import numpy as np
 import tyro
 
-from relax.algorithms.agent.step import (
-    AgentConfig,
-    make_agent_grpo_step,
-    make_agent_ppo_step,
-    rollout_config,
-    success_metrics,
-)
+from relax.algorithms.agent.config import AgentConfig, rollout_config
+from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step, success_metrics
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.grpo.config import GRPOConfig

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relax.algorithms.agent.config import AgentConfig, rollout_config
 from relax.algorithms.grpo import step as grpo
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import Advantaged, Scored
@@ -36,39 +37,6 @@ from relax.algorithms.ppo.config import PPOConfig
 from relax.compose import Stage, WithHost, stage
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
-from relax.rollout.generation import GenerationConfig
-from relax.rollout.turns import TurnConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentConfig:
-    """The multi-turn part of a run: ``max_turns`` policy turns of at most ``max_turn_tokens``
-    sampled tokens each (the whole trajectory, observations included, in the algorithm's
-    ``max_new_tokens``); ``per_turn``: per-turn advantages (GRPO, ``advantages.turn_grpo``);
-    ``compact_below``: as ``AgentRolloutConfig``."""
-
-    max_turns: int = 3
-    max_turn_tokens: int = 32
-    per_turn: bool = False
-    compact_below: float = 0.5
-
-
-def rollout_config(
-    agent: AgentConfig, generation: GenerationConfig, *, eos_ids: tuple[int, ...], pad_id: int
-) -> AgentRolloutConfig:
-    """The trajectories' sampler: ``generation``'s completions per row, sampling controls and
-    budget (the whole trajectory, observations included), turns of ``agent.max_turn_tokens``."""
-    turns = TurnConfig(
-        num_generations=generation.num_generations,
-        max_tokens=generation.max_new_tokens,
-        max_turn_tokens=agent.max_turn_tokens,
-        sampling=generation.sampling,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-    )
-    return AgentRolloutConfig(
-        turns=turns, max_turns=agent.max_turns, compact_below=agent.compact_below
-    )
 
 
 def trajectory_metrics(t: Trajectories) -> dict[str, float]:
