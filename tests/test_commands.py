@@ -120,6 +120,19 @@ def test_every_command_has_help(name, capsys):
     assert HELP_FLAG[name] in out and f"relax {name}" in out
 
 
+# The trainers that take --parallel.* (not yet: the agent trainer and the rlhf pipeline).
+MESH_TRAINERS = tuple(name for name in TRAINERS if name not in ("agent", "rlhf"))
+
+
+@pytest.mark.parametrize("name", MESH_TRAINERS)
+def test_trainers_take_the_parallel_flags(name, capsys):
+    assert status([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--parallel.mesh" in out and "--parallel.multihost" in out
+    cfg = COMMANDS[name].parse(["--parallel.mesh", "data=2,fsdp=2"])
+    assert cfg.parallel.mesh == "data=2,fsdp=2"
+
+
 @pytest.mark.parametrize("name", TRAINERS)
 def test_parse_returns_the_config_and_agrees_with_the_example(name, monkeypatch):
     cfg = COMMANDS[name].parse(FLAGS[name])

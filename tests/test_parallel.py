@@ -598,6 +598,20 @@ if __name__ != "__main__":
 
     # ------------------------------------------------------------------ in-process
 
+    def test_rows_are_prompts_or_packed_rows():
+        """A batch's rows (the axis split over the batch axes): its prompts, else its packed rows
+        (an SFT batch), else none (a sharded step refuses it)."""
+        from relax.data.packing import PackedBatch
+        from relax.parallel.mesh import prompt_rows
+
+        rows = np.zeros((6, 5), np.int32)
+        assert prompt_rows({"prompt_ids": rows[:4], "ids": rows}) == 4
+        assert prompt_rows(PackedBatch(ids=rows, segment_ids=rows, loss_mask=rows)) == 6
+        assert prompt_rows({"tokens": rows}) is None
+        mesh = parallel.make_mesh("data=1")
+        placed = parallel.place_batch(PackedBatch(ids=rows, segment_ids=rows, loss_mask=rows), mesh)
+        assert placed.ids.sharding.spec == parallel.batch_sharding(mesh).spec
+
     def test_mesh_spec_parsing():
         assert MeshSpec.parse("data=2,fsdp=4,tensor=1").shape == (
             2,

@@ -309,23 +309,33 @@ def batch_leaf_sharding(x: Any, mesh: Mesh, rows: int) -> NamedSharding:
     return batch_sharding(mesh) if np.ndim(x) >= 1 and np.shape(x)[0] == rows else replicated(mesh)
 
 
+# The field whose leading axis is a batch's rows, the axis split over the batch axes: its prompts
+# (every online and preference batch), else its packed rows (``relax.data.packing.PackedBatch``).
+ROW_FIELDS = ("prompt_ids", "ids")
+
+
+def row_array(batch: Any) -> Any:
+    """A batch's first ``ROW_FIELDS`` entry (a dict's entry or a typed batch's field); None when
+    it has none."""
+    for name in ROW_FIELDS:
+        ids = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+        if ids is not None:
+            return ids
+    return None
+
+
 def prompt_rows(batch: Any) -> int | None:
-    """The prompt count of a device batch (its ``prompt_ids``' leading axis; a dict's entry or a
-    typed batch's field); None when it has none."""
-    ids = (
-        batch.get("prompt_ids")
-        if isinstance(batch, Mapping)
-        else getattr(batch, "prompt_ids", None)
-    )
+    """The row count of a device batch (``row_array``'s leading axis); None when it has none."""
+    ids = row_array(batch)
     return None if ids is None else ids.shape[0]
 
 
 def place_batch(batch: Any, mesh: Mesh) -> Any:
-    """Device entries of ``batch`` as global arrays on ``mesh``: arrays with the prompt axis
-    (``prompt_ids``' leading size) split over ``BATCH_AXES``, others replicated. Host-local
+    """Device entries of ``batch`` as global arrays on ``mesh``: arrays with the row axis
+    (``prompt_rows``' size) split over ``BATCH_AXES``, others replicated. Host-local
     arrays (numpy, or this process's rows) are assembled with
     ``jax.make_array_from_process_local_data``; arrays on another mesh are moved."""
-    ids = batch["prompt_ids"] if isinstance(batch, Mapping) else batch.prompt_ids
+    ids = row_array(batch)
     global_rows = ids.shape[0] if distributed.is_global(ids) else ids.shape[0] * jax.process_count()
     if global_rows % batch_shards(mesh):
         raise ShardingError(

@@ -268,7 +268,9 @@ class ShardedStep(SegmentRunner):
     def _split(batch) -> tuple[Any, Any]:
         host, dev = split_host(batch)
         if prompt_rows(dev) is None:
-            raise ShardingError("a sharded step needs a batch with prompt_ids (the prompt axis)")
+            raise ShardingError(
+                "a sharded step needs a batch with prompt_ids (the prompt axis) or packed rows (ids)"
+            )
         return host, dev
 
     @staticmethod

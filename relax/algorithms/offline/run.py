@@ -24,13 +24,20 @@ import jax.numpy as jnp
 
 from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.online.config import ModelRunConfig
-from relax.algorithms.online.run import start_run
-from relax.algorithms.online.setup import base_path, builtin_setup, exporter, with_lora
+from relax.algorithms.online.run import run_meshes, start_run
+from relax.algorithms.online.setup import (
+    base_path,
+    builtin_setup,
+    exporter,
+    on_host_memory,
+    with_lora,
+)
 from relax.data.files import Record, read_records
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
 from relax.eval.evaluate import EvalConfig, evaluate
 from relax.models.config.model import DTYPES
 from relax.models.hf.checkpoint import load_pretrained
+from relax.parallel import ShardedStep, ShardingError, batch_shards
 from relax.passes import Passes, choose_passes
 from relax.rewards.builtin import exact_match
 from relax.rewards.functions import RewardFunction
@@ -93,14 +100,29 @@ class OfflineAlgorithm:
 
 
 def batch_iterator(
-    examples: list, batch_size: int, seed: int, collate: Callable[[list], Any]
+    examples: list,
+    batch_size: int,
+    seed: int,
+    collate: Callable[[list], Any],
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> grain.DatasetIterator:
     """Shuffled (by ``seed``), repeated batches of ``collate``d examples; ``get_state()`` /
-    ``set_state()`` resume exactly (checkpointed with the train state)."""
+    ``set_state()`` resume exactly (checkpointed with the train state). Of several processes
+    each collates its own ``batch_size / process_count`` of a step's examples (every process
+    shuffles alike), which ``relax.parallel`` assembles into the global batch."""
     if len(examples) < batch_size:
         raise ValueError(f"{len(examples)} training examples make no full batch of {batch_size}")
+    if batch_size % process_count:
+        raise ValueError(f"--batch-size={batch_size} does not split over {process_count} processes")
+    local = batch_size // process_count
+
+    def mine(batch: list) -> Any:
+        return collate(batch[process_index * local : (process_index + 1) * local])
+
     ds = grain.MapDataset.source(examples).shuffle(seed=seed).repeat()
-    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=collate)
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=mine)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=1)))
 
 
@@ -145,11 +167,36 @@ def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextToken
     return run_eval
 
 
+def _sharded(cfg: OfflineRunConfig, step, state, mesh, sampler_mesh):
+    """``(step, state)`` on the meshes (``relax.parallel.ShardedStep``); a sampler mesh only for a
+    step that samples (its stages placed on the sampler: distillation's on-policy ``sample``)."""
+    if sampler_mesh is not None and not any(s.placement == "sampler" for s in step.leaves):
+        raise ShardingError(
+            "--parallel.sampler-devices: this trainer samples nothing; drop it (every device "
+            "trains on --parallel.mesh)"
+        )
+    step = ShardedStep(
+        step,
+        state,
+        mesh,
+        sampler_mesh=sampler_mesh,
+        offload_reference=cfg.parallel.offload_reference,
+    )
+    return step, step.place(state)
+
+
 def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
-    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``. With
+    ``--parallel.*`` the step runs on the meshes, its batch rows split over the batch axes and
+    the state laid out by the sharding rules, as GRPO's (``relax.parallel``)."""
+    cfg.parallel.initialize()  # multi-host: before anything touches a device
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
-    tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(cfg, algo, run_dir, log)
+    mesh, sampler_mesh = run_meshes(cfg, log)
+    with on_host_memory(mesh is not None):
+        tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(
+            cfg, algo, run_dir, log
+        )
     train = algo.encode(train_rows, tokenizer)
     encode_eval = algo.encode if algo.encode_eval is None else algo.encode_eval
     held_out = (
@@ -170,7 +217,14 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
         ],
     )
     log(report.text())
-    state = algo.make_state(model, jax.random.key(cfg.seed))
+    with on_host_memory(mesh is not None):
+        state = algo.make_state(model, jax.random.key(cfg.seed))
+    step = algo.make_step(
+        choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), tokenizer
+    )
+    if mesh is not None:
+        step, state = _sharded(cfg, step, state, mesh, sampler_mesh)
+        del model
     export = (
         exporter(tokenizer, base_path(cfg, run_dir))
         if algo.export is None
@@ -178,14 +232,17 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     )
     trainer = Trainer(
         name=algo.name,
-        step=algo.make_step(choose_passes(), tokenizer),
+        step=step,
         batches=batch_iterator(
             train,
             cfg.batch_size,
             cfg.seed,
             functools.partial(algo.collate, pad_id=tokenizer.pad_token_id),
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
         ),
-        make_batch=lambda b: jax.tree.map(jnp.asarray, b),
+        # on a mesh the step places this process's rows itself (relax.parallel.place_batch)
+        make_batch=(lambda b: b) if mesh is not None else (lambda b: jax.tree.map(jnp.asarray, b)),
         host_metrics=algo.host_metrics,
         evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log),
         export=export,

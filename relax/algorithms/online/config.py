@@ -35,8 +35,8 @@ BAR_KEYS = (
 @dataclasses.dataclass(frozen=True)
 class ModelRunConfig(RunConfig):
     """What every run on a model and a dataset has (online and offline): the model, its tokenizer,
-    the data and its held-out part, dtypes, the batch size. Without ``model`` the built-in offline
-    task (``task``) is used."""
+    the data and its held-out part, dtypes, the batch size, the meshes. Without ``model`` the
+    built-in offline task (``task``) is used."""
 
     model: str | None = None
     """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
@@ -62,6 +62,8 @@ class ModelRunConfig(RunConfig):
     reverse: reverse.ReverseTask = reverse.ReverseTask()
     code: code_task.CodeTask = code_task.CodeTask()
     math: math_task.MathTask = math_task.MathTask()
+    parallel: ParallelConfig = ParallelConfig()
+    """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
 
     @property
     def task_config(self):
@@ -118,8 +120,6 @@ class OnlineRunConfig(ModelRunConfig):
     reward_model_weight: float = 1.0
     eval: EvalConfig = EvalConfig()
     eval_max_prompts: int | None = None
-    parallel: ParallelConfig = ParallelConfig()
-    """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
     async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
     """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` samples the next batch
     while the update runs, with an off-policy correction (``--async.correction.kind``)."""

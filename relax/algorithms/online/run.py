@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from relax.algorithms.cli.report import (
     StartupReport,
@@ -23,7 +24,13 @@ from relax.algorithms.cli.report import (
     token_lines,
 )
 from relax.algorithms.online.batch import HostRecord, step_input
-from relax.algorithms.online.config import BAR_KEYS, OnlineAlgorithm, OnlineRunConfig, run_parts
+from relax.algorithms.online.config import (
+    BAR_KEYS,
+    ModelRunConfig,
+    OnlineAlgorithm,
+    OnlineRunConfig,
+    run_parts,
+)
 from relax.algorithms.online.rewards import reward_functions, reward_pool
 from relax.algorithms.online.setup import (
     RunData,
@@ -198,11 +205,9 @@ def start_run(cfg: RunConfig, name: str):
     return run_dir, log
 
 
-def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
-    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
-    cfg.parallel.initialize()  # multi-host: before anything touches a device
-    run_dir, log = start_run(cfg, algo.name)
-    t_start = time.perf_counter()
+def run_meshes(cfg: ModelRunConfig, log) -> tuple[Mesh | None, Mesh | None]:
+    """The run's ``(trainer, sampler)`` meshes (``--parallel.*``; None: one device), checked
+    against ``--batch-size`` (its rows split over the batch axes) and logged."""
     mesh, sampler_mesh = cfg.parallel.meshes()
     check_batch(cfg.batch_size, mesh)
     check_batch(cfg.batch_size, sampler_mesh)
@@ -212,6 +217,15 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             + (f", sampler mesh {dict(sampler_mesh.shape)}" if sampler_mesh else "")
             + f" | {jax.process_count()} process(es)"
         )
+    return mesh, sampler_mesh
+
+
+def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    cfg.parallel.initialize()  # multi-host: before anything touches a device
+    run_dir, log = start_run(cfg, algo.name)
+    t_start = time.perf_counter()
+    mesh, sampler_mesh = run_meshes(cfg, log)
     data = load_run_data(cfg, run_dir, mesh is not None, log)
     tokenizer, model = data.tokenizer, data.model
     reward_fns = reward_functions(cfg)

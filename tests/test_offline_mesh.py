@@ -1,0 +1,147 @@
+"""The offline trainers on a mesh (``--parallel.mesh``): SFT, DPO, KTO, reward-model training and
+distillation, each run through its command line for two steps on one device and on a three-axis
+mesh of 8 simulated devices (``data=2,fsdp=2,tensor=2``: batch rows over data x fsdp, heads and
+MLP over tensor), log the same training and held-out metrics to rounding.
+
+Eight simulated devices need ``--xla_force_host_platform_device_count`` before jax starts: one
+subprocess (this file as a script) runs every trainer both ways and writes JSON, as
+tests/test_parallel.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+MESH = "data=2,fsdp=2,tensor=2"
+RTOL, ATOL = 2e-4, 2e-5  # float32 sums in another order over 8 devices, after an Adam step
+SKIP = ("time", "tokens_per_s", "compiles")  # wall-clock figures
+LENGTHS = ("--max-prompt-tokens", "16", "--max-completion-tokens", "8")
+
+
+def _lines(run_dir: Path) -> dict[str, dict]:
+    """Every metrics.jsonl line by step (``train`` / ``eval`` lines apart), wall-clock keys left out."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        kind = "eval" if any(k.startswith("eval/") for k in row) else "train"
+        out[f"{kind} {row['step']}"] = {
+            k: v
+            for k, v in row.items()
+            if k not in SKIP and not k.startswith("time/") and isinstance(v, int | float)
+        }
+    return out
+
+
+def _trainers(root: Path) -> dict[str, list[str]]:
+    """Each trainer's command line on the reverse task's data, from a base model built once."""
+    import jax
+
+    from relax.models import ModelConfig, init
+    from relax.models.hf.checkpoint import save_pretrained
+    from relax.tasks import reverse
+
+    task = reverse.ReverseTask(num_train=200, num_eval=16)
+    train, _ = reverse.make_splits(task)
+    tokenizer = reverse.build_tokenizer(task, root)
+    base = reverse.train_base_model(
+        task, tokenizer, train, key=jax.random.key(0), log=lambda *a: None
+    )
+    save_pretrained(base, root / "model")
+    tokenizer.save_pretrained(root / "model")
+    c = base.config
+    student = init(
+        ModelConfig(**{**c.__dict__, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}),
+        jax.random.key(5),
+        std=0.05,
+    )
+    save_pretrained(student, root / "student")
+    tokenizer.save_pretrained(root / "student")
+
+    def data(rows_of, name: str, model: str = "model") -> list[str]:
+        paths = reverse.write_task_data(task, root / name, rows_of)
+        return ["--model", str(root / model), "--data", paths[0], "--eval-data", paths[1]]
+
+    unpaired = lambda rs: reverse.unpaired_records(rs, 0)  # noqa: E731
+    prompts_and_completions = lambda rs: [  # noqa: E731
+        {k: r[k] for k in ("prompt", "completion")} for r in unpaired(rs)
+    ]
+    pairs = data(reverse.preference_records, "pairs")
+    return {
+        "sft": [*data(reverse.sft_records, "sft"), "--sft.max-length", "32"],
+        "dpo": [*pairs, "--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "8"],
+        "kto": [
+            *data(unpaired, "unpaired"),
+            *("--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "8"),
+        ],
+        "reward_model": [*pairs, *LENGTHS],
+        "distill": [
+            *data(prompts_and_completions, "distill", model="student"),
+            *("--teacher", str(root / "model"), *LENGTHS),
+        ],
+    }
+
+
+def worker(out_path: str, root: str) -> None:
+    import jax
+    from conftest import load_example, use_compile_cache
+
+    from relax.parallel import ShardingError
+
+    use_compile_cache()
+    assert jax.device_count() == 8, jax.devices()
+    results = {}
+    trainers = _trainers(Path(root))
+    for name, args in trainers.items():
+        common = [*args, "--steps", "2", "--batch-size", "8", "--eval-max-examples", "8"]
+        runs = {}
+        for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
+            run_dir = Path(root) / f"{name}-{where}"
+            load_example(name).main([*common, *flags, "--run-dir", str(run_dir)])
+            runs[where] = _lines(run_dir)
+        results[name] = runs
+    try:  # SFT samples nothing: a sampler mesh would only take devices from training
+        sft = [*trainers["sft"], "--steps", "1", "--batch-size", "8"]
+        load_example("sft").main(
+            [*sft, "--parallel.sampler-devices", "4", "--run-dir", str(Path(root) / "sampler")]
+        )
+        results["sampler_devices_error"] = None
+    except ShardingError as e:
+        results["sampler_devices_error"] = str(e)
+    Path(out_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    worker(*sys.argv[1:])
+else:
+    import numpy as np
+    import pytest
+    from test_parallel import run_worker
+
+    TRAINERS = ("sft", "dpo", "kto", "reward_model", "distill")
+
+    @pytest.fixture(scope="module")
+    def results(tmp_path_factory):
+        d = tmp_path_factory.mktemp("offline_mesh")
+        run_worker(HERE, [str(d / "results.json"), str(d)], timeout=900.0)
+        return json.loads((d / "results.json").read_text())
+
+    @pytest.mark.slow  # one 8-device worker runs ten short runs: minutes on 2 cores
+    def test_a_trainer_that_samples_nothing_refuses_sampler_devices(results):
+        assert "--parallel.sampler-devices" in results["sampler_devices_error"]
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("name", TRAINERS)
+    def test_offline_trainer_on_a_mesh_equals_one_device(results, name):
+        one, mesh = results[name]["one"], results[name]["mesh"]
+        assert set(one) == set(mesh) and {"train 1", "train 2"} <= set(one), (one, mesh)
+        assert any(k.startswith("eval") for k in one), one  # held-out figures before and after
+        for line, want in one.items():
+            assert set(mesh[line]) == set(want), (name, line)
+            for key, value in want.items():
+                np.testing.assert_allclose(
+                    mesh[line][key], value, rtol=RTOL, atol=ATOL, err_msg=f"{name} {line}: {key}"
+                )
