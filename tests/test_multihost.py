@@ -4,6 +4,7 @@
 feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
 their metrics and tokens must match a single-process run of the same global batch. Both processes
 also save and restore a checkpoint collectively.
+SFT from its command line on the same two-process mesh logs what one device logs.
 Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
 """
@@ -49,6 +50,28 @@ def process_worker(pid: int, n: int, port: int, out: str, ckpt: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+def sft_worker(run_dir: str, root: str, *flags: str) -> None:
+    """``relax sft`` on a random model and the reverse task's rows, two steps, with ``flags``
+    (the parallel ones); jax's CPU device count from ``RELAX_TEST_CPU_DEVICES``."""
+    import os
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get("RELAX_TEST_CPU_DEVICES", "1")))
+    tp.use_compile_cache()
+    from conftest import load_example
+
+    data = Path(root) / "sft"
+    load_example("sft").main(
+        [
+            *("--model", str(Path(root) / "model"), "--data", str(data / "train.jsonl")),
+            *("--eval-data", str(data / "eval.jsonl"), "--eval-max-examples", "4"),
+            *("--steps", "2", "--batch-size", "8", "--sft.max-length", "32"),
+            *("--run-dir", run_dir, *flags),
+        ]
+    )
+
+
 def single_worker(out: str) -> None:
     tp.use_compile_cache()
     Path(out).write_text(json.dumps(tp.run_case(None)))
@@ -60,8 +83,8 @@ if __name__ != "__main__":
 
     from relax.parallel import distributed
 
-    def _spawn(args, devices=1):
-        env = tp.worker_env(devices)
+    def _spawn(args, devices=1, env=None):
+        env = {**tp.worker_env(devices), **(env or {})}
         return subprocess.Popen(
             [sys.executable, str(HERE), *args],
             env=env,
@@ -119,6 +142,73 @@ if __name__ != "__main__":
                 and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
             )
 
+    def _sft_setup(root: Path) -> None:
+        """A random model with the reverse task's tokenizer, and SFT rows of the task."""
+        import jax
+
+        from relax.models import ModelConfig, init
+        from relax.models.hf.checkpoint import save_pretrained
+        from relax.tasks import reverse
+
+        task = reverse.ReverseTask(num_train=64, num_eval=8)
+        tokenizer = reverse.build_tokenizer(task, root)
+        config = ModelConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+        save_pretrained(init(config, jax.random.key(0), std=0.1), root / "model")
+        tokenizer.save_pretrained(root / "model")
+        reverse.write_task_data(task, root / "sft", reverse.sft_records)
+
+    @pytest.mark.slow  # three short runs in subprocesses
+    def test_sft_on_two_processes_logs_what_one_device_logs(tmp_path):
+        """``relax sft`` on the global ``fsdp=2,tensor=2`` mesh of two processes (each collating
+        its half of a step's rows) logs the training and held-out metrics of a one-device run."""
+        _sft_setup(tmp_path)
+        port = free_port()
+        flags = ["--parallel.mesh", GLOBAL_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
+        procs = [
+            _spawn(
+                [
+                    "sft",
+                    str(tmp_path / "two"),
+                    str(tmp_path),
+                    *flags,
+                    "--parallel.num-processes",
+                    "2",
+                    "--parallel.process-id",
+                    str(i),
+                ],
+                env={"RELAX_TEST_CPU_DEVICES": "2"},
+            )
+            for i in range(2)
+        ]
+        procs.append(_spawn(["sft", str(tmp_path / "one"), str(tmp_path)]))
+        outputs = _finish(procs, 2 * TIMEOUT_S)
+        for p, out in zip(procs, outputs):
+            assert p.returncode == 0, out[-6000:]
+        assert "2 process(es)" in outputs[0]
+        lines = {
+            run: [
+                json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+            ]
+            for run in ("one", "two")
+        }
+        assert len(lines["one"]) == len(lines["two"]) >= 4  # evals before and after, 2 steps
+        for want, got in zip(lines["one"], lines["two"]):
+            assert want["step"] == got["step"]
+            for k, v in want.items():
+                if k.startswith("time") or k in ("tokens_per_s", "compiles", "step"):
+                    continue
+                if isinstance(v, int | float):
+                    np.testing.assert_allclose(got[k], v, rtol=2e-4, atol=2e-5, err_msg=k)
+
     def test_unreachable_coordinator_fails_after_the_timeout_naming_it():
         port = free_port()  # nothing listens there
         t0 = time.monotonic()
@@ -168,6 +258,8 @@ if __name__ == "__main__":
         process_worker(int(args[0]), int(args[1]), int(args[2]), args[3], args[4])
     elif mode == "single":
         single_worker(args[0])
+    elif mode == "sft":
+        sft_worker(*args)
     elif mode == "alone":  # process 0 of 2 whose peer never comes
         from relax.parallel import distributed as d
 
