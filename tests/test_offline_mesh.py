@@ -1,7 +1,9 @@
 """The offline trainers on a mesh (``--parallel.mesh``): SFT, DPO, KTO, reward-model training and
 distillation, each run through its command line for two steps on one device and on a three-axis
 mesh of 8 simulated devices (``data=2,fsdp=2,tensor=2``: batch rows over data x fsdp, heads and
-MLP over tensor), log the same training and held-out metrics to rounding.
+MLP over tensor), log the same training and held-out metrics to rounding. And a GRPO/PPO run's
+``--reward-model`` on that mesh: its weights laid out by the sharding rules, its scores those of
+one device.
 
 Eight simulated devices need ``--xla_force_host_platform_device_count`` before jax starts: one
 subprocess (this file as a script) runs every trainer both ways and writes JSON, as
@@ -84,6 +86,35 @@ def _trainers(root: Path) -> dict[str, list[str]]:
     }
 
 
+def reward_model_case(root: Path) -> dict:
+    """``--reward-model``'s scorer (``reward_functions``) on one device and on the mesh: the
+    scores of a few samples, and how the mesh lays out the reward model's weights."""
+    import jax
+
+    from relax import parallel
+    from relax.algorithms.online.config import OnlineRunConfig
+    from relax.algorithms.online.rewards import reward_functions
+    from relax.models.heads.reward_model import init_reward_model, save_reward_model
+    from relax.models.hf.checkpoint import load_pretrained
+    from relax.text import load_tokenizer
+
+    tokenizer = load_tokenizer(root / "model")
+    rm = init_reward_model(
+        load_pretrained(root / "model"), jax.random.key(4), head_std=1.0, pad_token_id=0
+    )
+    cfg = OnlineRunConfig(
+        reward_model=str(save_reward_model(rm, root / "rm", tokenizer=tokenizer)), reward=()
+    )
+    prompts, completions = ["abc=", "ba=", "cab="] * 4, ["cba", "ab", "bac", "c"] * 3
+    one = reward_functions(cfg)[-1].fn
+    sharded = reward_functions(cfg, parallel.make_mesh(MESH))[-1].fn
+    return {
+        "one": one(prompts, completions),
+        "mesh": sharded(prompts, completions),
+        "wq_spec": str(sharded.model.backbone.layers.wq.sharding.spec),
+    }
+
+
 def worker(out_path: str, root: str) -> None:
     import jax
     from conftest import load_example, use_compile_cache
@@ -92,8 +123,8 @@ def worker(out_path: str, root: str) -> None:
 
     use_compile_cache()
     assert jax.device_count() == 8, jax.devices()
-    results = {}
     trainers = _trainers(Path(root))
+    results = {"rm_scorer": reward_model_case(Path(root))}
     for name, args in trainers.items():
         common = [*args, "--steps", "2", "--batch-size", "8", "--eval-max-examples", "8"]
         runs = {}
@@ -132,6 +163,13 @@ else:
     @pytest.mark.slow  # one 8-device worker runs ten short runs: minutes on 2 cores
     def test_a_trainer_that_samples_nothing_refuses_sampler_devices(results):
         assert "--parallel.sampler-devices" in results["sampler_devices_error"]
+
+    @pytest.mark.slow
+    def test_a_reward_model_is_sharded_on_the_mesh_and_scores_alike(results):
+        got = results["rm_scorer"]
+        assert "tensor" in got["wq_spec"] and "fsdp" in got["wq_spec"], got["wq_spec"]
+        np.testing.assert_allclose(got["mesh"], got["one"], rtol=RTOL, atol=ATOL)
+        assert len(set(np.round(got["one"], 4))) > 1  # the samples score apart
 
     @pytest.mark.slow
     @pytest.mark.parametrize("name", TRAINERS)

@@ -372,6 +372,39 @@ def test_token_reward_matches_sequence_rewards():
         reward_model_reward(rm.backbone)
 
 
+def test_reward_model_weights_are_arguments_of_the_program_not_constants():
+    """The program ``score_tokens`` compiles takes the reward model's arrays as arguments: with an
+    MLP 64x wider (the weights over 8x larger) its text does not grow (a closed-over model would
+    embed every weight as a constant) and holds no constant of a weight's size."""
+    import dataclasses
+    import re
+
+    from relax.rewards.token_rewards import scores_program
+
+    def program(intermediate):
+        cfg = dataclasses.replace(
+            tiny("qwen3_gqa_head_dim", pad_token_id=PAD), intermediate_size=intermediate
+        )
+        rm = RewardModel(
+            init_reward_model(random_model(cfg, 0), head_std=0.0).backbone,
+            jnp.ones(cfg.hidden_size),
+        )
+        fn = reward_model_reward(rm)
+        arrays = _batch(cfg.vocab_size)
+        size = sum(x.size for x in jax.tree.leaves(fn.params))
+        args = (arrays[0], arrays[1].astype(bool), arrays[2], arrays[3].astype(bool))
+        text = scores_program.lower(
+            (dataclasses.replace(fn, params=None),), "nan", (fn.params,), *args
+        ).as_text()
+        return size, text
+
+    (small, text), (big, big_text) = program(16), program(1024)
+    assert big > 8 * small
+    assert len(big_text) < 1.05 * len(text), (len(text), len(big_text))
+    constants = re.findall(r"dense<\"0x([0-9A-F]+)\">", big_text)
+    assert max((len(c) // 2 for c in constants), default=0) < 4 * 1024, "a weight-sized constant"
+
+
 def test_text_reward_model_with_its_own_tokenizer(tmp_path):
     """A reward model with another tokenizer than the policy's scores the decoded texts: each
     sample equals ``sequence_rewards`` on that sample encoded by hand (BOS + prompt, completion +

@@ -33,6 +33,7 @@ set here before the backend starts).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -237,3 +238,14 @@ def to_local(x: Any) -> np.ndarray:
         if start not in pieces:  # copy each row block once (other axes hold duplicates of it)
             pieces[start] = np.asarray(shard.data)
     return np.concatenate([pieces[k] for k in sorted(pieces)], axis=0)
+
+
+def on_host_memory(enabled: bool):
+    """Load / initialise the model in host memory when it is going to be sharded anyway (so a
+    model larger than one accelerator never lands whole on device 0)."""
+    if enabled and jax.devices()[0].platform != "cpu":
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+            pass
+    return contextlib.nullcontext()

@@ -9,14 +9,13 @@
 one batched forward of the reward model, no decoding and no host round trip; the score of each
 completion is ``relax.models.heads.reward_model.sequence_rewards`` (read at its last valid token).
 
-Hashability: ``score_tokens`` makes the functions a jit static argument, so ``fn`` must be
-hashable, and an ``equinox.Module`` holding arrays is not (its fields hash by value). The fn
-here is a :class:`RewardModelScorer`, a plain object that holds the reward model and hashes and
-compares by identity: the same scorer hits the same compiled program every iteration, and a
-new scorer (new weights) compiles anew. ``score_tokens`` hands a fn only the four token arrays,
-so the weights are closed over: they enter the compiled program as constants (XLA embeds them;
-fine for the small reward models of tests and examples, but a compile of a multi-GB reward model
-would carry its weights, and arrays sharded over several hosts cannot be closed over at all).
+The weights are an argument of the compiled program, never constants in it: the token reward's
+``params`` are the reward model's arrays, which ``score_tokens`` passes to the jit beside the token
+arrays; its ``fn`` is a :class:`RewardModelScorer`, which holds only the model's static part (its
+config and structure), hashes and compares by identity (a jit static must hash, and an
+``equinox.Module`` holding arrays hashes by value) and puts the model back together from the
+arrays it is given. So a compile does not grow with the reward model, and its weights may be
+laid out on a mesh (``relax.parallel.state_shardings``) like any argument.
 """
 
 from __future__ import annotations
@@ -38,10 +37,12 @@ __all__ = ["RewardModelScorer", "TextRewardModel", "reward_model_reward"]
 
 
 class RewardModelScorer:
-    """``scorer(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [P, G]`` float32: the
-    reward model's ``sequence_rewards``. Hashes and compares by identity (module docstring)."""
+    """``scorer(params, prompt_ids, prompt_mask, completion_ids, completion_mask) -> [P, G]``
+    float32: the ``sequence_rewards`` of the reward model made of ``params`` (its arrays,
+    ``scorer.params(model)``) and the static part kept here. Hashes and compares by identity
+    (module docstring)."""
 
-    __slots__ = ("model", "groups_per_pass", "attention", "ignore_pad_tokens")
+    __slots__ = ("static", "groups_per_pass", "attention", "ignore_pad_tokens")
 
     def __init__(
         self,
@@ -58,13 +59,19 @@ class RewardModelScorer:
         check_train_attention(attention)
         if groups_per_pass is not None and groups_per_pass < 1:
             raise ValueError(f"groups_per_pass must be >= 1 or None, got {groups_per_pass}")
-        self.model, self.groups_per_pass, self.attention = model, groups_per_pass, attention
+        self.static = eqx.partition(model, eqx.is_array)[1]
+        self.groups_per_pass, self.attention = groups_per_pass, attention
         self.ignore_pad_tokens = ignore_pad_tokens
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
 
-    def __call__(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    @staticmethod
+    def params(model: RewardModel):
+        """The arrays of ``model``: what the scorer is called with."""
+        return eqx.partition(model, eqx.is_array)[0]
+
+    def __call__(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
         p = prompt_ids.shape[0]
         groups = (
             self.groups_per_pass
@@ -72,7 +79,7 @@ class RewardModelScorer:
             else None
         )
         return sequence_rewards(
-            self.model,
+            eqx.combine(params, self.static),
             jnp.asarray(prompt_ids),
             jnp.asarray(prompt_mask).astype(jnp.int32),
             jnp.asarray(completion_ids),
@@ -82,7 +89,7 @@ class RewardModelScorer:
         )
 
     def __repr__(self) -> str:
-        c = self.model.config
+        c = self.static.config
         return (
             f"RewardModelScorer({c.family}, {c.num_layers} layers, hidden {c.hidden_size}, "
             f"groups_per_pass={self.groups_per_pass})"
@@ -98,22 +105,21 @@ def reward_model_reward(
     attention: str = "auto",
     ignore_pad_tokens: bool = True,
 ) -> TokenRewardFunction:
-    """A ``TokenRewardFunction`` scoring each completion with ``model`` (``sequence_rewards``).
+    """A ``TokenRewardFunction`` scoring each completion with ``model`` (``sequence_rewards``);
+    its ``params`` are ``model``'s arrays, as they are laid out (place ``model`` on a mesh first
+    to score with it sharded).
 
     ``groups_per_pass``: prompt groups per forward (a ``lax.map`` over slices; e.g. 1 on a CPU,
     where a group's activations stay in cache; ignored when it does not divide P); None: all at
     once. ``attention`` and ``ignore_pad_tokens`` as ``sequence_rewards``'s.
     """
-    return TokenRewardFunction(
-        RewardModelScorer(
-            model,
-            groups_per_pass=groups_per_pass,
-            attention=attention,
-            ignore_pad_tokens=ignore_pad_tokens,
-        ),
-        name,
-        weight,
+    scorer = RewardModelScorer(
+        model,
+        groups_per_pass=groups_per_pass,
+        attention=attention,
+        ignore_pad_tokens=ignore_pad_tokens,
     )
+    return TokenRewardFunction(scorer, name, weight, params=RewardModelScorer.params(model))
 
 
 class TextRewardModel:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +28,16 @@ class TokenRewardFunction:
 
     Shapes: ``prompt_ids/mask [P, Lp]``, ``completion_ids/mask [P, G, N]``. NaN marks a missing
     reward; +-inf (in float32) is an error (see ``score_tokens``). ``fn`` must be hashable (plain
-    functions and closures are): it is a jit static.
+    functions and closures are): it is a jit static. ``params``: arrays the reward reads (a
+    reward model's weights), a pytree passed as ``fn``'s first argument, ``fn(params,
+    prompt_ids, ...)``: an argument of the compiled program, never a constant in it, and laid
+    out wherever its arrays are (e.g. sharded over a mesh). None: ``fn`` takes the four arrays.
     """
 
     fn: TokenRewardFn
     name: str
     weight: float = 1.0
+    params: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def score_tokens(
@@ -63,8 +68,14 @@ def score_tokens(
         raise ValueError(
             f"need prompt_ids [P, Lp] and completion_ids [P, G, N], got {shapes[0]}, {shapes[1]}"
         )
-    total, per = _score_tokens(
-        fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask
+    total, per = scores_program(
+        tuple(dataclasses.replace(f, params=None) for f in fns),
+        all_missing,
+        tuple(f.params for f in fns),
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
     )
     if not isinstance(total, jax.core.Tracer):
         with np.errstate(over="ignore"):  # float32 is what the trainer uses (make_score)
@@ -75,11 +86,16 @@ def score_tokens(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _score_tokens(fns, all_missing, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def scores_program(
+    fns, all_missing, params, prompt_ids, prompt_mask, completion_ids, completion_mask
+):
+    """The program ``score_tokens`` runs: ``fns`` (without their ``params``) and ``all_missing``
+    static, each function's ``params`` an argument beside the token arrays."""
     pg = completion_ids.shape[:2]
     vals = {}
-    for f in fns:
-        v = jnp.asarray(f.fn(prompt_ids, prompt_mask, completion_ids, completion_mask))
+    for f, p in zip(fns, params):
+        arrays = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        v = jnp.asarray(f.fn(*arrays) if p is None else f.fn(p, *arrays))
         if v.shape != pg:
             raise ValueError(
                 f"token reward {f.name!r} returned shape {v.shape}, expected [P, G] = {pg}"

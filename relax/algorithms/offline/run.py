@@ -29,7 +29,6 @@ from relax.algorithms.online.setup import (
     base_path,
     builtin_setup,
     exporter,
-    on_host_memory,
     with_lora,
 )
 from relax.data.files import Record, read_records
@@ -38,6 +37,7 @@ from relax.eval.evaluate import EvalConfig, evaluate
 from relax.models.config.model import DTYPES
 from relax.models.hf.checkpoint import load_pretrained
 from relax.parallel import ShardedStep, ShardingError, batch_shards
+from relax.parallel.distributed import on_host_memory
 from relax.passes import Passes, choose_passes
 from relax.rewards.builtin import exact_match
 from relax.rewards.functions import RewardFunction

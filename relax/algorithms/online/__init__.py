@@ -33,7 +33,6 @@ from relax.algorithms.online.setup import (
     exporter,
     host_policy,
     load_run_data,
-    on_host_memory,
     text_decoder,
     with_lora,
 )
@@ -88,7 +87,6 @@ __all__ = [
     "make_score",
     "make_score_stages",
     "make_scoring",
-    "on_host_memory",
     "on_policy",
     "packing_metrics",
     "reward_columns",

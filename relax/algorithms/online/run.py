@@ -37,7 +37,6 @@ from relax.algorithms.online.setup import (
     base_path,
     exporter,
     load_run_data,
-    on_host_memory,
     text_decoder,
 )
 from relax.algorithms.online.step import StepParts
@@ -48,6 +47,7 @@ from relax.data.prompts import (
 )
 from relax.eval.evaluate import evaluate
 from relax.parallel import ShardedStep, batch_shards, check_batch
+from relax.parallel.distributed import on_host_memory
 from relax.passes import choose_passes
 from relax.rollout.partial import PartialRollouts
 from relax.train.logs import MetricsLogger, is_main_process
@@ -228,7 +228,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     mesh, sampler_mesh = run_meshes(cfg, log)
     data = load_run_data(cfg, run_dir, mesh is not None, log)
     tokenizer, model = data.tokenizer, data.model
-    reward_fns = reward_functions(cfg)
+    reward_fns = reward_functions(cfg, mesh)
     pool = reward_pool(cfg, reward_fns)
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
         eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))

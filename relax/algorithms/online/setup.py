@@ -3,7 +3,6 @@ prepared and held out, the text decoder, and the export of a policy as a Hugging
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from relax.models.adapters.peft import fused_adapter_error, save_adapter
 from relax.models.config.model import DTYPES
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
 from relax.objectives.reference import ReferenceConfig
+from relax.parallel.distributed import on_host_memory
 from relax.tasks import TASKS
 from relax.tasks.base import prepare
 from relax.text import TextTokenizer, load_tokenizer
@@ -62,17 +62,6 @@ def text_decoder(tokenizer: TextTokenizer):
         ]
 
     return decode
-
-
-def on_host_memory(enabled: bool):
-    """Load / initialise the model in host memory when it is going to be sharded anyway (so a
-    model larger than one accelerator never lands whole on device 0)."""
-    if enabled and jax.devices()[0].platform != "cpu":
-        try:
-            return jax.default_device(jax.devices("cpu")[0])
-        except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
-            pass
-    return contextlib.nullcontext()
 
 
 def exporter(tokenizer: TextTokenizer, base: str | None = None):
