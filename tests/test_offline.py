@@ -81,10 +81,8 @@ def test_reward_model_learns_and_exports_for_transformers(base, tmp_path):
     assert config["architectures"][0].endswith("ForSequenceClassification")
 
 
-def test_sft_learns_and_resumes_exactly(base, tmp_path):
-    """Packed SFT on the right answers: held-out greedy accuracy rises; 4 steps straight equal
-    2 steps + --resume to 4 bit for bit (data position included)."""
-    args = [
+def sft_args(base: Path) -> list[str]:
+    return [
         *data(base, reverse.sft_records, "sft"),
         "--sft.max-length",
         "32",
@@ -97,11 +95,21 @@ def test_sft_learns_and_resumes_exactly(base, tmp_path):
         "--eval-max-examples",
         "64",
     ]
+
+
+@pytest.mark.slow  # make test-all; test_sft_resumes_exactly keeps the command line in make test
+def test_sft_learns(base, tmp_path):
+    """Packed SFT on the right answers: held-out greedy accuracy rises, the NLL falls."""
     summary = load_example("sft").main(
-        [*args, "--run-dir", str(tmp_path / "long"), "--steps", "30"]
+        [*sft_args(base), "--run-dir", str(tmp_path / "long"), "--steps", "30"]
     )
     assert summary["after"]["greedy/accuracy"] > summary["before"]["greedy/accuracy"] + 0.2, summary
     assert summary["after"]["nll"] < summary["before"]["nll"]
+
+
+def test_sft_resumes_exactly(base, tmp_path):
+    """4 steps straight equal 2 steps + --resume to 4 bit for bit (data position included)."""
+    args = sft_args(base)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     load_example("sft").main([*args, "--run-dir", str(straight), "--steps", "4"])
     load_example("sft").main([*args, "--run-dir", str(resumed), "--steps", "2"])
