@@ -152,16 +152,8 @@ if __name__ != "__main__":
 
         task = reverse.ReverseTask(num_train=64, num_eval=8)
         tokenizer = reverse.build_tokenizer(task, root)
-        config = ModelConfig(
-            vocab_size=tokenizer.vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            max_position_embeddings=64,
-        )
+        plain = {"vocab_size": tokenizer.vocab_size, "qkv_bias": False, "qk_norm": False}  # llama's
+        config = ModelConfig(**{**tp.MODEL, **plain})
         save_pretrained(init(config, jax.random.key(0), std=0.1), root / "model")
         tokenizer.save_pretrained(root / "model")
         reverse.write_task_data(task, root / "sft", reverse.sft_records)

@@ -17,17 +17,24 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = reverse.ReverseTask(num_train=1000, num_eval=64)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """The reverse task's base model (it prefers copying to reversing) as an HF directory with its tokenizer."""
-    d = tmp_path_factory.mktemp("offline")
-    train, _ = reverse.make_splits(TASK)
-    tokenizer = reverse.build_tokenizer(TASK, d)
+def write_base(task: reverse.ReverseTask, d: Path):
+    """``task``'s base model (it prefers copying to reversing) in ``d / "model"``, an HF directory
+    with its tokenizer; returns the model."""
+    train, _ = reverse.make_splits(task)
+    tokenizer = reverse.build_tokenizer(task, d)
     model = reverse.train_base_model(
-        TASK, tokenizer, train, key=jax.random.key(0), log=lambda *a: None
+        task, tokenizer, train, key=jax.random.key(0), log=lambda *a: None
     )
     save_pretrained(model, d / "model")
     tokenizer.save_pretrained(d / "model")
+    return model
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The reverse task's base model as an HF directory with its tokenizer (``write_base``)."""
+    d = tmp_path_factory.mktemp("offline")
+    write_base(TASK, d)
     return d
 
 

@@ -40,19 +40,17 @@ def _lines(run_dir: Path) -> dict[str, dict]:
 def _trainers(root: Path) -> dict[str, list[str]]:
     """Each trainer's command line on the reverse task's data, from a base model built once."""
     import jax
+    from test_offline import write_base
 
     from relax.models import ModelConfig, init
     from relax.models.hf.checkpoint import save_pretrained
     from relax.tasks import reverse
 
     task = reverse.ReverseTask(num_train=200, num_eval=16)
-    train, _ = reverse.make_splits(task)
-    tokenizer = reverse.build_tokenizer(task, root)
-    base = reverse.train_base_model(
-        task, tokenizer, train, key=jax.random.key(0), log=lambda *a: None
-    )
-    save_pretrained(base, root / "model")
-    tokenizer.save_pretrained(root / "model")
+    base = write_base(task, root)
+    tokenizer = reverse.build_tokenizer(
+        task, root
+    )  # the base's, again: for the student's directory
     c = base.config
     student = init(
         ModelConfig(**{**c.__dict__, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}),
