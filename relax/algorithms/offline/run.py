@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from relax.algorithms.cli.report import first_row_lines, run_report
-from relax.algorithms.online.config import ModelRunConfig
+from relax.algorithms.online.config import TaskRunConfig
 from relax.algorithms.online.run import run_meshes, start_run
 from relax.algorithms.online.setup import (
     base_path,
@@ -50,8 +50,8 @@ MAX_EVAL_PROMPT = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class OfflineRunConfig(ModelRunConfig):
-    """An offline run on a dataset (every ``ModelRunConfig`` flag, plus how many held-out rows
+class OfflineRunConfig(TaskRunConfig):
+    """An offline run on a dataset (every ``TaskRunConfig`` flag, plus how many held-out rows
     are evaluated)."""
 
     eval_fraction: float = 0.05

@@ -15,6 +15,7 @@ from relax.algorithms.online.config import (
     ModelRunConfig,
     OnlineAlgorithm,
     OnlineRunConfig,
+    TaskRunConfig,
     run_parts,
 )
 from relax.algorithms.online.rewards import (
@@ -71,6 +72,7 @@ __all__ = [
     "Sampled",
     "Scored",
     "StepParts",
+    "TaskRunConfig",
     "base_path",
     "builtin_setup",
     "check_lora_reference",

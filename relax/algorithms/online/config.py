@@ -34,9 +34,9 @@ BAR_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelRunConfig(RunConfig):
-    """What every run on a model and a dataset has (online and offline): the model, its tokenizer,
-    the data and its held-out part, dtypes, the batch size, the meshes. Without ``model`` the
-    built-in offline task (``task``) is used."""
+    """What every run on a model and a dataset has (online, offline and the agent trainer): the
+    model, its tokenizer, the data and its held-out part, dtypes, the batch size, LoRA and the
+    meshes. Without ``model`` a run trains its built-in task."""
 
     model: str | None = None
     """Hugging Face model directory (config.json + safetensors; its tokenizer and chat template too)."""
@@ -47,9 +47,6 @@ class ModelRunConfig(RunConfig):
     eval_data: str | None = None
     """Held-out rows; without it ``eval_fraction`` of --data is held out."""
     eval_fraction: float = 0.0
-    chat_template: Literal["auto", "always", "never"] = "auto"
-    """auto: string prompts go through the model's chat template when it has one (a chat model);
-    always / never. A prompt that is a list of chat messages always goes through it."""
     batch_size: int = 16
     """Rows per step: prompts (each gets G completions), examples, packed rows or pairs."""
     param_dtype: str = "float32"
@@ -57,18 +54,8 @@ class ModelRunConfig(RunConfig):
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (``--lora.rank 8``): only they train, the KL reference is the base model and
     checkpoints hold only the adapters; rank 0 (the default): the whole model trains."""
-    task: Literal["reverse", "code", "math"] = "reverse"
-    """The built-in task without --model: reverse, or (GRPO / PPO) code or math."""
-    reverse: reverse.ReverseTask = reverse.ReverseTask()
-    code: code_task.CodeTask = code_task.CodeTask()
-    math: math_task.MathTask = math_task.MathTask()
     parallel: ParallelConfig = ParallelConfig()
     """Meshes and multi-host setup (``relax.parallel``): e.g. ``--parallel.mesh fsdp=-1``."""
-
-    @property
-    def task_config(self):
-        """The options of the built-in task ``task``."""
-        return {"reverse": self.reverse, "code": self.code, "math": self.math}[self.task]
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,10 +69,30 @@ class ModelRunConfig(RunConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineRunConfig(ModelRunConfig):
-    """An online RL run on prompts (every ``ModelRunConfig`` flag, plus prompts, rewards,
-    evaluation sampling and meshes)."""
+class TaskRunConfig(ModelRunConfig):
+    """A ``ModelRunConfig`` whose built-in task (without ``--model``) is one of the text tasks:
+    ``task`` and its options."""
 
+    task: Literal["reverse", "code", "math"] = "reverse"
+    """The built-in task without --model: reverse, or (GRPO / PPO) code or math."""
+    reverse: reverse.ReverseTask = reverse.ReverseTask()
+    code: code_task.CodeTask = code_task.CodeTask()
+    math: math_task.MathTask = math_task.MathTask()
+
+    @property
+    def task_config(self):
+        """The options of the built-in task ``task``."""
+        return {"reverse": self.reverse, "code": self.code, "math": self.math}[self.task]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineRunConfig(TaskRunConfig):
+    """An online RL run on prompts (every ``TaskRunConfig`` flag, plus prompts, rewards and
+    evaluation sampling)."""
+
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """auto: string prompts go through the model's chat template when it has one (a chat model);
+    always / never. A prompt that is a list of chat messages always goes through it."""
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     data_source_field: str = "data_source"

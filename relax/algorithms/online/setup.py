@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig
+from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig, TaskRunConfig
 from relax.algorithms.online.rewards import reward_columns
 from relax.data.prompts import (
     DataConfig,
@@ -34,7 +34,7 @@ from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import is_main_process
 
 
-def builtin_setup(cfg: ModelRunConfig, run_dir: Path, log):
+def builtin_setup(cfg: TaskRunConfig, run_dir: Path, log):
     """Task files, tokenizer and base model of the built-in task ``cfg.task`` (reused when present):
     ``(tokenizer, model, train path, held-out path)``."""
     tokenizer, model, _, _ = prepare(
