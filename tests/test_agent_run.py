@@ -110,3 +110,77 @@ def test_train_agent_trains_lora_adapters(tmp_path):
         (final / "adapter" / "adapter_config.json").read_text()
     )  # the adapters, PEFT's format
     assert config["r"] == 4 and config["lora_alpha"] == 8
+
+
+GUESS_ENV = '''
+from relax.environments import StepResult
+
+
+class Guess:
+    """docs/agents.md's environment: guess the number, told higher or lower."""
+
+    def reset(self, row):
+        self.target = int(row["answer"])
+        return [{"role": "user", "content": "Guess my number between 1 and 100."}]
+
+    def step(self, action):
+        text = action.text.strip()
+        if not text.isdigit():
+            return StepResult([{"role": "user", "content": "A number, please."}], reward=0.0, done=False)
+        if int(text) == self.target:
+            return StepResult([], reward=1.0, done=True)
+        hint = "Higher." if int(text) < self.target else "Lower."
+        return StepResult([{"role": "user", "content": hint}], reward=0.0, done=False)
+
+
+def not_an_env():
+    return 42
+'''
+
+
+def write_model(directory: Path) -> Path:
+    """An untrained tiny model with the agent task's ChatML tokenizer, as an HF directory."""
+    import jax
+
+    from relax.models.decoder.transformer import init
+    from relax.models.hf.checkpoint import save_pretrained
+    from relax.tasks import agent as agent_task
+
+    task = agent_task.AgentTask(num_train=32, num_eval=4)
+    tokenizer = agent_task.build_tokenizer(task, directory / "tok")
+    save_pretrained(
+        init(agent_task.model_config(task, tokenizer), jax.random.key(0)), directory / "model"
+    )
+    tokenizer.save_pretrained(directory / "model")
+    return directory / "model"
+
+
+def test_train_agent_runs_a_users_environment_from_the_command_line(tmp_path, monkeypatch):
+    (tmp_path / "guess_env.py").write_text(GUESS_ENV)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"answer": 10 + i}) + "\n" for i in range(12)))
+    model = write_model(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the module is found in the working directory
+    argv = ["--model", str(model), "--data", str(data), "--eval-fraction", "0.25"]
+    argv += ["--steps", "1", "--batch-size", "2", "--grpo.num-generations", "2"]
+    argv += [
+        "--grpo.max-new-tokens",
+        "48",
+        "--agent.max-turn-tokens",
+        "8",
+        "--agent.max-turns",
+        "2",
+    ]
+    with pytest.raises(ValueError, match=r"--env 'guess_env:not_an_env': int has neither"):
+        train_agent.main(argv + ["--env", "guess_env:not_an_env", "--run-dir", "bad"])
+    with pytest.raises(ValueError, match=r"--env 'no_such_module:Guess': cannot import"):
+        train_agent.main(argv + ["--env", "no_such_module:Guess", "--run-dir", "bad"])
+    summary = train_agent.main(
+        argv + ["--env", "guess_env:Guess", "--no-export-hf", "--run-dir", str(tmp_path / "run")]
+    )
+    assert summary["steps"] == 1 and set(summary["before"]) >= {"success", "reward", "turns"}
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [x for x in lines if "sampled_tokens" in x]
+    assert len(trained) == 1 and trained[0]["turns"] >= 1 and trained[0]["sampled_tokens"] > 0
+    report = (tmp_path / "run" / "startup.txt").read_text()
+    assert "9 training rows, 3 held out (rows from" in report and "guess_env:Guess" in report

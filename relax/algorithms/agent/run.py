@@ -1,8 +1,10 @@
 """The agent run: ``run(cfg)`` is what ``examples/train_agent.py`` calls. It trains GRPO (or PPO
-with a critic) on multi-turn trajectories of the built-in tool task (``relax.tasks.agent``:
-multiply two numbers, with a calculator tool), and evaluates held-out rows greedily before,
-during and after: the success rate, how often the tool is called, and the success rate with
-and without it. Checkpoints, logs, resume and the HF export are ``relax.train.run``'s."""
+with a critic) on multi-turn trajectories: of the built-in tool task (``relax.tasks.agent``:
+multiply two numbers, with a calculator tool), or of a user's environment (``--env
+module:factory``) on a user's rows (``--data``) and model (``--model``), on one device or a mesh
+(``--parallel.mesh``); it evaluates held-out rows greedily before, during and after: the success
+rate, how often a tool is called, and the success rate with and without it. Checkpoints, logs,
+resume and the HF export are ``relax.train.run``'s."""
 
 from __future__ import annotations
 
@@ -15,27 +17,29 @@ import numpy as np
 import tyro
 
 from relax.algorithms.agent.config import AgentConfig, rollout_config
+from relax.algorithms.agent.setup import AgentSetup, load_setup
 from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step, success_metrics
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import make_state as grpo_state
 from relax.algorithms.online.batch import HostRecord
-from relax.algorithms.online.run import start_run
-from relax.algorithms.online.setup import exporter, with_lora
+from relax.algorithms.online.config import ModelRunConfig
+from relax.algorithms.online.run import run_meshes, start_run
+from relax.algorithms.online.setup import base_path, exporter
 from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
-from relax.models.layers.lora import LoRAConfig
+from relax.parallel import ShardedStep, ShardingError, batch_shards
+from relax.parallel.distributed import multi_process
 from relax.passes import choose_passes
 from relax.tasks import agent as agent_task
-from relax.tasks.base import prepare
 from relax.train.logs import MetricsLogger
 from relax.train.pipeline import AsyncConfig
-from relax.train.run import RunConfig, Trainer, run_loop
+from relax.train.run import Trainer, run_loop
 
 BAR_KEYS = (("reward", "reward"), ("tool_calls", "calls"), ("turns", "turns"))
 EVAL_STREAM = 1_000_003
@@ -45,22 +49,29 @@ BUILTIN_MAX_NEW_TOKENS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentRunConfig(RunConfig):
-    """A multi-turn tool-use run on the built-in task (``--task.*``): ``--algorithm grpo|ppo``
-    with its ``--grpo.*`` / ``--ppo.*`` values (``max_new_tokens``: a trajectory's slots after the
-    prompt, observations included), ``--agent.*`` (turns, per-turn budget, per-turn advantages),
-    ``--lora.*`` (adapters)."""
+class AgentRunConfig(ModelRunConfig):
+    """A multi-turn tool-use run: the model, rows and meshes of every run (``--model``,
+    ``--data``, ``--lora.*``, ``--parallel.*``; without ``--model`` the built-in task's, ``--task.*``),
+    the environment (``--env module:factory``; without it the built-in calculator), ``--algorithm
+    grpo|ppo`` with its ``--grpo.*`` / ``--ppo.*`` values (``max_new_tokens``: a trajectory's slots
+    after the prompt, observations included) and ``--agent.*`` (turns, per-turn budget, per-turn
+    advantages)."""
 
     task: agent_task.AgentTask = agent_task.AgentTask()
+    env: str | None = None
+    """Your environment: ``module:factory``, a callable of no arguments returning a fresh
+    environment (``relax.environments``: ``reset(row)`` / ``step(action)``), made once per
+    trajectory and reset with one ``--data`` row; the module is imported from the working
+    directory or the installed packages. Its ``schemas()``, if it has one, are the tools the chat
+    template shows the model. A trajectory succeeds when its reward is 1."""
     algorithm: Literal["grpo", "ppo"] = "grpo"
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
     agent: AgentConfig = AgentConfig()
-    lora: LoRAConfig = LoRAConfig()
-    """LoRA adapters (``--lora.rank 8``), as in the other trainers: only they train, the KL
-    reference is the base model, the export is merged with the adapters under ``final_hf/adapter``."""
     batch_size: int = 8
     """Rows per step (each gets G trajectories)."""
+    eval_max_rows: int | None = 200
+    """Held-out rows evaluated (greedy trajectories) at each evaluation; None: all."""
     async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
     """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` runs the next batch's
     trajectories (decoding and environments) while the update runs, with an off-policy
@@ -73,17 +84,25 @@ class AgentRunConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.task.max_turns != self.agent.max_turns:
+        if self.env is None and self.task.max_turns != self.agent.max_turns:
             raise ValueError(
                 f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
                 "must agree: the environment ends a trajectory after the first, the rollout after the second"
             )
+        if self.env is not None and self.data is None:
+            raise ValueError("--env needs --data: the rows its environments are reset with")
         if self.async_.partial > 1:
             raise ValueError(
                 "--async.partial: partial rollouts are single-turn (GRPO, PPO); a trajectory's turns "
                 "are sampled in one rollout"
             )
-        check_budget(self)
+        if self.parallel.sampler_devices:
+            raise ValueError(
+                "--parallel.sampler-devices: an agent's trajectories are sampled on the trainer "
+                "mesh, between its environments' steps on the host; use --parallel.mesh"
+            )
+        if self.model is None:
+            check_budget(self)
 
 
 def check_budget(cfg: AgentRunConfig) -> None:
@@ -154,19 +173,23 @@ def builtin_defaults() -> AgentRunConfig:
     )
 
 
-def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_id: int, log):
-    """Greedy trajectories of every held-out row: ``success_metrics``."""
+def _evaluator(cfg: AgentRunConfig, setup: AgentSetup, chat: ChatFormat, log):
+    """Greedy trajectories of every held-out row: ``success_metrics`` (nothing when none is held out)."""
     greedy = dataclasses.replace(
         cfg.algorithm_config.generation, num_generations=1, temperature=0.0
     )
-    rcfg = rollout_config(cfg.agent, greedy, eos_ids=chat.stop_ids, pad_id=pad_id)
+    rcfg = rollout_config(
+        cfg.agent, greedy, eos_ids=chat.stop_ids, pad_id=setup.tokenizer.pad_token_id
+    )
 
     def evaluate(state, step: int, logger: MetricsLogger) -> dict:
+        if not setup.held_out:
+            return {}
         t0 = time.perf_counter()
         t = rollout_trajectories(
             state.policy,
-            held_out,
-            lambda: agent_task.make_environment(cfg.task),
+            setup.held_out,
+            setup.make_env,
             chat,
             key=jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM),
             cfg=rcfg,
@@ -184,68 +207,91 @@ def _evaluator(cfg: AgentRunConfig, chat: ChatFormat, held_out: list[dict], pad_
     return evaluate
 
 
-def run(cfg: AgentRunConfig) -> dict:
-    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
-    run_dir, log = start_run(cfg, f"agent-{cfg.algorithm}")
-    t_start = time.perf_counter()
-    tokenizer, model, train, held_out = prepare(
-        agent_task,
-        cfg.task,
-        run_dir,
-        seed=cfg.seed,
-        log=log,
-        teacher="a teacher that calls the calculator on some prompts",
-    )
-    model = with_lora(cfg, model)
-    env_tools = [t.schema() for t in agent_task.tools(cfg.task)]
-    chat = ChatFormat(tokenizer, tools=env_tools)
-    make_env = lambda: agent_task.make_environment(cfg.task)  # noqa: E731 - a fresh environment per trajectory
-    parts = StepParts(
-        pad_id=tokenizer.pad_token_id,
-        passes=choose_passes(),
-        off_policy=cfg.async_.off_policy,
-        pipelined=cfg.async_.staleness > 0,
-    )
-    make_step = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
-    step = make_step(cfg.algorithm_config, cfg.agent, make_env, chat, parts)
+def _report(cfg: AgentRunConfig, setup: AgentSetup, mesh):
+    """The start-up report: rows, trajectories per step, the tools and the first row."""
     algo = cfg.algorithm_config
-    report = run_report(
+    return run_report(
         cfg,
-        model,
+        setup.model,
         [
-            f"{len(train)} training rows, {len(held_out)} held out (the built-in task)",
+            f"{len(setup.train)} training rows, {len(setup.held_out)} held out ({setup.source})",
             f"{cfg.batch_size} rows x {algo.generation.num_generations} trajectories per "
             f"step, at most {cfg.agent.max_turns} turns and "
             f"{algo.generation.max_new_tokens} tokens after the prompt",
         ],
+        mesh=mesh,
         extra=[
             (
                 "tools",
                 tuple(
                     f"{t['function']['name']}: {t['function'].get('description', '')}"
-                    for t in env_tools
-                ),
+                    for t in setup.tools or ()
+                )
+                or ("none",),
             ),
-            ("first training row", first_row_lines(train[0] if train else None)),
+            ("first training row", first_row_lines(setup.train[0] if setup.train else None)),
         ],
     )
+
+
+def _meshes(cfg: AgentRunConfig, log):
+    """The trainer mesh (None: one device); several processes are refused: every process would
+    have to sample its own rows between its environments' steps, which is not built."""
+    cfg.parallel.initialize()  # multi-host flags: before anything touches a device
+    if multi_process():
+        raise ShardingError(
+            "relax agent runs in one process (one device or a mesh of its devices): multi-turn "
+            "rollouts step their environments on the host between device calls, and splitting "
+            "them over processes is not built"
+        )
+    mesh, _ = run_meshes(cfg, log)
+    return mesh
+
+
+def run(cfg: AgentRunConfig) -> dict:
+    """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    run_dir, log = start_run(cfg, f"agent-{cfg.algorithm}")
+    t_start = time.perf_counter()
+    mesh = _meshes(cfg, log)
+    setup = load_setup(
+        cfg,
+        cfg.task,
+        cfg.env,
+        run_dir,
+        eval_max_rows=cfg.eval_max_rows,
+        on_host=mesh is not None,
+        log=log,
+    )
+    chat = ChatFormat(setup.tokenizer, tools=setup.tools)
+    parts = StepParts(
+        pad_id=setup.tokenizer.pad_token_id,
+        passes=choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)),
+        off_policy=cfg.async_.off_policy,
+        pipelined=cfg.async_.staleness > 0,
+    )
+    make_step = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
+    step = make_step(cfg.algorithm_config, cfg.agent, setup.make_env, chat, parts)
+    report = _report(cfg, setup, mesh)
     log(report.text())
     make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
-    state = make_state(cfg.algorithm_config, model, jax.random.key(cfg.seed))
+    state = make_state(cfg.algorithm_config, setup.model, jax.random.key(cfg.seed))
+    if mesh is not None:
+        step = ShardedStep(step, state, mesh)
+        state = step.place(state)
     trainer = Trainer(
         name=f"agent-{cfg.algorithm}",
         step=step,
-        batches=RowIterator(train, cfg.batch_size, cfg.seed),
+        batches=RowIterator(setup.train, cfg.batch_size, cfg.seed),
         make_batch=lambda rows: WithHost(None, HostRecord(rows=rows)),
         host_metrics=lambda out, metrics: {
             k: v for k, v in out.host.agent.items() if np.isfinite(v)
         },
-        evaluate=_evaluator(cfg, chat, held_out, parts.pad_id, log),
-        export=exporter(tokenizer, str(run_dir / "base_model")),
+        evaluate=_evaluator(cfg, setup, chat, log),
+        export=exporter(setup.tokenizer, base_path(cfg, run_dir)),
         bar_keys=BAR_KEYS,
         asynchronous=cfg.async_,
         on_start=report.write,
-        info={"data": {"train_rows": len(train), "held_out_rows": len(held_out)}},
+        info={"data": {"train_rows": len(setup.train), "held_out_rows": len(setup.held_out)}},
     )
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)
     return summary

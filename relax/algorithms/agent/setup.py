@@ -1,0 +1,97 @@
+"""An agent run's model, rows and environment: the built-in calculator task, or a user's model
+(``--model``), rows (``--data``, ``--eval-data`` / ``--eval-fraction``) and environment
+(``--env module:factory``, ``relax.environments.factory``), in any combination: without ``--env``
+the built-in calculator environment (``relax.tasks.agent``) runs on the rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from relax.algorithms.online.config import ModelRunConfig
+from relax.algorithms.online.setup import with_lora
+from relax.data.files import read_records
+from relax.data.prompts import train_eval_split
+from relax.environments.factory import make_checked, tool_schemas
+from relax.models.config.model import DTYPES
+from relax.models.hf.checkpoint import load_pretrained
+from relax.parallel.distributed import on_host_memory
+from relax.tasks import agent as agent_task
+from relax.tasks.base import prepare
+from relax.text import TextTokenizer, load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSetup:
+    """The run's tokenizer, model (with ``--lora.*`` adapters), training and held-out rows (plain
+    dicts, what ``env.reset`` gets), ``make_env`` (a fresh environment per trajectory), the tools'
+    schemas (None: none) and where the rows and the environment come from (the start-up report)."""
+
+    tokenizer: TextTokenizer
+    model: Any
+    train: list[dict]
+    held_out: list[dict]
+    make_env: Callable[[], Any]
+    tools: list[dict] | None
+    source: str
+
+
+def load_setup(
+    cfg: ModelRunConfig,
+    task: agent_task.AgentTask,
+    env: str | None,
+    run_dir: Path,
+    *,
+    eval_max_rows: int | None,
+    on_host: bool,
+    log,
+) -> AgentSetup:
+    """The built-in task's model and rows unless ``cfg.model`` / ``cfg.data``; the built-in
+    environment unless ``env``. The model is loaded on the host when ``on_host`` (a mesh run)."""
+    with on_host_memory(on_host):
+        if cfg.model is None:
+            tokenizer, model, train, held_out = prepare(
+                agent_task,
+                task,
+                run_dir,
+                seed=cfg.seed,
+                log=log,
+                teacher="a teacher that calls the calculator on some prompts",
+            )
+        else:
+            tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
+            model = load_pretrained(
+                cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+            )
+    if cfg.data is not None:
+        train, held_out = _rows(cfg)
+    if eval_max_rows is not None:
+        held_out = held_out[:eval_max_rows]
+    if env is None:
+        make_env = lambda: agent_task.make_environment(task)  # noqa: E731 - one per trajectory
+        tools = [t.schema() for t in agent_task.tools(task)]
+    else:
+        make_env, probe = make_checked(env)
+        tools = tool_schemas(probe)
+    rows = "the built-in task" if cfg.data is None else cfg.data
+    return AgentSetup(
+        tokenizer,
+        with_lora(cfg, model),
+        train,
+        held_out,
+        make_env,
+        tools,
+        f"rows from {rows}, environment {env or 'the built-in calculator'}",
+    )
+
+
+def _rows(cfg: ModelRunConfig) -> tuple[list[dict], list[dict]]:
+    """``--data``'s rows, and ``--eval-data``'s or ``--eval-fraction`` of ``--data``'s held out."""
+    rows = read_records(cfg.data)
+    if cfg.eval_data is not None:
+        train, held_out = rows, read_records(cfg.eval_data)
+    else:
+        train, held_out = train_eval_split(rows, cfg.eval_fraction, cfg.seed)
+    return [r.record for r in train], [r.record for r in held_out]
