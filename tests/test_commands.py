@@ -120,11 +120,7 @@ def test_every_command_has_help(name, capsys):
     assert HELP_FLAG[name] in out and f"relax {name}" in out
 
 
-# The trainers that take --parallel.* (not yet: the agent trainer and the rlhf pipeline).
-MESH_TRAINERS = tuple(name for name in TRAINERS if name not in ("agent", "rlhf"))
-
-
-@pytest.mark.parametrize("name", MESH_TRAINERS)
+@pytest.mark.parametrize("name", TRAINERS)
 def test_trainers_take_the_parallel_flags(name, capsys):
     assert status([name, "--help"]) == 0
     out = capsys.readouterr().out

@@ -182,6 +182,7 @@ def test_user_data_with_grpo(builtin_run, tmp_path):
         (["--sft.run-dir", "x"], "--sft.run-dir is set by the RLHF pipeline"),
         (["--ppo.reverse.num-train", "10"], "--sft.reverse"),
         (["--algorithm", "grpo", "--grpo.data", "x"], "--grpo.data is set by the RLHF pipeline"),
+        (["--sft.parallel.mesh", "fsdp=2"], "--sft.parallel is set by the RLHF pipeline"),
     ],
 )
 def test_the_flags_the_pipeline_sets_are_refused_on_a_stage(flags, message, tmp_path):

@@ -36,6 +36,7 @@ from relax.algorithms.sft import run as sft_run
 from relax.data.files import read_records
 from relax.models.config.model import DTYPES
 from relax.models.hf.checkpoint import load_pretrained
+from relax.parallel import ParallelConfig
 from relax.tasks import reverse
 from relax.tasks.base import write_jsonl
 from relax.text import load_tokenizer
@@ -49,7 +50,11 @@ STAGES = (
 DATA_FILES = {"sft": "sft.jsonl", "reward_model": "preferences.jsonl", "policy": "prompts.jsonl"}
 """``--data DIR``'s files: demonstrations (SFT rows), preference pairs, prompts (an ``answer`` column
 gives the verifier's figure); beside each, an optional held-out ``<name>.eval.jsonl``."""
-OWNED = ("model", "data", "eval_data", "run_dir")  # a stage's fields the pipeline sets
+OWNED = ("model", "data", "eval_data", "run_dir", "parallel")  # a stage's fields the pipeline sets
+HINTS = {
+    "reverse": "; the built-in task's options are --sft.reverse.*",
+    "parallel": "; --parallel.* lays out every stage",
+}
 OWNED_LATER = ("task", "reverse")  # stages 2 and 3: their data is the pipeline's too
 FIGURES = {
     "sft": (
@@ -81,6 +86,9 @@ class RLHFRunConfig:
     reward_model: rm_run.RewardModelRunConfig = rm_run.RewardModelRunConfig()
     ppo: ppo_run.PPORunConfig = ppo_run.PPORunConfig()
     grpo: grpo_run.GRPORunConfig = grpo_run.GRPORunConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    """Every stage's meshes and multi-host setup (``relax.parallel``), e.g. ``--parallel.mesh
+    data=2,fsdp=2,tensor=2``: the three stages run on the same devices, one after the other."""
 
     def __post_init__(self):
         if (self.model is None) != (self.data is None):
@@ -157,12 +165,8 @@ def stages(cfg: RLHFRunConfig) -> list[tuple[str, Any, Any]]:
                 raise ValueError(
                     f"--{name}.{field}".replace("_", "-")
                     + " is set by the RLHF pipeline (from --model, "
-                    "--data, --run-dir and the stage before); leave it out"
-                    + (
-                        "; the built-in task's options are --sft.reverse.*"
-                        if field == "reverse"
-                        else ""
-                    )
+                    "--data, --run-dir, --parallel.* and the stage before); leave it out"
+                    + HINTS.get(field, "")
                 )
     data = root / "data" if builtin else Path(cfg.data)
 
@@ -182,15 +186,21 @@ def stages(cfg: RLHFRunConfig) -> list[tuple[str, Any, Any]]:
     first = dataclasses.replace(
         cfg.sft,
         run_dir=str(root / "sft"),
+        parallel=cfg.parallel,
         **({} if builtin else {"model": cfg.model, **files("sft")}),
     )
     second = dataclasses.replace(
-        cfg.reward_model, run_dir=str(root / "reward_model"), model=sft_out, **files("reward_model")
+        cfg.reward_model,
+        run_dir=str(root / "reward_model"),
+        model=sft_out,
+        parallel=cfg.parallel,
+        **files("reward_model"),
     )
     policy = dataclasses.replace(
         getattr(cfg, third),
         run_dir=str(root / third),
         model=sft_out,
+        parallel=cfg.parallel,
         reward_model=str(root / "reward_model" / "final_hf"),
         **files("policy"),
     )
