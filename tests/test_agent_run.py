@@ -133,24 +133,51 @@ class Guess:
         return StepResult([{"role": "user", "content": hint}], reward=0.0, done=False)
 
 
+class Graded:
+    """Two turns, each scored by its sampled ids (rewards that differ even for an untrained model)."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": f"Say {row['answer']}."}]
+
+    def step(self, action):
+        self.turn += 1
+        score = (sum(action.token_ids) % 7) / 6
+        if self.turn >= 2:
+            return StepResult([], reward=score, done=True)
+        return StepResult([{"role": "user", "content": "Again."}], reward=score, done=False)
+
+
 def not_an_env():
     return 42
 '''
 
 
-def write_model(directory: Path) -> Path:
-    """An untrained tiny model with the agent task's ChatML tokenizer, as an HF directory."""
+def write_model(directory: Path, sft_steps: int = 0) -> Path:
+    """A tiny model with the agent task's ChatML tokenizer, as an HF directory (its vocabulary
+    padded to a multiple of 8, so that it splits over a mesh's tensor axis): untrained, or after
+    ``sft_steps`` of the task's supervised phase (it then ends its turns with a stop token)."""
+    import dataclasses
+
     import jax
 
     from relax.models.decoder.transformer import init
     from relax.models.hf.checkpoint import save_pretrained
     from relax.tasks import agent as agent_task
 
-    task = agent_task.AgentTask(num_train=32, num_eval=4)
+    task = agent_task.AgentTask(num_train=64, num_eval=4, sft_steps=sft_steps, sft_batch=16)
     tokenizer = agent_task.build_tokenizer(task, directory / "tok")
-    save_pretrained(
-        init(agent_task.model_config(task, tokenizer), jax.random.key(0)), directory / "model"
+    config = agent_task.model_config(task, tokenizer)
+    config = dataclasses.replace(config, vocab_size=-(-config.vocab_size // 8) * 8)
+    train, _ = agent_task.make_splits(task)
+    model = (
+        agent_task.train_base_model(
+            task, tokenizer, train, key=jax.random.key(0), log=lambda *a: None, config=config
+        )
+        if sft_steps
+        else init(config, jax.random.key(0))
     )
+    save_pretrained(model, directory / "model")
     tokenizer.save_pretrained(directory / "model")
     return directory / "model"
 

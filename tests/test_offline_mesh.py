@@ -1,5 +1,6 @@
-"""The offline trainers on a mesh (``--parallel.mesh``): SFT, DPO, KTO, reward-model training and
-distillation, each run through its command line for two steps on one device and on a three-axis
+"""The trainers besides GRPO and PPO (tests/test_parallel.py) on a mesh (``--parallel.mesh``): SFT,
+DPO, KTO, reward-model training, distillation and the agent trainer (a user's environment from
+``--env``), each run through its command line for two steps on one device and on a three-axis
 mesh of 8 simulated devices (``data=2,fsdp=2,tensor=2``: batch rows over data x fsdp, heads and
 MLP over tensor), log the same training and held-out metrics to rounding. And a GRPO/PPO run's
 ``--reward-model`` on that mesh: its weights laid out by the sharding rules, its scores those of
@@ -69,19 +70,47 @@ def _trainers(root: Path) -> dict[str, list[str]]:
         {k: r[k] for k in ("prompt", "completion")} for r in unpaired(rs)
     ]
     pairs = data(reverse.preference_records, "pairs")
+    evaluated = ("--eval-max-examples", "8")
     return {
-        "sft": [*data(reverse.sft_records, "sft"), "--sft.max-length", "32"],
-        "dpo": [*pairs, "--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "8"],
+        "sft": [*data(reverse.sft_records, "sft"), "--sft.max-length", "32", *evaluated],
+        "dpo": [
+            *pairs,
+            "--dpo.max-prompt-tokens",
+            "16",
+            "--dpo.max-completion-tokens",
+            "8",
+            *evaluated,
+        ],
         "kto": [
             *data(unpaired, "unpaired"),
-            *("--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "8"),
+            *("--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "8", *evaluated),
         ],
-        "reward_model": [*pairs, *LENGTHS],
+        "reward_model": [*pairs, *LENGTHS, *evaluated],
         "distill": [
             *data(prompts_and_completions, "distill", model="student"),
-            *("--teacher", str(root / "model"), *LENGTHS),
+            *("--teacher", str(root / "model"), *LENGTHS, *evaluated),
         ],
+        "agent": _agent(root),
     }
+
+
+def _agent(root: Path) -> list[str]:
+    """The agent trainer on test_agent_run's ``Graded`` environment (a module in ``root``, on the
+    path) and a model that ends its turns (a short supervised phase): rewards that differ, and
+    two turns where the first ends in time."""
+    from test_agent_run import GUESS_ENV, write_model
+
+    (root / "mesh_envs.py").write_text(GUESS_ENV)
+    sys.path.insert(0, str(root))
+    rows = root / "agent_rows.jsonl"
+    rows.write_text("".join(json.dumps({"answer": 10 + i}) + "\n" for i in range(40)))
+    model = write_model(root / "agent", sft_steps=60)
+    return [
+        *("--model", str(model), "--data", str(rows), "--eval-fraction", "0.2"),
+        *("--env", "mesh_envs:Graded", "--grpo.num-generations", "2", "--grpo.beta", "0.04"),
+        *("--grpo.max-new-tokens", "48", "--agent.max-turn-tokens", "8", "--agent.max-turns", "2"),
+        *("--eval-max-rows", "8", "--grpo.optimizer.learning-rate", "1e-3"),
+    ]
 
 
 def reward_model_case(root: Path) -> dict:
@@ -124,7 +153,7 @@ def worker(out_path: str, root: str) -> None:
     trainers = _trainers(Path(root))
     results = {"rm_scorer": reward_model_case(Path(root))}
     for name, args in trainers.items():
-        common = [*args, "--steps", "2", "--batch-size", "8", "--eval-max-examples", "8"]
+        common = [*args, "--steps", "2", "--batch-size", "8"]
         runs = {}
         for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
             run_dir = Path(root) / f"{name}-{where}"
@@ -150,7 +179,7 @@ else:
     import pytest
     from test_parallel import run_worker
 
-    TRAINERS = ("sft", "dpo", "kto", "reward_model", "distill")
+    TRAINERS = ("sft", "dpo", "kto", "reward_model", "distill", "agent")
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
@@ -175,6 +204,8 @@ else:
         one, mesh = results[name]["one"], results[name]["mesh"]
         assert set(one) == set(mesh) and {"train 1", "train 2"} <= set(one), (one, mesh)
         assert any(k.startswith("eval") for k in one), one  # held-out figures before and after
+        if name == "agent":  # trajectories that score apart and go on after a first turn
+            assert one["train 1"]["reward_std"] > 0 and one["train 1"]["turns"] > 1, one
         for line, want in one.items():
             assert set(mesh[line]) == set(want), (name, line)
             for key, value in want.items():

@@ -265,10 +265,18 @@ def pad_transcripts(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tup
 
 
 def train_base_model(
-    task: AgentTask, tokenizer: TextTokenizer, train: list[dict], *, key: jax.Array, log=print
+    task: AgentTask,
+    tokenizer: TextTokenizer,
+    train: list[dict],
+    *,
+    key: jax.Array,
+    log=print,
+    config: ModelConfig | None = None,
 ) -> Transformer:
     """The supervised phase: imitate the noisy teacher's transcripts (``encode_transcript``; the
-    token-mean NLL of the assistant turns), a fresh coin per row and step for calling the tool."""
+    token-mean NLL of the assistant turns), a fresh coin per row and step for calling the tool.
+    ``config``: the model's shape (default ``model_config``'s), e.g. a vocabulary padded to
+    split over a mesh."""
     chat = chat_format(task, tokenizer)
     transcript = functools.cache(
         lambda i, use_tool: encode_transcript(
@@ -284,7 +292,7 @@ def train_base_model(
         )
 
     return supervised_loop(
-        model_config(task, tokenizer),
+        config or model_config(task, tokenizer),
         sample,
         steps=task.sft_steps,
         learning_rate=task.sft_learning_rate,
