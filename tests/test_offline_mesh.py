@@ -2,7 +2,8 @@
 DPO, KTO, reward-model training, distillation and the agent trainer (a user's environment from
 ``--env``), each run through its command line for two steps on one device and on a three-axis
 mesh of 8 simulated devices (``data=2,fsdp=2,tensor=2``: batch rows over data x fsdp, heads and
-MLP over tensor), log the same training and held-out metrics to rounding. And a GRPO/PPO run's
+MLP over tensor), log the same training and held-out metrics to rounding; so does the three-stage
+``rlhf`` pipeline (SFT, a reward model, PPO against it) with ``--parallel.mesh``. And a GRPO/PPO run's
 ``--reward-model`` on that mesh: its weights laid out by the sharding rules, its scores those of
 one device.
 
@@ -142,6 +143,22 @@ def reward_model_case(root: Path) -> dict:
     }
 
 
+def rlhf_case(root: Path) -> dict:
+    """``examples/rlhf.py`` (test_rlhf's tiny pipeline: SFT, a reward model, PPO against it) on one
+    device and with ``--parallel.mesh``: each stage's held-out figures before and after."""
+    from test_rlhf import rlhf_main, tiny
+
+    out = {}
+    for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
+        summary = rlhf_main()([*tiny(root / f"rlhf-{where}"), *flags])
+        out[where] = {
+            f"{s['stage']} {f['metric']}": [f["before"], f["after"]]
+            for s in summary["stages"]
+            for f in s["figures"]
+        }
+    return out
+
+
 def worker(out_path: str, root: str) -> None:
     import jax
     from conftest import load_example, use_compile_cache
@@ -151,7 +168,7 @@ def worker(out_path: str, root: str) -> None:
     use_compile_cache()
     assert jax.device_count() == 8, jax.devices()
     trainers = _trainers(Path(root))
-    results = {"rm_scorer": reward_model_case(Path(root))}
+    results = {"rm_scorer": reward_model_case(Path(root)), "rlhf": rlhf_case(Path(root))}
     for name, args in trainers.items():
         common = [*args, "--steps", "2", "--batch-size", "8"]
         runs = {}
@@ -197,6 +214,13 @@ else:
         assert "tensor" in got["wq_spec"] and "fsdp" in got["wq_spec"], got["wq_spec"]
         np.testing.assert_allclose(got["mesh"], got["one"], rtol=RTOL, atol=ATOL)
         assert len(set(np.round(got["one"], 4))) > 1  # the samples score apart
+
+    @pytest.mark.slow
+    def test_rlhf_on_a_mesh_equals_one_device(results):
+        one, mesh = results["rlhf"]["one"], results["rlhf"]["mesh"]
+        assert set(one) == set(mesh) and {"sft log_likelihood", "ppo reward"} <= set(one), one
+        for key, value in one.items():
+            np.testing.assert_allclose(mesh[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
 
     @pytest.mark.slow
     @pytest.mark.parametrize("name", TRAINERS)

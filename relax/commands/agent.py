@@ -3,6 +3,7 @@
     relax agent                                  # built-in calculator task, a few minutes on CPU
     relax agent --algorithm ppo --ppo.critic shared
     relax agent --agent.per-turn --steps 60
+    relax agent --model DIR --data rows.jsonl --env my_envs:make_env   # your environment
 
 ``python examples/train_agent.py`` (and ``python -m relax agent``) is the same command, with the same flags.
 
@@ -14,8 +15,9 @@ with and without the tool are evaluated before and after (``summary.json``).
 
 Every field of ``relax.algorithms.agent.run.AgentRunConfig`` (and the nested ``--task.*``,
 ``--grpo.*``, ``--ppo.*`` and ``--agent.*`` options) is a flag; ``--help`` lists them. Your own
-environments: ``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat, parts)``
-(``parts``: a ``relax.algorithms.online.step.StepParts(pad_id=...)``).
+environment: ``--env module:factory`` (a callable of no arguments returning an environment,
+``relax.environments``) with ``--data`` (each row resets one) and ``--model``; in Python,
+``relax.algorithms.agent.step.make_agent_grpo_step(cfg, agent, make_env, chat, parts)``.
 """
 
 from __future__ import annotations
