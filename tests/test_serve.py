@@ -661,7 +661,23 @@ from relax.models.layers.lora import LoRAConfig
 from relax.serve.client import LocalServiceClient
 from relax.serve.service import Service, ServiceConfig
 from relax.serve.types import ModelInput, SamplingParams
+import relax.serve.session as session_module
 assert jax.device_count() == 8
+placed, place = [], session_module.place_rows
+def spy(batch, mesh, what):
+    out = place(batch, mesh, what)
+    if mesh is not None:
+        placed.append((what, jax.tree.leaves(out)[0].sharding.is_fully_replicated))
+    return out
+session_module.place_rows = spy
+from relax.algorithms.online.batch import LossRows
+rng = np.random.default_rng(0)
+P, G, N, L = 8, 2, 5, 6
+m = (np.arange(N) < rng.integers(2, N + 1, (P, G, 1))).astype(np.int32)
+rows = LossRows(prompt_ids=rng.integers(4, 16, (P, L)).astype(np.int32), prompt_mask=np.ones((P, L), np.int32),
+                tokens=rng.integers(4, 16, (P, G, N)).astype(np.int32) * m, mask=m, loss_mask=m,
+                old_logprobs=(-rng.uniform(0.5, 3, (P, G, N)) * m).astype(np.float32),
+                advantages=rng.normal(size=(P, G)).astype(np.float32))
 out = []
 for mesh in (None, "fsdp=4,data=2"):
     svc = Service(BASE, None, ServiceConfig(model="tiny", state_dir="{tmp}/" + str(mesh), lora=LoRAConfig(rank=4),
@@ -669,6 +685,7 @@ for mesh in (None, "fsdp=4,data=2"):
     trainer = LocalServiceClient(svc).create_lora_training_client(rank=4, seed=1)
     losses = train(trainer, seed=5, steps=2)
     after = trainer.forward(datums(9), "importance_sampling").result().metrics["loss"]
+    after = [after, trainer.forward(rows, "grpo", {"loss_type": "token-mean"}).result().metrics["loss"]]
     sample = trainer.save_weights_and_get_sampling_client("s").sample(
         ModelInput.from_ints([5, 6]), 2, SamplingParams(max_tokens=4, temperature=0.0)).result()
     leaf = jax.tree.leaves(svc.session(trainer.session).state.policy.layers.lora)[0]
@@ -676,6 +693,9 @@ for mesh in (None, "fsdp=4,data=2"):
 (l0, a0, s0, d0), (l1, a1, s1, d1) = out
 np.testing.assert_allclose(l0, l1, rtol=1e-4); np.testing.assert_allclose(a0, a1, rtol=1e-4)
 assert s0 == s1 and d0 == 1 and d1 == 8, (s0, s1, d0, d1)
+# datum rows split over data x fsdp (padded to the 8 shards); one prompt replicated
+assert ("data", False) in placed and ("data", True) not in placed and (None, True) in placed, placed
+assert ("batch", False) in placed, placed  # 8 prompts' rows over the 8 shards
 print("OK")
 """
 

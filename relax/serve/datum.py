@@ -67,10 +67,12 @@ def _needs(loss: str) -> tuple[str, ...]:
 
 
 def datum_rows(
-    data: Any, loss: str, vocab_size: int, max_length: int
+    data: Any, loss: str, vocab_size: int, max_length: int, *, rows_multiple: int = 1
 ) -> tuple[DatumRows, list[int]]:
     """The rows of ``data`` (the wire form of ``Datum.to_wire``) for ``loss``, and each datum's
-    length. Each datum is checked (``data[i].<field>`` named in a ``RequestError``)."""
+    length. Each datum is checked (``data[i].<field>`` named in a ``RequestError``). The row
+    count is a bucket of the datums' (few shapes), rounded up to a multiple of ``rows_multiple``
+    (a mesh's batch shards): empty rows are ``valid`` 0 and add nothing to a loss's sums."""
     if not isinstance(data, list) or not data:
         raise RequestError("data", "a non-empty list of datums is needed")
     needs = ("target_tokens", *_needs(loss))
@@ -115,6 +117,7 @@ def datum_rows(
                 )
         lengths.append(n)
     b, t = bucket(len(data)), bucket(max(lengths), 16, steps_per_octave=4)
+    b = -(-b // rows_multiple) * rows_multiple
     rows = {k: np.zeros((b, t), np.int32) for k in ("ids", "targets", "valid")}
     rows.update({k: np.zeros((b, t), np.float32) for k in ("weights", "logprobs", "advantages")})
     for i, (d, n) in enumerate(zip(data, lengths)):

@@ -131,7 +131,9 @@ def check_parallel(cfg: ServeConfig) -> None:
     if unserved:
         raise ValueError(
             f"the service does not serve --parallel.{unserved[0].replace('_', '-')}: it runs on one "
-            "process's devices with one mesh (--parallel.mesh)"
+            "process's devices with one mesh (--parallel.mesh); one server process holds every "
+            "session, and serving over several processes (each running every request, in order) "
+            "is not built"
         )
 
 

@@ -38,6 +38,7 @@ from relax.rollout.sampling import SamplingConfig
 from relax.serve import objectives
 from relax.serve.datum import datum_loss, datum_rows
 from relax.serve.objectives import Grads
+from relax.serve.placement import mesh_of, place_rows, shards
 from relax.serve.wire import RequestError, decode_batch
 from relax.train import primitives
 from relax.train.state import TrainState, init_state
@@ -216,9 +217,15 @@ class Session:
                 "data", "send either data (a list of datums) or batch (a typed batch)"
             )
         if "data" in request:
+            mesh = mesh_of(self.state)
             rows, lengths = datum_rows(
-                request["data"], loss, self.config.vocab_size, self.config.max_position_embeddings
+                request["data"],
+                loss,
+                self.config.vocab_size,
+                self.config.max_position_embeddings,
+                rows_multiple=shards(mesh),
             )
+            rows = place_rows(rows, mesh, "data")
             grads, metrics, logp = _datum_step(loss, config, backward)(self.state, rows)
             logp = np.asarray(logp)  # one copy to host, then sliced per datum
             outputs = [{"logprobs": logp[i, :n]} for i, n in enumerate(lengths)]
@@ -232,6 +239,7 @@ class Session:
             )
         if loss in NOT_SERVED:
             raise RequestError("loss_fn", NOT_SERVED[loss])
+        batch = place_rows(batch, mesh_of(self.state), "batch")
         try:
             grads, metrics = _objective_step(loss, tuple(sorted(config.items())), backward)(
                 self.state, batch
@@ -310,8 +318,9 @@ class Session:
                 )
             ids[i, lp - len(p) :], mask[i, lp - len(p) :] = p, 1
         key = self._key(params)  # after every check: a refused request draws nothing
+        placed = place_rows({"prompt_ids": ids, "prompt_mask": mask}, mesh_of(policy), None)
         try:
-            r = generate_with(policy, ids, mask, key, cfg)
+            r = generate_with(policy, placed["prompt_ids"], placed["prompt_mask"], key, cfg)
         except ValueError as e:
             raise RequestError("prompts", str(e)) from None
         tokens, logprobs = np.asarray(r.tokens), np.asarray(r.logprobs)
