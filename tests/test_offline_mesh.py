@@ -39,8 +39,24 @@ def _lines(run_dir: Path) -> dict[str, dict]:
     return out
 
 
-def _trainers(root: Path) -> dict[str, list[str]]:
-    """Each trainer's command line on the reverse task's data, from a base model built once."""
+def _random_base(task, root: Path):
+    """An untrained model of ``task``'s shape with its tokenizer, in ``root / "model"``."""
+    import jax
+
+    from relax.models import init
+    from relax.models.hf.checkpoint import save_pretrained
+    from relax.tasks import reverse
+
+    tokenizer = reverse.build_tokenizer(task, root)
+    model = init(reverse.model_config(task, tokenizer), jax.random.key(0))
+    save_pretrained(model, root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return model
+
+
+def _trainers(root: Path, trained: bool = True) -> dict[str, list[str]]:
+    """Each trainer's command line on the reverse task's data, from a base model built once
+    (``trained``: the task's base model, else an untrained one of its shape)."""
     import jax
     from test_offline import write_base
 
@@ -49,7 +65,7 @@ def _trainers(root: Path) -> dict[str, list[str]]:
     from relax.tasks import reverse
 
     task = reverse.ReverseTask(num_train=200, num_eval=16)
-    base = write_base(task, root)
+    base = write_base(task, root) if trained else _random_base(task, root)
     tokenizer = reverse.build_tokenizer(
         task, root
     )  # the base's, again: for the student's directory
@@ -91,11 +107,11 @@ def _trainers(root: Path) -> dict[str, list[str]]:
             *data(prompts_and_completions, "distill", model="student"),
             *("--teacher", str(root / "model"), *LENGTHS, *evaluated),
         ],
-        "agent": _agent(root),
+        "agent": _agent(root, sft_steps=60 if trained else 30),
     }
 
 
-def _agent(root: Path) -> list[str]:
+def _agent(root: Path, sft_steps: int) -> list[str]:
     """The agent trainer on test_agent_run's ``Graded`` environment (a module in ``root``, on the
     path) and a model that ends its turns (a short supervised phase): rewards that differ, and
     two turns where the first ends in time."""
@@ -105,7 +121,7 @@ def _agent(root: Path) -> list[str]:
     sys.path.insert(0, str(root))
     rows = root / "agent_rows.jsonl"
     rows.write_text("".join(json.dumps({"answer": 10 + i}) + "\n" for i in range(40)))
-    model = write_model(root / "agent", sft_steps=60)
+    model = write_model(root / "agent", sft_steps=sft_steps)
     return [
         *("--model", str(model), "--data", str(rows), "--eval-fraction", "0.2"),
         *("--env", "mesh_envs:Graded", "--grpo.num-generations", "2", "--grpo.beta", "0.04"),
@@ -159,6 +175,41 @@ def rlhf_case(root: Path) -> dict:
     return out
 
 
+def _without_eval(args: list[str]) -> list[str]:
+    """``args`` with nothing held out (no evaluation: the fast case checks one training step)."""
+    out, skip = [], False
+    for a in args:
+        if skip or a in (
+            "--eval-data",
+            "--eval-fraction",
+            "--eval-max-examples",
+            "--eval-max-rows",
+        ):
+            skip = not skip
+            continue
+        out.append(a)
+    return [*out, "--eval-fraction", "0"]
+
+
+def fast_worker(out_path: str, root: str) -> None:
+    """One training step of every trainer on one device and on the mesh, nothing evaluated or
+    exported: the fast case of each."""
+    from conftest import load_example, use_compile_cache
+
+    use_compile_cache()
+    results = {}
+    for name, args in _trainers(Path(root), trained=False).items():
+        common = [*_without_eval(args), "--steps", "1", "--batch-size", "8", "--no-export-hf"]
+        common += ["--checkpoint-every", "1"]
+        runs = {}
+        for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
+            run_dir = Path(root) / f"{name}-{where}"
+            load_example(name).main([*common, *flags, "--run-dir", str(run_dir)])
+            runs[where] = _lines(run_dir)
+        results[name] = runs
+    Path(out_path).write_text(json.dumps(results))
+
+
 def worker(out_path: str, root: str) -> None:
     import jax
     from conftest import load_example, use_compile_cache
@@ -190,7 +241,7 @@ def worker(out_path: str, root: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
-    worker(*sys.argv[1:])
+    {"fast": fast_worker, "full": worker}[sys.argv[1]](*sys.argv[2:])
 else:
     import numpy as np
     import pytest
@@ -201,8 +252,25 @@ else:
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
         d = tmp_path_factory.mktemp("offline_mesh")
-        run_worker(HERE, [str(d / "results.json"), str(d)], timeout=900.0)
+        run_worker(HERE, ["full", str(d / "results.json"), str(d)], timeout=900.0)
         return json.loads((d / "results.json").read_text())
+
+    @pytest.fixture(scope="module")
+    def fast_results(tmp_path_factory):
+        d = tmp_path_factory.mktemp("offline_mesh_fast")
+        run_worker(HERE, ["fast", str(d / "results.json"), str(d)], timeout=900.0)
+        return json.loads((d / "results.json").read_text())
+
+    @pytest.mark.parametrize("name", TRAINERS)
+    def test_one_step_on_a_mesh_equals_one_device(fast_results, name):
+        """The fast case of each trainer: its first step's loss and every metric."""
+        one, mesh = fast_results[name]["one"], fast_results[name]["mesh"]
+        assert set(one) == set(mesh) == {"train 1"}, (one, mesh)
+        assert set(mesh["train 1"]) == set(one["train 1"]) and "loss" in one["train 1"]
+        for key, value in one["train 1"].items():
+            np.testing.assert_allclose(
+                mesh["train 1"][key], value, rtol=RTOL, atol=ATOL, err_msg=f"{name}: {key}"
+            )
 
     @pytest.mark.slow  # one 8-device worker runs ten short runs: minutes on 2 cores
     def test_a_trainer_that_samples_nothing_refuses_sampler_devices(results):
