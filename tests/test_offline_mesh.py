@@ -228,6 +228,24 @@ def worker(out_path: str, root: str) -> None:
             load_example(name).main([*common, *flags, "--run-dir", str(run_dir)])
             runs[where] = _lines(run_dir)
         results[name] = runs
+    on_policy = [
+        *trainers["distill"],
+        "--distill.mode",
+        "on_policy",
+        "--distill.max-new-tokens",
+        "8",
+    ]
+    results["distill_on_policy"] = {}
+    for where, flags in (
+        ("one", []),
+        ("mesh", ["--parallel.mesh", MESH]),
+        ("sampler", ["--parallel.sampler-devices", "4", "--parallel.mesh", "data=2,tensor=2"]),
+    ):
+        run_dir = Path(root) / f"distill-on-policy-{where}"
+        load_example("distill").main(
+            [*on_policy, "--steps", "2", "--batch-size", "8", *flags, "--run-dir", str(run_dir)]
+        )
+        results["distill_on_policy"][where] = _lines(run_dir)
     try:  # SFT samples nothing: a sampler mesh would only take devices from training
         sft = [*trainers["sft"], "--steps", "1", "--batch-size", "8"]
         load_example("sft").main(
@@ -282,6 +300,25 @@ else:
         assert "tensor" in got["wq_spec"] and "fsdp" in got["wq_spec"], got["wq_spec"]
         np.testing.assert_allclose(got["mesh"], got["one"], rtol=RTOL, atol=ATOL)
         assert len(set(np.round(got["one"], 4))) > 1  # the samples score apart
+
+    @pytest.mark.slow
+    def test_on_policy_distillation_on_a_mesh_and_a_sampler_mesh_equals_one_device(results):
+        """GKD's on-policy mode samples from the student every step: on the trainer mesh, and on
+        4 sampler devices with the student trained on the other 4, it logs what one device logs."""
+        runs = results["distill_on_policy"]
+        one = runs["one"]
+        assert {"train 1", "train 2"} <= set(one), one
+        for where in ("mesh", "sampler"):
+            assert set(runs[where]) == set(one), where
+            for line, want in one.items():
+                for key, value in want.items():
+                    np.testing.assert_allclose(
+                        runs[where][line][key],
+                        value,
+                        rtol=RTOL,
+                        atol=ATOL,
+                        err_msg=f"{where} {line}: {key}",
+                    )
 
     @pytest.mark.slow
     def test_rlhf_on_a_mesh_equals_one_device(results):
