@@ -4,7 +4,8 @@
 feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
 their metrics and tokens must match a single-process run of the same global batch. Both processes
 also save and restore a checkpoint collectively.
-SFT from its command line on the same two-process mesh logs what one device logs.
+SFT from its command line on the same two-process mesh logs what one device logs, and GRPO with
+partial rollouts (stopped and resumed mid-way) samples and logs what one device does.
 Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
 """
@@ -75,6 +76,28 @@ def sft_worker(run_dir: str, root: str, *flags: str) -> None:
 def single_worker(out: str) -> None:
     tp.use_compile_cache()
     Path(out).write_text(json.dumps(tp.run_case(None)))
+
+
+def partial_worker(pid: int, n: int, port: int, out: str) -> None:
+    """``test_partial_rollout.grpo_case`` (GRPO with partial rollouts, stopped and resumed
+    mid-way) as process ``pid`` of ``n`` on the global mesh, feeding its rows of the prompts;
+    ``n = 1``: one process, one device."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2 if n > 1 else 1)
+    tp.use_compile_cache()
+    from relax.parallel import distributed
+
+    if n > 1:
+        distributed.initialize(f"127.0.0.1:{port}", n, pid, timeout_s=60)
+    import test_partial_rollout as tpr
+
+    if n == 1:
+        result = tpr.grpo_case()
+    else:
+        rows = slice(pid * tp.PROMPTS // n, (pid + 1) * tp.PROMPTS // n)
+        result = tpr.grpo_case(GLOBAL_MESH, rows=rows, resume_at=tpr.RESUME_AT)
+    Path(out).write_text(json.dumps(result))
 
 
 if __name__ != "__main__":
@@ -201,6 +224,28 @@ if __name__ != "__main__":
                 if isinstance(v, int | float):
                     np.testing.assert_allclose(got[k], v, rtol=2e-4, atol=2e-5, err_msg=k)
 
+    @pytest.mark.slow  # three pipelined runs in subprocesses
+    def test_partial_rollouts_on_two_processes_match_one_device(tmp_path):
+        """GRPO with partial rollouts (``--async.partial 2``) on the global ``fsdp=2,tensor=2``
+        mesh, each process feeding its half of the prompts, stopped after 2 updates and resumed
+        from the data state: both processes hold the same batches in progress (process 0 writes
+        them to checkpoints), and together they sample the tokens of a one-device run and log its
+        metrics to rounding."""
+        import test_partial_rollout as tpr
+
+        port = free_port()
+        files = [tmp_path / f"proc{i}.json" for i in range(3)]
+        procs = [_spawn(["partial", str(i), "2", str(port), str(files[i])]) for i in range(2)]
+        procs.append(_spawn(["partial", "0", "1", "0", str(files[2])]))
+        outputs = _finish(procs, 2 * TIMEOUT_S)
+        for p, out in zip(procs, outputs):
+            assert p.returncode == 0, out[-6000:]
+        first, second, single = (json.loads(f.read_text()) for f in files)
+        assert first["data_state"] == second["data_state"] and first["data_state"]["in_progress"]
+        assert first["metrics"] == second["metrics"]  # global (replicated) values
+        tokens = [a + b for a, b in zip(first["tokens"], second["tokens"])]
+        tpr.assert_same_updates({**first, "tokens": tokens}, single, "two processes")
+
     def test_unreachable_coordinator_fails_after_the_timeout_naming_it():
         port = free_port()  # nothing listens there
         t0 = time.monotonic()
@@ -250,6 +295,8 @@ if __name__ == "__main__":
         process_worker(int(args[0]), int(args[1]), int(args[2]), args[3], args[4])
     elif mode == "single":
         single_worker(args[0])
+    elif mode == "partial":
+        partial_worker(int(args[0]), int(args[1]), int(args[2]), args[3])
     elif mode == "sft":
         sft_worker(*args)
     elif mode == "alone":  # process 0 of 2 whose peer never comes

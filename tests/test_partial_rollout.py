@@ -1,22 +1,31 @@
 """Partial rollouts (``relax.rollout.partial``, ``AsyncConfig.partial``): a batch sampled over K
 rollouts records each token's version and behaviour log-prob (checked against the trainer's
 forward of that version's weights), every token is within the staleness bound, the correction
-weighs each token by its own log-prob, and runs reproduce and resume bit for bit."""
+weighs each token by its own log-prob, and runs reproduce and resume bit for bit.
+
+On meshes (this file run as a script with simulated CPU devices, ``worker`` modes): the stage
+alone samples one device's tokens on sharded weights (fast); GRPO with partial rollouts on
+``data=2,fsdp=2,tensor=2`` and on separate sampler devices equals one device, and resumes exactly
+(slow). tests/test_multihost.py runs ``grpo_case`` on two processes."""
 
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_parallel as tp
 from test_parallel import _decode, fives
 from test_pipeline import Batches, _assert_same
 from test_train import CFG
 
 from relax.algorithms.grpo.config import preset
 from relax.algorithms.grpo.step import make_grpo_step
+from relax.algorithms.online.batch import HostRecord, step_input
 from relax.algorithms.online.step import StepParts
-from relax.models import init
+from relax.models import ModelConfig, init
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.rollout.partial import PartialRequest, PartialRollouts
@@ -27,6 +36,7 @@ from relax.train.pipeline import AsyncConfig, Pipeline
 from relax.train.state import init_state
 
 EOS = 3
+HERE = Path(__file__).resolve()
 
 
 def _partial(k: int, n: int = 8, g: int = 4) -> PartialRollouts:
@@ -321,3 +331,199 @@ def test_ppo_with_partial_rollouts_trains_on_mixed_versions():
             float(out.device.metrics["critic/vf_loss"])
         )
     assert float(outs[2].device.metrics["is_weight_max"]) != 1.0  # the stale tokens are weighted
+
+
+# ------------------------------------------------------------------ on meshes (subprocess workers)
+
+
+def stage_worker(out: str) -> None:
+    """Three partial rollouts (policies a, b, a) on one device and on ``fsdp=2,tensor=2`` (the
+    weights sharded, the rows split 2 ways), and the error of a mesh whose batch axes do not
+    divide the prompts."""
+    from relax import parallel
+
+    tp.use_compile_cache()
+    a, b = init(CFG, jax.random.key(0), std=0.3), init(CFG, jax.random.key(5), std=0.3)
+    results = {}
+    for name, mesh in (("one", None), ("mesh", parallel.make_mesh("fsdp=2,tensor=2"))):
+        partial, key = _partial(2), jax.random.key(7)
+        place = (lambda m: m) if mesh is None else (lambda m: parallel.shard_model(m, mesh))
+        done = [
+            partial.produce(place(p), i, key, PartialRequest(i)) for i, p in enumerate((a, b, a))
+        ]
+        fields = ("tokens", "logprobs", "versions", "lengths", "finished")
+        results[name] = {f: [getattr(d, f).tolist() for d in done] for f in fields}
+    try:
+        _partial(2).produce(
+            parallel.shard_model(a, parallel.make_mesh("data=4")), 0, key, PartialRequest(0)
+        )
+    except ValueError as e:
+        results["error"] = str(e)
+    Path(out).write_text(json.dumps(results))
+
+
+def test_partial_rollouts_on_sharded_weights_sample_one_devices_tokens(tmp_path):
+    """The stage alone on 4 simulated devices: weights over ``fsdp=2,tensor=2``, each batch's rows
+    (and the continued rows, padded to a multiple of 2) split over fsdp: one device's tokens,
+    versions and lengths exactly, its log-probs to rounding; 2 prompts on ``data=4`` are an error
+    naming the axis."""
+    tp.run_worker(HERE, ["stage", str(tmp_path / "out.json")], devices=4, timeout=300)
+    r = json.loads((tmp_path / "out.json").read_text())
+    for f in ("tokens", "versions", "lengths", "finished"):
+        assert r["mesh"][f] == r["one"][f], f
+    np.testing.assert_allclose(r["mesh"]["logprobs"], r["one"]["logprobs"], atol=1e-5)
+    assert "2 prompts do not split over the batch axes data=4" in r["error"]
+
+
+MESH_STEPS, RESUME_AT = 3, 2
+
+
+class MeshPrompts:
+    """test_parallel's 8 prompts, rolled by one row per batch, this process's ``rows`` of them;
+    ``get_state`` / ``set_state``."""
+
+    def __init__(self, rows: slice = slice(None)):
+        self.rows, self.position = rows, 0
+
+    def __next__(self):
+        ids, mask = (np.roll(x, self.position, axis=0) for x in tp.global_batch())
+        weights = np.roll([1.0 + i / 8 for i in range(tp.PROMPTS)], self.position)
+        self.position += 1
+        r = self.rows
+        names = [f"p{i}" for i in range(tp.PROMPTS)][r]
+        return step_input(ids[r], mask[r], names, {"weight": weights[r].tolist()})
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
+def _sharded_grpo(mesh, sampler_devices: int, rows: slice, state=None):
+    """``(state, step, partial)``: GRPO with partial rollouts of this process's ``rows`` on
+    test_parallel's model, on the meshes asked for (``ShardedStep``; none: one device), from
+    ``state`` (None: a new one)."""
+    from relax import parallel
+    from relax.passes import choose_passes
+
+    cfg = preset(
+        "grpo",
+        num_generations=4,
+        max_new_tokens=6,
+        beta=0.04,
+        optimizer=OptimizerConfig(learning_rate=tp.LEARNING_RATE),
+    )
+    if state is None:
+        policy = init(ModelConfig(**tp.MODEL), jax.random.key(0), std=0.1)
+        state = init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
+    trainer, sampler = parallel.ParallelConfig(mesh=mesh, sampler_devices=sampler_devices).meshes()
+    partial = PartialRollouts(
+        MeshPrompts(rows),
+        lambda w: (np.asarray(w.device.prompt_ids), np.asarray(w.device.prompt_mask), w.host),
+        cfg.generation.rollout(eos_ids=(EOS,), pad_id=0),
+        2,
+        encode=lambda r: {"prompts": r.prompts, "fields": r.fields},
+        decode=lambda d: HostRecord(prompts=d["prompts"], fields=d["fields"]),
+    )
+    shards = 1 if trainer is None else parallel.batch_shards(trainer)
+    parts = StepParts(
+        reward_fns=[fives],
+        decode=_decode,
+        eos_ids=(EOS,),
+        passes=choose_passes(batch_shards=shards),
+        off_policy=ASYNC.off_policy,
+        pipelined=True,
+        partial=partial,
+    )
+    step = make_grpo_step(cfg, parts)
+    if trainer is not None:
+        step = parallel.ShardedStep(step, state, trainer, sampler_mesh=sampler)
+        state = step.place(state)
+    return state, step, partial
+
+
+def _updates(partial, step, state, start: int, stop: int, views=None):
+    """Updates ``start .. stop - 1`` of a pipelined run of ``MESH_STEPS``: ``(state, out, saved)``,
+    ``out`` each update's metrics and this process's tokens, ``saved`` what a checkpoint after
+    ``stop`` holds besides the state (the sampler's copies; the data state, through JSON)."""
+    from relax.parallel.distributed import to_local
+
+    pipeline = Pipeline(step.segments, ASYNC, partial, lambda r: r, views=views)
+    run, out = pipeline.run(state, start, MESH_STEPS), {"metrics": [], "tokens": []}
+    for _ in range(start, stop):
+        state, batch, _ = next(run)
+        out["metrics"].append({k: float(v) for k, v in batch.device.metrics.items()})
+        out["tokens"].append(to_local(batch.device.batch.tokens).tolist())
+    data = json.loads(json.dumps(pipeline.data_state(stop)))
+    return state, out, (pipeline.saved_views(state, stop, MESH_STEPS), data)
+
+
+def grpo_case(mesh=None, *, sampler_devices=0, rows=slice(None), resume_at=None) -> dict:
+    """``MESH_STEPS`` GRPO updates with partial rollouts (``ASYNC``), sharded as asked; with
+    ``resume_at`` the run stops after that many updates and a new one (a new step and data
+    iterator) resumes from what a checkpoint holds. Each update's metrics and this process's
+    tokens, the data state where it stopped (every process must hold the same) and the segments.
+    """
+    state, step, partial = _sharded_grpo(mesh, sampler_devices, rows)
+    state, out, (views, data) = _updates(partial, step, state, 0, resume_at or MESH_STEPS)
+    if resume_at is not None:
+        state, step, partial = _sharded_grpo(mesh, sampler_devices, rows, state)
+        partial.set_state(data)
+        live = dict(zip(ASYNC.live_versions(resume_at, MESH_STEPS), views))
+        _, tail, _ = _updates(partial, step, state, resume_at, MESH_STEPS, live)
+        out = {k: out[k] + tail[k] for k in out}
+    return {**out, "data_state": data, "segments": [seg.names for seg in step.segments]}
+
+
+def grpo_worker(out: str) -> None:
+    tp.use_compile_cache()
+    mesh = tp.MESHES[-1]  # data=2,fsdp=2,tensor=2
+    results = {
+        "single": grpo_case(),
+        "mesh": grpo_case(mesh),
+        "resumed": grpo_case(mesh, resume_at=RESUME_AT),
+        "split": grpo_case("data=2,fsdp=2", sampler_devices=4),
+    }
+    Path(out).write_text(json.dumps(results))
+
+
+def assert_same_updates(got: dict, want: dict, what: str, rtol=2e-4, atol=2e-5) -> None:
+    """Tokens equal, metrics equal to ``rtol`` / ``atol``, update by update."""
+    assert len(got["tokens"]) == len(want["tokens"]) == MESH_STEPS, what
+    for i, (g, w) in enumerate(zip(got["metrics"], want["metrics"])):
+        assert got["tokens"][i] == want["tokens"][i], (what, i)
+        assert set(g) == set(w), (what, i)
+        for k in w:
+            np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=f"{what} {i}: {k}")
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("partial_mesh") / "runs.json"
+    tp.run_worker(HERE, ["grpo", str(out)], timeout=900)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow  # one 8-device worker: four pipelined GRPO runs
+def test_grpo_with_partial_rollouts_on_a_mesh_equals_one_device(mesh_runs):
+    """``--async.partial 2`` on ``data=2,fsdp=2,tensor=2``, and sampled on 4 devices of their
+    own (trained on ``data=2,fsdp=2``): one device's tokens, its metrics to rounding."""
+    single = mesh_runs["single"]
+    assert single["metrics"][1]["is_weight_max"] != 1.0  # stale tokens, weighed
+    # on its own devices the rollout samples on the sampler's copy of the weights
+    assert mesh_runs["split"]["segments"][:2] == [["weight_transfer"], ["rollout"]]
+    for name in ("mesh", "split"):
+        assert_same_updates(mesh_runs[name], single, name)
+
+
+@pytest.mark.slow  # the same worker
+def test_partial_rollouts_on_a_mesh_resume_exactly(mesh_runs):
+    """Stopped after 2 updates (a batch in progress in the data state) and resumed on the
+    mesh by a new step and data iterator: the uninterrupted run, bit for bit."""
+    assert mesh_runs["resumed"]["data_state"]["in_progress"]
+    assert_same_updates(mesh_runs["resumed"], mesh_runs["mesh"], "resumed", rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    {"stage": stage_worker, "grpo": grpo_worker}[sys.argv[1]](sys.argv[2])

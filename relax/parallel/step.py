@@ -10,7 +10,8 @@ into one ``jax.jit``, host stages stand alone), and each segment runs as::
                      arrays restored as the global ones they came from
 
 With a sampler mesh, the stages placed on the sampler (``placement="sampler"``: the rollout) run on the sampler
-devices against a policy COPY laid out for the sampler mesh; a ``weight_transfer`` segment before
+devices against a policy COPY laid out for the sampler mesh (a host stage placed there, partial
+rollouts', gets that copy in its state and samples on its mesh); a ``weight_transfer`` segment before
 the rollout refreshes that copy from the trainer's policy (i.e. after every update), so its time
 appears as ``time/weight_transfer`` in the run's metrics. With ``offload_reference`` the
 reference model lives in host memory (``memory_kind="pinned_host"``) except while a segment that
@@ -215,54 +216,44 @@ class ShardedStep(SegmentRunner):
     def _plan(self, leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
         segments, transferred = [], False
         for group in group_leaves(leaves, key=self._on_sampler):
-            names = tuple(s.name for s in group)
             on_sampler = self._on_sampler(group[0])
-            updates = any(s.updates_state for s in group)
-            if not group[0].jittable:
+            if on_sampler and not transferred:
                 segments.append(
                     Segment(
-                        names=names,
+                        names=("weight_transfer",),
                         jittable=False,
-                        run=self._host(group[0].fn),
-                        updates_state=updates,
-                        waits=group[0].waits,
+                        run=self._transfer,
+                        updates_state=False,
                     )
                 )
-            elif on_sampler:
-                if not transferred:
-                    segments.append(
-                        Segment(
-                            names=("weight_transfer",),
-                            jittable=False,
-                            run=self._transfer,
-                            updates_state=False,
-                        )
-                    )
-                    transferred = True
-                jitted, run, abstract = self._sampler_segment(group)
-                segments.append(
-                    Segment(
-                        names=names,
-                        jittable=True,
-                        run=run,
-                        jitted=jitted,
-                        updates_state=updates,
-                        abstract=abstract,
-                    )
-                )
-            else:
-                jitted, run, abstract = self._trainer_segment(group)
-                segments.append(
-                    Segment(
-                        names=names,
-                        jittable=True,
-                        run=run,
-                        jitted=jitted,
-                        updates_state=updates,
-                        abstract=abstract,
-                    )
-                )
+                transferred = True
+            segments.append(self._segment(group, on_sampler))
         return tuple(segments)
+
+    def _segment(self, group: list[Stage], on_sampler: bool) -> Segment:
+        """One group's segment: a host stage (on the sampler: reading its copy of the policy) or
+        a jitted program on the sampler or trainer mesh."""
+        names = tuple(s.name for s in group)
+        updates = any(s.updates_state for s in group)
+        if not group[0].jittable:
+            run = self._host(group[0].fn)
+            return Segment(
+                names=names,
+                jittable=False,
+                run=self._sampler_host(run) if on_sampler else run,
+                updates_state=updates,
+                waits=group[0].waits,
+            )
+        make = self._sampler_segment if on_sampler else self._trainer_segment
+        jitted, run, abstract = make(group)
+        return Segment(
+            names=names,
+            jittable=True,
+            run=run,
+            jitted=jitted,
+            updates_state=updates,
+            abstract=abstract,
+        )
 
     @staticmethod
     def _split(batch) -> tuple[Any, Any]:
@@ -368,6 +359,16 @@ class ShardedStep(SegmentRunner):
             jax.device_put(state.policy, self._sampler_params)
         )
         return state, batch
+
+    def _sampler_host(self, run):
+        """A host stage placed on the sampler (partial rollouts, ``relax.rollout.partial``) reads
+        the sampler's copy of the policy; it only reads the state, so the caller's goes on."""
+
+        def on_sampler(state, batch):
+            _, out = run(state.replace(policy=self._sampler_policy), batch)
+            return state, out
+
+        return on_sampler
 
     @staticmethod
     def _host(fn):

@@ -29,6 +29,16 @@ weights); not built. The recomputed prefix costs a prefill per continuing row an
 
 State: the data iterator's position and every batch in progress (``get_state`` / ``set_state``,
 JSON, arrays base64-encoded), so a checkpoint resumes the exact rollouts.
+
+On a mesh (``relax.parallel``) both programs run where the sampler's weights are laid out, traced
+under their mesh, the rows split over its batch axes (the continued rows padded to a multiple of
+the batch shards too): every row samples with the key of its index, as on one device (jax's
+partitionable threefry: a row's key does not depend on the row count), so the tokens are one
+device's. On several processes each batch's prompts and host records are gathered
+from every process's rows when it starts and the sampled chunks fetched whole, so every process
+holds the same batches in progress (the checkpoint, written by process 0, holds them all); the
+batch ``produce`` hands on is this process's rows (``InProgress.local``), as its data iterator
+would have given them.
 """
 
 from __future__ import annotations
@@ -36,13 +46,17 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
-from relax.rollout.sampler import RolloutConfig, compiled_generate, validate
+from relax.models.config.sharding import BATCH_AXES, batch_shards, mesh_of
+from relax.rollout.sampler import Rollout, RolloutConfig, compiled_generate, validate
 
 UNSAMPLED = -1  # ``versions`` of a slot no token was sampled into
 
@@ -55,12 +69,13 @@ class PartialRequest(NamedTuple):
 
 @dataclasses.dataclass
 class InProgress:
-    """One batch being sampled: its prompts (``[P, Lp]``, left-padded), its host ``record``
-    (opaque: the prompts' text and columns) and its completions so far ``[P, G, N]``."""
+    """One batch being sampled: its prompts (``[P, Lp]``, left-padded; every process's rows), the
+    host ``records`` of every process's rows, in process order (opaque: the prompts' text and
+    columns; one on one process) and its completions so far ``[P, G, N]``."""
 
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
-    record: Any
+    records: tuple
     tokens: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
@@ -69,18 +84,33 @@ class InProgress:
     chunks: int = 0
 
     @classmethod
-    def start(cls, prompt_ids, prompt_mask, record, g: int, n: int, pad_id: int) -> InProgress:
+    def start(cls, prompt_ids, prompt_mask, records, g: int, n: int, pad_id: int) -> InProgress:
         p = prompt_ids.shape[0]
         return cls(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             prompt_mask=np.asarray(prompt_mask, np.int32),
-            record=record,
+            records=tuple(records),
             tokens=np.full((p, g, n), pad_id, np.int32),
             logprobs=np.zeros((p, g, n), np.float32),
             versions=np.full((p, g, n), UNSAMPLED, np.int32),
             lengths=np.zeros((p, g), np.int32),
             finished=np.zeros((p, g), bool),
         )
+
+    @property
+    def record(self) -> Any:
+        """This process's host record (of its rows)."""
+        return self.records[jax.process_index()]
+
+    def local(self) -> InProgress:
+        """This process's rows (its contiguous share of the prompts, as ``relax.data.prompts``
+        deals them): what its host stages score; the batch itself on one process."""
+        n = jax.process_count()
+        if n == 1:
+            return self
+        share = self.prompt_ids.shape[0] // n
+        rows = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+        return dataclasses.replace(self, **{f: getattr(self, f)[rows] for f in _ARRAYS})
 
     @property
     def running(self) -> np.ndarray:
@@ -132,6 +162,51 @@ _ARRAYS = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "versions", "lengt
 
 def _pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
+
+
+def _dispatch(cfg: RolloutConfig, policy, ids: np.ndarray, mask: np.ndarray, key) -> Rollout:
+    """``compiled_generate(cfg)`` on host prompts ``ids`` / ``mask`` (every row, the same on every
+    process), dispatched where the weights are: on their mesh traced under it, the rows split over
+    its batch axes and the key replicated, as a sharded rollout runs (``relax.parallel``). Rows
+    that do not split over the batch axes are an error naming them."""
+    mesh = mesh_of(policy)
+    if mesh is None:
+        return compiled_generate(cfg)(policy, ids, mask, key)
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    if ids.shape[0] % batch_shards(mesh):
+        sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise ValueError(
+            f"{ids.shape[0]} prompts do not split over the batch axes {sizes} of the mesh the "
+            f"weights sample on; use a batch size divisible by {batch_shards(mesh)}"
+        )
+    rows = NamedSharding(mesh, PartitionSpec(axes))
+    put = lambda x: jax.make_array_from_callback(x.shape, rows, lambda i: x[i])  # noqa: E731
+    key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
+    with jax.set_mesh(mesh):
+        return compiled_generate(cfg)(policy, put(ids), put(mask), key)
+
+
+def _to_host(tree):
+    """``tree``'s arrays whole, as numpy, on every process (an array over several processes'
+    devices is gathered: every process calls this)."""
+    return jax.tree.map(
+        lambda x: (
+            np.asarray(x)
+            if x.is_fully_addressable
+            else multihost_utils.process_allgather(x, tiled=True)
+        ),
+        tree,
+    )
+
+
+def _gather_json(value) -> list:
+    """Every process's JSON value ``value``, in process order (every process calls this)."""
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int64(data.size))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes)]
 
 
 class PartialRollouts:
@@ -194,7 +269,7 @@ class PartialRollouts:
             "in_progress": [
                 {
                     "chunks": b.chunks,
-                    "record": self.encode(b.record),
+                    "records": [self.encode(r) for r in b.records],
                     **{f: _encode_array(getattr(b, f)) for f in _ARRAYS},
                 }
                 for b in self.in_progress
@@ -206,7 +281,8 @@ class PartialRollouts:
         self.batches.set_state(base64.b64decode(data["bytes"]) if "bytes" in data else data["json"])
         self.in_progress = collections.deque(
             InProgress(
-                record=self.decode(b["record"]),
+                # "record": a checkpoint written before several processes were served
+                records=tuple(self.decode(r) for r in b.get("records", [b.get("record")])),
                 chunks=b["chunks"],
                 **{f: _decode_array(b[f]) for f in _ARRAYS},
             )
@@ -222,10 +298,11 @@ class PartialRollouts:
             (b, int(p), int(g)) for b in self.in_progress for p, g in zip(*np.nonzero(b.running))
         ]
 
-    def continuation_prompts(self, rows: list[tuple[InProgress, int, int]]):
+    def continuation_prompts(self, rows: list[tuple[InProgress, int, int]], shards: int = 1):
         """The rows' prompts: each completion's prompt and tokens so far, left-padded to the next
-        multiple of the chunk (rows hold multiples of it); the row count padded to a power of two
-        (the padding rows repeat row 0)."""
+        multiple of the chunk (rows hold multiples of it); the row count padded to a power of two,
+        then to a multiple of ``shards`` (the sampler mesh's batch shards; the padding rows repeat
+        row 0)."""
         seqs = [
             np.concatenate(
                 [b.prompt_ids[p][b.prompt_mask[p] > 0], b.tokens[p, g, : b.lengths[p, g]]]
@@ -235,13 +312,29 @@ class PartialRollouts:
         width = (
             -(-max(len(s) for s in seqs) // self.chunk) * self.chunk
         )  # a multiple of the chunk: few shapes
-        r = _pow2(len(seqs))
+        r = -(-_pow2(len(seqs)) // shards) * shards
         ids = np.full((r, width), self.cfg.pad_id, np.int32)
         mask = np.zeros((r, width), np.int32)
         for i in range(r):
             s = seqs[i if i < len(seqs) else 0]
             ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
         return ids, mask
+
+    def new_batch(self, policy, item) -> InProgress:
+        """A new batch of data item ``item``: its prompts checked (the whole budget fits the
+        model's context) and, on several processes, gathered from every process's rows."""
+        ids, mask, record = self.to_prompts(item)
+        if jax.process_count() == 1:
+            records = (record,)
+        else:
+            ids, mask = (
+                multihost_utils.process_allgather(np.asarray(x), tiled=True) for x in (ids, mask)
+            )
+            records = tuple(self.decode(r) for r in _gather_json(self.encode(record)))
+        validate(policy, ids, mask, self.cfg)
+        return InProgress.start(
+            ids, mask, records, self.cfg.num_generations, self.cfg.max_new_tokens, self.cfg.pad_id
+        )
 
     def _call(self, policy, version: int, key, fresh) -> dict[str, float]:
         """One chunk for every batch in progress and, when ``fresh`` (a data item), a new batch:
@@ -250,25 +343,19 @@ class PartialRollouts:
         stats = {"continued_rows": float(len(rows)), "prefill_tokens": 0.0}
         started = None
         if fresh is not None:
-            ids, mask, record = self.to_prompts(fresh)
-            validate(policy, ids, mask, self.cfg)  # the whole budget fits the model's context
-            started = InProgress.start(
-                ids,
-                mask,
-                record,
-                self.cfg.num_generations,
-                self.cfg.max_new_tokens,
-                self.cfg.pad_id,
-            )
-            new = compiled_generate(self.fresh_cfg)(
-                policy, started.prompt_ids, started.prompt_mask, jax.random.fold_in(key, 0)
+            started = self.new_batch(policy, fresh)
+            new = _dispatch(
+                self.fresh_cfg,
+                policy,
+                started.prompt_ids,
+                started.prompt_mask,
+                jax.random.fold_in(key, 0),
             )
         if rows:
-            ids, mask = self.continuation_prompts(rows)
+            mesh = mesh_of(policy)
+            ids, mask = self.continuation_prompts(rows, 1 if mesh is None else batch_shards(mesh))
             stats["prefill_tokens"] = float(mask[: len(rows)].sum())
-            cont = jax.device_get(
-                compiled_generate(self.cont_cfg)(policy, ids, mask, jax.random.fold_in(key, 1))
-            )
+            cont = _to_host(_dispatch(self.cont_cfg, policy, ids, mask, jax.random.fold_in(key, 1)))
             for i, (b, p, g) in enumerate(rows):
                 b.write(
                     p,
@@ -282,14 +369,15 @@ class PartialRollouts:
         for b in self.in_progress:
             b.chunks += 1
         if started is not None:
-            new = jax.device_get(new)
+            new = _to_host(new)
             started.write_first(new.tokens, new.logprobs, new.mask, new.finished, version)
             self.in_progress.append(started)
         return stats
 
     def produce(self, policy, version: int, key, request: PartialRequest) -> InProgress:
-        """The complete batch of update ``request.index``, sampling on ``policy`` (version
-        ``version``, keys from ``key``): one call, or K on the first rollout (module docstring)."""
+        """The complete batch of update ``request.index`` (this process's rows of it), sampling on
+        ``policy`` (version ``version``, keys from ``key``; on whatever mesh its weights are): one
+        call, or K on the first rollout (module docstring)."""
         if request.index != self.produced:
             raise RuntimeError(
                 f"partial rollout {request.index} requested, but {self.produced} is next: the "
@@ -315,4 +403,4 @@ class PartialRollouts:
             "partial/in_progress": float(len(self.in_progress)),
             "partial/mixed_version_frac": float(chunked.any(-1).mean()),
         }
-        return done
+        return done.local()

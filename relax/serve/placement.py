@@ -19,17 +19,10 @@ import warnings
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from relax.models.config.sharding import batch_shards
 from relax.parallel.mesh import place_batch, prompt_rows, replicated
-
-
-def mesh_of(tree: Any) -> Mesh | None:
-    """The mesh ``tree``'s first array is laid out on; None for one device (or no array)."""
-    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    sharding = leaves[0].sharding if leaves else None
-    return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
 def shards(mesh: Mesh | None) -> int:

@@ -29,6 +29,7 @@ import optax
 from jax.sharding import Mesh
 
 from relax.models.adapters.operations import add_lora
+from relax.models.config.sharding import mesh_of
 from relax.models.decoder.transformer import Transformer
 from relax.models.heads.critic import init_value_head
 from relax.models.layers.lora import LoRAConfig
@@ -38,7 +39,7 @@ from relax.rollout.sampling import SamplingConfig
 from relax.serve import objectives
 from relax.serve.datum import datum_loss, datum_rows
 from relax.serve.objectives import Grads
-from relax.serve.placement import mesh_of, place_rows, shards
+from relax.serve.placement import place_rows, shards
 from relax.serve.wire import RequestError, decode_batch
 from relax.train import primitives
 from relax.train.state import TrainState, init_state

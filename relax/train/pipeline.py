@@ -53,6 +53,7 @@ import numpy as np
 
 from relax.compose import Segment, split_host
 from relax.objectives.off_policy import OffPolicyConfig
+from relax.parallel.distributed import to_local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,11 +260,13 @@ class Pipeline:
     def _check_versions(self, j: int, batch) -> int:
         """The lag of batch ``j``'s oldest tokens; raises unless the versions its samples recorded
         are the schedule's: ``v(j)``, or with partial rollouts from ``oldest_version(j)`` to ``v(j)``."""
+        # this process's rows (all a process can read): every row holds its batch's oldest
+        # version, its completions' first tokens
         token_versions = getattr(batch, "token_versions", None)
         if token_versions is None:
-            versions = np.unique(jax.device_get(batch.policy_version))
+            versions = np.unique(to_local(batch.policy_version))
         else:
-            versions = np.unique(jax.device_get(token_versions)[jax.device_get(batch.mask) > 0])
+            versions = np.unique(to_local(token_versions)[to_local(batch.mask) > 0])
         lo, hi = int(versions[0]), int(versions[-1])
         ok = (
             lo == self.cfg.oldest_version(j)

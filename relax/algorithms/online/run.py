@@ -149,17 +149,12 @@ def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int)
     return host_metrics
 
 
-def _partial_rollouts(
-    cfg: OnlineRunConfig, algo: OnlineAlgorithm, batches, eos_ids, pad_id: int, mesh
-):
+def _partial_rollouts(cfg: OnlineRunConfig, algo: OnlineAlgorithm, batches, eos_ids, pad_id: int):
     """``--async.partial K``: the data iterator wrapped by the batches in progress
-    (``relax.rollout.partial``), or None (K = 1)."""
+    (``relax.rollout.partial``; they sample where the sampler's weights are, on one device, a
+    mesh or several processes), or None (K = 1)."""
     if cfg.async_.partial == 1:
         return None
-    if mesh is not None:
-        raise ValueError(
-            "--async.partial runs on one device for now; drop --parallel.* or use --async.partial 1"
-        )
 
     def to_prompts(pb):
         return (
@@ -233,7 +228,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
         eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))
         batches = prompt_iterator(data.data_cfg, tokenizer, prepared=data.train)
-        partial = _partial_rollouts(cfg, algo, batches, eos_ids, tokenizer.pad_token_id, mesh)
+        partial = _partial_rollouts(cfg, algo, batches, eos_ids, tokenizer.pad_token_id)
         parts = StepParts(
             reward_fns=reward_fns,
             decode=text_decoder(tokenizer),

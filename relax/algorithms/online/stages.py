@@ -95,7 +95,8 @@ def make_partial_rollout(partial: PartialRollouts) -> Stage:
         )
         return state, WithHost(out, done.record.replace(partial=dict(partial.last)))
 
-    return stage(rollout, jit=False, name="rollout", updates_state=False)
+    # on separate sampler devices (relax.parallel) the sampler's copy of the weights samples
+    return stage(rollout, jit=False, name="rollout", updates_state=False, placement="sampler")
 
 
 def sample_versions(state: TrainState, like: jax.Array) -> jax.Array:

@@ -66,6 +66,14 @@ def batch_shards(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
 
 
+def mesh_of(tree) -> jax.sharding.Mesh | None:
+    """The mesh ``tree``'s first array is laid out on (its ``NamedSharding``'s); None for one
+    device's arrays or a tree without arrays."""
+    arrays = (x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+    sharding = getattr(next(arrays, None), "sharding", None)
+    return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
 def ambient_batch_axes() -> tuple[str, ...]:
     """The ``BATCH_AXES`` of the mesh being traced with (``jax.set_mesh``; () outside any mesh):
     the mesh axes a jitted step's rows are split over."""
