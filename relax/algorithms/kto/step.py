@@ -147,9 +147,9 @@ def make_reference_point(passes: Passes, forward: Forward) -> Stage:
                 policy_kl[:, 0], batch.ref_logps[:, 1].astype(jnp.float32), batch.loss_mask > 0
             )
 
-        kl = jax.lax.stop_gradient(
-            jax.lax.cond(ref_is_policy_of(batch), lambda: jnp.float32(0.0), z0)
-        )
+        # a select, not a lax.cond: a cond around the forward's collectives hung two CPU
+        # processes (gloo) at the first step whose reference differs from the policy
+        kl = jax.lax.stop_gradient(jnp.where(ref_is_policy_of(batch), jnp.float32(0.0), z0()))
         return state, dataclasses.replace(batch, kl=kl)
 
     return stage(reference_point, name="reference_point", updates_state=False)
