@@ -4,8 +4,9 @@
 feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
 their metrics and tokens must match a single-process run of the same global batch. Both processes
 also save and restore a checkpoint collectively.
-SFT from its command line on the same two-process mesh logs what one device logs, and GRPO with
-partial rollouts (stopped and resumed mid-way) samples and logs what one device does.
+Every offline trainer from its command line (SFT, DPO, KTO, reward models, distillation) on a
+two-process mesh of four devices each logs what one device logs, a ``--reward-model`` scores
+alike; GRPO with partial rollouts (stopped and resumed mid-way) samples and logs what one device does.
 Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
 """
@@ -25,6 +26,7 @@ import test_parallel as tp  # noqa: E402  (the shared GRPO case and worker helpe
 
 TIMEOUT_S = 150
 GLOBAL_MESH = "fsdp=2,tensor=2"
+TRAINERS_MESH = "data=2,fsdp=2,tensor=2"  # two processes of four devices
 
 
 def free_port() -> int:
@@ -51,9 +53,12 @@ def process_worker(pid: int, n: int, port: int, out: str, ckpt: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def sft_worker(run_dir: str, root: str, *flags: str) -> None:
-    """``relax sft`` on a random model and the reverse task's rows, two steps, with ``flags``
-    (the parallel ones); jax's CPU device count from ``RELAX_TEST_CPU_DEVICES``."""
+def trainers_worker(root: str, *flags: str) -> None:
+    """Every offline trainer's command line (``root/trainers.json``, from
+    ``test_offline_mesh._trainers``) for two steps with ``flags`` (the parallel ones) into
+    ``root/<run>/<trainer>``, ``<run>`` from ``RELAX_TEST_RUN``; then a ``--reward-model``'s scores
+    of a few samples on the run's mesh (``reward_functions``) into ``root/<run>/rm<process>.json``.
+    jax's CPU device count from ``RELAX_TEST_CPU_DEVICES``."""
     import os
 
     import jax
@@ -62,14 +67,27 @@ def sft_worker(run_dir: str, root: str, *flags: str) -> None:
     tp.use_compile_cache()
     from conftest import load_example
 
-    data = Path(root) / "sft"
-    load_example("sft").main(
-        [
-            *("--model", str(Path(root) / "model"), "--data", str(data / "train.jsonl")),
-            *("--eval-data", str(data / "eval.jsonl"), "--eval-max-examples", "4"),
-            *("--steps", "2", "--batch-size", "8", "--sft.max-length", "32"),
-            *("--run-dir", run_dir, *flags),
-        ]
+    from relax.algorithms.online.config import OnlineRunConfig
+    from relax.algorithms.online.rewards import reward_functions
+    from relax.parallel import make_mesh
+
+    out = Path(root) / os.environ["RELAX_TEST_RUN"]
+    trainers = json.loads((Path(root) / "trainers.json").read_text())
+    for name, args in trainers.items():
+        common = [*args, "--steps", "2", "--batch-size", "8"]
+        load_example(name).main([*common, "--run-dir", str(out / name), *flags])
+    spec = flags[flags.index("--parallel.mesh") + 1] if "--parallel.mesh" in flags else None
+    mesh = None if spec is None else make_mesh(spec)
+    cfg = OnlineRunConfig(reward_model=str(Path(root) / "rm"), reward=())
+    scorer = reward_functions(cfg, mesh)[-1].fn
+    sharding = jax.tree.leaves(scorer.model)[0].sharding
+    (out / f"rm{jax.process_index()}.json").write_text(
+        json.dumps(
+            {
+                "scores": scorer(["abc=", "ba=", "cab=", "c="], ["cba", "ab", "bac", "c"]),
+                "devices": len(sharding.device_set),
+            }
+        )
     )
 
 
@@ -165,64 +183,76 @@ if __name__ != "__main__":
                 and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
             )
 
-    def _sft_setup(root: Path) -> None:
-        """A random model with the reverse task's tokenizer, and SFT rows of the task."""
+    def _trainers_setup(root: Path) -> None:
+        """Every offline trainer's command line on untrained models of the reverse task
+        (``test_offline_mesh._trainers``) in ``root/trainers.json``, and a reward model in ``root/rm``."""
         import jax
+        import test_offline_mesh as tom
 
-        from relax.models import ModelConfig, init
-        from relax.models.hf.checkpoint import save_pretrained
-        from relax.tasks import reverse
+        from relax.models.heads.reward_model import init_reward_model, save_reward_model
+        from relax.models.hf.checkpoint import load_pretrained
+        from relax.text import load_tokenizer
 
-        task = reverse.ReverseTask(num_train=64, num_eval=8)
-        tokenizer = reverse.build_tokenizer(task, root)
-        plain = {"vocab_size": tokenizer.vocab_size, "qkv_bias": False, "qk_norm": False}  # llama's
-        config = ModelConfig(**{**tp.MODEL, **plain})
-        save_pretrained(init(config, jax.random.key(0), std=0.1), root / "model")
-        tokenizer.save_pretrained(root / "model")
-        reverse.write_task_data(task, root / "sft", reverse.sft_records)
+        trainers = tom._trainers(root, trained=False, agent=False)
+        trainers = {  # held-out metrics for SFT; the others' on a mesh: test_offline_mesh
+            k: v if k == "sft" else tom._without_eval(v) for k, v in trainers.items()
+        }
+        (root / "trainers.json").write_text(json.dumps(trainers))
+        rm = init_reward_model(
+            load_pretrained(root / "model"), jax.random.key(4), head_std=1.0, pad_token_id=0
+        )
+        save_reward_model(rm, root / "rm", tokenizer=load_tokenizer(root / "model"))
 
-    @pytest.mark.slow  # three short runs in subprocesses
-    def test_sft_on_two_processes_logs_what_one_device_logs(tmp_path):
-        """``relax sft`` on the global ``fsdp=2,tensor=2`` mesh of two processes (each collating
-        its half of a step's rows) logs the training and held-out metrics of a one-device run."""
-        _sft_setup(tmp_path)
+    @pytest.mark.slow  # two steps of five trainers in three subprocesses
+    def test_trainers_on_two_processes_log_what_one_device_logs(tmp_path):
+        """SFT, DPO, KTO, reward-model training and distillation on the global
+        ``data=2,fsdp=2,tensor=2`` mesh of two processes of four devices (each collating its half
+        of a step's rows) log the training metrics of a one-device run (SFT: and its held-out
+        ones); a GRPO run's
+        ``--reward-model`` scores alike, held once per process over its four devices."""
+        _trainers_setup(tmp_path)
         port = free_port()
-        flags = ["--parallel.mesh", GLOBAL_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
+        flags = ["--parallel.mesh", TRAINERS_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
+        two = {"RELAX_TEST_CPU_DEVICES": "4", "RELAX_TEST_RUN": "two"}
         procs = [
             _spawn(
-                [
-                    "sft",
-                    str(tmp_path / "two"),
-                    str(tmp_path),
-                    *flags,
-                    "--parallel.num-processes",
-                    "2",
-                    "--parallel.process-id",
-                    str(i),
-                ],
-                env={"RELAX_TEST_CPU_DEVICES": "2"},
+                ["trainers", str(tmp_path), *flags, "--parallel.num-processes", "2"]
+                + ["--parallel.process-id", str(i)],
+                env=two,
             )
             for i in range(2)
         ]
-        procs.append(_spawn(["sft", str(tmp_path / "one"), str(tmp_path)]))
-        outputs = _finish(procs, 2 * TIMEOUT_S)
+        procs.append(_spawn(["trainers", str(tmp_path)], env={"RELAX_TEST_RUN": "one"}))
+        outputs = _finish(procs, 4 * TIMEOUT_S)
         for p, out in zip(procs, outputs):
             assert p.returncode == 0, out[-6000:]
         assert "2 process(es)" in outputs[0]
-        lines = {
-            run: [
-                json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-            ]
-            for run in ("one", "two")
-        }
-        assert len(lines["one"]) == len(lines["two"]) >= 4  # evals before and after, 2 steps
-        for want, got in zip(lines["one"], lines["two"]):
-            assert want["step"] == got["step"]
-            for k, v in want.items():
-                if k.startswith("time") or k in ("tokens_per_s", "compiles", "step"):
-                    continue
-                if isinstance(v, int | float):
-                    np.testing.assert_allclose(got[k], v, rtol=2e-4, atol=2e-5, err_msg=k)
+        names = json.loads((tmp_path / "trainers.json").read_text())
+        assert set(names) == {"sft", "dpo", "kto", "reward_model", "distill"}
+        for name in names:
+            lines = {
+                run: [
+                    json.loads(x)
+                    for x in (tmp_path / run / name / "metrics.jsonl").read_text().splitlines()
+                ]
+                for run in ("one", "two")
+            }
+            # 2 steps (SFT: and evaluations before and after)
+            assert len(lines["one"]) == len(lines["two"]) >= 2, name
+            for want, got in zip(lines["one"], lines["two"]):
+                assert want["step"] == got["step"]
+                for k, v in want.items():
+                    if k.startswith("time") or k in ("tokens_per_s", "compiles", "step"):
+                        continue
+                    if isinstance(v, int | float):
+                        np.testing.assert_allclose(
+                            got[k], v, rtol=2e-4, atol=2e-5, err_msg=f"{name}: {k}"
+                        )
+        one = json.loads((tmp_path / "one" / "rm0.json").read_text())
+        for i in range(2):
+            got = json.loads((tmp_path / "two" / f"rm{i}.json").read_text())
+            np.testing.assert_allclose(got["scores"], one["scores"], rtol=2e-4, atol=2e-5)
+            assert got["devices"] == 4 and one["devices"] == 1  # this process's devices
 
     @pytest.mark.slow  # three pipelined runs in subprocesses
     def test_partial_rollouts_on_two_processes_match_one_device(tmp_path):
@@ -297,8 +327,8 @@ if __name__ == "__main__":
         single_worker(args[0])
     elif mode == "partial":
         partial_worker(int(args[0]), int(args[1]), int(args[2]), args[3])
-    elif mode == "sft":
-        sft_worker(*args)
+    elif mode == "trainers":
+        trainers_worker(*args)
     elif mode == "alone":  # process 0 of 2 whose peer never comes
         from relax.parallel import distributed as d
 

@@ -54,9 +54,10 @@ def _random_base(task, root: Path):
     return model
 
 
-def _trainers(root: Path, trained: bool = True) -> dict[str, list[str]]:
+def _trainers(root: Path, trained: bool = True, agent: bool = True) -> dict[str, list[str]]:
     """Each trainer's command line on the reverse task's data, from a base model built once
-    (``trained``: the task's base model, else an untrained one of its shape)."""
+    (``trained``: the task's base model, else an untrained one of its shape); ``agent``: the
+    agent trainer's too."""
     import jax
     from test_offline import write_base
 
@@ -107,7 +108,7 @@ def _trainers(root: Path, trained: bool = True) -> dict[str, list[str]]:
             *data(prompts_and_completions, "distill", model="student"),
             *("--teacher", str(root / "model"), *LENGTHS, *evaluated),
         ],
-        "agent": _agent(root, sft_steps=60 if trained else 30),
+        **({"agent": _agent(root, sft_steps=60 if trained else 30)} if agent else {}),
     }
 
 

@@ -3,12 +3,13 @@ model directory (``--reward-model``), the columns they read and the worker pool 
 
 from __future__ import annotations
 
+import jax
 from jax.sharding import Mesh
 
 from relax.algorithms.online.config import OnlineRunConfig
 from relax.models.heads.reward_model import load_reward_model
-from relax.parallel import state_shardings
-from relax.parallel.distributed import multi_process, on_host_memory, put
+from relax.parallel import make_mesh, state_shardings
+from relax.parallel.distributed import multi_process, on_host_memory
 from relax.rewards.builtin import get_reward, make_exact_match, make_numeric_match
 from relax.rewards.code_exec import CodeExec
 from relax.rewards.functions import RewardFunction
@@ -53,13 +54,21 @@ def reward_pool(cfg: OnlineRunConfig, reward_fns: list[RewardFunction]) -> Rewar
     )
 
 
+def reward_model_mesh(mesh: Mesh) -> Mesh:
+    """Where a reward model runs on a run's ``mesh``: the mesh itself in one process; with several,
+    this process's own devices (``fsdp`` over them), since the host reward scores this process's
+    rows: each process holds the reward model once, split over its devices."""
+    if not multi_process():
+        return mesh
+    return make_mesh("fsdp=-1", jax.local_devices())
+
+
 def reward_functions(cfg: OnlineRunConfig, mesh: Mesh | None = None) -> list[RewardFunction]:
     """``--reward`` (with ``--reward-weights``) and ``--reward-model`` as weighted reward functions.
 
     The reward model's weights are an argument of its compiled scorer (``TextRewardModel``). On a
-    ``mesh`` of one process they are laid out by the sharding rules (``relax.parallel``), so a
-    reward model larger than one device fits as the policy does; a multi-process run keeps a
-    copy per process, where the host reward scores that process's rows."""
+    ``mesh`` they are laid out by the sharding rules (``relax.parallel``), so a reward model
+    larger than one device fits as the policy does (``reward_model_mesh``)."""
     weights = cfg.reward_weights or (1.0,) * len(cfg.reward)
     fns = [
         RewardFunction(reward_function(cfg, n), name=n, weight=w)
@@ -68,8 +77,9 @@ def reward_functions(cfg: OnlineRunConfig, mesh: Mesh | None = None) -> list[Rew
     if cfg.reward_model is not None:
         with on_host_memory(mesh is not None):
             model = load_reward_model(cfg.reward_model)
-        if mesh is not None and not multi_process():
-            model = put(model, state_shardings(model, mesh))
+        if mesh is not None:
+            rm_mesh = reward_model_mesh(mesh)
+            model = jax.device_put(model, state_shardings(model, rm_mesh))
         rm = TextRewardModel(model, load_tokenizer(cfg.reward_model))
         fns.append(RewardFunction(rm, name="reward_model", weight=cfg.reward_model_weight))
     return fns
