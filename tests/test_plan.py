@@ -48,10 +48,16 @@ RUN = [
 ]
 
 
-def hand_count_params() -> int:
+def hand_count_params(layers: int = L) -> int:
     """Parameters of the tiny Llama: embedding and head, per layer q/k/v/o, gate/up/down and two norms, final norm."""
     per_layer = D * HQ * HD + 2 * D * HKV * HD + HQ * HD * D + 3 * D * F + 2 * D
-    return 2 * V * D + L * per_layer + D
+    return 2 * V * D + layers * per_layer + D
+
+
+def reward_model_bytes_per_chip(itemsize: int, fsdp: int) -> int:
+    """A reward model on the tiny Llama's backbone: no ``lm_head``, every backbone parameter split
+    over fsdp (in its stored dtype), and the float32 head ``[D]`` replicated."""
+    return (hand_count_params() - V * D) * itemsize // fsdp + D * 4
 
 
 def test_targets_parse():
@@ -80,6 +86,29 @@ def tiny_config(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "config.json"
     path.write_text(json.dumps(TINY))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def rm_config(tmp_path_factory):
+    """A reward model's config.json on the tiny Llama, its parameters stored in bfloat16."""
+    path = tmp_path_factory.mktemp("rm") / "config.json"
+    rm = {**TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    path.write_text(json.dumps({**rm, "torch_dtype": "bfloat16"}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def teacher_config(tmp_path_factory):
+    """A distillation teacher's config.json: the tiny Llama twice as deep, stored in bfloat16."""
+    path = tmp_path_factory.mktemp("teacher") / "config.json"
+    path.write_text(json.dumps({**TINY, "num_hidden_layers": 2 * L, "torch_dtype": "bfloat16"}))
+    return str(path)
+
+
+def no_compile(lowered):
+    """A ``compile_fn`` that compiles nothing: the state's layout per chip comes from the programs'
+    arguments, which a plan lowers without it (each program reads as refused, its temporaries 0)."""
+    return None, "RESOURCE_EXHAUSTED: not compiled", 0.0
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +241,9 @@ def adapter_params_per_chip(rank: int, fsdp: int) -> int:
     return L * rank * ((a_split + b_split) // fsdp + a_whole + b_whole)
 
 
+SHORT = ["--max-prompt-tokens", "16", "--max-completion-tokens", "16"]
+
+
 @needs_tpu
 @pytest.mark.parametrize(
     "algorithm,flags,mesh",
@@ -232,62 +264,140 @@ def adapter_params_per_chip(rank: int, fsdp: int) -> int:
             marks=pytest.mark.slow,
         ),
         ("sft", ["--sft.max-length", "64"], None),
-        # make test-all: an offline trainer on one device, as sft is fast
-        pytest.param(
-            "dpo",
-            ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"],
-            None,
-            marks=pytest.mark.slow,
-        ),
+        # make test-all: every other trainer; their memory per chip is counted by hand, without
+        # compiles, in test_offline_plan_splits_weights_and_adam_over_fsdp and
+        # test_reward_model_and_teacher_bytes_by_hand
+        *[
+            pytest.param(algorithm, flags, None, marks=pytest.mark.slow, id=name)
+            for name, algorithm, flags in (
+                (
+                    "dpo",
+                    "dpo",
+                    ["--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "16"],
+                ),
+                (
+                    "kto",
+                    "kto",
+                    ["--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "16"],
+                ),
+                ("rm", "rm", SHORT),
+                ("distill", "distill", ["--teacher", "TEACHER", *SHORT]),
+                (
+                    "agent",
+                    "agent",
+                    ["--grpo.num-generations", "2", "--grpo.max-new-tokens", "32"]
+                    + ["--agent.max-turn-tokens", "8"],
+                ),
+                (
+                    "grpo-reward-model",
+                    "grpo",
+                    ["--reward-model", "REWARD_MODEL", "--grpo.num-generations", "2"]
+                    + ["--grpo.max-new-tokens", "16", "--grpo.beta", "0"],
+                ),
+            )
+        ],
     ],
 )
-def test_every_trainer_compiles_for_tpu(tiny_config, algorithm, flags, mesh):
+def test_every_trainer_compiles_for_tpu(request, tiny_config, algorithm, flags, mesh):
     from relax.plan import plan
 
+    fixtures = {"TEACHER": "teacher_config", "REWARD_MODEL": "rm_config"}
+    flags = [request.getfixturevalue(fixtures[f]) if f in fixtures else f for f in flags]
     argv = ["--model", tiny_config, "--batch-size", "4", *flags] + (
         ["--parallel.mesh", mesh] if mesh else []
     )
-    if algorithm in ("ppo", "grpo"):
+    if algorithm in ("ppo", "grpo", "agent"):
         argv += ["--max-prompt-tokens", "16"]
     p = plan(algorithm, argv, "v5e:2x2")
     assert p.programs and all(m.error is None and m.fits for m in p.programs), p.table()
     # parameters split over fsdp x tensor; norms [D] over fsdp only (tensor splits heads, MLP width
-    # and vocabulary); data replicates. The offline trainers run on one device.
-    fsdp, tensor = {"fsdp=2,tensor=2": (2, 2), "data=2,fsdp=2": (2, 1), None: (1, 1)}[mesh]
+    # and vocabulary); data replicates. Without a mesh every trainer takes fsdp=-1: 4 chips.
+    fsdp, tensor = {"fsdp=2,tensor=2": (2, 2), "data=2,fsdp=2": (2, 1), None: (4, 1)}[mesh]
     norms = (2 * L + 1) * D
     full = (hand_count_params() - norms) * 4 // (fsdp * tensor) + norms * 4 // fsdp
+    fused = ("decode_turn", "append")  # the multi-turn decoder's, with its fused weights too
     for m in p.programs:
         if "--lora.rank" in flags:
             # base weights plus adapters; Adam's moments of the adapters only (the base is frozen)
             adapters = adapter_params_per_chip(8, fsdp) * 4
             assert m.weights == full + adapters, m
             assert 2 * adapters <= m.optimizer <= 2 * adapters + 4096
+        elif algorithm == "rm":  # the policy is a reward model: no lm_head, a float32 head
+            assert m.weights == reward_model_bytes_per_chip(4, fsdp), m
+        elif m.name in fused:
+            assert m.weights > full, m
         else:
             assert m.weights == full, m
     if algorithm == "ppo":
         assert p.programs[0].critic > 0  # the critic and its optimizer are resident too
+    if algorithm == "agent":
+        assert [m.name for m in p.programs][:4] == ["start", "fused_layers", *fused]
+    if "--reward-model" in argv:
+        assert p.programs[1].name == "reward_model" and p.programs[1].reward_model > 0
+
+
+@needs_tpu
+def test_offline_plan_splits_weights_and_adam_over_fsdp(tiny_config):
+    """An offline trainer is planned on the run's meshes, as it runs: SFT with the 4 chips in
+    ``data`` (fsdp=1) holds the whole float32 weights and Adam's two moments on each chip; with
+    ``fsdp=4`` a quarter of them (counted from the parameters; nothing compiled)."""
+    from relax.plan import plan
+
+    params, held = hand_count_params(), {}
+    argv = ["--model", tiny_config, "--batch-size", "4", "--sft.max-length", "64"]
+    for mesh, shards in (("data=4", 1), ("fsdp=4", 4)):
+        argv_mesh = [*argv, "--parallel.mesh", mesh]
+        (m,) = plan("sft", argv_mesh, "v5e:2x2", compile_fn=no_compile).programs
+        weights = params * 4 // shards
+        assert m.weights == weights, mesh
+        assert 2 * weights <= m.optimizer <= 2 * weights + 4096, mesh  # plus the step counters
+        held[mesh] = m.weights + m.optimizer
+    assert held["fsdp=4"] == pytest.approx(held["data=4"] / 4, rel=1e-3)
+
+
+@needs_tpu
+def test_reward_model_and_teacher_bytes_by_hand(tiny_config, rm_config, teacher_config):
+    """What a plan holds beside the policy's state, counted from the parameters (nothing
+    compiled): GRPO's reward model (``--reward-model``, stored in bfloat16) on every chip of the
+    trainer beside each program, with its scoring program after the sampler; a distillation's
+    teacher (twice as deep, stored in bfloat16) as the state's reference."""
+    from relax.plan import plan
+
+    argv = ["--model", tiny_config, "--batch-size", "4", "--parallel.mesh", "fsdp=4"]
+    grpo = plan(
+        "grpo",
+        [*argv, "--reward-model", rm_config, "--grpo.num-generations", "2"]
+        + ["--grpo.max-new-tokens", "16", "--max-prompt-tokens", "16"],
+        "v5e:2x2",
+        compile_fn=no_compile,
+    )
+    assert [m.name for m in grpo.programs][:2] == ["rollout", "reward_model"]
+    for m in grpo.programs:
+        assert m.reward_model == reward_model_bytes_per_chip(2, 4), m
+        assert m.total >= m.weights + m.optimizer + m.reward_model
+    assert "reward_model" in grpo.table()
+    distill = plan(
+        "distill", [*argv, "--teacher", teacher_config, *SHORT], "v5e:2x2", compile_fn=no_compile
+    )
+    for m in distill.programs:
+        assert m.weights == hand_count_params() * 4 // 4, m  # the student, float32
+        assert m.reference == hand_count_params(2 * L) * 2 // 4, m  # the teacher, bfloat16
 
 
 @needs_tpu
 def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
     from relax.algorithms.online.config import ModelRunConfig
     from relax.models.hf.checkpoint import read_config
+    from relax.parallel import make_mesh
     from relax.plan.plan import compile_program
-    from relax.plan.programs import multi_turn_programs
+    from relax.plan.programs import abstract_model, laid_out, multi_turn_programs
     from relax.rollout.turns import TurnConfig
 
     cfg = TurnConfig(num_generations=2, max_tokens=64, max_turn_tokens=16, eos_ids=(2,))
     run = ModelRunConfig(model=tiny_config, data="-")
-    programs = multi_turn_programs(
-        run,
-        read_config(tiny_config),
-        cfg,
-        4,
-        16,
-        8,
-        targets.devices(targets.Target.parse("v5e:2x2")),
-        compile_fn=compile_program,
-    )
+    mesh = make_mesh("fsdp=4", targets.devices(targets.Target.parse("v5e:2x2")))
+    model = laid_out(abstract_model(run, read_config(tiny_config)), mesh)
+    programs = multi_turn_programs(model, cfg, 4, 16, 8, compile_fn=compile_program)
     assert [p.name for p in programs] == ["start", "fused_layers", "decode_turn", "append"]
     for p in programs:
         assert p.error is None and p.compiled.memory_analysis().temp_size_in_bytes >= 0
@@ -305,6 +415,12 @@ def test_cli_usage_errors(capsys):
         parse_run("grpo", ["--batch-size", "8"])
     with pytest.raises(ValueError, match="knows"):
         parse_run("a2c", ["--model", "x"])
+    from relax.plan import ALGORITHMS
+    from relax.plan.cli import USAGE, help_text
+
+    assert all(name in USAGE and name in help_text() for name in ALGORITHMS)
+    for name in ("sft", "kto", "agent"):  # every trainer over every chip unless told otherwise
+        assert parse_run(name, ["--model", "config.json"]).parallel.mesh == "fsdp=-1"
     run = parse_run("grpo", ["--model", "config.json", "--grpo.packing.mode", "on"])
     assert (
         run.parallel.mesh == "fsdp=-1" and run.grpo.packing.mode == "off"
@@ -473,10 +589,11 @@ def test_smallest_slice_search(monkeypatch, tiny_config):
             "v5p",
             compile_fn=None,
         )
-    with pytest.raises(ValueError, match="one device"):
-        search.smallest(
-            "sft", parse_run("sft", ["--model", tiny_config]), model, "v5p", compile_fn=None
-        )
+    monkeypatch.setattr(search, "state_bytes", lambda *a: 500 * gib)
+    offline, _ = search.smallest(  # an offline trainer grows with the slice too (fsdp=-1)
+        "sft", parse_run("sft", ["--model", tiny_config]), model, "v5p", compile_fn=None
+    )
+    assert str(offline.target) == "v5p:2x4x4"
 
 
 def test_state_bytes_by_hand(tiny_config):

@@ -6,7 +6,8 @@ compile-only devices (``relax.plan.targets``) and reports per chip what each pro
 (``relax.plan.memory``) and does (``relax.plan.hlo_summary``).
 """
 
-from relax.plan.plan import ALGORITHMS, Plan, parse_run, plan, plan_run
+from relax.plan.plan import Plan, parse_run, plan, plan_run
 from relax.plan.targets import CHIPS, Chip, Target
+from relax.plan.trainers import ALGORITHMS
 
 __all__ = ["ALGORITHMS", "CHIPS", "Chip", "Plan", "Target", "parse_run", "plan", "plan_run"]

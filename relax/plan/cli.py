@@ -3,12 +3,16 @@
     relax plan grpo --target v5p:2x2x2 --model llama-3.1-8b/config.json \\
         --batch-size 64 --grpo.num-generations 16 --grpo.max-new-tokens 2048 --parallel.mesh fsdp=8
 
-The first word is the algorithm (grpo, ppo, sft, dpo, orpo); ``--target`` the machine (``relax.plan.targets``);
-every other flag is the run's own (``relax <algorithm> --help``). Prints per chip and
-per program what the memory holds, the peak against the chip's HBM and the step's traffic; when
-the run does not fit, the flags that make it fit (``relax.plan.suggest``, ``--no-suggest`` to
-skip). A chip kind alone (``--target v5p``) plans the run on its slices from the smallest up
-and stops at the first that fits (``relax.plan.search``). The sampler of a deep model is
+The first word is the algorithm: grpo, ppo (with ``--reward-model DIR``, its reward model
+too), sft, dpo, ipo, simpo, orpo (the DPO family, ``--dpo.*``), kto, rm (a reward model),
+distill (``--teacher``: the teacher's config.json), agent (the multi-turn trainer, ``--algorithm
+grpo|ppo``). ``--target`` is the machine (``relax.plan.targets``); every other flag is the run's
+own (``relax <algorithm> --help``); without ``--parallel.mesh`` the run is laid out over every
+chip (``fsdp=-1``), online or offline. Prints per chip and per program what the memory holds,
+the peak against the chip's HBM and the step's traffic; when the run does not fit, the flags
+that make it fit (``relax.plan.suggest``, ``--no-suggest`` to skip). A chip kind alone
+(``--target v5p``) plans the run on its slices from the smallest up and stops at the first
+that fits (``relax.plan.search``). The sampler of a deep model is
 compiled at two shallow depths and extended to the model's (``relax.plan.depth``); ``--exact``
 compiles it whole (slower). ``--json FILE`` writes the plan's figures. Exit status 0: fits; 3:
 does not fit; 2: usage error. ``python -m relax.plan ...`` is ``relax plan ...``; ``--help``
@@ -24,7 +28,8 @@ import sys
 from relax.algorithms.cli.flags import flag_value
 
 USAGE = (
-    "usage: relax plan <grpo|ppo|sft|dpo|orpo> --target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
+    "usage: relax plan <grpo|ppo|sft|dpo|ipo|simpo|orpo|kto|rm|distill|agent> "
+    "--target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
     "--model <dir|config.json> [--exact] [--no-suggest] [--json FILE] [run flags]"
 )
 

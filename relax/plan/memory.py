@@ -10,8 +10,9 @@ there). So a program's peak need is taken as::
 
 with ``state`` and ``batch`` each chip's shard of the program's abstract arguments: the policy's
 weights, the optimizer state (moments and master weights), the reference model (unless it is
-offloaded to host memory for that program), the critic with its optimizer, and the batch. The
-temporaries of a sampler program hold its KV caches
+offloaded to host memory for that program; a distillation's teacher), the critic with its
+optimizer, and the batch; a reward model's weights (``--reward-model``) are resident beside them
+on the trainer's chips. The temporaries of a sampler program hold its KV caches
 (``relax.rollout.sampler.cache_bytes``, divided over the chips that split their rows and heads);
 the rest of the temporaries are activations and scratch. A program the compiler refuses for
 memory (TPU: ``RESOURCE_EXHAUSTED``) has no analysis: its need is read from the message.
@@ -63,10 +64,18 @@ class ProgramMemory:
     depths: tuple[int, ...] = ()
     """The depths the program was compiled at when it was extrapolated to the model's
     (``relax.plan.depth``); empty when it was compiled whole."""
+    reward_model: int = 0
+    """The run's reward model (``--reward-model``) on this chip: loaded once and resident on the
+    trainer's chips through the run (``relax.plan.reward_model``)."""
 
     @property
     def fits(self) -> bool:
         return self.error is None and self.total <= self.limit
+
+
+def with_reward_model(m: ProgramMemory, weights: int) -> ProgramMemory:
+    """``m`` with a reward model's ``weights`` (bytes on its chip) resident beside it."""
+    return dataclasses.replace(m, reward_model=weights, total=m.total + weights)
 
 
 def oom_bytes(message: str) -> tuple[int | None, int | None]:

@@ -7,9 +7,10 @@
 
 The flags are the run's own (``examples/train_grpo.py``'s, parsed the same way); ``--model`` may
 be a directory or just its ``config.json`` (no weights are read) and ``--data`` is not needed.
-Without ``--parallel.mesh`` the plan uses ``fsdp=-1`` (every chip). The offline trainers (sft,
-dpo, orpo) run on one device, so their plan is for one chip of the target. Every program of one step is
-compiled by the target's compiler (``relax.plan.programs``) and measured (``relax.plan.memory``).
+Without ``--parallel.mesh`` the plan uses ``fsdp=-1`` (every chip), for every trainer
+(``relax.plan.trainers``: the online ones, the offline ones and the agent). Every program of one
+step is compiled by the target's compiler (``relax.plan.programs``) and measured
+(``relax.plan.memory``, ``relax.plan.measure``).
 """
 
 from __future__ import annotations
@@ -21,76 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from relax.algorithms.cli.flags import parse_flags
-from relax.algorithms.dpo import run as dpo_run
-from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.grpo import run as grpo_run
 from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig
-from relax.algorithms.ppo import run as ppo_run
-from relax.algorithms.sft import run as sft_run
-from relax.models.config.model import DTYPES, ModelConfig
-from relax.models.config.sharding import batch_shards
+from relax.models.config.model import ModelConfig
 from relax.models.hf.checkpoint import read_config
-from relax.plan import depth as depth_lib
 from relax.plan import targets as targets_lib
-from relax.plan.hlo_summary import ProgramTraffic, traffic
-from relax.plan.memory import ProgramMemory, kv_cache_per_chip, kv_heads_per_chip, program_memory
-from relax.plan.programs import offline_programs, online_programs
-from relax.rollout.sampler import RolloutConfig, block_sizes, cache_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class AlgorithmEntry:
-    """How to parse an algorithm's flags and build it (online: GRPO, PPO; offline: SFT, DPO,
-    ORPO); ``field``: its config's flag group (``--grpo.*``)."""
-
-    config: type
-    builtin: Callable[[], ModelRunConfig]
-    real: Callable[[], ModelRunConfig]
-    algorithm: Callable[[Any], Any]  # run config -> OnlineAlgorithm | OfflineAlgorithm
-    field: str
-
-    @property
-    def online(self) -> bool:
-        return issubclass(self.config, OnlineRunConfig)
-
-
-ALGORITHMS = {
-    "grpo": AlgorithmEntry(
-        grpo_run.GRPORunConfig,
-        grpo_run.builtin_defaults,
-        grpo_run.real_defaults,
-        grpo_run.algorithm,
-        "grpo",
-    ),
-    "ppo": AlgorithmEntry(
-        ppo_run.PPORunConfig,
-        ppo_run.builtin_defaults,
-        ppo_run.real_defaults,
-        ppo_run.algorithm,
-        "ppo",
-    ),
-    "sft": AlgorithmEntry(
-        sft_run.SFTRunConfig,
-        sft_run.builtin_defaults,
-        sft_run.SFTRunConfig,
-        sft_run.algorithm,
-        "sft",
-    ),
-    "dpo": AlgorithmEntry(
-        dpo_run.DPORunConfig,
-        dpo_run.builtin_defaults,
-        dpo_run.DPORunConfig,
-        dpo_run.algorithm,
-        "dpo",
-    ),
-    "orpo": AlgorithmEntry(
-        dpo_run.DPORunConfig,
-        lambda: dpo_run.builtin_defaults("orpo"),
-        lambda: dpo_run.DPORunConfig(dpo=DPOConfig(loss_type="orpo")),
-        dpo_run.algorithm,
-        "dpo",
-    ),
-}
+from relax.plan.hlo_summary import ProgramTraffic
+from relax.plan.memory import ProgramMemory
+from relax.plan.reward_model import add_reward_model
+from relax.plan.trainers import ALGORITHMS
 
 
 def parse_run(algorithm: str, argv: list[str]) -> ModelRunConfig:
@@ -104,11 +43,8 @@ def parse_run(algorithm: str, argv: list[str]) -> ModelRunConfig:
     if not any(a == "--data" or a.startswith("--data=") for a in argv):
         argv += ["--data", "(not read by a plan)"]
     named = lambda flag: any(a == flag or a.startswith(flag + "=") for a in argv)
-    if entry.online and not named("--parallel.mesh") and not named("--parallel.sampler-devices"):
-        argv += [
-            "--parallel.mesh",
-            "fsdp=-1",
-        ]  # every chip (before parsing: other flags may need a mesh)
+    if not named("--parallel.mesh") and not named("--parallel.sampler-devices"):
+        argv += ["--parallel.mesh", "fsdp=-1"]  # every chip (before parsing: flags may need a mesh)
     return worst_case(parse_flags(entry.config, argv, builtin=entry.builtin, real=entry.real))
 
 
@@ -178,24 +114,6 @@ def compile_once(compile_fn: Callable[[Any], tuple] = compile_program) -> Callab
     return run
 
 
-def cache_block_dims(model: ModelConfig, rollout: RolloutConfig, prompts: int, mesh) -> frozenset:
-    """Per-chip shapes of the sampler's completion-cache blocks (keys ``[rows, Hkv, D, S]``,
-    values ``[rows, Hkv, S, D]``): rows over the batch axes, KV heads as ``kv_heads_per_chip``."""
-    rows, heads, d = (
-        prompts * rollout.num_generations // batch_shards(mesh),
-        kv_heads_per_chip(model, mesh),
-        model.head_dim,
-    )
-    return frozenset(
-        x for s in block_sizes(rollout) for x in ((rows, heads, d, s), (rows, heads, s, d))
-    )
-
-
-def is_sampler(name: str) -> bool:
-    """Whether a program of an online run is its sampler (the ``rollout`` stage)."""
-    return "rollout" in name.split("+")
-
-
 def plan_run(
     algorithm: str,
     run: ModelRunConfig,
@@ -207,121 +125,35 @@ def plan_run(
 ) -> Plan:
     """Compile one step of ``run`` for ``target`` (with ``compile_fn``) and measure each program.
     The sampler of a deep model is compiled at two shallow depths and extended to its own
-    (``relax.plan.depth``) unless ``exact``."""
+    (``relax.plan.depth``) unless ``exact``; an online run's ``--reward-model`` is resident beside
+    its programs and scores with a program of its own (``relax.plan.reward_model``)."""
     entry = ALGORITHMS[algorithm]
     algo = entry.algorithm(run)
     devices = targets_lib.devices(target)
     t0 = time.perf_counter()
-    if not entry.online:  # one chip: the offline trainers run on one device
-        programs = offline_programs(run, algo, model, devices, compile_fn=compile_fn)
-        measured = [
-            (
-                program_memory(
-                    p.name,
-                    p.compiled,
-                    p.args,
-                    limit=target.chip.hbm_bytes,
-                    error=p.error,
-                    compile_s=p.compile_s,
-                ),
-                _traffic(p, target),
-            )
-            for p in programs
-        ]
-    else:
-        measured = _online(entry, run, algo, model, target, devices, compile_fn, exact)
-    memory, flows = zip(*measured)
-    return Plan(
-        algorithm, target, run, model, tuple(memory), tuple(flows), time.perf_counter() - t0, exact
-    )
-
-
-def _traffic(p, target, sampler: tuple | None = None) -> ProgramTraffic | None:
-    """A compiled program's traffic; ``sampler``: its first cache block's slots and the blocks' shapes."""
-    if p.compiled is None:
-        return None
-    return traffic(p.name, p.compiled, target.chip, *(sampler or (None, frozenset())))
-
-
-def _online(entry, run, algo, model, target, devices, compile_fn, exact: bool) -> list[tuple]:
-    """Each program of an online run, measured: ``(ProgramMemory, ProgramTraffic | None)``."""
     try:
-        at = None if exact else depth_lib.depths(model)
-        shallow = [
-            online_programs(
-                run,
-                algo,
-                depth_lib.shallow(model, d),
-                devices,
-                compile_fn=compile_fn,
-                until=is_sampler,
-            )
-            for d in (at or ())
-        ]
-        known = (
-            {
-                p.name: depth_lib.deepen_outputs(p.outputs, model)
-                for p in shallow[0]
-                if is_sampler(p.name)
-            }
-            if shallow
-            else None
+        measured = entry.measure(
+            run, algo, model, target, devices, compile_fn=compile_fn, exact=exact
         )
-        programs = online_programs(run, algo, model, devices, compile_fn=compile_fn, known=known)
     except RuntimeError as e:
         if "cuDNN" not in str(e):
             raise
         raise RuntimeError(
             f"{e}: the fused cuDNN attention (train attention 'auto' in 16 bits on GPU) needs "
-            f"cuDNN to compile; plan with --{entry.field}.train-attention group"
+            f"cuDNN to compile; plan with {entry.flag(run, 'train-attention')} group"
         ) from e
-    rollout = algo.generation.rollout(eos_ids=(), pad_id=0)
-    kv_total = cache_bytes(
-        model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype]
+    if isinstance(run, OnlineRunConfig) and run.reward_model is not None:
+        measured = add_reward_model(run, algo, measured, target, compile_fn)
+    return Plan(
+        algorithm,
+        target,
+        run,
+        model,
+        tuple(m.memory for m in measured),
+        tuple(m.traffic for m in measured),
+        time.perf_counter() - t0,
+        exact,
     )
-    limit = target.chip.hbm_bytes
-    out = []
-    for p in programs:
-        sampler = is_sampler(p.name)
-        kv = kv_cache_per_chip(kv_total, p.mesh, model) if sampler else 0
-        blocks = (
-            None
-            if not sampler
-            else (block_sizes(rollout)[0], cache_block_dims(model, rollout, run.batch_size, p.mesh))
-        )
-        if known and p.name in known:  # the sampler, extended from its shallow compiles
-            low = [next(q for q in qs if q.name == p.name) for qs in shallow]
-            ma, mb = (
-                program_memory(
-                    q.name, q.compiled, q.args, limit=limit, error=q.error, compile_s=q.compile_s
-                )
-                for q in low
-            )
-            ta, tb = (_traffic(q, target, blocks) for q in low)
-            out.append(
-                (
-                    depth_lib.extend_memory(p.name, p.args, kv, ma, mb, *at, model.num_layers),
-                    None
-                    if ta is None or tb is None
-                    else depth_lib.extend_traffic(ta, tb, *at, model.num_layers),
-                )
-            )
-            continue
-        out.append(
-            (
-                program_memory(
-                    p.name,
-                    p.compiled,
-                    p.args,
-                    limit=limit,
-                    kv_cache=kv,
-                    error=p.error,
-                    compile_s=p.compile_s,
-                ),
-                _traffic(p, target, blocks),
-            )
-        )
-    return out
 
 
 def plan(

@@ -12,9 +12,11 @@ out by ``relax.parallel.ShardedStep`` on the meshes of ``--parallel.*``) with no
 - a host segment (reward functions, packing) runs for real on a batch of zeros (its arrays are
   small next to the model), so the next program sees the batch the run would give it.
 
-``offline_programs`` does the same for an offline trainer (SFT, DPO), which runs on one device:
-its step on one chip of the target, with a batch of the longest items its config admits
-(``OfflineAlgorithm.longest``).
+``offline_programs`` does the same for an offline trainer (SFT, DPO, KTO, reward model,
+distillation) as ``relax.algorithms.offline.run.run_offline`` lays it out on the same meshes,
+with a batch of the longest items its config admits (``OfflineAlgorithm.longest``);
+``sharded_programs`` for any step (the agent's, ``relax.plan.agent``), and
+``multi_turn_programs`` for the multi-turn decoder on a laid-out model.
 
 Every program is traced under ``relax.passes.target_backend``: the backend-dependent choices
 (passes, kernels) are the target's, not this host's.
@@ -44,7 +46,7 @@ from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost, join_host, split_host
 from relax.models.config.model import DTYPES, ModelConfig
 from relax.models.decoder.transformer import init as init_model
-from relax.parallel import ShardedStep, batch_shards
+from relax.parallel import ShardedStep, batch_shards, check_batch, replicated, state_shardings
 from relax.passes import choose_passes, target_backend
 from relax.rewards.functions import RewardFunction
 from relax.rollout import turns
@@ -150,25 +152,27 @@ def online_programs(
     step runs them; ``compile_fn(lowered) -> (compiled | None, error | None, seconds)``.
     ``known``: the outputs of programs (by name) that are not to be compiled (left ``compiled``
     None, ``error`` None); ``until``: stop after the first program whose name it accepts."""
-    platform = _platform(devices[0])
-    if not run.parallel.enabled:
-        raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
-    trainer_mesh, sampler_mesh = run.parallel.meshes(devices)
-    with target_backend(platform):
-        state = abstract_state(algorithm, run, config)
-        step = algorithm.make_step(
-            _parts(run, config, choose_passes(batch_shards=batch_shards(trainer_mesh)))
-        )
-        sharded = ShardedStep(
-            step,
-            state,
-            trainer_mesh,
-            sampler_mesh=sampler_mesh,
-            offload_reference=run.parallel.offload_reference,
-        )
-        return _walk(
-            sharded.segments, state, first_batch(run), compile_fn, known=known or {}, until=until
-        )
+    return sharded_programs(
+        run,
+        algorithm,
+        config,
+        devices,
+        make_step=lambda passes: algorithm.make_step(_parts(run, config, passes)),
+        batch=first_batch(run),
+        compile_fn=compile_fn,
+        known=known,
+        until=until,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTokenizer:
+    """What an offline trainer's step reads of its tokenizer, standing in for the run's: the
+    model's end-of-sequence ids and pad id 0 (distillation's sampler stops at them; neither
+    changes a program's shape)."""
+
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int = 0
 
 
 def offline_programs(
@@ -179,22 +183,73 @@ def offline_programs(
     *,
     compile_fn: Callable[[Any], tuple],
 ) -> list[Program]:
-    """The jitted programs of one step of an offline trainer, on one chip (``devices[0]``)."""
+    """The jitted programs of one step of an offline trainer on ``devices``, as ``run_offline``
+    runs it, called with a batch of the longest items its config admits."""
     if algorithm.longest is None:
         raise ValueError(
             f"relax plan cannot plan {algorithm.name} runs yet: its algorithm gives no longest batch"
         )
-    device = devices[0]
-    with target_backend(_platform(device)):
+    tokenizer = PlanTokenizer(tuple(config.eos_ids) or (0,))
+
+    def make_step(passes):
+        step = algorithm.make_step(passes, tokenizer)
+        if run.parallel.sampler_devices and not any(s.placement == "sampler" for s in step.leaves):
+            raise ValueError(
+                f"--parallel.sampler-devices: {algorithm.name} samples nothing (its run refuses it)"
+            )
+        return step
+
+    batch = _shapes(algorithm.longest(run.batch_size))
+    return sharded_programs(
+        run, algorithm, config, devices, make_step=make_step, batch=batch, compile_fn=compile_fn
+    )
+
+
+def sharded_programs(
+    run: ModelRunConfig,
+    algorithm: OnlineAlgorithm | OfflineAlgorithm,
+    config: ModelConfig,
+    devices: Sequence[jax.Device],
+    *,
+    make_step: Callable[[Any], Any],
+    batch: Any,
+    compile_fn: Callable[[Any], tuple],
+    known: dict[str, Any] | None = None,
+    until: Callable[[str], bool] | None = None,
+) -> list[Program]:
+    """The jitted programs of the step ``make_step(passes)`` called with ``batch``, laid out as a
+    run lays it out (``relax.parallel.ShardedStep`` on the meshes of ``--parallel.*`` over
+    ``devices``, the algorithm's state by the sharding rules); ``known`` and ``until`` as
+    ``online_programs``'."""
+    meshes = _run_meshes(run, devices)
+    with target_backend(platform(devices[0])):
         state = abstract_state(algorithm, run, config)
-        step = algorithm.make_step(choose_passes(), None)
-        return _walk(
-            step.segments,
-            state,
-            _shapes(algorithm.longest(run.batch_size)),
-            compile_fn,
-            device=device,
-        )
+        step = make_step(choose_passes(batch_shards=batch_shards(meshes[0])))
+        sharded = _sharded_step(run, step, state, meshes)
+        return _walk(sharded.segments, state, batch, compile_fn, known=known, until=until)
+
+
+def _run_meshes(run: ModelRunConfig, devices: Sequence[jax.Device]) -> tuple[Any, Any]:
+    """``(trainer, sampler)`` meshes of ``--parallel.*`` over ``devices``, checked against
+    ``--batch-size`` as a run checks them (its rows split over the batch axes)."""
+    if not run.parallel.enabled:
+        raise ValueError("planning needs --parallel.mesh (e.g. fsdp=-1: every chip of the target)")
+    trainer, sampler = run.parallel.meshes(devices)
+    check_batch(run.batch_size, trainer)
+    check_batch(run.batch_size, sampler)
+    return trainer, sampler
+
+
+def _sharded_step(run: ModelRunConfig, step, state, meshes: tuple[Any, Any]) -> ShardedStep:
+    """``step`` on the run's ``meshes``, its ``state`` laid out by the sharding rules: what
+    ``run_online`` and ``run_offline`` run."""
+    return ShardedStep(
+        step,
+        state,
+        meshes[0],
+        sampler_mesh=meshes[1],
+        offload_reference=run.parallel.offload_reference,
+    )
 
 
 def _walk(
@@ -202,14 +257,13 @@ def _walk(
     state,
     batch: dict,
     compile_fn,
-    device: jax.Device | None = None,
     *,
     known: dict[str, Any] | None = None,
     until: Callable[[str], bool] | None = None,
 ) -> list[Program]:
     """Lower and compile each jitted segment in order, with its ``Segment.abstract`` arguments
-    (a ``ShardedStep``'s) or else the state and batch placed on ``device``; host segments run on
-    zeros. Each program's outputs are the next one's batch (``known`` ones' as given)."""
+    (a ``ShardedStep``'s); host segments run on zeros. Each program's outputs are the next one's
+    batch (``known`` ones' as given)."""
     programs, known = [], known or {}
     for seg in segments:
         if not seg.jittable:
@@ -218,12 +272,8 @@ def _walk(
                 batch = _shapes(batch)
             continue
         name = "+".join(seg.names)
-        args = (
-            seg.abstract(state, batch)
-            if seg.abstract is not None
-            else (_on_device(state, device), _on_device(split_host(batch)[1], device))
-        )
-        mesh = _mesh_of(args[1])
+        args = seg.abstract(state, batch)
+        mesh = jax.tree.leaves(args[1])[0].sharding.mesh
         if name in known:
             if seg.updates_state:
                 raise ValueError(f"program {name} updates the state: its outputs cannot be given")
@@ -243,63 +293,72 @@ def _walk(
     return programs
 
 
-def _mesh_of(batch: dict) -> jax.sharding.Mesh:
-    """The mesh a program's batch arguments are laid out on (one device's for a single-device sharding)."""
-    sharding = jax.tree.leaves(batch)[0].sharding
-    return getattr(sharding, "mesh", None) or jax.sharding.Mesh(
-        np.asarray(list(sharding.device_set)), ("data",)
-    )
-
-
-def _on_device(tree: Any, device: jax.Device) -> Any:
-    """``tree``'s arrays as ``ShapeDtypeStruct`` s placed on ``device``."""
-    one = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-
-
-def _platform(device: jax.Device) -> str:
+def platform(device: jax.Device) -> str:
+    """The backend name a target's device compiles for (``relax.passes.target_backend``'s)."""
     return "gpu" if device.platform in ("cuda", "rocm", "gpu") else device.platform
 
 
+def laid_out(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``tree`` (abstract models, or a state holding them) as ``ShapeDtypeStruct`` s laid out on
+    ``mesh`` by the sharding rules (``relax.parallel.state_shardings``: models sharded, the
+    rest replicated)."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree,
+        state_shardings(tree, mesh),
+    )
+
+
 def multi_turn_programs(
-    run: ModelRunConfig,
-    config: ModelConfig,
+    model: Any,
     cfg: TurnConfig,
     prompts: int,
     prompt_len: int,
     observation_len: int,
-    devices: Sequence[jax.Device],
     *,
     compile_fn: Callable[[Any], tuple],
 ) -> list[Program]:
     """The multi-turn decoder's programs (``relax.rollout.turns``: start, the fused weights,
-    decode_turn, append) for ``prompts`` prompts of ``prompt_len`` tokens, on one chip."""
-    device = devices[0]
-    mesh = jax.sharding.Mesh(np.asarray([device]), ("data",))
-    typed = functools.partial(_on_device, device=device)
-    ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
-    rows = prompts * cfg.num_generations
-    obs, count = (
-        jax.ShapeDtypeStruct((rows, observation_len), jnp.int32),
-        jax.ShapeDtypeStruct((rows,), jnp.int32),
+    decode_turn, append) as ``relax.environments.rollout`` calls them with a laid-out ``model``
+    (``ShapeDtypeStruct`` s with shardings, e.g. the train state's policy on its mesh): ``prompts``
+    prompts of ``prompt_len`` tokens, observations of ``observation_len``, the host's arrays
+    replicated over the mesh, the decoder's state and fused weights where start and fused_layers
+    put them (replicated when the compiler refused those). Each program's ``args`` are
+    ``(weights, arrays)``: the weights it reads (the model, and the fused decode weights for
+    decode_turn and append) and its other arguments."""
+    mesh = jax.tree.leaves(model)[0].sharding.mesh
+    whole = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=replicated(mesh)
     )
-    active = jax.ShapeDtypeStruct((rows,), jnp.bool_)
-    programs = []
-    with target_backend(_platform(device)):
-        model = typed(abstract_model(run, config))
-        state = typed(
-            jax.eval_shape(
-                functools.partial(turns.start_state, cfg=cfg), model, ids, ids, jax.random.key(0)
-            )
+    rows, key = prompts * cfg.num_generations, jax.random.key(0)
+    ids = whole(prompts, prompt_len)
+    run = functools.partial(_decoder_program, cfg=cfg, compile_fn=compile_fn)
+    with target_backend(platform(mesh.devices.flat[0])), jax.set_mesh(mesh):
+        start = run("start", turns.start, (model, ids, ids, whole(dtype=key.dtype)))
+        fused = run("fused_layers", turns.fused_layers, (model,))
+        state, layers = start.outputs, fused.outputs
+        turn = run(
+            "decode_turn", turns.decode_turn, (model, state, whole(rows, dtype=bool)), layers
         )
-        layers = typed(jax.eval_shape(functools.partial(turns.fused_decode_layers, cfg=cfg), model))
-        calls = (
-            ("start", turns.start, (model, typed(ids), typed(ids), typed(jax.random.key(0))), {}),
-            ("fused_layers", turns.fused_layers, (model,), {}),
-            ("decode_turn", turns.decode_turn, (model, state, typed(active)), {"layers": layers}),
-            ("append", turns.append, (model, state, typed(obs), typed(count)), {"layers": layers}),
-        )
-        for name, fn, args, kwargs in calls:
-            compiled, error, seconds = compile_fn(fn.lower(*args, cfg=cfg, **kwargs))
-            programs.append(Program(name, mesh, (None, args), compiled, error, seconds))
-    return programs
+        obs = (whole(rows, observation_len), whole(rows))
+        return [start, fused, turn, run("append", turns.append, (model, state, *obs), layers)]
+
+
+def _decoder_program(name, fn, args, layers=None, *, cfg, compile_fn) -> Program:
+    """One decoder program, compiled; its outputs laid out as the compiler laid them out."""
+    extra = {} if layers is None else {"layers": layers}
+    lowered = fn.lower(*args, cfg=cfg, **extra)
+    compiled, error, seconds = compile_fn(lowered)
+    mesh = jax.tree.leaves(args[0])[0].sharding.mesh
+    shardings = (
+        compiled.output_shardings
+        if compiled is not None
+        else jax.tree.map(lambda _: replicated(mesh), lowered.out_info)
+    )
+    outputs = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        lowered.out_info,
+        shardings,
+    )
+    weights = (args[0], *extra.values())
+    return Program(name, mesh, (weights, args[1:]), compiled, error, seconds, outputs)

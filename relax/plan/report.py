@@ -23,10 +23,16 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+NOTES = {
+    "distill": "reference: the teacher (--teacher), never updated",
+    "agent": "start, fused_layers, decode_turn, append: the multi-turn decoder on the policy "
+    "(weights: with its fused decode weights); the update's programs train on trajectories "
+    "filling the budget (relax.plan.agent)",
+}
+
+
 def _layout(run) -> str:
-    parallel = getattr(run, "parallel", None)
-    if parallel is None:
-        return "one chip (the offline trainers run on one device)"
+    parallel = run.parallel
     return f"mesh {parallel.mesh}" + (
         f", sampler {parallel.sampler_devices} chips ({parallel.sampler_mesh})"
         if parallel.sampler_devices
@@ -34,9 +40,18 @@ def _layout(run) -> str:
     )
 
 
+def _columns(p: Plan) -> tuple[str, ...]:
+    """The table's columns: ``reward_model`` too when the run has one (``--reward-model``)."""
+    return COLUMNS + (("reward_model",) if any(m.reward_model for m in p.programs) else ())
+
+
+def _width(column: str) -> int:
+    return max(11, len(column) + 1)
+
+
 def plan_table(p: Plan) -> str:
     """Memory per chip (GiB) of each program, the peak, whether it fits; then the traffic."""
-    run, t = p.run, p.target
+    run, t, columns = p.run, p.target, _columns(p)
     lines = [
         f"relax plan: {p.algorithm} on {t} ({t.chips} x {t.chip.name}, {gib(t.chip.hbm_bytes)} GiB HBM per chip)",
         f"  model {p.model.family}: {p.model.num_layers} layers, width {p.model.hidden_size}, "
@@ -45,13 +60,14 @@ def plan_table(p: Plan) -> str:
         + f"; params {run.param_dtype}, compute {run.compute_dtype}"
         + (f"; LoRA rank {run.lora.rank}" if run.lora.enabled else ""),
         f"  compiled {len(p.programs)} programs in {p.compile_s:.0f} s",
+        *([f"  {NOTES[p.algorithm]}"] if p.algorithm in NOTES else []),
         "",
         "  GiB per chip      "
-        + " ".join(f"{c:>11}" for c in COLUMNS)
+        + " ".join(f"{c:>{_width(c)}}" for c in columns)
         + "       total   limit  fits  compile s",
     ]
     for m in p.programs:
-        cells = " ".join(f"{gib(getattr(m, c)):>11}" for c in COLUMNS)
+        cells = " ".join(f"{gib(getattr(m, c)):>{_width(c)}}" for c in columns)
         verdict = "yes" if m.fits else ("NO (compiler)" if m.error else "NO")
         mark = "~" if m.depths else " "
         lines.append(

@@ -20,9 +20,10 @@ import jax
 
 from relax.algorithms.online.config import ModelRunConfig
 from relax.models.config.model import ModelConfig
-from relax.plan.plan import ALGORITHMS, Plan, plan_run
+from relax.plan.plan import Plan, plan_run
 from relax.plan.programs import abstract_state
 from relax.plan.targets import CHIPS, Target
+from relax.plan.trainers import ALGORITHMS
 
 SLICES: dict[str, tuple[str, ...]] = {
     "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
@@ -71,8 +72,6 @@ def smallest(
 ) -> tuple[Plan | None, list[Tried]]:
     """The plan on the smallest slice of ``kind`` that fits ``run`` (None if none does), and every
     slice tried on the way."""
-    if not ALGORITHMS[algorithm].online:
-        raise ValueError(f"{algorithm} runs on one device: plan it on a target, not a chip kind")
     mesh = run.parallel.mesh
     if run.parallel.sampler_devices or "-1" not in mesh:
         raise ValueError(

@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from relax.parallel import MeshSpec
-from relax.plan.plan import ALGORITHMS, Plan, compile_once, parse_run, plan_run
+from relax.plan.plan import Plan, compile_once, parse_run, plan_run
+from relax.plan.trainers import ALGORITHMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +39,16 @@ class Attempt:
 
 def candidates(p: Plan) -> list[tuple[str, ...]]:
     """The changes worth trying on ``p``'s run, in order."""
-    run, field = p.run, ALGORITHMS[p.algorithm].field
-    algo = getattr(run, field)
+    run, entry = p.run, ALGORITHMS[p.algorithm]
+    algo = entry.settings(run)
     out: list[tuple[str, ...]] = []
     remat = algo.forward.remat if hasattr(algo, "forward") else getattr(algo, "remat", None)
     if remat is False:
-        out.append((f"--{field}.remat",))
+        out.append((entry.flag(run, "remat"),))
     if hasattr(algo, "grad_accum"):  # micro-batches that split a minibatch's rows evenly
         rows = run.batch_size // getattr(algo, "num_minibatches", 1)
         out += [
-            (f"--{field}.grad-accum", str(k))
+            (entry.flag(run, "grad-accum"), str(k))
             for k in (2, 4, 8)
             if (algo.grad_accum or 1) < k and rows % k == 0
         ]
@@ -66,7 +67,7 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
                 "bfloat16",
                 "--compute-dtype",
                 "bfloat16",
-                f"--{field}.optimizer.master-weights",
+                entry.flag(run, "optimizer.master-weights"),
             )
         )
     if parallel and (

@@ -161,6 +161,9 @@ def algorithm(cfg: DistillRunConfig) -> OfflineAlgorithm:
             ],
         ),
         bar_keys=(("loss", "loss"), ("top1_agreement", "agree")),
+        longest=lambda n: collate(
+            [([1] * cfg.max_prompt_tokens, [1] * cfg.max_completion_tokens)] * n, 0
+        ),
     )
 
 

@@ -18,6 +18,7 @@ from relax.algorithms.offline.run import (
 )
 from relax.algorithms.preference.config import make_state
 from relax.algorithms.preference.reference_cache import reference_preparer
+from relax.data.pairs import Unpaired
 from relax.tasks import reverse
 
 
@@ -83,6 +84,22 @@ def algorithm(cfg: KTORunConfig) -> OfflineAlgorithm:
             task, d, functools.partial(reverse.unpaired_records, seed=task.seed)
         ),
         bar_keys=(("loss", "loss"), ("kl", "kl"), ("rewards/margins", "margin")),
+        longest=lambda n: kto.collate(
+            k,
+            [
+                Unpaired(
+                    prompt=[1] * k.max_prompt_tokens,
+                    completion=[1] * k.max_completion_tokens,
+                    kl_completion=[1] * k.max_completion_tokens,
+                    desirable=i % 2 == 0,
+                    file="plan",
+                    row=i,
+                    ref=(0.0, 0.0) if k.precompute_reference else None,
+                )
+                for i in range(n)
+            ],
+            0,
+        ),
     )
 
 

@@ -13,7 +13,7 @@ from relax.algorithms.reward_model.step import (
     init_reward_model_state,
     make_reward_model_step,
 )
-from relax.data.pairs import collate_pairs, encode_pairs
+from relax.data.pairs import Pair, collate_pairs, encode_pairs
 from relax.models.heads.reward_model import save_reward_model
 from relax.tasks import reverse
 
@@ -77,6 +77,19 @@ def algorithm(cfg: RewardModelRunConfig) -> OfflineAlgorithm:
         ),
         export=lambda model, d, tokenizer: save_reward_model(model, d, tokenizer=tokenizer),
         bar_keys=(("loss", "loss"), ("accuracy", "acc")),
+        longest=lambda n: collate(
+            [
+                Pair(
+                    prompt=[1] * cfg.max_prompt_tokens,
+                    chosen=[1] * cfg.max_completion_tokens,
+                    rejected=[1] * cfg.max_completion_tokens,
+                    file="plan",
+                    row=i,
+                )
+                for i in range(n)
+            ],
+            0,
+        ),
     )
 
 

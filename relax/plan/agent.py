@@ -1,0 +1,188 @@
+"""The multi-turn agent trainer in a plan (``relax plan agent``): its update, GRPO's or PPO's on
+trajectories, and its multi-turn decoder, on the run's mesh.
+
+The agent's step (``relax.algorithms.agent.step``) is ``compose(rollout, [reference], advantage,
+drop_errored, update)`` whose rollout is a host stage: environments stepped between turns of the
+cache-carrying decoder (``relax.rollout.turns``) on the policy as the mesh holds it. A plan
+cannot run environments, so:
+
+- the update's programs are the agent's own step with its rollout replaced by a stand-in that
+  gives them what the rollout gives (``trajectories``: P x G trajectories filling the whole
+  budget, ``--<algorithm>.max-new-tokens`` slots after prompts of ``--max-prompt-tokens``), laid
+  out by ``relax.parallel.ShardedStep`` as ``relax agent`` lays it out;
+- the decoder's programs (start, the fused decode weights, a turn, an observation's append) are
+  compiled apart (``multi_turn_programs``) on the train state's policy, for P prompts of
+  ``--max-prompt-tokens`` and the longest observation that can follow a turn, the rest of the
+  train state resident beside them.
+
+``--max-prompt-tokens`` is the plan's own flag (the run pads each batch's prompts to their
+bucket); every other flag is ``relax agent``'s. A mixture of experts' routes are not replayed
+(the stand-in records none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from relax.algorithms.agent.config import rollout_config
+from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults
+from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step
+from relax.algorithms.grpo.run import make_state as grpo_state
+from relax.algorithms.online.batch import HostRecord, Scored
+from relax.algorithms.online.config import OnlineAlgorithm
+from relax.algorithms.online.step import StepParts
+from relax.algorithms.ppo.run import make_state as ppo_state
+from relax.compose import Stage, WithHost, compose, stage
+from relax.models.config.model import ModelConfig
+from relax.plan.measure import Measured, measure, resident_state
+from relax.plan.programs import Program, multi_turn_programs, sharded_programs
+from relax.plan.targets import Target
+from relax.rollout.config import bucket_length
+from relax.rollout.turns import TurnConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentPlanConfig(AgentRunConfig):
+    """``relax agent``'s flags, and the longest prompt the plan lays the decoder and the update
+    out for (the run pads each batch's prompts to their bucket)."""
+
+    max_prompt_tokens: int = 512
+
+
+def defaults() -> AgentPlanConfig:
+    """``relax agent``'s defaults (its built-in run's, with or without ``--model``) as a plan's."""
+    run = builtin_defaults()
+    return AgentPlanConfig(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
+
+
+@dataclasses.dataclass(frozen=True)
+class StopIds:
+    """What the agent's step reads of its chat format outside the rollout a plan replaces: the
+    ids that end a policy turn (the model's end-of-sequence ids)."""
+
+    stop_ids: tuple[int, ...]
+
+
+def trajectories(cfg: AgentPlanConfig) -> Stage:
+    """The rollout's stand-in (module docstring): the host stage that turns P dataset rows into
+    P x G trajectories of zeros in the shapes the multi-turn rollout gives (prompts ``[P, Lp]``,
+    tokens and masks ``[P, G, N]``, per-turn rewards ``[P, G, max_turns]``, the rest ``[P, G]``)."""
+    generation = cfg.algorithm_config.generation
+    g, n, turns = generation.num_generations, generation.max_new_tokens, cfg.agent.max_turns
+
+    def rollout(state, batch: WithHost) -> tuple[Any, WithHost]:
+        rows = len(batch.host.rows)
+        ints = lambda *shape: np.zeros((rows, *shape), np.int32)
+        rewards = np.zeros((rows, g), np.float32)
+        out = Scored(
+            prompt_ids=ints(cfg.max_prompt_tokens),
+            prompt_mask=ints(cfg.max_prompt_tokens),
+            tokens=ints(g, n),
+            mask=ints(g, n),
+            sampled_mask=ints(g, n),
+            old_logprobs=np.zeros((rows, g, n), np.float32),
+            turn_rewards=np.zeros((rows, g, turns), np.float32),
+            turn_index=ints(g, n),
+            rewards=rewards,
+            lengths=ints(g),
+            finished=np.zeros((rows, g), bool),
+            policy_version=ints(g),
+            reward_parts={"env": rewards},
+        )
+        return state, WithHost(out, batch.host.replace(reward_info={}, agent={}))
+
+    return stage(rollout, jit=False, name="rollout", updates_state=False)
+
+
+def agent_step(cfg: AgentPlanConfig, parts: StepParts) -> Stage:
+    """The agent's step (``make_agent_grpo_step`` / ``make_agent_ppo_step``) with the schedule of
+    ``parts``, a turn ending at its ``eos_ids``, and its rollout replaced by ``trajectories``."""
+    make = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
+    step = make(cfg.algorithm_config, cfg.agent, None, StopIds(parts.eos_ids), parts)
+    rollout, *rest = step.leaves
+    if rollout.name != "rollout":
+        raise ValueError(f"the agent's step starts with {rollout.name!r}, not its rollout")
+    return compose(trajectories(cfg), *rest, name=step.name)
+
+
+def algorithm(cfg: AgentPlanConfig) -> OnlineAlgorithm:
+    """The agent trainer as an online algorithm: GRPO's state (or PPO's, with its critic), what
+    it samples, and ``agent_step``."""
+    algo = cfg.algorithm_config
+    make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
+    return OnlineAlgorithm(
+        name=f"agent-{cfg.algorithm}",
+        make_state=functools.partial(make_state, algo),
+        make_step=functools.partial(agent_step, cfg),
+        generation=algo.generation,
+    )
+
+
+def update_programs(
+    run: AgentPlanConfig, algo: OnlineAlgorithm, model: ModelConfig, devices, compile_fn
+) -> list[Program]:
+    """The programs of the agent's step after its rollout, on the run's mesh over ``devices``,
+    scheduled as ``relax agent`` schedules it (``--async.*``)."""
+    parts = lambda passes: StepParts(
+        eos_ids=tuple(model.eos_ids) or (0,),
+        pad_id=0,
+        passes=passes,
+        off_policy=run.async_.off_policy,
+        pipelined=run.async_.staleness > 0,
+    )
+    return sharded_programs(
+        run,
+        algo,
+        model,
+        devices,
+        make_step=lambda passes: algo.make_step(parts(passes)),
+        batch=WithHost(None, HostRecord(rows=[{}] * run.batch_size)),
+        compile_fn=compile_fn,
+    )
+
+
+def observation_tokens(turns: TurnConfig) -> int:
+    """The longest observation the decoder appends: what a trajectory's budget leaves after one
+    turn, in its bucket (at most the largest)."""
+    buckets = turns.observation_buckets
+    return bucket_length(min(turns.max_tokens - turns.max_turn_tokens, buckets[-1]), buckets)
+
+
+def measured(
+    run: AgentPlanConfig,
+    algo: OnlineAlgorithm,
+    model: ModelConfig,
+    target: Target,
+    devices: Sequence[jax.Device],
+    *,
+    compile_fn: Callable[[Any], tuple],
+    exact: bool,
+) -> list[Measured]:
+    """The decoder's programs and then the update's, measured (``exact`` is moot: no sampler is
+    extended from shallow compiles)."""
+    update = [measure(p, target) for p in update_programs(run, algo, model, devices, compile_fn)]
+    resident = resident_state(run, update)
+    eos = tuple(model.eos_ids) or (0,)
+    turns = rollout_config(run.agent, algo.generation, eos_ids=eos, pad_id=0).turns
+    decoder = multi_turn_programs(
+        resident.policy,
+        turns,
+        run.batch_size,
+        run.max_prompt_tokens,
+        observation_tokens(turns),
+        compile_fn=compile_fn,
+    )
+    return [_decoder(p, resident, target) for p in decoder] + update
+
+
+def _decoder(p: Program, resident: Any, target: Target) -> Measured:
+    """A decoder program beside the train state: ``resident`` with its policy replaced by the
+    weights the program reads (the policy itself, and the fused decode weights)."""
+    weights, arrays = p.args
+    return measure(p, target, args=(resident.replace(policy=weights), arrays))
