@@ -405,6 +405,38 @@ def test_reward_model_weights_are_arguments_of_the_program_not_constants():
     assert max((len(c) // 2 for c in constants), default=0) < 4 * 1024, "a weight-sized constant"
 
 
+def test_text_reward_model_weights_are_arguments_not_constants():
+    """``--reward-model`` in a GRPO/PPO run scores through ``TextRewardModel``: its compiled
+    program takes the weights as arguments, so with an MLP 64x wider (the weights over 8x
+    larger) its text does not grow and it holds no constant of a weight's size."""
+    import dataclasses
+    import re
+
+    import equinox as eqx
+
+    from relax.rewards.model import TextRewardModel
+
+    def program(intermediate):
+        cfg = dataclasses.replace(
+            tiny("qwen3_gqa_head_dim", pad_token_id=PAD), intermediate_size=intermediate
+        )
+        rm = RewardModel(
+            init_reward_model(random_model(cfg, 0), head_std=0.0).backbone,
+            jnp.ones(cfg.hidden_size),
+        )
+        scorer = TextRewardModel(rm, tokenizer=None)  # the tokenizer only encodes texts
+        ids, mask = jnp.ones((4, 16), jnp.int32), jnp.ones((4, 16), jnp.int32)
+        tokens, tmask = jnp.ones((4, 1, 16), jnp.int32), jnp.ones((4, 1, 16), jnp.int32)
+        size = sum(x.size for x in jax.tree.leaves(eqx.filter(rm, eqx.is_array)))
+        return size, scorer._score.lower(rm, ids, mask, tokens, tmask).as_text()
+
+    (small, text), (big, big_text) = program(16), program(1024)
+    assert big > 8 * small
+    assert len(big_text) < 1.05 * len(text), (len(text), len(big_text))
+    constants = re.findall(r"dense<\"0x([0-9A-F]+)\">", big_text)
+    assert max((len(c) // 2 for c in constants), default=0) < 4 * 1024, "a weight-sized constant"
+
+
 def test_text_reward_model_with_its_own_tokenizer(tmp_path):
     """A reward model with another tokenizer than the policy's scores the decoded texts: each
     sample equals ``sequence_rewards`` on that sample encoded by hand (BOS + prompt, completion +
