@@ -5,8 +5,10 @@ sequence-classification HF directory (``relax.models.heads.reward_model.save_rew
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from relax.algorithms.offline.run import OfflineAlgorithm, PairRunConfig, run_offline
+from relax.algorithms.online.setup import host_policy
 from relax.algorithms.reward_model.config import RewardModelConfig
 from relax.algorithms.reward_model.step import (
     evaluate_pairs,
@@ -16,6 +18,7 @@ from relax.algorithms.reward_model.step import (
 from relax.data.pairs import Pair, collate_pairs, encode_pairs
 from relax.models.heads.reward_model import save_reward_model
 from relax.tasks import reverse
+from relax.train.logs import is_main_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,15 @@ def builtin_defaults() -> RewardModelRunConfig:
         checkpoint_every=20,
         run_dir="runs/reward-model-reverse",
     )
+
+
+def export(model, directory: Path, tokenizer) -> Path:
+    """The reward model as a ``<Family>ForSequenceClassification`` directory with its tokenizer
+    (collective: every process calls it; its shards are gathered, process 0 writes)."""
+    model = host_policy(model)
+    if is_main_process():
+        save_reward_model(model, directory, tokenizer=tokenizer)
+    return Path(directory)
 
 
 def algorithm(cfg: RewardModelRunConfig) -> OfflineAlgorithm:
@@ -75,7 +87,7 @@ def algorithm(cfg: RewardModelRunConfig) -> OfflineAlgorithm:
         builtin_data=lambda task, d, tokenizer: reverse.write_task_data(
             task, d, reverse.preference_records
         ),
-        export=lambda model, d, tokenizer: save_reward_model(model, d, tokenizer=tokenizer),
+        export=export,
         bar_keys=(("loss", "loss"), ("accuracy", "acc")),
         longest=lambda n: collate(
             [
