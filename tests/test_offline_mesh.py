@@ -192,22 +192,29 @@ def _without_eval(args: list[str]) -> list[str]:
     return [*out, "--eval-fraction", "0"]
 
 
+def _one_and_mesh(name: str, argv: list[str], root: Path) -> dict:
+    """``examples/train_<name>.py argv`` on one device and on ``MESH``: each run's metrics lines."""
+    from conftest import load_example
+
+    runs = {}
+    for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
+        run_dir = root / f"{name}-{where}"
+        load_example(name).main([*argv, *flags, "--run-dir", str(run_dir)])
+        runs[where] = _lines(run_dir)
+    return runs
+
+
 def fast_worker(out_path: str, root: str) -> None:
     """One training step of every trainer on one device and on the mesh, nothing evaluated or
     exported: the fast case of each."""
-    from conftest import load_example, use_compile_cache
+    from conftest import use_compile_cache
 
     use_compile_cache()
     results = {}
     for name, args in _trainers(Path(root), trained=False).items():
         common = [*_without_eval(args), "--steps", "1", "--batch-size", "8", "--no-export-hf"]
         common += ["--checkpoint-every", "1"]
-        runs = {}
-        for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
-            run_dir = Path(root) / f"{name}-{where}"
-            load_example(name).main([*common, *flags, "--run-dir", str(run_dir)])
-            runs[where] = _lines(run_dir)
-        results[name] = runs
+        results[name] = _one_and_mesh(name, common, Path(root))
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -223,12 +230,7 @@ def worker(out_path: str, root: str) -> None:
     results = {"rm_scorer": reward_model_case(Path(root)), "rlhf": rlhf_case(Path(root))}
     for name, args in trainers.items():
         common = [*args, "--steps", "2", "--batch-size", "8"]
-        runs = {}
-        for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
-            run_dir = Path(root) / f"{name}-{where}"
-            load_example(name).main([*common, *flags, "--run-dir", str(run_dir)])
-            runs[where] = _lines(run_dir)
-        results[name] = runs
+        results[name] = _one_and_mesh(name, common, Path(root))
     on_policy = [
         *trainers["distill"],
         "--distill.mode",

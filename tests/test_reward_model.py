@@ -372,25 +372,40 @@ def test_token_reward_matches_sequence_rewards():
         reward_model_reward(rm.backbone)
 
 
-def test_reward_model_weights_are_arguments_of_the_program_not_constants():
-    """The program ``score_tokens`` compiles takes the reward model's arrays as arguments: with an
-    MLP 64x wider (the weights over 8x larger) its text does not grow (a closed-over model would
-    embed every weight as a constant) and holds no constant of a weight's size."""
+def _reward_model_of_width(intermediate: int) -> RewardModel:
+    """A tiny random reward model whose MLP is ``intermediate`` wide."""
     import dataclasses
+
+    cfg = dataclasses.replace(
+        tiny("qwen3_gqa_head_dim", pad_token_id=PAD), intermediate_size=intermediate
+    )
+    return RewardModel(
+        init_reward_model(random_model(cfg, 0), head_std=0.0).backbone, jnp.ones(cfg.hidden_size)
+    )
+
+
+def _assert_weights_are_arguments(program) -> None:
+    """``program(intermediate) -> (weights' size, lowered text)`` at MLP widths 16 and 1024 (the
+    weights over 8x larger): the text does not grow (a closed-over model would embed every weight
+    as a constant) and holds no constant of a weight's size."""
     import re
+
+    (small, text), (big, big_text) = program(16), program(1024)
+    assert big > 8 * small
+    assert len(big_text) < 1.05 * len(text), (len(text), len(big_text))
+    constants = re.findall(r"dense<\"0x([0-9A-F]+)\">", big_text)
+    assert max((len(c) // 2 for c in constants), default=0) < 4 * 1024, "a weight-sized constant"
+
+
+def test_reward_model_weights_are_arguments_of_the_program_not_constants():
+    """The program ``score_tokens`` compiles takes the reward model's arrays as arguments."""
+    import dataclasses
 
     from relax.rewards.token_rewards import scores_program
 
     def program(intermediate):
-        cfg = dataclasses.replace(
-            tiny("qwen3_gqa_head_dim", pad_token_id=PAD), intermediate_size=intermediate
-        )
-        rm = RewardModel(
-            init_reward_model(random_model(cfg, 0), head_std=0.0).backbone,
-            jnp.ones(cfg.hidden_size),
-        )
-        fn = reward_model_reward(rm)
-        arrays = _batch(cfg.vocab_size)
+        fn = reward_model_reward(_reward_model_of_width(intermediate))
+        arrays = _batch(fn.params.backbone.config.vocab_size)
         size = sum(x.size for x in jax.tree.leaves(fn.params))
         args = (arrays[0], arrays[1].astype(bool), arrays[2], arrays[3].astype(bool))
         text = scores_program.lower(
@@ -398,43 +413,25 @@ def test_reward_model_weights_are_arguments_of_the_program_not_constants():
         ).as_text()
         return size, text
 
-    (small, text), (big, big_text) = program(16), program(1024)
-    assert big > 8 * small
-    assert len(big_text) < 1.05 * len(text), (len(text), len(big_text))
-    constants = re.findall(r"dense<\"0x([0-9A-F]+)\">", big_text)
-    assert max((len(c) // 2 for c in constants), default=0) < 4 * 1024, "a weight-sized constant"
+    _assert_weights_are_arguments(program)
 
 
 def test_text_reward_model_weights_are_arguments_not_constants():
     """``--reward-model`` in a GRPO/PPO run scores through ``TextRewardModel``: its compiled
-    program takes the weights as arguments, so with an MLP 64x wider (the weights over 8x
-    larger) its text does not grow and it holds no constant of a weight's size."""
-    import dataclasses
-    import re
-
+    program takes the weights as arguments too."""
     import equinox as eqx
 
     from relax.rewards.model import TextRewardModel
 
     def program(intermediate):
-        cfg = dataclasses.replace(
-            tiny("qwen3_gqa_head_dim", pad_token_id=PAD), intermediate_size=intermediate
-        )
-        rm = RewardModel(
-            init_reward_model(random_model(cfg, 0), head_std=0.0).backbone,
-            jnp.ones(cfg.hidden_size),
-        )
+        rm = _reward_model_of_width(intermediate)
         scorer = TextRewardModel(rm, tokenizer=None)  # the tokenizer only encodes texts
         ids, mask = jnp.ones((4, 16), jnp.int32), jnp.ones((4, 16), jnp.int32)
         tokens, tmask = jnp.ones((4, 1, 16), jnp.int32), jnp.ones((4, 1, 16), jnp.int32)
         size = sum(x.size for x in jax.tree.leaves(eqx.filter(rm, eqx.is_array)))
         return size, scorer._score.lower(rm, ids, mask, tokens, tmask).as_text()
 
-    (small, text), (big, big_text) = program(16), program(1024)
-    assert big > 8 * small
-    assert len(big_text) < 1.05 * len(text), (len(text), len(big_text))
-    constants = re.findall(r"dense<\"0x([0-9A-F]+)\">", big_text)
-    assert max((len(c) // 2 for c in constants), default=0) < 4 * 1024, "a weight-sized constant"
+    _assert_weights_are_arguments(program)
 
 
 def test_text_reward_model_with_its_own_tokenizer(tmp_path):
