@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 StageFn = Callable[[Any, Any], tuple[Any, Any]]
-PLACEMENTS = ("trainer", "sampler")
+PLACEMENTS = ("trainer", "sampler", "process")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,9 @@ def stage(
             state it was given, unchanged (checked when traced), and a program of such stages
             returns the caller's state object.
         placement: ``"trainer"`` (default) or ``"sampler"``: the devices a runner with several
-            meshes runs the stage on.
+            meshes runs the stage on. ``"process"`` (host stages): on several processes each
+            runs it on its own rows with its own copy of the policy (``relax.parallel.local``),
+            e.g. a multi-turn rollout whose device calls depend on its environments.
         reads_reference: the stage reads ``state.ref`` (default False); an offloading runner
             brings the reference onto the devices for it.
         waits: a host stage that collects work an earlier stage started (default False).

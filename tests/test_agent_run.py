@@ -213,14 +213,8 @@ def test_train_agent_runs_a_users_environment_from_the_command_line(tmp_path, mo
     assert "9 training rows, 3 held out (rows from" in report and "guess_env:Guess" in report
 
 
-def test_several_processes_are_refused_naming_why(tmp_path, monkeypatch):
-    """The agent trainer runs in one process: with several, each would have to sample its own rows
-    between its environments' steps (not built); refused before anything is loaded."""
-    import relax.algorithms.agent.run as agent_run
-
-    monkeypatch.setattr(agent_run, "multi_process", lambda: True)
-    with pytest.raises(ValueError, match="relax agent runs in one process"):
-        train_agent.main(FAST + ["--run-dir", str(tmp_path / "run")])
-    assert not (tmp_path / "run" / "task").exists()  # nothing built
-    with pytest.raises(SystemExit):  # tyro's usage error: no sampler mesh for trajectories
+def test_a_sampler_mesh_is_refused():
+    """Trajectories are sampled on the trainer mesh (each process on its own devices,
+    ``relax.parallel.local``), between the environments' host steps: no separate sampler mesh."""
+    with pytest.raises(SystemExit):  # tyro's usage error
         train_agent.main(FAST + ["--parallel.sampler-devices", "2"])

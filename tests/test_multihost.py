@@ -4,8 +4,9 @@
 feeding its own half of the prompts; over three iterations (the KL term on, Adam's default eps)
 their metrics and tokens must match a single-process run of the same global batch. Both processes
 also save and restore a checkpoint collectively.
-Every offline trainer from its command line (SFT, DPO, KTO, reward models, distillation) on a
-two-process mesh of four devices each logs what one device logs, a ``--reward-model`` scores
+Every offline trainer from its command line (SFT, DPO, KTO, reward models, distillation) and the
+agent trainer on a user's environment (each process sampling its own rows on its own copy of the
+policy) on a two-process mesh of four devices each logs what one device logs, a ``--reward-model`` scores
 alike; GRPO with partial rollouts (stopped and resumed mid-way) samples and logs what one device does.
 Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
@@ -54,7 +55,7 @@ def process_worker(pid: int, n: int, port: int, out: str, ckpt: str) -> None:
 
 
 def trainers_worker(root: str, *flags: str) -> None:
-    """Every offline trainer's command line (``root/trainers.json``, from
+    """Every offline trainer's and the agent trainer's command line (``root/trainers.json``, from
     ``test_offline_mesh._trainers``) for two steps with ``flags`` (the parallel ones) into
     ``root/<run>/<trainer>``, ``<run>`` from ``RELAX_TEST_RUN``; then a ``--reward-model``'s scores
     of a few samples on the run's mesh (``reward_functions``) into ``root/<run>/rm<process>.json``.
@@ -71,6 +72,7 @@ def trainers_worker(root: str, *flags: str) -> None:
     from relax.algorithms.online.rewards import reward_functions
     from relax.parallel import make_mesh
 
+    sys.path.insert(0, root)  # the agent's environment module (test_offline_mesh._agent)
     out = Path(root) / os.environ["RELAX_TEST_RUN"]
     trainers = json.loads((Path(root) / "trainers.json").read_text())
     for name, args in trainers.items():
@@ -184,7 +186,7 @@ if __name__ != "__main__":
             )
 
     def _trainers_setup(root: Path) -> None:
-        """Every offline trainer's command line on untrained models of the reverse task
+        """Every offline trainer's and the agent's command line on untrained models of the reverse task
         (``test_offline_mesh._trainers``) in ``root/trainers.json``, and a reward model in ``root/rm``."""
         import jax
         import test_offline_mesh as tom
@@ -193,9 +195,9 @@ if __name__ != "__main__":
         from relax.models.hf.checkpoint import load_pretrained
         from relax.text import load_tokenizer
 
-        trainers = tom._trainers(root, trained=False, agent=False)
-        trainers = {  # held-out metrics for SFT; the others' on a mesh: test_offline_mesh
-            k: v if k == "sft" else tom._without_eval(v) for k, v in trainers.items()
+        trainers = tom._trainers(root, trained=False)
+        trainers = {  # held-out metrics for SFT and the agent; the others' on a mesh: test_offline_mesh
+            k: v if k in ("sft", "agent") else tom._without_eval(v) for k, v in trainers.items()
         }
         (root / "trainers.json").write_text(json.dumps(trainers))
         rm = init_reward_model(
@@ -203,12 +205,12 @@ if __name__ != "__main__":
         )
         save_reward_model(rm, root / "rm", tokenizer=load_tokenizer(root / "model"))
 
-    @pytest.mark.slow  # two steps of five trainers in three subprocesses
+    @pytest.mark.slow  # two steps of six trainers in three subprocesses
     def test_trainers_on_two_processes_log_what_one_device_logs(tmp_path):
-        """SFT, DPO, KTO, reward-model training and distillation on the global
+        """SFT, DPO, KTO, reward-model training, distillation and the agent trainer on the global
         ``data=2,fsdp=2,tensor=2`` mesh of two processes of four devices (each collating its half
         of a step's rows) log the training metrics of a one-device run (SFT: and its held-out
-        ones); a GRPO run's
+        ones; the agent: and its held-out success); a GRPO run's
         ``--reward-model`` scores alike, held once per process over its four devices."""
         _trainers_setup(tmp_path)
         port = free_port()
@@ -228,7 +230,7 @@ if __name__ != "__main__":
             assert p.returncode == 0, out[-6000:]
         assert "2 process(es)" in outputs[0]
         names = json.loads((tmp_path / "trainers.json").read_text())
-        assert set(names) == {"sft", "dpo", "kto", "reward_model", "distill"}
+        assert set(names) == {"sft", "dpo", "kto", "reward_model", "distill", "agent"}
         for name in names:
             lines = {
                 run: [

@@ -634,6 +634,31 @@ if __name__ != "__main__":
             with pytest.raises(ShardingError, match=msg):
                 MeshSpec.parse(bad)
 
+    def test_a_process_copy_keeps_the_model_axes_that_fit_its_devices():
+        """``relax.parallel.local``: a process's own mesh keeps tensor, expert and fsdp where
+        they divide its devices (a divisor of an axis a parameter splits over splits it too),
+        replicates the rest over ``data``; on one process its mesh is the whole mesh."""
+        from relax.parallel.local import local_mesh, local_shape
+
+        want = {"data": 1, "expert": 1, "fsdp": 2, "tensor": 2}
+        assert local_shape({"data": 2, "fsdp": 2, "tensor": 2}, 4) == want
+        assert local_shape({"fsdp": 8}, 4) == {"data": 1, "expert": 1, "fsdp": 4, "tensor": 1}
+        assert local_shape({"tensor": 8, "fsdp": 2}, 4)["tensor"] == 4
+        assert local_shape({"tensor": 3, "fsdp": 2}, 4) == {
+            "data": 2,
+            "expert": 1,
+            "fsdp": 2,
+            "tensor": 1,
+        }
+        assert local_shape({"expert": 4, "tensor": 2, "fsdp": 2}, 8) == {
+            "data": 1,
+            "expert": 4,
+            "fsdp": 1,
+            "tensor": 2,
+        }
+        mesh = parallel.make_mesh("fsdp=-1")
+        assert set(local_mesh(mesh).devices.flat) == set(mesh.devices.flat)
+
     def test_mesh_that_does_not_fit_the_devices_names_spec_and_count():
         n = jax.device_count()
         with pytest.raises(

@@ -356,6 +356,29 @@ def test_offline_plan_splits_weights_and_adam_over_fsdp(tiny_config):
 
 
 @needs_tpu
+def test_agent_on_several_hosts_samples_on_each_hosts_copy(tiny_config):
+    """``relax agent`` on a slice of two hosts (v5p:2x2x2, 4 chips each) samples each host's half
+    of the prompts on its own copy of the policy over its 4 chips (``relax.parallel.local``): the
+    decoder's start holds the trainer's eighth of the weights and the copy's quarter, and 4 of the
+    8 prompts ([4, 16] ids and mask, int32, and the key); on one host (v5e:2x2) the policy as the
+    mesh holds it (counted from the parameters; nothing compiled)."""
+    from relax.plan import plan
+
+    full = hand_count_params() * 4
+    argv = ["--model", tiny_config, "--batch-size", "8", "--grpo.num-generations", "2"]
+    argv += ["--grpo.max-new-tokens", "32", "--agent.max-turn-tokens", "8"]
+    argv += ["--max-prompt-tokens", "16"]
+    for target, mesh, weights, prompts in (
+        ("v5p:2x2x2", "fsdp=8", full // 8 + full // 4, 4),
+        ("v5e:2x2", "fsdp=4", full // 4, 8),
+    ):
+        p = plan("agent", [*argv, "--parallel.mesh", mesh], target, compile_fn=no_compile)
+        start = p.programs[0]
+        assert start.name == "start" and start.weights == weights, (target, start)
+        assert start.batch == 2 * prompts * 16 * 4 + 8, (target, start)
+
+
+@needs_tpu
 def test_reward_model_and_teacher_bytes_by_hand(tiny_config, rm_config, teacher_config):
     """What a plan holds beside the policy's state, counted from the parameters (nothing
     compiled): GRPO's reward model (``--reward-model``, stored in bfloat16) on every chip of the

@@ -133,3 +133,23 @@ def test_budgets_end_turns_and_trajectories():
     )  # one slot was left
     with pytest.raises(ValueError, match="eos_ids"):
         turns.TurnConfig(num_generations=1, max_tokens=4, max_turn_tokens=2)
+
+
+def test_trajectory_keys_given_whole_or_as_a_share_of_a_larger_split():
+    """``start`` splits one key into the P x G trajectories' keys, or takes those keys themselves
+    (a process's share of a larger batch's split: ``relax.parallel.local``); a count that is not
+    P x G is an error naming both."""
+    model = init(tiny(**MODELS["llama_gqa"]), jax.random.key(0), std=0.3)
+    cfg = turns.TurnConfig(num_generations=2, max_tokens=4, max_turn_tokens=4, eos_ids=(VOCAB - 1,))
+    ids, mask = jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3), jnp.int32)
+    key = jax.random.key(7)
+    whole = turns.start(model, ids, mask, key, cfg=cfg).keys
+    share = turns.start(model, ids, mask, jax.random.split(key, 6)[2:4], cfg=cfg).keys
+    np.testing.assert_array_equal(
+        jax.random.key_data(whole), jax.random.key_data(jax.random.split(key, 2))
+    )
+    np.testing.assert_array_equal(
+        jax.random.key_data(share), jax.random.key_data(jax.random.split(key, 6)[2:4])
+    )
+    with pytest.raises(ValueError, match="3 keys for 2 trajectories"):
+        turns.start(model, ids, mask, jax.random.split(key, 3), cfg=cfg)

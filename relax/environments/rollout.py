@@ -140,7 +140,8 @@ def rollout_trajectories(
     key: jax.Array,
     cfg: AgentRolloutConfig,
 ) -> Trajectories:
-    """G trajectories of each row (module docstring)."""
+    """G trajectories of each row (module docstring). ``key``: one PRNG key, or the
+    ``len(rows) x G`` trajectories' own keys (``relax.rollout.turns.start_state``)."""
     return asyncio.run(_rollout(model, rows, make_env, chat, key, cfg))
 
 

@@ -187,6 +187,21 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def all_rows(x: np.ndarray) -> np.ndarray:
+    """Every process's rows ``x`` (leading axes may differ in length), concatenated in process
+    order (every process calls this; one process: ``x``)."""
+    x = np.asarray(x)
+    if not multi_process():
+        return x
+    from jax.experimental import multihost_utils
+
+    sizes = multihost_utils.process_allgather(np.int64(x.shape[0]))
+    padded = np.zeros((int(sizes.max()),) + x.shape[1:], x.dtype)
+    padded[: x.shape[0]] = x
+    rows = multihost_utils.process_allgather(padded)
+    return np.concatenate([row[:size] for row, size in zip(rows, sizes)])
+
+
 def is_global(x: Any) -> bool:
     """True for a jax.Array laid out over the run's devices (on several processes, one that is not
     fully addressable); host values and single-process arrays are "local"."""

@@ -13,7 +13,9 @@ With a sampler mesh, the stages placed on the sampler (``placement="sampler"``: 
 devices against a policy COPY laid out for the sampler mesh (a host stage placed there, partial
 rollouts', gets that copy in its state and samples on its mesh); a ``weight_transfer`` segment before
 the rollout refreshes that copy from the trainer's policy (i.e. after every update), so its time
-appears as ``time/weight_transfer`` in the run's metrics. With ``offload_reference`` the
+appears as ``time/weight_transfer`` in the run's metrics. On several processes a host stage placed
+on each process (``placement="process"``: a multi-turn rollout) gets a state holding this process's
+own copy of the policy (``relax.parallel.local``) and runs on its rows alone. With ``offload_reference`` the
 reference model lives in host memory (``memory_kind="pinned_host"``) except while a segment that
 reads it (``reads_reference``) runs.
 """
@@ -38,6 +40,7 @@ from relax.compose import (
     split_host,
 )
 from relax.parallel import distributed
+from relax.parallel.local import ProcessCopy
 from relax.parallel.mesh import (
     DEFAULT_RULES,
     MeshSpec,
@@ -189,6 +192,7 @@ class ShardedStep(SegmentRunner):
             self._ref_device = param_shardings(state.ref, mesh, rules)
             self._ref_host = param_shardings(state.ref, mesh, rules, memory_kind=HOST_MEMORY)
         self._sampler_policy = None
+        self._process_copy = None
         if sampler_mesh is not None:
             self._sampler_params = param_shardings(state.policy, sampler_mesh, rules)
             self._view_shardings = state_shardings(
@@ -237,10 +241,14 @@ class ShardedStep(SegmentRunner):
         updates = any(s.updates_state for s in group)
         if not group[0].jittable:
             run = self._host(group[0].fn)
+            if on_sampler:
+                run = self._sampler_host(run)
+            elif group[0].placement == "process" and distributed.multi_process():
+                run = self._process_host(run)
             return Segment(
                 names=names,
                 jittable=False,
-                run=self._sampler_host(run) if on_sampler else run,
+                run=run,
                 updates_state=updates,
                 waits=group[0].waits,
             )
@@ -369,6 +377,18 @@ class ShardedStep(SegmentRunner):
             return state, out
 
         return on_sampler
+
+    def _process_host(self, run):
+        """A host stage placed on each process (``placement="process"``) samples this process's
+        rows on its own copy of the policy (``relax.parallel.local``); it only reads the state."""
+        if self._process_copy is None:
+            self._process_copy = ProcessCopy(self.mesh, self.rules)
+
+        def on_process(state, batch):
+            _, out = run(self._process_copy.view(state), batch)
+            return state, out
+
+        return on_process
 
     @staticmethod
     def _host(fn):

@@ -13,7 +13,9 @@ cannot run environments, so:
 - the decoder's programs (start, the fused decode weights, a turn, an observation's append) are
   compiled apart (``multi_turn_programs``) on the train state's policy, for P prompts of
   ``--max-prompt-tokens`` and the longest observation that can follow a turn, the rest of the
-  train state resident beside them.
+  train state resident beside them. On a target of several hosts each host samples its share of
+  the prompts on its own copy of the policy over its own devices (``relax.parallel.local``): the
+  decoder is planned so, on the first host, the copy counted beside the trainer's policy.
 
 ``--max-prompt-tokens`` is the plan's own flag (the run pads each batch's prompts to their
 bucket); every other flag is ``relax agent``'s. A mixture of experts' routes are not replayed
@@ -40,6 +42,8 @@ from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import Stage, WithHost, compose, stage
 from relax.models.config.model import ModelConfig
+from relax.parallel.local import host_mesh, processes
+from relax.parallel.mesh import param_shardings
 from relax.plan.measure import Measured, measure, resident_state
 from relax.plan.programs import Program, multi_turn_programs, sharded_programs
 from relax.plan.targets import Target
@@ -170,19 +174,38 @@ def measured(
     resident = resident_state(run, update)
     eos = tuple(model.eos_ids) or (0,)
     turns = rollout_config(run.agent, algo.generation, eos_ids=eos, pad_id=0).turns
+    policy, hosts = sampling_policy(resident.policy)
     decoder = multi_turn_programs(
-        resident.policy,
+        policy,
         turns,
-        run.batch_size,
+        run.batch_size // hosts,
         run.max_prompt_tokens,
         observation_tokens(turns),
         compile_fn=compile_fn,
     )
-    return [_decoder(p, resident, target) for p in decoder] + update
+    return [_decoder(p, resident, target, copied=hosts > 1) for p in decoder] + update
 
 
-def _decoder(p: Program, resident: Any, target: Target) -> Measured:
+def sampling_policy(policy: Any) -> tuple[Any, int]:
+    """Where ``relax agent`` samples: ``(the policy, 1)`` as its mesh holds it on one host; on
+    ``n`` hosts ``(each host's own copy of it, n)``, laid out over the first host's devices
+    (``relax.parallel.local``), which samples its ``1 / n`` of the rows."""
+    mesh = jax.tree.leaves(policy)[0].sharding.mesh
+    hosts = processes(mesh)
+    if hosts == 1:
+        return policy, 1
+    local = host_mesh(mesh, min(d.process_index for d in mesh.devices.flat))
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        policy,
+        param_shardings(policy, local),
+    ), hosts
+
+
+def _decoder(p: Program, resident: Any, target: Target, *, copied: bool) -> Measured:
     """A decoder program beside the train state: ``resident`` with its policy replaced by the
-    weights the program reads (the policy itself, and the fused decode weights)."""
+    weights the program reads (the policy itself, and the fused decode weights); ``copied``
+    (several hosts): beside the trainer's policy, which stays where it is."""
     weights, arrays = p.args
-    return measure(p, target, args=(resident.replace(policy=weights), arrays))
+    policy = (resident.policy, weights) if copied else weights
+    return measure(p, target, args=(resident.replace(policy=policy), arrays))

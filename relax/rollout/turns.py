@@ -101,9 +101,16 @@ class TurnState(eqx.Module):
         return self.tokens.shape[0] // self.prompt_len.shape[0]
 
 
+def _row_keys(keys, b: int):
+    if keys.shape != (b,):
+        raise ValueError(f"{keys.shape[0]} keys for {b} trajectories (P x G): one key each")
+    return keys
+
+
 def start_state(model: Transformer, prompt_ids, prompt_mask, key, cfg: TurnConfig) -> TurnState:
     """The state before the first turn: each prompt prefilled once, ``G`` empty trajectories per
-    prompt (``start`` jits it)."""
+    prompt (``start`` jits it). ``key``: one key, split into the ``P x G`` trajectories' keys, or
+    those keys ``[P x G]`` themselves (e.g. this process's share of a larger batch's split)."""
     c, g, n = model.config, cfg.num_generations, cfg.max_tokens
     b = prompt_ids.shape[0] * g
     pos = positions_from_mask(prompt_mask)
@@ -134,7 +141,7 @@ def start_state(model: Transformer, prompt_ids, prompt_mask, key, cfg: TurnConfi
         sampled=jnp.zeros((b, n), bool),
         length=jnp.zeros((b,), jnp.int32),
         last_h=jnp.repeat(h[:, -1], g, axis=0),
-        keys=jax.random.split(key, b),
+        keys=jax.random.split(key, b) if key.ndim == 0 else _row_keys(key, b),
         prompt_routes=prompt_routes,
         routes=jnp.full((b, n, ls, k), -1, rdt),
     )

@@ -33,8 +33,9 @@ from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
-from relax.parallel import ShardedStep, ShardingError, batch_shards
+from relax.parallel import ShardedStep, batch_shards
 from relax.parallel.distributed import multi_process
+from relax.parallel.local import ProcessCopy, process_rows
 from relax.passes import choose_passes
 from relax.tasks import agent as agent_task
 from relax.train.logs import MetricsLogger
@@ -122,12 +123,17 @@ def check_budget(cfg: AgentRunConfig) -> None:
 
 class RowIterator:
     """Training rows ``batch_size`` at a time, reshuffled every epoch (seeded); its position is
-    checkpointed (``get_state`` / ``set_state``), so a resumed run sees the rows it would have."""
+    checkpointed (``get_state`` / ``set_state``), so a resumed run sees the rows it would have.
+    On several processes each gets its contiguous share of a step's rows (``process_rows``)."""
 
     def __init__(self, rows: list[dict], batch_size: int, seed: int):
         if batch_size > len(rows):
             raise ValueError(
                 f"--batch-size {batch_size} is more than the {len(rows)} training rows"
+            )
+        if batch_size % jax.process_count():
+            raise ValueError(
+                f"--batch-size {batch_size} does not split over {jax.process_count()} processes"
             )
         self.rows, self.batch_size, self.seed, self.position = rows, batch_size, seed, 0
 
@@ -136,7 +142,9 @@ class RowIterator:
         epoch, i = divmod(self.position, per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
         self.position += 1
-        return [self.rows[j] for j in order[i * self.batch_size : (i + 1) * self.batch_size]]
+        step = order[i * self.batch_size : (i + 1) * self.batch_size]
+        mine, _ = process_rows(self.batch_size // jax.process_count())
+        return [self.rows[j] for j in step[mine]]
 
     def get_state(self) -> dict:
         return {"position": self.position}
@@ -173,8 +181,10 @@ def builtin_defaults() -> AgentRunConfig:
     )
 
 
-def _evaluator(cfg: AgentRunConfig, setup: AgentSetup, chat: ChatFormat, log):
-    """Greedy trajectories of every held-out row: ``success_metrics`` (nothing when none is held out)."""
+def _evaluator(cfg: AgentRunConfig, setup: AgentSetup, chat: ChatFormat, mesh, log):
+    """Greedy trajectories of every held-out row: ``success_metrics`` (nothing when none is held
+    out). On several processes each evaluates its contiguous part of the rows on its own copy of
+    the policy (``relax.parallel.local``) and the metrics are of every process's trajectories."""
     greedy = dataclasses.replace(
         cfg.algorithm_config.generation, num_generations=1, temperature=0.0
     )
@@ -182,18 +192,28 @@ def _evaluator(cfg: AgentRunConfig, setup: AgentSetup, chat: ChatFormat, log):
         cfg.agent, greedy, eos_ids=chat.stop_ids, pad_id=setup.tokenizer.pad_token_id
     )
 
+    copy = ProcessCopy(mesh) if multi_process() else None
+    parts = np.array_split(np.arange(len(setup.held_out)), jax.process_count())
+    mine = parts[jax.process_index()]
+    keys = jax.random.split(
+        jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM), len(setup.held_out)
+    )
+
     def evaluate(state, step: int, logger: MetricsLogger) -> dict:
         if not setup.held_out:
             return {}
         t0 = time.perf_counter()
-        t = rollout_trajectories(
-            state.policy,
-            setup.held_out,
-            setup.make_env,
-            chat,
-            key=jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM),
-            cfg=rcfg,
-        )
+        policy = state.policy if copy is None else copy(state.policy)
+        t = None
+        if mine.size:
+            t = rollout_trajectories(
+                policy,
+                [setup.held_out[i] for i in mine],
+                setup.make_env,
+                chat,
+                key=keys[mine[0] : mine[-1] + 1],
+                cfg=rcfg,
+            )
         metrics = success_metrics(t)
         logger.log(
             step, {f"eval/{k}": v for k, v in metrics.items() if np.isfinite(v)}
@@ -234,25 +254,12 @@ def _report(cfg: AgentRunConfig, setup: AgentSetup, mesh):
     )
 
 
-def _meshes(cfg: AgentRunConfig, log):
-    """The trainer mesh (None: one device); several processes are refused: every process would
-    have to sample its own rows between its environments' steps, which is not built."""
-    cfg.parallel.initialize()  # multi-host flags: before anything touches a device
-    if multi_process():
-        raise ShardingError(
-            "relax agent runs in one process (one device or a mesh of its devices): multi-turn "
-            "rollouts step their environments on the host between device calls, and splitting "
-            "them over processes is not built"
-        )
-    mesh, _ = run_meshes(cfg, log)
-    return mesh
-
-
 def run(cfg: AgentRunConfig) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    cfg.parallel.initialize()  # multi-host flags: before anything touches a device
     run_dir, log = start_run(cfg, f"agent-{cfg.algorithm}")
     t_start = time.perf_counter()
-    mesh = _meshes(cfg, log)
+    mesh, _ = run_meshes(cfg, log)
     setup = load_setup(
         cfg,
         cfg.task,
@@ -286,7 +293,7 @@ def run(cfg: AgentRunConfig) -> dict:
         host_metrics=lambda out, metrics: {
             k: v for k, v in out.host.agent.items() if np.isfinite(v)
         },
-        evaluate=_evaluator(cfg, setup, chat, log),
+        evaluate=_evaluator(cfg, setup, chat, mesh, log),
         export=exporter(setup.tokenizer, base_path(cfg, run_dir)),
         bar_keys=BAR_KEYS,
         asynchronous=cfg.async_,

@@ -37,37 +37,76 @@ from relax.algorithms.ppo.config import PPOConfig
 from relax.compose import Stage, WithHost, stage
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import AgentRolloutConfig, Trajectories, rollout_trajectories
+from relax.parallel.distributed import all_rows
+from relax.parallel.local import process_rows
+
+
+def per_trajectory(t: Trajectories | None) -> dict[str, np.ndarray]:
+    """Every process's trajectories as flat per-trajectory vectors, in process order (each
+    process calls this with its own; None: it has none): ``rewards``, ``turns``, ``sampled`` /
+    ``filled`` tokens, ``truncated``, ``error`` (its environment raised), ``info/<name>`` (0 where
+    a process's environments never reported ``name``) and ``time`` (``[processes, 2]``: seconds on
+    environments and on the device)."""
+    flat = lambda x: np.asarray(x, np.float64).reshape(-1)  # noqa: E731
+    local = {}
+    if t is not None:
+        local = {
+            "rewards": flat(t.rewards),
+            "turns": flat(t.turns),
+            "sampled": flat(t.sampled_mask.sum(-1)),
+            "filled": flat(t.mask.sum(-1)),
+            "truncated": flat(t.truncated),
+            "error": flat([e is not None for e in t.env_errors]),
+            **{f"info/{k}": flat(v) for k, v in t.info.items()},
+        }
+    count = len(local.get("rewards", ()))
+    names = _union(["rewards", "turns", "sampled", "filled", "truncated", "error", *local])
+    out = {k: all_rows(local.get(k, np.zeros(count))) for k in names}
+    clock = (0.0, 0.0) if t is None else (t.timings["env_s"], t.timings["device_s"])
+    out["time"] = all_rows(np.asarray([clock]))
+    return out
+
+
+def _union(names: list[str]) -> list[str]:
+    """The sorted union of every process's ``names`` (each process calls this)."""
+    text = np.frombuffer("".join(n + "\n" for n in names).encode(), np.uint8)
+    return sorted(set(bytes(all_rows(text)).decode().splitlines()))
 
 
 def trajectory_metrics(t: Trajectories) -> dict[str, float]:
-    """Host metrics of a batch: turns per trajectory, tool calls and their success rate, sampled
-    vs observation (masked) tokens, truncations, environment errors, time on device vs environments."""
-    sampled, filled = t.sampled_mask.sum(-1), t.mask.sum(-1)
-    calls, errors = t.info.get("tool_calls"), t.info.get("tool_errors")
+    """Host metrics of a batch (every process's trajectories: each process calls this): turns per
+    trajectory, tool calls and their success rate, sampled vs observation (masked) tokens,
+    truncations, environment errors, time on device vs environments (the slowest process's)."""
+    v = per_trajectory(t)
     out = {
-        "turns": float(t.turns.mean()),
-        "sampled_tokens": float(sampled.mean()),
-        "observation_tokens": float((filled - sampled).mean()),
-        "truncated": float(t.truncated.mean()),
-        "env_errors": float(sum(e is not None for e in t.env_errors)),
-        "time/env_s": t.timings["env_s"],
-        "time/device_s": t.timings["device_s"],
+        "turns": float(v["turns"].mean()),
+        "sampled_tokens": float(v["sampled"].mean()),
+        "observation_tokens": float((v["filled"] - v["sampled"]).mean()),
+        "truncated": float(v["truncated"].mean()),
+        "env_errors": float(v["error"].sum()),
+        "time/env_s": float(v["time"][:, 0].max()),
+        "time/device_s": float(v["time"][:, 1].max()),
     }
+    calls, errors = v.get("info/tool_calls"), v.get("info/tool_errors", 0.0)
     if calls is not None:
         out["tool_calls"] = float(calls.mean())
         out["tool_call_success"] = (
-            float(1.0 - errors.sum() / calls.sum()) if calls.sum() else float("nan")
+            float(1.0 - np.sum(errors) / calls.sum()) if calls.sum() else float("nan")
         )
     return out
 
 
 def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatFormat) -> Stage:
     """The host stage: the host record's ``rows`` (P dataset rows) -> P x G trajectories, a
-    ``Scored`` batch (module docstring)."""
+    ``Scored`` batch (module docstring). Placed on each process: on several, each samples its
+    own rows (its share of the step's, with their keys of the whole batch's split) on its own
+    copy of the policy (``relax.parallel.local``)."""
 
     def rollout(state, batch: WithHost) -> tuple[object, WithHost]:
-        key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
-        t = rollout_trajectories(state.policy, batch.host.rows, make_env, chat, key=key, cfg=rcfg)
+        rows = batch.host.rows
+        share, total = process_rows(len(rows) * rcfg.turns.num_generations)
+        keys = jax.random.split(jax.random.fold_in(state.key, ROLLOUT_STREAM), total)[share]
+        t = rollout_trajectories(state.policy, rows, make_env, chat, key=keys, cfg=rcfg)
         rewards = jnp.asarray(t.rewards, jnp.float32)
         out = Scored(
             prompt_ids=jnp.asarray(t.prompt_ids),
@@ -87,7 +126,7 @@ def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatF
         )
         return state, WithHost(out, batch.host.replace(reward_info={}, agent=trajectory_metrics(t)))
 
-    return stage(rollout, jit=False, name="rollout", updates_state=False)
+    return stage(rollout, jit=False, name="rollout", updates_state=False, placement="process")
 
 
 def drop_errored(state, batch: Advantaged):
@@ -174,19 +213,21 @@ def make_agent_ppo_step(
     return make_online_step(algorithm, parts)
 
 
-def success_metrics(t: Trajectories, *, success: float = 1.0) -> dict[str, float]:
-    """Held-out metrics: success rate (a trajectory's reward is ``success``), and split by whether
+def success_metrics(t: Trajectories | None, *, success: float = 1.0) -> dict[str, float]:
+    """Held-out metrics of every process's trajectories (each process calls this with its own;
+    None: it has none): success rate (a trajectory's reward is ``success``), and split by whether
     the trajectory called a tool: the success rate with and without the tool, and how often it
     was called."""
-    won = (t.rewards == success).reshape(-1)
+    v = per_trajectory(t)
+    won = v["rewards"] == success
     out = {
         "success": float(won.mean()),
-        "reward": float(np.nanmean(t.rewards)),
-        "turns": float(t.turns.mean()),
+        "reward": float(np.nanmean(v["rewards"])),
+        "turns": float(v["turns"].mean()),
     }
-    calls = t.info.get("tool_calls")
+    calls = v.get("info/tool_calls")
     if calls is not None:
-        used = (calls > 0).reshape(-1)
+        used = calls > 0
         out["tool_use"] = float(used.mean())
         out["success_with_tool"] = float(won[used].mean()) if used.any() else float("nan")
         out["success_without_tool"] = float(won[~used].mean()) if (~used).any() else float("nan")
