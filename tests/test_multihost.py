@@ -66,6 +66,7 @@ def trainers_worker(root: str, *flags: str) -> None:
 
     jax.config.update("jax_num_cpu_devices", int(os.environ.get("RELAX_TEST_CPU_DEVICES", "1")))
     tp.use_compile_cache()
+    import test_offline_mesh as tom
     from conftest import load_example
 
     from relax.algorithms.online.config import OnlineRunConfig
@@ -77,7 +78,7 @@ def trainers_worker(root: str, *flags: str) -> None:
     trainers = json.loads((Path(root) / "trainers.json").read_text())
     for name, args in trainers.items():
         common = [*args, "--steps", "2", "--batch-size", "8"]
-        load_example(name).main([*common, "--run-dir", str(out / name), *flags])
+        load_example(tom.example(name)).main([*common, "--run-dir", str(out / name), *flags])
     spec = flags[flags.index("--parallel.mesh") + 1] if "--parallel.mesh" in flags else None
     mesh = None if spec is None else make_mesh(spec)
     cfg = OnlineRunConfig(reward_model=str(Path(root) / "rm"), reward=())
@@ -205,7 +206,7 @@ if __name__ != "__main__":
         )
         save_reward_model(rm, root / "rm", tokenizer=load_tokenizer(root / "model"))
 
-    @pytest.mark.slow  # two steps of six trainers in three subprocesses
+    @pytest.mark.slow  # two steps of eight trainer cases in three subprocesses
     def test_trainers_on_two_processes_log_what_one_device_logs(tmp_path):
         """SFT, DPO, KTO, reward-model training, distillation and the agent trainer on the global
         ``data=2,fsdp=2,tensor=2`` mesh of two processes of four devices (each collating its half
@@ -230,7 +231,16 @@ if __name__ != "__main__":
             assert p.returncode == 0, out[-6000:]
         assert "2 process(es)" in outputs[0]
         names = json.loads((tmp_path / "trainers.json").read_text())
-        assert set(names) == {"sft", "dpo", "kto", "reward_model", "distill", "agent"}
+        assert set(names) == {
+            "sft",
+            "dpo",
+            "orpo",
+            "dpo-simpo",
+            "kto",
+            "reward_model",
+            "distill",
+            "agent",
+        }
         for name in names:
             lines = {
                 run: [

@@ -1,11 +1,11 @@
 """The trainers besides GRPO and PPO (tests/test_parallel.py) on a mesh (``--parallel.mesh``): SFT,
-DPO, KTO, reward-model training, distillation and the agent trainer (a user's environment from
-``--env``), each run through its command line for two steps on one device and on a three-axis
-mesh of 8 simulated devices (``data=2,fsdp=2,tensor=2``: batch rows over data x fsdp, heads and
-MLP over tensor), log the same training and held-out metrics to rounding; so does the three-stage
-``rlhf`` pipeline (SFT, a reward model, PPO against it) with ``--parallel.mesh``. And a GRPO/PPO run's
-``--reward-model`` on that mesh: its weights laid out by the sharding rules, its scores those of
-one device.
+DPO (and SimPO, its reference-free loss), ORPO, KTO, reward-model training, distillation and the
+agent trainer (a user's environment from ``--env``), each run through its command line for two
+steps on one device and on a three-axis mesh of 8 simulated devices (``data=2,fsdp=2,tensor=2``:
+batch rows over data x fsdp, heads and MLP over tensor), log the same training and held-out
+metrics to rounding; so does the three-stage ``rlhf`` pipeline (SFT, a reward model, PPO against
+it) with ``--parallel.mesh``. And a GRPO/PPO run's ``--reward-model`` on that mesh: its weights
+laid out by the sharding rules, its scores those of one device.
 
 Eight simulated devices need ``--xla_force_host_platform_device_count`` before jax starts: one
 subprocess (this file as a script) runs every trainer both ways and writes JSON, as
@@ -23,6 +23,7 @@ MESH = "data=2,fsdp=2,tensor=2"
 RTOL, ATOL = 2e-4, 2e-5  # float32 sums in another order over 8 devices, after an Adam step
 SKIP = ("time", "tokens_per_s", "compiles")  # wall-clock figures
 LENGTHS = ("--max-prompt-tokens", "16", "--max-completion-tokens", "8")
+PAIR_LENGTHS = ("--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "8")
 
 
 def _lines(run_dir: Path) -> dict[str, dict]:
@@ -91,14 +92,9 @@ def _trainers(root: Path, trained: bool = True, agent: bool = True) -> dict[str,
     evaluated = ("--eval-max-examples", "8")
     return {
         "sft": [*data(reverse.sft_records, "sft"), "--sft.max-length", "32", *evaluated],
-        "dpo": [
-            *pairs,
-            "--dpo.max-prompt-tokens",
-            "16",
-            "--dpo.max-completion-tokens",
-            "8",
-            *evaluated,
-        ],
+        "dpo": [*pairs, *PAIR_LENGTHS, *evaluated],
+        "orpo": [*pairs, *PAIR_LENGTHS, *evaluated],  # reference-free, its NLL term on
+        "dpo-simpo": [*pairs, *PAIR_LENGTHS, "--dpo.loss-type", "simpo", *evaluated],
         "kto": [
             *data(unpaired, "unpaired"),
             *("--kto.max-prompt-tokens", "16", "--kto.max-completion-tokens", "8", *evaluated),
@@ -192,6 +188,11 @@ def _without_eval(args: list[str]) -> list[str]:
     return [*out, "--eval-fraction", "0"]
 
 
+def example(name: str) -> str:
+    """The trainer a case of ``_trainers`` runs: ``dpo-simpo`` is ``train_dpo.py`` with its flags."""
+    return name.split("-")[0]
+
+
 def _one_and_mesh(name: str, argv: list[str], root: Path) -> dict:
     """``examples/train_<name>.py argv`` on one device and on ``MESH``: each run's metrics lines."""
     from conftest import load_example
@@ -199,7 +200,7 @@ def _one_and_mesh(name: str, argv: list[str], root: Path) -> dict:
     runs = {}
     for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
         run_dir = root / f"{name}-{where}"
-        load_example(name).main([*argv, *flags, "--run-dir", str(run_dir)])
+        load_example(example(name)).main([*argv, *flags, "--run-dir", str(run_dir)])
         runs[where] = _lines(run_dir)
     return runs
 
@@ -268,7 +269,7 @@ else:
     import pytest
     from test_parallel import run_worker
 
-    TRAINERS = ("sft", "dpo", "kto", "reward_model", "distill", "agent")
+    TRAINERS = ("sft", "dpo", "orpo", "dpo-simpo", "kto", "reward_model", "distill", "agent")
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
