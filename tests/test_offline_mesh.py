@@ -23,6 +23,7 @@ MESH = "data=2,fsdp=2,tensor=2"
 RTOL, ATOL = 2e-4, 2e-5  # float32 sums in another order over 8 devices, after an Adam step
 SKIP = ("time", "tokens_per_s", "compiles")  # wall-clock figures
 LENGTHS = ("--max-prompt-tokens", "16", "--max-completion-tokens", "8")
+EXPERT_MESH = "expert=2,fsdp=2,tensor=2"  # a mixture of experts' experts split two ways
 PAIR_LENGTHS = ("--dpo.max-prompt-tokens", "16", "--dpo.max-completion-tokens", "8")
 
 
@@ -127,6 +128,29 @@ def _agent(root: Path, sft_steps: int) -> list[str]:
     ]
 
 
+def _moe_sft(root: Path) -> list[str]:
+    """SFT of an untrained mixture of experts of the reverse task's shape (4 experts, 2 per
+    token): its router's auxiliary losses and load figures are metrics too."""
+    from relax.tasks import reverse
+
+    task = reverse.ReverseTask(num_train=200, num_eval=16, num_experts=4)
+    _random_base(task, root / "moe")
+    paths = reverse.write_task_data(task, root / "moe-sft", reverse.sft_records)
+    return [
+        *("--model", str(root / "moe" / "model"), "--data", paths[0], "--eval-data", paths[1]),
+        *(
+            "--sft.max-length",
+            "32",
+            "--eval-max-examples",
+            "8",
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+        ),
+    ]
+
+
 def reward_model_case(root: Path) -> dict:
     """``--reward-model``'s scorer (``reward_functions``) on one device and on the mesh: the
     scores of a few samples, and how the mesh lays out the reward model's weights."""
@@ -193,12 +217,12 @@ def example(name: str) -> str:
     return name.split("-")[0]
 
 
-def _one_and_mesh(name: str, argv: list[str], root: Path) -> dict:
-    """``examples/train_<name>.py argv`` on one device and on ``MESH``: each run's metrics lines."""
+def _one_and_mesh(name: str, argv: list[str], root: Path, mesh: str = MESH) -> dict:
+    """``examples/train_<name>.py argv`` on one device and on ``mesh``: each run's metrics lines."""
     from conftest import load_example
 
     runs = {}
-    for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
+    for where, flags in (("one", []), ("mesh", ["--parallel.mesh", mesh])):
         run_dir = root / f"{name}-{where}"
         load_example(example(name)).main([*argv, *flags, "--run-dir", str(run_dir)])
         runs[where] = _lines(run_dir)
@@ -232,6 +256,7 @@ def worker(out_path: str, root: str) -> None:
     for name, args in trainers.items():
         common = [*args, "--steps", "2", "--batch-size", "8"]
         results[name] = _one_and_mesh(name, common, Path(root))
+    results["sft-moe"] = _one_and_mesh("sft-moe", _moe_sft(Path(root)), Path(root), EXPERT_MESH)
     on_policy = [
         *trainers["distill"],
         "--distill.mode",
@@ -323,6 +348,20 @@ else:
                         atol=ATOL,
                         err_msg=f"{where} {line}: {key}",
                     )
+
+    @pytest.mark.slow
+    def test_moe_sft_with_experts_split_equals_one_device(results):
+        """SFT of a mixture of experts on ``expert=2,fsdp=2,tensor=2`` (the experts split two
+        ways, the batch over expert x fsdp) logs what one device logs, its routers' figures too."""
+        one, mesh = results["sft-moe"]["one"], results["sft-moe"]["mesh"]
+        assert set(one) == set(mesh) and {"train 1", "train 2"} <= set(one), (one, mesh)
+        assert any(k.startswith("moe/") for k in one["train 1"]), one["train 1"]
+        for line, want in one.items():
+            assert set(mesh[line]) == set(want), line
+            for key, value in want.items():
+                np.testing.assert_allclose(
+                    mesh[line][key], value, rtol=RTOL, atol=ATOL, err_msg=f"{line}: {key}"
+                )
 
     @pytest.mark.slow
     def test_rlhf_on_a_mesh_equals_one_device(results):
