@@ -233,7 +233,7 @@ def run(call):
     try:
         return 200, call()
     except RequestError as e:
-        return 400, {"error": str(e), "field": e.field}
+        return e.status, {"error": str(e), "field": e.field}
     except UnknownSession as e:
         return 404, {
             "error": f"no session {e.args[0]!r} (closed, or from before a restart: "
@@ -262,7 +262,7 @@ def make_app(service: Service, token: str | None = None, *, max_body_mb: int = 1
                 raise RequestError("body", "the body must be a map")
             call = resolve(service, request.method, request.url.path, payload)
         except RequestError as e:
-            return _reply({"error": str(e), "field": e.field}, 400)
+            return _reply({"error": str(e), "field": e.field}, e.status)
         except NotFound:
             return _reply({"error": f"no route {request.method} {request.url.path}"}, 404)
         status, out = await asyncio.shield(asyncio.wrap_future(worker.submit(run, call)))

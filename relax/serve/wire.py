@@ -60,11 +60,13 @@ _TAG = "__ndarray__"
 
 
 class RequestError(ValueError):
-    """A request the service refuses; ``field`` names what is wrong in it (``batch.tokens``)."""
+    """A request the service refuses; ``field`` names what is wrong in it (``batch.tokens``);
+    ``status``: the HTTP status it is refused with (400; 413 for a request over a size limit,
+    429 for one over a count or quota)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, *, status: int = 400):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.status = field, status
 
 
 def encode_array(a) -> dict:
