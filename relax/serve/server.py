@@ -51,6 +51,7 @@ from starlette.routing import Route
 
 from relax.models.layers.lora import LoRAConfig
 from relax.parallel.step import ParallelConfig
+from relax.serve.limits import ServiceLimits
 from relax.serve.service import Service, ServiceConfig, UnknownSession
 from relax.serve.wire import RequestError, from_msgpack, to_msgpack
 
@@ -109,6 +110,8 @@ class ServeConfig:
     counted; sampling from one is an error saying so)."""
     max_body_mb: int = 1024
     """A request body larger than this is refused (413) before it is read whole."""
+    limits: ServiceLimits = ServiceLimits()
+    """What one request and every session together may cost (``relax.serve.limits``)."""
 
 
 def read_token(cfg: ServeConfig) -> str | None:
@@ -189,6 +192,7 @@ def load_service(cfg: ServeConfig) -> Service:
             lora=cfg.lora,
             mesh=cfg.parallel.mesh,
             samplers_kept=cfg.samplers_kept,
+            limits=cfg.limits,
         ),
     )
 

@@ -30,6 +30,7 @@ from relax.models.hf.checkpoint import save_pretrained
 from relax.models.layers.lora import LoRAConfig
 from relax.parallel.mesh import make_mesh, shard_model
 from relax.serve.datum import DATUM_LOSSES
+from relax.serve.limits import ServiceLimits
 from relax.serve.objectives import OBJECTIVES
 from relax.serve.session import Session
 from relax.serve.wire import RequestError
@@ -56,6 +57,7 @@ class ServiceConfig:
     samplers_kept: int = (
         4  # a session's newest sampler snapshots kept in memory (older ones are dropped)
     )
+    limits: ServiceLimits = ServiceLimits()
 
 
 class UnknownSession(KeyError):
