@@ -30,7 +30,7 @@ from relax.rewards.sandbox import NOBODY, Sandbox, SandboxConfig
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX only")
 
 LIMITS = dict(
-    cpu_s=1, wall_s=2.5, memory_mb=256, max_processes=16, max_output_bytes=1 << 16, tmpfs_mb=8
+    cpu_s=1, wall_s=2.5, memory_mb=512, max_processes=16, max_output_bytes=1 << 16, tmpfs_mb=8
 )
 
 

@@ -14,10 +14,15 @@ only when opted into, none):
 - a user: a root trainer's program runs as ``uid``/``gid`` (``nobody``); a non-root trainer's
   keeps its uid (outside its user namespace), which is refused under none (the trainer's files
   would be in reach) unless ``allow_trainer_uid`` (``relax.rewards.isolation``, "The user");
+- its memory bounded as a whole, ``memory_mb`` for all its processes and tmpfs together: a memory
+  cgroup per run where the host allows one, else ``RLIMIT_NPROC`` x ``RLIMIT_AS`` kept under it
+  (``relax.rewards.memory_bound``; ``describe`` says which); every sandboxed process has
+  ``oom_score_adj`` 1000, so a machine out of memory loses them before the trainer. A run the
+  kernel killed processes of for memory is ``memory_exceeded`` (not ``ok``; logged, counted);
 - these rlimits, set by a launcher inside the sandbox just before the program starts::
 
-      RLIMIT_CPU    cpu_s (SIGXCPU), cpu_s + 1 (SIGKILL)   RLIMIT_AS     memory_mb
-      RLIMIT_NPROC  max_processes                          RLIMIT_NOFILE max_open_files
+      RLIMIT_CPU    cpu_s (SIGXCPU), cpu_s + 1 (SIGKILL)   RLIMIT_AS     memory_mb (cgroup), or the split's
+      RLIMIT_NPROC  max_processes (or the split's)         RLIMIT_NOFILE max_open_files
       RLIMIT_FSIZE  max_file_mb (each file written)        RLIMIT_CORE   0
 
 - a fresh session keyring and a seccomp filter (``relax.rewards.seccomp``: no ``ptrace``, no
@@ -39,6 +44,7 @@ import atexit
 import dataclasses
 import functools
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -50,8 +56,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from relax.choices import check_choice
-from relax.rewards import fresh_root, seccomp
+from relax.rewards import cgroup, fresh_root, seccomp
 from relax.rewards import isolation as iso
+from relax.rewards import memory_bound as mem
+
+logger = logging.getLogger(__name__)
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 NOBODY = 65534
@@ -84,6 +93,11 @@ class SandboxConfig:
     ``python``: the interpreter, looked up on ``/usr/local/bin:/usr/bin:/bin`` unless a path
     (it must be executable by ``uid``: root's pyenv under ``/root`` is not).
     ``tmpfs_mb``: size of each private tmpfs (the root under unshare, ``/sandbox``, ``/tmp``, ``/dev/shm``).
+    ``memory_mb`` bounds a run as a whole, by ``memory_bound``: auto (a memory cgroup per run where
+    the host lets the trainer make one, else the rlimit split) | cgroup (refuse to start without
+    one) | rlimit (the split); ``cgroup_parent``: the cgroup directory the runs' cgroups go in
+    (a delegated cgroup v2 with no processes of its own, or a cgroup v1 memory directory; empty:
+    the trainer's own cgroup). ``relax.rewards.memory_bound`` says what each bound holds.
     """
 
     isolation: str = "auto"
@@ -100,9 +114,15 @@ class SandboxConfig:
     tmpfs_mb: int = 64
     uid: int = NOBODY
     gid: int = NOBODY
+    memory_bound: str = "auto"
+    """How memory-mb bounds a run as a whole: auto (a memory cgroup per run where one can be
+    made, else the rlimit split), cgroup (refuse without one), rlimit (the split)."""
+    cgroup_parent: str = ""
+    """The cgroup directory to make the runs' cgroups in (empty: the trainer's own cgroup)."""
 
     def __post_init__(self):
         check_choice("isolation", self.isolation, iso.ISOLATIONS)
+        check_choice("memory_bound", self.memory_bound, mem.MEMORY_BOUNDS)
         for name in (
             "cpu_s",
             "memory_mb",
@@ -117,12 +137,13 @@ class SandboxConfig:
         if not self.wall_s > 0:
             raise ValueError(f"SandboxConfig.wall_s must be > 0, got {self.wall_s}")
 
-    def rlimits(self) -> dict[str, tuple[int, int]]:
+    def rlimits(self, bound: mem.MemoryBound) -> dict[str, tuple[int, int]]:
+        """The launcher's rlimits; address space and processes as ``bound`` splits them."""
         mb = 1 << 20
         return {
             "RLIMIT_CPU": (self.cpu_s, self.cpu_s + 1),
-            "RLIMIT_AS": (self.memory_mb * mb,) * 2,
-            "RLIMIT_NPROC": (self.max_processes,) * 2,
+            "RLIMIT_AS": (bound.process_mb * mb,) * 2,
+            "RLIMIT_NPROC": (bound.nproc_limit(),) * 2,
             "RLIMIT_NOFILE": (self.max_open_files,) * 2,
             "RLIMIT_FSIZE": (self.max_file_mb * mb,) * 2,
             "RLIMIT_CORE": (0, 0),
@@ -134,7 +155,9 @@ class SandboxResult:
     """What a run did. ``returncode``: the program's exit status, negative for a signal (``-9``
     after a kill; bwrap's 128 + N reads as -N; unshare reports a signal as 1); ``timed_out``:
     killed at the wall-clock deadline; ``output_truncated``: killed for writing more than
-    ``max_output_bytes``."""
+    ``max_output_bytes``; ``memory_exceeded``: the kernel killed processes of the run for passing
+    ``memory_mb`` (known under a cgroup; under the rlimit split an allocation past it fails in the
+    program instead, ``MemoryError`` or ``ENOMEM``)."""
 
     returncode: int
     stdout: str
@@ -143,20 +166,29 @@ class SandboxResult:
     output_truncated: bool
     wall_s: float
     isolation: str
+    memory_exceeded: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.output_truncated
+        return (
+            self.returncode == 0
+            and not self.timed_out
+            and not self.output_truncated
+            and not self.memory_exceeded
+        )
 
 
 class Sandbox:
-    """Runs programs as ``SandboxConfig`` says; the isolation is chosen (and tried) on creation,
-    so a machine that cannot isolate fails at start-up, not at the first reward."""
+    """Runs programs as ``SandboxConfig`` says; the isolation and the memory bound are chosen (and
+    tried) on creation, so a machine that cannot isolate fails at start-up, not at the first reward.
+    ``memory_exceeded_runs`` counts the runs killed for memory."""
 
     def __init__(self, cfg: SandboxConfig = SandboxConfig()):
         self.cfg = cfg
         self.isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
         iso.check_user(self.isolation, cfg.allow_trainer_uid)
+        self.bound = _memory_bound(cfg, self.isolation)
+        self.memory_exceeded_runs = 0
         self.python = _resolve_python(cfg.python)
         self._prefix = iso.drop_privileges(
             cfg.uid, cfg.gid
@@ -178,7 +210,7 @@ class Sandbox:
             "-S",
             "-c",
             _LAUNCHER,
-            json.dumps(cfg.rlimits()),
+            json.dumps(cfg.rlimits(self.bound)),
             seccomp.filter_program().hex(),
             str(seccomp.keyctl_number()),
         ]
@@ -186,8 +218,8 @@ class Sandbox:
         probe = self.run({"probe.py": "print(6 * 7)"}, ["{python}", "-I", "src/probe.py"])
         if probe.stdout.strip() != "42":
             raise iso.SandboxUnavailable(
-                f"the sandbox ({self.isolation}) could not run {self.python}: exit {probe.returncode}, "
-                f"stderr {probe.stderr.strip()[:300]!r}"
+                f"the sandbox ({self.isolation}; {self.bound.describe()}) could not run "
+                f"{self.python}: exit {probe.returncode}, stderr {probe.stderr.strip()[:300]!r}"
             )
 
     def run(self, files: Mapping[str, str], argv: Sequence[str], stdin: str = "") -> SandboxResult:
@@ -203,12 +235,28 @@ class Sandbox:
             os.chmod(work, 0o755 if self.isolation == "bwrap" else 0o700)
             t0 = time.perf_counter()
             env = _clean_env(work, self.isolation)
-            out, err, code, timed_out, truncated = _execute(
-                self._command(work, argv), work, env, stdin, self.cfg
-            )
+            group = self.bound.new_cgroup()
+            try:
+                out, err, code, timed_out, truncated = _execute(
+                    self._command(work, argv, group), work, env, stdin, self.cfg
+                )
+                exceeded = group is not None and group.oom_kills() > 0
+            finally:
+                if group is not None and not group.close():
+                    logger.warning(
+                        "sandbox: could not remove %s: processes still in it", group.path
+                    )
             wall = time.perf_counter() - t0
         if self.isolation == "bwrap" and code > 128:  # bwrap reports a signal as 128 + its number
             code = 128 - code
+        if exceeded:
+            self.memory_exceeded_runs += 1
+            logger.warning(
+                "sandbox: a run passed --sandbox.memory-mb %d and the kernel killed processes of "
+                "it (%d such runs); it is not ok",
+                self.cfg.memory_mb,
+                self.memory_exceeded_runs,
+            )
         return SandboxResult(
             code,
             out.decode(errors="replace"),
@@ -217,9 +265,12 @@ class Sandbox:
             truncated,
             wall,
             self.isolation,
+            exceeded,
         )
 
-    def _command(self, work: Path, argv: Sequence[str]) -> list[str]:
+    def _command(
+        self, work: Path, argv: Sequence[str], group: cgroup.RunCgroup | None = None
+    ) -> list[str]:
         program = [self.python if a == "{python}" else a for a in argv]
         per_run = iso.bwrap_program(work / "src") if self.isolation == "bwrap" else []
         root = (
@@ -229,7 +280,29 @@ class Sandbox:
             if self.isolation == "unshare"
             else ""
         )
-        return self._prefix + per_run + self._launch + [root] + program
+        procs = None if group is None else group.procs
+        return mem.shim(procs) + self._prefix + per_run + self._launch + [root] + program
+
+
+def describe(cfg: SandboxConfig) -> str:
+    """One line for a run's start-up report: the isolation ``cfg`` gets here, whom the program
+    runs as, and which memory bound is in force (``relax.rewards.memory_bound``). Chooses both as
+    ``Sandbox`` does (``SandboxUnavailable`` where it would fail) without starting a run."""
+    isolation = iso.choose(cfg.isolation, cfg.uid, cfg.gid, cfg.allow_unisolated)
+    bound = _memory_bound(cfg, isolation)
+    user = f"uid {cfg.uid}" if os.geteuid() == 0 else f"the trainer's uid {os.geteuid()}"
+    return f"sandbox: {isolation}, programs run as {user}; {bound.describe()}"
+
+
+def _memory_bound(cfg: SandboxConfig, isolation: str) -> mem.MemoryBound:
+    return mem.choose(
+        cfg.memory_bound,
+        cfg.memory_mb,
+        cfg.max_processes,
+        isolation,
+        cfg.tmpfs_mb,
+        cfg.cgroup_parent,
+    )
 
 
 @functools.lru_cache(maxsize=8)

@@ -49,6 +49,7 @@ from relax.eval.evaluate import evaluate
 from relax.parallel import ShardedStep, batch_shards, check_batch
 from relax.parallel.distributed import on_host_memory
 from relax.passes import choose_passes
+from relax.rewards.sandbox import describe as describe_sandbox
 from relax.rollout.partial import PartialRollouts
 from relax.train.logs import MetricsLogger, is_main_process
 from relax.train.run import RunConfig, Trainer, run_loop
@@ -80,6 +81,8 @@ def _report(
     ]
     if algo.describe_update is not None:
         lines.append(algo.describe_update(data.model))
+    if "code_exec" in cfg.reward:
+        lines.append(describe_sandbox(cfg.sandbox))
     return run_report(
         cfg,
         data.model,
