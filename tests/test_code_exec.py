@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     reason="no namespace isolation here (neither bwrap nor unshare works)",
 )
 
-SANDBOX = SandboxConfig(cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16)
+SANDBOX = SandboxConfig(cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16, tmpfs_mb=8)
 ASSERTS = [
     "assert add(1, 2) == 3",
     "assert add(0, 0) == 0",
@@ -182,8 +182,9 @@ def test_pickles():
 def test_time_bound_counts_the_sandboxed_runs():
     reward = CodeExec(sandbox=SandboxConfig(wall_s=4.0))
     rows = [ASSERTS, STDIO, None, json.dumps(STDIO), [], "not json", CALLS, json.dumps(CALLS)]
-    # 1 + 3 + 0 + 3 + 0 + 1 (it raises) + 1 + 1 runs, + the start-up probe; 1 s overhead each
-    assert reward.time_bound_s({"tests": rows}) == (10 + 1) * (4.0 + 1.0)
+    # 1 + 3 + 0 + 3 + 0 + 1 (it raises) + 1 + 1 runs, + the start-up probe; 1 s overhead each;
+    # and the judging of the 3 runs of asserts or call-based tests
+    assert reward.time_bound_s({"tests": rows}) == (10 + 1) * (4.0 + 1.0) + 3 * judge.JUDGE_S
     assert reward.time_bound_s({"other": rows}) is None  # the call raises, naming the column
 
 
@@ -199,7 +200,9 @@ def test_slow_but_legitimate_samples_outlast_the_reward_timeout(pooled):
     from relax.rewards.pool import PoolConfig, RewardPool
 
     reward = RewardFunction(
-        CodeExec(sandbox=SandboxConfig(cpu_s=2, wall_s=3.0, memory_mb=256, max_processes=16))
+        CodeExec(
+            sandbox=SandboxConfig(cpu_s=2, wall_s=3.0, memory_mb=256, max_processes=16, tmpfs_mb=8)
+        )
     )
     args = (["p"] * 3, [fenced(SLOW_ADD)] * 3, {"tests": [ASSERTS] * 3})
     if pooled:
@@ -272,7 +275,9 @@ def _mechanism_config(mechanism: str) -> SandboxConfig:
     """A working sandbox of ``mechanism``, or the test skips."""
     if works(mechanism, NOBODY, NOBODY) is not None:
         pytest.skip(f"{mechanism}: {works(mechanism, NOBODY, NOBODY)}")
-    cfg = SandboxConfig(isolation=mechanism, cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16)
+    cfg = SandboxConfig(
+        isolation=mechanism, cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16, tmpfs_mb=8
+    )
     try:
         sandbox_for(cfg)
     except (
@@ -285,6 +290,7 @@ def _mechanism_config(mechanism: str) -> SandboxConfig:
 # What each attack does to the harness, seen in the harness's first two lines for ADD (None: no
 # line): the attack ran and took effect, and still scores nothing (test_attacks_on_the_judge_...).
 TRUE, OK = '{"ok": true, "values": [true]}', '{"ok": true}'
+RAISED = '{"ok": true, "values": [{"e": 0}]}'
 EFFECT = {
     "rewrite the steps through __main__": (TRUE, TRUE),  # its probes now evaluate True
     "gc: rewrite every step dict": (TRUE, TRUE),
@@ -298,8 +304,8 @@ EFFECT = {
     "replace json.dumps": (TRUE, TRUE),
     "atexit(os._exit, 0) + sys.exit(0)": (None, None),
     "os._exit(0) mid-test": (None, None),
-    "always-true __eq__": ('{"ok": false}', '{"ok": false}'),  # not plain data
-    "int subclass": ('{"ok": false}', '{"ok": false}'),
+    "always-true __eq__": (RAISED, RAISED),  # not plain data: the probe's mark, read as failed
+    "int subclass": (RAISED, RAISED),
     "lookup table from every file in the working directory (steps.json too)": (
         '{"ok": true, "values": [2]}',
         '{"ok": true, "values": [25]}',

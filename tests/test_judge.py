@@ -274,3 +274,138 @@ def test_call_based_inputs_that_are_not_plain_data_name_the_row_and_input():
     for bad in ({"l": "abc"}, {"d": 5}):
         with pytest.raises(ValueError, match="not a list"):
             decode(bad)
+
+
+# ------------------------------------------------------------------------------ split loops
+
+COMPREHENSIONS = [
+    "assert all(add(i, 1) == i + 1 for i in range(3))",
+    "assert all([add(i, 1) == i + 1 for i in range(3)])",
+    "assert all(add(i, 1) == i + 2 for i in range(3))",
+    "assert any(add(i, i) == 4 for i in range(5))",
+    "assert not any(add(i, i) == 3 for i in range(5))",
+    "assert sum(add(i, i) for i in range(4)) == 12",
+    "assert sorted(pair(x)[1] for x in [3, 1, 2]) == [-3, -2, -1]",
+    "assert [add(x, 1) for x in (1, 2)] == [2, 3]",
+    "assert [add(x, 1) for x in (1, 2)] == [2, 4]",
+    "assert list(add(x, x) for x in range(3)) == [0, 2, 4]",
+    "assert tuple(pair(x) for x in range(2)) == ((0, 0), (1, -1))",
+    "assert {x: table(3)[x] for x in range(3)} == {0: '0', 1: '1', 2: '2'}",
+    "assert {add(x, 0) for x in [1, 1, 2]} == {1, 2}",
+    "assert len([evens(n) for n in range(4)]) == 4",
+    "assert max(ratio(x, 2) for x in range(1, 5)) == 2.0",
+    "assert min(add(x, -x) for x in range(3)) == 0",
+    "assert all(add(a, b) == c for a, b, c in [(1, 2, 3), (2, 5, 7)])",
+    "assert all(add(a, b) == c for (a, b), c in zip([(1, 2), (2, 5)], [3, 7]))",
+    "assert all(add(i, j) == i + j for i in range(4) for j in range(i) if j % 2)",
+    "assert all(all(add(i, j) >= i for j in range(3)) for i in range(3))",
+    "assert all(x % 2 == 0 for x in evens(9))",
+    "assert all(add(x, 0) == x for x in [y * 2 for y in range(3)])",
+    "assert all(i == x // 2 for i, x in enumerate(evens(9)))",
+    "assert all(ratio(1, x) > 0 for x in range(-2, 3) if x > 0)",
+    "assert any(ratio(1, x) == 1 for x in [1, 0])",  # ratio(1, 0) raises, and is never read
+    "assert all(ratio(1, x) == 1 for x in [1, 0])",
+    "assert (add(1, 1) == 2) if evens(3) else False",
+    "assert isinstance(add(1, 2), int) and not isinstance(ratio(1, 2), int)",
+    "for x in range(3):\n    assert add(x, 1) == x + 1",
+    "for x, y in [(1, 2), (2, 5)]:\n    assert add(x, x) == y",
+    "for x in range(3):\n    y = add(x, x)\n    assert y == 2 * x\nassert x == 2",
+    "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+    "    assert all(candidate(i, 0) == i for i in range(3))\ncheck(add)",
+    "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 5\ncheck(add)",
+]
+
+
+def test_comprehensions_and_loops_judge_as_python_does(tmp_path):
+    """Generator expressions, comprehensions, ``for`` loops of asserts and HumanEval's check
+    function: split per element, each verdict the one Python gives running the assert itself."""
+    plans = [plan_test(t) for t in COMPREHENSIONS]
+    assert not [p.refused for p in plans if p.refused]
+    got = _run_harness(tmp_path, "import math\n" + SOLUTION, plans)
+    assert got == [_python_verdict(t) for t in COMPREHENSIONS]
+    assert got.count(True) >= 25 and got.count(False) >= 4
+
+
+RIGGED = {
+    "always-equal object": "class R:\n    def __eq__(self, other): return True\n"
+    "    def __ne__(self, other): return False\n    def __lt__(self, other): return True\n"
+    "    def __gt__(self, other): return True\n    def __le__(self, other): return True\n"
+    "    def __ge__(self, other): return True\n    def __bool__(self): return True\n"
+    "    def __getitem__(self, i): return self\n    def __add__(self, o): return self\n"
+    "    __radd__ = __add__\n    __hash__ = object.__hash__\n",
+    "int subclass": "class R(int):\n    def __eq__(self, other): return True\n"
+    "    def __ne__(self, other): return False\n    __hash__ = int.__hash__\n",
+    "str subclass": "class R(str):\n    def __eq__(self, other): return True\n"
+    "    def __ne__(self, other): return False\n    __hash__ = str.__hash__\n",
+    "list subclass": "class R(list):\n    def __eq__(self, other): return True\n"
+    "    def __ne__(self, other): return False\n",
+}
+
+
+def test_rigged_values_fail_every_split_form(tmp_path):
+    """Each function returns an object whose ``==`` is always true: in Python itself (the attack
+    is real) the comprehension forms pass; judged here, none does, the right solution's all do."""
+    forms = [t for t in COMPREHENSIONS if "== i + 2" not in t and "== 5" not in t]
+    forms = [t for t in forms if "ratio(1, x) == 1 for x in [1, 0]" not in t]
+    plans = [plan_test(t) for t in forms]
+    for name, rigged in RIGGED.items():
+        code = rigged + "".join(
+            f"def {f}(*args):\n    return R()\n" for f in ("add", "pair", "evens", "ratio", "table")
+        )
+        assert _run_harness(tmp_path, code, plans) == [False] * len(forms), name
+    assert _python_verdict_of(RIGGED["always-equal object"], forms[1])  # the list-comp form
+    assert _run_harness(tmp_path, "import math\n" + SOLUTION, plans) == [
+        _python_verdict(t) for t in forms
+    ]
+
+
+def _python_verdict_of(rigged: str, test: str) -> bool:
+    scope = {"math": math}
+    exec(rigged + "def add(*args):\n    return R()\n", scope)
+    try:
+        exec(test, scope)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def test_split_loops_send_only_the_values_their_calls_use():
+    """The expected values of a split loop stay in the trainer: each element's probe is its call,
+    with the loop values that call uses; a HumanEval check function never enters the sandbox."""
+    plan = plan_test("assert all(add(a, b) == c for a, b, c in [(1, 2, 31337), (4, 5, 27182)])")
+    assert plan.probes == [
+        ("lambda a, b: (add(a, b))", '{"l": [1, 2]}'),
+        ("lambda a, b: (add(a, b))", '{"l": [4, 5]}'),
+    ]
+    check = plan_test("def check(candidate):\n    assert candidate(1, 2) == 31337\ncheck(add)")
+    for p in (plan, check):
+        text = json.dumps([p.sandbox_steps()])
+        assert "31337" not in text and "27182" not in text, text
+    assert check.sandbox_steps() == [{"exec": "candidate = add"}, {"probes": ["candidate(1, 2)"]}]
+
+
+def test_forms_that_cannot_be_split_fail_closed(tmp_path):
+    """A call over loop values only the sandbox knows, or a loop past MAX_UNROLL: refused (the
+    test fails, with a reason), never compared in the sandbox. A loop whose body calls nothing
+    is judged here whatever its size."""
+    refused = [
+        "assert all(add(i, x) == i + x for i, x in enumerate(evens(6)))",
+        "assert all(add(i, 0) == i for i in range(20000))",
+        "assert [add(x, 1) for x in evens(4)] == [1, 3]",
+    ]
+    plans = [plan_test(t) for t in refused]
+    reasons = [p.refused for p in plans]
+    assert "loop variable(s) i, x" in reasons[0][0] and "over 10000" in reasons[1][0], reasons
+    assert _run_harness(tmp_path, SOLUTION, plans) == [False, False, False]
+    assert [_python_verdict(t) for t in refused] == [True, True, True]  # Python's own verdict
+    big = plan_test("assert sorted(evens(10)) == [x for x in range(10000) if x % 2 == 0][:5]")
+    assert not big.refused and _run_harness(tmp_path, SOLUTION, [big]) == [True]
+
+
+def test_unread_probes_that_raised_do_not_fail_the_assert():
+    """A probe that raised in the sandbox ({"e": 0}) fails its assert only where the judge reads
+    it: not after ``or``, nor past where ``any`` stops."""
+    plan = plan_test("assert f(1) == 1 or f(2) == 2")
+    assert passed(plan, [{"ok": True, "values": [1, {"e": 0}]}])
+    assert not passed(plan, [{"ok": True, "values": [{"e": 0}, 2]}])
+    assert not passed(plan, [{"ok": True, "values": [[{"e": 0}], 2]}])  # not a mark: not data

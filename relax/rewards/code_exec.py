@@ -13,9 +13,13 @@ The tests of a row (column ``tests_field``: a list or a dict, or its JSON text) 
   that are not judge logic (``add(1, 2)``), the *probes*, are evaluated in the sandbox and come back
   as plain data; the rest of the assert (``== 3``), the *judge*, is evaluated in the trainer over
   those values. A test's statements that are not top-level asserts (``x = make(3)``, ``import
-  math``) run in the sandbox, in order. A test passes when each of its statements and probes
-  completes (no exception, within ``test_timeout_s``), each probe's value is plain data, and each
-  assert's judge is true.
+  math``) run in the sandbox, in order. Comprehensions and generator expressions in an assert
+  (``all(add(i, 1) == i + 1 for i in range(3))``), ``for`` loops of asserts over values known
+  before the run and HumanEval's ``check(candidate)`` function are split per element
+  (``relax.rewards.assert_forms``); a form that cannot be split safely fails its test, counted
+  in a ``JudgeWarning`` naming the row, the test and the reason. A test passes when each of its
+  statements completes (no exception, within ``test_timeout_s``), each probe the judge reads
+  completed with a value of plain data, and each assert's judge is true.
 - **call-based** (APPS / TACO style), Python only: ``{"fn_name": "f", "inputs": [[args], ...],
   "outputs": [out, ...]}``, or the JSON text of it (APPS's ``input_output``). Case ``i`` is the probe
   ``f(*inputs[i])`` (a top-level function ``f``, else the method ``f`` of a class ``Solution``), its
@@ -48,13 +52,16 @@ call-based), and no output makes the reward raise.
   ``add(1, 2) == 3``, ``0.25`` in ``math.isclose(ratio(1, 4), 0.25)``) stay in the trainer; nor the
   outputs of call-based and stdin/stdout tests, which never enter the sandbox (unless the
   dataset itself is in its view: the last point).
-- It can see the probes' source and their arguments (``add(1, 2)``), the inputs of call-based
-  tests, its stdin, and every statement of a test that is not a top-level assert, with any value
-  that statement computes in the sandbox. Such values are under its control, and so is an
-  assert's outcome when its expected value is only computed there: a probe that is not the
-  program's own call (``expected`` set by ``expected = [1, 2]``, a helper the test defines, a call
-  the judge does not evaluate, such as ``numpy.allclose(f(x), [1, 2])`` with its literal), or
-  an assert nested in another statement (a loop, a ``def``), which runs in the sandbox with it.
+- It can see the probes' source and their arguments (``add(1, 2)``, and for a split loop the
+  loop values that probe uses), the inputs of call-based tests, its stdin, and every statement
+  of a test that is not an assert the judge splits, with any value that statement computes in
+  the sandbox. Such values are under its control, and so is an assert's outcome when its
+  expected value is only computed there: a probe that is not the program's own call
+  (``expected`` set by ``expected = [1, 2]``, a helper the test defines, a call the judge does
+  not evaluate, such as ``numpy.allclose(f(x), [1, 2])`` with its literal), or an assert nested
+  in a statement the judge does not split (an ``if``, a ``while``, a ``def`` other than
+  HumanEval's inlined ``check``, a ``for`` over values only the sandbox knows), which runs in the
+  sandbox with it.
 - A wrong value it returns or prints is judged as wrong whatever it does to its own process:
   rewriting the harness's steps (through ``__main__``, ``gc.get_objects()``, ``sys._getframe()``),
   replacing ``compile``, ``eval`` or ``json.dumps``, exiting early (``sys.exit``, ``os._exit``,
@@ -63,14 +70,18 @@ call-based), and no output makes the reward raise.
   value it claims passes exactly when returning that value would.
 - Values are plain data only: None, bool, int, float, str, and lists, tuples, sets, frozensets and
   dicts of plain data, of the exact built-in types; anything else (an object whose ``__eq__`` is
-  always true, a subclass of ``int``, but also bytes and complex numbers) fails its probe and
-  its test.
+  always true, a subclass of ``int``, but also bytes and complex numbers) fails its probe, and
+  the assert that reads it.
 - The judge evaluates, in the trainer, with Python's own operators on plain data (``3.0 == 3``,
   ``True == 1``, ``(1, 2) != [1, 2]``): comparisons (``== != < <= > >= in not in``, ``is`` / ``is
-  not`` against None, True, False), ``and or not``, ``+ - * / // % **``, literals and displays,
-  subscripts and slices, and the pure functions of ``relax.rewards.judge.JUDGE_CALLS`` (``abs``,
-  ``len``, ``sorted``, ``math.isclose``, ...) with constant keyword arguments. A judged operation
-  that would exhaust the trainer (``"a" * 10**12``, ``2 ** 10**12``) fails its test.
+  not`` against None, True, False), ``and or not``, ``x if c else y``, ``+ - * / // % **``,
+  literals and displays, subscripts and slices, comprehensions, and the pure functions of
+  ``relax.rewards.judge.JUDGE_CALLS`` (``abs``, ``len``, ``sorted``, ``math.isclose``, ``range``,
+  ...) with constant keyword arguments. A judged operation that would exhaust the trainer (``"a"
+  * 10**12``, ``2 ** 10**12``) fails its test, and so does whatever makes decoding and judging a
+  run's results outlast its budget (``relax.rewards.plain_data``: ``JUDGE_S`` seconds,
+  ``MAX_ITEMS`` items, ``MAX_RESULT_CHARS`` characters; sets and dicts built without hashing
+  collisions the program chose), so its results cannot slow the trainer.
 - All of the above holds only while the dataset itself is out of the program's view. Under
   bwrap and unshare the program sees ``/usr``, its interpreter and its own files, nothing else
   (``relax.rewards.isolation``). Under ``none`` (opted into with ``allow_unisolated``) the host's
@@ -79,8 +90,9 @@ call-based), and no output makes the reward raise.
   runs that attack under bwrap and unshare).
 
 Time: a row costs at most one sandboxed run (asserts, call-based) or one per pair (stdin/stdout),
-each killed at ``sandbox.wall_s``; ``time_bound_s(fields)`` adds them up (plus ``RUN_OVERHEAD_S``
-per run and one run for the sandbox's start-up probe), and the reward pool and ``score`` wait at
+each killed at ``sandbox.wall_s``, and ``JUDGE_S`` to judge the results of a run of asserts or
+call-based tests; ``time_bound_s(fields)`` adds them up (plus ``RUN_OVERHEAD_S`` per run and one
+run for the sandbox's start-up probe), and the reward pool and ``score`` wait at
 least that long for a chunk (``relax.rewards.functions.call_timeout_s``), so slow but legitimate
 samples are not cut by ``--reward-timeout-s``.
 
@@ -97,12 +109,15 @@ import dataclasses
 import json
 import re
 import secrets
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relax.choices import check_choice
 from relax.rewards.columns import column
 from relax.rewards.judge import (
+    JUDGE_S,
+    Budget,
     JudgeError,
     TestPlan,
     call_tests,
@@ -153,7 +168,7 @@ def parse_tests(raw: Any, field: str, row: int) -> list[TestPlan] | list[dict] |
     if not raw:
         return None
     if all(isinstance(t, str) for t in raw):
-        return [_plan(t, where, i) for i, t in enumerate(raw)]
+        return _plans(raw, where)
     if all(isinstance(t, Mapping) and {"input", "output"} <= set(t) for t in raw):
         return [{"input": str(t["input"]), "output": str(t["output"])} for t in raw]
     raise ValueError(
@@ -162,11 +177,31 @@ def parse_tests(raw: Any, field: str, row: int) -> list[TestPlan] | list[dict] |
     )
 
 
+class JudgeWarning(UserWarning):
+    """An assert of a dataset's test that cannot be judged outside the program: the test fails."""
+
+
 def _plan(test: str, where: str, index: int) -> TestPlan:
     try:
         return plan_test(test)
     except JudgeError as exc:
         raise JudgeError(f"{where}, test {index}: {exc}") from None
+
+
+def _plans(tests: Sequence[str], where: str) -> list[TestPlan]:
+    """A row's assert tests, planned; those with an assert that cannot be judged outside the
+    program (it always fails) counted in a ``JudgeWarning`` (once per message, Python's default
+    filter), with the first one's reason."""
+    plans = [_plan(t, where, i) for i, t in enumerate(tests)]
+    refused = [(i, p.refused[0]) for i, p in enumerate(plans) if p.refused]
+    if refused:
+        warnings.warn(
+            f"{where}: {len(refused)} of {len(plans)} tests always fail, an assert in them "
+            f"cannot be judged outside the program (test {refused[0][0]}: {refused[0][1]})",
+            JudgeWarning,
+            stacklevel=3,
+        )
+    return plans
 
 
 def _call_based(raw: Mapping, where: str) -> list[TestPlan] | list[dict] | None:
@@ -244,28 +279,30 @@ class CodeExec:
 
     def time_bound_s(self, fields: Mapping[str, Sequence[Any]]) -> float | None:
         """The most seconds scoring these rows can take in one process: every sandboxed run at
-        ``sandbox.wall_s`` + ``RUN_OVERHEAD_S``, one more for the sandbox's start-up probe. None
-        without the tests column (the call itself then raises, naming it)."""
+        ``sandbox.wall_s`` + ``RUN_OVERHEAD_S``, one more for the sandbox's start-up probe, and
+        ``JUDGE_S`` to judge each run of asserts or call-based tests. None without the tests
+        column (the call itself then raises, naming it)."""
         if self.tests_field not in fields:
             return None
-        runs = sum(
-            _runs(raw, self.tests_field, i) for i, raw in enumerate(fields[self.tests_field])
-        )
-        return (runs + 1) * (self.sandbox.wall_s + RUN_OVERHEAD_S)
+        runs = [_runs(raw, self.tests_field, i) for i, raw in enumerate(fields[self.tests_field])]
+        judged = sum(judge_s for _, judge_s in runs)
+        return (sum(n for n, _ in runs) + 1) * (self.sandbox.wall_s + RUN_OVERHEAD_S) + judged
 
     def score(self, completion: str, tests: list) -> float:
         """The completion's score on its (parsed, non-empty) tests (``parse_tests``)."""
+        k = sum(self.verdicts(completion, tests))
+        return k / len(tests) if self.scoring == "fraction" else float(k == len(tests))
+
+    def verdicts(self, completion: str, tests: list) -> list[bool]:
+        """Whether the completion passes each of its (parsed, non-empty) tests: all False
+        without a code block."""
         self._check_language(tests, None)
         code = last_code_block(completion, LANGUAGES[self.language][0])
         if code is None:
-            return 0.0
-        ok = (
-            self._run_plans(code, tests)
-            if isinstance(tests[0], TestPlan)
-            else self._run_stdio(code, tests)
-        )
-        k = sum(ok)
-        return k / len(tests) if self.scoring == "fraction" else float(k == len(tests))
+            return [False] * len(tests)
+        if isinstance(tests[0], TestPlan):
+            return self._run_plans(code, tests)
+        return self._run_stdio(code, tests)
 
     def _run_plans(self, code: str, plans: list[TestPlan]) -> list[bool]:
         """One sandboxed run of the harness over every test's steps; the verdicts judged here."""
@@ -278,7 +315,11 @@ class CodeExec:
         result = sandbox_for(self.sandbox).run(
             files, ["{python}", "-I", "src/harness.py"], stdin=nonce + "\n"
         )
-        return [passed(p, r) for p, r in zip(plans, read_results(result.stdout, nonce, plans))]
+        if result.memory_exceeded:  # a process of the run was killed for memory: no verdict
+            return [False] * len(plans)
+        budget = Budget()  # the judging of this run's results: JUDGE_S, counted in time_bound_s
+        results = read_results(result.stdout, nonce, plans, budget)
+        return [passed(p, r, budget) for p, r in zip(plans, results)]
 
     def _run_stdio(self, code: str, tests: list[dict]) -> list[bool]:
         """One sandboxed run per pair; the expected output stays here."""
@@ -288,16 +329,17 @@ class CodeExec:
         return [r.ok and same_output(r.stdout, t["output"]) for r, t in zip(runs, tests)]
 
 
-def _runs(raw: Any, field: str, row: int) -> int:
-    """Sandboxed runs a row's tests take at most: 1 for asserts and call-based tests, one per
-    stdin/stdout pair, 0 for none; 1 for malformed tests (scoring raises on them)."""
+def _runs(raw: Any, field: str, row: int) -> tuple[int, float]:
+    """Sandboxed runs a row's tests take at most (1 for asserts and call-based tests, one per
+    stdin/stdout pair, 0 for none; 1 for malformed tests: scoring raises on them), and the
+    seconds judging them may take (``JUDGE_S`` for asserts and call-based tests)."""
     try:
         tests = parse_tests(raw, field, row)
     except ValueError:
-        return 1
+        return 1, 0.0
     if not tests:
-        return 0
-    return 1 if isinstance(tests[0], TestPlan) else len(tests)
+        return 0, 0.0
+    return (1, JUDGE_S) if isinstance(tests[0], TestPlan) else (len(tests), 0.0)
 
 
 code_exec = CodeExec()
