@@ -4,6 +4,9 @@ Every row keeps where it came from (``Record.file`` / ``Record.row``) so that an
 here or later in ``relax.data.prompts``, names the file and the 1-based row (the line number for
 jsonl). jsonl files must be UTF-8: an invalid byte raises naming its line, column and byte
 offset. A byte-order mark at the start of a file is skipped; lines may end in LF, CRLF or CR.
+Each line is parsed within ``relax.models.hf.bounded_json``'s bounds: nesting deeper than 128
+arrays/objects, NaN/Infinity, a number beyond float64 or an integer of over 4,300 digits raises
+``ValueError`` naming the file, line and column (never a bare ``RecursionError``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from relax.models.hf.bounded_json import JSONLimitError, loads
 
 PathLike = str | os.PathLike[str]
 SUFFIXES = (".jsonl", ".parquet")
@@ -87,10 +92,15 @@ def _read_jsonl(file: Path) -> list[Record]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = loads(line.rstrip("\r\n"))  # columns counted on the line itself
             except json.JSONDecodeError as e:
-                msg = f"{file}: line {lineno}: invalid JSON: {e.msg} (column {e.colno})"
-                raise ValueError(msg) from e
+                what = (
+                    "JSON beyond relax's bounds"
+                    if isinstance(e, JSONLimitError)
+                    else "invalid JSON"
+                )
+                msg = f"{file}: line {lineno}: {what}: {e.msg} (column {e.colno})"
+                raise ValueError(msg) from None
             if not isinstance(record, dict):
                 kind = type(record).__name__
                 raise ValueError(f"{file}: line {lineno}: expected a JSON object, got {kind}")

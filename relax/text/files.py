@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from relax.models.hf.bounded_json import loads
+
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -96,9 +98,10 @@ def token_content(spec: TokenSpec) -> str:
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file, naming it in any error."""
+    """Parse a JSON file within ``relax.models.hf.bounded_json``'s bounds (nesting, numbers),
+    naming it, the line and the column in any error."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise TokenizerFormatError(f"cannot read {path}: {e}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -275,9 +275,8 @@ class ModelConfig:
     def sparse_layers(self) -> tuple[bool, ...]:
         """Per layer, whether its MLP is a mixture of experts (``relax.models.moe.experts``): every layer
         not in ``dense_layers`` of a model with experts."""
-        return tuple(
-            self.num_experts > 0 and i not in self.dense_layers for i in range(self.num_layers)
-        )
+        dense = set(self.dense_layers)  # a membership test per layer: linear in the layers
+        return tuple(self.num_experts > 0 and i not in dense for i in range(self.num_layers))
 
     @property
     def num_sparse_layers(self) -> int:

@@ -28,7 +28,6 @@ The head is the ``...ForSequenceClassification`` ``score`` (``[1, D]``), which h
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -55,6 +54,7 @@ from relax.models.heads.critic import (
     values_from_hidden,
 )
 from relax.models.hf.config import HFFormatError
+from relax.models.hf.weights_io import read_json
 
 __all__ = [
     "RewardModel",
@@ -212,9 +212,7 @@ def load_reward_model(
                 )
             ) from None
         raise
-    archs = json.loads((root / "config.json").read_text()).get(
-        "architectures"
-    )  # read and checked by load_critic
+    archs = read_json(root / "config.json").get("architectures")  # read and checked by load_critic
     if archs and archs[0] in value_architectures("token"):
         raise HFFormatError(
             f"{root / 'config.json'}: field 'architectures' = {archs!r} is a per-token value "

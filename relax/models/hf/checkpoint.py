@@ -25,6 +25,10 @@ Conventions at the boundary:
   which is what transformers 5.23 does, so logits match it.
 - ``generation_config.json`` (when present) supplies ``eos_token_id`` (it usually lists every
   stop token, e.g. Llama 3's ``<|eot_id|>``), and ``bos``/``pad`` where ``config.json`` has none.
+- Before any tensor is read, the config is checked against the safetensors headers
+  (``relax.models.hf.validate``: vocabulary, hidden size, layer and expert counts, the first
+  layers' shapes), so an absurd or mismatched ``config.json`` fails at once, naming the field;
+  building the layout is linear in the number of tensors (``relax.models.hf.layout``).
 - Saving is atomic: a new directory is staged next to ``path`` and renamed; into an existing
   directory, ``config.json`` is removed first and written last, so a crash never leaves a
   directory with a ``config.json`` whose weights are half-written.
@@ -47,8 +51,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.config.families import EXPERT, TRANSPOSED, get_family
-from relax.models.config.model import DENSE_MLP_FIELDS, MOE_FIELDS, ModelConfig
+from relax.models.config.model import ModelConfig
 from relax.models.decoder.transformer import LayerStack, Transformer
 from relax.models.hf.config import (
     HFFormatError,
@@ -58,6 +61,8 @@ from relax.models.hf.config import (
     generation_config_to_hf,
     with_generation_config,
 )
+from relax.models.hf.layout import layout, split_fused
+from relax.models.hf.validate import check_checkpoint
 from relax.models.hf.weights_io import (
     FLOAT_DTYPES,
     INDEX,
@@ -75,106 +80,6 @@ CONFIG = "config.json"
 GENERATION = "generation_config.json"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    name: str  # Hugging Face tensor name
-    fields: tuple[
-        str, ...
-    ]  # Transformer field, or the LayerStack fields it holds when index is not None
-    index: (
-        tuple[int, ...] | None
-    )  # its place in each field's stack: (row,), or (row, expert) per expert
-    transpose: bool  # a torch Linear weight: stored [out, in]
-    hf_shape: tuple[int, ...]
-    widths: tuple[
-        int, ...
-    ]  # each field's share of the (HF) output axis: a fused tensor holds several
-
-
-def _layer_slots(
-    c: ModelConfig, shapes: dict, groups: list, i: int, rows: dict[str, int]
-) -> list[_Slot]:
-    """Layer ``i``'s tensors: each group (tensor name, the fields it holds) whose fields layer ``i``
-    has (its MLP's kind: ``ModelConfig.layer_count``), one per expert for a name with ``{e}``;
-    ``rows`` counts each field's layers so far (its row in the field's stack)."""
-    sparse = c.sparse_layers[i]
-    has = lambda f: sparse if f in MOE_FIELDS else not sparse if f in DENSE_MLP_FIELDS else True  # noqa: E731
-    out = []
-    for suffix, fields in groups:
-        fields = tuple(f for f in fields if has(f))
-        if not fields:
-            continue
-        row = rows.get(fields[0], 0)
-        rows.update(dict.fromkeys(fields, row + 1))
-        per_expert = EXPERT in suffix
-        shape = shapes[fields[0]][1:] if per_expert else shapes[fields[0]]
-        widths = tuple(shapes[f][-1] for f in fields)
-        hf_shape = (sum(widths), *shape[:-1])
-        name, t = f"model.layers.{i}.{suffix}", fields[0] in TRANSPOSED
-        if not per_expert:
-            out.append(_Slot(name, fields, (row,), t, hf_shape, widths))
-            continue
-        out += [
-            _Slot(name.replace(EXPERT, str(e)), fields, (row, e), t, hf_shape, widths)
-            for e in range(c.num_experts)
-        ]
-    return out
-
-
-def _layout(c: ModelConfig, *, with_head: bool) -> list[_Slot]:
-    """Every tensor of the checkpoint in transformers' order; the names are the family record's
-    (``relax.models.config.families``), fused tensors holding several of the config's fields, per-expert
-    names one tensor per expert."""
-    rec = get_family(c.family)
-    shapes = c.layer_shapes()
-    missing = sorted(set(shapes) - set(rec.weights))
-    if missing:
-        raise ValueError(
-            f"a {c.family} checkpoint has no tensor for {missing} (the config's traits are not "
-            f"{c.family}'s)"
-        )
-    groups = [
-        (name, tuple(f for f in fields if f in shapes)) for name, fields in rec.tensors().items()
-    ]
-    slots = [
-        _Slot(
-            "model.embed_tokens.weight",
-            ("embed",),
-            None,
-            False,
-            (c.vocab_size, c.hidden_size),
-            (c.vocab_size,),
-        )
-    ]
-    rows: dict[str, int] = {}
-    for i in range(c.num_layers):
-        slots += _layer_slots(c, shapes, groups, i, rows)
-    slots.append(
-        _Slot("model.norm.weight", ("norm",), None, False, (c.hidden_size,), (c.hidden_size,))
-    )
-    if with_head:
-        slots.append(
-            _Slot(
-                "lm_head.weight",
-                ("lm_head",),
-                None,
-                False,
-                (c.vocab_size, c.hidden_size),
-                (c.vocab_size,),
-            )
-        )
-    return slots
-
-
-def _split(a: np.ndarray, s: _Slot) -> list[np.ndarray]:
-    """A stored tensor as its fields' arrays (relax's ``[in, out]`` for a linear weight): a fused
-    tensor is cut along its output axis."""
-    a = a.T if s.transpose else a
-    if len(s.fields) == 1:
-        return [a]
-    return np.split(a, np.cumsum(s.widths)[:-1], axis=-1)
 
 
 # ----------------------------------------------------------------------------- load
@@ -283,9 +188,15 @@ def build_transformer(
     cfg: ModelConfig, where: dict[str, SafetensorsFile], listing: str, *, dtype, param_dtype
 ) -> Transformer:
     """The :class:`Transformer` of ``cfg`` from the tensors ``where`` (``open_weights``), every one of
-    which must belong to it; ``listing`` is the file named when one is missing."""
+    which must belong to it; ``listing`` is the file named when one is missing.
+
+    ``cfg`` is first checked against the tensors' headers (``relax.models.hf.validate``: sizes,
+    layer and expert counts, named by the ``config.json`` beside ``listing``), so an absurd or
+    mismatched config fails before any per-layer work; then every tensor's name, shape and dtype,
+    then their values."""
+    check_checkpoint(cfg, where, listing, str(Path(listing).with_name(CONFIG)))
     has_head = "lm_head.weight" in where
-    slots = _layout(cfg, with_head=has_head or not cfg.tie_word_embeddings)
+    slots = layout(cfg, with_head=has_head or not cfg.tie_word_embeddings)
     expected = {s.name for s in slots}
     missing = [s.name for s in slots if s.name not in where]
     if missing:
@@ -314,22 +225,21 @@ def build_transformer(
             )
 
     target = None if param_dtype is None else np.dtype(jnp.dtype(param_dtype))
+    stacked = cfg.stacked_shapes()
 
     # field -> memory-mapped tensors, [in, out], in stack order
     views: dict[str, list[np.ndarray]] = {}
     for s in slots:
         a = where[s.name].read(s.name)
         _check_finite(a, s.name, where[s.name].path)
-        for field, part in zip(s.fields, _split(a, s)):
+        for field, part in zip(s.fields, split_fused(a, s)):
             views.setdefault(field, []).append(part)
 
     def host(field: str) -> np.ndarray:
         """One private C-ordered copy (layers stacked on axis 0, then experts) in the target dtype."""
         vs = views[field]  # noqa: F821 (deleted after its last use below)
         if field in LayerStack.__dataclass_fields__:
-            a = np.stack(vs).reshape(
-                cfg.stacked_shapes()[field]
-            )  # per-expert tensors: [Ls * E, ...] -> [Ls, E, ...]
+            a = np.stack(vs).reshape(stacked[field])  # per-expert: [Ls * E, ...] -> [Ls, E, ...]
         else:
             a = np.array(vs[0], order="C")
         dt = (
@@ -447,7 +357,7 @@ def save_directory(
         cfg, cast if cast is not None else field_array("embed", False).dtype
     )  # checks cfg first
     specs = []
-    for s in _layout(cfg, with_head=not cfg.tie_word_embeddings):
+    for s in layout(cfg, with_head=not cfg.tie_word_embeddings):
         parts = [field_array(f, s.index is not None) for f in s.fields]
         if len({a.dtype for a in parts}) > 1:
             raise ValueError(

@@ -20,6 +20,10 @@ Mixture-of-experts fields are read and written by ``relax.models.hf.moe``, the R
 Phi-3's LongRoPE reads as ``RopeScaling("longrope")``; a context beyond its original length is
 refused unless ``max_positions`` caps it there (``RopeScaling``: static tables cannot switch factors).
 
+Sizes, RoPE numbers and ``rms_norm_eps`` are bounded from the file alone (``relax.models.hf.limits``:
+e.g. at most 10,000 layers, positions in ``[1, 2**24]``), so an absurd value fails before any
+per-layer work; ``relax.models.hf.validate`` checks the rest against the checkpoint's tensors.
+
 Every error is an :class:`HFFormatError` naming the file and the field.
 """
 
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 
 from relax.models.config.families import FAMILIES, FamilyRecord
 from relax.models.config.model import ModelConfig, RopeScaling
+from relax.models.hf.limits import SIZE_LIMITS, check_numbers, positive, size
 from relax.models.hf.moe import moe_fields, moe_problems, moe_to_hf
 from relax.models.hf.reader import ConfigReader, HFFormatError
 from relax.models.hf.rope import ORIGINAL, gemma_rope, rope, rope_to_hf
@@ -91,7 +96,7 @@ def _layer_types(r: ConfigReader, num_layers: int) -> tuple[str, ...]:
     """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full (default 6)."""
     layer_types = r.get("layer_types", None)
     if layer_types is None:
-        n = r.int_("sliding_window_pattern", 6)
+        n = r.int_("sliding_window_pattern", 6, lo=1)
         layer_types = [
             "sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)
         ]
@@ -244,22 +249,21 @@ def config_from_hf(d: dict, *, source: str, max_positions: int | None = None) ->
     if r.d.get("quantization_config") is not None:
         raise r.fail("quantization_config", "is set: quantized checkpoints are not supported")
     act = _activation(r, rec)
-    vocab, hidden, inter, layers, heads = (r.int_(k) for k in _REQUIRED)
-    if heads < 1:
-        raise r.fail("num_attention_heads", f"must be >= 1, got {heads}")
-    kv = r.int_("num_key_value_heads", fd["num_key_value_heads"], nullable=True)
+    vocab, hidden, inter, layers, heads = (r.int_(k, lo=1, hi=SIZE_LIMITS[k]) for k in _REQUIRED)
+    kv = size(r, "num_key_value_heads", fd["num_key_value_heads"])
     kv = heads if kv is None else kv
-    if kv < 1 or heads % kv:
+    if heads % kv:
         how = (
             ""
             if "num_key_value_heads" in r.d
             else f" (transformers' {rec.model_type} default when absent)"
         )
         raise r.fail("num_key_value_heads", f"= {kv}{how} must divide num_attention_heads={heads}")
-    head_dim = r.int_("head_dim", fd["head_dim"], nullable=True)
+    head_dim = size(r, "head_dim", fd["head_dim"])
     head_dim = hidden // heads if head_dim is None else head_dim
-    max_pos = r.int_("max_position_embeddings", fd["max_position_embeddings"])
+    max_pos = size(r, "max_position_embeddings", fd["max_position_embeddings"], nullable=False)
     fields = _family_fields(r, rec, layers, max_pos, fd)
+    check_numbers(r, rec, fields)
     try:
         return ModelConfig(
             vocab_size=vocab,
@@ -271,7 +275,7 @@ def config_from_hf(d: dict, *, source: str, max_positions: int | None = None) ->
             head_dim=head_dim,
             family=rec.model_type,
             max_position_embeddings=_context(r, max_pos, fields["rope_scaling"], max_positions),
-            rms_norm_eps=r.float_("rms_norm_eps", fd["rms_norm_eps"]),
+            rms_norm_eps=positive(r, "rms_norm_eps", r.float_("rms_norm_eps", fd["rms_norm_eps"])),
             tie_word_embeddings=r.bool_("tie_word_embeddings", fd["tie_word_embeddings"]),
             bos_token_id=r.token_ids("bos_token_id", fd["bos_token_id"]),
             eos_token_id=r.token_ids("eos_token_id", fd["eos_token_id"]),

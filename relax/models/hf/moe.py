@@ -68,6 +68,7 @@ def _dense_layers(r: ConfigReader, rec: FamilyRecord, layers: int) -> tuple[int,
     step = r.int_("decoder_sparse_step", 1)
     if step < 1:
         raise r.fail("decoder_sparse_step", f"must be >= 1, got {step}")
+    only = set(only)  # a membership test per layer: linear in the layers
     return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
 

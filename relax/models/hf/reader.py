@@ -7,10 +7,19 @@ raises is an :class:`HFFormatError` naming the file and the field.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 ABSENT = object()
 """The default that marks a field required: ``ConfigReader.get`` raises when it is missing."""
+
+
+def _finite(v: int | float) -> bool:
+    """Whether ``v`` is a finite float64 (an integer beyond float64's range is not)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 class HFFormatError(ValueError):
@@ -38,20 +47,28 @@ class ConfigReader:
             raise self.fail(prefix + field, "is required but missing")
         return default
 
-    def int_(self, field, default=ABSENT, *, nullable=False, d=None, prefix=""):
-        v = self.get(field, default, d, prefix)
+    def int_(self, field, default=ABSENT, *, nullable=False, d=None, prefix="", lo=None, hi=None):
+        """An integer (a float with an integral value too), at least ``lo`` and at most ``hi``
+        where given."""
+        given = v = self.get(field, default, d, prefix)
         if v is None and nullable:
             return None
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         if not isinstance(v, int) or isinstance(v, bool):
             raise self.fail(prefix + field, f"must be an integer, got {v!r}")
+        if lo is not None and v < lo:
+            raise self.fail(prefix + field, f"must be >= {lo}, got {given!r}")
+        if hi is not None and v > hi:
+            raise self.fail(prefix + field, f"must be at most {hi}, got {given!r}")
         return v
 
     def float_(self, field, default=ABSENT, *, d=None, prefix=""):
+        """A finite number (JSON's parser in relax refuses NaN and Infinity; a value given in
+        Python may still be one)."""
         v = self.get(field, default, d, prefix)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise self.fail(prefix + field, f"must be a number, got {v!r}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v):
+            raise self.fail(prefix + field, f"must be a finite number, got {v!r}")
         return float(v)
 
     def bool_(self, field, default=ABSENT):

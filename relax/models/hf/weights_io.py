@@ -5,7 +5,8 @@ through a framework, so bfloat16 reads as ``ml_dtypes.bfloat16`` and a write -> 
 is bit-exact: ``SafetensorsFile`` validates a header and reads tensors lazily through a memory
 map, ``write_safetensors`` writes one file, ``open_weights`` finds every tensor of a model
 directory (``model.safetensors``, or shards listed by ``model.safetensors.index.json``; pickles
-are never read), and ``read_json`` / ``write_json`` read and durably write the JSON beside them.
+are never read), and ``read_json`` / ``write_json`` read (within ``relax.models.hf.bounded_json``'s
+bounds) and durably write the JSON beside them.
 Every error about a file is an :class:`HFFormatError` naming it and the tensor or field.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from relax.models.hf.bounded_json import loads
 from relax.models.hf.config import HFFormatError
 
 __all__ = [
@@ -71,6 +73,14 @@ FLOAT_DTYPES = {
 _CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
+MAX_HEADER = 100_000_000  # bytes: the safetensors format's limit on a header
+
+
+def _is_count(x) -> bool:
+    """A non-negative integer (a dimension or a byte offset), bool excluded."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 class SafetensorsFile:
     """A parsed, validated safetensors header; tensors are read lazily through a memory map."""
 
@@ -84,6 +94,11 @@ class SafetensorsFile:
                     f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)"
                 )
             (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER:
+                raise HFFormatError(
+                    f"{path}: corrupt safetensors file: header length {n} exceeds the format's "
+                    f"limit of {MAX_HEADER} bytes"
+                )
             if n > size - 8:
                 raise HFFormatError(
                     f"{path}: corrupt or truncated safetensors file: header length {n} "
@@ -91,7 +106,7 @@ class SafetensorsFile:
                 )
             raw = f.read(n)
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise HFFormatError(f"{path}: corrupt safetensors header ({e})") from None
         if not isinstance(header, dict):
@@ -101,15 +116,13 @@ class SafetensorsFile:
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
             try:
-                code, shape, (b, end) = (
-                    e["dtype"],
-                    tuple(int(x) for x in e["shape"]),
-                    e["data_offsets"],
-                )
-                b, end = int(b), int(end)
+                code, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+                if not all(_is_count(x) for x in (*shape, b, end)):
+                    raise ValueError
             except (TypeError, KeyError, ValueError):
                 raise HFFormatError(
-                    f"{path}: tensor {name!r}: malformed header entry {e!r}"
+                    f"{path}: tensor {name!r}: malformed header entry {e!r} (shape and "
+                    "data_offsets must be non-negative integers)"
                 ) from None
             if code not in _ITEMSIZE:
                 raise HFFormatError(
@@ -166,10 +179,11 @@ def write_safetensors(
 
 
 def read_json(path: Path):
-    """The parsed JSON file at ``path`` (``HFFormatError`` naming it when it is not valid JSON)."""
+    """The parsed JSON file at ``path``: ``HFFormatError`` naming it, the line and the column when
+    it is not valid JSON or beyond ``relax.models.hf.bounded_json``'s bounds (nesting, numbers)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return loads(f.read())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFFormatError(f"{path}: not valid JSON ({e})") from None
 
