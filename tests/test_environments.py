@@ -92,6 +92,16 @@ def exact(row, text):
     return float(text.strip() == row["answer"])
 
 
+def test_a_deeply_nested_call_is_an_error_not_a_crash():
+    """A policy's tool call nested 100,000 deep (json's own parser raises a bare RecursionError
+    past ~1,000) is a parse error the environment reports, in both formats."""
+    deep = "[" * 100_000 + "]" * 100_000
+    body = '{"name": "multiply", "arguments": ' + deep + "}"
+    for fmt, text in (("hermes", f"<tool_call>{body}</tool_call>"), ("llama3", body)):
+        calls, errors = parse_tool_calls(text, fmt, (MULTIPLY,))
+        assert calls == [] and len(errors) == 1 and "not valid JSON" in errors[0], (fmt, errors)
+
+
 def test_tool_environment_turns():
     env = ToolEnvironment(
         [MULTIPLY, LOOKUP],

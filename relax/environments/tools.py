@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relax.choices import check_choice
+from relax.models.hf.bounded_json import loads  # bounded depth: one sample cannot crash a rollout
 
 TOOL_CALL_FORMATS = ("hermes", "llama3")
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -113,7 +114,7 @@ def _llama3_bodies(text: str) -> list[str]:
     if not text.startswith("{"):
         return []  # a plain answer, not a call
     try:
-        json.loads(text)
+        loads(text)
         return [text]
     except json.JSONDecodeError:
         return [part.strip() for part in text.split(";") if part.strip()]
@@ -122,7 +123,7 @@ def _llama3_bodies(text: str) -> list[str]:
 def _call(body: str) -> ToolCall | str:
     """The call in one JSON body, or why it is not one."""
     try:
-        obj = json.loads(body)
+        obj = loads(body)
     except json.JSONDecodeError as exc:
         return f"tool call is not valid JSON ({exc.msg} at char {exc.pos}): {body[:200]}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -130,7 +131,7 @@ def _call(body: str) -> ToolCall | str:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some templates and models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = loads(args)
         except json.JSONDecodeError:
             return f"arguments of {obj['name']!r} are not a JSON object: {args[:200]}"
     if not isinstance(args, dict):
