@@ -406,7 +406,8 @@ def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
     session.pending = None
     refused(lambda: trainer.optim_step(AdamParams()), "optim_step")
     refused(
-        lambda: trainer.forward_backward(data, "ppo", {"epsilon_low": {"a": 1}}), "loss_fn_config"
+        lambda: trainer.forward_backward(data, "ppo", {"epsilon_low": {"a": 1}}),
+        "loss_fn_config.epsilon_low",
     )
     sampler = trainer.save_weights_and_get_sampling_client("snap")
     refused(
@@ -415,7 +416,7 @@ def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
     )
     refused(
         lambda: sampler.sample(ModelInput.from_ints([4]), 1, SamplingParams(stop=("x",))),
-        "sampling_params",
+        "sampling_params.stop[0]",
     )
     assert next(session.draws) == 0  # the refused samples drew nothing of the session's randomness
     refused(lambda: trainer.save_state("../escape"), "name")
@@ -585,7 +586,9 @@ def test_http_token_routes_and_errors(http_server):
         client.call("POST", "/v1/nowhere", {})
     assert e.value.status == 404
     bad = httpx.post(
-        f"{url}/v1/sessions", content=b"\xc1", headers={"authorization": "Bearer sesame"}
+        f"{url}/v1/sessions",
+        content=b"\xc1",
+        headers={"authorization": "Bearer sesame", "content-type": "application/msgpack"},
     )
     assert bad.status_code == 400 and from_msgpack(bad.content)["field"] == "body"
     trainer = client.create_lora_training_client(rank=4)
@@ -611,7 +614,7 @@ def test_http_client_that_leaves_harms_no_one(http_server):
         httpx.post(
             f"{url}/v1/sample",
             content=body,
-            headers={"authorization": "Bearer sesame"},
+            headers={"authorization": "Bearer sesame", "content-type": "application/msgpack"},
             timeout=0.05,
         )
     assert trainer.forward(data, "cross_entropy").result().metrics == loss
@@ -623,8 +626,10 @@ def test_body_limit_and_sampler_snapshots(tmp_path):
     from starlette.testclient import TestClient
 
     svc = service(tmp_path)
-    response = TestClient(make_app(svc, max_body_mb=0)).post(
-        "/v1/sessions", content=to_msgpack({"rank": 4})
+    response = TestClient(make_app(svc, max_body_mb=0), base_url="http://127.0.0.1").post(
+        "/v1/sessions",
+        content=to_msgpack({"rank": 4}),
+        headers={"content-type": "application/msgpack"},
     )
     assert response.status_code == 413 and not svc.sessions
     svc = Service(

@@ -38,6 +38,7 @@ import numpy as np
 
 from relax.algorithms.online.batch import LossRows
 from relax.serve.datum import bucket
+from relax.serve.tokens import LOCAL_HOSTS, local_token_file, read_local_token
 from relax.serve.types import (
     AdamParams,
     Datum,
@@ -65,8 +66,8 @@ MEDIA_TYPE = "application/msgpack"
 
 
 class ServiceError(RuntimeError):
-    """The server refused or failed a request: ``status`` (400, 401, 404, 500), ``field`` (what
-    was wrong in the request, when it says)."""
+    """The server refused or failed a request: ``status`` (400, 401, 403, 404, 413, 415, 429,
+    500), ``field`` (what was wrong in the request, when it says)."""
 
     def __init__(self, status: int, message: str, field: str | None = None):
         super().__init__(f"HTTP {status}: {message}")
@@ -74,7 +75,10 @@ class ServiceError(RuntimeError):
 
 
 class ServiceClient:
-    """A connection to ``python -m relax.serve`` (``token``: else ``RELAX_SERVE_TOKEN``)."""
+    """A connection to ``python -m relax.serve``. Its token: ``token`` (or ``api_key``, Tinker's
+    name), else ``RELAX_SERVE_TOKEN``, else, for a server on this machine, the one it generated
+    (``tokens.local_token_file(port)``, read before each request: a restarted server's new one
+    is found too)."""
 
     def __init__(
         self,
@@ -84,25 +88,40 @@ class ServiceClient:
         api_key: str | None = None,
         timeout: float | None = None,
     ):
-        token = token or api_key or os.environ.get("RELAX_SERVE_TOKEN")  # api_key: Tinker's name
+        token = token or api_key or os.environ.get("RELAX_SERVE_TOKEN")
+        url = httpx.URL(base_url)
+        self._local_port = (url.port or 80) if token is None and url.host in LOCAL_HOSTS else None
         headers = {
             "content-type": MEDIA_TYPE,
             **({"authorization": f"Bearer {token}"} if token else {}),
         }
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
+    def _auth(self) -> dict:
+        """The generated token's header, for a local server without a given token."""
+        if self._local_port is None:
+            return {}
+        token = read_local_token(self._local_port)
+        return {"authorization": f"Bearer {token}"} if token else {}
+
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         response = self._http.request(
-            method, path, content=None if body is None else to_msgpack(body)
+            method, path, content=None if body is None else to_msgpack(body), headers=self._auth()
         )
         if response.status_code == 200:
             return from_msgpack(response.content)
-        try:  # the service's own errors are msgpack maps; a proxy's or Starlette's (413) are not
+        try:  # the service's own errors are msgpack maps; a proxy's or Starlette's are not
             out = from_msgpack(response.content)
         except RequestError:
             out = {}
         out = out if isinstance(out, dict) else {}
-        raise ServiceError(response.status_code, out.get("error", response.text), out.get("field"))
+        message = out.get("error", response.text)
+        if response.status_code == 401 and self._local_port is not None:
+            message += (
+                f" (no token given: read {local_token_file(self._local_port)}, written by a "
+                "server on this machine; else pass token= or set RELAX_SERVE_TOKEN)"
+            )
+        raise ServiceError(response.status_code, message, out.get("field"))
 
     def get_server_capabilities(self) -> dict:
         return self.call("GET", "/v1/info")

@@ -35,10 +35,18 @@ from relax.models.forward.packed import packed_hidden
 from relax.objectives.registry import POLICY_LOSSES, policy_loss
 from relax.serve.wire import RequestError
 
-__all__ = ["DATUM_LOSSES", "DatumRows", "datum_loss", "datum_rows"]
+__all__ = [
+    "DATUM_LOSSES",
+    "DatumRows",
+    "datum_lengths",
+    "datum_loss",
+    "datum_rows",
+    "pack_rows",
+    "row_shape",
+    "tinker_options",
+]
 
 DATUM_LOSSES = ("cross_entropy", *POLICY_LOSSES)
-_TINKER_CLIP = {"clip_low_threshold", "clip_high_threshold"}
 
 
 class DatumRows(eqx.Module):
@@ -66,13 +74,10 @@ def _needs(loss: str) -> tuple[str, ...]:
     return ("weights",) if loss == "cross_entropy" else ("logprobs", "advantages")
 
 
-def datum_rows(
-    data: Any, loss: str, vocab_size: int, max_length: int, *, rows_multiple: int = 1
-) -> tuple[DatumRows, list[int]]:
-    """The rows of ``data`` (the wire form of ``Datum.to_wire``) for ``loss``, and each datum's
-    length. Each datum is checked (``data[i].<field>`` named in a ``RequestError``). The row
-    count is a bucket of the datums' (few shapes), rounded up to a multiple of ``rows_multiple``
-    (a mesh's batch shards): empty rows are ``valid`` 0 and add nothing to a loss's sums."""
+def datum_lengths(data: Any, loss: str, vocab_size: int, max_length: int) -> list[int]:
+    """Each datum's length, every datum checked first (``data[i].<field>`` named in a
+    ``RequestError``): tokens in the vocabulary, at most ``max_length`` (the model's positions),
+    the loss's inputs of the same length and finite in float32 (where they are used)."""
     if not isinstance(data, list) or not data:
         raise RequestError("data", "a non-empty list of datums is needed")
     needs = ("target_tokens", *_needs(loss))
@@ -95,18 +100,7 @@ def datum_rows(
         if not isinstance(inputs, dict):
             raise RequestError(f"{at}.loss_fn_inputs", "a map of arrays is needed")
         for key in needs:
-            a = inputs.get(key)
-            if not isinstance(a, np.ndarray):
-                raise RequestError(
-                    f"{at}.loss_fn_inputs.{key}", f"loss {loss!r} needs it (an array of length {n})"
-                )
-            if a.shape != (n,):
-                raise RequestError(
-                    f"{at}.loss_fn_inputs.{key}",
-                    f"shape {list(a.shape)} must be [{n}], the model input's length",
-                )
-            if a.dtype.kind == "f" and not np.isfinite(a).all():
-                raise RequestError(f"{at}.loss_fn_inputs.{key}", "non-finite value(s)")
+            _check_input(f"{at}.loss_fn_inputs.{key}", inputs.get(key), n, loss)
         for key, a in (
             ("model_input", d["tokens"]),
             ("loss_fn_inputs.target_tokens", inputs["target_tokens"]),
@@ -116,10 +110,42 @@ def datum_rows(
                     f"{at}.{key}", f"token ids must be integers in [0, {vocab_size})"
                 )
         lengths.append(n)
-    b, t = bucket(len(data)), bucket(max(lengths), 16, steps_per_octave=4)
-    b = -(-b // rows_multiple) * rows_multiple
-    rows = {k: np.zeros((b, t), np.int32) for k in ("ids", "targets", "valid")}
-    rows.update({k: np.zeros((b, t), np.float32) for k in ("weights", "logprobs", "advantages")})
+    return lengths
+
+
+def _check_input(at: str, a: Any, n: int, loss: str) -> None:
+    if not isinstance(a, np.ndarray):
+        raise RequestError(at, f"loss {loss!r} needs it (an array of length {n})")
+    if a.shape != (n,):
+        raise RequestError(at, f"shape {list(a.shape)} must be [{n}], the model input's length")
+    if a.dtype.kind == "f":
+        with np.errstate(over="ignore"):
+            finite = np.isfinite(a.astype(np.float32))
+        if not finite.all():
+            raise RequestError(at, "non-finite value(s) in float32 (|x| <= 3.4e38)")
+
+
+def row_shape(lengths: list[int], rows_multiple: int = 1) -> tuple[int, int]:
+    """``[B, T]`` of the rows of datums of ``lengths`` (module docstring: bucketed), ``B`` a
+    multiple of ``rows_multiple`` (a mesh's batch shards)."""
+    b, t = bucket(len(lengths)), bucket(max(lengths), 16, steps_per_octave=4)
+    return -(-b // rows_multiple) * rows_multiple, t
+
+
+def datum_rows(
+    data: Any, loss: str, vocab_size: int, max_length: int, *, rows_multiple: int = 1
+) -> tuple[DatumRows, list[int]]:
+    """The rows of ``data`` (the wire form of ``Datum.to_wire``) for ``loss``, and each datum's
+    length (``datum_lengths`` checks them; ``pack_rows`` pads them into ``row_shape``)."""
+    lengths = datum_lengths(data, loss, vocab_size, max_length)
+    return pack_rows(data, lengths, loss, row_shape(lengths, rows_multiple)), lengths
+
+
+def pack_rows(data: list, lengths: list[int], loss: str, shape: tuple[int, int]) -> DatumRows:
+    """Checked datums right-padded into ``shape``: empty rows are ``valid`` 0 and add nothing to
+    a loss's sums."""
+    rows = {k: np.zeros(shape, np.int32) for k in ("ids", "targets", "valid")}
+    rows.update({k: np.zeros(shape, np.float32) for k in ("weights", "logprobs", "advantages")})
     for i, (d, n) in enumerate(zip(data, lengths)):
         rows["ids"][i, :n], rows["targets"][i, :n], rows["valid"][i, :n] = (
             d["tokens"],
@@ -128,16 +154,21 @@ def datum_rows(
         )
         for key in _needs(loss):
             rows[key][i, :n] = d["inputs"][key]
-    return DatumRows(**rows), lengths
+    return DatumRows(**rows)
 
 
-def _loss_config(loss: str, config: dict) -> dict:
+def tinker_options(config: dict) -> dict:
+    """A datum loss's options with Tinker's clip thresholds as the registry's ``epsilon_*``."""
     config = dict(config)
-    if _TINKER_CLIP & set(config):
-        if "clip_low_threshold" in config:
-            config["epsilon_low"] = 1.0 - float(config.pop("clip_low_threshold"))
-        if "clip_high_threshold" in config:
-            config["epsilon_high"] = float(config.pop("clip_high_threshold")) - 1.0
+    for name, to, sign in (
+        ("clip_low_threshold", "epsilon_low", -1.0),
+        ("clip_high_threshold", "epsilon_high", 1.0),
+    ):
+        if name in config:
+            v = config.pop(name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"loss_fn_config.{name}", f"a number is needed, got {v!r}")
+            config[to] = sign * (v - 1.0)
     return config
 
 
@@ -158,7 +189,7 @@ def datum_loss(loss: str, config: dict):
         per_token_loss = None
     else:
         try:
-            per_token_loss = policy_loss(loss, **_loss_config(loss, config))
+            per_token_loss = policy_loss(loss, **tinker_options(config))
         except (TypeError, ValueError) as e:
             raise RequestError("loss_fn_config", str(e)) from None
 

@@ -84,7 +84,10 @@ class Datum:
 @dataclasses.dataclass(frozen=True)
 class AdamParams:
     """The optimizer step's hyperparameters (Tinker's defaults); ``max_grad_norm`` (relax's
-    addition) clips the global gradient norm first (None: no clipping)."""
+    addition) clips the global gradient norm first (None: no clipping). The service checks each
+    in float32 (``relax.serve.options``: ``learning_rate`` in ``(0, --limits.max-learning-rate]``,
+    betas below 1, ``eps`` > 0, ``learning_rate * weight_decay < 1``) and refuses a step whose
+    result would not be finite (422), the session unchanged."""
 
     learning_rate: float = 1e-4
     beta1: float = 0.9
@@ -97,8 +100,9 @@ class AdamParams:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """``max_tokens`` new tokens at ``temperature`` (``top_k=-1`` / ``top_p=1``: off), stopping at
-    the model's end-of-sequence tokens and the ``stop`` token ids; ``seed`` fixes the draw (None:
-    the session's next key)."""
+    the model's end-of-sequence tokens and the ``stop`` token ids; ``seed`` (in ``[0, 2**32)``)
+    fixes the draw (None: the session's next key). ``temperature`` and ``top_p`` are arguments of
+    the compiled sampler: new values compile nothing."""
 
     max_tokens: int = 16
     temperature: float = 1.0

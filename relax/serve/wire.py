@@ -1,8 +1,9 @@
 """The training service's wire format: msgpack bodies, arrays as ``dtype / shape / bytes``.
 
     body = to_msgpack({"loss_fn": "grpo", "batch": encode_batch(rows)})
-    request = from_msgpack(body)                       # RequestError on anything malformed
+    request = decode_request(body)                     # RequestError on anything malformed
     rows = decode_batch(request["batch"], "batch")
+    reply = from_msgpack(response_body)                # a response, as the client reads it
 
 Nothing is ever unpickled: a body is msgpack's maps, lists, strings, numbers and bytes, and an
 array is the map ``{"__ndarray__": dtype name, "shape": [...], "data": raw bytes}`` with a dtype
@@ -11,13 +12,22 @@ objectives, ``relax.serve.objectives``) travels as ``{"type": class name, "field
 is rebuilt only from that list; its fields are checked against the class's annotations (integer
 or float, the named dimensions equal across fields, every float finite) and a bad one is a
 ``RequestError`` naming ``<where>.<field>``.
+
+A request body (``decode_request``) is checked as it is decoded, so that nothing in it can fail
+later with anything but a ``RequestError`` naming its field: a map at the top, string keys only,
+at most ``MAX_DEPTH`` levels deep and ``MAX_VALUES`` values (maps, lists and their items: each
+costs a Python object, up to ~70 times its byte on the wire), integers within int64, numbers
+finite in float32 (the dtype every number of a request is used in), strings without NUL bytes,
+no msgpack extension types, arrays whose shape, dtype and byte count agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -34,6 +44,7 @@ __all__ = [
     "RequestError",
     "decode_array",
     "decode_batch",
+    "decode_request",
     "encode_array",
     "encode_batch",
     "materialize",
@@ -57,6 +68,17 @@ BATCHES: dict[str, type] = {
     cls.__name__: cls for cls in (LossRows, PairBatch, UnpairedBatch, PackedBatch, ValueRows)
 }
 _TAG = "__ndarray__"
+MAX_DEPTH = 32
+"""Levels of maps and lists a request may nest (a body's own are 5 deep)."""
+MAX_VALUES = 1 << 18
+"""Maps, lists and items in one request outside arrays' bytes (a datum costs ~20)."""
+VALUE_BYTES = 100
+"""What one value of a decoded body is charged (``decode_request``'s ``charge``): a Python
+object and its slot in a list or map (an int 36 bytes, a float 32, a dict entry and its key ~100)."""
+MAX_DIMS = 32
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class RequestError(ValueError):
@@ -83,16 +105,28 @@ def encode_array(a) -> dict:
 
 
 def decode_array(d: dict, where: str) -> np.ndarray:
+    """The array of ``encode_array``'s map; a ``RequestError`` naming ``where`` if its dtype, shape
+    (at most ``MAX_DIMS`` sizes, each >= 0) and bytes do not agree."""
     dtype, shape, data = d.get(_TAG), d.get("shape"), d.get("data")
-    if dtype not in DTYPES:
-        raise RequestError(where, f"array dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise RequestError(where, f"array dtype {dtype!r:.40} is not one of {', '.join(DTYPES)}")
     if not (
-        isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)
+        isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(type(s) is int and s >= 0 for s in shape)
     ) or not isinstance(data, bytes):
-        raise RequestError(where, "an array needs a shape (list of sizes) and its data (bytes)")
-    want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        raise RequestError(
+            where,
+            f"an array needs a shape (a list of at most {MAX_DIMS} sizes) and its data (bytes)",
+        )
+    itemsize = np.dtype(dtype).itemsize
+    if math.prod(max(s, 1) for s in shape) * itemsize >= 1 << 62:  # numpy's bound, even if empty
+        raise RequestError(where, f"array shape {shape} is too large for any array")
+    want = math.prod(shape) * itemsize
     if len(data) != want:
         raise RequestError(where, f"array of {dtype} {shape} needs {want} bytes, got {len(data)}")
+    if dtype == "bool":  # a byte other than 0 or 1 is no bool numpy should hold
+        return np.frombuffer(data, np.uint8).reshape(shape) != 0
     return np.frombuffer(data, np.dtype(dtype).newbyteorder("<")).reshape(shape).astype(dtype)
 
 
@@ -114,13 +148,118 @@ def to_msgpack(obj: Any) -> bytes:
 
 
 def from_msgpack(body: bytes) -> Any:
-    """The object of a msgpack body; a malformed one is a ``RequestError`` (field ``body``)."""
+    """The object of a msgpack body (a response; a request's: ``decode_request``); a malformed
+    one is a ``RequestError`` (field ``body``)."""
     try:
         return msgpack.unpackb(body, object_hook=_hook, raw=False, strict_map_key=True)
     except RequestError:
         raise
     except Exception as e:  # msgpack's own errors: ExtraData, FormatError, ValueError, ...
         raise RequestError("body", f"not a msgpack body ({type(e).__name__}: {e})") from None
+
+
+class _Count:
+    """msgpack's hooks: each map and list counted (and charged) as it is decoded, so that a body
+    of many small values is refused before it is decoded whole (``MAX_VALUES``)."""
+
+    def __init__(self, charge: Callable[[int], None] | None):
+        self.values, self.charge = 0, charge
+
+    def add(self, n: int) -> None:
+        self.values += n
+        if self.values > MAX_VALUES:
+            raise RequestError(
+                "body",
+                f"more than {MAX_VALUES} values (maps, lists and their items) in one request; "
+                "send numbers as arrays (encode_array)",
+                status=413,
+            )
+        if self.charge is not None:
+            self.charge(n * VALUE_BYTES)
+
+    def map(self, d: dict) -> dict:
+        self.add(1 + 2 * len(d))
+        return d
+
+    def list(self, items: list) -> list:
+        self.add(1 + len(items))
+        return items
+
+
+def _no_ext(code: int, data: bytes):
+    raise RequestError("body", f"msgpack extension type {code} is not taken")
+
+
+def decode_request(body, *, charge: Callable[[int], None] | None = None) -> dict:
+    """The map of a request body (bytes or a bytearray), every value checked (module docstring);
+    a ``RequestError`` naming the field at fault otherwise. ``charge(n)`` is called with the bytes
+    the decoded values are estimated to take as they are made (``VALUE_BYTES`` each): the server's
+    in-flight budget, which may refuse by raising."""
+    count = _Count(charge)
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            object_hook=count.map,
+            list_hook=count.list,
+            ext_hook=_no_ext,
+            max_array_len=MAX_VALUES,
+            max_map_len=MAX_VALUES,
+            timestamp=0,
+        )
+    except RequestError:
+        raise
+    except msgpack.StackError:
+        raise RequestError("body", f"nested too deep (at most {MAX_DEPTH} levels)") from None
+    except Exception as e:  # msgpack's own errors: ExtraData, FormatError, ValueError, ...
+        raise RequestError("body", f"not a msgpack body ({type(e).__name__}: {e})") from None
+    out = _checked(obj, "", 0) if isinstance(obj, (dict, list)) else obj
+    if not isinstance(out, dict):
+        raise RequestError("body", f"the body must be a map, got a {type(out).__name__}")
+    return out
+
+
+def _checked(obj: dict | list, where: str, depth: int):
+    """``obj`` with its arrays decoded, every value checked; ``where``: its field (``data[0]``)."""
+    if depth >= MAX_DEPTH:
+        raise RequestError(where, f"nested deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, dict):
+        if _TAG in obj:
+            return decode_array(obj, where or "body")
+        items = list(obj.items())
+        for key, value in items:
+            if not isinstance(key, str) or "\0" in key:
+                raise RequestError(
+                    where or "body", f"a map key must be a string without NUL, got {key!r:.40}"
+                )
+            at = f"{where}.{key:.40}" if where else f"{key:.40}"
+            if isinstance(value, (dict, list)):
+                obj[key] = _checked(value, at, depth + 1)
+            elif (why := _bad_scalar(value)) is not None:
+                raise RequestError(at, why)
+        return obj
+    for i, value in enumerate(obj):
+        if isinstance(value, (dict, list)):
+            obj[i] = _checked(value, f"{where}[{i}]", depth + 1)
+        elif (why := _bad_scalar(value)) is not None:
+            raise RequestError(f"{where}[{i}]", why)
+    return obj
+
+
+def _bad_scalar(v) -> str | None:
+    """Why ``v`` is no value a request may hold (None: it is one)."""
+    if v is None or isinstance(v, (bool, bytes)):
+        return None
+    if isinstance(v, int):
+        return None if _INT64[0] <= v <= _INT64[1] else f"integer {v} is beyond int64"
+    if isinstance(v, float):
+        if math.isfinite(v) and abs(v) <= _FLOAT32_MAX:
+            return None
+        return f"{v!r} is not a finite float32 (numbers are used as float32)"
+    if isinstance(v, str):
+        return "a string with a NUL byte" if "\0" in v else None
+    return f"a {type(v).__name__} is not taken (msgpack extension types are not)"
 
 
 def materialize(obj: Any) -> Any:
@@ -204,7 +343,8 @@ def _field(
         why = _bind(spec, a, sizes, where)
         if why is None:
             if kind == "f":
-                a = a.astype(np.float32)
+                with np.errstate(over="ignore"):  # beyond float32: inf, refused just below
+                    a = a.astype(np.float32)
                 bad = ~np.isfinite(a)
                 if bad.any():
                     raise RequestError(
@@ -213,7 +353,11 @@ def _field(
                         f"{list(map(int, np.argwhere(bad)[0]))}",
                     )
                 return a
-            return a.astype(np.int32) if kind == "i" else a.astype(bool)
+            if kind == "b":
+                return a.astype(bool)
+            if a.size and a.dtype.kind in "iu" and (a.min() < _INT32[0] or a.max() > _INT32[1]):
+                raise RequestError(where, f"values from {a.min()} to {a.max()} are beyond int32")
+            return a.astype(np.int32)
         errors.append(why)
     raise RequestError(where, "; or ".join(errors))
 
@@ -222,10 +366,11 @@ def decode_batch(d: Any, where: str):
     """The typed batch of ``encode_batch``'s map, every field checked (module docstring)."""
     if not isinstance(d, dict) or not isinstance(d.get("fields"), dict):
         raise RequestError(where, "a batch is a map {'type': class name, 'fields': {name: array}}")
-    cls = BATCHES.get(d.get("type"))
+    cls = BATCHES.get(d["type"]) if isinstance(d.get("type"), str) else None
     if cls is None:
         raise RequestError(
-            f"{where}.type", f"unknown batch type {d.get('type')!r}; valid: {', '.join(BATCHES)}"
+            f"{where}.type",
+            f"unknown batch type {d.get('type')!r:.40}; valid: {', '.join(BATCHES)}",
         )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
