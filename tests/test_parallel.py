@@ -382,13 +382,16 @@ def worker(out_path: str, cli_dir: str) -> None:
     Path(out_path).write_text(json.dumps(results))
 
 
+# XLA:CPU aborts a process whose collective's participants have not all arrived after 40 s. Eight
+# simulated devices on a 2-core host beside another test process can wait that long (seen twice in
+# the full suite, in the PPO run on sampler + trainer meshes: never alone); a real deadlock still
+# ends at run_worker's timeout.
+COLLECTIVE_WAIT = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
+
+
 def worker_env(devices: int = 1) -> dict:
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT),
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
-    }
+    flags = f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_WAIT} {FAST_COMPILE}"
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
 
 
 def run_worker(script: Path, args: list[str], *, devices: int = 8, timeout: float = 900.0):
