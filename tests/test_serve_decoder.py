@@ -12,6 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
+from test_serve_http import TOKEN, MiB, local_client, service
 
 from relax.serve.server import make_app
 from relax.serve.wire import (
@@ -22,7 +23,6 @@ from relax.serve.wire import (
     from_msgpack,
     to_msgpack,
 )
-from tests.test_serve_http import TOKEN, MiB, local_client, service
 
 
 def test_decode_costs_what_it_is_charged():

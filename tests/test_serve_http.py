@@ -20,16 +20,13 @@ import time
 from pathlib import Path
 
 import httpx
-import jax
 import pytest
 import uvicorn
 from starlette.testclient import TestClient
+from test_serve import BASE, CFG, service  # the tiny model and its service
 
-from relax.models import ModelConfig, init
-from relax.models.layers.lora import LoRAConfig
 from relax.serve.client import ServiceClient, ServiceError
 from relax.serve.server import ServeConfig, make_app, read_token
-from relax.serve.service import Service, ServiceConfig
 from relax.serve.tokens import local_token_file, remove_token, write_token
 from relax.serve.wire import (
     from_msgpack,
@@ -37,27 +34,9 @@ from relax.serve.wire import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = ModelConfig(
-    vocab_size=16,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    eos_token_id=3,
-)
-BASE = init(CFG, jax.random.key(0), std=0.3)
 TOKEN = "test-token-0123456789abcdef"
 MSGPACK = {"content-type": "application/msgpack", "authorization": f"Bearer {TOKEN}"}
 MiB = 1 << 20
-
-
-def service(tmp_path) -> Service:
-    return Service(
-        BASE, None, ServiceConfig(model="tiny", state_dir=str(tmp_path), lora=LoRAConfig(rank=4))
-    )
 
 
 def local_client(app) -> TestClient:

@@ -53,12 +53,12 @@ def local_shape(shape: dict[str, int], devices: int) -> dict[str, int]:
 def _grid(mesh: Mesh) -> np.ndarray:
     """``mesh``'s devices as ``[process, *local_shape]``, each process's in id order."""
     devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
-    processes = sorted({d.process_index for d in devices})
-    per = len(devices) // len(processes)
-    if per * len(processes) != len(devices):
+    n = processes(mesh)
+    per = len(devices) // n
+    if per * n != len(devices):
         raise ValueError("a process copy needs the same number of mesh devices on every process")
     shape = local_shape(dict(mesh.shape), per)
-    return np.asarray(devices, dtype=object).reshape(len(processes), *shape.values())
+    return np.asarray(devices, dtype=object).reshape(n, *shape.values())
 
 
 def host_mesh(mesh: Mesh, process: int) -> Mesh:
