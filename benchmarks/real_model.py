@@ -315,7 +315,12 @@ TRAIN_KEYS = (
     "entropy",
     "compiles",
     "tokens_per_s",
-    "sampler_logprob_diff",
+    "mismatch/k3",
+    "mismatch/abs_mean",
+    "mismatch/abs_max",
+    "mismatch/ratio_out_frac",
+    "mismatch/seq_log_ratio",
+    "mismatch/seq_log_ratio_abs_max",
 )
 
 

@@ -19,8 +19,15 @@ Reductions (over the stacked values ``x_1..x_n`` of micro-batches, then of optim
     max / min    max_i x_i / min_i x_i
     first_step   over micro-batches ``max``, over optimizer steps the first step's value (e.g. the
                  sampler/trainer log-prob gap, meaningful only before the first step)
+    first_mean   over micro-batches ``mean`` (weighted), over optimizer steps the first step's
+                 value: the weighted mean over the first step's micro-batches (e.g. the mean
+                 sampler/trainer mismatch, ``relax.objectives.mismatch``)
     first_found  the first x_i >= 0, else -1 (an index found by some step, e.g. the first
                  non-finite gradient leaf)
+
+A ``mean`` or ``first_mean`` metric may carry its own micro-batch weight, ``Metric(x, "mean",
+weight=n)`` (e.g. ``n`` its micro-batch's sequences for a mean over sequences): ``w_i`` is then
+``n_i`` instead of the loss tokens, so the value is that mean over the whole step exactly.
 """
 
 from __future__ import annotations
@@ -32,14 +39,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-REDUCTIONS = ("mean", "sum", "share", "max", "min", "first_step", "first_found")
+REDUCTIONS = ("mean", "sum", "share", "max", "min", "first_step", "first_mean", "first_found")
+WEIGHTED = ("mean", "first_mean")  # the reductions that read a micro-batch weight
 
 
 class Metric(eqx.Module):
-    """A metric value and how it is reduced (static: part of the pytree structure)."""
+    """A metric value and how it is reduced (static: part of the pytree structure); ``weight``:
+    its micro-batch weight in a ``mean`` / ``first_mean`` (None: the micro-batch's loss tokens)."""
 
     value: Array
     reduction: str = eqx.field(static=True, default="mean")
+    weight: Array | None = None
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.value, dtype=dtype)
@@ -51,6 +61,11 @@ class Metric(eqx.Module):
         if self.reduction not in REDUCTIONS:
             raise ValueError(
                 f"unknown metric reduction {self.reduction!r}; valid: {', '.join(REDUCTIONS)}"
+            )
+        if self.weight is not None and self.reduction not in WEIGHTED:
+            raise ValueError(
+                f"a metric weight is read by the reductions {', '.join(WEIGHTED)} only, "
+                f"not by {self.reduction!r}"
             )
 
 
@@ -71,6 +86,7 @@ def as_metric(x: Array | Metric, reduction: str = "mean") -> Metric:
 
 def _reduce(m: Metric, weights: Array | None, level: str) -> Metric:
     x, r = m.value, m.reduction
+    weights = weights if m.weight is None else m.weight
     if r == "sum" or (r == "share" and level == "micro"):
         out = jnp.sum(x)
     elif r == "share":
@@ -79,7 +95,7 @@ def _reduce(m: Metric, weights: Array | None, level: str) -> Metric:
         out = jnp.max(x)
     elif r == "min":
         out = jnp.min(x)
-    elif r == "first_step":
+    elif r in ("first_step", "first_mean") and level == "steps":
         out = x.reshape(-1)[0]
     elif r == "first_found":
         x = x.reshape(-1)

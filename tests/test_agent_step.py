@@ -84,7 +84,7 @@ def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
     assert observations.any() and not (np.asarray(batch.loss_mask) > 0)[observations].any()
     assert np.all((np.asarray(batch.loss_mask) > 0) <= sampled)
     # the trainer's forward over [prompt | turns and observations] scores what the sampler sampled
-    assert metrics["sampler_logprob_diff"] < 1e-4
+    assert metrics["mismatch/abs_max"] < 1e-4
     adv = np.asarray(batch.advantages)
     if (
         per_turn

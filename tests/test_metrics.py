@@ -21,6 +21,7 @@ WANT = {
     "max": 6.0,
     "min": -1.0,
     "first_step": 6.0,  # the first step's largest
+    "first_mean": (1 + 2 + 12) / 4,  # the first step's token-weighted mean
     "first_found": 1.0,
 }
 
@@ -53,3 +54,19 @@ def test_share_is_the_same_whatever_the_micro_batch_split():
     assert not np.isclose(
         float(mean.value), float(whole.value)
     )  # what "mean" got wrong for such terms
+
+
+def test_a_metric_weight_replaces_the_token_weights():
+    """A mean over sequences weighted by each micro-batch's sequences (3, 1, 0), not its tokens."""
+    x, seqs, tokens = jnp.asarray([2.0, 6.0, 0.0]), jnp.asarray([3.0, 1.0, 0.0]), jnp.ones(3)
+    for reduction in ("mean", "first_mean"):
+        step = reduce_micro({"x": Metric(x, reduction, seqs)}, tokens)["x"]
+        assert step.weight is None  # the step's value carries no weight on
+        got = values(reduce_steps({"x": Metric(jnp.stack([step.value, 100.0]), reduction)}))["x"]
+        want = (3 * 2 + 6) / 4 if reduction == "first_mean" else ((3 * 2 + 6) / 4 + 100) / 2
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+def test_a_weight_on_a_reduction_that_does_not_read_it_is_refused():
+    with pytest.raises(ValueError, match="not by 'max'"):
+        Metric(jnp.asarray(1.0), "max", jnp.asarray(2.0))

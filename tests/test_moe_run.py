@@ -77,7 +77,7 @@ def test_grpo_learns_with_a_moe_policy_and_reports_routing():
         rewards.append(float(m["reward"]))
         assert np.isfinite(float(m["loss"]))
     assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.3, rewards
-    assert float(m["sampler_logprob_diff"]) < 1e-4  # replayed: sampler == trainer
+    assert float(m["mismatch/abs_max"]) < 1e-4  # replayed: sampler == trainer
     for k in (
         "moe/routing_differ",
         "moe/load_max_over_mean",

@@ -1,5 +1,6 @@
 """Objectives: advantages, policy losses (and their registry, ``registry``), aggregation, KL and
-entropy terms, the value loss, preference losses, and reference-model rules (``reference``)."""
+entropy terms, the value loss, preference losses, reference-model rules (``reference``) and the
+sampler-vs-trainer mismatch metrics (``mismatch``)."""
 
 from relax.objectives.aggregation import AGGREGATION_MODES, TRL_LOSS_TYPES, aggregate, resolve_mode
 from relax.objectives.kl import (

@@ -20,6 +20,11 @@ detached behaviour weight ``w_t`` of the sampler's log-probs::
 
 ``prox_t`` is ``sg(logp_t)`` when the update is one optimizer step (the weights the loss sees ARE
 the proximal policy), else the batch's ``prox_logprobs`` (``relax.algorithms.online.stages.make_proximal``).
+
+The ``mismatch/*`` metrics (``relax.objectives.mismatch``) compare ``logp_t`` with the sampler's
+``old_t``, at the update's first optimizer step: the numerics' gap (precision, quantized
+sampler) on a fresh batch; on a stale one (with a correction: ``old_t`` is the behaviour policy,
+``logp_t`` the proximal weights) the staleness too, as verl's ``rollout_corr`` metrics.
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import LossRows
 from relax.algorithms.online.stages import train_logprobs
 from relax.masked import masked_mean
-from relax.metrics import Metric
 from relax.models.forward.prefix_shared import completion_rope
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import conservative_penalty, entropy_bonus, kl_estimate
+from relax.objectives.mismatch import mismatch_metrics
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
 from relax.objectives.registry import as_policy_loss
 from relax.passes import Passes
@@ -93,10 +98,7 @@ def make_loss(
         if cfg.entropy_coef != 0.0:
             per_token = per_token + entropy_bonus(ent, mask, coef=cfg.entropy_coef)
         metrics["entropy"] = masked_mean(ent, mask)
-        # meaningful before the first optimizer step only: max over its micro-batches
-        metrics["sampler_logprob_diff"] = Metric(
-            jnp.max(jnp.where(mask, jnp.abs(logp - old), 0.0)), "first_step"
-        )
+        metrics.update(mismatch_metrics(logp, old, mask))  # the first optimizer step's
         loss = aggregate(
             per_token,
             mask,

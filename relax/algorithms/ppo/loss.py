@@ -7,7 +7,10 @@ the value terms of the critic, or both from one forward (a value head on the pol
 aggregated by ``cfg.loss_type`` with the batch-wide normalisers of ``ctx.norms``; on a stale batch
 (``off_policy``, ``relax.objectives.off_policy``) the policy loss clips against the proximal
 policy and is weighted by the behaviour weight. A mixture of experts adds its router loss to the
-actor's (``relax.algorithms.online.stages.train_logprobs``).
+actor's (``relax.algorithms.online.stages.train_logprobs``). The policy terms report the
+sampler-vs-trainer ``mismatch/*`` metrics (``relax.objectives.mismatch``: the trainer's log-probs
+at the update's first optimizer step against ``old_logprobs``, the sampler's, which on a stale
+batch are the behaviour policy's: the staleness counts too).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from relax.masked import masked_mean
 from relax.models.heads.critic import completion_logprobs_and_values, completion_values
 from relax.objectives.aggregation import aggregate
 from relax.objectives.kl import entropy_bonus
+from relax.objectives.mismatch import mismatch_metrics
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
 from relax.objectives.registry import as_policy_loss
 from relax.objectives.value import clipped_value_loss
@@ -41,11 +45,13 @@ def policy_terms(
 ):
     """The registry's policy loss (+ entropy bonus) on ``[P, G, N]`` log-probs, aggregated; on a
     stale batch (``off_policy``) clipped against the proximal policy and weighted
-    (``relax.objectives.off_policy.corrected_loss``)."""
+    (``relax.objectives.off_policy.corrected_loss``); with the ``mismatch/*`` metrics of the
+    log-probs against the sampler's (``relax.objectives.mismatch``)."""
     p, g, n = mb.tokens.shape
     flat = lambda x: x.reshape(p * g, n)  # noqa: E731
     mask = flat(mb.loss_mask) > 0
-    args = (flat(logp), flat(mb.old_logprobs), flat(mb.advantages), mask)
+    logp, old = flat(logp), flat(mb.old_logprobs)
+    args = (logp, old, flat(mb.advantages), mask)
     if off_policy is None:
         per_token, metrics = policy_loss(*args)
     else:
@@ -63,6 +69,7 @@ def policy_terms(
     )
     return loss, {
         **metrics,
+        **mismatch_metrics(logp, old, mask),
         "entropy": masked_mean(flat(ent), mask),
         "pg_loss": M.Metric(loss, "share"),
     }
