@@ -22,10 +22,11 @@ $(BASE): pyproject.toml
 	touch $(BASE)
 
 # Test tools, math-verify, CPU torch + transformers for the parity tests (never used at runtime),
-# the training service's server and client (starlette, uvicorn, msgpack, httpx),
-# and libtpu, whose compile-only client the planner's tests compile TPU programs with (no TPU).
+# the training service's server and client (starlette, uvicorn, msgpack, httpx), qwix for the
+# 8-bit sampler, and libtpu, whose compile-only client the planner's tests compile TPU programs
+# with (no TPU).
 $(DEV): $(BASE)
-	$(PY) -m pip install --quiet -e '.[dev,parity,math,tpu,serve]'
+	$(PY) -m pip install --quiet -e '.[dev,parity,math,tpu,serve,quant]'
 	touch $(DEV)
 
 install: $(BASE)

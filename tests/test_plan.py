@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from relax.plan import targets
@@ -518,6 +519,64 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
     assert (
         attempts[-1].flags == ("--parallel.offload-reference",) and attempts[-1].fits
     )  # 15 GiB: stop here
+
+
+def int8_sampler_bytes_by_hand(tensor: int, scale_bytes: int) -> int:
+    """The tiny Llama's int8 sampler weights on a chip: per layer each matrix's codes (1 byte),
+    split over ``tensor`` by heads (q/k/v, o) and MLP units (gate/up, down), plus one scale per
+    output channel, split where the output axis is (q/k/v: heads, gate/up: units; o and down
+    output the model width, their scales whole); the int8 head ``[V, D]`` and its ``V`` scales,
+    vocabulary rows over ``tensor``."""
+    codes = D * HQ * HD + 2 * D * HKV * HD + HQ * HD * D + 3 * D * F
+    split_scales = HQ * HD + 2 * HKV * HD + 2 * F
+    whole_scales = D + D
+    per_layer = codes // tensor + split_scales * scale_bytes // tensor + whole_scales * scale_bytes
+    return L * per_layer + V * (D + scale_bytes) // tensor
+
+
+def test_sampler_weights_by_hand():
+    """``relax plan``'s sampler weight copy per chip: 1 byte per quantized parameter plus scales
+    (int8, bfloat16 scales), 4 per parameter (the float32 parameters' own copy), by hand."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from relax.models.config.model import family_config
+    from relax.plan.memory import sampler_weights_per_chip
+
+    config = family_config(
+        "llama", vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=L, num_heads=HQ,
+        num_kv_heads=HKV, head_dim=HD, max_position_embeddings=2048,
+    )  # fmt: skip
+    for tensor in (1, 2):
+        mesh = AbstractMesh(
+            (1, 1, 4 // tensor, tensor), ("data", "expert", "fsdp", "tensor"),
+            axis_types=(AxisType.Auto,) * 4,
+        )  # fmt: skip
+        got = sampler_weights_per_chip(config, "int8", jnp.float32, jnp.bfloat16, mesh)
+        assert got == int8_sampler_bytes_by_hand(tensor, 2), tensor
+        fp8 = sampler_weights_per_chip(config, "fp8", jnp.float32, jnp.float32, mesh)
+        assert fp8 == int8_sampler_bytes_by_hand(tensor, 4)  # the same layout, float32 scales
+        model = sampler_weights_per_chip(config, "model", jnp.float32, jnp.bfloat16, mesh)
+        assert model == (hand_count_params() - 2 * V * D - 2 * L * D - D) * 4 // tensor
+
+
+@needs_tpu
+@pytest.mark.slow  # make test-all (another compile of the tiny plan, ~30 s)
+def test_int8_sampler_planned_in_one_byte_per_weight(tiny_config, tiny_plan):
+    """``--grpo.sampler-precision int8`` on the tiny plan: the sampler's weight copy by hand (out of
+    its temporaries), fewer bytes per decode step, and the table says so. (Its total is not
+    compared: the temporaries of a model this small sit partly in the TPU's on-chip memory, which
+    the compiler does not count; docs/planner.md has a 4096-wide model's.)"""
+    from relax.plan import plan
+
+    argv = ["--model", tiny_config, *RUN, "--parallel.mesh", "fsdp=4"]
+    p = plan("grpo", [*argv, "--grpo.sampler-precision", "int8"], "v5e:2x2")
+    rollout, fp32 = p.programs[0], tiny_plan.programs[0]
+    assert rollout.sampler_weights == int8_sampler_bytes_by_hand(1, 4)  # compute float32
+    assert fp32.sampler_weights == (hand_count_params() - 2 * V * D - 2 * L * D - D) * 4
+    assert rollout.fits
+    assert p.traffic[0].decode_step_bytes < tiny_plan.traffic[0].decode_step_bytes
+    table = p.table()
+    assert "sampler int8" in table and "sampler_weights" in table
 
 
 @needs_tpu

@@ -93,15 +93,19 @@ def extend_memory(
     a: int,
     b: int,
     n: int,
+    *,
+    sampler_weights: int = 0,
 ) -> ProgramMemory:
-    """The ``n``-layer program's memory: the state and batch of its ``args`` and its KV caches
-    ``kv_cache`` exactly, its temporaries and outputs on the line through the programs ``ma``
-    and ``mb`` compiled at depths ``a`` and ``b``. A shallow program the compiler refused for
-    memory passes its message on (the deep one needs more still)."""
-    temp = lambda m: m.kv_cache + m.activations
+    """The ``n``-layer program's memory: the state and batch of its ``args``, its KV caches
+    ``kv_cache`` and weight copy ``sampler_weights`` exactly, its temporaries and outputs on the
+    line through the programs ``ma`` and ``mb`` compiled at depths ``a`` and ``b``. A shallow
+    program the compiler refused for memory passes its message on (the deep one needs more
+    still)."""
+    temp = lambda m: m.kv_cache + m.sampler_weights + m.activations
     temporaries = round(_line(temp(ma), temp(mb), a, b, n))
     outputs = round(_line(ma.outputs, mb.outputs, a, b, n))
     kv = min(kv_cache, temporaries)
+    copy = min(sampler_weights, temporaries - kv)
     parts, batch = state_parts(args[0]), per_chip(args[1])
     refused = mb if mb.error else ma if ma.error else None
     return ProgramMemory(
@@ -109,7 +113,8 @@ def extend_memory(
         **parts,
         batch=batch,
         kv_cache=kv,
-        activations=temporaries - kv,
+        sampler_weights=copy,
+        activations=temporaries - kv - copy,
         outputs=outputs,
         total=sum(parts.values()) + batch + outputs + temporaries,
         limit=(refused or mb).limit,
@@ -144,4 +149,5 @@ def extend_traffic(
         decode_collectives=collectives(ta.decode_collectives, tb.decode_collectives),
         decode_step_seconds=line(ta.decode_step_seconds, tb.decode_step_seconds),
         cache_copies=count(ta.cache_copies, tb.cache_copies),
+        decode_step_bytes=line(ta.decode_step_bytes, tb.decode_step_bytes),
     )

@@ -49,7 +49,8 @@ _WINDOW = re.compile(r"window=\{size=([\dx]+)")
 class ProgramTraffic:
     """Per chip: ``flops``, HBM ``bytes`` and the roofline ``seconds`` of one run; collectives
     ``{kind: (count, bytes)}`` outside decode loops per run, inside them per decode step; per
-    decode step too: ``decode_step_seconds`` and ``cache_copies``."""
+    decode step too: ``decode_step_seconds``, ``cache_copies`` and ``decode_step_bytes`` (the HBM
+    bytes its kernels read and write: the weights a step reads, 1 byte each for an 8-bit sampler)."""
 
     name: str
     flops: float
@@ -59,6 +60,7 @@ class ProgramTraffic:
     decode_collectives: dict[str, tuple[int, int]]
     decode_step_seconds: float
     cache_copies: int
+    decode_step_bytes: float = 0.0
 
 
 def _dot_flops(ins: Instr, local: dict[str, Instr]) -> float:
@@ -177,4 +179,5 @@ def traffic(
         decode_collectives=per_step,
         decode_step_seconds=roof(out["decode_kernels"]) / steps if out["decode_steps"] else 0.0,
         cache_copies=round(out["cache_copies"] / steps),
+        decode_step_bytes=sum(b for _, b in out["decode_kernels"]) / steps,
     )

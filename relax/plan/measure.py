@@ -16,7 +16,13 @@ from relax.models.config.model import DTYPES, ModelConfig
 from relax.models.config.sharding import batch_shards
 from relax.plan import depth as depth_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic
-from relax.plan.memory import ProgramMemory, kv_cache_per_chip, kv_heads_per_chip, program_memory
+from relax.plan.memory import (
+    ProgramMemory,
+    kv_cache_per_chip,
+    kv_heads_per_chip,
+    program_memory,
+    sampler_weights_per_chip,
+)
 from relax.plan.programs import Program, offline_programs, online_programs
 from relax.plan.targets import Target
 from relax.rollout.sampler import RolloutConfig, block_sizes, cache_bytes
@@ -31,10 +37,19 @@ class Measured:
     traffic: ProgramTraffic | None
 
 
-def measure(p: Program, target: Target, *, kv_cache: int = 0, sampler=None, args=None) -> Measured:
-    """A compiled program's memory against the chip's HBM (``kv_cache``: its KV caches per chip)
-    and traffic; ``sampler``: its first cache block's slots and the blocks' shapes; ``args``:
-    the ``(state, batch)`` its memory counts (default: its own arguments)."""
+def measure(
+    p: Program,
+    target: Target,
+    *,
+    kv_cache: int = 0,
+    sampler=None,
+    args=None,
+    sampler_weights: int = 0,
+) -> Measured:
+    """A compiled program's memory against the chip's HBM (``kv_cache``, ``sampler_weights``: its
+    KV caches and weight copy per chip) and traffic; ``sampler``: its first cache block's slots and
+    the blocks' shapes; ``args``: the ``(state, batch)`` its memory counts (default: its own
+    arguments)."""
     memory = program_memory(
         p.name,
         p.compiled,
@@ -43,6 +58,7 @@ def measure(p: Program, target: Target, *, kv_cache: int = 0, sampler=None, args
         kv_cache=kv_cache,
         error=p.error,
         compile_s=p.compile_s,
+        sampler_weights=sampler_weights,
     )
     return Measured(p, memory, _traffic(p, target, sampler))
 
@@ -133,21 +149,32 @@ def online(
             out.append(measure(p, target))
             continue
         kv = kv_cache_per_chip(kv_total, p.mesh, model)
+        copy = sampler_weights_per_chip(
+            model,
+            rollout.sampler_precision,
+            DTYPES[run.param_dtype],
+            DTYPES[run.compute_dtype],
+            p.mesh,
+        )
         blocks = (block_sizes(rollout)[0], cache_block_dims(model, rollout, run.batch_size, p.mesh))
         if known and p.name in known:  # extended from its shallow compiles
             low = [
                 measure(next(q for q in qs if q.name == p.name), target, sampler=blocks)
                 for qs in shallow
             ]
-            out.append(_extended(p, low, kv, at, model.num_layers))
+            out.append(_extended(p, low, (kv, copy), at, model.num_layers))
         else:
-            out.append(measure(p, target, kv_cache=kv, sampler=blocks))
+            out.append(measure(p, target, kv_cache=kv, sampler=blocks, sampler_weights=copy))
     return out
 
 
-def _extended(p: Program, low: list[Measured], kv: int, at: tuple, layers: int) -> Measured:
-    """The sampler ``p`` on the line through its shallow compiles ``low`` (at depths ``at``)."""
+def _extended(
+    p: Program, low: list[Measured], known: tuple[int, int], at: tuple, layers: int
+) -> Measured:
+    """The sampler ``p`` on the line through its shallow compiles ``low`` (at depths ``at``);
+    ``known``: its KV caches and weight copy per chip."""
     (ma, ta), (mb, tb) = ((m.memory, m.traffic) for m in low)
-    memory = depth_lib.extend_memory(p.name, p.args, kv, ma, mb, *at, layers)
+    kv, copy = known
+    memory = depth_lib.extend_memory(p.name, p.args, kv, ma, mb, *at, layers, sampler_weights=copy)
     flow = None if ta is None or tb is None else depth_lib.extend_traffic(ta, tb, *at, layers)
     return Measured(p, memory, flow)

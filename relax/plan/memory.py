@@ -13,8 +13,10 @@ weights, the optimizer state (moments and master weights), the reference model (
 offloaded to host memory for that program; a distillation's teacher), the critic with its
 optimizer, and the batch; a reward model's weights (``--reward-model``) are resident beside them
 on the trainer's chips. The temporaries of a sampler program hold its KV caches
-(``relax.rollout.sampler.cache_bytes``, divided over the chips that split their rows and heads);
-the rest of the temporaries are activations and scratch. A program the compiler refuses for
+(``relax.rollout.sampler.cache_bytes``, divided over the chips that split their rows and heads)
+and its own copy of the weights (``sampler_weights_per_chip``: the layers' matrices fused in the
+decode layout, 1 byte each plus scales for an 8-bit sampler, with its 8-bit head); the rest of
+the temporaries are activations and scratch. A program the compiler refuses for
 memory (TPU: ``RESOURCE_EXHAUSTED``) has no analysis: its need is read from the message.
 """
 
@@ -26,8 +28,10 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from relax.models.config.sharding import batch_shards
+from relax.models.config.sharding import EXPERT_AXIS, batch_shards, decode_layout
+from relax.models.layers.quantized import STACKED_WEIGHTS
 
 _SIZE = re.compile(r"([\d.]+)\s*([KMGT]?)(?:i?B)?")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -67,6 +71,9 @@ class ProgramMemory:
     reward_model: int = 0
     """The run's reward model (``--reward-model``) on this chip: loaded once and resident on the
     trainer's chips through the run (``relax.plan.reward_model``)."""
+    sampler_weights: int = 0
+    """A sampler's own copy of the weights on this chip (``sampler_weights_per_chip``), counted out
+    of its temporaries as ``kv_cache`` is (0 outside the sampler)."""
 
     @property
     def fits(self) -> bool:
@@ -115,8 +122,10 @@ def program_memory(
     kv_cache: int = 0,
     error: str | None = None,
     compile_s: float = 0.0,
+    sampler_weights: int = 0,
 ) -> ProgramMemory:
-    """The breakdown of one program; ``kv_cache``: its KV caches per chip (0 outside the sampler)."""
+    """The breakdown of one program; ``kv_cache`` and ``sampler_weights``: a sampler's KV caches and
+    weight copy per chip (0 outside the sampler), both counted out of its temporaries."""
     state, batch = args
     parts, batch_bytes = state_parts(state), per_chip(batch)
     if compiled is None:  # refused for memory: the message counts the temporaries
@@ -126,12 +135,14 @@ def program_memory(
         m = compiled.memory_analysis()
         temp, outputs = m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
     kv = min(kv_cache, temp)
+    copy = min(sampler_weights, temp - kv)
     return ProgramMemory(
         name,
         **parts,
         batch=batch_bytes,
         kv_cache=kv,
-        activations=temp - kv,
+        sampler_weights=copy,
+        activations=temp - kv - copy,
         outputs=outputs,
         total=sum(parts.values()) + batch_bytes + outputs + temp,
         limit=limit,
@@ -154,3 +165,40 @@ def kv_cache_per_chip(total_bytes: int, mesh: jax.sharding.Mesh, config) -> int:
     return (
         total_bytes * kv_heads_per_chip(config, mesh) // (config.num_kv_heads * batch_shards(mesh))
     )
+
+
+def sampler_weights_per_chip(
+    config,
+    precision: str,
+    param_dtype,
+    compute_dtype,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+) -> int:
+    """A sampler's own copy of the weights on one chip of ``mesh`` (``relax.rollout.sampler``'s
+    decode weights): every layer matrix, whole along the model width and split as the decode layout
+    splits it (``decode_layout``: heads and MLP units over ``tensor``, experts over ``expert`` and
+    their units over ``tensor``), in ``param_dtype``; for an 8-bit ``precision`` (int8 / fp8) the
+    quantized ones (``STACKED_WEIGHTS``) 1 byte each plus a ``compute_dtype`` scale per output
+    channel (split with the output axis: q/k/v and gate/up), and its own 8-bit head ``[V, D]``
+    (vocabulary rows, and their scales, over ``tensor``). Norms and biases are not counted."""
+    with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+        layout = decode_layout(config)
+    t, scale = layout.tensor_size, jnp.dtype(compute_dtype).itemsize
+    split = {"wq": layout.heads, "wk": layout.heads, "wv": layout.heads, "wo": layout.heads}
+    split.update({w: layout.mlp for w in ("w_gate", "w_up", "w_down")})
+    experts = (mesh.shape[EXPERT_AXIS] if layout.experts else 1) * (t if layout.expert_mlp else 1)
+    total = 0
+    for name, shape in config.stacked_shapes().items():
+        if name.endswith("norm") or name.startswith("b"):
+            continue
+        share = experts if name.startswith("expert_") else (t if split.get(name) else 1)
+        n = math.prod(shape)
+        if precision == "model" or name not in STACKED_WEIGHTS:
+            total += n * jnp.dtype(param_dtype).itemsize // share
+            continue
+        output_split = name in ("wq", "wk", "wv", "w_gate", "w_up")
+        total += n // share + n // shape[-2] * scale // (share if output_split else 1)
+    if precision != "model":
+        rows = t if layout.vocab else 1
+        total += config.vocab_size * (config.hidden_size + scale) // rows
+    return total

@@ -91,7 +91,9 @@ def _zero_reward(prompts, completions, **_) -> list[float]:
     return [0.0] * len(completions)
 
 
-def _parts(run: OnlineRunConfig, config: ModelConfig, passes) -> StepParts:
+def _parts(
+    run: OnlineRunConfig, config: ModelConfig, passes, algorithm: OnlineAlgorithm
+) -> StepParts:
     """Step parts that stand in for the run's: one reward function returning 0 and a decoder
     returning empty texts (what they compute does not change the programs' shapes), scheduled
     as the run's (``run_parts``)."""
@@ -103,7 +105,7 @@ def _parts(run: OnlineRunConfig, config: ModelConfig, passes) -> StepParts:
         pad_id=0,
         passes=passes,
     )
-    return run_parts(run, parts)
+    return run_parts(run, parts, algorithm.generation)
 
 
 def first_batch(run: OnlineRunConfig) -> WithHost:
@@ -157,7 +159,7 @@ def online_programs(
         algorithm,
         config,
         devices,
-        make_step=lambda passes: algorithm.make_step(_parts(run, config, passes)),
+        make_step=lambda passes: algorithm.make_step(_parts(run, config, passes, algorithm)),
         batch=first_batch(run),
         compile_fn=compile_fn,
         known=known,

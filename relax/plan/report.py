@@ -41,8 +41,20 @@ def _layout(run) -> str:
 
 
 def _columns(p: Plan) -> tuple[str, ...]:
-    """The table's columns: ``reward_model`` too when the run has one (``--reward-model``)."""
-    return COLUMNS + (("reward_model",) if any(m.reward_model for m in p.programs) else ())
+    """The table's columns: ``sampler_weights`` after ``kv_cache`` when a program samples (its weight
+    copy, ``relax.plan.memory.sampler_weights_per_chip``), ``reward_model`` too when the run has
+    one (``--reward-model``)."""
+    cut = COLUMNS.index("activations")
+    copy = ("sampler_weights",) if any(m.sampler_weights for m in p.programs) else ()
+    reward = ("reward_model",) if any(m.reward_model for m in p.programs) else ()
+    return COLUMNS[:cut] + copy + COLUMNS[cut:] + reward
+
+
+def _sampler_precision(p: Plan) -> str:
+    """``; sampler int8`` when the run's sampler is 8-bit (``--grpo.sampler-precision``)."""
+    generation = getattr(getattr(p.run, p.algorithm, None), "generation", None)
+    quantized = generation is not None and generation.quantized
+    return f"; sampler {generation.sampler_precision}" if quantized else ""
 
 
 def _width(column: str) -> int:
@@ -58,6 +70,7 @@ def plan_table(p: Plan) -> str:
         f"vocab {p.model.vocab_size}; "
         + _layout(run)
         + f"; params {run.param_dtype}, compute {run.compute_dtype}"
+        + _sampler_precision(p)
         + (f"; LoRA rank {run.lora.rank}" if run.lora.enabled else ""),
         f"  compiled {len(p.programs)} programs in {p.compile_s:.0f} s",
         *([f"  {NOTES[p.algorithm]}"] if p.algorithm in NOTES else []),
@@ -107,7 +120,8 @@ def plan_table(p: Plan) -> str:
                 f"{k} {n}x {b / 1e6:.2f} MB" for k, (n, b) in sorted(f.decode_collectives.items())
             )
             lines.append(
-                f"    decode step: {f.decode_step_seconds * 1e3:.2f} ms; collectives {per or 'none'}; "
+                f"    decode step: {f.decode_step_seconds * 1e3:.2f} ms, {f.decode_step_bytes / 1e9:.3f} GB; "
+                f"collectives {per or 'none'}; "
                 f"cache copies {f.cache_copies}"
             )
     return "\n".join(lines)

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from relax.choices import check_choice
 from relax.models.decoder.transformer import Transformer
 from relax.models.forward.routes import Routes
+from relax.models.layers.quantized import PRECISIONS, qwix
 from relax.rollout.sampling import SamplingConfig
 
 DEFAULT_BUCKETS = tuple(2**i for i in range(4, 17))
@@ -64,6 +66,12 @@ class RolloutConfig:
     """A mixture-of-experts model records each token's experts at every sparse layer in the
     rollout (``Rollout.routes``, for routing replay: ``relax.models.forward.routes``); no effect on a
     dense model."""
+    sampler_precision: str = "model"
+    """The sampler's weights: "model" (the model's own, in its compute dtype), or "int8" / "fp8"
+    (e4m3) weight-only, one scale per output channel (``relax.models.layers.quantized``, qwix: the
+    ``quant`` extra): the per-rollout copy of every layer's matrices and the LM head, prefill and
+    decode alike, so the rollout's log-probs are the quantized model's. Off-policy by construction:
+    a trainer corrects it (``--async.correction``)."""
 
     def __post_init__(self):
         if self.num_generations < 1:
@@ -76,6 +84,9 @@ class RolloutConfig:
             raise ValueError(
                 f"cache_chunk and max_segments must be >= 1, got {self.cache_chunk}, {self.max_segments}"
             )
+        check_choice("sampler_precision", self.sampler_precision, PRECISIONS)
+        if self.sampler_precision != "model":
+            qwix()  # installed, or an error naming the extra before anything compiles
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"

@@ -28,6 +28,7 @@ from relax.models.config.layer_kinds import layer_window
 from relax.models.config.sharding import DecodeLayout
 from relax.models.decoder.layer import FusedLayer
 from relax.models.decoder.transformer import Transformer
+from relax.models.layers.quantized import is_quantized
 from relax.rollout.compaction import keep_rows
 
 # logical dims of the fused weights on a mesh (the rest, norms, output biases, a sparse layer's
@@ -47,30 +48,53 @@ _FUSED_DIMS = {
 
 
 def place_layer(layout: DecodeLayout, p: FusedLayer) -> FusedLayer:
-    """One fused layer in the decode layout (adapters left where they are)."""
+    """One fused layer in the decode layout (adapters left where they are; an 8-bit weight,
+    ``relax.models.layers.quantized``: its values as the weight, its scales likewise)."""
 
     def place(name):
         x = getattr(p, name)
-        if name == "lora" or not eqx.is_array(
-            x
+        if name == "lora" or not (
+            eqx.is_array(x) or is_quantized(x)
         ):  # adapters, absent biases, the static group counts
             return x
-        return layout.constrain(x, *_FUSED_DIMS.get(name, (None,) * x.ndim))
+        dims = _FUSED_DIMS.get(name, (None,) * x.ndim)
+        if is_quantized(x):
+            return _place_quantized(layout, x, dims)
+        return layout.constrain(x, *dims)
 
     return FusedLayer(**{f.name: place(f.name) for f in dataclasses.fields(p)})
 
 
+def _place_quantized(layout: DecodeLayout, x: Any, dims: tuple) -> Any:
+    """A ``QArray``'s values and scales on ``dims`` (a scale's size-1 axes whole)."""
+    return jax.tree.map(
+        lambda a: layout.constrain(a, *(d if n > 1 else None for d, n in zip(dims, a.shape))), x
+    )
+
+
 def place_model(layout: DecodeLayout, model: Transformer) -> Transformer:
-    """The embedding (and untied head) whole along the width, rows over the vocabulary axis."""
-    head = lambda x: None if x is None else layout.constrain(x, "vocab", None)
+    """The embedding (and untied or 8-bit head) whole along the width, rows over the vocabulary axis."""
+
+    def head(x):
+        if x is None:
+            return None
+        if is_quantized(x):
+            return _place_quantized(layout, x, ("vocab", None))
+        return layout.constrain(x, "vocab", None)
+
     return dataclasses.replace(model, embed=head(model.embed), lm_head=head(model.lm_head))
 
 
-def attention_kernel(kind: str, layout: DecodeLayout, num_gen: int, scale: float | None):
+def attention_kernel(
+    kind: str, layout: DecodeLayout, num_gen: int, scale: float | None, probs_dtype=None
+):
     """``fn(q, pk, pv, prompt_allowed, own_k, own_v, own_allowed)`` of ``RolloutConfig.decode_attention``;
-    on a mesh the Pallas kernel runs per shard (rows over the batch axes, KV heads over tensor)."""
+    on a mesh the Pallas kernel runs per shard (rows over the batch axes, KV heads over tensor).
+    ``probs_dtype``: of the probabilities in ``P V`` (the XLA path; the kernel's are float32)."""
     if kind == "xla":
-        return functools.partial(reference_decode_attention, num_gen=num_gen, scale=scale)
+        return functools.partial(
+            reference_decode_attention, num_gen=num_gen, scale=scale, probs_dtype=probs_dtype
+        )
     if kind == "pallas" and not pallas_available(jax.default_backend()):
         raise ValueError(
             f"decode_attention='pallas' needs a CUDA GPU (backend: {jax.default_backend()}); "

@@ -25,7 +25,9 @@ inside the loop every cache, activation and loop buffer is pinned to rows over t
 layout implies (a sparse layer's: its token exchange over ``expert``).
 
 The layer code is the model's own (``transformer.run_layers``): the sampler only supplies
-the attention, so its log-probs equal the trainer's.
+the attention, so its log-probs equal the trainer's. With ``RolloutConfig.sampler_precision``
+int8 / fp8 the per-rollout copy of the weights is 8-bit (``relax.models.layers.quantized``) and
+the prompt is prefilled on it too: the log-probs are then those of ``dequantized(model)``.
 
 The public types and host-side helpers live in ``relax.rollout.config`` and the decode loop's
 pieces (layout, attention, compaction phases) in ``relax.rollout.decode``; this module assembles
@@ -34,6 +36,7 @@ the program and is the sampler's import path for all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,8 +44,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from relax.models.adapters.operations import merge_lora
-from relax.models.config.sharding import ambient_batch_shards, decode_layout
+from relax.models.config.sharding import DecodeLayout, ambient_batch_shards, decode_layout
 from relax.models.decoder.transformer import (
+    FusedLayer,
     LayerRoutes,
     Transformer,
     embed,
@@ -53,6 +57,14 @@ from relax.models.decoder.transformer import (
     run_layers,
 )
 from relax.models.forward.routes import Routes, route_dtype
+from relax.models.layers.quantized import (
+    FUSED_WEIGHTS,
+    STACKED_WEIGHTS,
+    dequantize,
+    dequantize_fields,
+    quantize,
+    quantize_fields,
+)
 from relax.models.layers.rope import rotary
 from relax.rollout.compaction import COMPACTED_BLOCKS, compaction_sizes
 from relax.rollout.config import (
@@ -88,6 +100,7 @@ __all__ = [
     "bucket_length",
     "cache_bytes",
     "compiled_generate",
+    "dequantized",
     "generate",
     "generate_program",
     "generate_with",
@@ -96,16 +109,62 @@ __all__ = [
 ]
 
 
-def _prefill(model: Transformer, ids, mask):
-    """Head-major prompt K/V ``[L, P, Hkv, Lp, D]``, last-position logits (the only ones needed)
-    and the sparse layers' experts of every prompt token ``[P, Lp, Ls, k]`` (None: dense)."""
+def _prefill(model: Transformer, ids, mask, layers: list[FusedLayer] | None = None):
+    """Head-major prompt K/V ``[L, P, Hkv, Lp, D]`` (with ``layers``, the decode loop's weights: a
+    list of ``[P, Hkv, Lp, D]``), last-position logits (the only ones needed) and the sparse
+    layers' experts of every prompt token ``[P, Lp, Ls, k]`` (None: dense)."""
     pos = positions_from_mask(mask)
     attend = full_attention(model, pos, mask.astype(bool))
-    h, (pk, pv), routed = run_layers(
-        model, embed(model, ids), pos, attend, routes=LayerRoutes(mask.astype(bool))
+    h, kv, routed = run_layers(
+        model, embed(model, ids), pos, attend, layers=layers, routes=LayerRoutes(mask.astype(bool))
     )
+    pk, pv = kv if layers is None else ([k for k, _ in kv], [v for _, v in kv])
     experts = None if routed is None else jnp.moveaxis(routed.experts, 0, 2)
     return pk, pv, project(model, h[:, -1]), experts
+
+
+def _decode_weights(
+    model: Transformer, layout: DecodeLayout, cfg: RolloutConfig
+) -> tuple[Transformer, list[FusedLayer]]:
+    """The decode loop's weights, laid out once (``place_layer`` / ``place_model``): per-layer fused
+    q/k/v and gate/up (with LoRA: ``W + s A B`` merged into this copy when ``cfg.merge_adapters``),
+    the embedding and head. With ``cfg.sampler_precision`` int8 / fp8 the fused matrices and the
+    head are quantized per output channel (``relax.models.layers.quantized``; the embedding gather
+    stays in the model's dtype, a tied head gets its own 8-bit copy)."""
+    fused = fuse_layers(
+        merge_lora(model) if cfg.merge_adapters else model,
+        qkv_groups=layout.qkv_groups,
+        mlp_groups=layout.mlp_groups,
+    )
+    precision = cfg.sampler_precision
+    if precision == "model":
+        layers = [place_layer(layout, p) for p in fused]
+        model = place_model(layout, model)
+        return model, layers
+    # quantized in the decode layout (each weight whole along its input: its scales are local),
+    # one layer after another: a layer is laid out (gathered) only once the previous one is
+    # quantized, so one layer's float copy at a time lies beside the 8-bit ones
+    model = place_model(layout, model)
+    prev = quantize(model.head, precision, model.dtype, contract=-1)
+    model = dataclasses.replace(model, lm_head=prev)
+    layers = []
+    for p in fused:
+        p, _ = jax.lax.optimization_barrier((p, prev))
+        prev = quantize_fields(place_layer(layout, p), FUSED_WEIGHTS, precision, model.dtype)
+        layers.append(prev)
+    return model, layers
+
+
+def dequantized(model: Transformer, precision: str) -> Transformer:
+    """The model an int8 / fp8 sampler of ``model`` samples from: each weight it quantizes replaced
+    by its ``W^`` (``relax.models.layers.quantized``), the head untied when tied (the embedding
+    gather keeps the model's); ``model`` itself for "model". Its forward's log-probs are the
+    quantized sampler's (with LoRA: ``merge_lora`` first, as the sampler merges)."""
+    if precision == "model":
+        return model
+    head = dequantize(quantize(model.head, precision, model.dtype, contract=-1))
+    layers = dequantize_fields(model.layers, STACKED_WEIGHTS, precision, model.dtype)
+    return dataclasses.replace(model, layers=layers, lm_head=head)
 
 
 def generate_program(
@@ -122,7 +181,12 @@ def generate_program(
     rows = lambda x: layout.constrain(
         x, "batch", *(None,) * (x.ndim - 1)
     )  # a loop buffer: rows split
-    pk, pv, logits0, prompt_experts = _prefill(model, prompt_ids, prompt_mask)
+    quantized = cfg.sampler_precision != "model"
+    if quantized:  # prefill on the decode loop's 8-bit weights: one copy, the same numbers
+        model, layers = _decode_weights(model, layout, cfg)
+    pk, pv, logits0, prompt_experts = _prefill(
+        model, prompt_ids, prompt_mask, layers if quantized else None
+    )
     record = cfg.record_routes and prompt_experts is not None
     rdt = route_dtype(c.num_experts)
     # experts of completion token t, recorded when it is fed (step t) by a running row: the last
@@ -142,13 +206,8 @@ def generate_program(
     # Per-layer buffers and parameters: the decode loop indexes no stacked [L, ...] array,
     # so nothing is sliced (copied) per step and each cache is updated in place.
     # with LoRA: W + s A B merged into the fused copy made here anyway (no extra memory)
-    fused = fuse_layers(
-        merge_lora(model) if cfg.merge_adapters else model,
-        qkv_groups=layout.qkv_groups,
-        mlp_groups=layout.mlp_groups,
-    )
-    layers = [place_layer(layout, p) for p in fused]
-    model = place_model(layout, model)
+    if not quantized:
+        model, layers = _decode_weights(model, layout, cfg)
     heads = lambda x: layout.constrain(x, "batch", "heads", None, None)
     q_pos_base = jnp.repeat(prompt_len, g)
     # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul;
@@ -260,7 +319,13 @@ def generate_program(
                 phase, bufs, finished, ck, cv, size, g, layout, merge if k == 1 else 1
             )
             state = (t, bufs, finished, ck, cv)
-        kernel = attention_kernel(cfg.decode_attention, layout, phase.num_gen, c.attn_scale)
+        kernel = attention_kernel(
+            cfg.decode_attention,
+            layout,
+            phase.num_gen,
+            c.attn_scale,
+            model.precision.probs_dtype(model.dtype),
+        )
         next_rows = counts[k + 1] if k + 1 < len(counts) else 0
         width = chunk if k == 0 else chunk * merge
         for seg in range(len(ck[0])):

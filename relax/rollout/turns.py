@@ -161,6 +161,7 @@ def _attend(model: Transformer, s: TurnState, slots, writes):
     q_pos = jnp.repeat(s.prompt_len, g)[:, None] + slots  # [B, M]
     row_pos, row_slot = jnp.repeat(q_pos, r, axis=1), jnp.repeat(slots, r, axis=1)  # [B, M*R]
     n = s.tokens.shape[1]
+    pd = model.precision.probs_dtype(model.dtype)
 
     def attend(q, k, v, layer_input, sliding):
         window = layer_window(c, sliding)
@@ -175,7 +176,7 @@ def _attend(model: Transformer, s: TurnState, slots, writes):
             )
         blocks = [
             attn.shared_prefix_attention(
-                qg, pk, pv, allowed_p, g, k_transposed=True, scale=c.attn_scale
+                qg, pk, pv, allowed_p, g, k_transposed=True, scale=c.attn_scale, probs_dtype=pd
             )
         ]
         ck = ck.at[rows, :, :, writes].set(k.astype(ck.dtype), mode="drop")  # k: [B, M, Hkv, D]
@@ -185,7 +186,9 @@ def _attend(model: Transformer, s: TurnState, slots, writes):
         if window is not None:
             allowed = allowed & (row_slot[:, :, None] - kv_slot[None, None, :] < window)
         blocks.append(
-            attn.block_stats(qg, ck, cv, allowed[:, None], k_transposed=True, scale=c.attn_scale)
+            attn.block_stats(
+                qg, ck, cv, allowed[:, None], k_transposed=True, scale=c.attn_scale, probs_dtype=pd
+            )
         )
         out = (
             attn.merge_stats(blocks)

@@ -28,7 +28,14 @@ def rollout_config(
     agent: AgentConfig, generation: GenerationConfig, *, eos_ids: tuple[int, ...], pad_id: int
 ) -> AgentRolloutConfig:
     """The trajectories' sampler: ``generation``'s completions per row, sampling controls and
-    budget (the whole trajectory, observations included), turns of ``agent.max_turn_tokens``."""
+    budget (the whole trajectory, observations included), turns of ``agent.max_turn_tokens``.
+    The multi-turn sampler runs the model's own weights: an 8-bit ``sampler_precision`` is refused."""
+    if generation.quantized:
+        raise ValueError(
+            f"sampler_precision {generation.sampler_precision}: the agent trainer's multi-turn "
+            "sampler (relax.rollout.turns) runs the model's own weights; 8-bit samplers are "
+            "single-turn (GRPO, PPO)"
+        )
     turns = TurnConfig(
         num_generations=generation.num_generations,
         max_tokens=generation.max_new_tokens,

@@ -63,7 +63,10 @@ def load_setup(
         else:
             tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
             model = load_pretrained(
-                cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+                cfg.model,
+                dtype=DTYPES[cfg.compute_dtype],
+                param_dtype=DTYPES[cfg.param_dtype],
+                precision=cfg.precision,
             )
     if cfg.data is not None:
         train, held_out = _rows(cfg)

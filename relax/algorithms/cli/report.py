@@ -76,6 +76,7 @@ def model_lines(model, cfg: Any, mesh=None) -> tuple[str, ...]:
         f"parameters {total:,} ({trainable:,} trainable), param dtype {jnp.dtype(model.embed.dtype).name}, compute "
         f"dtype {jnp.dtype(model.dtype).name}"
         + (f", LoRA rank {lora.rank}" if lora is not None and lora.enabled else ""),
+        model.precision.describe(model.dtype) + " (the sampler's and every training forward's)",
         f"{len(devices)} {devices[0].platform} device(s), {jax.process_count()} process(es)"
         + ("" if mesh is None else f", mesh {dict(mesh.shape)}"),
     )

@@ -134,7 +134,10 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
     else:
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
         model = load_pretrained(
-            cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+            cfg.model,
+            dtype=DTYPES[cfg.compute_dtype],
+            param_dtype=DTYPES[cfg.param_dtype],
+            precision=cfg.precision,
         )
         data, eval_data = cfg.data, cfg.eval_data
     model = with_lora(cfg, model)

@@ -14,7 +14,9 @@ import tyro
 from relax.algorithms.online.step import StepParts
 from relax.eval.evaluate import EvalConfig
 from relax.models.config.model import DTYPES
+from relax.models.config.precision import Precision
 from relax.models.layers.lora import LoRAConfig
+from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ParallelConfig
 from relax.rewards.sandbox import SandboxConfig
 from relax.rollout.generation import GenerationConfig
@@ -51,6 +53,11 @@ class ModelRunConfig(RunConfig):
     """Rows per step: prompts (each gets G completions), examples, packed rows or pairs."""
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    """The dtype of every matmul's operands (weights and activations; products accumulate in float32)."""
+    precision: Precision = Precision()
+    """What stays float32 when --compute-dtype is lower (``relax.models.config.precision``): the residual
+    stream, the products' results, the attention probabilities. One policy for the sampler and
+    every training forward (it rides on the model)."""
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (``--lora.rank 8``): only they train, the KL reference is the base model and
     checkpoints hold only the adapters; rank 0 (the default): the whole model trains."""
@@ -141,17 +148,33 @@ class OnlineRunConfig(TaskRunConfig):
             )
 
 
-def run_parts(cfg: OnlineRunConfig, parts: StepParts) -> StepParts:
+def run_parts(cfg: OnlineRunConfig, parts: StepParts, generation: GenerationConfig) -> StepParts:
     """``parts`` scored and scheduled as the run's flags say: ``--reward-on-error``,
-    ``--reward-timeout-s``, and ``--async.*``'s off-policy correction (pipelined when the
-    staleness is above 0)."""
+    ``--reward-timeout-s``, and ``--async.*``'s off-policy correction (``off_policy``; pipelined
+    when the staleness is above 0)."""
     return dataclasses.replace(
         parts,
         on_error=cfg.reward_on_error,
         timeout_s=cfg.reward_timeout_s,
-        off_policy=cfg.async_.off_policy,
+        off_policy=off_policy(cfg, generation),
         pipelined=cfg.async_.staleness > 0,
     )
+
+
+def off_policy(cfg: OnlineRunConfig, generation: GenerationConfig) -> OffPolicyConfig | None:
+    """The loss's behaviour correction (``relax.objectives.off_policy``): ``--async.correction`` on
+    stale batches (``--async.staleness`` > 0), and on every batch of an 8-bit sampler
+    (``generation.sampler_precision`` int8 / fp8: its policy is not the trainer's even when
+    synchronous; the proximal policy is then the trainer's own log-probs of the batch)."""
+    if not generation.quantized:
+        return cfg.async_.off_policy
+    if cfg.async_.correction.kind == "none":
+        raise ValueError(
+            f"sampler_precision {generation.sampler_precision}: the sampler's weights are not the "
+            "trainer's, so every batch is off-policy and needs a behaviour correction; "
+            "--async.correction.kind none applies none (choose tis, mis or decoupled)"
+        )
+    return cfg.async_.correction
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,10 +46,12 @@ from relax.data.prompts import (
     prompt_iterator,
 )
 from relax.eval.evaluate import evaluate
+from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ShardedStep, batch_shards, check_batch
 from relax.parallel.distributed import on_host_memory
 from relax.passes import choose_passes
 from relax.rewards.sandbox import describe as describe_sandbox
+from relax.rollout.generation import GenerationConfig
 from relax.rollout.partial import PartialRollouts
 from relax.train.logs import MetricsLogger, is_main_process
 from relax.train.run import RunConfig, Trainer, run_loop
@@ -81,6 +83,7 @@ def _report(
     ]
     if algo.describe_update is not None:
         lines.append(algo.describe_update(data.model))
+    lines += _sampler_lines(algo.generation, parts.off_policy)
     if "code_exec" in cfg.reward:
         lines.append(describe_sandbox(cfg.sandbox))
     return run_report(
@@ -101,6 +104,24 @@ def _report(
             ("first prompt", first_prompt_lines(train.first_prompt)),
         ],
     )
+
+
+def _sampler_lines(generation: GenerationConfig, correction: OffPolicyConfig | None) -> list[str]:
+    """The start-up report's lines on the sampler's precision and the behaviour correction."""
+    lines = []
+    if generation.quantized:
+        lines.append(
+            f"sampler weights: {generation.sampler_precision}, weight-only per output channel "
+            "(qwix), prefill and decode; the trainer keeps the model's: every batch off-policy"
+        )
+    if correction is not None:
+        lines.append(
+            f"behaviour correction: {correction.kind}, {correction.level} level"
+            + (f", cap {correction.cap:g}" if correction.kind in ("tis", "mis") else "")
+            + (f", lower {correction.lower_bound:g}" if correction.kind == "mis" else "")
+            + " (relax.objectives.off_policy; proximal policy: the trainer's log-probs)"
+        )
+    return lines
 
 
 def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: StepParts, log):
@@ -241,7 +262,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             pool=pool,
             partial=partial,
         )
-        parts = run_parts(cfg, parts)
+        parts = run_parts(cfg, parts, algo.generation)
         report = _report(cfg, algo, data, parts, mesh)
         log(report.text())
         with on_host_memory(mesh is not None):

@@ -155,7 +155,10 @@ def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> Ru
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
         with on_host_memory(on_host):
             model = load_pretrained(
-                cfg.model, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+                cfg.model,
+                dtype=DTYPES[cfg.compute_dtype],
+                param_dtype=DTYPES[cfg.param_dtype],
+                precision=cfg.precision,
             )
         data_path, eval_path = cfg.data, cfg.eval_data
     model = with_lora(cfg, model)

@@ -70,7 +70,8 @@ def make_state(
     p: PPOConfig, model, key, *, dtype=jnp.float32, param_dtype=jnp.float32
 ) -> TrainState:
     """PPO's state for ``model``: its optimizer, the critic (a value head, a copy of the policy, or
-    ``p.critic_model`` loaded in ``dtype`` / ``param_dtype``) with its own, and the reference."""
+    ``p.critic_model`` loaded in ``dtype`` / ``param_dtype`` with the policy's precision policy)
+    with its own, and the reference."""
     check_lora_reference(model, p.reference, p.needs_reference)
     critic = None
     if p.shared_critic:
@@ -79,7 +80,9 @@ def make_state(
         critic = (
             init_critic(model)
             if p.critic_model is None
-            else load_critic(p.critic_model, dtype=dtype, param_dtype=param_dtype)
+            else load_critic(
+                p.critic_model, dtype=dtype, param_dtype=param_dtype, precision=model.precision
+            )
         )
     return init_state(
         model,

@@ -263,7 +263,10 @@ def verifier_accuracy(policy_dir: str, cfg, records) -> float:
     """Greedy exact-match accuracy of the policy in ``policy_dir`` on the held-out prompt ``records``
     (stage 3's config ``cfg``: dtypes, prompt and answer columns, completion budget)."""
     policy = load_pretrained(
-        policy_dir, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+        policy_dir,
+        dtype=DTYPES[cfg.compute_dtype],
+        param_dtype=DTYPES[cfg.param_dtype],
+        precision=cfg.precision,
     )
     generation = (cfg.ppo if isinstance(cfg, ppo_run.PPORunConfig) else cfg.grpo).generation
     return greedy_accuracy(

@@ -46,19 +46,45 @@ def block_stats(
     *,
     k_transposed: bool = False,
     scale: float | None = None,
+    probs_dtype=None,
 ) -> BlockStats:
     """Grouped queries over one key block, unnormalised (module docstring). ``k_transposed``: keys
     are stored ``[b, hk, d, s]``, which makes the score product a plain ``[m, d] x [d, s]`` matmul;
     the decode caches use it (with few query rows, XLA:CPU runs that ~3x faster). ``scale``: of
-    the scores (None: ``D^-1/2``)."""
+    the scores (None: ``D^-1/2``). ``probs_dtype``: of the probabilities in ``P V`` (None: ``v``'s;
+    float32 over lower-precision ``v``: ``probs_times_values``)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     spec = "bhmd,bhds->bhms" if k_transposed else "bhmd,bhsd->bhms"
     scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(allowed, scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(allowed, jnp.exp(scores - m), 0.0)
-    u = jnp.einsum("bhms,bhsd->bhmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    u = probs_times_values(p, v, v.dtype if probs_dtype is None else probs_dtype)
     return BlockStats(u, m[..., 0], jnp.sum(p, axis=-1))
+
+
+def probs_times_values(
+    p: Float[Array, "b h m s"], v: Float[Array, "b h s d"], probs_dtype
+) -> Float[Array, "b h m d"]:
+    """``P V`` accumulated in float32, ``P`` rounded to ``probs_dtype``. Float32 ``P`` over
+    lower-precision ``v`` is two products in ``v``'s dtype, ``P = P_hi + P_lo`` with ``P_hi =
+    round(P)`` and ``P_lo = round(P - P_hi)`` (exact to about 2^-16 relative in bfloat16), stacked
+    on the query rows so ``v`` is read once (no float32 copy of a cache)."""
+    low = jnp.dtype(v.dtype)
+    if jnp.dtype(probs_dtype) == low:
+        return jnp.einsum("bhms,bhsd->bhmd", p.astype(low), v, preferred_element_type=jnp.float32)
+    if low == jnp.float32:
+        return jnp.einsum("bhms,bhsd->bhmd", p, v, preferred_element_type=jnp.float32)
+    hi = p.astype(low)
+    lo = (p - hi.astype(jnp.float32)).astype(low)
+    m = p.shape[2]
+    both = jnp.einsum(
+        "bhms,bhsd->bhmd",
+        jnp.concatenate([hi, lo], axis=2),
+        v,
+        preferred_element_type=jnp.float32,
+    )
+    return both[:, :, :m] + both[:, :, m:]
 
 
 def merge_stats(blocks: list[BlockStats]) -> Float[Array, "b hk m d"]:
@@ -78,11 +104,14 @@ def partial_attention(
     *,
     k_transposed: bool = False,
     scale: float | None = None,
+    probs_dtype=None,
 ) -> tuple[Float[Array, "b hk m d"], Float[Array, "b hk m"]]:
     """Softmax attention of grouped queries over one key block: the block-normalised output
     (float32) and the per-query log-sum-exp of the scores (float32; about ``NEG_INF`` where
-    nothing is visible). ``k_transposed`` and ``scale`` as in ``block_stats``."""
-    u, m, l = block_stats(q, k, v, allowed, k_transposed=k_transposed, scale=scale)
+    nothing is visible). ``k_transposed``, ``scale`` and ``probs_dtype`` as in ``block_stats``."""
+    u, m, l = block_stats(
+        q, k, v, allowed, k_transposed=k_transposed, scale=scale, probs_dtype=probs_dtype
+    )
     safe_l = jnp.where(l > 0, l, 1.0)
     return u / safe_l[..., None], jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
 
@@ -114,15 +143,18 @@ def attention(
     allowed: Bool[Array, "b t s"],
     *,
     scale: float | None = None,
+    probs_dtype=None,
 ) -> Float[Array, "b t hq d"]:
     """Masked grouped-query attention of a sequence over one head-major block, in ``q.dtype``
-    (``scale`` as in ``block_stats``)."""
+    (``scale`` and ``probs_dtype`` as in ``block_stats``)."""
     b, t, hq, d = q.shape
     hk = k.shape[1]
     r = hq // hk
     qg = q.reshape(b, t, hk, r, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, r * t, d)
     mask = jnp.broadcast_to(allowed[:, None, None], (b, 1, r, t, allowed.shape[-1]))
-    out, _ = partial_attention(qg, k, v, mask.reshape(b, 1, r * t, -1), scale=scale)
+    out, _ = partial_attention(
+        qg, k, v, mask.reshape(b, 1, r * t, -1), scale=scale, probs_dtype=probs_dtype
+    )
     return out.reshape(b, hk, r, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -135,6 +167,7 @@ def shared_prefix_attention(
     *,
     k_transposed: bool = False,
     scale: float | None = None,
+    probs_dtype=None,
 ) -> BlockStats:
     """Attention of the G sequences of each group to their group's ONE prefix block.
 
@@ -146,7 +179,9 @@ def shared_prefix_attention(
     b, hk, m, d = q.shape
     p = b // num_gen
     qp = q.reshape(p, num_gen, hk, m, d).transpose(0, 2, 1, 3, 4).reshape(p, hk, num_gen * m, d)
-    stats = block_stats(qp, k, v, allowed, k_transposed=k_transposed, scale=scale)
+    stats = block_stats(
+        qp, k, v, allowed, k_transposed=k_transposed, scale=scale, probs_dtype=probs_dtype
+    )
     unfold = lambda x: (
         x.reshape((p, hk, num_gen, m) + x.shape[3:])
         .swapaxes(1, 2)

@@ -67,8 +67,10 @@ def reference_decode_attention(
     *,
     num_gen: int,
     scale: float | None = None,
+    probs_dtype=None,
 ) -> Float[Array, "b hk r d"]:
-    """The XLA path (module docstring); ``scale`` None means ``D^-1/2``."""
+    """The XLA path (module docstring); ``scale`` None means ``D^-1/2``; ``probs_dtype`` as in
+    ``relax.models.attention.blocks.block_stats``."""
     blocks = [
         shared_prefix_attention(
             q,
@@ -78,11 +80,20 @@ def reference_decode_attention(
             num_gen,
             k_transposed=True,
             scale=scale,
+            probs_dtype=probs_dtype,
         )
     ]
     for k, v, allowed in zip(own_k, own_v, own_allowed, strict=True):
         blocks.append(
-            block_stats(q, k, v, allowed[None, None, None, :], k_transposed=True, scale=scale)
+            block_stats(
+                q,
+                k,
+                v,
+                allowed[None, None, None, :],
+                k_transposed=True,
+                scale=scale,
+                probs_dtype=probs_dtype,
+            )
         )
     return merge_stats(blocks)
 

@@ -58,12 +58,14 @@ def _scores(q, pk, k, masks, scale):
 
 class _Static(NamedTuple):
     """The kernel's static choices: a static ``window`` (None: none, or the traced one in ``pos``),
-    the score ``scale`` (None: ``D^-1/2``), groups per loop step, keep ``P`` for the backward."""
+    the score ``scale`` (None: ``D^-1/2``), groups per loop step, keep ``P`` for the backward, the
+    dtype of ``P`` in the forward's ``P V`` (None: float32)."""
 
     window: int | None
     scale: float | None
     groups_per_step: int
     save: bool
+    probs_dtype: str | None = None
 
 
 def _scale(st: _Static, q) -> float:
@@ -91,9 +93,21 @@ def _group_forward(st, q, pk, pv, k, v, pos):
     eo = jnp.where(masks[1], jnp.exp(so - m), 0.0)
     l = jnp.sum(ep, axis=-1, keepdims=True) + jnp.sum(eo, axis=-1, keepdims=True)
     safe = jnp.where(l > 0, l, 1.0)
+    pd = jnp.float32 if st.probs_dtype is None else jnp.dtype(st.probs_dtype)
+    f32 = pd == jnp.float32
     o = (
-        jnp.einsum("hgms,hsd->hgmd", ep, pv.astype(jnp.float32))
-        + jnp.einsum("hgms,hgsd->hgmd", eo, v.astype(jnp.float32))
+        jnp.einsum(
+            "hgms,hsd->hgmd",
+            ep.astype(pd),
+            pv.astype(jnp.float32) if f32 else pv.astype(pd),
+            preferred_element_type=jnp.float32,
+        )
+        + jnp.einsum(
+            "hgms,hgsd->hgmd",
+            eo.astype(pd),
+            v.astype(jnp.float32) if f32 else v.astype(pd),
+            preferred_element_type=jnp.float32,
+        )
     ) / safe
     lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # +inf: P = exp(s - lse) = 0 in the backward
     return o, lse, (ep, eo, safe)
@@ -220,6 +234,7 @@ def prefix_group_attention(
     save_probabilities: bool = False,
     q_segments: Int[Array, "p g m"] | None = None,
     k_segments: Int[Array, "p g n"] | None = None,
+    probs_dtype=None,
 ) -> Float[Array, "p hk g m d"]:
     """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
 
@@ -241,6 +256,9 @@ def prefix_group_attention(
 
     ``q_segments`` / ``k_segments`` (both or neither): segment ids of packed rows; a query row sees
     an own key only when their segments are equal (module docstring).
+
+    ``probs_dtype``: of ``P`` in the forward's ``P V`` (None: float32, ``V`` upcast); the backward
+    recomputes in float32 either way.
     """
     p = q.shape[0]
     if groups_per_step < 1 or p % groups_per_step:
@@ -259,5 +277,6 @@ def prefix_group_attention(
         q_segments,
         k_segments,
     )
-    st = _Static(None if traced else window, scale, groups_per_step, bool(save_probabilities))
+    pd = None if probs_dtype is None else jnp.dtype(probs_dtype).name
+    st = _Static(None if traced else window, scale, groups_per_step, bool(save_probabilities), pd)
     return _attend(st, q, pk, pv, k, v, pos)

@@ -31,6 +31,7 @@ from relax.models.config.model import (
     family_config,
     small_config,
 )
+from relax.models.config.precision import Precision
 from relax.models.config.sharding import (
     BATCH_AXES,
     EXPERT_AXIS,
@@ -63,6 +64,7 @@ __all__ = [
     "ModelConfig",
     "NO_WINDOW",
     "NormWeight",
+    "Precision",
     "RopeScaling",
     "T",
     "TENSOR_AXIS",

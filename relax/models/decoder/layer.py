@@ -24,8 +24,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from relax.models.config.layer_kinds import Kind, scanned_kinds
 from relax.models.config.model import MOE_FIELDS, ModelConfig
+from relax.models.decoder.taps import tap
 from relax.models.layers.lora import Adapters, adapted
 from relax.models.layers.matmul import matmul
+from relax.models.layers.quantized import is_quantized, quantized_matmul
 from relax.models.layers.rope import Rotary, apply_rope, layer_rotary
 from relax.models.moe import experts as moe
 from relax.models.moe.expert_parallel import experts_ffn
@@ -137,23 +139,28 @@ def activation(c: ModelConfig, x: Array) -> Array:
     return jax.nn.silu(x) if c.activation == "silu" else jax.nn.gelu(x, approximate=True)
 
 
-def linear(x, w, b, dtype):
+def linear(x, w, b, dtype, out=None):
+    """``x W + b``: operands in ``dtype``, accumulated in float32, the result in ``out`` (None: ``dtype``)."""
+    out = dtype if out is None else out
     # a 2-D matmul: XLA:CPU runs ``[b, t, i] x [i, o]`` as a 3-D dot ~1.5x slower (fwd and bwd)
-    y = matmul(x.reshape(-1, x.shape[-1]), w.astype(dtype)).reshape(*x.shape[:-1], w.shape[-1])
-    return y if b is None else y + b.astype(dtype)
+    flat = x.reshape(-1, x.shape[-1]).astype(dtype)
+    product = quantized_matmul if is_quantized(w) else matmul  # an 8-bit sampler's weight
+    y = product(flat, w.astype(dtype), out).reshape(*x.shape[:-1], w.shape[-1])
+    return y if b is None else y + b.astype(out)
 
 
-def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig):
+def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig, out):
+    h = h.astype(dt)
     if isinstance(p, FusedLayer):
         lead, n = h.shape[:-1], p.qkv_groups
-        qkv = linear(h, p.wqkv, p.bqkv, dt).reshape(*lead, n, -1)
+        qkv = linear(h, p.wqkv, p.bqkv, dt, out).reshape(*lead, n, -1)
         qd, kd = c.num_heads * c.head_dim // n, c.num_kv_heads * c.head_dim // n
         q, k, v = (
             x.reshape(*lead, -1)
             for x in (qkv[..., :qd], qkv[..., qd : qd + kd], qkv[..., qd + kd :])
         )
     else:
-        q, k, v = linear(h, p.wq, p.bq, dt), linear(h, p.wk, p.bk, dt), linear(h, p.wv, p.bv, dt)
+        q, k, v = (linear(h, w, b, dt, out) for w, b in ((p.wq, p.bq), (p.wk, p.bk), (p.wv, p.bv)))
     return (
         adapted(p.lora, "wq", h, q, dt),
         adapted(p.lora, "wk", h, k, dt),
@@ -161,13 +168,14 @@ def _qkv(p: LayerStack | FusedLayer, h, dt, c: ModelConfig):
     )
 
 
-def _gate_up(p: LayerStack | FusedLayer, h, dt):
+def _gate_up(p: LayerStack | FusedLayer, h, dt, out):
+    h = h.astype(dt)
     if isinstance(p, FusedLayer):
-        gu = linear(h, p.w_gate_up, p.b_gate_up, dt).reshape(*h.shape[:-1], p.mlp_groups, -1)
+        gu = linear(h, p.w_gate_up, p.b_gate_up, dt, out).reshape(*h.shape[:-1], p.mlp_groups, -1)
         f = gu.shape[-1] // 2
         gate, up = gu[..., :f].reshape(*h.shape[:-1], -1), gu[..., f:].reshape(*h.shape[:-1], -1)
     else:
-        gate, up = linear(h, p.w_gate, p.b_gate, dt), linear(h, p.w_up, p.b_up, dt)
+        gate, up = linear(h, p.w_gate, p.b_gate, dt, out), linear(h, p.w_up, p.b_up, dt, out)
     return adapted(p.lora, "w_gate", h, gate, dt), adapted(p.lora, "w_up", h, up, dt)
 
 
@@ -182,27 +190,30 @@ class RouteIn(NamedTuple):
 
 
 def _shared_expert(
-    model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "n D"]
+    model: Transformer, p: LayerStack | FusedLayer, x: Float[Array, "n D"], out
 ) -> Float[Array, "n D"]:
     """A shared expert on every token, with its adapters: ``sigmoid(x W_r) (act(x W_g) * x W_u) W_d``."""
     c, dt, ad = model.config, model.dtype, p.lora
-    proj = lambda field, a: adapted(ad, field, a, linear(a, getattr(p, field), None, dt), dt)  # noqa: E731
+    x = x.astype(dt)
+    proj = lambda field, a: adapted(ad, field, a, linear(a, getattr(p, field), None, dt, out), dt)  # noqa: E731
     shared = activation(c, proj("shared_gate", x)) * proj("shared_up", x)
-    return jax.nn.sigmoid(proj("shared_router", x)) * proj("shared_down", shared)
+    return jax.nn.sigmoid(proj("shared_router", x)) * proj("shared_down", shared.astype(dt))
 
 
 def _mlp(model: Transformer, p: LayerStack | FusedLayer, h, route: RouteIn | None):
     """The gated MLP (``_gate_up`` / ``w_down``), or on a sparse layer the experts
-    (``relax.models.moe.experts``) and their ``Routed`` report."""
+    (``relax.models.moe.experts``) and their ``Routed`` report; the result in the precision
+    policy's activation dtype (the experts' own products in the compute dtype)."""
     c, dt = model.config, model.dtype
+    out = model.precision.activation_dtype(dt)
     if p.router is None:
-        gate, up = _gate_up(p, h, dt)
-        m = activation(c, gate) * up
-        return adapted(p.lora, "w_down", m, linear(m, p.w_down, p.b_down, dt), dt), None
-    lead, x = h.shape[:-1], h.reshape(-1, h.shape[-1])
+        gate, up = _gate_up(p, h, dt, out)
+        m = tap("mlp_act", activation(c, gate) * up).astype(dt)
+        return adapted(p.lora, "w_down", m, linear(m, p.w_down, p.b_down, dt, out), dt), None
+    lead, x = h.shape[:-1], h.reshape(-1, h.shape[-1]).astype(dt)
     route = RouteIn() if route is None else route
     k = c.num_experts_per_tok
-    logits = linear(x, p.router, None, dt)
+    logits = linear(x, p.router, None, dt, out)
     recorded = None if route.recorded is None else route.recorded.reshape(-1, k)
     weights, experts, own = moe.route(
         logits, k, normalize=c.norm_topk_prob, replay=recorded if route.replay else None
@@ -216,9 +227,9 @@ def _mlp(model: Transformer, p: LayerStack | FusedLayer, h, route: RouteIn | Non
         cast(p.expert_up),
         cast(p.expert_down),
         lambda a: activation(c, a),
-    )
+    ).astype(out)
     if p.shared_gate is not None:
-        y = y + _shared_expert(model, p, x)
+        y = y + _shared_expert(model, p, x, out)
     valid = None if route.valid is None else route.valid.reshape(-1)
     stats = moe.routed_stats(logits, experts, own, valid, recorded)
     return y.reshape(*lead, -1), moe.Routed(experts.reshape(*lead, k), stats)
@@ -244,13 +255,18 @@ def layer_forward(
 
     with ``N`` the model's RMSNorm (``attn_norm``, then ``mlp_norm``) and ``act`` its activation.
     Each product with a weight that has an adapter adds ``s drop(x) A B`` (``relax.models.layers.lora``).
+    Dtypes follow ``model.precision`` (``relax.models.config.precision``): ``x`` in its residual
+    dtype, products' operands in ``model.dtype`` (``q, k, v`` handed to ``attend`` too), their
+    results in its activation dtype.
     Returns the output, ``attend``'s layer output and, on a sparse layer, its ``Routed`` report
     (``route``: its valid rows and replayed experts), else None.
     """
     c, dt = model.config, model.dtype
+    out = model.precision.activation_dtype(dt)
+    x = tap("residual_in", x.astype(model.precision.residual_dtype(dt)))
     b, t, _ = x.shape
-    h = norm(c, x, p.attn_norm)
-    q, k, v = _qkv(p, h, dt, c)
+    h = tap("attn_norm", norm(c, x, p.attn_norm))
+    q, k, v = _qkv(p, h, dt, c, out)
     q = q.reshape(b, t, c.num_heads, c.head_dim)
     k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -258,12 +274,14 @@ def layer_forward(
         q, k = norm(c, q, p.q_norm), norm(c, k, p.k_norm)
     cos, sin = layer_rotary(rope, sliding)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = (tap(n, a).astype(dt) for n, a in (("q", q), ("k", k), ("v", v)))
     o, layer_output = attend(q, k, v, layer_input, sliding)
-    o = o.reshape(b, t, -1).astype(dt)
-    a = adapted(p.lora, "wo", o, linear(o, p.wo, p.bo, dt), dt)
-    x = x + (norm(c, a, p.attn_out_norm) if c.sandwich_norms else a)
-    y, routed = _mlp(model, p, norm(c, x, p.mlp_norm), route)
-    x = x + (norm(c, y, p.mlp_out_norm) if c.sandwich_norms else y)
+    o = tap("attention", o.reshape(b, t, -1)).astype(dt)
+    a = tap("attn_proj", adapted(p.lora, "wo", o, linear(o, p.wo, p.bo, dt, out), dt))
+    x = x + (norm(c, a, p.attn_out_norm) if c.sandwich_norms else a).astype(x.dtype)
+    y, routed = _mlp(model, p, tap("mlp_norm", norm(c, tap("residual_mid", x), p.mlp_norm)), route)
+    y = tap("mlp", y)
+    x = x + (norm(c, y, p.mlp_out_norm) if c.sandwich_norms else y).astype(x.dtype)
     return x, layer_output, routed
 
 

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 from relax.models.attention import blocks as attn
 from relax.models.config.layer_kinds import layer_kind, layer_window, select
 from relax.models.config.model import ModelConfig
+from relax.models.config.precision import Precision
 from relax.models.decoder.layer import (
     Attend,
     FusedLayer,
@@ -38,6 +39,8 @@ from relax.models.decoder.layer import (
     rms_norm,
     scan_layers,
 )
+from relax.models.decoder.taps import tap
+from relax.models.layers.quantized import is_quantized, quantized_einsum
 from relax.models.layers.rope import Rotary, rotary
 from relax.models.moe.experts import Routed
 
@@ -73,7 +76,9 @@ class LayerRoutes(NamedTuple):
 
 
 class Transformer(eqx.Module):
-    """Decoder-only LM. ``model(input_ids, attention_mask) -> logits [B, T, V]`` (float32)."""
+    """Decoder-only LM. ``model(input_ids, attention_mask) -> logits [B, T, V]`` (float32).
+    ``dtype``: the compute dtype (matmul operands); ``precision``: what stays float32 besides
+    (``relax.models.config.precision``), the same for every forward of this model."""
 
     embed: Float[Array, "V D"]
     layers: LayerStack
@@ -81,6 +86,7 @@ class Transformer(eqx.Module):
     lm_head: Float[Array, "V D"] | None
     config: ModelConfig = eqx.field(static=True)
     dtype: Any = eqx.field(static=True, default=jnp.float32)
+    precision: Precision = eqx.field(static=True, default=Precision())
 
     @property
     def head(self) -> Float[Array, "V D"]:
@@ -141,14 +147,18 @@ def init(
     )
 
 
-def cast(model: Transformer, *, param_dtype=None, dtype=None) -> Transformer:
-    """The same model with parameters and/or compute dtype changed."""
+def cast(
+    model: Transformer, *, param_dtype=None, dtype=None, precision: Precision | None = None
+) -> Transformer:
+    """The same model with parameters, compute dtype and/or precision policy changed."""
     if param_dtype is not None:
         model = jax.tree.map(
             lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model
         )
     if dtype is not None:
         model = dataclasses.replace(model, dtype=dtype)
+    if precision is not None:
+        model = dataclasses.replace(model, precision=precision)
     return model
 
 
@@ -158,7 +168,10 @@ def positions_from_mask(mask: Array) -> Int[Array, "b t"]:
 
 
 def final_norm(model: Transformer, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
-    return norm(model.config, x, model.norm)
+    """The final RMSNorm of the residual stream, in the compute dtype (the heads' operand)."""
+    return tap("final_norm", norm(model.config, tap("residual_out", x), model.norm)).astype(
+        model.dtype
+    )
 
 
 def run_layers(
@@ -228,18 +241,20 @@ def run_layers(
 
 
 def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t D"]:
-    """Embedding rows in the compute dtype; with ``scale_embeddings`` times ``sqrt(D)`` first, in
-    the embedding's dtype (``sqrt(D)`` rounded to float32, then to that dtype, as transformers)."""
+    """Embedding rows in the residual stream's dtype (``model.precision``); with ``scale_embeddings``
+    times ``sqrt(D)`` first, in the embedding's dtype (``sqrt(D)`` rounded to float32, then to that
+    dtype, as transformers)."""
     e = jnp.take(model.embed, input_ids, axis=0)
     if model.config.scale_embeddings:
         e = e * jnp.asarray(np.float32(model.config.hidden_size**0.5)).astype(e.dtype)
-    return e.astype(model.dtype)
+    return e.astype(model.precision.residual_dtype(model.dtype))
 
 
 def full_attention(model: Transformer, positions: Array, valid: Array) -> Attend:
     """Causal attention over the sequence itself, through each layer's window (the masks of both
     kinds built once); returns head-major (k, v)."""
     c = model.config
+    probs = model.precision.probs_dtype(model.dtype)
     masks = {
         s: attn.causal_mask(positions, positions, valid, layer_window(c, s))
         for s in set(c.sliding_layers)
@@ -252,7 +267,7 @@ def full_attention(model: Transformer, positions: Array, valid: Array) -> Attend
             else select(sliding, masks[True], masks[False])
         )
         k, v = attn.heads_major(k), attn.heads_major(v)
-        return attn.attention(q, k, v, allowed, scale=c.attn_scale), (k, v)
+        return attn.attention(q, k, v, allowed, scale=c.attn_scale, probs_dtype=probs), (k, v)
 
     return attend
 
@@ -276,7 +291,8 @@ def hidden_states(
 
 
 def project(model: Transformer, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
-    """Logits ``h @ head^T`` accumulated in float32."""
-    return jnp.einsum(
+    """Logits ``h @ head^T`` accumulated in float32 (an 8-bit sampler's head: its ``W^``)."""
+    einsum = quantized_einsum if is_quantized(model.head) else jnp.einsum
+    return einsum(
         "...d,vd->...v", h, model.head.astype(model.dtype), preferred_element_type=jnp.float32
     )

@@ -37,11 +37,16 @@ def check_train_attention(choice: str) -> None:
 
 
 def resolve_attention(choice: str, model: Transformer) -> str:
-    """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window), else ``"group"``."""
+    """``"auto"`` -> ``"dense"`` where a fused kernel runs it (GPU, 16-bit, no sliding window) and the
+    precision policy lets it round the softmax probabilities (``attention_probs="compute"``: cuDNN's
+    ``P`` is in the compute dtype, not the sampler's), else ``"group"``."""
     check_train_attention(choice)
     c = model.config
     if choice == "auto":
-        return "dense" if not c.has_window and fused_attention_available(model.dtype) else "group"
+        fused = (
+            fused_attention_available(model.dtype) and model.precision.attention_probs == "compute"
+        )
+        return "dense" if not c.has_window and fused else "group"
     if choice == "dense" and c.has_window:
         raise ValueError(
             f"train attention 'dense' has no sliding window (the model's is {c.sliding_window}); "

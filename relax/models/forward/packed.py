@@ -71,6 +71,7 @@ def packed_attention(
     """The attention hook of a packed row: ``full_attention`` with the segment mask (the masks of
     both layer kinds built once); returns no per-layer output."""
     c = model.config
+    probs = model.precision.probs_dtype(model.dtype)
     masks = {
         s: segment_mask(segment_ids, positions, layer_window(c, s)) for s in set(c.sliding_layers)
     }
@@ -82,7 +83,7 @@ def packed_attention(
             else select(sliding, masks[True], masks[False])
         )
         k, v = attn.heads_major(k), attn.heads_major(v)
-        return attn.attention(q, k, v, allowed, scale=c.attn_scale), None
+        return attn.attention(q, k, v, allowed, scale=c.attn_scale, probs_dtype=probs), None
 
     return attend
 

@@ -245,6 +245,7 @@ def rows_hidden(
                 save_probabilities=save_attention,
                 q_segments=q_seg,
                 k_segments=rows.segments,
+                probs_dtype=model.precision.probs_dtype(model.dtype),
             )
             out = (
                 out.reshape(p, hk, g, r, n, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, n, hk * r, d)

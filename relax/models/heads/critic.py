@@ -316,13 +316,16 @@ def _score(where: dict, name: str, shape: tuple[int, ...], target) -> np.ndarray
     )
 
 
-def load_critic(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Critic:
+def load_critic(
+    directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, precision=None
+) -> Critic:
     """A :class:`Critic` from a transformers value-model directory (``save_critic``'s, or
     ``<Family>ForSequenceClassification`` / ``ForTokenClassification`` with ``num_labels=1``).
 
     ``score.weight`` ``[1, D]`` is the head, ``score.bias`` ``[1]`` (token layout only) the bias
-    (else 0); a stored ``lm_head.weight`` is ignored. ``dtype`` / ``param_dtype`` as ``load_pretrained``'s
-    (``param_dtype`` casts the head and bias too). Errors are :class:`HFFormatError` naming the file and tensor.
+    (else 0); a stored ``lm_head.weight`` is ignored. ``dtype`` / ``param_dtype`` / ``precision`` as
+    ``load_pretrained``'s (``param_dtype`` casts the head and bias too). Errors are
+    :class:`HFFormatError` naming the file and tensor.
     """
     root, found = Path(directory), {}
     cfg = dataclasses.replace(load_config(root, _critic_config(found)), tie_word_embeddings=True)
@@ -350,4 +353,6 @@ def load_critic(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
         n: f for n, f in where.items() if n not in ("score.weight", "score.bias", "lm_head.weight")
     }
     backbone = build_transformer(cfg, rest, listing, dtype=dtype, param_dtype=param_dtype)
+    if precision is not None:
+        backbone = dataclasses.replace(backbone, precision=precision)
     return Critic(backbone, jnp.asarray(head), jnp.asarray(bias))

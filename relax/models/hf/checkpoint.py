@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.models.config.model import ModelConfig
+from relax.models.config.precision import Precision
 from relax.models.decoder.transformer import LayerStack, Transformer
 from relax.models.hf.config import (
     HFFormatError,
@@ -91,10 +92,12 @@ def load_pretrained(
     dtype=jnp.float32,
     param_dtype=None,
     max_positions: int | None = None,
+    precision: Precision | None = None,
 ) -> Transformer:
     """A :class:`Transformer` from a Hugging Face directory (``config.json`` + safetensors).
 
-    ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored).
+    ``dtype`` is the compute dtype; ``param_dtype`` casts every parameter (None: as stored);
+    ``precision`` what stays float32 besides (``relax.models.config.precision``; None: the default).
     ``max_positions`` caps the model's context below the file's ``max_position_embeddings`` (a
     Phi-3 LongRoPE model whose context exceeds its original length needs it: ``hf_config``).
 
@@ -107,6 +110,7 @@ def load_pretrained(
             becomes float32).
         max_positions: the model's context, in ``[1, file's max_position_embeddings]``. None
             (default): the file's.
+        precision: the precision policy the model carries (None: ``Precision()``).
 
     Returns:
         A ``Transformer`` with the checkpoint's ``ModelConfig`` and weights (``lm_head`` None when
@@ -116,7 +120,8 @@ def load_pretrained(
     root = Path(path)
     cfg = load_config(root, max_positions=max_positions)
     where, listing = open_weights(root)
-    return build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
+    model = build_transformer(cfg, where, listing, dtype=dtype, param_dtype=param_dtype)
+    return model if precision is None else dataclasses.replace(model, precision=precision)
 
 
 def read_config(path: str | os.PathLike, *, max_positions: int | None = None) -> ModelConfig:

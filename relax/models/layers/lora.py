@@ -166,9 +166,10 @@ def init_adapters(
 
 
 def delta(
-    ad: Adapters | None, field: str, x: Float[Array, "... i"], dtype, index: int = 0
+    ad: Adapters | None, field: str, x: Float[Array, "... i"], dtype, index: int = 0, out=None
 ) -> Float[Array, "... o"] | None:
-    """``s * drop(x) A B`` of one layer's adapter on ``field`` (None when it has none); ``index``
+    """``s * drop(x) A B`` of one layer's adapter on ``field`` (None when it has none): the products'
+    operands in ``dtype``, accumulated in float32, the result in ``out`` (None: ``dtype``). ``index``
     (the field's place in ``ADAPTABLE_FIELDS``) separates the dropout masks of the targets."""
     w = None if ad is None else getattr(ad, field)
     if w is None:
@@ -178,14 +179,16 @@ def delta(
             jax.random.fold_in(ad.dropout_key, index), 1.0 - ad.dropout, x.shape
         )
         x = jnp.where(keep, x / (1.0 - ad.dropout), 0.0).astype(x.dtype)
-    flat = x.reshape(-1, x.shape[-1])
-    y = (flat @ w.a.astype(dtype)) @ w.b.astype(dtype)
-    return (ad.scale * y).astype(dtype).reshape(*x.shape[:-1], w.b.shape[-1])
+    flat = x.reshape(-1, x.shape[-1]).astype(dtype)
+    xa = jnp.dot(flat, w.a.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    y = jnp.dot(xa, w.b.astype(dtype), preferred_element_type=jnp.float32)
+    out = dtype if out is None else out
+    return (ad.scale * y).astype(out).reshape(*x.shape[:-1], w.b.shape[-1])
 
 
 def adapted(ad: Adapters | None, field: str, x: Array, y: Array, dtype) -> Array:
     """``y + delta(...)``: the base projection ``y = x W (+ b)`` plus the field's adapter, if any."""
-    d = delta(ad, field, x, dtype, ADAPTABLE_FIELDS.index(field))
+    d = delta(ad, field, x, dtype, ADAPTABLE_FIELDS.index(field), out=y.dtype)
     return y if d is None else y + d
 
 

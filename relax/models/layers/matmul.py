@@ -13,6 +13,8 @@ transpose back into the product; on other backends it is the plain product.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -36,26 +38,31 @@ def weight_grad(
     return barrier(out).T if transpose else out
 
 
-@jax.custom_vjp
-def _matmul_cpu(x, w):
-    return jnp.dot(x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_cpu(x, w, out_dtype):
+    return jnp.dot(x, w, preferred_element_type=out_dtype)
 
 
-def _matmul_cpu_fwd(x, w):
-    return jnp.dot(x, w), (x, w)
+def _matmul_cpu_fwd(x, w, out_dtype):
+    return _matmul_cpu(x, w, out_dtype), (x, w)
 
 
-def _matmul_cpu_bwd(res, dy):
+def _matmul_cpu_bwd(out_dtype, res, dy):
     x, w = res
-    return jnp.dot(dy, w.T), weight_grad(x, dy)
+    dy = dy.astype(x.dtype)  # the cotangent in the operands' dtype, as autodiff of ``jnp.dot``
+    dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    return dx, weight_grad(x, dy, out_dtype=jnp.float32).astype(w.dtype)
 
 
 _matmul_cpu.defvjp(_matmul_cpu_fwd, _matmul_cpu_bwd)
 
 
-def matmul(x: Float[Array, "n i"], w: Float[Array, "i o"]) -> Float[Array, "n o"]:
-    """``x w``; on CPU a ``custom_vjp`` whose weight gradient is ``weight_grad`` (reverse mode
-    only there: forward-mode autodiff of a CPU trace raises), elsewhere ``jnp.dot``."""
+def matmul(x: Float[Array, "n i"], w: Float[Array, "i o"], out_dtype=None) -> Float[Array, "n o"]:
+    """``x w`` accumulated in float32, the result in ``out_dtype`` (None: the operands' dtype); on
+    CPU a ``custom_vjp`` whose weight gradient is ``weight_grad`` (reverse mode only there:
+    forward-mode autodiff of a CPU trace raises), elsewhere ``jnp.dot``. Gradients come back in the
+    operands' dtypes."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if current_backend() != "cpu":
-        return jnp.dot(x, w)
-    return _matmul_cpu(x, w)
+        return jnp.dot(x, w, preferred_element_type=out_dtype)
+    return _matmul_cpu(x, w, jnp.dtype(out_dtype))
