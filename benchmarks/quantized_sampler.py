@@ -13,7 +13,8 @@ completion runs to the budget), for each ``--precisions``:
                    8-bit), ``head_bytes`` the LM head it reads per step
 ``mismatch``       ``d = log p_trainer - log p_sampler`` per valid token, the trainer the model
                    itself in bfloat16 (prefix-shared forward): max / p99.9 / mean |d| and the
-                   ratio ``exp(d)``'s range (the model's own sampler: float32 rounding only)
+                   ratio ``exp(d)``'s range (the model's own sampler: the bfloat16 gap of the precision
+                   policy, ``benchmarks/precision.py``)
 
     .venv/bin/python benchmarks/quantized_sampler.py                 # JSON lines, then a summary
     .venv/bin/python benchmarks/quantized_sampler.py --random --precisions model int8

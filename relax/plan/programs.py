@@ -68,11 +68,15 @@ class Program:
 
 
 def abstract_model(run: ModelRunConfig, config: ModelConfig):
-    """The policy (with ``--lora.*`` adapters) as ``ShapeDtypeStruct`` s in the run's dtypes."""
+    """The policy (with ``--lora.*`` adapters) as ``ShapeDtypeStruct`` s in the run's dtypes and
+    precision policy."""
     init = lambda key: with_lora(
         run,
-        init_model(
-            config, key, param_dtype=DTYPES[run.param_dtype], dtype=DTYPES[run.compute_dtype]
+        dataclasses.replace(
+            init_model(
+                config, key, param_dtype=DTYPES[run.param_dtype], dtype=DTYPES[run.compute_dtype]
+            ),
+            precision=run.precision,
         ),
     )
     return jax.eval_shape(init, jax.random.key(0))
