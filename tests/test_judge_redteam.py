@@ -32,6 +32,9 @@ def _line(*values) -> str:
     return json.dumps({"ok": True, "values": list(values)})
 
 
+LINEAR_S = 3.0  # per probe line: linear time is ~0.2 s here, the quadratic decode was 9.2 s
+
+
 def _judged_in(plan, line: str) -> tuple[bool, float]:
     t0 = time.perf_counter()
     budget = Budget()
@@ -41,18 +44,19 @@ def _judged_in(plan, line: str) -> tuple[bool, float]:
 
 def test_colliding_hashes_are_judged_in_linear_time():
     """A probe line of 40,000 values of one hash, as a set, a frozenset, dict keys, a set of
-    tuples or of frozensets, or a list the judge turns into a set: judged (failed) in well under a
-    second. The set took 9.2 s to decode before (quadratic: every insert compared with every
-    earlier element), outside any time bound."""
+    tuples or of frozensets, or a list the judge turns into a set: judged (failed) in about 0.2 s
+    each on this 2-core host, bounded at ``LINEAR_S`` so a loaded CI worker does not fail it (1.5 s
+    seen beside the full suite). The set took 9.2 s to decode before (quadratic: every insert
+    compared with every earlier element), outside any time bound."""
     ints = [{"s": COLLIDING}, {"f": COLLIDING}, {"d": [[k, 0] for k in COLLIDING]}]
     nested = [{"s": [{"t": [k]} for k in COLLIDING]}, {"s": [{"f": [k]} for k in COLLIDING]}]
     for value in ints + nested:
         ok, seconds = _judged_in(plan_test("assert f() == {1, 2}"), _line(value))
-        assert not ok and seconds < 1.0, (str(value)[:30], seconds)
+        assert not ok and seconds < LINEAR_S, (str(value)[:30], seconds)
     judged = ["assert set(f()) == {1}", "assert {x for x in f()} == {1}", "assert 1 in dict(f())"]
     for test, value in zip(judged, [COLLIDING, COLLIDING, [[k, 0] for k in COLLIDING]]):
         ok, seconds = _judged_in(plan_test(test), _line(json.loads(plain_json(value))))
-        assert not ok and seconds < 1.0, (test, seconds)
+        assert not ok and seconds < LINEAR_S, (test, seconds)
 
 
 def test_sets_and_dicts_still_compare_as_python_does():
@@ -79,7 +83,7 @@ def test_sets_and_dicts_still_compare_as_python_does():
     ]
     for test, value, verdict in cases:
         ok, seconds = _judged_in(plan_test(test), _line(json.loads(plain_json(value))))
-        assert ok is verdict and seconds < 1.0, (test, seconds)
+        assert ok is verdict and seconds < LINEAR_S, (test, seconds)
     assert MAX_SAME_HASH == 16
     over = {"s": list(range(0, M * 17, M))}  # 17 distinct values of one hash: refused
     with pytest.raises(ValueError, match="of one hash"):
