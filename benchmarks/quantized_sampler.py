@@ -27,64 +27,19 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from arithmetic_task import make_rows  # noqa: E402
+from precision import left_pad, load, stats  # noqa: E402
 
-from relax.models import family_config, init  # noqa: E402
 from relax.models.decoder.transformer import fuse_layers  # noqa: E402
 from relax.models.forward.prefix_shared import completion_logprobs  # noqa: E402
 from relax.models.layers.quantized import FUSED_WEIGHTS, quantize, quantize_fields  # noqa: E402
 from relax.rollout import sampler as rollout  # noqa: E402
 from relax.rollout.config import RolloutConfig  # noqa: E402
 from relax.rollout.sampling import SamplingConfig  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT = ROOT / "models" / "smollm2-135m-instruct"
-
-
-def load(random: bool):
-    """``(model, prompts, name)``: the checkpoint in bfloat16 with the arithmetic task's chat
-    prompts, or a random bfloat16 model with random prompts."""
-    if CHECKPOINT.exists() and not random:
-        import relax
-
-        model = relax.load_pretrained(CHECKPOINT, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-        tok = relax.load_tokenizer(CHECKPOINT)
-        rows, _ = make_rows(64, 0, 0)
-        prompts = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True
-            )
-            for r in rows
-        ]
-        return model, prompts, CHECKPOINT.name
-    cfg = family_config(
-        "llama",
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_layers=16,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-    )
-    model = init(cfg, jax.random.key(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, std=0.05)
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(3, 512, rng.integers(20, 60))) for _ in range(64)]
-    return model, prompts, "random-16-layer"
-
-
-def left_pad(prompts, width: int):
-    ids, mask = np.zeros((len(prompts), width), np.int32), np.zeros((len(prompts), width), np.int32)
-    for i, x in enumerate(prompts):
-        ids[i, width - len(x) :], mask[i, width - len(x) :] = x, 1
-    return jnp.asarray(ids), jnp.asarray(mask)
 
 
 def nbytes(tree) -> int:
@@ -102,20 +57,6 @@ def weight_bytes(model, precision: str) -> dict:
     return {"layer_bytes": nbytes(fields), "head_bytes": nbytes(head)}
 
 
-def mismatch(sampler, train, mask) -> dict:
-    m = np.asarray(mask).astype(bool)
-    d = (np.asarray(train, np.float64) - np.asarray(sampler, np.float64))[m]
-    a, ratio = np.abs(d), np.exp(d)
-    return {
-        "tokens": int(m.sum()),
-        "max": float(a.max()),
-        "p999": float(np.quantile(a, 0.999)),
-        "mean": float(a.mean()),
-        "ratio_min": float(ratio.min()),
-        "ratio_max": float(ratio.max()),
-    }
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precisions", nargs="+", default=["model", "int8", "fp8"])
@@ -125,7 +66,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--random", action="store_true", help="a random model even with the checkpoint")
     args = ap.parse_args(argv)
-    model, prompts, name = load(args.random)
+    model, prompts, _, name = load(random=args.random)  # bfloat16 params and compute
     ids, mask = left_pad(prompts[: args.prompts], 128)
     gen = jax.jit(rollout.generate_program, static_argnums=4)
     train = jax.jit(completion_logprobs)
@@ -146,7 +87,7 @@ def main(argv=None) -> list[dict]:
         compile_s = time.perf_counter() - t0
         lp = train(model, ids, mask, r.tokens, r.mask)
         rows[p] = {"model": name, "precision": p, "compile_and_first_s": round(compile_s, 1)}
-        rows[p] |= weight_bytes(model, p) | {"mismatch": mismatch(r.logprobs, lp, r.mask)}
+        rows[p] |= weight_bytes(model, p) | {"mismatch": stats(r.logprobs, lp, r.mask)}
     seconds = {p: [] for p in cfgs}
     for i in range(args.runs):  # alternating: a drift of the machine's load hits every precision
         for p, cfg in cfgs.items():
