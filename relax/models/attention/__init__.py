@@ -1,4 +1,5 @@
-"""Attention kernels: blocks merged by log-sum-exp, decode, the training group and dense kernels."""
+"""Attention kernels: blocks merged by log-sum-exp, decode, the training group and dense kernels,
+the packed stream's block-sparse kernel."""
 
 from relax.models.attention.blocks import (
     NEG_INF,
@@ -24,6 +25,12 @@ from relax.models.attention.decode import (
 )
 from relax.models.attention.dense import fused_attention_available, prefix_dense_attention
 from relax.models.attention.group import prefix_group_attention
+from relax.models.attention.stream import (
+    StreamMask,
+    block_pairs,
+    num_block_pairs,
+    stream_attention,
+)
 
 __all__ = [
     "BLOCK_K",
@@ -34,12 +41,15 @@ __all__ = [
     "OwnAllowed",
     "OwnKeys",
     "OwnValues",
+    "StreamMask",
     "attention",
+    "block_pairs",
     "block_stats",
     "causal_mask",
     "fused_attention_available",
     "heads_major",
     "merge_stats",
+    "num_block_pairs",
     "pallas_available",
     "pallas_decode_attention",
     "partial_attention",
@@ -47,4 +57,5 @@ __all__ = [
     "prefix_group_attention",
     "reference_decode_attention",
     "shared_prefix_attention",
+    "stream_attention",
 ]
