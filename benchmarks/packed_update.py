@@ -8,17 +8,19 @@ about N/4 and ``--sigma`` (default 1.0), clipped to [1, N]; tokens are random, e
 Timed (medians over ``--runs`` after one warm-up call each, the variants alternating per run):
 
     update_padded      make_grpo_update on the [P, G, N] padded batch
-    update_packed      the same with rows.packed (packed on the host, untimed; pack_s apart)
+    update_packed      the same with rows.packed: the batch packed across groups into bins (on the
+                       host, untimed; pack_s apart), one bin per micro-batch, empty bins skipped
     update_no_padding  the padded update on [P, G, L], L = round(mean length), mask all ones:
                        the same real tokens with no padding, what packing should approach
     ref_padded / ref_packed   the reference forward (stages.forward_logprobs), padded / packed
 
     python benchmarks/packed_update.py [--runs 3] [--model-shape small]
     python benchmarks/packed_update.py --new-tokens 256 --prompts 2 --runs 1   # quick
-    python benchmarks/packed_update.py --model-shape smollm-135m --sigma 1.5 --row-tokens 2048
+    python benchmarks/packed_update.py --model-shape smollm-135m --sigma 1.5 --bin-tokens 4096
 
-Prints one JSON line: length statistics, real / padded / packed token slots, rows per group and
-fill of the packed rows, each variant's median seconds, packed_over_no_padding
+Prints one JSON line: length statistics, real / padded / packed token slots, the bins used and
+their fill, the attention block pairs visited (and all causal pairs of those bins), each
+variant's median seconds, packed_over_no_padding
 (update_packed / update_no_padding) and packed_speedup (update_padded / update_packed).
 """
 
@@ -44,7 +46,7 @@ from relax.algorithms.grpo.config import GRPOConfig  # noqa: E402
 from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.algorithms.online.batch import LossRows  # noqa: E402
 from relax.algorithms.online.stages import forward_logprobs  # noqa: E402
-from relax.data.completion_layout import PackingConfig  # noqa: E402
+from relax.data.completion_layout import PackingConfig, bin_fill, pack_bins  # noqa: E402
 from relax.models import init  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
@@ -62,8 +64,8 @@ class Args:
     """the completion budget N"""
     sigma: float = 1.0
     """log-normal sigma of the completion lengths (their mean stays about N/4)"""
-    row_tokens: int | None = None
-    """tokens per packed row (None: the packing default, the budget quarter with the fewest slots)"""
+    bin_tokens: int | None = None
+    """slots per bin (None: the packing default, 2 x (prompt + budget))"""
     seed: int = 0
 
 
@@ -103,7 +105,7 @@ def main(args: Args) -> dict:
     model = init(mcfg, jax.random.key(0))
     p, g, n = args.prompts, args.generations, args.new_tokens
     passes = choose_passes()
-    packing = PackingConfig(row_tokens=args.row_tokens)
+    packing = PackingConfig(bin_tokens=args.bin_tokens)
 
     def config(budget):
         return configure(
@@ -122,11 +124,14 @@ def main(args: Args) -> dict:
 
     lens = lengths(args)
     padded = update_data(args, mcfg.vocab_size, lens, n)
-    host_tokens, host_mask = np.asarray(padded.tokens), np.asarray(padded.mask)
+    host = [
+        np.asarray(x) for x in (padded.prompt_ids, padded.prompt_mask, padded.tokens, padded.mask)
+    ]
+    sizes = packing.sizes(p, g, args.prompt_len, n, block=passes.stream_block)
     pack_times = []
     for _ in range(max(args.runs, 3)):
         t0 = time.perf_counter()
-        pk = cfg.packing.pack(host_tokens, host_mask)
+        pk = pack_bins(*host, sizes)
         pack_times.append(time.perf_counter() - t0)
     packed = padded.replace(packed=jax.tree.map(jnp.asarray, pk))
     mean_len = float(lens.mean())
@@ -156,7 +161,7 @@ def main(args: Args) -> dict:
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(t) for name, t in times.items()}
 
-    _, r, c = pk.tokens.shape
+    used = pk.num_pairs > 0
     return emit(
         {
             "bench": "packed_update",
@@ -169,17 +174,21 @@ def main(args: Args) -> dict:
             "sigma": args.sigma,
             "seed": args.seed,
             "runs": args.runs,
-            "row_tokens": c,
-            "row_multiple": packing.row_multiple or -(-g // 4),  # the pack() default
+            "bin_tokens": sizes.tokens,
+            "bins": sizes.bins,
+            "completions_per_bin": sizes.completions,
+            "block": sizes.block,
             "mean_len": mean_len,
             "max_len": int(lens.max()),
             "p50_len": float(np.median(lens)),
             "no_padding_len": flat_len,
             "real_tokens": int(lens.sum()),
             "padded_slots": p * g * n,
-            "packed_slots": p * r * c,
-            "pack_rows": r,
-            "pack_fill": float((pk.segments > 0).mean()),
+            "packed_slots": int(used.sum()) * sizes.tokens,
+            "pack_bins": int(used.sum()),
+            "pack_fill": bin_fill(pk),
+            "pairs_visited": int(pk.num_pairs.sum()),
+            "pairs_dense": int(used.sum()) * pk.pairs.shape[1],
             "pack_s": statistics.median(pack_times),
             **med,
             "first_call_s": {k: round(v, 3) for k, v in first.items()},
@@ -192,7 +201,7 @@ def main(args: Args) -> dict:
             "bench",
             "N",
             "mean_len",
-            "pack_rows",
+            "pack_bins",
             "pack_fill",
             "update_padded",
             "update_packed",

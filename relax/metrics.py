@@ -109,6 +109,21 @@ def _reduce(m: Metric, weights: Array | None, level: str) -> Metric:
     return Metric(out, r)
 
 
+def neutral(m: Metric) -> Metric:
+    """A metric (or its ``jax.eval_shape``) with the value that leaves its reduction unchanged
+    over micro-batches and a zero weight: what a skipped micro-batch reports."""
+    value = m.value
+    dtype = jnp.dtype(value.dtype)
+    low, high = (
+        (jnp.iinfo(dtype).min, jnp.iinfo(dtype).max)
+        if jnp.issubdtype(dtype, jnp.integer)
+        else (-jnp.inf, jnp.inf)
+    )
+    fill = {"max": low, "first_step": low, "min": high, "first_found": -1}.get(m.reduction, 0)
+    weight = None if m.weight is None else jnp.zeros(m.weight.shape, m.weight.dtype)
+    return Metric(jnp.full(value.shape, fill, dtype), m.reduction, weight)
+
+
 def reduce_micro(metrics: Mapping[str, Metric], weights: Array) -> dict[str, Metric]:
     """Metrics stacked over a step's micro-batches (leading axis) -> the step's metrics."""
     return {k: _reduce(m, weights, "micro") for k, m in metrics.items()}

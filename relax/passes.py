@@ -54,11 +54,16 @@ class Passes:
     this many layers unrolls its layer loop (its backward then reads each layer's residuals in
     place; deeper models keep the scan, whose compile time does not grow with depth).
     ``saved_probs_bytes``: on cache-sized passes, the group attention keeps its probabilities for
-    the backward when one layer's fit this budget."""
+    the backward when one layer's fit this budget.
+    ``batch_shards``: the ways the batch is split over devices (1: one device).
+    ``stream_block``: the block of the packed bins' attention (``relax.models.attention.stream``):
+    its cost follows the visible blocks, smaller blocks skip more but loop more."""
 
     cache_sized: bool = False
     unroll_max_layers: int = 8
     saved_probs_bytes: int = 64 * 2**20
+    batch_shards: int = 1
+    stream_block: int = 64
 
     def unroll(self, num_layers: int) -> bool:
         return self.cache_sized and num_layers <= self.unroll_max_layers
@@ -79,4 +84,8 @@ def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passe
     """The passes for ``backend`` (default: ``current_backend()``) with the batch split ``batch_shards`` ways
     (``relax.parallel.batch_shards(mesh)`` on a mesh): cache-sized on one CPU device only."""
     backend = current_backend() if backend is None else backend
-    return Passes(cache_sized=backend == "cpu" and batch_shards == 1)
+    return Passes(
+        cache_sized=backend == "cpu" and batch_shards == 1,
+        batch_shards=batch_shards,
+        stream_block=64 if backend == "cpu" else 128,
+    )

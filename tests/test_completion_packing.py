@@ -1,8 +1,8 @@
-"""The padding-free update (relax.models.forward.completion_packing): the layout against a hand-worked
-first-fit-decreasing packing; packed log-probs, entropies and gradients against the full-sequence
-forward (``token_logprobs``, the independent reference); the GRPO update packed == padded for
-every loss aggregation mode with gradient accumulation; the composed GRPO step with packing on ==
-off. (The mesh case: tests/test_parallel.py.)"""
+"""The padding-free update (relax.models.forward.completion_packing): the bins against a
+hand-worked packing and the bound on their number; packed log-probs, entropies and gradients
+against the full-sequence forward (``token_logprobs``, the independent reference); the GRPO
+update packed == padded for every loss aggregation mode; the composed GRPO step with packing on
+== off. (PPO: tests/test_ppo_packing.py; the mesh case: tests/test_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online.batch import HostRecord, LossRows, Scored, step_input
 from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost
-from relax.data.completion_layout import PackingConfig, pack_completions, rows_needed
+from relax.data.completion_layout import BinSizes, PackingConfig, bin_fill, pack_bins
 from relax.models import ModelConfig, init
 from relax.models.decoder.logprobs import token_logprobs
-from relax.models.forward.completion_packing import unpack
+from relax.models.forward.completion_packing import to_padded
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES
@@ -41,95 +41,113 @@ def _ragged(p, g, n, seed):
     return tokens, (np.arange(n) < lengths[..., None]).astype(np.int32)
 
 
-def test_layout_is_first_fit_decreasing_worked_by_hand():
-    # lengths 6 1 2 5 3 into rows of 12, longest first: 6 -> row 0 (room 6), 5 -> row 0 (room 1),
-    # 3 -> row 1 (room 9), 2 -> row 1 (room 7), 1 -> row 0 (room 0)
-    tokens = np.arange(30).reshape(1, 5, 6)
-    mask = (np.arange(6) < np.array([[6, 1, 2, 5, 3]])[..., None]).astype(np.int32)
-    pk = pack_completions(tokens, mask, row_tokens=12)
+def _pack(ids, pm, tokens, mask, cfg: PackingConfig | None = None, block=4):
+    cfg = PackingConfig() if cfg is None else cfg
+    p, lp = np.shape(ids)
+    _, g, n = np.shape(tokens)
+    sizes = cfg.sizes(p, g, lp, n, block=block)
+    return jax.tree.map(jnp.asarray, pack_bins(ids, pm, tokens, mask, sizes))
+
+
+def test_bins_worked_by_hand():
+    # prompts of 2 and 1 tokens (left-padded to 3), completions 3 1 1 | 2 2 2, bins of 6 slots:
+    # bin 0: prompt 0, its completions longest first (3, 1): full; bin 1: a copy of prompt 0 and
+    # its last completion, prompt 1 and a first 2 (full); bin 2: a copy of prompt 1, then 2, 2.
+    ids = np.array([[0, 5, 6], [0, 0, 7]])
+    pm = (ids > 0).astype(np.int32)
+    tokens = np.array(
+        [[[10, 11, 12], [13, 0, 0], [14, 0, 0]], [[20, 21, 0], [22, 23, 0], [24, 25, 0]]]
+    )
+    mask = (tokens > 0).astype(np.int32)
+    bins = pack_bins(ids, pm, tokens, mask, BinSizes(tokens=6, completions=4, bins=4, block=2))
     np.testing.assert_array_equal(
-        pk.tokens[0],
-        [[0, 1, 2, 3, 4, 5, 18, 19, 20, 21, 22, 6], [24, 25, 26, 12, 13, 0, 0, 0, 0, 0, 0, 0]],
+        bins.ids, [[5, 6, 10, 11, 12, 13], [5, 6, 14, 7, 20, 21], [7, 22, 23, 24, 25, 0], [0] * 6]
     )
     np.testing.assert_array_equal(
-        pk.segments[0], [[1] * 6 + [2] * 5 + [3], [1, 1, 1, 2, 2] + [0] * 7]
+        bins.positions[:3], [[0, 1, 2, 3, 4, 2], [0, 1, 2, 0, 1, 2], [0, 1, 2, 1, 2, 0]]
     )
     np.testing.assert_array_equal(
-        pk.offsets[0], [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0], [0, 1, 2, 0, 1] + [0] * 7]
+        bins.docs[:3], [[1, 1, 2, 2, 2, 3], [1, 1, 2, 3, 4, 4], [1, 2, 2, 3, 3, 0]]
     )
-    # completion g's token t lies at flat slot source[g, t] of the rows (row * 12 + column)
-    for g in range(5):
-        for t in range(int(mask[0, g].sum())):
-            assert pk.tokens.reshape(-1)[pk.source[0, g, t]] == tokens[0, g, t]
-    values = jnp.asarray(pk.tokens, jnp.float32)
-    np.testing.assert_array_equal(
-        np.where(mask, unpack(values, jnp.asarray(pk.source)), 0), np.where(mask, tokens, 0)
-    )
-
-
-def test_rows_per_group_are_the_most_any_group_needs_rounded_up():
-    mask = np.zeros((2, 8, 4), np.int32)
-    mask[0, :, :1] = 1  # eight 1-token completions: one row of 4 holds four -> 2 rows
-    mask[1, :3, :] = 1  # three full ones -> 3 rows
-    assert rows_needed(mask, row_tokens=4) == 3
-    assert rows_needed(mask, row_tokens=4, row_multiple=2) == 4
-    assert rows_needed(mask, row_tokens=4, row_multiple=5) == 5
-    assert rows_needed(mask, row_tokens=4, row_multiple=9) == 8  # never more than G
-    assert PackingConfig().pack(np.zeros_like(mask), mask).tokens.shape == (
-        2,
-        4,
-        4,
-    )  # default multiple ceil(8/4)
-
-
-def test_row_length_is_the_budget_quarter_with_the_fewest_slots():
-    # budget 64: widths 16 | 32 | 48 | 64; the longest completion (20) rules out 16. Rows of 32:
-    # 20+10, 10+5 -> 2 rows, 64 slots; rows of 48: 20+10+10+5 -> 1 row, 48 slots; rows of 64: 64 slots
-    mask = (np.arange(64) < np.array([[20, 10, 10, 5]])[..., None]).astype(np.int32)
-    cfg = PackingConfig()
-    assert cfg.widths(64) == (16, 32, 48, 64) and cfg.widths(100) == (32, 56, 80, 100)
-    assert cfg.choose(mask) == (1, 48) and cfg.choose(mask, row_tokens=32) == (2, 32)
-    assert cfg.pack(np.zeros_like(mask), mask).tokens.shape == (1, 1, 48)
-    assert PackingConfig(row_tokens=64).choose(mask) == (1, 64)
-    assert "rows of 16 | 32 | 48 | 64 tokens" in cfg.describe("group", 4, 64)
-    assert cfg.saves((1, 48), mask.shape) and not cfg.saves(
-        (4, 64), mask.shape
-    )  # auto: fewer slots only
-    assert PackingConfig(mode="on").saves((4, 64), mask.shape)
-
-
-def test_a_mask_that_is_not_a_prefix_and_short_rows_are_refused_by_name():
-    mask = np.ones((2, 3, 4), np.int32)
-    mask[1, 2, 1] = 0
-    with pytest.raises(ValueError, match="completion 2 of prompt 1 is not a prefix"):
-        pack_completions(np.zeros_like(mask), mask, row_tokens=4)
-    with pytest.raises(ValueError, match="a completion of 4 tokens does not fit rows of 3"):
-        pack_completions(np.zeros_like(mask), np.ones_like(mask), row_tokens=3)
-    with pytest.raises(ValueError, match="row_tokens=3 is shorter than the completion budget 4"):
-        PackingConfig(row_tokens=3).pack(np.zeros_like(mask), np.ones_like(mask))
+    np.testing.assert_array_equal(bins.prefix_of[:2], [[1] * 6, [1, 1, 1, 2, 2, 2]])
+    np.testing.assert_array_equal(bins.prefix[:2], [[1, 1, 0, 0, 0, 0], [1, 1, 0, 1, 0, 0]])
+    # a completion's first token is predicted by its prompt's last slot, the others by the slot before
+    np.testing.assert_array_equal(bins.predictor[0, 2:], [1, 2, 3, 1])
+    np.testing.assert_array_equal(bins.predictor[1, 2:], [1, 3, 3, 4])
+    # sources: token i of left-padded prompt p at 3p + i; token t of completion (p, g) at 6 + 9p + 3g + t
+    np.testing.assert_array_equal(bins.source[:2], [[1, 2, 6, 7, 8, 9], [1, 2, 12, 5, 15, 16]])
+    np.testing.assert_array_equal(bins.members[:3, :2], [[0, 1], [2, 3], [4, 5]])
+    np.testing.assert_array_equal(bins.member_start[:3, :2], [[2, 5], [2, 4], [1, 3]])
+    np.testing.assert_array_equal(bins.bin_of, [[0, 0, 1], [1, 2, 2]])
+    np.testing.assert_array_equal(bins.start, [[2, 5, 2], [4, 1, 3]])
+    assert list(bins.num_pairs > 0) == [True, True, True, False]
+    back = to_padded(jnp.asarray(bins.ids), jax.tree.map(jnp.asarray, bins), 3)
+    np.testing.assert_array_equal(np.where(mask, back, 0), tokens)
+    assert bin_fill(bins) == 17 / 18
     with pytest.raises(ValueError, match="needs the 'group' train attention"):
         PackingConfig(mode="on").applies("dense")
     assert not PackingConfig().applies("dense") and PackingConfig().applies("group")
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bins_a_batch_needs_never_exceed_the_layout(seed):
+    """The bound of ``PackingConfig.sizes`` against batches of every kind: at the budget, one
+    token, long-tailed; and the completion cap."""
+    rng = np.random.default_rng(seed)
+    p, g, n, lp = 5, 6, 16, 7
+    kind = seed % 3
+    lengths = (
+        np.full((p, g), n)
+        if kind == 0
+        else np.ones((p, g), int)
+        if kind == 1
+        else np.clip(rng.lognormal(1.5, 1.0, (p, g)).astype(int), 1, n)
+    )
+    mask = (np.arange(n) < lengths[..., None]).astype(np.int32)
+    ids, pm = (
+        np.ones((p, lp), np.int32),
+        (np.arange(lp) >= rng.integers(0, lp, (p, 1))).astype(np.int32),
+    )
+    for cfg in (
+        PackingConfig(),
+        PackingConfig(bin_tokens=lp + n),
+        PackingConfig(completions_per_bin=2),
+    ):
+        sizes = cfg.sizes(p, g, lp, n, block=4)
+        bins = pack_bins(ids, pm, np.ones((p, g, n), np.int32), mask, sizes)
+        assert bins.ids.shape == (sizes.bins, sizes.tokens)
+        assert (bins.members >= 0).sum() == p * g  # every completion placed once
+        assert sorted(bins.members[bins.members >= 0]) == list(range(p * g))
+
+
+def test_bad_batches_are_refused_by_name():
+    ids, pm = np.ones((1, 2), np.int32), np.ones((1, 2), np.int32)
+    mask = np.array([[[1, 0, 1]]])
+    sizes = BinSizes(tokens=8, completions=4, bins=2, block=4)
+    with pytest.raises(ValueError, match="completion 0 of prompt 0 is not a prefix"):
+        pack_bins(ids, pm, np.ones((1, 1, 3)), mask, sizes)
+    with pytest.raises(ValueError, match="prompt 0 is not left-padded"):
+        pack_bins(ids, np.array([[1, 0]]), np.ones((1, 1, 3)), np.ones((1, 1, 3)), sizes)
+    with pytest.raises(ValueError, match="does not fit a bin of 4 slots"):
+        pack_bins(
+            ids, pm, np.ones((1, 1, 3)), np.ones((1, 1, 3)), dataclasses.replace(sizes, tokens=4)
+        )
+    with pytest.raises(ValueError, match="shorter than a prompt"):
+        PackingConfig(bin_tokens=5).sizes(1, 1, 2, 4, block=1)
+
+
 @pytest.mark.parametrize(
-    "window,row_tokens,groups_per_pass",
-    [
-        (None, 13, 1),
-        pytest.param(None, 6, None, marks=pytest.mark.slow),
-        pytest.param(3, 9, None, marks=pytest.mark.slow),
-    ],
+    "window,bin_tokens,block",
+    [(None, None, 4), pytest.param(None, 28, 2, marks=pytest.mark.slow), (3, 20, 4)],
 )
-def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(
-    window, row_tokens, groups_per_pass
-):
+def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(window, bin_tokens, block):
     cfg = ModelConfig(**{**CFG.__dict__, "sliding_window": window})
     model = init(cfg, jax.random.key(0), std=0.3)
     p, g, n, lp = 3, 5, 6, 8
     ids, pm = _prompts(p, lp, [8, 3, 5])
     tokens, mask = _ragged(p, g, n, seed=1)
-    pk = jax.tree.map(jnp.asarray, pack_completions(tokens, mask, row_tokens=row_tokens))
-    assert pk.tokens.shape[1] < g  # several completions share a row
+    pk = _pack(ids, pm, tokens, mask, PackingConfig(bin_tokens=bin_tokens), block)
+    assert int(jnp.sum(pk.num_pairs > 0)) < p * g / 2  # several completions and groups share a bin
     comp, cm = jnp.asarray(tokens), jnp.asarray(mask)
     full = jnp.concatenate([jnp.repeat(ids, g, 0), comp.reshape(p * g, n)], 1)
     fmask = jnp.concatenate([jnp.repeat(pm, g, 0), cm.reshape(p * g, n)], 1)
@@ -138,7 +156,6 @@ def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(
         return token_logprobs(m, full, fmask, temperature=0.7)[:, lp - 1 :].reshape(p, g, n)
 
     def packed(m, how: ForwardPass):
-        how = dataclasses.replace(how, groups_per_pass=groups_per_pass)
         return completion_logprobs(m, ids, pm, comp, cm, how, temperature=0.7, packed=pk)
 
     lp_packed, ent_packed = packed(model, ForwardPass(with_entropy=True))
@@ -188,17 +205,16 @@ def _update_data(p=4, g=4, n=6, seed=0):
     ],
 )
 def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumulation(loss_type):
-    """Parameters and every metric after one update: packed with one prompt group per
-    micro-batch (4 accumulated) == padded in one micro-batch; KL and entropy terms on."""
+    """Parameters and every metric after one update: packed, one bin per micro-batch (the empty
+    ones skipped) == padded in one micro-batch; KL and entropy terms on."""
     model = init(CFG, jax.random.key(3), std=0.2)
     data = _update_data()
-    packed = jax.tree.map(
-        jnp.asarray,
-        PackingConfig(row_tokens=12).pack(np.asarray(data.tokens), np.asarray(data.mask)),
+    packed = _pack(
+        data.prompt_ids, data.prompt_mask, data.tokens, data.mask, PackingConfig(bin_tokens=16)
     )
-    assert packed.tokens.shape[1] < 4
+    assert 1 < int(jnp.sum(packed.num_pairs > 0)) < packed.num_pairs.shape[0]
     results = []
-    for accum, extra in ((1, {}), (4, {"packed": packed})):
+    for accum, extra in ((1, {}), (1, {"packed": packed})):
         cfg = configure(
             GRPOConfig,
             num_generations=4,
@@ -236,7 +252,7 @@ def test_grpo_step_with_packing_equals_it_without():
             num_generations=4,
             max_new_tokens=8,
             beta=0.04,
-            packing=PackingConfig(mode=mode, row_tokens=16),
+            packing=PackingConfig(mode=mode, bin_tokens=24),
             optimizer=OptimizerConfig(learning_rate=1e-2),
         )
         opt = cfg.optimizer.make()
@@ -258,8 +274,8 @@ def test_grpo_step_with_packing_equals_it_without():
         runs[mode] = (out, state.policy)
     (on, policy_on), (off, policy_off) = runs["on"], runs["off"]
     assert (
-        on[0][1]["pack_rows"] < 4 and "pack_rows" not in off[0][1]
-    )  # packed, and several to a row
+        on[0][1]["pack_bins"] < 4 and "pack_bins" not in off[0][1]
+    )  # packed, several groups to a bin
     for (tok_on, m_on), (tok_off, m_off) in zip(on, off):
         np.testing.assert_array_equal(tok_on, tok_off)
         for name, value in m_off.items():
@@ -271,9 +287,9 @@ def test_grpo_step_with_packing_equals_it_without():
     chex.assert_trees_all_close(policy_on, policy_off, atol=5e-3 * 1e-2)
 
 
-def test_auto_packs_a_batch_only_when_that_saves_slots():
-    """The pack stage with the default config: completions that fill the budget stay padded (as
-    many rows would cost more), short ones are packed; 'off' never packs."""
+def test_auto_packs_where_the_train_attention_is_the_group_kernel():
+    """The pack stage with the default config packs on CPU (every batch, one layout whatever the
+    lengths); 'off' never packs."""
     from relax.algorithms.online.stages import make_packing
     from relax.models.forward.config import ForwardConfig
     from relax.train.state import init_state
@@ -298,17 +314,13 @@ def test_auto_packs_a_batch_only_when_that_saves_slots():
         )
         return WithHost(batch, HostRecord(prompts=["a", "b"]))
 
-    pack = make_packing(PackingConfig(), ForwardConfig(train_attention="auto"))
-    assert pack(state, scored(full))[1].device.packed is None
+    pack = make_packing(PackingConfig(), ForwardConfig(train_attention="auto"), choose_passes())
+    layouts = {pack(state, scored(m))[1].device.packed.ids.shape for m in (full, short)}
+    assert layouts == {(2, 64)}  # 2 x (3 + 8) slots rounded up to the block of 64; 8 // 5 + 1 bins
     out = pack(state, scored(short))[1]
-    packed = out.device.packed
-    assert packed.tokens.shape == (2, 1, 8)  # four 2-token completions in one row of 8
-    assert out.host.prompts == ["a", "b"] and np.array_equal(
-        out.device.mask, short
-    )  # the rest as it was
-    assert (
-        make_packing(PackingConfig(mode="off"), ForwardConfig(train_attention="auto"))(
-            state, scored(short)
-        )[1].device.packed
-        is None
+    assert int(jnp.sum(out.device.packed.num_pairs > 0)) == 1  # 2 prompts + 8 x 2 tokens: one bin
+    assert out.host.prompts == ["a", "b"] and np.array_equal(out.device.mask, short)
+    off = make_packing(
+        PackingConfig(mode="off"), ForwardConfig(train_attention="auto"), choose_passes()
     )
+    assert off(state, scored(short))[1].device.packed is None

@@ -220,15 +220,18 @@ def test_routing_replay_makes_trainer_logprobs_the_samplers():
 
 
 def test_routing_replay_packed_layout():
-    from relax.data.completion_layout import pack_completions
+    from relax.data.completion_layout import PackingConfig, pack_bins
 
     model = _near_tied_model()
     ids, mask, out = _rollout(model)
     short = np.asarray(out.mask).copy()
-    short[:, :2, 5:] = 0  # ragged: half the completions end early, so rows hold two
+    short[:, :2, 5:] = 0  # ragged: half the completions end early, several groups to a bin
     out = dataclasses.replace(out, mask=jnp.asarray(short))
-    packed = pack_completions(np.asarray(out.tokens), short, row_tokens=12)
-    assert packed.tokens.shape[1] < 4
+    p, lp = ids.shape
+    _, g, n = out.tokens.shape
+    sizes = PackingConfig().sizes(p, g, lp, n, block=4)
+    packed = jax.tree.map(jnp.asarray, pack_bins(ids, mask, out.tokens, short, sizes))
+    assert int(jnp.sum(packed.num_pairs > 0)) < p * g / 2
     lp = completion_logprobs(
         model, ids, mask, out.tokens, out.mask, routes=out.routes, packed=packed
     )
@@ -249,9 +252,14 @@ def test_routes_replay_rows_layouts():
         prompt=jnp.arange(2 * 3 * 1 * 2).reshape(2, 3, 1, 2),
         completion=jnp.arange(2 * 2 * 4 * 1 * 2).reshape(2, 2, 4, 1, 2).astype(jnp.int8),
     )
-    prompt, rows = c.replay_rows(jnp.ones((2, 2, 4), jnp.int32))
+    prompt, rows = c.replay_rows()
     chex.assert_shape((prompt, rows), [(1, 2, 3, 2), (1, 4, 4, 2)])
     np.testing.assert_array_equal(np.asarray(rows[0, 3]), np.asarray(c.completion[1, 1, :, 0]))
+    # a bin's slots: prompt 1's token 2 (source 1 * 3 + 2), completion (1, 0)'s token 3, nothing
+    slots = c.replay_slots(jnp.array([[5, 6 + (2 + 0) * 4 + 3, -1]]))
+    np.testing.assert_array_equal(slots[0, 0, 0], c.prompt[1, 2, 0])
+    np.testing.assert_array_equal(slots[0, 1, 0], c.completion[1, 0, 3, 0])
+    np.testing.assert_array_equal(slots[0, 2], -1)
 
 
 def test_moe_config_errors():

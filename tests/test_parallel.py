@@ -136,7 +136,7 @@ def run_case(
         num_generations=4,
         max_new_tokens=6,
         beta=beta,
-        packing=PackingConfig(packing, row_tokens=12),
+        packing=PackingConfig(packing, bin_tokens=24),
         optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, master_weights=master_weights),
     )
     opt = cfg.optimizer.make()
@@ -540,13 +540,13 @@ if __name__ != "__main__":
             _assert_metrics_close(got, want, f"ragged iteration {i}")
 
     def test_packed_update_on_a_mesh_equals_the_padded_one(mesh_results):
-        """Completions packed by token count (relax.models.forward.completion_packing) on the 3-axis mesh:
-        the same samples and metrics as padded, over two iterations."""
+        """Completions packed across groups into bins (relax.models.forward.completion_packing) on
+        the 3-axis mesh: the same samples and metrics as padded, over two iterations."""
         on, off = mesh_results["runs"]["ragged_on"], mesh_results["runs"]["ragged_off"]
         assert on["tokens"] == off["tokens"]
         assert (
-            on["metrics"][0]["pack_rows"] < 4 and on["metrics"][0]["pack_fill"] > 0.5
-        )  # several to a row
+            on["metrics"][0]["pack_bins"] < 4 and on["metrics"][0]["pack_fill"] > 0.5
+        )  # several groups to a bin
         for i, (got, want) in enumerate(zip(on["metrics"], off["metrics"])):
             _assert_metrics_close(
                 {k: v for k, v in got.items() if not k.startswith("pack_")}, want, f"ragged {i}"

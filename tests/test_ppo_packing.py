@@ -1,5 +1,5 @@
 """PPO's padding-free update (relax.models.forward.completion_packing): a critic's values and the policy's
-log-probs, entropies and values of one joint forward over packed rows against the plain
+log-probs, entropies and values of one joint forward over packed bins against the plain
 full-sequence forward (``hidden_states``, ``token_logprobs``: the independent reference), with
 their gradients; the composed PPO step (values, GAE, actor and critic updates) with packing on
 equal to it off, for a separate critic and a value head, every loss aggregation mode, with
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_completion_packing import _ragged
+from test_completion_packing import _pack, _ragged
 from test_parallel import _decode, fives
 from test_train import CFG, _prompts
 
@@ -21,7 +21,7 @@ from relax.algorithms.online.batch import step_input
 from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
-from relax.data.completion_layout import PackingConfig, pack_completions
+from relax.data.completion_layout import PackingConfig
 from relax.models import hidden_states, init
 from relax.models.decoder.logprobs import token_logprobs
 from relax.models.forward.forward_pass import ForwardPass
@@ -36,11 +36,11 @@ from relax.train.optimizer import OptimizerConfig
 from relax.train.state import init_state
 
 
-def _setup(p=3, g=5, n=6, lp=8, row_tokens=13):
+def _setup(p=3, g=5, n=6, lp=8):
     ids, pm = _prompts(p, lp, [8, 3, 5])
     tokens, mask = _ragged(p, g, n, seed=1)
-    packed = jax.tree.map(jnp.asarray, pack_completions(tokens, mask, row_tokens=row_tokens))
-    assert packed.tokens.shape[1] < g  # several completions share a row
+    packed = _pack(ids, pm, tokens, mask)
+    assert int(jnp.sum(packed.num_pairs > 0)) < p * g / 2  # several completions share a bin
     full = jnp.concatenate([jnp.repeat(ids, g, 0), jnp.asarray(tokens).reshape(p * g, n)], 1)
     fmask = jnp.concatenate([jnp.repeat(pm, g, 0), jnp.asarray(mask).reshape(p * g, n)], 1)
     return ids, pm, jnp.asarray(tokens), jnp.asarray(mask), packed, full, fmask
@@ -133,11 +133,12 @@ FAST = (("separate", "token-mean"),)
 def test_ppo_step_with_packing_equals_it_without(critic, loss_type):
     """Two iterations of the composed PPO step (rollout, pack, reference, values and GAE, actor and
     critic updates) on completions that stop early: the same samples, metrics, policy and critic
-    with packing on (one prompt group per micro-batch, accumulated) and off (one micro-batch)."""
+    with packing on (one bin per micro-batch, accumulated) and off (one micro-batch). One
+    minibatch: a packed update's minibatches are sets of bins, a padded one's sets of groups."""
     ids, pm = _prompts(4, 6, [6, 2, 4, 5])
     batch = step_input(ids, pm, ["a", "b", "c", "d"], {"weight": [1.0] * 4})
     runs = {}
-    for mode, accum in (("on", 2), ("off", 1)):
+    for mode in ("on", "off"):
         cfg = configure(
             PPOConfig,
             num_generations=4,
@@ -146,9 +147,8 @@ def test_ppo_step_with_packing_equals_it_without(critic, loss_type):
             critic=critic,
             loss_type=loss_type,
             entropy_coef=0.01,
-            num_minibatches=2,
-            grad_accum=accum,
-            packing=PackingConfig(mode=mode, row_tokens=16),
+            num_iterations=2,
+            packing=PackingConfig(mode=mode, bin_tokens=24),
             optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None),
             critic_optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None),
         )
@@ -181,8 +181,8 @@ def test_ppo_step_with_packing_equals_it_without(critic, loss_type):
         runs[mode] = (out, state.policy, state.critic)
     (on, policy_on, critic_on), (off, policy_off, critic_off) = runs["on"], runs["off"]
     assert (
-        on[0][1]["pack_rows"] < 4 and "pack_rows" not in off[0][1]
-    )  # packed, and several to a row
+        on[0][1]["pack_bins"] < 4 and "pack_bins" not in off[0][1]
+    )  # packed, several groups to a bin
     assert on[1][1]["critic/vf_mse"] > 0 and on[1][1]["kl"] > 0  # values and the KL are not trivial
     for (tok_on, m_on), (tok_off, m_off) in zip(on, off):
         np.testing.assert_array_equal(tok_on, tok_off)

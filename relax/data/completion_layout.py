@@ -1,9 +1,16 @@
-"""Completions packed by token count, on the host: which completions share a row, and the
-layout the training forwards read (``relax.models.forward.completion_packing.PackedCompletions``).
+"""Completions packed across prompt groups into bins, on the host: which prompt copies and
+completions share a bin, and the layout the training forwards read
+(``relax.models.forward.completion_packing.CompletionBins``).
 
-A group's completions go into rows by first-fit decreasing (``relax.data.supervised.pack_plan``,
-as SFT examples are packed); ``PackingConfig`` chooses the rows and their length per batch, few
-enough distinct layouts that each can be one compile.
+The prompt groups are taken in order; each group's completions, longest first, go into the
+current bin (behind a copy of their prompt, the first time the group meets that bin) while one
+fits, else the bin is closed and the next one opened (as verl's and NeMo-RL's dynamic batching fill
+micro-batches by token count, but keeping the prompt shared inside each bin). A bin closes when
+no completion of the group fits in what is left of its ``S`` slots, or when it holds
+``completions_per_bin``; so every closed bin holds at least
+``c_min = min(completions_per_bin, floor((S - Lp - N) / (Lp + N)) + 1)`` completions, and a batch
+of ``P x G`` completions never needs more than ``floor(P G / c_min) + 1`` bins: that many bins,
+one static shape whatever the lengths, the ones a batch leaves empty skipped at run time.
 """
 
 from __future__ import annotations
@@ -12,43 +19,49 @@ import dataclasses
 
 import numpy as np
 
-from relax.data.supervised import pack_plan
-from relax.models.forward.completion_packing import PackedCompletions
+from relax.models.attention.stream import block_pairs
+from relax.models.forward.completion_packing import CompletionBins
 
-__all__ = ["PACKING_MODES", "PackingConfig", "pack_completions", "rows_needed"]
+__all__ = ["PACKING_MODES", "BinSizes", "PackingConfig", "bin_fill", "pack_bins"]
 
 PACKING_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class BinSizes:
+    """A run's bin layout: ``bins`` bins of ``tokens`` slots, each with at most ``completions``
+    completions, attention in blocks of ``block`` slots."""
+
+    tokens: int
+    completions: int
+    bins: int
+    block: int
 
 
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
     """How the training forwards (update, reference, proximal) lay out a batch's completions.
 
-    ``mode``: ``"on"`` packs every batch by token count
-    (``relax.models.forward.completion_packing``), ``"off"`` keeps them
-    padded to the budget, ``"auto"`` packs where the train attention is the group kernel (CPU,
-    and any float32 model; not where the fused dense kernel runs it, GPU in 16 bits: cuDNN's
-    attention has no segments, and it is 5x the group kernel there) and the packed rows have
-    fewer slots than the padded ``[G, N]`` (a batch of long completions stays padded: packed rows
-    as many as the padded ones cost ~15% more, their segment masks and gathers; see RESULTS.md).
-    ``row_tokens``: tokens per packed row. None (the default) chooses per batch among the
-    quarters of the budget N (``N/4, N/2, 3N/4, N``, each rounded up to a multiple of 8) that hold
-    the batch's longest completion, the one with the fewest slots (rows x length): short batches
-    get short rows, whose own attention (``C x C`` per row) costs less too. A number fixes it (at
-    least N); a longer row packs more completions per row at a quadratic cost in its attention.
-    ``row_multiple``: rows per group are rounded up to a multiple of it (None: a quarter of G,
-    rounded up). A run meets at most ``4 x G / row_multiple`` layouts (one with a fixed
-    ``row_tokens``), each one compile of the programs that read it.
+    ``mode``: ``"on"`` packs every batch into bins (``relax.models.forward.completion_packing``),
+    ``"off"`` keeps the completions padded to the budget, ``"auto"`` packs where the train
+    attention is the group kernel (CPU, and any float32 model), not where the fused dense kernel
+    runs it (GPU in 16 bits: cuDNN's attention has no documents).
+    ``bin_tokens``: slots per bin, S, at least the prompt bucket plus the budget. None (the
+    default): twice that, rounded up to the attention block. A bin is one micro-batch of the
+    update on one device: larger bins mean fewer, bigger micro-batches and more slots left
+    empty in a batch's last bin.
+    ``completions_per_bin``: at most this many completions per bin (the loss reads a bin's
+    completions as rows of N). None: ``8 S / N``.
     """
 
     mode: str = "auto"
-    row_tokens: int | None = None
-    row_multiple: int | None = None
+    bin_tokens: int | None = None
+    completions_per_bin: int | None = None
 
     def __post_init__(self):
         if self.mode not in PACKING_MODES:
             raise ValueError(f"packing mode {self.mode!r}: valid {', '.join(PACKING_MODES)}")
-        for name in ("row_tokens", "row_multiple"):
+        for name in ("bin_tokens", "completions_per_bin"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"packing {name} must be >= 1, got {getattr(self, name)}")
 
@@ -56,129 +69,175 @@ class PackingConfig:
         """Whether to pack, given the resolved train attention (``"group"`` or ``"dense"``)."""
         if self.mode == "on" and train_attention == "dense":
             raise ValueError(
-                "packing mode 'on' needs the 'group' train attention (the 'dense' one has no segments); "
+                "packing mode 'on' needs the 'group' train attention (the 'dense' one has no documents); "
                 "set --grpo.train-attention group or --grpo.packing.mode auto"
             )
         return self.mode == "on" or (self.mode == "auto" and train_attention == "group")
 
-    def saves(self, layout: tuple[int, int], shape: tuple[int, int, int]) -> bool:
-        """Whether to pack a ``[P, G, N]`` batch in ``layout`` ``(rows, row_tokens)``: always with
-        ``mode="on"``, else only when its rows have fewer slots than ``G x N``."""
-        rows, width = layout
-        return self.mode == "on" or rows * width < shape[1] * shape[2]
-
-    def multiple(self, num_generations: int) -> int:
-        return -(-num_generations // 4) if self.row_multiple is None else self.row_multiple
-
-    def widths(self, budget: int) -> tuple[int, ...]:
-        """The row lengths this config chooses from for a completion budget
-        (``relax.models.forward.completion_packing``)."""
-        if self.row_tokens is not None:
-            if self.row_tokens < budget:
-                raise ValueError(
-                    f"packing row_tokens={self.row_tokens} is shorter than the completion budget {budget}"
-                )
-            return (self.row_tokens,)
-        return tuple(sorted({min(budget, -(-budget * k // 4 // 8) * 8) for k in (1, 2, 3, 4)}))
-
-    def choose(self, mask: np.ndarray, row_tokens: int | None = None) -> tuple[int, int]:
-        """``(rows, row_tokens)`` of the packing of ``mask [P, G, N]``: at ``row_tokens`` when
-        given (at least the longest completion), else the width with the fewest slots."""
-        _, g, n = np.shape(mask)
-        lengths = _lengths(mask)
-        options = (
-            (row_tokens,)
-            if row_tokens is not None
-            else [w for w in self.widths(n) if w >= lengths.max(initial=0)]
+    def sizes(
+        self,
+        prompts: int,
+        generations: int,
+        prompt_len: int,
+        budget: int,
+        *,
+        block: int,
+        multiple: int = 1,
+    ) -> BinSizes:
+        """The bin layout of ``prompts x generations`` completions of ``budget`` tokens behind
+        prompts of ``prompt_len``: bins rounded up to a multiple of ``multiple``."""
+        need = prompt_len + budget
+        s = _round_up(2 * need if self.bin_tokens is None else self.bin_tokens, block)
+        if s < need:
+            raise ValueError(
+                f"packing bin_tokens={self.bin_tokens} is shorter than a prompt ({prompt_len}) "
+                f"plus the completion budget ({budget})"
+            )
+        cp = (
+            max(1, 8 * s // budget)
+            if self.completions_per_bin is None
+            else self.completions_per_bin
         )
-        layouts = [(_rows(_plans(lengths, w), g, self.multiple(g)), w) for w in options]
-        return min(layouts, key=lambda rw: (rw[0] * rw[1], -rw[1]))
+        cp = min(cp, prompts * generations)
+        c_min = max(1, min(cp, (s - need) // need + 1))
+        return BinSizes(s, cp, _round_up(prompts * generations // c_min + 1, multiple), block)
 
-    def describe(self, train_attention: str, num_generations: int, max_new_tokens: int) -> str:
+    def describe(self, train_attention: str, max_new_tokens: int) -> str:
         """One line for a start-up report: the layout the training forwards will use."""
         if not self.applies(train_attention):
             return (
                 f"completions padded to {max_new_tokens} tokens in the update (packing {self.mode}, "
                 f"{train_attention} train attention)"
             )
-        widths = self.widths(max_new_tokens)
-        multiple = self.multiple(num_generations)
-        layouts = len(widths) * -(-num_generations // multiple)
+        size = "2 x (prompt + budget)" if self.bin_tokens is None else str(self.bin_tokens)
+        per = "8 S / N" if self.completions_per_bin is None else str(self.completions_per_bin)
         return (
-            f"completions packed by token count in the update and reference: rows of "
-            f"{' | '.join(map(str, widths))} tokens, rows per group a multiple of {multiple} "
-            f"(at most {layouts} layouts, each compiled when first met)"
+            f"completions packed across groups into bins of {size} slots (at most {per} completions "
+            "each) in the update, reference and proximal forwards: one layout, a bin per device "
+            "per micro-batch (grad_accum applies to padded batches), the empty bins skipped; "
+            "attention over the visible key blocks only"
         )
 
-    def pack(
-        self, tokens: np.ndarray, mask: np.ndarray, layout: tuple[int, int] | None = None
-    ) -> PackedCompletions:
-        """``pack_completions`` of a ``[P, G, N]`` batch in ``layout`` ``(rows, row_tokens)``
-        (default: ``choose(mask)``)."""
-        rows, row_tokens = self.choose(mask) if layout is None else layout
-        return pack_completions(tokens, mask, row_tokens=row_tokens, rows=rows)
 
-
-def rows_needed(mask: np.ndarray, *, row_tokens: int, row_multiple: int = 1) -> int:
-    """The rows per group ``R`` a packing of ``mask [P, G, N]`` into rows of ``row_tokens`` (at
-    least its longest completion) takes (``relax.models.forward.completion_packing``)."""
-    return _rows(_plans(_lengths(mask), row_tokens), mask.shape[1], row_multiple)
-
-
-def _plans(lengths: np.ndarray, row_tokens: int) -> list[list[list[int]]]:
-    """Per group, the completions of each row (``pack_plan``: first-fit decreasing)."""
-    return [pack_plan([int(n) for n in row], row_tokens) for row in lengths]
-
-
-def _rows(plans: list[list[list[int]]], g: int, row_multiple: int) -> int:
-    """The fullest group's rows, rounded up to ``row_multiple`` (at most G: a completion fits a row)."""
-    need = max(len(plan) for plan in plans)
-    return min(-(-need // row_multiple) * row_multiple, g)
-
-
-def pack_completions(
+def pack_bins(
+    prompt_ids: np.ndarray,
+    prompt_mask: np.ndarray,
     tokens: np.ndarray,
     mask: np.ndarray,
-    *,
-    row_tokens: int,
-    row_multiple: int = 1,
-    rows: int | None = None,
-) -> PackedCompletions:
-    """Pack ``tokens``/``mask [P, G, N]`` into rows of ``row_tokens`` per group, as numpy arrays
-    (``relax.models.forward.completion_packing``); ``rows``: this many rows per group instead of
-    ``rows_needed``'s (at least that: e.g. the most any process of a multi-host run needs).
-    Raises if a mask row is not a prefix or a completion is longer than ``row_tokens``."""
-    tokens, mask = np.asarray(tokens), np.asarray(mask)
-    p, g, n = tokens.shape
-    lengths = _lengths(mask)
-    if lengths.max(initial=0) > row_tokens:
-        raise ValueError(
-            f"pack_completions: a completion of {lengths.max()} tokens does not fit rows of {row_tokens}"
-        )
-    plans = _plans(lengths, row_tokens)
-    r = _rows(plans, g, row_multiple)
-    if rows is not None:
-        if rows < r:
-            raise ValueError(
-                f"pack_completions: rows={rows} cannot hold these completions (they need {r})"
+    sizes: BinSizes,
+) -> CompletionBins:
+    """The bins (``relax.models.forward.completion_packing``) of a batch: left-padded
+    ``prompt_ids``/``prompt_mask [P, Lp]``, completions ``tokens``/``mask [P, G, N]``, as numpy
+    arrays. Raises, naming the completion, if a mask row is not a prefix, and if a prompt with
+    its completion does not fit a bin."""
+    prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    tokens = np.asarray(tokens)
+    p, lp = prompt_ids.shape
+    _, g, n = tokens.shape
+    lengths, p_len = _lengths(mask), _prompt_lengths(prompt_mask)
+    plan = _plan(lengths, p_len, sizes)
+    if len(plan) > sizes.bins:  # the module docstring's bound says it cannot happen
+        raise AssertionError(f"pack_bins: {len(plan)} bins needed, the layout has {sizes.bins}")
+    s, u, c = sizes.tokens, sizes.bins, sizes.completions
+    stream = {k: np.zeros((u, s), np.int32) for k in ("ids", "positions", "docs", "prefix_of")}
+    stream["source"] = np.full((u, s), -1, np.int32)
+    stream["predictor"] = np.zeros((u, s), np.int32)
+    members, member_start = np.full((u, c), -1, np.int32), np.zeros((u, c), np.int32)
+    bin_of, start = np.zeros((p, g), np.int32), np.zeros((p, g), np.int32)
+    w = (s // sizes.block) * (s // sizes.block + 1) // 2
+    pairs, num_pairs = np.zeros((u, w, 2), np.int32), np.zeros((u,), np.int32)
+    prefix = np.zeros((u, s), bool)
+    for b, items in enumerate(plan):
+        at, doc, last = 0, 0, {}
+        for j, (i, k) in enumerate(items):
+            if i not in last:  # the group's prompt copy, then its completions
+                m, doc = int(p_len[i]), doc + 1
+                _fill(stream, b, at, m, prompt_ids[i, lp - m :], np.arange(m), doc, i)
+                stream["source"][b, at : at + m] = i * lp + lp - m + np.arange(m)
+                stream["predictor"][b, at : at + m] = np.maximum(at + np.arange(m) - 1, at)
+                last[i], at = at + max(m, 1) - 1, at + m
+            length, doc = int(lengths[i, k]), doc + 1
+            _fill(
+                stream, b, at, length, tokens[i, k, :length], p_len[i] + np.arange(length), doc, i
             )
-        r = rows
-    out_tokens = np.zeros((p, r, row_tokens), np.int32)
-    segments = np.zeros((p, r, row_tokens), np.int32)
-    offsets = np.zeros((p, r, row_tokens), np.int32)
-    source = np.zeros((p, g, n), np.int32)
-    for i in range(p):
-        for row, members in enumerate(plans[i]):
-            start = 0
-            for k, j in enumerate(members, start=1):
-                length = int(lengths[i, j])
-                slots = slice(start, start + length)
-                out_tokens[i, row, slots] = tokens[i, j, :length]
-                segments[i, row, slots] = k
-                offsets[i, row, slots] = np.arange(length)
-                source[i, j, :length] = row * row_tokens + np.arange(start, start + length)
-                start += length
-    return PackedCompletions(out_tokens, segments, offsets, source)
+            stream["source"][b, at : at + length] = p * lp + (i * g + k) * n + np.arange(length)
+            stream["predictor"][b, at : at + length] = np.r_[last[i], at + np.arange(length - 1)]
+            members[b, j], member_start[b, j] = i * g + k, at
+            bin_of[i, k], start[i, k] = b, at
+            at += length
+        prefix[b] = (stream["source"][b] >= 0) & (stream["source"][b] < p * lp)
+        listed, num_pairs[b] = block_pairs(
+            stream["docs"][b], stream["prefix_of"][b], prefix[b], sizes.block
+        )
+        pairs[b] = listed
+    return CompletionBins(
+        **stream,
+        prefix=prefix,
+        pairs=pairs,
+        num_pairs=num_pairs,
+        members=members,
+        member_start=member_start,
+        bin_of=bin_of,
+        start=start,
+    )
+
+
+def bin_fill(bins: CompletionBins) -> float:
+    """Real tokens (prompt copies and completions) per slot of the bins that hold any."""
+    docs = np.asarray(bins.docs)
+    used = np.asarray(bins.num_pairs) > 0
+    return float((docs[used] > 0).mean()) if used.any() else 0.0
+
+
+def _fill(stream, b, at, length, ids, positions, doc, prompt):
+    span = slice(at, at + length)
+    stream["ids"][b, span] = ids
+    stream["positions"][b, span] = positions
+    stream["docs"][b, span] = doc
+    stream["prefix_of"][b, span] = prompt + 1
+
+
+def _plan(lengths: np.ndarray, p_len: np.ndarray, sizes: BinSizes) -> list[list[tuple[int, int]]]:
+    """Per bin, its completions ``(p, g)`` in slot order (module docstring)."""
+    bins, cur, used, seen = [], [], 0, set()
+    for i in range(lengths.shape[0]):
+        left = sorted(
+            (k for k in range(lengths.shape[1]) if lengths[i, k] > 0), key=lambda k: -lengths[i, k]
+        )
+        while left:
+            extra = 0 if i in seen else int(p_len[i])
+            room = sizes.tokens - used - extra
+            pick = next((k for k in left if lengths[i, k] <= room), None)
+            if pick is None or len(cur) == sizes.completions:
+                if not cur:
+                    raise ValueError(
+                        f"pack_bins: prompt {i} ({p_len[i]} tokens) with completion {left[0]} "
+                        f"({lengths[i, left[0]]} tokens) does not fit a bin of {sizes.tokens} slots"
+                    )
+                bins.append(cur)
+                cur, used, seen = [], 0, set()
+                continue
+            cur.append((i, pick))
+            used, seen = used + extra + int(lengths[i, pick]), seen | {i}
+            left.remove(pick)
+    return bins + [cur] if cur else bins
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _prompt_lengths(prompt_mask: np.ndarray) -> np.ndarray:
+    """Valid tokens per prompt ``[P]``, checking that each prompt is left-padded."""
+    m = np.asarray(prompt_mask) > 0
+    lengths = m.sum(-1)
+    suffix = np.arange(m.shape[-1]) >= m.shape[-1] - lengths[:, None]
+    if not np.array_equal(m, suffix):
+        raise ValueError(
+            f"pack_bins: the mask of prompt {np.argwhere((m != suffix).any(-1))[0, 0]} is not "
+            "left-padded (0s, then 1s to the end)"
+        )
+    return lengths
 
 
 def _lengths(mask: np.ndarray) -> np.ndarray:
@@ -189,7 +248,7 @@ def _lengths(mask: np.ndarray) -> np.ndarray:
     if not np.array_equal(m, prefix):
         p, g = np.argwhere((m != prefix).any(-1))[0]
         raise ValueError(
-            f"pack_completions: the mask of completion {g} of prompt {p} is not a prefix "
+            f"pack_bins: the mask of completion {g} of prompt {p} is not a prefix "
             "(1s up to the stop token, then 0s); only contiguous completions can be packed"
         )
     return lengths

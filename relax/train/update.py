@@ -36,6 +36,7 @@ dropout, each micro-batch's forward gets its own dropout key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -123,6 +124,7 @@ def make_update(
     passes: Passes = Passes(),
     normalizers: Callable[[Any], Mapping[str, Array]] = token_normalizers,
     track_reference: bool = False,
+    skip_empty: bool = False,
 ):
     """``update(params, opt_state, batch, key, ref_is_policy=False) -> (params, opt_state, metrics)``.
 
@@ -146,6 +148,11 @@ def make_update(
         track_reference: carry ``ctx.ref_is_policy`` from the call's ``ref_is_policy`` through
             the steps, cleared by the first step that changes a weight (default False: it stays
             as given).
+        skip_empty: rows with no loss token (the empty bins of a packed batch) are not computed:
+            each epoch deals the rows with a loss token first, round-robin over the minibatches
+            (their counts differ by at most one), and a micro-batch with no loss token contributes
+            zero gradient and neutral metrics without running the loss (default False: every
+            micro-batch runs, the rows split in their random order).
 
     Returns:
         ``update(params, opt_state, batch, key, ref_is_policy=False)``, pure and jittable. ``batch``
@@ -179,7 +186,13 @@ def make_update(
 
             def micro(acc, xs):
                 micro_batch, k = xs
-                (loss, metrics), grads = grad_fn(trained, frozen, micro_batch, ctx, k)
+                run = lambda: grad_fn(trained, frozen, micro_batch, ctx, k)  # noqa: E731
+                if skip_empty:
+                    (loss, metrics), grads = jax.lax.cond(
+                        _weight(micro_batch) > 0, run, functools.partial(_neutral, run)
+                    )
+                else:
+                    (loss, metrics), grads = run()
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics, _weight(micro_batch))
 
             zeros = jax.tree.map(jnp.zeros_like, trained)
@@ -209,6 +222,8 @@ def make_update(
 
         def epoch(carry, epoch_key):
             perm = jax.random.permutation(epoch_key, rows)
+            if skip_empty:
+                perm = _dealt(perm, _row_tokens(batch) > 0, m)
             split = lambda x: x[perm].reshape((m, a, rows // (m * a)) + x.shape[1:])  # noqa: E731
             keys = jax.random.split(jax.random.fold_in(epoch_key, 1), (m, a)) if dropout else None
             return jax.lax.scan(step, carry, (jax.tree.map(split, batch), keys))
@@ -223,6 +238,27 @@ def make_update(
 def _declared(out):
     loss, metrics = out
     return loss, {k: M.as_metric(v) for k, v in metrics.items()}
+
+
+def _neutral(run):
+    """What a skipped micro-batch contributes: ``run``'s outputs as zeros, its metrics neutral
+    (``relax.metrics.neutral``)."""
+    (loss, metrics), grads = jax.eval_shape(run)
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+    return (zeros(loss), {k: M.neutral(v) for k, v in metrics.items()}), jax.tree.map(zeros, grads)
+
+
+def _row_tokens(batch) -> Array:
+    """Loss tokens per row ``[rows]``."""
+    mask = loss_mask_of(batch)
+    return jnp.sum(mask.reshape(mask.shape[0], -1), axis=1)
+
+
+def _dealt(perm: Array, active: Array, m: int) -> Array:
+    """``perm`` with its active rows first, dealt round-robin: minibatch ``i`` takes positions
+    ``i, i + m, ...``, so each minibatch has its share of active rows, first."""
+    perm = perm[jnp.argsort(~active[perm], stable=True)]
+    return perm.reshape(-1, m).T.reshape(-1)
 
 
 def _weight(micro_batch) -> Array:

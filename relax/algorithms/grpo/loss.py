@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.online.batch import LossRows
+from relax.algorithms.online.binned import make_binned_update
 from relax.algorithms.online.stages import train_logprobs
 from relax.masked import masked_mean
 from relax.models.forward.prefix_shared import completion_rope
@@ -117,23 +118,21 @@ def make_grpo_update(
 ):
     """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``:
     the generic update (``relax.train.update``) of ``make_loss(cfg)`` with the config's epochs,
-    minibatches and micro-batches, on ``LossRows`` (``rope`` filled here)."""
+    minibatches and micro-batches, on ``LossRows`` (``rope`` filled here); over its bins when
+    the batch was packed (``relax.algorithms.online.binned``)."""
+    loss = make_loss(cfg, passes, off_policy)
+    split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, passes=passes)
     update = make_update(
-        make_loss(cfg, passes, off_policy),
-        optimizer,
-        epochs=cfg.num_iterations,
-        minibatches=cfg.num_minibatches,
-        grad_accum=cfg.grad_accum,
-        passes=passes,
-        track_reference=cfg.beta > 0,
+        loss, optimizer, grad_accum=cfg.grad_accum, track_reference=cfg.beta > 0, **split
     )
+    binned = make_binned_update(loss, optimizer, track_reference=cfg.beta > 0, **split)
 
     def grpo_update(policy, opt_state, data: LossRows, key, ref_is_policy=False):
+        if data.packed is not None:
+            return binned(policy, opt_state, data, key, ref_is_policy, config=policy.config)
         _, g, n = data.tokens.shape
         # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        data = data.replace(
-            rope=completion_rope(policy.config, data.prompt_mask, g, n, packed=data.packed)
-        )
+        data = data.replace(rope=completion_rope(policy.config, data.prompt_mask, g, n))
         return update(policy, opt_state, data, key, ref_is_policy)
 
     return grpo_update

@@ -81,9 +81,7 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
 
     def describe_update(model) -> str:
         return g.packing.describe(
-            resolve_attention(g.forward.train_attention, model),
-            g.generation.num_generations,
-            g.generation.max_new_tokens,
+            resolve_attention(g.forward.train_attention, model), g.generation.max_new_tokens
         )
 
     return OnlineAlgorithm(

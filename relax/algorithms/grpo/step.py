@@ -186,6 +186,7 @@ def grpo_parts(cfg: GRPOConfig, *, per_turn: bool = False) -> OnlineParts:
         forward=cfg.forward,
         needs_reference=cfg.needs_reference,
         optimizer_steps=cfg.optimizer_steps,
+        minibatches=cfg.num_minibatches,
         advantage=make_advantage(cfg, per_turn=per_turn),
         packing=cfg.packing,
         make_update=lambda passes, off_policy: make_update_stage(cfg, passes, off_policy),

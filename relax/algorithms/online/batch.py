@@ -5,7 +5,7 @@ the rows a policy loss reads (``LossRows``). Host-only values ride beside it in 
     step input     WithHost(Prompts, HostRecord(prompts, fields))
     rollout        Prompts    -> Sampled     (the sampler; multi-turn: the environments too)
     score_start    Sampled    -> Scored      (stop strings cut; text decoded; pool started)
-    pack           Scored.packed             (completions packed by token count)
+    pack           Scored.packed             (completions packed across groups into bins)
     reference      Scored.ref_logprobs, ref_is_policy
     score_finish   Scored.rewards, reward_parts; HostRecord.reward_info
     proximal       Scored.prox_logprobs
@@ -29,9 +29,10 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.compose import WithHost
-from relax.models.forward.completion_packing import PackedCompletions
+from relax.models.forward.completion_packing import CompletionBins
 from relax.models.forward.prefix_shared import CompletionRope
 from relax.models.forward.routes import Routes
+from relax.models.layers.rope import Rotary
 
 P = TypeVar("P", bound="Phase")
 
@@ -106,17 +107,18 @@ class Scored(Sampled):
     """The sampled batch with what the training forwards and the rewards add before the advantage.
 
     ``rewards``: the reward functions' weighted sum per completion (NaN: every function failed
-    for it); ``reward_parts``: each function's own, by its name. ``packed``: the completions
-    packed by token count for the training forwards (``relax.models.forward.completion_packing``; None:
-    padded). ``ref_logprobs``: the reference model's log-probs (None: no reference);
-    ``ref_is_policy``: the reference was bitwise the sampling policy (its log-probs are the
-    sampler's). ``prox_logprobs``: the trainer's log-probs before the update (the proximal policy
-    of an off-policy correction; None: not needed).
+    for it); ``reward_parts``: each function's own, by its name. ``packed``: the prompts and
+    completions packed across groups into bins for the training forwards
+    (``relax.models.forward.completion_packing``; None: padded). ``ref_logprobs``: the
+    reference model's log-probs (None: no reference); ``ref_is_policy``: the reference was
+    bitwise the sampling policy (its log-probs are the sampler's). ``prox_logprobs``: the
+    trainer's log-probs before the update (the proximal policy of an off-policy correction;
+    None: not needed).
     """
 
     rewards: Float[Array, "p g"] | None = None
     reward_parts: dict[str, Float[Array, "p g"]] | None = None
-    packed: PackedCompletions | None = None
+    packed: CompletionBins | None = None
     ref_logprobs: Float[Array, "p g n"] | None = None
     ref_is_policy: Bool[Array, ""] | None = None
     prox_logprobs: Float[Array, "p g n"] | None = None
@@ -133,8 +135,10 @@ class Advantaged(Scored):
 class LossRows(Phase):
     """What a policy loss reads, every leaf with the prompt axis first (the update slices them
     into micro-batches): ``Advantaged``'s fields of the same names, and ``rope``, the rotary
-    tables of the completions computed once for every micro-batch (``completion_rope``);
-    ``routes``: the sampler's experts to replay (None: the forward routes itself)."""
+    tables of the completions computed once for every micro-batch (``completion_rope``; a
+    ``Rotary`` of the bins' slots when ``packed``); ``routes``: the sampler's experts to replay
+    (None: the forward routes itself). A packed batch's micro-batch holds its bins' completions
+    as the rows ``[b, c, N]`` (``relax.algorithms.online.binned``)."""
 
     prompt_ids: Int[Array, "p lp"]
     prompt_mask: Int[Array, "p lp"]
@@ -145,8 +149,8 @@ class LossRows(Phase):
     advantages: Float[Array, "p g"] | Float[Array, "p g n"]
     ref_logprobs: Float[Array, "p g n"] | None = None
     prox_logprobs: Float[Array, "p g n"] | None = None
-    packed: PackedCompletions | None = None
-    rope: CompletionRope | None = None
+    packed: CompletionBins | None = None
+    rope: CompletionRope | Rotary | None = None
     routes: Routes | None = None
 
 

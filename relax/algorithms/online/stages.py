@@ -18,13 +18,12 @@ import numpy as np
 
 from relax.algorithms.online.batch import LossRows, Prompts, Sampled, Scored
 from relax.compose import Stage, WithHost, compose, stage
-from relax.data.completion_layout import PackingConfig
-from relax.models.forward.completion_packing import PackedCompletions
+from relax.data.completion_layout import PackingConfig, pack_bins
+from relax.models.forward.completion_packing import CompletionBins
 from relax.models.forward.config import ForwardConfig
 from relax.models.forward.forward_pass import attention_probs_bytes, resolve_attention
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.moe.experts import router_loss
-from relax.parallel.distributed import max_over_processes
 from relax.passes import Passes
 from relax.rewards.functions import (
     RewardFunction,
@@ -299,39 +298,50 @@ def make_score_stages(
     )
 
 
-def make_packing(packing: PackingConfig, forward: ForwardConfig) -> Stage:
-    """A host stage that packs the batch's completions by token count for the training forwards
-    (``relax.models.forward.completion_packing``): ``Scored.packed``, read by the reference, proximal
-    and update stages, when ``packing`` applies to the policy's resolved ``train_attention`` and
-    saves slots (``PackingConfig.saves``; else the batch stays padded)."""
+def make_packing(
+    packing: PackingConfig, forward: ForwardConfig, passes: Passes, minibatches: int = 1
+) -> Stage:
+    """A host stage that packs the batch's prompts and completions across groups into bins for
+    the training forwards (``relax.models.forward.completion_packing``): ``Scored.packed``, read
+    by the reference, proximal and update stages, when ``packing`` applies to the policy's
+    resolved ``train_attention`` (else the batch stays padded). The bins' number and size depend
+    on the batch's shape only (one layout per prompt bucket), a multiple of ``minibatches`` times
+    the devices the batch is split over."""
 
     def pack(state: TrainState, batch: WithHost) -> tuple[TrainState, WithHost]:
         if not packing.applies(resolve_attention(forward.train_attention, state.policy)):
             return state, batch
-        tokens, mask = np.asarray(batch.device.tokens), np.asarray(batch.device.mask)
-        rows, width = packing.choose(mask)
-        # one layout for every process of a multi-host run: the widest row any chose, then the most rows
-        wide = max_over_processes(width)
-        rows = max_over_processes(
-            rows if wide == width else packing.choose(mask, row_tokens=wide)[0]
-        )
-        width = wide
-        if not packing.saves((rows, width), mask.shape):
+        d = batch.device
+        if jax.process_count() > 1:  # the bins index a process's batch, not the global one
+            if packing.mode == "on":
+                raise ValueError(
+                    "packing mode 'on': a multi-host run trains on padded completions (the bins "
+                    "are built per process); set --grpo.packing.mode auto or off"
+                )
             return state, batch
-        packed = jax.tree.map(jnp.asarray, packing.pack(tokens, mask, (rows, width)))
-        return state, batch.replace(device=batch.device.replace(packed=packed))
+        p, lp = d.prompt_ids.shape
+        _, g, n = d.tokens.shape
+        sizes = packing.sizes(
+            p, g, lp, n, block=passes.stream_block, multiple=minibatches * passes.batch_shards
+        )
+        arrays = (d.prompt_ids, d.prompt_mask, d.tokens, d.mask)
+        bins = pack_bins(*map(np.asarray, arrays), sizes)
+        return state, batch.replace(device=d.replace(packed=jax.tree.map(jnp.asarray, bins)))
 
     return stage(pack, jit=False, name="pack", updates_state=False)
 
 
-def packing_metrics(packed: PackedCompletions | None) -> dict:
-    """``pack_fill`` (real completion tokens per slot of the packed rows) and ``pack_rows`` (rows
-    per prompt group) of a packed batch; none for a padded one."""
+def packing_metrics(packed: CompletionBins | None) -> dict:
+    """``pack_fill`` (real tokens, prompt copies and completions, per slot of the bins that hold
+    any) and ``pack_bins`` (those bins) of a packed batch; none for a padded one."""
     if packed is None:
         return {}
+    used = packed.num_pairs > 0
+    real = jnp.sum((packed.docs > 0) & used[:, None]).astype(jnp.float32)
+    bins = jnp.sum(used).astype(jnp.float32)
     return {
-        "pack_fill": jnp.mean((packed.segments > 0).astype(jnp.float32)),
-        "pack_rows": jnp.float32(packed.segments.shape[1]),
+        "pack_fill": real / jnp.maximum(bins * packed.docs.shape[1], 1.0),
+        "pack_bins": bins,
     }
 
 
@@ -381,13 +391,13 @@ def train_logprobs(
 ):
     """Trainer log-probs and entropies ``[P, G, N]`` of a micro-batch's completions (the
     prefix-shared forward run as ``forward`` says, laid out as ``passes`` say; ``mb.rope`` when
-    precomputed; over ``mb.packed``'s rows when the batch was packed, ``make_packing``;
+    precomputed; over ``mb.packed``'s bins when the batch was packed, ``make_packing``;
     replaying or comparing ``mb.routes`` as ``forward.moe`` says), and a mixture of experts' router loss
     (``relax.models.moe.experts.router_loss``: 0 for a dense model) with its routing metrics."""
     c = policy.config
-    rows = mb.tokens if mb.packed is None else mb.packed.tokens
+    probs = None if mb.packed is not None else attention_probs_bytes(c, mb.prompt_ids, mb.tokens)
     how = dataclasses.replace(
-        forward.pass_().laid_out(passes, c, attention_probs_bytes(c, mb.prompt_ids, rows)),
+        forward.pass_().laid_out(passes, c, probs),
         with_entropy=True,
         entropy_grad=entropy_grad,
         router_stats=True,

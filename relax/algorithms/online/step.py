@@ -47,10 +47,10 @@ class OnlineParts:
     """An online algorithm's part of a step (module docstring). ``make_update(passes, off_policy)``:
     the update stage (its loss reads the proximal log-probs when the batch has them);
     ``packing``: the completions packed for the training forwards (None: the algorithm trains on
-    padded completions); ``host_after``: host stages after the rewards; ``rollout``: a rollout
-    that scores its own samples (a multi-turn one; None: the prefix-shared sampler and the
-    ``StepParts``' reward functions); ``after_advantage``: stages between the advantage and the
-    update."""
+    padded completions), the bins a multiple of ``minibatches``; ``host_after``: host stages
+    after the rewards; ``rollout``: a rollout that scores its own samples (a multi-turn one;
+    None: the prefix-shared sampler and the ``StepParts``' reward functions);
+    ``after_advantage``: stages between the advantage and the update."""
 
     name: str
     generation: GenerationConfig
@@ -60,6 +60,7 @@ class OnlineParts:
     advantage: Stage
     make_update: Callable[[Passes, OffPolicyConfig | None], Stage]
     packing: PackingConfig | None = None
+    minibatches: int = 1
     host_after: tuple[Stage, ...] = ()
     rollout: Stage | None = None
     after_advantage: tuple[Stage, ...] = ()
@@ -162,7 +163,7 @@ def make_online_step(algorithm: OnlineParts, parts: StepParts) -> Stage:
         else ()
     )
     if algorithm.rollout is None:
-        rollout, middle = _single_turn(algorithm, parts, reference)
+        rollout, middle = _single_turn(algorithm, parts, reference, passes)
     else:  # pipelined: the rollout (with its environments) is the producer, the rest the consumer
         _check_scored_rollout(algorithm, parts)
         rollout, middle = algorithm.rollout, reference
@@ -183,7 +184,7 @@ def make_online_step(algorithm: OnlineParts, parts: StepParts) -> Stage:
 
 
 def _single_turn(
-    algorithm: OnlineParts, parts: StepParts, reference: tuple[Stage, ...]
+    algorithm: OnlineParts, parts: StepParts, reference: tuple[Stage, ...], passes: Passes
 ) -> tuple[Stage, tuple[Stage, ...]]:
     """The sampler (or the partial rollouts) and the scoring stages around ``reference``."""
     if parts.decode is None:
@@ -204,7 +205,7 @@ def _single_turn(
     else:
         rollout = make_partial_rollout(parts.partial)
     pack = (
-        (make_packing(algorithm.packing, algorithm.forward),)
+        (make_packing(algorithm.packing, algorithm.forward, passes, algorithm.minibatches),)
         if algorithm.packing is not None
         else ()
     )

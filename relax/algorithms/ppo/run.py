@@ -102,9 +102,7 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
 
     def describe_update(model) -> str:
         return p.packing.describe(
-            resolve_attention(p.forward.train_attention, model),
-            p.generation.num_generations,
-            p.generation.max_new_tokens,
+            resolve_attention(p.forward.train_attention, model), p.generation.max_new_tokens
         )
 
     return OnlineAlgorithm(

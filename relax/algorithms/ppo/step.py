@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.algorithms.online.batch import LossRows, Scored
+from relax.algorithms.online.binned import bins_rope, make_binned_update
 from relax.algorithms.online.stages import packing_metrics
 from relax.algorithms.online.step import OnlineParts, StepParts, make_online_step
 from relax.algorithms.ppo.batch import CriticRows, PPOBatch
@@ -127,18 +128,18 @@ def make_advantage(cfg: PPOConfig) -> Stage:
 def rope_tables(cfg: PPOConfig, state: TrainState, batch: PPOBatch) -> PPOBatch:
     """The batch with the rotary tables of its completions, computed once for the values and both
     updates: ``rope`` (the policy's) and ``critic_rope`` (a separate critic's own: it may be
-    another model than the policy), both in the layout the forwards run (``batch.packed``'s rows
-    when the batch was packed)."""
+    another model than the policy), both in the layout the forwards run (the bins' slots when
+    the batch was packed)."""
     _, g, n = batch.tokens.shape
-    batch = batch.replace(
-        rope=completion_rope(state.policy.config, batch.prompt_mask, g, n, packed=batch.packed)
-    )
+
+    def tables(config):
+        if batch.packed is not None:
+            return bins_rope(config, batch.packed)
+        return completion_rope(config, batch.prompt_mask, g, n)
+
+    batch = batch.replace(rope=tables(state.policy.config))
     if cfg.needs_critic and not cfg.shared_critic:
-        batch = batch.replace(
-            critic_rope=completion_rope(
-                state.critic.backbone.config, batch.prompt_mask, g, n, packed=batch.packed
-            )
-        )
+        batch = batch.replace(critic_rope=tables(state.critic.backbone.config))
     return batch
 
 
@@ -170,6 +171,20 @@ def make_update_stage(
         passes=passes,
     )
 
+    def build(loss_fn, optimizer, batch: PPOBatch, config, critic_config=None):
+        """The update of ``loss_fn``: padded, or over the batch's bins when it was packed."""
+        if batch.packed is None:
+            return make_update(loss_fn, optimizer, **split)
+        binned = make_binned_update(
+            loss_fn,
+            optimizer,
+            epochs=cfg.num_iterations,
+            minibatches=cfg.num_minibatches,
+            passes=passes,
+            critic=critic_config is not None,
+        )
+        return lambda *args: binned(*args, config=config, critic_config=critic_config)
+
     def update(state: TrainState, batch: PPOBatch) -> tuple[TrainState, Updated]:
         key, k_actor, k_critic = jax.random.split(state.key, 3)
         critic, critic_opt_state = state.critic, state.critic_opt_state
@@ -177,21 +192,31 @@ def make_update_stage(
         if (
             cfg.shared_critic
         ):  # one joint update of (policy, head), each part with its own optimizer
-            joint = make_update(
+            joint = build(
                 make_joint_loss(cfg, passes, off_policy),
                 paired(state.optimizer, state.critic_optimizer),
-                **split,
+                batch,
+                state.policy.config,
             )
             rows = CriticRows.of(actor_rows, old_values=batch.old_values, returns=batch.returns)
             (policy, critic), (opt_state, critic_opt_state), metrics = joint(
                 (state.policy, critic), (state.opt_state, critic_opt_state), rows, k_actor
             )
         else:
-            actor = make_update(make_actor_loss(cfg, passes, off_policy), state.optimizer, **split)
+            actor = build(
+                make_actor_loss(cfg, passes, off_policy),
+                state.optimizer,
+                batch,
+                state.policy.config,
+            )
             policy, opt_state, metrics = actor(state.policy, state.opt_state, actor_rows, k_actor)
         if cfg.needs_critic and not cfg.shared_critic:
-            critic_update = make_update(
-                make_critic_loss(cfg, passes), state.critic_optimizer, **split
+            critic_update = build(
+                make_critic_loss(cfg, passes),
+                state.critic_optimizer,
+                batch,
+                state.policy.config,
+                state.critic.backbone.config,
             )
             rows = CriticRows.of(
                 actor_rows,
@@ -272,6 +297,7 @@ def ppo_parts(cfg: PPOConfig, *, host_after: tuple[Stage, ...] = ()) -> OnlinePa
         forward=cfg.forward,
         needs_reference=cfg.needs_reference,
         optimizer_steps=cfg.optimizer_steps,
+        minibatches=cfg.num_minibatches,
         advantage=make_advantage(cfg),
         host_after=host_after,
         packing=cfg.packing,

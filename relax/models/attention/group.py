@@ -26,11 +26,6 @@ The backward concatenates each completion's keys behind a copy of its prompt's, 
 Masks are rebuilt from positions inside each tile::
 
     allowed(i, j) = valid_j  &  pos_j <= pos_i  &  (pos_i - pos_j < window, when sliding)
-                    (&  seg_i == seg_j  for the own keys of packed rows)
-
-A packed row (``relax.models.forward.completion_packing``) holds several completions of the group one
-after the other, each with its own segment id and positions restarting after the prompt: its
-own-key mask adds the segment test, so each completion sees the prompt and itself only.
 
 The window is static (one for every layer) or a traced scalar (layers of both kinds scanned
 together, ``relax.models.config.layer_kinds``): then it rides with the positions, one per group.
@@ -72,15 +67,11 @@ def _scale(st: _Static, q) -> float:
     return q.shape[-1] ** -0.5 if st.scale is None else st.scale
 
 
-def _group_masks(
-    st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window, q_seg=None, k_seg=None
-):
+def _group_masks(st: _Static, q_pos, pk_pos, pk_valid, k_pos, k_valid, traced_window):
     # q_pos [g, m]; prompt [lp]; own [g, n] -> [1, g, m, lp], [1, g, m, n]
     window = st.window if traced_window is None else traced_window
     mp = causal_mask(q_pos, pk_pos[None], pk_valid[None], window)[None]
     mo = causal_mask(q_pos, k_pos, k_valid, window)
-    if q_seg is not None:  # packed rows: a completion's own keys only
-        mo = mo & (q_seg[..., :, None] == k_seg[..., None, :])
     return mp, mo[None]
 
 
@@ -232,8 +223,6 @@ def prefix_group_attention(
     scale: float | None = None,
     groups_per_step: int = 1,
     save_probabilities: bool = False,
-    q_segments: Int[Array, "p g m"] | None = None,
-    k_segments: Int[Array, "p g n"] | None = None,
     probs_dtype=None,
 ) -> Float[Array, "p hk g m d"]:
     """Softmax attention of each completion's query rows over [its group's prompt; its own keys].
@@ -254,9 +243,6 @@ def prefix_group_attention(
     backward instead of recomputing it - faster, at the cost of that memory per layer until the
     backward; the result and gradients are the same either way.
 
-    ``q_segments`` / ``k_segments`` (both or neither): segment ids of packed rows; a query row sees
-    an own key only when their segments are equal (module docstring).
-
     ``probs_dtype``: of ``P`` in the forward's ``P V`` (None: float32, ``V`` upcast); the backward
     recomputes in float32 either way.
     """
@@ -265,8 +251,6 @@ def prefix_group_attention(
         raise ValueError(f"groups_per_step={groups_per_step} does not divide the {p} prompt groups")
     traced = window is not None and not isinstance(window, int)
     per_group = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (p,)) if traced else None
-    if (q_segments is None) != (k_segments is None):
-        raise ValueError("prefix_group_attention: give both q_segments and k_segments, or neither")
     pos = (
         q_pos,
         p_pos,
@@ -274,8 +258,6 @@ def prefix_group_attention(
         k_pos,
         k_valid.astype(bool),
         per_group,
-        q_segments,
-        k_segments,
     )
     pd = None if probs_dtype is None else jnp.dtype(probs_dtype).name
     st = _Static(None if traced else window, scale, groups_per_step, bool(save_probabilities), pd)

@@ -1,6 +1,7 @@
 """Training forwards: the forward config, prefix-shared and packed forwards, packing and routes."""
 
-from relax.models.forward.completion_packing import PackedCompletions, to_padded, unpack
+from relax.models.forward.binned import binned_hidden, binned_logprobs, bins_hidden, bins_logprobs
+from relax.models.forward.completion_packing import CompletionBins, to_padded, to_rows
 from relax.models.forward.config import ForwardConfig
 from relax.models.forward.forward_pass import (
     DEFAULT_PASS,
@@ -26,7 +27,6 @@ from relax.models.forward.prefix_shared import (
     completion_logprobs,
     completion_rope,
     over_groups,
-    packed_rows,
     padded_rows,
     rows_hidden,
     shared_hidden,
@@ -39,11 +39,15 @@ __all__ = [
     "DEFAULT_PASS",
     "ForwardConfig",
     "ForwardPass",
-    "PackedCompletions",
+    "CompletionBins",
     "REMAT_POLICIES",
     "Routes",
     "TRAIN_ATTENTION",
     "attention_probs_bytes",
+    "binned_hidden",
+    "binned_logprobs",
+    "bins_hidden",
+    "bins_logprobs",
     "check_train_attention",
     "completion_hidden",
     "completion_logprobs",
@@ -53,7 +57,6 @@ __all__ = [
     "packed_attention",
     "packed_hidden",
     "packed_logprobs",
-    "packed_rows",
     "padded_rows",
     "resolve_attention",
     "route_dtype",
@@ -62,5 +65,5 @@ __all__ = [
     "segment_positions",
     "shared_hidden",
     "to_padded",
-    "unpack",
+    "to_rows",
 ]

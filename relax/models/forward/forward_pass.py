@@ -59,7 +59,7 @@ def attention_probs_bytes(
     config: ModelConfig, prompt_ids: Int[Array, "p lp"], rows: Int[Array, "p g n"]
 ) -> int:
     """The bytes of one layer's float32 attention probabilities over completion ``rows`` (padded
-    ``[P, G, N]`` or packed ``[P, R, C]``) after prompts of ``prompt_ids``' length: what
+    ``[P, G, N]``) after prompts of ``prompt_ids``' length: what
     ``ForwardPass.save_attention`` would keep (``laid_out``)."""
     p, g, n = rows.shape
     return 4 * p * config.num_heads * g * n * (prompt_ids.shape[1] + n)
@@ -110,7 +110,7 @@ class ForwardPass:
 
     def resolved(self, model: Transformer, *, packed: bool = False) -> ForwardPass:
         """This pass with its attention resolved for ``model`` (``resolve_attention``); over packed
-        rows ``"auto"`` is ``"group"`` (the kernel with segments)."""
+        bins ``"auto"`` is ``"group"`` (the bins have their own attention, ``relax.models.attention.stream``)."""
         choice = "group" if packed and self.attention == "auto" else self.attention
         return dataclasses.replace(self, attention=resolve_attention(choice, model))
 

@@ -47,7 +47,8 @@ from relax.models.decoder.transformer import (
     layer_forward,
     positions_from_mask,
 )
-from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.forward.binned import binned_hidden, binned_logprobs
+from relax.models.forward.completion_packing import CompletionBins
 from relax.models.forward.forward_pass import DEFAULT_PASS, REMAT_POLICIES, ForwardPass
 from relax.models.forward.routes import Routes
 from relax.models.layers.rope import Rotary, rotary
@@ -65,16 +66,12 @@ class CompletionRope(NamedTuple):
 
 
 class CompletionRows(NamedTuple):
-    """The completion rows the layers run over, ``[P, G, N]`` padded (``segments``, ``offsets``
-    None) or ``[P, R, C]`` packed (``relax.models.forward.completion_packing``): tokens, absolute
-    positions (prompt length + index in the completion), which slots hold a token, and for packed
-    rows each slot's completion (segment) and index in it."""
+    """The completion rows the layers run over, ``[P, G, N]`` padded: tokens, absolute
+    positions (prompt length + index in the completion), which slots hold a token."""
 
     tokens: Int[Array, "p g n"]
     positions: Int[Array, "p g n"]
     valid: Bool[Array, "p g n"]
-    segments: Int[Array, "p g n"] | None = None
-    offsets: Int[Array, "p g n"] | None = None
 
 
 def padded_rows(
@@ -89,40 +86,23 @@ def padded_rows(
     )
 
 
-def packed_rows(prompt_mask: Int[Array, "p lp"], packed: PackedCompletions) -> CompletionRows:
-    """The rows of packed completions: each token at ``prompt length + its index in its completion``."""
-    p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
-    return CompletionRows(
-        packed.tokens,
-        p_len[:, None, None] + packed.offsets,
-        packed.segments > 0,
-        packed.segments,
-        packed.offsets,
-    )
-
-
 def completion_rope(
     config: ModelConfig,
     prompt_mask: Int[Array, "p lp"],
     num_generations: int,
     num_tokens: int,
-    *,
-    packed: PackedCompletions | None = None,
 ) -> CompletionRope:
     """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
-    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``,
-    or the packed rows' ``[P, R, C]`` with ``packed``).
+    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``).
 
     Compute them once, outside any loop that calls ``completion_logprobs`` (micro-batches,
     epochs), and pass them as its ``rope``: XLA:CPU fuses ``cos``/``sin`` into every consumer
     and, with the layer loop unrolled, recomputes them per head and per layer (rotary fusions
     ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
     """
-    if packed is None:
-        c_pos = _completion_positions(prompt_mask, num_generations, num_tokens)
-    else:
-        c_pos = packed_rows(prompt_mask, packed).positions
-    return _rope_at(config, prompt_mask, c_pos)
+    return _rope_at(
+        config, prompt_mask, _completion_positions(prompt_mask, num_generations, num_tokens)
+    )
 
 
 def _rope_at(config: ModelConfig, prompt_mask, c_pos) -> CompletionRope:
@@ -183,10 +163,6 @@ def rows_hidden(
     _, g, n = rows.tokens.shape
     b = p * g
     hk, r = c.num_kv_heads, c.q_per_kv
-    if attention == "dense" and rows.segments is not None:
-        raise ValueError(
-            "packed completions need the 'group' train attention (the 'dense' one has no segments)"
-        )
 
     p_valid = prompt_mask.astype(bool)
     p_pos = positions_from_mask(prompt_mask)
@@ -207,7 +183,6 @@ def rows_hidden(
     per_step = 1 if shards == 1 else (shards if p % shards == 0 else p)
     query_rows = lambda x: jnp.tile(x.reshape(b, n), (1, r)).reshape(p, g, r * n)  # noqa: E731  rows (r, t) per KV head
     q_pos, k_pos, k_valid = query_rows(rows.positions), rows.positions, rows.valid
-    q_seg = None if rows.segments is None else query_rows(rows.segments)
 
     impl = "cudnn" if fused_attention_available(model.dtype) else "xla"  # of the "dense" path
 
@@ -243,8 +218,6 @@ def rows_hidden(
                 scale=c.attn_scale,
                 groups_per_step=per_step,
                 save_probabilities=save_attention,
-                q_segments=q_seg,
-                k_segments=rows.segments,
                 probs_dtype=model.precision.probs_dtype(model.dtype),
             )
             out = (
@@ -288,8 +261,8 @@ def completion_logprobs(
     how: ForwardPass = DEFAULT_PASS,
     *,
     temperature: float = 1.0,
-    rope: CompletionRope | None = None,
-    packed: PackedCompletions | None = None,
+    rope: CompletionRope | Rotary | None = None,
+    packed: CompletionBins | None = None,
     routes: Routes | None = None,
 ):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``,
@@ -301,12 +274,12 @@ def completion_logprobs(
 
     Prompts are left-padded; completions start right after the prompt's last valid token.
     Values at masked completion positions are finite but meaningless.
-    ``rope``: the rotary tables (``completion_rope``, with the same ``packed``) when the caller
-    computed them outside its loop.
-    ``packed``: the same completions packed by token count (``relax.models.forward.completion_packing``):
-    the layers run over the packed rows only (padding-free; the ``"group"`` attention) and the
-    values come back in the padded ``[P, G, N]`` layout, equal to the padded forward's up to float
-    summation order.
+    ``rope``: the rotary tables (``completion_rope``; with ``packed`` a ``Rotary`` of the bins'
+    slots) when the caller computed them outside its loop.
+    ``packed``: the same prompts and completions packed across groups into bins
+    (``relax.models.forward.completion_packing``): the layers run over the bins
+    (``relax.models.forward.binned``; padding-free) and the values come back in the padded
+    ``[P, G, N]`` layout, equal to the padded forward's up to float summation order.
     ``routes`` (a mixture-of-experts model): the experts a sampler recorded (``relax.models.forward.routes``),
     replayed when ``how.replay_routes`` (else only compared with the forward's own: ``RouterStats.differ``).
 
@@ -320,7 +293,7 @@ def completion_logprobs(
             every prompt group at once, log-probs only.
         temperature: the logits are divided by it (default 1.0).
         rope: the rotary tables from ``completion_rope``. None (default): computed here.
-        packed: the same completions packed by token count. None (default): the padded rows.
+        packed: the same completions packed into bins. None (default): the padded rows.
         routes: a mixture of experts' recorded experts. None (default): the forward routes.
 
     Returns:
@@ -328,13 +301,25 @@ def completion_logprobs(
             both ``[p g n]``; with ``how.router_stats`` that value paired with the summed
             ``RouterStats`` (None for a dense model).
     """
-    layers = how.resolved(model, packed=packed is not None)
+    if packed is not None:
+        out, stats = binned_logprobs(
+            model,
+            packed,
+            how,
+            completions.shape[-1],
+            temperature=temperature,
+            routes=routes,
+            rope=rope,
+        )
+        return (out, stats) if how.router_stats else out
+    layers = how.resolved(model)
     run = functools.partial(_completion_logprobs, model, layers=layers, temperature=temperature)
-    rows, xs = _rows_input(prompt_ids, prompt_mask, completions, completion_mask, packed)
+    rows = padded_rows
+    xs = (prompt_ids, prompt_mask, completions, completion_mask)
     tiled = how.groups_per_pass is not None and how.groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
         rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
-    replay = None if routes is None else routes.replay_rows(completion_mask, packed)
+    replay = None if routes is None else routes.replay_rows()
     if replay is not None:  # over_groups splits leaves on a leading [P]
         replay = jax.tree.map(
             lambda x: jnp.moveaxis(
@@ -348,16 +333,7 @@ def completion_logprobs(
         groups_per_pass=how.groups_per_pass,
         summed=True,
     )
-    out = tuple(to_padded(x, packed) for x in out) if how.with_entropy else to_padded(out, packed)
     return (out, stats) if how.router_stats else out
-
-
-def _rows_input(prompt_ids, prompt_mask, completions, completion_mask, packed):
-    """``(rows, xs)``: ``rows(*xs[1:])`` are the completion rows a forward runs over (padded, or
-    ``packed``'s), ``xs`` the arrays they come from after the prompt ids, each leading with ``[P]``."""
-    if packed is None:
-        return padded_rows, (prompt_ids, prompt_mask, completions, completion_mask)
-    return packed_rows, (prompt_ids, prompt_mask, packed)
 
 
 def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = False):
@@ -388,9 +364,9 @@ def completion_hidden(
     completion_mask: Int[Array, "p g n"],
     how: ForwardPass = DEFAULT_PASS,
     *,
-    rope: CompletionRope | None = None,
-    packed: PackedCompletions | None = None,
-) -> Float[Array, "p r c d"]:
+    rope: CompletionRope | Rotary | None = None,
+    packed: CompletionBins | None = None,
+) -> Float[Array, "p g n d"] | Float[Array, "u s d"]:
     """The final-norm hidden state that predicts each completion token, ``[P, G, N, D]``::
 
         h[p, g, 0] = hidden(prompt p)[-1]            (its last position: prompts are left-padded)
@@ -399,12 +375,15 @@ def completion_hidden(
     the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
     state before token ``t`` is emitted). ``how``, ``rope`` and ``packed`` as
     ``completion_logprobs``' (its output options unused).
-    With ``packed`` the layers run over the packed rows and the states come in their layout,
-    ``[P, R, C, D]`` (slot ``c`` of row ``r`` predicts ``packed.tokens[p, r, c]``): compute what is
-    read from them there (a value, a log-prob) and bring it back with ``to_padded``.
+    With ``packed`` the layers run over the bins and the states come in their layout,
+    ``[U, S, D]`` (slot ``s`` of bin ``u`` predicts ``packed.ids[u, s]``): compute what is read
+    from them there (a value, a log-prob) and bring it back with ``to_padded``.
     """
-    layers = how.resolved(model, packed=packed is not None)
-    rows, xs = _rows_input(prompt_ids, prompt_mask, completions, completion_mask, packed)
+    if packed is not None:
+        return binned_hidden(model, packed, how, rope=rope)
+    layers = how.resolved(model)
+    rows = padded_rows
+    xs = (prompt_ids, prompt_mask, completions, completion_mask)
     tiled = how.groups_per_pass is not None and how.groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
         rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
@@ -432,12 +411,7 @@ def _predicting_hidden(
     hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
-    if rows.offsets is None:
-        return h, stats
-    starts = (rows.offsets == 0).reshape(
-        h.shape[:2] + (1,)
-    )  # packed: every completion's first slot
-    return jnp.where(starts, first, h), stats
+    return h, stats
 
 
 def _completion_logprobs(

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
-
-from relax.models.forward.completion_packing import PackedCompletions
+from jaxtyping import Array, Int
 
 __all__ = ["Routes", "route_dtype"]
 
@@ -39,23 +37,19 @@ class Routes(eqx.Module):
     prompt: Int[Array, "p lp l k"]
     completion: Int[Array, "p g n l k"]
 
-    def replay_rows(
-        self, mask: Bool[Array, "p g n"], packed: PackedCompletions | None = None
-    ) -> tuple[Int[Array, "l p lp k"], Int[Array, "l b n k"]]:
-        """The layer-major int32 replay of the prompt rows ``[Ls, P, Lp, k]`` and of the completion
-        rows the layers run over: padded ``[Ls, P*G, N, k]``, or packed ``[Ls, P*R, C, k]`` (slots
-        with no token: -1)."""
+    def replay_rows(self) -> tuple[Int[Array, "l p lp k"], Int[Array, "l b n k"]]:
+        """The layer-major int32 replay of the prompt rows ``[Ls, P, Lp, k]`` and of the padded
+        completion rows the layers run over, ``[Ls, P*G, N, k]``."""
         prompt = jnp.moveaxis(self.prompt.astype(jnp.int32), 2, 0)
         c = self.completion.astype(jnp.int32)
         p, g, n, ls, k = c.shape
-        if packed is None:
-            rows = c.reshape(p * g, n, ls, k)
-        else:
-            _, r, width = packed.tokens.shape
-            slots = jnp.where(mask.astype(bool), packed.source, r * width).reshape(p, -1)
-            flat = jnp.full((p, r * width, ls, k), -1, jnp.int32)
-            flat = flat.at[jnp.arange(p)[:, None], slots].set(
-                c.reshape(p, g * n, ls, k), mode="drop"
-            )
-            rows = flat.reshape(p * r, width, ls, k)
-        return prompt, jnp.moveaxis(rows, 2, 0)
+        return prompt, jnp.moveaxis(c.reshape(p * g, n, ls, k), 2, 0)
+
+    def replay_slots(self, source: Int[Array, "u s"]) -> Int[Array, "u s l k"]:
+        """The experts of each slot of packed bins (``relax.models.forward.completion_packing``:
+        ``source`` indexes the prompt tokens, then the completion tokens), -1 on empty slots."""
+        ls, k = self.prompt.shape[-2:]
+        flat = jnp.concatenate(
+            [self.prompt.reshape(-1, ls, k), self.completion.reshape(-1, ls, k)]
+        ).astype(jnp.int32)
+        return jnp.where((source >= 0)[..., None, None], flat[jnp.maximum(source, 0)], -1)

@@ -37,7 +37,7 @@ from relax.models.config.families import BY_ARCHITECTURE, FAMILIES
 from relax.models.config.model import ModelConfig
 from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden
 from relax.models.decoder.transformer import Transformer
-from relax.models.forward.completion_packing import PackedCompletions, to_padded
+from relax.models.forward.completion_packing import CompletionBins, to_padded
 from relax.models.forward.forward_pass import DEFAULT_PASS, ForwardPass
 from relax.models.forward.prefix_shared import CompletionRope, completion_hidden
 from relax.models.hf.checkpoint import build_transformer, load_config, save_directory
@@ -125,7 +125,7 @@ def completion_values(
     how: ForwardPass = DEFAULT_PASS,
     *,
     rope: CompletionRope | None = None,
-    packed: PackedCompletions | None = None,
+    packed: CompletionBins | None = None,
 ) -> Float[Array, "p g n"]:
     """``V(prompt, tokens[<t])`` for every completion token (module docstring), float32, differentiable.
 
@@ -136,7 +136,7 @@ def completion_values(
     h = completion_hidden(
         critic.backbone, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
     )
-    return to_padded(values_from_hidden(h, critic.head, critic.bias), packed)
+    return to_padded(values_from_hidden(h, critic.head, critic.bias), packed, tokens.shape[-1])
 
 
 def completion_head_values(
@@ -149,7 +149,7 @@ def completion_head_values(
     how: ForwardPass = DEFAULT_PASS,
     *,
     rope: CompletionRope | None = None,
-    packed: PackedCompletions | None = None,
+    packed: CompletionBins | None = None,
 ) -> Float[Array, "p g n"]:
     """``V = h . head + bias`` of a value head on ``policy``'s hidden states, for every completion
     token, ``[P, G, N]`` (``completion_values``' alignment); ``how``, ``rope`` and ``packed`` as
@@ -157,7 +157,7 @@ def completion_head_values(
     h = completion_hidden(
         policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
     )
-    return to_padded(values_from_hidden(h, head.head, head.bias), packed)
+    return to_padded(values_from_hidden(h, head.head, head.bias), packed, tokens.shape[-1])
 
 
 def completion_logprobs_and_values(
@@ -171,7 +171,7 @@ def completion_logprobs_and_values(
     *,
     temperature: float = 1.0,
     rope: CompletionRope | None = None,
-    packed: PackedCompletions | None = None,
+    packed: CompletionBins | None = None,
 ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, "p g n"]]:
     """``(log p(tokens[t] | ...), entropy, V)`` per completion token from ONE forward of ``policy``.
 
@@ -184,18 +184,19 @@ def completion_logprobs_and_values(
     h = completion_hidden(
         policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
     )
-    targets = tokens if packed is None else packed.tokens
-    p, r, c = targets.shape
+    targets = tokens if packed is None else packed.ids
+    rows = targets.reshape(-1, targets.shape[-1])
     lp, ent = logprobs_and_entropy_from_hidden(
         policy,
-        h.reshape(p * r, c, -1),
-        targets.reshape(p * r, c),
+        h.reshape(rows.shape + h.shape[-1:]),
+        rows,
         temperature=temperature,
         chunk_size=how.chunk_size,
         entropy_grad=how.entropy_grad,
     )
     values = values_from_hidden(h, head.head, head.bias)
-    return tuple(to_padded(x.reshape(p, r, c), packed) for x in (lp, ent, values))
+    n = tokens.shape[-1]
+    return tuple(to_padded(x.reshape(targets.shape), packed, n) for x in (lp, ent, values))
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories
