@@ -130,9 +130,7 @@ def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(
         f"({n0} tokens), {d / 'train.jsonl'} row {row1} ({n1} tokens); dropped" in report
     )
     assert f"every batch padded to {BUDGET} prompt tokens" in report
-    assert (
-        "completions packed across groups into bins of 2 x (prompt + budget) slots" in report
-    )
+    assert "completions packed across groups into bins of 2 x (prompt + budget) slots" in report
     assert "--max-prompt-tokens 40 (default 512)" in report and "stop tokens: " in report
     assert report.splitlines()[0] in capsys.readouterr().out  # printed too
     config = json.loads((tmp_path / "run" / "config.json").read_text())
