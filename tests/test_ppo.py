@@ -175,10 +175,18 @@ def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
     assert all(np.isfinite(v) for v in m.values()) and m["critic/vf_mse"] > 0, m
     assert np.any(np.asarray(state.critic.head) != 0) and state.critic_opt_state is not None
     # the rows the joint loss reads: these fields of the trained batch, nothing else
+    # (padded: the step packed its batch into bins, whose rotary tables the padded forward does not read)
     mb = CriticRows.of(
-        out.device.batch, ref_logprobs=None, prox_logprobs=None, packed=None, critic_rope=None
+        out.device.batch,
+        ref_logprobs=None,
+        prox_logprobs=None,
+        packed=None,
+        critic_rope=None,
+        rope=None,
     )
-    assert mb.rope is not None and mb.old_values is not None and mb.returns is not None
+    assert (
+        out.device.batch.rope is not None and mb.old_values is not None and mb.returns is not None
+    )
     ctx = LossContext(
         {"tokens": jnp.float32(20.0), "sequences": jnp.float32(16.0)}, jnp.bool_(False)
     )
