@@ -51,7 +51,7 @@ class Segment:
     waits: bool = False  # a host segment that collects work started earlier (``stage(waits=...)``)
     # A jitted segment's call arguments as ``jax.ShapeDtypeStruct`` s (with the shardings a runner
     # on a mesh gives them), from an abstract ``(state, batch)``: ``jitted.lower(*abstract(s, b))``
-    # compiles the very program the run would, without arrays (``relax.plan``).
+    # compiles the very program the run would, without arrays (``relax.train.ahead``, ``relax.plan``).
     abstract: StageFn | None = None
 
 
@@ -281,7 +281,14 @@ def _plan(leaves: tuple[Stage, ...]) -> tuple[Segment, ...]:
             jitted = jax.jit(fn, donate_argnums=donate)
             run = _host_passthrough(jitted if updates else keep_state(jitted))
             segments.append(
-                Segment(names=names, jittable=True, run=run, jitted=jitted, updates_state=updates)
+                Segment(
+                    names=names,
+                    jittable=True,
+                    run=run,
+                    jitted=jitted,
+                    updates_state=updates,
+                    abstract=call_args,
+                )
             )
         else:
             segments.append(
@@ -336,6 +343,11 @@ def join_host(host: Any, device: Any, like: Any) -> Any:
     if isinstance(like, dict) and host:
         return {**host, **device}
     return device
+
+
+def call_args(state: Any, batch: Any) -> tuple[Any, Any]:
+    """A ``compose`` segment's jitted arguments: the state and the batch's device part."""
+    return state, split_host(batch)[1]
 
 
 def _host_passthrough(jitted: Callable) -> StageFn:

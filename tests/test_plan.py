@@ -435,6 +435,9 @@ def test_cli_usage_errors(capsys):
     assert main([]) == 2 and main(["plan"]) == 2 and main(["plan", "--target", "v5e:2x2"]) == 2
     assert main(["plan", "grpo", "--model", "config.json"]) == 2  # no --target
     assert "--target" in capsys.readouterr().err
+    bad = ["plan", "grpo", "--target", "v5e:2x2", "--model", "config.json", "--compile-threads"]
+    assert main([*bad, "0"]) == 2 and main([*bad, "two"]) == 2
+    assert "--compile-threads must be a whole number >= 1, got 'two'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--model"):
         parse_run("grpo", ["--batch-size", "8"])
     with pytest.raises(ValueError, match="knows"):

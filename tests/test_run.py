@@ -240,9 +240,9 @@ def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tm
         for l in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
         if "loss" in l
     }
-    assert compiles[1] > 0 and all(
-        compiles[s] == 0 for s in (2, 3, 4)
-    )  # static shapes: no recompiles
+    assert all(
+        compiles[s] == 0 for s in (1, 2, 3, 4)
+    )  # static shapes, every program compiled before step 1 (relax.algorithms.online.ahead)
     for step in (1, 2, 3, 4):
         assert a[step] == b[step], step  # bit for bit: JSON floats round-trip exactly
     assert resumed["after"] == summary["after"]

@@ -3,12 +3,14 @@ dropped (never cut in silence), one compiled step whatever bucket a batch's prom
 start-up report (printed, ``startup.txt``, ``config.json``) naming the longest rows."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from conftest import load_example
+from test_parallel import run_worker
 
 from relax.models import ModelConfig, init
 from relax.models.hf.checkpoint import save_pretrained
@@ -54,41 +56,43 @@ def ragged(tmp_path_factory):
 
 
 def _run(ragged, run_dir, *extra):
+    return load_example("grpo").main(_argv(ragged, run_dir, *extra))
+
+
+def _argv(ragged, run_dir, *extra) -> list[str]:
     d, _ = ragged
-    return load_example("grpo").main(
-        [
-            "--model",
-            str(d / "model"),
-            "--tokenizer",
-            str(d / "tok.model"),
-            "--data",
-            str(d / "train.jsonl"),
-            "--eval-data",
-            str(d / "eval.jsonl"),
-            "--run-dir",
-            str(run_dir),
-            "--steps",
-            "4",
-            "--batch-size",
-            "4",
-            "--max-prompt-tokens",
-            str(BUDGET),
-            "--grpo.num-generations",
-            "2",
-            "--grpo.max-new-tokens",
-            "4",
-            "--eval.num-samples",
-            "1",
-            "--reward-workers",
-            "0",
-            "--reward",
-            "exact_match",
-            "--checkpoint-every",
-            "4",
-            "--no-export-hf",
-            *extra,
-        ]
-    )
+    return [
+        "--model",
+        str(d / "model"),
+        "--tokenizer",
+        str(d / "tok.model"),
+        "--data",
+        str(d / "train.jsonl"),
+        "--eval-data",
+        str(d / "eval.jsonl"),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--max-prompt-tokens",
+        str(BUDGET),
+        "--grpo.num-generations",
+        "2",
+        "--grpo.max-new-tokens",
+        "4",
+        "--eval.num-samples",
+        "1",
+        "--reward-workers",
+        "0",
+        "--reward",
+        "exact_match",
+        "--checkpoint-every",
+        "4",
+        "--no-export-hf",
+        *extra,
+    ]
 
 
 def _train_lines(run_dir):
@@ -107,8 +111,9 @@ def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(
     assert len(over) == 2 and min(kept) < 16 < 32 < max(kept)  # the data spans every bucket
     summary = _run(ragged, tmp_path / "run")
     lines = _train_lines(tmp_path / "run")
-    # compiled at step 1 only: the packed update has one layout whatever the lengths
-    assert len(lines) >= 3 and all(line["compiles"] == 0 for line in lines[1:])
+    # compiled before step 1 (relax.algorithms.online.ahead): the packed update has one layout
+    # whatever the lengths
+    assert len(lines) >= 3 and all(line["compiles"] == 0 for line in lines)
     assert all(line["prompts_over_budget"] == 2 for line in lines)
     assert summary["prompts_over_budget"] == 2
     assert summary["data"]["train"] | {"prompt_tokens": None} == {
@@ -137,12 +142,62 @@ def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(
     assert config["max_prompt_tokens"] == BUDGET and config["overlong"] == "drop"
 
 
+# each batch padded to its own bucket (the completions packed into bins: one layout per bucket)
+PER_BATCH = ("--pad-to", "batch", "--overlong", "truncate")
+
+
 def test_padding_each_batch_to_its_own_bucket_compiles_again(ragged, tmp_path):
-    """The contrast that makes the test above mean something: per-batch buckets recompile."""
-    _run(ragged, tmp_path / "run", "--pad-to", "batch", "--overlong", "truncate")
+    """The contrast that makes the tests around it mean something: per-batch buckets recompile
+    when a later batch meets a bucket (without the programs compiled ahead)."""
+    _run(ragged, tmp_path / "run", *PER_BATCH, "--no-compile-ahead")
     lines = _train_lines(tmp_path / "run")
     assert sum(line["compiles"] for line in lines[1:]) > 0
-    assert "cut to fit (--overlong truncate)" in (tmp_path / "run" / "startup.txt").read_text()
+    report = (tmp_path / "run" / "startup.txt").read_text()
+    assert "cut to fit (--overlong truncate)" in report
+    assert "== compiled ahead\n  off (--no-compile-ahead)" in report
+
+
+def test_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
+    """The same run (its batches meet new buckets after step 1: the test above) with every
+    program compiled at start-up, completions of varied lengths packed into bins: not one
+    compile in any step, and the start-up report names each program, its bucket and its
+    seconds."""
+    _run(ragged, tmp_path / "run", *PER_BATCH)
+    lines = _train_lines(tmp_path / "run")
+    assert [line["compiles"] for line in lines] == [0.0] * 4
+    assert len({line["completion_length"] for line in lines}) > 1
+    assert all(line["pack_bins"] >= 1 for line in lines)
+    report = (tmp_path / "run" / "startup.txt").read_text()
+    section = report[report.index("== compiled ahead") :].splitlines()
+    assert re.fullmatch(
+        r"  11 programs lowered and compiled in [\d.]+ s \(\d+ compile thread\(s\);.*", section[1]
+    )
+    for length in (16, 32, 40):  # the buckets of the kept prompts (3 to 40 tokens, cut to 40)
+        for program in ("rollout", "reference", "advantage+update"):
+            assert re.search(
+                rf"^  {re.escape(program)} \[prompts {length}\]: [\d.]+ s$", report, re.M
+            )
+    assert re.search(r"^  eval sampled \[held-out, 3 prompts of 40\]: [\d.]+ s$", report, re.M)
+
+
+MESH_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import load_example, use_compile_cache
+use_compile_cache()
+load_example("grpo").main(json.loads(sys.argv[1]))
+"""
+
+
+def test_on_a_mesh_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
+    """The same run on a mesh of two devices (``relax.parallel.ShardedStep``, in a process of
+    its own): its programs, and the placement of the host stages' arrays on the mesh, compiled
+    before the first step."""
+    script = tmp_path / "run.py"
+    script.write_text(MESH_RUN.format(tests=str(Path(__file__).parent)))
+    argv = _argv(ragged, tmp_path / "run", *PER_BATCH, "--parallel.mesh", "data=2")
+    run_worker(script, [json.dumps(argv)], devices=2, timeout=600)
+    assert [line["compiles"] for line in _train_lines(tmp_path / "run")] == [0.0] * 4
 
 
 def test_overlong_reject_refuses_before_any_compute(ragged, tmp_path):

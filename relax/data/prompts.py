@@ -24,7 +24,8 @@ then only shuffles, repeats, batches and pads:
 - Padding: left, to ``max_prompt_tokens`` or, with ``prompt_buckets``, to the smallest bucket
   (``max_prompt_tokens`` the top one) holding the longest prompt of the whole training data
   (``pad_to="data"``, the default: every batch has one shape, so the step compiles once) or of
-  the global batch (``pad_to="batch"``: fewer pad tokens, one compile per bucket met).
+  the global batch (``pad_to="batch"``: fewer pad tokens, one shape per bucket; ``batch_lengths``
+  lists them, for a run to compile ahead).
 - Tokens: a plain-text prompt is ``tokenizer.encode(text)`` with the special tokens the
   tokenizer itself adds (a BOS for Llama-style tokenizers, nothing for Qwen's); a chat prompt is
   the model's own chat template, tokenized as transformers does (``apply_chat_template``: the
@@ -415,6 +416,14 @@ def padded_length(prepared: PreparedPrompts, cfg: DataConfig) -> int | None:
     """The length every training batch is padded to (``pad_to="data"``), or None when each batch
     picks its own bucket (``pad_to="batch"``)."""
     return _padded_length(prepared.examples, cfg) if cfg.pad_to == "data" else None
+
+
+def batch_lengths(prepared: PreparedPrompts, cfg: DataConfig) -> tuple[int, ...]:
+    """Every length a training batch of ``prepared`` can be padded to, shortest first: the one of
+    ``padded_length``, or (``pad_to="batch"``) the bucket of each kept prompt."""
+    if cfg.pad_to == "data":
+        return (_padded_length(prepared.examples, cfg),)
+    return tuple(sorted({_padded_length([e], cfg) for e in prepared.examples}))
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -34,6 +34,40 @@ class EvalConfig:
     greedy: bool = True
 
 
+def sampler_configs(
+    cfg: EvalConfig, *, eos_ids: tuple[int, ...], pad_id: int, max_new_tokens: int
+) -> dict[str, RolloutConfig]:
+    """The samplers an evaluation runs: ``"greedy"`` (one completion at temperature 0, with
+    ``cfg.greedy``) and ``"sampled"`` (``cfg.num_samples`` at ``cfg.temperature``)."""
+    sampler = lambda n, t: RolloutConfig(  # noqa: E731
+        num_generations=n,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=t),
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+    )
+    greedy = {"greedy": sampler(1, 0.0)} if cfg.greedy else {}
+    return {**greedy, "sampled": sampler(cfg.num_samples, cfg.temperature)}
+
+
+def sampler_calls(
+    batch: PromptBatch,
+    cfg: EvalConfig,
+    *,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    max_new_tokens: int,
+) -> dict[str, tuple]:
+    """Each sampler of ``sampler_configs`` as ``evaluate`` calls it: ``(jitted, prompt_ids,
+    prompt_mask)``, the prompts of one call (``cfg.batch_prompts`` of ``batch``'s, the last call
+    padded to as many): ``jitted(model, prompt_ids, prompt_mask, key)``, or
+    ``jitted.lower(...)`` to compile it before the evaluation."""
+    chunk = min(cfg.batch_prompts, batch.prompt_ids.shape[0])
+    ids, mask = batch.prompt_ids[:chunk], batch.prompt_mask[:chunk]
+    configs = sampler_configs(cfg, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens)
+    return {name: (compiled_generate(rcfg), ids, mask) for name, rcfg in configs.items()}
+
+
 def _generate_all(model, batch: PromptBatch, rcfg: RolloutConfig, key, chunk: int):
     """Tokens and masks ``[P, G, N]`` for all prompts, ``chunk`` prompts per sampler call."""
     p = batch.prompt_ids.shape[0]
@@ -79,26 +113,15 @@ def evaluate(
             reward_fns, decode, batch.prompts, fields, tokens, masks, timeout_s=timeout_s
         )[0]
 
-    if cfg.greedy:
-        rcfg = RolloutConfig(
-            num_generations=1,
-            max_new_tokens=max_new_tokens,
-            sampling=SamplingConfig(temperature=0.0),
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-        )
-        r = rewards_of(*_generate_all(model, batch, rcfg, key, cfg.batch_prompts))
+    rcfgs = sampler_configs(cfg, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens)
+    if "greedy" in rcfgs:
+        r = rewards_of(*_generate_all(model, batch, rcfgs["greedy"], key, cfg.batch_prompts))
         out["greedy/accuracy"] = float(np.mean(r >= cfg.correct_threshold))
         out["greedy/reward"] = float(np.nanmean(r))
-    rcfg = RolloutConfig(
-        num_generations=cfg.num_samples,
-        max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(temperature=cfg.temperature),
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-    )
     r = rewards_of(
-        *_generate_all(model, batch, rcfg, jax.random.fold_in(key, 1), cfg.batch_prompts)
+        *_generate_all(
+            model, batch, rcfgs["sampled"], jax.random.fold_in(key, 1), cfg.batch_prompts
+        )
     )
     out.update(
         summarize(r, r >= cfg.correct_threshold, ks=cfg.ks or None, data_source=batch.data_source)

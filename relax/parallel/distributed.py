@@ -213,11 +213,21 @@ def to_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     for a batch sharding, the whole value for a replicated one). A global array is resharded."""
     if isinstance(x, jax.Array) and (is_global(x) or not multi_process()):
         if x.sharding.is_equivalent_to(sharding, x.ndim):
-            return x
+            return laid_out_as(x, sharding)
         return jax.device_put(x, sharding)
     if not multi_process():
         return jax.device_put(x, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
+def laid_out_as(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` under ``sharding``, a layout equivalent to its own: the same buffers, no copy and no
+    program, so that a jitted call sees one spelling of each argument's sharding (the rule's, not
+    the compiler's) and finds the program compiled for it (``relax.train.ahead``)."""
+    if x.sharding == sharding:
+        return x
+    shards = [s.data for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
 def put(tree: Any, shardings: Any) -> Any:

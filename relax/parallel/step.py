@@ -309,6 +309,8 @@ class ShardedStep(SegmentRunner):
                 self.mesh
             ):  # traced under the mesh: see parallel.ambient_batch_shards
                 state, out = call(state, dev)
+            if updates:  # the rule's shardings, not the compiler's spelling of them (no copy)
+                state = jax.tree.map(distributed.laid_out_as, state, shardings)
             if self.offload:
                 state = state.replace(
                     ref=jax.device_put(state.ref, self._ref_host) if uses_ref else ref_host

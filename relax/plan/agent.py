@@ -45,7 +45,7 @@ from relax.models.config.model import ModelConfig
 from relax.parallel.local import host_mesh, processes
 from relax.parallel.mesh import param_shardings
 from relax.plan.measure import Measured, measure, resident_state
-from relax.plan.programs import Program, multi_turn_programs, sharded_programs
+from relax.plan.programs import Concurrently, Program, multi_turn_programs, sharded_programs
 from relax.plan.targets import Target
 from relax.rollout.config import bucket_length
 from relax.rollout.turns import TurnConfig
@@ -167,10 +167,13 @@ def measured(
     *,
     compile_fn: Callable[[Any], tuple],
     exact: bool,
+    workers: int = 1,
 ) -> list[Measured]:
     """The decoder's programs and then the update's, measured (``exact`` is moot: no sampler is
-    extended from shallow compiles)."""
-    update = [measure(p, target) for p in update_programs(run, algo, model, devices, compile_fn)]
+    extended from shallow compiles); the update's programs ``workers`` at a time."""
+    with Concurrently(compile_fn, workers) as pending:
+        programs = update_programs(run, algo, model, devices, pending)
+        update = [measure(pending.resolved(p), target) for p in programs]
     resident = resident_state(run, update)
     eos = tuple(model.eos_ids) or (0,)
     turns = rollout_config(run.agent, algo.generation, eos_ids=eos, pad_id=0).turns

@@ -23,7 +23,7 @@ from relax.plan.memory import (
     program_memory,
     sampler_weights_per_chip,
 )
-from relax.plan.programs import Program, offline_programs, online_programs
+from relax.plan.programs import Concurrently, Program, offline_programs, online_programs
 from relax.plan.targets import Target
 from relax.rollout.sampler import RolloutConfig, block_sizes, cache_bytes
 
@@ -103,11 +103,13 @@ def offline(
     *,
     compile_fn: Callable[[Any], tuple],
     exact: bool,
+    workers: int = 1,
 ) -> list[Measured]:
     """Each program of an offline trainer's step on the run's meshes, measured (``exact`` is
-    moot: no sampler is extended)."""
-    programs = offline_programs(run, algo, model, devices, compile_fn=compile_fn)
-    return [measure(p, target) for p in programs]
+    moot: no sampler is extended); ``workers`` programs compiled at a time."""
+    with Concurrently(compile_fn, workers) as pending:
+        programs = offline_programs(run, algo, model, devices, compile_fn=pending)
+        return [measure(pending.resolved(p), target) for p in programs]
 
 
 def online(
@@ -119,26 +121,36 @@ def online(
     *,
     compile_fn: Callable[[Any], tuple],
     exact: bool,
+    workers: int = 1,
 ) -> list[Measured]:
     """Each program of an online run, measured; the sampler of a deep model compiled at two
-    shallow depths and extended to its own unless ``exact``."""
+    shallow depths and extended to its own unless ``exact``. Every walk is lowered before the
+    compiles are awaited, ``workers`` programs compiled at a time (``Concurrently``)."""
     at = None if exact else depth_lib.depths(model)
-    shallow = [
-        online_programs(
-            run, algo, depth_lib.shallow(model, d), devices, compile_fn=compile_fn, until=is_sampler
+    with Concurrently(compile_fn, workers) as pending:
+        shallow = [
+            online_programs(
+                run,
+                algo,
+                depth_lib.shallow(model, d),
+                devices,
+                compile_fn=pending,
+                until=is_sampler,
+            )
+            for d in (at or ())
+        ]
+        known = (
+            {
+                p.name: depth_lib.deepen_outputs(p.outputs, model)
+                for p in shallow[0]
+                if is_sampler(p.name)
+            }
+            if shallow
+            else None
         )
-        for d in (at or ())
-    ]
-    known = (
-        {
-            p.name: depth_lib.deepen_outputs(p.outputs, model)
-            for p in shallow[0]
-            if is_sampler(p.name)
-        }
-        if shallow
-        else None
-    )
-    programs = online_programs(run, algo, model, devices, compile_fn=compile_fn, known=known)
+        programs = online_programs(run, algo, model, devices, compile_fn=pending, known=known)
+        shallow = [[pending.resolved(p) for p in qs] for qs in shallow]
+        programs = [pending.resolved(p) for p in programs]
     rollout = algo.generation.rollout(eos_ids=(), pad_id=0)
     kv_total = cache_bytes(
         model, run.batch_size, run.max_prompt_tokens, rollout, DTYPES[run.compute_dtype]

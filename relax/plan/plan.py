@@ -122,18 +122,21 @@ def plan_run(
     *,
     compile_fn: Callable[[Any], tuple] = compile_program,
     exact: bool = False,
+    workers: int = 1,
 ) -> Plan:
-    """Compile one step of ``run`` for ``target`` (with ``compile_fn``) and measure each program.
-    The sampler of a deep model is compiled at two shallow depths and extended to its own
-    (``relax.plan.depth``) unless ``exact``; an online run's ``--reward-model`` is resident beside
-    its programs and scores with a program of its own (``relax.plan.reward_model``)."""
+    """Compile one step of ``run`` for ``target`` (with ``compile_fn``, ``workers`` programs at a
+    time: one by default, since a deep model's program can take 16 GB of host memory to compile)
+    and measure each program. The sampler of
+    a deep model is compiled at two shallow depths and extended to its own (``relax.plan.depth``)
+    unless ``exact``; an online run's ``--reward-model`` is resident beside its programs and
+    scores with a program of its own (``relax.plan.reward_model``)."""
     entry = ALGORITHMS[algorithm]
     algo = entry.algorithm(run)
     devices = targets_lib.devices(target)
     t0 = time.perf_counter()
     try:
         measured = entry.measure(
-            run, algo, model, target, devices, compile_fn=compile_fn, exact=exact
+            run, algo, model, target, devices, compile_fn=compile_fn, exact=exact, workers=workers
         )
     except RuntimeError as e:
         if "cuDNN" not in str(e):
@@ -163,10 +166,17 @@ def plan(
     *,
     compile_fn: Callable[[Any], tuple] = compile_program,
     exact: bool = False,
+    workers: int = 1,
 ) -> Plan:
     """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``)."""
     run = parse_run(algorithm, argv)
     target = target if isinstance(target, targets_lib.Target) else targets_lib.Target.parse(target)
     return plan_run(
-        algorithm, run, read_config(run.model), target, compile_fn=compile_fn, exact=exact
+        algorithm,
+        run,
+        read_config(run.model),
+        target,
+        compile_fn=compile_fn,
+        exact=exact,
+        workers=workers,
     )

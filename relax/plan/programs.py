@@ -24,6 +24,7 @@ Every program is traced under ``relax.passes.target_backend``: the backend-depen
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.algorithms.offline.run import OfflineAlgorithm
-from relax.algorithms.online.batch import HostRecord, Prompts
+from relax.algorithms.online.ahead import prompt_batch, stand_in, zero_reward
 from relax.algorithms.online.config import (
     ModelRunConfig,
     OnlineAlgorithm,
@@ -43,7 +44,7 @@ from relax.algorithms.online.config import (
 )
 from relax.algorithms.online.setup import with_lora
 from relax.algorithms.online.step import StepParts
-from relax.compose import WithHost, join_host, split_host
+from relax.compose import WithHost
 from relax.models.config.model import DTYPES, ModelConfig
 from relax.models.decoder.transformer import init as init_model
 from relax.parallel import ShardedStep, batch_shards, check_batch, replicated, state_shardings
@@ -51,6 +52,7 @@ from relax.passes import choose_passes, target_backend
 from relax.rewards.functions import RewardFunction
 from relax.rollout import turns
 from relax.rollout.turns import TurnConfig
+from relax.train.ahead import device_map, lower_step, program_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,34 @@ class Program:
     error: str | None = None
     compile_s: float = 0.0
     outputs: Any = None  # its results' shapes (what the next program is called with)
+
+
+class Concurrently:
+    """A ``compile_fn`` that starts each compile on a pool of ``workers`` threads and returns at
+    once, the program's ``compiled`` then a future; ``resolved(program)`` waits for it. XLA
+    compiles outside the interpreter lock, so the programs of a plan (its shallow samplers, the
+    reference and the update) compile side by side while the next walk lowers. A context manager:
+    the pool is shut down on exit."""
+
+    def __init__(self, compile_fn: Callable[[Any], tuple], workers: int):
+        self.compile_fn = compile_fn
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers))
+
+    def __call__(self, lowered) -> tuple:
+        return self.pool.submit(self.compile_fn, lowered), None, 0.0
+
+    def resolved(self, program: Program) -> Program:
+        """``program`` with its compile's results (``compiled``, ``error``, ``compile_s``)."""
+        if not isinstance(program.compiled, concurrent.futures.Future):
+            return program
+        compiled, error, seconds = program.compiled.result()
+        return dataclasses.replace(program, compiled=compiled, error=error, compile_s=seconds)
+
+    def __enter__(self) -> Concurrently:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
 
 def abstract_model(run: ModelRunConfig, config: ModelConfig):
@@ -91,55 +121,31 @@ def abstract_state(
     )
 
 
-def _zero_reward(prompts, completions, **_) -> list[float]:
-    return [0.0] * len(completions)
-
-
 def _parts(
     run: OnlineRunConfig, config: ModelConfig, passes, algorithm: OnlineAlgorithm
 ) -> StepParts:
-    """Step parts that stand in for the run's: one reward function returning 0 and a decoder
-    returning empty texts (what they compute does not change the programs' shapes), scheduled
-    as the run's (``run_parts``)."""
-    decode = lambda tokens, mask: [""] * int(np.prod(np.shape(tokens)[:-1]))
+    """Step parts that stand in for the run's (``relax.algorithms.online.ahead.stand_in``): one
+    reward function returning 0 and a decoder returning empty texts (what they compute does not
+    change the programs' shapes), scheduled as the run's (``run_parts``)."""
     parts = StepParts(
-        reward_fns=[RewardFunction(_zero_reward, name="reward")],
-        decode=decode,
+        reward_fns=[RewardFunction(zero_reward, name="reward")],
         eos_ids=tuple(config.eos_ids) or (0,),
         pad_id=0,
         passes=passes,
     )
-    return run_parts(run, parts, algorithm.generation)
+    return run_parts(run, stand_in(parts), algorithm.generation)
 
 
 def first_batch(run: OnlineRunConfig) -> WithHost:
     """A batch of ``--batch-size`` prompts padded to ``--max-prompt-tokens`` (the longest bucket)."""
-    rows, length = run.batch_size, run.max_prompt_tokens
-    ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
-    return WithHost(
-        Prompts(ids, ids), HostRecord(prompts=[""] * rows, fields={run.answer_field: [""] * rows})
-    )
-
-
-def _device_map(fn: Callable, batch: Any) -> Any:
-    """``fn`` over the leaves of a batch's device part (a ``WithHost``'s record kept)."""
-    if isinstance(batch, WithHost):
-        return batch.replace(device=jax.tree.map(fn, batch.device))
-    return jax.tree.map(fn, batch)
-
-
-def _concrete(tree: Any) -> Any:
-    """Zeros for every ``ShapeDtypeStruct`` (what a host segment reads)."""
-    return _device_map(
-        lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, tree
-    )
+    return prompt_batch(run.batch_size, run.max_prompt_tokens, run.answer_field)
 
 
 def _shapes(tree: Any) -> Any:
     """Arrays (and a lowered program's output infos) as ``ShapeDtypeStruct`` s without a sharding
     (what the next jitted segment is lowered with, placed its own way)."""
     is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # numpy, jax, lowered.out_info
-    return _device_map(
+    return device_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_array(x) else x, tree
     )
 
@@ -267,36 +273,25 @@ def _walk(
     known: dict[str, Any] | None = None,
     until: Callable[[str], bool] | None = None,
 ) -> list[Program]:
-    """Lower and compile each jitted segment in order, with its ``Segment.abstract`` arguments
-    (a ``ShardedStep``'s); host segments run on zeros. Each program's outputs are the next one's
-    batch (``known`` ones' as given)."""
-    programs, known = [], known or {}
-    for seg in segments:
-        if not seg.jittable:
-            if seg.names != ("weight_transfer",):  # a copy between meshes: nothing to compile
-                _, batch = seg.run(state, _concrete(batch))
-                batch = _shapes(batch)
-            continue
-        name = "+".join(seg.names)
-        args = seg.abstract(state, batch)
-        mesh = jax.tree.leaves(args[1])[0].sharding.mesh
-        if name in known:
-            if seg.updates_state:
-                raise ValueError(f"program {name} updates the state: its outputs cannot be given")
-            program = Program(name, mesh, args, outputs=known[name])
-        else:
-            with jax.set_mesh(mesh):
-                lowered = seg.jitted.lower(*args)
-                compiled, error, seconds = compile_fn(lowered)
-            program = Program(
-                name, mesh, args, compiled, error, seconds, outputs=_shapes(lowered.out_info)
-            )
-        programs.append(program)
-        out = program.outputs
-        batch = join_host(split_host(batch)[0], out[1] if seg.updates_state else out, batch)
-        if until is not None and until(name):
-            break
+    """Lower each jitted segment in order with its ``Segment.abstract`` arguments (a
+    ``ShardedStep``'s; ``relax.train.ahead.lower_step``, host segments on zeros), then compile each
+    (``known`` ones are not compiled: their outputs are given)."""
+    lowerings, _ = lower_step(segments, state, batch, run_host=_run_host, known=known, until=until)
+    programs = []
+    for lo in lowerings:
+        compiled, error, seconds = (
+            (None, None, 0.0) if lo.lowered is None else compile_fn(lo.lowered)
+        )
+        outputs = lo.outputs if lo.lowered is None else _shapes(lo.outputs)
+        programs.append(
+            Program(lo.name, program_mesh(lo.args), lo.args, compiled, error, seconds, outputs)
+        )
     return programs
+
+
+def _run_host(seg, state, batch):
+    """A host segment of a planned step on a batch of zeros (a copy between meshes skipped)."""
+    return batch if seg.names == ("weight_transfer",) else seg.run(state, batch)[1]
 
 
 def platform(device: jax.Device) -> str:

@@ -69,9 +69,10 @@ def smallest(
     compile_fn: Callable[[Any], tuple],
     exact: bool = False,
     log: Callable[[str], None] = lambda line: None,
+    workers: int = 1,
 ) -> tuple[Plan | None, list[Tried]]:
     """The plan on the smallest slice of ``kind`` that fits ``run`` (None if none does), and every
-    slice tried on the way."""
+    slice tried on the way (``workers``: ``plan_run``'s)."""
     mesh = run.parallel.mesh
     if run.parallel.sampler_devices or "-1" not in mesh:
         raise ValueError(
@@ -91,7 +92,15 @@ def smallest(
             )
         else:
             try:
-                p = plan_run(algorithm, run, model, target, compile_fn=compile_fn, exact=exact)
+                p = plan_run(
+                    algorithm,
+                    run,
+                    model,
+                    target,
+                    compile_fn=compile_fn,
+                    exact=exact,
+                    workers=workers,
+                )
                 tried.append(Tried(target, p.fits, p.peak.total))
             except ValueError as e:  # a layout the run's flags cannot take on this slice
                 tried.append(Tried(target, False, reason=str(e).splitlines()[0]))

@@ -154,12 +154,17 @@ def producer_part(state):
     )
 
 
+@jax.jit
+def copy_view(parts):
+    """A copy of ``(policy, step, key)``, one program (compiled ahead with the step's,
+    ``relax.algorithms.online.ahead``; copied leaf by leaf, each shape would compile its own)."""
+    return jax.tree.map(jnp.copy, parts)
+
+
 def sampler_view(state):
     """``producer_part(state)`` copied out of the state before an update overwrites it (the
     update donates its state)."""
-    policy, step, key = jax.block_until_ready(
-        jax.tree.map(jnp.copy, (state.policy, state.step, state.key))
-    )
+    policy, step, key = jax.block_until_ready(copy_view((state.policy, state.step, state.key)))
     return producer_part(state).replace(policy=policy, step=step, key=key)
 
 

@@ -86,7 +86,10 @@ class Trainer:
     (collective: every process calls them). ``bar_keys``: metrics shown
     on the progress bar as ``(name, label)``. ``on_start(run_dir)``: called on the main process
     once the run directory is ready (an earlier run set aside), e.g. to write the start-up report.
-    ``info``: what ``summary.json`` records of the run besides its evaluations (its data, say)."""
+    ``prepare(state, run_dir)``: called on every process with the state the loop trains from (the
+    restored one with --resume) before the first evaluation and step, e.g. to compile every
+    program ahead (``relax.algorithms.online.ahead``). ``info``: what ``summary.json`` records of
+    the run besides its evaluations (its data, say)."""
 
     name: str
     step: SegmentRunner
@@ -98,6 +101,7 @@ class Trainer:
     bar_keys: Sequence[tuple[str, str]] = ()
     asynchronous: AsyncConfig = AsyncConfig()
     on_start: Callable[[Path], None] = lambda run_dir: None
+    prepare: Callable[[Any, Path], None] = lambda state, run_dir: None
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -318,6 +322,8 @@ def _resume_and_train(cfg: RunConfig, trainer: Trainer, state, log) -> tuple[Any
             trainer.batches.set_state(data_state)
             log(f"resumed from step {int(state.step)} ({ckpt.directory})")
         start = int(state.step)
+        if not cfg.eval_only:
+            trainer.prepare(state, run_dir)
         with MetricsLogger(run_dir, resume_step=None if cfg.eval_only else start) as logger:
             if cfg.eval_only:
                 return state, {

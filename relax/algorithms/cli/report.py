@@ -5,7 +5,8 @@ flags that differ from their defaults, the model (family, size, dtypes, devices,
 (rows read and held out, prompt-length percentiles, rows over the token budget and what became of
 them, the padded length), the stop tokens and the first prompt as the model sees it. It is
 printed, and written to the run directory as ``startup.txt`` with the whole effective config as
-JSON beside it (``config.json``).
+JSON beside it (``config.json``); an online run adds, once its programs are compiled before the
+first step, a last section "compiled ahead" (``StartupReport.with_section``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class StartupReport:
             out.append(f"== {title}")
             out.extend(f"  {line}" for line in lines)
         return "\n".join(out)
+
+    def with_section(self, title: str, lines: Sequence[str]) -> StartupReport:
+        """This report with one more section, ``title``'s ``lines``, at its end."""
+        return dataclasses.replace(self, sections=(*self.sections, (title, tuple(lines))))
 
     def write(self, run_dir: Path) -> None:
         """``startup.txt`` and ``config.json`` in ``run_dir`` (main process only)."""

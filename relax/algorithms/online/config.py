@@ -134,6 +134,10 @@ class OnlineRunConfig(TaskRunConfig):
     reward_model_weight: float = 1.0
     eval: EvalConfig = EvalConfig()
     eval_max_prompts: int | None = None
+    compile_ahead: bool = True
+    """Compile every program of the step (for each prompt bucket a batch can be padded to) and of
+    the held-out evaluation before the first step (a compile thread per two CPU cores), listed
+    with their compile seconds in the start-up report; off: each compiles when first called."""
     async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
     """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` samples the next batch
     while the update runs, with an off-policy correction (``--async.correction.kind``)."""

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from relax.algorithms.cli.report import (
@@ -22,6 +21,13 @@ from relax.algorithms.cli.report import (
     prompt_lines,
     run_report,
     token_lines,
+)
+from relax.algorithms.online.ahead import (
+    CompiledAhead,
+    compile_ahead,
+    eval_lowerings,
+    stand_in,
+    step_lowerings,
 )
 from relax.algorithms.online.batch import HostRecord, step_input
 from relax.algorithms.online.config import (
@@ -42,10 +48,11 @@ from relax.algorithms.online.setup import (
 from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost
 from relax.data.prompts import (
+    batch_lengths,
     padded_length,
     prompt_iterator,
 )
-from relax.eval.evaluate import evaluate
+from relax.eval.evaluate import evaluate, sampler_calls
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ShardedStep, batch_shards, check_batch
 from relax.parallel.distributed import on_host_memory
@@ -53,8 +60,11 @@ from relax.passes import choose_passes
 from relax.rewards.sandbox import describe as describe_sandbox
 from relax.rollout.generation import GenerationConfig
 from relax.rollout.partial import PartialRollouts
+from relax.train.ahead import default_workers
 from relax.train.logs import MetricsLogger, is_main_process
 from relax.train.run import RunConfig, Trainer, run_loop
+
+EVAL_STREAM = 1_000_003  # the held-out evaluation's key: fold_in(key(seed), EVAL_STREAM)
 
 
 def _report(
@@ -68,7 +78,9 @@ def _report(
         f"every batch padded to {pad} prompt tokens (the bucket of the longest kept prompt, {longest}): "
         "one compiled step"
         if pad is not None
-        else "each batch padded to its own bucket (--pad-to batch): one compile per bucket met"
+        else "each batch padded to its own bucket (--pad-to batch): "
+        + ", ".join(map(str, batch_lengths(data.train, data.data_cfg)))
+        + " tokens (the kept prompts' buckets), one compiled step each"
     )
     held_out = (
         prompt_lines(data.held_out.stats, "held-out")
@@ -139,7 +151,7 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: S
             eos_ids=parts.eos_ids,
             pad_id=parts.pad_id,
             max_new_tokens=algo.generation.max_new_tokens,
-            key=jax.random.fold_in(jax.random.key(cfg.seed), 1_000_003),
+            key=jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM),
             cfg=cfg.eval,
             answer_field=cfg.answer_field,
             timeout_s=cfg.reward_timeout_s,
@@ -155,6 +167,66 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: S
         return metrics
 
     return run_eval
+
+
+def _compiled_ahead(
+    cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts: StepParts, step, state
+) -> CompiledAhead:
+    """Every program of the run's ``step`` (for each length a batch can be padded to) and of its
+    held-out evaluation, compiled for ``state`` (``relax.algorithms.online.ahead``)."""
+    t0 = time.perf_counter()
+    lowerings, not_ahead = [], []
+    if parts.partial is None:
+        lowerings += step_lowerings(
+            step,
+            algo.make_step(stand_in(parts)),
+            state,
+            batch_lengths(data.train, data.data_cfg),
+            batch_size=cfg.batch_size,
+            answer_field=cfg.answer_field,
+            pipelined=parts.pipelined,
+        )
+    else:
+        not_ahead.append(
+            "the step's programs compile when first called: partial rollouts (--async.partial "
+            f"{cfg.async_.partial}) sample in a host stage"
+        )
+    if data.eval_batch is not None:
+        calls = sampler_calls(
+            data.eval_batch,
+            cfg.eval,
+            eos_ids=parts.eos_ids,
+            pad_id=parts.pad_id,
+            max_new_tokens=algo.generation.max_new_tokens,
+        )
+        key = jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM)
+        lowerings += eval_lowerings(state.policy, calls, key)
+    return compile_ahead(lowerings, workers=default_workers(), not_ahead=not_ahead, t_start=t0)
+
+
+def _prepare(
+    cfg: OnlineRunConfig,
+    algo: OnlineAlgorithm,
+    data: RunData,
+    parts: StepParts,
+    step,
+    report: StartupReport,
+    log,
+):
+    """The run's ``Trainer.prepare``: its programs compiled ahead (``--compile-ahead``) and the
+    start-up report's last section, "compiled ahead", printed and written."""
+
+    def prepare(state, run_dir: Path) -> None:
+        lines = (
+            _compiled_ahead(cfg, algo, data, parts, step, state).lines()
+            if cfg.compile_ahead
+            else ("off (--no-compile-ahead): each program compiles when the step first calls it",)
+        )
+        log(StartupReport((("compiled ahead", lines),), {}).text())
+        if is_main_process():
+            report.with_section("compiled ahead", lines).write(run_dir)
+
+    return prepare
 
 
 def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int):
@@ -200,10 +272,14 @@ def _partial_rollouts(cfg: OnlineRunConfig, algo: OnlineAlgorithm, batches, eos_
 
 
 def _make_batch(cfg: OnlineRunConfig):
+    """``make_batch(prompt_batch) -> WithHost``: the step's input, its prompts the numpy arrays
+    the data gives (the step's first program, or a runner on a mesh, puts them on the devices:
+    ``jnp.asarray`` would compile a program for each new shape)."""
+
     def make_batch(pb) -> WithHost:
         return step_input(
-            jnp.asarray(pb.prompt_ids),
-            jnp.asarray(pb.prompt_mask),
+            pb.prompt_ids,
+            pb.prompt_mask,
             pb.prompts,
             {cfg.answer_field: pb.answers, **pb.fields},
         )
@@ -290,6 +366,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             bar_keys=BAR_KEYS,
             asynchronous=cfg.async_,
             on_start=report.write,
+            prepare=_prepare(cfg, algo, data, parts, step_fn, report, log),
             info={
                 "data": {
                     "train": data.train.stats.summary(),
