@@ -12,6 +12,10 @@ the P x G rows usually reaches the budget. Modes, each one compiled program, tim
     compact<c>   the sampler with ``compactions=c`` (0: never; 2; the default 3)
     no_tail      every row runs round(mean length) steps with no stop id: the same real tokens
                  with no tail, what compaction approaches
+    tail_floor   ONE row (one prompt, one completion) runs the longest completion's steps with no
+                 stop id: what any scheduler of this batch pays at least, continuous batching
+                 included (a completion's tokens are sequential; a finished row taking new work
+                 does not shorten the longest one)
     partial<k>   partial rollouts (``relax.rollout.partial``, ``--async.partial k``): one rollout
                  of the steady state, which samples N / k tokens of k batches in progress (the
                  same prompts, new keys) and emits one complete batch; timed after 2k + 2
@@ -118,11 +122,12 @@ def main(args: Args) -> list[dict]:
             num_generations=args.generations, max_new_tokens=budget, eos_ids=eos, compactions=c
         )
 
-    programs, compile_s = {}, {}
+    programs, compile_s, inputs = {}, {}, {}
 
-    def build(name, rc):
+    def build(name, rc, rows=args.prompts):
         t0 = time.perf_counter()
-        programs[name] = compiled_generate(rc).lower(model, ids, mask, key).compile()
+        inputs[name] = (ids[:rows], mask[:rows])
+        programs[name] = compiled_generate(rc).lower(model, *inputs[name], key).compile()
         compile_s[name] = time.perf_counter() - t0
 
     for c in args.compactions:
@@ -131,6 +136,8 @@ def main(args: Args) -> list[dict]:
     lengths = np.asarray(first.lengths)
     real = int(lengths.sum())
     build("no_tail", rollout_cfg(0, (), max(1, round(float(lengths.mean())))))
+    one = RolloutConfig(num_generations=1, max_new_tokens=int(lengths.max()), compactions=0)
+    build("tail_floor", one, rows=1)
     partials = {}
     for kk in args.partial:
         t0 = time.perf_counter()
@@ -143,7 +150,7 @@ def main(args: Args) -> list[dict]:
     for _ in range(args.runs):
         for name, prog in programs.items():  # alternating: each run sees the same machine load
             t0 = time.perf_counter()
-            outs[name] = jax.block_until_ready(prog(model, ids, mask, key))
+            outs[name] = jax.block_until_ready(prog(model, *inputs[name], key))
             times[name].append(time.perf_counter() - t0)
         for name, part in partials.items():
             seconds, tokens = part.step()
@@ -151,7 +158,7 @@ def main(args: Args) -> list[dict]:
             partial_tokens[name].append(tokens)
     same = {}  # rows whose completion equals compact<first>'s: all but draws within rounding of a CDF boundary
     for name, out in outs.items():
-        if name not in ("no_tail",):
+        if name not in ("no_tail", "tail_floor"):
             rows_equal = np.all(np.asarray(out.tokens) == np.asarray(first.tokens), axis=-1)
             same[name] = float(rows_equal.mean())
     base = statistics.median(times[f"compact{args.compactions[0]}"])
@@ -167,7 +174,11 @@ def main(args: Args) -> list[dict]:
                 "tokens_per_s_total": sum(partial_tokens[name]) / sum(ts),
             }
         else:
-            tokens = real if name != "no_tail" else int(np.asarray(outs[name].lengths).sum())
+            tokens = (
+                real
+                if name not in ("no_tail", "tail_floor")
+                else int(np.asarray(outs[name].lengths).sum())
+            )
             extra = {}
         records.append(
             emit(
