@@ -57,13 +57,17 @@ class Passes:
     the backward when one layer's fit this budget.
     ``batch_shards``: the ways the batch is split over devices (1: one device).
     ``stream_block``: the block of the packed bins' attention (``relax.models.attention.stream``):
-    its cost follows the visible blocks, smaller blocks skip more but loop more."""
+    its cost follows the visible blocks, smaller blocks skip more but loop more.
+    ``auto_packs``: ``--grpo.packing.mode auto`` packs completions into bins (CPU, where the
+    bins' attention, a loop over block pairs, is measured; on accelerators a loop of small
+    matmuls is unmeasured and likely slower than the padded forward's fused attention)."""
 
     cache_sized: bool = False
     unroll_max_layers: int = 8
     saved_probs_bytes: int = 64 * 2**20
     batch_shards: int = 1
     stream_block: int = 64
+    auto_packs: bool = True
 
     def unroll(self, num_layers: int) -> bool:
         return self.cache_sized and num_layers <= self.unroll_max_layers
@@ -88,4 +92,5 @@ def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passe
         cache_sized=backend == "cpu" and batch_shards == 1,
         batch_shards=batch_shards,
         stream_block=64 if backend == "cpu" else 128,
+        auto_packs=backend == "cpu",
     )

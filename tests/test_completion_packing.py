@@ -87,6 +87,10 @@ def test_bins_worked_by_hand():
     with pytest.raises(ValueError, match="needs the 'group' train attention"):
         PackingConfig(mode="on").applies("dense")
     assert not PackingConfig().applies("dense") and PackingConfig().applies("group")
+    # on accelerators "auto" stays padded (Passes.auto_packs), "on" packs
+    assert not PackingConfig().applies("group", auto_packs=False)
+    assert PackingConfig(mode="on").applies("group", auto_packs=False)
+    assert not choose_passes("tpu").auto_packs and choose_passes("cpu", batch_shards=4).auto_packs
 
 
 @pytest.mark.parametrize("seed", range(6))

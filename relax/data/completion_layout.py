@@ -43,9 +43,9 @@ class PackingConfig:
     """How the training forwards (update, reference, proximal) lay out a batch's completions.
 
     ``mode``: ``"on"`` packs every batch into bins (``relax.models.forward.completion_packing``),
-    ``"off"`` keeps the completions padded to the budget, ``"auto"`` packs where the train
-    attention is the group kernel (CPU, and any float32 model), not where the fused dense kernel
-    runs it (GPU in 16 bits: cuDNN's attention has no documents).
+    ``"off"`` keeps the completions padded to the budget, ``"auto"`` packs where the backend's
+    passes say so (``relax.passes.Passes.auto_packs``: CPU) and the train attention is the group
+    kernel (not where the fused dense kernel runs it: GPU in 16 bits).
     ``bin_tokens``: slots per bin, S, at least the prompt bucket plus the budget. None (the
     default): twice that, rounded up to the attention block. A bin is one micro-batch of the
     update on one device: larger bins mean fewer, bigger micro-batches and more slots left
@@ -65,14 +65,16 @@ class PackingConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"packing {name} must be >= 1, got {getattr(self, name)}")
 
-    def applies(self, train_attention: str) -> bool:
-        """Whether to pack, given the resolved train attention (``"group"`` or ``"dense"``)."""
+    def applies(self, train_attention: str, auto_packs: bool = True) -> bool:
+        """Whether to pack, given the resolved train attention (``"group"`` or ``"dense"``) and
+        whether ``"auto"`` packs on this backend (``Passes.auto_packs``)."""
         if self.mode == "on" and train_attention == "dense":
             raise ValueError(
                 "packing mode 'on' needs the 'group' train attention (the 'dense' one has no documents); "
                 "set --grpo.train-attention group or --grpo.packing.mode auto"
             )
-        return self.mode == "on" or (self.mode == "auto" and train_attention == "group")
+        auto = self.mode == "auto" and auto_packs and train_attention == "group"
+        return self.mode == "on" or auto
 
     def sizes(
         self,
@@ -102,9 +104,9 @@ class PackingConfig:
         c_min = max(1, min(cp, (s - need) // need + 1))
         return BinSizes(s, cp, _round_up(prompts * generations // c_min + 1, multiple), block)
 
-    def describe(self, train_attention: str, max_new_tokens: int) -> str:
+    def describe(self, train_attention: str, max_new_tokens: int, auto_packs: bool = True) -> str:
         """One line for a start-up report: the layout the training forwards will use."""
-        if not self.applies(train_attention):
+        if not self.applies(train_attention, auto_packs):
             return (
                 f"completions padded to {max_new_tokens} tokens in the update (packing {self.mode}, "
                 f"{train_attention} train attention)"

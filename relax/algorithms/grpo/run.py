@@ -16,6 +16,7 @@ from relax.algorithms.online.run import run_online
 from relax.algorithms.online.setup import check_lora_reference
 from relax.choices import check_choice
 from relax.models.forward.forward_pass import resolve_attention
+from relax.passes import choose_passes
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import TrainState, init_state
 
@@ -81,7 +82,9 @@ def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
 
     def describe_update(model) -> str:
         return g.packing.describe(
-            resolve_attention(g.forward.train_attention, model), g.generation.max_new_tokens
+            resolve_attention(g.forward.train_attention, model),
+            g.generation.max_new_tokens,
+            choose_passes().auto_packs,
         )
 
     return OnlineAlgorithm(

@@ -309,7 +309,8 @@ def make_packing(
     the devices the batch is split over."""
 
     def pack(state: TrainState, batch: WithHost) -> tuple[TrainState, WithHost]:
-        if not packing.applies(resolve_attention(forward.train_attention, state.policy)):
+        attention = resolve_attention(forward.train_attention, state.policy)
+        if not packing.applies(attention, passes.auto_packs):
             return state, batch
         d = batch.device
         if jax.process_count() > 1:  # the bins index a process's batch, not the global one

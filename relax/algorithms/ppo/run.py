@@ -18,6 +18,7 @@ from relax.algorithms.ppo.step import make_ppo_step
 from relax.models.config.model import DTYPES
 from relax.models.forward.forward_pass import resolve_attention
 from relax.models.heads.critic import init_critic, init_value_head, load_critic
+from relax.passes import choose_passes
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import TrainState, init_state
 
@@ -102,7 +103,9 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
 
     def describe_update(model) -> str:
         return p.packing.describe(
-            resolve_attention(p.forward.train_attention, model), p.generation.max_new_tokens
+            resolve_attention(p.forward.train_attention, model),
+            p.generation.max_new_tokens,
+            choose_passes().auto_packs,
         )
 
     return OnlineAlgorithm(
