@@ -209,6 +209,7 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
     from relax.algorithms.grpo.step import make_grpo_step
     from relax.algorithms.online.batch import step_input
     from relax.algorithms.online.step import StepParts
+    from relax.data.completion_layout import PackingConfig
     from relax.parallel import distributed
     from relax.parallel.hlo import collectives
     from relax.passes import choose_passes
@@ -223,6 +224,8 @@ def grpo_case(spec: str | None, iterations: int = 2, *, mesh_passes: bool = Fals
         num_generations=4,
         max_new_tokens=6,
         beta=0.04,
+        # padded: the update's exchange is counted on its [P, G, N] rows (the bins' layout has others)
+        packing=PackingConfig(mode="off"),
         optimizer=OptimizerConfig(learning_rate=0.1, eps=1.0),
     )
     state = init_state(_model(), cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
