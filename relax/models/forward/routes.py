@@ -49,7 +49,9 @@ class Routes(eqx.Module):
         """The experts of each slot of packed bins (``relax.models.forward.completion_packing``:
         ``source`` indexes the prompt tokens, then the completion tokens), -1 on empty slots."""
         ls, k = self.prompt.shape[-2:]
-        flat = jnp.concatenate(
-            [self.prompt.reshape(-1, ls, k), self.completion.reshape(-1, ls, k)]
-        ).astype(jnp.int32)
-        return jnp.where((source >= 0)[..., None, None], flat[jnp.maximum(source, 0)], -1)
+        prompt, completion = self.prompt.reshape(-1, ls, k), self.completion.reshape(-1, ls, k)
+        n = prompt.shape[0]  # gathered apart: no copy of every route per call (one per micro-batch)
+        at_prompt = prompt[jnp.clip(source, 0, n - 1)]
+        at_completion = completion[jnp.clip(source - n, 0, completion.shape[0] - 1)]
+        out = jnp.where((source < n)[..., None, None], at_prompt, at_completion).astype(jnp.int32)
+        return jnp.where((source >= 0)[..., None, None], out, -1)
