@@ -64,25 +64,22 @@ def stream_attend(model: Transformer, bins: CompletionBins) -> Attend:
     layout = decode_layout(c)
     local = layout.sharded and bins.ids.shape[0] % ambient_batch_shards() == 0
 
-    def attend(q, k, v, _, sliding):
-        def bins_of(q, k, v, mask, pairs, num_pairs, window):
-            one = functools.partial(
-                stream_attention,
-                block=block,
-                window=window,
-                scale=c.attn_scale,
-                probs_dtype=probs,
-            )
-            return jax.vmap(one)(q, k, v, mask, pairs, num_pairs)
+    def bins_of(q, k, v, mask, pairs, num_pairs, window):
+        one = functools.partial(
+            stream_attention, block=block, window=window, scale=c.attn_scale, probs_dtype=probs
+        )
+        return jax.vmap(one)(q, k, v, mask, pairs, num_pairs)
 
-        if local:
-            heads, rows = layout.spec("batch", None, "heads"), layout.spec("batch")
-            bins_of = jax.shard_map(
-                bins_of,
-                in_specs=(heads, heads, heads, rows, rows, rows, layout.spec()),
-                out_specs=heads,
-                check_vma=False,
-            )
+    if local:
+        heads, rows = layout.spec("batch", None, "heads"), layout.spec("batch")
+        bins_of = jax.shard_map(
+            bins_of,
+            in_specs=(heads, heads, heads, rows, rows, rows, layout.spec()),
+            out_specs=heads,
+            check_vma=False,
+        )
+
+    def attend(q, k, v, _, sliding):
         window = layer_window(c, sliding)
         window = None if window is None else jnp.asarray(window, jnp.int32)
         out = bins_of(q, k, v, mask, bins.pairs, bins.num_pairs, window)
