@@ -17,6 +17,7 @@ Timed (medians over ``--runs`` after one warm-up call each, the variants alterna
     python benchmarks/packed_update.py [--runs 3] [--model-shape small]
     python benchmarks/packed_update.py --new-tokens 256 --prompts 2 --runs 1   # quick
     python benchmarks/packed_update.py --model-shape smollm-135m --sigma 1.5 --bin-tokens 4096
+    python benchmarks/packed_update.py --model-shape smollm-135m --dtype bfloat16 --prompts 8  # GPU
 
 Prints one JSON line: length statistics, real / padded / packed token slots, the bins used and
 their fill, the attention block pairs visited (and all causal pairs of those bins), each
@@ -47,7 +48,8 @@ from relax.algorithms.grpo.loss import make_grpo_update  # noqa: E402
 from relax.algorithms.online.batch import LossRows  # noqa: E402
 from relax.algorithms.online.stages import forward_logprobs  # noqa: E402
 from relax.data.completion_layout import PackingConfig, bin_fill, pack_bins  # noqa: E402
-from relax.models import init  # noqa: E402
+from relax.models import cast, init  # noqa: E402
+from relax.models.forward.forward_pass import resolve_attention  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 
@@ -64,6 +66,9 @@ class Args:
     """the completion budget N"""
     sigma: float = 1.0
     """log-normal sigma of the completion lengths (their mean stays about N/4)"""
+    dtype: str = "float32"
+    """the model's dtype: float32 | bfloat16 (bfloat16: as users run on GPU/TPU, where the padded
+    update's attention is the backend's fused kernel)"""
     bin_tokens: int | None = None
     """slots per bin (None: the packing default, 2 x (prompt + budget))"""
     seed: int = 0
@@ -102,7 +107,8 @@ def main(args: Args) -> dict:
     if args.model_shape not in SHAPES:
         raise SystemExit(f"--model-shape {args.model_shape!r}: one of {', '.join(SHAPES)}")
     mcfg = SHAPES[args.model_shape]()
-    model = init(mcfg, jax.random.key(0))
+    dtype = jnp.dtype(args.dtype)
+    model = cast(init(mcfg, jax.random.key(0), param_dtype=dtype), dtype=dtype)
     p, g, n = args.prompts, args.generations, args.new_tokens
     passes = choose_passes()
     packing = PackingConfig(bin_tokens=args.bin_tokens)
@@ -166,6 +172,8 @@ def main(args: Args) -> dict:
         {
             "bench": "packed_update",
             "model_shape": args.model_shape,
+            "dtype": args.dtype,
+            "train_attention": resolve_attention(cfg.forward.train_attention, model),
             "params": mcfg.num_params(),
             "P": p,
             "G": g,

@@ -59,6 +59,12 @@ class Args:
     """run the dense reference only up to this S"""
     runs: int = 3
     """timed runs per case (median reported)"""
+    dtype: str = "float32"
+    """q, k, v dtype: float32 | bfloat16"""
+    cudnn: bool = True
+    """on a GPU, also time ``jax.nn.dot_product_attention(implementation="cudnn")`` (16-bit only):
+    ``cudnn_masked`` with the same allowed mask (same math), ``cudnn_causal`` causal over the whole
+    stream (a bound: what a fused kernel costs for S x S / 2, not the same math)"""
     seed: int = 0
 
 
@@ -108,11 +114,19 @@ def main(args: Args) -> None:
     for s in (int(x) for x in args.lengths.split(",") if x):
         meta = make_stream(s, args, rng)
         keys = jax.random.split(jax.random.key(args.seed), 4)
-        q = jax.random.normal(keys[0], (s, hq, d))
-        k, v = (jax.random.normal(kk, (s, hk, d)) for kk in keys[1:3])
-        w = jax.random.normal(keys[3], (s, hq, d))
+        dt = jnp.dtype(args.dtype)
+        q = jax.random.normal(keys[0], (s, hq, d), dt)
+        k, v = (jax.random.normal(kk, (s, hk, d), dt) for kk in keys[1:3])
+        w = jax.random.normal(keys[3], (s, hq, d), dt)
         allowed = allowed_matrix(*meta)
-        base = {"bench": "stream_attention", "S": s, "Hq": hq, "Hkv": hk, "D": d}
+        base = {
+            "bench": "stream_attention",
+            "S": s,
+            "Hq": hq,
+            "Hkv": hk,
+            "D": d,
+            "dtype": args.dtype,
+        }
         base["density"] = float(allowed.mean())
         base["docs"] = int(meta[1].max())
         dense_ms = None
@@ -125,6 +139,8 @@ def main(args: Args) -> None:
             dense_ms = r["median_s"] * 1e3
             harness.emit({**base, "impl": "dense", "median_ms": dense_ms, **_extra(r)}, TABLE)
             del mask
+        if args.cudnn and jax.default_backend() == "gpu" and dt.itemsize == 2:
+            _cudnn(base, allowed, q, k, v, w, args.runs)
         for block in (int(x) for x in args.blocks.split(",") if x):
             t = time.perf_counter()
             pairs, n = block_pairs(*meta[1:], block)
@@ -146,6 +162,25 @@ def main(args: Args) -> None:
                 **_extra(r),
             }
             harness.emit(record, TABLE)
+
+
+def _cudnn(base: dict, allowed: np.ndarray, q, k, v, w, runs: int) -> None:
+    """cuDNN's fused attention on the same stream, with the allowed mask and causal alone."""
+    mask = jnp.asarray(allowed)[None, None]
+    for name, kw in (("cudnn_masked", {"mask": mask}), ("cudnn_causal", {"is_causal": True})):
+
+        def f(q, k, v, kw=kw):
+            out = jax.nn.dot_product_attention(
+                q[None], k[None], v[None], implementation="cudnn", **kw
+            )
+            return out[0]
+
+        try:
+            r = harness.measure(_grad(f, w), q, k, v, warmup=1, runs=runs)
+        except Exception as e:  # noqa: BLE001 - a kernel cuDNN refuses is a result, not a crash
+            harness.emit({**base, "impl": name, "error": str(e)[:300]}, TABLE)
+            continue
+        harness.emit({**base, "impl": name, "median_ms": r["median_s"] * 1e3, **_extra(r)}, TABLE)
 
 
 def _extra(r: dict) -> dict:
