@@ -58,9 +58,9 @@ class Passes:
     ``batch_shards``: the ways the batch is split over devices (1: one device).
     ``stream_block``: the block of the packed bins' attention (``relax.models.attention.stream``):
     its cost follows the visible blocks, smaller blocks skip more but loop more.
-    ``auto_packs``: ``--grpo.packing.mode auto`` packs completions into bins (CPU, where the
-    bins' attention, a loop over block pairs, is measured; on accelerators a loop of small
-    matmuls is unmeasured and likely slower than the padded forward's fused attention)."""
+    ``auto_packs``: ``--grpo.packing.mode auto`` packs completions into bins (CPU only: on a
+    GPU the bins, run one per micro-batch with their attention a loop of small matmuls, were
+    measured slower than the padded update; benchmarks/RESULTS.md, H200)."""
 
     cache_sized: bool = False
     unroll_max_layers: int = 8
