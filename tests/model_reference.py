@@ -58,8 +58,13 @@ def _layer_types(cfg):
     return [t == "sliding" for t in cfg.layer_types]
 
 
-def forward(model, ids, mask=None):
-    """Logits [B, T, V] in float64, one row at a time, loops over heads and layers."""
+def forward(model, ids, mask=None, *, embeds=None, rope_positions=None, blocks=None):
+    """Logits [B, T, V] in float64, one row at a time, loops over heads and layers.
+
+    ``embeds`` [B, T, D]: the layers' inputs instead of the embedding table's rows;
+    ``rope_positions`` [B, T]: each token's RoPE position instead of its index among the valid
+    tokens; ``blocks`` [B, T]: tokens with the same id > 0 attend to each other both ways (inside
+    a sliding layer's window: ``q - k < W``, one-sided)."""
     cfg = model.config
     P = lambda a: None if a is None else np.asarray(a, np.float64)
     L = model.layers
@@ -78,8 +83,12 @@ def forward(model, ids, mask=None):
         x = P(model.embed)[ids[b, valid]]
         if cfg.scale_embeddings:
             x = x * math.sqrt(cfg.hidden_size)
+        if embeds is not None:
+            x = np.asarray(embeds, np.float64)[b, valid]
         t = len(valid)
-        pos = np.arange(t, dtype=np.float64)
+        idx = np.arange(t, dtype=np.float64)
+        pos = idx if rope_positions is None else np.asarray(rope_positions, np.float64)[b, valid]
+        blk = np.zeros(t, int) if blocks is None else np.asarray(blocks)[b, valid]
         for l in range(cfg.num_layers):
             g = lambda name: None if getattr(L, name) is None else P(getattr(L, name)[l])
             h = norm(x, g("attn_norm"))
@@ -99,8 +108,9 @@ def forward(model, ids, mask=None):
                 hk = hq // (cfg.num_heads // cfg.num_kv_heads)
                 s = q[:, hq] @ k[:, hk].T * scale
                 allowed = np.tril(np.ones((t, t), bool))
+                allowed |= (blk[:, None] == blk[None, :]) & (blk[:, None] > 0)
                 if sliding[l] and cfg.sliding_window is not None:
-                    allowed &= (pos[:, None] - pos[None, :]) < cfg.sliding_window
+                    allowed &= (idx[:, None] - idx[None, :]) < cfg.sliding_window
                 s = np.where(allowed, s, -np.inf)
                 p = np.exp(s - s.max(-1, keepdims=True))
                 o[:, hq] = (p / p.sum(-1, keepdims=True)) @ v[:, hk]

@@ -45,6 +45,7 @@ from jaxtyping import Array, Int
 
 from relax.models.adapters.operations import merge_lora
 from relax.models.config.sharding import DecodeLayout, ambient_batch_shards, decode_layout
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import (
     FusedLayer,
     LayerRoutes,
@@ -109,14 +110,27 @@ __all__ = [
 ]
 
 
-def _prefill(model: Transformer, ids, mask, layers: list[FusedLayer] | None = None):
+def _prefill(
+    model: Transformer,
+    ids,
+    mask,
+    layers: list[FusedLayer] | None = None,
+    prompt: PromptInputs | None = None,
+):
     """Head-major prompt K/V ``[L, P, Hkv, Lp, D]`` (with ``layers``, the decode loop's weights: a
     list of ``[P, Hkv, Lp, D]``), last-position logits (the only ones needed) and the sparse
-    layers' experts of every prompt token ``[P, Lp, Ls, k]`` (None: dense)."""
+    layers' experts of every prompt token ``[P, Lp, Ls, k]`` (None: dense). ``prompt``: an image
+    prompt's inputs (``PromptInputs``: embeddings, RoPE tables, bidirectional blocks)."""
     pos = positions_from_mask(mask)
-    attend = full_attention(model, pos, mask.astype(bool))
+    valid = mask.astype(bool)
+    x, rope, blocks = (
+        (embed(model, ids), None, None)
+        if prompt is None
+        else (prompt.embeds, prompt.rope, prompt.blocks)
+    )
+    attend = full_attention(model, pos, valid, blocks)
     h, kv, routed = run_layers(
-        model, embed(model, ids), pos, attend, layers=layers, routes=LayerRoutes(mask.astype(bool))
+        model, x, pos, attend, layers=layers, rope=rope, routes=LayerRoutes(valid)
     )
     pk, pv = kv if layers is None else ([k for k, _ in kv], [v for _, v in kv])
     experts = None if routed is None else jnp.moveaxis(routed.experts, 0, 2)
@@ -168,10 +182,17 @@ def dequantized(model: Transformer, precision: str) -> Transformer:
 
 
 def generate_program(
-    model: Transformer, prompt_ids, prompt_mask, key, cfg: RolloutConfig
+    model: Transformer,
+    prompt_ids,
+    prompt_mask,
+    key,
+    cfg: RolloutConfig,
+    prompt: PromptInputs | None = None,
 ) -> Rollout:
     """The sampler's traced program: what ``compiled_generate`` jits, and what a larger jitted stage
-    (e.g. the online algorithms' rollout) calls inside its own program."""
+    (e.g. the online algorithms' rollout) calls inside its own program. ``prompt``: an image
+    prompt's inputs (``relax.models.decoder.prompt_inputs``), prefilled once per prompt; the
+    completions' RoPE positions start at its ``next_position``."""
     c = model.config
     p, _ = prompt_ids.shape
     g, n = cfg.num_generations, cfg.max_new_tokens
@@ -185,7 +206,7 @@ def generate_program(
     if quantized:  # prefill on the decode loop's 8-bit weights: one copy, the same numbers
         model, layers = _decode_weights(model, layout, cfg)
     pk, pv, logits0, prompt_experts = _prefill(
-        model, prompt_ids, prompt_mask, layers if quantized else None
+        model, prompt_ids, prompt_mask, layers if quantized else None, prompt
     )
     record = cfg.record_routes and prompt_experts is not None
     rdt = route_dtype(c.num_experts)
@@ -210,6 +231,7 @@ def generate_program(
         model, layers = _decode_weights(model, layout, cfg)
     heads = lambda x: layout.constrain(x, "batch", "heads", None, None)
     q_pos_base = jnp.repeat(prompt_len, g)
+    rope_base = q_pos_base if prompt is None else jnp.repeat(prompt.next_position, g)
     # keys are kept transposed, [.., Hkv, D, S]: the decode score product is then a plain matmul;
     # rotary cos/sin of every decode position, [B, N, D] each per RoPE kind, derived once before the
     # loop; one uniform draw per completion and step, derived up front
@@ -220,7 +242,7 @@ def generate_program(
         prompt_pos=positions_from_mask(prompt_mask),
         prompt_valid=prompt_mask.astype(bool),
         q_pos_base=q_pos_base,
-        rope_table=rotary(c, q_pos_base[:, None] + jnp.arange(n)[None, :]),
+        rope_table=rotary(c, rope_base[:, None] + jnp.arange(n)[None, :]),
         u=uniform_table(keys, n),
     )
     tok0, lp0 = draw(rows(jnp.repeat(logits0, g, axis=0)), 0, phase.u)

@@ -136,6 +136,21 @@ def causal_mask(
     return allowed
 
 
+def block_mask(
+    blocks: Int[Array, "*b t"],
+    positions: Int[Array, "*b t"],
+    valid: Bool[Array, "*b t"],
+    window: int | Int[Array, ""] | None,
+) -> Bool[Array, "*b t t"]:
+    """``b(q) = b(k) > 0 & valid(k)`` (and ``k > q - W`` on sliding layers): the entries a
+    bidirectional block adds to the causal mask of a sequence over itself."""
+    bq, bk = blocks[..., :, None], blocks[..., None, :]
+    allowed = (bq == bk) & (bq > 0) & valid[..., None, :]
+    if window is not None:
+        allowed = allowed & (positions[..., :, None] - positions[..., None, :] < window)
+    return allowed
+
+
 def attention(
     q: Float[Array, "b t hq d"],
     k: Float[Array, "b hk s d"],

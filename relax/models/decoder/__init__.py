@@ -25,6 +25,7 @@ from relax.models.decoder.logprobs import (
     token_entropy,
     token_logprobs,
 )
+from relax.models.decoder.prompt_inputs import PromptInputs, text_prompt_inputs
 from relax.models.decoder.transformer import (
     LayerRoutes,
     Transformer,
@@ -47,6 +48,7 @@ __all__ = [
     "LayerStack",
     "RouteIn",
     "LayerSegment",
+    "PromptInputs",
     "Transformer",
     "activation",
     "blocks",
@@ -71,5 +73,6 @@ __all__ = [
     "segment_params",
     "segments",
     "token_entropy",
+    "text_prompt_inputs",
     "token_logprobs",
 ]

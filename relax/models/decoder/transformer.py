@@ -250,15 +250,25 @@ def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t
     return e.astype(model.precision.residual_dtype(model.dtype))
 
 
-def full_attention(model: Transformer, positions: Array, valid: Array) -> Attend:
+def full_attention(
+    model: Transformer, positions: Array, valid: Array, blocks: Array | None = None
+) -> Attend:
     """Causal attention over the sequence itself, through each layer's window (the masks of both
-    kinds built once); returns head-major (k, v)."""
+    kinds built once); returns head-major (k, v). ``blocks``: bidirectional blocks
+    (``relax.models.decoder.prompt_inputs``: an image's tokens seeing each other both ways)."""
     c = model.config
     probs = model.precision.probs_dtype(model.dtype)
-    masks = {
-        s: attn.causal_mask(positions, positions, valid, layer_window(c, s))
-        for s in set(c.sliding_layers)
-    }
+
+    def mask(sliding):
+        window = layer_window(c, sliding)
+        allowed = attn.causal_mask(positions, positions, valid, window)
+        return (
+            allowed
+            if blocks is None
+            else allowed | attn.block_mask(blocks, positions, valid, window)
+        )
+
+    masks = {s: mask(s) for s in set(c.sliding_layers)}
 
     def attend(q, k, v, _, sliding):
         allowed = (

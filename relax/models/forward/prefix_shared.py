@@ -39,6 +39,7 @@ from relax.models.config.model import ModelConfig
 from relax.models.config.sharding import ambient_batch_shards
 from relax.models.decoder.layer import RouteIn, scan_layers
 from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import (
     Transformer,
     embed,
@@ -91,9 +92,12 @@ def completion_rope(
     prompt_mask: Int[Array, "p lp"],
     num_generations: int,
     num_tokens: int,
+    prompt: PromptInputs | None = None,
 ) -> CompletionRope:
     """The rotary tables ``completion_logprobs`` uses: left-padded prompts at positions
-    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``).
+    ``0..len-1`` (``positions_from_mask``), completion token ``t`` at ``len + t`` (``[P, G, N]``);
+    with ``prompt`` (an image prompt's inputs) its own tables, completion token ``t`` at
+    ``prompt.next_position + t``.
 
     Compute them once, outside any loop that calls ``completion_logprobs`` (micro-batches,
     epochs), and pass them as its ``rope``: XLA:CPU fuses ``cos``/``sin`` into every consumer
@@ -101,12 +105,24 @@ def completion_rope(
     ~8x slower than with the tables read from memory; a loop boundary keeps them materialised).
     """
     return _rope_at(
-        config, prompt_mask, _completion_positions(prompt_mask, num_generations, num_tokens)
+        config,
+        prompt_mask,
+        _completion_positions(prompt_mask, num_generations, num_tokens),
+        prompt,
     )
 
 
-def _rope_at(config: ModelConfig, prompt_mask, c_pos) -> CompletionRope:
-    prompt, completion = rotary(config, positions_from_mask(prompt_mask)), rotary(config, c_pos)
+def _rope_at(config: ModelConfig, prompt_mask, c_pos, inputs: PromptInputs | None = None):
+    """The tables of the prompts and of completion slots at sequence positions ``c_pos``
+    (``[P, G, N]``); with ``inputs`` the prompt's own and ``c_pos`` moved to start at its
+    ``next_position``."""
+    if inputs is None:
+        prompt = rotary(config, positions_from_mask(prompt_mask))
+    else:
+        p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+        prompt = inputs.rope
+        c_pos = c_pos + (inputs.next_position - p_len)[:, None, None]
+    completion = rotary(config, c_pos)
     return CompletionRope(prompt.full, completion.full, prompt.local, completion.local)
 
 
@@ -146,12 +162,15 @@ def rows_hidden(
     layers: ForwardPass,
     rope: CompletionRope | None,
     replay: tuple[Array, Array] | None = None,
+    prompt: PromptInputs | None = None,
 ):
     """Final-norm hidden states of prompts ``[P, Lp, D]`` and completion rows ``[P*G, N, D]``, and the
     sparse layers' ``RouterStats`` over both (stacked ``[Ls]``; None for a dense model), the layers
     run as ``layers`` (a resolved ``ForwardPass``) says; ``replay``: the experts recorded on the
     prompt and completion rows (``Routes.replay_rows``), replayed when ``layers.replay_routes``
-    (else compared with the layers' own choices)."""
+    (else compared with the layers' own choices); ``prompt``: an image prompt's inputs
+    (``PromptInputs``: its embeddings, RoPE and bidirectional blocks; ``rope``, when given, must
+    come from ``completion_rope(..., prompt)``)."""
     attention, save_attention = layers.attention, layers.save_attention
     replay_routes = layers.replay_routes
     if attention not in ("group", "dense"):
@@ -168,13 +187,13 @@ def rows_hidden(
     p_pos = positions_from_mask(prompt_mask)
     p_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
     if rope is None:
-        rope = _rope_at(c, prompt_mask, rows.positions)
+        rope = _rope_at(c, prompt_mask, rows.positions, prompt)
     p_rope = Rotary(rope.prompt, rope.prompt_local)
     c_rope = jax.tree.map(
         lambda x: x.reshape(b, n, x.shape[-1]), Rotary(rope.completion, rope.completion_local)
     )
     prompt_attend = full_attention(
-        model, p_pos, p_valid
+        model, p_pos, p_valid, None if prompt is None else prompt.blocks
     )  # also returns the prompt's head-major (k, v)
 
     # one group per loop step on one device; one local group per device per step on a mesh
@@ -246,9 +265,8 @@ def rows_hidden(
     if layers.remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
     xc0 = embed(model, rows.tokens.reshape(b, n))
-    (xp, xc), _, stats = scan_layers(
-        model, body, (embed(model, prompt_ids), xc0), None, replay, unroll=layers.unroll
-    )
+    xp0 = embed(model, prompt_ids) if prompt is None else prompt.embeds
+    (xp, xc), _, stats = scan_layers(model, body, (xp0, xc0), None, replay, unroll=layers.unroll)
     return final_norm(model, xp), final_norm(model, xc), stats
 
 
@@ -264,6 +282,7 @@ def completion_logprobs(
     rope: CompletionRope | Rotary | None = None,
     packed: CompletionBins | None = None,
     routes: Routes | None = None,
+    prompt: PromptInputs | None = None,
 ):
     """``log p(completion[t] | prompt, completion[<t])`` for every completion token, ``[P, G, N]``,
     the forward run as ``how`` says (``ForwardPass``: attention, remat, unrolled layers, prompt
@@ -295,6 +314,8 @@ def completion_logprobs(
         rope: the rotary tables from ``completion_rope``. None (default): computed here.
         packed: the same completions packed into bins. None (default): the padded rows.
         routes: a mixture of experts' recorded experts. None (default): the forward routes.
+        prompt: an image prompt's inputs (``relax.models.decoder.prompt_inputs``), run once per
+            prompt; not with ``packed``. None (default): the text prompt of ``prompt_ids``.
 
     Returns:
         float32 ``[p g n]`` log-probs; with ``how.with_entropy`` a pair ``(log-probs, entropies)``,
@@ -302,6 +323,7 @@ def completion_logprobs(
             ``RouterStats`` (None for a dense model).
     """
     if packed is not None:
+        _no_bins_for(prompt)
         out, stats = binned_logprobs(
             model,
             packed,
@@ -318,7 +340,7 @@ def completion_logprobs(
     xs = (prompt_ids, prompt_mask, completions, completion_mask)
     tiled = how.groups_per_pass is not None and how.groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
-        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
+        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions, prompt)
     replay = None if routes is None else routes.replay_rows()
     if replay is not None:  # over_groups splits leaves on a leading [P]
         replay = jax.tree.map(
@@ -328,8 +350,8 @@ def completion_logprobs(
             replay,
         )
     out, stats = over_groups(
-        lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-2]), rest[-2], rest[-1]),
-        (*xs, rope, replay),
+        lambda ids, pm, *rest: run(ids, pm, rows(pm, *rest[:-3]), *rest[-3:]),
+        (*xs, rope, replay, prompt),
         groups_per_pass=how.groups_per_pass,
         summed=True,
     )
@@ -366,6 +388,7 @@ def completion_hidden(
     *,
     rope: CompletionRope | Rotary | None = None,
     packed: CompletionBins | None = None,
+    prompt: PromptInputs | None = None,
 ) -> Float[Array, "p g n d"] | Float[Array, "u s d"]:
     """The final-norm hidden state that predicts each completion token, ``[P, G, N, D]``::
 
@@ -373,27 +396,36 @@ def completion_hidden(
         h[p, g, t] = hidden(completion g)[t - 1]     (t > 0)
 
     the rows ``completion_logprobs`` projects onto the vocabulary (and a value head reads: the
-    state before token ``t`` is emitted). ``how``, ``rope`` and ``packed`` as
+    state before token ``t`` is emitted). ``how``, ``rope``, ``packed`` and ``prompt`` as
     ``completion_logprobs``' (its output options unused).
     With ``packed`` the layers run over the bins and the states come in their layout,
     ``[U, S, D]`` (slot ``s`` of bin ``u`` predicts ``packed.ids[u, s]``): compute what is read
     from them there (a value, a log-prob) and bring it back with ``to_padded``.
     """
     if packed is not None:
+        _no_bins_for(prompt)
         return binned_hidden(model, packed, how, rope=rope)
     layers = how.resolved(model)
     rows = padded_rows
     xs = (prompt_ids, prompt_mask, completions, completion_mask)
     tiled = how.groups_per_pass is not None and how.groups_per_pass != prompt_ids.shape[0]
     if rope is None and tiled:  # outside the loop over groups (see completion_rope)
-        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions)
+        rope = _rope_at(model.config, prompt_mask, rows(*xs[1:]).positions, prompt)
 
     def run(ids, pm, *rest):
-        r = rows(pm, *rest[:-1])
-        h, _ = _predicting_hidden(model, ids, pm, r, rest[-1], layers)
+        r = rows(pm, *rest[:-2])
+        h, _ = _predicting_hidden(model, ids, pm, r, rest[-2], layers, prompt=rest[-1])
         return h.reshape(r.tokens.shape + h.shape[-1:])
 
-    return over_groups(run, (*xs, rope), groups_per_pass=how.groups_per_pass)
+    return over_groups(run, (*xs, rope, prompt), groups_per_pass=how.groups_per_pass)
+
+
+def _no_bins_for(prompt: PromptInputs | None) -> None:
+    if prompt is not None:
+        raise ValueError(
+            "image prompts (PromptInputs) run over padded rows, not packed bins: "
+            "set the packing mode to 'off' or 'auto' for a vision-language model"
+        )
 
 
 def _predicting_hidden(
@@ -404,11 +436,12 @@ def _predicting_hidden(
     rope: CompletionRope | None,
     layers: ForwardPass,
     replay: tuple[Array, Array] | None = None,
+    prompt: PromptInputs | None = None,
 ) -> tuple[Float[Array, "pg n d"], RouterStats | None]:
     """The hidden states that predict each row slot's token, ``[P*G, N, D]``: the prompt's last
     for a completion's first token, else the slot before; and the ``RouterStats`` (``rows_hidden``)."""
     g = rows.tokens.shape[1]
-    hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay)
+    hp, hc, stats = rows_hidden(model, prompt_ids, prompt_mask, rows, layers, rope, replay, prompt)
     first = jnp.repeat(hp[:, -1:], g, axis=0)  # predicts completion token 0
     h = jnp.concatenate([first, hc[:, :-1]], axis=1)  # [B, N, D]
     return h, stats
@@ -421,6 +454,7 @@ def _completion_logprobs(
     rows: CompletionRows,
     rope: CompletionRope | None,
     replay: tuple[Array, Array] | None,
+    prompt: PromptInputs | None,
     *,
     layers: ForwardPass,
     temperature: float,
@@ -428,7 +462,9 @@ def _completion_logprobs(
     p, g, n = rows.tokens.shape
     if replay is not None:  # [P, Ls, ...] as over_groups split it -> layer-major rows
         replay = tuple(jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1, *x.shape[3:]) for x in replay)
-    h, stats = _predicting_hidden(model, prompt_ids, prompt_mask, rows, rope, layers, replay)
+    h, stats = _predicting_hidden(
+        model, prompt_ids, prompt_mask, rows, rope, layers, replay, prompt
+    )
     targets = rows.tokens.reshape(p * g, n)
     if layers.with_entropy:
         lp, ent = logprobs_and_entropy_from_hidden(

@@ -1,0 +1,62 @@
+"""What a prompt brings to the layers besides its token ids: an image prompt's inputs.
+
+A vision-language model's prompt enters the language model as embeddings with the image
+features in place of its image tokens, at RoPE positions that need not be ``0..len-1``
+(Qwen2.5-VL's multimodal RoPE gives an image's tokens 2-D positions), and with attention that
+may look forward inside an image (Gemma 3: the tokens of one image see each other both ways).
+:class:`PromptInputs` carries exactly that, computed once per prompt; the sampler's prefill and
+the trainer's prefix-shared forward take it in place of ``embed(prompt_ids)`` and the text
+positions, so the image is encoded and prefilled once for the whole group. The completions that
+follow are text: token ``t`` of a completion sits at RoPE position ``next_position + t``.
+
+Masks keep sequence positions (``positions_from_mask``: index among the prompt's valid tokens);
+only RoPE reads ``rope``. The attention of a prompt token ``q`` to a key ``k`` of its own prompt::
+
+    allowed(q, k) = valid(k) & [ k <= q                    (causal)
+                                 | b(q) = b(k) > 0 ]       (same bidirectional block)
+                             & ( q - k < W )               (sliding layers, window W)
+
+which is transformers' Gemma 3 rule: full layers OR(causal, block), sliding layers
+AND(window, OR(causal, block)) with the window one-sided (``k > q - W``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from relax.models.decoder.transformer import Transformer, embed, positions_from_mask
+from relax.models.layers.rope import Rotary, rotary
+
+__all__ = ["PromptInputs", "text_prompt_inputs"]
+
+
+class PromptInputs(NamedTuple):
+    """A batch of prompts' inputs to the layers (every leaf leads with ``[P]``).
+
+    ``embeds``: the layers' input ``[P, Lp, D]`` (the token embeddings with an image's features
+    at its tokens), in the residual stream's dtype. ``rope``: the prompt tokens' RoPE tables
+    (``Rotary`` of ``[P, Lp, d]`` tables). ``next_position``: the RoPE position of every
+    completion's first token ``[P]`` (text prompts: the prompt's length). ``blocks``: ``[P, Lp]``
+    ids of bidirectional blocks, ``> 0`` where tokens of one block see each other both ways,
+    0 elsewhere."""
+
+    embeds: Float[Array, "p lp d"]
+    rope: Rotary
+    next_position: Int[Array, " p"]
+    blocks: Int[Array, "p lp"]
+
+
+def text_prompt_inputs(
+    model: Transformer, prompt_ids: Int[Array, "p lp"], prompt_mask: Int[Array, "p lp"]
+) -> PromptInputs:
+    """A text prompt's inputs: what the layers take when none are given (left-padded prompts at
+    positions ``0..len-1``, the first completion token at ``len``, no blocks)."""
+    return PromptInputs(
+        embeds=embed(model, prompt_ids),
+        rope=rotary(model.config, positions_from_mask(prompt_mask)),
+        next_position=jnp.sum(prompt_mask.astype(jnp.int32), axis=1),
+        blocks=jnp.zeros(prompt_ids.shape, jnp.int32),
+    )
