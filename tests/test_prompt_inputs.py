@@ -106,12 +106,15 @@ def _tokens(cfg, seed=3):
     return jnp.asarray(np.random.default_rng(seed).integers(1, cfg.vocab_size, (P, G, N)))
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GEMMA], ids=["llama", "gemma3"])
-@pytest.mark.parametrize("groups_per_pass", [None, 1])
-def test_trainer_logprobs_equal_reference(cfg, groups_per_pass):
+@pytest.mark.parametrize(
+    "cfg,attention,groups_per_pass",
+    [(LLAMA, "group", None), (LLAMA, "group", 1), (LLAMA, "dense", None), (GEMMA, "group", None)],
+    ids=["llama-group", "llama-group-tiled", "llama-dense", "gemma3-group"],
+)
+def test_trainer_logprobs_equal_reference(cfg, attention, groups_per_pass):
     model, ids, mask, inputs, rope_pos = _case(cfg)
     tokens = _tokens(cfg)
-    how = ForwardPass(attention="group", groups_per_pass=groups_per_pass)
+    how = ForwardPass(attention=attention, groups_per_pass=groups_per_pass)
     got = completion_logprobs(model, ids, mask, tokens, jnp.ones_like(tokens), how, prompt=inputs)
     want = _reference_logprobs(model, ids, mask, inputs, rope_pos, tokens)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
