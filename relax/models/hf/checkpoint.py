@@ -332,9 +332,13 @@ def save_directory(
     dtype=None,
     extra: dict[str, np.ndarray] | None = None,
     hf_fields: dict | None = None,
+    tensor_name: Callable[[str], str] | None = None,
+    config_json: Callable[[dict], dict] | None = None,
 ) -> None:
     """``save_pretrained`` plus ``extra`` tensors (Hugging Face name -> array, written after the
-    model's, cast like them) and ``hf_fields`` set in ``config.json`` (e.g. another architecture)."""
+    model's, cast like them) and ``hf_fields`` set in ``config.json`` (e.g. another architecture);
+    ``tensor_name`` renames the model's tensors (e.g. under a vision-language model's prefix) and
+    ``config_json`` rewrites the ``config.json`` dict last (e.g. nests it as a ``text_config``)."""
     cfg = model.config
     if model.layers.lora is not None:
         raise ValueError(
@@ -376,7 +380,8 @@ def save_directory(
             )  # a fused tensor: along the output axis
             return x.T if s.transpose else x
 
-        specs.append((s.name, s.hf_shape, parts[0].dtype, make))
+        name = s.name if tensor_name is None else tensor_name(s.name)
+        specs.append((name, s.hf_shape, parts[0].dtype, make))
     for name, a in (extra or {}).items():
         dtype_name(a.dtype)  # raises for a non-float tensor
         a = a if cast is None else a.astype(cast)
@@ -401,6 +406,7 @@ def save_directory(
         }
     )
     hf_config.update(hf_fields or {})
+    hf_config = hf_config if config_json is None else config_json(hf_config)
     generation = generation_config_to_hf(cfg)
 
     root = Path(path)
