@@ -80,6 +80,7 @@ MODEL_PACKAGES = (
     "hf",
     "adapters",
     "heads",
+    "vision",
 )
 # The shared sub-packages of relax.algorithms (what two or more algorithms run alike), bottom first;
 # every other sub-package is one algorithm's folder.
