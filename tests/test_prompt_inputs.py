@@ -12,7 +12,6 @@ from model_reference import forward as np_forward
 
 from relax.models import family_config, init
 from relax.models.decoder.prompt_inputs import PromptInputs, text_prompt_inputs
-from relax.models.decoder.transformer import embed
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.layers.rope import rotary
@@ -63,18 +62,22 @@ def _case(cfg, seed=0):
         rope_pos[i, LP - n :] = pos
         blocks[i, LP - n + a : LP - n + b] = 1
         image[i, LP - n + a : LP - n + b] = True
-    text = embed(model, jnp.asarray(ids))
-    features = jnp.asarray(rng.standard_normal(text.shape), text.dtype)
+    features = rng.standard_normal((P, LP, cfg.hidden_size))
+    table = np.asarray(model.embed, np.float64) * (
+        np.sqrt(cfg.hidden_size) if cfg.scale_embeddings else 1.0
+    )
+    embeds = np.where(image[..., None], features, table[ids])  # the reference's prompt inputs
     inputs = PromptInputs(
-        embeds=jnp.where(jnp.asarray(image)[..., None], features, text),
+        features=jnp.asarray(features, jnp.float32),
+        is_image=jnp.asarray(image),
         rope=rotary(cfg, jnp.asarray(rope_pos)),
         next_position=jnp.asarray(rope_pos.max(1) + 1),
         blocks=jnp.asarray(blocks),
     )
-    return model, jnp.asarray(ids), jnp.asarray(mask), inputs, rope_pos
+    return model, jnp.asarray(ids), jnp.asarray(mask), inputs, rope_pos, embeds
 
 
-def _reference_logprobs(model, ids, mask, inputs, rope_pos, tokens, temperature=1.0):
+def _reference_logprobs(model, ids, mask, inputs, rope_pos, embeds, tokens, temperature=1.0):
     """log p of each completion token by the NumPy reference over [prompt; completion]."""
     cfg = model.config
     n = tokens.shape[-1]
@@ -85,9 +88,7 @@ def _reference_logprobs(model, ids, mask, inputs, rope_pos, tokens, temperature=
     for p in range(P):
         for g in range(G):
             seq = np.concatenate([np.asarray(ids[p]), np.asarray(tokens[p, g])])[None]
-            emb = np.concatenate(
-                [np.asarray(inputs.embeds[p], np.float64), table[np.asarray(tokens[p, g])]]
-            )[None]
+            emb = np.concatenate([embeds[p], table[np.asarray(tokens[p, g])]])[None]
             nxt = int(inputs.next_position[p])
             pos = np.concatenate([rope_pos[p], nxt + np.arange(n)])[None]
             blk = np.concatenate([np.asarray(inputs.blocks[p]), np.zeros(n, int)])[None]
@@ -112,11 +113,11 @@ def _tokens(cfg, seed=3):
     ids=["llama-group", "llama-group-tiled", "llama-dense", "gemma3-group"],
 )
 def test_trainer_logprobs_equal_reference(cfg, attention, groups_per_pass):
-    model, ids, mask, inputs, rope_pos = _case(cfg)
+    model, ids, mask, inputs, rope_pos, embeds = _case(cfg)
     tokens = _tokens(cfg)
     how = ForwardPass(attention=attention, groups_per_pass=groups_per_pass)
     got = completion_logprobs(model, ids, mask, tokens, jnp.ones_like(tokens), how, prompt=inputs)
-    want = _reference_logprobs(model, ids, mask, inputs, rope_pos, tokens)
+    want = _reference_logprobs(model, ids, mask, inputs, rope_pos, embeds, tokens)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
     # the same prompt without its inputs gives other values: the test sees them
     plain = completion_logprobs(model, ids, mask, tokens, jnp.ones_like(tokens), how)
@@ -124,7 +125,7 @@ def test_trainer_logprobs_equal_reference(cfg, attention, groups_per_pass):
 
 
 def test_text_inputs_are_the_default():
-    model, ids, mask, _, _ = _case(GEMMA)
+    model, ids, mask, *_ = _case(GEMMA)
     tokens = _tokens(GEMMA)
     text = text_prompt_inputs(model, ids, mask)
     how = ForwardPass(attention="group")
@@ -135,7 +136,7 @@ def test_text_inputs_are_the_default():
 
 @pytest.mark.parametrize("cfg", [LLAMA, GEMMA], ids=["llama", "gemma3"])
 def test_sampler_logprobs_equal_trainer_logprobs(cfg):
-    model, ids, mask, inputs, rope_pos = _case(cfg)
+    model, ids, mask, inputs, rope_pos, embeds = _case(cfg)
     rc = RolloutConfig(
         num_generations=G,
         max_new_tokens=N,
@@ -151,7 +152,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(cfg):
         model, ids, mask, r.tokens, r.mask, how, prompt=inputs, temperature=0.9
     )
     np.testing.assert_allclose(np.asarray(r.logprobs), np.asarray(train), atol=2e-5, rtol=0)
-    want = _reference_logprobs(model, ids, mask, inputs, rope_pos, r.tokens, temperature=0.9)
+    want = _reference_logprobs(model, ids, mask, inputs, rope_pos, embeds, r.tokens, 0.9)
     np.testing.assert_allclose(np.asarray(r.logprobs), want, atol=2e-5, rtol=0)
     # the sampler with the text prompt draws from other distributions: the inputs reached it
     t = run(model, ids, mask, jax.random.key(5), cfg=rc)
@@ -159,9 +160,28 @@ def test_sampler_logprobs_equal_trainer_logprobs(cfg):
 
 
 def test_packed_bins_refuse_prompt_inputs():
-    model, ids, mask, inputs, _ = _case(LLAMA)
+    model, ids, mask, inputs, *_ = _case(LLAMA)
     tokens = _tokens(LLAMA)
     with pytest.raises(ValueError, match="padded rows"):
         completion_logprobs(
             model, ids, mask, tokens, jnp.ones_like(tokens), packed=object(), prompt=inputs
         )
+
+
+def test_the_prompt_text_embeddings_get_their_gradient():
+    """The layers' input is looked up inside the differentiated forward: with no image token the
+    gradient through ``PromptInputs`` is the plain forward's, embedding table included."""
+    model, ids, mask, *_ = _case(LLAMA)
+    tokens = _tokens(LLAMA)
+    inputs = text_prompt_inputs(model, ids, mask)
+    how = ForwardPass(attention="group")
+
+    def loss(m, prompt):
+        lp = completion_logprobs(m, ids, mask, tokens, jnp.ones_like(tokens), how, prompt=prompt)
+        return jnp.sum(lp)
+
+    a = jax.grad(loss)(model, inputs)
+    b = jax.grad(loss)(model, None)
+    assert float(jnp.abs(b.embed[ids[0, -1]]).max()) > 0  # a prompt token's row is trained
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import relax.models.decoder.transformer as tfm  # noqa: E402
+from relax.models.decoder.prompt_inputs import prompt_embeddings  # noqa: E402
 from relax.models.hf.config import HFFormatError  # noqa: E402
 from relax.models.vision.gemma3 import gemma3_prompt_inputs, image_features, vlm_logits  # noqa: E402
 from relax.models.vision.gemma3_checkpoint import gemma3_config_from_hf, load_gemma3, save_gemma3  # noqa: E402
@@ -183,7 +184,11 @@ def test_the_mask_rules_are_live(tied):
         pos = tfm.positions_from_mask(mask)
         attend = tfm.full_attention(m, pos, mask.astype(bool), inputs.blocks if blocks else None)
         h, _, _ = tfm.run_layers(
-            m, inputs.embeds, pos, lambda *a: (attend(*a)[0], None), rope=inputs.rope
+            m,
+            prompt_embeddings(m, ids, inputs),
+            pos,
+            lambda *a: (attend(*a)[0], None),
+            rope=inputs.rope,
         )
         return np.asarray(tfm.project(m, h))
 

@@ -45,7 +45,7 @@ from jaxtyping import Array, Int
 
 from relax.models.adapters.operations import merge_lora
 from relax.models.config.sharding import DecodeLayout, ambient_batch_shards, decode_layout
-from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.decoder.prompt_inputs import PromptInputs, prompt_embeddings
 from relax.models.decoder.transformer import (
     FusedLayer,
     LayerRoutes,
@@ -126,7 +126,7 @@ def _prefill(
     x, rope, blocks = (
         (embed(model, ids), None, None)
         if prompt is None
-        else (prompt.embeds, prompt.rope, prompt.blocks)
+        else (prompt_embeddings(model, ids, prompt), prompt.rope, prompt.blocks)
     )
     attend = full_attention(model, pos, valid, blocks)
     h, kv, routed = run_layers(

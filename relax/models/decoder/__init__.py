@@ -25,7 +25,7 @@ from relax.models.decoder.logprobs import (
     token_entropy,
     token_logprobs,
 )
-from relax.models.decoder.prompt_inputs import PromptInputs, text_prompt_inputs
+from relax.models.decoder.prompt_inputs import PromptInputs, prompt_embeddings, text_prompt_inputs
 from relax.models.decoder.transformer import (
     LayerRoutes,
     Transformer,
@@ -67,6 +67,7 @@ __all__ = [
     "norm",
     "positions_from_mask",
     "project",
+    "prompt_embeddings",
     "rms_norm",
     "run_layers",
     "scan_layers",

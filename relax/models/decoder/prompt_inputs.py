@@ -1,7 +1,7 @@
 """What a prompt brings to the layers besides its token ids: an image prompt's inputs.
 
-A vision-language model's prompt enters the language model as embeddings with the image
-features in place of its image tokens, at RoPE positions that need not be ``0..len-1``
+A vision-language model's prompt enters the language model as its token embeddings with the
+image features in place of its image tokens, at RoPE positions that need not be ``0..len-1``
 (Qwen2.5-VL's multimodal RoPE gives an image's tokens 2-D positions), and with attention that
 may look forward inside an image (Gemma 3: the tokens of one image see each other both ways).
 :class:`PromptInputs` carries exactly that, computed once per prompt; the sampler's prefill and
@@ -25,25 +25,29 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from relax.models.decoder.transformer import Transformer, embed, positions_from_mask
 from relax.models.layers.rope import Rotary, rotary
 
-__all__ = ["PromptInputs", "text_prompt_inputs"]
+__all__ = ["PromptInputs", "features_at", "prompt_embeddings", "text_prompt_inputs"]
 
 
 class PromptInputs(NamedTuple):
     """A batch of prompts' inputs to the layers (every leaf leads with ``[P]``).
 
-    ``embeds``: the layers' input ``[P, Lp, D]`` (the token embeddings with an image's features
-    at its tokens), in the residual stream's dtype. ``rope``: the prompt tokens' RoPE tables
+    ``features``: ``[P, Lp, D]`` the image features at the image tokens (anything elsewhere);
+    ``is_image``: ``[P, Lp]`` which tokens take them. The layers' input is
+    ``prompt_embeddings``: the token embeddings of the model being run (so a trained embedding
+    table gets its gradient from the prompt's text tokens) with the features at the image
+    tokens; the features are computed once, by a vision tower outside. ``rope``: the prompt tokens' RoPE tables
     (``Rotary`` of ``[P, Lp, d]`` tables). ``next_position``: the RoPE position of every
     completion's first token ``[P]`` (text prompts: the prompt's length). ``blocks``: ``[P, Lp]``
     ids of bidirectional blocks, ``> 0`` where tokens of one block see each other both ways,
     0 elsewhere."""
 
-    embeds: Float[Array, "p lp d"]
+    features: Float[Array, "p lp d"]
+    is_image: Bool[Array, "p lp"]
     rope: Rotary
     next_position: Int[Array, " p"]
     blocks: Int[Array, "p lp"]
@@ -55,8 +59,30 @@ def text_prompt_inputs(
     """A text prompt's inputs: what the layers take when none are given (left-padded prompts at
     positions ``0..len-1``, the first completion token at ``len``, no blocks)."""
     return PromptInputs(
-        embeds=embed(model, prompt_ids),
+        features=jnp.zeros((*prompt_ids.shape, model.config.hidden_size), model.dtype),
+        is_image=jnp.zeros(prompt_ids.shape, bool),
         rope=rotary(model.config, positions_from_mask(prompt_mask)),
         next_position=jnp.sum(prompt_mask.astype(jnp.int32), axis=1),
         blocks=jnp.zeros(prompt_ids.shape, jnp.int32),
     )
+
+
+def prompt_embeddings(
+    model: Transformer, prompt_ids: Int[Array, "p lp"], prompt: PromptInputs
+) -> Float[Array, "p lp d"]:
+    """``embed(prompt_ids)`` with ``prompt.features`` at the image tokens (``embed``'s dtype;
+    an image token's id is not looked up: it may lie outside the vocabulary)."""
+    e = embed(model, jnp.where(prompt.is_image, 0, prompt_ids))
+    return jnp.where(prompt.is_image[..., None], prompt.features.astype(e.dtype), e)
+
+
+def features_at(
+    is_image: Bool[Array, "p lp"], features: Float[Array, "n d"], dtype
+) -> Float[Array, "p lp d"]:
+    """``features`` (one row per image token, in the batch's row-major token order) placed at the
+    ``is_image`` tokens, zeros elsewhere: ``PromptInputs.features``. The count (``n`` equal to the
+    number of image tokens) is the caller's to check on the host."""
+    flat = is_image.reshape(-1)
+    rank = jnp.clip(jnp.cumsum(flat.astype(jnp.int32)) - 1, 0, max(features.shape[0] - 1, 0))
+    placed = jnp.take(features.astype(dtype), rank, axis=0).reshape(*is_image.shape, -1)
+    return jnp.where(is_image[..., None], placed, jnp.zeros((), dtype))

@@ -39,7 +39,7 @@ from relax.models.config.model import ModelConfig
 from relax.models.config.sharding import ambient_batch_shards
 from relax.models.decoder.layer import RouteIn, scan_layers
 from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
-from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.decoder.prompt_inputs import PromptInputs, prompt_embeddings
 from relax.models.decoder.transformer import (
     Transformer,
     embed,
@@ -265,7 +265,9 @@ def rows_hidden(
     if layers.remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
     xc0 = embed(model, rows.tokens.reshape(b, n))
-    xp0 = embed(model, prompt_ids) if prompt is None else prompt.embeds
+    xp0 = (
+        embed(model, prompt_ids) if prompt is None else prompt_embeddings(model, prompt_ids, prompt)
+    )
     (xp, xc), _, stats = scan_layers(model, body, (xp0, xc0), None, replay, unroll=layers.unroll)
     return final_norm(model, xp), final_norm(model, xc), stats
 

@@ -36,10 +36,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.models.decoder.layer import rms_norm
-from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.decoder.prompt_inputs import PromptInputs, features_at, prompt_embeddings
 from relax.models.decoder.transformer import (
     Transformer,
-    embed,
     full_attention,
     positions_from_mask,
     project,
@@ -57,7 +56,6 @@ __all__ = [
     "image_blocks",
     "image_features",
     "project_images",
-    "vlm_embeddings",
     "vlm_hidden_states",
     "vlm_logits",
 ]
@@ -143,23 +141,6 @@ def image_blocks(is_image: Bool[Array, "b t"]) -> Int[Array, "b t"]:
     return jnp.where(is_image, jnp.cumsum(starts.astype(jnp.int32), axis=1), 0)
 
 
-def vlm_embeddings(
-    model: Transformer,
-    is_image: Bool[Array, "b t"],
-    input_ids: Int[Array, "b t"],
-    features: Float[Array, "n m D"] | None,
-) -> Float[Array, "b t D"]:
-    """Text embeddings with the image features written over the image tokens in order (the k-th
-    image token of the batch, row-major, takes row k of ``features`` flattened to ``[n m, D]``)."""
-    e = embed(model, jnp.where(is_image, 0, input_ids))
-    if features is None or features.shape[0] == 0:
-        return e
-    flat = features.reshape(-1, features.shape[-1]).astype(e.dtype)
-    rank = jnp.cumsum(is_image.reshape(-1).astype(jnp.int32)) - 1
-    scattered = jnp.take(flat, jnp.clip(rank, 0, flat.shape[0] - 1), axis=0).reshape(e.shape)
-    return jnp.where(is_image[..., None], scattered, e)
-
-
 def check_image_tokens(
     config: Gemma3VisionConfig, input_ids, attention_mask, image_rows, num_images: int
 ) -> None:
@@ -200,13 +181,19 @@ def gemma3_prompt_inputs(
     pixel_values: Float[Array, "n C H W"] | None,
 ) -> PromptInputs:
     """Image prompts' inputs to the layers: embeddings with the image features in place
-    (``vlm_embeddings``), RoPE tables of ``positions_from_mask``, the next position (the valid
+    (``relax.models.decoder.prompt_inputs.features_at``; unscaled, as transformers: only the
+    text embeddings are multiplied by sqrt(D)), RoPE tables of ``positions_from_mask``, the next position (the valid
     length) and the image blocks. No check of the image-token counts (``check_image_tokens``)."""
     valid = attention_mask.astype(bool)
     is_image = (input_ids == vision.config.image_token_id) & valid
-    features = None if pixel_values is None else image_features(vision, pixel_values)
+    if pixel_values is None or not pixel_values.shape[0]:
+        features = jnp.zeros((*input_ids.shape, model.config.hidden_size), model.dtype)
+    else:
+        flat = image_features(vision, pixel_values)
+        features = features_at(is_image, flat.reshape(-1, flat.shape[-1]), model.dtype)
     return PromptInputs(
-        embeds=vlm_embeddings(model, is_image, input_ids, features),
+        features=features,
+        is_image=is_image,
         rope=rotary(model.config, positions_from_mask(attention_mask)),
         next_position=jnp.sum(attention_mask.astype(jnp.int32), axis=1),
         blocks=image_blocks(is_image),
@@ -219,7 +206,8 @@ def _hidden_states(model, vision, input_ids, attention_mask, pixel_values):
     positions = positions_from_mask(attention_mask)
     attend = full_attention(model, positions, attention_mask.astype(bool), inputs.blocks)
     no_kv = lambda q, k, v, li, sliding: (attend(q, k, v, li, sliding)[0], None)  # noqa: E731
-    h, _, _ = run_layers(model, inputs.embeds, positions, no_kv, rope=inputs.rope)
+    x = prompt_embeddings(model, input_ids, inputs)
+    h, _, _ = run_layers(model, x, positions, no_kv, rope=inputs.rope)
     return h
 
 

@@ -23,9 +23,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.decoder.prompt_inputs import PromptInputs, features_at
 from relax.models.decoder.transformer import (
     Transformer,
     embed,
@@ -43,7 +43,6 @@ __all__ = [
     "VLInputs",
     "prepare_inputs",
     "prompt_inputs",
-    "scatter_images",
     "vl_forward",
     "vl_logits",
 ]
@@ -100,18 +99,6 @@ def prepare_inputs(
     return VLInputs(ids, mask, positions, deltas, grid)
 
 
-def scatter_images(
-    e: Float[Array, "b t D"], is_image: Bool[Array, "b t"], features: Float[Array, "n D"]
-) -> Float[Array, "b t D"]:
-    """``e`` with its ``n`` image positions (row-major) replaced by ``features`` in order (the
-    count checked on the host)."""
-    b, t, d = e.shape
-    flat = is_image.reshape(-1)
-    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
-    gathered = jnp.take(features.astype(e.dtype), index, axis=0).reshape(b, t, d)
-    return jnp.where(is_image[..., None], gathered, e)
-
-
 @functools.partial(jax.jit, static_argnames=("grid",))
 def vl_logits(
     model: Qwen2_5_VL,
@@ -126,8 +113,9 @@ def vl_logits(
     valid = attention_mask.astype(bool)
     e = embed(lm, input_ids)
     if grid:
-        features = vision_forward(model.visual, pixel_values, grid)
-        e = scatter_images(e, (input_ids == model.config.image_token_id) & valid, features)
+        is_image = (input_ids == model.config.image_token_id) & valid
+        features = features_at(is_image, vision_forward(model.visual, pixel_values, grid), e.dtype)
+        e = jnp.where(is_image[..., None], features, e)
     order = positions_from_mask(attention_mask)
     attend = full_attention(lm, order, valid)
     no_kv = lambda q, k, v, li, s: (attend(q, k, v, li, s)[0], None)  # noqa: E731
@@ -153,13 +141,15 @@ def prompt_inputs(
     M-RoPE equals the 1-D RoPE."""
     lm = model.language_model
     valid = prompt_mask.astype(bool)
-    e = embed(lm, prompt_ids)
+    is_image = (prompt_ids == model.config.image_token_id) & valid
     if grid:
-        features = vision_forward(model.visual, pixel_values, grid)
-        e = scatter_images(e, (prompt_ids == model.config.image_token_id) & valid, features)
+        features = features_at(is_image, vision_forward(model.visual, pixel_values, grid), lm.dtype)
+    else:
+        features = jnp.zeros((*prompt_ids.shape, lm.config.hidden_size), lm.dtype)
     top = jnp.max(jnp.where(valid[None], positions, -1), axis=(0, 2))
     return PromptInputs(
-        embeds=e,
+        features=features,
+        is_image=is_image,
         rope=mrope_rotary(lm.config, positions, model.config.mrope_section),
         next_position=(top + 1).astype(jnp.int32),
         blocks=jnp.zeros(prompt_ids.shape, jnp.int32),
