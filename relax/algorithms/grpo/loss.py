@@ -132,7 +132,8 @@ def make_grpo_update(
             return binned(policy, opt_state, data, key, ref_is_policy, config=policy.config)
         _, g, n = data.tokens.shape
         # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        data = data.replace(rope=completion_rope(policy.config, data.prompt_mask, g, n))
+        rope = completion_rope(policy.config, data.prompt_mask, g, n, data.images)
+        data = data.replace(rope=rope)
         return update(policy, opt_state, data, key, ref_is_policy)
 
     return grpo_update

@@ -29,6 +29,7 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.compose import WithHost
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.forward.completion_packing import CompletionBins
 from relax.models.forward.prefix_shared import CompletionRope
 from relax.models.forward.routes import Routes
@@ -63,10 +64,14 @@ class Prompts(Phase):
     """A step's input on the device.
 
     ``prompt_ids`` / ``prompt_mask``: the prompts, left-padded to a bucket length ``lp``.
+    ``images``: image prompts' inputs to the layers (``relax.models.decoder.prompt_inputs``: the
+    image features, computed once per prompt, their RoPE and attention), read by the sampler and
+    every training forward; None: text prompts.
     """
 
     prompt_ids: Int[Array, "p lp"]
     prompt_mask: Int[Array, "p lp"]
+    images: PromptInputs | None = eqx.field(default=None, kw_only=True)
 
 
 class Sampled(Prompts):
@@ -152,6 +157,7 @@ class LossRows(Phase):
     packed: CompletionBins | None = None
     rope: CompletionRope | Rotary | None = None
     routes: Routes | None = None
+    images: PromptInputs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +192,11 @@ def step_input(
     prompt_mask: Int[Array, "p lp"],
     prompts: list[str],
     fields: dict[str, list],
+    images: PromptInputs | None = None,
 ) -> WithHost:
-    """An online step's input: the prompts on the device and their text and dataset columns beside."""
+    """An online step's input: the prompts on the device (``images``: image prompts' inputs) and
+    their text and dataset columns beside."""
     return WithHost(
-        Prompts(prompt_ids, prompt_mask), HostRecord(prompts=list(prompts), fields=dict(fields))
+        Prompts(prompt_ids, prompt_mask, images=images),
+        HostRecord(prompts=list(prompts), fields=dict(fields)),
     )

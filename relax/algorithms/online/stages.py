@@ -50,7 +50,9 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
     def rollout(state: TrainState, batch: Prompts) -> tuple[TrainState, Sampled]:
         # the state is read, not changed: the update advances the key once per iteration
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
-        r = generate_program(state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg)
+        r = generate_program(
+            state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg, prompt=batch.images
+        )
         return state, Sampled.of(
             batch,
             tokens=r.tokens,
@@ -154,6 +156,7 @@ def forward_logprobs(
         temperature=temperature,
         packed=batch.packed,
         routes=batch.routes,
+        prompt=batch.images,
     )
     return jax.lax.stop_gradient(logp.astype(batch.old_logprobs.dtype))
 
@@ -313,6 +316,13 @@ def make_packing(
         if not packing.applies(attention, passes.auto_packs):
             return state, batch
         d = batch.device
+        if d.images is not None:  # the bins hold text prompts only: image prompts stay padded
+            if packing.mode == "on":
+                raise ValueError(
+                    "packing mode 'on': image prompts train on padded completions; set "
+                    "--grpo.packing.mode auto or off"
+                )
+            return state, batch
         if jax.process_count() > 1:  # the bins index a process's batch, not the global one
             if packing.mode == "on":
                 raise ValueError(
@@ -414,6 +424,7 @@ def train_logprobs(
         rope=mb.rope,
         packed=mb.packed,
         routes=mb.routes,
+        prompt=mb.images,
     )
     router, metrics = router_loss(stats, forward.moe, c)
     return logp, ent, router, metrics
