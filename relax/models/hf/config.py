@@ -34,7 +34,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from relax.models.config.families import FAMILIES, FamilyRecord
+from relax.models.config.families import FAMILIES, VISION_LANGUAGE, FamilyRecord
 from relax.models.config.model import ModelConfig, RopeScaling
 from relax.models.hf.limits import SIZE_LIMITS, check_numbers, positive, size
 from relax.models.hf.moe import moe_fields, moe_problems, moe_to_hf
@@ -69,6 +69,15 @@ def _family(r: ConfigReader) -> FamilyRecord:
     """The record named by ``model_type`` and/or the causal-LM ``architectures`` (which must agree)."""
     supported = f"supported: model_type {list(FAMILIES)}, architectures {list(_CAUSAL)}"
     archs = r.d.get("architectures")
+    mt = r.d.get("model_type")
+    if mt in VISION_LANGUAGE or (
+        isinstance(archs, list) and set(archs) & set(VISION_LANGUAGE.values())
+    ):
+        raise r.fail(
+            "model_type",
+            f"= {mt!r} ({archs}) is a vision-language model: load it with "
+            "relax.models.vision.load_vision_language",
+        )
     from_arch = set()
     if archs is not None:
         if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
@@ -77,7 +86,6 @@ def _family(r: ConfigReader) -> FamilyRecord:
         if unknown:
             raise r.fail("architectures", f"= {unknown} is not supported; {supported}")
         from_arch = {_CAUSAL[a] for a in archs}
-    mt = r.d.get("model_type")
     if mt is not None:
         if mt not in FAMILIES:
             raise r.fail("model_type", f"= {mt!r} is not supported; {supported}")

@@ -1,0 +1,105 @@
+"""One record per supported vision-language family, and loading / saving by ``config.json``.
+
+A :class:`VisionFamily` names a family's Hugging Face ``model_type`` and architecture, the relax
+family of its language model, and its checkpoint functions. ``load_vision_language(path)``
+reads any of them into a :class:`VisionLanguage`: the language model (a plain ``Transformer``,
+what every trainer and the sampler run) and the vision part (the tower and its projection,
+frozen by default), which gives an image prompt's ``PromptInputs``. The model types are also
+listed in ``relax.models.config.families.VISION_LANGUAGE``, so that the text loader
+(``load_pretrained``) refuses such a directory with a pointer here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from relax.models.config.families import VISION_LANGUAGE
+from relax.models.decoder.transformer import Transformer
+from relax.models.hf.config import HFFormatError
+from relax.models.hf.weights_io import read_json
+from relax.models.vision.gemma3_checkpoint import load_gemma3, save_gemma3
+from relax.models.vision.qwen2_5_vl import Qwen2_5_VL
+from relax.models.vision.qwen2_5_vl_checkpoint import load_qwen2_5_vl, save_qwen2_5_vl
+
+__all__ = [
+    "VISION_FAMILIES",
+    "VisionFamily",
+    "VisionLanguage",
+    "load_vision_language",
+    "save_vision_language",
+    "vision_family_of",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionFamily:
+    """``model_type`` / ``architecture``: transformers' names; ``text_family``: the relax family
+    of the language model; ``load(path, dtype=, param_dtype=) -> (language model, vision)`` and
+    ``save(language model, vision, path)``."""
+
+    model_type: str
+    architecture: str
+    text_family: str
+    load: Callable[..., tuple[Transformer, Any]]
+    save: Callable[[Transformer, Any, str | os.PathLike], None]
+
+
+class VisionLanguage(NamedTuple):
+    """A loaded vision-language model: its family, its language model and its vision part."""
+
+    family: VisionFamily
+    language_model: Transformer
+    vision: Any
+
+
+def _load_qwen(path, **kw) -> tuple[Transformer, Qwen2_5_VL]:
+    m = load_qwen2_5_vl(path, **kw)
+    return m.language_model, m
+
+
+def _save_qwen(lm: Transformer, vision: Qwen2_5_VL, path) -> None:
+    save_qwen2_5_vl(dataclasses.replace(vision, language_model=lm), path)
+
+
+VISION_FAMILIES = {
+    "gemma3": VisionFamily(
+        "gemma3", VISION_LANGUAGE["gemma3"], "gemma3_text", load_gemma3, save_gemma3
+    ),
+    "qwen2_5_vl": VisionFamily(
+        "qwen2_5_vl", VISION_LANGUAGE["qwen2_5_vl"], "qwen2", _load_qwen, _save_qwen
+    ),
+}
+
+
+def vision_family_of(path: str | os.PathLike) -> VisionFamily | None:
+    """The vision-language family of the model directory ``path`` (its ``config.json``'s
+    ``model_type``), or None for a text model."""
+    d = read_json(Path(path) / "config.json")
+    mt = d.get("model_type") if isinstance(d, dict) else None
+    return VISION_FAMILIES.get(mt) if isinstance(mt, str) else None
+
+
+def load_vision_language(
+    path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None
+) -> VisionLanguage:
+    """The language model and vision part of a vision-language directory (``HFFormatError``
+    naming ``config.json`` for a text model or an unknown ``model_type``)."""
+    family = vision_family_of(path)
+    if family is None:
+        raise HFFormatError(
+            f"{Path(path) / 'config.json'}: field 'model_type' is not a vision-language model "
+            f"(supported: {sorted(VISION_FAMILIES)}); a text model loads with load_pretrained"
+        )
+    lm, vision = family.load(path, dtype=dtype, param_dtype=param_dtype)
+    return VisionLanguage(family, lm, vision)
+
+
+def save_vision_language(model: VisionLanguage, path: str | os.PathLike) -> None:
+    """Write ``model`` as a directory transformers loads as its family's architecture."""
+    model.family.save(model.language_model, model.vision, path)
