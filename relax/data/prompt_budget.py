@@ -45,7 +45,9 @@ class PromptStats:
     ``lengths``: every row's prompt length in tokens, before any cut. ``over_budget``: the rows over
     ``budget``, longest first. ``action``: ``DataConfig.overlong``. ``kept``: rows in the data after
     it (cut rows included). ``uncuttable``: rows ``"truncate"`` could not cut (dropped).
-    ``first_prompt``: the first row's prompt as the model sees it (formatted, after any cut)."""
+    ``first_prompt``: the first row's prompt as the model sees it (formatted, after any cut).
+    Image prompts (``relax.data.image_prompts``): ``images``, each kept row's image count (None:
+    text prompts); ``bad_images``, the error of each row dropped for a bad image."""
 
     lengths: np.ndarray
     over_budget: tuple[OverBudget, ...]
@@ -54,6 +56,8 @@ class PromptStats:
     kept: int
     uncuttable: int = 0
     first_prompt: str = ""
+    images: np.ndarray | None = None
+    bad_images: tuple[str, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -61,8 +65,8 @@ class PromptStats:
 
     @property
     def dropped(self) -> int:
-        """Rows left out of the data: over budget and dropped, or uncuttable."""
-        return self.rows - self.kept
+        """Rows left out of the data: over budget and dropped, uncuttable, or a bad image."""
+        return self.rows + len(self.bad_images) - self.kept
 
     def percentiles(self) -> dict[str, int]:
         """``{"p50": ..., "p90": ..., "p99": ..., "max": ...}`` of the prompt lengths before any cut."""
@@ -76,14 +80,35 @@ class PromptStats:
     def summary(self) -> dict[str, Any]:
         """The figures a run's summary and start-up report carry."""
         return {
-            "rows": self.rows,
+            "rows": self.rows + len(self.bad_images),
             "kept": self.kept,
             "prompts_over_budget": len(self.over_budget),
             "dropped": self.dropped,
             "overlong": self.action,
             "max_prompt_tokens": self.budget,
             "prompt_tokens": self.percentiles(),
+            **({} if self.images is None else self.image_summary()),
         }
+
+    def image_summary(self) -> dict[str, Any]:
+        """Image prompts' figures: images in all, per prompt (min / max), rows dropped for a bad image."""
+        counts = self.images if self.images is not None and len(self.images) else np.zeros(1, int)
+        return {
+            "images": int(counts.sum()),
+            "images_per_prompt": {"min": int(counts.min()), "max": int(counts.max())},
+            "bad_images": len(self.bad_images),
+        }
+
+    def bad_images_message(self, label: str, limit: int = 3) -> str | None:
+        """One warning line on the rows dropped for a bad image, or None when there are none."""
+        if not self.bad_images:
+            return None
+        named = "; ".join(self.bad_images[:limit])
+        more = f" and {len(self.bad_images) - limit} more" if len(self.bad_images) > limit else ""
+        return (
+            f"WARNING: {len(self.bad_images)} {label} rows were dropped for a bad image: {named}{more}"
+            " (--bad-images reject refuses them)"
+        )
 
     def over_budget_message(self, label: str, limit: int = 5) -> str | None:
         """One warning line naming the longest over-budget rows, or None when there are none."""

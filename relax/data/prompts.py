@@ -41,10 +41,9 @@ then only shuffles, repeats, batches and pads:
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grain
 import numpy as np
@@ -61,82 +60,23 @@ from relax.data.files import (  # noqa: F401 - re-exported: relax.data.prompts i
     require_fields,
     resolve_files,
 )
-from relax.data.prompt_budget import OVERLONG, OverBudget, PromptStats, cut_chat, cut_plain
+from relax.data.image_prompts import ImageBatch, ImagePrompts, image_messages
+from relax.data.images.decode import ImageError
+from relax.data.prompt_budget import OverBudget, PromptStats
+from relax.data.prompt_format import (  # noqa: F401 - re-exported: relax.data.prompts is the public module
+    CHAT_TEMPLATE_MODES,
+    PAD_TO,
+    DataConfig,
+    chat_messages,
+    cut_to_budget,
+    format_prompt,
+    render,
+    uses_chat_template,
+)
 from relax.text.base import TextTokenizer
 from relax.text.sentencepiece_model import pad_left
 
 T = TypeVar("T")
-CHAT_TEMPLATE_MODES = ("auto", "always", "never")
-PAD_TO = ("data", "batch")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where prompts come from and how they are formatted, tokenized and batched.
-
-    ``path``: a ``.jsonl`` / ``.parquet`` file, a directory (its ``*.jsonl`` and ``*.parquet``
-    files, sorted by name) or a sequence of those, read in order. ``answer_field`` /
-    ``data_source_field`` may be None (no answers / no data source). ``chat_template``: a prompt
-    that is a list of ``{role, content}`` messages always goes through the tokenizer's chat
-    template; a string prompt is wrapped as one user message and goes through it too with
-    ``"always"``, and with ``"auto"`` when the tokenizer has a template (a chat model), while
-    ``"never"`` tokenizes strings as they are (and refuses message lists). ``system_prompt`` (a
-    chat template must be in use) is prepended as a system message unless the messages start
-    with one. ``eval_fraction`` holds that share of the rows out of training, chosen by ``seed``
-    (see ``train_eval_split`` and ``eval_records``). ``overlong``: what happens to a prompt over
-    ``max_prompt_tokens`` (``relax.data.prompt_budget``). ``pad_to``: the length batches are
-    padded to, the bucket of the longest prompt of the ``"data"`` (one shape) or of each ``"batch"``.
-    ``required_fields``: other columns every row must have (e.g. the tests a reward runs), checked
-    when the rows are prepared, before any compute.
-    """
-
-    path: PathLike | Sequence[PathLike]
-    batch_size: int
-    max_prompt_tokens: int
-    prompt_field: str = "prompt"
-    answer_field: str | None = "answer"
-    data_source_field: str | None = "data_source"
-    seed: int = 0
-    shuffle: bool = True
-    num_epochs: int | None = None
-    overlong: Literal["drop", "reject", "truncate"] = "drop"
-    chat_template: Literal["auto", "always", "never"] = "auto"
-    system_prompt: str | None = None
-    prompt_buckets: tuple[int, ...] = ()
-    eval_fraction: float = 0.0
-    pad_to: Literal["data", "batch"] = "data"
-    required_fields: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        # Plain strings so the config serialises (checkpoints store it as JSON).
-        single = isinstance(self.path, (str, os.PathLike))
-        path = os.fspath(self.path) if single else tuple(os.fspath(p) for p in self.path)
-        object.__setattr__(self, "path", path)
-        object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
-        object.__setattr__(self, "required_fields", tuple(self.required_fields))
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_prompt_tokens < 2:
-            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} leaves no room")
-        if self.overlong not in OVERLONG:
-            raise ValueError(f"overlong must be one of {OVERLONG}, got {self.overlong!r}")
-        if self.pad_to not in PAD_TO:
-            raise ValueError(f"pad_to must be one of {PAD_TO}, got {self.pad_to!r}")
-        if self.num_epochs is not None and self.num_epochs < 1:
-            raise ValueError(f"num_epochs must be None (forever) or >= 1, got {self.num_epochs}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        if self.chat_template not in CHAT_TEMPLATE_MODES:
-            raise ValueError(
-                f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}"
-            )
-        if self.system_prompt is not None and self.chat_template == "never":
-            raise ValueError("system_prompt needs a chat template (chat_template='never')")
-        b = self.prompt_buckets
-        if list(b) != sorted(set(b)) or (b and (b[0] < 1 or b[-1] > self.max_prompt_tokens)):
-            raise ValueError(f"prompt_buckets must increase within [1, max_prompt_tokens], got {b}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +95,7 @@ class PromptBatch:
     answers: list[Any]
     fields: dict[str, list[Any]]
     data_source: list[str] | None
+    images: ImageBatch | None = None  # image prompts' pixels (relax.data.image_prompts)
 
 
 class _Example(NamedTuple):
@@ -163,6 +104,7 @@ class _Example(NamedTuple):
     answer: Any
     data_source: Any
     extras: dict[str, Any]
+    images: Record | None = None  # the row's image field alone (``relax.data.image_prompts``)
 
 
 def train_eval_split(
@@ -206,76 +148,6 @@ def eval_records(cfg: DataConfig, splits: DataSplits | None = None) -> list[Reco
 # ------------------------------------------------------------------------- formatting
 
 
-def uses_chat_template(cfg: DataConfig, tokenizer: TextTokenizer) -> bool:
-    """Whether string prompts go through the chat template (``DataConfig.chat_template``)."""
-    return cfg.chat_template == "always" or (
-        cfg.chat_template == "auto" and tokenizer.has_chat_template
-    )
-
-
-def chat_messages(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> list[dict] | None:
-    """The chat messages ``prompt`` becomes (system prompt prepended), or None for a plain-text
-    prompt tokenized as it is (see ``DataConfig`` on chat templates)."""
-    if isinstance(prompt, str) and not uses_chat_template(cfg, tokenizer):
-        if cfg.system_prompt is not None:
-            raise ValueError(
-                f"system_prompt needs a chat template; tokenizer {tokenizer.path} has none"
-            )
-        return None
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, (list, tuple)):
-        if cfg.chat_template == "never":
-            raise ValueError(
-                "a list of chat messages needs a chat template (chat_template='never')"
-            )
-        messages = list(prompt)
-    else:
-        kind = type(prompt).__name__
-        raise TypeError(f"prompt must be a string or a list of chat messages, got {kind}")
-    if cfg.system_prompt is not None and not (messages and _role(messages[0]) == "system"):
-        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    return messages
-
-
-def render(messages: list[dict], tokenizer: TextTokenizer) -> tuple[str, list[int]]:
-    """``(text, ids)`` of chat ``messages`` with the generation prompt, as transformers renders them."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return text, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-
-
-def format_prompt(prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer) -> tuple[str, list[int]]:
-    """``(text, token ids)`` of one prompt value (see ``DataConfig`` on chat templates)."""
-    messages = chat_messages(prompt, cfg, tokenizer)
-    if messages is None:
-        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
-    return render(messages, tokenizer)
-
-
-def _role(message: Any) -> Any:
-    return message.get("role") if isinstance(message, dict) else None
-
-
-def cut_to_budget(
-    prompt: Any, ids: list[int], cfg: DataConfig, tokenizer: TextTokenizer
-) -> tuple[str, list[int]] | None:
-    """``(text, ids)`` of an over-budget prompt cut to ``max_prompt_tokens`` as
-    ``relax.data.prompt_budget`` says (plain text: its last tokens, the text left whole; chat: the
-    last user message's content from its start, rendered again), or None when it cannot be cut so."""
-    budget = cfg.max_prompt_tokens
-    messages = chat_messages(prompt, cfg, tokenizer)
-    if messages is None:
-        return prompt, cut_plain(ids, budget, tokenizer.bos_token_id)
-    cut = cut_chat(
-        messages,
-        budget,
-        render=lambda m: render(m, tokenizer)[1],
-        encode=lambda t: tokenizer.encode(t, add_special_tokens=False),
-        decode=tokenizer.decode,
-    )
-    return None if cut is None else render(cut, tokenizer)
-
-
 @dataclasses.dataclass(frozen=True)
 class PreparedPrompts:
     """Rows formatted, tokenized and checked against the budget (``prepare_prompts``):
@@ -287,26 +159,56 @@ class PreparedPrompts:
     stats: PromptStats
 
 
+def _image_prompt(
+    r: Record, prompt: Any, cfg: DataConfig, tokenizer: TextTokenizer, images: ImagePrompts
+) -> tuple[str, list[int], Record, int]:
+    """An image row's ``(text, ids, its image field alone, image count)``: the images decoded
+    (``ImageError`` naming the row), the prompt rendered with image parts by the chat template,
+    each image's placeholder expanded to its tokens (``relax.data.image_prompts``)."""
+    decoded = images.decode(r)
+    messages = chat_messages(image_messages(prompt, len(decoded)), cfg, tokenizer)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = images.expand(rendered, decoded)
+    source = Record(r.file, r.row, {images.field: r.record[images.field]})
+    return text, tokenizer.encode(text, add_special_tokens=False), source, len(decoded)
+
+
 def prepare_prompts(
-    rows: Sequence[Record], cfg: DataConfig, tokenizer: TextTokenizer
+    rows: Sequence[Record],
+    cfg: DataConfig,
+    tokenizer: TextTokenizer,
+    images: ImagePrompts | None = None,
 ) -> PreparedPrompts:
     """Format, tokenize and budget-check every row; errors name the file, row and field.
 
     If any row has a data-source column, every row must. Over-budget rows are handled per
-    ``cfg.overlong`` and counted in ``stats``."""
+    ``cfg.overlong`` and counted in ``stats`` (an image prompt is never cut: ``truncate`` drops
+    it). ``images``: the rows are image prompts (``relax.data.image_prompts``); a row with a bad
+    image is an error or dropped and counted (``images.bad_images``)."""
     used = {cfg.prompt_field, cfg.answer_field, cfg.data_source_field}
+    used |= set() if images is None else {images.field}
     extra_keys = sorted({k for r in rows for k in r.record} - used)
-    source = cfg.data_source_field
-    has_source = source is not None and any(source in r.record for r in rows)
+    source_field = cfg.data_source_field
+    has_source = source_field is not None and any(source_field in r.record for r in rows)
     required = [cfg.prompt_field] + ([cfg.answer_field] if cfg.answer_field is not None else [])
-    required += [source] if has_source else []
+    required += [source_field] if has_source else []
     required += list(cfg.required_fields)
     examples, lengths, over, uncuttable = [], [], [], 0
+    bad, image_counts = [], []
     for r in rows:
         require_fields(r, required)
         prompt = r.record[cfg.prompt_field]
+        source, count = None, 0
         try:
-            text, ids = format_prompt(prompt, cfg, tokenizer)
+            if images is None:
+                text, ids = format_prompt(prompt, cfg, tokenizer)
+            else:
+                text, ids, source, count = _image_prompt(r, prompt, cfg, tokenizer, images)
+        except ImageError as e:
+            if images.bad_images == "reject":
+                raise
+            bad.append(str(e))
+            continue
         except (TypeError, ValueError) as e:
             raise ValueError(f"{r.file}: row {r.row}: field {cfg.prompt_field!r}: {e}") from e
         if not text:
@@ -319,7 +221,8 @@ def prepare_prompts(
                     f"{r.file}: row {r.row}: prompt has {len(ids)} tokens > "
                     f"max_prompt_tokens={cfg.max_prompt_tokens} (overlong='reject')"
                 )
-            cut = cut_to_budget(prompt, ids, cfg, tokenizer) if cfg.overlong == "truncate" else None
+            cuttable = cfg.overlong == "truncate" and source is None
+            cut = cut_to_budget(prompt, ids, cfg, tokenizer) if cuttable else None
             uncuttable += cfg.overlong == "truncate" and cut is None
             if cut is None:
                 continue
@@ -329,10 +232,12 @@ def prepare_prompts(
                 ids=ids,
                 text=text,
                 answer=r.record[cfg.answer_field] if cfg.answer_field is not None else None,
-                data_source=r.record[source] if has_source else None,
+                data_source=r.record[source_field] if has_source else None,
                 extras={k: r.record.get(k) for k in extra_keys},
+                images=source,
             )
         )
+        image_counts.append(count)
     stats = PromptStats(
         lengths=np.asarray(lengths, dtype=np.int64),
         budget=cfg.max_prompt_tokens,
@@ -341,6 +246,8 @@ def prepare_prompts(
         kept=len(examples),
         uncuttable=uncuttable,
         first_prompt=examples[0].text if examples else "",
+        images=np.asarray(image_counts, np.int64) if images is not None else None,
+        bad_images=tuple(bad),
     )
     return PreparedPrompts(examples, has_source, stats)
 
@@ -355,12 +262,13 @@ class _Collate:
     process_count: int
     has_source: bool
     length: int | None = None  # every batch's (pad_to="data"); None: each batch's own bucket
+    images: ImagePrompts | None = None
 
     def __call__(self, examples: list[_Example]) -> PromptBatch:
         length = _padded_length(examples, self.cfg) if self.length is None else self.length
         local = len(examples) // self.process_count
         mine = examples[self.process_index * local : (self.process_index + 1) * local]
-        return _make_batch(mine, length, self.pad_id, self.has_source)
+        return _make_batch(mine, length, self.pad_id, self.has_source, self.images)
 
 
 def _padded_length(examples: Sequence[_Example], cfg: DataConfig) -> int:
@@ -372,7 +280,11 @@ def _padded_length(examples: Sequence[_Example], cfg: DataConfig) -> int:
 
 
 def _make_batch(
-    examples: Sequence[_Example], length: int, pad_id: int, has_source: bool
+    examples: Sequence[_Example],
+    length: int,
+    pad_id: int,
+    has_source: bool,
+    images: ImagePrompts | None = None,
 ) -> PromptBatch:
     ids, mask = pad_left([e.ids for e in examples], pad_id=pad_id, length=length)
     keys = examples[0].extras.keys() if examples else ()
@@ -383,11 +295,15 @@ def _make_batch(
         answers=[e.answer for e in examples],
         fields={k: [e.extras[k] for e in examples] for k in keys},
         data_source=[e.data_source for e in examples] if has_source else None,
+        images=None if images is None else images.batch([e.images for e in examples]),
     )
 
 
 def prompt_batch(
-    records: Sequence[Record | Mapping[str, Any]], cfg: DataConfig, tokenizer: TextTokenizer
+    records: Sequence[Record | Mapping[str, Any]],
+    cfg: DataConfig,
+    tokenizer: TextTokenizer,
+    images: ImagePrompts | None = None,
 ) -> PromptBatch:
     """Format, tokenize and pad ``records`` (e.g. ``eval_records(cfg)``) into one batch.
 
@@ -398,17 +314,26 @@ def prompt_batch(
     if not records:
         raise ValueError("prompt_batch got no records")
     rows = [as_record(r, i) for i, r in enumerate(records, start=1)]
-    prepared = prepare_prompts(rows, cfg, tokenizer)
-    message = prepared.stats.over_budget_message("held-out")
-    if message is not None:
-        warnings.warn(message, stacklevel=2)
-    return batch_of(prepared, cfg, tokenizer.pad_token_id)
+    prepared = prepare_prompts(rows, cfg, tokenizer, images)
+    for message in (
+        prepared.stats.over_budget_message("held-out"),
+        prepared.stats.bad_images_message("held-out"),
+    ):
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
+    return batch_of(prepared, cfg, tokenizer.pad_token_id, images)
 
 
-def batch_of(prepared: PreparedPrompts, cfg: DataConfig, pad_id: int) -> PromptBatch:
+def batch_of(
+    prepared: PreparedPrompts, cfg: DataConfig, pad_id: int, images: ImagePrompts | None = None
+) -> PromptBatch:
     """All of ``prepared``'s examples as one batch, padded to the bucket of the longest."""
     return _make_batch(
-        prepared.examples, _padded_length(prepared.examples, cfg), pad_id, prepared.has_source
+        prepared.examples,
+        _padded_length(prepared.examples, cfg),
+        pad_id,
+        prepared.has_source,
+        images,
     )
 
 
@@ -437,6 +362,7 @@ def prompt_dataset(
     process_count: int | None = None,
     splits: DataSplits | None = None,
     prepared: PreparedPrompts | None = None,
+    images: ImagePrompts | None = None,
 ) -> grain.IterDataset:
     """The training pipeline: an ``IterDataset`` of this process's ``PromptBatch``es.
 
@@ -444,7 +370,9 @@ def prompt_dataset(
     ``jax.process_count()``; ``batch_size`` must divide by ``process_count``. ``iter()`` of the
     result is a ``grain.DatasetIterator`` with ``get_state()`` / ``set_state()``. ``splits``: the
     rows already read by ``read_splits(cfg)`` (default: read ``cfg.path`` here); ``prepared``: the
-    training rows already prepared by ``prepare_prompts`` (then ``splits`` is not read).
+    training rows already prepared by ``prepare_prompts`` (then ``splits`` is not read);
+    ``images``: the rows are image prompts (``relax.data.image_prompts``), each batch's images
+    decoded and processed when it is collated.
     """
     if process_index is None or process_count is None:
         import jax
@@ -458,7 +386,7 @@ def prompt_dataset(
         raise ValueError(f"batch_size={cfg.batch_size} does not divide over {n} processes")
     if prepared is None:
         prepared = prepare_prompts(
-            (read_splits(cfg) if splits is None else splits).train, cfg, tokenizer
+            (read_splits(cfg) if splits is None else splits).train, cfg, tokenizer, images
         )
     examples, has_source = prepared.examples, prepared.has_source
     if not examples:
@@ -483,6 +411,7 @@ def prompt_dataset(
             process_count,
             has_source,
             length=padded_length(prepared, cfg),
+            images=images,
         )
     )
     # Rows are in memory and collation is cheap: no reader threads (they would only fight
