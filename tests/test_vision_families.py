@@ -2,6 +2,8 @@
 written by transformers into their language model and vision part (the same logits as the
 family's own loader), saves them back, and the text loader refuses them with a pointer."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -40,9 +42,10 @@ def _gemma_logits(lm, vision):
     return np.asarray(vlm_logits(lm, vision, ids, mask, pix, np.asarray(IMAGE_ROWS)))
 
 
-def _qwen_logits(vision):
+def _qwen_logits(lm, vision):
     ids, mask, grids = _prompts()
-    return np.asarray(vl_forward(vision, ids, mask, _qwen_pixels(grids), grids))
+    model = dataclasses.replace(vision, language_model=lm)
+    return np.asarray(vl_forward(model, ids, mask, _qwen_pixels(grids), grids))
 
 
 def test_both_families_load_and_save_by_config(dirs, tmp_path):
@@ -52,7 +55,7 @@ def test_both_families_load_and_save_by_config(dirs, tmp_path):
     assert q.family.model_type == "qwen2_5_vl" and q.language_model.config.family == "qwen2"
     for vl, logits in (
         (g, lambda m: _gemma_logits(m.language_model, m.vision)),
-        (q, lambda m: _qwen_logits(m.vision)),
+        (q, lambda m: _qwen_logits(m.language_model, m.vision)),
     ):
         out = tmp_path / vl.family.model_type
         save_vision_language(vl, out)

@@ -19,12 +19,12 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from relax.data.files import Record
+from relax.data.files import PathLike, Record
 from relax.data.images.decode import ImageLimits, record_images
-from relax.data.images.gemma3 import Gemma3ImageProcessor
-from relax.data.images.qwen2_vl import Qwen2VLImageProcessor
+from relax.data.images.gemma3 import Gemma3ImageConfig, Gemma3ImageProcessor
+from relax.data.images.qwen2_vl import Qwen2VLImageConfig, Qwen2VLImageProcessor
 
-__all__ = ["BAD_IMAGES", "ImageBatch", "ImagePrompts", "image_messages"]
+__all__ = ["BAD_IMAGES", "ImageBatch", "ImagePrompts", "image_messages", "processor_for"]
 
 BAD_IMAGES = ("reject", "drop")
 
@@ -100,3 +100,14 @@ class ImagePrompts:
         if any(p.num_crops):
             raise ValueError("pan-and-scan crops are not supported in training batches")
         return ImageBatch(p.pixel_values, (), tuple(rows))
+
+
+def processor_for(
+    model_type: str, directory: str | PathLike
+) -> Gemma3ImageProcessor | Qwen2VLImageProcessor:
+    """The image processor of a vision-language ``model_type``, configured from ``directory``."""
+    if model_type == "gemma3":
+        return Gemma3ImageProcessor(Gemma3ImageConfig.from_dir(directory))
+    if model_type in ("qwen2_5_vl", "qwen2_vl"):
+        return Qwen2VLImageProcessor(Qwen2VLImageConfig.from_dir(directory))
+    raise ValueError(f"{directory}: no image processor for model_type {model_type!r}")

@@ -68,15 +68,18 @@ def sampler_calls(
     return {name: (compiled_generate(rcfg), ids, mask) for name, rcfg in configs.items()}
 
 
-def _generate_all(model, batch: PromptBatch, rcfg: RolloutConfig, key, chunk: int):
-    """Tokens and masks ``[P, G, N]`` for all prompts, ``chunk`` prompts per sampler call."""
+def _generate_all(model, batch: PromptBatch, rcfg: RolloutConfig, key, chunk: int, images=None):
+    """Tokens and masks ``[P, G, N]`` for all prompts, ``chunk`` prompts per sampler call
+    (``images``: the prompts' ``PromptInputs``, sliced with them)."""
     p = batch.prompt_ids.shape[0]
     chunk = min(chunk, p)
     fn = compiled_generate(rcfg)
     toks, masks = [], []
     for start in range(0, p, chunk):
         idx = np.arange(start, start + chunk) % p  # pad the last chunk by wrapping around
-        r = fn(model, batch.prompt_ids[idx], batch.prompt_mask[idx], jax.random.fold_in(key, start))
+        part = None if images is None else jax.tree.map(lambda x, idx=idx: x[idx], images)
+        ids, mask = batch.prompt_ids[idx], batch.prompt_mask[idx]
+        r = fn(model, ids, mask, jax.random.fold_in(key, start), prompt=part)
         n_real = min(chunk, p - start)
         toks.append(np.asarray(r.tokens)[:n_real])
         masks.append(np.asarray(r.mask)[:n_real])
@@ -97,9 +100,11 @@ def evaluate(
     answer_field: str | None = "answer",
     timeout_s: float | None = None,
     stop_strings: tuple[str, ...] = (),
+    images=None,
 ) -> dict[str, float]:
     """Metrics over every prompt of ``batch`` (keys like ``pass@1``, ``greedy/accuracy``);
-    completions end at their first ``stop_strings`` match as in training."""
+    completions end at their first ``stop_strings`` match as in training. ``images``: image
+    prompts' inputs (``relax.models.decoder.prompt_inputs.PromptInputs``, one row per prompt)."""
     fields = dict(batch.fields)
     if answer_field is not None:
         fields[answer_field] = list(batch.answers)
@@ -115,12 +120,14 @@ def evaluate(
 
     rcfgs = sampler_configs(cfg, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens)
     if "greedy" in rcfgs:
-        r = rewards_of(*_generate_all(model, batch, rcfgs["greedy"], key, cfg.batch_prompts))
+        r = rewards_of(
+            *_generate_all(model, batch, rcfgs["greedy"], key, cfg.batch_prompts, images)
+        )
         out["greedy/accuracy"] = float(np.mean(r >= cfg.correct_threshold))
         out["greedy/reward"] = float(np.nanmean(r))
     r = rewards_of(
         *_generate_all(
-            model, batch, rcfgs["sampled"], jax.random.fold_in(key, 1), cfg.batch_prompts
+            model, batch, rcfgs["sampled"], jax.random.fold_in(key, 1), cfg.batch_prompts, images
         )
     )
     out.update(

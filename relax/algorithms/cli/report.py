@@ -95,6 +95,13 @@ def prompt_lines(stats: PromptStats, label: str) -> tuple[str, ...]:
     lines.append(
         message if message is not None else f"no prompt over --max-prompt-tokens {stats.budget}"
     )
+    if stats.images is not None:
+        s = stats.image_summary()
+        per = s["images_per_prompt"]
+        lines.append(
+            f"{label} images: {s['images']} in all, {per['min']}-{per['max']} per prompt"
+            + (f"; {message}" if (message := stats.bad_images_message(label)) else "")
+        )
     return tuple(lines)
 
 

@@ -111,6 +111,13 @@ class OnlineRunConfig(TaskRunConfig):
     """Pad every batch to the bucket of the data's longest prompt (one compile), or each batch to
     its own (fewer pad tokens; one compile of the step per bucket met)."""
     system_prompt: str | None = None
+    image_field: str | None = None
+    """A vision-language --model (Gemma 3, Qwen2.5-VL): the column of each row's image or list of
+    images (a path relative to the data file, bytes or base64), rendered into the prompt by the
+    model's chat template; each prompt's images are encoded once and shared by its group."""
+    bad_images: Literal["reject", "drop"] = "reject"
+    """A row whose image is missing, unreadable or over the limits: an error naming the file, row
+    and field, or the row dropped (counted and named at start-up)."""
     reward: tuple[str, ...] = ("exact_match",)
     """Built-in reward functions by name (exact_match, numeric_match, format_reward, math_verify, code_exec)."""
     reward_weights: tuple[float, ...] = ()
@@ -146,6 +153,11 @@ class OnlineRunConfig(TaskRunConfig):
         super().__post_init__()
         if self.reward_workers < 0:
             raise ValueError(f"--reward-workers must be >= 0, got {self.reward_workers}")
+        if self.image_field is not None and self.model is None:
+            raise ValueError(
+                f"--image-field {self.image_field!r} needs a vision-language --model "
+                "(the built-in tasks are text)"
+            )
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(
                 f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward"

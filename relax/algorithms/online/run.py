@@ -136,8 +136,11 @@ def _sampler_lines(generation: GenerationConfig, correction: OffPolicyConfig | N
     return lines
 
 
-def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: StepParts, log):
-    """``run_eval(state, step, logger) -> metrics``: the policy's held-out evaluation, logged at ``step``."""
+def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts: StepParts, log):
+    """``run_eval(state, step, logger) -> metrics``: the policy's held-out evaluation, logged at
+    ``step`` (image prompts' inputs computed once: the vision tower is frozen)."""
+    eval_batch = data.eval_batch
+    images = None if eval_batch is None else data.encode(data.model, eval_batch)
 
     def run_eval(state, step: int, logger: MetricsLogger) -> dict:
         if eval_batch is None:
@@ -156,6 +159,7 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, eval_batch, parts: S
             answer_field=cfg.answer_field,
             timeout_s=cfg.reward_timeout_s,
             stop_strings=algo.generation.stop_strings,
+            images=images,
         )
         logger.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         log(
@@ -217,11 +221,14 @@ def _prepare(
     start-up report's last section, "compiled ahead", printed and written."""
 
     def prepare(state, run_dir: Path) -> None:
-        lines = (
-            _compiled_ahead(cfg, algo, data, parts, step, state).lines()
-            if cfg.compile_ahead
-            else ("off (--no-compile-ahead): each program compiles when the step first calls it",)
-        )
+        if data.images is not None:
+            lines = ("off: image prompts' programs compile when the step first calls them",)
+        elif cfg.compile_ahead:
+            lines = _compiled_ahead(cfg, algo, data, parts, step, state).lines()
+        else:
+            lines = (
+                "off (--no-compile-ahead): each program compiles when the step first calls it",
+            )
         log(StartupReport((("compiled ahead", lines),), {}).text())
         if is_main_process():
             report.with_section("compiled ahead", lines).write(run_dir)
@@ -271,10 +278,11 @@ def _partial_rollouts(cfg: OnlineRunConfig, algo: OnlineAlgorithm, batches, eos_
     )
 
 
-def _make_batch(cfg: OnlineRunConfig):
+def _make_batch(cfg: OnlineRunConfig, data: RunData):
     """``make_batch(prompt_batch) -> WithHost``: the step's input, its prompts the numpy arrays
     the data gives (the step's first program, or a runner on a mesh, puts them on the devices:
-    ``jnp.asarray`` would compile a program for each new shape)."""
+    ``jnp.asarray`` would compile a program for each new shape); image prompts' inputs computed
+    here, the frozen vision tower run once per image (``RunData.encode``)."""
 
     def make_batch(pb) -> WithHost:
         return step_input(
@@ -282,6 +290,7 @@ def _make_batch(cfg: OnlineRunConfig):
             pb.prompt_mask,
             pb.prompts,
             {cfg.answer_field: pb.answers, **pb.fields},
+            images=data.encode(data.model, pb),
         )
 
     return make_batch
@@ -327,7 +336,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     pool = reward_pool(cfg, reward_fns)
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
         eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))
-        batches = prompt_iterator(data.data_cfg, tokenizer, prepared=data.train)
+        batches = prompt_iterator(data.data_cfg, tokenizer, prepared=data.train, images=data.images)
         partial = _partial_rollouts(cfg, algo, batches, eos_ids, tokenizer.pad_token_id)
         parts = StepParts(
             reward_fns=reward_fns,
@@ -359,9 +368,9 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             name=algo.name,
             step=step_fn,
             batches=batches if partial is None else partial,
-            make_batch=_make_batch(cfg) if partial is None else (lambda request: request),
+            make_batch=_make_batch(cfg, data) if partial is None else (lambda request: request),
             host_metrics=_host_metrics(cfg, algo, over_budget),
-            evaluate=_evaluator(cfg, algo, data.eval_batch, parts, log),
+            evaluate=_evaluator(cfg, algo, data, parts, log),
             export=exporter(tokenizer, base_path(cfg, run_dir)),
             bar_keys=BAR_KEYS,
             asynchronous=cfg.async_,

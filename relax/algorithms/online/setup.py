@@ -13,6 +13,7 @@ import numpy as np
 
 from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig, TaskRunConfig
 from relax.algorithms.online.rewards import reward_columns
+from relax.data.image_prompts import ImagePrompts, processor_for
 from relax.data.prompts import (
     DataConfig,
     PreparedPrompts,
@@ -25,7 +26,15 @@ from relax.data.prompts import (
 from relax.models.adapters.operations import add_lora, has_lora, merge_lora
 from relax.models.adapters.peft import fused_adapter_error, save_adapter
 from relax.models.config.model import DTYPES
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.models.vision.families import (
+    VISION_FAMILIES,
+    VisionLanguage,
+    encode_images,
+    load_vision_language,
+    vision_family_of,
+)
 from relax.objectives.reference import ReferenceConfig
 from relax.parallel.distributed import on_host_memory
 from relax.tasks import TASKS
@@ -130,37 +139,44 @@ def host_policy(policy):
 @dataclasses.dataclass(frozen=True)
 class RunData:
     """An online run's tokenizer, model and prompts: the training rows prepared (formatted,
-    tokenized, budget-checked) and the held-out ones as one batch (None: nothing held out)."""
+    tokenized, budget-checked) and the held-out ones as one batch (None: nothing held out).
+    A vision-language model's run: ``vision`` (its family and frozen vision part; ``model`` is
+    its language model) and ``images`` (how rows become image prompts; None: text prompts)."""
 
     tokenizer: TextTokenizer
     model: Any
     data_cfg: DataConfig
     train: PreparedPrompts
     held_out: PreparedPrompts | None
+    vision: VisionLanguage | None = None
+    images: ImagePrompts | None = None
 
     @property
     def eval_batch(self):
         return (
             None
             if self.held_out is None or not self.held_out.examples
-            else batch_of(self.held_out, self.data_cfg, self.tokenizer.pad_token_id)
+            else batch_of(self.held_out, self.data_cfg, self.tokenizer.pad_token_id, self.images)
         )
+
+    def encode(self, policy, batch) -> PromptInputs | None:
+        """A ``PromptBatch``'s image prompts' inputs for ``policy`` (None: text prompts)."""
+        if batch.images is None:
+            return None
+        return encode_images(self.vision, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
 
 
 def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> RunData:
     """The built-in task or --model/--data, loaded and prepared."""
+    vision = None
     if cfg.model is None:
         tokenizer, model, data_path, eval_path = builtin_setup(cfg, run_dir, log)
     else:
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
         with on_host_memory(on_host):
-            model = load_pretrained(
-                cfg.model,
-                dtype=DTYPES[cfg.compute_dtype],
-                param_dtype=DTYPES[cfg.param_dtype],
-                precision=cfg.precision,
-            )
+            model, vision = load_model(cfg)
         data_path, eval_path = cfg.data, cfg.eval_data
+    images = image_prompts(cfg, vision)
     model = with_lora(cfg, model)
     buckets = tuple(
         b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b < cfg.max_prompt_tokens
@@ -188,7 +204,7 @@ def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> Ru
         held_out = eval_records(data_cfg, splits)
     if cfg.eval_max_prompts is not None:
         held_out = held_out[: cfg.eval_max_prompts]
-    train = prepare_prompts(splits.train, data_cfg, tokenizer)
+    train = prepare_prompts(splits.train, data_cfg, tokenizer, images)
     if not train.examples:
         raise ValueError(
             f"no training prompt is within --max-prompt-tokens {cfg.max_prompt_tokens}: "
@@ -199,5 +215,35 @@ def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> Ru
         model,
         data_cfg,
         train,
-        prepare_prompts(held_out, data_cfg, tokenizer) if held_out else None,
+        prepare_prompts(held_out, data_cfg, tokenizer, images) if held_out else None,
+        vision,
+        images,
     )
+
+
+def load_model(cfg: ModelRunConfig) -> tuple[Any, VisionLanguage | None]:
+    """``--model``'s language model, and its vision part when it is a vision-language model."""
+    dtype, param_dtype = DTYPES[cfg.compute_dtype], DTYPES[cfg.param_dtype]
+    if vision_family_of(cfg.model) is None:
+        model = load_pretrained(
+            cfg.model, dtype=dtype, param_dtype=param_dtype, precision=cfg.precision
+        )
+        return model, None
+    vision = load_vision_language(cfg.model, dtype=dtype, param_dtype=param_dtype)
+    model = vision.language_model
+    if cfg.precision is not None:
+        model = dataclasses.replace(model, precision=cfg.precision)
+    return model, vision
+
+
+def image_prompts(cfg: OnlineRunConfig, vision: VisionLanguage | None) -> ImagePrompts | None:
+    """How the rows become image prompts (``--image-field``), or None for text prompts."""
+    if cfg.image_field is None:
+        return None
+    if vision is None:
+        raise ValueError(
+            f"--image-field {cfg.image_field!r} needs a vision-language --model "
+            f"(model_type {sorted(VISION_FAMILIES)}); {cfg.model or 'the built-in task'} is not one"
+        )
+    processor = processor_for(vision.family.model_type, cfg.model)
+    return ImagePrompts(cfg.image_field, processor, bad_images=cfg.bad_images)

@@ -17,20 +17,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 
 from relax.models.config.families import VISION_LANGUAGE
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import Transformer
 from relax.models.hf.config import HFFormatError
 from relax.models.hf.weights_io import read_json
+from relax.models.vision.gemma3 import gemma3_prompt_inputs
 from relax.models.vision.gemma3_checkpoint import load_gemma3, save_gemma3
-from relax.models.vision.qwen2_5_vl import Qwen2_5_VL
+from relax.models.vision.qwen2_5_vl import Qwen2_5_VL, prepare_inputs
+from relax.models.vision.qwen2_5_vl import prompt_inputs as qwen_prompt_inputs
 from relax.models.vision.qwen2_5_vl_checkpoint import load_qwen2_5_vl, save_qwen2_5_vl
 
 __all__ = [
     "VISION_FAMILIES",
     "VisionFamily",
     "VisionLanguage",
+    "encode_images",
     "load_vision_language",
     "save_vision_language",
     "vision_family_of",
@@ -40,14 +46,16 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class VisionFamily:
     """``model_type`` / ``architecture``: transformers' names; ``text_family``: the relax family
-    of the language model; ``load(path, dtype=, param_dtype=) -> (language model, vision)`` and
-    ``save(language model, vision, path)``."""
+    of the language model; ``load(path, dtype=, param_dtype=) -> (language model, vision)``,
+    ``save(language model, vision, path)`` and ``encode(language model, vision, prompt_ids,
+    prompt_mask, pixel_values, grid) -> PromptInputs`` (the vision tower once per image)."""
 
     model_type: str
     architecture: str
     text_family: str
     load: Callable[..., tuple[Transformer, Any]]
     save: Callable[[Transformer, Any, str | os.PathLike], None]
+    encode: Callable[..., PromptInputs]
 
 
 class VisionLanguage(NamedTuple):
@@ -59,20 +67,47 @@ class VisionLanguage(NamedTuple):
 
 
 def _load_qwen(path, **kw) -> tuple[Transformer, Qwen2_5_VL]:
+    """The language model apart and the rest without it (the policy is trained; the vision part
+    must not hold the loaded weights alive)."""
     m = load_qwen2_5_vl(path, **kw)
-    return m.language_model, m
+    return m.language_model, dataclasses.replace(m, language_model=None)
 
 
 def _save_qwen(lm: Transformer, vision: Qwen2_5_VL, path) -> None:
     save_qwen2_5_vl(dataclasses.replace(vision, language_model=lm), path)
 
 
+def _encode_gemma3(lm, vision, prompt_ids, prompt_mask, pixel_values, grid) -> PromptInputs:
+    pixels = None if pixel_values is None or not len(pixel_values) else jnp.asarray(pixel_values)
+    return _gemma3_inputs(lm, vision, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), pixels)
+
+
+def _encode_qwen(lm, vision, prompt_ids, prompt_mask, pixel_values, grid) -> PromptInputs:
+    m = dataclasses.replace(vision, language_model=lm)
+    x = prepare_inputs(m, np.asarray(prompt_ids), np.asarray(prompt_mask), grid)
+    pixels = jnp.asarray(pixel_values) if grid else None
+    ids, mask = jnp.asarray(x.input_ids, jnp.int32), jnp.asarray(x.attention_mask, jnp.int32)
+    return qwen_prompt_inputs(m, ids, mask, jnp.asarray(x.positions, jnp.int32), pixels, x.grid)
+
+
+_gemma3_inputs = eqx.filter_jit(gemma3_prompt_inputs)
+
 VISION_FAMILIES = {
     "gemma3": VisionFamily(
-        "gemma3", VISION_LANGUAGE["gemma3"], "gemma3_text", load_gemma3, save_gemma3
+        "gemma3",
+        VISION_LANGUAGE["gemma3"],
+        "gemma3_text",
+        load_gemma3,
+        save_gemma3,
+        _encode_gemma3,
     ),
     "qwen2_5_vl": VisionFamily(
-        "qwen2_5_vl", VISION_LANGUAGE["qwen2_5_vl"], "qwen2", _load_qwen, _save_qwen
+        "qwen2_5_vl",
+        VISION_LANGUAGE["qwen2_5_vl"],
+        "qwen2",
+        _load_qwen,
+        _save_qwen,
+        _encode_qwen,
     ),
 }
 
@@ -98,6 +133,19 @@ def load_vision_language(
         )
     lm, vision = family.load(path, dtype=dtype, param_dtype=param_dtype)
     return VisionLanguage(family, lm, vision)
+
+
+def encode_images(
+    model: VisionLanguage, language_model: Transformer, prompt_ids, prompt_mask, images
+) -> PromptInputs:
+    """Image prompts' ``PromptInputs`` for ``language_model`` (the policy being trained: only its
+    config and dtype are read, its embeddings are looked up in each forward): ``images`` a
+    batch's ``pixel_values`` and ``grid`` (``relax.data.image_prompts.ImageBatch``), the vision
+    tower run once per image."""
+    shape_only = eqx.filter(language_model, lambda _: False)  # no weights cross into the call
+    return model.family.encode(
+        shape_only, model.vision, prompt_ids, prompt_mask, images.pixel_values, images.grid
+    )
 
 
 def save_vision_language(model: VisionLanguage, path: str | os.PathLike) -> None:

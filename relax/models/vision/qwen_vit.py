@@ -45,6 +45,7 @@ __all__ = [
     "VisionBlocks",
     "VisionMerger",
     "grid_tables",
+    "init_qwen_vision",
     "vision_forward",
 ]
 
@@ -288,3 +289,37 @@ def vision_forward(
 
     x, _ = jax.lax.scan(body, x, (model.blocks, full))
     return _merge(c, model.merger, x)
+
+
+def init_qwen_vision(
+    config: QwenVisionConfig, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32
+) -> QwenVision:
+    """A random tower of ``config``: weights ``N(0, std)``, the RMSNorm scales 1, the biases 0."""
+    c, L = config, config.depth
+    D, F, O = c.hidden_size, c.intermediate_size, c.out_hidden_size
+    M = D * c.spatial_merge_size**2  # the merger's width
+    keys = iter(jax.random.split(key, 8))
+
+    def normal(*shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
+    zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+    blocks = VisionBlocks(
+        norm1=ones(L, D),
+        qkv=normal(L, D, 3 * D),
+        qkv_bias=zeros(L, 3 * D),
+        proj=normal(L, D, D),
+        proj_bias=zeros(L, D),
+        norm2=ones(L, D),
+        gate=normal(L, D, F),
+        gate_bias=zeros(L, F),
+        up=normal(L, D, F),
+        up_bias=zeros(L, F),
+        down=normal(L, F, D),
+        down_bias=zeros(L, D),
+    )
+    merger = VisionMerger(
+        ln_q=ones(D), fc1=normal(M, M), fc1_bias=zeros(M), fc2=normal(M, O), fc2_bias=zeros(O)
+    )
+    return QwenVision(patch_embed=normal(c.patch_dim, D), blocks=blocks, merger=merger, config=c)

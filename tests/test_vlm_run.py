@@ -1,0 +1,93 @@
+"""A GRPO run on a vision-language model from the command line: ``examples/train_grpo.py --model
+VLM_DIR --data rows.jsonl --image-field image`` on the tiny Qwen2.5-VL (``relax.tasks.tiny_vlm``)
+and the counting task's rows (base64 PNGs, ``relax.tasks.visual``). The start-up report counts
+the images, the steps train, the held-out evaluation samples with the images, a bad image is an
+error naming the file, row and field or a dropped row, and a text model refuses --image-field."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+from conftest import load_example
+
+from relax.data.files import Record
+from relax.data.image_prompts import ImagePrompts, processor_for
+from relax.data.prompts import DataConfig, prepare_prompts
+from relax.tasks.tiny_vlm import write_tiny_qwen2_5_vl
+from relax.tasks.visual import VisualTask, make_splits
+from relax.text import load_tokenizer
+
+TASK = VisualTask(num_train=16, num_eval=4)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm-run")
+    write_tiny_qwen2_5_vl(root / "model", TASK, key=jax.random.key(0))
+    train, held_out = make_splits(TASK)
+    for name, rows in (("train", train), ("eval", held_out)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _args(setup, run_dir, *extra):
+    return [
+        "--model", str(setup / "model"),
+        "--data", str(setup / "train.jsonl"),
+        "--eval-data", str(setup / "eval.jsonl"),
+        "--image-field", "image",
+        "--reward", "exact_match",
+        "--run-dir", str(run_dir),
+        "--steps", "2",
+        "--batch-size", "2",
+        "--max-prompt-tokens", "64",
+        "--grpo.num-generations", "2",
+        "--grpo.max-new-tokens", "3",
+        "--eval-every", "2",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_grpo_trains_on_image_prompts(setup, tmp_path, capsys):
+    summary = load_example("grpo").main(_args(setup, tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert "training images: 16 in all, 1-1 per prompt" in out
+    assert "image prompts' programs compile when the step first calls them" in out
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-3 for s in steps)
+    assert any("eval/greedy/accuracy" in x for x in lines)
+    assert summary["data"]["train"]["images"] == 16
+
+
+def _rows(setup, tmp_path, bad):
+    rows = [json.loads(x) for x in (setup / "train.jsonl").read_text().splitlines()][:4]
+    rows[2]["image"] = bad
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [Record(str(path), i + 1, r) for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("bad", ["missing.png", "aGVsbG8gd29ybGQ="], ids=["path", "base64"])
+def test_a_bad_image_is_named_or_dropped(setup, tmp_path, bad):
+    model = setup / "model"
+    tokenizer = load_tokenizer(model)
+    cfg = DataConfig(path=str(setup / "train.jsonl"), batch_size=2, max_prompt_tokens=64)
+    images = ImagePrompts("image", processor_for("qwen2_5_vl", model))
+    rows = _rows(setup, tmp_path, bad)
+    with pytest.raises(ValueError, match=r"rows.jsonl row 3, field 'image'"):
+        prepare_prompts(rows, cfg, tokenizer, images)
+    dropped = ImagePrompts("image", images.processor, bad_images="drop")
+    prepared = prepare_prompts(rows, cfg, tokenizer, dropped)
+    assert prepared.stats.kept == 3 and len(prepared.stats.bad_images) == 1
+    assert "row 3" in prepared.stats.bad_images_message("training")
+    assert prepared.stats.summary()["dropped"] == 1
+
+
+def test_image_field_needs_a_vision_language_model(tmp_path):
+    example = load_example("grpo")
+    with pytest.raises((SystemExit, ValueError)):  # before any base model is trained
+        example.main(["--image-field", "image", "--steps", "1", "--run-dir", str(tmp_path)])
+    assert not (tmp_path / "task").exists()
