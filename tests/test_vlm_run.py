@@ -91,3 +91,11 @@ def test_image_field_needs_a_vision_language_model(tmp_path):
     with pytest.raises((SystemExit, ValueError)):  # before any base model is trained
         example.main(["--image-field", "image", "--steps", "1", "--run-dir", str(tmp_path)])
     assert not (tmp_path / "task").exists()
+
+
+def test_ppo_refuses_image_prompts(setup, tmp_path):
+    args = _args(setup, tmp_path / "ppo")
+    cut = args.index("--grpo.num-generations")
+    args = args[:cut] + args[cut + 4 :]  # PPO has no --grpo.* flags
+    with pytest.raises(ValueError, match="ppo trains on text prompts only"):
+        load_example("ppo").main(args)

@@ -324,8 +324,23 @@ def run_meshes(cfg: ModelRunConfig, log) -> tuple[Mesh | None, Mesh | None]:
     return mesh, sampler_mesh
 
 
+def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
+    """Image prompts train where they are built: GRPO, one device, whole rollouts."""
+    if cfg.image_field is None:
+        return
+    if algo.name != "grpo":
+        raise ValueError(
+            f"--image-field: {algo.name} trains on text prompts only (GRPO takes images)"
+        )
+    if cfg.parallel.meshes() != (None, None):
+        raise ValueError("--image-field: image prompts run on one device (no --parallel.* mesh)")
+    if cfg.async_.partial > 1:
+        raise ValueError("--image-field: partial rollouts (--async.partial) take text prompts only")
+
+
 def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
+    _check_images(cfg, algo)
     cfg.parallel.initialize()  # multi-host: before anything touches a device
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
