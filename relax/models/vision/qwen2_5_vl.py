@@ -41,6 +41,7 @@ __all__ = [
     "Qwen2_5_VL",
     "VLConfig",
     "VLInputs",
+    "image_features",
     "prepare_inputs",
     "prompt_inputs",
     "vl_forward",
@@ -99,6 +100,25 @@ def prepare_inputs(
     return VLInputs(ids, mask, positions, deltas, grid)
 
 
+def image_features(
+    visual: QwenVision, pixel_values: Float[Array, "N P"], grid: Grid
+) -> Float[Array, "n D"]:
+    """The merged features of every image, in order, each image's tower run on its own patches
+    (images of one grid under one ``lax.map``): attention costs the sum over images of their
+    squared patch counts, not the square of the batch's (``vision_forward`` over several grids
+    at once masks one dense matrix of all their patches)."""
+    sizes = [t * h * w for t, h, w in grid]
+    starts = np.cumsum([0, *sizes])
+    out: list = [None] * len(grid)
+    for g in dict.fromkeys(grid):  # each distinct grid once, in order of appearance
+        idx = [i for i, x in enumerate(grid) if x == g]
+        stacked = jnp.stack([pixel_values[starts[i] : starts[i + 1]] for i in idx])
+        feats = jax.lax.map(lambda px, g=g: vision_forward(visual, px, (g,)), stacked)
+        for j, i in enumerate(idx):
+            out[i] = feats[j]
+    return jnp.concatenate(out)
+
+
 @functools.partial(jax.jit, static_argnames=("grid",))
 def vl_logits(
     model: Qwen2_5_VL,
@@ -114,7 +134,7 @@ def vl_logits(
     e = embed(lm, input_ids)
     if grid:
         is_image = (input_ids == model.config.image_token_id) & valid
-        features = features_at(is_image, vision_forward(model.visual, pixel_values, grid), e.dtype)
+        features = features_at(is_image, image_features(model.visual, pixel_values, grid), e.dtype)
         e = jnp.where(is_image[..., None], features, e)
     order = positions_from_mask(attention_mask)
     attend = full_attention(lm, order, valid)
@@ -143,7 +163,7 @@ def prompt_inputs(
     valid = prompt_mask.astype(bool)
     is_image = (prompt_ids == model.config.image_token_id) & valid
     if grid:
-        features = features_at(is_image, vision_forward(model.visual, pixel_values, grid), lm.dtype)
+        features = features_at(is_image, image_features(model.visual, pixel_values, grid), lm.dtype)
     else:
         features = jnp.zeros((*prompt_ids.shape, lm.config.hidden_size), lm.dtype)
     top = jnp.max(jnp.where(valid[None], positions, -1), axis=(0, 2))
