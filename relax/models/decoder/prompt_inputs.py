@@ -27,10 +27,22 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models.decoder.transformer import Transformer, embed, positions_from_mask
+from relax.models.decoder.transformer import (
+    Transformer,
+    embed,
+    full_attention,
+    positions_from_mask,
+    run_layers,
+)
 from relax.models.layers.rope import Rotary, rotary
 
-__all__ = ["PromptInputs", "features_at", "prompt_embeddings", "text_prompt_inputs"]
+__all__ = [
+    "PromptInputs",
+    "features_at",
+    "prompt_embeddings",
+    "prompt_hidden_states",
+    "text_prompt_inputs",
+]
 
 
 class PromptInputs(NamedTuple):
@@ -86,3 +98,20 @@ def features_at(
     rank = jnp.clip(jnp.cumsum(flat.astype(jnp.int32)) - 1, 0, max(features.shape[0] - 1, 0))
     placed = jnp.take(features.astype(dtype), rank, axis=0).reshape(*is_image.shape, -1)
     return jnp.where(is_image[..., None], placed, jnp.zeros((), dtype))
+
+
+def prompt_hidden_states(
+    model: Transformer,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Int[Array, "b t"],
+    prompt: PromptInputs,
+) -> Float[Array, "b t d"]:
+    """Final-norm hidden states of whole sequences taken as image prompts (``hidden_states`` with
+    ``prompt``'s embeddings, RoPE tables and bidirectional blocks): the full-sequence forward the
+    families' parity with transformers is checked on."""
+    positions = positions_from_mask(attention_mask)
+    attend = full_attention(model, positions, attention_mask.astype(bool), prompt.blocks)
+    no_kv = lambda q, k, v, li, sliding: (attend(q, k, v, li, sliding)[0], None)  # noqa: E731
+    x = prompt_embeddings(model, input_ids, prompt)
+    h, _, _ = run_layers(model, x, positions, no_kv, rope=prompt.rope)
+    return h

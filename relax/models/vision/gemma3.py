@@ -36,13 +36,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.models.decoder.layer import rms_norm
-from relax.models.decoder.prompt_inputs import PromptInputs, features_at, prompt_embeddings
+from relax.models.decoder.prompt_inputs import PromptInputs, features_at, prompt_hidden_states
 from relax.models.decoder.transformer import (
     Transformer,
-    full_attention,
     positions_from_mask,
     project,
-    run_layers,
 )
 from relax.models.layers.rope import rotary
 from relax.models.vision.siglip import SiglipConfig, SiglipVision, siglip_forward
@@ -203,12 +201,7 @@ def gemma3_prompt_inputs(
 @eqx.filter_jit
 def _hidden_states(model, vision, input_ids, attention_mask, pixel_values):
     inputs = gemma3_prompt_inputs(model, vision, input_ids, attention_mask, pixel_values)
-    positions = positions_from_mask(attention_mask)
-    attend = full_attention(model, positions, attention_mask.astype(bool), inputs.blocks)
-    no_kv = lambda q, k, v, li, sliding: (attend(q, k, v, li, sliding)[0], None)  # noqa: E731
-    x = prompt_embeddings(model, input_ids, inputs)
-    h, _, _ = run_layers(model, x, positions, no_kv, rope=inputs.rope)
-    return h
+    return prompt_hidden_states(model, input_ids, attention_mask, inputs)
 
 
 def vlm_hidden_states(

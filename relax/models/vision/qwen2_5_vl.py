@@ -25,14 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from relax.models.decoder.prompt_inputs import PromptInputs, features_at
+from relax.models.decoder.prompt_inputs import PromptInputs, features_at, prompt_hidden_states
 from relax.models.decoder.transformer import (
     Transformer,
-    embed,
-    full_attention,
-    positions_from_mask,
     project,
-    run_layers,
 )
 from relax.models.vision.mrope import Grid, get_rope_index, mrope_rotary
 from relax.models.vision.qwen_vit import QwenVision, vision_forward
@@ -130,18 +126,8 @@ def vl_logits(
 ) -> Float[Array, "b t V"]:
     """The logits ``[b, t, V]`` (float32) of a prepared batch (module docstring)."""
     lm = model.language_model
-    valid = attention_mask.astype(bool)
-    e = embed(lm, input_ids)
-    if grid:
-        is_image = (input_ids == model.config.image_token_id) & valid
-        features = features_at(is_image, image_features(model.visual, pixel_values, grid), e.dtype)
-        e = jnp.where(is_image[..., None], features, e)
-    order = positions_from_mask(attention_mask)
-    attend = full_attention(lm, order, valid)
-    no_kv = lambda q, k, v, li, s: (attend(q, k, v, li, s)[0], None)  # noqa: E731
-    rope = mrope_rotary(lm.config, positions, model.config.mrope_section)
-    h, _, _ = run_layers(lm, e, order, no_kv, rope=rope)
-    return project(lm, h)
+    inputs = prompt_inputs(model, input_ids, attention_mask, positions, pixel_values, grid)
+    return project(lm, prompt_hidden_states(lm, input_ids, attention_mask, inputs))
 
 
 @functools.partial(jax.jit, static_argnames=("grid",))
