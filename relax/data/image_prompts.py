@@ -31,12 +31,11 @@ BAD_IMAGES = ("reject", "drop")
 
 class ImageBatch(NamedTuple):
     """A batch's images for the vision tower, in prompt order: ``pixel_values`` (Gemma 3:
-    ``[n, 3, H, W]``; Qwen2-VL: every image's patch rows ``[sum t h w, C T P P]``), ``grid``
-    (Qwen2-VL: each image's ``(t, h, w)``; Gemma 3: empty) and ``rows`` (each image's prompt)."""
+    ``[n, 3, H, W]``; Qwen2-VL: every image's patch rows ``[sum t h w, C T P P]``) and ``grid``
+    (Qwen2-VL: each image's ``(t, h, w)``; Gemma 3: empty)."""
 
     pixel_values: np.ndarray
     grid: tuple[tuple[int, int, int], ...]
-    rows: tuple[int, ...]
 
 
 def image_messages(prompt: Any, count: int) -> list[dict]:
@@ -79,27 +78,24 @@ class ImagePrompts:
         return record_images(row, self.field, limits=self.limits)
 
     def expand(self, text: str, images: Sequence[np.ndarray]) -> str:
-        """``text`` (the rendered prompt) with each image's placeholder expanded to its tokens."""
+        """``text`` (the rendered prompt) with each image's placeholder expanded to its tokens
+        (counted from the images' sizes: their pixels are processed when a batch is made)."""
         p = self.processor
         if isinstance(p, Qwen2VLImageProcessor):
-            return p.expand_prompt(text, p(images).image_grid_thw)
-        return p.expand_prompt(text, p(images).num_crops)
+            return p.expand_prompt(text, p.grids(images))
+        return p.expand_prompt(text, p.num_crops(images))
 
     def batch(self, sources: Sequence[Record]) -> ImageBatch:
         """The images of a batch's prompts (each the row ``prepare_prompts`` kept: its image
         field alone), decoded and processed again, in prompt order."""
-        images, rows = [], []
-        for i, row in enumerate(sources):
-            decoded = self.decode(row)
-            images += decoded
-            rows += [i] * len(decoded)
+        images = [image for row in sources for image in self.decode(row)]
         p = self.processor(images)
         if isinstance(self.processor, Qwen2VLImageProcessor):
             grid = tuple(tuple(int(x) for x in g) for g in p.image_grid_thw)
-            return ImageBatch(p.pixel_values, grid, tuple(rows))
+            return ImageBatch(p.pixel_values, grid)
         if any(p.num_crops):
             raise ValueError("pan-and-scan crops are not supported in training batches")
-        return ImageBatch(p.pixel_values, (), tuple(rows))
+        return ImageBatch(p.pixel_values, ())
 
 
 def processor_for(

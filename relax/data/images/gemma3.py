@@ -162,6 +162,13 @@ class Gemma3ImageProcessor:
         empty = np.zeros((0, 3, c.height, c.width), np.float32)
         return Gemma3Images(np.stack(rows) if rows else empty, tuple(num_crops))
 
+    def num_crops(self, images: Sequence[UInt8[np.ndarray, "h w 3"]]) -> tuple[int, ...]:
+        """Each RGB image's pan-and-scan crop count (``__call__``'s ``num_crops``), without pixels."""
+        c = self.config
+        return tuple(
+            len(pan_and_scan_crops(x, c.pan_and_scan)) if c.pan_and_scan else 0 for x in images
+        )
+
     def image_text(self, num_crops: int = 0) -> str:
         """The text one image (with ``num_crops`` crops) becomes in the prompt."""
         c = self.config

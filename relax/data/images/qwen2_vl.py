@@ -166,6 +166,18 @@ class Qwen2VLImageProcessor:
         pixels = np.concatenate(rows) if rows else np.zeros((0, dim), np.float32)
         return QwenImages(pixels, np.array(grids, dtype=np.int64).reshape(-1, 3))
 
+    def grids(self, images: Sequence[UInt8[np.ndarray, "h w 3"]]) -> Int[np.ndarray, "n 3"]:
+        """The ``image_grid_thw`` ``__call__`` gives for RGB ``images``, from their sizes alone."""
+        c = self.config
+        sizes = [
+            smart_resize(*x.shape[:2], c.factor, c.min_pixels, c.max_pixels)
+            if c.steps.do_resize
+            else x.shape[:2]
+            for x in images
+        ]
+        grid = [(1, h // c.patch_size, w // c.patch_size) for h, w in sizes]
+        return np.array(grid, dtype=np.int64).reshape(-1, 3)
+
     def num_tokens(self, image_grid_thw: Int[np.ndarray, "n 3"]) -> tuple[int, ...]:
         """Each image's token count, ``t * h * w / merge_size**2``."""
         return tuple(int(n) // self.config.merge_size**2 for n in np.prod(image_grid_thw, axis=1))
