@@ -198,21 +198,27 @@ def test_the_mask_rules_are_live(tied):
     assert _diff(logits(wide), tied["ref"], tied["mask"]) > 1e-2
 
 
-def test_greedy_decoding_matches_generate(tied):
-    """Greedy tokens from re-running the full forward equal transformers' cached generate."""
-    steps = 5
-    ids, mask, pix = tied["ids"], tied["mask"], tied["pix"]
+def _hf_greedy(tied, steps):
+    """transformers' cached greedy ``generate`` of the batch: the new tokens ``[b, steps]``."""
+    ids, mask = tied["ids"], tied["mask"]
     with torch.no_grad():
         out = tied["m"].generate(
             input_ids=torch.tensor(ids),
             attention_mask=torch.tensor(mask),
-            pixel_values=pix,
+            pixel_values=tied["pix"],
             token_type_ids=torch.tensor((ids == IMG).astype(np.int64)),
             max_new_tokens=steps,
             do_sample=False,
             eos_token_id=None,
         )
-    want = out[:, ids.shape[1] :].numpy()
+    return out[:, ids.shape[1] :].numpy()
+
+
+def test_greedy_decoding_matches_generate(tied):
+    """Greedy tokens from re-running the full forward equal transformers' cached generate."""
+    steps = 5
+    ids, mask, pix = tied["ids"], tied["mask"], tied["pix"]
+    want = _hf_greedy(tied, steps)
     assert want.shape == (3, steps)
     for _ in range(steps):
         logits = _relax_logits(tied["model"], tied["vision"], ids, mask, pix, IMAGE_ROWS)
@@ -447,18 +453,8 @@ def test_sampler_greedy_matches_generate(tied):
     from relax.rollout.sampling import SamplingConfig
 
     steps, g = 5, 2
-    ids, mask, pix = tied["ids"], tied["mask"], tied["pix"]
-    with torch.no_grad():
-        out = tied["m"].generate(
-            input_ids=torch.tensor(ids),
-            attention_mask=torch.tensor(mask),
-            pixel_values=pix,
-            token_type_ids=torch.tensor((ids == IMG).astype(np.int64)),
-            max_new_tokens=steps,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    want = out[:, ids.shape[1] :].numpy()
+    ids, mask = tied["ids"], tied["mask"]
+    want = _hf_greedy(tied, steps)
     model, inputs = tied["model"], _inputs(tied)
     pid, pm = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
 
