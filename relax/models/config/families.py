@@ -22,7 +22,6 @@ from typing import Any
 
 __all__ = [
     "ADAPTABLE_FIELDS",
-    "VISION_LANGUAGE",
     "BY_ARCHITECTURE",
     "FAMILIES",
     "LINEAR_FIELDS",
@@ -54,14 +53,6 @@ TRANSPOSED = LINEAR_FIELDS + MOE_LINEAR_FIELDS  # the fields transposed between 
 ADAPTABLE_FIELDS = LINEAR_FIELDS + ("shared_gate", "shared_up", "shared_down", "shared_router")
 EXPERT = "{e}"  # in a tensor name: one tensor per expert, ``{e}`` its index
 TRAIT_FIELDS = ("norm_weight", "sandwich_norms", "qk_norm", "activation", "scale_embeddings")
-# Vision-language model types -> their transformers architecture: their language models are the
-# families below, their towers and checkpoints ``relax.models.vision.families``' records.
-VISION_LANGUAGE = MappingProxyType(
-    {
-        "gemma3": "Gemma3ForConditionalGeneration",
-        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    }
-)
 
 
 def _frozen(d: Mapping) -> Mapping:

@@ -34,8 +34,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from relax.models.config.families import FAMILIES, VISION_LANGUAGE, FamilyRecord
+from relax.models.config.families import FAMILIES, FamilyRecord
 from relax.models.config.model import ModelConfig, RopeScaling
+from relax.models.config.vision_language import VISION_LANGUAGE
 from relax.models.hf.limits import SIZE_LIMITS, check_numbers, positive, size
 from relax.models.hf.moe import moe_fields, moe_problems, moe_to_hf
 from relax.models.hf.reader import ConfigReader, HFFormatError

@@ -5,7 +5,7 @@ family of its language model, and its checkpoint functions. ``load_vision_langua
 reads any of them into a :class:`VisionLanguage`: the language model (a plain ``Transformer``,
 what every trainer and the sampler run) and the vision part (the tower and its projection,
 frozen by default), which gives an image prompt's ``PromptInputs``. The model types are also
-listed in ``relax.models.config.families.VISION_LANGUAGE``, so that the text loader
+listed in ``relax.models.config.vision_language.VISION_LANGUAGE``, so that the text loader
 (``load_pretrained``) refuses such a directory with a pointer here.
 """
 
@@ -21,7 +21,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from relax.models.config.families import VISION_LANGUAGE
+from relax.models.config.vision_language import VISION_LANGUAGE
 from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import Transformer
 from relax.models.hf.config import HFFormatError
