@@ -52,6 +52,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from relax.data.files import MissingFieldError, Record, as_record, require_fields
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.text.base import TextTokenizer
 from relax.text.sentencepiece_model import pad_left
 
@@ -99,7 +100,9 @@ class PairBatch(eqx.Module):
     yet). ``ref_is_policy``: set with them by a step's reference stage: True when the reference
     model was bitwise the policy and ``ref_logps`` are placeholders (the loss then reads the
     policy's own log-probs). ``margin``: a margin per pair that the Bradley-Terry loss subtracts
-    (TRL's ``margin`` column; None: none).
+    (TRL's ``margin`` column; None: none). ``prompt``: image prompts' inputs (the frozen vision
+    tower's features, RoPE tables and blocks, ``relax.models.decoder.prompt_inputs``; None: text
+    prompts), set from the batch's pixels before the step (``relax.data.image_rows``).
     """
 
     prompt_ids: Int[Array, "p lp"]
@@ -110,6 +113,7 @@ class PairBatch(eqx.Module):
     ref_logps: Float[Array, "p 2"] | None = None
     ref_is_policy: Bool[Array, ""] | None = None
     margin: Float[Array, " p"] | None = None
+    prompt: PromptInputs | None = None
 
 
 class UnpairedBatch(eqx.Module):
@@ -309,6 +313,24 @@ class _Encoder:
                 field, f"has {len(ids)} tokens with its EOS > max_completion_tokens={limit}"
             )
         return ids
+
+
+def chat_completion(
+    tokenizer: TextTokenizer,
+    r: Record,
+    field: str,
+    value: Any,
+    prompt_text: str,
+    messages: list,
+    *,
+    max_completion_tokens: int,
+) -> list[int]:
+    """Row ``r``'s completion ``field`` after the chat ``messages`` (rendered with the generation
+    prompt as ``prompt_text``): its ids ending with an EOS, cut out as a conversational row's are
+    (module docstring), checked against ``max_completion_tokens``; errors name the row."""
+    enc, row = _Encoder(tokenizer, _Budget(1, max_completion_tokens, False)), _Row(r)
+    _check_value(row, field, value)
+    return enc.completion(row, field, value, prompt_text, messages)
 
 
 def _conversational(*values: Any) -> bool:

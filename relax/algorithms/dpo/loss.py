@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from relax.algorithms.dpo.config import DPOConfig
-from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps, shared_forward
+from relax.algorithms.dpo.images import pair_forward
+from relax.algorithms.preference.pairs import Forward, PairRows, sequence_logps
 from relax.metrics import Metric
 from relax.objectives.preference import DPO_LOSS_TYPES, dpo_loss, orpo_loss, simpo_loss
 from relax.passes import Passes
@@ -95,9 +96,10 @@ def make_dpo_loss(cfg: DPOConfig, passes: Passes = Passes(), forward: Forward | 
     """``loss(policy, rows, ctx) -> (scalar, metrics)`` for a micro-batch of pairs, ``PairRows``
     (``relax.algorithms.preference.pairs``): ``tokens``/``mask`` ``[p, 2, N]`` (0 chosen, 1 rejected),
     ``loss_mask`` ``[p]``, optional ``rope``, and ``ref_logps`` ``[p, 2]`` when the loss uses a
-    reference. ``forward``: how token log-probs are computed (default ``shared_forward``; a
+    reference. ``forward``: how token log-probs are computed (default ``pair_forward``: the
+    prefix-shared forward, with the prompts' ``PromptInputs`` for rows with images; a
     benchmark swaps it)."""
-    forward = forward or shared_forward(passes, cfg.forward)
+    forward = forward or pair_forward(passes, cfg.forward)
 
     def loss_fn(policy, mb: PairRows, ctx: LossContext):
         sums, lengths = sequence_logps(forward(policy, mb, True), mb.mask)

@@ -12,6 +12,8 @@ import functools
 
 from relax.algorithms.dpo import step as dpo
 from relax.algorithms.dpo.config import DPOConfig
+from relax.algorithms.dpo.images import with_prompt
+from relax.algorithms.offline.images import ImageTrainer
 from relax.algorithms.offline.run import (
     OfflineAlgorithm,
     OfflineRunConfig,
@@ -20,6 +22,8 @@ from relax.algorithms.offline.run import (
 )
 from relax.algorithms.preference.config import make_state
 from relax.algorithms.preference.reference_cache import reference_preparer
+from relax.data.image_prompts import ImagePrompts
+from relax.data.image_rows import encode_image_pairs
 from relax.data.pairs import Pair
 from relax.tasks import reverse
 
@@ -50,6 +54,59 @@ def builtin_defaults(loss_type: str = "sigmoid") -> DPORunConfig:
         checkpoint_every=20,
         eval_max_new_tokens=8,
         run_dir=f"runs/{'orpo' if loss_type == 'orpo' else 'dpo'}-reverse",
+    )
+
+
+def image_trainer(cfg: DPORunConfig, images: ImagePrompts) -> ImageTrainer:
+    """The DPO family on prompts with images (``relax.algorithms.offline.images``): pairs from
+    ``relax.data.image_rows``, each prompt's images encoded once for both completions, the
+    held-out pair metrics (``relax.algorithms.dpo.images``)."""
+    d = cfg.dpo
+    if d.precompute_reference:
+        raise ValueError(
+            "--dpo.precompute-reference: the cached reference log-probs are for text prompts; "
+            "with --image-field the reference model runs in the step"
+        )
+
+    def encode(records, tokenizer):
+        return encode_image_pairs(
+            records,
+            tokenizer,
+            images,
+            max_prompt_tokens=d.max_prompt_tokens,
+            max_completion_tokens=d.max_completion_tokens,
+        )
+
+    def evaluate(state, held_out, tokenizer, encoder):
+        _, pairs = held_out
+        out = dpo.evaluate(
+            d,
+            state,
+            pairs,
+            pad_id=tokenizer.pad_token_id,
+            batch_size=cfg.batch_size,
+            images=images,
+            encode=encoder,
+        )
+        out = {
+            k: v
+            for k, v in out.items()
+            if k.startswith(("rewards/", "logps/")) or k in ("loss", "nll")
+        }
+        out["preference_accuracy"] = out["rewards/accuracies"]
+        return out
+
+    return ImageTrainer(
+        encode=encode,
+        collate=lambda pairs, pad_id: dpo.collate_images(d, pairs, pad_id, images),
+        attach=with_prompt,
+        make_step=lambda passes, tokenizer: dpo.make_dpo_step(d, passes),
+        evaluate=evaluate,
+        notes=(
+            "pairs with images: not packed (padded prompts and completions); the vision tower "
+            "frozen, run once per prompt for both completions",
+            "held-out pairs with images: pair metrics only (no greedy win rate)",
+        ),
     )
 
 
@@ -107,6 +164,7 @@ def algorithm(cfg: DPORunConfig) -> OfflineAlgorithm:
             ],
             0,
         ),
+        images=functools.partial(image_trainer, cfg),
     )
 
 

@@ -29,13 +29,22 @@ import jax
 import jax.numpy as jnp
 
 from relax.algorithms.dpo.config import DPOConfig
+from relax.algorithms.dpo.images import (
+    Encoder,
+    ImagePairRows,
+    image_eval_batches,
+    pair_forward,
+    with_prompt,
+)
 from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers
 from relax.algorithms.offline.held_out import eval_batches
-from relax.algorithms.preference.pairs import Forward, PairRows, shared_forward
+from relax.algorithms.preference.pairs import Forward, PairRows
 from relax.algorithms.preference.reference import make_pair_reference
 from relax.algorithms.preference.update import ref_is_policy_of, run_update, with_loss_mask
 from relax.compose import Stage, compose, stage
 from relax.data.files import Record
+from relax.data.image_prompts import ImagePrompts
+from relax.data.image_rows import ImagePair, ImagePairs, collate_image_pairs
 from relax.data.pairs import Pair, PairBatch, collate_pairs, encode_pairs
 from relax.models.forward.prefix_shared import completion_rope
 from relax.passes import Passes, choose_passes
@@ -67,24 +76,51 @@ def collate(cfg: DPOConfig, pairs: Sequence[Pair], pad_id: int) -> PairBatch:
     )
 
 
+def collate_images(
+    cfg: DPOConfig, pairs: Sequence[ImagePair], pad_id: int, images: ImagePrompts
+) -> ImagePairs:
+    """``collate`` of pairs whose prompts hold images, with the batch's pixels."""
+    return collate_image_pairs(
+        pairs,
+        pad_id=pad_id,
+        prompt_length=cfg.max_prompt_tokens,
+        completion_length=cfg.max_completion_tokens,
+        images=images,
+    )
+
+
 def evaluate(
     cfg: DPOConfig,
     state: TrainState,
-    pairs: Sequence[Pair],
+    pairs: Sequence[Pair] | Sequence[ImagePair],
     *,
     pad_id: int,
     batch_size: int = 8,
     passes: Passes | None = None,
+    images: ImagePrompts | None = None,
+    encode: Encoder | None = None,
 ) -> dict[str, float]:
     """Held-out loss and metrics of ``state.policy`` on ``pairs`` (``make_dpo_eval`` over batches of
     ``batch_size``, one compile): every metric is a mean over pairs, so the batches' values are
-    combined weighted by their real pairs (exact)."""
+    combined weighted by their real pairs (exact). Pairs with images (``ImagePair``) need their
+    ``images`` and an ``encode`` (``relax.algorithms.dpo.images.Encoder``)."""
     if not pairs:
         return {}
     step = make_dpo_eval(cfg, passes)
+    if images is None:
+        batches = [
+            (jax.tree.map(jnp.asarray, b), real)
+            for b, real in eval_batches(pairs, batch_size, lambda c: collate(cfg, c, pad_id))
+        ]
+    else:
+        collate_ = lambda c: collate_images(cfg, c, pad_id, images)  # noqa: E731
+        batches = [
+            (with_prompt(b, encode), real)
+            for b, real in image_eval_batches(pairs, batch_size, collate_)
+        ]
     totals: dict[str, float] = {}
-    for batch, real in eval_batches(pairs, batch_size, lambda c: collate(cfg, c, pad_id)):
-        _, out = step(state, jax.tree.map(jnp.asarray, batch))
+    for batch, real in batches:
+        _, out = step(state, batch)
         for k, v in out.metrics.items():
             totals[k] = totals.get(k, 0.0) + real * float(v)
     return {k: v / len(pairs) for k, v in totals.items()}
@@ -104,8 +140,9 @@ def make_reference(cfg: DPOConfig, passes: Passes, forward: Forward) -> Stage:
 
 def pair_rows(cfg: DPOConfig, batch: PairBatch, rope=None) -> PairRows:
     """What the loss reads of a batch with its ``loss_mask``: the pairs, and their reference
-    log-probs when the loss uses them."""
-    return PairRows(
+    log-probs when the loss uses them; an ``ImagePairRows`` with the prompts' inputs when they
+    hold images."""
+    fields = dict(
         prompt_ids=batch.prompt_ids,
         prompt_mask=batch.prompt_mask,
         tokens=batch.tokens,
@@ -114,6 +151,9 @@ def pair_rows(cfg: DPOConfig, batch: PairBatch, rope=None) -> PairRows:
         ref_logps=batch.ref_logps if cfg.uses_reference else None,
         rope=rope,
     )
+    if batch.prompt is None:
+        return PairRows(**fields)
+    return ImagePairRows(**fields, prompt=batch.prompt)
 
 
 def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = None) -> Stage:
@@ -130,10 +170,9 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
             normalizers=pair_normalizers,
             track_reference=cfg.needs_reference,
         )
-        _, g, n = (
-            batch.tokens.shape
-        )  # rotary tables once, outside the micro-batch loop (completion_rope)
-        rows = pair_rows(cfg, batch, completion_rope(state.policy.config, batch.prompt_mask, g, n))
+        _, g, n = batch.tokens.shape  # rotary tables once, outside the micro-batch loop
+        rope = completion_rope(state.policy.config, batch.prompt_mask, g, n, batch.prompt)
+        rows = pair_rows(cfg, batch, rope)
         return run_update(state, batch, update_fn, rows, ref_logps=rows.ref_logps)
 
     return stage(update, name="update")
@@ -151,7 +190,8 @@ def make_dpo_step(
             (``precompute_reference``), ``grad_accum`` and the forward options.
         passes: the backend's pass layout (``relax.passes.Passes``). None: ``choose_passes()``.
         forward: ``forward(model, rows, train) -> [p g n]`` token log-probs of ``rows.tokens``.
-            None: ``shared_forward(passes, cfg.forward)``.
+            None: ``pair_forward(passes, cfg.forward)`` (``shared_forward``, with the prompts'
+            ``PromptInputs`` for a batch whose prompts hold images).
 
     Returns:
         A ``Stage`` named ``"dpo_step"``, one jitted program: ``batch`` is a ``PairBatch`` (module
@@ -163,7 +203,7 @@ def make_dpo_step(
             ``skipped_updates``) and ``health``.
     """
     passes = choose_passes() if passes is None else passes
-    forward = forward or shared_forward(passes, cfg.forward)
+    forward = forward or pair_forward(passes, cfg.forward)
     return compose(
         make_reference(cfg, passes, forward),
         make_update_stage(cfg, passes, forward),
@@ -178,7 +218,7 @@ def make_dpo_eval(cfg: DPOConfig, passes: Passes | None = None) -> Stage:
     ``Updated.metrics`` (``health`` empty). Cached per ``(cfg, passes)``: every evaluation of a
     run reuses one compiled program."""
     passes = choose_passes() if passes is None else passes
-    forward = shared_forward(passes, cfg.forward)
+    forward = pair_forward(passes, cfg.forward)
     reference = make_reference(cfg, passes, forward)
 
     def evaluate(state: TrainState, batch: PairBatch):

@@ -16,26 +16,29 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grain
 import jax
 import jax.numpy as jnp
 
 from relax.algorithms.cli.report import first_row_lines, run_report
+from relax.algorithms.offline.images import Encoder, ImageTrainer
 from relax.algorithms.online.config import TaskRunConfig
 from relax.algorithms.online.run import run_meshes, start_run
 from relax.algorithms.online.setup import (
     base_path,
     builtin_setup,
     exporter,
+    image_prompts,
+    load_model,
     with_lora,
 )
 from relax.data.files import Record, read_records
+from relax.data.image_prompts import ImagePrompts
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
 from relax.eval.evaluate import EvalConfig, evaluate
-from relax.models.config.model import DTYPES
-from relax.models.hf.checkpoint import load_pretrained
+from relax.models.vision.families import VisionLanguage, encode_images
 from relax.parallel import ShardedStep, ShardingError, batch_shards
 from relax.parallel.distributed import on_host_memory
 from relax.passes import Passes, choose_passes
@@ -56,6 +59,13 @@ class OfflineRunConfig(TaskRunConfig):
 
     eval_fraction: float = 0.05
     eval_max_examples: int | None = 200
+    image_field: str | None = None
+    """A vision-language --model (Gemma 3, Qwen2.5-VL; SFT and the DPO family): the column of
+    each row's image or list of images (a path relative to the data file, bytes or base64),
+    placed by the model's chat template; each prompt's images are encoded once (frozen tower)."""
+    bad_images: Literal["reject", "drop"] = "reject"
+    """A row whose image is missing, unreadable or over the limits: an error naming the file, row
+    and field, or the row dropped (counted and named at start-up)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,6 +73,11 @@ class OfflineRunConfig(TaskRunConfig):
             raise ValueError(
                 f"--task {self.task}: the offline trainers' built-in task is reverse "
                 "(code and math are for GRPO and PPO)"
+            )
+        if self.image_field is not None and self.model is None:
+            raise ValueError(
+                f"--image-field {self.image_field!r} needs a vision-language --model "
+                "(the built-in task is text)"
             )
 
 
@@ -82,7 +97,8 @@ class OfflineAlgorithm:
     the step's output. ``export(policy, directory, tokenizer)``: an HF directory (default: the
     policy as a causal LM). ``longest(n)``: a collated batch of ``n`` items of the largest shape the
     config admits (what ``relax.plan`` compiles the step with, no data or tokenizer needed; None:
-    not plannable yet)."""
+    not plannable yet). ``images(image_prompts)``: the trainer on rows with images
+    (``relax.algorithms.offline.images.ImageTrainer``; None: it refuses ``--image-field``)."""
 
     name: str
     make_state: Callable[[Any, jax.Array], Any]
@@ -97,6 +113,7 @@ class OfflineAlgorithm:
     export: Callable[[Any, Path, TextTokenizer], Path] | None = None
     bar_keys: Sequence[tuple[str, str]] = (("loss", "loss"),)
     longest: Callable[[int], Any] | None = None
+    images: Callable[[ImagePrompts], ImageTrainer] | None = None
 
 
 def batch_iterator(
@@ -127,18 +144,15 @@ def batch_iterator(
 
 
 def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path, log):
-    """``(tokenizer, model, train rows, held-out rows, data paths)``: the built-in task or --model/--data."""
+    """``(tokenizer, model, vision, train rows, held-out rows, data paths)``: the built-in task or
+    --model/--data (``vision``: a vision-language model's, None for a text model)."""
+    vision = None
     if cfg.model is None:
         tokenizer, model, _, _ = builtin_setup(cfg, run_dir, log)
         data, eval_data = algo.builtin_data(cfg.reverse, run_dir / "task", tokenizer)
     else:
         tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
-        model = load_pretrained(
-            cfg.model,
-            dtype=DTYPES[cfg.compute_dtype],
-            param_dtype=DTYPES[cfg.param_dtype],
-            precision=cfg.precision,
-        )
+        model, vision = load_model(cfg)
         data, eval_data = cfg.data, cfg.eval_data
     model = with_lora(cfg, model)
     rows = read_records(data)
@@ -148,7 +162,42 @@ def _model_and_rows(cfg: OfflineRunConfig, algo: OfflineAlgorithm, run_dir: Path
         train, held_out = rows, read_records(eval_data)
     if cfg.eval_max_examples is not None:
         held_out = held_out[: cfg.eval_max_examples]
-    return tokenizer, model, train, held_out, [str(d) for d in (data, eval_data) if d is not None]
+    paths = [str(d) for d in (data, eval_data) if d is not None]
+    return tokenizer, model, vision, train, held_out, paths
+
+
+def _check_images(cfg: OfflineRunConfig, algo: OfflineAlgorithm, mesh) -> None:
+    """Rows with images train where they are built: SFT and the DPO family, on one device."""
+    if cfg.image_field is None:
+        return
+    if algo.images is None:
+        raise ValueError(
+            f"--image-field: {algo.name} trains on text only (SFT and the DPO family take images)"
+        )
+    if mesh is not None:
+        raise ValueError("--image-field: rows with images train on one device (no --parallel.*)")
+
+
+def _with_images(
+    cfg: OfflineRunConfig, algo: OfflineAlgorithm, vision: VisionLanguage | None, model
+) -> tuple[OfflineAlgorithm, Callable[[Any], Any] | None, tuple[str, ...]]:
+    """``(algo, make_batch, notes)``: for ``--image-field``, the algorithm's image trainer in
+    place of its text one, the step's batches made with the frozen vision tower run once per
+    prompt image, and its report notes; else ``(algo, None, ())``."""
+    if cfg.image_field is None:
+        return algo, None, ()
+    trainer = algo.images(image_prompts(cfg, vision))
+    encoder: Encoder = lambda ids, mask, images: encode_images(vision, model, ids, mask, images)  # noqa: E731
+    algo = dataclasses.replace(
+        algo,
+        encode=lambda rows, tokenizer: trainer.encode(rows, tokenizer),
+        encode_eval=lambda rows, tokenizer: (rows, trainer.encode(rows, tokenizer)),
+        collate=trainer.collate,
+        make_step=trainer.make_step,
+        evaluate=lambda state, held, tokenizer: trainer.evaluate(state, held, tokenizer, encoder),
+        prepare=None,
+    )
+    return algo, lambda batch: trainer.attach(batch, encoder), trainer.notes
 
 
 def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextTokenizer, log):
@@ -196,15 +245,25 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
     mesh, sampler_mesh = run_meshes(cfg, log)
+    _check_images(cfg, algo, mesh)
     with on_host_memory(mesh is not None):
-        tokenizer, model, train_rows, held_out_rows, paths = _model_and_rows(
+        tokenizer, model, vision, train_rows, held_out_rows, paths = _model_and_rows(
             cfg, algo, run_dir, log
         )
+    algo, image_batch, notes = _with_images(cfg, algo, vision, model)
     train = algo.encode(train_rows, tokenizer)
     encode_eval = algo.encode if algo.encode_eval is None else algo.encode_eval
     held_out = (
         encode_eval(held_out_rows, tokenizer) if held_out_rows else None
     )  # None: nothing held out
+    if image_batch is not None:  # ImageRows: the examples, the rows dropped for a bad image
+        notes = (
+            (train.summary("training"),)
+            + ((held_out[1].summary("held-out"),) if held_out is not None else ())
+            + notes
+        )
+        train = train.examples
+        held_out = None if held_out is None else (held_out[0], held_out[1].examples)
     if algo.prepare is not None:
         train, held_out = algo.prepare(model, train, held_out, paths, tokenizer)
     report = run_report(
@@ -214,6 +273,7 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
             f"{len(train_rows)} training rows ({len(train)} batch items) from "
             f"{paths[0]}, {len(held_out_rows)} held out",
             f"{cfg.batch_size} batch items per step",
+            *notes,
         ],
         extra=[
             ("first training row", first_row_lines(train_rows[0].record if train_rows else None))
@@ -245,7 +305,13 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
             process_count=jax.process_count(),
         ),
         # on a mesh the step places this process's rows itself (relax.parallel.place_batch)
-        make_batch=(lambda b: b) if mesh is not None else (lambda b: jax.tree.map(jnp.asarray, b)),
+        make_batch=(
+            image_batch
+            if image_batch is not None
+            else (lambda b: b)
+            if mesh is not None
+            else (lambda b: jax.tree.map(jnp.asarray, b))
+        ),
         host_metrics=algo.host_metrics,
         evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log),
         export=export,

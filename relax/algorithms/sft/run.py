@@ -19,6 +19,7 @@ from relax.algorithms.offline.run import (
     run_offline,
 )
 from relax.algorithms.sft.config import SFTConfig
+from relax.algorithms.sft.images import image_sft_trainer
 from relax.algorithms.sft.step import (
     init_sft_state,
     make_sft_step,
@@ -120,6 +121,7 @@ def algorithm(cfg: SFTRunConfig) -> OfflineAlgorithm:
         longest=lambda n: stack_rows(
             sft_rows(cfg.sft, [full_example(cfg.sft.max_length)] * n, pad_id=0)
         ),
+        images=lambda images: image_sft_trainer(cfg.sft, images, batch_size=cfg.batch_size),
     )
 
 
