@@ -351,11 +351,21 @@ def test_exif_orientation_like_load_image(tmp_path):
     np.testing.assert_array_equal(got, ref)
 
 
-def test_decoded_images_feed_the_processors_like_load_image(tmp_path):
-    (tmp_path / "g.png").write_bytes(png(IMAGES["gray_90x70"]))
-    got = Gemma3ImageProcessor()([decode_image(tmp_path / "g.png")]).pixel_values
-    ref = Gemma3ImageProcessorPil()(str(tmp_path / "g.png"))["pixel_values"]
+@pytest.mark.parametrize("name", ["gray_90x70", "rgba_120x45", "palette_64x64", "keyed_rgb"])
+def test_decoded_images_feed_the_processors_like_load_image(tmp_path, name):
+    """A file decoded by relax, then processed, equals transformers' processors given the path
+    (``load_image``, then their RGB conversion): a palette or RGB PNG with a transparent colour
+    (tRNS) has those pixels composited onto white, an alpha channel is dropped."""
+    im = IMAGES["rgb_37x53"].copy() if name == "keyed_rgb" else IMAGES[name]
+    if name == "keyed_rgb":
+        im.info["transparency"] = tuple(int(v) for v in np.asarray(im)[5, 7])
+    path = str(tmp_path / "g.png")
+    (tmp_path / "g.png").write_bytes(png(im))
+    got = Gemma3ImageProcessor()([decode_image(path)]).pixel_values
+    ref = Gemma3ImageProcessorPil()(path)["pixel_values"]
     np.testing.assert_array_equal(got[0], ref[0])
+    got = Qwen2VLImageProcessor()([decode_image(path)]).pixel_values
+    np.testing.assert_array_equal(got, Qwen2VLImageProcessorPil()(path)["pixel_values"])
 
 
 def _fails(value, match, *, limits=None, tmp_path=None):

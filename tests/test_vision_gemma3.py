@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import relax.models.decoder.transformer as tfm  # noqa: E402
-from relax.models.decoder.prompt_inputs import prompt_embeddings  # noqa: E402
+from relax.models.decoder.prompt_inputs import prompt_embeddings, prompt_hidden_states  # noqa: E402
 from relax.models.hf.config import HFFormatError  # noqa: E402
 from relax.models.vision.gemma3 import gemma3_prompt_inputs, image_features, vlm_logits  # noqa: E402
 from relax.models.vision.gemma3_checkpoint import gemma3_config_from_hf, load_gemma3, save_gemma3  # noqa: E402
@@ -475,3 +475,103 @@ def test_sampler_greedy_matches_generate(tied):
         model, pid, pm, r.tokens, r.mask, ForwardPass(attention="group"), prompt=inputs
     )
     np.testing.assert_allclose(np.asarray(r.logprobs), np.asarray(train), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------ other configs (held-out robustness)
+
+OTHER = {
+    # the Hub's 4B file shrunk: a sparse text_config (no layer_types: every 6th layer full),
+    # linear RoPE scaling x8 on the full layers, no pooling head, bfloat16 weights computed in
+    # float32; 18-pixel images of 4-pixel patches (the conv drops 2 rows and columns)
+    "hub_4b_bf16": dict(
+        text=dict(num_hidden_layers=7, sliding_window=4, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        vision=dict(image_size=18, patch_size=4, vision_use_head=False),
+        mm=4, tie=True, hub=True, bf16=True,
+    ),
+    # every other layer full, 16 soft tokens pooled 1 x 1 from a 4 x 4 grid, untied, other RoPE
+    # bases and scalar
+    "pattern_2_untied": dict(
+        text=dict(
+            num_hidden_layers=3, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=12,
+            rope_theta=5e5, rope_local_base_freq=1e3, num_key_value_heads=2,
+        ),
+        vision=dict(image_size=16, patch_size=4),
+        mm=16, tie=False, hub=False, bf16=False,
+    ),
+}  # fmt: skip
+
+
+def _hub_config(path, text, vision):
+    """Rewrite a saved ``config.json`` as the Hub's gemma-3-4b-it file (transformers 4.50)."""
+    d = json.loads((path / "config.json").read_text())
+    d["text_config"] = {"model_type": "gemma3_text", **text}
+    d["vision_config"] = {"model_type": "siglip_vision_model", **vision}
+    d.update(eos_token_id=[1, 106], torch_dtype="bfloat16", transformers_version="4.50.0.dev0")
+    for k in ("dtype", "image_token_id"):
+        d.pop(k, None)
+    (path / "config.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("name", sorted(OTHER))
+def test_other_configs_match_transformers(name, tmp_path):
+    """Configs unlike the module's (layer kinds, RoPE, pooling, image and patch sizes, the Hub's
+    sparse layout, bfloat16 weights computed in float32) through ``load_vision_language`` and
+    ``encode_images``: logits of rows with images first, adjacent and last equal transformers'
+    float32 model, and the sampler decodes what ``generate`` decodes."""
+    from relax.data.image_prompts import ImageBatch
+    from relax.models.vision.families import encode_images, load_vision_language
+    from relax.rollout.config import RolloutConfig
+    from relax.rollout.sampler import generate_program
+    from relax.rollout.sampling import SamplingConfig
+
+    c = OTHER[name]
+    text = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    text.update(c["text"])
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2)
+    vision.update(c["vision"])
+    cfg = transformers.Gemma3Config(
+        text_config=dict(text),
+        vision_config=dict(vision),
+        mm_tokens_per_image=c["mm"],
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMG,
+        tie_word_embeddings=c["tie"],
+    )
+    torch.manual_seed(4)
+    m = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            p.copy_(p + 0.3 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+    (m.to(torch.bfloat16) if c["bf16"] else m).save_pretrained(tmp_path)
+    if c["hub"]:
+        _hub_config(tmp_path, text, vision)
+    m = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    vl = load_vision_language(tmp_path)
+    image = [BOI] + [IMG] * c["mm"] + [EOI]
+    ids, mask = _batch([image + [5, 6], [7, *image, *image, 8, 9, 10, 11, 12], [13, 14, *image]])
+    s = vision["image_size"]
+    pix = torch.rand(4, 3, s, s, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    lm = vl.language_model
+    inputs = encode_images(vl, lm, ids, mask, ImageBatch(pix.numpy(), ()))
+    pid, pm = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
+    got = np.asarray(tfm.project(lm, prompt_hidden_states(lm, pid, pm, inputs)))
+    assert _diff(got, _hf_logits(m.eval(), ids, mask, pix), mask) < ATOL
+    with torch.no_grad():
+        out = m.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            pixel_values=pix,
+            token_type_ids=torch.tensor((ids == IMG).astype(np.int64)),
+            max_new_tokens=3,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    rollout = RolloutConfig(
+        num_generations=1, max_new_tokens=3, sampling=SamplingConfig(temperature=0.0), eos_ids=()
+    )
+    r = generate_program(lm, pid, pm, jax.random.key(0), rollout, prompt=inputs)
+    np.testing.assert_array_equal(np.asarray(r.tokens)[:, 0], out[:, ids.shape[1] :].numpy())

@@ -415,3 +415,119 @@ def test_sampler_greedy_matches_generate(hf, relax_model):
         lm, pid, pm, r1.tokens, r1.mask, ForwardPass(attention="group"), prompt=inputs
     )
     np.testing.assert_allclose(np.asarray(r1.logprobs), np.asarray(train), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------ other configs (held-out robustness)
+
+OTHER = {
+    # the Hub's flat 7B layout (rope_scaling type mrope, in_chans, spatial_patch_size), bfloat16
+    # weights; a 3x3 merge of 3-pixel patches, 1 frame per patch, windows of 2 merged tokens
+    # plus a pixel (19), no full-attention block, quick_gelu, an empty mrope section, tied head
+    "hub_flat_bf16": dict(
+        text=dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+        vision=dict(
+            depth=2, hidden_size=16, intermediate_size=24, num_heads=1, patch_size=3,
+            temporal_patch_size=1, spatial_merge_size=3, window_size=19,
+            fullatt_block_indexes=[], hidden_act="quick_gelu",
+        ),
+        section=[4, 0, 2], theta=5e5, tie=True, flat=True, bf16=True,
+    ),
+    # every block full attention, no merge (1 patch = 1 token), 3 frames per patch, relu
+    "all_full_relu": dict(
+        text=dict(hidden_size=40, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2),
+        vision=dict(
+            depth=2, hidden_size=24, intermediate_size=16, num_heads=2, patch_size=2,
+            temporal_patch_size=3, spatial_merge_size=1, window_size=4,
+            fullatt_block_indexes=[0, 1], hidden_act="relu",
+        ),
+        section=[1, 2, 7], theta=1e4, tie=False, flat=False, bf16=False,
+    ),
+}  # fmt: skip
+
+
+def _flatten_like_the_hub(path):
+    """Rewrite a saved ``config.json`` as the Hub's Qwen2.5-VL-7B file (transformers 4.x)."""
+    d = json.loads((path / "config.json").read_text())
+    text = d.pop("text_config")
+    rope = text.pop("rope_parameters")
+    d.update({k: v for k, v in text.items() if k not in ("model_type", "dtype")})
+    d.update(
+        rope_theta=rope["rope_theta"],
+        rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=d["num_hidden_layers"],
+    )
+    v = d["vision_config"]
+    for k in ("model_type", "rope_parameters"):
+        v.pop(k)
+    v.update(in_chans=v.pop("in_channels"), spatial_patch_size=v["patch_size"])
+    (path / "config.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("name", sorted(OTHER))
+def test_other_configs_match_transformers(name, tmp_path):
+    """Configs unlike the module's (geometry, activations, attention kinds, RoPE sections, the
+    Hub's flat layout, bfloat16 weights computed in float32) through ``load_vision_language`` and
+    ``encode_images``: logits of rows with images first, adjacent and last equal transformers'
+    float32 model, and the sampler decodes what ``generate`` decodes."""
+    from relax.data.image_prompts import ImageBatch
+    from relax.models.decoder.prompt_inputs import prompt_hidden_states
+    from relax.models.decoder.transformer import project
+    from relax.models.vision.families import encode_images, load_vision_language
+    from relax.rollout.config import RolloutConfig
+    from relax.rollout.sampler import generate_program
+    from relax.rollout.sampling import SamplingConfig
+
+    c = OTHER[name]
+    v = dict(c["vision"], out_hidden_size=c["text"]["hidden_size"])
+    rope = {"rope_type": "default", "mrope_section": c["section"], "rope_theta": c["theta"]}
+    text = dict(TEXT, intermediate_size=32, **c["text"], rope_parameters=rope)
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=v,
+        image_token_id=IMAGE,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        video_token_id=153,
+        tie_word_embeddings=c["tie"],
+    )
+    torch.manual_seed(1)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.copy_(p + 0.3 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    (hf.to(torch.bfloat16) if c["bf16"] else hf).save_pretrained(tmp_path)
+    if c["flat"]:
+        _flatten_like_the_hub(tmp_path)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=torch.float32
+    ).eval()
+    vl = load_vision_language(tmp_path)
+    m, p, tp = v["spatial_merge_size"], v["patch_size"], v["temporal_patch_size"]
+    grids = [(1, 2 * m, 3 * m), (1, m, m), (1, 3 * m, m)]
+    img = [[START] + [IMAGE] * (h * w // m**2) + [END] for _, h, w in grids]
+    ids, mask = _batch([img[0] + [7, 8], [9, 10, *img[1], *img[2], 11], [12, 13, 14]])
+    pv = np.random.default_rng(2).standard_normal((sum(h * w for _, h, w in grids), 3 * tp * p * p))
+    pv = pv.astype(np.float32)
+    kw = dict(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)),
+        pixel_values=torch.tensor(pv),
+        image_grid_thw=torch.tensor(grids),
+    )
+    lm = vl.language_model
+    inputs = encode_images(vl, lm, ids, mask, ImageBatch(pv, tuple(grids)))
+    pid, pm = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
+    got = np.asarray(project(lm, prompt_hidden_states(lm, pid, pm, inputs)))
+    with torch.no_grad():
+        want = hf(**kw).logits.numpy()
+        out = hf.generate(**kw, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=ATOL, rtol=0)
+    rollout = RolloutConfig(
+        num_generations=1, max_new_tokens=3, sampling=SamplingConfig(temperature=0.0), eos_ids=()
+    )
+    r = generate_program(lm, pid, pm, jax.random.key(0), rollout, prompt=inputs)
+    np.testing.assert_array_equal(np.asarray(r.tokens)[:, 0], out[:, ids.shape[1] :].numpy())

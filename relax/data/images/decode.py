@@ -13,8 +13,11 @@ A field holds one image as
 
 Decoding follows ``transformers.image_utils.load_image`` (the route a path or base64 string
 takes into transformers' processors): ``Image.open``, ``ImageOps.exif_transpose``, then
-``.convert("RGB")`` (an alpha channel is dropped, not composited; the processors composite onto
-white only for a PIL image handed to them directly, see ``relax.data.images.pixels.rgb_array``).
+``.convert("RGB")``: an alpha channel is dropped, not composited, but a colour-keyed transparency
+(a palette, grayscale or RGB PNG / GIF with a ``tRNS`` entry) survives as the RGB image's
+``transparency``, and the processors (``do_convert_rgb``, on by default and in the hub's Gemma 3 and
+Qwen2.5-VL) composite those pixels onto white: so does the decoding here
+(``relax.data.images.pixels.rgb_array``), which equals transformers with ``do_convert_rgb`` on.
 The first frame of an animated file is taken. Base64 is decoded strictly (``validate=True``):
 where transformers' ``base64.decodebytes`` skips characters outside the alphabet, relax refuses.
 
@@ -46,6 +49,7 @@ from jaxtyping import UInt8
 from PIL import Image, ImageOps
 
 from relax.data.files import RECORDS_LABEL, Record
+from relax.data.images.pixels import rgb_array
 
 PATH_MAX = 4096  # a string longer than this is never a path
 _DATA_URI = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,")
@@ -148,7 +152,8 @@ def is_base64(text: str) -> bool:
 
 
 def decode_bytes(data: bytes, limits: ImageLimits) -> UInt8[np.ndarray, "h w 3"]:
-    """Encoded image bytes -> RGB ``uint8 [h, w, 3]`` as ``load_image`` gives it."""
+    """Encoded image bytes -> RGB ``uint8 [h, w, 3]`` as ``load_image`` and the processors' RGB
+    conversion give it (module docstring)."""
     try:
         with Image.open(io.BytesIO(data), formats=list(limits.formats)) as im:
             w, h = im.size
@@ -167,7 +172,7 @@ def decode_bytes(data: bytes, limits: ImageLimits) -> UInt8[np.ndarray, "h w 3"]
         raise _Cause(f"unreadable image data ({type(e).__name__}: {e})") from e
     if rgb.width * rgb.height > limits.max_pixels:  # a frame or an EXIF turn larger than the header
         raise _Cause(f"{rgb.width}x{rgb.height} pixels once decoded, over {limits.max_pixels}")
-    return np.asarray(rgb, dtype=np.uint8).copy()
+    return rgb_array(rgb).copy()  # a colour key composited onto white, as the processors do
 
 
 def _classify(value: Any) -> tuple[str, Any]:

@@ -242,10 +242,12 @@ def run_layers(
 
 def embed(model: Transformer, input_ids: Int[Array, "b t"]) -> Float[Array, "b t D"]:
     """Embedding rows in the residual stream's dtype (``model.precision``); with ``scale_embeddings``
-    times ``sqrt(D)`` first, in the embedding's dtype (``sqrt(D)`` rounded to float32, then to that
-    dtype, as transformers)."""
+    times ``sqrt(D)`` first, in the wider of the embedding's and the compute dtypes (``sqrt(D)``
+    rounded to float32, then to that dtype): transformers' rounding for its model in the compute
+    dtype (bfloat16 weights computed in float32 scale in float32)."""
     e = jnp.take(model.embed, input_ids, axis=0)
     if model.config.scale_embeddings:
+        e = e.astype(jnp.promote_types(e.dtype, model.dtype))
         e = e * jnp.asarray(np.float32(model.config.hidden_size**0.5)).astype(e.dtype)
     return e.astype(model.precision.residual_dtype(model.dtype))
 

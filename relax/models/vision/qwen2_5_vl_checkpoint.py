@@ -128,8 +128,15 @@ def read_vl_config(d: dict, source: str) -> tuple[VLConfig, QwenVisionConfig]:
     text = r.get("text_config", None) or d
     field, rope = _rope_dict(text)
     section = rope.get("mrope_section", [16, 24, 24]) if isinstance(rope, dict) else None
-    if not (isinstance(section, list) and all(isinstance(x, int) and x > 0 for x in section)):
-        raise r.fail(f"{field}.mrope_section", f"must list positive integers, got {section!r}")
+    if not (
+        isinstance(section, list)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in section)
+        and sum(section) > 0
+    ):
+        raise r.fail(
+            f"{field}.mrope_section",
+            f"must list non-negative integers (not all 0), got {section!r}",
+        )
     dflt = VLConfig()
     ids = {
         f.name: r.int_(f.name, getattr(dflt, f.name), lo=0)
@@ -194,8 +201,9 @@ def _vision_slots(c: QwenVisionConfig) -> dict[str, tuple[str, int | None, bool,
     return slots
 
 
-def _load_vision(c: QwenVisionConfig, where: dict, listing: str, param_dtype) -> QwenVision:
-    """The vision tower from the ``visual.*`` tensors of ``where`` (every one must belong to it)."""
+def _load_vision(c: QwenVisionConfig, where: dict, listing: str, param_dtype, dtype) -> QwenVision:
+    """The vision tower from the ``visual.*`` tensors of ``where`` (every one must belong to it),
+    computing in ``dtype``."""
     slots = _vision_slots(c)
     present = {n for n in where if n.startswith("visual.")}
     missing = [n for n in slots if n not in present]
@@ -225,23 +233,32 @@ def _load_vision(c: QwenVisionConfig, where: dict, listing: str, param_dtype) ->
         blocks=VisionBlocks(**{f: jnp.asarray(np.stack(arrays[f])) for f in _BLOCK}),
         merger=VisionMerger(**{f: one(f) for f in _MERGER}),
         config=c,
+        dtype=dtype,
     )
 
 
 def load_qwen2_5_vl(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Qwen2_5_VL:
     """A ``Qwen2_5_VL`` from a transformers directory (``config.json``, safetensors; the module
-    docstring's layouts). ``dtype``: the language model's compute dtype; ``param_dtype``: every
-    parameter's (None: as stored, float64 as float32). Errors are ``HFFormatError`` naming the
-    file and field or tensor."""
+    docstring's layouts). ``dtype``: the compute dtype of the language model and the vision tower;
+    ``param_dtype``: every parameter's (None: as stored, float64 as float32). Errors are
+    ``HFFormatError`` naming the file and field or tensor."""
     root = Path(path)
     text_cfg = load_config(root, text_config_dict)
     source = str(root / "config.json")
-    vl, vision_cfg = read_vl_config(read_json(root / "config.json"), source)
+    d = read_json(root / "config.json")
+    vl, vision_cfg = read_vl_config(d, source)
+    if sum(vl.mrope_section) * 2 != text_cfg.head_dim:
+        field = _rope_dict(d.get("text_config") or d)[0]
+        raise HFFormatError(
+            f"{source}: field '{field}.mrope_section' = {list(vl.mrope_section)} sums to "
+            f"{sum(vl.mrope_section)}, expected head_dim / 2 = {text_cfg.head_dim // 2} "
+            "(hidden_size / num_attention_heads / 2)"
+        )
     where, listing = open_weights(root)
     where = _saved_layout(where)
     text = {n: f for n, f in where.items() if not n.startswith("visual.")}
     lm = build_transformer(text_cfg, text, listing, dtype=dtype, param_dtype=param_dtype)
-    visual = _load_vision(vision_cfg, where, listing, param_dtype)
+    visual = _load_vision(vision_cfg, where, listing, param_dtype, dtype)
     return Qwen2_5_VL(language_model=lm, visual=visual, config=vl)
 
 

@@ -25,7 +25,7 @@ everything but attention acts per token and the merger's ``m x m`` groups stay t
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -50,10 +50,15 @@ __all__ = [
 ]
 
 NORM_EPS = 1e-6  # transformers' Qwen2_5_VLRMSNorm(eps=1e-6) in every vision block and ln_q
+# transformers' ``ACT2FN`` names a vision_config may give -> the function
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
 }
 
 
@@ -175,12 +180,15 @@ class VisionMerger(eqx.Module):
 
 class QwenVision(eqx.Module):
     """The vision tower: ``patch_embed`` ``[C*tp*p*p, D]`` (the Conv3d's weight flattened), the
-    stacked blocks and the merger."""
+    stacked blocks and the merger. ``dtype``: the compute dtype of the activations and matmul
+    operands (accumulated in float32), whatever the parameters' dtype (a bfloat16 checkpoint
+    computed in float32 is transformers' ``from_pretrained(..., dtype=torch.float32)``)."""
 
     patch_embed: Float[Array, "P D"]
     blocks: VisionBlocks
     merger: VisionMerger
     config: QwenVisionConfig = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True, default=jnp.float32)
 
 
 class GridTables(NamedTuple):
@@ -276,8 +284,7 @@ def vision_forward(
             f"[sum of t*h*w over grid {list(grid)}, C*tp*p*p = {c.patch_dim}]"
         )
     tables = grid_tables(c, grid)
-    dt = model.patch_embed.dtype
-    x = _linear(pixel_values.astype(dt), model.patch_embed, None)
+    x = _linear(pixel_values.astype(model.dtype), model.patch_embed, None)
     rope = vision_rope(c, tables.positions)
     same = lambda ids: jnp.asarray(ids[:, None] == ids[None, :])  # noqa: E731
     full_mask, window_mask = same(tables.frames), same(tables.windows)
@@ -322,4 +329,6 @@ def init_qwen_vision(
     merger = VisionMerger(
         ln_q=ones(D), fc1=normal(M, M), fc1_bias=zeros(M), fc2=normal(M, O), fc2_bias=zeros(O)
     )
-    return QwenVision(patch_embed=normal(c.patch_dim, D), blocks=blocks, merger=merger, config=c)
+    return QwenVision(
+        patch_embed=normal(c.patch_dim, D), blocks=blocks, merger=merger, config=c, dtype=dtype
+    )

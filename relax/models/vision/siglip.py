@@ -1,7 +1,8 @@
 """The SigLIP vision tower (transformers' ``SiglipVisionModel``, Gemma 3's ``vision_tower``).
 
 Images ``[n, C, H, W]`` (channels first, as a processor gives them) become ``[n, P, D]`` patch
-states, ``P = (H/p)(W/p)`` patches of ``p x p`` pixels in row-major order::
+states, ``P = floor(H/p) floor(W/p)`` patches of ``p x p`` pixels in row-major order (the last
+``H mod p`` rows and ``W mod p`` columns are not read, as transformers' stride-``p`` conv)::
 
     x = patches(pixels) W_patch + b_patch + pos          (the stride-p conv as one matmul)
     per layer:  x = x + Attn(LN_1(x)) W_o + b_o;  x = x + act(LN_2(x) W_1 + b_1) W_2 + b_2
@@ -82,9 +83,9 @@ class SiglipConfig:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}"
             )
-        if self.image_size % self.patch_size:
+        if self.image_size < self.patch_size:
             raise ValueError(
-                f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
+                f"image_size={self.image_size} is smaller than patch_size={self.patch_size}"
             )
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
@@ -200,10 +201,12 @@ def layer_norm(
 
 
 def patches(pixel_values: Float[Array, "n C H W"], p: int) -> Float[Array, "n P Cpp"]:
-    """Non-overlapping ``p x p`` patches, row-major over the grid, each flattened ``(c, y, x)``."""
+    """Non-overlapping ``p x p`` patches, row-major over the grid, each flattened ``(c, y, x)``
+    (a remainder of fewer than ``p`` rows or columns at the bottom / right is dropped)."""
     n, c, h, w = pixel_values.shape
-    x = pixel_values.reshape(n, c, h // p, p, w // p, p)
-    return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, (h // p) * (w // p), c * p * p)
+    gh, gw = h // p, w // p
+    x = pixel_values[:, :, : gh * p, : gw * p].reshape(n, c, gh, p, gw, p)
+    return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * p * p)
 
 
 def _layer(v: SiglipVision, x: Float[Array, "n P D"], p: SiglipLayers) -> Float[Array, "n P D"]:
