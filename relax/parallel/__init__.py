@@ -16,9 +16,12 @@ from relax.parallel.mesh import (
     param_shardings,
     partition_spec,
     place_batch,
+    place_rows,
     replicated,
     shard_model,
+    shard_vision,
     state_shardings,
+    vision_shardings,
 )
 from relax.parallel.step import ParallelConfig, ShardedStep, check_batch
 
@@ -40,7 +43,10 @@ __all__ = [
     "param_shardings",
     "partition_spec",
     "place_batch",
+    "place_rows",
     "replicated",
     "shard_model",
+    "shard_vision",
     "state_shardings",
+    "vision_shardings",
 ]

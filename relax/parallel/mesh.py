@@ -33,11 +33,20 @@ Parameters carry LOGICAL axis names (``relax.models.config.sharding.LOGICAL_AXES
     layers          -          the stacked layer axis is never sharded (it is scanned over)
     head_dim        -          q_norm / k_norm scales
     lora_rank       -          the rank of LoRA factors (A and B shard like their weight otherwise)
+    vision_heads    tensor     a vision tower's attention heads (its fused q/k/v's 3 H heads too)
+    vision_mlp      tensor     a vision tower's MLP width, its patch merger's / projector's columns
+    patch           -          a vision tower's flattened patch pixels and its patch positions
+
+A vision-language model's frozen vision part (``vision_shardings`` / ``shard_vision``) is laid
+out by the same rules: ``relax.models.config.sharding.VISION_LOGICAL_AXES`` names its weights'
+dimensions (its width is ``embed``, over ``fsdp``), so a run's rules shard it with the language
+model, and its own logical names let rules replicate it alone (``("vision_mlp", None)``).
 
 A mesh axis of size 1 shards nothing. A dimension that does not split evenly over its mesh
 axes is an ERROR (``ShardingError`` naming the parameter, the dimension and the mesh axis),
 never a silent replication: pick another mesh or pass rules mapping that logical axis to
-``None``. Head dimensions must split at head boundaries (``num_heads % tensor == 0``).
+``None``. Head dimensions must split at head boundaries (``num_heads % tensor == 0``; a head axis's heads are its size
+over the config's ``head_dim``).
 
 The batch (``batch_sharding``): leading axis (prompts) over ``("data", "expert", "fsdp")``, the rest
 replicated; everything else in the train state (step, PRNG key, running statistics, optimizer
@@ -59,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,7 +77,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relax.models.config.sharding import BATCH_AXES, LOGICAL_AXES, batch_shards
+from relax.models.config.sharding import (
+    BATCH_AXES,
+    HEAD_AXES,
+    LOGICAL_AXES,
+    VISION_LOGICAL_AXES,
+    batch_shards,
+)
 from relax.models.decoder.transformer import Transformer
 from relax.parallel import distributed
 
@@ -83,6 +99,9 @@ DEFAULT_RULES: Rules = (
     ("expert_mlp", "tensor"),
     ("layers", None),
     ("head_dim", None),
+    ("vision_heads", "tensor"),
+    ("vision_mlp", "tensor"),
+    ("patch", None),
 )
 
 
@@ -194,14 +213,24 @@ def _rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
 
 
 def partition_spec(
-    name: str, shape: tuple[int, ...], mesh: Mesh, model_config=None, rules: Rules = DEFAULT_RULES
+    name: str,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    model_config=None,
+    rules: Rules = DEFAULT_RULES,
+    *,
+    table: Mapping[str, tuple[str, ...]] = LOGICAL_AXES,
 ) -> P:
-    """The ``PartitionSpec`` of parameter ``name`` (a ``LOGICAL_AXES`` key) of ``shape``."""
-    if name not in LOGICAL_AXES:
+    """The ``PartitionSpec`` of parameter ``name`` (a key of ``table``: ``LOGICAL_AXES``, or
+    ``VISION_LOGICAL_AXES`` for a vision part's weights) of ``shape``. A head axis
+    (``HEAD_AXES``) splits at head boundaries of ``model_config.head_dim`` (its size over
+    ``head_dim`` heads) when a config is given."""
+    if name not in table:
+        which = "VISION_LOGICAL_AXES" if table is VISION_LOGICAL_AXES else "LOGICAL_AXES"
         raise ShardingError(
-            f"parameter {name} has no logical axes (add it to relax.models.config.sharding.LOGICAL_AXES)"
+            f"parameter {name} has no logical axes (add it to relax.models.config.sharding.{which})"
         )
-    logical = LOGICAL_AXES[name]
+    logical = table[name]
     if len(logical) != len(shape):
         raise ShardingError(f"parameter {name} has shape {shape} but logical axes {logical}")
     used: set[str] = set()
@@ -222,8 +251,8 @@ def partition_spec(
             continue
         n = math.prod(mesh.shape[a] for a in axes)
         units, what = size, f"size {size}"
-        if axis in ("q_heads", "kv_heads") and model_config is not None:
-            heads = model_config.num_heads if axis == "q_heads" else model_config.num_kv_heads
+        if axis in HEAD_AXES and model_config is not None:
+            heads = size // model_config.head_dim
             units, what = heads, f"{heads} heads x {model_config.head_dim}"
         if units % n:
             where = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
@@ -256,6 +285,52 @@ def param_shardings(
 def shard_model(model: Transformer, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Transformer:
     """``model`` laid out on ``mesh`` by ``rules``."""
     return jax.device_put(model, param_shardings(model, mesh, rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadDim:
+    """What ``partition_spec`` reads of a config: the head width its head axes split at."""
+
+    head_dim: int
+
+
+def vision_shardings(vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """A pytree like ``vision`` (a vision-language model's frozen vision part,
+    ``relax.models.vision``'s ``VisionLanguage.vision``) whose leaves are the ``NamedSharding`` of
+    each weight: ``VISION_LOGICAL_AXES`` mapped by ``rules`` as the language model's parameters
+    are, heads split at ``vision.vision_head_dim`` boundaries. The part is frozen (never
+    trained: no optimizer state, no gradient), so a weight with a dimension that does not split
+    evenly (Qwen2.5-VL-7B's vision MLP of 3,420 over tensor = 8) is replicated whole, with one
+    warning naming every such weight and why, rather than refused as a trained weight is."""
+    heads = _HeadDim(vision.vision_head_dim)
+    whole: list[str] = []
+
+    def leaf(path, x):
+        name = _path_name(path)
+        try:
+            spec = partition_spec(
+                name, tuple(x.shape), mesh, heads, rules, table=VISION_LOGICAL_AXES
+            )
+        except ShardingError as e:
+            if name not in VISION_LOGICAL_AXES:
+                raise
+            whole.append(str(e))
+            spec = P()
+        return NamedSharding(mesh, spec)
+
+    out = jax.tree_util.tree_map_with_path(leaf, vision)
+    if whole:
+        warnings.warn(
+            f"{len(whole)} frozen vision weight(s) replicated on every device (they do not split "
+            f"over mesh {dict(mesh.shape)}): " + "; ".join(whole),
+            stacklevel=2,
+        )
+    return out
+
+
+def shard_vision(vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """``vision`` (a frozen vision part) laid out on ``mesh`` by ``rules`` (``vision_shardings``)."""
+    return jax.device_put(vision, vision_shardings(vision, mesh, rules))
 
 
 def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
@@ -348,6 +423,16 @@ def place_batch(batch: Any, mesh: Mesh) -> Any:
         return distributed.to_global(x, batch_leaf_sharding(x, mesh, rows))
 
     return jax.tree.map(leaf, batch)
+
+
+def place_rows(tree: Any, mesh: Mesh, rows: int) -> Any:
+    """``tree``'s arrays (this process's, e.g. a program's output on ``mesh``) laid out for a
+    step on ``mesh``: those whose leading axis has ``rows`` split over ``BATCH_AXES``, others
+    replicated; all replicated when ``rows`` does not split evenly (e.g. a held-out batch, which
+    the evaluation slices into chunks)."""
+    if rows % batch_shards(mesh):
+        return jax.device_put(tree, replicated(mesh))
+    return jax.tree.map(lambda x: jax.device_put(x, batch_leaf_sharding(x, mesh, rows)), tree)
 
 
 def constrain_batch(batch: Any, mesh: Mesh, rows: int) -> Any:

@@ -1,7 +1,8 @@
 """Logical sharding axes of the model's parameters and the batch axes of a mesh.
 
 Every parameter of ``relax.models.Transformer`` names its dimensions with LOGICAL axes
-(``LOGICAL_AXES``); ``relax.parallel`` maps them to mesh axes by rules. The model layer owns the
+(``LOGICAL_AXES``), and so does every weight of a vision-language model's frozen vision part
+(``VISION_LOGICAL_AXES``); ``relax.parallel`` maps them to mesh axes by rules. The model layer owns the
 names (they are facts about its arrays); the mapping is the parallel layer's business.
 """
 
@@ -59,6 +60,49 @@ _WEIGHT_AXES = {f: LOGICAL_AXES[f"layers.{f}"] for f in ADAPTABLE_FIELDS}
 for _f, (_, _in, _out) in _WEIGHT_AXES.items():
     LOGICAL_AXES[f"layers.lora.{_f}.a"] = ("layers", _in, "lora_rank")
     LOGICAL_AXES[f"layers.lora.{_f}.b"] = ("layers", "lora_rank", _out)
+
+
+# The frozen vision part of a vision-language model (``relax.models.vision``'s family records),
+# by each weight's path in it: its attention heads (``vision_heads``, a fused q/k/v's 3 H heads
+# included; split at head boundaries of the tower's head_dim) and MLP widths (``vision_mlp``: the
+# blocks', the patch merger's and the projection's columns) go where the rules send them, by
+# default over ``tensor`` as the language model's heads and MLP; the widths (``embed``) over
+# ``fsdp`` as its model width; a patch's pixels and the patch positions (``patch``) never split.
+_VISION_LAYER = "layers", "embed"
+VISION_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
+    # Gemma 3 (relax.models.vision.gemma3.Gemma3Vision): the SigLIP tower and the projector
+    "tower.patch_w": ("patch", "embed"),
+    "tower.patch_b": ("embed",),
+    "tower.pos": ("patch", "embed"),
+    **{
+        f"tower.layers.{n}": _VISION_LAYER for n in ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "bo", "b2")
+    },
+    **{f"tower.layers.{n}": ("layers", "embed", "vision_heads") for n in ("wq", "wk", "wv")},
+    **{f"tower.layers.{n}": ("layers", "vision_heads") for n in ("bq", "bk", "bv")},
+    "tower.layers.wo": ("layers", "vision_heads", "embed"),
+    "tower.layers.w1": ("layers", "embed", "vision_mlp"),
+    "tower.layers.b1": ("layers", "vision_mlp"),
+    "tower.layers.w2": ("layers", "vision_mlp", "embed"),
+    "tower.post_w": ("embed",),
+    "tower.post_b": ("embed",),
+    "projector.norm": ("embed",),
+    "projector.proj": ("embed", "vision_mlp"),
+    # Qwen2.5-VL (relax.models.vision.qwen_vit.QwenVision, the vision record's ``visual``)
+    "visual.patch_embed": ("patch", "embed"),
+    **{f"visual.blocks.{n}": _VISION_LAYER for n in ("norm1", "norm2", "proj_bias", "down_bias")},
+    "visual.blocks.qkv": ("layers", "embed", "vision_heads"),
+    "visual.blocks.qkv_bias": ("layers", "vision_heads"),
+    "visual.blocks.proj": ("layers", "vision_heads", "embed"),
+    **{f"visual.blocks.{n}": ("layers", "embed", "vision_mlp") for n in ("gate", "up")},
+    **{f"visual.blocks.{n}": ("layers", "vision_mlp") for n in ("gate_bias", "up_bias")},
+    "visual.blocks.down": ("layers", "vision_mlp", "embed"),
+    "visual.merger.ln_q": ("embed",),
+    "visual.merger.fc1": ("embed", "vision_mlp"),
+    "visual.merger.fc1_bias": ("vision_mlp",),
+    "visual.merger.fc2": ("vision_mlp", "embed"),
+    "visual.merger.fc2_bias": ("embed",),
+}
+HEAD_AXES = ("q_heads", "kv_heads", "vision_heads")  # split at head boundaries
 
 
 def batch_shards(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> int:

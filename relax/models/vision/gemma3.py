@@ -103,6 +103,11 @@ class Gemma3Vision(eqx.Module):
     projector: Projector
     config: Gemma3VisionConfig = eqx.field(static=True)
 
+    @property
+    def vision_head_dim(self) -> int:
+        """The tower's head width: where its head axes split on a mesh (``relax.parallel``)."""
+        return self.config.vision.head_dim
+
 
 def project_images(vision: Gemma3Vision, h: Float[Array, "n P Dv"]) -> Float[Array, "n m D"]:
     """Pool the patch states to ``mm_tokens_per_image`` per image, normalise and project (module

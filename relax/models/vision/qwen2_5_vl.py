@@ -64,6 +64,11 @@ class Qwen2_5_VL(eqx.Module):
     visual: QwenVision
     config: VLConfig = eqx.field(static=True)
 
+    @property
+    def vision_head_dim(self) -> int:
+        """The tower's head width: where its head axes split on a mesh (``relax.parallel``)."""
+        return self.visual.config.head_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class VLInputs:
