@@ -28,7 +28,8 @@ RGB = tuple[int, int, int]
 
 @dataclasses.dataclass(frozen=True)
 class VisualTask:
-    """The pictures (size, counts, shapes, colours) and the splits.
+    """The pictures (size, counts, shapes, colours), the splits, and the base model
+    (``relax.tasks.visual_base``): its teacher, its sizes and its supervised phase.
 
     ``min_size`` / ``max_size``: a shape's bounding-box side in pixels; ``gap``: the least
     distance in pixels between two bounding boxes (and from a box to the image's edge, 1)."""
@@ -54,6 +55,16 @@ class VisualTask:
     num_train: int = 2000
     num_eval: int = 200
     seed: int = 0
+    teacher_accuracy: float = 0.3
+    """The base model's teacher is right this often and otherwise over-counts by one."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    vision_hidden: int = 32
+    vision_depth: int = 2
+    init_std: float = 0.2
+    sft_steps: int = 600
+    sft_batch: int = 16
+    sft_learning_rate: float = 3e-3
 
     def __post_init__(self):
         bad = [s for s in self.shapes if s not in SHAPES]

@@ -36,8 +36,9 @@ class GRPORunConfig(OnlineRunConfig):
 
 
 def builtin_defaults(preset_name: str = "grpo", task: str = "reverse") -> GRPORunConfig:
-    """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math``),
-    sized to finish in a few minutes on 2 CPU cores.
+    """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math`` /
+    ``--task visual``: its rows' ``image`` column holds the pictures), sized to finish in a few
+    minutes on 2 CPU cores.
 
     Only the sizes, the rewards and the learning rate are the task's; every algorithm value is the preset's."""
     grpo = preset(
@@ -58,6 +59,7 @@ def builtin_defaults(preset_name: str = "grpo", task: str = "reverse") -> GRPORu
         checkpoint_every=20,
         run_dir=f"runs/grpo-{task}",
         reward_workers=TASK_REWARD_WORKERS[task],
+        image_field="image" if task == "visual" else None,
     )
 
 

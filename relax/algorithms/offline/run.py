@@ -289,7 +289,7 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
         step, state = _sharded(cfg, step, state, mesh, sampler_mesh)
         del model
     export = (
-        exporter(tokenizer, base_path(cfg, run_dir))
+        exporter(tokenizer, base_path(cfg, run_dir), vision)
         if algo.export is None
         else (lambda policy, d: algo.export(policy, d, tokenizer))
     )

@@ -23,6 +23,7 @@ from relax.rollout.generation import GenerationConfig
 from relax.tasks import code as code_task
 from relax.tasks import math as math_task
 from relax.tasks import reverse
+from relax.tasks import visual as visual_task
 from relax.train.pipeline import AsyncConfig
 from relax.train.run import RunConfig
 
@@ -80,16 +81,18 @@ class TaskRunConfig(ModelRunConfig):
     """A ``ModelRunConfig`` whose built-in task (without ``--model``) is one of the text tasks:
     ``task`` and its options."""
 
-    task: Literal["reverse", "code", "math"] = "reverse"
-    """The built-in task without --model: reverse, or (GRPO / PPO) code or math."""
+    task: Literal["reverse", "code", "math", "visual"] = "reverse"
+    """The built-in task without --model: reverse, or (GRPO / PPO) code or math, or (GRPO) visual."""
     reverse: reverse.ReverseTask = reverse.ReverseTask()
     code: code_task.CodeTask = code_task.CodeTask()
     math: math_task.MathTask = math_task.MathTask()
+    visual: visual_task.VisualTask = visual_task.VisualTask()
 
     @property
     def task_config(self):
         """The options of the built-in task ``task``."""
-        return {"reverse": self.reverse, "code": self.code, "math": self.math}[self.task]
+        tasks = {"reverse": self.reverse, "code": self.code, "math": self.math}
+        return {**tasks, "visual": self.visual}[self.task]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +156,10 @@ class OnlineRunConfig(TaskRunConfig):
         super().__post_init__()
         if self.reward_workers < 0:
             raise ValueError(f"--reward-workers must be >= 0, got {self.reward_workers}")
-        if self.image_field is not None and self.model is None:
+        if self.image_field is not None and self.model is None and self.task != "visual":
             raise ValueError(
-                f"--image-field {self.image_field!r} needs a vision-language --model "
-                "(the built-in tasks are text)"
+                f"--image-field {self.image_field!r} needs a vision-language --model or "
+                f"--task visual (the built-in task {self.task!r} is text)"
             )
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(

@@ -44,6 +44,7 @@ from relax.algorithms.online.setup import (
     exporter,
     load_run_data,
     text_decoder,
+    visual_setup,
 )
 from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost
@@ -325,15 +326,19 @@ def run_meshes(cfg: ModelRunConfig, log) -> tuple[Mesh | None, Mesh | None]:
 
 
 def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
-    """Image prompts train where they are built: GRPO, one device, whole rollouts."""
+    """Image prompts train where they are built: GRPO, whole rollouts, on one device or a trainer
+    mesh of one process (no separate sampler devices)."""
     if cfg.image_field is None:
         return
     if algo.name != "grpo":
         raise ValueError(
             f"--image-field: {algo.name} trains on text prompts only (GRPO takes images)"
         )
-    if cfg.parallel.meshes() != (None, None):
-        raise ValueError("--image-field: image prompts run on one device (no --parallel.* mesh)")
+    if cfg.parallel.sampler_devices:
+        raise ValueError(
+            "--image-field: image prompts sample on the trainer's devices (--parallel.mesh), not "
+            "on separate ones (drop --parallel.sampler-devices)"
+        )
     if cfg.async_.partial > 1:
         raise ValueError("--image-field: partial rollouts (--async.partial) take text prompts only")
 
@@ -344,8 +349,16 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     cfg.parallel.initialize()  # multi-host: before anything touches a device
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
+    if cfg.image_field is not None and jax.process_count() > 1:
+        raise ValueError(
+            f"--image-field: image prompts run on one process ({jax.process_count()} here): a "
+            "--parallel.mesh over one process's devices"
+        )
+    cfg = visual_setup(cfg, run_dir, log)
     mesh, sampler_mesh = run_meshes(cfg, log)
     data = load_run_data(cfg, run_dir, mesh is not None, log)
+    if mesh is not None:  # the frozen vision part, laid out once by the sharding rules
+        data = data.on_mesh(mesh)
     tokenizer, model = data.tokenizer, data.model
     reward_fns = reward_functions(cfg, mesh)
     pool = reward_pool(cfg, reward_fns)
@@ -386,7 +399,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             make_batch=_make_batch(cfg, data) if partial is None else (lambda request: request),
             host_metrics=_host_metrics(cfg, algo, over_budget),
             evaluate=_evaluator(cfg, algo, data, parts, log),
-            export=exporter(tokenizer, base_path(cfg, run_dir)),
+            export=exporter(tokenizer, base_path(cfg, run_dir), data.vision),
             bar_keys=BAR_KEYS,
             asynchronous=cfg.async_,
             on_start=report.write,

@@ -4,16 +4,19 @@ prepared and held out, the text decoder, and the export of a policy as a Hugging
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig, TaskRunConfig
 from relax.algorithms.online.rewards import reward_columns
 from relax.data.image_prompts import ImagePrompts, processor_for
+from relax.data.images.pixels import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE
 from relax.data.prompts import (
     DataConfig,
     PreparedPrompts,
@@ -24,7 +27,7 @@ from relax.data.prompts import (
     read_splits,
 )
 from relax.models.adapters.operations import add_lora, has_lora, merge_lora
-from relax.models.adapters.peft import fused_adapter_error, save_adapter
+from relax.models.adapters.peft import TEXT_PREFIX, fused_adapter_error, save_adapter
 from relax.models.config.model import DTYPES
 from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
@@ -33,12 +36,15 @@ from relax.models.vision.families import (
     VisionLanguage,
     encode_images,
     load_vision_language,
+    save_vision_language,
     vision_family_of,
 )
 from relax.objectives.reference import ReferenceConfig
-from relax.parallel.distributed import on_host_memory
+from relax.parallel import place_rows, shard_vision
+from relax.parallel.distributed import barrier, on_host_memory
 from relax.tasks import TASKS
 from relax.tasks.base import prepare
+from relax.tasks.visual_base import prepare_visual
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import is_main_process
 
@@ -62,6 +68,29 @@ def builtin_setup(cfg: TaskRunConfig, run_dir: Path, log):
     )
 
 
+def visual_setup(cfg: OnlineRunConfig, run_dir: Path, log) -> OnlineRunConfig:
+    """``cfg`` itself, or for the built-in visual task (``--task visual``, no ``--model``) ``cfg``
+    as a ``--model`` run on the task's base model and rows (``relax.tasks.visual_base``: made by
+    the main process, or reused from ``run_dir``)."""
+    if cfg.model is not None or cfg.task != "visual":
+        return cfg
+    if cfg.image_field is None:
+        raise ValueError(
+            "--task visual trains on image prompts (--image-field image): GRPO's "
+            "(examples/train_grpo.py --task visual)"
+        )
+    if is_main_process():
+        prepare_visual(cfg.visual, run_dir, seed=cfg.seed, log=log)
+    barrier("visual task")
+    task_dir = run_dir / "task"
+    return dataclasses.replace(
+        cfg,
+        model=str(run_dir / "base_model"),
+        data=str(task_dir / "train.jsonl"),
+        eval_data=str(task_dir / "eval.jsonl"),
+    )
+
+
 def text_decoder(tokenizer: TextTokenizer):
     """``decode(tokens, mask) -> texts``: the completions as text, special tokens skipped, stripped."""
 
@@ -73,23 +102,50 @@ def text_decoder(tokenizer: TextTokenizer):
     return decode
 
 
-def exporter(tokenizer: TextTokenizer, base: str | None = None):
+PROCESSOR_FILES = (
+    IMAGE_PROCESSOR_FILE,
+    PROCESSOR_FILE,
+    "chat_template.json",
+    "video_preprocessor_config.json",
+)  # a vision-language model's processor files, copied as they are
+
+
+def exporter(
+    tokenizer: TextTokenizer, base: str | None = None, vision: VisionLanguage | None = None
+):
     """``export(policy, directory) -> directory``: weights, config, generation config, tokenizer
     files and chat template, a directory ``transformers`` loads (collective: every process calls it).
     A LoRA policy is exported merged (``W + s A B``), and its adapters alone in PEFT's format under
     ``directory/adapter`` (``base``: the base model's path, recorded in the adapter config) where
     that format can hold them: adapters on a family's fused tensors (Phi-3's ``qkv_proj``) have no
-    PEFT form, and then only the merged model is written, with a warning saying why."""
+    PEFT form, and then only the merged model is written, with a warning saying why.
+
+    A vision-language model's run (``vision``: its family and frozen vision part) exports the
+    whole model as its family's architecture (``save_vision_language``: the trained language
+    model with the vision part, the VLM's ``config.json``) and the processor files of ``base``
+    (``PROCESSOR_FILES``, those there); its adapters are named as PEFT names them on that class
+    (``prefix=vision.family.peft_prefix``)."""
+    if vision is not None and base is None:
+        raise ValueError("a vision-language model's export copies its processor files from base")
+    save = save_pretrained if vision is None else whole_model(vision)
+    prefix = TEXT_PREFIX if vision is None else vision.family.peft_prefix
 
     def export(policy, directory: Path) -> Path:
         policy = host_policy(policy)
         if is_main_process():
-            save_pretrained(merge_lora(policy), directory)
+            save(merge_lora(policy), directory)
             tokenizer.save_pretrained(directory)
+            if vision is not None:
+                copy_processor_files(base, directory)
             if has_lora(policy):
                 why = fused_adapter_error(policy.config.family, policy.layers.lora.weights())
                 if why is None:
-                    save_adapter(policy, Path(directory) / "adapter", base_model_name_or_path=base)
+                    save_adapter(
+                        policy,
+                        Path(directory) / "adapter",
+                        base_model_name_or_path=base,
+                        prefix=prefix,
+                    )
                 else:
                     warnings.warn(
                         f"{directory}: the merged model is written, the adapters alone are not: {why}",
@@ -98,6 +154,28 @@ def exporter(tokenizer: TextTokenizer, base: str | None = None):
         return directory
 
     return export
+
+
+def whole_model(vision: VisionLanguage):
+    """``save(language_model, directory)``: the vision-language model of ``vision``'s family and
+    vision part with ``language_model`` in it (``save_vision_language``). Only the family and
+    the vision part are kept (not the language model ``vision`` was loaded with)."""
+    family, part = vision.family, vision.vision
+
+    def save(language_model, directory) -> None:
+        save_vision_language(VisionLanguage(family, language_model, part), directory)
+
+    return save
+
+
+def copy_processor_files(source: str | Path, directory: str | Path) -> list[str]:
+    """Copy ``source``'s ``PROCESSOR_FILES`` (those it has) into ``directory``; their names."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(directory) / name)
+            copied.append(name)
+    return copied
 
 
 LORA_STREAM = 7  # the adapters' init key: fold_in(key(seed), LORA_STREAM)
@@ -141,7 +219,8 @@ class RunData:
     """An online run's tokenizer, model and prompts: the training rows prepared (formatted,
     tokenized, budget-checked) and the held-out ones as one batch (None: nothing held out).
     A vision-language model's run: ``vision`` (its family and frozen vision part; ``model`` is
-    its language model) and ``images`` (how rows become image prompts; None: text prompts)."""
+    its language model) and ``images`` (how rows become image prompts; None: text prompts);
+    ``mesh``: the trainer mesh the vision part is laid out on (``on_mesh``; None: one device)."""
 
     tokenizer: TextTokenizer
     model: Any
@@ -150,6 +229,16 @@ class RunData:
     held_out: PreparedPrompts | None
     vision: VisionLanguage | None = None
     images: ImagePrompts | None = None
+    mesh: Mesh | None = None
+
+    def on_mesh(self, mesh: Mesh) -> RunData:
+        """This run's data with its frozen vision part laid out on ``mesh`` once, by the
+        language model's sharding rules (``relax.parallel.shard_vision``), so that ``encode``
+        runs on the mesh; as it is for text prompts."""
+        if self.images is None:
+            return self
+        vision = self.vision._replace(vision=shard_vision(self.vision.vision, mesh))
+        return dataclasses.replace(self, vision=vision, mesh=mesh)
 
     @property
     def eval_batch(self):
@@ -160,10 +249,16 @@ class RunData:
         )
 
     def encode(self, policy, batch) -> PromptInputs | None:
-        """A ``PromptBatch``'s image prompts' inputs for ``policy`` (None: text prompts)."""
+        """A ``PromptBatch``'s image prompts' inputs for ``policy`` (None: text prompts); on a
+        mesh, computed there and laid out as the step takes them: rows over the batch axes."""
         if batch.images is None:
             return None
-        return encode_images(self.vision, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
+        inputs = encode_images(
+            self.vision, policy, batch.prompt_ids, batch.prompt_mask, batch.images
+        )
+        if self.mesh is None:
+            return inputs
+        return place_rows(inputs, self.mesh, batch.prompt_ids.shape[0])  # the step's layout
 
 
 def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> RunData:

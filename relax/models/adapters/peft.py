@@ -8,9 +8,16 @@ Tensor names are the ones ``peft`` writes for a causal LM (the adapter name drop
 ``...lora_B.weight`` ``[out, r]``, i.e. relax's ``a[j].T`` and ``b[j].T``, ``j`` the place of
 layer ``i`` among those the weight is on (``ModelConfig.layer_indices``: a dense layer's
 ``mlp.gate_proj``, a sparse layer's ``mlp.shared_expert.gate_proj``); the module path is the
-family record's (``relax.models.config.families``). Adapters on a module the checkpoint fuses
-(Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT form and are refused both ways
-(``fused_adapter_error``); Phi-3's other modules save and load as usual. The config holds what
+family record's (``relax.models.config.families``). The language model of a vision-language
+model sits elsewhere in transformers' class: ``prefix`` (its ``VisionFamily.peft_prefix``,
+``model.language_model`` for Gemma 3 and Qwen2.5-VL) gives
+``base_model.model.model.language_model.layers.{i}...``, and the config's ``exclude_modules``
+(a regex of every module outside that path) keeps PEFT off the vision tower's modules of the
+same names (Qwen2.5-VL's ``mlp.gate_proj``, SigLIP's ``self_attn.q_proj``).
+
+Adapters on a module the checkpoint fuses (Phi-3's ``qkv_proj``, ``gate_up_proj``) have no PEFT
+form and are refused both ways (``fused_adapter_error``); Phi-3's other modules save and load as
+usual. The config holds what
 ``peft.LoraConfig`` reads (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
 ``use_rslora``, ``init_lora_weights``, ``bias``...). Adapters with features relax does not
 run (DoRA, per-module rank or alpha patterns, extra trained modules, biases, a subset of layers)
@@ -20,6 +27,7 @@ are refused with an ``HFFormatError`` naming the file and field, never half-load
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -46,9 +54,19 @@ _UNSUPPORTED = {
 }
 
 
-def _name(i: int, module: str, factor: str) -> str:
-    """PEFT's name of layer ``i``'s ``lora_{factor}`` on ``module`` (its path under the layer)."""
-    return f"base_model.model.model.layers.{i}.{module}.lora_{factor}.weight"
+TEXT_PREFIX = "model"  # a causal LM's decoder in transformers' class: model.layers.{i}
+
+
+def _name(i: int, module: str, factor: str, prefix: str = TEXT_PREFIX) -> str:
+    """PEFT's name of layer ``i``'s ``lora_{factor}`` on ``module`` (its path under the layer),
+    the layers under ``prefix`` (the language model's module path)."""
+    return f"base_model.model.{prefix}.layers.{i}.{module}.lora_{factor}.weight"
+
+
+def exclude_outside(prefix: str) -> str:
+    r"""PEFT's ``exclude_modules`` regex (full match on a module's path) for every module not
+    under ``prefix``: ``(?!model\.language_model\.).*`` for ``model.language_model``."""
+    return rf"(?!{re.escape(prefix)}\.).*"
 
 
 def fused_adapter_error(family: str, fields) -> str | None:
@@ -78,7 +96,11 @@ def fused_adapter_error(family: str, fields) -> str | None:
 
 
 def save_adapter(
-    model: Transformer, path: str | os.PathLike, *, base_model_name_or_path: str | None = None
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | None = None,
+    prefix: str = TEXT_PREFIX,
 ) -> Path:
     """Write the model's adapters to ``path`` in PEFT's format (``peft.PeftModel.from_pretrained``
     loads them onto the base).
@@ -90,6 +112,9 @@ def save_adapter(
             into; created with its parents when absent.
         base_model_name_or_path: written to the config's ``base_model_name_or_path``, for PEFT
             to find the base model. None (default): none.
+        prefix: the language model's module path in the transformers class the adapter is for:
+            ``"model"`` (default: a causal LM), or a vision-language family's ``peft_prefix``
+            (``relax.models.vision.families``; the config then excludes every other module).
 
     Returns:
         The directory written, as a ``Path``.
@@ -112,9 +137,8 @@ def save_adapter(
         ):  # to host once, [L, ...]
             for j, i in enumerate(model.config.layer_indices(field)):
                 make = lambda arr=arr, j=j: arr[j].T  # noqa: E731
-                tensors.append(
-                    (_name(i, modules[field], factor), arr.shape[1:][::-1], arr.dtype, make)
-                )
+                name = _name(i, modules[field], factor, prefix)
+                tensors.append((name, arr.shape[1:][::-1], arr.dtype, make))
     write_safetensors(root / WEIGHTS, tensors)
     write_json(
         root / CONFIG,
@@ -125,6 +149,7 @@ def save_adapter(
             "lora_alpha": ad.alpha,
             "lora_dropout": ad.dropout,
             "target_modules": sorted({modules[f].rsplit(".", 1)[-1] for f in weights}),
+            "exclude_modules": None if prefix == TEXT_PREFIX else exclude_outside(prefix),
             "bias": "none",
             "use_rslora": ad.use_rslora,
             "use_dora": False,
@@ -181,13 +206,16 @@ def _stacked_factor(
     factor: str,
     want: tuple[int, int],
     layers_of: tuple[int, ...],
+    prefix: str,
 ) -> np.ndarray:
     """``lora_{factor}`` of ``module`` on the layers ``layers_of``, transposed to relax's layout and stacked."""
     layers = []
     for i in layers_of:
-        name = _name(i, module, factor)
+        name = _name(i, module, factor, prefix)
         if name not in names:
-            raise HFFormatError(f"{st.path}: tensor {name!r} is missing")
+            raise HFFormatError(
+                f"{st.path}: tensor {name!r} is missing{_prefix_hint(names, prefix)}"
+            )
         arr = st.read(names[name])
         if arr.shape != want:
             raise HFFormatError(
@@ -196,6 +224,23 @@ def _stacked_factor(
             )
         layers.append(np.array(arr.T))
     return np.stack(layers)
+
+
+def _prefix_hint(names, prefix: str) -> str:
+    """Where the file's layers are, when not under ``prefix`` (an adapter for another class)."""
+    found = sorted(
+        {
+            m.group(1)
+            for n in names
+            if (m := re.match(r"base_model\.model\.(.+?)\.layers\.\d+\.", n))
+        }
+    )
+    if not found or prefix in found:
+        return ""
+    return (
+        f" (its layers are under {found}, not {prefix!r}: pass prefix=, e.g. a vision-language "
+        "family's peft_prefix)"
+    )
 
 
 def _check_unfused_targets(family: str, file: Path) -> None:
@@ -214,7 +259,9 @@ def _check_unfused_targets(family: str, file: Path) -> None:
         )
 
 
-def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> Transformer:
+def load_adapter(
+    base: Transformer, path: str | os.PathLike, *, dtype=None, prefix: str = TEXT_PREFIX
+) -> Transformer:
     """``base`` with the PEFT adapter at ``path`` (``dtype``: the adapters' dtype; default as
     stored).
 
@@ -223,6 +270,10 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
         path: a PEFT adapter directory: ``adapter_config.json`` and
             ``adapter_model.safetensors``.
         dtype: the adapters' dtype. None (default): as stored.
+        prefix: the language model's module path in the adapter's transformers class:
+            ``"model"`` (default: a causal LM), or a vision-language family's ``peft_prefix``
+            (``base`` is then that model's language model; adapters on its vision tower are
+            refused as tensors relax does not adapt).
 
     Returns:
         ``base`` with the adapters in ``layers.lora`` (every base array shared), ready to train or
@@ -251,8 +302,8 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
         ):  # gate_proj on a model without a dense MLP or without a shared expert
             continue
         module, (fan_in, fan_out), at = modules[field], shapes[field], c.layer_indices(field)
-        a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), at)
-        b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), at)
+        a = _stacked_factor(st, names, module, "A", (cfg.rank, fan_in), at, prefix)
+        b = _stacked_factor(st, names, module, "B", (fan_out, cfg.rank), at, prefix)
         weights[field] = LoRAWeights(cast(a), cast(b))
     if not weights:
         raise HFFormatError(
@@ -260,7 +311,10 @@ def load_adapter(base: Transformer, path: str | os.PathLike, *, dtype=None) -> T
             f"of this {c.family} model"
         )
     used = {
-        names[_name(i, modules[f], x)] for f in weights for i in c.layer_indices(f) for x in "AB"
+        names[_name(i, modules[f], x, prefix)]
+        for f in weights
+        for i in c.layer_indices(f)
+        for x in "AB"
     }
     extra = sorted(set(st.entries) - used)
     if extra:

@@ -48,7 +48,10 @@ class VisionFamily:
     """``model_type`` / ``architecture``: transformers' names; ``text_family``: the relax family
     of the language model; ``load(path, dtype=, param_dtype=) -> (language model, vision)``,
     ``save(language model, vision, path)`` and ``encode(language model, vision, prompt_ids,
-    prompt_mask, pixel_values, grid) -> PromptInputs`` (the vision tower once per image)."""
+    prompt_mask, pixel_values, grid) -> PromptInputs`` (the vision tower once per image);
+    ``peft_prefix``: the language model's module path in transformers' class, under which PEFT
+    names its adapters (``base_model.model.{peft_prefix}.layers.{i}...``; a causal LM's is
+    ``model``), for ``relax.models.adapters.peft.save_adapter`` / ``load_adapter``'s ``prefix``."""
 
     model_type: str
     architecture: str
@@ -56,6 +59,7 @@ class VisionFamily:
     load: Callable[..., tuple[Transformer, Any]]
     save: Callable[[Transformer, Any, str | os.PathLike], None]
     encode: Callable[..., PromptInputs]
+    peft_prefix: str = "model.language_model"  # transformers 5's layout of both families
 
 
 class VisionLanguage(NamedTuple):
