@@ -55,6 +55,7 @@ def test_grpo_trains_on_image_prompts(setup, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "training images: 16 in all, 1-1 per prompt" in out
     assert "image prompts' programs compile when the step first calls them" in out
+    assert "padded rows (not packed)" in out and "packed across groups" not in out
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "loss" in x]
     assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-3 for s in steps)

@@ -94,7 +94,9 @@ def _report(
         padding,
         f"{cfg.batch_size} prompts x {algo.generation.num_generations} completions per step",
     ]
-    if algo.describe_update is not None:
+    if data.images is not None:  # make_packing leaves image batches padded
+        lines.append("image prompts: the update's forwards run on padded rows (not packed)")
+    elif algo.describe_update is not None:
         lines.append(algo.describe_update(data.model))
     lines += _sampler_lines(algo.generation, parts.off_policy)
     if "code_exec" in cfg.reward:
