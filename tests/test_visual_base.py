@@ -109,6 +109,7 @@ def _args(run_dir, *extra):
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # a whole run: make test-all
 def test_grpo_task_visual_makes_trains_and_reuses_its_base_model(tmp_path, capsys):
     grpo = load_example("grpo")
     summary = grpo.main(_args(tmp_path))

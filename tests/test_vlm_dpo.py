@@ -133,6 +133,7 @@ def _args(root, run_dir, *extra):
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # a whole run: make test-all
 def test_dpo_cli_trains_on_images_and_encodes_each_prompt_once(
     setup, tmp_path, capsys, monkeypatch
 ):

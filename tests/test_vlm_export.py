@@ -181,6 +181,7 @@ def _check_export(root, row, policy, export, *, lora):
         np.testing.assert_allclose(_hf_logits(tuned, ids, pixels, grid), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # a whole run: make test-all
 def test_grpo_lora_exports_the_whole_vlm_and_its_adapters(setup, tmp_path, monkeypatch):
     """GRPO with LoRA (the exporter is the same without: SFT tests both); the export of step 1
     (--export-every) is the whole model too."""

@@ -328,6 +328,7 @@ else:
 
     # ------------------------------------------------------------------ 8 devices (subprocess)
 
+    @pytest.mark.slow  # a whole run: make test-all
     def test_grpo_step_with_image_prompts_on_a_mesh_equals_one_device(results):
         got = results["qwen"]
         assert got["image_tokens"] > 0
@@ -344,6 +345,7 @@ else:
         for name, (diff, _, _) in got["weights"].items():
             assert diff <= WEIGHT_ATOL, (name, diff)
 
+    @pytest.mark.slow  # a whole run: make test-all
     def test_vision_weights_and_prompt_inputs_are_sharded(results):
         specs = results["qwen"]["specs"]
         rows = str(PS(("data", "expert", "fsdp")))  # the batch axes (expert: size 1)
@@ -356,6 +358,7 @@ else:
         assert specs["merger.fc1"] == str(PS("fsdp", "tensor")), specs
         assert specs["merger.fc2"] == str(PS("tensor", "fsdp")), specs
 
+    @pytest.mark.slow  # a whole run: make test-all
     def test_gemma3_encode_on_a_mesh_equals_one_device(results):
         got = results["gemma"]
         assert got["image_tokens"] == 12
@@ -369,6 +372,7 @@ else:
         assert specs[".tower.pos"] == str(PS(None, "fsdp")), specs
         assert specs[".projector.proj"] == str(PS("fsdp", "tensor")), specs
 
+    @pytest.mark.slow  # a whole run: make test-all
     def test_cli_grpo_with_images_on_a_mesh_trains_like_one_device(results):
         one, mesh = results["cli"]["one"], results["cli"]["mesh"]
         assert {"train 1", "train 2", "eval 2"} <= set(one), one

@@ -206,6 +206,7 @@ def _args(root, run_dir, data, *extra):
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # a whole run: make test-all
 def test_sft_cli_trains_on_images_and_encodes_once(setup, tmp_path, capsys, monkeypatch):
     root, _ = setup
     calls = []
