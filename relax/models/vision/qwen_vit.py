@@ -17,9 +17,12 @@ Attention never crosses a frame. The layers listed in ``fullatt_block_indexes`` 
 whole frame; the others inside windows of ``window_size`` pixels (``window_size / (m p)`` merged
 tokens a side; windows at the right and bottom edges are smaller). transformers permutes the
 patches into window order, attends over each window's contiguous run and permutes back; here
-the patches stay in place and attend under a block-diagonal mask of per-window (or per-frame)
-segment ids computed on the host from ``grid_thw`` (static per batch) -- the same outputs, since
-everything but attention acts per token and the merger's ``m x m`` groups stay together in both.
+the patches stay in place and each attention layer gathers its segments (the windows, or the
+frames of a full layer) into a padded ``[segments, longest, ...]`` batch, attends inside each,
+and gathers the outputs back (``Segments``, host tables from ``grid_thw``, static per batch):
+the same outputs, since everything but attention acts per token and the merger's ``m x m``
+groups stay together in both, at the cost of the windows' attention (``N x window``), not the
+image's (``N x N``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ __all__ = [
     "QwenVision",
     "VisionBlocks",
     "VisionMerger",
+    "Segments",
     "grid_tables",
     "init_qwen_vision",
+    "segment_attention",
+    "segments",
     "vision_forward",
 ]
 
@@ -227,6 +233,31 @@ def grid_tables(config: QwenVisionConfig, grid: Grid) -> GridTables:
     )
 
 
+class Segments(NamedTuple):
+    """Attention segments as a padded batch: ``index [S, L]`` the patches of each segment (in
+    order; padding points at patch 0), ``valid [S, L]`` which are real, ``back [N]`` each patch's
+    place in the flattened ``[S * L]`` batch."""
+
+    index: np.ndarray
+    valid: np.ndarray
+    back: np.ndarray
+
+
+def segments(ids: np.ndarray) -> Segments:
+    """The ``Segments`` of per-patch segment ids ``ids [N]`` (each segment's patches in order)."""
+    order = np.argsort(ids, kind="stable")
+    _, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
+    width = int(counts.max())
+    slot = np.arange(len(ids)) - np.repeat(starts, counts)  # rank inside its segment
+    seg = np.repeat(np.arange(len(counts)), counts)
+    index = np.zeros((len(counts), width), np.int32)
+    valid = np.zeros((len(counts), width), bool)
+    index[seg, slot], valid[seg, slot] = order, True
+    back = np.empty(len(ids), np.int32)
+    back[order] = seg * width + slot
+    return Segments(index, valid, back)
+
+
 def vision_rope(config: QwenVisionConfig, positions: np.ndarray) -> CosSin:
     """The 2-D rotary tables ``[N, head_dim]`` of patch positions ``[N, 2]`` (module docstring)."""
     half = config.head_dim // 2
@@ -246,19 +277,38 @@ def _linear(x: Array, w: Array, b: Array | None) -> Array:
     return y if b is None else y + b.astype(x.dtype)
 
 
+def segment_attention(
+    q: Float[Array, "N H d"], k: Float[Array, "N H d"], v: Float[Array, "N H d"], seg: Segments
+) -> Float[Array, "N H d"]:
+    """Each patch attends over the patches of its own segment: softmax(q k^T / sqrt(d)) v inside
+    each segment, computed on the padded ``[S, L]`` batch (a padding query sees itself only)."""
+    index, valid = jnp.asarray(seg.index), jnp.asarray(seg.valid)
+    eye = jnp.eye(index.shape[1], dtype=bool)
+    allowed = valid[:, None, :] | eye[None]
+    o = attn.attention(q[index], attn.heads_major(k[index]), attn.heads_major(v[index]), allowed)
+    return o.reshape(-1, *o.shape[2:])[jnp.asarray(seg.back)]
+
+
 def _block(
     c: QwenVisionConfig,
     p: VisionBlocks,
     x: Float[Array, "N D"],
     rope: CosSin,
-    allowed: Bool[Array, "N N"],
+    is_full: Bool[Array, ""],
+    frames: Segments,
+    windows: Segments,
 ) -> Float[Array, "N D"]:
-    """One block (module docstring) on one layer's parameters."""
+    """One block (module docstring) on one layer's parameters: attention over the frames' patches
+    when ``is_full``, else over the windows'."""
     n, H, hd = x.shape[0], c.num_heads, c.head_dim
     qkv = _linear(rms_norm(x, p.norm1, NORM_EPS), p.qkv, p.qkv_bias).reshape(n, 3, H, hd)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    o = attn.attention(q[None], attn.heads_major(k[None]), attn.heads_major(v[None]), allowed[None])
+    o = jax.lax.cond(
+        is_full,
+        lambda: segment_attention(q, k, v, frames),
+        lambda: segment_attention(q, k, v, windows),
+    )
     x = x + _linear(o.reshape(n, H * hd), p.proj, p.proj_bias)
     h = rms_norm(x, p.norm2, NORM_EPS)
     act = _ACTIVATIONS[c.hidden_act]
@@ -276,7 +326,7 @@ def vision_forward(
 ) -> Float[Array, "n O"]:
     """The merged image features ``[sum t*h*w / m^2, out_hidden_size]`` of the images ``grid``
     (static ``(t, h, w)`` tuples), in their order. The blocks run as one ``lax.scan``, each
-    layer's kind (full or window attention) scanned alongside and selecting its mask."""
+    layer's kind (full or window attention) scanned alongside and choosing its segments."""
     c = model.config
     if pixel_values.shape != (sum(t * h * w for t, h, w in grid), c.patch_dim):
         raise ValueError(
@@ -286,13 +336,12 @@ def vision_forward(
     tables = grid_tables(c, grid)
     x = _linear(pixel_values.astype(model.dtype), model.patch_embed, None)
     rope = vision_rope(c, tables.positions)
-    same = lambda ids: jnp.asarray(ids[:, None] == ids[None, :])  # noqa: E731
-    full_mask, window_mask = same(tables.frames), same(tables.windows)
+    frames, windows = segments(tables.frames), segments(tables.windows)
     full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
 
     def body(x, layer):
         p, is_full = layer
-        return _block(c, p, x, rope, jnp.where(is_full, full_mask, window_mask)), None
+        return _block(c, p, x, rope, is_full, frames, windows), None
 
     x, _ = jax.lax.scan(body, x, (model.blocks, full))
     return _merge(c, model.merger, x)
