@@ -2,19 +2,23 @@
 VLM_DIR --data rows.jsonl --image-field image`` on the tiny Qwen2.5-VL (``relax.tasks.tiny_vlm``)
 and the counting task's rows (base64 PNGs, ``relax.tasks.visual``). The start-up report counts
 the images, the steps train, the held-out evaluation samples with the images, a bad image is an
-error naming the file, row and field or a dropped row, and a text model refuses --image-field."""
+error naming the file, row and field or a dropped row, and a text model refuses --image-field.
+PPO trains on them as well, its vision tower once per prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
+import numpy as np
 import pytest
 from conftest import load_example
 
 from relax.data.files import Record
 from relax.data.image_prompts import ImagePrompts, processor_for
 from relax.data.prompts import DataConfig, prepare_prompts
+from relax.models.vision import families
 from relax.tasks.tiny_vlm import write_tiny_qwen2_5_vl
 from relax.tasks.visual import VisualTask, make_splits
 from relax.text import load_tokenizer
@@ -94,9 +98,33 @@ def test_image_field_needs_a_vision_language_model(tmp_path):
     assert not (tmp_path / "task").exists()
 
 
-def test_ppo_refuses_image_prompts(setup, tmp_path):
+def test_ppo_trains_on_image_prompts_encoding_each_prompt_once(
+    setup, tmp_path, capsys, monkeypatch
+):
+    calls = []
+    family = families.VISION_FAMILIES["qwen2_5_vl"]
+
+    def counting(lm, vision, ids, mask, pixels, grid):
+        calls.append((np.asarray(ids).shape[0], len(grid)))
+        return family.encode(lm, vision, ids, mask, pixels, grid)
+
+    monkeypatch.setitem(
+        families.VISION_FAMILIES, "qwen2_5_vl", dataclasses.replace(family, encode=counting)
+    )
     args = _args(setup, tmp_path / "ppo")
     cut = args.index("--grpo.num-generations")
-    args = args[:cut] + args[cut + 4 :]  # PPO has no --grpo.* flags
-    with pytest.raises(ValueError, match="ppo trains on text prompts only"):
-        load_example("ppo").main(args)
+    args = args[:cut] + ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "3"]
+    summary = load_example("ppo").main(args + ["--eval-every", "2"])
+    out = capsys.readouterr().out
+    assert "training images: 16 in all, 1-1 per prompt" in out
+    lines = [json.loads(x) for x in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-3 for s in steps)
+    assert all(np.isfinite(s["critic/loss"]) and "values_mean" in s for s in steps)
+    assert any("eval/greedy/accuracy" in x for x in lines)
+    assert summary["data"]["train"]["images"] == 16
+    exported = json.loads((tmp_path / "ppo" / "final_hf" / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]  # the whole VLM
+    # each step's 2 prompts (2 completions each) encoded once, and the 4 held-out prompts once
+    # for the run's evaluations: one image per prompt
+    assert sorted(calls) == [(2, 2), (2, 2), (4, 4)], calls

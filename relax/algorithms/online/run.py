@@ -328,13 +328,13 @@ def run_meshes(cfg: ModelRunConfig, log) -> tuple[Mesh | None, Mesh | None]:
 
 
 def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
-    """Image prompts train where they are built: GRPO, whole rollouts, on one device or a trainer
-    mesh of one process (no separate sampler devices)."""
+    """Image prompts train where they are built: GRPO and PPO, whole rollouts, on one device or
+    a trainer mesh of one process (no separate sampler devices)."""
     if cfg.image_field is None:
         return
-    if algo.name != "grpo":
+    if algo.name not in ("grpo", "ppo"):
         raise ValueError(
-            f"--image-field: {algo.name} trains on text prompts only (GRPO takes images)"
+            f"--image-field: {algo.name} trains on text prompts only (GRPO and PPO take images)"
         )
     if cfg.parallel.sampler_devices:
         raise ValueError(

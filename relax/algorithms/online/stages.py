@@ -320,7 +320,8 @@ def make_packing(
             if packing.mode == "on":
                 raise ValueError(
                     "packing mode 'on': image prompts train on padded completions; set "
-                    "--grpo.packing.mode auto or off"
+                    "the trainer's packing mode (--grpo.packing.mode / --ppo.packing.mode) to "
+                    "auto or off"
                 )
             return state, batch
         if jax.process_count() > 1:  # the bins index a process's batch, not the global one

@@ -118,7 +118,8 @@ def make_actor_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
 
 
 def make_critic_loss(cfg: PPOConfig, passes: Passes):
-    """``loss(critic, micro_batch, ctx)``: the value terms of a separate critic."""
+    """``loss(critic, micro_batch, ctx)``: the value terms of a separate critic (reading the
+    micro-batch's image prompts, ``mb.images``, when it has them)."""
 
     def loss_fn(critic, mb: CriticRows, ctx: LossContext):
         values = completion_values(
@@ -130,6 +131,7 @@ def make_critic_loss(cfg: PPOConfig, passes: Passes):
             cfg.forward.pass_().laid_out(passes, critic.backbone.config),
             rope=mb.critic_rope,
             packed=mb.packed,
+            prompt=mb.images,
         )
         return value_terms(cfg, values, mb, ctx)
 
@@ -158,6 +160,7 @@ def make_joint_loss(cfg: PPOConfig, passes: Passes, off_policy: OffPolicyConfig 
             temperature=cfg.generation.temperature,
             rope=mb.rope,
             packed=mb.packed,
+            prompt=mb.images,
         )
         pg, metrics = policy_terms(cfg, policy_loss, logp, ent, mb, ctx, off_policy)
         vf, vf_metrics = value_terms(cfg, values, mb, ctx)

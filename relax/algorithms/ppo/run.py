@@ -17,7 +17,12 @@ from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.models.config.model import DTYPES
 from relax.models.forward.forward_pass import resolve_attention
-from relax.models.heads.critic import init_critic, init_value_head, load_critic
+from relax.models.heads.critic import (
+    check_reads_prompt_inputs,
+    init_critic,
+    init_value_head,
+    load_critic,
+)
 from relax.passes import choose_passes
 from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
 from relax.train.state import TrainState, init_state
@@ -36,6 +41,11 @@ class PPORunConfig(OnlineRunConfig):
             raise ValueError(
                 "--ppo.advantage vineppo samples its branches on the host's device: "
                 "it runs without --parallel.mesh / --parallel.sampler-devices"
+            )
+        if self.ppo.advantage == "vineppo" and self.image_field is not None:
+            raise ValueError(
+                "--ppo.advantage vineppo branches from text prefixes: image prompts "
+                "(--image-field) train with --ppo.advantage gae"
             )
 
 
@@ -68,11 +78,19 @@ def real_defaults() -> PPORunConfig:
 
 
 def make_state(
-    p: PPOConfig, model, key, *, dtype=jnp.float32, param_dtype=jnp.float32
+    p: PPOConfig,
+    model,
+    key,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    images: bool = False,
 ) -> TrainState:
     """PPO's state for ``model``: its optimizer, the critic (a value head, a copy of the policy, or
     ``p.critic_model`` loaded in ``dtype`` / ``param_dtype`` with the policy's precision policy)
-    with its own, and the reference."""
+    with its own, and the reference. ``images``: the run trains on image prompts, whose inputs
+    a separate critic reads as the policy does (``check_reads_prompt_inputs``: a ``ValueError``
+    here, at start, for a critic that cannot)."""
     check_lora_reference(model, p.reference, p.needs_reference)
     critic = None
     if p.shared_critic:
@@ -85,6 +103,8 @@ def make_state(
                 p.critic_model, dtype=dtype, param_dtype=param_dtype, precision=model.precision
             )
         )
+        if images:
+            check_reads_prompt_inputs(critic.backbone.config, model.config)
     return init_state(
         model,
         p.optimizer.make(),
@@ -98,7 +118,11 @@ def make_state(
 def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
     p = cfg.ppo
     state = functools.partial(
-        make_state, p, dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype]
+        make_state,
+        p,
+        dtype=DTYPES[cfg.compute_dtype],
+        param_dtype=DTYPES[cfg.param_dtype],
+        images=cfg.image_field is not None,
     )
 
     def describe_update(model) -> str:

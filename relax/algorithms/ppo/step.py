@@ -17,6 +17,12 @@
 
 A completion whose score is missing (NaN: every reward function failed for it) is left out of
 both losses.
+
+Image prompts (``Prompts.images``, ``PromptInputs``) reach every forward as GRPO's do: the
+sampler, the reference, the critic's values and both updates (the actor's, the critic's or the
+joint one) run each prompt once per group with its image features, RoPE and blocks; a separate
+critic reads the policy's features (``relax.models.heads.critic.check_reads_prompt_inputs``).
+VinePPO's branches are text prefixes: it refuses image prompts.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from relax.compose import Stage, stage
 from relax.masked import last_valid_index, masked_mean
 from relax.models.forward.prefix_shared import completion_rope
 from relax.models.heads.critic import (
+    check_reads_prompt_inputs,
     completion_head_values,
     completion_values,
 )
@@ -129,33 +136,36 @@ def rope_tables(cfg: PPOConfig, state: TrainState, batch: PPOBatch) -> PPOBatch:
     """The batch with the rotary tables of its completions, computed once for the values and both
     updates: ``rope`` (the policy's) and ``critic_rope`` (a separate critic's own: it may be
     another model than the policy), both in the layout the forwards run (the bins' slots when
-    the batch was packed)."""
+    the batch was packed); an image prompt's tables are its ``PromptInputs``' (``batch.images``),
+    which a separate critic reads too (``check_reads_prompt_inputs``: else a ``ValueError``)."""
     _, g, n = batch.tokens.shape
 
     def tables(config):
         if batch.packed is not None:
             return bins_rope(config, batch.packed)
-        return completion_rope(config, batch.prompt_mask, g, n)
+        return completion_rope(config, batch.prompt_mask, g, n, batch.images)
 
     batch = batch.replace(rope=tables(state.policy.config))
     if cfg.needs_critic and not cfg.shared_critic:
+        if batch.images is not None:  # the policy's features and RoPE tables: they must fit
+            check_reads_prompt_inputs(state.critic.backbone.config, state.policy.config)
         batch = batch.replace(critic_rope=tables(state.critic.backbone.config))
     return batch
 
 
 def state_values(cfg: PPOConfig, state: TrainState, batch: PPOBatch):
     """The critic's values ``[P, G, N]`` of the sampled states (no gradient; over the packed rows
-    when the batch was packed); the batch holds ``rope_tables``."""
+    when the batch was packed; an image prompt's ``PromptInputs`` read as the policy reads
+    them); the batch holds ``rope_tables``."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
     how = cfg.forward.pass_(differentiated=False)
+    common = dict(packed=batch.packed, prompt=batch.images)
     if cfg.shared_critic:
         values = completion_head_values(
-            state.policy, state.critic, *args, how, rope=batch.rope, packed=batch.packed
+            state.policy, state.critic, *args, how, rope=batch.rope, **common
         )
     else:
-        values = completion_values(
-            state.critic, *args, how, rope=batch.critic_rope, packed=batch.packed
-        )
+        values = completion_values(state.critic, *args, how, rope=batch.critic_rope, **common)
     return jax.lax.stop_gradient(values)
 
 

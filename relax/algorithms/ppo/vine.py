@@ -69,7 +69,8 @@ def make_mc_values(
     on_error: str = "raise",
     timeout_s: float | None = None,
 ) -> Stage:
-    """Host stage adding ``mc_values`` ``[P, G, J]`` (module docstring) to the batch."""
+    """Host stage adding ``mc_values`` ``[P, G, J]`` (module docstring) to the batch; a batch
+    of image prompts is refused (``ValueError``: the branches' prefixes are text)."""
     fns = as_reward_functions(reward_fns)
     branch_cfg = RolloutConfig(
         num_generations=cfg.vine_rollouts,
@@ -82,6 +83,11 @@ def make_mc_values(
 
     def mc_values(state, batch: WithHost) -> tuple[Any, WithHost]:
         scored, host = batch.device, batch.host
+        if scored.images is not None:
+            raise ValueError(
+                "VinePPO branches from text prefixes (prompt + tokens[:t]): image prompts "
+                "(Prompts.images) take PPO's critic, advantage='gae'"
+            )
         tokens, mask = np.asarray(scored.tokens), np.asarray(scored.mask)
         lengths = np.asarray(scored.lengths)
         p, g, n = tokens.shape

@@ -36,6 +36,7 @@ from relax.models.adapters.operations import merge_lora
 from relax.models.config.families import BY_ARCHITECTURE, FAMILIES
 from relax.models.config.model import ModelConfig
 from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import Transformer
 from relax.models.forward.completion_packing import CompletionBins, to_padded
 from relax.models.forward.forward_pass import DEFAULT_PASS, ForwardPass
@@ -47,6 +48,7 @@ from relax.models.hf.weights_io import FLOAT_DTYPES, open_weights
 __all__ = [
     "Critic",
     "ValueHead",
+    "check_reads_prompt_inputs",
     "completion_head_values",
     "completion_logprobs_and_values",
     "completion_values",
@@ -116,6 +118,29 @@ def init_value_head(
     return ValueHead(_head_init(config.hidden_size, head_std, key), jnp.zeros((), jnp.float32))
 
 
+# what an image prompt's inputs fix: their features' width and the RoPE their tables were made with
+_PROMPT_INPUT_FIELDS = ("hidden_size", "head_dim", "rope_theta", "rope_scaling", "rope_local_theta")
+
+
+def check_reads_prompt_inputs(critic: ModelConfig, policy: ModelConfig) -> None:
+    """Raise ``ValueError`` unless a critic of config ``critic`` can read the image prompts'
+    inputs (``PromptInputs``) made for a policy of config ``policy``: their features are
+    ``[P, Lp, D]`` in the policy's hidden size and their RoPE tables the policy's, so the two
+    configs must agree on ``hidden_size``, ``head_dim`` and the RoPE (``rope_theta``,
+    ``rope_scaling``, ``rope_local_theta``). A critic made from the policy (``init_critic``) does."""
+    differ = [
+        f"{name} {getattr(critic, name)!r} (the policy's: {getattr(policy, name)!r})"
+        for name in _PROMPT_INPUT_FIELDS
+        if getattr(critic, name) != getattr(policy, name)
+    ]
+    if differ:
+        raise ValueError(
+            "image prompts: the critic reads the policy's image features and RoPE tables, but its "
+            f"config differs: {'; '.join(differ)}; start the critic from the policy "
+            "(no --ppo.critic-model) or from a value model of the same language model"
+        )
+
+
 def completion_values(
     critic: Critic,
     prompt_ids: Int[Array, "p lp"],
@@ -126,15 +151,25 @@ def completion_values(
     *,
     rope: CompletionRope | None = None,
     packed: CompletionBins | None = None,
+    prompt: PromptInputs | None = None,
 ) -> Float[Array, "p g n"]:
     """``V(prompt, tokens[<t])`` for every completion token (module docstring), float32, differentiable.
 
-    Prompts are left-padded; ``how``, ``rope`` and ``packed`` as
+    Prompts are left-padded; ``how``, ``rope``, ``packed`` and ``prompt`` as
     ``relax.models.forward.prefix_shared.completion_hidden``'s (``packed``: the backbone runs over
-    the packed rows, the values come back ``[P, G, N]``).
+    the packed rows, the values come back ``[P, G, N]``; ``prompt``: an image prompt's inputs,
+    the policy's, which the backbone reads as the policy does: ``check_reads_prompt_inputs``).
     """
     h = completion_hidden(
-        critic.backbone, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
+        critic.backbone,
+        prompt_ids,
+        prompt_mask,
+        tokens,
+        mask,
+        how,
+        rope=rope,
+        packed=packed,
+        prompt=prompt,
     )
     return to_padded(values_from_hidden(h, critic.head, critic.bias), packed, tokens.shape[-1])
 
@@ -150,12 +185,13 @@ def completion_head_values(
     *,
     rope: CompletionRope | None = None,
     packed: CompletionBins | None = None,
+    prompt: PromptInputs | None = None,
 ) -> Float[Array, "p g n"]:
     """``V = h . head + bias`` of a value head on ``policy``'s hidden states, for every completion
-    token, ``[P, G, N]`` (``completion_values``' alignment); ``how``, ``rope`` and ``packed`` as
-    ``completion_values``'."""
+    token, ``[P, G, N]`` (``completion_values``' alignment); ``how``, ``rope``, ``packed`` and
+    ``prompt`` as ``completion_values``'."""
     h = completion_hidden(
-        policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
+        policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed, prompt=prompt
     )
     return to_padded(values_from_hidden(h, head.head, head.bias), packed, tokens.shape[-1])
 
@@ -172,6 +208,7 @@ def completion_logprobs_and_values(
     temperature: float = 1.0,
     rope: CompletionRope | None = None,
     packed: CompletionBins | None = None,
+    prompt: PromptInputs | None = None,
 ) -> tuple[Float[Array, "p g n"], Float[Array, "p g n"], Float[Array, "p g n"]]:
     """``(log p(tokens[t] | ...), entropy, V)`` per completion token from ONE forward of ``policy``.
 
@@ -179,10 +216,10 @@ def completion_logprobs_and_values(
     ``how.entropy_grad``; whatever ``how.with_entropy`` says); the values read the same hidden
     states through ``head`` (``V = h . head + bias``). ``packed``: the forward, the vocabulary
     projection and the value read-out run over the packed rows only; all three come back
-    ``[P, G, N]``.
+    ``[P, G, N]``. ``prompt``: an image prompt's inputs (``completion_hidden``'s).
     """
     h = completion_hidden(
-        policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed
+        policy, prompt_ids, prompt_mask, tokens, mask, how, rope=rope, packed=packed, prompt=prompt
     )
     targets = tokens if packed is None else packed.ids
     rows = targets.reshape(-1, targets.shape[-1])
