@@ -98,6 +98,7 @@ def test_image_field_needs_a_vision_language_model(tmp_path):
     assert not (tmp_path / "task").exists()
 
 
+@pytest.mark.slow  # a whole run: make test-all
 def test_ppo_trains_on_image_prompts_encoding_each_prompt_once(
     setup, tmp_path, capsys, monkeypatch
 ):
