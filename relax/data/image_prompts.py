@@ -21,7 +21,11 @@ import numpy as np
 
 from relax.data.files import PathLike, Record
 from relax.data.images.decode import ImageLimits, record_images
-from relax.data.images.gemma3 import Gemma3ImageConfig, Gemma3ImageProcessor
+from relax.data.images.gemma3 import (
+    Gemma3ImageConfig,
+    Gemma3ImageProcessor,
+    check_tokens_per_image,
+)
 from relax.data.images.qwen2_vl import Qwen2VLImageConfig, Qwen2VLImageProcessor
 
 __all__ = ["BAD_IMAGES", "ImageBatch", "ImagePrompts", "image_messages", "processor_for"]
@@ -101,9 +105,12 @@ class ImagePrompts:
 def processor_for(
     model_type: str, directory: str | PathLike
 ) -> Gemma3ImageProcessor | Qwen2VLImageProcessor:
-    """The image processor of a vision-language ``model_type``, configured from ``directory``."""
+    """The image processor of a vision-language ``model_type``, configured from ``directory``
+    (Gemma 3: its image tokens per image checked against the model's, ``check_tokens_per_image``)."""
     if model_type == "gemma3":
-        return Gemma3ImageProcessor(Gemma3ImageConfig.from_dir(directory))
+        config = Gemma3ImageConfig.from_dir(directory)
+        check_tokens_per_image(config, directory)
+        return Gemma3ImageProcessor(config)
     if model_type in ("qwen2_5_vl", "qwen2_vl"):
         return Qwen2VLImageProcessor(Qwen2VLImageConfig.from_dir(directory))
     raise ValueError(f"{directory}: no image processor for model_type {model_type!r}")

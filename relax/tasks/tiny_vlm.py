@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -42,7 +43,14 @@ from relax.models.vision.qwen2_5_vl_checkpoint import save_qwen2_5_vl
 from relax.models.vision.qwen_vit import QwenVisionConfig, init_qwen_vision
 from relax.tasks.visual import VisualTask
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tokenizer", "write_tiny_qwen2_5_vl"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "added_tokens",
+    "build_tokenizer",
+    "vocabulary",
+    "write_tiny_qwen2_5_vl",
+]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -69,29 +77,31 @@ CHAT_TEMPLATE = (
 )
 
 
-def vocabulary(task: VisualTask) -> list[str]:
-    """The word-level vocabulary: ``<unk>``, the task's words (prompt, answers), the roles, the
-    digits and punctuation, in first-seen order (no special tokens)."""
+def vocabulary(task: VisualTask, roles: Sequence[str] = ROLES) -> list[str]:
+    """The word-level vocabulary: ``<unk>``, the task's words (prompt, answers), the ``roles``,
+    the digits and punctuation, in first-seen order (no special tokens)."""
     answers = [task.answer(n) for n in range(1, task.max_count + 1)]
-    texts = [task.prompt, *answers, *ROLES, *"0123456789", *PUNCTUATION]
+    texts = [task.prompt, *answers, *roles, *"0123456789", *PUNCTUATION]
     words = [w for t in texts for w in re.findall(PIECES, t)]
     return list(dict.fromkeys([UNK, *words]))
 
 
-def build_tokenizer(task: VisualTask) -> Tokenizer:
-    """The ``tokenizers`` tokenizer of ``vocabulary(task)`` followed by ``SPECIAL_TOKENS``."""
-    words = vocabulary(task)
-    vocab = {w: i for i, w in enumerate([*words, *SPECIAL_TOKENS])}
+def build_tokenizer(
+    task: VisualTask, special: Sequence[str] = SPECIAL_TOKENS, roles: Sequence[str] = ROLES
+) -> Tokenizer:
+    """The ``tokenizers`` tokenizer of ``vocabulary(task, roles)`` followed by the ``special``
+    tokens (Qwen2.5-VL's by default); pieces are fused back on decoding."""
+    words = vocabulary(task, roles)
+    vocab = {w: i for i, w in enumerate([*words, *special])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECES), "isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (UNK, *SPECIAL_TOKENS)]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (UNK, *special)])
     return tok
 
 
-def _added(tok: Tokenizer) -> dict[str, dict]:
+def added_tokens(tok: Tokenizer) -> dict[str, dict]:
+    """``tokenizer_config.json``'s ``added_tokens_decoder`` of ``tok``'s added tokens."""
     return {
         str(i): {
             "content": t.content,
@@ -192,7 +202,7 @@ def write_tiny_qwen2_5_vl(
     tok.save(str(root / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": _added(tok),
+        "added_tokens_decoder": added_tokens(tok),
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,

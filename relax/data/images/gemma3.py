@@ -19,7 +19,9 @@ Prompt text (``processing_gemma3.py``): each ``boi_token`` (``<start_of_image>``
 stands for one image and becomes ``"\\n\\n" + boi + image_token * image_seq_length + eoi +
 "\\n\\n"``; an image with ``k`` crops becomes ``"Here is the original image " + seq + " and here
 are some crops to help you see better " + " ".join([seq] * k)``. ``image_seq_length`` (default
-256) is ``processor_config.json``'s field and must equal the model's ``mm_tokens_per_image``.
+256) is ``processor_config.json``'s field and must equal the model's ``mm_tokens_per_image``
+(``check_tokens_per_image``: otherwise a prompt's image tokens and its images' features differ
+in number, which transformers' model refuses and relax's jitted forward could not see).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from PIL import Image
 from relax.data.images.pixels import (
     IMAGENET_STANDARD,
     MAX_SIDE,
+    PROCESSOR_FILE,
     PixelSteps,
     pixel_steps,
     pixel_values,
@@ -46,7 +49,8 @@ from relax.data.images.pixels import (
     token,
 )
 from relax.data.images.prompt import expand_placeholders
-from relax.models.hf.reader import ConfigReader
+from relax.models.hf.reader import ConfigReader, HFFormatError
+from relax.models.hf.weights_io import read_json
 
 _BILINEAR = int(Image.Resampling.BILINEAR)
 
@@ -184,4 +188,25 @@ class Gemma3ImageProcessor:
         """Each ``boi_token`` of ``text`` -> its image's text, in order; one per image."""
         return expand_placeholders(
             text, self.config.boi_token, [self.image_text(k) for k in num_crops]
+        )
+
+
+def check_tokens_per_image(config: Gemma3ImageConfig, directory: str | Path) -> None:
+    """Raise ``HFFormatError`` naming both files when the processor's ``image_seq_length`` (the
+    image tokens a prompt gets per image) is not the model's ``mm_tokens_per_image`` (the
+    features an image gives; ``config.json``, transformers' default 256 when absent). A
+    directory without ``config.json`` (a processor alone) has nothing to agree with."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return
+    d = read_json(path)
+    if not isinstance(d, dict):
+        raise HFFormatError(f"{path}: must hold a JSON object")
+    tokens = ConfigReader(d, str(path)).int_("mm_tokens_per_image", 256, lo=1)
+    if tokens != config.image_seq_length:
+        raise ConfigReader({}, str(Path(directory) / PROCESSOR_FILE)).fail(
+            "image_seq_length",
+            f"= {config.image_seq_length} (256 when the file or field is absent, as "
+            f"Gemma3Processor's default) disagrees with {path}: mm_tokens_per_image = {tokens}; "
+            "an image's tokens in the prompt must be as many as its features",
         )
