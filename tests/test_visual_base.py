@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from conftest import load_example
 
+from relax.algorithms.grpo.run import GRPORunConfig
+from relax.algorithms.online.setup import visual_setup
 from relax.data.files import Record
 from relax.data.image_prompts import ImagePrompts, processor_for
 from relax.data.prompts import DataConfig, prepare_prompts
@@ -125,6 +127,7 @@ def test_grpo_task_visual_makes_trains_and_reuses_its_base_model(tmp_path, capsy
     assert "(reused)" in out and "supervised step" not in out
 
 
-def test_ppo_refuses_the_visual_task(tmp_path):
+def test_the_visual_task_needs_its_image_field(tmp_path):
     with pytest.raises(ValueError, match="--task visual trains on image prompts"):
-        load_example("ppo").main(["--task", "visual", "--run-dir", str(tmp_path), "--steps", "1"])
+        visual_setup(GRPORunConfig(task="visual"), tmp_path, print)
+    assert not (tmp_path / "base_model").exists()

@@ -50,8 +50,9 @@ class PPORunConfig(OnlineRunConfig):
 
 
 def builtin_defaults(task: str = "reverse") -> PPORunConfig:
-    """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math``),
-    sized to finish in a few minutes on 2 CPU cores."""
+    """The no-argument run: a built-in task (reverse unless ``--task code`` / ``--task math`` /
+    ``--task visual``, whose rows' ``image`` column holds the pictures), sized to finish in a few
+    minutes on 2 CPU cores."""
     ppo = configure(
         PPOConfig,
         num_generations=4,
@@ -70,6 +71,7 @@ def builtin_defaults(task: str = "reverse") -> PPORunConfig:
         checkpoint_every=20,
         run_dir=f"runs/ppo-{task}",
         reward_workers=TASK_REWARD_WORKERS[task],
+        image_field="image" if task == "visual" else None,
     )
 
 
