@@ -6,7 +6,10 @@
 The first word is the algorithm: grpo, ppo (with ``--reward-model DIR``, its reward model
 too), sft, dpo, ipo, simpo, orpo (the DPO family, ``--dpo.*``), kto, rm (a reward model),
 distill (``--teacher``: the teacher's config.json), agent (the multi-turn trainer, ``--algorithm
-grpo|ppo``). ``--target`` is the machine (``relax.plan.targets``); every other flag is the run's
+grpo|ppo``). A GRPO run on a vision-language ``--model`` with ``--image-field`` plans prompts of
+``--images-per-prompt K`` images (1) of ``--image-tokens T`` tokens each (the family's usual:
+Gemma 3's 256, Qwen2.5-VL's 1,024), the image encode and the vision weights included
+(``relax.plan.vision``). ``--target`` is the machine (``relax.plan.targets``); every other flag is the run's
 own (``relax <algorithm> --help``); without ``--parallel.mesh`` the run is laid out over every
 chip (``fsdp=-1``), online or offline. Prints per chip and per program what the memory holds,
 the peak against the chip's HBM and the step's traffic; when the run does not fit, the flags
@@ -33,7 +36,7 @@ USAGE = (
     "usage: relax plan <grpo|ppo|sft|dpo|ipo|simpo|orpo|kto|rm|distill|agent> "
     "--target <v5e:2x4|v5p:2x2x2|v6e:4x4|h100x8|v5p|h100|...> "
     "--model <dir|config.json> [--exact] [--no-suggest] [--compile-threads N] [--json FILE] "
-    "[run flags]"
+    "[--images-per-prompt K] [--image-tokens T] [run flags]"
 )
 
 
@@ -70,6 +73,7 @@ def summary(p) -> dict:
         "exact": p.exact,
         "programs": [dataclasses.asdict(m) | {"fits": m.fits} for m in p.programs],
         "traffic": [None if t is None else dataclasses.asdict(t) for t in p.traffic],
+        "images": None if p.images is None else dataclasses.asdict(p.images),
     }
 
 
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from relax.plan.plan import compile_once, plan
     from relax.plan.search import SLICES
     from relax.plan.suggest import suggest
+    from relax.plan.vision import ImagePlan
 
     if not argv or argv[0] != "plan" or len(argv) < 2 or argv[1].startswith("-"):
         print(USAGE, file=sys.stderr)
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     rest, no_suggest = _pop(rest, "--no-suggest", takes_value=False)
     rest, exact = _pop(rest, "--exact", takes_value=False)
     rest, threads = _pop(rest, "--compile-threads")
+    rest, per_prompt = _pop(rest, "--images-per-prompt")
+    rest, tokens = _pop(rest, "--image-tokens")
     if target is None:
         print(USAGE + "\n--target is required", file=sys.stderr)
         return 2
@@ -101,13 +108,37 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     workers = 1 if threads is None else int(threads)
+    for flag, value in (("--images-per-prompt", per_prompt), ("--image-tokens", tokens)):
+        if value is not None and not (value.isdigit() and int(value) >= 1):
+            print(USAGE + f"\n{flag} must be a whole number >= 1, got {value!r}", file=sys.stderr)
+            return 2
+    images = (
+        None
+        if per_prompt is None and tokens is None
+        else ImagePlan(
+            1 if per_prompt is None else int(per_prompt), None if tokens is None else int(tokens)
+        )
+    )
     compile_fn = compile_once()  # the suggestions reuse the programs their flags leave alone
     if target.strip().lower() in SLICES:  # a chip kind: its smallest slice that fits
         return _search(
-            algorithm, rest, target.strip().lower(), compile_fn, exact is not None, out, workers
+            algorithm,
+            rest,
+            target.strip().lower(),
+            compile_fn,
+            exact is not None,
+            out,
+            workers,
+            images,
         )
     p = plan(
-        algorithm, rest, target, compile_fn=compile_fn, exact=exact is not None, workers=workers
+        algorithm,
+        rest,
+        target,
+        compile_fn=compile_fn,
+        exact=exact is not None,
+        workers=workers,
+        images=images,
     )
     print(p.table(), flush=True)
     record = summary(p)
@@ -135,11 +166,12 @@ def _search(
     exact: bool,
     out: str | None,
     workers: int,
+    images=None,
 ) -> int:
     """``--target <kind>``: plan the run on the slices of ``kind`` from the smallest up."""
-    from relax.models.hf.checkpoint import read_config
     from relax.plan.plan import parse_run
     from relax.plan.search import smallest
+    from relax.plan.vision import language_config
 
     run = parse_run(algorithm, argv)
     print(
@@ -148,12 +180,13 @@ def _search(
     p, tried = smallest(
         algorithm,
         run,
-        read_config(run.model),
+        language_config(run.model),
         kind,
         compile_fn=compile_fn,
         exact=exact,
         log=lambda line: print(line, flush=True),
         workers=workers,
+        images=images,
     )
     record = {
         "kind": kind,

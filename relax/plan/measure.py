@@ -14,6 +14,7 @@ from relax.algorithms.offline.run import OfflineAlgorithm
 from relax.algorithms.online.config import ModelRunConfig, OnlineAlgorithm, OnlineRunConfig
 from relax.models.config.model import DTYPES, ModelConfig
 from relax.models.config.sharding import batch_shards
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.plan import depth as depth_lib
 from relax.plan.hlo_summary import ProgramTraffic, traffic
 from relax.plan.memory import (
@@ -122,10 +123,13 @@ def online(
     compile_fn: Callable[[Any], tuple],
     exact: bool,
     workers: int = 1,
+    images: PromptInputs | None = None,
 ) -> list[Measured]:
     """Each program of an online run, measured; the sampler of a deep model compiled at two
     shallow depths and extended to its own unless ``exact``. Every walk is lowered before the
-    compiles are awaited, ``workers`` programs compiled at a time (``Concurrently``)."""
+    compiles are awaited, ``workers`` programs compiled at a time (``Concurrently``).
+    ``images``: image prompts' ``PromptInputs`` (abstract, ``relax.plan.vision``): the sampler
+    and the update at every depth take them (their shapes do not depend on the depth)."""
     at = None if exact else depth_lib.depths(model)
     with Concurrently(compile_fn, workers) as pending:
         shallow = [
@@ -136,6 +140,7 @@ def online(
                 devices,
                 compile_fn=pending,
                 until=is_sampler,
+                images=images,
             )
             for d in (at or ())
         ]
@@ -148,7 +153,9 @@ def online(
             if shallow
             else None
         )
-        programs = online_programs(run, algo, model, devices, compile_fn=pending, known=known)
+        programs = online_programs(
+            run, algo, model, devices, compile_fn=pending, known=known, images=images
+        )
         shallow = [[pending.resolved(p) for p in qs] for qs in shallow]
         programs = [pending.resolved(p) for p in programs]
     rollout = algo.generation.rollout(eos_ids=(), pad_id=0)

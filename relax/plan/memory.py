@@ -11,8 +11,9 @@ there). So a program's peak need is taken as::
 with ``state`` and ``batch`` each chip's shard of the program's abstract arguments: the policy's
 weights, the optimizer state (moments and master weights), the reference model (unless it is
 offloaded to host memory for that program; a distillation's teacher), the critic with its
-optimizer, and the batch; a reward model's weights (``--reward-model``) are resident beside them
-on the trainer's chips. The temporaries of a sampler program hold its KV caches
+optimizer, and the batch; a reward model's weights (``--reward-model``) and a vision-language
+model's frozen vision part (``--image-field``) are resident beside them on the trainer's chips.
+The temporaries of a sampler program hold its KV caches
 (``relax.rollout.sampler.cache_bytes``, divided over the chips that split their rows and heads)
 and its own copy of the weights (``sampler_weights_per_chip``: the layers' matrices fused in the
 decode layout, 1 byte each plus scales for an 8-bit sampler, with its 8-bit head); the rest of
@@ -74,6 +75,9 @@ class ProgramMemory:
     sampler_weights: int = 0
     """A sampler's own copy of the weights on this chip (``sampler_weights_per_chip``), counted out
     of its temporaries as ``kv_cache`` is (0 outside the sampler)."""
+    vision: int = 0
+    """A vision-language run's frozen vision part (tower and projection) on this chip: laid out
+    once on the trainer's chips and resident through the run (``relax.plan.vision``)."""
 
     @property
     def fits(self) -> bool:
@@ -83,6 +87,11 @@ class ProgramMemory:
 def with_reward_model(m: ProgramMemory, weights: int) -> ProgramMemory:
     """``m`` with a reward model's ``weights`` (bytes on its chip) resident beside it."""
     return dataclasses.replace(m, reward_model=weights, total=m.total + weights)
+
+
+def with_vision(m: ProgramMemory, weights: int) -> ProgramMemory:
+    """``m`` with a vision part's ``weights`` (bytes on its chip) resident beside it."""
+    return dataclasses.replace(m, vision=weights, total=m.total + weights)
 
 
 def oom_bytes(message: str) -> tuple[int | None, int | None]:

@@ -16,6 +16,7 @@ step is compiled by the target's compiler (``relax.plan.programs``) and measured
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from collections.abc import Callable
@@ -24,12 +25,13 @@ from typing import Any
 from relax.algorithms.cli.flags import parse_flags
 from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig
 from relax.models.config.model import ModelConfig
-from relax.models.hf.checkpoint import read_config
 from relax.plan import targets as targets_lib
+from relax.plan import vision as vision_lib
 from relax.plan.hlo_summary import ProgramTraffic
 from relax.plan.memory import ProgramMemory
 from relax.plan.reward_model import add_reward_model
 from relax.plan.trainers import ALGORITHMS
+from relax.plan.vision import ImagePlan, language_config
 
 
 def parse_run(algorithm: str, argv: list[str]) -> ModelRunConfig:
@@ -73,6 +75,7 @@ class Plan:
     traffic: tuple[ProgramTraffic | None, ...]
     compile_s: float
     exact: bool = False  # every program compiled whole (no sampler extended from shallow compiles)
+    images: ImagePlan | None = None  # an image run's images per prompt (``relax.plan.vision``)
 
     @property
     def peak(self) -> ProgramMemory:
@@ -123,19 +126,31 @@ def plan_run(
     compile_fn: Callable[[Any], tuple] = compile_program,
     exact: bool = False,
     workers: int = 1,
+    images: ImagePlan | None = None,
 ) -> Plan:
     """Compile one step of ``run`` for ``target`` (with ``compile_fn``, ``workers`` programs at a
     time: one by default, since a deep model's program can take 16 GB of host memory to compile)
     and measure each program. The sampler of
     a deep model is compiled at two shallow depths and extended to its own (``relax.plan.depth``)
     unless ``exact``; an online run's ``--reward-model`` is resident beside its programs and
-    scores with a program of its own (``relax.plan.reward_model``)."""
+    scores with a program of its own (``relax.plan.reward_model``); a GRPO run's
+    ``--image-field`` prompts hold ``images`` (default ``ImagePlan()``: one image of the family's
+    usual size), encoded by a program of their own, the vision part resident beside every
+    program (``relax.plan.vision``)."""
     entry = ALGORITHMS[algorithm]
     algo = entry.algorithm(run)
     devices = targets_lib.devices(target)
+    measure_fn = entry.measure
+    if getattr(run, "image_field", None) is not None:
+        if algorithm != "grpo":
+            raise ValueError(f"relax plan plans image prompts for grpo runs; got {algorithm}")
+        vm, images = vision_lib.resolved(run, images)
+        measure_fn = functools.partial(vision_lib.image_run, vm=vm, images=images)
+    elif images is not None:
+        raise ValueError("--images-per-prompt / --image-tokens need --image-field")
     t0 = time.perf_counter()
     try:
-        measured = entry.measure(
+        measured = measure_fn(
             run, algo, model, target, devices, compile_fn=compile_fn, exact=exact, workers=workers
         )
     except RuntimeError as e:
@@ -156,6 +171,7 @@ def plan_run(
         tuple(m.traffic for m in measured),
         time.perf_counter() - t0,
         exact,
+        images,
     )
 
 
@@ -167,16 +183,19 @@ def plan(
     compile_fn: Callable[[Any], tuple] = compile_program,
     exact: bool = False,
     workers: int = 1,
+    images: ImagePlan | None = None,
 ) -> Plan:
-    """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``)."""
+    """Parse the run's flags ``argv`` and plan it on ``target`` (e.g. ``"v5p:2x2x2"``, ``"h100x8"``);
+    ``images``: an ``--image-field`` run's images per prompt (``plan_run``'s)."""
     run = parse_run(algorithm, argv)
     target = target if isinstance(target, targets_lib.Target) else targets_lib.Target.parse(target)
     return plan_run(
         algorithm,
         run,
-        read_config(run.model),
+        language_config(run.model),
         target,
         compile_fn=compile_fn,
         exact=exact,
         workers=workers,
+        images=images,
     )

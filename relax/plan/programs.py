@@ -46,6 +46,7 @@ from relax.algorithms.online.setup import with_lora
 from relax.algorithms.online.step import StepParts
 from relax.compose import WithHost
 from relax.models.config.model import DTYPES, ModelConfig
+from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import init as init_model
 from relax.parallel import ShardedStep, batch_shards, check_batch, replicated, state_shardings
 from relax.passes import choose_passes, target_backend
@@ -136,9 +137,13 @@ def _parts(
     return run_parts(run, stand_in(parts), algorithm.generation)
 
 
-def first_batch(run: OnlineRunConfig) -> WithHost:
-    """A batch of ``--batch-size`` prompts padded to ``--max-prompt-tokens`` (the longest bucket)."""
-    return prompt_batch(run.batch_size, run.max_prompt_tokens, run.answer_field)
+def first_batch(run: OnlineRunConfig, images: PromptInputs | None = None) -> WithHost:
+    """A batch of ``--batch-size`` prompts padded to ``--max-prompt-tokens`` (the longest bucket);
+    ``images``: image prompts' inputs (``ShapeDtypeStruct`` s, ``relax.plan.vision``)."""
+    batch = prompt_batch(run.batch_size, run.max_prompt_tokens, run.answer_field)
+    if images is None:
+        return batch
+    return WithHost(batch.device.replace(images=images), batch.host)
 
 
 def _shapes(tree: Any) -> Any:
@@ -159,18 +164,20 @@ def online_programs(
     compile_fn: Callable[[Any], tuple],
     known: dict[str, Any] | None = None,
     until: Callable[[str], bool] | None = None,
+    images: PromptInputs | None = None,
 ) -> list[Program]:
     """The jitted programs of one step of ``run`` on ``devices`` (a target's), in the order the
     step runs them; ``compile_fn(lowered) -> (compiled | None, error | None, seconds)``.
     ``known``: the outputs of programs (by name) that are not to be compiled (left ``compiled``
-    None, ``error`` None); ``until``: stop after the first program whose name it accepts."""
+    None, ``error`` None); ``until``: stop after the first program whose name it accepts;
+    ``images``: the prompts' ``PromptInputs`` (abstract; None: text prompts)."""
     return sharded_programs(
         run,
         algorithm,
         config,
         devices,
         make_step=lambda passes: algorithm.make_step(_parts(run, config, passes, algorithm)),
-        batch=first_batch(run),
+        batch=first_batch(run, images),
         compile_fn=compile_fn,
         known=known,
         until=until,

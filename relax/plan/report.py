@@ -43,11 +43,13 @@ def _layout(run) -> str:
 def _columns(p: Plan) -> tuple[str, ...]:
     """The table's columns: ``sampler_weights`` after ``kv_cache`` when a program samples (its weight
     copy, ``relax.plan.memory.sampler_weights_per_chip``), ``reward_model`` too when the run has
-    one (``--reward-model``)."""
+    one (``--reward-model``), ``vision`` when its prompts hold images (the frozen vision part,
+    ``relax.plan.vision``)."""
     cut = COLUMNS.index("activations")
     copy = ("sampler_weights",) if any(m.sampler_weights for m in p.programs) else ()
     reward = ("reward_model",) if any(m.reward_model for m in p.programs) else ()
-    return COLUMNS[:cut] + copy + COLUMNS[cut:] + reward
+    vision = ("vision",) if any(m.vision for m in p.programs) else ()
+    return COLUMNS[:cut] + copy + COLUMNS[cut:] + reward + vision
 
 
 def _sampler_precision(p: Plan) -> str:
@@ -55,6 +57,16 @@ def _sampler_precision(p: Plan) -> str:
     generation = getattr(getattr(p.run, p.algorithm, None), "generation", None)
     quantized = generation is not None and generation.quantized
     return f"; sampler {generation.sampler_precision}" if quantized else ""
+
+
+def _images(p: Plan) -> str:
+    """The image run's line: images per prompt, and where the encode and the vision part are."""
+    i = p.images
+    return (
+        f"  images: {i.per_prompt} x {i.tokens} image tokens per prompt (of {p.run.max_prompt_tokens}); "
+        "encode: the frozen vision tower once per image; vision: its weights, resident on the "
+        "trainer's chips (relax.plan.vision)"
+    )
 
 
 def _width(column: str) -> int:
@@ -74,6 +86,7 @@ def plan_table(p: Plan) -> str:
         + (f"; LoRA rank {run.lora.rank}" if run.lora.enabled else ""),
         f"  compiled {len(p.programs)} programs in {p.compile_s:.0f} s",
         *([f"  {NOTES[p.algorithm]}"] if p.algorithm in NOTES else []),
+        *([_images(p)] if p.images is not None else []),
         "",
         "  GiB per chip      "
         + " ".join(f"{c:>{_width(c)}}" for c in columns)

@@ -24,6 +24,7 @@ from relax.plan.plan import Plan, plan_run
 from relax.plan.programs import abstract_state
 from relax.plan.targets import CHIPS, Target
 from relax.plan.trainers import ALGORITHMS
+from relax.plan.vision import ImagePlan
 
 SLICES: dict[str, tuple[str, ...]] = {
     "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
@@ -70,9 +71,10 @@ def smallest(
     exact: bool = False,
     log: Callable[[str], None] = lambda line: None,
     workers: int = 1,
+    images: ImagePlan | None = None,
 ) -> tuple[Plan | None, list[Tried]]:
     """The plan on the smallest slice of ``kind`` that fits ``run`` (None if none does), and every
-    slice tried on the way (``workers``: ``plan_run``'s)."""
+    slice tried on the way (``workers``, ``images``: ``plan_run``'s)."""
     mesh = run.parallel.mesh
     if run.parallel.sampler_devices or "-1" not in mesh:
         raise ValueError(
@@ -100,6 +102,7 @@ def smallest(
                     compile_fn=compile_fn,
                     exact=exact,
                     workers=workers,
+                    images=images,
                 )
                 tried.append(Tried(target, p.fits, p.peak.total))
             except ValueError as e:  # a layout the run's flags cannot take on this slice

@@ -96,6 +96,7 @@ def suggest(p: Plan, argv: list[str], log=lambda line: None, compile_fn=None) ->
                 p.target,
                 compile_fn=compile_fn,
                 exact=p.exact,
+                images=p.images,
             )
         except (
             ValueError
