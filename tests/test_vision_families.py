@@ -93,3 +93,18 @@ def test_a_text_model_is_not_a_vision_language_one(tmp_path):
     assert vision_family_of(tmp_path / "text") is None
     with pytest.raises(HFFormatError, match="not a vision-language model"):
         load_vision_language(tmp_path / "text")
+
+
+def test_gemma3_encode_counts_the_image_tokens(dirs):
+    """The run's encode refuses a batch whose image tokens are not its images x
+    mm_tokens_per_image (the features would land on the wrong tokens), and takes the right one."""
+    from relax.data.image_prompts import ImageBatch
+    from relax.models.vision.families import encode_images
+
+    vl = load_vision_language(dirs / "gemma3")
+    ids, mask = _batch()
+    pix = _pixels(3).numpy()
+    inputs = encode_images(vl, vl.language_model, ids, mask, ImageBatch(pix, ()))
+    assert int(np.asarray(inputs.is_image).sum()) == 3 * vl.vision.config.mm_tokens_per_image
+    with pytest.raises(ValueError, match="expected 2 image"):
+        encode_images(vl, vl.language_model, ids, mask, ImageBatch(pix[:2], ()))

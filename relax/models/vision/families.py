@@ -26,7 +26,7 @@ from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import Transformer
 from relax.models.hf.config import HFFormatError
 from relax.models.hf.weights_io import read_json
-from relax.models.vision.gemma3 import gemma3_prompt_inputs
+from relax.models.vision.gemma3 import check_image_tokens, gemma3_prompt_inputs
 from relax.models.vision.gemma3_checkpoint import load_gemma3, save_gemma3
 from relax.models.vision.qwen2_5_vl import Qwen2_5_VL, prepare_inputs
 from relax.models.vision.qwen2_5_vl import prompt_inputs as qwen_prompt_inputs
@@ -82,7 +82,12 @@ def _save_qwen(lm: Transformer, vision: Qwen2_5_VL, path) -> None:
 
 
 def _encode_gemma3(lm, vision, prompt_ids, prompt_mask, pixel_values, grid) -> PromptInputs:
+    """Gemma 3's inputs, the batch's image tokens first counted against its images (each
+    ``mm_tokens_per_image``): a processor that expands an image to another count would have
+    each image's features misplaced (``ValueError``, never silently)."""
     pixels = None if pixel_values is None or not len(pixel_values) else jnp.asarray(pixel_values)
+    n = 0 if pixels is None else int(pixels.shape[0])
+    check_image_tokens(vision.config, prompt_ids, prompt_mask, None, n)
     return _gemma3_inputs(lm, vision, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), pixels)
 
 
