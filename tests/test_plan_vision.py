@@ -139,6 +139,7 @@ def qwen_plan(tmp_path_factory):
 
 
 @needs_tpu
+@pytest.mark.slow  # a TPU compile of three programs: make test-all
 def test_qwen_encode_program_and_vision_bytes_by_hand(qwen_plan):
     names = [m.name for m in qwen_plan.programs]
     assert names[0] == "encode" and any("rollout" in n for n in names), names

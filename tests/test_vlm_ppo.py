@@ -120,6 +120,7 @@ def test_log_probs_and_values_read_the_images(critic):
     assert not np.allclose(values[m], plain[m], atol=1e-3)
 
 
+@pytest.mark.slow  # two more PPO steps per critic: make test-all
 @pytest.mark.parametrize("critic", ["separate", "shared"])
 def test_text_prompt_inputs_are_the_step_without_images(critic):
     _, a, out_a = _run(lambda m, b: text_prompt_inputs(m, b.prompt_ids, b.prompt_mask), critic)
