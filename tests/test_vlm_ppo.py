@@ -97,7 +97,9 @@ def _masked_mean(x, m):
     return float(np.sum(np.where(m, x, 0.0)) / np.sum(m))
 
 
-@pytest.mark.parametrize("critic", ["separate", "shared"])
+@pytest.mark.parametrize(
+    "critic", [pytest.param("separate", marks=pytest.mark.slow), "shared"]
+)  # the separate critic's step: make test-all
 def test_log_probs_and_values_read_the_images(critic):
     images, _, out = _run(_images, critic)
     b, metrics = out.device.batch, out.device.metrics
