@@ -37,6 +37,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from test_vision_gemma3 import BOI, EOI, IMG, MM, _hf_model  # noqa: E402
+
 pytestmark = pytest.mark.parity
 
 TASK = VisualTask(num_train=4, num_eval=2)
@@ -252,51 +254,10 @@ def test_qwen_adapter_is_peft_s_on_the_vlm_class(setup, tmp_path):
         load_adapter(vl.language_model, tmp_path / "adapter")  # a causal LM's names
 
 
-BOI, EOI, IMG, MM = 120, 121, 122, 4
-
-
-def _gemma3(path):
-    """A tiny random ``Gemma3ForConditionalGeneration`` (2 text layers, a 1-layer SigLIP on
-    32 x 32 images, 4 tokens per image) saved to ``path``."""
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3Config(
-        text_config=dict(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=64,
-        ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-        ),
-        mm_tokens_per_image=MM,
-        boi_token_index=BOI,
-        eoi_token_index=EOI,
-        image_token_index=IMG,
-    )
-    m = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for _, p in m.named_parameters():
-            if p.ndim == 1:  # norms and biases off identity / zero
-                p.add_(0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    m.save_pretrained(path)
-
-
 def test_gemma3_adapter_both_ways(tmp_path):
     from relax.models.vision.gemma3 import vlm_logits
 
-    _gemma3(tmp_path / "hf")
+    _hf_model().save_pretrained(tmp_path / "hf")  # the parity tests' tiny Gemma 3
 
     def hf():
         return transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "hf")
