@@ -30,8 +30,9 @@ NAMES = [
     "rlhf",
     "serve",
     "plan",
+    "eval",
 ]
-TRAINERS = [name for name in NAMES if name not in ("serve", "plan")]
+TRAINERS = [name for name in NAMES if name not in ("serve", "plan", "eval")]
 # The run config each trainer's parse returns, and the example script that is the same command.
 CONFIGS = {
     "grpo": "relax.algorithms.grpo.run:GRPORunConfig",
@@ -54,6 +55,7 @@ HELP_FLAG = {name: "--steps" for name in TRAINERS} | {
     "rlhf": "--sft.steps",
     "serve": "--port",
     "plan": "--target",
+    "eval": "--task",
 }
 # Flags a trainer parses to the same config as its example script does.
 FLAGS = {name: ["--steps", "3"] for name in TRAINERS} | {

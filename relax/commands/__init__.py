@@ -1,10 +1,12 @@
-"""The ``relax`` command: every trainer, the training service and the planner behind one word.
+"""The ``relax`` command: every trainer, the training service, the planner and the evaluation
+behind one word.
 
     relax --help                                  # the commands, one line each
     relax grpo --task math                        # a trainer: grpo, ppo, sft, dpo, orpo, kto, rm,
     relax sft --model HF_DIR --data chats.jsonl   #   distill, agent, rlhf
     relax serve --model HF_DIR                    # the training service
     relax plan grpo --target v5p --model config.json   # will the run fit that machine?
+    relax eval --model HF_DIR --task gsm8k --data test.jsonl   # a benchmark, as lm-eval scores it
 
 ``python -m relax <command>`` and the scripts ``examples/train_<algorithm>.py`` (``rlhf.py``) are
 the same commands with the same flags. One module per command holds its help text (the module
