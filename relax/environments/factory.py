@@ -4,6 +4,9 @@
     env = make_env()                           # a fresh environment per trajectory
     schemas = tool_schemas(env)                # its tools, for the chat template (None: no tools)
 
+``verifiers:<id>[?key=value&...]`` names a ``verifiers`` environment
+(``relax.environments.verifiers_env``; the library is imported only then).
+
 ``module:name`` names a callable of no arguments (a class or a function) that returns an
 ``Environment`` or ``AsyncEnvironment`` (``relax.environments.protocol``). The module is imported
 as Python imports it, with the working directory first on the path (as ``python -m`` would): a
@@ -57,6 +60,11 @@ def _import(module_name: str):
 def make_checked(spec: str) -> tuple[Callable[[], Any], Any]:
     """``(factory, env)``: ``spec``'s factory and one environment it made, checked to follow the
     environment protocol (``reset`` / ``step`` or ``areset`` / ``astep``)."""
+    if spec.startswith("verifiers:"):
+        from relax.environments.verifiers_env import verifiers_factory
+
+        factory = verifiers_factory(spec)
+        return factory, factory()
     factory = load_factory(spec)
     env = factory()
     if not isinstance(env, (Environment, AsyncEnvironment)):
@@ -71,4 +79,4 @@ def tool_schemas(env: Any) -> list[dict] | None:
     """The JSON schemas of ``env``'s tools for the chat template's ``tools=``: its ``schemas()``
     (as ``ToolEnvironment`` has), else None (no tools in the prompt)."""
     schemas = getattr(env, "schemas", None)
-    return None if schemas is None else list(schemas())
+    return None if schemas is None else (list(schemas()) or None)

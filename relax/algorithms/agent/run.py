@@ -64,7 +64,9 @@ class AgentRunConfig(ModelRunConfig):
     environment (``relax.environments``: ``reset(row)`` / ``step(action)``), made once per
     trajectory and reset with one ``--data`` row; the module is imported from the working
     directory or the installed packages. Its ``schemas()``, if it has one, are the tools the chat
-    template shows the model. A trajectory succeeds when its reward is 1."""
+    template shows the model. A trajectory succeeds when its reward is 1. Or
+    ``verifiers:<id>[?key=value&...]``, a ``verifiers`` environment (its tasks are the rows when
+    there is no ``--data``; ``relax.environments.verifiers_env``)."""
     algorithm: Literal["grpo", "ppo"] = "grpo"
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
@@ -90,7 +92,7 @@ class AgentRunConfig(ModelRunConfig):
                 f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
                 "must agree: the environment ends a trajectory after the first, the rollout after the second"
             )
-        if self.env is not None and self.data is None:
+        if self.env is not None and self.data is None and not self.env.startswith("verifiers:"):
             raise ValueError("--env needs --data: the rows its environments are reset with")
         if self.async_.partial > 1:
             raise ValueError(

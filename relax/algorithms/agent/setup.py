@@ -1,6 +1,7 @@
 """An agent run's model, rows and environment: the built-in calculator task, or a user's model
 (``--model``), rows (``--data``, ``--eval-data`` / ``--eval-fraction``) and environment
-(``--env module:factory``, ``relax.environments.factory``), in any combination: without ``--env``
+(``--env module:factory`` or ``--env verifiers:<id>``, ``relax.environments.factory``; a verifiers
+environment's own tasks are the rows when there is no ``--data``), in any combination: without ``--env``
 the built-in calculator environment (``relax.tasks.agent``) runs on the rows."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from relax.algorithms.online.setup import with_lora
 from relax.data.files import read_records
 from relax.data.prompts import train_eval_split
 from relax.environments.factory import make_checked, tool_schemas
+from relax.environments.verifiers_source import is_verifiers, load_source
 from relax.models.config.model import DTYPES
 from relax.models.hf.checkpoint import load_pretrained
 from relax.parallel.distributed import on_host_memory
@@ -70,6 +72,8 @@ def load_setup(
             )
     if cfg.data is not None:
         train, held_out = _rows(cfg)
+    elif is_verifiers(env):  # the environment's own tasks, --eval-fraction of them held out
+        train, held_out = train_eval_split(load_source(env).rows(), cfg.eval_fraction, cfg.seed)
     if eval_max_rows is not None:
         held_out = held_out[:eval_max_rows]
     if env is None:
@@ -79,6 +83,7 @@ def load_setup(
         make_env, probe = make_checked(env)
         tools = tool_schemas(probe)
     rows = "the built-in task" if cfg.data is None else cfg.data
+    rows = f"the tasks of {env}" if cfg.data is None and is_verifiers(env) else rows
     return AgentSetup(
         tokenizer,
         with_lora(cfg, model),

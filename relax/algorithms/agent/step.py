@@ -87,6 +87,10 @@ def trajectory_metrics(t: Trajectories) -> dict[str, float]:
         "time/env_s": float(v["time"][:, 0].max()),
         "time/device_s": float(v["time"][:, 1].max()),
     }
+    # each reward an environment reports in ``info`` (a verifiers environment's ``reward/<name>``)
+    out |= {
+        k[len("info/") :]: float(x.mean()) for k, x in v.items() if k.startswith("info/reward/")
+    }
     calls, errors = v.get("info/tool_calls"), v.get("info/tool_errors", 0.0)
     if calls is not None:
         out["tool_calls"] = float(calls.mean())
