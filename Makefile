@@ -23,10 +23,11 @@ $(BASE): pyproject.toml
 
 # Test tools, math-verify, CPU torch + transformers for the parity tests (never used at runtime),
 # the training service's server and client (starlette, uvicorn, msgpack, httpx), qwix for the
-# 8-bit sampler, and libtpu, whose compile-only client the planner's tests compile TPU programs
-# with (no TPU).
+# 8-bit sampler, libtpu, whose compile-only client the planner's tests compile TPU programs
+# with (no TPU), reasoning-gym and verifiers (the ecosystem's tasks), and lm-evaluation-harness
+# (the reference relax eval is checked against).
 $(DEV): $(BASE)
-	$(PY) -m pip install --quiet -e '.[dev,parity,math,tpu,serve,quant]'
+	$(PY) -m pip install --quiet -e '.[dev,parity,math,tpu,serve,quant,tasks,eval]'
 	touch $(DEV)
 
 install: $(BASE)

@@ -314,6 +314,12 @@ def parse(command: Command, extra: list[str] = ()) -> object:
         return tyro.cli(ServeConfig, args=flags)
     if command.name == "plan":
         return parse_plan(flags)
+    if command.name == "eval":
+        import tyro
+
+        from relax.eval.harness.run import HarnessConfig
+
+        return tyro.cli(HarnessConfig, args=flags)
     return RELAX[command.name].parse(flags)
 
 

@@ -14,6 +14,9 @@ returns one value per completion::
     math_verify     1.0 if verify(parse(answer), parse(completion)) else 0.0       (math-verify)
                     completion: \\boxed{} first; answer: bare LaTeX read as \\boxed{answer}
     code_exec       fraction of the row's ``tests`` the completion's code passes, in the sandbox
+    reasoning_gym   the row's reasoning-gym task's score_answer(extract_answer(completion), entry)
+                    (``relax.rewards.reasoning_gym``; the row's ``entry`` column);
+                    reasoning_gym_plain: the whole completion is the answer (no tags)
 
 and ``None`` (missing) where the row's answer is None, or not a number for ``numeric_match``, or
 not parseable for ``math_verify``. ``math_verify`` needs the ``math`` extra (``pip install -e '.[math]'``); its entry
@@ -24,6 +27,7 @@ is a ``LazyReward``: the library is imported when ``get_reward`` builds it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import re
@@ -34,6 +38,7 @@ from typing import Any
 from relax.rewards.code_exec import code_exec
 from relax.rewards.columns import DEFAULT_ANSWER_FIELD, column
 from relax.rewards.math_answers import MathVerify, plain_number
+from relax.rewards.reasoning_gym import ReasoningGymReward
 
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 
@@ -356,6 +361,11 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "format_reward": format_reward,
     "math_verify": LazyReward("math_verify", MathVerify),  # MathVerify() imports math-verify
     "code_exec": code_exec,
+    # reasoning-gym's own scorer per row (relax.rewards.reasoning_gym; imports reasoning-gym on use)
+    "reasoning_gym": LazyReward("reasoning_gym", ReasoningGymReward),
+    "reasoning_gym_plain": LazyReward(
+        "reasoning_gym_plain", functools.partial(ReasoningGymReward, tags=False)
+    ),
 }
 
 

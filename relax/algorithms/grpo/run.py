@@ -17,7 +17,13 @@ from relax.algorithms.online.setup import check_lora_reference
 from relax.choices import check_choice
 from relax.models.forward.forward_pass import resolve_attention
 from relax.passes import choose_passes
-from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
+from relax.tasks import (
+    TASK_MAX_NEW_TOKENS,
+    TASK_PROMPT_TOKENS,
+    TASK_REWARD_WORKERS,
+    TASK_REWARDS,
+    kind,
+)
 from relax.train.state import TrainState, init_state
 
 
@@ -44,21 +50,21 @@ def builtin_defaults(preset_name: str = "grpo", task: str = "reverse") -> GRPORu
     grpo = preset(
         preset_name,
         num_generations=8,
-        max_new_tokens=TASK_MAX_NEW_TOKENS[task],
+        max_new_tokens=TASK_MAX_NEW_TOKENS[kind(task)],
         optimizer=dataclasses.replace(GRPOConfig().optimizer, learning_rate=1e-3),
     )
     return GRPORunConfig(
         preset=preset_name,
         grpo=grpo,
         task=task,
-        reward=TASK_REWARDS[task],
+        reward=TASK_REWARDS[kind(task)],
         steps=60,
         batch_size=16,
-        max_prompt_tokens=TASK_PROMPT_TOKENS[task],
+        max_prompt_tokens=TASK_PROMPT_TOKENS[kind(task)],
         eval_every=20,
         checkpoint_every=20,
         run_dir=f"runs/grpo-{task}",
-        reward_workers=TASK_REWARD_WORKERS[task],
+        reward_workers=TASK_REWARD_WORKERS[kind(task)],
         image_field="image" if task == "visual" else None,
     )
 

@@ -12,16 +12,19 @@ import jax
 import tyro
 
 from relax.algorithms.online.step import StepParts
+from relax.environments.verifiers_source import is_verifiers
 from relax.eval.evaluate import EvalConfig
 from relax.models.config.model import DTYPES
 from relax.models.config.precision import Precision
 from relax.models.layers.lora import LoRAConfig
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ParallelConfig
+from relax.rewards.generative_judge import JudgeConfig
 from relax.rewards.sandbox import SandboxConfig
 from relax.rollout.generation import GenerationConfig
 from relax.tasks import code as code_task
 from relax.tasks import math as math_task
+from relax.tasks import reasoning_gym as reasoning_gym_task
 from relax.tasks import reverse
 from relax.tasks import visual as visual_task
 from relax.train.pipeline import AsyncConfig
@@ -67,7 +70,8 @@ class ModelRunConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.model is not None and self.data is None:
+        makes_rows = self.makes_data or is_verifiers(getattr(self, "env", None))
+        if self.model is not None and self.data is None and not makes_rows:
             raise ValueError("--model needs --data")
         for name in (self.param_dtype, self.compute_dtype):
             if name not in DTYPES:
@@ -75,22 +79,47 @@ class ModelRunConfig(RunConfig):
         if self.batch_size < 1:
             raise ValueError("--batch-size >= 1 is required")
 
+    @property
+    def makes_data(self) -> bool:
+        """Whether the run makes its own rows with --model (no --data): ``OnlineRunConfig``'s say."""
+        return False
+
+
+BUILTIN_TASKS = ("reverse", "code", "math", "visual")  # the built-in tasks named by --task
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskRunConfig(ModelRunConfig):
     """A ``ModelRunConfig`` whose built-in task (without ``--model``) is one of the text tasks:
     ``task`` and its options."""
 
-    task: Literal["reverse", "code", "math", "visual"] = "reverse"
-    """The built-in task without --model: reverse, or (GRPO / PPO) code or math, or (GRPO) visual."""
+    task: str = "reverse"
+    """The built-in task without --model: reverse, or (GRPO / PPO) code or math, or (GRPO) visual;
+    or (GRPO / PPO, with or without --model) reasoning_gym:<name>[,<name>...], reasoning-gym's
+    generated rows (``--reasoning-gym.*``, ``relax.tasks.reasoning_gym``)."""
     reverse: reverse.ReverseTask = reverse.ReverseTask()
     code: code_task.CodeTask = code_task.CodeTask()
     math: math_task.MathTask = math_task.MathTask()
     visual: visual_task.VisualTask = visual_task.VisualTask()
+    reasoning_gym: reasoning_gym_task.ReasoningGymTask = reasoning_gym_task.ReasoningGymTask()
+
+    def __post_init__(self):
+        super().__post_init__()
+        names = reasoning_gym_task.task_names(self.task)  # checked against reasoning-gym's registry
+        if names is None and self.task not in BUILTIN_TASKS:
+            raise ValueError(
+                f"--task {self.task!r}: one of {', '.join(BUILTIN_TASKS)} or "
+                f"{reasoning_gym_task.PREFIX}<name>[,<name>...]"
+            )
+        if names is not None:
+            reasoning_gym_task.with_names(self.reasoning_gym, names)  # weights, options, seeds
 
     @property
     def task_config(self):
-        """The options of the built-in task ``task``."""
+        """The options of the built-in task ``task`` (a reasoning-gym task's with its names)."""
+        names = reasoning_gym_task.task_names(self.task)
+        if names is not None:
+            return reasoning_gym_task.with_names(self.reasoning_gym, names)
         tasks = {"reverse": self.reverse, "code": self.code, "math": self.math}
         return {**tasks, "visual": self.visual}[self.task]
 
@@ -142,8 +171,17 @@ class OnlineRunConfig(TaskRunConfig):
     """A reward-model directory (``<Family>ForSequenceClassification``): its score of each
     completion, with its own tokenizer, is the reward ``reward_model``."""
     reward_model_weight: float = 1.0
+    judge: JudgeConfig = JudgeConfig()
+    """A generative judge as the reward ``judge`` (``relax.rewards.generative_judge``): a judge
+    model on the run's devices (``--judge.model DIR``) or an OpenAI-compatible endpoint
+    (``--judge.url``) reads each completion and states a score or verdict."""
     eval: EvalConfig = EvalConfig()
     eval_max_prompts: int | None = None
+    env: str | None = None
+    """A single-turn ``verifiers`` environment, ``verifiers:<id>[?key=value&...]``
+    (``relax.environments.verifiers_source``): its tasks are the rows (``--eval-fraction`` of them
+    held out) and its rewards the reward functions (with ``--reward``'s unless left at its
+    default). Multi-turn and tool environments train with ``relax agent``."""
     compile_ahead: bool = True
     """Compile every program of the step (for each prompt bucket a batch can be padded to) and of
     the held-out evaluation before the first step (a compile thread per two CPU cores), listed
@@ -152,10 +190,20 @@ class OnlineRunConfig(TaskRunConfig):
     """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` samples the next batch
     while the update runs, with an off-policy correction (``--async.correction.kind``)."""
 
+    @property
+    def makes_data(self) -> bool:
+        """A reasoning-gym task writes its rows for a --model run (``setup.reasoning_gym_setup``)."""
+        return self.task.startswith(reasoning_gym_task.PREFIX)
+
     def __post_init__(self):
         super().__post_init__()
         if self.reward_workers < 0:
             raise ValueError(f"--reward-workers must be >= 0, got {self.reward_workers}")
+        if self.env is not None and (not is_verifiers(self.env) or self.data is not None):
+            raise ValueError(
+                f"--env {self.env!r}: GRPO / PPO take verifiers:<id>, whose tasks are the rows "
+                "(no --data); module:factory environments are multi-turn (relax agent)"
+            )
         if self.image_field is not None and self.model is None and self.task != "visual":
             raise ValueError(
                 f"--image-field {self.image_field!r} needs a vision-language --model or "

@@ -43,10 +43,12 @@ from relax.algorithms.online.setup import (
     base_path,
     exporter,
     load_run_data,
+    reasoning_gym_setup,
     text_decoder,
     visual_setup,
 )
 from relax.algorithms.online.step import StepParts
+from relax.algorithms.online.verifiers_setup import verifiers_setup
 from relax.compose import WithHost
 from relax.data.prompts import (
     batch_lengths,
@@ -58,6 +60,7 @@ from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ShardedStep, batch_shards, check_batch
 from relax.parallel.distributed import on_host_memory
 from relax.passes import choose_passes
+from relax.rewards.generative_judge import judge_metrics
 from relax.rewards.sandbox import describe as describe_sandbox
 from relax.rollout.generation import GenerationConfig
 from relax.rollout.partial import PartialRollouts
@@ -239,7 +242,7 @@ def _prepare(
     return prepare
 
 
-def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int):
+def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int, reward_fns=()):
     def host_metrics(out: WithHost, metrics: dict) -> dict:
         # from the global mean: on several processes ``lengths`` is not addressable whole
         num_tokens = metrics["completion_length"] * cfg.batch_size * algo.generation.num_generations
@@ -249,6 +252,7 @@ def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int)
             "reward_errors": float(
                 sum(out.host.reward_info.get(k, 0) for k in ("errors", "timeouts", "crashes"))
             ),
+            **judge_metrics(reward_fns),  # a generative judge's last call
             **(out.host.partial or {}),
         }
 
@@ -356,13 +360,15 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             f"--image-field: image prompts run on one process ({jax.process_count()} here): a "
             "--parallel.mesh over one process's devices"
         )
+    cfg, env_rewards = verifiers_setup(cfg, run_dir, log)  # --env verifiers:<id>
+    cfg = reasoning_gym_setup(cfg, run_dir, log)  # --model with --task reasoning_gym:<names>
     cfg = visual_setup(cfg, run_dir, log)
     mesh, sampler_mesh = run_meshes(cfg, log)
     data = load_run_data(cfg, run_dir, mesh is not None, log)
     if mesh is not None:  # the frozen vision part, laid out once by the sharding rules
         data = data.on_mesh(mesh)
     tokenizer, model = data.tokenizer, data.model
-    reward_fns = reward_functions(cfg, mesh)
+    reward_fns = reward_functions(cfg, mesh) + env_rewards
     pool = reward_pool(cfg, reward_fns)
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
         eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))
@@ -399,7 +405,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             step=step_fn,
             batches=batches if partial is None else partial,
             make_batch=_make_batch(cfg, data) if partial is None else (lambda request: request),
-            host_metrics=_host_metrics(cfg, algo, over_budget),
+            host_metrics=_host_metrics(cfg, algo, over_budget, reward_fns),
             evaluate=_evaluator(cfg, algo, data, parts, log),
             export=exporter(tokenizer, base_path(cfg, run_dir), data.vision),
             bar_keys=BAR_KEYS,

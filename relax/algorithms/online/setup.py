@@ -42,8 +42,9 @@ from relax.models.vision.families import (
 from relax.objectives.reference import ReferenceConfig
 from relax.parallel import place_rows, shard_vision
 from relax.parallel.distributed import barrier, on_host_memory
-from relax.tasks import TASKS
-from relax.tasks.base import prepare
+from relax.tasks import TASK_REWARDS, TASKS, kind
+from relax.tasks import reasoning_gym as reasoning_gym_task
+from relax.tasks.base import prepare, write_jsonl
 from relax.tasks.visual_base import prepare_visual
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import is_main_process
@@ -53,7 +54,7 @@ def builtin_setup(cfg: TaskRunConfig, run_dir: Path, log):
     """Task files, tokenizer and base model of the built-in task ``cfg.task`` (reused when present):
     ``(tokenizer, model, train path, held-out path)``."""
     tokenizer, model, _, _ = prepare(
-        TASKS[cfg.task],
+        TASKS[kind(cfg.task)],
         cfg.task_config,
         run_dir,
         seed=cfg.seed,
@@ -65,6 +66,47 @@ def builtin_setup(cfg: TaskRunConfig, run_dir: Path, log):
         model,
         str(run_dir / "task" / "train.jsonl"),
         str(run_dir / "task" / "eval.jsonl"),
+    )
+
+
+def reasoning_gym_setup(cfg: OnlineRunConfig, run_dir: Path, log) -> OnlineRunConfig:
+    """``cfg`` itself, or for a ``--model`` run on ``--task reasoning_gym:<names>`` (the task's own
+    tiny base model without ``--model`` is ``builtin_setup``'s) ``cfg`` as a ``--model/--data`` run on
+    the task's rows, written by the main process to ``run_dir/task/{train,eval}.jsonl``
+    (``relax.tasks.reasoning_gym.make_splits``), rewarded by ``reasoning_gym`` (when ``--reward``
+    is left at its default) with reasoning-gym's system prompt (``--reasoning-gym.prompt-style``,
+    unless ``--system-prompt`` is given or the model has no chat template: then the prompts are
+    the bare questions), per-task metrics by the rows' ``data_source``."""
+    if cfg.model is None or not cfg.makes_data:
+        return cfg
+    if cfg.data is not None or cfg.eval_data is not None:
+        raise ValueError(f"--task {cfg.task} makes its own rows: drop --data / --eval-data")
+    task, task_dir = cfg.task_config, run_dir / "task"
+    if is_main_process():
+        train, held_out = reasoning_gym_task.make_splits(task)
+        write_jsonl(train, task_dir / "train.jsonl")
+        write_jsonl(held_out, task_dir / "eval.jsonl")
+        log(
+            f"reasoning-gym {', '.join(task.names)}: {len(train)} training rows (seed {task.seed}), "
+            f"{len(held_out)} held out (seed {task.eval_seed}) in {task_dir}"
+        )
+    barrier("reasoning-gym task")
+    default_reward = cfg.reward == ("exact_match",) and not cfg.reward_weights
+    tokenizer = load_tokenizer(cfg.model if cfg.tokenizer is None else cfg.tokenizer)
+    chat = cfg.chat_template == "always" or (
+        cfg.chat_template == "auto" and tokenizer.has_chat_template
+    )
+    system_prompt = cfg.system_prompt
+    if system_prompt is None and chat:
+        system_prompt = reasoning_gym_task.system_prompt(task)
+    elif system_prompt is None:
+        log(f"{cfg.model} has no chat template: the prompts are the bare questions")
+    return dataclasses.replace(
+        cfg,
+        data=str(task_dir / "train.jsonl"),
+        eval_data=str(task_dir / "eval.jsonl"),
+        reward=TASK_REWARDS[kind(cfg.task)] if default_reward else cfg.reward,
+        system_prompt=system_prompt,
     )
 
 

@@ -24,7 +24,13 @@ from relax.models.heads.critic import (
     load_critic,
 )
 from relax.passes import choose_passes
-from relax.tasks import TASK_MAX_NEW_TOKENS, TASK_PROMPT_TOKENS, TASK_REWARD_WORKERS, TASK_REWARDS
+from relax.tasks import (
+    TASK_MAX_NEW_TOKENS,
+    TASK_PROMPT_TOKENS,
+    TASK_REWARD_WORKERS,
+    TASK_REWARDS,
+    kind,
+)
 from relax.train.state import TrainState, init_state
 
 
@@ -56,21 +62,21 @@ def builtin_defaults(task: str = "reverse") -> PPORunConfig:
     ppo = configure(
         PPOConfig,
         num_generations=4,
-        max_new_tokens=TASK_MAX_NEW_TOKENS[task],
+        max_new_tokens=TASK_MAX_NEW_TOKENS[kind(task)],
         optimizer=dataclasses.replace(PPOConfig().optimizer, learning_rate=1e-3),
         critic_optimizer=dataclasses.replace(PPOConfig().critic_optimizer, learning_rate=3e-3),
     )
     return PPORunConfig(
         ppo=ppo,
         task=task,
-        reward=TASK_REWARDS[task],
+        reward=TASK_REWARDS[kind(task)],
         steps=60,
         batch_size=16,
-        max_prompt_tokens=TASK_PROMPT_TOKENS[task],
+        max_prompt_tokens=TASK_PROMPT_TOKENS[kind(task)],
         eval_every=20,
         checkpoint_every=20,
         run_dir=f"runs/ppo-{task}",
-        reward_workers=TASK_REWARD_WORKERS[task],
+        reward_workers=TASK_REWARD_WORKERS[kind(task)],
         image_field="image" if task == "visual" else None,
     )
 
