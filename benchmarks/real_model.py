@@ -112,6 +112,9 @@ def hparams(args) -> dict:
         "warmup_steps": 0,
         "mask_truncated_completions": False,
         "seed": args.seed,
+        # TRL only: completions per forward/backward (None: all of a step's in one); relax's
+        # micro-batches are its own pass layout's
+        "trl_micro_batch": args.trl_micro_batch,
     }
 
 
@@ -167,12 +170,15 @@ def relax_flags(h: dict) -> list[str]:
 def trl_kwargs(h: dict) -> dict:
     """GRPOConfig keyword arguments for the same hyper-parameters (TRL 1.16 names)."""
     g, p = h["num_generations"], h["prompts_per_step"]
+    m = h.get("trl_micro_batch") or g * p  # completions per forward/backward
+    if (g * p) % m:
+        raise ValueError(f"--trl-micro-batch {m} must divide the step's {g * p} completions")
     return dict(
         learning_rate=h["learning_rate"],
         num_generations=g,
-        per_device_train_batch_size=g * p,  # TRL counts completions per device batch
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        per_device_train_batch_size=m,  # TRL counts completions per device batch
+        gradient_accumulation_steps=g * p // m,  # one optimizer step per generated batch
+        steps_per_generation=g * p // m,
         num_iterations=h["num_iterations"],
         max_completion_length=h["max_new_tokens"],
         temperature=h["temperature"],
@@ -199,7 +205,8 @@ MAPPING_NOTES = {
     "learning_rate": "--grpo.optimizer.learning-rate <-> learning_rate",
     "num_generations": "--grpo.num-generations <-> num_generations",
     "prompts_per_step": "--batch-size (prompts) <-> per_device_train_batch_size = prompts x G (completions), "
-    "gradient_accumulation_steps=1, steps_per_generation=1",
+    "gradient_accumulation_steps=1, steps_per_generation=1 (--trl-micro-batch m: per_device_train_batch_size=m, "
+    "gradient_accumulation_steps = steps_per_generation = prompts x G / m)",
     "max_new_tokens": "--grpo.max-new-tokens <-> max_completion_length",
     "temperature": "--grpo.temperature <-> temperature (both also divide the trained log-probs' logits by it)",
     "top_p/top_k": "none <-> top_p=1.0, top_k=0",
@@ -652,6 +659,12 @@ def parse_args(argv=None):
     )
     ap.add_argument("--peer", choices=("none", "trl"), default="none")
     ap.add_argument("--trl-steps", type=int, default=0, help="TRL's steps (0: --steps)")
+    ap.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=None,
+        help="TRL's completions per forward/backward (default: a step's all; smaller fits less memory)",
+    )
     ap.add_argument(
         "--trl-python",
         default=os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python"),
