@@ -33,6 +33,7 @@ from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import rollout_trajectories
+from relax.environments.verifiers_source import is_verifiers
 from relax.parallel import ShardedStep, batch_shards
 from relax.parallel.distributed import multi_process
 from relax.parallel.local import ProcessCopy, process_rows
@@ -85,6 +86,11 @@ class AgentRunConfig(ModelRunConfig):
     def algorithm_config(self) -> GRPOConfig | PPOConfig:
         return self.grpo if self.algorithm == "grpo" else self.ppo
 
+    @property
+    def makes_data(self) -> bool:
+        """A verifiers environment's own tasks are the rows when there is no --data."""
+        return is_verifiers(self.env)
+
     def __post_init__(self):
         super().__post_init__()
         if self.env is None and self.task.max_turns != self.agent.max_turns:
@@ -92,7 +98,7 @@ class AgentRunConfig(ModelRunConfig):
                 f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
                 "must agree: the environment ends a trajectory after the first, the rollout after the second"
             )
-        if self.env is not None and self.data is None and not self.env.startswith("verifiers:"):
+        if self.env is not None and self.data is None and not self.makes_data:
             raise ValueError("--env needs --data: the rows its environments are reset with")
         if self.async_.partial > 1:
             raise ValueError(

@@ -70,8 +70,7 @@ class ModelRunConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        makes_rows = self.makes_data or is_verifiers(getattr(self, "env", None))
-        if self.model is not None and self.data is None and not makes_rows:
+        if self.model is not None and self.data is None and not self.makes_data:
             raise ValueError("--model needs --data")
         for name in (self.param_dtype, self.compute_dtype):
             if name not in DTYPES:
@@ -81,7 +80,7 @@ class ModelRunConfig(RunConfig):
 
     @property
     def makes_data(self) -> bool:
-        """Whether the run makes its own rows with --model (no --data): ``OnlineRunConfig``'s say."""
+        """Whether the run makes its own rows with --model (no --data needed): a subclass's say."""
         return False
 
 
@@ -192,8 +191,9 @@ class OnlineRunConfig(TaskRunConfig):
 
     @property
     def makes_data(self) -> bool:
-        """A reasoning-gym task writes its rows for a --model run (``setup.reasoning_gym_setup``)."""
-        return self.task.startswith(reasoning_gym_task.PREFIX)
+        """A reasoning-gym task (``setup.reasoning_gym_setup``) or a verifiers environment
+        (``verifiers_setup``) writes the rows of a --model run."""
+        return self.task.startswith(reasoning_gym_task.PREFIX) or is_verifiers(self.env)
 
     def __post_init__(self):
         super().__post_init__()

@@ -77,7 +77,7 @@ def reasoning_gym_setup(cfg: OnlineRunConfig, run_dir: Path, log) -> OnlineRunCo
     is left at its default) with reasoning-gym's system prompt (``--reasoning-gym.prompt-style``,
     unless ``--system-prompt`` is given or the model has no chat template: then the prompts are
     the bare questions), per-task metrics by the rows' ``data_source``."""
-    if cfg.model is None or not cfg.makes_data:
+    if cfg.model is None or not cfg.task.startswith(reasoning_gym_task.PREFIX):
         return cfg
     if cfg.data is not None or cfg.eval_data is not None:
         raise ValueError(f"--task {cfg.task} makes its own rows: drop --data / --eval-data")
