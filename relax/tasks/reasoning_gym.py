@@ -75,16 +75,16 @@ class ReasoningGymTask:
     """The tasks (from --task; not a flag)."""
 
 
-def task_names(task: str) -> tuple[str, ...] | None:
-    """The reasoning-gym task names of a ``--task`` value ``reasoning_gym:a,b`` (checked against
-    reasoning-gym's registry), or None for another task."""
+def task_names(task: str, flag: str = "--task") -> tuple[str, ...] | None:
+    """The reasoning-gym task names of a ``flag`` value ``reasoning_gym:a,b`` (``--task``, or the
+    agent's ``--env``; checked against reasoning-gym's registry), or None for another task."""
     if not task.startswith(PREFIX):
         return None
     names = tuple(n.strip() for n in task[len(PREFIX) :].split(",") if n.strip())
     if not names:
-        raise ValueError(f"--task {task!r}: name at least one reasoning-gym task after {PREFIX!r}")
+        raise ValueError(f"{flag} {task!r}: name at least one reasoning-gym task after {PREFIX!r}")
     if len(set(names)) != len(names):
-        raise ValueError(f"--task {task!r}: a task is named twice")
+        raise ValueError(f"{flag} {task!r}: a task is named twice")
     registry = set(datasets()) - {"composite"}  # a mixture is named by its tasks
     for name in names:
         if name not in registry:
@@ -92,7 +92,7 @@ def task_names(task: str) -> tuple[str, ...] | None:
             hint = (
                 f"close names: {', '.join(close)}" if close else f"{len(registry)} are registered"
             )
-            raise ValueError(f"--task {task!r}: {name!r} is not a reasoning-gym task ({hint})")
+            raise ValueError(f"{flag} {task!r}: {name!r} is not a reasoning-gym task ({hint})")
     return names
 
 
@@ -252,7 +252,11 @@ def make_splits(task: ReasoningGymTask) -> tuple[list[dict], list[dict]]:
     """Training rows (``seed``, ``size``) and held-out rows (``eval_seed``, ``eval_size``) whose
     questions are not training questions (the dropped ones counted in a warning)."""
     train = [record(e) for e in generate(task, seed=task.seed, size=task.size)]
-    held_out = [record(e) for e in generate(task, seed=task.eval_seed, size=task.eval_size)]
+    held_out = (  # reasoning-gym refuses a dataset of size 0
+        [record(e) for e in generate(task, seed=task.eval_seed, size=task.eval_size)]
+        if task.eval_size
+        else []
+    )
     seen = {r["prompt"] for r in train}
     kept = [r for r in held_out if r["prompt"] not in seen]
     if len(kept) < len(held_out):

@@ -32,6 +32,7 @@ from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
+from relax.environments.reasoning_gym_env import ReasoningGymSpec, is_reasoning_gym
 from relax.environments.rollout import rollout_trajectories
 from relax.environments.verifiers_source import is_verifiers
 from relax.parallel import ShardedStep, batch_shards
@@ -39,6 +40,7 @@ from relax.parallel.distributed import multi_process
 from relax.parallel.local import ProcessCopy, process_rows
 from relax.passes import choose_passes
 from relax.tasks import agent as agent_task
+from relax.tasks import reasoning_gym as reasoning_gym_task
 from relax.train.logs import MetricsLogger
 from relax.train.pipeline import AsyncConfig
 from relax.train.run import Trainer, run_loop
@@ -67,7 +69,13 @@ class AgentRunConfig(ModelRunConfig):
     directory or the installed packages. Its ``schemas()``, if it has one, are the tools the chat
     template shows the model. A trajectory succeeds when its reward is 1. Or
     ``verifiers:<id>[?key=value&...]``, a ``verifiers`` environment (its tasks are the rows when
-    there is no ``--data``; ``relax.environments.verifiers_env``)."""
+    there is no ``--data``; ``relax.environments.verifiers_env``). Or
+    ``reasoning_gym:<name>[,<name>...][?attempts=K&answer=tagged|plain]``: reasoning-gym's rows
+    (``--reasoning-gym.*``), each answer scored by its task, up to K answers an episode
+    (``relax.environments.reasoning_gym_env``)."""
+    reasoning_gym: reasoning_gym_task.ReasoningGymTask = reasoning_gym_task.ReasoningGymTask()
+    """The rows of ``--env reasoning_gym:<names>``: their number, seeds, generator options, level
+    and system prompt (the built-in base model's fields are GRPO's and PPO's)."""
     algorithm: Literal["grpo", "ppo"] = "grpo"
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
@@ -88,8 +96,9 @@ class AgentRunConfig(ModelRunConfig):
 
     @property
     def makes_data(self) -> bool:
-        """A verifiers environment's own tasks are the rows when there is no --data."""
-        return is_verifiers(self.env)
+        """A verifiers environment's own tasks, or reasoning-gym's rows, are the rows when there
+        is no --data."""
+        return is_verifiers(self.env) or is_reasoning_gym(self.env)
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,6 +107,16 @@ class AgentRunConfig(ModelRunConfig):
                 f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
                 "must agree: the environment ends a trajectory after the first, the rollout after the second"
             )
+        if is_reasoning_gym(self.env):  # names, options and seeds checked now, not at setup
+            spec = ReasoningGymSpec.parse(self.env)
+            reasoning_gym_task.with_names(
+                self.reasoning_gym, reasoning_gym_task.task_names(spec.task, "--env")
+            )
+            if spec.attempts > self.agent.max_turns:
+                raise ValueError(
+                    f"--env {self.env}: {spec.attempts} attempts need --agent.max-turns >= "
+                    f"{spec.attempts} (it is {self.agent.max_turns})"
+                )
         if self.env is not None and self.data is None and not self.makes_data:
             raise ValueError("--env needs --data: the rows its environments are reset with")
         if self.async_.partial > 1:
@@ -273,6 +292,7 @@ def run(cfg: AgentRunConfig) -> dict:
         cfg.task,
         cfg.env,
         run_dir,
+        reasoning_gym=cfg.reasoning_gym,
         eval_max_rows=cfg.eval_max_rows,
         on_host=mesh is not None,
         log=log,
