@@ -135,8 +135,10 @@ def test_aggregation_by_hand():
     assert rep["by_source"]["b"]["exact_match,f"] == pytest.approx(1 / 3)
 
 
-def lm_eval_contexts(tmp_path: Path, limit: int, num_fewshot: int = 5) -> list[str]:
-    """lm-eval's own contexts for its gsm8k task on the local sample files (nothing downloaded)."""
+def lm_eval_contexts(tmp_path: Path, limit: int, num_fewshot: int = 5, **chat) -> list[str]:
+    """lm-eval's own contexts for its gsm8k task on the local sample files (nothing downloaded);
+    ``chat``: ``build_all_requests``'s chat options (``apply_chat_template``, ...)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     import lm_eval
     from lm_eval.tasks import TaskManager, get_task_dict
 
@@ -157,7 +159,7 @@ def lm_eval_contexts(tmp_path: Path, limit: int, num_fewshot: int = 5) -> list[s
     )
     task = get_task_dict(["gsm8k_local"], TaskManager(include_path=str(tmp_path)))["gsm8k_local"]
     task.set_fewshot_seed(1234)
-    task.build_all_requests(limit=limit)
+    task.build_all_requests(limit=limit, **chat)
     return [inst.args[0] for inst in task.instances]
 
 
@@ -171,6 +173,68 @@ def test_gsm8k_prompts_are_byte_identical_to_lm_evals(tmp_path):
     assert len(want) == len(got) == 44
     assert got == want
     assert len(set(got)) == 44 and got[0] != got[1]  # draws differ between items
+
+
+@pytest.mark.slow  # lm-eval's task loading (datasets), three times
+def test_chat_prompts_are_byte_identical_to_lm_evals(tmp_path):
+    """``--apply-chat-template`` (multi-turn few-shot, lm-eval's default with it, and one user
+    turn) and ``--system-instruction``, against lm-eval's contexts rendered by transformers'
+    ``apply_chat_template`` as lm-eval's ``hf`` model renders them."""
+    pytest.importorskip("lm_eval")
+    from text_fixtures import make_model_dir
+    from transformers import AutoTokenizer
+
+    from relax.eval.harness.run import chat_renderer
+    from relax.text import load_tokenizer
+
+    model_dir = make_model_dir(tmp_path / "tok", "qwen25")
+    hf = AutoTokenizer.from_pretrained(model_dir)
+
+    def hf_template(messages, add_generation_prompt=True):  # lm-eval's HFLM.apply_chat_template
+        return hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    docs = load_docs(str(DATA / "test.jsonl"), GSM8K.fields, limit=6)
+    pool = load_docs(str(DATA / "train.jsonl"), GSM8K.fields)
+    render = chat_renderer(load_tokenizer(model_dir))
+    system = "Answer the grade-school math question."
+    for multiturn in (True, False):
+        want = lm_eval_contexts(
+            tmp_path / f"lm{multiturn}",
+            limit=6,
+            apply_chat_template=True,
+            fewshot_as_multiturn=multiturn,
+            system_instruction=system,
+            chat_template=hf_template,
+        )
+        got = build_prompts(
+            GSM8K, docs, pool, num_fewshot=5, seed=1234, same_split=False, system=system,
+            render=render, multiturn=multiturn,
+        )  # fmt: skip
+        assert got == want
+        assert got[0].count("<|im_start|>user") == (6 if multiturn else 1)
+    plain = lm_eval_contexts(tmp_path / "plain", limit=6, system_instruction=system)
+    got = build_prompts(
+        GSM8K, docs, pool, num_fewshot=5, seed=1234, same_split=False, system=system
+    )
+    assert got == plain and got[0].startswith(system + "Question:")
+
+
+def test_a_prompt_that_starts_with_bos_gets_no_second_one(tmp_path):
+    from text_fixtures import make_model_dir
+
+    from relax.eval.harness.generate import encode_prompts
+    from relax.text import load_tokenizer
+
+    tok = load_tokenizer(make_model_dir(tmp_path, "llama3"))
+    bos = tok.special_tokens["bos_token"]
+    plain, templated = encode_prompts(tok, ["Question: 1+1?", bos + "Question: 1+1?"], keep=100)
+    assert plain == templated  # the tokenizer's own BOS once, either way
+    assert plain.count(tok.encode(bos, add_special_tokens=False)[0]) == 1
 
 
 def tiny_model_dir(root: Path) -> Path:

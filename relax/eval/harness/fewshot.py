@@ -16,6 +16,12 @@ Text (``build_qa_turn``): each example is ``text + target_delimiter + target + f
 (defaults ``" "`` and ``"\\n\\n"``; an example with an empty target is its text alone), then the
 item's own text; a ``description`` comes first, as it is (lm-eval's system message has no
 delimiter of its own).
+
+Chat (``chat_messages``, lm-eval's ``--apply_chat_template``): the system instruction, if any, is
+a system message; with ``multiturn`` (lm-eval's ``--fewshot_as_multiturn``, on by default with
+a chat template) each example is a user turn (its text) and an assistant turn (its target, none
+when empty) and the item a last user turn, with no delimiters; without it the plain prompt is
+one user turn. The model's chat template then renders them with a generation prompt.
 """
 
 from __future__ import annotations
@@ -62,6 +68,36 @@ def sample_fewshot(
                 rows = rnd.sample([d for d in pool if d != doc], n)
             out.append(rows)
     return out
+
+
+def chat_messages(
+    doc: Doc,
+    examples: Sequence[Doc],
+    *,
+    doc_to_text: Callable[[Doc], str],
+    fewshot_target: Callable[[Doc], str],
+    target_delimiter: str = " ",
+    fewshot_delimiter: str = "\n\n",
+    system: str = "",
+    multiturn: bool = True,
+) -> list[dict[str, str]]:
+    """One item's prompt as chat messages (the module docstring's "Chat")."""
+    messages = [{"role": "system", "content": system}] if system else []
+    if not multiturn:
+        text = build_context(
+            doc,
+            examples,
+            doc_to_text=doc_to_text,
+            fewshot_target=fewshot_target,
+            target_delimiter=target_delimiter,
+            fewshot_delimiter=fewshot_delimiter,
+        )
+        return [*messages, {"role": "user", "content": text}]
+    for ex in examples:
+        messages.append({"role": "user", "content": doc_to_text(ex)})
+        if target := fewshot_target(ex):
+            messages.append({"role": "assistant", "content": target})
+    return [*messages, {"role": "user", "content": doc_to_text(doc)}]
 
 
 def build_context(

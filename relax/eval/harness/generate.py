@@ -27,10 +27,14 @@ from relax.text.sentencepiece_model import pad_left
 
 def encode_prompts(tokenizer: TextTokenizer, prompts: Sequence[str], keep: int) -> list[list[int]]:
     """Token ids of each prompt, its last ``keep`` tokens (lm-eval's ``left_truncate_len``); a
-    warning counts the prompts cut."""
+    warning counts the prompts cut. The tokenizer's special tokens are added unless the prompt
+    starts with the BOS text (lm-eval's ``has_bos_prefix``)."""
     if keep < 1:
         raise ValueError(f"the model's context leaves {keep} tokens for the prompt")
-    rows = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    bos = tokenizer.special_tokens.get("bos_token")
+    rows = [  # a prompt that starts with the BOS text (a chat template's) gets no second one
+        tokenizer.encode(p, add_special_tokens=not (bos and p.startswith(bos))) for p in prompts
+    ]
     cut = [i for i, r in enumerate(rows) if len(r) > keep]
     if cut:
         warnings.warn(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from relax.eval.harness.fewshot import build_context, sample_fewshot
+from relax.eval.harness.fewshot import build_context, chat_messages, sample_fewshot
 from relax.eval.harness.filters import apply_all
 from relax.eval.harness.report import ItemRecord, build_report, prompt_hash, table, write_report
 from relax.eval.harness.tasks import HarnessTask, get_task
@@ -41,6 +41,15 @@ class HarnessConfig:
     """Few-shot examples per prompt (None: the task's, GSM8K 5)."""
     fewshot_seed: int = 1234
     """The seed of the few-shot draws (lm-eval's --seed's fewshot part, default 1234)."""
+    apply_chat_template: bool = False
+    """Render each prompt with the model's chat template (lm-eval's --apply_chat_template),
+    with a generation prompt: for instruct models."""
+    fewshot_as_multiturn: bool = True
+    """With --apply-chat-template: each few-shot example a user and an assistant turn (lm-eval's
+    default with a chat template); --no-fewshot-as-multiturn: the plain prompt as one user turn."""
+    system_instruction: str | None = None
+    """A system instruction (lm-eval's --system_instruction): a system message with
+    --apply-chat-template, else the prompt's first text, as lm-eval puts it."""
     max_gen_toks: int | None = None
     """Completion budget in tokens (None: the task's, lm-eval's default 256; HumanEval 1024)."""
     batch_size: int = 16
@@ -72,6 +81,10 @@ class HarnessConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise ValueError(
+                "--no-fewshot-as-multiturn is a chat layout: add --apply-chat-template"
+            )
 
 
 def load_docs(path: str, fields: Sequence[str], limit: int | None = None) -> list[dict]:
@@ -91,22 +104,40 @@ def build_prompts(
     num_fewshot: int,
     seed: int,
     same_split: bool,
+    system: str = "",
+    render: Callable[[list[dict]], str] | None = None,
+    multiturn: bool = True,
 ) -> list[str]:
-    """Each item's prompt: ``num_fewshot`` examples drawn from ``pool`` as lm-eval draws them."""
+    """Each item's prompt: ``num_fewshot`` examples drawn from ``pool`` as lm-eval draws them;
+    with ``render`` (a chat template with a generation prompt) its chat messages rendered
+    (``chat_messages``), else the plain text with ``system`` first."""
     shots = sample_fewshot(
         docs, pool, num_fewshot, seed=seed, sampler=task.fewshot_sampler, same_split=same_split
     )
+    layout = dict(
+        doc_to_text=task.doc_to_text,
+        fewshot_target=task.fewshot_target or task.doc_to_target,
+        target_delimiter=task.target_delimiter,
+        fewshot_delimiter=task.fewshot_delimiter,
+    )
+    if render is None:
+        return [
+            build_context(doc, ex, description=system, **layout) for doc, ex in zip(docs, shots)
+        ]
     return [
-        build_context(
-            doc,
-            ex,
-            doc_to_text=task.doc_to_text,
-            fewshot_target=task.fewshot_target or task.doc_to_target,
-            target_delimiter=task.target_delimiter,
-            fewshot_delimiter=task.fewshot_delimiter,
-        )
+        render(chat_messages(doc, ex, system=system, multiturn=multiturn, **layout))
         for doc, ex in zip(docs, shots)
     ]
+
+
+def chat_renderer(tokenizer) -> Callable[[list[dict]], str]:
+    """Messages -> the model's chat template's text with a generation prompt (lm-eval's ``hf``
+    model's ``apply_chat_template``); an error naming the model when it has none."""
+    if not tokenizer.has_chat_template:
+        raise ValueError(f"--apply-chat-template: {tokenizer.path} has no chat template")
+    return lambda messages: tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
 
 
 def score_items(
@@ -178,12 +209,20 @@ def run(cfg: HarnessConfig, log: Callable[[str], None] = print) -> dict:
         pool = load_docs(cfg.data if same else cfg.fewshot_data, task.fields)
     else:
         pool = []
-    prompts = build_prompts(
-        task, docs, pool, num_fewshot=num_fewshot, seed=cfg.fewshot_seed, same_split=same
-    )
     t0 = time.perf_counter()
     policy = load_policy(cfg.model, cfg.adapter, cfg.run_dir)
     t1 = time.perf_counter()
+    prompts = build_prompts(
+        task,
+        docs,
+        pool,
+        num_fewshot=num_fewshot,
+        seed=cfg.fewshot_seed,
+        same_split=same,
+        system=cfg.system_instruction or "",
+        render=chat_renderer(policy.tokenizer) if cfg.apply_chat_template else None,
+        multiturn=cfg.fewshot_as_multiturn,
+    )
     max_gen = task.max_gen_toks if cfg.max_gen_toks is None else cfg.max_gen_toks
     log(f"relax eval: {task.name}, {len(docs)} items, {num_fewshot}-shot, {policy.source}")
     completions = generate_texts(
@@ -203,6 +242,14 @@ def run(cfg: HarnessConfig, log: Callable[[str], None] = print) -> dict:
         "model": policy.source,
         "num_fewshot": num_fewshot,
         "fewshot_seed": cfg.fewshot_seed,
+        "chat_template": (
+            None
+            if not cfg.apply_chat_template
+            else "multiturn"
+            if cfg.fewshot_as_multiturn
+            else "single turn"
+        ),
+        "system_instruction": cfg.system_instruction,
         "max_gen_toks": max_gen,
         "num_samples": cfg.num_samples,
         "temperature": cfg.temperature,
