@@ -363,6 +363,7 @@ def prompt_dataset(
     splits: DataSplits | None = None,
     prepared: PreparedPrompts | None = None,
     images: ImagePrompts | None = None,
+    padded_as: PreparedPrompts | None = None,
 ) -> grain.IterDataset:
     """The training pipeline: an ``IterDataset`` of this process's ``PromptBatch``es.
 
@@ -372,7 +373,8 @@ def prompt_dataset(
     rows already read by ``read_splits(cfg)`` (default: read ``cfg.path`` here); ``prepared``: the
     training rows already prepared by ``prepare_prompts`` (then ``splits`` is not read);
     ``images``: the rows are image prompts (``relax.data.image_prompts``), each batch's images
-    decoded and processed when it is collated.
+    decoded and processed when it is collated. ``padded_as``: pad as these prompts would be
+    (a part of the data, e.g. one level of a curriculum, padded as the whole).
     """
     if process_index is None or process_count is None:
         import jax
@@ -410,7 +412,7 @@ def prompt_dataset(
             process_index,
             process_count,
             has_source,
-            length=padded_length(prepared, cfg),
+            length=padded_length(prepared if padded_as is None else padded_as, cfg),
             images=images,
         )
     )

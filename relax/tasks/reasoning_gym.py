@@ -15,7 +15,11 @@ also a training question are dropped (counted, with a warning).
 
 Difficulty: ``level`` sets every attribute of each task's reasoning-gym curriculum to that level
 (capped at the attribute's last), and ``options`` (``name.field=value``, JSON values) override the
-generator's fields on top. Without ``--model`` the run is a built-in task: a tiny Llama with a
+generator's fields on top. With ``max_level`` the rows span levels ``level`` (0 when unset) to
+``max_level``, ``size`` training and ``eval_size`` held-out rows per level, each level's seeds
+after the previous level's; a row's ``level`` column holds its level and its ``data_source`` is
+``<task>/level<k>`` (held-out metrics per task and level). The run then rises through them
+(``relax.data.curriculum``). Without ``--model`` the run is a built-in task: a tiny Llama with a
 sentencepiece tokenizer trained on the rows, taught by a noisy teacher that answers
 ``<answer>right</answer>`` with probability ``teacher_accuracy`` and otherwise another training
 row's answer of the same task. reasoning-gym is imported only when a task is used.
@@ -60,7 +64,14 @@ class ReasoningGymTask:
     """Generator options ``name.field=value`` (``field=value`` for one task); value is JSON, or a
     string: ``basic_arithmetic.max_digits=2 basic_arithmetic.operators='["+","-"]'``."""
     level: int | None = None
-    """Difficulty: every attribute of each task's reasoning-gym curriculum at this level."""
+    """Difficulty: every attribute of each task's reasoning-gym curriculum at this level (with
+    --reasoning-gym.max-level: the first level)."""
+    max_level: int | None = None
+    """A rising curriculum (GRPO / PPO): rows at every level from --reasoning-gym.level (0 when
+    unset) to this one, the batches from the first until its mean training reward over
+    --reasoning-gym.level-window updates reaches --reasoning-gym.level-up-at, then the next."""
+    level_up_at: float = 0.8
+    level_window: int = 10
     prompt_style: str = "direct"
     """With --model: the system prompt (reasoning-gym's ``SYSTEM_PROMPTS[prompt_style]``, which
     asks for ``<answer>...</answer>``) unless --system-prompt is given."""
@@ -120,9 +131,16 @@ def with_names(task: ReasoningGymTask, names: tuple[str, ...]) -> ReasoningGymTa
         raise ValueError(
             "--reasoning-gym.size >= 1 and --reasoning-gym.eval-size >= 0 are required"
         )
+    if task.max_level is not None and task.max_level < (task.level or 0):
+        raise ValueError(
+            f"--reasoning-gym.max-level {task.max_level} is below the first level {task.level or 0}"
+        )
+    if task.level_window < 1:
+        raise ValueError(f"--reasoning-gym.level-window must be >= 1, got {task.level_window}")
+    n = len(levels(task))
     train_end, eval_end = (
-        task.seed + task.size + len(names),
-        task.eval_seed + task.eval_size + len(names),
+        task.seed + n * (task.size + len(names)),
+        task.eval_seed + n * (task.eval_size + len(names)),
     )
     if task.eval_size and task.seed < eval_end and task.eval_seed < train_end:
         raise ValueError(
@@ -137,6 +155,13 @@ def with_names(task: ReasoningGymTask, names: tuple[str, ...]) -> ReasoningGymTa
     system_prompt(task)  # a prompt style reasoning-gym has
     generator_options(task)  # unknown tasks or fields: an error now, not at generation
     return task
+
+
+def levels(task: ReasoningGymTask) -> tuple[int | None, ...]:
+    """The levels the rows are generated at: ``level`` .. ``max_level``, or ``(level,)``."""
+    if task.max_level is None:
+        return (task.level,)
+    return tuple(range(task.level or 0, task.max_level + 1))
 
 
 def parse_value(text: str) -> Any:
@@ -250,13 +275,19 @@ def record(entry: dict) -> dict:
 
 def make_splits(task: ReasoningGymTask) -> tuple[list[dict], list[dict]]:
     """Training rows (``seed``, ``size``) and held-out rows (``eval_seed``, ``eval_size``) whose
-    questions are not training questions (the dropped ones counted in a warning)."""
-    train = [record(e) for e in generate(task, seed=task.seed, size=task.size)]
-    held_out = (  # reasoning-gym refuses a dataset of size 0
-        [record(e) for e in generate(task, seed=task.eval_seed, size=task.eval_size)]
-        if task.eval_size
-        else []
-    )
+    questions are not training questions (the dropped ones counted in a warning); with
+    ``max_level``, both at every level (module docstring)."""
+    train, held_out = [], []
+    for i, level in enumerate(levels(task)):
+        at = dataclasses.replace(task, level=level, max_level=None)
+        train += leveled(
+            generate(at, seed=task.seed + i * (task.size + len(task.names)), size=task.size),
+            task,
+            level,
+        )
+        if task.eval_size:  # reasoning-gym refuses a dataset of size 0
+            seed = task.eval_seed + i * (task.eval_size + len(task.names))
+            held_out += leveled(generate(at, seed=seed, size=task.eval_size), task, level)
     seen = {r["prompt"] for r in train}
     kept = [r for r in held_out if r["prompt"] not in seen]
     if len(kept) < len(held_out):
@@ -266,6 +297,15 @@ def make_splits(task: ReasoningGymTask) -> tuple[list[dict], list[dict]]:
             stacklevel=2,
         )
     return train, kept
+
+
+def leveled(entries: list[dict], task: ReasoningGymTask, level: int | None) -> list[dict]:
+    """The rows of ``entries`` (``record``); on a curriculum each with its ``level`` and the
+    level in its ``data_source``."""
+    rows = [record(e) for e in entries]
+    if task.max_level is None:
+        return rows
+    return [{**r, "data_source": f"{r['data_source']}/level{level}", "level": level} for r in rows]
 
 
 def system_prompt(task: ReasoningGymTask) -> str:

@@ -112,6 +112,11 @@ class AgentRunConfig(ModelRunConfig):
             reasoning_gym_task.with_names(
                 self.reasoning_gym, reasoning_gym_task.task_names(spec.task, "--env")
             )
+            if self.reasoning_gym.max_level is not None:
+                raise ValueError(
+                    "--reasoning-gym.max-level: the rising curriculum runs with GRPO and PPO; "
+                    "the agent trainer takes one --reasoning-gym.level"
+                )
             if spec.attempts > self.agent.max_turns:
                 raise ValueError(
                     f"--env {self.env}: {spec.attempts} attempts need --agent.max-turns >= "

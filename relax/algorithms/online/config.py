@@ -213,6 +213,12 @@ class OnlineRunConfig(TaskRunConfig):
             raise ValueError(
                 f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward"
             )
+        rising = self.reasoning_gym.max_level is not None
+        if rising and self.task.startswith(reasoning_gym_task.PREFIX) and self.async_.staleness:
+            raise ValueError(
+                "--reasoning-gym.max-level: the rising curriculum picks each batch's level from "
+                "the updates before it, so it runs synchronously (drop --async.staleness)"
+            )
 
 
 def run_parts(cfg: OnlineRunConfig, parts: StepParts, generation: GenerationConfig) -> StepParts:

@@ -45,15 +45,16 @@ from relax.algorithms.online.setup import (
     load_run_data,
     reasoning_gym_setup,
     text_decoder,
+    training_batches,
     visual_setup,
 )
 from relax.algorithms.online.step import StepParts
 from relax.algorithms.online.verifiers_setup import verifiers_setup
 from relax.compose import WithHost
+from relax.data.curriculum import RisingCurriculum
 from relax.data.prompts import (
     batch_lengths,
     padded_length,
-    prompt_iterator,
 )
 from relax.eval.evaluate import evaluate, sampler_calls
 from relax.objectives.off_policy import OffPolicyConfig
@@ -242,8 +243,18 @@ def _prepare(
     return prepare
 
 
-def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int, reward_fns=()):
+def _host_metrics(
+    cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int, reward_fns=(), batches=None
+):
+    """The host's metrics of an update; a curriculum (``RisingCurriculum`` batches) reports the
+    level the update trained on and observes its mean reward."""
+    curriculum = batches if isinstance(batches, RisingCurriculum) else None
+
     def host_metrics(out: WithHost, metrics: dict) -> dict:
+        level = {}
+        if curriculum is not None:
+            level = {"curriculum/level": float(curriculum.level)}
+            curriculum.observe(metrics["reward"])
         # from the global mean: on several processes ``lengths`` is not addressable whole
         num_tokens = metrics["completion_length"] * cfg.batch_size * algo.generation.num_generations
         return {
@@ -254,6 +265,7 @@ def _host_metrics(cfg: OnlineRunConfig, algo: OnlineAlgorithm, over_budget: int,
             ),
             **judge_metrics(reward_fns),  # a generative judge's last call
             **(out.host.partial or {}),
+            **level,
         }
 
     return host_metrics
@@ -372,7 +384,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     pool = reward_pool(cfg, reward_fns)
     with pool if pool is not None else contextlib.nullcontext():  # the workers end with the run
         eos_ids = tuple(sorted({*model.config.eos_ids, *tokenizer.eos_token_ids}))
-        batches = prompt_iterator(data.data_cfg, tokenizer, prepared=data.train, images=data.images)
+        batches = training_batches(cfg, data)  # a RisingCurriculum on a curriculum
         partial = _partial_rollouts(cfg, algo, batches, eos_ids, tokenizer.pad_token_id)
         parts = StepParts(
             reward_fns=reward_fns,
@@ -405,7 +417,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             step=step_fn,
             batches=batches if partial is None else partial,
             make_batch=_make_batch(cfg, data) if partial is None else (lambda request: request),
-            host_metrics=_host_metrics(cfg, algo, over_budget, reward_fns),
+            host_metrics=_host_metrics(cfg, algo, over_budget, reward_fns, batches),
             evaluate=_evaluator(cfg, algo, data, parts, log),
             export=exporter(tokenizer, base_path(cfg, run_dir), data.vision),
             bar_keys=BAR_KEYS,

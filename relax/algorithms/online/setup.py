@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from relax.algorithms.online.config import ModelRunConfig, OnlineRunConfig, TaskRunConfig
 from relax.algorithms.online.rewards import reward_columns
+from relax.data.curriculum import RisingCurriculum
 from relax.data.image_prompts import ImagePrompts, processor_for
 from relax.data.images.pixels import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE
 from relax.data.prompts import (
@@ -23,6 +24,7 @@ from relax.data.prompts import (
     batch_of,
     eval_records,
     prepare_prompts,
+    prompt_iterator,
     read_records,
     read_splits,
 )
@@ -301,6 +303,37 @@ class RunData:
         if self.mesh is None:
             return inputs
         return place_rows(inputs, self.mesh, batch.prompt_ids.shape[0])  # the step's layout
+
+
+def training_batches(cfg: OnlineRunConfig, data: RunData):
+    """The training batches: the rows' ``prompt_iterator``, or on a reasoning-gym curriculum
+    (``--reasoning-gym.max-level``) a ``RisingCurriculum`` over each level's rows, every level
+    padded as the whole data is (one compiled step)."""
+    task = cfg.task_config if kind(cfg.task) == "reasoning_gym" else None
+    if task is None or task.max_level is None:
+        return prompt_iterator(
+            data.data_cfg, data.tokenizer, prepared=data.train, images=data.images
+        )
+    parts = []
+    for level in reasoning_gym_task.levels(task):
+        examples = [e for e in data.train.examples if e.extras.get("level") == level]
+        if not examples:
+            raise ValueError(
+                f"--reasoning-gym.max-level: no training prompt of level {level} is within "
+                f"--max-prompt-tokens {cfg.max_prompt_tokens}"
+            )
+        level_rows = dataclasses.replace(data.train, examples=examples)
+        parts.append(
+            prompt_iterator(
+                data.data_cfg, data.tokenizer, prepared=level_rows, padded_as=data.train
+            )
+        )
+    return RisingCurriculum(
+        reasoning_gym_task.levels(task),
+        parts,
+        threshold=task.level_up_at,
+        window=task.level_window,
+    )
 
 
 def load_run_data(cfg: OnlineRunConfig, run_dir: Path, on_host: bool, log) -> RunData:
