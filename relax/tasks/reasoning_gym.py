@@ -71,7 +71,9 @@ class ReasoningGymTask:
     unset) to this one, the batches from the first until its mean training reward over
     --reasoning-gym.level-window updates reaches --reasoning-gym.level-up-at, then the next."""
     level_up_at: float = 0.8
+    """With --reasoning-gym.max-level: the mean training reward that moves the run up a level."""
     level_window: int = 10
+    """With --reasoning-gym.max-level: the updates at a level that mean is taken over."""
     prompt_style: str = "direct"
     """With --model: the system prompt (reasoning-gym's ``SYSTEM_PROMPTS[prompt_style]``, which
     asks for ``<answer>...</answer>``) unless --system-prompt is given."""

@@ -325,7 +325,11 @@ def training_batches(cfg: OnlineRunConfig, data: RunData):
         level_rows = dataclasses.replace(data.train, examples=examples)
         parts.append(
             prompt_iterator(
-                data.data_cfg, data.tokenizer, prepared=level_rows, padded_as=data.train
+                data.data_cfg,
+                data.tokenizer,
+                prepared=level_rows,
+                images=data.images,
+                padded_as=data.train,
             )
         )
     return RisingCurriculum(
