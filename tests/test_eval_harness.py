@@ -58,12 +58,7 @@ def test_fewshot_draws_equal_lm_evals_context_sampler():
 
 def test_prompt_text_is_lm_evals_layout():
     ex = [{"question": "a?", "answer": "x\n#### 1"}, {"question": "b?", "answer": "#### 2"}]
-    got = build_context(
-        {"question": "c?", "answer": "#### 3"},
-        ex,
-        doc_to_text=GSM8K.doc_to_text,
-        fewshot_target=GSM8K.doc_to_target,
-    )
+    got = build_context({"question": "c?", "answer": "#### 3"}, ex, GSM8K.layout)
     assert got == (
         "Question: a?\nAnswer: x\n#### 1\n\nQuestion: b?\nAnswer: #### 2\n\nQuestion: c?\nAnswer:"
     )

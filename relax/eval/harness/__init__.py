@@ -7,7 +7,7 @@ prompts), ``load`` (model, adapter or run), ``report`` (records, aggregation, ta
 ``run`` (the command's config and ``run``). lm_eval itself is never imported.
 """
 
-from relax.eval.harness.fewshot import build_context, sample_fewshot
+from relax.eval.harness.fewshot import PromptLayout, build_context, chat_messages, sample_fewshot
 from relax.eval.harness.filters import FilterPipeline, RegexFilter, truncate_at_stops
 from relax.eval.harness.metrics import ExactMatch, mean, mean_stderr
 from relax.eval.harness.report import ItemRecord, aggregate, build_report, table
@@ -21,11 +21,13 @@ __all__ = [
     "HarnessConfig",
     "HarnessTask",
     "ItemRecord",
+    "PromptLayout",
     "RegexFilter",
     "aggregate",
     "build_context",
     "build_prompts",
     "build_report",
+    "chat_messages",
     "get_task",
     "mean",
     "mean_stderr",

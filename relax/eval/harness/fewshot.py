@@ -26,6 +26,7 @@ one user turn. The model's chat template then renders them with a generation pro
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 
@@ -70,52 +71,44 @@ def sample_fewshot(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptLayout:
+    """How a task writes a prompt: an item's text, a few-shot example's target and the
+    delimiters after a question (before its target) and after each example."""
+
+    doc_to_text: Callable[[Doc], str]
+    fewshot_target: Callable[[Doc], str]
+    target_delimiter: str = " "
+    fewshot_delimiter: str = "\n\n"
+
+
 def chat_messages(
     doc: Doc,
     examples: Sequence[Doc],
+    layout: PromptLayout,
     *,
-    doc_to_text: Callable[[Doc], str],
-    fewshot_target: Callable[[Doc], str],
-    target_delimiter: str = " ",
-    fewshot_delimiter: str = "\n\n",
     system: str = "",
     multiturn: bool = True,
 ) -> list[dict[str, str]]:
     """One item's prompt as chat messages (the module docstring's "Chat")."""
     messages = [{"role": "system", "content": system}] if system else []
     if not multiturn:
-        text = build_context(
-            doc,
-            examples,
-            doc_to_text=doc_to_text,
-            fewshot_target=fewshot_target,
-            target_delimiter=target_delimiter,
-            fewshot_delimiter=fewshot_delimiter,
-        )
-        return [*messages, {"role": "user", "content": text}]
+        return [*messages, {"role": "user", "content": build_context(doc, examples, layout)}]
     for ex in examples:
-        messages.append({"role": "user", "content": doc_to_text(ex)})
-        if target := fewshot_target(ex):
+        messages.append({"role": "user", "content": layout.doc_to_text(ex)})
+        if target := layout.fewshot_target(ex):
             messages.append({"role": "assistant", "content": target})
-    return [*messages, {"role": "user", "content": doc_to_text(doc)}]
+    return [*messages, {"role": "user", "content": layout.doc_to_text(doc)}]
 
 
 def build_context(
-    doc: Doc,
-    examples: Sequence[Doc],
-    *,
-    doc_to_text: Callable[[Doc], str],
-    fewshot_target: Callable[[Doc], str],
-    target_delimiter: str = " ",
-    fewshot_delimiter: str = "\n\n",
-    description: str = "",
+    doc: Doc, examples: Sequence[Doc], layout: PromptLayout, description: str = ""
 ) -> str:
     """One item's prompt: ``description``, the examples with their targets, the item's text."""
     parts = [description]
     for ex in examples:
-        target = fewshot_target(ex)
-        parts.append(
-            doc_to_text(ex) + (target_delimiter + target + fewshot_delimiter if target else "")
-        )
-    parts.append(doc_to_text(doc))
+        target = layout.fewshot_target(ex)
+        tail = layout.target_delimiter + target + layout.fewshot_delimiter if target else ""
+        parts.append(layout.doc_to_text(ex) + tail)
+    parts.append(layout.doc_to_text(doc))
     return "".join(parts)

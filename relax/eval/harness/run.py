@@ -114,18 +114,10 @@ def build_prompts(
     shots = sample_fewshot(
         docs, pool, num_fewshot, seed=seed, sampler=task.fewshot_sampler, same_split=same_split
     )
-    layout = dict(
-        doc_to_text=task.doc_to_text,
-        fewshot_target=task.fewshot_target or task.doc_to_target,
-        target_delimiter=task.target_delimiter,
-        fewshot_delimiter=task.fewshot_delimiter,
-    )
     if render is None:
-        return [
-            build_context(doc, ex, description=system, **layout) for doc, ex in zip(docs, shots)
-        ]
+        return [build_context(doc, ex, task.layout, system) for doc, ex in zip(docs, shots)]
     return [
-        render(chat_messages(doc, ex, system=system, multiturn=multiturn, **layout))
+        render(chat_messages(doc, ex, task.layout, system=system, multiturn=multiturn))
         for doc, ex in zip(docs, shots)
     ]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from relax.eval.harness.fewshot import PromptLayout
 from relax.eval.harness.filters import FilterPipeline, PrefixPrompt, RegexFilter
 from relax.eval.harness.math_answers import MathEquiv, math_target
 from relax.eval.harness.mbpp_shots import MBPP_FEWSHOT
@@ -61,6 +62,16 @@ class HarnessTask:
     doc_id)."""
     source_field: str = "source"
     """The column that names an item's source, for the per-source breakdown (absent: none)."""
+
+    @property
+    def layout(self) -> PromptLayout:
+        """How its prompts are written (``relax.eval.harness.fewshot``)."""
+        return PromptLayout(
+            self.doc_to_text,
+            self.fewshot_target or self.doc_to_target,
+            self.target_delimiter,
+            self.fewshot_delimiter,
+        )
 
 
 GSM8K_STRICT = FilterPipeline("strict-match", (RegexFilter(r"#### (\-?[0-9\.\,]+)"),))
