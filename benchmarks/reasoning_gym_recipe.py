@@ -63,7 +63,7 @@ def command(args: argparse.Namespace) -> list[str]:
         "--reasoning-gym.size", str(args.train_rows),
         "--reasoning-gym.eval-size", str(args.eval_rows),
         "--reasoning-gym.options", *options(args.digits),
-        "--reward", "reasoning_gym_plain",
+        "--reward", args.reward,
         "--system-prompt", SYSTEM_PROMPT,
         "--run-dir", args.run_dir,
         "--steps", str(args.steps),
@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--train-rows", type=int, default=1000)
     p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--digits", type=int, default=2, help="digits of each term")
+    p.add_argument(
+        "--reward",
+        default="reasoning_gym_plain",
+        choices=("reasoning_gym_plain", "reasoning_gym", "numeric_match"),
+        help="numeric_match: the completion's final number against the row's answer",
+    )
     args = p.parse_args(argv)
     from relax.commands import COMMANDS
 
@@ -101,7 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
     keys = ("greedy/accuracy", "greedy/reward", "reward")
     per_task = ("basic_arithmetic/reward", "chain_sum/reward")
     result = {
-        "recipe": f"GRPO, reasoning-gym basic_arithmetic + chain_sum, {args.digits}-digit terms",
+        "recipe": (
+            f"GRPO, reasoning-gym basic_arithmetic + chain_sum, {args.digits}-digit terms, "
+            f"reward {args.reward}"
+        ),
         "command": "relax grpo " + " ".join(flags),
         "held_out": {
             phase: {k: summary[phase].get(k) for k in keys + per_task}
