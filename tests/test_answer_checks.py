@@ -54,7 +54,7 @@ TABLE = [
     ("-3", "\\boxed{\u22123}", 1.0, 1.0),  # Unicode minus
     ("-3", "so x = -3", 1.0, 1.0),
     ("3", "10-3", 0.0, 0.0),  # 10 - 3 = 7
-    ("7", "10-3", 1.0, 0.0),
+    ("7", "10-3", 0.0, 0.0),  # arithmetic left undone is not the answer (math-verify: equal)
     ("-0.5", r"\boxed{-\frac{1}{2}}", 1.0, 1.0),
     (-2.5, "#### -2.5", 1.0, 1.0),
     ("0", r"\boxed{-0}", 1.0, 1.0),
@@ -112,6 +112,14 @@ TABLE = [
         0.0,
     ),  # a float reference: equal to 6 decimals
     ("0.5", r"\boxed{1/0}", 0.0, 0.0),
+    # a restated question: what GRPO on SmolLM2 learned to write for one-digit sums when this
+    # fallback rewarded it (session 34), and sums / products left undone
+    ("-3", "To find 6 - 9, we need to subtract the two numbers and", 0.0, 0.0),
+    ("10", "To calculate 8 + 2, we simply add them together.", 0.0, 0.0),
+    ("5", r"\boxed{2+3}", 0.0, 0.0),
+    ("12", r"\boxed{3 \times 4}", 0.0, 0.0),
+    ("2500", r"\boxed{2.5 \times 10^{3}}", 1.0, 0.0),  # scientific notation is a number
+    ("-0.5", r"\boxed{-\frac{2}{4}}", 1.0, 1.0),
     # an empty box
     ("5", r"\boxed{}", 0.0, 0.0),
     ("0", r"\boxed{}", 0.0, 0.0),

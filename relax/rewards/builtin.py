@@ -227,9 +227,10 @@ def parse_answer_number(answer: Any) -> float | None:
 
 
 def _math_checker() -> MathVerify | None:
-    """A ``MathVerify()`` for answers that are not plain numbers, or None without math-verify."""
+    """A ``MathVerify(numbers_only=True)`` for answers that are not plain numbers, or None
+    without math-verify."""
     try:
-        return MathVerify()
+        return MathVerify(numbers_only=True)
     except ImportError:
         return None
 
@@ -266,7 +267,7 @@ def make_numeric_match(
     x, text = final_answer(completions[i])     x = None where the answer is not wholly a number
     r_i = None                                         if a is None (reference not a number)
           1.0 if |x - a| <= rel_tol * max(|x|, |a|)    else 0.0    if x is a number (exact)
-          MathVerify()(text, answer)                   if math_fallback and math-verify is installed
+          MathVerify(numbers_only=True)(text, answer)  if math_fallback and math-verify is installed
           0.0                                          otherwise
 
     Only a whole answer is a number: ``\\boxed{x-5}``, ``\\boxed{7\\le x}``, ``\\boxed{10^2}``

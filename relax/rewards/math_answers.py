@@ -248,6 +248,35 @@ def deadline(seconds: float) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), old_interval)
 
 
+def _power_of_ten(e: Any) -> bool:
+    return e.is_Pow and e.base == 10 and e.exp.is_Integer
+
+
+def _reciprocal(e: Any) -> bool:
+    return e.is_Pow and e.base.is_Integer and e.exp == -1
+
+
+def written_as_a_number(e: Any) -> bool:
+    """Whether a parsed answer (a sympy expression) is a number as written: a number, a fraction
+    ``a/b``, a percentage ``n\\%``, a power of ten or ``a \\times 10^k``; or a value that no
+    number writes exactly (``\\frac{\\sqrt{2}}{2}``). Not a rational value left as arithmetic
+    (``6 - 9``, ``2+3``, ``3 \\times 4``): a restated question is not its answer."""
+    from sympy import Expr  # math-verify's own dependency
+
+    if not isinstance(e, Expr):
+        return False  # a set, an interval, a relation
+    if not e.is_rational:
+        return True  # irrational or symbolic: no number writes it exactly
+    if e.is_Number or _power_of_ten(e):
+        return True
+    if not e.is_Mul:
+        return False
+    parts = e.args
+    if not all(a.is_Number or _power_of_ten(a) or _reciprocal(a) for a in parts):
+        return False
+    return sum(1 for a in parts if a.is_Integer and abs(a) > 1) <= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MathVerify:
     """``math_verify`` reading the reference from column ``answer_field``::
@@ -259,6 +288,7 @@ class MathVerify:
                                                         "answer:", the last LaTeX or number
         r_i = None   if g == [] (reference missing or unparseable, or its parse timed out)
               0.0    if p == [] (no parseable answer) or the check ran past timeout_s
+              0.0    if numbers_only and p is not written as a number (written_as_a_number)
               1.0 if verify(g, p, float_rounding, strict) else 0.0
 
     ``gold_text`` writes a plain-number reference out the same way and wraps a bare reference as
@@ -285,6 +315,9 @@ class MathVerify:
     timeout_s: float = 5.0
     float_rounding: int = 6
     strict: bool = True
+    numbers_only: bool = False
+    """Score 0 an answer that is arithmetic on numbers (``6 - 9`` for -3): ``numeric_match``'s
+    check, where the reference is a number and a restated expression would be rewarded."""
 
     def __post_init__(self):
         if not isinstance(self.answer_field, str) or not self.answer_field:
@@ -301,6 +334,8 @@ class MathVerify:
             raise ValueError(f"float_rounding must be an int >= 0, got {self.float_rounding!r}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be a bool, got {self.strict!r}")
+        if not isinstance(self.numbers_only, bool):
+            raise ValueError(f"numbers_only must be a bool, got {self.numbers_only!r}")
         _library()
 
     @property
@@ -330,6 +365,7 @@ class MathVerify:
                 pred = mv.parse(completion, _extraction_configs()[1], parsing_timeout=None)
                 return float(
                     bool(pred)
+                    and (not self.numbers_only or written_as_a_number(pred[0]))
                     and mv.verify(
                         gold,
                         pred,
