@@ -17,7 +17,7 @@ import numpy as np
 import tyro
 
 from relax.algorithms.agent.config import AgentConfig, rollout_config
-from relax.algorithms.agent.setup import AgentSetup, load_setup
+from relax.algorithms.agent.setup import AgentSetup, load_setup, reasoning_gym_spec
 from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step, success_metrics
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.cli.report import first_row_lines, run_report
@@ -32,7 +32,7 @@ from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
-from relax.environments.reasoning_gym_env import ReasoningGymSpec, is_reasoning_gym
+from relax.environments.reasoning_gym_env import is_reasoning_gym
 from relax.environments.rollout import rollout_trajectories
 from relax.environments.verifiers_source import is_verifiers
 from relax.parallel import ShardedStep, batch_shards
@@ -108,10 +108,7 @@ class AgentRunConfig(ModelRunConfig):
                 "must agree: the environment ends a trajectory after the first, the rollout after the second"
             )
         if is_reasoning_gym(self.env):  # names, options and seeds checked now, not at setup
-            spec = ReasoningGymSpec.parse(self.env)
-            reasoning_gym_task.with_names(
-                self.reasoning_gym, reasoning_gym_task.task_names(spec.task, "--env")
-            )
+            spec, _ = reasoning_gym_spec(self.env, self.reasoning_gym)
             if self.reasoning_gym.max_level is not None:
                 raise ValueError(
                     "--reasoning-gym.max-level: the rising curriculum runs with GRPO and PPO; "

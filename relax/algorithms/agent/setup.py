@@ -107,14 +107,23 @@ def load_setup(
     )
 
 
+def reasoning_gym_spec(
+    env: str, options: reasoning_gym_task.ReasoningGymTask
+) -> tuple[ReasoningGymSpec, reasoning_gym_task.ReasoningGymTask]:
+    """``--env reasoning_gym:<names>?...`` parsed, and the rows' options for its tasks (names,
+    options and seeds checked: a ``ValueError`` naming the flag)."""
+    spec = ReasoningGymSpec.parse(env)
+    names = reasoning_gym_task.task_names(spec.task, "--env")
+    return spec, reasoning_gym_task.with_names(options, names)
+
+
 def reasoning_gym_env(
     env: str, options: reasoning_gym_task.ReasoningGymTask
 ) -> tuple[Callable[[], ReasoningGymEnv], Callable[[], tuple[list[dict], list[dict]]]]:
     """``(make_env, rows)`` of ``--env reasoning_gym:<names>?...``: a fresh episode per
     trajectory (reasoning-gym's system prompt ``--reasoning-gym.prompt-style`` when answers are
     tagged, none when plain) and the generated training and held-out rows (``make_splits``)."""
-    spec = ReasoningGymSpec.parse(env)
-    task = reasoning_gym_task.with_names(options, reasoning_gym_task.task_names(spec.task, "--env"))
+    spec, task = reasoning_gym_spec(env, options)
     prompt = reasoning_gym_task.system_prompt(task) if spec.answer == "tagged" else None
     return (lambda: ReasoningGymEnv(spec, prompt)), (lambda: reasoning_gym_task.make_splits(task))
 

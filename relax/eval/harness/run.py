@@ -234,13 +234,8 @@ def run(cfg: HarnessConfig, log: Callable[[str], None] = print) -> dict:
         "model": policy.source,
         "num_fewshot": num_fewshot,
         "fewshot_seed": cfg.fewshot_seed,
-        "chat_template": (
-            None
-            if not cfg.apply_chat_template
-            else "multiturn"
-            if cfg.fewshot_as_multiturn
-            else "single turn"
-        ),
+        "chat_template": cfg.apply_chat_template,
+        "fewshot_as_multiturn": cfg.apply_chat_template and cfg.fewshot_as_multiturn,
         "system_instruction": cfg.system_instruction,
         "max_gen_toks": max_gen,
         "num_samples": cfg.num_samples,
