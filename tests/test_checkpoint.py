@@ -2,6 +2,7 @@
 integrity records (corruption caught on restore; the fingerprint itself: tests/test_fingerprint.py),
 fallback to the newest intact checkpoint and quarantine."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,14 @@ CFG = rm.ModelConfig(
     num_kv_heads=1,
     head_dim=8,
 )
+KEY = jax.random.key(0, impl="rbg")
+RANDOM_W = np.where(
+    np.isfinite(
+        w := np.random.default_rng(5).integers(0, 2**32, 16384, np.uint32).view(np.float32)
+    ),
+    w,
+    0,
+).astype(np.float32)  # random words: zstd stores them raw, a flip decodes without an error
 OPT = optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1),
@@ -468,3 +477,71 @@ def test_close_and_wait_are_idempotent_and_safe_after_errors(tmp_path, monkeypat
         ckpt.close()  # the failed save is reported once ...
     ckpt.close()  # ... and a second close (e.g. from __exit__) is a no-op
     ckpt.wait()
+
+
+# ----------------------------------------------------------------------------- the policy alone
+
+
+def test_restore_policy_reads_and_verifies_only_the_policy(tmp_path, state):
+    # A train state's policy is restored onto other weights, bit for bit; the record is checked
+    # for its leaves only: a wrong record for another field does not stop it, one for the
+    # policy does.
+    full = {"policy": state["model"], "opt_state": state["opt_state"], "key": state["key"]}
+    other = dict(full, opt_state=_perturbed(state["opt_state"]))
+    ckpt = _saved(tmp_path / "ckpt", {1: full, 2: other})
+    target = _perturbed(state["model"])
+    policy, config = ckpt.restore_policy(1, target=target)
+    _assert_bit_identical(policy, state["model"])
+    assert config == {"step": 1}
+    with pytest.raises(ValueError, match=r"step 1 does not match the restore target:\n.*layers"):
+        ckpt.restore_policy(1, target=rm.init(dataclasses.replace(CFG, num_layers=3), KEY))
+    for name in ("1", "2"):  # records swapped: they differ only in the optimizer state's leaves
+        shutil.move(tmp_path / "ckpt" / name / "integrity", tmp_path / f"integrity{name}")
+    shutil.move(tmp_path / "integrity1", tmp_path / "ckpt" / "2" / "integrity")
+    shutil.move(tmp_path / "integrity2", tmp_path / "ckpt" / "1" / "integrity")
+    _assert_bit_identical(ckpt.restore_policy(2, target=target)[0], state["model"])
+    with pytest.raises(CheckpointCorruptError, match="step 2 is damaged: item 'state'"):
+        ckpt.restore(2, target=full)
+    ckpt.close()
+    ckpt = _saved(tmp_path / "flipped", {3: {"policy": {"w": jax.device_put(RANDOM_W)}}})
+    _flip_middle_of_largest_chunk(tmp_path / "flipped" / "3")
+    with pytest.raises(
+        CheckpointCorruptError, match=r"step 3 is damaged: item 'state'.*: policy\.w"
+    ):
+        ckpt.restore_policy(target={"w": RANDOM_W})
+    ckpt.close()
+
+
+def test_restore_policy_puts_adapters_on_their_own_base_only(tmp_path, state):
+    from relax.models.adapters.operations import add_lora, base_weights, has_lora, without_base
+    from relax.models.layers.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=2)
+    fresh = add_lora(state["model"], lora, jax.random.key(1))
+    policy = eqx.combine(_perturbed(without_base(fresh)), base_weights(fresh))  # nonzero B
+    ckpt = _saved(tmp_path, {4: {"policy": policy, "step": jnp.asarray(4)}})
+    restored, _ = ckpt.restore_policy(target=add_lora(state["model"], lora, jax.random.key(2)))
+    assert has_lora(restored)
+    _assert_bit_identical(restored, policy)
+    _assert_bit_identical(base_weights(restored), base_weights(add_lora(state["model"], lora, KEY)))
+    with pytest.raises(ValueError, match="trained on other base weights"):
+        ckpt.restore_policy(target=add_lora(_perturbed(state["model"]), lora, KEY))
+    with pytest.raises(
+        ValueError, match="checkpoint leaves absent from the target: policy.layers.lora"
+    ):
+        ckpt.restore_policy(target=state["model"])
+    ckpt.close()
+
+
+def test_a_read_only_checkpointer_writes_and_deletes_nothing(tmp_path):
+    ckpt = _saved(tmp_path, {1: {"policy": {"w": jnp.arange(3.0)}}})
+    ckpt.close()
+    running = tmp_path / "2.orbax-checkpoint-tmp-1234"  # another process's save in flight
+    running.mkdir()
+    with Checkpointer(tmp_path, read_only=True) as reader:
+        assert reader.all_steps() == [1] and reader.config() == {"step": 1}
+        with pytest.raises(RuntimeError, match="read-only"):
+            reader.save(2, {"policy": {"w": jnp.arange(3.0)}}, config={}, force=True)
+    assert running.is_dir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        Checkpointer(tmp_path / "absent", read_only=True)

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -463,18 +464,50 @@ def test_a_runs_export_is_found_or_named(tmp_path):
         load_policy(run_dir="b", adapter="c")
 
 
-@pytest.mark.slow  # three evaluations of a tiny model (~40 s on a CPU)
-def test_an_adapter_and_a_runs_export_evaluate_as_the_merged_model(tmp_path):
+def test_a_runs_policy_is_the_step_asked_for_else_its_newest(tmp_path, monkeypatch):
+    import relax.train.run_policy as rp
+    from relax.eval.harness.run import HarnessConfig
+
+    with pytest.raises(FileNotFoundError, match="no export .* and no checkpoint"):
+        rp.run_policy(tmp_path)
+    monkeypatch.setattr(rp, "checkpoint_steps", lambda run: [5, 10])
+    monkeypatch.setattr(rp, "checkpoint_policy", lambda run, step: ("checkpoint", step))
+    monkeypatch.setattr(rp, "load_policy", lambda model=None, run_dir=None: ("hf", model, run_dir))
+    for step in (8, 10):
+        (tmp_path / "hf" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "hf" / f"step-{step}" / "config.json").write_text("{}")
+    hf = str(tmp_path / "hf" / "step-{}")
+    assert rp.run_policy(tmp_path) == ("hf", hf.format(10), None)  # a tie: the export
+    assert rp.run_policy(tmp_path, 5) == ("checkpoint", 5)
+    assert rp.run_policy(tmp_path, 10) == ("checkpoint", 10)  # a step asked for: the checkpoint
+    assert rp.run_policy(tmp_path, 8) == ("hf", hf.format(8), None)
+    with pytest.raises(FileNotFoundError, match=r"step 3; checkpoints \[5, 10\], .* \[8, 10\]"):
+        rp.run_policy(tmp_path, 3)
+    shutil.rmtree(tmp_path / "hf" / "step-10")
+    assert rp.run_policy(tmp_path) == ("checkpoint", 10)  # newer than the newest export
+    (tmp_path / "final_hf").mkdir()
+    (tmp_path / "final_hf" / "config.json").write_text("{}")
+    assert rp.run_policy(tmp_path) == ("hf", None, str(tmp_path))  # the run's end: final_hf
+    with pytest.raises(ValueError, match="--step goes with --run-dir"):
+        HarnessConfig(model="m", step=3)
+
+
+@pytest.mark.slow  # four evaluations of a tiny model (~50 s on a CPU)
+def test_an_adapter_a_runs_export_and_its_checkpoint_evaluate_as_the_merged_model(tmp_path):
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import optax
 
+    from relax.algorithms.grpo.run import GRPORunConfig
     from relax.commands import main
     from relax.models.adapters.operations import add_lora, merge_lora, with_adapters
     from relax.models.adapters.peft import save_adapter
     from relax.models.hf.checkpoint import load_pretrained, save_pretrained
     from relax.models.layers.lora import LoRAConfig, LoRAWeights
     from relax.text import load_tokenizer
+    from relax.train.checkpoint import Checkpointer
+    from relax.train.state import init_state
 
     base_dir = tiny_model_dir(tmp_path)
     policy = add_lora(load_pretrained(base_dir), LoRAConfig(rank=4), jax.random.key(1))
@@ -499,4 +532,10 @@ def test_an_adapter_and_a_runs_export_evaluate_as_the_merged_model(tmp_path):
 
     adapted = completions("--model", str(base_dir), "--adapter", str(tmp_path / "adapter"))
     assert adapted == completions("--run-dir", str(tmp_path / "run"))
+    # the same adapters in a run's checkpoint (a GRPO run's state and config, no export)
+    run = GRPORunConfig(model=str(base_dir), data="rows.jsonl", lora=LoRAConfig(rank=4))
+    with Checkpointer(tmp_path / "ckrun" / "checkpoints") as ckpt:
+        state = init_state(policy, optax.adam(1e-3), key=jax.random.key(0), with_reference=True)
+        assert ckpt.save(7, state, config=run, force=True)
+    assert adapted == completions("--run-dir", str(tmp_path / "ckrun"), "--step", "7")
     assert adapted != completions("--model", str(base_dir))  # the adapter changes the model

@@ -3,6 +3,7 @@
     relax eval --model HF_DIR --data gsm8k/test.jsonl --fewshot-data gsm8k/train.jsonl
     relax eval --model BASE --adapter ADAPTER_DIR --data ... --limit 200 --output report.json
     relax eval --run-dir runs/qwen-gsm8k --data ...          # the run's final_hf export
+    relax eval --run-dir runs/qwen-gsm8k --step 200 --data ...   # its checkpoint of step 200
     relax eval --task hendrycks_math500 --model HF_DIR --data math500.jsonl   # per-subject table
     relax eval --task humaneval --model HF_DIR --data humaneval.jsonl --num-samples 10 \\
         --temperature 0.8 --ks 1 5 10                        # pass@k; programs in the sandbox
@@ -26,8 +27,10 @@ def run(argv: list[str]) -> int:
 
     from relax.eval.harness.run import HarnessConfig
     from relax.eval.harness.run import run as run_eval
+    from relax.train.run_policy import load_run_policy
 
-    run_eval(tyro.cli(HarnessConfig, args=argv, description=__doc__, prog=f"relax {NAME}"))
+    cfg = tyro.cli(HarnessConfig, args=argv, description=__doc__, prog=f"relax {NAME}")
+    run_eval(cfg, load=load_run_policy)
     return 0
 
 

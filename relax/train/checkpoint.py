@@ -55,7 +55,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from relax.models.adapters.operations import base_weights, without_base
@@ -69,6 +68,7 @@ from relax.train.checkpoint_format import (
     encode_data,
     encode_state,
     first_line,
+    mismatches,
     paths,
     to_json,
 )
@@ -106,6 +106,8 @@ class Checkpointer:
     Call ``save`` / ``restore`` / ``quarantine`` on every process (orbax coordinates multi-host
     writes, the fingerprint is a collective computation; the JSON items are written by the
     primary process, so ``data_state`` should be the same on every process or be process 0's).
+    ``read_only``: restore only, writing and deleting nothing in ``directory`` (not even a
+    running save's tmp directory): to read a run's checkpoints while it trains.
     """
 
     _barriers = itertools.count()  # unique multi-host barrier names (calls are collective)
@@ -117,6 +119,7 @@ class Checkpointer:
         max_to_keep: int | None = 3,
         save_every: int = 1,
         async_save: bool = True,
+        read_only: bool = False,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -139,7 +142,13 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
         )
-        self._closed = False
+        if read_only:  # another process may be writing here: touch nothing, not even tmp dirs
+            if not os.path.isdir(self.directory):
+                raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+            self._options = ocp.CheckpointManagerOptions(
+                read_only=True, save_interval_steps=0, max_to_keep=None, create=False
+            )
+        self._closed, self._read_only = False, read_only
         self._manager = self._make_manager()
 
     def _make_manager(self) -> ocp.CheckpointManager:
@@ -170,7 +179,7 @@ class Checkpointer:
         never overwrites a step). ``config`` is a dict or dataclass, stored as JSON. The state's
         :func:`fingerprint` is saved with it (one jitted reduction, a few ints to host).
         """
-        self._check_open()
+        self._check_open(write=True)
         step = int(step)
         if not force and not self._manager.should_save(step):
             return False
@@ -208,54 +217,36 @@ class Checkpointer:
         self._check_open()
         self.wait()
         step = self._resolve_step(step)
-        where = f"checkpoint {self.directory} step {step}"
         for item in (_STATE, _DATA, _CONFIG):
             if not os.path.isdir(path := self._path(step, item)):
                 raise self._corrupt(step, item, f"{path} does not exist")
-        verified = self._has_record(step)
-        full_target, target = target, without_base(target)
-        abstract = jax.tree.map(abstract_leaf, target)
-        meta = self._read(
-            step,
-            _STATE,
-            "cannot read its metadata",
-            lambda: self._manager.item_metadata(step)[_STATE],
-        )
-        if meta is None:
-            raise self._corrupt(step, _STATE, "its metadata (_METADATA) is missing or unreadable")
-        self._check_compatible(meta, abstract, where)
-        restore_args = ocp.args.StandardRestore(abstract)
-        encoded = self._read(
-            step,
-            _STATE,
-            "cannot read its arrays",
-            lambda: self._restore_item(step, _STATE, restore_args),
-        )
+        state = self._restore_state(step, target)
         data_state = self._read(
             step, _DATA, "cannot read it", lambda: decode_data(self._restore_item(step, _DATA))
         )
-        config = self._read(
-            step, _CONFIG, "cannot read it", lambda: self._restore_item(step, _CONFIG)["config"]
-        )
-        if verified:
-            stored = self._read(
-                step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY)
-            )
-            self._verify(
-                step,
-                encoded,
-                self._read(step, _INTEGRITY, "cannot read it", lambda: decode_record(stored)),
-            )
-            self._check_base(step, full_target, stored.get("lora_base"))
-        else:
-            warnings.warn(
-                f"{where} has no integrity record (saved before relax wrote one): "
-                "its values cannot be verified",
-                UnverifiedCheckpointWarning,
-                stacklevel=2,
-            )
-        restored = eqx.combine(jax.tree.map(decode_leaf, target, encoded), full_target)
-        return restored, data_state, config
+        return state, data_state, self._config(step)
+
+    def restore_policy(self, step: int | None = None, *, target: PyTree) -> tuple[PyTree, Any]:
+        """``(policy, config)``: only the train state's ``policy`` of ``step`` (default: the
+        latest), verified as ``restore`` verifies the whole state; the optimizer state, the
+        reference and the critic are not read (what ``relax eval`` needs of a run).
+
+        ``target``: the policy's model (or its ``jax.eval_shape``); with LoRA adapters, on the
+        base weights they were trained on. Raises as ``restore`` does.
+        """
+        self._check_open()
+        self.wait()
+        step = self._resolve_step(step)
+        for item in (_STATE, _CONFIG):
+            if not os.path.isdir(path := self._path(step, item)):
+                raise self._corrupt(step, item, f"{path} does not exist")
+        policy = self._restore_state(step, {"policy": target}, partial=True)["policy"]
+        return policy, self._config(step)
+
+    def config(self, step: int | None = None) -> Any:
+        """The config saved with ``step`` (default: the latest), as JSON."""
+        self._check_open()
+        return self._config(self._resolve_step(step))
 
     def restore_latest_intact(
         self, *, target: PyTree
@@ -290,7 +281,7 @@ class Checkpointer:
         and forget it; nothing is deleted. Returns the new path (``<dest_dir>/<step>``, or
         ``<step>.<n>`` if that exists). Later saves of that step number work again.
         """
-        self._check_open()
+        self._check_open(write=True)
         self.wait()
         step = int(step)
         source = self._path(step)
@@ -336,9 +327,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------- internals
 
-    def _check_open(self) -> None:
+    def _check_open(self, write: bool = False) -> None:
         if self._closed:
             raise RuntimeError(f"Checkpointer for {self.directory} is closed")
+        if write and self._read_only:
+            raise RuntimeError(f"Checkpointer for {self.directory} is read-only")
 
     def _path(self, step: int, *item: str) -> str:
         return os.path.join(self.directory, str(step), *item)
@@ -390,6 +383,68 @@ class Checkpointer:
             raise self._corrupt(step, _INTEGRITY, f"{self._path(step, _INTEGRITY)} does not exist")
         return False
 
+    def _config(self, step: int) -> Any:
+        return self._read(
+            step, _CONFIG, "cannot read it", lambda: self._restore_item(step, _CONFIG)["config"]
+        )
+
+    def _restore_state(self, step: int, target: PyTree, partial: bool = False) -> PyTree:
+        """The ``state`` item of ``step`` as ``target``, checked against the step's metadata and
+        integrity record. ``partial``: ``target`` is a dict of some of the state's top-level
+        fields (e.g. ``{"policy": model}``) and only they are read and verified."""
+        where = f"checkpoint {self.directory} step {step}"
+        verified = self._has_record(step)
+        full_target, target = target, without_base(target)
+        abstract = jax.tree.map(abstract_leaf, target)
+        meta = self._read(
+            step,
+            _STATE,
+            "cannot read its metadata",
+            lambda: self._manager.item_metadata(step)[_STATE],
+        )
+        if meta is None:
+            raise self._corrupt(step, _STATE, "its metadata (_METADATA) is missing or unreadable")
+        stored = getattr(meta, "tree", meta)
+        if partial:
+            stored = {name: stored.get(name) for name in abstract}
+        if problems := mismatches(stored, abstract):
+            shown = problems[:10] + ([f"... and {len(problems) - 10} more"] * (len(problems) > 10))
+            raise ValueError(f"{where} does not match the restore target:\n  " + "\n  ".join(shown))
+        if partial:
+            args = ocp.args.PyTreeRestore(
+                item=abstract,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                partial_restore=True,
+            )
+            read = lambda: ocp.PyTreeCheckpointer().restore(self._path(step, _STATE), args=args)  # noqa: E731
+        else:
+            args = ocp.args.StandardRestore(abstract)
+            read = lambda: self._restore_item(step, _STATE, args)  # noqa: E731
+        encoded = self._read(step, _STATE, "cannot read its arrays", read)
+        if verified:
+            record = self._read(
+                step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY)
+            )
+            leaves = self._read(step, _INTEGRITY, "cannot read it", lambda: decode_record(record))
+            base = record.get("lora_base")
+            if partial:  # the record's leaves under the fields read
+                leaves, base = (
+                    None
+                    if r is None
+                    else {p: v for p, v in r.items() if p.split(".")[0] in abstract}
+                    for r in (leaves, base)
+                )
+            self._verify(step, encoded, leaves)
+            self._check_base(step, full_target, base or None)
+        else:
+            warnings.warn(
+                f"{where} has no integrity record (saved before relax wrote one): "
+                "its values cannot be verified",
+                UnverifiedCheckpointWarning,
+                stacklevel=3,
+            )
+        return eqx.combine(jax.tree.map(decode_leaf, target, encoded), full_target)
+
     def _verify(self, step: int, encoded: PyTree, record: dict[str, list[int]]) -> None:
         """Recompute the fingerprint of the restored state and compare it with ``record``."""
         got = fingerprint(encoded)
@@ -423,34 +478,3 @@ class Checkpointer:
                 f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
                 f"weights than the target's ({paths([(p,) for p in bad], limit=5)} differ)"
             )
-
-    def _check_compatible(self, meta, abstract: PyTree, where: str) -> None:
-        stored = ocp.tree.to_flat_dict(getattr(meta, "tree", meta))
-        wanted = ocp.tree.to_flat_dict(abstract)
-        problems = []
-        missing = sorted(set(wanted) - set(stored))
-        extra = sorted(set(stored) - set(wanted))
-        if missing:
-            problems.append(f"target leaves missing from the checkpoint: {paths(missing)}")
-        if extra:
-            problems.append(f"checkpoint leaves absent from the target: {paths(extra)}")
-        for path in sorted(set(wanted) & set(stored)):
-            want = wanted[path]
-            if not hasattr(want, "dtype"):  # Python scalar: orbax restores its stored value
-                continue
-            have_shape, want_shape = tuple(getattr(stored[path], "shape", ())), tuple(want.shape)
-            have_dtype = getattr(stored[path], "dtype", None)
-            if isinstance(stored[path], ocp.metadata.ScalarMetadata):
-                have_dtype = None  # a saved Python scalar restores into any scalar dtype
-            if have_shape != want_shape or (
-                have_dtype is not None and np.dtype(have_dtype) != np.dtype(want.dtype)
-            ):
-                problems.append(
-                    f"{'.'.join(path)}: checkpoint {have_dtype}{list(have_shape)} "
-                    f"vs target {want.dtype}{list(want_shape)}"
-                )
-        if problems:
-            shown = problems[:10] + (
-                [f"... and {len(problems) - 10} more"] if len(problems) > 10 else []
-            )
-            raise ValueError(f"{where} does not match the restore target:\n  " + "\n  ".join(shown))

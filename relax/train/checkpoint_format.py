@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 
 PyTree = Any
 RECORD_FORMAT = "relax-fingerprint-v1"
@@ -94,6 +96,36 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     text = lines[0].split(" [tensorstore_spec=", 1)[0] if lines else ""
     text = text if len(text) <= limit else text[: limit - 3] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def mismatches(stored_tree: PyTree, abstract: PyTree) -> list[str]:
+    """How a checkpoint's metadata tree (``stored_tree``) differs from a restore target's abstract
+    tree: leaves missing on either side, shapes and dtypes that differ; empty when they fit."""
+    stored = ocp.tree.to_flat_dict(stored_tree)
+    wanted = ocp.tree.to_flat_dict(abstract)
+    problems = []
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    if missing:
+        problems.append(f"target leaves missing from the checkpoint: {paths(missing)}")
+    if extra:
+        problems.append(f"checkpoint leaves absent from the target: {paths(extra)}")
+    for path in sorted(set(wanted) & set(stored)):
+        want = wanted[path]
+        if not hasattr(want, "dtype"):  # Python scalar: orbax restores its stored value
+            continue
+        have_shape, want_shape = tuple(getattr(stored[path], "shape", ())), tuple(want.shape)
+        have_dtype = getattr(stored[path], "dtype", None)
+        if isinstance(stored[path], ocp.metadata.ScalarMetadata):
+            have_dtype = None  # a saved Python scalar restores into any scalar dtype
+        if have_shape != want_shape or (
+            have_dtype is not None and np.dtype(have_dtype) != np.dtype(want.dtype)
+        ):
+            problems.append(
+                f"{'.'.join(path)}: checkpoint {have_dtype}{list(have_shape)} "
+                f"vs target {want.dtype}{list(want_shape)}"
+            )
+    return problems
 
 
 def paths(paths: list[tuple[str, ...]], limit: int = 8) -> str:

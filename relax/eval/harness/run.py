@@ -10,11 +10,15 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relax.eval.harness.fewshot import build_context, chat_messages, sample_fewshot
 from relax.eval.harness.filters import apply_all
 from relax.eval.harness.report import ItemRecord, build_report, prompt_hash, table, write_report
 from relax.eval.harness.tasks import HarnessTask, get_task
+
+if TYPE_CHECKING:
+    from relax.eval.harness.load import Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +38,11 @@ class HarnessConfig:
     adapter: str | None = None
     """A PEFT LoRA adapter directory, applied to --model."""
     run_dir: str | None = None
-    """A relax run directory: its final_hf export, else its newest hf/step-N."""
+    """A relax run directory: its final_hf export, else its newest export (hf/step-N) or
+    checkpoint (checkpoints/N), whichever is later."""
+    step: int | None = None
+    """With --run-dir: the run's checkpoint of this step (its policy on the run's base model),
+    else its export hf/step-N."""
     limit: int | None = None
     """Evaluate the first N items only (lm-eval's --limit)."""
     num_fewshot: int | None = None
@@ -71,6 +79,8 @@ class HarnessConfig:
     def __post_init__(self):
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if self.step is not None and self.run_dir is None:
+            raise ValueError("--step goes with --run-dir (a step of that run)")
         if self.num_samples > 1 and self.temperature <= 0:
             raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are equal)")
         if any(k < 1 or k > self.num_samples for k in self.ks):
@@ -173,17 +183,32 @@ def score_items(
     return records
 
 
+def load_hf(cfg: HarnessConfig) -> Policy:
+    """``--model`` (+ ``--adapter``) or ``--run-dir``'s Hugging Face export."""
+    from relax.eval.harness.load import load_policy
+
+    if cfg.step is not None:
+        raise ValueError("--step reads a run's checkpoint: relax.train.run_policy.load_run_policy")
+    return load_policy(cfg.model, cfg.adapter, cfg.run_dir)
+
+
 def metric_name(task: HarnessTask) -> str:
     """The metric's name in the report (lm-eval's)."""
     return task.metric if isinstance(task.metric, str) else task.metric.name
 
 
-def run(cfg: HarnessConfig, log: Callable[[str], None] = print) -> dict:
-    """Load, prompt, generate, score, print the table, write ``cfg.output``; returns the report."""
+def run(
+    cfg: HarnessConfig,
+    log: Callable[[str], None] = print,
+    load: Callable[[HarnessConfig], Policy] | None = None,
+) -> dict:
+    """Load, prompt, generate, score, print the table, write ``cfg.output``; returns the report.
+
+    ``load``: the checkpoint of ``cfg`` (``relax eval`` passes ``relax.train.run_policy``'s,
+    which reads a run's checkpoints too); None: ``load_policy``, Hugging Face directories only."""
     import jax
 
     from relax.eval.harness.generate import generate_texts
-    from relax.eval.harness.load import load_policy
 
     task = get_task(cfg.task)
     if not cfg.data:
@@ -202,7 +227,7 @@ def run(cfg: HarnessConfig, log: Callable[[str], None] = print) -> dict:
     else:
         pool = []
     t0 = time.perf_counter()
-    policy = load_policy(cfg.model, cfg.adapter, cfg.run_dir)
+    policy = (load or load_hf)(cfg)
     t1 = time.perf_counter()
     prompts = build_prompts(
         task,
