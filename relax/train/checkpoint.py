@@ -416,26 +416,13 @@ class Checkpointer:
                 restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                 partial_restore=True,
             )
-            read = lambda: ocp.PyTreeCheckpointer().restore(self._path(step, _STATE), args=args)  # noqa: E731
+            read = lambda: _partial_restore(self._path(step, _STATE), args)  # noqa: E731
         else:
             args = ocp.args.StandardRestore(abstract)
             read = lambda: self._restore_item(step, _STATE, args)  # noqa: E731
         encoded = self._read(step, _STATE, "cannot read its arrays", read)
         if verified:
-            record = self._read(
-                step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY)
-            )
-            leaves = self._read(step, _INTEGRITY, "cannot read it", lambda: decode_record(record))
-            base = record.get("lora_base")
-            if partial:  # the record's leaves under the fields read
-                leaves, base = (
-                    None
-                    if r is None
-                    else {p: v for p, v in r.items() if p.split(".")[0] in abstract}
-                    for r in (leaves, base)
-                )
-            self._verify(step, encoded, leaves)
-            self._check_base(step, full_target, base or None)
+            self._check_integrity(step, encoded, full_target, set(abstract) if partial else None)
         else:
             warnings.warn(
                 f"{where} has no integrity record (saved before relax wrote one): "
@@ -444,6 +431,22 @@ class Checkpointer:
                 stacklevel=3,
             )
         return eqx.combine(jax.tree.map(decode_leaf, target, encoded), full_target)
+
+    def _check_integrity(self, step: int, encoded, full_target, fields: set | None) -> None:
+        """``encoded`` (and a LoRA target's base) against the step's integrity record; ``fields``:
+        the state's top-level fields read (None: all of it), the only record entries compared."""
+        record = self._read(
+            step, _INTEGRITY, "cannot read it", lambda: self._restore_item(step, _INTEGRITY)
+        )
+        leaves = self._read(step, _INTEGRITY, "cannot read it", lambda: decode_record(record))
+        base = record.get("lora_base")
+        if fields is not None:
+            leaves, base = (
+                None if r is None else {p: v for p, v in r.items() if p.split(".")[0] in fields}
+                for r in (leaves, base)
+            )
+        self._verify(step, encoded, leaves)
+        self._check_base(step, full_target, base or None)
 
     def _verify(self, step: int, encoded: PyTree, record: dict[str, list[int]]) -> None:
         """Recompute the fingerprint of the restored state and compare it with ``record``."""
@@ -478,3 +481,9 @@ class Checkpointer:
                 f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
                 f"weights than the target's ({paths([(p,) for p in bad], limit=5)} differ)"
             )
+
+
+def _partial_restore(path: str, args: ocp.args.PyTreeRestore) -> PyTree:
+    """Some of a saved pytree's fields (orbax's partial restore: the others are not read)."""
+    with ocp.PyTreeCheckpointer() as reader:
+        return reader.restore(path, args=args)
