@@ -103,7 +103,9 @@ def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> LossRows:
     return LossRows(**{k: jnp.asarray(v) for k, v in data.items()})
 
 
-def main(args: Args) -> dict:
+def build(args: Args):
+    """``(variants, setup)``: each variant's call (module docstring) and what ``main`` reports
+    of the setup (config, lengths, sizes, the packed batch, the pack timings)."""
     if args.model_shape not in SHAPES:
         raise SystemExit(f"--model-shape {args.model_shape!r}: one of {', '.join(SHAPES)}")
     mcfg = SHAPES[args.model_shape]()
@@ -154,6 +156,16 @@ def main(args: Args) -> dict:
         "ref_padded": lambda: ref(model, padded),
         "ref_packed": lambda: ref(model, packed),
     }
+    setup = dict(mcfg=mcfg, cfg=cfg, model=model, lens=lens, sizes=sizes, pk=pk)
+    return variants, dict(setup, pack_times=pack_times, mean_len=mean_len, flat_len=flat_len)
+
+
+def main(args: Args) -> dict:
+    variants, setup = build(args)
+    mcfg, cfg, model, lens = setup["mcfg"], setup["cfg"], setup["model"], setup["lens"]
+    sizes, pk, pack_times = setup["sizes"], setup["pk"], setup["pack_times"]
+    mean_len, flat_len = setup["mean_len"], setup["flat_len"]
+    p, g, n = args.prompts, args.generations, args.new_tokens
     first = {}
     for name, fn in variants.items():  # warm-up: compiles
         t0 = time.perf_counter()
@@ -203,7 +215,7 @@ def main(args: Args) -> dict:
             "packed_over_no_padding": med["update_packed"] / med["update_no_padding"],
             "packed_speedup": med["update_padded"] / med["update_packed"],
             "ref_packed_speedup": med["ref_padded"] / med["ref_packed"],
-            "passes_cache_sized": passes.cache_sized,
+            "passes_cache_sized": choose_passes().cache_sized,
         },
         table=[
             "bench",
