@@ -101,6 +101,34 @@ def trainers_worker(root: str, *flags: str) -> None:
     )
 
 
+def images_worker(root: str, *flags: str) -> None:
+    """``examples/train_grpo.py`` on image prompts of the tiny Qwen2.5-VL
+    (``test_vlm_mesh.cli_args``) with ``flags`` into ``root/<RELAX_TEST_RUN>``; jax's CPU device
+    count from ``RELAX_TEST_CPU_DEVICES``."""
+    import os
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get("RELAX_TEST_CPU_DEVICES", "1")))
+    tp.use_compile_cache()
+    import test_vlm_mesh as tvm
+    from conftest import load_example
+
+    from relax.rewards.builtin import BUILTIN_REWARDS
+
+    BUILTIN_REWARDS["row_tied"] = _row_tied
+    run_dir = Path(root) / os.environ["RELAX_TEST_RUN"]
+    args = [*tvm.cli_args(Path(root)), "--reward", "row_tied", "--run-dir", str(run_dir)]
+    load_example("grpo").main([*args, *flags])
+
+
+def _row_tied(prompts, completions, answer, **fields):
+    """A reward of each completion and its own row's answer (not of the batch as a whole): a row
+    that got another row's image would score, and so train, otherwise. The prompts' texts are
+    all the same; their images and answers differ."""
+    return [float(len(c) % 3 == int(a) % 3) for c, a in zip(completions, answer)]
+
+
 def single_worker(out: str) -> None:
     tp.use_compile_cache()
     Path(out).write_text(json.dumps(tp.run_case(None)))
@@ -273,6 +301,42 @@ if __name__ != "__main__":
             np.testing.assert_allclose(got["scores"], one["scores"], rtol=2e-4, atol=2e-5)
             assert got["devices"] == 4 and one["devices"] == 1  # this process's devices
 
+    @pytest.mark.slow  # two short image runs in three subprocesses
+    def test_image_prompts_on_two_processes_log_what_one_device_logs(tmp_path):
+        """GRPO on image prompts of the tiny Qwen2.5-VL on the global ``data=2,fsdp=2,tensor=2``
+        mesh of two processes of four devices: each process encodes its own rows' images on its
+        own devices (the vision part there) and the step takes them as global arrays; the
+        held-out prompts, which every process holds whole, are encoded by each and replicated.
+        The training and held-out metrics are a one-device run's, with a reward of each row's own
+        answer (``_row_tied``: images given to the wrong rows would score otherwise)."""
+        import test_vlm_mesh as tvm
+
+        tvm.write_setup(tmp_path)
+        port = free_port()
+        flags = ["--parallel.mesh", TRAINERS_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
+        two = {"RELAX_TEST_CPU_DEVICES": "4", "RELAX_TEST_RUN": "two"}
+        procs = [
+            _spawn(
+                ["images", str(tmp_path), *flags, "--parallel.num-processes", "2"]
+                + ["--parallel.process-id", str(i)],
+                env=two,
+            )
+            for i in range(2)
+        ]
+        procs.append(_spawn(["images", str(tmp_path)], env={"RELAX_TEST_RUN": "one"}))
+        outputs = _finish(procs, 2 * TIMEOUT_S)
+        for p, out in zip(procs, outputs):
+            assert p.returncode == 0, out[-6000:]
+        assert "2 process(es)" in outputs[0]
+        one, two = (tvm._lines(tmp_path / run) for run in ("one", "two"))
+        assert set(one) == set(two) == {"eval 0", "train 1", "train 2", "eval 2"}, (one, two)
+        for line, want in one.items():
+            assert set(two[line]) == set(want), line
+            for k, v in want.items():
+                np.testing.assert_allclose(
+                    two[line][k], v, rtol=2e-4, atol=2e-5, err_msg=f"{line}: {k}"
+                )
+
     @pytest.mark.slow  # three pipelined runs in subprocesses
     def test_partial_rollouts_on_two_processes_match_one_device(tmp_path):
         """GRPO with partial rollouts (``--async.partial 2``) on the global ``fsdp=2,tensor=2``
@@ -348,6 +412,8 @@ if __name__ == "__main__":
         partial_worker(int(args[0]), int(args[1]), int(args[2]), args[3])
     elif mode == "trainers":
         trainers_worker(*args)
+    elif mode == "images":
+        images_worker(*args)
     elif mode == "alone":  # process 0 of 2 whose peer never comes
         from relax.parallel import distributed as d
 

@@ -187,6 +187,37 @@ def test_gemma3_image_prompts_reach_the_sampler_split_by_rows(tmp_path):
 
 
 @needs_tpu
+def test_a_multi_host_slice_encodes_each_hosts_prompts_on_its_own_chips(tmp_path):
+    # v5e:2x4 is two hosts of four chips: each process of the run encodes its 4 of the 8 prompts
+    # on its own chips, the vision part sharded over those 4 (RunData.on_mesh's local_mesh),
+    # and the step takes the 8 prompts' inputs
+    from relax.plan import plan
+    from relax.plan.vision import ImagePlan
+
+    config = write(tmp_path, GEMMA)
+    p = plan(
+        "grpo", ["--model", config, *RUN, "--parallel.mesh", "fsdp=8"], "v5e:2x4",
+        compile_fn=no_compile, images=ImagePlan(per_prompt=2),
+    )  # fmt: skip
+    encode = p.programs[0]
+    assert encode.name == "encode" and encode.error is not None  # not compiled
+    assert encode.batch == 2 * 4 * 32 * 4 + 2 * 4 * C * IMAGE * IMAGE * 4  # 4 prompts, 8 images
+    assert all(m.vision == gemma_vision_bytes(fsdp=4) for m in p.programs)
+    from relax.parallel.local import host_mesh
+    from relax.plan.plan import parse_run
+    from relax.plan.vision import encode_program, resolved
+
+    run = parse_run("grpo", ["--model", config, *RUN, "--parallel.mesh", "fsdp=8"])
+    vm, images = resolved(run, ImagePlan(per_prompt=2))
+    mesh = run.parallel.meshes(targets.devices(targets.Target.parse("v5e:2x4")))[0]
+    host = host_mesh(mesh, 1)
+    assert {d.process_index for d in host.devices.flat} == {1} and host.devices.size == 4
+    program = encode_program(run, vm, images, host, no_compile, processes=2)
+    assert program.args[1][0].shape == (4, 32)  # this host's prompts
+    assert program.outputs.features.shape == (8, 32, D)  # the step's: every host's
+
+
+@needs_tpu
 def test_image_plan_refusals(tmp_path):
     from relax.plan import plan
     from relax.plan.vision import ImagePlan

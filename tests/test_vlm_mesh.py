@@ -262,12 +262,10 @@ def _lines(run_dir: Path) -> dict:
     return out
 
 
-def cli_case(root: Path) -> dict:
-    """``examples/train_grpo.py`` on the image rows, 2 steps and a held-out evaluation, on one
-    device and on the mesh: each run's metrics lines."""
-    from conftest import load_example
-
-    args = [
+def cli_args(root: Path) -> list[str]:
+    """``examples/train_grpo.py``'s flags for the image rows under ``root``: 2 steps and a
+    held-out evaluation (no run dir, no mesh)."""
+    return [
         "--model", str(root / "model"),
         "--data", str(root / "train.jsonl"),
         "--eval-data", str(root / "eval.jsonl"),
@@ -281,10 +279,17 @@ def cli_case(root: Path) -> dict:
         "--eval-every", "2",
         "--no-export-hf",
     ]  # fmt: skip
+
+
+def cli_case(root: Path) -> dict:
+    """``examples/train_grpo.py`` on the image rows (``cli_args``) on one device and on the mesh:
+    each run's metrics lines."""
+    from conftest import load_example
+
     runs = {}
     for where, flags in (("one", []), ("mesh", ["--parallel.mesh", MESH])):
         run_dir = root / f"cli-{where}"
-        load_example("grpo").main([*args, *flags, "--run-dir", str(run_dir)])
+        load_example("grpo").main([*cli_args(root), *flags, "--run-dir", str(run_dir)])
         runs[where] = _lines(run_dir)
     return runs
 

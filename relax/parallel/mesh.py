@@ -435,6 +435,21 @@ def place_rows(tree: Any, mesh: Mesh, rows: int) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, batch_leaf_sharding(x, mesh, rows)), tree)
 
 
+def place_process_rows(tree: Any, mesh: Mesh, *, shared: bool) -> Any:
+    """A process's ``tree`` (computed on its own devices, e.g. on ``relax.parallel.local``'s
+    ``local_mesh``) as global arrays on ``mesh``, through host memory: ``shared`` (every process
+    holds the same whole batch, e.g. the held-out one) replicated; else this process's
+    contiguous rows of the global batch, the leaves with the row axis split over the batch axes
+    as ``place_batch`` splits ``prompt_ids``."""
+    host = jax.tree.map(np.asarray, tree)
+    if shared:
+        return distributed.put(host, jax.tree.map(lambda _: replicated(mesh), host))
+    rows = jax.tree.leaves(host)[0].shape[0]
+    return jax.tree.map(
+        lambda x: distributed.to_global(x, batch_leaf_sharding(x, mesh, rows)), host
+    )
+
+
 def constrain_batch(batch: Any, mesh: Mesh, rows: int) -> Any:
     """``with_sharding_constraint`` of every array in ``batch`` (inside jit) to the batch rule."""
     return jax.tree.map(

@@ -1,6 +1,8 @@
 """A vision-language GRPO run in its plan (``--image-field``): the frozen vision part on every
 chip of the trainer, the program that encodes a batch's images, and the sampler and update
-called with the image prompts' ``PromptInputs``.
+called with the image prompts' ``PromptInputs``. On a slice of several hosts the run lays the
+vision part out on each host's chips and each process encodes its own prompts: the plan's
+encode is one host's, for its share of the batch.
 
 The run (``relax.algorithms.online.setup.RunData``) loads the vision part once, lays it out on
 the trainer mesh (``relax.parallel.shard_vision``: widths over ``fsdp``, heads and MLP widths
@@ -46,6 +48,7 @@ from relax.models.vision.qwen2_5_vl_checkpoint import read_vl_config, text_confi
 from relax.models.vision.qwen_vit import init_qwen_vision
 from relax.models.vision.siglip import init_siglip
 from relax.parallel import replicated, vision_shardings
+from relax.parallel.local import host_mesh, processes
 from relax.passes import target_backend
 from relax.plan.checkpoints import config_json
 from relax.plan.measure import Measured, measure, online, resident_state
@@ -194,19 +197,22 @@ def encode_program(
     images: ImagePlan,
     mesh: jax.sharding.Mesh,
     compile_fn: Callable[[Any], tuple],
+    processes: int = 1,
 ) -> Program:
     """The encode of one batch (``--batch-size`` prompts of ``--max-prompt-tokens``, their
-    images) on the trainer ``mesh``: the vision weights laid out by ``vision_shardings``, the
-    host's arrays replicated. Its ``args`` are ``(None, arrays)`` (the state resident meanwhile
-    is the caller's to give; the weights are counted apart, ``vision_per_chip``); its
-    ``outputs`` the ``PromptInputs`` shapes the step takes."""
+    images) on ``mesh`` (the trainer mesh; a run of several ``processes``: one process's devices
+    of it, ``relax.parallel.local.host_mesh``, encoding its share of the prompts): the vision weights laid out by
+    ``vision_shardings``, the host's arrays replicated. Its ``args`` are ``(None, arrays)`` (the
+    state resident meanwhile is the caller's to give; the weights are counted apart,
+    ``vision_per_chip``); its ``outputs`` the ``PromptInputs`` shapes the step takes (the whole
+    batch's)."""
     check_prompt_length(run, image_tokens(vm, images), images)
     vision = laid_out_vision(vm, mesh)
     model = abstract_model(run, vm.config)
     shape_only = eqx.filter(model, lambda _: False)  # config and dtype, as encode_images
-    pixels, grid = pixel_batch(vm, images, run.batch_size)
+    p, lp = run.batch_size // processes, run.max_prompt_tokens
+    pixels, grid = pixel_batch(vm, images, p)
     whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh))  # noqa: E731
-    p, lp = run.batch_size, run.max_prompt_tokens
     ids = jax.ShapeDtypeStruct((p, lp), jnp.int32)
     positions = jax.ShapeDtypeStruct((3, p, lp), jnp.int32)
     qwen = vm.family.model_type != "gemma3"
@@ -215,7 +221,10 @@ def encode_program(
     with target_backend(platform(mesh.devices.flat[0])), jax.set_mesh(mesh):
         lowered = fn.lower(vision, *arrays)
         compiled, error, seconds = compile_fn(lowered)
-    outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lowered.out_info)
+    outputs = jax.tree.map(  # every process's rows: the whole batch
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] * processes, *x.shape[1:]), x.dtype),
+        lowered.out_info,
+    )
     return Program(NAME, mesh, (None, arrays), compiled, error, seconds, outputs)
 
 
@@ -273,7 +282,10 @@ def image_run(
     first, then the step's programs called with its ``PromptInputs``; the vision part's weights
     resident beside every program on the trainer's chips (the ``vision`` column)."""
     trainer = run.parallel.meshes(devices)[0]
-    encode = encode_program(run, vm, images, trainer, compile_fn)
+    n = processes(trainer)
+    first = min(d.process_index for d in trainer.devices.flat)
+    where = host_mesh(trainer, first) if n > 1 else trainer  # as RunData.on_mesh lays it out
+    encode = encode_program(run, vm, images, where, compile_fn, n)
     measured = online(
         run,
         algo,
@@ -286,6 +298,6 @@ def image_run(
         images=encode.outputs,
     )
     encoded = measure(encode, target, args=(resident_state(run, measured), encode.args[1]))
-    weights = vision_per_chip(vm, trainer)
+    weights = vision_per_chip(vm, where)
     beside = lambda m: dataclasses.replace(m, memory=with_vision(m.memory, weights))  # noqa: E731
     return [beside(encoded), *(beside(m) if m.program.mesh == trainer else m for m in measured)]
