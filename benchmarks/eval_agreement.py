@@ -2,6 +2,7 @@
 
     python benchmarks/eval_agreement.py                     # 20 items, 5-shot, max_gen_toks 256
     python benchmarks/eval_agreement.py --limit 40 --model models/smollm2-135m-instruct
+    python benchmarks/eval_agreement.py --apply-chat-template   # the prompts in the chat template
 
 Runs ``lm_eval run --model hf`` (transformers, CPU, float32, batch size 1, ``--log_samples``) on a
 GSM8K task read from local files (an include-path YAML that includes lm-eval's own ``gsm8k.yaml``
@@ -11,7 +12,9 @@ per-item verdict agreement for both filters, whether the prompts are byte-identi
 whose completions differ (both completions, both verdicts, the first character where they part,
 and the first differing token with both frameworks' logit gap between the two choices there)
 and both wall times. Needs the ``eval`` extra (lm-eval) and
-torch/transformers (the ``parity`` extra).
+torch/transformers (the ``parity`` extra). ``--apply-chat-template``: both render the prompts with
+the model's chat template, the few-shot examples as turns (lm-eval's ``--apply_chat_template``,
+which turns ``--fewshot_as_multiturn`` on; relax eval's ``--apply-chat-template``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def run_lm_eval(args, work: Path, env: dict) -> tuple[float, list[dict]]:
         "--gen_kwargs", f"max_gen_toks={args.max_gen_toks}",
         "--output_path", str(work / "lm_eval_out"), "--log_samples",
     ]  # fmt: skip
+    cmd += ["--apply_chat_template"] if args.apply_chat_template else []
     wall = timed(cmd, env)
     (samples,) = glob.glob(
         str(work / "lm_eval_out" / "**" / f"samples_{task}_*.jsonl"), recursive=True
@@ -84,6 +88,7 @@ def run_relax(args, work: Path, env: dict) -> tuple[float, dict]:
         "--num-fewshot", str(args.num_fewshot), "--max-gen-toks", str(args.max_gen_toks),
         "--batch-size", str(args.batch_size), "--output", str(out),
     ]  # fmt: skip
+    cmd += ["--apply-chat-template"] if args.apply_chat_template else []
     wall = timed(cmd, env)
     return wall, json.loads(out.read_text())
 
@@ -174,6 +179,11 @@ def main() -> None:
     p.add_argument("--max-gen-toks", type=int, default=256)
     p.add_argument(
         "--batch-size", type=int, default=8, help="relax eval's prompts per sampler call"
+    )
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="render the prompts with the model's chat template on both sides",
     )
     p.add_argument(
         "--work-dir",

@@ -291,6 +291,8 @@ def cli_case(root: Path) -> dict:
         run_dir = root / f"cli-{where}"
         load_example("grpo").main([*cli_args(root), *flags, "--run-dir", str(run_dir)])
         runs[where] = _lines(run_dir)
+    lines = [json.loads(x) for x in (root / "cli-mesh" / "metrics.jsonl").read_text().splitlines()]
+    runs["mesh_compiles"] = [x["compiles"] for x in lines if "loss" in x]
     return runs
 
 
@@ -380,6 +382,7 @@ else:
     @pytest.mark.slow  # a whole run: make test-all
     def test_cli_grpo_with_images_on_a_mesh_trains_like_one_device(results):
         one, mesh = results["cli"]["one"], results["cli"]["mesh"]
+        assert results["cli"]["mesh_compiles"] == [0, 0]  # compiled ahead for the mesh's layout
         assert {"train 1", "train 2", "eval 2"} <= set(one), one
         assert set(mesh) == set(one), (set(mesh), set(one))
         for line, want in one.items():

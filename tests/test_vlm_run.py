@@ -1,7 +1,7 @@
 """A GRPO run on a vision-language model from the command line: ``examples/train_grpo.py --model
 VLM_DIR --data rows.jsonl --image-field image`` on the tiny Qwen2.5-VL (``relax.tasks.tiny_vlm``)
 and the counting task's rows (base64 PNGs, ``relax.tasks.visual``). The start-up report counts
-the images, the steps train, the held-out evaluation samples with the images, a bad image is an
+the images, the step's programs compile before it (none in a step), the held-out evaluation samples with the images, a bad image is an
 error naming the file, row and field or a dropped row, and a text model refuses --image-field.
 PPO trains on them as well, its vision tower once per prompt."""
 
@@ -58,11 +58,15 @@ def test_grpo_trains_on_image_prompts(setup, tmp_path, capsys):
     summary = load_example("grpo").main(_args(setup, tmp_path / "run"))
     out = capsys.readouterr().out
     assert "training images: 16 in all, 1-1 per prompt" in out
-    assert "image prompts' programs compile when the step first calls them" in out
+    # the step's programs compiled before it, for the image prompts' inputs; their encode and
+    # the held-out samplers when first called (the evaluation before step 1 calls them)
+    assert "rollout [prompts 64]" in out and "advantage+update [prompts 64]" in out
+    assert "image prompts' encode (its shapes follow each batch's images)" in out
     assert "padded rows (not packed)" in out and "packed across groups" not in out
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "loss" in x]
     assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-3 for s in steps)
+    assert [s["compiles"] for s in steps] == [0, 0]
     assert any("eval/greedy/accuracy" in x for x in lines)
     assert summary["data"]["train"]["images"] == 16
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +40,9 @@ from relax.train.ahead import (
 )
 from relax.train.pipeline import copy_view, producer_part
 
+ImageShapes = Callable[[int, int], Any]
+"""``images(rows, length)``: the ``PromptInputs`` shapes of a step's image prompts
+(``relax.algorithms.online.setup.RunData.encoded_shape``)."""
 WEIGHT_TRANSFER = ("weight_transfer",)  # a runner's copy between meshes: nothing to stand in for
 
 
@@ -74,12 +77,17 @@ def stand_in(parts: StepParts) -> StepParts:
     )
 
 
-def prompt_batch(rows: int, length: int, answer_field: str) -> WithHost:
+def prompt_batch(
+    rows: int, length: int, answer_field: str, images: ImageShapes | None = None
+) -> WithHost:
     """A step's input of ``rows`` prompts left-padded to ``length``, as the run's data iterator
-    gives it (int32, placed by the step), with empty texts and answers beside it."""
+    gives it (int32, placed by the step), with empty texts and answers beside it; image prompts'
+    inputs as ``images(rows, length)`` gives their shapes (``RunData.encoded_shape``)."""
     ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+    inputs = None if images is None else images(rows, length)
     return WithHost(
-        Prompts(ids, ids), HostRecord(prompts=[""] * rows, fields={answer_field: [""] * rows})
+        Prompts(ids, ids, images=inputs),
+        HostRecord(prompts=[""] * rows, fields={answer_field: [""] * rows}),
     )
 
 
@@ -134,13 +142,15 @@ def step_lowerings(
     batch_size: int,
     answer_field: str,
     pipelined: bool,
+    images: ImageShapes | None = None,
 ) -> list[tuple[str, Lowering]]:
     """The step's programs for batches of ``batch_size`` prompts padded to each of ``lengths``
     (``relax.train.ahead.walk_step``; a pipelined producer reads ``producer_part`` of the state),
-    each labelled with the first length that needed it."""
+    each labelled with the first length that needed it; ``images``: the prompts are image
+    prompts, their inputs of these shapes (``prompt_batch``)."""
     run_host, seen, out = host_runner(stand_in_step), {}, []
     for length in lengths:
-        batch = prompt_batch(batch_size, length, answer_field)
+        batch = prompt_batch(batch_size, length, answer_field, images)
         found = walk_step(
             step.segments,
             state,

@@ -147,7 +147,7 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts
     """``run_eval(state, step, logger) -> metrics``: the policy's held-out evaluation, logged at
     ``step`` (image prompts' inputs computed once: the vision tower is frozen)."""
     eval_batch = data.eval_batch
-    images = None if eval_batch is None else data.encode(data.model, eval_batch)
+    images = None if eval_batch is None else data.encode(data.model, eval_batch, shared=True)
 
     def run_eval(state, step: int, logger: MetricsLogger) -> dict:
         if eval_batch is None:
@@ -196,13 +196,19 @@ def _compiled_ahead(
             batch_size=cfg.batch_size,
             answer_field=cfg.answer_field,
             pipelined=parts.pipelined,
+            images=None if data.images is None else data.encoded_shape,
         )
     else:
         not_ahead.append(
             "the step's programs compile when first called: partial rollouts (--async.partial "
             f"{cfg.async_.partial}) sample in a host stage"
         )
-    if data.eval_batch is not None:
+    if data.images is not None:
+        not_ahead.append(
+            "image prompts' encode (its shapes follow each batch's images) and the held-out "
+            "evaluation's samplers compile when first called"
+        )
+    elif data.eval_batch is not None:
         calls = sampler_calls(
             data.eval_batch,
             cfg.eval,
@@ -228,9 +234,7 @@ def _prepare(
     start-up report's last section, "compiled ahead", printed and written."""
 
     def prepare(state, run_dir: Path) -> None:
-        if data.images is not None:
-            lines = ("off: image prompts' programs compile when the step first calls them",)
-        elif cfg.compile_ahead:
+        if cfg.compile_ahead:
             lines = _compiled_ahead(cfg, algo, data, parts, step, state).lines()
         else:
             lines = (
@@ -345,7 +349,7 @@ def run_meshes(cfg: ModelRunConfig, log) -> tuple[Mesh | None, Mesh | None]:
 
 def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
     """Image prompts train where they are built: GRPO and PPO, whole rollouts, on one device or
-    a trainer mesh of one process (no separate sampler devices)."""
+    the trainer mesh (no separate sampler devices)."""
     if cfg.image_field is None:
         return
     if algo.name not in ("grpo", "ppo"):
@@ -367,11 +371,6 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     cfg.parallel.initialize()  # multi-host: before anything touches a device
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
-    if cfg.image_field is not None and jax.process_count() > 1:
-        raise ValueError(
-            f"--image-field: image prompts run on one process ({jax.process_count()} here): a "
-            "--parallel.mesh over one process's devices"
-        )
     cfg, env_rewards = verifiers_setup(cfg, run_dir, log)  # --env verifiers:<id>
     cfg = reasoning_gym_setup(cfg, run_dir, log)  # --model with --task reasoning_gym:<names>
     cfg = visual_setup(cfg, run_dir, log)

@@ -31,7 +31,7 @@ from relax.data.prompts import (
 from relax.models.adapters.operations import add_lora, has_lora, merge_lora
 from relax.models.adapters.peft import TEXT_PREFIX, fused_adapter_error, save_adapter
 from relax.models.config.model import DTYPES
-from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.decoder.prompt_inputs import PromptInputs, text_prompt_inputs
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
 from relax.models.vision.families import (
     VISION_FAMILIES,
@@ -42,8 +42,16 @@ from relax.models.vision.families import (
     vision_family_of,
 )
 from relax.objectives.reference import ReferenceConfig
-from relax.parallel import place_rows, shard_vision
-from relax.parallel.distributed import barrier, on_host_memory
+from relax.parallel import (
+    batch_shards,
+    place_process_rows,
+    place_rows,
+    replicated,
+    shard_vision,
+)
+from relax.parallel.distributed import barrier, multi_process, on_host_memory
+from relax.parallel.local import local_mesh
+from relax.parallel.mesh import batch_leaf_sharding
 from relax.tasks import TASK_REWARDS, TASKS, kind
 from relax.tasks import reasoning_gym as reasoning_gym_task
 from relax.tasks.base import prepare, write_jsonl
@@ -264,7 +272,9 @@ class RunData:
     tokenized, budget-checked) and the held-out ones as one batch (None: nothing held out).
     A vision-language model's run: ``vision`` (its family and frozen vision part; ``model`` is
     its language model) and ``images`` (how rows become image prompts; None: text prompts);
-    ``mesh``: the trainer mesh the vision part is laid out on (``on_mesh``; None: one device)."""
+    ``mesh``: the trainer mesh (``on_mesh``; None: one device). On several processes each one
+    encodes its own rows on its own devices (``relax.parallel.local.local_mesh``), which hold the
+    vision part, and the inputs are assembled into global arrays (``place_process_rows``)."""
 
     tokenizer: TextTokenizer
     model: Any
@@ -278,10 +288,12 @@ class RunData:
     def on_mesh(self, mesh: Mesh) -> RunData:
         """This run's data with its frozen vision part laid out on ``mesh`` once, by the
         language model's sharding rules (``relax.parallel.shard_vision``), so that ``encode``
-        runs on the mesh; as it is for text prompts."""
+        runs on the mesh; as it is for text prompts. On several processes: on this process's
+        devices of the mesh (``local_mesh``)."""
         if self.images is None:
             return self
-        vision = self.vision._replace(vision=shard_vision(self.vision.vision, mesh))
+        where = local_mesh(mesh) if multi_process() else mesh
+        vision = self.vision._replace(vision=shard_vision(self.vision.vision, where))
         return dataclasses.replace(self, vision=vision, mesh=mesh)
 
     @property
@@ -292,9 +304,32 @@ class RunData:
             else batch_of(self.held_out, self.data_cfg, self.tokenizer.pad_token_id, self.images)
         )
 
-    def encode(self, policy, batch) -> PromptInputs | None:
+    def encoded_shape(self, rows: int, length: int) -> PromptInputs:
+        """The ``PromptInputs`` that ``encode`` gives a step's ``rows`` prompts of ``length``
+        tokens, as ``ShapeDtypeStruct`` s laid out as ``encode`` lays them out: those of text
+        prompts' inputs (``text_prompt_inputs``: the families' encodes give the same leaves,
+        shapes and dtypes whatever the images), for compiling the step ahead."""
+        ids = jax.ShapeDtypeStruct((rows, length), np.int32)
+        shapes = jax.eval_shape(lambda i: text_prompt_inputs(self.model, i, i), ids)
+        if self.mesh is None:
+            return shapes
+        split = rows % batch_shards(self.mesh) == 0
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape,
+                x.dtype,
+                sharding=batch_leaf_sharding(x, self.mesh, rows)
+                if split
+                else replicated(self.mesh),
+            ),
+            shapes,
+        )
+
+    def encode(self, policy, batch, *, shared: bool = False) -> PromptInputs | None:
         """A ``PromptBatch``'s image prompts' inputs for ``policy`` (None: text prompts); on a
-        mesh, computed there and laid out as the step takes them: rows over the batch axes."""
+        mesh, computed there and laid out as the step takes them: rows over the batch axes.
+        ``shared``: every process holds the whole ``batch`` (the held-out one), not its rows of
+        it; on several processes its inputs are replicated."""
         if batch.images is None:
             return None
         inputs = encode_images(
@@ -302,6 +337,8 @@ class RunData:
         )
         if self.mesh is None:
             return inputs
+        if multi_process():
+            return place_process_rows(inputs, self.mesh, shared=shared)
         return place_rows(inputs, self.mesh, batch.prompt_ids.shape[0])  # the step's layout
 
 
