@@ -538,4 +538,8 @@ def test_an_adapter_a_runs_export_and_its_checkpoint_evaluate_as_the_merged_mode
         state = init_state(policy, optax.adam(1e-3), key=jax.random.key(0), with_reference=True)
         assert ckpt.save(7, state, config=run, force=True)
     assert adapted == completions("--run-dir", str(tmp_path / "ckrun"), "--step", "7")
+    with Checkpointer(tmp_path / "rmrun" / "checkpoints") as ckpt:  # a reward model's policy
+        ckpt.save(1, {"policy": {"head": jnp.ones(3)}}, config={"model": str(base_dir)}, force=True)
+    with pytest.raises(ValueError, match="step 1: its policy is not a language model of"):
+        completions("--run-dir", str(tmp_path / "rmrun"))
     assert adapted != completions("--model", str(base_dir))  # the adapter changes the model

@@ -28,7 +28,7 @@ from relax.models.hf.checkpoint import load_pretrained
 from relax.models.layers.lora import LoRAConfig
 from relax.models.vision.families import load_vision_language, vision_family_of
 from relax.text.loader import load_tokenizer
-from relax.train.checkpoint import Checkpointer
+from relax.train.checkpoint import CheckpointCorruptError, Checkpointer
 
 CHECKPOINTS = "checkpoints"
 
@@ -93,7 +93,15 @@ def checkpoint_policy(run_dir: str | Path, step: int) -> Policy:
     with Checkpointer(run / CHECKPOINTS, read_only=True) as ckpt:
         config = ckpt.config(step)
         base = base_of(run, config)
-        policy, _ = ckpt.restore_policy(step, target=run_model(base, config))
+        try:
+            policy, _ = ckpt.restore_policy(step, target=run_model(base, config))
+        except CheckpointCorruptError:
+            raise
+        except ValueError as e:  # another model than a language model of that base
+            raise ValueError(
+                f"{run} step {step}: its policy is not a language model of {base} as relax eval "
+                f"evaluates one (a reward model's run?): {e}"
+            ) from e
     tokenizer = config.get("tokenizer") or base
     source = f"{run} checkpoint step {step} (base {base})"
     return Policy(cast(policy, param_dtype=jnp.float32), load_tokenizer(tokenizer), source)
