@@ -221,6 +221,27 @@ if __name__ != "__main__":
                 and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
             )
 
+    def _two_and_one(mode: str, root: Path, timeout: float) -> None:
+        """Worker ``mode`` on ``root`` as two processes of four devices on ``TRAINERS_MESH``
+        (``RELAX_TEST_RUN=two``) and as one process of one device (``one``), side by side; each
+        must succeed."""
+        port = free_port()
+        flags = ["--parallel.mesh", TRAINERS_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
+        two = {"RELAX_TEST_CPU_DEVICES": "4", "RELAX_TEST_RUN": "two"}
+        procs = [
+            _spawn(
+                [mode, str(root), *flags, "--parallel.num-processes", "2"]
+                + ["--parallel.process-id", str(i)],
+                env=two,
+            )
+            for i in range(2)
+        ]
+        procs.append(_spawn([mode, str(root)], env={"RELAX_TEST_RUN": "one"}))
+        outputs = _finish(procs, timeout)
+        for p, out in zip(procs, outputs):
+            assert p.returncode == 0, out[-6000:]
+        assert "2 process(es)" in outputs[0]
+
     def _trainers_setup(root: Path) -> None:
         """Every offline trainer's and the agent's command line on untrained models of the reverse task
         (``test_offline_mesh._trainers``) in ``root/trainers.json``, and a reward model in ``root/rm``."""
@@ -249,22 +270,7 @@ if __name__ != "__main__":
         ones; the agent: and its held-out success); a GRPO run's
         ``--reward-model`` scores alike, held once per process over its four devices."""
         _trainers_setup(tmp_path)
-        port = free_port()
-        flags = ["--parallel.mesh", TRAINERS_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
-        two = {"RELAX_TEST_CPU_DEVICES": "4", "RELAX_TEST_RUN": "two"}
-        procs = [
-            _spawn(
-                ["trainers", str(tmp_path), *flags, "--parallel.num-processes", "2"]
-                + ["--parallel.process-id", str(i)],
-                env=two,
-            )
-            for i in range(2)
-        ]
-        procs.append(_spawn(["trainers", str(tmp_path)], env={"RELAX_TEST_RUN": "one"}))
-        outputs = _finish(procs, 4 * TIMEOUT_S)
-        for p, out in zip(procs, outputs):
-            assert p.returncode == 0, out[-6000:]
-        assert "2 process(es)" in outputs[0]
+        _two_and_one("trainers", tmp_path, 4 * TIMEOUT_S)
         names = json.loads((tmp_path / "trainers.json").read_text())
         assert set(names) == {
             "sft",
@@ -312,22 +318,7 @@ if __name__ != "__main__":
         import test_vlm_mesh as tvm
 
         tvm.write_setup(tmp_path)
-        port = free_port()
-        flags = ["--parallel.mesh", TRAINERS_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
-        two = {"RELAX_TEST_CPU_DEVICES": "4", "RELAX_TEST_RUN": "two"}
-        procs = [
-            _spawn(
-                ["images", str(tmp_path), *flags, "--parallel.num-processes", "2"]
-                + ["--parallel.process-id", str(i)],
-                env=two,
-            )
-            for i in range(2)
-        ]
-        procs.append(_spawn(["images", str(tmp_path)], env={"RELAX_TEST_RUN": "one"}))
-        outputs = _finish(procs, 2 * TIMEOUT_S)
-        for p, out in zip(procs, outputs):
-            assert p.returncode == 0, out[-6000:]
-        assert "2 process(es)" in outputs[0]
+        _two_and_one("images", tmp_path, 2 * TIMEOUT_S)
         one, two = (tvm._lines(tmp_path / run) for run in ("one", "two"))
         assert set(one) == set(two) == {"eval 0", "train 1", "train 2", "eval 2"}, (one, two)
         for line, want in one.items():

@@ -126,6 +126,17 @@ def no_compile(lowered):
     return None, "RESOURCE_EXHAUSTED: not compiled", 0.0
 
 
+def gemma_plan(tmp_path, mesh: str, target: str):
+    """``(config path, plan)``: GRPO on the tiny Gemma 3 with two images per prompt on ``mesh``
+    of ``target``, nothing compiled."""
+    from relax.plan import plan
+    from relax.plan.vision import ImagePlan
+
+    config = write(tmp_path, GEMMA)
+    argv = ["--model", config, *RUN, "--parallel.mesh", mesh]
+    return config, plan("grpo", argv, target, compile_fn=no_compile, images=ImagePlan(per_prompt=2))
+
+
 @pytest.fixture(scope="module")
 def qwen_plan(tmp_path_factory):
     from relax.plan import plan
@@ -155,14 +166,9 @@ def test_qwen_encode_program_and_vision_bytes_by_hand(qwen_plan):
 
 @needs_tpu
 def test_gemma3_image_prompts_reach_the_sampler_split_by_rows(tmp_path):
-    from relax.plan import plan
     from relax.plan.vision import ImagePlan
 
-    config = write(tmp_path, GEMMA)
-    p = plan(
-        "grpo", ["--model", config, *RUN, "--parallel.mesh", "fsdp=4"], "v5e:2x2",
-        compile_fn=no_compile, images=ImagePlan(per_prompt=2),
-    )  # fmt: skip
+    config, p = gemma_plan(tmp_path, "fsdp=4", "v5e:2x2")
     assert p.images.tokens == TOKENS and p.programs[0].name == "encode"
     assert all(m.vision == gemma_vision_bytes(fsdp=4) for m in p.programs)
     encode = p.programs[0]
@@ -191,14 +197,9 @@ def test_a_multi_host_slice_encodes_each_hosts_prompts_on_its_own_chips(tmp_path
     # v5e:2x4 is two hosts of four chips: each process of the run encodes its 4 of the 8 prompts
     # on its own chips, the vision part sharded over those 4 (RunData.on_mesh's local_mesh),
     # and the step takes the 8 prompts' inputs
-    from relax.plan import plan
     from relax.plan.vision import ImagePlan
 
-    config = write(tmp_path, GEMMA)
-    p = plan(
-        "grpo", ["--model", config, *RUN, "--parallel.mesh", "fsdp=8"], "v5e:2x4",
-        compile_fn=no_compile, images=ImagePlan(per_prompt=2),
-    )  # fmt: skip
+    config, p = gemma_plan(tmp_path, "fsdp=8", "v5e:2x4")
     encode = p.programs[0]
     assert encode.name == "encode" and encode.error is not None  # not compiled
     assert encode.batch == 2 * 4 * 32 * 4 + 2 * 4 * C * IMAGE * IMAGE * 4  # 4 prompts, 8 images

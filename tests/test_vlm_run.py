@@ -1,8 +1,9 @@
 """A GRPO run on a vision-language model from the command line: ``examples/train_grpo.py --model
 VLM_DIR --data rows.jsonl --image-field image`` on the tiny Qwen2.5-VL (``relax.tasks.tiny_vlm``)
 and the counting task's rows (base64 PNGs, ``relax.tasks.visual``). The start-up report counts
-the images, the step's programs compile before it (none in a step), the held-out evaluation samples with the images, a bad image is an
-error naming the file, row and field or a dropped row, and a text model refuses --image-field.
+the images, the step's programs compile before it (none in a step), the held-out evaluation
+samples with the images, a bad image is an error naming the file, row and field or a dropped
+row, and a text model refuses --image-field.
 PPO trains on them as well, its vision tower once per prompt."""
 
 from __future__ import annotations
