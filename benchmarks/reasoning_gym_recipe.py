@@ -120,7 +120,7 @@ def warm_up(args: argparse.Namespace, run) -> tuple[str, dict]:
             "--eval-every", "0", "--checkpoint-every", str(max(args.sft_steps, 1)),
         ],
     )  # fmt: skip
-    return str(sft_dir / "final_hf"), base["before"]
+    return str(sft_dir / "final_hf"), base["eval_only"]
 
 
 def main(argv: list[str] | None = None) -> dict:
