@@ -14,13 +14,12 @@ run trained adapters (their base weights checked bit for bit). The policy is eva
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from relax.eval.harness.load import Policy, load_policy, run_export
+from relax.eval.harness.load import Policy, export_steps, load_policy, run_export
 from relax.eval.harness.run import HarnessConfig
 from relax.models.adapters.operations import add_lora
 from relax.models.decoder.transformer import cast
@@ -40,15 +39,6 @@ def checkpoint_steps(run_dir: str | Path) -> list[int]:
         return []
     with Checkpointer(directory, read_only=True) as ckpt:
         return ckpt.all_steps()
-
-
-def export_steps(run_dir: str | Path) -> list[int]:
-    """The steps of a run's periodic exports (``RUN/hf/step-N`` holding a ``config.json``)."""
-    return sorted(
-        int(m.group(1))
-        for p in (Path(run_dir) / "hf").glob("step-*")
-        if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "config.json").is_file()
-    )
 
 
 def load_run_policy(cfg: HarnessConfig) -> Policy:

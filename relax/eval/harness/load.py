@@ -26,23 +26,29 @@ class Policy(NamedTuple):
     source: str
 
 
+def export_steps(run_dir: str | Path) -> list[int]:
+    """The steps of a run's periodic exports (``RUN/hf/step-N`` holding a ``config.json``),
+    ascending."""
+    return sorted(
+        int(m.group(1))
+        for p in (Path(run_dir) / "hf").glob("step-*")
+        if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "config.json").is_file()
+    )
+
+
 def run_export(run_dir: str | Path) -> Path:
     """The Hugging Face export of a relax run: ``final_hf``, else the ``hf/step-N`` with the largest
     N; an error names the directory when it has neither."""
     run = Path(run_dir)
     if (run / "final_hf" / "config.json").is_file():
         return run / "final_hf"
-    steps = [
-        (int(m.group(1)), p)
-        for p in (run / "hf").glob("step-*")
-        if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "config.json").is_file()
-    ]
+    steps = export_steps(run)
     if not steps:
         raise FileNotFoundError(
             f"{run}: no Hugging Face export (final_hf/ or hf/step-N/); a run exports one at its "
             f"end (--export-hf) or every --export-every steps"
         )
-    return max(steps)[1]
+    return run / "hf" / f"step-{steps[-1]}"
 
 
 def load_policy(
