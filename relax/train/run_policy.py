@@ -28,8 +28,7 @@ from relax.models.layers.lora import LoRAConfig
 from relax.models.vision.families import load_vision_language, vision_family_of
 from relax.text.loader import load_tokenizer
 from relax.train.checkpoint import CheckpointCorruptError, Checkpointer
-
-CHECKPOINTS = "checkpoints"
+from relax.train.run_dir import CHECKPOINTS
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
