@@ -31,13 +31,16 @@ CFG = rm.ModelConfig(
     head_dim=8,
 )
 KEY = jax.random.key(0, impl="rbg")
-RANDOM_W = np.where(
-    np.isfinite(
-        w := np.random.default_rng(5).integers(0, 2**32, 16384, np.uint32).view(np.float32)
-    ),
-    w,
-    0,
-).astype(np.float32)  # random words: zstd stores them raw, a flip decodes without an error
+
+
+def _random_words(n: int = 16384) -> np.ndarray:
+    """``n`` float32 of random bit patterns (non-finite ones zeroed): zstd stores them raw, so a
+    flipped byte decodes without an error, to other values."""
+    w = np.random.default_rng(5).integers(0, 2**32, n, dtype=np.uint32).view(np.float32)
+    return np.where(np.isfinite(w), w, 0).astype(np.float32)
+
+
+RANDOM_W = _random_words()
 OPT = optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1),
@@ -283,8 +286,7 @@ def _flip_middle_of_largest_chunk(step_dir, nbytes: int = 64) -> None:
 def test_flipped_bytes_in_raw_chunk_change_values_and_are_caught(tmp_path):
     # Random 32-bit words do not compress: zstd stores them as a raw block, so flipped bytes in
     # the middle decode without any error, to different values (the user's report).
-    w = np.random.default_rng(5).integers(0, 2**32, 16384, dtype=np.uint32).view(np.float32)
-    w = np.where(np.isfinite(w), w, 0).astype(np.float32)
+    w = RANDOM_W
     state = {"w": jax.device_put(w), "b": jnp.arange(4, dtype=jnp.int32)}
     ckpt = _saved(tmp_path / "ckpt", {5: state})
     _flip_middle_of_largest_chunk(tmp_path / "ckpt" / "5")
