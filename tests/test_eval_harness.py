@@ -464,6 +464,24 @@ def test_a_runs_export_is_found_or_named(tmp_path):
         load_policy(run_dir="b", adapter="c")
 
 
+def test_a_vision_language_directory_is_evaluated_by_its_language_model(tmp_path):
+    import jax
+    import numpy as np
+
+    from relax.eval.harness.load import load_policy
+    from relax.models.vision.families import load_vision_language
+    from relax.tasks.tiny_vlm import write_tiny_qwen2_5_vl
+    from relax.tasks.visual import VisualTask
+
+    write_tiny_qwen2_5_vl(tmp_path / "vlm", VisualTask(), key=jax.random.key(0))
+    policy = load_policy(model=str(tmp_path / "vlm"))
+    want = load_vision_language(tmp_path / "vlm").language_model
+    assert jax.tree.structure(policy.model) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(policy.model), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert policy.tokenizer.encode("How many shapes?")
+
+
 def test_a_runs_policy_is_the_step_asked_for_else_its_newest(tmp_path, monkeypatch):
     import relax.train.run_policy as rp
     from relax.eval.harness.run import HarnessConfig

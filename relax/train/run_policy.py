@@ -19,13 +19,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from relax.eval.harness.load import Policy, export_steps, load_policy, run_export
+from relax.eval.harness.load import (
+    Policy,
+    export_steps,
+    language_model,
+    load_policy,
+    run_export,
+)
 from relax.eval.harness.run import HarnessConfig
 from relax.models.adapters.operations import add_lora
 from relax.models.decoder.transformer import cast
-from relax.models.hf.checkpoint import load_pretrained
 from relax.models.layers.lora import LoRAConfig
-from relax.models.vision.families import load_vision_language, vision_family_of
 from relax.text.loader import load_tokenizer
 from relax.train.checkpoint import CheckpointCorruptError, Checkpointer
 from relax.train.run_dir import CHECKPOINTS
@@ -118,10 +122,6 @@ def lora_of(config: dict) -> LoRAConfig | None:
 def run_model(base: Path, config: dict):
     """The policy's structure as the run built it: ``base`` (the language model of a vision-
     language base) in the run's ``param_dtype``, with fresh adapters when it trained LoRA."""
-    param_dtype = jnp.dtype(config.get("param_dtype") or "float32")
-    if vision_family_of(base) is None:
-        model = load_pretrained(base, param_dtype=param_dtype)
-    else:
-        model = load_vision_language(base, param_dtype=param_dtype).language_model
+    model = language_model(base, param_dtype=jnp.dtype(config.get("param_dtype") or "float32"))
     lora = lora_of(config)
     return model if lora is None else add_lora(model, lora, jax.random.key(0))

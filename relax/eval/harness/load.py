@@ -5,6 +5,8 @@
                                     directory's when it has one, else the base's)
 --run-dir RUN                       a relax run: its final export ``RUN/final_hf``, else its
                                     newest periodic export ``RUN/hf/step-N``
+
+A vision-language directory (Gemma 3, Qwen2.5-VL) is evaluated by its language model.
 """
 
 from __future__ import annotations
@@ -51,11 +53,24 @@ def run_export(run_dir: str | Path) -> Path:
     return run / "hf" / f"step-{steps[-1]}"
 
 
+def language_model(path: str | Path, param_dtype=None):
+    """The language model of a Hugging Face directory, computing in float32 (``param_dtype``:
+    its parameters cast to it; None: as stored): a text model, or the language model of a
+    vision-language one (Gemma 3, Qwen2.5-VL: its vision part is left out, the benchmarks are
+    text)."""
+    from relax.models.hf.checkpoint import load_pretrained
+    from relax.models.vision.families import load_vision_language, vision_family_of
+
+    kw = dict(dtype=jnp.float32, param_dtype=param_dtype)
+    if vision_family_of(path) is None:
+        return load_pretrained(path, **kw)
+    return load_vision_language(path, **kw).language_model
+
+
 def load_policy(
     model: str | None = None, adapter: str | None = None, run_dir: str | None = None
 ) -> Policy:
     """The policy of ``model`` (+ ``adapter``) or ``run_dir`` (exactly one of them), float32."""
-    from relax.models.hf.checkpoint import load_pretrained
     from relax.text.loader import load_tokenizer
 
     if (model is None) == (run_dir is None):
@@ -63,7 +78,7 @@ def load_policy(
     if run_dir is not None and adapter is not None:
         raise ValueError("--adapter goes with --model (its base), not with --run-dir")
     base = Path(model) if model is not None else run_export(run_dir)
-    net = load_pretrained(base, dtype=jnp.float32)
+    net = language_model(base)
     tok_dir, source = base, str(base)
     if adapter is not None:
         from relax.models.adapters.peft import load_adapter
