@@ -214,12 +214,7 @@ class Checkpointer:
         damaged) or ``ValueError`` (its tree, shapes or dtypes differ from the target's), each
         naming the directory and step.
         """
-        self._check_open()
-        self.wait()
-        step = self._resolve_step(step)
-        for item in (_STATE, _DATA, _CONFIG):
-            if not os.path.isdir(path := self._path(step, item)):
-                raise self._corrupt(step, item, f"{path} does not exist")
+        step = self._step_with(step, (_STATE, _DATA, _CONFIG))
         state = self._restore_state(step, target)
         data_state = self._read(
             step, _DATA, "cannot read it", lambda: decode_data(self._restore_item(step, _DATA))
@@ -234,12 +229,7 @@ class Checkpointer:
         ``target``: the policy's model (or its ``jax.eval_shape``); with LoRA adapters, on the
         base weights they were trained on. Raises as ``restore`` does.
         """
-        self._check_open()
-        self.wait()
-        step = self._resolve_step(step)
-        for item in (_STATE, _CONFIG):
-            if not os.path.isdir(path := self._path(step, item)):
-                raise self._corrupt(step, item, f"{path} does not exist")
+        step = self._step_with(step, (_STATE, _CONFIG))
         policy = self._restore_state(step, {"policy": target}, partial=True)["policy"]
         return policy, self._config(step)
 
@@ -383,6 +373,17 @@ class Checkpointer:
             raise self._corrupt(step, _INTEGRITY, f"{self._path(step, _INTEGRITY)} does not exist")
         return False
 
+    def _step_with(self, step: int | None, items: tuple[str, ...]) -> int:
+        """``step`` resolved (None: the latest) after pending saves, each of its ``items`` on
+        disk (else ``CheckpointCorruptError``)."""
+        self._check_open()
+        self.wait()
+        step = self._resolve_step(step)
+        for item in items:
+            if not os.path.isdir(path := self._path(step, item)):
+                raise self._corrupt(step, item, f"{path} does not exist")
+        return step
+
     def _config(self, step: int) -> Any:
         return self._read(
             step, _CONFIG, "cannot read it", lambda: self._restore_item(step, _CONFIG)["config"]
@@ -410,17 +411,9 @@ class Checkpointer:
         if problems := mismatches(stored, abstract):
             shown = problems[:10] + ([f"... and {len(problems) - 10} more"] * (len(problems) > 10))
             raise ValueError(f"{where} does not match the restore target:\n  " + "\n  ".join(shown))
-        if partial:
-            args = ocp.args.PyTreeRestore(
-                item=abstract,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                partial_restore=True,
-            )
-            read = lambda: _partial_restore(self._path(step, _STATE), args)  # noqa: E731
-        else:
-            args = ocp.args.StandardRestore(abstract)
-            read = lambda: self._restore_item(step, _STATE, args)  # noqa: E731
-        encoded = self._read(step, _STATE, "cannot read its arrays", read)
+        encoded = self._read(
+            step, _STATE, "cannot read its arrays", lambda: self._arrays(step, abstract, partial)
+        )
         if verified:
             self._check_integrity(step, encoded, full_target, set(abstract) if partial else None)
         else:
@@ -431,6 +424,19 @@ class Checkpointer:
                 stacklevel=3,
             )
         return eqx.combine(jax.tree.map(decode_leaf, target, encoded), full_target)
+
+    def _arrays(self, step: int, abstract: PyTree, partial: bool) -> PyTree:
+        """The ``state`` item's arrays as ``abstract``; ``partial``: only its fields (orbax's
+        partial restore: the others are not read)."""
+        if not partial:
+            return self._restore_item(step, _STATE, ocp.args.StandardRestore(abstract))
+        args = ocp.args.PyTreeRestore(
+            item=abstract,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True,
+        )
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self._path(step, _STATE), args=args)
 
     def _check_integrity(self, step: int, encoded, full_target, fields: set | None) -> None:
         """``encoded`` (and a LoRA target's base) against the step's integrity record; ``fields``:
@@ -481,9 +487,3 @@ class Checkpointer:
                 f"checkpoint {self.directory} step {step}: its adapters were trained on other base "
                 f"weights than the target's ({paths([(p,) for p in bad], limit=5)} differ)"
             )
-
-
-def _partial_restore(path: str, args: ocp.args.PyTreeRestore) -> PyTree:
-    """Some of a saved pytree's fields (orbax's partial restore: the others are not read)."""
-    with ocp.PyTreeCheckpointer() as reader:
-        return reader.restore(path, args=args)
