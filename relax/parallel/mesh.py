@@ -430,9 +430,14 @@ def place_rows(tree: Any, mesh: Mesh, rows: int) -> Any:
     step on ``mesh``: those whose leading axis has ``rows`` split over ``BATCH_AXES``, others
     replicated; all replicated when ``rows`` does not split evenly (e.g. a held-out batch, which
     the evaluation slices into chunks)."""
+    return jax.device_put(tree, rows_shardings(tree, mesh, rows))
+
+
+def rows_shardings(tree: Any, mesh: Mesh, rows: int) -> Any:
+    """``place_rows``' layout of ``tree`` (arrays or ``ShapeDtypeStruct`` s): a sharding per leaf."""
     if rows % batch_shards(mesh):
-        return jax.device_put(tree, replicated(mesh))
-    return jax.tree.map(lambda x: jax.device_put(x, batch_leaf_sharding(x, mesh, rows)), tree)
+        return jax.tree.map(lambda _: replicated(mesh), tree)
+    return jax.tree.map(lambda x: batch_leaf_sharding(x, mesh, rows), tree)
 
 
 def place_process_rows(tree: Any, mesh: Mesh, *, shared: bool) -> Any:

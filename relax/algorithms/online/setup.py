@@ -42,16 +42,9 @@ from relax.models.vision.families import (
     vision_family_of,
 )
 from relax.objectives.reference import ReferenceConfig
-from relax.parallel import (
-    batch_shards,
-    place_process_rows,
-    place_rows,
-    replicated,
-    shard_vision,
-)
+from relax.parallel import place_process_rows, place_rows, rows_shardings, shard_vision
 from relax.parallel.distributed import barrier, multi_process, on_host_memory
 from relax.parallel.local import local_mesh
-from relax.parallel.mesh import batch_leaf_sharding
 from relax.tasks import TASK_REWARDS, TASKS, kind
 from relax.tasks import reasoning_gym as reasoning_gym_task
 from relax.tasks.base import prepare, write_jsonl
@@ -313,16 +306,10 @@ class RunData:
         shapes = jax.eval_shape(lambda i: text_prompt_inputs(self.model, i, i), ids)
         if self.mesh is None:
             return shapes
-        split = rows % batch_shards(self.mesh) == 0
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                x.shape,
-                x.dtype,
-                sharding=batch_leaf_sharding(x, self.mesh, rows)
-                if split
-                else replicated(self.mesh),
-            ),
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             shapes,
+            rows_shardings(shapes, self.mesh, rows),
         )
 
     def encode(self, policy, batch, *, shared: bool = False) -> PromptInputs | None:
