@@ -86,12 +86,15 @@ def command(args: argparse.Namespace, model: str | None = None, run_dir=None) ->
     ]  # fmt: skip
 
 
-def warm_up(args: argparse.Namespace, run) -> tuple[str, dict]:
+def warm_up(args: argparse.Namespace) -> tuple[str, dict]:
     """``relax sft`` on the recipe's training rows as chats whose assistant turn is the bare
     answer; returns its export's path and the base model's held-out figures (the ``--eval-only``
     GRPO run that wrote the rows)."""
+    from relax.commands import COMMANDS
+
     base_dir = Path(args.run_dir) / "base"
-    base = run("grpo", command(args, model=args.model, run_dir=base_dir) + ["--eval-only"])
+    flags = command(args, model=args.model, run_dir=base_dir) + ["--eval-only"]
+    base = COMMANDS["grpo"].run(flags)  # the run's summary
     rows = [json.loads(x) for x in (base_dir / "task" / "train.jsonl").read_text().splitlines()]
     chats = Path(args.run_dir) / "sft.jsonl"
     chats.write_text(
@@ -110,8 +113,7 @@ def warm_up(args: argparse.Namespace, run) -> tuple[str, dict]:
         )
     )
     sft_dir = Path(args.run_dir) / "sft"
-    run(
-        "sft",
+    COMMANDS["sft"].run(
         [
             "--model", args.model, "--data", str(chats), "--run-dir", str(sft_dir),
             "--steps", str(args.sft_steps), "--batch-size", str(args.batch_size),
@@ -146,17 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     from relax.commands import COMMANDS
 
-    def run(name: str, flags: list[str]) -> dict:
-        return COMMANDS[name].run(flags)  # the run's summary
-
     t0 = time.perf_counter()
     base_before, model = None, args.model
     if args.sft_steps:
-        model, base_before = warm_up(args, run)
+        model, base_before = warm_up(args)
     flags = command(
         args, model=model, run_dir=Path(args.run_dir) / "grpo" if args.sft_steps else None
     )
-    summary = run("grpo", flags)
+    summary = COMMANDS["grpo"].run(flags)
     wall = time.perf_counter() - t0
     keys = ("greedy/accuracy", "greedy/reward", "reward")
     per_task = ("basic_arithmetic/reward", "chain_sum/reward")
@@ -170,16 +169,11 @@ def main(argv: list[str] | None = None) -> dict:
             phase: {k: summary[phase].get(k) for k in keys + per_task}
             for phase in ("before", "after")
         },
-        **(
-            {
-                "warm_up": f"relax sft, {args.sft_steps} steps on the bare answers",
-                "held_out_base": {k: base_before.get(k) for k in keys + per_task},
-            }
-            if args.sft_steps
-            else {}
-        ),
         "wall_s": round(wall, 1),
     }
+    if args.sft_steps:
+        result["warm_up"] = f"relax sft, {args.sft_steps} steps on the bare answers"
+        result["held_out_base"] = {k: base_before.get(k) for k in keys + per_task}
     print(json.dumps(result, indent=2))
     return result
 
