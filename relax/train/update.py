@@ -31,6 +31,17 @@ that changes a weight (``relax.objectives.reference.params_equal``).
 Only the trainable leaves are differentiated and updated (``relax.models.adapters.operations.trainable``):
 with LoRA the adapters, the base weights being constants of the loss. When an adapter has
 dropout, each micro-batch's forward gets its own dropout key.
+
+``side``: inputs of the rows computed from a second part of the params (a trained vision tower's
+image features), once per optimizer step for the whole batch and inside its gradient. The params
+are then ``(main, side_params)`` and each step is::
+
+    r, pullback = vjp(lambda s: side.encode(s, side_data), side_params)      r: [rows, ...]
+    g_main, g_r[i] = grad over (main, r_i) of loss(main, side.place(mb_i, r_i))   (micro-batch i)
+    g_side = pullback(scatter(g_r))            (each row's cotangent at its row of r)
+
+so the side part runs once per row per optimizer step however the rows fall into micro-batches,
+and its gradient is that of the whole minibatch loss.
 """
 
 from __future__ import annotations
@@ -68,6 +79,16 @@ jax.tree_util.register_dataclass(
 )
 
 LossFn = Callable[[Any, Any, LossContext], "tuple[Array, Mapping[str, Array | M.Metric]]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SideInputs:
+    """Row inputs made by a second part of the params (module docstring): ``encode(side_params,
+    side_data) -> rows`` (every leaf ``[rows, ...]``, the batch's row order) and
+    ``place(micro_batch, rows_of_it) -> micro_batch`` (what the loss then reads)."""
+
+    encode: Callable[[Any, Any], Any]
+    place: Callable[[Any, Any], Any]
 
 
 class Updated(eqx.Module):
@@ -125,8 +146,10 @@ def make_update(
     normalizers: Callable[[Any], Mapping[str, Array]] = token_normalizers,
     track_reference: bool = False,
     skip_empty: bool = False,
+    side: SideInputs | None = None,
 ):
-    """``update(params, opt_state, batch, key, ref_is_policy=False) -> (params, opt_state, metrics)``.
+    """``update(params, opt_state, batch, key, ref_is_policy=False, side_data=None) -> (params,
+    opt_state, metrics)``.
 
     ``grad_accum=None`` leaves the micro-batching to ``passes`` (one row per micro-batch on
     cache-sized passes). Metrics come back reduced, as plain arrays.
@@ -153,9 +176,14 @@ def make_update(
             (their counts differ by at most one), and a micro-batch with no loss token contributes
             zero gradient and neutral metrics without running the loss (default False: every
             micro-batch runs, the rows split in their random order).
+        side: row inputs computed from the params' second part in each step (module docstring);
+            the params are ``(main, side_params)``, ``loss_fn`` gets ``main`` and
+            ``side.place(micro_batch, rows)``, and ``update`` takes ``side_data``. None (default):
+            the params are the loss's.
 
     Returns:
-        ``update(params, opt_state, batch, key, ref_is_policy=False)``, pure and jittable. ``batch``
+        ``update(params, opt_state, batch, key, ref_is_policy=False, side_data=None)``, pure and
+            jittable. ``batch``
             is a pytree whose leaves share a leading row axis; ``key`` draws each epoch's row order
             (and the adapters' dropout keys). It returns ``(params, opt_state, metrics)``: the
             params with the trainable leaves updated, the new optimizer state, and a dict of arrays:
@@ -165,14 +193,16 @@ def make_update(
     if epochs < 1 or minibatches < 1:
         raise ValueError(f"epochs={epochs} and minibatches={minibatches} must be >= 1")
 
-    def loss_of_trained(trained, frozen, mb, ctx, key):
+    def loss_of_trained(trained, rows, frozen, mb, ctx, key):
         params = eqx.combine(trained, frozen)
+        if side is not None:  # (main, side params): the loss reads the main part and the rows
+            params, mb = params[0], side.place(mb, rows)
         params = params if key is None else with_dropout_key(params, key)
         return _declared(loss_fn(params, mb, ctx))
 
-    grad_fn = jax.value_and_grad(loss_of_trained, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_of_trained, argnums=(0, 1), has_aux=True)
 
-    def update(params, opt_state, batch, key, ref_is_policy=False):
+    def update(params, opt_state, batch, key, ref_is_policy=False, side_data=None):
         rows = jax.tree.leaves(batch)[0].shape[0]
         a, m = micro_batch_split(rows, minibatches, grad_accum, passes), minibatches
         norms = {k: v / m for k, v in normalizers(batch).items()}
@@ -181,22 +211,29 @@ def make_update(
 
         def step(carry, xs):
             trained, opt_state, same = carry
-            mb, keys = xs
+            mb, keys, idx = xs
             ctx = LossContext(norms, same)
+            encoded, pullback = _side_rows(side, trained, frozen, side_data)
+            per_micro = None if side is None else jax.tree.map(lambda r: r[idx], encoded)
 
             def micro(acc, xs):
-                micro_batch, k = xs
-                run = lambda: grad_fn(trained, frozen, micro_batch, ctx, k)  # noqa: E731
+                micro_batch, k, r = xs
+                run = lambda: grad_fn(trained, r, frozen, micro_batch, ctx, k)  # noqa: E731
                 if skip_empty:
-                    (loss, metrics), grads = jax.lax.cond(
+                    (loss, metrics), (grads, g_rows) = jax.lax.cond(
                         _weight(micro_batch) > 0, run, functools.partial(_neutral, run)
                     )
                 else:
-                    (loss, metrics), grads = run()
-                return jax.tree.map(jnp.add, acc, grads), (loss, metrics, _weight(micro_batch))
+                    (loss, metrics), (grads, g_rows) = run()
+                out = (loss, metrics, _weight(micro_batch), g_rows)
+                return jax.tree.map(jnp.add, acc, grads), out
 
             zeros = jax.tree.map(jnp.zeros_like, trained)
-            grads, (losses, metrics, weights) = jax.lax.scan(micro, zeros, (mb, keys))
+            grads, (losses, metrics, weights, g_rows) = jax.lax.scan(
+                micro, zeros, (mb, keys, per_micro)
+            )
+            if side is not None:  # each row's cotangent at its row, then through the side part
+                grads = (grads[0], pullback(_scattered(encoded, g_rows, idx))[0])
             skipped_before = skip_counts(opt_state)[1]
             updates, opt_state = optimizer.update(grads, opt_state, trained)
             new_trained = optax.apply_updates(trained, updates)
@@ -226,13 +263,34 @@ def make_update(
                 perm = _dealt(perm, _row_tokens(batch) > 0, m)
             split = lambda x: x[perm].reshape((m, a, rows // (m * a)) + x.shape[1:])  # noqa: E731
             keys = jax.random.split(jax.random.fold_in(epoch_key, 1), (m, a)) if dropout else None
-            return jax.lax.scan(step, carry, (jax.tree.map(split, batch), keys))
+            xs = (jax.tree.map(split, batch), keys, split(jnp.arange(rows)))
+            return jax.lax.scan(step, carry, xs)
 
         carry = (trained, opt_state, jnp.asarray(ref_is_policy, bool))
         (trained, opt_state, _), metrics = jax.lax.scan(epoch, carry, jax.random.split(key, epochs))
         return eqx.combine(trained, frozen), opt_state, M.values(M.reduce_steps(metrics))
 
     return update
+
+
+def _side_rows(side: SideInputs | None, trained, frozen, side_data):
+    """``(rows, pullback)``: the side part's row inputs for the whole batch and the vjp of them
+    with respect to its trained leaves (``(None, None)`` without a side part)."""
+    if side is None:
+        return None, None
+    encode = lambda t: side.encode(eqx.combine(t, frozen[1]), side_data)  # noqa: E731
+    return jax.vjp(encode, trained[1])
+
+
+def _scattered(encoded, g_rows, idx):
+    """The micro-batches' cotangents ``[a, r, ...]`` placed at their rows ``idx`` ``[a, r]`` of
+    the batch (zeros at rows of other minibatches)."""
+    flat = idx.reshape(-1)
+    return jax.tree.map(
+        lambda e, g: jnp.zeros_like(e).at[flat].set(g.reshape((-1,) + e.shape[1:])),
+        encoded,
+        g_rows,
+    )
 
 
 def _declared(out):
