@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -134,3 +135,51 @@ def test_ppo_trains_on_image_prompts_encoding_each_prompt_once(
     # each step's 2 prompts (2 completions each) encoded once, and the 4 held-out prompts once
     # for the run's evaluations: one image per prompt
     assert sorted(calls) == [(2, 2), (2, 2), (4, 4)], calls
+
+
+def _vision_tensors(directory) -> dict:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(
+            {k: v for k, v in load_file(f).items() if ".visual." in k or k.startswith("visual.")}
+        )
+    return out
+
+
+@pytest.mark.slow  # two whole runs: make test-all
+def test_train_vision_exports_and_resumes_the_trained_tower(setup, tmp_path, capsys):
+    """``--train-vision``: every vision tensor of the export moved from the base model's, and a
+    run resumed from the last checkpoint holds that trained tower, not the initial one."""
+    run_dir = tmp_path / "tv"
+    args = _args(setup, run_dir, "--train-vision", "--checkpoint-every", "1")
+    summary = load_example("grpo").main(args)
+    assert "vision tower: trained with the language model" in capsys.readouterr().out
+    base, trained = _vision_tensors(setup / "model"), _vision_tensors(run_dir / "final_hf")
+    assert base.keys() == trained.keys() and len(base) > 10
+    assert all(not np.array_equal(base[k], trained[k]) for k in base)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(x["grad_norm"]) for x in lines if "loss" in x)
+    assert summary["steps"] == 2
+    shutil.rmtree(run_dir / "final_hf")
+    load_example("grpo").main([*args, "--resume"])  # restores step 2: nothing left to train
+    restored = _vision_tensors(run_dir / "final_hf")  # the resumed run's export
+    assert all(np.array_equal(restored[k], trained[k]) for k in base)
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [(("--async.staleness", "1"), "--async.staleness"), ((), "keeps it frozen")],
+    ids=["async", "ppo"],
+)
+def test_train_vision_refusals(setup, tmp_path, extra, why):
+    args = _args(setup, tmp_path / "r", "--train-vision", *extra)
+    if why == "keeps it frozen":
+        cut = args.index("--grpo.num-generations")
+        args = args[:cut] + ["--ppo.num-generations", "2", "--train-vision"]
+        example = load_example("ppo")
+    else:
+        example = load_example("grpo")
+    with pytest.raises(ValueError, match=why):
+        example.main(args)

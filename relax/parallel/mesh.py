@@ -72,6 +72,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -294,14 +295,17 @@ class _HeadDim:
     head_dim: int
 
 
-def vision_shardings(vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+def vision_shardings(
+    vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, *, trained: bool = False
+) -> Any:
     """A pytree like ``vision`` (a vision-language model's frozen vision part,
     ``relax.models.vision``'s ``VisionLanguage.vision``) whose leaves are the ``NamedSharding`` of
     each weight: ``VISION_LOGICAL_AXES`` mapped by ``rules`` as the language model's parameters
     are, heads split at ``vision.vision_head_dim`` boundaries. The part is frozen (never
     trained: no optimizer state, no gradient), so a weight with a dimension that does not split
     evenly (Qwen2.5-VL-7B's vision MLP of 3,420 over tensor = 8) is replicated whole, with one
-    warning naming every such weight and why, rather than refused as a trained weight is."""
+    warning naming every such weight and why, rather than refused as a trained weight is.
+    ``trained``: the part trains (``--train-vision``): such a weight is a ``ShardingError``."""
     heads = _HeadDim(vision.vision_head_dim)
     whole: list[str] = []
 
@@ -312,7 +316,7 @@ def vision_shardings(vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> A
                 name, tuple(x.shape), mesh, heads, rules, table=VISION_LOGICAL_AXES
             )
         except ShardingError as e:
-            if name not in VISION_LOGICAL_AXES:
+            if trained or name not in VISION_LOGICAL_AXES:
                 raise
             whole.append(str(e))
             spec = P()
@@ -326,6 +330,11 @@ def vision_shardings(vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> A
             stacklevel=2,
         )
     return out
+
+
+def _is_vision(x: Any) -> bool:
+    """A vision-language model's vision part (``relax.models.vision``: it names its head width)."""
+    return isinstance(x, eqx.Module) and hasattr(type(x), "vision_head_dim")
 
 
 def shard_vision(vision: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
@@ -351,19 +360,24 @@ def state_shardings(
 ) -> Any:
     """Shardings for a ``TrainState`` (or any pytree holding models): every ``Transformer`` in it
     (the policy, the reference, optimizer moments and master weights, which optax keeps in the
-    parameters' own pytree type) is sharded by ``rules``; every other leaf (step, PRNG key,
-    running statistics, optimizer counts) is replicated. ``reference_memory_kind`` places the
-    reference model (``state.ref``) in that memory (e.g. ``"pinned_host"``)."""
+    parameters' own pytree type) is sharded by ``rules``, and so is a trained vision part
+    (``state.vision`` and its moments: ``vision_shardings(trained=True)``); every other leaf
+    (step, PRNG key, running statistics, optimizer counts) is replicated.
+    ``reference_memory_kind`` places the reference model (``state.ref``) in that memory (e.g.
+    ``"pinned_host"``)."""
+
+    def sharding(x, memory_kind):
+        if isinstance(x, Transformer):
+            return param_shardings(x, mesh, rules, memory_kind=memory_kind)
+        if _is_vision(x):
+            return vision_shardings(x, mesh, rules, trained=True)
+        return replicated(mesh)
 
     def shard(tree, memory_kind=None):
         return jax.tree.map(
-            lambda x: (
-                param_shardings(x, mesh, rules, memory_kind=memory_kind)
-                if isinstance(x, Transformer)
-                else replicated(mesh)
-            ),
+            lambda x: sharding(x, memory_kind),
             tree,
-            is_leaf=lambda x: isinstance(x, Transformer),
+            is_leaf=lambda x: isinstance(x, Transformer) or _is_vision(x),
         )
 
     if reference_memory_kind is not None and state.ref is not None:

@@ -83,7 +83,8 @@ class Trainer:
     step's input. ``host_metrics(batch, metrics)``: extra host-side metrics of an iteration
     (e.g. tokens/s). ``evaluate(state, step, logger) -> metrics`` (the whole state: a
     distillation evaluation reads its teacher) and ``export(policy, directory) -> directory``
-    (collective: every process calls them). ``bar_keys``: metrics shown
+    (collective: every process calls them; a state with a trained vision part calls
+    ``export(policy, directory, vision=state.vision)``). ``bar_keys``: metrics shown
     on the progress bar as ``(name, label)``. ``on_start(run_dir)``: called on the main process
     once the run directory is ready (an earlier run set aside), e.g. to write the start-up report.
     ``prepare(state, run_dir)``: called on every process with the state the loop trains from (the
@@ -277,7 +278,7 @@ def _train(
             if save(step + 1):
                 last_saved = step + 1
             if cfg.export_every and (step + 1) % cfg.export_every == 0:
-                trainer.export(state.policy, Path(cfg.run_dir) / "hf" / f"step-{step + 1}")
+                exported(trainer, state, Path(cfg.run_dir) / "hf" / f"step-{step + 1}")
             if guard.requested:
                 saved_and_written(step + 1)
                 raise Preempted(
@@ -371,7 +372,7 @@ def run_loop(
         write_summary(run_dir, summary)
         return state, summary
     if cfg.export_hf:
-        summary["export"] = str(trainer.export(state.policy, run_dir / "final_hf"))
+        summary["export"] = str(exported(trainer, state, run_dir / "final_hf"))
     summary.update(
         steps=cfg.steps,
         run_time_s=time.perf_counter() - t_start,
@@ -393,3 +394,11 @@ def summary_table(before: dict, after: dict) -> str:
         b, a = number(before.get(k)), number(after[k])
         lines.append(f"{k:<22}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}")
     return "\n".join(lines)
+
+
+def exported(trainer: Trainer, state, directory: Path) -> Path:
+    """The state's policy exported to ``directory`` by ``trainer.export``, with its trained vision
+    part when it has one."""
+    if getattr(state, "vision", None) is None:
+        return trainer.export(state.policy, directory)
+    return trainer.export(state.policy, directory, vision=state.vision)

@@ -9,7 +9,10 @@ when the algorithm uses them (None is an empty pytree: nothing is stored or chec
   (``ref_is_base``; ``reference_model`` gives either);
 - ``ref_stats``: running statistics the ProRL reference resets read;
 - ``critic`` and ``critic_opt_state``: PPO's value model (a ``Critic`` with its own backbone, or a
-  ``ValueHead`` on the policy's backbone) and its optimizer state.
+  ``ValueHead`` on the policy's backbone) and its optimizer state;
+- ``vision``: a vision-language policy's trained vision part (``--train-vision``), trained by the
+  policy's optimizer with it: ``opt_state`` is then over ``(policy, vision)``'s trainable leaves
+  (``trained_params``). None: the vision part is frozen, outside the state.
 
 An optimizer sees only the trainable leaves (``relax.models.adapters.operations.trainable``: the adapters
 of a LoRA policy, every weight otherwise), so a LoRA policy's optimizer state holds adapter
@@ -43,6 +46,7 @@ class TrainState(eqx.Module):
     critic_opt_state: optax.OptState | None = None
     critic_optimizer: optax.GradientTransformation | None = eqx.field(static=True, default=None)
     ref_is_base: bool = eqx.field(static=True, default=False)
+    vision: eqx.Module | None = None
 
     def replace(self, **changes) -> "TrainState":
         return dataclasses.replace(self, **changes)
@@ -57,6 +61,7 @@ def init_state(
     with_ref_stats: bool = False,
     critic: eqx.Module | None = None,
     critic_optimizer: optax.GradientTransformation | None = None,
+    vision: eqx.Module | None = None,
 ) -> TrainState:
     """A fresh state; when a reference is needed it starts as a copy of the policy, or for a
     policy with LoRA adapters is the policy's own base (no copy, ``ref_is_base``).
@@ -71,6 +76,7 @@ def init_state(
             statistics the ProRL reference resets read.
         critic: a value model (PPO's ``Critic`` or ``ValueHead``). None (default): none.
         critic_optimizer: the critic's optax optimizer; given exactly when ``critic`` is.
+        vision: a vision part to train with the policy, by ``optimizer`` (default None).
 
     Returns:
         A ``TrainState`` with ``step`` 0, the optimizers' fresh states, and ``ref``, ``ref_stats``,
@@ -81,7 +87,7 @@ def init_state(
     base_ref = with_reference and has_lora(policy)
     return TrainState(
         policy=policy,
-        opt_state=optimizer.init(split_trainable(policy)[0]),
+        opt_state=optimizer.init(split_trainable(trained_params(policy, vision))[0]),
         step=jnp.int32(0),
         key=key,
         optimizer=optimizer,
@@ -93,7 +99,14 @@ def init_state(
         else critic_optimizer.init(split_trainable(critic)[0]),
         critic_optimizer=critic_optimizer,
         ref_is_base=base_ref,
+        vision=vision,
     )
+
+
+def trained_params(policy, vision=None):
+    """What the policy's optimizer trains: ``policy``, or ``(policy, vision)`` with a trained
+    vision part (``relax.train.update``'s params with a ``side`` part)."""
+    return policy if vision is None else (policy, vision)
 
 
 def reference_model(state: TrainState) -> eqx.Module | None:

@@ -44,7 +44,7 @@ from relax.objectives.mismatch import mismatch_metrics
 from relax.objectives.off_policy import OffPolicyConfig, corrected_loss
 from relax.objectives.registry import as_policy_loss
 from relax.passes import Passes
-from relax.train.update import LossContext, make_update, token_share
+from relax.train.update import LossContext, SideInputs, make_update, token_share
 
 
 def make_loss(
@@ -114,26 +114,33 @@ def make_loss(
 
 
 def make_grpo_update(
-    cfg: GRPOConfig, optimizer, passes: Passes = Passes(), off_policy: OffPolicyConfig | None = None
+    cfg: GRPOConfig,
+    optimizer,
+    passes: Passes = Passes(),
+    off_policy: OffPolicyConfig | None = None,
+    side: SideInputs | None = None,
 ):
-    """``update(policy, opt_state, data, key, ref_is_policy=False) -> (policy, opt_state, metrics)``:
-    the generic update (``relax.train.update``) of ``make_loss(cfg)`` with the config's epochs,
-    minibatches and micro-batches, on ``LossRows`` (``rope`` filled here); over its bins when
-    the batch was packed (``relax.algorithms.online.binned``)."""
+    """``update(policy, opt_state, data, key, ref_is_policy=False, side_data=None) -> (policy,
+    opt_state, metrics)``: the generic update (``relax.train.update``) of ``make_loss(cfg)`` with
+    the config's epochs, minibatches and micro-batches, on ``LossRows`` (``rope`` filled here);
+    over its bins when the batch was packed (``relax.algorithms.online.binned``). ``side``: the
+    prompts' features made by a trained vision tower (``relax.algorithms.online.vision``); the
+    ``policy`` is then ``(policy, vision)``."""
     loss = make_loss(cfg, passes, off_policy)
     split = dict(epochs=cfg.num_iterations, minibatches=cfg.num_minibatches, passes=passes)
     update = make_update(
-        loss, optimizer, grad_accum=cfg.grad_accum, track_reference=cfg.beta > 0, **split
+        loss, optimizer, grad_accum=cfg.grad_accum, track_reference=cfg.beta > 0, side=side, **split
     )
     binned = make_binned_update(loss, optimizer, track_reference=cfg.beta > 0, **split)
 
-    def grpo_update(policy, opt_state, data: LossRows, key, ref_is_policy=False):
+    def grpo_update(policy, opt_state, data: LossRows, key, ref_is_policy=False, side_data=None):
+        config = (policy if side is None else policy[0]).config
         if data.packed is not None:
-            return binned(policy, opt_state, data, key, ref_is_policy, config=policy.config)
+            return binned(policy, opt_state, data, key, ref_is_policy, config=config)
         _, g, n = data.tokens.shape
         # rotary tables once for all epochs and micro-batches, outside their loops (see completion_rope)
-        rope = completion_rope(policy.config, data.prompt_mask, g, n, data.images)
+        rope = completion_rope(config, data.prompt_mask, g, n, data.images)
         data = data.replace(rope=rope)
-        return update(policy, opt_state, data, key, ref_is_policy)
+        return update(policy, opt_state, data, key, ref_is_policy, side_data)
 
     return grpo_update

@@ -73,15 +73,24 @@ def real_defaults(preset_name: str = "grpo") -> GRPORunConfig:
     return GRPORunConfig(preset=preset_name, grpo=preset(preset_name))
 
 
-def make_state(g: GRPOConfig, model, key) -> TrainState:
-    """GRPO's state for ``model``: its optimizer, and a reference (with its statistics) when ``beta > 0``."""
+def make_state(g: GRPOConfig, model, key, vision=None) -> TrainState:
+    """GRPO's state for ``model``: its optimizer, a reference (with its statistics) when
+    ``beta > 0``, and ``vision``, a vision part trained with it (``--train-vision``; its
+    reference is the initial tower, so the reference must stay the initial model)."""
     check_lora_reference(model, g.reference, g.needs_reference)
+    if vision is not None and g.needs_reference and g.reference.kind != "static":
+        raise ValueError(
+            f"--train-vision: the reference's features are the initial tower's, so the KL "
+            f"reference must be the initial model (--grpo.reference.kind static), not "
+            f"{g.reference.kind!r}"
+        )
     return init_state(
         model,
         g.optimizer.make(),
         key=key,
         with_reference=g.needs_reference,
         with_ref_stats=g.needs_reference and g.reference.needs_stats,
+        vision=vision,
     )
 
 

@@ -34,6 +34,7 @@ from relax.algorithms.grpo.loss import make_grpo_update
 from relax.algorithms.online.batch import Advantaged, LossRows, Scored
 from relax.algorithms.online.stages import packing_metrics
 from relax.algorithms.online.step import OnlineParts, StepParts, make_online_step
+from relax.algorithms.online.vision import IMAGE_FEATURES, image_data
 from relax.compose import Stage, stage
 from relax.objectives import advantages as adv_lib
 from relax.objectives.kl import kl_estimate
@@ -47,7 +48,7 @@ from relax.rewards.shaping import (
     overlong_penalty,
 )
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState
+from relax.train.state import TrainState, trained_params
 from relax.train.update import Updated
 
 
@@ -133,13 +134,21 @@ def make_update_stage(
     rule = make_reference_rule(cfg.reference)
 
     def update(state: TrainState, batch: Advantaged) -> tuple[TrainState, Updated]:
-        update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy)
+        tower = state.vision is not None  # a trained vision tower: its features in the gradient
+        side = IMAGE_FEATURES if tower else None
+        update_fn = make_grpo_update(cfg, state.optimizer, passes, off_policy, side)
         data = loss_rows(batch, reference=cfg.beta > 0)
         key, sub = jax.random.split(state.key)
         ref_is_policy = False if batch.ref_is_policy is None else batch.ref_is_policy
-        policy, opt_state, metrics = update_fn(
-            state.policy, state.opt_state, data, sub, ref_is_policy
+        params, opt_state, metrics = update_fn(
+            trained_params(state.policy, state.vision),
+            state.opt_state,
+            data,
+            sub,
+            ref_is_policy,
+            image_data(batch) if tower else None,
         )
+        policy, vision = params if tower else (params, None)
         step, ref, ref_stats = state.step + 1, state.ref, state.ref_stats
         if ref_stats is not None:  # for KL-target / entropy-floor reference resets
             ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])
@@ -156,7 +165,13 @@ def make_update_stage(
         metrics, health = step_health(metrics, opt_state, bad)
         metrics = {**metrics, **_batch_metrics(batch)}
         new = state.replace(
-            policy=policy, opt_state=opt_state, ref=ref, step=step, key=key, ref_stats=ref_stats
+            policy=policy,
+            opt_state=opt_state,
+            ref=ref,
+            step=step,
+            key=key,
+            ref_stats=ref_stats,
+            vision=vision,
         )
         return new, Updated(batch, metrics, health)
 

@@ -34,6 +34,7 @@ from relax.models.forward.completion_packing import CompletionBins
 from relax.models.forward.prefix_shared import CompletionRope
 from relax.models.forward.routes import Routes
 from relax.models.layers.rope import Rotary
+from relax.models.vision.families import Pixels
 
 P = TypeVar("P", bound="Phase")
 
@@ -66,12 +67,16 @@ class Prompts(Phase):
     ``prompt_ids`` / ``prompt_mask``: the prompts, left-padded to a bucket length ``lp``.
     ``images``: image prompts' inputs to the layers (``relax.models.decoder.prompt_inputs``: the
     image features, computed once per prompt, their RoPE and attention), read by the sampler and
-    every training forward; None: text prompts.
+    every training forward; None: text prompts. ``pixels``: the images themselves, when the
+    policy's vision tower trains (``--train-vision``): the sampler and the update compute the
+    features from the state's tower (``relax.algorithms.online.vision``), and ``images`` holds
+    the initial tower's (the reference's).
     """
 
     prompt_ids: Int[Array, "p lp"]
     prompt_mask: Int[Array, "p lp"]
     images: PromptInputs | None = eqx.field(default=None, kw_only=True)
+    pixels: Pixels | None = eqx.field(default=None, kw_only=True)
 
 
 class Sampled(Prompts):
@@ -193,10 +198,11 @@ def step_input(
     prompts: list[str],
     fields: dict[str, list],
     images: PromptInputs | None = None,
+    pixels: Pixels | None = None,
 ) -> WithHost:
-    """An online step's input: the prompts on the device (``images``: image prompts' inputs) and
-    their text and dataset columns beside."""
+    """An online step's input: the prompts on the device (``images``: image prompts' inputs;
+    ``pixels``: their images, for a trained tower) and their text and dataset columns beside."""
     return WithHost(
-        Prompts(prompt_ids, prompt_mask, images=images),
+        Prompts(prompt_ids, prompt_mask, images=images, pixels=pixels),
         HostRecord(prompts=list(prompts), fields=dict(fields)),
     )

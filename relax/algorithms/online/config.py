@@ -8,7 +8,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-import jax
 import tyro
 
 from relax.algorithms.online.step import StepParts
@@ -149,6 +148,11 @@ class OnlineRunConfig(TaskRunConfig):
     bad_images: Literal["reject", "drop"] = "reject"
     """A row whose image is missing, unreadable or over the limits: an error naming the file, row
     and field, or the row dropped (counted and named at start-up)."""
+    train_vision: bool = False
+    """Train the vision tower and its projection with the language model, by the policy's
+    optimizer (GRPO; frozen by default): the sampler reads the trained tower's features, the
+    update recomputes them once per optimizer step inside the gradient, the KL reference keeps
+    the initial tower; the export and checkpoints hold the trained tower."""
     reward: tuple[str, ...] = ("exact_match",)
     """Built-in reward functions by name (exact_match, numeric_match, format_reward, math_verify, code_exec)."""
     reward_weights: tuple[float, ...] = ()
@@ -209,6 +213,10 @@ class OnlineRunConfig(TaskRunConfig):
                 f"--image-field {self.image_field!r} needs a vision-language --model or "
                 f"--task visual (the built-in task {self.task!r} is text)"
             )
+        if self.train_vision and self.image_field is None:
+            raise ValueError(
+                "--train-vision trains a vision-language model's tower: give --image-field"
+            )
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(
                 f"{len(self.reward_weights)} --reward-weights for {len(self.reward)} --reward"
@@ -252,12 +260,13 @@ def off_policy(cfg: OnlineRunConfig, generation: GenerationConfig) -> OffPolicyC
 
 @dataclasses.dataclass(frozen=True)
 class OnlineAlgorithm:
-    """``make_state(model, key)`` -> the algorithm's ``TrainState``; ``make_step(parts)`` -> its
+    """``make_state(model, key)`` -> the algorithm's ``TrainState`` (GRPO's also takes ``vision=``:
+    a vision part to train, ``--train-vision``); ``make_step(parts)`` -> its
     composed step; ``generation``, what it samples (G, the completion budget and stop strings for
     evaluation and tokens/s)."""
 
     name: str
-    make_state: Callable[[Any, jax.Array], Any]
+    make_state: Callable[..., Any]
     make_step: Callable[[StepParts], Any]
     generation: GenerationConfig
     describe_update: Callable[[Any], str] | None = (

@@ -45,6 +45,7 @@ from relax.algorithms.online.setup import (
     load_run_data,
     reasoning_gym_setup,
     text_decoder,
+    trained_tower,
     training_batches,
     visual_setup,
 )
@@ -57,6 +58,7 @@ from relax.data.prompts import (
     padded_length,
 )
 from relax.eval.evaluate import evaluate, sampler_calls
+from relax.models.vision.families import pixels_of
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ShardedStep, batch_shards, check_batch
 from relax.parallel.distributed import on_host_memory
@@ -100,6 +102,12 @@ def _report(
     ]
     if data.images is not None:  # make_packing leaves image batches padded
         lines.append("image prompts: the update's forwards run on padded rows (not packed)")
+        lines.append(
+            "vision tower: trained with the language model (--train-vision; the reference keeps "
+            "the initial tower)"
+            if cfg.train_vision
+            else "vision tower: frozen (--train-vision trains it)"
+        )
     elif algo.describe_update is not None:
         lines.append(algo.describe_update(data.model))
     lines += _sampler_lines(algo.generation, parts.off_policy)
@@ -145,14 +153,18 @@ def _sampler_lines(generation: GenerationConfig, correction: OffPolicyConfig | N
 
 def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts: StepParts, log):
     """``run_eval(state, step, logger) -> metrics``: the policy's held-out evaluation, logged at
-    ``step`` (image prompts' inputs computed once: the vision tower is frozen)."""
+    ``step`` (image prompts' inputs computed once when the vision tower is frozen, at each
+    evaluation by the state's tower when it trains)."""
     eval_batch = data.eval_batch
-    images = None if eval_batch is None else data.encode(data.model, eval_batch, shared=True)
+    frozen = None if eval_batch is None else data.encode(data.model, eval_batch, shared=True)
 
     def run_eval(state, step: int, logger: MetricsLogger) -> dict:
         if eval_batch is None:
             return {}
         t0 = time.perf_counter()
+        images = frozen
+        if state.vision is not None and eval_batch.images is not None:
+            images = data.encode(data.model, eval_batch, shared=True, vision=state.vision)
         metrics = evaluate(
             state.policy,
             eval_batch,
@@ -234,7 +246,12 @@ def _prepare(
     start-up report's last section, "compiled ahead", printed and written."""
 
     def prepare(state, run_dir: Path) -> None:
-        if cfg.compile_ahead:
+        if cfg.compile_ahead and cfg.train_vision:
+            lines = (
+                "off with --train-vision: the step's programs take each batch's images and "
+                "compile when first called, once per image shape",
+            )
+        elif cfg.compile_ahead:
             lines = _compiled_ahead(cfg, algo, data, parts, step, state).lines()
         else:
             lines = (
@@ -305,7 +322,9 @@ def _make_batch(cfg: OnlineRunConfig, data: RunData):
     """``make_batch(prompt_batch) -> WithHost``: the step's input, its prompts the numpy arrays
     the data gives (the step's first program, or a runner on a mesh, puts them on the devices:
     ``jnp.asarray`` would compile a program for each new shape); image prompts' inputs computed
-    here, the frozen vision tower run once per image (``RunData.encode``)."""
+    here, the frozen vision tower run once per image (``RunData.encode``); with
+    ``--train-vision`` they are the reference's, and the images ride along for the state's tower
+    (``relax.algorithms.online.vision``)."""
 
     def make_batch(pb) -> WithHost:
         return step_input(
@@ -314,6 +333,7 @@ def _make_batch(cfg: OnlineRunConfig, data: RunData):
             pb.prompts,
             {cfg.answer_field: pb.answers, **pb.fields},
             images=data.encode(data.model, pb),
+            pixels=pixels_of(pb.images) if cfg.train_vision else None,
         )
 
     return make_batch
@@ -363,12 +383,38 @@ def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
         )
     if cfg.async_.partial > 1:
         raise ValueError("--image-field: partial rollouts (--async.partial) take text prompts only")
+    if cfg.train_vision:
+        _check_train_vision(cfg, algo)
+
+
+def _check_train_vision(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
+    """A trained tower (``relax.algorithms.online.vision``): GRPO, synchronous, one process."""
+    if algo.name != "grpo":
+        raise ValueError(
+            f"--train-vision: GRPO trains the vision tower; {algo.name} keeps it frozen"
+        )
+    if cfg.async_.staleness:
+        raise ValueError(
+            "--train-vision: the sampler reads the trained tower of the same step; drop "
+            "--async.staleness"
+        )
+
+
+def _check_processes(cfg: OnlineRunConfig) -> None:
+    """A trained tower runs on one process (once the processes are known)."""
+    if cfg.train_vision and jax.process_count() > 1:
+        raise ValueError(
+            "--train-vision runs on one process (one device or its mesh): each process of a "
+            "multi-host run encodes its own rows' images, which a trained tower's update does not "
+            "gather yet"
+        )
 
 
 def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
     _check_images(cfg, algo)
     cfg.parallel.initialize()  # multi-host: before anything touches a device
+    _check_processes(cfg)
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
     cfg, env_rewards = verifiers_setup(cfg, run_dir, log)  # --env verifiers:<id>
@@ -398,7 +444,8 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         report = _report(cfg, algo, data, parts, mesh)
         log(report.text())
         with on_host_memory(mesh is not None):
-            state = algo.make_state(model, jax.random.key(cfg.seed))
+            trained = {"vision": trained_tower(data)} if cfg.train_vision else {}
+            state = algo.make_state(model, jax.random.key(cfg.seed), **trained)
         step_fn = algo.make_step(parts)
         if mesh is not None:  # every process: the same state, laid out on the (global) mesh
             step_fn = ShardedStep(

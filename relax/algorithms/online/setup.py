@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -169,18 +170,24 @@ def exporter(
     whole model as its family's architecture (``save_vision_language``: the trained language
     model with the vision part, the VLM's ``config.json``) and the processor files of ``base``
     (``PROCESSOR_FILES``, those there); its adapters are named as PEFT names them on that class
-    (``prefix=vision.family.peft_prefix``)."""
-    if vision is not None and base is None:
+    (``prefix=vision.family.peft_prefix``). ``export(..., vision=part)``: with that trained
+    vision part in place of the run's (``--train-vision``)."""
+    run_vision = vision
+    if run_vision is not None and base is None:
         raise ValueError("a vision-language model's export copies its processor files from base")
-    save = save_pretrained if vision is None else whole_model(vision)
-    prefix = TEXT_PREFIX if vision is None else vision.family.peft_prefix
+    prefix = TEXT_PREFIX if run_vision is None else run_vision.family.peft_prefix
 
-    def export(policy, directory: Path) -> Path:
+    def export(policy, directory: Path, vision=None) -> Path:
         policy = host_policy(policy)
+        if run_vision is None:
+            save = save_pretrained
+        else:
+            part = run_vision.vision if vision is None else host_policy(vision)
+            save = whole_model(run_vision._replace(vision=part))
         if is_main_process():
             save(merge_lora(policy), directory)
             tokenizer.save_pretrained(directory)
-            if vision is not None:
+            if run_vision is not None:
                 copy_processor_files(base, directory)
             if has_lora(policy):
                 why = fused_adapter_error(policy.config.family, policy.layers.lora.weights())
@@ -312,21 +319,27 @@ class RunData:
             rows_shardings(shapes, self.mesh, rows),
         )
 
-    def encode(self, policy, batch, *, shared: bool = False) -> PromptInputs | None:
+    def encode(self, policy, batch, *, shared: bool = False, vision=None) -> PromptInputs | None:
         """A ``PromptBatch``'s image prompts' inputs for ``policy`` (None: text prompts); on a
         mesh, computed there and laid out as the step takes them: rows over the batch axes.
         ``shared``: every process holds the whole ``batch`` (the held-out one), not its rows of
-        it; on several processes its inputs are replicated."""
+        it; on several processes its inputs are replicated. ``vision``: a trained vision part to
+        encode with (default: the run's frozen one)."""
         if batch.images is None:
             return None
-        inputs = encode_images(
-            self.vision, policy, batch.prompt_ids, batch.prompt_mask, batch.images
-        )
+        part = self.vision if vision is None else self.vision._replace(vision=vision)
+        inputs = encode_images(part, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
         if self.mesh is None:
             return inputs
         if multi_process():
             return place_process_rows(inputs, self.mesh, shared=shared)
         return place_rows(inputs, self.mesh, batch.prompt_ids.shape[0])  # the step's layout
+
+
+def trained_tower(data: RunData):
+    """The vision part a ``--train-vision`` run trains: a copy of the run's, which stays the
+    initial tower (the reference's features, ``RunData.encode``)."""
+    return jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, data.vision.vision)
 
 
 def training_batches(cfg: OnlineRunConfig, data: RunData):

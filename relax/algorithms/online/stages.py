@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.algorithms.online.batch import LossRows, Prompts, Sampled, Scored
+from relax.algorithms.online.vision import policy_images, tower_is_initial
 from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig, pack_bins
 from relax.models.forward.completion_packing import CompletionBins
@@ -50,8 +51,9 @@ def make_rollout(rcfg: RolloutConfig) -> Stage:
     def rollout(state: TrainState, batch: Prompts) -> tuple[TrainState, Sampled]:
         # the state is read, not changed: the update advances the key once per iteration
         key = jax.random.fold_in(state.key, ROLLOUT_STREAM)
+        images = policy_images(state, batch)  # a trained tower's features: the state's
         r = generate_program(
-            state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg, prompt=batch.images
+            state.policy, batch.prompt_ids, batch.prompt_mask, key, rcfg, prompt=images
         )
         return state, Sampled.of(
             batch,
@@ -120,14 +122,18 @@ def make_reference(passes: Passes, forward: ForwardConfig, *, temperature: float
     (so a KL in the reward is exactly 0) and the trainer's own in the loss (``relax.train.update``),
     so the KL term and its gradient are exactly zero whatever the pass layout or mesh. A stale
     batch (sampled by an older version, ``relax.train.pipeline``) is never the policy's own: its
-    reference log-probs are recomputed."""
+    reference log-probs are recomputed, and so is a batch of a trained vision tower's policy once
+    the tower has changed (``relax.algorithms.online.vision``: the reference reads the initial
+    tower's features)."""
 
     def reference(state: TrainState, batch: Scored) -> tuple[TrainState, Scored]:
         ref_model = reference_model(state)
         if ref_model is None:
             return state, batch
-        same = reference_is_policy(state, smallest_first=passes.cache_sized) & on_policy(
-            state, batch
+        same = (
+            reference_is_policy(state, smallest_first=passes.cache_sized)
+            & on_policy(state, batch)
+            & tower_is_initial(state)
         )
 
         recompute = lambda: forward_logprobs(
@@ -167,7 +173,8 @@ def make_proximal(passes: Passes, forward: ForwardConfig, *, temperature: float)
     (``relax.objectives.off_policy``) when the update takes several optimizer steps."""
 
     def proximal(state: TrainState, batch: Scored) -> tuple[TrainState, Scored]:
-        prox = forward_logprobs(state.policy, batch, passes, forward, temperature=temperature)
+        own = batch.replace(images=policy_images(state, batch))  # a trained tower's features
+        prox = forward_logprobs(state.policy, own, passes, forward, temperature=temperature)
         return state, batch.replace(prox_logprobs=prox)
 
     return stage(proximal, name="proximal", updates_state=False)

@@ -20,27 +20,44 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 from relax.models.config.vision_language import VISION_LANGUAGE
-from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.decoder.prompt_inputs import PromptInputs, features_at
 from relax.models.decoder.transformer import Transformer
 from relax.models.hf.config import HFFormatError
 from relax.models.hf.weights_io import read_json
-from relax.models.vision.gemma3 import check_image_tokens, gemma3_prompt_inputs
+from relax.models.vision.gemma3 import Gemma3Vision, check_image_tokens, gemma3_prompt_inputs
+from relax.models.vision.gemma3 import image_features as gemma3_features
 from relax.models.vision.gemma3_checkpoint import load_gemma3, save_gemma3
 from relax.models.vision.qwen2_5_vl import Qwen2_5_VL, prepare_inputs
+from relax.models.vision.qwen2_5_vl import image_features as qwen_features
 from relax.models.vision.qwen2_5_vl import prompt_inputs as qwen_prompt_inputs
 from relax.models.vision.qwen2_5_vl_checkpoint import load_qwen2_5_vl, save_qwen2_5_vl
 
 __all__ = [
     "VISION_FAMILIES",
+    "Pixels",
     "VisionFamily",
     "VisionLanguage",
     "encode_images",
+    "image_token_features",
+    "pixels_of",
     "load_vision_language",
     "save_vision_language",
     "vision_family_of",
+    "with_image_features",
 ]
+
+
+class Pixels(eqx.Module):
+    """A batch's images as its family's vision tower takes them: ``values`` (Gemma 3: ``[n, 3,
+    H, W]``; Qwen2.5-VL: every image's patch rows ``[sum t h w, C T P P]``) and ``grid`` (static:
+    Qwen2.5-VL's ``(t, h, w)`` per image; Gemma 3: empty). A jitted program that takes them
+    compiles for each ``grid`` and shape."""
+
+    values: Float[Array, "..."]
+    grid: tuple[tuple[int, int, int], ...] = eqx.field(static=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +66,9 @@ class VisionFamily:
     of the language model; ``load(path, dtype=, param_dtype=) -> (language model, vision)``,
     ``save(language model, vision, path)`` and ``encode(language model, vision, prompt_ids,
     prompt_mask, pixel_values, grid) -> PromptInputs`` (the vision tower once per image);
+    ``features(vision, pixels) -> [n, D]``: the features of every image token, in order (the
+    tower and its projection, jittable: what a trained tower's gradient flows through);
+    ``vision_type``: the class of its vision part.
     ``peft_prefix``: the language model's module path in transformers' class, under which PEFT
     names its adapters (``base_model.model.{peft_prefix}.layers.{i}...``; a causal LM's is
     ``model``), for ``relax.models.adapters.peft.save_adapter`` / ``load_adapter``'s ``prefix``."""
@@ -59,6 +79,8 @@ class VisionFamily:
     load: Callable[..., tuple[Transformer, Any]]
     save: Callable[[Transformer, Any, str | os.PathLike], None]
     encode: Callable[..., PromptInputs]
+    features: Callable[[Any, Pixels], Float[Array, "n D"]]
+    vision_type: type
     peft_prefix: str = "model.language_model"  # transformers 5's layout of both families
 
 
@@ -99,6 +121,15 @@ def _encode_qwen(lm, vision, prompt_ids, prompt_mask, pixel_values, grid) -> Pro
     return qwen_prompt_inputs(m, ids, mask, jnp.asarray(x.positions, jnp.int32), pixels, x.grid)
 
 
+def _gemma3_features(vision: Gemma3Vision, pixels: Pixels) -> Float[Array, "n D"]:
+    f = gemma3_features(vision, pixels.values)
+    return f.reshape(-1, f.shape[-1])
+
+
+def _qwen_features(vision: Qwen2_5_VL, pixels: Pixels) -> Float[Array, "n D"]:
+    return qwen_features(vision.visual, pixels.values, pixels.grid)
+
+
 _gemma3_inputs = eqx.filter_jit(gemma3_prompt_inputs)
 
 VISION_FAMILIES = {
@@ -109,6 +140,8 @@ VISION_FAMILIES = {
         load_gemma3,
         save_gemma3,
         _encode_gemma3,
+        _gemma3_features,
+        Gemma3Vision,
     ),
     "qwen2_5_vl": VisionFamily(
         "qwen2_5_vl",
@@ -117,6 +150,8 @@ VISION_FAMILIES = {
         _load_qwen,
         _save_qwen,
         _encode_qwen,
+        _qwen_features,
+        Qwen2_5_VL,
     ),
 }
 
@@ -155,6 +190,35 @@ def encode_images(
     return model.family.encode(
         shape_only, model.vision, prompt_ids, prompt_mask, images.pixel_values, images.grid
     )
+
+
+def pixels_of(images) -> Pixels | None:
+    """A batch's images (``relax.data.image_prompts.ImageBatch``: ``pixel_values``, ``grid``) as
+    ``Pixels`` on the device; None when it has none."""
+    if images is None or not len(images.pixel_values):
+        return None
+    return Pixels(jnp.asarray(images.pixel_values), tuple(images.grid))
+
+
+def image_token_features(vision: Any, pixels: Pixels) -> Float[Array, "n D"]:
+    """The features of every image token of ``pixels`` by ``vision``'s family (``TypeError`` for
+    a part of no family)."""
+    for family in VISION_FAMILIES.values():
+        if isinstance(vision, family.vision_type):
+            return family.features(vision, pixels)
+    raise TypeError(
+        f"{type(vision).__name__} is the vision part of no family {sorted(VISION_FAMILIES)}"
+    )
+
+
+def with_image_features(inputs: PromptInputs, vision: Any, pixels: Pixels | None) -> PromptInputs:
+    """``inputs`` with the image tokens' features computed by ``vision`` (a trained tower: the
+    inputs' RoPE, blocks and image tokens are the images', whatever tower encoded them); as they
+    are when ``pixels`` is None (no image)."""
+    if pixels is None:
+        return inputs
+    flat = image_token_features(vision, pixels)
+    return inputs._replace(features=features_at(inputs.is_image, flat, inputs.features.dtype))
 
 
 def save_vision_language(model: VisionLanguage, path: str | os.PathLike) -> None:

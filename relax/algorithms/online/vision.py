@@ -1,0 +1,72 @@
+"""A trained vision tower in an online step (``--train-vision``).
+
+The state holds the tower (``TrainState.vision``) and the policy's optimizer trains it with the
+language model. The batch carries the images (``Prompts.pixels``) beside the image prompts'
+inputs the data made with the initial tower (``Prompts.images``: the reference's features), and:
+
+- the sampler and the proximal forward read the state's tower's features (``policy_images``),
+  computed once per image;
+- the update recomputes them from the tower being trained once per optimizer step, inside the
+  gradient (``IMAGE_FEATURES``: ``relax.train.update``'s side inputs), so the tower's gradient is
+  the whole minibatch's and it still runs once per image, not per completion;
+- the reference reads ``Prompts.images``: the reference model is the initial language model
+  with the initial tower.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.vision.families import Pixels, with_image_features
+from relax.train.state import TrainState
+from relax.train.update import SideInputs
+
+__all__ = [
+    "IMAGE_FEATURES",
+    "ImageData",
+    "image_data",
+    "policy_images",
+    "tower_is_initial",
+]
+
+
+class ImageData(NamedTuple):
+    """What the update's tower reads: the batch's image prompts' inputs (their image tokens and
+    the features' dtype) and their images."""
+
+    inputs: PromptInputs
+    pixels: Pixels | None
+
+
+def _features(vision, data: ImageData) -> Float[Array, "p lp d"]:
+    return with_image_features(data.inputs, vision, data.pixels).features
+
+
+def _place(micro_batch, features: Float[Array, "p lp d"]):
+    return micro_batch.replace(images=micro_batch.images._replace(features=features))
+
+
+IMAGE_FEATURES = SideInputs(encode=_features, place=_place)
+
+
+def image_data(batch) -> ImageData | None:
+    """The update's side data of a batch whose policy trains its tower (None: no image)."""
+    return None if batch.images is None else ImageData(batch.images, batch.pixels)
+
+
+def policy_images(state: TrainState, batch) -> PromptInputs | None:
+    """The batch's image prompts' inputs for the state's policy: with the state's tower's
+    features when it trains one, else the batch's own."""
+    if state.vision is None or batch.images is None:
+        return batch.images
+    return with_image_features(batch.images, state.vision, batch.pixels)
+
+
+def tower_is_initial(state: TrainState) -> Bool[Array, ""]:
+    """Whether the state's tower is bitwise the one that made ``Prompts.images`` (no trained
+    tower, or no update yet): only then can the reference's log-probs be the sampler's."""
+    return jnp.bool_(True) if state.vision is None else state.step == 0
