@@ -66,9 +66,10 @@ def _max_diff(a, b) -> tuple[float, float]:
     return float(np.max(np.abs(a - b), initial=0.0)), float(np.max(np.abs(b), initial=0.0))
 
 
-def qwen_step(root: Path, spec: str | None) -> dict:
+def qwen_step(root: Path, spec: str | None, train_vision: bool = False) -> dict:
     """One GRPO step on 4 image prompts of the tiny Qwen2.5-VL (``RunData.encode`` for their
-    inputs), on one device (``spec`` None) or on the mesh; what it computed, as arrays."""
+    inputs), on one device (``spec`` None) or on the mesh; what it computed, as arrays.
+    ``train_vision``: the state trains a copy of the tower (``--train-vision``)."""
     import jax
     import numpy as np
 
@@ -83,7 +84,7 @@ def qwen_step(root: Path, spec: str | None) -> dict:
     from relax.data.files import Record
     from relax.data.image_prompts import ImagePrompts, processor_for
     from relax.data.prompts import DataConfig, batch_of, prepare_prompts
-    from relax.models.vision.families import load_vision_language
+    from relax.models.vision.families import load_vision_language, pixels_of
     from relax.passes import choose_passes
     from relax.text import load_tokenizer
     from relax.train.optimizer import OptimizerConfig
@@ -112,7 +113,10 @@ def qwen_step(root: Path, spec: str | None) -> dict:
         optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, eps=ADAM_EPS),
     )
     policy = data.model
-    state = init_state(policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True)
+    tower = jax.tree.map(lambda a: a.copy(), vl.vision) if train_vision else None
+    state = init_state(
+        policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True, vision=tower
+    )
     passes = choose_passes(batch_shards=1 if mesh is None else parallel.batch_shards(mesh))
     step = make_grpo_step(
         cfg, StepParts(reward_fns=[_evens], decode=_decode, eos_ids=(), pad_id=0, passes=passes)
@@ -120,9 +124,18 @@ def qwen_step(root: Path, spec: str | None) -> dict:
     if mesh is not None:
         step = parallel.ShardedStep(step, state, mesh)
         state = step.place(state)
+    pixels = pixels_of(batch.images) if train_vision else None
     x = step_input(
-        batch.prompt_ids, batch.prompt_mask, batch.prompts, {"answer": batch.answers}, inputs
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.prompts,
+        {"answer": batch.answers},
+        inputs,
+        pixels,
     )
+    trained_spec = None
+    if mesh is not None and train_vision:
+        trained_spec = str(state.vision.visual.blocks.qkv.sharding.spec)
     state, out = step(state, x)
     b = out.device.batch
     host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
@@ -132,9 +145,12 @@ def qwen_step(root: Path, spec: str | None) -> dict:
         "mask": np.asarray(b.mask, bool),
         "old_logprobs": np.asarray(b.old_logprobs),
         "inputs": host(inputs),
-        "policy": host(state.policy),
-        "before": host(load_vision_language(model_dir).language_model),
+        "policy": host((state.policy, state.vision)),
+        "before": host(
+            (load_vision_language(model_dir).language_model, vl.vision if train_vision else None)
+        ),
         "specs": {} if mesh is None else _specs(data.vision.vision.visual, inputs),
+        "trained_qkv": trained_spec,
     }
 
 
@@ -151,12 +167,12 @@ def _specs(visual, inputs) -> dict[str, str]:
     }
 
 
-def qwen_case(root: Path) -> dict:
+def qwen_case(root: Path, train_vision: bool = False) -> dict:
     """The step on one device and on the mesh: largest differences, the mesh's specs."""
     import jax
     import numpy as np
 
-    one, mesh = qwen_step(root, None), qwen_step(root, MESH)
+    one, mesh = qwen_step(root, None, train_vision), qwen_step(root, MESH, train_vision)
     m = one["mask"]
     weights = {}
     for (path, a), b, w0 in zip(
@@ -180,6 +196,7 @@ def qwen_case(root: Path) -> dict:
         "image_tokens": int(np.sum(one["inputs"].is_image)),
         "weights": weights,
         "specs": mesh["specs"],
+        "trained_qkv": mesh["trained_qkv"],
     }
 
 
@@ -304,7 +321,12 @@ def worker(out_path: str, root: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     root = Path(root)
     write_setup(root)
-    results = {"qwen": qwen_case(root), "gemma": gemma_case(), "cli": cli_case(root)}
+    results = {
+        "qwen": qwen_case(root),
+        "tower": qwen_case(root, train_vision=True),
+        "gemma": gemma_case(),
+        "cli": cli_case(root),
+    }
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -336,8 +358,10 @@ else:
     # ------------------------------------------------------------------ 8 devices (subprocess)
 
     @pytest.mark.slow  # a whole run: make test-all
-    def test_grpo_step_with_image_prompts_on_a_mesh_equals_one_device(results):
-        got = results["qwen"]
+    @pytest.mark.parametrize("case", ["qwen", "tower"], ids=["frozen-tower", "train-vision"])
+    def test_grpo_step_with_image_prompts_on_a_mesh_equals_one_device(results, case):
+        """``tower``: the state trains the tower too; its weights agree as the policy's do."""
+        got = results[case]
         assert got["image_tokens"] > 0
         for name, (diff, scale) in got["inputs"].items():  # the encode on the mesh
             assert diff <= ATOL + RTOL * scale, (name, diff, scale)
@@ -351,6 +375,11 @@ else:
         assert len(moved) >= len(got["weights"]) // 2, moved
         for name, (diff, _, _) in got["weights"].items():
             assert diff <= WEIGHT_ATOL, (name, diff)
+
+    @pytest.mark.slow  # a whole run: make test-all
+    def test_a_trained_tower_is_sharded_by_the_vision_rules(results):
+        assert results["tower"]["trained_qkv"] == str(PS(None, "fsdp", "tensor"))
+        assert any(".visual." in name for name in results["tower"]["weights"])
 
     @pytest.mark.slow  # a whole run: make test-all
     def test_vision_weights_and_prompt_inputs_are_sharded(results):
