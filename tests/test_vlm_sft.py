@@ -271,3 +271,77 @@ def test_bad_image_is_named_or_dropped(setup, tmp_path):
     )
     assert len(kept.examples) == 2 and len(kept.bad) == 1 and "row 2" in kept.bad[0]
     assert "1 training rows were dropped for a bad image" in kept.summary("training")
+
+
+def test_train_vision_step_is_sgd_on_the_loss_with_the_tower_inside(setup):
+    """``--train-vision`` SFT: one step (2 micro-batches, images of 1 and 2 per row) moves the
+    language model and the tower as plain SGD on the image SFT loss with the tower inside,
+    differentiated directly (``make_image_sft_loss`` on features recomputed from the tower)."""
+    import optax
+
+    from relax.algorithms.sft.config import SFTConfig
+    from relax.algorithms.sft.images import make_image_sft_loss, make_image_sft_step
+    from relax.train.state import init_state
+    from relax.train.update import LossContext
+
+    root, train = setup
+    vl, tok = load_vision_language(root / "model"), load_tokenizer(root / "model")
+    images = ImagePrompts("image", processor_for("qwen2_5_vl", root / "model"))
+    records = [*_rows(train), _rows(train)[0]]  # 4 rows: 2 micro-batches of 2
+    rows = encode_sft_images(records, tok, images, max_length=LENGTH)
+    batch = collate_image_sft(rows.examples, length=LENGTH, pad_id=tok.pad_token_id, images=images)
+    encode = lambda i, m, b: encode_images(vl, vl.language_model, i, m, b)  # noqa: E731
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (a step donates its state)
+    lr = 0.5
+    state = init_state(
+        copy(vl.language_model), optax.sgd(lr), key=jax.random.key(0), vision=copy(vl.vision)
+    )
+    step = make_image_sft_step(SFTConfig(max_length=LENGTH, grad_accum=2))
+    new, _ = step(state, attach_prompt(batch, encode, pixels=True))
+
+    r = attach_prompt(batch, encode, pixels=True)
+    tokens = jnp.maximum(jnp.sum(image_target_mask(r)), 1).astype(jnp.float32)
+    ctx = LossContext({"tokens": tokens}, jnp.bool_(False))
+
+    def loss(params):
+        lm, tower = params
+        inputs = families.with_image_features(r.prompt, tower, r.pixels)
+        rows_ = dataclasses.replace(r, prompt=inputs, pixels=None)
+        return make_image_sft_loss()(lm, rows_, ctx)[0]
+
+    grads = jax.grad(loss)((vl.language_model, vl.vision))
+    want = jax.tree.map(lambda p, g: p - lr * g, (vl.language_model, vl.vision), grads)
+    got = (new.policy, new.vision)
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(grads))
+    tower_moved = 0
+    for a, w, g in leaves:
+        np.testing.assert_allclose(a, w, rtol=2e-4, atol=2e-6)
+        tower_moved += int(np.abs(np.asarray(g)).max() > 0)
+    assert tower_moved > len(jax.tree.leaves(vl.language_model))  # the tower's got gradients too
+
+
+@pytest.mark.slow  # a whole run: make test-all
+def test_train_vision_sft_cli_exports_the_trained_tower(setup, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    root, _ = setup
+    run = tmp_path / "run"
+    load_example("sft").main(_args(root, run, root / "sft.jsonl", "--train-vision"))
+    assert "vision tower: trained with the language model" in capsys.readouterr().out
+
+    def tower(directory):
+        (f,) = directory.glob("*.safetensors")
+        return {k: v for k, v in load_file(f).items() if ".visual." in k or k.startswith("visual.")}
+
+    base, trained = tower(root / "model"), tower(run / "final_hf")
+    assert base.keys() == trained.keys() and len(base) > 10
+    assert all(not np.array_equal(base[k], trained[k]) for k in base)
+
+
+def test_train_vision_is_sft_s_alone_offline(setup, tmp_path):
+    root, _ = setup
+    args = _args(root, tmp_path / "run", root / "sft.jsonl", "--train-vision")
+    cut = args.index("--sft.max-length")
+    args = args[:cut] + args[cut + 2 :]  # a DPO run's flags
+    with pytest.raises(ValueError, match="keeps it frozen"):
+        load_example("dpo").main(args)

@@ -38,7 +38,7 @@ from relax.data.files import Record, read_records
 from relax.data.image_prompts import ImagePrompts
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
 from relax.eval.evaluate import EvalConfig, evaluate
-from relax.models.vision.families import VisionLanguage, encode_images
+from relax.models.vision.families import VisionLanguage, encode_images, pixels_of
 from relax.parallel import ShardedStep, ShardingError, batch_shards
 from relax.parallel.distributed import on_host_memory
 from relax.passes import Passes, choose_passes
@@ -48,6 +48,7 @@ from relax.tasks import reverse
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger
 from relax.train.run import Trainer, run_loop
+from relax.train.vision_tower import with_trained_vision
 
 MAX_EVAL_PROMPT = 512
 
@@ -66,6 +67,10 @@ class OfflineRunConfig(TaskRunConfig):
     bad_images: Literal["reject", "drop"] = "reject"
     """A row whose image is missing, unreadable or over the limits: an error naming the file, row
     and field, or the row dropped (counted and named at start-up)."""
+    train_vision: bool = False
+    """Train the vision tower and its projection with the language model, by the policy's
+    optimizer (SFT; frozen by default): its features are recomputed once per step inside the
+    gradient; the export and checkpoints hold the trained tower."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -78,6 +83,10 @@ class OfflineRunConfig(TaskRunConfig):
             raise ValueError(
                 f"--image-field {self.image_field!r} needs a vision-language --model "
                 "(the built-in task is text)"
+            )
+        if self.train_vision and self.image_field is None:
+            raise ValueError(
+                "--train-vision trains a vision-language model's tower: give --image-field"
             )
 
 
@@ -176,6 +185,10 @@ def _check_images(cfg: OfflineRunConfig, algo: OfflineAlgorithm, mesh) -> None:
         )
     if mesh is not None:
         raise ValueError("--image-field: rows with images train on one device (no --parallel.*)")
+    if cfg.train_vision and algo.name != "sft":
+        raise ValueError(
+            f"--train-vision: SFT trains the vision tower; {algo.name} keeps it frozen"
+        )
 
 
 def _with_images(
@@ -183,21 +196,42 @@ def _with_images(
 ) -> tuple[OfflineAlgorithm, Callable[[Any], Any] | None, tuple[str, ...]]:
     """``(algo, make_batch, notes)``: for ``--image-field``, the algorithm's image trainer in
     place of its text one, the step's batches made with the frozen vision tower run once per
-    prompt image, and its report notes; else ``(algo, None, ())``."""
+    prompt image (with ``--train-vision`` also their images, for the state's tower; the held-out
+    evaluation encodes with it), and its report notes; else ``(algo, None, ())``."""
     if cfg.image_field is None:
         return algo, None, ()
     trainer = algo.images(image_prompts(cfg, vision))
-    encoder: Encoder = lambda ids, mask, images: encode_images(vision, model, ids, mask, images)  # noqa: E731
+
+    def encoder_of(part) -> Encoder:
+        tower = vision if part is None else vision._replace(vision=part)
+        return lambda ids, mask, images: encode_images(tower, model, ids, mask, images)
+
+    encoder = encoder_of(None)
+
+    def make_batch(batch):
+        rows = trainer.attach(batch, encoder)
+        return (
+            dataclasses.replace(rows, pixels=pixels_of(batch.images)) if cfg.train_vision else rows
+        )
+
+    def evaluate(state, held, tokenizer):
+        return trainer.evaluate(state, held, tokenizer, encoder_of(state.vision))
+
     algo = dataclasses.replace(
         algo,
         encode=lambda rows, tokenizer: trainer.encode(rows, tokenizer),
         encode_eval=lambda rows, tokenizer: (rows, trainer.encode(rows, tokenizer)),
         collate=trainer.collate,
         make_step=trainer.make_step,
-        evaluate=lambda state, held, tokenizer: trainer.evaluate(state, held, tokenizer, encoder),
+        evaluate=evaluate,
         prepare=None,
     )
-    return algo, lambda batch: trainer.attach(batch, encoder), trainer.notes
+    notes = trainer.notes + (
+        "vision tower: trained with the language model (--train-vision)"
+        if cfg.train_vision
+        else "vision tower: frozen",
+    )
+    return algo, make_batch, notes
 
 
 def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextTokenizer, log):
@@ -282,6 +316,8 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     log(report.text())
     with on_host_memory(mesh is not None):
         state = algo.make_state(model, jax.random.key(cfg.seed))
+    if cfg.train_vision:  # a copy: the run's stays the initial tower
+        state = with_trained_vision(state, jax.tree.map(jnp.copy, vision.vision))
     step = algo.make_step(
         choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), tokenizer
     )

@@ -7,7 +7,7 @@ inputs the data made with the initial tower (``Prompts.images``: the reference's
 - the sampler and the proximal forward read the state's tower's features (``policy_images``),
   computed once per image;
 - the update recomputes them from the tower being trained once per optimizer step, inside the
-  gradient (``IMAGE_FEATURES``: ``relax.train.update``'s side inputs), so the tower's gradient is
+  gradient (``IMAGE_FEATURES``: ``relax.train.vision_tower.image_side``), so the tower's gradient is
   the whole minibatch's and it still runs once per image, not per completion;
 - the reference reads ``Prompts.images``: the reference model is the initial language model
   with the initial tower.
@@ -15,42 +15,23 @@ inputs the data made with the initial tower (``Prompts.images``: the reference's
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool
 
 from relax.models.decoder.prompt_inputs import PromptInputs
-from relax.models.vision.families import Pixels, with_image_features
+from relax.models.vision.families import with_image_features
 from relax.train.state import TrainState
-from relax.train.update import SideInputs
+from relax.train.vision_tower import ImageData, image_side
 
 __all__ = [
     "IMAGE_FEATURES",
-    "ImageData",
     "image_data",
     "policy_images",
     "tower_is_initial",
 ]
 
 
-class ImageData(NamedTuple):
-    """What the update's tower reads: the batch's image prompts' inputs (their image tokens and
-    the features' dtype) and their images."""
-
-    inputs: PromptInputs
-    pixels: Pixels | None
-
-
-def _features(vision, data: ImageData) -> Float[Array, "p lp d"]:
-    return with_image_features(data.inputs, vision, data.pixels).features
-
-
-def _place(micro_batch, features: Float[Array, "p lp d"]):
-    return micro_batch.replace(images=micro_batch.images._replace(features=features))
-
-
-IMAGE_FEATURES = SideInputs(encode=_features, place=_place)
+IMAGE_FEATURES = image_side("images")  # the update's side inputs: the batch's ``images``
 
 
 def image_data(batch) -> ImageData | None:

@@ -40,21 +40,28 @@ from relax.masked import masked_mean
 from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
 from relax.models.decoder.prompt_inputs import PromptInputs, prompt_hidden_states
 from relax.models.forward.packed import greedy_hits
+from relax.models.vision.families import Pixels, pixels_of
 from relax.passes import Passes, choose_passes
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState
+from relax.train.state import TrainState, trained_params
 from relax.train.update import LossContext, Updated, make_update
+from relax.train.vision_tower import ImageData, image_side
+
+PROMPT_FEATURES = image_side("prompt")  # a trained tower's features: the rows' ``prompt``
 
 
 class ImageSFTRows(eqx.Module):
     """An SFT batch with images as the step takes it: ``ids``, ``mask`` (1 at tokens) and
     ``loss_mask`` (1 where ``ids[t]`` is a target) int32 ``[r, t]``, left-padded, one example per
-    row; ``prompt``: each row's inputs to the layers (``PromptInputs``, every leaf ``[r, ...]``)."""
+    row; ``prompt``: each row's inputs to the layers (``PromptInputs``, every leaf ``[r, ...]``);
+    ``pixels``: the batch's images when the tower trains (``--train-vision``: the update
+    recomputes ``prompt``'s features from them, ``relax.train.vision_tower``)."""
 
     ids: Int[Array, "r t"]
     mask: Int[Array, "r t"]
     loss_mask: Int[Array, "r t"]
     prompt: PromptInputs
+    pixels: Pixels | None = None
 
 
 def image_target_mask(rows: ImageSFTRows) -> Bool[Array, "r t-1"]:
@@ -102,7 +109,8 @@ def make_image_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
     """``step(state, rows) -> (state, Updated)``: one optimizer step of the image SFT loss on
     ``ImageSFTRows`` (``grad_accum`` micro-batches), then ``step + 1`` and a new key; metrics as
     the text step's (``loss``, ``nll``, ``accuracy``, ``grad_norm``, ``tokens``, ``loss_tokens``,
-    ``padding_fraction``, ``skipped_updates``) and its ``health``."""
+    ``padding_fraction``, ``skipped_updates``) and its ``health``. A state with a trained tower
+    (``state.vision``) trains it too, its features recomputed inside the gradient."""
     passes = choose_passes() if passes is None else passes
     loss = make_image_sft_loss()
 
@@ -112,11 +120,23 @@ def make_image_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
             raise ValueError(f"SFT rows of {width} tokens exceed max_length={cfg.max_length}")
         if rows % cfg.grad_accum:
             raise ValueError(f"{rows} image rows do not split into grad_accum={cfg.grad_accum}")
+        tower = state.vision is not None
         update_fn = make_update(
-            loss, state.optimizer, epochs=1, minibatches=1, grad_accum=cfg.grad_accum, passes=passes
+            loss,
+            state.optimizer,
+            epochs=1,
+            minibatches=1,
+            grad_accum=cfg.grad_accum,
+            passes=passes,
+            side=PROMPT_FEATURES if tower else None,
         )
         key, sub = jax.random.split(state.key)
-        policy, opt_state, metrics = update_fn(state.policy, state.opt_state, batch, sub)
+        rows = dataclasses.replace(batch, pixels=None)  # the update slices rows; images aside
+        side_data = ImageData(batch.prompt, batch.pixels) if tower else None
+        params, opt_state, metrics = update_fn(
+            trained_params(state.policy, state.vision), state.opt_state, rows, sub, False, side_data
+        )
+        policy, vision = params if tower else (params, None)
         metrics, health = step_health(metrics, opt_state, first_nonfinite(metrics["loss"]))
         metrics = {
             **metrics,
@@ -124,20 +144,23 @@ def make_image_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
             "loss_tokens": jnp.sum(image_target_mask(batch)).astype(jnp.int32),
             "padding_fraction": jnp.mean((batch.mask == 0).astype(jnp.float32)),
         }
-        new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
-        return new, Updated(batch=batch, metrics=metrics, health=health)
+        new = state.replace(
+            policy=policy, opt_state=opt_state, step=state.step + 1, key=key, vision=vision
+        )
+        return new, Updated(batch=rows, metrics=metrics, health=health)
 
     return compose(stage(update, name="update"), name="sft_step")
 
 
-def attach_prompt(batch: ImageSFTBatch, encode: Encoder) -> ImageSFTRows:
+def attach_prompt(batch: ImageSFTBatch, encode: Encoder, *, pixels: bool = False) -> ImageSFTRows:
     """The step's rows: the host batch on the device with each row's ``PromptInputs`` (the
-    vision tower once per image of the batch)."""
+    vision tower once per image of the batch); ``pixels``: with the images (a trained tower)."""
     return ImageSFTRows(
         jnp.asarray(batch.ids),
         jnp.asarray(batch.mask),
         jnp.asarray(batch.loss_mask),
         encode(batch.ids, batch.mask, batch.images),
+        pixels_of(batch.images) if pixels else None,
     )
 
 
@@ -212,7 +235,7 @@ def image_sft_trainer(cfg: SFTConfig, images: ImagePrompts, *, batch_size: int) 
         evaluate=evaluate,
         notes=(
             "rows with images: not packed (one example per row, left-padded to "
-            f"--sft.max-length {cfg.max_length}); the vision tower frozen, run once per example",
+            f"--sft.max-length {cfg.max_length}); the vision tower run once per example",
             "held-out rows with images: NLL only (no greedy accuracy)",
         ),
     )
