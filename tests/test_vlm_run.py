@@ -168,18 +168,51 @@ def test_train_vision_exports_and_resumes_the_trained_tower(setup, tmp_path, cap
     assert all(np.array_equal(restored[k], trained[k]) for k in base)
 
 
+def _ppo_args(setup, run_dir, *extra):
+    args = _args(setup, run_dir)
+    cut = args.index("--grpo.num-generations")
+    return args[:cut] + ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "3", *extra]
+
+
 @pytest.mark.parametrize(
-    "extra, why",
-    [(("--async.staleness", "1"), "--async.staleness"), ((), "keeps it frozen")],
-    ids=["async", "ppo"],
+    "algo, extra, why",
+    [
+        ("grpo", ("--async.staleness", "1"), "--async.staleness"),
+        ("ppo", ("--ppo.critic", "shared"), "use a separate critic"),
+        (
+            "grpo",
+            (
+                "--grpo.beta",
+                "0.04",
+                "--grpo.reference.kind",
+                "ema",
+                "--grpo.reference.alpha",
+                "0.9",
+            ),
+            "kind static",
+        ),
+    ],
+    ids=["async", "shared-critic", "moving-reference"],
 )
-def test_train_vision_refusals(setup, tmp_path, extra, why):
-    args = _args(setup, tmp_path / "r", "--train-vision", *extra)
-    if why == "keeps it frozen":
-        cut = args.index("--grpo.num-generations")
-        args = args[:cut] + ["--ppo.num-generations", "2", "--train-vision"]
-        example = load_example("ppo")
+def test_train_vision_refusals(setup, tmp_path, algo, extra, why):
+    if algo == "ppo":
+        args = _ppo_args(setup, tmp_path / "r", "--train-vision", *extra)
     else:
-        example = load_example("grpo")
+        args = _args(setup, tmp_path / "r", "--train-vision", *extra)
     with pytest.raises(ValueError, match=why):
-        example.main(args)
+        load_example(algo).main(args)
+
+
+@pytest.mark.slow  # a whole run: make test-all
+def test_ppo_train_vision_moves_the_tower_and_samples_as_it_trains(setup, tmp_path):
+    """PPO with ``--train-vision`` (a separate critic): every exported vision tensor moved, and
+    the sampler's log-probs are the trainer's with the state's tower (the first optimizer
+    step's mismatch is round-off)."""
+    run_dir = tmp_path / "ppo"
+    load_example("ppo").main(_ppo_args(setup, run_dir, "--train-vision"))
+    base, trained = _vision_tensors(setup / "model"), _vision_tensors(run_dir / "final_hf")
+    assert base.keys() == trained.keys() and len(base) > 10
+    assert all(not np.array_equal(base[k], trained[k]) for k in base)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-5 for s in steps), steps

@@ -388,10 +388,11 @@ def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
 
 
 def _check_train_vision(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
-    """A trained tower (``relax.algorithms.online.vision``): GRPO, synchronous, one process."""
-    if algo.name != "grpo":
+    """A trained tower (``relax.algorithms.online.vision``): GRPO and PPO, synchronous, one
+    process."""
+    if algo.name not in ("grpo", "ppo"):
         raise ValueError(
-            f"--train-vision: GRPO trains the vision tower; {algo.name} keeps it frozen"
+            f"--train-vision: GRPO and PPO train the vision tower; {algo.name} keeps it frozen"
         )
     if cfg.async_.staleness:
         raise ValueError(

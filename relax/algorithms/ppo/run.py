@@ -93,13 +93,26 @@ def make_state(
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     images: bool = False,
+    vision=None,
 ) -> TrainState:
     """PPO's state for ``model``: its optimizer, the critic (a value head, a copy of the policy, or
     ``p.critic_model`` loaded in ``dtype`` / ``param_dtype`` with the policy's precision policy)
     with its own, and the reference. ``images``: the run trains on image prompts, whose inputs
     a separate critic reads as the policy does (``check_reads_prompt_inputs``: a ``ValueError``
-    here, at start, for a critic that cannot)."""
+    here, at start, for a critic that cannot). ``vision``: a vision part the policy's optimizer
+    trains with it (``--train-vision``; a separate critic reads the initial tower's features)."""
     check_lora_reference(model, p.reference, p.needs_reference)
+    if vision is not None and p.shared_critic:
+        raise ValueError(
+            "--train-vision: the shared critic's head reads the policy's own forward, which the "
+            "trained tower's update does not give it; use a separate critic (--ppo.critic copy)"
+        )
+    if vision is not None and p.needs_reference and p.reference.kind != "static":
+        raise ValueError(
+            f"--train-vision: the reference's features are the initial tower's, so the KL "
+            f"reference must be the initial model (--ppo.reference.kind static), not "
+            f"{p.reference.kind!r}"
+        )
     critic = None
     if p.shared_critic:
         critic = init_value_head(model.config)
@@ -120,6 +133,7 @@ def make_state(
         with_reference=p.needs_reference,
         critic=critic,
         critic_optimizer=None if critic is None else p.critic_optimizer.make(),
+        vision=vision,
     )
 
 

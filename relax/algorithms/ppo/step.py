@@ -35,6 +35,7 @@ from relax.algorithms.online.batch import LossRows, Scored
 from relax.algorithms.online.binned import bins_rope, make_binned_update
 from relax.algorithms.online.stages import packing_metrics
 from relax.algorithms.online.step import OnlineParts, StepParts, make_online_step
+from relax.algorithms.online.vision import IMAGE_FEATURES, image_data
 from relax.algorithms.ppo.batch import CriticRows, PPOBatch
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.loss import make_actor_loss, make_critic_loss, make_joint_loss
@@ -55,7 +56,7 @@ from relax.objectives.value import explained_variance
 from relax.passes import Passes
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
-from relax.train.state import TrainState
+from relax.train.state import TrainState, trained_params
 from relax.train.update import Updated, make_update
 
 
@@ -181,10 +182,11 @@ def make_update_stage(
         passes=passes,
     )
 
-    def build(loss_fn, optimizer, batch: PPOBatch, config, critic_config=None):
-        """The update of ``loss_fn``: padded, or over the batch's bins when it was packed."""
+    def build(loss_fn, optimizer, batch: PPOBatch, config, critic_config=None, side=None):
+        """The update of ``loss_fn``: padded, or over the batch's bins when it was packed;
+        ``side``: a trained tower's features (padded image rows only)."""
         if batch.packed is None:
-            return make_update(loss_fn, optimizer, **split)
+            return make_update(loss_fn, optimizer, side=side, **split)
         binned = make_binned_update(
             loss_fn,
             optimizer,
@@ -199,6 +201,7 @@ def make_update_stage(
         key, k_actor, k_critic = jax.random.split(state.key, 3)
         critic, critic_opt_state = state.critic, state.critic_opt_state
         actor_rows = LossRows.of(batch, ref_logprobs=None)  # the KL is in the rewards
+        vision = state.vision  # a trained tower (separate critics only: make_state)
         if (
             cfg.shared_critic
         ):  # one joint update of (policy, head), each part with its own optimizer
@@ -213,13 +216,23 @@ def make_update_stage(
                 (state.policy, critic), (state.opt_state, critic_opt_state), rows, k_actor
             )
         else:
+            tower = state.vision is not None  # a trained tower: its features in the gradient
             actor = build(
                 make_actor_loss(cfg, passes, off_policy),
                 state.optimizer,
                 batch,
                 state.policy.config,
+                side=IMAGE_FEATURES if tower else None,
             )
-            policy, opt_state, metrics = actor(state.policy, state.opt_state, actor_rows, k_actor)
+            params, opt_state, metrics = actor(
+                trained_params(state.policy, state.vision),
+                state.opt_state,
+                actor_rows,
+                k_actor,
+                False,
+                image_data(batch) if tower else None,
+            )
+            policy, vision = params if tower else (params, None)
         if cfg.needs_critic and not cfg.shared_critic:
             critic_update = build(
                 make_critic_loss(cfg, passes),
@@ -269,6 +282,7 @@ def make_update_stage(
             ref=ref,
             step=step,
             key=key,
+            vision=vision,
         )
         return new, Updated(batch, metrics, health)
 
