@@ -188,3 +188,70 @@ def test_bad_image_is_named_or_dropped(setup, tmp_path):
         encode_image_pairs(records, tok, _images(root), **kw)
     kept = encode_image_pairs(records, tok, _images(root, bad_images="drop"), **kw)
     assert [p.pair.row for p in kept.examples] == [1, 2] and "row 3" in kept.bad[0]
+
+
+def test_train_vision_step_is_sgd_on_the_loss_with_the_tower_inside(setup):
+    """``--train-vision`` DPO, the tower already moved (step 1): the reference reads the initial
+    tower's features, and one step (2 micro-batches of 2 pairs) moves the language model and the
+    tower as plain SGD on the DPO loss with the tower inside, differentiated directly."""
+    import equinox as eqx
+    import optax
+
+    from relax.algorithms.dpo.config import DPOConfig
+    from relax.algorithms.dpo.loss import make_dpo_loss, pair_normalizers
+    from relax.algorithms.dpo.step import make_dpo_step, pair_rows
+    from relax.train.state import init_state
+    from relax.train.update import LossContext
+
+    root, train = setup
+    vl, tok, images = (
+        load_vision_language(root / "model"),
+        load_tokenizer(root / "model"),
+        _images(root),
+    )
+    rows = [_pair(r) for r in train[:4]]
+    pairs = encode_image_pairs(rows, tok, images, max_prompt_tokens=LP, max_completion_tokens=N)
+    host = collate_image_pairs(
+        pairs.examples,
+        pad_id=tok.pad_token_id,
+        prompt_length=LP,
+        completion_length=N,
+        images=images,
+    )
+    encode = lambda i, m, x: encode_images(vl, vl.language_model, i, m, x)  # noqa: E731
+    initial = with_prompt(host, encode)  # the initial tower's features: the reference's
+    pixels = families.pixels_of(host.images)
+    tower = eqx.tree_at(lambda v: v.visual.merger.fc2, vl.vision, vl.vision.visual.merger.fc2 * 1.5)
+    cfg = DPOConfig(max_prompt_tokens=LP, max_completion_tokens=N, grad_accum=2, beta=0.5)
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (a step donates its state)
+    lr = 0.5
+    state = init_state(
+        copy(vl.language_model),
+        optax.sgd(lr),
+        key=jax.random.key(0),
+        with_reference=True,
+        vision=copy(tower),
+    )
+    state = state.replace(step=state.step + 1)
+    new, _ = make_dpo_step(cfg)(state, dataclasses.replace(initial, pixels=pixels))
+
+    ref_logps, _ = sequence_logps(pair_forward()(vl.language_model, initial, False), initial.mask)
+    batch = dataclasses.replace(initial, ref_logps=ref_logps, loss_mask=jnp.ones(4, jnp.int32))
+    ctx = LossContext(pair_normalizers(pair_rows(cfg, batch)), jnp.bool_(False))
+
+    def loss(params):
+        lm, part = params
+        inputs = families.with_image_features(initial.prompt, part, pixels)
+        return make_dpo_loss(cfg)(
+            lm, pair_rows(cfg, dataclasses.replace(batch, prompt=inputs)), ctx
+        )[0]
+
+    grads = jax.grad(loss)((vl.language_model, tower))
+    want = jax.tree.map(lambda p, g: p - lr * g, (vl.language_model, tower), grads)
+    moved = 0
+    for a, w, g in zip(
+        jax.tree.leaves((new.policy, new.vision)), jax.tree.leaves(want), jax.tree.leaves(grads)
+    ):
+        np.testing.assert_allclose(a, w, rtol=2e-4, atol=2e-6)
+        moved += int(np.abs(np.asarray(g)).max() > 0)
+    assert moved > len(jax.tree.leaves(vl.language_model))  # the tower's got gradients too

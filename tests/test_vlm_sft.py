@@ -338,10 +338,10 @@ def test_train_vision_sft_cli_exports_the_trained_tower(setup, tmp_path, capsys)
     assert all(not np.array_equal(base[k], trained[k]) for k in base)
 
 
-def test_train_vision_is_sft_s_alone_offline(setup, tmp_path):
+def test_train_vision_needs_an_image_trainer(setup, tmp_path):
     root, _ = setup
     args = _args(root, tmp_path / "run", root / "sft.jsonl", "--train-vision")
     cut = args.index("--sft.max-length")
-    args = args[:cut] + args[cut + 2 :]  # a DPO run's flags
-    with pytest.raises(ValueError, match="keeps it frozen"):
-        load_example("dpo").main(args)
+    args = args[:cut] + args[cut + 2 :]  # a KTO run's flags
+    with pytest.raises(ValueError, match="trains on text only"):
+        load_example("kto").main(args)

@@ -53,6 +53,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from relax.data.files import MissingFieldError, Record, as_record, require_fields
 from relax.models.decoder.prompt_inputs import PromptInputs
+from relax.models.vision.families import Pixels
 from relax.text.base import TextTokenizer
 from relax.text.sentencepiece_model import pad_left
 
@@ -102,7 +103,8 @@ class PairBatch(eqx.Module):
     policy's own log-probs). ``margin``: a margin per pair that the Bradley-Terry loss subtracts
     (TRL's ``margin`` column; None: none). ``prompt``: image prompts' inputs (the frozen vision
     tower's features, RoPE tables and blocks, ``relax.models.decoder.prompt_inputs``; None: text
-    prompts), set from the batch's pixels before the step (``relax.data.image_rows``).
+    prompts), set from the batch's pixels before the step (``relax.data.image_rows``);
+    ``pixels``: those images, when the tower trains (``relax.train.vision_tower``).
     """
 
     prompt_ids: Int[Array, "p lp"]
@@ -114,6 +116,7 @@ class PairBatch(eqx.Module):
     ref_is_policy: Bool[Array, ""] | None = None
     margin: Float[Array, " p"] | None = None
     prompt: PromptInputs | None = None
+    pixels: Pixels | None = None
 
 
 class UnpairedBatch(eqx.Module):

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import optax
+from jaxtyping import Array, Bool
 
 from relax.models.adapters.operations import split_trainable
 from relax.models.decoder.prompt_inputs import PromptInputs
@@ -22,7 +24,7 @@ from relax.models.vision.families import Pixels, with_image_features
 from relax.train.state import TrainState, trained_params
 from relax.train.update import SideInputs
 
-__all__ = ["ImageData", "image_side", "with_trained_vision"]
+__all__ = ["ImageData", "image_side", "tower_is_initial", "with_trained_vision"]
 
 
 class ImageData(NamedTuple):
@@ -53,3 +55,9 @@ def with_trained_vision(state: TrainState, vision) -> TrainState:
     params = trained_params(state.policy, vision)
     opt_state: optax.OptState = state.optimizer.init(split_trainable(params)[0])
     return state.replace(vision=vision, opt_state=opt_state)
+
+
+def tower_is_initial(state: TrainState) -> Bool[Array, ""]:
+    """Whether the state's tower is bitwise the initial one, which made the batch's image inputs
+    (no trained tower, or no update yet): only then can a reference's log-probs be the policy's."""
+    return jnp.bool_(True) if state.vision is None else state.step == 0

@@ -21,6 +21,7 @@ reference, ``ref_logps`` float32 ``[P, 2]``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,6 +52,9 @@ from relax.passes import Passes, choose_passes
 from relax.text.base import TextTokenizer
 from relax.train.state import TrainState
 from relax.train.update import LossContext, Updated, make_update
+from relax.train.vision_tower import ImageData, image_side
+
+PROMPT_FEATURES = image_side("prompt")  # a trained tower's features: the rows' ``prompt``
 
 
 def encode(
@@ -162,6 +166,7 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
 
     def update(state: TrainState, batch: PairBatch):
         batch = with_loss_mask(batch)
+        tower = state.vision is not None  # a trained tower: its features in the gradient
         update_fn = make_update(
             loss_fn,
             state.optimizer,
@@ -169,11 +174,16 @@ def make_update_stage(cfg: DPOConfig, passes: Passes, forward: Forward | None = 
             passes=passes,
             normalizers=pair_normalizers,
             track_reference=cfg.needs_reference,
+            side=PROMPT_FEATURES if tower else None,
         )
         _, g, n = batch.tokens.shape  # rotary tables once, outside the micro-batch loop
         rope = completion_rope(state.policy.config, batch.prompt_mask, g, n, batch.prompt)
         rows = pair_rows(cfg, batch, rope)
-        return run_update(state, batch, update_fn, rows, ref_logps=rows.ref_logps)
+        side_data = ImageData(batch.prompt, batch.pixels) if tower else None
+        batch = dataclasses.replace(batch, pixels=None)  # the output keeps no images
+        return run_update(
+            state, batch, update_fn, rows, ref_logps=rows.ref_logps, side_data=side_data
+        )
 
     return stage(update, name="update")
 

@@ -69,8 +69,9 @@ class OfflineRunConfig(TaskRunConfig):
     and field, or the row dropped (counted and named at start-up)."""
     train_vision: bool = False
     """Train the vision tower and its projection with the language model, by the policy's
-    optimizer (SFT; frozen by default): its features are recomputed once per step inside the
-    gradient; the export and checkpoints hold the trained tower."""
+    optimizer (SFT and the DPO family; frozen by default): its features are recomputed once per
+    step inside the gradient (the reference keeps the initial tower); the export and checkpoints
+    hold the trained tower."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -185,10 +186,8 @@ def _check_images(cfg: OfflineRunConfig, algo: OfflineAlgorithm, mesh) -> None:
         )
     if mesh is not None:
         raise ValueError("--image-field: rows with images train on one device (no --parallel.*)")
-    if cfg.train_vision and algo.name != "sft":
-        raise ValueError(
-            f"--train-vision: SFT trains the vision tower; {algo.name} keeps it frozen"
-        )
+    if cfg.train_vision and algo.images is None:  # SFT and the DPO family have image trainers
+        raise ValueError(f"--train-vision: {algo.name} trains on text only")
 
 
 def _with_images(

@@ -15,13 +15,10 @@ inputs the data made with the initial tower (``Prompts.images``: the reference's
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-from jaxtyping import Array, Bool
-
 from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.vision.families import with_image_features
 from relax.train.state import TrainState
-from relax.train.vision_tower import ImageData, image_side
+from relax.train.vision_tower import ImageData, image_side, tower_is_initial
 
 __all__ = [
     "IMAGE_FEATURES",
@@ -45,9 +42,3 @@ def policy_images(state: TrainState, batch) -> PromptInputs | None:
     if state.vision is None or batch.images is None:
         return batch.images
     return with_image_features(batch.images, state.vision, batch.pixels)
-
-
-def tower_is_initial(state: TrainState) -> Bool[Array, ""]:
-    """Whether the state's tower is bitwise the one that made ``Prompts.images`` (no trained
-    tower, or no update yet): only then can the reference's log-probs be the sampler's."""
-    return jnp.bool_(True) if state.vision is None else state.step == 0

@@ -21,6 +21,7 @@ from relax.algorithms.preference.pairs import Forward, sequence_logps
 from relax.compose import Stage, stage
 from relax.passes import Passes
 from relax.train.state import TrainState, reference_is_policy, reference_model
+from relax.train.vision_tower import tower_is_initial
 
 
 def reference_logps(model, batch, forward: Forward) -> Float[Array, "p 2"]:
@@ -61,7 +62,9 @@ def make_pair_reference(
                 f"{what} needs a reference model, and state.ref is None "
                 "(init_state(..., with_reference=cfg.needs_reference), or precompute_reference)"
             )
-        same = reference_is_policy(state, smallest_first=passes.cache_sized)
+        same = reference_is_policy(state, smallest_first=passes.cache_sized) & tower_is_initial(
+            state
+        )  # a trained tower: the reference reads the initial one's features
         p = batch.prompt_ids.shape[0]
         ref = jax.lax.cond(
             same,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from relax.algorithms.preference.pairs import PairRows
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState
+from relax.train.state import TrainState, trained_params
 from relax.train.update import Updated
 
 
@@ -31,17 +31,29 @@ def ref_is_policy_of(batch) -> jax.Array:
 
 
 def run_update(
-    state: TrainState, batch, update_fn, rows: PairRows, *, ref_logps
+    state: TrainState, batch, update_fn, rows: PairRows, *, ref_logps, side_data=None
 ) -> tuple[TrainState, Updated]:
     """One ``update_fn`` (``relax.train.update.make_update``) on ``rows``, then ``step + 1`` and the
     new key; the output is ``Updated(batch, metrics, health)``. ``batch``: the step's batch (its
     ``loss_mask`` and ``ref_is_policy``); ``ref_logps``: the reference log-probs the loss read
-    (None: none), which the health record checks on the real rows before the loss."""
+    (None: none), which the health record checks on the real rows before the loss. A state with
+    a trained tower (``state.vision``): ``update_fn`` trains ``(policy, vision)`` with
+    ``side_data``, the batch's images (``relax.train.vision_tower``)."""
     ref_is_policy = ref_is_policy_of(batch)
     key, sub = jax.random.split(state.key)
-    policy, opt_state, metrics = update_fn(state.policy, state.opt_state, rows, sub, ref_is_policy)
+    params, opt_state, metrics = update_fn(
+        trained_params(state.policy, state.vision),
+        state.opt_state,
+        rows,
+        sub,
+        ref_is_policy,
+        side_data,
+    )
+    policy, vision = (params, None) if state.vision is None else params
     checked = (batch.loss_mask > 0)[:, None] & ~ref_is_policy  # placeholders are not checked
     first_bad = first_nonfinite(metrics["loss"], ref_logprobs=ref_logps, mask=checked)
     metrics, health = step_health(metrics, opt_state, first_bad)
-    new = state.replace(policy=policy, opt_state=opt_state, step=state.step + 1, key=key)
+    new = state.replace(
+        policy=policy, opt_state=opt_state, step=state.step + 1, key=key, vision=vision
+    )
     return new, Updated(batch=batch, metrics=metrics, health=health)
