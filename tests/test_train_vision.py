@@ -11,6 +11,7 @@ import json
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,6 +27,7 @@ from relax.algorithms.online.setup import (
     training_batches,
 )
 from relax.algorithms.online.step import StepParts
+from relax.models.adapters.operations import split_trainable
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.models.vision import families
@@ -135,4 +137,27 @@ def test_first_step_trains_the_language_model_as_the_frozen_tower_does_and_moves
         for a, b in zip(jax.tree.leaves(new.vision), jax.tree.leaves(trained_tower(data)))
     ]
     assert sum(moved) >= len(moved) - 1, moved  # every trained weight (but perhaps one) moved
+    assert np.isfinite(float(out.device.metrics["grad_norm"]))
+
+
+def test_lora_vision_trains_the_tower_s_adapters_alone(run):
+    """``--lora.vision``: the state's tower is a ``ModuleLoRA``; a step moves its adapters (``B``
+    from 0) and leaves its base bitwise, and the sampler reads the merged tower."""
+    from relax.models.adapters.tower import ModuleLoRA
+    from relax.models.layers.lora import LoRAConfig
+    from relax.models.vision.families import trainable_vision
+
+    data, batch, make = run
+    cfg = LoRAConfig(rank=4, alpha=8.0, vision=True)
+    tower = trainable_vision(data.vision, cfg, jax.random.key(5))
+    assert isinstance(tower, ModuleLoRA) and len(tower.a) == len(data.vision.family.lora_modules)
+    base = jax.tree.map(np.asarray, tower.base)
+    trained = split_trainable(tower)[0]  # what the optimizer sees of it: the factors alone
+    assert len(jax.tree.leaves(trained)) == 2 * len(tower.a)
+    assert not jax.tree.leaves(trained.base)
+    state, step = make(tower)
+    new, out = step(state, batch())
+    for a, b in zip(jax.tree.leaves(new.vision.base), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert all(float(jnp.abs(b).max()) > 0 for b in new.vision.b.values())  # every B moved
     assert np.isfinite(float(out.device.metrics["grad_norm"]))

@@ -71,9 +71,10 @@ def _record_exports(monkeypatch, module) -> dict:
     def recording(*args, **kw):
         export = real(*args, **kw)
 
-        def wrapped(policy, directory):
+        def wrapped(policy, directory, **kw):  # kw: a trained tower (vision=)
             seen[Path(directory).name] = policy
-            return export(policy, directory)
+            seen[f"{Path(directory).name}/vision"] = kw.get("vision")
+            return export(policy, directory, **kw)
 
         return wrapped
 
@@ -306,3 +307,76 @@ def test_gemma3_adapter_both_ways(tmp_path):
     np.testing.assert_allclose(
         relax_logits(loaded, vl.vision), hf_logits(theirs), atol=ATOL, rtol=0
     )
+
+
+def _tower_lora(vision, modules, seed=3):
+    """``vision`` with random adapters (B nonzero) on its family's ``lora_modules``."""
+    from relax.models.adapters.tower import add_module_lora
+
+    cfg = LoRAConfig(rank=4, alpha=8.0, vision=True)
+    m = add_module_lora(vision, tuple(modules), cfg, jax.random.key(seed))
+    keys = iter(jax.random.split(jax.random.key(seed + 1), 2 * len(m.b)))
+    b = {p: 0.2 * jax.random.normal(next(keys), x.shape, x.dtype) for p, x in m.b.items()}
+    return dataclasses.replace(m, b=b)
+
+
+def test_qwen_tower_adapters_are_peft_s_on_the_vlm_class(setup, tmp_path):
+    """``--lora.vision``: the tower's adapters beside the language model's, under the names PEFT
+    writes for the same modules on ``Qwen2_5_VLForConditionalGeneration``; PEFT's model on the base
+    gives relax's logits (the tower merged), and the tower's adapters change them."""
+    from relax.models.adapters.tower import merged_module
+
+    root, row = setup
+    vl = load_vision_language(root / "model")
+    family = VISION_FAMILIES["qwen2_5_vl"]
+    policy, tower = _lora(vl.language_model), _tower_lora(vl.vision, family.lora_modules)
+    save_adapter(
+        policy,
+        tmp_path / "adapter",
+        prefix=family.peft_prefix,
+        tower=tower,
+        tower_modules=family.lora_modules,
+    )
+    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[
+        "target_modules"
+    ]
+    cfg = peft.LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM")
+    theirs = peft.get_peft_model(_load(root / "model"), cfg).state_dict()
+    names = {n.replace(".default.", ".") for n in theirs if ".lora_" in n}
+    assert _saved_names(tmp_path / "adapter") == names
+    assert any(".visual.merger." in n for n in names) and any(".visual.blocks." in n for n in names)
+    tuned = peft.PeftModel.from_pretrained(_load(root / "model"), tmp_path / "adapter").eval()
+    ids, pixels, grid = _prompt(row, root / "model")
+    m = dataclasses.replace(merged_module(tower), language_model=policy)
+    want = np.asarray(vl_forward(m, ids, np.ones_like(ids), jnp.asarray(pixels), grid))
+    np.testing.assert_allclose(_hf_logits(tuned, ids, pixels, grid), want, atol=ATOL, rtol=0)
+    frozen_tower = _relax_logits(policy, root / "model", ids, pixels, grid)
+    assert np.max(np.abs(frozen_tower - want)) > 20 * ATOL  # the tower's adapters are live
+    with pytest.raises(HFFormatError, match="a vision tower's adapters"):
+        load_adapter(vl.language_model, tmp_path / "adapter", prefix=family.peft_prefix)
+
+
+@pytest.mark.slow  # a whole run: make test-all
+def test_grpo_lora_vision_exports_the_merged_tower_and_its_adapters(setup, tmp_path, monkeypatch):
+    """``--lora.rank 4 --lora.vision``: the export is the VLM with the tower merged (transformers'
+    logits equal the run's policy and tower), and PEFT's model on the base with ``adapter``
+    gives them too."""
+    from relax.models.adapters.tower import ModuleLoRA, merged_module
+
+    root, row = setup
+    monkeypatch.setitem(BUILTIN_REWARDS, "format_reward", _varied)
+    seen = _record_exports(monkeypatch, online_run)
+    extra = ("--lora.rank", "4", "--lora.target-modules", *TARGETS, "--lora.vision")
+    summary = load_example("grpo").main(_grpo(root, tmp_path / "run", *extra))
+    export = Path(summary["export"])
+    policy, tower = seen[export.name], seen[f"{export.name}/vision"]
+    assert isinstance(tower, ModuleLoRA)
+    assert all(float(jnp.abs(b).max()) > 0 for b in tower.b.values())  # the step moved them
+    ids, pixels, grid = _prompt(row, export)
+    m = dataclasses.replace(merged_module(tower), language_model=policy)
+    want = np.asarray(vl_forward(m, ids, np.ones_like(ids), jnp.asarray(pixels), grid))
+    np.testing.assert_allclose(
+        _hf_logits(_load(export), ids, pixels, grid), want, atol=ATOL, rtol=0
+    )
+    tuned = peft.PeftModel.from_pretrained(_load(root / "model"), export / "adapter").eval()
+    np.testing.assert_allclose(_hf_logits(tuned, ids, pixels, grid), want, atol=ATOL, rtol=0)

@@ -78,6 +78,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from relax.models.adapters.tower import ModuleLoRA
 from relax.models.config.sharding import (
     BATCH_AXES,
     HEAD_AXES,
@@ -361,7 +362,8 @@ def state_shardings(
     """Shardings for a ``TrainState`` (or any pytree holding models): every ``Transformer`` in it
     (the policy, the reference, optimizer moments and master weights, which optax keeps in the
     parameters' own pytree type) is sharded by ``rules``, and so is a trained vision part
-    (``state.vision`` and its moments: ``vision_shardings(trained=True)``); every other leaf
+    (``state.vision`` and its moments: ``vision_shardings(trained=True)``; a tower with adapters,
+    ``ModuleLoRA``: its frozen base as a frozen part, the factors replicated); every other leaf
     (step, PRNG key, running statistics, optimizer counts) is replicated.
     ``reference_memory_kind`` places the reference model (``state.ref``) in that memory (e.g.
     ``"pinned_host"``)."""
@@ -369,6 +371,11 @@ def state_shardings(
     def sharding(x, memory_kind):
         if isinstance(x, Transformer):
             return param_shardings(x, mesh, rules, memory_kind=memory_kind)
+        if isinstance(x, ModuleLoRA):  # a tower's adapters: its frozen base as a frozen part's
+            factors = lambda t: jax.tree.map(lambda _: replicated(mesh), t)  # noqa: E731
+            return ModuleLoRA(
+                vision_shardings(x.base, mesh, rules), factors(x.a), factors(x.b), x.scale
+            )
         if _is_vision(x):
             return vision_shardings(x, mesh, rules, trained=True)
         return replicated(mesh)
@@ -377,7 +384,7 @@ def state_shardings(
         return jax.tree.map(
             lambda x: sharding(x, memory_kind),
             tree,
-            is_leaf=lambda x: isinstance(x, Transformer) or _is_vision(x),
+            is_leaf=lambda x: isinstance(x, (Transformer, ModuleLoRA)) or _is_vision(x),
         )
 
     if reference_memory_kind is not None and state.ref is not None:

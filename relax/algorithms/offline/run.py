@@ -27,6 +27,7 @@ from relax.algorithms.offline.images import Encoder, ImageTrainer
 from relax.algorithms.online.config import TaskRunConfig
 from relax.algorithms.online.run import run_meshes, start_run
 from relax.algorithms.online.setup import (
+    VISION_LORA_STREAM,
     base_path,
     builtin_setup,
     exporter,
@@ -38,7 +39,13 @@ from relax.data.files import Record, read_records
 from relax.data.image_prompts import ImagePrompts
 from relax.data.prompts import DataConfig, prompt_batch, train_eval_split
 from relax.eval.evaluate import EvalConfig, evaluate
-from relax.models.vision.families import VisionLanguage, encode_images, pixels_of
+from relax.models.adapters.tower import merged_module
+from relax.models.vision.families import (
+    VisionLanguage,
+    encode_images,
+    pixels_of,
+    trainable_vision,
+)
 from relax.parallel import ShardedStep, ShardingError, batch_shards
 from relax.parallel.distributed import on_host_memory
 from relax.passes import Passes, choose_passes
@@ -73,6 +80,12 @@ class OfflineRunConfig(TaskRunConfig):
     step inside the gradient (the reference keeps the initial tower); the export and checkpoints
     hold the trained tower."""
 
+    @property
+    def tower_trains(self) -> bool:
+        """The vision tower trains: whole (``--train-vision``) or through adapters
+        (``--lora.vision``)."""
+        return self.train_vision or self.lora.vision
+
     def __post_init__(self):
         super().__post_init__()
         if self.model is None and self.task != "reverse":
@@ -85,9 +98,9 @@ class OfflineRunConfig(TaskRunConfig):
                 f"--image-field {self.image_field!r} needs a vision-language --model "
                 "(the built-in task is text)"
             )
-        if self.train_vision and self.image_field is None:
+        if self.tower_trains and self.image_field is None:
             raise ValueError(
-                "--train-vision trains a vision-language model's tower: give --image-field"
+                "--train-vision / --lora.vision train a vision-language model's tower: give --image-field"
             )
 
 
@@ -186,7 +199,7 @@ def _check_images(cfg: OfflineRunConfig, algo: OfflineAlgorithm, mesh) -> None:
         )
     if mesh is not None:
         raise ValueError("--image-field: rows with images train on one device (no --parallel.*)")
-    if cfg.train_vision and algo.images is None:  # SFT and the DPO family have image trainers
+    if cfg.tower_trains and algo.images is None:  # SFT and the DPO family have image trainers
         raise ValueError(f"--train-vision: {algo.name} trains on text only")
 
 
@@ -202,7 +215,7 @@ def _with_images(
     trainer = algo.images(image_prompts(cfg, vision))
 
     def encoder_of(part) -> Encoder:
-        tower = vision if part is None else vision._replace(vision=part)
+        tower = vision if part is None else vision._replace(vision=merged_module(part))
         return lambda ids, mask, images: encode_images(tower, model, ids, mask, images)
 
     encoder = encoder_of(None)
@@ -210,7 +223,7 @@ def _with_images(
     def make_batch(batch):
         rows = trainer.attach(batch, encoder)
         return (
-            dataclasses.replace(rows, pixels=pixels_of(batch.images)) if cfg.train_vision else rows
+            dataclasses.replace(rows, pixels=pixels_of(batch.images)) if cfg.tower_trains else rows
         )
 
     def evaluate(state, held, tokenizer):
@@ -227,7 +240,7 @@ def _with_images(
     )
     notes = trainer.notes + (
         "vision tower: trained with the language model (--train-vision)"
-        if cfg.train_vision
+        if cfg.tower_trains
         else "vision tower: frozen",
     )
     return algo, make_batch, notes
@@ -315,8 +328,9 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     log(report.text())
     with on_host_memory(mesh is not None):
         state = algo.make_state(model, jax.random.key(cfg.seed))
-    if cfg.train_vision:  # a copy: the run's stays the initial tower
-        state = with_trained_vision(state, jax.tree.map(jnp.copy, vision.vision))
+    if cfg.tower_trains:  # a copy: the run's stays the initial tower
+        key = jax.random.fold_in(jax.random.key(cfg.seed), VISION_LORA_STREAM)
+        state = with_trained_vision(state, trainable_vision(vision, cfg.lora, key))
     step = algo.make_step(
         choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), tokenizer
     )

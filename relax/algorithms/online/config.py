@@ -78,6 +78,12 @@ class ModelRunConfig(RunConfig):
             raise ValueError("--batch-size >= 1 is required")
 
     @property
+    def tower_trains(self) -> bool:
+        """The vision tower trains: whole (``--train-vision``) or through adapters
+        (``--lora.vision``)."""
+        return self.train_vision or self.lora.vision
+
+    @property
     def makes_data(self) -> bool:
         """Whether the run makes its own rows with --model (no --data needed): a subclass's say."""
         return False
@@ -192,6 +198,12 @@ class OnlineRunConfig(TaskRunConfig):
     async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = AsyncConfig()
     """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` samples the next batch
     while the update runs, with an off-policy correction (``--async.correction.kind``)."""
+
+    @property
+    def tower_trains(self) -> bool:
+        """The vision tower trains: whole (``--train-vision``) or through adapters
+        (``--lora.vision``)."""
+        return self.train_vision or self.lora.vision
 
     @property
     def makes_data(self) -> bool:

@@ -105,7 +105,7 @@ def _report(
         lines.append(
             "vision tower: trained with the language model (--train-vision; the reference keeps "
             "the initial tower)"
-            if cfg.train_vision
+            if cfg.tower_trains
             else "vision tower: frozen (--train-vision trains it)"
         )
     elif algo.describe_update is not None:
@@ -246,7 +246,7 @@ def _prepare(
     start-up report's last section, "compiled ahead", printed and written."""
 
     def prepare(state, run_dir: Path) -> None:
-        if cfg.compile_ahead and cfg.train_vision:
+        if cfg.compile_ahead and cfg.tower_trains:
             lines = (
                 "off with --train-vision: the step's programs take each batch's images and "
                 "compile when first called, once per image shape",
@@ -333,7 +333,7 @@ def _make_batch(cfg: OnlineRunConfig, data: RunData):
             pb.prompts,
             {cfg.answer_field: pb.answers, **pb.fields},
             images=data.encode(data.model, pb),
-            pixels=pixels_of(pb.images) if cfg.train_vision else None,
+            pixels=pixels_of(pb.images) if cfg.tower_trains else None,
         )
 
     return make_batch
@@ -383,7 +383,7 @@ def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
         )
     if cfg.async_.partial > 1:
         raise ValueError("--image-field: partial rollouts (--async.partial) take text prompts only")
-    if cfg.train_vision:
+    if cfg.tower_trains:
         _check_train_vision(cfg, algo)
 
 
@@ -403,7 +403,7 @@ def _check_train_vision(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
 
 def _check_processes(cfg: OnlineRunConfig) -> None:
     """A trained tower runs on one process (once the processes are known)."""
-    if cfg.train_vision and jax.process_count() > 1:
+    if cfg.tower_trains and jax.process_count() > 1:
         raise ValueError(
             "--train-vision runs on one process (one device or its mesh): each process of a "
             "multi-host run encodes its own rows' images, which a trained tower's update does not "
@@ -445,7 +445,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         report = _report(cfg, algo, data, parts, mesh)
         log(report.text())
         with on_host_memory(mesh is not None):
-            trained = {"vision": trained_tower(data)} if cfg.train_vision else {}
+            trained = {"vision": trained_tower(cfg, data)} if cfg.tower_trains else {}
             state = algo.make_state(model, jax.random.key(cfg.seed), **trained)
         step_fn = algo.make_step(parts)
         if mesh is not None:  # every process: the same state, laid out on the (global) mesh

@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -31,6 +30,7 @@ from relax.data.prompts import (
 )
 from relax.models.adapters.operations import add_lora, has_lora, merge_lora
 from relax.models.adapters.peft import TEXT_PREFIX, fused_adapter_error, save_adapter
+from relax.models.adapters.tower import ModuleLoRA, merged_module
 from relax.models.config.model import DTYPES
 from relax.models.decoder.prompt_inputs import PromptInputs, text_prompt_inputs
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
@@ -40,6 +40,7 @@ from relax.models.vision.families import (
     encode_images,
     load_vision_language,
     save_vision_language,
+    trainable_vision,
     vision_family_of,
 )
 from relax.objectives.reference import ReferenceConfig
@@ -182,8 +183,9 @@ def exporter(
         if run_vision is None:
             save = save_pretrained
         else:
-            part = run_vision.vision if vision is None else host_policy(vision)
+            part = run_vision.vision if vision is None else host_policy(merged_module(vision))
             save = whole_model(run_vision._replace(vision=part))
+        tower = host_policy(vision) if isinstance(vision, ModuleLoRA) else None  # its adapters
         if is_main_process():
             save(merge_lora(policy), directory)
             tokenizer.save_pretrained(directory)
@@ -197,6 +199,10 @@ def exporter(
                         Path(directory) / "adapter",
                         base_model_name_or_path=base,
                         prefix=prefix,
+                        tower=tower,
+                        tower_modules=None
+                        if run_vision is None
+                        else run_vision.family.lora_modules,
                     )
                 else:
                     warnings.warn(
@@ -231,6 +237,7 @@ def copy_processor_files(source: str | Path, directory: str | Path) -> list[str]
 
 
 LORA_STREAM = 7  # the adapters' init key: fold_in(key(seed), LORA_STREAM)
+VISION_LORA_STREAM = 8  # the tower's adapters' (--lora.vision)
 
 
 def with_lora(cfg: ModelRunConfig, model):
@@ -327,7 +334,7 @@ class RunData:
         encode with (default: the run's frozen one)."""
         if batch.images is None:
             return None
-        part = self.vision if vision is None else self.vision._replace(vision=vision)
+        part = self.vision if vision is None else self.vision._replace(vision=merged_module(vision))
         inputs = encode_images(part, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
         if self.mesh is None:
             return inputs
@@ -336,10 +343,12 @@ class RunData:
         return place_rows(inputs, self.mesh, batch.prompt_ids.shape[0])  # the step's layout
 
 
-def trained_tower(data: RunData):
-    """The vision part a ``--train-vision`` run trains: a copy of the run's, which stays the
-    initial tower (the reference's features, ``RunData.encode``)."""
-    return jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, data.vision.vision)
+def trained_tower(cfg: ModelRunConfig, data: RunData):
+    """The vision part a ``--train-vision`` / ``--lora.vision`` run trains
+    (``trainable_vision``: a copy of the run's, which stays the initial tower, the reference's
+    features, ``RunData.encode``)."""
+    key = jax.random.fold_in(jax.random.key(cfg.seed), VISION_LORA_STREAM)
+    return trainable_vision(data.vision, cfg.lora, key)
 
 
 def training_batches(cfg: OnlineRunConfig, data: RunData):

@@ -1,4 +1,5 @@
-"""LoRA adapters on a ``Transformer``: add, switch off, merge, and split the trainable part.
+"""LoRA adapters on a ``Transformer``: add, switch off, merge, and split the trainable part
+(a tower's adapters: ``relax.models.adapters.tower``).
 
     policy = add_lora(base, LoRAConfig(rank=8), key)   # B = 0: exactly the base model
     reference = lora_off(policy)                         # the base: the same arrays, no copy
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from relax.models.adapters.tower import ModuleLoRA
 from relax.models.config.model import ModelConfig
 from relax.models.decoder.transformer import Transformer
 from relax.models.layers.lora import TARGETS, Adapters, LoRAConfig, init_adapters, merged_weight
@@ -139,9 +141,15 @@ def uses_dropout(tree) -> bool:
 
 
 def trainable(tree):
-    """A filter pytree for ``eqx.partition``: True at the leaves an optimizer trains."""
+    """A filter pytree for ``eqx.partition``: True at the leaves an optimizer trains (a
+    ``ModuleLoRA``'s adapters, not its base)."""
 
     def mark(x):
+        if isinstance(x, ModuleLoRA):
+            inexact = lambda t: jax.tree.map(eqx.is_inexact_array, t)  # noqa: E731
+            return ModuleLoRA(
+                jax.tree.map(lambda _: False, x.base), inexact(x.a), inexact(x.b), x.scale
+            )
         if not has_lora(x):
             return jax.tree.map(eqx.is_inexact_array, x)
         frozen = jax.tree.map(lambda _: False, x)
@@ -149,7 +157,7 @@ def trainable(tree):
             lambda m: m.layers.lora, frozen, jax.tree.map(eqx.is_inexact_array, x.layers.lora)
         )
 
-    return jax.tree.map(mark, tree, is_leaf=_is_model)
+    return jax.tree.map(mark, tree, is_leaf=lambda x: _is_model(x) or isinstance(x, ModuleLoRA))
 
 
 def split_trainable(tree):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.models.adapters.operations import with_adapters
+from relax.models.adapters.tower import ModuleLoRA
 from relax.models.config.families import get_family
 from relax.models.decoder.transformer import Transformer
 from relax.models.hf.config import HFFormatError
@@ -101,6 +102,8 @@ def save_adapter(
     *,
     base_model_name_or_path: str | None = None,
     prefix: str = TEXT_PREFIX,
+    tower: ModuleLoRA | None = None,
+    tower_modules: dict[str, str] | None = None,
 ) -> Path:
     """Write the model's adapters to ``path`` in PEFT's format (``peft.PeftModel.from_pretrained``
     loads them onto the base).
@@ -115,6 +118,10 @@ def save_adapter(
         prefix: the language model's module path in the transformers class the adapter is for:
             ``"model"`` (default: a causal LM), or a vision-language family's ``peft_prefix``
             (``relax.models.vision.families``; the config then excludes every other module).
+        tower: a vision tower's adapters (``--lora.vision``), written beside the language
+            model's under ``tower_modules`` (its family's ``lora_modules``: each adapted weight's
+            module in transformers' class, ``{i}`` its layer); the config's ``target_modules``
+            then lists every adapted module's full path.
 
     Returns:
         The directory written, as a ``Path``.
@@ -139,6 +146,19 @@ def save_adapter(
                 make = lambda arr=arr, j=j: arr[j].T  # noqa: E731
                 name = _name(i, modules[field], factor, prefix)
                 tensors.append((name, arr.shape[1:][::-1], arr.dtype, make))
+    targets = sorted({modules[f].rsplit(".", 1)[-1] for f in weights})
+    exclude = None if prefix == TEXT_PREFIX else exclude_outside(prefix)
+    if tower is not None:  # every module by its full path: the tower's names repeat the LM's
+        tensors += _tower_tensors(tower, tower_modules)
+        targets = sorted(
+            {
+                f"{prefix}.layers.{i}.{modules[f]}"
+                for f in weights
+                for i in model.config.layer_indices(f)
+            }
+            | {t.split(".lora_")[0].removeprefix("base_model.model.") for t, *_ in tensors}
+        )
+        exclude = None
     write_safetensors(root / WEIGHTS, tensors)
     write_json(
         root / CONFIG,
@@ -148,8 +168,8 @@ def save_adapter(
             "r": ad.rank,
             "lora_alpha": ad.alpha,
             "lora_dropout": ad.dropout,
-            "target_modules": sorted({modules[f].rsplit(".", 1)[-1] for f in weights}),
-            "exclude_modules": None if prefix == TEXT_PREFIX else exclude_outside(prefix),
+            "target_modules": targets,
+            "exclude_modules": exclude,
             "bias": "none",
             "use_rslora": ad.use_rslora,
             "use_dora": False,
@@ -167,8 +187,25 @@ def save_adapter(
     return root
 
 
-def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
-    """The ``LoRAConfig`` of a PEFT adapter directory (checked: relax runs everything it says)."""
+def _tower_tensors(tower: ModuleLoRA, modules: dict[str, str]) -> list:
+    """The tower's ``lora_A`` / ``lora_B`` tensors (``[r, in]`` / ``[out, r]`` per layer) under
+    PEFT's names: ``base_model.model.{module}.lora_{A,B}.weight``."""
+    out = []
+    for p in sorted(tower.a):
+        template = modules[p]
+        for factor, arr in (("A", np.asarray(tower.a[p])), ("B", np.asarray(tower.b[p]))):
+            stacked = "{i}" in template
+            for i in range(arr.shape[0]) if stacked else (None,):
+                one = arr[i] if stacked else arr
+                name = f"base_model.model.{template.format(i=i)}.lora_{factor}.weight"
+                out.append((name, one.shape[::-1], one.dtype, lambda one=one: one.T))
+    return out
+
+
+def read_adapter_config(path: str | os.PathLike, prefix: str = TEXT_PREFIX) -> LoRAConfig:
+    """The ``LoRAConfig`` of a PEFT adapter directory (checked: relax runs everything it says);
+    ``target_modules`` given as full module paths (relax's with a tower's adapters) name the
+    language model's under ``prefix``."""
     file = Path(path) / CONFIG
     if not file.is_file():
         raise HFFormatError(
@@ -187,6 +224,9 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
             raise HFFormatError(f"{file}: field {field!r} is missing")
     targets = c["target_modules"]
     targets = [targets] if isinstance(targets, str) else list(targets)
+    if any("." in t for t in targets):  # full module paths (relax's with a tower's adapters)
+        lm = [t for t in targets if t.startswith(f"{prefix}.layers.")]
+        targets = sorted({t.rsplit(".", 1)[-1] for t in lm})
     try:
         return LoRAConfig(
             rank=int(c["r"]),
@@ -281,7 +321,7 @@ def load_adapter(
             ``HFFormatError``.
     """
     _check_unfused_targets(base.config.family, Path(path) / CONFIG)
-    cfg = read_adapter_config(path)
+    cfg = read_adapter_config(path, prefix)
     why = fused_adapter_error(base.config.family, cfg.fields())
     if why is not None:
         raise HFFormatError(f"{Path(path) / CONFIG}: {why}")
@@ -318,6 +358,13 @@ def load_adapter(
     }
     extra = sorted(set(st.entries) - used)
     if extra:
-        raise HFFormatError(f"{file}: tensors for modules relax does not adapt: {extra[:5]}")
+        outside = prefix != TEXT_PREFIX and not any(f"{prefix}.layers." in n for n in extra)
+        why = (
+            " (outside the language model: a vision tower's adapters, which load_adapter does "
+            "not read; a run's final_hf holds them merged)"
+            if outside
+            else ""
+        )
+        raise HFFormatError(f"{file}: tensors for modules relax does not adapt{why}: {extra[:5]}")
     ad = Adapters(**weights, alpha=cfg.alpha, use_rslora=cfg.use_rslora, dropout=cfg.dropout)
     return with_adapters(base, ad)

@@ -66,9 +66,14 @@ class LoRAConfig:
     init: str = "default"
     use_rslora: bool = False
     dtype: str = "float32"
+    vision: bool = False
+    """Adapt a vision-language model's tower too: every linear layer of it (PEFT's all-linear
+    there; ``relax.models.adapters.tower``), which then trains through its adapters."""
 
     def __post_init__(self):
         check_choice("init", self.init, INITS)
+        if self.vision and not self.enabled:
+            raise ValueError("lora vision: adapters on the tower need a rank > 0 (--lora.rank)")
         check_choice("dtype", self.dtype, DTYPES)
         if self.rank < 0:
             raise ValueError(f"lora rank={self.rank} must be >= 0 (0: no adapters)")

@@ -18,15 +18,18 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from relax.models.adapters.tower import add_module_lora, merged_module
 from relax.models.config.vision_language import VISION_LANGUAGE
 from relax.models.decoder.prompt_inputs import PromptInputs, features_at
 from relax.models.decoder.transformer import Transformer
 from relax.models.hf.config import HFFormatError
 from relax.models.hf.weights_io import read_json
+from relax.models.layers.lora import LoRAConfig
 from relax.models.vision.gemma3 import Gemma3Vision, check_image_tokens, gemma3_prompt_inputs
 from relax.models.vision.gemma3 import image_features as gemma3_features
 from relax.models.vision.gemma3_checkpoint import load_gemma3, save_gemma3
@@ -43,6 +46,7 @@ __all__ = [
     "encode_images",
     "image_token_features",
     "pixels_of",
+    "trainable_vision",
     "load_vision_language",
     "save_vision_language",
     "vision_family_of",
@@ -68,7 +72,9 @@ class VisionFamily:
     prompt_mask, pixel_values, grid) -> PromptInputs`` (the vision tower once per image);
     ``features(vision, pixels) -> [n, D]``: the features of every image token, in order (the
     tower and its projection, jittable: what a trained tower's gradient flows through);
-    ``vision_type``: the class of its vision part.
+    ``vision_type``: the class of its vision part. ``lora_modules``: the linear weights of the
+    vision part that ``--lora.vision`` adapts (paths from the part down) and each one's module in
+    transformers' class (``{i}``: its layer), under which PEFT names their adapters.
     ``peft_prefix``: the language model's module path in transformers' class, under which PEFT
     names its adapters (``base_model.model.{peft_prefix}.layers.{i}...``; a causal LM's is
     ``model``), for ``relax.models.adapters.peft.save_adapter`` / ``load_adapter``'s ``prefix``."""
@@ -81,6 +87,7 @@ class VisionFamily:
     encode: Callable[..., PromptInputs]
     features: Callable[[Any, Pixels], Float[Array, "n D"]]
     vision_type: type
+    lora_modules: dict[str, str]
     peft_prefix: str = "model.language_model"  # transformers 5's layout of both families
 
 
@@ -142,6 +149,17 @@ VISION_FAMILIES = {
         _encode_gemma3,
         _gemma3_features,
         Gemma3Vision,
+        {
+            f"tower.layers.{field}": f"model.vision_tower.vision_model.encoder.layers.{{i}}.{name}"
+            for field, name in (
+                ("wq", "self_attn.q_proj"),
+                ("wk", "self_attn.k_proj"),
+                ("wv", "self_attn.v_proj"),
+                ("wo", "self_attn.out_proj"),
+                ("w1", "mlp.fc1"),
+                ("w2", "mlp.fc2"),
+            )
+        },
     ),
     "qwen2_5_vl": VisionFamily(
         "qwen2_5_vl",
@@ -152,6 +170,15 @@ VISION_FAMILIES = {
         _encode_qwen,
         _qwen_features,
         Qwen2_5_VL,
+        {
+            "visual.blocks.qkv": "model.visual.blocks.{i}.attn.qkv",
+            "visual.blocks.proj": "model.visual.blocks.{i}.attn.proj",
+            "visual.blocks.gate": "model.visual.blocks.{i}.mlp.gate_proj",
+            "visual.blocks.up": "model.visual.blocks.{i}.mlp.up_proj",
+            "visual.blocks.down": "model.visual.blocks.{i}.mlp.down_proj",
+            "visual.merger.fc1": "model.visual.merger.mlp.0",
+            "visual.merger.fc2": "model.visual.merger.mlp.2",
+        },
     ),
 }
 
@@ -201,8 +228,9 @@ def pixels_of(images) -> Pixels | None:
 
 
 def image_token_features(vision: Any, pixels: Pixels) -> Float[Array, "n D"]:
-    """The features of every image token of ``pixels`` by ``vision``'s family (``TypeError`` for
-    a part of no family)."""
+    """The features of every image token of ``pixels`` by ``vision``'s family (a tower with
+    adapters runs merged; ``TypeError`` for a part of no family)."""
+    vision = merged_module(vision)
     for family in VISION_FAMILIES.values():
         if isinstance(vision, family.vision_type):
             return family.features(vision, pixels)
@@ -219,6 +247,16 @@ def with_image_features(inputs: PromptInputs, vision: Any, pixels: Pixels | None
         return inputs
     flat = image_token_features(vision, pixels)
     return inputs._replace(features=features_at(inputs.is_image, flat, inputs.features.dtype))
+
+
+def trainable_vision(model: VisionLanguage, lora: LoRAConfig, key: jax.Array) -> Any:
+    """The vision part a run trains (``--train-vision``, ``--lora.vision``): a copy of
+    ``model``'s, which stays the initial tower (the reference's features), with adapters of
+    ``lora`` on its family's ``lora_modules`` when ``lora.vision`` (``key``: their ``A``)."""
+    part = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model.vision)
+    if not lora.vision:
+        return part
+    return add_module_lora(part, tuple(model.family.lora_modules), lora, key)
 
 
 def save_vision_language(model: VisionLanguage, path: str | os.PathLike) -> None:
