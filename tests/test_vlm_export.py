@@ -380,3 +380,48 @@ def test_grpo_lora_vision_exports_the_merged_tower_and_its_adapters(setup, tmp_p
     )
     tuned = peft.PeftModel.from_pretrained(_load(root / "model"), export / "adapter").eval()
     np.testing.assert_allclose(_hf_logits(tuned, ids, pixels, grid), want, atol=ATOL, rtol=0)
+
+
+def test_gemma3_tower_adapters_are_peft_s_on_the_vlm_class(tmp_path):
+    """Gemma 3's SigLIP adapters (``--lora.vision``) under the names PEFT writes on
+    ``Gemma3ForConditionalGeneration``; PEFT's model on the base gives relax's logits."""
+    from relax.models.adapters.tower import merged_module
+    from relax.models.vision.gemma3 import vlm_logits
+
+    _hf_model().save_pretrained(tmp_path / "hf")
+
+    def hf():
+        return transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+
+    vl = load_vision_language(tmp_path / "hf")
+    family = VISION_FAMILIES["gemma3"]
+    policy, tower = _lora(vl.language_model), _tower_lora(vl.vision, family.lora_modules)
+    save_adapter(
+        policy,
+        tmp_path / "ours",
+        prefix=family.peft_prefix,
+        tower=tower,
+        tower_modules=family.lora_modules,
+    )
+    targets = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
+    theirs = peft.get_peft_model(hf(), peft.LoraConfig(r=4, target_modules=targets)).state_dict()
+    names = {n.replace(".default.", ".") for n in theirs if ".lora_" in n}
+    assert _saved_names(tmp_path / "ours") == names
+    assert any(".vision_tower." in n for n in names)
+    ids = np.asarray([[5, 6, BOI, *[IMG] * MM, EOI, 10, 11]])
+    pixels = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    t = torch.tensor(ids)
+    tuned = peft.PeftModel.from_pretrained(hf(), tmp_path / "ours").eval()
+    with torch.no_grad():
+        got = tuned(
+            input_ids=t,
+            pixel_values=pixels,
+            attention_mask=torch.ones_like(t),
+            token_type_ids=(t == IMG).long(),
+        ).logits.numpy()
+    args = (jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), jnp.asarray(pixels.numpy()))
+    rows = jnp.zeros((1,), jnp.int32)
+    want = np.asarray(vlm_logits(policy, merged_module(tower), *args, rows))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    frozen_tower = np.asarray(vlm_logits(policy, vl.vision, *args, rows))
+    assert np.max(np.abs(frozen_tower - want)) > 20 * ATOL  # the tower's adapters are live

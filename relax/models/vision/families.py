@@ -150,7 +150,7 @@ VISION_FAMILIES = {
         _gemma3_features,
         Gemma3Vision,
         {
-            f"tower.layers.{field}": f"model.vision_tower.vision_model.encoder.layers.{{i}}.{name}"
+            f"tower.layers.{field}": f"model.vision_tower.encoder.layers.{{i}}.{name}"
             for field, name in (
                 ("wq", "self_attn.q_proj"),
                 ("wk", "self_attn.k_proj"),
