@@ -23,14 +23,15 @@ from relax.algorithms.online.run import _make_batch
 from relax.algorithms.online.setup import (
     load_run_data,
     text_decoder,
-    trained_tower,
     training_batches,
 )
 from relax.algorithms.online.step import StepParts
 from relax.models.adapters.operations import split_trainable
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
+from relax.models.layers.lora import LoRAConfig
 from relax.models.vision import families
+from relax.models.vision.families import trainable_vision
 from relax.tasks.tiny_vlm import write_tiny_qwen2_5_vl
 from relax.tasks.visual import VisualTask, make_splits
 
@@ -79,6 +80,11 @@ def run(tmp_path_factory):
     return data, batch, make
 
 
+def _tower(data):
+    """The tower a ``--train-vision`` run trains: a copy of the run's."""
+    return trainable_vision(data.vision, LoRAConfig(), jax.random.key(0))
+
+
 def _logprobs(model, b, prompt):
     return completion_logprobs(
         model, b.prompt_ids, b.prompt_mask, b.tokens, b.mask, ForwardPass(), prompt=prompt
@@ -92,7 +98,7 @@ def _nudged(vision):
 
 def test_the_sampler_reads_the_state_s_tower_and_the_reference_the_initial_one(run):
     data, batch, make = run
-    tower = _nudged(trained_tower(data))
+    tower = _nudged(_tower(data))
     state, step = make(jax.tree.map(lambda x: x.copy(), tower))  # a step donates its state
     state = state.replace(step=state.step + 1)  # a tower already trained: not the initial one
     _, out = step(state, batch())
@@ -118,7 +124,7 @@ def test_the_tower_runs_once_per_image_in_the_sampler_and_the_update(run, monkey
     monkeypatch.setitem(
         families.VISION_FAMILIES, "qwen2_5_vl", dataclasses.replace(family, features=counting)
     )
-    state, step = make(trained_tower(data))
+    state, step = make(_tower(data))
     step(state, batch())
     # 2 prompts of one image each, G = 2: the sampler once, the update's one optimizer step once
     assert calls == [2, 2], calls
@@ -128,13 +134,13 @@ def test_first_step_trains_the_language_model_as_the_frozen_tower_does_and_moves
     data, batch, make = run
     frozen_state, frozen_step = make(None)
     frozen, _ = frozen_step(frozen_state, batch())
-    state, step = make(trained_tower(data))
+    state, step = make(_tower(data))
     new, out = step(state, batch())
     for a, b in zip(jax.tree.leaves(new.policy), jax.tree.leaves(frozen.policy)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     moved = [
         not np.array_equal(a, b)
-        for a, b in zip(jax.tree.leaves(new.vision), jax.tree.leaves(trained_tower(data)))
+        for a, b in zip(jax.tree.leaves(new.vision), jax.tree.leaves(_tower(data)))
     ]
     assert sum(moved) >= len(moved) - 1, moved  # every trained weight (but perhaps one) moved
     assert np.isfinite(float(out.device.metrics["grad_norm"]))
@@ -144,8 +150,6 @@ def test_lora_vision_trains_the_tower_s_adapters_alone(run):
     """``--lora.vision``: the state's tower is a ``ModuleLoRA``; a step moves its adapters (``B``
     from 0) and leaves its base bitwise, and the sampler reads the merged tower."""
     from relax.models.adapters.tower import ModuleLoRA
-    from relax.models.layers.lora import LoRAConfig
-    from relax.models.vision.families import trainable_vision
 
     data, batch, make = run
     cfg = LoRAConfig(rank=4, alpha=8.0, vision=True)

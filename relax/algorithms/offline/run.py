@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.offline.images import Encoder, ImageTrainer
-from relax.algorithms.online.config import TaskRunConfig
+from relax.algorithms.online.config import TaskRunConfig, tower_line
 from relax.algorithms.online.run import run_meshes, start_run
 from relax.algorithms.online.setup import (
     VISION_LORA_STREAM,
@@ -200,7 +200,7 @@ def _check_images(cfg: OfflineRunConfig, algo: OfflineAlgorithm, mesh) -> None:
     if mesh is not None:
         raise ValueError("--image-field: rows with images train on one device (no --parallel.*)")
     if cfg.tower_trains and algo.images is None:  # SFT and the DPO family have image trainers
-        raise ValueError(f"--train-vision: {algo.name} trains on text only")
+        raise ValueError(f"--train-vision / --lora.vision: {algo.name} trains on text only")
 
 
 def _with_images(
@@ -238,11 +238,7 @@ def _with_images(
         evaluate=evaluate,
         prepare=None,
     )
-    notes = trainer.notes + (
-        "vision tower: trained with the language model (--train-vision)"
-        if cfg.tower_trains
-        else "vision tower: frozen",
-    )
+    notes = trainer.notes + (tower_line(cfg.train_vision, cfg.lora),)
     return algo, make_batch, notes
 
 

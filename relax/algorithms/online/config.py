@@ -270,6 +270,16 @@ def off_policy(cfg: OnlineRunConfig, generation: GenerationConfig) -> OffPolicyC
     return cfg.async_.correction
 
 
+def tower_line(train_vision: bool, lora: LoRAConfig) -> str:
+    """The start-up report's line on a vision-language run's tower: frozen, trained whole
+    (``--train-vision``) or through its adapters (``--lora.vision``)."""
+    if lora.vision:
+        return f"vision tower: trained through rank-{lora.rank} adapters (--lora.vision)"
+    if train_vision:
+        return "vision tower: trained with the language model (--train-vision)"
+    return "vision tower: frozen (--train-vision or --lora.vision trains it)"
+
+
 @dataclasses.dataclass(frozen=True)
 class OnlineAlgorithm:
     """``make_state(model, key)`` -> the algorithm's ``TrainState`` (GRPO's also takes ``vision=``:

@@ -36,6 +36,7 @@ from relax.algorithms.online.config import (
     OnlineAlgorithm,
     OnlineRunConfig,
     run_parts,
+    tower_line,
 )
 from relax.algorithms.online.rewards import reward_functions, reward_pool
 from relax.algorithms.online.setup import (
@@ -102,12 +103,7 @@ def _report(
     ]
     if data.images is not None:  # make_packing leaves image batches padded
         lines.append("image prompts: the update's forwards run on padded rows (not packed)")
-        lines.append(
-            "vision tower: trained with the language model (--train-vision; the reference keeps "
-            "the initial tower)"
-            if cfg.tower_trains
-            else "vision tower: frozen (--train-vision trains it)"
-        )
+        lines.append(tower_line(cfg.train_vision, cfg.lora))
     elif algo.describe_update is not None:
         lines.append(algo.describe_update(data.model))
     lines += _sampler_lines(algo.generation, parts.off_policy)
@@ -248,7 +244,7 @@ def _prepare(
     def prepare(state, run_dir: Path) -> None:
         if cfg.compile_ahead and cfg.tower_trains:
             lines = (
-                "off with --train-vision: the step's programs take each batch's images and "
+                "off with a trained tower: the step's programs take each batch's images and "
                 "compile when first called, once per image shape",
             )
         elif cfg.compile_ahead:
@@ -392,12 +388,13 @@ def _check_train_vision(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
     process."""
     if algo.name not in ("grpo", "ppo"):
         raise ValueError(
-            f"--train-vision: GRPO and PPO train the vision tower; {algo.name} keeps it frozen"
+            f"--train-vision / --lora.vision: GRPO and PPO train the vision tower; {algo.name} "
+            "keeps it frozen"
         )
     if cfg.async_.staleness:
         raise ValueError(
-            "--train-vision: the sampler reads the trained tower of the same step; drop "
-            "--async.staleness"
+            "--train-vision / --lora.vision: the sampler reads the trained tower of the same "
+            "step; drop --async.staleness"
         )
 
 
@@ -405,7 +402,7 @@ def _check_processes(cfg: OnlineRunConfig) -> None:
     """A trained tower runs on one process (once the processes are known)."""
     if cfg.tower_trains and jax.process_count() > 1:
         raise ValueError(
-            "--train-vision runs on one process (one device or its mesh): each process of a "
+            "--train-vision / --lora.vision run on one process (one device or its mesh): each process of a "
             "multi-host run encodes its own rows' images, which a trained tower's update does not "
             "gather yet"
         )
