@@ -61,7 +61,10 @@ def run(tmp_path_factory):
     )
     data = load_run_data(cfg, root / "run", False, lambda *a: None)
     first = next(iter(training_batches(cfg, data)))
-    batch = lambda: _make_batch(cfg, data)(first)  # noqa: E731  (a step donates its batch)
+
+    def batch(features: bool = True):  # made anew: a step donates its batch
+        return _make_batch(cfg, data, features=features)(first)
+
     algo = algorithm(cfg)
     tok = data.tokenizer
 
@@ -130,12 +133,19 @@ def test_the_tower_runs_once_per_image_in_the_sampler_and_the_update(run, monkey
     assert calls == [2, 2], calls
 
 
-def test_first_step_trains_the_language_model_as_the_frozen_tower_does_and_moves_the_tower(run):
+@pytest.mark.parametrize("features", [True, False], ids=["data-encoded", "not-encoded"])
+def test_first_step_trains_the_language_model_as_the_frozen_tower_does_and_moves_the_tower(
+    run, features
+):
+    """``features=False``: the data leaves the features at zero (no reference reads them at
+    step 0): the sampler and the update compute their own, so nothing changes."""
     data, batch, make = run
     frozen_state, frozen_step = make(None)
     frozen, _ = frozen_step(frozen_state, batch())
     state, step = make(_tower(data))
-    new, out = step(state, batch())
+    new, out = step(state, batch(features))
+    if not features:
+        assert not np.asarray(batch(False).device.images.features).any()
     for a, b in zip(jax.tree.leaves(new.policy), jax.tree.leaves(frozen.policy)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     moved = [

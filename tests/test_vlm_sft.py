@@ -298,6 +298,16 @@ def test_train_vision_step_is_sgd_on_the_loss_with_the_tower_inside(setup):
     )
     step = make_image_sft_step(SFTConfig(max_length=LENGTH, grad_accum=2))
     new, _ = step(state, attach_prompt(batch, encode, pixels=True))
+    # the data need not run the tower (no reference reads its features): the same step
+    bare = lambda i, m, b: encode_images(vl, vl.language_model, i, m, b, features=False)  # noqa: E731
+    fresh = init_state(
+        copy(vl.language_model), optax.sgd(lr), key=jax.random.key(0), vision=copy(vl.vision)
+    )
+    again, _ = step(fresh, attach_prompt(batch, bare, pixels=True))
+    for a, b in zip(
+        jax.tree.leaves((again.policy, again.vision)), jax.tree.leaves((new.policy, new.vision))
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     r = attach_prompt(batch, encode, pixels=True)
     tokens = jnp.maximum(jnp.sum(image_target_mask(r)), 1).astype(jnp.float32)

@@ -24,7 +24,13 @@ from relax.models.vision.families import Pixels, with_image_features
 from relax.train.state import TrainState, trained_params
 from relax.train.update import SideInputs
 
-__all__ = ["ImageData", "image_side", "tower_is_initial", "with_trained_vision"]
+__all__ = [
+    "ImageData",
+    "image_side",
+    "initial_features_read",
+    "tower_is_initial",
+    "with_trained_vision",
+]
 
 
 class ImageData(NamedTuple):
@@ -61,3 +67,10 @@ def tower_is_initial(state: TrainState) -> Bool[Array, ""]:
     """Whether the state's tower is bitwise the initial one, which made the batch's image inputs
     (no trained tower, or no update yet): only then can a reference's log-probs be the policy's."""
     return jnp.bool_(True) if state.vision is None else state.step == 0
+
+
+def initial_features_read(state: TrainState) -> bool:
+    """Whether a model besides the policy reads the initial tower's features (the batch's
+    ``PromptInputs`` as the data encodes them): a reference (its own or a LoRA policy's base) or
+    a separate critic. When none does and the tower trains, the data need not run the tower."""
+    return state.ref is not None or state.ref_is_base or state.critic is not None

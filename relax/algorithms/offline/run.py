@@ -55,7 +55,7 @@ from relax.tasks import reverse
 from relax.text import TextTokenizer, load_tokenizer
 from relax.train.logs import MetricsLogger
 from relax.train.run import Trainer, run_loop
-from relax.train.vision_tower import with_trained_vision
+from relax.train.vision_tower import initial_features_read, with_trained_vision
 
 MAX_EVAL_PROMPT = 512
 
@@ -206,25 +206,32 @@ def _check_images(cfg: OfflineRunConfig, algo: OfflineAlgorithm, mesh) -> None:
 def _with_images(
     cfg: OfflineRunConfig, algo: OfflineAlgorithm, vision: VisionLanguage | None, model
 ) -> tuple[OfflineAlgorithm, Callable[[Any], Any] | None, tuple[str, ...]]:
-    """``(algo, make_batch, notes)``: for ``--image-field``, the algorithm's image trainer in
-    place of its text one, the step's batches made with the frozen vision tower run once per
-    prompt image (with ``--train-vision`` also their images, for the state's tower; the held-out
-    evaluation encodes with it), and its report notes; else ``(algo, None, ())``."""
+    """``(algo, make_batch_for, notes)``: for ``--image-field``, the algorithm's image trainer in
+    place of its text one, ``make_batch_for(features)`` the step's batches made with the frozen
+    vision tower run once per prompt image (a trained tower's run: also their images, and with
+    ``features=False`` the tower not run, when none but the trained tower reads them; the
+    held-out evaluation encodes with the state's tower), and its report notes; else
+    ``(algo, None, ())``."""
     if cfg.image_field is None:
         return algo, None, ()
     trainer = algo.images(image_prompts(cfg, vision))
 
-    def encoder_of(part) -> Encoder:
+    def encoder_of(part, features: bool = True) -> Encoder:
         tower = vision if part is None else vision._replace(vision=merged_module(part))
-        return lambda ids, mask, images: encode_images(tower, model, ids, mask, images)
-
-    encoder = encoder_of(None)
-
-    def make_batch(batch):
-        rows = trainer.attach(batch, encoder)
-        return (
-            dataclasses.replace(rows, pixels=pixels_of(batch.images)) if cfg.tower_trains else rows
+        return lambda ids, mask, images: encode_images(
+            tower, model, ids, mask, images, features=features
         )
+
+    def make_batch_for(features: bool):
+        """The step's batches: ``features=False`` when none but the trained tower reads them."""
+        encoder = encoder_of(None, features)
+
+        def make_batch(batch):
+            rows = trainer.attach(batch, encoder)
+            pixels = pixels_of(batch.images) if cfg.tower_trains else None
+            return dataclasses.replace(rows, pixels=pixels) if cfg.tower_trains else rows
+
+        return make_batch
 
     def evaluate(state, held, tokenizer):
         return trainer.evaluate(state, held, tokenizer, encoder_of(state.vision))
@@ -239,7 +246,7 @@ def _with_images(
         prepare=None,
     )
     notes = trainer.notes + (tower_line(cfg.train_vision, cfg.lora),)
-    return algo, make_batch, notes
+    return algo, make_batch_for, notes
 
 
 def _evaluator(algo: OfflineAlgorithm, held_out, rows: int, tokenizer: TextTokenizer, log):
@@ -292,13 +299,13 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
         tokenizer, model, vision, train_rows, held_out_rows, paths = _model_and_rows(
             cfg, algo, run_dir, log
         )
-    algo, image_batch, notes = _with_images(cfg, algo, vision, model)
+    algo, image_batch_for, notes = _with_images(cfg, algo, vision, model)
     train = algo.encode(train_rows, tokenizer)
     encode_eval = algo.encode if algo.encode_eval is None else algo.encode_eval
     held_out = (
         encode_eval(held_out_rows, tokenizer) if held_out_rows else None
     )  # None: nothing held out
-    if image_batch is not None:  # ImageRows: the examples, the rows dropped for a bad image
+    if image_batch_for is not None:  # ImageRows: the examples, the rows dropped for a bad image
         notes = (
             (train.summary("training"),)
             + ((held_out[1].summary("held-out"),) if held_out is not None else ())
@@ -327,6 +334,9 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     if cfg.tower_trains:  # a copy: the run's stays the initial tower
         key = jax.random.fold_in(jax.random.key(cfg.seed), VISION_LORA_STREAM)
         state = with_trained_vision(state, trainable_vision(vision, cfg.lora, key))
+    image_batch = None
+    if image_batch_for is not None:  # the data runs the tower when another model reads it
+        image_batch = image_batch_for(not cfg.tower_trains or initial_features_read(state))
     step = algo.make_step(
         choose_passes(batch_shards=1 if mesh is None else batch_shards(mesh)), tokenizer
     )

@@ -71,6 +71,7 @@ from relax.rollout.partial import PartialRollouts
 from relax.train.ahead import default_workers
 from relax.train.logs import MetricsLogger, is_main_process
 from relax.train.run import RunConfig, Trainer, run_loop
+from relax.train.vision_tower import initial_features_read
 
 EVAL_STREAM = 1_000_003  # the held-out evaluation's key: fold_in(key(seed), EVAL_STREAM)
 
@@ -152,7 +153,11 @@ def _evaluator(cfg: OnlineRunConfig, algo: OnlineAlgorithm, data: RunData, parts
     ``step`` (image prompts' inputs computed once when the vision tower is frozen, at each
     evaluation by the state's tower when it trains)."""
     eval_batch = data.eval_batch
-    frozen = None if eval_batch is None else data.encode(data.model, eval_batch, shared=True)
+    frozen = (
+        None
+        if eval_batch is None or cfg.tower_trains
+        else data.encode(data.model, eval_batch, shared=True)
+    )
 
     def run_eval(state, step: int, logger: MetricsLogger) -> dict:
         if eval_batch is None:
@@ -314,13 +319,13 @@ def _partial_rollouts(cfg: OnlineRunConfig, algo: OnlineAlgorithm, batches, eos_
     )
 
 
-def _make_batch(cfg: OnlineRunConfig, data: RunData):
+def _make_batch(cfg: OnlineRunConfig, data: RunData, *, features: bool = True):
     """``make_batch(prompt_batch) -> WithHost``: the step's input, its prompts the numpy arrays
     the data gives (the step's first program, or a runner on a mesh, puts them on the devices:
     ``jnp.asarray`` would compile a program for each new shape); image prompts' inputs computed
-    here, the frozen vision tower run once per image (``RunData.encode``); with
-    ``--train-vision`` they are the reference's, and the images ride along for the state's tower
-    (``relax.algorithms.online.vision``)."""
+    here, the frozen vision tower run once per image (``RunData.encode``); with a trained tower
+    they are the reference's (``features=False``: none reads them, they stay zero), and the
+    images ride along for the state's tower (``relax.algorithms.online.vision``)."""
 
     def make_batch(pb) -> WithHost:
         return step_input(
@@ -328,7 +333,7 @@ def _make_batch(cfg: OnlineRunConfig, data: RunData):
             pb.prompt_mask,
             pb.prompts,
             {cfg.answer_field: pb.answers, **pb.fields},
-            images=data.encode(data.model, pb),
+            images=data.encode(data.model, pb, features=features),
             pixels=pixels_of(pb.images) if cfg.tower_trains else None,
         )
 
@@ -444,6 +449,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         with on_host_memory(mesh is not None):
             trained = {"vision": trained_tower(cfg, data)} if cfg.tower_trains else {}
             state = algo.make_state(model, jax.random.key(cfg.seed), **trained)
+        frozen_read = not cfg.tower_trains or initial_features_read(state)
         step_fn = algo.make_step(parts)
         if mesh is not None:  # every process: the same state, laid out on the (global) mesh
             step_fn = ShardedStep(
@@ -460,7 +466,11 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
             name=algo.name,
             step=step_fn,
             batches=batches if partial is None else partial,
-            make_batch=_make_batch(cfg, data) if partial is None else (lambda request: request),
+            make_batch=(
+                _make_batch(cfg, data, features=frozen_read)
+                if partial is None
+                else (lambda request: request)
+            ),
             host_metrics=_host_metrics(cfg, algo, over_budget, reward_fns, batches),
             evaluate=_evaluator(cfg, algo, data, parts, log),
             export=exporter(tokenizer, base_path(cfg, run_dir), data.vision),

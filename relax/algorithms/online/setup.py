@@ -326,16 +326,20 @@ class RunData:
             rows_shardings(shapes, self.mesh, rows),
         )
 
-    def encode(self, policy, batch, *, shared: bool = False, vision=None) -> PromptInputs | None:
+    def encode(
+        self, policy, batch, *, shared: bool = False, vision=None, features: bool = True
+    ) -> PromptInputs | None:
         """A ``PromptBatch``'s image prompts' inputs for ``policy`` (None: text prompts); on a
         mesh, computed there and laid out as the step takes them: rows over the batch axes.
         ``shared``: every process holds the whole ``batch`` (the held-out one), not its rows of
         it; on several processes its inputs are replicated. ``vision``: a trained vision part to
-        encode with (default: the run's frozen one)."""
+        encode with (default: the run's frozen one); ``features=False``: the features left at
+        zero (the step computes them from its trained tower)."""
         if batch.images is None:
             return None
         part = self.vision if vision is None else self.vision._replace(vision=merged_module(vision))
-        inputs = encode_images(part, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
+        args = (part, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
+        inputs = encode_images(*args, features=features)
         if self.mesh is None:
             return inputs
         if multi_process():

@@ -69,7 +69,8 @@ class VisionFamily:
     """``model_type`` / ``architecture``: transformers' names; ``text_family``: the relax family
     of the language model; ``load(path, dtype=, param_dtype=) -> (language model, vision)``,
     ``save(language model, vision, path)`` and ``encode(language model, vision, prompt_ids,
-    prompt_mask, pixel_values, grid) -> PromptInputs`` (the vision tower once per image);
+    prompt_mask, pixel_values, grid, tower=True) -> PromptInputs`` (the vision tower once per
+    image; ``tower=False``: the features left at zero);
     ``features(vision, pixels) -> [n, D]``: the features of every image token, in order (the
     tower and its projection, jittable: what a trained tower's gradient flows through);
     ``vision_type``: the class of its vision part. ``lora_modules``: the linear weights of the
@@ -110,22 +111,32 @@ def _save_qwen(lm: Transformer, vision: Qwen2_5_VL, path) -> None:
     save_qwen2_5_vl(dataclasses.replace(vision, language_model=lm), path)
 
 
-def _encode_gemma3(lm, vision, prompt_ids, prompt_mask, pixel_values, grid) -> PromptInputs:
+def _encode_gemma3(
+    lm, vision, prompt_ids, prompt_mask, pixel_values, grid, *, tower: bool = True
+) -> PromptInputs:
     """Gemma 3's inputs, the batch's image tokens first counted against its images (each
     ``mm_tokens_per_image``): a processor that expands an image to another count would have
-    each image's features misplaced (``ValueError``, never silently)."""
+    each image's features misplaced (``ValueError``, never silently). ``tower=False``: the
+    features left at zero (the tower not run)."""
     pixels = None if pixel_values is None or not len(pixel_values) else jnp.asarray(pixel_values)
     n = 0 if pixels is None else int(pixels.shape[0])
     check_image_tokens(vision.config, prompt_ids, prompt_mask, None, n)
+    pixels = pixels if tower else None
     return _gemma3_inputs(lm, vision, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), pixels)
 
 
-def _encode_qwen(lm, vision, prompt_ids, prompt_mask, pixel_values, grid) -> PromptInputs:
+def _encode_qwen(
+    lm, vision, prompt_ids, prompt_mask, pixel_values, grid, *, tower: bool = True
+) -> PromptInputs:
+    """Qwen2.5-VL's inputs (``tower=False``: the features left at zero, the M-RoPE positions
+    still the images')."""
     m = dataclasses.replace(vision, language_model=lm)
     x = prepare_inputs(m, np.asarray(prompt_ids), np.asarray(prompt_mask), grid)
-    pixels = jnp.asarray(pixel_values) if grid else None
+    run = bool(grid) and tower
+    pixels = jnp.asarray(pixel_values) if run else None
     ids, mask = jnp.asarray(x.input_ids, jnp.int32), jnp.asarray(x.attention_mask, jnp.int32)
-    return qwen_prompt_inputs(m, ids, mask, jnp.asarray(x.positions, jnp.int32), pixels, x.grid)
+    positions = jnp.asarray(x.positions, jnp.int32)
+    return qwen_prompt_inputs(m, ids, mask, positions, pixels, x.grid if run else ())
 
 
 def _gemma3_features(vision: Gemma3Vision, pixels: Pixels) -> Float[Array, "n D"]:
@@ -207,16 +218,22 @@ def load_vision_language(
 
 
 def encode_images(
-    model: VisionLanguage, language_model: Transformer, prompt_ids, prompt_mask, images
+    model: VisionLanguage,
+    language_model: Transformer,
+    prompt_ids,
+    prompt_mask,
+    images,
+    *,
+    features: bool = True,
 ) -> PromptInputs:
     """Image prompts' ``PromptInputs`` for ``language_model`` (the policy being trained: only its
     config and dtype are read, its embeddings are looked up in each forward): ``images`` a
     batch's ``pixel_values`` and ``grid`` (``relax.data.image_prompts.ImageBatch``), the vision
-    tower run once per image."""
+    tower run once per image. ``features=False``: their features left at zero, the tower not
+    run (a trained tower computes them in the step, ``with_image_features``)."""
     shape_only = eqx.filter(language_model, lambda _: False)  # no weights cross into the call
-    return model.family.encode(
-        shape_only, model.vision, prompt_ids, prompt_mask, images.pixel_values, images.grid
-    )
+    args = (shape_only, model.vision, prompt_ids, prompt_mask, images.pixel_values, images.grid)
+    return model.family.encode(*args) if features else model.family.encode(*args, tower=False)
 
 
 def pixels_of(images) -> Pixels | None:
