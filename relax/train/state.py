@@ -109,6 +109,12 @@ def trained_params(policy, vision=None):
     return policy if vision is None else (policy, vision)
 
 
+def policy_and_vision(params, state: TrainState):
+    """``(policy, vision)`` of an update's ``params`` (``trained_params`` of ``state``'s): the
+    vision part None when the state trains none."""
+    return (params, None) if state.vision is None else params
+
+
 def reference_model(state: TrainState) -> eqx.Module | None:
     """The reference model: ``state.ref``, or the policy with its adapters off (``ref_is_base``)."""
     return lora_off(state.policy) if state.ref is None and state.ref_is_base else state.ref

@@ -135,6 +135,8 @@ def make_grpo_update(
 
     def grpo_update(policy, opt_state, data: LossRows, key, ref_is_policy=False, side_data=None):
         config = (policy if side is None else policy[0]).config
+        if data.packed is not None and side is not None:
+            raise ValueError("a trained tower's image prompts run padded, never packed")
         if data.packed is not None:
             return binned(policy, opt_state, data, key, ref_is_policy, config=config)
         _, g, n = data.tokens.shape

@@ -48,7 +48,7 @@ from relax.rewards.shaping import (
     overlong_penalty,
 )
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState, trained_params
+from relax.train.state import TrainState, policy_and_vision, trained_params
 from relax.train.update import Updated
 
 
@@ -148,7 +148,7 @@ def make_update_stage(
             ref_is_policy,
             image_data(batch) if tower else None,
         )
-        policy, vision = params if tower else (params, None)
+        policy, vision = policy_and_vision(params, state)
         step, ref, ref_stats = state.step + 1, state.ref, state.ref_stats
         if ref_stats is not None:  # for KL-target / entropy-floor reference resets
             ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])

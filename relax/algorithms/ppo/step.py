@@ -56,7 +56,7 @@ from relax.objectives.value import explained_variance
 from relax.passes import Passes
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
-from relax.train.state import TrainState, trained_params
+from relax.train.state import TrainState, policy_and_vision, trained_params
 from relax.train.update import Updated, make_update
 
 
@@ -187,6 +187,8 @@ def make_update_stage(
         ``side``: a trained tower's features (padded image rows only)."""
         if batch.packed is None:
             return make_update(loss_fn, optimizer, side=side, **split)
+        if side is not None:
+            raise ValueError("a trained tower's image prompts run padded, never packed")
         binned = make_binned_update(
             loss_fn,
             optimizer,
@@ -232,7 +234,7 @@ def make_update_stage(
                 False,
                 image_data(batch) if tower else None,
             )
-            policy, vision = params if tower else (params, None)
+            policy, vision = policy_and_vision(params, state)
         if cfg.needs_critic and not cfg.shared_critic:
             critic_update = build(
                 make_critic_loss(cfg, passes),

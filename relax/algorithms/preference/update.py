@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from relax.algorithms.preference.pairs import PairRows
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState, trained_params
+from relax.train.state import TrainState, policy_and_vision, trained_params
 from relax.train.update import Updated
 
 
@@ -49,7 +49,7 @@ def run_update(
         ref_is_policy,
         side_data,
     )
-    policy, vision = (params, None) if state.vision is None else params
+    policy, vision = policy_and_vision(params, state)
     checked = (batch.loss_mask > 0)[:, None] & ~ref_is_policy  # placeholders are not checked
     first_bad = first_nonfinite(metrics["loss"], ref_logprobs=ref_logps, mask=checked)
     metrics, health = step_health(metrics, opt_state, first_bad)

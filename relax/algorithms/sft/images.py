@@ -43,7 +43,7 @@ from relax.models.forward.packed import greedy_hits
 from relax.models.vision.families import Pixels, pixels_of
 from relax.passes import Passes, choose_passes
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState, trained_params
+from relax.train.state import TrainState, policy_and_vision, trained_params
 from relax.train.update import LossContext, Updated, make_update
 from relax.train.vision_tower import ImageData, image_side
 
@@ -136,7 +136,7 @@ def make_image_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
         params, opt_state, metrics = update_fn(
             trained_params(state.policy, state.vision), state.opt_state, rows, sub, False, side_data
         )
-        policy, vision = params if tower else (params, None)
+        policy, vision = policy_and_vision(params, state)
         metrics, health = step_health(metrics, opt_state, first_nonfinite(metrics["loss"]))
         metrics = {
             **metrics,
