@@ -221,12 +221,18 @@ if __name__ != "__main__":
                 and part["restored_sharding"] == "P(None, 'fsdp', 'tensor')"
             )
 
-    def _two_and_one(mode: str, root: Path, timeout: float) -> None:
+    def _two_and_one(mode: str, root: Path, timeout: float, *extra: str) -> None:
         """Worker ``mode`` on ``root`` as two processes of four devices on ``TRAINERS_MESH``
-        (``RELAX_TEST_RUN=two``) and as one process of one device (``one``), side by side; each
-        must succeed."""
+        (``RELAX_TEST_RUN=two``) and as one process of one device (``one``), side by side, both
+        with the flags ``extra``; each must succeed."""
         port = free_port()
-        flags = ["--parallel.mesh", TRAINERS_MESH, "--parallel.coordinator", f"127.0.0.1:{port}"]
+        flags = [
+            *extra,
+            "--parallel.mesh",
+            TRAINERS_MESH,
+            "--parallel.coordinator",
+            f"127.0.0.1:{port}",
+        ]
         two = {"RELAX_TEST_CPU_DEVICES": "4", "RELAX_TEST_RUN": "two"}
         procs = [
             _spawn(
@@ -236,7 +242,7 @@ if __name__ != "__main__":
             )
             for i in range(2)
         ]
-        procs.append(_spawn([mode, str(root)], env={"RELAX_TEST_RUN": "one"}))
+        procs.append(_spawn([mode, str(root), *extra], env={"RELAX_TEST_RUN": "one"}))
         outputs = _finish(procs, timeout)
         for p, out in zip(procs, outputs):
             assert p.returncode == 0, out[-6000:]
@@ -308,17 +314,21 @@ if __name__ != "__main__":
             assert got["devices"] == 4 and one["devices"] == 1  # this process's devices
 
     @pytest.mark.slow  # two short image runs in three subprocesses
-    def test_image_prompts_on_two_processes_log_what_one_device_logs(tmp_path):
+    @pytest.mark.parametrize("extra", [(), ("--train-vision",)], ids=["frozen", "train-vision"])
+    def test_image_prompts_on_two_processes_log_what_one_device_logs(tmp_path, extra):
         """GRPO on image prompts of the tiny Qwen2.5-VL on the global ``data=2,fsdp=2,tensor=2``
         mesh of two processes of four devices: each process encodes its own rows' images on its
         own devices (the vision part there) and the step takes them as global arrays; the
         held-out prompts, which every process holds whole, are encoded by each and replicated.
         The training and held-out metrics are a one-device run's, with a reward of each row's own
-        answer (``_row_tied``: images given to the wrong rows would score otherwise)."""
+        answer (``_row_tied``: images given to the wrong rows would score otherwise).
+        ``--train-vision``: every process gathers every process's images for the tower in the
+        step (``relax.parallel.pixels``), and the held-out images are encoded by the state's
+        tower."""
         import test_vlm_mesh as tvm
 
         tvm.write_setup(tmp_path)
-        _two_and_one("images", tmp_path, 2 * TIMEOUT_S)
+        _two_and_one("images", tmp_path, 2 * TIMEOUT_S, *extra)
         one, two = (tvm._lines(tmp_path / run) for run in ("one", "two"))
         assert set(one) == set(two) == {"eval 0", "train 1", "train 2", "eval 2"}, (one, two)
         for line, want in one.items():

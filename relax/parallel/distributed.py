@@ -202,6 +202,26 @@ def all_rows(x: np.ndarray) -> np.ndarray:
     return np.concatenate([row[:size] for row, size in zip(rows, sizes)])
 
 
+def all_arrays(x: np.ndarray) -> list[np.ndarray]:
+    """Every process's array ``x`` (of any shape, up to 8 axes; one dtype on all), in process
+    order (every process calls this; one process: ``[x]``)."""
+    x = np.ascontiguousarray(x)
+    if not multi_process():
+        return [x]
+    if x.ndim > 8:
+        raise ValueError(f"all_arrays takes arrays of up to 8 axes, got {x.shape}")
+    header = np.zeros((1, 9), np.int64)
+    header[0, 0], header[0, 1 : 1 + x.ndim] = x.ndim, x.shape
+    headers, flat = all_rows(header), all_rows(x.reshape(-1))
+    out, at = [], 0
+    for h in headers:
+        shape = tuple(int(d) for d in h[1 : 1 + h[0]])
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(flat[at : at + size].reshape(shape))
+        at += size
+    return out
+
+
 def is_global(x: Any) -> bool:
     """True for a jax.Array laid out over the run's devices (on several processes, one that is not
     fully addressable); host values and single-process arrays are "local"."""

@@ -42,6 +42,7 @@ from relax.algorithms.online.rewards import reward_functions, reward_pool
 from relax.algorithms.online.setup import (
     RunData,
     base_path,
+    batch_pixels,
     exporter,
     load_run_data,
     reasoning_gym_setup,
@@ -59,7 +60,6 @@ from relax.data.prompts import (
     padded_length,
 )
 from relax.eval.evaluate import evaluate, sampler_calls
-from relax.models.vision.families import pixels_of
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ShardedStep, batch_shards, check_batch
 from relax.parallel.distributed import on_host_memory
@@ -334,7 +334,7 @@ def _make_batch(cfg: OnlineRunConfig, data: RunData, *, features: bool = True):
             pb.prompts,
             {cfg.answer_field: pb.answers, **pb.fields},
             images=data.encode(data.model, pb, features=features),
-            pixels=pixels_of(pb.images) if cfg.tower_trains else None,
+            pixels=batch_pixels(data, pb) if cfg.tower_trains else None,
         )
 
     return make_batch
@@ -389,8 +389,7 @@ def _check_images(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
 
 
 def _check_train_vision(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
-    """A trained tower (``relax.algorithms.online.vision``): GRPO and PPO, synchronous, one
-    process."""
+    """A trained tower (``relax.algorithms.online.vision``): GRPO and PPO, synchronous."""
     if algo.name not in ("grpo", "ppo"):
         raise ValueError(
             f"--train-vision / --lora.vision: GRPO and PPO train the vision tower; {algo.name} "
@@ -403,21 +402,10 @@ def _check_train_vision(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> None:
         )
 
 
-def _check_processes(cfg: OnlineRunConfig) -> None:
-    """A trained tower runs on one process (once the processes are known)."""
-    if cfg.tower_trains and jax.process_count() > 1:
-        raise ValueError(
-            "--train-vision / --lora.vision run on one process (one device or its mesh): each process of a "
-            "multi-host run encodes its own rows' images, which a trained tower's update does not "
-            "gather yet"
-        )
-
-
 def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
     """Train (or evaluate) as configured; returns the summary written to ``summary.json``."""
     _check_images(cfg, algo)
     cfg.parallel.initialize()  # multi-host: before anything touches a device
-    _check_processes(cfg)
     run_dir, log = start_run(cfg, algo.name)
     t_start = time.perf_counter()
     cfg, env_rewards = verifiers_setup(cfg, run_dir, log)  # --env verifiers:<id>

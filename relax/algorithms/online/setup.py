@@ -36,9 +36,11 @@ from relax.models.decoder.prompt_inputs import PromptInputs, text_prompt_inputs
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
 from relax.models.vision.families import (
     VISION_FAMILIES,
+    Pixels,
     VisionLanguage,
     encode_images,
     load_vision_language,
+    pixels_of,
     save_vision_language,
     trainable_vision,
     vision_family_of,
@@ -47,6 +49,7 @@ from relax.objectives.reference import ReferenceConfig
 from relax.parallel import place_process_rows, place_rows, rows_shardings, shard_vision
 from relax.parallel.distributed import barrier, multi_process, on_host_memory
 from relax.parallel.local import local_mesh
+from relax.parallel.pixels import global_pixels
 from relax.tasks import TASK_REWARDS, TASKS, kind
 from relax.tasks import reasoning_gym as reasoning_gym_task
 from relax.tasks.base import prepare, write_jsonl
@@ -337,6 +340,8 @@ class RunData:
         zero (the step computes them from its trained tower)."""
         if batch.images is None:
             return None
+        if vision is not None and multi_process():  # the state's tower, whole on this process
+            vision = host_policy(vision)
         part = self.vision if vision is None else self.vision._replace(vision=merged_module(vision))
         args = (part, policy, batch.prompt_ids, batch.prompt_mask, batch.images)
         inputs = encode_images(*args, features=features)
@@ -353,6 +358,16 @@ def trained_tower(cfg: ModelRunConfig, data: RunData):
     features, ``RunData.encode``)."""
     key = jax.random.fold_in(jax.random.key(cfg.seed), VISION_LORA_STREAM)
     return trainable_vision(data.vision, cfg.lora, key)
+
+
+def batch_pixels(data: RunData, batch) -> Pixels | None:
+    """A ``PromptBatch``'s images for a trained tower: its own, or on several processes every
+    process's, in the global rows' order (``relax.parallel.pixels.global_pixels``)."""
+    if batch.images is None:
+        return None
+    if multi_process():
+        return global_pixels(batch.images.pixel_values, batch.images.grid, data.mesh)
+    return pixels_of(batch.images)
 
 
 def training_batches(cfg: OnlineRunConfig, data: RunData):
