@@ -235,3 +235,6 @@ def test_image_plan_refusals(tmp_path):
     with pytest.raises(ValueError, match="need --image-field"):
         text = [a for a in argv(qwen) if a not in ("--image-field", "image")]
         plan("grpo", text, "v5e:2x2", compile_fn=no_compile, images=ImagePlan(1, 16))
+    for flag in (("--train-vision",), ("--lora.rank", "4", "--lora.vision")):
+        with pytest.raises(ValueError, match="plans a frozen vision tower"):
+            plan("grpo", argv(qwen, *flag), "v5e:2x2", compile_fn=no_compile)

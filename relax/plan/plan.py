@@ -144,6 +144,12 @@ def plan_run(
     if getattr(run, "image_field", None) is not None:
         if algorithm != "grpo":
             raise ValueError(f"relax plan plans image prompts for grpo runs; got {algorithm}")
+        if run.tower_trains:
+            raise ValueError(
+                "relax plan plans a frozen vision tower: a trained one (--train-vision, "
+                "--lora.vision) adds its weights' optimizer state and its backward in the update, "
+                "which the plan does not count yet; plan without the flag for the frozen figures"
+            )
         vm, images = vision_lib.resolved(run, images)
         measure_fn = functools.partial(vision_lib.image_run, vm=vm, images=images)
     elif images is not None:
