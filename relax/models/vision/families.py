@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -273,6 +274,12 @@ def trainable_vision(model: VisionLanguage, lora: LoRAConfig, key: jax.Array) ->
     part = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model.vision)
     if not lora.vision:
         return part
+    if lora.dropout > 0:
+        warnings.warn(
+            f"--lora.dropout {lora.dropout} applies to the language model's adapters; the "
+            "tower's run merged into its weights and take no dropout",
+            stacklevel=2,
+        )
     return add_module_lora(part, tuple(model.family.lora_modules), lora, key)
 
 
