@@ -46,10 +46,10 @@ __all__ = [
     "VisionLanguage",
     "encode_images",
     "image_token_features",
-    "pixels_of",
-    "trainable_vision",
     "load_vision_language",
+    "pixels_of",
     "save_vision_language",
+    "trainable_vision",
     "vision_family_of",
     "with_image_features",
 ]
