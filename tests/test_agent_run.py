@@ -218,3 +218,9 @@ def test_a_sampler_mesh_is_refused():
     ``relax.parallel.local``), between the environments' host steps: no separate sampler mesh."""
     with pytest.raises(SystemExit):  # tyro's usage error
         train_agent.main(FAST + ["--parallel.sampler-devices", "2"])
+
+
+def test_lora_vision_is_refused():
+    """The agent trainer takes text models: adapters on a vision tower are refused by name."""
+    with pytest.raises(SystemExit):  # tyro's usage error, naming --lora.vision
+        train_agent.main(FAST + ["--lora.rank", "4", "--lora.vision"])

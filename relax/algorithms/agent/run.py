@@ -102,6 +102,10 @@ class AgentRunConfig(ModelRunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.lora.vision:
+            raise ValueError(
+                "--lora.vision adapts a vision tower: the agent trainer takes text models"
+            )
         if self.env is None and self.task.max_turns != self.agent.max_turns:
             raise ValueError(
                 f"--task.max-turns {self.task.max_turns} and --agent.max-turns {self.agent.max_turns} "
