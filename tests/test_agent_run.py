@@ -220,7 +220,8 @@ def test_a_sampler_mesh_is_refused():
         train_agent.main(FAST + ["--parallel.sampler-devices", "2"])
 
 
-def test_lora_vision_is_refused():
+def test_lora_vision_is_refused(capsys):
     """The agent trainer takes text models: adapters on a vision tower are refused by name."""
-    with pytest.raises(SystemExit):  # tyro's usage error, naming --lora.vision
+    with pytest.raises(SystemExit):  # tyro's usage error
         train_agent.main(FAST + ["--lora.rank", "4", "--lora.vision"])
+    assert "--lora.vision adapts a vision tower" in capsys.readouterr().err
