@@ -214,10 +214,11 @@ def make_update(
             mb, keys, idx = xs
             ctx = LossContext(norms, same)
             encoded, pullback = _side_rows(side, trained, frozen, side_data)
-            per_micro = None if side is None else jax.tree.map(lambda r: r[idx], encoded)
 
             def micro(acc, xs):
-                micro_batch, k, r = xs
+                grads_so_far, cotangent = acc  # the side rows' cotangent, at their rows
+                micro_batch, k, i = xs
+                r = None if side is None else jax.tree.map(lambda e: e[i], encoded)
                 run = lambda: grad_fn(trained, r, frozen, micro_batch, ctx, k)  # noqa: E731
                 if skip_empty:
                     (loss, metrics), (grads, g_rows) = jax.lax.cond(
@@ -225,15 +226,17 @@ def make_update(
                     )
                 else:
                     (loss, metrics), (grads, g_rows) = run()
-                out = (loss, metrics, _weight(micro_batch), g_rows)
-                return jax.tree.map(jnp.add, acc, grads), out
+                if side is not None:
+                    cotangent = jax.tree.map(lambda c, g: c.at[i].add(g), cotangent, g_rows)
+                acc = (jax.tree.map(jnp.add, grads_so_far, grads), cotangent)
+                return acc, (loss, metrics, _weight(micro_batch))
 
-            zeros = jax.tree.map(jnp.zeros_like, trained)
-            grads, (losses, metrics, weights, g_rows) = jax.lax.scan(
-                micro, zeros, (mb, keys, per_micro)
+            zeros = jax.tree.map(jnp.zeros_like, (trained, encoded))
+            (grads, cotangent), (losses, metrics, weights) = jax.lax.scan(
+                micro, zeros, (mb, keys, idx)
             )
-            if side is not None:  # each row's cotangent at its row, then through the side part
-                grads = (grads[0], pullback(_scattered(encoded, g_rows, idx))[0])
+            if side is not None:  # the rows' cotangents through the side part, once
+                grads = (grads[0], pullback(cotangent)[0])
             skipped_before = skip_counts(opt_state)[1]
             updates, opt_state = optimizer.update(grads, opt_state, trained)
             new_trained = optax.apply_updates(trained, updates)
@@ -280,17 +283,6 @@ def _side_rows(side: SideInputs | None, trained, frozen, side_data):
         return None, None
     encode = lambda t: side.encode(eqx.combine(t, frozen[1]), side_data)  # noqa: E731
     return jax.vjp(encode, trained[1])
-
-
-def _scattered(encoded, g_rows, idx):
-    """The micro-batches' cotangents ``[a, r, ...]`` placed at their rows ``idx`` ``[a, r]`` of
-    the batch (zeros at rows of other minibatches)."""
-    flat = idx.reshape(-1)
-    return jax.tree.map(
-        lambda e, g: jnp.zeros_like(e).at[flat].set(g.reshape((-1,) + e.shape[1:])),
-        encoded,
-        g_rows,
-    )
 
 
 def _declared(out):
