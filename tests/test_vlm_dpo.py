@@ -54,6 +54,18 @@ def _images(root, **kw):
     return ImagePrompts("image", processor_for("qwen2_5_vl", root / "model"), **kw)
 
 
+def _host_pairs(rows, tok, images):
+    """``rows`` as one host batch of image pairs (prompts of ``LP``, completions of ``N``)."""
+    pairs = encode_image_pairs(rows, tok, images, max_prompt_tokens=LP, max_completion_tokens=N)
+    return collate_image_pairs(
+        pairs.examples,
+        pad_id=tok.pad_token_id,
+        prompt_length=LP,
+        completion_length=N,
+        images=images,
+    )
+
+
 @pytest.mark.parity
 def test_pair_logps_match_transformers(setup):
     root, train = setup
@@ -61,14 +73,7 @@ def test_pair_logps_match_transformers(setup):
     two = dict(_pair(train[1]), prompt="Count both.", image=[train[1]["image"], train[2]["image"]])
     rows = [_pair(train[0]), two]
     vl, tok, images = load_vision_language(model_dir), load_tokenizer(model_dir), _images(root)
-    pairs = encode_image_pairs(rows, tok, images, max_prompt_tokens=LP, max_completion_tokens=N)
-    batch = collate_image_pairs(
-        pairs.examples,
-        pad_id=tok.pad_token_id,
-        prompt_length=LP,
-        completion_length=N,
-        images=images,
-    )
+    batch = _host_pairs(rows, tok, images)
     b = with_prompt(batch, lambda i, m, x: encode_images(vl, vl.language_model, i, m, x))
     sums, _ = sequence_logps(pair_forward()(vl.language_model, b, False), b.mask)
     for row, got in zip(rows, np.asarray(sums)):
@@ -209,15 +214,7 @@ def test_train_vision_step_is_sgd_on_the_loss_with_the_tower_inside(setup):
         load_tokenizer(root / "model"),
         _images(root),
     )
-    rows = [_pair(r) for r in train[:4]]
-    pairs = encode_image_pairs(rows, tok, images, max_prompt_tokens=LP, max_completion_tokens=N)
-    host = collate_image_pairs(
-        pairs.examples,
-        pad_id=tok.pad_token_id,
-        prompt_length=LP,
-        completion_length=N,
-        images=images,
-    )
+    host = _host_pairs([_pair(r) for r in train[:4]], tok, images)
     encode = lambda i, m, x: encode_images(vl, vl.language_model, i, m, x)  # noqa: E731
     initial = with_prompt(host, encode)  # the initial tower's features: the reference's
     pixels = families.pixels_of(host.images)

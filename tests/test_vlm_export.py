@@ -320,6 +320,21 @@ def _tower_lora(vision, modules, seed=3):
     return dataclasses.replace(m, b=b)
 
 
+def _saved_with_tower(vl, family, directory):
+    """Random adapters on ``vl``'s language model and tower, saved to ``directory``."""
+    policy, tower = _lora(vl.language_model), _tower_lora(vl.vision, family.lora_modules)
+    modules = family.lora_modules
+    save_adapter(policy, directory, prefix=family.peft_prefix, tower=tower, tower_modules=modules)
+    return policy, tower
+
+
+def _peft_names_of(model, directory) -> set[str]:
+    """The tensor names PEFT itself writes for the modules ``directory``'s config targets."""
+    targets = json.loads((directory / "adapter_config.json").read_text())["target_modules"]
+    theirs = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets)).state_dict()
+    return {n.replace(".default.", ".") for n in theirs if ".lora_" in n}
+
+
 def test_qwen_tower_adapters_are_peft_s_on_the_vlm_class(setup, tmp_path):
     """``--lora.vision``: the tower's adapters beside the language model's, under the names PEFT
     writes for the same modules on ``Qwen2_5_VLForConditionalGeneration``; PEFT's model on the base
@@ -329,20 +344,8 @@ def test_qwen_tower_adapters_are_peft_s_on_the_vlm_class(setup, tmp_path):
     root, row = setup
     vl = load_vision_language(root / "model")
     family = VISION_FAMILIES["qwen2_5_vl"]
-    policy, tower = _lora(vl.language_model), _tower_lora(vl.vision, family.lora_modules)
-    save_adapter(
-        policy,
-        tmp_path / "adapter",
-        prefix=family.peft_prefix,
-        tower=tower,
-        tower_modules=family.lora_modules,
-    )
-    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[
-        "target_modules"
-    ]
-    cfg = peft.LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM")
-    theirs = peft.get_peft_model(_load(root / "model"), cfg).state_dict()
-    names = {n.replace(".default.", ".") for n in theirs if ".lora_" in n}
+    policy, tower = _saved_with_tower(vl, family, tmp_path / "adapter")
+    names = _peft_names_of(_load(root / "model"), tmp_path / "adapter")
     assert _saved_names(tmp_path / "adapter") == names
     assert any(".visual.merger." in n for n in names) and any(".visual.blocks." in n for n in names)
     tuned = peft.PeftModel.from_pretrained(_load(root / "model"), tmp_path / "adapter").eval()
@@ -395,17 +398,8 @@ def test_gemma3_tower_adapters_are_peft_s_on_the_vlm_class(tmp_path):
 
     vl = load_vision_language(tmp_path / "hf")
     family = VISION_FAMILIES["gemma3"]
-    policy, tower = _lora(vl.language_model), _tower_lora(vl.vision, family.lora_modules)
-    save_adapter(
-        policy,
-        tmp_path / "ours",
-        prefix=family.peft_prefix,
-        tower=tower,
-        tower_modules=family.lora_modules,
-    )
-    targets = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
-    theirs = peft.get_peft_model(hf(), peft.LoraConfig(r=4, target_modules=targets)).state_dict()
-    names = {n.replace(".default.", ".") for n in theirs if ".lora_" in n}
+    policy, tower = _saved_with_tower(vl, family, tmp_path / "ours")
+    names = _peft_names_of(hf(), tmp_path / "ours")
     assert _saved_names(tmp_path / "ours") == names
     assert any(".vision_tower." in n for n in names)
     ids = np.asarray([[5, 6, BOI, *[IMG] * MM, EOI, 10, 11]])

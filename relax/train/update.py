@@ -63,6 +63,7 @@ from relax.objectives.reference import params_equal
 from relax.passes import Passes
 from relax.train.health import first_nonfinite_leaf
 from relax.train.optimizer import skip_counts
+from relax.train.state import TrainState, policy_and_vision, trained_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +275,21 @@ def make_update(
         return eqx.combine(trained, frozen), opt_state, M.values(M.reduce_steps(metrics))
 
     return update
+
+
+def update_policy(update_fn, state: TrainState, rows, key, ref_is_policy=False, side_data=None):
+    """``update_fn`` (``make_update``'s) on the state's trained params (``trained_params``: the
+    policy, with its trained vision part): ``(policy, vision, opt_state, metrics)``, ``vision``
+    None when the state trains none."""
+    params, opt_state, metrics = update_fn(
+        trained_params(state.policy, state.vision),
+        state.opt_state,
+        rows,
+        key,
+        ref_is_policy,
+        side_data,
+    )
+    return (*policy_and_vision(params, state), opt_state, metrics)
 
 
 def _side_rows(side: SideInputs | None, trained, frozen, side_data):

@@ -48,8 +48,8 @@ from relax.rewards.shaping import (
     overlong_penalty,
 )
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState, policy_and_vision, trained_params
-from relax.train.update import Updated
+from relax.train.state import TrainState
+from relax.train.update import Updated, update_policy
 
 
 def shape_rewards(cfg: GRPOConfig, rewards: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -140,15 +140,10 @@ def make_update_stage(
         data = loss_rows(batch, reference=cfg.beta > 0)
         key, sub = jax.random.split(state.key)
         ref_is_policy = False if batch.ref_is_policy is None else batch.ref_is_policy
-        params, opt_state, metrics = update_fn(
-            trained_params(state.policy, state.vision),
-            state.opt_state,
-            data,
-            sub,
-            ref_is_policy,
-            image_data(batch) if tower else None,
+        side_data = image_data(batch) if tower else None
+        policy, vision, opt_state, metrics = update_policy(
+            update_fn, state, data, sub, ref_is_policy, side_data
         )
-        policy, vision = policy_and_vision(params, state)
         step, ref, ref_stats = state.step + 1, state.ref, state.ref_stats
         if ref_stats is not None:  # for KL-target / entropy-floor reference resets
             ref_stats = ref_stats.update(metrics.get("kl", jnp.float32(0.0)), metrics["entropy"])

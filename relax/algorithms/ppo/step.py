@@ -56,8 +56,8 @@ from relax.objectives.value import explained_variance
 from relax.passes import Passes
 from relax.train.health import first_nonfinite, step_health
 from relax.train.optimizer import paired
-from relax.train.state import TrainState, policy_and_vision, trained_params
-from relax.train.update import Updated, make_update
+from relax.train.state import TrainState
+from relax.train.update import Updated, make_update, update_policy
 
 
 def token_rewards(score, mask, kl, kl_coef: float):
@@ -226,15 +226,10 @@ def make_update_stage(
                 state.policy.config,
                 side=IMAGE_FEATURES if tower else None,
             )
-            params, opt_state, metrics = actor(
-                trained_params(state.policy, state.vision),
-                state.opt_state,
-                actor_rows,
-                k_actor,
-                False,
-                image_data(batch) if tower else None,
+            side_data = image_data(batch) if tower else None
+            policy, vision, opt_state, metrics = update_policy(
+                actor, state, actor_rows, k_actor, False, side_data
             )
-            policy, vision = policy_and_vision(params, state)
         if cfg.needs_critic and not cfg.shared_critic:
             critic_update = build(
                 make_critic_loss(cfg, passes),

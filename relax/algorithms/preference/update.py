@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from relax.algorithms.preference.pairs import PairRows
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState, policy_and_vision, trained_params
-from relax.train.update import Updated
+from relax.train.state import TrainState
+from relax.train.update import Updated, update_policy
 
 
 def with_loss_mask(batch):
@@ -41,15 +41,9 @@ def run_update(
     ``side_data``, the batch's images (``relax.train.vision_tower``)."""
     ref_is_policy = ref_is_policy_of(batch)
     key, sub = jax.random.split(state.key)
-    params, opt_state, metrics = update_fn(
-        trained_params(state.policy, state.vision),
-        state.opt_state,
-        rows,
-        sub,
-        ref_is_policy,
-        side_data,
+    policy, vision, opt_state, metrics = update_policy(
+        update_fn, state, rows, sub, ref_is_policy, side_data
     )
-    policy, vision = policy_and_vision(params, state)
     checked = (batch.loss_mask > 0)[:, None] & ~ref_is_policy  # placeholders are not checked
     first_bad = first_nonfinite(metrics["loss"], ref_logprobs=ref_logps, mask=checked)
     metrics, health = step_health(metrics, opt_state, first_bad)

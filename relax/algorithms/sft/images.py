@@ -43,8 +43,8 @@ from relax.models.forward.packed import greedy_hits
 from relax.models.vision.families import Pixels, pixels_of
 from relax.passes import Passes, choose_passes
 from relax.train.health import first_nonfinite, step_health
-from relax.train.state import TrainState, policy_and_vision, trained_params
-from relax.train.update import LossContext, Updated, make_update
+from relax.train.state import TrainState
+from relax.train.update import LossContext, Updated, make_update, update_policy
 from relax.train.vision_tower import ImageData, image_side
 
 PROMPT_FEATURES = image_side("prompt")  # a trained tower's features: the rows' ``prompt``
@@ -133,10 +133,9 @@ def make_image_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
         key, sub = jax.random.split(state.key)
         rows = dataclasses.replace(batch, pixels=None)  # the update slices rows; images aside
         side_data = ImageData(batch.prompt, batch.pixels) if tower else None
-        params, opt_state, metrics = update_fn(
-            trained_params(state.policy, state.vision), state.opt_state, rows, sub, False, side_data
+        policy, vision, opt_state, metrics = update_policy(
+            update_fn, state, rows, sub, False, side_data
         )
-        policy, vision = policy_and_vision(params, state)
         metrics, health = step_health(metrics, opt_state, first_nonfinite(metrics["loss"]))
         metrics = {
             **metrics,
