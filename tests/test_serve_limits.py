@@ -338,6 +338,8 @@ def test_hostile_numbers_are_refused_naming_the_field(served):
         ("rank", True),
         ("use_rslora", "yes"),
         ("target_modules", [1]),
+        ("vision", True),  # text models only: no tower to adapt
+        ("vision", "yes"),
     ):
         refused(lambda: svc.create_session({k: v}), k)
     config = {"data": datums(4), "loss_fn": "ppo"}

@@ -110,7 +110,15 @@ _LORA_CHECKS: dict[str, Callable] = {  # every LoRAConfig field, checked as sent
     "init": lambda k, v: text(k, v, max_chars=64),
     "use_rslora": _boolean,
     "dtype": lambda k, v: text(k, v, max_chars=64),
+    "vision": lambda k, v: _no_tower(k, v),
 }
+
+
+def _no_tower(field: str, v) -> None:
+    """The service trains text models: adapters on a vision tower are refused."""
+    _boolean(field, v)
+    if v:
+        raise RequestError(field, "false: the service trains text models (no vision tower)")
 
 
 class Service:
