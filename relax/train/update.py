@@ -278,17 +278,12 @@ def make_update(
 
 
 def update_policy(update_fn, state: TrainState, rows, key, ref_is_policy=False, side_data=None):
-    """``update_fn`` (``make_update``'s) on the state's trained params (``trained_params``: the
-    policy, with its trained vision part): ``(policy, vision, opt_state, metrics)``, ``vision``
-    None when the state trains none."""
-    params, opt_state, metrics = update_fn(
-        trained_params(state.policy, state.vision),
-        state.opt_state,
-        rows,
-        key,
-        ref_is_policy,
-        side_data,
-    )
+    """``update_fn`` (``make_update``'s, or a packed update's: ``side_data`` None is not passed)
+    on the state's trained params (``trained_params``: the policy, with its trained vision part):
+    ``(policy, vision, opt_state, metrics)``, ``vision`` None when the state trains none."""
+    params = trained_params(state.policy, state.vision)
+    side = () if side_data is None else (side_data,)
+    params, opt_state, metrics = update_fn(params, state.opt_state, rows, key, ref_is_policy, *side)
     return (*policy_and_vision(params, state), opt_state, metrics)
 
 
