@@ -66,10 +66,11 @@ def _max_diff(a, b) -> tuple[float, float]:
     return float(np.max(np.abs(a - b), initial=0.0)), float(np.max(np.abs(b), initial=0.0))
 
 
-def qwen_step(root: Path, spec: str | None, train_vision: bool = False) -> dict:
+def qwen_step(root: Path, spec: str | None, train_vision: str | None = None) -> dict:
     """One GRPO step on 4 image prompts of the tiny Qwen2.5-VL (``RunData.encode`` for their
     inputs), on one device (``spec`` None) or on the mesh; what it computed, as arrays.
-    ``train_vision``: the state trains a copy of the tower (``--train-vision``)."""
+    ``train_vision``: the state trains a copy of the tower, ``"full"`` (``--train-vision``) or
+    through rank-4 adapters, ``"lora"`` (``--lora.vision``)."""
     import jax
     import numpy as np
 
@@ -84,7 +85,8 @@ def qwen_step(root: Path, spec: str | None, train_vision: bool = False) -> dict:
     from relax.data.files import Record
     from relax.data.image_prompts import ImagePrompts, processor_for
     from relax.data.prompts import DataConfig, batch_of, prepare_prompts
-    from relax.models.vision.families import load_vision_language, pixels_of
+    from relax.models.layers.lora import LoRAConfig
+    from relax.models.vision.families import load_vision_language, pixels_of, trainable_vision
     from relax.passes import choose_passes
     from relax.text import load_tokenizer
     from relax.train.optimizer import OptimizerConfig
@@ -113,7 +115,12 @@ def qwen_step(root: Path, spec: str | None, train_vision: bool = False) -> dict:
         optimizer=OptimizerConfig(learning_rate=LEARNING_RATE, eps=ADAM_EPS),
     )
     policy = data.model
-    tower = jax.tree.map(lambda a: a.copy(), vl.vision) if train_vision else None
+    tower = None
+    if train_vision:
+        lora = LoRAConfig(rank=4, alpha=8.0, vision=train_vision == "lora")
+        tower = trainable_vision(vl, lora, jax.random.key(2))
+    host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
+    initial = host(tower)
     state = init_state(
         policy, cfg.optimizer.make(), key=jax.random.key(1), with_reference=True, vision=tower
     )
@@ -134,11 +141,10 @@ def qwen_step(root: Path, spec: str | None, train_vision: bool = False) -> dict:
         pixels,
     )
     trained_spec = None
-    if mesh is not None and train_vision:
+    if mesh is not None and train_vision == "full":
         trained_spec = str(state.vision.visual.blocks.qkv.sharding.spec)
     state, out = step(state, x)
     b = out.device.batch
-    host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
     return {
         "metrics": {k: float(v) for k, v in out.device.metrics.items() if "time" not in k},
         "tokens": np.asarray(b.tokens),
@@ -146,9 +152,7 @@ def qwen_step(root: Path, spec: str | None, train_vision: bool = False) -> dict:
         "old_logprobs": np.asarray(b.old_logprobs),
         "inputs": host(inputs),
         "policy": host((state.policy, state.vision)),
-        "before": host(
-            (load_vision_language(model_dir).language_model, vl.vision if train_vision else None)
-        ),
+        "before": (host(load_vision_language(model_dir).language_model), initial),
         "specs": {} if mesh is None else _specs(data.vision.vision.visual, inputs),
         "trained_qkv": trained_spec,
     }
@@ -167,7 +171,7 @@ def _specs(visual, inputs) -> dict[str, str]:
     }
 
 
-def qwen_case(root: Path, train_vision: bool = False) -> dict:
+def qwen_case(root: Path, train_vision: str | None = None) -> dict:
     """The step on one device and on the mesh: largest differences, the mesh's specs."""
     import jax
     import numpy as np
@@ -323,7 +327,8 @@ def worker(out_path: str, root: str) -> None:
     write_setup(root)
     results = {
         "qwen": qwen_case(root),
-        "tower": qwen_case(root, train_vision=True),
+        "tower": qwen_case(root, train_vision="full"),
+        "tower_lora": qwen_case(root, train_vision="lora"),
         "gemma": gemma_case(),
         "cli": cli_case(root),
     }
@@ -358,9 +363,13 @@ else:
     # ------------------------------------------------------------------ 8 devices (subprocess)
 
     @pytest.mark.slow  # a whole run: make test-all
-    @pytest.mark.parametrize("case", ["qwen", "tower"], ids=["frozen-tower", "train-vision"])
+    @pytest.mark.parametrize(
+        "case", ["qwen", "tower", "tower_lora"], ids=["frozen-tower", "train-vision", "lora-vision"]
+    )
     def test_grpo_step_with_image_prompts_on_a_mesh_equals_one_device(results, case):
-        """``tower``: the state trains the tower too; its weights agree as the policy's do."""
+        """``tower``: the state trains the tower too; its weights agree as the policy's do;
+        ``tower_lora``: through its adapters (``ModuleLoRA``: the base laid out as a frozen
+        part, the factors replicated)."""
         got = results[case]
         assert got["image_tokens"] > 0
         for name, (diff, scale) in got["inputs"].items():  # the encode on the mesh
@@ -371,8 +380,13 @@ else:
         one, mesh = got["metrics"]["one"], got["metrics"]["mesh"]
         assert one["reward_std"] > 0 and "loss" in one, one  # advantages: the update moves
         _close(mesh, one, "metrics")
-        moved = [name for name, (_, _, step) in got["weights"].items() if step > LEARNING_RATE / 2]
-        assert len(moved) >= len(got["weights"]) // 2, moved
+        weights = got["weights"]
+        if case == "tower_lora":  # the tower's base stays; its B factors leave 0 (A waits for B)
+            assert all(step == 0 for n, (_, _, step) in weights.items() if ".base." in n)
+            assert all(step > 0 for n, (_, _, step) in weights.items() if n.startswith("[1].b["))
+            weights = {n: w for n, w in weights.items() if not n.startswith("[1]")}
+        moved = [name for name, (_, _, step) in weights.items() if step > LEARNING_RATE / 2]
+        assert len(moved) >= len(weights) // 2, moved
         for name, (diff, _, _) in got["weights"].items():
             assert diff <= WEIGHT_ATOL, (name, diff)
 
