@@ -216,3 +216,17 @@ def test_ppo_train_vision_moves_the_tower_and_samples_as_it_trains(setup, tmp_pa
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "loss" in x]
     assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-5 for s in steps), steps
+
+
+@pytest.mark.parametrize("flags", [{"train_vision": True}, {"lora": "vision"}], ids=["train", "lora"])
+def test_a_trained_tower_needs_image_prompts(flags):
+    """``--train-vision`` and ``--lora.vision`` on a run without ``--image-field``: refused when
+    the config is made, before anything loads."""
+    from relax.algorithms.grpo.run import GRPORunConfig
+    from relax.algorithms.sft.run import SFTRunConfig
+    from relax.models.layers.lora import LoRAConfig
+
+    kw = {"lora": LoRAConfig(rank=4, vision=True)} if "lora" in flags else flags
+    for config in (GRPORunConfig, SFTRunConfig):
+        with pytest.raises(ValueError, match="give --image-field"):
+            config(model="m", data="d.jsonl", **kw)

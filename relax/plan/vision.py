@@ -202,10 +202,10 @@ def encode_program(
     """The encode of one batch (``--batch-size`` prompts of ``--max-prompt-tokens``, their
     images) on ``mesh`` (the trainer mesh; a run of several ``processes``: one process's devices
     of it, ``relax.parallel.local.host_mesh``, encoding its share of the prompts): the vision
-    weights laid out by ``vision_shardings``, the host's arrays replicated. Its ``args`` are ``(None, arrays)`` (the
-    state resident meanwhile is the caller's to give; the weights are counted apart,
-    ``vision_per_chip``); its ``outputs`` the ``PromptInputs`` shapes the step takes (the whole
-    batch's)."""
+    weights laid out by ``vision_shardings``, the host's arrays replicated. Its ``args`` are
+    ``(None, arrays)`` (the state resident meanwhile is the caller's to give; the weights are
+    counted apart, ``vision_per_chip``); its ``outputs`` the ``PromptInputs`` shapes the step
+    takes (the whole batch's)."""
     check_prompt_length(run, image_tokens(vm, images), images)
     vision = laid_out_vision(vm, mesh)
     model = abstract_model(run, vm.config)

@@ -194,10 +194,12 @@ def make_update(
     if epochs < 1 or minibatches < 1:
         raise ValueError(f"epochs={epochs} and minibatches={minibatches} must be >= 1")
 
-    def loss_of_trained(trained, rows, frozen, mb, ctx, key):
-        params = eqx.combine(trained, frozen)
-        if side is not None:  # (main, side params): the loss reads the main part and the rows
-            params, mb = params[0], side.place(mb, rows)
+    def loss_of_trained(learned, rows, frozen, mb, ctx, key):
+        """``learned``: the trainable leaves the loss reads (with a side part: the main part's
+        alone, the side part reaching the loss through ``rows``)."""
+        if side is not None:
+            frozen, mb = frozen[0], side.place(mb, rows)
+        params = eqx.combine(learned, frozen)
         params = params if key is None else with_dropout_key(params, key)
         return _declared(loss_fn(params, mb, ctx))
 
@@ -215,12 +217,13 @@ def make_update(
             mb, keys, idx = xs
             ctx = LossContext(norms, same)
             encoded, pullback = _side_rows(side, trained, frozen, side_data)
+            learned = trained if side is None else trained[0]  # what the loss differentiates
 
             def micro(acc, xs):
                 grads_so_far, cotangent = acc  # the side rows' cotangent, at their rows
                 micro_batch, k, i = xs
                 r = None if side is None else jax.tree.map(lambda e: e[i], encoded)
-                run = lambda: grad_fn(trained, r, frozen, micro_batch, ctx, k)  # noqa: E731
+                run = lambda: grad_fn(learned, r, frozen, micro_batch, ctx, k)  # noqa: E731
                 if skip_empty:
                     (loss, metrics), (grads, g_rows) = jax.lax.cond(
                         _weight(micro_batch) > 0, run, functools.partial(_neutral, run)
@@ -232,12 +235,12 @@ def make_update(
                 acc = (jax.tree.map(jnp.add, grads_so_far, grads), cotangent)
                 return acc, (loss, metrics, _weight(micro_batch))
 
-            zeros = jax.tree.map(jnp.zeros_like, (trained, encoded))
+            zeros = jax.tree.map(jnp.zeros_like, (learned, encoded))
             (grads, cotangent), (losses, metrics, weights) = jax.lax.scan(
                 micro, zeros, (mb, keys, idx)
             )
             if side is not None:  # the rows' cotangents through the side part, once
-                grads = (grads[0], pullback(cotangent)[0])
+                grads = (grads, pullback(cotangent)[0])
             skipped_before = skip_counts(opt_state)[1]
             updates, opt_state = optimizer.update(grads, opt_state, trained)
             new_trained = optax.apply_updates(trained, updates)

@@ -27,12 +27,12 @@ from relax.algorithms.offline.images import Encoder, ImageTrainer
 from relax.algorithms.online.config import TaskRunConfig, tower_line
 from relax.algorithms.online.run import run_meshes, start_run
 from relax.algorithms.online.setup import (
-    VISION_LORA_STREAM,
     base_path,
     builtin_setup,
     exporter,
     image_prompts,
     load_model,
+    trained_tower,
     with_lora,
 )
 from relax.data.files import Record, read_records
@@ -44,7 +44,6 @@ from relax.models.vision.families import (
     VisionLanguage,
     encode_images,
     pixels_of,
-    trainable_vision,
 )
 from relax.parallel import ShardedStep, ShardingError, batch_shards
 from relax.parallel.distributed import on_host_memory
@@ -74,17 +73,6 @@ class OfflineRunConfig(TaskRunConfig):
     bad_images: Literal["reject", "drop"] = "reject"
     """A row whose image is missing, unreadable or over the limits: an error naming the file, row
     and field, or the row dropped (counted and named at start-up)."""
-    train_vision: bool = False
-    """Train the vision tower and its projection with the language model, by the policy's
-    optimizer (SFT and the DPO family; frozen by default): its features are recomputed once per
-    step inside the gradient (the reference keeps the initial tower); the export and checkpoints
-    hold the trained tower."""
-
-    @property
-    def tower_trains(self) -> bool:
-        """The vision tower trains: whole (``--train-vision``) or through adapters
-        (``--lora.vision``)."""
-        return self.train_vision or self.lora.vision
 
     def __post_init__(self):
         super().__post_init__()
@@ -332,8 +320,7 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
     with on_host_memory(mesh is not None):
         state = algo.make_state(model, jax.random.key(cfg.seed))
     if cfg.tower_trains:  # a copy: the run's stays the initial tower
-        key = jax.random.fold_in(jax.random.key(cfg.seed), VISION_LORA_STREAM)
-        state = with_trained_vision(state, trainable_vision(vision, cfg.lora, key))
+        state = with_trained_vision(state, trained_tower(cfg, vision))
     image_batch = None
     if image_batch_for is not None:  # the data runs the tower when another model reads it
         image_batch = image_batch_for(not cfg.tower_trains or initial_features_read(state))

@@ -78,12 +78,6 @@ class ModelRunConfig(RunConfig):
             raise ValueError("--batch-size >= 1 is required")
 
     @property
-    def tower_trains(self) -> bool:
-        """The vision tower trains: whole (``--train-vision``) or through adapters
-        (``--lora.vision``)."""
-        return self.train_vision or self.lora.vision
-
-    @property
     def makes_data(self) -> bool:
         """Whether the run makes its own rows with --model (no --data needed): a subclass's say."""
         return False
@@ -106,6 +100,17 @@ class TaskRunConfig(ModelRunConfig):
     math: math_task.MathTask = math_task.MathTask()
     visual: visual_task.VisualTask = visual_task.VisualTask()
     reasoning_gym: reasoning_gym_task.ReasoningGymTask = reasoning_gym_task.ReasoningGymTask()
+    train_vision: bool = False
+    """A vision-language --model with --image-field (GRPO, PPO, SFT, the DPO family): train the
+    vision tower and its projection with the language model, by the policy's optimizer (frozen
+    by default): its features are recomputed from the trained tower inside the gradient, the KL
+    reference keeps the initial tower; the export and checkpoints hold the trained tower."""
+
+    @property
+    def tower_trains(self) -> bool:
+        """The vision tower trains: whole (``--train-vision``) or through adapters
+        (``--lora.vision``)."""
+        return self.train_vision or self.lora.vision
 
     def __post_init__(self):
         super().__post_init__()
@@ -154,11 +159,6 @@ class OnlineRunConfig(TaskRunConfig):
     bad_images: Literal["reject", "drop"] = "reject"
     """A row whose image is missing, unreadable or over the limits: an error naming the file, row
     and field, or the row dropped (counted and named at start-up)."""
-    train_vision: bool = False
-    """Train the vision tower and its projection with the language model, by the policy's
-    optimizer (GRPO; frozen by default): the sampler reads the trained tower's features, the
-    update recomputes them once per optimizer step inside the gradient, the KL reference keeps
-    the initial tower; the export and checkpoints hold the trained tower."""
     reward: tuple[str, ...] = ("exact_match",)
     """Built-in reward functions by name (exact_match, numeric_match, format_reward, math_verify, code_exec)."""
     reward_weights: tuple[float, ...] = ()
@@ -200,12 +200,6 @@ class OnlineRunConfig(TaskRunConfig):
     while the update runs, with an off-policy correction (``--async.correction.kind``)."""
 
     @property
-    def tower_trains(self) -> bool:
-        """The vision tower trains: whole (``--train-vision``) or through adapters
-        (``--lora.vision``)."""
-        return self.train_vision or self.lora.vision
-
-    @property
     def makes_data(self) -> bool:
         """A reasoning-gym task (``setup.reasoning_gym_setup``) or a verifiers environment
         (``verifiers_setup``) writes the rows of a --model run."""
@@ -225,9 +219,10 @@ class OnlineRunConfig(TaskRunConfig):
                 f"--image-field {self.image_field!r} needs a vision-language --model or "
                 f"--task visual (the built-in task {self.task!r} is text)"
             )
-        if self.train_vision and self.image_field is None:
+        if self.tower_trains and self.image_field is None:
             raise ValueError(
-                "--train-vision trains a vision-language model's tower: give --image-field"
+                "--train-vision / --lora.vision train a vision-language model's tower: give "
+                "--image-field"
             )
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ValueError(

@@ -435,7 +435,7 @@ def run_online(cfg: OnlineRunConfig, algo: OnlineAlgorithm) -> dict:
         report = _report(cfg, algo, data, parts, mesh)
         log(report.text())
         with on_host_memory(mesh is not None):
-            trained = {"vision": trained_tower(cfg, data)} if cfg.tower_trains else {}
+            trained = {"vision": trained_tower(cfg, data.vision)} if cfg.tower_trains else {}
             state = algo.make_state(model, jax.random.key(cfg.seed), **trained)
         frozen_read = not cfg.tower_trains or initial_features_read(state)
         step_fn = algo.make_step(parts)

@@ -352,12 +352,12 @@ class RunData:
         return place_rows(inputs, self.mesh, batch.prompt_ids.shape[0])  # the step's layout
 
 
-def trained_tower(cfg: ModelRunConfig, data: RunData):
+def trained_tower(cfg: ModelRunConfig, vision: VisionLanguage):
     """The vision part a ``--train-vision`` / ``--lora.vision`` run trains
-    (``trainable_vision``: a copy of the run's, which stays the initial tower, the reference's
-    features, ``RunData.encode``)."""
+    (``trainable_vision``: a copy of ``vision``'s, which stays the initial tower, the reference's
+    features), its adapters drawn from ``fold_in(key(seed), VISION_LORA_STREAM)``."""
     key = jax.random.fold_in(jax.random.key(cfg.seed), VISION_LORA_STREAM)
-    return trainable_vision(data.vision, cfg.lora, key)
+    return trainable_vision(vision, cfg.lora, key)
 
 
 def batch_pixels(data: RunData, batch) -> Pixels | None:

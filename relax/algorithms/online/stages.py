@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relax.algorithms.online.batch import LossRows, Prompts, Sampled, Scored
-from relax.algorithms.online.vision import policy_images, tower_is_initial
+from relax.algorithms.online.vision import policy_images
 from relax.compose import Stage, WithHost, compose, stage
 from relax.data.completion_layout import PackingConfig, pack_bins
 from relax.models.forward.completion_packing import CompletionBins
@@ -39,6 +39,7 @@ from relax.rollout.partial import PartialRequest, PartialRollouts
 from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.text.stop_strings import truncate_at_stop_strings
 from relax.train.state import TrainState, reference_is_policy, reference_model
+from relax.train.vision_tower import tower_is_initial
 
 ROLLOUT_STREAM = (
     0x5EED  # the rollout's key: fold_in(state.key, ROLLOUT_STREAM); the update splits state.key

@@ -18,13 +18,12 @@ from __future__ import annotations
 from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.vision.families import with_image_features
 from relax.train.state import TrainState
-from relax.train.vision_tower import ImageData, image_side, tower_is_initial
+from relax.train.vision_tower import ImageData, image_side
 
 __all__ = [
     "IMAGE_FEATURES",
     "image_data",
     "policy_images",
-    "tower_is_initial",
 ]
 
 
