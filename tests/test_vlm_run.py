@@ -218,7 +218,9 @@ def test_ppo_train_vision_moves_the_tower_and_samples_as_it_trains(setup, tmp_pa
     assert len(steps) == 2 and all(abs(s["mismatch/abs_max"]) < 1e-5 for s in steps), steps
 
 
-@pytest.mark.parametrize("flags", [{"train_vision": True}, {"lora": "vision"}], ids=["train", "lora"])
+@pytest.mark.parametrize(
+    "flags", [{"train_vision": True}, {"lora": "vision"}], ids=["train", "lora"]
+)
 def test_a_trained_tower_needs_image_prompts(flags):
     """``--train-vision`` and ``--lora.vision`` on a run without ``--image-field``: refused when
     the config is made, before anything loads."""
