@@ -12,6 +12,7 @@ Timed (medians over ``--runs`` after one warm-up call each, the variants alterna
                        host, untimed; pack_s apart), one bin per micro-batch, empty bins skipped
     update_no_padding  the padded update on [P, G, L], L = round(mean length), mask all ones:
                        the same real tokens with no padding, what packing should approach
+                       (its attention has less work than the real lengths': ``attention_keys_*``)
     ref_padded / ref_packed   the reference forward (stages.forward_logprobs), padded / packed
 
     python benchmarks/packed_update.py [--runs 3] [--model-shape small]
@@ -80,6 +81,17 @@ def lengths(args: Args) -> np.ndarray:
     mu = np.log(n / 4) - args.sigma**2 / 2  # E[exp(X)] = exp(mu + sigma^2 / 2) = N / 4
     x = np.random.default_rng(args.seed).lognormal(mu, args.sigma, (args.prompts, args.generations))
     return np.clip(np.rint(x), 1, n).astype(np.int64)
+
+
+def attention_keys(lens: np.ndarray, prompt_len: int) -> int:
+    """Query-key entries the update's attention must compute for completions of ``lens`` (each
+    sees its prompt and its own earlier tokens) and each prompt once::
+
+        sum_c (Lp len_c + len_c (len_c + 1) / 2) + P Lp (Lp + 1) / 2
+    """
+    lens = lens.astype(np.int64)
+    completions = int(np.sum(prompt_len * lens + lens * (lens + 1) // 2))
+    return completions + lens.shape[0] * prompt_len * (prompt_len + 1) // 2
 
 
 def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> LossRows:
@@ -209,6 +221,11 @@ def main(args: Args) -> dict:
             "pack_fill": bin_fill(pk),
             "pairs_visited": int(pk.num_pairs.sum()),
             "pairs_dense": int(used.sum()) * pk.pairs.shape[1],
+            # the attention's work: the real lengths', the no-padding batch's (uniform lengths:
+            # less, sum len^2 >= n mean^2), and the packed kernel's (every visited block whole)
+            "attention_keys_real": attention_keys(lens, args.prompt_len),
+            "attention_keys_no_padding": attention_keys(np.full((p, g), flat_len), args.prompt_len),
+            "attention_keys_visited": int(pk.num_pairs.sum()) * sizes.block**2,
             "pack_s": statistics.median(pack_times),
             **med,
             "first_call_s": {k: round(v, 3) for k, v in first.items()},

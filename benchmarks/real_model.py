@@ -65,6 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arithmetic_task import make_rows  # noqa: E402
+from flop_floor import mean_prompt_tokens, steps_at_floor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
@@ -288,6 +289,7 @@ def run_relax(args, h: dict, dtype: str, out: Path, data: dict[str, Path]) -> di
     write_jsonl(out / f"curve-relax-{dtype}.jsonl", curve)
     times = [r["time/step"] for r in curve if "time/step" in r]
     seg_keys = sorted({k for r in curve for k in r if k.startswith("time/") and k != "time/step"})
+    floor = relax_floor(args, h, data, curve) if dtype == "float32" else None
     return {
         "side": "relax",
         "dtype": dtype,
@@ -306,6 +308,23 @@ def run_relax(args, h: dict, dtype: str, out: Path, data: dict[str, Path]) -> di
         "evals": relax_evals(run_dir / "metrics.jsonl"),
         "reward_first5": _mean([r["reward"] for r in curve[:5] if r.get("reward") is not None]),
         "reward_last5": _mean([r["reward"] for r in curve[-5:] if r.get("reward") is not None]),
+        "floor": floor,
+    }
+
+
+def relax_floor(args, h: dict, data: dict[str, Path], curve: list[dict]) -> dict:
+    """Each step against the FLOP floor of its real tokens (``flop_floor``) at the float32 matmul
+    peak measured right after the run; ``median_of_peak`` over the steps after the first."""
+    import harness
+
+    peak = harness.matmul_peak_flops()
+    prompt_len = mean_prompt_tokens(args.model, [r["prompt"] for r in read_jsonl(data["train"])])
+    steps = steps_at_floor(args.model, h, prompt_len, curve, peak)
+    return {
+        "mean_prompt_tokens": prompt_len,
+        "peak_gflops": peak / 1e9,
+        "steps": steps,
+        "median_of_peak": _median([s["of_peak"] for s in steps[1:]]),
     }
 
 
@@ -768,6 +787,7 @@ def main(argv=None) -> dict:
                 "dtype": r["dtype"],
                 "steps": r["steps"],
                 "median_step_s": r["median_step_s"],
+                "of_peak": (r.get("floor") or {}).get("median_of_peak"),
                 "greedy_before": before.get("greedy/accuracy"),
                 "greedy_after": after.get("greedy/accuracy"),
                 **{
