@@ -118,7 +118,7 @@ def test_packed_equals_each_example_alone(kind):
     w = jnp.asarray(np.random.default_rng(1).normal(size=len(examples)), jnp.float32)
 
     def packed_nll(m):
-        lp = packed_logprobs(m, packed.ids, packed.segment_ids)
+        lp = packed_logprobs(m, packed.ids, packed.segment_ids, block=4)  # 4 tiles a row
         return jnp.stack(
             [
                 -jnp.sum(lp[r, t : t + len(e) - 1] * e.loss_mask[1:])
@@ -145,7 +145,7 @@ def test_packed_equals_each_example_alone(kind):
     # the SFT loss: packed rows vs one example per row (same normaliser: the same targets)
     unpacked = jax.tree.map(jnp.asarray, pad_rows(examples, row))
     assert padding_fraction(packed) < padding_fraction(unpacked)
-    loss = jax.jit(jax.value_and_grad(make_sft_loss(), has_aux=True))
+    loss = jax.jit(jax.value_and_grad(make_sft_loss(block=4), has_aux=True))
     (l1, m1), g1 = loss(model, packed, _ctx(packed))
     (l2, m2), g2 = loss(model, unpacked, _ctx(unpacked))
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
@@ -166,7 +166,7 @@ def test_packed_hidden_states_restart_positions(kind):
     examples = _examples([5, 6, 3], seed=2)
     batch = pack(examples, 16, method="greedy")
     assert batch.segment_ids.tolist() == [[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2]
-    h = packed_hidden(model, jnp.asarray(batch.ids), jnp.asarray(batch.segment_ids))
+    h = packed_hidden(model, jnp.asarray(batch.ids), jnp.asarray(batch.segment_ids), block=4)
     t = 0
     for e in examples:
         alone = hidden_states(model, jnp.asarray(e.ids)[None])[0]

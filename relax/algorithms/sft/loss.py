@@ -36,16 +36,21 @@ def target_mask(micro_batch: PackedBatch) -> jnp.ndarray:
 
 
 def make_sft_loss(
-    *, remat: bool = False, chunk_size: int = DEFAULT_CHUNK, moe: MoEConfig = MoEConfig()
+    *,
+    remat: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    moe: MoEConfig = MoEConfig(),
+    block: int | None = None,
 ):
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the summed target NLL over
     ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
     pass; ``chunk_size``: rows of logits at a time (``relax.models.decoder.logprobs``); ``moe``: the
-    router losses of a mixture-of-experts model."""
+    router losses of a mixture-of-experts model; ``block``: the packed attention's tile
+    (``relax.models.forward.packed``; None: the backend's)."""
 
     def loss_fn(policy, mb: PackedBatch, ctx: LossContext):
         ids = mb.ids
-        h, stats = packed_hidden_routed(policy, ids, mb.segment_ids, remat=remat)
+        h, stats = packed_hidden_routed(policy, ids, mb.segment_ids, remat=remat, block=block)
         h = h[:, :-1]
         targets = ids[:, 1:]
         logp = logprobs_from_hidden(policy, h, targets, chunk_size=chunk_size)

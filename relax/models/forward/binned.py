@@ -19,21 +19,20 @@ micro-batch's member rows (``to_rows``).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from relax.models.attention.stream import StreamMask, stream_attention
-from relax.models.config.layer_kinds import layer_window
-from relax.models.config.sharding import ambient_batch_axes, ambient_batch_shards, decode_layout
+from relax.models.attention.stream import StreamMask
+from relax.models.config.sharding import ambient_batch_axes, ambient_batch_shards
 from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.decoder.transformer import Attend, LayerRoutes, Transformer, embed, run_layers
 from relax.models.forward.completion_packing import CompletionBins, to_padded
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.routes import Routes
+from relax.models.forward.stream_rows import stream_attend
 from relax.models.layers.rope import Rotary
 from relax.models.moe.experts import RouterStats
 
@@ -54,38 +53,10 @@ def block_of(bins: CompletionBins) -> int:
     return s // nb
 
 
-def stream_attend(model: Transformer, bins: CompletionBins) -> Attend:
-    """The attention hook of a micro-batch of bins: ``stream_attention`` per bin (vmapped); on a
-    mesh per shard (``jax.shard_map``: each device loops over its own bins' pairs, its KV heads
-    over ``tensor``), when the mesh's batch shards divide the bins."""
-    c = model.config
+def bins_attend(model: Transformer, bins: CompletionBins) -> Attend:
+    """The attention hook of a micro-batch of bins (``relax.models.forward.stream_rows``)."""
     mask = StreamMask(bins.positions, bins.docs, bins.prefix_of, bins.prefix)
-    block, probs = block_of(bins), model.precision.probs_dtype(model.dtype)
-    layout = decode_layout(c)
-    local = layout.sharded and bins.ids.shape[0] % ambient_batch_shards() == 0
-
-    def bins_of(q, k, v, mask, pairs, num_pairs, window):
-        one = functools.partial(
-            stream_attention, block=block, window=window, scale=c.attn_scale, probs_dtype=probs
-        )
-        return jax.vmap(one)(q, k, v, mask, pairs, num_pairs)
-
-    if local:
-        heads, rows = layout.spec("batch", None, "heads"), layout.spec("batch")
-        bins_of = jax.shard_map(
-            bins_of,
-            in_specs=(heads, heads, heads, rows, rows, rows, layout.spec()),
-            out_specs=heads,
-            check_vma=False,
-        )
-
-    def attend(q, k, v, _, sliding):
-        window = layer_window(c, sliding)
-        window = None if window is None else jnp.asarray(window, jnp.int32)
-        out = bins_of(q, k, v, mask, bins.pairs, bins.num_pairs, window)
-        return out.astype(q.dtype), None
-
-    return attend
+    return stream_attend(model, mask, bins.pairs, bins.num_pairs, block_of(bins))
 
 
 def bins_hidden(
@@ -108,7 +79,7 @@ def bins_hidden(
         model,
         embed(model, bins.ids),
         bins.positions,
-        stream_attend(model, bins),
+        bins_attend(model, bins),
         remat=layers.remat,
         rope=rope,
         routes=LayerRoutes(bins.docs > 0, recorded, layers.replay_routes),

@@ -9,9 +9,12 @@ at 0 with every example, so RoPE sees each example exactly as it would alone::
     pos[b, t]        = t - (first index of seg[b, t] in row b)
 
 so per-example log-probs and their gradients equal those of the example run by itself
-(``relax.models.decoder.logprobs.token_logprobs``) up to float summation order. The mask is dense
-``[B, T, T]`` (one per layer kind), and attention is the same masked grouped-query attention as
-``relax.models.decoder.transformer.full_attention``. Log-probs go through the chunked head
+(``relax.models.decoder.logprobs.token_logprobs``) up to float summation order. Each row is a
+stream of its examples for ``relax.models.attention.stream``: attention visits only the
+``block x block`` tiles that hold a visible key and keeps no ``[T, T]`` array for the backward,
+so its cost and memory follow ``sum len^2`` of the examples, not ``T^2``
+(``relax.models.forward.stream_rows``; ``block``: ``relax.passes.Passes.stream_block``, the
+rows padded inside to a multiple of it). Log-probs go through the chunked head
 (``relax.models.decoder.logprobs.logprobs_from_hidden``): no ``[B, T, V]`` float32 array exists.
 
 At the last token of an example, the "next token" is the first token of the next example (or
@@ -25,18 +28,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from relax.models.attention import blocks as attn
-from relax.models.config.layer_kinds import layer_window, select
 from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
 from relax.models.decoder.transformer import Attend, LayerRoutes, Transformer, embed, run_layers
+from relax.models.forward.stream_rows import segment_stream, stream_attend
 from relax.models.moe.experts import RouterStats
+from relax.passes import choose_passes
 
 __all__ = [
     "greedy_hits",
     "packed_attention",
     "packed_hidden",
     "packed_logprobs",
-    "segment_mask",
     "segment_positions",
 ]
 
@@ -54,38 +56,14 @@ def segment_positions(segment_ids: Int[Array, "b t"]) -> Int[Array, "b t"]:
     return idx - jax.lax.cummax(starts, axis=segment_ids.ndim - 1)
 
 
-def segment_mask(
-    segment_ids: Int[Array, "b t"],
-    positions: Int[Array, "b t"],
-    window: int | Int[Array, ""] | None,
-) -> Bool[Array, "b t t"]:
-    """``allowed[b, i, j]``: key ``j`` is visible to query ``i`` (same example, causal, within
-    ``window``); padding sees nothing and is seen by nothing."""
-    same = segment_ids[..., :, None] == segment_ids[..., None, :]
-    return attn.causal_mask(positions, positions, segment_ids > 0, window) & same
-
-
 def packed_attention(
-    model: Transformer, segment_ids: Int[Array, "b t"], positions: Int[Array, "b t"]
+    model: Transformer, segment_ids: Int[Array, "b t"], positions: Int[Array, "b t"], block: int
 ) -> Attend:
-    """The attention hook of a packed row: ``full_attention`` with the segment mask (the masks of
-    both layer kinds built once); returns no per-layer output."""
-    c = model.config
-    probs = model.precision.probs_dtype(model.dtype)
-    masks = {
-        s: segment_mask(segment_ids, positions, layer_window(c, s)) for s in set(c.sliding_layers)
-    }
-
-    def attend(q, k, v, _, sliding):
-        allowed = (
-            masks[sliding]
-            if isinstance(sliding, bool)
-            else select(sliding, masks[True], masks[False])
-        )
-        k, v = attn.heads_major(k), attn.heads_major(v)
-        return attn.attention(q, k, v, allowed, scale=c.attn_scale, probs_dtype=probs), None
-
-    return attend
+    """The attention hook of packed rows (``T`` a multiple of ``block``): each row a stream of its
+    examples (``relax.models.forward.stream_rows``), block-sparse over the blocks that hold a
+    visible key; returns no per-layer output."""
+    mask, pairs, num_pairs = segment_stream(segment_ids, positions, block)
+    return stream_attend(model, mask, pairs, num_pairs, block)
 
 
 def packed_hidden(
@@ -94,10 +72,12 @@ def packed_hidden(
     segment_ids: Int[Array, "b t"],
     *,
     remat: bool = False,
+    block: int | None = None,
 ) -> Float[Array, "b t D"]:
     """Final-norm hidden states of packed rows (module docstring); ``remat`` recomputes each
-    layer in the backward pass."""
-    return packed_hidden_routed(model, ids, segment_ids, remat=remat)[0]
+    layer in the backward pass; ``block``: the attention's tile (None: the backend's
+    ``Passes.stream_block``)."""
+    return packed_hidden_routed(model, ids, segment_ids, remat=remat, block=block)[0]
 
 
 def packed_hidden_routed(
@@ -106,11 +86,16 @@ def packed_hidden_routed(
     segment_ids: Int[Array, "b t"],
     *,
     remat: bool = False,
+    block: int | None = None,
 ) -> tuple[Float[Array, "b t D"], RouterStats | None]:
     """``packed_hidden`` and a mixture of experts' ``RouterStats`` over the rows' tokens (stacked
     ``[Ls]``; None for a dense model)."""
+    block = choose_passes().stream_block if block is None else block
+    t = ids.shape[-1]
+    pad = ((0, 0), (0, -t % block))  # padding slots: segment 0, seen by nothing
+    ids, segment_ids = jnp.pad(ids, pad), jnp.pad(segment_ids, pad)
     positions = segment_positions(segment_ids)
-    attend = packed_attention(model, segment_ids, positions)
+    attend = packed_attention(model, segment_ids, positions, block)
     h, _, routed = run_layers(
         model,
         embed(model, ids),
@@ -119,7 +104,7 @@ def packed_hidden_routed(
         remat=remat,
         routes=LayerRoutes(segment_ids > 0),
     )
-    return h, None if routed is None else routed.stats
+    return h[:, :t], None if routed is None else routed.stats
 
 
 def packed_logprobs(
@@ -130,11 +115,12 @@ def packed_logprobs(
     temperature: float = 1.0,
     remat: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
+    block: int | None = None,
 ) -> Float[Array, "b t-1"]:
     """``out[:, t] = log p(ids[:, t+1] | the example's tokens up to t)`` (float32), examples
     isolated from each other. Only positions where ``t+1`` continues the example at ``t`` are
     meaningful (mask with a loss mask that is 0 on every example's first token)."""
-    h = packed_hidden(model, ids, segment_ids, remat=remat)
+    h = packed_hidden(model, ids, segment_ids, remat=remat, block=block)
     return logprobs_from_hidden(
         model, h[:, :-1], ids[:, 1:], temperature=temperature, chunk_size=chunk_size
     )
