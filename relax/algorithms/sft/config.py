@@ -23,7 +23,10 @@ class SFTConfig:
     (``pack_method``: ``"ffd"`` first-fit-decreasing or ``"greedy"`` in order), attention kept
     within each example; without, one example per row, right-padded to ``max_length``.
     Update: ``grad_accum`` micro-batches per optimizer step (the loss does not depend on it),
-    ``remat`` recomputes each layer in the backward pass, ``optimizer`` builds the state's optimizer;
+    ``remat`` recomputes each layer in the backward pass (on by default, as TRL's
+    ``gradient_checkpointing``: a step's rows of ``max_length`` tokens keep one layer's
+    activations instead of all of them; ``--sft.no-remat`` trades that memory for a third less
+    arithmetic), ``optimizer`` builds the state's optimizer;
     ``moe``: a mixture-of-experts model's router losses (``relax.models.moe.experts.MoEConfig``; its
     routing replay has nothing to replay here).
     """
@@ -33,7 +36,7 @@ class SFTConfig:
     pack_method: str = "ffd"
     truncate: bool = False
     grad_accum: int = 1
-    remat: bool = False
+    remat: bool = True
     moe: MoEConfig = MoEConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5)
     messages_field: str = "messages"

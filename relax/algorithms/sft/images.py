@@ -69,18 +69,21 @@ def image_target_mask(rows: ImageSFTRows) -> Bool[Array, "r t-1"]:
     return (rows.loss_mask[:, 1:] > 0) & (rows.mask[:, 1:] > 0) & (rows.mask[:, :-1] > 0)
 
 
-def image_token_logprobs(policy, rows: ImageSFTRows, *, chunk_size: int = DEFAULT_CHUNK):
+def image_token_logprobs(
+    policy, rows: ImageSFTRows, *, chunk_size: int = DEFAULT_CHUNK, remat: bool = False
+):
     """``(log p(ids[t+1] | ids[<=t], images), hidden states)``, ``[r, t-1]`` and ``[r, t-1, D]``:
-    the whole sequences run as image prompts."""
-    h = prompt_hidden_states(policy, rows.ids, rows.mask, rows.prompt)[:, :-1]
+    the whole sequences run as image prompts (``remat``: each layer recomputed backward)."""
+    h = prompt_hidden_states(policy, rows.ids, rows.mask, rows.prompt, remat=remat)[:, :-1]
     return logprobs_from_hidden(policy, h, rows.ids[:, 1:], chunk_size=chunk_size), h
 
 
-def make_image_sft_loss(*, chunk_size: int = DEFAULT_CHUNK):
-    """``loss(policy, rows, ctx) -> (scalar, metrics)`` on ``ImageSFTRows`` (module docstring)."""
+def make_image_sft_loss(*, chunk_size: int = DEFAULT_CHUNK, remat: bool = False):
+    """``loss(policy, rows, ctx) -> (scalar, metrics)`` on ``ImageSFTRows`` (module docstring);
+    ``remat`` recomputes each layer in the backward pass."""
 
     def loss_fn(policy, mb: ImageSFTRows, ctx: LossContext):
-        logp, h = image_token_logprobs(policy, mb, chunk_size=chunk_size)
+        logp, h = image_token_logprobs(policy, mb, chunk_size=chunk_size, remat=remat)
         mask = image_target_mask(mb)
         nll = -jnp.where(mask, logp, 0.0)
         hits = greedy_hits(policy, h, mb.ids[:, 1:], chunk_size=chunk_size)
@@ -93,11 +96,8 @@ def make_image_sft_loss(*, chunk_size: int = DEFAULT_CHUNK):
 
 
 def check_image_sft(cfg: SFTConfig, batch_size: int) -> None:
-    """What SFT on images does not do, refused by name: per-layer remat (the full-sequence
-    forward has none) and a batch that does not split into ``grad_accum`` micro-batches (image
-    rows are not padded with empty ones)."""
-    if cfg.remat:
-        raise ValueError("--sft.remat: SFT on images runs without per-layer remat; drop it")
+    """What SFT on images does not do, refused by name: a batch that does not split into
+    ``grad_accum`` micro-batches (image rows are not padded with empty ones)."""
     if batch_size % cfg.grad_accum:
         raise ValueError(
             f"--batch-size {batch_size}: SFT on images needs a multiple of "
@@ -112,7 +112,7 @@ def make_image_sft_step(cfg: SFTConfig, passes: Passes | None = None) -> Stage:
     ``padding_fraction``, ``skipped_updates``) and its ``health``. A state with a trained tower
     (``state.vision``) trains it too, its features recomputed inside the gradient."""
     passes = choose_passes() if passes is None else passes
-    loss = make_image_sft_loss()
+    loss = make_image_sft_loss(remat=cfg.remat)
 
     def update(state: TrainState, batch: ImageSFTRows):
         rows, width = batch.ids.shape

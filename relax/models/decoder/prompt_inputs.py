@@ -105,13 +105,16 @@ def prompt_hidden_states(
     input_ids: Int[Array, "b t"],
     attention_mask: Int[Array, "b t"],
     prompt: PromptInputs,
+    *,
+    remat: bool = False,
 ) -> Float[Array, "b t d"]:
     """Final-norm hidden states of whole sequences taken as image prompts (``hidden_states`` with
     ``prompt``'s embeddings, RoPE tables and bidirectional blocks): the full-sequence forward the
-    families' parity with transformers is checked on."""
+    families' parity with transformers is checked on. ``remat`` recomputes each layer in the
+    backward pass."""
     positions = positions_from_mask(attention_mask)
     attend = full_attention(model, positions, attention_mask.astype(bool), prompt.blocks)
     no_kv = lambda q, k, v, li, sliding: (attend(q, k, v, li, sliding)[0], None)  # noqa: E731
     x = prompt_embeddings(model, input_ids, prompt)
-    h, _, _ = run_layers(model, x, positions, no_kv, rope=prompt.rope)
+    h, _, _ = run_layers(model, x, positions, no_kv, rope=prompt.rope, remat=remat)
     return h
