@@ -248,8 +248,8 @@ def test_sessions_tokens_and_memory_have_limits(tmp_path):
     message = refused(lambda: tight.forward_backward(sid, packed(2560)), "batch", 413)
     assert "floor" in message and "--limits.memory-mb" in message  # ~50 MiB before compiling
     assert tight.bounds.programs.compiles == 0
-    message = refused(lambda: tight.forward_backward(sid, packed(256)), "batch", 413)
-    assert "by XLA's count" in message  # a 5 MiB floor, ~58 MiB compiled: refused before it runs
+    message = refused(lambda: tight.forward_backward(sid, packed(512)), "batch", 413)
+    assert "by XLA's count" in message  # a 10 MiB floor, ~68 MiB compiled: refused before it runs
     assert tight.bounds.programs.compiles == 1 and tight.session(sid).pending is None
     tight.forward_backward(sid, {"data": datums(3), "loss_fn": "cross_entropy"})
     assert tight.session(sid).pending is not None
