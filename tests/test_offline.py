@@ -9,8 +9,9 @@ import jax
 import pytest
 from conftest import load_example
 
-from relax.algorithms.offline.run import batch_iterator
-from relax.models.hf.checkpoint import save_pretrained
+from relax.algorithms.offline.run import batch_iterator, greedy_accuracy
+from relax.models.hf.checkpoint import load_pretrained, save_pretrained
+from relax.text.loader import load_tokenizer
 from relax.tasks import reverse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,24 @@ def test_batch_iterator_resumes_exactly():
     assert [next(again) for _ in range(3)] == want
     with pytest.raises(ValueError, match="3 training examples make no full batch of 4"):
         batch_iterator([1, 2, 3], 4, 0, collate=list)
+
+
+def test_greedy_accuracy_reads_the_column_it_is_given(base):
+    """The win rate's figure on rows with no ``answer`` column (a user's preference data): the
+    share of greedy completions equal to ``answer_field``, as with the same strings as ``answer``.
+    The base model copies, so the copy as ``chosen`` scores and a wrong ``answer`` beside it is
+    not read."""
+    policy, tok = load_pretrained(base / "model"), load_tokenizer(base / "model")
+    _, held_out = reverse.make_splits(TASK)
+    rows = held_out[:16]
+    pairs = [{"prompt": r["prompt"], "chosen": reverse.copy_of(r)} for r in rows]
+    misleading = [{**p, "answer": r["answer"]} for p, r in zip(pairs, rows)]
+    as_answer = [{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs]
+    kw = dict(max_new_tokens=12)
+    want = greedy_accuracy(policy, tok, as_answer, **kw)
+    assert want > 0.5  # the base model's copying behaviour
+    assert greedy_accuracy(policy, tok, pairs, answer_field="chosen", **kw) == want
+    assert greedy_accuracy(policy, tok, misleading, answer_field="chosen", **kw) == want
 
 
 @pytest.mark.slow  # make test-all; the capability keeps a faster test

@@ -48,7 +48,7 @@ from relax.models.vision.families import (
 from relax.parallel import ShardedStep, ShardingError, batch_shards
 from relax.parallel.distributed import on_host_memory
 from relax.passes import Passes, choose_passes
-from relax.rewards.builtin import exact_match
+from relax.rewards.builtin import make_exact_match
 from relax.rewards.functions import RewardFunction
 from relax.tasks import reverse
 from relax.text import TextTokenizer, load_tokenizer
@@ -400,7 +400,7 @@ def greedy_accuracy(
     metrics = evaluate(
         policy,
         batch,
-        reward_fns=[RewardFunction(exact_match, name="exact_match")],
+        reward_fns=[RewardFunction(make_exact_match(answer_field), name="exact_match")],
         decode=decode,
         eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
