@@ -12,7 +12,7 @@ Both run the same ``make_sft_step`` (one optimizer step, ``grad_accum`` micro-ba
 JSON line per case: median seconds per step, non-padding tokens per second of the update, the
 rows and padding fraction, compile seconds; the packed line adds its speed-up over the unpacked one.
 
-    python benchmarks/sft.py [--runs 5] [--examples 32] [--min-len 16] [--max-len 256]
+    python benchmarks/sft.py [--runs 5] [--examples 32] [--min-len 16] [--max-len 256] [--no-remat]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class Args:
     max_len: int = 256
     """also the row length of both layouts"""
     grad_accum: int = 1
+    remat: bool = True
+    """per-layer remat (SFT's default)"""
     seed: int = 0
     cases: tuple[str, ...] = ("unpacked", "packed")
 
@@ -66,6 +68,7 @@ def run_case(args: Args, packing: bool, model, examples) -> dict:
         max_length=args.max_len,
         packing=packing,
         grad_accum=args.grad_accum,
+        remat=args.remat,
         optimizer=OptimizerConfig(learning_rate=1e-5),
     )
     batch = jax.tree.map(jnp.asarray, sft_batch(cfg, examples, pad_id=0))
