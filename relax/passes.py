@@ -58,6 +58,11 @@ class Passes:
     ``batch_shards``: the ways the batch is split over devices (1: one device).
     ``stream_block``: the block of the packed bins' attention (``relax.models.attention.stream``):
     its cost follows the visible blocks, smaller blocks skip more but loop more.
+    ``stream_rows``: SFT's packed rows attend through that block-sparse kernel too (CPU: faster
+    than the dense masked attention and no ``[T, T]`` array, benchmarks/RESULTS.md) rather than
+    the dense masked attention (elsewhere: the stream loop's small products were measured slower
+    than fused dense kernels on a GPU for the bins, and are unmeasured for rows);
+    ``rows_block()`` is the block the packed rows' forward takes (None: dense).
     ``auto_packs``: ``--grpo.packing.mode auto`` packs completions into bins (CPU only: on a
     GPU the bins, run one per micro-batch with their attention a loop of small matmuls, were
     measured slower than the padded update; benchmarks/RESULTS.md, H200)."""
@@ -67,7 +72,12 @@ class Passes:
     saved_probs_bytes: int = 64 * 2**20
     batch_shards: int = 1
     stream_block: int = 64
+    stream_rows: bool = True
     auto_packs: bool = True
+
+    def rows_block(self) -> int | None:
+        """The attention block of packed rows (``relax.models.forward.packed``); None: dense."""
+        return self.stream_block if self.stream_rows else None
 
     def unroll(self, num_layers: int) -> bool:
         return self.cache_sized and num_layers <= self.unroll_max_layers
@@ -92,5 +102,6 @@ def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passe
         cache_sized=backend == "cpu" and batch_shards == 1,
         batch_shards=batch_shards,
         stream_block=64 if backend == "cpu" else 128,
+        stream_rows=backend == "cpu",
         auto_packs=backend == "cpu",
     )

@@ -11,8 +11,8 @@ from conftest import load_example
 
 from relax.algorithms.offline.run import batch_iterator, greedy_accuracy
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
-from relax.text.loader import load_tokenizer
 from relax.tasks import reverse
+from relax.text.loader import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = reverse.ReverseTask(num_train=1000, num_eval=64)

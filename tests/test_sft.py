@@ -101,10 +101,12 @@ def test_segment_positions_restart():
     )
 
 
+@pytest.mark.parametrize("block", [4, None], ids=["stream", "dense"])
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_packed_equals_each_example_alone(kind):
+def test_packed_equals_each_example_alone(kind, block):
     """Per-example log-probs and gradients of a packed batch = each example run alone, and the
-    SFT loss (value, metrics, gradient) of the packed batch = that of the unpacked one."""
+    SFT loss (value, metrics, gradient) of the packed batch = that of the unpacked one; with the
+    block-sparse attention (4 blocks a row) and the dense one."""
     cfg = CONFIGS[kind]
     model = init(cfg, jax.random.key(0), std=0.3)
     examples = _examples()
@@ -118,7 +120,7 @@ def test_packed_equals_each_example_alone(kind):
     w = jnp.asarray(np.random.default_rng(1).normal(size=len(examples)), jnp.float32)
 
     def packed_nll(m):
-        lp = packed_logprobs(m, packed.ids, packed.segment_ids, block=4)  # 4 tiles a row
+        lp = packed_logprobs(m, packed.ids, packed.segment_ids, block=block)
         return jnp.stack(
             [
                 -jnp.sum(lp[r, t : t + len(e) - 1] * e.loss_mask[1:])
@@ -145,7 +147,7 @@ def test_packed_equals_each_example_alone(kind):
     # the SFT loss: packed rows vs one example per row (same normaliser: the same targets)
     unpacked = jax.tree.map(jnp.asarray, pad_rows(examples, row))
     assert padding_fraction(packed) < padding_fraction(unpacked)
-    loss = jax.jit(jax.value_and_grad(make_sft_loss(block=4), has_aux=True))
+    loss = jax.jit(jax.value_and_grad(make_sft_loss(block=block), has_aux=True))
     (l1, m1), g1 = loss(model, packed, _ctx(packed))
     (l2, m2), g2 = loss(model, unpacked, _ctx(unpacked))
     np.testing.assert_allclose(l1, l2, rtol=1e-5)

@@ -31,8 +31,13 @@ def _brute(seg, block):
 def test_segment_pairs_are_exactly_the_blocks_with_a_visible_key(block):
     rng = np.random.default_rng(block)
     rows = [_row(rng, 64, max_len, pad) for max_len in (3, 9, 40) for pad in (0, 7, 30)]
-    rows += [np.zeros(64, np.int32), np.ones(64, np.int32)]  # all padding; one example filling the row
-    pairs, counts = jax.jit(jax.vmap(lambda s: segment_pairs(s, block)))(jnp.asarray(np.stack(rows)))
+    rows += [
+        np.zeros(64, np.int32),
+        np.ones(64, np.int32),
+    ]  # all padding; one example filling the row
+    pairs, counts = jax.jit(jax.vmap(lambda s: segment_pairs(s, block)))(
+        jnp.asarray(np.stack(rows))
+    )
     assert pairs.shape == (len(rows), num_block_pairs(64, block), 2)
     for seg, got, n in zip(rows, np.asarray(pairs), np.asarray(counts)):
         want = _brute(seg, block)

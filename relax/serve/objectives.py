@@ -161,7 +161,7 @@ def _check_batch(name: str, batch, cls: type) -> None:
 
 def _causal_lm(state: TrainState, batch: PackedBatch, kwargs: dict, passes: Passes):
     cfg = configure(SFTConfig, **kwargs)
-    loss_fn = make_sft_loss(remat=cfg.remat, moe=cfg.moe, block=passes.stream_block)
+    loss_fn = make_sft_loss(remat=cfg.remat, moe=cfg.moe, block=passes.rows_block())
     ctx = _context(token_normalizers(batch))
     return Grads(state.policy), lambda params: loss_fn(params.policy, batch, ctx)
 

@@ -45,8 +45,8 @@ def make_sft_loss(
     """``loss(policy, micro_batch, ctx) -> (scalar, metrics)``: the summed target NLL over
     ``ctx.norms["tokens"]`` (module docstring). ``remat`` recomputes each layer in the backward
     pass; ``chunk_size``: rows of logits at a time (``relax.models.decoder.logprobs``); ``moe``: the
-    router losses of a mixture-of-experts model; ``block``: the packed attention's tile
-    (``relax.models.forward.packed``; None: the backend's)."""
+    router losses of a mixture-of-experts model; ``block``: the packed attention's tile, None for
+    the dense one (``relax.models.forward.packed``; the backend's: ``Passes.rows_block()``)."""
 
     def loss_fn(policy, mb: PackedBatch, ctx: LossContext):
         ids = mb.ids

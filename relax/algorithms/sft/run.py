@@ -28,6 +28,7 @@ from relax.algorithms.sft.step import (
 )
 from relax.data.supervised import PackedBatch, SFTExample, stack_rows
 from relax.models.forward.packed import packed_logprobs
+from relax.passes import choose_passes
 from relax.tasks import reverse
 
 
@@ -63,7 +64,7 @@ EVAL_ROWS = 16  # held-out rows per forward (the last chunk padded with empty ro
 
 @jax.jit
 def _nll(policy, batch: PackedBatch):
-    lp = packed_logprobs(policy, batch.ids, batch.segment_ids)
+    lp = packed_logprobs(policy, batch.ids, batch.segment_ids, block=choose_passes().rows_block())
     m = batch.loss_mask[:, 1:] > 0
     return -jnp.sum(jnp.where(m, lp, 0.0)), jnp.sum(m)
 

@@ -103,7 +103,7 @@ def _pad_to_multiple(data: PackedBatch, rows: int, multiple: int) -> PackedBatch
 
 def make_update_stage(cfg: SFTConfig, passes: Passes) -> Stage:
     """The generic update of the SFT loss on ``state.policy``, then ``step + 1`` and a new key."""
-    loss = make_sft_loss(remat=cfg.remat, moe=cfg.moe, block=passes.stream_block)
+    loss = make_sft_loss(remat=cfg.remat, moe=cfg.moe, block=passes.rows_block())
 
     def update(state: TrainState, batch: PackedBatch):
         data = jax.tree.map(jnp.asarray, batch)

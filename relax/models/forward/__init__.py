@@ -17,6 +17,7 @@ from relax.models.forward.packed import (
     packed_attention,
     packed_hidden,
     packed_logprobs,
+    segment_mask,
     segment_positions,
 )
 from relax.models.forward.prefix_shared import (
@@ -60,6 +61,7 @@ __all__ = [
     "resolve_attention",
     "route_dtype",
     "rows_hidden",
+    "segment_mask",
     "segment_positions",
     "shared_hidden",
     "to_padded",

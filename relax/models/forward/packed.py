@@ -9,12 +9,18 @@ at 0 with every example, so RoPE sees each example exactly as it would alone::
     pos[b, t]        = t - (first index of seg[b, t] in row b)
 
 so per-example log-probs and their gradients equal those of the example run by itself
-(``relax.models.decoder.logprobs.token_logprobs``) up to float summation order. Each row is a
-stream of its examples for ``relax.models.attention.stream``: attention visits only the
-``block x block`` tiles that hold a visible key and keeps no ``[T, T]`` array for the backward,
-so its cost and memory follow ``sum len^2`` of the examples, not ``T^2``
-(``relax.models.forward.stream_rows``; ``block``: ``relax.passes.Passes.stream_block``, the
-rows padded inside to a multiple of it). Log-probs go through the chunked head
+(``relax.models.decoder.logprobs.token_logprobs``) up to float summation order. The attention
+is one of two (``block``, the backend's ``relax.passes.Passes.rows_block()``):
+
+- ``block`` an int: each row is a stream of its examples for ``relax.models.attention.stream``,
+  which visits only the ``block x block`` tiles that hold a visible key and keeps no ``[T, T]``
+  array for the backward, so its cost and memory follow ``sum len^2`` of the examples, not
+  ``T^2`` (``relax.models.forward.stream_rows``; the rows padded inside to a multiple of
+  ``block``);
+- ``block=None``: the dense ``[B, T, T]`` mask (one per layer kind) and the same masked
+  grouped-query attention as ``relax.models.decoder.transformer.full_attention``.
+
+Log-probs go through the chunked head
 (``relax.models.decoder.logprobs.logprobs_from_hidden``): no ``[B, T, V]`` float32 array exists.
 
 At the last token of an example, the "next token" is the first token of the next example (or
@@ -28,17 +34,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from relax.models.attention import blocks as attn
+from relax.models.config.layer_kinds import layer_window, select
 from relax.models.decoder.logprobs import DEFAULT_CHUNK, logprobs_from_hidden
 from relax.models.decoder.transformer import Attend, LayerRoutes, Transformer, embed, run_layers
 from relax.models.forward.stream_rows import segment_stream, stream_attend
 from relax.models.moe.experts import RouterStats
-from relax.passes import choose_passes
 
 __all__ = [
     "greedy_hits",
     "packed_attention",
     "packed_hidden",
     "packed_logprobs",
+    "segment_mask",
     "segment_positions",
 ]
 
@@ -56,14 +64,45 @@ def segment_positions(segment_ids: Int[Array, "b t"]) -> Int[Array, "b t"]:
     return idx - jax.lax.cummax(starts, axis=segment_ids.ndim - 1)
 
 
+def segment_mask(
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    window: int | Int[Array, ""] | None,
+) -> Bool[Array, "b t t"]:
+    """``allowed[b, i, j]``: key ``j`` is visible to query ``i`` (same example, causal, within
+    ``window``); padding sees nothing and is seen by nothing."""
+    same = segment_ids[..., :, None] == segment_ids[..., None, :]
+    return attn.causal_mask(positions, positions, segment_ids > 0, window) & same
+
+
 def packed_attention(
-    model: Transformer, segment_ids: Int[Array, "b t"], positions: Int[Array, "b t"], block: int
+    model: Transformer,
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    block: int | None,
 ) -> Attend:
-    """The attention hook of packed rows (``T`` a multiple of ``block``): each row a stream of its
-    examples (``relax.models.forward.stream_rows``), block-sparse over the blocks that hold a
-    visible key; returns no per-layer output."""
-    mask, pairs, num_pairs = segment_stream(segment_ids, positions, block)
-    return stream_attend(model, mask, pairs, num_pairs, block)
+    """The attention hook of packed rows (module docstring): block-sparse over each row's
+    streamed examples (``T`` a multiple of ``block``), or dense with the segment mask
+    (``block=None``; the masks of both layer kinds built once); returns no per-layer output."""
+    if block is not None:
+        mask, pairs, num_pairs = segment_stream(segment_ids, positions, block)
+        return stream_attend(model, mask, pairs, num_pairs, block)
+    c = model.config
+    probs = model.precision.probs_dtype(model.dtype)
+    masks = {
+        s: segment_mask(segment_ids, positions, layer_window(c, s)) for s in set(c.sliding_layers)
+    }
+
+    def attend(q, k, v, _, sliding):
+        allowed = (
+            masks[sliding]
+            if isinstance(sliding, bool)
+            else select(sliding, masks[True], masks[False])
+        )
+        k, v = attn.heads_major(k), attn.heads_major(v)
+        return attn.attention(q, k, v, allowed, scale=c.attn_scale, probs_dtype=probs), None
+
+    return attend
 
 
 def packed_hidden(
@@ -75,8 +114,8 @@ def packed_hidden(
     block: int | None = None,
 ) -> Float[Array, "b t D"]:
     """Final-norm hidden states of packed rows (module docstring); ``remat`` recomputes each
-    layer in the backward pass; ``block``: the attention's tile (None: the backend's
-    ``Passes.stream_block``)."""
+    layer in the backward pass; ``block``: the block-sparse attention's tile, None for the dense
+    one (the backend's choice: ``relax.passes.Passes.rows_block()``)."""
     return packed_hidden_routed(model, ids, segment_ids, remat=remat, block=block)[0]
 
 
@@ -90,9 +129,8 @@ def packed_hidden_routed(
 ) -> tuple[Float[Array, "b t D"], RouterStats | None]:
     """``packed_hidden`` and a mixture of experts' ``RouterStats`` over the rows' tokens (stacked
     ``[Ls]``; None for a dense model)."""
-    block = choose_passes().stream_block if block is None else block
     t = ids.shape[-1]
-    pad = ((0, 0), (0, -t % block))  # padding slots: segment 0, seen by nothing
+    pad = ((0, 0), (0, 0 if block is None else -t % block))  # padding: segment 0, unseen
     ids, segment_ids = jnp.pad(ids, pad), jnp.pad(segment_ids, pad)
     positions = segment_positions(segment_ids)
     attend = packed_attention(model, segment_ids, positions, block)
