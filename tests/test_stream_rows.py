@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from relax.models.attention.stream import num_block_pairs
+from relax.models.forward.packed import segment_positions
 from relax.models.forward.stream_rows import segment_pairs
 
 
@@ -35,8 +36,9 @@ def test_segment_pairs_are_exactly_the_blocks_with_a_visible_key(block):
         np.zeros(64, np.int32),
         np.ones(64, np.int32),
     ]  # all padding; one example filling the row
-    pairs, counts = jax.jit(jax.vmap(lambda s: segment_pairs(s, block)))(
-        jnp.asarray(np.stack(rows))
+    seg = jnp.asarray(np.stack(rows))
+    pairs, counts = jax.jit(jax.vmap(lambda s, p: segment_pairs(s, p, block)))(
+        seg, segment_positions(seg)
     )
     assert pairs.shape == (len(rows), num_block_pairs(64, block), 2)
     for seg, got, n in zip(rows, np.asarray(pairs), np.asarray(counts)):

@@ -11,11 +11,12 @@ so ``allowed(i, j) = seg_i == seg_j > 0 & pos_j <= pos_i`` (and the window), and
 ``qb`` meets exactly the key blocks from the one holding the start of its earliest example up to
 itself (that example has a slot in every block between)::
 
-    lo(qb) = min over slots i of qb with seg_i > 0 of  first(seg_i) // block
+    lo(qb) = min over slots i of qb with seg_i > 0 of  (i - pos_i) // block
     pairs  = (qb, kb) for kb = lo(qb) .. qb,   for every block qb holding a real slot
 
-``first(s)`` is the first slot of segment ``s`` in the row; the list is computed on the device,
-in ``O(T)``, and equals ``stream.block_pairs``' host join for such rows.
+(``i - pos_i`` is the first slot of slot ``i``'s example: positions restart at 0 with every
+example); the list is computed on the device, in ``O(T)``, and equals
+``stream.block_pairs``' host join for such rows.
 """
 
 from __future__ import annotations
@@ -35,17 +36,16 @@ __all__ = ["segment_pairs", "segment_stream", "stream_attend"]
 
 
 def segment_pairs(
-    segment_ids: Int[Array, " t"], block: int
+    segment_ids: Int[Array, " t"], positions: Int[Array, " t"], block: int
 ) -> tuple[Int[Array, "w 2"], Int[Array, ""]]:
-    """``(pairs [W, 2], num_pairs)`` of one packed row (module docstring), sorted by query block
-    then key block, ``W = num_block_pairs(T, block)``; the entries after ``num_pairs`` repeat a
-    valid block pair and are never visited. Segment ids must lie in ``[0, T]``."""
+    """``(pairs [W, 2], num_pairs)`` of one packed row (module docstring; ``positions`` restart at
+    0 with every example, ``relax.models.forward.packed.segment_positions``), sorted by query
+    block then key block, ``W = num_block_pairs(T, block)``; the entries after ``num_pairs``
+    repeat a valid block pair and are never visited."""
     t = segment_ids.shape[0]
     nb = t // block
-    seg = segment_ids.astype(jnp.int32)
-    real = seg > 0
-    first = jax.ops.segment_min(jnp.arange(t, dtype=jnp.int32), seg, num_segments=t + 1)
-    start_block = jnp.where(real, first[seg] // block, nb)
+    first = jnp.arange(t, dtype=jnp.int32) - positions.astype(jnp.int32)
+    start_block = jnp.where(segment_ids > 0, first // block, nb)
     lo = jnp.min(start_block.reshape(nb, block), axis=1)
     qb = jnp.arange(nb, dtype=jnp.int32)
     counts = jnp.where(lo < nb, qb - lo + 1, 0)
@@ -62,7 +62,9 @@ def segment_stream(
     """The ``StreamMask`` and block pairs of packed rows (module docstring)."""
     none = jnp.zeros_like(segment_ids, jnp.int32)
     mask = StreamMask(positions, segment_ids, none, none.astype(bool))
-    pairs, num_pairs = jax.vmap(functools.partial(segment_pairs, block=block))(segment_ids)
+    pairs, num_pairs = jax.vmap(functools.partial(segment_pairs, block=block))(
+        segment_ids, positions
+    )
     return mask, pairs, num_pairs
 
 
