@@ -2,10 +2,10 @@
 
 A step of ``P`` prompts (mean ``Lp`` real tokens, each run once for its ``G`` completions: the
 prefix is shared everywhere in relax) and ``P G`` completions (mean ``Lc`` real tokens) needs, for
-a dense decoder of ``L`` layers, width ``h``, MLP width ``I``, ``Hq`` / ``Hkv`` heads of ``D``,
-vocabulary ``V``::
+a dense decoder of ``L`` layers, width ``h``, ``Hq`` query heads of ``D``, vocabulary ``V``::
 
-    M_layers = L (h Hq D + 2 h Hkv D + Hq D h + 3 h I)          (q, k, v, o; gate, up, down)
+    M_layers = the entries of the layers' matrices     (ModelConfig.stacked_shapes: q, k, v, o,
+                                                         gate, up, down; norms and biases apart)
     linear(n, with_head) = 2 n (M_layers + [with_head] V h)      (a forward over n tokens)
     attention = 4 L Hq D (P Lp^2 / 2 + P G (Lc Lp + Lc^2 / 2))  (QK^T and PV over the causal
                                                                   context, prompt once)
@@ -23,6 +23,7 @@ overheads; the attention's ``Lc^2`` uses the mean length (real lengths spread it
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 
@@ -31,11 +32,10 @@ def forward_flops(config, prompts: int, generations: int, prompt_len: float, com
     ``ModelConfig`` of a dense decoder."""
     if config.num_experts:
         raise ValueError("flop_floor: a mixture of experts needs its active parameters counted")
-    h, hq, hk, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    layers = config.num_layers * (
-        h * hq * d + 2 * h * hk * d + hq * d * h + 3 * h * config.intermediate_size
-    )
-    head = config.vocab_size * h
+    matrices = [s for s in config.stacked_shapes().values() if len(s) == 3]  # [layers, in, out]
+    layers = sum(math.prod(s) for s in matrices)
+    head = config.vocab_size * config.hidden_size
+    hq, d = config.num_heads, config.head_dim
     p_tokens, c_tokens = prompts * prompt_len, prompts * generations * completion_len
     linear = 2 * p_tokens * layers + 2 * c_tokens * (layers + head)
     context = prompts * prompt_len**2 / 2 + prompts * generations * (
@@ -45,7 +45,7 @@ def forward_flops(config, prompts: int, generations: int, prompt_len: float, com
 
 
 def step_floor(
-    model_dir: str | Path,
+    config,
     *,
     prompts: int,
     generations: int,
@@ -55,10 +55,8 @@ def step_floor(
     num_iterations: int,
     peak_flops: float,
 ) -> dict:
-    """The floor of one step in FLOPs and seconds at ``peak_flops`` (module docstring)."""
-    from relax.models.hf.checkpoint import read_config
-
-    config = read_config(model_dir)
+    """The floor of one step of a ``ModelConfig``'s model in FLOPs and seconds at ``peak_flops``
+    (module docstring)."""
     fwd = forward_flops(config, prompts, generations, prompt_len, completion_len)
     passes = 1 + (beta > 0) + 3 * num_iterations
     flops = passes * fwd
@@ -88,12 +86,14 @@ def steps_at_floor(
 ) -> list[dict]:
     """Per logged step of a relax run (``curve``: ``completion_length``, ``time/step``): its floor
     and ``of_peak`` = floor / step, the share of the matmul peak the whole step ran at."""
-    out = []
+    from relax.models.hf.checkpoint import read_config
+
+    config, out = read_config(model_dir), []
     for r in curve:
         if "time/step" not in r or r.get("completion_length") is None:
             continue
         f = step_floor(
-            model_dir,
+            config,
             prompts=h["prompts_per_step"],
             generations=h["num_generations"],
             prompt_len=prompt_len,
