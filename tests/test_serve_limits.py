@@ -28,6 +28,7 @@ from relax.serve.server import run
 from relax.serve.service import _LORA_CHECKS, Service, ServiceConfig
 from relax.serve.types import Datum, ModelInput
 from relax.serve.wire import encode_batch, materialize
+from relax.train import free_memory
 
 CFG = ModelConfig(
     vocab_size=16,
@@ -275,7 +276,7 @@ def test_free_memory_from_cgroups_and_devices(tmp_path, monkeypatch):
     (cgroup / "user" / "job" / "memory.current").write_text("5\n")
     proc = tmp_path / "cgroup-file"
     proc.write_text("0::/user/job\n")
-    assert memory.cgroup_free(cgroup, proc) == 1_100_000_000
+    assert free_memory.cgroup_free(cgroup, proc) == 1_100_000_000
     v1 = tmp_path / "v1" / "memory" / "docker"
     v1.mkdir(parents=True)
     (v1 / "memory.limit_in_bytes").write_text("2500000000")
@@ -283,10 +284,10 @@ def test_free_memory_from_cgroups_and_devices(tmp_path, monkeypatch):
     (v1.parent / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # v1's "no limit"
     (v1.parent / "memory.usage_in_bytes").write_text("1")
     proc.write_text("4:memory:/docker\n1:cpu:/\n")
-    assert memory.cgroup_free(tmp_path / "v1", proc) == 100_000_000
+    assert free_memory.cgroup_free(tmp_path / "v1", proc) == 100_000_000
 
     devices = [Device(4 << 30), Device(2 << 30)]
-    assert memory.free_bytes(devices, None)[0] == 2 << 30
+    assert free_memory.free_bytes(devices, None)[0] == 2 << 30
     memory.check_fits("prompts", 3 << 30, devices, None, "a sample")  # 1.5 GiB each: fits
     with pytest.raises(Exception, match="needs 2,048 MiB per device") as e:
         memory.check_fits("prompts", 4 << 30, devices, None, "a sample")

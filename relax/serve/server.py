@@ -59,10 +59,10 @@ from relax.models.layers.lora import LoRAConfig
 from relax.parallel.step import ParallelConfig
 from relax.serve.guard import MEDIA_TYPE, Budget, Guard, read_body
 from relax.serve.limits import ServiceLimits
-from relax.serve.memory import host_free
 from relax.serve.service import Service, ServiceConfig, UnknownSession
 from relax.serve.tokens import LOCAL_HOSTS, check_token
 from relax.serve.wire import RequestError, decode_request, to_msgpack
+from relax.train.free_memory import host_free
 
 __all__ = [
     "MEDIA_TYPE",
@@ -158,7 +158,7 @@ def allowed_hosts(cfg: ServeConfig) -> tuple[str, ...]:
 
 def inflight_mb(cfg: ServeConfig) -> int:
     """``--max-inflight-mb``, or its default: a quarter of the memory the process has free now
-    (``relax.serve.memory.host_free``: the host's, its cgroup's, ``--limits.memory-mb``)."""
+    (``relax.train.free_memory.host_free``: the host's, its cgroup's, ``--limits.memory-mb``)."""
     if cfg.max_inflight_mb is not None:
         return cfg.max_inflight_mb
     return host_free(cfg.limits.memory_mb)[0] // 4 >> 20
