@@ -16,6 +16,7 @@ from relax.models import ModelConfig, init
 from relax.models.hf.checkpoint import save_pretrained
 from relax.text import load_tokenizer
 from relax.text.sentencepiece_model import Tokenizer, train_sentencepiece
+from relax.train import fits
 
 BUDGET = 40  # buckets 16, 32, 40
 
@@ -175,9 +176,40 @@ def test_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
     for length in (16, 32, 40):  # the buckets of the kept prompts (3 to 40 tokens, cut to 40)
         for program in ("rollout", "reference", "advantage+update"):
             assert re.search(
-                rf"^  {re.escape(program)} \[prompts {length}\]: [\d.]+ s$", report, re.M
+                rf"^  {re.escape(program)} \[prompts {length}\]: [\d.]+ s{ALLOCATES}$", report, re.M
             )
-    assert re.search(r"^  eval sampled \[held-out, 3 prompts of 40\]: [\d.]+ s$", report, re.M)
+    assert re.search(
+        rf"^  eval sampled \[held-out, 3 prompts of 40\]: [\d.]+ s{ALLOCATES}$", report, re.M
+    )
+
+
+ALLOCATES = r", allocates [\d.]+ [MG]iB per device"
+
+
+def test_a_run_whose_programs_cannot_fit_stops_before_its_first_step(ragged, tmp_path, monkeypatch):
+    """The same run on a device that has less free memory than its update allocates (its free
+    memory reported as 1 KiB): it stops once its programs are compiled, before any step, naming
+    the program and the flags that make it smaller; the start-up report is written first."""
+    free = []
+
+    def one_kib(devices):
+        free.append(devices)
+        return 1 << 10, "a device with 1 KiB free", len(devices)
+
+    monkeypatch.setattr(fits, "free_bytes", lambda devices, memory_mb: one_kib(devices))
+    with pytest.raises(fits.DoesNotFit) as e:
+        _run(ragged, tmp_path / "run", *PER_BATCH)
+    report = (tmp_path / "run" / "startup.txt").read_text()
+    need = re.search(
+        r"^  advantage\+update \[prompts 16\]: [\d.]+ s, allocates ([\d.]+ MiB)", report, re.M
+    )
+    assert need and float(need.group(1).split()[0]) > 0
+    message = str(e.value)
+    assert f"advantage+update [prompts 16] needs {need.group(1)} per device" in message
+    assert "0.0 MiB are free (a device with 1 KiB free)" in message
+    assert "--grpo.grad-accum N" in message and "relax plan grpo" in message
+    assert free and all(d == [jax.devices()[0]] for d in free)  # the devices it runs on
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step ran
 
 
 MESH_RUN = """

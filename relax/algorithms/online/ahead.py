@@ -6,7 +6,9 @@ padded to (``relax.data.prompts.batch_lengths``: one with ``--pad-to data``, one
 in the data with ``--pad-to batch``), its host stages standing in with the run's shapes and none
 of its work (``stand_in``); the held-out evaluation's samplers are lowered for the held-out
 batch. All of them are then compiled from a thread pool, and the start-up report lists each
-with its compile seconds (``CompiledAhead.lines``).
+with its compile seconds and what it allocates per device when called (``CompiledAhead.lines``;
+``relax.train.fits``). A program that needs more than its devices have free stops the run
+there, before its first step, with the flags that make it smaller (``CompiledAhead.check_fit``).
 
 A step whose rollout is partial rollouts' (``--async.partial`` > 1, a host stage that calls the
 sampler itself) has its programs compiled when the step first calls them; the report says so.
@@ -38,6 +40,7 @@ from relax.train.ahead import (
     output_avals,
     walk_step,
 )
+from relax.train.fits import ProgramNeed, check_fit, program_need, size_text
 from relax.train.pipeline import copy_view, producer_part
 
 ImageShapes = Callable[[int, int], Any]
@@ -112,12 +115,14 @@ def host_runner(stand_in_step: Stage) -> HostRun:
 @dataclasses.dataclass(frozen=True)
 class CompiledAhead:
     """What the start-up compile did: each program as ``(what, name, seconds)``, its wall time,
-    its compile threads, and what was left to compile when first called (``not_ahead``)."""
+    its compile threads, what was left to compile when first called (``not_ahead``), and what
+    each program allocates when called (``needs``, in the programs' order; None: unknown)."""
 
     programs: tuple[tuple[str, str, float], ...]
     wall_s: float
     workers: int
     not_ahead: tuple[str, ...] = ()
+    needs: tuple[ProgramNeed | None, ...] = ()
 
     def lines(self) -> tuple[str, ...]:
         """The start-up report's section: the total, then one line per program."""
@@ -126,11 +131,34 @@ class CompiledAhead:
             f"{len(self.programs)} programs lowered and compiled in {self.wall_s:.1f} s ({self.workers} "
             f"compile thread(s); their compile times add up to {total:.1f} s)"
         )
+        needs = self.needs or (None,) * len(self.programs)
         return (
             head,
-            *(f"{name} [{what}]: {s:.2f} s" for what, name, s in self.programs),
+            *(
+                f"{name} [{what}]: {s:.2f} s" + _need_text(need)
+                for (what, name, s), need in zip(self.programs, needs, strict=True)
+            ),
             *self.not_ahead,
         )
+
+    def check_fit(self, algorithm: str, free=None) -> None:
+        """Stop the run (``relax.train.fits.DoesNotFit``) when a program needs more memory than
+        its devices have free, naming the flags of ``algorithm`` that make it smaller."""
+        check_fit([n for n in self.needs if n is not None], shrink_hint(algorithm), free)
+
+
+def _need_text(need: ProgramNeed | None) -> str:
+    return "" if need is None else f", allocates {size_text(need.bytes)} per device"
+
+
+def shrink_hint(algorithm: str) -> str:
+    """The flags that make an online run's programs smaller, for the ``DoesNotFit`` message."""
+    return (
+        f"Smaller: --{algorithm}.remat (if turned off), --{algorithm}.grad-accum N (N micro-batches "
+        f"per minibatch, the same loss and gradient), fewer prompts (--batch-size) or completions, "
+        f"more chips in --parallel.mesh fsdp=N, or LoRA (--lora.rank 16). `relax plan "
+        f"{algorithm} --target <chips> <these flags>` tries them in turn and says which fit."
+    )
 
 
 def step_lowerings(
@@ -204,4 +232,5 @@ def compile_ahead(
         time.perf_counter() - t0,
         workers,
         tuple(not_ahead),
+        tuple(program_need(f"{c.name} [{what[id(c.lowering)]}]", c.compiled) for c in compiled),
     )

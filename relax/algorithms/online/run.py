@@ -243,17 +243,20 @@ def _prepare(
     report: StartupReport,
     log,
 ):
-    """The run's ``Trainer.prepare``: its programs compiled ahead (``--compile-ahead``) and the
-    start-up report's last section, "compiled ahead", printed and written."""
+    """The run's ``Trainer.prepare``: its programs compiled ahead (``--compile-ahead``), the
+    start-up report's last section, "compiled ahead", printed and written, then the run stopped
+    if a program cannot fit its devices' free memory (``CompiledAhead.check_fit``)."""
 
     def prepare(state, run_dir: Path) -> None:
+        ahead = None
         if cfg.compile_ahead and cfg.tower_trains:
             lines = (
                 "off with a trained tower: the step's programs take each batch's images and "
                 "compile when first called, once per image shape",
             )
         elif cfg.compile_ahead:
-            lines = _compiled_ahead(cfg, algo, data, parts, step, state).lines()
+            ahead = _compiled_ahead(cfg, algo, data, parts, step, state)
+            lines = ahead.lines()
         else:
             lines = (
                 "off (--no-compile-ahead): each program compiles when the step first calls it",
@@ -261,6 +264,8 @@ def _prepare(
         log(StartupReport((("compiled ahead", lines),), {}).text())
         if is_main_process():
             report.with_section("compiled ahead", lines).write(run_dir)
+        if ahead is not None:  # the report is written first: it says what each program needs
+            ahead.check_fit(algo.name)
 
     return prepare
 
