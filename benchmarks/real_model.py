@@ -112,6 +112,7 @@ def hparams(args) -> dict:
         "schedule": "constant",
         "warmup_steps": 0,
         "mask_truncated_completions": False,
+        "remat": args.remat,
         "seed": args.seed,
         # TRL only: completions per forward/backward (None: all of a step's in one); relax's
         # micro-batches are its own pass layout's
@@ -165,6 +166,7 @@ def relax_flags(h: dict) -> list[str]:
         str(h["prompts_per_step"]),
         "--seed",
         str(h["seed"]),
+        "--grpo.remat" if h.get("remat") else "--grpo.no-remat",
     ]
 
 
@@ -225,7 +227,8 @@ MAPPING_NOTES = {
     "prompts": "the same rows as chat messages [{'role': 'user', 'content': prompt}] through the checkpoint's chat "
     "template, generation prompt added (token ids compared, see prompt_ids_equal)",
     "dtype": "float32 parameters and compute on both for the side-by-side (relax also bfloat16)",
-    "remat": "relax --grpo.remat off (default) <-> gradient_checkpointing=False (TRL 1.x's default is True)",
+    "remat": "--remat: relax --grpo.remat <-> gradient_checkpointing=True (both on by default in the trainers); "
+    "without it --grpo.no-remat <-> gradient_checkpointing=False, as every recorded comparison ran",
     "generation": "relax's prefix-shared sampler (one prompt prefill per group) <-> transformers generate on the "
     "prompts repeated G times, sdpa attention, no vLLM",
 }
@@ -656,6 +659,12 @@ def parse_args(argv=None):
         "float32 master weights); DTYPE:N runs that one for N steps instead of --steps",
     )
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute layers in the backward on both sides (relax --grpo.remat, TRL "
+        "gradient_checkpointing; both trainers' default); off: as the recorded comparisons ran",
+    )
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-train", type=int, default=1000)

@@ -84,7 +84,7 @@ def trl_worker(args) -> None:
         bf16=False,
         fp16=False,
         disable_dropout=True,
-        gradient_checkpointing=False,  # TRL 1.x defaults to True; relax does not remat by default
+        gradient_checkpointing=h.get("remat", False),  # relax's --grpo.remat, as the parent asks
         log_completions=False,
         **trl_kwargs(h),
     )

@@ -510,7 +510,7 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
         return fake_plan(peak, run)
 
     monkeypatch.setattr(suggest_lib, "plan_run", fake_plan_run)
-    argv = ["--model", tiny_config, "--parallel.mesh", "fsdp=4"]
+    argv = ["--model", tiny_config, "--parallel.mesh", "fsdp=4", "--grpo.no-remat"]
     start = fake_plan(24 * gib, parse_run("grpo", argv))
     names = [c[0] for c in suggest_lib.candidates(start)]
     assert names[:2] == ["--grpo.remat", "--grpo.grad-accum"] and "--lora.rank" in names

@@ -3,8 +3,13 @@
 ``train_attention``: the completion attention of the training forwards (auto | group | dense,
 ``relax.models.forward.prefix_shared``; auto = a fused cuDNN kernel on GPU, the group kernel elsewhere);
 ``remat``: recompute each layer in the backward, keeping ``remat_policy`` (nothing | dots: the
-weight matmuls' outputs, less recompute for more memory). The same values and gradients whatever
-the choice; only time and memory differ.
+weight matmuls' outputs, less recompute for more memory). On by default, as TRL's
+``gradient_checkpointing`` and verl's actor: without it a real model's update keeps every layer's
+activations of the whole micro-batch (Llama-3.1-8B, 16 x 8 x 1,536 tokens on v5p:2x2x2: 992 GB of
+temporaries against 96 GB of HBM; benchmarks/RESULTS.md). ``--<algo>.no-remat`` buys back about a
+third of the update's compute where memory allows (a small model, or one prompt group per
+micro-batch on a CPU). The same values and gradients whatever the choice; only time and memory
+differ.
 ``moe``: a mixture-of-experts model's routing replay and router losses (``relax.models.moe.experts.MoEConfig``;
 no effect on a dense model).
 """
@@ -24,7 +29,7 @@ class ForwardConfig:
     mixture of experts (module docstring)."""
 
     train_attention: str = "auto"
-    remat: bool = False
+    remat: bool = True
     remat_policy: str = "nothing"
     moe: MoEConfig = MoEConfig()
 
