@@ -90,6 +90,7 @@ def run_once(a: Args, staleness: int, reward: RewardFunction, pool) -> list[floa
         num_generations=a.generations,
         max_new_tokens=a.new_tokens,
         beta=0.0,
+        remat=False,  # as every recorded figure ran (the trainers' default is on)
         optimizer=OptimizerConfig(learning_rate=1e-5),
     )
     model = init(small_config(), jax.random.key(0), std=0.02)

@@ -134,6 +134,7 @@ def build(args: Args):
             max_new_tokens=budget,
             beta=0.04,
             packing=packing,
+            remat=False,  # as every recorded figure ran (the trainers' default is on)
             optimizer=OptimizerConfig(learning_rate=1e-6),
         )
 

@@ -101,6 +101,7 @@ def run_once(a: Args, k: int) -> dict:
         num_generations=a.generations,
         max_new_tokens=n,
         beta=0.0,
+        remat=False,  # as every recorded figure ran (the trainers' default is on)
         optimizer=OptimizerConfig(learning_rate=1e-5),
     )
     state = init_state(

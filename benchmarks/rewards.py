@@ -155,6 +155,7 @@ def step_case(args: Args, mode: str) -> dict:
         num_generations=args.generations,
         max_new_tokens=args.new_tokens,
         beta=0.04,
+        remat=False,  # as every recorded figure ran (the trainers' default is on)
         optimizer=OptimizerConfig(learning_rate=1e-6),
     )
     state = init_state(

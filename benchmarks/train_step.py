@@ -101,6 +101,7 @@ def main(args: Args) -> dict:
         max_new_tokens=args.new_tokens,
         beta=args.beta,
         grad_accum=args.grad_accum,
+        remat=False,  # as every recorded figure ran (the trainers' default is on)
         optimizer=OptimizerConfig(learning_rate=1e-6),
     )
     opt = cfg.optimizer.make()
