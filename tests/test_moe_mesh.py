@@ -442,9 +442,11 @@ else:
         """``{(op, shape): count}`` of the collectives whose groups are exactly the expert axis."""
         return {(op, shape): n for op, shape, axes, n in rows if axes == ["expert"]}
 
-    def _exchange(spec, nl_rows, backward=True):
+    def _exchange(spec, nl_rows, backward=True, remat=False):
         """One sparse layer's token exchange (module docstring) for each row count in ``nl_rows``
-        (rows per device of one call: the prompts', the completions'), summed over the calls."""
+        (rows per device of one call: the prompts', the completions'), summed over the calls;
+        ``remat``: the forward's three gathers run again in the backward, recomputed (its combine's
+        reduce-scatter gives the layer's output, which the backward does not read)."""
         s = _sizes(spec)
         ep, d, k = s["expert"], TINY["hidden_size"], TINY["num_experts_per_tok"]
         want: dict = {}
@@ -455,6 +457,8 @@ else:
                 ("all-gather", f"f32[{ep * nl},{k}]"),
                 ("reduce-scatter", f"f32[{nl},{d}]"),
             ]
+            if remat:
+                keys += keys[:3]
             if backward:
                 keys += [
                     ("all-gather", f"f32[{ep * nl},{d}]"),
@@ -475,11 +479,11 @@ else:
     def _dims(shape):
         return tuple(int(x) for x in shape[shape.index("[") + 1 : shape.index("]")].split(",") if x)
 
-    def _check_exchange(rows, spec, nl_rows, what):
+    def _check_exchange(rows, spec, nl_rows, what, remat=False):
         """The exchange of every sparse layer over ``expert``, and no all-gather of an expert weight
         with all its experts (over any axes); prints what goes over ``expert``."""
         over = _over_expert(rows)
-        for key, n in _exchange(spec, nl_rows).items():
+        for key, n in _exchange(spec, nl_rows, remat=remat).items():
             assert over.get(key, 0) == SPARSE_LAYERS * n, (what, key, over)
         weights = _weight_shapes(spec)
         for op, shape, axes, _ in rows:
@@ -509,7 +513,9 @@ else:
 
     @pytest.mark.parametrize("spec", MESHES)
     def test_update_step_exchanges_tokens_and_gathers_no_expert_weight(results, spec):
-        """The compiled GRPO update (one micro-batch: 8 prompts of 7 tokens, 32 completions of 6)."""
+        """The compiled GRPO update (one micro-batch: 8 prompts of 7 tokens, 32 completions of 6),
+        with remat (the default): each layer's forward, its exchange included, runs again in the
+        backward."""
         s = _sizes(spec)
         shards = s["data"] * s["expert"] * s["fsdp"]
         _check_exchange(
@@ -517,6 +523,7 @@ else:
             spec,
             (56 // shards, 192 // shards),
             "GRPO update",
+            remat=True,
         )
 
     @pytest.mark.parametrize("spec", MESHES)
