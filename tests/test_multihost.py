@@ -8,7 +8,8 @@ Every offline trainer from its command line (SFT, DPO, KTO, reward models, disti
 agent trainer on a user's environment (each process sampling its own rows on its own copy of the
 policy) on a two-process mesh of four devices each logs what one device logs, a ``--reward-model`` scores
 alike; GRPO with partial rollouts (stopped and resumed mid-way) samples and logs what one device does.
-Plus the failure modes: an unreachable coordinator, a missing peer, incomplete settings.
+Plus the failure modes: an unreachable coordinator, a missing peer, a peer late at a barrier,
+incomplete settings.
 Every subprocess has a bounded timeout; nothing can hang the suite.
 """
 
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -156,8 +159,28 @@ def partial_worker(pid: int, n: int, port: int, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+LATE_S = 35  # more than gloo's 30 s wait for a peer's first collective
+
+
+def late_worker(pid: int, port: int, out: str) -> None:
+    """Process 1 reaches the barrier ``LATE_S`` seconds after process 0 (as a slower compile
+    would); then both gather their ids through a device collective."""
+    import jax
+
+    from relax.parallel import distributed
+
+    distributed.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=60)
+    assert jax.device_count() == 2  # the backend up (its start waits for every process)
+    if pid == 1:
+        time.sleep(LATE_S)
+    t0 = time.monotonic()
+    distributed.barrier("late peer")
+    waited = time.monotonic() - t0
+    ids = distributed.all_rows(np.asarray([jax.process_index()]))
+    Path(out).write_text(json.dumps({"waited": waited, "ids": ids.tolist()}))
+
+
 if __name__ != "__main__":
-    import numpy as np
     import pytest
 
     from relax.parallel import distributed
@@ -371,6 +394,21 @@ if __name__ != "__main__":
             distributed.initialize(f"127.0.0.1:{port}", 2, 1, timeout_s=2)
         assert time.monotonic() - t0 < 10
 
+    @pytest.mark.slow  # a peer 35 s late
+    def test_a_barrier_waits_for_a_peer_later_than_a_collective_would(tmp_path):
+        """``distributed.barrier`` waits on the coordination service: a process 35 s late (as
+        one whose compiles ran slower) is waited for, and the collective after the barrier
+        gathers both processes. A collective in its place (the previous barrier,
+        ``sync_global_devices``) gives up on a peer after gloo's 30 s."""
+        port = free_port()
+        procs = [_spawn(["late", str(i), str(port), str(tmp_path / f"{i}.json")]) for i in (0, 1)]
+        outs = _finish(procs, 120)
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:]
+        first, second = (json.loads((tmp_path / f"{i}.json").read_text()) for i in (0, 1))
+        assert first["ids"] == second["ids"] == [0, 1]
+        assert first["waited"] > LATE_S - 5 > second["waited"]
+
     @pytest.mark.slow  # the timeout path is tested fast by the unreachable-coordinator case
     def test_missing_peer_ends_the_coordinator_process_instead_of_hanging(tmp_path):
         proc = _spawn(["alone", str(free_port())])
@@ -415,6 +453,8 @@ if __name__ == "__main__":
         trainers_worker(*args)
     elif mode == "images":
         images_worker(*args)
+    elif mode == "late":
+        late_worker(int(args[0]), int(args[1]), args[2])
     elif mode == "alone":  # process 0 of 2 whose peer never comes
         from relax.parallel import distributed as d
 

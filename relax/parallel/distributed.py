@@ -28,12 +28,14 @@ port (jax's own client aborts the process when its connect deadline passes), the
 ``initialization_timeout`` bounds the rest of the handshake.
 
 On CPU, cross-process collectives go through gloo (``jax_cpu_collectives_implementation``,
-set here before the backend starts).
+set here before the backend starts). ``barrier`` waits on the coordination service instead of
+a collective, so it outlasts gloo's 30 s wait for a late peer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import sys
@@ -179,12 +181,21 @@ def max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
-def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (a no-op on one process)."""
-    if multi_process():
-        from jax.experimental import multihost_utils
+BARRIER_TIMEOUT_S = 3600
+_barriers = itertools.count()  # every process calls the barriers in the same order
 
-        multihost_utils.sync_global_devices(name)
+
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Every process waits here until all have arrived, for up to ``timeout_s`` (a no-op on one
+    process). It is the coordination service's barrier (orbax's ``get_barrier_sync_fn``), not a
+    device collective: on CPU a collective whose peer is more than 30 s late fails (gloo's
+    context set-up), where a process that compiled more slowly than the others is waited for
+    here."""
+    if multi_process():
+        from orbax.checkpoint import multihost
+
+        key = f"relax-{name}-{next(_barriers)}"
+        multihost.get_barrier_sync_fn()(key=key, timeout_ms=int(timeout_s * 1000))
 
 
 def all_rows(x: np.ndarray) -> np.ndarray:

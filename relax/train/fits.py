@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from relax.parallel.distributed import max_over_processes
 from relax.train.free_memory import free_bytes
 
 GIB = 1 << 30
@@ -61,10 +62,12 @@ def program_need(name: str, compiled: Any) -> ProgramNeed | None:
 
 
 def program_devices(compiled: Any) -> tuple[Any, ...]:
-    """The devices ``compiled`` runs on: those of its input and output shardings."""
+    """The devices of this process that ``compiled`` runs on: those of its input and output
+    shardings (another process checks its own)."""
     shardings = [*_leaves(compiled.input_shardings), *_leaves(compiled.output_shardings)]
     found = {d for s in shardings for d in getattr(s, "device_set", ())}
-    return tuple(sorted(found, key=lambda d: d.id))
+    mine = jax.process_index()
+    return tuple(sorted((d for d in found if d.process_index == mine), key=lambda d: d.id))
 
 
 def _leaves(tree: Any) -> list:
@@ -97,8 +100,11 @@ def shortfall(need: ProgramNeed, free: FreeBytes | None = None) -> str | None:
 
 def check_fit(needs: Sequence[ProgramNeed], hint: str, free: FreeBytes | None = None) -> None:
     """Raise ``DoesNotFit`` naming every program of ``needs`` over its devices' free memory,
-    followed by ``hint`` (the flags that make the run smaller)."""
+    followed by ``hint`` (the flags that make the run smaller). Every process of a multi-process
+    run calls it, each for its own devices, and all of them raise when one does."""
     short = [s for s in (shortfall(n, free) for n in needs) if s is not None]
+    if max_over_processes(len(short)) and not short:
+        short = ["another process's programs do not fit its devices' memory (its log names them)"]
     if short:
         raise DoesNotFit(
             "the run's compiled programs do not fit in memory, so it stops before its first "
