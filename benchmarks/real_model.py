@@ -54,11 +54,9 @@ Runs::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import statistics
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -66,182 +64,20 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arithmetic_task import make_rows  # noqa: E402
 from flop_floor import mean_prompt_tokens, steps_at_floor  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if path.exists()
-        else []
-    )
-
-
-# ----------------------------------------------------------------------------- hyper-parameters
-
-
-def hparams(args) -> dict:
-    """The run's hyper-parameters, named once; both sides are configured from this dict."""
-    return {
-        "learning_rate": args.lr,
-        "num_generations": args.num_generations,
-        "prompts_per_step": args.batch_size,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "beta": args.beta,
-        "kl_estimator": "k3",
-        "epsilon_low": 0.2,
-        "epsilon_high": 0.2,
-        "loss_type": "grpo",
-        "scale_rewards": "group",
-        "num_iterations": 1,
-        "optimizer_steps_per_batch": 1,
-        "adam_b1": 0.9,
-        "adam_b2": 0.99,
-        "adam_eps": 1e-8,
-        "weight_decay": 0.0,
-        "max_grad_norm": 1.0,
-        "schedule": "constant",
-        "warmup_steps": 0,
-        "mask_truncated_completions": False,
-        "remat": args.remat,
-        "seed": args.seed,
-        # TRL only: completions per forward/backward (None: all of a step's in one); relax's
-        # micro-batches are its own pass layout's
-        "trl_micro_batch": args.trl_micro_batch,
-    }
-
-
-def relax_flags(h: dict) -> list[str]:
-    return [
-        "--preset",
-        "grpo",
-        "--grpo.num-generations",
-        str(h["num_generations"]),
-        "--grpo.max-new-tokens",
-        str(h["max_new_tokens"]),
-        "--grpo.temperature",
-        str(h["temperature"]),
-        "--grpo.beta",
-        str(h["beta"]),
-        "--grpo.kl-estimator",
-        h["kl_estimator"],
-        "--grpo.policy-loss.epsilon-low",
-        str(h["epsilon_low"]),
-        "--grpo.policy-loss.epsilon-high",
-        str(h["epsilon_high"]),
-        "--grpo.loss-type",
-        h["loss_type"],
-        "--grpo.scale-rewards",
-        h["scale_rewards"],
-        "--grpo.num-iterations",
-        str(h["num_iterations"]),
-        "--grpo.num-minibatches",
-        "1",
-        "--grpo.optimizer.learning-rate",
-        str(h["learning_rate"]),
-        "--grpo.optimizer.b1",
-        str(h["adam_b1"]),
-        "--grpo.optimizer.b2",
-        str(h["adam_b2"]),
-        "--grpo.optimizer.eps",
-        str(h["adam_eps"]),
-        "--grpo.optimizer.weight-decay",
-        str(h["weight_decay"]),
-        "--grpo.optimizer.max-grad-norm",
-        str(h["max_grad_norm"]),
-        "--grpo.optimizer.schedule",
-        h["schedule"],
-        "--grpo.optimizer.warmup-steps",
-        str(h["warmup_steps"]),
-        "--batch-size",
-        str(h["prompts_per_step"]),
-        "--seed",
-        str(h["seed"]),
-        "--grpo.remat" if h.get("remat") else "--grpo.no-remat",
-    ]
-
-
-def trl_kwargs(h: dict) -> dict:
-    """GRPOConfig keyword arguments for the same hyper-parameters (TRL 1.16 names)."""
-    g, p = h["num_generations"], h["prompts_per_step"]
-    m = h.get("trl_micro_batch") or g * p  # completions per forward/backward
-    if (g * p) % m:
-        raise ValueError(f"--trl-micro-batch {m} must divide the step's {g * p} completions")
-    return dict(
-        learning_rate=h["learning_rate"],
-        num_generations=g,
-        per_device_train_batch_size=m,  # TRL counts completions per device batch
-        gradient_accumulation_steps=g * p // m,  # one optimizer step per generated batch
-        steps_per_generation=g * p // m,
-        num_iterations=h["num_iterations"],
-        max_completion_length=h["max_new_tokens"],
-        temperature=h["temperature"],
-        top_p=h["top_p"],
-        top_k=0,
-        beta=h["beta"],
-        epsilon=h["epsilon_low"],
-        epsilon_high=h["epsilon_high"],
-        loss_type=h["loss_type"],
-        scale_rewards=h["scale_rewards"],
-        mask_truncated_completions=h["mask_truncated_completions"],
-        adam_beta1=h["adam_b1"],
-        adam_beta2=h["adam_b2"],
-        adam_epsilon=h["adam_eps"],
-        weight_decay=h["weight_decay"],
-        max_grad_norm=h["max_grad_norm"],
-        lr_scheduler_type=h["schedule"],
-        warmup_steps=h["warmup_steps"],
-        seed=h["seed"],
-    )
-
-
-MAPPING_NOTES = {
-    "learning_rate": "--grpo.optimizer.learning-rate <-> learning_rate",
-    "num_generations": "--grpo.num-generations <-> num_generations",
-    "prompts_per_step": "--batch-size (prompts) <-> per_device_train_batch_size = prompts x G (completions), "
-    "gradient_accumulation_steps=1, steps_per_generation=1 (--trl-micro-batch m: per_device_train_batch_size=m, "
-    "gradient_accumulation_steps = steps_per_generation = prompts x G / m)",
-    "max_new_tokens": "--grpo.max-new-tokens <-> max_completion_length",
-    "temperature": "--grpo.temperature <-> temperature (both also divide the trained log-probs' logits by it)",
-    "top_p/top_k": "none <-> top_p=1.0, top_k=0",
-    "beta": "--grpo.beta <-> beta (both keep a frozen reference model)",
-    "kl_estimator": "--grpo.kl-estimator k3 <-> TRL's only per-token KL (k3)",
-    "epsilon": "--grpo.policy-loss.epsilon-low/high <-> epsilon / epsilon_high",
-    "loss_type": "--grpo.loss-type grpo <-> loss_type='grpo' (mean over each completion's tokens, then over completions)",  # noqa: E501
-    "scale_rewards": "--grpo.scale-rewards group <-> scale_rewards='group' (std eps 1e-4 on both)",
-    "num_iterations": "--grpo.num-iterations 1, one minibatch <-> num_iterations=1: one optimizer step per batch",
-    "optimizer": "AdamW b1/b2/eps, weight decay, clip by global norm <-> adam_beta1/2, adam_epsilon, weight_decay, "
-    "max_grad_norm",
-    "schedule": "--grpo.optimizer.schedule constant, no warm-up <-> lr_scheduler_type='constant', warmup_steps=0",
-    "reward": "relax numeric_match on both (TRL: a wrapper calling relax.rewards.builtin.numeric_match on the "
-    "assistant message's text)",
-    "prompts": "the same rows as chat messages [{'role': 'user', 'content': prompt}] through the checkpoint's chat "
-    "template, generation prompt added (token ids compared, see prompt_ids_equal)",
-    "dtype": "float32 parameters and compute on both for the side-by-side (relax also bfloat16)",
-    "remat": "--remat: relax --grpo.remat <-> gradient_checkpointing=True (both on by default in the trainers); "
-    "without it --grpo.no-remat <-> gradient_checkpointing=False, as every recorded comparison ran",
-    "generation": "relax's prefix-shared sampler (one prompt prefill per group) <-> transformers generate on the "
-    "prompts repeated G times, sdpa attention, no vLLM",
-}
-
+from real_model_common import (  # noqa: E402
+    DEFAULT_MODEL,
+    git_commit,
+    hparams,
+    mean,
+    median,
+    read_jsonl,
+    relax_flags,
+    train_grpo_main,
+    write_jsonl,
+)
+from real_model_peer import run_trl, snapshot_rewards, trl_result  # noqa: E402
 
 # ----------------------------------------------------------------------------- relax
-
-
-def _train_grpo_main():
-    spec = importlib.util.spec_from_file_location("train_grpo", ROOT / "examples" / "train_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
 
 
 def run_relax(args, h: dict, dtype: str, out: Path, data: dict[str, Path]) -> dict:
@@ -286,7 +122,7 @@ def run_relax(args, h: dict, dtype: str, out: Path, data: dict[str, Path]) -> di
     flags += args.relax_extra
     print("relax:", "examples/train_grpo.py " + " ".join(flags), flush=True)
     t0, load0 = time.time(), os.getloadavg()
-    summary = _train_grpo_main()(flags)
+    summary = train_grpo_main()(flags)
     wall = time.time() - t0
     curve = relax_curve(run_dir / "metrics.jsonl")
     write_jsonl(out / f"curve-relax-{dtype}.jsonl", curve)
@@ -301,16 +137,16 @@ def run_relax(args, h: dict, dtype: str, out: Path, data: dict[str, Path]) -> di
         "wall_s": wall,
         "loadavg_begin": load0,
         "loadavg_end": os.getloadavg(),
-        "relax_commit": _git_commit(),
+        "relax_commit": git_commit(),
         "steps": len(times),
-        "median_step_s": _median(times[1:]),
+        "median_step_s": median(times[1:]),
         "first_step_s": times[0] if times else None,
-        "median_segment_s": {k: _median([r[k] for r in curve[1:] if k in r]) for k in seg_keys},
+        "median_segment_s": {k: median([r[k] for r in curve[1:] if k in r]) for k in seg_keys},
         "before": summary.get("before"),
         "after": summary.get("after"),
         "evals": relax_evals(run_dir / "metrics.jsonl"),
-        "reward_first5": _mean([r["reward"] for r in curve[:5] if r.get("reward") is not None]),
-        "reward_last5": _mean([r["reward"] for r in curve[-5:] if r.get("reward") is not None]),
+        "reward_first5": mean([r["reward"] for r in curve[:5] if r.get("reward") is not None]),
+        "reward_last5": mean([r["reward"] for r in curve[-5:] if r.get("reward") is not None]),
         "floor": floor,
     }
 
@@ -327,7 +163,7 @@ def relax_floor(args, h: dict, data: dict[str, Path], curve: list[dict]) -> dict
         "mean_prompt_tokens": prompt_len,
         "peak_gflops": peak / 1e9,
         "steps": steps,
-        "median_of_peak": _median([s["of_peak"] for s in steps[1:]]),
+        "median_of_peak": median([s["of_peak"] for s in steps[1:]]),
     }
 
 
@@ -376,175 +212,6 @@ def relax_evals(metrics: Path) -> list[dict]:
         if ev:
             out.append({"step": r["step"], **ev})
     return out
-
-
-def relax_eval_only(args, model_dir: Path, run_dir: Path, data: dict[str, Path], h: dict) -> dict:
-    """relax's evaluator on ``model_dir`` (the same held-out prompts, sampling keys and settings as
-    the training runs' before/after evaluations)."""
-    flags = [
-        "--model",
-        str(model_dir),
-        "--data",
-        str(data["train"]),
-        "--eval-data",
-        str(data["eval"]),
-        "--reward",
-        "numeric_match",
-        "--eval-only",
-        "--run-dir",
-        str(run_dir),
-        "--eval-max-prompts",
-        str(args.num_eval),
-        "--eval.num-samples",
-        str(args.eval_samples),
-        "--reward-workers",
-        "0",
-        "--max-prompt-tokens",
-        "256",
-        *relax_flags(h),
-    ]
-    print("relax eval:", "examples/train_grpo.py " + " ".join(flags), flush=True)
-    return _train_grpo_main()(flags).get("eval_only", {})
-
-
-# ----------------------------------------------------------------------------- TRL (separate interpreter)
-
-
-def snapshot_rewards(dest: Path) -> dict[str, str]:
-    """Copy relax's reward code (``relax/*.py``, ``relax/rewards/*.py``) to ``dest`` and import
-    ``relax.rewards.builtin`` right after, so that the TRL interpreter scores with the code this
-    process scores with even while the tree is being edited; sha256 of each file."""
-    import hashlib
-    import shutil
-
-    hashes = {}
-    for sub in ("relax", "relax/rewards"):
-        (dest / sub).mkdir(parents=True, exist_ok=True)
-        for f in sorted((ROOT / sub).glob("*.py")):
-            shutil.copyfile(f, dest / sub / f.name)
-            hashes[f"{sub}/{f.name}"] = hashlib.sha256(
-                (dest / sub / f.name).read_bytes()
-            ).hexdigest()[:16]
-    import relax.rewards.builtin  # noqa: F401  (imported now, next to the copy)
-
-    return hashes
-
-
-def run_trl(args, h: dict, out: Path, data: dict[str, Path]) -> dict:
-    trl_dir = out / "trl"
-    trl_dir.mkdir(parents=True, exist_ok=True)
-    (trl_dir / "hparams.json").write_text(json.dumps(h))
-    import relax
-
-    tok = relax.load_tokenizer(args.model)
-    rows = read_jsonl(data["train"])[:16]
-    (trl_dir / "relax_prompt_ids.json").write_text(
-        json.dumps(
-            [
-                list(
-                    tok.apply_chat_template(
-                        [{"role": "user", "content": r["prompt"]}],
-                        add_generation_prompt=True,
-                        tokenize=True,
-                    )
-                )
-                for r in rows
-            ]
-        )
-    )
-    mapping = {
-        "hparams": h,
-        "trl_GRPOConfig": trl_kwargs(h),
-        "relax_flags": relax_flags(h),
-        "notes": MAPPING_NOTES,
-    }
-    (trl_dir / "mapping.json").write_text(json.dumps(mapping, indent=1))
-    print("hyper-parameter mapping (relax <-> TRL GRPOConfig):")
-    for k, v in MAPPING_NOTES.items():
-        print(f"  {k:<18} {v}")
-    cmd = [
-        args.trl_python,
-        str(Path(__file__).resolve().with_name("real_model_trl.py")),
-        "--model",
-        args.model,
-        "--steps",
-        str(args.trl_steps or args.steps),
-        "--seed",
-        str(args.seed),
-        "--out",
-        str(trl_dir),
-        "--train-jsonl",
-        str(data["train"]),
-    ]
-    print("trl:", " ".join(cmd), flush=True)
-    t0, load0 = time.time(), os.getloadavg()
-    rc = subprocess.run(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}).returncode
-    run = {
-        "wall_s": time.time() - t0,
-        "loadavg_begin": load0,
-        "loadavg_end": os.getloadavg(),
-        "returncode": rc,
-    }
-    return trl_result(args, out, data, h, run)
-
-
-def trl_result(args, out: Path, data: dict[str, Path], h: dict, run: dict | None = None) -> dict:
-    """TRL's run from its files: the steps it logged, and relax's evaluation of its final model
-    when the worker got to save one (a worker stopped early leaves its steps, no final model)."""
-    trl_dir = out / "trl"
-    info_file = trl_dir / "trl_info.json"
-    info = (
-        json.loads(info_file.read_text())
-        if info_file.exists()
-        else {"versions": trl_versions(args.trl_python)}
-    )
-    steps = read_jsonl(trl_dir / "steps.jsonl")
-    curve = [
-        {
-            "step": s["step"],
-            "wall_s": s["wall_s"],
-            "reward": s.get("reward"),
-            "kl": s.get("kl"),
-            "completion_length": s.get("completions/mean_length"),
-            "step_s": s["step_s"],
-            "process_cpu_s": s["process_cpu_s"],
-            "loadavg1": s.get("loadavg1"),
-        }
-        for s in steps
-    ]
-    write_jsonl(out / "curve-trl.jsonl", curve)
-    finished = (trl_dir / "final_hf" / "config.json").exists()
-    after = (
-        relax_eval_only(args, trl_dir / "final_hf", out / "trl-eval", data, h) if finished else None
-    )
-    times = [s["step_s"] for s in steps]
-    return {
-        "side": "trl",
-        "dtype": "float32",
-        **(run or {}),
-        "steps": len(steps),
-        "finished": finished,
-        "median_step_s": _median(times[1:]),
-        "first_step_s": times[0] if times else None,
-        "step_s": times,
-        "after": after,
-        **info,
-        "reward_first5": _mean([c["reward"] for c in curve[:5] if c["reward"] is not None]),
-        "reward_last5": _mean([c["reward"] for c in curve[-5:] if c["reward"] is not None]),
-    }
-
-
-def trl_versions(python: str) -> dict:
-    code = (
-        "import json, trl, transformers, torch; print(json.dumps({'trl': trl.__version__, "
-        "'transformers': transformers.__version__, 'torch': torch.__version__}))"
-    )
-    try:
-        return json.loads(
-            subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
-        )
-    except (OSError, subprocess.CalledProcessError, ValueError):
-        return {}
 
 
 # ----------------------------------------------------------------------------- plot, main
@@ -606,41 +273,12 @@ SMALL = (
 
 
 def copy_small(out: Path, dest: Path) -> None:
-    import shutil
-
     for pattern in SMALL:
         for f in out.glob(pattern):
             target = dest / f.relative_to(out)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, target)
     print("copied the small outputs to", dest)
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _mean(xs):
-    return sum(xs) / len(xs) if xs else None
-
-
-def _git_commit() -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def parse_args(argv=None):
@@ -716,6 +354,92 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def run_sides(args, h: dict, out: Path, data: dict[str, Path]) -> None:
+    """Run each side asked for (relax once per ``--param-dtype``, TRL after the first relax run)
+    and write its ``run-<side>-<dtype>.json``; with ``--collect``, only a TRL worker that stopped
+    early is read back from its files."""
+    plan = (
+        []
+        if args.skip_relax or args.collect
+        else [("relax", d) for d in args.param_dtype.split(",")]
+    )
+    if args.peer == "trl" and not args.collect:  # after the first relax run, before the others
+        plan.insert(min(1, len(plan)), ("trl", "float32"))
+    for side, spec in plan:
+        if side == "trl":
+            run = run_trl(args, h, out, data)
+        else:  # "bfloat16:5": that dtype for 5 steps
+            dtype, _, steps = spec.strip().partition(":")
+            steps_args = argparse.Namespace(**{**vars(args), "steps": int(steps or args.steps)})
+            run = run_relax(steps_args, h, dtype, out, data)
+        (out / f"run-{run['side']}-{run['dtype']}.json").write_text(
+            json.dumps(run, indent=1, default=str)
+        )
+    if (
+        args.collect
+        and args.peer == "trl"
+        and not (out / "run-trl-float32.json").exists()
+        and (out / "trl" / "steps.jsonl").exists()
+    ):
+        run = trl_result(args, out, data, h, {"note": "collected from the worker's files"})
+        (out / "run-trl-float32.json").write_text(json.dumps(run, indent=1, default=str))
+
+
+def recorded_runs(out: Path, model: str) -> list[dict]:
+    """Every run recorded in ``out`` so far (earlier invocations included): relax float32, TRL,
+    the rest."""
+    order = {"relax-float32": 0, "trl-float32": 1}
+    files = sorted(out.glob("run-*.json"), key=lambda f: (order.get(f.stem[4:], 2), f.name))
+    runs = [json.loads(f.read_text()) for f in files]
+    for r in runs:
+        r["model"] = model
+    return runs
+
+
+def versions() -> dict:
+    import jax
+    import jaxlib
+
+    out = {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "relax_commit": git_commit(),
+        "python": sys.version.split()[0],
+        "devices": [str(d) for d in jax.devices()],
+    }
+    try:
+        import torch
+        import transformers
+
+        out.update(transformers=transformers.__version__, torch=torch.__version__)
+    except ImportError:
+        pass
+    return out
+
+
+PASS_AT = ("pass@1", "pass@2", "pass@4")
+
+
+def table_row(r: dict, runs: list[dict]) -> dict:
+    """A run's line of the summary table: its step time, floor and accuracies."""
+    before = r.get("before") or (runs[0].get("before") if runs else None) or {}
+    after = r.get("after") or {}
+    return {
+        "side": r["side"],
+        "dtype": r["dtype"],
+        "steps": r["steps"],
+        "median_step_s": r["median_step_s"],
+        "of_peak": (r.get("floor") or {}).get("median_of_peak"),
+        "greedy_before": before.get("greedy/accuracy"),
+        "greedy_after": after.get("greedy/accuracy"),
+        **{f"{k}_before": before.get(k) for k in PASS_AT if k in before},
+        **{f"{k}_after": after.get(k) for k in PASS_AT if k in after},
+        "greedy_by_step": {e["step"]: e.get("eval/greedy/accuracy") for e in r.get("evals", [])},
+        "reward_first5": r.get("reward_first5"),
+        "reward_last5": r.get("reward_last5"),
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
@@ -728,92 +452,10 @@ def main(argv=None) -> dict:
     (out / "hparams.json").write_text(json.dumps(h, indent=1))
     # --collect keeps the copy an earlier invocation's TRL worker scored with
     reward_src_sha = {} if args.collect else snapshot_rewards(out / "reward_src")
-    plan = (
-        []
-        if args.skip_relax or args.collect
-        else [("relax", d) for d in args.param_dtype.split(",")]
-    )
-    if (
-        args.peer == "trl" and not args.collect
-    ):  # after the first relax run, before the other dtypes
-        plan.insert(min(1, len(plan)), ("trl", "float32"))
-    for side, spec in plan:
-        if side == "trl":
-            run = run_trl(args, h, out, data)
-        else:  # "bfloat16:5": that dtype for 5 steps
-            dtype, _, steps = spec.strip().partition(":")
-            run = run_relax(
-                argparse.Namespace(**{**vars(args), "steps": int(steps or args.steps)}),
-                h,
-                dtype,
-                out,
-                data,
-            )
-        (out / f"run-{run['side']}-{run['dtype']}.json").write_text(
-            json.dumps(run, indent=1, default=str)
-        )
-    if (
-        args.collect
-        and args.peer == "trl"
-        and not (out / "run-trl-float32.json").exists()
-        and (out / "trl" / "steps.jsonl").exists()
-    ):
-        run = trl_result(args, out, data, h, {"note": "collected from the worker's files"})
-        (out / "run-trl-float32.json").write_text(json.dumps(run, indent=1, default=str))
-    # every run recorded in --out so far (earlier invocations included): relax float32, TRL, the rest
-    order = {"relax-float32": 0, "trl-float32": 1}
-    runs = [
-        json.loads(f.read_text())
-        for f in sorted(out.glob("run-*.json"), key=lambda f: (order.get(f.stem[4:], 2), f.name))
-    ]
-    for r in runs:
-        r["model"] = args.model
+    run_sides(args, h, out, data)
+    runs = recorded_runs(out, args.model)
     png = plot(out, runs) if runs else None
-    import jax
-    import jaxlib
-
-    versions = {
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "relax_commit": _git_commit(),
-        "python": sys.version.split()[0],
-        "devices": [str(d) for d in jax.devices()],
-    }
-    try:
-        import torch
-        import transformers  # noqa: E401
-
-        versions.update(transformers=transformers.__version__, torch=torch.__version__)
-    except ImportError:
-        pass
-    table = []
-    for r in runs:
-        before = r.get("before") or (runs[0].get("before") if runs else None) or {}
-        after = r.get("after") or {}
-        table.append(
-            {
-                "side": r["side"],
-                "dtype": r["dtype"],
-                "steps": r["steps"],
-                "median_step_s": r["median_step_s"],
-                "of_peak": (r.get("floor") or {}).get("median_of_peak"),
-                "greedy_before": before.get("greedy/accuracy"),
-                "greedy_after": after.get("greedy/accuracy"),
-                **{
-                    f"{k}_before": before.get(k)
-                    for k in ("pass@1", "pass@2", "pass@4")
-                    if k in before
-                },
-                **{
-                    f"{k}_after": after.get(k) for k in ("pass@1", "pass@2", "pass@4") if k in after
-                },
-                "greedy_by_step": {
-                    e["step"]: e.get("eval/greedy/accuracy") for e in r.get("evals", [])
-                },
-                "reward_first5": r.get("reward_first5"),
-                "reward_last5": r.get("reward_last5"),
-            }
-        )
+    table = [table_row(r, runs) for r in runs]
     result = {
         "benchmark": "real_model",
         "model": args.model,
@@ -824,14 +466,15 @@ def main(argv=None) -> dict:
         "table": table,
         "runs": runs,
         "png": str(png) if png else None,
-        "versions": versions,
+        "versions": versions(),
         "loadavg": os.getloadavg(),
         "cpu_count": os.cpu_count(),
     }
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     if args.results:
         copy_small(out, Path(args.results))
-    print(json.dumps({"table": table, "versions": versions, "png": result["png"]}, default=str))
+    summary = {"table": table, "versions": result["versions"], "png": result["png"]}
+    print(json.dumps(summary, default=str))
     return result
 
 

@@ -1,0 +1,173 @@
+"""What both sides of ``benchmarks/real_model.py`` share: the hyper-parameters named once, relax's
+flags for them, relax's evaluator (which scores TRL's final model too), the JSON-lines files and
+the summary statistics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.exists()
+        else []
+    )
+
+
+def hparams(args) -> dict:
+    """The run's hyper-parameters, named once; both sides are configured from this dict."""
+    return {
+        "learning_rate": args.lr,
+        "num_generations": args.num_generations,
+        "prompts_per_step": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "beta": args.beta,
+        "kl_estimator": "k3",
+        "epsilon_low": 0.2,
+        "epsilon_high": 0.2,
+        "loss_type": "grpo",
+        "scale_rewards": "group",
+        "num_iterations": 1,
+        "optimizer_steps_per_batch": 1,
+        "adam_b1": 0.9,
+        "adam_b2": 0.99,
+        "adam_eps": 1e-8,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "schedule": "constant",
+        "warmup_steps": 0,
+        "mask_truncated_completions": False,
+        "remat": args.remat,
+        "seed": args.seed,
+        # TRL only: completions per forward/backward (None: all of a step's in one); relax's
+        # micro-batches are its own pass layout's
+        "trl_micro_batch": args.trl_micro_batch,
+    }
+
+
+def relax_flags(h: dict) -> list[str]:
+    return [
+        "--preset",
+        "grpo",
+        "--grpo.num-generations",
+        str(h["num_generations"]),
+        "--grpo.max-new-tokens",
+        str(h["max_new_tokens"]),
+        "--grpo.temperature",
+        str(h["temperature"]),
+        "--grpo.beta",
+        str(h["beta"]),
+        "--grpo.kl-estimator",
+        h["kl_estimator"],
+        "--grpo.policy-loss.epsilon-low",
+        str(h["epsilon_low"]),
+        "--grpo.policy-loss.epsilon-high",
+        str(h["epsilon_high"]),
+        "--grpo.loss-type",
+        h["loss_type"],
+        "--grpo.scale-rewards",
+        h["scale_rewards"],
+        "--grpo.num-iterations",
+        str(h["num_iterations"]),
+        "--grpo.num-minibatches",
+        "1",
+        "--grpo.optimizer.learning-rate",
+        str(h["learning_rate"]),
+        "--grpo.optimizer.b1",
+        str(h["adam_b1"]),
+        "--grpo.optimizer.b2",
+        str(h["adam_b2"]),
+        "--grpo.optimizer.eps",
+        str(h["adam_eps"]),
+        "--grpo.optimizer.weight-decay",
+        str(h["weight_decay"]),
+        "--grpo.optimizer.max-grad-norm",
+        str(h["max_grad_norm"]),
+        "--grpo.optimizer.schedule",
+        h["schedule"],
+        "--grpo.optimizer.warmup-steps",
+        str(h["warmup_steps"]),
+        "--batch-size",
+        str(h["prompts_per_step"]),
+        "--seed",
+        str(h["seed"]),
+        "--grpo.remat" if h.get("remat") else "--grpo.no-remat",
+    ]
+
+
+def train_grpo_main():
+    spec = importlib.util.spec_from_file_location("train_grpo", ROOT / "examples" / "train_grpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def relax_eval_only(args, model_dir: Path, run_dir: Path, data: dict[str, Path], h: dict) -> dict:
+    """relax's evaluator on ``model_dir`` (the same held-out prompts, sampling keys and settings as
+    the training runs' before/after evaluations)."""
+    flags = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data["train"]),
+        "--eval-data",
+        str(data["eval"]),
+        "--reward",
+        "numeric_match",
+        "--eval-only",
+        "--run-dir",
+        str(run_dir),
+        "--eval-max-prompts",
+        str(args.num_eval),
+        "--eval.num-samples",
+        str(args.eval_samples),
+        "--reward-workers",
+        "0",
+        "--max-prompt-tokens",
+        "256",
+        *relax_flags(h),
+    ]
+    print("relax eval:", "examples/train_grpo.py " + " ".join(flags), flush=True)
+    return train_grpo_main()(flags).get("eval_only", {})
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def git_commit() -> str | None:
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
