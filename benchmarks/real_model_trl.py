@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from real_model import read_jsonl, trl_kwargs  # this folder (jax-free at import)
+from real_model_common import read_jsonl  # this folder (jax-free at import)
+from real_model_peer import trl_kwargs
 
 
 def _load_numeric_match(src: Path):
