@@ -4,12 +4,12 @@
 ``relax.models.forward.prefix_shared``; auto = a fused cuDNN kernel on GPU, the group kernel elsewhere);
 ``remat``: recompute each layer in the backward, keeping ``remat_policy`` (nothing | dots: the
 weight matmuls' outputs, less recompute for more memory). On by default, as TRL's
-``gradient_checkpointing`` and verl's actor: without it a real model's update keeps every layer's
-activations of the whole micro-batch (Llama-3.1-8B, 16 x 8 x 1,536 tokens on v5p:2x2x2: 992 GB of
-temporaries against 96 GB of HBM; benchmarks/RESULTS.md). ``--<algo>.no-remat`` buys back about a
-third of the update's compute where memory allows (a small model, or one prompt group per
-micro-batch on a CPU). The same values and gradients whatever the choice; only time and memory
-differ.
+``gradient_checkpointing`` and verl's actor: without it a real model's update keeps every
+layer's activations of the whole micro-batch, which an 8B model's plan puts at ten times its
+chips' memory (benchmarks/RESULTS.md, "Plans without the hardware"). ``--<algo>.no-remat`` skips
+the recomputed forward (at most a third of the update's compute) where memory allows: a small
+model, or one prompt group per micro-batch on a CPU. The same values and gradients whatever the
+choice; only time and memory differ.
 ``moe``: a mixture-of-experts model's routing replay and router losses (``relax.models.moe.experts.MoEConfig``;
 no effect on a dense model).
 """
