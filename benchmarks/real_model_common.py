@@ -117,19 +117,16 @@ def train_grpo_main():
     return mod.main
 
 
-def relax_eval_only(args, model_dir: Path, run_dir: Path, data: dict[str, Path], h: dict) -> dict:
-    """relax's evaluator on ``model_dir`` (the same held-out prompts, sampling keys and settings as
-    the training runs' before/after evaluations)."""
-    flags = [
-        "--model",
-        str(model_dir),
+def run_flags(args, h: dict, data: dict[str, Path], run_dir: Path) -> list[str]:
+    """The flags of every relax run here (training or evaluation only): the task's rows and
+    reward, the run directory, the held-out evaluation, the hyper-parameters."""
+    return [
         "--data",
         str(data["train"]),
         "--eval-data",
         str(data["eval"]),
         "--reward",
         "numeric_match",
-        "--eval-only",
         "--run-dir",
         str(run_dir),
         "--eval-max-prompts",
@@ -142,6 +139,12 @@ def relax_eval_only(args, model_dir: Path, run_dir: Path, data: dict[str, Path],
         "256",
         *relax_flags(h),
     ]
+
+
+def relax_eval_only(args, model_dir: Path, run_dir: Path, data: dict[str, Path], h: dict) -> dict:
+    """relax's evaluator on ``model_dir`` (the same held-out prompts, sampling keys and settings as
+    the training runs' before/after evaluations)."""
+    flags = ["--model", str(model_dir), "--eval-only", *run_flags(args, h, data, run_dir)]
     print("relax eval:", "examples/train_grpo.py " + " ".join(flags), flush=True)
     return train_grpo_main()(flags).get("eval_only", {})
 
