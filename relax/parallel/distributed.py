@@ -185,9 +185,9 @@ BARRIER_TIMEOUT_S = 3600
 _barriers = itertools.count()  # every process calls the barriers in the same order
 
 
-def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
-    """Every process waits here until all have arrived, for up to ``timeout_s`` (a no-op on one
-    process). It is the coordination service's barrier (orbax's ``get_barrier_sync_fn``), not a
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived, for up to ``BARRIER_TIMEOUT_S`` (a no-op
+    on one process). It is the coordination service's barrier (orbax's ``get_barrier_sync_fn``), not a
     device collective: on CPU a collective whose peer is more than 30 s late fails (gloo's
     context set-up), where a process that compiled more slowly than the others is waited for
     here."""
@@ -195,7 +195,7 @@ def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
         from orbax.checkpoint import multihost
 
         key = f"relax-{name}-{next(_barriers)}"
-        multihost.get_barrier_sync_fn()(key=key, timeout_ms=int(timeout_s * 1000))
+        multihost.get_barrier_sync_fn()(key=key, timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
 
 def all_rows(x: np.ndarray) -> np.ndarray:

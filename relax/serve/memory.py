@@ -38,7 +38,7 @@ from typing import Any
 import jax
 
 from relax.serve.wire import RequestError
-from relax.train.free_memory import free_bytes
+from relax.train.free_memory import MIB, free_bytes
 
 __all__ = [
     "SAFETY",
@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 SAFETY = 0.9
-MIB = 1 << 20
 
 
 def tree_bytes(tree: Any) -> int:

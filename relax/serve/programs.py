@@ -42,6 +42,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from relax.train.fits import allocated_bytes
+
 __all__ = ["Option", "ProgramCache", "host_bytes", "shape_key"]
 
 log = logging.getLogger("relax.serve")
@@ -197,18 +199,6 @@ class _Program:
     need: int | None  # bytes per device it allocates when run (XLA's memory analysis)
 
 
-def _need(compiled) -> int | None:
-    """What ``compiled`` allocates when it runs, per device: its temporaries and its outputs
-    (less those aliased to donated arguments); None where the backend does not say."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # a backend without the analysis
-        return None
-    if m is None:
-        return None
-    return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-
-
 def host_bytes(tree: Any) -> int:
     """Bytes of the host (numpy) arrays in ``tree``: what a run copies to the devices."""
     return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, np.ndarray))
@@ -295,7 +285,7 @@ class ProgramCache:
             )
         self.compiles += 1
         compiled = lowered.compile()
-        return _Program(guards, compiled, _need(compiled))
+        return _Program(guards, compiled, allocated_bytes(compiled))
 
     def _find_constants(self, structure, step, numbers, constant, args) -> frozenset[str]:
         """The numbers that cannot be traced: each tried alone as an argument (the rest

@@ -48,17 +48,24 @@ class DoesNotFit(RuntimeError):
     """A run's compiled program needs more memory than its devices have free."""
 
 
-def program_need(name: str, compiled: Any) -> ProgramNeed | None:
-    """``compiled``'s need (a ``jax.stages.Compiled``); None when its backend gives no memory
-    analysis."""
+def allocated_bytes(compiled: Any) -> int | None:
+    """What ``compiled`` (a ``jax.stages.Compiled``) allocates when it runs, per device: its
+    temporaries and its outputs, less those aliased to donated arguments; None where the backend
+    does not say."""
     try:
         m = compiled.memory_analysis()
-    except (AttributeError, NotImplementedError):
+    except Exception:  # a backend without the analysis
         return None
     if m is None:
         return None
-    need = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return ProgramNeed(name, int(need), program_devices(compiled))
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def program_need(name: str, compiled: Any) -> ProgramNeed | None:
+    """``compiled``'s need on this process's devices; None when its backend gives no memory
+    analysis."""
+    need = allocated_bytes(compiled)
+    return None if need is None else ProgramNeed(name, need, program_devices(compiled))
 
 
 def program_devices(compiled: Any) -> tuple[Any, ...]:

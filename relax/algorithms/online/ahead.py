@@ -114,37 +114,32 @@ def host_runner(stand_in_step: Stage) -> HostRun:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledAhead:
-    """What the start-up compile did: each program as ``(what, name, seconds)``, its wall time,
-    its compile threads, what was left to compile when first called (``not_ahead``), and what
-    each program allocates when called (``needs``, in the programs' order; None: unknown)."""
+    """What the start-up compile did: each program as ``(what, name, seconds, need)`` (``need``:
+    what it allocates when called, ``relax.train.fits``; None: unknown), its wall time, its
+    compile threads, and what was left to compile when first called (``not_ahead``)."""
 
-    programs: tuple[tuple[str, str, float], ...]
+    programs: tuple[tuple[str, str, float, ProgramNeed | None], ...]
     wall_s: float
     workers: int
     not_ahead: tuple[str, ...] = ()
-    needs: tuple[ProgramNeed | None, ...] = ()
 
     def lines(self) -> tuple[str, ...]:
         """The start-up report's section: the total, then one line per program."""
-        total = sum(s for _, _, s in self.programs)
+        total = sum(s for _, _, s, _ in self.programs)
         head = (
             f"{len(self.programs)} programs lowered and compiled in {self.wall_s:.1f} s ({self.workers} "
             f"compile thread(s); their compile times add up to {total:.1f} s)"
         )
-        needs = self.needs or (None,) * len(self.programs)
         return (
             head,
-            *(
-                f"{name} [{what}]: {s:.2f} s" + _need_text(need)
-                for (what, name, s), need in zip(self.programs, needs, strict=True)
-            ),
+            *(f"{name} [{what}]: {s:.2f} s" + _need_text(n) for what, name, s, n in self.programs),
             *self.not_ahead,
         )
 
-    def check_fit(self, algorithm: str, free=None) -> None:
+    def check_fit(self, algorithm: str) -> None:
         """Stop the run (``relax.train.fits.DoesNotFit``) when a program needs more memory than
         its devices have free, naming the flags of ``algorithm`` that make it smaller."""
-        check_fit([n for n in self.needs if n is not None], shrink_hint(algorithm), free)
+        check_fit([n for *_, n in self.programs if n is not None], shrink_hint(algorithm))
 
 
 def _need_text(need: ProgramNeed | None) -> str:
@@ -227,10 +222,9 @@ def compile_ahead(
     t0 = time.perf_counter() if t_start is None else t_start
     compiled: list[Compiled] = compile_programs([lo for _, lo in lowerings], workers=workers)
     what = {id(lo): label for label, lo in lowerings}
-    return CompiledAhead(
-        tuple((what[id(c.lowering)], c.name, c.seconds) for c in compiled),
-        time.perf_counter() - t0,
-        workers,
-        tuple(not_ahead),
-        tuple(program_need(f"{c.name} [{what[id(c.lowering)]}]", c.compiled) for c in compiled),
-    )
+    programs = []
+    for c in compiled:
+        label = what[id(c.lowering)]
+        need = program_need(f"{c.name} [{label}]", c.compiled)
+        programs.append((label, c.name, c.seconds, need))
+    return CompiledAhead(tuple(programs), time.perf_counter() - t0, workers, tuple(not_ahead))
