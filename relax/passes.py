@@ -4,7 +4,8 @@ performance choices that depend on the hardware (docs/architecture.md, "Passes")
 On one CPU device a prompt group's activations fit in cache, so a program that goes one group
 at a time is faster than one pass over the whole batch (a GRPO update on the benchmark batch,
 8 groups of 8 x 128 tokens: 3.2 s as one pass, 2.6 s one group at a time); accelerators and
-meshes want the whole batch per pass. ``choose_passes`` decides; trainers, losses and the
+meshes want the whole batch per pass, and a trainer's micro-batches as large as a token budget
+per device allows (``MICRO_BATCH_TOKENS``). ``choose_passes`` decides; trainers, losses and the
 reference stage receive the resulting ``Passes`` and never look at the backend themselves.
 
 ``current_backend()`` is the backend those choices (and the few kernels that differ per backend: the CPU
@@ -56,6 +57,9 @@ class Passes:
     ``saved_probs_bytes``: on cache-sized passes, the group attention keeps its probabilities for
     the backward when one layer's fit this budget.
     ``batch_shards``: the ways the batch is split over devices (1: one device).
+    ``micro_batch_tokens``: elsewhere, the positions a device takes in one micro-batch when a
+    trainer's ``grad_accum`` is left to the backend (``micro_batches``); None: the whole
+    minibatch in one.
     ``stream_block``: the block of the packed bins' attention (``relax.models.attention.stream``):
     its cost follows the visible blocks, smaller blocks skip more but loop more.
     ``stream_rows``: SFT's packed rows attend through that block-sparse kernel too (CPU: faster
@@ -71,6 +75,7 @@ class Passes:
     unroll_max_layers: int = 8
     saved_probs_bytes: int = 64 * 2**20
     batch_shards: int = 1
+    micro_batch_tokens: int | None = None
     stream_block: int = 64
     stream_rows: bool = True
     auto_packs: bool = True
@@ -89,18 +94,43 @@ class Passes:
         """Prompt groups per forward-only pass: 1 on cache-sized passes, else all (None)."""
         return 1 if self.cache_sized else None
 
-    def micro_batches(self, groups: int) -> int:
-        """Micro-batches a minibatch of ``groups`` prompt groups is split into by default."""
-        return groups if self.cache_sized else 1
+    def micro_batches(self, rows: int, row_tokens: int = 0) -> int:
+        """Micro-batches a minibatch of ``rows`` rows (prompt groups, examples, pairs) of
+        ``row_tokens`` positions each is split into by default. Cache-sized: one row each.
+        Elsewhere the fewest ``a`` dividing ``rows`` whose micro-batches split evenly over the
+        batch shards and give each device at most ``micro_batch_tokens`` positions::
+
+            (rows / a) % batch_shards == 0   and   rows / (a * batch_shards) * row_tokens <= budget
+
+        else the smallest such micro-batches (a row per shard); one when there is no budget or
+        ``rows`` does not split over the shards."""
+        if self.cache_sized:
+            return rows
+        budget, shards = self.micro_batch_tokens, self.batch_shards
+        even = [a for a in range(1, rows + 1) if rows % a == 0 and (rows // a) % shards == 0]
+        if budget is None or not even:
+            return 1
+        within = [a for a in even if rows // (a * shards) * row_tokens <= budget]
+        return within[0] if within else even[-1]
+
+
+MICRO_BATCH_TOKENS = 16_384
+"""The default micro-batch on accelerators and meshes, positions per device: what verl's actor
+takes per GPU by default with dynamic batch sizes (``ppo_max_token_len_per_gpu``). With remat on
+(every trainer's default) a micro-batch keeps one residual per layer and position, and the
+vocabulary projection runs in chunks (``relax.models.decoder.logprobs``), so its memory follows
+this budget, not the batch."""
 
 
 def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passes:
     """The passes for ``backend`` (default: ``current_backend()``) with the batch split ``batch_shards`` ways
-    (``relax.parallel.batch_shards(mesh)`` on a mesh): cache-sized on one CPU device only."""
+    (``relax.parallel.batch_shards(mesh)`` on a mesh): cache-sized on one CPU device only, micro-
+    batches of ``MICRO_BATCH_TOKENS`` positions per device everywhere else."""
     backend = current_backend() if backend is None else backend
     return Passes(
         cache_sized=backend == "cpu" and batch_shards == 1,
         batch_shards=batch_shards,
+        micro_batch_tokens=None if backend == "cpu" and batch_shards == 1 else MICRO_BATCH_TOKENS,
         stream_block=64 if backend == "cpu" else 128,
         stream_rows=backend == "cpu",
         auto_packs=backend == "cpu",

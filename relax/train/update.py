@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -124,11 +125,18 @@ def token_normalizers(batch) -> dict[str, Array]:
     }
 
 
-def micro_batch_split(rows: int, minibatches: int, grad_accum: int | None, passes: Passes) -> int:
-    """The micro-batches per minibatch (``grad_accum``, or the passes' choice when None), checked."""
+def micro_batch_split(
+    rows: int, minibatches: int, grad_accum: int | None, passes: Passes, row_tokens: int = 0
+) -> int:
+    """The micro-batches per minibatch (``grad_accum``, or when None the passes' choice for rows
+    of ``row_tokens`` positions), checked."""
     if rows % minibatches:
         raise ValueError(f"{rows} rows per batch do not split into minibatches={minibatches}")
-    a = passes.micro_batches(rows // minibatches) if grad_accum is None else grad_accum
+    a = (
+        passes.micro_batches(rows // minibatches, row_tokens)
+        if grad_accum is None
+        else grad_accum
+    )
     if a < 1 or rows % (minibatches * a):
         raise ValueError(
             f"{rows} rows per batch do not split into minibatches={minibatches} x grad_accum={a}"
@@ -152,8 +160,9 @@ def make_update(
     """``update(params, opt_state, batch, key, ref_is_policy=False, side_data=None) -> (params,
     opt_state, metrics)``.
 
-    ``grad_accum=None`` leaves the micro-batching to ``passes`` (one row per micro-batch on
-    cache-sized passes). Metrics come back reduced, as plain arrays.
+    ``grad_accum=None`` leaves the micro-batching to ``passes`` (``Passes.micro_batches``: one row
+    per micro-batch on cache-sized passes, a token budget per device elsewhere; a row's positions
+    are those of its ``loss_mask``). Metrics come back reduced, as plain arrays.
 
     Args:
         loss_fn: ``loss_fn(params, micro_batch, ctx) -> (scalar, metrics)``; it divides by
@@ -162,7 +171,7 @@ def make_update(
         epochs: passes over the batch, each in a new random row order (default 1).
         minibatches: optimizer steps per epoch; it must divide the batch's rows (default 1).
         grad_accum: micro-batches per optimizer step, their gradients summed; it must divide the
-            rows of a minibatch. None (default): the passes' choice.
+            rows of a minibatch. None (default): the passes' choice (``Passes.micro_batches``).
         passes: the backend's pass layout (``relax.passes.Passes``): the micro-batching when
             ``grad_accum`` is None, and the order of the weight comparison of
             ``track_reference``.
@@ -207,7 +216,8 @@ def make_update(
 
     def update(params, opt_state, batch, key, ref_is_policy=False, side_data=None):
         rows = jax.tree.leaves(batch)[0].shape[0]
-        a, m = micro_batch_split(rows, minibatches, grad_accum, passes), minibatches
+        row_tokens = math.prod(loss_mask_of(batch).shape[1:])
+        a, m = micro_batch_split(rows, minibatches, grad_accum, passes, row_tokens), minibatches
         norms = {k: v / m for k, v in normalizers(batch).items()}
         dropout = uses_dropout(params)
         trained, frozen = split_trainable(params)

@@ -1,0 +1,103 @@
+"""The default micro-batching on accelerators and meshes (``relax.passes.Passes.micro_batches``):
+the fewest micro-batches that keep each device within a token budget, checked against counts
+worked out by hand, then in ``make_update``: the micro-batches it runs, the memory the compiled
+update allocates, and the same step as one micro-batch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from relax import metrics as M
+from relax.passes import MICRO_BATCH_TOKENS, Passes, choose_passes
+from relax.train.fits import allocated_bytes
+from relax.train.update import make_update
+
+
+@pytest.mark.parametrize(
+    "rows, row_tokens, shards, budget, want",
+    [
+        (8, 8192, 2, 16384, 2),  # 4 groups of 8 x 1024 per chip: 2 micro-batches of 2
+        (4, 8192, 2, 16384, 1),  # 2 per chip: within the budget as one
+        (12, 3000, 2, 16384, 2),  # 6 per chip = 18,000 > budget; 3 per chip = 9,000
+        (12, 3000, 1, 16384, 3),  # one device: 12 x 3000 over, 6 over, 4 x 3000 = 12,000 within
+        (8, 40000, 2, 16384, 4),  # one row per chip is over already: the smallest even split
+        (6, 8192, 4, 16384, 1),  # 6 rows do not split over 4 shards: one micro-batch
+        (16, 100, 8, 16384, 1),  # a small batch: one
+        (8, 8192, 2, None, 1),  # no budget: one
+    ],
+)
+def test_the_fewest_even_micro_batches_within_the_budget(rows, row_tokens, shards, budget, want):
+    passes = Passes(batch_shards=shards, micro_batch_tokens=budget)
+    assert passes.micro_batches(rows, row_tokens) == want
+
+
+def test_a_cpu_device_goes_row_by_row_and_everything_else_has_the_budget():
+    assert Passes(cache_sized=True, micro_batch_tokens=1).micro_batches(6, 10**6) == 6
+    assert choose_passes("cpu").micro_batch_tokens is None
+    assert choose_passes("cpu").micro_batches(6, 10**6) == 6
+    for passes in (choose_passes("gpu"), choose_passes("tpu"), choose_passes("cpu", batch_shards=8)):
+        assert passes.micro_batch_tokens == MICRO_BATCH_TOKENS == 16384
+
+
+ROWS, T, D, H = 8, 16, 8, 1024
+
+
+def _batch(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": jnp.asarray(rng.normal(size=(ROWS, T, D)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(ROWS, T)), jnp.float32),
+        "loss_mask": jnp.asarray(rng.integers(0, 2, (ROWS, T)), jnp.float32),
+    }
+
+
+def _params():
+    rng = np.random.default_rng(1)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(D, H)) / 3, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(H,)) / 16, jnp.float32),
+    }
+
+
+def _loss(params, mb, ctx):
+    """A two-layer regression whose ``[rows, T, H]`` hidden layer is kept for the backward; the
+    metric ``rows`` is the micro-batch's row count."""
+    hidden = jnp.tanh(mb["x"] @ params["w1"])
+    err = hidden @ params["w2"] - mb["y"]
+    rows = M.Metric(jnp.float32(mb["y"].shape[0]), "max")
+    return jnp.sum(mb["loss_mask"] * err**2) / ctx.norms["tokens"], {"rows": rows}
+
+
+def _update(passes: Passes, grad_accum: int | None = None):
+    opt = optax.sgd(0.1)
+    update = jax.jit(make_update(_loss, opt, grad_accum=grad_accum, passes=passes))
+    params = _params()
+    args = (params, opt.init(params), _batch(), jax.random.key(0))
+    return update, args
+
+
+def test_the_update_runs_the_budget_s_micro_batches_in_less_memory_and_takes_the_same_step():
+    # a row is T = 16 positions; 32 per micro-batch -> 2 rows -> 4 micro-batches on one device
+    budgeted, args = _update(Passes(micro_batch_tokens=2 * T))
+    whole, _ = _update(Passes(micro_batch_tokens=None))
+    got, _, metrics = budgeted(*args)
+    want, _, whole_metrics = whole(*args)
+    assert float(metrics["rows"]) == 2 and float(whole_metrics["rows"]) == ROWS
+    for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(args[0])):
+        assert not np.allclose(w, p)
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], whole_metrics["loss"], rtol=1e-5)
+    hidden = ROWS * T * H * 4  # the whole batch's kept hidden layer, float32
+    small = allocated_bytes(budgeted.lower(*args).compile())
+    large = allocated_bytes(whole.lower(*args).compile())
+    assert large >= hidden  # the whole batch's hidden layer at once (twice, as measured)
+    assert 2.5 * small < large  # a quarter of it per micro-batch (3.2x less, as measured)
+
+
+def test_an_explicit_grad_accum_overrides_the_budget():
+    update, args = _update(Passes(micro_batch_tokens=2 * T), grad_accum=2)
+    assert float(update(*args)[2]["rows"]) == ROWS // 2
