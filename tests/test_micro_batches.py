@@ -39,7 +39,11 @@ def test_a_cpu_device_goes_row_by_row_and_everything_else_has_the_budget():
     assert Passes(cache_sized=True, micro_batch_tokens=1).micro_batches(6, 10**6) == 6
     assert choose_passes("cpu").micro_batch_tokens is None
     assert choose_passes("cpu").micro_batches(6, 10**6) == 6
-    for passes in (choose_passes("gpu"), choose_passes("tpu"), choose_passes("cpu", batch_shards=8)):
+    for passes in (
+        choose_passes("gpu"),
+        choose_passes("tpu"),
+        choose_passes("cpu", batch_shards=8),
+    ):
         assert passes.micro_batch_tokens == MICRO_BATCH_TOKENS == 16384
 
 

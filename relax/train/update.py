@@ -132,11 +132,7 @@ def micro_batch_split(
     of ``row_tokens`` positions), checked."""
     if rows % minibatches:
         raise ValueError(f"{rows} rows per batch do not split into minibatches={minibatches}")
-    a = (
-        passes.micro_batches(rows // minibatches, row_tokens)
-        if grad_accum is None
-        else grad_accum
-    )
+    a = passes.micro_batches(rows // minibatches, row_tokens) if grad_accum is None else grad_accum
     if a < 1 or rows % (minibatches * a):
         raise ValueError(
             f"{rows} rows per batch do not split into minibatches={minibatches} x grad_accum={a}"
