@@ -12,9 +12,13 @@ import optax
 import pytest
 
 from relax import metrics as M
+from relax.algorithms.grpo.config import GRPOConfig
+from relax.algorithms.grpo.run import GRPORunConfig, algorithm
+from relax.data.completion_layout import PackingConfig
+from relax.models import init, small_config
 from relax.passes import MICRO_BATCH_TOKENS, Passes, choose_passes
 from relax.train.fits import allocated_bytes
-from relax.train.update import make_update
+from relax.train.update import make_update, micro_batch_text
 
 
 @pytest.mark.parametrize(
@@ -105,3 +109,44 @@ def test_the_update_runs_the_budget_s_micro_batches_in_less_memory_and_takes_the
 def test_an_explicit_grad_accum_overrides_the_budget():
     update, args = _update(Passes(micro_batch_tokens=2 * T), grad_accum=2)
     assert float(update(*args)[2]["rows"]) == ROWS // 2
+
+
+def test_the_start_up_report_says_how_the_padded_update_is_micro_batched():
+    def text(passes, grad_accum=None, minibatches=1):
+        return micro_batch_text(8, minibatches, grad_accum, passes, 8192, "--grpo.grad-accum")
+
+    chips = Passes(batch_shards=2, micro_batch_tokens=16384)
+    assert text(chips) == (
+        "2 micro-batch(es) of 4 rows per optimizer step, 16,384 positions per device: "
+        "at most 16,384 per device (--grpo.grad-accum sets them)"
+    )
+    assert text(chips, grad_accum=4) == (
+        "4 micro-batch(es) of 2 rows per optimizer step, 8,192 positions per device: "
+        "--grpo.grad-accum 4"
+    )
+    assert text(Passes(cache_sized=True), minibatches=2) == (
+        "4 micro-batch(es) of 1 rows per optimizer step, 8,192 positions per device: "
+        "one row each on a CPU device"
+    )
+
+
+def test_grpo_s_report_line_for_a_padded_update_on_chips():
+    config = small_config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+    )
+    cfg = GRPORunConfig(batch_size=8, grpo=GRPOConfig(packing=PackingConfig(mode="off")))
+    g = cfg.grpo.generation
+    group = g.num_generations * g.max_new_tokens  # a prompt group's completion slots
+    chips = Passes(batch_shards=2, micro_batch_tokens=2 * group)  # 2 groups per chip
+    line = algorithm(cfg).describe_update(init(config, jax.random.key(0)), chips)
+    assert line == (
+        f"completions padded to {g.max_new_tokens} tokens in the update (packing off, group train "
+        f"attention); 2 micro-batch(es) of 4 rows per optimizer step, {2 * group:,} positions per "
+        f"device: at most {2 * group:,} per device (--grpo.grad-accum sets them)"
+    )

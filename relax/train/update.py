@@ -140,6 +140,29 @@ def micro_batch_split(
     return a
 
 
+def micro_batch_text(
+    rows: int, minibatches: int, grad_accum: int | None, passes: Passes, row_tokens: int, flag: str
+) -> str:
+    """A start-up report's words on the update's micro-batches (``micro_batch_split``): how many
+    per optimizer step, the rows and positions per device of each, and ``flag`` that sets them."""
+    a = micro_batch_split(rows, minibatches, grad_accum, passes, row_tokens)
+    per = rows // (minibatches * a)
+    shards = passes.batch_shards if per % passes.batch_shards == 0 else 1
+    why = (
+        f"{flag} {grad_accum}"
+        if grad_accum is not None
+        else "one row each on a CPU device"
+        if passes.cache_sized
+        else f"at most {passes.micro_batch_tokens:,} per device ({flag} sets them)"
+        if passes.micro_batch_tokens is not None
+        else f"the whole minibatch ({flag} sets them)"
+    )
+    return (
+        f"{a} micro-batch(es) of {per} rows per optimizer step, "
+        f"{per // shards * row_tokens:,} positions per device: {why}"
+    )
+
+
 def make_update(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,

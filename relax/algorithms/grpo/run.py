@@ -16,7 +16,7 @@ from relax.algorithms.online.run import run_online
 from relax.algorithms.online.setup import check_lora_reference
 from relax.choices import check_choice
 from relax.models.forward.forward_pass import resolve_attention
-from relax.passes import choose_passes
+from relax.passes import Passes
 from relax.tasks import (
     TASK_MAX_NEW_TOKENS,
     TASK_PROMPT_TOKENS,
@@ -25,6 +25,7 @@ from relax.tasks import (
     kind,
 )
 from relax.train.state import TrainState, init_state
+from relax.train.update import micro_batch_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +98,19 @@ def make_state(g: GRPOConfig, model, key, vision=None) -> TrainState:
 def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     g = cfg.grpo
 
-    def describe_update(model) -> str:
-        return g.packing.describe(
-            resolve_attention(g.forward.train_attention, model),
-            g.generation.max_new_tokens,
-            choose_passes().auto_packs,
+    def describe_update(model, passes: Passes) -> str:
+        attention = resolve_attention(g.forward.train_attention, model)
+        gen = g.generation
+        line = g.packing.describe(attention, gen.max_new_tokens, passes.auto_packs)
+        if g.packing.applies(attention, passes.auto_packs):
+            return line
+        slots = gen.num_generations * gen.max_new_tokens  # a prompt group's completion slots
+        return (
+            line
+            + "; "
+            + micro_batch_text(
+                cfg.batch_size, g.num_minibatches, g.grad_accum, passes, slots, "--grpo.grad-accum"
+            )
         )
 
     return OnlineAlgorithm(

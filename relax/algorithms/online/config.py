@@ -286,6 +286,6 @@ class OnlineAlgorithm:
     make_state: Callable[..., Any]
     make_step: Callable[[StepParts], Any]
     generation: GenerationConfig
-    describe_update: Callable[[Any], str] | None = (
-        None  # model -> a start-up report line (its layout)
+    describe_update: Callable[[Any, Any], str] | None = (
+        None  # (model, passes) -> a start-up report line (its layout)
     )

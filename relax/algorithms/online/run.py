@@ -106,7 +106,7 @@ def _report(
         lines.append("image prompts: the update's forwards run on padded rows (not packed)")
         lines.append(tower_line(cfg.train_vision, cfg.lora))
     elif algo.describe_update is not None:
-        lines.append(algo.describe_update(data.model))
+        lines.append(algo.describe_update(data.model, parts.passes))
     lines += _sampler_lines(algo.generation, parts.off_policy)
     if "code_exec" in cfg.reward:
         lines.append(describe_sandbox(cfg.sandbox))

@@ -23,7 +23,7 @@ from relax.models.heads.critic import (
     init_value_head,
     load_critic,
 )
-from relax.passes import choose_passes
+from relax.passes import Passes
 from relax.tasks import (
     TASK_MAX_NEW_TOKENS,
     TASK_PROMPT_TOKENS,
@@ -32,6 +32,7 @@ from relax.tasks import (
     kind,
 )
 from relax.train.state import TrainState, init_state
+from relax.train.update import micro_batch_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +148,19 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
         images=cfg.image_field is not None,
     )
 
-    def describe_update(model) -> str:
-        return p.packing.describe(
-            resolve_attention(p.forward.train_attention, model),
-            p.generation.max_new_tokens,
-            choose_passes().auto_packs,
+    def describe_update(model, passes: Passes) -> str:
+        attention = resolve_attention(p.forward.train_attention, model)
+        gen = p.generation
+        line = p.packing.describe(attention, gen.max_new_tokens, passes.auto_packs)
+        if p.packing.applies(attention, passes.auto_packs):
+            return line
+        slots = gen.num_generations * gen.max_new_tokens  # a prompt group's completion slots
+        return (
+            line
+            + "; "
+            + micro_batch_text(
+                cfg.batch_size, p.num_minibatches, p.grad_accum, passes, slots, "--ppo.grad-accum"
+            )
         )
 
     return OnlineAlgorithm(
