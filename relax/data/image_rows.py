@@ -34,10 +34,11 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import numpy as np
 from jaxtyping import Int
 
+from relax.data.completion_encoding import chat_completion
 from relax.data.files import Record, as_record, require_fields
 from relax.data.image_prompts import ImageBatch, ImagePrompts, image_messages
 from relax.data.images.decode import ImageError
-from relax.data.pairs import Pair, PairBatch, chat_completion, collate_pairs
+from relax.data.pairs import Pair, PairBatch, collate_pairs
 from relax.text.base import TextTokenizer
 from relax.text.sentencepiece_model import pad_left
 
