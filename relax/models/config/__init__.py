@@ -1,14 +1,12 @@
 """Model configuration: the config, the family records, layer kinds and sharding axes."""
 
-from relax.models.config.families import (
+from relax.models.config.families import BY_ARCHITECTURE, FAMILIES, get_family
+from relax.models.config.family_record import (
     ADAPTABLE_FIELDS,
-    BY_ARCHITECTURE,
-    FAMILIES,
     LINEAR_FIELDS,
     MOE_LINEAR_FIELDS,
     TRANSPOSED,
     FamilyRecord,
-    get_family,
 )
 from relax.models.config.layer_kinds import (
     NO_WINDOW,

@@ -14,7 +14,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from relax.models.config.families import ADAPTABLE_FIELDS
+from relax.models.config.family_record import ADAPTABLE_FIELDS
 
 BATCH_AXES = ("data", "expert", "fsdp")  # the mesh axes that split the prompt batch
 EXPERT_AXIS = (

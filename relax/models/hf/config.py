@@ -34,7 +34,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from relax.models.config.families import FAMILIES, FamilyRecord
+from relax.models.config.families import FAMILIES
+from relax.models.config.family_record import FamilyRecord
 from relax.models.config.model import ModelConfig, RopeScaling
 from relax.models.config.vision_language import VISION_LANGUAGE
 from relax.models.hf.limits import SIZE_LIMITS, check_numbers, positive, size

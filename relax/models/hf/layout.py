@@ -15,7 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from relax.models.config.families import EXPERT, TRANSPOSED, get_family
+from relax.models.config.families import get_family
+from relax.models.config.family_record import EXPERT, TRANSPOSED
 from relax.models.config.model import DENSE_MLP_FIELDS, MOE_FIELDS, ModelConfig
 
 __all__ = ["Slot", "layer_groups", "layer_slots", "layout", "split_fused"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from relax.models.config.families import FamilyRecord
+from relax.models.config.family_record import FamilyRecord
 from relax.models.config.model import RopeScaling
 from relax.models.hf.reader import ConfigReader
 from relax.models.hf.rope import ORIGINAL

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from relax.models.config.families import FamilyRecord
+from relax.models.config.family_record import FamilyRecord
 from relax.models.config.model import ModelConfig
 
 if TYPE_CHECKING:

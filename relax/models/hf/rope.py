@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from relax.models.config.families import FamilyRecord
+from relax.models.config.family_record import FamilyRecord
 from relax.models.config.model import RopeScaling
 from relax.models.hf.reader import ABSENT, ConfigReader
 

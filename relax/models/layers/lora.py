@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from relax.choices import check_choice
-from relax.models.config.families import ADAPTABLE_FIELDS
+from relax.models.config.family_record import ADAPTABLE_FIELDS
 
 # target name -> the LayerStack weight fields it names: Hugging Face's module names (the last part
 # of ``FamilyRecord.lora_modules``' paths), the same for every family; each adapts its weights
