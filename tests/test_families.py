@@ -14,13 +14,8 @@ import pytest
 from test_hf import assert_bit_exact, random_model
 
 from relax.models import ModelConfig, RopeScaling, family_config
-from relax.models.config.families import (
-    ADAPTABLE_FIELDS,
-    BY_ARCHITECTURE,
-    FAMILIES,
-    LINEAR_FIELDS,
-    MOE_LINEAR_FIELDS,
-)
+from relax.models.config.families import BY_ARCHITECTURE, FAMILIES
+from relax.models.config.family_record import ADAPTABLE_FIELDS, LINEAR_FIELDS, MOE_LINEAR_FIELDS
 from relax.models.config.model import MOE_FIELDS
 from relax.models.decoder.transformer import LayerStack
 from relax.models.hf.checkpoint import load_pretrained, save_pretrained
