@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from relax.algorithms.cli.report import first_row_lines, run_report
+from relax.algorithms.offline.ahead import prepare_offline
 from relax.algorithms.offline.images import Encoder, ImageTrainer
 from relax.algorithms.online.config import TaskRunConfig, tower_line
 from relax.algorithms.online.run import run_meshes, start_run
@@ -73,6 +74,10 @@ class OfflineRunConfig(TaskRunConfig):
     bad_images: Literal["reject", "drop"] = "reject"
     """A row whose image is missing, unreadable or over the limits: an error naming the file, row
     and field, or the row dropped (counted and named at start-up)."""
+    compile_ahead: bool = True
+    """Compile the step's programs before the first step (every batch has one shape), listed with
+    their compile seconds and what each allocates per device in the start-up report, and stop
+    there if one cannot fit the devices' free memory; off: each compiles when first called."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -335,30 +340,43 @@ def run_offline(cfg: OfflineRunConfig, algo: OfflineAlgorithm) -> dict:
         if algo.export is None
         else (lambda policy, d: algo.export(policy, d, tokenizer))
     )
+    batches = functools.partial(
+        batch_iterator,
+        train,
+        cfg.batch_size,
+        cfg.seed,
+        functools.partial(algo.collate, pad_id=tokenizer.pad_token_id),
+    )
+    # on a mesh the step places this process's rows itself (relax.parallel.place_batch)
+    make_batch = (
+        image_batch
+        if image_batch is not None
+        else (lambda b: b)
+        if mesh is not None
+        else (lambda b: jax.tree.map(jnp.asarray, b))
+    )
     trainer = Trainer(
         name=algo.name,
         step=step,
-        batches=batch_iterator(
-            train,
-            cfg.batch_size,
-            cfg.seed,
-            functools.partial(algo.collate, pad_id=tokenizer.pad_token_id),
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        ),
-        # on a mesh the step places this process's rows itself (relax.parallel.place_batch)
-        make_batch=(
-            image_batch
-            if image_batch is not None
-            else (lambda b: b)
-            if mesh is not None
-            else (lambda b: jax.tree.map(jnp.asarray, b))
-        ),
+        batches=batches(process_index=jax.process_index(), process_count=jax.process_count()),
+        make_batch=make_batch,
         host_metrics=algo.host_metrics,
         evaluate=_evaluator(algo, held_out, len(held_out_rows), tokenizer, log),
         export=export,
         bar_keys=algo.bar_keys,
         on_start=report.write,
+        prepare=prepare_offline(
+            algo.name,
+            step,
+            # the global batch's shapes (a step's programs take all processes' rows), from an
+            # iterator of its own: the run's is not advanced
+            lambda: make_batch(next(batches())),
+            report,
+            log,
+            enabled=cfg.compile_ahead,
+            images=image_batch is not None,
+            held_out=held_out is not None,
+        ),
         info={
             "data": {
                 "train_rows": len(train_rows),

@@ -19,15 +19,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relax.algorithms.cli.report import StartupReport
 from relax.algorithms.online.batch import HostRecord, Prompts
 from relax.algorithms.online.step import StepParts
 from relax.compose import Segment, SegmentRunner, Stage, WithHost
+from relax.parallel.distributed import barrier
 from relax.rewards.functions import RewardFunction, as_reward_functions
 from relax.rewards.token_rewards import TokenRewardFunction
 from relax.train.ahead import (
@@ -41,6 +44,7 @@ from relax.train.ahead import (
     walk_step,
 )
 from relax.train.fits import ProgramNeed, check_fit, program_need, size_text
+from relax.train.logs import is_main_process
 from relax.train.pipeline import copy_view, producer_part
 
 ImageShapes = Callable[[int, int], Any]
@@ -136,24 +140,47 @@ class CompiledAhead:
             *self.not_ahead,
         )
 
-    def check_fit(self, algorithm: str) -> None:
+    def check_fit(self, hint: str) -> None:
         """Stop the run (``relax.train.fits.DoesNotFit``) when a program needs more memory than
-        its devices have free, naming the flags of ``algorithm`` that make it smaller."""
-        check_fit([n for *_, n in self.programs if n is not None], shrink_hint(algorithm))
+        its devices have free, with ``hint`` (``shrink_hint``: the flags that make it smaller)."""
+        check_fit([n for *_, n in self.programs if n is not None], hint)
 
 
 def _need_text(need: ProgramNeed | None) -> str:
     return "" if need is None else f", allocates {size_text(need.bytes)} per device"
 
 
-def shrink_hint(algorithm: str) -> str:
-    """The flags that make an online run's programs smaller, for the ``DoesNotFit`` message."""
+def shrink_hint(
+    flags: str, plan: str | None = None, rows: str = "fewer prompts (--batch-size) or completions"
+) -> str:
+    """The flags that make a run's programs smaller, for the ``DoesNotFit`` message: those of the
+    trainer's config group ``flags`` (``--flags.remat``), ``rows`` (how its batch gets smaller),
+    and ``relax plan <plan>`` (default: ``flags``) that tries them."""
     return (
-        f"Smaller: --{algorithm}.remat (if turned off), --{algorithm}.grad-accum N (N micro-batches "
-        f"per minibatch, the same loss and gradient), fewer prompts (--batch-size) or completions, "
+        f"Smaller: --{flags}.remat (if turned off), --{flags}.grad-accum N (N micro-batches "
+        f"per minibatch, the same loss and gradient), {rows}, "
         f"more chips in --parallel.mesh fsdp=N, or LoRA (--lora.rank 16). `relax plan "
-        f"{algorithm} --target <chips> <these flags>` tries them in turn and says which fit."
+        f"{plan or flags} --target <chips> <these flags>` tries them in turn and says which fit."
     )
+
+
+def publish(
+    lines: Sequence[str],
+    ahead: CompiledAhead | None,
+    report: StartupReport,
+    run_dir: Path,
+    log: Callable[[str], Any],
+    hint: str,
+) -> None:
+    """The start-up report's last section, "compiled ahead" (``lines``), printed and written (by
+    the main process), then, after every process has compiled, the run stopped if one of
+    ``ahead``'s programs cannot fit its devices' free memory (``CompiledAhead.check_fit``)."""
+    log(StartupReport((("compiled ahead", lines),), {}).text())
+    if is_main_process():
+        report.with_section("compiled ahead", lines).write(run_dir)
+    if ahead is not None:  # the report is written first: it says what each program needs
+        barrier("compiled ahead")  # processes whose compiles took longer are waited for
+        ahead.check_fit(hint)
 
 
 def step_lowerings(

@@ -26,6 +26,8 @@ from relax.algorithms.online.ahead import (
     CompiledAhead,
     compile_ahead,
     eval_lowerings,
+    publish,
+    shrink_hint,
     stand_in,
     step_lowerings,
 )
@@ -62,7 +64,7 @@ from relax.data.prompts import (
 from relax.eval.evaluate import evaluate, sampler_calls
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ShardedStep, batch_shards, check_batch
-from relax.parallel.distributed import barrier, on_host_memory
+from relax.parallel.distributed import on_host_memory
 from relax.passes import choose_passes
 from relax.rewards.generative_judge import judge_metrics
 from relax.rewards.sandbox import describe as describe_sandbox
@@ -261,12 +263,7 @@ def _prepare(
             lines = (
                 "off (--no-compile-ahead): each program compiles when the step first calls it",
             )
-        log(StartupReport((("compiled ahead", lines),), {}).text())
-        if is_main_process():
-            report.with_section("compiled ahead", lines).write(run_dir)
-        if ahead is not None:  # the report is written first: it says what each program needs
-            barrier("compiled ahead")  # processes whose compiles took longer are waited for
-            ahead.check_fit(algo.name)
+        publish(lines, ahead, report, run_dir, log, shrink_hint(algo.name))
 
     return prepare
 
