@@ -18,7 +18,7 @@ from relax.data.completion_layout import PackingConfig
 from relax.models import init, small_config
 from relax.passes import MICRO_BATCH_TOKENS, Passes, choose_passes
 from relax.train.fits import allocated_bytes
-from relax.train.update import make_update, micro_batch_text
+from relax.train.update import make_update, micro_batch_text, row_positions
 
 
 @pytest.mark.parametrize(
@@ -149,4 +149,19 @@ def test_grpo_s_report_line_for_a_padded_update_on_chips():
         f"completions padded to {g.max_new_tokens} tokens in the update (packing off, group train "
         f"attention); 2 micro-batch(es) of 4 rows per optimizer step, {2 * group:,} positions per "
         f"device: at most {2 * group:,} per device (--grpo.grad-accum sets them)"
+    )
+
+
+def test_a_row_s_positions_are_its_completion_slots_or_its_loss_mask_s():
+    pairs = {
+        "prompt_ids": jnp.zeros((8, 300), jnp.int32),
+        "tokens": jnp.zeros((8, 2, 512), jnp.int32),  # chosen and rejected
+        "loss_mask": jnp.ones((8,), jnp.int32),  # one per pair
+    }
+    assert row_positions(pairs) == 2 * 512
+    examples = {"x": jnp.zeros((8, 64, 3)), "loss_mask": jnp.ones((8, 64), jnp.int32)}
+    assert row_positions(examples) == 64
+    # 8 pairs of 2 x 512 on 2 shards within 1,024 per device: one pair per device, 4 micro-batches
+    assert (
+        Passes(batch_shards=2, micro_batch_tokens=1024).micro_batches(8, row_positions(pairs)) == 4
     )

@@ -125,6 +125,15 @@ def token_normalizers(batch) -> dict[str, Array]:
     }
 
 
+def row_positions(batch) -> int:
+    """The positions one row of ``batch`` trains on, what the default micro-batching budgets: its
+    completion slots where it has completions (``tokens [rows, ..., N]``: a prompt group's ``G x
+    N``, a preference pair's ``2 x N``; the prompt, which its completions share, is not counted),
+    else its ``loss_mask``'s (``[rows, ..., T]``)."""
+    tokens = batch.get("tokens") if isinstance(batch, Mapping) else getattr(batch, "tokens", None)
+    return math.prod((loss_mask_of(batch) if tokens is None else tokens).shape[1:])
+
+
 def micro_batch_split(
     rows: int, minibatches: int, grad_accum: int | None, passes: Passes, row_tokens: int = 0
 ) -> int:
@@ -180,8 +189,8 @@ def make_update(
     opt_state, metrics)``.
 
     ``grad_accum=None`` leaves the micro-batching to ``passes`` (``Passes.micro_batches``: one row
-    per micro-batch on cache-sized passes, a token budget per device elsewhere; a row's positions
-    are those of its ``loss_mask``). Metrics come back reduced, as plain arrays.
+    per micro-batch on cache-sized passes, a token budget per device elsewhere, counted in
+    ``row_positions``). Metrics come back reduced, as plain arrays.
 
     Args:
         loss_fn: ``loss_fn(params, micro_batch, ctx) -> (scalar, metrics)``; it divides by
@@ -235,7 +244,7 @@ def make_update(
 
     def update(params, opt_state, batch, key, ref_is_policy=False, side_data=None):
         rows = jax.tree.leaves(batch)[0].shape[0]
-        row_tokens = math.prod(loss_mask_of(batch).shape[1:])
+        row_tokens = row_positions(batch)
         a, m = micro_batch_split(rows, minibatches, grad_accum, passes, row_tokens), minibatches
         norms = {k: v / m for k, v in normalizers(batch).items()}
         dropout = uses_dropout(params)
