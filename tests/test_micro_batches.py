@@ -117,15 +117,15 @@ def test_the_start_up_report_says_how_the_padded_update_is_micro_batched():
 
     chips = Passes(batch_shards=2, micro_batch_tokens=16384)
     assert text(chips) == (
-        "2 micro-batch(es) of 4 rows per optimizer step, 16,384 positions per device: "
+        "2 micro-batch(es) of 4 row(s) per optimizer step, 16,384 positions per device: "
         "at most 16,384 per device (--grpo.grad-accum sets them)"
     )
     assert text(chips, grad_accum=4) == (
-        "4 micro-batch(es) of 2 rows per optimizer step, 8,192 positions per device: "
+        "4 micro-batch(es) of 2 row(s) per optimizer step, 8,192 positions per device: "
         "--grpo.grad-accum 4"
     )
     assert text(Passes(cache_sized=True), minibatches=2) == (
-        "4 micro-batch(es) of 1 rows per optimizer step, 8,192 positions per device: "
+        "4 micro-batch(es) of 1 row(s) per optimizer step, 8,192 positions per device: "
         "one row each on a CPU device"
     )
 
@@ -147,7 +147,7 @@ def test_grpo_s_report_line_for_a_padded_update_on_chips():
     line = algorithm(cfg).describe_update(init(config, jax.random.key(0)), chips)
     assert line == (
         f"completions padded to {g.max_new_tokens} tokens in the update (packing off, group train "
-        f"attention); 2 micro-batch(es) of 4 rows per optimizer step, {2 * group:,} positions per "
+        f"attention); 2 micro-batch(es) of 4 row(s) per optimizer step, {2 * group:,} positions per "
         f"device: at most {2 * group:,} per device (--grpo.grad-accum sets them)"
     )
 

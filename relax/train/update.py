@@ -167,7 +167,7 @@ def micro_batch_text(
         else f"the whole minibatch ({flag} sets them)"
     )
     return (
-        f"{a} micro-batch(es) of {per} rows per optimizer step, "
+        f"{a} micro-batch(es) of {per} row(s) per optimizer step, "
         f"{per // shards * row_tokens:,} positions per device: {why}"
     )
 
