@@ -11,12 +11,10 @@ import functools
 
 from relax.algorithms.grpo.config import PRESETS, GRPOConfig, preset
 from relax.algorithms.grpo.step import make_grpo_step
-from relax.algorithms.online.config import OnlineAlgorithm, OnlineRunConfig
+from relax.algorithms.online.config import OnlineAlgorithm, OnlineRunConfig, describe_update
 from relax.algorithms.online.run import run_online
 from relax.algorithms.online.setup import check_lora_reference
 from relax.choices import check_choice
-from relax.models.forward.forward_pass import resolve_attention
-from relax.passes import Passes
 from relax.tasks import (
     TASK_MAX_NEW_TOKENS,
     TASK_PROMPT_TOKENS,
@@ -25,7 +23,6 @@ from relax.tasks import (
     kind,
 )
 from relax.train.state import TrainState, init_state
-from relax.train.update import micro_batch_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,28 +94,12 @@ def make_state(g: GRPOConfig, model, key, vision=None) -> TrainState:
 
 def algorithm(cfg: GRPORunConfig) -> OnlineAlgorithm:
     g = cfg.grpo
-
-    def describe_update(model, passes: Passes) -> str:
-        attention = resolve_attention(g.forward.train_attention, model)
-        gen = g.generation
-        line = g.packing.describe(attention, gen.max_new_tokens, passes.auto_packs)
-        if g.packing.applies(attention, passes.auto_packs):
-            return line
-        slots = gen.num_generations * gen.max_new_tokens  # a prompt group's completion slots
-        return (
-            line
-            + "; "
-            + micro_batch_text(
-                cfg.batch_size, g.num_minibatches, g.grad_accum, passes, slots, "--grpo.grad-accum"
-            )
-        )
-
     return OnlineAlgorithm(
         name="grpo",
         make_state=functools.partial(make_state, g),
         make_step=functools.partial(make_grpo_step, g),
         generation=g.generation,
-        describe_update=describe_update,
+        describe_update=functools.partial(describe_update, g, cfg.batch_size, "grpo"),
     )
 
 

@@ -15,9 +15,11 @@ from relax.environments.verifiers_source import is_verifiers
 from relax.eval.evaluate import EvalConfig
 from relax.models.config.model import DTYPES
 from relax.models.config.precision import Precision
+from relax.models.forward.forward_pass import resolve_attention
 from relax.models.layers.lora import LoRAConfig
 from relax.objectives.off_policy import OffPolicyConfig
 from relax.parallel import ParallelConfig
+from relax.passes import Passes
 from relax.rewards.generative_judge import JudgeConfig
 from relax.rewards.sandbox import SandboxConfig
 from relax.rollout.generation import GenerationConfig
@@ -28,6 +30,7 @@ from relax.tasks import reverse
 from relax.tasks import visual as visual_task
 from relax.train.pipeline import AsyncConfig
 from relax.train.run import RunConfig
+from relax.train.update import micro_batch_text
 
 BAR_KEYS = (
     ("reward", "reward"),
@@ -289,3 +292,20 @@ class OnlineAlgorithm:
     describe_update: Callable[[Any, Any], str] | None = (
         None  # (model, passes) -> a start-up report line (its layout)
     )
+
+
+def describe_update(cfg: Any, batch_size: int, flags: str, model: Any, passes: Passes) -> str:
+    """The start-up report's line on an online update: its completions packed or padded and a
+    padded one's micro-batches (``micro_batch_text``). ``cfg``: GRPO's or PPO's config (its
+    ``packing``, ``forward``, ``generation``, ``num_minibatches``, ``grad_accum``); ``flags``: its
+    flag group."""
+    attention = resolve_attention(cfg.forward.train_attention, model)
+    gen = cfg.generation
+    line = cfg.packing.describe(attention, gen.max_new_tokens, passes.auto_packs)
+    if cfg.packing.applies(attention, passes.auto_packs):
+        return line
+    slots = gen.num_generations * gen.max_new_tokens  # a prompt group's completion slots
+    micro = micro_batch_text(
+        batch_size, cfg.num_minibatches, cfg.grad_accum, passes, slots, f"--{flags}.grad-accum"
+    )
+    return f"{line}; {micro}"

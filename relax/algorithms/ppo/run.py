@@ -10,20 +10,18 @@ import functools
 import jax.numpy as jnp
 
 from relax.algorithms.cli.configure import configure
-from relax.algorithms.online.config import OnlineAlgorithm, OnlineRunConfig
+from relax.algorithms.online.config import OnlineAlgorithm, OnlineRunConfig, describe_update
 from relax.algorithms.online.run import run_online
 from relax.algorithms.online.setup import check_lora_reference
 from relax.algorithms.ppo.config import PPOConfig
 from relax.algorithms.ppo.step import make_ppo_step
 from relax.models.config.model import DTYPES
-from relax.models.forward.forward_pass import resolve_attention
 from relax.models.heads.critic import (
     check_reads_prompt_inputs,
     init_critic,
     init_value_head,
     load_critic,
 )
-from relax.passes import Passes
 from relax.tasks import (
     TASK_MAX_NEW_TOKENS,
     TASK_PROMPT_TOKENS,
@@ -32,7 +30,6 @@ from relax.tasks import (
     kind,
 )
 from relax.train.state import TrainState, init_state
-from relax.train.update import micro_batch_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,27 +145,12 @@ def algorithm(cfg: PPORunConfig) -> OnlineAlgorithm:
         images=cfg.image_field is not None,
     )
 
-    def describe_update(model, passes: Passes) -> str:
-        attention = resolve_attention(p.forward.train_attention, model)
-        gen = p.generation
-        line = p.packing.describe(attention, gen.max_new_tokens, passes.auto_packs)
-        if p.packing.applies(attention, passes.auto_packs):
-            return line
-        slots = gen.num_generations * gen.max_new_tokens  # a prompt group's completion slots
-        return (
-            line
-            + "; "
-            + micro_batch_text(
-                cfg.batch_size, p.num_minibatches, p.grad_accum, passes, slots, "--ppo.grad-accum"
-            )
-        )
-
     return OnlineAlgorithm(
         name="ppo",
         make_state=state,
         make_step=functools.partial(make_ppo_step, p),
         generation=p.generation,
-        describe_update=describe_update,
+        describe_update=functools.partial(describe_update, p, cfg.batch_size, "ppo"),
     )
 
 
