@@ -207,6 +207,24 @@ def measure(fn, *args, warmup: int = 1, runs: int = 5, budget_s: float | None = 
 # ---------------------------------------------------------------------------- inputs
 
 
+def alternate(variants: dict, runs: int) -> tuple[dict, dict]:
+    """``(medians, first_call_s)`` of each of ``variants`` (name -> a call returning arrays): one
+    warm-up call each (its seconds: the compile), then ``runs`` rounds, the variants alternating
+    within each round (so drift on a shared host spreads over all of them)."""
+    first = {}
+    for name, fn in variants.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        first[name] = time.perf_counter() - t0
+    times = {name: [] for name in variants}
+    for _ in range(runs):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, first
+
+
 def group_attention_inputs(
     P: int, G: int, H: int, R: int, Lp: int, N: int, D: int, *, dtype=jnp.float32, seed: int = 0
 ) -> tuple[tuple, tuple]:

@@ -40,7 +40,7 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import emit  # noqa: E402
+from harness import alternate, emit  # noqa: E402
 from train_step import SHAPES  # noqa: E402
 
 from relax.algorithms.cli.configure import configure  # noqa: E402
@@ -179,18 +179,7 @@ def main(args: Args) -> dict:
     sizes, pk, pack_times = setup["sizes"], setup["pk"], setup["pack_times"]
     mean_len, flat_len = setup["mean_len"], setup["flat_len"]
     p, g, n = args.prompts, args.generations, args.new_tokens
-    first = {}
-    for name, fn in variants.items():  # warm-up: compiles
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        first[name] = time.perf_counter() - t0
-    times = {name: [] for name in variants}
-    for _ in range(args.runs):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med, first = alternate(variants, args.runs)
 
     used = pk.num_pairs > 0
     return emit(

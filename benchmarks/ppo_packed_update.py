@@ -23,11 +23,8 @@ fill, each variant's median seconds, packed_over_no_padding and packed_speedup.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +32,7 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import emit  # noqa: E402
+from harness import alternate, emit  # noqa: E402
 from packed_update import Args, lengths  # noqa: E402
 from train_step import SHAPES  # noqa: E402
 
@@ -133,18 +130,7 @@ def build(args: Args):
 def main(args: Args) -> dict:
     variants, setup = build(args)
     lens, sizes, pk = setup["lens"], setup["sizes"], setup["pk"]
-    first = {}
-    for name, fn in variants.items():  # warm-up: compiles
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        first[name] = time.perf_counter() - t0
-    times = {name: [] for name in variants}
-    for _ in range(args.runs):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med, first = alternate(variants, args.runs)
     used = pk.num_pairs > 0
     p, g, n = args.prompts, args.generations, args.new_tokens
     return emit(

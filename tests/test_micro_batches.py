@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_docs import tiny_config
 
 from relax import metrics as M
 from relax.algorithms.grpo.config import GRPOConfig
 from relax.algorithms.grpo.run import GRPORunConfig, algorithm
 from relax.data.completion_layout import PackingConfig
-from relax.models import init, small_config
+from relax.models import init
 from relax.passes import MICRO_BATCH_TOKENS, Passes, choose_passes
 from relax.train.fits import allocated_bytes
 from relax.train.update import make_update, micro_batch_text, row_positions
@@ -131,15 +132,7 @@ def test_the_start_up_report_says_how_the_padded_update_is_micro_batched():
 
 
 def test_grpo_s_report_line_for_a_padded_update_on_chips():
-    config = small_config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-    )
+    config = tiny_config(97)
     cfg = GRPORunConfig(batch_size=8, grpo=GRPOConfig(packing=PackingConfig(mode="off")))
     g = cfg.grpo.generation
     group = g.num_generations * g.max_new_tokens  # a prompt group's completion slots

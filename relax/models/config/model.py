@@ -37,21 +37,13 @@ from typing import Literal
 import jax.numpy as jnp
 
 from relax.models.config.families import FAMILIES, get_family
+from relax.models.config.family_record import MOE_LINEAR_FIELDS
 
 NormWeight = Literal["w", "1+w"]
 Activation = Literal["silu", "gelu_tanh"]
 LayerType = Literal["full", "sliding"]
 DENSE_MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-MOE_FIELDS = (
-    "router",
-    "expert_gate",
-    "expert_up",
-    "expert_down",
-    "shared_gate",
-    "shared_up",
-    "shared_down",
-    "shared_router",
-)
+MOE_FIELDS = MOE_LINEAR_FIELDS  # every mixture-of-experts field is a torch ``Linear`` weight
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
