@@ -115,14 +115,19 @@ def update_data(args: Args, vocab: int, lens: np.ndarray, n: int) -> LossRows:
     return LossRows(**{k: jnp.asarray(v) for k, v in data.items()})
 
 
-def build(args: Args):
-    """``(variants, setup)``: each variant's call (module docstring) and what ``main`` reports
-    of the setup (config, lengths, sizes, the packed batch, the pack timings)."""
+def model_of(args: Args):
+    """``(config, model)``: ``--model-shape`` with random weights in ``--dtype``."""
     if args.model_shape not in SHAPES:
         raise SystemExit(f"--model-shape {args.model_shape!r}: one of {', '.join(SHAPES)}")
     mcfg = SHAPES[args.model_shape]()
     dtype = jnp.dtype(args.dtype)
-    model = cast(init(mcfg, jax.random.key(0), param_dtype=dtype), dtype=dtype)
+    return mcfg, cast(init(mcfg, jax.random.key(0), param_dtype=dtype), dtype=dtype)
+
+
+def build(args: Args):
+    """``(variants, setup)``: each variant's call (module docstring) and what ``main`` reports
+    of the setup (config, lengths, sizes, the packed batch, the pack timings)."""
+    mcfg, model = model_of(args)
     p, g, n = args.prompts, args.generations, args.new_tokens
     passes = choose_passes()
     packing = PackingConfig(bin_tokens=args.bin_tokens)

@@ -33,8 +33,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import alternate, emit  # noqa: E402
-from packed_update import Args, lengths  # noqa: E402
-from train_step import SHAPES  # noqa: E402
+from packed_update import Args, lengths, model_of  # noqa: E402
 
 from relax.algorithms.cli.configure import configure  # noqa: E402
 from relax.algorithms.online.batch import Scored  # noqa: E402
@@ -43,7 +42,6 @@ from relax.algorithms.ppo.run import make_state  # noqa: E402
 from relax.algorithms.ppo.step import make_advantage, make_update_stage  # noqa: E402
 from relax.compose import compose  # noqa: E402
 from relax.data.completion_layout import PackingConfig, bin_fill, pack_bins  # noqa: E402
-from relax.models import cast, init  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 
@@ -75,11 +73,8 @@ def scored(args: Args, vocab: int, lens: np.ndarray, n: int) -> Scored:
 
 def build(args: Args):
     """``(variants, setup)``: each variant's call and what ``main`` reports of the setup."""
-    if args.model_shape not in SHAPES:
-        raise SystemExit(f"--model-shape {args.model_shape!r}: one of {', '.join(SHAPES)}")
-    mcfg = SHAPES[args.model_shape]()
+    mcfg, model = model_of(args)
     dtype = jnp.dtype(args.dtype)
-    model = cast(init(mcfg, jax.random.key(0), param_dtype=dtype), dtype=dtype)
     p, g, n = args.prompts, args.generations, args.new_tokens
     passes = choose_passes()
     packing = PackingConfig(bin_tokens=args.bin_tokens)
