@@ -275,6 +275,11 @@ def worker(out_path: str, root: str) -> None:
             [*on_policy, "--steps", "2", "--batch-size", "8", *flags, "--run-dir", str(run_dir)]
         )
         results["distill_on_policy"][where] = _lines(run_dir)
+        results.setdefault("distill_on_policy_compiles", {})[where] = [
+            json.loads(line)["compiles"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"compiles"' in line
+        ]
     try:  # SFT samples nothing: a sampler mesh would only take devices from training
         sft = [*trainers["sft"], "--steps", "1", "--batch-size", "8"]
         load_example("sft").main(
@@ -337,6 +342,8 @@ else:
         runs = results["distill_on_policy"]
         one = runs["one"]
         assert {"train 1", "train 2"} <= set(one), one
+        # compiled before the first step, on a mesh and beside a sampler mesh too
+        assert results["distill_on_policy_compiles"] == {w: [0.0, 0.0] for w in runs}
         for where in ("mesh", "sampler"):
             assert set(runs[where]) == set(one), where
             for line, want in one.items():

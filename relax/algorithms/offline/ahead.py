@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.algorithms.cli.report import StartupReport
-from relax.algorithms.online.ahead import compile_ahead, publish, shrink_hint
+from relax.algorithms.online.ahead import WEIGHT_TRANSFER, compile_ahead, publish, shrink_hint
 from relax.train.ahead import call_avals, default_workers, walk_step
 
 PLAN_NAMES = {"reward_model": "rm"}  # ``relax plan``'s name of a trainer, where it differs
@@ -80,5 +80,9 @@ def prepare_offline(
 
 
 def _run_host(segment, state, batch):
-    """A host segment of an offline step (none has one yet) run on the zeros it is walked with."""
+    """A host segment of an offline step on the zeros it is walked with: a runner's copy of the
+    weights to a sampler mesh (distillation's on-policy samples, ``--parallel.sampler-devices``)
+    moves no shapes and is skipped; none of the trainers has another."""
+    if segment.names == WEIGHT_TRANSFER:
+        return batch
     return segment.run(state, batch)[1]
