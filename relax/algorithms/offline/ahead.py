@@ -20,11 +20,9 @@ from relax.algorithms.cli.report import StartupReport
 from relax.algorithms.online.ahead import WEIGHT_TRANSFER, compile_ahead, publish, shrink_hint
 from relax.train.ahead import call_avals, default_workers, walk_step
 
-PLAN_NAMES = {"reward_model": "rm"}  # ``relax plan``'s name of a trainer, where it differs
-FLAG_GROUPS = {
-    "orpo": "dpo",
-    "reward_model": "reward-model",
-}  # its config's flags, where they differ
+# A trainer's ``relax plan`` name and its config's flag group, where they differ from its name
+PLAN_NAMES = {"reward_model": "rm"}
+FLAG_GROUPS = {"orpo": "dpo", "reward_model": "reward-model"}
 
 
 def offline_hint(name: str) -> str:
