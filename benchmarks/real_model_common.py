@@ -60,54 +60,37 @@ def hparams(args) -> dict:
     }
 
 
+# relax's flag for each hyper-parameter of ``hparams`` it reads, in the order given
+RELAX_FLAGS = (
+    ("--grpo.num-generations", "num_generations"),
+    ("--grpo.max-new-tokens", "max_new_tokens"),
+    ("--grpo.temperature", "temperature"),
+    ("--grpo.beta", "beta"),
+    ("--grpo.kl-estimator", "kl_estimator"),
+    ("--grpo.policy-loss.epsilon-low", "epsilon_low"),
+    ("--grpo.policy-loss.epsilon-high", "epsilon_high"),
+    ("--grpo.loss-type", "loss_type"),
+    ("--grpo.scale-rewards", "scale_rewards"),
+    ("--grpo.num-iterations", "num_iterations"),
+    ("--grpo.num-minibatches", None),  # one optimizer step per batch: "1"
+    ("--grpo.optimizer.learning-rate", "learning_rate"),
+    ("--grpo.optimizer.b1", "adam_b1"),
+    ("--grpo.optimizer.b2", "adam_b2"),
+    ("--grpo.optimizer.eps", "adam_eps"),
+    ("--grpo.optimizer.weight-decay", "weight_decay"),
+    ("--grpo.optimizer.max-grad-norm", "max_grad_norm"),
+    ("--grpo.optimizer.schedule", "schedule"),
+    ("--grpo.optimizer.warmup-steps", "warmup_steps"),
+    ("--batch-size", "prompts_per_step"),
+    ("--seed", "seed"),
+)
+
+
 def relax_flags(h: dict) -> list[str]:
-    return [
-        "--preset",
-        "grpo",
-        "--grpo.num-generations",
-        str(h["num_generations"]),
-        "--grpo.max-new-tokens",
-        str(h["max_new_tokens"]),
-        "--grpo.temperature",
-        str(h["temperature"]),
-        "--grpo.beta",
-        str(h["beta"]),
-        "--grpo.kl-estimator",
-        h["kl_estimator"],
-        "--grpo.policy-loss.epsilon-low",
-        str(h["epsilon_low"]),
-        "--grpo.policy-loss.epsilon-high",
-        str(h["epsilon_high"]),
-        "--grpo.loss-type",
-        h["loss_type"],
-        "--grpo.scale-rewards",
-        h["scale_rewards"],
-        "--grpo.num-iterations",
-        str(h["num_iterations"]),
-        "--grpo.num-minibatches",
-        "1",
-        "--grpo.optimizer.learning-rate",
-        str(h["learning_rate"]),
-        "--grpo.optimizer.b1",
-        str(h["adam_b1"]),
-        "--grpo.optimizer.b2",
-        str(h["adam_b2"]),
-        "--grpo.optimizer.eps",
-        str(h["adam_eps"]),
-        "--grpo.optimizer.weight-decay",
-        str(h["weight_decay"]),
-        "--grpo.optimizer.max-grad-norm",
-        str(h["max_grad_norm"]),
-        "--grpo.optimizer.schedule",
-        h["schedule"],
-        "--grpo.optimizer.warmup-steps",
-        str(h["warmup_steps"]),
-        "--batch-size",
-        str(h["prompts_per_step"]),
-        "--seed",
-        str(h["seed"]),
-        "--grpo.remat" if h.get("remat") else "--grpo.no-remat",
-    ]
+    """relax's command-line flags for the hyper-parameters ``h`` (``hparams``)."""
+    pairs = [(flag, "1" if key is None else str(h[key])) for flag, key in RELAX_FLAGS]
+    remat = "--grpo.remat" if h.get("remat") else "--grpo.no-remat"
+    return ["--preset", "grpo", *(x for pair in pairs for x in pair), remat]
 
 
 def train_grpo_main():
