@@ -160,8 +160,7 @@ def build(args: Args):
         pk = pack_bins(*host, sizes)
         pack_times.append(time.perf_counter() - t0)
     packed = padded.replace(packed=jax.tree.map(jnp.asarray, pk))
-    mean_len = float(lens.mean())
-    flat_len = max(1, int(round(mean_len)))
+    flat_len = max(1, int(round(float(lens.mean()))))
     full = update_data(args, mcfg.vocab_size, np.full((p, g), flat_len), flat_len)
 
     update = jax.jit(make_grpo_update(cfg, opt, passes))
@@ -175,15 +174,43 @@ def build(args: Args):
         "ref_packed": lambda: ref(model, packed),
     }
     setup = dict(mcfg=mcfg, cfg=cfg, model=model, lens=lens, sizes=sizes, pk=pk)
-    return variants, dict(setup, pack_times=pack_times, mean_len=mean_len, flat_len=flat_len)
+    return variants, dict(setup, pack_times=pack_times, flat_len=flat_len)
+
+
+def batch_fields(args: Args, lens: np.ndarray, sizes, pk, flat_len: int) -> dict:
+    """The JSON record's description of the batch and its bins (shared with
+    ``ppo_packed_update.py``)."""
+    used = pk.num_pairs > 0
+    return {
+        "P": args.prompts,
+        "G": args.generations,
+        "Lp": args.prompt_len,
+        "N": args.new_tokens,
+        "sigma": args.sigma,
+        "seed": args.seed,
+        "runs": args.runs,
+        "bin_tokens": sizes.tokens,
+        "bins": sizes.bins,
+        "completions_per_bin": sizes.completions,
+        "block": sizes.block,
+        "mean_len": float(lens.mean()),
+        "max_len": int(lens.max()),
+        "p50_len": float(np.median(lens)),
+        "no_padding_len": flat_len,
+        "real_tokens": int(lens.sum()),
+        "padded_slots": args.prompts * args.generations * args.new_tokens,
+        "packed_slots": int(used.sum()) * sizes.tokens,
+        "pack_bins": int(used.sum()),
+        "pack_fill": bin_fill(pk),
+    }
 
 
 def main(args: Args) -> dict:
     variants, setup = build(args)
     mcfg, cfg, model, lens = setup["mcfg"], setup["cfg"], setup["model"], setup["lens"]
     sizes, pk, pack_times = setup["sizes"], setup["pk"], setup["pack_times"]
-    mean_len, flat_len = setup["mean_len"], setup["flat_len"]
-    p, g, n = args.prompts, args.generations, args.new_tokens
+    flat_len = setup["flat_len"]
+    p, g = args.prompts, args.generations
     med, first = alternate(variants, args.runs)
 
     used = pk.num_pairs > 0
@@ -194,26 +221,7 @@ def main(args: Args) -> dict:
             "dtype": args.dtype,
             "train_attention": resolve_attention(cfg.forward.train_attention, model),
             "params": mcfg.num_params(),
-            "P": p,
-            "G": g,
-            "Lp": args.prompt_len,
-            "N": n,
-            "sigma": args.sigma,
-            "seed": args.seed,
-            "runs": args.runs,
-            "bin_tokens": sizes.tokens,
-            "bins": sizes.bins,
-            "completions_per_bin": sizes.completions,
-            "block": sizes.block,
-            "mean_len": mean_len,
-            "max_len": int(lens.max()),
-            "p50_len": float(np.median(lens)),
-            "no_padding_len": flat_len,
-            "real_tokens": int(lens.sum()),
-            "padded_slots": p * g * n,
-            "packed_slots": int(used.sum()) * sizes.tokens,
-            "pack_bins": int(used.sum()),
-            "pack_fill": bin_fill(pk),
+            **batch_fields(args, lens, sizes, pk, flat_len),
             "pairs_visited": int(pk.num_pairs.sum()),
             "pairs_dense": int(used.sum()) * pk.pairs.shape[1],
             # the attention's work: the real lengths', the no-padding batch's (uniform lengths:

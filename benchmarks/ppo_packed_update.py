@@ -33,7 +33,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import alternate, emit  # noqa: E402
-from packed_update import Args, lengths, model_of  # noqa: E402
+from packed_update import Args, batch_fields, lengths, model_of  # noqa: E402
 
 from relax.algorithms.cli.configure import configure  # noqa: E402
 from relax.algorithms.online.batch import Scored  # noqa: E402
@@ -41,7 +41,7 @@ from relax.algorithms.ppo.config import PPOConfig  # noqa: E402
 from relax.algorithms.ppo.run import make_state  # noqa: E402
 from relax.algorithms.ppo.step import make_advantage, make_update_stage  # noqa: E402
 from relax.compose import compose  # noqa: E402
-from relax.data.completion_layout import PackingConfig, bin_fill, pack_bins  # noqa: E402
+from relax.data.completion_layout import PackingConfig, pack_bins  # noqa: E402
 from relax.passes import choose_passes  # noqa: E402
 from relax.train.optimizer import OptimizerConfig  # noqa: E402
 
@@ -90,11 +90,12 @@ def build(args: Args):
         )
         return cfg, compose(make_advantage(cfg), make_update_stage(cfg, passes), name="ppo")
 
+    lens = lengths(args)
+    flat_len = max(1, int(round(float(lens.mean()))))
     cfg, padded_step = step(n)
-    _, flat_step = step(max(1, int(round(float(lengths(args).mean())))))
+    _, flat_step = step(flat_len)
     state = make_state(cfg, model, jax.random.key(0), dtype=dtype, param_dtype=dtype)
 
-    lens = lengths(args)
     padded = scored(args, mcfg.vocab_size, lens, n)
     host = [
         np.asarray(x) for x in (padded.prompt_ids, padded.prompt_mask, padded.tokens, padded.mask)
@@ -102,7 +103,6 @@ def build(args: Args):
     sizes = packing.sizes(p, g, args.prompt_len, n, block=passes.stream_block)
     pk = pack_bins(*host, sizes)
     packed = padded.replace(packed=jax.tree.map(jnp.asarray, pk))
-    flat_len = max(1, int(round(float(lens.mean()))))
     flat = scored(args, mcfg.vocab_size, np.full((p, g), flat_len), flat_len)
 
     held = [state]  # the update donates the state it is given: each call takes the last one's
@@ -126,8 +126,6 @@ def main(args: Args) -> dict:
     variants, setup = build(args)
     lens, sizes, pk = setup["lens"], setup["sizes"], setup["pk"]
     med, first = alternate(variants, args.runs)
-    used = pk.num_pairs > 0
-    p, g, n = args.prompts, args.generations, args.new_tokens
     return emit(
         {
             "bench": "ppo_packed_update",
@@ -135,23 +133,7 @@ def main(args: Args) -> dict:
             "dtype": args.dtype,
             "critic": setup["cfg"].critic,
             "params": setup["mcfg"].num_params(),
-            "P": p,
-            "G": g,
-            "Lp": args.prompt_len,
-            "N": n,
-            "sigma": args.sigma,
-            "seed": args.seed,
-            "runs": args.runs,
-            "bin_tokens": sizes.tokens,
-            "bins": sizes.bins,
-            "mean_len": float(lens.mean()),
-            "max_len": int(lens.max()),
-            "no_padding_len": setup["flat_len"],
-            "real_tokens": int(lens.sum()),
-            "padded_slots": p * g * n,
-            "packed_slots": int(used.sum()) * sizes.tokens,
-            "pack_bins": int(used.sum()),
-            "pack_fill": bin_fill(pk),
+            **batch_fields(args, lens, sizes, pk, setup["flat_len"]),
             **med,
             "first_call_s": {k: round(v, 3) for k, v in first.items()},
             "packed_over_no_padding": med["advantage_update_packed"]
