@@ -127,10 +127,11 @@ def choose_passes(backend: str | None = None, *, batch_shards: int = 1) -> Passe
     (``relax.parallel.batch_shards(mesh)`` on a mesh): cache-sized on one CPU device only, micro-
     batches of ``MICRO_BATCH_TOKENS`` positions per device everywhere else."""
     backend = current_backend() if backend is None else backend
+    cache_sized = backend == "cpu" and batch_shards == 1
     return Passes(
-        cache_sized=backend == "cpu" and batch_shards == 1,
+        cache_sized=cache_sized,
         batch_shards=batch_shards,
-        micro_batch_tokens=None if backend == "cpu" and batch_shards == 1 else MICRO_BATCH_TOKENS,
+        micro_batch_tokens=None if cache_sized else MICRO_BATCH_TOKENS,
         stream_block=64 if backend == "cpu" else 128,
         stream_rows=backend == "cpu",
         auto_packs=backend == "cpu",

@@ -157,19 +157,17 @@ def micro_batch_text(
     a = micro_batch_split(rows, minibatches, grad_accum, passes, row_tokens)
     per = rows // (minibatches * a)
     shards = passes.batch_shards if per % passes.batch_shards == 0 else 1
-    why = (
-        f"{flag} {grad_accum}"
-        if grad_accum is not None
-        else "one row each on a CPU device"
-        if passes.cache_sized
-        else f"at most {passes.micro_batch_tokens:,} per device ({flag} sets them)"
-        if passes.micro_batch_tokens is not None
-        else f"the whole minibatch ({flag} sets them)"
-    )
-    return (
+    head = (
         f"{a} micro-batch(es) of {per} row(s) per optimizer step, "
-        f"{per // shards * row_tokens:,} positions per device: {why}"
+        f"{per // shards * row_tokens:,} positions per device: "
     )
+    if grad_accum is not None:
+        return head + f"{flag} {grad_accum}"
+    if passes.cache_sized:
+        return head + "one row each on a CPU device"
+    budget = passes.micro_batch_tokens
+    limit = "the whole minibatch" if budget is None else f"at most {budget:,} per device"
+    return head + f"{limit} ({flag} sets them)"
 
 
 def make_update(
