@@ -49,6 +49,9 @@ class Segment:
     jitted: Any = None  # the jax.jit object of a jittable segment
     updates_state: bool = True  # False: the segment returns the state it was given
     waits: bool = False  # a host segment that collects work started earlier (``stage(waits=...)``)
+    # A host segment that returns the batch it is given (a runner's weight copy between meshes):
+    # a walk of the step's shapes (``relax.train.ahead``) passes the batch on without running it.
+    keeps_batch: bool = False
     # A jitted segment's call arguments as ``jax.ShapeDtypeStruct`` s (with the shardings a runner
     # on a mesh gives them), from an abstract ``(state, batch)``: ``jitted.lower(*abstract(s, b))``
     # compiles the very program the run would, without arrays (``relax.train.ahead``, ``relax.plan``).

@@ -228,6 +228,7 @@ class ShardedStep(SegmentRunner):
                         jittable=False,
                         run=self._transfer,
                         updates_state=False,
+                        keeps_batch=True,
                     )
                 )
                 transferred = True

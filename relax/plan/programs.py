@@ -297,8 +297,8 @@ def _walk(
 
 
 def _run_host(seg, state, batch):
-    """A host segment of a planned step on a batch of zeros (a copy between meshes skipped)."""
-    return batch if seg.names == ("weight_transfer",) else seg.run(state, batch)[1]
+    """A host segment of a planned step on a batch of zeros."""
+    return seg.run(state, batch)[1]
 
 
 def platform(device: jax.Device) -> str:

@@ -160,7 +160,8 @@ def lower_step(
     place: bool = False,
 ) -> tuple[list[Lowering], Any]:
     """Lower each jitted segment of one step called with ``(state, batch)`` (``call_avals``), in
-    order; a host segment's batch is ``run_host(segment, state, zeros)``. Returns the lowerings
+    order; a host segment's batch is ``run_host(segment, state, zeros)`` (a ``keeps_batch`` one's:
+    the zeros). Returns the lowerings
     and the state the step leaves.
 
     ``views``: the state the segments before the first that updates it are called with (a
@@ -180,7 +181,7 @@ def lower_step(
         view = views if views is not None and not updated else (lambda s: s)
         if not seg.jittable:
             given = view(state if host_state is None else host_state)
-            hosted = run_host(seg, given, zeros(batch))
+            hosted = zeros(batch) if seg.keeps_batch else run_host(seg, given, zeros(batch))
             batch = call_avals(hosted)
             continue
         called = view(state)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.algorithms.cli.report import StartupReport
-from relax.algorithms.online.ahead import WEIGHT_TRANSFER, compile_ahead, publish, shrink_hint
+from relax.algorithms.online.ahead import compile_ahead, publish, shrink_hint
 from relax.train.ahead import call_avals, default_workers, walk_step
 
 # A trainer's ``relax plan`` name and its config's flag group, where they differ from its name
@@ -78,9 +78,7 @@ def prepare_offline(
 
 
 def _run_host(segment, state, batch):
-    """A host segment of an offline step on the zeros it is walked with: a runner's copy of the
-    weights to a sampler mesh (distillation's on-policy samples, ``--parallel.sampler-devices``)
-    moves no shapes and is skipped; none of the trainers has another."""
-    if segment.names == WEIGHT_TRANSFER:
-        return batch
+    """A host segment of an offline step on the zeros it is walked with (none of the trainers has
+    one yet; a runner's weight copy to a sampler mesh is passed over by the walk itself,
+    ``Segment.keeps_batch``)."""
     return segment.run(state, batch)[1]

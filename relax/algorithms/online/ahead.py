@@ -50,7 +50,6 @@ from relax.train.pipeline import copy_view, producer_part
 ImageShapes = Callable[[int, int], Any]
 """``images(rows, length)``: the ``PromptInputs`` shapes of a step's image prompts
 (``relax.algorithms.online.setup.RunData.encoded_shape``)."""
-WEIGHT_TRANSFER = ("weight_transfer",)  # a runner's copy between meshes: nothing to stand in for
 
 
 def zero_reward(prompts, completions, **_) -> list[float]:
@@ -104,8 +103,6 @@ def host_runner(stand_in_step: Stage) -> HostRun:
     stages = {leaf.name: leaf.fn for leaf in stand_in_step.leaves if not leaf.jittable}
 
     def run_host(seg: Segment, state, batch):
-        if seg.names == WEIGHT_TRANSFER:
-            return batch
         if seg.names[0] not in stages:
             raise ValueError(
                 f"compile ahead: the step's host stage {seg.names[0]!r} is not in the stand-in "
