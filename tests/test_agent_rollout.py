@@ -2,6 +2,7 @@
 with a byte-level BPE tokenizer whose decode -> encode is not the identity, observations outside
 the loss mask, budgets, a malformed tool call and an environment that raises."""
 
+import dataclasses
 import json
 
 import equinox as eqx
@@ -13,7 +14,13 @@ from text_fixtures import make_model_dir
 
 from relax.environments import Action, StepResult, Tool, ToolEnvironment
 from relax.environments.chat import ChatFormat
-from relax.environments.rollout import AgentRolloutConfig, rollout_trajectories
+from relax.environments.rollout import (
+    AgentRolloutConfig,
+    compact_sizes,
+    prompt_width,
+    rollout_trajectories,
+    warm_rollout,
+)
 from relax.models import init
 from relax.rollout.sampling import SamplingConfig
 from relax.rollout.turns import TurnConfig
@@ -225,3 +232,131 @@ def test_group_resets_must_agree(tokenizer):
             key=jax.random.key(0),
             cfg=config(g=2),
         )
+
+
+class Staggered:
+    """Of 8 trajectories, the 4th runs 4 turns, the 8th 3 and the others 1 (after the first turn
+    the batch keeps 2 rows of 8, after the third 1); each turn before the last is answered by an
+    observation several ``observation_chunk`` s long."""
+
+    made = 0
+
+    def __init__(self):
+        self.turn, self.last = 0, {3: 4, 7: 3}.get(Staggered.made % 8, 1)
+        Staggered.made += 1
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action: Action) -> StepResult:
+        self.turn += 1
+        if self.turn == self.last:
+            return StepResult((), float(self.turn), True)
+        return StepResult(Staggered.observation(self.turn), 0.0, False)
+
+    @staticmethod
+    def observation(turn: int) -> list[dict]:
+        return [{"role": "user", "content": f"observation {turn}: " + "abc def " * (2 + turn)}]
+
+
+def test_chunked_observations_and_compactions_give_the_trainers_logprobs(tokenizer, monkeypatch):
+    """Observations prefilled 3 tokens at a time and a batch compacted down every size to 1 row
+    (``min_rows=1``): the trainer's prefix-shared forward over ``[prompt | trajectory]`` gives the
+    sampler's log-prob at every sampled token."""
+    from relax.environments import rollout as R
+    from relax.models.forward.prefix_shared import completion_logprobs
+
+    calls = {"append": [], "compact": []}
+    for name in calls:
+        real = getattr(R.T, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls[_name].append(args[2].shape if _name == "append" else args[1].shape[0])
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(R.T, name, spy)
+    Staggered.made = 0
+    cfg = config(g=4, n=160, turn_tokens=12, max_turns=4)
+    cfg = dataclasses.replace(
+        cfg,
+        turns=dataclasses.replace(cfg.turns, observation_chunk=3),
+        compact_below=0.75,
+        min_rows=1,
+    )
+    model = stopping_model(tokenizer)
+    rows = [{"prompt": "Hi"}, {"prompt": "A longer prompt, with more words"}]
+    traj = rollout_trajectories(
+        model, rows, Staggered, ChatFormat(tokenizer), key=jax.random.key(5), cfg=cfg
+    )
+    # the test means something: observations of several chunks, and compactions 8 -> ... -> 1
+    assert all(shape[1] == 3 for shape in calls["append"]) and len(calls["append"]) > 6
+    assert calls["compact"] == [4, 2, 1]  # 8 -> 4 -> 2 after the first turn, 2 -> 1 after the third
+    # every observation as the chat template renders it, whole, after its turn
+    chat, n = ChatFormat(tokenizer), traj.tokens.shape[-1]
+    tokens, index = traj.tokens.reshape(-1, n), traj.turn_index.reshape(-1, n)
+    observed = (traj.mask.astype(bool) & ~traj.sampled_mask.astype(bool)).reshape(-1, n)
+    for t, turns in enumerate(traj.turns.reshape(-1)):
+        for k in range(turns - 1):
+            want = chat.observation_ids(Staggered.observation(k + 1))
+            assert tokens[t][observed[t] & (index[t] == k)].tolist() == want, (t, k)
+    assert observed.sum(-1).max() > 3 * 3
+    trainer = completion_logprobs(
+        model,
+        jax.numpy.asarray(traj.prompt_ids),
+        jax.numpy.asarray(traj.prompt_mask),
+        jax.numpy.asarray(traj.tokens),
+        jax.numpy.asarray(traj.mask),
+    )
+    sampled = traj.sampled_mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(trainer)[sampled], traj.logprobs[sampled], atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "trajectories,min_rows,want",
+    [
+        (64, 8, (64, 32, 16, 8)),
+        (200, 8, (200, 128, 64, 32, 16, 8)),
+        (6, 1, (6, 4, 2, 1)),
+        (6, 8, (6,)),
+        (8, 8, (8,)),
+        (9, 6, (9, 8)),
+    ],
+)
+def test_compact_sizes(trajectories, min_rows, want):
+    turns = config().turns
+    cfg = AgentRolloutConfig(turns=turns, max_turns=2, min_rows=min_rows)
+    assert compact_sizes(trajectories, cfg) == want
+
+
+def test_a_warmed_rollout_compiles_nothing(tokenizer):
+    """``warm_rollout`` for a batch's size and prompt width compiles every program the rollout
+    then calls, whatever its environments answer: a rollout with observations, compactions and
+    early ends compiles nothing after it (``CompileCounter``)."""
+    from relax.train.run import CompileCounter
+
+    Staggered.made = 0
+    cfg = config(g=4, n=160, turn_tokens=12, max_turns=4)
+    cfg = dataclasses.replace(cfg, compact_below=0.75, min_rows=2)
+    model, chat = stopping_model(tokenizer), ChatFormat(tokenizer)
+    rows = [{"prompt": "Hi"}, {"prompt": "A longer prompt, with more words"}]
+    width = max(len(chat.prompt_ids(Staggered().reset(r))) for r in rows)
+    keys = jax.random.split(jax.random.key(5), 8)
+    timed = warm_rollout(model, 2, prompt_width(width, cfg.turns, 512), key=keys, cfg=cfg)
+    names = [name.split(" [")[0] for name, _ in timed]
+    assert names == [
+        "start",
+        "fused_layers",
+        "decode_turn 8 rows",
+        "append 8 rows",
+        "compact 8 to 4",
+        "decode_turn 4 rows",
+        "append 4 rows",
+        "compact 4 to 2",
+        "decode_turn 2 rows",
+        "append 2 rows",
+    ]
+    Staggered.made = 0
+    with CompileCounter() as compiles:
+        traj = rollout_trajectories(model, rows, Staggered, chat, key=keys, cfg=cfg)
+    assert len(set(traj.turns.reshape(-1).tolist())) > 2  # the batch did shrink
+    assert compiles.count == 0

@@ -225,3 +225,70 @@ def test_lora_vision_is_refused(capsys):
     with pytest.raises(SystemExit):  # tyro's usage error
         train_agent.main(FAST + ["--lora.rank", "4", "--lora.vision"])
     assert "--lora.vision adapts a vision tower" in capsys.readouterr().err
+
+
+RAGGED_ENV = '''
+from relax.environments import StepResult
+
+
+class Ragged:
+    """Prompts as long as a row's ``words`` say; observations that grow turn by turn; a
+    trajectory ends when its turn's ids sum to a multiple of 3, or after 3 turns."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": f"Say {row['answer']}." + " more" * row["words"]}]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn >= 3 or sum(action.token_ids) % 3 == 0:
+            return StepResult([], reward=float(self.turn), done=True)
+        again = "Again" + " and again" * (6 * self.turn)
+        return StepResult([{"role": "user", "content": again}], reward=0.0, done=False)
+'''
+
+
+def test_every_program_compiles_before_the_first_step(tmp_path, monkeypatch):
+    """A user's environment with prompts of three buckets, observations of several chunks and
+    trajectories that end at different turns (the batch compacted down to 2 rows): the start-up
+    compiles the step and every rollout program, and no step or evaluation compiles anything."""
+    from relax.algorithms.agent import evaluate
+    from relax.environments import rollout
+    from relax.train.run import CompileCounter
+
+    (tmp_path / "ragged_env.py").write_text(RAGGED_ENV)
+    rows = [{"answer": 10 + i, "words": (0, 3, 10)[i % 3]} for i in range(16)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = write_model(tmp_path, sft_steps=30)  # it ends its turns
+    monkeypatch.chdir(tmp_path)
+    widths, appends, evals = [], [], []
+    pad = rollout._pad_prompts
+    monkeypatch.setattr(
+        rollout, "_pad_prompts", lambda p, w, i: widths.append(w) or pad(p, w, i)
+    )
+    chunk = rollout._append_chunk
+    monkeypatch.setattr(
+        rollout, "_append_chunk", lambda *a: appends.append(a[4].shape[0]) or chunk(*a)
+    )
+    call = evaluate.HeldOut.__call__
+
+    def counted(self, *args):
+        with CompileCounter() as compiles:
+            out = call(self, *args)
+        evals.append(compiles.count)
+        return out
+
+    monkeypatch.setattr(evaluate.HeldOut, "__call__", counted)
+    argv = ["--model", str(model), "--data", "rows.jsonl", "--env", "ragged_env:Ragged"]
+    argv += ["--eval-fraction", "0.25", "--steps", "4", "--eval-every", "2"]
+    argv += ["--batch-size", "2", "--grpo.num-generations", "4", "--grpo.max-new-tokens", "96"]
+    argv += ["--agent.max-turn-tokens", "8", "--agent.max-turns", "3", "--agent.min-rows", "2"]
+    train_agent.main(argv + ["--no-export-hf", "--run-dir", str(tmp_path / "run")])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["compiles"] for x in lines if "compiles" in x] == [0.0] * 4
+    assert evals == [0, 0, 0]
+    # the test means something: steps of two widths, observations of two chunks, compactions
+    report = (tmp_path / "run" / "startup.txt").read_text()
+    assert "rollout compact 8 to 4" in report and "rollout compact 4 to 2" in report
+    assert len(set(widths)) >= 2 and max(appends) == 8 and min(appends) <= 4
+    assert sum(x["observation_tokens"] for x in lines if "compiles" in x) > 0

@@ -47,15 +47,20 @@ from relax.rollout.sampler import bucket_length
 @dataclasses.dataclass(frozen=True)
 class AgentRolloutConfig:
     """``turns``: the device programs' config; ``max_turns``: policy turns per trajectory;
-    ``compact_below``: compact the batch once at most this fraction of its rows still run."""
+    ``compact_below``: compact the batch once at most this fraction of its rows still run;
+    ``min_rows``: the fewest device rows a compaction leaves (a decode step costs about the same
+    at 1 and 8 rows on an accelerator, and each device batch size is programs of its own)."""
 
     turns: T.TurnConfig
     max_turns: int
     compact_below: float = 0.5
+    min_rows: int = 8
 
     def __post_init__(self):
-        if self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if min(self.max_turns, self.min_rows) < 1:
+            raise ValueError(
+                f"max_turns and min_rows must be >= 1, got {self.max_turns}, {self.min_rows}"
+            )
         if not 0.0 <= self.compact_below <= 1.0:
             raise ValueError(f"compact_below must be in [0, 1], got {self.compact_below}")
 
@@ -139,27 +144,55 @@ def rollout_trajectories(
     *,
     key: jax.Array,
     cfg: AgentRolloutConfig,
+    longest: Callable[[int], int] = int,
 ) -> Trajectories:
     """G trajectories of each row (module docstring). ``key``: one PRNG key, or the
-    ``len(rows) x G`` trajectories' own keys (``relax.rollout.turns.start_state``)."""
-    return asyncio.run(_rollout(model, rows, make_env, chat, key, cfg))
+    ``len(rows) x G`` trajectories' own keys (``relax.rollout.turns.start_state``).
+    ``longest(n)``: the prompt length the batch is padded for (its bucket), given its longest
+    prompt's ``n`` (on several processes, sampling parts of one batch: every process's longest)."""
+    return asyncio.run(_rollout(model, rows, make_env, chat, key, cfg, longest))
 
 
-def _pad_prompts(
-    prompts: list[list[int]], cfg: T.TurnConfig, context: int
-) -> tuple[np.ndarray, np.ndarray]:
-    longest = max(map(len, prompts))
+def prompt_width(longest: int, cfg: T.TurnConfig, context: int) -> int:
+    """The width prompts of at most ``longest`` tokens are left-padded to (their bucket); a
+    ``ValueError`` when such a prompt and the trajectory's slots overflow the model's context."""
     if longest + cfg.max_tokens > context:
         raise ValueError(
             f"a {longest}-token prompt and max_tokens={cfg.max_tokens} overflow the model's context "
             f"of {context} positions"
         )
-    width = bucket_length(longest, cfg.prompt_buckets)
-    ids = np.full((len(prompts), width), cfg.pad_id, np.int32)
+    return bucket_length(longest, cfg.prompt_buckets)
+
+
+def _pad_prompts(
+    prompts: list[list[int]], width: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(prompts), width), pad_id, np.int32)
     mask = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
     return ids, mask
+
+
+def prompt_lengths(
+    rows: Sequence[Mapping[str, Any]],
+    make_env: Callable[[], Environment | AsyncEnvironment],
+    chat: ChatFormat,
+    *,
+    at_once: int = 256,
+) -> list[int]:
+    """Each row's prompt length in tokens: a fresh environment reset with the row (``at_once``
+    of them concurrently), its conversation rendered by the chat template, as a rollout does."""
+
+    async def lengths(part):
+        envs = [as_async(make_env()) for _ in part]
+        resets = await asyncio.gather(*(env.areset(row) for env, row in zip(envs, part)))
+        return [len(chat.prompt_ids(list(m))) for m in resets]
+
+    out: list[int] = []
+    for lo in range(0, len(rows), at_once):
+        out += asyncio.run(lengths(rows[lo : lo + at_once]))
+    return out
 
 
 async def _reset(envs, rows, g: int, chat: ChatFormat) -> list[list[int]]:
@@ -186,18 +219,18 @@ async def _step(env: AsyncEnvironment, action: Action | None):
 
 
 async def _rollout(
-    model, rows, make_env, chat: ChatFormat, key, cfg: AgentRolloutConfig
+    model, rows, make_env, chat: ChatFormat, key, cfg: AgentRolloutConfig, longest
 ) -> Trajectories:
     tc, g = cfg.turns, cfg.turns.num_generations
     b, n = len(rows) * g, tc.max_tokens
     envs = [as_async(make_env()) for _ in range(b)]
     clock = {"device_s": 0.0, "env_s": 0.0}
     t0 = time.perf_counter()
-    prompt_ids, prompt_mask = _pad_prompts(
-        await _reset(envs, rows, g, chat), tc, model.config.max_position_embeddings
-    )
+    prompts = await _reset(envs, rows, g, chat)
+    width = prompt_width(longest(max(map(len, prompts))), tc, model.config.max_position_embeddings)
+    prompt_ids, prompt_mask = _pad_prompts(prompts, width, tc.pad_id)
     clock["env_s"] += time.perf_counter() - t0
-    state = T.start(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, cfg=tc)
+    state = _start(model, prompt_ids, prompt_mask, key, tc)
     layers = T.fused_layers(model, cfg=tc)  # once: every turn's decode and append read them
     rec = _Record(b, n, cfg.max_turns, tc.pad_id, state.routes.shape[2:], state.routes.dtype)
     prompt_routes = np.asarray(state.prompt_routes)
@@ -207,9 +240,7 @@ async def _rollout(
         t0 = time.perf_counter()
         active = (where >= 0) & running[np.maximum(where, 0)]
         before = np.asarray(state.length)
-        state, stopped, count = T.decode_turn(
-            model, state, jnp.asarray(active), cfg=tc, layers=layers
-        )
+        state, stopped, count = _decode(model, layers, state, active, tc)
         tokens, stopped, count = jax.device_get((state.tokens, stopped, count))
         clock["device_s"] += time.perf_counter() - t0
         actions: list[Action | None] = [None] * b
@@ -236,7 +267,7 @@ async def _rollout(
         if live.size == 0:
             break
         if live.size <= cfg.compact_below * len(where):
-            state, where = _compact(state, where, live, rec)
+            state, where = _compact(state, where, live, rec, cfg)
         clock["device_s"] += time.perf_counter() - t0
     rec.truncated |= running  # still running after max_turns
     rec.flush(state, where)
@@ -292,26 +323,114 @@ def _append(
     turn: int,
     tc: T.TurnConfig,
 ):
-    """Prefill the observations onto their rows' caches; ``length``: the rows' filled slots (host)."""
-    rows = len(where)
-    width = bucket_length(max(map(len, observations.values())), tc.observation_buckets)
-    ids = np.full((rows, width), tc.pad_id, np.int32)
-    count = np.zeros(rows, np.int32)
+    """Prefill the observations onto their rows' caches, ``tc.observation_chunk`` tokens per
+    ``append``; ``length``: the rows' filled slots (host)."""
+    rows, chunk = len(where), tc.observation_chunk
     for i, obs in observations.items():
-        ids[i, : len(obs)], count[i] = obs, len(obs)
         rec.turn_index[where[i], length[i] : length[i] + len(obs)] = turn
+    for lo in range(0, max(map(len, observations.values())), chunk):
+        ids = np.full((rows, chunk), tc.pad_id, np.int32)
+        count = np.zeros(rows, np.int32)
+        for i, obs in observations.items():
+            part = obs[lo : lo + chunk]
+            ids[i, : len(part)], count[i] = part, len(part)
+        state = _append_chunk(model, layers, state, ids, count, tc)
+    return state
+
+
+def _append_chunk(model, layers, state, ids: np.ndarray, count: np.ndarray, tc: T.TurnConfig):
     return T.append(model, state, jnp.asarray(ids), jnp.asarray(count), cfg=tc, layers=layers)
 
 
-def _compact(state, where, live: np.ndarray, rec: _Record):
-    """Keep the device rows ``live`` (padded to a power of two with a copy marked -1)."""
-    rec.flush(state, where)
-    size = 1 << int(np.ceil(np.log2(live.size)))
-    if size >= len(where):
+def _decode(model, layers, state, active: np.ndarray, tc: T.TurnConfig):
+    return T.decode_turn(model, state, jnp.asarray(active), cfg=tc, layers=layers)
+
+
+def _start(model, prompt_ids: np.ndarray, prompt_mask: np.ndarray, key, tc: T.TurnConfig):
+    return T.start(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, cfg=tc)
+
+
+def compact_sizes(trajectories: int, cfg: AgentRolloutConfig) -> tuple[int, ...]:
+    """The device batch sizes a rollout of ``trajectories`` runs at, largest first: all of them,
+    then each power of two below that is at least ``cfg.min_rows`` (``_compact`` goes down them
+    one at a time)."""
+    floor = 1 << (cfg.min_rows - 1).bit_length()  # the least power of two >= min_rows
+    top = 1 << (trajectories - 1).bit_length()
+    return (trajectories, *(s for s in _halvings(top) if floor <= s < trajectories))
+
+
+def _halvings(size: int) -> list[int]:
+    return [size >> i for i in range(size.bit_length())]
+
+
+def _compact(state, where, live: np.ndarray, rec: _Record, cfg: AgentRolloutConfig):
+    """Keep the device rows ``live``, going down ``compact_sizes`` to the least size that holds
+    them (each step a ``compact`` to the next size, padded with a copy of a live row marked -1)."""
+    sizes = [s for s in compact_sizes(len(where), cfg) if s >= live.size]
+    if len(sizes) == 1:
         return state, where
-    keep = np.concatenate([live, np.full(size - live.size, live[0])])
-    new_where = np.concatenate([where[live], np.full(size - live.size, -1)])
-    return T.compact(state, jnp.asarray(keep, jnp.int32)), new_where
+    rec.flush(state, where)
+    for size in sizes[1:]:
+        keep = np.concatenate([live, np.full(size - live.size, live[0])])
+        where = np.concatenate([where[live], np.full(size - live.size, -1)])
+        state, live = _compact_to(state, keep), np.arange(live.size)
+    return state, where
+
+
+def _compact_to(state, keep: np.ndarray):
+    return T.compact(state, jnp.asarray(keep, jnp.int32))
+
+
+def warm_rollout(
+    model: Transformer, prompts: int, width: int, *, key: jax.Array, cfg: AgentRolloutConfig
+) -> list[tuple[str, float]]:
+    """Call once, on placeholder rows, every device program a rollout of ``prompts`` rows with
+    prompts padded to ``width`` can call (``start`` and the fused weights, then at each of
+    ``compact_sizes``: ``decode_turn`` with no row running, ``append`` of nothing, the
+    ``compact`` down to the next size), as ``rollout_trajectories`` calls them: each compiles
+    now, not when a batch first needs it. ``key`` as ``rollout_trajectories``'. Returns each
+    call's name and seconds (its compile, mostly)."""
+    tc, timed = cfg.turns, []
+
+    def run(name: str, fn: Callable, *args):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        timed.append((f"{name} [{prompts} prompts of {width}]", time.perf_counter() - t0))
+        return out
+
+    ones = np.ones((prompts, width), np.int32)
+    state = run("start", _start, model, ones, ones, key, tc)
+    layers = run("fused_layers", lambda m: T.fused_layers(m, cfg=tc), model)
+    sizes = compact_sizes(prompts * tc.num_generations, cfg)
+    for size, smaller in zip(sizes, (*sizes[1:], None), strict=True):
+        idle, nothing = np.zeros(size, bool), np.zeros(size, np.int32)
+        state, *_ = run(f"decode_turn {size} rows", _decode, model, layers, state, idle, tc)
+        zeros = np.zeros((size, tc.observation_chunk), np.int32)
+        state = run(f"append {size} rows", _append_chunk, model, layers, state, zeros, nothing, tc)
+        if smaller is not None:
+            state = run(f"compact {size} to {smaller}", _compact_to, state, np.arange(smaller))
+    return timed
+
+
+def placeholder_trajectories(
+    model: Transformer, prompts: int, width: int, cfg: AgentRolloutConfig
+) -> Trajectories:
+    """Zeros in the shapes and dtypes ``rollout_trajectories`` gives for ``prompts`` rows padded
+    to ``width`` (e.g. to compile what follows a rollout before one runs); ``model`` may be
+    abstract (``ShapeDtypeStruct`` leaves): it gives the routes' shapes. No environment runs."""
+    tc, g = cfg.turns, cfg.turns.num_generations
+    ids = jax.ShapeDtypeStruct((prompts, width), jnp.int32)
+    state = jax.eval_shape(
+        lambda m, i, k: T.start_state(m, i, i, k, tc), model, ids, jax.random.key(0)
+    )
+    routes = state.routes
+    rec = _Record(
+        prompts * g, tc.max_tokens, cfg.max_turns, tc.pad_id, routes.shape[2:], routes.dtype
+    )
+    zeros = np.zeros((prompts, width), np.int32)
+    prompt_routes = np.zeros(state.prompt_routes.shape, state.prompt_routes.dtype)
+    clock = {"device_s": 0.0, "env_s": 0.0}
+    return _trajectories(rec, zeros, zeros.copy(), prompt_routes, prompts, g, clock)
 
 
 def _trajectories(

@@ -384,14 +384,22 @@ class ShardedStep(SegmentRunner):
     def _process_host(self, run):
         """A host stage placed on each process (``placement="process"``) samples this process's
         rows on its own copy of the policy (``relax.parallel.local``); it only reads the state."""
-        if self._process_copy is None:
-            self._process_copy = ProcessCopy(self.mesh, self.rules)
 
         def on_process(state, batch):
-            _, out = run(self._process_copy.view(state), batch)
+            _, out = run(self.process_view(state), batch)
             return state, out
 
         return on_process
+
+    def process_view(self, state):
+        """The state a host stage placed on each process (``placement="process"``) gets: on
+        several processes one with this process's copy of the policy (``ProcessCopy.view``),
+        else ``state`` itself."""
+        if not distributed.multi_process():
+            return state
+        if self._process_copy is None:
+            self._process_copy = ProcessCopy(self.mesh, self.rules)
+        return self._process_copy.view(state)
 
     @staticmethod
     def _host(fn):

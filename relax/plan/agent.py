@@ -12,7 +12,7 @@ cannot run environments, so:
   out by ``relax.parallel.ShardedStep`` as ``relax agent`` lays it out;
 - the decoder's programs (start, the fused decode weights, a turn, an observation's append) are
   compiled apart (``multi_turn_programs``) on the train state's policy, for P prompts of
-  ``--max-prompt-tokens`` and the longest observation that can follow a turn, the rest of the
+  ``--max-prompt-tokens`` and an observation's chunk (``--agent.observation-chunk``), the rest of the
   train state resident beside them. On a target of several hosts each host samples its share of
   the prompts on its own copy of the policy over its own devices (``relax.parallel.local``): the
   decoder is planned so, on the first host, the copy counted beside the trainer's policy.
@@ -47,8 +47,6 @@ from relax.parallel.mesh import param_shardings
 from relax.plan.measure import Measured, measure, resident_state
 from relax.plan.programs import Concurrently, Program, multi_turn_programs, sharded_programs
 from relax.plan.targets import Target
-from relax.rollout.config import bucket_length
-from relax.rollout.turns import TurnConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,13 +149,6 @@ def update_programs(
     )
 
 
-def observation_tokens(turns: TurnConfig) -> int:
-    """The longest observation the decoder appends: what a trajectory's budget leaves after one
-    turn, in its bucket (at most the largest)."""
-    buckets = turns.observation_buckets
-    return bucket_length(min(turns.max_tokens - turns.max_turn_tokens, buckets[-1]), buckets)
-
-
 def measured(
     run: AgentPlanConfig,
     algo: OnlineAlgorithm,
@@ -183,7 +174,7 @@ def measured(
         turns,
         run.batch_size // hosts,
         run.max_prompt_tokens,
-        observation_tokens(turns),
+        turns.observation_chunk,
         compile_fn=compile_fn,
     )
     return [_decoder(p, resident, target, copied=hosts > 1) for p in decoder] + update

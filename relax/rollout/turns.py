@@ -44,14 +44,15 @@ from relax.models.forward.routes import route_dtype
 from relax.rollout.sampler import DEFAULT_BUCKETS
 from relax.rollout.sampling import SamplingConfig, sample_tokens
 
-OBSERVATION_BUCKETS = tuple(2**i for i in range(3, 15))
+OBSERVATION_CHUNK = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class TurnConfig:
     """What the multi-turn programs are specialised on. ``max_tokens``: slots per trajectory after
     the prompt (sampled and observation tokens); ``max_turn_tokens``: tokens sampled per turn;
-    ``eos_ids``: the tokens that end a turn; observations are padded to ``observation_buckets``."""
+    ``eos_ids``: the tokens that end a turn; observations are appended ``observation_chunk``
+    tokens at a time (one ``append`` program, whatever an observation's length)."""
 
     num_generations: int
     max_tokens: int
@@ -60,14 +61,20 @@ class TurnConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    observation_buckets: tuple[int, ...] = OBSERVATION_BUCKETS
+    observation_chunk: int = OBSERVATION_CHUNK
     merge_adapters: bool = True  # as RolloutConfig.merge_adapters
 
     def __post_init__(self):
-        if min(self.num_generations, self.max_tokens, self.max_turn_tokens) < 1:
+        sizes = (
+            self.num_generations,
+            self.max_tokens,
+            self.max_turn_tokens,
+            self.observation_chunk,
+        )
+        if min(sizes) < 1:
             raise ValueError(
-                f"num_generations, max_tokens and max_turn_tokens must be >= 1, got "
-                f"{self.num_generations}, {self.max_tokens}, {self.max_turn_tokens}"
+                "num_generations, max_tokens, max_turn_tokens and observation_chunk must be >= 1, "
+                f"got {sizes}"
             )
         if not self.eos_ids:
             raise ValueError("a multi-turn rollout needs eos_ids: the tokens that end a turn")

@@ -1,10 +1,10 @@
 """Multi-turn tool-use RL: GRPO / PPO on trajectories of environments (``relax.algorithms.agent.step``)."""
 
 from relax.algorithms.agent.config import AgentConfig, rollout_config
+from relax.algorithms.agent.evaluate import EVAL_STREAM, HeldOut
 from relax.algorithms.agent.run import (
     BAR_KEYS,
     BUILTIN_MAX_NEW_TOKENS,
-    EVAL_STREAM,
     AgentRunConfig,
     RowIterator,
     check_budget,
@@ -24,6 +24,7 @@ __all__ = [
     "BAR_KEYS",
     "BUILTIN_MAX_NEW_TOKENS",
     "EVAL_STREAM",
+    "HeldOut",
     "RowIterator",
     "check_budget",
     "drop_errored",

@@ -8,7 +8,7 @@ import dataclasses
 
 from relax.environments.rollout import AgentRolloutConfig
 from relax.rollout.generation import GenerationConfig
-from relax.rollout.turns import TurnConfig
+from relax.rollout.turns import OBSERVATION_CHUNK, TurnConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,12 +16,15 @@ class AgentConfig:
     """The multi-turn part of a run: ``max_turns`` policy turns of at most ``max_turn_tokens``
     sampled tokens each (the whole trajectory, observations included, in the algorithm's
     ``max_new_tokens``); ``per_turn``: per-turn advantages (GRPO, ``advantages.turn_grpo``);
-    ``compact_below``: as ``AgentRolloutConfig``."""
+    ``compact_below`` and ``min_rows``: as ``AgentRolloutConfig``; ``observation_chunk``: an
+    observation is prefilled this many tokens at a time (``relax.rollout.turns.TurnConfig``)."""
 
     max_turns: int = 3
     max_turn_tokens: int = 32
     per_turn: bool = False
     compact_below: float = 0.5
+    min_rows: int = 8
+    observation_chunk: int = OBSERVATION_CHUNK
 
 
 def rollout_config(
@@ -43,7 +46,11 @@ def rollout_config(
         sampling=generation.sampling,
         eos_ids=eos_ids,
         pad_id=pad_id,
+        observation_chunk=agent.observation_chunk,
     )
     return AgentRolloutConfig(
-        turns=turns, max_turns=agent.max_turns, compact_below=agent.compact_below
+        turns=turns,
+        max_turns=agent.max_turns,
+        compact_below=agent.compact_below,
+        min_rows=agent.min_rows,
     )

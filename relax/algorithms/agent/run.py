@@ -16,9 +16,11 @@ import jax
 import numpy as np
 import tyro
 
+from relax.algorithms.agent.ahead import prepare_agent
 from relax.algorithms.agent.config import AgentConfig, rollout_config
+from relax.algorithms.agent.evaluate import HeldOut
 from relax.algorithms.agent.setup import AgentSetup, load_setup, reasoning_gym_spec
-from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step, success_metrics
+from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.grpo.config import GRPOConfig
@@ -33,20 +35,16 @@ from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import WithHost
 from relax.environments.chat import ChatFormat
 from relax.environments.reasoning_gym_env import is_reasoning_gym
-from relax.environments.rollout import rollout_trajectories
 from relax.environments.verifiers_source import is_verifiers
 from relax.parallel import ShardedStep, batch_shards
-from relax.parallel.distributed import multi_process
-from relax.parallel.local import ProcessCopy, process_rows
+from relax.parallel.local import process_rows
 from relax.passes import choose_passes
 from relax.tasks import agent as agent_task
 from relax.tasks import reasoning_gym as reasoning_gym_task
-from relax.train.logs import MetricsLogger
 from relax.train.pipeline import AsyncConfig
 from relax.train.run import Trainer, run_loop
 
 BAR_KEYS = (("reward", "reward"), ("tool_calls", "calls"), ("turns", "turns"))
-EVAL_STREAM = 1_000_003
 BUILTIN_MAX_NEW_TOKENS = (
     64  # a trajectory's slots after the prompt: 3 turns of <= 16 tokens and their observations
 )
@@ -88,6 +86,11 @@ class AgentRunConfig(ModelRunConfig):
     """Asynchronous RL (``relax.train.pipeline``): ``--async.staleness 1`` runs the next batch's
     trajectories (decoding and environments) while the update runs, with an off-policy
     correction (``--async.correction.kind``); the schedule, not timing, decides every version."""
+    compile_ahead: bool = True
+    """Compile every program of the step and of its rollout (for each width the training rows'
+    prompts pad to, found by resetting each row's environment once) and of the held-out
+    evaluation before the first step, listed in the start-up report with their seconds; off:
+    each compiles when first called."""
     run_dir: str = "runs/agent"
 
     @property
@@ -214,52 +217,6 @@ def builtin_defaults() -> AgentRunConfig:
     )
 
 
-def _evaluator(cfg: AgentRunConfig, setup: AgentSetup, chat: ChatFormat, mesh, log):
-    """Greedy trajectories of every held-out row: ``success_metrics`` (nothing when none is held
-    out). On several processes each evaluates its contiguous part of the rows on its own copy of
-    the policy (``relax.parallel.local``) and the metrics are of every process's trajectories."""
-    greedy = dataclasses.replace(
-        cfg.algorithm_config.generation, num_generations=1, temperature=0.0
-    )
-    rcfg = rollout_config(
-        cfg.agent, greedy, eos_ids=chat.stop_ids, pad_id=setup.tokenizer.pad_token_id
-    )
-
-    copy = ProcessCopy(mesh) if multi_process() else None
-    parts = np.array_split(np.arange(len(setup.held_out)), jax.process_count())
-    mine = parts[jax.process_index()]
-    keys = jax.random.split(
-        jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM), len(setup.held_out)
-    )
-
-    def evaluate(state, step: int, logger: MetricsLogger) -> dict:
-        if not setup.held_out:
-            return {}
-        t0 = time.perf_counter()
-        policy = state.policy if copy is None else copy(state.policy)
-        t = None
-        if mine.size:
-            t = rollout_trajectories(
-                policy,
-                [setup.held_out[i] for i in mine],
-                setup.make_env,
-                chat,
-                key=keys[mine[0] : mine[-1] + 1],
-                cfg=rcfg,
-            )
-        metrics = success_metrics(t)
-        logger.log(
-            step, {f"eval/{k}": v for k, v in metrics.items() if np.isfinite(v)}
-        )  # NaN: no such trajectory
-        log(
-            f"eval @ step {step} ({time.perf_counter() - t0:.1f}s): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-        )
-        return metrics
-
-    return evaluate
-
-
 def _report(cfg: AgentRunConfig, setup: AgentSetup, mesh):
     """The start-up report: rows, trajectories per step, the tools and the first row."""
     algo = cfg.algorithm_config
@@ -314,11 +271,18 @@ def run(cfg: AgentRunConfig) -> dict:
     step = make_step(cfg.algorithm_config, cfg.agent, setup.make_env, chat, parts)
     report = _report(cfg, setup, mesh)
     log(report.text())
+    rcfg = rollout_config(
+        cfg.agent,
+        cfg.algorithm_config.generation,
+        eos_ids=chat.stop_ids,
+        pad_id=setup.tokenizer.pad_token_id,
+    )
     make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
     state = make_state(cfg.algorithm_config, setup.model, jax.random.key(cfg.seed))
     if mesh is not None:
         step = ShardedStep(step, state, mesh)
         state = step.place(state)
+    held_out = HeldOut(cfg, setup, chat, mesh, log)
     trainer = Trainer(
         name=f"agent-{cfg.algorithm}",
         step=step,
@@ -327,11 +291,12 @@ def run(cfg: AgentRunConfig) -> dict:
         host_metrics=lambda out, metrics: {
             k: v for k, v in out.host.agent.items() if np.isfinite(v)
         },
-        evaluate=_evaluator(cfg, setup, chat, mesh, log),
+        evaluate=held_out,
         export=exporter(setup.tokenizer, base_path(cfg, run_dir)),
         bar_keys=BAR_KEYS,
         asynchronous=cfg.async_,
         on_start=report.write,
+        prepare=prepare_agent(cfg, setup, chat, step, rcfg, held_out, report, log),
         info={"data": {"train_rows": len(setup.train), "held_out_rows": len(setup.held_out)}},
     )
     _, summary = run_loop(cfg, trainer, state, log, t_start=t_start)

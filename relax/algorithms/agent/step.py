@@ -100,35 +100,55 @@ def trajectory_metrics(t: Trajectories) -> dict[str, float]:
     return out
 
 
+def trajectory_keys(state, local_rows: int, g: int) -> jax.Array:
+    """The keys of this process's ``local_rows x g`` trajectories: its share of the step's whole
+    batch's split of the state's rollout stream (the same keys on any number of processes)."""
+    share, total = process_rows(local_rows * g)
+    return jax.random.split(jax.random.fold_in(state.key, ROLLOUT_STREAM), total)[share]
+
+
+def longest_prompt(n: int) -> int:
+    """The longest prompt of a step's rows on every process, given this process's longest ``n``
+    (each process calls this): every process pads its rows' prompts to one width."""
+    return int(all_rows(np.asarray([n], np.int64)).max())
+
+
+def scored(t: Trajectories, state) -> Scored:
+    """Trajectories as the step's ``Scored`` batch (module docstring); ``state``: the policy
+    version they were sampled with."""
+    rewards = jnp.asarray(t.rewards, jnp.float32)
+    return Scored(
+        prompt_ids=jnp.asarray(t.prompt_ids),
+        prompt_mask=jnp.asarray(t.prompt_mask),
+        tokens=jnp.asarray(t.tokens),
+        mask=jnp.asarray(t.mask),
+        sampled_mask=jnp.asarray(t.sampled_mask),
+        old_logprobs=jnp.asarray(t.logprobs),
+        turn_rewards=jnp.asarray(t.turn_rewards),
+        turn_index=jnp.asarray(t.turn_index),
+        rewards=rewards,
+        lengths=jnp.asarray(t.sampled_mask.sum(-1), jnp.int32),
+        finished=jnp.asarray(~t.truncated),
+        policy_version=sample_versions(state, rewards),
+        reward_parts={"env": rewards},
+        routes=None if t.routes is None else jax.tree.map(jnp.asarray, t.routes),
+    )
+
+
 def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatFormat) -> Stage:
     """The host stage: the host record's ``rows`` (P dataset rows) -> P x G trajectories, a
     ``Scored`` batch (module docstring). Placed on each process: on several, each samples its
-    own rows (its share of the step's, with their keys of the whole batch's split) on its own
-    copy of the policy (``relax.parallel.local``)."""
+    own rows (its share of the step's, with their keys of the whole batch's split, prompts
+    padded to one width on all) on its own copy of the policy (``relax.parallel.local``)."""
 
     def rollout(state, batch: WithHost) -> tuple[object, WithHost]:
         rows = batch.host.rows
-        share, total = process_rows(len(rows) * rcfg.turns.num_generations)
-        keys = jax.random.split(jax.random.fold_in(state.key, ROLLOUT_STREAM), total)[share]
-        t = rollout_trajectories(state.policy, rows, make_env, chat, key=keys, cfg=rcfg)
-        rewards = jnp.asarray(t.rewards, jnp.float32)
-        out = Scored(
-            prompt_ids=jnp.asarray(t.prompt_ids),
-            prompt_mask=jnp.asarray(t.prompt_mask),
-            tokens=jnp.asarray(t.tokens),
-            mask=jnp.asarray(t.mask),
-            sampled_mask=jnp.asarray(t.sampled_mask),
-            old_logprobs=jnp.asarray(t.logprobs),
-            turn_rewards=jnp.asarray(t.turn_rewards),
-            turn_index=jnp.asarray(t.turn_index),
-            rewards=rewards,
-            lengths=jnp.asarray(t.sampled_mask.sum(-1), jnp.int32),
-            finished=jnp.asarray(~t.truncated),
-            policy_version=sample_versions(state, rewards),
-            reward_parts={"env": rewards},
-            routes=None if t.routes is None else jax.tree.map(jnp.asarray, t.routes),
+        keys = trajectory_keys(state, len(rows), rcfg.turns.num_generations)
+        t = rollout_trajectories(
+            state.policy, rows, make_env, chat, key=keys, cfg=rcfg, longest=longest_prompt
         )
-        return state, WithHost(out, batch.host.replace(reward_info={}, agent=trajectory_metrics(t)))
+        host = batch.host.replace(reward_info={}, agent=trajectory_metrics(t))
+        return state, WithHost(scored(t, state), host)
 
     return stage(rollout, jit=False, name="rollout", updates_state=False, placement="process")
 
