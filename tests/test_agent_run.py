@@ -263,9 +263,7 @@ def test_every_program_compiles_before_the_first_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     widths, appends, evals = [], [], []
     pad = rollout._pad_prompts
-    monkeypatch.setattr(
-        rollout, "_pad_prompts", lambda p, w, i: widths.append(w) or pad(p, w, i)
-    )
+    monkeypatch.setattr(rollout, "_pad_prompts", lambda p, w, i: widths.append(w) or pad(p, w, i))
     chunk = rollout._append_chunk
     monkeypatch.setattr(
         rollout, "_append_chunk", lambda *a: appends.append(a[4].shape[0]) or chunk(*a)
