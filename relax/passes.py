@@ -90,9 +90,15 @@ class Passes:
     def save_attention(self, probs_bytes: int) -> bool:
         return self.cache_sized and probs_bytes <= self.saved_probs_bytes
 
-    def groups_per_pass(self) -> int | None:
-        """Prompt groups per forward-only pass: 1 on cache-sized passes, else all (None)."""
-        return 1 if self.cache_sized else None
+    def groups_per_pass(self, rows: int | None = None, row_tokens: int = 0) -> int | None:
+        """Prompt groups per forward-only pass (a reference's, a proximal policy's, a teacher's):
+        1 on cache-sized passes; elsewhere, of ``rows`` groups of ``row_tokens`` positions each,
+        as many as a default micro-batch takes (``micro_batches``); all (None) when that is one
+        pass, or ``rows`` is not given."""
+        if self.cache_sized:
+            return 1
+        passes = 1 if rows is None else self.micro_batches(rows, row_tokens)
+        return None if passes == 1 else rows // passes
 
     def micro_batches(self, rows: int, row_tokens: int = 0) -> int:
         """Micro-batches a minibatch of ``rows`` rows (prompt groups, examples, pairs) of

@@ -158,3 +158,61 @@ def test_a_row_s_positions_are_its_completion_slots_or_its_loss_mask_s():
     assert (
         Passes(batch_shards=2, micro_batch_tokens=1024).micro_batches(8, row_positions(pairs)) == 4
     )
+
+
+@pytest.mark.parametrize(
+    "passes, rows, row_tokens, want",
+    [
+        (Passes(cache_sized=True), 8, 10**6, 1),  # one CPU device: a group per pass
+        (Passes(batch_shards=2, micro_batch_tokens=1024), 8, 512, 4),  # 2 passes of 2 per chip
+        (Passes(batch_shards=2, micro_batch_tokens=4096), 8, 512, None),  # within it: one pass
+        (Passes(batch_shards=1, micro_batch_tokens=1000), 6, 300, 3),  # 6 x 300 over, 3 within
+        (Passes(micro_batch_tokens=None), 8, 10**6, None),  # no budget: one pass
+        (Passes(batch_shards=2, micro_batch_tokens=1024), None, 512, None),  # rows not given
+    ],
+)
+def test_forward_only_passes_take_a_default_micro_batch_s_groups(passes, rows, row_tokens, want):
+    assert passes.groups_per_pass(rows, row_tokens) == want
+
+
+def test_a_pass_takes_every_shard_s_share_of_the_groups():
+    """``over_groups``: pass ``j`` of ``a`` takes the groups ``j, j + a, ...`` (with ``[P]`` split
+    over shards in contiguous blocks, each pass has every shard's share), and the outputs come
+    back in the groups' order."""
+    from relax.models.forward.prefix_shared import over_groups
+
+    x = jnp.arange(12.0)[:, None] * jnp.ones((1, 3))
+    first = over_groups(lambda v: jnp.broadcast_to(v[:1], v.shape), (x,), groups_per_pass=3)
+    np.testing.assert_array_equal(first[:, 0], np.arange(12) % 4)  # a = 4 passes
+    same = over_groups(lambda v: v * 2, (x,), groups_per_pass=3)
+    np.testing.assert_array_equal(same, x * 2)
+
+
+def test_a_reference_pass_in_the_budget_s_groups_gives_the_same_logprobs_in_less_memory():
+    """The forward-only log-probs (a reference's, ``relax.algorithms.online.stages``), a default
+    micro-batch's groups per pass: those of one pass over the batch (float32), and XLA allocates
+    less for them (4 passes of 2 groups)."""
+    from relax.models.forward.config import ForwardConfig
+    from relax.models.forward.prefix_shared import completion_logprobs
+
+    p, g, n, lp = 8, 4, 32, 8
+    model = init(tiny_config(64), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(1, 64, (p, lp)), jnp.int32)
+    pm = jnp.ones((p, lp), jnp.int32)
+    tokens = jnp.asarray(rng.integers(1, 64, (p, g, n)), jnp.int32)
+    mask = jnp.asarray(rng.integers(0, 2, (p, g, n)), jnp.int32)
+    budget = Passes(micro_batch_tokens=2 * g * n)  # 2 groups per pass: 4 passes
+    groups = budget.groups_per_pass(p, g * n)
+    assert groups == 2
+
+    def logprobs(groups):
+        how = ForwardConfig().pass_(differentiated=False, groups_per_pass=groups)
+        return jax.jit(lambda m, *xs: completion_logprobs(m, *xs, how))
+
+    args = (model, ids, pm, tokens, mask)
+    tiled, whole = logprobs(groups), logprobs(None)
+    np.testing.assert_allclose(tiled(*args), whole(*args), rtol=1e-5, atol=1e-6)
+    small = allocated_bytes(tiled.lower(*args).compile())
+    large = allocated_bytes(whole.lower(*args).compile())
+    assert 2 * small < large  # 2.35x less, as measured

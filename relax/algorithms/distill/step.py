@@ -34,7 +34,7 @@ from relax.algorithms.online.stages import ROLLOUT_STREAM
 from relax.compose import Stage, compose, stage
 from relax.models.decoder.transformer import Transformer
 from relax.models.forward.config import ForwardConfig
-from relax.models.forward.prefix_shared import completion_hidden, completion_rope
+from relax.models.forward.prefix_shared import completion_hidden, completion_rope, over_groups
 from relax.models.heads.distill import check_same_vocabulary
 from relax.models.hf.checkpoint import load_pretrained
 from relax.passes import Passes, choose_passes
@@ -113,19 +113,16 @@ def teacher_hidden(
     teacher: Transformer, batch: DistillBatch, passes: Passes, forward: ForwardConfig
 ):
     """The teacher's hidden states ``[P, G, N, D]`` predicting the batch's completion tokens, no
-    gradient, ``passes.groups_per_pass()`` prompt groups per pass."""
+    gradient, ``passes.groups_per_pass(P, G x N)`` prompt groups per pass (``over_groups``)."""
     ids, pm, tokens, mask = batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask
     p, g, n = tokens.shape
     rope = completion_rope(teacher.config, pm, g, n)  # outside the loop over groups
     how = forward.pass_(differentiated=False)
-    run = lambda xs: completion_hidden(teacher, *xs[:4], how, rope=xs[4])  # noqa: E731
-    xs = (ids, pm, tokens, mask, rope)
-    per = passes.groups_per_pass()
-    if per is None or per >= p or p % per:
-        return jax.lax.stop_gradient(run(xs))
-    tiles = jax.tree.map(lambda x: x.reshape((p // per, per) + x.shape[1:]), xs)
-    h = jax.lax.map(run, tiles)
-    return jax.lax.stop_gradient(h.reshape((p,) + h.shape[2:]))
+    run = lambda *xs: completion_hidden(teacher, *xs[:4], how, rope=xs[4])  # noqa: E731
+    h = over_groups(
+        run, (ids, pm, tokens, mask, rope), groups_per_pass=passes.groups_per_pass(p, g * n)
+    )
+    return jax.lax.stop_gradient(h)
 
 
 def make_teacher(cfg: DistillConfig, passes: Passes) -> Stage:

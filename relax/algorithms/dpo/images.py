@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.preference.pairs import Forward, PairRows, shared_forward
+from relax.algorithms.preference.pairs import Forward, PairRows, forward_groups, shared_forward
 from relax.data.image_prompts import ImageBatch
 from relax.data.image_rows import ImagePair, ImagePairs
 from relax.data.pairs import PairBatch
@@ -56,7 +56,7 @@ def pair_forward(passes: Passes = Passes(), config: ForwardConfig = ForwardConfi
             return text(model, rows, train)
         args = (model, rows.prompt_ids, rows.prompt_mask, rows.tokens, rows.mask)
         if not train:
-            how = config.pass_(differentiated=False, groups_per_pass=passes.groups_per_pass())
+            how = config.pass_(differentiated=False, groups_per_pass=forward_groups(passes, rows))
             return completion_logprobs(*args, how, prompt=prompt)
         probs_bytes = attention_probs_bytes(model.config, rows.prompt_ids, rows.tokens)
         how = config.pass_().laid_out(passes, model.config, probs_bytes)

@@ -10,6 +10,7 @@ updates on samples up to its staleness bound older."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -152,14 +153,17 @@ def forward_logprobs(
     model, batch: Scored, passes: Passes, forward: ForwardConfig, *, temperature: float
 ) -> jax.Array:
     """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
-    (remat would recompute nothing), in the sampler's log-prob dtype."""
+    (remat would recompute nothing), in the sampler's log-prob dtype; as many prompt groups per
+    pass as the passes' default micro-batch takes (``Passes.groups_per_pass``)."""
+    p, *completions = batch.tokens.shape
+    groups = passes.groups_per_pass(p, math.prod(completions))
     logp = completion_logprobs(
         model,
         batch.prompt_ids,
         batch.prompt_mask,
         batch.tokens,
         batch.mask,
-        forward.pass_(differentiated=False, groups_per_pass=passes.groups_per_pass()),
+        forward.pass_(differentiated=False, groups_per_pass=groups),
         temperature=temperature,
         packed=batch.packed,
         routes=batch.routes,

@@ -9,6 +9,7 @@ completions are: ``relax.models.forward.prefix_shared`` runs the prompt once for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,13 @@ class PairRows(eqx.Module):
     rope: CompletionRope | None = None
 
 
+def forward_groups(passes: Passes, rows) -> int | None:
+    """Rows per forward-only pass of ``rows`` (``tokens [P, 2, N]``: a pair's two completions, or
+    ``[P, ...]``): ``Passes.groups_per_pass`` of its ``P`` rows and their positions."""
+    p, *rest = rows.tokens.shape
+    return passes.groups_per_pass(p, math.prod(rest))
+
+
 def shared_forward(passes: Passes = Passes(), config: ForwardConfig = ForwardConfig()) -> Forward:
     """The prefix-shared forward of ``relax.models.forward.prefix_shared`` run as ``config`` says and laid
     out as ``passes`` say: differentiated (``train``) with unrolled layers / saved attention where
@@ -64,7 +72,8 @@ def shared_forward(passes: Passes = Passes(), config: ForwardConfig = ForwardCon
         args = (model, rows.prompt_ids, rows.prompt_mask, rows.tokens, rows.mask)
         if not train:
             return completion_logprobs(
-                *args, config.pass_(differentiated=False, groups_per_pass=passes.groups_per_pass())
+                *args,
+                config.pass_(differentiated=False, groups_per_pass=forward_groups(passes, rows)),
             )
         c = model.config
         probs_bytes = attention_probs_bytes(c, rows.prompt_ids, rows.tokens)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -174,10 +175,11 @@ def dataset_reference_logps(
     passes = choose_passes() if passes is None else passes
     collate = collate_pairs if kind == "pairs" else collate_unpaired
     p = batch_size
-    how = ForwardPass(attention=train_attention, groups_per_pass=passes.groups_per_pass())
 
     @jax.jit
     def forward(model, prompt_ids, prompt_mask, tokens, mask):
+        groups = passes.groups_per_pass(p, math.prod(tokens.shape[1:]))
+        how = ForwardPass(attention=train_attention, groups_per_pass=groups)
         logp = completion_logprobs(model, prompt_ids, prompt_mask, tokens, mask, how)
         return sequence_logps(logp, mask)[0]
 

@@ -365,19 +365,24 @@ def over_groups(run, xs: tuple, *, groups_per_pass: int | None, summed: bool = F
     ``groups_per_pass`` groups at a time (a ``lax.map``; it must divide P), the outputs' leading
     ``[P]`` axes put back together. Every leaf of ``xs`` leads with ``[P]`` (None leaves allowed:
     e.g. rotary tables left to ``run``). ``summed``: ``run`` returns ``(per-group outputs, totals)``
-    and the totals of the passes are added."""
+    and the totals of the passes are added.
+
+    Pass ``j`` of ``a = P / groups_per_pass`` takes the groups ``j, j + a, j + 2a, ...``: with
+    ``[P]`` split over a mesh's batch shards in contiguous blocks, every pass takes its share of
+    each shard's groups (``groups_per_pass`` a multiple of the shards), so every device works on
+    every pass."""
     p = jax.tree.leaves(xs)[0].shape[0]
     if groups_per_pass is None or groups_per_pass == p:
         return run(*xs)
     if groups_per_pass < 1 or p % groups_per_pass:
         raise ValueError(f"groups_per_pass={groups_per_pass} does not divide the {p} prompt groups")
-    tiles = lambda x: x.reshape((p // groups_per_pass, groups_per_pass) + x.shape[1:])  # noqa: E731
+    a = p // groups_per_pass
+    tiles = lambda x: jnp.moveaxis(x.reshape((groups_per_pass, a) + x.shape[1:]), 1, 0)  # noqa: E731
+    whole = lambda x: jnp.moveaxis(x, 0, 1).reshape((p,) + x.shape[2:])  # noqa: E731
     out = jax.lax.map(lambda xs: run(*xs), jax.tree.map(tiles, xs))
     if summed:
-        return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out[0]), jax.tree.map(
-            lambda x: x.sum(0), out[1]
-        )
-    return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), out)
+        return jax.tree.map(whole, out[0]), jax.tree.map(lambda x: x.sum(0), out[1])
+    return jax.tree.map(whole, out)
 
 
 def completion_hidden(
