@@ -30,7 +30,12 @@ import jax
 import numpy as np
 
 from relax.algorithms.agent.evaluate import HeldOut
-from relax.algorithms.agent.step import longest_prompt, scored, trajectory_keys
+from relax.algorithms.agent.step import (
+    longest_prompt,
+    scored,
+    trajectory_keys,
+    trajectory_metrics,
+)
 from relax.algorithms.cli.report import StartupReport
 from relax.algorithms.online.ahead import (
     CompiledAhead,
@@ -107,13 +112,18 @@ def step_lowerings(step, state, widths, *, batch_size: int, rcfg, pipelined: boo
 
 def warm_rollouts(step, state, widths, *, local_rows: int, rcfg) -> list[tuple[str, float]]:
     """The rollout's programs for this process's ``local_rows`` rows at each width, called once
-    with the policy and keys the rollout gets (``ShardedStep.process_view``)."""
+    with the policy and keys the rollout gets (``ShardedStep.process_view``), then the stage's
+    own operations on placeholder trajectories (its batch, its metrics' collectives)."""
     view = step.process_view(state) if hasattr(step, "process_view") else state
     keys = trajectory_keys(view, local_rows, rcfg.turns.num_generations)
     longest_prompt(0)  # the step's collective for its prompts' width
     timed = []
     for width in widths:
         timed += warm_rollout(view.policy, local_rows, width, key=keys, cfg=rcfg)
+        # what the stage makes of its trajectories: the batch, and every process's metrics
+        placeholder = placeholder_trajectories(view.policy, local_rows, width, rcfg)
+        jax.block_until_ready(scored(placeholder, view))
+        trajectory_metrics(placeholder)
     return timed
 
 

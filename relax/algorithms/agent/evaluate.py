@@ -16,6 +16,7 @@ from relax.algorithms.agent.setup import AgentSetup
 from relax.algorithms.agent.step import success_metrics
 from relax.environments.chat import ChatFormat
 from relax.environments.rollout import (
+    placeholder_trajectories,
     prompt_lengths,
     prompt_width,
     rollout_trajectories,
@@ -61,13 +62,18 @@ class HeldOut:
 
     def warm(self, state) -> list[tuple[str, float]]:
         """Each program this process's evaluation calls, called once now (its rows' prompts
-        rendered once to know their width); nothing when it evaluates no row."""
-        if not self.mine.size:
+        rendered once to know their width), and its metrics' collectives on placeholder
+        trajectories; every process calls this, as the evaluation."""
+        if not self.setup.held_out:
             return []
-        policy = self._policy(state)
-        lengths = prompt_lengths(self._rows(), self.setup.make_env, self.chat)
-        width = prompt_width(max(lengths), self.rcfg.turns, policy.config.max_position_embeddings)
-        timed = warm_rollout(policy, self.mine.size, width, key=self._keys(), cfg=self.rcfg)
+        policy, timed, t = self._policy(state), [], None
+        if self.mine.size:
+            lengths = prompt_lengths(self._rows(), self.setup.make_env, self.chat)
+            context = policy.config.max_position_embeddings
+            width = prompt_width(max(lengths), self.rcfg.turns, context)
+            timed = warm_rollout(policy, self.mine.size, width, key=self._keys(), cfg=self.rcfg)
+            t = placeholder_trajectories(policy, self.mine.size, width, self.rcfg)
+        success_metrics(t)
         return [(f"held-out {name}", s) for name, s in timed]
 
     def __call__(self, state, step: int, logger: MetricsLogger) -> dict:

@@ -68,9 +68,13 @@ def per_trajectory(t: Trajectories | None) -> dict[str, np.ndarray]:
 
 
 def _union(names: list[str]) -> list[str]:
-    """The sorted union of every process's ``names`` (each process calls this)."""
-    text = np.frombuffer("".join(n + "\n" for n in names).encode(), np.uint8)
-    return sorted(set(bytes(all_rows(text)).decode().splitlines()))
+    """The sorted union of every process's ``names`` (each process calls this); sent as a text
+    of a power of two bytes, at least 256, so that steps reporting other names rarely send a
+    new shape (a new program of the collective)."""
+    text = "".join(n + "\n" for n in names).encode()
+    size = max(256, 1 << (len(text) - 1).bit_length())
+    padded = np.frombuffer(text.ljust(size, b"\n"), np.uint8)
+    return sorted({n for n in bytes(all_rows(padded)).decode().splitlines() if n})
 
 
 def trajectory_metrics(t: Trajectories) -> dict[str, float]:
