@@ -385,31 +385,67 @@ def warm_rollout(
     model: Transformer, prompts: int, width: int, *, key: jax.Array, cfg: AgentRolloutConfig
 ) -> list[tuple[str, float]]:
     """Call once, on placeholder rows, every device program a rollout of ``prompts`` rows with
-    prompts padded to ``width`` can call (``start`` and the fused weights, then at each of
-    ``compact_sizes``: ``decode_turn`` with no row running, ``append`` of nothing, the
-    ``compact`` down to the next size), as ``rollout_trajectories`` calls them: each compiles
+    prompts padded to ``width`` can call, as ``rollout_trajectories`` calls them: each compiles
     now, not when a batch first needs it. ``key`` as ``rollout_trajectories``'. Returns each
-    call's name and seconds (its compile, mostly)."""
-    tc, timed = cfg.turns, []
+    program's name and seconds (its compiles, mostly).
+
+    ``start`` and the fused weights, then at each of ``compact_sizes`` the turn's programs on
+    every state a rollout can hand them: ``decode_turn`` (no row running) after ``start``, a
+    compaction, an append or a turn; ``append`` (of nothing) after a turn; the ``compact`` down
+    to the next size after a turn or an append. On a mesh a program may lay its results out
+    otherwise than its arguments (another program for the next call), so each is called on each
+    layout met until no new one appears."""
+    tc, timed = cfg.turns, {}
 
     def run(name: str, fn: Callable, *args):
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
-        timed.append((f"{name} [{prompts} prompts of {width}]", time.perf_counter() - t0))
+        name = f"{name} [{prompts} prompts of {width}]"
+        timed[name] = timed.get(name, 0.0) + time.perf_counter() - t0
         return out
 
     ones = np.ones((prompts, width), np.int32)
     state = run("start", _start, model, ones, ones, key, tc)
     layers = run("fused_layers", lambda m: T.fused_layers(m, cfg=tc), model)
     sizes = compact_sizes(prompts * tc.num_generations, cfg)
+    entering = [state]
     for size, smaller in zip(sizes, (*sizes[1:], None), strict=True):
         idle, nothing = np.zeros(size, bool), np.zeros(size, np.int32)
-        state, *_ = run(f"decode_turn {size} rows", _decode, model, layers, state, idle, tc)
         zeros = np.zeros((size, tc.observation_chunk), np.int32)
-        state = run(f"append {size} rows", _append_chunk, model, layers, state, zeros, nothing, tc)
-        if smaller is not None:
-            state = run(f"compact {size} to {smaller}", _compact_to, state, np.arange(smaller))
-    return timed
+        todo, seen, entering = [("enter", s) for s in entering], set(), []
+        while todo:
+            after, state = todo.pop()
+            if (after, _layout(state)) in seen:
+                continue
+            seen.add((after, _layout(state)))
+            if smaller is not None and after != "enter":
+                compact = f"compact {size} to {smaller}"
+                entering.append(run(compact, _compact_to, state, np.arange(smaller)))
+            if after == "turn":
+                copy = jax.tree.map(lambda x: x.copy(), state)
+                todo.append(
+                    (
+                        "append",
+                        run(
+                            f"append {size} rows",
+                            _append_chunk,
+                            model,
+                            layers,
+                            copy,
+                            zeros,
+                            nothing,
+                            tc,
+                        ),
+                    )
+                )
+            decoded, *_ = run(f"decode_turn {size} rows", _decode, model, layers, state, idle, tc)
+            todo.append(("turn", decoded))
+    return list(timed.items())
+
+
+def _layout(state) -> tuple:
+    """How ``state``'s arrays are laid out: each leaf's sharding and whether it is committed."""
+    return tuple((x.sharding, x.committed) for x in jax.tree.leaves(state))
 
 
 def placeholder_trajectories(
