@@ -134,11 +134,12 @@ class Guess:
 
 
 class Graded:
-    """Two turns, each scored by its sampled ids (rewards that differ even for an untrained model)."""
+    """Two turns, each scored by its sampled ids (rewards that differ even for an untrained
+    model); a row's ``words`` make its prompt longer."""
 
     def reset(self, row):
         self.turn = 0
-        return [{"role": "user", "content": f"Say {row['answer']}."}]
+        return [{"role": "user", "content": f"Say {row['answer']}." + " more" * row.get("words", 0)}]
 
     def step(self, action):
         self.turn += 1

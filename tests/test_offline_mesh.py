@@ -118,7 +118,10 @@ def _agent(root: Path, sft_steps: int) -> list[str]:
     (root / "mesh_envs.py").write_text(GUESS_ENV)
     sys.path.insert(0, str(root))
     rows = root / "agent_rows.jsonl"
-    rows.write_text("".join(json.dumps({"answer": 10 + i}) + "\n" for i in range(40)))
+    # one row in five has a longer prompt (another bucket): the agent compiles both ahead
+    rows.write_text(
+        "".join(json.dumps({"answer": 10 + i, "words": 8 * (i % 5 == 0)}) + "\n" for i in range(40))
+    )
     model = write_model(root / "agent", sft_steps=sft_steps)
     return [
         *("--model", str(model), "--data", str(rows), "--eval-fraction", "0.2"),
