@@ -94,11 +94,15 @@ def trainers_worker(root: str, *flags: str) -> None:
     cfg = OnlineRunConfig(reward_model=str(Path(root) / "rm"), reward=())
     scorer = reward_functions(cfg, mesh)[-1].fn
     sharding = jax.tree.leaves(scorer.model)[0].sharding
+    from relax.algorithms.agent.step import longest_prompt
+
     (out / f"rm{jax.process_index()}.json").write_text(
         json.dumps(
             {
                 "scores": scorer(["abc=", "ba=", "cab=", "c="], ["cba", "ab", "bac", "c"]),
                 "devices": len(sharding.device_set),
+                # the agent's prompts' width: the longest of every process's (process i: 5 + 30 i)
+                "longest": longest_prompt(5 + 30 * jax.process_index()),
             }
         )
     )
@@ -338,6 +342,7 @@ if __name__ != "__main__":
             got = json.loads((tmp_path / "two" / f"rm{i}.json").read_text())
             np.testing.assert_allclose(got["scores"], one["scores"], rtol=2e-4, atol=2e-5)
             assert got["devices"] == 4 and one["devices"] == 1  # this process's devices
+            assert got["longest"] == 35 and one["longest"] == 5
 
     @pytest.mark.slow  # two short image runs in three subprocesses
     @pytest.mark.parametrize("extra", [(), ("--train-vision",)], ids=["frozen", "train-vision"])
