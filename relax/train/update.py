@@ -130,8 +130,19 @@ def row_positions(batch) -> int:
     completion slots where it has completions (``tokens [rows, ..., N]``: a prompt group's ``G x
     N``, a preference pair's ``2 x N``; the prompt, which its completions share, is not counted),
     else its ``loss_mask``'s (``[rows, ..., T]``)."""
+    return math.prod(_rows_array(batch).shape[1:])
+
+
+def forward_groups(passes: Passes, batch) -> int | None:
+    """Rows per forward-only pass over ``batch`` (a reference's, a proximal policy's, a
+    teacher's): ``Passes.groups_per_pass`` of its rows of ``row_positions`` positions each."""
+    return passes.groups_per_pass(_rows_array(batch).shape[0], row_positions(batch))
+
+
+def _rows_array(batch):
+    """``batch``'s ``tokens`` (rows of completions) if it has them, else its ``loss_mask``."""
     tokens = batch.get("tokens") if isinstance(batch, Mapping) else getattr(batch, "tokens", None)
-    return math.prod((loss_mask_of(batch) if tokens is None else tokens).shape[1:])
+    return loss_mask_of(batch) if tokens is None else tokens
 
 
 def micro_batch_split(

@@ -41,7 +41,7 @@ from relax.passes import Passes, choose_passes
 from relax.rollout.sampler import RolloutConfig, compiled_generate
 from relax.train.health import first_nonfinite, step_health
 from relax.train.state import TrainState, init_state
-from relax.train.update import Updated
+from relax.train.update import Updated, forward_groups
 
 MIX_STREAM = 0x4D1C  # mixed mode's per-step coin: fold_in(state.key, MIX_STREAM)
 
@@ -113,14 +113,14 @@ def teacher_hidden(
     teacher: Transformer, batch: DistillBatch, passes: Passes, forward: ForwardConfig
 ):
     """The teacher's hidden states ``[P, G, N, D]`` predicting the batch's completion tokens, no
-    gradient, ``passes.groups_per_pass(P, G x N)`` prompt groups per pass (``over_groups``)."""
+    gradient, ``forward_groups(passes, batch)`` prompt groups per pass (``over_groups``)."""
     ids, pm, tokens, mask = batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask
-    p, g, n = tokens.shape
+    _, g, n = tokens.shape
     rope = completion_rope(teacher.config, pm, g, n)  # outside the loop over groups
     how = forward.pass_(differentiated=False)
     run = lambda *xs: completion_hidden(teacher, *xs[:4], how, rope=xs[4])  # noqa: E731
     h = over_groups(
-        run, (ids, pm, tokens, mask, rope), groups_per_pass=passes.groups_per_pass(p, g * n)
+        run, (ids, pm, tokens, mask, rope), groups_per_pass=forward_groups(passes, batch)
     )
     return jax.lax.stop_gradient(h)
 

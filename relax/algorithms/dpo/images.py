@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relax.algorithms.preference.pairs import Forward, PairRows, forward_groups, shared_forward
+from relax.algorithms.preference.pairs import Forward, PairRows, shared_forward
 from relax.data.image_prompts import ImageBatch
 from relax.data.image_rows import ImagePair, ImagePairs
 from relax.data.pairs import PairBatch
@@ -27,6 +27,7 @@ from relax.models.forward.config import ForwardConfig
 from relax.models.forward.forward_pass import attention_probs_bytes
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.passes import Passes
+from relax.train.update import forward_groups
 
 # encode(prompt_ids, prompt_mask, images) -> the prompts' inputs, the vision tower run once per image
 Encoder = Callable[[np.ndarray, np.ndarray, ImageBatch], PromptInputs]

@@ -10,7 +10,6 @@ updates on samples up to its staleness bound older."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -40,6 +39,7 @@ from relax.rollout.partial import PartialRequest, PartialRollouts
 from relax.rollout.sampler import RolloutConfig, generate_program
 from relax.text.stop_strings import truncate_at_stop_strings
 from relax.train.state import TrainState, reference_is_policy, reference_model
+from relax.train.update import forward_groups
 from relax.train.vision_tower import tower_is_initial
 
 ROLLOUT_STREAM = (
@@ -155,15 +155,13 @@ def forward_logprobs(
     """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
     (remat would recompute nothing), in the sampler's log-prob dtype; as many prompt groups per
     pass as the passes' default micro-batch takes (``Passes.groups_per_pass``)."""
-    p, *completions = batch.tokens.shape
-    groups = passes.groups_per_pass(p, math.prod(completions))
     logp = completion_logprobs(
         model,
         batch.prompt_ids,
         batch.prompt_mask,
         batch.tokens,
         batch.mask,
-        forward.pass_(differentiated=False, groups_per_pass=groups),
+        forward.pass_(differentiated=False, groups_per_pass=forward_groups(passes, batch)),
         temperature=temperature,
         packed=batch.packed,
         routes=batch.routes,

@@ -9,7 +9,6 @@ completions are: ``relax.models.forward.prefix_shared`` runs the prompt once for
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from relax.models.forward.config import ForwardConfig
 from relax.models.forward.forward_pass import attention_probs_bytes
 from relax.models.forward.prefix_shared import CompletionRope, completion_logprobs
 from relax.passes import Passes
+from relax.train.update import forward_groups
 
 # forward(model, rows, train) -> token log-probs [P, G, N] of rows.tokens; rows: anything with
 # prompt_ids, prompt_mask, tokens and mask (a PairRows, a PairBatch, an UnpairedBatch), and rope
@@ -53,13 +53,6 @@ class PairRows(eqx.Module):
     label: Int[Array, " p"] | None = None
     kl: Float[Array, " p"] | None = None
     rope: CompletionRope | None = None
-
-
-def forward_groups(passes: Passes, rows) -> int | None:
-    """Rows per forward-only pass of ``rows`` (``tokens [P, 2, N]``: a pair's two completions, or
-    ``[P, ...]``): ``Passes.groups_per_pass`` of its ``P`` rows and their positions."""
-    p, *rest = rows.tokens.shape
-    return passes.groups_per_pass(p, math.prod(rest))
 
 
 def shared_forward(passes: Passes = Passes(), config: ForwardConfig = ForwardConfig()) -> Forward:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +45,7 @@ from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.passes import Passes, choose_passes
 from relax.train.fingerprint import fingerprint
+from relax.train.update import forward_groups
 
 FORMAT = "relax-reference-logps/1"
 
@@ -178,7 +178,7 @@ def dataset_reference_logps(
 
     @jax.jit
     def forward(model, prompt_ids, prompt_mask, tokens, mask):
-        groups = passes.groups_per_pass(p, math.prod(tokens.shape[1:]))
+        groups = forward_groups(passes, {"tokens": tokens})
         how = ForwardPass(attention=train_attention, groups_per_pass=groups)
         logp = completion_logprobs(model, prompt_ids, prompt_mask, tokens, mask, how)
         return sequence_logps(logp, mask)[0]
