@@ -17,10 +17,10 @@ import numpy as np
 import tyro
 
 from relax.algorithms.agent.ahead import prepare_agent
-from relax.algorithms.agent.config import AgentConfig, rollout_config
+from relax.algorithms.agent.config import AgentConfig
 from relax.algorithms.agent.evaluate import HeldOut
 from relax.algorithms.agent.setup import AgentSetup, load_setup, reasoning_gym_spec
-from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step
+from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step, step_sampler
 from relax.algorithms.cli.configure import configure
 from relax.algorithms.cli.report import first_row_lines, run_report
 from relax.algorithms.grpo.config import GRPOConfig
@@ -271,12 +271,7 @@ def run(cfg: AgentRunConfig) -> dict:
     step = make_step(cfg.algorithm_config, cfg.agent, setup.make_env, chat, parts)
     report = _report(cfg, setup, mesh)
     log(report.text())
-    rcfg = rollout_config(
-        cfg.agent,
-        cfg.algorithm_config.generation,
-        eos_ids=chat.stop_ids,
-        pad_id=setup.tokenizer.pad_token_id,
-    )
+    rcfg = step_sampler(cfg.algorithm_config, cfg.agent, chat, parts)
     make_state = grpo_state if cfg.algorithm == "grpo" else ppo_state
     state = make_state(cfg.algorithm_config, setup.model, jax.random.key(cfg.seed))
     if mesh is not None:

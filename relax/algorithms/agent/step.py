@@ -139,6 +139,14 @@ def scored(t: Trajectories, state) -> Scored:
     )
 
 
+def step_sampler(
+    cfg: GRPOConfig | PPOConfig, agent: AgentConfig, chat: ChatFormat, parts: StepParts
+) -> AgentRolloutConfig:
+    """The training step's trajectory sampler (``rollout_config``): ``cfg``'s generation, turns
+    ending at ``chat.stop_ids``, padded with ``parts.pad_id``."""
+    return rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=parts.pad_id)
+
+
 def make_agent_rollout(rcfg: AgentRolloutConfig, make_env: Callable, chat: ChatFormat) -> Stage:
     """The host stage: the host record's ``rows`` (P dataset rows) -> P x G trajectories, a
     ``Scored`` batch (module docstring). Placed on each process: on several, each samples its
@@ -191,11 +199,7 @@ def make_agent_grpo_step(
             ``WithHost(Updated, HostRecord)`` whose host record holds the trajectories' metrics
             (``agent``). The ``Updated`` is ``make_grpo_step``'s.
     """
-    rollout = make_agent_rollout(
-        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=parts.pad_id),
-        make_env,
-        chat,
-    )
+    rollout = make_agent_rollout(step_sampler(cfg, agent, chat, parts), make_env, chat)
     algorithm = dataclasses.replace(
         grpo.grpo_parts(cfg, per_turn=agent.per_turn),
         name="agent_grpo_step",
@@ -230,11 +234,7 @@ def make_agent_ppo_step(
         )
     if agent.per_turn:
         raise ValueError("per-turn advantages are GRPO's; PPO's critic assigns credit per token")
-    rollout = make_agent_rollout(
-        rollout_config(agent, cfg.generation, eos_ids=chat.stop_ids, pad_id=parts.pad_id),
-        make_env,
-        chat,
-    )
+    rollout = make_agent_rollout(step_sampler(cfg, agent, chat, parts), make_env, chat)
     algorithm = dataclasses.replace(
         ppo.ppo_parts(cfg), name="agent_ppo_step", packing=None, rollout=rollout
     )
