@@ -380,6 +380,36 @@ def test_agent_on_several_hosts_samples_on_each_hosts_copy(tiny_config):
 
 
 @needs_tpu
+def test_agent_plan_replays_a_mixtures_routes(tmp_path):
+    """A mixture of experts' agent run replays its sampler's experts in the update: the plan's
+    stand-in for the rollout gives the update the routes the run's rollout records (int8 experts
+    of every layer, ``[P, Lp, L, k]`` for prompts and ``[P, G, N, L, k]`` for completions, by
+    hand), so the plan lowers the update the run compiles (nothing compiled)."""
+    from relax.plan import agent as plan_agent
+    from relax.plan.plan import parse_run
+    from relax.plan.trainers import ALGORITHMS
+    from relax.plan.vision import language_config
+
+    moe = {**TINY, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    (tmp_path / "config.json").write_text(
+        json.dumps({**moe, "num_local_experts": 4, "num_experts_per_tok": 2})
+    )
+    argv = ["--model", str(tmp_path / "config.json"), "--batch-size", "4"]
+    argv += ["--grpo.num-generations", "2", "--grpo.max-new-tokens", "32"]
+    run = parse_run("agent", [*argv, "--agent.max-turn-tokens", "8", "--max-prompt-tokens", "16"])
+    devices = targets.devices(targets.Target.parse("v5e:2x2"))
+    programs = plan_agent.update_programs(
+        run, ALGORITHMS["agent"].algorithm(run), language_config(run.model), devices, no_compile
+    )
+    update = [p for p in programs if p.name.endswith("update")]
+    assert len(update) == 1, [p.name for p in programs]
+    routes = update[0].args[1].routes
+    assert routes is not None, "the update was planned without the sampler's routes"
+    assert routes.prompt.shape == (4, 16, L, 2) and routes.completion.shape == (4, 2, 32, L, 2)
+    assert routes.prompt.dtype == routes.completion.dtype == jnp.int8
+
+
+@needs_tpu
 def test_reward_model_and_teacher_bytes_by_hand(tiny_config, rm_config, teacher_config):
     """What a plan holds beside the policy's state, counted from the parameters (nothing
     compiled): GRPO's reward model (``--reward-model``, stored in bfloat16) on every chip of the

@@ -7,8 +7,9 @@ cache-carrying decoder (``relax.rollout.turns``) on the policy as the mesh holds
 cannot run environments, so:
 
 - the update's programs are the agent's own step with its rollout replaced by a stand-in that
-  gives them what the rollout gives (``trajectories``: P x G trajectories filling the whole
-  budget, ``--<algorithm>.max-new-tokens`` slots after prompts of ``--max-prompt-tokens``), laid
+  gives them what the rollout gives (``trajectories``: P x G trajectories of zeros,
+  ``--<algorithm>.max-new-tokens`` slots after prompts of ``--max-prompt-tokens``, a mixture of
+  experts' routes for the update to replay; the batch ``relax agent``'s compile-ahead makes), laid
   out by ``relax.parallel.ShardedStep`` as ``relax agent`` lays it out;
 - the decoder's programs (start, the fused decode weights, a turn, an observation's append) are
   compiled apart (``multi_turn_programs``) on the train state's policy, for P prompts of
@@ -18,8 +19,7 @@ cannot run environments, so:
   decoder is planned so, on the first host, the copy counted beside the trainer's policy.
 
 ``--max-prompt-tokens`` is the plan's own flag (the run pads each batch's prompts to their
-bucket); every other flag is ``relax agent``'s. A mixture of experts' routes are not replayed
-(the stand-in records none).
+bucket); every other flag is ``relax agent``'s.
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from relax.algorithms.agent.ahead import placeholder_batch
 from relax.algorithms.agent.config import rollout_config
 from relax.algorithms.agent.run import AgentRunConfig, builtin_defaults
-from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step
+from relax.algorithms.agent.step import make_agent_grpo_step, make_agent_ppo_step, step_sampler
 from relax.algorithms.grpo.run import make_state as grpo_state
-from relax.algorithms.online.batch import HostRecord, Scored
+from relax.algorithms.online.batch import HostRecord
 from relax.algorithms.online.config import OnlineAlgorithm
 from relax.algorithms.online.step import StepParts
 from relax.algorithms.ppo.run import make_state as ppo_state
 from relax.compose import Stage, WithHost, compose, stage
+from relax.environments.rollout import AgentRolloutConfig
 from relax.models.config.model import ModelConfig
 from relax.parallel.local import host_mesh, processes
 from relax.parallel.mesh import param_shardings
@@ -71,33 +73,15 @@ class StopIds:
     stop_ids: tuple[int, ...]
 
 
-def trajectories(cfg: AgentPlanConfig) -> Stage:
+def trajectories(cfg: AgentPlanConfig, rcfg: AgentRolloutConfig) -> Stage:
     """The rollout's stand-in (module docstring): the host stage that turns P dataset rows into
-    P x G trajectories of zeros in the shapes the multi-turn rollout gives (prompts ``[P, Lp]``,
-    tokens and masks ``[P, G, N]``, per-turn rewards ``[P, G, max_turns]``, the rest ``[P, G]``)."""
-    generation = cfg.algorithm_config.generation
-    g, n, turns = generation.num_generations, generation.max_new_tokens, cfg.agent.max_turns
+    P x G trajectories of zeros with prompts of ``--max-prompt-tokens``, the batch compile-ahead
+    gives the run's step (``placeholder_batch``: the rollout's shapes, a mixture of experts'
+    routes included). The plan's state is abstract: the policy version is a stand-in 0."""
 
     def rollout(state, batch: WithHost) -> tuple[Any, WithHost]:
-        rows = len(batch.host.rows)
-        ints = lambda *shape: np.zeros((rows, *shape), np.int32)
-        rewards = np.zeros((rows, g), np.float32)
-        out = Scored(
-            prompt_ids=ints(cfg.max_prompt_tokens),
-            prompt_mask=ints(cfg.max_prompt_tokens),
-            tokens=ints(g, n),
-            mask=ints(g, n),
-            sampled_mask=ints(g, n),
-            old_logprobs=np.zeros((rows, g, n), np.float32),
-            turn_rewards=np.zeros((rows, g, turns), np.float32),
-            turn_index=ints(g, n),
-            rewards=rewards,
-            lengths=ints(g),
-            finished=np.zeros((rows, g), bool),
-            policy_version=ints(g),
-            reward_parts={"env": rewards},
-        )
-        return state, WithHost(out, batch.host.replace(reward_info={}, agent={}))
+        version = state.replace(step=np.zeros((), state.step.dtype))
+        return state, placeholder_batch(version, batch, rcfg, cfg.max_prompt_tokens)
 
     return stage(rollout, jit=False, name="rollout", updates_state=False)
 
@@ -106,11 +90,13 @@ def agent_step(cfg: AgentPlanConfig, parts: StepParts) -> Stage:
     """The agent's step (``make_agent_grpo_step`` / ``make_agent_ppo_step``) with the schedule of
     ``parts``, a turn ending at its ``eos_ids``, and its rollout replaced by ``trajectories``."""
     make = make_agent_grpo_step if cfg.algorithm == "grpo" else make_agent_ppo_step
-    step = make(cfg.algorithm_config, cfg.agent, None, StopIds(parts.eos_ids), parts)
+    chat = StopIds(parts.eos_ids)
+    step = make(cfg.algorithm_config, cfg.agent, None, chat, parts)
     rollout, *rest = step.leaves
     if rollout.name != "rollout":
         raise ValueError(f"the agent's step starts with {rollout.name!r}, not its rollout")
-    return compose(trajectories(cfg), *rest, name=step.name)
+    rcfg = step_sampler(cfg.algorithm_config, cfg.agent, chat, parts)
+    return compose(trajectories(cfg, rcfg), *rest, name=step.name)
 
 
 def algorithm(cfg: AgentPlanConfig) -> OnlineAlgorithm:

@@ -85,11 +85,17 @@ def placeholder_rollout(rcfg: AgentRolloutConfig, width: int) -> Callable:
                 f"compile ahead: the agent's step has a host stage {seg.names} besides its "
                 "rollout; run with --no-compile-ahead"
             )
-        rows = len(batch.host.rows)
-        t = placeholder_trajectories(state.policy, rows, width, rcfg)
-        return WithHost(scored(t, state), batch.host.replace(reward_info={}, agent={}))
+        return placeholder_batch(state, batch, rcfg, width)
 
     return run_host
+
+
+def placeholder_batch(state, batch: WithHost, rcfg: AgentRolloutConfig, width: int) -> WithHost:
+    """What the rollout stage gives for ``batch``'s rows with prompts of ``width``, of zeros and
+    with no metrics: ``placeholder_trajectories`` as ``scored`` makes them (a mixture of experts'
+    routes included). ``state.policy`` may be abstract (a plan's)."""
+    t = placeholder_trajectories(state.policy, len(batch.host.rows), width, rcfg)
+    return WithHost(scored(t, state), batch.host.replace(reward_info={}, agent={}))
 
 
 def step_lowerings(step, state, widths, *, batch_size: int, rcfg, pipelined: bool) -> list:
