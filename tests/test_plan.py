@@ -516,6 +516,7 @@ def test_sampler_split_and_offloaded_reference(tiny_config):
     )  # the reference forward and the update read it
 
 
+@needs_tpu
 def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_config):
     """The greedy search over candidate flags, with the compiles stood in for by a peak that each
     flag lowers by a known amount (a real run of it is in RESULTS.md)."""
@@ -552,6 +553,54 @@ def test_suggest_keeps_what_lowers_the_peak_until_it_fits(monkeypatch, tiny_conf
     assert (
         attempts[-1].flags == ("--parallel.offload-reference",) and attempts[-1].fits
     )  # 15 GiB: stop here
+
+
+@needs_tpu
+@pytest.mark.parametrize(
+    "algorithm, flags, runs, tried",
+    [
+        # 8 prompt groups of 16 x 1,024 slots over 4 chips: 2 groups (32,768) per chip are over
+        # the default 16,384 positions a chip takes in a micro-batch, 1 group is not: 2
+        ("grpo", ["--grpo.num-generations", "16", "--grpo.max-new-tokens", "1024"], 2, (4, 8)),
+        (
+            "grpo",
+            ["--grpo.num-generations", "16", "--grpo.max-new-tokens", "1024"]
+            + ["--grpo.grad-accum", "4"],
+            4,
+            (8,),
+        ),
+        ("grpo", ["--grpo.num-generations", "2", "--grpo.max-new-tokens", "16"], 1, (2, 4, 8)),
+        # 64 pairs of 2 x 1,536 completion positions, 16 per chip (49,152): 4 pairs a chip
+        # (12,288) fit the budget, 8 do not; the micro-batch counts that split 64 over 4 chips
+        # are 1, 2, 4, 8 and 16, so 4
+        (
+            "dpo",
+            ["--batch-size", "64", "--dpo.max-prompt-tokens", "512"]
+            + ["--dpo.max-completion-tokens", "1536"],
+            4,
+            (8, 16, 32),
+        ),
+        # SFT's packed rows take --sft.grad-accum's count, 1 by default, whatever their length
+        ("sft", ["--batch-size", "64", "--sft.max-length", "2048"], 1, (2, 4, 8)),
+    ],
+)
+def test_suggested_micro_batches_start_from_the_runs_own(
+    tiny_config, algorithm, flags, runs, tried
+):
+    """The micro-batches ``suggest`` tries are more than the run already takes (2a, 4a, 8a of
+    its ``a``, those that split its rows), ``a`` counted by hand from the budget per chip
+    (``MICRO_BATCH_TOKENS``) on v5e:2x2 with fsdp=4; a smaller count would only raise the peak."""
+    from relax.passes import MICRO_BATCH_TOKENS
+    from relax.plan import suggest as suggest_lib
+    from relax.plan.plan import Plan, parse_run
+
+    assert MICRO_BATCH_TOKENS == 16_384
+    argv = ["--model", tiny_config, "--batch-size", "8", "--parallel.mesh", "fsdp=4", *flags]
+    run = parse_run(algorithm, argv)
+    p = Plan(algorithm, targets.Target.parse("v5e:2x2"), run, None, (), (), 0.0)
+    assert suggest_lib.micro_batches(p) == runs
+    flag = f"--{algorithm}.grad-accum"
+    assert tuple(int(c[1]) for c in suggest_lib.candidates(p) if c[0] == flag) == tried
 
 
 def int8_sampler_bytes_by_hand(tensor: int, scale_bytes: int) -> int:

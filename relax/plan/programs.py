@@ -49,7 +49,7 @@ from relax.models.config.model import DTYPES, ModelConfig
 from relax.models.decoder.prompt_inputs import PromptInputs
 from relax.models.decoder.transformer import init as init_model
 from relax.parallel import ShardedStep, batch_shards, check_batch, replicated, state_shardings
-from relax.passes import choose_passes, target_backend
+from relax.passes import Passes, choose_passes, target_backend
 from relax.rewards.functions import RewardFunction
 from relax.rollout import turns
 from relax.rollout.turns import TurnConfig
@@ -243,9 +243,17 @@ def sharded_programs(
     meshes = _run_meshes(run, devices)
     with target_backend(platform(devices[0])):
         state = abstract_state(algorithm, run, config)
-        step = make_step(choose_passes(batch_shards=batch_shards(meshes[0])))
+        step = make_step(run_passes(run, devices))
         sharded = _sharded_step(run, step, state, meshes)
         return _walk(sharded.segments, state, batch, compile_fn, known=known, until=until)
+
+
+def run_passes(run: ModelRunConfig, devices: Sequence[jax.Device]) -> Passes:
+    """The passes ``run`` takes on ``devices`` (``relax.passes.choose_passes``): the target's
+    backend's, with the batch split over the trainer mesh's batch axes."""
+    return choose_passes(
+        platform(devices[0]), batch_shards=batch_shards(_run_meshes(run, devices)[0])
+    )
 
 
 def _run_meshes(run: ModelRunConfig, devices: Sequence[jax.Device]) -> tuple[Any, Any]:

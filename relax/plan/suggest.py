@@ -4,7 +4,8 @@ When a plan does not fit, ``suggest`` tries these changes in order, cheapest fir
 one that lowers the peak, until the run fits or none is left::
 
     --<algo>.remat                          recompute each layer in the backward (update, reference)
-    --<algo>.grad-accum 2, 4, 8             smaller micro-batches (same loss and gradient)
+    --<algo>.grad-accum 2a, 4a, 8a          smaller micro-batches (same loss and gradient) than
+                                            the run's a (``micro_batches``)
     --parallel.offload-reference            the KL reference in host memory between its uses
     --param-dtype bfloat16 --compute-dtype bfloat16 --<algo>.optimizer.master-weights
                                             16-bit weights, float32 master copy in the optimizer
@@ -20,9 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
+from relax.algorithms.offline.run import OfflineAlgorithm
 from relax.parallel import MeshSpec
+from relax.plan import targets
 from relax.plan.plan import Plan, compile_once, parse_run, plan_run
+from relax.plan.programs import run_passes
 from relax.plan.trainers import ALGORITHMS
+from relax.train.update import micro_batch_split, row_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +52,10 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     remat = algo.forward.remat if hasattr(algo, "forward") else getattr(algo, "remat", None)
     if remat is False:
         out.append((entry.flag(run, "remat"),))
-    if hasattr(algo, "grad_accum"):  # micro-batches that split a minibatch's rows evenly
-        rows = run.batch_size // getattr(algo, "num_minibatches", 1)
+    if hasattr(algo, "grad_accum"):  # more micro-batches, each splitting a minibatch evenly
+        rows, a = run.batch_size // getattr(algo, "num_minibatches", 1), micro_batches(p)
         out += [
-            (entry.flag(run, "grad-accum"), str(k))
-            for k in (2, 4, 8)
-            if (algo.grad_accum or 1) < k and rows % k == 0
+            (entry.flag(run, "grad-accum"), str(k)) for k in (2 * a, 4 * a, 8 * a) if rows % k == 0
         ]
     parallel = getattr(run, "parallel", None)
     if (
@@ -79,6 +84,29 @@ def candidates(p: Plan) -> list[tuple[str, ...]]:
     if not run.lora.enabled:
         out.append(("--lora.rank", "16"))
     return out
+
+
+def micro_batches(p: Plan) -> int:
+    """The update's micro-batches per minibatch in ``p``'s run, as the run splits them
+    (``relax.train.update.micro_batch_split``): ``--<algo>.grad-accum``, or when it is left to
+    the backend the target's passes' choice (``relax.passes.Passes.micro_batches``) for the
+    update's rows, an online run's prompt groups of ``G x N`` completion slots or an offline
+    run's longest items (``row_positions``). 1 when the rows do not split."""
+    run, entry = p.run, ALGORITHMS[p.algorithm]
+    algo, built = entry.settings(run), entry.algorithm(run)
+    if isinstance(built, OfflineAlgorithm):
+        batch = built.longest(run.batch_size)
+        rows, row_tokens = jax.tree.leaves(batch)[0].shape[0], row_positions(batch)
+    else:
+        gen = built.generation
+        rows, row_tokens = run.batch_size, gen.num_generations * gen.max_new_tokens
+    passes = run_passes(run, targets.devices(p.target))
+    try:
+        return micro_batch_split(
+            rows, getattr(algo, "num_minibatches", 1), algo.grad_accum, passes, row_tokens
+        )
+    except ValueError:
+        return 1
 
 
 def suggest(p: Plan, argv: list[str], log=lambda line: None, compile_fn=None) -> list[Attempt]:
