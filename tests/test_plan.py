@@ -146,6 +146,23 @@ def test_plan_counts_weights_and_optimizer_by_hand(tiny_plan):
 
 
 @needs_tpu
+def test_reference_flops_by_hand(tiny_plan):
+    """The roofline's FLOPs per chip of the reference forward (the tiny Llama, 8 prompts of 16 x 4
+    completions of 32, fsdp=4) against a hand count: each layer's matmuls over every prompt token
+    (once per group) and completion token, the head over the completion tokens, and attention
+    (QK and PV, the whole [Lp + N] keys for each completion token, Lp for each prompt token),
+    over 4 chips. Exact only if the layer scan counts its L trips (the TPU compiler does not
+    annotate them) and the compiler's convolutions count the taps on real elements alone."""
+    p, g, n, lp, chips = 8, 4, 32, 16, 4
+    per_token = 2 * (D * HQ * HD + 2 * D * HKV * HD + HQ * HD * D + 3 * D * F)
+    layers = L * per_token * (p * lp + p * g * n)
+    head = 2 * V * D * p * g * n
+    attention = L * 4 * HQ * HD * (p * g * n * (lp + n) + p * lp * lp)
+    (reference,) = [t for t in tiny_plan.traffic if t is not None and "reference" in t.name]
+    assert reference.flops == (layers + head + attention) / chips
+
+
+@needs_tpu
 def test_decode_loop_copies_no_cache_on_tpu(tiny_plan):
     rollout = tiny_plan.traffic[0]
     assert rollout.decode_step_seconds > 0  # a decode loop was found and costed

@@ -102,6 +102,7 @@ class Instr:
     attrs: str
     root: bool
     pos: int  # order in the text (the entry computation is scheduled: execution order)
+    literal: str = ""  # a constant's value as written (``constant(2)``: "2")
 
     def called(self) -> list[str]:
         names = _CALLED.findall(self.attrs)
@@ -148,6 +149,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
                 rest[close + 1 :],
                 bool(m.group(1)),
                 pos,
+                rest[op.end() : close] if op.group(1) == "constant" else "",
             )
         )
     return comps, entry

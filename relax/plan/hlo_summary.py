@@ -1,10 +1,13 @@
 """What a compiled program does per chip, read from its optimized HLO (``relax.parallel.hlo``).
 
 Every kernel the program launches (a fusion, a dot, a collective, a copy, ...) is counted as
-many times as it runs: a ``lax.scan`` body times its known trip count, a decode loop
-(``lax.while_loop``, trip count unknown to XLA) per decode step. For each kernel:
+many times as it runs: a ``lax.scan`` body (a layer scan, micro-batches, passes) times its trip
+count (``relax.plan.hlo_count.trip_count``), a decode loop (``lax.while_loop`` that also stops
+when every row has) per decode step. For each kernel:
 
-    flops  = 2 * prod(result dims) * prod(contracted dims)     of each dot inside it
+    flops  = the FLOPs of each dot and convolution inside it   (``relax.plan.hlo_count.dot_flops``:
+                                                                a convolution's window counts its
+                                                                taps on real input elements)
     bytes  = its operands' bytes + its result's bytes          (what it reads and writes in HBM;
                                                                 arrays in on-chip memory, e.g. the
                                                                 TPU's VMEM, are not counted)
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from typing import Any
 
@@ -38,11 +40,7 @@ from relax.parallel.hlo import (
     nbytes,
     parse_hlo,
 )
-
-_TRIP = re.compile(r"known_trip_count[^0-9]*(\d+)")
-_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")  # a TPU matmul is a convolution: "bf_io->bf"
-_WINDOW = re.compile(r"window=\{size=([\dx]+)")
+from relax.plan.hlo_count import dot_flops, trip_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,37 +61,15 @@ class ProgramTraffic:
     decode_step_bytes: float = 0.0
 
 
-def _dot_flops(ins: Instr, local: dict[str, Instr]) -> float:
-    if ins.op not in ("dot", "convolution") or not ins.operands or ins.operands[0] not in local:
-        return 0.0
-    out = arrays(ins.shape)
-    lhs = arrays(local[ins.operands[0]].shape)
-    if not out or not lhs:
-        return 0.0
-    dims = lhs[0][1]
-    if ins.op == "dot":
-        m = _CONTRACT.search(ins.attrs)
-        contracted = math.prod(dims[int(d)] for d in m.group(1).split(",") if d) if m else 0
-    else:  # the lhs's feature dimension ("f"), times the window of any spatial one
-        m, w = _LABELS.search(ins.attrs), _WINDOW.search(ins.attrs)
-        contracted = (
-            dims[m.group(1).index("f")]
-            if m and "f" in m.group(1) and len(m.group(1)) == len(dims)
-            else 0
-        )
-        contracted *= math.prod(int(x) for x in w.group(1).split("x")) if w else 1
-    return 2.0 * math.prod(out[0][1]) * contracted
-
-
 def _kernel(
     ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]
 ) -> tuple[float, float]:
     """``(flops, bytes)`` of one launched instruction (a fusion: the dots inside it)."""
-    flops = _dot_flops(ins, local)
+    flops = dot_flops(ins, local)
     if ins.op == "fusion":
         for c in ins.called():
             inner = {i.name: i for i in comps.get(c, [])}
-            flops += sum(_dot_flops(i, inner) for i in comps.get(c, []))
+            flops += sum(dot_flops(i, inner) for i in comps.get(c, []))
     return flops, float(kernel_bytes(ins, comps, local)[0])
 
 
@@ -109,11 +85,11 @@ def _walk(
     local = {i.name: i for i in comps.get(name, [])}
     for ins in comps.get(name, []):
         if ins.op == "while":
-            trip = _TRIP.search(ins.attrs)
+            trip = trip_count(ins, comps, local)
             body = re.search(r"body=%([\w.\-]+)", ins.attrs).group(1)
             cond = re.search(r"condition=%([\w.\-]+)", ins.attrs).group(1)
-            if trip:
-                inner_times, inner_decode = times * int(trip.group(1)), decode
+            if trip is not None:
+                inner_times, inner_decode = times * trip, decode
             elif decode_trip is None:  # a loop of unknown length outside a sampler: counted once
                 inner_times, inner_decode = times, decode
             else:  # a decode loop: decode_trip steps (one cache block)
