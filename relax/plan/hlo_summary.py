@@ -64,13 +64,20 @@ class ProgramTraffic:
 def _kernel(
     ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]
 ) -> tuple[float, float]:
-    """``(flops, bytes)`` of one launched instruction (a fusion: the dots inside it)."""
-    flops = dot_flops(ins, local)
-    if ins.op == "fusion":
-        for c in ins.called():
-            inner = {i.name: i for i in comps.get(c, [])}
-            flops += sum(dot_flops(i, inner) for i in comps.get(c, []))
-    return flops, float(kernel_bytes(ins, comps, local)[0])
+    """``(flops, bytes)`` of one launched instruction (a fusion: the dots inside it, fusions
+    nested in it included)."""
+    return _flops(ins, comps, local), float(kernel_bytes(ins, comps, local)[0])
+
+
+def _flops(ins: Instr, comps: dict[str, list[Instr]], local: dict[str, Instr]) -> float:
+    """The FLOPs of ``ins``'s dots: its own, or a fusion's, through the fusions it calls."""
+    if ins.op != "fusion":
+        return dot_flops(ins, local)
+    total = 0.0
+    for c in ins.called():
+        inner = {i.name: i for i in comps.get(c, [])}
+        total += sum(_flops(i, comps, inner) for i in comps.get(c, []))
+    return total
 
 
 def _walk(
