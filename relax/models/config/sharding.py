@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -129,6 +130,24 @@ def ambient_batch_shards() -> int:
     """``batch_shards`` of the mesh being traced with (``jax.set_mesh``, as ``ShardedStep`` does),
     1 outside any mesh: lets per-group loops run over local groups."""
     return batch_shards(jax.sharding.get_abstract_mesh())
+
+
+def rows_over_batch(tree: Any) -> Any:
+    """Each array of ``tree`` (inside jit) pinned with its leading rows split over the ambient
+    mesh's batch axes (``ambient_batch_axes``) and its other axes whole, where the rows divide;
+    unchanged outside a mesh. For the residual stream between layers: a data-parallel forward
+    gathers each layer's weights, not its activations (left to propagation, the embedding's
+    split of the model width would run every layer on every row with its contractions split,
+    an all-reduce of the whole batch's activations per matmul)."""
+    axes, shards = ambient_batch_axes(), ambient_batch_shards()
+    if shards == 1:
+        return tree
+    pin = lambda x: (  # noqa: E731
+        jax.lax.with_sharding_constraint(x, P(axes))
+        if getattr(x, "ndim", 0) and x.shape[0] % shards == 0
+        else x
+    )
+    return jax.tree.map(pin, tree)
 
 
 # The decode loop's arrays, by the meaning of the mesh axes (relax.parallel.mesh): rows over the

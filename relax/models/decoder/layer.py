@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from relax.models.config.layer_kinds import Kind, scanned_kinds
 from relax.models.config.model import MOE_FIELDS, ModelConfig
+from relax.models.config.sharding import rows_over_batch
 from relax.models.decoder.taps import tap
 from relax.models.layers.lora import Adapters, adapted
 from relax.models.layers.matmul import matmul
@@ -361,10 +362,18 @@ def scan_layers(
     """``lax.scan`` of ``body(carry, (layer params, scanned kind, x, sparse x)) -> (carry, (y, routed))``
     over every layer, as one scan per ``LayerSegment`` (one for most models); ``xs`` lead with ``[L]``,
     ``sparse_xs`` with ``[Ls]`` (None on dense layers). Returns the carry, the ``y`` stacked ``[L]``
-    and the sparse layers' ``routed`` stacked ``[Ls]`` (None for a dense model)."""
+    and the sparse layers' ``routed`` stacked ``[Ls]`` (None for a dense model). On a mesh the
+    carry (the residual stream, rows first) is kept split by rows over the batch axes between
+    layers (``rows_over_batch``)."""
     c = model.config
     kinds = scanned_kinds(c)
     ys, routed = [], []
+
+    def pinned(carry, xs):
+        carry, out = body(carry, xs)
+        return rows_over_batch(carry), out
+
+    carry = rows_over_batch(carry)
     for seg in segments(c):
         cut = lambda a: jax.tree.map(lambda x: x[seg.start : seg.stop], a)  # noqa: E731
         sx = (
@@ -378,7 +387,7 @@ def scan_layers(
             cut(xs),
             sx,
         )
-        carry, (y, r) = jax.lax.scan(body, carry, inputs, unroll=unroll)
+        carry, (y, r) = jax.lax.scan(pinned, carry, inputs, unroll=unroll)
         ys.append(y)
         routed.append(r)
     return carry, concat_layers(ys), concat_layers(routed)
