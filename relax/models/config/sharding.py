@@ -135,10 +135,10 @@ def ambient_batch_shards() -> int:
 def rows_over_batch(tree: Any) -> Any:
     """Each array of ``tree`` (inside jit) pinned with its leading rows split over the ambient
     mesh's batch axes (``ambient_batch_axes``) and its other axes whole, where the rows divide;
-    unchanged outside a mesh. For the residual stream between layers: a data-parallel forward
-    gathers each layer's weights, not its activations (left to propagation, the embedding's
-    split of the model width would run every layer on every row with its contractions split,
-    an all-reduce of the whole batch's activations per matmul)."""
+    unchanged outside a mesh. For the residual stream between layers: each device keeps its own
+    rows from layer to layer. Left to propagation, the embedding's split of the model width ran
+    every layer on every row with its contractions split, an all-reduce of the whole batch's
+    activations per matmul (benchmarks/RESULTS.md, forty-first session)."""
     axes, shards = ambient_batch_axes(), ambient_batch_shards()
     if shards == 1:
         return tree
