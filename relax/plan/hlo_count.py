@@ -60,7 +60,7 @@ def dot_flops(ins: Instr, local: dict[str, Instr]) -> float:
     window = _WINDOW.search(ins.attrs)
     fields = dict(_FIELD.findall(window.group(1))) if window else {}
     per_dim = lambda name, default: (  # noqa: E731
-        [x for x in fields[name].split("x")] if name in fields else [default] * len(spatial)
+        fields[name].split("x") if name in fields else [default] * len(spatial)
     )
     size, stride = per_dim("size", "1"), per_dim("stride", "1")
     lhs_dilate, rhs_dilate, pad = (

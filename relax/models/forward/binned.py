@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from relax.models.attention.stream import StreamMask
-from relax.models.config.sharding import ambient_batch_axes, ambient_batch_shards
+from relax.models.config.sharding import ambient_batch_shards, rows_over_batch
 from relax.models.decoder.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
 from relax.models.decoder.transformer import Attend, LayerRoutes, Transformer, embed, run_layers
 from relax.models.forward.completion_packing import CompletionBins, to_padded
@@ -72,7 +72,7 @@ def bins_hidden(
     when ``layers.replay_routes``; ``rope``: the rotary tables of ``bins.positions`` when the
     caller computed them outside its loop (``relax.models.forward.prefix_shared.completion_rope``
     says why)."""
-    bins, recorded, rope = _on_batch_axes((bins, recorded, rope))
+    bins, recorded, rope = rows_over_batch((bins, recorded, rope))  # each device its own bins
     if recorded is not None:
         recorded = jnp.moveaxis(recorded, 2, 0)  # layer-major [Ls, b, S, k]
     h, _, routed = run_layers(
@@ -86,18 +86,6 @@ def bins_hidden(
     )
     h = jnp.take_along_axis(h, bins.predictor[..., None], axis=1)
     return h, None if routed is None else routed.stats
-
-
-def _on_batch_axes(tree):
-    """Every leaf's leading (bin) axis split over the mesh's batch axes, when traced on a mesh
-    whose batch shards divide it: each device runs its own bins (else XLA may run all of them
-    on every device)."""
-    axes = ambient_batch_axes()
-    leaves = jax.tree.leaves(tree)
-    if not axes or not leaves or leaves[0].shape[0] % ambient_batch_shards():
-        return tree
-    spec = jax.sharding.PartitionSpec(axes)
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
 
 
 def bins_logprobs(
