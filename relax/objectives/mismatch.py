@@ -45,7 +45,9 @@ def mismatch_metrics(
     valid token (so each is the exact mean over the first optimizer step's tokens or sequences);
     the maxima are ``first_step`` (``relax.metrics``). Only the first optimizer step of an update
     measures the sampler against the trainer: later steps score with weights the update moved.
-    In ``k3``, ``d_t`` is clamped at 20 inside the exponential. A micro-batch without a valid
+    In ``k3``, ``d_t`` is clamped at 20 inside the exponential, the term is computed as
+    ``expm1(d_t) - d_t`` (no cancellation against 1 when ``d_t`` is tiny) and floored at its
+    mathematical minimum 0, which float32 rounding could otherwise undercut. A micro-batch without a valid
     token gives 0 for every metric, with weight 0.
 
     Example: ``d = (log 2, 0)`` on two valid tokens of one sequence gives ``k3 = (2 - log 2 - 1)
@@ -56,7 +58,7 @@ def mismatch_metrics(
         mask, logp=jax.lax.stop_gradient(logp), sampler_logp=jax.lax.stop_gradient(sampler_logp)
     )
     d = logp - sampler  # 0 where masked
-    k3 = jnp.exp(jnp.minimum(d, _LOG_CLAMP)) - d - 1.0
+    k3 = jnp.maximum(jnp.expm1(jnp.minimum(d, _LOG_CLAMP)) - d, 0.0)  # >= 0 as e^d >= 1 + d
     low, high = (math.log(b) for b in RATIO_BAND)
     outside = ((d < low) | (d > high)).astype(jnp.float32)
     seq = jnp.sum(d, axis=-1)
