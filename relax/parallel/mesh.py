@@ -85,6 +85,7 @@ from relax.models.config.sharding import (
     LOGICAL_AXES,
     VISION_LOGICAL_AXES,
     batch_shards,
+    path_name,
 )
 from relax.models.decoder.transformer import Transformer
 from relax.parallel import distributed
@@ -201,10 +202,6 @@ def make_mesh(spec: str | MeshSpec, devices: Sequence[jax.Device] | None = None)
 # ------------------------------------------------------------------------------ parameters
 
 
-def _path_name(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
-
-
 def _rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
     for name, target in rules:
         if name == logical:
@@ -277,7 +274,7 @@ def param_shardings(
     def leaf(path, x):
         return NamedSharding(
             mesh,
-            partition_spec(_path_name(path), tuple(x.shape), mesh, cfg, rules),
+            partition_spec(path_name(path), tuple(x.shape), mesh, cfg, rules),
             memory_kind=memory_kind,
         )
 
@@ -311,7 +308,7 @@ def vision_shardings(
     whole: list[str] = []
 
     def leaf(path, x):
-        name = _path_name(path)
+        name = path_name(path)
         try:
             spec = partition_spec(
                 name, tuple(x.shape), mesh, heads, rules, table=VISION_LOGICAL_AXES

@@ -150,6 +150,75 @@ def rows_over_batch(tree: Any) -> Any:
     return jax.tree.map(pin, tree)
 
 
+def path_name(path) -> str:
+    """A pytree key path as the dotted name ``LOGICAL_AXES`` uses (``"layers.wq"``,
+    ``"layers.lora.wq.a"``)."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+FSDP_AXIS = "fsdp"  # splits the rows and the stored model width of every weight (ZeRO-3)
+_TENSOR_LOGICAL = ("q_heads", "kv_heads", "mlp", "expert_mlp", "vocab")
+
+
+def layer_weight_specs(
+    logical: tuple[str, ...], shape: tuple[int, ...], head_dim: int
+) -> tuple[P, P] | None:
+    """``(in use, stored)``: the ``PartitionSpec`` of one layer's weight (``logical``: its axes in
+    ``LOGICAL_AXES`` without ``layers``) while its layer runs, and as the default parameter rules
+    (``relax.parallel.mesh.DEFAULT_RULES``) store it, on the mesh being traced with. Stored, its
+    model width (``embed``) is split over ``fsdp``; in use it is whole, each device holding what
+    its rows need, while heads, MLP units and each expert's units stay over ``tensor`` and experts
+    over ``expert`` where they divide. None when nothing is split over ``fsdp`` (no mesh, an
+    ``fsdp`` axis of 1, a width it does not divide): nothing to gather."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = getattr(mesh, "axis_names", ())
+    size = lambda a: mesh.shape[a] if a in names else 1  # noqa: E731
+    f, t, ep = size(FSDP_AXIS), size(TENSOR_AXIS), size(EXPERT_AXIS)
+    use, stored = [], []
+    for axis, n in zip(logical, shape):
+        units = n // head_dim if axis in HEAD_AXES and n % head_dim == 0 else n
+        if axis == "embed":
+            use.append(None)
+            stored.append(FSDP_AXIS if f > 1 and n % f == 0 else None)
+            continue
+        if axis in _TENSOR_LOGICAL and t > 1 and units % t == 0:
+            a = TENSOR_AXIS
+        elif axis == "experts" and ep > 1 and n % ep == 0:
+            a = EXPERT_AXIS
+        else:
+            a = None
+        use.append(a)
+        stored.append(a)
+    return None if FSDP_AXIS not in stored else (P(*use), P(*stored))
+
+
+def gathered(x: jax.Array, logical: tuple[str, ...], head_dim: int) -> jax.Array:
+    """Weight ``x`` (inside jit; ``logical``: its axes, without ``layers`` for one layer's slice)
+    laid out for its use (``layer_weight_specs``): an all-gather over ``fsdp`` of its model width,
+    and in the backward its cotangent, each device's partial sum over its own rows,
+    reduce-scattered back to the stored split. FSDP made explicit; left to propagation the
+    partitioner kept the weights split and all-reduced activation-sized partial products
+    instead (benchmarks/RESULTS.md, forty-second session). ``x`` itself where nothing is split
+    over ``fsdp``."""
+    specs = layer_weight_specs(logical, x.shape, head_dim)
+    if specs is None:
+        return x
+    use, stored = specs
+
+    @jax.custom_vjp
+    def gather(w):
+        return jax.lax.with_sharding_constraint(w, use)
+
+    def forward(w):
+        return gather(w), None
+
+    def backward(_, g):
+        return (jax.lax.with_sharding_constraint(g, stored),)
+
+    gather.defvjp(forward, backward)
+    return gather(x)
+
+
 # The decode loop's arrays, by the meaning of the mesh axes (relax.parallel.mesh): rows over the
 # batch axes, heads / MLP units / vocabulary over ``tensor``, experts over ``expert``, the model
 # width never split.

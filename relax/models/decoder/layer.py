@@ -24,7 +24,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from relax.models.config.layer_kinds import Kind, scanned_kinds
 from relax.models.config.model import MOE_FIELDS, ModelConfig
-from relax.models.config.sharding import rows_over_batch
+from relax.models.config.sharding import (
+    LOGICAL_AXES,
+    gathered,
+    path_name,
+    rows_over_batch,
+)
 from relax.models.decoder.taps import tap
 from relax.models.layers.lora import Adapters, adapted
 from relax.models.layers.matmul import matmul
@@ -350,6 +355,22 @@ def concat_layers(parts: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
+def gathered_layer(p: LayerStack, config: ModelConfig) -> LayerStack:
+    """One layer's parameters (a ``scan_layers`` step's slice, unstacked) with every weight whose
+    model width is split over ``fsdp`` gathered whole for the layer's use, its gradient
+    reduce-scattered back (``relax.models.config.sharding.gathered``): one all-gather per weight
+    and layer in the forward (again in a rematerialised backward), one reduce-scatter in the
+    backward. Unchanged off a mesh with an ``fsdp`` axis."""
+
+    def leaf(path, x):
+        logical = LOGICAL_AXES.get("layers." + path_name(path))
+        if logical is None or getattr(x, "ndim", -1) != len(logical) - 1:
+            return x
+        return gathered(x, logical[1:], config.head_dim)
+
+    return jax.tree_util.tree_map_with_path(leaf, p)
+
+
 def scan_layers(
     model: Transformer,
     body: Callable,
@@ -358,19 +379,30 @@ def scan_layers(
     sparse_xs: Any = None,
     *,
     unroll: bool | int = 1,
+    remat: Callable | None = None,
 ) -> tuple[Any, Any, moe.Routed | None]:
     """``lax.scan`` of ``body(carry, (layer params, scanned kind, x, sparse x)) -> (carry, (y, routed))``
     over every layer, as one scan per ``LayerSegment`` (one for most models); ``xs`` lead with ``[L]``,
     ``sparse_xs`` with ``[Ls]`` (None on dense layers). Returns the carry, the ``y`` stacked ``[L]``
-    and the sparse layers' ``routed`` stacked ``[Ls]`` (None for a dense model). On a mesh the
-    carry (the residual stream, rows first) is kept split by rows over the batch axes between
-    layers (``rows_over_batch``)."""
+    and the sparse layers' ``routed`` stacked ``[Ls]`` (None for a dense model). ``remat``: a
+    ``jax.checkpoint`` policy to recompute each layer under in the backward (None: none).
+
+    On a mesh the carry (the residual stream, rows first) is kept split by rows over the batch
+    axes between layers (``rows_over_batch``), and each step's layer parameters are gathered
+    over ``fsdp`` inside the rematerialised step (``gathered_layer``), so only the stored split
+    is kept for the backward, never a gathered copy per layer."""
     c = model.config
     kinds = scanned_kinds(c)
     ys, routed = [], []
 
+    def step(carry, xs):
+        return body(carry, (gathered_layer(xs[0], c), *xs[1:]))
+
+    if remat is not None:
+        step = jax.checkpoint(step, policy=remat)
+
     def pinned(carry, xs):
-        carry, out = body(carry, xs)
+        carry, out = step(carry, xs)
         return rows_over_batch(carry), out
 
     carry = rows_over_batch(carry)

@@ -19,25 +19,50 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from relax.models.config.sharding import (
+    LOGICAL_AXES,
+    ambient_batch_shards,
+    gathered,
+    rows_over_batch,
+)
 from relax.models.decoder.transformer import Transformer, hidden_states
 from relax.models.layers.matmul import weight_grad
 
 DEFAULT_CHUNK = 1024
 
 
-def _chunked(fn, h: Float[Array, "n d"], extra: Array, chunk_size: int) -> Array:
-    """Apply ``fn(h_chunk, extra_chunk) -> [c, ...]`` over row chunks (``fn`` keeps O(rows) residuals)."""
-    n = h.shape[0]
-    if n <= chunk_size:  # one chunk: no loop
-        return fn(h, extra)
-    c = chunk_size
-    pad = (-n) % c
-    h = jnp.pad(h, ((0, pad), (0, 0)))
-    extra = jnp.pad(extra, ((0, pad),) + ((0, 0),) * (extra.ndim - 1))
-    h = h.reshape(-1, c, h.shape[-1])
-    extra = extra.reshape((-1, c) + extra.shape[1:])
-    out = jax.lax.map(lambda xs: fn(*xs), (h, extra))
-    return out.reshape((-1,) + out.shape[2:])[:n]
+def _chunked(fn, w: Array, h: Float[Array, "n d"], extra: Array, chunk_size: int) -> Array:
+    """Apply ``fn(w, h_chunk, extra_chunk) -> [c, ...]`` over chunks of ``chunk_size`` rows (``fn``
+    keeps O(rows) residuals).
+
+    On a mesh whose batch axes split the ``n`` rows into ``S`` blocks (``ambient_batch_shards``),
+    each chunk takes ``chunk_size`` rows of every block and each device runs ``fn`` on its own
+    block's rows with its own copy of ``w`` (``w`` broadcast to ``[S, ...]`` over the batch axes):
+    no device computes another's rows, and the backward sums ``w``'s gradient over a device's
+    chunks locally, reducing it across devices once rather than once per chunk."""
+    n, s = h.shape[0], ambient_batch_shards()
+    s = 1 if n % s else s
+    m = n // s  # rows per block
+    c = min(chunk_size, m)
+    pad = (-m) % c
+
+    def blocks(x):  # [n, ...] -> [k, s, c, ...]: chunk j holds rows j c:(j+1) c of every block
+        x = x.reshape((s, m) + x.shape[1:])
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape((s, -1, c) + x.shape[2:]), 0, 1)
+
+    if s == 1:
+        chunk = lambda hc, ec: fn(w, hc[0], ec[0])[None]  # noqa: E731
+    else:
+        ws = rows_over_batch(jnp.broadcast_to(w, (s, *w.shape)))
+        chunk = lambda hc, ec: jax.vmap(fn)(ws, *rows_over_batch((hc, ec)))  # noqa: E731
+    hb, eb = blocks(h), blocks(extra)
+    if hb.shape[0] == 1:  # one chunk: no loop
+        out = chunk(hb[0], eb[0])[None]
+    else:
+        out = jax.lax.map(lambda xs: chunk(*xs), (hb, eb))
+    out = jnp.swapaxes(out, 0, 1)  # [s, k, c, ...]
+    return out.reshape((s, -1) + out.shape[3:])[:, :m].reshape((n,) + out.shape[3:])
 
 
 def _logits(w, h, temperature):
@@ -104,6 +129,12 @@ def _head_bwd(temperature, mode, res, g):
 _head.defvjp(_head_fwd, _head_bwd)
 
 
+def _head_weight(model: Transformer) -> Float[Array, "V D"]:
+    """The output head in the compute dtype, gathered over ``fsdp`` for the chunks' products (its
+    gradient reduce-scattered back): each device multiplies its own rows by the whole head."""
+    return gathered(model.head.astype(model.dtype), LOGICAL_AXES["lm_head"], model.config.head_dim)
+
+
 def logprobs_from_hidden(
     model: Transformer,
     h: Float[Array, "*b d"],
@@ -113,11 +144,11 @@ def logprobs_from_hidden(
     chunk_size: int = DEFAULT_CHUNK,
 ) -> Float[Array, "*b"]:
     """``log softmax(h W^T / temperature)[target]`` per row, in float32."""
-    w = model.head.astype(model.dtype)
+    w = _head_weight(model)
     mode = _Mode(with_entropy=False, entropy_grad=False)
-    fn = lambda hc, tc: _head(temperature, mode, w, hc, tc)[0]
+    fn = lambda w, hc, tc: _head(temperature, mode, w, hc, tc)[0]
     lead = targets.shape
-    out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
+    out = _chunked(fn, w, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
     return out.reshape(lead)
 
 
@@ -133,11 +164,11 @@ def logprobs_and_entropy_from_hidden(
     """Target log-prob and entropy of the full distribution, per row, one pass over the logits.
     ``entropy_grad=False``: the entropy is a metric (a stop-gradient), and the backward skips its
     term (one fewer pass over the chunk's logits)."""
-    w = model.head.astype(model.dtype)
+    w = _head_weight(model)
     mode = _Mode(with_entropy=True, entropy_grad=entropy_grad)
-    fn = lambda hc, tc: jnp.stack(_head(temperature, mode, w, hc, tc), axis=-1)
+    fn = lambda w, hc, tc: jnp.stack(_head(temperature, mode, w, hc, tc), axis=-1)
     lead = targets.shape
-    out = _chunked(fn, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
+    out = _chunked(fn, w, h.reshape(-1, h.shape[-1]), targets.reshape(-1), chunk_size)
     ent = out[:, 1] if entropy_grad else jax.lax.stop_gradient(out[:, 1])
     return out[:, 0].reshape(lead), ent.reshape(lead)
 

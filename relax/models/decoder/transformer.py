@@ -206,7 +206,7 @@ def run_layers(
     rope = rotary(c, positions) if rope is None else rope
     routes = LayerRoutes() if routes is None else routes
 
-    def run(h, p, li, sliding, recorded):
+    def run(h, p, li, sliding, recorded, remat=False):
         f = lambda h, p, li, rec: layer_forward(
             model,
             p,
@@ -225,13 +225,16 @@ def run_layers(
             h, out, routed = run(h, xs[0], xs[2], layer_kind(c, xs[1]), xs[3])
             return h, (out, routed)
 
-        x, outputs, routed = scan_layers(model, body, x, layer_inputs, routes.recorded)
+        policy = jax.checkpoint_policies.nothing_saveable if remat else None
+        x, outputs, routed = scan_layers(
+            model, body, x, layer_inputs, routes.recorded, remat=policy
+        )
         return final_norm(model, x), outputs, routed
     inputs = [None] * len(layers) if layer_inputs is None else layer_inputs
     outputs, routed, s = [], [], 0
     for p, sliding, sparse, li in zip(layers, c.sliding_layers, c.sparse_layers, inputs):
         recorded = None if routes.recorded is None or not sparse else routes.recorded[s]
-        x, out, r = run(x, p, li, sliding, recorded)
+        x, out, r = run(x, p, li, sliding, recorded, remat)
         s += sparse
         outputs.append(out)
         routed.append(r)

@@ -262,13 +262,14 @@ def rows_hidden(
         stats = None if p_routed is None else p_routed.stats + c_routed.stats
         return (xp, xc), (None, stats)
 
-    if layers.remat:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[layers.remat_policy])
     xc0 = embed(model, rows.tokens.reshape(b, n))
     xp0 = (
         embed(model, prompt_ids) if prompt is None else prompt_embeddings(model, prompt_ids, prompt)
     )
-    (xp, xc), _, stats = scan_layers(model, body, (xp0, xc0), None, replay, unroll=layers.unroll)
+    policy = REMAT_POLICIES[layers.remat_policy] if layers.remat else None
+    (xp, xc), _, stats = scan_layers(
+        model, body, (xp0, xc0), None, replay, unroll=layers.unroll, remat=policy
+    )
     return final_norm(model, xp), final_norm(model, xc), stats
 
 
