@@ -352,10 +352,10 @@ else:
     from test_parallel import run_worker
 
     from relax import parallel
-    from relax.models.config.sharding import LOGICAL_AXES, decode_layout
+    from relax.models.config.sharding import LOGICAL_AXES, decode_layout, path_name
     from relax.models.moe import experts as moe
     from relax.models.moe.expert_parallel import experts_ffn, local_sparse_ffn
-    from relax.parallel.mesh import MeshSpec, ShardingError, _path_name
+    from relax.parallel.mesh import MeshSpec, ShardingError
     from relax.passes import target_backend
 
     @pytest.fixture(scope="module")
@@ -562,13 +562,13 @@ else:
 
     def _specs(model, cfg, mesh):
         return {
-            _path_name(p): parallel.partition_spec(_path_name(p), x.shape, mesh, cfg)
+            path_name(p): parallel.partition_spec(path_name(p), x.shape, mesh, cfg)
             for p, x in jax.tree_util.tree_leaves_with_path(model)
         }
 
     def test_expert_weights_split_over_expert_router_and_shared_expert_replicated():
         cfg, model = _moe_model(shared_expert_size=24)
-        assert {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)} <= set(
+        assert {path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)} <= set(
             LOGICAL_AXES
         )
         spec = _specs(model, cfg, _abstract(expert=2, fsdp=2, tensor=2))

@@ -727,10 +727,9 @@ if __name__ != "__main__":
         model = jax.eval_shape(
             lambda: add_lora(init(cfg, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1))
         )
-        from relax.models.config.sharding import LOGICAL_AXES
-        from relax.parallel.mesh import _path_name
+        from relax.models.config.sharding import LOGICAL_AXES, path_name
 
-        names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
+        names = {path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)}
         moe = ModelConfig(
             **{
                 **MODEL,
@@ -749,7 +748,7 @@ if __name__ != "__main__":
                     init(moe, jax.random.key(0)), LoRAConfig(rank=2), jax.random.key(1)
                 )
             )
-        names |= {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(moe_lora)}
+        names |= {path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(moe_lora)}
         assert names == set(
             LOGICAL_AXES
         )  # every parameter the model can have, LoRA factors and experts included
@@ -809,14 +808,14 @@ if __name__ != "__main__":
     def test_axis_that_does_not_divide_its_dimension_names_parameter_dim_axis(
         mesh_kw, overrides, match
     ):
-        from relax.parallel.mesh import _path_name
+        from relax.models.config.sharding import path_name
 
         cfg = ModelConfig(**{**MODEL, **overrides})
         model = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
         mesh = _abstract(**mesh_kw)
         with pytest.raises(ShardingError, match=match):
             jax.tree_util.tree_map_with_path(
-                lambda p, x: parallel.partition_spec(_path_name(p), x.shape, mesh, cfg), model
+                lambda p, x: parallel.partition_spec(path_name(p), x.shape, mesh, cfg), model
             )
 
     def test_rules_can_replicate_a_logical_axis():

@@ -346,8 +346,7 @@ else:
     from test_parallel import run_worker
 
     from relax import parallel
-    from relax.models.config.sharding import VISION_LOGICAL_AXES
-    from relax.parallel.mesh import _path_name
+    from relax.models.config.sharding import VISION_LOGICAL_AXES, path_name
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
@@ -458,7 +457,7 @@ else:
     def test_every_vision_weight_has_logical_axes():
         names = set()
         for vision in (_qwen_vision(), jax.eval_shape(lambda: tiny_gemma3(64))):
-            names |= {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(vision)}
+            names |= {path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(vision)}
         assert names == set(VISION_LOGICAL_AXES)
 
     def test_vision_specs_follow_the_rules():

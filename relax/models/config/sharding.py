@@ -196,10 +196,10 @@ def gathered(x: jax.Array, logical: tuple[str, ...], head_dim: int) -> jax.Array
     """Weight ``x`` (inside jit; ``logical``: its axes, without ``layers`` for one layer's slice)
     laid out for its use (``layer_weight_specs``): an all-gather over ``fsdp`` of its model width,
     and in the backward its cotangent, each device's partial sum over its own rows,
-    reduce-scattered back to the stored split. FSDP made explicit; left to propagation the
-    partitioner kept the weights split and all-reduced activation-sized partial products
-    instead (benchmarks/RESULTS.md, forty-second session). ``x`` itself where nothing is split
-    over ``fsdp``."""
+    reduce-scattered back to the stored split. FSDP made explicit rather than left to the
+    partitioner's propagation, which for the rollout's prefill kept the weights split and
+    exchanged activations by collective-permute instead (benchmarks/RESULTS.md, forty-second
+    session). ``x`` itself where nothing is split over ``fsdp``."""
     specs = layer_weight_specs(logical, x.shape, head_dim)
     if specs is None:
         return x
