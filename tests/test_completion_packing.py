@@ -283,7 +283,12 @@ def test_grpo_step_with_packing_equals_it_without():
     for (tok_on, m_on), (tok_off, m_off) in zip(on, off):
         np.testing.assert_array_equal(tok_on, tok_off)
         for name, value in m_off.items():
-            if not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
+            if name.startswith("mismatch/"):
+                # sampler vs trainer: round-off packed or not (the log-probs agree to 1e-5, above),
+                # so bounded rather than compared (1.4e-5 against 2.1e-6 on one host for PPO's
+                # abs_max); a packing error would put the trainer's log-probs far from the sampler's
+                assert max(abs(m_on[name]), abs(value)) < 1e-4, (name, m_on[name], value)
+            elif not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
                 # float32 sums in another order (the KL and the gradient norm 2.5e-5 and 4e-5 apart on an
                 # AMD EPYC host); a packing error is of the order of the values
                 np.testing.assert_allclose(m_on[name], value, rtol=1e-4, atol=1e-5, err_msg=name)

@@ -187,7 +187,9 @@ def test_ppo_step_with_packing_equals_it_without(critic, loss_type):
     for (tok_on, m_on), (tok_off, m_off) in zip(on, off):
         np.testing.assert_array_equal(tok_on, tok_off)
         for name, value in m_off.items():
-            if not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
+            if name.startswith("mismatch/"):  # round-off either way: bounded, as GRPO's
+                assert max(abs(m_on[name]), abs(value)) < 1e-4, (name, m_on[name], value)
+            elif not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
                 np.testing.assert_allclose(
                     m_on[name], value, rtol=1e-4, atol=1e-5, err_msg=name
                 )  # as GRPO's
