@@ -239,6 +239,23 @@ def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumul
         np.testing.assert_allclose(got_metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def assert_same_steps(on, off):
+    """Packed (``on``) and padded (``off``) steps, each ``(tokens, metrics)``: the same tokens, and
+    every metric but the timings the same within float32 round-off."""
+    for (tok_on, m_on), (tok_off, m_off) in zip(on, off, strict=True):
+        np.testing.assert_array_equal(tok_on, tok_off)
+        for name, value in m_off.items():
+            if name.startswith("mismatch/"):
+                # sampler vs trainer: round-off packed or not (the log-probs agree to 1e-5, above),
+                # so bounded rather than compared (1.4e-5 against 2.1e-6 on one host for PPO's
+                # abs_max); a packing error would put the trainer's log-probs far from the sampler's
+                assert max(abs(m_on[name]), abs(value)) < 1e-4, (name, m_on[name], value)
+            elif not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
+                # float32 sums in another order (the KL and the gradient norm 2.5e-5 and 4e-5 apart on an
+                # AMD EPYC host); a packing error is of the order of the values
+                np.testing.assert_allclose(m_on[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_grpo_step_with_packing_equals_it_without():
     """Two iterations of the composed step (rollout, pack, reference, update) on completions
     that stop early: the same samples, metrics and weights with packing on and off."""
@@ -280,18 +297,7 @@ def test_grpo_step_with_packing_equals_it_without():
     assert (
         on[0][1]["pack_bins"] < 4 and "pack_bins" not in off[0][1]
     )  # packed, several groups to a bin
-    for (tok_on, m_on), (tok_off, m_off) in zip(on, off):
-        np.testing.assert_array_equal(tok_on, tok_off)
-        for name, value in m_off.items():
-            if name.startswith("mismatch/"):
-                # sampler vs trainer: round-off packed or not (the log-probs agree to 1e-5, above),
-                # so bounded rather than compared (1.4e-5 against 2.1e-6 on one host for PPO's
-                # abs_max); a packing error would put the trainer's log-probs far from the sampler's
-                assert max(abs(m_on[name]), abs(value)) < 1e-4, (name, m_on[name], value)
-            elif not name.startswith("time") and name not in ("tokens_per_s", "compiles"):
-                # float32 sums in another order (the KL and the gradient norm 2.5e-5 and 4e-5 apart on an
-                # AMD EPYC host); a packing error is of the order of the values
-                np.testing.assert_allclose(m_on[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_same_steps(on, off)
     # Adam's round-off on gradient components within float noise of 0 (tests/test_parallel.py's WEIGHT_ATOL)
     chex.assert_trees_all_close(policy_on, policy_off, atol=5e-3 * 1e-2)
 

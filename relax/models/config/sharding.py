@@ -132,6 +132,12 @@ def ambient_batch_shards() -> int:
     return batch_shards(jax.sharding.get_abstract_mesh())
 
 
+def ambient_axis_size(axis: str) -> int:
+    """The size of mesh axis ``axis`` on the mesh being traced with (1 where it has none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape[axis] if axis in getattr(mesh, "axis_names", ()) else 1
+
+
 def rows_over_batch(tree: Any) -> Any:
     """Each array of ``tree`` (inside jit) pinned with its leading rows split over the ambient
     mesh's batch axes (``ambient_batch_axes``) and its other axes whole, where the rows divide;
@@ -170,10 +176,7 @@ def layer_weight_specs(
     its rows need, while heads, MLP units and each expert's units stay over ``tensor`` and experts
     over ``expert`` where they divide. None when nothing is split over ``fsdp`` (no mesh, an
     ``fsdp`` axis of 1, a width it does not divide): nothing to gather."""
-    mesh = jax.sharding.get_abstract_mesh()
-    names = getattr(mesh, "axis_names", ())
-    size = lambda a: mesh.shape[a] if a in names else 1  # noqa: E731
-    f, t, ep = size(FSDP_AXIS), size(TENSOR_AXIS), size(EXPERT_AXIS)
+    f, t, ep = (ambient_axis_size(a) for a in (FSDP_AXIS, TENSOR_AXIS, EXPERT_AXIS))
     use, stored = [], []
     for axis, n in zip(logical, shape):
         units = n // head_dim if axis in HEAD_AXES and n % head_dim == 0 else n
@@ -285,11 +288,8 @@ def decode_layout(config) -> DecodeLayout:
     model of ``config``: a ``tensor`` axis splits what it divides (whole KV heads and their query
     heads, MLP units, each expert's units, vocabulary rows), an ``expert`` axis the experts, as
     the parameter rules do."""
-    mesh = jax.sharding.get_abstract_mesh()
-    names = getattr(mesh, "axis_names", ())
-    batch = tuple(a for a in BATCH_AXES if a in names and mesh.shape[a] > 1)
-    size = lambda a: mesh.shape[a] if a in names else 1  # noqa: E731
-    t, ep = size(TENSOR_AXIS), size(EXPERT_AXIS)
+    batch = tuple(a for a in BATCH_AXES if ambient_axis_size(a) > 1)
+    t, ep = ambient_axis_size(TENSOR_AXIS), ambient_axis_size(EXPERT_AXIS)
     split = lambda n: TENSOR_AXIS if t > 1 and n % t == 0 else None  # noqa: E731
     moe = bool(getattr(config, "num_experts", 0))
     return DecodeLayout(

@@ -360,9 +360,9 @@ def gathered_layer(p: LayerStack, config: ModelConfig) -> LayerStack:
     model width is split over ``fsdp`` gathered whole for the layer's use, its gradient
     reduce-scattered back (``relax.models.config.sharding.gathered``): one all-gather per weight
     and layer in the forward (again in a rematerialised backward), one reduce-scatter in the
-    backward. Unchanged off a mesh with an ``fsdp`` axis. In the training forwards the layout
-    propagation already chose (their activation all-reduces came from the output head's chunks,
-    ``relax.models.decoder.logprobs``); it is the rollout's prefill that it changes."""
+    backward. Unchanged off a mesh with an ``fsdp`` axis. The training forwards' layout is the
+    one propagation already chose (their activation all-reduces came from the output head's
+    chunks, ``relax.models.decoder.logprobs``); the rollout's prefill is what it changes."""
 
     def leaf(path, x):
         logical = LOGICAL_AXES.get("layers." + path_name(path))
