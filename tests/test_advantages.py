@@ -345,6 +345,7 @@ def test_token_shape_errors_name_arrays():
         )
 
 
+@pytest.mark.slow
 def test_turn_grpo_matches_numpy_reward_to_go():
     rng = np.random.default_rng(0)
     p, g, k, t = 3, 4, 3, 12

@@ -60,6 +60,7 @@ def _main(run_dir, steps, *extra):
     )
 
 
+@pytest.mark.slow
 def test_pipelined_agent_runs_are_reproducible_and_one_version_behind(tmp_path):
     a = _main(tmp_path / "a", 3, "--checkpoint-every", "3")
     _main(tmp_path / "b", 3, "--checkpoint-every", "3")

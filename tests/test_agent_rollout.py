@@ -124,6 +124,7 @@ def test_trajectories_are_token_exact_and_observations_masked(tokenizer):
     assert np.all(traj.rewards[finished] == 2.0) and np.all(traj.turns[finished] == 3)
 
 
+@pytest.mark.slow
 def test_budgets_truncate_and_flag(tokenizer):
     model = stopping_model(
         tokenizer, stop_logit=-20.0
@@ -259,6 +260,7 @@ class Staggered:
         return [{"role": "user", "content": f"observation {turn}: " + "abc def " * (2 + turn)}]
 
 
+@pytest.mark.slow
 def test_chunked_observations_and_compactions_give_the_trainers_logprobs(tokenizer, monkeypatch):
     """Observations prefilled 3 tokens at a time and a batch compacted down every size to 1 row
     (``min_rows=1``): the trainer's prefix-shared forward over ``[prompt | trajectory]`` gives the
@@ -328,6 +330,7 @@ def test_compact_sizes(trajectories, min_rows, want):
     assert compact_sizes(trajectories, cfg) == want
 
 
+@pytest.mark.slow
 def test_a_warmed_rollout_compiles_nothing(tokenizer):
     """``warm_rollout`` for a batch's size and prompt width compiles every program the rollout
     then calls, whatever its environments answer: a rollout with observations, compactions and

@@ -36,6 +36,7 @@ FAST = [
 @pytest.mark.parametrize(
     "algorithm", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)]
 )  # PPO: test_agent_step
+@pytest.mark.slow
 def test_train_agent_runs(tmp_path, algorithm):
     extra = (
         ["--ppo.num-generations", "2", "--ppo.max-new-tokens", "64", "--ppo.critic", "shared"]
@@ -183,6 +184,7 @@ def write_model(directory: Path, sft_steps: int = 0) -> Path:
     return directory / "model"
 
 
+@pytest.mark.slow
 def test_train_agent_runs_a_users_environment_from_the_command_line(tmp_path, monkeypatch):
     (tmp_path / "guess_env.py").write_text(GUESS_ENV)
     data = tmp_path / "rows.jsonl"
@@ -249,6 +251,7 @@ class Ragged:
 '''
 
 
+@pytest.mark.slow
 def test_every_program_compiles_before_the_first_step(tmp_path, monkeypatch):
     """A user's environment with prompts of three buckets, observations of several chunks and
     trajectories that end at different turns (the batch compacted down to 2 rows): the start-up

@@ -60,6 +60,7 @@ def run_step(step, state):
 
 
 @pytest.mark.parametrize("per_turn", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
 def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
     model = stopping_model(tokenizer)
     cfg = configure(
@@ -114,6 +115,7 @@ def test_agent_grpo_step(tokenizer, per_turn):  # noqa: F811
     )
 
 
+@pytest.mark.slow
 def test_agent_ppo_step(tokenizer):  # noqa: F811
     model = stopping_model(tokenizer)
     cfg = configure(
@@ -173,6 +175,7 @@ def _errored_tokens_are_out_of_the_loss(batch, host):
     np.testing.assert_array_equal(loss_mask[~errored], sampled[~errored])
 
 
+@pytest.mark.slow
 def test_agent_grpo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):  # noqa: F811
     model = stopping_model(tokenizer)
     cfg = configure(
@@ -200,6 +203,7 @@ def test_agent_grpo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):
     )
 
 
+@pytest.mark.slow
 def test_agent_ppo_step_leaves_errored_trajectories_out_of_the_loss(tokenizer):  # noqa: F811
     model = stopping_model(tokenizer)
     cfg = configure(PPOConfig, num_generations=4, max_new_tokens=64, critic="shared", kl_coef=0.0)

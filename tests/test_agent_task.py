@@ -149,6 +149,7 @@ def test_environment_with_the_tool():
     assert last.done and last.reward == 0.0 and last.info["truncated"]
 
 
+@pytest.mark.slow
 def test_train_base_model_runs(tok):
     task = dataclasses.replace(TASK, hidden_size=16, num_layers=1, sft_steps=2, sft_batch=4)
     train, _ = agent.make_splits(task)

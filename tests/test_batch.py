@@ -103,6 +103,7 @@ def _phases(step, state, batch):
     return seen, state, batch
 
 
+@pytest.mark.slow
 def test_grpo_phases_follow_the_docs():
     cfg = configure(GRPOConfig, num_generations=G, max_new_tokens=N, beta=0.04)
     state = init_state(
@@ -144,6 +145,7 @@ def test_grpo_phases_follow_the_docs():
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(out.device))
 
 
+@pytest.mark.slow
 def test_ppo_phases_and_rows():
     cfg = configure(PPOConfig, num_generations=2, max_new_tokens=N)
     state = ppo_state(cfg, init(CFG, jax.random.key(0), std=0.3), jax.random.key(1))

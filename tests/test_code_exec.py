@@ -192,6 +192,7 @@ SLOW_ADD = "import time\ntime.sleep(0.7)\ndef add(a, b):\n    return a + b"
 
 
 @pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.slow
 def test_slow_but_legitimate_samples_outlast_the_reward_timeout(pooled):
     """Three samples of ~0.7 s each in one chunk, each within the sandbox's wall_s, with a 1 s
     --reward-timeout-s: the chunk's timeout is raised to their worst case, and they score."""

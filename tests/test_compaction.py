@@ -73,6 +73,7 @@ def _compacts(r, size):
         pytest.param("mistral_window", ((3, 8),), marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_compacted_rollout_equals_the_uncompacted_one(name, runs):
     model = get_model(name)
     _, _, want = _run(model, 0)
@@ -93,6 +94,7 @@ def test_compacted_rollout_equals_the_uncompacted_one(name, runs):
         )
 
 
+@pytest.mark.slow
 def test_compacted_logprobs_equal_the_trainer():
     model = get_model("llama_gqa")
     ids, mask, r = _run(model, 3, chunk=4, seed=7)
@@ -108,6 +110,7 @@ def test_compacted_logprobs_equal_the_trainer():
     assert diff.max() <= 1.5 * LOGP_ATOL and diff.mean() < 5e-6, (diff.max(), diff.mean())
 
 
+@pytest.mark.slow
 def test_compacted_routes_equal_the_uncompacted_ones():
     moe = init(
         tiny(
@@ -132,6 +135,7 @@ def test_compacted_routes_equal_the_uncompacted_ones():
     assert np.all(routes[fed] >= 0) and np.all(routes[~fed] == -1)
 
 
+@pytest.mark.slow
 def test_phases_are_in_the_program_and_none_without_stop_ids():
     model = get_model("llama_gqa")
     ids, mask = ragged_prompts()

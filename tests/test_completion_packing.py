@@ -144,6 +144,7 @@ def test_bad_batches_are_refused_by_name():
     "window,bin_tokens,block",
     [(None, None, 4), pytest.param(None, 28, 2, marks=pytest.mark.slow), (3, 20, 4)],
 )
+@pytest.mark.slow
 def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(window, bin_tokens, block):
     cfg = ModelConfig(**{**CFG.__dict__, "sliding_window": window})
     model = init(cfg, jax.random.key(0), std=0.3)
@@ -208,6 +209,7 @@ def _update_data(p=4, g=4, n=6, seed=0):
         for m in AGGREGATION_MODES
     ],
 )
+@pytest.mark.slow
 def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumulation(loss_type):
     """Parameters and every metric after one update: packed, one bin per micro-batch (the empty
     ones skipped) == padded in one micro-batch; KL and entropy terms on."""
@@ -256,6 +258,7 @@ def assert_same_steps(on, off):
                 np.testing.assert_allclose(m_on[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_grpo_step_with_packing_equals_it_without():
     """Two iterations of the composed step (rollout, pack, reference, update) on completions
     that stop early: the same samples, metrics and weights with packing on and off."""

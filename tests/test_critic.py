@@ -123,6 +123,7 @@ def test_init_critic_copies_the_policy():
         init_critic(policy, head_std=0.1)
 
 
+@pytest.mark.slow
 def test_value_gradients_match_finite_differences():
     critic = _critic(CFG, bias=0.1)
     batch = _batch(critic.backbone.config.vocab_size, seed=2)

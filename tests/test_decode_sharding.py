@@ -145,6 +145,7 @@ else:
         np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=2e-5, err_msg=what)
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_decode_on_a_mesh_equals_one_device(results, spec):
         _same(results["mesh"][spec], results["one"], spec)
 

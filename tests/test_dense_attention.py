@@ -57,6 +57,7 @@ def test_forward_matches_numpy():
     np.testing.assert_allclose(_from_dense(got)[ok], want[ok], atol=2e-5)
 
 
+@pytest.mark.slow
 def test_backward_matches_autodiff_of_plain_attention():
     args = tuple(map(jnp.asarray, _inputs(4)))
     p_len = jnp.asarray(np.asarray(args[7]).sum(1))
@@ -78,6 +79,7 @@ def test_backward_matches_autodiff_of_plain_attention():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_and_gradients_agree_between_implementations():
     cfg = ModelConfig(
         vocab_size=64,

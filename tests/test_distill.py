@@ -99,6 +99,7 @@ def assert_same_grads(chunked, reference, *args):
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("T", [1.0, 2.0])
+@pytest.mark.slow
 def test_kl_matches_distillation_loss(direction, T):
     """Chunked KL from hidden states = ``distillation_loss`` on the full logits (without its T^2),
     values and gradients in the student's head and hidden states; chunks of 3 rows (7 rows: a
@@ -277,6 +278,7 @@ def test_config_checks():
     assert configure(DistillConfig, divergence="jsd", jsd_beta=0.0).metric_name == "kl"
 
 
+@pytest.mark.slow
 def test_student_equal_to_teacher_gives_zero_divergence_and_gradient():
     """The loss on a micro-batch with student = teacher: every divergence ~0 (the two forwards of
     the same weights differ only in summation order) and so is its gradient; top-1 agreement 1."""
@@ -299,6 +301,7 @@ def test_student_equal_to_teacher_gives_zero_divergence_and_gradient():
         assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) < 1e-5, divergence
 
 
+@pytest.mark.slow
 def test_student_equal_to_teacher_through_the_step():
     student, _ = models()
     cfg = configure(DistillConfig, divergence="jsd", optimizer=OptimizerConfig())
@@ -346,6 +349,7 @@ def test_off_policy_distillation_reduces_held_out_kl():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_on_policy_samples_from_the_student_and_trains():
     student, teacher = models()
     cfg = configure(
@@ -383,6 +387,7 @@ def test_on_policy_samples_from_the_student_and_trains():
     assert not np.array_equal(out2.batch.tokens, out.batch.tokens)
 
 
+@pytest.mark.slow
 def test_mixed_mode_takes_sampled_or_dataset_completions_by_its_coin():
     student, teacher = models()
     batch = dataset_batch()
@@ -435,6 +440,7 @@ def test_vocabulary_mismatch_is_a_clear_error():
         )(state, dataset_batch())
 
 
+@pytest.mark.slow
 def test_grad_accumulation_gives_the_same_update():
     student, teacher = models()
     batch = dataset_batch()

@@ -179,6 +179,7 @@ def test_the_pages_have_python_blocks():
 @pytest.mark.parametrize(
     "page, line, code, reason, loop", BLOCKS, ids=[f"{b[0]}:{b[1]}" for b in BLOCKS]
 )
+@pytest.mark.slow
 def test_each_python_block_runs(page, line, code, reason, loop, workdir, monkeypatch, tmp_path):
     if reason is not None:
         pytest.skip(f"marked not runnable: {reason}")

@@ -328,6 +328,7 @@ def test_prompt_truncation_keeps_the_bos_and_the_end(toks):
 # ----------------------------------------------------------------------------- the forward
 
 
+@pytest.mark.slow
 def test_shared_prompt_logps_equal_two_full_sequence_forwards():
     policy, _ = _models()
     b = _batch()
@@ -358,6 +359,7 @@ def _state(cfg, policy, ref=None):
     ).replace(ref=None if ref is None else _copy(ref))
 
 
+@pytest.mark.slow
 def test_policy_equal_to_reference_gives_log2_and_zero_margins():
     policy, _ = _models()
     cfg = DPOConfig(optimizer=OptimizerConfig(learning_rate=1e-3))
@@ -417,6 +419,7 @@ def np_dpo_loss(pol, ref, lengths, cfg):
     ],
     ids=lambda c: f"{c.loss_type}-{c.label_smoothing}",
 )
+@pytest.mark.slow
 def test_step_loss_against_numpy_on_full_sequence_logps(cfg):
     policy, ref = _models()
     b = _batch()
@@ -438,6 +441,7 @@ def test_step_loss_against_numpy_on_full_sequence_logps(cfg):
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", pytest.param("orpo", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_grad_accumulation_changes_nothing(loss_type):
     """The loss divides by the whole batch's pairs (and, for ORPO's NLL, chosen tokens): the summed
     micro-batch gradients are the batch gradient. SGD, so the update IS the gradient."""
@@ -473,6 +477,7 @@ def test_grad_accumulation_changes_nothing(loss_type):
         np.testing.assert_allclose(res[0][1].metrics[k], res[1][1].metrics[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_nonfinite_reference_is_reported_and_the_step_skipped():
     policy, _ = _models()
     cfg = DPOConfig(precompute_reference=True)
@@ -497,6 +502,7 @@ def test_nonfinite_reference_is_reported_and_the_step_skipped():
 # ----------------------------------------------------------------------------- reference cache
 
 
+@pytest.mark.slow
 def test_reference_cache_equals_recomputed_and_is_keyed(tmp_path, toks):
     tok = toks["qwen25"]
     cfg_m = ModelConfig(**{**CFG.__dict__, "vocab_size": tok.vocab_size})

@@ -111,6 +111,7 @@ else:
         return json.loads(out.read_text())
 
     @pytest.mark.parametrize("forward", ("plain", "shared"))
+    @pytest.mark.slow
     def test_fsdp_forward_and_gradients_equal_one_device(results, forward):
         got = results[forward]
         np.testing.assert_allclose(got["value"][1], got["value"][0], rtol=1e-5)

@@ -213,6 +213,7 @@ def test_prefix_shared_forward_equals_full_sequence():
         chex.assert_trees_all_close(g_shared, g_direct, atol=1e-5 * scale, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_equal_trainer_logprobs():
     """The prefix-shared decode (per-layer windows and RoPE tables, static per layer) samples
     tokens whose log-probs both training forwards reproduce."""

@@ -64,6 +64,7 @@ def _run(images=None, packing=None):
     return model, inputs, new, out
 
 
+@pytest.mark.slow
 def test_the_sampler_and_every_forward_read_the_images():
     _, images, new, out = _run(_images)
     b = out.device.batch
@@ -86,6 +87,7 @@ def test_the_sampler_and_every_forward_read_the_images():
     )
 
 
+@pytest.mark.slow
 def test_text_prompt_inputs_are_the_step_without_images():
     _, _, a, out_a = _run(lambda m, b: text_prompt_inputs(m, b.prompt_ids, b.prompt_mask))
     _, _, b, out_b = _run(None)
@@ -96,6 +98,7 @@ def test_text_prompt_inputs_are_the_step_without_images():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_packing_leaves_image_batches_padded():
     _, _, _, out = _run(_images, PackingConfig(mode="auto"))
     assert out.device.batch.packed is None

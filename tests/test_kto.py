@@ -177,6 +177,7 @@ def np_step_loss(policy, ref, cfg):
     return losses.mean(), z0, pol, ref_lp
 
 
+@pytest.mark.slow
 def test_step_against_numpy_on_full_sequence_logps():
     policy, ref = _models()
     # a reference far enough from the policy that z0 > 0 (not clamped)
@@ -201,6 +202,7 @@ def test_step_against_numpy_on_full_sequence_logps():
     assert int(out.health["first_nonfinite"]) == -1 and int(state.step) == 1
 
 
+@pytest.mark.slow
 def test_policy_equal_to_reference():
     policy, _ = _models()
     cfg = KTOConfig()
@@ -214,6 +216,7 @@ def test_policy_equal_to_reference():
     assert float(m["rewards/chosen"]) == 0.0 and float(m["rewards/margins"]) == 0.0
 
 
+@pytest.mark.slow
 def test_grad_accumulation_changes_nothing():
     policy, ref = _models()
     res = []
@@ -227,6 +230,7 @@ def test_grad_accumulation_changes_nothing():
         )
 
 
+@pytest.mark.slow
 def test_reference_cache_equals_recomputed(tmp_path, qwen):
     cfg_m = ModelConfig(**{**CFG.__dict__, "vocab_size": qwen.vocab_size})
     policy = init(cfg_m, jax.random.key(0), std=0.3)
@@ -267,6 +271,7 @@ def test_eval_stage():
     np.testing.assert_allclose(out.metrics["kl"], z0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_in_padded_batches_equals_one_batch():
     from test_dpo import _pairs_of
 

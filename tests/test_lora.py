@@ -147,6 +147,7 @@ def test_forward_equals_numpy_merged_weights(base, targets, rslora):
     assert not np.allclose(np.asarray(base(IDS)), want, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_lora_gradients_against_finite_differences(base):
     policy = randomized(
         add_lora(
@@ -220,6 +221,7 @@ def test_trainable_marks_adapters_and_other_parts():
 
 
 @pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.slow
 def test_sampler_logprobs_equal_the_trainer_with_adapters(base, merge):
     policy = randomized(add_lora(base, LoRAConfig(rank=4), jax.random.key(4)))
     pm = jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)
@@ -457,6 +459,7 @@ def test_phi3_lora_against_transformers_and_peft(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_k_adapters_in_one_program_equal_k_separate_runs(base):
     from relax.train.many import (
         adapter,
@@ -513,6 +516,7 @@ def test_k_adapters_in_one_program_equal_k_separate_runs(base):
     np.testing.assert_array_equal(np.asarray(stacked.layers.wq), np.asarray(base.layers.wq))
 
 
+@pytest.mark.slow
 def test_float32_adapters_over_a_bfloat16_base_keep_small_updates(base):
     from relax.models.decoder.transformer import cast
 

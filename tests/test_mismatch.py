@@ -144,6 +144,7 @@ def _own_logprobs(model, data, temperature):
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.slow
 def test_update_reports_the_first_steps_mismatch(algorithm):
     """Sampler log-probs = the trainer's minus a known shift: the update (two micro-batches per
     step, two optimizer steps, the second after a large step) reports the shift's metrics."""

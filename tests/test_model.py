@@ -137,6 +137,7 @@ def test_positions_from_mask():
     )
 
 
+@pytest.mark.slow
 def test_bfloat16_params_and_compute():
     cfg = tiny(**FAMILIES["qwen3_qknorm"])
     m32 = init(cfg, jax.random.key(0), std=0.1)
@@ -184,6 +185,7 @@ def test_chunked_logprobs_equal_direct(chunk, temperature):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_logprob_gradients_equal_direct():
     cfg = tiny(**FAMILIES["qwen2_bias"])
     m = init(cfg, jax.random.key(6), std=0.1)
@@ -198,6 +200,7 @@ def test_chunked_logprob_gradients_equal_direct():
     chex.assert_trees_all_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_logprob_gradient_matches_finite_difference():
     cfg = tiny(num_layers=1)
     m = init(cfg, jax.random.key(9), std=0.1)
@@ -211,6 +214,7 @@ def test_logprob_gradient_matches_finite_difference():
     np.testing.assert_allclose(jnp.vdot(g, d), fd, rtol=2e-3)
 
 
+@pytest.mark.slow
 def test_entropy_equals_direct_values_and_gradients():
     cfg = tiny()
     m = init(cfg, jax.random.key(12), std=0.3)

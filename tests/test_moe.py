@@ -180,6 +180,7 @@ def _rollout(model, record=True):
     )
 
 
+@pytest.mark.slow
 def test_sampler_records_every_fed_token():
     model = _near_tied_model(dense_layers=(1,))
     _, mask, out = _rollout(model)
@@ -195,6 +196,7 @@ def test_sampler_records_every_fed_token():
     assert _rollout(model, record=False)[2].routes is None
 
 
+@pytest.mark.slow
 def test_routing_replay_makes_trainer_logprobs_the_samplers():
     """Near-tied routers: the trainer's forward routes some tokens differently from the sampler's
     (its log-probs then differ by far more than rounding); replaying the recorded experts makes
@@ -219,6 +221,7 @@ def test_routing_replay_makes_trainer_logprobs_the_samplers():
     np.testing.assert_array_equal(np.asarray(stats.compared), np.asarray(stats.tokens) - last_unfed)
 
 
+@pytest.mark.slow
 def test_routing_replay_packed_layout():
     from relax.data.completion_layout import PackingConfig, pack_bins
 
@@ -239,6 +242,7 @@ def test_routing_replay_packed_layout():
     assert np.max(np.abs(np.asarray(lp - out.logprobs))[valid]) < 1e-5
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_equal_trainer_logprobs_without_ties():
     model = T.init(ModelConfig(**TINY), jax.random.key(4), std=0.2)
     ids, mask, out = _rollout(model, record=False)
@@ -283,6 +287,7 @@ def test_mixed_layers_stack_per_kind():
     assert c.num_active_params() < c.num_params()
 
 
+@pytest.mark.slow
 def test_multi_turn_decoder_records_routes_the_trainer_replays():
     """The multi-turn decoder (cache carried across turns, an observation prefilled between them)
     records every fed token's experts; the trainer replaying them gets the decoder's log-probs

@@ -487,6 +487,7 @@ def test_relax_checkpoint_loads_in_transformers(case, tmp_path):
 @pytest.mark.parity
 @needs_transformers
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_greedy_generate_matches_transformers(case, tmp_path):
     """(b) relax's greedy sampler gives ``generate``'s tokens and log-probs on a left-padded
     ragged batch, one row stopping early."""

@@ -49,6 +49,7 @@ def _lora(model, seed=1, **cfg):
         return randomized(add_lora(model, LoRAConfig(**cfg), jax.random.key(seed)), seed=seed)
 
 
+@pytest.mark.slow
 def test_all_linear_adapts_attention_the_dense_mlp_and_the_shared_expert(base):
     policy = _lora(base)
     ad, r, D = policy.layers.lora, 3, QWEN2_MOE.hidden_size
@@ -104,6 +105,7 @@ def test_targets_resolve_per_model_and_absent_ones_are_errors():
     assert set(shared_only.layers.lora.weights()) == {"shared_router"}
 
 
+@pytest.mark.slow
 def test_shared_expert_gradients_against_finite_differences(base):
     policy = _lora(base, seed=2, target_modules=("gate_proj", "down_proj", "shared_expert_gate"))
     assert set(policy.layers.lora.weights()) == {
@@ -137,6 +139,7 @@ def test_shared_expert_gradients_against_finite_differences(base):
 
 
 @pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.slow
 def test_sampler_logprobs_equal_the_trainer_with_shared_expert_adapters(base, merge):
     policy = _lora(base, seed=4)
     pm = jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)

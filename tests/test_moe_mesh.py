@@ -370,6 +370,7 @@ else:
     # ------------------------------------------------------------------ 8 devices (subprocess)
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_training_forward_and_gradients_equal_one_device(results, spec):
         got = results["forward"][spec]
         assert got["logprobs"] < ATOL and got["one_group"] < ATOL, got

@@ -67,6 +67,7 @@ def _step(moe: MoEConfig, lr=3e-2, **grpo):
     )
 
 
+@pytest.mark.slow
 def test_grpo_learns_with_a_moe_policy_and_reports_routing():
     state, step = _step(MoEConfig(aux_loss_coef=0.01))
     ids, pm = _prompts()
@@ -89,6 +90,7 @@ def test_grpo_learns_with_a_moe_policy_and_reports_routing():
     assert 0.9 < float(m["moe/load_balance_loss"]) < 4.0  # E sum f P: 1 when balanced, at most E
 
 
+@pytest.mark.slow
 def test_router_loss_is_added_with_its_coefficient():
     """One step with aux coefficient 0 and 0.5 from the same state: the losses differ by
     0.5 x the load-balancing loss the step reports (one micro-batch: its token share is 1)."""

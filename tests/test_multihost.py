@@ -213,6 +213,7 @@ if __name__ != "__main__":
                     p.wait()
         return outputs
 
+    @pytest.mark.slow
     def test_two_processes_match_a_single_process_run(tmp_path):
         port = free_port()
         files = [tmp_path / f"proc{i}.json" for i in range(2)]

@@ -85,6 +85,7 @@ FAST_POLICY = ("importance_sampling",)  # the rest: make test-all
     "name",
     [n if n in FAST_POLICY else pytest.param(n, marks=pytest.mark.slow) for n in POLICY_NAMES],
 )
+@pytest.mark.slow
 def test_policy_objectives_equal_grpos_update(name):
     """Each registry name over ``LossRows`` with a KL to the reference and an entropy bonus: the
     metrics and the updated weights of GRPO's update (one micro-batch, one optimizer step)."""
@@ -105,6 +106,7 @@ def test_policy_objectives_equal_grpos_update(name):
     chex.assert_trees_all_close(objective_optim_step(state, grads).policy, policy, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_importance_sampling_against_numpy():
     """Token-mean ``-min(r, cap) A`` with ``r = exp(logp - old)``, ``logp`` from the plain
     full-sequence forward of each [prompt; completion]."""
@@ -123,6 +125,7 @@ def test_importance_sampling_against_numpy():
     np.testing.assert_allclose(float(metrics["loss"]), per_token[m].mean(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_causal_lm_equals_the_sft_step_and_numpy():
     model = init(CFG, jax.random.key(5), std=0.3)
     cfg = SFTConfig(max_length=12, optimizer=OPT)
@@ -172,6 +175,7 @@ def _pairs(seed=0, p=4, lp=6, n=5, reference=True):
 @pytest.mark.parametrize(
     "name", ["dpo", *(pytest.param(n, marks=pytest.mark.slow) for n in ("ipo", "simpo", "orpo"))]
 )
+@pytest.mark.slow
 def test_dpo_family_equals_the_dpo_step(name):
     model = init(CFG, jax.random.key(0), std=0.3)
     batch = _pairs()
@@ -225,6 +229,7 @@ def test_kto_equals_the_kto_step():
     )
 
 
+@pytest.mark.slow
 def test_reward_modeling_equals_the_reward_model_step():
     rm = init_reward_model(init(CFG, jax.random.key(0), std=0.3), jax.random.key(2), head_std=0.5)
     batch = _pairs()
@@ -240,6 +245,7 @@ def test_reward_modeling_equals_the_reward_model_step():
     )
 
 
+@pytest.mark.slow
 def test_ppo_with_a_value_head_equals_the_ppo_step():
     """The second iteration of the PPO trainer (value head, KL to a static reference in the
     rewards): GAE inside ``objective_forward_backward`` from the batch's rewards gives the step's

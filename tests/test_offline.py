@@ -56,6 +56,7 @@ def test_batch_iterator_resumes_exactly():
         batch_iterator([1, 2, 3], 4, 0, collate=list)
 
 
+@pytest.mark.slow
 def test_greedy_accuracy_reads_the_column_it_is_given(base):
     """The win rate's figure on rows with no ``answer`` column (a user's preference data): the
     share of greedy completions equal to ``answer_field``, as with the same strings as ``answer``.
@@ -133,6 +134,7 @@ def test_sft_learns(base, tmp_path):
     assert summary["after"]["nll"] < summary["before"]["nll"]
 
 
+@pytest.mark.slow
 def test_sft_resumes_exactly(base, tmp_path):
     """4 steps straight equal 2 steps + --resume to 4 bit for bit (data position included)."""
     args = sft_args(base)
@@ -206,6 +208,7 @@ def train_lines(run_dir: Path) -> dict:
     "name, loss_type, lr",
     [("dpo", "sigmoid", "5e-5"), pytest.param("orpo", "orpo", "3e-4", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
 def test_preference_trainers_learn_the_chosen_behaviour(base, tmp_path, name, loss_type, lr):
     """DPO and ORPO on pairs (reverse chosen, copy rejected): held-out preference accuracy and the
     win rate of the chosen behaviour (greedy completion == chosen) both rise."""
@@ -282,6 +285,7 @@ def test_kto_learns_from_unpaired_feedback(base, tmp_path):
     assert summary["after"]["win_rate"] > summary["before"]["win_rate"] + 0.2, summary
 
 
+@pytest.mark.slow
 def test_a_run_without_held_out_rows_trains_and_evaluates_nothing(base, tmp_path):
     train, _ = reverse.write_task_data(TASK, base / "no-eval", reverse.preference_records)
     summary = load_example("dpo").main(

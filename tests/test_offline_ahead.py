@@ -22,6 +22,7 @@ def _compiles(run_dir: Path) -> list[float]:
     return [json.loads(line)["compiles"] for line in lines if '"compiles"' in line]
 
 
+@pytest.mark.slow
 def test_sft_compiles_nothing_in_its_steps_and_reports_its_program(tmp_path):
     load_example("sft").main([*SMALL, "--run-dir", str(tmp_path / "ahead")])
     assert _compiles(tmp_path / "ahead") == [0.0, 0.0]
@@ -37,6 +38,7 @@ def test_sft_compiles_nothing_in_its_steps_and_reports_its_program(tmp_path):
     assert _compiles(tmp_path / "off")[0] >= 1
 
 
+@pytest.mark.slow
 def test_a_reward_model_whose_update_cannot_fit_stops_before_its_first_step(tmp_path, monkeypatch):
     monkeypatch.setattr(
         fits, "free_bytes", lambda devices, memory_mb: (1 << 10, "1 KiB free", len(devices))

@@ -317,6 +317,7 @@ else:
         return json.loads((d / "results.json").read_text())
 
     @pytest.mark.parametrize("name", TRAINERS)
+    @pytest.mark.slow
     def test_one_step_on_a_mesh_equals_one_device(fast_results, name):
         """The fast case of each trainer: its first step's loss and every metric."""
         one, mesh = fast_results[name]["one"], fast_results[name]["mesh"]

@@ -478,6 +478,7 @@ if __name__ != "__main__":
                 got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}"
             )
 
+    @pytest.mark.slow
     def test_parameter_shards_have_the_expected_shapes(mesh_results):
         s = mesh_results["shards"][
             "data=2,fsdp=2,tensor=2"
@@ -598,6 +599,7 @@ if __name__ != "__main__":
         assert split["segments"][:2] == [["weight_transfer"], ["rollout"]], split["segments"]
         _assert_same_run(split, base, "split")
 
+    @pytest.mark.slow
     def test_cli_runs_on_sampler_and_trainer_meshes(cli_results):
         cli = cli_results["cli"]
         assert {"before", "after", "export"} <= set(cli["summary_keys"]) and cli["exported"]
@@ -896,6 +898,7 @@ if __name__ != "__main__":
         with pytest.warns(UserWarning, match="offload_reference: the state has no reference model"):
             assert not parallel.ShardedStep(step, no_ref, mesh, offload_reference=True).offload
 
+    @pytest.mark.slow
     def test_remat_gives_the_same_loss_and_gradients():
         from relax.algorithms.cli.configure import configure
         from relax.algorithms.grpo.config import GRPOConfig

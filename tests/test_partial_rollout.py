@@ -99,6 +99,7 @@ def test_partial_needs_staleness_for_its_chunks():
         _partial(3, n=8)
 
 
+@pytest.mark.slow
 def test_partial_rollouts_record_each_tokens_version_and_behaviour_log_prob():
     """Batch 1's first chunk is sampled by policy A (version 0), its second by policy B (version
     1): each token's log-prob is the trainer's forward of the weights its version names."""
@@ -132,6 +133,7 @@ def test_partial_rollouts_record_each_tokens_version_and_behaviour_log_prob():
         partial.produce(b, 1, key, PartialRequest(5))
 
 
+@pytest.mark.slow
 def test_partial_state_round_trips_through_json_and_resumes_exactly():
     a = init(CFG, jax.random.key(0), std=0.3)
     partial, key = _partial(4), jax.random.key(3)
@@ -194,6 +196,7 @@ def _run(partial, state, step, start, steps, views=None):
     return states, outs, saved
 
 
+@pytest.mark.slow
 def test_pipelined_partial_rollouts_reproduce_weigh_each_token_and_resume():
     partial = _partial(2)
     state0, step = _grpo(partial)
@@ -281,6 +284,7 @@ def test_partial_rollouts_refuse_what_they_do_not_support():
         )
 
 
+@pytest.mark.slow
 def test_ppo_with_partial_rollouts_trains_on_mixed_versions():
     """PPO (critic, two epochs: a proximal forward) on batches sampled over two rollouts."""
     from relax.algorithms.cli.configure import configure
@@ -362,6 +366,7 @@ def stage_worker(out: str) -> None:
     Path(out).write_text(json.dumps(results))
 
 
+@pytest.mark.slow
 def test_partial_rollouts_on_sharded_weights_sample_one_devices_tokens(tmp_path):
     """The stage alone on 4 simulated devices: weights over ``fsdp=2,tensor=2``, each batch's rows
     (and the continued rows, padded to a multiple of 2) split over fsdp: one device's tokens,

@@ -121,6 +121,7 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
 
 
+@pytest.mark.slow
 def test_staleness_zero_is_the_synchronous_step_bit_for_bit():
     states, batches = _pipelined(AsyncConfig(staleness=0), 3)
     _, state, step = _setup(AsyncConfig(staleness=0))
@@ -132,6 +133,7 @@ def test_staleness_zero_is_the_synchronous_step_bit_for_bit():
     assert [int(np.max(b.device.batch.policy_version)) for b in batches] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_staleness_one_samples_ahead_and_weights_by_the_stored_log_prob_difference():
     states, batches = _pipelined(
         AsyncConfig(staleness=1, correction=OffPolicyConfig(kind="decoupled")), 3
@@ -172,6 +174,7 @@ def _ppo_setup(async_cfg: AsyncConfig, **overrides):
     return cfg, state, step
 
 
+@pytest.mark.slow
 def test_ppo_pipelined_with_a_proximal_pass():
     """PPO (critic, reference, two epochs: the proximal log-probs are a forward of their own)."""
     states, batches = _pipelined(
@@ -221,6 +224,7 @@ def _check_versions_and_weights(states, batches):
         assert (abs(float(metrics["is_weight_max"]) - 1) > 1e-3) == stale
 
 
+@pytest.mark.slow
 def test_pipelined_runs_are_reproducible_bit_for_bit():
     async_cfg = AsyncConfig(
         staleness=2, push_every=2, correction=OffPolicyConfig(kind="tis", level="sequence")

@@ -120,6 +120,7 @@ def tiny_plan(tiny_config):
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_plan_counts_weights_and_optimizer_by_hand(tiny_plan):
     chips = 4
     weights = hand_count_params() * 4 // chips  # float32, every parameter split over fsdp=4
@@ -176,6 +177,7 @@ def test_decode_loop_copies_no_cache_on_tpu(tiny_plan):
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_a_run_too_large_is_reported_not_fitting(tmp_path, capsys):
     from relax.plan.cli import main
 
@@ -316,6 +318,7 @@ SHORT = ["--max-prompt-tokens", "16", "--max-completion-tokens", "16"]
         ],
     ],
 )
+@pytest.mark.slow
 def test_every_trainer_compiles_for_tpu(request, tiny_config, algorithm, flags, mesh):
     from relax.plan import plan
 
@@ -374,6 +377,7 @@ def test_offline_plan_splits_weights_and_adam_over_fsdp(tiny_config):
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_agent_on_several_hosts_samples_on_each_hosts_copy(tiny_config):
     """``relax agent`` on a slice of two hosts (v5p:2x2x2, 4 chips each) samples each host's half
     of the prompts on its own copy of the policy over its 4 chips (``relax.parallel.local``): the
@@ -397,6 +401,7 @@ def test_agent_on_several_hosts_samples_on_each_hosts_copy(tiny_config):
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_agent_plan_replays_a_mixtures_routes(tmp_path):
     """A mixture of experts' agent run replays its sampler's experts in the update: the plan's
     stand-in for the rollout gives the update the routes the run's rollout records (int8 experts
@@ -427,6 +432,7 @@ def test_agent_plan_replays_a_mixtures_routes(tmp_path):
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_reward_model_and_teacher_bytes_by_hand(tiny_config, rm_config, teacher_config):
     """What a plan holds beside the policy's state, counted from the parameters (nothing
     compiled): GRPO's reward model (``--reward-model``, stored in bfloat16) on every chip of the
@@ -456,6 +462,7 @@ def test_reward_model_and_teacher_bytes_by_hand(tiny_config, rm_config, teacher_
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_multi_turn_decoder_compiles_for_tpu(tiny_config):
     from relax.algorithms.online.config import ModelRunConfig
     from relax.models.hf.checkpoint import read_config

@@ -165,6 +165,7 @@ def test_qwen_encode_program_and_vision_bytes_by_hand(qwen_plan):
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_gemma3_image_prompts_reach_the_sampler_split_by_rows(tmp_path):
     from relax.plan.vision import ImagePlan
 

@@ -113,6 +113,7 @@ def _state(cfg: PPOConfig, seed=0):
     )
 
 
+@pytest.mark.slow
 def test_ppo_step_trains_policy_and_critic():
     cfg = configure(
         PPOConfig,
@@ -152,6 +153,7 @@ def test_ppo_step_trains_policy_and_critic():
     )
 
 
+@pytest.mark.slow
 def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
     """critic='shared': the value head reads the policy's hidden states; its loss trains the head
     and reaches the backbone (the joint gradient is the sum of the two terms' gradients)."""
@@ -214,6 +216,7 @@ def test_shared_value_head_is_one_joint_loss_on_the_policy_backbone():
     assert float(jnp.max(jnp.abs(value[0].layers.wq))) > 0  # the value loss reaches the backbone
 
 
+@pytest.mark.slow
 def test_vineppo_values_are_exact_once_the_outcome_is_decided():
     """Reward: the first completion token is a five. From every state after the first token the
     outcome is decided, so each Monte-Carlo value equals the completion's own score exactly."""

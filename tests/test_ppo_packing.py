@@ -54,6 +54,7 @@ def _full_values(backbone, head, bias, full, fmask, shape):
     return (jnp.sum(h * head, -1) + bias).reshape(p, g, n)
 
 
+@pytest.mark.slow
 def test_packed_critic_values_and_gradients_equal_the_full_sequence_forward():
     ids, pm, tokens, mask, packed, full, fmask = _setup()
     critic = init_critic(init(CFG, jax.random.key(0), std=0.3))
@@ -80,6 +81,7 @@ def test_packed_critic_values_and_gradients_equal_the_full_sequence_forward():
         chex.assert_trees_all_close(grad, want, atol=1e-5 * scale, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_packed_joint_forward_equals_the_full_sequence_forward():
     """Log-probs, entropies and values of one packed forward of the policy with a value head,
     and the gradient of a weighted sum of log-probs and values."""
@@ -130,6 +132,7 @@ FAST = (("separate", "token-mean"),)
         for m in AGGREGATION_MODES
     ],
 )
+@pytest.mark.slow
 def test_ppo_step_with_packing_equals_it_without(critic, loss_type):
     """Two iterations of the composed PPO step (rollout, pack, reference, values and GAE, actor and
     critic updates) on completions that stop early: the same samples, metrics, policy and critic

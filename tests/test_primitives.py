@@ -43,6 +43,7 @@ def readme_loop() -> str:
     return block[len("```python\n") :].split("\n```", 1)[0]
 
 
+@pytest.mark.slow
 def test_readme_loop_learns():
     src = readme_loop()
     assert len(src.splitlines()) <= 30
@@ -73,6 +74,7 @@ def setup():
     return state, rollout, batch
 
 
+@pytest.mark.slow
 def test_sample(setup):
     state, rollout, batch = setup
     chex.assert_shape([rollout.tokens, rollout.mask, rollout.logprobs], (P, G, N))
@@ -126,6 +128,7 @@ def direct_logprobs(policy, batch):
     return jnp.take_along_axis(logp, batch["tokens"].reshape(P * G, N, 1), axis=-1)[..., 0]
 
 
+@pytest.mark.slow
 def test_forward_backward_equals_grad_of_the_composed_loss(setup):
     state, rollout, batch = setup
     rng = np.random.default_rng(1)
@@ -165,6 +168,7 @@ def test_forward_backward_equals_grad_of_the_composed_loss(setup):
         )
 
 
+@pytest.mark.slow
 def test_optim_step_equals_optax_by_hand(setup):
     state, _, _ = setup
     # clipping and decoupled weight decay: the update reads the gradients' norm and the params

@@ -135,6 +135,7 @@ def test_text_inputs_are_the_default():
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, GEMMA], ids=["llama", "gemma3"])
+@pytest.mark.slow
 def test_sampler_logprobs_equal_trainer_logprobs(cfg):
     model, ids, mask, inputs, rope_pos, embeds = _case(cfg)
     rc = RolloutConfig(
@@ -168,6 +169,7 @@ def test_packed_bins_refuse_prompt_inputs():
         )
 
 
+@pytest.mark.slow
 def test_the_prompt_text_embeddings_get_their_gradient():
     """The layers' input is looked up inside the differentiated forward: with no image token the
     gradient through ``PromptInputs`` is the plain forward's, embedding table included."""

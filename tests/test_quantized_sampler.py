@@ -144,6 +144,7 @@ def _trainer(model, seq, full):
 
 
 @pytest.mark.parametrize("precision,tie", [("int8", True), ("fp8", False)])
+@pytest.mark.slow
 def test_sampler_logprobs_are_the_dequantized_models(precision, tie):
     """The 8-bit sampler's log-probs (prefill and decode) equal the trainer's on the dequantized
     model to float32 rounding, and differ from the model's own by the quantization's drift."""
@@ -198,6 +199,7 @@ def _check_corrected(m: dict, state_policy, out) -> None:
     assert m["is_weight_min"] < 1.0 < m["is_weight_max"]  # the correction weighted the tokens
 
 
+@pytest.mark.slow
 def test_grpo_step_with_an_int8_sampler_is_corrected():
     cfg = preset("grpo", num_generations=4, max_new_tokens=6, sampler_precision="int8")
     policy = _policy()
@@ -209,6 +211,7 @@ def test_grpo_step_with_an_int8_sampler_is_corrected():
     _check_corrected(out.device.metrics, _policy(), out)  # the state (and policy) was donated
 
 
+@pytest.mark.slow
 def test_ppo_step_with_an_int8_sampler_is_corrected():
     cfg = configure(
         PPOConfig,

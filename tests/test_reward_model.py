@@ -285,6 +285,7 @@ def test_bradley_terry_training_raises_held_out_accuracy():
 
 
 @pytest.mark.parametrize("center, margin", [(None, False), (0.01, True)])
+@pytest.mark.slow
 def test_grad_accumulation_does_not_change_the_update(center, margin):
     rm = _reward_model("qwen3_gqa_head_dim")
     batch = jax.tree.map(jnp.asarray, _pairs(np.random.default_rng(1), 4))
@@ -337,6 +338,7 @@ def test_the_step_state_has_the_models_config():
 # ----------------------------------------------------------------------------- as a reward
 
 
+@pytest.mark.slow
 def test_token_reward_matches_sequence_rewards():
     rm = _reward_model("qwen3_gqa_head_dim")
     prompt_ids, prompt_mask, tokens, mask = _batch(rm.config.vocab_size, seed=5)
@@ -434,6 +436,7 @@ def test_text_reward_model_weights_are_arguments_not_constants():
     _assert_weights_are_arguments(program)
 
 
+@pytest.mark.slow
 def test_text_reward_model_with_its_own_tokenizer(tmp_path):
     """A reward model with another tokenizer than the policy's scores the decoded texts: each
     sample equals ``sequence_rewards`` on that sample encoded by hand (BOS + prompt, completion +

@@ -108,6 +108,7 @@ def test_values_equal_in_process_score(pool):
     assert all(0 < info[f"time_s/{f.name}"] < 5 for f in FNS)
 
 
+@pytest.mark.slow
 def test_chunks_of_three_and_score_groups():
     """Uneven chunks (7 samples in 3 + 3 + 1) and worker recycling give the same values."""
     fns = FNS[:3]

@@ -66,6 +66,7 @@ def builtin_run(tmp_path_factory):
     return root, rlhf_main()(tiny(root))
 
 
+@pytest.mark.slow
 def test_the_stages_are_chained_and_the_summary_has_every_stage(builtin_run):
     root, summary = builtin_run
     assert [s["stage"] for s in summary["stages"]] == ["sft", "reward_model", "ppo"]
@@ -106,6 +107,7 @@ def test_the_stages_are_chained_and_the_summary_has_every_stage(builtin_run):
     assert ppo["verifier/accuracy"]["before"] == sft["greedy/accuracy"]["after"]
 
 
+@pytest.mark.slow
 def test_user_data_with_grpo(builtin_run, tmp_path):
     """--model DIR --data DIR (its three files and their held-out files) with --algorithm grpo: the
     real-model defaults, shrunk by flags; the same chaining and summary."""

@@ -198,6 +198,7 @@ def sampled(model):
     return ids, mask, generate(model, ids, mask, key=jax.random.key(5), **SAMPLED)
 
 
+@pytest.mark.slow
 def test_rollout_shapes_and_dtypes(sampled):
     _, _, r = sampled
     P, G, N = 3, SAMPLED["num_generations"], SAMPLED["max_new_tokens"]
@@ -415,6 +416,7 @@ def test_long_budgets_get_larger_cache_blocks_not_more_loops():
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window"])
+@pytest.mark.slow
 def test_blocked_completion_cache_matches_single_block(name):
     """Cache blocks of 5 slots (segments 5, 5, 2) decode exactly what one 12-slot block does."""
     ids, mask = ragged_prompts()

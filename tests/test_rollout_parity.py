@@ -122,6 +122,7 @@ def _pick_stop_id(new):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_greedy_generate_matches_transformers(case, tmp_path):
     hf = _hf_model(case)
     hf.save_pretrained(tmp_path, safe_serialization=True)

@@ -193,6 +193,7 @@ def straight(setup, tmp_path_factory):
     return run_dir, load_example("grpo").main(_args(setup, run_dir, 4))
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_leaves_logs_as_if_never_stopped(setup, straight, tmp_path):
     run_dir, summary = straight
     assert set(summary) >= {"before", "after", "steps", "export"}
@@ -288,6 +289,7 @@ def test_pipelined_run_resumes_after_kill_9_bit_for_bit(setup, straight, tmp_pat
     )  # then: older weights
 
 
+@pytest.mark.slow
 def test_crash_completes_the_pending_checkpoint(setup, tmp_path):
     """A reward that raises at step 3, while step 2's asynchronous save is in flight, ends the
     interpreter; checkpoint 2 must be whole and verify."""
@@ -302,6 +304,7 @@ def test_crash_completes_the_pending_checkpoint(setup, tmp_path):
         assert ckpt.latest_step() == 2
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_stops_resume_unless_fallback_is_asked(setup, straight, tmp_path):
     import shutil
 
@@ -318,6 +321,7 @@ def test_damaged_checkpoint_stops_resume_unless_fallback_is_asked(setup, straigh
     assert _steps_logged(run_dir).count(3) == 1
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_finishes(setup, straight, tmp_path, monkeypatch):
     from relax.rewards import builtin
 
@@ -332,6 +336,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(setup, straight, tmp_pat
     assert all(a[step] == b[step] for step in (1, 2, 3, 4))
 
 
+@pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run(setup, tmp_path):
     """A model whose finite weights overflow in its forward: every step is skipped; the run stops
     after the limit, naming the first non-finite quantity, and exports nothing. A model with a NaN
@@ -425,6 +430,7 @@ def test_missing_data_field_names_file_row_field(setup, tmp_path):
 @pytest.mark.parametrize(
     "style", ["qwen25", pytest.param("llama3", marks=pytest.mark.slow)]
 )  # templates: test_text_*
+@pytest.mark.slow
 def test_model_directory_with_tokenizer_json_trains_and_exports_for_transformers(tmp_path, style):
     """``--model DIR`` alone: the tokenizer.json and chat template come from DIR (Qwen2.5 style:
     no BOS anywhere; Llama 3 style: the template writes the BOS); chat-message prompts go through

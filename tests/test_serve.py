@@ -158,6 +158,7 @@ def test_wire_round_trip_and_refusals():
 # ---------------------------------------------------------------------------- losses
 
 
+@pytest.mark.slow
 def test_datum_losses_equal_numpy(tmp_path):
     client = LocalServiceClient(service(tmp_path))
     trainer = client.create_lora_training_client(rank=4, seed=3)
@@ -188,6 +189,7 @@ def test_datum_losses_equal_numpy(tmp_path):
     np.testing.assert_allclose(got.metrics["loss"], want, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_gradients_sum_over_calls(tmp_path):
     """Datum losses are sums: the batch in two calls accumulates the gradient of the batch in one."""
     svc = service(tmp_path)
@@ -204,6 +206,7 @@ def test_gradients_sum_over_calls(tmp_path):
     assert np.abs(np.asarray(a[-1])).max() > 0
 
 
+@pytest.mark.slow
 def test_named_objective_equals_in_process(tmp_path):
     svc = service(tmp_path)
     client = LocalServiceClient(svc)
@@ -246,6 +249,7 @@ def test_named_objective_equals_in_process(tmp_path):
         np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.slow
 def test_grouped_rows_read_what_datums_read(tmp_path):
     """A sampled group as prefix-shared LossRows: the trainer's log-probs of each completion equal the
     datum layout's (each sequence whole) and the sampler's; the objective runs on it over the wire."""
@@ -297,6 +301,7 @@ def test_grouped_rows_read_what_datums_read(tmp_path):
     np.testing.assert_allclose(got["loss"], float(want["loss"]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_ppo_with_a_value_head_over_the_service(tmp_path):
     """A session with a value head: PPO's joint loss by name (GAE inside from rewards) equals the
     in-process call; optim_step moves the head; save and restore bring it back."""
@@ -335,6 +340,7 @@ def test_ppo_with_a_value_head_over_the_service(tmp_path):
 # ---------------------------------------------------------------------------- refusals
 
 
+@pytest.mark.slow
 def test_bad_requests_name_the_field_and_change_nothing(tmp_path):
     svc = service(tmp_path)
     client = LocalServiceClient(svc)
@@ -448,6 +454,7 @@ def train(trainer, seed: int, steps: int = 2) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_sessions_are_independent_and_deterministic(tmp_path):
     alone = LocalServiceClient(service(tmp_path / "a"))
     solo = train(alone.create_lora_training_client(rank=4, seed=5), seed=10)
@@ -483,6 +490,7 @@ def test_sessions_are_independent_and_deterministic(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_sampling(tmp_path):
     client = LocalServiceClient(service(tmp_path))
     trainer = client.create_lora_training_client(rank=4)
@@ -509,6 +517,7 @@ def test_sampling(tmp_path):
 # ---------------------------------------------------------------------------- files
 
 
+@pytest.mark.slow
 def test_save_state_survives_restart(tmp_path):
     client = LocalServiceClient(service(tmp_path))
     trainer = client.create_lora_training_client(rank=4, seed=4)
@@ -596,6 +605,7 @@ def test_http_token_routes_and_errors(http_server):
     assert np.isfinite(out.metrics["loss"]) and len(out.loss_fn_outputs) == 3
 
 
+@pytest.mark.slow
 def test_http_client_that_leaves_harms_no_one(http_server):
     url, svc = http_server
     client = ServiceClient(url, token="sesame")

@@ -338,6 +338,7 @@ def fuzz(tmp_path, cases: int, seed: int) -> list[tuple[str, bytes, int, str]]:
     return failures
 
 
+@pytest.mark.slow
 def test_fuzz_every_route_answers_2xx_or_4xx(tmp_path):
     failures = fuzz(tmp_path, cases=300, seed=0)
     assert not failures, "\n".join(f"{p} {s} {c!r} body={r[:200]!r}" for p, r, s, c in failures)

@@ -338,6 +338,7 @@ def test_inflight_budget_refuses_concurrent_bodies(small_server):
 # ------------------------------------------------------------------------ the command
 
 
+@pytest.mark.slow
 def test_python_m_relax_serve_generates_the_token_and_the_client_needs_nothing(
     tmp_path, monkeypatch
 ):

@@ -146,6 +146,7 @@ def test_program_cache_takes_numbers_as_arguments_and_guards_branches(caplog):
     assert cache.evictions == 4 and "evicted the least recently used" in caplog.text
 
 
+@pytest.mark.slow
 def test_distinct_options_compile_once_and_the_cache_is_bounded(tmp_path):
     """40 requests with distinct floats once compiled 40 programs and kept each: now the clip
     thresholds and the learning rate are arguments of one program each, and at most
@@ -225,6 +226,7 @@ def test_hostile_sizes_are_refused_before_anything_runs(tmp_path):
     unchanged(session, before)
 
 
+@pytest.mark.slow
 def test_sessions_tokens_and_memory_have_limits(tmp_path):
     svc = make(tmp_path, max_sessions=2, max_tokens=256)
     first = svc.create_session({"rank": 2})["session"]
@@ -483,6 +485,7 @@ def _mutations(rng, request: dict, depth: int = 0):
     return out
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_are_answered_never_500(served):
     """Mutated requests to every operation: each answered 2xx or 4xx (``run``, the server's own
     mapping: a 500 is an unexpected exception), and the service still serves."""

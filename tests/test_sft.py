@@ -103,6 +103,7 @@ def test_segment_positions_restart():
 
 @pytest.mark.parametrize("block", [4, None], ids=["stream", "dense"])
 @pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.slow
 def test_packed_equals_each_example_alone(kind, block):
     """Per-example log-probs and gradients of a packed batch = each example run alone, and the
     SFT loss (value, metrics, gradient) of the packed batch = that of the unpacked one; with the
@@ -161,6 +162,7 @@ def test_packed_equals_each_example_alone(kind, block):
 
 
 @pytest.mark.parametrize("kind", ["full", "mixed"])
+@pytest.mark.slow
 def test_packed_hidden_states_restart_positions(kind):
     """Each example's hidden states in a packed row = the model on that example alone (so RoPE
     saw positions starting at 0), padding included in the row."""
@@ -395,6 +397,7 @@ def test_truncation_must_keep_a_target(tmp_path, toks):
 # ------------------------------------------------------------------------------ step
 
 
+@pytest.mark.slow
 def test_sft_step_grad_accumulation_is_invisible():
     """grad_accum 1 vs 2 (3 rows: the step pads to 4; and layers recomputed in the backward):
     the same update, loss and metrics."""
@@ -429,6 +432,7 @@ def test_sft_step_grad_accumulation_is_invisible():
     assert not np.array_equal(s1.policy.embed, model.embed)
 
 
+@pytest.mark.slow
 def test_sft_step_trains_and_reports_nonfinite(toks):
     tok = toks["qwen25"]
     cfg = SFTConfig(max_length=48, packing=False, optimizer=OptimizerConfig(learning_rate=3e-2))

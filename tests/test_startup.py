@@ -103,6 +103,7 @@ def _train_lines(run_dir):
     return [line for line in lines if "loss" in line]
 
 
+@pytest.mark.slow
 def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(
     ragged, tmp_path, capsys
 ):
@@ -147,6 +148,7 @@ def test_ragged_data_compiles_once_and_over_budget_rows_are_counted_and_named(
 PER_BATCH = ("--pad-to", "batch", "--overlong", "truncate")
 
 
+@pytest.mark.slow
 def test_padding_each_batch_to_its_own_bucket_compiles_again(ragged, tmp_path):
     """The contrast that makes the tests around it mean something: per-batch buckets recompile
     when a later batch meets a bucket (without the programs compiled ahead)."""
@@ -158,6 +160,7 @@ def test_padding_each_batch_to_its_own_bucket_compiles_again(ragged, tmp_path):
     assert "== compiled ahead\n  off (--no-compile-ahead)" in report
 
 
+@pytest.mark.slow
 def test_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
     """The same run (its batches meet new buckets after step 1: the test above) with every
     program compiled at start-up, completions of varied lengths packed into bins: not one
@@ -186,6 +189,7 @@ def test_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
 ALLOCATES = r", allocates [\d.]+ [MG]iB per device"
 
 
+@pytest.mark.slow
 def test_a_run_whose_programs_cannot_fit_stops_before_its_first_step(ragged, tmp_path, monkeypatch):
     """The same run on a device that has less free memory than its update allocates (its free
     memory reported as 1 KiB): it stops once its programs are compiled, before any step, naming
@@ -221,6 +225,7 @@ load_example("grpo").main(json.loads(sys.argv[1]))
 """
 
 
+@pytest.mark.slow
 def test_on_a_mesh_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
     """The same run on a mesh of two devices (``relax.parallel.ShardedStep``, in a process of
     its own): its programs, and the placement of the host stages' arrays on the mesh, compiled

@@ -99,6 +99,7 @@ def _check(meta, block, window, seed, dtype=jnp.float32, probs_dtype=None, tol=(
     "s,block,window,seed",
     [(64, 8, None, 0), (128, 16, None, 1), (96, 8, 5, 2), (128, 16, 7, 3), (128, 8, None, 4)],
 )
+@pytest.mark.slow
 def test_matches_dense_reference(s, block, window, seed):
     _check(_stream(np.random.default_rng(seed + 10), s, prompts=4), block, window, seed)
 
@@ -221,6 +222,7 @@ def test_errors_name_the_field():
     assert num_block_pairs(64, 8) == 36
 
 
+@pytest.mark.slow
 def test_nested_vmap_with_a_window_per_stream_and_shared_keys():
     # [2, 2] streams, a traced window per stream, k and v shared along the inner axis (in_axes
     # None): each inner batch runs as one stream of 2 S slots, the outer batch flattens again.

@@ -46,6 +46,7 @@ def _prompts(p, lp, lengths, seed=0):
 
 
 @pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.slow
 def test_prefix_shared_forward_equals_full_sequence(window):
     cfg = ModelConfig(**{**CFG.__dict__, "sliding_window": window})
     model = init(cfg, jax.random.key(0), std=0.3)
@@ -143,6 +144,7 @@ def _update_data(p=4, g=4, n=5, seed=0, adv_scale=1.0):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])  # token-mean: test_aggregation
+@pytest.mark.slow
 def test_gradient_accumulation_does_not_change_the_update(loss_type):
     """Same loss normalisers whatever the micro-batching: the updated params and every metric
     (extremes such as ratio_max included) agree."""
@@ -177,6 +179,7 @@ def test_gradient_accumulation_does_not_change_the_update(loss_type):
             )
 
 
+@pytest.mark.slow
 def test_minibatch_losses_average_to_the_full_batch_loss():
     """Normalisers come from the whole batch (divided by M), so each minibatch loss is on the
     full-batch scale and their mean is exactly the full-batch loss (lr=0: nothing moves)."""
@@ -197,6 +200,7 @@ def test_minibatch_losses_average_to_the_full_batch_loss():
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_non_finite_gradients_skip_the_update():
     model = init(CFG, jax.random.key(5), std=0.2)
     cfg = configure(
@@ -218,6 +222,7 @@ def test_non_finite_gradients_skip_the_update():
     assert not np.allclose(np.asarray(policy.layers.wq), np.asarray(model.layers.wq))
 
 
+@pytest.mark.slow
 def test_grpo_learns_and_compiles_once():
     policy = init(CFG, jax.random.key(0), std=0.02)
     cfg = preset(
@@ -281,6 +286,7 @@ def _first_token_is_seven(prompt_ids, prompt_mask, completion_ids, completion_ma
         ),
     ],
 )
+@pytest.mark.slow
 def test_every_preset_and_option_runs(name, overrides):
     from relax.rewards.token_rewards import TokenRewardFunction
 

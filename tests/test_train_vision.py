@@ -99,6 +99,7 @@ def _nudged(vision):
     return eqx.tree_at(lambda v: v.visual.merger.fc2, vision, vision.visual.merger.fc2 * 1.5)
 
 
+@pytest.mark.slow
 def test_the_sampler_reads_the_state_s_tower_and_the_reference_the_initial_one(run):
     data, batch, make = run
     tower = _nudged(_tower(data))
@@ -115,6 +116,7 @@ def test_the_sampler_reads_the_state_s_tower_and_the_reference_the_initial_one(r
     assert np.abs(np.asarray(want - initial)[m]).max() > 1e-3  # the two towers differ
 
 
+@pytest.mark.slow
 def test_the_tower_runs_once_per_image_in_the_sampler_and_the_update(run, monkeypatch):
     data, batch, make = run
     calls = []
@@ -134,6 +136,7 @@ def test_the_tower_runs_once_per_image_in_the_sampler_and_the_update(run, monkey
 
 
 @pytest.mark.parametrize("features", [True, False], ids=["data-encoded", "not-encoded"])
+@pytest.mark.slow
 def test_first_step_trains_the_language_model_as_the_frozen_tower_does_and_moves_the_tower(
     run, features
 ):
@@ -156,6 +159,7 @@ def test_first_step_trains_the_language_model_as_the_frozen_tower_does_and_moves
     assert np.isfinite(float(out.device.metrics["grad_norm"]))
 
 
+@pytest.mark.slow
 def test_lora_vision_trains_the_tower_s_adapters_alone(run):
     """``--lora.vision``: the state's tower is a ``ModuleLoRA``; a step moves its adapters (``B``
     from 0) and leaves its base bitwise, and the sampler reads the merged tower."""

@@ -48,6 +48,7 @@ def check_against_prefill(model, state, prompt_ids, prompt_mask, rows):
 @pytest.mark.parametrize(
     "name", [pytest.param("llama_gqa", marks=pytest.mark.slow), "gemma3_mixed"]
 )
+@pytest.mark.slow
 def test_cache_continuation_equals_reprefill_and_trainer_logprobs(name):
     model = init(tiny(**MODELS[name]), jax.random.key(0), std=0.3)
     p, g, n = 2, 3, 40

@@ -214,6 +214,7 @@ def _hf_greedy(tied, steps):
     return out[:, ids.shape[1] :].numpy()
 
 
+@pytest.mark.slow
 def test_greedy_decoding_matches_generate(tied):
     """Greedy tokens from re-running the full forward equal transformers' cached generate."""
     steps = 5
@@ -443,6 +444,7 @@ def test_prefix_shared_logprobs_match_transformers(tied):
     np.testing.assert_allclose(np.asarray(got).reshape(p * g, n), want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_sampler_greedy_matches_generate(tied):
     """relax's sampler (each image prompt prefilled once for its G completions) decodes greedily
     what transformers' ``generate`` decodes, and its sampled log-probs are the trainer's."""
@@ -513,6 +515,7 @@ def _hub_config(path, text, vision):
 
 
 @pytest.mark.parametrize("name", sorted(OTHER))
+@pytest.mark.slow
 def test_other_configs_match_transformers(name, tmp_path):
     """Configs unlike the module's (layer kinds, RoPE, pooling, image and patch sizes, the Hub's
     sparse layout, bfloat16 weights computed in float32) through ``load_vision_language`` and

@@ -200,6 +200,7 @@ def test_logits_match_transformers_with_0_1_2_images(hf, relax_model):
     np.testing.assert_allclose(got0, want0, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_decoding_matches_generate(hf, relax_model):
     ids, mask, grids = _prompts()
     steps = 4
@@ -327,6 +328,7 @@ def _prompt_inputs(model, ids, mask, grids):
     )
 
 
+@pytest.mark.slow
 def test_prefix_shared_logprobs_match_transformers(hf, relax_model):
     """The trainer's prefix-shared forward over G completions of each image prompt (the image
     encoded and the prompt run once per group) gives transformers' log-probs of the whole
@@ -378,6 +380,7 @@ def _hf_logits_rep(hf, ids, mask, grids):
         return hf(**kw).logits.numpy()
 
 
+@pytest.mark.slow
 def test_sampler_greedy_matches_generate(hf, relax_model):
     """relax's sampler, prefilling each image prompt once for its G completions, decodes what
     transformers' ``generate`` decodes greedily, and its log-probs are the trainer's."""
@@ -466,6 +469,7 @@ def _flatten_like_the_hub(path):
 
 
 @pytest.mark.parametrize("name", sorted(OTHER))
+@pytest.mark.slow
 def test_other_configs_match_transformers(name, tmp_path):
     """Configs unlike the module's (geometry, activations, attention kinds, RoPE sections, the
     Hub's flat layout, bfloat16 weights computed in float32) through ``load_vision_language`` and

@@ -65,6 +65,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_image_nll_is_the_answer_tokens_nll(tiny):
     model, tokenizer, images, cfg, prepared = tiny
     idx, answers = np.arange(3), ["2", "13", "4"]  # a two-token answer: right padding is live
@@ -85,6 +86,7 @@ def test_image_nll_is_the_answer_tokens_nll(tiny):
     np.testing.assert_allclose(got, total / count, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_gradient_reaches_the_vision_tower(tiny):
     model, tokenizer, images, cfg, prepared = tiny
     rows, grid = visual_base.batch_rows(

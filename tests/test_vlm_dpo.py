@@ -67,6 +67,7 @@ def _host_pairs(rows, tok, images):
 
 
 @pytest.mark.parity
+@pytest.mark.slow
 def test_pair_logps_match_transformers(setup):
     root, train = setup
     model_dir = root / "model"
@@ -195,6 +196,7 @@ def test_bad_image_is_named_or_dropped(setup, tmp_path):
     assert [p.pair.row for p in kept.examples] == [1, 2] and "row 3" in kept.bad[0]
 
 
+@pytest.mark.slow
 def test_train_vision_step_is_sgd_on_the_loss_with_the_tower_inside(setup):
     """``--train-vision`` DPO, the tower already moved (step 1): the reference reads the initial
     tower's features, and one step (2 micro-batches of 2 pairs) moves the language model and the

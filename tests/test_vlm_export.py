@@ -201,6 +201,7 @@ def test_grpo_lora_exports_the_whole_vlm_and_its_adapters(setup, tmp_path, monke
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.slow
 def test_sft_exports_the_whole_vlm(setup, tmp_path, monkeypatch, lora):
     root, row = setup
     seen = _record_exports(monkeypatch, offline_run)

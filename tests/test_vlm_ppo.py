@@ -100,6 +100,7 @@ def _masked_mean(x, m):
 @pytest.mark.parametrize(
     "critic", [pytest.param("separate", marks=pytest.mark.slow), "shared"]
 )  # the separate critic's step: make test-all
+@pytest.mark.slow
 def test_log_probs_and_values_read_the_images(critic):
     images, _, out = _run(_images, critic)
     b, metrics = out.device.batch, out.device.metrics

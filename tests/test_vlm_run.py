@@ -56,6 +56,7 @@ def _args(setup, run_dir, *extra):
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_grpo_trains_on_image_prompts(setup, tmp_path, capsys):
     summary = load_example("grpo").main(_args(setup, tmp_path / "run"))
     out = capsys.readouterr().out
@@ -194,6 +195,7 @@ def _ppo_args(setup, run_dir, *extra):
     ],
     ids=["async", "shared-critic", "moving-reference"],
 )
+@pytest.mark.slow
 def test_train_vision_refusals(setup, tmp_path, algo, extra, why):
     if algo == "ppo":
         args = _ppo_args(setup, tmp_path / "r", "--train-vision", *extra)

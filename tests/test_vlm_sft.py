@@ -152,6 +152,7 @@ def _segments(row):
 
 
 @pytest.mark.parity
+@pytest.mark.slow
 def test_sft_nll_matches_transformers(setup):
     root, train = setup
     rows = _rows(train)
@@ -273,6 +274,7 @@ def test_bad_image_is_named_or_dropped(setup, tmp_path):
     assert "1 training rows were dropped for a bad image" in kept.summary("training")
 
 
+@pytest.mark.slow
 def test_train_vision_step_is_sgd_on_the_loss_with_the_tower_inside(setup):
     """``--train-vision`` SFT: one step (2 micro-batches, images of 1 and 2 per row) moves the
     language model and the tower as plain SGD on the image SFT loss with the tower inside,
