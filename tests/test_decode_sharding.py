@@ -150,20 +150,24 @@ else:
         _same(results["mesh"][spec], results["one"], spec)
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_decode_step_has_only_the_layouts_collectives(results, spec):
         body, condition = expected(spec)
         assert results["mesh"][spec]["body"] == body
         assert results["mesh"][spec]["condition"] == condition
 
     @pytest.mark.parametrize("spec", (None, *MESHES))
+    @pytest.mark.slow
     def test_decode_step_copies_no_cache(results, spec):
         got = results["one"] if spec is None else results["mesh"][spec]
         assert got["cache_copies"] == {}
 
+    @pytest.mark.slow
     def test_pallas_kernel_in_the_sampler_equals_xla_on_one_device_and_a_mesh(results):
         _same(results["one_pallas"], results["one"], "pallas, one device")
         _same(results["mesh_pallas"], results["one"], "pallas, data=2,fsdp=2,tensor=2")
 
+    @pytest.mark.slow
     def test_one_kv_head_per_device_copies_on_cpu(results):
         """Known XLA:CPU behaviour (RESULTS.md): with ONE KV head per device the loop copies every
         cache block each step (the update is fused twice, around a bitcast that drops the unit

@@ -377,6 +377,7 @@ else:
         for name, (diff, scale) in got["grads"].items():
             assert diff <= ATOL + RTOL * scale, (spec, name, diff, scale)
 
+    @pytest.mark.slow
     def test_lora_on_a_shared_expert_model_equals_one_device(results):
         got = results["lora"]
         assert {"shared_gate", "shared_router", "w_gate", "wq"} <= set(got["adapted"])
@@ -407,6 +408,7 @@ else:
                     )
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_grpo_step_equals_one_device(results, spec):
         one, split, got = (
             results["grpo"][_key(None)],
@@ -419,11 +421,13 @@ else:
         assert one["metrics"][1]["kl"] > 0 and "moe/load_balance_loss" in one["metrics"][0]
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_sampler_on_an_expert_mesh_equals_one_device(results, spec):
         one, got = results["sampler"][_key(None)], results["sampler"][spec]
         assert got["tokens"] == one["tokens"] and got["routes"] == one["routes"], spec
         np.testing.assert_allclose(got["logprobs"], one["logprobs"], atol=2e-5, err_msg=spec)
 
+    @pytest.mark.slow
     def test_compacted_sampler_on_an_expert_mesh_equals_one_device(results):
         """Ragged lengths: the 16 rows compact to 8 (expert=8 needs a multiple of 8) once at most 8 run."""
         one, got = results["sampler_ragged"]["null"], results["sampler_ragged"]["expert=8"]
@@ -500,6 +504,7 @@ else:
                 print(f"  {n:3d} x {op} {shape} over {axes}")
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_forward_and_backward_exchange_tokens_over_the_expert_axis(results, spec):
         """Per sparse layer and input (the prompts and the completions, each its own call) the
         exchange of the module docstring; nothing gathers an expert weight's experts."""
@@ -513,6 +518,7 @@ else:
         )
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_update_step_exchanges_tokens_and_gathers_no_expert_weight(results, spec):
         """The compiled GRPO update (one micro-batch: 8 prompts of 7 tokens, 32 completions of 6),
         with remat (the default): each layer's forward, its exchange included, runs again in the
@@ -528,6 +534,7 @@ else:
         )
 
     @pytest.mark.parametrize("spec", MESHES)
+    @pytest.mark.slow
     def test_decode_step_exchanges_tokens_per_sparse_layer(results, spec):
         """In each of the 2 decode loops (cache blocks of 8 and 4 slots) every sparse layer exchanges
         the step's rows once (forward only)."""

@@ -535,12 +535,14 @@ if __name__ != "__main__":
                 run["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=f"{what}: {name}"
             )
 
+    @pytest.mark.slow
     def test_grpo_iteration_is_the_same_on_every_mesh(mesh_results):
         """Three iterations with the KL term and Adam's default eps (module docstring)."""
         runs = mesh_results["runs"]
         for spec in MESHES:
             _assert_same_run(runs[spec], runs["single"], spec)
 
+    @pytest.mark.slow
     def test_lora_on_a_mesh_matches_one_device_and_shards_like_its_weights(mesh_results):
         runs = mesh_results["runs"]
         for i, want in enumerate(runs["lora_single"]["metrics"]):
@@ -561,6 +563,7 @@ if __name__ != "__main__":
             k.startswith(".opt_state") and k.endswith("layers.wq") for k in s
         )
 
+    @pytest.mark.slow
     def test_kl_term_is_exactly_zero_while_the_policy_is_the_reference(mesh_results):
         """At the first iteration the policy is the reference: the KL term must add exactly
         nothing, so the weights after the step are bitwise those of a run without it. (Before,
@@ -571,6 +574,7 @@ if __name__ != "__main__":
         for name, w in without["weights"][0].items():
             assert np.array_equal(np.asarray(with_kl["weights"][0][name]), np.asarray(w)), name
 
+    @pytest.mark.slow
     def test_ragged_rollouts_on_a_mesh_equal_one_device(mesh_results):
         """Completions that end at token 3: the sampler compacts its decode batch (relax.rollout.
         compaction, rows a multiple of the 4 batch shards) on the mesh as on one device."""
@@ -579,6 +583,7 @@ if __name__ != "__main__":
         for i, (got, want) in enumerate(zip(mesh["metrics"], one["metrics"])):
             _assert_metrics_close(got, want, f"ragged iteration {i}")
 
+    @pytest.mark.slow
     def test_packed_update_on_a_mesh_equals_the_padded_one(mesh_results):
         """Completions packed across groups into bins (relax.models.forward.completion_packing) on
         the 3-axis mesh: the same samples and metrics as padded, over two iterations."""
@@ -594,6 +599,7 @@ if __name__ != "__main__":
                 on["weights"][-1][name], w, rtol=0, atol=WEIGHT_ATOL, err_msg=name
             )
 
+    @pytest.mark.slow
     def test_separate_sampler_and_trainer_meshes_match(mesh_results):
         split, base = mesh_results["runs"]["split"], mesh_results["runs"]["single"]
         assert split["segments"][:2] == [["weight_transfer"], ["rollout"]], split["segments"]
@@ -613,6 +619,7 @@ if __name__ != "__main__":
         } <= set(cli["train_keys"])
         assert cli["checkpoints"] == ["1", "2"]
 
+    @pytest.mark.slow
     def test_ppo_cli_runs_on_sampler_and_trainer_meshes(cli_results):
         """PPO's step (critic and reference sharded like the policy) runs on a mesh: it trains,
         checkpoints and exports, and logs its critic metrics."""
@@ -625,6 +632,7 @@ if __name__ != "__main__":
             "time/weight_transfer",
         } <= set(cli["train_keys"])
 
+    @pytest.mark.slow
     def test_training_attention_loops_over_local_groups_on_a_mesh(mesh_results):
         """Traced under the mesh, the per-group attention loop takes one local group per device:
         nothing is gathered. Outside it, the loop over the sharded prompt axis gathers. The dense
@@ -632,6 +640,7 @@ if __name__ != "__main__":
         got = mesh_results["attention_all_gathers"]
         assert got["under_mesh"] == 0 and got["no_mesh"] > 0 and got["dense_under_mesh"] == 0, got
 
+    @pytest.mark.slow
     def test_second_iteration_compiles_nothing(mesh_results):
         for name, run in mesh_results["runs"].items():
             if name == "no_kl":  # one iteration only
@@ -972,6 +981,7 @@ if __name__ != "__main__":
         st = OptimizerConfig(master_weights=True).make().init(params)
         assert st.master["w"].dtype == jnp.float32 and int(st.total_notfinite) == 0
 
+    @pytest.mark.slow
     def test_bfloat16_policy_with_float32_master_weights_trains():
         """The GRPO step end to end: the policy (rollout and forward) stays bfloat16, the optimizer
         holds float32 master weights, and the update moves them."""

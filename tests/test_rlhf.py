@@ -205,6 +205,7 @@ def test_user_data_needs_model_and_every_file(tmp_path, capsys):
         )
 
 
+@pytest.mark.slow
 def test_a_failing_stage_is_named(tmp_path):
     with pytest.raises(Exception) as info:
         rlhf_main()([*tiny(tmp_path), "--sft.no-export-hf"])

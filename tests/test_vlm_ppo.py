@@ -152,6 +152,7 @@ def test_a_critic_that_cannot_read_the_features_is_refused_at_start(tmp_path, ch
     make_state(_cfg("separate"), _model(), jax.random.key(1), images=True)  # the policy's copy
 
 
+@pytest.mark.slow
 def test_a_step_refuses_a_critic_of_another_width():
     cfg = _cfg("separate")
     model = _model()
