@@ -68,6 +68,18 @@ def test_kl_hand_values_and_clamps():
     np.testing.assert_allclose(kl_estimate(*far, "k3"), np.exp(30.0) - 31.0, rtol=1e-5)
 
 
+def test_k3_keeps_its_square_near_zero():
+    # Policy and reference a hair apart (logp values of a few units, differing in the last bits):
+    # float32 exp(-d) + d - 1 rounds d^2 / 2 away or below 0; the float64 series is the reference.
+    logp = np.float32(-3.0) + np.array([0.0, 1e-6, -1e-6, 3e-5, -3e-5, 1e-3], np.float32)
+    ref = np.full_like(logp, -3.0)
+    d = logp.astype(np.float64) - ref.astype(np.float64)
+    want = np.expm1(-d) + d
+    got = np.asarray(kl_estimate(jnp.asarray(logp), jnp.asarray(ref), "k3"))
+    assert (got >= 0).all(), got
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-15)
+
+
 def test_kl_mask_and_padding():
     logp, ref, mask = batch(1)
     bad = jnp.asarray(np.where(mask, logp, -np.inf), jnp.float32)

@@ -30,7 +30,9 @@ def kl_estimate(
 
     - ``k1`` (alias ``kl``): ``d`` (unbiased, high variance, can be negative)
     - ``k2`` (alias ``mse``): ``0.5 d^2``
-    - ``k3``: ``exp(-d) + d - 1`` (unbiased, >= 0; TRL GRPO's estimator), unclamped
+    - ``k3``: ``exp(-d) + d - 1`` (unbiased, >= 0; TRL GRPO's estimator), unclamped; computed as
+      ``max(expm1(-d) + d, 0)``, which keeps its ``d^2 / 2`` near ``d = 0`` where float32
+      ``exp(-d) - 1`` would round it away (or below 0)
     - ``low_var_kl``: ``k3`` with ``-d`` clamped to ``[-20, 20]`` and the result to ``[-10, 10]``
       (verl's; verl also treats ``k3`` as this clamped form, here ``k3`` is left unclamped)
     - ``abs``: ``|d|``
@@ -51,7 +53,7 @@ def kl_estimate(
     elif kind == "abs":
         kl = jnp.abs(d)
     elif kind == "k3":
-        kl = jnp.exp(-d) + d - 1.0
+        kl = jnp.maximum(jnp.expm1(-d) + d, 0.0)
     else:
         neg = jnp.clip(-d, -20.0, 20.0)
         kl = jnp.clip(jnp.exp(neg) - neg - 1.0, -10.0, 10.0)
