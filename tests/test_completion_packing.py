@@ -25,6 +25,7 @@ from relax.data.completion_layout import BinSizes, PackingConfig, bin_fill, pack
 from relax.models import ModelConfig, init
 from relax.models.decoder.logprobs import token_logprobs
 from relax.models.forward.completion_packing import to_padded
+from relax.models.forward.config import ForwardConfig
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES
@@ -84,8 +85,7 @@ def test_bins_worked_by_hand():
     back = to_padded(jnp.asarray(bins.ids), jax.tree.map(jnp.asarray, bins), 3)
     np.testing.assert_array_equal(np.where(mask, back, 0), tokens)
     assert bin_fill(bins) == 17 / 18
-    with pytest.raises(ValueError, match="needs the 'group' train attention"):
-        PackingConfig(mode="on").applies("dense")
+    assert PackingConfig(mode="on").applies("dense")  # each bin one fused kernel over its mask
     assert not PackingConfig().applies("dense") and PackingConfig().applies("group")
     # on accelerators "auto" stays padded (Passes.auto_packs), "on" packs
     assert not PackingConfig().applies("group", auto_packs=False)
@@ -141,11 +141,18 @@ def test_bad_batches_are_refused_by_name():
 
 
 @pytest.mark.parametrize(
-    "window,bin_tokens,block",
-    [(None, None, 4), pytest.param(None, 28, 2, marks=pytest.mark.slow), (3, 20, 4)],
+    "window,bin_tokens,block,attention",
+    [
+        (None, None, 4, "group"),
+        pytest.param(None, 28, 2, "group", marks=pytest.mark.slow),
+        (3, 20, 4, "group"),
+        (None, 28, 4, "dense"),  # each bin one fused kernel over its mask (GPU: cuDNN's)
+    ],
 )
 @pytest.mark.slow
-def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(window, bin_tokens, block):
+def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(
+    window, bin_tokens, block, attention
+):
     cfg = ModelConfig(**{**CFG.__dict__, "sliding_window": window})
     model = init(cfg, jax.random.key(0), std=0.3)
     p, g, n, lp = 3, 5, 6, 8
@@ -163,7 +170,7 @@ def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(window, b
     def packed(m, how: ForwardPass):
         return completion_logprobs(m, ids, pm, comp, cm, how, temperature=0.7, packed=pk)
 
-    lp_packed, ent_packed = packed(model, ForwardPass(with_entropy=True))
+    lp_packed, ent_packed = packed(model, ForwardPass(attention, with_entropy=True))
     chex.assert_shape([lp_packed, ent_packed], (p, g, n))
     np.testing.assert_allclose(
         np.where(mask, lp_packed, 0), np.where(mask, direct(model), 0), atol=1e-5
@@ -178,7 +185,7 @@ def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(window, b
     want = jax.grad(lambda m: jnp.sum(w * direct(m)))(model)
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
     # the CPU update's options too
-    for how in (ForwardPass(), ForwardPass(unroll=True, save_attention=True)):
+    for how in (ForwardPass(attention), ForwardPass(attention, unroll=True, save_attention=True)):
         got = jax.grad(lambda m: jnp.sum(w * packed(m, how)))(model)
         chex.assert_trees_all_close(got, want, atol=1e-5 * scale, rtol=1e-4)
 
@@ -201,18 +208,16 @@ def _update_data(p=4, g=4, n=6, seed=0):
 
 
 @pytest.mark.parametrize(
-    "loss_type",
-    [
-        m
-        if m in ("token-mean", "seq-mean-token-sum-norm")
-        else pytest.param(m, marks=pytest.mark.slow)
-        for m in AGGREGATION_MODES
-    ],
+    "loss_type,attention",
+    [(m, "group") for m in AGGREGATION_MODES] + [("token-mean", "dense")],
 )
 @pytest.mark.slow
-def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumulation(loss_type):
+def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumulation(
+    loss_type, attention
+):
     """Parameters and every metric after one update: packed, one bin per micro-batch (the empty
-    ones skipped) == padded in one micro-batch; KL and entropy terms on."""
+    ones skipped) == padded in one micro-batch; KL and entropy terms on. ``"dense"``: the padded
+    update's fused attention per completion against one fused kernel per bin over its mask."""
     model = init(CFG, jax.random.key(3), std=0.2)
     data = _update_data()
     packed = _pack(
@@ -230,6 +235,7 @@ def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumul
             beta=0.04,
             entropy_coef=0.01,
             optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-2, max_grad_norm=None),
+            forward=ForwardConfig(train_attention=attention),
         )
         opt = cfg.optimizer.make()
         update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
@@ -309,7 +315,6 @@ def test_auto_packs_where_the_train_attention_is_the_group_kernel():
     """The pack stage with the default config packs on CPU (every batch, one layout whatever the
     lengths); 'off' never packs."""
     from relax.algorithms.online.stages import make_packing
-    from relax.models.forward.config import ForwardConfig
     from relax.train.state import init_state
 
     state = init_state(

@@ -9,6 +9,7 @@ import pytest
 
 from relax.models.attention.stream import (
     StreamMask,
+    allowed_mask,
     block_pairs,
     num_block_pairs,
     stream_attention,
@@ -160,6 +161,17 @@ def test_block_pairs_exact_on_many_short_documents():
     for block in (8, 32):
         pairs, n = block_pairs(*meta[1:], block)
         np.testing.assert_array_equal(pairs[:n], _brute_pairs(meta, block))
+
+
+def test_allowed_mask_is_the_definition():
+    # the dense mask of the fused per-bin kernel, one stream and a batch of two
+    rng = np.random.default_rng(21)
+    metas = [_stream(rng, 48, prompts=4), _stream(rng, 48, prompts=2, max_completions=1)]
+    for meta in metas:
+        got = allowed_mask(StreamMask(*map(jnp.asarray, meta)))
+        np.testing.assert_array_equal(np.asarray(got), _allowed(*meta))
+    batched = allowed_mask(StreamMask(*(jnp.asarray(np.stack(x)) for x in zip(*metas))))
+    np.testing.assert_array_equal(np.asarray(batched), np.stack([_allowed(*m) for m in metas]))
 
 
 def test_loop_visits_only_the_real_pairs():

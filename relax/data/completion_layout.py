@@ -45,7 +45,8 @@ class PackingConfig:
     ``mode``: ``"on"`` packs every batch into bins (``relax.models.forward.completion_packing``),
     ``"off"`` keeps the completions padded to the budget, ``"auto"`` packs where the backend's
     passes say so (``relax.passes.Passes.auto_packs``: CPU) and the train attention is the group
-    kernel (not where the fused dense kernel runs it: GPU in 16 bits).
+    kernel (not where the fused dense kernel runs it: GPU in 16 bits; there ``"on"`` packs and
+    each bin's attention is one fused kernel over its mask).
     ``bin_tokens``: slots per bin, S, at least the prompt bucket plus the budget. None (the
     default): twice that, rounded up to the attention block. A bin is one micro-batch of the
     update on one device: larger bins mean fewer, bigger micro-batches and more slots left
@@ -67,12 +68,9 @@ class PackingConfig:
 
     def applies(self, train_attention: str, auto_packs: bool = True) -> bool:
         """Whether to pack, given the resolved train attention (``"group"`` or ``"dense"``) and
-        whether ``"auto"`` packs on this backend (``Passes.auto_packs``)."""
-        if self.mode == "on" and train_attention == "dense":
-            raise ValueError(
-                "packing mode 'on' needs the 'group' train attention (the 'dense' one has no documents); "
-                "set --grpo.train-attention group or --grpo.packing.mode auto"
-            )
+        whether ``"auto"`` packs on this backend (``Passes.auto_packs``). ``"on"`` packs with
+        either: the bins' attention is the block-sparse loop for ``"group"``, one fused kernel
+        per bin over the dense mask for ``"dense"`` (``relax.models.forward.binned``)."""
         auto = self.mode == "auto" and auto_packs and train_attention == "group"
         return self.mode == "on" or auto
 
@@ -117,7 +115,11 @@ class PackingConfig:
             f"completions packed across groups into bins of {size} slots (at most {per} completions "
             "each) in the update, reference and proximal forwards: one layout, a bin per device "
             "per micro-batch (grad_accum applies to padded batches), the empty bins skipped; "
-            "attention over the visible key blocks only"
+            + (
+                "each bin's attention one fused kernel over its mask"
+                if train_attention == "dense"
+                else "attention over the visible key blocks only"
+            )
         )
 
 

@@ -27,6 +27,7 @@ from relax.models.attention.dense import fused_attention_available, prefix_dense
 from relax.models.attention.group import prefix_group_attention
 from relax.models.attention.stream import (
     StreamMask,
+    allowed_mask,
     block_pairs,
     num_block_pairs,
     stream_attention,
@@ -42,6 +43,7 @@ __all__ = [
     "OwnKeys",
     "OwnValues",
     "StreamMask",
+    "allowed_mask",
     "attention",
     "block_pairs",
     "block_stats",

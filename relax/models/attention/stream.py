@@ -174,16 +174,31 @@ def _put(x, update, start, axis):
     return lax.dynamic_update_slice_in_dim(x, update, start, axis=axis)
 
 
+def _allowed(q: StreamMask, k: StreamMask) -> Bool[Array, "..."]:
+    """``allowed(i, j)`` (module docstring, no window) of query slots ``q`` and key slots ``k``,
+    broadcast against each other."""
+    ok = (q.docs > 0) & (k.docs > 0) & (k.positions <= q.positions)
+    return ok & ((k.docs == q.docs) | (k.is_prefix & (k.prefix_of == q.prefix_of)))
+
+
+def allowed_mask(mask: StreamMask) -> Bool[Array, "*b s s"]:
+    """Every slot pair's ``allowed(i, j)`` (module docstring, no window), ``[..., S, S]``: the
+    dense form, for kernels that take a mask (``relax.models.forward.stream_rows``)."""
+    return _allowed(
+        StreamMask(*(x[..., :, None] for x in mask)), StreamMask(*(x[..., None, :] for x in mask))
+    )
+
+
 def _pair_allowed(st: _Static, mask: StreamMask, window, qs, ks) -> Bool[Array, "b b"]:
     """``allowed(i, j)`` (module docstring) for the query block at slot ``qs`` and the key block
     at slot ``ks``; ``window`` a scalar or one per slot (streams flattened by the vmap rule)."""
     q = StreamMask(*(_slice(x, qs, st.block, 0)[:, None] for x in mask))
     k = StreamMask(*(_slice(x, ks, st.block, 0)[None, :] for x in mask))
-    ok = (q.docs > 0) & (k.docs > 0) & (k.positions <= q.positions)
+    ok = _allowed(q, k)
     if st.windowed:
         w = _slice(window, qs, st.block, 0)[:, None] if window.ndim else window
         ok = ok & (q.positions - k.positions < w)
-    return ok & ((k.docs == q.docs) | (k.is_prefix & (k.prefix_of == q.prefix_of)))
+    return ok
 
 
 def _pair_scores(st, qh, kh, mask, window, qs, ks, scale):

@@ -3,14 +3,16 @@ stream per bin (``relax.models.forward.completion_packing``), each completion as
 behind its prompt.
 
 Every bin runs through the layers as one row of ``S`` slots at its slots' own positions; the
-attention is ``relax.models.attention.stream``'s, over the blocks that hold a visible key
-only::
+attention (``bins_attend``) is ``relax.models.attention.stream``'s over the blocks that hold a
+visible key only (the ``"group"`` train attention), or one fused kernel per bin over the dense
+mask (``"dense"``: cuDNN's on a GPU in 16 bits)::
 
     allowed(i, j) = doc_j == doc_i  |  (j is a prompt token & prompt_j == prompt_i),
                     & pos_j <= pos_i  (& within the window on sliding layers)
 
 so a completion's token sees its prompt copy and its own earlier tokens, and the cost of a
-bin's attention follows ``sum (len_prompt + len)^2`` over what it holds, not ``S^2``. The hidden
+bin's block-sparse attention follows ``sum (len_prompt + len)^2`` over what it holds, not
+``S^2``. The hidden
 state that predicts slot ``s``'s token is the one at ``predictor[s]`` (the slot before, or the
 prompt's last slot for a completion's first token); log-probs, entropies and values are read
 from those states per slot and brought back to ``[P, G, N]`` (``to_padded``) or to a
@@ -32,7 +34,7 @@ from relax.models.decoder.transformer import Attend, LayerRoutes, Transformer, e
 from relax.models.forward.completion_packing import CompletionBins, to_padded
 from relax.models.forward.forward_pass import ForwardPass
 from relax.models.forward.routes import Routes
-from relax.models.forward.stream_rows import stream_attend
+from relax.models.forward.stream_rows import masked_attend, stream_attend
 from relax.models.layers.rope import Rotary
 from relax.models.moe.experts import RouterStats
 
@@ -53,9 +55,13 @@ def block_of(bins: CompletionBins) -> int:
     return s // nb
 
 
-def bins_attend(model: Transformer, bins: CompletionBins) -> Attend:
-    """The attention hook of a micro-batch of bins (``relax.models.forward.stream_rows``)."""
+def bins_attend(model: Transformer, bins: CompletionBins, attention: str) -> Attend:
+    """The attention hook of a micro-batch of bins (``relax.models.forward.stream_rows``): the
+    block-sparse loop for the ``"group"`` train attention, one fused masked kernel per bin for
+    ``"dense"``."""
     mask = StreamMask(bins.positions, bins.docs, bins.prefix_of, bins.prefix)
+    if attention == "dense":
+        return masked_attend(model, mask)
     return stream_attend(model, mask, bins.pairs, bins.num_pairs, block_of(bins))
 
 
@@ -79,7 +85,7 @@ def bins_hidden(
         model,
         embed(model, bins.ids),
         bins.positions,
-        bins_attend(model, bins),
+        bins_attend(model, bins, layers.attention),
         remat=layers.remat,
         rope=rope,
         routes=LayerRoutes(bins.docs > 0, recorded, layers.replay_routes),
@@ -154,7 +160,7 @@ def binned_logprobs(
     ``out`` the ``[P, G, N]`` log-probs (with ``how.with_entropy`` a pair with the entropies),
     ``stats`` the summed ``RouterStats`` (None for a dense model); ``routes`` replayed per slot;
     ``rope``: the bins' rotary tables (None: computed per bin)."""
-    layers = how.resolved(model, packed=True)
+    layers = how.resolved(model)
     own = bins.per_bin()
     recorded = None if routes is None else routes.replay_slots(bins.source)
 
@@ -172,6 +178,6 @@ def binned_hidden(
 ) -> Float[Array, "u s d"]:
     """``bins_hidden`` over every bin of a batch (``over_bins``), ``[U, S, D]``; ``rope``: the
     bins' rotary tables (None: computed per bin)."""
-    layers = how.resolved(model, packed=True)
+    layers = how.resolved(model)
     run = lambda xs: bins_hidden(model, xs[0], layers, rope=xs[1])[0]  # noqa: E731
     return over_bins(run, (bins.per_bin(), rope), bins.num_pairs > 0)

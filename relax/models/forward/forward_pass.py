@@ -108,11 +108,11 @@ class ForwardPass:
                 f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"
             )
 
-    def resolved(self, model: Transformer, *, packed: bool = False) -> ForwardPass:
+    def resolved(self, model: Transformer) -> ForwardPass:
         """This pass with its attention resolved for ``model`` (``resolve_attention``); over packed
-        bins ``"auto"`` is ``"group"`` (the bins have their own attention, ``relax.models.attention.stream``)."""
-        choice = "group" if packed and self.attention == "auto" else self.attention
-        return dataclasses.replace(self, attention=resolve_attention(choice, model))
+        bins ``"group"`` is the block-sparse loop, ``"dense"`` a fused kernel per bin over its mask
+        (``relax.models.forward.binned``)."""
+        return dataclasses.replace(self, attention=resolve_attention(self.attention, model))
 
     def laid_out(
         self, passes: Passes, config: ModelConfig, probs_bytes: int | None = None

@@ -1,5 +1,6 @@
 """Rows of packed documents through ``relax.models.attention.stream``: the attention hook of a
-batch of streams, and the block pairs of rows packed with whole examples.
+batch of streams (the block-sparse loop, or one fused kernel over the dense ``allowed`` mask),
+and the block pairs of rows packed with whole examples.
 
 A packed row (``relax.models.forward.packed``) holds examples one after the other, then padding;
 ``segment_ids`` is 0 on padding and the example's index in its row (1, 2, ...) elsewhere. As a
@@ -27,12 +28,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from relax.models.attention.stream import StreamMask, num_block_pairs, stream_attention
+from relax.models.attention.dense import fused_attention_available
+from relax.models.attention.stream import (
+    StreamMask,
+    allowed_mask,
+    num_block_pairs,
+    stream_attention,
+)
 from relax.models.config.layer_kinds import layer_window
 from relax.models.config.sharding import ambient_batch_shards, decode_layout
 from relax.models.decoder.transformer import Attend, Transformer
 
-__all__ = ["segment_pairs", "segment_stream", "stream_attend"]
+__all__ = ["masked_attend", "segment_pairs", "segment_stream", "stream_attend"]
 
 
 def segment_pairs(
@@ -102,6 +109,35 @@ def stream_attend(
         window = layer_window(c, sliding)
         window = None if window is None else jnp.asarray(window, jnp.int32)
         out = streams(q, k, v, mask, pairs, num_pairs, window)
+        return out.astype(q.dtype), None
+
+    return attend
+
+
+def masked_attend(model: Transformer, mask: StreamMask) -> Attend:
+    """The attention hook of a batch of streams (``mask`` leaves ``[b, S]``) as ONE fused kernel
+    per stream over the dense mask (``jax.nn.dot_product_attention``: cuDNN's on a GPU in 16
+    bits, XLA's elsewhere)::
+
+        o_i = softmax_j( q_i . k_j * scale  where allowed(i, j)  |  (i = j & docs_i = 0) ) v_j
+
+    the same function as ``stream_attend`` on every real slot: a padding slot sees itself only
+    (a fused kernel's row is never empty, so never NaN; the loss reads no padding slot). The
+    ``[S, S]`` mask costs ``S^2`` work whatever the documents (``stream_attend``'s follows the
+    visible blocks); what wins is one fused kernel instead of a loop of small products (a GPU:
+    benchmarks/RESULTS.md). No sliding window (``"dense"`` train attention refuses one)."""
+    c = model.config
+    impl = "cudnn" if fused_attention_available(model.dtype) else "xla"
+    s = mask.docs.shape[-1]
+    pad_self = (mask.docs == 0)[..., :, None] & jnp.eye(s, dtype=bool)
+    allowed = (allowed_mask(mask) | pad_self)[:, None]  # [b, 1, S, S]: every head
+
+    def attend(q, k, v, _, sliding):
+        if layer_window(c, sliding) is not None:
+            raise ValueError("masked_attend: no sliding window (use the 'group' train attention)")
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=allowed, scale=c.attn_scale, implementation=impl
+        )
         return out.astype(q.dtype), None
 
     return attend
