@@ -160,13 +160,18 @@ def test_padding_each_batch_to_its_own_bucket_compiles_again(ragged, tmp_path):
     assert "== compiled ahead\n  off (--no-compile-ahead)" in report
 
 
+DENSE_BINS = ("--grpo.packing.mode", "on", "--grpo.train-attention", "dense")
+
+
 @pytest.mark.slow
-def test_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path):
+@pytest.mark.parametrize("bins", [(), DENSE_BINS], ids=["block-sparse", "dense-mask"])
+def test_every_bucket_is_compiled_before_the_first_step(ragged, tmp_path, bins):
     """The same run (its batches meet new buckets after step 1: the test above) with every
-    program compiled at start-up, completions of varied lengths packed into bins: not one
+    program compiled at start-up, completions of varied lengths packed into bins (their
+    attention the block-sparse loop, or one fused kernel per bin over its mask): not one
     compile in any step, and the start-up report names each program, its bucket and its
     seconds."""
-    _run(ragged, tmp_path / "run", *PER_BATCH)
+    _run(ragged, tmp_path / "run", *PER_BATCH, *bins)
     lines = _train_lines(tmp_path / "run")
     assert [line["compiles"] for line in lines] == [0.0] * 4
     assert len({line["completion_length"] for line in lines}) > 1
