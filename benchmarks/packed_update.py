@@ -19,6 +19,8 @@ Timed (medians over ``--runs`` after one warm-up call each, the variants alterna
     python benchmarks/packed_update.py --new-tokens 256 --prompts 2 --runs 1   # quick
     python benchmarks/packed_update.py --model-shape smollm-135m --sigma 1.5 --bin-tokens 4096
     python benchmarks/packed_update.py --model-shape smollm-135m --dtype bfloat16 --prompts 8  # GPU
+    python benchmarks/packed_update.py --model-shape smollm-135m --dtype bfloat16 --prompts 8 \
+        --train-attention dense    # GPU: cuDNN per completion (padded) and per bin (packed)
 
 Prints one JSON line: length statistics, real / padded / packed token slots, the bins used and
 their fill, the attention block pairs visited (and all causal pairs of those bins), each
@@ -72,6 +74,10 @@ class Args:
     update's attention is the backend's fused kernel)"""
     bin_tokens: int | None = None
     """slots per bin (None: the packing default, 2 x (prompt + budget))"""
+    train_attention: str = "auto"
+    """auto | group | dense: with dense the padded update's attention is one fused kernel per
+    completion and the packed one's one fused kernel per bin over its mask (cuDNN's on a GPU in
+    16 bits, XLA's elsewhere); auto: the trainer's choice (the packed update's group kernel)"""
     seed: int = 0
 
 
@@ -139,6 +145,7 @@ def build(args: Args):
             max_new_tokens=budget,
             beta=0.04,
             packing=packing,
+            train_attention=args.train_attention,
             remat=False,  # as every recorded figure ran (the trainers' default is on)
             optimizer=OptimizerConfig(learning_rate=1e-6),
         )
