@@ -84,6 +84,14 @@ class Passes:
         """The attention block of packed rows (``relax.models.forward.packed``); None: dense."""
         return self.stream_block if self.stream_rows else None
 
+    def bins_per_micro_batch(self, bin_tokens: int) -> int:
+        """The bins of ``bin_tokens`` slots a device takes per micro-batch of a packed update (a
+        packed batch's bin count is rounded to a multiple of it): one on cache-sized passes,
+        elsewhere as many as ``micro_batch_tokens`` holds, at least one."""
+        if self.cache_sized or self.micro_batch_tokens is None:
+            return 1
+        return max(1, self.micro_batch_tokens // bin_tokens)
+
     def unroll(self, num_layers: int) -> bool:
         return self.cache_sized and num_layers <= self.unroll_max_layers
 

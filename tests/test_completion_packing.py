@@ -31,6 +31,7 @@ from relax.models.forward.prefix_shared import completion_logprobs
 from relax.objectives.aggregation import AGGREGATION_MODES
 from relax.passes import choose_passes
 from relax.train.optimizer import OptimizerConfig
+from relax.train.update import micro_batch_split
 
 
 def _ragged(p, g, n, seed):
@@ -42,11 +43,11 @@ def _ragged(p, g, n, seed):
     return tokens, (np.arange(n) < lengths[..., None]).astype(np.int32)
 
 
-def _pack(ids, pm, tokens, mask, cfg: PackingConfig | None = None, block=4):
+def _pack(ids, pm, tokens, mask, cfg: PackingConfig | None = None, block=4, multiple=1):
     cfg = PackingConfig() if cfg is None else cfg
     p, lp = np.shape(ids)
     _, g, n = np.shape(tokens)
-    sizes = cfg.sizes(p, g, lp, n, block=block)
+    sizes = cfg.sizes(p, g, lp, n, block=block, multiple=multiple)
     return jax.tree.map(jnp.asarray, pack_bins(ids, pm, tokens, mask, sizes))
 
 
@@ -91,6 +92,10 @@ def test_bins_worked_by_hand():
     assert not PackingConfig().applies("group", auto_packs=False)
     assert PackingConfig(mode="on").applies("group", auto_packs=False)
     assert not choose_passes("tpu").auto_packs and choose_passes("cpu", batch_shards=4).auto_packs
+    # a packed update's micro-batch: one bin on one CPU device, the token budget's worth elsewhere
+    assert choose_passes("cpu").bins_per_micro_batch(2176) == 1
+    assert choose_passes("gpu").bins_per_micro_batch(2176) == 16_384 // 2176
+    assert choose_passes("tpu").bins_per_micro_batch(32_768) == 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -208,22 +213,35 @@ def _update_data(p=4, g=4, n=6, seed=0):
 
 
 @pytest.mark.parametrize(
-    "loss_type,attention",
-    [(m, "group") for m in AGGREGATION_MODES] + [("token-mean", "dense")],
+    "loss_type,attention,budget",
+    [(m, "group", None) for m in AGGREGATION_MODES]
+    + [("token-mean", "dense", None), ("token-mean", "group", 32)],
 )
 @pytest.mark.slow
 def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumulation(
-    loss_type, attention
+    loss_type, attention, budget
 ):
     """Parameters and every metric after one update: packed, one bin per micro-batch (the empty
     ones skipped) == padded in one micro-batch; KL and entropy terms on. ``"dense"``: the padded
-    update's fused attention per completion against one fused kernel per bin over its mask."""
+    update's fused attention per completion against one fused kernel per bin over its mask.
+    ``budget``: the accelerators' passes, a token budget of two 16-slot bins per micro-batch."""
     model = init(CFG, jax.random.key(3), std=0.2)
     data = _update_data()
+    passes = choose_passes()
+    if budget is not None:
+        passes = dataclasses.replace(passes, cache_sized=False, micro_batch_tokens=budget)
+    per = passes.bins_per_micro_batch(16)
     packed = _pack(
-        data.prompt_ids, data.prompt_mask, data.tokens, data.mask, PackingConfig(bin_tokens=16)
+        data.prompt_ids,
+        data.prompt_mask,
+        data.tokens,
+        data.mask,
+        PackingConfig(bin_tokens=16),
+        multiple=per,
     )
-    assert 1 < int(jnp.sum(packed.num_pairs > 0)) < packed.num_pairs.shape[0]
+    u = packed.num_pairs.shape[0]
+    assert 1 < int(jnp.sum(packed.num_pairs > 0)) < u
+    assert micro_batch_split(u, 1, None, passes, 16) == u // per  # two bins in each with a budget
     results = []
     for accum, extra in ((1, {}), (1, {"packed": packed})):
         cfg = configure(
@@ -238,7 +256,7 @@ def test_packed_update_equals_padded_for_every_aggregation_with_gradient_accumul
             forward=ForwardConfig(train_attention=attention),
         )
         opt = cfg.optimizer.make()
-        update = jax.jit(make_grpo_update(cfg, opt, choose_passes()))
+        update = jax.jit(make_grpo_update(cfg, opt, passes))
         results.append(update(model, opt.init(model), data.replace(**extra), jax.random.key(0)))
     (want, _, want_metrics), (got, _, got_metrics) = results
     chex.assert_trees_all_close(got, want, atol=1e-6)

@@ -48,9 +48,10 @@ class PackingConfig:
     kernel (not where the fused dense kernel runs it: GPU in 16 bits; there ``"on"`` packs and
     each bin's attention is one fused kernel over its mask).
     ``bin_tokens``: slots per bin, S, at least the prompt bucket plus the budget. None (the
-    default): twice that, rounded up to the attention block. A bin is one micro-batch of the
-    update on one device: larger bins mean fewer, bigger micro-batches and more slots left
-    empty in a batch's last bin.
+    default): twice that, rounded up to the attention block. The update's micro-batches are
+    whole bins (one each on a cache-sized CPU, elsewhere as many per device as the token budget
+    holds, ``relax.passes.Passes.micro_batches``); larger bins leave more slots empty in a
+    batch's last bin.
     ``completions_per_bin``: at most this many completions per bin (the loss reads a bin's
     completions as rows of N). None: ``8 S / N``.
     """
@@ -113,8 +114,8 @@ class PackingConfig:
         per = "8 S / N" if self.completions_per_bin is None else str(self.completions_per_bin)
         return (
             f"completions packed across groups into bins of {size} slots (at most {per} completions "
-            "each) in the update, reference and proximal forwards: one layout, a bin per device "
-            "per micro-batch (grad_accum applies to padded batches), the empty bins skipped; "
+            "each) in the update, reference and proximal forwards: one layout, micro-batches of "
+            "whole bins (grad_accum applies to padded batches), the empty bins skipped; "
             + (
                 "each bin's attention one fused kernel over its mask"
                 if train_attention == "dense"

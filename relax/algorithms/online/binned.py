@@ -1,5 +1,7 @@
 """The update of a batch packed into bins (``relax.models.forward.completion_packing``): the
-bins are its rows, one bin per device per micro-batch.
+bins are its rows, micro-batched as the passes say for rows of ``S`` positions
+(``Passes.micro_batches``: one bin per micro-batch on a cache-sized CPU, elsewhere as many bins
+per device as the token budget holds).
 
 The loss rows stay whole, ``[P, G, N]`` (``LossRows``, PPO's ``CriticRows``); the generic update
 (``relax.train.update``) permutes and splits the bins (``BinRows``: each bin's stream, its
@@ -110,22 +112,20 @@ def make_binned_update(
 ):
     """``update(params, opt_state, data, key, ref_is_policy=False, *, config, critic_config=None)``:
     ``relax.train.update.make_update`` of ``loss_fn`` over the bins of a packed ``data``
-    (``LossRows`` or a subclass), one bin per device per micro-batch (the bins are micro-batches
-    of a token budget already: ``grad_accum`` is for padded updates), the normalisers the whole
-    batch's. ``critic``: the loss reads a separate critic's rotary tables (``critic_config``)."""
+    (``LossRows`` or a subclass), the bins micro-batched by ``passes`` (module docstring;
+    ``grad_accum`` is for padded updates), the normalisers the whole batch's. ``critic``: the
+    loss reads a separate critic's rotary tables (``critic_config``)."""
 
     def update(
         params, opt_state, data: LossRows, key, ref_is_policy=False, *, config, critic_config=None
     ):
         rows = bin_rows(data, config, critic_config if critic else None)
-        u = rows.loss_mask.shape[0]
-        shards = passes.batch_shards if u % (minibatches * passes.batch_shards) == 0 else 1
         inner = make_update(
             lambda p, mb, ctx: loss_fn(p, member_rows(data, mb), ctx),
             optimizer,
             epochs=epochs,
             minibatches=minibatches,
-            grad_accum=u // (minibatches * shards),
+            grad_accum=None,  # Passes.micro_batches of rows of S positions (BinRows.loss_mask)
             passes=passes,
             normalizers=lambda _: token_normalizers(data),
             track_reference=track_reference,
