@@ -12,11 +12,10 @@ mask (``"dense"``: cuDNN's on a GPU in 16 bits)::
 
 so a completion's token sees its prompt copy and its own earlier tokens, and the cost of a
 bin's block-sparse attention follows ``sum (len_prompt + len)^2`` over what it holds, not
-``S^2``. The hidden
-state that predicts slot ``s``'s token is the one at ``predictor[s]`` (the slot before, or the
-prompt's last slot for a completion's first token); log-probs, entropies and values are read
-from those states per slot and brought back to ``[P, G, N]`` (``to_padded``) or to a
-micro-batch's member rows (``to_rows``).
+``S^2``. The hidden state that predicts slot ``s``'s token is the one at ``predictor[s]`` (the
+slot before, or the prompt's last slot for a completion's first token); log-probs, entropies
+and values are read from those states per slot and brought back to ``[P, G, N]``
+(``to_padded``) or to a micro-batch's member rows (``to_rows``).
 """
 
 from __future__ import annotations
