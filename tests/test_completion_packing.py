@@ -195,6 +195,28 @@ def test_packed_logprobs_and_gradients_equal_the_full_sequence_forward(
         chex.assert_trees_all_close(got, want, atol=1e-5 * scale, rtol=1e-4)
 
 
+def test_forwards_over_bins_take_the_bins_per_pass():
+    """``over_bins`` runs ``per_device`` bins a step where they divide the bins (else one), the
+    skipped steps' outputs zeros; a packed forward gives the same log-probs either way."""
+    from relax.models.forward.binned import over_bins
+
+    def steps(u, per, active=None):
+        active = jnp.ones(u, bool) if active is None else jnp.asarray(active)
+        run = lambda x: jnp.full(x.shape, x.shape[0], jnp.int32)  # noqa: E731 - the step's bins
+        return np.asarray(over_bins(run, jnp.arange(u), active, per_device=per))
+
+    np.testing.assert_array_equal(steps(6, 2), [2] * 6)
+    np.testing.assert_array_equal(steps(6, 4), [1] * 6)  # 4 does not divide 6: one at a time
+    np.testing.assert_array_equal(steps(6, 3, [1, 0, 0, 0, 0, 0]), [3, 3, 3, 0, 0, 0])
+    model = init(CFG, jax.random.key(0), std=0.3)
+    ids, pm = _prompts(3, 8, [8, 3, 5])
+    tokens, mask = _ragged(3, 5, 6, seed=1)
+    pk = _pack(ids, pm, tokens, mask, PackingConfig(bin_tokens=28), multiple=2)
+    args = (model, ids, pm, jnp.asarray(tokens), jnp.asarray(mask))
+    one, two = (completion_logprobs(*args, ForwardPass(bins_per_pass=k), packed=pk) for k in (1, 2))
+    np.testing.assert_allclose(np.where(mask, two, 0), np.where(mask, one, 0), atol=1e-5)
+
+
 def _update_data(p=4, g=4, n=6, seed=0):
     key = jax.random.key(seed)
     ids, pm = _prompts(p, 6, [6, 2, 4, 5][:p], seed)

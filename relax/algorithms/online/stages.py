@@ -153,15 +153,21 @@ def forward_logprobs(
     model, batch: Scored, passes: Passes, forward: ForwardConfig, *, temperature: float
 ) -> jax.Array:
     """``model``'s log-probs ``[P, G, N]`` of the batch's completions, a forward without gradient
-    (remat would recompute nothing), in the sampler's log-prob dtype; as many prompt groups per
-    pass as the passes' default micro-batch takes (``Passes.groups_per_pass``)."""
+    (remat would recompute nothing), in the sampler's log-prob dtype; as many prompt groups (or
+    packed bins) per pass as the passes' default micro-batch takes (``Passes.groups_per_pass``,
+    ``Passes.bins_per_micro_batch``)."""
+    bins = 1 if batch.packed is None else passes.bins_per_micro_batch(batch.packed.ids.shape[-1])
     logp = completion_logprobs(
         model,
         batch.prompt_ids,
         batch.prompt_mask,
         batch.tokens,
         batch.mask,
-        forward.pass_(differentiated=False, groups_per_pass=forward_groups(passes, batch)),
+        forward.pass_(
+            differentiated=False,
+            groups_per_pass=forward_groups(passes, batch),
+            bins_per_pass=bins,
+        ),
         temperature=temperature,
         packed=batch.packed,
         routes=batch.routes,

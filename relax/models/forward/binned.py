@@ -116,15 +116,16 @@ def bins_logprobs(
     return out, stats
 
 
-def over_bins(run, xs, active: Bool[Array, " u"], *, summed: bool = False):
-    """``run(xs)`` over the bins a few at a time (a ``lax.map``: one bin per step on one device,
-    one local bin per device per step on a mesh), each step skipped when none of its bins is
-    ``active`` (its outputs zeros). Every leaf of ``xs`` leads with ``[U]``; ``run`` returns
-    per-bin outputs leading with the step's bins; ``summed``: ``(per-bin outputs, totals)``, the
-    totals added over the steps."""
+def over_bins(run, xs, active: Bool[Array, " u"], *, summed: bool = False, per_device: int = 1):
+    """``run(xs)`` over the bins a few at a time (a ``lax.map``: ``per_device`` bins per step on
+    one device, as many local bins per device per step on a mesh; where they do not divide the
+    bins, one per device, or all at once), each step skipped when none of its bins is ``active``
+    (its outputs zeros). Every leaf of ``xs`` leads with ``[U]``; ``run`` returns per-bin outputs
+    leading with the step's bins; ``summed``: ``(per-bin outputs, totals)``, the totals added
+    over the steps."""
     u = active.shape[0]
     shards = ambient_batch_shards()
-    per_step = shards if u % shards == 0 else u
+    per_step = next((k for k in (shards * per_device, shards) if u % k == 0), u)
     tiles = jax.tree.map(lambda x: x.reshape((u // per_step, per_step) + x.shape[1:]), xs)
     on = active.reshape(u // per_step, per_step).any(-1)
     shape = jax.eval_shape(run, jax.tree.map(lambda x: x[0], tiles))
@@ -167,7 +168,9 @@ def binned_logprobs(
         tile, rec, rot = args
         return bins_logprobs(model, tile, layers, temperature=temperature, recorded=rec, rope=rot)
 
-    out, stats = over_bins(run, (own, recorded, rope), bins.num_pairs > 0, summed=True)
+    out, stats = over_bins(
+        run, (own, recorded, rope), bins.num_pairs > 0, summed=True, per_device=layers.bins_per_pass
+    )
     back = lambda x: to_padded(x, bins, n)  # noqa: E731
     return (tuple(map(back, out)) if layers.with_entropy else back(out)), stats
 
@@ -179,4 +182,6 @@ def binned_hidden(
     bins' rotary tables (None: computed per bin)."""
     layers = how.resolved(model)
     run = lambda xs: bins_hidden(model, xs[0], layers, rope=xs[1])[0]  # noqa: E731
-    return over_bins(run, (bins.per_bin(), rope), bins.num_pairs > 0)
+    return over_bins(
+        run, (bins.per_bin(), rope), bins.num_pairs > 0, per_device=layers.bins_per_pass
+    )

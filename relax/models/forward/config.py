@@ -38,16 +38,22 @@ class ForwardConfig:
         check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
 
     def pass_(
-        self, *, differentiated: bool = True, groups_per_pass: int | None = None
+        self,
+        *,
+        differentiated: bool = True,
+        groups_per_pass: int | None = None,
+        bins_per_pass: int = 1,
     ) -> ForwardPass:
         """How a prefix-shared forward runs under this config (``ForwardPass``): its attention,
         remat only where a backward follows (``differentiated``), ``groups_per_pass`` prompt
-        groups at a time, routes replayed as ``moe`` says. A differentiated call lays it out as
-        the backend's passes say (``ForwardPass.laid_out``)."""
+        groups (over packed bins ``bins_per_pass`` bins per device) at a time, routes replayed
+        as ``moe`` says. A differentiated call lays it out as the backend's passes say
+        (``ForwardPass.laid_out``)."""
         return ForwardPass(
             attention=self.train_attention,
             remat=self.remat and differentiated,
             remat_policy=self.remat_policy,
             groups_per_pass=groups_per_pass,
+            bins_per_pass=bins_per_pass,
             replay_routes=self.moe.replays,
         )

@@ -68,7 +68,7 @@ def attention_probs_bytes(
 @dataclasses.dataclass(frozen=True)
 class ForwardPass:
     """How one call of a prefix-shared forward runs (the same values and gradients whatever the
-    first six fields say; only time and memory differ).
+    first seven fields say; only time and memory differ).
 
     ``attention``: the completion attention, ``"auto"`` | ``"group"`` | ``"dense"``
     (``relax.models.forward.prefix_shared``'s docstring; ``"auto"`` is resolved per model at the
@@ -80,6 +80,8 @@ class ForwardPass:
     effect on ``"dense"``). ``groups_per_pass``: run the whole network over that many prompt groups
     at a time (a ``lax.map``; it must divide P; None: all at once) - for forward-only use, e.g. the
     reference log-probs on CPU, where a group's activations then stay in cache.
+    ``bins_per_pass``: over packed bins, the bins each device runs at a time
+    (``relax.models.forward.binned.over_bins``; 1: one).
     ``chunk_size``: rows of the vocabulary projection per chunk (``relax.models.decoder.logprobs``).
 
     What ``completion_logprobs`` returns besides the log-probs: ``with_entropy`` the entropy of
@@ -95,6 +97,7 @@ class ForwardPass:
     unroll: bool = False
     save_attention: bool = False
     groups_per_pass: int | None = None
+    bins_per_pass: int = 1
     chunk_size: int = DEFAULT_CHUNK
     with_entropy: bool = False
     entropy_grad: bool = True
@@ -103,6 +106,8 @@ class ForwardPass:
 
     def __post_init__(self):
         check_train_attention(self.attention)
+        if self.bins_per_pass < 1:
+            raise ValueError(f"bins_per_pass={self.bins_per_pass} must be >= 1")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"unknown remat policy {self.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"
