@@ -75,6 +75,18 @@ class PackingConfig:
         auto = self.mode == "auto" and auto_packs and train_attention == "group"
         return self.mode == "on" or auto
 
+    def slots(self, prompt_len: int, budget: int, *, block: int) -> int:
+        """Slots per bin, S (``bin_tokens``, rounded up to the attention ``block``), checked to
+        hold a prompt of ``prompt_len`` and a completion of ``budget``."""
+        need = prompt_len + budget
+        s = _round_up(2 * need if self.bin_tokens is None else self.bin_tokens, block)
+        if s < need:
+            raise ValueError(
+                f"packing bin_tokens={self.bin_tokens} is shorter than a prompt ({prompt_len}) "
+                f"plus the completion budget ({budget})"
+            )
+        return s
+
     def sizes(
         self,
         prompts: int,
@@ -86,14 +98,10 @@ class PackingConfig:
         multiple: int = 1,
     ) -> BinSizes:
         """The bin layout of ``prompts x generations`` completions of ``budget`` tokens behind
-        prompts of ``prompt_len``: bins rounded up to a multiple of ``multiple``."""
+        prompts of ``prompt_len``: bins of ``slots`` slots, rounded up to a multiple of
+        ``multiple``."""
         need = prompt_len + budget
-        s = _round_up(2 * need if self.bin_tokens is None else self.bin_tokens, block)
-        if s < need:
-            raise ValueError(
-                f"packing bin_tokens={self.bin_tokens} is shorter than a prompt ({prompt_len}) "
-                f"plus the completion budget ({budget})"
-            )
+        s = self.slots(prompt_len, budget, block=block)
         cp = (
             max(1, 8 * s // budget)
             if self.completions_per_bin is None

@@ -349,11 +349,11 @@ def make_packing(
             return state, batch
         p, lp = d.prompt_ids.shape
         _, g, n = d.tokens.shape
-        multiple = minibatches * passes.batch_shards
-        sizes = packing.sizes(p, g, lp, n, block=passes.stream_block, multiple=multiple)
-        per = passes.bins_per_micro_batch(sizes.tokens)  # whole micro-batches of bins
-        if per > 1:
-            sizes = packing.sizes(p, g, lp, n, block=passes.stream_block, multiple=multiple * per)
+        block = passes.stream_block
+        per = passes.bins_per_micro_batch(packing.slots(lp, n, block=block))  # whole micro-batches
+        sizes = packing.sizes(
+            p, g, lp, n, block=block, multiple=minibatches * passes.batch_shards * per
+        )
         arrays = (d.prompt_ids, d.prompt_mask, d.tokens, d.mask)
         bins = pack_bins(*map(np.asarray, arrays), sizes)
         return state, batch.replace(device=d.replace(packed=jax.tree.map(jnp.asarray, bins)))
