@@ -149,7 +149,7 @@ def test_bad_batches_are_refused_by_name():
     "window,bin_tokens,block,attention",
     [
         (None, None, 4, "group"),
-        pytest.param(None, 28, 2, "group", marks=pytest.mark.slow),
+        (None, 28, 2, "group"),
         (3, 20, 4, "group"),
         (None, 28, 4, "dense"),  # each bin one fused kernel over its mask (GPU: cuDNN's)
     ],
